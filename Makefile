@@ -1,0 +1,52 @@
+# One command each: `make lab` (JupyterLab on chapters/) and `make test` (the whole CPU suite).
+# Both create .venv when it is missing and reuse it after; it is reinstalled when pyproject.toml
+# changes. TORCH picks the PyTorch build (on the course's CI machines 2.13.0 is a local CPU wheel).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+GPU_PY ?= $(PY)
+PORT   ?= 8888
+ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root)
+NBVAL  := -p no:cacheprovider --nbval-lax --nbval-cell-timeout=900
+
+.PHONY: install lab test lint unit notebooks chapters gpu-test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e .
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+lab: install
+	$(VENV)/bin/jupyter lab --notebook-dir=chapters --port=$(PORT) $(ROOT_OK) $(LAB_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m utils.notebooks check
+
+unit: install
+	$(PY) -m pytest -q -m "not gpu" tests
+
+notebooks: install
+	COURSE_STRICT_EXERCISES=1 $(PY) -m pytest -q $(NBVAL) solutions/
+	$(PY) -m pytest -q $(NBVAL) chapters/
+
+test: lint unit notebooks
+
+chapters: install
+	$(PY) -m utils.notebooks build
+
+# On a GPU machine. On the course's H200 (no network) the CuTe DSL comes from the device staging
+# and the command is `make gpu-test GPU_PY=python3` (see README).
+gpu-test: $(if $(filter $(PY),$(GPU_PY)),install)
+	$(GPU_PY) -m pytest -q -m gpu -p no:cacheprovider tests/gpu
+	COURSE_STRICT_EXERCISES=1 $(GPU_PY) -m pytest -q $(NBVAL) solutions/
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

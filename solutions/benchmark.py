@@ -1,0 +1,59 @@
+"""Benchmark course kernels next to their peers in one run and store the figures.
+
+    python -m solutions.benchmark --versions flash_ampere --name ch04_fwd \
+        --seqlens 4096 16384 --dims 128 --causal both
+
+Writes results/<gpu>/<name>.json (utils/results.py) and prints TFLOP/s with ratios to cuDNN.
+Course versions are interleaved with the peers shape by shape, so all see the same GPU state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from solutions.registry import by_name
+from utils import bench, results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--versions", nargs="*", default=[], help="course versions (registry names)")
+    ap.add_argument("--name", required=True, help="results file name, e.g. ch04_fwd")
+    ap.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096, 16384])
+    ap.add_argument("--dims", nargs="+", type=int, default=[128])
+    ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    ap.add_argument("--passes", nargs="+", default=["fwd"], choices=["fwd", "bwd"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--rep", type=int, default=30)
+    args = ap.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("benchmark: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    impls = {name: by_name(name).load() for name in args.versions}
+    if not args.no_peers:
+        impls.update(bench.peers())
+    causal = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    shapes = [
+        bench.Shape.standard(s, d, c) for d in args.dims for s in args.seqlens for c in causal
+    ]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    rows = bench.benchmark_attention(impls, shapes, passes=args.passes, dtype=dtype, rep=args.rep)
+    path = results.save(args.name, rows, command="python -m solutions.benchmark " + " ".join(
+        argv if argv is not None else sys.argv[1:]))
+    for pass_ in args.passes:
+        print(f"\n{pass_} TFLOP/s (ratio to sdpa_cudnn):")
+        print(bench.ratio_table(rows, "sdpa_cudnn", pass_))
+    for r in rows:
+        if r.get("error"):
+            print(f"  {r['impl']} D={r['d']} S={r['s']} causal={r['causal']}: {r['error']}")
+    print(f"\nstored {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Correctness checks: the tolerance rule, an error report, output poisoning.
+
+The rule (as FlashAttention's own tests use it): a kernel run in low precision is compared with a
+float64 reference, and its worst error may be at most twice the worst error of plain PyTorch doing
+the same computation in the same precision, plus a small absolute slack for rounding the output
+itself. A kernel that is as accurate as PyTorch passes with room; one that drops a rescale or
+reads a wrong tile fails by orders of magnitude. NaN never passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from utils.reference import attention_reference
+
+
+@dataclass
+class ErrorReport:
+    name: str
+    max_abs: float
+    mean_abs: float
+    rel_l2: float
+    worst_index: tuple[int, ...]
+    worst_value: float
+    worst_expected: float
+    nan_count: int
+    inf_mismatch: int  # positions where exactly one of (value, reference) is +-inf or they differ
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: max |err| {self.max_abs:.3e} at {self.worst_index} "
+            f"(got {self.worst_value:.6g}, expected {self.worst_expected:.6g}), "
+            f"mean |err| {self.mean_abs:.3e}, rel L2 {self.rel_l2:.3e}, "
+            f"NaN {self.nan_count}, inf mismatches {self.inf_mismatch}"
+        )
+
+
+def error_report(value: torch.Tensor, expected: torch.Tensor, name: str = "out") -> ErrorReport:
+    """Compare ``value`` with ``expected`` (any dtypes, same shape) in float64 on the CPU.
+
+    Infinities must match exactly (an lse of -inf for an empty row is a value, not an error);
+    everywhere else the absolute error is measured.
+    """
+    if value.shape != expected.shape:
+        raise ValueError(f"{name}: shape {tuple(value.shape)} != expected {tuple(expected.shape)}")
+    v = value.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    nan = torch.isnan(v)
+    both_inf = torch.isinf(v) & torch.isinf(e) & (v == e)
+    inf_mismatch = (torch.isinf(v) | torch.isinf(e)) & ~both_inf & ~nan
+    finite = ~nan & ~torch.isinf(v) & ~torch.isinf(e)
+    diff = torch.where(finite, (v - e).abs(), torch.zeros_like(v))
+    if v.numel() == 0:
+        return ErrorReport(name, 0.0, 0.0, 0.0, (), 0.0, 0.0, 0, 0)
+    flat = int(torch.argmax(diff).item())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), v.shape))
+    ef = torch.where(finite, e, torch.zeros_like(e))
+    denom = float(ef.norm()) or 1.0
+    return ErrorReport(
+        name=name,
+        max_abs=float(diff.max()),
+        mean_abs=float(diff.sum() / max(int(finite.sum()), 1)),
+        rel_l2=float(diff.norm()) / denom,
+        worst_index=idx,
+        worst_value=float(v.reshape(-1)[flat]),
+        worst_expected=float(e.reshape(-1)[flat]),
+        nan_count=int(nan.sum()),
+        inf_mismatch=int(inf_mismatch.sum()),
+    )
+
+
+def rounding_atol(reference: torch.Tensor, dtype: torch.dtype) -> float:
+    """Worst error of merely storing ``reference`` in ``dtype``: the slack no kernel can beat."""
+    ref = reference.detach().to("cpu", torch.float64)
+    ref = ref[torch.isfinite(ref)]
+    if ref.numel() == 0:
+        return 0.0
+    return float((ref.to(dtype).to(torch.float64) - ref).abs().max())
+
+
+@dataclass
+class ToleranceVerdict:
+    passed: bool
+    kernel: ErrorReport
+    pytorch: ErrorReport
+    limit: float
+
+    def __str__(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        return (
+            f"{verdict}: kernel max err {self.kernel.max_abs:.3e} vs limit {self.limit:.3e} "
+            f"(= 2 x PyTorch same-precision {self.pytorch.max_abs:.3e} + rounding slack)\n"
+            f"  kernel : {self.kernel}\n  pytorch: {self.pytorch}"
+        )
+
+
+def tolerance_check(
+    value: torch.Tensor,
+    reference: torch.Tensor,
+    same_precision: torch.Tensor,
+    name: str = "out",
+    factor: float = 2.0,
+    extra_atol: float = 0.0,
+) -> ToleranceVerdict:
+    """The rule: max|value - ref| <= factor * max|same_precision - ref| + rounding slack.
+
+    ``reference`` is the float64 result, ``same_precision`` what PyTorch gets in the kernel's
+    own precision. Any NaN or mismatched infinity in ``value`` fails.
+    """
+    kernel = error_report(value, reference, name)
+    pytorch = error_report(same_precision, reference, f"{name} (PyTorch)")
+    limit = factor * pytorch.max_abs + rounding_atol(reference, value.dtype) + extra_atol
+    passed = kernel.nan_count == 0 and kernel.inf_mismatch == 0 and kernel.max_abs <= limit
+    return ToleranceVerdict(passed, kernel, pytorch, limit)
+
+
+def check_attention(attention_fn, q, k, v, causal=False, softmax_scale=None, check_lse=True):
+    """Run ``attention_fn`` and check out (and lse) with the tolerance rule.
+
+    Returns a list of verdicts; raises AssertionError with the full report when one fails.
+    The float64 reference and the same-precision reference run on the inputs' device.
+    """
+    out, lse = attention_fn(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    ref_out, ref_lse = attention_reference(q, k, v, causal, softmax_scale, dtype=torch.float64)
+    pt_out, pt_lse = attention_reference(q, k, v, causal, softmax_scale, dtype=q.dtype)
+    verdicts = [tolerance_check(out, ref_out, pt_out, "out")]
+    if check_lse:
+        # lse is float32 in every kernel; PyTorch's same-precision lse is float32 too.
+        verdicts.append(tolerance_check(lse, ref_lse, pt_lse, "lse", extra_atol=1e-5))
+    failed = [str(v_) for v_ in verdicts if not v_.passed]
+    if failed:
+        shape = f"q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal}"
+        raise AssertionError(f"{shape}\n" + "\n".join(failed))
+    return verdicts
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with NaN before a kernel writes it: an unwritten element stays NaN
+    and fails every check, where zeros could pass by accident."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(-1)
+
+
+def poisoned_empty(*shape, dtype, device) -> torch.Tensor:
+    return poison_(torch.empty(*shape, dtype=dtype, device=device))

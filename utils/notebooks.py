@@ -1,0 +1,253 @@
+"""The notebook machinery: solved notebooks are the source, learner notebooks are generated.
+
+    python -m utils.notebooks build            # solutions/NN_*.ipynb -> chapters/NN_*.ipynb
+    python -m utils.notebooks check            # exit 1 if chapters/ drifted or rules are broken
+    python -m utils.notebooks from-percent draft.py solutions/NN_slug.ipynb
+    python -m utils.notebooks to-percent solutions/NN_slug.ipynb draft.py
+
+In a solved notebook's code cells, the lines between ``# BEGIN SOLUTION`` and ``# END SOLUTION``
+are the exercise's answer. The learner's copy gets, at the same indentation, ``raise
+NotImplementedError("exercise: replace this line with your code")``, or the single line written
+after ``stub:`` on the BEGIN line. Cells tagged ``solution-only`` are left out of the learner's
+copy. Outputs and execution counts are stripped from both.
+
+Rules ``check`` enforces: BEGIN/END markers pair up; a cell starting with ``%%gpu`` carries the
+``gpu`` tag and a ``gpu``-tagged cell starts with ``%%gpu``; committed notebooks hold no outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = ROOT / "solutions"
+CHAPTERS = ROOT / "chapters"
+
+BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?:\s+stub:\s*(?P<stub>.*))?$")
+END = re.compile(r"^\s*# END SOLUTION\s*$")
+DEFAULT_STUB = 'raise NotImplementedError("exercise: replace this line with your code")'
+NOTEBOOK_NAME = re.compile(r"^\d\d_[a-z0-9_]+\.ipynb$")
+
+KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+
+
+class NotebookError(ValueError):
+    pass
+
+
+def _source(cell) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def _set_source(cell, text: str) -> None:
+    lines = text.split("\n")
+    cell["source"] = [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
+
+
+def stub_solutions(code: str, where: str = "") -> str:
+    """Replace every solution region in ``code`` by its stub."""
+    out, inside = [], False
+    for n, line in enumerate(code.split("\n"), 1):
+        m = BEGIN.match(line)
+        if m:
+            if inside:
+                raise NotebookError(f"{where}: nested BEGIN SOLUTION at line {n}")
+            inside = True
+            out.append(f"{m.group('indent')}# YOUR CODE HERE")
+            out.append(m.group("indent") + (m.group("stub") or DEFAULT_STUB).rstrip())
+        elif END.match(line):
+            if not inside:
+                raise NotebookError(f"{where}: END SOLUTION without BEGIN at line {n}")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise NotebookError(f"{where}: BEGIN SOLUTION never closed")
+    return "\n".join(out)
+
+
+def clean_cell(cell) -> dict:
+    cell = copy.deepcopy(cell)
+    if cell["cell_type"] == "code":
+        cell["outputs"] = []
+        cell["execution_count"] = None
+    meta = {k: v for k, v in cell.get("metadata", {}).items() if k == "tags" and v}
+    cell["metadata"] = meta
+    cell.pop("id", None)
+    return cell
+
+
+def clean_notebook(nb) -> dict:
+    return {
+        "cells": [clean_cell(c) for c in nb["cells"]],
+        "metadata": {"kernelspec": KERNELSPEC, "language_info": {"name": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 4,
+    }
+
+
+def learner_version(solved: dict, name: str = "") -> dict:
+    nb = clean_notebook(solved)
+    cells = []
+    for i, cell in enumerate(nb["cells"]):
+        if "solution-only" in cell.get("metadata", {}).get("tags", []):
+            continue
+        if cell["cell_type"] == "code":
+            _set_source(cell, stub_solutions(_source(cell), f"{name} cell {i}"))
+        cells.append(cell)
+    nb["cells"] = cells
+    return nb
+
+
+def dumps(nb: dict) -> str:
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+def lint(nb: dict, name: str) -> list[str]:
+    problems = []
+    for i, cell in enumerate(nb["cells"]):
+        src = _source(cell)
+        tags = cell.get("metadata", {}).get("tags", [])
+        if cell["cell_type"] == "code":
+            if cell.get("outputs") or cell.get("execution_count") is not None:
+                problems.append(
+                    f"{name} cell {i}: has outputs; run `python -m utils.notebooks strip`"
+                )
+            starts_gpu = src.lstrip().startswith("%%gpu")
+            if starts_gpu != ("gpu" in tags):
+                problems.append(f"{name} cell {i}: a %%gpu cell and the 'gpu' tag must go together")
+            try:
+                stub_solutions(src, f"{name} cell {i}")
+            except NotebookError as exc:
+                problems.append(str(exc))
+    return problems
+
+
+def solved_notebooks() -> list[Path]:
+    return sorted(p for p in SOLUTIONS.glob("*.ipynb") if NOTEBOOK_NAME.match(p.name))
+
+
+def build(write: bool = True) -> list[str]:
+    """Generate chapters/ from solutions/; return the problems found (empty when all is well).
+
+    With ``write=False`` nothing is written and drift counts as a problem.
+    """
+    problems = []
+    expected = set()
+    for path in solved_notebooks():
+        solved = json.loads(path.read_text())
+        problems += lint(solved, f"solutions/{path.name}")
+        try:
+            text = dumps(learner_version(solved, path.name))
+        except NotebookError as exc:
+            problems.append(str(exc))
+            continue
+        target = CHAPTERS / path.name
+        expected.add(target.name)
+        if write:
+            target.parent.mkdir(exist_ok=True)
+            if not target.exists() or target.read_text() != text:
+                target.write_text(text)
+        elif not target.exists():
+            problems.append(
+                f"chapters/{path.name} is missing: run `python -m utils.notebooks build`"
+            )
+        elif target.read_text() != text:
+            problems.append(
+                f"chapters/{path.name} differs from what solutions/{path.name} generates: "
+                "edit the solution, then run `python -m utils.notebooks build`"
+            )
+    for extra in sorted(CHAPTERS.glob("*.ipynb")):
+        if extra.name not in expected:
+            problems.append(f"chapters/{extra.name} has no solved notebook in solutions/")
+    return problems
+
+
+def strip(paths) -> None:
+    for path in paths:
+        path = Path(path)
+        nb = json.loads(path.read_text())
+        path.write_text(dumps(clean_notebook(nb)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Percent-format drafts (the subset jupytext writes): "# %%" starts a code cell, "# %% [markdown]"
+# a markdown cell whose lines start with "# ", and "tags=[...]" after "# %%" sets cell tags.
+
+_CELL = re.compile(r"^# %%(?P<md>\s*\[markdown\])?(?:\s+tags=(?P<tags>\[.*\]))?\s*$")
+
+
+def from_percent(text: str) -> dict:
+    cells, current = [], None
+    for line in text.split("\n"):
+        m = _CELL.match(line)
+        if m:
+            current = {
+                "cell_type": "markdown" if m.group("md") else "code",
+                "metadata": {"tags": json.loads(m.group("tags"))} if m.group("tags") else {},
+                "lines": [],
+            }
+            cells.append(current)
+        elif current is not None:
+            current["lines"].append(line)
+    nb_cells = []
+    for c in cells:
+        lines = c.pop("lines")
+        while lines and not lines[-1].strip():
+            lines.pop()
+        while lines and not lines[0].strip():
+            lines.pop(0)
+        if c["cell_type"] == "markdown":
+            lines = [ln[2:] if ln.startswith("# ") else ln.lstrip("#") for ln in lines]
+        else:
+            c["outputs"], c["execution_count"] = [], None
+        _set_source(c, "\n".join(lines))
+        nb_cells.append(c)
+    return clean_notebook({"cells": nb_cells})
+
+
+def to_percent(nb: dict) -> str:
+    parts = []
+    for cell in nb["cells"]:
+        tags = cell.get("metadata", {}).get("tags")
+        head = "# %%" + (" [markdown]" if cell["cell_type"] == "markdown" else "")
+        if tags:
+            head += " tags=" + json.dumps(tags)
+        body = _source(cell)
+        if cell["cell_type"] == "markdown":
+            body = "\n".join(("# " + ln) if ln else "#" for ln in body.split("\n"))
+        parts.append(head + "\n" + body)
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv[0] if argv else "check"
+    if cmd == "build":
+        problems = build(write=True)
+    elif cmd == "check":
+        problems = build(write=False)
+    elif cmd == "strip":
+        strip(argv[1:] or [*solved_notebooks(), *sorted(CHAPTERS.glob("*.ipynb"))])
+        problems = []
+    elif cmd == "from-percent" and len(argv) == 3:
+        Path(argv[2]).write_text(dumps(from_percent(Path(argv[1]).read_text())))
+        problems = []
+    elif cmd == "to-percent" and len(argv) == 3:
+        Path(argv[2]).write_text(to_percent(json.loads(Path(argv[1]).read_text())))
+        problems = []
+    else:
+        print(__doc__)
+        return 2
+    for p in problems:
+        print(p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

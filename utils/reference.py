@@ -1,0 +1,137 @@
+"""Reference attention: the function every kernel in the course must compute.
+
+Layout (batch, seqlen, heads, dim) for q, k, v and out; lse is (batch, heads, seqlen_q), the
+natural log of each row's softmax denominator. Grouped-query attention: k and v may have fewer
+heads than q, as long as they divide it. Causal masks align to the bottom right, so with
+seqlen_q < seqlen_k the last query sees every key (as in FlashAttention); a row that sees no key
+gives out = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_attention_inputs(q, k, v, softmax_scale=None) -> tuple[int, int, int, int, int, int]:
+    """Validate shapes and dtypes; return (batch, seqlen_q, seqlen_k, heads, heads_kv, dim).
+
+    Raises ValueError/TypeError naming what was wrong and what is accepted.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seqlen, heads, dim), got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in SUPPORTED_FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; accepted: {SUPPORTED_FLOAT_DTYPES}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    b, sq, h, d = q.shape
+    bk, sk, hk, dk = k.shape
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if bk != b:
+        raise ValueError(f"q has batch {b} but k/v have batch {bk}")
+    if dk != d:
+        raise ValueError(f"q has head dim {d} but k/v have head dim {dk}")
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"q's {h} heads must be a multiple of k/v's {hk} heads (GQA)")
+    if min(b, sq, sk, h, d) == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if softmax_scale is not None and not (
+        isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
+    ):
+        raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
+    return b, sq, sk, h, hk, d
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+    """Boolean (seqlen_q, seqlen_k), True where query i may see key j (bottom-right aligned)."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def attention_reference(
+    q, k, v, causal: bool = False, softmax_scale: float | None = None, dtype=torch.float64
+):
+    """Attention computed in ``dtype`` (float64 by default) from the given inputs.
+
+    With ``dtype=q.dtype`` it is the "same precision" reference: what plain PyTorch gets in
+    that precision, the yardstick of the tolerance rule (utils/checks.py).
+    Returns (out, lse): out in ``dtype``; lse in float64 for the float64 reference, else float32.
+    """
+    b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    qf, kf, vf = (t.to(dtype).transpose(1, 2) for t in (q, k, v))  # (b, h, s, d)
+    if hk != h:
+        kf = kf.repeat_interleave(h // hk, dim=1)
+        vf = vf.repeat_interleave(h // hk, dim=1)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # (b, h, sq, sk)
+    if causal:
+        s = s.masked_fill(~causal_mask(sq, sk, s.device), float("-inf"))
+    lse = torch.logsumexp(s.to(torch.float32 if dtype != torch.float64 else dtype), dim=-1)
+    row_max = s.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(s - row_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = torch.matmul(p.to(dtype), vf)
+    return out.transpose(1, 2).contiguous(), lse
+
+
+def attention_naive_loops(q, k, v, causal=False, softmax_scale=None):
+    """An independent, deliberately plain float64 implementation (Python loops over rows),
+    used only to test attention_reference itself. Small inputs only."""
+    b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    out = torch.zeros(b, sq, h, d, dtype=torch.float64)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float64)
+    qd, kd, vd = (t.double().cpu() for t in (q, k, v))
+    for bi in range(b):
+        for hi in range(h):
+            hkv = hi // (h // hk)
+            for i in range(sq):
+                last = i + sk - sq if causal else sk - 1
+                if last < 0:
+                    continue
+                scores = [
+                    scale * float(torch.dot(qd[bi, i, hi], kd[bi, j, hkv])) for j in range(last + 1)
+                ]
+                m = max(scores)
+                w = [math.exp(x - m) for x in scores]
+                total = sum(w)
+                lse[bi, hi, i] = m + math.log(total)
+                for j, wj in enumerate(w):
+                    out[bi, i, hi] += (wj / total) * vd[bi, j, hkv]
+    return out, lse
+
+
+def random_qkv(
+    batch, seqlen_q, heads, dim, seqlen_k=None, heads_kv=None, dtype=torch.bfloat16,
+    device="cpu", seed=None, scale=1.0,
+):
+    """Fresh random inputs; ``seed=None`` draws a new seed each call (and returns it)."""
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    heads_kv = heads if heads_kv is None else heads_kv
+    if seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def draw(*shape):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
+
+    q = draw(batch, seqlen_q, heads, dim)
+    k = draw(batch, seqlen_k, heads_kv, dim)
+    v = draw(batch, seqlen_k, heads_kv, dim)
+    return q, k, v, seed
