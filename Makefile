@@ -31,7 +31,7 @@ lint: install
 	$(PY) -m utils.notebooks check
 
 unit: install
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q tests
 
 notebooks: install
 	COURSE_STRICT_EXERCISES=1 $(PY) -m pytest -q $(NBVAL) solutions/

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One visit to the H200: run the named steps in order, each under a time limit, logging to $OUT.
+#   bash tests/gpu/h200_session.sh env tests peers ch04 ch05 micro sanitize notebooks
+# Results files written under results/ are sent back as $OUT/results.tar; logs as $OUT/logs.tar.gz.
+# Needs the CuTe DSL staged and sourced (/tmp/dsl_env.sh) and COURSE_COMMIT set by the caller.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 MPLBACKEND=Agg
+PY=${PY:-python3}
+SAN="compute-sanitizer --report-api-errors no --error-exitcode 9"
+status=0
+
+step() {  # step NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $*"
+  timeout --signal=KILL "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  echo "    -> rc=$rc in $((SECONDS - t0))s"; tail -n "${TAIL:-15}" "$OUT/logs/$name.log" | sed 's/^/    /'
+  [ $rc -eq 0 ] || status=1
+}
+
+for s in "$@"; do
+  case $s in
+    env) step env 60 bash -c "nvidia-smi; $PY -c 'import torch, cutlass; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; which make compute-sanitizer ncu; $PY -m pip list 2>/dev/null | grep -i -E 'flash|quack|cutlass|nbval|ipykernel|pytest'" ;;
+    tests) step gpu_tests 540 $PY -m pytest -q -x -m gpu -p no:cacheprovider --timeout=300 tests/gpu -rA ;;
+    tests-all) step gpu_tests_all 540 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/gpu ;;
+    peers) step peers 420 $PY -m solutions.benchmark --name peers --seqlens 1024 4096 16384 --dims 64 128 --causal both --passes fwd bwd ;;
+    ch04) step ch04_bench 420 $PY -m solutions.benchmark --versions flash_ampere --name ch04_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
+    ch04-sweep) step ch04_sweep 420 $PY -m solutions.ch04_flash_ampere --sweep ;;
+    ch05) step ch05_bench 420 $PY -m solutions.benchmark --versions flash_hopper --name ch05_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
+    micro) step microbench 300 $PY -m solutions.run_microbench ;;
+    sanitize)
+      for m in ch04_flash_ampere ch05_flash_hopper; do
+        for tool in memcheck racecheck synccheck; do
+          step "san_${m}_${tool}" 300 $SAN --tool $tool $PY -m solutions.$m --small
+        done
+      done ;;
+    notebooks) step notebooks 580 env COURSE_STRICT_EXERCISES=1 $PY -m pytest -q -p no:cacheprovider --nbval-lax --nbval-cell-timeout=600 solutions/ ;;
+    *) echo "unknown step $s"; status=1 ;;
+  esac
+done
+tar cf "$OUT/results.tar" results 2>/dev/null
+tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+exit $status
