@@ -1,0 +1,163 @@
+"""Run the microbenchmarks on this machine's GPU and store them in results/<gpu>/microbench.json.
+
+    timeout 300 python -m solutions.run_microbench          # about 30 s on an H200
+    python -m solutions.run_microbench --quick              # 10x fewer loop trips: a smoke test
+
+What it measures (``solutions/microbench.py`` says how):
+- exp2: MUFU alone, the FMA polynomial alone (degrees 2..5, the naive cvt-floor version, the
+  version that does not keep NaN), and mixes with 1..6 of every 8 exps on the polynomial;
+  exps per second on the chip, exps per clock per SM, and the SM clock the run had;
+- shared memory: bytes per clock per SM with 16-byte and 4-byte loads per thread;
+- a torch bf16 8192^3 matmul in TFLOP/s, the tensor-core ceiling the other figures compare to.
+
+Each row: ``impl``, ``metric``, ``value``, ``unit`` and the knobs (``fraction``, ``degree``, ...).
+Checks that would make a figure meaningless (an SM without blocks, chains that did not converge,
+a wrong checksum of the loaded bytes, a measurement skipped for time) are printed as FAIL and make
+the exit status 1; the file is written anyway so the failure can be read. Kernels are bounded
+loops; ``--budget-s`` stops starting new ones when the run takes far longer than expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+
+FIXED_POINT = 0.641185744504986  # v = 2^-v
+
+
+def exp_rows(bench, fig: dict) -> list[dict]:
+    """Result rows of one ``ExpThroughput`` measurement."""
+    knobs = {"fraction": bench.fraction, "degree": bench.degree, "nan_safe": bench.nan_safe,
+             "floor": bench.floor, "emulated_of_8": bench.emulated}
+    return [
+        {"impl": bench.label, "metric": "exp2_rate", "value": fig["per_s"], "unit": "exp/s",
+         **knobs},
+        {"impl": bench.label, "metric": "exp2_per_clk_sm", "value": fig["per_clk_sm"],
+         "unit": "exp/clk/SM", "min": fig["per_clk_sm_min"], "max": fig["per_clk_sm_max"],
+         **knobs},
+        {"impl": bench.label, "metric": "sm_clock", "value": fig["sm_clock_ghz"], "unit": "GHz",
+         **knobs},
+    ]
+
+
+def smem_rows(bench, fig: dict) -> list[dict]:
+    knobs = {"width_bytes": bench.width}
+    return [
+        {"impl": bench.label, "metric": "smem_bytes_per_clk_sm", "value": fig["per_clk_sm"],
+         "unit": "B/clk/SM", "min": fig["per_clk_sm_min"], "max": fig["per_clk_sm_max"],
+         **knobs},
+        {"impl": bench.label, "metric": "smem_bandwidth", "value": fig["per_s"], "unit": "B/s",
+         **knobs},
+    ]
+
+
+def matmul_rows(fig: dict) -> list[dict]:
+    return [{"impl": f"torch bf16 matmul {fig['n']}^3", "metric": "matmul_tflops",
+             "value": fig["tflops"], "unit": "TFLOP/s", "ms": fig["ms"]}]
+
+
+def problems(fig: dict, exp: bool) -> list[str]:
+    """What makes a measurement unusable, in words (empty: fine)."""
+    out = []
+    if fig["sms_used"] != fig["sms_expected"]:
+        out.append(f"blocks ran on {fig['sms_used']} SMs, expected {fig['sms_expected']}")
+    if fig["per_clk_sm_max"] > 1.25 * fig["per_clk_sm_min"]:
+        out.append(f"per-SM rates spread {fig['per_clk_sm_min']:.3g}..{fig['per_clk_sm_max']:.3g}"
+                   " (uneven blocks per SM or clock changes)")
+    if exp and not (FIXED_POINT - 0.01 < fig["fixed_point_min"]
+                    <= fig["fixed_point_max"] < FIXED_POINT + 0.01):
+        out.append(f"chains ended in [{fig['fixed_point_min']:.4f}, {fig['fixed_point_max']:.4f}],"
+                   f" expected {FIXED_POINT:.4f}: an exp2 variant computes the wrong thing")
+    if not exp and not fig["checksum_ok"]:
+        out.append("the sum of loaded words is wrong: loads read the wrong addresses")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="10x fewer loop trips (smoke test)")
+    parser.add_argument("--name", default="microbench", help="results file name")
+    parser.add_argument("--no-matmul", action="store_true", help="skip the bf16 matmul")
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="stop starting new measurements after this many seconds (default "
+                             "150); what was measured is still written")
+    args = parser.parse_args(argv)
+    command = "python -m solutions.run_microbench " + " ".join(argv or sys.argv[1:])
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here: nothing measured (the kernels' PTX: ExpThroughput(...)"
+              ".compile_only('sm_90a'))")
+        return 1
+
+    from solutions import microbench as mb
+    from utils.results import save
+
+    scale = 10 if args.quick else 1
+    t0 = time.perf_counter()
+    rows, failures = [], []
+
+    def attempt(what: str, fn):
+        """Run one measurement; a crash becomes a FAIL line, the others still run."""
+        try:
+            return fn()
+        except Exception as exc:  # report and carry on: GPU time is scarce
+            failures.append(f"{what}: raised {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+            return None
+
+    def over_budget(what: str) -> bool:
+        spent = time.perf_counter() - t0
+        if spent > args.budget_s:
+            failures.append(f"{what}: skipped after {spent:.0f} s (--budget-s {args.budget_s:g})")
+            return True
+        return False
+
+    print(f"{torch.cuda.get_device_name()}: exp2 throughput "
+          f"({mb.CHAINS} chains x {mb.UNROLL} per trip)")
+    for bench in mb.exp_variants():
+        if over_budget(bench.label):
+            continue
+        fig = attempt(bench.label, lambda: bench.measure(steps=3000 // scale))
+        if fig is None:
+            continue
+        rows += exp_rows(bench, fig)
+        bad = problems(fig, exp=True)
+        failures += [f"{bench.label}: {b}" for b in bad]
+        print(f"  {bench.label:48s} {fig['per_s'] / 1e12:6.3f} T exp/s  "
+              f"{fig['per_clk_sm']:6.2f} exp/clk/SM  (SM clock {fig['sm_clock_ghz']:.2f} GHz, "
+              f"{fig['ms']:.2f} ms){'  FAIL' if bad else ''}")
+    print("shared-memory bandwidth")
+    for width, steps in ((16, 12000), (4, 48000)):
+        bench = mb.SmemBandwidth(width)
+        if over_budget(bench.label):
+            continue
+        fig = attempt(bench.label, lambda: bench.measure(steps=steps // scale))
+        if fig is None:
+            continue
+        rows += smem_rows(bench, fig)
+        bad = problems(fig, exp=False)
+        failures += [f"{bench.label}: {b}" for b in bad]
+        print(f"  {bench.label:48s} {fig['per_clk_sm']:6.1f} B/clk/SM  "
+              f"{fig['per_s'] / 1e12:6.2f} TB/s  ({fig['ms']:.2f} ms){'  FAIL' if bad else ''}")
+    if not args.no_matmul and not over_budget("matmul"):
+        fig = attempt("matmul", mb.matmul_tflops)
+        if fig is not None:
+            rows += matmul_rows(fig)
+            print(f"torch bf16 matmul {fig['n']}^3: {fig['tflops']:.0f} TFLOP/s "
+                  f"({fig['ms']:.2f} ms)")
+    if rows:
+        path = save(args.name, rows, command=command)
+        print(f"wrote {path} ({len(rows)} rows) in {time.perf_counter() - t0:.1f} s")
+    else:
+        print("nothing measured: no results file written")
+    for f in failures:
+        print("FAIL", f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
