@@ -22,8 +22,10 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_make_lab_serves_jupyterlab(tmp_path):
     port = free_port()
-    args = (f"--no-browser --IdentityProvider.token= --ServerApp.password= --ServerApp.ip=127.0.0.1 "
-            f"--ServerApp.runtime_dir={tmp_path}")
+    args = (
+        "--no-browser --IdentityProvider.token= --ServerApp.password= "
+        f"--ServerApp.ip=127.0.0.1 --ServerApp.runtime_dir={tmp_path}"
+    )
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
     proc = subprocess.Popen(
         ["make", "-s", "lab", f"PORT={port}", f"LAB_ARGS={args}"], cwd=ROOT, env=env,

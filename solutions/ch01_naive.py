@@ -1,0 +1,370 @@
+"""Chapter 01: attention in plain PyTorch, the version every later chapter is measured against.
+
+    S = scale * Q K^T        (B, H, Sq, Sk), written to memory
+    P = softmax(S)           row by row, masked keys at -inf; written to memory
+    O = P V
+
+Each line of ``attention`` below is one eager PyTorch kernel, and every kernel that touches S or P
+reads or writes all B*H*Sq*Sk of them. So the version is slow (per score it moves tens of bytes
+for 4*D FLOPs: ``naive_traffic``) and big (at the peak a bf16 copy and a float32 copy of the
+score matrix are alive: ``predict_peak_bytes``, checked against ``measure_peak_bytes``).
+Chapter 02 never writes S or P at all.
+
+Measured against PyTorch's SDPA backends: ``results/<gpu>/peers.json`` (printed by the notebook,
+with where and when it was measured).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from utils.bench import attention_flops
+from utils.reference import attention_reference, check_attention_inputs, random_qkv
+
+# ---------------------------------------------------------------------------------------------
+# 1. The version itself
+
+
+def _heads_first(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, S, Hkv, D) -> contiguous (B, H, S, D), each kv head repeated H / Hkv times (GQA)."""
+    t = t.transpose(1, 2)
+    group = heads // t.shape[1]
+    if group > 1:
+        t = t.repeat_interleave(group, dim=1)
+    return t.contiguous()
+
+
+def attention(q, k, v, causal=False, softmax_scale=None):
+    """Attention with S and P materialised: (out, lse), the course signature (CONTRIBUTING.md).
+
+    The matmuls run in the inputs' precision; the softmax in float32 (float64 for float64
+    inputs). A row that sees no key (causal, seqlen_q > seqlen_k) gives out = 0, lse = -inf.
+    """
+    b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    # The layout matmul wants: (B, H, S, D) contiguous copies, O(S * D) bytes each.
+    qh, kh, vh = _heads_first(q, h), _heads_first(k, h), _heads_first(v, h)
+
+    s = torch.matmul(qh, kh.transpose(-1, -2))  # (B, H, Sq, Sk) in the inputs' dtype
+    s = s.to(acc).mul_(scale)  # a second (B, H, Sq, Sk): float32 for the softmax
+    if causal:
+        # Bottom-right aligned: query i sees keys j <= i + (Sk - Sq).
+        blocked = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu_(sk - sq + 1)
+        s.masked_fill_(blocked, float("-inf"))
+        del blocked
+    m = s.amax(dim=-1, keepdim=True)  # row max: exp never sees a positive argument
+    m = m.masked_fill(m == float("-inf"), 0.0)  # a row with no key: exp(-inf - 0) = 0, not NaN
+    s.sub_(m).exp_()  # unnormalised P, in place
+    l = s.sum(dim=-1, keepdim=True)  # noqa: E741 (the row sum is l in every FlashAttention paper)
+    lse = (m + l.log()).squeeze(-1)  # log(0) = -inf for an empty row
+    s.div_(l.masked_fill(l == 0, 1.0))  # P = softmax(S); an empty row stays 0
+    p = s.to(q.dtype)
+    del s  # free the float32 matrix before the second matmul
+    out = torch.matmul(p, vh)  # (B, H, Sq, D)
+    return out.transpose(1, 2).contiguous(), lse.float()
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Bytes against FLOPs
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Memory traffic of ``attention`` kernel by kernel, against its FLOPs."""
+
+    steps: tuple[tuple[str, float, float], ...]  # (kernel, bytes read, bytes written)
+    flops: float  # executed: the naive version computes every score, masked or not
+    scores: int  # B * H * Sq * Sk
+
+    @property
+    def bytes(self) -> float:
+        return sum(r + w for _, r, w in self.steps)
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte moved."""
+        return self.flops / self.bytes
+
+    @property
+    def bytes_per_score(self) -> float:
+        return self.bytes / self.scores
+
+    def table(self) -> str:
+        lines = [f"{'kernel':<34}{'read MB':>10}{'written MB':>12}"]
+        lines += [f"{name:<34}{r / 1e6:>10.1f}{w / 1e6:>12.1f}" for name, r, w in self.steps]
+        lines.append(f"total {self.bytes / 1e6:.1f} MB for {self.flops / 1e9:.2f} GFLOP: "
+                     f"{self.intensity:.1f} FLOP/byte, {self.bytes_per_score:.0f} bytes per score")
+        return "\n".join(lines)
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def naive_traffic(b, h, s_q, s_k, d, dtype=torch.bfloat16, causal=False,
+                  heads_kv=None) -> Traffic:
+    """Bytes each kernel of ``attention`` reads and writes, assuming nothing stays in cache.
+
+    The score-sized terms are exact for this implementation; the O(S*D) terms count the
+    layout copies of Q, K, V and O once each.
+    """
+    hk = h if heads_kv is None else heads_kv
+    e, a = _elem(dtype), _elem(torch.promote_types(dtype, torch.float32))
+    n2 = b * h * s_q * s_k
+    qd, kd, kd_src = b * h * s_q * d, b * h * s_k * d, b * hk * s_k * d
+    upcast = (e * n2, a * n2) if e != a else (0, 0)  # no copy when the inputs are float32
+    steps = [
+        ("copy Q, K, V to (B, H, S, D)", e * (qd + 2 * kd_src), e * (qd + 2 * kd)),
+        ("S = Q K^T", e * (qd + kd), e * n2),
+        ("S to float32", *upcast),
+        ("times scale", a * n2, a * n2),
+    ]
+    if causal:
+        steps.append(("causal mask (build, then fill)", a * n2 + s_q * s_k, a * n2 + s_q * s_k))
+    steps += [
+        ("row max", a * n2, 0),
+        ("S - max, then exp (two kernels)", 2 * a * n2, 2 * a * n2),
+        ("row sum", a * n2, 0),
+        ("divide by the row sum", a * n2, a * n2),
+        ("P to the inputs' dtype", *reversed(upcast)),
+        ("O = P V", e * (n2 + kd), e * qd),
+        ("O back to (B, S, H, D)", e * qd, e * qd),
+    ]
+    flops = attention_flops(b, h, s_q, s_k, d, causal=False)
+    return Traffic(tuple(steps), flops, n2)
+
+
+def fused_floor_bytes(b, h, s_q, s_k, d, dtype=torch.bfloat16, heads_kv=None) -> float:
+    """The least any kernel that never writes S or P must move: read Q, K, V, write O and the
+    float32 LSE once (what chapter 02's loop aims for)."""
+    hk = h if heads_kv is None else heads_kv
+    e = _elem(dtype)
+    return e * (2 * b * s_q * h * d + 2 * b * s_k * hk * d) + 4 * b * h * s_q
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Peak memory: predicted, then measured
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Bytes alive at each stage of ``attention`` beyond its inputs; the peak is the largest."""
+
+    stages: tuple[tuple[str, int], ...]
+
+    @property
+    def peak(self) -> int:
+        return max(b for _, b in self.stages)
+
+    @property
+    def peak_stage(self) -> str:
+        return max(self.stages, key=lambda s: s[1])[0]
+
+
+def predict_peak_bytes(b, h, s_q, s_k, d, dtype=torch.bfloat16, causal=False,
+                       heads_kv=None) -> MemoryPrediction:
+    """What ``attention`` holds at once, stage by stage (tensors' bytes, allocator slack aside).
+
+    The score matrix dominates: B*H*Sq*Sk * (bytes of the inputs' dtype + 4 for the float32
+    copy) while the float32 scores are cast back to the inputs' dtype.
+    """
+    for name, val in (("b", b), ("h", h), ("s_q", s_q), ("s_k", s_k), ("d", d)):
+        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {val!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    hk = h if heads_kv is None else heads_kv
+    if h % hk:
+        raise ValueError(f"heads ({h}) must be a multiple of heads_kv ({hk})")
+    e, a = _elem(dtype), _elem(torch.promote_types(dtype, torch.float32))
+    n2, rows = b * h * s_q * s_k, b * h * s_q
+    copies = e * b * h * (s_q + 2 * s_k) * d  # qh, kh, vh: alive until the function returns
+    s_in = n2 * e  # S, later P, in the inputs' dtype
+    s_acc = n2 * a if e != a else 0  # the float32 copy (for float32 inputs S itself is it)
+    kept = 3 * rows * a  # m, l and lse: one number per row each (log(l) is a passing temporary)
+    out = rows * d * e
+    stages = [
+        ("S = Q K^T", copies + s_in),
+        ("S to float32", copies + s_in + s_acc),
+        ("causal mask" if causal else "no mask", copies + max(s_acc, s_in) + s_q * s_k * causal),
+        ("row statistics", copies + max(s_acc, s_in) + kept + rows * a + 2 * rows),
+        ("P to the inputs' dtype", copies + s_acc + s_in + kept),
+        ("O = P V, then back to (B, S, H, D)", copies + s_in + kept + 2 * out
+         + (rows * 4 if a > 4 else 0)),
+    ]
+    return MemoryPrediction(tuple(stages))
+
+
+class _LiveTensorBytes(TorchDispatchMode):
+    """Counts the bytes of every tensor storage created under it while it is alive.
+
+    Sees each tensor an ATen operator returns; does not see scratch memory a kernel allocates
+    inside itself, nor the allocator's rounding. Storages that existed before (the inputs) are
+    not counted.
+    """
+
+    def __init__(self, ignore=()):
+        super().__init__()
+        self.ignore = {t.untyped_storage().data_ptr() for t in ignore}
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.current -= self.sizes.pop(key)
+            del self.refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key in self.ignore or key == 0:
+                continue
+            if key not in self.refs:
+                self.refs[key] = 0
+                self.sizes[key] = t.untyped_storage().nbytes()
+                self.current += self.sizes[key]
+                self.peak = max(self.peak, self.current)
+            self.refs[key] += 1
+            weakref.finalize(t, self._release, key)
+        return out
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    bytes: int
+    method: str  # how it was measured, in words
+
+    def __str__(self) -> str:
+        return f"{self.bytes / 2**20:.1f} MiB ({self.method})"
+
+
+def measure_peak_bytes(fn, q, k, v, causal=False, softmax_scale=None) -> PeakMemory:
+    """Peak memory ``fn(q, k, v, ...)`` adds on top of its inputs.
+
+    On a GPU: ``torch.cuda.max_memory_allocated`` around one call (after a warm-up call, so
+    one-off workspaces are already allocated). On a CPU there is no allocator statistic: the
+    bytes of the tensors ATen operators return are summed while they are alive.
+    """
+    if q.is_cuda:
+        fn(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = fn(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del result
+        return PeakMemory(peak, "torch.cuda.max_memory_allocated, allocator rounding included")
+    with torch.no_grad(), _LiveTensorBytes(ignore=(q, k, v)) as tracker:
+        result = fn(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    del result
+    return PeakMemory(tracker.peak, "CPU: bytes of live tensors returned by ATen operators; "
+                                    "kernel scratch space and allocator slack not seen")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Exercises: the checkers say in plain words what is wrong
+
+
+def _first_problem(fn, q, k, v, causal, what: str) -> str | None:
+    out, lse = fn(q, k, v, causal=causal)
+    ref_out, ref_lse = attention_reference(q, k, v, causal=causal)
+    if not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor):
+        return "return a pair of tensors (out, lse)"
+    if out.shape != q.shape:
+        return f"out must have q's shape {tuple(q.shape)} (batch, seqlen, heads, dim), got " \
+               f"{tuple(out.shape)}"
+    if lse.shape != ref_lse.shape:
+        return f"lse must be (batch, heads, seqlen_q) = {tuple(ref_lse.shape)}, got " \
+               f"{tuple(lse.shape)}"
+    out64, lse64 = out.double(), lse.double()
+    empty = torch.isinf(ref_lse)  # (b, h, sq): rows that see no key
+    if torch.isnan(out64).any() or torch.isnan(lse64).any():
+        if empty.any():
+            return (f"NaN in the output ({what}). Some rows see no key at all: softmax over a row "
+                    "of -inf is 0/0. Give such rows out = 0 and lse = -inf")
+        return f"NaN in the output ({what}): is a row max of -inf subtracted somewhere?"
+    tol = 2e-2 if q.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    if empty.any():
+        if not torch.equal(torch.isinf(lse64) & (lse64 < 0), empty):
+            return f"lse must be -inf exactly for the rows that see no key ({what})"
+        if out64.transpose(1, 2)[empty].abs().max() > 0:
+            return f"rows that see no key must give out = 0 ({what})"
+    err_lse = (lse64 - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
+    err_out = (out64 - ref_out).abs().max().item()
+    if err_out > tol or err_lse > tol:
+        return f"out is off by up to {err_out:.3g} and lse by {err_lse:.3g} vs float64 ({what})"
+    return None
+
+
+def check_causal_attention(fn) -> None:
+    """Exercise 01.1: ``fn(q, k, v, causal=False, softmax_scale=None) -> (out, lse)``."""
+    q, k, v, _ = random_qkv(2, 37, 3, 16, dtype=torch.float32)
+    problem = _first_problem(fn, q, k, v, False, "no mask, seqlen 37")
+    if problem:
+        raise AssertionError(problem)
+    problem = _first_problem(fn, q, k, v, True, "causal, seqlen_q = seqlen_k = 37")
+    if problem:
+        raise AssertionError(problem + ": is key j masked exactly when j > i?")
+    q2, k2, v2, _ = random_qkv(1, 19, 2, 16, seqlen_k=45, dtype=torch.float32)
+    top_left = attention_reference(q2[:, :, :, :], k2[:, :19], v2[:, :19], causal=True)[0]
+    out2, _ = fn(q2, k2, v2, causal=True)
+    if torch.allclose(out2.double(), top_left, atol=1e-4):
+        raise AssertionError(
+            "with seqlen_q=19 < seqlen_k=45 your mask is aligned to the top left. The course "
+            "aligns it to the bottom right: query i sees keys j <= i + (seqlen_k - seqlen_q), so "
+            "the last query sees every key"
+        )
+    problem = _first_problem(fn, q2, k2, v2, True, "causal, seqlen_q=19 < seqlen_k=45")
+    if problem:
+        raise AssertionError(problem + ": query i sees keys j <= i + (seqlen_k - seqlen_q)")
+    q3, k3, v3, _ = random_qkv(1, 40, 2, 16, seqlen_k=25, dtype=torch.float32)
+    problem = _first_problem(fn, q3, k3, v3, True, "causal, seqlen_q=40 > seqlen_k=25")
+    if problem:
+        raise AssertionError(problem)
+    q4, k4, v4, _ = random_qkv(1, 33, 4, 16, heads_kv=2, dtype=torch.bfloat16)
+    problem = _first_problem(fn, q4, k4, v4, True, "bf16, 4 query heads sharing 2 kv heads")
+    if problem:
+        raise AssertionError(problem + ". With GQA, query head i uses kv head i // (H / H_kv)")
+
+
+MEMORY_QUESTION = dict(b=1, h=16, s_q=16384, s_k=16384, d=128, dtype=torch.bfloat16)
+
+
+def check_memory_answer(answer) -> None:
+    """Exercise 01.2: the peak memory of ``attention`` at MEMORY_QUESTION, in GiB (within 3%)."""
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not math.isfinite(
+            answer):
+        raise AssertionError(f"give a number of GiB, got {answer!r}")
+    expected = predict_peak_bytes(**MEMORY_QUESTION).peak / 2**30
+    n2 = MEMORY_QUESTION["b"] * MEMORY_QUESTION["h"] * MEMORY_QUESTION["s_q"] ** 2
+    if math.isclose(answer, expected, rel_tol=0.03):
+        return
+    hints = {
+        n2 * 2 / 2**30: "that is one bf16 score matrix; at the peak its float32 copy is alive "
+                        "too (2 + 4 bytes per score)",
+        n2 * 4 / 2**30: "that is the float32 scores alone; the bf16 P is made while they are "
+                        "still alive (2 + 4 bytes per score)",
+        n2 * 2 / 1e9: "bytes / 1e9 is GB; the question asks for GiB (bytes / 2**30)",
+        n2 * 6 / 1e9: "bytes / 1e9 is GB; the question asks for GiB (bytes / 2**30)",
+    }
+    for value, hint in hints.items():
+        if math.isclose(answer, value, rel_tol=0.03):
+            raise AssertionError(f"{answer:.3g} GiB: {hint}")
+    raise AssertionError(
+        f"{answer:.3g} GiB is not it. Count the (B, H, S, S) matrices alive at the same moment "
+        "and the bytes per element of each; the (S, D) tensors are small next to them"
+    )

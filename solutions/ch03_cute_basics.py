@@ -1,0 +1,858 @@
+"""Chapter 03: CuTe DSL fundamentals: layouts, partitions, copies and mma.sync.
+
+This chapter has no attention kernel. It builds, one at a time, the pieces chapter 04's first
+CuTe FlashAttention kernel is made of, and checks each against PyTorch:
+
+1. ``vector_add``: one element per thread, the smallest complete CuTe kernel (launch, thread and
+   block indices, a bounds check). Every load and store moves 4 bytes per thread: a warp
+   instruction moves 128 B.
+2. ``tiled_copy``: a CTA copies a (16, 32 * vec) tile; a thread-value (TV) layout gives each
+   thread 16-byte vectors (``ld.global.v4``), so a warp instruction moves 512 B, 4x fewer
+   instructions for the same bytes. Predicates, one per vector, handle ragged edges.
+3. ``gemm_tn``: C = A @ B^T, bf16/fp16 in, fp32 accumulate, the S = Q K^T of chapter 04. A 64x64
+   CTA tile; cp.async copies 16 B per thread from global into swizzled shared memory, ldmatrix
+   loads 8x8 blocks into registers, and mma.sync m16n8k16 does 2*16*8*16 = 4096 FLOP per warp
+   instruction (an FMA instruction does 2*32 = 64: 64x fewer instructions). The K loop is not
+   pipelined yet: each tile is loaded, waited for, then used (chapter 04 overlaps them).
+
+Also here: CuTe run on the host (a CPU, no GPU: layout algebra, partitions of NumPy arrays, the
+vector-add and copy kernels' per-thread code run for every (block, thread) in a loop), the
+chapter's exercises with their checkers, and ``compile_only(arch, kernel)`` for PTX/SASS on a CPU.
+Measured figures, if any, live in results/<gpu>/ch03_*.json; none are typed here.
+
+Entry points (CUDA tensors): ``vector_add(a, b)``, ``tiled_copy(x)``, ``gemm_tn(a, b)``; each takes
+an optional ``out=``. ``python -m solutions.ch03_cute_basics`` runs all three once on a GPU.
+"""
+
+import argparse
+import functools
+import math
+import random
+import sys
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import numpy as np
+import torch
+from cutlass import Boolean, Float32
+from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.runtime import from_dlpack
+
+from utils import layout_plots as lp
+
+# ----------------------------------------------------------------------------------------------
+# Tuning knobs
+
+VECTOR_BITS = 128  # the widest global access one thread can make: 16 bytes
+ADD_THREADS = 256  # vector add: threads per CTA, one element each
+COPY_THREADS = 128  # tiled copy: 4 warps, laid out as 4 rows of 32 threads
+COPY_TILE_M = 16  # tiled copy: rows per CTA tile, so each thread moves 16 / 4 = 4 vectors
+GEMM_TILE = (64, 64, 64)  # (M, N, K) per CTA; K = 64 bf16 = one 128-byte row of shared memory
+GEMM_WARPS = (2, 2, 1)  # warps along (M, N, K): each warp owns a 32x32 block of C
+GEMM_THREADS = 32 * math.prod(GEMM_WARPS)
+
+TORCH_TO_CUTLASS = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+}
+MMA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. CuTe on the host. A @cute.jit function that launches no kernel runs on the CPU: static
+#    layouts evaluate to Python ints while the function is traced, and tensors made with
+#    from_dlpack over NumPy arrays can be read and written.
+
+
+@cute.jit
+def _cute_layout_grid(shape: cutlass.Constexpr, stride: cutlass.Constexpr):
+    layout = cute.make_layout(shape, stride=stride)
+    return lp.layout_grid(layout).tolist()
+
+
+def cute_layout_grid(shape, stride) -> np.ndarray:
+    """CuTe's own answer: the index the layout ``shape:stride`` gives every coordinate, as a
+    2-D array (rank-1 layouts give one row). Runs on the CPU."""
+    return np.array(_cute_layout_grid(shape, stride), dtype=np.int64)
+
+
+@cute.jit
+def _cute_layout_indices(cases: cutlass.Constexpr):
+    return [cute.make_layout(s, stride=d)(c) for s, d, c in cases]
+
+
+def cute_layout_indices(cases) -> list[int]:
+    """CuTe's index for each ``(shape, stride, coord)`` in ``cases`` (one host trace)."""
+    return [int(i) for i in _cute_layout_indices(tuple(cases))]
+
+
+@cute.jit
+def _cute_algebra_examples():
+    out = {}
+    # coalesce: the same function with the fewest modes (here one contiguous run of 12).
+    a = cute.make_layout((2, (1, 6)), stride=(1, (6, 2)))
+    out["coalesce"] = (f"coalesce({a})", str(cute.coalesce(a)))
+    # composition R = A o B: R(c) = A(B(c)), B re-indexes A. A is a 4x8 row-major matrix; B
+    # sends (i, j) to 4i + j, which A reads as its coordinate (j, i): R is A transposed.
+    rows = cute.make_layout((4, 8), stride=(8, 1))
+    walk = cute.make_layout((8, 4), stride=(4, 1))
+    out["composition"] = (f"composition({rows}, {walk})", str(cute.composition(rows, walk)))
+    # complement: the layout that reaches what the first one skips, up to a size: the "rest" of
+    # a tiling. 4:2 reaches 0,2,4,6; (2,3):(1,8) adds 0,1 and 0,8,16, together covering 0..23.
+    out["complement"] = ("complement(4:2, 24)", str(cute.complement(cute.make_layout(4, stride=2),
+                                                                     24)))
+    # divides: split a (8,16) row-major matrix into (4,8) tiles. logical_divide keeps each mode
+    # as (tile, rest); zipped_divide gathers ((tile modes), (rest modes)): a CTA picks its tile
+    # by slicing the second mode.
+    m = cute.make_layout((8, 16), stride=(16, 1))
+    out["logical_divide"] = (f"logical_divide({m}, (4,8))", str(cute.logical_divide(m, (4, 8))))
+    out["zipped_divide"] = (f"zipped_divide({m}, (4,8))", str(cute.zipped_divide(m, (4, 8))))
+    # A TV layout from a thread layout and a per-thread value layout: 4x8 threads, 1x4 values.
+    thr = cute.make_layout((4, 8), stride=(8, 1))
+    val = cute.make_layout((1, 4), stride=(4, 1))
+    tiler, tv = cute.make_layout_tv(thr, val)
+    out["make_layout_tv"] = (f"make_layout_tv({thr}, {val})", f"tile {tiler}, TV {tv}")
+    return out
+
+
+def layout_algebra_examples() -> dict[str, tuple[str, str]]:
+    """A few layout-algebra results computed by CuTe on the CPU: name -> (expression, result)."""
+    return dict(_cute_algebra_examples())
+
+
+def _as_tuples(layout):
+    return (layout.shape, layout.stride)
+
+
+@cute.jit
+def _copy_tv(dtype: cutlass.Constexpr):
+    tiled_copy = _make_vector_copy(dtype, cute.nvgpu.CopyUniversalOp())
+    return _as_tuples(tiled_copy.layout_tv_tiled), tuple(cute.size(t) for t in
+                                                        tiled_copy.tiler_mn)
+
+
+def copy_tv_layout(dtype=cutlass.BFloat16):
+    """The TV layout of one pass of ``tiled_copy``'s threads, and the tile that pass covers:
+    ``((shape, stride), (rows, cols))``. A CTA's tile is COPY_TILE_M // rows passes."""
+    return _copy_tv(dtype)
+
+
+@cute.jit
+def _mma_tv(dtype: cutlass.Constexpr):
+    atom = cute.make_mma_atom(warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)))
+    return {
+        "A": (_as_tuples(atom.tv_layout_A), (16, 16)),
+        "B": (_as_tuples(atom.tv_layout_B), (8, 16)),
+        "C": (_as_tuples(atom.tv_layout_C), (16, 8)),
+    }
+
+
+def mma_tv_layouts(dtype=cutlass.BFloat16) -> dict:
+    """TV layouts of one mma.sync m16n8k16 (a warp: 32 threads): operand name -> ((shape,
+    stride), tile). A is (M, K) = 16x16, B is (N, K) = 8x16, the accumulator C is 16x8."""
+    return dict(_mma_tv(dtype))
+
+
+@cute.jit
+def _thread_slice(mTile: cute.Tensor, mOut: cute.Tensor, tv_shape: cutlass.Constexpr,
+                  tv_stride: cutlass.Constexpr, tid: cutlass.Constexpr):
+    tv = cute.make_layout(tv_shape, stride=tv_stride)
+    # Partitioning is composition: tile o TV maps (thread, value) to an element of the tile.
+    tTV = cute.composition(mTile, tv)  # (T, V)
+    tMine = tTV[tid, None]  # (V,): the values of thread `tid`, in value order
+    for v in cutlass.range_constexpr(cute.size(tMine)):
+        mOut[v] = tMine[v]
+
+
+def cute_thread_slice(tile: np.ndarray, tv_shape, tv_stride, tid: int) -> np.ndarray:
+    """The values thread ``tid`` owns when the TV layout ``tv_shape:tv_stride`` partitions the
+    2-D NumPy array ``tile`` (value order), computed by CuTe on the CPU through from_dlpack."""
+    if not isinstance(tile, np.ndarray) or tile.ndim != 2:
+        raise TypeError(f"tile must be a 2-D NumPy array, got {type(tile).__name__}")
+    if tile.dtype not in (np.float32, np.int32):
+        raise TypeError(f"tile dtype must be float32 or int32, got {tile.dtype}")
+    threads, values = lp.size(tv_shape[0]), lp.size(tv_shape[1])
+    if not 0 <= tid < threads:
+        raise ValueError(f"tid must be in [0, {threads}) for TV shape {tv_shape}, got {tid}")
+    reach = max(lp.crd2idx((t, v), tv_shape, tv_stride)
+                for t in range(threads) for v in range(values))
+    if reach >= tile.size:
+        raise ValueError(f"TV layout {tv_shape}:{tv_stride} reaches index {reach}, outside the "
+                         f"{tile.shape[0]}x{tile.shape[1]} tile")
+    tile = np.ascontiguousarray(tile)
+    out = np.zeros(values, dtype=tile.dtype)
+    _thread_slice(from_dlpack(tile), from_dlpack(out), tv_shape, tv_stride, tid)
+    return out
+
+
+@cute.jit
+def _cute_swizzle_grid(rows: cutlass.Constexpr, cols: cutlass.Constexpr):
+    return lp.layout_grid(_smem_layout(rows, cols)).tolist()  # the GEMM's own smem layout
+
+
+def cute_swizzled_offsets(rows: int = 64, cols: int = 64) -> np.ndarray:
+    """Element offset of every (row, col) of a ``rows x cols`` 16-bit tile in ``gemm_tn``'s
+    swizzled shared-memory layout, computed by CuTe on the CPU."""
+    if rows % 8 or cols % 64:
+        raise ValueError(f"rows must be a multiple of 8 and cols of 64, got {rows}x{cols}")
+    return np.array(_cute_swizzle_grid(rows, cols), dtype=np.int64)
+
+
+@cute.jit
+def print_vs_printf(n: cutlass.Int32, tile: cutlass.Constexpr):
+    """Python ``print`` runs once, while tracing: it sees static values and types, and shows
+    dynamic ones as ``?``. ``cute.printf`` runs when the compiled code runs and sees values."""
+    layout = cute.make_layout((n, tile))
+    print(f"[trace]   tile = {tile}, n = {n}, layout = {layout}")
+    cute.printf("[runtime] n = {}, layout = {}", n, layout)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2a. Vector add: one element per thread. The per-thread code is its own @cute.jit function so
+#     the same code runs in the kernel (GPU) and in a loop over (block, thread) on the CPU.
+
+
+@cute.jit
+def _vector_add_thread(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, bidx, tidx):
+    i = bidx * ADD_THREADS + tidx  # this thread's element
+    if i < cute.size(mC):  # the last CTA overhangs the end of the vectors
+        mC[i] = mA[i] + mB[i]
+
+
+@cute.kernel
+def _vector_add_kernel(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    _vector_add_thread(mA, mB, mC, bidx, tidx)
+
+
+@cute.jit
+def vector_add_launch(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, stream: cuda.CUstream):
+    """Host side: one CTA of ADD_THREADS threads per ADD_THREADS elements."""
+    n = cute.size(mC)
+    _vector_add_kernel(mA, mB, mC).launch(
+        grid=((n + ADD_THREADS - 1) // ADD_THREADS, 1, 1), block=(ADD_THREADS, 1, 1),
+        stream=stream,
+    )
+
+
+@cute.jit
+def _vector_add_grid_on_cpu(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor):
+    n = cute.size(mC)
+    for bidx in cutlass.range((n + ADD_THREADS - 1) // ADD_THREADS):
+        for tidx in cutlass.range(ADD_THREADS):
+            _vector_add_thread(mA, mB, mC, bidx, tidx)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2b. Tiled, vectorised copy. Threads form 4 rows of 32; each thread moves 16-byte vectors, so
+#     one warp instruction covers 32 x 16 B = 512 contiguous bytes of a row.
+
+
+def _vector_len(dtype) -> int:
+    return VECTOR_BITS // dtype.width  # elements per 16-byte vector: 4 fp32, 8 bf16/fp16
+
+
+@cute.jit
+def _make_vector_copy(dtype: cutlass.Constexpr, op: cutlass.Constexpr):
+    vec = _vector_len(dtype)
+    warps = COPY_THREADS // 32
+    thr = cute.make_layout((warps, 32), stride=(32, 1))  # (row, col) in the thread grid -> tid
+    val = cute.make_layout((1, vec), stride=(vec, 1))  # each thread: 1 row x vec elements
+    atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=VECTOR_BITS)
+    return cute.make_tiled_copy_tv(atom, thr, val)  # covers a (4, 32 * vec) tile
+
+
+def copy_tile_shape(dtype) -> tuple[int, int]:
+    """The (rows, cols) tile one CTA of ``tiled_copy`` moves for a CuTe dtype."""
+    return COPY_TILE_M, 32 * _vector_len(dtype)
+
+
+@cute.jit
+def _tiled_copy_thread(mX: cute.Tensor, mY: cute.Tensor, bidx_m, bidx_n, tidx):
+    tile = copy_tile_shape(mX.element_type)
+    tiled_copy = _make_vector_copy(mX.element_type, cute.nvgpu.CopyUniversalOp())
+    gX = cute.local_tile(mX, tile, (bidx_m, bidx_n))  # (TILE_M, TILE_N)
+    gY = cute.local_tile(mY, tile, (bidx_m, bidx_n))  # (TILE_M, TILE_N)
+    # Coordinates of the same tile: c tensors hold (row, col) instead of data.
+    cX = cute.local_tile(cute.make_identity_tensor(mX.shape), tile, (bidx_m, bidx_n))
+
+    thr_copy = tiled_copy.get_slice(tidx)
+    tXgX = thr_copy.partition_S(gX)  # (CPY, CPY_M, CPY_N) = ((vec, 1), 4, 1)
+    tXgY = thr_copy.partition_D(gY)  # (CPY, CPY_M, CPY_N)
+    tXcX = thr_copy.partition_S(cX)  # (CPY, CPY_M, CPY_N) -> (row, col)
+    tXrX = cute.make_rmem_tensor_like(tXgX)  # (CPY, CPY_M, CPY_N) in registers
+
+    # One predicate per vector: cols % vec == 0, so a vector is entirely inside or outside.
+    tXpX = cute.make_rmem_tensor((cute.size(tXgX, mode=[1]), cute.size(tXgX, mode=[2])),
+                                 Boolean)  # (CPY_M, CPY_N)
+    for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
+        for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
+            tXpX[m, n] = cute.elem_less(tXcX[0, m, n], mX.shape)
+    # All loads first, then all stores: 4 loads in flight per thread instead of one.
+    for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
+        for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
+            if tXpX[m, n]:
+                cute.copy(tiled_copy, tXgX[None, m, n], tXrX[None, m, n])
+    for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
+        for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
+            if tXpX[m, n]:
+                cute.copy(tiled_copy, tXrX[None, m, n], tXgY[None, m, n])
+
+
+@cute.kernel
+def _tiled_copy_kernel(mX: cute.Tensor, mY: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx_m, bidx_n, _ = cute.arch.block_idx()
+    _tiled_copy_thread(mX, mY, bidx_m, bidx_n, tidx)
+
+
+@cute.jit
+def tiled_copy_launch(mX: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
+    """Host side: a 2-D grid, one CTA per (COPY_TILE_M, 32 * vec) tile."""
+    tile_m, tile_n = copy_tile_shape(mX.element_type)
+    grid = ((mX.shape[0] + tile_m - 1) // tile_m, (mX.shape[1] + tile_n - 1) // tile_n, 1)
+    _tiled_copy_kernel(mX, mY).launch(grid=grid, block=(COPY_THREADS, 1, 1), stream=stream)
+
+
+@cute.jit
+def _tiled_copy_grid_on_cpu(mX: cute.Tensor, mY: cute.Tensor):
+    tile_m, tile_n = copy_tile_shape(mX.element_type)
+    for bidx_m in cutlass.range((mX.shape[0] + tile_m - 1) // tile_m):
+        for bidx_n in cutlass.range((mX.shape[1] + tile_n - 1) // tile_n):
+            for tidx in cutlass.range(COPY_THREADS):
+                _tiled_copy_thread(mX, mY, bidx_m, bidx_n, tidx)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2c. GEMM with tensor cores: C (M, N) fp32 = A (M, K) @ B (N, K)^T, A and B K-major (row-major),
+#     exactly S = Q K^T. One CTA: 4 warps, a 64x64 tile of C, K in steps of 64.
+#
+# Note [Swizzle] A 64-element bf16 row is 128 bytes: all 32 banks. ldmatrix reads an 8x8 block
+# as 8 rows of 16 bytes at the same column; unswizzled, those 8 rows hit the same 4 banks, an
+# 8-way conflict. Swizzle<3,3,3> XORs the row (mod 8) into the 16-byte chunk index, so the 8
+# rows land in 8 different bank groups, while each 16-byte chunk stays contiguous for cp.async.
+
+
+def _smem_layout(rows: int, cols: int):
+    # An (8, 64) swizzled atom (8 rows x 128 B) repeated to cover the (rows, cols) tile.
+    atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0,
+                                     cute.make_layout((8, 64), stride=(64, 1)))
+    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+
+
+@cute.kernel
+def _gemm_kernel(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
+                 sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+                 g2s_copy: cute.TiledCopy, tiled_mma: cute.TiledMma):
+    tile_m, tile_n, tile_k = GEMM_TILE
+    dtype = mA.element_type
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx_m, bidx_n, _ = cute.arch.block_idx()
+
+    # 1. This CTA's tiles of A, B, C in global memory, and their coordinates.
+    gA = cute.local_tile(mA, (tile_m, tile_k), (bidx_m, None))  # (BM, BK, k_tiles)
+    gB = cute.local_tile(mB, (tile_n, tile_k), (bidx_n, None))  # (BN, BK, k_tiles)
+    gC = cute.local_tile(mC, (tile_m, tile_n), (bidx_m, bidx_n))  # (BM, BN)
+    cA = cute.local_tile(cute.make_identity_tensor(mA.shape), (tile_m, tile_k), (bidx_m, None))
+    cB = cute.local_tile(cute.make_identity_tensor(mB.shape), (tile_n, tile_k), (bidx_n, None))
+    cC = cute.local_tile(cute.make_identity_tensor(mC.shape), (tile_m, tile_n), (bidx_m, bidx_n))
+
+    # 2. Shared memory: one swizzled (64, 64) tile each of A and B, 8 KB apiece.
+    smem = cutlass.memory.SmemAllocator()
+    sA = smem.allocate_tensor(dtype, sA_layout, byte_alignment=128)  # (BM, BK)
+    sB = smem.allocate_tensor(dtype, sB_layout, byte_alignment=128)  # (BN, BK)
+
+    # 3. Global -> shared: each thread copies 16-byte vectors with cp.async.
+    thr_g2s = g2s_copy.get_slice(tidx)
+    tAgA = thr_g2s.partition_S(gA)  # (CPY, CPY_M, CPY_K, k_tiles)
+    tAsA = thr_g2s.partition_D(sA)  # (CPY, CPY_M, CPY_K)
+    tAcA = thr_g2s.partition_S(cA)  # (CPY, CPY_M, CPY_K, k_tiles) -> (m, k)
+    tBgB = thr_g2s.partition_S(gB)  # (CPY, CPY_N, CPY_K, k_tiles)
+    tBsB = thr_g2s.partition_D(sB)  # (CPY, CPY_N, CPY_K)
+    tBcB = thr_g2s.partition_S(cB)  # (CPY, CPY_N, CPY_K, k_tiles) -> (n, k)
+
+    # 4. The MMA's view: register fragments of A, B and the fp32 accumulator.
+    thr_mma = tiled_mma.get_slice(tidx)
+    tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))  # (MMA, MMA_M, MMA_K)
+    tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))  # (MMA, MMA_N, MMA_K)
+    tCgC = thr_mma.partition_C(gC)  # (MMA, MMA_M, MMA_N)
+    tCcC = thr_mma.partition_C(cC)  # (MMA, MMA_M, MMA_N) -> (m, n)
+    tCrC = tiled_mma.make_fragment_C(tCgC)  # (MMA, MMA_M, MMA_N) fp32
+    tCrC.fill(0.0)
+
+    # 5. Shared -> registers with ldmatrix, in exactly the layout the MMA fragments want.
+    ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    s2r_A = cute.make_tiled_copy_A(ldsm, tiled_mma)
+    s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma)
+    thr_s2r_A = s2r_A.get_slice(tidx)
+    thr_s2r_B = s2r_B.get_slice(tidx)
+    tCsA = thr_s2r_A.partition_S(sA)  # (CPY, CPY_M, CPY_K)
+    tCrA_view = thr_s2r_A.retile(tCrA)  # (CPY, CPY_M, CPY_K): tCrA seen as ldmatrix's target
+    tCsB = thr_s2r_B.partition_S(sB)  # (CPY, CPY_N, CPY_K)
+    tCrB_view = thr_s2r_B.retile(tCrB)  # (CPY, CPY_N, CPY_K)
+
+    # 6. Main loop over K tiles.
+    for kt in range(cute.size(gA, mode=[2])):
+        # Out-of-range vectors are zero-filled, not skipped: zeros past K add nothing to the
+        # dot products, and rows past M or N never reach the output.
+        for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tAsA, mode=[2])):
+                if cute.elem_less(tAcA[0, m, k, kt], mA.shape):
+                    cute.copy(g2s_copy, tAgA[None, m, k, kt], tAsA[None, m, k])
+                else:
+                    tAsA[None, m, k].fill(0)
+        for n in cutlass.range_constexpr(cute.size(tBsB, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tBsB, mode=[2])):
+                if cute.elem_less(tBcB[0, n, k, kt], mB.shape):
+                    cute.copy(g2s_copy, tBgB[None, n, k, kt], tBsB[None, n, k])
+                else:
+                    tBsB[None, n, k].fill(0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)  # this thread's copies have landed ...
+        cute.arch.sync_threads()  # ... and everyone else's: the tile is complete
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):  # 64 / 16 = 4 k-blocks
+            cute.copy(s2r_A, tCsA[None, None, kb], tCrA_view[None, None, kb])
+            cute.copy(s2r_B, tCsB[None, None, kb], tCrB_view[None, None, kb])
+            cute.gemm(tiled_mma, tCrC, tCrA[None, None, kb], tCrB[None, None, kb], tCrC)
+        cute.arch.sync_threads()  # nobody overwrites the tile while another warp still reads it
+
+    # 7. Epilogue: each thread stores its accumulators that fall inside C.
+    for i in cutlass.range_constexpr(cute.size(tCrC)):
+        if cute.elem_less(tCcC[i], mC.shape):
+            tCgC[i] = tCrC[i]
+
+
+@cute.jit
+def gemm_launch(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, stream: cuda.CUstream):
+    """Host side: layouts, copy and MMA descriptions, one CTA per 64x64 tile of C."""
+    tile_m, tile_n, tile_k = GEMM_TILE
+    dtype = mA.element_type
+    vec = _vector_len(dtype)
+    # cp.async, 16 B per thread: 8 threads cover a 64-element row, 128 threads 16 rows.
+    g2s_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   dtype, num_bits_per_copy=VECTOR_BITS)
+    per_row = tile_k // vec
+    thr = cute.make_layout((GEMM_THREADS // per_row, per_row), stride=(per_row, 1))
+    g2s_copy = cute.make_tiled_copy_tv(g2s_atom, thr, cute.make_layout((1, vec)))
+    # 2x2 warps of m16n8k16. The permutation makes each warp's N extent 16 instead of 8, so
+    # one ldmatrix.x4 loads B for two n8 atoms at once.
+    tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), GEMM_WARPS,
+                                    permutation_mnk=(GEMM_WARPS[0] * 16, GEMM_WARPS[1] * 16, 16))
+    grid = ((mC.shape[0] + tile_m - 1) // tile_m, (mC.shape[1] + tile_n - 1) // tile_n, 1)
+    _gemm_kernel(mA, mB, mC, _smem_layout(tile_m, tile_k), _smem_layout(tile_n, tile_k),
+                 g2s_copy, tiled_mma).launch(grid=grid, block=(GEMM_THREADS, 1, 1),
+                                             stream=stream)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Running the kernels: on the CPU (the per-thread code of 2a/2b in a loop), on a GPU (torch),
+#    or only compiling them for a chosen GPU (no GPU needed).
+
+
+def _row_major_cute(t, vec: int):
+    # Dynamic extents; the row length (hence the row stride) divisible by vec elements, so every
+    # row starts on a 16-byte boundary and 16-byte vector accesses are legal.
+    return (from_dlpack(t, assumed_align=16)
+            .mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
+            .mark_compact_shape_dynamic(mode=1, stride_order=(0, 1), divisibility=vec))
+
+
+def vector_add_on_cpu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Run the vector-add kernel's per-thread code for every (block, thread) on the CPU."""
+    _check_numpy(a, "a", ndim=1)
+    _check_numpy(b, "b", ndim=1)
+    if a.shape != b.shape:
+        raise ValueError(f"a and b must have the same shape, got {a.shape} and {b.shape}")
+    c = np.full_like(a, np.nan)
+    args = [from_dlpack(x).mark_layout_dynamic() for x in (a, b, c)]
+    _vector_add_grid_on_cpu(*args)
+    return c
+
+
+def tiled_copy_on_cpu(x: np.ndarray) -> np.ndarray:
+    """Run the tiled copy kernel's per-thread code for every (block, thread) on the CPU."""
+    _check_numpy(x, "x", ndim=2)
+    vec = _vector_len(cutlass.Float32)
+    if x.shape[1] % vec:
+        raise ValueError(f"x's row length must be a multiple of {vec} (16-byte vectors of "
+                         f"float32), got shape {x.shape}")
+    y = np.full_like(x, np.nan)
+    _tiled_copy_grid_on_cpu(_row_major_cute(x, vec), _row_major_cute(y, vec))
+    return y
+
+
+def _check_numpy(x, name, ndim):
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    if x.dtype != np.float32 or x.ndim != ndim or not x.flags.c_contiguous or x.size == 0:
+        raise ValueError(f"{name} must be a non-empty C-contiguous {ndim}-D float32 array, got "
+                         f"{x.dtype} with shape {x.shape}")
+
+
+_COMPILED: dict = {}
+
+
+def _check_tensor(name: str, t, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; accepted: {list(dtypes)}")
+
+
+def _check_cuda(t, need_major: int = 0) -> None:
+    if t.device.type != "cuda":
+        raise ValueError(f"these are GPU kernels: tensors must be on a CUDA device, got "
+                         f"{t.device} (on a CPU use the *_on_cpu functions or compile_only)")
+    major, minor = torch.cuda.get_device_capability(t.device)
+    if major < need_major:
+        raise ValueError(f"this kernel needs compute capability {need_major}.0 or newer, got "
+                         f"{major}.{minor}")
+
+
+def _aligned_contiguous(t):
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()  # a fresh allocation is 256-byte aligned
+
+
+def _check_out(out, shape, dtype, device):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out must be {tuple(shape)} {dtype} on {device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError("out must be contiguous and start on a 16-byte boundary")
+    return out
+
+
+def _run(key, launcher, tensors, device):
+    with torch.cuda.device(device):
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        if key not in _COMPILED:  # one compile per (kernel, dtype); every size reuses it
+            _COMPILED[key] = cute.compile(launcher, *tensors, stream)
+        _COMPILED[key](*tensors, stream)
+
+
+def vector_add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None):
+    """``a + b`` elementwise with the one-element-per-thread kernel (CUDA tensors, any shape)."""
+    _check_tensor("a", a, TORCH_TO_CUTLASS)
+    _check_tensor("b", b, TORCH_TO_CUTLASS)
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        raise ValueError(f"a and b must match in shape, dtype and device, got {tuple(a.shape)} "
+                         f"{a.dtype} {a.device} and {tuple(b.shape)} {b.dtype} {b.device}")
+    if a.numel() == 0:
+        raise ValueError(f"empty input: shape {tuple(a.shape)}")
+    _check_cuda(a)
+    out = _check_out(out, a.shape, a.dtype, a.device)
+    flat = [t.contiguous().view(-1) for t in (a, b)] + [out.view(-1)]
+    tensors = [from_dlpack(t.detach()).mark_layout_dynamic() for t in flat]
+    _run(("vector_add", a.dtype), vector_add_launch, tensors, a.device)
+    return out
+
+
+def tiled_copy(x: torch.Tensor, out: torch.Tensor | None = None):
+    """Copy a 2-D CUDA tensor with 16-byte accesses; its row length must be a multiple of
+    16 bytes (4 fp32 or 8 bf16/fp16 elements)."""
+    _check_tensor("x", x, TORCH_TO_CUTLASS)
+    vec = _vector_len(TORCH_TO_CUTLASS[x.dtype])
+    if x.dim() != 2 or x.numel() == 0 or x.shape[1] % vec:
+        raise ValueError(f"x must be a non-empty 2-D tensor whose row length is a multiple of "
+                         f"{vec} elements (16 bytes of {x.dtype}), got shape {tuple(x.shape)}")
+    _check_cuda(x)
+    x = _aligned_contiguous(x)
+    out = _check_out(out, x.shape, x.dtype, x.device)
+    tensors = [_row_major_cute(t.detach(), vec) for t in (x, out)]
+    _run(("tiled_copy", x.dtype), tiled_copy_launch, tensors, x.device)
+    return out
+
+
+def gemm_tn(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None):
+    """``a @ b.T`` in fp32 with mma.sync: a (M, K), b (N, K), bf16 or fp16 CUDA tensors,
+    K a multiple of 8 (rows start on 16-byte boundaries). Returns (M, N) float32."""
+    _check_tensor("a", a, MMA_DTYPES)
+    _check_tensor("b", b, MMA_DTYPES)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"a must be (M, K) and b (N, K) with the same K, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype or a.device != b.device:
+        raise ValueError(f"a and b must share dtype and device, got {a.dtype} {a.device} and "
+                         f"{b.dtype} {b.device}")
+    (m, k), n = a.shape, b.shape[0]
+    if min(m, n, k) == 0 or k % 8:
+        raise ValueError(f"M, N, K must be positive and K a multiple of 8 (16-byte rows), got "
+                         f"M={m}, N={n}, K={k}")
+    _check_cuda(a, need_major=8)  # cp.async, ldmatrix and bf16 mma.sync arrived with sm_80
+    out = _check_out(out, (m, n), torch.float32, a.device)
+    a, b = _aligned_contiguous(a), _aligned_contiguous(b)
+    tensors = [_row_major_cute(t.detach(), 8) for t in (a, b)] + [_row_major_cute(out, 1)]
+    _run(("gemm_tn", a.dtype), gemm_launch, tensors, a.device)
+    return out
+
+
+KERNELS = ("vector_add", "tiled_copy", "gemm")
+
+
+def compile_only(arch: str = "sm_80", kernel: str = "gemm", dtype=cutlass.BFloat16):
+    """Compile one of this chapter's kernels for ``arch`` with no GPU present and return its
+    ``utils.compile_only.Artifacts`` (PTX, SASS, registers, spills). The fake tensors have the
+    types the torch entry points pass (dynamic extents, 16-byte aligned rows)."""
+    from utils.compile_only import compile_for, fake_stream
+
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "gemm" and dtype not in (cutlass.BFloat16, cutlass.Float16):
+        raise ValueError(f"gemm takes BFloat16 or Float16, got {dtype}")
+
+    def fake(dt, rank, div=1, align=16):
+        shape = (cute.sym_int32(),) if rank == 1 else (cute.sym_int32(),
+                                                       cute.sym_int32(divisibility=div))
+        return cute.runtime.make_fake_compact_tensor(
+            dt, shape, stride_order=(0,) if rank == 1 else (1, 0), assumed_align=align)
+
+    if kernel == "vector_add":  # scalar accesses: element alignment, like vector_add's tensors
+        args = [fake(dtype, 1, align=dtype.width // 8) for _ in range(3)]
+        return compile_for(arch, vector_add_launch, *args, fake_stream())
+    vec = _vector_len(dtype)
+    if kernel == "tiled_copy":
+        return compile_for(arch, tiled_copy_launch, fake(dtype, 2, vec), fake(dtype, 2, vec),
+                           fake_stream())
+    return compile_for(arch, gemm_launch, fake(dtype, 2, vec), fake(dtype, 2, vec),
+                       fake(cutlass.Float32, 2), fake_stream())
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Exercises: a solved version of each and a checker that explains what is wrong.
+
+
+def layout_index(shape, stride, coord) -> int:
+    """Exercise 03.1: the index the layout ``shape:stride`` gives ``coord``.
+
+    ``coord`` has the nesting of ``shape``, or is a single int, which is first split into a
+    coordinate with the leftmost mode varying fastest."""
+
+    def size(s):
+        return s if isinstance(s, int) else math.prod(size(e) for e in s)
+
+    if isinstance(shape, int):
+        return coord * stride
+    if isinstance(coord, int):  # split a 1-D coordinate: leftmost mode fastest
+        parts = []
+        for s in shape:
+            parts.append(coord % size(s))
+            coord //= size(s)
+        coord = tuple(parts)
+    return sum(layout_index(s, d, c) for s, d, c in zip(shape, stride, coord))
+
+
+_FIXED_LAYOUT_CASES = (
+    ((4, 8), (8, 1), (1, 2)),  # row-major 4x8: 1*8 + 2*1
+    ((4, 8), (1, 4), (1, 2)),  # column-major 4x8: 1 + 2*4
+    ((4, 8), (8, 1), 13),  # one int: 13 = (1, 3) leftmost-fastest, not (3, 1)
+    (8, 2, 5),  # a rank-1 layout 8:2
+    ((4, 8), (0, 1), (3, 5)),  # stride 0: every row sees the same elements (a broadcast)
+    ((2, 2, 2), (4, 1, 2), 5),  # 5 = (1, 0, 1)
+    ((4, (2, 4)), (2, (1, 8)), (1, (1, 2))),  # a nested mode
+    ((4, (2, 4)), (2, (1, 8)), (3, 5)),  # an int inside a nested mode: 5 = (1, 2)
+    ((4, (2, 4)), (2, (1, 8)), 29),
+    (((4, 8), (2, 2)), ((32, 1), (16, 8)), (5, 3)),  # mma.sync's accumulator TV layout
+)
+
+
+def _random_layout(rng: random.Random, depth: int = 0):
+    if depth >= 2 or rng.random() < 0.5:
+        return rng.randint(1, 5), rng.choice([0, 1, 2, 3, 8, 16, 64])
+    modes = [_random_layout(rng, depth + 1) for _ in range(rng.randint(2, 3))]
+    return tuple(m[0] for m in modes), tuple(m[1] for m in modes)
+
+
+def _random_coord(rng: random.Random, shape):
+    if isinstance(shape, int) or rng.random() < 0.3:
+        return rng.randrange(lp.size(shape))
+    return tuple(_random_coord(rng, s) for s in shape)
+
+
+@functools.lru_cache(maxsize=4)
+def layout_index_cases(n_random: int = 30, seed: int = 3):
+    """The fixed cases plus ``n_random`` random nested layouts, with CuTe's answers."""
+    rng = random.Random(seed)
+    cases = list(_FIXED_LAYOUT_CASES)
+    while len(cases) < len(_FIXED_LAYOUT_CASES) + n_random:
+        shape, stride = _random_layout(rng)
+        if isinstance(shape, tuple):
+            cases.append((shape, stride, _random_coord(rng, shape)))
+    return tuple((s, d, c, i) for (s, d, c), i in zip(cases, cute_layout_indices(cases)))
+
+
+def _has_int_inside(shape, coord) -> bool:
+    if isinstance(shape, int):
+        return False
+    if isinstance(coord, int):
+        return True
+    return any(_has_int_inside(s, c) for s, c in zip(shape, coord))
+
+
+def _split_ints(shape, coord):
+    if isinstance(shape, int):
+        return coord
+    if isinstance(coord, int):
+        coord = lp.idx2crd(coord, shape)
+    return tuple(_split_ints(s, c) for s, c in zip(shape, coord))
+
+
+def check_layout_index(fn) -> None:
+    """Exercise 03.1's check: ``fn(shape, stride, coord)`` must agree with CuTe everywhere."""
+    for shape, stride, coord, want in layout_index_cases():
+        got = fn(shape, stride, coord)
+        if got is None:
+            raise AssertionError(f"layout_index returned None for {shape}:{stride} at {coord}; "
+                                 "return the index (an int)")
+        if got != want:
+            hint = "index = sum of coordinate x stride over every mode"
+            if _has_int_inside(shape, coord):
+                hint = (f"a single int coordinate of a tuple mode is first split "
+                        f"leftmost-mode-fastest: {coord} in shape {shape} is "
+                        f"{_split_ints(shape, coord)}")
+            raise AssertionError(f"layout {shape}:{stride} at coordinate {coord}: expected "
+                                 f"{want}, got {got}. Hint: {hint}.")
+
+
+def thread_coords(tv_shape, tv_stride, tile_shape, tid) -> list[tuple[int, int]]:
+    """Exercise 03.2: the ``(m, n)`` tile coordinates thread ``tid`` owns under the TV layout
+    ``tv_shape:tv_stride`` over a ``(M, N)`` tile, in value order."""
+    tile_m = tile_shape[0]
+    coords = []
+    for v in range(lp.size(tv_shape[1])):  # number of values per thread
+        i = layout_index(tv_shape, tv_stride, (tid, v))  # index into the tile, column by column
+        coords.append((i % tile_m, i // tile_m))
+    return coords
+
+
+@functools.lru_cache(maxsize=1)
+def thread_coords_cases():
+    """(name, tv_shape, tv_stride, tile_shape, tid, CuTe's coordinates) for exercise 03.2."""
+    copy_layout, copy_tile = copy_tv_layout(cutlass.Float32)
+    cases = [("tiled_copy (fp32)", copy_layout, copy_tile, t) for t in (0, 5, 37, 127)]
+    for name, (layout, tile) in mma_tv_layouts().items():
+        cases += [(f"mma.sync m16n8k16 operand {name}", layout, tile, t) for t in (0, 5, 31)]
+    # make_layout_tv((4,8):(8,1), (1,4):(4,1)): 4x8 threads, 1x4 values each, a (4, 32) tile
+    small = (((8, 4), 4), ((16, 1), 4))
+    cases += [("4x8 threads x 1x4 values", small, (4, 32), t) for t in (0, 9, 31)]
+    out = []
+    for name, (shape, stride), tile, tid in cases:
+        # Tag each element with its coordinates, let CuTe partition it, read the tags back.
+        tags = (np.arange(tile[0])[:, None] * 10000 + np.arange(tile[1])[None, :]).astype(np.int32)
+        mine = cute_thread_slice(tags, shape, stride, tid)
+        out.append((name, shape, stride, tile, tid, [(int(t) // 10000, int(t) % 10000)
+                                                     for t in mine]))
+    return tuple(out)
+
+
+def check_thread_coords(fn) -> None:
+    """Exercise 03.2's check: ``fn`` must give the coordinates CuTe's partition gives."""
+    for name, shape, stride, tile, tid, want in thread_coords_cases():
+        got = fn(shape, stride, tile, tid)
+        if got is None:
+            raise AssertionError("thread_coords returned None; return a list of (m, n) pairs")
+        got = [tuple(int(x) for x in c) for c in got]
+        if got != want:
+            hint = ("the TV layout gives an index into the tile counted column by column "
+                    "(leftmost fastest): (m, n) = (i % M, i // M)")
+            if sorted(got) == sorted(want):
+                hint = "right elements, wrong order: list them in value order v = 0, 1, ..."
+            raise AssertionError(f"{name}: TV layout {shape}:{stride} on a {tile[0]}x{tile[1]} "
+                                 f"tile, thread {tid} owns {want}, you gave {got}. Hint: {hint}.")
+
+
+TILE_ROWS, TILE_COLS = 64, 64  # exercise 03.3's shared-memory tile: 64 rows of 64 bf16 = 128 B
+ELEM_BYTES = 2
+
+
+def plain_offset(row: int, col: int) -> int:
+    """Row-major element offset in the (64, 64) 16-bit tile: the bank-conflicted layout."""
+    return row * TILE_COLS + col
+
+
+def swizzled_offset(row: int, col: int) -> int:
+    """Exercise 03.3: a conflict-free element offset for the (64, 64) 16-bit tile."""
+    chunk = (col // 8) ^ (row % 8)  # XOR the row into the 16-byte chunk index: Swizzle<3,3,3>
+    return row * TILE_COLS + chunk * 8 + col % 8
+
+
+def ldmatrix_addresses(offset_fn, row0: int = 0, chunk: int = 0) -> list[int]:
+    """Byte addresses one ldmatrix 8x8 read asks for: 16 bytes at 16-byte chunk ``chunk`` of
+    rows ``row0 .. row0 + 7`` (one address per thread 0..7)."""
+    return [offset_fn(row0 + r, 8 * chunk) * ELEM_BYTES for r in range(8)]
+
+
+def row_write_addresses(offset_fn, row0: int = 0) -> list[int]:
+    """Byte addresses of one warp's cp.async writes: 32 threads x 16 bytes, 8 per row, rows
+    ``row0 .. row0 + 3`` (the gemm's global -> shared copy)."""
+    return [offset_fn(row0 + t // 8, 8 * (t % 8)) * ELEM_BYTES for t in range(32)]
+
+
+def check_swizzled_offset(fn) -> None:
+    """Exercise 03.3's check: a one-to-one layout of the tile that keeps 16-byte chunks whole
+    and makes both ldmatrix column reads and cp.async row writes conflict free."""
+    grid = np.array([[fn(r, c) for c in range(TILE_COLS)] for r in range(TILE_ROWS)])
+    if grid.dtype.kind not in "iu":
+        raise AssertionError(f"offsets must be ints, got {grid.dtype}")
+    n = TILE_ROWS * TILE_COLS
+    if grid.min() < 0 or grid.max() >= n or len(np.unique(grid)) != n:
+        raise AssertionError(f"offsets must be a one-to-one map of the {TILE_ROWS}x{TILE_COLS} "
+                             f"tile onto 0..{n - 1}: two elements would share a slot or one "
+                             "would fall outside the buffer")
+    for r in range(TILE_ROWS):
+        for c0 in range(0, TILE_COLS, 8):
+            first = int(grid[r, c0])
+            if first % 8 or any(int(grid[r, c0 + i]) != first + i for i in range(8)):
+                raise AssertionError(
+                    f"row {r}, columns {c0}..{c0 + 7} are no longer 8 consecutive elements "
+                    "starting at a multiple of 8: a 16-byte cp.async or ldmatrix row could not "
+                    "move them in one access. Permute whole 16-byte chunks, not elements.")
+    for row0 in range(0, TILE_ROWS, 8):
+        for chunk in range(TILE_COLS // 8):
+            addrs = ldmatrix_addresses(fn, row0, chunk)
+            rep = lp.bank_wavefronts(addrs, 16)
+            if not rep.conflict_free:
+                raise AssertionError(
+                    f"ldmatrix reading 16-byte chunk {chunk} of rows {row0}..{row0 + 7} takes "
+                    f"{rep.wavefronts} cycles instead of 1 ({rep.ways}-way bank conflict); its "
+                    f"byte addresses {addrs} must fall in 8 different 16-byte bank groups "
+                    "(address % 128 // 16 all different)")
+    for row0 in range(0, TILE_ROWS, 4):
+        rep = lp.bank_wavefronts(row_write_addresses(fn, row0), 16)
+        if not rep.conflict_free:
+            raise AssertionError(f"the cp.async writes of rows {row0}..{row0 + 3} take "
+                                 f"{rep.wavefronts} cycles instead of {rep.ideal}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Quick check on a GPU (also what to run under compute-sanitizer).
+
+
+def _main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to run (compile_only(arch, kernel) works on a CPU)")
+        return 0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(1000, device="cuda", generator=g) for _ in range(2))
+    ok = torch.equal(vector_add(a, b), a + b)
+    x = torch.randn(37, 264, device="cuda", dtype=torch.bfloat16, generator=g)
+    ok &= torch.equal(tiled_copy(x), x)
+    a = torch.randn(77, 136, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(131, 136, device="cuda", dtype=torch.bfloat16, generator=g)
+    err = (gemm_tn(a, b).double() - a.double() @ b.double().T).abs().max().item()
+    torch.cuda.synchronize()
+    ok &= err < 1e-3
+    print(f"vector_add, tiled_copy exact; gemm_tn max |error| {err:.2e}: {'ok' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

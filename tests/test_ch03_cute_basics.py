@@ -1,0 +1,232 @@
+"""Chapter 03 on a CPU: host-side CuTe, the kernels' per-thread code run in a loop, the
+exercises' solutions and checkers, and the kernels compiled for sm_80 / sm_90a."""
+
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from solutions import ch03_cute_basics as ch03
+
+# ----------------------------------------------------------------------------------------------
+# Host-side CuTe
+
+
+def test_layout_algebra_examples():
+    ex = ch03.layout_algebra_examples()
+    assert ex["coalesce"][1] == "12:1"
+    assert ex["composition"][1] == "(8,4):(1,8)"  # the transpose of a row-major 4x8
+    assert ex["complement"][1] == "(2,3):(1,8)"
+    assert ex["zipped_divide"][1] == "((4,8),(2,2)):((16,1),(64,8))"
+    assert ex["make_layout_tv"][1] == "tile (4, 32), TV ((8,4),4):((16,1),4)"
+
+
+def test_cute_layout_grid():
+    assert ch03.cute_layout_grid((4, 8), (8, 1)).tolist() == [list(range(r * 8, r * 8 + 8))
+                                                              for r in range(4)]
+    assert ch03.cute_layout_grid((2, 3), (1, 2)).tolist() == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_cute_thread_slice_matches_ptx_isa_accumulator_fragment():
+    # PTX ISA, mma.m16n8k16 C fragment: lane l holds rows l/4 and l/4 + 8, cols 2*(l%4) + {0,1}.
+    tile = np.arange(16 * 8, dtype=np.int32).reshape(16, 8)
+    (shape, stride), _ = ch03.mma_tv_layouts()["C"]
+    for lane in (0, 5, 31):
+        r, c = lane // 4, 2 * (lane % 4)
+        want = [tile[r, c], tile[r, c + 1], tile[r + 8, c], tile[r + 8, c + 1]]
+        assert ch03.cute_thread_slice(tile, shape, stride, lane).tolist() == want
+
+
+def test_cute_thread_slice_rejects_bad_input():
+    tile = np.zeros((16, 8), dtype=np.int32)
+    with pytest.raises(ValueError, match="tid"):
+        ch03.cute_thread_slice(tile, ((4, 8), (2, 2)), ((32, 1), (16, 8)), 32)
+    with pytest.raises(ValueError, match="outside"):
+        ch03.cute_thread_slice(tile[:8], ((4, 8), (2, 2)), ((32, 1), (16, 8)), 0)
+    with pytest.raises(TypeError, match="float32 or int32"):
+        ch03.cute_thread_slice(tile.astype(np.int64), ((4, 8), (2, 2)), ((32, 1), (16, 8)), 0)
+
+
+def test_copy_tv_layout_gives_each_thread_16_bytes_per_row():
+    (shape, stride), tile = ch03.copy_tv_layout()
+    assert tile == (4, 256)  # 4 warps x 32 threads x 8 bf16
+    coords = ch03.thread_coords(shape, stride, tile, 33)  # warp 1, lane 1
+    assert coords == [(1, 8 + i) for i in range(8)]
+
+
+def test_swizzle_of_the_gemm_is_the_exercise_solution():
+    grid = ch03.cute_swizzled_offsets()
+    mine = [[ch03.swizzled_offset(r, c) for c in range(64)] for r in range(64)]
+    assert grid.tolist() == mine
+
+
+def test_print_runs_at_trace_time_and_printf_at_run_time(capfd):
+    ch03.print_vs_printf(ch03.cutlass.Int32(100), 8)
+    out = capfd.readouterr().out
+    assert "[trace]   tile = 8, n = ?" in out
+    assert "[runtime] n = 100, layout = (100,8):(1,100)" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernels' per-thread code, run for every (block, thread) on the CPU
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 1000])
+def test_vector_add_on_cpu(n):
+    rng = np.random.default_rng(n)
+    a, b = rng.standard_normal((2, n), dtype=np.float32)
+    c = ch03.vector_add_on_cpu(a, b)
+    assert np.array_equal(c, a + b), f"n={n}: {np.isnan(c).sum()} elements never written"
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (17, 132), (33, 260)])
+def test_tiled_copy_on_cpu(shape):
+    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    y = ch03.tiled_copy_on_cpu(x)
+    missing = np.argwhere(np.isnan(y))
+    assert not len(missing), f"{shape}: {len(missing)} elements never written, first {missing[:3]}"
+    assert np.array_equal(x, y)
+
+
+def test_cpu_runs_reject_bad_input():
+    with pytest.raises(ValueError, match="float32"):
+        ch03.vector_add_on_cpu(np.zeros(4), np.zeros(4))
+    with pytest.raises(ValueError, match="same shape"):
+        ch03.vector_add_on_cpu(np.zeros(4, np.float32), np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ch03.tiled_copy_on_cpu(np.zeros((3, 6), np.float32))
+
+
+def test_torch_entry_points_reject_bad_input_before_needing_a_gpu():
+    bf = torch.bfloat16
+    with pytest.raises(TypeError, match="dtype"):
+        ch03.vector_add(torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="match"):
+        ch03.vector_add(torch.zeros(4), torch.zeros(5))
+    with pytest.raises(ValueError, match="CUDA"):
+        ch03.vector_add(torch.zeros(4), torch.zeros(4))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ch03.tiled_copy(torch.zeros(3, 12, dtype=bf))
+    with pytest.raises(ValueError, match="K a multiple of 8"):
+        ch03.gemm_tn(torch.zeros(4, 12, dtype=bf), torch.zeros(4, 12, dtype=bf))
+    with pytest.raises(ValueError, match="same K"):
+        ch03.gemm_tn(torch.zeros(4, 16, dtype=bf), torch.zeros(4, 8, dtype=bf))
+    with pytest.raises(TypeError, match="dtype"):
+        ch03.gemm_tn(torch.zeros(4, 16), torch.zeros(4, 16))
+    with pytest.raises(ValueError, match="CUDA"):
+        ch03.gemm_tn(torch.zeros(4, 16, dtype=bf), torch.zeros(4, 16, dtype=bf))
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercises: the solutions pass, wrong answers fail with a useful message
+
+
+def test_exercise_solutions_pass_their_checks():
+    ch03.check_layout_index(ch03.layout_index)
+    ch03.check_thread_coords(ch03.thread_coords)
+    ch03.check_swizzled_offset(ch03.swizzled_offset)
+
+
+def _row_major_split(shape, stride, coord):  # splits ints rightmost-fastest: a classic slip
+    if isinstance(shape, int):
+        return coord * stride
+    if isinstance(coord, int):
+        parts = []
+        for s in reversed(shape):
+            n = ch03.lp.size(s)
+            parts.append(coord % n)
+            coord //= n
+        coord = tuple(reversed(parts))
+    return sum(_row_major_split(s, d, c) for s, d, c in zip(shape, stride, coord))
+
+
+def test_layout_index_check_rejects_wrong_answers():
+    with pytest.raises(AssertionError, match="leftmost-mode-fastest"):
+        ch03.check_layout_index(_row_major_split)
+    with pytest.raises(AssertionError, match="expected 10, got 0"):
+        ch03.check_layout_index(lambda shape, stride, coord: 0)
+    with pytest.raises(AssertionError, match="returned None"):
+        ch03.check_layout_index(lambda shape, stride, coord: None)
+
+
+def test_thread_coords_check_rejects_wrong_answers():
+    def row_by_row(shape, stride, tile, tid):  # reads the index row-major: wrong convention
+        n = tile[1]
+        return [(i // n, i % n) for i in (ch03.layout_index(shape, stride, (tid, v))
+                                          for v in range(ch03.lp.size(shape[1])))]
+
+    with pytest.raises(AssertionError, match="column by column"):
+        ch03.check_thread_coords(row_by_row)
+    with pytest.raises(AssertionError, match="wrong order"):
+        ch03.check_thread_coords(lambda *a: ch03.thread_coords(*a)[::-1])
+
+
+def test_swizzle_check_rejects_wrong_answers():
+    with pytest.raises(AssertionError, match="8-way bank conflict"):
+        ch03.check_swizzled_offset(ch03.plain_offset)
+    with pytest.raises(AssertionError, match="16-byte chunks"):  # permutes single elements
+        ch03.check_swizzled_offset(lambda r, c: r * 64 + (c ^ (r % 8)))
+    with pytest.raises(AssertionError, match="one-to-one"):
+        ch03.check_swizzled_offset(lambda r, c: (r % 8) * 64 + c)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile for real GPUs on this CPU: one compile per (kernel, arch) serves all assertions
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    # The DSL writes .ptx/.cubin files into the working directory: keep them out of the repo.
+    here = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ch03_compile"))
+    try:
+        return {(k, arch): ch03.compile_only(arch, k)
+                for k in ch03.KERNELS for arch in ("sm_80", "sm_90a")}
+    finally:
+        os.chdir(here)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_vector_add_is_scalar(artifacts, arch):
+    art = artifacts[("vector_add", arch)]
+    art.require("ld.global.b16", "st.global.b16")
+    art.forbid("ld.global.v4")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_tiled_copy_moves_16_bytes_per_access(artifacts, arch):
+    art = artifacts[("tiled_copy", arch)]
+    art.require("ld.global.v4.b32", "st.global.v4.b32")
+    # 4 vectors in, 4 vectors out per thread, nothing narrower
+    assert art.count("ld.global.v4") == 4 and art.count("st.global.v4") == 4
+    assert not re.search(r"ld\.global\.b(16|32)\b", art.ptx)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_gemm_uses_cp_async_ldmatrix_and_mma_sync(artifacts, arch):
+    art = artifacts[("gemm", arch)]
+    art.require("cp.async.cg.shared.global", "cp.async.wait_group",
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+    art.forbid("ld.global")  # every global load of A and B goes through cp.async
+    # per K tile: (64/16 k-blocks) x (2 x 4 atoms per warp) = 32 mma.sync, 4 x (2 + 2) ldmatrix
+    assert art.count("mma.sync") == 32 and art.count("ldmatrix") == 16
+    if art.sass:
+        art.require("HMMA.16816.F32.BF16", "LDSM.16.M88.4", "LDGSTS", where="sass")
+
+
+@pytest.mark.parametrize("kernel", ch03.KERNELS)
+def test_no_spills_and_modest_registers(artifacts, kernel):
+    for arch in ("sm_80", "sm_90a"):
+        art = artifacts[(kernel, arch)]
+        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+        assert 0 < art.registers <= 128, art.resources()
+
+
+def test_compile_only_rejects_unknown_kernels_and_dtypes():
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        ch03.compile_only("sm_80", "softmax")
+    with pytest.raises(ValueError, match="BFloat16 or Float16"):
+        ch03.compile_only("sm_80", "gemm", ch03.cutlass.Float32)
