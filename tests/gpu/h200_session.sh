@@ -23,8 +23,7 @@ step() {  # step NAME SECONDS CMD...
 for s in "$@"; do
   case $s in
     env) step env 60 bash -c "nvidia-smi; $PY -c 'import torch, cutlass; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; which make compute-sanitizer ncu; $PY -m pip list 2>/dev/null | grep -i -E 'flash|quack|cutlass|nbval|ipykernel|pytest'" ;;
-    tests) step gpu_tests 540 $PY -m pytest -q -x -m gpu -p no:cacheprovider --timeout=300 tests/gpu -rA ;;
-    tests-all) step gpu_tests_all 540 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout=300 tests/gpu ;;
+    tests) step gpu_tests 540 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout=300 -rA ${GPU_TESTS:-tests/gpu} ;;
     peers) step peers 420 $PY -m solutions.benchmark --name peers --seqlens 1024 4096 16384 --dims 64 128 --causal both --passes fwd bwd ;;
     ch04) step ch04_bench 420 $PY -m solutions.benchmark --versions flash_ampere --name ch04_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
     ch04-sweep) step ch04_sweep 420 $PY -m solutions.ch04_flash_ampere --sweep ;;
@@ -36,7 +35,7 @@ for s in "$@"; do
           step "san_${m}_${tool}" 300 $SAN --tool $tool $PY -m solutions.$m --small
         done
       done ;;
-    notebooks) step notebooks 580 env COURSE_STRICT_EXERCISES=1 $PY -m pytest -q -p no:cacheprovider --nbval-lax --nbval-cell-timeout=600 solutions/ ;;
+    notebooks) step notebooks 580 env COURSE_STRICT_EXERCISES=1 $PY -m pytest -q -p no:cacheprovider --nbval-lax --nbval-cell-timeout=600 ${NOTEBOOKS:-solutions/} ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done
