@@ -65,22 +65,26 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
 def attention_reference(
     q, k, v, causal: bool = False, softmax_scale: float | None = None, dtype=torch.float64
 ):
-    """Attention computed in ``dtype`` (float64 by default) from the given inputs.
+    """Attention computed from the given inputs, in float64 by default.
 
-    With ``dtype=q.dtype`` it is the "same precision" reference: what plain PyTorch gets in
-    that precision, the yardstick of the tolerance rule (utils/checks.py).
+    With ``dtype=q.dtype`` (bf16, fp16) it is the "same precision" reference: attention as plain
+    PyTorch code computes it in that precision, the yardstick of the tolerance rule
+    (utils/checks.py): the scores come out of the matmul rounded to ``dtype``, the softmax runs
+    in float32, P is rounded to ``dtype`` for the second matmul. Kernels that keep S and the
+    accumulators in float32 are more accurate than this.
     Returns (out, lse): out in ``dtype``; lse in float64 for the float64 reference, else float32.
     """
     b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    softmax_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     qf, kf, vf = (t.to(dtype).transpose(1, 2) for t in (q, k, v))  # (b, h, s, d)
     if hk != h:
         kf = kf.repeat_interleave(h // hk, dim=1)
         vf = vf.repeat_interleave(h // hk, dim=1)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # (b, h, sq, sk)
+    s = torch.matmul(qf, kf.transpose(-1, -2)).to(softmax_dtype) * scale  # (b, h, sq, sk)
     if causal:
         s = s.masked_fill(~causal_mask(sq, sk, s.device), float("-inf"))
-    lse = torch.logsumexp(s.to(torch.float32 if dtype != torch.float64 else dtype), dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
     row_max = s.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = torch.exp(s - row_max)
