@@ -1,0 +1,1039 @@
+"""Chapter 05: a FlashAttention-3 style forward for Hopper (sm_90a) in CuTe DSL.
+
+What this adds over chapter 04 (Ampere-style: cp.async + mma.sync, every warp loads and computes):
+
+1. TMA loads. One thread asks the copy engine for a whole (128, 128) bf16 tile, 32 KB, with one
+   ``cp.async.bulk.tensor``; with cp.async, 128 threads issued 2048 16-byte copies per tile and
+   computed every address. The copy engine also zero-fills rows past the end of the sequence and
+   counts the bytes it wrote into an mbarrier, so "tile ready" is one wait, not a __syncthreads.
+2. wgmma. ``wgmma.mma_async`` runs a 64 x N x 16 product for a whole warpgroup (4 warps), reads
+   its B operand (and here A for QK^T) straight from swizzled shared memory and runs
+   asynchronously: the warps keep issuing other work until they wait on the group. Hopper's tensor
+   cores reach 4096 dense bf16 FLOP/clk/SM only through wgmma; mma.sync reaches about half.
+   One (128 x 128) tile step at D = 128 is 2 GEMMs x 2 x 128^3 = 8.4 MFLOP: 2048 clk through
+   wgmma, 4096 through mma.sync, while its 128 x 128 exponentials take 1024 clk on the 16
+   MUFU/clk/SM. So after wgmma the softmax is half of the GEMM time: it must overlap with it.
+3. Warp specialisation. Freed from copying, the warps split into roles: one producer warp issues
+   TMA, two (or three) consumer warpgroups each own 64 of the tile's query rows and do
+   MMA + softmax. ``setmaxnreg`` moves registers from the producer (24 per thread) to the
+   consumers (240), which hold S (64 fp32/thread), P (32 regs) and O (64 fp32/thread at D=128).
+4. Overlap. Inside a warpgroup, the softmax of tile j runs while the wgmma of S_{j+1} = Q K_{j+1}^T
+   and O += P_j V_j are in flight ("intra-warpgroup overlap"); across warpgroups, named barriers
+   make them take turns issuing wgmma, so one warpgroup's GEMMs run while the other one does
+   its exponentials ("ping-pong"). Both are knobs in ``HopperConfig``. How much of the
+   softmax really runs under P V is decided by ptxas's instruction scheduler, not by the
+   source order: ``sass_overlap()`` counts it in the compiled kernel.
+
+Shared memory (227 KB = 232448 B per CTA on H100/H200), D = 128, bf16, 128 x 128 tiles:
+1 KB of mbarriers, Q 128 x 128 x 2 B = 32 KB, one K stage 32 KB, one V stage 32 KB; O reuses
+Q's buffer. So stages = (227 - 1 - 32) // (32 + 32) = 3 fit; the default is FA4's 2 (161 KB),
+3 is a knob to measure. ``smem_bytes()`` / ``max_stages()`` do this sum for any config, and the
+kernel checks it against its SharedStorage struct at compile time.
+
+Measured speeds live in results/<gpu>/*.json (``python -m solutions.benchmark``), not here.
+"""
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, replace
+from enum import IntEnum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from solutions.ch05_softmax import LOG2_E, OnlineSoftmax, acc_as_a_operand, acc_rows_cols
+
+SMEM_BYTES_PER_CTA = 227 * 1024  # H100 / H200 opt-in maximum of dynamic shared memory per CTA
+REGISTERS_PER_SM = 64 * 1024
+THREADS_PER_WG = 128
+WGMMA_M = 64  # rows of one wgmma; each consumer warpgroup owns this many query rows
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+
+
+# ================================ tuning knobs (one place) =====================================
+@dataclass(frozen=True)
+class HopperConfig:
+    """What the notebook varies. tile_m is derived: 64 query rows per consumer warpgroup."""
+
+    tile_n: int = 128  # keys per K/V tile (one pipeline stage)
+    num_stages: int = 2  # depth of each of the K and V rings
+    num_consumer_wgs: int = 2  # MMA + softmax warpgroups; tile_m = 64 * num_consumer_wgs
+    intra_wg_overlap: bool = True  # softmax(S_j) while wgmma(S_{j+1}) and wgmma(P_j V_j) run
+    pingpong: bool = True  # consumer warpgroups take turns issuing wgmma (named barriers)
+    # Chapter 06 / 07 knobs: the hooks exist in OnlineSoftmax; this chapter accepts 0 only.
+    exp2_emulation_fraction: float = 0.0
+    rescale_threshold: float = 0.0
+
+    @property
+    def tile_m(self) -> int:
+        return WGMMA_M * self.num_consumer_wgs
+
+
+# setmaxnreg budgets (producer, consumer) per number of consumer warpgroups: the CTA's total,
+# 128 * (producer + n * consumer), must stay within the SM's 64 K registers.
+REGISTER_BUDGETS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+
+
+def default_config(head_dim: int) -> HopperConfig:
+    """128 x 128 tiles for D = 64 and 128; 128 x 80 for D = 256 (Q 64 KB + 2 x (K + V) 160 KB).
+    FA4 uses 192 x 128 at D = 64; here three consumer warpgroups at 160 registers each spill
+    with tile_n = 128 (spill-free with tile_n = 96): a knob for the notebook."""
+    if head_dim <= 128:
+        return HopperConfig(tile_n=128, num_consumer_wgs=2)
+    return HopperConfig(tile_n=80, num_consumer_wgs=2)
+# ===============================================================================================
+
+
+class NamedBarrier(IntEnum):
+    """Hardware named barriers (bar.sync id, count); id 0 is __syncthreads."""
+
+    EPILOGUE = 1  # all consumer threads: O rows are in shared memory, TMA may store them
+    TURN_WG0 = 2  # TURN_WG0 + w: consumer warpgroup w may issue its wgmma (ping-pong)
+
+
+def smem_bytes(head_dim: int, cfg: HopperConfig, elem_bytes: int = 2) -> int:
+    """Bytes of the kernel's SharedStorage: the mbarriers (8 B each: full + empty for Q and
+    for every K and V stage), then Q (reused for O), K and V rings, each 1 KB aligned for the
+    128 B swizzle. The kernel checks this sum against the struct's size at compile time."""
+
+    def align(n):
+        return -(-n // 1024) * 1024
+
+    barriers = 8 * (2 + 2 * cfg.num_stages + 2 * cfg.num_stages)
+    q = cfg.tile_m * head_dim * elem_bytes
+    kv_ring = cfg.num_stages * cfg.tile_n * head_dim * elem_bytes
+    return align(barriers) + align(q) + 2 * align(kv_ring)
+
+
+def max_stages(head_dim: int, cfg: HopperConfig, elem_bytes: int = 2) -> int:
+    """Deepest K/V ring that fits the 227 KB per CTA."""
+    stages = 1
+    while smem_bytes(head_dim, replace(cfg, num_stages=stages + 1), elem_bytes) <= (
+        SMEM_BYTES_PER_CTA
+    ):
+        stages += 1
+    return stages
+
+
+def check_config(head_dim: int, cfg: HopperConfig) -> None:
+    """Raise ValueError naming the knob that cannot work, and why."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if cfg.num_consumer_wgs not in REGISTER_BUDGETS:
+        raise ValueError(
+            f"num_consumer_wgs must be one of {sorted(REGISTER_BUDGETS)}, got "
+            f"{cfg.num_consumer_wgs}"
+        )
+    if cfg.tile_n % 16 != 0 or not 16 <= cfg.tile_n <= 256:
+        raise ValueError(f"tile_n must be a multiple of 16 in [16, 256] (wgmma), got {cfg.tile_n}")
+    if cfg.num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {cfg.num_stages}")
+    need = smem_bytes(head_dim, cfg)
+    if need > SMEM_BYTES_PER_CTA:
+        raise ValueError(
+            f"config needs {need} B of shared memory (Q {cfg.tile_m}x{head_dim} + "
+            f"{cfg.num_stages} x (K + V) {cfg.tile_n}x{head_dim}, bf16), more than the "
+            f"{SMEM_BYTES_PER_CTA} B a CTA may use; at most {max_stages(head_dim, cfg)} stages fit"
+        )
+    if cfg.exp2_emulation_fraction != 0.0:
+        raise ValueError("exp2_emulation_fraction is chapter 06's knob; chapter 05 accepts 0.0")
+    if cfg.rescale_threshold != 0.0:
+        raise ValueError("rescale_threshold is chapter 07's knob; chapter 05 accepts 0.0")
+
+
+def _select(t: cute.Tensor, modes: list) -> cute.Tensor:
+    """Reorder a tensor's modes (a view; no data moves)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def _assume_16b_strides(t: cute.Tensor) -> cute.Tensor:
+    """Promise the compiler every non-unit stride is a multiple of 16 bytes (TMA requires it;
+    the torch entry point checks it before launch)."""
+    divby = 128 // t.element_type.width
+    strides = tuple(
+        s if isinstance(s, int) else cute.assume(s, divby=divby) for s in t.stride[:-1]
+    )
+    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=(*strides, t.stride[-1])))
+
+
+class FlashAttentionHopper:
+    """One CTA computes a (tile_m, D) block of O for one (batch, head).
+
+    Warp roles (data, so the notebook can print them):
+      warpgroup 0     producer: warp 0 issues TMA for Q, K, V; warps 1-3 only give registers away
+      warpgroup 1..n  consumers: wgmma S = Q K^T, online softmax, wgmma O += P V, epilogue
+    """
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config: HopperConfig | None = None):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.cfg = config or default_config(head_dim)
+        check_config(head_dim, self.cfg)
+        self.tile_m, self.tile_n = self.cfg.tile_m, self.cfg.tile_n
+        self.num_stages = self.cfg.num_stages
+        self.num_consumer_wgs = self.cfg.num_consumer_wgs
+        self.producer_regs, self.consumer_regs = REGISTER_BUDGETS[self.num_consumer_wgs]
+        self.num_consumer_threads = THREADS_PER_WG * self.num_consumer_wgs
+        self.num_threads = THREADS_PER_WG + self.num_consumer_threads
+        assert THREADS_PER_WG * (
+            self.producer_regs + self.num_consumer_wgs * self.consumer_regs
+        ) <= REGISTERS_PER_SM
+        self.roles = {
+            "producer": {"warpgroups": (0,), "tma_warp": 0, "registers": self.producer_regs},
+            "consumer": {
+                "warpgroups": tuple(range(1, self.num_consumer_wgs + 1)),
+                "registers": self.consumer_regs,
+            },
+        }
+
+    # ---------------------------------------------------------------------------------------
+    # host side: layouts, TMA descriptors, shared storage, grid, launch
+    # ---------------------------------------------------------------------------------------
+    def _smem_layout(self, rows: int, stages: int | None = None):
+        """Swizzled K-major layout for a (rows, head_dim) tile: rows of D contiguous elements,
+        the 128 B swizzle that lets wgmma and TMA read 8 rows without bank conflicts."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim),
+            self.dtype,
+        )
+        shape = (rows, self.head_dim) if stages is None else (rows, self.head_dim, stages)
+        return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+
+    def _tiled_mmas(self):
+        """S = Q K^T: A = Q and B = K both K-major in smem. O = P V: A = P from registers, B = V
+        read through a transposed view, so its contiguous dimension (D) is the N mode: MN-major.
+        atom_layout (n, 1, 1) gives each consumer warpgroup its own 64 rows."""
+        atoms = (self.num_consumer_wgs, 1, 1)
+        mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, atoms, (WGMMA_M, self.tile_n),
+        )
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, atoms, (WGMMA_M, self.head_dim), warpgroup.OperandSource.RMEM,
+        )
+        return mma_qk, mma_pv
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, D)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
+        mO: cute.Tensor,  # (batch, seqlen_q, heads, D)
+        mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32
+        softmax_scale: Float32,
+        stream,
+    ):
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
+                           == mO.element_type == self.dtype)):
+            raise TypeError(f"q, k, v, out must all be {self.dtype}")
+        if const_expr(mLSE.element_type != Float32):
+            raise TypeError("lse must be float32")
+        # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
+        mQ, mK, mV, mO = [_select(_assume_16b_strides(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = _select(mLSE, [2, 1, 0])  # (s, h, b)
+
+        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+        sQ_layout = self._smem_layout(self.tile_m)  # also O's layout: O overwrites Q
+        sK_layout = self._smem_layout(self.tile_n, self.num_stages)
+        sV_layout = self._smem_layout(self.tile_n, self.num_stages)
+        sKV_one = cute.select(sK_layout, mode=[0, 1])  # one stage, the TMA box
+        tile_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        tile_bytes_kv = cute.size_in_bytes(self.dtype, sKV_one)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]  # full + empty
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        # the budget arithmetic of smem_bytes() is the struct's real size
+        assert SharedStorage.size_in_bytes() == smem_bytes(self.head_dim, self.cfg,
+                                                           self.dtype.width // 8)
+
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+            load_op, mQ, sQ_layout, (self.tile_m, self.head_dim)
+        )
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+            load_op, mK, sKV_one, (self.tile_n, self.head_dim)
+        )
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+            load_op, mV, sKV_one, (self.tile_n, self.head_dim)
+        )
+        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim)
+        )
+
+        grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
+        self.kernel(
+            tma_q, tma_k, tma_v, tma_o, mLSE,
+            tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
+            softmax_scale * LOG2_E,
+            sQ_layout, sK_layout, sV_layout,
+            tiled_mma_qk, tiled_mma_pv,
+            tile_bytes_q, tile_bytes_kv,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------------------------------
+    # device side
+    # ---------------------------------------------------------------------------------------
+    # The next four methods are plain Python arithmetic: the kernel calls them on run-time
+    # Int32 values, and the CPU tests call them on Python ints and compare with brute force.
+    def kv_tile_counts(self, m_block, seqlen_q, seqlen_k):
+        """(n_tiles, n_masked) for query tile m_block. Tiles are visited from n_tiles - 1 down
+        to 0; the first n_masked of them need a per-element mask, the rest are full.
+
+        Both roles call this, so producer and consumers agree on the number of K/V tiles: a
+        consumer never waits for a tile the producer will not load (see Note [Phases]).
+        Causal is bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q.
+        """
+        n_tiles = cute.ceil_div(seqlen_k, self.tile_n)
+        n_full = seqlen_k // self.tile_n  # tiles with no key past seqlen_k
+        if const_expr(self.causal):
+            # the tile's last row, (m_block + 1) * tile_m - 1, sees keys up to this one, minus 1
+            seen = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q
+            n_tiles = cutlass.min(n_tiles, cute.ceil_div(cutlass.max(seen, 0), self.tile_n))
+            # tile n is fully visible to the tile's first row (so to all of its rows) iff
+            # (n + 1) * tile_n <= m_block * tile_m + seqlen_k - seqlen_q + 1
+            first_row_sees = m_block * self.tile_m + seqlen_k - seqlen_q + 1
+            n_full = cutlass.min(n_full, cutlass.max(first_row_sees, 0) // self.tile_n)
+        n_full = cutlass.min(n_full, n_tiles)
+        return n_tiles, n_tiles - n_full
+
+    def visible_cols(self, row, n_block, seqlen_q, seqlen_k):
+        """Query ``row`` (index in the sequence) sees columns c < visible_cols(...) of key tile
+        n_block: keys below seqlen_k and, with causal, keys j <= row + seqlen_k - seqlen_q."""
+        limit = seqlen_k - n_block * self.tile_n
+        if const_expr(self.causal):
+            limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1 - n_block * self.tile_n)
+        return limit
+
+    def turn_waits(self, wg, turn):
+        """Ping-pong (Note [Turns]): does warpgroup wg wait before issuing in this turn?"""
+        return (wg > 0) | (turn > 0)
+
+    def turn_passes(self, wg, turn, num_turns):
+        """Ping-pong: does warpgroup wg hand the turn on to the next one after issuing?"""
+        return (wg < self.num_consumer_wgs - 1) | (turn < num_turns - 1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA coordinate tensors: (s, D, h, b)
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,  # (s, h, b)
+        tma_atom_q: cute.CopyAtom,
+        tma_atom_k: cute.CopyAtom,
+        tma_atom_v: cute.CopyAtom,
+        tma_atom_o: cute.CopyAtom,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tile_bytes_q: cutlass.Constexpr[int],
+        tile_bytes_kv: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        # See Note [Phases]. Producer: the one TMA thread (its arrive carries the byte count).
+        # Consumers: one arrive per consumer warp (PipelineTmaAsync lets lane 0 of each warp
+        # release), so an empty barrier completes when every consumer warp is done with a stage.
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_consumer_threads // cute.arch.WARP_SIZE
+        )
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=tile_bytes_q, defer_sync=True,
+        )
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=tile_bytes_kv,
+            defer_sync=True,
+        )
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=tile_bytes_kv,
+            defer_sync=True,
+        )
+        # (tile_m, D)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        # (tile_n, D, STAGE)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # mbarrier inits (warp 0) must be visible to every thread before anyone waits on them
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        bidx, head, batch = cute.arch.block_idx()
+        m_block = bidx
+        if const_expr(self.causal):
+            m_block = num_m_blocks - 1 - bidx  # longest (most keys) tiles start first
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        n_tiles, n_masked = self.kv_tile_counts(m_block, seqlen_q, seqlen_k)
+
+        if warp_idx < THREADS_PER_WG // cute.arch.WARP_SIZE:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == self.roles["producer"]["tma_warp"]:
+                head_kv = head // (mQ.shape[2] // mK.shape[2])
+                self.load(
+                    mQ[None, None, head, batch], mK[None, None, head_kv, batch],
+                    mV[None, None, head_kv, batch], sQ, sK, sV,
+                    tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q, pipeline_k, pipeline_v,
+                    m_block, n_tiles,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.mma_softmax(
+                mO[None, None, head, batch], mLSE[None, head, batch], sQ, sK, sV,
+                tma_atom_o, tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
+                scale_log2, m_block, n_tiles, n_masked, seqlen_q, seqlen_k,
+            )
+
+    # Note [Phases]
+    # -------------
+    # Each pipeline stage has two mbarriers. FULL: the producer's arrive_and_expect_tx(bytes)
+    # plus the TMA's byte count complete it ("data landed"). EMPTY: one arrive from each of the
+    # 8 (or 12) consumer warps completes it ("everyone is done reading"). An mbarrier counts
+    # phases; try_wait.parity(p) returns once the phase with parity p has completed, and a
+    # freshly initialised barrier behaves as if the phase before phase 0 (parity 1) completed.
+    #
+    # PipelineState walks the ring: index = tile % stages, and the phase bit flips each time
+    # the index wraps. The consumer starts at phase 0 and waits FULL[index] for parity
+    # (tile // stages) & 1. The producer starts at phase 1 and waits EMPTY[index] for parity
+    # ((tile // stages) & 1) ^ 1: in the first lap that is parity 1, which a fresh barrier
+    # reports complete, so the first `stages` loads go out without waiting; in lap r >= 1 it
+    # waits for the consumers' release of lap r - 1. Each barrier's phase advances exactly once
+    # per lap, so parity is enough to tell laps apart: the producer can never be more than one
+    # lap ahead, because it waits for the release of the previous lap of that slot.
+    #
+    # K and V have separate rings (pipeline_k, pipeline_v) and separate states on both sides;
+    # every tile advances each state exactly once, in the same order on both sides:
+    #   producer: Q, K[n-1], then for t = n-2 .. 0: K[t], V[t+1]; then V[0]
+    #   consumer: reads K[n-1], K[n-2], ..., K[0] and V[n-1], ..., V[0] in that order.
+    # Both sides take n (the tile count) from kv_tile_counts() with the same arguments, so the
+    # count of arrives and waits matches: no consumer waits on a FULL that nobody will fill.
+    # A tile with no visible key (causal, seqlen_q > seqlen_k) has n = 0: only Q moves.
+    # No deadlock: the producer's K[t] needs K[t + stages] released, which the consumers do
+    # before they ever wait for K[t] or V[t + 1]; likewise for V.
+    #
+    # Q is a one-stage pipeline used once: the consumers wait FULL[0] parity 0 and never
+    # release it (the CTA computes one tile). Every consumer waits for Q, even with n = 0,
+    # because the epilogue writes O over Q's buffer and must not race the TMA writing Q.
+
+    @cute.jit
+    def load(
+        self,
+        gQ_all: cute.Tensor,  # (seqlen_q, D) of this (batch, head)
+        gK_all: cute.Tensor,  # (seqlen_k, D) of this (batch, kv head)
+        gV_all: cute.Tensor,
+        sQ: cute.Tensor,  # (tile_m, D)
+        sK: cute.Tensor,  # (tile_n, D, STAGE)
+        sV: cute.Tensor,
+        tma_atom_q: cute.CopyAtom,
+        tma_atom_k: cute.CopyAtom,
+        tma_atom_v: cute.CopyAtom,
+        pipeline_q: pipeline.PipelineAsync,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        m_block: Int32,
+        n_tiles: Int32,
+    ):
+        """Producer warp: Q once, then K and V tiles into their rings (order: Note [Phases])."""
+        # (tile_m, D)
+        gQ = cute.local_tile(gQ_all, (self.tile_m, self.head_dim), (m_block, 0))
+        # (tile_n, D, n_tiles)
+        gK = cute.local_tile(gK_all, (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(gV_all, (self.tile_n, self.head_dim), (None, 0))
+        # TMA partitions: (TMA,) for Q; (TMA, STAGE) in smem and (TMA, n_tiles) in gmem for K, V
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+            cute.group_modes(gQ, 0, 2),
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+            cute.group_modes(gK, 0, 2),
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+            cute.group_modes(gV, 0, 2),
+        )
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state_k = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.num_stages
+        )
+        state_v = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.num_stages
+        )
+        # acquire = wait EMPTY (free slot) and arm FULL with the byte count; the TMA completes it
+        pipeline_q.producer_acquire(state_q)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(state_q))
+        if n_tiles > 0:
+            pipeline_k.producer_acquire(state_k)
+            cute.copy(
+                tma_atom_k, tKgK[None, n_tiles - 1], tKsK[None, state_k.index],
+                tma_bar_ptr=pipeline_k.producer_get_barrier(state_k),
+            )
+            state_k.advance()
+            for i in cutlass.range(n_tiles - 1, unroll=1):
+                n_block = n_tiles - 2 - i
+                pipeline_k.producer_acquire(state_k)
+                cute.copy(
+                    tma_atom_k, tKgK[None, n_block], tKsK[None, state_k.index],
+                    tma_bar_ptr=pipeline_k.producer_get_barrier(state_k),
+                )
+                state_k.advance()
+                pipeline_v.producer_acquire(state_v)
+                cute.copy(
+                    tma_atom_v, tVgV[None, n_block + 1], tVsV[None, state_v.index],
+                    tma_bar_ptr=pipeline_v.producer_get_barrier(state_v),
+                )
+                state_v.advance()
+            pipeline_v.producer_acquire(state_v)
+            cute.copy(
+                tma_atom_v, tVgV[None, 0], tVsV[None, state_v.index],
+                tma_bar_ptr=pipeline_v.producer_get_barrier(state_v),
+            )
+
+    # Note [Turns]
+    # ------------
+    # Ping-pong: consumer warpgroups take turns *issuing* wgmma (the GEMMs then run on the tensor
+    # cores while the issuer does softmax). Turn r of warpgroup w waits on named barrier
+    # TURN_WG0 + w and, once its wgmma are issued, arrives on the next warpgroup's barrier.
+    # Each barrier has 256 participants: the 128 threads that wait (bar.sync) and the 128 of
+    # the previous warpgroup that arrive (bar.arrive). Order: (turn 0, wg 0), (0, 1), ...,
+    # (1, 0), ... Warpgroup 0's first turn has nobody before it, so it does not wait; the last
+    # warpgroup's last turn has nobody after it, so it does not arrive. Then every barrier
+    # sees exactly as many arrive-halves as sync-halves and no arrive is left pending at exit.
+    # All consumer warpgroups of a CTA share n_tiles, so they take the same number of turns.
+
+    @cute.jit
+    def turn_begin(self, wg: Int32, turn: Int32):
+        if const_expr(self.cfg.pingpong and self.num_consumer_wgs > 1):
+            if self.turn_waits(wg, turn):
+                cute.arch.barrier(
+                    barrier_id=int(NamedBarrier.TURN_WG0) + wg,
+                    number_of_threads=2 * THREADS_PER_WG,
+                )
+
+    @cute.jit
+    def turn_end(self, wg: Int32, turn: Int32, num_turns: Int32):
+        if const_expr(self.cfg.pingpong and self.num_consumer_wgs > 1):
+            if self.turn_passes(wg, turn, num_turns):
+                next_wg = wg + 1
+                if next_wg == self.num_consumer_wgs:
+                    next_wg = Int32(0)
+                cute.arch.barrier_arrive(
+                    barrier_id=int(NamedBarrier.TURN_WG0) + next_wg,
+                    number_of_threads=2 * THREADS_PER_WG,
+                )
+
+    @cute.jit
+    def wgmma(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+              zero_init: cutlass.Constexpr[bool]):
+        """Issue acc (+)= A B over the K blocks as one async group; the caller waits on it.
+        wgmma.fence orders earlier register writes (P, a rescaled O) before wgmma reads them."""
+        warpgroup.fence()
+        mma_atom = cute.make_mma_atom(tiled_mma.op)
+        mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(mma_atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def apply_mask(self, acc_s: cute.Tensor, thr_mma_qk, m_block: Int32, n_block: Int32,
+                   seqlen_q: Int32, seqlen_k: Int32):
+        """Scores of invisible keys -> -inf: keys past seqlen_k, and with causal keys
+        j > i + seqlen_k - seqlen_q. Only the first n_masked tiles of a row of tiles call this."""
+        s = acc_rows_cols(acc_s)  # (2 rows, tile_n/4 cols) this thread owns
+        c_s = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = acc_rows_cols(thr_mma_qk.partition_C(c_s))  # (2, tile_n/4) of (row, col) in tile
+        # thread 0's coordinates are compile-time constants; shift the limits by our offset
+        t0ScS = acc_rows_cols(thr_mma_qk.get_slice(0).partition_C(c_s))
+        col_offset = tScS[0, 0][1]
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            row = m_block * self.tile_m + tScS[r, 0][0]
+            limit = self.visible_cols(row, n_block, seqlen_q, seqlen_k) - col_offset
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                # a select, not a branch: an `if` here would carry the whole fragment through
+                s[r, c] = -Float32.inf if t0ScS[0, c][1] >= limit else s[r, c]
+
+    @cute.jit
+    def mma_softmax(
+        self,
+        gO_all: cute.Tensor,  # TMA coordinates (seqlen_q, D) of this (batch, head)
+        gLSE_all: cute.Tensor,  # (seqlen_q,)
+        sQ: cute.Tensor,  # (tile_m, D)
+        sK: cute.Tensor,  # (tile_n, D, STAGE)
+        sV: cute.Tensor,  # (tile_n, D, STAGE)
+        tma_atom_o: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        pipeline_q: pipeline.PipelineAsync,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        scale_log2: Float32,
+        m_block: Int32,
+        n_tiles: Int32,
+        n_masked: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+    ):
+        """Consumer warpgroups: S = Q K^T, mask, online softmax, O += P V; then the epilogue."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - THREADS_PER_WG  # 0 .. num_consumer_threads - 1
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        # A and B fragments are per warpgroup (wgmma descriptors), C per thread
+        wg_mma_qk = tiled_mma_qk.get_slice(wg * THREADS_PER_WG)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg * THREADS_PER_WG)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        # V^T view (D, tile_n, STAGE): B operand of O = P V with N = D, K = tile_n
+        sVt = cute.composition(
+            sV, cute.make_ordered_layout((self.head_dim, self.tile_n, self.num_stages),
+                                         order=(1, 0, 2))
+        )
+        # smem descriptors for this warpgroup's 64 rows: (MMA, MMA_M=1, MMA_K=D/16)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        # (MMA, MMA_N=1, MMA_K=D/16, STAGE)
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        # (MMA, MMA_N=1, MMA_K=tile_n/16, STAGE)
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        # fp32 accumulators, this thread's part: S ((2, 2, tile_n/8), 1, 1), O ((2, 2, D/8), 1, 1)
+        acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
+                                      Float32)
+        acc_o = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim)),
+                                      Float32)
+        acc_o.fill(0.0)  # so every P V may accumulate, and a tile with no keys writes zeros
+        # P as the register A operand of O += P V, input dtype: ((2, 2, 2), 1, tile_n/16)
+        tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((self.tile_m, self.tile_n)),
+                                     self.dtype)
+        softmax = OnlineSoftmax(scale_log2, cute.size(acc_rows_cols(acc_o), mode=[0]))
+
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        pipeline_q.consumer_wait(state_q)
+
+        if const_expr(self.cfg.intra_wg_overlap):
+            num_turns = n_tiles + 1
+        else:
+            num_turns = 2 * n_tiles
+        if n_tiles > 0:
+            if const_expr(self.cfg.intra_wg_overlap):
+                # turn 0: S for the first tile only
+                pipeline_k.consumer_wait(state_k)
+                self.turn_begin(wg, 0)
+                self.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state_k.index], True)
+                self.turn_end(wg, 0, num_turns)
+                warpgroup.wait_group(0)
+                pipeline_k.consumer_release(state_k)
+                state_k.advance()
+                # the first tile visited is the last one: the one past seqlen_k or on the
+                # causal diagonal; masking it when it happens to be full costs 64 FSEL, once
+                self.apply_mask(acc_s, thr_mma_qk, m_block, n_tiles - 1, seqlen_q, seqlen_k)
+                softmax.update(acc_s, is_first=True)
+                self.convert_p(acc_s, tOrP)
+                # turns 1 .. n-1: S_{j+1} = Q K_{j+1}^T and O += P_j V_j in flight together
+                for i in cutlass.range(1, n_tiles, unroll=1):
+                    pipeline_k.consumer_wait(state_k)
+                    pipeline_v.consumer_wait(state_v)
+                    self.turn_begin(wg, i)
+                    self.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state_k.index],
+                               True)
+                    self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index],
+                               False)
+                    self.turn_end(wg, i, num_turns)
+                    warpgroup.wait_group(1)  # S is ready; P V may still be running
+                    pipeline_k.consumer_release(state_k)
+                    state_k.advance()
+                    if i < n_masked:
+                        self.apply_mask(acc_s, thr_mma_qk, m_block, n_tiles - 1 - i, seqlen_q,
+                                        seqlen_k)
+                    row_scale = softmax.update(acc_s, is_first=False)
+                    # P V done: tOrP, O and the V stage are free again. ptxas may schedule this
+                    # wait earlier than written (see sass_overlap): source order is a request.
+                    warpgroup.wait_group(0)
+                    pipeline_v.consumer_release(state_v)
+                    state_v.advance()
+                    self.convert_p(acc_s, tOrP)
+                    softmax.rescale_o(acc_o, row_scale)
+                # turn n: the last O += P V
+                pipeline_v.consumer_wait(state_v)
+                self.turn_begin(wg, n_tiles)
+                self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index],
+                           False)
+                self.turn_end(wg, n_tiles, num_turns)
+                warpgroup.wait_group(0)
+                pipeline_v.consumer_release(state_v)
+            else:
+                for i in cutlass.range(n_tiles, unroll=1):
+                    pipeline_k.consumer_wait(state_k)
+                    self.turn_begin(wg, 2 * i)
+                    self.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state_k.index],
+                               True)
+                    self.turn_end(wg, 2 * i, num_turns)
+                    warpgroup.wait_group(0)
+                    pipeline_k.consumer_release(state_k)
+                    state_k.advance()
+                    if i < n_masked:
+                        self.apply_mask(acc_s, thr_mma_qk, m_block, n_tiles - 1 - i, seqlen_q,
+                                        seqlen_k)
+                    row_scale = softmax.update(acc_s, is_first=False)
+                    self.convert_p(acc_s, tOrP)
+                    softmax.rescale_o(acc_o, row_scale)
+                    pipeline_v.consumer_wait(state_v)
+                    self.turn_begin(wg, 2 * i + 1)
+                    self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index],
+                               False)
+                    self.turn_end(wg, 2 * i + 1, num_turns)
+                    warpgroup.wait_group(0)
+                    pipeline_v.consumer_release(state_v)
+                    state_v.advance()
+
+        self.epilogue(acc_o, softmax, gO_all, gLSE_all, sQ, tma_atom_o, thr_mma_pv, tidx,
+                      m_block, seqlen_q)
+
+    @cute.jit
+    def convert_p(self, acc_s: cute.Tensor, tOrP: cute.Tensor):
+        """P (fp32, accumulator layout) -> tOrP (input dtype, wgmma A-operand layout): the same
+        registers regrouped (acc_as_a_operand), then converted two at a time (F2FP.PACK_AB)."""
+        tOrP.store(acc_as_a_operand(acc_s).load().to(self.dtype))
+
+    @cute.jit
+    def epilogue(self, acc_o: cute.Tensor, softmax: OnlineSoftmax, gO_all: cute.Tensor,
+                 gLSE_all: cute.Tensor, sQ: cute.Tensor, tma_atom_o: cute.CopyAtom,
+                 thr_mma_pv, tidx: Int32, m_block: Int32, seqlen_q: Int32):
+        """out = O / l and lse to global memory. O goes registers -> shared (over Q's buffer)
+        -> TMA store, which clips rows past seqlen_q; lse is written directly."""
+        inv_sum, lse = softmax.finalize()
+        o = acc_rows_cols(acc_o)
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+            for c in cutlass.range(cute.size(o, mode=[1]), unroll_full=True):
+                o[r, c] = o[r, c] * inv_sum[r]
+
+        # lse: the thread holding column 0 of a row writes it
+        c_o = cute.make_identity_tensor((self.tile_m, self.head_dim))
+        tOcO = acc_rows_cols(thr_mma_pv.partition_C(c_o))  # (rows, cols) of (row, col)
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+                row = m_block * self.tile_m + tOcO[r, 0][0]
+                if row < seqlen_q:
+                    gLSE_all[row] = lse[r]
+
+        # O over Q: a warpgroup's O rows are exactly the bytes of its own Q rows (same layout,
+        # same 64-row band), and its last wgmma reading them has retired (wait_group 0).
+        sO = sQ
+        tOsO = thr_mma_pv.partition_C(sO)  # ((2, 2, D/8), 1, 1): where this thread's O goes
+        rO = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        rO.store(acc_o.load().to(self.dtype))
+        cute.autovec_copy(rO, tOsO)
+        # generic-proxy smem writes -> visible to the TMA (async proxy), then all rows written
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                          number_of_threads=self.num_consumer_threads)
+        # (tile_m, D)
+        gO = cute.local_tile(gO_all, (self.tile_m, self.head_dim), (m_block, 0))
+        tOsO_tma, tOgO_tma = cpasync.tma_partition(
+            tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+            cute.group_modes(gO, 0, 2),
+        )
+        if tidx // cute.arch.WARP_SIZE == 0:
+            cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
+            cute.arch.cp_async_bulk_commit_group()
+            # shared memory must outlive the TMA's reads of it
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+# ===============================================================================================
+# torch entry point
+# ===============================================================================================
+_COMPILED: dict = {}  # (dtype, head_dim, causal, config) -> compiled kernel; sizes are dynamic
+
+
+def check_inputs(q, k, v, softmax_scale=None, config=None):
+    """Validate for this kernel; return (batch, seqlen_q, seqlen_k, heads, heads_kv, dim).
+    Raises TypeError / ValueError saying what is wrong and what is accepted."""
+    from utils.reference import check_attention_inputs
+
+    b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
+    if q.dtype not in TORCH_TO_CUTLASS:
+        raise TypeError(f"the chapter 05 kernel takes bfloat16 or float16, got {q.dtype}")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    if softmax_scale is not None and softmax_scale <= 0:
+        raise ValueError(
+            f"softmax_scale must be > 0 (the kernel's running max assumes it), got {softmax_scale}"
+        )
+    if config is not None and not isinstance(config, HopperConfig):
+        raise TypeError(f"config must be a HopperConfig or None, got {type(config).__name__}")
+    check_config(d, config or default_config(d))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tma_operand(name, t)
+    if q.device.type != "cuda":
+        raise ValueError(f"q, k, v must be CUDA tensors, got device {q.device}")
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        raise ValueError(
+            f"this kernel needs compute capability 9.0 (H100/H200: TMA, wgmma, setmaxnreg), "
+            f"got {major}.{minor} on {torch.cuda.get_device_name(q.device)}"
+        )
+    return b, sq, sk, h, hk, d
+
+
+def _check_tma_operand(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(
+            f"{name}'s last dimension must be contiguous (stride 1), got strides {t.stride()}"
+        )
+    bad = [st for st in t.stride()[:-1] if st <= 0 or (st * t.element_size()) % 16]
+    if bad or t.data_ptr() % 16:
+        raise ValueError(
+            f"TMA needs positive strides that are multiples of 16 bytes and a 16-byte aligned "
+            f"base address: {name} has strides {t.stride()} ({t.element_size()}-byte elements) "
+            f"and address % 16 = {t.data_ptr() % 16}; call .contiguous() first"
+        )
+
+
+def _to_cute(t: torch.Tensor, leading_dim: int, align: int = 16):
+    from cutlass.cute.runtime import from_dlpack
+
+    # dynamic shapes and strides: one compiled kernel serves every batch, seqlen and head count
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=leading_dim)
+
+
+def attention_into(q, k, v, out, lse, causal=False, softmax_scale=None, config=None):
+    """Run the kernel writing into given ``out`` (like q) and ``lse`` (b, h, sq) float32.
+    Tests pass NaN-filled buffers here to prove every element gets written."""
+    import cuda.bindings.driver as cuda
+
+    b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale, config)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be like q {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)}")
+    _check_tma_operand("out", out)
+    if lse.shape != (b, h, sq) or lse.dtype != torch.float32 or lse.stride(-1) != 1:
+        raise ValueError(
+            f"lse must be float32 {(b, h, sq)} with stride 1 last, got {lse.dtype} "
+            f"{tuple(lse.shape)} strides {lse.stride()}"
+        )
+    cfg = config or default_config(d)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    args = [_to_cute(t, 3) for t in (q, k, v, out)] + [_to_cute(lse, 2, align=4)]
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    key = (q.dtype, d, bool(causal), cfg)
+    if key not in _COMPILED:
+        kernel = FlashAttentionHopper(TORCH_TO_CUTLASS[q.dtype], d, bool(causal), cfg)
+        _COMPILED[key] = cute.compile[cute.GPUArch("sm_90a")](kernel, *args, scale, stream)
+    _COMPILED[key](*args, scale, stream)
+    return out, lse
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, config=None):
+    """Chapter 05's Hopper forward; the contract of utils.reference.attention_reference:
+    q (b, sq, h, d), k and v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq) float32.
+    ``config`` (a HopperConfig) picks the tuning knobs; None means default_config(d)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    return attention_into(q, k, v, out, lse, causal, softmax_scale, config)
+
+
+def compile_only(arch="sm_90a", head_dim=128, dtype="bf16", causal=False, config=None):
+    """Compile with fake tensors, no GPU needed; return a utils.compile_only.Artifacts."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from utils.compile_only import compile_for, fake_stream
+
+    dtypes = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    if arch != "sm_90a":
+        raise ValueError(
+            f"chapter 05's kernel uses sm_90a-only instructions (wgmma.mma_async, setmaxnreg) "
+            f"and TMA, so it compiles only for arch='sm_90a', got {arch!r}"
+        )
+    cfg = config or default_config(head_dim)
+    check_config(head_dim, cfg)
+    elem = dtypes[dtype]
+    batch, heads, heads_kv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    seqlen_q, seqlen_k = cute.sym_int32(), cute.sym_int32()
+
+    def bshd(seqlen, nheads):  # (batch, seqlen, heads, D), 16-byte aligned strides
+        strides = tuple(cute.sym_int64(divisibility=128 // elem.width) for _ in range(3))
+        return make_fake_tensor(elem, (batch, seqlen, nheads, head_dim), (*strides, 1),
+                                assumed_align=16)
+
+    lse = make_fake_tensor(Float32, (batch, heads, seqlen_q),
+                           (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    kernel = FlashAttentionHopper(elem, head_dim, causal, cfg)
+    return compile_for(arch, kernel, bshd(seqlen_q, heads), bshd(seqlen_k, heads_kv),
+                       bshd(seqlen_k, heads_kv), bshd(seqlen_q, heads), lse, 1.0, fake_stream())
+
+
+def sass_overlap(sass: str) -> dict:
+    """Where ptxas put the overlapped turn's two waits: MUFU.EX2 (exponentials) between
+    ``wait_group(1)`` (S ready) and ``wait_group(0)`` (P V done) run under the P V GEMM; those
+    after it do not. Reads the first steady-state turn of an intra-warpgroup-overlap build."""
+    lines = sass.splitlines()
+    try:
+        s_ready = next(i for i, ln in enumerate(lines) if "DEPBAR.LE gsb0, 0x1" in ln)
+    except StopIteration:
+        return {"under_pv": 0, "after_pv": 0, "found": False}
+    pv_done = next(i for i in range(s_ready, len(lines)) if "DEPBAR.LE gsb0, 0x0" in lines[i])
+    after = 0
+    for ln in lines[pv_done:]:
+        if "HGMMA" in ln or "BAR.SYNC" in ln:
+            break
+        after += "MUFU.EX2" in ln
+    under = sum("MUFU.EX2" in ln for ln in lines[s_ready:pv_done])
+    return {"under_pv": under, "after_pv": after, "found": True}
+
+
+# ===============================================================================================
+# command line: quick checks on a Hopper GPU (the lead runs these, also under compute-sanitizer)
+# ===============================================================================================
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype)
+SMALL_CASE = (1, 200, 200, 2, 1, 128, True, torch.bfloat16)
+CHECK_CASES = [
+    (1, 128, 128, 1, 1, 128, False, torch.bfloat16),
+    (1, 128, 128, 1, 1, 128, True, torch.bfloat16),
+    (2, 1, 1, 2, 2, 64, False, torch.bfloat16),
+    (1, 17, 17, 2, 1, 128, True, torch.float16),
+    (2, 129, 129, 4, 2, 64, True, torch.bfloat16),
+    (1, 1000, 1000, 2, 2, 128, False, torch.float16),
+    (1, 1000, 4097, 2, 1, 128, True, torch.bfloat16),
+    (1, 4097, 1000, 2, 2, 64, True, torch.bfloat16),
+    (1, 300, 77, 2, 2, 128, True, torch.bfloat16),
+    (1, 1024, 1024, 2, 2, 256, True, torch.bfloat16),
+    (1, 8192, 8192, 2, 2, 128, False, torch.bfloat16),
+    (1, 8192, 8192, 2, 2, 128, True, torch.bfloat16),
+]
+
+
+def compare(q, k, v, out, lse, causal=False, softmax_scale=None, label=""):
+    """Kernel output vs the float64 reference, with the course's tolerance rule: max |error| <=
+    2 x (PyTorch's own error in the input dtype) + 1e-3; lse within 1e-3 where a row sees keys,
+    exactly -inf where it sees none; no NaN anywhere. Returns (ok, one-line report)."""
+    from utils.reference import attention_reference
+
+    ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    same_out, _ = attention_reference(q, k, v, causal, softmax_scale, dtype=q.dtype)
+    err = (out.double() - ref_out).abs().nan_to_num(float("inf"))
+    tol = 2 * (same_out.double() - ref_out).abs().max().item() + 1e-3
+    seen = torch.isfinite(ref_lse)  # rows that see at least one key
+    lse_err = (lse.double() - ref_lse)[seen].abs().nan_to_num(float("inf"))
+    lse_err = lse_err.max().item() if lse_err.numel() else 0.0
+    empty_rows_ok = bool(torch.isneginf(lse[~seen]).all()) and bool(
+        (out.transpose(1, 2)[~seen] == 0).all()
+    )
+    nan = int(torch.isnan(out).sum()) + int(torch.isnan(lse).sum())
+    worst = tuple(int(i) for i in torch.nonzero(err == err.max())[0])
+    ok = nan == 0 and err.max().item() <= tol and lse_err <= 1e-3 and empty_rows_ok
+    line = (
+        f"{'ok  ' if ok else 'FAIL'} {label}: max|err| {err.max().item():.2e} (tol {tol:.2e}) at "
+        f"(b,s,h,d)={worst}, lse err {lse_err:.2e}, empty rows 0/-inf {empty_rows_ok}, NaN {nan}"
+    )
+    return ok, line
+
+
+def check_case(batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype, config=None):
+    """Fresh random inputs, NaN-poisoned outputs, one run, compare(). Returns (ok, report)."""
+    from utils.reference import random_qkv
+
+    q, k, v, seed = random_qkv(batch, seqlen_q, heads, dim, seqlen_k=seqlen_k, heads_kv=heads_kv,
+                               dtype=dtype, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, heads, seqlen_q), float("nan"), device="cuda")
+    attention_into(q, k, v, out, lse, causal=causal, config=config)
+    torch.cuda.synchronize()
+    label = (
+        f"b={batch} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv} d={dim} causal={causal} "
+        f"{str(dtype)[6:]} {config or 'default config'} seed={seed}"
+    )
+    return compare(q, k, v, out, lse, causal, label=label)
+
+
+BENCH_KNOBS = {
+    "default": {},
+    "no intra-wg overlap": dict(intra_wg_overlap=False),
+    "no ping-pong": dict(pingpong=False),
+    "neither": dict(intra_wg_overlap=False, pingpong=False),
+    "3 stages": dict(num_stages=3),
+}
+
+
+def bench(seqlen=16384, heads=16, head_dim=128, dtype=torch.bfloat16, iters=20):
+    """Quick TFLOP/s per knob at the chapter's target shape (batch * seqlen = 16384). FLOPs:
+    4 * B * H * S^2 * D, halved for causal. The course's numbers come from solutions.benchmark;
+    this is for a first look on a rare GPU session."""
+    from utils.reference import random_qkv
+
+    batch = max(1, 16384 // seqlen)
+    q, k, v, _ = random_qkv(batch, seqlen, heads, head_dim, dtype=dtype, device="cuda")
+    for causal in (False, True):
+        flops = 4 * batch * heads * seqlen**2 * head_dim / (2 if causal else 1)
+        for name, change in BENCH_KNOBS.items():
+            cfg = replace(default_config(head_dim), **change)
+            attention(q, k, v, causal=causal, config=cfg)  # compile + warm up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                attention(q, k, v, causal=causal, config=cfg)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / iters
+            print(f"b={batch} s={seqlen} h={heads} d={head_dim} causal={causal} {name:20s}: "
+                  f"{ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="one small causal case (default)")
+    parser.add_argument("--check", action="store_true", help="every CHECK_CASES entry")
+    parser.add_argument("--bench", action="store_true", help="TFLOP/s per knob, D=128 S=16384")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here; the compile-only checks are tests/test_ch05_compile.py")
+        return 0
+    if args.bench:
+        bench()
+        return 0
+    cases = CHECK_CASES if args.check else [SMALL_CASE]
+    failures = 0
+    for case in cases:
+        t0 = time.perf_counter()
+        ok, line = check_case(*case)
+        failures += not ok
+        print(f"{line} [{time.perf_counter() - t0:.1f} s]", flush=True)
+    print(f"{len(cases) - failures}/{len(cases)} cases passed", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

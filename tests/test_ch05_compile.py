@@ -1,0 +1,328 @@
+"""Chapter 05 (Hopper FA3-style forward) on a CPU: it compiles for sm_90a with the instructions
+the chapter is about, without spills; bad input is refused clearly; and the index arithmetic that
+the producer and the consumers must agree on is checked against brute force."""
+
+from dataclasses import replace
+
+import cutlass
+import cutlass.cute as cute
+import pytest
+import torch
+
+from solutions import ch05_flash_hopper as ch05
+from solutions.ch05_softmax import acc_as_a_operand, acc_rows_cols
+from utils.reference import causal_mask
+
+_ARTIFACTS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """compiled(head_dim, causal, dtype="bf16", config=None) -> Artifacts, each compiled once."""
+
+    def get(head_dim, causal, dtype="bf16", config=None):
+        key = (head_dim, causal, dtype, config)
+        if key not in _ARTIFACTS:
+            _ARTIFACTS[key] = ch05.compile_only("sm_90a", head_dim, dtype, causal, config)
+        return _ARTIFACTS[key]
+
+    return get
+
+
+MAIN_BUILDS = [(128, False), (128, True), (64, False), (64, True)]
+
+
+@pytest.mark.parametrize("head_dim,causal", MAIN_BUILDS)
+def test_ptx_has_the_hopper_instructions(compiled, head_dim, causal):
+    art = compiled(head_dim, causal)
+    art.require(
+        "wgmma.mma_async", "wgmma.commit_group", "wgmma.wait_group", "wgmma.fence",
+        "cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg.inc", "setmaxnreg.dec",
+        "fence.proxy.async", "ex2.approx",
+    )
+    # the P V product takes P from registers (RS form): its A operand is a register list
+    assert "wgmma.mma_async.sync.aligned.m64n" in art.ptx
+
+
+@pytest.mark.parametrize("head_dim,causal", MAIN_BUILDS)
+def test_sass_uses_hgmma_and_tma_without_spills(compiled, head_dim, causal):
+    art = compiled(head_dim, causal)
+    art.require("HGMMA", "UTMALDG", "UTMASTG", "MUFU.EX2", "USETMAXREG", where="sass")
+    assert art.spills == 0, art.resources()
+    assert art.frame_bytes == 0, art.resources()
+
+
+def test_register_budgets_in_ptx(compiled):
+    ptx = compiled(128, False).ptx
+    producer, consumer = ch05.REGISTER_BUDGETS[2]
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{producer};" in ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{consumer};" in ptx
+    assert ".reqntid 384, 1, 1" in ptx  # 1 producer + 2 consumer warpgroups
+
+
+def test_wgmma_count_matches_the_loop_structure(compiled):
+    """D=128, 128x128 tiles: S = Q K^T is D/16 = 8 wgmma, O += P V is tile_n/16 = 8. The
+    overlapped loop has them in three places: S alone (first tile), S + PV (steady state),
+    PV alone (last tile): 8 + 16 + 8 = 32."""
+    assert compiled(128, False).count("wgmma.mma_async") == 32
+
+
+def test_sass_overlap_report(compiled):
+    """The helper the notebook uses to show where ptxas put the two waits of an overlapped turn
+    (how many exponentials run under O += P V) finds them in the compiled kernel."""
+    report = ch05.sass_overlap(compiled(128, False).sass)
+    assert report["found"] and report["under_pv"] + report["after_pv"] >= 64, report
+
+
+def test_named_barriers(compiled):
+    ptx = compiled(128, True).ptx
+    epilogue = int(ch05.NamedBarrier.EPILOGUE)
+    assert f"bar.sync \t{epilogue}, 256;" in ptx  # all consumer threads before the TMA store
+    assert ptx.count("bar.arrive") >= 1  # ping-pong hand-over
+
+
+def test_every_knob_compiles_without_spills(compiled):
+    base = ch05.default_config(128)
+    for cfg in (
+        replace(base, intra_wg_overlap=False),
+        replace(base, pingpong=False),
+        replace(base, num_stages=3),
+    ):
+        art = compiled(128, True, "bf16", cfg)
+        assert art.spills == 0 and art.frame_bytes == 0, (cfg, art.resources())
+    three_wgs = ch05.HopperConfig(tile_n=96, num_consumer_wgs=3)  # 192 x 96 at D = 64
+    art = compiled(64, True, "bf16", three_wgs)
+    assert ".reqntid 512, 1, 1" in art.ptx and art.spills == 0, art.resources()
+
+
+def test_fp16_and_head_dim_256_compile(compiled):
+    for head_dim, dtype in ((128, "fp16"), (256, "bf16")):
+        art = compiled(head_dim, False, dtype)
+        art.require("wgmma.mma_async", "cp.async.bulk.tensor")
+        assert art.spills == 0, art.resources()
+
+
+def test_sm80_is_refused_clearly():
+    with pytest.raises(ValueError, match="sm_90a"):
+        ch05.compile_only(arch="sm_80")
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration and shared-memory arithmetic
+# ---------------------------------------------------------------------------------------------
+def test_shared_memory_budget_arithmetic():
+    cfg = ch05.default_config(128)
+    # 1 KB of mbarriers (rounded up to the swizzle alignment) + Q 32 KB + 2 x (K + V) 32 KB
+    assert ch05.smem_bytes(128, cfg) == (1 + 32 + 2 * 64) * 1024
+    assert ch05.max_stages(128, cfg) == 3  # (227 - 1 - 32) // 64
+    assert ch05.smem_bytes(256, ch05.default_config(256)) <= ch05.SMEM_BYTES_PER_CTA
+    for wgs, (producer, consumer) in ch05.REGISTER_BUDGETS.items():
+        assert ch05.THREADS_PER_WG * (producer + wgs * consumer) <= ch05.REGISTERS_PER_SM
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(num_stages=4), "shared memory"),
+        (dict(num_consumer_wgs=4), "num_consumer_wgs"),
+        (dict(tile_n=72), "tile_n"),
+        (dict(exp2_emulation_fraction=0.2), "chapter 06"),
+        (dict(rescale_threshold=8.0), "chapter 07"),
+    ],
+)
+def test_bad_config_is_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        ch05.check_config(128, replace(ch05.default_config(128), **change))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch entry point: input checks (CPU tensors reach every check before the device one)
+# ---------------------------------------------------------------------------------------------
+def _qkv(dtype=torch.bfloat16, d=128, sq=16, sk=16, h=2, hk=2):
+    return (torch.zeros(1, sq, h, d, dtype=dtype), torch.zeros(1, sk, hk, d, dtype=dtype),
+            torch.zeros(1, sk, hk, d, dtype=dtype))
+
+
+def test_input_checks():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="CUDA"):
+        ch05.attention(q, k, v)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        ch05.attention(*_qkv(torch.float32))
+    with pytest.raises(ValueError, match="head dim"):
+        ch05.attention(*_qkv(d=96))
+    with pytest.raises(ValueError, match="multiple"):
+        ch05.attention(*_qkv(h=3, hk=2))
+    with pytest.raises(ValueError, match="softmax_scale must be > 0"):
+        ch05.attention(q, k, v, softmax_scale=-1.0)
+    with pytest.raises(TypeError, match="HopperConfig"):
+        ch05.attention(q, k, v, config={"tile_n": 64})
+    with pytest.raises(ValueError, match="shared memory"):
+        ch05.attention(q, k, v, config=replace(ch05.default_config(128), num_stages=5))
+    with pytest.raises(ValueError, match="stride 1"):
+        ch05.attention(q.transpose(1, 3).contiguous().transpose(1, 3), k, v)
+    odd = torch.zeros(1, 16, 2, 132, dtype=torch.bfloat16)[..., :128]  # head stride 264 B
+    with pytest.raises(ValueError, match="16 bytes"):
+        ch05.attention(odd, k, v)
+
+
+def test_command_line_without_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present; tests/gpu/ covers the command line there")
+    assert ch05.main(["--small"]) == 0
+    assert "no CUDA GPU" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# what the two warp roles must agree on
+# ---------------------------------------------------------------------------------------------
+AWKWARD = [1, 17, 63, 64, 65, 128, 129, 200, 640, 1000]
+CONFIGS = [
+    ch05.default_config(128),  # 128 x 128
+    ch05.default_config(256),  # 128 x 80
+    ch05.HopperConfig(tile_n=96, num_consumer_wgs=3),  # 192 x 96
+    ch05.HopperConfig(tile_n=128, num_consumer_wgs=1),  # 64 x 128
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_kv_tile_counts_cover_exactly_the_visible_keys(cfg, causal):
+    """Tiles >= n_tiles hold no key any real row sees; tiles < n_tiles - n_masked are fully
+    visible to every row of the query tile (no mask needed); masked tiles are few."""
+    kern = ch05.FlashAttentionHopper(cutlass.BFloat16, 128, causal, cfg)
+    tm, tn = cfg.tile_m, cfg.tile_n
+    for sq in AWKWARD:
+        for sk in AWKWARD:
+            mask = causal_mask(sq, sk) if causal else torch.ones(sq, sk, dtype=torch.bool)
+            for m in range(-(-sq // tm)):
+                n_tiles, n_masked = kern.kv_tile_counts(m, sq, sk)
+                where = f"sq={sq} sk={sk} m_block={m}: n_tiles={n_tiles} n_masked={n_masked}"
+                assert 0 <= n_masked <= n_tiles, where
+                rows = mask[m * tm : (m + 1) * tm]
+                cols = torch.nonzero(rows.any(dim=0)).flatten()
+                needed = int(cols.max()) // tn + 1 if cols.numel() else 0
+                assert n_tiles == needed, where
+                n_full = n_tiles - n_masked
+                first_row = m * tm + sk - sq + 1  # keys visible to the tile's first row
+                assert n_full * tn <= min(sk, max(first_row, 0) if causal else sk), where
+                assert n_masked <= (-(-tm // tn) + 1 if causal else 1), where
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_visible_cols_is_the_reference_mask(causal):
+    kern = ch05.FlashAttentionHopper(cutlass.BFloat16, 128, causal, ch05.HopperConfig(tile_n=16))
+    tn = kern.tile_n
+    for sq, sk in [(17, 17), (40, 23), (23, 40), (1, 50), (50, 1)]:
+        want = causal_mask(sq, sk) if causal else torch.ones(sq, sk, dtype=torch.bool)
+        got = torch.zeros(sq, sk, dtype=torch.bool)
+        for i in range(sq):
+            for n in range(-(-sk // tn)):
+                limit = kern.visible_cols(i, n, sq, sk)
+                for c in range(min(tn, sk - n * tn)):
+                    got[i, n * tn + c] = c < limit
+        assert torch.equal(got, want), (sq, sk)
+
+
+@pytest.mark.parametrize("num_wgs", [2, 3])
+@pytest.mark.parametrize("num_turns", [1, 2, 3, 7])
+def test_pingpong_turns_alternate_and_balance(num_wgs, num_turns):
+    """Simulate the named barriers (bar.sync / bar.arrive, 2 warpgroups per barrier) with the
+    kernel's turn predicates: no deadlock, turns run in (turn, warpgroup) order, and no
+    barrier is left with a pending arrive at exit (Note [Turns])."""
+    kern = ch05.FlashAttentionHopper(
+        cutlass.BFloat16, 128, False, ch05.HopperConfig(num_consumer_wgs=num_wgs)
+    )
+    programs = []
+    for w in range(num_wgs):
+        ops = []
+        for r in range(num_turns):
+            if kern.turn_waits(w, r):
+                ops.append(("sync", w))
+            ops.append(("issue", (r, w)))
+            if kern.turn_passes(w, r, num_turns):
+                ops.append(("arrive", (w + 1) % num_wgs))
+        programs.append(ops)
+    count = [0] * num_wgs  # arrivals in the open phase of each barrier (2 complete it)
+    generation = [0] * num_wgs
+    waiting = [None] * num_wgs  # (barrier, generation it waits to see complete)
+    pc, issued = [0] * num_wgs, []
+    while any(pc[w] < len(programs[w]) for w in range(num_wgs)):
+        progressed = False
+        for w in range(num_wgs):
+            if waiting[w] is not None:
+                b, gen = waiting[w]
+                if generation[b] > gen:
+                    waiting[w], progressed = None, True
+                continue
+            if pc[w] == len(programs[w]):
+                continue
+            op, arg = programs[w][pc[w]]
+            pc[w] += 1
+            progressed = True
+            if op == "issue":
+                issued.append(arg)
+                continue
+            gen = generation[arg]
+            count[arg] += 1
+            if count[arg] == 2:
+                count[arg], generation[arg] = 0, generation[arg] + 1
+            if op == "sync" and generation[arg] == gen:
+                waiting[w] = (arg, gen)
+        assert progressed, f"deadlock: pc={pc}, waiting={waiting}"
+    assert issued == sorted(issued), issued
+    assert count == [0] * num_wgs, f"pending arrives at exit: {count}"
+
+
+def test_register_fragment_views():
+    """For the threads of both consumer warpgroups (all lane patterns of warp 0 and one lane of
+    every other warp): acc_rows_cols gives one row per r and one column per c, and
+    acc_as_a_operand puts each S element exactly where the P V wgmma reads its A operand."""
+    threads = list(range(8)) + [32 * w + 5 for w in range(1, 8)] + [255]
+    problems = []
+    kerns = [ch05.FlashAttentionHopper(cutlass.BFloat16, d, False, ch05.default_config(d))
+             for d in (128, 256)]
+
+    def check(kern, mma_qk, mma_pv):
+        c_s = cute.make_identity_tensor((kern.tile_m, kern.tile_n))
+        for t in threads:
+            acc = mma_qk.get_slice(t).partition_C(c_s)
+            as_a, want = acc_as_a_operand(acc), mma_pv.get_slice(t).partition_A(c_s)
+            problems.extend(("A", kern.tile_n, t, i) for i in range(cute.size(want))
+                            if as_a[i] != want[i])
+            rc = acc_rows_cols(acc)
+            grid = [[rc[r, c] for c in range(cute.size(rc, mode=[1]))]
+                    for r in range(cute.size(rc, mode=[0]))]
+            problems.extend(("row", t, r) for r, row in enumerate(grid)
+                            if len({x[0] for x in row}) != 1)
+            problems.extend(("col", t, c) for c in range(len(grid[0]))
+                            if len({row[c][1] for row in grid}) != 1)
+
+    @cute.jit
+    def trace():
+        for kern in kerns:
+            check(kern, *kern._tiled_mmas())
+
+    cute.compile[cute.GPUArch("sm_90a")](trace)
+    assert not problems, problems[:10]
+
+
+def test_the_gpu_checker_itself():
+    """compare() (used by the GPU tests and --check) passes a correct answer and catches a NaN,
+    an error above tolerance, and a row that should see no key but got a value."""
+    from utils.reference import attention_reference, random_qkv
+
+    q, k, v, _ = random_qkv(1, 40, 2, 64, seqlen_k=30, dtype=torch.bfloat16, seed=0)
+    out, lse = attention_reference(q, k, v, causal=True)
+    out, lse = out.to(torch.bfloat16), lse.float()
+    assert ch05.compare(q, k, v, out, lse, True)[0]
+    for spoil in ("nan", "error", "empty row"):
+        bad = out.clone()
+        if spoil == "nan":
+            bad[0, 20, 1, 3] = float("nan")
+        elif spoil == "error":
+            bad[0, 20, 1, 3] += 0.1
+        else:
+            bad[0, 2, 0, 0] = 1.0  # row 2 sees no key (40 queries, 30 keys, causal)
+        ok, line = ch05.compare(q, k, v, bad, lse, True, label=spoil)
+        assert not ok and line.startswith("FAIL"), line
