@@ -28,9 +28,12 @@ for s in "$@"; do
     ch04) step ch04_bench 420 $PY -m solutions.benchmark --versions flash_ampere --name ch04_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
     ch04-sweep) step ch04_sweep 420 $PY -m solutions.ch04_flash_ampere --sweep ;;
     ch05) step ch05_bench 420 $PY -m solutions.benchmark --versions flash_hopper --name ch05_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
+    ch05-check) step ch05_check 600 $PY -m solutions.ch05_flash_hopper --check ;;
+    ch05-knobs) step ch05_knobs 420 $PY -m solutions.ch05_flash_hopper --bench ;;
+    ch04-check) step ch04_check 600 $PY -m solutions.ch04_flash_ampere --check ;;
     micro) step microbench 300 $PY -m solutions.run_microbench ;;
     sanitize)
-      for m in ch04_flash_ampere ch05_flash_hopper; do
+      for m in ${SANITIZE:-ch04_flash_ampere ch05_flash_hopper}; do
         for tool in memcheck racecheck synccheck; do
           step "san_${m}_${tool}" 300 $SAN --tool $tool $PY -m solutions.$m --small
         done
