@@ -34,15 +34,20 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmark: needs a CUDA GPU", file=sys.stderr)
         return 2
-    impls = {name: by_name(name).load() for name in args.versions}
+    versions = [by_name(name) for name in args.versions]
+    impls = {v.name: v.load() for v in versions}
     if not args.no_peers:
         impls.update(bench.peers())
+    no_backward = {v.name for v in versions if not v.backward}
     causal = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     shapes = [
         bench.Shape.standard(s, d, c) for d in args.dims for s in args.seqlens for c in causal
     ]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    rows = bench.benchmark_attention(impls, shapes, passes=args.passes, dtype=dtype, rep=args.rep)
+    rows = []
+    for pass_ in args.passes:
+        run = {n: f for n, f in impls.items() if pass_ == "fwd" or n not in no_backward}
+        rows += bench.benchmark_attention(run, shapes, passes=(pass_,), dtype=dtype, rep=args.rep)
     path = results.save(args.name, rows, command="python -m solutions.benchmark " + " ".join(
         argv if argv is not None else sys.argv[1:]))
     for pass_ in args.passes:

@@ -19,6 +19,7 @@ class Version:
     needs: str  # "cpu", "sm_80", "sm_90" or "sm_100" (utils.hardware.Machine.can_run)
     idea: str
     results: str | None = None  # results/h200/<results>.json holds its benchmark rows
+    backward: bool = False  # differentiable with torch.autograd (benchmarked for bwd too)
 
     def load(self):
         """The version's ``attention`` function (imports its module on first use)."""
@@ -27,9 +28,9 @@ class Version:
 
 VERSIONS = [
     Version(1, "naive", "solutions.ch01_naive", "cpu",
-            "PyTorch: S and P materialised in memory"),
+            "PyTorch: S and P materialised in memory", "peers", backward=True),
     Version(2, "tiled_fa2", "solutions.ch02_online_softmax", "cpu",
-            "online softmax over KV tiles, FlashAttention-2 loop order (PyTorch)"),
+            "online softmax over KV tiles, FlashAttention-2 loop order (PyTorch)", "peers"),
     Version(4, "flash_ampere", "solutions.ch04_flash_ampere", "sm_80",
             "CuTe DSL: cp.async + ldmatrix + mma.sync, softmax in registers", "ch04_fwd"),
     Version(5, "flash_hopper", "solutions.ch05_flash_hopper", "sm_90",

@@ -67,16 +67,16 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
     global _flusher
     if flush_l2 and _flusher is None:
         _flusher = _L2Flusher()
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    # Estimate one call's time to bound the repeat count.
+    fn()  # first call: compilation, autotuning, allocations
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
     end.record()
     torch.cuda.synchronize()
     one = max(start.elapsed_time(end), 1e-3)
+    # Slow functions (eager PyTorch loops) need no long warm-up and few repeats.
+    for _ in range(min(warmup, int(200.0 / one))):
+        fn()
     rep = max(3, min(rep, int(max_seconds * 1e3 / one)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
