@@ -59,7 +59,7 @@ _flusher: _L2Flusher | None = None
 
 
 def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
-              flush_l2: bool = True, max_seconds: float = 10.0) -> Timing:
+              flush_l2: bool = True, max_seconds: float = 4.0) -> Timing:
     """Median time of ``fn()`` in milliseconds, measured with CUDA events.
 
     ``rep`` is lowered for slow functions so one measurement takes about ``max_seconds``.
