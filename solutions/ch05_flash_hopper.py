@@ -19,10 +19,10 @@ What this adds over chapter 04 (Ampere-style: cp.async + mma.sync, every warp lo
    consumers (240), which hold S (64 fp32/thread), P (32 regs) and O (64 fp32/thread at D=128).
 4. Overlap. Inside a warpgroup, the softmax of tile j runs while the wgmma of S_{j+1} = Q K_{j+1}^T
    and O += P_j V_j are in flight ("intra-warpgroup overlap"); across warpgroups, named barriers
-   make them take turns issuing wgmma, so one warpgroup's GEMMs run while the other one does
-   its exponentials ("ping-pong"). Both are knobs in ``HopperConfig``. How much of the
-   softmax really runs under P V is decided by ptxas's instruction scheduler, not by the
-   source order: ``sass_overlap()`` counts it in the compiled kernel.
+   can make them take turns issuing wgmma ("ping-pong", FA3's schedule; off by default here,
+   Note [Ping-pong] says why). Both are knobs in ``HopperConfig``. How much of the softmax
+   really runs under P V is decided by ptxas's instruction scheduler, not by the source order:
+   ``sass_overlap()`` counts it in the compiled kernel.
 
 Shared memory (227 KB = 232448 B per CTA on H100/H200), D = 128, bf16, 128 x 128 tiles:
 1 KB of mbarriers, Q 128 x 128 x 2 B = 32 KB, one K stage 32 KB, one V stage 32 KB; O reuses
@@ -30,7 +30,16 @@ Q's buffer. So stages = (227 - 1 - 32) // (32 + 32) = 3 fit; the default is FA4'
 3 is a knob to measure. ``smem_bytes()`` / ``max_stages()`` do this sum for any config, and the
 kernel checks it against its SharedStorage struct at compile time.
 
-Measured speeds live in results/<gpu>/*.json (``python -m solutions.benchmark``), not here.
+The knobs of the next two chapters live in the same ``HopperConfig`` and enter the softmax at one
+method each (``ch05_softmax.OnlineSoftmax``): ``exp2_emulation_fraction`` (chapter 06: a share of
+the exponentials on the FMA pipe) and ``rescale_threshold`` (chapter 07: skip the O rescale
+unless a warp's max grew by more than tau). Chapter 00's model predicts little from either on
+Hopper at D = 128, where the tile is MMA-bound (2048 MMA cycles against 1024 of MUFU): time that
+was already hidden under the GEMMs cannot be won back; at D = 64 the two tie (1024 each).
+
+Measured speeds live in results/<gpu>/*.json, not here: ``python -m solutions.benchmark``
+(against the peers) and ``python -m solutions.ch05_flash_hopper --bench`` (every knob, verified
+then timed: results/<gpu>/ch05_knobs.json).
 """
 
 import argparse
@@ -48,7 +57,14 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from solutions.ch05_softmax import LOG2_E, OnlineSoftmax, acc_as_a_operand, acc_rows_cols
+from solutions.ch05_softmax import (
+    EMULATION_PERIOD,
+    LOG2_E,
+    OnlineSoftmax,
+    acc_as_a_operand,
+    acc_rows_cols,
+)
+from solutions.ch06_exp2 import emulated_count
 
 SMEM_BYTES_PER_CTA = 227 * 1024  # H100 / H200 opt-in maximum of dynamic shared memory per CTA
 REGISTERS_PER_SM = 64 * 1024
@@ -61,15 +77,18 @@ TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Flo
 # ================================ tuning knobs (one place) =====================================
 @dataclass(frozen=True)
 class HopperConfig:
-    """What the notebook varies. tile_m is derived: 64 query rows per consumer warpgroup."""
+    """What the notebooks vary. tile_m is derived: 64 query rows per consumer warpgroup."""
 
     tile_n: int = 128  # keys per K/V tile (one pipeline stage)
     num_stages: int = 2  # depth of each of the K and V rings
     num_consumer_wgs: int = 2  # MMA + softmax warpgroups; tile_m = 64 * num_consumer_wgs
     intra_wg_overlap: bool = True  # softmax(S_j) while wgmma(S_{j+1}) and wgmma(P_j V_j) run
-    pingpong: bool = True  # consumer warpgroups take turns issuing wgmma (named barriers)
-    # Chapter 06 / 07 knobs: the hooks exist in OnlineSoftmax; this chapter accepts 0 only.
+    pingpong: bool = False  # consumer warpgroups take turns issuing wgmma: Note [Ping-pong]
+    # Chapter 06: share of each row's exp2 on the FMA polynomial instead of MUFU, in steps of
+    # 1/8 (OnlineSoftmax.exp2_row).
     exp2_emulation_fraction: float = 0.0
+    # Chapter 07: tau, log2 units; keep a warp's stale max unless a row grew by more than tau
+    # (Note [Warp vote] in ch05_softmax). 0: always rescale. At most MAX_RESCALE_THRESHOLD.
     rescale_threshold: float = 0.0
 
     @property
@@ -81,11 +100,25 @@ class HopperConfig:
 # 128 * (producer + n * consumer), must stay within the SM's 64 K registers.
 REGISTER_BUDGETS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
+# With a stale max, p = 2^(s - m_used) <= 2^tau, and P enters the P V wgmma in the input dtype.
+# fp16's largest value is 65504 = 2^15.9998 (a convert rounds up to inf from 65520 on), so
+# tau < 16 is the limit; p may overshoot 2^tau a little (the FFMA's rounding of s * scale - m,
+# a few ulp of |s * scale|, and exp2's relative error, 8.6e-5 on the polynomial), so 0.01 of
+# headroom: 2^15.99 * (1 + 1e-4) = 65089 < 65504. bf16 (max 2^128) would allow more, but one
+# config serves both dtypes; the row sum l <= seqlen_k * 2^tau stays far inside float32.
+MAX_RESCALE_THRESHOLD = 15.99
+
 
 def default_config(head_dim: int) -> HopperConfig:
-    """128 x 128 tiles for D = 64 and 128; 128 x 80 for D = 256 (Q 64 KB + 2 x (K + V) 160 KB).
-    FA4 uses 192 x 128 at D = 64; here three consumer warpgroups at 160 registers each spill
-    with tile_n = 128 (spill-free with tile_n = 96): a knob for the notebook."""
+    """D = 128: 128 x 128 tiles. D = 256: 128 x 80 (Q 64 KB + 2 x (K + V) 160 KB).
+    D = 64: 192 x 112 with three consumer warpgroups, near FA4's 192 x 128 (which spills here:
+    three warpgroups get 160 registers each, and S 64 + P 32 + O 32 fp32 registers of the
+    intra-warpgroup overlap plus addresses do not fit at tile_n = 128; they do at 112). Why
+    three warpgroups at D = 64: a 128 x 128 tile step is 1024 MMA cycles and 1024 MUFU cycles
+    (chapter 00's model), the exponentials tie with the GEMMs, and a third warpgroup gives the
+    tensor cores a third queue of work while two of them are in their softmax."""
+    if head_dim <= 64:
+        return HopperConfig(tile_n=112, num_consumer_wgs=3)
     if head_dim <= 128:
         return HopperConfig(tile_n=128, num_consumer_wgs=2)
     return HopperConfig(tile_n=80, num_consumer_wgs=2)
@@ -143,10 +176,19 @@ def check_config(head_dim: int, cfg: HopperConfig) -> None:
             f"{cfg.num_stages} x (K + V) {cfg.tile_n}x{head_dim}, bf16), more than the "
             f"{SMEM_BYTES_PER_CTA} B a CTA may use; at most {max_stages(head_dim, cfg)} stages fit"
         )
-    if cfg.exp2_emulation_fraction != 0.0:
-        raise ValueError("exp2_emulation_fraction is chapter 06's knob; chapter 05 accepts 0.0")
-    if cfg.rescale_threshold != 0.0:
-        raise ValueError("rescale_threshold is chapter 07's knob; chapter 05 accepts 0.0")
+    try:  # k of every EMULATION_PERIOD elements: ValueError / TypeError saying what is accepted
+        emulated_count(cfg.exp2_emulation_fraction, EMULATION_PERIOD)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"exp2_emulation_fraction (chapter 06): {exc}") from None
+    tau = cfg.rescale_threshold
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+        raise TypeError(f"rescale_threshold (chapter 07) must be a number, got {tau!r}")
+    if not 0.0 <= tau <= MAX_RESCALE_THRESHOLD:
+        raise ValueError(
+            f"rescale_threshold (chapter 07) must be in [0, {MAX_RESCALE_THRESHOLD}] (log2 units; "
+            f"0 = always rescale), got {tau!r}: a stale max lets p reach 2^tau, and P must stay "
+            f"below fp16's largest value 65504 = 2^15.9998"
+        )
 
 
 def _select(t: cute.Tensor, modes: list) -> cute.Tensor:
@@ -172,10 +214,13 @@ class FlashAttentionHopper:
       warpgroup 1..n  consumers: wgmma S = Q K^T, online softmax, wgmma O += P V, epilogue
     """
 
-    def __init__(self, dtype, head_dim: int, causal: bool, config: HopperConfig | None = None):
+    def __init__(self, dtype, head_dim: int, causal: bool, config: HopperConfig | None = None,
+                 write_max_used: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
+        # a probe for tests (max_used()): the lse output receives the max each row subtracted
+        self.write_max_used = bool(write_max_used)
         self.cfg = config or default_config(head_dim)
         check_config(head_dim, self.cfg)
         self.tile_m, self.tile_n = self.cfg.tile_m, self.cfg.tile_n
@@ -521,6 +566,32 @@ class FlashAttentionHopper:
                 tma_bar_ptr=pipeline_v.producer_get_barrier(state_v),
             )
 
+    # Note [Ping-pong]
+    # ----------------
+    # FA3 makes its consumer warpgroups take turns issuing GEMMs (Note [Turns]) so that one
+    # warpgroup's exponentials run while the tensor cores work on the other's GEMMs. On the
+    # H200 this kernel measured faster without the barriers at D = 128 (ch05_knobs: "ping-pong"
+    # against "default"), so the default is off. The SASS of the two builds differs only by the
+    # BAR.SYNC before the turn's 16 HGMMA and the BAR.ARV after them, and it shows why they have
+    # nothing left to order:
+    # 1. A warpgroup waits for its own P V before its exponentials: ptxas hoists wait_group(0)
+    #    (WARPGROUP.DEPBAR.LE gsb0, 0x0) above all but a handful of a turn's 64 MUFU.EX2
+    #    (sass_overlap()). So its softmax can only overlap the *other* warpgroup's GEMMs.
+    # 2. The tensor cores run wgmma groups in issue order. While warpgroup A waits for its P V,
+    #    B's turn is queued behind it; when A's P V ends, B's S and P V (1024 tensor cycles at
+    #    D = 128, half of a 128 x 128 tile step) start, and A's softmax (60 MUFU.EX2 per warp at
+    #    8 cycles each, 480 cycles, and about 210 other instructions) ends before them. A then
+    #    issues its next turn into the queue behind B's. The two warpgroups alternate by
+    #    themselves: the order the barriers would enforce is already the order that happens.
+    # 3. So the barriers can only add waiting: a warpgroup that is ready must wait until the
+    #    other has issued, and any delay of one (a K/V tile landing late, issue slots lost to
+    #    the other's softmax on the same SM sub-partitions) stalls both and can drain the
+    #    tensor cores' queue, where without barriers the ready one issues. Plus a barrier round
+    #    trip per turn.
+    # The knob stays: a kernel whose softmax really overlaps its own P V (chapter 08) changes
+    # point 1, and --bench times it at D = 64 as well. Hardware counters would confirm point 3
+    # (ncu's barrier-stall share of the consumer warps with and without the knob).
+
     # Note [Turns]
     # ------------
     # Ping-pong: consumer warpgroups take turns *issuing* wgmma (the GEMMs then run on the tensor
@@ -635,7 +706,8 @@ class FlashAttentionHopper:
         # P as the register A operand of O += P V, input dtype: ((2, 2, 2), 1, tile_n/16)
         tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((self.tile_m, self.tile_n)),
                                      self.dtype)
-        softmax = OnlineSoftmax(scale_log2, cute.size(acc_rows_cols(acc_o), mode=[0]))
+        softmax = OnlineSoftmax(scale_log2, cute.size(acc_rows_cols(acc_o), mode=[0]),
+                                self.cfg.exp2_emulation_fraction, self.cfg.rescale_threshold)
 
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -677,14 +749,14 @@ class FlashAttentionHopper:
                     if i < n_masked:
                         self.apply_mask(acc_s, thr_mma_qk, m_block, n_tiles - 1 - i, seqlen_q,
                                         seqlen_k)
-                    row_scale = softmax.update(acc_s, is_first=False)
+                    row_scale, rescale = softmax.update(acc_s, is_first=False)
                     # P V done: tOrP, O and the V stage are free again. ptxas may schedule this
                     # wait earlier than written (see sass_overlap): source order is a request.
                     warpgroup.wait_group(0)
                     pipeline_v.consumer_release(state_v)
                     state_v.advance()
                     self.convert_p(acc_s, tOrP)
-                    softmax.rescale_o(acc_o, row_scale)
+                    softmax.rescale_o(acc_o, row_scale, rescale)
                 # turn n: the last O += P V
                 pipeline_v.consumer_wait(state_v)
                 self.turn_begin(wg, n_tiles)
@@ -706,9 +778,9 @@ class FlashAttentionHopper:
                     if i < n_masked:
                         self.apply_mask(acc_s, thr_mma_qk, m_block, n_tiles - 1 - i, seqlen_q,
                                         seqlen_k)
-                    row_scale = softmax.update(acc_s, is_first=False)
+                    row_scale, rescale = softmax.update(acc_s, is_first=False)
                     self.convert_p(acc_s, tOrP)
-                    softmax.rescale_o(acc_o, row_scale)
+                    softmax.rescale_o(acc_o, row_scale, rescale)
                     pipeline_v.consumer_wait(state_v)
                     self.turn_begin(wg, 2 * i + 1)
                     self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index],
@@ -734,6 +806,9 @@ class FlashAttentionHopper:
         """out = O / l and lse to global memory. O goes registers -> shared (over Q's buffer)
         -> TMA store, which clips rows past seqlen_q; lse is written directly."""
         inv_sum, lse = softmax.finalize()
+        if const_expr(self.write_max_used):
+            for r in cutlass.range_constexpr(softmax.num_rows):
+                lse[r] = softmax.row_max[r] * softmax.scale_log2  # log2 units; -inf: no key
         o = acc_rows_cols(acc_o)
         for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
             for c in cutlass.range(cute.size(o, mode=[1]), unroll_full=True):
@@ -832,6 +907,10 @@ def _to_cute(t: torch.Tensor, leading_dim: int, align: int = 16):
 def attention_into(q, k, v, out, lse, causal=False, softmax_scale=None, config=None):
     """Run the kernel writing into given ``out`` (like q) and ``lse`` (b, h, sq) float32.
     Tests pass NaN-filled buffers here to prove every element gets written."""
+    return _launch(q, k, v, out, lse, causal, softmax_scale, config, write_max_used=False)
+
+
+def _launch(q, k, v, out, lse, causal, softmax_scale, config, write_max_used):
     import cuda.bindings.driver as cuda
 
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale, config)
@@ -847,9 +926,10 @@ def attention_into(q, k, v, out, lse, causal=False, softmax_scale=None, config=N
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     args = [_to_cute(t, 3) for t in (q, k, v, out)] + [_to_cute(lse, 2, align=4)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    key = (q.dtype, d, bool(causal), cfg)
+    key = (q.dtype, d, bool(causal), cfg, write_max_used)
     if key not in _COMPILED:
-        kernel = FlashAttentionHopper(TORCH_TO_CUTLASS[q.dtype], d, bool(causal), cfg)
+        kernel = FlashAttentionHopper(TORCH_TO_CUTLASS[q.dtype], d, bool(causal), cfg,
+                                      write_max_used)
         _COMPILED[key] = cute.compile[cute.GPUArch("sm_90a")](kernel, *args, scale, stream)
     _COMPILED[key](*args, scale, stream)
     return out, lse
@@ -862,6 +942,19 @@ def attention(q, k, v, causal=False, softmax_scale=None, config=None):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
     return attention_into(q, k, v, out, lse, causal, softmax_scale, config)
+
+
+def max_used(q, k, v, causal=False, softmax_scale=None, config=None):
+    """A probe for tests: (b, h, sq) float32, the max each query row subtracted in its last
+    tile, in log2 units (scale * log2(e) * score; -inf for a row that saw no key). Without
+    chapter 07 it is the row's true max; with ``rescale_threshold`` it is the stale max the warp
+    vote kept (Note [Warp vote]), which ``ch07_rescaling``'s model predicts. The same kernel,
+    compiled with its lse output replaced by this value."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    probe = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32,
+                        device=q.device)
+    _launch(q, k, v, out, probe, causal, softmax_scale, config, write_max_used=True)
+    return probe
 
 
 def compile_only(arch="sm_90a", head_dim=128, dtype="bf16", causal=False, config=None):
@@ -936,94 +1029,185 @@ CHECK_CASES = [
 ]
 
 
+LSE_ATOL = 1e-3  # the kernel's lse (float32 scores) vs float64: see compare()
+
+
 def compare(q, k, v, out, lse, causal=False, softmax_scale=None, label=""):
-    """Kernel output vs the float64 reference, with the course's tolerance rule: max |error| <=
-    2 x (PyTorch's own error in the input dtype) + 1e-3; lse within 1e-3 where a row sees keys,
-    exactly -inf where it sees none; no NaN anywhere. Returns (ok, one-line report)."""
+    """Kernel output vs the float64 reference. The course's rule (``utils.checks``, as
+    ``check_attention`` applies it): out and lse each within 2 x PyTorch's own error in the
+    input dtype plus rounding slack, no NaN, infinities exactly where the reference has them.
+    Two claims the rule cannot make by itself: rows that see no key are exactly out = 0 and
+    lse = -inf, and lse is within LSE_ATOL of float64 where a row sees keys (the kernel keeps
+    S in float32, PyTorch's yardstick rounds it to 16 bits; an lse paired with the wrong max,
+    chapter 07's classic bug, is off by up to tau * ln 2 and shows up here first).
+    Returns (ok, one-line report)."""
+    from utils.checks import tolerance_check
     from utils.reference import attention_reference
 
     ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    same_out, _ = attention_reference(q, k, v, causal, softmax_scale, dtype=q.dtype)
-    err = (out.double() - ref_out).abs().nan_to_num(float("inf"))
-    tol = 2 * (same_out.double() - ref_out).abs().max().item() + 1e-3
-    seen = torch.isfinite(ref_lse)  # rows that see at least one key
-    lse_err = (lse.double() - ref_lse)[seen].abs().nan_to_num(float("inf"))
-    lse_err = lse_err.max().item() if lse_err.numel() else 0.0
+    same_out, same_lse = attention_reference(q, k, v, causal, softmax_scale, dtype=q.dtype)
+    on_out = tolerance_check(out, ref_out, same_out, "out")
+    on_lse = tolerance_check(lse, ref_lse, same_lse, "lse", extra_atol=1e-5)
+    seen = torch.isfinite(ref_lse).to(lse.device)  # rows that see at least one key
     empty_rows_ok = bool(torch.isneginf(lse[~seen]).all()) and bool(
         (out.transpose(1, 2)[~seen] == 0).all()
     )
-    nan = int(torch.isnan(out).sum()) + int(torch.isnan(lse).sum())
-    worst = tuple(int(i) for i in torch.nonzero(err == err.max())[0])
-    ok = nan == 0 and err.max().item() <= tol and lse_err <= 1e-3 and empty_rows_ok
+    nan = on_out.kernel.nan_count + on_lse.kernel.nan_count
+    lse_err = on_lse.kernel.max_abs  # finite positions; a wrong inf counts as inf_mismatch
+    ok = on_out.passed and on_lse.passed and lse_err <= LSE_ATOL and empty_rows_ok
     line = (
-        f"{'ok  ' if ok else 'FAIL'} {label}: max|err| {err.max().item():.2e} (tol {tol:.2e}) at "
-        f"(b,s,h,d)={worst}, lse err {lse_err:.2e}, empty rows 0/-inf {empty_rows_ok}, NaN {nan}"
+        f"{'ok  ' if ok else 'FAIL'} {label}: max|err| {on_out.kernel.max_abs:.2e} "
+        f"(tol {on_out.limit:.2e}) at (b,s,h,d)={on_out.kernel.worst_index}, lse err "
+        f"{lse_err:.2e} (tol {min(on_lse.limit, LSE_ATOL):.1e}), inf mismatches "
+        f"{on_out.kernel.inf_mismatch + on_lse.kernel.inf_mismatch}, empty rows 0/-inf "
+        f"{empty_rows_ok}, NaN {nan}"
     )
     return ok, line
 
 
+def run_and_compare(q, k, v, causal=False, softmax_scale=None, config=None, label=""):
+    """One launch into NaN-poisoned out and lse (an element the kernel forgets stays NaN and
+    fails), then compare(). Returns (ok, one-line report)."""
+    from utils.checks import poison_
+
+    b, sq, h, _ = q.shape
+    out = poison_(torch.empty_like(q))
+    lse = poison_(torch.empty(b, h, sq, dtype=torch.float32, device=q.device))
+    attention_into(q, k, v, out, lse, causal, softmax_scale, config)
+    torch.cuda.synchronize()
+    return compare(q, k, v, out, lse, causal, softmax_scale, label=label)
+
+
 def check_case(batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype, config=None):
-    """Fresh random inputs, NaN-poisoned outputs, one run, compare(). Returns (ok, report)."""
+    """Fresh random inputs, one run, compare(). Returns (ok, report)."""
     from utils.reference import random_qkv
 
     q, k, v, seed = random_qkv(batch, seqlen_q, heads, dim, seqlen_k=seqlen_k, heads_kv=heads_kv,
                                dtype=dtype, device="cuda")
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((batch, heads, seqlen_q), float("nan"), device="cuda")
-    attention_into(q, k, v, out, lse, causal=causal, config=config)
-    torch.cuda.synchronize()
     label = (
         f"b={batch} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv} d={dim} causal={causal} "
         f"{str(dtype)[6:]} {config or 'default config'} seed={seed}"
     )
-    return compare(q, k, v, out, lse, causal, label=label)
+    return run_and_compare(q, k, v, causal, config=config, label=label)
 
 
-BENCH_KNOBS = {
-    "default": {},
-    "no intra-wg overlap": dict(intra_wg_overlap=False),
-    "no ping-pong": dict(pingpong=False),
-    "neither": dict(intra_wg_overlap=False, pingpong=False),
-    "3 stages": dict(num_stages=3),
+# ===============================================================================================
+# --bench: every knob at the chapter's target shape, verified, timed, stored
+# ===============================================================================================
+BENCH_RESULTS = "ch05_knobs"
+BENCH_SEQLEN, BENCH_HEADS = 16384, 16  # batch * seqlen = 16384 tokens, as in results/*/ch05_fwd
+# (head_dim, causal) -> names of bench_configs(head_dim) to time there
+BENCH_PLAN = {
+    (128, False): ("default", "no intra-wg overlap", "ping-pong", "3 stages",
+                   "exp2 emulation 1/4", "exp2 emulation 1/2", "tau = 8"),
+    (128, True): ("default", "no intra-wg overlap", "ping-pong", "3 stages",
+                  "exp2 emulation 1/4", "exp2 emulation 1/2", "tau = 8"),
+    (64, False): ("default", "128 x 128 (first default)", "ping-pong", "exp2 emulation 1/4"),
 }
 
 
-def bench(seqlen=16384, heads=16, head_dim=128, dtype=torch.bfloat16, iters=20):
-    """Quick TFLOP/s per knob at the chapter's target shape (batch * seqlen = 16384). FLOPs:
-    4 * B * H * S^2 * D, halved for causal. The course's numbers come from solutions.benchmark;
-    this is for a first look on a rare GPU session."""
+def bench_configs(head_dim: int) -> dict:
+    """Name -> HopperConfig: the default and one knob changed at a time (chapters 05-07)."""
+    base = default_config(head_dim)
+    return {
+        "default": base,
+        "no intra-wg overlap": replace(base, intra_wg_overlap=False),
+        "ping-pong": replace(base, pingpong=not base.pingpong),
+        "3 stages": replace(base, num_stages=3),
+        "exp2 emulation 1/4": replace(base, exp2_emulation_fraction=0.25),
+        "exp2 emulation 1/2": replace(base, exp2_emulation_fraction=0.5),
+        "tau = 8": replace(base, rescale_threshold=8.0),
+        "128 x 128 (first default)": HopperConfig(tile_n=128, num_consumer_wgs=2, pingpong=True),
+    }
+
+
+def bench(plan=None, seqlen=BENCH_SEQLEN, heads=BENCH_HEADS, rep=30, save=True) -> list[dict]:
+    """Each (head_dim, causal, config) of ``plan``: verified once against the float64 reference
+    on a small awkward shape (fresh random inputs, NaN-poisoned outputs), then timed at
+    (batch, seqlen, heads) = (16384 // seqlen, seqlen, heads) with ``utils.bench.time_cuda``
+    (L2 flushed, median of ``rep``). A config that fails its check is not timed. Prints one
+    line per config and returns rows for utils.results (saved as BENCH_RESULTS)."""
+    from utils import results
+    from utils.bench import attention_flops, time_cuda
     from utils.reference import random_qkv
 
+    plan = BENCH_PLAN if plan is None else plan
     batch = max(1, 16384 // seqlen)
-    q, k, v, _ = random_qkv(batch, seqlen, heads, head_dim, dtype=dtype, device="cuda")
-    for causal in (False, True):
-        flops = 4 * batch * heads * seqlen**2 * head_dim / (2 if causal else 1)
-        for name, change in BENCH_KNOBS.items():
-            cfg = replace(default_config(head_dim), **change)
-            attention(q, k, v, causal=causal, config=cfg)  # compile + warm up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                attention(q, k, v, causal=causal, config=cfg)
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end) / iters
-            print(f"b={batch} s={seqlen} h={heads} d={head_dim} causal={causal} {name:20s}: "
-                  f"{ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+    rows, failures = [], 0
+    for (head_dim, causal), names in plan.items():
+        configs = bench_configs(head_dim)
+        q, k, v, seed = random_qkv(batch, seqlen, heads, head_dim, device="cuda")
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+        for name in names:
+            cfg = configs[name]
+            t0 = time.perf_counter()
+            try:  # one broken config must not cost the rest of a rare GPU session
+                ok, line = check_case(1, 1000, 1100, 4, 2, head_dim, causal, torch.bfloat16,
+                                      cfg)
+            except Exception as exc:  # reported in the row and the table, the run goes on
+                ok, line = False, f"FAIL d={head_dim} causal={causal} {name}: {exc!r}"
+            row = {
+                "impl": "flash_hopper", "config": name, "pass": "fwd", "dtype": "bf16",
+                "b": batch, "s": seqlen, "h": heads, "d": head_dim, "causal": causal,
+                "tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "num_stages": cfg.num_stages,
+                "intra_wg_overlap": cfg.intra_wg_overlap, "pingpong": cfg.pingpong,
+                "exp2_emulation_fraction": cfg.exp2_emulation_fraction,
+                "rescale_threshold": cfg.rescale_threshold, "verified": ok, "seed": seed,
+                "ms": None, "tflops": None,
+            }
+            if ok:
+                timing = time_cuda(lambda cfg=cfg: attention(q, k, v, causal, config=cfg),
+                                   rep=rep)
+                row.update(ms=timing.median_ms, tflops=timing.tflops(flops),
+                           ms_min=timing.min_ms, reps=timing.reps)
+            else:
+                failures += 1
+                print(line, flush=True)
+            rows.append(row)
+            print(f"  {'ok  ' if ok else 'FAIL'} d={head_dim} causal={causal} {name}: "
+                  f"checked{' and timed' if ok else ''} in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+    print(format_knob_rows(rows), flush=True)
+    if save:
+        path = results.save(BENCH_RESULTS, rows,
+                            command="python -m solutions.ch05_flash_hopper --bench")
+        print(f"wrote {path}" + (f" ({failures} configs FAILED their check)" if failures else ""))
+    return rows
+
+
+def format_knob_rows(rows: list[dict], configs=None) -> str:
+    """The rows of ``bench`` (or of the stored BENCH_RESULTS) as a table: time, TFLOP/s and
+    speed relative to the "default" row of the same (d, causal); ``configs`` picks names."""
+    lines = [f"{'d':>3s} {'causal':6s} {'config':26s} {'ms':>8s} {'TFLOP/s':>8s} "
+             f"{'vs default':>10s}"]
+    for r in rows:
+        if configs is not None and r["config"] not in configs:
+            continue
+        base = [b for b in rows if b["config"] == "default" and b["d"] == r["d"]
+                and b["causal"] == r["causal"] and b["ms"]]
+        if not r["ms"]:
+            lines.append(f"{r['d']:3d} {r['causal']!s:6s} {r['config']:26s} "
+                         f"{'check FAILED: not timed':>28s}")
+            continue
+        ratio = f"{base[0]['ms'] / r['ms']:9.3f}x" if base else ""
+        lines.append(f"{r['d']:3d} {r['causal']!s:6s} {r['config']:26s} {r['ms']:8.3f} "
+                     f"{r['tflops']:8.1f} {ratio:>10s}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="one small causal case (default)")
     parser.add_argument("--check", action="store_true", help="every CHECK_CASES entry")
-    parser.add_argument("--bench", action="store_true", help="TFLOP/s per knob, D=128 S=16384")
+    parser.add_argument("--bench", action="store_true",
+                        help=f"verify and time every knob (BENCH_PLAN), save {BENCH_RESULTS}")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU here; the compile-only checks are tests/test_ch05_compile.py")
         return 0
     if args.bench:
-        bench()
-        return 0
+        rows = bench()
+        return 1 if any(not r["verified"] for r in rows) else 0
     cases = CHECK_CASES if args.check else [SMALL_CASE]
     failures = 0
     for case in cases:

@@ -44,8 +44,9 @@ Note [Why tau = 8 is safe]
 Warp-uniform decisions. In the kernel a warp holds several rows (16 in a Hopper wgmma warpgroup,
 32 on Blackwell with one thread per row); a branch that differs between its rows costs both
 paths. ``group_rows`` makes one decision per group of consecutive query rows:
-``group_rule="any"`` moves the whole group to its new maxima when ANY row needs it (the plan of
-chapter 05's ``OnlineSoftmax.running_max_to_use`` hook); ``group_rule="own"`` is FA4's Blackwell
+``group_rule="any"`` moves the whole group to its new maxima when ANY row needs it (what chapter
+05's kernel does with ``HopperConfig.rescale_threshold``: Note [Warp vote] in ch05_softmax, and a
+GPU test compares its per-row maxima with this model); ``group_rule="own"`` is FA4's Blackwell
 variant: each row keeps its own stale-max decision and the warp vote only decides whether the O
 multiply runs at all (rows that kept their max multiply by 1). Both are exact; they differ in
 how many group steps pay for the multiply.
@@ -723,55 +724,102 @@ RESULTS_NAME = "ch07_rescale"
 
 
 def knob_configs(head_dim: int = 128, tau: float = FA4_RESCALE_THRESHOLD):
-    """(knob off, knob on) configs of chapter 05's Hopper kernel. Raises ValueError saying why
-    while chapter 05 does not take ``rescale_threshold`` yet (no field, or only 0.0 accepted)."""
+    """(knob off, knob on): chapter 05's default config for ``head_dim`` with rescale_threshold
+    0 and ``tau``. Raises ValueError saying why when chapter 05 refuses tau (it takes
+    0 <= tau <= ch05.MAX_RESCALE_THRESHOLD, the fp16 bound of Note [Why tau = 8 is safe]) or,
+    in an older tree, has no such field."""
     import dataclasses
 
     from solutions import ch05_flash_hopper as ch05
 
     if "rescale_threshold" not in {f.name for f in dataclasses.fields(ch05.HopperConfig)}:
         raise ValueError("chapter 05's HopperConfig has no rescale_threshold field yet")
-    off = ch05.default_config(head_dim)
+    off = dataclasses.replace(ch05.default_config(head_dim), rescale_threshold=0.0)
     on = dataclasses.replace(off, rescale_threshold=float(_check_tau(tau)))
     ch05.check_config(head_dim, on)
     return off, on
 
 
+def _bench_inputs(pattern: str, batch: int, seqlen: int, heads: int, dim: int, tau: float,
+                  tile_n: int):
+    """bf16 CUDA q, k, v (batch, seqlen, heads, dim) and a seed: fresh N(0, 1) ("random") or
+    ``adversarial_qkv`` per head for the kernel's tile_n and reverse order ("adversarial")."""
+    from utils.reference import random_qkv
+
+    if pattern == "random":
+        q, k, v, seed = random_qkv(batch, seqlen, heads, dim, device="cuda")
+        return q, k, v, seed
+    qkv = [pattern_qkv("adversarial", seqlen, seqlen, heads, dim, seed=b, tile_n=tile_n,
+                       tau=tau, kv_order="reverse") for b in range(batch)]
+    q, k, v = (torch.cat([t[i] for t in qkv]).to("cuda", torch.bfloat16) for i in range(3))
+    return q, k, v, 0
+
+
+def o_multiply_share(q, k, causal: bool, tau: float, tile_n: int, rows: int = 256) -> float:
+    """The model's share of (warp, KV tile) steps in which chapter 05's kernel multiplies O,
+    from the last ``rows`` query rows of batch 0, head 0 (they see the most tiles). tau = 0: the
+    kernel multiplies at every step; tau > 0: the 16-row "any" vote (HOPPER_WARP_ROWS)."""
+    if tau == 0:
+        return 1.0
+    tmax = tile_maxima(q[:1, -rows:, :1].cpu(), k[:1, :, :1].cpu(), causal=causal,
+                       tile_n=tile_n, kv_order="reverse")
+    return scan_tile_maxima(tmax, tau, group_rows=HOPPER_WARP_ROWS).frac_group
+
+
 def benchmark_knob(seqlen: int = 16384, heads: int = 16, dim: int = 128,
-                   tau: float = FA4_RESCALE_THRESHOLD, rep: int = 30) -> list[dict]:
-    """Time chapter 05's forward with the knob off and on, on random inputs (the max settles:
-    the knob skips almost every O rescale) and on ``adversarial_qkv`` inputs (every tile
-    rescales: the knob's vote is pure overhead). Each configuration is first checked against
-    the float64 reference on a smaller input. Needs a Hopper GPU; rows for utils.results."""
+                   tau: float = FA4_RESCALE_THRESHOLD, rep: int = 30,
+                   causal_modes=(False, True)) -> list[dict]:
+    """Chapter 05's forward with the knob off (tau = 0) and on, on random inputs (the max
+    settles: the vote skips almost every O rescale) and on adversarial ones (every tile
+    rescales: the vote is pure overhead), causal and not. Every (inputs, causal, config) is
+    first checked against the float64 reference on a small awkward shape (NaN-poisoned
+    outputs, ``ch05.run_and_compare``); a failure raises AssertionError before any timing.
+    Needs a Hopper GPU; returns rows for utils.results, with the model's share of O multiplies
+    (``o_multiply_share``) next to each time."""
     from solutions import ch05_flash_hopper as ch05
     from utils.bench import attention_flops, time_cuda
-    from utils.checks import check_attention
 
     off, on = knob_configs(dim, tau)
     batch = max(1, 16384 // seqlen)
-    inputs = {
-        "random": lambda s, h: tuple(torch.randn(batch, s, h, dim, device="cuda",
-                                                 dtype=torch.bfloat16) for _ in range(3)),
-        "adversarial": lambda s, h: pattern_qkv("adversarial", s, s, h, dim, tau=tau,
-                                                tile_n=off.tile_n, kv_order="reverse"),
-    }
     rows = []
-    for label, make in inputs.items():
-        for cfg in (off, on):
-            fn = partial_attention(ch05.attention, cfg)
-            small = [t.to("cuda", torch.bfloat16) for t in make(1031, 2)]
-            check_attention(fn, *small)
-            q, k, v = (t.to("cuda", torch.bfloat16) for t in make(seqlen, heads))
-            timing = time_cuda(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), rep=rep)
-            flops = attention_flops(q.shape[0], heads, seqlen, seqlen, dim)
-            rows.append({
-                "impl": f"ch05 tau={cfg.rescale_threshold:g}", "pass": "fwd", "dtype": "bf16",
-                "b": q.shape[0], "s": seqlen, "h": heads, "d": dim, "causal": False,
-                "ms": timing.median_ms, "tflops": timing.tflops(flops), "inputs": label,
-                "rescale_threshold": cfg.rescale_threshold, "ms_min": timing.min_ms,
-                "reps": timing.reps,
-            })
+    for pattern in ("random", "adversarial"):
+        q, k, v, seed = _bench_inputs(pattern, batch, seqlen, heads, dim, tau, off.tile_n)
+        for causal in causal_modes:
+            flops = attention_flops(batch, heads, seqlen, seqlen, dim, causal)
+            for cfg in (off, on):
+                small = _bench_inputs(pattern, 1, 1031, 2, dim, tau, cfg.tile_n)[:3]
+                ok, line = ch05.run_and_compare(*small, causal, config=cfg,
+                                                label=f"{pattern} tau={cfg.rescale_threshold:g}")
+                print(line, flush=True)
+                if not ok:
+                    raise AssertionError(line)
+                timing = time_cuda(lambda cfg=cfg, c=causal: ch05.attention(q, k, v, c, config=cfg),
+                                   rep=rep)
+                rows.append({
+                    "impl": "flash_hopper", "config": f"tau={cfg.rescale_threshold:g}",
+                    "pass": "fwd", "dtype": "bf16", "b": batch, "s": seqlen, "h": heads, "d": dim,
+                    "causal": causal, "ms": timing.median_ms, "tflops": timing.tflops(flops),
+                    "inputs": pattern, "rescale_threshold": cfg.rescale_threshold,
+                    "o_multiply_share_model": o_multiply_share(q, k, causal,
+                                                               cfg.rescale_threshold, cfg.tile_n),
+                    "ms_min": timing.min_ms, "reps": timing.reps, "seed": seed,
+                    "verified": True,
+                })
     return rows
+
+
+def format_knob_rows(rows: list[dict]) -> str:
+    """One line per measurement: time, TFLOP/s, knob-on / knob-off time, the model's share of
+    (warp, tile) steps that multiply O."""
+    lines = [f"{'inputs':12s} {'causal':6s} {'config':7s} {'ms':>8s} {'TFLOP/s':>8s} "
+             f"{'on/off':>7s} {'O multiplied (model)':>21s}"]
+    for r in rows:
+        off = [o for o in rows if o["inputs"] == r["inputs"] and o["causal"] == r["causal"]
+               and o["rescale_threshold"] == 0.0]
+        ratio = f"{r['ms'] / off[0]['ms']:7.3f}" if off else ""
+        lines.append(f"{r['inputs']:12s} {r['causal']!s:6s} {r['config']:7s} {r['ms']:8.3f} "
+                     f"{r['tflops']:8.1f} {ratio:>7s} {r['o_multiply_share_model']:21.1%}")
+    return "\n".join(lines)
 
 
 def partial_attention(attention_fn, config):
@@ -784,21 +832,27 @@ def partial_attention(attention_fn, config):
 
 
 def main(argv=None) -> int:
-    """``python -m solutions.ch07_rescaling [--save]`` on a Hopper GPU: the knob off and on."""
+    """``python -m solutions.ch07_rescaling [--save]`` on a Hopper GPU: chapter 05's kernel with
+    the knob off and on, random and adversarial inputs, causal and not; --save writes
+    results/<gpu>/ch07_rescale.json."""
     import argparse
 
     from utils import results
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--seqlen", type=int, default=16384)
-    parser.add_argument("--save", action="store_true", help=f"write results/h200/{RESULTS_NAME}")
+    parser.add_argument("--save", action="store_true", help=f"write results/<gpu>/{RESULTS_NAME}")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here; the stored figures: utils.results.load('ch07_rescale')")
+        return 0
     rows = benchmark_knob(seqlen=args.seqlen)
-    for r in rows:
-        print(f"{r['impl']:14s} {r['inputs']:12s} {r['ms']:8.3f} ms  {r['tflops']:6.1f} TFLOP/s")
+    print(format_knob_rows(rows))
     if args.save:
-        print("wrote", results.save(RESULTS_NAME, rows, command="python -m solutions."
-                                    "ch07_rescaling --save", gpu="h200"))
+        command = "python -m solutions.ch07_rescaling --save"
+        if args.seqlen != 16384:
+            command += f" --seqlen {args.seqlen}"
+        print("wrote", results.save(RESULTS_NAME, rows, command=command))
     return 0
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from solutions import ch05_flash_hopper as ch05
-from solutions.ch05_softmax import acc_as_a_operand, acc_rows_cols
+from solutions import ch07_rescaling as ch07
+from solutions.ch05_softmax import ROWS_PER_WARP, acc_as_a_operand, acc_rows_cols
 from utils.reference import causal_mask
 
 _ARTIFACTS: dict = {}
@@ -75,24 +76,109 @@ def test_sass_overlap_report(compiled):
 
 
 def test_named_barriers(compiled):
-    ptx = compiled(128, True).ptx
     epilogue = int(ch05.NamedBarrier.EPILOGUE)
-    assert f"bar.sync \t{epilogue}, 256;" in ptx  # all consumer threads before the TMA store
-    assert ptx.count("bar.arrive") >= 1  # ping-pong hand-over
+    default = compiled(128, True).ptx
+    assert f"bar.sync \t{epilogue}, 256;" in default  # all consumer threads before the TMA store
+    assert "bar.arrive" not in default  # ping-pong is off by default (Note [Ping-pong])
+    pingpong = compiled(128, True, "bf16", replace(ch05.default_config(128), pingpong=True)).ptx
+    assert pingpong.count("bar.arrive") >= 1  # the hand-over to the other warpgroup
 
 
 def test_every_knob_compiles_without_spills(compiled):
     base = ch05.default_config(128)
     for cfg in (
         replace(base, intra_wg_overlap=False),
-        replace(base, pingpong=False),
+        replace(base, pingpong=True),
         replace(base, num_stages=3),
+        replace(base, exp2_emulation_fraction=0.5, rescale_threshold=8.0),
     ):
         art = compiled(128, True, "bf16", cfg)
         assert art.spills == 0 and art.frame_bytes == 0, (cfg, art.resources())
-    three_wgs = ch05.HopperConfig(tile_n=96, num_consumer_wgs=3)  # 192 x 96 at D = 64
-    art = compiled(64, True, "bf16", three_wgs)
-    assert ".reqntid 512, 1, 1" in art.ptx and art.spills == 0, art.resources()
+    # three consumer warpgroups at 160 registers each: the tightest budget
+    for cfg in (ch05.HopperConfig(tile_n=96, num_consumer_wgs=3),
+                replace(ch05.default_config(64), exp2_emulation_fraction=0.25,
+                        rescale_threshold=8.0)):
+        art = compiled(64, True, "bf16", cfg)
+        assert ".reqntid 512, 1, 1" in art.ptx and art.spills == 0, (cfg, art.resources())
+
+
+def test_head_dim_64_default_is_three_warpgroups_of_192_x_112(compiled):
+    """FA4's Hopper tile at D <= 64 is 192 x 128; here that spills (160 registers per consumer
+    thread with three warpgroups), 192 x 112 does not (ch05.default_config's docstring)."""
+    cfg = ch05.default_config(64)
+    assert (cfg.tile_m, cfg.tile_n, cfg.num_consumer_wgs) == (192, 112, 3)
+    fa4_tile = compiled(64, False, "bf16", replace(cfg, tile_n=128))
+    assert fa4_tile.spills > 0, fa4_tile.resources()
+
+
+# ---------------------------------------------------------------------------------------------
+# chapter 06's knob: a share of the exponentials on the FMA polynomial
+# ---------------------------------------------------------------------------------------------
+FRACTIONS = (0.0, 0.25, 0.5, 1.0)
+
+
+def test_exp2_emulation_moves_exps_from_mufu_to_fma(compiled):
+    """D = 128, 128 x 128 tiles: the overlapped loop has the softmax twice (first tile, steady
+    state), each 2 rows x 32 columns = 64 exponentials per thread, plus 2 alphas (MUFU) in the
+    steady state. A share f of the 128 goes to the polynomial: 3 fma.rn each, no ex2.approx."""
+    base = ch05.default_config(128)
+    arts = [compiled(128, False, "bf16", replace(base, exp2_emulation_fraction=f))
+            for f in FRACTIONS]
+    ex2 = [a.count("ex2.approx") for a in arts]
+    fma = [a.count("fma.rn.f32") for a in arts]
+    assert ex2 == sorted(ex2, reverse=True) and len(set(ex2)) == len(ex2), ex2
+    assert fma == sorted(fma) and len(set(fma)) == len(fma), fma
+    for f, art, n_ex2, n_fma in zip(FRACTIONS, arts, ex2, fma):
+        emulated = round(2 * 64 * f)
+        assert n_ex2 == 2 * 64 + 2 - emulated, (f, n_ex2)
+        assert n_fma - fma[0] == 3 * emulated, (f, n_fma)
+        assert art.count("MUFU.EX2", where="sass") == n_ex2, (f, art.resources())
+        assert art.spills == 0 and art.frame_bytes == 0, (f, art.resources())
+    arts[-1].require("FADD.RM", "LEA", "IADD3", where="sass")  # floor trick, exponent add
+
+
+# ---------------------------------------------------------------------------------------------
+# chapter 07's knob: conditional rescaling with a warp vote
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True])
+def test_rescale_threshold_votes_once_per_tile(compiled, causal):
+    """tau > 0: one vote.sync.any in the steady-state softmax (the first tile has nothing to
+    rescale), and a branch around the O multiply; tau = 0 emits neither."""
+    on = compiled(128, causal, "bf16", replace(ch05.default_config(128), rescale_threshold=8.0))
+    assert on.count("vote.sync.any") == 1, on.count("vote.sync.any")
+    on.require("VOTE.ANY", where="sass")
+    assert on.spills == 0 and on.frame_bytes == 0, on.resources()
+    assert compiled(128, causal).count("vote.sync.any") == 0
+
+
+def test_one_warp_owns_the_16_consecutive_rows_of_the_ch07_model():
+    """Note [Warp vote]: the vote groups a warp's rows, and ch07_rescaling's model groups
+    HOPPER_WARP_ROWS consecutive query rows. Check from the wgmma layout that warp w of the
+    consumer threads holds exactly rows 16w .. 16w + 15 of the tile (tile_m = 128 and 192)."""
+    assert ROWS_PER_WARP == ch07.HOPPER_WARP_ROWS == 16
+    assert ch05.default_config(128).tile_m % ROWS_PER_WARP == 0
+    problems = []
+
+    def check(kern, mma_qk):
+        c_s = cute.make_identity_tensor((kern.tile_m, kern.tile_n))
+        for warp in range(kern.num_consumer_threads // 32):
+            rows = set()
+            for lane in range(32):
+                rc = acc_rows_cols(mma_qk.get_slice(32 * warp + lane).partition_C(c_s))
+                rows |= {rc[r, 0][0] for r in range(cute.size(rc, mode=[0]))}
+            if rows != set(range(16 * warp, 16 * warp + 16)):
+                problems.append((kern.tile_m, warp, sorted(rows)))
+
+    kerns = [ch05.FlashAttentionHopper(cutlass.BFloat16, d, False, ch05.default_config(d))
+             for d in (128, 64)]
+
+    @cute.jit
+    def trace():
+        for kern in kerns:
+            check(kern, kern._tiled_mmas()[0])
+
+    cute.compile[cute.GPUArch("sm_90a")](trace)
+    assert not problems, problems[:4]
 
 
 def test_fp16_and_head_dim_256_compile(compiled):
@@ -126,13 +212,44 @@ def test_shared_memory_budget_arithmetic():
         (dict(num_stages=4), "shared memory"),
         (dict(num_consumer_wgs=4), "num_consumer_wgs"),
         (dict(tile_n=72), "tile_n"),
-        (dict(exp2_emulation_fraction=0.2), "chapter 06"),
-        (dict(rescale_threshold=8.0), "chapter 07"),
+        (dict(exp2_emulation_fraction=0.2), "chapter 06.*k/8"),
+        (dict(exp2_emulation_fraction=1.5), "chapter 06"),
+        (dict(rescale_threshold=16.0), "chapter 07.*65504"),
+        (dict(rescale_threshold=-1.0), "chapter 07"),
+        (dict(rescale_threshold=float("nan")), "chapter 07"),
     ],
 )
 def test_bad_config_is_refused(change, match):
     with pytest.raises(ValueError, match=match):
         ch05.check_config(128, replace(ch05.default_config(128), **change))
+
+
+def test_knob_types_and_accepted_values():
+    base = ch05.default_config(128)
+    with pytest.raises(TypeError, match="chapter 06"):
+        ch05.check_config(128, replace(base, exp2_emulation_fraction="half"))
+    with pytest.raises(TypeError, match="chapter 07"):
+        ch05.check_config(128, replace(base, rescale_threshold=True))
+    for f in (0, 0.125, 0.25, 0.5, 0.875, 1.0):
+        ch05.check_config(128, replace(base, exp2_emulation_fraction=f))
+    for tau in (0, 2.0, 8.0, ch05.MAX_RESCALE_THRESHOLD):
+        ch05.check_config(128, replace(base, rescale_threshold=tau))
+    # the bound: p <= 2^tau with a little overshoot must stay below fp16's largest value
+    assert 2.0**ch05.MAX_RESCALE_THRESHOLD * (1 + 1e-4) < torch.finfo(torch.float16).max
+    assert ch05.MAX_RESCALE_THRESHOLD < ch07.largest_safe_threshold(torch.float16, 2**20)
+
+
+def test_bench_plan_covers_the_brief():
+    """--bench times every knob of chapters 05-07 at D = 128, causal and not."""
+    for causal in (False, True):
+        names = set(ch05.BENCH_PLAN[(128, causal)])
+        assert {"default", "no intra-wg overlap", "ping-pong", "3 stages", "exp2 emulation 1/4",
+                "exp2 emulation 1/2", "tau = 8"} <= names
+    configs = ch05.bench_configs(128)
+    for (d, _), names in ch05.BENCH_PLAN.items():
+        for name in names:
+            ch05.check_config(d, ch05.bench_configs(d)[name])
+    assert configs["ping-pong"].pingpong != configs["default"].pingpong
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +297,7 @@ AWKWARD = [1, 17, 63, 64, 65, 128, 129, 200, 640, 1000]
 CONFIGS = [
     ch05.default_config(128),  # 128 x 128
     ch05.default_config(256),  # 128 x 80
+    ch05.default_config(64),  # 192 x 112
     ch05.HopperConfig(tile_n=96, num_consumer_wgs=3),  # 192 x 96
     ch05.HopperConfig(tile_n=128, num_consumer_wgs=1),  # 64 x 128
 ]
@@ -316,13 +434,33 @@ def test_the_gpu_checker_itself():
     out, lse = attention_reference(q, k, v, causal=True)
     out, lse = out.to(torch.bfloat16), lse.float()
     assert ch05.compare(q, k, v, out, lse, True)[0]
-    for spoil in ("nan", "error", "empty row"):
-        bad = out.clone()
+    for spoil in ("nan", "error", "empty row", "lse", "lse inf", "lse nan"):
+        bad, bad_lse = out.clone(), lse.clone()
         if spoil == "nan":
             bad[0, 20, 1, 3] = float("nan")
         elif spoil == "error":
             bad[0, 20, 1, 3] += 0.1
-        else:
+        elif spoil == "empty row":
             bad[0, 2, 0, 0] = 1.0  # row 2 sees no key (40 queries, 30 keys, causal)
-        ok, line = ch05.compare(q, k, v, bad, lse, True, label=spoil)
+        elif spoil == "lse":
+            bad_lse[0, 1, 20] += 2 * ch05.LSE_ATOL  # within PyTorch's bf16 yardstick, not ours
+        elif spoil == "lse inf":
+            bad_lse[0, 1, 20] = float("-inf")
+        else:
+            bad_lse[0, 1, 20] = float("nan")
+        ok, line = ch05.compare(q, k, v, bad, bad_lse, True, label=spoil)
         assert not ok and line.startswith("FAIL"), line
+
+
+def test_knob_table_formats_stored_rows():
+    """The table --bench prints and the notebooks show from results/<gpu>/ch05_knobs.json."""
+    def row(name, d, causal, ms):
+        return {"config": name, "d": d, "causal": causal, "ms": ms,
+                "tflops": None if ms is None else 1000.0 / ms}
+
+    rows = [row("default", 128, False, 2.0), row("ping-pong", 128, False, 2.5),
+            row("default", 128, True, 1.0), row("tau = 8", 128, True, None)]
+    table = ch05.format_knob_rows(rows)
+    assert "0.800x" in table and "1.000x" in table and "check FAILED" in table, table
+    only = ch05.format_knob_rows(rows, configs=("ping-pong",))
+    assert "ping-pong" in only and "tau = 8" not in only and len(only.splitlines()) == 2, only

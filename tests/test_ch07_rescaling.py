@@ -373,3 +373,17 @@ def test_knob_configs_say_what_chapter_05_accepts():
     else:
         assert (off.rescale_threshold, on.rescale_threshold) == (0.0, 8.0)
         assert off.tile_n == on.tile_n
+
+
+def test_model_share_of_o_multiplies_and_the_knob_table():
+    """The figures ``benchmark_knob`` stores next to each time, computed here on the CPU."""
+    q, k, _ = ch07.pattern_qkv("adversarial", 1024, 1024, 1, 64, tile_n=128, tau=8.0)
+    assert ch07.o_multiply_share(q, k, False, 8.0, 128) == 1.0  # every warp, every tile
+    assert ch07.o_multiply_share(q, k, False, 0.0, 128) == 1.0  # tau = 0 always multiplies
+    q, k, _ = ch07.pattern_qkv("random", 1024, 1024, 1, 64)
+    assert ch07.o_multiply_share(q, k, True, 8.0, 128) < 0.2
+    rows = [{"inputs": "random", "causal": False, "config": f"tau={t:g}", "ms": ms,
+             "tflops": 600.0, "rescale_threshold": t, "o_multiply_share_model": share}
+            for t, ms, share in ((0.0, 2.0, 1.0), (8.0, 1.9, 0.05))]
+    table = ch07.format_knob_rows(rows)
+    assert "0.950" in table and "5.0%" in table, table

@@ -12,6 +12,10 @@ import matplotlib.pyplot as plt
 # One colour per implementation family, reused in every chapter.
 PALETTE = {
     "course": "#1f77b4",
+    "naive": "#8c564b",
+    "tiled_fa2": "#e377c2",
+    "flash_ampere": "#17becf",
+    "flash_hopper": "#1f77b4",
     "sdpa_flash": "#7f7f7f",
     "sdpa_cudnn": "#2ca02c",
     "sdpa_efficient": "#bcbd22",
