@@ -1,0 +1,1211 @@
+"""Chapter 04: FlashAttention-2 forward in CuTe DSL, Ampere style (cp.async + ldmatrix + mma.sync).
+
+What this adds over chapter 02's tiled PyTorch loop: the same online softmax over K/V tiles, but
+one CTA per (query tile, head, batch) keeps everything between the loads of Q, K, V and the
+store of O on chip. Chapter 02 ran a few PyTorch kernels per KV tile and sent S, P and the
+running O through HBM each time; here S and P live only in registers and O is written once.
+
+Why it is fast (D = 128, bf16, one trip of the KV loop for a 128-row Q tile and n_block keys):
+- FLOPs: S = QK^T is 2 * 128 * n_block * 128 and O += PV the same again, on tensor cores
+  (mma.sync m16n8k16, fp32 accumulate); the softmax adds 128 * n_block exp2 on the MUFU unit.
+- Global memory: only the K and V tiles, 2 * n_block * 128 * 2 B, i.e. 128 FLOPs per byte; all
+  query tiles of a head read the same K/V, so most of it comes from L2. Q is read once and O
+  written once per CTA.
+- Loads are asynchronous (cp.async, 16 B per thread, global -> shared without passing through
+  registers): V is fetched during S = QK^T and the next K during the softmax and PV
+  (Note [Pipeline]).
+- ldmatrix moves 8x8 blocks of 16-bit values from shared memory straight into the register
+  layout mma.sync wants; the shared-memory layout (padded or swizzled, Note [Bank conflicts])
+  keeps both the cp.async writes and the ldmatrix reads free of bank conflicts.
+- P never leaves registers: the fp32 accumulator layout of S, cast to bf16/fp16, is exactly the
+  A-operand layout of the next mma.sync (Note [P as an A operand]).
+- Causal: KV tiles above the diagonal are never loaded; only tiles that cross it pay for a
+  per-element mask.
+Measured speed and accuracy on the H200: see results/h200/ch04_*.json (the notebook prints them).
+
+Entry points: ``attention(q, k, v, causal=False, softmax_scale=None, config=None) -> (out, lse)``
+(CUDA tensors, layout (batch, seqlen, heads, dim)); ``compile_only(arch, ...)`` and
+``config_report`` for CI with no GPU. On a GPU, ``python -m solutions.ch04_flash_ampere`` with
+``--small`` (two cases; also run under compute-sanitizer), ``--check`` (CHECK_CASES) or
+``--sweep`` (check and time every tile of SWEEP_PLAN, save results/<gpu>/ch04_sweep.json).
+
+Note [Work split]. A CTA has num_threads // 32 warps stacked along the query rows: warp w owns
+rows 16w .. 16w + 15 of every block of 16 * warps rows, for S and for O, so a row's softmax
+never leaves its warp. With 4 warps and m_block = 128 each warp owns 32 rows: every K and V
+value it reads from shared memory feeds 32 rows of MMAs (16 with 8 warps, which halves the
+FLOPs per shared-memory byte).
+
+Note [Registers]. mma.sync keeps its accumulators in registers, so a thread holds
+m_block * head_dim / num_threads fp32 values of O and m_block * n_block / num_threads of S: at
+D = 128, 128 x 64 and 4 warps that is 128 + 64 of the 255 registers a thread may have, before
+operands, addresses and softmax state. ptxas then spills (so do CUTLASS's and FA4's Ampere-style
+kernels in this setting). The defaults below are the widest tiles of 4 warps x 32 rows that
+compile with no spills for sm_80 and sm_90a, causal or not; whether no-spill beats wider-but-
+spilling is what the chapter's sweep measures. config_report() lists registers and spills.
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.runtime import from_dlpack
+
+from utils.reference import check_attention_inputs
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+SUPPORTED_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+SUPPORTED_HEAD_DIMS = (64, 128)
+SMEM_LAYOUTS = ("padded", "swizzled")
+# Shared memory one CTA may use on the smallest target (A100: 163 KB; H100/H200 allow 227 KB).
+SMEM_LIMIT_BYTES = 163 * 1024
+# Offsets inside one (batch, head) slice and across the batch are 32-bit (fewer registers).
+MAX_ELEMENTS = 2**31 - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuning knobs
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """The knobs of one compiled kernel.
+
+    m_block:     query rows per CTA (one Q tile, loaded once).
+    n_block:     key/value rows per step of the KV loop.
+    num_threads: threads per CTA; num_threads // 32 warps split the m_block rows (Note [Work
+                 split]).
+    num_stages:  shared-memory buffers for K and for V: 1 interleaves the loads of a single
+                 buffer each (FlashAttention-2); 2 double-buffers both (Note [Pipeline]).
+    smem_layout: "padded" (8 spare elements per row) or "swizzled" (XOR of the 16-byte chunk
+                 index with the row): two ways to avoid bank conflicts (Note [Bank conflicts]).
+    """
+
+    m_block: int = 128
+    n_block: int = 64
+    num_threads: int = 128
+    num_stages: int = 1
+    smem_layout: str = "padded"
+
+    @property
+    def num_warps(self) -> int:
+        return self.num_threads // 32
+
+    def smem_row(self, head_dim: int) -> int:
+        """Elements from one row of a shared-memory tile to the next."""
+        return head_dim + 8 if self.smem_layout == "padded" else head_dim
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """Q tile + num_stages K tiles + num_stages V tiles (the O tile reuses Q's)."""
+        rows = self.m_block + 2 * self.num_stages * self.n_block
+        return rows * self.smem_row(head_dim) * elem_bytes
+
+    def accumulator_registers(self, head_dim: int) -> dict[str, int]:
+        """fp32 accumulator registers per thread (Note [Registers])."""
+        return {
+            "acc_O": self.m_block * head_dim // self.num_threads,
+            "acc_S": self.m_block * self.n_block // self.num_threads,
+        }
+
+    def check(self, head_dim: int) -> None:
+        """Raise ValueError naming the first knob this kernel cannot run with."""
+        if self.num_threads % 32 or not 1 <= self.num_warps <= 16:
+            raise ValueError(f"num_threads must be 32..512 in steps of 32, got {self.num_threads}")
+        if self.m_block % (16 * self.num_warps):
+            raise ValueError(
+                f"m_block must be a multiple of 16 * warps = {16 * self.num_warps} (each warp "
+                f"owns 16-row slices of the Q tile), got m_block={self.m_block}"
+            )
+        if self.n_block < 16 or self.n_block % 16:
+            raise ValueError(
+                f"n_block must be a positive multiple of 16 (P is reused as the 16-wide A "
+                f"operand of the PV mma), got {self.n_block}"
+            )
+        rows_per_copy = self.num_threads // 8  # 8 threads x 16 B cover a 128-byte row chunk
+        if self.m_block % rows_per_copy or self.n_block % rows_per_copy:
+            raise ValueError(
+                f"m_block and n_block must be multiples of num_threads // 8 = {rows_per_copy} "
+                f"(rows covered by one pass of the 16-byte copies), got "
+                f"m_block={self.m_block}, n_block={self.n_block}"
+            )
+        if self.num_stages not in (1, 2):
+            raise ValueError(f"num_stages must be 1 or 2, got {self.num_stages}")
+        if self.smem_layout not in SMEM_LAYOUTS:
+            raise ValueError(f"smem_layout must be one of {SMEM_LAYOUTS}, got {self.smem_layout!r}")
+        if self.smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
+            raise ValueError(
+                f"{self} needs {self.smem_bytes(head_dim)} B of shared memory at head_dim "
+                f"{head_dim}; the limit is {SMEM_LIMIT_BYTES} B"
+            )
+
+
+# The defaults: 4 warps of 32 rows (the best FLOPs per shared-memory byte) with the widest KV
+# tile that compiles with no spills for sm_80 and sm_90a, causal or not (Note [Registers]):
+#   D=128: acc_O 128 + acc_S 32 registers; 128 x 64 (acc_S 64) spills 24-112 B of stack.
+#   D=64:  acc_O 64 + acc_S 64; 128 x 128 padded spills 8 B on sm_90a, swizzled up to 144 B.
+DEFAULT_CONFIGS = {
+    64: TileConfig(m_block=128, n_block=64, num_threads=128),
+    128: TileConfig(m_block=128, n_block=32, num_threads=128),
+}
+
+# What the chapter sweeps: every entry must pass the GPU tests; speed goes to
+# results/h200/ch04_sweep.json. Some spill on purpose, to measure what a spill costs.
+SWEEP_CONFIGS = {
+    64: (
+        TileConfig(128, 64, 128),
+        TileConfig(128, 64, 128, smem_layout="swizzled"),
+        TileConfig(128, 64, 128, num_stages=2),
+        TileConfig(128, 128, 128),
+        TileConfig(128, 128, 128, smem_layout="swizzled"),
+        TileConfig(128, 128, 256),
+        TileConfig(64, 128, 128),
+    ),
+    128: (
+        TileConfig(128, 32, 128),
+        TileConfig(128, 32, 128, smem_layout="swizzled"),
+        TileConfig(128, 32, 128, num_stages=2),
+        TileConfig(128, 64, 128),
+        TileConfig(128, 64, 128, smem_layout="swizzled"),
+        TileConfig(128, 64, 256),
+        TileConfig(64, 128, 128),
+        TileConfig(128, 128, 128, smem_layout="swizzled"),
+    ),
+}
+
+
+def default_config(head_dim: int) -> TileConfig:
+    if head_dim not in DEFAULT_CONFIGS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    return DEFAULT_CONFIGS[head_dim]
+
+
+# ----------------------------------------------------------------------------------------------
+# Register-fragment views of the mma.sync m16n8k16 accumulator
+#
+# Each warp computes 16 x 8 blocks of C; lane l holds rows (l // 4, l // 4 + 8) and columns
+# (2 * (l % 4), 2 * (l % 4) + 1) of each block: 4 fp32 values, the "(2, 2)" mode of a fragment
+# of shape ((2, 2), MMA_M, MMA_N), whose first 2 walks the column pair and second the row pair.
+# The 4 lanes of a quad (same l // 4) share rows, so a row reduction is a thread-local one
+# followed by two butterfly shuffles (lane offsets 2 and 1) inside the quad.
+
+
+def rows_cols_view(acc: cute.Tensor) -> cute.Tensor:
+    """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)): this thread's rows x
+    columns, so that ``view[r, None]`` is the part of one row of S (or O) this thread holds."""
+    logical = cute.make_layout(acc.layout.shape)  # compact, column-major over logical coords
+    rows_cols = cute.make_layout(
+        (
+            (logical.shape[0][1], logical.shape[1]),
+            (logical.shape[0][0], logical.shape[2]),
+        ),
+        stride=(
+            (logical.stride[0][1], logical.stride[1]),
+            (logical.stride[0][0], logical.stride[2]),
+        ),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
+
+
+def acc_as_a_operand(acc: cute.Tensor) -> cute.Tensor:
+    """Note [P as an A operand]. For m16n8k16 the A fragment of lane l is rows (l // 4, +8) at
+    k = (2 * (l % 4), +1) and (2 * (l % 4) + 8, +1): exactly the C fragments of two neighbouring
+    8-column blocks. So ((2, 2), MMA_M, MMA_N) becomes (((2, 2), 2), MMA_M, MMA_N / 2) by
+    pairing the n-blocks; no data moves."""
+    paired = cute.logical_divide(acc.layout, (None, None, 2))  # ((2,2), MMA_M, (2, MMA_N/2))
+    a_layout = cute.make_layout(
+        ((paired.shape[0], paired.shape[2][0]), paired.shape[1], paired.shape[2][1]),
+        stride=((paired.stride[0], paired.stride[2][0]), paired.stride[1], paired.stride[2][1]),
+    )
+    return cute.make_tensor(acc.iterator, a_layout)
+
+
+@cute.jit
+def quad_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
+    """Combine ``x`` over the 4 lanes of a quad (they hold the same rows): after the shuffle at
+    offset 2, lanes {0, 2} and {1, 3} agree; after offset 1 all four do."""
+    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    return op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+
+
+@cute.jit
+def fmax(a: Float32, b: Float32) -> Float32:
+    return cute.arch.fmax(a, b)
+
+
+@cute.jit
+def fadd(a: Float32, b: Float32) -> Float32:
+    return a + b
+
+
+# ----------------------------------------------------------------------------------------------
+# Which KV tiles a query tile visits
+
+
+@cute.jit
+def kv_tile_range(
+    m_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr,
+    causal: cutlass.Constexpr,
+):
+    """Return (n_block_max, n_block_masked_min) for query tile ``m_block``.
+
+    KV tiles 0 .. n_block_max - 1 are visited; tiles at or above n_block_masked_min need a
+    per-element mask. Causal, bottom-right aligned: query i sees key j <= i + seqlen_k -
+    seqlen_q. The tile's last row sees keys up to (m_block + 1) * tile_m - 1 + seqlen_k -
+    seqlen_q, so tiles past that are skipped without being loaded; its first row sees keys up
+    to m_block * tile_m + seqlen_k - seqlen_q, so tiles ending at or before that key need no
+    mask. Non-causal: only the last tile can stick out past seqlen_k.
+    """
+    n_block_max = cute.ceil_div(seqlen_k, tile_n)
+    n_block_masked_min = n_block_max - 1
+    if const_expr(causal):
+        offset = seqlen_k - seqlen_q
+        last_row_end = (m_block + 1) * tile_m + offset  # one past the last row's last key
+        n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(last_row_end, 0), tile_n))
+        # Clamp before dividing: a negative numerator would round toward zero, not down.
+        first_row_end = cutlass.max(m_block * tile_m + offset + 1, 0)
+        n_block_masked_min = cutlass.min(first_row_end // tile_n, n_block_max - 1)
+    return n_block_max, n_block_masked_min
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel
+
+
+class FlashAttentionAmpere:
+    """FlashAttention-2 forward for sm_80 and later (sm_90 and sm_100 run the same instructions).
+
+    One CTA computes m_block rows of O for one (head, batch); see Note [Work split].
+    """
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config: TileConfig):
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            raise TypeError(f"dtype must be cutlass.BFloat16 or cutlass.Float16, got {dtype}")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        config.check(head_dim)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.config = config
+        self.m_block = config.m_block
+        self.n_block = config.n_block
+        self.num_threads = config.num_threads
+        self.num_stages = config.num_stages
+
+    # ------------------------------------------------------------------------------------------
+    # Host side: layouts, copies, MMA, grid, launch
+
+    def make_tiled_mma(self) -> cute.TiledMma:
+        """Warps stacked along M (Note [Work split]). The (16 * warps, 16, 16) permutation makes
+        one tile of the tiled MMA two 8-column atoms wide: what one ldmatrix.x4 of the B operand
+        feeds, and the pairs Note [P as an A operand] relies on."""
+        return cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
+            (self.num_warps, 1, 1),
+            permutation_mnk=(self.num_warps * 16, 16, 16),
+        )
+
+    @property
+    def num_warps(self) -> int:
+        return self.num_threads // 32
+
+    def smem_layout(self, rows: int, stages: int | None = None):
+        """A (rows, head_dim[, stages]) tile of 16-bit values in shared memory.
+
+        Note [Bank conflicts]. Shared memory has 32 banks of 4 B; a warp's access is split into
+        phases of 128 B and is conflict-free when each phase touches every bank once. ldmatrix
+        reads 8 rows x 16 B per 8x8 matrix; with rows 128 or 256 B apart all 8 would hit the
+        same 4 banks (8-way conflict). Two cures:
+        - padded: rows (head_dim + 8) elements apart, i.e. shifted by 16 B = 4 banks per row,
+          so 8 consecutive rows cover all 32 banks. Costs 6% (D = 128) or 12% (D = 64) more
+          shared memory; every address is a base plus a constant, which keeps registers free.
+        - swizzled: 8 x 64 atoms with Swizzle(3, 3, 3), which XORs the 16-byte chunk index
+          (address bits 4-6) with the row within the atom (bits 7-9). No wasted bytes, and the
+          layout family TMA and WGMMA use (the Hopper chapters). But an XOR is not a constant
+          offset: each 16-wide k-slice of an atom needs its own address register (4 per
+          operand), enough to make some tiles that fit padded spill swizzled.
+        """
+        shape = (rows, self.head_dim) if stages is None else (rows, self.head_dim, stages)
+        if self.config.smem_layout == "padded":
+            row = self.config.smem_row(self.head_dim)
+            stride = (row, 1) if stages is None else (row, 1, rows * row)
+            return cute.make_layout(shape, stride=stride)
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        order = (0, 1) if stages is None else (0, 1, 2)
+        return cute.tile_to_shape(atom, shape, order)
+
+    def with_static_head_dim(self, t: cute.Tensor) -> cute.Tensor:
+        """(b, s, h, d) with d fixed at compile time and 32-bit strides promised to be multiples
+        of 8 elements (16 B). The host checks both; they let every copy be 16 B wide."""
+        strides = tuple(
+            s if isinstance(s, int) else cute.assume(Int32(s), divby=8) for s in t.stride[:3]
+        )
+        return cute.make_tensor(
+            t.iterator, cute.make_layout((*t.shape[:3], self.head_dim), stride=(*strides, 1))
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        if const_expr(
+            not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type
+                 == self.dtype)
+        ):
+            raise TypeError(f"q, k, v and out must all be {self.dtype}")
+        if const_expr(mLSE.element_type != Float32):
+            raise TypeError("lse must be float32")
+        mQ, mK, mV, mO = [self.with_static_head_dim(t) for t in (mQ, mK, mV, mO)]
+
+        # Shared memory: Q (m_block, D); K and V (n_block, D, stages); O reuses Q's bytes.
+        sQ_layout = self.smem_layout(self.m_block)
+        sKV_layout = self.smem_layout(self.n_block, self.num_stages)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        # Global <-> shared copies: 16 B (8 elements) per thread per instruction; 8 threads
+        # cover one 64-element (128 B) row chunk, so a warp moves 4 whole 128-byte lines.
+        elems_per_copy = 128 // self.dtype.width
+        threads_per_row = 64 // elems_per_copy
+        thread_layout = cute.make_layout(
+            (self.num_threads // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
+        )
+        value_layout = cute.make_layout((1, elems_per_copy))
+        gmem_copy_QKV = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(
+                # .cg: cache in L2 only; K/V are reused by other CTAs, not by this SM's L1.
+                cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                self.dtype,
+                num_bits_per_copy=128,
+            ),
+            thread_layout,
+            value_layout,
+        )
+        gmem_copy_O = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            thread_layout,
+            value_layout,
+        )
+
+        # One CTA per (query tile, head, batch).
+        grid = (cute.ceil_div(mQ.shape[1], self.m_block), mQ.shape[2], mQ.shape[0])
+        self.kernel(
+            mQ,
+            mK,
+            mV,
+            mO,
+            mLSE,
+            softmax_scale * LOG2_E,
+            sQ_layout,
+            sKV_layout,
+            gmem_copy_QKV,
+            gmem_copy_O,
+            self.make_tiled_mma(),
+            SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,  # softmax_scale * log2(e): exp(scale * s) = exp2(scale_log2 * s)
+        sQ_layout,  # cute.Layout (padded) or cute.ComposedLayout (swizzled)
+        sKV_layout,
+        gmem_copy_QKV: cute.TiledCopy,
+        gmem_copy_O: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        M, N, D, S = self.m_block, self.n_block, self.head_dim, self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[1], mK.shape[1]
+        if const_expr(self.causal):
+            # Causal tiles near the end of the sequence do the most work; start them first so
+            # that short tiles fill the gaps at the end of the grid.
+            m_block = cute.ceil_div(seqlen_q, M) - 1 - m_block
+        # GQA: heads // heads_kv consecutive query heads share one K/V head.
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+
+        # 1. Which KV tiles this query tile visits ------------------------------------------
+        n_block_max, n_block_masked_min = kv_tile_range(
+            m_block, seqlen_q, seqlen_k, M, N, self.causal
+        )
+        # A tile whose rows see no key at all (causal, seqlen_q > seqlen_k) still runs one fully
+        # masked step on tile 0; that leaves row_sum = 0, hence out 0 and lse -inf.
+        n_block_first = cutlass.max(n_block_max - 1, 0)
+
+        # 2. Global-memory tiles ----------------------------------------------------------------
+        gQ = cute.local_tile(mQ[batch, None, head, None], (M, D), (m_block, 0))  # (M, D)
+        gK = cute.local_tile(mK[batch, None, head_kv, None], (N, D), (None, 0))  # (N, D, n)
+        gV = cute.local_tile(mV[batch, None, head_kv, None], (N, D), (None, 0))  # (N, D, n)
+
+        # 3. Shared memory ----------------------------------------------------------------------
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)  # (M, D)
+        sK = storage.sK.get_tensor(sKV_layout)  # (N, D, S)
+        sV = storage.sV.get_tensor(sKV_layout)  # (N, D, S)
+        # V is the B operand of O = P V, indexed (D, N): a transposed view of the same bytes.
+        sVt = cute.composition(sV, cute.make_layout((D, N, S), stride=(N, 1, N * D)))  # (D, N, S)
+
+        # 4. Global -> shared copy partitions (cp.async) -----------------------------------------
+        gmem_thr_copy = gmem_copy_QKV.get_slice(tidx)
+        tQgQ = gmem_thr_copy.partition_S(gQ)  # (CPY, CPY_M, CPY_D)
+        tQsQ = gmem_thr_copy.partition_D(sQ)  # (CPY, CPY_M, CPY_D)
+        tKgK = gmem_thr_copy.partition_S(gK)  # (CPY, CPY_N, CPY_D, n)
+        tKsK = gmem_thr_copy.partition_D(sK)  # (CPY, CPY_N, CPY_D, S)
+        tVgV = gmem_thr_copy.partition_S(gV)  # (CPY, CPY_N, CPY_D, n)
+        tVsV = gmem_thr_copy.partition_D(sV)  # (CPY, CPY_N, CPY_D, S)
+        # (row, col) in the tile of each element this thread copies, for the row bounds.
+        tQcQ = gmem_thr_copy.partition_S(cute.make_identity_tensor((M, D)))  # (CPY, CPY_M, CPY_D)
+        tKcK = gmem_thr_copy.partition_S(cute.make_identity_tensor((N, D)))  # (CPY, CPY_N, CPY_D)
+
+        # 5. MMA partitions and shared -> register copies (ldmatrix) -----------------------------
+        thr_mma = tiled_mma.get_slice(tidx)
+        # Register fragments of the operands, filled one k-slice at a time by ldmatrix.
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))  # (MMA, MMA_M, MMA_D)
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        # tSrK: (MMA, MMA_N, MMA_D); tOrVt: (MMA, MMA_D, MMA_N)
+        # The O accumulator: fp32, in registers for the whole KV loop.
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((M, D)), Float32)
+        acc_O.fill(0.0)  # (MMA, MMA_M, MMA_D)
+
+        ldmatrix = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), self.dtype)
+        # V is stored (N, D) but consumed as (D, N): ldmatrix.trans transposes each 8x8 block.
+        ldmatrix_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(True, 4), self.dtype)
+        smem_copy_Q = cute.make_tiled_copy_A(ldmatrix, tiled_mma).get_slice(tidx)
+        smem_copy_K = cute.make_tiled_copy_B(ldmatrix, tiled_mma).get_slice(tidx)
+        smem_copy_V = cute.make_tiled_copy_B(ldmatrix_t, tiled_mma).get_slice(tidx)
+        tSsQ = smem_copy_Q.partition_S(sQ)  # (CPY, MMA_M, MMA_D)
+        tSsK = smem_copy_K.partition_S(sK)  # (CPY, MMA_N, MMA_D, S)
+        tOsVt = smem_copy_V.partition_S(sVt)  # (CPY, MMA_D, MMA_N, S)
+
+        # (row, col) of this thread's S elements: rows for the softmax state and the LSE, columns
+        # for the mask. Thread 0's columns are compile-time constants and every thread's columns
+        # are thread 0's plus one offset (Note [Mask with constants]).
+        cS = cute.make_identity_tensor((M, N))
+        tScS = rows_cols_view(thr_mma.partition_C(cS))  # ((2, MMA_M), (2, MMA_N)) -> (row, col)
+        t0ScS = rows_cols_view(tiled_mma.get_slice(0).partition_C(cS))  # the same for thread 0
+
+        # Online-softmax state: a running max and a partial row sum per row this thread holds.
+        row_max = cute.make_rmem_tensor(cute.size(tScS, mode=[0]), Float32)  # (2 * MMA_M,)
+        row_sum = cute.make_rmem_tensor(cute.size(tScS, mode=[0]), Float32)  # (2 * MMA_M,)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        # 6. Prologue: Q and the first K tile (and, double-buffered, the first V and next K) ----
+        rows_left_q = seqlen_q - m_block * M
+        for r in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+            if tQcQ[0, r, 0][0] < rows_left_q:
+                cute.copy(gmem_copy_QKV, tQgQ[None, r, None], tQsQ[None, r, None])
+            else:
+                tQsQ[None, r, None].fill(0)  # rows past seqlen_q: finite, never stored
+        self.load_kv(gmem_copy_QKV, tKgK, tKsK, tKcK, n_block_first, 0, seqlen_k, True)
+        cute.arch.cp_async_commit_group()
+        if const_expr(S == 2):
+            self.load_kv(gmem_copy_QKV, tVgV, tVsV, tKcK, n_block_first, 0, seqlen_k, True)
+            cute.arch.cp_async_commit_group()
+            if n_block_first >= 1:
+                self.load_kv(gmem_copy_QKV, tKgK, tKsK, tKcK, n_block_first - 1, 1, seqlen_k,
+                             False)
+            cute.arch.cp_async_commit_group()  # committed even when empty: keeps the count fixed
+
+        # 7. The KV loop, from the last tile down to tile 0. The first trip is peeled off: its
+        #    tile is the only one that can stick out past seqlen_k (so it loads with row checks
+        #    and is always masked) and it has no earlier O to rescale.
+        thr = SimpleNamespace(
+            gmem_copy=gmem_copy_QKV, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV, tKcK=tKcK,
+            tiled_mma=tiled_mma, thr_mma=thr_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt,
+            smem_copy_Q=smem_copy_Q, smem_copy_K=smem_copy_K, smem_copy_V=smem_copy_V,
+            tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt, tScS=tScS, t0ScS=t0ScS,
+            acc_O=acc_O, row_max=row_max, row_sum=row_sum,
+        )
+        bounds = SimpleNamespace(
+            m_block=m_block, n_block_first=n_block_first, n_block_masked_min=n_block_masked_min,
+            seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        )
+        self.kv_step(n_block_first, bounds, thr, scale_log2, is_first=True)
+        for i in cutlass.range(n_block_first, unroll=1):
+            self.kv_step(n_block_first - 1 - i, bounds, thr, scale_log2, is_first=False)
+
+        # 8. Epilogue: O / row_sum and the LSE; O through shared memory to global ---------------
+        lse = self.finalize(acc_O, row_max, row_sum, scale_log2)
+        # The four lanes of a quad hold the same rows; the one holding column 0 writes the LSE.
+        if tScS[0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = tScS[r, 0][0]
+                if row < rows_left_q:
+                    mLSE[batch, head, m_block * M + row] = lse[r]
+
+        # Straight from the accumulators, O would leave as 4-byte stores (2 values per row per
+        # 8-column block) scattered over 8 rows per instruction. Staging it in shared memory
+        # (Q's buffer, free now) turns that into 16-byte stores of whole 128-byte lines.
+        rO = cute.make_fragment_like(acc_O, self.dtype)  # (MMA, MMA_M, MMA_D)
+        rO.store(acc_O.load().to(self.dtype))
+        sO = cute.make_tensor(sQ.iterator, sQ_layout)  # (M, D)
+        smem_store_atom = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width
+        )
+        smem_thr_store = cute.make_tiled_copy_C(smem_store_atom, tiled_mma).get_slice(tidx)
+        # Each warp overwrites only Q rows it read itself (Note [Work split]); the first barrier
+        # still makes that independent of the MMA layout, for the cost of one bar.sync per CTA.
+        # The second orders these stores before other threads read the rows back.
+        cute.arch.barrier()
+        cute.copy(smem_store_atom, smem_thr_store.retile(rO), smem_thr_store.partition_D(sO))
+        cute.arch.barrier()
+
+        gO = cute.local_tile(mO[batch, None, head, None], (M, D), (m_block, 0))  # (M, D)
+        gmem_thr_store = gmem_copy_O.get_slice(tidx)
+        tOsO = gmem_thr_store.partition_S(sO)  # (CPY, CPY_M, CPY_D)
+        tOgO = gmem_thr_store.partition_D(gO)  # (CPY, CPY_M, CPY_D)
+        tOrO = cute.make_fragment_like(tOsO, self.dtype)  # (CPY, CPY_M, CPY_D)
+        cute.autovec_copy(tOsO, tOrO)
+        for r in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+            if tQcQ[0, r, 0][0] < rows_left_q:
+                cute.copy(gmem_copy_O, tOrO[None, r, None], tOgO[None, r, None])
+
+    # ------------------------------------------------------------------------------------------
+    # The KV loop
+
+    @cute.jit
+    def load_kv(
+        self,
+        gmem_copy: cute.TiledCopy,
+        tXgX: cute.Tensor,  # (CPY, CPY_N, CPY_D, n) this thread's share of every K (or V) tile
+        tXsX: cute.Tensor,  # (CPY, CPY_N, CPY_D, S) its share of the shared-memory buffers
+        tXcX: cute.Tensor,  # (CPY, CPY_N, CPY_D) -> (row, col) in the tile
+        n_block: Int32,
+        stage: Int32,
+        seqlen_k: Int32,
+        check_rows: cutlass.Constexpr,
+    ):
+        """Issue the cp.async copies of K or V tile ``n_block`` into buffer ``stage``. Only the
+        last tile can stick out past seqlen_k; its missing rows are zero-filled. K's would be
+        masked anyway, but V's rows meet P = 0, and 0 * (stale NaN bits) = NaN."""
+        if const_expr(check_rows):
+            rows_left = seqlen_k - n_block * self.n_block
+            for r in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+                if tXcX[0, r, 0][0] < rows_left:
+                    cute.copy(gmem_copy, tXgX[None, r, None, n_block], tXsX[None, r, None, stage])
+                else:
+                    tXsX[None, r, None, stage].fill(0)
+        else:
+            cute.copy(gmem_copy, tXgX[None, None, None, n_block], tXsX[None, None, None, stage])
+
+    @cute.jit
+    def kv_step(
+        self,
+        n_block: Int32,
+        bounds: SimpleNamespace,
+        thr: SimpleNamespace,
+        scale_log2: Float32,
+        is_first: cutlass.Constexpr,
+    ):
+        """One KV tile: S = QK^T, mask, online softmax, O += PV, with the loads of later tiles
+        issued in between.
+
+        Note [Pipeline]. cp.async copies are grouped with commit_group; wait_group(n) returns
+        once at most the n newest groups are still in flight; the CTA barrier after it makes
+        every thread's copies visible to all. The prologue commits 2 * S - 1 groups and every
+        step exactly two (a V load, then a K load, either possibly empty), so the group holding
+        the tile about to be read is always the (2 * S - 1)-th newest: wait_group(2 * S - 2).
+        S = 1: V[n] is fetched while QK^T[n] runs and K[n - 1] while softmax and PV[n] run.
+        S = 2: each load is issued one whole step earlier, into the other buffer.
+        A buffer is refilled only after the barrier that follows its last reader.
+        """
+        M, N, S = self.m_block, self.n_block, self.num_stages
+        # Tiles are visited from n_block_first down to 0; the step number mod S picks the buffer.
+        stage = 0
+        if const_expr(S == 2):
+            stage = (bounds.n_block_first - n_block) % 2
+
+        # (a) K[n_block] has landed; every warp is past the previous PV, so a V buffer is free.
+        cute.arch.cp_async_wait_group(2 * S - 2)
+        cute.arch.barrier()
+        # (b) Fetch the V tile S - 1 steps ahead (this step's own when single-buffered).
+        if n_block - (S - 1) >= 0:
+            self.load_kv(thr.gmem_copy, thr.tVgV, thr.tVsV, thr.tKcK, n_block - (S - 1),
+                         (stage + S - 1) % S, bounds.seqlen_k, is_first and S == 1)
+        cute.arch.cp_async_commit_group()
+
+        # (c) S = Q K^T: (M, N) in fp32, 2 * M * N * D FLOPs on the tensor cores.
+        acc_S = cute.make_rmem_tensor(thr.thr_mma.partition_shape_C((M, N)), Float32)
+        acc_S.fill(0.0)  # (MMA, MMA_M, MMA_N)
+        gemm_from_smem(thr.tiled_mma, acc_S, thr.tSrQ, thr.tSrK, thr.tSsQ,
+                       thr.tSsK[None, None, None, stage], thr.smem_copy_Q, thr.smem_copy_K)
+
+        # (d) V[n_block] has landed; every warp is done reading K[n_block]: refill that buffer
+        #     with the K tile S steps ahead.
+        cute.arch.cp_async_wait_group(2 * S - 2)
+        cute.arch.barrier()
+        if n_block - S >= 0:
+            self.load_kv(thr.gmem_copy, thr.tKgK, thr.tKsK, thr.tKcK, n_block - S, stage,
+                         bounds.seqlen_k, False)
+        cute.arch.cp_async_commit_group()
+
+        # (e) Mask, online softmax, rescale O; P = exp2(...) rounded to bf16/fp16.
+        if const_expr(is_first):
+            self.apply_mask(acc_S, thr.tScS, thr.t0ScS, bounds.m_block, n_block,
+                            bounds.seqlen_q, bounds.seqlen_k)
+        elif const_expr(self.causal):
+            # The branch is uniform across the CTA. One loop with it keeps fewer values live
+            # than separate masked and unmasked loops (measured: up to 20 registers).
+            if n_block >= bounds.n_block_masked_min:
+                self.apply_mask(acc_S, thr.tScS, thr.t0ScS, bounds.m_block, n_block,
+                                bounds.seqlen_q, bounds.seqlen_k)
+        self.online_softmax(acc_S, thr.acc_O, thr.row_max, thr.row_sum, scale_log2, is_first)
+        rP = cute.make_fragment_like(acc_S, self.dtype)  # (MMA, MMA_M, MMA_N)
+        rP.store(acc_S.load().to(self.dtype))
+
+        # (f) O += P V: the A operand straight from registers, B from shared memory.
+        gemm_from_regs(thr.tiled_mma, thr.acc_O, acc_as_a_operand(rP), thr.tOrVt,
+                       thr.tOsVt[None, None, None, stage], thr.smem_copy_V)
+
+    # ------------------------------------------------------------------------------------------
+    # Softmax pieces
+
+    @cute.jit
+    def apply_mask(
+        self,
+        acc_S: cute.Tensor,  # (MMA, MMA_M, MMA_N)
+        tScS: cute.Tensor,  # ((2, MMA_M), (2, MMA_N)) -> (row, col) in the tile
+        t0ScS: cute.Tensor,  # the same for thread 0
+        m_block: Int32,
+        n_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+    ):
+        """Set to -inf the scores of keys past seqlen_k and, if causal, of keys j > i + seqlen_k
+        - seqlen_q. Note [Mask with constants]: this thread's column c is thread 0's column c (a
+        compile-time constant) plus one offset, so the offset moves into the limit once per row
+        and each element costs one compare with a constant and one select."""
+        s = rows_cols_view(acc_S)
+        col_offset = tScS[0][1]
+        col_limit_k = seqlen_k - n_block * self.n_block - col_offset
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            col_limit = col_limit_k
+            if const_expr(self.causal):
+                row = m_block * self.m_block + tScS[r, 0][0]
+                causal_end = row + 1 + seqlen_k - seqlen_q - n_block * self.n_block - col_offset
+                col_limit = cutlass.min(col_limit, causal_end)
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                s[r, c] = -Float32.inf if t0ScS[0, c][1] >= col_limit else s[r, c]
+
+    @cute.jit
+    def online_softmax(
+        self,
+        acc_S: cute.Tensor,  # (MMA, MMA_M, MMA_N) scores in, unnormalised probabilities out
+        acc_O: cute.Tensor,  # (MMA, MMA_M, MMA_D)
+        row_max: cute.Tensor,  # (2 * MMA_M,) running max of the unscaled scores
+        row_sum: cute.Tensor,  # (2 * MMA_M,) this thread's share of sum(exp2(...))
+        scale_log2: Float32,
+        is_first: cutlass.Constexpr,
+    ):
+        """One tile of the online softmax, in registers (c = softmax_scale * log2(e)):
+
+        m_new = max(m_old, max_j s_j)              quad shuffles: the row's 4 lanes agree
+        p_j   = exp2(s_j * c - m_new * c)          one FFMA + one MUFU.EX2 per score
+        l     = l * exp2((m_old - m_new) * c) + sum_j p_j    per thread; quad-summed at the end
+        O     = O * exp2((m_old - m_new) * c)
+        The max is taken on unscaled scores: valid because scale > 0 (checked on the host).
+        """
+        s = rows_cols_view(acc_S)
+        o = rows_cols_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            s_row = s[r, None].load()
+            m_tile = quad_allreduce(s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), fmax)
+            m_old = row_max[r]
+            m_new = m_tile if const_expr(is_first) else cute.arch.fmax(m_old, m_tile)
+            row_max[r] = m_new
+            # A row that has seen only masked keys has m_new = -inf; subtracting 0 instead keeps
+            # exp2(-inf - (-inf)) = NaN out: its p_j are exp2(-inf) = 0 and the row stays empty.
+            m_safe = 0.0 if m_new == -Float32.inf else m_new
+            p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+            s[r, None].store(p_row)
+            p_sum = p_row.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if const_expr(is_first):
+                row_sum[r] = p_sum
+            else:
+                correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+                row_sum[r] = row_sum[r] * correction + p_sum
+                o[r, None].store(o[r, None].load() * correction)
+
+    @cute.jit
+    def finalize(
+        self,
+        acc_O: cute.Tensor,  # (MMA, MMA_M, MMA_D)
+        row_max: cute.Tensor,  # (2 * MMA_M,)
+        row_sum: cute.Tensor,  # (2 * MMA_M,)
+        scale_log2: Float32,
+    ) -> cute.Tensor:
+        """O /= l and lse = scale * m + ln(l) = (m * c + log2(l)) * ln(2). A row that saw no key
+        has l = 0: its O stays 0 and its lse is -inf."""
+        o = rows_cols_view(acc_O)
+        lse = cute.make_fragment_like(row_sum, Float32)  # (2 * MMA_M,)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            total = quad_allreduce(row_sum[r], fadd)
+            seen = total > 0.0
+            o[r, None].store(o[r, None].load() * cute.arch.rcp_approx(total if seen else 1.0))
+            lse[r] = (
+                (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+                if seen
+                else -Float32.inf
+            )
+        return lse
+
+
+# ----------------------------------------------------------------------------------------------
+# The two GEMMs of a KV step
+
+
+@cute.jit
+def gemm_from_smem(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,  # (MMA, MMA_M, MMA_N)
+    tCrA: cute.Tensor,  # (MMA, MMA_M, MMA_K) registers
+    tCrB: cute.Tensor,  # (MMA, MMA_N, MMA_K) registers
+    tCsA: cute.Tensor,  # (CPY, MMA_M, MMA_K) shared
+    tCsB: cute.Tensor,  # (CPY, MMA_N, MMA_K) shared
+    smem_copy_A: cute.ThrCopy,
+    smem_copy_B: cute.ThrCopy,
+):
+    """acc += A B^T with both operands read from shared memory by ldmatrix, one 16-wide k-slice
+    at a time; slice k + 1 is requested before the mma.sync of slice k so the two overlap."""
+    tCrA_copy = smem_copy_A.retile(tCrA)  # (CPY, MMA_M, MMA_K) view of the same registers
+    tCrB_copy = smem_copy_B.retile(tCrB)  # (CPY, MMA_N, MMA_K)
+    num_k = cute.size(tCsA, mode=[2])
+    cute.copy(smem_copy_A, tCsA[None, None, 0], tCrA_copy[None, None, 0])
+    cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_copy[None, None, 0])
+    for k in cutlass.range_constexpr(num_k):
+        if const_expr(k + 1 < num_k):
+            cute.copy(smem_copy_A, tCsA[None, None, k + 1], tCrA_copy[None, None, k + 1])
+            cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_copy[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+@cute.jit
+def gemm_from_regs(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,  # (MMA, MMA_M, MMA_N)
+    tCrA: cute.Tensor,  # (MMA, MMA_M, MMA_K) already in registers (P)
+    tCrB: cute.Tensor,  # (MMA, MMA_N, MMA_K) registers
+    tCsB: cute.Tensor,  # (CPY, MMA_N, MMA_K) shared
+    smem_copy_B: cute.ThrCopy,
+):
+    """acc += A B^T with A already in registers; B streamed from shared memory as above."""
+    tCrB_copy = smem_copy_B.retile(tCrB)  # (CPY, MMA_N, MMA_K)
+    num_k = cute.size(tCrA, mode=[2])
+    cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_copy[None, None, 0])
+    for k in cutlass.range_constexpr(num_k):
+        if const_expr(k + 1 < num_k):
+            cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_copy[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch entry point
+
+_COMPILED: dict = {}
+
+
+def check_kernel_inputs(q, k, v, softmax_scale=None, config=None) -> TileConfig:
+    """What this kernel accepts beyond utils.reference.check_attention_inputs; returns the tile
+    config to use. Every check that needs no GPU comes first, so bad input fails the same way on
+    a laptop."""
+    config = _check_host_side(q, k, v, softmax_scale, config)
+    _check_device(q)
+    return config
+
+
+def _check_host_side(q, k, v, softmax_scale, config) -> TileConfig:
+    b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"this kernel takes torch.bfloat16 or torch.float16 inputs, got {q.dtype} "
+            "(mma.sync multiplies 16-bit operands)"
+        )
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    if softmax_scale is not None and not softmax_scale > 0:
+        raise ValueError(
+            f"softmax_scale must be > 0, got {softmax_scale!r}: the kernel takes the row max of "
+            "the unscaled scores, which is the max of the scaled ones only for a positive scale"
+        )
+    if config is None:
+        config = default_config(d)
+    if not isinstance(config, TileConfig):
+        raise TypeError(f"config must be a TileConfig or None, got {type(config).__name__}")
+    config.check(d)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must be contiguous in its last (head) dim, got strides {t.stride()}; "
+                "call .contiguous() first"
+            )
+        strides = [s for s, n in zip(t.stride()[:3], t.shape[:3]) if n > 1]
+        if any(s % 8 for s in strides) or t.data_ptr() % 16:
+            raise ValueError(
+                f"{name} must start on a 16-byte boundary with strides that are multiples of 8 "
+                f"elements (the kernel copies 16 B at a time), got strides {t.stride()} and "
+                f"address {t.data_ptr():#x}; call .contiguous() first"
+            )
+        if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= MAX_ELEMENTS:
+            raise ValueError(
+                f"{name} spans more than 2**31 - 1 elements ({tuple(t.shape)}); this kernel "
+                "computes offsets in 32 bits. Split the batch"
+            )
+    if b * h * sq >= MAX_ELEMENTS:
+        raise ValueError(f"batch * heads * seqlen_q = {b * h * sq} is too large for 32-bit LSE")
+    return config
+
+
+def _check_device(q) -> None:
+    if q.device.type != "cuda":
+        raise ValueError(f"this kernel runs on CUDA tensors, got device {q.device}")
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major < 8:
+        raise ValueError(
+            f"this kernel needs compute capability 8.0 or newer (cp.async, bf16 mma.sync), "
+            f"got {major}.{minor}"
+        )
+
+
+def _to_cute(t: torch.Tensor, leading_dim: int, align: int):
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=leading_dim)
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, config=None):
+    """FlashAttention-2 forward. q: (batch, seqlen_q, heads, dim); k, v: (batch, seqlen_k,
+    heads_kv, dim); CUDA tensors on a GPU with compute capability >= 8.0, bf16 or fp16, dim 64 or
+    128. Returns out (like q) and lse (float32, (batch, heads, seqlen_q)). One compile per
+    (dtype, dim, causal, config) serves every batch size, sequence length and head count."""
+    config = check_kernel_inputs(q, k, v, softmax_scale, config)
+    b, sq, h, d = q.shape
+    out = torch.empty(b, sq, h, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    _launch(q, k, v, out, lse, causal, softmax_scale, config)
+    return out, lse
+
+
+def attention_into(q, k, v, out, lse, causal=False, softmax_scale=None, config=None):
+    """``attention`` writing into the caller's ``out`` (like q, contiguous) and ``lse`` (float32
+    (batch, heads, seqlen_q), contiguous). Tests fill them with NaN first, so an element the
+    kernel forgets to write cannot pass."""
+    config = _check_host_side(q, k, v, softmax_scale, config)
+    b, sq, h, d = q.shape
+    for name, t, shape, dtype in (("out", out, (b, sq, h, d), q.dtype),
+                                  ("lse", lse, (b, h, sq), torch.float32)):
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous {dtype} tensor of shape {shape}, got "
+                f"{t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})"
+            )
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    _check_device(q)
+    _launch(q, k, v, out, lse, causal, softmax_scale, config)
+    return out, lse
+
+
+def _launch(q, k, v, out, lse, causal, softmax_scale, config):
+    d = q.shape[-1]
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    args = [_to_cute(t, 3, 16) for t in (q, k, v, out)] + [_to_cute(lse, 2, 4)]
+    with torch.cuda.device(q.device):
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        key = (q.dtype, d, bool(causal), config)
+        if key not in _COMPILED:
+            kernel = FlashAttentionAmpere(SUPPORTED_DTYPES[q.dtype], d, bool(causal), config)
+            _COMPILED[key] = cute.compile(kernel, *args, Float32(scale), stream)
+        _COMPILED[key](*args, Float32(scale), stream)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile with no GPU
+
+
+def compile_only(arch="sm_90a", head_dim=128, dtype="bf16", causal=False, config=None):
+    """Compile for ``arch`` on any machine, no GPU needed: PTX, SASS, registers, spills.
+
+    The fake tensors have the type ``attention`` passes at run time (dynamic extents, 64-bit
+    strides, 16-byte aligned Q/K/V/O), so this is the kernel that runs."""
+    from utils.compile_only import compile_for, fake_stream
+
+    dtypes = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {list(dtypes)}, got {dtype!r}")
+    config = default_config(head_dim) if config is None else config
+    kernel = FlashAttentionAmpere(dtypes[dtype], head_dim, causal, config)
+
+    def fake(dt, rank, align):
+        shape = tuple(cute.sym_int32() for _ in range(rank))
+        stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
+        return cute.runtime.make_fake_tensor(dt, shape, stride, assumed_align=align)
+
+    q, k, v, o = (fake(dtypes[dtype], 4, 16) for _ in range(4))
+    lse = fake(Float32, 3, 4)
+    return compile_for(arch, kernel, q, k, v, o, lse, Float32(1.0), fake_stream())
+
+
+def config_report(arch="sm_90a", head_dim=128, causal=False) -> list[dict]:
+    """Registers, stack frame and spill instructions of every swept tile for ``arch``."""
+    rows = []
+    for config in SWEEP_CONFIGS[head_dim]:
+        art = compile_only(arch, head_dim, causal=causal, config=config)
+        rows.append(
+            {
+                "config": config,
+                "registers": art.registers,
+                "stack_bytes": art.frame_bytes,
+                "spill_instructions": art.spills,
+                "smem_bytes": config.smem_bytes(head_dim),
+                **config.accumulator_registers(head_dim),
+            }
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# On a GPU: --small (also run under compute-sanitizer), --check, --sweep
+
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype)
+SMALL_CASES = [
+    # Lengths that are no multiple of any tile, GQA, both default tiles; causal with
+    # seqlen_q < seqlen_k (bottom-right diagonal) and full with a partial last KV tile.
+    (1, 77, 131, 4, 2, 64, True, torch.bfloat16),
+    (1, 150, 67, 4, 2, 128, False, torch.bfloat16),
+]
+CHECK_CASES = [
+    (1, 1, 1, 2, 2, 64, False, torch.bfloat16),
+    (2, 17, 17, 3, 1, 128, True, torch.float16),
+    (1, 128, 128, 4, 4, 64, True, torch.bfloat16),
+    (1, 1000, 1000, 2, 1, 128, False, torch.bfloat16),
+    (1, 1000, 4097, 2, 1, 128, True, torch.bfloat16),  # seqlen_q < seqlen_k
+    (1, 4097, 1000, 2, 2, 64, True, torch.float16),  # 3097 query rows see no key
+    (1, 300, 77, 2, 2, 128, True, torch.bfloat16),
+    (3, 257, 513, 8, 2, 128, False, torch.float16),  # GQA, 4 query heads per K/V head
+    (1, 8192, 8192, 2, 2, 128, False, torch.bfloat16),  # 256 KV tiles per CTA at n_block 32
+    (1, 8192, 8192, 2, 2, 64, True, torch.bfloat16),
+]
+LSE_ATOL = 1e-3  # the kernel's lse (float32 scores) vs float64: see compare()
+HANG_DEADLINE_S = 120.0
+
+
+def wait_for_gpu(what: str, deadline_s: float = HANG_DEADLINE_S) -> None:
+    """torch.cuda.synchronize() with a deadline: a kernel stuck at a barrier would otherwise
+    block forever. A hung context cannot be recovered, so this says what hung and exits."""
+    done = torch.cuda.Event()
+    done.record()
+    start = time.monotonic()
+    while not done.query():
+        if time.monotonic() - start > deadline_s:
+            print(f"GPU HANG: no progress for {deadline_s:.0f} s in {what}", file=sys.stderr,
+                  flush=True)
+            os._exit(3)
+        time.sleep(1e-4)
+
+
+def compare(q, k, v, out, lse, causal=False, softmax_scale=None, label=""):
+    """Kernel output vs the float64 reference, with the course's rule (utils.checks): out and
+    lse each within 2 x PyTorch's own error in the input dtype plus rounding slack, no NaN,
+    infinities exactly where the reference has them. Two more claims: rows that see no key are
+    exactly out = 0 and lse = -inf, and lse is within LSE_ATOL of float64 where a row sees keys
+    (the kernel keeps S in float32; PyTorch's yardstick rounds S to 16 bits, so the rule alone
+    would let lse drift). Returns (ok, one-line report)."""
+    from utils.checks import tolerance_check
+    from utils.reference import attention_reference
+
+    ref_out, ref_lse = attention_reference(q, k, v, causal, softmax_scale)
+    same_out, same_lse = attention_reference(q, k, v, causal, softmax_scale, dtype=q.dtype)
+    on_out = tolerance_check(out, ref_out, same_out, "out")
+    on_lse = tolerance_check(lse, ref_lse, same_lse, "lse", extra_atol=1e-5)
+    seen = torch.isfinite(ref_lse).to(lse.device)  # rows that see at least one key
+    empty_rows_ok = bool(torch.isneginf(lse[~seen]).all()) and bool(
+        (out.transpose(1, 2)[~seen] == 0).all()
+    )
+    nan = on_out.kernel.nan_count + on_lse.kernel.nan_count
+    lse_err = on_lse.kernel.max_abs
+    ok = on_out.passed and on_lse.passed and lse_err <= LSE_ATOL and empty_rows_ok
+    line = (
+        f"{'ok  ' if ok else 'FAIL'} {label}: max|out err| {on_out.kernel.max_abs:.2e} "
+        f"(tol {on_out.limit:.2e}, PyTorch {on_out.pytorch.max_abs:.2e}) at (b,s,h,d)="
+        f"{on_out.kernel.worst_index}, lse err {lse_err:.2e} (tol "
+        f"{min(on_lse.limit, LSE_ATOL):.1e}) at (b,h,s)={on_lse.kernel.worst_index}, inf "
+        f"mismatches {on_out.kernel.inf_mismatch + on_lse.kernel.inf_mismatch}, empty rows "
+        f"0/-inf {empty_rows_ok}, NaN {nan}"
+    )
+    return ok, line
+
+
+def run_and_compare(q, k, v, causal=False, softmax_scale=None, config=None, label=""):
+    """One launch into NaN-poisoned out and lse (an element the kernel forgets stays NaN and
+    fails), then compare(). Returns (ok, one-line report)."""
+    from utils.checks import poison_
+
+    b, sq, h, d = q.shape
+    out = poison_(torch.empty(b, sq, h, d, dtype=q.dtype, device=q.device))
+    lse = poison_(torch.empty(b, h, sq, dtype=torch.float32, device=q.device))
+    attention_into(q, k, v, out, lse, causal, softmax_scale, config)
+    wait_for_gpu(label)
+    return compare(q, k, v, out, lse, causal, softmax_scale, label=label)
+
+
+def check_case(batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype, config=None):
+    """Fresh random inputs, one run, compare(). Returns (ok, report)."""
+    from utils.reference import random_qkv
+
+    q, k, v, seed = random_qkv(batch, seqlen_q, heads, dim, seqlen_k=seqlen_k, heads_kv=heads_kv,
+                               dtype=dtype, device="cuda")
+    label = (
+        f"b={batch} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv} d={dim} causal={causal} "
+        f"{str(dtype)[6:]} {config or default_config(dim)} seed={seed}"
+    )
+    return run_and_compare(q, k, v, causal, config=config, label=label)
+
+
+SWEEP_RESULTS = "ch04_sweep"
+SWEEP_SEQLEN, SWEEP_HEADS = 16384, 16  # batch * seqlen = 16384 tokens, as in results/*/ch04_fwd
+# (head_dim, causal) -> which tiles of SWEEP_CONFIGS[head_dim] to time there (None: all)
+SWEEP_PLAN = {
+    (128, False): None,
+    (128, True): (TileConfig(128, 32, 128), TileConfig(128, 64, 128),
+                  TileConfig(128, 64, 128, smem_layout="swizzled"), TileConfig(128, 64, 256)),
+    (64, False): None,
+}
+
+
+def sweep(plan=None, seqlen=SWEEP_SEQLEN, heads=SWEEP_HEADS, rep=30, save=True) -> list[dict]:
+    """Each (head_dim, causal, tile) of ``plan``: checked once against float64 on an awkward
+    shape (fresh inputs, NaN-poisoned outputs), then timed at (batch, seqlen, heads) =
+    (16384 // seqlen, seqlen, heads) with utils.bench.time_cuda (L2 flushed, median of ``rep``).
+    A tile that fails its check is not timed. Prints a table; saves SWEEP_RESULTS."""
+    from utils import results
+    from utils.bench import attention_flops, time_cuda
+    from utils.reference import random_qkv
+
+    plan = SWEEP_PLAN if plan is None else plan
+    batch = max(1, 16384 // seqlen)
+    rows = []
+    for (head_dim, causal), configs in plan.items():
+        configs = SWEEP_CONFIGS[head_dim] if configs is None else configs
+        q, k, v, seed = random_qkv(batch, seqlen, heads, head_dim, device="cuda")
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+        for config in configs:
+            t0 = time.perf_counter()
+            try:  # one broken tile must not cost the rest of a rare GPU session
+                ok, line = check_case(1, 1000, 1100, 4, 2, head_dim, causal, torch.bfloat16,
+                                      config)
+            except Exception as exc:  # reported in the row and the table; the run goes on
+                ok, line = False, f"FAIL d={head_dim} causal={causal} {config}: {exc!r}"
+            row = {
+                "impl": "flash_ampere", "pass": "fwd", "dtype": "bf16", "b": batch,
+                "s": seqlen, "h": heads, "d": head_dim, "causal": causal,
+                "m_block": config.m_block, "n_block": config.n_block,
+                "num_threads": config.num_threads, "num_stages": config.num_stages,
+                "smem_layout": config.smem_layout, "default": config == default_config(head_dim),
+                "smem_bytes": config.smem_bytes(head_dim), "verified": ok, "seed": seed,
+                "ms": None, "tflops": None, **config.accumulator_registers(head_dim),
+            }
+            if ok:
+                timing = time_cuda(lambda c=config: attention(q, k, v, causal, config=c),
+                                   rep=rep)
+                row.update(ms=timing.median_ms, tflops=timing.tflops(flops),
+                           ms_min=timing.min_ms, reps=timing.reps)
+            else:
+                print(line, flush=True)
+            rows.append(row)
+            print(f"  {'ok  ' if ok else 'FAIL'} d={head_dim} causal={causal} {config}: "
+                  f"{row['tflops'] or 0:.1f} TFLOP/s [{time.perf_counter() - t0:.1f} s]",
+                  flush=True)
+    print(format_sweep(rows), flush=True)
+    if save:
+        path = results.save(SWEEP_RESULTS, rows,
+                            command="python -m solutions.ch04_flash_ampere --sweep")
+        failed = sum(not r["verified"] for r in rows)
+        print(f"wrote {path}" + (f" ({failed} tiles FAILED their check)" if failed else ""))
+    return rows
+
+
+def format_sweep(rows: list[dict]) -> str:
+    """The rows of ``sweep`` as a table, with speed relative to the default tile."""
+    lines = [f"{'d':>3s} {'causal':6s} {'tile':30s} {'ms':>8s} {'TFLOP/s':>8s} {'vs default':>10s}"]
+    for r in rows:
+        tile = (f"{r['m_block']}x{r['n_block']} t{r['num_threads']} s{r['num_stages']} "
+                f"{r['smem_layout']}" + (" *" if r["default"] else ""))
+        if not r["ms"]:
+            lines.append(f"{r['d']:3d} {r['causal']!s:6s} {tile:30s} {'check FAILED':>19s}")
+            continue
+        base = [b for b in rows if b["default"] and b["d"] == r["d"]
+                and b["causal"] == r["causal"] and b["ms"]]
+        ratio = f"{base[0]['ms'] / r['ms']:9.3f}x" if base else ""
+        lines.append(f"{r['d']:3d} {r['causal']!s:6s} {tile:30s} {r['ms']:8.3f} "
+                     f"{r['tflops']:8.1f} {ratio:>10s}")
+    return "\n".join(lines)
+
+
+def _main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="two small cases (the default)")
+    parser.add_argument("--check", action="store_true", help="every CHECK_CASES entry")
+    parser.add_argument("--sweep", action="store_true",
+                        help=f"check and time the tiles of SWEEP_PLAN, save {SWEEP_RESULTS}")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here; compile_only() and tests/test_ch04_compile.py need none")
+        return 0
+    if args.sweep:
+        rows = sweep()
+        return 1 if any(not r["verified"] for r in rows) else 0
+    cases = CHECK_CASES if args.check else SMALL_CASES
+    failures = 0
+    for case in cases:
+        t0 = time.perf_counter()
+        ok, line = check_case(*case)
+        failures += not ok
+        print(f"{line} [{time.perf_counter() - t0:.1f} s]", flush=True)
+    print(f"{len(cases) - failures}/{len(cases)} cases passed", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,247 @@
+"""Chapter 04's FlashAttention-2 kernel (sm_80 and later) against the float64 reference.
+
+    pytest -m gpu -s tests/gpu/test_ch04_flash_ampere.py                       # all, ~4 min
+    pytest -m gpu -s tests/gpu/test_ch04_flash_ampere.py -k "not sweep and not speed"
+
+Every comparison uses fresh random inputs (the seed is in the message), outputs filled with NaN
+before the kernel runs (a forgotten element cannot pass) and the course's tolerance rule
+(utils.checks via ch04.compare: max error <= 2 x PyTorch's error in the same precision + rounding
+slack; lse within 1e-3 of float64; rows that see no key exactly 0 and -inf). A failure message
+names the case, config, max error and where, and the NaN count. A kernel that hangs ends the
+run after a deadline (ch04.wait_for_gpu) instead of blocking forever.
+"""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from solutions import ch04_flash_ampere as ch04
+from utils.checks import poison_
+from utils.reference import random_qkv
+
+
+def _skip_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (these tests run on the H200: make gpu-test)"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"compute capability {major}.{minor}; the kernel needs 8.0 or newer"
+    return None
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason())),
+]
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def _run(q, k, v, causal, softmax_scale=None, config=None, what=""):
+    """One launch into NaN-filled buffers, synchronised with a deadline."""
+    b, sq, h, d = q.shape
+    out = poison_(torch.empty(b, sq, h, d, dtype=q.dtype, device=q.device))
+    lse = poison_(torch.empty(b, h, sq, dtype=torch.float32, device=q.device))
+    ch04.attention_into(q, k, v, out, lse, causal, softmax_scale, config)
+    ch04.wait_for_gpu(what)
+    return out, lse
+
+
+def _case_id(c):
+    b, sq, sk, h, hk, d, causal, dtype = c
+    return f"b{b}-q{sq}-k{sk}-h{h}/{hk}-d{d}-{'causal' if causal else 'full'}-{str(dtype)[6:]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The default tiles: every dtype, head dim and mask, on awkward shapes
+
+SHAPES = [
+    # (batch, seqlen_q, seqlen_k, heads, heads_kv)
+    (1, 1, 1, 2, 2),
+    (2, 17, 17, 3, 1),
+    (1, 128, 128, 4, 4),
+    (1, 1000, 1000, 2, 1),
+    (1, 4097, 4097, 1, 1),
+    (2, 17, 1000, 2, 2),  # seqlen_q < seqlen_k: bottom-right diagonal
+    (1, 1000, 17, 2, 2),  # seqlen_q > seqlen_k: causal rows 0..982 see no key
+    (1, 1, 4097, 4, 2),
+    (1, 4097, 128, 1, 1),
+]
+CASES = [
+    (*shape, d, causal, dtype)
+    for shape in SHAPES
+    for d in ch04.SUPPORTED_HEAD_DIMS
+    for causal in (False, True)
+    for dtype in (BF16, FP16)
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_float64_reference(case):
+    ok, line = ch04.check_case(*case)
+    print(line)
+    assert ok, line
+
+
+def test_small_cases_of_the_command_line():
+    """What ``python -m solutions.ch04_flash_ampere --small`` (and compute-sanitizer) runs."""
+    for case in ch04.SMALL_CASES:
+        ok, line = ch04.check_case(*case)
+        print(line)
+        assert ok, line
+
+
+def test_command_line_small():
+    proc = subprocess.run(
+        [sys.executable, "-m", "solutions.ch04_flash_ampere", "--small"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{len(ch04.SMALL_CASES)}/{len(ch04.SMALL_CASES)} cases passed" in proc.stdout
+
+
+def test_rows_that_see_no_key_give_zero_and_minus_inf():
+    q, k, v, seed = random_qkv(1, 300, 2, 128, seqlen_k=77, dtype=BF16, device="cuda")
+    out, lse = _run(q, k, v, causal=True, what="empty rows")
+    empty = 300 - 77  # query i sees keys j <= i - 223
+    assert torch.isneginf(lse[:, :, :empty]).all(), f"seed {seed}: lse {lse[0, 0, :8]}"
+    assert (out[:, :empty] == 0).all(), f"seed {seed}: max |out| {out[:, :empty].abs().max()}"
+    assert torch.isfinite(lse[:, :, empty:]).all(), f"seed {seed}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("scale, input_scale", [(0.05, 1.0), (1.0, 1.0), (None, 6.0)])
+def test_softmax_scale_and_large_scores(scale, input_scale, causal):
+    """Scores up to ~hundreds: exp2 overflows unless the running max is subtracted."""
+    q, k, v, seed = random_qkv(1, 333, 4, 128, seqlen_k=555, heads_kv=2, dtype=BF16,
+                               device="cuda", scale=input_scale)
+    label = f"scale={scale} inputs x{input_scale} causal={causal} seed={seed}"
+    ok, line = ch04.run_and_compare(q, k, v, causal, scale, label=label)
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("d", ch04.SUPPORTED_HEAD_DIMS, ids=lambda d: f"d{d}")
+def test_mqa_and_strided_views(d):
+    """heads_kv = 1 (MQA); q, k, v stored (batch, heads, seqlen, dim) and passed as
+    (batch, seqlen, heads, dim) views, whose strides are not a contiguous tensor's."""
+    q, k, v, seed = random_qkv(2, 300, 8, d, seqlen_k=411, heads_kv=1, dtype=BF16, device="cuda")
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not q.is_contiguous()
+    for causal in (False, True):
+        ok, line = ch04.run_and_compare(q, k, v, causal, label=f"MQA strided d={d} seed={seed}")
+        print(line)
+        assert ok, line
+
+
+def test_strided_views_of_a_packed_qkv_tensor():
+    b, s, h, d = 2, 333, 4, 128
+    qkv = torch.randn(b, s, 3, h, d, device="cuda").to(BF16)
+    q, k, v = qkv.unbind(dim=2)  # strides (3*h*d*s, 3*h*d, d, 1): not contiguous, 16 B aligned
+    ok, line = ch04.run_and_compare(q, k, v, True, label="packed qkv views")
+    assert ok, line
+
+
+def test_runs_on_the_current_stream():
+    q, k, v, seed = random_qkv(1, 700, 4, 128, seqlen_k=900, dtype=BF16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out, lse = ch04.attention(q, k, v, causal=True)
+        ch04.wait_for_gpu("attention on a side stream")
+    ok, line = ch04.compare(q, k, v, out, lse, True, label=f"side stream seed={seed}")
+    assert ok, line
+
+
+def test_attention_allocates_its_outputs():
+    q, k, v, seed = random_qkv(3, 65, 2, 64, seqlen_k=97, dtype=FP16, device="cuda")
+    out, lse = ch04.attention(q, k, v)
+    ch04.wait_for_gpu("attention()")
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert lse.shape == (3, 2, 65) and lse.dtype == torch.float32
+    ok, line = ch04.compare(q, k, v, out, lse, False, label=f"attention() seed={seed}")
+    assert ok, line
+
+
+@pytest.mark.parametrize("d", ch04.SUPPORTED_HEAD_DIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bitwise_identical_over_20_runs(d, causal):
+    """A result that moves between runs means a race (a buffer refilled before every warp is
+    done reading it, O staged over Q too early, ...), even if each run is within tolerance."""
+    q, k, v, seed = random_qkv(2, 1000, 4, d, seqlen_k=1029, heads_kv=2, dtype=BF16,
+                               device="cuda")
+    first_out, first_lse = _run(q, k, v, causal, what=f"determinism d={d} run 0")
+    for run in range(1, 20):
+        out, lse = _run(q, k, v, causal, what=f"determinism d={d} run {run}")
+        n_out, n_lse = int((out != first_out).sum()), int((lse != first_lse).sum())
+        diff = (out.float() - first_out.float()).abs()
+        assert n_out == 0 and n_lse == 0, (
+            f"d={d} causal={causal} seed {seed} run {run}: {n_out} out / {n_lse} lse elements "
+            f"differ from run 0, max diff {diff.max().item():.3e}"
+        )
+    ok, line = ch04.compare(q, k, v, first_out, first_lse, causal, label=f"seed={seed}")
+    assert ok, line
+
+
+@pytest.mark.parametrize("d", ch04.SUPPORTED_HEAD_DIMS, ids=lambda d: f"d{d}")
+def test_many_ctas_and_long_kv_loop(d):
+    """8192 keys: 128-256 KV steps per CTA; 64 query tiles x 4 heads = 256 CTAs, more than one
+    wave on 132 SMs."""
+    for causal in (False, True):
+        ok, line = ch04.check_case(1, 8192, 8192, 4, 2, d, causal, BF16)
+        print(line)
+        assert ok, line
+
+
+# ----------------------------------------------------------------------------------------------
+# Every tile the chapter sweeps
+
+
+SWEEP = [(d, c) for d, configs in ch04.SWEEP_CONFIGS.items() for c in configs]
+
+
+def _tile_id(item):
+    d, c = item
+    return f"d{d}-{c.m_block}x{c.n_block}-t{c.num_threads}-s{c.num_stages}-{c.smem_layout}"
+
+
+@pytest.mark.parametrize("item", SWEEP, ids=_tile_id)
+def test_sweep_tile_is_correct(item):
+    """Causal (every mask path, a partial last KV tile, GQA), one compile per tile; ``--sweep``
+    checks each tile again, non-causal, before it times it."""
+    d, config = item
+    ok, line = ch04.check_case(2, 300, 517, 4, 2, d, True, BF16, config=config)
+    print(line)
+    assert ok, line
+
+
+# ----------------------------------------------------------------------------------------------
+# Speed: a report for choosing the defaults (``--sweep`` measures and stores it properly)
+
+TARGET_TFLOPS = 382  # 1.1 x SDPA's flash backend at D=128, S=16384 on the H200 (ANCHORS.md)
+
+
+def test_speed_report():
+    """D=128, batch 1 x seqlen 16384 x 16 heads, non-causal: TFLOP/s of every tile of the
+    sweep (run with -s for the table). Fails only far below any sane speed; the default's gap
+    to TARGET_TFLOPS is printed."""
+    from utils.bench import attention_flops, time_cuda
+
+    q, k, v, _ = random_qkv(1, 16384, 16, 128, dtype=BF16, device="cuda")
+    flops = attention_flops(1, 16, 16384, 16384, 128)
+    print(f"\nch04 D=128 S=16384 non-causal on {torch.cuda.get_device_name()}, "
+          f"target {TARGET_TFLOPS} TFLOP/s")
+    speeds = {}
+    for config in ch04.SWEEP_CONFIGS[128]:
+        timing = time_cuda(lambda c=config: ch04.attention(q, k, v, config=c), rep=10)
+        speeds[config] = timing.tflops(flops)
+        star = " (default)" if config == ch04.default_config(128) else ""
+        print(f"  {_tile_id((128, config)):34s} {timing.median_ms:8.3f} ms "
+              f"{speeds[config]:7.1f} TFLOP/s{star}", flush=True)
+    default = speeds[ch04.default_config(128)]
+    verdict = "met" if default >= TARGET_TFLOPS else "NOT met"
+    print(f"  default {default:.1f} TFLOP/s: target {verdict}; best {max(speeds.values()):.1f}")
+    assert all(math.isfinite(t) and t > 50 for t in speeds.values()), speeds

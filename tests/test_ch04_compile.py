@@ -1,0 +1,196 @@
+"""Chapter 04's kernel with no GPU: it compiles for sm_80 and sm_90a, uses the instructions the
+chapter teaches, spills nothing, and rejects bad input before it needs a GPU."""
+
+import pytest
+import torch
+
+from solutions import ch04_flash_ampere as fa
+
+ARCHS = ("sm_80", "sm_90a")
+HEAD_DIMS = (64, 128)
+CASES = [(arch, d, causal) for arch in ARCHS for d in HEAD_DIMS for causal in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def artifacts():
+    """One compile per (arch, head_dim, causal) of the default tiles, shared by every test."""
+    return {case: fa.compile_only(case[0], case[1], causal=case[2]) for case in CASES}
+
+
+def _name(case):
+    arch, d, causal = case
+    return f"{arch}-d{d}-{'causal' if causal else 'full'}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_instructions(artifacts, case):
+    art = artifacts[case]
+    # cp.async (16-byte global -> shared), ldmatrix (x4 and .trans for V), mma.sync m16n8k16,
+    # MUFU exp2, and the quad butterfly shuffles of the row max / row sum.
+    art.require(
+        "cp.async.cg.shared.global",
+        "cp.async.commit_group",
+        "cp.async.wait_group",
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+        "mma.sync.aligned.m16n8k16.row.col.f32",
+        "ex2.approx",
+        "shfl.sync.bfly",
+    )
+    art.require("HMMA.16816.F32", "LDGSTS", "LDSM", "MUFU.EX2", where="sass")
+    # Ampere-style only: no TMA, no WGMMA.
+    art.forbid("cp.async.bulk.tensor", "wgmma")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_no_spills(artifacts, case):
+    art = artifacts[case]
+    assert art.spills == 0, f"{_name(case)}: {art.spills} spill instructions\n{art.resources()}"
+    assert art.frame_bytes == 0, f"{_name(case)}: stack frame\n{art.resources()}"
+    assert 0 < art.registers <= 255, art.resources()
+
+
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_two_copies_of_the_kv_step(artifacts, case):
+    """The loop body exists twice: the peeled first tile and the loop (the causal mask is a
+    branch inside it, not a third copy). Each copy issues (M/16/warps) * (N/8) * (D/16) mmas for
+    QK^T and as many for PV: regression guard for the register budget (Note [Registers])."""
+    _, d, _ = case
+    c = fa.default_config(d)
+    per_step = 2 * (c.m_block // (16 * c.num_warps)) * (c.n_block // 8) * (d // 16)
+    assert artifacts[case].count("mma.sync") == 2 * per_step
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks: they run on CPU tensors and must fire before anything needs a GPU.
+
+
+def _qkv(dtype=torch.bfloat16, b=1, sq=5, sk=7, h=4, hk=2, d=64):
+    return (
+        torch.zeros(b, sq, h, d, dtype=dtype),
+        torch.zeros(b, sk, hk, d, dtype=dtype),
+        torch.zeros(b, sk, hk, d, dtype=dtype),
+    )
+
+
+def test_valid_input_on_cpu_asks_for_cuda():
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        fa.attention(*_qkv())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rejects_wide_dtypes(dtype):
+    with pytest.raises(TypeError, match="bfloat16 or torch.float16"):
+        fa.attention(*_qkv(dtype))
+
+
+def test_rejects_mixed_dtypes():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="share a dtype"):
+        fa.attention(q, k.half(), v)
+
+
+@pytest.mark.parametrize("d", [32, 96, 256])
+def test_rejects_head_dim(d):
+    with pytest.raises(ValueError, match=r"head dim must be one of \(64, 128\)"):
+        fa.attention(*_qkv(d=d))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])
+def test_rejects_softmax_scale(scale):
+    with pytest.raises(ValueError, match="softmax_scale"):
+        fa.attention(*_qkv(), softmax_scale=scale)
+
+
+def test_rejects_shapes():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="multiple of k/v's 3 heads"):
+        fa.attention(q, *_qkv(h=3, hk=3)[1:])
+    with pytest.raises(ValueError, match="4-D"):
+        fa.attention(q[0], k, v)
+    with pytest.raises(ValueError, match="same shape"):
+        fa.attention(q, k, v[:, :3])
+
+
+def test_rejects_noncontiguous_head_dim():
+    q, k, v = _qkv()
+    q_t = torch.zeros(1, 5, 64, 4, dtype=torch.bfloat16).transpose(-1, -2)  # stride(-1) = 4
+    with pytest.raises(ValueError, match="contiguous in its last"):
+        fa.attention(q_t, k, v)
+
+
+def test_rejects_unaligned_strides_and_addresses():
+    q, k, v = _qkv()
+    wide = torch.zeros(1, 5, 4 * 64 + 4, dtype=torch.bfloat16)  # rows 260 elements apart
+    q_odd_stride = wide[:, :, : 4 * 64].unflatten(-1, (4, 64))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        fa.attention(q_odd_stride, k, v)
+    flat = torch.zeros(1 + 5 * 4 * 64, dtype=torch.bfloat16)
+    q_shifted = flat[1:].view(1, 5, 4, 64)  # starts 2 bytes past a 16-byte boundary
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        fa.attention(q_shifted, k, v)
+
+
+def test_accepts_strided_views_up_to_the_device_check():
+    """(b, h, s, d) storage seen as (b, s, h, d): strides (h*s*d, d, s*d, 1) are fine."""
+    q = torch.zeros(1, 4, 5, 64, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.zeros(1, 2, 7, 64, dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        fa.attention(q, k, k)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (fa.TileConfig(num_threads=100), "num_threads"),
+        (fa.TileConfig(m_block=96), "multiple of 16 \\* warps"),
+        (fa.TileConfig(n_block=40), "multiple of 16"),
+        (fa.TileConfig(m_block=128, n_block=16, num_threads=256), "num_threads // 8"),
+        (fa.TileConfig(num_stages=3), "num_stages"),
+        (fa.TileConfig(smem_layout="interleaved"), "smem_layout"),
+        (fa.TileConfig(m_block=256, n_block=256, num_stages=2), "shared memory"),
+    ],
+)
+def test_rejects_bad_config(config, message):
+    with pytest.raises(ValueError, match=message):
+        fa.attention(*_qkv(), config=config)
+
+
+def test_rejects_config_type():
+    with pytest.raises(TypeError, match="TileConfig"):
+        fa.attention(*_qkv(), config=(128, 64))
+
+
+def test_attention_into_checks_buffers():
+    q, k, v = _qkv()
+    lse = torch.empty(1, 4, 5)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        fa.attention_into(q, k, v, torch.empty(1, 5, 4, 64), lse)
+
+
+def test_compile_only_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        fa.compile_only("sm_80", 64, dtype="fp32")
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        fa.compile_only("sm_80", 96)
+    with pytest.raises(ValueError, match="arch must be one of"):
+        fa.compile_only("sm_70", 64)
+
+
+def test_default_configs_fit():
+    for d, config in fa.DEFAULT_CONFIGS.items():
+        config.check(d)
+        acc = config.accumulator_registers(d)
+        assert acc["acc_O"] + acc["acc_S"] <= 192, (d, acc)  # leaves room for operands
+    for d, configs in fa.SWEEP_CONFIGS.items():
+        for config in configs:
+            config.check(d)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_sweep_compiles(d):
+    """Every tile the chapter sweeps compiles for sm_90a; prints its registers and spills."""
+    for row in fa.config_report("sm_90a", d, causal=True):
+        print(row)
+        assert row["registers"] <= 255
