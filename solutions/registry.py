@@ -28,9 +28,10 @@ class Version:
 
 VERSIONS = [
     Version(1, "naive", "solutions.ch01_naive", "cpu",
-            "PyTorch: S and P materialised in memory", "peers", backward=True),
+            "PyTorch: S and P materialised in memory", "ch01_ch02_fwd", backward=True),
     Version(2, "tiled_fa2", "solutions.ch02_online_softmax", "cpu",
-            "online softmax over KV tiles, FlashAttention-2 loop order (PyTorch)", "peers"),
+            "online softmax over KV tiles, FlashAttention-2 loop order (PyTorch)",
+            "ch01_ch02_fwd"),
     Version(4, "flash_ampere", "solutions.ch04_flash_ampere", "sm_80",
             "CuTe DSL: cp.async + ldmatrix + mma.sync, softmax in registers", "ch04_fwd"),
     Version(5, "flash_hopper", "solutions.ch05_flash_hopper", "sm_90",

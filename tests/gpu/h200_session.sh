@@ -24,7 +24,8 @@ for s in "$@"; do
   case $s in
     env) step env 60 bash -c "nvidia-smi; $PY -c 'import torch, cutlass; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; which make compute-sanitizer ncu; $PY -m pip list 2>/dev/null | grep -i -E 'flash|quack|cutlass|nbval|ipykernel|pytest'" ;;
     tests) step gpu_tests 540 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout=300 -rA ${GPU_TESTS:-tests/gpu} ;;
-    peers) step peers 540 $PY -m solutions.benchmark --versions naive tiled_fa2 --name peers --seqlens 1024 4096 16384 --dims 64 128 --causal both --passes fwd bwd ;;
+    peers) step peers 420 $PY -m solutions.benchmark --name peers --seqlens 1024 4096 16384 --dims 64 128 --causal both --passes fwd bwd ;;
+    versions) step ch01_ch02 300 $PY -m solutions.benchmark --versions naive tiled_fa2 --name ch01_ch02_fwd --seqlens 1024 4096 16384 --dims 128 --causal no ;;
     ch04) step ch04_bench 420 $PY -m solutions.benchmark --versions flash_ampere --name ch04_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
     ch04-sweep) step ch04_sweep 420 $PY -m solutions.ch04_flash_ampere --sweep ;;
     ch05) step ch05_bench 420 $PY -m solutions.benchmark --versions flash_hopper --name ch05_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
