@@ -110,15 +110,25 @@ MAX_RESCALE_THRESHOLD = 15.99
 
 
 def default_config(head_dim: int) -> HopperConfig:
-    """D = 128: 128 x 128 tiles. D = 256: 128 x 80 (Q 64 KB + 2 x (K + V) 160 KB).
-    D = 64: 192 x 112 with three consumer warpgroups, near FA4's 192 x 128 (which spills here:
-    three warpgroups get 160 registers each, and S 64 + P 32 + O 32 fp32 registers of the
-    intra-warpgroup overlap plus addresses do not fit at tile_n = 128; they do at 112). Why
-    three warpgroups at D = 64: a 128 x 128 tile step is 1024 MMA cycles and 1024 MUFU cycles
-    (chapter 00's model), the exponentials tie with the GEMMs, and a third warpgroup gives the
-    tensor cores a third queue of work while two of them are in their softmax."""
+    """128 x 128 tiles for D = 64 and 128; 128 x 80 for D = 256 (Q 64 KB + 2 x (K + V) 160 KB).
+
+    D = 64 is where this kernel trails cuDNN most (results/h200/ch05_fwd.json). Per warpgroup
+    turn (64 rows, n keys) the two GEMMs take 2 * 2 * 64 * n * 64 / 4096 cycles, 512 at
+    n = 128, while the part of a warp's softmax after its own P V (Note [Ping-pong], point 1)
+    needs n / 2 MUFU.EX2 at 8 cycles each (512) and some 180 other instructions: with two
+    warpgroups it must hide under the other's 512 GEMM cycles, with no slack. A third warpgroup
+    (FA4's Hopper tile, 192 x 128) gives it two turns to hide under, but at the 160 registers
+    three warpgroups get, 192 x 128 with intra-warpgroup overlap spills (S 64 + P 32 + O 32
+    registers per thread, plus addresses), and 192 x 112 / 96 / 80 compile spill-free only
+    because ptxas inserts a warpgroup.arrive between the P V wgmmas to free registers (ptxas
+    -v: C7519; ``injected_wgmma_fences``), which splits the P V into one group per wgmma, so
+    wait_group(1) ("S is ready") also waits for most of P V. Two three-warpgroup tiles compile
+    clean: 192 x 64, and 192 x 128 without intra-warpgroup overlap (the other two warpgroups'
+    GEMMs cover a softmax). --bench times both against this default at D = 64; not measured
+    yet, so the measured tile stays the default. So does ping-pong at D = 64: it is measured on
+    there (ch05_fwd), and only D = 128 has measured it both ways (Note [Ping-pong])."""
     if head_dim <= 64:
-        return HopperConfig(tile_n=112, num_consumer_wgs=3)
+        return HopperConfig(tile_n=128, num_consumer_wgs=2, pingpong=True)
     if head_dim <= 128:
         return HopperConfig(tile_n=128, num_consumer_wgs=2)
     return HopperConfig(tile_n=80, num_consumer_wgs=2)
@@ -570,10 +580,11 @@ class FlashAttentionHopper:
     # ----------------
     # FA3 makes its consumer warpgroups take turns issuing GEMMs (Note [Turns]) so that one
     # warpgroup's exponentials run while the tensor cores work on the other's GEMMs. On the
-    # H200 this kernel measured faster without the barriers at D = 128 (ch05_knobs: "ping-pong"
-    # against "default"), so the default is off. The SASS of the two builds differs only by the
-    # BAR.SYNC before the turn's 16 HGMMA and the BAR.ARV after them, and it shows why they have
-    # nothing left to order:
+    # H200 this kernel measured faster without the barriers at D = 128 (--bench: its "ping-pong"
+    # row against "default", stored in results/<gpu>/ch05_knobs.json), so the default is off;
+    # D = 64 keeps its measured setting, on, until --bench has timed both there. The SASS of
+    # the two builds differs only by the BAR.SYNC before the turn's 16 HGMMA and the BAR.ARV
+    # after them, and it shows why they have nothing left to order:
     # 1. A warpgroup waits for its own P V before its exponentials: ptxas hoists wait_group(0)
     #    (WARPGROUP.DEPBAR.LE gsb0, 0x0) above all but a handful of a turn's 64 MUFU.EX2
     #    (sass_overlap()). So its softmax can only overlap the *other* warpgroup's GEMMs.
@@ -589,8 +600,8 @@ class FlashAttentionHopper:
     #    tensor cores' queue, where without barriers the ready one issues. Plus a barrier round
     #    trip per turn.
     # The knob stays: a kernel whose softmax really overlaps its own P V (chapter 08) changes
-    # point 1, and --bench times it at D = 64 as well. Hardware counters would confirm point 3
-    # (ncu's barrier-stall share of the consumer warps with and without the knob).
+    # point 1. Hardware counters would confirm point 3 (ncu's barrier-stall share of the
+    # consumer warps with and without the knob).
 
     # Note [Turns]
     # ------------
@@ -989,6 +1000,14 @@ def compile_only(arch="sm_90a", head_dim=128, dtype="bf16", causal=False, config
                        bshd(seqlen_k, heads_kv), bshd(seqlen_q, heads), lse, 1.0, fake_stream())
 
 
+def injected_wgmma_fences(art) -> int:
+    """Fences ptxas added on its own: WARPGROUP.ARRIVE in the SASS beyond the source's
+    wgmma.fence in the PTX. ptxas inserts them (message C7519 under ``ptxas -v``) when it runs
+    short of registers for the wgmma pipeline; each one splits a group of wgmma, so a
+    wait_group(n) then waits for more work than the source meant. 0 is the healthy value."""
+    return art.count("WARPGROUP.ARRIVE", where="sass") - art.count("wgmma.fence")
+
+
 def sass_overlap(sass: str) -> dict:
     """Where ptxas put the overlapped turn's two waits: MUFU.EX2 (exponentials) between
     ``wait_group(1)`` (S ready) and ``wait_group(0)`` (P V done) run under the P V GEMM; those
@@ -1013,6 +1032,14 @@ def sass_overlap(sass: str) -> dict:
 # ===============================================================================================
 # (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype)
 SMALL_CASE = (1, 200, 200, 2, 1, 128, True, torch.bfloat16)
+# --small, also what compute-sanitizer runs: the D = 128 default, a three-warpgroup D = 64
+# candidate, and chapters 06 and 07's knobs together; (case, config)
+SMALL_CASES = [
+    (SMALL_CASE, None),
+    ((1, 200, 300, 2, 1, 64, True, torch.bfloat16), HopperConfig(tile_n=64, num_consumer_wgs=3)),
+    ((1, 200, 200, 2, 1, 128, False, torch.float16),
+     replace(default_config(128), exp2_emulation_fraction=0.25, rescale_threshold=8.0)),
+]
 CHECK_CASES = [
     (1, 128, 128, 1, 1, 128, False, torch.bfloat16),
     (1, 128, 128, 1, 1, 128, True, torch.bfloat16),
@@ -1102,12 +1129,14 @@ BENCH_PLAN = {
                    "exp2 emulation 1/4", "exp2 emulation 1/2", "tau = 8"),
     (128, True): ("default", "no intra-wg overlap", "ping-pong", "3 stages",
                   "exp2 emulation 1/4", "exp2 emulation 1/2", "tau = 8"),
-    (64, False): ("default", "128 x 128 (first default)", "ping-pong", "exp2 emulation 1/4"),
+    (64, False): ("default", "ping-pong", "192 x 64", "192 x 128, no overlap",
+                  "exp2 emulation 1/4"),
 }
 
 
 def bench_configs(head_dim: int) -> dict:
-    """Name -> HopperConfig: the default and one knob changed at a time (chapters 05-07)."""
+    """Name -> HopperConfig: the default and one knob changed at a time (chapters 05-07), and
+    the three-warpgroup candidates for D = 64 (default_config's docstring)."""
     base = default_config(head_dim)
     return {
         "default": base,
@@ -1117,7 +1146,9 @@ def bench_configs(head_dim: int) -> dict:
         "exp2 emulation 1/4": replace(base, exp2_emulation_fraction=0.25),
         "exp2 emulation 1/2": replace(base, exp2_emulation_fraction=0.5),
         "tau = 8": replace(base, rescale_threshold=8.0),
-        "128 x 128 (first default)": HopperConfig(tile_n=128, num_consumer_wgs=2, pingpong=True),
+        "192 x 64": replace(base, tile_n=64, num_consumer_wgs=3),
+        "192 x 128, no overlap": replace(base, tile_n=128, num_consumer_wgs=3,
+                                         intra_wg_overlap=False),
     }
 
 
@@ -1197,7 +1228,8 @@ def format_knob_rows(rows: list[dict], configs=None) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="one small causal case (default)")
+    parser.add_argument("--small", action="store_true",
+                        help="SMALL_CASES: three small cases (the default)")
     parser.add_argument("--check", action="store_true", help="every CHECK_CASES entry")
     parser.add_argument("--bench", action="store_true",
                         help=f"verify and time every knob (BENCH_PLAN), save {BENCH_RESULTS}")
@@ -1208,11 +1240,11 @@ def main(argv=None) -> int:
     if args.bench:
         rows = bench()
         return 1 if any(not r["verified"] for r in rows) else 0
-    cases = CHECK_CASES if args.check else [SMALL_CASE]
+    cases = [(case, None) for case in CHECK_CASES] if args.check else SMALL_CASES
     failures = 0
-    for case in cases:
+    for case, config in cases:
         t0 = time.perf_counter()
-        ok, line = check_case(*case)
+        ok, line = check_case(*case, config=config)
         failures += not ok
         print(f"{line} [{time.perf_counter() - t0:.1f} s]", flush=True)
     print(f"{len(cases) - failures}/{len(cases)} cases passed", flush=True)

@@ -96,19 +96,31 @@ def test_every_knob_compiles_without_spills(compiled):
         assert art.spills == 0 and art.frame_bytes == 0, (cfg, art.resources())
     # three consumer warpgroups at 160 registers each: the tightest budget
     for cfg in (ch05.HopperConfig(tile_n=96, num_consumer_wgs=3),
-                replace(ch05.default_config(64), exp2_emulation_fraction=0.25,
-                        rescale_threshold=8.0)):
+                ch05.HopperConfig(tile_n=64, num_consumer_wgs=3, exp2_emulation_fraction=0.25,
+                                  rescale_threshold=8.0)):
         art = compiled(64, True, "bf16", cfg)
         assert ".reqntid 512, 1, 1" in art.ptx and art.spills == 0, (cfg, art.resources())
 
 
-def test_head_dim_64_default_is_three_warpgroups_of_192_x_112(compiled):
-    """FA4's Hopper tile at D <= 64 is 192 x 128; here that spills (160 registers per consumer
-    thread with three warpgroups), 192 x 112 does not (ch05.default_config's docstring)."""
-    cfg = ch05.default_config(64)
-    assert (cfg.tile_m, cfg.tile_n, cfg.num_consumer_wgs) == (192, 112, 3)
-    fa4_tile = compiled(64, False, "bf16", replace(cfg, tile_n=128))
+@pytest.mark.parametrize("head_dim,causal", MAIN_BUILDS)
+def test_defaults_get_no_wgmma_fences_from_ptxas(compiled, head_dim, causal):
+    """ptxas short of registers splits wgmma groups with fences of its own (default_config's
+    docstring); the default tiles at D = 64 and 128 must not need them."""
+    assert ch05.injected_wgmma_fences(compiled(head_dim, causal)) == 0
+
+
+def test_head_dim_64_three_warpgroup_tiles(compiled):
+    """default_config's docstring, as compiled: at 160 registers per consumer thread, FA4's
+    192 x 128 spills, 192 x 112 does not spill but gets fences injected between its P V
+    wgmmas, and the two candidates --bench times compile clean."""
+    H = ch05.HopperConfig
+    fa4_tile = compiled(64, False, "bf16", H(tile_n=128, num_consumer_wgs=3))
     assert fa4_tile.spills > 0, fa4_tile.resources()
+    fenced = compiled(64, False, "bf16", H(tile_n=112, num_consumer_wgs=3))
+    assert fenced.spills == 0 and ch05.injected_wgmma_fences(fenced) > 0, fenced.resources()
+    for name in ("192 x 64", "192 x 128, no overlap"):
+        art = compiled(64, False, "bf16", ch05.bench_configs(64)[name])
+        assert art.spills == 0 and ch05.injected_wgmma_fences(art) == 0, (name, art.resources())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,8 +181,8 @@ def test_one_warp_owns_the_16_consecutive_rows_of_the_ch07_model():
             if rows != set(range(16 * warp, 16 * warp + 16)):
                 problems.append((kern.tile_m, warp, sorted(rows)))
 
-    kerns = [ch05.FlashAttentionHopper(cutlass.BFloat16, d, False, ch05.default_config(d))
-             for d in (128, 64)]
+    kerns = [ch05.FlashAttentionHopper(cutlass.BFloat16, 128, False, cfg)
+             for cfg in (ch05.default_config(128), ch05.HopperConfig(num_consumer_wgs=3))]
 
     @cute.jit
     def trace():
@@ -297,7 +309,7 @@ AWKWARD = [1, 17, 63, 64, 65, 128, 129, 200, 640, 1000]
 CONFIGS = [
     ch05.default_config(128),  # 128 x 128
     ch05.default_config(256),  # 128 x 80
-    ch05.default_config(64),  # 192 x 112
+    ch05.HopperConfig(tile_n=64, num_consumer_wgs=3),  # 192 x 64
     ch05.HopperConfig(tile_n=96, num_consumer_wgs=3),  # 192 x 96
     ch05.HopperConfig(tile_n=128, num_consumer_wgs=1),  # 64 x 128
 ]
@@ -396,14 +408,16 @@ def test_register_fragment_views():
     """For the threads of both consumer warpgroups (all lane patterns of warp 0 and one lane of
     every other warp): acc_rows_cols gives one row per r and one column per c, and
     acc_as_a_operand puts each S element exactly where the P V wgmma reads its A operand."""
-    threads = list(range(8)) + [32 * w + 5 for w in range(1, 8)] + [255]
+    threads = list(range(8)) + [32 * w + 5 for w in range(1, 12)] + [255, 383]
     problems = []
-    kerns = [ch05.FlashAttentionHopper(cutlass.BFloat16, d, False, ch05.default_config(d))
-             for d in (128, 256)]
+    kerns = [ch05.FlashAttentionHopper(cutlass.BFloat16, d, False, cfg) for d, cfg in (
+        (128, ch05.default_config(128)), (256, ch05.default_config(256)),  # tile_n 128, 80
+        (64, ch05.HopperConfig(tile_n=112, num_consumer_wgs=3)),  # three warpgroups
+    )]
 
     def check(kern, mma_qk, mma_pv):
         c_s = cute.make_identity_tensor((kern.tile_m, kern.tile_n))
-        for t in threads:
+        for t in (t for t in threads if t < kern.num_consumer_threads):
             acc = mma_qk.get_slice(t).partition_C(c_s)
             as_a, want = acc_as_a_operand(acc), mma_pv.get_slice(t).partition_A(c_s)
             problems.extend(("A", kern.tile_n, t, i) for i in range(cute.size(want))
