@@ -1,0 +1,1146 @@
+"""Chapter 05's teaching helpers: small models, a pipeline simulation, pictures, and the exercises.
+
+The kernel itself is ``solutions/ch05_flash_hopper.py``; this module only looks at it (its
+config, its shared-memory sum, its compiled PTX and SASS) and models the ideas around it:
+
+- why mma.sync cannot feed Hopper's tensor cores: B-operand reuse against shared-memory bandwidth;
+- what a TMA tensor map holds, and a NumPy copy of one box with zero fill past the edges;
+- the 128-byte swizzle as CuTe builds it for the kernel's tiles;
+- an mbarrier ring with phase bits (``RingSim``): a producer, consumers, TMA latency, full and
+  empty barriers; it finds deadlocks, overwrites and stale reads, and draws a timeline;
+- one steady-state turn of the compiled SASS (where ptxas put the waits and the exponentials);
+- a fluid model of two or three consumer warpgroups sharing the tensor cores and MUFU, with and
+  without ping-pong;
+- exercises 05.1 (stage count), 05.2 (the producer's step of the ring), 05.3 (proxy fence): their
+  references and checkers.
+
+Nothing here needs a GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from solutions import ch05_flash_hopper as ch05
+from utils import roofline
+from utils.hardware import PER_SM
+
+HOPPER = PER_SM["sm_90"]
+ELEM_BYTES = 2  # bf16 / fp16
+SWIZZLE_BYTES = 128  # the widest TMA / wgmma swizzle: 16-byte chunks permuted within 128 B
+
+
+# ================================================================================================
+# Stored results
+# ================================================================================================
+def load_stored(name: str, gpu: str = "h200"):
+    """``utils.results.load(name)`` or None, saying "not measured yet" when the file is absent."""
+    from utils import results
+
+    try:
+        return results.load(name, gpu=gpu)
+    except FileNotFoundError:
+        print(f"{name}: not measured yet (results/{gpu}/{name}.json does not exist)")
+        return None
+
+
+def stored_table(res, prefer=("impl", "knob", "config", "d", "s", "causal", "ms", "tflops")):
+    """A results file as a plain table of the preferred columns it actually has."""
+    columns = [c for c in prefer if any(c in r for r in res.rows)]
+    return res.table(columns or None)
+
+
+def tflops_groups(res, pass_: str = "fwd") -> tuple[list[str], dict[str, list]]:
+    """Attention results as (group labels, {impl: TFLOP/s per group}) for
+    ``utils.plots.grouped_bars``: one group per (D, S, causal), every implementation side by
+    side (None where it has no figure)."""
+    rows = [r for r in res.rows if r.get("pass") == pass_]
+    keys = sorted({(r["d"], r["s"], r["causal"]) for r in rows},
+                  key=lambda k: (-k[0], k[2], k[1]))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    series = {
+        impl: [next((r["tflops"] for r in rows
+                     if r["impl"] == impl and (r["d"], r["s"], r["causal"]) == key), None)
+               for key in keys]
+        for impl in impls
+    }
+    labels = [f"D={d} S={s}\n{'causal' if c else 'non-causal'}" for d, s, c in keys]
+    return labels, series
+
+
+def plot_tflops(res, title: str, course=("flash_hopper",), ax=None):
+    """``utils.plots.grouped_bars`` of ``tflops_groups(res)``, labelled with the provenance; the
+    course's own kernels in the course colour."""
+    import matplotlib.pyplot as plt
+
+    from utils import plots
+
+    groups, series = tflops_groups(res)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(12, 4.5))
+    plots.grouped_bars(groups, series, title=title, ylabel="TFLOP/s", ax=ax,
+                       provenance=res.label)
+    for name, bars in zip(series, ax.containers):
+        if name in course:
+            for bar in bars:
+                bar.set_color(plots.PALETTE["course"])
+    ax.legend(fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    return ax
+
+
+def knob_lines(res) -> list[str]:
+    """The knob benchmark (``ch05_flash_hopper --bench``), grouped by (D, causal): TFLOP/s of
+    each configuration and its ratio to that group's "default" row."""
+    lines = []
+    groups = dict.fromkeys((r.get("d"), r.get("causal")) for r in res.rows)
+    for d, causal in groups:
+        rows = [r for r in res.rows if (r.get("d"), r.get("causal")) == (d, causal)]
+        base = next((r.get("tflops") for r in rows if r.get("config") == "default"), None)
+        lines.append(f"D={d} causal={causal}:")
+        for r in rows:
+            name = r.get("config") or r.get("impl")
+            tile = f"{r.get('tile_m', '?')} x {r.get('tile_n', '?')}"
+            if r.get("tflops") is None:
+                lines.append(f"    {name:28s} {tile:10s} not timed (verified: {r.get('verified')})")
+                continue
+            ratio = f"{r['tflops'] / base:5.2f}x default" if base else ""
+            lines.append(f"    {name:28s} {tile:10s} {r['tflops']:6.0f} TFLOP/s  {ratio}")
+    return lines
+
+
+# ================================================================================================
+# 1. mma.sync against wgmma: how often B must be read from shared memory
+# ================================================================================================
+def rows_per_b_read_needed(arch: str = "H100") -> float:
+    """Rows of A an MMA must cover per read of B so shared memory keeps up with the tensor cores.
+
+    Each 2-byte element of B read from shared memory feeds 2 FLOPs per row of A it meets. At
+    ``F`` FLOP/clk and ``W`` B/clk of shared memory: F * 2 / (2 * rows) <= W, rows >= F / W.
+    """
+    fig = PER_SM[roofline.GPUS[roofline.resolve_gpu(arch)]]
+    return fig.mma_flops_per_clk * ELEM_BYTES / (2 * fig.smem_bytes_per_clk)
+
+
+def kv_smem_cycles(n: int, d: int, readers: int, arch: str = "H100") -> float:
+    """Cycles of shared memory to read one K tile and one V tile (n x d each) ``readers`` times:
+    once per warp for mma.sync (each warp loads its own B fragments with ldmatrix), once per
+    warpgroup for wgmma."""
+    fig = PER_SM[roofline.GPUS[roofline.resolve_gpu(arch)]]
+    return readers * 2 * n * d * ELEM_BYTES / fig.smem_bytes_per_clk
+
+
+def mma_styles(m: int = 128, n: int = 128, d: int = 128, warps: int = 4) -> list[dict]:
+    """One forward tile (m query rows, n keys, head dim d) on an H100/H200 SM, two ways.
+
+    Ampere style: ``warps`` warps stacked along the rows, Q in registers, every warp reads all
+    of K and V from shared memory (ldmatrix) and issues m16n8k16 mma.sync. Hopper style: one
+    warpgroup per 64 rows, wgmma reads Q, K and V from shared memory (utils.roofline's model).
+    """
+    flops = 4 * m * n * d
+    mma = flops / HOPPER.mma_flops_per_clk
+    wg = roofline.tile_cycles("H100", "fwd", m=m, n=n, d=d)
+    return [
+        {"style": f"mma.sync, {warps} warps ({m // warps} rows each)",
+         "instructions": flops // (2 * 16 * 8 * 16), "rows_per_b_read": m // warps,
+         "mma_cycles": mma, "smem_cycles": kv_smem_cycles(n, d, warps)},
+        {"style": f"wgmma, {m // ch05.WGMMA_M} warpgroups (64 rows each)",
+         "instructions": (m // ch05.WGMMA_M) * (d // 16 + n // 16), "rows_per_b_read": 64,
+         "mma_cycles": mma, "smem_cycles": wg.smem},
+    ]
+
+
+# ================================================================================================
+# 2. TMA: the tensor map and one box
+# ================================================================================================
+@dataclass(frozen=True)
+class TensorMapSketch:
+    """The fields of a TMA descriptor (``CUtensorMap``, 128 bytes, built on the host by
+    ``cuTensorMapEncodeTiled``) for a (batch, seqlen, heads, dim) tensor, as the kernel's TMA
+    atoms use them. Dimensions are listed innermost first, as the TMA numbers them, and each
+    copy names one coordinate per dimension: its box's corner."""
+
+    dims: tuple  # (D, S, H, B) elements
+    strides_bytes: tuple  # bytes from one index to the next along S, H, B (D is contiguous)
+    box: tuple  # elements per dimension in one copy
+    elem_bytes: int
+    swizzle: str
+    oob_fill: str
+
+    @property
+    def box_bytes(self) -> int:
+        """Bytes one copy writes to shared memory, zero-filled elements included: the number
+        the producer announces to the mbarrier with expect-tx."""
+        return math.prod(self.box) * self.elem_bytes
+
+    def __str__(self) -> str:
+        names = ("D", "S", "H", "B")
+        rows = [
+            ("global dims (innermost first)",
+             ", ".join(f"{n}={v}" for n, v in zip(names, self.dims))),
+            ("global strides (bytes)",
+             ", ".join(f"{n}: {v}" for n, v in zip(names[1:], self.strides_bytes))),
+            ("box (elements)", ", ".join(f"{n}={v}" for n, v in zip(names, self.box))),
+            ("element size", f"{self.elem_bytes} B"),
+            ("swizzle", self.swizzle),
+            ("out-of-bounds fill", self.oob_fill),
+            ("bytes per copy", f"{self.box_bytes} (counted into the mbarrier)"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def tensor_map(batch: int, seqlen: int, heads: int, dim: int, box_rows: int,
+               elem_bytes: int = ELEM_BYTES) -> TensorMapSketch:
+    """The tensor map of a contiguous (batch, seqlen, heads, dim) tensor whose copies bring
+    ``box_rows`` rows of one head. With the 128-byte swizzle the box's innermost extent is at
+    most 128 bytes (64 bf16), so a D = 128 row is fetched as two boxes side by side."""
+    inner = min(dim, SWIZZLE_BYTES // elem_bytes)
+    return TensorMapSketch(
+        dims=(dim, seqlen, heads, batch),
+        strides_bytes=(heads * dim * elem_bytes, dim * elem_bytes,
+                       seqlen * heads * dim * elem_bytes),
+        box=(inner, box_rows, 1, 1),
+        elem_bytes=elem_bytes,
+        swizzle=f"{SWIZZLE_BYTES}B (16-byte chunk ^= row mod 8)",
+        oob_fill="zeros",
+    )
+
+
+def tma_load_box(x: np.ndarray, corner: tuple, box: tuple) -> np.ndarray:
+    """What one TMA load writes: the box of ``x`` (batch, seqlen, heads, dim) whose corner is
+    ``corner`` = (d, s, h, b) (innermost first, like the PTX), returned as (rows, columns);
+    elements outside the tensor read as zero."""
+    d0, s0, h, b = corner
+    box_d, box_s = box[0], box[1]
+    out = np.zeros((box_s, box_d), dtype=x.dtype)
+    s_hi = min(s0 + box_s, x.shape[1])
+    d_hi = min(d0 + box_d, x.shape[3])
+    if s_hi > s0 and d_hi > d0:
+        out[: s_hi - s0, : d_hi - d0] = x[b, s0:s_hi, h, d0:d_hi]
+    return out
+
+
+def copy_instructions(rows: int, dim: int, threads: int = 128, elem_bytes: int = ELEM_BYTES):
+    """Copy instructions to bring one (rows, dim) tile into shared memory: cp.async moves 16 B
+    per thread per instruction; TMA moves one box per instruction, issued by one thread."""
+    tile = rows * dim * elem_bytes
+    boxes = -(-dim * elem_bytes // SWIZZLE_BYTES)
+    return {"tile_bytes": tile, "cp.async (16 B each)": tile // 16,
+            "cp.async per thread": tile // 16 // threads, "TMA boxes": boxes}
+
+
+def draw_tma_box(seqlen=300, heads=3, dim=128, tile_rows=128, tile=2, head=1, ax=None):
+    """One batch of a (seqlen, heads, dim) tensor drawn as memory lays it out (a row of the
+    picture is one sequence position: heads side by side, dim contiguous), with the TMA boxes
+    of K/V tile ``tile`` of head ``head``. Rows past ``seqlen`` are zero-filled by the TMA."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8.5, 4.2))
+    width = heads * dim
+    top = max(seqlen, (tile + 1) * tile_rows)
+    ax.add_patch(Rectangle((0, 0), width, seqlen, facecolor="#f2f2f2", edgecolor="#999999"))
+    for h in range(heads):
+        ax.text(h * dim + dim / 2, -8, f"head {h}", ha="center", va="bottom", fontsize=8)
+        if h:
+            ax.axvline(h * dim, color="#999999", linewidth=0.8)
+    for t in range(1, -(-seqlen // tile_rows)):
+        ax.axhline(t * tile_rows, color="#cccccc", linewidth=0.6, linestyle=":")
+    inner = min(dim, SWIZZLE_BYTES // ELEM_BYTES)
+    s0, s1 = tile * tile_rows, (tile + 1) * tile_rows
+    colors = ("#1f77b4", "#ff7f0e")
+    for i, d0 in enumerate(range(0, dim, inner)):
+        x0 = head * dim + d0
+        ax.add_patch(Rectangle((x0, s0), inner, min(s1, seqlen) - s0, facecolor=colors[i % 2],
+                               alpha=0.55, edgecolor="black"))
+        ax.text(x0 + inner / 2, (s0 + min(s1, seqlen)) / 2,
+                f"box {i}\ncorner\n(d={d0}, s={s0},\n h={head}, b=0)", ha="center",
+                va="center", fontsize=7)
+        if s1 > seqlen:
+            ax.add_patch(Rectangle((x0, seqlen), inner, s1 - seqlen, facecolor="white",
+                                   hatch="///", edgecolor=colors[i % 2]))
+    if s1 > seqlen:
+        ax.text(head * dim + dim + 4, (seqlen + s1) / 2,
+                f"rows {seqlen}..{s1 - 1}: outside the tensor,\nwritten as zeros, bytes still "
+                "counted", va="center", fontsize=7)
+    ax.axhline(seqlen, color="crimson", linewidth=1.2)
+    ax.text(width + 2, seqlen, f"seqlen = {seqlen}", color="crimson", va="center", fontsize=8)
+    ax.set_xlim(-2, width + dim * 0.9)
+    ax.set_ylim(top + 8, -20)
+    ax.set_xlabel("position in memory within a row: head * dim + d (d contiguous)")
+    ax.set_ylabel("sequence position s")
+    ax.set_title(f"TMA boxes of K tile {tile} (rows {s0}..{s1 - 1}), head {head}")
+    ax.grid(False)
+    return ax
+
+
+# ================================================================================================
+# 3. The 128-byte swizzle, as CuTe builds it for the kernel
+# ================================================================================================
+def smem_tile_layout(head_dim: int, rows: int = 128) -> dict:
+    """The kernel's shared-memory layout for a (rows, head_dim) bf16 tile, asked from CuTe on the
+    CPU: the swizzle atom (its ``Swizzle<bits, base, shift>`` acts on byte addresses) and the
+    layout of the whole tile in elements."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.tensor_utils import LayoutEnum
+
+    found = {}
+
+    @cute.jit
+    def trace():
+        kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, head_dim)
+        atom = warpgroup.make_smem_layout_atom(kind, cutlass.BFloat16)
+        tile = cute.tile_to_shape(atom, (rows, head_dim), order=(0, 1))
+        sw = atom.inner
+        found.update(kind=str(kind), atom=str(atom), tile=str(tile),
+                     swizzle=(int(sw.num_bits), int(sw.num_base), int(sw.num_shift)))
+
+    trace()
+    return found
+
+
+def swizzled_chunk(row: int, chunk: int, swizzle=(3, 4, 3)) -> int:
+    """Where 16-byte chunk ``chunk`` of row ``row`` of a 128-byte-row tile lands in its row:
+    the swizzle applied to the byte address ``row * 128 + chunk * 16``."""
+    from utils.layout_plots import swizzle as apply
+
+    return (apply(row * SWIZZLE_BYTES + chunk * 16, *swizzle) % SWIZZLE_BYTES) // 16
+
+
+# ================================================================================================
+# 4. An mbarrier ring, simulated
+# ================================================================================================
+class PipelineError(Exception):
+    """The ring's protocol went wrong; the message says what, where and when, in plain words."""
+
+
+class Deadlock(PipelineError):
+    pass
+
+
+class Overwrite(PipelineError):
+    pass
+
+
+class StaleRead(PipelineError):
+    pass
+
+
+@dataclass(frozen=True)
+class Wait:
+    """What a role yields to block until ``barrier`` has completed the phase of parity
+    ``parity`` (``mbarrier.try_wait.parity`` in a loop)."""
+
+    barrier: MBarrier
+    parity: int
+
+    def ready(self) -> bool:
+        return self.barrier.try_wait(self.parity)
+
+
+class MBarrier:
+    """An mbarrier: a phase completes when ``arrivals`` threads have arrived and the bytes
+    announced with expect-tx have all been written (transaction count back to zero).
+
+    ``completed`` counts completed phases; the phase in progress has parity ``completed % 2``.
+    ``try_wait(p)`` is true when the phase of parity p is not the one in progress: it has
+    completed (a fresh barrier, in phase 0, reports parity 1 as complete)."""
+
+    def __init__(self, name: str, arrivals: int, ring: Ring):
+        self.name, self.arrivals, self._ring = name, arrivals, ring
+        self.pending, self.tx, self.completed = arrivals, 0, 0
+
+    def try_wait(self, parity: int) -> bool:
+        return (self.completed & 1) != parity
+
+    def wait(self, parity: int) -> Wait:
+        if parity not in (0, 1):
+            raise PipelineError(f"{self.name}.wait(parity={parity!r}): a parity is 0 or 1")
+        return Wait(self, parity)
+
+    def arrive(self) -> None:
+        self._ring.log(f"arrives on {self.name}")
+        self._arrive()
+
+    def arrive_expect_tx(self, nbytes: int) -> None:
+        self.tx += nbytes
+        self._ring.log(f"arrives on {self.name}, expecting {nbytes} B")
+        self._arrive()
+
+    def complete_tx(self, nbytes: int) -> None:
+        self.tx -= nbytes
+        self._maybe_complete()
+
+    def _arrive(self) -> None:
+        if self.pending == 0:
+            raise PipelineError(
+                f"tick {self._ring.now}: {self._ring.actor} arrived on {self.name} again before "
+                f"the phase it had armed completed (that phase still waits for {self.tx} bytes): "
+                f"more arrivals in one phase than the barrier counts. A producer may arm a "
+                f"slot's full barrier again only after waiting on that slot's empty barrier"
+            )
+        self.pending -= 1
+        self._maybe_complete()
+
+    def _maybe_complete(self) -> None:
+        if self.pending == 0 and self.tx == 0:
+            self.completed += 1
+            self.pending = self.arrivals
+            self._ring.log(f"{self.name} completes phase {self.completed - 1} "
+                           f"(parity {(self.completed - 1) & 1})")
+
+    def describe(self) -> str:
+        need = f"{self.pending} arrival(s)"
+        if self.tx > 0:
+            need += f" and {self.tx} more byte(s)"
+        elif self.tx < 0:
+            need += f", and it has received {-self.tx} byte(s) nobody announced"
+        return (f"{self.name}: {self.completed} phase(s) completed; phase {self.completed} "
+                f"(parity {self.completed & 1}) waits for {need}")
+
+
+@dataclass
+class _Copy:
+    tile: int
+    stage: int
+    issued: int
+    lands: int
+
+
+class Ring:
+    """A ring of ``stages`` shared-memory slots between one producer (TMA) and ``consumers``
+    consumer warpgroups that all read every tile. ``full[s]``: 1 arrival (the producer's
+    arrive-expect-tx) plus ``tile_bytes`` written by the TMA. ``empty[s]``: one arrival per
+    consumer. Times are in ticks: a TMA copy lands ``latency`` ticks after it is issued, a
+    consumer reads a tile for ``read_ticks`` ticks."""
+
+    def __init__(self, stages=2, consumers=2, latency=4, read_ticks=3, tile_bytes=32768):
+        if stages < 1 or consumers < 1 or latency < 1 or read_ticks < 1:
+            raise ValueError("stages, consumers, latency and read_ticks must all be >= 1")
+        self.stages, self.consumers = stages, consumers
+        self.latency, self.read_ticks, self.tile_bytes = latency, read_ticks, tile_bytes
+        self.now, self.actor = 0, "setup"
+        self.events: list[tuple[int, str, str]] = []
+        self.full = [MBarrier(f"full[{s}]", 1, self) for s in range(stages)]
+        self.empty = [MBarrier(f"empty[{s}]", consumers, self) for s in range(stages)]
+        self.slot: list[int | None] = [None] * stages  # the tile whose bytes a slot holds
+        self.unread: list[set] = [set() for _ in range(stages)]  # consumers yet to read it
+        self.reading: list[dict] = [{} for _ in range(stages)]  # consumer -> tile, reading now
+        self.in_flight: list[_Copy] = []
+        self.copies: list[_Copy] = []
+        self.reads: list[tuple[int, int, int, int, int]] = []  # (consumer, tile, stage, t0, t1)
+
+    def log(self, what: str) -> None:
+        self.events.append((self.now, self.actor, what))
+
+    def _check_stage(self, stage, what):
+        if not isinstance(stage, (int, np.integer)) or not 0 <= stage < self.stages:
+            raise PipelineError(
+                f"{what}: slot {stage!r} does not exist (slots 0..{self.stages - 1})")
+
+    def tma_load(self, stage: int, tile: int) -> None:
+        """Start the TMA copy of ``tile`` into slot ``stage``; it completes the bytes of
+        ``full[stage]`` when it lands."""
+        self._check_stage(stage, f"tma_load of tile {tile}")
+        copy = _Copy(tile, int(stage), self.now, self.now + self.latency)
+        self.in_flight.append(copy)
+        self.copies.append(copy)
+        self.log(f"issues the TMA load of tile {tile} into slot {stage}")
+
+    def read(self, stage: int, tile: int, me: int):
+        """A consumer reads ``tile`` from slot ``stage`` for ``read_ticks`` ticks (a generator:
+        use ``yield from``)."""
+        self._check_stage(stage, f"consumer {me} reading tile {tile}")
+        held = self.slot[stage]
+        if held != tile:
+            pending = any(c.tile == tile and c.stage == stage for c in self.in_flight)
+            why = ("its load is still in flight" if pending
+                   else f"no load of tile {tile} into slot {stage} has been issued")
+            has = "is still empty" if held is None else f"holds tile {held}"
+            raise StaleRead(
+                f"tick {self.now}: consumer {me} started reading tile {tile} from slot {stage}, "
+                f"but the slot {has} ({why}): its wait on full[{stage}] let it through before "
+                f"tile {tile} had landed"
+            )
+        self.reading[stage][me] = tile
+        start = self.now
+        self.log(f"reads tile {tile} from slot {stage}")
+        yield self.read_ticks
+        del self.reading[stage][me]
+        self.unread[stage].discard(me)
+        self.reads.append((me, tile, stage, start, self.now))
+
+    def land_copies(self) -> None:
+        for copy in [c for c in self.in_flight if c.lands <= self.now]:
+            self.in_flight.remove(copy)
+            s, old = copy.stage, self.slot[copy.stage]
+            if self.reading[s]:
+                who = ", ".join(f"consumer {c}" for c in sorted(self.reading[s]))
+                raise Overwrite(
+                    f"tick {self.now}: the load of tile {copy.tile} landed in slot {s} while "
+                    f"{who} was still reading tile {old} there: the producer refilled slot {s} "
+                    f"before every consumer had released it (on empty[{s}])"
+                )
+            if self.unread[s]:
+                who = ", ".join(f"consumer {c}" for c in sorted(self.unread[s]))
+                raise Overwrite(
+                    f"tick {self.now}: the load of tile {copy.tile} landed in slot {s} before "
+                    f"{who} had read tile {old}: tile {old} was overwritten unread. The producer "
+                    f"must wait until empty[{s}] says every consumer is done with the slot"
+                )
+            self.slot[s] = copy.tile
+            self.unread[s] = set(range(self.consumers))
+            self.actor = "TMA"
+            self.log(f"tile {copy.tile} lands in slot {s}, {self.tile_bytes} B")
+            self.full[s].complete_tx(self.tile_bytes)
+
+
+def consumer_step(ring: Ring, t: int, me: int):
+    """Consumer ``me``, tile ``t``: wait until the tile has landed, read it, hand the slot back.
+    Tile t lives in slot t % stages; lap t // stages of the ring waits for the full barrier's
+    phase of that lap's parity (phase 0 is the first fill)."""
+    stage, lap = t % ring.stages, t // ring.stages
+    yield ring.full[stage].wait(parity=lap & 1)
+    yield from ring.read(stage, t, me)
+    ring.empty[stage].arrive()
+
+
+def producer_step(ring: Ring, t: int):
+    """Producer, tile ``t`` (exercise 05.2's reference): wait until slot t % stages is free,
+    announce the bytes on its full barrier, start the TMA. In lap 0 the slot has never been
+    used, and parity (0 ^ 1) = 1 is what a fresh barrier reports complete: no wait. In lap r it
+    waits for the consumers' releases of lap r - 1, the empty barrier's phase r - 1."""
+    stage, lap = t % ring.stages, t // ring.stages
+    yield ring.empty[stage].wait(parity=(lap & 1) ^ 1)
+    ring.full[stage].arrive_expect_tx(ring.tile_bytes)
+    ring.tma_load(stage, t)
+
+
+def producer_same_parity(ring: Ring, t: int):
+    """Broken: waits on empty with the consumer's parity, lap & 1."""
+    stage, lap = t % ring.stages, t // ring.stages
+    yield ring.empty[stage].wait(parity=lap & 1)
+    ring.full[stage].arrive_expect_tx(ring.tile_bytes)
+    ring.tma_load(stage, t)
+
+
+def producer_no_wait(ring: Ring, t: int):
+    """Broken: never waits for the consumers to release a slot."""
+    stage = t % ring.stages
+    ring.full[stage].arrive_expect_tx(ring.tile_bytes)
+    ring.tma_load(stage, t)
+
+
+def producer_plain_arrive(ring: Ring, t: int):
+    """Broken: arrives on full without announcing the bytes the TMA will write."""
+    stage, lap = t % ring.stages, t // ring.stages
+    yield ring.empty[stage].wait(parity=(lap & 1) ^ 1)
+    ring.full[stage].arrive()
+    ring.tma_load(stage, t)
+
+
+BROKEN_PRODUCERS = {
+    "waits on empty with parity lap & 1": producer_same_parity,
+    "never waits on empty": producer_no_wait,
+    "arrives on full without expect-tx": producer_plain_arrive,
+}
+
+
+def _steps(result, name: str):
+    """Run a role's step: a generator is delegated to, a plain function has already run."""
+    if inspect.isgenerator(result):
+        return (yield from result)
+    if result is not None:
+        raise PipelineError(f"{name} should yield its waits (a generator) or return None, "
+                            f"but it returned {result!r}")
+    return None
+
+
+def _producer(ring, n_tiles, step):
+    for t in range(n_tiles):
+        yield from _steps(step(ring, t), "producer_step")
+        yield 1  # issuing takes the producer's thread one tick
+
+
+def _consumer(ring, n_tiles, me, step):
+    for t in range(n_tiles):
+        yield from _steps(step(ring, t, me), "consumer_step")
+
+
+@dataclass
+class _Agent:
+    name: str
+    gen: object
+    waiting: Wait | None = None
+    wait_since: int = 0
+    busy_until: int = 0
+    done: bool = False
+
+
+@dataclass
+class RingSim:
+    """Step through a K/V ring tick by tick, or run it to the end.
+
+    >>> sim = RingSim(n_tiles=5, stages=2)
+    >>> sim.step()          # the events of one tick, as text
+    >>> print(sim.state())  # barriers, slots, who waits on what
+    >>> sim.run()           # to the end; raises Deadlock, Overwrite or StaleRead
+
+    ``producer_step(ring, t)`` and ``consumer_step(ring, t, me)`` are the roles' bodies for one
+    tile; they ``yield ring.<barrier>[s].wait(parity)`` to block.
+    """
+
+    n_tiles: int = 6
+    stages: int = 2
+    consumers: int = 2
+    latency: int = 4
+    read_ticks: int = 3
+    producer_step: object = producer_step
+    consumer_step: object = consumer_step
+    max_ticks: int = 10_000
+    ring: Ring = field(init=False)
+    waits: list = field(init=False, default_factory=list)  # (agent, barrier, parity, t0, t1)
+
+    def __post_init__(self):
+        self.ring = Ring(self.stages, self.consumers, self.latency, self.read_ticks)
+        self.agents = [_Agent("producer", _producer(self.ring, self.n_tiles, self.producer_step))]
+        self.agents += [
+            _Agent(f"consumer {c}", _consumer(self.ring, self.n_tiles, c, self.consumer_step))
+            for c in range(self.consumers)
+        ]
+
+    @property
+    def done(self) -> bool:
+        return all(a.done for a in self.agents) and not self.ring.in_flight
+
+    def _advance(self, agent: _Agent) -> None:
+        ring = self.ring
+        ring.actor = agent.name
+        while not agent.done and agent.busy_until <= ring.now:
+            if agent.waiting is not None:
+                if not agent.waiting.ready():
+                    return
+                w = agent.waiting
+                if ring.now > agent.wait_since:
+                    self.waits.append((agent.name, w.barrier.name, w.parity, agent.wait_since,
+                                       ring.now))
+                    ring.log(f"passes its wait on {w.barrier.name} (parity {w.parity})")
+                agent.waiting = None
+            try:
+                item = next(agent.gen)
+            except StopIteration:
+                agent.done = True
+                return
+            if isinstance(item, Wait):
+                agent.waiting, agent.wait_since = item, ring.now
+                if not item.ready():
+                    ring.log(f"waits on {item.barrier.name} for parity {item.parity}")
+            elif isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+                agent.busy_until = ring.now + item
+            else:
+                raise PipelineError(
+                    f"{agent.name} yielded {item!r}: yield a barrier wait, such as "
+                    f"ring.empty[s].wait(parity), or a number of ticks"
+                )
+
+    def step(self) -> list[str]:
+        """Advance one tick; return what happened, one line per event."""
+        ring = self.ring
+        first = len(ring.events)
+        ring.land_copies()
+        for agent in self.agents:
+            self._advance(agent)
+        lines = [f"t={t:3d} {who}: {what}" for t, who, what in ring.events[first:]]
+        if not self.done:
+            self._check_progress()
+        ring.now += 1
+        return lines
+
+    def _check_progress(self) -> None:
+        ring = self.ring
+        live = [a for a in self.agents if not a.done]
+        stuck = all(a.waiting is not None and not a.waiting.ready() and a.busy_until <= ring.now
+                    for a in live)
+        if stuck and not ring.in_flight:
+            lines = [f"deadlock at tick {ring.now}: nothing is in flight and nobody can move."]
+            for a in live:
+                w = a.waiting
+                lines.append(f"  {a.name} waits for parity {w.parity} on {w.barrier.describe()}")
+            raise Deadlock("\n".join(lines))
+        if ring.now >= self.max_ticks:
+            raise Deadlock(f"the ring did not finish within {self.max_ticks} ticks")
+
+    def run(self) -> RingSim:
+        while not self.done:
+            self.step()
+        loads = [c.tile for c in self.ring.copies]
+        if sorted(loads) != list(range(self.n_tiles)):
+            raise PipelineError(f"the producer should load each of the {self.n_tiles} tiles "
+                                f"exactly once; it loaded {sorted(loads)}")
+        return self
+
+    def state(self) -> str:
+        ring = self.ring
+        lines = [f"tick {ring.now}"]
+        for s in range(ring.stages):
+            unread = ", ".join(str(c) for c in sorted(ring.unread[s])) or "nobody"
+            lines.append(f"  slot {s}: holds tile {ring.slot[s]}; still to read it: {unread}")
+            lines.append(f"    {ring.full[s].describe()}")
+            lines.append(f"    {ring.empty[s].describe()}")
+        for c in ring.in_flight:
+            lines.append(f"  in flight: tile {c.tile} -> slot {c.stage}, lands at tick {c.lands}")
+        for a in self.agents:
+            if a.done:
+                what = "finished"
+            elif a.waiting is not None and not a.waiting.ready():
+                what = f"waits on {a.waiting.barrier.name} for parity {a.waiting.parity}"
+            elif a.busy_until > ring.now:
+                what = f"busy until tick {a.busy_until}"
+            else:
+                what = "ready"
+            lines.append(f"  {a.name}: {what}")
+        return "\n".join(lines)
+
+
+def draw_ring_timeline(sim: RingSim, ax=None, title=None):
+    """Gantt chart of a finished RingSim: producer issues and waits, each slot's copy in flight
+    (hatched) and resident (solid) until its last reader is done, each consumer's reads and
+    waits. One colour per tile."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from utils.layout_plots import thread_color
+
+    ring = sim.ring
+    rows = ["producer"] + [f"slot {s}" for s in range(ring.stages)]
+    rows += [f"consumer {c}" for c in range(ring.consumers)]
+    y = {r: i for i, r in enumerate(rows)}
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.4))
+    grey = "#bbbbbb"
+    for who, _, _, t0, t1 in sim.waits:
+        ax.barh(y[who], t1 - t0, left=t0, color="white", edgecolor=grey, hatch="...",
+                height=0.5)
+    last_read = {}
+    for _, tile, _, _, t1 in ring.reads:
+        last_read[tile] = max(last_read.get(tile, 0), t1)
+    for c in ring.copies:
+        col = thread_color(c.tile)
+        ax.barh(y["producer"], 1, left=c.issued, color=col, height=0.5)
+        ax.text(c.issued + 0.5, y["producer"], str(c.tile), ha="center", va="center", fontsize=7)
+        row = y[f"slot {c.stage}"]
+        ax.barh(row, c.lands - c.issued, left=c.issued, color="white", edgecolor=col,
+                hatch="///", height=0.5)
+        end = last_read.get(c.tile, c.lands)
+        ax.barh(row, end - c.lands, left=c.lands, color=col, height=0.5)
+        ax.text((c.lands + end) / 2, row, f"tile {c.tile}", ha="center", va="center", fontsize=7)
+    for me, tile, _, t0, t1 in ring.reads:
+        ax.barh(y[f"consumer {me}"], t1 - t0, left=t0, color=thread_color(tile), height=0.5)
+        ax.text((t0 + t1) / 2, y[f"consumer {me}"], str(tile), ha="center", va="center",
+                fontsize=7)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("tick")
+    ax.legend(handles=[Patch(facecolor="white", edgecolor="gray", hatch="///",
+                             label="TMA copy in flight"),
+                       Patch(facecolor="white", edgecolor=grey, hatch="...",
+                             label="waiting on a barrier")],
+              fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title or f"{ring.stages}-stage ring, {ring.consumers} consumers, TMA latency "
+                 f"{ring.latency}, read {ring.read_ticks} ticks")
+    ax.grid(axis="y", visible=False)
+    return ax
+
+
+RING_CASES = [(stages, consumers, latency, read, n_tiles)
+              for stages in (1, 2, 3, 4) for consumers in (1, 2)
+              for latency, read in ((1, 1), (4, 3), (2, 6))
+              for n_tiles in (1, stages, 2 * stages + 1, 10)]
+
+
+def check_producer_step(fn) -> None:
+    """Exercise 05.2: fn(ring, t) is the producer's step; run the ring many ways with it."""
+    for stages, consumers, latency, read, n_tiles in RING_CASES:
+        sim = RingSim(n_tiles, stages, consumers, latency, read, producer_step=fn)
+        what = (f"with {stages} stage(s), {consumers} consumer(s), {n_tiles} tile(s), TMA "
+                f"latency {latency} and {read} tick(s) per read")
+        try:
+            sim.run()
+        except Deadlock as exc:
+            raise AssertionError(
+                f"{what}: the ring deadlocked.\n{exc}\nHint: a fresh mbarrier reports the "
+                "phase of parity 1 as complete, so the producer's first lap must wait for "
+                "parity 1 on empty; and full[s] completes only after one arrival and exactly "
+                "ring.tile_bytes bytes (arrive_expect_tx announces them)."
+            ) from None
+        except PipelineError as exc:
+            raise AssertionError(f"{what}: {exc}") from None
+        reads = sorted((me, tile) for me, tile, *_ in sim.ring.reads)
+        want = sorted((me, t) for me in range(consumers) for t in range(n_tiles))
+        assert reads == want, f"{what}: not every consumer read every tile exactly once"
+
+
+# ================================================================================================
+# 5. The compiled turn: where ptxas put the waits
+# ================================================================================================
+SASS_KINDS = ("S = Q K^T (HGMMA)", "O += P V (HGMMA)", "wgmma wait (DEPBAR)", "exp2 (MUFU.EX2)",
+              "barriers (BAR, SYNCS)", "other")
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]+\*/\s+(.+?)\s*;")
+
+
+def _kind(op: str) -> str:
+    if "HGMMA" in op:
+        # O += P V takes A (P) from registers: "HGMMA.<shape> Rd, Ra, gdesc[...]"
+        return SASS_KINDS[1] if re.search(r"HGMMA\.\S+ R\d+, R\d+", op) else SASS_KINDS[0]
+    if "WARPGROUP.DEPBAR" in op:
+        return SASS_KINDS[2]
+    if "MUFU.EX2" in op:
+        return SASS_KINDS[3]
+    if re.search(r"\bBAR\.|SYNCS\.", op):
+        return SASS_KINDS[4]
+    return SASS_KINDS[5]
+
+
+def steady_turn(sass: str) -> list[tuple[str, str]]:
+    """The instructions of the first steady-state turn of an intra-warpgroup-overlap build, as
+    (kind, instruction): from the last wait (turn or K/V barrier) before the first
+    ``wait_group(1)`` to the next HGMMA or barrier after the ``wait_group(0)`` that follows."""
+    ops = [m.group(1) for m in map(_INSTRUCTION.search, sass.splitlines()) if m]
+    s_ready = next((i for i, op in enumerate(ops) if "DEPBAR.LE gsb0, 0x1" in op), None)
+    if s_ready is None:
+        return []
+    start = max((i for i in range(s_ready) if "BAR.SYNC" in ops[i] or "PHASECHK" in ops[i]),
+                default=0)
+    pv_done = next(i for i in range(s_ready, len(ops)) if "DEPBAR.LE gsb0, 0x0" in ops[i])
+    end = next((i for i in range(pv_done + 1, len(ops))
+                if "HGMMA" in ops[i] or "BAR.SYNC" in ops[i] or "PHASECHK" in ops[i]), len(ops))
+    return [(_kind(op), op) for op in ops[start:end]]
+
+
+def turn_sections(turn) -> list[tuple[str, dict]]:
+    """Opcode counts of a ``steady_turn`` in its three parts: issuing the GEMMs (up to the wait
+    for S), while P V may still run (between the two waits), and after P V is done."""
+    waits = [i for i, (kind, _) in enumerate(turn) if kind == SASS_KINDS[2]]
+    if len(waits) < 2:
+        return []
+    bounds = [(0, waits[0]), (waits[0] + 1, waits[1]), (waits[1] + 1, len(turn))]
+    names = ("issue S and P V", "S ready, P V may still run", "after P V is done")
+    out = []
+    for name, (a, b) in zip(names, bounds):
+        counts: dict[str, int] = {}
+        for _, op in turn[a:b]:
+            word = op.split()[1] if op.startswith("@") else op.split()[0]
+            base = word.split(".")[0]
+            counts[base] = counts.get(base, 0) + 1
+        out.append((name, dict(sorted(counts.items(), key=lambda kv: -kv[1]))))
+    return out
+
+
+def draw_steady_turn(turn, ax=None, title="One steady-state turn of a consumer, as compiled"):
+    """Each instruction of ``steady_turn`` as a tick in its kind's row, in program order."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 2.8))
+    colors = ("#1f77b4", "#17becf", "#d62728", "#ff7f0e", "#7f7f7f", "#dddddd")
+    for row, (kind, col) in enumerate(zip(SASS_KINDS, colors)):
+        xs = [i for i, (k, _) in enumerate(turn) if k == kind]
+        ax.vlines(xs, row - 0.35, row + 0.35, color=col, linewidth=1.5)
+        ax.text(len(turn) + 1, row, f"{len(xs)}", va="center", fontsize=8)
+    for i, (_, op) in enumerate(turn):
+        if "DEPBAR" in op:
+            ax.axvline(i, color="#d62728", linewidth=0.8, linestyle="--")
+            ax.text(i, -0.8, f"wait_group({int(op.split('gsb0, ')[-1], 16)})", fontsize=7,
+                    ha="center", color="#d62728")
+    ax.set_yticks(range(len(SASS_KINDS)), SASS_KINDS, fontsize=8)
+    ax.set_ylim(len(SASS_KINDS) - 0.5, -1.2)
+    ax.set_xlabel("instruction index in the turn (program order)")
+    ax.set_title(title)
+    ax.grid(False)
+    return ax
+
+
+# ================================================================================================
+# 6. Warp specialisation: registers and ping-pong
+# ================================================================================================
+def register_table() -> list[dict]:
+    """setmaxnreg budgets per number of consumer warpgroups: registers per thread and in all."""
+    rows = []
+    for wgs, (producer, consumer) in sorted(ch05.REGISTER_BUDGETS.items()):
+        threads = ch05.THREADS_PER_WG * (1 + wgs)
+        # the most a thread may have at launch: the CTA must fit the SM's 64 K registers,
+        # counts go in steps of 8, and no thread may exceed 255
+        launch = min(255, ch05.REGISTERS_PER_SM // threads // 8 * 8)
+        rows.append({"consumer_wgs": wgs, "threads": threads, "at_launch": launch,
+                     "producer": producer, "consumer": consumer,
+                     "total": ch05.THREADS_PER_WG * (producer + wgs * consumer)})
+    return rows
+
+
+def consumer_fragments(head_dim: int, cfg=None) -> dict:
+    """32-bit registers per consumer thread for the three big fragments: S and O in fp32, P
+    packed two 16-bit values per register. Everything else (addresses, descriptors, softmax
+    state, loop counters) comes on top."""
+    cfg = cfg or ch05.default_config(head_dim)
+    rows_per_thread = ch05.WGMMA_M / ch05.THREADS_PER_WG  # 64 rows over a warpgroup's threads
+    s = int(rows_per_thread * cfg.tile_n)
+    o = int(rows_per_thread * head_dim)
+    return {"S (fp32)": s, "P (bf16 pairs)": s // 2, "O (fp32)": o, "sum": s + s // 2 + o}
+
+
+def turn_cycles(head_dim: int, tile_n: int = 128) -> dict:
+    """Model cycles of one consumer warpgroup's turn on an H100/H200 SM: its two GEMMs (64 rows,
+    at the SM's full tensor-core rate) and its 64 x tile_n exponentials (the SM's MUFU)."""
+    gemm = 2 * 2 * ch05.WGMMA_M * tile_n * head_dim / HOPPER.mma_flops_per_clk
+    exp = ch05.WGMMA_M * tile_n / HOPPER.exp2_per_clk
+    return {"gemm": gemm, "exp": exp}
+
+
+SCHEDULE_MODES = {
+    "interleaved": "GEMMs issued together share the tensor cores (instructions interleaved)",
+    "issue order": "no barriers; the tensor cores run GEMM groups in the order they were issued",
+    "ping-pong": "named barriers make the warpgroups issue in turn; groups run in that order",
+}
+
+
+def pingpong_schedule(turns: int, gemm: float, softmax: float, mode: str = "ping-pong",
+                      wgs: int = 2, dt: float = 4.0) -> dict:
+    """A fluid model of ``wgs`` consumer warpgroups on one SM, each looping: issue its turn's
+    GEMMs, wait for them, run its softmax. Softmaxes running at the same time share MUFU (and
+    the issue slots of the same SM sub-partitions): each runs at 1/k speed. The tensor cores
+    follow ``mode`` (a key of SCHEDULE_MODES): "interleaved" shares them the same way among
+    all issued GEMMs; "issue order" runs the oldest issued group alone; "ping-pong" does too,
+    and a warpgroup may issue only when the turn order (0, 1, ..., 0, 1, ...) reaches it.
+
+    Returns ``segments`` (wg, "gemm"/"softmax", start, end; a GEMM from when it started to
+    run), the ``makespan`` and the fraction of it the tensor cores were busy."""
+    if mode not in SCHEDULE_MODES:
+        raise ValueError(f"mode must be one of {sorted(SCHEDULE_MODES)}, got {mode!r}")
+    phase = ["ready"] * wgs
+    left = [0.0] * wgs
+    turn = [0] * wgs
+    started = [0.0] * wgs
+    queue: list[int] = []  # warpgroups whose GEMMs are issued and not finished, oldest first
+    next_in_turn = 0  # ping-pong: the warpgroup allowed to issue next
+    segments, busy, now = [], 0.0, 0.0
+    limit = 100 * turns * wgs * (gemm + softmax)
+    while not all(p == "done" for p in phase):
+        for w in range(wgs):
+            if phase[w] == "ready" and (mode != "ping-pong" or next_in_turn == w):
+                phase[w], left[w] = "gemm", gemm
+                queue.append(w)
+                next_in_turn = (w + 1) % wgs
+        running = queue if mode == "interleaved" else queue[:1]
+        for w in running:
+            if left[w] == gemm:
+                started[w] = now
+        softs = [w for w in range(wgs) if phase[w] == "softmax"]
+        busy += dt if running else 0.0
+        for w in running:
+            left[w] -= dt / len(running)
+        for w in softs:
+            left[w] -= dt / len(softs)
+        now += dt
+        for w in range(wgs):
+            if phase[w] in ("gemm", "softmax") and left[w] <= 1e-9:
+                segments.append((w, phase[w], started[w], now))
+                if phase[w] == "gemm":
+                    queue.remove(w)
+                    phase[w], left[w], started[w] = "softmax", softmax, now
+                else:
+                    turn[w] += 1
+                    phase[w] = "done" if turn[w] == turns else "ready"
+        if now > limit:
+            raise RuntimeError("pingpong_schedule did not finish; check its arguments")
+    return {"segments": segments, "makespan": now, "tensor_busy": busy / now}
+
+
+def draw_pingpong(schedules: dict, axes=None):
+    """One panel per schedule of ``pingpong_schedule``: each warpgroup's GEMMs and softmaxes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if axes is None:
+        _, axes = plt.subplots(len(schedules), 1, figsize=(9, 1.5 * len(schedules) + 0.8),
+                               sharex=True)
+    axes = np.atleast_1d(axes)
+    colors = {"gemm": "#1f77b4", "softmax": "#ff7f0e"}
+    for ax, (title, sched) in zip(axes, schedules.items()):
+        ax.set_xlim(0, max(s["makespan"] for s in schedules.values()) * 1.02)
+        wgs = 1 + max(s[0] for s in sched["segments"])
+        for w, kind, t0, t1 in sched["segments"]:
+            ax.barh(w, t1 - t0, left=t0, color=colors[kind], edgecolor="white", height=0.6)
+        ax.set_yticks(range(wgs), [f"consumer WG {w + 1}" for w in range(wgs)], fontsize=8)
+        ax.set_ylim(wgs - 0.5, -0.5)
+        ax.set_title(f"{title}: tensor cores busy {sched['tensor_busy']:.0%} of "
+                     f"{sched['makespan']:.0f} cycles", fontsize=10)
+        ax.grid(axis="y", visible=False)
+    axes[-1].set_xlabel("cycles (model)")
+    axes[0].legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], fontsize=8,
+                   loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return axes
+
+
+# ================================================================================================
+# 7. Shared memory and the stage count (exercise 05.1)
+# ================================================================================================
+def smem_breakdown(head_dim: int, cfg) -> list[tuple[str, int]]:
+    """The kernel's SharedStorage item by item, each rounded up to the 1 KB swizzle alignment
+    (the sum is ``ch05.smem_bytes``)."""
+    kb = 1024
+    align = lambda n: -(-n // kb) * kb
+    barriers = 8 * (2 + 4 * cfg.num_stages)
+    ring = cfg.num_stages * cfg.tile_n * head_dim * ELEM_BYTES
+    items = [(f"mbarriers: {barriers // 8} x 8 B", align(barriers)),
+             (f"Q (O reuses it): {cfg.tile_m} x {head_dim} x 2 B", align(cfg.tile_m * head_dim
+                                                                        * ELEM_BYTES)),
+             (f"K ring: {cfg.num_stages} x {cfg.tile_n} x {head_dim} x 2 B", align(ring)),
+             (f"V ring: {cfg.num_stages} x {cfg.tile_n} x {head_dim} x 2 B", align(ring))]
+    return items
+
+
+def stages_that_fit(head_dim: int, cfg) -> int:
+    """Exercise 05.1's reference: the most K/V stages whose SharedStorage fits 227 KB (0 if not
+    even one does)."""
+    stages = 0
+    while ch05.smem_bytes(head_dim, replace(cfg, num_stages=stages + 1)) <= (
+        ch05.SMEM_BYTES_PER_CTA
+    ):
+        stages += 1
+    return stages
+
+
+STAGE_CASES = [(d, ch05.HopperConfig(tile_n=n, num_consumer_wgs=w))
+               for d in (64, 128, 256) for n in (64, 80, 128, 176, 256) for w in (1, 2, 3)]
+
+
+def _sum_text(head_dim: int, cfg, stages: int) -> str:
+    q = cfg.tile_m * head_dim * ELEM_BYTES // 1024
+    kv = cfg.tile_n * head_dim * ELEM_BYTES // 1024
+    total = ch05.smem_bytes(head_dim, replace(cfg, num_stages=max(stages, 0))) / 1024
+    return f"1 KB barriers + Q {q} KB + {stages} x (K {kv} KB + V {kv} KB) = {total:g} KB"
+
+
+def check_stages_that_fit(fn) -> None:
+    """Exercise 05.1: fn(head_dim, cfg) -> the number of K/V stages that fit in 227 KB."""
+    budget = ch05.SMEM_BYTES_PER_CTA // 1024
+    for head_dim, cfg in STAGE_CASES:
+        want = stages_that_fit(head_dim, cfg)
+        got = fn(head_dim, cfg)
+        what = (f"D={head_dim}, tile {cfg.tile_m} x {cfg.tile_n} ({cfg.num_consumer_wgs} "
+                f"consumer warpgroup(s))")
+        assert isinstance(got, (int, np.integer)) and not isinstance(got, bool), (
+            f"{what}: return a whole number of stages, got {got!r}")
+        if got > want:
+            raise AssertionError(f"{what}: you said {got} stages, but {got} need "
+                                 f"{_sum_text(head_dim, cfg, got)}, more than {budget} KB")
+        if got < want:
+            raise AssertionError(f"{what}: you said {got}, but {want} fit: "
+                                 f"{_sum_text(head_dim, cfg, want)} <= {budget} KB")
+
+
+# ================================================================================================
+# 8. Reading the kernel's source in pieces
+# ================================================================================================
+def source_between(fn, start: str | None = None, end: str | None = None) -> str:
+    """The source of ``fn`` from the first line containing ``start`` up to (not including) the
+    first later line containing ``end``. A marker that is not found means "from the top" / "to
+    the end", with a note, so an edit of the kernel cannot break the notebook."""
+    lines = inspect.getsource(fn).splitlines()
+    notes = []
+    i0 = 0
+    if start is not None:
+        i0 = next((i for i, ln in enumerate(lines) if start in ln), None)
+        if i0 is None:
+            notes.append(f"# ({start!r} not found: showing from the top)")
+            i0 = 0
+    i1 = len(lines)
+    if end is not None:
+        found = next((i for i in range(i0 + 1, len(lines)) if end in lines[i]), None)
+        if found is None:
+            notes.append(f"# ({end!r} not found: showing to the end)")
+        else:
+            i1 = found
+    return "\n".join(notes + lines[i0:i1])
+
+
+def note(name: str, module=ch05) -> str:
+    """A ``# Note [name]`` comment block of the kernel's module, without the comment marks."""
+    lines = inspect.getsource(module).splitlines()
+    head = next((i for i, ln in enumerate(lines) if ln.strip() == f"# Note [{name}]"), None)
+    if head is None:
+        return f"(Note [{name}] not found in {module.__name__})"
+    out = []
+    for ln in lines[head:]:
+        if not ln.strip().startswith("#"):
+            break
+        out.append(ln.strip()[2:])
+    return "\n".join(out)
+
+
+def ptx_lines(ptx: str, pattern: str, limit: int = 8) -> list[str]:
+    """Lines of PTX matching ``pattern``, with the long mangled kernel names cut short."""
+    found = [ln.strip() for ln in ptx.splitlines() if re.search(pattern, ln)]
+    return [re.sub(r"kernel_cutlass_\w+?_param", "param", ln) for ln in found[:limit]]
+
+
+# ================================================================================================
+# 10. Exercise 05.3: the proxy fence
+# ================================================================================================
+PROXY_OUTCOMES = {
+    "a": "Nothing: the barrier already orders every shared-memory access of the CTA, the TMA's "
+         "and wgmma's included.",
+    "b": "The TMA (or wgmma) may read some of those bytes as they were before the threads "
+         "wrote them: the output is silently wrong in places, differently from run to run.",
+    "c": "The GPU stops the kernel with an illegal-instruction or illegal-address error.",
+    "d": "The kernel hangs: the TMA waits for a fence that never comes.",
+}
+FENCE_PLACES = {
+    "1": "in every writing thread, before it writes shared memory",
+    "2": "in every writing thread, after its shared-memory writes and before the barrier that "
+         "hands the data to the issuing thread",
+    "3": "only in the thread that issues the TMA, right after the copy instruction",
+}
+PROXY_ANSWER = ("b", "2")
+
+_OUTCOME_WHY = {
+    "a": "a barrier orders the threads' ordinary (generic-proxy) loads and stores among "
+         "themselves; the TMA unit and wgmma read shared memory through the async proxy, which "
+         "a barrier does not order against them. That gap is what fence.proxy.async closes.",
+    "c": "nothing in the hardware checks this ordering: every access is legal on its own, only "
+         "their order is undefined, so nothing traps.",
+    "d": "nobody waits on a proxy fence. The TMA starts as soon as it is issued, and that is the "
+         "danger: it may read before the writes are visible to it.",
+}
+_PLACE_WHY = {
+    "1": "a fence orders what its thread did before it against what comes after it; before the "
+         "writes there is nothing to order yet.",
+    "3": "after the copy is issued it is too late: the TMA may already be reading. And the "
+         "writes to order are those of every thread that wrote, so each of them fences its "
+         "own stores, then the barrier hands over to the one thread that issues the copy.",
+}
+
+
+def check_proxy_fence(answer) -> None:
+    """Exercise 05.3: answer = (outcome letter, place number)."""
+    assert isinstance(answer, (tuple, list)) and len(answer) == 2, (
+        "answer with a pair: (one of 'a'-'d' from PROXY_OUTCOMES, one of '1'-'3' from "
+        "FENCE_PLACES), for example ('a', '1')")
+    outcome, place = (str(x).strip().lower().strip("()") for x in answer)
+    assert outcome in PROXY_OUTCOMES, f"the outcome should be one of a, b, c, d; got {outcome!r}"
+    assert place in FENCE_PLACES, f"the place should be one of 1, 2, 3; got {place!r}"
+    if outcome != PROXY_ANSWER[0]:
+        raise AssertionError(f"outcome {outcome!r} is not what happens: {_OUTCOME_WHY[outcome]}")
+    if place != PROXY_ANSWER[1]:
+        raise AssertionError(f"the outcome is right, but place {place!r} does not work: "
+                             f"{_PLACE_WHY[place]}")
