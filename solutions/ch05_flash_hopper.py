@@ -65,6 +65,7 @@ from solutions.ch05_softmax import (
     acc_rows_cols,
 )
 from solutions.ch06_exp2 import emulated_count
+from utils import checks
 
 SMEM_BYTES_PER_CTA = 227 * 1024  # H100 / H200 opt-in maximum of dynamic shared memory per CTA
 REGISTERS_PER_SM = 64 * 1024
@@ -1056,66 +1057,21 @@ CHECK_CASES = [
 ]
 
 
-LSE_ATOL = 1e-3  # the kernel's lse (float32 scores) vs float64: see compare()
-
-
 def compare(q, k, v, out, lse, causal=False, softmax_scale=None, label=""):
-    """Kernel output vs the float64 reference. The course's rule (``utils.checks``, as
-    ``check_attention`` applies it): out and lse each within 2 x PyTorch's own error in the
-    input dtype plus rounding slack, no NaN, infinities exactly where the reference has them.
-    Two claims the rule cannot make by itself: rows that see no key are exactly out = 0 and
-    lse = -inf, and lse is within LSE_ATOL of float64 where a row sees keys (the kernel keeps
-    S in float32, PyTorch's yardstick rounds it to 16 bits; an lse paired with the wrong max,
-    chapter 07's classic bug, is off by up to tau * ln 2 and shows up here first).
-    Returns (ok, one-line report)."""
-    from utils.checks import tolerance_check
-    from utils.reference import attention_reference
-
-    ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    same_out, same_lse = attention_reference(q, k, v, causal, softmax_scale, dtype=q.dtype)
-    on_out = tolerance_check(out, ref_out, same_out, "out")
-    on_lse = tolerance_check(lse, ref_lse, same_lse, "lse", extra_atol=1e-5)
-    seen = torch.isfinite(ref_lse).to(lse.device)  # rows that see at least one key
-    empty_rows_ok = bool(torch.isneginf(lse[~seen]).all()) and bool(
-        (out.transpose(1, 2)[~seen] == 0).all()
-    )
-    nan = on_out.kernel.nan_count + on_lse.kernel.nan_count
-    lse_err = on_lse.kernel.max_abs  # finite positions; a wrong inf counts as inf_mismatch
-    ok = on_out.passed and on_lse.passed and lse_err <= LSE_ATOL and empty_rows_ok
-    line = (
-        f"{'ok  ' if ok else 'FAIL'} {label}: max|err| {on_out.kernel.max_abs:.2e} "
-        f"(tol {on_out.limit:.2e}) at (b,s,h,d)={on_out.kernel.worst_index}, lse err "
-        f"{lse_err:.2e} (tol {min(on_lse.limit, LSE_ATOL):.1e}), inf mismatches "
-        f"{on_out.kernel.inf_mismatch + on_lse.kernel.inf_mismatch}, empty rows 0/-inf "
-        f"{empty_rows_ok}, NaN {nan}"
-    )
-    return ok, line
+    """Kernel output vs the float64 reference: ``utils.checks.compare_outputs``."""
+    return checks.compare_outputs(q, k, v, out, lse, causal, softmax_scale, label=label)
 
 
 def run_and_compare(q, k, v, causal=False, softmax_scale=None, config=None, label=""):
-    """One launch into NaN-poisoned out and lse (an element the kernel forgets stays NaN and
-    fails), then compare(). Returns (ok, one-line report)."""
-    from utils.checks import poison_
-
-    b, sq, h, _ = q.shape
-    out = poison_(torch.empty_like(q))
-    lse = poison_(torch.empty(b, h, sq, dtype=torch.float32, device=q.device))
-    attention_into(q, k, v, out, lse, causal, softmax_scale, config)
-    torch.cuda.synchronize()
-    return compare(q, k, v, out, lse, causal, softmax_scale, label=label)
+    """One launch into NaN-poisoned out and lse, then compare(). Returns (ok, one line)."""
+    return checks.run_into_poisoned(attention_into, q, k, v, causal, softmax_scale, config,
+                                    label=label)
 
 
 def check_case(batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype, config=None):
     """Fresh random inputs, one run, compare(). Returns (ok, report)."""
-    from utils.reference import random_qkv
-
-    q, k, v, seed = random_qkv(batch, seqlen_q, heads, dim, seqlen_k=seqlen_k, heads_kv=heads_kv,
-                               dtype=dtype, device="cuda")
-    label = (
-        f"b={batch} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv} d={dim} causal={causal} "
-        f"{str(dtype)[6:]} {config or 'default config'} seed={seed}"
-    )
-    return run_and_compare(q, k, v, causal, config=config, label=label)
+    return checks.check_random_case(attention_into, batch, seqlen_q, seqlen_k, heads, heads_kv,
+                                    dim, causal, dtype, config=config)
 
 
 # ===============================================================================================

@@ -12,6 +12,7 @@ import torch
 from solutions import ch05_flash_hopper as ch05
 from solutions import ch07_rescaling as ch07
 from solutions.ch05_softmax import ROWS_PER_WARP, acc_as_a_operand, acc_rows_cols
+from utils import checks
 from utils.reference import causal_mask
 
 _ARTIFACTS: dict = {}
@@ -457,7 +458,7 @@ def test_the_gpu_checker_itself():
         elif spoil == "empty row":
             bad[0, 2, 0, 0] = 1.0  # row 2 sees no key (40 queries, 30 keys, causal)
         elif spoil == "lse":
-            bad_lse[0, 1, 20] += 2 * ch05.LSE_ATOL  # within PyTorch's bf16 yardstick, not ours
+            bad_lse[0, 1, 20] += 2 * checks.LSE_ATOL  # within PyTorch's bf16 yardstick, not ours
         elif spoil == "lse inf":
             bad_lse[0, 1, 20] = float("-inf")
         else:

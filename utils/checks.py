@@ -146,3 +146,74 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 def poisoned_empty(*shape, dtype, device) -> torch.Tensor:
     return poison_(torch.empty(*shape, dtype=dtype, device=device))
+
+
+# ----------------------------------------------------------------------------------------------
+# One-line verdicts for a kernel's output buffers (the --check command lines and GPU tests).
+
+LSE_ATOL = 1e-3  # a kernel's lse (float32 scores) vs float64, where a row sees keys
+
+
+def compare_outputs(q, k, v, out, lse, causal=False, softmax_scale=None, label=""):
+    """A kernel's ``out`` and ``lse`` against the float64 reference; returns (ok, one line).
+
+    The course's rule for both (``tolerance_check``: within 2 x PyTorch's own error in the input
+    dtype plus rounding slack, no NaN, infinities exactly where the reference has them), and two
+    claims the rule cannot make by itself: rows that see no key are exactly out = 0 and
+    lse = -inf, and lse is within LSE_ATOL of float64 where a row sees keys. A kernel keeps S in
+    float32 while PyTorch's yardstick rounds it to 16 bits, so the rule alone would let lse
+    drift; an lse paired with the wrong running max (chapter 07's classic bug) is off by up to
+    tau * ln 2 and shows up here first.
+    """
+    ref_out, ref_lse = attention_reference(q, k, v, causal, softmax_scale)
+    same_out, same_lse = attention_reference(q, k, v, causal, softmax_scale, dtype=q.dtype)
+    on_out = tolerance_check(out, ref_out, same_out, "out")
+    on_lse = tolerance_check(lse, ref_lse, same_lse, "lse", extra_atol=1e-5)
+    seen = torch.isfinite(ref_lse).to(lse.device)  # rows that see at least one key
+    empty_rows_ok = bool(torch.isneginf(lse[~seen]).all()) and bool(
+        (out.transpose(1, 2)[~seen] == 0).all()
+    )
+    nan = on_out.kernel.nan_count + on_lse.kernel.nan_count
+    lse_err = on_lse.kernel.max_abs
+    ok = on_out.passed and on_lse.passed and lse_err <= LSE_ATOL and empty_rows_ok
+    line = (
+        f"{'ok  ' if ok else 'FAIL'} {label}: max|out err| {on_out.kernel.max_abs:.2e} "
+        f"(tol {on_out.limit:.2e}, PyTorch {on_out.pytorch.max_abs:.2e}) at (b,s,h,d)="
+        f"{on_out.kernel.worst_index}, lse err {lse_err:.2e} (tol "
+        f"{min(on_lse.limit, LSE_ATOL):.1e}) at (b,h,s)={on_lse.kernel.worst_index}, inf "
+        f"mismatches {on_out.kernel.inf_mismatch + on_lse.kernel.inf_mismatch}, empty rows "
+        f"0/-inf {empty_rows_ok}, NaN {nan}"
+    )
+    return ok, line
+
+
+def run_into_poisoned(attention_into, q, k, v, causal=False, softmax_scale=None, config=None,
+                      label="", wait=None):
+    """One launch of ``attention_into(q, k, v, out, lse, causal, softmax_scale, config)`` into
+    NaN-poisoned buffers (an element the kernel forgets stays NaN and fails), then
+    ``compare_outputs``. ``wait(label)`` replaces torch.cuda.synchronize, e.g. to time out a
+    hang with a message. Returns (ok, one line)."""
+    b, sq, h, d = q.shape
+    out = poisoned_empty(b, sq, h, d, dtype=q.dtype, device=q.device)
+    lse = poisoned_empty(b, h, sq, dtype=torch.float32, device=q.device)
+    attention_into(q, k, v, out, lse, causal, softmax_scale, config)
+    if wait is None:
+        torch.cuda.synchronize()
+    else:
+        wait(label)
+    return compare_outputs(q, k, v, out, lse, causal, softmax_scale, label=label)
+
+
+def check_random_case(attention_into, batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal,
+                      dtype, config=None, wait=None, device="cuda"):
+    """Fresh random inputs of the given shape, one poisoned run, one line. Returns (ok, line)."""
+    from utils.reference import random_qkv
+
+    q, k, v, seed = random_qkv(batch, seqlen_q, heads, dim, seqlen_k=seqlen_k,
+                               heads_kv=heads_kv, dtype=dtype, device=device)
+    label = (
+        f"b={batch} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv} d={dim} causal={causal} "
+        f"{str(dtype).removeprefix('torch.')} {config or 'default config'} seed={seed}"
+    )
+    return run_into_poisoned(attention_into, q, k, v, causal, config=config, label=label,
+                             wait=wait)
