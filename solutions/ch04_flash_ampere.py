@@ -12,7 +12,7 @@ Why it is fast (D = 128, bf16, one trip of the KV loop for a 128-row Q tile and 
   query tiles of a head read the same K/V, so most of it comes from L2. Q is read once and O
   written once per CTA.
 - Loads are asynchronous (cp.async, 16 B per thread, global -> shared without passing through
-  registers): V is fetched during S = QK^T and the next K during the softmax and PV
+  registers): V is fetched during S = QK^T and the softmax, the next K during PV
   (Note [Pipeline]).
 - ldmatrix moves 8x8 blocks of 16-bit values from shared memory straight into the register
   layout mma.sync wants; the shared-memory layout (padded or swizzled, Note [Bank conflicts])
@@ -21,13 +21,19 @@ Why it is fast (D = 128, bf16, one trip of the KV loop for a 128-row Q tile and 
   A-operand layout of the next mma.sync (Note [P as an A operand]).
 - Causal: KV tiles above the diagonal are never loaded; only tiles that cross it pay for a
   per-element mask.
+- Tiles of 128 queries x 64 keys for 4 warps of 32 rows: every K and V value read from shared
+  memory feeds 32 rows of MMAs (Note [Work split]), and the O rescale, acc_O FMULs per tile,
+  costs 2 per score (4 with 32-key tiles). Fitting this in 255 registers without spills takes
+  some care (Note [Registers]).
 Measured speed and accuracy on the H200: see results/h200/ch04_*.json (the notebook prints them).
 
 Entry points: ``attention(q, k, v, causal=False, softmax_scale=None, config=None) -> (out, lse)``
 (CUDA tensors, layout (batch, seqlen, heads, dim)); ``compile_only(arch, ...)`` and
-``config_report`` for CI with no GPU. On a GPU, ``python -m solutions.ch04_flash_ampere`` with
+``config_report`` for CI with no GPU; ``launched_resources`` for the registers and stack of a
+kernel compiled on the GPU. On a GPU, ``python -m solutions.ch04_flash_ampere`` with
 ``--small`` (two cases; also run under compute-sanitizer), ``--check`` (CHECK_CASES) or
-``--sweep`` (check and time every tile of SWEEP_PLAN, save results/<gpu>/ch04_sweep.json).
+``--sweep`` (check and time every tile of SWEEP_PLAN next to SDPA's flash backend, save
+results/<gpu>/ch04_sweep.json; ``--sweep --check`` runs both in one process).
 
 Note [Work split]. A CTA has num_threads // 32 warps stacked along the query rows: warp w owns
 rows 16w .. 16w + 15 of every block of 16 * warps rows, for S and for O, so a row's softmax
@@ -37,19 +43,33 @@ FLOPs per shared-memory byte).
 
 Note [Registers]. mma.sync keeps its accumulators in registers, so a thread holds
 m_block * head_dim / num_threads fp32 values of O and m_block * n_block / num_threads of S: at
-D = 128, 128 x 64 and 4 warps that is 128 + 64 of the 255 registers a thread may have, before
-operands, addresses and softmax state. ptxas then spills (so do CUTLASS's and FA4's Ampere-style
-kernels in this setting). The defaults below are the widest tiles of 4 warps x 32 rows that
-compile with no spills for sm_80 and sm_90a, causal or not; whether no-spill beats wider-but-
-spilling is what the chapter's sweep measures. config_report() lists registers and spills.
+D = 128, 128 x 64 and 4 warps that is 128 + 64 of the 255 registers a thread may have. The other
+63 hold the operand fragments, the softmax state (a max and a sum for each of the thread's 4
+rows) and some 20 addresses and indices. That fits only if ptxas does not spend registers on
+loading ahead, and it does: to hide ldmatrix latency it hoists each load as early as its
+dependences allow. With the k-loop of S = QK^T fully unrolled it issues the loads of later
+k-slices several mma.sync ahead, and it hoists V's fragments into the softmax while the fp32
+scores are still live (the first version of this kernel had 9 ldmatrix.x4 of V, 36 registers,
+in flight at its peak). At 255 that ends in spills: that version spilled 12-92 instructions'
+worth at 128 x 64 (CUTLASS's and FA4's Ampere-style kernels spill there too). Two changes bound the
+look-ahead instead of shrinking the tile. (1) S = QK^T is a run-time loop over its 16-wide
+k-slices, unrolled only qk_unroll times (gemm_from_smem): ptxas does not move loads from one
+trip of a loop into an earlier one, so at most qk_unroll slices of Q and K fragments (8 + 16
+registers per slice at 32 rows x 64 keys) sit on top of S. (2) The barrier that says "V has
+landed" comes after the softmax, just before O += PV: shared-memory loads cannot move above a
+barrier, so V's fragments arrive once S has become P (32 registers of bf16, not 64 of fp32).
+With both, 128 x 64 compiles with no spills for sm_80 and sm_90a, causal or not; the fully
+unrolled loop (qk_unroll = D / 16) still spills, and the sweep keeps it to measure the cost.
+config_report() lists registers, stack bytes and spill instructions of every swept tile.
 """
 
 import argparse
 import math
-import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
@@ -60,6 +80,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import from_dlpack
 
+from utils import checks
 from utils.reference import check_attention_inputs
 
 LOG2_E = math.log2(math.e)
@@ -89,6 +110,9 @@ class TileConfig:
                  buffer each (FlashAttention-2); 2 double-buffers both (Note [Pipeline]).
     smem_layout: "padded" (8 spare elements per row) or "swizzled" (XOR of the 16-byte chunk
                  index with the row): two ways to avoid bank conflicts (Note [Bank conflicts]).
+    qk_unroll:   16-wide k-slices of S = QK^T per trip of its loop: 1 keeps one slice of Q and
+                 K fragments live, head_dim // 16 unrolls the loop fully and lets ptxas load
+                 ahead as far as it likes (Note [Registers]).
     """
 
     m_block: int = 128
@@ -96,6 +120,7 @@ class TileConfig:
     num_threads: int = 128
     num_stages: int = 1
     smem_layout: str = "padded"
+    qk_unroll: int = 1
 
     @property
     def num_warps(self) -> int:
@@ -142,6 +167,12 @@ class TileConfig:
             raise ValueError(f"num_stages must be 1 or 2, got {self.num_stages}")
         if self.smem_layout not in SMEM_LAYOUTS:
             raise ValueError(f"smem_layout must be one of {SMEM_LAYOUTS}, got {self.smem_layout!r}")
+        k_slices = head_dim // 16
+        if self.qk_unroll < 1 or k_slices % self.qk_unroll:
+            raise ValueError(
+                f"qk_unroll must divide head_dim // 16 = {k_slices} (the k-slices of QK^T), got "
+                f"{self.qk_unroll}"
+            )
         if self.smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
             raise ValueError(
                 f"{self} needs {self.smem_bytes(head_dim)} B of shared memory at head_dim "
@@ -149,36 +180,35 @@ class TileConfig:
             )
 
 
-# The defaults: 4 warps of 32 rows (the best FLOPs per shared-memory byte) with the widest KV
-# tile that compiles with no spills for sm_80 and sm_90a, causal or not (Note [Registers]):
-#   D=128: acc_O 128 + acc_S 32 registers; 128 x 64 (acc_S 64) spills 24-112 B of stack.
-#   D=64:  acc_O 64 + acc_S 64; 128 x 128 padded spills 8 B on sm_90a, swizzled up to 144 B.
+# The defaults: 4 warps of 32 rows (the best FLOPs per shared-memory byte, Note [Work split]),
+# 64-key tiles (the O rescale costs acc_O FMULs per tile: 2 per score at n_block 64, 4 at 32),
+# the swizzled layout (faster than padded in every measured pair) and the smallest qk_unroll
+# that compiles with no spills for sm_80 and sm_90a, bf16 and fp16, causal or not (Note
+# [Registers]; tests/test_ch04_compile.py checks it):
+#   D=128: acc_O 128 + acc_S 64 registers; qk_unroll 2 (1 spills 3 instructions for fp16 on
+#          sm_80; 8, fully unrolled, spills 22-78).
+#   D=64:  acc_O 64 + acc_S 64; qk_unroll 1 (2 spills 6 instructions for fp16 causal on sm_90a).
 DEFAULT_CONFIGS = {
-    64: TileConfig(m_block=128, n_block=64, num_threads=128),
-    128: TileConfig(m_block=128, n_block=32, num_threads=128),
+    64: TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=1),
+    128: TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=2),
 }
 
-# What the chapter sweeps: every entry must pass the GPU tests; speed goes to
-# results/h200/ch04_sweep.json. Some spill on purpose, to measure what a spill costs.
+# What the chapter sweeps (``--sweep`` checks each tile, then times it): the default and one
+# knob changed at a time, including tiles that spill, to measure what a spill costs.
 SWEEP_CONFIGS = {
     64: (
-        TileConfig(128, 64, 128),
-        TileConfig(128, 64, 128, smem_layout="swizzled"),
-        TileConfig(128, 64, 128, num_stages=2),
-        TileConfig(128, 128, 128),
-        TileConfig(128, 128, 128, smem_layout="swizzled"),
-        TileConfig(128, 128, 256),
-        TileConfig(64, 128, 128),
+        DEFAULT_CONFIGS[64],
+        # 128-key tiles (acc_S 128): half the O rescales per score; fits padded, spills swizzled
+        TileConfig(128, 128, 128, qk_unroll=2),
     ),
     128: (
-        TileConfig(128, 32, 128),
-        TileConfig(128, 32, 128, smem_layout="swizzled"),
-        TileConfig(128, 32, 128, num_stages=2),
-        TileConfig(128, 64, 128),
-        TileConfig(128, 64, 128, smem_layout="swizzled"),
-        TileConfig(128, 64, 256),
-        TileConfig(64, 128, 128),
-        TileConfig(128, 128, 128, smem_layout="swizzled"),
+        DEFAULT_CONFIGS[128],
+        TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=1),
+        TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=8),  # fully unrolled: spills
+        TileConfig(128, 64, 128, smem_layout="padded", qk_unroll=2),
+        TileConfig(128, 64, 128, num_stages=2, smem_layout="swizzled", qk_unroll=2),
+        TileConfig(128, 32, 128, smem_layout="swizzled", qk_unroll=2),
+        TileConfig(256, 64, 256, smem_layout="swizzled", qk_unroll=2),  # 8 warps x 32 rows
     ),
 }
 
@@ -649,9 +679,10 @@ class FlashAttentionAmpere:
         every thread's copies visible to all. The prologue commits 2 * S - 1 groups and every
         step exactly two (a V load, then a K load, either possibly empty), so the group holding
         the tile about to be read is always the (2 * S - 1)-th newest: wait_group(2 * S - 2).
-        S = 1: V[n] is fetched while QK^T[n] runs and K[n - 1] while softmax and PV[n] run.
+        S = 1: V[n] is fetched while QK^T[n] and the softmax run, K[n - 1] while PV[n] runs.
         S = 2: each load is issued one whole step earlier, into the other buffer.
-        A buffer is refilled only after the barrier that follows its last reader.
+        A buffer is refilled only after the barrier that follows its last reader. The second
+        barrier of a step waits until after the softmax (Note [Registers]).
         """
         M, N, S = self.m_block, self.n_block, self.num_stages
         # Tiles are visited from n_block_first down to 0; the step number mod S picks the buffer.
@@ -672,18 +703,10 @@ class FlashAttentionAmpere:
         acc_S = cute.make_rmem_tensor(thr.thr_mma.partition_shape_C((M, N)), Float32)
         acc_S.fill(0.0)  # (MMA, MMA_M, MMA_N)
         gemm_from_smem(thr.tiled_mma, acc_S, thr.tSrQ, thr.tSrK, thr.tSsQ,
-                       thr.tSsK[None, None, None, stage], thr.smem_copy_Q, thr.smem_copy_K)
+                       thr.tSsK[None, None, None, stage], thr.smem_copy_Q, thr.smem_copy_K,
+                       self.config.qk_unroll)
 
-        # (d) V[n_block] has landed; every warp is done reading K[n_block]: refill that buffer
-        #     with the K tile S steps ahead.
-        cute.arch.cp_async_wait_group(2 * S - 2)
-        cute.arch.barrier()
-        if n_block - S >= 0:
-            self.load_kv(thr.gmem_copy, thr.tKgK, thr.tKsK, thr.tKcK, n_block - S, stage,
-                         bounds.seqlen_k, False)
-        cute.arch.cp_async_commit_group()
-
-        # (e) Mask, online softmax, rescale O; P = exp2(...) rounded to bf16/fp16.
+        # (d) Mask, online softmax, rescale O; P = exp2(...) rounded to bf16/fp16.
         if const_expr(is_first):
             self.apply_mask(acc_S, thr.tScS, thr.t0ScS, bounds.m_block, n_block,
                             bounds.seqlen_q, bounds.seqlen_k)
@@ -696,6 +719,16 @@ class FlashAttentionAmpere:
         self.online_softmax(acc_S, thr.acc_O, thr.row_max, thr.row_sum, scale_log2, is_first)
         rP = cute.make_fragment_like(acc_S, self.dtype)  # (MMA, MMA_M, MMA_N)
         rP.store(acc_S.load().to(self.dtype))
+
+        # (e) V[n_block] has landed; every warp is done reading K[n_block]: refill that buffer
+        #     with the K tile S steps ahead. Waiting here rather than right after QK^T keeps
+        #     V's ldmatrix loads from being hoisted into the softmax (Note [Registers]).
+        cute.arch.cp_async_wait_group(2 * S - 2)
+        cute.arch.barrier()
+        if n_block - S >= 0:
+            self.load_kv(thr.gmem_copy, thr.tKgK, thr.tKsK, thr.tKcK, n_block - S, stage,
+                         bounds.seqlen_k, False)
+        cute.arch.cp_async_commit_group()
 
         # (f) O += P V: the A operand straight from registers, B from shared memory.
         gemm_from_regs(thr.tiled_mma, thr.acc_O, acc_as_a_operand(rP), thr.tOrVt,
@@ -808,19 +841,20 @@ def gemm_from_smem(
     tCsB: cute.Tensor,  # (CPY, MMA_N, MMA_K) shared
     smem_copy_A: cute.ThrCopy,
     smem_copy_B: cute.ThrCopy,
+    unroll: cutlass.Constexpr,
 ):
-    """acc += A B^T with both operands read from shared memory by ldmatrix, one 16-wide k-slice
-    at a time; slice k + 1 is requested before the mma.sync of slice k so the two overlap."""
+    """acc += A B^T with both operands read from shared memory by ldmatrix: a run-time loop over
+    the 16-wide k-slices, unrolled ``unroll`` times (Note [Registers]). Every slice is loaded into
+    the registers of slice 0 (k is a run-time value and registers cannot be indexed at run
+    time), so at most ``unroll`` slices of A and B are live (8 + 16 registers per slice at 32
+    rows x 64 keys), where the fully unrolled loop let ptxas keep many in flight. The price: the
+    first mma.sync of a trip waits for its ldmatrix; the other warps of the SM fill that gap."""
     tCrA_copy = smem_copy_A.retile(tCrA)  # (CPY, MMA_M, MMA_K) view of the same registers
     tCrB_copy = smem_copy_B.retile(tCrB)  # (CPY, MMA_N, MMA_K)
-    num_k = cute.size(tCsA, mode=[2])
-    cute.copy(smem_copy_A, tCsA[None, None, 0], tCrA_copy[None, None, 0])
-    cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_copy[None, None, 0])
-    for k in cutlass.range_constexpr(num_k):
-        if const_expr(k + 1 < num_k):
-            cute.copy(smem_copy_A, tCsA[None, None, k + 1], tCrA_copy[None, None, k + 1])
-            cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_copy[None, None, k + 1])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+    for k in cutlass.range(cute.size(tCsA, mode=[2]), unroll=unroll):
+        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, 0])
+        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, 0])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, 0], tCrB[None, None, 0], acc)
 
 
 @cute.jit
@@ -832,7 +866,10 @@ def gemm_from_regs(
     tCsB: cute.Tensor,  # (CPY, MMA_N, MMA_K) shared
     smem_copy_B: cute.ThrCopy,
 ):
-    """acc += A B^T with A already in registers; B streamed from shared memory as above."""
+    """acc += A B^T with A already in registers (P) and B read from shared memory by ldmatrix,
+    fully unrolled: slice k + 1 of B is requested before the mma.sync of slice k. Unlike S = QK^T
+    this needs no rolled loop: A indexes registers (it must be unrolled) and, coming after the
+    barrier that follows the softmax, it runs when S has already shrunk to P (Note [Registers])."""
     tCrB_copy = smem_copy_B.retile(tCrB)  # (CPY, MMA_N, MMA_K)
     num_k = cute.size(tCrA, mode=[2])
     cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_copy[None, None, 0])
@@ -846,6 +883,7 @@ def gemm_from_regs(
 # Torch entry point
 
 _COMPILED: dict = {}
+_CUBINS: dict = {}  # (cutlass dtype, head_dim, causal, config) -> cubin bytes
 
 
 def check_kernel_inputs(q, k, v, softmax_scale=None, config=None) -> TileConfig:
@@ -956,8 +994,36 @@ def _launch(q, k, v, out, lse, causal, softmax_scale, config):
         key = (q.dtype, d, bool(causal), config)
         if key not in _COMPILED:
             kernel = FlashAttentionAmpere(SUPPORTED_DTYPES[q.dtype], d, bool(causal), config)
-            _COMPILED[key] = cute.compile(kernel, *args, Float32(scale), stream)
+            _COMPILED[key] = _compile_keeping_cubin(kernel, *args, Float32(scale), stream)
         _COMPILED[key](*args, Float32(scale), stream)
+
+
+def _compile_keeping_cubin(kernel, *args):
+    """cute.compile for this GPU, keeping the cubin so that ``launched_resources`` can report
+    on the kernel that actually runs (the DSL writes it to a dump folder: a temporary one)."""
+    from cutlass.base_dsl.compiler import DumpDir
+
+    with tempfile.TemporaryDirectory(prefix="ch04_cubin_") as dump:
+        compiled = cute.compile[cute.KeepCUBIN, DumpDir(dump)](kernel, *args)
+    _CUBINS[kernel.dtype, kernel.head_dim, kernel.causal, kernel.config] = compiled.__cubin__
+    return compiled
+
+
+def launched_resources(head_dim: int, causal: bool, config: TileConfig, dtype=torch.bfloat16,
+                       sass: bool = False):
+    """utils.compile_only.KernelResources of the kernel ``attention`` compiled on this GPU:
+    registers and frame_bytes (the per-thread stack, where spills land); with ``sass`` also the
+    spill instructions (needs nvdisasm). None if that kernel has not been compiled yet."""
+    from utils.compile_only import disassemble, kernel_resources
+
+    cubin = _CUBINS.get((SUPPORTED_DTYPES[dtype], head_dim, bool(causal), config))
+    if not cubin:
+        return None
+    text = disassemble(cubin) if sass else ""
+    res = kernel_resources(cubin, text)[0]
+    if not text:
+        res.spill_instructions = None  # unknown without the SASS, not zero
+    return res
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1027,89 +1093,32 @@ CHECK_CASES = [
     (1, 8192, 8192, 2, 2, 128, False, torch.bfloat16),  # 256 KV tiles per CTA at n_block 32
     (1, 8192, 8192, 2, 2, 64, True, torch.bfloat16),
 ]
-LSE_ATOL = 1e-3  # the kernel's lse (float32 scores) vs float64: see compare()
-HANG_DEADLINE_S = 120.0
-
-
-def wait_for_gpu(what: str, deadline_s: float = HANG_DEADLINE_S) -> None:
-    """torch.cuda.synchronize() with a deadline: a kernel stuck at a barrier would otherwise
-    block forever. A hung context cannot be recovered, so this says what hung and exits."""
-    done = torch.cuda.Event()
-    done.record()
-    start = time.monotonic()
-    while not done.query():
-        if time.monotonic() - start > deadline_s:
-            print(f"GPU HANG: no progress for {deadline_s:.0f} s in {what}", file=sys.stderr,
-                  flush=True)
-            os._exit(3)
-        time.sleep(1e-4)
-
-
 def compare(q, k, v, out, lse, causal=False, softmax_scale=None, label=""):
-    """Kernel output vs the float64 reference, with the course's rule (utils.checks): out and
-    lse each within 2 x PyTorch's own error in the input dtype plus rounding slack, no NaN,
-    infinities exactly where the reference has them. Two more claims: rows that see no key are
-    exactly out = 0 and lse = -inf, and lse is within LSE_ATOL of float64 where a row sees keys
-    (the kernel keeps S in float32; PyTorch's yardstick rounds S to 16 bits, so the rule alone
-    would let lse drift). Returns (ok, one-line report)."""
-    from utils.checks import tolerance_check
-    from utils.reference import attention_reference
-
-    ref_out, ref_lse = attention_reference(q, k, v, causal, softmax_scale)
-    same_out, same_lse = attention_reference(q, k, v, causal, softmax_scale, dtype=q.dtype)
-    on_out = tolerance_check(out, ref_out, same_out, "out")
-    on_lse = tolerance_check(lse, ref_lse, same_lse, "lse", extra_atol=1e-5)
-    seen = torch.isfinite(ref_lse).to(lse.device)  # rows that see at least one key
-    empty_rows_ok = bool(torch.isneginf(lse[~seen]).all()) and bool(
-        (out.transpose(1, 2)[~seen] == 0).all()
-    )
-    nan = on_out.kernel.nan_count + on_lse.kernel.nan_count
-    lse_err = on_lse.kernel.max_abs
-    ok = on_out.passed and on_lse.passed and lse_err <= LSE_ATOL and empty_rows_ok
-    line = (
-        f"{'ok  ' if ok else 'FAIL'} {label}: max|out err| {on_out.kernel.max_abs:.2e} "
-        f"(tol {on_out.limit:.2e}, PyTorch {on_out.pytorch.max_abs:.2e}) at (b,s,h,d)="
-        f"{on_out.kernel.worst_index}, lse err {lse_err:.2e} (tol "
-        f"{min(on_lse.limit, LSE_ATOL):.1e}) at (b,h,s)={on_lse.kernel.worst_index}, inf "
-        f"mismatches {on_out.kernel.inf_mismatch + on_lse.kernel.inf_mismatch}, empty rows "
-        f"0/-inf {empty_rows_ok}, NaN {nan}"
-    )
-    return ok, line
+    """Kernel output vs the float64 reference: ``utils.checks.compare_outputs``."""
+    return checks.compare_outputs(q, k, v, out, lse, causal, softmax_scale, label=label)
 
 
 def run_and_compare(q, k, v, causal=False, softmax_scale=None, config=None, label=""):
-    """One launch into NaN-poisoned out and lse (an element the kernel forgets stays NaN and
-    fails), then compare(). Returns (ok, one-line report)."""
-    from utils.checks import poison_
-
-    b, sq, h, d = q.shape
-    out = poison_(torch.empty(b, sq, h, d, dtype=q.dtype, device=q.device))
-    lse = poison_(torch.empty(b, h, sq, dtype=torch.float32, device=q.device))
-    attention_into(q, k, v, out, lse, causal, softmax_scale, config)
-    wait_for_gpu(label)
-    return compare(q, k, v, out, lse, causal, softmax_scale, label=label)
+    """One launch into NaN-poisoned out and lse, then compare(). Returns (ok, one line)."""
+    return checks.run_into_poisoned(attention_into, q, k, v, causal, softmax_scale, config,
+                                    label=label)
 
 
 def check_case(batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype, config=None):
     """Fresh random inputs, one run, compare(). Returns (ok, report)."""
-    from utils.reference import random_qkv
-
-    q, k, v, seed = random_qkv(batch, seqlen_q, heads, dim, seqlen_k=seqlen_k, heads_kv=heads_kv,
-                               dtype=dtype, device="cuda")
-    label = (
-        f"b={batch} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv} d={dim} causal={causal} "
-        f"{str(dtype)[6:]} {config or default_config(dim)} seed={seed}"
-    )
-    return run_and_compare(q, k, v, causal, config=config, label=label)
+    return checks.check_random_case(attention_into, batch, seqlen_q, seqlen_k, heads, heads_kv,
+                                    dim, causal, dtype, config=config)
 
 
 SWEEP_RESULTS = "ch04_sweep"
+# The chapter's target: 1.1 x SDPA's flash backend (FlashAttention-2) at D=128, S=16384,
+# non-causal, with a tile that spills nothing.
+TARGET = {"d": 128, "causal": False, "vs_sdpa_flash": 1.1}
 SWEEP_SEQLEN, SWEEP_HEADS = 16384, 16  # batch * seqlen = 16384 tokens, as in results/*/ch04_fwd
 # (head_dim, causal) -> which tiles of SWEEP_CONFIGS[head_dim] to time there (None: all)
 SWEEP_PLAN = {
     (128, False): None,
-    (128, True): (TileConfig(128, 32, 128), TileConfig(128, 64, 128),
-                  TileConfig(128, 64, 128, smem_layout="swizzled"), TileConfig(128, 64, 256)),
+    (128, True): (DEFAULT_CONFIGS[128], SWEEP_CONFIGS[128][2]),
     (64, False): None,
 }
 
@@ -1118,18 +1127,26 @@ def sweep(plan=None, seqlen=SWEEP_SEQLEN, heads=SWEEP_HEADS, rep=30, save=True) 
     """Each (head_dim, causal, tile) of ``plan``: checked once against float64 on an awkward
     shape (fresh inputs, NaN-poisoned outputs), then timed at (batch, seqlen, heads) =
     (16384 // seqlen, seqlen, heads) with utils.bench.time_cuda (L2 flushed, median of ``rep``).
-    A tile that fails its check is not timed. Prints a table; saves SWEEP_RESULTS."""
+    A tile that fails its check is not timed. Each row also records the registers, stack bytes
+    and spill instructions of the kernel that ran, and the SDPA flash backend (FlashAttention-2)
+    timed on the same inputs. Prints a table; saves SWEEP_RESULTS."""
     from utils import results
-    from utils.bench import attention_flops, time_cuda
+    from utils.bench import attention_flops, peers, time_cuda
     from utils.reference import random_qkv
 
     plan = SWEEP_PLAN if plan is None else plan
     batch = max(1, 16384 // seqlen)
+    sdpa_flash = peers()["sdpa_flash"]
     rows = []
     for (head_dim, causal), configs in plan.items():
         configs = SWEEP_CONFIGS[head_dim] if configs is None else configs
         q, k, v, seed = random_qkv(batch, seqlen, heads, head_dim, device="cuda")
         flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+        try:  # the yardstick of the chapter's target (1.1x SDPA flash), timed in the same run
+            peer = time_cuda(partial(sdpa_flash, q, k, v, causal), rep=rep).tflops(flops)
+        except Exception as exc:  # a missing backend must not cost the sweep
+            peer = None
+            print(f"SDPA flash backend failed at d={head_dim} causal={causal}: {exc!r}")
         for config in configs:
             t0 = time.perf_counter()
             try:  # one broken tile must not cost the rest of a rare GPU session
@@ -1137,24 +1154,28 @@ def sweep(plan=None, seqlen=SWEEP_SEQLEN, heads=SWEEP_HEADS, rep=30, save=True) 
                                       config)
             except Exception as exc:  # reported in the row and the table; the run goes on
                 ok, line = False, f"FAIL d={head_dim} causal={causal} {config}: {exc!r}"
+            res = launched_resources(head_dim, causal, config, sass=True)
             row = {
                 "impl": "flash_ampere", "pass": "fwd", "dtype": "bf16", "b": batch,
                 "s": seqlen, "h": heads, "d": head_dim, "causal": causal,
                 "m_block": config.m_block, "n_block": config.n_block,
                 "num_threads": config.num_threads, "num_stages": config.num_stages,
-                "smem_layout": config.smem_layout, "default": config == default_config(head_dim),
+                "smem_layout": config.smem_layout, "qk_unroll": config.qk_unroll,
+                "default": config == default_config(head_dim),
                 "smem_bytes": config.smem_bytes(head_dim), "verified": ok, "seed": seed,
                 "ms": None, "tflops": None, **config.accumulator_registers(head_dim),
+                "registers": res and res.registers, "stack_bytes": res and res.frame_bytes,
+                "spill_instructions": res and res.spill_instructions,
+                "sdpa_flash_tflops": peer,
             }
             if ok:
-                timing = time_cuda(lambda c=config: attention(q, k, v, causal, config=c),
-                                   rep=rep)
+                timing = time_cuda(partial(attention, q, k, v, causal, config=config), rep=rep)
                 row.update(ms=timing.median_ms, tflops=timing.tflops(flops),
                            ms_min=timing.min_ms, reps=timing.reps)
             else:
                 print(line, flush=True)
             rows.append(row)
-            print(f"  {'ok  ' if ok else 'FAIL'} d={head_dim} causal={causal} {config}: "
+            print(f"  {'ok  ' if ok else 'FAIL'} d={head_dim} causal={causal} {tile_name(row)}: "
                   f"{row['tflops'] or 0:.1f} TFLOP/s [{time.perf_counter() - t0:.1f} s]",
                   flush=True)
     print(format_sweep(rows), flush=True)
@@ -1166,20 +1187,58 @@ def sweep(plan=None, seqlen=SWEEP_SEQLEN, heads=SWEEP_HEADS, rep=30, save=True) 
     return rows
 
 
+def tile_name(row: dict) -> str:
+    """'128x64 t128 s1 swizzled u2': the knobs of a sweep row."""
+    return (f"{row['m_block']}x{row['n_block']} t{row['num_threads']} s{row['num_stages']} "
+            f"{row['smem_layout']} u{row.get('qk_unroll', 1)}")
+
+
 def format_sweep(rows: list[dict]) -> str:
-    """The rows of ``sweep`` as a table, with speed relative to the default tile."""
-    lines = [f"{'d':>3s} {'causal':6s} {'tile':30s} {'ms':>8s} {'TFLOP/s':>8s} {'vs default':>10s}"]
+    """The rows of ``sweep`` as a table (speed relative to the default tile and to SDPA's flash
+    backend, registers, stack bytes and spill instructions of the kernel that ran), then per
+    (D, causal) the fastest tile whose kernel has no stack frame, i.e. spills nothing."""
+
+    def cell(value, width):
+        return f"{'-' if value is None else value:>{width}}"
+
+    lines = [f"{'d':>3s} {'causal':6s} {'tile':31s} {'ms':>7s} {'TFLOP/s':>7s} {'vs def':>6s} "
+             f"{'vs SDPA':>7s} {'regs':>4s} {'stack':>5s} {'spills':>6s}"]
     for r in rows:
-        tile = (f"{r['m_block']}x{r['n_block']} t{r['num_threads']} s{r['num_stages']} "
-                f"{r['smem_layout']}" + (" *" if r["default"] else ""))
+        tile = tile_name(r) + (" *" if r["default"] else "")
+        res = " ".join(cell(r[k], w) for k, w in
+                       (("registers", 4), ("stack_bytes", 5), ("spill_instructions", 6)))
         if not r["ms"]:
-            lines.append(f"{r['d']:3d} {r['causal']!s:6s} {tile:30s} {'check FAILED':>19s}")
+            lines.append(f"{r['d']:3d} {r['causal']!s:6s} {tile:31s} {'check FAILED':>30s} {res}")
             continue
-        base = [b for b in rows if b["default"] and b["d"] == r["d"]
-                and b["causal"] == r["causal"] and b["ms"]]
-        ratio = f"{base[0]['ms'] / r['ms']:9.3f}x" if base else ""
-        lines.append(f"{r['d']:3d} {r['causal']!s:6s} {tile:30s} {r['ms']:8.3f} "
-                     f"{r['tflops']:8.1f} {ratio:>10s}")
+        base = [b for b in rows if b["default"] and (b["d"], b["causal"]) == (r["d"], r["causal"])
+                and b["ms"]]
+        vs_def = f"{base[0]['ms'] / r['ms']:5.3f}x" if base else ""
+        peer = r["sdpa_flash_tflops"]
+        vs_sdpa = f"{r['tflops'] / peer:6.3f}x" if peer else ""
+        lines.append(f"{r['d']:3d} {r['causal']!s:6s} {tile:31s} {r['ms']:7.3f} "
+                     f"{r['tflops']:7.1f} {vs_def:>6s} {vs_sdpa:>7s} {res}")
+    for d, causal in dict.fromkeys((r["d"], r["causal"]) for r in rows):
+        timed = [r for r in rows if (r["d"], r["causal"]) == (d, causal) and r["ms"]]
+        if not timed:
+            continue
+        peer = timed[0]["sdpa_flash_tflops"]
+        line = f"d={d} causal={causal}: SDPA flash {peer or float('nan'):.1f} TFLOP/s; "
+        clean = [r for r in timed if r["stack_bytes"] == 0]
+        if clean:
+            best = max(clean, key=lambda r: r["tflops"])
+            line += (f"fastest spill-free {tile_name(best)}"
+                     f"{' (the default)' if best['default'] else ''} {best['tflops']:.1f}"
+                     + (f" = {best['tflops'] / peer:.3f}x SDPA flash" if peer else ""))
+            if peer and (d, causal) == (TARGET["d"], TARGET["causal"]):
+                met = best["tflops"] >= TARGET["vs_sdpa_flash"] * peer
+                line += f" (target {TARGET['vs_sdpa_flash']}x: {'met' if met else 'NOT met'})"
+        else:
+            line += "no spill-free tile was timed"
+        fastest = max(timed, key=lambda r: r["tflops"])
+        if fastest["stack_bytes"] != 0:
+            line += (f"; fastest overall {tile_name(fastest)} {fastest['tflops']:.1f} "
+                     f"(stack {fastest['stack_bytes']} B)")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -1188,14 +1247,17 @@ def _main(argv=None) -> int:
     parser.add_argument("--small", action="store_true", help="two small cases (the default)")
     parser.add_argument("--check", action="store_true", help="every CHECK_CASES entry")
     parser.add_argument("--sweep", action="store_true",
-                        help=f"check and time the tiles of SWEEP_PLAN, save {SWEEP_RESULTS}")
+                        help=f"check and time the tiles of SWEEP_PLAN, save {SWEEP_RESULTS}; "
+                             "with --check, the cases run after it in the same process")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU here; compile_only() and tests/test_ch04_compile.py need none")
         return 0
+    sweep_failures = 0
     if args.sweep:
-        rows = sweep()
-        return 1 if any(not r["verified"] for r in rows) else 0
+        sweep_failures = sum(not r["verified"] for r in sweep())
+        if not args.check:
+            return 1 if sweep_failures else 0
     cases = CHECK_CASES if args.check else SMALL_CASES
     failures = 0
     for case in cases:
@@ -1204,7 +1266,7 @@ def _main(argv=None) -> int:
         failures += not ok
         print(f"{line} [{time.perf_counter() - t0:.1f} s]", flush=True)
     print(f"{len(cases) - failures}/{len(cases)} cases passed", flush=True)
-    return 1 if failures else 0
+    return 1 if failures or sweep_failures else 0
 
 
 if __name__ == "__main__":

@@ -70,3 +70,30 @@ def test_infinities_must_match():
 def test_poison_fills_nan():
     t = poison_(torch.empty(3, 3))
     assert torch.isnan(t).all()
+
+
+def _into(fn):
+    def attention_into(q, k, v, out, lse, causal, softmax_scale, config):
+        o, l_ = fn(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        out.copy_(o)
+        lse.copy_(l_)
+
+    return attention_into
+
+
+def test_one_line_verdicts_for_kernel_buffers():
+    from utils.checks import check_random_case, run_into_poisoned
+
+    no_wait = lambda label: None  # noqa: E731 (CPU: nothing to wait for)
+    ok, line = check_random_case(_into(good_kernel), 1, 70, 30, 4, 2, 32, True, torch.bfloat16,
+                                 wait=no_wait, device="cpu")
+    assert ok and line.startswith("ok") and "empty rows 0/-inf True" in line
+
+    def forgets_last_row(q, k, v, causal=False, softmax_scale=None):
+        out, lse = good_kernel(q, k, v, causal, softmax_scale)
+        out[:, -1] = float("nan")
+        return out, lse
+
+    q, k, v, _ = random_qkv(1, 40, 2, 32)
+    ok, line = run_into_poisoned(_into(forgets_last_row), q, k, v, label="nan row", wait=no_wait)
+    assert not ok and line.startswith("FAIL nan row") and "NaN 64" in line

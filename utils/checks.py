@@ -152,6 +152,25 @@ def poisoned_empty(*shape, dtype, device) -> torch.Tensor:
 # One-line verdicts for a kernel's output buffers (the --check command lines and GPU tests).
 
 LSE_ATOL = 1e-3  # a kernel's lse (float32 scores) vs float64, where a row sees keys
+HANG_DEADLINE_S = 120.0
+
+
+def wait_for_gpu(what: str, deadline_s: float = HANG_DEADLINE_S) -> None:
+    """torch.cuda.synchronize() with a deadline: a kernel stuck at a barrier would otherwise
+    block forever. A hung context cannot be recovered, so this says what hung and exits."""
+    import os
+    import sys
+    import time
+
+    done = torch.cuda.Event()
+    done.record()
+    start = time.monotonic()
+    while not done.query():
+        if time.monotonic() - start > deadline_s:
+            print(f"GPU HANG: no progress for {deadline_s:.0f} s in {what}", file=sys.stderr,
+                  flush=True)
+            os._exit(3)
+        time.sleep(1e-4)
 
 
 def compare_outputs(q, k, v, out, lse, causal=False, softmax_scale=None, label=""):
@@ -191,16 +210,13 @@ def run_into_poisoned(attention_into, q, k, v, causal=False, softmax_scale=None,
                       label="", wait=None):
     """One launch of ``attention_into(q, k, v, out, lse, causal, softmax_scale, config)`` into
     NaN-poisoned buffers (an element the kernel forgets stays NaN and fails), then
-    ``compare_outputs``. ``wait(label)`` replaces torch.cuda.synchronize, e.g. to time out a
-    hang with a message. Returns (ok, one line)."""
+    ``compare_outputs``. ``wait(label)`` waits for the GPU (default: ``wait_for_gpu``, which
+    exits with a message instead of hanging). Returns (ok, one line)."""
     b, sq, h, d = q.shape
     out = poisoned_empty(b, sq, h, d, dtype=q.dtype, device=q.device)
     lse = poisoned_empty(b, h, sq, dtype=torch.float32, device=q.device)
     attention_into(q, k, v, out, lse, causal, softmax_scale, config)
-    if wait is None:
-        torch.cuda.synchronize()
-    else:
-        wait(label)
+    (wait or wait_for_gpu)(label)
     return compare_outputs(q, k, v, out, lse, causal, softmax_scale, label=label)
 
 
