@@ -38,6 +38,7 @@ from solutions import ch04_flash_ampere as fa
 from utils import layout_plots as lp
 from utils import roofline
 from utils.hardware import PER_SM
+from utils.notebook import source_between
 
 TileConfig = fa.TileConfig
 ELEM_BYTES = 2  # bf16 / fp16
@@ -60,28 +61,6 @@ def load_stored(name: str, gpu: str = "h200"):
 def source(fn) -> str:
     """The dedented source of a kernel function or method (through the DSL's decorators)."""
     return textwrap.dedent(inspect.getsource(getattr(fn, "__wrapped__", fn))).rstrip()
-
-
-def source_between(fn, start: str | None = None, end: str | None = None) -> str:
-    """The source of ``fn`` from the first line containing ``start`` up to (not including) the
-    first later line containing ``end``. A marker that is not found means "from the top" / "to
-    the end", with a note, so an edit of the kernel cannot break the notebook."""
-    lines = source(fn).splitlines()
-    notes = []
-    i0 = 0
-    if start is not None:
-        i0 = next((i for i, ln in enumerate(lines) if start in ln), None)
-        if i0 is None:
-            notes.append(f"# ({start!r} not found: showing from the top)")
-            i0 = 0
-    i1 = len(lines)
-    if end is not None:
-        found = next((i for i in range(i0 + 1, len(lines)) if end in lines[i]), None)
-        if found is None:
-            notes.append(f"# ({end!r} not found: showing to the end)")
-        else:
-            i1 = found
-    return textwrap.dedent("\n".join(notes + lines[i0:i1])).rstrip()
 
 
 def note(name: str, module=fa) -> str:

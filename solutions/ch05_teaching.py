@@ -29,6 +29,7 @@ import numpy as np
 from solutions import ch05_flash_hopper as ch05
 from utils import roofline
 from utils.hardware import PER_SM
+from utils.notebook import source_between  # noqa: F401 (the notebook quotes the kernel with it)
 
 HOPPER = PER_SM["sm_90"]
 ELEM_BYTES = 2  # bf16 / fp16
@@ -1052,28 +1053,6 @@ def check_stages_that_fit(fn) -> None:
 # ================================================================================================
 # 8. Reading the kernel's source in pieces
 # ================================================================================================
-def source_between(fn, start: str | None = None, end: str | None = None) -> str:
-    """The source of ``fn`` from the first line containing ``start`` up to (not including) the
-    first later line containing ``end``. A marker that is not found means "from the top" / "to
-    the end", with a note, so an edit of the kernel cannot break the notebook."""
-    lines = inspect.getsource(fn).splitlines()
-    notes = []
-    i0 = 0
-    if start is not None:
-        i0 = next((i for i, ln in enumerate(lines) if start in ln), None)
-        if i0 is None:
-            notes.append(f"# ({start!r} not found: showing from the top)")
-            i0 = 0
-    i1 = len(lines)
-    if end is not None:
-        found = next((i for i in range(i0 + 1, len(lines)) if end in lines[i]), None)
-        if found is None:
-            notes.append(f"# ({end!r} not found: showing to the end)")
-        else:
-            i1 = found
-    return "\n".join(notes + lines[i0:i1])
-
-
 def note(name: str, module=ch05) -> str:
     """A ``# Note [name]`` comment block of the kernel's module, without the comment marks."""
     lines = inspect.getsource(module).splitlines()

@@ -46,7 +46,8 @@ def headline(version) -> str:
 
 def table() -> str:
     lines = [
-        "| chapter | idea | fwd TFLOP/s on H200 (D=128, S=16384; ratios in the same run) | source |",
+        "| chapter | idea | fwd TFLOP/s on H200 (D=128, S=16384; ratios in the same run) "
+        "| source |",
         "|---|---|---|---|",
     ]
     for v in VERSIONS:

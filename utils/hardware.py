@@ -68,6 +68,18 @@ class Machine:
         raise ValueError(f"unknown requirement {needed!r}; use cpu, sm_80, sm_90 or sm_100")
 
 
+def missing(need: str, machine: Machine | None = None) -> str | None:
+    """Why this machine cannot run what needs ``need`` ("sm_80", "sm_90", "sm_100"), or None.
+    The sentence is what a skipped GPU test reports."""
+    m = machine or detect()
+    if m.can_run(need):
+        return None
+    if not m.has_gpu:
+        return f"needs a {need} GPU; this machine has no CUDA GPU (run `make gpu-test` on one)"
+    return (f"needs a {need} GPU; this one is {m.gpu_name}, compute capability "
+            f"{m.capability[0]}.{m.capability[1]}")
+
+
 def _arch_of(capability: tuple[int, int]) -> str:
     major, minor = capability
     if major == 8:

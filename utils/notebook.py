@@ -47,3 +47,29 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magic_function(gpu_cell, magic_kind="cell", magic_name="gpu")
     plots.use_course_style()
     print(describe())
+
+
+def source_between(fn, start: str | None = None, end: str | None = None) -> str:
+    """The source of ``fn`` from the first line containing ``start`` up to (not including) the
+    first later line containing ``end``, dedented. A marker that is not found means "from the
+    top" / "to the end", with a note, so an edit of a kernel cannot break the notebook that
+    quotes it."""
+    import inspect
+    import textwrap
+
+    lines = inspect.getsource(getattr(fn, "__wrapped__", fn)).splitlines()
+    notes = []
+    i0 = 0
+    if start is not None:
+        i0 = next((i for i, ln in enumerate(lines) if start in ln), None)
+        if i0 is None:
+            notes.append(f"# ({start!r} not found: showing from the top)")
+            i0 = 0
+    i1 = len(lines)
+    if end is not None:
+        found = next((i for i in range(i0 + 1, len(lines)) if end in lines[i]), None)
+        if found is None:
+            notes.append(f"# ({end!r} not found: showing to the end)")
+        else:
+            i1 = found
+    return textwrap.dedent("\n".join(notes + lines[i0:i1])).rstrip()

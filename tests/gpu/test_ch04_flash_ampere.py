@@ -19,21 +19,12 @@ import torch
 
 from solutions import ch04_flash_ampere as ch04
 from utils.checks import poison_, wait_for_gpu
+from utils.hardware import missing
 from utils.reference import random_qkv
-
-
-def _skip_reason():
-    if not torch.cuda.is_available():
-        return "no CUDA GPU (these tests run on the H200: make gpu-test)"
-    major, minor = torch.cuda.get_device_capability()
-    if major < 8:
-        return f"compute capability {major}.{minor}; the kernel needs 8.0 or newer"
-    return None
-
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason())),
+    pytest.mark.skipif(missing("sm_80") is not None, reason=str(missing("sm_80"))),
 ]
 
 BF16, FP16 = torch.bfloat16, torch.float16

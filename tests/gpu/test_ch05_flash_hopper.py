@@ -18,21 +18,12 @@ import torch
 from solutions import ch05_flash_hopper as ch05
 from solutions import ch07_rescaling as ch07
 from utils.checks import poison_
+from utils.hardware import missing
 from utils.reference import random_qkv
-
-
-def _skip_reason():
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return f"needs compute capability 9.0 (H100/H200), found {major}.{minor}"
-    return None
-
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason())),
+    pytest.mark.skipif(missing("sm_90") is not None, reason=str(missing("sm_90"))),
 ]
 
 BF16, FP16 = torch.bfloat16, torch.float16
