@@ -22,7 +22,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
@@ -243,5 +242,4 @@ __all__ = [
     "fake_stream",
     "fake_tensor",
     "kernel_resources",
-    "cutlass",
 ]
