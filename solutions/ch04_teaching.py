@@ -39,6 +39,7 @@ from utils import layout_plots as lp
 from utils import roofline
 from utils.hardware import PER_SM
 from utils.notebook import source_between
+from utils.results import load_stored  # noqa: F401 (the notebook's stored-results cells)
 
 TileConfig = fa.TileConfig
 ELEM_BYTES = 2  # bf16 / fp16
@@ -47,17 +48,6 @@ ELEM_BYTES = 2  # bf16 / fp16
 # ================================================================================================
 # Reading the kernel and the stored results
 # ================================================================================================
-def load_stored(name: str, gpu: str = "h200"):
-    """``utils.results.load(name)``, or None after saying "not measured yet" when it is absent."""
-    from utils import results
-
-    try:
-        return results.load(name, gpu=gpu)
-    except FileNotFoundError:
-        print(f"{name}: not measured yet (results/{gpu}/{name}.json does not exist)")
-        return None
-
-
 def source(fn) -> str:
     """The dedented source of a kernel function or method (through the DSL's decorators)."""
     return textwrap.dedent(inspect.getsource(getattr(fn, "__wrapped__", fn))).rstrip()

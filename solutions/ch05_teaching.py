@@ -30,6 +30,7 @@ from solutions import ch05_flash_hopper as ch05
 from utils import roofline
 from utils.hardware import PER_SM
 from utils.notebook import source_between  # noqa: F401 (the notebook quotes the kernel with it)
+from utils.results import load_stored  # noqa: F401 (the notebook's stored-results cells)
 
 HOPPER = PER_SM["sm_90"]
 ELEM_BYTES = 2  # bf16 / fp16
@@ -39,17 +40,6 @@ SWIZZLE_BYTES = 128  # the widest TMA / wgmma swizzle: 16-byte chunks permuted w
 # ================================================================================================
 # Stored results
 # ================================================================================================
-def load_stored(name: str, gpu: str = "h200"):
-    """``utils.results.load(name)`` or None, saying "not measured yet" when the file is absent."""
-    from utils import results
-
-    try:
-        return results.load(name, gpu=gpu)
-    except FileNotFoundError:
-        print(f"{name}: not measured yet (results/{gpu}/{name}.json does not exist)")
-        return None
-
-
 def stored_table(res, prefer=("impl", "knob", "config", "d", "s", "causal", "ms", "tflops")):
     """A results file as a plain table of the preferred columns it actually has."""
     columns = [c for c in prefer if any(c in r for r in res.rows)]

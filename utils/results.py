@@ -170,6 +170,16 @@ def load(name: str, gpu: str = "h200", results_dir: Path | None = None) -> Resul
     return Results(name, path, data["provenance"], data["rows"])
 
 
+def load_stored(name: str, gpu: str = "h200") -> Results | None:
+    """``load(name)``, or None after printing "not measured yet" when the file is absent: what a
+    notebook's stored-results cell wants on a machine where nothing was measured."""
+    try:
+        return load(name, gpu=gpu)
+    except FileNotFoundError:
+        print(f"{name}: not measured yet (results/{gpu}/{name}.json does not exist)")
+        return None
+
+
 def available(gpu: str = "h200") -> list[str]:
     folder = RESULTS_DIR / gpu
     return sorted(p.stem for p in folder.glob("*.json")) if folder.exists() else []
