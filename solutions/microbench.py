@@ -38,6 +38,7 @@ from solutions import ch06_exp2 as ch06
 CHAINS = 8  # independent exp2 chains per thread; mixes are k/8 of them emulated
 UNROLL = 4  # loop trips unrolled at compile time, so the loop's own 3 instructions are ~1 %
 EXP_FRACTIONS = (0, 1, 2, 3, 4, 6, 8)  # emulated chains of 8
+MMA_CHAINS = 8  # independent 16 x 8 accumulators per warp in the mma.sync benchmark
 SMEM_LOADS_IN_FLIGHT = 4  # rows of the buffer one thread reads per loop trip
 # 1024-thread blocks, 2 per SM: an SM holds at most 2048 threads, so the block scheduler cannot
 # give one SM more blocks than another, and 64 warps per SM hide every latency.
@@ -323,6 +324,103 @@ class SmemBandwidth:
             ms=ms, per_s=n * self.bytes_per_thread(steps) / (ms * 1e-3), sms=sms, steps=steps,
             sm_clock_ghz=figures["median_cycles"] / (ms * 1e-3) / 1e9,
             checksum_ok=bool((got == want).all()),
+        )
+        return figures
+
+
+# ----------------------------------------------------------------------------------------------
+# mma.sync throughput: the ceiling of chapter 04's kernel
+
+
+class MmaSyncThroughput:
+    """Every warp repeats ``MMA_CHAINS`` independent ``mma.sync.m16n8k16`` (bf16 in, fp32
+    accumulate) on operands that stay in registers: no loads, so the figure is the tensor cores'
+    rate for the Ampere-style instruction (HMMA in the SASS), the most chapter 04 can reach.
+    Independent accumulators keep the pipe full despite each mma's latency; 32 warps per SM."""
+
+    threads = 256
+    blocks_per_sm = 4
+    flops_per_mma = 2 * 16 * 8 * 16
+
+    @property
+    def label(self) -> str:
+        return "mma.sync m16n8k16 bf16 -> fp32"
+
+    def mmas_per_thread(self, steps: int) -> float:
+        """Per thread: a warp's mma counted once per lane share (32 lanes do one mma)."""
+        return MMA_CHAINS * UNROLL * steps / 32
+
+    @cute.jit
+    def __call__(self, mSeed: cute.Tensor, mOut: cute.Tensor, mClock: cute.Tensor,
+                 steps: Int32, stream):
+        blocks = cute.size(mOut) // self.threads
+        tiled_mma = cute.make_tiled_mma(
+            cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)), (1, 1, 1)
+        )
+        self.kernel(mSeed, mOut, mClock, steps, tiled_mma).launch(
+            grid=(blocks, 1, 1), block=(self.threads, 1, 1), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mSeed: cute.Tensor, mOut: cute.Tensor, mClock: cute.Tensor, steps: Int32,
+               tiled_mma: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gid = bidx * self.threads + tidx
+        thr_mma = tiled_mma.get_slice(tidx % 32)
+        # A (16, 16), B (8 * chains, 16), C (16, 8 * chains): one mma per 8 columns of C
+        rA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((16, 16)))
+        rB = thr_mma.make_fragment_B(thr_mma.partition_shape_B((8 * MMA_CHAINS, 16)))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((16, 8 * MMA_CHAINS)), Float32)
+        seed = mSeed[gid]
+        for i in cutlass.range_constexpr(cute.size(rA)):  # distinct values: no operand reuse
+            rA[i] = (seed * Float32(1.0 + i / 8)).to(cutlass.BFloat16)
+        for i in cutlass.range_constexpr(cute.size(rB)):
+            rB[i] = (seed * Float32(0.5 + i / 32)).to(cutlass.BFloat16)
+        acc.fill(0.0)
+
+        cute.arch.sync_threads()
+        start = cute.arch.clock64()
+        for _ in cutlass.range(steps, unroll=1):
+            for _u in cutlass.range_constexpr(UNROLL):
+                cute.gemm(tiled_mma, acc, rA, rB, acc)
+        cute.arch.sync_threads()
+        end = cute.arch.clock64()
+
+        mOut[gid] = acc.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        if tidx == 0:
+            mClock[bidx * CLOCK_FIELDS + 0] = Int64(sm_id())
+            mClock[bidx * CLOCK_FIELDS + 1] = start
+            mClock[bidx * CLOCK_FIELDS + 2] = end
+
+    def compile_only(self, arch: str = "sm_90a"):
+        from utils.compile_only import compile_for, fake_stream, fake_tensor
+
+        return compile_for(
+            arch, self, fake_tensor(Float32, (None,)), fake_tensor(Float32, (None,)),
+            fake_tensor(Int64, (None,)), Int32(1), fake_stream(),
+        )
+
+    def measure(self, steps: int = 20000, warmup: int = 2, reps: int = 5) -> dict:
+        """Run on the current CUDA GPU: FLOP per clock per SM (clock64) and chip TFLOP/s."""
+        import torch
+
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        blocks = sms * self.blocks_per_sm
+        n = blocks * self.threads
+        # Small operands (|a b| * 16 * steps stays far from overflow); not zero, which would
+        # let the tensor cores switch fewer bits than real data does.
+        seed = torch.rand(n, device="cuda", dtype=torch.float32) * 1e-3
+        out = torch.empty_like(seed)
+        clock = torch.zeros(blocks * CLOCK_FIELDS, device="cuda", dtype=torch.int64)
+        run = _compiled_runner(self, (seed, out, clock), Int32(steps))
+        ms = _median_ms(run, warmup, reps)
+        flops_per_thread = self.mmas_per_thread(steps) * self.flops_per_mma
+        figures = _per_sm_rate(clock, self.threads * flops_per_thread, sms)
+        figures.update(
+            ms=ms, per_s=n * flops_per_thread / (ms * 1e-3), sms=sms, steps=steps,
+            sm_clock_ghz=figures["median_cycles"] / (ms * 1e-3) / 1e9,
+            finite=bool(torch.isfinite(out).all()),
         )
         return figures
 

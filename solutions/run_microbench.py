@@ -8,6 +8,7 @@ What it measures (``solutions/microbench.py`` says how):
   version that does not keep NaN), and mixes with 1..6 of every 8 exps on the polynomial;
   exps per second on the chip, exps per clock per SM, and the SM clock the run had;
 - shared memory: bytes per clock per SM with 16-byte and 4-byte loads per thread;
+- mma.sync (m16n8k16, bf16 -> fp32) from registers: FLOP/clk/SM and TFLOP/s, chapter 04's ceiling;
 - a torch bf16 8192^3 matmul in TFLOP/s, the tensor-core ceiling the other figures compare to.
 
 Each row: ``impl``, ``metric``, ``value``, ``unit`` and the knobs (``fraction``, ``degree``, ...).
@@ -53,12 +54,22 @@ def smem_rows(bench, fig: dict) -> list[dict]:
     ]
 
 
+def mma_rows(bench, fig: dict) -> list[dict]:
+    return [
+        {"impl": bench.label, "metric": "mma_sync_tflops", "value": fig["per_s"] / 1e12,
+         "unit": "TFLOP/s"},
+        {"impl": bench.label, "metric": "mma_sync_flop_per_clk_sm", "value": fig["per_clk_sm"],
+         "unit": "FLOP/clk/SM", "min": fig["per_clk_sm_min"], "max": fig["per_clk_sm_max"]},
+        {"impl": bench.label, "metric": "sm_clock", "value": fig["sm_clock_ghz"], "unit": "GHz"},
+    ]
+
+
 def matmul_rows(fig: dict) -> list[dict]:
     return [{"impl": f"torch bf16 matmul {fig['n']}^3", "metric": "matmul_tflops",
              "value": fig["tflops"], "unit": "TFLOP/s", "ms": fig["ms"]}]
 
 
-def problems(fig: dict, exp: bool) -> list[str]:
+def problems(fig: dict, exp: bool, checksum: bool = True) -> list[str]:
     """What makes a measurement unusable, in words (empty: fine)."""
     out = []
     if fig["sms_used"] != fig["sms_expected"]:
@@ -70,7 +81,7 @@ def problems(fig: dict, exp: bool) -> list[str]:
                     <= fig["fixed_point_max"] < FIXED_POINT + 0.01):
         out.append(f"chains ended in [{fig['fixed_point_min']:.4f}, {fig['fixed_point_max']:.4f}],"
                    f" expected {FIXED_POINT:.4f}: an exp2 variant computes the wrong thing")
-    if not exp and not fig["checksum_ok"]:
+    if not exp and checksum and not fig["checksum_ok"]:
         out.append("the sum of loaded words is wrong: loads read the wrong addresses")
     return out
 
@@ -143,6 +154,18 @@ def main(argv: list[str] | None = None) -> int:
         failures += [f"{bench.label}: {b}" for b in bad]
         print(f"  {bench.label:48s} {fig['per_clk_sm']:6.1f} B/clk/SM  "
               f"{fig['per_s'] / 1e12:6.2f} TB/s  ({fig['ms']:.2f} ms){'  FAIL' if bad else ''}")
+    bench = mb.MmaSyncThroughput()
+    if not over_budget(bench.label):
+        fig = attempt(bench.label, lambda: bench.measure(steps=20000 // scale))
+        if fig is not None:
+            rows += mma_rows(bench, fig)
+            bad = problems(fig, exp=False, checksum=False)
+            if not fig["finite"]:
+                bad.append("the accumulators are not finite")
+            failures += [f"{bench.label}: {b}" for b in bad]
+            print(f"{bench.label}: {fig['per_s'] / 1e12:6.1f} TFLOP/s  "
+                  f"{fig['per_clk_sm']:6.0f} FLOP/clk/SM  (SM clock {fig['sm_clock_ghz']:.2f} "
+                  f"GHz, {fig['ms']:.2f} ms){'  FAIL' if bad else ''}")
     if not args.no_matmul and not over_budget("matmul"):
         fig = attempt("matmul", mb.matmul_tflops)
         if fig is not None:

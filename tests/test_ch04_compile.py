@@ -56,6 +56,24 @@ def test_no_spills(artifacts, case):
     assert 0 < art.registers <= 255, art.resources()
 
 
+TUNED_CASES = [(arch, d, causal, dtype, config)
+               for (arch, d, causal), config in fa.TUNED_CONFIGS.items()
+               for dtype in ("bf16", "fp16")]
+
+
+@pytest.mark.parametrize("arch, d, causal, dtype, config", TUNED_CASES,
+                         ids=[_name((f"{a}a" if a == "sm_90" else a, d, c, t))
+                              for a, d, c, t, _ in TUNED_CASES])
+def test_tuned_configs_spill_nothing_on_their_arch(arch, d, causal, dtype, config):
+    """A tuned tile replaces the default only on its arch (sm_90 means sm_90a here): it must
+    compile there with no spills, in both dtypes."""
+    target = "sm_90a" if arch == "sm_90" else arch
+    art = fa.compile_only(target, d, dtype=dtype, causal=causal, config=config)
+    assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    assert fa.default_config(d, causal, arch) == config
+    assert fa.default_config(d, causal) == fa.DEFAULT_CONFIGS[d]  # elsewhere: the portable one
+
+
 @pytest.mark.parametrize("case", CASES, ids=_name)
 def test_two_copies_of_the_kv_step(artifacts, case):
     """The KV step exists twice: the peeled first tile and the loop (the causal mask is a branch
@@ -156,7 +174,7 @@ def test_accepts_strided_views_up_to_the_device_check():
         (fa.TileConfig(m_block=96), "multiple of 16 \\* warps"),
         (fa.TileConfig(n_block=40), "multiple of 16"),
         (fa.TileConfig(m_block=128, n_block=16, num_threads=256), "num_threads // 8"),
-        (fa.TileConfig(num_stages=3), "num_stages"),
+        (fa.TileConfig(num_stages=4), "num_stages"),
         (fa.TileConfig(smem_layout="interleaved"), "smem_layout"),
         (fa.TileConfig(qk_unroll=3), "qk_unroll must divide"),
         (fa.TileConfig(qk_unroll=0), "qk_unroll must divide"),
@@ -226,9 +244,11 @@ def _sweep_row(config, d=128, causal=False, tflops=380.0, stack=0, peer=350.0):
 
 def test_sweep_table_names_the_fastest_spill_free_tile():
     """``--sweep`` runs on a rare GPU session: its report is checked here, on made-up rows."""
-    default, other, unrolled = fa.SWEEP_CONFIGS[128][:3]
+    default, other, unrolled = fa.SWEEP_CONFIGS[128][0], fa.SWEEP_CONFIGS[128][2], \
+        fa.SWEEP_CONFIGS[128][4]
+    ablation = {**_sweep_row(default, tflops=450.0), "impl": fa.ABLATION_IMPL, "default": False}
     rows = [_sweep_row(default, tflops=390.0), _sweep_row(other, tflops=395.0),
-            _sweep_row(unrolled, tflops=400.0, stack=32),
+            _sweep_row(unrolled, tflops=400.0, stack=32), ablation,
             _sweep_row(default, causal=True, tflops=None, peer=None)]
     text = fa.format_sweep(rows)
     print(text)
@@ -237,6 +257,7 @@ def test_sweep_table_names_the_fastest_spill_free_tile():
     assert "1.129x SDPA flash (target 1.1x: met)" in summary[0]
     assert "fastest overall" in summary[0] and "(stack 32 B)" in summary[0]
     assert "check FAILED" in text  # the causal row was never timed
+    assert " no softmax " in text and "450.0" in text  # listed, but never the fastest tile
 
 
 def test_launched_resources_before_any_launch():

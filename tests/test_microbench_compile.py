@@ -94,10 +94,25 @@ def _fake_figures(exp: bool) -> dict:
     return fig
 
 
+def test_mma_kernel_is_independent_hmma_from_registers():
+    """The mma.sync ceiling: HMMA only (no LDSM/LDS feeding it), MMA_CHAINS independent
+    accumulators per unrolled trip, distinct B operands, spill-free at 4 blocks x 8 warps/SM."""
+    art = mb.MmaSyncThroughput().compile_only("sm_90a")
+    art.require("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+    art.forbid("ldmatrix", "wgmma")
+    assert art.count("HMMA.16816.F32.BF16", "sass") == mb.MMA_CHAINS * mb.UNROLL
+    assert art.spills == 0 and art.frame_bytes == 0
+    bench = mb.MmaSyncThroughput()
+    assert art.registers * bench.threads * bench.blocks_per_sm <= 65536, art.registers
+    assert bench.mmas_per_thread(10) * 32 == mb.MMA_CHAINS * mb.UNROLL * 10
+
+
 def test_rows_pass_the_results_validation():
     rows = run_microbench.exp_rows(mb.ExpThroughput(3), _fake_figures(True))
     rows += run_microbench.smem_rows(mb.SmemBandwidth(16), _fake_figures(False))
     rows += run_microbench.matmul_rows({"n": 8192, "ms": 1.5, "tflops": 733.0})
+    rows += run_microbench.mma_rows(mb.MmaSyncThroughput(),
+                                    _fake_figures(False) | {"per_s": 6.4e14})
     results.validate({"provenance": {k: "x" for k in results.PROVENANCE_KEYS}, "rows": rows})
     assert {r["metric"] for r in rows} >= {"exp2_rate", "exp2_per_clk_sm", "smem_bytes_per_clk_sm",
                                           "matmul_tflops"}
@@ -137,6 +152,8 @@ def test_script_control_flow_with_fake_measurements(monkeypatch, capsys):
 
     monkeypatch.setattr(mb.ExpThroughput, "measure", exp_measure)
     monkeypatch.setattr(mb.SmemBandwidth, "measure", lambda self, steps, **kw: _fake_figures(False))
+    monkeypatch.setattr(mb.MmaSyncThroughput, "measure",
+                        lambda self, steps, **kw: _fake_figures(False) | {"finite": True})
     monkeypatch.setattr(mb, "matmul_tflops", lambda: {"n": 8192, "ms": 1.5, "tflops": 733.0})
     monkeypatch.setattr(results, "save", lambda name, rows, command: saved.update(
         name=name, rows=rows, command=command) or "results/h200/microbench.json")
@@ -145,4 +162,4 @@ def test_script_control_flow_with_fake_measurements(monkeypatch, capsys):
     assert "FAIL poly deg 3 (cvt floor): raised RuntimeError: pretend compile failure" in out
     assert saved["name"] == "microbench" and "--quick" in saved["command"]
     measured = len(mb.exp_variants()) - 1
-    assert len(saved["rows"]) == 3 * measured + 2 * 2 + 1
+    assert len(saved["rows"]) == 3 * measured + 2 * 2 + 3 + 1

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One visit to the H200: run the named steps in order, each under a time limit, logging to $OUT.
 #   bash tests/gpu/h200_session.sh env tests peers ch04 ch05 micro sanitize notebooks
+# (ch04-peers also needs CUTLASS_FA2_EXAMPLE: the path of CUTLASS's Ampere FA2 example)
 # Results files written under results/ are sent back as $OUT/results.tar; logs as $OUT/logs.tar.gz.
 # Needs the CuTe DSL staged and sourced (/tmp/dsl_env.sh) and COURSE_COMMIT set by the caller.
 set -u
@@ -28,6 +29,7 @@ for s in "$@"; do
     versions) step ch01_ch02 300 $PY -m solutions.benchmark --versions naive tiled_fa2 --name ch01_ch02_fwd --seqlens 1024 4096 16384 --dims 128 --causal no ;;
     ch04) step ch04_bench 420 $PY -m solutions.benchmark --versions flash_ampere --name ch04_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
     ch04-sweep) step ch04_sweep 420 $PY -m solutions.ch04_flash_ampere --sweep --check ;;
+    ch04-peers) step ch04_peers 300 $PY -m solutions.ch04_peers --cutlass-example "${CUTLASS_FA2_EXAMPLE:?set CUTLASS_FA2_EXAMPLE to CUTLASS's flash_attention_v2.py}" ;;
     ch05) step ch05_bench 420 $PY -m solutions.benchmark --versions flash_hopper --name ch05_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
     ch05-check) step ch05_check 600 $PY -m solutions.ch05_flash_hopper --check ;;
     ch05-knobs) step ch05_knobs 420 $PY -m solutions.ch05_flash_hopper --bench ;;

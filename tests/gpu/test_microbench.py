@@ -112,3 +112,12 @@ def test_smem_kernel_reads_every_word_it_should(width):
     assert fig["checksum_ok"], fig
     assert fig["sms_used"] == fig["sms_expected"], fig
     assert 8.0 < fig["per_clk_sm"] <= 160.0, fig  # ANCHORS: 128 B/clk/SM peak
+
+
+def test_mma_sync_ceiling_is_plausible():
+    """mma.sync from registers: every SM busy, finite sums, a rate between the A100's per-SM
+    figure (1024 dense bf16 FLOP/clk) and Hopper's wgmma peak (4096)."""
+    fig = mb.MmaSyncThroughput().measure(steps=2000)
+    print(fig)
+    assert fig["finite"] and fig["sms_used"] == fig["sms_expected"]
+    assert 1024 < fig["per_clk_sm"] <= 4096, fig
