@@ -85,7 +85,8 @@ def test_two_copies_of_the_kv_step(artifacts, case):
     m_atoms = c.m_block // (16 * c.num_warps)
     pv = m_atoms * (d // 8) * (c.n_block // 16)
     qk_trip = m_atoms * (c.n_block // 8) * c.qk_unroll
-    assert c.qk_unroll < d // 16, "the default must not unroll QK^T fully"
+    if d == 128:  # at D = 64 the fully unrolled loop fits (64 fewer accumulator registers)
+        assert c.qk_unroll < d // 16, "the default must not unroll QK^T fully at D = 128"
     assert artifacts[case].count("mma.sync") == 2 * (pv + qk_trip)
 
 
