@@ -189,7 +189,7 @@ class TileConfig:
 #   D=128: acc_O 128 + acc_S 64 registers; qk_unroll 2 (1 spills 3 instructions for fp16 on
 #          sm_80; 4 spills 66-71 on sm_80; 8, fully unrolled, spills 22-78).
 #   D=64:  acc_O 64 + acc_S 64; qk_unroll 4, the loop fully unrolled: 64 fewer accumulator
-#          registers leave room for it (it measured 1.12x the single-slice loop on the H200).
+#          registers leave room for it (it measured 1.11x the single-slice loop on the H200).
 DEFAULT_CONFIGS = {
     64: TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=4),
     128: TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=2),

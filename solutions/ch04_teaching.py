@@ -534,9 +534,10 @@ def draw_tile_map(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, causal
 # 5. Why it cannot reach Hopper speed: the instruction mix of one KV step
 # ================================================================================================
 # Hopper runs the warp-synchronous mma.sync at a fraction of the rate its tensor cores reach
-# with wgmma; microbenchmarks of H100 report about half. An assumption of this model (the course
-# has not measured mma.sync alone), stated wherever it is used.
-MMA_SYNC_SHARE = 0.5
+# with wgmma. Measured on the H200 (results/h200/microbench.json, solutions.microbench.
+# MmaSyncThroughput: independent m16n8k16 from registers): 2702 FLOP/clk/SM of wgmma's 4096.
+# tests/test_ch04_teaching.py checks this constant against the stored figure.
+MMA_SYNC_SHARE = 0.66
 SCHEDULERS_PER_SM = 4  # one warp instruction issued per clock by each
 INSTRUCTION_CLASSES = {
     "mma.sync (HMMA)": ("HMMA",),
@@ -616,7 +617,7 @@ def hopper_ceilings(cfg: TileConfig | None = None, head_dim: int = 128, mix: dic
     issue = sum(mix.values()) * warps / SCHEDULERS_PER_SM
     rows = [
         ("tensor cores at the wgmma rate", wgmma_rate),
-        (f"tensor cores at the mma.sync rate (assumed {MMA_SYNC_SHARE:g} of it)", mma_sync),
+        (f"tensor cores at the mma.sync rate (measured: {MMA_SYNC_SHARE:g} of it)", mma_sync),
         ("exp2 on MUFU", mufu),
         ("issuing the loop's instructions (4 schedulers)", issue),
         ("mma.sync, then exp2, no overlap", mma_sync + mufu),
@@ -727,12 +728,18 @@ def sweep_lines(res, compile_groups=((128, False),), arch: str = "sm_90a") -> li
     groups = dict.fromkeys((r["d"], r["causal"]) for r in res.rows)
     for d, causal in groups:
         rows = [r for r in res.rows if (r["d"], r["causal"]) == (d, causal)]
-        base = next((r["tflops"] for r in rows if r.get("default") and r.get("tflops")), None)
+        base = next((r["tflops"] for r in rows if r.get("default") and r.get("tflops")
+                     and r.get("impl") != fa.ABLATION_IMPL), None)
         lines.append(f"D={d} {'causal' if causal else 'non-causal'} (S={rows[0]['s']}):")
         lines.append(f"    {'tile':28s} {'TFLOP/s':>7s} {'vs def':>6s} {'acc O+S':>7s} "
                      f"{'regs':>4s} {'stack':>5s} {'spills':>6s}")
         for r in sorted(rows, key=lambda r: -(r.get("tflops") or 0)):
             name = config_name(row_config(r)) + (" *" if r.get("default") else "")
+            if r.get("impl") == fa.ABLATION_IMPL:  # Note [What the softmax costs]
+                lines.append(f"    {name + ' without softmax':28s} {r['tflops']:7.0f} "
+                             f"{r['tflops'] / base if base else 0:5.2f}x  (timing ablation: "
+                             "output is not attention)")
+                continue
             if "registers" in r:
                 regs = {k: r.get(k) for k in ("registers", "stack_bytes", "spill_instructions")}
             elif (d, causal) in compile_groups:
@@ -748,6 +755,35 @@ def sweep_lines(res, compile_groups=((128, False),), arch: str = "sm_90a") -> li
             ratio = f"{r['tflops'] / base:5.2f}x" if base else "     "
             lines.append(f"    {name:28s} {r['tflops']:7.0f} {ratio:>6s} {acc:7d}{cells}")
     return lines
+
+
+def ceiling_lines(micro, sweep, head_dim: int = 128) -> list[str]:
+    """How far the kernel is from mma.sync's own ceiling (microbench) and what the softmax costs
+    (the sweep's SoftmaxLeftOut rows), at ``head_dim``, non-causal, for each ablated tile."""
+    peak = micro.one(metric="mma_sync_tflops")["value"]
+    per_clk = micro.one(metric="mma_sync_flop_per_clk_sm")["value"]
+    hopper = PER_SM["sm_90"]
+    lines = [f"mma.sync ceiling (independent m16n8k16 from registers, every SM busy): "
+             f"{peak:.0f} TFLOP/s, {per_clk:.0f} FLOP/clk/SM = "
+             f"{per_clk / hopper.mma_flops_per_clk:.2f} of the wgmma rate"]
+    rows = [r for r in sweep.rows if r["d"] == head_dim and not r["causal"]]
+    for ab in (r for r in rows if r.get("impl") == fa.ABLATION_IMPL):
+        full = next(r for r in rows if r.get("impl") != fa.ABLATION_IMPL
+                    and row_config(r) == row_config(ab))
+        lines.append(
+            f"{config_name(row_config(ab))}: {full['tflops']:.0f} TFLOP/s = "
+            f"{full['tflops'] / peak:.0%} of the ceiling; without its softmax "
+            f"{ab['tflops']:.0f} = {ab['tflops'] / peak:.0%}, so the softmax costs "
+            f"{1 - full['tflops'] / ab['tflops']:.0%} of the time")
+    return lines
+
+
+def cutlass_peer_lines(res) -> list[str]:
+    """The stored ch04_cutlass_peer run, one line per (causal, data): medians over rounds and
+    ratios to SDPA's flash backend from the same run."""
+    from solutions.ch04_peers import summary
+
+    return summary(res.rows)
 
 
 # ================================================================================================
@@ -916,6 +952,8 @@ __all__ = [
     "BOOKKEEPING_REGISTERS",
     "KV_TILE_CASES",
     "MMA_SYNC_SHARE",
+    "ceiling_lines",
+    "cutlass_peer_lines",
     "REGISTER_LIMIT",
     "SM_LIMITS",
     "TILE_KINDS",

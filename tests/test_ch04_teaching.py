@@ -335,3 +335,24 @@ def test_check_kv_tiles():
         t4.check_kv_tiles(only_diagonal)
     with pytest.raises(AssertionError, match="pair"):
         t4.check_kv_tiles(lambda *a: [0])
+
+
+def test_mma_sync_share_is_the_stored_measurement():
+    """MMA_SYNC_SHARE feeds the chapter's cycle model; it must be the H200 figure on file."""
+    from utils.hardware import PER_SM
+    from utils.results import load
+
+    micro = load("microbench")
+    per_clk = micro.one(metric="mma_sync_flop_per_clk_sm")["value"]
+    assert t4.MMA_SYNC_SHARE == pytest.approx(per_clk / PER_SM["sm_90"].mma_flops_per_clk,
+                                              abs=0.005)
+
+
+def test_ceiling_and_peer_lines_read_the_stored_runs():
+    from utils.results import load
+
+    lines = t4.ceiling_lines(load("microbench"), load("ch04_sweep"))
+    assert "mma.sync ceiling" in lines[0] and len(lines) == 1 + len(fa.ABLATION_CONFIGS)
+    assert all("softmax costs" in line for line in lines[1:])
+    peer = t4.cutlass_peer_lines(load("ch04_cutlass_peer"))
+    assert any(line.startswith("non-causal, randn: sdpa_flash") for line in peer)
