@@ -103,6 +103,24 @@ def exp2_poly_cvt(x, degree: int = 3, *, loc=None, ip=None) -> Float32:
     return ch06.inline_ptx_f32(ptx, n, p, loc=loc, ip=ip)
 
 
+@cute.jit
+def record_clock(mClock: cute.Tensor, bidx: Int32, start: Int64, end: Int64):
+    """Block ``bidx``'s CLOCK_FIELDS slots: its SM and the cycle counter before and after."""
+    mClock[bidx * CLOCK_FIELDS + 0] = Int64(sm_id())
+    mClock[bidx * CLOCK_FIELDS + 1] = start
+    mClock[bidx * CLOCK_FIELDS + 2] = end
+
+
+def compile_seed_out_clock(bench, arch: str):
+    """Compile a (seed, out, clock, steps) benchmark for ``arch`` with no GPU."""
+    from utils.compile_only import compile_for, fake_stream, fake_tensor
+
+    return compile_for(
+        arch, bench, fake_tensor(Float32, (None,)), fake_tensor(Float32, (None,)),
+        fake_tensor(Int64, (None,)), Int32(1), fake_stream(),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # exp2 throughput
 
@@ -186,18 +204,11 @@ class ExpThroughput:
             total = total + r_v[k]
         mOut[gid] = total
         if tidx == 0:
-            mClock[bidx * CLOCK_FIELDS + 0] = Int64(sm_id())
-            mClock[bidx * CLOCK_FIELDS + 1] = start
-            mClock[bidx * CLOCK_FIELDS + 2] = end
+            record_clock(mClock, bidx, start, end)
 
     def compile_only(self, arch: str = "sm_90a"):
         """PTX, SASS and resources for ``arch`` with no GPU (``utils.compile_only``)."""
-        from utils.compile_only import compile_for, fake_stream, fake_tensor
-
-        return compile_for(
-            arch, self, fake_tensor(Float32, (None,)), fake_tensor(Float32, (None,)),
-            fake_tensor(Int64, (None,)), Int32(1), fake_stream(),
-        )
+        return compile_seed_out_clock(self, arch)
 
     def measure(self, steps: int = 3000, warmup: int = 2, reps: int = 5) -> dict:
         """Run on the current CUDA GPU: chip-wide exps/s (CUDA events) and per-SM exps/clock
@@ -288,9 +299,7 @@ class SmemBandwidth:
             total = total + r_acc[c]
         mOut[bidx * self.threads + tidx] = total
         if tidx == 0:
-            mClock[bidx * CLOCK_FIELDS + 0] = Int64(sm_id())
-            mClock[bidx * CLOCK_FIELDS + 1] = start
-            mClock[bidx * CLOCK_FIELDS + 2] = end
+            record_clock(mClock, bidx, start, end)
 
     def expected_sum(self, tidx: int, steps: int) -> int:
         """What thread ``tidx`` stores, modulo 2^32: the word indices it reads, ``steps`` times."""
@@ -389,17 +398,10 @@ class MmaSyncThroughput:
 
         mOut[gid] = acc.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         if tidx == 0:
-            mClock[bidx * CLOCK_FIELDS + 0] = Int64(sm_id())
-            mClock[bidx * CLOCK_FIELDS + 1] = start
-            mClock[bidx * CLOCK_FIELDS + 2] = end
+            record_clock(mClock, bidx, start, end)
 
     def compile_only(self, arch: str = "sm_90a"):
-        from utils.compile_only import compile_for, fake_stream, fake_tensor
-
-        return compile_for(
-            arch, self, fake_tensor(Float32, (None,)), fake_tensor(Float32, (None,)),
-            fake_tensor(Int64, (None,)), Int32(1), fake_stream(),
-        )
+        return compile_seed_out_clock(self, arch)
 
     def measure(self, steps: int = 20000, warmup: int = 2, reps: int = 5) -> dict:
         """Run on the current CUDA GPU: FLOP per clock per SM (clock64) and chip TFLOP/s."""
