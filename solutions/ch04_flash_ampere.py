@@ -58,8 +58,9 @@ trip of a loop into an earlier one, so at most qk_unroll slices of Q and K fragm
 registers per slice at 32 rows x 64 keys) sit on top of S. (2) The barrier that says "V has
 landed" comes after the softmax, just before O += PV: shared-memory loads cannot move above a
 barrier, so V's fragments arrive once S has become P (32 registers of bf16, not 64 of fp32).
-With both, 128 x 64 compiles with no spills for sm_80 and sm_90a, causal or not; the fully
-unrolled loop (qk_unroll = D / 16) still spills, and the sweep keeps it to measure the cost.
+With both, 128 x 64 compiles with no spills for sm_80 and sm_90a, causal or not. At D = 128 the
+fully unrolled loop (qk_unroll = D / 16) still spills, and the sweep keeps it to measure the
+cost; at D = 64, with 64 fewer accumulator registers, it fits and is the default.
 config_report() lists registers, stack bytes and spill instructions of every swept tile.
 """
 
