@@ -184,9 +184,9 @@ class TileConfig:
 
 # The defaults: 4 warps of 32 rows (the best FLOPs per shared-memory byte, Note [Work split]),
 # 64-key tiles (the O rescale costs acc_O FMULs per tile: 2 per score at n_block 64, 4 at 32),
-# the swizzled layout (faster than padded in every measured pair) and the smallest qk_unroll
-# that compiles with no spills for sm_80 and sm_90a, bf16 and fp16, causal or not (Note
-# [Registers]; tests/test_ch04_compile.py checks it):
+# the swizzled layout (faster than padded in every measured pair) and, among the qk_unroll that
+# compile with no spills for sm_80 and sm_90a, bf16 and fp16, causal or not, the fastest (Note
+# [Registers]; tests/test_ch04_compile.py checks the spills, results/h200/ch04_sweep the speed):
 #   D=128: acc_O 128 + acc_S 64 registers; qk_unroll 2 (1 spills 3 instructions for fp16 on
 #          sm_80; 4 spills 66-71 on sm_80; 8, fully unrolled, spills 22-78).
 #   D=64:  acc_O 64 + acc_S 64; qk_unroll 4, the loop fully unrolled: 64 fewer accumulator
