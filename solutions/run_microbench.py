@@ -127,45 +127,37 @@ def main(argv: list[str] | None = None) -> int:
             return True
         return False
 
+    def measure(bench, steps: int, to_rows, bad_of, line_of, indent: str = "  "):
+        """One kernel benchmark: measure (unless over budget or it crashes), store its rows,
+        turn its problems into FAIL lines, print one line."""
+        if over_budget(bench.label):
+            return
+        fig = attempt(bench.label, lambda: bench.measure(steps=steps // scale))
+        if fig is None:
+            return
+        rows.extend(to_rows(bench, fig))
+        bad = bad_of(fig)
+        failures.extend(f"{bench.label}: {b}" for b in bad)
+        print(f"{indent}{line_of(bench, fig)}{'  FAIL' if bad else ''}")
+
     print(f"{torch.cuda.get_device_name()}: exp2 throughput "
           f"({mb.CHAINS} chains x {mb.UNROLL} per trip)")
     for bench in mb.exp_variants():
-        if over_budget(bench.label):
-            continue
-        fig = attempt(bench.label, lambda: bench.measure(steps=3000 // scale))
-        if fig is None:
-            continue
-        rows += exp_rows(bench, fig)
-        bad = problems(fig, exp=True)
-        failures += [f"{bench.label}: {b}" for b in bad]
-        print(f"  {bench.label:48s} {fig['per_s'] / 1e12:6.3f} T exp/s  "
-              f"{fig['per_clk_sm']:6.2f} exp/clk/SM  (SM clock {fig['sm_clock_ghz']:.2f} GHz, "
-              f"{fig['ms']:.2f} ms){'  FAIL' if bad else ''}")
+        measure(bench, 3000, exp_rows, lambda fig: problems(fig, exp=True),
+                lambda b, fig: f"{b.label:48s} {fig['per_s'] / 1e12:6.3f} T exp/s  "
+                               f"{fig['per_clk_sm']:6.2f} exp/clk/SM  (SM clock "
+                               f"{fig['sm_clock_ghz']:.2f} GHz, {fig['ms']:.2f} ms)")
     print("shared-memory bandwidth")
     for width, steps in ((16, 12000), (4, 48000)):
-        bench = mb.SmemBandwidth(width)
-        if over_budget(bench.label):
-            continue
-        fig = attempt(bench.label, lambda: bench.measure(steps=steps // scale))
-        if fig is None:
-            continue
-        rows += smem_rows(bench, fig)
-        bad = problems(fig, exp=False)
-        failures += [f"{bench.label}: {b}" for b in bad]
-        print(f"  {bench.label:48s} {fig['per_clk_sm']:6.1f} B/clk/SM  "
-              f"{fig['per_s'] / 1e12:6.2f} TB/s  ({fig['ms']:.2f} ms){'  FAIL' if bad else ''}")
-    bench = mb.MmaSyncThroughput()
-    if not over_budget(bench.label):
-        fig = attempt(bench.label, lambda: bench.measure(steps=20000 // scale))
-        if fig is not None:
-            rows += mma_rows(bench, fig)
-            bad = problems(fig, exp=False, checksum=False)
-            if not fig["finite"]:
-                bad.append("the accumulators are not finite")
-            failures += [f"{bench.label}: {b}" for b in bad]
-            print(f"{bench.label}: {fig['per_s'] / 1e12:6.1f} TFLOP/s  "
-                  f"{fig['per_clk_sm']:6.0f} FLOP/clk/SM  (SM clock {fig['sm_clock_ghz']:.2f} "
-                  f"GHz, {fig['ms']:.2f} ms){'  FAIL' if bad else ''}")
+        measure(mb.SmemBandwidth(width), steps, smem_rows, lambda fig: problems(fig, exp=False),
+                lambda b, fig: f"{b.label:48s} {fig['per_clk_sm']:6.1f} B/clk/SM  "
+                               f"{fig['per_s'] / 1e12:6.2f} TB/s  ({fig['ms']:.2f} ms)")
+    measure(mb.MmaSyncThroughput(), 20000, mma_rows,
+            lambda fig: problems(fig, exp=False, checksum=False)
+            + ([] if fig["finite"] else ["the accumulators are not finite"]),
+            lambda b, fig: f"{b.label}: {fig['per_s'] / 1e12:6.1f} TFLOP/s  "
+                           f"{fig['per_clk_sm']:6.0f} FLOP/clk/SM  (SM clock "
+                           f"{fig['sm_clock_ghz']:.2f} GHz, {fig['ms']:.2f} ms)", indent="")
     if not args.no_matmul and not over_budget("matmul"):
         fig = attempt("matmul", mb.matmul_tflops)
         if fig is not None:
