@@ -3,10 +3,11 @@
 The chapter's issue set its target from two numbers measured on different days: CUTLASS's CuTe
 DSL example ``flash_attention_v2.py`` (cp.async + mma.sync, 128 x 64 tiles) at 394 TFLOP/s and
 SDPA's flash backend at 347. That example's own benchmark fills Q, K and V with integers in
-[-2, 2); the course benchmarks with normal random values. Tensor cores draw less power on small
-integers (fewer bits switch), the H200 then holds a higher clock, and every kernel runs faster.
-This script times both kernels and SDPA's flash backend (FlashAttention-2) on both kinds of input
-in one process, so each ratio compares numbers from the same run and the same data:
+[-2, 2); the course benchmarks with normal random values, and every kernel measured runs faster
+on the integers (likely power: fewer bits switch in the tensor cores, so the H200 can hold a
+higher clock; the clock was not read). This script times both kernels and SDPA's flash backend
+(FlashAttention-2) on both kinds of input in one process, so each ratio compares numbers from
+the same run and the same data:
 
     python -m solutions.ch04_peers --cutlass-example PATH/TO/flash_attention_v2.py
 
