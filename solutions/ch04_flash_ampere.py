@@ -82,6 +82,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import from_dlpack
 
 from utils import checks
+from utils.hardware import device_arch
 from utils.reference import check_attention_inputs
 
 LOG2_E = math.log2(math.e)
@@ -239,14 +240,6 @@ def default_config(head_dim: int, causal: bool = False, arch: str | None = None)
     if head_dim not in DEFAULT_CONFIGS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     return TUNED_CONFIGS.get((arch, head_dim, bool(causal)), DEFAULT_CONFIGS[head_dim])
-
-
-def device_arch(device) -> str | None:
-    """"sm_90" for an H100/H200, "sm_80" for an A100, ...; None for a CPU device."""
-    if torch.device(device).type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -215,23 +215,14 @@ class ExpThroughput:
         (clock64). Returns a dict of the figures and of the raw clock data's summary."""
         import torch
 
-        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        blocks = sms * self.blocks_per_sm
-        n = blocks * self.threads
+        n = _threads_on_chip(self)
         seed = torch.rand(n, device="cuda", dtype=torch.float32)
         out = torch.empty_like(seed)
-        clock = torch.zeros(blocks * CLOCK_FIELDS, device="cuda", dtype=torch.int64)
-        run = _compiled_runner(self, (seed, out, clock), Int32(steps))
-        ms = _median_ms(run, warmup, reps)
-        figures = _per_sm_rate(clock, self.threads * self.exps_per_thread(steps), sms)
-        total = n * self.exps_per_thread(steps)
+        figures = _time_and_rate(self, (seed, out), steps, self.exps_per_thread(steps), warmup,
+                                 reps)
         # The chains converge to the fixed point of v = 2^-v (0.6412), whichever exp2 they use.
         sums = out / CHAINS
-        figures.update(
-            ms=ms, per_s=total / (ms * 1e-3), sms=sms, steps=steps,
-            sm_clock_ghz=figures["median_cycles"] / (ms * 1e-3) / 1e9,
-            fixed_point_min=float(sums.min()), fixed_point_max=float(sums.max()),
-        )
+        figures.update(fixed_point_min=float(sums.min()), fixed_point_max=float(sums.max()))
         return figures
 
 
@@ -319,21 +310,11 @@ class SmemBandwidth:
         """Run on the current CUDA GPU: bytes per clock per SM (clock64) and chip bytes/s."""
         import torch
 
-        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        blocks = sms * self.blocks_per_sm
-        n = blocks * self.threads
-        out = torch.zeros(n, device="cuda", dtype=torch.int32)
-        clock = torch.zeros(blocks * CLOCK_FIELDS, device="cuda", dtype=torch.int64)
-        run = _compiled_runner(self, (out, clock), Int32(steps))
-        ms = _median_ms(run, warmup, reps)
-        figures = _per_sm_rate(clock, self.threads * self.bytes_per_thread(steps), sms)
+        out = torch.zeros(_threads_on_chip(self), device="cuda", dtype=torch.int32)
+        figures = _time_and_rate(self, (out,), steps, self.bytes_per_thread(steps), warmup, reps)
         got = out.view(-1, self.threads)[0].cpu().to(torch.int64) % 2**32
         want = torch.tensor([self.expected_sum(t, steps) for t in range(self.threads)])
-        figures.update(
-            ms=ms, per_s=n * self.bytes_per_thread(steps) / (ms * 1e-3), sms=sms, steps=steps,
-            sm_clock_ghz=figures["median_cycles"] / (ms * 1e-3) / 1e9,
-            checksum_ok=bool((got == want).all()),
-        )
+        figures.update(checksum_ok=bool((got == want).all()))
         return figures
 
 
@@ -407,23 +388,13 @@ class MmaSyncThroughput:
         """Run on the current CUDA GPU: FLOP per clock per SM (clock64) and chip TFLOP/s."""
         import torch
 
-        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        blocks = sms * self.blocks_per_sm
-        n = blocks * self.threads
         # Small operands (|a b| * 16 * steps stays far from overflow); not zero, which would
         # let the tensor cores switch fewer bits than real data does.
-        seed = torch.rand(n, device="cuda", dtype=torch.float32) * 1e-3
+        seed = torch.rand(_threads_on_chip(self), device="cuda", dtype=torch.float32) * 1e-3
         out = torch.empty_like(seed)
-        clock = torch.zeros(blocks * CLOCK_FIELDS, device="cuda", dtype=torch.int64)
-        run = _compiled_runner(self, (seed, out, clock), Int32(steps))
-        ms = _median_ms(run, warmup, reps)
         flops_per_thread = self.mmas_per_thread(steps) * self.flops_per_mma
-        figures = _per_sm_rate(clock, self.threads * flops_per_thread, sms)
-        figures.update(
-            ms=ms, per_s=n * flops_per_thread / (ms * 1e-3), sms=sms, steps=steps,
-            sm_clock_ghz=figures["median_cycles"] / (ms * 1e-3) / 1e9,
-            finite=bool(torch.isfinite(out).all()),
-        )
+        figures = _time_and_rate(self, (seed, out), steps, flops_per_thread, warmup, reps)
+        figures.update(finite=bool(torch.isfinite(out).all()))
         return figures
 
 
@@ -446,6 +417,37 @@ def _compiled_runner(bench, tensors, *scalars):
         _COMPILED[key] = cute.compile(bench, *args, *scalars, stream)
     compiled = _COMPILED[key]
     return lambda: compiled(*args, *scalars, stream)
+
+
+def _sms() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def _threads_on_chip(bench) -> int:
+    """Threads of one launch: ``blocks_per_sm`` blocks of ``threads`` on every SM."""
+    return _sms() * bench.blocks_per_sm * bench.threads
+
+
+def _time_and_rate(bench, tensors, steps: int, work_per_thread: float, warmup: int,
+                   reps: int) -> dict:
+    """Launch ``bench`` on ``tensors`` plus a clock buffer, ``steps`` loop trips, on
+    ``blocks_per_sm`` blocks per SM; time it (median of ``reps``) and read the clocks. Returns
+    ``_per_sm_rate``'s figures for ``work_per_thread`` units per thread, plus ms, the chip-wide
+    units per second, sms, steps and the SM clock the run had."""
+    import torch
+
+    sms = _sms()
+    blocks = sms * bench.blocks_per_sm
+    clock = torch.zeros(blocks * CLOCK_FIELDS, device="cuda", dtype=torch.int64)
+    ms = _median_ms(_compiled_runner(bench, (*tensors, clock), Int32(steps)), warmup, reps)
+    figures = _per_sm_rate(clock, bench.threads * work_per_thread, sms)
+    figures.update(
+        ms=ms, per_s=blocks * bench.threads * work_per_thread / (ms * 1e-3), sms=sms,
+        steps=steps, sm_clock_ghz=figures["median_cycles"] / (ms * 1e-3) / 1e9,
+    )
+    return figures
 
 
 def _median_ms(fn, warmup: int, reps: int) -> float:

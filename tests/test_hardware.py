@@ -32,3 +32,11 @@ def test_gpu_slug():
     assert gpu_slug("NVIDIA H200") == "h200"
     assert gpu_slug("NVIDIA GB200") == "gb200"
     assert gpu_slug(None) == "cpu"
+
+
+def test_device_arch_of_a_cpu_tensor_is_none():
+    import torch
+
+    from utils.hardware import device_arch
+
+    assert device_arch("cpu") is None and device_arch(torch.zeros(1).device) is None

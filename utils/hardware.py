@@ -91,6 +91,13 @@ def _arch_of(capability: tuple[int, int]) -> str:
     return f"sm_{major}{minor}"
 
 
+def device_arch(device) -> str | None:
+    """The arch family of a torch device ("sm_80", "sm_90", "sm_100", ...); None for a CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    return _arch_of(torch.cuda.get_device_capability(device))
+
+
 def _driver_version() -> str | None:
     try:
         import subprocess
