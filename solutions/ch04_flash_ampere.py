@@ -116,6 +116,8 @@ class TileConfig:
     qk_unroll:   16-wide k-slices of S = QK^T per trip of its loop: 1 keeps one slice of Q and
                  K fragments live, head_dim // 16 unrolls the loop fully and lets ptxas load
                  ahead as far as it likes (Note [Registers]).
+    skip_rescale: a warp vote skips the O rescale of a step in which no row of the warp found a
+                 larger max (Note [Skipping the rescale]); exact: the factor is then 1.
     """
 
     m_block: int = 128
@@ -124,6 +126,7 @@ class TileConfig:
     num_stages: int = 1
     smem_layout: str = "padded"
     qk_unroll: int = 1
+    skip_rescale: bool = False
 
     @property
     def num_warps(self) -> int:
@@ -809,6 +812,8 @@ class FlashAttentionAmpere:
         """
         s = rows_cols_view(acc_S)
         o = rows_cols_view(acc_O)
+        correction = cute.make_fragment_like(row_max, Float32)  # (2 * MMA_M,)
+        grew = cutlass.Boolean(False)  # did any row of this thread find a larger max?
         for r in cutlass.range_constexpr(cute.size(row_max)):
             s_row = s[r, None].load()
             m_tile = quad_allreduce(s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), fmax)
@@ -824,9 +829,33 @@ class FlashAttentionAmpere:
             if const_expr(is_first):
                 row_sum[r] = p_sum
             else:
-                correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-                row_sum[r] = row_sum[r] * correction + p_sum
-                o[r, None].store(o[r, None].load() * correction)
+                correction[r] = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+                row_sum[r] = row_sum[r] * correction[r] + p_sum
+                grew = grew | (m_new > m_old)
+        if const_expr(not is_first):
+            if const_expr(self.config.skip_rescale):
+                # Note [Skipping the rescale]
+                if cute.arch.vote_any_sync(grew):
+                    self.rescale_o(o, correction)
+            else:
+                self.rescale_o(o, correction)
+
+    # Note [Skipping the rescale]
+    # ---------------------------
+    # O is multiplied by exp2((m_old - m_new) * c) every step: D multiplies per row, 128 FMULs
+    # per thread per step at D = 128, as many as the exp2s and FFMAs of the scores together. Once
+    # a row has seen a few hundred keys its max rarely grows (random scores: tile j holds a new
+    # maximum with probability about 1 / j), and then the factor is exactly 1 (exp2(0) = 1) and
+    # the multiply changes nothing. vote.sync.any asks the 32 lanes whether any of the warp's
+    # 32 rows grew; if none did, the whole warp branches around the multiply. The branch is
+    # uniform across the warp, so nothing diverges, and the result is bit for bit the same.
+    # Chapter 07 goes further: it keeps a stale max on purpose, which is exact for another reason.
+
+    @cute.jit
+    def rescale_o(self, o: cute.Tensor, correction: cute.Tensor):
+        """O_row *= correction_row, for the rows this thread holds (``o``: rows x columns)."""
+        for r in cutlass.range_constexpr(cute.size(correction)):
+            o[r, None].store(o[r, None].load() * correction[r])
 
     @cute.jit
     def finalize(
