@@ -74,11 +74,8 @@ def note(name: str, module=fa) -> str:
     return "\n".join(out)
 
 
-def config_name(cfg: TileConfig) -> str:
-    """'128x64 t128 s1 swizzled u2': M x N tile, threads, K/V stages, shared-memory layout,
-    k-slices per trip of the QK^T loop."""
-    return (f"{cfg.m_block}x{cfg.n_block} t{cfg.num_threads} s{cfg.num_stages} "
-            f"{cfg.smem_layout} u{cfg.qk_unroll}")
+# '128x64 t128 s1 swizzled u2': the notebook's name for a tile (ch04_flash_ampere.config_label)
+config_name = fa.config_label
 
 
 def _kernel(cfg: TileConfig | None, head_dim: int, causal: bool = False):
@@ -714,10 +711,7 @@ def target_verdict(res, impl: str = "flash_ampere", **target) -> str:
             f"{t['baseline']} {base['tflops']:.0f} in the same run = {ratio:.2f}x -> {verdict}")
 
 
-def row_config(row: dict) -> TileConfig:
-    """The TileConfig a sweep row was measured with."""
-    return TileConfig(row["m_block"], row["n_block"], row["num_threads"], row["num_stages"],
-                      row["smem_layout"], row.get("qk_unroll", 1))
+row_config = fa.config_from_row  # the TileConfig a sweep row was measured with
 
 
 def sweep_lines(res, compile_groups=((128, False),), arch: str = "sm_90a") -> list[str]:
@@ -775,6 +769,48 @@ def ceiling_lines(micro, sweep, head_dim: int = 128) -> list[str]:
             f"{full['tflops'] / peak:.0%} of the ceiling; without its softmax "
             f"{ab['tflops']:.0f} = {ab['tflops'] / peak:.0%}, so the softmax costs "
             f"{1 - full['tflops'] / ab['tflops']:.0%} of the time")
+    return lines
+
+
+# What profile_lines prints, in order: (metric, what it is); rows the file lacks are skipped.
+PROFILE_METRICS = (
+    ("tensor_pipe_active_pct", "tensor pipe busy (share of cycles, %)"),
+    ("issue_slots_busy_pct", "issue slots used (%)"),
+    ("achieved_warps_per_scheduler", "warps per scheduler (achieved)"),
+    ("registers_per_thread", "registers per thread"),
+    ("ctas_per_sm_limit_registers", "CTAs per SM the registers allow"),
+    ("ctas_per_sm_limit_shared_mem", "CTAs per SM the shared memory allows"),
+    ("smem_load_bank_conflicts_pct", "shared loads: bank-conflict wavefronts (%)"),
+    ("mma_sync_per_warp_per_step", "mma.sync per warp per KV step"),
+    ("other_instructions_per_warp_per_step", "other instructions per warp per KV step"),
+    ("warp_time_loop_head_pct", "warp time: loop head (waits, barrier, cp.async) %"),
+    ("warp_time_qk_pct", "warp time: S = QK^T %"),
+    ("warp_time_softmax_pct", "warp time: softmax %"),
+    ("warp_time_pv_pct", "warp time: O += PV %"),
+)
+
+
+def profile_lines(res, stalls: int = 6) -> list[str]:
+    """The stored Nsight Compute profile (solutions.ch04_profile): the counters of
+    PROFILE_METRICS, then the ``stalls`` largest stall reasons in cycles per issued
+    instruction."""
+    by_metric = {r["metric"]: r for r in res.rows}
+    first = res.rows[0]
+    lines = [f"{first['config']} at D={first['d']}, S={first['s']}, "
+             f"{'causal' if first['causal'] else 'non-causal'}; SM clock held at "
+             f"{by_metric['sm_clock_ghz']['value']:.2f} GHz by ncu" if "sm_clock_ghz" in by_metric
+             else f"{first['config']} at D={first['d']}, S={first['s']}"]
+    for metric, what in PROFILE_METRICS:
+        if metric in by_metric:
+            v = by_metric[metric]["value"]
+            lines.append(f"  {what:52s} {v:8.2f}" if v % 1 else f"  {what:52s} {v:8.0f}")
+    stall_rows = sorted((r for r in res.rows if r["metric"].startswith("stall_")),
+                        key=lambda r: -r["value"])
+    if stall_rows:
+        total = sum(r["value"] for r in stall_rows)
+        lines.append(f"  cycles between two issues of a warp, by reason (sum {total:.2f}):")
+        for r in stall_rows[:stalls]:
+            lines.append(f"    {r['metric'][6:]:26s} {r['value']:5.2f}")
     return lines
 
 
@@ -954,6 +990,7 @@ __all__ = [
     "MMA_SYNC_SHARE",
     "ceiling_lines",
     "cutlass_peer_lines",
+    "profile_lines",
     "REGISTER_LIMIT",
     "SM_LIMITS",
     "TILE_KINDS",

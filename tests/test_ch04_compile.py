@@ -74,6 +74,20 @@ def test_tuned_configs_spill_nothing_on_their_arch(arch, d, causal, dtype, confi
     assert fa.default_config(d, causal) == fa.DEFAULT_CONFIGS[d]  # elsewhere: the portable one
 
 
+SKIP_CONFIG = fa.SWEEP_CONFIGS[128][2]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_skip_rescale_votes_and_spills_nothing(artifacts, dtype):
+    """Note [Skipping the rescale]: the swept skip_rescale tile asks its warp with
+    vote.sync.any, and still fits in 255 registers on sm_90a; kernels without it never vote."""
+    assert SKIP_CONFIG.skip_rescale and not fa.default_config(128, False, "sm_90").skip_rescale
+    art = fa.compile_only("sm_90a", 128, dtype=dtype, causal=False, config=SKIP_CONFIG)
+    art.require("vote.sync.any")
+    assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    artifacts[("sm_90a", 128, False, dtype)].forbid("vote.sync")
+
+
 @pytest.mark.parametrize("case", CASES, ids=_name)
 def test_two_copies_of_the_kv_step(artifacts, case):
     """The KV step exists twice: the peeled first tile and the loop (the causal mask is a branch

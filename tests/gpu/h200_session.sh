@@ -34,6 +34,7 @@ for s in "$@"; do
     ch05-check) step ch05_check 600 $PY -m solutions.ch05_flash_hopper --check ;;
     ch05-knobs) step ch05_knobs 420 $PY -m solutions.ch05_flash_hopper --bench ;;
     ch04-check) step ch04_check 600 $PY -m solutions.ch04_flash_ampere --check ;;
+    ch04-profile) step ch04_profile 300 $PY -m solutions.ch04_profile --raw-dir "$OUT/ch04_profile_raw" ;;
     ch07) step ch07_rescale 300 $PY -m solutions.ch07_rescaling --save ;;
     micro) step microbench 300 $PY -m solutions.run_microbench ;;
     sanitize)

@@ -168,6 +168,24 @@ def test_bitwise_identical_over_20_runs(d, causal):
     assert ok, line
 
 
+@pytest.mark.parametrize("case", [(2, 1000, 1029, 4, 2, 128, False, BF16),
+                                  (1, 4097, 1000, 2, 2, 128, True, FP16),  # rows see no key
+                                  (1, 300, 4097, 2, 1, 128, True, BF16)], ids=_case_id)
+def test_skipping_the_rescale_changes_no_bit(case):
+    """Note [Skipping the rescale]: when the warp vote says no row grew, every factor is exactly
+    1, so out and lse must equal the always-rescale kernel's bit for bit."""
+    b, sq, sk, h, hk, d, causal, dtype = case
+    q, k, v, seed = random_qkv(b, sq, h, d, seqlen_k=sk, heads_kv=hk, dtype=dtype, device="cuda")
+    skip = ch04.SWEEP_CONFIGS[128][2]
+    always = ch04.replace(skip, skip_rescale=False)
+    out, lse = _run(q, k, v, causal, config=always, what="always rescale")
+    out_s, lse_s = _run(q, k, v, causal, config=skip, what="skip rescale")
+    assert torch.equal(out, out_s) and torch.equal(lse, lse_s), (
+        f"seed {seed}: {int((out != out_s).sum())} out elements differ")
+    ok, line = ch04.compare(q, k, v, out_s, lse_s, causal, label=f"seed={seed}")
+    assert ok, line
+
+
 @pytest.mark.parametrize("d", ch04.SUPPORTED_HEAD_DIMS, ids=lambda d: f"d{d}")
 def test_many_ctas_and_long_kv_loop(d):
     """8192 keys: 128-256 KV steps per CTA; 64 query tiles x 4 heads = 256 CTAs, more than one
@@ -201,8 +219,7 @@ SWEEP = [(d, c) for d, configs in ch04.SWEEP_CONFIGS.items() for c in configs
 
 def _tile_id(item):
     d, c = item
-    return (f"d{d}-{c.m_block}x{c.n_block}-t{c.num_threads}-s{c.num_stages}-{c.smem_layout}"
-            f"-u{c.qk_unroll}")
+    return f"d{d}-" + ch04.config_label(c).replace(" ", "-")
 
 
 @pytest.mark.parametrize("item", SWEEP, ids=_tile_id)
