@@ -46,11 +46,11 @@ EXTRA_METRICS = (
 )
 # (row metric, ncu raw metric, unit); a metric ncu does not report is left out of the file.
 RAW_METRICS = (
-    ("sm_clock_ghz", "sm__cycles_elapsed.avg.per_second", "GHz"),
+    ("sm_clock_ghz", "gpc__cycles_elapsed.avg.per_second", "GHz"),
     ("duration_ms", "gpu__time_duration.sum", "ms"),
     ("tensor_pipe_active_pct",
      "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active", "%"),
-    ("issue_slots_busy_pct", "sm__inst_issued.avg.pct_of_peak_sustained_active", "%"),
+    ("issue_slots_busy_pct", "sm__issue_active.avg.pct_of_peak_sustained_elapsed", "%"),
     ("registers_per_thread", "launch__registers_per_thread", "registers"),
     ("ctas_per_sm_limit_registers", "launch__occupancy_limit_registers", "CTAs"),
     ("ctas_per_sm_limit_shared_mem", "launch__occupancy_limit_shared_mem", "CTAs"),
@@ -268,8 +268,10 @@ def from_raw(raw_dir: Path) -> Path:
     meta = json.loads((raw_dir / "meta.json").read_text())
     rows = build_rows((raw_dir / "raw.csv").read_text(), (raw_dir / "source.csv").read_text(),
                       meta["config"])
-    return results.save(RESULTS, rows, command=meta["provenance"]["command"],
-                        provenance=meta["provenance"])
+    provenance = dict(meta["provenance"])  # where and when it was measured: unchanged
+    provenance["command"] += (f" (rows re-read from its CSV exports with --from-raw at commit "
+                              f"{results.collect_provenance('')['commit'][:10]})")
+    return results.save(RESULTS, rows, command=provenance["command"], provenance=provenance)
 
 
 def _main(argv=None) -> int:

@@ -8,7 +8,7 @@ from solutions import ch04_teaching as t4
 from utils.results import load
 
 RAW = "\n".join([
-    '"ID","Kernel Name","gpu__time_duration.sum","sm__cycles_elapsed.avg.per_second",'
+    '"ID","Kernel Name","gpu__time_duration.sum","gpc__cycles_elapsed.avg.per_second",'
     '"launch__registers_per_thread","sm__warps_active.avg.per_cycle_active",'
     '"l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",'
     '"l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",'
