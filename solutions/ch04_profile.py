@@ -13,7 +13,9 @@ samples the warps' program counters; from that it reports:
 - the stall reasons, as cycles per issued instruction (ncu's Warp State table);
 - how each warp's time splits between the parts of the KV loop, by where the sampled program
   counter sat in the loop's SASS: the loop head (waits, barrier, cp.async address arithmetic),
-  S = QK^T, the softmax, O += PV; and the instructions a warp issues per KV step.
+  S = QK^T, the softmax, O += PV; the share spent at an mma.sync (issuing it or waiting for
+  its turn on the tensor pipe or for its operands); and the instructions a warp issues per KV
+  step.
 
 ncu locks the SM clock to its base (1.38 GHz on the H200) while it measures, so the figures are
 shares and ratios; speeds come from the benchmarks. Saved as results/<gpu>/ch04_profile.json
@@ -188,6 +190,9 @@ def loop_phases(instructions: list[tuple[str, int, int]]) -> list[dict]:
         counts[phase(i)] += s
     rows = [{"metric": f"warp_time_{p}_pct", "value": 100.0 * counts[p] / total, "unit": "%"}
             for p in PHASES]
+    at_mma = sum(s for op, s, _ in instructions if op.startswith("HMMA"))
+    rows.append({"metric": "warp_time_at_mma_sync_pct", "value": 100.0 * at_mma / total,
+                 "unit": "%"})
     rows.append({"metric": "warp_time_outside_kv_loop_pct",
                  "value": 100.0 * (total - sum(counts.values())) / total, "unit": "%"})
     per_step = sum(n for _, _, _, n in loop) / steps

@@ -787,6 +787,7 @@ PROFILE_METRICS = (
     ("warp_time_qk_pct", "warp time: S = QK^T %"),
     ("warp_time_softmax_pct", "warp time: softmax %"),
     ("warp_time_pv_pct", "warp time: O += PV %"),
+    ("warp_time_at_mma_sync_pct", "warp time at an mma.sync (either GEMM) %"),
 )
 
 

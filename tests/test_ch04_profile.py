@@ -70,6 +70,7 @@ def test_loop_phases_split_the_samples_by_code_position():
     assert rows["warp_time_softmax_pct"] == pytest.approx(100 * (6 + 9) / total)
     assert rows["warp_time_pv_pct"] == pytest.approx(100 * (2 + 25) / total)
     assert rows["warp_time_outside_kv_loop_pct"] == pytest.approx(100 * 15 / total)
+    assert rows["warp_time_at_mma_sync_pct"] == pytest.approx(100 * (30 + 25) / total)
     assert rows["mma_sync_per_warp_per_step"] == pytest.approx(3)  # 2 QK^T trips + 1 PV
     # BAR, LDGSTS (a little less than once per step), FMNMX, MUFU, LDSM.MT, BRA, 2 LDSM
     assert rows["other_instructions_per_warp_per_step"] == pytest.approx(8 - 0.01)
