@@ -134,9 +134,10 @@ def _opcode(sass: str) -> str:
     return words[0] if words else ""
 
 
-def parse_source(text: str) -> list[tuple[str, int, int]]:
-    """``ncu --page source --csv --print-source sass``: (opcode, samples, warp-level executions)
-    per SASS instruction, in address order."""
+def parse_source(text: str) -> list[tuple]:
+    """``ncu --page source --csv --print-source sass``: per SASS instruction, in address order,
+    (opcode, samples, warp-level executions, {stall reason: samples}) with the per-reason
+    columns ncu exported (stall_wait, stall_short_sb, ...; none in an export without them)."""
     lines = [ln for ln in text.splitlines() if ln.startswith('"')]
     rows = list(csv.reader(lines))
     header_at = next(i for i, r in enumerate(rows) if "Source" in r and "Address" in r)
@@ -144,11 +145,14 @@ def parse_source(text: str) -> list[tuple[str, int, int]]:
     src = header.index("Source")
     samples = next(i for i, h in enumerate(header) if h.startswith("Warp Stall Sampling (All"))
     executed = header.index("Instructions Executed")
-    return [(_opcode(r[src]), int(_number(r[samples]) or 0), int(_number(r[executed]) or 0))
-            for r in rows[header_at + 1:] if len(r) > executed]
+    reasons = {h[len("stall_"):]: i for i, h in enumerate(header)
+               if h.startswith("stall_") and "(" not in h}
+    return [(_opcode(r[src]), int(_number(r[samples]) or 0), int(_number(r[executed]) or 0),
+             {name: int(_number(r[i]) or 0) for name, i in reasons.items()})
+            for r in rows[header_at + 1:] if len(r) > max([executed, *reasons.values()])]
 
 
-def loop_phases(instructions: list[tuple[str, int, int]]) -> list[dict]:
+def loop_phases(instructions: list[tuple]) -> list[dict]:
     """Split the KV loop by position in its SASS and count warp samples per part.
 
     The loop's instructions are those executed at least 1/16 as often as its most frequent
@@ -159,12 +163,12 @@ def loop_phases(instructions: list[tuple[str, int, int]]) -> list[dict]:
     O += PV up to the last mma.sync; what follows (the branch back) counts as loop head. ptxas
     moves a few instructions across these borders (the second barrier sits inside the softmax),
     so the split is by code position, not by source line."""
-    hmma = [n for op, _, n in instructions if op.startswith("HMMA")]
+    hmma = [n for op, _, n, _ in instructions if op.startswith("HMMA")]
     if not hmma:
         raise ValueError("no HMMA in the SASS: is this chapter 04's kernel?")
     cutoff = max(hmma) // 16
-    loop = [(i, op, s, n) for i, (op, s, n) in enumerate(instructions) if n >= cutoff]
-    total = sum(s for _, s, _ in instructions)
+    loop = [(i, op, s, n) for i, (op, s, n, _) in enumerate(instructions) if n >= cutoff]
+    total = sum(s for _, s, _, _ in instructions)
 
     def first(pred, after=-1):
         return next(i for i, op, _, _ in loop if i > after and pred(op))
@@ -190,9 +194,17 @@ def loop_phases(instructions: list[tuple[str, int, int]]) -> list[dict]:
         counts[phase(i)] += s
     rows = [{"metric": f"warp_time_{p}_pct", "value": 100.0 * counts[p] / total, "unit": "%"}
             for p in PHASES]
-    at_mma = sum(s for op, s, _ in instructions if op.startswith("HMMA"))
+    at_mma = sum(s for op, s, _, _ in instructions if op.startswith("HMMA"))
     rows.append({"metric": "warp_time_at_mma_sync_pct", "value": 100.0 * at_mma / total,
                  "unit": "%"})
+    # Of the samples stalled for a reason, the share sitting at an mma.sync: "wait" there is the
+    # fixed gap between two mma.sync of a warp, "short_sb" an mma.sync waiting for its ldmatrix.
+    for reason in ("wait", "short_sb"):
+        all_of_it = sum(st.get(reason, 0) for _, _, _, st in instructions)
+        if all_of_it:
+            at = sum(st.get(reason, 0) for op, _, _, st in instructions if op.startswith("HMMA"))
+            rows.append({"metric": f"stall_{reason}_samples_at_mma_sync_pct",
+                         "value": 100.0 * at / all_of_it, "unit": "%"})
     rows.append({"metric": "warp_time_outside_kv_loop_pct",
                  "value": 100.0 * (total - sum(counts.values())) / total, "unit": "%"})
     per_step = sum(n for _, _, _, n in loop) / steps

@@ -20,12 +20,15 @@ RAW = "\n".join([
 
 
 def _source(rows):
-    """A --page source --csv export: a title line, the header, one line per instruction."""
+    """A --page source --csv export: a title line, the header, one line per instruction (its
+    samples counted both as "wait" and as "short_sb": a fixture, not a real split)."""
     head = ('"Address","Source","Warp Stall Sampling (All Samples)",'
-            '"Warp Stall Sampling (Not-issued Samples)","# Samples","Instructions Executed"')
+            '"Warp Stall Sampling (Not-issued Samples)","# Samples","Instructions Executed",'
+            '"stall_short_sb","stall_wait","stall_wait (Not Issued)"')
     lines = ['"Kernel Name","kernel"', head]
     for i, (sass, samples, executed) in enumerate(rows):
-        lines.append(f'"0x{i:04x}","{sass}","{samples}","0","{samples}","{executed}"')
+        lines.append(f'"0x{i:04x}","{sass}","{samples}","0","{samples}","{executed}",'
+                     f'"{samples}","{samples}","0"')
     return "\n".join(lines)
 
 
@@ -71,6 +74,7 @@ def test_loop_phases_split_the_samples_by_code_position():
     assert rows["warp_time_pv_pct"] == pytest.approx(100 * (2 + 25) / total)
     assert rows["warp_time_outside_kv_loop_pct"] == pytest.approx(100 * 15 / total)
     assert rows["warp_time_at_mma_sync_pct"] == pytest.approx(100 * (30 + 25) / total)
+    assert rows["stall_wait_samples_at_mma_sync_pct"] == pytest.approx(100 * (30 + 25) / total)
     assert rows["mma_sync_per_warp_per_step"] == pytest.approx(3)  # 2 QK^T trips + 1 PV
     # BAR, LDGSTS (a little less than once per step), FMNMX, MUFU, LDSM.MT, BRA, 2 LDSM
     assert rows["other_instructions_per_warp_per_step"] == pytest.approx(8 - 0.01)
