@@ -804,14 +804,20 @@ def profile_lines(res, stalls: int = 6) -> list[str]:
     for metric, what in PROFILE_METRICS:
         if metric in by_metric:
             v = by_metric[metric]["value"]
-            lines.append(f"  {what:52s} {v:8.2f}" if v % 1 else f"  {what:52s} {v:8.0f}")
-    stall_rows = sorted((r for r in res.rows if r["metric"].startswith("stall_")),
-                        key=lambda r: -r["value"])
+            lines.append(f"  {what:58s} {v:8.2f}" if v % 1 else f"  {what:58s} {v:8.0f}")
+    stall_rows = sorted((r for r in res.rows if r["metric"].startswith("stall_")
+                         and not r["metric"].endswith("_pct")), key=lambda r: -r["value"])
     if stall_rows:
         total = sum(r["value"] for r in stall_rows)
         lines.append(f"  cycles between two issues of a warp, by reason (sum {total:.2f}):")
         for r in stall_rows[:stalls]:
             lines.append(f"    {r['metric'][6:]:26s} {r['value']:5.2f}")
+    for reason, what in (("wait", "'wait' samples at an mma.sync (its issue gap) %"),
+                         ("short_sb", "'short_scoreboard' samples at an mma.sync (its "
+                                      "ldmatrix) %")):
+        row = by_metric.get(f"stall_{reason}_samples_at_mma_sync_pct")
+        if row is not None:
+            lines.append(f"  {what:58s} {row['value']:8.0f}")
     return lines
 
 
