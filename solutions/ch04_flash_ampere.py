@@ -200,16 +200,23 @@ DEFAULT_CONFIGS = {
     128: TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=2),
 }
 
-# Where one machine does better with another tile that still spills nothing there: (arch, head
-# dim, causal) -> tile. On sm_90 (H100/H200) at D = 128, non-causal, two stages (K and V fetched
-# a whole step ahead) and 4 k-slices per trip of QK^T's loop measured faster than the default in
-# every H200 run (results/h200/ch04_sweep.json), and compile with no spills for sm_90a in bf16
-# and fp16; for sm_80 they spill 39-79 instructions, for causal on sm_90a 2-4.
-# tests/test_ch04_compile.py checks every entry on its own arch.
+# Where one machine does better with another tile that still spills nothing there, in that
+# dtype: (arch, head dim, causal, dtype) -> tile. On sm_90 (H100/H200) at D = 128, measured on the
+# H200 (results/h200/ch04_sweep.json):
+# - non-causal: two stages (K and V fetched a whole step ahead) and 4 k-slices per trip of QK^T's
+#   loop were faster than the default in every run; spill-free on sm_90a in bf16 and fp16 (on
+#   sm_80 they spill 39-79 instructions).
+# - causal: 4 k-slices per trip with one stage, 1.05x the default; spill-free on sm_90a in bf16
+#   only (fp16 spills 2 instructions there), so fp16 keeps the portable default.
+# tests/test_ch04_compile.py checks every entry on its own arch and dtype.
 TUNED_CONFIGS = {
-    ("sm_90", 128, False): TileConfig(128, 64, 128, num_stages=2, smem_layout="swizzled",
-                                      qk_unroll=4),
+    ("sm_90", 128, False, "bf16"): TileConfig(128, 64, 128, num_stages=2, smem_layout="swizzled",
+                                              qk_unroll=4),
+    ("sm_90", 128, False, "fp16"): TileConfig(128, 64, 128, num_stages=2, smem_layout="swizzled",
+                                              qk_unroll=4),
+    ("sm_90", 128, True, "bf16"): TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=4),
 }
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 # What the chapter sweeps (``--sweep`` checks each tile, then times it): the default and one
 # knob changed at a time, including tiles that spill, to measure what a spill costs.
@@ -223,9 +230,9 @@ SWEEP_CONFIGS = {
     ),
     128: (
         DEFAULT_CONFIGS[128],
-        TUNED_CONFIGS[("sm_90", 128, False)],  # 2 stages, 4 k-slices per trip
+        TUNED_CONFIGS[("sm_90", 128, False, "bf16")],  # 2 stages, 4 k-slices per trip
         # the same, with the O rescale skipped when no row's max grew (exact)
-        replace(TUNED_CONFIGS[("sm_90", 128, False)], skip_rescale=True),
+        replace(TUNED_CONFIGS[("sm_90", 128, False, "bf16")], skip_rescale=True),
         TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=1),
         TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=4),
         TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=8),  # fully unrolled: spills
@@ -239,12 +246,14 @@ SWEEP_CONFIGS = {
 }
 
 
-def default_config(head_dim: int, causal: bool = False, arch: str | None = None) -> TileConfig:
-    """The tile ``attention`` uses when given none: TUNED_CONFIGS[(arch, head_dim, causal)] if
-    there is one (arch as "sm_90"; None: any GPU), else DEFAULT_CONFIGS[head_dim]."""
+def default_config(head_dim: int, causal: bool = False, arch: str | None = None,
+                   dtype: str = "bf16") -> TileConfig:
+    """The tile ``attention`` uses when given none: TUNED_CONFIGS[(arch, head_dim, causal,
+    dtype)] if there is one (arch as "sm_90", None: any GPU; dtype "bf16" or "fp16"), else
+    DEFAULT_CONFIGS[head_dim]."""
     if head_dim not in DEFAULT_CONFIGS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    return TUNED_CONFIGS.get((arch, head_dim, bool(causal)), DEFAULT_CONFIGS[head_dim])
+    return TUNED_CONFIGS.get((arch, head_dim, bool(causal), dtype), DEFAULT_CONFIGS[head_dim])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -966,7 +975,7 @@ def _check_host_side(q, k, v, softmax_scale, config, causal=False) -> TileConfig
             "the unscaled scores, which is the max of the scaled ones only for a positive scale"
         )
     if config is None:
-        config = default_config(d, causal, device_arch(q.device))
+        config = default_config(d, causal, device_arch(q.device), DTYPE_NAMES[q.dtype])
     if not isinstance(config, TileConfig):
         raise TypeError(f"config must be a TileConfig or None, got {type(config).__name__}")
     config.check(d)
@@ -1177,14 +1186,14 @@ SWEEP_SEQLEN, SWEEP_HEADS = 16384, 16  # batch * seqlen = 16384 tokens, as in re
 # (head_dim, causal) -> which tiles of SWEEP_CONFIGS[head_dim] to time there (None: all)
 SWEEP_PLAN = {
     (128, False): None,
-    (128, True): (DEFAULT_CONFIGS[128], TUNED_CONFIGS[("sm_90", 128, False)],
+    (128, True): (DEFAULT_CONFIGS[128], TUNED_CONFIGS[("sm_90", 128, False, "bf16")],
                   TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=4),
                   TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=8)),
     (64, False): None,
 }
 ABLATION_IMPL = "flash_ampere_no_softmax"  # the sweep's rows for SoftmaxLeftOut
 # Tiles also timed as SoftmaxLeftOut (Note [What the softmax costs]), at D = 128 non-causal.
-ABLATION_CONFIGS = (DEFAULT_CONFIGS[128], TUNED_CONFIGS[("sm_90", 128, False)])
+ABLATION_CONFIGS = (DEFAULT_CONFIGS[128], TUNED_CONFIGS[("sm_90", 128, False, "bf16")])
 
 
 class SoftmaxLeftOut(FlashAttentionAmpere):
@@ -1246,7 +1255,7 @@ def sweep(plan=None, seqlen=SWEEP_SEQLEN, heads=SWEEP_HEADS, rep=30, save=True) 
                 "num_threads": config.num_threads, "num_stages": config.num_stages,
                 "smem_layout": config.smem_layout, "qk_unroll": config.qk_unroll,
                 "skip_rescale": config.skip_rescale,
-                "default": config == default_config(head_dim, causal, arch),
+                "default": config == default_config(head_dim, causal, arch, "bf16"),
                 "portable_default": config == DEFAULT_CONFIGS[head_dim],
                 "smem_bytes": config.smem_bytes(head_dim), "verified": ok, "seed": seed,
                 "ms": None, "tflops": None, **config.accumulator_registers(head_dim),

@@ -249,7 +249,7 @@ def profile(raw_dir: Path | None = None) -> Path:
     ncu = shutil.which("ncu")
     if ncu is None:
         raise RuntimeError("ncu (Nsight Compute) is not on PATH; it comes with the CUDA toolkit")
-    config = fa.default_config(SHAPE["d"], SHAPE["causal"], device_arch("cuda"))
+    config = fa.default_config(SHAPE["d"], SHAPE["causal"], device_arch("cuda"), "bf16")
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "ch04"
         cmd = [ncu, "--launch-skip", "1", "--launch-count", "1", "-k", KERNEL_REGEX,

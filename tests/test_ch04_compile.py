@@ -56,22 +56,28 @@ def test_no_spills(artifacts, case):
     assert 0 < art.registers <= 255, art.resources()
 
 
-TUNED_CASES = [(arch, d, causal, dtype, config)
-               for (arch, d, causal), config in fa.TUNED_CONFIGS.items()
-               for dtype in ("bf16", "fp16")]
+TUNED_CASES = list(fa.TUNED_CONFIGS.items())
 
 
-@pytest.mark.parametrize("arch, d, causal, dtype, config", TUNED_CASES,
+@pytest.mark.parametrize("key, config", TUNED_CASES,
                          ids=[_name((f"{a}a" if a == "sm_90" else a, d, c, t))
-                              for a, d, c, t, _ in TUNED_CASES])
-def test_tuned_configs_spill_nothing_on_their_arch(arch, d, causal, dtype, config):
-    """A tuned tile replaces the default only on its arch (sm_90 means sm_90a here): it must
-    compile there with no spills, in both dtypes."""
+                              for (a, d, c, t), _ in TUNED_CASES])
+def test_tuned_configs_spill_nothing_on_their_arch(key, config):
+    """A tuned tile replaces the default only on its arch (sm_90 means sm_90a here) and dtype:
+    it must compile there with no spills."""
+    arch, d, causal, dtype = key
     target = "sm_90a" if arch == "sm_90" else arch
     art = fa.compile_only(target, d, dtype=dtype, causal=causal, config=config)
     assert art.spills == 0 and art.frame_bytes == 0, art.resources()
-    assert fa.default_config(d, causal, arch) == config
+    assert fa.default_config(d, causal, arch, dtype) == config
     assert fa.default_config(d, causal) == fa.DEFAULT_CONFIGS[d]  # elsewhere: the portable one
+
+
+def test_every_dtype_without_a_tuned_tile_gets_the_portable_one():
+    """Causal fp16 on sm_90 has no entry (the causal tile spills 2 instructions there)."""
+    assert fa.default_config(128, True, "sm_90", "fp16") == fa.DEFAULT_CONFIGS[128]
+    assert fa.default_config(128, True, "sm_90", "bf16") != fa.DEFAULT_CONFIGS[128]
+    assert set(fa.DTYPE_NAMES.values()) == {"bf16", "fp16"}
 
 
 SKIP_CONFIG = fa.SWEEP_CONFIGS[128][2]
@@ -81,7 +87,8 @@ SKIP_CONFIG = fa.SWEEP_CONFIGS[128][2]
 def test_skip_rescale_votes_and_spills_nothing(artifacts, dtype):
     """Note [Skipping the rescale]: the swept skip_rescale tile asks its warp with
     vote.sync.any, and still fits in 255 registers on sm_90a; kernels without it never vote."""
-    assert SKIP_CONFIG.skip_rescale and not fa.default_config(128, False, "sm_90").skip_rescale
+    assert SKIP_CONFIG.skip_rescale
+    assert not fa.default_config(128, False, "sm_90", "bf16").skip_rescale
     art = fa.compile_only("sm_90a", 128, dtype=dtype, causal=False, config=SKIP_CONFIG)
     art.require("vote.sync.any")
     assert art.spills == 0 and art.frame_bytes == 0, art.resources()

@@ -203,7 +203,7 @@ def test_default_kernel_spills_nothing_on_this_gpu(d, causal):
     the kernel that actually ran here (compiled for this GPU's own architecture)."""
     q, k, v, _ = random_qkv(1, 70, 2, d, dtype=BF16, device="cuda")
     _run(q, k, v, causal, what=f"resources d={d}")
-    config = ch04.default_config(d, causal, ch04.device_arch("cuda"))  # what attention() used
+    config = ch04.default_config(d, causal, ch04.device_arch("cuda"), "bf16")  # attention()'s
     res = ch04.launched_resources(d, causal, config)
     assert res is not None and 0 < res.registers <= 255, res
     assert res.frame_bytes == 0, f"d={d} causal={causal}: {res.frame_bytes} B of stack: {res}"
