@@ -209,11 +209,10 @@ DEFAULT_CONFIGS = {
 # - causal: 4 k-slices per trip with one stage, 1.05x the default; spill-free on sm_90a in bf16
 #   only (fp16 spills 2 instructions there), so fp16 keeps the portable default.
 # tests/test_ch04_compile.py checks every entry on its own arch and dtype.
+SM90_D128_TILE = TileConfig(128, 64, 128, num_stages=2, smem_layout="swizzled", qk_unroll=4)
 TUNED_CONFIGS = {
-    ("sm_90", 128, False, "bf16"): TileConfig(128, 64, 128, num_stages=2, smem_layout="swizzled",
-                                              qk_unroll=4),
-    ("sm_90", 128, False, "fp16"): TileConfig(128, 64, 128, num_stages=2, smem_layout="swizzled",
-                                              qk_unroll=4),
+    ("sm_90", 128, False, "bf16"): SM90_D128_TILE,
+    ("sm_90", 128, False, "fp16"): SM90_D128_TILE,
     ("sm_90", 128, True, "bf16"): TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=4),
 }
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -230,9 +229,9 @@ SWEEP_CONFIGS = {
     ),
     128: (
         DEFAULT_CONFIGS[128],
-        TUNED_CONFIGS[("sm_90", 128, False, "bf16")],  # 2 stages, 4 k-slices per trip
+        SM90_D128_TILE,  # 2 stages, 4 k-slices per trip
         # the same, with the O rescale skipped when no row's max grew (exact)
-        replace(TUNED_CONFIGS[("sm_90", 128, False, "bf16")], skip_rescale=True),
+        replace(SM90_D128_TILE, skip_rescale=True),
         TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=1),
         TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=4),
         TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=8),  # fully unrolled: spills
@@ -1105,7 +1104,7 @@ def compile_only(arch="sm_90a", head_dim=128, dtype="bf16", causal=False, config
     strides, 16-byte aligned Q/K/V/O), so this is the kernel that runs."""
     from utils.compile_only import compile_for, fake_stream
 
-    dtypes = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+    dtypes = {DTYPE_NAMES[t]: c for t, c in SUPPORTED_DTYPES.items()}  # "bf16" -> BFloat16
     if dtype not in dtypes:
         raise ValueError(f"dtype must be one of {list(dtypes)}, got {dtype!r}")
     config = default_config(head_dim) if config is None else config
@@ -1186,14 +1185,14 @@ SWEEP_SEQLEN, SWEEP_HEADS = 16384, 16  # batch * seqlen = 16384 tokens, as in re
 # (head_dim, causal) -> which tiles of SWEEP_CONFIGS[head_dim] to time there (None: all)
 SWEEP_PLAN = {
     (128, False): None,
-    (128, True): (DEFAULT_CONFIGS[128], TUNED_CONFIGS[("sm_90", 128, False, "bf16")],
+    (128, True): (DEFAULT_CONFIGS[128], SM90_D128_TILE,
                   TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=4),
                   TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=8)),
     (64, False): None,
 }
 ABLATION_IMPL = "flash_ampere_no_softmax"  # the sweep's rows for SoftmaxLeftOut
 # Tiles also timed as SoftmaxLeftOut (Note [What the softmax costs]), at D = 128 non-causal.
-ABLATION_CONFIGS = (DEFAULT_CONFIGS[128], TUNED_CONFIGS[("sm_90", 128, False, "bf16")])
+ABLATION_CONFIGS = (DEFAULT_CONFIGS[128], SM90_D128_TILE)
 
 
 class SoftmaxLeftOut(FlashAttentionAmpere):

@@ -74,17 +74,25 @@ def _number(text: str) -> float | None:
         return None
 
 
+# ncu picks its own units for times and clocks; these are the ones the course converts.
+_TO_COURSE_UNIT = {
+    "GHz": {"ghz": 1.0, "mhz": 1e-3, "hz": 1e-9, "cycle/nsecond": 1.0, "cycle/usecond": 1e-3,
+            "cycle/second": 1e-9},
+    "ms": {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
+           "second": 1e3, "s": 1e3},
+}
+
+
 def _scale(value: float, unit: str, want: str) -> float:
-    """ncu picks its own units (cycle/nsecond, Ghz, usecond, ...); convert to ``want``."""
-    unit = unit.strip().lower()
-    factors = {
-        ("ghz", "GHz"): 1.0, ("mhz", "GHz"): 1e-3, ("hz", "GHz"): 1e-9,
-        ("cycle/nsecond", "GHz"): 1.0, ("cycle/usecond", "GHz"): 1e-3,
-        ("cycle/second", "GHz"): 1e-9,
-        ("nsecond", "ms"): 1e-6, ("usecond", "ms"): 1e-3, ("msecond", "ms"): 1.0,
-        ("second", "ms"): 1e3,
-    }
-    return value * factors.get((unit, want), 1.0)
+    """``value`` in ncu's ``unit``, converted to ``want`` (GHz or ms; counts such as registers,
+    warps or % pass through). An unknown time or clock unit raises rather than guess."""
+    if want not in _TO_COURSE_UNIT:
+        return value
+    factors = _TO_COURSE_UNIT[want]
+    key = unit.strip().lower()
+    if key not in factors:
+        raise ValueError(f"cannot convert ncu's unit {unit!r} to {want}; known: {list(factors)}")
+    return value * factors[key]
 
 
 def parse_raw(text: str) -> dict[str, tuple[float, str]]:

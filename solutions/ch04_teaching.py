@@ -797,10 +797,11 @@ def profile_lines(res, stalls: int = 6) -> list[str]:
     instruction."""
     by_metric = {r["metric"]: r for r in res.rows}
     first = res.rows[0]
-    lines = [f"{first['config']} at D={first['d']}, S={first['s']}, "
-             f"{'causal' if first['causal'] else 'non-causal'}; SM clock held at "
-             f"{by_metric['sm_clock_ghz']['value']:.2f} GHz by ncu" if "sm_clock_ghz" in by_metric
-             else f"{first['config']} at D={first['d']}, S={first['s']}"]
+    head = (f"{first['config']} at D={first['d']}, S={first['s']}, "
+            f"{'causal' if first['causal'] else 'non-causal'}")
+    if "sm_clock_ghz" in by_metric:
+        head += f"; SM clock held at {by_metric['sm_clock_ghz']['value']:.2f} GHz by ncu"
+    lines = [head]
     for metric, what in PROFILE_METRICS:
         if metric in by_metric:
             v = by_metric[metric]["value"]

@@ -60,6 +60,12 @@ def test_raw_counters_become_rows_in_the_course_units():
     assert "tensor_pipe_active_pct" not in rows  # absent from the export: left out, not 0
 
 
+def test_an_unknown_time_unit_is_refused_not_guessed():
+    raw = RAW.replace('"usecond"', '"fortnight"')
+    with pytest.raises(ValueError, match="fortnight"):
+        prof.raw_rows(prof.parse_raw(raw))
+
+
 def test_raw_export_needs_its_three_rows():
     with pytest.raises(ValueError, match="unit row"):
         prof.parse_raw('"ID","gpu__time_duration.sum"\n"","usecond"')
