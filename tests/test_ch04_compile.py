@@ -2,6 +2,8 @@
 chapter teaches, spills nothing (bf16 and fp16, causal or not), and rejects bad input before it
 needs a GPU."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -80,14 +82,14 @@ def test_every_dtype_without_a_tuned_tile_gets_the_portable_one():
     assert set(fa.DTYPE_NAMES.values()) == {"bf16", "fp16"}
 
 
-SKIP_CONFIG = fa.SWEEP_CONFIGS[128][2]
+SKIP_CONFIG = replace(fa.SM90_D128_TILE, skip_rescale=True)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_skip_rescale_votes_and_spills_nothing(artifacts, dtype):
     """Note [Skipping the rescale]: the swept skip_rescale tile asks its warp with
     vote.sync.any, and still fits in 255 registers on sm_90a; kernels without it never vote."""
-    assert SKIP_CONFIG.skip_rescale
+    assert SKIP_CONFIG in fa.SWEEP_CONFIGS[128]
     assert not fa.default_config(128, False, "sm_90", "bf16").skip_rescale
     art = fa.compile_only("sm_90a", 128, dtype=dtype, causal=False, config=SKIP_CONFIG)
     art.require("vote.sync.any")
@@ -266,8 +268,10 @@ def _sweep_row(config, d=128, causal=False, tflops=380.0, stack=0, peer=350.0):
 
 def test_sweep_table_names_the_fastest_spill_free_tile():
     """``--sweep`` runs on a rare GPU session: its report is checked here, on made-up rows."""
-    default, other, unrolled = fa.SWEEP_CONFIGS[128][0], fa.SWEEP_CONFIGS[128][2], \
-        fa.SWEEP_CONFIGS[128][4]
+    default = fa.DEFAULT_CONFIGS[128]
+    other = fa.TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=1)
+    unrolled = fa.TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=8)
+    assert {default, other, unrolled} <= set(fa.SWEEP_CONFIGS[128])
     ablation = {**_sweep_row(default, tflops=450.0), "impl": fa.ABLATION_IMPL, "default": False}
     rows = [_sweep_row(default, tflops=390.0), _sweep_row(other, tflops=395.0),
             _sweep_row(unrolled, tflops=400.0, stack=32), ablation,
