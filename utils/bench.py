@@ -666,6 +666,18 @@ def attach_best_peer(rows: list[dict]) -> list[dict]:
     return rows
 
 
+FAST_PEERS = ("sdpa_flash", "sdpa_cudnn", "fa4_package")  # the yardsticks of a kernel's tables
+PEER_KEY = "peer"  # marks a peer's entry among a sweep's keys: (group, PEER_KEY, name)
+
+
+def peer_calls(q, k, v, causal: bool, names=FAST_PEERS) -> dict[str, Callable[[], object]]:
+    """Zero-argument forward calls of the peers in ``names`` found on this machine, on these
+    inputs: what a sweep or knob table times in its rounds next to its own kernel."""
+    found = peers(include_math="sdpa_math" in names)
+    return {name: (lambda fn=found[name]: fn(q, k, v, causal=causal))
+            for name in names if name in found}
+
+
 def peer_fields(measured: dict, flops: float) -> dict:
     """For result files whose rows are one kernel's configurations (a sweep, a knob table):
     the peers timed in the same rounds, as fields to put in each row of that shape.
@@ -689,6 +701,18 @@ def vs_best_peer(row: dict) -> str:
     if not peer or not row.get("tflops"):
         return ""
     return f"{row['tflops'] / peer:.2f}x {row['best_peer']} ({peer:.0f})"
+
+
+def spread_note(rows: list[dict]) -> str:
+    """What the spreads of ``rows`` are: between rounds, or (files written before rounds)
+    between the calls of one measurement, which misses the drift from one run to the next."""
+    timed = [r for r in rows if r.get("ms")]
+    if timed and all("ms_rounds" in r for r in timed):
+        n = min(r.get("rounds") or len(r["ms_rounds"]) for r in timed)
+        return f"spread: (slowest - fastest) / median over {n} interleaved rounds"
+    return ("spread: between the calls of one measurement (these rows were measured once, "
+            "before rounds were stored); drift between runs is not in it, so a verdict from "
+            "it is optimistic")
 
 
 def ratio_table(rows: list[dict], baseline: str | None = None, pass_: str = "fwd") -> str:
@@ -724,6 +748,7 @@ def ratio_table(rows: list[dict], baseline: str | None = None, pass_: str = "fwd
         best = f"{top['impl']} {top['tflops']:.0f}" if top else "-"
         lines.append(f"{d:>4} {s:>6} {causal!s:>6}  " + "  ".join(cells) + f"  {best}")
     lines.append("~: within noise (the ratio differs from 1 by no more than either row's spread)")
+    lines.append(spread_note([r for r in rows if r["pass"] == pass_]))
     return "\n".join(lines)
 
 
