@@ -489,16 +489,21 @@ def exp_variants() -> list[ExpThroughput]:
     return variants
 
 
-def matmul_tflops(n: int = 8192, warmup: int = 3, reps: int = 20) -> dict:
-    """torch bf16 n x n x n matmul: 2 n^3 FLOPs per call, median time with L2 flushed."""
+def matmul_tflops(n: int = 8192, warmup: int = 3, reps: int = 20, rounds: int = 3) -> dict:
+    """torch bf16 n x n x n matmul: 2 n^3 FLOPs per call, L2 flushed; the median over
+    ``rounds`` rounds (``utils.bench.interleaved``), their range and the SM clock."""
     import torch
 
-    from utils.bench import time_cuda
+    from utils.bench import interleaved
 
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    t = time_cuda(lambda: a @ b, warmup=warmup, rep=reps)
-    return {"ms": t.median_ms, "tflops": 2 * n**3 / (t.median_ms * 1e-3) / 1e12, "n": n}
+    m = interleaved({"matmul": lambda: a @ b}, rounds=rounds, warmup=warmup, rep=reps)["matmul"]
+    flops = 2 * n**3
+    per_round = [flops / (ms * 1e-3) / 1e12 for ms in m.ms_rounds]
+    return {"ms": m.median_ms, "tflops": m.tflops(flops), "n": n, "min": min(per_round),
+            "max": max(per_round), "rounds": len(per_round),
+            "sm_clock_mhz": m.fields()["sm_clock_mhz"]}
 
 
 def copy_bandwidth(nbytes: int = 2**30, rounds: int = 3, reps: int = 20) -> dict:

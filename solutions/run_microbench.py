@@ -75,7 +75,8 @@ def copy_rows(fig: dict) -> list[dict]:
 
 def matmul_rows(fig: dict) -> list[dict]:
     return [{"impl": f"torch bf16 matmul {fig['n']}^3", "metric": "matmul_tflops",
-             "value": fig["tflops"], "unit": "TFLOP/s", "ms": fig["ms"]}]
+             "value": fig["tflops"], "unit": "TFLOP/s", "ms": fig["ms"],
+             **{k: fig.get(k) for k in ("min", "max", "rounds", "sm_clock_mhz")}}]
 
 
 def problems(fig: dict, exp: bool, checksum: bool = True) -> list[str]:
