@@ -536,6 +536,29 @@ def tile_maxima(q, k, causal=False, softmax_scale=None, tile_n=128, kv_order="re
     return tmax.flip(-1) if kv_order == "reverse" else tmax
 
 
+FP32_SMALLEST_NORMAL = 2.0**-126  # ex2.approx.ftz returns 0 below it
+
+
+def p_zero_share(q, k, softmax_scale=None, tile_n=128, kv_order="reverse") -> float:
+    """The share of P entries that are exactly 0 when the kernel computes them with tau = 0
+    (no mask): each tile's p = 2^(s - m) against the running max after that tile, in the
+    visiting order, and ``ex2.approx.ftz`` flushes anything below 2^-126 to zero. Zeros are
+    what the P.V matmul then multiplies: data-dependent work for the multipliers, not for the
+    instruction stream, which is the same for every input."""
+    b, sq, sk, h, hk, d = check_attention_inputs(q, k, k, softmax_scale)
+    scale_log2 = (d**-0.5 if softmax_scale is None else float(softmax_scale)) * LOG2_E
+    s = torch.matmul(_heads_first(q, h), _heads_first(k, h).transpose(-1, -2)) * scale_log2
+    zeros = total = 0
+    m = torch.full(s.shape[:-1], float("-inf"))
+    for start in _tile_starts(sk, tile_n, kv_order):
+        tile = s[..., start:start + tile_n]
+        m = torch.maximum(m, tile.amax(dim=-1))
+        p = torch.exp2(tile - m[..., None])
+        zeros += int((p < FP32_SMALLEST_NORMAL).sum())
+        total += p.numel()
+    return zeros / total
+
+
 def rescale_frequency(patterns=PATTERNS, orders=KV_ORDERS, tau=FA4_RESCALE_THRESHOLD,
                       group_rows=(HOPPER_WARP_ROWS, BLACKWELL_WARP_ROWS), seqlen_k=16384,
                       seqlen_q=128, heads=2, dim=128, tile_n=128, seed=0) -> list[dict]:

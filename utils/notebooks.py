@@ -134,7 +134,9 @@ _ALLOW = re.compile(r"<!--\s*allow-figures:(?P<items>.*?)-->", re.S)
 _CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(*\[])|\n\s*\n|\n(?=\s*(?:[-*]|\d+\.)\s)")
 MAKING_TALK = re.compile(
-    r"\bthe (?:issue|lead|brief)(?![\w-])|\btargets? of\b|\bre-?bas(?:e|ed|ing)\b"
+    r"\bthe (?:lead|brief)(?![\w-])"
+    r"|\bthe issue(?![\w-])(?!\s+(?:slot|rate|width|port|queue|stage|cycle|logic)s?\b)"
+    r"|\btargets? of\b|\bre-?bas(?:e|ed|ing)\b"
     r"|\bwho asked\b", re.I)
 
 
