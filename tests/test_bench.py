@@ -221,3 +221,64 @@ def test_stored_files_from_before_rounds_still_read():
     assert all("ms_rounds" not in r for r in res.rows)  # written by the one-round method
     text = bench.ratio_table(res.rows)
     assert "best peer" in text and "fa4_package" in text
+
+
+# -- the NVML readers, with the library and the command faked ------------------------------------
+
+
+class _FakeNvml:
+    """libnvidia-ml's C functions as ctypes sees them: results come back through byref()."""
+
+    def __init__(self):
+        self.asked = {}
+
+    def nvmlInit_v2(self):
+        return 0
+
+    def nvmlDeviceGetHandleByPciBusId_v2(self, bus_id, handle):
+        self.asked["bus_id"] = bus_id
+        handle._obj.value = 1234
+        return 0
+
+    def nvmlDeviceGetClockInfo(self, handle, kind, out):
+        assert kind == bench.NVML_CLOCK_SM
+        out._obj.value = 1980
+        return 0
+
+    def nvmlDeviceGetPowerUsage(self, handle, out):
+        out._obj.value = 612_500  # milliwatts
+        return 0
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle, out):
+        out._obj.value = 0x4 | 0x80
+        return 0
+
+
+def test_nvml_through_ctypes(monkeypatch):
+    import ctypes
+    import sys
+
+    fake = _FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: ctypes is next
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
+    sensors = bench._NvmlSensors({"index": 0, "bus_id": "00000000:19:00.0"})
+    assert sensors.source == "nvml (libnvidia-ml via ctypes)"
+    assert fake.asked["bus_id"] == b"00000000:19:00.0"
+    got = sensors.read()
+    assert got == {"sm_clock_mhz": 1980.0, "power_w": 612.5, "reasons": 0x84}
+    assert bench.clock_reason_names(got["reasons"]) == ["software power cap",
+                                                         "hardware power brake"]
+
+
+def test_nvidia_smi_is_read_rarely_and_parsed(monkeypatch):
+    import subprocess
+
+    class Done:
+        stdout = "1755, 498.20, 0x0000000000000004\n"
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: Done())
+    sensors = bench._SmiSensors({"index": 0, "uuid": "GPU-abc"})
+    assert sensors.read() == {"sm_clock_mhz": 1755.0, "power_w": 498.2, "reasons": 4}
+    assert bench.Sampler(sensors).interval_s >= 0.5
+    Done.stdout = "[N/A], [N/A], [N/A]"
+    assert sensors.read() == {"sm_clock_mhz": None, "power_w": None, "reasons": None}

@@ -145,6 +145,7 @@ class GpuSensors:
 
     source: str | None = None
     note: str | None = None
+    min_interval_s = 0.0  # how often it may be read without disturbing the measurement
 
     def read(self) -> dict:
         return {"sm_clock_mhz": None, "power_w": None, "reasons": None}
@@ -224,6 +225,7 @@ class _NvmlSensors(GpuSensors):
 
 class _SmiSensors(GpuSensors):
     source = "nvidia-smi"
+    min_interval_s = 0.5  # each read starts a process: rarely, so the host stays free
     _QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
 
     def __init__(self, device_ids: dict):
@@ -293,7 +295,7 @@ class Sampler:
     and ``stop`` (and once at each end), so a reading falls inside even a short timed loop."""
 
     def __init__(self, sensors: GpuSensors, interval_s: float = 0.02):
-        self.sensors, self.interval_s = sensors, interval_s
+        self.sensors, self.interval_s = sensors, max(interval_s, sensors.min_interval_s)
         self.readings: list[dict] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
