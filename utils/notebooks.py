@@ -135,7 +135,7 @@ _CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(*\[])|\n\s*\n|\n(?=\s*(?:[-*]|\d+\.)\s)")
 MAKING_TALK = re.compile(
     r"\bthe (?:lead|brief)(?![\w-])"
-    r"|\bthe issue(?![\w-])(?!\s+(?:slot|rate|width|port|queue|stage|cycle|logic)s?\b)"
+    r"|\bthe issue(?![\w-])(?!\s+(?:slot|rate|width|port|queue|stage|cycle|logic|line|count|bound|time)s?\b)"
     r"|\btargets? of\b|\bre-?bas(?:e|ed|ing)\b"
     r"|\bwho asked\b", re.I)
 
