@@ -137,7 +137,8 @@ def test_talk_about_making_the_course_is_found(text):
 
 def test_ordinary_words_are_not_making_talk():
     assert nbm.making_talk("the leading dimension; an issue slot; jump targets; the base case; "
-                           "the lead-in; the issue slots of a warp; the issue rate; the issue line") == []
+                           "the lead-in; the issue slots of a warp; the issue rate; "
+                           "the issue line") == []
 
 
 def test_lint_checks_markdown_cells_only():

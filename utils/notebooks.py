@@ -133,9 +133,10 @@ _SOURCE_LABEL = re.compile(r"\([^()]*\b(?:paper|datasheet|published|model)\b[^()
 _ALLOW = re.compile(r"<!--\s*allow-figures:(?P<items>.*?)-->", re.S)
 _CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(*\[])|\n\s*\n|\n(?=\s*(?:[-*]|\d+\.)\s)")
+_ISSUE_AS_IN_INSTRUCTIONS = "slot|rate|width|port|queue|stage|cycle|logic|line|count|bound|time"
 MAKING_TALK = re.compile(
     r"\bthe (?:lead|brief)(?![\w-])"
-    r"|\bthe issue(?![\w-])(?!\s+(?:slot|rate|width|port|queue|stage|cycle|logic|line|count|bound|time)s?\b)"
+    rf"|\bthe issue(?![\w-])(?!\s+(?:{_ISSUE_AS_IN_INSTRUCTIONS})s?\b)"
     r"|\btargets? of\b|\bre-?bas(?:e|ed|ing)\b"
     r"|\bwho asked\b", re.I)
 
