@@ -458,7 +458,8 @@ class HopperForward:
             tile = zigzag_tile(r, bidx, grid)
             if tile < num_tiles:
                 state_q, state_k, state_v = self.consume_tile(
-                    tl, record & (r == 0), tile, r == 0, zigzag_tile(r + 1, bidx, grid) >= num_tiles, mO, mLSE, sO,
+                    tl, record & (r == 0), tile, r == 0,
+                    zigzag_tile(r + 1, bidx, grid) >= num_tiles, mO, mLSE, sO,
                     tma_atom_o, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o,
                     tOrP, tSrQ, tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k,
                     pipeline_v, state_q, state_k, state_v, window_left, window_right, l2_group,
@@ -508,7 +509,8 @@ class HopperForward:
         return state_q, state_k, state_v
 
     @cute.jit
-    def mainloop_overlap(self, tl, record, wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask,
+    def mainloop_overlap(self, tl, record, wg, first_tile, last_tile, n_tiles, n_top, n_bottom,
+                         mask,
                          softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                          tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, state_q, state_k,
                          state_v):
@@ -582,7 +584,8 @@ class HopperForward:
     # The source order is a request: ptxas schedules. The benchmark decides the default.
 
     @cute.jit
-    def overlap_step(self, tl, record, i, masked: cutlass.Constexpr[bool], left: cutlass.Constexpr[bool],
+    def overlap_step(self, tl, record, i, masked: cutlass.Constexpr[bool],
+                     left: cutlass.Constexpr[bool],
                      wg, mask, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                      tiled_mma_pv, pipeline_k, pipeline_v, state_k, state_v, pending,
                      pending_rescale):
