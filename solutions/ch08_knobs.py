@@ -118,7 +118,8 @@ def timeline(save: bool = True) -> list[dict]:
                 stamps = [int(x) - t0 if x > 0 else None for x in tl[role, step].tolist()]
                 if any(s is not None for s in stamps):
                     rows.append({"impl": name, "role": role, "step": step,
-                                 "marks": dict(zip([m.name for m in Mark], stamps)),
+                                 "metric": "phase stamps", "unit": "cycles",
+                                 "value": dict(zip([m.name for m in Mark], stamps)),
                                  "seed": seed, "knobs": asdict(cfg)})
     assert MARKS == len(Mark)
     if save:
