@@ -534,7 +534,7 @@ class HopperForward:
         row_scale, rescale = softmax.update(s, is_first=True)
         tOrP.store(acc_as_a_operand(s).load().to(self.dtype))
         mark(timeline, tl, record, role, 0, Mark.P_READY)
-        # Note [Where O is rescaled]: alpha of the last softmax, applied to O when the next P V
+        # alpha of the last softmax, applied to O when the next P V (Note [Where O is rescaled])
         # is issued (o_rescale = "next_pv")
         pending = cute.make_rmem_tensor_like(row_scale)
         pending.store(row_scale.load())

@@ -1,0 +1,282 @@
+"""Chapter 08's teaching helpers: the exercises' solutions and checkers, the turn-barrier
+simulation, the Gantt chart of the stored timeline, and what the compiled loop looks like.
+
+The kernel itself is fa4_final.hopper.fwd (no kernel lives here); the notebook quotes it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+
+from fa4_final.scheduler import rounds, tile_coords
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 08.1: the ping-pong turn rule (Note [Turns] in fa4_final.hopper.fwd)
+
+
+def turn_waits(wg: int, first_of_cta: bool) -> bool:
+    """Does warpgroup ``wg`` wait on its barrier before this turn? Everyone but warpgroup 0's
+    very first turn of the CTA: nobody before that one will ever arrive."""
+    return wg > 0 or not first_of_cta
+
+
+def turn_passes(wg: int, last_of_cta: bool, num_wgs: int) -> bool:
+    """Does warpgroup ``wg`` arrive on the next warpgroup's barrier after this turn? Everyone
+    but the last warpgroup's very last turn: nobody after that one will ever wait."""
+    return wg < num_wgs - 1 or not last_of_cta
+
+
+def simulate_turns(waits, passes, num_wgs: int, turns_per_tile: list[int]) -> dict:
+    """Run the turn protocol of ``num_wgs`` consumer warpgroups over a CTA's tiles.
+
+    Each named barrier b_w (one per warpgroup) completes a phase when 128 threads sync on it and
+    128 arrive on it; we count in halves. A tile with 0 turns takes one empty turn (the kernel
+    does that so the count never depends on the data). The warpgroups run as fast as the
+    barriers let them, in any order: the simulation repeatedly lets any warpgroup that can make
+    progress do so. Returns {"deadlock": bool, "order": [(turn, wg), ...],
+    "pending_arrives": {w: n}, "stuck": {w: turn}}."""
+    turns = [max(t, 1) for t in turns_per_tile]
+    total = sum(turns)
+    flags = []  # (first_of_cta, last_of_cta) of each global turn
+    for g in range(total):
+        flags.append((g == 0, g == total - 1))
+    arrived = [0] * num_wgs  # arrive-halves not yet matched by a sync
+    pos = [0] * num_wgs  # next global turn of each warpgroup
+    order = []
+    progress = True
+    while progress:
+        progress = False
+        for w in range(num_wgs):  # each warpgroup runs ahead as far as its barrier lets it
+            while pos[w] < total:
+                first, last = flags[pos[w]]
+                if waits(w, first):
+                    if arrived[w] == 0:
+                        break  # blocked at bar.sync
+                    arrived[w] -= 1
+                order.append((pos[w], w))
+                if passes(w, last, num_wgs):
+                    arrived[(w + 1) % num_wgs] += 1
+                pos[w] += 1
+                progress = True
+    stuck = {w: pos[w] for w in range(num_wgs) if pos[w] < total}
+    return {"deadlock": bool(stuck), "order": order, "stuck": stuck,
+            "pending_arrives": {w: n for w, n in enumerate(arrived) if n}}
+
+
+def check_turn_rule(pair) -> None:
+    """Exercise 08.1: ``pair`` = (waits, passes). Many CTAs, 2 and 3 warpgroups, tiles with no
+    key among them: no deadlock, turns strictly alternate, no arrive left pending at exit."""
+    waits, passes = pair
+    rng = random.Random(8)
+    plans = [[3], [1], [0], [0, 0], [2, 0, 5], [0, 4], [4, 0]]
+    plans += [[rng.choice([0, 1, 2, 7]) for _ in range(rng.randint(1, 6))] for _ in range(40)]
+    for num_wgs in (2, 3):
+        for plan in plans:
+            res = simulate_turns(waits, passes, num_wgs, plan)
+            if res["deadlock"]:
+                w, g = next(iter(res["stuck"].items()))
+                hint = (" Warpgroup 0's first turn has nobody before it: if it waits, nobody "
+                        "ever arrives." if g == 0 and w == 0 else
+                        " A warpgroup that does not arrive after a turn leaves the next one "
+                        "waiting forever: only the very last turn of the CTA may skip it.")
+                raise AssertionError(
+                    f"{num_wgs} warpgroups, turns per tile {plan}: warpgroup {w} waits forever "
+                    f"at its turn {g}.{hint}")
+            expected = [(g, w) for g in range(sum(max(t, 1) for t in plan))
+                        for w in range(num_wgs)]
+            if res["order"] != expected:
+                raise AssertionError(
+                    f"{num_wgs} warpgroups, turns {plan}: the turns ran out of order "
+                    f"({res['order'][:6]}...): a warpgroup that skips its wait can run ahead "
+                    f"of the one before it; only warpgroup 0's first turn may skip it")
+            if res["pending_arrives"]:
+                raise AssertionError(
+                    f"{num_wgs} warpgroups, turns {plan}: arrives left pending at the end on "
+                    f"the barriers of warpgroups {sorted(res['pending_arrives'])}: the last "
+                    f"warpgroup's last turn must not hand the turn on (nobody will take it)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 08.2: the persistent tile order
+
+
+def zigzag(r: int, cta: int, grid: int) -> int:
+    """Reference: CTA ``cta``'s tile in round ``r`` (fa4_final.scheduler.zigzag_tile)."""
+    return r * grid + (cta if r % 2 == 0 else grid - 1 - cta)
+
+
+def causal_cost(t: int, num_m_blocks: int, heads: int) -> int:
+    """KV steps of causal tile t in longest-first order (tile_coords): m_block + 1."""
+    return tile_coords(t, num_m_blocks, heads, 1, True)[0] + 1
+
+
+def schedule_balance(tile_of, num_m_blocks=128, heads=16, grid=132) -> dict:
+    """The busiest CTA's KV steps against the ideal (total / grid) when CTA c computes tiles
+    ``tile_of(r, c, grid)`` for r = 0, 1, ... (those below num_tiles)."""
+    n = num_m_blocks * heads
+    per_cta = []
+    seen = []
+    for c in range(grid):
+        tiles = [tile_of(r, c, grid) for r in range(rounds(n, grid))]
+        tiles = [t for t in tiles if t < n]
+        seen += tiles
+        per_cta.append(sum(causal_cost(t, num_m_blocks, heads) for t in tiles))
+    ideal = sum(causal_cost(t, num_m_blocks, heads) for t in range(n)) / grid
+    return {"seen": sorted(seen) == list(range(n)), "worst": max(per_cta), "ideal": ideal,
+            "imbalance": max(per_cta) / ideal - 1.0}
+
+
+def check_tile_order(tile_of) -> None:
+    """Exercise 08.2: every tile exactly once, and the busiest CTA within 1% of the ideal."""
+    for grid, m, h in ((132, 128, 16), (132, 32, 64), (7, 9, 5)):
+        b = schedule_balance(tile_of, m, h, grid)
+        small = grid * 8 > m * h  # few rounds: whole tiles cannot even out; coverage only
+        if not b["seen"]:
+            raise AssertionError(
+                f"grid {grid}, {m * h} tiles: some tile is computed twice or never; in every "
+                f"round the {grid} CTAs must take the {grid} tiles r*grid .. r*grid + grid - 1")
+        if not small and b["imbalance"] > 0.01:
+            rr = schedule_balance(lambda r, c, g: r * g + c, m, h, grid)["imbalance"]
+            raise AssertionError(
+                f"grid {grid}: the busiest CTA has {b['worst']} KV steps, "
+                f"{b['imbalance']:.1%} over the ideal {b['ideal']:.0f} (plain round robin: "
+                f"{rr:.1%}). Longest-first tiles get shorter within every round: reverse the "
+                f"order of every other round so the CTA that took the longest tile of one round "
+                f"takes the shortest of the next")
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 08.3: the shared-memory budget
+
+
+def check_smem_bytes(fn) -> None:
+    """Exercise 08.3: ``fn(cfg, head_dim) -> bytes`` equals the kernel's SharedStorage size
+    (HopperFwdConfig.smem_bytes, asserted against the struct when the kernel is traced)."""
+    from dataclasses import replace
+
+    from fa4_final.config import HopperFwdConfig
+
+    cases = [(HopperFwdConfig(), 128), (HopperFwdConfig(stages_k=3), 128),
+             (HopperFwdConfig(num_consumer_wgs=3, stages_k=3, stages_v=3), 64),
+             (replace(HopperFwdConfig(), separate_o=False, stages_k=3, stages_v=3), 128),
+             (HopperFwdConfig(tile_n=176, stages_k=1, stages_v=1), 128)]
+    for cfg, d in cases:
+        want, got = cfg.smem_bytes(d), fn(cfg, d)
+        if got != want:
+            diff = got - want
+            hint = ""
+            if diff % 1024 == 0 and abs(diff) <= 1024:
+                hint = " (1 KB: the barriers sit in their own 1 KB-aligned block)"
+            elif cfg.separate_o and diff == -cfg.tile_m * d * 2:
+                hint = " (the separate O buffer: tile_m x D, like Q)"
+            raise AssertionError(
+                f"{cfg} at D={d}: got {got} B, the kernel's struct has {want} B{hint}; each "
+                f"buffer is rounded up to 1024 B for the 128 B swizzle")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the stored timeline (results/h200/ch08_timeline.json; fa4_final.timeline)
+
+PHASE_COLOURS = {"waits for K and its turn": "#d9d9d9", "issues its GEMMs": "#4c72b0",
+                 "waits for S": "#b0c4de", "softmax": "#dd8452"}
+
+
+def timeline_bars(rows: list[dict], impl: str, steps: range) -> dict:
+    """{role: [(phase, start, length), ...]} in cycles for the consumer warpgroups of
+    ``impl``'s stored timeline, KV steps ``steps``."""
+    from fa4_final.timeline import PHASES
+
+    out: dict[int, list] = {}
+    for r in rows:
+        if r["impl"] != impl or r["role"] == 0 or r["step"] not in steps:
+            continue
+        marks = r["value"]
+        for phase, (a, b) in PHASES.items():
+            t0, t1 = marks.get(a.name), marks.get(b.name)
+            if t0 is not None and t1 is not None:
+                out.setdefault(r["role"], []).append((phase, t0, t1 - t0))
+    return out
+
+
+def step_period(rows: list[dict], impl: str, role: int = 1, skip: int = 2) -> float:
+    """Median cycles between the starts of consecutive KV steps of one warpgroup (after the
+    first ``skip`` steps, which fill the pipeline)."""
+    import statistics
+
+    starts = sorted((r["step"], r["value"]["WAIT"]) for r in rows
+                    if r["impl"] == impl and r["role"] == role and r["value"].get("WAIT"))
+    gaps = [b[1] - a[1] for a, b in zip(starts[skip:], starts[skip + 1:])]
+    return statistics.median(gaps)
+
+
+def phase_medians(rows: list[dict], impl: str, skip: int = 2) -> dict:
+    """Median cycles of each phase over the steady steps, per consumer warpgroup."""
+    import statistics
+
+    bars = timeline_bars(rows, impl, range(skip, 10**6))
+    return {role: {phase: statistics.median([n for p, _, n in b if p == phase])
+                   for phase in PHASE_COLOURS if any(p == phase for p, _, _ in b)}
+            for role, b in sorted(bars.items())}
+
+
+def plot_timeline(ax, rows, impl: str, steps: range, title: str = "") -> None:
+    bars = timeline_bars(rows, impl, steps)
+    t0 = min(s for b in bars.values() for _, s, _ in b)
+    for role, segs in sorted(bars.items()):
+        for phase, start, length in segs:
+            ax.broken_barh([(start - t0, length)], (role - 0.4, 0.8),
+                           facecolors=PHASE_COLOURS[phase])
+    ax.set_yticks(sorted(bars), [f"consumer warpgroup {r - 1}" for r in sorted(bars)])
+    ax.set_xlabel("SM cycles (clock64), CTA 0")
+    ax.set_title(title)
+
+
+# ----------------------------------------------------------------------------------------------
+# What ptxas made of the loop (compile-only; no GPU)
+
+_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def steady_loop(sass: str) -> list[str]:
+    """The opcodes of the kernel's innermost loop that issues HGMMA (the steady KV step): the
+    first backward branch whose body holds HGMMA and no inner loop of its own."""
+    lines = sass.splitlines()
+    labels = {}
+    for i, ln in enumerate(lines):
+        m = re.match(r"\s*\.(L_x_\d+):", ln)
+        if m:
+            labels[m.group(1)] = i
+    best = None
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", ln)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            body = lines[labels[m.group(1)]:i + 1]
+            if any("HGMMA" in b for b in body) and (best is None or len(body) < len(best)):
+                best = body
+    return [(m.group(1), b) for b in best or [] if (m := _OP.search(b))]
+
+
+def loop_census(sass: str) -> Counter:
+    """Instruction classes (opcode before the first dot) of one steady KV step."""
+    return Counter(op.split(".")[0] for op, _ in steady_loop(sass))
+
+
+def loop_outline(sass: str) -> str:
+    """The steady step as a run-length outline of the instructions that tell the schedule:
+    barrier (turn) sync/arrive, HGMMA, the two wgmma waits, MUFU.EX2, the O rescale FMULs."""
+    keep = {"BAR.SYNC": "turn", "BAR.ARV": "pass turn", "HGMMA": "HGMMA", "MUFU.EX2": "EX2",
+            "FMUL": "FMUL"}
+    seq = []
+    for op, text in steady_loop(sass):
+        name = next((v for k, v in keep.items() if op.startswith(k)), None)
+        if op.startswith("WARPGROUP.DEPBAR"):  # wgmma.wait_group(n): n groups may stay in flight
+            name = "wait(S)" if "0x1" in text else "wait(all)"
+        if name is None:
+            continue
+        if seq and seq[-1][0] == name:
+            seq[-1][1] += 1
+        else:
+            seq.append([name, 1])
+    return " ".join(f"{n}x{c}" if c > 1 else n for n, c in seq)
