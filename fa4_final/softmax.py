@@ -140,17 +140,26 @@ class OnlineSoftmax:
         """Scores in ``acc_s`` become unnormalised probabilities in place, folded into the
         running sum. Returns (alpha per row, whether O needs the multiply): pass both to
         ``rescale_o``. ``is_first``: the tile's first KV tile (max and sum start from it).
-        The two halves, ``new_max`` and ``exponentiate``, can be called apart so a kernel can
-        place work (the O rescale) between them."""
-        row_scale, rescale, max_scaled = self.new_max(acc_s, is_first)
-        self.exponentiate(acc_s, max_scaled, row_scale, is_first)
+        Row by row: the exponentials, their sum, then alpha. ``new_max`` and ``exponentiate``
+        split the same step in two, alpha first, so a kernel can place work between them."""
+        s = acc_rows_cols(acc_s)
+        cols = cute.size(s, mode=[1])
+        row_max_new, rescale, max_scaled = self._maxima(s, is_first)
+        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            s_row = s[r, None]
+            self.exp2_row(s_row, max_scaled[r])
+            tile_sum = tree_reduce([s_row[c] for c in range(cols)], lambda a, b: a + b)
+            row_scale[r] = self._alpha(r, max_scaled[r], rescale, is_first)
+            self.row_sum[r] = tile_sum if const_expr(is_first) else (
+                self.row_sum[r] * row_scale[r] + tile_sum)
+            self.row_max[r] = row_max_new[r]
         return row_scale, rescale
 
     @cute.jit
-    def new_max(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> tuple:
-        """First half of ``update``: the tile's row maxima, the max each row now subtracts and
-        alpha. Returns (alpha per row, whether O needs the multiply, max * scale_log2 per row)."""
-        s = acc_rows_cols(acc_s)
+    def _maxima(self, s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> tuple:
+        """(the max each row subtracts from now on, whether O needs the multiply, that max
+        times scale_log2 with -inf replaced by 0) for the (rows, cols) view ``s``."""
         cols = cute.size(s, mode=[1])
         tile_max = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
@@ -160,22 +169,34 @@ class OnlineSoftmax:
         rescale = True
         if const_expr(not is_first):
             row_max_new, rescale = self.running_max_to_use(self.row_max, tile_max)
-        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
         max_scaled = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             # A row whose keys were all masked so far has max -inf; exponentiate against 0
             # instead, so its p are exp2(-inf) = 0 and alpha = 0, never inf - inf = NaN.
             max_safe = Float32(0.0) if row_max_new[r] == -Float32.inf else row_max_new[r]
             max_scaled[r] = max_safe * self.scale_log2
-            if const_expr(is_first):
-                row_scale[r] = Float32(1.0)
-            else:
-                alpha = cute.math.exp2(self.row_max[r] * self.scale_log2 - max_scaled[r],
-                                       fastmath=True)
-                if const_expr(self.rescale_threshold > 0.0):
-                    # a kept max gives alpha = 1 exactly, not 2^(the FFMA's rounding error)
-                    alpha = alpha if rescale else Float32(1.0)
-                row_scale[r] = alpha
+        return row_max_new, rescale, max_scaled
+
+    @cute.jit
+    def _alpha(self, r: int, max_scaled, rescale, is_first: cutlass.Constexpr[bool]):
+        """2^(old max - new max) of row r (before row_max moves on); 1 on the first tile."""
+        if const_expr(is_first):
+            return Float32(1.0)
+        alpha = cute.math.exp2(self.row_max[r] * self.scale_log2 - max_scaled, fastmath=True)
+        if const_expr(self.rescale_threshold > 0.0):
+            # a kept max gives alpha = 1 exactly, not 2^(the FFMA's rounding error)
+            alpha = alpha if rescale else Float32(1.0)
+        return alpha
+
+    @cute.jit
+    def new_max(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> tuple:
+        """First half of ``update``, alpha first: the tile's row maxima, the max each row now
+        subtracts, and alpha. Returns (alpha per row, whether O needs the multiply, max *
+        scale_log2 per row); pass the first and last to ``exponentiate``."""
+        row_max_new, rescale, max_scaled = self._maxima(acc_rows_cols(acc_s), is_first)
+        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            row_scale[r] = self._alpha(r, max_scaled[r], rescale, is_first)
             self.row_max[r] = row_max_new[r]
         return row_scale, rescale, max_scaled
 

@@ -30,7 +30,11 @@ def _floor_div_nonneg(a, b: int):
 
 
 def _ceil_div_nonneg(a, b: int):
-    return (a + b - 1) // b
+    if isinstance(a, int):
+        return -(-a // b)
+    import cutlass.cute as cute
+
+    return cute.ceil_div(a, b)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ def kv_tile_range(w: TileWindow, m_block, seqlen_q, seqlen_k, window_left=None,
         # a tile is free of left masking when even the last row sees all of it
         last_start = _max(last_row + offset - window_left, 0)
         full_left = _ceil_div_nonneg(last_start, w.tile_n)
+    if not w.has_left:  # n_min = 0 <= every count above: no clamp to spend registers on
+        return 0, n_max, n_max - _min(full_right, n_max), 0
     n_max = _max(n_max, n_min)
     n_top_masked = n_max - _min(_max(full_right, n_min), n_max)
     bottom_end = _min(_max(full_left, n_min), n_max - n_top_masked)

@@ -57,14 +57,13 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from solutions.ch05_softmax import (
-    EMULATION_PERIOD,
-    LOG2_E,
-    OnlineSoftmax,
-    acc_as_a_operand,
-    acc_rows_cols,
-)
-from solutions.ch06_exp2 import emulated_count
+from fa4_final.constants import LOG2_E
+from fa4_final.fast_math import emulated_count
+from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
+from fa4_final.mask import apply_mask, fragment_coords
+from fa4_final.softmax import EMULATION_PERIOD, MAX_RESCALE_THRESHOLD, OnlineSoftmax
+from fa4_final.tiles import TileWindow, kv_tile_range
+from fa4_final.tiles import visible_cols as window_visible_cols
 from utils import checks
 
 SMEM_BYTES_PER_CTA = 227 * 1024  # H100 / H200 opt-in maximum of dynamic shared memory per CTA
@@ -101,13 +100,8 @@ class HopperConfig:
 # 128 * (producer + n * consumer), must stay within the SM's 64 K registers.
 REGISTER_BUDGETS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
-# With a stale max, p = 2^(s - m_used) <= 2^tau, and P enters the P V wgmma in the input dtype.
-# fp16's largest value is 65504 = 2^15.9998 (a convert rounds up to inf from 65520 on), so
-# tau < 16 is the limit; p may overshoot 2^tau a little (the FFMA's rounding of s * scale - m,
-# a few ulp of |s * scale|, and exp2's relative error, 8.6e-5 on the polynomial), so 0.01 of
-# headroom: 2^15.99 * (1 + 1e-4) = 65089 < 65504. bf16 (max 2^128) would allow more, but one
-# config serves both dtypes; the row sum l <= seqlen_k * 2^tau stays far inside float32.
-MAX_RESCALE_THRESHOLD = 15.99
+# MAX_RESCALE_THRESHOLD (fa4_final.softmax): a stale max lets p reach 2^tau, and P enters the
+# P V wgmma in the input dtype, so tau stays below fp16's 2^16 with headroom.
 
 
 def default_config(head_dim: int) -> HopperConfig:
@@ -237,6 +231,7 @@ class FlashAttentionHopper:
         self.cfg = config or default_config(head_dim)
         check_config(head_dim, self.cfg)
         self.tile_m, self.tile_n = self.cfg.tile_m, self.cfg.tile_n
+        self.window = TileWindow(self.tile_m, self.tile_n, self.causal)
         self.num_stages = self.cfg.num_stages
         self.num_consumer_wgs = self.cfg.num_consumer_wgs
         self.producer_regs, self.consumer_regs = REGISTER_BUDGETS[self.num_consumer_wgs]
@@ -359,27 +354,14 @@ class FlashAttentionHopper:
         Both roles call this, so producer and consumers agree on the number of K/V tiles: a
         consumer never waits for a tile the producer will not load (see Note [Phases]).
         Causal is bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q.
-        """
-        n_tiles = cute.ceil_div(seqlen_k, self.tile_n)
-        n_full = seqlen_k // self.tile_n  # tiles with no key past seqlen_k
-        if const_expr(self.causal):
-            # the tile's last row, (m_block + 1) * tile_m - 1, sees keys up to this one, minus 1
-            seen = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q
-            n_tiles = cutlass.min(n_tiles, cute.ceil_div(cutlass.max(seen, 0), self.tile_n))
-            # tile n is fully visible to the tile's first row (so to all of its rows) iff
-            # (n + 1) * tile_n <= m_block * tile_m + seqlen_k - seqlen_q + 1
-            first_row_sees = m_block * self.tile_m + seqlen_k - seqlen_q + 1
-            n_full = cutlass.min(n_full, cutlass.max(first_row_sees, 0) // self.tile_n)
-        n_full = cutlass.min(n_full, n_tiles)
-        return n_tiles, n_tiles - n_full
+        The arithmetic is fa4_final.tiles.kv_tile_range's (shared with chapter 08's kernel)."""
+        n_min, n_max, n_top, _ = kv_tile_range(self.window, m_block, seqlen_q, seqlen_k)
+        return n_max - n_min, n_top
 
     def visible_cols(self, row, n_block, seqlen_q, seqlen_k):
         """Query ``row`` (index in the sequence) sees columns c < visible_cols(...) of key tile
         n_block: keys below seqlen_k and, with causal, keys j <= row + seqlen_k - seqlen_q."""
-        limit = seqlen_k - n_block * self.tile_n
-        if const_expr(self.causal):
-            limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1 - n_block * self.tile_n)
-        return limit
+        return window_visible_cols(self.window, row, n_block, seqlen_q, seqlen_k)[1]
 
     def turn_waits(self, wg, turn):
         """Ping-pong (Note [Turns]): does warpgroup wg wait before issuing in this turn?"""
@@ -656,19 +638,11 @@ class FlashAttentionHopper:
     def apply_mask(self, acc_s: cute.Tensor, thr_mma_qk, m_block: Int32, n_block: Int32,
                    seqlen_q: Int32, seqlen_k: Int32):
         """Scores of invisible keys -> -inf: keys past seqlen_k, and with causal keys
-        j > i + seqlen_k - seqlen_q. Only the first n_masked tiles of a row of tiles call this."""
-        s = acc_rows_cols(acc_s)  # (2 rows, tile_n/4 cols) this thread owns
-        c_s = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        tScS = acc_rows_cols(thr_mma_qk.partition_C(c_s))  # (2, tile_n/4) of (row, col) in tile
-        # thread 0's coordinates are compile-time constants; shift the limits by our offset
-        t0ScS = acc_rows_cols(thr_mma_qk.get_slice(0).partition_C(c_s))
-        col_offset = tScS[0, 0][1]
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            row = m_block * self.tile_m + tScS[r, 0][0]
-            limit = self.visible_cols(row, n_block, seqlen_q, seqlen_k) - col_offset
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                # a select, not a branch: an `if` here would carry the whole fragment through
-                s[r, c] = -Float32.inf if t0ScS[0, c][1] >= limit else s[r, c]
+        j > i + seqlen_k - seqlen_q. Only the first n_masked tiles of a row of tiles call this.
+        fa4_final.mask.apply_mask does the work (Note [Mask with constants] there)."""
+        tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
+        apply_mask(acc_s, tScS, t0ScS, self.window, m_block, n_block, seqlen_q, seqlen_k,
+                   None, None)
 
     @cute.jit
     def mma_softmax(
