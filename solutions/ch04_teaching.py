@@ -992,8 +992,385 @@ def check_kv_tiles(fn) -> None:
                 "kernel also always masks the first tile it visits (the highest).")
 
 
+# --- 04.4: the quad all-reduce (device code) ---------------------------------------------------
+# A row of S lives in the 4 lanes of a quad (lanes 4q .. 4q + 3). Every lane needs the row's
+# max (and, in finalize, its sum): a reduction whose result ends up in all 4 lanes.
+@cute.jit
+def quad_allreduce(x: cutlass.Float32, op: cutlass.Constexpr) -> cutlass.Float32:
+    """Exercise 04.4's reference: ``op`` over the 4 lanes of this lane's quad, in every lane.
+    The butterfly with xor 2 pairs lanes {0, 2} and {1, 3}; then xor 1 pairs {0, 1}, {2, 3}."""
+    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    return op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+
+
+LANES = 32
+
+
+def _shuffle_model(kind: str, calls: list):
+    """A warp-wide shuffle of PTX's ``shfl.sync`` on a NumPy vector of 32 lanes (one value per
+    lane), recording (kind, offset) in ``calls``. A lane whose source is outside its segment
+    keeps its own value, as the instruction does; ``mask_and_clamp`` is PTX's c operand,
+    (segment mask << 8) | clamp."""
+
+    def shuffle(value, offset, mask=0xFFFFFFFF, mask_and_clamp=None, **_):
+        if not (isinstance(value, np.ndarray) and value.shape == (LANES,)):
+            raise AssertionError(f"cute.arch.shuffle_sync_{kind} got {value!r}; shuffle the "
+                                 "lane's value x (or a value computed from it)")
+        offset = int(offset)
+        calls.append((kind, offset))
+        c = (0 if kind == "up" else 31) if mask_and_clamp is None else int(mask_and_clamp)
+        seg, clamp = (c >> 8) & 31, c & 31
+        lane = np.arange(LANES)
+        lo = lane & seg
+        hi = lo | (clamp & ~seg)
+        src = {"bfly": lane ^ offset, "down": lane + offset, "up": lane - offset,
+               "idx": (offset & ~seg) | lo}[kind]
+        ok = (src >= lo) if kind == "up" else (src <= hi)
+        return np.where(ok, value[np.clip(src, 0, LANES - 1)], value)
+
+    return shuffle
+
+
+def run_quad_allreduce(fn, lanes: np.ndarray, op) -> tuple[np.ndarray, list]:
+    """``fn(x, op)`` run as plain Python for a whole warp at once: x is the vector of the 32
+    lanes' values and every ``cute.arch`` shuffle a lane permutation of it. Returns each lane's
+    result and the shuffles made, [(kind, offset), ...]."""
+    from utils.host_emulation import patched, plain, python_loops
+
+    calls: list = []
+    shuffles = {f"shuffle_sync{'' if k == 'idx' else '_' + k}": _shuffle_model(k, calls)
+                for k in ("bfly", "down", "up", "idx")}
+    with python_loops(), patched(cute.arch, fmax=np.fmax, **shuffles):
+        out = plain(fn)(lanes.astype(np.float32), op)
+    return out, calls
+
+
+def _quad_truth(lanes: np.ndarray, op) -> np.ndarray:
+    quads = lanes.reshape(-1, 4)
+    return np.repeat(op.reduce(quads, axis=1), 4)
+
+
+def check_quad_allreduce(fn) -> None:
+    """Exercise 04.4: ``fn(x, op)`` must leave in every lane ``op`` over its quad's 4 values, for
+    op = max and op = add, with butterfly shuffles; then the compiled sm_80 kernel must hold two
+    ``shfl.sync.bfly`` per reduction."""
+    rng = np.random.default_rng(44)
+    with_inf = np.where(np.arange(LANES) % 4 == 3, -np.inf, rng.standard_normal(LANES))
+    cases = [("max", np.fmax, rng.standard_normal(LANES)), ("max", np.fmax, with_inf),
+             ("sum", np.add, rng.integers(1, 9, LANES).astype(np.float64)),
+             ("sum", np.add, 2.0 ** np.arange(LANES) % 97)]
+    for name, op, lanes in cases:
+        lanes = lanes.astype(np.float32)
+        got, calls = run_quad_allreduce(fn, lanes, op)
+        if got is None:
+            raise AssertionError("quad_allreduce returned None: return the combined value")
+        got = np.broadcast_to(np.asarray(got, dtype=np.float32), (LANES,))
+        want = _quad_truth(lanes, op)
+        if np.array_equal(got, want):
+            continue
+        offsets = [o for k, o in calls if k == "bfly"]
+        kinds = sorted({k for k, _ in calls} - {"bfly"})
+        lane = int(np.flatnonzero(got != want)[0])
+        quad = ", ".join(f"{v:.3g}" for v in lanes[4 * (lane // 4):4 * (lane // 4) + 4])
+        head = (f"with op = {name}, lane {lane} holds {got[lane]:.3g} but its quad (lanes "
+                f"{4 * (lane // 4)}..{4 * (lane // 4) + 3}, values {quad}) gives "
+                f"{want[lane]:.3g}.")
+        if not calls:
+            why = ("no shuffle was made: a lane sees only its own value until it reads its "
+                   "neighbours' with cute.arch.shuffle_sync_bfly")
+        elif kinds:
+            why = (f"you used shuffle_sync_{kinds[0]}: a shift or an indexed read leaves some "
+                   "lanes of the quad without the full result. The butterfly (xor) pairs every "
+                   "lane with a partner, so after two steps all 4 lanes hold it")
+        elif any(o >= 4 for o in offsets):
+            reach = 2 ** max(o.bit_length() for o in offsets)
+            why = (f"you reduced over {reach} lanes (xor offsets {sorted(set(offsets))}): xor "
+                   "offsets 1 and 2 cover the 4 lanes of a quad; offset 4 and above reach other "
+                   "quads, which hold other rows")
+        elif len(set(offsets)) < len(offsets):
+            why = (f"the offsets {offsets} repeat one: the second shuffle with the same offset "
+                   "combines the same pair again (a max does not notice, a sum doubles). Use "
+                   "offsets 2 and 1, once each")
+        elif sorted(set(offsets)) != [1, 2]:
+            why = (f"the offsets {offsets} combine each lane with only one partner: lanes agree "
+                   "in pairs. Two butterfly steps, xor 2 and xor 1, reach all four")
+        else:
+            why = ("the shuffles are right, so look at how the values are combined: apply `op` "
+                   "to the lane's value and the shuffled one after each shuffle, and return the "
+                   "result")
+        raise AssertionError(f"{head} Hint: {why}.")
+    art = QuadReduce(fn).compile("sm_80")
+    n = art.count("shfl.sync.bfly")
+    if n != 4:
+        raise AssertionError(f"the compiled sm_80 kernel (one max and one sum per thread) has {n} "
+                             "shfl.sync.bfly; two per reduction is all a quad needs")
+
+
+class QuadReduce:
+    """A small kernel around a quad all-reduce: thread i reads x[i] and writes the max and the
+    sum of its quad's four values (lanes 4q .. 4q + 3) to mx[i] and sm[i]."""
+
+    THREADS = 128
+
+    def __init__(self, allreduce=quad_allreduce):
+        self.allreduce = allreduce
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mMax: cute.Tensor, mSum: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * self.THREADS + tidx
+        x = mX[i]
+        mMax[i] = self.allreduce(x, fa.fmax)
+        mSum[i] = self.allreduce(x, fa.fadd)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mMax: cute.Tensor, mSum: cute.Tensor, stream):
+        self.kernel(mX, mMax, mSum).launch(grid=(cute.size(mX) // self.THREADS, 1, 1),
+                                           block=(self.THREADS, 1, 1), stream=stream)
+
+    def compile(self, arch: str = "sm_80"):
+        from utils.compile_only import compile_for, fake_stream, fake_tensor
+
+        return compile_for(arch, self, *(fake_tensor(cutlass.Float32, (None,), align=4)
+                                         for _ in range(3)), fake_stream())
+
+
+_GPU_COMPILED: dict = {}
+
+
+def _launch(key, build, tensors, device):
+    import cuda.bindings.driver as cuda
+    import torch
+
+    with torch.cuda.device(device):
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        if key not in _GPU_COMPILED:
+            _GPU_COMPILED[key] = cute.compile(build(), *tensors, stream)
+        _GPU_COMPILED[key](*tensors, stream)
+
+
+def check_quad_allreduce_on_gpu(fn, n: int = 1 << 16, seed: int = 0):
+    """Exercise 04.4 on a GPU: ``QuadReduce(fn)`` on n random values against torch's max and
+    sum over groups of 4. Returns (ok, one line)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, device="cuda", generator=g)
+    mx, sm = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    tensors = [from_dlpack(t).mark_layout_dynamic() for t in (x, mx, sm)]
+    _launch(("quad", fn), lambda: QuadReduce(fn), tensors, x.device)
+    torch.cuda.synchronize()
+    quads = x.view(-1, 4)
+    want_max = quads.amax(1).repeat_interleave(4)
+    want_sum = quads.double().sum(1).repeat_interleave(4)
+    max_ok = torch.equal(mx, want_max)
+    # fp32 sums in another order than torch's: a few ulp
+    sum_err = (sm.double() - want_sum).abs().max().item()
+    ok = max_ok and sum_err < 1e-5
+    return ok, (f"{n} lanes: max {'exact' if max_ok else 'WRONG'}, sum max |error| "
+                f"{sum_err:.1e} ({'ok' if ok else 'WRONG'})")
+
+
+# --- 04.5: the causal mask on a thread's fragment (device code) ---------------------------------
+@cute.jit
+def mask_scores(acc_S: cute.Tensor, tScS: cute.Tensor, row0: Int32, col0: Int32,
+                seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr):
+    """Exercise 04.5's reference: -inf into every score of the fragment its query may not see.
+    acc_S[i] is S[row0 + tScS[i][0], col0 + tScS[i][1]] (query row, key column in the whole
+    sequence); keys past seqlen_k do not exist; causal is bottom-right aligned, so query i sees
+    keys j <= i + seqlen_k - seqlen_q."""
+    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+        row = row0 + tScS[i][0]
+        col = col0 + tScS[i][1]
+        limit = seqlen_k  # one past the last key this row may see
+        if cutlass.const_expr(causal):
+            limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q)
+        acc_S[i] = -cutlass.Float32.inf if col >= limit else acc_S[i]
+
+
+class MaskHarness:
+    """Run a fragment mask for every thread of one CTA of chapter 04's kernel, for a list of
+    (seqlen_q, seqlen_k, m_block, n_block) cases, with the kernel's own mma.sync partition: on
+    the CPU (``on_cpu``) or as a kernel, one CTA per case (``__call__``). out[case, r, c] is 0
+    where S[r, c] of the (m_block, n_block) tile stays, -inf where the mask cleared it."""
+
+    def __init__(self, mask=mask_scores, causal: bool = True, cfg: TileConfig | None = None):
+        self.mask, self.causal = mask, causal
+        self.flash = _kernel(cfg, 128, causal)
+        self.m_block, self.n_block = self.flash.m_block, self.flash.n_block
+        self.num_threads = self.flash.num_threads
+
+    @cute.jit
+    def thread(self, out: cute.Tensor, cases: cute.Tensor, case, tidx):
+        tiled_mma = self.flash.make_tiled_mma()
+        cS = cute.make_identity_tensor((self.m_block, self.n_block))
+        tScS = tiled_mma.get_slice(tidx).partition_C(cS)  # ((2, 2), MMA_M, MMA_N) -> (r, c)
+        acc_S = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+        acc_S.fill(0.0)
+        seqlen_q, seqlen_k = cases[case, 0], cases[case, 1]
+        row0, col0 = cases[case, 2] * self.m_block, cases[case, 3] * self.n_block
+        self.mask(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, self.causal)
+        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+            out[case, tScS[i][0], tScS[i][1]] = acc_S[i]
+
+    @cute.jit
+    def on_cpu(self, out: cute.Tensor, cases: cute.Tensor):
+        for case in cutlass.range(cute.size(cases, mode=[0])):
+            for tidx in cutlass.range(self.num_threads):
+                self.thread(out, cases, case, tidx)
+
+    @cute.kernel
+    def kernel(self, out: cute.Tensor, cases: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        case, _, _ = cute.arch.block_idx()
+        self.thread(out, cases, case, tidx)
+
+    @cute.jit
+    def __call__(self, out: cute.Tensor, cases: cute.Tensor, stream):
+        self.kernel(out, cases).launch(grid=(cute.size(cases, mode=[0]), 1, 1),
+                                       block=(self.num_threads, 1, 1), stream=stream)
+
+
+# (seqlen_q, seqlen_k, causal): fewer queries than keys (the diagonal moves right), more (the
+# first rows see no key), equal lengths that are no multiple of the tile, one query
+MASK_SHAPES = [(77, 131, True), (300, 77, True), (200, 200, True), (1, 131, True),
+               (150, 67, False), (64, 200, False)]
+
+
+def _mask_cases(seqlen_q, seqlen_k, tile_m, tile_n):
+    return [(seqlen_q, seqlen_k, m, n) for m in range(-(-seqlen_q // tile_m))
+            for n in range(-(-seqlen_k // tile_n))]
+
+
+def mask_truth(cases, tile_m, tile_n, causal, offset=None, origin=True, strict=False):
+    """(cases, tile_m, tile_n) of 0 / -inf: the mask the kernel applies, or a variant of it (a
+    typical slip) that the check uses to name the mistake: ``offset`` replaces seqlen_k -
+    seqlen_q, ``origin=False`` forgets the tile's position, ``strict`` also hides the diagonal."""
+    out = np.zeros((len(cases), tile_m, tile_n), np.float32)
+    r, c = np.arange(tile_m)[:, None], np.arange(tile_n)[None, :]
+    for i, (sq, sk, mb, nb) in enumerate(cases):
+        row, col = (r + mb * tile_m, c + nb * tile_n) if origin else (r, c)
+        hide = col >= sk
+        if causal:
+            off = sk - sq if offset is None else offset(sq, sk)
+            hide = hide | ((col >= row + off) if strict else (col > row + off))
+        out[i][np.broadcast_to(hide, (tile_m, tile_n))] = -np.inf
+    return out
+
+
+def run_mask_on_cpu(fn, cases, causal: bool) -> np.ndarray:
+    """``MaskHarness(fn).on_cpu`` for ``cases``: the (cases, tile_m, tile_n) result."""
+    harness = MaskHarness(fn, causal)
+    out = np.full((len(cases), harness.m_block, harness.n_block), np.nan, np.float32)
+    table = np.array(cases, dtype=np.int32).reshape(-1, 4)
+    harness.on_cpu(from_dlpack(out), from_dlpack(table))
+    return out
+
+
+def _mask_hint(got, live, cases, tm, tn, causal) -> str:
+    variants = [
+        (dict(origin=False),
+         "you compared the tile's own coordinates: tScS[i] is the position inside the tile; "
+         "add the tile's origin (row0, col0) to get the query and the key"),
+        (dict(offset=lambda sq, sk: 0),
+         "you aligned the diagonal to the top left (query i sees keys j <= i). With "
+         "seqlen_q != seqlen_k the queries are the last seqlen_q positions of the sequence: "
+         "query i sees keys j <= i + seqlen_k - seqlen_q"),
+        (dict(offset=lambda sq, sk: sq - sk),
+         "the diagonal moved the wrong way: query i sees keys j <= i + seqlen_k - seqlen_q, "
+         "not i + seqlen_q - seqlen_k"),
+        (dict(strict=True),
+         "you also hid the diagonal: query i sees key i + seqlen_k - seqlen_q itself, so mask "
+         "j > i + seqlen_k - seqlen_q, not j >="),
+        (dict(offset=lambda sq, sk: sk - sq + 1),
+         "you let one key too many through: query i sees keys up to i + seqlen_k - seqlen_q "
+         "and no further"),
+    ]
+    for kw, hint in variants:
+        if np.array_equal(np.isinf(got[live]),
+                          np.isinf(mask_truth(cases, tm, tn, causal, **kw)[live])):
+            return hint
+    return ""
+
+
+def check_mask_scores(fn) -> None:
+    """Exercise 04.5: ``fn(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, causal)`` run on the CPU
+    for every thread of the kernel's default D = 128 tile, for every tile of awkward shapes,
+    causal and not; the scores it sets to -inf must be exactly those the kernel masks."""
+    tm, tn = MaskHarness(mask_scores).m_block, MaskHarness(mask_scores).n_block
+    for causal in (True, False):
+        shapes = [(sq, sk) for sq, sk, c in MASK_SHAPES if c == causal]
+        cases = [case for sq, sk in shapes for case in _mask_cases(sq, sk, tm, tn)]
+        got = run_mask_on_cpu(fn, cases, causal)
+        want = mask_truth(cases, tm, tn, causal)
+        if np.isnan(got).any() or (np.isfinite(got) & (got != 0)).any():
+            raise AssertionError("leave the scores a query may see as they are and set the "
+                                 "others to -inf (-cutlass.Float32.inf); nothing else")
+        # rows past seqlen_q are computed and never stored: whatever the mask does there is fine
+        live = np.stack([np.arange(tm)[:, None] + mb * tm < sq for sq, _, mb, _ in cases])
+        live = np.broadcast_to(live, got.shape)
+        bad = live & (np.isinf(got) != np.isinf(want))
+        if not bad.any():
+            continue
+        k, r, c = (int(v) for v in np.argwhere(bad)[0])
+        sq, sk, mb, nb = cases[k]
+        row, col = mb * tm + r, nb * tn + c
+        should = "hidden (-inf)" if np.isinf(want[k, r, c]) else "visible"
+        what = (f"seqlen_q={sq}, seqlen_k={sk}, {'causal' if causal else 'non-causal'}, tile "
+                f"({mb}, {nb}) of {tm} x {tn}: S[{row}, {col}] (query {row}, key {col}) must be "
+                f"{should}, and {int(bad.sum())} scores of these tiles are wrong.")
+        if col >= sk and not np.isinf(got[k, r, c]):
+            hint = (f"keys at and past seqlen_k = {sk} do not exist (the last K tile's rows "
+                    "there are zeros): their scores must be -inf too, causal or not")
+        else:
+            hint = _mask_hint(got, live, cases, tm, tn, causal)
+        if not hint and not np.isinf(got).any():
+            hint = "nothing was set to -inf"
+        raise AssertionError(what + (f" Hint: {hint}." if hint else ""))
+
+
+def check_mask_on_gpu(fn, shapes=MASK_SHAPES):
+    """Exercise 04.5 on a GPU: ``MaskHarness(fn)`` as a kernel, one CTA per tile of each shape,
+    against the mask the kernel applies. Returns (ok, lines)."""
+    import torch
+
+    lines, ok = [], True
+    for causal in (True, False):
+        harness = MaskHarness(fn, causal)
+        tm, tn = harness.m_block, harness.n_block
+        cases = [case for sq, sk, c in shapes if c == causal
+                 for case in _mask_cases(sq, sk, tm, tn)]
+        out = torch.full((len(cases), tm, tn), float("nan"), device="cuda")
+        table = torch.tensor(cases, dtype=torch.int32, device="cuda").reshape(-1, 4)
+        tensors = [from_dlpack(out).mark_layout_dynamic(leading_dim=2),
+                   from_dlpack(table).mark_layout_dynamic(leading_dim=1)]
+        _launch(("mask", fn, causal), lambda: harness, tensors, out.device)
+        got = out.cpu().numpy()
+        want = mask_truth(cases, tm, tn, causal)
+        live = np.broadcast_to(np.stack([np.arange(tm)[:, None] + mb * tm < sq
+                                         for sq, _, mb, _ in cases]), got.shape)
+        bad = int((live & (np.isinf(got) != np.isinf(want))).sum()) + int(np.isnan(got).sum())
+        ok &= bad == 0
+        lines.append(f"{'causal' if causal else 'non-causal'}: {len(cases)} tiles of {tm} x {tn}"
+                     f", {bad} scores wrong")
+    return ok, lines
+
+
 __all__ = [
     "BOOKKEEPING_REGISTERS",
+    "MASK_SHAPES",
+    "MaskHarness",
+    "QuadReduce",
+    "check_mask_on_gpu",
+    "check_mask_scores",
+    "check_quad_allreduce",
+    "check_quad_allreduce_on_gpu",
+    "mask_scores",
+    "mask_truth",
+    "quad_allreduce",
+    "run_mask_on_cpu",
+    "run_quad_allreduce",
     "KV_TILE_CASES",
     "MMA_SYNC_SHARE",
     "ceiling_lines",

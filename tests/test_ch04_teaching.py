@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 from solutions import ch04_cpu_model as cm  # noqa: E402
 from solutions import ch04_flash_ampere as fa  # noqa: E402
 from solutions import ch04_teaching as t4  # noqa: E402
+from tests import device_exercise_mistakes as wrong  # noqa: E402
 from utils.results import Results  # noqa: E402
 
 TileConfig = fa.TileConfig
@@ -356,3 +357,73 @@ def test_ceiling_and_peer_lines_read_the_stored_runs():
     assert all("softmax costs" in line for line in lines[1:])
     peer = t4.cutlass_peer_lines(load("ch04_cutlass_peer"))
     assert any(line.startswith("non-causal, randn: sdpa_flash") for line in peer)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercises 04.4 and 04.5 (device code): the solutions pass; typical slips
+# (tests/device_exercise_mistakes.py) fail with words that name them.
+
+
+def test_quad_allreduce_solution_passes_and_a_loop_is_fine():
+    t4.check_quad_allreduce(t4.quad_allreduce)
+    t4.check_quad_allreduce(wrong.allreduce_in_a_loop)
+
+
+def test_quad_allreduce_model_is_a_butterfly_within_quads():
+    lanes = np.arange(32, dtype=np.float32)
+    got, calls = t4.run_quad_allreduce(t4.quad_allreduce, lanes, np.fmax)
+    assert calls == [("bfly", 2), ("bfly", 1)]
+    assert got.tolist() == [4 * (i // 4) + 3 for i in range(32)]
+
+
+@pytest.mark.parametrize("fn, words", [
+    (wrong.allreduce_eight_lanes, "you reduced over 8 lanes .*xor offsets 1 and 2 cover the 4 "
+                                  "lanes of a quad"),
+    (wrong.allreduce_one_step, "lanes agree in pairs"),
+    (wrong.allreduce_same_offset_twice, "repeat one"),
+    (wrong.allreduce_shift_down, "shuffle_sync_down"),
+    (wrong.allreduce_max_always, "op = sum.*apply `op`"),
+    (wrong.allreduce_no_return, "returned None"),
+])
+def test_quad_allreduce_check_names_the_mistake(fn, words):
+    with pytest.raises(AssertionError, match=words):
+        t4.check_quad_allreduce(fn)
+
+
+def test_mask_solution_passes():
+    t4.check_mask_scores(t4.mask_scores)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (wrong.mask_top_left, "aligned the diagonal to the top left"),
+    (wrong.mask_hides_diagonal, "also hid the diagonal"),
+    (wrong.mask_tile_coordinates, "tile's own coordinates"),
+    (wrong.mask_causal_only, "past seqlen_k = 67 do not exist"),
+    (wrong.mask_wrong_sign, "the wrong way"),
+    (wrong.mask_nothing, "nothing was set to -inf"),
+])
+def test_mask_check_names_the_mistake(fn, words):
+    with pytest.raises(AssertionError, match=words):
+        t4.check_mask_scores(fn)
+
+
+def test_device_exercise_stubs_are_not_done_not_a_crash():
+    with pytest.raises(NotImplementedError):
+        t4.check_mask_scores(wrong.mask_not_done)
+
+
+def test_mask_truth_is_the_kernels_contract():
+    # seqlen_q=2, seqlen_k=4: query i sees keys j <= i + 2 (bottom-right), none past 3
+    m = t4.mask_truth([(2, 4, 0, 0)], 2, 8, causal=True)[0]
+    assert np.isinf(m).tolist() == [[j > i + 2 for j in range(8)] for i in range(2)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_device_exercise_kernels_compile_for_sm80(causal):
+    from utils.compile_only import compile_for, fake_stream, fake_tensor
+
+    h = t4.MaskHarness(t4.mask_scores, causal)
+    out = fake_tensor(t4.cutlass.Float32, (None, h.m_block, h.n_block), align=4)
+    cases = fake_tensor(t4.cutlass.Int32, (None, 4), align=4)
+    compile_for("sm_80", h, out, cases, fake_stream())
+    assert t4.QuadReduce().compile("sm_80").count("shfl.sync.bfly") == 4
