@@ -159,3 +159,137 @@ def mask_nothing(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, causal: cutlass.Co
 @cute.jit
 def mask_not_done(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, causal: cutlass.Constexpr):
     raise NotImplementedError("exercise: replace this line with your code")
+
+
+# ----------------------------------------------------------------------------------------------
+# 05.4: the producer's K/V loop
+
+
+def _load(pipe, state, atom, tg, ts, tile):
+    pipe.producer_acquire(state)
+    cute.copy(atom, tg[None, tile], ts[None, state.index],
+              tma_bar_ptr=pipe.producer_get_barrier(state))
+    state.advance()
+
+
+@cute.jit
+def load_all_k_then_v(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
+                      tKgK, tKsK, tVgV, tVsV, n_tiles):
+    for i in cutlass.range(n_tiles, unroll=1):
+        _load(pipeline_k, state_k, tma_atom_k, tKgK, tKsK, n_tiles - 1 - i)
+    for i in cutlass.range(n_tiles, unroll=1):
+        _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, n_tiles - 1 - i)
+
+
+@cute.jit
+def load_v_first_in_each_turn(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k,
+                              tma_atom_v, tKgK, tKsK, tVgV, tVsV, n_tiles):  # right, too
+    # written out in the loop body: a state advanced inside a helper function is not carried
+    # through the DSL's loop (see test_a_helper_that_advances_the_state_is_named)
+    if n_tiles > 0:
+        pipeline_k.producer_acquire(state_k)
+        cute.copy(tma_atom_k, tKgK[None, n_tiles - 1], tKsK[None, state_k.index],
+                  tma_bar_ptr=pipeline_k.producer_get_barrier(state_k))
+        state_k.advance()
+        for i in cutlass.range(n_tiles - 1, unroll=1):
+            pipeline_v.producer_acquire(state_v)
+            cute.copy(tma_atom_v, tVgV[None, n_tiles - 1 - i], tVsV[None, state_v.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(state_v))
+            state_v.advance()
+            pipeline_k.producer_acquire(state_k)
+            cute.copy(tma_atom_k, tKgK[None, n_tiles - 2 - i], tKsK[None, state_k.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(state_k))
+            state_k.advance()
+        pipeline_v.producer_acquire(state_v)
+        cute.copy(tma_atom_v, tVgV[None, 0], tVsV[None, state_v.index],
+                  tma_bar_ptr=pipeline_v.producer_get_barrier(state_v))
+
+
+@cute.jit
+def load_with_a_helper(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
+                       tKgK, tKsK, tVgV, tVsV, n_tiles):  # the right order, but see above
+    if n_tiles > 0:
+        _load(pipeline_k, state_k, tma_atom_k, tKgK, tKsK, n_tiles - 1)
+        for i in cutlass.range(n_tiles - 1, unroll=1):
+            _load(pipeline_k, state_k, tma_atom_k, tKgK, tKsK, n_tiles - 2 - i)
+            _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, n_tiles - 1 - i)
+        _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, 0)
+
+
+@cute.jit
+def load_in_ascending_order(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
+                            tKgK, tKsK, tVgV, tVsV, n_tiles):
+    if n_tiles > 0:
+        _load(pipeline_k, state_k, tma_atom_k, tKgK, tKsK, 0)
+        for i in cutlass.range(n_tiles - 1, unroll=1):
+            _load(pipeline_k, state_k, tma_atom_k, tKgK, tKsK, i + 1)
+            _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, i)
+        _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, n_tiles - 1)
+
+
+@cute.jit
+def load_without_acquire(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
+                         tKgK, tKsK, tVgV, tVsV, n_tiles):
+    for i in cutlass.range(n_tiles, unroll=1):
+        cute.copy(tma_atom_k, tKgK[None, n_tiles - 1 - i], tKsK[None, state_k.index],
+                  tma_bar_ptr=pipeline_k.producer_get_barrier(state_k))
+        state_k.advance()
+        cute.copy(tma_atom_v, tVgV[None, n_tiles - 1 - i], tVsV[None, state_v.index],
+                  tma_bar_ptr=pipeline_v.producer_get_barrier(state_v))
+        state_v.advance()
+
+
+@cute.jit
+def load_without_advance(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
+                         tKgK, tKsK, tVgV, tVsV, n_tiles):
+    if n_tiles > 0:
+        pipeline_k.producer_acquire(state_k)
+        cute.copy(tma_atom_k, tKgK[None, n_tiles - 1], tKsK[None, state_k.index],
+                  tma_bar_ptr=pipeline_k.producer_get_barrier(state_k))
+        for i in cutlass.range(n_tiles - 1, unroll=1):
+            pipeline_k.producer_acquire(state_k)
+            cute.copy(tma_atom_k, tKgK[None, n_tiles - 2 - i], tKsK[None, state_k.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(state_k))
+            _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, n_tiles - 1 - i)
+        _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, 0)
+
+
+@cute.jit
+def load_barrier_after_advance(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k,
+                               tma_atom_v, tKgK, tKsK, tVgV, tVsV, n_tiles):
+    if n_tiles > 0:
+        _load(pipeline_k, state_k, tma_atom_k, tKgK, tKsK, n_tiles - 1)
+        for i in cutlass.range(n_tiles - 1, unroll=1):
+            _load(pipeline_k, state_k, tma_atom_k, tKgK, tKsK, n_tiles - 2 - i)
+            pipeline_v.producer_acquire(state_v)
+            slot = state_v.index
+            state_v.advance()
+            cute.copy(tma_atom_v, tVgV[None, n_tiles - 1 - i], tVsV[None, slot],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(state_v))
+        _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, 0)
+
+
+@cute.jit
+def load_forgets_last_v(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
+                        tKgK, tKsK, tVgV, tVsV, n_tiles):
+    if n_tiles > 0:
+        _load(pipeline_k, state_k, tma_atom_k, tKgK, tKsK, n_tiles - 1)
+        for i in cutlass.range(n_tiles - 1, unroll=1):
+            _load(pipeline_k, state_k, tma_atom_k, tKgK, tKsK, n_tiles - 2 - i)
+            _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, n_tiles - 1 - i)
+
+
+@cute.jit
+def load_without_guard(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
+                       tKgK, tKsK, tVgV, tVsV, n_tiles):
+    _load(pipeline_k, state_k, tma_atom_k, tKgK, tKsK, n_tiles - 1)
+    for i in cutlass.range(n_tiles - 1, unroll=1):
+        _load(pipeline_k, state_k, tma_atom_k, tKgK, tKsK, n_tiles - 2 - i)
+        _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, n_tiles - 1 - i)
+    _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, 0)
+
+
+@cute.jit
+def load_not_done(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
+                  tKgK, tKsK, tVgV, tVsV, n_tiles):
+    raise NotImplementedError("exercise: replace this line with your code")

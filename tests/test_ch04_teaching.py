@@ -427,3 +427,10 @@ def test_the_device_exercise_kernels_compile_for_sm80(causal):
     cases = fake_tensor(t4.cutlass.Int32, (None, 4), align=4)
     compile_for("sm_80", h, out, cases, fake_stream())
     assert t4.QuadReduce().compile("sm_80").count("shfl.sync.bfly") == 4
+
+
+def test_a_compiled_answer_is_checked_as_written_the_second_time_too():
+    # compiling swaps a @cute.jit function's code for the preprocessed one; the lane model
+    # must still run the source as written
+    for _ in range(2):
+        t4.check_quad_allreduce(t4.quad_allreduce)

@@ -20,8 +20,19 @@ import contextlib
 
 
 def plain(fn):
-    """The undecorated Python function behind a ``@cute.jit`` function (or ``fn`` itself)."""
-    return getattr(fn, "__wrapped__", fn)
+    """The undecorated Python function behind a ``@cute.jit`` function (or ``fn`` itself).
+
+    Once compiled, the DSL swaps the function's code for its preprocessed version (loops and
+    branches become IR builders) and keeps the original as ``_original_code``; a fresh function
+    over that original code runs the source as written."""
+    import types
+
+    raw = getattr(fn, "__wrapped__", fn)
+    code = getattr(raw, "_original_code", None)
+    if code is None or code is raw.__code__:
+        return raw
+    return types.FunctionType(code, raw.__globals__, raw.__name__, raw.__defaults__,
+                              raw.__closure__)
 
 
 class _PyRange:

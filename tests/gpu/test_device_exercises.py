@@ -52,3 +52,13 @@ def test_mask_reference_on_gpu():
 def test_top_left_mask_is_wrong_on_gpu():
     ok, lines = t4.check_mask_on_gpu(wrong.mask_top_left)
     assert not ok, lines
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90): TMA, wgmma")
+@pytest.mark.parametrize("producer", ["reference", "v_first"])
+def test_producer_loop_inside_the_kernel_on_hopper(producer):
+    from solutions import ch05_teaching as t5
+
+    fn = t5.load_kv if producer == "reference" else wrong.load_v_first_in_each_turn
+    ok, lines = t5.check_load_kv_on_gpu(fn)
+    assert ok, "\n".join(lines)
