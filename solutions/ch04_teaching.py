@@ -13,7 +13,8 @@ run time, never copied; layouts and KV tile ranges come from the kernel's own co
 - bank conflicts of one ldmatrix read in the kernel's padded and swizzled shared memory;
 - the causal tile map from the kernel's ``kv_tile_range``;
 - the instruction mix of one KV step in the SASS, and the Hopper ceilings it implies;
-- stored results: the forward benchmark, the target verdict, the tile sweep;
+- stored results: the forward benchmark and how it stands against its peers, the tile sweep and
+  what each knob did, the Nsight Compute profile;
 - exercises 04.1 (registers of a tile), 04.2 (which thread holds S[r, c]), 04.3 (which KV tiles
   a causal CTA visits and masks).
 """
@@ -687,28 +688,167 @@ def plot_fwd(res, title: str = "Forward, bf16, 16 heads, batch x seqlen = 16384"
     return ax
 
 
-TARGET = {"ratio": 1.1, "baseline": "sdpa_flash", "d": 128, "s": 16384, "causal": False}
+STANDING = {"d": 128, "s": 16384, "causal": False}  # the chapter's headline shape
 
 
-def target_verdict(res, impl: str = "flash_ampere", **target) -> str:
-    """One plain sentence: the issue's target (1.1x SDPA's flash backend at D=128, S=16384,
-    non-causal) against a run where both were measured together (a Results or its rows)."""
-    t = {**TARGET, **target}
-    rows, name = getattr(res, "rows", res), getattr(res, "name", "this run")
-    where = {"d": t["d"], "s": t["s"], "causal": t["causal"], "pass": "fwd"}
-    found = {}
-    for who in (impl, t["baseline"]):
-        match = [r for r in rows
-                 if r.get("impl") == who and all(r.get(k) == v for k, v in where.items())]
-        if len(match) != 1 or not match[0].get("tflops"):
-            return f"target cannot be judged from {name}: {len(match)} timed rows of {who}"
-        found[who] = match[0]
-    ours, base = found[impl], found[t["baseline"]]
-    ratio = ours["tflops"] / base["tflops"]
-    verdict = "MET" if ratio >= t["ratio"] else "NOT met"
-    return (f"target {t['ratio']:g}x {t['baseline']} at D={t['d']}, S={t['s']}, "
-            f"{'causal' if t['causal'] else 'non-causal'}: {impl} {ours['tflops']:.0f} TFLOP/s, "
-            f"{t['baseline']} {base['tflops']:.0f} in the same run = {ratio:.2f}x -> {verdict}")
+def standing_lines(res, impl: str = "flash_ampere", baseline: str = "sdpa_flash") -> list[str]:
+    """``impl`` against ``baseline`` for every (D, S, causal) that a run timed both at (a
+    Results or its rows): TFLOP/s and the ratio, from the same run only."""
+    rows = [r for r in getattr(res, "rows", res) if r.get("pass", "fwd") == "fwd"]
+    shapes = sorted({(r["d"], r["s"], r["causal"]) for r in rows if r.get("impl") == impl},
+                    key=lambda k: (-k[0], -k[1], k[2]))
+    lines = []
+    for d, s_, causal in shapes:
+        pick = {who: next((r for r in rows if r.get("impl") == who and r["d"] == d
+                           and r["s"] == s_ and r["causal"] == causal and r.get("tflops")), None)
+                for who in (impl, baseline)}
+        if None in pick.values():
+            continue
+        ours, base = pick[impl]["tflops"], pick[baseline]["tflops"]
+        lines.append(f"D={d:3d} S={s_:5d} {'causal    ' if causal else 'non-causal'}: {impl} "
+                     f"{ours:4.0f} TFLOP/s, {baseline} {base:4.0f}: {ours / base:.2f}x")
+    if not lines:
+        return [f"{getattr(res, 'name', 'this run')} has no shape where both {impl} and "
+                f"{baseline} were timed"]
+    ahead = sum(float(ln.rsplit(": ", 1)[1].rstrip("x")) > 1 for ln in lines)
+    lines.append(f"{impl} runs ahead of {baseline} at {ahead} of the {len(lines)} shapes")
+    return lines
+
+
+def mma_sync_rate_lines(micro) -> list[str]:
+    """The stored mma.sync microbenchmark against wgmma's rate (chapter 00's 4096 FLOP/clk/SM),
+    and MMA_SYNC_SHARE, the rounded share the models of this chapter use."""
+    per_clk = micro.one(metric="mma_sync_flop_per_clk_sm")["value"]
+    wgmma = PER_SM["sm_90"].mma_flops_per_clk
+    return [f"mma.sync measured: {per_clk:.0f} FLOP/clk/SM, wgmma's rate {wgmma}: mma.sync runs "
+            f"at {per_clk / wgmma:.2f} of it, wgmma {wgmma / per_clk:.2f}x as fast "
+            f"({micro.label})",
+            f"t4.MMA_SYNC_SHARE = {MMA_SYNC_SHARE:g} (the models below use it)"]
+
+
+def _median(values):
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+LEVEL = 0.03  # two kernels within 3% of each other in one run are "level" (peer_lines)
+
+
+def peer_lines(res, ours: str = "flash_ampere", peer: str = "cutlass_example_128x64",
+               portable: str = "flash_ampere_portable") -> list[str]:
+    """The stored ch04_cutlass_peer run (medians over rounds): ours against CUTLASS's example
+    (with a verdict: level within LEVEL, or who is ahead) and against the portable (sm_80-safe)
+    default tile, per (causal, data)."""
+    groups = dict.fromkeys((r["causal"], r["data"]) for r in res.rows)
+    lines = []
+    for causal, data in groups:
+        med = {}
+        for impl in (ours, peer, portable):
+            vals = [r["tflops"] for r in res.rows if (r["causal"], r["data"]) == (causal, data)
+                    and r["impl"] == impl and r.get("tflops")]
+            if vals:
+                med[impl] = _median(vals)
+        if ours not in med:
+            continue
+        what = f"{'causal' if causal else 'non-causal'}, {data}:"
+        parts = []
+        if peer in med:
+            ratio = med[ours] / med[peer]
+            verdict = ("level" if abs(ratio - 1) < LEVEL else
+                       "ours ahead" if ratio > 1 else "CUTLASS's ahead")
+            parts.append(f"{ours} / CUTLASS's example = {ratio:.3f} ({verdict})")
+        if portable in med:
+            parts.append(f"{ours} / the portable tile = {med[ours] / med[portable]:.3f}")
+        lines.append(f"{what:24s} " + "; ".join(parts))
+    return lines
+
+
+def run_spread(*results, impl: str = "flash_ampere", **at) -> dict | None:
+    """The same kernel at the same shape in several stored runs (the default tile of each, on
+    random inputs): the lowest and highest TFLOP/s, their spread (a fraction), how many timings
+    from which files. None with fewer than two timings. The yardstick for small differences."""
+    at = {**STANDING, **at}
+    seen = []
+    for res in results:
+        if res is None:
+            continue
+        for r in res.rows:
+            if (r.get("impl") == impl and r.get("tflops") and r.get("pass", "fwd") == "fwd"
+                    and all(r.get(k) == v for k, v in at.items()) and r.get("default", True)
+                    and r.get("data", "randn") == "randn"):
+                seen.append((r["tflops"], res.name))
+    if len(seen) < 2:
+        return None
+    lo, hi = min(seen)[0], max(seen)[0]
+    return {"lo": lo, "hi": hi, "spread": hi / lo - 1, "timings": len(seen),
+            "files": sorted({n for _, n in seen}), "impl": impl, **at}
+
+
+def spread_line(spread: dict | None) -> str:
+    if spread is None:
+        return "fewer than two runs of the same kernel and shape are stored"
+    return (f"{spread['impl']} at D={spread['d']}, S={spread['s']}, "
+            f"{'causal' if spread['causal'] else 'non-causal'}, {spread['timings']} timings in "
+            f"{', '.join(spread['files'])}: {spread['lo']:.0f} to {spread['hi']:.0f} TFLOP/s, a "
+            f"spread of {spread['spread']:.1%}")
+
+
+def _sweep_row(rows, d, causal, impl="flash_ampere", **tile):
+    base = {"m_block": 128, "n_block": 64, "num_threads": 128, "num_stages": 1,
+            "smem_layout": "swizzled", "qk_unroll": 2, "skip_rescale": False, **tile}
+    return next((r for r in rows if r.get("impl") == impl and r["d"] == d
+                 and r["causal"] == causal and r.get("tflops")
+                 and all(r.get(k) == v for k, v in base.items())), None)
+
+
+def sweep_findings(res, spread: float | None = None) -> list[str]:
+    """What the stored sweep says about each knob, one line each, computed from its rows:
+    A vs B in TFLOP/s and their ratio, with A's spills. ``spread`` (a fraction, from
+    ``spread_lines``'s runs) marks ratios too small to tell from run-to-run noise."""
+    rows = res.rows
+    out = []
+
+    def spills(r):
+        n = r.get("spill_instructions")
+        return "spill-free" if n == 0 else (f"{n} spill instructions" if n else "spills unknown")
+
+    def compare(what, d, causal, a, b):
+        ra, rb = _sweep_row(rows, d, causal, **a), _sweep_row(rows, d, causal, **b)
+        if ra is None or rb is None:
+            return
+        ratio = ra["tflops"] / rb["tflops"]
+        noise = (" (within the run-to-run spread)" if spread is not None
+                 and abs(ratio - 1) <= spread else "")
+        out.append(f"D={d} {'causal' if causal else 'non-causal'}, {what}: {ra['tflops']:.0f} vs "
+                   f"{rb['tflops']:.0f} TFLOP/s = {ratio:.2f}x{noise}; {spills(ra)}")
+
+    compare("QK^T fully unrolled (4 slices per trip) vs 1 slice", 64, False,
+            {"qk_unroll": 4}, {"qk_unroll": 1})
+    compare("4 slices per trip vs 2", 128, False, {"qk_unroll": 4}, {"qk_unroll": 2})
+    compare("2 stages vs 1, 4 slices per trip", 128, False,
+            {"qk_unroll": 4, "num_stages": 2}, {"qk_unroll": 4})
+    compare("2 stages, 4 slices vs the portable default (1 stage, 2 slices)", 128, False,
+            {"qk_unroll": 4, "num_stages": 2}, {})
+    two = _sweep_row(rows, 128, False, qk_unroll=4, num_stages=2)
+    if two is not None and two.get("sdpa_flash_tflops"):
+        out.append(f"D=128 non-causal, 2 stages and 4 slices vs SDPA's flash backend in the "
+                   f"same sweep: {two['tflops'] / two['sdpa_flash_tflops']:.2f}x")
+    compare("4 slices, 1 stage vs the portable default", 128, True, {"qk_unroll": 4}, {})
+    compare("2 stages vs 1, 4 slices per trip", 128, True,
+            {"qk_unroll": 4, "num_stages": 2}, {"qk_unroll": 4})
+    compare("3 stages vs 2, 4 slices per trip", 128, False,
+            {"qk_unroll": 4, "num_stages": 3}, {"qk_unroll": 4, "num_stages": 2})
+    compare("skip_rescale vs the same tile without it", 128, False,
+            {"qk_unroll": 4, "num_stages": 2, "skip_rescale": True},
+            {"qk_unroll": 4, "num_stages": 2})
+    compare("KV tile 128 x 64 vs 128 x 32", 128, False, {}, {"n_block": 32})
+    compare("QK^T fully unrolled (8 slices) vs 4 slices", 128, False,
+            {"qk_unroll": 8}, {"qk_unroll": 4})
+    compare("8 warps (256 x 64) vs 4 warps (128 x 64)", 128, False,
+            {"m_block": 256, "num_threads": 256}, {})
+    compare("padded vs swizzled shared memory", 128, False, {"smem_layout": "padded"}, {})
+    return out
 
 
 row_config = fa.config_from_row  # the TileConfig a sweep row was measured with
@@ -820,6 +960,33 @@ def profile_lines(res, stalls: int = 6) -> list[str]:
         if row is not None:
             lines.append(f"  {what:58s} {row['value']:8.0f}")
     return lines
+
+
+def profile_reading(res) -> list[str]:
+    """The stored profile read as sentences, each number next to what it means (verdicts are
+    computed from the numbers, so a new profile cannot leave an old sentence behind)."""
+    by = {r["metric"]: r["value"] for r in res.rows}
+    out = []
+    if "tensor_pipe_active_pct" in by and "issue_slots_busy_pct" in by:
+        busy, issue = by["tensor_pipe_active_pct"], by["issue_slots_busy_pct"]
+        verdict = ("neither is saturated" if max(busy, issue) < 80
+                   else "one of them is close to its limit")
+        out.append(f"tensor pipe busy {busy:.0f}% of the cycles, issue slots used {issue:.0f}%: "
+                   f"{verdict}")
+    if "warp_time_at_mma_sync_pct" in by:
+        line = f"a warp spends {by['warp_time_at_mma_sync_pct']:.0f}% of its time at an mma.sync"
+        extra = [f"{by[k]:.0f}% of its '{name}' samples" for k, name in
+                 (("stall_wait_samples_at_mma_sync_pct", "wait"),
+                  ("stall_short_sb_samples_at_mma_sync_pct", "short_scoreboard")) if k in by]
+        out.append(line + (" (and " + " and ".join(extra) + " sit there)" if extra else ""))
+    parts = [(p, by.get(f"warp_time_{p}_pct")) for p in ("loop_head", "qk", "softmax", "pv")]
+    if all(v is not None for _, v in parts):
+        names = {"loop_head": "loop head", "qk": "S = QK^T", "softmax": "softmax",
+                 "pv": "O += PV"}
+        ranked = sorted(parts, key=lambda kv: -kv[1])
+        out.append("by part of the KV loop, largest first: "
+                   + ", ".join(f"{names[p]} {v:.0f}%" for p, v in ranked))
+    return out
 
 
 def cutlass_peer_lines(res) -> list[str]:
@@ -1376,6 +1543,7 @@ __all__ = [
     "ceiling_lines",
     "cutlass_peer_lines",
     "profile_lines",
+    "profile_reading",
     "REGISTER_LIMIT",
     "SM_LIMITS",
     "TILE_KINDS",
@@ -1415,7 +1583,12 @@ __all__ = [
     "source",
     "source_between",
     "sweep_lines",
-    "target_verdict",
+    "mma_sync_rate_lines",
+    "peer_lines",
+    "run_spread",
+    "spread_line",
+    "standing_lines",
+    "sweep_findings",
     "tflops_groups",
     "tile_counts",
     "tile_map",

@@ -236,12 +236,52 @@ def _row(impl, tflops, **kw):
             "causal": False, "ms": 1.0, "tflops": tflops, **kw}
 
 
-def test_target_verdict():
-    met = _results([_row("flash_ampere", 120.0), _row("sdpa_flash", 100.0)])
-    assert t4.target_verdict(met).endswith("1.20x -> MET")
-    missed = [_row("flash_ampere", 100.0), _row("sdpa_flash", 100.0)]
-    assert t4.target_verdict(missed).endswith("1.00x -> NOT met")  # plain rows work too
-    assert "cannot be judged" in t4.target_verdict(_results([_row("flash_ampere", 1.0)]))
+def test_standing_lines_compare_within_one_run():
+    res = _results([_row("flash_ampere", 120.0), _row("sdpa_flash", 100.0),
+                    _row("flash_ampere", 90.0, d=64), _row("sdpa_flash", 100.0, d=64)])
+    lines = t4.standing_lines(res)
+    assert lines[0].endswith("1.20x") and lines[1].endswith("0.90x")
+    assert lines[-1] == "flash_ampere runs ahead of sdpa_flash at 1 of the 2 shapes"
+    assert "no shape" in t4.standing_lines([_row("flash_ampere", 1.0)])[0]
+
+
+def test_peer_lines_take_medians_and_say_level():
+    rows = [_row(impl, t, data="randn", round=r) for r, (a, b, c) in
+            enumerate([(100.0, 101.0, 90.0), (104.0, 99.0, 91.0), (102.0, 150.0, 92.0)])
+            for impl, t in (("flash_ampere", a), ("cutlass_example_128x64", b),
+                            ("flash_ampere_portable", c))]
+    (line,) = t4.peer_lines(_results(rows))
+    assert "= 1.010 (level)" in line and "the portable tile = 1.121" in line
+    ahead = [r if r["impl"] != "cutlass_example_128x64" else {**r, "tflops": 50.0} for r in rows]
+    assert "(ours ahead)" in t4.peer_lines(_results(ahead))[0]
+
+
+def test_run_spread_and_sweep_findings():
+    tile = {"m_block": 128, "n_block": 64, "num_threads": 128, "smem_layout": "swizzled",
+            "skip_rescale": False, "spill_instructions": 0}
+    sweep = _results([
+        _row("flash_ampere", 100.0, **tile, num_stages=1, qk_unroll=2, default=False),
+        _row("flash_ampere", 102.0, **tile, num_stages=1, qk_unroll=4, default=False),
+        _row("flash_ampere", 110.0, **tile, num_stages=2, qk_unroll=4, default=True,
+             sdpa_flash_tflops=100.0),
+    ], name="ch04_sweep")
+    fwd = _results([_row("flash_ampere", 106.0)], name="ch04_fwd")
+    spread = t4.run_spread(fwd, sweep)
+    assert spread["lo"] == 106.0 and spread["hi"] == 110.0 and spread["timings"] == 2
+    assert "a spread of 3.8%" in t4.spread_line(spread)
+    text = "\n".join(t4.sweep_findings(sweep, spread["spread"]))
+    assert "4 slices per trip vs 2: 102 vs 100 TFLOP/s = 1.02x (within the run-to-run" in text
+    assert "2 stages vs 1, 4 slices per trip: 110 vs 102 TFLOP/s = 1.08x; spill-free" in text
+    assert "vs SDPA's flash backend in the same sweep: 1.10x" in text
+    assert t4.run_spread(fwd) is None
+
+
+def test_profile_reading_computes_its_verdicts():
+    def res(busy, issue):
+        return _results([{"metric": "tensor_pipe_active_pct", "value": busy},
+                         {"metric": "issue_slots_busy_pct", "value": issue}])
+    assert t4.profile_reading(res(61.0, 40.0))[0].endswith("neither is saturated")
+    assert t4.profile_reading(res(95.0, 40.0))[0].endswith("close to its limit")
 
 
 def test_sweep_lines_use_stored_resources_and_ratios():
@@ -274,7 +314,7 @@ def test_stored_ch04_files_can_be_read():
     fwd = t4.load_stored("ch04_fwd")
     groups, series = t4.tflops_groups(fwd)
     assert "flash_ampere" in series and all(len(v) == len(groups) for v in series.values())
-    assert "->" in t4.target_verdict(fwd)
+    assert t4.standing_lines(fwd)[-1].startswith("flash_ampere runs ahead of sdpa_flash")
 
 
 # ---------------------------------------------------------------------------------------------
