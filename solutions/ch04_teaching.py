@@ -934,25 +934,11 @@ PROFILE_METRICS = (
 def profile_lines(res, stalls: int = 6) -> list[str]:
     """The stored Nsight Compute profile (solutions.ch04_profile): the counters of
     PROFILE_METRICS, then the ``stalls`` largest stall reasons in cycles per issued
-    instruction."""
+    instruction, and the shares of two stall reasons that sit at an mma.sync."""
+    from solutions.ch04_profile import format_profile
+
     by_metric = {r["metric"]: r for r in res.rows}
-    first = res.rows[0]
-    head = (f"{first['config']} at D={first['d']}, S={first['s']}, "
-            f"{'causal' if first['causal'] else 'non-causal'}")
-    if "sm_clock_ghz" in by_metric:
-        head += f"; SM clock held at {by_metric['sm_clock_ghz']['value']:.2f} GHz by ncu"
-    lines = [head]
-    for metric, what in PROFILE_METRICS:
-        if metric in by_metric:
-            v = by_metric[metric]["value"]
-            lines.append(f"  {what:58s} {v:8.2f}" if v % 1 else f"  {what:58s} {v:8.0f}")
-    stall_rows = sorted((r for r in res.rows if r["metric"].startswith("stall_")
-                         and not r["metric"].endswith("_pct")), key=lambda r: -r["value"])
-    if stall_rows:
-        total = sum(r["value"] for r in stall_rows)
-        lines.append(f"  cycles between two issues of a warp, by reason (sum {total:.2f}):")
-        for r in stall_rows[:stalls]:
-            lines.append(f"    {r['metric'][6:]:26s} {r['value']:5.2f}")
+    lines = format_profile(res, PROFILE_METRICS, stalls)
     for reason, what in (("wait", "'wait' samples at an mma.sync (its issue gap) %"),
                          ("short_sb", "'short_scoreboard' samples at an mma.sync (its "
                                       "ldmatrix) %")):

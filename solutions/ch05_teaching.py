@@ -87,6 +87,95 @@ def plot_tflops(res, title: str, course=("flash_hopper",), ax=None):
     return ax
 
 
+# What profile_lines prints of solutions.ch05_profile's file, in order: (metric, what it is).
+PROFILE_METRICS = (
+    ("tensor_pipe_gmma_active_pct", "tensor pipe busy with wgmma (share of cycles, %)"),
+    ("tensor_pipe_active_pct", "tensor pipe busy, the mma.sync counter (%)"),
+    ("issue_slots_busy_pct", "issue slots used (%)"),
+    ("achieved_warps_per_scheduler", "warps per scheduler (achieved)"),
+    ("registers_per_thread", "registers per thread at launch"),
+    ("ctas_per_sm_limit_registers", "CTAs per SM the registers allow"),
+    ("ctas_per_sm_limit_shared_mem", "CTAs per SM the shared memory allows"),
+    ("warp_time_producer_pct", "warp time: producer warp %"),
+    ("warp_time_consumer_pct", "warp time: consumer warps %"),
+    ("producer_time_mbarrier_wait_pct", "producer: at its mbarrier waits (a free slot) %"),
+    ("producer_time_tma_issue_pct", "producer: issuing TMA loads %"),
+    ("consumer_time_mbarrier_wait_pct", "consumers: at mbarrier waits (a tile to land) %"),
+    ("consumer_time_wgmma_wait_pct", "consumers: at wgmma waits (wait_group) %"),
+    ("consumer_time_named_barrier_wait_pct", "consumers: at named barriers (turns, epilogue) %"),
+    ("consumer_time_wgmma_issue_pct", "consumers: issuing wgmma %"),
+    ("consumer_time_exp2_pct", "consumers: exponentials (MUFU.EX2) %"),
+    ("consumer_turn_turn_head_pct", "consumers' steady turn: K/V waits, loop head %"),
+    ("consumer_turn_issue_gemms_pct", "consumers' steady turn: issue S and P V %"),
+    ("consumer_turn_wait_s_pct", "consumers' steady turn: wait for S (wait_group 1) %"),
+    ("consumer_turn_softmax_under_pv_pct", "consumers' steady turn: softmax while P V runs %"),
+    ("consumer_turn_wait_pv_pct", "consumers' steady turn: wait for P V (wait_group 0) %"),
+    ("consumer_turn_after_pv_pct", "consumers' steady turn: after P V (P to bf16, O rescale) %"),
+    ("consumer_time_outside_steady_turn_pct", "consumers: outside the steady turns %"),
+    ("wgmma_per_consumer_warp_per_step", "wgmma per consumer warp per KV step"),
+    ("other_instructions_per_consumer_warp_per_step",
+     "other instructions per consumer warp per KV step"),
+)
+
+
+def profile_lines(res, stalls: int = 6) -> list[str]:
+    """The stored Nsight Compute profile of chapter 05's kernel (solutions.ch05_profile): the
+    counters of PROFILE_METRICS, the largest stall reasons (cycles per issued instruction, all
+    warps), then the consumers' stall reasons by share of their samples."""
+    from solutions.ch04_profile import format_profile
+
+    lines = format_profile(res, PROFILE_METRICS, stalls)
+    mine = sorted((r for r in res.rows if r["metric"].startswith("consumer_stall_")),
+                  key=lambda r: -r["value"])
+    if mine:
+        lines.append("  consumers' samples by stall reason (%):")
+        for r in mine[:stalls]:
+            name = r["metric"][len("consumer_stall_"):-len("_samples_pct")]
+            lines.append(f"    {name:26s} {r['value']:5.1f}")
+    return lines
+
+
+def profile_reading(res) -> list[str]:
+    """The stored profile as sentences whose verdicts are computed from its numbers."""
+    by = {r["metric"]: r["value"] for r in res.rows}
+    out = []
+    busy = by.get("tensor_pipe_gmma_active_pct", by.get("tensor_pipe_active_pct"))
+    if busy is not None and "issue_slots_busy_pct" in by:
+        issue = by["issue_slots_busy_pct"]
+        verdict = ("the tensor pipe is the busier of the two" if busy > issue
+                   else "the issue slots are the busier of the two")
+        out.append(f"tensor pipe busy {busy:.0f}% of the cycles, issue slots {issue:.0f}%: "
+                   f"{verdict}")
+    waits = {k: by.get(f"consumer_time_{k}_wait_pct") for k in ("mbarrier", "wgmma",
+                                                                 "named_barrier")}
+    if all(v is not None for v in waits.values()):
+        total = sum(waits.values())
+        top = max(waits, key=waits.get)
+        out.append(f"the consumer warps spend {total:.0f}% of their sampled time at waits, most "
+                   f"at {top.replace('_', ' ')} waits ({waits[top]:.0f}%)")
+    parts = [(p, by.get(f"consumer_turn_{p}_pct")) for p in (
+        "turn_head", "issue_gemms", "wait_s", "softmax_under_pv", "wait_pv", "after_pv")]
+    if all(v is not None for _, v in parts):
+        names = {"turn_head": "K/V waits and loop head", "issue_gemms": "issuing S and P V",
+                 "wait_s": "waiting for S", "softmax_under_pv": "softmax under P V",
+                 "wait_pv": "waiting for P V", "after_pv": "after P V"}
+        ranked = sorted(parts, key=lambda kv: -kv[1])
+        out.append("the consumers' steady turn, largest part first: "
+                   + ", ".join(f"{names[p]} {v:.0f}%" for p, v in ranked))
+        under, after = by["consumer_turn_softmax_under_pv_pct"], by["consumer_turn_after_pv_pct"]
+        out.append(f"work between the two waits (under P V) {under:.0f}% against after P V "
+                   f"{after:.0f}%: " + ("more of the turn's time runs after P V than under it"
+                                        if after > under else
+                                        "more of the turn's time runs under P V than after it"))
+    if "producer_time_mbarrier_wait_pct" in by:
+        out.append(f"the producer warp sits at its empty-slot waits "
+                   f"{by['producer_time_mbarrier_wait_pct']:.0f}% of its time: "
+                   + ("the ring is full most of the time, loads are not the limit"
+                      if by["producer_time_mbarrier_wait_pct"] > 50 else
+                      "it is often busy issuing: the loads may be close to the limit"))
+    return out
+
+
 def knob_lines(res) -> list[str]:
     """The knob benchmark (``ch05_flash_hopper --bench``), grouped by (D, causal): TFLOP/s of
     each configuration and its ratio to that group's "default" row."""
