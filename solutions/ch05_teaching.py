@@ -176,24 +176,119 @@ def profile_reading(res) -> list[str]:
     return out
 
 
+def knob_name(row) -> str:
+    """A knob row's name as its setting: the "ping-pong" knob flips the default, so it reads
+    "ping-pong on" or "ping-pong off" after what the row really ran."""
+    name = row.get("config") or row.get("impl")
+    if name == "ping-pong" and "pingpong" in row:
+        return f"ping-pong {'on' if row['pingpong'] else 'off'}"
+    return name
+
+
+def _best_tflops(row):
+    """TFLOP/s of the fastest timed call (the row's ms_min), or None."""
+    if row.get("tflops") and row.get("ms") and row.get("ms_min"):
+        return row["tflops"] * row["ms"] / row["ms_min"]
+    return None
+
+
 def knob_lines(res) -> list[str]:
     """The knob benchmark (``ch05_flash_hopper --bench``), grouped by (D, causal): TFLOP/s of
-    each configuration and its ratio to that group's "default" row."""
+    each configuration (median of the timed calls) and its ratio to that group's "default" row,
+    by the median and by the fastest call."""
     lines = []
     groups = dict.fromkeys((r.get("d"), r.get("causal")) for r in res.rows)
     for d, causal in groups:
         rows = [r for r in res.rows if (r.get("d"), r.get("causal")) == (d, causal)]
-        base = next((r.get("tflops") for r in rows if r.get("config") == "default"), None)
-        lines.append(f"D={d} causal={causal}:")
+        base = next((r for r in rows if r.get("config") == "default" and r.get("tflops")), None)
+        default = ""
+        if base is not None:
+            default = (f" (default: {base.get('tile_m')} x {base.get('tile_n')}, ping-pong "
+                       f"{'on' if base.get('pingpong') else 'off'})")
+        lines.append(f"D={d} causal={causal}{default}:")
         for r in rows:
-            name = r.get("config") or r.get("impl")
             tile = f"{r.get('tile_m', '?')} x {r.get('tile_n', '?')}"
             if r.get("tflops") is None:
-                lines.append(f"    {name:28s} {tile:10s} not timed (verified: {r.get('verified')})")
+                lines.append(f"    {knob_name(r):24s} {tile:10s} not timed (verified: "
+                             f"{r.get('verified')})")
                 continue
-            ratio = f"{r['tflops'] / base:5.2f}x default" if base else ""
-            lines.append(f"    {name:28s} {tile:10s} {r['tflops']:6.0f} TFLOP/s  {ratio}")
+            ratio = ""
+            if base is not None:
+                ratio = f"{r['tflops'] / base['tflops']:5.2f}x default"
+                best, best_base = _best_tflops(r), _best_tflops(base)
+                if best and best_base:
+                    ratio += f" (fastest call: {best / best_base:4.2f}x)"
+            lines.append(f"    {knob_name(r):24s} {tile:10s} {r['tflops']:6.0f} TFLOP/s  {ratio}")
     return lines
+
+
+def default_spread(knobs, fwd, d: int = 128, s: int = 16384, causal: bool = False):
+    """The default configuration at (d, s, causal) in the knob run and in the benchmark run:
+    {"knobs", "fwd", "spread"} (spread = larger / smaller - 1), or None if either lacks it.
+    Two runs of the same kernel minutes apart: the yardstick for a knob's small effect."""
+    if knobs is None or fwd is None:
+        return None
+    k = next((r for r in knobs.rows if r.get("config") == "default" and r.get("d") == d
+              and r.get("s") == s and r.get("causal") == causal and r.get("tflops")), None)
+    f = next((r for r in fwd.rows if r.get("impl") == "flash_hopper" and r.get("d") == d
+              and r.get("s") == s and r.get("causal") == causal and r.get("tflops")), None)
+    if k is None or f is None:
+        return None
+    lo, hi = sorted((k["tflops"], f["tflops"]))
+    return {"knobs": k["tflops"], "fwd": f["tflops"], "spread": hi / lo - 1, "d": d, "s": s,
+            "causal": causal}
+
+
+def spread_line(spread) -> str:
+    if spread is None:
+        return "the knob run and the benchmark run do not share a default row to compare"
+    return (f"the default configuration at D={spread['d']}, S={spread['s']}, "
+            f"{'causal' if spread['causal'] else 'non-causal'}: {spread['knobs']:.0f} TFLOP/s in "
+            f"the knob run, {spread['fwd']:.0f} in the benchmark run: a spread of "
+            f"{spread['spread']:.0%} between two runs of the same kernel")
+
+
+def knob_effects(res, spread: float | None) -> list[str]:
+    """Each knob against its group's default, by the median and by the fastest call, with a
+    verdict: "faster" or "slower" only when both ratios clear ``spread`` (the run-to-run
+    yardstick, a fraction) in the same direction, else "not established"."""
+    out = []
+    margin = spread if spread is not None else 0.0
+    groups = dict.fromkeys((r.get("d"), r.get("causal")) for r in res.rows)
+    for d, causal in groups:
+        rows = [r for r in res.rows if (r.get("d"), r.get("causal")) == (d, causal)]
+        base = next((r for r in rows if r.get("config") == "default" and r.get("tflops")), None)
+        if base is None:
+            continue
+        for r in rows:
+            if r is base or not r.get("tflops"):
+                continue
+            med = r["tflops"] / base["tflops"]
+            best_r, best_b = _best_tflops(r), _best_tflops(base)
+            best = best_r / best_b if best_r and best_b else med
+            if med > 1 + margin and best > 1 + margin:
+                verdict = "faster"
+            elif med < 1 - margin and best < 1 - margin:
+                verdict = "slower"
+            else:
+                verdict = "not established"
+            out.append(f"D={d} {'causal' if causal else 'non-causal'}, {knob_name(r)}: median "
+                       f"{med:.2f}x, fastest call {best:.2f}x the default -> {verdict}")
+    return out
+
+
+def standing_lines(res, baseline: str = "sdpa_cudnn") -> list[str]:
+    """flash_hopper against ``baseline`` at every shape of one run (chapter 04's standing
+    lines), each with a verdict: level within 3%, ahead or behind."""
+    from solutions.ch04_teaching import LEVEL
+    from solutions.ch04_teaching import standing_lines as lines_of
+
+    out = []
+    for line in lines_of(res, "flash_hopper", baseline)[:-1]:
+        ratio = float(line.rsplit(": ", 1)[1].rstrip("x"))
+        verdict = "level" if abs(ratio - 1) < LEVEL else ("ahead" if ratio > 1 else "behind")
+        out.append(f"{line} ({verdict})")
+    return out
 
 
 # ================================================================================================
