@@ -1,5 +1,21 @@
-"""The finished FlashAttention-4 style kernel as a package with a PyTorch API.
+"""fa4_final: a FlashAttention-4 style attention kernel in CuTe DSL with a PyTorch API.
 
-Built in chapter 12; until then this package is empty on purpose (no stand-in API). It will
-stand alone: it imports neither ``utils`` nor ``solutions``.
+It stands alone (it imports neither the course's ``utils`` nor ``solutions``). Each module is
+taught in a chapter of the course:
+
+    interface    checks, dispatch by architecture, the torch entry points     chapters 08, 12
+    compile      one compile path from fake tensors; artifacts for compile-only  chapters 03, 08
+    config       frozen per-kernel configurations and tuned defaults            chapter 08
+    constants    LOG2_E, LN_2, warp sizes, dtype maps                           chapter 03
+    tiles        which key tiles a query tile visits; which need a mask         chapters 04, 08
+    mask         masking scores in registers                                    chapter 04
+    fragments    views of mma.sync / wgmma register fragments                   chapters 04, 05
+    softmax      the online softmax; exp2 emulation and rescale-threshold knobs  chapters 05-07
+    fast_math    2^x on the FMA units                                           chapter 06
+    scheduler    tile order and the persistent static schedule                  chapter 08
+    hopper.fwd   the warp-specialised ping-pong persistent forward (sm_90a)     chapter 08
 """
+
+from fa4_final.interface import attention, compile_only, forward, forward_into
+
+__all__ = ["attention", "compile_only", "forward", "forward_into"]

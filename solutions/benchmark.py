@@ -3,8 +3,11 @@
     python -m solutions.benchmark --versions flash_ampere --name ch04_fwd \
         --seqlens 4096 16384 --dims 128 --causal both
 
-Writes results/<gpu>/<name>.json (utils/results.py) and prints TFLOP/s with ratios to cuDNN.
-Course versions are interleaved with the peers shape by shape, so all see the same GPU state.
+Writes results/<gpu>/<name>.json (utils/results.py) and prints TFLOP/s with ratios to the
+fastest peer of each shape. Course versions and peers are timed in ``--rounds`` interleaved
+rounds shape by shape (utils.bench.interleaved: every implementation once per round), so all see
+the same GPU state; rows keep the median over rounds, each round's value, the spread and the SM
+clock of each round.
 """
 
 from __future__ import annotations
@@ -28,8 +31,13 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", nargs="+", default=["fwd"], choices=["fwd", "bwd"])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--rep", type=int, default=30)
+    ap.add_argument("--rep", type=int, default=30, help="timed calls per round")
+    ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS,
+                    help=f"interleaved rounds (at least {bench.MIN_ROUNDS})")
     args = ap.parse_args(argv)
+    if args.rounds < bench.MIN_ROUNDS:
+        ap.error(f"--rounds: at least {bench.MIN_ROUNDS}, so a round's spread can be told from "
+                 "an effect")
 
     if not torch.cuda.is_available():
         print("benchmark: needs a CUDA GPU", file=sys.stderr)
@@ -47,12 +55,20 @@ def main(argv=None) -> int:
     rows = []
     for pass_ in args.passes:
         run = {n: f for n, f in impls.items() if pass_ == "fwd" or n not in no_backward}
-        rows += bench.benchmark_attention(run, shapes, passes=(pass_,), dtype=dtype, rep=args.rep)
+        rows += bench.benchmark_attention(run, shapes, passes=(pass_,), dtype=dtype, rep=args.rep,
+                                          rounds=args.rounds)
     path = results.save(args.name, rows, command="python -m solutions.benchmark " + " ".join(
         argv if argv is not None else sys.argv[1:]))
     for pass_ in args.passes:
-        print(f"\n{pass_} TFLOP/s (ratio to sdpa_cudnn):")
-        print(bench.ratio_table(rows, "sdpa_cudnn", pass_))
+        print(f"\n{pass_}:")
+        print(bench.ratio_table(rows, None, pass_))
+    clocks = [r["sm_clock_mhz"] for r in rows if r.get("sm_clock_mhz")]
+    if clocks:
+        print(f"\nSM clock during the timed calls: {min(clocks):.0f}-{max(clocks):.0f} MHz "
+              f"({rows[0]['sensors']})")
+    else:
+        note = next((r.get("sensors_note") for r in rows if "sensors" in r), "nothing timed")
+        print(f"\nSM clock not read: {note}")
     for r in rows:
         if r.get("error"):
             print(f"  {r['impl']} D={r['d']} S={r['s']} causal={r['causal']}: {r['error']}")

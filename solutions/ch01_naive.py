@@ -11,7 +11,8 @@ score matrix are alive: ``predict_peak_bytes``, checked against ``measure_peak_b
 Chapter 02 never writes S or P at all.
 
 Measured against PyTorch's SDPA backends: ``results/<gpu>/peers.json`` (printed by the notebook,
-with where and when it was measured).
+with where and when it was measured). ``roofline`` judges a measured speed against the bytes it
+moves: at I FLOPs per byte and W bytes/s of memory bandwidth no kernel beats I * W FLOP/s.
 """
 
 from __future__ import annotations
@@ -147,6 +148,63 @@ def fused_floor_bytes(b, h, s_q, s_k, d, dtype=torch.bfloat16, heads_kv=None) ->
     hk = h if heads_kv is None else heads_kv
     e = _elem(dtype)
     return e * (2 * b * s_q * h * d + 2 * b * s_k * hk * d) + 4 * b * h * s_q
+
+
+@dataclass(frozen=True)
+class RooflinePoint:
+    """One measured run placed on the roofline: its FLOPs per byte and its speed."""
+
+    label: str
+    intensity: float  # FLOP per byte moved to and from memory
+    tflops: float  # measured
+    bound_tflops: float  # min(compute ceiling, intensity * bandwidth)
+    compute_tflops: float  # the compute ceiling
+
+    @property
+    def memory_bound(self) -> bool:
+        """Whether the bandwidth, not the compute ceiling, sets the bound."""
+        return self.bound_tflops < self.compute_tflops
+
+    @property
+    def of_bound(self) -> float:
+        """Measured speed as a fraction of what the roofline allows."""
+        return self.tflops / self.bound_tflops
+
+
+def roofline(label: str, flops: float, nbytes: float, ms: float, bandwidth: float,
+             compute_flops: float) -> RooflinePoint:
+    """Place a run of ``flops`` moving ``nbytes`` in ``ms`` under a roofline of ``bandwidth``
+    bytes/s and ``compute_flops`` FLOP/s: the best it could do is min(compute, I * bandwidth)."""
+    intensity = flops / nbytes
+    bound = min(compute_flops, intensity * bandwidth) / 1e12
+    return RooflinePoint(label, intensity, flops / (ms * 1e-3) / 1e12, bound,
+                         compute_flops / 1e12)
+
+
+def plot_roofline(points, bandwidths: dict, ceilings: dict, ax=None, title="Roofline"):
+    """Log-log FLOP/s against FLOP/byte: one sloped line per memory bandwidth (bytes/s), one
+    flat line per compute ceiling (FLOP/s), and the measured ``points``."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    ax = ax or plt.subplots(figsize=(8, 4.5))[1]
+    lo = min(p.intensity for p in points) / 4
+    hi = max(p.intensity for p in points) * 4
+    x = np.geomspace(lo, hi, 200)
+    top = max(ceilings.values())
+    for (name, w), style in zip(bandwidths.items(), ("-", "--", ":")):
+        ax.plot(x, np.minimum(x * w, top) / 1e12, style, color="black", lw=1,
+                label=f"{name}: {w / 1e12:.2f} TB/s")
+    for (name, c), style in zip(ceilings.items(), ("-", "--", ":")):
+        ax.axhline(c / 1e12, ls=style, color="gray", lw=1, label=f"{name}: {c / 1e12:.0f} TFLOP/s")
+    for p in points:
+        ax.plot(p.intensity, p.tflops, "o")
+        ax.annotate(p.label, (p.intensity, p.tflops), textcoords="offset points",
+                    xytext=(6, -10), fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="FLOP per byte of memory traffic",
+           ylabel="TFLOP/s", title=title)
+    ax.legend(fontsize=7, loc="lower right")
+    return ax
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,10 +29,12 @@ skips the rescale below tau = 8).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from utils.reference import attention_reference, check_attention_inputs, random_qkv
 
@@ -310,6 +312,47 @@ def plot_tile_grid(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, causa
     return ax
 
 
+def plot_work_partition(warps: int = 4, ax_split_k=None, ax_split_q=None):
+    """One CTA's S tile (its Q rows x the keys of one KV tile), coloured by the warp that computes
+    each part: FlashAttention-1 splits the keys between warps (every warp holds a piece of every
+    row, so row max, row sum and O must be combined across warps through shared memory);
+    FlashAttention-2 splits the query rows (a warp owns whole rows: its softmax and its O rows
+    need no other warp)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    if ax_split_k is None or ax_split_q is None:
+        _, (ax_split_k, ax_split_q) = plt.subplots(1, 2, figsize=(10, 3.6))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, split, title in ((ax_split_k, "k", "FlashAttention-1: warps split the keys"),
+                             (ax_split_q, "q", "FlashAttention-2: warps split the query rows")):
+        for w in range(warps):
+            x, y, wd, ht = (w / warps, 0, 1 / warps, 1) if split == "k" else (0, w / warps, 1,
+                                                                               1 / warps)
+            ax.add_patch(Rectangle((x, y), wd, ht, facecolor=colours[w % len(colours)],
+                                   alpha=0.55, edgecolor="black", lw=0.8))
+            ax.text(x + wd / 2, y + ht / 2, f"warp {w}", ha="center", va="center", fontsize=8)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(1, 0)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        note = ("row max, row sum, O: partial in every warp, combined through shared memory"
+                if split == "k" else "each row's max, sum and O in one warp: no cross-warp step")
+        ax.set_xlabel(f"keys of the KV tile\n{note}", fontsize=8)
+        ax.set_ylabel("query rows of the CTA")
+        ax.set_title(title, fontsize=9)
+        ax.grid(False)
+    return ax_split_k, ax_split_q
+
+
+def normalisation_work(seqlen_q: int, seqlen_k: int, dim: int, tile_n: int = 128) -> dict:
+    """Per (batch, head): the elements of O divided by the row sum, FlashAttention-1 style (O
+    kept normalised after every KV tile) against FlashAttention-2's deferred normalisation
+    (O unnormalised until the end, divided once)."""
+    n_kv = -(-seqlen_k // tile_n)
+    return {"fa1": n_kv * seqlen_q * dim, "fa2": seqlen_q * dim}
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Instrumentation: how often does the running max move?
 
@@ -387,7 +430,68 @@ def growth_by_tile(trace: MaxTrace) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Checkers: run the learner's piece inside the loop against the float64 reference
+# 5. Why the PyTorch loop is slow on a GPU: many small kernel launches
+#
+# Every ATen operator that produces new data runs at least one GPU kernel; views (slices,
+# transposes, expands) and bare allocations run none. The operators each tile step issues do
+# not depend on the batch, the heads or the tile size (every operator covers all heads of a
+# tile at once), so counting them on the CPU on tiny inputs counts the GPU launches.
+
+NO_KERNEL_OPS = frozenset({
+    "aten._unsafe_view.default", "aten.empty.memory_format", "aten.empty_strided.default",
+    "aten.promote_types.default", "aten.lift_fresh.default", "aten.detach.default",
+})
+
+
+class _KernelOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and str(func) not in NO_KERNEL_OPS:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_kernel_ops(fn, *args, **kwargs) -> Counter:
+    """The ATen operators ``fn(*args, **kwargs)`` runs that launch a kernel, by name."""
+    with torch.no_grad(), _KernelOps() as counter:
+        fn(*args, **kwargs)
+    return counter.ops
+
+
+@dataclass(frozen=True)
+class LaunchCount:
+    """Kernel-launching operators of ``attention_fa2`` (no mask): ``per_step`` for each
+    (Q tile, KV tile) pair, ``per_q_tile`` around each Q tile's inner loop, ``fixed`` per call."""
+
+    per_step: int
+    per_q_tile: int
+    fixed: int
+
+    def total(self, seqlen_q: int, seqlen_k: int, tile_m: int = 128, tile_n: int = 128) -> int:
+        n_q, n_kv = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+        return n_q * n_kv * self.per_step + n_q * self.per_q_tile + self.fixed
+
+
+def launch_count(dtype=torch.bfloat16) -> LaunchCount:
+    """Count on the CPU: total(n_q, n_kv) = per_step n_q n_kv + per_q_tile n_q + fixed, from
+    runs with (n_q, n_kv) = (1, 1), (1, 2) and (2, 1) tiles of 4 rows."""
+    def total(n_q, n_kv):
+        q, _, _, _ = random_qkv(1, 4 * n_q, 2, 8, dtype=dtype, seed=0)
+        _, k, v, _ = random_qkv(1, 4 * n_kv, 2, 8, dtype=dtype, seed=1)
+        ops = count_kernel_ops(attention_fa2, q, k, v, tile_m=4, tile_n=4)
+        return sum(ops.values())
+
+    t11, t12, t21 = total(1, 1), total(1, 2), total(2, 1)
+    per_step = t12 - t11
+    per_q_tile = t21 - t11 - per_step
+    return LaunchCount(per_step, per_q_tile, t11 - per_step - per_q_tile)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Checkers: run the learner's piece inside the loop against the float64 reference
 
 
 def _compare_with_reference(what: str, causal_cases=(False, True), **pieces) -> str | None:

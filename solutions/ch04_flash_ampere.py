@@ -1214,31 +1214,32 @@ class SoftmaxLeftOut(FlashAttentionAmpere):
             row_max[r] = Float32(0.0)
 
 
-def sweep(plan=None, seqlen=SWEEP_SEQLEN, heads=SWEEP_HEADS, rep=30, save=True) -> list[dict]:
+def sweep(plan=None, seqlen=SWEEP_SEQLEN, heads=SWEEP_HEADS, rep=30, save=True,
+          rounds=3) -> list[dict]:
     """Each (head_dim, causal, tile) of ``plan``: checked once against float64 on an awkward
     shape (fresh inputs, NaN-poisoned outputs), then timed at (batch, seqlen, heads) =
-    (16384 // seqlen, seqlen, heads) with utils.bench.time_cuda (L2 flushed, median of ``rep``).
+    (16384 // seqlen, seqlen, heads) in ``rounds`` interleaved rounds (utils.bench.interleaved:
+    every tile, the SoftmaxLeftOut ablations and the peers SDPA flash, cuDNN and the FA4
+    package on the same inputs, once per round; L2 flushed, median of ``rep`` calls per round).
     A tile that fails its check is not timed. Each row also records the registers, stack bytes
-    and spill instructions of the kernel that ran, and the SDPA flash backend (FlashAttention-2)
-    timed on the same inputs. Prints a table; saves SWEEP_RESULTS."""
+    and spill instructions of the kernel that ran, SDPA's flash backend (FlashAttention-2) and
+    the fastest peer of the same inputs (``sdpa_flash_tflops``, ``best_peer``). Prints a table;
+    saves SWEEP_RESULTS."""
+    from utils import bench as ub
     from utils import results
-    from utils.bench import attention_flops, peers, time_cuda
     from utils.reference import random_qkv
 
     plan = SWEEP_PLAN if plan is None else plan
     batch = max(1, 16384 // seqlen)
-    sdpa_flash = peers()["sdpa_flash"]
     arch = device_arch("cuda")
-    rows = []
+    rows, calls, flops_of = [], {}, {}
     for (head_dim, causal), configs in plan.items():
         configs = SWEEP_CONFIGS[head_dim] if configs is None else configs
         q, k, v, seed = random_qkv(batch, seqlen, heads, head_dim, device="cuda")
-        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
-        try:  # the yardstick of the chapter's target (1.1x SDPA flash), timed in the same run
-            peer = time_cuda(partial(sdpa_flash, q, k, v, causal), rep=rep).tflops(flops)
-        except Exception as exc:  # a missing backend must not cost the sweep
-            peer = None
-            print(f"SDPA flash backend failed at d={head_dim} causal={causal}: {exc!r}")
+        group = (head_dim, causal)
+        flops_of[group] = ub.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+        for peer, call in ub.peer_calls(q, k, v, causal).items():
+            calls[(group, ub.PEER_KEY, peer)] = call
         for config in configs:
             t0 = time.perf_counter()
             try:  # one broken tile must not cost the rest of a rare GPU session
@@ -1260,30 +1261,35 @@ def sweep(plan=None, seqlen=SWEEP_SEQLEN, heads=SWEEP_HEADS, rep=30, save=True) 
                 "ms": None, "tflops": None, **config.accumulator_registers(head_dim),
                 "registers": res and res.registers, "stack_bytes": res and res.frame_bytes,
                 "spill_instructions": res and res.spill_instructions,
-                "sdpa_flash_tflops": peer,
             }
+            rows.append(row)
             if ok:
-                timing = time_cuda(partial(attention, q, k, v, causal, config=config), rep=rep)
-                row.update(ms=timing.median_ms, tflops=timing.tflops(flops),
-                           ms_min=timing.min_ms, reps=timing.reps)
+                calls[(group, config_label(config))] = partial(attention, q, k, v, causal,
+                                                               config=config)
             else:
                 print(line, flush=True)
-            rows.append(row)
             print(f"  {'ok  ' if ok else 'FAIL'} d={head_dim} causal={causal} {tile_name(row)}: "
-                  f"{row['tflops'] or 0:.1f} TFLOP/s [{time.perf_counter() - t0:.1f} s]",
-                  flush=True)
+                  f"checked [{time.perf_counter() - t0:.1f} s]", flush=True)
             if (head_dim, causal) == (128, False) and config in ABLATION_CONFIGS:
                 out = torch.empty_like(q)
                 lse = torch.empty(batch, heads, seqlen, dtype=torch.float32, device="cuda")
-                timing = time_cuda(partial(_launch, q, k, v, out, lse, causal, None, config,
-                                           SoftmaxLeftOut), rep=rep)
+                calls[(group, config_label(config), ABLATION_IMPL)] = partial(
+                    _launch, q, k, v, out, lse, causal, None, config, SoftmaxLeftOut)
                 rows.append({**row, "impl": ABLATION_IMPL, "verified": None, "default": False,
-                             "portable_default": False,
-                             "registers": None, "stack_bytes": None, "spill_instructions": None,
-                             "ms": timing.median_ms, "tflops": timing.tflops(flops),
-                             "ms_min": timing.min_ms, "reps": timing.reps})
-                print(f"       the same tile without its softmax: {rows[-1]['tflops']:.1f} "
-                      "TFLOP/s", flush=True)
+                             "portable_default": False, "registers": None, "stack_bytes": None,
+                             "spill_instructions": None})
+    measured = ub.interleaved(calls, rounds=rounds, rep=rep,
+                              progress=lambda line: print("  " + line, flush=True))
+    for row in rows:
+        group = (row["d"], row["causal"])
+        peers = {key[2]: m for key, m in measured.items()
+                 if key[0] == group and key[1:2] == (ub.PEER_KEY,)}
+        key = (group, tile_name(row)) + ((ABLATION_IMPL,) if row["impl"] == ABLATION_IMPL else ())
+        if row["verified"] is not False and key in measured:
+            row.update(measured[key].fields(flops_of[group]))
+        row.update(ub.peer_fields(peers, flops_of[group]))
+        # the chapter's yardstick, FlashAttention-2, under the name older sweeps used
+        row["sdpa_flash_tflops"] = row["peers_tflops"].get("sdpa_flash")
     print(format_sweep(rows), flush=True)
     if save:
         path = results.save(SWEEP_RESULTS, rows,
@@ -1313,15 +1319,18 @@ def tile_name(row: dict) -> str:
 
 
 def format_sweep(rows: list[dict]) -> str:
-    """The rows of ``sweep`` as a table (speed relative to the default tile and to SDPA's flash
-    backend, registers, stack bytes and spill instructions of the kernel that ran), then per
+    """The rows of ``sweep`` as a table (speed relative to the default tile, with
+    ``utils.bench.compare``'s verdict, and to SDPA's flash backend; registers, stack bytes and
+    spill instructions of the kernel that ran; the fastest peer of the same run), then per
     (D, causal) the fastest tile whose kernel has no stack frame, i.e. spills nothing."""
+    from utils.bench import compare, row_spread, spread_note, vs_best_peer
 
     def cell(value, width):
         return f"{'-' if value is None else value:>{width}}"
 
-    lines = [f"{'d':>3s} {'causal':6s} {'tile':31s} {'ms':>7s} {'TFLOP/s':>7s} {'vs def':>6s} "
-             f"{'vs SDPA':>7s} {'regs':>4s} {'stack':>5s} {'spills':>6s}"]
+    lines = [f"{'d':>3s} {'causal':6s} {'tile':31s} {'ms':>7s} {'TFLOP/s':>7s} {'spread':>6s} "
+             f"{'vs def':>6s} {'':12s} {'vs SDPA':>7s} {'regs':>4s} {'stack':>5s} {'spills':>6s}"
+             "  vs best peer"]
     kernel_rows = [r for r in rows if r.get("impl") != ABLATION_IMPL]
     for r in rows:
         tile = tile_name(r) + (" *" if r["default"] else "")
@@ -1335,10 +1344,14 @@ def format_sweep(rows: list[dict]) -> str:
         base = [b for b in kernel_rows if b["default"] and b["ms"]
                 and (b["d"], b["causal"]) == (r["d"], r["causal"])]
         vs_def = f"{base[0]['ms'] / r['ms']:5.3f}x" if base else ""
+        verdict = compare(r, base[0]).verdict if base and base[0] is not r else ""
+        spread = row_spread(r)
+        spread = f"{spread:6.1%}" if spread is not None else ""
         peer = r["sdpa_flash_tflops"]
         vs_sdpa = f"{r['tflops'] / peer:6.3f}x" if peer else ""
         lines.append(f"{r['d']:3d} {r['causal']!s:6s} {tile:31s} {r['ms']:7.3f} "
-                     f"{r['tflops']:7.1f} {vs_def:>6s} {vs_sdpa:>7s} {res}")
+                     f"{r['tflops']:7.1f} {spread:>6s} {vs_def:>6s} {verdict:12s} {vs_sdpa:>7s} "
+                     f"{res}  {vs_best_peer(r)}".rstrip())
     for d, causal in dict.fromkeys((r["d"], r["causal"]) for r in rows):
         timed = [r for r in kernel_rows if (r["d"], r["causal"]) == (d, causal) and r["ms"]]
         if not timed:
@@ -1360,7 +1373,12 @@ def format_sweep(rows: list[dict]) -> str:
         if fastest["stack_bytes"] != 0:
             line += (f"; fastest overall {tile_name(fastest)} {fastest['tflops']:.1f} "
                      f"(stack {fastest['stack_bytes']} B)")
+        if timed[0].get("best_peer"):
+            line += (f"; fastest peer {timed[0]['best_peer']} "
+                     f"{timed[0]['best_peer_tflops']:.1f}")
         lines.append(line)
+    if any("ms_rounds" in r or "ms_min" in r for r in rows):  # measured rows, not made up
+        lines.append(spread_note([r for r in rows if r["ms"]]))
     return "\n".join(lines)
 
 
@@ -1371,13 +1389,17 @@ def _main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help=f"check and time the tiles of SWEEP_PLAN, save {SWEEP_RESULTS}; "
                              "with --check, the cases run after it in the same process")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds of --sweep (at least 3)")
     args = parser.parse_args(argv)
+    if args.rounds < 3:
+        parser.error("--rounds: at least 3, so a round's spread can be told from an effect")
     if not torch.cuda.is_available():
         print("no CUDA GPU here; compile_only() and tests/test_ch04_compile.py need none")
         return 0
     sweep_failures = 0
     if args.sweep:
-        sweep_failures = sum(r["verified"] is False for r in sweep())
+        sweep_failures = sum(r["verified"] is False for r in sweep(rounds=args.rounds))
         if not args.check:
             return 1 if sweep_failures else 0
     cases = CHECK_CASES if args.check else SMALL_CASES

@@ -85,7 +85,7 @@ def inputs(data: str, seed: int):
                  .to(torch.bfloat16) for _ in range(3))
 
 
-def measure(example_path: str, rounds: int = 2, rep: int = 30) -> list[dict]:
+def measure(example_path: str, rounds: int = 3, rep: int = 30) -> list[dict]:
     from solutions import ch04_flash_ampere as ch04
     from utils.bench import attention_flops, peers, time_cuda
 
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cutlass-example", required=True,
                         help="path of CUTLASS's examples/python/CuTeDSL/cute/ampere/kernel/"
                              "attention/flash_attention_v2.py")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     import torch
 

@@ -1111,23 +1111,28 @@ def bench_configs(head_dim: int) -> dict:
     }
 
 
-def bench(plan=None, seqlen=BENCH_SEQLEN, heads=BENCH_HEADS, rep=30, save=True) -> list[dict]:
+def bench(plan=None, seqlen=BENCH_SEQLEN, heads=BENCH_HEADS, rep=30, save=True,
+          rounds=3) -> list[dict]:
     """Each (head_dim, causal, config) of ``plan``: verified once against the float64 reference
     on a small awkward shape (fresh random inputs, NaN-poisoned outputs), then timed at
-    (batch, seqlen, heads) = (16384 // seqlen, seqlen, heads) with ``utils.bench.time_cuda``
-    (L2 flushed, median of ``rep``). A config that fails its check is not timed. Prints one
-    line per config and returns rows for utils.results (saved as BENCH_RESULTS)."""
+    (batch, seqlen, heads) = (16384 // seqlen, seqlen, heads) in ``rounds`` interleaved rounds
+    (``utils.bench.interleaved``: every config of every group, and the peers SDPA flash, cuDNN
+    and the FA4 package on the same inputs, once per round; L2 flushed, median of ``rep`` calls
+    per round). A config that fails its check is not timed. Prints a table and returns rows for
+    utils.results (saved as BENCH_RESULTS): median over rounds, per-round values, spread, SM
+    clock, and the fastest peer of the group (``best_peer``, ``peers_tflops``)."""
+    from utils import bench as ub
     from utils import results
-    from utils.bench import attention_flops, time_cuda
     from utils.reference import random_qkv
 
     plan = BENCH_PLAN if plan is None else plan
     batch = max(1, 16384 // seqlen)
-    rows, failures = [], 0
+    rows, failures, calls, flops_of = [], 0, {}, {}
     for (head_dim, causal), names in plan.items():
         configs = bench_configs(head_dim)
         q, k, v, seed = random_qkv(batch, seqlen, heads, head_dim, device="cuda")
-        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+        group = (head_dim, causal)
+        flops_of[group] = ub.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
         for name in names:
             cfg = configs[name]
             t0 = time.perf_counter()
@@ -1136,7 +1141,7 @@ def bench(plan=None, seqlen=BENCH_SEQLEN, heads=BENCH_HEADS, rep=30, save=True) 
                                       cfg)
             except Exception as exc:  # reported in the row and the table, the run goes on
                 ok, line = False, f"FAIL d={head_dim} causal={causal} {name}: {exc!r}"
-            row = {
+            rows.append({
                 "impl": "flash_hopper", "config": name, "pass": "fwd", "dtype": "bf16",
                 "b": batch, "s": seqlen, "h": heads, "d": head_dim, "causal": causal,
                 "tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "num_stages": cfg.num_stages,
@@ -1144,19 +1149,26 @@ def bench(plan=None, seqlen=BENCH_SEQLEN, heads=BENCH_HEADS, rep=30, save=True) 
                 "exp2_emulation_fraction": cfg.exp2_emulation_fraction,
                 "rescale_threshold": cfg.rescale_threshold, "verified": ok, "seed": seed,
                 "ms": None, "tflops": None,
-            }
+            })
             if ok:
-                timing = time_cuda(lambda cfg=cfg: attention(q, k, v, causal, config=cfg),
-                                   rep=rep)
-                row.update(ms=timing.median_ms, tflops=timing.tflops(flops),
-                           ms_min=timing.min_ms, reps=timing.reps)
+                calls[(group, name)] = lambda q=q, k=k, v=v, c=causal, cfg=cfg: attention(
+                    q, k, v, c, config=cfg)
             else:
                 failures += 1
                 print(line, flush=True)
-            rows.append(row)
             print(f"  {'ok  ' if ok else 'FAIL'} d={head_dim} causal={causal} {name}: "
-                  f"checked{' and timed' if ok else ''} in {time.perf_counter() - t0:.1f} s",
-                  flush=True)
+                  f"checked in {time.perf_counter() - t0:.1f} s", flush=True)
+        for peer, call in ub.peer_calls(q, k, v, causal).items():
+            calls[(group, ub.PEER_KEY, peer)] = call
+    measured = ub.interleaved(calls, rounds=rounds, rep=rep,
+                              progress=lambda line: print("  " + line, flush=True))
+    for row in rows:
+        group = (row["d"], row["causal"])
+        if (group, row["config"]) in measured:
+            row.update(measured[(group, row["config"])].fields(flops_of[group]))
+        row.update(ub.peer_fields({key[2]: m for key, m in measured.items()
+                                   if key[0] == group and key[1:2] == (ub.PEER_KEY,)},
+                                  flops_of[group]))
     print(format_knob_rows(rows), flush=True)
     if save:
         path = results.save(BENCH_RESULTS, rows,
@@ -1166,10 +1178,14 @@ def bench(plan=None, seqlen=BENCH_SEQLEN, heads=BENCH_HEADS, rep=30, save=True) 
 
 
 def format_knob_rows(rows: list[dict], configs=None) -> str:
-    """The rows of ``bench`` (or of the stored BENCH_RESULTS) as a table: time, TFLOP/s and
-    speed relative to the "default" row of the same (d, causal); ``configs`` picks names."""
+    """The rows of ``bench`` (or of the stored BENCH_RESULTS) as a table: time, TFLOP/s, the
+    spread between rounds, speed relative to the "default" row of the same (d, causal) with
+    ``utils.bench.compare``'s verdict ("within noise" unless the difference exceeds the spread),
+    and the ratio to the fastest peer timed in the same run; ``configs`` picks names."""
+    from utils.bench import compare, row_spread, spread_note, vs_best_peer
+
     lines = [f"{'d':>3s} {'causal':6s} {'config':26s} {'ms':>8s} {'TFLOP/s':>8s} "
-             f"{'vs default':>10s}"]
+             f"{'spread':>6s} {'vs default':>10s} {'':14s} {'vs best peer':s}"]
     for r in rows:
         if configs is not None and r["config"] not in configs:
             continue
@@ -1179,9 +1195,18 @@ def format_knob_rows(rows: list[dict], configs=None) -> str:
             lines.append(f"{r['d']:3d} {r['causal']!s:6s} {r['config']:26s} "
                          f"{'check FAILED: not timed':>28s}")
             continue
-        ratio = f"{base[0]['ms'] / r['ms']:9.3f}x" if base else ""
+        ratio, verdict = "", ""
+        if base:
+            ratio = f"{base[0]['ms'] / r['ms']:9.3f}x"
+            verdict = "" if base[0] is r else compare(r, base[0]).verdict
+        spread = row_spread(r)
+        spread = f"{spread:6.1%}" if spread is not None else ""
         lines.append(f"{r['d']:3d} {r['causal']!s:6s} {r['config']:26s} {r['ms']:8.3f} "
-                     f"{r['tflops']:8.1f} {ratio:>10s}")
+                     f"{r['tflops']:8.1f} {spread:>6s} {ratio:>10s} {verdict:14s} "
+                     f"{vs_best_peer(r)}".rstrip())
+    timed = [r for r in rows if r["ms"] and (configs is None or r["config"] in configs)]
+    if any("ms_rounds" in r or "ms_min" in r for r in timed):  # measured rows, not made up
+        lines.append(spread_note(timed))
     return "\n".join(lines)
 
 
@@ -1192,12 +1217,16 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="every CHECK_CASES entry")
     parser.add_argument("--bench", action="store_true",
                         help=f"verify and time every knob (BENCH_PLAN), save {BENCH_RESULTS}")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds of --bench (at least 3)")
     args = parser.parse_args(argv)
+    if args.rounds < 3:
+        parser.error("--rounds: at least 3, so a round's spread can be told from an effect")
     if not torch.cuda.is_available():
         print("no CUDA GPU here; the compile-only checks are tests/test_ch05_compile.py")
         return 0
     if args.bench:
-        rows = bench()
+        rows = bench(rounds=args.rounds)
         return 1 if any(not r["verified"] for r in rows) else 0
     cases = [(case, None) for case in CHECK_CASES] if args.check else SMALL_CASES
     failures = 0

@@ -536,6 +536,29 @@ def tile_maxima(q, k, causal=False, softmax_scale=None, tile_n=128, kv_order="re
     return tmax.flip(-1) if kv_order == "reverse" else tmax
 
 
+FP32_SMALLEST_NORMAL = 2.0**-126  # ex2.approx.ftz returns 0 below it
+
+
+def p_zero_share(q, k, softmax_scale=None, tile_n=128, kv_order="reverse") -> float:
+    """The share of P entries that are exactly 0 when the kernel computes them with tau = 0
+    (no mask): each tile's p = 2^(s - m) against the running max after that tile, in the
+    visiting order, and ``ex2.approx.ftz`` flushes anything below 2^-126 to zero. Zeros are
+    what the P.V matmul then multiplies: data-dependent work for the multipliers, not for the
+    instruction stream, which is the same for every input."""
+    b, sq, sk, h, hk, d = check_attention_inputs(q, k, k, softmax_scale)
+    scale_log2 = (d**-0.5 if softmax_scale is None else float(softmax_scale)) * LOG2_E
+    s = torch.matmul(_heads_first(q, h), _heads_first(k, h).transpose(-1, -2)) * scale_log2
+    zeros = total = 0
+    m = torch.full(s.shape[:-1], float("-inf"))
+    for start in _tile_starts(sk, tile_n, kv_order):
+        tile = s[..., start:start + tile_n]
+        m = torch.maximum(m, tile.amax(dim=-1))
+        p = torch.exp2(tile - m[..., None])
+        zeros += int((p < FP32_SMALLEST_NORMAL).sum())
+        total += p.numel()
+    return zeros / total
+
+
 def rescale_frequency(patterns=PATTERNS, orders=KV_ORDERS, tau=FA4_RESCALE_THRESHOLD,
                       group_rows=(HOPPER_WARP_ROWS, BLACKWELL_WARP_ROWS), seqlen_k=16384,
                       seqlen_q=128, heads=2, dim=128, tile_n=128, seed=0) -> list[dict]:
@@ -768,24 +791,33 @@ def o_multiply_share(q, k, causal: bool, tau: float, tile_n: int, rows: int = 25
 
 def benchmark_knob(seqlen: int = 16384, heads: int = 16, dim: int = 128,
                    tau: float = FA4_RESCALE_THRESHOLD, rep: int = 30,
-                   causal_modes=(False, True)) -> list[dict]:
+                   causal_modes=(False, True), rounds: int = 3) -> list[dict]:
     """Chapter 05's forward with the knob off (tau = 0) and on, on random inputs (the max
     settles: the vote skips almost every O rescale) and on adversarial ones (every tile
     rescales: the vote is pure overhead), causal and not. Every (inputs, causal, config) is
     first checked against the float64 reference on a small awkward shape (NaN-poisoned
     outputs, ``ch05.run_and_compare``); a failure raises AssertionError before any timing.
-    Needs a Hopper GPU; returns rows for utils.results, with the model's share of O multiplies
+
+    Then everything is timed in ``rounds`` interleaved rounds (``utils.bench.interleaved``):
+    both configs and the peers (SDPA flash, cuDNN, the FA4 package) on both inputs, causal and
+    not, once per round. The peers are the control for the inputs: they run the same
+    instructions whatever the data, so a difference they show between random and adversarial
+    inputs comes from the hardware (clock, power), not from a kernel's branches. Needs a Hopper
+    GPU; returns rows for utils.results with the median over rounds, the per-round values,
+    the spread, the SM clock and power of each round, the peers of the same inputs
+    (``peers_tflops``, ``best_peer``), and the model's share of O multiplies
     (``o_multiply_share``) next to each time."""
     from solutions import ch05_flash_hopper as ch05
-    from utils.bench import attention_flops, time_cuda
+    from utils import bench as ub
 
     off, on = knob_configs(dim, tau)
     batch = max(1, 16384 // seqlen)
-    rows = []
+    rows, calls, flops_of = [], {}, {}
     for pattern in ("random", "adversarial"):
         q, k, v, seed = _bench_inputs(pattern, batch, seqlen, heads, dim, tau, off.tile_n)
         for causal in causal_modes:
-            flops = attention_flops(batch, heads, seqlen, seqlen, dim, causal)
+            group = (pattern, causal)
+            flops_of[group] = ub.attention_flops(batch, heads, seqlen, seqlen, dim, causal)
             for cfg in (off, on):
                 small = _bench_inputs(pattern, 1, 1031, 2, dim, tau, cfg.tile_n)[:3]
                 ok, line = ch05.run_and_compare(*small, causal, config=cfg,
@@ -793,32 +825,55 @@ def benchmark_knob(seqlen: int = 16384, heads: int = 16, dim: int = 128,
                 print(line, flush=True)
                 if not ok:
                     raise AssertionError(line)
-                timing = time_cuda(lambda cfg=cfg, c=causal: ch05.attention(q, k, v, c, config=cfg),
-                                   rep=rep)
+                name = f"tau={cfg.rescale_threshold:g}"
+                calls[(group, name)] = lambda q=q, k=k, v=v, c=causal, cfg=cfg: ch05.attention(
+                    q, k, v, c, config=cfg)
                 rows.append({
-                    "impl": "flash_hopper", "config": f"tau={cfg.rescale_threshold:g}",
+                    "impl": "flash_hopper", "config": name,
                     "pass": "fwd", "dtype": "bf16", "b": batch, "s": seqlen, "h": heads, "d": dim,
-                    "causal": causal, "ms": timing.median_ms, "tflops": timing.tflops(flops),
+                    "causal": causal, "ms": None, "tflops": None,
                     "inputs": pattern, "rescale_threshold": cfg.rescale_threshold,
                     "o_multiply_share_model": o_multiply_share(q, k, causal,
                                                                cfg.rescale_threshold, cfg.tile_n),
-                    "ms_min": timing.min_ms, "reps": timing.reps, "seed": seed,
-                    "verified": True,
+                    "seed": seed, "verified": True,
                 })
+            for peer, call in ub.peer_calls(q, k, v, causal).items():
+                calls[(group, ub.PEER_KEY, peer)] = call
+    measured = ub.interleaved(calls, rounds=rounds, rep=rep,
+                              progress=lambda line: print("  " + line, flush=True))
+    for row in rows:
+        group = (row["inputs"], row["causal"])
+        row.update(measured[(group, row["config"])].fields(flops_of[group]))
+        row.update(ub.peer_fields({key[2]: m for key, m in measured.items()
+                                   if key[0] == group and key[1:2] == (ub.PEER_KEY,)},
+                                  flops_of[group]))
     return rows
 
 
 def format_knob_rows(rows: list[dict]) -> str:
-    """One line per measurement: time, TFLOP/s, knob-on / knob-off time, the model's share of
-    (warp, tile) steps that multiply O."""
+    """One line per measurement: time, TFLOP/s, the spread, knob-on / knob-off time with
+    ``utils.bench.compare``'s verdict ("within noise" unless the change exceeds the spread),
+    the model's share of (warp, tile) steps that multiply O, and the fastest peer on the same
+    inputs in the same run."""
+    from utils.bench import compare, row_spread, spread_note, vs_best_peer
+
     lines = [f"{'inputs':12s} {'causal':6s} {'config':7s} {'ms':>8s} {'TFLOP/s':>8s} "
-             f"{'on/off':>7s} {'O multiplied (model)':>21s}"]
+             f"{'spread':>6s} {'on/off':>7s} {'':12s} {'O multiplied (model)':>21s}  "
+             "vs best peer"]
     for r in rows:
         off = [o for o in rows if o["inputs"] == r["inputs"] and o["causal"] == r["causal"]
                and o["rescale_threshold"] == 0.0]
-        ratio = f"{r['ms'] / off[0]['ms']:7.3f}" if off else ""
+        ratio, verdict = "", ""
+        if off:
+            ratio = f"{r['ms'] / off[0]['ms']:7.3f}"
+            verdict = "" if off[0] is r else compare(r, off[0]).verdict
+        spread = row_spread(r)
+        spread = f"{spread:6.1%}" if spread is not None else ""
         lines.append(f"{r['inputs']:12s} {r['causal']!s:6s} {r['config']:7s} {r['ms']:8.3f} "
-                     f"{r['tflops']:8.1f} {ratio:>7s} {r['o_multiply_share_model']:21.1%}")
+                     f"{r['tflops']:8.1f} {spread:>6s} {ratio:>7s} {verdict:12s} "
+                     f"{r['o_multiply_share_model']:21.1%}  {vs_best_peer(r)}".rstrip())
+    if any("ms_rounds" in r or "ms_min" in r for r in rows):  # measured rows, not made up
+        lines.append(spread_note(rows))
     return "\n".join(lines)
 
 
@@ -842,16 +897,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--seqlen", type=int, default=16384)
     parser.add_argument("--save", action="store_true", help=f"write results/<gpu>/{RESULTS_NAME}")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (at least 3)")
     args = parser.parse_args(argv)
+    if args.rounds < 3:
+        parser.error("--rounds: at least 3, so a round's spread can be told from an effect")
     if not torch.cuda.is_available():
         print("no CUDA GPU here; the stored figures: utils.results.load('ch07_rescale')")
         return 0
-    rows = benchmark_knob(seqlen=args.seqlen)
+    rows = benchmark_knob(seqlen=args.seqlen, rounds=args.rounds)
     print(format_knob_rows(rows))
     if args.save:
         command = "python -m solutions.ch07_rescaling --save"
         if args.seqlen != 16384:
             command += f" --seqlen {args.seqlen}"
+        if args.rounds != 3:
+            command += f" --rounds {args.rounds}"
         print("wrote", results.save(RESULTS_NAME, rows, command=command))
     return 0
 

@@ -489,13 +489,38 @@ def exp_variants() -> list[ExpThroughput]:
     return variants
 
 
-def matmul_tflops(n: int = 8192, warmup: int = 3, reps: int = 20) -> dict:
-    """torch bf16 n x n x n matmul: 2 n^3 FLOPs per call, median time with L2 flushed."""
+def matmul_tflops(n: int = 8192, warmup: int = 3, reps: int = 20, rounds: int = 3) -> dict:
+    """torch bf16 n x n x n matmul: 2 n^3 FLOPs per call, L2 flushed; the median over
+    ``rounds`` rounds (``utils.bench.interleaved``), their range and the SM clock."""
     import torch
 
-    from utils.bench import time_cuda
+    from utils.bench import interleaved
 
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    t = time_cuda(lambda: a @ b, warmup=warmup, rep=reps)
-    return {"ms": t.median_ms, "tflops": 2 * n**3 / (t.median_ms * 1e-3) / 1e12, "n": n}
+    m = interleaved({"matmul": lambda: a @ b}, rounds=rounds, warmup=warmup, rep=reps)["matmul"]
+    flops = 2 * n**3
+    per_round = [flops / (ms * 1e-3) / 1e12 for ms in m.ms_rounds]
+    return {"ms": m.median_ms, "tflops": m.tflops(flops), "n": n, "min": min(per_round),
+            "max": max(per_round), "rounds": len(per_round),
+            "sm_clock_mhz": m.fields()["sm_clock_mhz"]}
+
+
+def copy_bandwidth(nbytes: int = 2**30, rounds: int = 3, reps: int = 20) -> dict:
+    """Device-to-device ``copy_`` of ``nbytes`` (far larger than the L2): each call reads and
+    writes ``nbytes`` of HBM, so 2 * nbytes / time is the bandwidth a streaming kernel gets.
+    Median over ``rounds`` rounds (``utils.bench.interleaved``), with their spread and the SM
+    clock read during them."""
+    import torch
+
+    from utils.bench import interleaved
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    m = interleaved({"copy": lambda: dst.copy_(src)}, rounds=rounds, rep=reps)["copy"]
+    per_round = [2 * nbytes / (ms * 1e-3) for ms in m.ms_rounds]
+    fields = m.fields()
+    return {"bytes_per_s": 2 * nbytes / (m.median_ms * 1e-3), "min": min(per_round),
+            "max": max(per_round), "rounds": len(per_round), "ms": m.median_ms,
+            "nbytes": nbytes, "sm_clock_mhz": fields["sm_clock_mhz"],
+            "sensors": fields["sensors"]}

@@ -4,8 +4,11 @@
     python -m solutions.progress --write  # rewrite it inside README.md
 
 The headline figure of each version is its forward TFLOP/s at D=128, S=16384 (batch 1,
-16 heads), bf16, non-causal, read from ``results/h200/<version results>.json``. A version that
-was never measured says so; no figure is typed by hand.
+16 heads), bf16, non-causal, read from ``results/h200/<version results>.json``, with its ratio
+to the fastest peer measured in the same run (named), to the FA4 package when that is not the
+fastest, and to cuDNN and FlashAttention-2 (SDPA's flash backend). A ratio within the rows'
+spread is marked "~" (``utils.bench.compare``). A version that was never measured says so; no
+figure is typed by hand.
 """
 
 from __future__ import annotations
@@ -15,10 +18,22 @@ from pathlib import Path
 
 from solutions.registry import VERSIONS
 from utils import results
+from utils.bench import compare, is_peer
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- progression:start -->", "<!-- progression:end -->"
 HEADLINE = {"pass": "fwd", "d": 128, "s": 16384, "causal": False, "dtype": "bf16"}
+
+
+PEER_SHORT = {"fa4_package": "FA4 package", "sdpa_cudnn": "cuDNN", "sdpa_flash": "FA2",
+              "sdpa_efficient": "SDPA mem-efficient", "sdpa_math": "SDPA math"}
+
+
+def _ratio(row: dict, peer: dict) -> str:
+    ratio = row["tflops"] / peer["tflops"]
+    text = f"{ratio:.2f}x" if ratio >= 0.01 else "<0.01x"
+    cmp = compare(row, peer)
+    return ("~" if cmp is not None and not cmp.real else "") + text
 
 
 def headline(version) -> str:
@@ -31,23 +46,28 @@ def headline(version) -> str:
     rows = res.where(impl=version.name, **HEADLINE)
     if not rows or rows[0]["tflops"] is None:
         return "not measured yet"
-    tflops = rows[0]["tflops"]
+    row = rows[0]
+    tflops = row["tflops"]
     text = f"{tflops:.0f}" if tflops >= 10 else f"{tflops:.2g}"
+    peers = {r["impl"]: r for r in res.rows if is_peer(r) and r.get("tflops")
+             and all(r.get(k) == v for k, v in HEADLINE.items())}
     ratios = []
-    for peer, short in (("sdpa_cudnn", "cuDNN"), ("sdpa_flash", "FA2")):
-        found = res.where(impl=peer, **HEADLINE)
-        if found and found[0]["tflops"]:
-            ratio = tflops / found[0]["tflops"]
-            ratios.append(f"{ratio:.2f}x {short}" if ratio >= 0.01 else f"<0.01x {short}")
+    top = max(peers.values(), key=lambda r: r["tflops"], default=None)
+    if top is not None:
+        ratios.append(f"{_ratio(row, top)} {PEER_SHORT.get(top['impl'], top['impl'])} "
+                      "(fastest peer)")
+    for name in ("fa4_package", "sdpa_cudnn", "sdpa_flash"):
+        if name in peers and peers[name] is not top:
+            ratios.append(f"{_ratio(row, peers[name])} {PEER_SHORT[name]}")
     if ratios:
-        text += f" ({', '.join(ratios)})"
+        text += f": {', '.join(ratios)}"
     return text + f" [{res.provenance['date'][:10]}]"
 
 
 def table() -> str:
     lines = [
-        "| chapter | idea | fwd TFLOP/s on H200 (D=128, S=16384; ratios in the same run) "
-        "| source |",
+        "| chapter | idea | fwd TFLOP/s on H200 (D=128, S=16384): ratios to peers of the same "
+        "run, ~ within noise | source |",
         "|---|---|---|---|",
     ]
     for v in VERSIONS:

@@ -36,6 +36,9 @@ VERSIONS = [
             "CuTe DSL: cp.async + ldmatrix + mma.sync, softmax in registers", "ch04_fwd"),
     Version(5, "flash_hopper", "solutions.ch05_flash_hopper", "sm_90",
             "CuTe DSL: TMA + WGMMA + mbarrier pipeline, warp specialisation", "ch05_fwd"),
+    Version(8, "fa4_final", "fa4_final.interface", "sm_90",
+            "fa4_final: ping-pong warpgroups, persistent tiles, O rescaled under the S GEMM",
+            "fa4_final_fwd"),
 ]
 
 

@@ -9,7 +9,9 @@ What it measures (``solutions/microbench.py`` says how):
   exps per second on the chip, exps per clock per SM, and the SM clock the run had;
 - shared memory: bytes per clock per SM with 16-byte and 4-byte loads per thread;
 - mma.sync (m16n8k16, bf16 -> fp32) from registers: FLOP/clk/SM and TFLOP/s, chapter 04's ceiling;
-- a torch bf16 8192^3 matmul in TFLOP/s, the tensor-core ceiling the other figures compare to.
+- a torch bf16 8192^3 matmul in TFLOP/s, the tensor-core ceiling the other figures compare to;
+- a 1 GiB device-to-device copy in B/s (3 interleaved rounds), the HBM bandwidth a streaming
+  kernel gets (chapter 01's roofline).
 
 Each row: ``impl``, ``metric``, ``value``, ``unit`` and the knobs (``fraction``, ``degree``, ...).
 Checks that would make a figure meaningless (an SM without blocks, chains that did not converge,
@@ -64,9 +66,17 @@ def mma_rows(bench, fig: dict) -> list[dict]:
     ]
 
 
+def copy_rows(fig: dict) -> list[dict]:
+    return [{"impl": f"torch copy_ of {fig['nbytes'] / 2**30:g} GiB (read + write)",
+             "metric": "hbm_copy_bandwidth", "value": fig["bytes_per_s"], "unit": "B/s",
+             "min": fig["min"], "max": fig["max"], "rounds": fig["rounds"], "ms": fig["ms"],
+             "sm_clock_mhz": fig["sm_clock_mhz"], "sensors": fig["sensors"]}]
+
+
 def matmul_rows(fig: dict) -> list[dict]:
     return [{"impl": f"torch bf16 matmul {fig['n']}^3", "metric": "matmul_tflops",
-             "value": fig["tflops"], "unit": "TFLOP/s", "ms": fig["ms"]}]
+             "value": fig["tflops"], "unit": "TFLOP/s", "ms": fig["ms"],
+             **{k: fig.get(k) for k in ("min", "max", "rounds", "sm_clock_mhz")}}]
 
 
 def problems(fig: dict, exp: bool, checksum: bool = True) -> list[str]:
@@ -164,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
             rows += matmul_rows(fig)
             print(f"torch bf16 matmul {fig['n']}^3: {fig['tflops']:.0f} TFLOP/s "
                   f"({fig['ms']:.2f} ms)")
+    if not over_budget("copy"):
+        fig = attempt("copy", mb.copy_bandwidth)
+        if fig is not None:
+            rows += copy_rows(fig)
+            print(f"HBM copy: {fig['bytes_per_s'] / 1e12:.2f} TB/s read + write "
+                  f"({fig['min'] / 1e12:.2f}-{fig['max'] / 1e12:.2f} over {fig['rounds']} rounds)")
     if rows:
         path = save(args.name, rows, command=command)
         print(f"wrote {path} ({len(rows)} rows) in {time.perf_counter() - t0:.1f} s")

@@ -160,3 +160,24 @@ def test_memory_answer_checker():
         ch01.check_memory_answer(1.0)
     with pytest.raises(AssertionError, match="number"):
         ch01.check_memory_answer("24 GiB")
+
+
+def test_roofline_bound_is_the_lower_of_bandwidth_and_compute():
+    t = ch01.naive_traffic(1, 16, 4096, 4096, 128)
+    ms = t.bytes / 3e12 * 1e3  # a run that moved its bytes at 3 TB/s
+    pt = ch01.roofline("naive", t.flops, t.bytes, ms, bandwidth=4.8e12, compute_flops=1e15)
+    assert pt.memory_bound and pt.bound_tflops == pytest.approx(t.intensity * 4.8)
+    assert pt.of_bound == pytest.approx(3.0 / 4.8)
+    fused = ch01.roofline("fused", t.flops, ch01.fused_floor_bytes(1, 16, 4096, 4096, 128), 1.0,
+                          4.8e12, 1e15)
+    assert not fused.memory_bound and fused.bound_tflops == pytest.approx(1000.0)
+
+
+def test_roofline_picture():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    pts = [ch01.roofline("a", 1e12, 1e11, 1.0, 4.8e12, 1e15),
+           ch01.roofline("b", 1e12, 1e8, 2.0, 4.8e12, 1e15)]
+    ax = ch01.plot_roofline(pts, {"HBM": 4.8e12}, {"peak": 1e15})
+    assert ax.get_xscale() == "log" and len(ax.get_lines()) == 4

@@ -258,3 +258,34 @@ def test_kv_tiles_checker():
                       (top_left, "sees key")):
         with pytest.raises(AssertionError, match=words):
             ch02.check_kv_tiles_to_visit(fn)
+
+
+# -- launches of the PyTorch loop ---------------------------------------------------------------
+
+
+def test_launch_model_counts_what_the_loop_dispatches():
+    """The per-step model, fitted on tiny inputs, predicts the operator count of other shapes:
+    lengths not a multiple of the tile, more heads and batches, another dtype."""
+    lc = ch02.launch_count()
+    assert 10 <= lc.per_step <= 40, lc
+    for b, sq, sk, h, tile_m, tile_n in ((2, 75, 110, 4, 32, 48), (1, 300, 257, 8, 64, 64)):
+        q, k, v, _ = random_qkv(b, sq, h, 16, seqlen_k=sk, dtype=torch.bfloat16)
+        ops = ch02.count_kernel_ops(ch02.attention_fa2, q, k, v, tile_m=tile_m, tile_n=tile_n)
+        assert sum(ops.values()) == lc.total(sq, sk, tile_m, tile_n), ops
+    ops = ch02.count_kernel_ops(ch02.attention_fa2, *random_qkv(1, 8, 2, 8)[:3], tile_m=8,
+                                tile_n=8)
+    assert "aten.bmm.default" in ops and not any("view" in op or "slice" in op for op in ops)
+
+
+def test_deferred_normalisation_divides_once_per_row():
+    work = ch02.normalisation_work(4096, 4096, 128, tile_n=128)
+    assert work == {"fa1": 32 * 4096 * 128, "fa2": 4096 * 128}
+
+
+def test_work_partition_picture():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax_k, ax_q = ch02.plot_work_partition(warps=4)
+    assert len(ax_k.patches) == len(ax_q.patches) == 4
+    assert "keys" in ax_k.get_title() and "query rows" in ax_q.get_title()

@@ -387,3 +387,12 @@ def test_model_share_of_o_multiplies_and_the_knob_table():
             for t, ms, share in ((0.0, 2.0, 1.0), (8.0, 1.9, 0.05))]
     table = ch07.format_knob_rows(rows)
     assert "0.950" in table and "5.0%" in table, table
+
+
+def test_adversarial_input_makes_p_mostly_zero_at_tau_0():
+    """Why the adversarial input can run faster at tau = 0 with the same instructions: its P is
+    mostly exact zeros (each tile's leader pushes every other p below 2^-126), random P none."""
+    q, k, _ = ch07.pattern_qkv("adversarial", seqlen_k=4096, seqlen_q=32, heads=1)
+    assert ch07.p_zero_share(q, k) > 0.5
+    q, k, _ = ch07.pattern_qkv("random", seqlen_k=4096, seqlen_q=32, heads=1)
+    assert ch07.p_zero_share(q, k) == 0.0

@@ -111,11 +111,17 @@ def test_rows_pass_the_results_validation():
     rows = run_microbench.exp_rows(mb.ExpThroughput(3), _fake_figures(True))
     rows += run_microbench.smem_rows(mb.SmemBandwidth(16), _fake_figures(False))
     rows += run_microbench.matmul_rows({"n": 8192, "ms": 1.5, "tflops": 733.0})
+    rows += run_microbench.copy_rows(_fake_copy())
     rows += run_microbench.mma_rows(mb.MmaSyncThroughput(),
                                     _fake_figures(False) | {"per_s": 6.4e14})
     results.validate({"provenance": {k: "x" for k in results.PROVENANCE_KEYS}, "rows": rows})
     assert {r["metric"] for r in rows} >= {"exp2_rate", "exp2_per_clk_sm", "smem_bytes_per_clk_sm",
-                                          "matmul_tflops"}
+                                          "matmul_tflops", "hbm_copy_bandwidth"}
+
+
+def _fake_copy():
+    return {"bytes_per_s": 4.0e12, "min": 3.9e12, "max": 4.1e12, "rounds": 3, "ms": 0.54,
+            "nbytes": 2**30, "sm_clock_mhz": None, "sensors": None}
 
 
 def test_problems_are_reported_in_words():
@@ -155,6 +161,7 @@ def test_script_control_flow_with_fake_measurements(monkeypatch, capsys):
     monkeypatch.setattr(mb.MmaSyncThroughput, "measure",
                         lambda self, steps, **kw: _fake_figures(False) | {"finite": True})
     monkeypatch.setattr(mb, "matmul_tflops", lambda: {"n": 8192, "ms": 1.5, "tflops": 733.0})
+    monkeypatch.setattr(mb, "copy_bandwidth", _fake_copy)
     monkeypatch.setattr(results, "save", lambda name, rows, command: saved.update(
         name=name, rows=rows, command=command) or "results/h200/microbench.json")
     assert run_microbench.main(["--quick"]) == 1  # the crash makes the exit status 1
@@ -162,4 +169,4 @@ def test_script_control_flow_with_fake_measurements(monkeypatch, capsys):
     assert "FAIL poly deg 3 (cvt floor): raised RuntimeError: pretend compile failure" in out
     assert saved["name"] == "microbench" and "--quick" in saved["command"]
     measured = len(mb.exp_variants()) - 1
-    assert len(saved["rows"]) == 3 * measured + 2 * 2 + 3 + 1
+    assert len(saved["rows"]) == 3 * measured + 2 * 2 + 3 + 1 + 1

@@ -95,3 +95,59 @@ def test_orphan_chapter_is_reported(sandbox):
     nbm.build(write=True)
     shutil.copy(sandbox / "chapters" / "99_demo.ipynb", sandbox / "chapters" / "98_orphan.ipynb")
     assert any("no solved notebook" in p for p in nbm.build(write=False))
+
+
+# -- prose rules: no typed measurements, no talk about how the course was made -----------------
+
+
+@pytest.mark.parametrize("text, figures", [
+    ("The kernel reaches 394 TFLOP/s here.", ["394 TFLOP/s"]),
+    ("It runs 1.06x as fast as FA2, and 61% of the peak.", ["1.06x", "61%"]),
+    ("Copies move 3.9 TB/s; about 0.5 % more with 2 stages.", ["3.9 TB/s", "0.5 %"]),
+    ("A 45× margin.", ["45×"]),
+    ("1,234 GFLOPs of work", []),  # a FLOP count, not a rate
+    ("2 × 16 lanes, a 128x64 tile, 2 x 16, bits 0x4B400000, x2.5 for the backward", []),
+    ("In code it is fine: `ratio = 1.06x` and\n```\nprint('61%')\n```", []),
+    ("sm_90a, %%gpu cells, 2^-8 = 3.9e-3, 4·B·H·S²·D", []),
+])
+def test_typed_figures_are_found(text, figures):
+    assert nbm.typed_figures(text) == figures
+
+
+def test_a_source_label_in_the_same_sentence_allows_a_quoted_figure():
+    assert nbm.typed_figures("B200 reaches 1613 TFLOP/s (FA4 paper).") == []
+    assert nbm.typed_figures("HBM moves 4.8 TB/s (H200 datasheet). Our copy: 4.1 TB/s.") == [
+        "4.1 TB/s"]
+    assert nbm.typed_figures("- 1.1-1.3x cuDNN (published)\n- 0.94x here") == ["0.94x"]
+    assert nbm.typed_figures("The model gives 1.00x (model).") == []
+    assert nbm.typed_figures("The model gives 1.00x.") == ["1.00x"]  # a label, not a word
+
+
+def test_allow_figures_lists_exactly_what_a_cell_may_type():
+    cell = "<!-- allow-figures: 1 %; 4x -->\nWithin 1 % is enough; it grows 4x, then 8x."
+    assert nbm.typed_figures(cell) == ["8x"]
+
+
+@pytest.mark.parametrize("text", [
+    "as the lead asked", "The issue's target", "the target of this chapter",
+    "after the re-base", "rebased on main", "who asked for it", "the brief says"])
+def test_talk_about_making_the_course_is_found(text):
+    assert nbm.making_talk(text)
+
+
+def test_ordinary_words_are_not_making_talk():
+    assert nbm.making_talk("the leading dimension; an issue slot; jump targets; the base case; "
+                           "the lead-in; the issue slots of a warp; the issue rate; "
+                           "the issue line") == []
+
+
+def test_lint_checks_markdown_cells_only():
+    nb = nbm.from_percent(SOLVED)
+    nb["cells"].append({"cell_type": "markdown", "metadata": {},
+                        "source": ["Ours: 628 TFLOP/s, 1.02x cuDNN, as the lead measured."]})
+    nb["cells"].append({"cell_type": "code", "metadata": {}, "outputs": [],
+                        "execution_count": None, "source": ['print("628 TFLOP/s, 1.02x")']})
+    problems = nbm.lint(nb, "demo")
+    assert len(problems) == 2, problems
+    assert "'628 TFLOP/s', '1.02x'" in problems[0] and "(paper)" in problems[0]
+    assert "'the lead'" in problems[1]

@@ -37,6 +37,13 @@ PER_SM = {
 }
 
 
+# HBM bandwidth by part, from NVIDIA's datasheets (peak; a streaming copy gets less, and
+# results/<gpu>/microbench.json holds what one measured). Parts of one arch differ here.
+HBM_DATASHEET_BYTES_PER_S = {
+    "H200": 4.8e12,  # H200 SXM, HBM3e
+}
+
+
 @dataclass(frozen=True)
 class Machine:
     gpu_name: str | None  # None: no CUDA GPU

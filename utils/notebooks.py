@@ -12,7 +12,9 @@ after ``stub:`` on the BEGIN line. Cells tagged ``solution-only`` are left out o
 copy. Outputs and execution counts are stripped from both.
 
 Rules ``check`` enforces: BEGIN/END markers pair up; a cell starting with ``%%gpu`` carries the
-``gpu`` tag and a ``gpu``-tagged cell starts with ``%%gpu``; committed notebooks hold no outputs.
+``gpu`` tag and a ``gpu``-tagged cell starts with ``%%gpu``; committed notebooks hold no outputs;
+markdown cells of solved notebooks type no figures that would be measured (``typed_figures``)
+and say nothing about how the course was made (``making_talk``).
 """
 
 from __future__ import annotations
@@ -108,8 +110,80 @@ def dumps(nb: dict) -> str:
     return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
 
 
-def lint(nb: dict, name: str) -> list[str]:
+# ----------------------------------------------------------------------------------------------
+# Prose rules for markdown cells
+#
+# A measured number changes when it is measured again; typed into prose it goes stale and
+# disagrees with the results file next to it. So markdown may not type figures of the kinds
+# measurements produce: a throughput (TFLOP/s, TB/s), a speed ratio ("1.06x") or a percentage.
+# A code cell prints them from results/ instead. Figures that are not measurements can stay,
+# marked one of two ways:
+# - the sentence carries a parenthesised source label: "(paper)", "(datasheet)", "(published)"
+#   or "(model)" (a figure the course's cycle model computes), e.g. "1613 TFLOP/s on B200
+#   (FA4 paper)";
+# - the cell lists the exact figures it may type in an HTML comment, which the reader does not
+#   see: ``<!-- allow-figures: 4x; 1 % -->`` (tolerances, arithmetic like "4x per doubling").
+
+_FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s?(?:[TGP]FLOP/s|[TGP]FLOPS|[TG]B/s)"  # a rate
+    r"|(?<![\w.])\d+(?:\.\d+)?[x×](?![\w.]*\d)(?!\w)"  # "1.06x"; not "2 x 16", "128x64"
+    r"|(?<![\w.])\d+(?:\.\d+)?\s?%"  # percentage
+)
+_SOURCE_LABEL = re.compile(r"\([^()]*\b(?:paper|datasheet|published|model)\b[^()]*\)", re.I)
+_ALLOW = re.compile(r"<!--\s*allow-figures:(?P<items>.*?)-->", re.S)
+_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(*\[])|\n\s*\n|\n(?=\s*(?:[-*]|\d+\.)\s)")
+_ISSUE_AS_IN_INSTRUCTIONS = "slot|rate|width|port|queue|stage|cycle|logic|line|count|bound|time"
+MAKING_TALK = re.compile(
+    r"\bthe (?:lead|brief)(?![\w-])"
+    rf"|\bthe issue(?![\w-])(?!\s+(?:{_ISSUE_AS_IN_INSTRUCTIONS})s?\b)"
+    r"|\btargets? of\b|\bre-?bas(?:e|ed|ing)\b"
+    r"|\bwho asked\b", re.I)
+
+
+def typed_figures(markdown: str) -> list[str]:
+    """The measured-looking figures a markdown cell types without a source label or an
+    ``allow-figures`` entry (see the note above)."""
+    allowed = set()
+    for m in _ALLOW.finditer(markdown):
+        allowed |= {a.strip() for a in m.group("items").split(";") if a.strip()}
+    text = _CODE.sub(" ", _ALLOW.sub(" ", markdown))
+    found = []
+    for sentence in _SENTENCE_END.split(text):
+        if _SOURCE_LABEL.search(sentence):
+            continue
+        found += [m.group(0) for m in _FIGURE.finditer(sentence)
+                  if m.group(0).strip() not in allowed]
+    return found
+
+
+def making_talk(markdown: str) -> list[str]:
+    """Phrases about how the course was made, which learners have no use for."""
+    return [m.group(0) for m in MAKING_TALK.finditer(_CODE.sub(" ", markdown))]
+
+
+def prose_problems(nb: dict, name: str) -> list[str]:
     problems = []
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "markdown":
+            continue
+        src = _source(cell)
+        figures = typed_figures(src)
+        if figures:
+            problems.append(
+                f"{name} cell {i}: markdown types {', '.join(repr(f) for f in figures)}: print "
+                "measured figures from results/ in a code cell; label a quoted one (paper), "
+                "(datasheet), (published) or (model), or list it in <!-- allow-figures: ... -->"
+            )
+        talk = making_talk(src)
+        if talk:
+            problems.append(f"{name} cell {i}: markdown talks about how the course was made "
+                            f"({', '.join(repr(t) for t in talk)}); say it to the learner")
+    return problems
+
+
+def lint(nb: dict, name: str) -> list[str]:
+    problems = prose_problems(nb, name)
     for i, cell in enumerate(nb["cells"]):
         src = _source(cell)
         tags = cell.get("metadata", {}).get("tags", [])

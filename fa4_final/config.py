@@ -1,0 +1,116 @@
+"""Frozen per-kernel configurations, their checks, and the defaults per (arch, head dim, causal).
+
+Each knob is a compile-time constant of the kernel. ``check()`` raises ValueError naming the knob
+that cannot work and why; the defaults cite the measurement they come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fa4_final.constants import SM90_REGISTERS, SM90_SMEM_BYTES, THREADS_PER_WARPGROUP, WGMMA_M
+from fa4_final.fast_math import emulated_count
+from fa4_final.softmax import EMULATION_PERIOD, MAX_RESCALE_THRESHOLD
+
+HEAD_DIMS = (64, 128)
+O_RESCALE_PLACES = ("end", "early", "next_pv")
+
+# setmaxnreg budgets (producer, consumer) per number of consumer warpgroups: the CTA's total,
+# 128 * (producer + n * consumer), must stay within the SM's 64 K registers.
+SM90_REGISTER_BUDGETS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+
+
+def _align(n: int, to: int = 1024) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class HopperFwdConfig:
+    """Knobs of fa4_final.hopper.fwd.HopperForward. tile_m is derived: 64 rows per consumer
+    warpgroup."""
+
+    num_consumer_wgs: int = 2  # MMA + softmax warpgroups, each owning 64 query rows
+    tile_n: int = 128  # keys per K/V tile (one pipeline stage)
+    stages_k: int = 2  # depth of the K ring
+    stages_v: int = 2  # depth of the V ring
+    intra_wg_overlap: bool = True  # softmax(S_j) while wgmma S_{j+1} and P_j V_j run
+    pingpong: bool = True  # consumer warpgroups take turns issuing wgmma (Note [Turns])
+    persistent: bool = True  # one CTA per SM walks tiles (fa4_final.scheduler)
+    l2_sections: bool = False  # causal order in sections of heads that fit L2 (Note [Causal..])
+    separate_o: bool = True  # O staged in its own buffer: the next Q loads during the epilogue
+    o_rescale: str = "early"  # where O *= alpha: "end", "early", "next_pv" (Note [Where O..])
+    exp2_emulation_fraction: float = 0.0  # chapter 06
+    rescale_threshold: float = 0.0  # chapter 07 (tau, log2 units; 0 = always rescale)
+
+    @property
+    def tile_m(self) -> int:
+        return WGMMA_M * self.num_consumer_wgs
+
+    @property
+    def registers(self) -> tuple[int, int]:
+        return SM90_REGISTER_BUDGETS[self.num_consumer_wgs]
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """Bytes of the kernel's SharedStorage: mbarriers (8 B each, full + empty per stage of
+        Q, K and V), Q, the K and V rings, and O when it has its own buffer; each tile 1 KB
+        aligned for the 128 B swizzle. The kernel asserts its struct has exactly this size."""
+        barriers = 8 * 2 * (1 + self.stages_k + self.stages_v)
+        q = self.tile_m * head_dim * elem_bytes
+        kv = self.tile_n * head_dim * elem_bytes
+        o = q if self.separate_o else 0
+        return (_align(barriers) + _align(q) + _align(self.stages_k * kv)
+                + _align(self.stages_v * kv) + _align(o))
+
+    def check(self, head_dim: int) -> None:
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+        if self.num_consumer_wgs not in SM90_REGISTER_BUDGETS:
+            raise ValueError(f"num_consumer_wgs must be one of {sorted(SM90_REGISTER_BUDGETS)}, "
+                             f"got {self.num_consumer_wgs}")
+        producer, consumer = self.registers
+        assert THREADS_PER_WARPGROUP * (producer + self.num_consumer_wgs * consumer) \
+            <= SM90_REGISTERS
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 16 in [16, 256] (wgmma N and K), "
+                             f"got {self.tile_n}")
+        for name in ("stages_k", "stages_v"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        need = self.smem_bytes(head_dim)
+        if need > SM90_SMEM_BYTES:
+            raise ValueError(
+                f"config needs {need} B of shared memory (Q {self.tile_m}x{head_dim}, "
+                f"{self.stages_k} K + {self.stages_v} V stages of {self.tile_n}x{head_dim}"
+                f"{', a separate O' if self.separate_o else ''}; 16-bit), more than the "
+                f"{SM90_SMEM_BYTES} B a CTA may use: fewer stages, a smaller tile_n, or "
+                f"separate_o=False")
+        if self.o_rescale not in O_RESCALE_PLACES:
+            raise ValueError(f"o_rescale must be one of {O_RESCALE_PLACES}, got {self.o_rescale!r}")
+        if self.pingpong and self.num_consumer_wgs < 2:
+            raise ValueError("pingpong needs at least 2 consumer warpgroups to take turns")
+        try:
+            emulated_count(self.exp2_emulation_fraction, EMULATION_PERIOD)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"exp2_emulation_fraction: {exc}") from None
+        tau = self.rescale_threshold
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+            raise TypeError(f"rescale_threshold must be a number, got {tau!r}")
+        if not 0.0 <= tau <= MAX_RESCALE_THRESHOLD:
+            raise ValueError(
+                f"rescale_threshold must be in [0, {MAX_RESCALE_THRESHOLD}] (log2 units; 0 = "
+                f"always rescale), got {tau!r}: a stale max lets p reach 2^tau, and P must stay "
+                f"below fp16's largest value 65504 = 2^15.9998")
+
+
+def hopper_fwd_default(head_dim: int, causal: bool = False) -> HopperFwdConfig:
+    """The tuned forward config for sm_90 (see the docstring of HopperForward for the
+    measurements behind each choice)."""
+    if head_dim <= 64:
+        return HopperFwdConfig(num_consumer_wgs=3, tile_n=128, stages_k=3, stages_v=3,
+                               o_rescale="next_pv")
+    return HopperFwdConfig(num_consumer_wgs=2, tile_n=128, stages_k=3, stages_v=2,
+                           o_rescale="next_pv")
+
+
+def with_knobs(cfg: HopperFwdConfig, **knobs) -> HopperFwdConfig:
+    return replace(cfg, **knobs)

@@ -1,0 +1,692 @@
+"""The Hopper forward (sm_90a): warp-specialised, ping-pong, persistent. Chapter 08.
+
+What this adds over chapter 05's kernel (TMA + wgmma + an mbarrier pipeline, one tile per CTA):
+
+1. Ping-pong that pays. Two (three at D = 64) consumer warpgroups take turns issuing their
+   GEMMs (Note [Turns]), so while the tensor cores run one warpgroup's S = Q K^T and O += P V,
+   the other runs its softmax. Per 128 x 128 tile step at D = 128 the SM has 2048 tensor cycles
+   of GEMMs and 1024 MUFU cycles of exponentials (chapter 00): the exponentials fit under the
+   other warpgroup's GEMMs only if they never wait behind them.
+2. Persistence. One CTA per SM walks many tiles (fa4_final.scheduler). The K/V rings keep
+   streaming across tile boundaries, and O leaves through its own shared-memory buffer, so the
+   next tile's Q and first K land while this tile's last P V and epilogue run. A one-tile CTA
+   pays its pipeline fill (Q and the first K: about a microsecond from L2/HBM) and its epilogue
+   in the open every time: at S = 4096 a tile is 32 steps of about 1.2 us, so that is a few %.
+3. Causal tiles longest first: the m_blocks with the most keys start first and short ones fill
+   the end, instead of a long tile running alone while other SMs idle.
+4. Deeper K ring. Three K stages and two V stages plus a separate O buffer fit in the 227 KB at
+   D = 128 (HopperFwdConfig.smem_bytes); the third K stage hides the copy engine's latency for
+   the GEMM that waits on it first.
+
+Everything the Blackwell kernel can share is shared: tile ranges (tiles), masks (mask), online
+softmax with the exp2 emulation and rescale-threshold knobs (softmax, fast_math) and the tile
+order (scheduler). Measured speeds: results/h200/fa4_final_fwd.json (``python -m
+fa4_final.bench``), printed in notebook 08; never typed here.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from fa4_final.config import HopperFwdConfig
+from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
+from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
+from fa4_final.mask import apply_mask, fragment_coords
+from fa4_final.scheduler import rounds, tile_coords, zigzag_tile
+from fa4_final.softmax import OnlineSoftmax
+from fa4_final.tiles import TileWindow, kv_tile_range
+
+
+class NamedBarrier(IntEnum):
+    """Hardware named barriers (bar.sync id); id 0 is __syncthreads."""
+
+    EPILOGUE = 1  # all consumer threads: the O buffer is free / full
+    TURN_WG0 = 2  # TURN_WG0 + w: consumer warpgroup w may issue its wgmma (ping-pong)
+
+
+def _select(t: cute.Tensor, modes: list) -> cute.Tensor:
+    """Reorder a tensor's modes (a view; no data moves)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+class HopperForward:
+    """Attention forward, one (tile_m, D) block of O per tile, tiles walked by persistent CTAs.
+
+    Roles (data; the notebook prints them):
+      warpgroup 0      producer: warp 0 issues every TMA load; the others only give registers
+      warpgroups 1..n  consumers: wgmma S = Q K^T, mask, online softmax, wgmma O += P V, epilogue
+
+    Pipelines (producer -> consumer; an EMPTY barrier completes with one arrive per consumer
+    warp, a FULL one with the producer's arrive carrying the TMA byte count):
+      pipeline_q  1 stage      Q of the current tile; released after its last Q K^T
+      pipeline_k  stages_k     K tiles, visited from the highest n_block down
+      pipeline_v  stages_v     V tiles, same order
+    """
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config: HopperFwdConfig,
+                 has_window_left: bool = False, has_window_right: bool = False):
+        config.check(head_dim)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = bool(causal)
+        self.cfg = config
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        self.num_wgs = config.num_consumer_wgs
+        self.window = TileWindow(self.tile_m, self.tile_n, self.causal,
+                                 has_left=bool(has_window_left),
+                                 has_right=bool(has_window_right) and not self.causal)
+        self.producer_regs, self.consumer_regs = config.registers
+        self.num_consumer_threads = THREADS_PER_WARPGROUP * self.num_wgs
+        self.num_threads = THREADS_PER_WARPGROUP + self.num_consumer_threads
+        self.roles = {
+            "producer": {"warpgroups": (0,), "tma_warp": 0, "registers": self.producer_regs},
+            "consumer": {"warpgroups": tuple(range(1, self.num_wgs + 1)),
+                         "registers": self.consumer_regs},
+        }
+
+    def cache_key(self) -> tuple:
+        return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
+                self.window, self.cfg)
+
+    # ------------------------------------------------------------------------------------------
+    # host side: layouts, TMA descriptors, shared storage, grid, launch
+    # ------------------------------------------------------------------------------------------
+    def _smem_layout(self, rows: int, stages: int | None = None):
+        """128 B-swizzled K-major layout of a (rows, D) tile: what TMA writes and wgmma reads
+        without bank conflicts."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim),
+            self.dtype,
+        )
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, self.head_dim), order=(0, 1))
+        return cute.tile_to_shape(atom, (rows, self.head_dim, stages), order=(0, 1, 2))
+
+    def _tiled_mmas(self):
+        """S = Q K^T: A = Q and B = K both K-major in smem. O = P V: A = P from registers, B =
+        V read through a transposed view (MN-major). Atoms (n, 1, 1): each consumer warpgroup
+        owns 64 rows."""
+        atoms = (self.num_wgs, 1, 1)
+        major = cute.nvgpu.OperandMajorMode
+        mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major.K, major.K, Float32, atoms, (WGMMA_M, self.tile_n))
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major.K, major.MN, Float32, atoms, (WGMMA_M, self.head_dim),
+            warpgroup.OperandSource.RMEM)
+        return mma_qk, mma_pv
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, D)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
+        mO: cute.Tensor,  # (batch, seqlen_q, heads, D)
+        mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        l2_group: Int32,  # causal tile order: (head, batch) pairs per section (scheduler)
+        max_ctas: Int32,  # persistent grid size: the SM count
+        stream,
+    ):
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
+                           == mO.element_type == self.dtype)):
+            raise TypeError(f"q, k, v, out must all be {self.dtype}")
+        if const_expr(mLSE.element_type != Float32):
+            raise TypeError("lse must be float32")
+        # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
+        mQ, mK, mV, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = _select(mLSE, [2, 1, 0])  # (s, h, b)
+
+        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+        sQ_layout = self._smem_layout(self.tile_m)  # also O's layout
+        sK_layout = self._smem_layout(self.tile_n, self.cfg.stages_k)
+        sV_layout = self._smem_layout(self.tile_n, self.cfg.stages_v)
+        sKV_one = cute.select(sK_layout, mode=[0, 1])  # one stage: the TMA box
+        bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        bytes_kv = cute.size_in_bytes(self.dtype, sKV_one)
+        o_elems = cute.cosize(sQ_layout) if const_expr(self.cfg.separate_o) else 0
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.stages_k]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.stages_v]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
+
+        # the budget arithmetic of HopperFwdConfig.smem_bytes() is the struct's real size
+        assert SharedStorage.size_in_bytes() == self.cfg.smem_bytes(self.head_dim,
+                                                                    self.dtype.width // 8)
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout,
+                                                        (self.tile_m, self.head_dim))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, sKV_one,
+                                                        (self.tile_n, self.head_dim))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, sKV_one,
+                                                        (self.tile_n, self.head_dim))
+        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim))
+
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
+        grid = num_tiles
+        if const_expr(self.cfg.persistent):
+            grid = cutlass.min(num_tiles, max_ctas)
+        self.kernel(
+            tma_q, tma_k, tma_v, tma_o, mLSE,
+            tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
+            softmax_scale * LOG2_E, window_left, window_right, l2_group,
+            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
+            bytes_q, bytes_kv, SharedStorage,
+        ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA coordinate tensors: (s, D, h, b)
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,  # (s, h, b)
+        tma_atom_q: cute.CopyAtom,
+        tma_atom_k: cute.CopyAtom,
+        tma_atom_v: cute.CopyAtom,
+        tma_atom_o: cute.CopyAtom,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        l2_group: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        bytes_q: cutlass.Constexpr[int],
+        bytes_kv: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        # Producer: the one TMA thread (its arrive carries the byte count). Consumers: one arrive
+        # per consumer warp, so an EMPTY barrier completes when every consumer warp is done.
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                              self.num_consumer_threads // WARP_SIZE)
+
+        def ring(mbar, stages, tx):
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
+                consumer_group=consumers, tx_count=tx, defer_sync=True)
+
+        pipeline_q = ring(storage.mbar_q, 1, bytes_q)
+        pipeline_k = ring(storage.mbar_k, self.cfg.stages_k, bytes_kv)
+        pipeline_v = ring(storage.mbar_v, self.cfg.stages_v, bytes_kv)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (tile_m, D)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (n, D, STAGE)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (n, D, STAGE)
+        sO = sQ
+        if const_expr(self.cfg.separate_o):
+            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        # mbarrier inits (warp 0) must be visible to every thread before anyone waits on them
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < THREADS_PER_WARPGROUP // WARP_SIZE:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == self.roles["producer"]["tma_warp"]:
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+                          pipeline_q, pipeline_k, pipeline_v, window_left, window_right,
+                          l2_group)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(mO, mLSE, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
+                         pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left,
+                         window_right, l2_group, mQ.shape[0], mK.shape[0], mQ.shape[2],
+                         mQ.shape[3])
+
+    @cute.jit
+    def tile_of(self, tile: Int32, seqlen_q: Int32, heads: Int32, batch: Int32, l2_group):
+        """(m_block, head, batch) of linear tile ``tile``: fa4_final.scheduler's order."""
+        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        return tile_coords(tile, num_m_blocks, heads, batch, longest_first=self.causal,
+                           l2_group=l2_group)
+
+    # Note [Phases]
+    # -------------
+    # Each stage has a FULL and an EMPTY mbarrier; PipelineState walks a ring (index = count %
+    # stages, the phase bit flips at each wrap). The producer waits EMPTY with the opposite
+    # parity, so its first lap passes at once. Both roles walk the same tiles in the same order
+    # and take n_tiles from kv_tile_range() with the same arguments, so every FULL that a
+    # consumer waits on is filled: per tile the producer issues
+    #     K[n-1], Q, then for t = n-2 .. 0: K[t], V[t+1]; then V[0]
+    # (only Q when the tile sees no key) and the consumers read K[n-1], ..., K[0] and V[n-1],
+    # ..., V[0]. The rings' states carry over from tile to tile. No deadlock: K[t] needs the
+    # release of K[t + stages_k], which the consumers give before they wait for K[t] or V[t+1];
+    # Q of the next tile needs this tile's Q released, which happens after its last Q K^T, and
+    # by then every K and V this tile reads is already issued.
+
+    @cute.jit
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
+             pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, l2_group: Int32):
+        """Producer warp: Q and the K/V tiles of every tile this CTA computes (Note [Phases])."""
+        num_tiles = cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                               self.cfg.stages_k)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                               self.cfg.stages_v)
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        for r in cutlass.range(rounds(num_tiles, grid), unroll=1):
+            tile = zigzag_tile(r, bidx, grid)
+            if tile < num_tiles:
+                state_q, state_k, state_v = self.load_tile(
+                    tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
+                    pipeline_k, pipeline_v, state_q, state_k, state_v, window_left,
+                    window_right, l2_group)
+
+    @cute.jit
+    def load_tile(self, tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+                  pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v,
+                  window_left: Int32, window_right: Int32, l2_group: Int32):
+        """Q and the K/V tiles of one tile, in the order of Note [Phases]."""
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        heads, batch, heads_kv = mQ.shape[2], mQ.shape[3], mK.shape[2]
+        m_block, head, b = self.tile_of(tile, seqlen_q, heads, batch, l2_group)
+        head_kv = head // (heads // heads_kv)
+        n_min, n_max, _, _ = kv_tile_range(self.window, m_block, seqlen_q, seqlen_k,
+                                           window_left, window_right)
+        # (tile_m, D); (tile_n, D, n_tiles) of this (batch, head)
+        gQ = cute.local_tile(mQ[None, None, head, b], (self.tile_m, self.head_dim),
+                             (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, b], (self.tile_n, self.head_dim),
+                             (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, b], (self.tile_n, self.head_dim),
+                             (None, 0))
+        # TMA partitions: (TMA,) for Q; (TMA, STAGE) in smem and (TMA, n_tiles) for K, V
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1),
+                                           cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+
+        n_tiles = n_max - n_min
+        if n_tiles > 0:  # K first, so the first GEMM's operand is on its way early
+            state_k = self.load_one(tma_atom_k, tKgK, tKsK, n_max - 1, pipeline_k, state_k)
+        pipeline_q.producer_acquire(state_q)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(state_q))
+        state_q.advance()
+        if n_tiles > 0:
+            for i in cutlass.range(n_tiles - 1, unroll=1):
+                n_block = n_max - 2 - i
+                state_k = self.load_one(tma_atom_k, tKgK, tKsK, n_block, pipeline_k, state_k)
+                state_v = self.load_one(tma_atom_v, tVgV, tVsV, n_block + 1, pipeline_v,
+                                        state_v)
+            state_v = self.load_one(tma_atom_v, tVgV, tVsV, n_min, pipeline_v, state_v)
+        return state_q, state_k, state_v
+
+    @cute.jit
+    def load_one(self, tma_atom, tXgX, tXsX, n_block, pipe, state):
+        """Wait for a free stage, arm its FULL barrier with the byte count, start the TMA copy
+        of tile ``n_block`` into it. Returns the advanced state (the loops carry it)."""
+        pipe.producer_acquire(state)
+        cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
+        state.advance()
+        return state
+
+    # Note [Turns]
+    # ------------
+    # Ping-pong: consumer warpgroups take turns *issuing* wgmma; the GEMMs then run on the tensor
+    # cores while the issuer does its softmax. A turn of warpgroup w starts with bar.sync on named
+    # barrier TURN_WG0 + w and ends, once its wgmma are issued, with bar.arrive on the next
+    # warpgroup's barrier (256 participants: 128 that sync, 128 that arrive). Turns run in the
+    # order (turn 0, wg 0), (0, 1), ..., (1, 0), ... over every tile of the CTA: all warpgroups
+    # of a CTA compute the same tiles, so they take the same number of turns, and a tile that
+    # sees no key still takes one empty turn so the count never depends on the data. The first
+    # turn of warpgroup 0 has nobody before it and does not wait; the last turn of the last
+    # warpgroup has nobody after it and does not arrive: every barrier then sees as many
+    # arrive-halves as sync-halves and none is left pending when the CTA exits.
+
+    @cute.jit
+    def turn_begin(self, wg: Int32, first_of_cta):
+        if const_expr(self.cfg.pingpong):
+            if (wg > 0) | (not first_of_cta):
+                cute.arch.barrier(barrier_id=int(NamedBarrier.TURN_WG0) + wg,
+                                  number_of_threads=2 * THREADS_PER_WARPGROUP)
+
+    @cute.jit
+    def turn_end(self, wg: Int32, last_of_cta):
+        if const_expr(self.cfg.pingpong):
+            if (wg < self.num_wgs - 1) | (not last_of_cta):
+                next_wg = wg + 1
+                if next_wg == self.num_wgs:
+                    next_wg = Int32(0)
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TURN_WG0) + next_wg,
+                                         number_of_threads=2 * THREADS_PER_WARPGROUP)
+
+    @cute.jit
+    def wgmma(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor,
+              tB: cute.Tensor, accumulate):
+        """Issue acc (+)= A B over the K blocks as one async group; the caller waits on it.
+        ``accumulate`` False overwrites acc (a Python bool, or a run-time Boolean: wgmma's
+        scale-d is a predicate operand). wgmma.fence orders earlier register writes (P, a
+        rescaled O) before wgmma reads them."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
+                pipeline_q, pipeline_k, pipeline_v, scale_log2: Float32, window_left: Int32,
+                window_right: Int32, l2_group: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                heads: Int32, batch: Int32):
+        """Consumer warpgroups: every tile of this CTA, then the O store's tail."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. num_consumer_threads - 1
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        # A and B descriptors are per warpgroup, C fragments per thread
+        wg_mma_qk = tiled_mma_qk.get_slice(wg * THREADS_PER_WARPGROUP)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg * THREADS_PER_WARPGROUP)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        # V^T view (D, tile_n, STAGE): the B operand of O = P V with N = D, K = tile_n
+        sVt = cute.composition(sV, cute.make_ordered_layout(
+            (self.head_dim, self.tile_n, self.cfg.stages_v), order=(1, 0, 2)))
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))  # (MMA, 1, D/16)
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))  # (MMA, 1, D/16, STAGE)
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))  # (MMA, 1, n/16, STAGE)
+        # fp32 accumulators: S ((2, 2, tile_n/8), 1, 1), O ((2, 2, D/8), 1, 1)
+        acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
+                                      Float32)
+        acc_o = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim)),
+                                      Float32)
+        # P as the register A operand of O += P V, input dtype: ((2, 2, 2), 1, tile_n/16)
+        tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((self.tile_m, self.tile_n)),
+                                     self.dtype)
+        tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
+        softmax = OnlineSoftmax(scale_log2, cute.size(acc_rows_cols(acc_o), mode=[0]),
+                                self.cfg.exp2_emulation_fraction, self.cfg.rescale_threshold)
+
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                               self.cfg.stages_k)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                               self.cfg.stages_v)
+        num_tiles = cute.ceil_div(seqlen_q, self.tile_m) * heads * batch
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        for r in cutlass.range(rounds(num_tiles, grid), unroll=1):
+            tile = zigzag_tile(r, bidx, grid)
+            if tile < num_tiles:
+                state_q, state_k, state_v = self.consume_tile(
+                    tile, r == 0, zigzag_tile(r + 1, bidx, grid) >= num_tiles, mO, mLSE, sO,
+                    tma_atom_o, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o,
+                    tOrP, tSrQ, tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k,
+                    pipeline_v, state_q, state_k, state_v, window_left, window_right, l2_group,
+                    seqlen_q, seqlen_k, heads, batch)
+        if const_expr(self.cfg.separate_o):
+            if tidx == 0:  # shared memory must outlive the last O store's reads of it
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def consume_tile(self, tile, first_tile, last_tile, mO, mLSE, sO, tma_atom_o,
+                     tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o, tOrP, tSrQ,
+                     tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k, pipeline_v,
+                     state_q, state_k, state_v, window_left, window_right, l2_group, seqlen_q,
+                     seqlen_k, heads, batch):
+        """One tile: its KV loop and its epilogue. ``first_tile`` / ``last_tile``: of this
+        CTA (Note [Turns])."""
+        m_block, head, b = self.tile_of(tile, seqlen_q, heads, batch, l2_group)
+        n_min, n_max, n_top, n_bottom = kv_tile_range(self.window, m_block, seqlen_q,
+                                                      seqlen_k, window_left, window_right)
+        n_tiles = n_max - n_min
+        softmax.reset()
+        acc_o.fill(0.0)
+        mask = lambda acc, i, left: apply_mask(  # noqa: E731  (i: visit index, n = n_max-1-i)
+            acc, tScS, t0ScS, self.window, m_block, n_max - 1 - i, seqlen_q, seqlen_k,
+            window_left, window_right, mask_left=left)
+        pipeline_q.consumer_wait(state_q)
+        if n_tiles > 0:
+            if const_expr(self.cfg.intra_wg_overlap):
+                state_k, state_v = self.mainloop_overlap(
+                    wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask, softmax,
+                    acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv,
+                    pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v)
+            else:
+                state_k, state_v = self.mainloop_serial(
+                    wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask, softmax,
+                    acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv,
+                    pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v)
+        else:  # no visible key: out = 0, and one empty turn keeps the turn count fixed
+            acc_o.fill(0.0)
+            self.turn_begin(wg, first_tile)
+            self.turn_end(wg, last_tile)
+            if const_expr(self.cfg.separate_o):
+                pipeline_q.consumer_release(state_q)
+        self.epilogue(acc_o, softmax, mO[None, None, head, b], mLSE[None, head, b], sO,
+                      tma_atom_o, thr_mma_pv, tidx, m_block, seqlen_q, pipeline_q, state_q)
+        state_q.advance()
+        return state_q, state_k, state_v
+
+    @cute.jit
+    def mainloop_overlap(self, wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask,
+                         softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                         tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, state_q, state_k,
+                         state_v):
+        """Turn 0: S for the first KV tile. Turns 1 .. n-1: S_{j+1} = Q K_{j+1}^T and O += P_j
+        V_j in flight together, the softmax of S_{j+1} under P_j V_j. Turn n: the last P V."""
+        pipeline_k.consumer_wait(state_k)
+        self.turn_begin(wg, first_tile)
+        s = cute.make_rmem_tensor_like(acc_s)  # a fresh S each step: its registers die with P
+        self.wgmma(tiled_mma_qk, s, tSrQ, tSrK[None, None, None, state_k.index], False)
+        self.turn_end(wg, False)
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(state_k)
+        state_k.advance()
+        # the first tile visited holds the diagonal or the keys past seqlen_k: mask it always
+        mask(s, 0, self.window.has_left)
+        row_scale, rescale = softmax.update(s, is_first=True)
+        tOrP.store(acc_as_a_operand(s).load().to(self.dtype))
+        # Note [Where O is rescaled]: alpha of the last softmax, applied to O when the next P V
+        # is issued (o_rescale = "next_pv")
+        pending = cute.make_rmem_tensor_like(row_scale)
+        pending.store(row_scale.load())
+
+        step = lambda i, masked, left, sk, sv, pend: self.overlap_step(  # noqa: E731
+            i, masked, left, wg, mask, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt,
+            tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, sk, sv, pending, pend)
+        # Split the range, not the body: the tiles that need a mask, then those that do not,
+        # then (sliding window) those masked on the left. Each loop runs one step function.
+        top_end = 1  # without a causal diagonal or window only the first tile needs a mask
+        if const_expr(self.window.masks_right):
+            top_end = cutlass.max(cutlass.min(n_top, n_tiles), 1)
+        bottom_start = cutlass.max(n_tiles - n_bottom, top_end)
+        for i in cutlass.range(1, top_end, unroll=1):
+            # a window narrower than a tile can cut a diagonal tile on both sides
+            state_k, state_v, rescale = step(i, True, self.window.has_left, state_k, state_v,
+                                             rescale)
+        for i in cutlass.range(top_end, bottom_start, unroll=1):
+            state_k, state_v, rescale = step(i, False, False, state_k, state_v, rescale)
+        if const_expr(self.window.has_left):
+            for i in cutlass.range(bottom_start, n_tiles, unroll=1):
+                state_k, state_v, rescale = step(i, True, True, state_k, state_v, rescale)
+        if const_expr(self.cfg.separate_o):  # every Q K^T of this tile is done
+            pipeline_q.consumer_release(state_q)
+        pipeline_v.consumer_wait(state_v)
+        self.turn_begin(wg, False)
+        if const_expr(self.cfg.o_rescale == "next_pv"):
+            softmax.rescale_o(acc_o, pending, rescale)
+        self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index], True)
+        self.turn_end(wg, last_tile)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(state_v)
+        state_v.advance()
+        return state_k, state_v
+
+    # Note [Where O is rescaled]
+    # --------------------------
+    # O must be multiplied by alpha after the P V that accumulates into it has finished and
+    # before the next P V adds to it. Three places (HopperFwdConfig.o_rescale):
+    #   "end"      after the softmax, as written in the algorithm: the D multiplies per row then
+    #              sit on the warpgroup's critical path to its next turn;
+    #   "early"    right after the row maxima and alpha, before the exponentials: the multiplies
+    #              fill the issue slots between MUFU instructions (MUFU takes 8 cycles per warp
+    #              instruction at 16 exp/clk/SM, so most issue slots of the softmax are free);
+    #   "next_pv"  at the start of the next turn, between the S GEMM and the P V GEMM: they run
+    #              while the tensor cores are busy with S.
+    # The source order is a request: ptxas schedules. The benchmark decides the default.
+
+    @cute.jit
+    def overlap_step(self, i, masked: cutlass.Constexpr[bool], left: cutlass.Constexpr[bool],
+                     wg, mask, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                     tiled_mma_pv, pipeline_k, pipeline_v, state_k, state_v, pending,
+                     pending_rescale):
+        """One steady-state turn: issue S_i and P_{i-1} V_{i-1}, softmax S_i under the P V."""
+        pipeline_k.consumer_wait(state_k)
+        self.turn_begin(wg, False)
+        s = cute.make_rmem_tensor_like(acc_s)
+        self.wgmma(tiled_mma_qk, s, tSrQ, tSrK[None, None, None, state_k.index], False)
+        if const_expr(self.cfg.o_rescale == "next_pv"):
+            softmax.rescale_o(acc_o, pending, pending_rescale)
+        pipeline_v.consumer_wait(state_v)
+        self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index], True)
+        self.turn_end(wg, False)
+        warpgroup.wait_group(1)  # S is ready; P V may still be running
+        pipeline_k.consumer_release(state_k)
+        state_k.advance()
+        if const_expr(masked):
+            mask(s, i, left)
+        place = self.cfg.o_rescale
+        row_scale, rescale, max_scaled = softmax.new_max(s, is_first=False)
+        if const_expr(place == "early"):
+            warpgroup.wait_group(0)  # P V done: O, tOrP and the V stage are free again
+            pipeline_v.consumer_release(state_v)
+            softmax.rescale_o(acc_o, row_scale, rescale)
+        softmax.exponentiate(s, max_scaled, row_scale, is_first=False)
+        if const_expr(place != "early"):
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(state_v)
+        state_v.advance()
+        if const_expr(place == "next_pv"):
+            pending.store(row_scale.load())
+        elif const_expr(place == "end"):
+            softmax.rescale_o(acc_o, row_scale, rescale)
+        tOrP.store(acc_as_a_operand(s).load().to(self.dtype))
+        return state_k, state_v, rescale
+
+    @cute.jit
+    def mainloop_serial(self, wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask,
+                        softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                        tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, state_q, state_k,
+                        state_v):
+        """Without intra-warpgroup overlap (the ablation): S, softmax, P V, one after another,
+        two turns per KV tile."""
+        for i in cutlass.range(n_tiles, unroll=1):
+            pipeline_k.consumer_wait(state_k)
+            self.turn_begin(wg, first_tile & (i == 0))
+            self.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state_k.index], False)
+            self.turn_end(wg, False)
+            warpgroup.wait_group(0)
+            pipeline_k.consumer_release(state_k)
+            state_k.advance()
+            if const_expr(self.cfg.separate_o):
+                if i == n_tiles - 1:
+                    pipeline_q.consumer_release(state_q)
+            if (i < n_top) | (i >= n_tiles - n_bottom) | (i == 0):
+                mask(acc_s, i, self.window.has_left)
+            row_scale, rescale = softmax.update(acc_s, is_first=False)
+            tOrP.store(acc_as_a_operand(acc_s).load().to(self.dtype))
+            softmax.rescale_o(acc_o, row_scale, rescale)
+            pipeline_v.consumer_wait(state_v)
+            self.turn_begin(wg, False)
+            self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index],
+                       i > 0)  # the first P V overwrites the uninitialised O
+            self.turn_end(wg, last_tile & (i == n_tiles - 1))
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(state_v)
+            state_v.advance()
+        return state_k, state_v
+
+    @cute.jit
+    def epilogue(self, acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv,
+                 tidx: Int32, m_block: Int32, seqlen_q: Int32, pipeline_q, state_q):
+        """out = O / l and lse to global memory. O goes registers -> shared (stmatrix) -> one TMA
+        store, which clips rows past seqlen_q; lse is written directly."""
+        inv_sum, lse = softmax.finalize()
+        o = acc_rows_cols(acc_o)
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+            for c in cutlass.range(cute.size(o, mode=[1]), unroll_full=True):
+                o[r, c] = o[r, c] * inv_sum[r]
+        rO = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        rO.store(acc_o.load().to(self.dtype))
+
+        # lse: the thread holding column 0 of a row writes it
+        tOcO = acc_rows_cols(thr_mma_pv.partition_C(
+            cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+                row = m_block * self.tile_m + tOcO[r, 0][0]
+                if row < seqlen_q:
+                    gLSE_all[row] = lse[r]
+
+        consumer_warp = tidx // WARP_SIZE
+        if const_expr(self.cfg.separate_o):
+            # the previous tile's O store must have read the buffer before it is rewritten
+            if tidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                              number_of_threads=self.num_consumer_threads)
+        # O over Q when there is no separate buffer: a warpgroup's O rows are exactly the bytes
+        # of its own Q rows, whose last wgmma has retired
+        store_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_store = cute.make_tiled_copy_C(store_atom, thr_mma_pv).get_slice(tidx)
+        cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
+        # generic-proxy smem writes -> visible to the TMA (async proxy), then all rows written
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                          number_of_threads=self.num_consumer_threads)
+        gO = cute.local_tile(gO_all, (self.tile_m, self.head_dim), (m_block, 0))  # (tile_m, D)
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_o, 0, cute.make_layout(1),
+                                           cute.group_modes(sO, 0, 2),
+                                           cute.group_modes(gO, 0, 2))
+        if consumer_warp == 0:
+            cute.copy(tma_atom_o, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+        if const_expr(not self.cfg.separate_o):
+            # Q's buffer holds O until the store has read it; then the next Q may land there
+            if consumer_warp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                              number_of_threads=self.num_consumer_threads)
+            pipeline_q.consumer_release(state_q)

@@ -1,0 +1,87 @@
+"""fa4_final's Hopper forward compiled for sm_90a with fake tensors, on a CPU: the instructions
+it must contain, and resources (no spills, no wgmma serialised by ptxas)."""
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from fa4_final import interface
+from fa4_final.config import HopperFwdConfig, hopper_fwd_default
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def artifacts():
+    cache = {}
+
+    def get(head_dim=128, causal=False, dtype="bf16", **kw):
+        key = (head_dim, causal, dtype, tuple(sorted(kw.items())))
+        if key not in cache:
+            window = {k: kw.pop(k) for k in ("has_window_left", "has_window_right") if k in kw}
+            cfg = replace(hopper_fwd_default(head_dim, causal), **kw) if kw else None
+            cache[key] = interface.compile_only("sm_90a", head_dim, dtype, causal, cfg, **window)
+        return cache[key]
+
+    return get
+
+
+def wgmma_serialised(art) -> int:
+    """Fences ptxas added on its own (C7512: wgmma serialised for lack of registers): each
+    WARPGROUP.ARRIVE in the SASS beyond the source's wgmma.fence splits a GEMM into pieces."""
+    return art.count("WARPGROUP.ARRIVE", where="sass") - art.count("wgmma.fence.sync.aligned")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_forward_has_the_hopper_instructions(artifacts, head_dim, causal):
+    art = artifacts(head_dim, causal)
+    art.require("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc",
+                "setmaxnreg.dec", "mbarrier.try_wait", "bar.arrive", "bar.sync")
+    art.require("HGMMA", "UTMALDG", "UTMASTG", "STSM", "MUFU.EX2", where="sass")
+    assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    assert wgmma_serialised(art) == 0
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(pingpong=False), dict(persistent=False), dict(separate_o=False),
+    dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
+    dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0),
+    dict(has_window_left=True), dict(has_window_right=True, has_window_left=True),
+])
+def test_every_knob_compiles_clean(artifacts, knobs):
+    art = artifacts(128, False, **dict(knobs))
+    assert art.spills == 0, art.resources()
+    assert wgmma_serialised(art) == 0
+
+
+def test_fp16_and_three_warpgroups(artifacts):
+    art = artifacts(64, True, "fp16")
+    assert art.spills == 0 and wgmma_serialised(art) == 0
+    # 3 consumer warpgroups: 160 registers each, 32 for the producer (4 x 128 x 160 <= 64 K)
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+160;", art.ptx)
+    assert re.search(r"setmaxnreg.dec.sync.aligned.u32\s+32;", art.ptx)
+
+
+def test_knobs_show_in_the_code(artifacts):
+    assert artifacts(128, False, rescale_threshold=8.0).count("vote.sync.any", "ptx") >= 1
+    assert artifacts(128, False).count("vote.sync.any", "ptx") == 0
+    assert artifacts(128, False, pingpong=False).count("bar.arrive") == 0
+    emulated = artifacts(128, False, exp2_emulation_fraction=0.25)
+    assert emulated.count("add.rm.f32") > 0 and artifacts(128, False).count("add.rm.f32") == 0
+
+
+def test_config_errors_name_the_knob():
+    with pytest.raises(ValueError, match="shared memory"):
+        HopperFwdConfig(stages_k=4, stages_v=4).check(128)
+    with pytest.raises(ValueError, match="num_consumer_wgs"):
+        HopperFwdConfig(num_consumer_wgs=4).check(128)
+    with pytest.raises(ValueError, match="o_rescale"):
+        HopperFwdConfig(o_rescale="later").check(128)
+    with pytest.raises(ValueError, match="head_dim"):
+        HopperFwdConfig().check(96)
+    with pytest.raises(ValueError, match="rescale_threshold"):
+        HopperFwdConfig(rescale_threshold=16.0).check(128)
+    with pytest.raises(interface.UnsupportedError, match="sm_90a"):
+        interface.compile_only("sm_100a")
