@@ -804,8 +804,9 @@ def _sweep_row(rows, d, causal, impl="flash_ampere", **tile):
 
 def sweep_findings(res, spread: float | None = None) -> list[str]:
     """What the stored sweep says about each knob, one line each, computed from its rows:
-    A vs B in TFLOP/s and their ratio, with A's spills. ``spread`` (a fraction, from
-    ``spread_lines``'s runs) marks ratios too small to tell from run-to-run noise."""
+    A vs B in TFLOP/s and their ratio, with A's spills. A ratio is marked "within noise" when
+    it does not clear the larger of the two rows' own spreads (``utils.bench.compare``) and
+    ``spread`` (a fraction: the same kernel between runs, from ``run_spread``)."""
     rows = res.rows
     out = []
 
@@ -814,12 +815,15 @@ def sweep_findings(res, spread: float | None = None) -> list[str]:
         return "spill-free" if n == 0 else (f"{n} spill instructions" if n else "spills unknown")
 
     def compare(what, d, causal, a, b):
+        from utils.bench import compare as against
+
         ra, rb = _sweep_row(rows, d, causal, **a), _sweep_row(rows, d, causal, **b)
         if ra is None or rb is None:
             return
         ratio = ra["tflops"] / rb["tflops"]
-        noise = (" (within the run-to-run spread)" if spread is not None
-                 and abs(ratio - 1) <= spread else "")
+        c = against(ra, rb)
+        limit = max(c.noise if c is not None else 0.0, spread or 0.0)
+        noise = " (within noise)" if abs(ratio - 1) <= limit else ""
         out.append(f"D={d} {'causal' if causal else 'non-causal'}, {what}: {ra['tflops']:.0f} vs "
                    f"{rb['tflops']:.0f} TFLOP/s = {ratio:.2f}x{noise}; {spills(ra)}")
 

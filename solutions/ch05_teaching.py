@@ -185,17 +185,13 @@ def knob_name(row) -> str:
     return name
 
 
-def _best_tflops(row):
-    """TFLOP/s of the fastest timed call (the row's ms_min), or None."""
-    if row.get("tflops") and row.get("ms") and row.get("ms_min"):
-        return row["tflops"] * row["ms"] / row["ms_min"]
-    return None
-
-
 def knob_lines(res) -> list[str]:
     """The knob benchmark (``ch05_flash_hopper --bench``), grouped by (D, causal): TFLOP/s of
-    each configuration (median of the timed calls) and its ratio to that group's "default" row,
-    by the median and by the fastest call."""
+    each configuration, its own spread (``utils.bench.row_spread``: between rounds, or in an
+    older one-round file between the median and the fastest call) and its ratio to that
+    group's "default" row."""
+    from utils.bench import row_spread
+
     lines = []
     groups = dict.fromkeys((r.get("d"), r.get("causal")) for r in res.rows)
     for d, causal in groups:
@@ -212,13 +208,11 @@ def knob_lines(res) -> list[str]:
                 lines.append(f"    {knob_name(r):24s} {tile:10s} not timed (verified: "
                              f"{r.get('verified')})")
                 continue
-            ratio = ""
-            if base is not None:
-                ratio = f"{r['tflops'] / base['tflops']:5.2f}x default"
-                best, best_base = _best_tflops(r), _best_tflops(base)
-                if best and best_base:
-                    ratio += f" (fastest call: {best / best_base:4.2f}x)"
-            lines.append(f"    {knob_name(r):24s} {tile:10s} {r['tflops']:6.0f} TFLOP/s  {ratio}")
+            spread = row_spread(r)
+            spread = f"spread {spread:4.1%}" if spread is not None else ""
+            ratio = f"{r['tflops'] / base['tflops']:5.2f}x default" if base else ""
+            lines.append(f"    {knob_name(r):24s} {tile:10s} {r['tflops']:6.0f} TFLOP/s "
+                         f"{spread:12s} {ratio}")
     return lines
 
 
@@ -249,11 +243,13 @@ def spread_line(spread) -> str:
 
 
 def knob_effects(res, spread: float | None) -> list[str]:
-    """Each knob against its group's default, by the median and by the fastest call, with a
-    verdict: "faster" or "slower" only when both ratios clear ``spread`` (the run-to-run
-    yardstick, a fraction) in the same direction, else "not established"."""
+    """Each knob against its group's default with a verdict: "faster" or "slower" only when
+    the ratio clears the noise, the larger of the two rows' own spreads (``utils.bench.
+    compare``) and ``spread``, the spread between two runs of the same kernel (a fraction, from
+    ``default_spread``); else "within noise"."""
+    from utils.bench import compare
+
     out = []
-    margin = spread if spread is not None else 0.0
     groups = dict.fromkeys((r.get("d"), r.get("causal")) for r in res.rows)
     for d, causal in groups:
         rows = [r for r in res.rows if (r.get("d"), r.get("causal")) == (d, causal)]
@@ -261,19 +257,14 @@ def knob_effects(res, spread: float | None) -> list[str]:
         if base is None:
             continue
         for r in rows:
-            if r is base or not r.get("tflops"):
+            c = None if r is base else compare(r, base)
+            if c is None:
                 continue
-            med = r["tflops"] / base["tflops"]
-            best_r, best_b = _best_tflops(r), _best_tflops(base)
-            best = best_r / best_b if best_r and best_b else med
-            if med > 1 + margin and best > 1 + margin:
-                verdict = "faster"
-            elif med < 1 - margin and best < 1 - margin:
-                verdict = "slower"
-            else:
-                verdict = "not established"
-            out.append(f"D={d} {'causal' if causal else 'non-causal'}, {knob_name(r)}: median "
-                       f"{med:.2f}x, fastest call {best:.2f}x the default -> {verdict}")
+            noise = max(c.noise, spread or 0.0)
+            verdict = ("within noise" if abs(c.ratio - 1) <= noise
+                       else "faster" if c.ratio > 1 else "slower")
+            out.append(f"D={d} {'causal' if causal else 'non-causal'}, {knob_name(r)}: "
+                       f"{c.ratio:.2f}x the default, noise {noise:.0%} -> {verdict}")
     return out
 
 
