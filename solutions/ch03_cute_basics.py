@@ -917,9 +917,10 @@ def _first(mask: np.ndarray, k: int = 3) -> list[tuple[int, int]]:
     return [(int(r), int(c)) for r, c in np.argwhere(mask)[:k]]
 
 
-def copy_verdict(x: np.ndarray, dst: np.ndarray) -> str | None:
+def copy_verdict(x: np.ndarray, dst: np.ndarray, vec: int | None = None) -> str | None:
     """What is wrong with a tiled copy of ``x`` into the margin buffer ``dst`` (None: nothing):
-    writes past the edges, elements never written, elements with the wrong value."""
+    writes past the edges, elements never written, elements with the wrong value. ``vec`` is
+    the copy's elements per 16-byte vector (default: from x's dtype)."""
     rows, cols = x.shape
     what = f"copying a {rows} x {cols} tensor (tiles of {COPY_TILE_M} x 32 vectors)"
     below, right = ~np.isnan(dst[rows:, :]), ~np.isnan(dst[:rows, cols:])
@@ -941,7 +942,7 @@ def copy_verdict(x: np.ndarray, dst: np.ndarray) -> str | None:
         written = int((~missing).sum())
         hint = ("every vector inside the tensor needs a True predicate, and every thread its "
                 "own slice")
-        vec = 128 // (8 * x.dtype.itemsize)
+        vec = vec or 128 // (8 * x.dtype.itemsize)
         ctas = -(-rows // COPY_TILE_M) * -(-cols // (32 * vec))
         one_thread = COPY_TILE_M // (COPY_THREADS // 32) * vec
         if written <= 2 * ctas * one_thread:  # about one thread's worth per CTA
@@ -1005,7 +1006,7 @@ def check_copy_on_gpu(partition, shape, dtype=torch.bfloat16, seed: int = 0):
             _COMPILED[key] = cute.compile(TiledCopy(partition).launch_in_margin, *args)
         _COMPILED[key](*args)
     torch.cuda.synchronize()
-    problem = copy_verdict(x.float().cpu().numpy(), dst.float().cpu().numpy())
+    problem = copy_verdict(x.float().cpu().numpy(), dst.float().cpu().numpy(), _vector_len(dt))
     name = str(dtype).replace("torch.", "")
     return problem is None, f"{shape[0]} x {shape[1]} {name}: {problem or 'exact, nothing outside'}"
 
