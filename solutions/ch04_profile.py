@@ -4,7 +4,7 @@
     python -m solutions.ch04_profile --raw-dir DIR        # ... and keep ncu's CSV exports in DIR
     python -m solutions.ch04_profile --from-raw DIR       # re-read DIR (any machine, no GPU)
 
-The kernel is the one ``attention()`` launches at the chapter's target shape (D = 128, 16 heads
+The kernel is the one ``attention()`` launches at the chapter's headline shape (D = 128, 16 heads
 of 16384 queries and keys, bf16, non-causal). ncu replays that launch to read its counters and
 samples the warps' program counters; from that it reports:
 
@@ -20,6 +20,10 @@ samples the warps' program counters; from that it reports:
 ncu locks the SM clock to its base (1.38 GHz on the H200) while it measures, so the figures are
 shares and ratios; speeds come from the benchmarks. Saved as results/<gpu>/ch04_profile.json
 (rows: impl, metric, value, unit).
+
+The machinery (``ProfileSpec``, ``run_ncu``, ``profile_with``, ``from_raw_with``, ``main_with``,
+the CSV readers and ``format_profile``) is shared with chapter 05's profile,
+``solutions.ch05_profile``, which adds what a warp-specialised wgmma kernel needs.
 """
 
 from __future__ import annotations

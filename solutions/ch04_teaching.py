@@ -16,7 +16,10 @@ run time, never copied; layouts and KV tile ranges come from the kernel's own co
 - stored results: the forward benchmark and how it stands against its peers, the tile sweep and
   what each knob did, the Nsight Compute profile;
 - exercises 04.1 (registers of a tile), 04.2 (which thread holds S[r, c]), 04.3 (which KV tiles
-  a causal CTA visits and masks).
+  a causal CTA visits and masks), and two in device code: 04.4 (the quad all-reduce, checked by
+  a model of a warp as a vector of 32 lanes and a compile for sm_80) and 04.5 (a fragment's
+  causal mask, run host-side for every thread of the kernel's tile); both run on a GPU inside
+  small kernels (``QuadReduce``, ``MaskHarness``).
 """
 
 from __future__ import annotations

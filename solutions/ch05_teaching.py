@@ -11,10 +11,14 @@ config, its shared-memory sum, its compiled PTX and SASS) and models the ideas a
 - one steady-state turn of the compiled SASS (where ptxas put the waits and the exponentials);
 - a fluid model of two or three consumer warpgroups sharing the tensor cores and MUFU, with and
   without ping-pong;
-- exercises 05.1 (stage count), 05.2 (the producer's step of the ring), 05.3 (proxy fence): their
-  references and checkers.
+- exercises 05.1 (stage count), 05.2 (the producer's step of the ring), 05.3 (proxy fence), and
+  05.4 in device code, the kernel's own producer loop over the K and V rings
+  (``HopperWithProducer`` swaps it into the kernel; ``record_producer`` and ``KVRingSim`` check
+  it on the CPU): their references and checkers;
+- the stored figures read with verdicts: standing against the peers, the knob run against the
+  spread between runs, and the Nsight Compute profile (``solutions.ch05_profile``).
 
-Nothing here needs a GPU.
+Nothing here needs a GPU, except the ``*_on_gpu`` checks of the exercises.
 """
 
 from __future__ import annotations
