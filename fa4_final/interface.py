@@ -133,9 +133,12 @@ def _fwd_kernel(dtype_name: str, head_dim: int, causal: bool, has_left: bool, ha
                          has_window_left=has_left, has_window_right=has_right)
 
 
-def _fwd_fake_args(dtype_name: str, head_dim: int):
+def _fwd_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig):
+    import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
+
+    from fa4_final.timeline import MARKS, MAX_STEPS
 
     dt = CUTLASS_BY_NAME[dtype_name]
     div = 128 // dt.width  # 16-byte strides (TMA), in elements
@@ -145,7 +148,8 @@ def _fwd_fake_args(dtype_name: str, head_dim: int):
     v = fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)
     o = fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)
     lse = fake_tensor(Float32, (b, h, sq), divisibility=1)
-    return (q, k, v, o, lse, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
+    timeline = fake_tensor(cutlass.Int64, (1 + cfg.num_consumer_wgs, MAX_STEPS, MARKS))
+    return (q, k, v, o, lse, timeline, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
             fake_stream())
 
 
@@ -166,7 +170,8 @@ def compile_forward(arch: str = "sm_90a", head_dim: int = 128, dtype: str = "bf1
     kernel = _fwd_kernel(dtype, head_dim, causal, has_window_left, has_window_right, cfg)
 
     def build():
-        return compile_kernel(kernel, *_fwd_fake_args(dtype, head_dim), arch=arch, keep=keep)
+        return compile_kernel(kernel, *_fwd_fake_args(dtype, head_dim, cfg), arch=arch,
+                              keep=keep)
 
     if keep:
         return build()
@@ -215,8 +220,39 @@ def forward_into(q, k, v, out, lse, causal=False, softmax_scale=None, window_siz
     group = h * b  # causal: longest first over every (head, batch) pair
     if cfg.l2_sections:
         group = l2_section_pairs(sk, d, q.element_size(), h * b)
-    compiled(q, k, v, out, lse, scale, left or 0, right or 0, group, _num_sms(q.device))
+    compiled(q, k, v, out, lse, _timeline_buffer(q.device, cfg), scale, left or 0, right or 0,
+             group, _num_sms(q.device))
     return out, lse
+
+
+_TIMELINES: dict = {}
+
+
+def _timeline_buffer(device, cfg: HopperFwdConfig) -> torch.Tensor:
+    """The int64 (roles, MAX_STEPS, MARKS) buffer a kernel built with ``timeline=True``
+    writes its phase timestamps to (Note [Timeline]); other builds never touch it."""
+    from fa4_final.timeline import MARKS, MAX_STEPS
+
+    key = (device, cfg.num_consumer_wgs)
+    if key not in _TIMELINES:
+        _TIMELINES[key] = torch.zeros(1 + cfg.num_consumer_wgs, MAX_STEPS, MARKS,
+                                      dtype=torch.int64, device=device)
+    return _TIMELINES[key]
+
+
+def forward_timeline(q, k, v, causal=False, config: HopperFwdConfig | None = None):
+    """One run of the forward built with ``timeline=True``; returns the recorded (roles,
+    MAX_STEPS, MARKS) cycle stamps of CTA 0's first tile as a CPU int64 tensor (0 = not
+    reached). Role 0 is the producer (one stamp per K tile issued), role w + 1 consumer
+    warpgroup w."""
+    from dataclasses import replace
+
+    cfg = replace(config or hopper_fwd_default(q.shape[-1], causal), timeline=True)
+    buf = _timeline_buffer(q.device, cfg)
+    buf.zero_()
+    forward(q, k, v, causal, config=cfg)
+    torch.cuda.synchronize(q.device)
+    return buf.cpu().clone()
 
 
 L2_BYTES_FOR_KV = 40 * 2**20  # of the H100/H200's 50 MB L2, what K and V may take

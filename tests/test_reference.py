@@ -80,3 +80,34 @@ def test_bad_dtype_and_scale():
         check_attention_inputs(f, f, f, softmax_scale=float("nan"))
     with pytest.raises(TypeError, match="share a dtype"):
         check_attention_inputs(f, f.double(), f)
+
+
+def test_window_mask_follows_the_rule():
+    """causal_mask with a window against the rule written out entry by entry."""
+    from utils.reference import causal_mask
+
+    for sq, sk, window in [(5, 9, (2, 1)), (9, 5, (None, 0)), (7, 7, (0, None)), (4, 6, (3, 3))]:
+        left, right = window
+        m = causal_mask(sq, sk, window_size=window)
+        for i in range(sq):
+            for j in range(sk):
+                lo = -10**9 if left is None else i + sk - sq - left
+                hi = 10**9 if right is None else i + sk - sq + right
+                assert bool(m[i, j]) == (lo <= j <= hi), (sq, sk, window, i, j)
+    assert bool((causal_mask(6, 4) == causal_mask(6, 4, window_size=(None, 0))).all())
+
+
+def test_window_reference_is_dense_attention_on_visible_keys():
+    import torch
+
+    from utils.reference import attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 1, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    out, lse = attention_reference(q, k, v, window_size=(1, 1))
+    for i in range(6):
+        keys = [j for j in range(6) if abs(i - j) <= 1]
+        s = (q[0, i, 0] @ k[0, keys, 0].T) * 8**-0.5
+        p = torch.softmax(s, dim=-1)
+        assert torch.allclose(out[0, i, 0], p @ v[0, keys, 0])
+        assert torch.allclose(lse[0, 0, i], torch.logsumexp(s, dim=-1))

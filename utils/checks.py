@@ -173,7 +173,8 @@ def wait_for_gpu(what: str, deadline_s: float = HANG_DEADLINE_S) -> None:
         time.sleep(1e-4)
 
 
-def compare_outputs(q, k, v, out, lse, causal=False, softmax_scale=None, label=""):
+def compare_outputs(q, k, v, out, lse, causal=False, softmax_scale=None, label="",
+                    window_size=None):
     """A kernel's ``out`` and ``lse`` against the float64 reference; returns (ok, one line).
 
     The course's rule for both (``tolerance_check``: within 2 x PyTorch's own error in the input
@@ -184,8 +185,10 @@ def compare_outputs(q, k, v, out, lse, causal=False, softmax_scale=None, label="
     drift; an lse paired with the wrong running max (chapter 07's classic bug) is off by up to
     tau * ln 2 and shows up here first.
     """
-    ref_out, ref_lse = attention_reference(q, k, v, causal, softmax_scale)
-    same_out, same_lse = attention_reference(q, k, v, causal, softmax_scale, dtype=q.dtype)
+    ref_out, ref_lse = attention_reference(q, k, v, causal, softmax_scale,
+                                           window_size=window_size)
+    same_out, same_lse = attention_reference(q, k, v, causal, softmax_scale, dtype=q.dtype,
+                                             window_size=window_size)
     on_out = tolerance_check(out, ref_out, same_out, "out")
     on_lse = tolerance_check(lse, ref_lse, same_lse, "lse", extra_atol=1e-5)
     seen = torch.isfinite(ref_lse).to(lse.device)  # rows that see at least one key

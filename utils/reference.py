@@ -55,15 +55,26 @@ def check_attention_inputs(q, k, v, softmax_scale=None) -> tuple[int, int, int, 
     return b, sq, sk, h, hk, d
 
 
-def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-    """Boolean (seqlen_q, seqlen_k), True where query i may see key j (bottom-right aligned)."""
+def causal_mask(seqlen_q: int, seqlen_k: int, device=None, window_size=None) -> torch.Tensor:
+    """Boolean (seqlen_q, seqlen_k), True where query i may see key j (bottom-right aligned):
+    j <= i + seqlen_k - seqlen_q. With ``window_size = (left, right)`` (None: unbounded) the
+    sliding-window rule instead: i + off - left <= j <= i + off + right, off = seqlen_k -
+    seqlen_q; causal is the window (None, 0)."""
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    off = seqlen_k - seqlen_q
+    left, right = window_size if window_size is not None else (None, 0)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right is not None:
+        visible &= j <= i + off + right
+    if left is not None:
+        visible &= j >= i + off - left
+    return visible
 
 
 def attention_reference(
-    q, k, v, causal: bool = False, softmax_scale: float | None = None, dtype=torch.float64
+    q, k, v, causal: bool = False, softmax_scale: float | None = None, dtype=torch.float64,
+    window_size=None,
 ):
     """Attention computed from the given inputs, in float64 by default.
 
@@ -82,8 +93,11 @@ def attention_reference(
         kf = kf.repeat_interleave(h // hk, dim=1)
         vf = vf.repeat_interleave(h // hk, dim=1)
     s = torch.matmul(qf, kf.transpose(-1, -2)).to(softmax_dtype) * scale  # (b, h, sq, sk)
-    if causal:
-        s = s.masked_fill(~causal_mask(sq, sk, s.device), float("-inf"))
+    if causal or window_size is not None:
+        left, right = window_size if window_size is not None else (None, None)
+        if causal:
+            right = 0
+        s = s.masked_fill(~causal_mask(sq, sk, s.device, (left, right)), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     row_max = s.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))

@@ -43,6 +43,7 @@ from fa4_final.mask import apply_mask, fragment_coords
 from fa4_final.scheduler import rounds, tile_coords, zigzag_tile
 from fa4_final.softmax import OnlineSoftmax
 from fa4_final.tiles import TileWindow, kv_tile_range
+from fa4_final.timeline import Mark, mark
 
 
 class NamedBarrier(IntEnum):
@@ -131,6 +132,7 @@ class HopperForward:
         mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
         mO: cute.Tensor,  # (batch, seqlen_q, heads, D)
         mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32
+        mTL: cute.Tensor,  # (1 + consumer warpgroups, MAX_STEPS, MARKS) int64: Note [Timeline]
         softmax_scale: Float32,
         window_left: Int32,
         window_right: Int32,
@@ -186,7 +188,7 @@ class HopperForward:
         if const_expr(self.cfg.persistent):
             grid = cutlass.min(num_tiles, max_ctas)
         self.kernel(
-            tma_q, tma_k, tma_v, tma_o, mLSE,
+            tma_q, tma_k, tma_v, tma_o, mLSE, mTL,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
             softmax_scale * LOG2_E, window_left, window_right, l2_group,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
@@ -205,6 +207,7 @@ class HopperForward:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,  # (s, h, b)
+        mTL: cute.Tensor,
         tma_atom_q: cute.CopyAtom,
         tma_atom_k: cute.CopyAtom,
         tma_atom_v: cute.CopyAtom,
@@ -257,10 +260,10 @@ class HopperForward:
             if warp_idx == self.roles["producer"]["tma_warp"]:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
                           pipeline_q, pipeline_k, pipeline_v, window_left, window_right,
-                          l2_group)
+                          l2_group, mTL)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(mO, mLSE, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
+            self.consume(mO, mLSE, mTL, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                          pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left,
                          window_right, l2_group, mQ.shape[0], mK.shape[0], mQ.shape[2],
                          mQ.shape[3])
@@ -288,7 +291,8 @@ class HopperForward:
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
-             pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, l2_group: Int32):
+             pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, l2_group: Int32,
+             tl: cute.Tensor):
         """Producer warp: Q and the K/V tiles of every tile this CTA computes (Note [Phases])."""
         num_tiles = cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -298,18 +302,19 @@ class HopperForward:
                                                self.cfg.stages_v)
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
+        record = (bidx == 0) & (cute.arch.lane_idx() == 0)
         for r in cutlass.range(rounds(num_tiles, grid), unroll=1):
             tile = zigzag_tile(r, bidx, grid)
             if tile < num_tiles:
                 state_q, state_k, state_v = self.load_tile(
                     tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
                     pipeline_k, pipeline_v, state_q, state_k, state_v, window_left,
-                    window_right, l2_group)
+                    window_right, l2_group, tl, record & (r == 0))
 
     @cute.jit
     def load_tile(self, tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
                   pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v,
-                  window_left: Int32, window_right: Int32, l2_group: Int32):
+                  window_left: Int32, window_right: Int32, l2_group: Int32, tl, record):
         """Q and the K/V tiles of one tile, in the order of Note [Phases]."""
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         heads, batch, heads_kv = mQ.shape[2], mQ.shape[3], mK.shape[2]
@@ -336,7 +341,9 @@ class HopperForward:
                                            cute.group_modes(gV, 0, 2))
 
         n_tiles = n_max - n_min
+        timeline = self.cfg.timeline
         if n_tiles > 0:  # K first, so the first GEMM's operand is on its way early
+            mark(timeline, tl, record, 0, 0, Mark.WAIT)
             state_k = self.load_one(tma_atom_k, tKgK, tKsK, n_max - 1, pipeline_k, state_k)
         pipeline_q.producer_acquire(state_q)
         cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(state_q))
@@ -344,6 +351,7 @@ class HopperForward:
         if n_tiles > 0:
             for i in cutlass.range(n_tiles - 1, unroll=1):
                 n_block = n_max - 2 - i
+                mark(timeline, tl, record, 0, i + 1, Mark.WAIT)
                 state_k = self.load_one(tma_atom_k, tKgK, tKsK, n_block, pipeline_k, state_k)
                 state_v = self.load_one(tma_atom_v, tVgV, tVsV, n_block + 1, pipeline_v,
                                         state_v)
@@ -406,7 +414,7 @@ class HopperForward:
         warpgroup.commit_group()
 
     @cute.jit
-    def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
+    def consume(self, mO, mLSE, tl, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, l2_group: Int32, seqlen_q: Int32, seqlen_k: Int32,
                 heads: Int32, batch: Int32):
@@ -445,11 +453,13 @@ class HopperForward:
         num_tiles = cute.ceil_div(seqlen_q, self.tile_m) * heads * batch
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
+        record = (bidx == 0) & (tidx % THREADS_PER_WARPGROUP == 0)  # Note [Timeline]
         for r in cutlass.range(rounds(num_tiles, grid), unroll=1):
             tile = zigzag_tile(r, bidx, grid)
             if tile < num_tiles:
                 state_q, state_k, state_v = self.consume_tile(
-                    tile, r == 0, zigzag_tile(r + 1, bidx, grid) >= num_tiles, mO, mLSE, sO,
+                    tl, record & (r == 0), tile, r == 0,
+                    zigzag_tile(r + 1, bidx, grid) >= num_tiles, mO, mLSE, sO,
                     tma_atom_o, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o,
                     tOrP, tSrQ, tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k,
                     pipeline_v, state_q, state_k, state_v, window_left, window_right, l2_group,
@@ -459,7 +469,7 @@ class HopperForward:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def consume_tile(self, tile, first_tile, last_tile, mO, mLSE, sO, tma_atom_o,
+    def consume_tile(self, tl, record, tile, first_tile, last_tile, mO, mLSE, sO, tma_atom_o,
                      tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o, tOrP, tSrQ,
                      tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k, pipeline_v,
                      state_q, state_k, state_v, window_left, window_right, l2_group, seqlen_q,
@@ -479,7 +489,7 @@ class HopperForward:
         if n_tiles > 0:
             if const_expr(self.cfg.intra_wg_overlap):
                 state_k, state_v = self.mainloop_overlap(
-                    wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask, softmax,
+                    tl, record, wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask, softmax,
                     acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv,
                     pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v)
             else:
@@ -499,31 +509,38 @@ class HopperForward:
         return state_q, state_k, state_v
 
     @cute.jit
-    def mainloop_overlap(self, wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask,
+    def mainloop_overlap(self, tl, record, wg, first_tile, last_tile, n_tiles, n_top, n_bottom,
+                         mask,
                          softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                          tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, state_q, state_k,
                          state_v):
         """Turn 0: S for the first KV tile. Turns 1 .. n-1: S_{j+1} = Q K_{j+1}^T and O += P_j
         V_j in flight together, the softmax of S_{j+1} under P_j V_j. Turn n: the last P V."""
+        timeline, role = self.cfg.timeline, wg + 1
+        mark(timeline, tl, record, role, 0, Mark.WAIT)
         pipeline_k.consumer_wait(state_k)
         self.turn_begin(wg, first_tile)
+        mark(timeline, tl, record, role, 0, Mark.ISSUE)
         s = cute.make_rmem_tensor_like(acc_s)  # a fresh S each step: its registers die with P
         self.wgmma(tiled_mma_qk, s, tSrQ, tSrK[None, None, None, state_k.index], False)
         self.turn_end(wg, False)
+        mark(timeline, tl, record, role, 0, Mark.ISSUED)
         warpgroup.wait_group(0)
+        mark(timeline, tl, record, role, 0, Mark.S_READY)
         pipeline_k.consumer_release(state_k)
         state_k.advance()
         # the first tile visited holds the diagonal or the keys past seqlen_k: mask it always
         mask(s, 0, self.window.has_left)
         row_scale, rescale = softmax.update(s, is_first=True)
         tOrP.store(acc_as_a_operand(s).load().to(self.dtype))
+        mark(timeline, tl, record, role, 0, Mark.P_READY)
         # Note [Where O is rescaled]: alpha of the last softmax, applied to O when the next P V
         # is issued (o_rescale = "next_pv")
         pending = cute.make_rmem_tensor_like(row_scale)
         pending.store(row_scale.load())
 
         step = lambda i, masked, left, sk, sv, pend: self.overlap_step(  # noqa: E731
-            i, masked, left, wg, mask, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt,
+            tl, record, i, masked, left, wg, mask, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt,
             tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, sk, sv, pending, pend)
         # Split the range, not the body: the tiles that need a mask, then those that do not,
         # then (sliding window) those masked on the left. Each loop runs one step function.
@@ -567,13 +584,17 @@ class HopperForward:
     # The source order is a request: ptxas schedules. The benchmark decides the default.
 
     @cute.jit
-    def overlap_step(self, i, masked: cutlass.Constexpr[bool], left: cutlass.Constexpr[bool],
+    def overlap_step(self, tl, record, i, masked: cutlass.Constexpr[bool],
+                     left: cutlass.Constexpr[bool],
                      wg, mask, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                      tiled_mma_pv, pipeline_k, pipeline_v, state_k, state_v, pending,
                      pending_rescale):
         """One steady-state turn: issue S_i and P_{i-1} V_{i-1}, softmax S_i under the P V."""
+        timeline, role = self.cfg.timeline, wg + 1
+        mark(timeline, tl, record, role, i, Mark.WAIT)
         pipeline_k.consumer_wait(state_k)
         self.turn_begin(wg, False)
+        mark(timeline, tl, record, role, i, Mark.ISSUE)
         s = cute.make_rmem_tensor_like(acc_s)
         self.wgmma(tiled_mma_qk, s, tSrQ, tSrK[None, None, None, state_k.index], False)
         if const_expr(self.cfg.o_rescale == "next_pv"):
@@ -581,7 +602,9 @@ class HopperForward:
         pipeline_v.consumer_wait(state_v)
         self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index], True)
         self.turn_end(wg, False)
+        mark(timeline, tl, record, role, i, Mark.ISSUED)
         warpgroup.wait_group(1)  # S is ready; P V may still be running
+        mark(timeline, tl, record, role, i, Mark.S_READY)
         pipeline_k.consumer_release(state_k)
         state_k.advance()
         if const_expr(masked):
@@ -602,6 +625,7 @@ class HopperForward:
         elif const_expr(place == "end"):
             softmax.rescale_o(acc_o, row_scale, rescale)
         tOrP.store(acc_as_a_operand(s).load().to(self.dtype))
+        mark(timeline, tl, record, role, i, Mark.P_READY)
         return state_k, state_v, rescale
 
     @cute.jit

@@ -1,0 +1,95 @@
+"""Chapter 08's checks of fa4_final's Hopper forward on a GPU: fresh random inputs of awkward
+shapes against the float64 reference, NaN-poisoned outputs, one line per case.
+
+    python -m solutions.ch08_checks            # every case (also what the GPU tests run)
+    python -m solutions.ch08_checks --small    # three small cases: what compute-sanitizer runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+from fa4_final import interface
+from fa4_final.config import hopper_fwd_default
+from utils import checks
+from utils.reference import random_qkv
+
+BF16, FP16 = torch.bfloat16, torch.float16
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype, window_size)
+CASES = [
+    (1, 1, 1, 1, 1, 128, False, BF16, None),
+    (2, 17, 17, 2, 1, 64, True, FP16, None),
+    (1, 129, 129, 4, 4, 128, True, BF16, None),
+    (3, 333, 555, 6, 2, 64, False, FP16, None),  # GQA, odd lengths
+    (1, 100, 1000, 2, 2, 128, True, BF16, None),  # seqlen_q < seqlen_k: bottom-right diagonal
+    (1, 1000, 100, 2, 2, 128, True, BF16, None),  # seqlen_q > seqlen_k: 900 rows see no key
+    (2, 300, 77, 6, 1, 128, True, BF16, None),  # MQA
+    (4, 2048, 2048, 16, 4, 128, True, BF16, None),  # many tiles per persistent CTA
+    (2, 8192, 8192, 16, 2, 64, True, FP16, None),
+    (1, 8192, 8192, 2, 2, 128, False, BF16, None),
+    (1, 1000, 1000, 2, 1, 128, False, BF16, (100, 50)),  # sliding window
+    (1, 700, 900, 2, 2, 64, True, BF16, (37, None)),  # causal + left window
+    (2, 513, 513, 2, 2, 128, False, FP16, (None, 200)),
+    (1, 2048, 2048, 4, 4, 128, True, BF16, (300, None)),
+]
+SMALL = [CASES[1], CASES[4], CASES[10]]
+# knobs of chapter 08 (and 06, 07) checked on two shapes each
+KNOBS = [dict(pingpong=False), dict(persistent=False), dict(separate_o=False),
+         dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
+         dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0), dict(l2_sections=True)]
+KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),
+               (2, 777, 777, 4, 2, 64, False, FP16, None)]
+
+
+def run_into(q, k, v, out, lse, causal, softmax_scale, config, window):
+    interface.forward_into(q, k, v, out, lse, causal, softmax_scale, window or (None, None),
+                           config)
+
+
+def check_case(b, sq, sk, h, hk, d, causal, dtype, window=None, config=None):
+    """Fresh random inputs, one poisoned run, compared with float64. Returns (ok, line)."""
+    q, k, v, seed = random_qkv(b, sq, h, d, seqlen_k=sk, heads_kv=hk, dtype=dtype,
+                               device="cuda")
+    out = checks.poisoned_empty(b, sq, h, d, dtype=dtype, device="cuda")
+    lse = checks.poisoned_empty(b, h, sq, dtype=torch.float32, device="cuda")
+    label = (f"b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} window={window} "
+             f"{str(dtype).removeprefix('torch.')} {config or 'default'} seed={seed}")
+    run_into(q, k, v, out, lse, causal, None, config, window)
+    checks.wait_for_gpu(label)
+    return checks.compare_outputs(q, k, v, out, lse, causal, label=label, window_size=window)
+
+
+def all_cases(small: bool = False):
+    if small:
+        return [(c, None) for c in SMALL]
+    cases = [(c, None) for c in CASES]
+    for knobs in KNOBS:
+        for c in KNOB_SHAPES:
+            cases.append((c, replace(hopper_fwd_default(c[5], c[6]), **knobs)))
+    return cases
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="three small cases (for sanitizers)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here; the compile-only checks are tests/test_fa4_final_compile.py")
+        return 0
+    failures, cases = 0, all_cases(args.small)
+    for case, cfg in cases:
+        t0 = time.perf_counter()
+        ok, line = check_case(*case, config=cfg)
+        failures += not ok
+        print(f"{line} [{time.perf_counter() - t0:.1f} s]", flush=True)
+    print(f"{len(cases) - failures}/{len(cases)} cases passed", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Chapter 08's measurements of fa4_final's Hopper forward: every overlap idea switched off (or
+moved) one at a time, timed in interleaved rounds next to the peers, and the in-kernel timeline
+of CTA 0 for the Gantt chart of notebook 08.
+
+    python -m solutions.ch08_knobs --knobs      # results/<gpu>/fa4_final_knobs.json
+    python -m solutions.ch08_knobs --timeline   # results/<gpu>/ch08_timeline.json
+
+Each configuration is first checked against float64 on a small awkward shape (fresh random
+inputs, NaN-poisoned outputs; a failing one is not timed), then timed at batch x seqlen = 16384
+tokens, 16 heads, bf16, in ``--rounds`` rounds with SDPA's flash and cuDNN backends and the FA4
+package in the same rounds (utils.bench.interleaved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict, replace
+
+import torch
+
+from fa4_final import interface
+from fa4_final.config import hopper_fwd_default
+from fa4_final.timeline import MARKS, Mark
+from solutions import ch08_checks
+from utils import bench, results
+
+KNOB_RESULTS = "fa4_final_knobs"
+TIMELINE_RESULTS = "ch08_timeline"
+# (head_dim, seqlen, causal) groups timed; each runs every config of knob_configs
+PLAN = ((128, 4096, False), (128, 16384, False), (128, 16384, True))
+
+
+def knob_configs(head_dim: int, causal: bool) -> dict:
+    """Name -> config: the default, then one idea of chapter 08 (or 06, 07) changed at a time."""
+    base = hopper_fwd_default(head_dim, causal)
+    configs = {
+        "default": base,
+        "no ping-pong": replace(base, pingpong=False),
+        "one tile per CTA": replace(base, persistent=False),
+        "O over Q (no separate O buffer)": replace(base, separate_o=False, stages_k=2,
+                                                   stages_v=2),
+        "O rescaled after the softmax": replace(base, o_rescale="end"),
+        "O rescaled between max and exp": replace(base, o_rescale="early"),
+        "no intra-warpgroup overlap": replace(base, intra_wg_overlap=False),
+        "exp2 emulation 1/4": replace(base, exp2_emulation_fraction=0.25),
+        "tau = 8": replace(base, rescale_threshold=8.0),
+    }
+    if causal:
+        configs["causal order in L2 sections"] = replace(base, l2_sections=True)
+    return configs
+
+
+def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True) -> list[dict]:
+    from utils.reference import random_qkv
+
+    rows = []
+    for head_dim, seqlen, causal in PLAN:
+        batch = 16384 // seqlen
+        q, k, v, seed = random_qkv(batch, seqlen, 16, head_dim, device="cuda")
+        flops = bench.attention_flops(batch, 16, seqlen, seqlen, head_dim, causal)
+        calls, checked = {}, {}
+        for name, cfg in knob_configs(head_dim, causal).items():
+            ok, line = ch08_checks.check_case(1, 1000, 1100, 4, 2, head_dim, causal,
+                                              torch.bfloat16, config=cfg)
+            checked[name] = ok
+            if not ok:
+                print(line, flush=True)
+                continue
+            calls[name] = (lambda cfg=cfg, qkv=(q, k, v), c=causal:
+                           interface.forward(*qkv, c, config=cfg))
+        peers = bench.peer_calls(q, k, v, causal)
+        measured = bench.interleaved({**calls, **peers}, rounds=rounds, rep=rep,
+                                     max_seconds=1.5)
+        extra = bench.peer_fields({n: measured[n] for n in peers}, flops)
+        for name, cfg in knob_configs(head_dim, causal).items():
+            row = {"impl": "fa4_final", "config": name, "pass": "fwd", "dtype": "bf16",
+                   "b": batch, "s": seqlen, "h": 16, "d": head_dim, "causal": causal,
+                   "verified": checked[name], "seed": seed,
+                   "knobs": {k_: v_ for k_, v_ in asdict(cfg).items()}}
+            if name in measured:
+                row.update(measured[name].fields(flops))
+            row.update(extra)
+            rows.append(row)
+        line = ", ".join(f"{r['config']} {r['tflops']:.0f}" for r in rows[-len(calls):]
+                         if r.get("tflops"))
+        print(f"D={head_dim} S={seqlen} causal={causal}: {line}; best peer "
+              f"{extra.get('best_peer')} {extra.get('best_peer_tflops') or 0:.0f}",
+              flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    if save:
+        print("wrote", results.save(KNOB_RESULTS, rows,
+                                    command="python -m solutions.ch08_knobs --knobs"))
+    return rows
+
+
+def timeline(save: bool = True) -> list[dict]:
+    """Phase stamps of CTA 0's first tile (fa4_final.timeline) for the default and for the
+    schedule of chapter 05 (no ping-pong, one tile per CTA, O rescaled after the softmax), at
+    D = 128, S = 4096, non-causal. Cycles, relative to the first stamp of the run."""
+    from utils.reference import random_qkv
+
+    q, k, v, seed = random_qkv(4, 4096, 16, 128, device="cuda")
+    base = hopper_fwd_default(128, False)
+    plans = {"fa4_final": base,
+             "chapter 05 schedule": replace(base, pingpong=False, persistent=False,
+                                            o_rescale="end", separate_o=False, stages_k=2,
+                                            stages_v=2)}
+    rows = []
+    for name, cfg in plans.items():
+        for _ in range(3):  # warm: compiled, clocks up
+            interface.forward(q, k, v, config=replace(cfg, timeline=True))
+        tl = interface.forward_timeline(q, k, v, config=cfg)
+        t0 = int(tl[tl > 0].min())
+        for role in range(tl.shape[0]):
+            for step in range(tl.shape[1]):
+                stamps = [int(x) - t0 if x > 0 else None for x in tl[role, step].tolist()]
+                if any(s is not None for s in stamps):
+                    rows.append({"impl": name, "role": role, "step": step,
+                                 "metric": "phase stamps", "unit": "cycles",
+                                 "value": dict(zip([m.name for m in Mark], stamps)),
+                                 "seed": seed, "knobs": asdict(cfg)})
+    assert MARKS == len(Mark)
+    if save:
+        print("wrote", results.save(TIMELINE_RESULTS, rows,
+                                    command="python -m solutions.ch08_knobs --timeline"))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--knobs", action="store_true")
+    ap.add_argument("--timeline", action="store_true")
+    ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU (sm_90); the stored results are in results/h200/")
+        return 0
+    if args.timeline:
+        timeline()
+    if args.knobs:
+        knobs(rounds=args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

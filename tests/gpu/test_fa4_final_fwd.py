@@ -1,0 +1,49 @@
+"""fa4_final's Hopper forward on an H100/H200 against the float64 reference (chapter 08).
+
+Every case draws fresh random inputs, fills the outputs with NaN first and compares out and lse
+with float64 (utils.checks.compare_outputs: the course's tolerance rule, empty rows exactly 0 and
+-inf). A broken mbarrier protocol hangs instead of failing: utils.checks.wait_for_gpu exits with
+a message after a deadline. Run: timeout 600 python -m pytest tests/gpu/test_fa4_final_fwd.py
+"""
+
+import pytest
+import torch
+
+from solutions import ch08_checks
+from utils.hardware import missing
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(missing("sm_90") is not None, reason=str(missing("sm_90"))),
+]
+
+
+@pytest.mark.parametrize("case, config", ch08_checks.all_cases(),
+                         ids=lambda x: str(x)[:60] if x is not None else "default")
+def test_forward_matches_float64(case, config):
+    ok, line = ch08_checks.check_case(*case, config=config)
+    assert ok, line
+
+
+def test_registry_signature():
+    from fa4_final import attention
+    from utils.reference import random_qkv
+
+    q, k, v, _ = random_qkv(1, 300, 2, 128, device="cuda")
+    out, lse = attention(q, k, v, causal=True)
+    assert out.shape == q.shape and lse.shape == (1, 2, 300) and lse.dtype == torch.float32
+
+
+def test_timeline_records_every_phase():
+    from fa4_final.interface import forward_timeline
+    from fa4_final.timeline import Mark
+    from utils.reference import random_qkv
+
+    q, k, v, _ = random_qkv(1, 4096, 2, 128, device="cuda")
+    tl = forward_timeline(q, k, v)
+    consumer = tl[1]  # warpgroup 0 of the consumers, steps of CTA 0's first tile
+    steps = int((consumer[:, Mark.P_READY] > 0).sum())
+    assert steps >= 16, tl[:, :4]
+    stamps = consumer[:steps]
+    assert bool((stamps[:, 1:] >= stamps[:, :-1]).all())  # marks in order inside a step
+    assert bool((stamps[1:, Mark.WAIT] >= stamps[:-1, Mark.P_READY]).all())
