@@ -8,7 +8,9 @@ CuTe FlashAttention kernel is made of, and checks each against PyTorch:
    instruction moves 128 B.
 2. ``tiled_copy``: a CTA copies a (16, 32 * vec) tile; a thread-value (TV) layout gives each
    thread 16-byte vectors (``ld.global.v4``), so a warp instruction moves 512 B, 4x fewer
-   instructions for the same bytes. Predicates, one per vector, handle ragged edges.
+   instructions for the same bytes. Predicates, one per vector, handle ragged edges. The
+   thread's partition and predicates come from one function, ``copy_partition``, which the
+   learner writes in exercise 03.3 (``TiledCopy`` takes it as an argument).
 3. ``gemm_tn``: C = A @ B^T, bf16/fp16 in, fp32 accumulate, the S = Q K^T of chapter 04. A 64x64
    CTA tile; cp.async copies 16 B per thread from global into swizzled shared memory, ldmatrix
    loads 8x8 blocks into registers, and mma.sync m16n8k16 does 2*16*8*16 = 4096 FLOP per warp
@@ -28,6 +30,7 @@ import argparse
 import functools
 import math
 import random
+import re
 import sys
 
 import cuda.bindings.driver as cuda
@@ -35,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 import numpy as np
 import torch
-from cutlass import Boolean, Float32
+from cutlass import Boolean, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import from_dlpack
 
@@ -271,59 +274,101 @@ def copy_tile_shape(dtype) -> tuple[int, int]:
 
 
 @cute.jit
-def _tiled_copy_thread(mX: cute.Tensor, mY: cute.Tensor, bidx_m, bidx_n, tidx):
-    tile = copy_tile_shape(mX.element_type)
-    tiled_copy = _make_vector_copy(mX.element_type, cute.nvgpu.CopyUniversalOp())
-    gX = cute.local_tile(mX, tile, (bidx_m, bidx_n))  # (TILE_M, TILE_N)
-    gY = cute.local_tile(mY, tile, (bidx_m, bidx_n))  # (TILE_M, TILE_N)
-    # Coordinates of the same tile: c tensors hold (row, col) instead of data.
-    cX = cute.local_tile(cute.make_identity_tensor(mX.shape), tile, (bidx_m, bidx_n))
+def copy_partition(tiled_copy: cute.TiledCopy, tidx, gX: cute.Tensor, gY: cute.Tensor,
+                   cX: cute.Tensor, shape):
+    """Thread ``tidx``'s share of one CTA tile (exercise 03.3's reference).
 
+    Returns ``(tXgX, tXgY, tXpX)``: the thread's (CPY, CPY_M, CPY_N) slices of the source tile
+    ``gX`` and the destination tile ``gY``, and one Boolean per vector, (CPY_M, CPY_N), True
+    where the vector lies inside a tensor of extent ``shape``. ``cX`` holds the tile's (row,
+    col) coordinates in the whole tensor."""
     thr_copy = tiled_copy.get_slice(tidx)
     tXgX = thr_copy.partition_S(gX)  # (CPY, CPY_M, CPY_N) = ((vec, 1), 4, 1)
     tXgY = thr_copy.partition_D(gY)  # (CPY, CPY_M, CPY_N)
     tXcX = thr_copy.partition_S(cX)  # (CPY, CPY_M, CPY_N) -> (row, col)
-    tXrX = cute.make_rmem_tensor_like(tXgX)  # (CPY, CPY_M, CPY_N) in registers
-
-    # One predicate per vector: cols % vec == 0, so a vector is entirely inside or outside.
+    # One predicate per vector: cols % vec == 0, so a vector is entirely inside or outside,
+    # and its first element's coordinate decides for all of it.
     tXpX = cute.make_rmem_tensor((cute.size(tXgX, mode=[1]), cute.size(tXgX, mode=[2])),
                                  Boolean)  # (CPY_M, CPY_N)
     for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
         for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
-            tXpX[m, n] = cute.elem_less(tXcX[0, m, n], mX.shape)
-    # All loads first, then all stores: 4 loads in flight per thread instead of one.
-    for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
-        for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
-            if tXpX[m, n]:
-                cute.copy(tiled_copy, tXgX[None, m, n], tXrX[None, m, n])
-    for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
-        for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
-            if tXpX[m, n]:
-                cute.copy(tiled_copy, tXrX[None, m, n], tXgY[None, m, n])
+            tXpX[m, n] = cute.elem_less(tXcX[0, m, n], shape)
+    return tXgX, tXgY, tXpX
 
 
-@cute.kernel
-def _tiled_copy_kernel(mX: cute.Tensor, mY: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx_m, bidx_n, _ = cute.arch.block_idx()
-    _tiled_copy_thread(mX, mY, bidx_m, bidx_n, tidx)
+class TiledCopy:
+    """The tiled copy kernel around a partition function: ``copy_partition`` or a learner's
+    version of it (exercise 03.3). The host side, the device side and a CPU loop over every
+    (block, thread) all call the same per-thread code, ``thread``."""
+
+    def __init__(self, partition=copy_partition):
+        self.partition = partition
+
+    @cute.jit
+    def thread(self, mX: cute.Tensor, mY: cute.Tensor, shape, bidx_m, bidx_n, tidx):
+        """One thread of CTA (bidx_m, bidx_n). ``shape`` is the extent of the data: mX.shape
+        in the kernel; on the CPU the tensors are larger buffers whose margin catches writes
+        past the edges."""
+        tile = copy_tile_shape(mX.element_type)
+        tiled_copy = _make_vector_copy(mX.element_type, cute.nvgpu.CopyUniversalOp())
+        gX = cute.local_tile(mX, tile, (bidx_m, bidx_n))  # (TILE_M, TILE_N)
+        gY = cute.local_tile(mY, tile, (bidx_m, bidx_n))  # (TILE_M, TILE_N)
+        # Coordinates of the same tile: c tensors hold (row, col) instead of data.
+        cX = cute.local_tile(cute.make_identity_tensor(shape), tile, (bidx_m, bidx_n))
+        # (CPY, CPY_M, CPY_N) twice, and (CPY_M, CPY_N) predicates
+        tXgX, tXgY, tXpX = self.partition(tiled_copy, tidx, gX, gY, cX, shape)
+        tXrX = cute.make_rmem_tensor_like(tXgX)  # (CPY, CPY_M, CPY_N) in registers
+        # All loads first, then all stores: 4 loads in flight per thread instead of one.
+        for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
+            for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
+                if tXpX[m, n]:
+                    cute.copy(tiled_copy, tXgX[None, m, n], tXrX[None, m, n])
+        for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
+            for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
+                if tXpX[m, n]:
+                    cute.copy(tiled_copy, tXrX[None, m, n], tXgY[None, m, n])
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx_m, bidx_n, _ = cute.arch.block_idx()
+        self.thread(mX, mY, mX.shape, bidx_m, bidx_n, tidx)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
+        """Host side: a 2-D grid, one CTA per (COPY_TILE_M, 32 * vec) tile."""
+        tile_m, tile_n = copy_tile_shape(mX.element_type)
+        grid = ((mX.shape[0] + tile_m - 1) // tile_m, (mX.shape[1] + tile_n - 1) // tile_n, 1)
+        self.kernel(mX, mY).launch(grid=grid, block=(COPY_THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel_in_margin(self, mX: cute.Tensor, mY: cute.Tensor, rows: Int32, cols: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx_m, bidx_n, _ = cute.arch.block_idx()
+        self.thread(mX, mY, (rows, cols), bidx_m, bidx_n, tidx)
+
+    @cute.jit
+    def launch_in_margin(self, mX: cute.Tensor, mY: cute.Tensor, rows: Int32, cols: Int32,
+                         stream: cuda.CUstream):
+        """The same grid for data of extent (rows, cols) inside larger buffers (the check's
+        margin, which catches writes past the edges on the GPU too)."""
+        tile_m, tile_n = copy_tile_shape(mX.element_type)
+        grid = ((rows + tile_m - 1) // tile_m, (cols + tile_n - 1) // tile_n, 1)
+        self.kernel_in_margin(mX, mY, rows, cols).launch(grid=grid, block=(COPY_THREADS, 1, 1),
+                                                         stream=stream)
+
+    @cute.jit
+    def grid_on_cpu(self, mX: cute.Tensor, mY: cute.Tensor, rows: Int32, cols: Int32):
+        """Every (block, thread) of the grid for data of extent (rows, cols), one after
+        another; mX and mY may be larger (a margin that catches writes past the edges)."""
+        tile_m, tile_n = copy_tile_shape(mX.element_type)
+        for bidx_m in cutlass.range((rows + tile_m - 1) // tile_m):
+            for bidx_n in cutlass.range((cols + tile_n - 1) // tile_n):
+                for tidx in cutlass.range(COPY_THREADS):
+                    self.thread(mX, mY, (rows, cols), bidx_m, bidx_n, tidx)
 
 
-@cute.jit
-def tiled_copy_launch(mX: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
-    """Host side: a 2-D grid, one CTA per (COPY_TILE_M, 32 * vec) tile."""
-    tile_m, tile_n = copy_tile_shape(mX.element_type)
-    grid = ((mX.shape[0] + tile_m - 1) // tile_m, (mX.shape[1] + tile_n - 1) // tile_n, 1)
-    _tiled_copy_kernel(mX, mY).launch(grid=grid, block=(COPY_THREADS, 1, 1), stream=stream)
-
-
-@cute.jit
-def _tiled_copy_grid_on_cpu(mX: cute.Tensor, mY: cute.Tensor):
-    tile_m, tile_n = copy_tile_shape(mX.element_type)
-    for bidx_m in cutlass.range((mX.shape[0] + tile_m - 1) // tile_m):
-        for bidx_n in cutlass.range((mX.shape[1] + tile_n - 1) // tile_n):
-            for tidx in cutlass.range(COPY_THREADS):
-                _tiled_copy_thread(mX, mY, bidx_m, bidx_n, tidx)
+tiled_copy_launch = TiledCopy()  # the chapter's kernel, with the reference partition
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,16 +517,43 @@ def vector_add_on_cpu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return c
 
 
-def tiled_copy_on_cpu(x: np.ndarray) -> np.ndarray:
-    """Run the tiled copy kernel's per-thread code for every (block, thread) on the CPU."""
+# Writes past the data's edges land in a margin around it (as wide as one CTA tile), so a run
+# can show them instead of corrupting memory; the margin of the source holds this value (one
+# that fp16 and bf16 represent exactly).
+MARGIN_VALUE = 4096.0
+
+
+def _margin_buffers(x, tile):
+    """Source and destination buffers one tile larger than ``x`` below and to the right: x in
+    the source's top-left corner, MARGIN_VALUE around it; the destination all NaN."""
+    rows, cols = x.shape
+    like = np if isinstance(x, np.ndarray) else torch
+    kw = {"dtype": x.dtype} if like is np else {"dtype": x.dtype, "device": x.device}
+    src = like.full((rows + tile[0], cols + tile[1]), MARGIN_VALUE, **kw)
+    src[:rows, :cols] = x
+    return src, like.full((rows + tile[0], cols + tile[1]), float("nan"), **kw)
+
+
+def _copy_into_margin(x: np.ndarray, partition=copy_partition) -> np.ndarray:
+    """The CPU run of the tiled copy with ``partition``, on x placed in the top-left corner of
+    a larger buffer: returns the whole destination buffer, NaN wherever nothing was written."""
+    vec = _vector_len(cutlass.Float32)
+    src, dst = _margin_buffers(x, copy_tile_shape(cutlass.Float32))
+    TiledCopy(partition).grid_on_cpu(_row_major_cute(src, vec), _row_major_cute(dst, vec),
+                                     Int32(x.shape[0]), Int32(x.shape[1]))
+    return dst
+
+
+def tiled_copy_on_cpu(x: np.ndarray, partition=None) -> np.ndarray:
+    """Run the tiled copy kernel's per-thread code for every (block, thread) on the CPU;
+    ``partition`` replaces ``copy_partition`` (exercise 03.3)."""
     _check_numpy(x, "x", ndim=2)
     vec = _vector_len(cutlass.Float32)
     if x.shape[1] % vec:
         raise ValueError(f"x's row length must be a multiple of {vec} (16-byte vectors of "
                          f"float32), got shape {x.shape}")
-    y = np.full_like(x, np.nan)
-    _tiled_copy_grid_on_cpu(_row_major_cute(x, vec), _row_major_cute(y, vec))
-    return y
+    dst = _copy_into_margin(x, partition or copy_partition)
+    return np.ascontiguousarray(dst[: x.shape[0], : x.shape[1]])
 
 
 def _check_numpy(x, name, ndim):
@@ -555,9 +627,10 @@ def vector_add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
     return out
 
 
-def tiled_copy(x: torch.Tensor, out: torch.Tensor | None = None):
+def tiled_copy(x: torch.Tensor, out: torch.Tensor | None = None, partition=None):
     """Copy a 2-D CUDA tensor with 16-byte accesses; its row length must be a multiple of
-    16 bytes (4 fp32 or 8 bf16/fp16 elements)."""
+    16 bytes (4 fp32 or 8 bf16/fp16 elements). ``partition`` replaces ``copy_partition``
+    (exercise 03.3)."""
     _check_tensor("x", x, TORCH_TO_CUTLASS)
     vec = _vector_len(TORCH_TO_CUTLASS[x.dtype])
     if x.dim() != 2 or x.numel() == 0 or x.shape[1] % vec:
@@ -567,7 +640,8 @@ def tiled_copy(x: torch.Tensor, out: torch.Tensor | None = None):
     x = _aligned_contiguous(x)
     out = _check_out(out, x.shape, x.dtype, x.device)
     tensors = [_row_major_cute(t.detach(), vec) for t in (x, out)]
-    _run(("tiled_copy", x.dtype), tiled_copy_launch, tensors, x.device)
+    partition = partition or copy_partition
+    _run(("tiled_copy", x.dtype, partition), TiledCopy(partition), tensors, x.device)
     return out
 
 
@@ -597,10 +671,12 @@ def gemm_tn(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None):
 KERNELS = ("vector_add", "tiled_copy", "gemm")
 
 
-def compile_only(arch: str = "sm_80", kernel: str = "gemm", dtype=cutlass.BFloat16):
+def compile_only(arch: str = "sm_80", kernel: str = "gemm", dtype=cutlass.BFloat16,
+                 partition=None):
     """Compile one of this chapter's kernels for ``arch`` with no GPU present and return its
     ``utils.compile_only.Artifacts`` (PTX, SASS, registers, spills). The fake tensors have the
-    types the torch entry points pass (dynamic extents, 16-byte aligned rows)."""
+    types the torch entry points pass (dynamic extents, 16-byte aligned rows). ``partition``
+    replaces the tiled copy's ``copy_partition`` (exercise 03.3)."""
     from utils.compile_only import compile_for, fake_stream
 
     if kernel not in KERNELS:
@@ -619,8 +695,8 @@ def compile_only(arch: str = "sm_80", kernel: str = "gemm", dtype=cutlass.BFloat
         return compile_for(arch, vector_add_launch, *args, fake_stream())
     vec = _vector_len(dtype)
     if kernel == "tiled_copy":
-        return compile_for(arch, tiled_copy_launch, fake(dtype, 2, vec), fake(dtype, 2, vec),
-                           fake_stream())
+        return compile_for(arch, TiledCopy(partition or copy_partition), fake(dtype, 2, vec),
+                           fake(dtype, 2, vec), fake_stream())
     return compile_for(arch, gemm_launch, fake(dtype, 2, vec), fake(dtype, 2, vec),
                        fake(cutlass.Float32, 2), fake_stream())
 
@@ -768,7 +844,7 @@ def check_thread_coords(fn) -> None:
                                  f"tile, thread {tid} owns {want}, you gave {got}. Hint: {hint}.")
 
 
-TILE_ROWS, TILE_COLS = 64, 64  # exercise 03.3's shared-memory tile: 64 rows of 64 bf16 = 128 B
+TILE_ROWS, TILE_COLS = 64, 64  # exercise 03.4's shared-memory tile: 64 rows of 64 bf16 = 128 B
 ELEM_BYTES = 2
 
 
@@ -778,7 +854,7 @@ def plain_offset(row: int, col: int) -> int:
 
 
 def swizzled_offset(row: int, col: int) -> int:
-    """Exercise 03.3: a conflict-free element offset for the (64, 64) 16-bit tile."""
+    """Exercise 03.4: a conflict-free element offset for the (64, 64) 16-bit tile."""
     chunk = (col // 8) ^ (row % 8)  # XOR the row into the 16-byte chunk index: Swizzle<3,3,3>
     return row * TILE_COLS + chunk * 8 + col % 8
 
@@ -796,7 +872,7 @@ def row_write_addresses(offset_fn, row0: int = 0) -> list[int]:
 
 
 def check_swizzled_offset(fn) -> None:
-    """Exercise 03.3's check: a one-to-one layout of the tile that keeps 16-byte chunks whole
+    """Exercise 03.4's check: a one-to-one layout of the tile that keeps 16-byte chunks whole
     and makes both ldmatrix column reads and cp.async row writes conflict free."""
     grid = np.array([[fn(r, c) for c in range(TILE_COLS)] for r in range(TILE_ROWS)])
     if grid.dtype.kind not in "iu":
@@ -829,6 +905,110 @@ def check_swizzled_offset(fn) -> None:
         if not rep.conflict_free:
             raise AssertionError(f"the cp.async writes of rows {row0}..{row0 + 3} take "
                                  f"{rep.wavefronts} cycles instead of {rep.ideal}")
+
+
+# Exercise 03.3: the tiled copy's partition and predicate. Shapes that are no multiple of the
+# (16, 128) fp32 tile in either direction, one that is exactly a tile, and one smaller than a
+# warp's row of vectors.
+COPY_CHECK_SHAPES = ((37, 132), (16, 128), (1, 4), (17, 260), (40, 8))
+
+
+def _first(mask: np.ndarray, k: int = 3) -> list[tuple[int, int]]:
+    return [(int(r), int(c)) for r, c in np.argwhere(mask)[:k]]
+
+
+def copy_verdict(x: np.ndarray, dst: np.ndarray, vec: int | None = None) -> str | None:
+    """What is wrong with a tiled copy of ``x`` into the margin buffer ``dst`` (None: nothing):
+    writes past the edges, elements never written, elements with the wrong value. ``vec`` is
+    the copy's elements per 16-byte vector (default: from x's dtype)."""
+    rows, cols = x.shape
+    what = f"copying a {rows} x {cols} tensor (tiles of {COPY_TILE_M} x 32 vectors)"
+    below, right = ~np.isnan(dst[rows:, :]), ~np.isnan(dst[:rows, cols:])
+    if below.any() or right.any():
+        where = []
+        if below.any():
+            first = [(r + rows, c) for r, c in _first(below)]
+            where.append(f"rows {rows} and beyond (first at {first})")
+        if right.any():
+            first = [(r, c + cols) for r, c in _first(right)]
+            where.append(f"columns {cols} and beyond (first at {first})")
+        return (f"{what}: your threads wrote outside the tensor, at {' and at '.join(where)}. "
+                "In a kernel those writes corrupt memory. The predicate of a vector must be "
+                "False when its coordinate (row, col), from the coordinate tensor cX, is outside "
+                "`shape` in either direction: cute.elem_less(coordinate, shape) checks both.")
+    inside = dst[:rows, :cols]
+    missing = np.isnan(inside)
+    if missing.any():
+        written = int((~missing).sum())
+        hint = ("every vector inside the tensor needs a True predicate, and every thread its "
+                "own slice")
+        vec = vec or 128 // (8 * x.dtype.itemsize)
+        ctas = -(-rows // COPY_TILE_M) * -(-cols // (32 * vec))
+        one_thread = COPY_TILE_M // (COPY_THREADS // 32) * vec
+        if written <= 2 * ctas * one_thread:  # about one thread's worth per CTA
+            hint = ("only a few elements arrived, as if all threads took the same slice: "
+                    "take thread tidx's own slice, tiled_copy.get_slice(tidx)")
+        return (f"{what}: {int(missing.sum())} of {inside.size} elements were never written, "
+                f"first at (row, col) {_first(missing)}. Hint: {hint}.")
+    wrong = inside != x
+    if wrong.any():
+        r, c = _first(wrong, 1)[0]
+        came = np.argwhere(x == inside[r, c])
+        src = f" (it holds x{tuple(int(v) for v in came[0])})" if len(came) else ""
+        return (f"{what}: element ({r}, {c}) received the wrong value{src}; {int(wrong.sum())} "
+                "elements are wrong. The source and destination slices must be the same "
+                "thread's view of the same tile: partition_S(gX) and partition_D(gY) of one "
+                "get_slice(tidx).")
+    return None
+
+
+def check_copy_partition(fn) -> None:
+    """Exercise 03.3's check: the tiled copy run on the CPU with ``fn`` as its partition, on
+    awkward shapes with a margin that catches writes past the edges, then compiled for sm_80:
+    four 16-byte loads and four 16-byte stores per thread, nothing narrower."""
+    for i, shape in enumerate(COPY_CHECK_SHAPES):
+        x = np.random.default_rng(40 + i).standard_normal(shape, dtype=np.float32)
+        problem = copy_verdict(x, _copy_into_margin(x, fn))
+        if problem:
+            raise AssertionError(problem)
+    art = compile_only("sm_80", "tiled_copy", partition=fn)
+    loads, stores = art.count("ld.global.v4"), art.count("st.global.v4")
+    per_thread = COPY_TILE_M // (COPY_THREADS // 32)
+    if (loads, stores) != (per_thread, per_thread):
+        raise AssertionError(
+            f"compiled for sm_80, the copy makes {loads} 16-byte loads and {stores} 16-byte "
+            f"stores per thread; a thread owns {per_thread} vectors of the {COPY_TILE_M}-row tile "
+            "(4 rows of threads per pass), so expect that many of each.")
+    narrow = re.findall(r"(?:ld|st)\.global\.(?:b|f|u|s)\d+\b", art.ptx)
+    if narrow:
+        raise AssertionError(f"compiled for sm_80, the copy also makes narrower global accesses "
+                             f"({sorted(set(narrow))}): every access should be one 16-byte "
+                             "vector, as the tiled copy's atom moves them.")
+
+
+def check_copy_on_gpu(partition, shape, dtype=torch.bfloat16, seed: int = 0):
+    """Exercise 03.3 on a GPU: the tiled copy kernel with ``partition``, x of ``shape`` (fresh
+    random values) in a margin buffer as on the CPU. Returns (ok, one line)."""
+    _check_tensor("dtype", torch.empty(0, dtype=dtype), TORCH_TO_CUTLASS)
+    dt = TORCH_TO_CUTLASS[dtype]
+    if shape[1] % _vector_len(dt):
+        raise ValueError(f"the row length must be a multiple of {_vector_len(dt)} for {dtype}")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, device="cuda", generator=g).to(dtype)
+    _check_cuda(x)
+    src, dst = _margin_buffers(x, copy_tile_shape(dt))
+    tensors = [_row_major_cute(t, _vector_len(dt)) for t in (src, dst)]
+    key = ("tiled_copy_in_margin", dtype, partition)
+    with torch.cuda.device(x.device):
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        args = (*tensors, Int32(shape[0]), Int32(shape[1]), stream)
+        if key not in _COMPILED:
+            _COMPILED[key] = cute.compile(TiledCopy(partition).launch_in_margin, *args)
+        _COMPILED[key](*args)
+    torch.cuda.synchronize()
+    problem = copy_verdict(x.float().cpu().numpy(), dst.float().cpu().numpy(), _vector_len(dt))
+    name = str(dtype).replace("torch.", "")
+    return problem is None, f"{shape[0]} x {shape[1]} {name}: {problem or 'exact, nothing outside'}"
 
 
 # ----------------------------------------------------------------------------------------------

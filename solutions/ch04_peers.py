@@ -1,13 +1,12 @@
 """Chapter 04's kernel next to CUTLASS's own Ampere-style FlashAttention-2 example, on one GPU.
 
-The chapter's issue set its target from two numbers measured on different days: CUTLASS's CuTe
-DSL example ``flash_attention_v2.py`` (cp.async + mma.sync, 128 x 64 tiles) at 394 TFLOP/s and
-SDPA's flash backend at 347. That example's own benchmark fills Q, K and V with integers in
-[-2, 2); the course benchmarks with normal random values, and every kernel measured runs faster
-on the integers (likely power: fewer bits switch in the tensor cores, so the H200 can hold a
-higher clock; the clock was not read). This script times both kernels and SDPA's flash backend
-(FlashAttention-2) on both kinds of input in one process, so each ratio compares numbers from
-the same run and the same data:
+CUTLASS ships a CuTe DSL example of the same design, ``flash_attention_v2.py`` (cp.async +
+mma.sync, 128 x 64 tiles, 4 warps). Its own benchmark fills Q, K and V with integers in [-2, 2);
+the course benchmarks with normal random values, and kernels can run at different speeds on the
+two (likely power: fewer bits switch in the tensor cores, so the chip may hold a higher clock;
+the clock is not read here). This script times both kernels, the course kernel's portable tile
+and SDPA's flash backend (FlashAttention-2) on both kinds of input in one process, in rounds, so
+each ratio compares numbers from the same run and the same data:
 
     python -m solutions.ch04_peers --cutlass-example PATH/TO/flash_attention_v2.py
 
@@ -25,7 +24,7 @@ from functools import partial
 from pathlib import Path
 
 RESULTS = "ch04_cutlass_peer"
-SHAPE = {"b": 1, "s": 16384, "h": 16, "d": 128}  # the chapter's target shape
+SHAPE = {"b": 1, "s": 16384, "h": 16, "d": 128}  # the chapter's headline shape
 DATA = ("randn", "int[-2,2)")
 
 

@@ -4,7 +4,7 @@
     python -m solutions.ch04_profile --raw-dir DIR        # ... and keep ncu's CSV exports in DIR
     python -m solutions.ch04_profile --from-raw DIR       # re-read DIR (any machine, no GPU)
 
-The kernel is the one ``attention()`` launches at the chapter's target shape (D = 128, 16 heads
+The kernel is the one ``attention()`` launches at the chapter's headline shape (D = 128, 16 heads
 of 16384 queries and keys, bf16, non-causal). ncu replays that launch to read its counters and
 samples the warps' program counters; from that it reports:
 
@@ -20,6 +20,10 @@ samples the warps' program counters; from that it reports:
 ncu locks the SM clock to its base (1.38 GHz on the H200) while it measures, so the figures are
 shares and ratios; speeds come from the benchmarks. Saved as results/<gpu>/ch04_profile.json
 (rows: impl, metric, value, unit).
+
+The machinery (``ProfileSpec``, ``run_ncu``, ``profile_with``, ``from_raw_with``, ``main_with``,
+the CSV readers and ``format_profile``) is shared with chapter 05's profile,
+``solutions.ch05_profile``, which adds what a warp-specialised wgmma kernel needs.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 RESULTS = "ch04_profile"
@@ -110,10 +115,11 @@ def parse_raw(text: str) -> dict[str, tuple[float, str]]:
     return out
 
 
-def raw_rows(raw: dict[str, tuple[float, str]]) -> list[dict]:
-    """The counters the chapter talks about, as result rows."""
+def raw_rows(raw: dict[str, tuple[float, str]], metrics=RAW_METRICS) -> list[dict]:
+    """The counters the chapter talks about (``metrics``: (row metric, ncu metric, unit)), the
+    warps per scheduler, shared-load bank conflicts and the stall reasons, as result rows."""
     rows = []
-    for metric, name, unit in RAW_METRICS:
+    for metric, name, unit in metrics:
         if name in raw:
             value, ncu_unit = raw[name]
             rows.append({"metric": metric, "value": _scale(value, ncu_unit, unit), "unit": unit})
@@ -142,22 +148,41 @@ def _opcode(sass: str) -> str:
     return words[0] if words else ""
 
 
-def parse_source(text: str) -> list[tuple]:
-    """``ncu --page source --csv --print-source sass``: per SASS instruction, in address order,
-    (opcode, samples, warp-level executions, {stall reason: samples}) with the per-reason
-    columns ncu exported (stall_wait, stall_short_sb, ...; none in an export without them)."""
+def parse_source_rows(text: str) -> list[dict]:
+    """``ncu --page source --csv --print-source sass``: one dict per SASS instruction, in
+    address order: address (an int, or None), sass (the instruction's text), opcode, samples
+    (all warp-state samples at it), executed (warp-level executions) and stalls ({reason:
+    samples} for the per-reason columns ncu exported: stall_wait, stall_short_sb, ...)."""
     lines = [ln for ln in text.splitlines() if ln.startswith('"')]
     rows = list(csv.reader(lines))
     header_at = next(i for i, r in enumerate(rows) if "Source" in r and "Address" in r)
     header = rows[header_at]
-    src = header.index("Source")
+    src, addr = header.index("Source"), header.index("Address")
     samples = next(i for i, h in enumerate(header) if h.startswith("Warp Stall Sampling (All"))
     executed = header.index("Instructions Executed")
     reasons = {h[len("stall_"):]: i for i, h in enumerate(header)
                if h.startswith("stall_") and "(" not in h}
-    return [(_opcode(r[src]), int(_number(r[samples]) or 0), int(_number(r[executed]) or 0),
-             {name: int(_number(r[i]) or 0) for name, i in reasons.items()})
-            for r in rows[header_at + 1:] if len(r) > max([executed, *reasons.values()])]
+    out = []
+    for r in rows[header_at + 1:]:
+        if len(r) <= max([executed, *reasons.values()]):
+            continue
+        try:
+            address = int(r[addr], 16)
+        except ValueError:
+            address = None
+        out.append({"address": address, "sass": r[src].strip(), "opcode": _opcode(r[src]),
+                    "samples": int(_number(r[samples]) or 0),
+                    "executed": int(_number(r[executed]) or 0),
+                    "stalls": {name: int(_number(r[i]) or 0) for name, i in reasons.items()}})
+    return out
+
+
+def parse_source(text: str) -> list[tuple]:
+    """``ncu --page source --csv --print-source sass``: per SASS instruction, in address order,
+    (opcode, samples, warp-level executions, {stall reason: samples}) with the per-reason
+    columns ncu exported (stall_wait, stall_short_sb, ...; none in an export without them)."""
+    return [(r["opcode"], r["samples"], r["executed"], r["stalls"])
+            for r in parse_source_rows(text)]
 
 
 def loop_phases(instructions: list[tuple]) -> list[dict]:
@@ -231,7 +256,146 @@ def build_rows(raw_text: str, source_text: str, config_label: str) -> list[dict]
 
 
 # ----------------------------------------------------------------------------------------------
-# On the GPU
+# On the GPU. The machinery is shared with chapter 05's profile (solutions.ch05_profile): a
+# ProfileSpec says which kernel, which counters and how to read them.
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """What one chapter's profile needs: the results file, the module whose ``--target`` runs
+    the kernel, ncu's kernel filter, sections and extra metrics, and ``build(raw, source,
+    label) -> rows`` that turns ncu's two CSV exports into result rows."""
+
+    results: str
+    module: str
+    kernel_regex: str
+    sections: tuple
+    metrics: tuple
+    build: object
+
+
+def _available(ncu: str, metrics) -> list[str]:
+    """The metrics this ncu knows on this GPU (``--query-metrics``): an unknown name would make
+    ncu refuse the whole run. Without the list (an older ncu), all of them are tried."""
+    try:
+        out = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True,
+                             timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return list(metrics)
+    known = {line.split()[0] for line in out.splitlines() if line.strip()}
+    if len(known) < 50:  # not a metric list: do not filter on it
+        return list(metrics)
+    keep = [m for m in metrics if m.split(".")[0] in known]
+    for m in metrics:
+        if m not in keep:
+            print(f"ncu on this GPU has no metric {m.split('.')[0]}; profiling without it")
+    return keep
+
+
+def run_ncu(spec: ProfileSpec) -> tuple[str, str]:
+    """Profile the second launch of ``spec``'s kernel in ``python -m spec.module --target``;
+    return ncu's raw page and SASS source page as CSV text."""
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        raise RuntimeError("ncu (Nsight Compute) is not on PATH; it comes with the CUDA toolkit")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / spec.results
+        cmd = [ncu, "--launch-skip", "1", "--launch-count", "1", "-k", spec.kernel_regex,
+               "--import-source", "no", "-f", "-o", str(report)]
+        for section in spec.sections:
+            cmd += ["--section", section]
+        metrics = _available(ncu, spec.metrics)
+        if metrics:
+            cmd += ["--metrics", ",".join(metrics)]
+        cmd += [sys.executable, "-m", spec.module, "--target"]
+        subprocess.run(cmd, check=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        rep = f"{report}.ncu-rep"
+        raw = subprocess.run([ncu, "-i", rep, "--page", "raw", "--csv"], check=True,
+                             capture_output=True, text=True, timeout=300).stdout
+        source = subprocess.run([ncu, "-i", rep, "--page", "source", "--csv", "--print-source",
+                                 "sass"], check=True, capture_output=True, text=True,
+                                timeout=300).stdout
+    return raw, source
+
+
+def profile_with(spec: ProfileSpec, label: str, raw_dir: Path | None = None) -> Path:
+    """Run ncu for ``spec`` on this GPU; keep the CSV exports in ``raw_dir`` if given; save and
+    return results/<gpu>/<spec.results>.json."""
+    from utils import results
+
+    raw, source = run_ncu(spec)
+    command = f"python -m {spec.module}"
+    provenance = results.collect_provenance(command)
+    if raw_dir is not None:
+        raw_dir.mkdir(parents=True, exist_ok=True)
+        (raw_dir / "raw.csv").write_text(raw)
+        (raw_dir / "source.csv").write_text(source)
+        (raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance,
+                                                        "config": label}, indent=1))
+    return results.save(spec.results, spec.build(raw, source, label), command=command,
+                        provenance=provenance)
+
+
+def from_raw_with(spec: ProfileSpec, raw_dir: Path) -> Path:
+    """Rebuild ``spec``'s results file from ncu exports kept by ``--raw-dir`` (with their
+    provenance): any machine, no GPU."""
+    from utils import results
+
+    meta = json.loads((raw_dir / "meta.json").read_text())
+    rows = spec.build((raw_dir / "raw.csv").read_text(), (raw_dir / "source.csv").read_text(),
+                      meta["config"])
+    provenance = dict(meta["provenance"])  # where and when it was measured: unchanged
+    provenance["command"] += (f" (rows re-read from its CSV exports with --from-raw at commit "
+                              f"{results.collect_provenance('')['commit'][:10]})")
+    return results.save(spec.results, rows, command=provenance["command"], provenance=provenance)
+
+
+def main_with(spec: ProfileSpec, target, label, argv=None, doc: str = "") -> int:
+    """The command line both chapters' profiles share: ``--target`` (the profiled process runs
+    ``target()``), ``--raw-dir DIR``, ``--from-raw DIR``; ``label()`` names the profiled tile."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--raw-dir", type=Path, help="also keep ncu's CSV exports here")
+    ap.add_argument("--from-raw", type=Path, help="rebuild the JSON from a --raw-dir folder")
+    args = ap.parse_args(argv)
+    if args.target:
+        target()
+        return 0
+    if args.from_raw:
+        path = from_raw_with(spec, args.from_raw)
+    else:
+        path = profile_with(spec, label(), args.raw_dir)
+    from utils import results
+
+    print(results.load(spec.results).table(["metric", "value", "unit"]))
+    print(f"wrote {path}")
+    return 0
+
+
+def format_profile(res, metrics, stalls: int = 6) -> list[str]:
+    """A stored profile as lines: a head (tile, shape, the clock ncu held), the rows of
+    ``metrics`` ((metric, what it is); rows the file lacks are skipped), then the ``stalls``
+    largest stall reasons in cycles per issued instruction."""
+    by_metric = {r["metric"]: r for r in res.rows}
+    first = res.rows[0]
+    head = (f"{first['config']} at D={first['d']}, S={first['s']}, "
+            f"{'causal' if first['causal'] else 'non-causal'}")
+    if "sm_clock_ghz" in by_metric:
+        head += f"; SM clock held at {by_metric['sm_clock_ghz']['value']:.2f} GHz by ncu"
+    lines = [head]
+    for metric, what in metrics:
+        if metric in by_metric:
+            v = by_metric[metric]["value"]
+            lines.append(f"  {what:58s} {v:8.2f}" if v % 1 else f"  {what:58s} {v:8.0f}")
+    stall_rows = sorted((r for r in res.rows if r["metric"].startswith("stall_")
+                         and r.get("unit") == "cycles per issued instruction"),
+                        key=lambda r: -r["value"])
+    if stall_rows and stalls:
+        total = sum(r["value"] for r in stall_rows)
+        lines.append(f"  cycles between two issues of a warp, by reason (sum {total:.2f}):")
+        for r in stall_rows[:stalls]:
+            lines.append(f"    {r['metric'][6:]:26s} {r['value']:5.2f}")
+    return lines
 
 
 def _target() -> None:
@@ -248,72 +412,30 @@ def _target() -> None:
     torch.cuda.synchronize()
 
 
-def profile(raw_dir: Path | None = None) -> Path:
-    """Run ncu on this GPU; save and return results/<gpu>/ch04_profile.json."""
+def _label() -> str:
     from solutions import ch04_flash_ampere as fa
-    from utils import results
     from utils.hardware import device_arch
 
-    ncu = shutil.which("ncu")
-    if ncu is None:
-        raise RuntimeError("ncu (Nsight Compute) is not on PATH; it comes with the CUDA toolkit")
-    config = fa.default_config(SHAPE["d"], SHAPE["causal"], device_arch("cuda"), "bf16")
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "ch04"
-        cmd = [ncu, "--launch-skip", "1", "--launch-count", "1", "-k", KERNEL_REGEX,
-               "--import-source", "no", "-f", "-o", str(report)]
-        for s in SECTIONS:
-            cmd += ["--section", s]
-        cmd += ["--metrics", ",".join(EXTRA_METRICS), sys.executable, "-m",
-                "solutions.ch04_profile", "--target"]
-        subprocess.run(cmd, check=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        rep = f"{report}.ncu-rep"
-        raw = subprocess.run([ncu, "-i", rep, "--page", "raw", "--csv"], check=True,
-                             capture_output=True, text=True, timeout=300).stdout
-        source = subprocess.run([ncu, "-i", rep, "--page", "source", "--csv", "--print-source",
-                                 "sass"], check=True, capture_output=True, text=True,
-                                timeout=300).stdout
-    command = "python -m solutions.ch04_profile"
-    provenance = results.collect_provenance(command)
-    label = fa.config_label(config)
-    if raw_dir is not None:
-        raw_dir.mkdir(parents=True, exist_ok=True)
-        (raw_dir / "raw.csv").write_text(raw)
-        (raw_dir / "source.csv").write_text(source)
-        (raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance,
-                                                        "config": label}, indent=1))
-    return results.save(RESULTS, build_rows(raw, source, label), command=command,
-                        provenance=provenance)
+    return fa.config_label(fa.default_config(SHAPE["d"], SHAPE["causal"], device_arch("cuda"),
+                                             "bf16"))
+
+
+SPEC = ProfileSpec(RESULTS, "solutions.ch04_profile", KERNEL_REGEX, SECTIONS, EXTRA_METRICS,
+                   build_rows)
+
+
+def profile(raw_dir: Path | None = None) -> Path:
+    """Run ncu on this GPU; save and return results/<gpu>/ch04_profile.json."""
+    return profile_with(SPEC, _label(), raw_dir)
 
 
 def from_raw(raw_dir: Path) -> Path:
     """Rebuild the results file from ncu exports kept by ``--raw-dir`` (with their provenance)."""
-    from utils import results
-
-    meta = json.loads((raw_dir / "meta.json").read_text())
-    rows = build_rows((raw_dir / "raw.csv").read_text(), (raw_dir / "source.csv").read_text(),
-                      meta["config"])
-    provenance = dict(meta["provenance"])  # where and when it was measured: unchanged
-    provenance["command"] += (f" (rows re-read from its CSV exports with --from-raw at commit "
-                              f"{results.collect_provenance('')['commit'][:10]})")
-    return results.save(RESULTS, rows, command=provenance["command"], provenance=provenance)
+    return from_raw_with(SPEC, raw_dir)
 
 
 def _main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--raw-dir", type=Path, help="also keep ncu's CSV exports here")
-    ap.add_argument("--from-raw", type=Path, help="rebuild the JSON from a --raw-dir folder")
-    args = ap.parse_args(argv)
-    if args.target:
-        _target()
-        return 0
-    path = from_raw(args.from_raw) if args.from_raw else profile(args.raw_dir)
-    from utils import results
-
-    print(results.load(RESULTS).table(["metric", "value", "unit"]))
-    print(f"wrote {path}")
-    return 0
+    return main_with(SPEC, _target, _label, argv, __doc__)
 
 
 if __name__ == "__main__":

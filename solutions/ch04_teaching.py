@@ -13,9 +13,13 @@ run time, never copied; layouts and KV tile ranges come from the kernel's own co
 - bank conflicts of one ldmatrix read in the kernel's padded and swizzled shared memory;
 - the causal tile map from the kernel's ``kv_tile_range``;
 - the instruction mix of one KV step in the SASS, and the Hopper ceilings it implies;
-- stored results: the forward benchmark, the target verdict, the tile sweep;
+- stored results: the forward benchmark and how it stands against its peers, the tile sweep and
+  what each knob did, the Nsight Compute profile;
 - exercises 04.1 (registers of a tile), 04.2 (which thread holds S[r, c]), 04.3 (which KV tiles
-  a causal CTA visits and masks).
+  a causal CTA visits and masks), and two in device code: 04.4 (the quad all-reduce, checked by
+  a model of a warp as a vector of 32 lanes and a compile for sm_80) and 04.5 (a fragment's
+  causal mask, run host-side for every thread of the kernel's tile); both run on a GPU inside
+  small kernels (``QuadReduce``, ``MaskHarness``).
 """
 
 from __future__ import annotations
@@ -687,28 +691,171 @@ def plot_fwd(res, title: str = "Forward, bf16, 16 heads, batch x seqlen = 16384"
     return ax
 
 
-TARGET = {"ratio": 1.1, "baseline": "sdpa_flash", "d": 128, "s": 16384, "causal": False}
+STANDING = {"d": 128, "s": 16384, "causal": False}  # the chapter's headline shape
 
 
-def target_verdict(res, impl: str = "flash_ampere", **target) -> str:
-    """One plain sentence: the issue's target (1.1x SDPA's flash backend at D=128, S=16384,
-    non-causal) against a run where both were measured together (a Results or its rows)."""
-    t = {**TARGET, **target}
-    rows, name = getattr(res, "rows", res), getattr(res, "name", "this run")
-    where = {"d": t["d"], "s": t["s"], "causal": t["causal"], "pass": "fwd"}
-    found = {}
-    for who in (impl, t["baseline"]):
-        match = [r for r in rows
-                 if r.get("impl") == who and all(r.get(k) == v for k, v in where.items())]
-        if len(match) != 1 or not match[0].get("tflops"):
-            return f"target cannot be judged from {name}: {len(match)} timed rows of {who}"
-        found[who] = match[0]
-    ours, base = found[impl], found[t["baseline"]]
-    ratio = ours["tflops"] / base["tflops"]
-    verdict = "MET" if ratio >= t["ratio"] else "NOT met"
-    return (f"target {t['ratio']:g}x {t['baseline']} at D={t['d']}, S={t['s']}, "
-            f"{'causal' if t['causal'] else 'non-causal'}: {impl} {ours['tflops']:.0f} TFLOP/s, "
-            f"{t['baseline']} {base['tflops']:.0f} in the same run = {ratio:.2f}x -> {verdict}")
+def standing_lines(res, impl: str = "flash_ampere", baseline: str = "sdpa_flash") -> list[str]:
+    """``impl`` against ``baseline`` for every (D, S, causal) that a run timed both at (a
+    Results or its rows): TFLOP/s and the ratio, from the same run only."""
+    rows = [r for r in getattr(res, "rows", res) if r.get("pass", "fwd") == "fwd"]
+    shapes = sorted({(r["d"], r["s"], r["causal"]) for r in rows if r.get("impl") == impl},
+                    key=lambda k: (-k[0], -k[1], k[2]))
+    lines = []
+    for d, s_, causal in shapes:
+        pick = {who: next((r for r in rows if r.get("impl") == who and r["d"] == d
+                           and r["s"] == s_ and r["causal"] == causal and r.get("tflops")), None)
+                for who in (impl, baseline)}
+        if None in pick.values():
+            continue
+        ours, base = pick[impl]["tflops"], pick[baseline]["tflops"]
+        lines.append(f"D={d:3d} S={s_:5d} {'causal    ' if causal else 'non-causal'}: {impl} "
+                     f"{ours:4.0f} TFLOP/s, {baseline} {base:4.0f}: {ours / base:.2f}x")
+    if not lines:
+        return [f"{getattr(res, 'name', 'this run')} has no shape where both {impl} and "
+                f"{baseline} were timed"]
+    ahead = sum(float(ln.rsplit(": ", 1)[1].rstrip("x")) > 1 for ln in lines)
+    lines.append(f"{impl} runs ahead of {baseline} at {ahead} of the {len(lines)} shapes")
+    return lines
+
+
+def mma_sync_rate_lines(micro) -> list[str]:
+    """The stored mma.sync microbenchmark against wgmma's rate (chapter 00's 4096 FLOP/clk/SM),
+    and MMA_SYNC_SHARE, the rounded share the models of this chapter use."""
+    per_clk = micro.one(metric="mma_sync_flop_per_clk_sm")["value"]
+    wgmma = PER_SM["sm_90"].mma_flops_per_clk
+    return [f"mma.sync measured: {per_clk:.0f} FLOP/clk/SM, wgmma's rate {wgmma}: mma.sync runs "
+            f"at {per_clk / wgmma:.2f} of it, wgmma {wgmma / per_clk:.2f}x as fast "
+            f"({micro.label})",
+            f"t4.MMA_SYNC_SHARE = {MMA_SYNC_SHARE:g} (the models below use it)"]
+
+
+def _median(values):
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+LEVEL = 0.03  # two kernels within 3% of each other in one run are "level" (peer_lines)
+
+
+def peer_lines(res, ours: str = "flash_ampere", peer: str = "cutlass_example_128x64",
+               portable: str = "flash_ampere_portable") -> list[str]:
+    """The stored ch04_cutlass_peer run (medians over rounds): ours against CUTLASS's example
+    (with a verdict: level within LEVEL, or who is ahead) and against the portable (sm_80-safe)
+    default tile, per (causal, data)."""
+    groups = dict.fromkeys((r["causal"], r["data"]) for r in res.rows)
+    lines = []
+    for causal, data in groups:
+        med = {}
+        for impl in (ours, peer, portable):
+            vals = [r["tflops"] for r in res.rows if (r["causal"], r["data"]) == (causal, data)
+                    and r["impl"] == impl and r.get("tflops")]
+            if vals:
+                med[impl] = _median(vals)
+        if ours not in med:
+            continue
+        what = f"{'causal' if causal else 'non-causal'}, {data}:"
+        parts = []
+        if peer in med:
+            ratio = med[ours] / med[peer]
+            verdict = ("level" if abs(ratio - 1) < LEVEL else
+                       "ours ahead" if ratio > 1 else "CUTLASS's ahead")
+            parts.append(f"{ours} / CUTLASS's example = {ratio:.3f} ({verdict})")
+        if portable in med:
+            parts.append(f"{ours} / the portable tile = {med[ours] / med[portable]:.3f}")
+        lines.append(f"{what:24s} " + "; ".join(parts))
+    return lines
+
+
+def run_spread(*results, impl: str = "flash_ampere", **at) -> dict | None:
+    """The same kernel at the same shape in several stored runs (the default tile of each, on
+    random inputs): the lowest and highest TFLOP/s, their spread (a fraction), how many timings
+    from which files. None with fewer than two timings. The yardstick for small differences."""
+    at = {**STANDING, **at}
+    seen = []
+    for res in results:
+        if res is None:
+            continue
+        for r in res.rows:
+            if (r.get("impl") == impl and r.get("tflops") and r.get("pass", "fwd") == "fwd"
+                    and all(r.get(k) == v for k, v in at.items()) and r.get("default", True)
+                    and r.get("data", "randn") == "randn"):
+                seen.append((r["tflops"], res.name))
+    if len(seen) < 2:
+        return None
+    lo, hi = min(seen)[0], max(seen)[0]
+    return {"lo": lo, "hi": hi, "spread": hi / lo - 1, "timings": len(seen),
+            "files": sorted({n for _, n in seen}), "impl": impl, **at}
+
+
+def spread_line(spread: dict | None) -> str:
+    if spread is None:
+        return "fewer than two runs of the same kernel and shape are stored"
+    return (f"{spread['impl']} at D={spread['d']}, S={spread['s']}, "
+            f"{'causal' if spread['causal'] else 'non-causal'}, {spread['timings']} timings in "
+            f"{', '.join(spread['files'])}: {spread['lo']:.0f} to {spread['hi']:.0f} TFLOP/s, a "
+            f"spread of {spread['spread']:.1%}")
+
+
+def _sweep_row(rows, d, causal, impl="flash_ampere", **tile):
+    base = {"m_block": 128, "n_block": 64, "num_threads": 128, "num_stages": 1,
+            "smem_layout": "swizzled", "qk_unroll": 2, "skip_rescale": False, **tile}
+    return next((r for r in rows if r.get("impl") == impl and r["d"] == d
+                 and r["causal"] == causal and r.get("tflops")
+                 and all(r.get(k) == v for k, v in base.items())), None)
+
+
+def sweep_findings(res, spread: float | None = None) -> list[str]:
+    """What the stored sweep says about each knob, one line each, computed from its rows:
+    A vs B in TFLOP/s and their ratio, with A's spills. A ratio is marked "within noise" when
+    it does not clear the larger of the two rows' own spreads (``utils.bench.compare``) and
+    ``spread`` (a fraction: the same kernel between runs, from ``run_spread``)."""
+    rows = res.rows
+    out = []
+
+    def spills(r):
+        n = r.get("spill_instructions")
+        return "spill-free" if n == 0 else (f"{n} spill instructions" if n else "spills unknown")
+
+    def compare(what, d, causal, a, b):
+        from utils.bench import compare as against
+
+        ra, rb = _sweep_row(rows, d, causal, **a), _sweep_row(rows, d, causal, **b)
+        if ra is None or rb is None:
+            return
+        ratio = ra["tflops"] / rb["tflops"]
+        c = against(ra, rb)
+        limit = max(c.noise if c is not None else 0.0, spread or 0.0)
+        noise = " (within noise)" if abs(ratio - 1) <= limit else ""
+        out.append(f"D={d} {'causal' if causal else 'non-causal'}, {what}: {ra['tflops']:.0f} vs "
+                   f"{rb['tflops']:.0f} TFLOP/s = {ratio:.2f}x{noise}; {spills(ra)}")
+
+    compare("QK^T fully unrolled (4 slices per trip) vs 1 slice", 64, False,
+            {"qk_unroll": 4}, {"qk_unroll": 1})
+    compare("4 slices per trip vs 2", 128, False, {"qk_unroll": 4}, {"qk_unroll": 2})
+    compare("2 stages vs 1, 4 slices per trip", 128, False,
+            {"qk_unroll": 4, "num_stages": 2}, {"qk_unroll": 4})
+    compare("2 stages, 4 slices vs the portable default (1 stage, 2 slices)", 128, False,
+            {"qk_unroll": 4, "num_stages": 2}, {})
+    two = _sweep_row(rows, 128, False, qk_unroll=4, num_stages=2)
+    if two is not None and two.get("sdpa_flash_tflops"):
+        out.append(f"D=128 non-causal, 2 stages and 4 slices vs SDPA's flash backend in the "
+                   f"same sweep: {two['tflops'] / two['sdpa_flash_tflops']:.2f}x")
+    compare("4 slices, 1 stage vs the portable default", 128, True, {"qk_unroll": 4}, {})
+    compare("2 stages vs 1, 4 slices per trip", 128, True,
+            {"qk_unroll": 4, "num_stages": 2}, {"qk_unroll": 4})
+    compare("3 stages vs 2, 4 slices per trip", 128, False,
+            {"qk_unroll": 4, "num_stages": 3}, {"qk_unroll": 4, "num_stages": 2})
+    compare("skip_rescale vs the same tile without it", 128, False,
+            {"qk_unroll": 4, "num_stages": 2, "skip_rescale": True},
+            {"qk_unroll": 4, "num_stages": 2})
+    compare("KV tile 128 x 64 vs 128 x 32", 128, False, {}, {"n_block": 32})
+    compare("QK^T fully unrolled (8 slices) vs 4 slices", 128, False,
+            {"qk_unroll": 8}, {"qk_unroll": 4})
+    compare("8 warps (256 x 64) vs 4 warps (128 x 64)", 128, False,
+            {"m_block": 256, "num_threads": 256}, {})
+    compare("padded vs swizzled shared memory", 128, False, {"smem_layout": "padded"}, {})
+    return out
 
 
 row_config = fa.config_from_row  # the TileConfig a sweep row was measured with
@@ -794,25 +941,11 @@ PROFILE_METRICS = (
 def profile_lines(res, stalls: int = 6) -> list[str]:
     """The stored Nsight Compute profile (solutions.ch04_profile): the counters of
     PROFILE_METRICS, then the ``stalls`` largest stall reasons in cycles per issued
-    instruction."""
+    instruction, and the shares of two stall reasons that sit at an mma.sync."""
+    from solutions.ch04_profile import format_profile
+
     by_metric = {r["metric"]: r for r in res.rows}
-    first = res.rows[0]
-    head = (f"{first['config']} at D={first['d']}, S={first['s']}, "
-            f"{'causal' if first['causal'] else 'non-causal'}")
-    if "sm_clock_ghz" in by_metric:
-        head += f"; SM clock held at {by_metric['sm_clock_ghz']['value']:.2f} GHz by ncu"
-    lines = [head]
-    for metric, what in PROFILE_METRICS:
-        if metric in by_metric:
-            v = by_metric[metric]["value"]
-            lines.append(f"  {what:58s} {v:8.2f}" if v % 1 else f"  {what:58s} {v:8.0f}")
-    stall_rows = sorted((r for r in res.rows if r["metric"].startswith("stall_")
-                         and not r["metric"].endswith("_pct")), key=lambda r: -r["value"])
-    if stall_rows:
-        total = sum(r["value"] for r in stall_rows)
-        lines.append(f"  cycles between two issues of a warp, by reason (sum {total:.2f}):")
-        for r in stall_rows[:stalls]:
-            lines.append(f"    {r['metric'][6:]:26s} {r['value']:5.2f}")
+    lines = format_profile(res, PROFILE_METRICS, stalls)
     for reason, what in (("wait", "'wait' samples at an mma.sync (its issue gap) %"),
                          ("short_sb", "'short_scoreboard' samples at an mma.sync (its "
                                       "ldmatrix) %")):
@@ -820,6 +953,33 @@ def profile_lines(res, stalls: int = 6) -> list[str]:
         if row is not None:
             lines.append(f"  {what:58s} {row['value']:8.0f}")
     return lines
+
+
+def profile_reading(res) -> list[str]:
+    """The stored profile read as sentences, each number next to what it means (verdicts are
+    computed from the numbers, so a new profile cannot leave an old sentence behind)."""
+    by = {r["metric"]: r["value"] for r in res.rows}
+    out = []
+    if "tensor_pipe_active_pct" in by and "issue_slots_busy_pct" in by:
+        busy, issue = by["tensor_pipe_active_pct"], by["issue_slots_busy_pct"]
+        verdict = ("neither is saturated" if max(busy, issue) < 80
+                   else "one of them is close to its limit")
+        out.append(f"tensor pipe busy {busy:.0f}% of the cycles, issue slots used {issue:.0f}%: "
+                   f"{verdict}")
+    if "warp_time_at_mma_sync_pct" in by:
+        line = f"a warp spends {by['warp_time_at_mma_sync_pct']:.0f}% of its time at an mma.sync"
+        extra = [f"{by[k]:.0f}% of its '{name}' samples" for k, name in
+                 (("stall_wait_samples_at_mma_sync_pct", "wait"),
+                  ("stall_short_sb_samples_at_mma_sync_pct", "short_scoreboard")) if k in by]
+        out.append(line + (" (and " + " and ".join(extra) + " sit there)" if extra else ""))
+    parts = [(p, by.get(f"warp_time_{p}_pct")) for p in ("loop_head", "qk", "softmax", "pv")]
+    if all(v is not None for _, v in parts):
+        names = {"loop_head": "loop head", "qk": "S = QK^T", "softmax": "softmax",
+                 "pv": "O += PV"}
+        ranked = sorted(parts, key=lambda kv: -kv[1])
+        out.append("by part of the KV loop, largest first: "
+                   + ", ".join(f"{names[p]} {v:.0f}%" for p, v in ranked))
+    return out
 
 
 def cutlass_peer_lines(res) -> list[str]:
@@ -992,13 +1152,391 @@ def check_kv_tiles(fn) -> None:
                 "kernel also always masks the first tile it visits (the highest).")
 
 
+# --- 04.4: the quad all-reduce (device code) ---------------------------------------------------
+# A row of S lives in the 4 lanes of a quad (lanes 4q .. 4q + 3). Every lane needs the row's
+# max (and, in finalize, its sum): a reduction whose result ends up in all 4 lanes.
+@cute.jit
+def quad_allreduce(x: cutlass.Float32, op: cutlass.Constexpr) -> cutlass.Float32:
+    """Exercise 04.4's reference: ``op`` over the 4 lanes of this lane's quad, in every lane.
+    The butterfly with xor 2 pairs lanes {0, 2} and {1, 3}; then xor 1 pairs {0, 1}, {2, 3}."""
+    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    return op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+
+
+LANES = 32
+
+
+def _shuffle_model(kind: str, calls: list):
+    """A warp-wide shuffle of PTX's ``shfl.sync`` on a NumPy vector of 32 lanes (one value per
+    lane), recording (kind, offset) in ``calls``. A lane whose source is outside its segment
+    keeps its own value, as the instruction does; ``mask_and_clamp`` is PTX's c operand,
+    (segment mask << 8) | clamp."""
+
+    def shuffle(value, offset, mask=0xFFFFFFFF, mask_and_clamp=None, **_):
+        if not (isinstance(value, np.ndarray) and value.shape == (LANES,)):
+            raise AssertionError(f"cute.arch.shuffle_sync_{kind} got {value!r}; shuffle the "
+                                 "lane's value x (or a value computed from it)")
+        offset = int(offset)
+        calls.append((kind, offset))
+        c = (0 if kind == "up" else 31) if mask_and_clamp is None else int(mask_and_clamp)
+        seg, clamp = (c >> 8) & 31, c & 31
+        lane = np.arange(LANES)
+        lo = lane & seg
+        hi = lo | (clamp & ~seg)
+        src = {"bfly": lane ^ offset, "down": lane + offset, "up": lane - offset,
+               "idx": (offset & ~seg) | lo}[kind]
+        ok = (src >= lo) if kind == "up" else (src <= hi)
+        return np.where(ok, value[np.clip(src, 0, LANES - 1)], value)
+
+    return shuffle
+
+
+def run_quad_allreduce(fn, lanes: np.ndarray, op) -> tuple[np.ndarray, list]:
+    """``fn(x, op)`` run as plain Python for a whole warp at once: x is the vector of the 32
+    lanes' values and every ``cute.arch`` shuffle a lane permutation of it. Returns each lane's
+    result and the shuffles made, [(kind, offset), ...]."""
+    from utils.host_emulation import patched, plain, python_loops
+
+    calls: list = []
+    shuffles = {f"shuffle_sync{'' if k == 'idx' else '_' + k}": _shuffle_model(k, calls)
+                for k in ("bfly", "down", "up", "idx")}
+    with python_loops(), patched(cute.arch, fmax=np.fmax, **shuffles):
+        out = plain(fn)(lanes.astype(np.float32), op)
+    return out, calls
+
+
+def _quad_truth(lanes: np.ndarray, op) -> np.ndarray:
+    quads = lanes.reshape(-1, 4)
+    return np.repeat(op.reduce(quads, axis=1), 4)
+
+
+def check_quad_allreduce(fn) -> None:
+    """Exercise 04.4: ``fn(x, op)`` must leave in every lane ``op`` over its quad's 4 values, for
+    op = max and op = add, with butterfly shuffles; then the compiled sm_80 kernel must hold two
+    ``shfl.sync.bfly`` per reduction."""
+    rng = np.random.default_rng(44)
+    with_inf = np.where(np.arange(LANES) % 4 == 3, -np.inf, rng.standard_normal(LANES))
+    cases = [("max", np.fmax, rng.standard_normal(LANES)), ("max", np.fmax, with_inf),
+             ("sum", np.add, rng.integers(1, 9, LANES).astype(np.float64)),
+             ("sum", np.add, 2.0 ** np.arange(LANES) % 97)]
+    for name, op, lanes in cases:
+        lanes = lanes.astype(np.float32)
+        got, calls = run_quad_allreduce(fn, lanes, op)
+        if got is None:
+            raise AssertionError("quad_allreduce returned None: return the combined value")
+        got = np.broadcast_to(np.asarray(got, dtype=np.float32), (LANES,))
+        want = _quad_truth(lanes, op)
+        if np.array_equal(got, want):
+            continue
+        offsets = [o for k, o in calls if k == "bfly"]
+        kinds = sorted({k for k, _ in calls} - {"bfly"})
+        lane = int(np.flatnonzero(got != want)[0])
+        quad = ", ".join(f"{v:.3g}" for v in lanes[4 * (lane // 4):4 * (lane // 4) + 4])
+        head = (f"with op = {name}, lane {lane} holds {got[lane]:.3g} but its quad (lanes "
+                f"{4 * (lane // 4)}..{4 * (lane // 4) + 3}, values {quad}) gives "
+                f"{want[lane]:.3g}.")
+        if not calls:
+            why = ("no shuffle was made: a lane sees only its own value until it reads its "
+                   "neighbours' with cute.arch.shuffle_sync_bfly")
+        elif kinds:
+            why = (f"you used shuffle_sync_{kinds[0]}: a shift or an indexed read leaves some "
+                   "lanes of the quad without the full result. The butterfly (xor) pairs every "
+                   "lane with a partner, so after two steps all 4 lanes hold it")
+        elif any(o >= 4 for o in offsets):
+            reach = 2 ** max(o.bit_length() for o in offsets)
+            why = (f"you reduced over {reach} lanes (xor offsets {sorted(set(offsets))}): xor "
+                   "offsets 1 and 2 cover the 4 lanes of a quad; offset 4 and above reach other "
+                   "quads, which hold other rows")
+        elif len(set(offsets)) < len(offsets):
+            why = (f"the offsets {offsets} repeat one: the second shuffle with the same offset "
+                   "combines the same pair again (a max does not notice, a sum doubles). Use "
+                   "offsets 2 and 1, once each")
+        elif sorted(set(offsets)) != [1, 2]:
+            why = (f"the offsets {offsets} combine each lane with only one partner: lanes agree "
+                   "in pairs. Two butterfly steps, xor 2 and xor 1, reach all four")
+        else:
+            why = ("the shuffles are right, so look at how the values are combined: apply `op` "
+                   "to the lane's value and the shuffled one after each shuffle, and return the "
+                   "result")
+        raise AssertionError(f"{head} Hint: {why}.")
+    art = QuadReduce(fn).compile("sm_80")
+    n = art.count("shfl.sync.bfly")
+    if n != 4:
+        raise AssertionError(f"the compiled sm_80 kernel (one max and one sum per thread) has {n} "
+                             "shfl.sync.bfly; two per reduction is all a quad needs")
+
+
+class QuadReduce:
+    """A small kernel around a quad all-reduce: thread i reads x[i] and writes the max and the
+    sum of its quad's four values (lanes 4q .. 4q + 3) to mx[i] and sm[i]."""
+
+    THREADS = 128
+
+    def __init__(self, allreduce=quad_allreduce):
+        self.allreduce = allreduce
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mMax: cute.Tensor, mSum: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * self.THREADS + tidx
+        x = mX[i]
+        mMax[i] = self.allreduce(x, fa.fmax)
+        mSum[i] = self.allreduce(x, fa.fadd)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mMax: cute.Tensor, mSum: cute.Tensor, stream):
+        self.kernel(mX, mMax, mSum).launch(grid=(cute.size(mX) // self.THREADS, 1, 1),
+                                           block=(self.THREADS, 1, 1), stream=stream)
+
+    def compile(self, arch: str = "sm_80"):
+        from utils.compile_only import compile_for, fake_stream, fake_tensor
+
+        return compile_for(arch, self, *(fake_tensor(cutlass.Float32, (None,), align=4)
+                                         for _ in range(3)), fake_stream())
+
+
+_GPU_COMPILED: dict = {}
+
+
+def _launch(key, build, tensors, device):
+    import cuda.bindings.driver as cuda
+    import torch
+
+    with torch.cuda.device(device):
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        if key not in _GPU_COMPILED:
+            _GPU_COMPILED[key] = cute.compile(build(), *tensors, stream)
+        _GPU_COMPILED[key](*tensors, stream)
+
+
+def check_quad_allreduce_on_gpu(fn, n: int = 1 << 16, seed: int = 0):
+    """Exercise 04.4 on a GPU: ``QuadReduce(fn)`` on n random values against torch's max and
+    sum over groups of 4. Returns (ok, one line)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, device="cuda", generator=g)
+    mx, sm = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    tensors = [from_dlpack(t).mark_layout_dynamic() for t in (x, mx, sm)]
+    _launch(("quad", fn), lambda: QuadReduce(fn), tensors, x.device)
+    torch.cuda.synchronize()
+    quads = x.view(-1, 4)
+    want_max = quads.amax(1).repeat_interleave(4)
+    want_sum = quads.double().sum(1).repeat_interleave(4)
+    max_ok = torch.equal(mx, want_max)
+    # fp32 sums in another order than torch's: a few ulp
+    sum_err = (sm.double() - want_sum).abs().max().item()
+    ok = max_ok and sum_err < 1e-5
+    return ok, (f"{n} lanes: max {'exact' if max_ok else 'WRONG'}, sum max |error| "
+                f"{sum_err:.1e} ({'ok' if ok else 'WRONG'})")
+
+
+# --- 04.5: the causal mask on a thread's fragment (device code) ---------------------------------
+@cute.jit
+def mask_scores(acc_S: cute.Tensor, tScS: cute.Tensor, row0: Int32, col0: Int32,
+                seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr):
+    """Exercise 04.5's reference: -inf into every score of the fragment its query may not see.
+    acc_S[i] is S[row0 + tScS[i][0], col0 + tScS[i][1]] (query row, key column in the whole
+    sequence); keys past seqlen_k do not exist; causal is bottom-right aligned, so query i sees
+    keys j <= i + seqlen_k - seqlen_q."""
+    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+        row = row0 + tScS[i][0]
+        col = col0 + tScS[i][1]
+        limit = seqlen_k  # one past the last key this row may see
+        if cutlass.const_expr(causal):
+            limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q)
+        acc_S[i] = -cutlass.Float32.inf if col >= limit else acc_S[i]
+
+
+class MaskHarness:
+    """Run a fragment mask for every thread of one CTA of chapter 04's kernel, for a list of
+    (seqlen_q, seqlen_k, m_block, n_block) cases, with the kernel's own mma.sync partition: on
+    the CPU (``on_cpu``) or as a kernel, one CTA per case (``__call__``). out[case, r, c] is 0
+    where S[r, c] of the (m_block, n_block) tile stays, -inf where the mask cleared it."""
+
+    def __init__(self, mask=mask_scores, causal: bool = True, cfg: TileConfig | None = None):
+        self.mask, self.causal = mask, causal
+        self.flash = _kernel(cfg, 128, causal)
+        self.m_block, self.n_block = self.flash.m_block, self.flash.n_block
+        self.num_threads = self.flash.num_threads
+
+    @cute.jit
+    def thread(self, out: cute.Tensor, cases: cute.Tensor, case, tidx):
+        tiled_mma = self.flash.make_tiled_mma()
+        cS = cute.make_identity_tensor((self.m_block, self.n_block))
+        tScS = tiled_mma.get_slice(tidx).partition_C(cS)  # ((2, 2), MMA_M, MMA_N) -> (r, c)
+        acc_S = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+        acc_S.fill(0.0)
+        seqlen_q, seqlen_k = cases[case, 0], cases[case, 1]
+        row0, col0 = cases[case, 2] * self.m_block, cases[case, 3] * self.n_block
+        self.mask(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, self.causal)
+        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+            out[case, tScS[i][0], tScS[i][1]] = acc_S[i]
+
+    @cute.jit
+    def on_cpu(self, out: cute.Tensor, cases: cute.Tensor):
+        for case in cutlass.range(cute.size(cases, mode=[0])):
+            for tidx in cutlass.range(self.num_threads):
+                self.thread(out, cases, case, tidx)
+
+    @cute.kernel
+    def kernel(self, out: cute.Tensor, cases: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        case, _, _ = cute.arch.block_idx()
+        self.thread(out, cases, case, tidx)
+
+    @cute.jit
+    def __call__(self, out: cute.Tensor, cases: cute.Tensor, stream):
+        self.kernel(out, cases).launch(grid=(cute.size(cases, mode=[0]), 1, 1),
+                                       block=(self.num_threads, 1, 1), stream=stream)
+
+
+# (seqlen_q, seqlen_k, causal): fewer queries than keys (the diagonal moves right), more (the
+# first rows see no key), equal lengths that are no multiple of the tile, one query
+MASK_SHAPES = [(77, 131, True), (300, 77, True), (200, 200, True), (1, 131, True),
+               (150, 67, False), (64, 200, False)]
+
+
+def _mask_cases(seqlen_q, seqlen_k, tile_m, tile_n):
+    return [(seqlen_q, seqlen_k, m, n) for m in range(-(-seqlen_q // tile_m))
+            for n in range(-(-seqlen_k // tile_n))]
+
+
+def mask_truth(cases, tile_m, tile_n, causal, offset=None, origin=True, strict=False):
+    """(cases, tile_m, tile_n) of 0 / -inf: the mask the kernel applies, or a variant of it (a
+    typical slip) that the check uses to name the mistake: ``offset`` replaces seqlen_k -
+    seqlen_q, ``origin=False`` forgets the tile's position, ``strict`` also hides the diagonal."""
+    out = np.zeros((len(cases), tile_m, tile_n), np.float32)
+    r, c = np.arange(tile_m)[:, None], np.arange(tile_n)[None, :]
+    for i, (sq, sk, mb, nb) in enumerate(cases):
+        row, col = (r + mb * tile_m, c + nb * tile_n) if origin else (r, c)
+        hide = col >= sk
+        if causal:
+            off = sk - sq if offset is None else offset(sq, sk)
+            hide = hide | ((col >= row + off) if strict else (col > row + off))
+        out[i][np.broadcast_to(hide, (tile_m, tile_n))] = -np.inf
+    return out
+
+
+def run_mask_on_cpu(fn, cases, causal: bool) -> np.ndarray:
+    """``MaskHarness(fn).on_cpu`` for ``cases``: the (cases, tile_m, tile_n) result."""
+    harness = MaskHarness(fn, causal)
+    out = np.full((len(cases), harness.m_block, harness.n_block), np.nan, np.float32)
+    table = np.array(cases, dtype=np.int32).reshape(-1, 4)
+    harness.on_cpu(from_dlpack(out), from_dlpack(table))
+    return out
+
+
+def _mask_hint(got, live, cases, tm, tn, causal) -> str:
+    variants = [
+        (dict(origin=False),
+         "you compared the tile's own coordinates: tScS[i] is the position inside the tile; "
+         "add the tile's origin (row0, col0) to get the query and the key"),
+        (dict(offset=lambda sq, sk: 0),
+         "you aligned the diagonal to the top left (query i sees keys j <= i). With "
+         "seqlen_q != seqlen_k the queries are the last seqlen_q positions of the sequence: "
+         "query i sees keys j <= i + seqlen_k - seqlen_q"),
+        (dict(offset=lambda sq, sk: sq - sk),
+         "the diagonal moved the wrong way: query i sees keys j <= i + seqlen_k - seqlen_q, "
+         "not i + seqlen_q - seqlen_k"),
+        (dict(strict=True),
+         "you also hid the diagonal: query i sees key i + seqlen_k - seqlen_q itself, so mask "
+         "j > i + seqlen_k - seqlen_q, not j >="),
+        (dict(offset=lambda sq, sk: sk - sq + 1),
+         "you let one key too many through: query i sees keys up to i + seqlen_k - seqlen_q "
+         "and no further"),
+    ]
+    for kw, hint in variants:
+        if np.array_equal(np.isinf(got[live]),
+                          np.isinf(mask_truth(cases, tm, tn, causal, **kw)[live])):
+            return hint
+    return ""
+
+
+def check_mask_scores(fn) -> None:
+    """Exercise 04.5: ``fn(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, causal)`` run on the CPU
+    for every thread of the kernel's default D = 128 tile, for every tile of awkward shapes,
+    causal and not; the scores it sets to -inf must be exactly those the kernel masks."""
+    tm, tn = MaskHarness(mask_scores).m_block, MaskHarness(mask_scores).n_block
+    for causal in (True, False):
+        shapes = [(sq, sk) for sq, sk, c in MASK_SHAPES if c == causal]
+        cases = [case for sq, sk in shapes for case in _mask_cases(sq, sk, tm, tn)]
+        got = run_mask_on_cpu(fn, cases, causal)
+        want = mask_truth(cases, tm, tn, causal)
+        if np.isnan(got).any() or (np.isfinite(got) & (got != 0)).any():
+            raise AssertionError("leave the scores a query may see as they are and set the "
+                                 "others to -inf (-cutlass.Float32.inf); nothing else")
+        # rows past seqlen_q are computed and never stored: whatever the mask does there is fine
+        live = np.stack([np.arange(tm)[:, None] + mb * tm < sq for sq, _, mb, _ in cases])
+        live = np.broadcast_to(live, got.shape)
+        bad = live & (np.isinf(got) != np.isinf(want))
+        if not bad.any():
+            continue
+        k, r, c = (int(v) for v in np.argwhere(bad)[0])
+        sq, sk, mb, nb = cases[k]
+        row, col = mb * tm + r, nb * tn + c
+        should = "hidden (-inf)" if np.isinf(want[k, r, c]) else "visible"
+        what = (f"seqlen_q={sq}, seqlen_k={sk}, {'causal' if causal else 'non-causal'}, tile "
+                f"({mb}, {nb}) of {tm} x {tn}: S[{row}, {col}] (query {row}, key {col}) must be "
+                f"{should}, and {int(bad.sum())} scores of these tiles are wrong.")
+        if col >= sk and not np.isinf(got[k, r, c]):
+            hint = (f"keys at and past seqlen_k = {sk} do not exist (the last K tile's rows "
+                    "there are zeros): their scores must be -inf too, causal or not")
+        else:
+            hint = _mask_hint(got, live, cases, tm, tn, causal)
+        if not hint and not np.isinf(got).any():
+            hint = "nothing was set to -inf"
+        raise AssertionError(what + (f" Hint: {hint}." if hint else ""))
+
+
+def check_mask_on_gpu(fn, shapes=MASK_SHAPES):
+    """Exercise 04.5 on a GPU: ``MaskHarness(fn)`` as a kernel, one CTA per tile of each shape,
+    against the mask the kernel applies. Returns (ok, lines)."""
+    import torch
+
+    lines, ok = [], True
+    for causal in (True, False):
+        harness = MaskHarness(fn, causal)
+        tm, tn = harness.m_block, harness.n_block
+        cases = [case for sq, sk, c in shapes if c == causal
+                 for case in _mask_cases(sq, sk, tm, tn)]
+        out = torch.full((len(cases), tm, tn), float("nan"), device="cuda")
+        table = torch.tensor(cases, dtype=torch.int32, device="cuda").reshape(-1, 4)
+        tensors = [from_dlpack(out).mark_layout_dynamic(leading_dim=2),
+                   from_dlpack(table).mark_layout_dynamic(leading_dim=1)]
+        _launch(("mask", fn, causal), lambda: harness, tensors, out.device)
+        got = out.cpu().numpy()
+        want = mask_truth(cases, tm, tn, causal)
+        live = np.broadcast_to(np.stack([np.arange(tm)[:, None] + mb * tm < sq
+                                         for sq, _, mb, _ in cases]), got.shape)
+        bad = int((live & (np.isinf(got) != np.isinf(want))).sum()) + int(np.isnan(got).sum())
+        ok &= bad == 0
+        lines.append(f"{'causal' if causal else 'non-causal'}: {len(cases)} tiles of {tm} x {tn}"
+                     f", {bad} scores wrong")
+    return ok, lines
+
+
 __all__ = [
     "BOOKKEEPING_REGISTERS",
+    "MASK_SHAPES",
+    "MaskHarness",
+    "QuadReduce",
+    "check_mask_on_gpu",
+    "check_mask_scores",
+    "check_quad_allreduce",
+    "check_quad_allreduce_on_gpu",
+    "mask_scores",
+    "mask_truth",
+    "quad_allreduce",
+    "run_mask_on_cpu",
+    "run_quad_allreduce",
     "KV_TILE_CASES",
     "MMA_SYNC_SHARE",
     "ceiling_lines",
     "cutlass_peer_lines",
     "profile_lines",
+    "profile_reading",
     "REGISTER_LIMIT",
     "SM_LIMITS",
     "TILE_KINDS",
@@ -1038,7 +1576,12 @@ __all__ = [
     "source",
     "source_between",
     "sweep_lines",
-    "target_verdict",
+    "mma_sync_rate_lines",
+    "peer_lines",
+    "run_spread",
+    "spread_line",
+    "standing_lines",
+    "sweep_findings",
     "tflops_groups",
     "tile_counts",
     "tile_map",

@@ -11,10 +11,14 @@ config, its shared-memory sum, its compiled PTX and SASS) and models the ideas a
 - one steady-state turn of the compiled SASS (where ptxas put the waits and the exponentials);
 - a fluid model of two or three consumer warpgroups sharing the tensor cores and MUFU, with and
   without ping-pong;
-- exercises 05.1 (stage count), 05.2 (the producer's step of the ring), 05.3 (proxy fence): their
-  references and checkers.
+- exercises 05.1 (stage count), 05.2 (the producer's step of the ring), 05.3 (proxy fence), and
+  05.4 in device code, the kernel's own producer loop over the K and V rings
+  (``HopperWithProducer`` swaps it into the kernel; ``record_producer`` and ``KVRingSim`` check
+  it on the CPU): their references and checkers;
+- the stored figures read with verdicts: standing against the peers, the knob run against the
+  spread between runs, and the Nsight Compute profile (``solutions.ch05_profile``).
 
-Nothing here needs a GPU.
+Nothing here needs a GPU, except the ``*_on_gpu`` checks of the exercises.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+import cutlass
+import cutlass.cute as cute
 import numpy as np
 
 from solutions import ch05_flash_hopper as ch05
@@ -85,24 +91,199 @@ def plot_tflops(res, title: str, course=("flash_hopper",), ax=None):
     return ax
 
 
+# What profile_lines prints of solutions.ch05_profile's file, in order: (metric, what it is).
+PROFILE_METRICS = (
+    ("tensor_pipe_gmma_active_pct", "tensor pipe busy with wgmma (share of cycles, %)"),
+    ("tensor_pipe_active_pct", "tensor pipe busy, the mma.sync counter (%)"),
+    ("issue_slots_busy_pct", "issue slots used (%)"),
+    ("achieved_warps_per_scheduler", "warps per scheduler (achieved)"),
+    ("registers_per_thread", "registers per thread at launch"),
+    ("ctas_per_sm_limit_registers", "CTAs per SM the registers allow"),
+    ("ctas_per_sm_limit_shared_mem", "CTAs per SM the shared memory allows"),
+    ("warp_time_producer_pct", "warp time: producer warp %"),
+    ("warp_time_consumer_pct", "warp time: consumer warps %"),
+    ("producer_time_mbarrier_wait_pct", "producer: at its mbarrier waits (a free slot) %"),
+    ("producer_time_tma_issue_pct", "producer: issuing TMA loads %"),
+    ("consumer_time_mbarrier_wait_pct", "consumers: at mbarrier waits (a tile to land) %"),
+    ("consumer_time_wgmma_wait_pct", "consumers: at wgmma waits (wait_group) %"),
+    ("consumer_time_named_barrier_wait_pct", "consumers: at named barriers (turns, epilogue) %"),
+    ("consumer_time_wgmma_issue_pct", "consumers: issuing wgmma %"),
+    ("consumer_time_exp2_pct", "consumers: exponentials (MUFU.EX2) %"),
+    ("consumer_turn_turn_head_pct", "consumers' steady turn: K/V waits, loop head %"),
+    ("consumer_turn_issue_gemms_pct", "consumers' steady turn: issue S and P V %"),
+    ("consumer_turn_wait_s_pct", "consumers' steady turn: wait for S (wait_group 1) %"),
+    ("consumer_turn_softmax_under_pv_pct", "consumers' steady turn: softmax while P V runs %"),
+    ("consumer_turn_wait_pv_pct", "consumers' steady turn: wait for P V (wait_group 0) %"),
+    ("consumer_turn_after_pv_pct", "consumers' steady turn: after P V (P to bf16, O rescale) %"),
+    ("consumer_time_outside_steady_turn_pct", "consumers: outside the steady turns %"),
+    ("wgmma_per_consumer_warp_per_step", "wgmma per consumer warp per KV step"),
+    ("other_instructions_per_consumer_warp_per_step",
+     "other instructions per consumer warp per KV step"),
+)
+
+
+def profile_lines(res, stalls: int = 6) -> list[str]:
+    """The stored Nsight Compute profile of chapter 05's kernel (solutions.ch05_profile): the
+    counters of PROFILE_METRICS, the largest stall reasons (cycles per issued instruction, all
+    warps), then the consumers' stall reasons by share of their samples."""
+    from solutions.ch04_profile import format_profile
+
+    lines = format_profile(res, PROFILE_METRICS, stalls)
+    mine = sorted((r for r in res.rows if r["metric"].startswith("consumer_stall_")),
+                  key=lambda r: -r["value"])
+    if mine:
+        lines.append("  consumers' samples by stall reason (%):")
+        for r in mine[:stalls]:
+            name = r["metric"][len("consumer_stall_"):-len("_samples_pct")]
+            lines.append(f"    {name:26s} {r['value']:5.1f}")
+    return lines
+
+
+def profile_reading(res) -> list[str]:
+    """The stored profile as sentences whose verdicts are computed from its numbers."""
+    by = {r["metric"]: r["value"] for r in res.rows}
+    out = []
+    busy = by.get("tensor_pipe_gmma_active_pct", by.get("tensor_pipe_active_pct"))
+    if busy is not None and "issue_slots_busy_pct" in by:
+        issue = by["issue_slots_busy_pct"]
+        verdict = ("the tensor pipe is the busier of the two" if busy > issue
+                   else "the issue slots are the busier of the two")
+        out.append(f"tensor pipe busy {busy:.0f}% of the cycles, issue slots {issue:.0f}%: "
+                   f"{verdict}")
+    waits = {k: by.get(f"consumer_time_{k}_wait_pct") for k in ("mbarrier", "wgmma",
+                                                                 "named_barrier")}
+    if all(v is not None for v in waits.values()):
+        total = sum(waits.values())
+        top = max(waits, key=waits.get)
+        out.append(f"the consumer warps spend {total:.0f}% of their sampled time at waits, most "
+                   f"at {top.replace('_', ' ')} waits ({waits[top]:.0f}%)")
+    parts = [(p, by.get(f"consumer_turn_{p}_pct")) for p in (
+        "turn_head", "issue_gemms", "wait_s", "softmax_under_pv", "wait_pv", "after_pv")]
+    if all(v is not None for _, v in parts):
+        names = {"turn_head": "K/V waits and loop head", "issue_gemms": "issuing S and P V",
+                 "wait_s": "waiting for S", "softmax_under_pv": "softmax under P V",
+                 "wait_pv": "waiting for P V", "after_pv": "after P V"}
+        ranked = sorted(parts, key=lambda kv: -kv[1])
+        out.append("the consumers' steady turn, largest part first: "
+                   + ", ".join(f"{names[p]} {v:.0f}%" for p, v in ranked))
+        under, after = by["consumer_turn_softmax_under_pv_pct"], by["consumer_turn_after_pv_pct"]
+        out.append(f"work between the two waits (under P V) {under:.0f}% against after P V "
+                   f"{after:.0f}%: " + ("more of the turn's time runs after P V than under it"
+                                        if after > under else
+                                        "more of the turn's time runs under P V than after it"))
+    if "producer_time_mbarrier_wait_pct" in by:
+        out.append(f"the producer warp sits at its empty-slot waits "
+                   f"{by['producer_time_mbarrier_wait_pct']:.0f}% of its time: "
+                   + ("the ring is full most of the time, loads are not the limit"
+                      if by["producer_time_mbarrier_wait_pct"] > 50 else
+                      "it is often busy issuing: the loads may be close to the limit"))
+    return out
+
+
+def knob_name(row) -> str:
+    """A knob row's name as its setting: the "ping-pong" knob flips the default, so it reads
+    "ping-pong on" or "ping-pong off" after what the row really ran."""
+    name = row.get("config") or row.get("impl")
+    if name == "ping-pong" and "pingpong" in row:
+        return f"ping-pong {'on' if row['pingpong'] else 'off'}"
+    return name
+
+
 def knob_lines(res) -> list[str]:
     """The knob benchmark (``ch05_flash_hopper --bench``), grouped by (D, causal): TFLOP/s of
-    each configuration and its ratio to that group's "default" row."""
+    each configuration, its own spread (``utils.bench.row_spread``: between rounds, or in an
+    older one-round file between the median and the fastest call) and its ratio to that
+    group's "default" row."""
+    from utils.bench import row_spread
+
     lines = []
     groups = dict.fromkeys((r.get("d"), r.get("causal")) for r in res.rows)
     for d, causal in groups:
         rows = [r for r in res.rows if (r.get("d"), r.get("causal")) == (d, causal)]
-        base = next((r.get("tflops") for r in rows if r.get("config") == "default"), None)
-        lines.append(f"D={d} causal={causal}:")
+        base = next((r for r in rows if r.get("config") == "default" and r.get("tflops")), None)
+        default = ""
+        if base is not None:
+            default = (f" (default: {base.get('tile_m')} x {base.get('tile_n')}, ping-pong "
+                       f"{'on' if base.get('pingpong') else 'off'})")
+        lines.append(f"D={d} causal={causal}{default}:")
         for r in rows:
-            name = r.get("config") or r.get("impl")
             tile = f"{r.get('tile_m', '?')} x {r.get('tile_n', '?')}"
             if r.get("tflops") is None:
-                lines.append(f"    {name:28s} {tile:10s} not timed (verified: {r.get('verified')})")
+                lines.append(f"    {knob_name(r):24s} {tile:10s} not timed (verified: "
+                             f"{r.get('verified')})")
                 continue
-            ratio = f"{r['tflops'] / base:5.2f}x default" if base else ""
-            lines.append(f"    {name:28s} {tile:10s} {r['tflops']:6.0f} TFLOP/s  {ratio}")
+            spread = row_spread(r)
+            spread = f"spread {spread:4.1%}" if spread is not None else ""
+            ratio = f"{r['tflops'] / base['tflops']:5.2f}x default" if base else ""
+            lines.append(f"    {knob_name(r):24s} {tile:10s} {r['tflops']:6.0f} TFLOP/s "
+                         f"{spread:12s} {ratio}")
     return lines
+
+
+def default_spread(knobs, fwd, d: int = 128, s: int = 16384, causal: bool = False):
+    """The default configuration at (d, s, causal) in the knob run and in the benchmark run:
+    {"knobs", "fwd", "spread"} (spread = larger / smaller - 1), or None if either lacks it.
+    Two runs of the same kernel minutes apart: the yardstick for a knob's small effect."""
+    if knobs is None or fwd is None:
+        return None
+    k = next((r for r in knobs.rows if r.get("config") == "default" and r.get("d") == d
+              and r.get("s") == s and r.get("causal") == causal and r.get("tflops")), None)
+    f = next((r for r in fwd.rows if r.get("impl") == "flash_hopper" and r.get("d") == d
+              and r.get("s") == s and r.get("causal") == causal and r.get("tflops")), None)
+    if k is None or f is None:
+        return None
+    lo, hi = sorted((k["tflops"], f["tflops"]))
+    return {"knobs": k["tflops"], "fwd": f["tflops"], "spread": hi / lo - 1, "d": d, "s": s,
+            "causal": causal}
+
+
+def spread_line(spread) -> str:
+    if spread is None:
+        return "the knob run and the benchmark run do not share a default row to compare"
+    return (f"the default configuration at D={spread['d']}, S={spread['s']}, "
+            f"{'causal' if spread['causal'] else 'non-causal'}: {spread['knobs']:.0f} TFLOP/s in "
+            f"the knob run, {spread['fwd']:.0f} in the benchmark run: a spread of "
+            f"{spread['spread']:.0%} between two runs of the same kernel")
+
+
+def knob_effects(res, spread: float | None) -> list[str]:
+    """Each knob against its group's default with a verdict: "faster" or "slower" only when
+    the ratio clears the noise, the larger of the two rows' own spreads (``utils.bench.
+    compare``) and ``spread``, the spread between two runs of the same kernel (a fraction, from
+    ``default_spread``); else "within noise"."""
+    from utils.bench import compare
+
+    out = []
+    groups = dict.fromkeys((r.get("d"), r.get("causal")) for r in res.rows)
+    for d, causal in groups:
+        rows = [r for r in res.rows if (r.get("d"), r.get("causal")) == (d, causal)]
+        base = next((r for r in rows if r.get("config") == "default" and r.get("tflops")), None)
+        if base is None:
+            continue
+        for r in rows:
+            c = None if r is base else compare(r, base)
+            if c is None:
+                continue
+            noise = max(c.noise, spread or 0.0)
+            verdict = ("within noise" if abs(c.ratio - 1) <= noise
+                       else "faster" if c.ratio > 1 else "slower")
+            out.append(f"D={d} {'causal' if causal else 'non-causal'}, {knob_name(r)}: "
+                       f"{c.ratio:.2f}x the default, noise {noise:.0%} -> {verdict}")
+    return out
+
+
+def standing_lines(res, baseline: str = "sdpa_cudnn") -> list[str]:
+    """flash_hopper against ``baseline`` at every shape of one run (chapter 04's standing
+    lines), each with a verdict: level within 3%, ahead or behind."""
+    from solutions.ch04_teaching import LEVEL
+    from solutions.ch04_teaching import standing_lines as lines_of
+
+    out = []
+    for line in lines_of(res, "flash_hopper", baseline)[:-1]:
+        ratio = float(line.rsplit(": ", 1)[1].rstrip("x"))
+        verdict = "level" if abs(ratio - 1) < LEVEL else ("ahead" if ratio > 1 else "behind")
+        out.append(f"{line} ({verdict})")
+    return out
 
 
 # ================================================================================================
@@ -408,28 +589,59 @@ class _Copy:
     lands: int
 
 
+class _Clock:
+    """Time and the event log, shared by the rings of one simulation."""
+
+    def __init__(self):
+        self.now, self.actor = 0, "setup"
+        self.events: list[tuple[int, str, str]] = []
+
+
 class Ring:
     """A ring of ``stages`` shared-memory slots between one producer (TMA) and ``consumers``
     consumer warpgroups that all read every tile. ``full[s]``: 1 arrival (the producer's
     arrive-expect-tx) plus ``tile_bytes`` written by the TMA. ``empty[s]``: one arrival per
     consumer. Times are in ticks: a TMA copy lands ``latency`` ticks after it is issued, a
-    consumer reads a tile for ``read_ticks`` ticks."""
+    consumer reads a tile for ``read_ticks`` ticks. ``name`` prefixes the barriers' names
+    (``"K "``: "K full[0]"); rings given the same ``clock`` share time and the event log."""
 
-    def __init__(self, stages=2, consumers=2, latency=4, read_ticks=3, tile_bytes=32768):
+    def __init__(self, stages=2, consumers=2, latency=4, read_ticks=3, tile_bytes=32768,
+                 name: str = "", clock: _Clock | None = None):
         if stages < 1 or consumers < 1 or latency < 1 or read_ticks < 1:
             raise ValueError("stages, consumers, latency and read_ticks must all be >= 1")
         self.stages, self.consumers = stages, consumers
         self.latency, self.read_ticks, self.tile_bytes = latency, read_ticks, tile_bytes
-        self.now, self.actor = 0, "setup"
-        self.events: list[tuple[int, str, str]] = []
-        self.full = [MBarrier(f"full[{s}]", 1, self) for s in range(stages)]
-        self.empty = [MBarrier(f"empty[{s}]", consumers, self) for s in range(stages)]
+        self.name = name
+        self._where = f"[{name.strip()} ring] " if name.strip() else ""
+        self.clock = clock or _Clock()
+        self.full = [MBarrier(f"{name}full[{s}]", 1, self) for s in range(stages)]
+        self.empty = [MBarrier(f"{name}empty[{s}]", consumers, self) for s in range(stages)]
         self.slot: list[int | None] = [None] * stages  # the tile whose bytes a slot holds
         self.unread: list[set] = [set() for _ in range(stages)]  # consumers yet to read it
         self.reading: list[dict] = [{} for _ in range(stages)]  # consumer -> tile, reading now
         self.in_flight: list[_Copy] = []
         self.copies: list[_Copy] = []
         self.reads: list[tuple[int, int, int, int, int]] = []  # (consumer, tile, stage, t0, t1)
+
+    @property
+    def now(self) -> int:
+        return self.clock.now
+
+    @now.setter
+    def now(self, value: int) -> None:
+        self.clock.now = value
+
+    @property
+    def actor(self) -> str:
+        return self.clock.actor
+
+    @actor.setter
+    def actor(self, value: str) -> None:
+        self.clock.actor = value
+
+    @property
+    def events(self) -> list:
+        return self.clock.events
 
     def log(self, what: str) -> None:
         self.events.append((self.now, self.actor, what))
@@ -459,7 +671,8 @@ class Ring:
                    else f"no load of tile {tile} into slot {stage} has been issued")
             has = "is still empty" if held is None else f"holds tile {held}"
             raise StaleRead(
-                f"tick {self.now}: consumer {me} started reading tile {tile} from slot {stage}, "
+                f"{self._where}tick {self.now}: consumer {me} started reading tile {tile} from "
+                f"slot {stage}, "
                 f"but the slot {has} ({why}): its wait on full[{stage}] let it through before "
                 f"tile {tile} had landed"
             )
@@ -478,14 +691,16 @@ class Ring:
             if self.reading[s]:
                 who = ", ".join(f"consumer {c}" for c in sorted(self.reading[s]))
                 raise Overwrite(
-                    f"tick {self.now}: the load of tile {copy.tile} landed in slot {s} while "
+                    f"{self._where}tick {self.now}: the load of tile {copy.tile} landed in slot "
+                    f"{s} while "
                     f"{who} was still reading tile {old} there: the producer refilled slot {s} "
                     f"before every consumer had released it (on empty[{s}])"
                 )
             if self.unread[s]:
                 who = ", ".join(f"consumer {c}" for c in sorted(self.unread[s]))
                 raise Overwrite(
-                    f"tick {self.now}: the load of tile {copy.tile} landed in slot {s} before "
+                    f"{self._where}tick {self.now}: the load of tile {copy.tile} landed in slot "
+                    f"{s} before "
                     f"{who} had read tile {old}: tile {old} was overwritten unread. The producer "
                     f"must wait until empty[{s}] says every consumer is done with the slot"
                 )
@@ -612,7 +827,13 @@ class RingSim:
 
     @property
     def done(self) -> bool:
-        return all(a.done for a in self.agents) and not self.ring.in_flight
+        return all(a.done for a in self.agents) and not self._in_flight()
+
+    def _rings(self) -> list:
+        return [self.ring]
+
+    def _in_flight(self) -> bool:
+        return any(r.in_flight for r in self._rings())
 
     def _advance(self, agent: _Agent) -> None:
         ring = self.ring
@@ -648,7 +869,8 @@ class RingSim:
         """Advance one tick; return what happened, one line per event."""
         ring = self.ring
         first = len(ring.events)
-        ring.land_copies()
+        for r in self._rings():
+            r.land_copies()
         for agent in self.agents:
             self._advance(agent)
         lines = [f"t={t:3d} {who}: {what}" for t, who, what in ring.events[first:]]
@@ -662,7 +884,7 @@ class RingSim:
         live = [a for a in self.agents if not a.done]
         stuck = all(a.waiting is not None and not a.waiting.ready() and a.busy_until <= ring.now
                     for a in live)
-        if stuck and not ring.in_flight:
+        if stuck and not self._in_flight():
             lines = [f"deadlock at tick {ring.now}: nothing is in flight and nobody can move."]
             for a in live:
                 w = a.waiting
@@ -779,6 +1001,518 @@ def check_producer_step(fn) -> None:
         reads = sorted((me, tile) for me, tile, *_ in sim.ring.reads)
         want = sorted((me, t) for me in range(consumers) for t in range(n_tiles))
         assert reads == want, f"{what}: not every consumer read every tile exactly once"
+
+
+# ================================================================================================
+# 4b. Exercise 05.4: the kernel's own producer loop, in CuTe (device code)
+# ================================================================================================
+# The kernel's producer warp loads Q, then calls this loop; the learner writes it. It is checked
+# three ways: run as plain Python with recording stand-ins for the pipelines, states and tensors
+# (which slot, which barrier, which tile, in which order), then replayed against two consumer
+# warpgroups in a two-ring simulation (deadlocks, overwrites, stale reads), then compiled.
+@cute.jit
+def load_kv(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
+            tKgK, tKsK, tVgV, tVsV, n_tiles):
+    """Exercise 05.4's reference, the kernel's K/V loop (Note [Phases]): K[n-1] alone, then for
+    t = n-2 .. 0 K[t] with V[t+1], then V[0]. Each load: producer_acquire (wait until the slot
+    is free, arm its full barrier with the tile's bytes), the TMA copy into the state's slot
+    counting its bytes on that barrier, advance the state."""
+    if n_tiles > 0:
+        pipeline_k.producer_acquire(state_k)
+        cute.copy(tma_atom_k, tKgK[None, n_tiles - 1], tKsK[None, state_k.index],
+                  tma_bar_ptr=pipeline_k.producer_get_barrier(state_k))
+        state_k.advance()
+        for i in cutlass.range(n_tiles - 1, unroll=1):
+            n_block = n_tiles - 2 - i
+            pipeline_k.producer_acquire(state_k)
+            cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, state_k.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(state_k))
+            state_k.advance()
+            pipeline_v.producer_acquire(state_v)
+            cute.copy(tma_atom_v, tVgV[None, n_block + 1], tVsV[None, state_v.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(state_v))
+            state_v.advance()
+        pipeline_v.producer_acquire(state_v)
+        cute.copy(tma_atom_v, tVgV[None, 0], tVsV[None, state_v.index],
+                  tma_bar_ptr=pipeline_v.producer_get_barrier(state_v))
+
+
+class HopperWithProducer(ch05.FlashAttentionHopper):
+    """Chapter 05's kernel with its producer's K/V loop replaced by ``load_kv_fn`` (the
+    learner's, or ``load_kv``). Everything else is the kernel's own code."""
+
+    def __init__(self, load_kv_fn, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.load_kv_fn = load_kv_fn
+
+    @cute.jit
+    def load(self, gQ_all, gK_all, gV_all, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+             pipeline_q, pipeline_k, pipeline_v, m_block, n_tiles):
+        """The kernel's producer warp: the same partitions and Q load, then ``load_kv_fn``."""
+        import cutlass.pipeline as pipeline
+        from cutlass.cute.nvgpu import cpasync
+
+        # (tile_m, D); (tile_n, D, n_tiles) for K and V
+        gQ = cute.local_tile(gQ_all, (self.tile_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(gK_all, (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(gV_all, (self.tile_n, self.head_dim), (None, 0))
+        # TMA partitions: (TMA,) for Q; (TMA, STAGE) in smem and (TMA, n_tiles) in gmem for K, V
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1),
+                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                               self.num_stages)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                               self.num_stages)
+        pipeline_q.producer_acquire(state_q)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(state_q))
+        self.load_kv_fn(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
+                        tKgK, tKsK, tVgV, tVsV, n_tiles)
+
+
+# --- recording stand-ins -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Ref:
+    ring: str  # "K" or "V"
+    space: str  # "global" (a tile of the sequence), "shared" (a slot of the ring), "barrier"
+    index: int
+    phase: int = 0
+
+    def __str__(self):
+        if self.space == "global":
+            return f"{self.ring} tile {self.index}"
+        if self.space == "shared":
+            return f"{self.ring} slot {self.index}"
+        return f"{self.ring} full[{self.index}] (phase bit {self.phase})"
+
+
+@dataclass(frozen=True)
+class ProducerCall:
+    """One call the producer made: ``kind`` is "acquire" (of slot ``index`` with ``phase``),
+    "commit" or "copy" (``src`` tile into ``dst`` slot, bytes counted on ``bar``)."""
+
+    kind: str
+    ring: str
+    index: int = -1
+    phase: int = -1
+    src: _Ref | None = None
+    dst: _Ref | None = None
+    bar: _Ref | None = None
+
+    def __str__(self):
+        if self.kind == "copy":
+            return f"TMA {self.src} -> {self.dst}"
+        return f"{self.kind} {self.ring} slot {self.index}"
+
+
+class _State:
+    """pipeline.PipelineState: index = tile % stages; the phase bit flips when index wraps."""
+
+    def __init__(self, stages: int, phase: int):
+        self.stages, self.index, self.phase, self.count = stages, 0, phase, 0
+
+    def advance(self):
+        self.index += 1
+        self.count += 1
+        if self.index == self.stages:
+            self.index, self.phase = 0, self.phase ^ 1
+
+    def clone(self):
+        other = _State(self.stages, self.phase)
+        other.index, other.count = self.index, self.count
+        return other
+
+
+class _Pipeline:
+    def __init__(self, ring: str, calls: list):
+        self.ring, self.calls = ring, calls
+
+    def _state(self, state, what):
+        if not isinstance(state, _State):
+            raise AssertionError(f"pipeline_{self.ring.lower()}.{what} takes the {self.ring} "
+                                 f"ring's state, state_{self.ring.lower()}; got {state!r}")
+        return state
+
+    def producer_acquire(self, state, try_acquire_token=None):
+        st = self._state(state, "producer_acquire")
+        self.calls.append(ProducerCall("acquire", self.ring, st.index, st.phase))
+
+    def producer_get_barrier(self, state):
+        st = self._state(state, "producer_get_barrier")
+        return _Ref(self.ring, "barrier", st.index, st.phase)
+
+    def producer_commit(self, state):  # a no-op for a TMA pipeline: the TMA's bytes complete it
+        st = self._state(state, "producer_commit")
+        self.calls.append(ProducerCall("commit", self.ring, st.index, st.phase))
+
+    def producer_tail(self, state):
+        pass
+
+    def _consumer_side(self, *args, **kwargs):
+        raise AssertionError("consumer_wait and consumer_release are the consumers' side of the "
+                             "pipeline; the producer waits for a free slot with producer_acquire")
+
+    consumer_wait = consumer_release = _consumer_side
+
+
+class _Slots:
+    """tKgK (the sequence's tiles in global memory) or tKsK (the ring's slots)."""
+
+    def __init__(self, ring: str, space: str, n: int):
+        self.ring, self.space, self.n = ring, space, n
+
+    def __getitem__(self, key):
+        name = f"t{self.ring}{'g' if self.space == 'global' else 's'}{self.ring}"
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] is None):
+            raise AssertionError(f"index {name} as {name}[None, i]: mode 0 is the TMA's view of "
+                                 "one tile, mode 1 picks the tile (or the slot)")
+        i = key[1]
+        what = "tiles" if self.space == "global" else "slots"
+        if self.n == 0:
+            raise AssertionError(f"there are no {self.ring} tiles (n_tiles = 0: a causal query "
+                                 f"tile that sees no key), so nothing may be loaded; you asked "
+                                 f"for {name}[None, {i!r}]. Load only if n_tiles > 0")
+        if not isinstance(i, (int, np.integer)) or not 0 <= i < self.n:
+            raise AssertionError(f"{name} has {what} 0..{self.n - 1}, you asked for {i!r}")
+        return _Ref(self.ring, self.space, int(i))
+
+
+@dataclass(frozen=True)
+class _Atom:
+    ring: str
+
+
+def record_producer(fn, n_tiles: int, stages: int = 2) -> list[ProducerCall]:
+    """Run ``fn`` (exercise 05.4's signature) as plain Python with recording stand-ins: the
+    calls it makes, in order, for a CTA with ``n_tiles`` K/V tiles and rings of ``stages``."""
+    from utils.host_emulation import patched, plain, python_loops
+
+    calls: list[ProducerCall] = []
+
+    def copy(atom, src, dst, *args, tma_bar_ptr=None, **kwargs):
+        if not isinstance(atom, _Atom):
+            raise AssertionError(f"cute.copy's first argument is the TMA atom (tma_atom_k or "
+                                 f"tma_atom_v); got {atom!r}")
+        for ref, want, what, form in ((src, "global", "source", "tKgK[None, tile]"),
+                                      (dst, "shared", "destination", "tKsK[None, state_k.index]")):
+            if not (isinstance(ref, _Ref) and ref.space == want):
+                raise AssertionError(f"the {what} of a TMA load is {form} (or V's); got {ref!r}")
+        calls.append(ProducerCall("copy", atom.ring, src=src, dst=dst, bar=tma_bar_ptr))
+
+    args = [_Pipeline("K", calls), _Pipeline("V", calls), _State(stages, 1), _State(stages, 1),
+            _Atom("K"), _Atom("V"), _Slots("K", "global", n_tiles), _Slots("K", "shared", stages),
+            _Slots("V", "global", n_tiles), _Slots("V", "shared", stages), n_tiles]
+    from cutlass.base_dsl.common import DSLBaseError
+
+    with python_loops(), patched(cute, copy=copy):
+        try:
+            plain(fn)(*args)
+        except DSLBaseError as exc:  # a nested @cute.jit helper tried to compile on its own
+            raise AssertionError(
+                "write the acquires, copies and advances in the loop itself: a helper function "
+                "that takes the pipeline and the state hides the state's changes from the DSL's "
+                f"loops ({type(exc).__name__} while running it)") from None
+    return calls
+
+
+def producer_order(fn, n_tiles: int = 4) -> str:
+    """The TMA loads ``fn`` issues for ``n_tiles`` tiles, in order: 'K3 K2 V3 K1 V2 ...'."""
+    return " ".join(f"{c.ring}{c.src.index}" for c in record_producer(fn, n_tiles)
+                    if c.kind == "copy")
+
+
+def _producer_mistake(calls: list[ProducerCall], n_tiles: int) -> str | None:
+    """The first slip in the producer's calls, in words (None: none found). Each copy must be
+    preceded by an acquire of the slot it fills, write that slot, count its bytes on that
+    slot's full barrier, and each ring's state must advance between two acquires."""
+    armed: dict = {"K": None, "V": None}  # (index, phase) acquired and not yet filled
+    filled: dict = {"K": None, "V": None}
+    order: dict = {"K": [], "V": []}
+    for c in calls:
+        r = c.ring
+        if c.kind == "acquire":
+            if armed[r] is not None:
+                return (f"you acquired {r} slot {c.index} while {r} slot {armed[r][0]}, acquired "
+                        "before, was never filled: its full barrier then waits for bytes no "
+                        "TMA brings, and the consumers hang on it")
+            if filled[r] == (c.index, c.phase):
+                return (f"you acquired {r} slot {c.index} again without advancing state_"
+                        f"{r.lower()} after the copy into it: the producer would arm the same "
+                        "full barrier twice in one phase. Call state.advance() after each copy")
+            armed[r] = (c.index, c.phase)
+            continue
+        if c.kind != "copy":
+            continue
+        if c.src.ring != r or c.dst.ring != r:
+            return (f"the TMA load with tma_atom_{r.lower()} moved {c.src} into {c.dst}: each "
+                    "ring's atom, tiles and slots go together")
+        if c.bar is None:
+            return (f"the TMA load of {c.src} has no tma_bar_ptr: its bytes are counted on no "
+                    "barrier, so the consumers' wait on full never completes. Pass "
+                    f"tma_bar_ptr=pipeline_{r.lower()}.producer_get_barrier(state_{r.lower()})")
+        if armed[r] is None:
+            return (f"the TMA load of {c.src} into {c.dst} came without a producer_acquire of "
+                    "that slot: the consumers may still be reading it (an overwrite), and its "
+                    "full barrier was not told how many bytes to expect")
+        if c.dst.index != armed[r][0]:
+            return (f"you acquired {r} slot {armed[r][0]} but the TMA wrote {c.dst}: write the "
+                    f"slot of the state you acquired, t{r}s{r}[None, state_{r.lower()}.index]")
+        if c.bar.ring == r and c.bar.index == armed[r][0] and c.bar.phase != armed[r][1]:
+            return (f"the TMA load into {c.dst} counts its bytes on the next phase of {r} "
+                    f"full[{c.bar.index}], not on the phase the acquire armed: the barrier was "
+                    "taken from the state after state.advance(). Take it, and the slot, from "
+                    "the state you acquired, before advancing")
+        if c.bar.ring != r or (c.bar.index, c.bar.phase) != armed[r]:
+            return (f"the TMA load into {c.dst} counts its bytes on {c.bar}, not on the barrier "
+                    f"of the slot you acquired ({r} full[{armed[r][0]}]): take it from the same "
+                    "state, producer_get_barrier(state) before advancing")
+        filled[r], armed[r] = armed[r], None
+        order[r].append(c.src.index)
+    for r in "KV":
+        if armed[r] is not None:
+            return (f"the last acquire of {r} slot {armed[r][0]} is never followed by a TMA load "
+                    "into it: the consumers would wait on its full barrier forever")
+    want = list(range(n_tiles - 1, -1, -1))
+    for r in "KV":
+        got = order[r]
+        if got == want:
+            continue
+        missing = sorted(set(want) - set(got))
+        twice = sorted({t for t in got if got.count(t) > 1})
+        if missing:
+            return (f"with {n_tiles} tile(s), {r} tile(s) {missing} are never loaded: the "
+                    "consumers wait for them forever. Each of K and V has tiles 0 .. n_tiles - 1")
+        if twice:
+            return f"{r} tile(s) {twice} are loaded more than once"
+        return (f"you load the {r} tiles in the order {got}; the consumers read them in the "
+                f"order {want} (the last tile first: it is the one that may need the mask), "
+                "one after another through the ring, so the slots would hold tiles the "
+                "consumers do not expect")
+    return None
+
+
+def _kv_consumer(rings: dict, n_tiles: int, me: int):
+    """One consumer warpgroup in the kernel's order (intra-warpgroup overlap): S of the last
+    tile alone; then each turn waits K[t] and V[t+1], computes S_t and P_{t+1} V_{t+1}, releases
+    K[t] once S is done and V[t+1] after; last, P_0 V_0."""
+    k, v = rings["K"], rings["V"]
+    sk, sv = _State(k.stages, 0), _State(v.stages, 0)
+    if n_tiles == 0:
+        return
+    yield k.full[sk.index].wait(parity=sk.phase)
+    yield from k.read(sk.index, n_tiles - 1, me)
+    k.empty[sk.index].arrive()
+    sk.advance()
+    for i in range(1, n_tiles):
+        yield k.full[sk.index].wait(parity=sk.phase)
+        yield v.full[sv.index].wait(parity=sv.phase)
+        yield from k.read(sk.index, n_tiles - 1 - i, me)
+        k.empty[sk.index].arrive()
+        sk.advance()
+        yield from v.read(sv.index, n_tiles - i, me)
+        v.empty[sv.index].arrive()
+        sv.advance()
+    yield v.full[sv.index].wait(parity=sv.phase)
+    yield from v.read(sv.index, 0, me)
+    v.empty[sv.index].arrive()
+
+
+def _replay(rings: dict, calls: list[ProducerCall]):
+    """The producer's recorded calls as the producer's role in the simulation."""
+    for c in calls:
+        ring = rings[c.ring]
+        if c.kind == "acquire":
+            yield ring.empty[c.index].wait(parity=c.phase)
+            ring.full[c.index].arrive_expect_tx(ring.tile_bytes)
+        elif c.kind == "copy":
+            ring.tma_load(c.dst.index, c.src.index)
+            yield 1
+
+
+@dataclass
+class KVRingSim(RingSim):
+    """The kernel's two rings, K and V, between a producer replaying ``calls`` (from
+    ``record_producer``) and ``consumers`` warpgroups in the kernel's order (``_kv_consumer``).
+    Same clock, same checks as RingSim: deadlocks, overwrites, stale reads."""
+
+    calls: tuple = ()
+
+    def __post_init__(self):
+        clock = _Clock()
+        self.rings = {r: Ring(self.stages, self.consumers, self.latency, self.read_ticks,
+                              name=f"{r} ", clock=clock) for r in "KV"}
+        self.ring = self.rings["K"]  # the clock and the event log of both
+        self.agents = [_Agent("producer", _replay(self.rings, list(self.calls)))]
+        self.agents += [_Agent(f"consumer {c}", _kv_consumer(self.rings, self.n_tiles, c))
+                        for c in range(self.consumers)]
+
+    def _rings(self) -> list:
+        return list(self.rings.values())
+
+    def run(self) -> KVRingSim:
+        while not self.done:
+            self.step()
+        return self
+
+
+KV_SIM_CASES = [(n, stages, latency, read) for n in (0, 1, 2, 3, 7) for stages in (2, 3, 1)
+                for latency, read in ((1, 1), (4, 3), (9, 2))]
+BOXES_PER_TILE = 2  # at D = 128 a 256-byte row comes as two 128-byte (swizzled) TMA boxes
+
+
+def _consumer_order_hint() -> str:
+    return ("Hint: a consumer warpgroup waits for K[t] and V[t+1] together (it issues "
+            "S_t = Q K_t^T and O += P_{t+1} V_{t+1} in one turn) and releases K[t] only after "
+            "that; so the producer must not get more than the ring's depth of K tiles ahead of "
+            "the V tiles. Load in the consumers' order: K[n-1], then K[t] with V[t+1] for "
+            "t = n-2 .. 0, then V[0] (Note [Phases]).")
+
+
+def check_load_kv(fn, compile_check: bool = True) -> None:
+    """Exercise 05.4: ``fn`` (the producer's K/V loop) run with recording stand-ins for 0 to 7
+    tiles and 1 to 3 stages, each slot, barrier and tile checked; replayed against two consumer
+    warpgroups in the two-ring simulation; then compiled into the kernel for sm_90a: every TMA
+    load of a tile (two boxes at D = 128) follows one arrive.expect_tx."""
+    for n, stages, latency, read in KV_SIM_CASES:
+        what = f"with {n} K/V tile(s) and {stages}-stage rings"
+        try:
+            calls = record_producer(fn, n, stages)
+        except AssertionError as exc:
+            raise AssertionError(f"{what}: {exc}") from None
+        mistake = _producer_mistake(calls, n)
+        if mistake:
+            raise AssertionError(f"{what}: {mistake}.")
+        sim = KVRingSim(n_tiles=n, stages=stages, consumers=2, latency=latency,
+                        read_ticks=read, calls=tuple(calls))
+        try:
+            sim.run()
+        except Deadlock as exc:
+            order = " ".join(f"{c.ring}{c.src.index}" for c in calls if c.kind == "copy")
+            raise AssertionError(f"{what} (TMA latency {latency}, {read} tick(s) per read), "
+                                 f"loading in the order {order}: the pipeline deadlocked.\n"
+                                 f"{exc}\n{_consumer_order_hint()}") from None
+        except PipelineError as exc:
+            raise AssertionError(f"{what}: {exc}") from None
+    if compile_check:
+        try:
+            counts = producer_ptx_counts(fn)
+        except Exception as exc:
+            if "does not dominate" not in str(exc):
+                raise
+            raise AssertionError(
+                "the loop runs right as Python but does not compile: a pipeline state advanced "
+                "inside a helper function (or a value made inside a loop and used after it) is "
+                "not carried from one trip of a cutlass.range loop to the next. Call "
+                "state.advance() in the loop body itself, as the consumers do") from None
+        loads, arms = counts["TMA loads"], counts["arrive.expect_tx"]
+        if loads != BOXES_PER_TILE * arms:
+            raise AssertionError(
+                f"compiled for sm_90a, the kernel has {loads} TMA loads "
+                f"(cp.async.bulk.tensor, {BOXES_PER_TILE} boxes per tile) but {arms} "
+                "mbarrier.arrive.expect_tx: every tile's copy needs the producer_acquire that "
+                "arms its barrier with the tile's bytes, one per copy")
+
+
+def producer_ptx_counts(fn, head_dim: int = 128) -> dict:
+    """PTX counts of the whole kernel compiled for sm_90a with ``fn`` as its producer loop:
+    TMA loads (cp.async.bulk.tensor from global into shared memory, each naming its mbarrier),
+    arrive.expect_tx, and all mbarrier waits (producer's and consumers')."""
+    ptx = compile_with_producer(fn, head_dim).ptx
+    lines = [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln
+             and "shared::cta.global" in ln]
+    return {"TMA loads": len(lines),
+            "TMA loads naming an mbarrier": sum("mbarrier::complete_tx" in ln for ln in lines),
+            "arrive.expect_tx": ptx.count("mbarrier.arrive.expect_tx"),
+            "mbarrier waits": ptx.count("mbarrier.try_wait")}
+
+
+_PRODUCER_BUILDS: dict = {}
+
+
+def compile_with_producer(fn, head_dim: int = 128, causal: bool = False):
+    """``HopperWithProducer(fn)`` compiled for sm_90a with fake tensors (no GPU); remembered."""
+    import cutlass
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from utils.compile_only import compile_for, fake_stream
+
+    key = (fn, head_dim, causal)
+    if key in _PRODUCER_BUILDS:
+        return _PRODUCER_BUILDS[key]
+    elem = cutlass.BFloat16
+    batch, heads, heads_kv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    seqlen_q, seqlen_k = cute.sym_int32(), cute.sym_int32()
+
+    def bshd(seqlen, nheads):  # as ch05.compile_only: (b, s, h, D), 16-byte aligned strides
+        strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3))
+        return make_fake_tensor(elem, (batch, seqlen, nheads, head_dim), (*strides, 1),
+                                assumed_align=16)
+
+    lse = make_fake_tensor(cutlass.Float32, (batch, heads, seqlen_q),
+                           (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    kernel = HopperWithProducer(fn, elem, head_dim, causal)
+    art = compile_for("sm_90a", kernel, bshd(seqlen_q, heads), bshd(seqlen_k, heads_kv),
+                      bshd(seqlen_k, heads_kv), bshd(seqlen_q, heads), lse, 1.0, fake_stream())
+    _PRODUCER_BUILDS[key] = art
+    return art
+
+
+_GPU_BUILDS: dict = {}
+
+
+def attention_into_with_producer(fn):
+    """``ch05.attention_into`` with ``fn`` as the producer's K/V loop: a function (q, k, v,
+    out, lse, causal, softmax_scale, config) for ``utils.checks``."""
+
+    def attention_into(q, k, v, out, lse, causal=False, softmax_scale=None, config=None):
+        import cuda.bindings.driver as cuda
+        import torch
+
+        b, sq, sk, h, hk, d = ch05.check_inputs(q, k, v, softmax_scale, config)
+        cfg = config or ch05.default_config(d)
+        scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+        args = [ch05._to_cute(t, 3) for t in (q, k, v, out)] + [ch05._to_cute(lse, 2, align=4)]
+        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+        key = (fn, q.dtype, d, bool(causal), cfg)
+        if key not in _GPU_BUILDS:
+            kernel = HopperWithProducer(fn, ch05.TORCH_TO_CUTLASS[q.dtype], d, bool(causal), cfg)
+            _GPU_BUILDS[key] = cute.compile[cute.GPUArch("sm_90a")](kernel, *args, scale, stream)
+        _GPU_BUILDS[key](*args, scale, stream)
+        return out, lse
+
+    return attention_into
+
+
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype): one tile, ragged tiles,
+# causal tiles that see no key (n_tiles = 0), many tiles through a 2-stage ring
+PRODUCER_GPU_CASES = [
+    (1, 128, 128, 1, 1, 128, False, "bfloat16"),
+    (1, 300, 77, 2, 2, 128, True, "bfloat16"),
+    (1, 1000, 4097, 2, 1, 128, True, "bfloat16"),
+    (2, 129, 129, 4, 2, 64, True, "float16"),
+    (1, 2048, 2048, 2, 2, 128, False, "bfloat16"),
+]
+
+
+def check_load_kv_on_gpu(fn, cases=PRODUCER_GPU_CASES) -> tuple[bool, list[str]]:
+    """Exercise 05.4 on a Hopper GPU: the whole kernel with ``fn`` as its producer loop, on
+    fresh random inputs, against the float64 reference. Returns (ok, one line per case)."""
+    import torch
+
+    from utils import checks
+
+    run = attention_into_with_producer(fn)
+    ok, lines = True, []
+    for b, sq, sk, h, hk, d, causal, dtype in cases:
+        case_ok, line = checks.check_random_case(run, b, sq, sk, h, hk, d, causal,
+                                                 getattr(torch, dtype))
+        ok &= case_ok
+        lines.append(line)
+    return ok, lines
 
 
 # ================================================================================================

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from solutions import ch03_cute_basics as ch03
+from tests import device_exercise_mistakes as wrong
 
 # ----------------------------------------------------------------------------------------------
 # Host-side CuTe
@@ -230,3 +231,52 @@ def test_compile_only_rejects_unknown_kernels_and_dtypes():
         ch03.compile_only("sm_80", "softmax")
     with pytest.raises(ValueError, match="BFloat16 or Float16"):
         ch03.compile_only("sm_80", "gemm", ch03.cutlass.Float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 03.3 (device code): the tiled copy's partition and predicate. The wrong answers are
+# in tests/device_exercise_mistakes.py, written the way a learner would write them.
+
+
+def test_copy_partition_solution_passes_and_the_cpu_copy_uses_it():
+    ch03.check_copy_partition(ch03.copy_partition)
+    x = np.random.default_rng(3).standard_normal((19, 136), dtype=np.float32)
+    assert np.array_equal(ch03.tiled_copy_on_cpu(x, partition=ch03.copy_partition), x)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (wrong.partition_no_predicate, "rows 37 and beyond .* and at columns 132 and beyond"),
+    (wrong.partition_rows_only, "wrote outside the tensor, at columns 132 and beyond"),
+    (wrong.partition_thread_zero, r"get_slice\(tidx\)"),
+])
+def test_copy_partition_check_names_the_mistake(fn, words):
+    with pytest.raises(AssertionError, match=words):
+        ch03.check_copy_partition(fn)
+
+
+def test_copy_partition_stub_is_not_done_not_a_crash():
+    with pytest.raises(NotImplementedError):
+        ch03.check_copy_partition(wrong.partition_not_done)
+
+
+def test_copy_verdict_on_hand_made_results():
+    x = np.arange(8 * 8, dtype=np.float32).reshape(8, 8)
+    dst = np.full((8 + 16, 8 + 128), np.nan, np.float32)
+    dst[:8, :8] = x
+    assert ch03.copy_verdict(x, dst) is None
+    swapped = dst.copy()
+    swapped[0, 0], swapped[0, 1] = x[0, 1], x[0, 0]
+    assert "received the wrong value (it holds x(0, 1))" in ch03.copy_verdict(x, swapped)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_the_margin_launch_compiles(arch):
+    from utils.compile_only import compile_for, fake_stream
+
+    dt = ch03.cutlass.BFloat16
+    fake = [ch03.cute.runtime.make_fake_compact_tensor(
+        dt, (ch03.cute.sym_int32(), ch03.cute.sym_int32(divisibility=8)), stride_order=(1, 0),
+        assumed_align=16) for _ in range(2)]
+    art = compile_for(arch, ch03.TiledCopy().launch_in_margin, *fake, ch03.Int32(1),
+                      ch03.Int32(1), fake_stream())
+    assert art.count("ld.global.v4") == 4 and art.count("st.global.v4") == 4

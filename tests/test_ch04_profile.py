@@ -114,3 +114,28 @@ def test_profile_lines_read_the_stored_profile():
     assert by["smem_load_bank_conflicts_pct"] < 5
     assert sum(by[f"warp_time_{p}_pct"] for p in prof.PHASES) > 90
     assert by["mma_sync_per_warp_per_step"] == 256  # (128/4/16) x (64/8) x (128/16) x 2 GEMMs
+
+
+def test_metrics_this_ncu_does_not_know_are_left_out(tmp_path, capsys):
+    names = [f"metric_{i}" for i in range(60)] + ["sm__issue_active"]
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\n" + "".join(f"echo '{n}  Counter  something'\n" for n in names))
+    fake.chmod(0o755)
+    keep = prof._available(str(fake), ["sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+                                       "sm__pipe_tensor_op_gmma_cycles_active.avg.pct"])
+    assert keep == ["sm__issue_active.avg.pct_of_peak_sustained_elapsed"]
+    assert "no metric sm__pipe_tensor_op_gmma_cycles_active" in capsys.readouterr().out
+
+
+def test_an_unreadable_metric_list_filters_nothing(tmp_path):
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\necho usage\n")
+    fake.chmod(0o755)
+    assert prof._available(str(fake), ["a.b", "c.d"]) == ["a.b", "c.d"]
+
+
+def test_both_chapters_profiles_share_one_command_line():
+    from solutions import ch05_profile
+
+    assert prof.SPEC.results == "ch04_profile" and ch05_profile.SPEC.results == "ch05_profile"
+    assert ch05_profile.SPEC.build is not prof.SPEC.build

@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 from solutions import ch04_cpu_model as cm  # noqa: E402
 from solutions import ch04_flash_ampere as fa  # noqa: E402
 from solutions import ch04_teaching as t4  # noqa: E402
+from tests import device_exercise_mistakes as wrong  # noqa: E402
 from utils.results import Results  # noqa: E402
 
 TileConfig = fa.TileConfig
@@ -235,12 +236,52 @@ def _row(impl, tflops, **kw):
             "causal": False, "ms": 1.0, "tflops": tflops, **kw}
 
 
-def test_target_verdict():
-    met = _results([_row("flash_ampere", 120.0), _row("sdpa_flash", 100.0)])
-    assert t4.target_verdict(met).endswith("1.20x -> MET")
-    missed = [_row("flash_ampere", 100.0), _row("sdpa_flash", 100.0)]
-    assert t4.target_verdict(missed).endswith("1.00x -> NOT met")  # plain rows work too
-    assert "cannot be judged" in t4.target_verdict(_results([_row("flash_ampere", 1.0)]))
+def test_standing_lines_compare_within_one_run():
+    res = _results([_row("flash_ampere", 120.0), _row("sdpa_flash", 100.0),
+                    _row("flash_ampere", 90.0, d=64), _row("sdpa_flash", 100.0, d=64)])
+    lines = t4.standing_lines(res)
+    assert lines[0].endswith("1.20x") and lines[1].endswith("0.90x")
+    assert lines[-1] == "flash_ampere runs ahead of sdpa_flash at 1 of the 2 shapes"
+    assert "no shape" in t4.standing_lines([_row("flash_ampere", 1.0)])[0]
+
+
+def test_peer_lines_take_medians_and_say_level():
+    rows = [_row(impl, t, data="randn", round=r) for r, (a, b, c) in
+            enumerate([(100.0, 101.0, 90.0), (104.0, 99.0, 91.0), (102.0, 150.0, 92.0)])
+            for impl, t in (("flash_ampere", a), ("cutlass_example_128x64", b),
+                            ("flash_ampere_portable", c))]
+    (line,) = t4.peer_lines(_results(rows))
+    assert "= 1.010 (level)" in line and "the portable tile = 1.121" in line
+    ahead = [r if r["impl"] != "cutlass_example_128x64" else {**r, "tflops": 50.0} for r in rows]
+    assert "(ours ahead)" in t4.peer_lines(_results(ahead))[0]
+
+
+def test_run_spread_and_sweep_findings():
+    tile = {"m_block": 128, "n_block": 64, "num_threads": 128, "smem_layout": "swizzled",
+            "skip_rescale": False, "spill_instructions": 0}
+    sweep = _results([
+        _row("flash_ampere", 100.0, **tile, num_stages=1, qk_unroll=2, default=False),
+        _row("flash_ampere", 102.0, **tile, num_stages=1, qk_unroll=4, default=False),
+        _row("flash_ampere", 110.0, **tile, num_stages=2, qk_unroll=4, default=True,
+             sdpa_flash_tflops=100.0),
+    ], name="ch04_sweep")
+    fwd = _results([_row("flash_ampere", 106.0)], name="ch04_fwd")
+    spread = t4.run_spread(fwd, sweep)
+    assert spread["lo"] == 106.0 and spread["hi"] == 110.0 and spread["timings"] == 2
+    assert "a spread of 3.8%" in t4.spread_line(spread)
+    text = "\n".join(t4.sweep_findings(sweep, spread["spread"]))
+    assert "4 slices per trip vs 2: 102 vs 100 TFLOP/s = 1.02x (within noise)" in text
+    assert "2 stages vs 1, 4 slices per trip: 110 vs 102 TFLOP/s = 1.08x; spill-free" in text
+    assert "vs SDPA's flash backend in the same sweep: 1.10x" in text
+    assert t4.run_spread(fwd) is None
+
+
+def test_profile_reading_computes_its_verdicts():
+    def res(busy, issue):
+        return _results([{"metric": "tensor_pipe_active_pct", "value": busy},
+                         {"metric": "issue_slots_busy_pct", "value": issue}])
+    assert t4.profile_reading(res(61.0, 40.0))[0].endswith("neither is saturated")
+    assert t4.profile_reading(res(95.0, 40.0))[0].endswith("close to its limit")
 
 
 def test_sweep_lines_use_stored_resources_and_ratios():
@@ -273,7 +314,7 @@ def test_stored_ch04_files_can_be_read():
     fwd = t4.load_stored("ch04_fwd")
     groups, series = t4.tflops_groups(fwd)
     assert "flash_ampere" in series and all(len(v) == len(groups) for v in series.values())
-    assert "->" in t4.target_verdict(fwd)
+    assert t4.standing_lines(fwd)[-1].startswith("flash_ampere runs ahead of sdpa_flash")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,3 +397,80 @@ def test_ceiling_and_peer_lines_read_the_stored_runs():
     assert all("softmax costs" in line for line in lines[1:])
     peer = t4.cutlass_peer_lines(load("ch04_cutlass_peer"))
     assert any(line.startswith("non-causal, randn: sdpa_flash") for line in peer)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercises 04.4 and 04.5 (device code): the solutions pass; typical slips
+# (tests/device_exercise_mistakes.py) fail with words that name them.
+
+
+def test_quad_allreduce_solution_passes_and_a_loop_is_fine():
+    t4.check_quad_allreduce(t4.quad_allreduce)
+    t4.check_quad_allreduce(wrong.allreduce_in_a_loop)
+
+
+def test_quad_allreduce_model_is_a_butterfly_within_quads():
+    lanes = np.arange(32, dtype=np.float32)
+    got, calls = t4.run_quad_allreduce(t4.quad_allreduce, lanes, np.fmax)
+    assert calls == [("bfly", 2), ("bfly", 1)]
+    assert got.tolist() == [4 * (i // 4) + 3 for i in range(32)]
+
+
+@pytest.mark.parametrize("fn, words", [
+    (wrong.allreduce_eight_lanes, "you reduced over 8 lanes .*xor offsets 1 and 2 cover the 4 "
+                                  "lanes of a quad"),
+    (wrong.allreduce_one_step, "lanes agree in pairs"),
+    (wrong.allreduce_same_offset_twice, "repeat one"),
+    (wrong.allreduce_shift_down, "shuffle_sync_down"),
+    (wrong.allreduce_max_always, "op = sum.*apply `op`"),
+    (wrong.allreduce_no_return, "returned None"),
+])
+def test_quad_allreduce_check_names_the_mistake(fn, words):
+    with pytest.raises(AssertionError, match=words):
+        t4.check_quad_allreduce(fn)
+
+
+def test_mask_solution_passes():
+    t4.check_mask_scores(t4.mask_scores)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (wrong.mask_top_left, "aligned the diagonal to the top left"),
+    (wrong.mask_hides_diagonal, "also hid the diagonal"),
+    (wrong.mask_tile_coordinates, "tile's own coordinates"),
+    (wrong.mask_causal_only, "past seqlen_k = 67 do not exist"),
+    (wrong.mask_wrong_sign, "the wrong way"),
+    (wrong.mask_nothing, "nothing was set to -inf"),
+])
+def test_mask_check_names_the_mistake(fn, words):
+    with pytest.raises(AssertionError, match=words):
+        t4.check_mask_scores(fn)
+
+
+def test_device_exercise_stubs_are_not_done_not_a_crash():
+    with pytest.raises(NotImplementedError):
+        t4.check_mask_scores(wrong.mask_not_done)
+
+
+def test_mask_truth_is_the_kernels_contract():
+    # seqlen_q=2, seqlen_k=4: query i sees keys j <= i + 2 (bottom-right), none past 3
+    m = t4.mask_truth([(2, 4, 0, 0)], 2, 8, causal=True)[0]
+    assert np.isinf(m).tolist() == [[j > i + 2 for j in range(8)] for i in range(2)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_device_exercise_kernels_compile_for_sm80(causal):
+    from utils.compile_only import compile_for, fake_stream, fake_tensor
+
+    h = t4.MaskHarness(t4.mask_scores, causal)
+    out = fake_tensor(t4.cutlass.Float32, (None, h.m_block, h.n_block), align=4)
+    cases = fake_tensor(t4.cutlass.Int32, (None, 4), align=4)
+    compile_for("sm_80", h, out, cases, fake_stream())
+    assert t4.QuadReduce().compile("sm_80").count("shfl.sync.bfly") == 4
+
+
+def test_a_compiled_answer_is_checked_as_written_the_second_time_too():
+    # compiling swaps a @cute.jit function's code for the preprocessed one; the lane model
+    # must still run the source as written
+    for _ in range(2):
+        t4.check_quad_allreduce(t4.quad_allreduce)

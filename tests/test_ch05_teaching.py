@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 
 from solutions import ch05_flash_hopper as ch05  # noqa: E402
 from solutions import ch05_teaching as t5  # noqa: E402
+from tests import device_exercise_mistakes as wrong  # noqa: E402
 from utils.results import Results  # noqa: E402
 
 
@@ -376,3 +377,63 @@ def test_pictures_draw_headless():
     t5.draw_pingpong({m: t5.pingpong_schedule(2, cyc["gemm"], cyc["exp"], m)
                       for m in t5.SCHEDULE_MODES})
     plt.close("all")
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 05.4 (device code): the producer's K/V loop. Typical slips live in
+# tests/device_exercise_mistakes.py.
+
+
+def test_load_kv_is_the_kernels_loop_and_passes():
+    assert t5.producer_order(t5.load_kv, 4) == "K3 K2 V3 K1 V2 K0 V1 V0"
+    t5.check_load_kv(t5.load_kv)
+
+
+def test_the_kernel_with_the_reference_producer_compiles_like_the_kernel():
+    mine = t5.producer_ptx_counts(t5.load_kv)
+    theirs = ch05.compile_only("sm_90a", head_dim=128).ptx
+    assert mine["TMA loads"] == sum("cp.async.bulk.tensor" in ln and "shared::cta.global" in ln
+                                    for ln in theirs.splitlines())
+    assert mine["arrive.expect_tx"] == theirs.count("mbarrier.arrive.expect_tx") == 5
+    assert mine["TMA loads"] == mine["TMA loads naming an mbarrier"] == 10
+    assert mine["mbarrier waits"] == theirs.count("mbarrier.try_wait")
+
+
+def test_another_order_that_cannot_deadlock_passes():
+    t5.check_load_kv(wrong.load_v_first_in_each_turn)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (wrong.load_all_k_then_v, "(?s)deadlocked.*producer waits for parity 1 on K empty"),
+    (wrong.load_in_ascending_order, r"order \[0, 1\]; the consumers read them in the order "
+                                    r"\[1, 0\]"),
+    (wrong.load_without_acquire, "without a producer_acquire"),
+    (wrong.load_without_advance, "without advancing state_k"),
+    (wrong.load_barrier_after_advance, "not on the barrier of the slot you acquired"),
+    (wrong.load_forgets_last_v, r"V tile\(s\) \[0\] are never loaded"),
+    (wrong.load_without_guard, "n_tiles = 0"),
+])
+def test_load_kv_check_names_the_mistake(fn, words):
+    with pytest.raises(AssertionError, match=words):
+        t5.check_load_kv(fn, compile_check=False)
+
+
+def test_a_helper_that_advances_the_state_is_named():
+    t5.check_load_kv(wrong.load_with_a_helper, compile_check=False)  # right as Python
+    with pytest.raises(AssertionError, match=r"state.advance\(\) in the loop body itself"):
+        t5.check_load_kv(wrong.load_with_a_helper)
+
+
+def test_load_kv_stub_is_not_done_not_a_crash():
+    with pytest.raises(NotImplementedError):
+        t5.check_load_kv(wrong.load_not_done)
+
+
+def test_two_ring_simulation_catches_an_overwrite():
+    # the producer refills K slot 0 without waiting for its release: recorded calls edited
+    calls = [c for c in t5.record_producer(t5.load_kv, 3, stages=1)]
+    no_wait = [c if c.kind != "acquire" or c.ring != "K" else
+               t5.ProducerCall("acquire", "K", c.index, 1) for c in calls]
+    with pytest.raises(t5.PipelineError):
+        t5.KVRingSim(n_tiles=3, stages=1, consumers=2, latency=1, read_ticks=5,
+                        calls=tuple(no_wait)).run()

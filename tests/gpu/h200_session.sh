@@ -2,6 +2,7 @@
 # One visit to the H200: run the named steps in order, each under a time limit, logging to $OUT.
 #   bash tests/gpu/h200_session.sh env tests peers ch04 ch05 micro sanitize notebooks
 #   (fa4_final, chapter 08: fa4-check fa4-bench fa4-knobs fa4-timeline; SANITIZE=ch08_checks)
+#   (profiles: ch04-profile, ch05-profile; each keeps ncu's CSV exports under $OUT/<name>_raw)
 # (ch04-peers also needs CUTLASS_FA2_EXAMPLE: the path of CUTLASS's Ampere FA2 example)
 # Results files written under results/ are sent back as $OUT/results.tar; logs as $OUT/logs.tar.gz.
 # Needs the CuTe DSL staged and sourced (/tmp/dsl_env.sh) and COURSE_COMMIT set by the caller.
@@ -36,6 +37,7 @@ for s in "$@"; do
     ch05-knobs) step ch05_knobs 420 $PY -m solutions.ch05_flash_hopper --bench ;;
     ch04-check) step ch04_check 600 $PY -m solutions.ch04_flash_ampere --check ;;
     ch04-profile) step ch04_profile 300 $PY -m solutions.ch04_profile --raw-dir "$OUT/ch04_profile_raw" ;;
+    ch05-profile) step ch05_profile 300 $PY -m solutions.ch05_profile --raw-dir "$OUT/ch05_profile_raw" ;;
     ch07) step ch07_rescale 300 $PY -m solutions.ch07_rescaling --save ;;
     fa4-check) step fa4_check 420 $PY -m solutions.ch08_checks ;;
     fa4-bench) step fa4_bench 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
