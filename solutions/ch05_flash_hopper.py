@@ -9,10 +9,12 @@ What this adds over chapter 04 (Ampere-style: cp.async + mma.sync, every warp lo
 2. wgmma. ``wgmma.mma_async`` runs a 64 x N x 16 product for a whole warpgroup (4 warps), reads
    its B operand (and here A for QK^T) straight from swizzled shared memory and runs
    asynchronously: the warps keep issuing other work until they wait on the group. Hopper's tensor
-   cores reach 4096 dense bf16 FLOP/clk/SM only through wgmma; mma.sync reaches about half.
+   cores reach 4096 dense bf16 FLOP/clk/SM only through wgmma; mma.sync reaches about two
+   thirds of it on the H200 (microbench.MmaSyncThroughput, results/h200/microbench.json).
    One (128 x 128) tile step at D = 128 is 2 GEMMs x 2 x 128^3 = 8.4 MFLOP: 2048 clk through
-   wgmma, 4096 through mma.sync, while its 128 x 128 exponentials take 1024 clk on the 16
-   MUFU/clk/SM. So after wgmma the softmax is half of the GEMM time: it must overlap with it.
+   wgmma, about 3100 at mma.sync's measured rate, while its 128 x 128 exponentials take 1024 clk
+   on the 16 MUFU/clk/SM. So after wgmma the softmax is half of the GEMM time: it must overlap
+   with it.
 3. Warp specialisation. Freed from copying, the warps split into roles: one producer warp issues
    TMA, two (or three) consumer warpgroups each own 64 of the tile's query rows and do
    MMA + softmax. ``setmaxnreg`` moves registers from the producer (24 per thread) to the
@@ -122,8 +124,10 @@ def default_config(head_dim: int) -> HopperConfig:
     clean: 192 x 64, and 192 x 128 without intra-warpgroup overlap (the other two warpgroups'
     GEMMs cover a softmax). --bench timed both against the two-warpgroup 128 x 128 tile at
     D = 64 (results/h200/ch05_knobs.json): 192 x 64 (ping-pong on, as measured) was 1.11x
-    faster, 192 x 128 without overlap 0.99x; so 192 x 64 is the default at D = 64. Ping-pong
-    stays on there: it is the measured setting (1.04x for the two-warpgroup tile)."""
+    faster, 192 x 128 without overlap 0.99x; so 192 x 64 is the default at D = 64. 192 x 64 was
+    timed only with ping-pong on; for the two-warpgroup 128 x 128 tile the knob run found it off
+    1.04x faster than on, within the run-to-run spread, so neither setting is established at
+    D = 64."""
     if head_dim <= 64:
         return HopperConfig(tile_n=64, num_consumer_wgs=3, pingpong=True)
     if head_dim <= 128:
@@ -567,7 +571,8 @@ class FlashAttentionHopper:
     # warpgroup's exponentials run while the tensor cores work on the other's GEMMs. On the
     # H200 this kernel measured faster without the barriers at D = 128 (--bench: its "ping-pong"
     # row against "default", stored in results/<gpu>/ch05_knobs.json), so the default is off;
-    # D = 64 keeps its measured setting, on, until --bench has timed both there. The SASS of
+    # D = 64 keeps it on: --bench timed both only for the two-warpgroup tile (within noise),
+    # not for the 192 x 64 default. The SASS of
     # the two builds differs only by the BAR.SYNC before the turn's 16 HGMMA and the BAR.ARV
     # after them, and it shows why they have nothing left to order:
     # 1. A warpgroup waits for its own P V before its exponentials: ptxas hoists wait_group(0)

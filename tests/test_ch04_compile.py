@@ -280,7 +280,7 @@ def test_sweep_table_names_the_fastest_spill_free_tile():
     print(text)
     summary = [line for line in text.splitlines() if line.startswith("d=128 causal=False")]
     assert summary and f"fastest spill-free {fa.tile_name(rows[1])} 395.0" in summary[0]
-    assert "1.129x SDPA flash (target 1.1x: met)" in summary[0]
+    assert "1.129x SDPA flash" in summary[0] and "target" not in text
     assert "fastest overall" in summary[0] and "(stack 32 B)" in summary[0]
     assert "check FAILED" in text  # the causal row was never timed
     assert " no softmax " in text and "450.0" in text  # listed, but never the fastest tile
