@@ -1,4 +1,5 @@
-# One command each: `make lab` (JupyterLab on chapters/) and `make test` (the whole CPU suite).
+# One command each: `make lab` (JupyterLab on chapters/, chapter 00 open) and `make test` (the
+# whole CPU suite, browser test included).
 # Both create .venv when it is missing and reuse it after; it is reinstalled when pyproject.toml
 # changes. TORCH picks the PyTorch build (on the course's CI machines 2.13.0 is a local CPU wheel).
 
@@ -9,6 +10,9 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 GPU_PY ?= $(PY)
 PORT   ?= 8888
+# The folder `make lab` serves and the notebook it opens first (the browser test serves a copy).
+LAB_DIR  ?= chapters
+LAB_OPEN ?= 00_hardware_roofline.ipynb
 ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root)
 NBVAL  := -p no:cacheprovider --nbval-lax --nbval-cell-timeout=900
 
@@ -24,7 +28,8 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 lab: install
-	$(VENV)/bin/jupyter lab --notebook-dir=chapters --port=$(PORT) $(ROOT_OK) $(LAB_ARGS)
+	$(VENV)/bin/jupyter lab --notebook-dir=$(LAB_DIR) --port=$(PORT) $(ROOT_OK) \
+		--LabApp.default_url=/lab/tree/$(LAB_OPEN) $(LAB_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
