@@ -1,5 +1,5 @@
 # One command each: `make lab` (JupyterLab on chapters/, chapter 00 open) and `make test` (the
-# whole CPU suite, browser test included).
+# whole CPU suite).
 # Both create .venv when it is missing and reuse it after; it is reinstalled when pyproject.toml
 # changes. TORCH picks the PyTorch build (on the course's CI machines 2.13.0 is a local CPU wheel).
 
@@ -16,7 +16,7 @@ LAB_OPEN ?= 00_hardware_roofline.ipynb
 ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root)
 NBVAL  := -p no:cacheprovider --nbval-lax --nbval-cell-timeout=900
 
-.PHONY: install lab test lint unit notebooks chapters gpu-test bench clean
+.PHONY: install lab test lint unit notebooks site chapters gpu-test bench clean
 
 install: $(STAMP)
 
@@ -42,6 +42,10 @@ notebooks: install
 	COURSE_STRICT_EXERCISES=1 $(PY) -m pytest -q $(NBVAL) solutions/
 	$(PY) -m pytest -q $(NBVAL) chapters/
 
+# The course as a static website, from the solved notebooks executed here: build/site/.
+site: install
+	$(PY) -m utils.site build
+
 test: lint unit notebooks
 
 chapters: install
@@ -54,4 +58,4 @@ gpu-test: $(if $(filter $(PY),$(GPU_PY)),install)
 	COURSE_STRICT_EXERCISES=1 $(GPU_PY) -m pytest -q $(NBVAL) solutions/
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache build
