@@ -1,5 +1,5 @@
 # One command each: `make lab` (JupyterLab on chapters/, chapter 00 open) and `make test` (the
-# whole CPU suite).
+# whole CPU suite, browser test included).
 # Both create .venv when it is missing and reuse it after; it is reinstalled when pyproject.toml
 # changes. TORCH picks the PyTorch build (on the course's CI machines 2.13.0 is a local CPU wheel).
 
@@ -16,7 +16,7 @@ LAB_OPEN ?= 00_hardware_roofline.ipynb
 ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root)
 NBVAL  := -p no:cacheprovider --nbval-lax --nbval-cell-timeout=900
 
-.PHONY: install lab test lint unit notebooks site chapters gpu-test bench clean
+.PHONY: install lab test lint unit notebooks browser site chapters gpu-test bench clean
 
 install: $(STAMP)
 
@@ -36,17 +36,23 @@ lint: install
 	$(PY) -m utils.notebooks check
 
 unit: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not browser" tests
 
 notebooks: install
 	COURSE_STRICT_EXERCISES=1 $(PY) -m pytest -q $(NBVAL) solutions/
 	$(PY) -m pytest -q $(NBVAL) chapters/
 
+# JupyterLab (as `make lab` serves it) and the built site, in headless Chromium: every chapter
+# run with Run All Cells. Skipped, saying why, where no Chromium is found (Debian: apt-get
+# install chromium); screenshots land in build/browser-artifacts/.
+browser: install site
+	$(PY) -m pytest -q -p no:cacheprovider -m browser tests/test_browser.py
+
 # The course as a static website, from the solved notebooks executed here: build/site/.
 site: install
 	$(PY) -m utils.site build
 
-test: lint unit notebooks
+test: lint unit notebooks browser
 
 chapters: install
 	$(PY) -m utils.notebooks build
