@@ -24,7 +24,8 @@ def test_readme_line_is_current():
 
 def test_line_reads_the_measurement():
     line = first_hour.line(FAKE)
-    assert line.startswith("From `git clone` to chapter 00 open with its kernel ready took 2.6 min")
+    assert line.startswith("From a fresh `git clone` to chapter 00 open with its kernel ready "
+                           "took 2.6 min")
     assert "150 s of it `make lab`" in line and "5 s opening" in line
     assert "a local CPU wheel" in line and "[2026-12-01, `results/cpu/first_hour.json`]" in line
 

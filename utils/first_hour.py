@@ -129,7 +129,8 @@ def line(data: dict | None = None) -> str:
     total = value["clone_to_chapter_00"]
     minutes = f"{total / 60:.1f} min" if total >= 90 else f"{total:.0f} s"
     return (
-        f"From `git clone` to chapter 00 open with its kernel ready took {minutes} "
+        f"From a fresh `git clone`{_clone_kind(p['conditions'])} to chapter 00 open with its "
+        f"kernel ready took {minutes} "
         f"({value['make_lab_until_server_answers']:.0f} s of it `make lab` installing and "
         f"starting JupyterLab, {value['chapter_00_open_kernel_idle']:.0f} s opening the "
         f"notebook), measured on {p['machine']}, Python {p['python']}, with an empty pip "
@@ -137,6 +138,10 @@ def line(data: dict | None = None) -> str:
         f"[{p['date'][:10]}, `results/cpu/first_hour.json`]. A CUDA build of torch from PyPI "
         "adds its download."
     )
+
+
+def _clone_kind(conditions: str) -> str:
+    return " (of a local copy)" if "a local copy" in conditions else ""
 
 
 def _short_torch(conditions: str) -> str:
