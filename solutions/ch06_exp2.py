@@ -298,6 +298,33 @@ class RemezResult:
     iterations: int
 
 
+# Note [When the Remez exchange stops]
+# Each round gives two numbers that bracket the best possible max error E*: the level |E| of the
+# exchange (a lower bound, de la Vallee Poussin) and the worst error found on [0, 1] (an upper
+# bound: it is the max error of a real polynomial). The exchange is done when they meet. How
+# close they can meet is set by float64, not by the algorithm: every value of the error
+# r(f) = p(f) 2^-f - 1 is computed with a small absolute error, because p(f) 2^-f is close to 1
+# and the final "- 1" is exact (Sterbenz). With u = 2^-53, relative errors of the pieces:
+#   p(f) in [1, 2] by Horner, 2 roundings per degree, positive terms   <= 2d u
+#   np.exp2(-f) in [1/2, 1], from a libm within 4 ulp                   <= 8 u
+#   the product p(f) 2^-f, rounded once                                 <= u
+# They add (to first order), and since the product is within 1e-2 of 1, relative is absolute:
+# one evaluation is off by at most (2d + 9) u, 19 u = 2.1e-15 at degree 5. The gap between
+# the worst error and the level carries that error twice (both come from evaluations), so we
+# stop when the gap is below 4 (2d + 9) u, twice what the noise can make it, or below rtol times
+# the worst error when that is larger. At degree 5 the level is 8.2e-8, so float64 locates it to
+# about 1e-7 of itself: a stop rule of rtol = 1e-9 alone could be met only by luck, on machines
+# whose exp2 happens to round favourably. From the Chebyshev start the fit meets this tolerance
+# in a few rounds; tests/test_ch06_exp2.py adds random errors of the full (2d + 9) u to
+# every evaluation and checks that it still converges to the same fit.
+
+
+def remez_eval_noise(degree: int) -> float:
+    """Bound on the float64 error of one ``relative_error`` value for a degree-``degree`` fit
+    (Note [When the Remez exchange stops])."""
+    return (2 * _check_degree(degree) + 9) * 2.0**-53
+
+
 def remez_fit(degree: int, pin_one: bool = True, max_iter: int = 30,
               rtol: float = 1e-9) -> RemezResult:
     """Minimax (smallest max relative error) fit of 2^f on [0, 1] by the Remez exchange.
@@ -306,7 +333,8 @@ def remez_fit(degree: int, pin_one: bool = True, max_iter: int = 30,
     times with alternating signs (Chebyshev's equioscillation theorem). Each round:
     1. solve r(t_i) = (-1)^i E at the m reference points t_i: linear in the coefficients and E;
     2. move the t_i to the extrema of the new error curve (one per run of constant sign);
-    until the largest error on [0, 1] equals |E| to ``rtol``.
+    until the largest error on [0, 1] exceeds |E| by no more than ``rtol`` times itself or
+    than float64 can resolve, whichever is larger (Note [When the Remez exchange stops]).
     With p(0) = 1 pinned the error is 0 at f = 0 and the m = degree + 1 points lie in (0, 1].
     """
     degree = _check_degree(degree)
@@ -317,6 +345,7 @@ def remez_fit(degree: int, pin_one: bool = True, max_iter: int = 30,
     else:
         t = (1.0 - np.cos(np.pi * np.arange(m) / (m - 1))) / 2.0
     signs = (-1.0) ** np.arange(m)
+    resolvable = 4.0 * remez_eval_noise(degree)  # twice the noise of a gap of two evaluations
     for it in range(1, max_iter + 1):
         w = np.exp2(-t)
         a = np.column_stack([(t[:, None] ** ks) * w[:, None], -signs])
@@ -325,7 +354,8 @@ def remez_fit(degree: int, pin_one: bool = True, max_iter: int = 30,
         coeffs, level = _with_constant(sol[:-1], pin_one), abs(sol[-1])
         loc, val = error_extrema(coeffs)
         worst = float(np.max(np.abs(val)))
-        if worst - level <= rtol * worst:
+        tolerance = max(rtol * worst, resolvable)
+        if worst - level <= tolerance:
             return RemezResult(coeffs, level, worst, t, it)
         if len(loc) < m:
             raise RuntimeError(
@@ -337,7 +367,10 @@ def remez_fit(degree: int, pin_one: bool = True, max_iter: int = 30,
         starts = range(start, min(top, len(loc) - m) + 1)
         start = max(starts, key=lambda s: np.min(np.abs(val[s:s + m])))
         t = loc[start:start + m]
-    raise RuntimeError(f"Remez (degree {degree}) did not converge in {max_iter} iterations")
+    raise RuntimeError(
+        f"Remez (degree {degree}) did not converge in {max_iter} iterations: worst error "
+        f"{worst:.6e}, level {level:.6e}, gap {worst - level:.2e} > tolerance {tolerance:.2e}"
+    )
 
 
 # The float32 coefficients the GPU uses: remez_fit(d).coeffs rounded to float32, frozen here so
