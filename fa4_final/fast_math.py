@@ -46,7 +46,7 @@ DEGREES = tuple(sorted(EXP2_COEFFS))
 
 
 def check_degree(degree) -> int:
-    if isinstance(degree, bool) or degree not in EXP2_COEFFS:
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree not in EXP2_COEFFS:
         raise ValueError(f"degree must be one of {DEGREES}, got {degree!r}")
     return int(degree)
 

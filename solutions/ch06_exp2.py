@@ -34,26 +34,38 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
-from fractions import Fraction
 
 import cutlass
 import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+
+from fa4_final.fast_math import (  # noqa: F401  (re-exported: the notebook imports them here)
+    CLAMP_LOW,
+    DEGREES,
+    EXP2_COEFFS,
+    SHIFTER,
+    emulated_count,
+    exp2_at,
+    exp2_coefficients,
+    exp2_poly,
+    inline_ptx_f32,
+    is_emulated,
+    ptx_add_rm,
+    ptx_exponent_add,
+    ptx_fma_rn,
+    ptx_sub_rn,
+)
+from fa4_final.fast_math import check_degree as _check_degree
 
 # ----------------------------------------------------------------------------------------------
 # 1. Float32 bit patterns and the rounding of single instructions
 
-SHIFTER = 1.5 * 2.0**23  # 12582912.0, bit pattern 0x4B400000
-SHIFTER_BITS = 0x4B400000
-CLAMP_LOW = -127.0  # below it 2^x < 2^-127 is zero for every ftz consumer (Note [Special values])
+SHIFTER_BITS = 0x4B400000  # of SHIFTER = 1.5 * 2^23 (fa4_final.fast_math, with CLAMP_LOW)
 CANONICAL_NAN_BITS = 0x7FFFFFFF  # the NaN every GPU fp32 instruction returns
 BF16_UNIT_ROUNDOFF = 2.0**-8  # 8 significant bits: 3.9e-3
 FP16_UNIT_ROUNDOFF = 2.0**-11  # 11 significant bits: 4.9e-4
 FP32_UNIT_ROUNDOFF = 2.0**-24
-DEGREES = (2, 3, 4, 5)
 
 _F32 = np.float32
 _U32 = np.uint32
@@ -259,12 +271,6 @@ def max_relative_error(coeffs) -> float:
     return float(np.max(np.abs(values)))
 
 
-def _check_degree(degree) -> int:
-    if isinstance(degree, bool) or not isinstance(degree, int) or degree not in DEGREES:
-        raise ValueError(f"degree must be one of {DEGREES}, got {degree!r}")
-    return degree
-
-
 def _basis_powers(degree: int, pin_one: bool) -> np.ndarray:
     return np.arange(1 if pin_one else 0, degree + 1)
 
@@ -373,24 +379,10 @@ def remez_fit(degree: int, pin_one: bool = True, max_iter: int = 30,
     )
 
 
-# The float32 coefficients the GPU uses: remez_fit(d).coeffs rounded to float32, frozen here so
-# every machine compiles the same kernel (tests/test_ch06_exp2.py checks they still match).
-# Regenerate with ``python -m solutions.ch06_exp2 --coefficients``.
-EXP2_COEFFS: dict[int, tuple[float, ...]] = {
-    2: (1.0, float.fromhex("0x1.54f8d6p-1"), float.fromhex("0x1.51d9ccp-2")),
-    3: (1.0, float.fromhex("0x1.63e658p-1"), float.fromhex("0x1.d2378ap-3"),
-        float.fromhex("0x1.3baaa6p-4")),
-    4: (1.0, float.fromhex("0x1.62d6c6p-1"), float.fromhex("0x1.ee245p-3"),
-        float.fromhex("0x1.abf868p-5"), float.fromhex("0x1.b7f73p-7")),
-    5: (1.0, float.fromhex("0x1.62e4bap-1"), float.fromhex("0x1.ebdb56p-3"),
-        float.fromhex("0x1.c91ce6p-5"), float.fromhex("0x1.277856p-7"),
-        float.fromhex("0x1.e974fap-10")),
-}
-
-
-def exp2_coefficients(degree: int = 3) -> tuple[float, ...]:
-    """The frozen float32 minimax coefficients of ``degree`` (p(0) = 1), lowest first."""
-    return EXP2_COEFFS[_check_degree(degree)]
+# The float32 coefficients the GPU uses: remez_fit(d).coeffs rounded to float32, frozen in
+# fa4_final.fast_math (EXP2_COEFFS, exp2_coefficients) so every machine compiles the same kernel;
+# tests/test_ch06_exp2.py checks that a fresh fit still rounds to them. Regenerate with
+# ``python -m solutions.ch06_exp2 --coefficients``.
 
 
 def fit_table() -> list[dict]:
@@ -574,102 +566,11 @@ def check_max_relative_error(fn) -> None:
 # depends on LLVM's floating-point contraction and the PTX reads like the model above.
 
 
-def inline_ptx_f32(ptx: str, *args, loc=None, ip=None) -> Float32:
-    """One inline-PTX block with a 32-bit result ``$0`` and 32-bit operands ``$1, $2, ...``."""
-    operands = [Float32(a).ir_value(loc=loc, ip=ip) for a in args]
-    return Float32(
-        llvm.inline_asm(
-            T.f32(), operands, ptx, "=f" + ",f" * len(args),
-            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@dsl_user_op
-def ptx_add_rm(a, b, *, loc=None, ip=None) -> Float32:
-    """a + b rounded toward minus infinity (SASS FADD.RM)."""
-    return inline_ptx_f32("add.rm.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ptx_sub_rn(a, b, *, loc=None, ip=None) -> Float32:
-    """a - b rounded to nearest (an explicit .rn is never fused into an FMA)."""
-    return inline_ptx_f32("sub.rn.f32 $0, $1, $2;", a, b, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ptx_fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
-    """a * b + c with one rounding to nearest (SASS FFMA)."""
-    return inline_ptx_f32("fma.rn.f32 $0, $1, $2, $3;", a, b, c, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ptx_exponent_add(j, q, plus_one: bool = True, *, loc=None, ip=None) -> Float32:
-    """(bits(j) << 23) + bits(q) [+ 2^23], as 32-bit integers (SASS LEA [+ IADD3])."""
-    tail = "add.s32 t, t, 8388608;\n" if plus_one else ""
-    ptx = (
-        "{\n.reg .b32 t;\nshl.b32 t, $1, 23;\nadd.s32 t, t, $2;\n" + tail + "mov.b32 $0, t;\n}"
-    )
-    return inline_ptx_f32(ptx, j, q, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def exp2_poly(x, degree: int = 3, nan_safe: bool = True, *, loc=None, ip=None) -> Float32:
-    """2^x on the FMA and integer units, no MUFU (Note [The instruction sequence]).
-
-    ``x``: a Float32 value; ``degree`` (2..5) and ``nan_safe`` are compile-time. Bit-identical
-    to ``exp2_f32_model(x, degree, nan_safe)``; relative error <= ``model_error_bound(degree)``
-    (8.6e-5 at degree 3) for x in [-126, 127); special values in Note [Special values]."""
-    coeffs = exp2_coefficients(degree)
-    if nan_safe:
-        coeffs = tuple(c / 2.0 for c in coeffs)
-    xc = cute.arch.fmax(Float32(x), Float32(CLAMP_LOW), nan=bool(nan_safe), loc=loc, ip=ip)
-    j = ptx_add_rm(xc, Float32(SHIFTER), loc=loc, ip=ip)
-    n = ptx_sub_rn(j, Float32(SHIFTER), loc=loc, ip=ip)
-    f = ptx_sub_rn(xc, n, loc=loc, ip=ip)
-    q = Float32(coeffs[-1])
-    for c in coeffs[-2::-1]:
-        q = ptx_fma_rn(q, f, Float32(c), loc=loc, ip=ip)
-    return ptx_exponent_add(j, q, plus_one=bool(nan_safe), loc=loc, ip=ip)
-
-
-def emulated_count(fraction, period: int) -> int:
-    """How many of every ``period`` elements go to the polynomial; fraction * period must be a
-    whole number (0.25 with period 8 -> 2)."""
-    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-        raise ValueError(f"period must be a positive int, got {period!r}")
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float, Fraction)):
-        raise TypeError(f"fraction must be a number in [0, 1], got {type(fraction).__name__}")
-    if not 0 <= fraction <= 1:
-        raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
-    count = round(fraction * period)
-    if abs(count - fraction * period) > 1e-9:
-        raise ValueError(
-            f"fraction * period must be a whole number of elements, got {fraction!r} * {period}"
-            f"; accepted fractions for period {period}: k/{period}, k = 0..{period}"
-        )
-    return count
-
-
-def is_emulated(index: int, fraction, period: int = 8) -> bool:
-    """Whether element ``index`` of a fragment goes to the polynomial (host-side, compile time).
-
-    Inside each block of ``period`` elements, position i is emulated when (i * k) mod period < k
-    for k = fraction * period: exactly k positions, spread evenly (k=2 of 8: positions 0 and 4),
-    so MUFU and FMA instructions interleave in the instruction stream."""
-    k = emulated_count(fraction, period)
-    return (index % period) * k % period < k
-
-
-@dsl_user_op
-def exp2_at(x, index: int, fraction=0.0, period: int = 8, degree: int = 3,
-            nan_safe: bool = True, *, loc=None, ip=None) -> Float32:
-    """2^x for element ``index`` of a row: the polynomial if ``is_emulated(index, fraction,
-    period)``, else MUFU ``ex2.approx.ftz.f32``. Everything but ``x`` is compile-time; a softmax
-    loop calls it with its (unrolled) column index."""
-    if is_emulated(index, fraction, period):
-        return exp2_poly(x, degree, nan_safe, loc=loc, ip=ip)
-    return cute.math.exp2(Float32(x), fastmath=True, loc=loc, ip=ip)
+# The helpers live in fa4_final.fast_math (the kernels of chapters 05-10 use them from there):
+# inline_ptx_f32, ptx_add_rm, ptx_sub_rn, ptx_fma_rn, ptx_exponent_add (one instruction each),
+# exp2_poly (Note [The instruction sequence]), emulated_count / is_emulated (which elements of a
+# row go to the polynomial) and exp2_at (MUFU or the polynomial, by position). This chapter
+# imports them at the top and builds on them here.
 
 
 @cute.jit
