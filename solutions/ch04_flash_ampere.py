@@ -65,7 +65,6 @@ config_report() lists registers, stack bytes and spill instructions of every swe
 """
 
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -81,12 +80,14 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import from_dlpack
 
+from fa4_final import tiles
+from fa4_final.constants import LN_2, LOG2_E
+from fa4_final.fragments import acc_as_a_operand
+from fa4_final.fragments import acc_rows_cols as rows_cols_view
 from utils import checks
 from utils.hardware import device_arch
 from utils.reference import check_attention_inputs
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 SUPPORTED_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 SUPPORTED_HEAD_DIMS = (64, 128)
 SMEM_LAYOUTS = ("padded", "swizzled")
@@ -265,34 +266,10 @@ def default_config(head_dim: int, causal: bool = False, arch: str | None = None,
 # followed by two butterfly shuffles (lane offsets 2 and 1) inside the quad.
 
 
-def rows_cols_view(acc: cute.Tensor) -> cute.Tensor:
-    """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)): this thread's rows x
-    columns, so that ``view[r, None]`` is the part of one row of S (or O) this thread holds."""
-    logical = cute.make_layout(acc.layout.shape)  # compact, column-major over logical coords
-    rows_cols = cute.make_layout(
-        (
-            (logical.shape[0][1], logical.shape[1]),
-            (logical.shape[0][0], logical.shape[2]),
-        ),
-        stride=(
-            (logical.stride[0][1], logical.stride[1]),
-            (logical.stride[0][0], logical.stride[2]),
-        ),
-    )
-    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
-
-
-def acc_as_a_operand(acc: cute.Tensor) -> cute.Tensor:
-    """Note [P as an A operand]. For m16n8k16 the A fragment of lane l is rows (l // 4, +8) at
-    k = (2 * (l % 4), +1) and (2 * (l % 4) + 8, +1): exactly the C fragments of two neighbouring
-    8-column blocks. So ((2, 2), MMA_M, MMA_N) becomes (((2, 2), 2), MMA_M, MMA_N / 2) by
-    pairing the n-blocks; no data moves."""
-    paired = cute.logical_divide(acc.layout, (None, None, 2))  # ((2,2), MMA_M, (2, MMA_N/2))
-    a_layout = cute.make_layout(
-        ((paired.shape[0], paired.shape[2][0]), paired.shape[1], paired.shape[2][1]),
-        stride=((paired.stride[0], paired.stride[2][0]), paired.stride[1], paired.stride[2][1]),
-    )
-    return cute.make_tensor(acc.iterator, a_layout)
+# rows_cols_view and acc_as_a_operand (Note [P as an A operand]: for m16n8k16 the A fragment of
+# lane l is rows (l // 4, +8) at k = (2 * (l % 4), +1) and (2 * (l % 4) + 8, +1), exactly the C
+# fragments of two neighbouring 8-column blocks, so pairing the n-blocks is the whole conversion)
+# are fa4_final.fragments' views, written once for mma.sync and wgmma fragments alike.
 
 
 @cute.jit
@@ -335,15 +312,11 @@ def kv_tile_range(
     to m_block * tile_m + seqlen_k - seqlen_q, so tiles ending at or before that key need no
     mask. Non-causal: only the last tile can stick out past seqlen_k.
     """
-    n_block_max = cute.ceil_div(seqlen_k, tile_n)
-    n_block_masked_min = n_block_max - 1
-    if const_expr(causal):
-        offset = seqlen_k - seqlen_q
-        last_row_end = (m_block + 1) * tile_m + offset  # one past the last row's last key
-        n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(last_row_end, 0), tile_n))
-        # Clamp before dividing: a negative numerator would round toward zero, not down.
-        first_row_end = cutlass.max(m_block * tile_m + offset + 1, 0)
-        n_block_masked_min = cutlass.min(first_row_end // tile_n, n_block_max - 1)
+    # fa4_final.tiles does the arithmetic (shared with chapters 05 and 08); this kernel's loop
+    # always peels its first visited tile as a masked one, hence the n_block_max - 1.
+    _, n_block_max, n_top, _ = tiles.kv_tile_range(tiles.TileWindow(tile_m, tile_n, causal),
+                                                   m_block, seqlen_q, seqlen_k)
+    n_block_masked_min = cutlass.min(n_block_max - n_top, n_block_max - 1)
     return n_block_max, n_block_masked_min
 
 
