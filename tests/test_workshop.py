@@ -52,7 +52,12 @@ def test_every_exercise_has_a_note_or_says_it_has_none():
 
 
 def test_later_chapters_have_a_marked_place():
-    assert "## Chapters 08-12: not yet in the course" in HAND_WRITTEN
+    """The chapters that do not exist yet have their marked place, starting after the last one
+    that does (so the marker moves on when a chapter arrives)."""
+    last = max(int(p.name[:2]) for p in nbm.solved_notebooks())
+    if last >= 12:
+        return
+    assert f"## Chapters {last + 1:02d}-12: not yet in the course" in HAND_WRITTEN
     assert "python -m utils.workshop --write" in HAND_WRITTEN
 
 
