@@ -53,15 +53,19 @@ from enum import IntEnum
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from fa4_final.constants import LOG2_E
 from fa4_final.fast_math import emulated_count
 from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
+from fa4_final.hopper.wgmma import (
+    attention_tiled_mmas,
+    issue_wgmma,
+    select_modes,
+    smem_tile_layout,
+)
 from fa4_final.mask import apply_mask, fragment_coords
 from fa4_final.softmax import EMULATION_PERIOD, MAX_RESCALE_THRESHOLD, OnlineSoftmax
 from fa4_final.tiles import TileWindow, kv_tile_range
@@ -202,11 +206,6 @@ def check_config(head_dim: int, cfg: HopperConfig) -> None:
         )
 
 
-def _select(t: cute.Tensor, modes: list) -> cute.Tensor:
-    """Reorder a tensor's modes (a view; no data moves)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
-
-
 def _assume_16b_strides(t: cute.Tensor) -> cute.Tensor:
     """Promise the compiler every non-unit stride is a multiple of 16 bytes (TMA requires it;
     the torch entry point checks it before launch)."""
@@ -255,31 +254,6 @@ class FlashAttentionHopper:
     # ---------------------------------------------------------------------------------------
     # host side: layouts, TMA descriptors, shared storage, grid, launch
     # ---------------------------------------------------------------------------------------
-    def _smem_layout(self, rows: int, stages: int | None = None):
-        """Swizzled K-major layout for a (rows, head_dim) tile: rows of D contiguous elements,
-        the 128 B swizzle that lets wgmma and TMA read 8 rows without bank conflicts."""
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim),
-            self.dtype,
-        )
-        shape = (rows, self.head_dim) if stages is None else (rows, self.head_dim, stages)
-        return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
-
-    def _tiled_mmas(self):
-        """S = Q K^T: A = Q and B = K both K-major in smem. O = P V: A = P from registers, B = V
-        read through a transposed view, so its contiguous dimension (D) is the N mode: MN-major.
-        atom_layout (n, 1, 1) gives each consumer warpgroup its own 64 rows."""
-        atoms = (self.num_consumer_wgs, 1, 1)
-        mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, atoms, (WGMMA_M, self.tile_n),
-        )
-        mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, atoms, (WGMMA_M, self.head_dim), warpgroup.OperandSource.RMEM,
-        )
-        return mma_qk, mma_pv
-
     @cute.jit
     def __call__(
         self,
@@ -297,13 +271,18 @@ class FlashAttentionHopper:
         if const_expr(mLSE.element_type != Float32):
             raise TypeError("lse must be float32")
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
-        mQ, mK, mV, mO = [_select(_assume_16b_strides(t), [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
-        mLSE = _select(mLSE, [2, 1, 0])  # (s, h, b)
+        mQ, mK, mV, mO = [select_modes(_assume_16b_strides(t), [1, 3, 2, 0])
+                          for t in (mQ, mK, mV, mO)]
+        mLSE = select_modes(mLSE, [2, 1, 0])  # (s, h, b)
 
-        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
-        sQ_layout = self._smem_layout(self.tile_m)  # also O's layout: O overwrites Q
-        sK_layout = self._smem_layout(self.tile_n, self.num_stages)
-        sV_layout = self._smem_layout(self.tile_n, self.num_stages)
+        # S = Q K^T (A, B both K-major in smem) and O = P V (P from registers, V^T MN-major);
+        # each consumer warpgroup owns 64 rows
+        tiled_mma_qk, tiled_mma_pv = attention_tiled_mmas(self.dtype, self.num_consumer_wgs,
+                                                          self.tile_n, self.head_dim)
+        # 128 B-swizzled K-major tiles; sQ is also O's layout: O overwrites Q
+        sQ_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_m)
+        sK_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_n, self.num_stages)
+        sV_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_n, self.num_stages)
         sKV_one = cute.select(sK_layout, mode=[0, 1])  # one stage, the TMA box
         tile_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         tile_bytes_kv = cute.size_in_bytes(self.dtype, sKV_one)
@@ -626,18 +605,10 @@ class FlashAttentionHopper:
                     number_of_threads=2 * THREADS_PER_WG,
                 )
 
-    @cute.jit
-    def wgmma(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-              zero_init: cutlass.Constexpr[bool]):
-        """Issue acc (+)= A B over the K blocks as one async group; the caller waits on it.
-        wgmma.fence orders earlier register writes (P, a rescaled O) before wgmma reads them."""
-        warpgroup.fence()
-        mma_atom = cute.make_mma_atom(tiled_mma.op)
-        mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(mma_atom, acc, tA[None, None, k], tB[None, None, k], acc)
-            mma_atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
+    def wgmma(self, tiled_mma, acc, tA, tB, zero_init: bool):
+        """Issue acc (+)= A B as one async group (fa4_final.hopper.wgmma.issue_wgmma); the caller
+        waits on it. ``zero_init`` overwrites acc."""
+        issue_wgmma(tiled_mma, acc, tA, tB, not zero_init)
 
     @cute.jit
     def apply_mask(self, acc_s: cute.Tensor, thr_mma_qk, m_block: Int32, n_block: Int32,

@@ -31,14 +31,18 @@ from enum import IntEnum
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from fa4_final.config import HopperFwdConfig
-from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
+from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
 from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
+from fa4_final.hopper.wgmma import (
+    attention_tiled_mmas,
+    issue_wgmma,
+    select_modes,
+    smem_tile_layout,
+)
 from fa4_final.mask import apply_mask, fragment_coords
 from fa4_final.scheduler import rounds, tile_coords, zigzag_tile
 from fa4_final.softmax import OnlineSoftmax
@@ -51,11 +55,6 @@ class NamedBarrier(IntEnum):
 
     EPILOGUE = 1  # all consumer threads: the O buffer is free / full
     TURN_WG0 = 2  # TURN_WG0 + w: consumer warpgroup w may issue its wgmma (ping-pong)
-
-
-def _select(t: cute.Tensor, modes: list) -> cute.Tensor:
-    """Reorder a tensor's modes (a view; no data moves)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 class HopperForward:
@@ -100,30 +99,6 @@ class HopperForward:
     # ------------------------------------------------------------------------------------------
     # host side: layouts, TMA descriptors, shared storage, grid, launch
     # ------------------------------------------------------------------------------------------
-    def _smem_layout(self, rows: int, stages: int | None = None):
-        """128 B-swizzled K-major layout of a (rows, D) tile: what TMA writes and wgmma reads
-        without bank conflicts."""
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim),
-            self.dtype,
-        )
-        if stages is None:
-            return cute.tile_to_shape(atom, (rows, self.head_dim), order=(0, 1))
-        return cute.tile_to_shape(atom, (rows, self.head_dim, stages), order=(0, 1, 2))
-
-    def _tiled_mmas(self):
-        """S = Q K^T: A = Q and B = K both K-major in smem. O = P V: A = P from registers, B =
-        V read through a transposed view (MN-major). Atoms (n, 1, 1): each consumer warpgroup
-        owns 64 rows."""
-        atoms = (self.num_wgs, 1, 1)
-        major = cute.nvgpu.OperandMajorMode
-        mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, major.K, major.K, Float32, atoms, (WGMMA_M, self.tile_n))
-        mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, major.K, major.MN, Float32, atoms, (WGMMA_M, self.head_dim),
-            warpgroup.OperandSource.RMEM)
-        return mma_qk, mma_pv
-
     @cute.jit
     def __call__(
         self,
@@ -146,13 +121,14 @@ class HopperForward:
         if const_expr(mLSE.element_type != Float32):
             raise TypeError("lse must be float32")
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
-        mQ, mK, mV, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
-        mLSE = _select(mLSE, [2, 1, 0])  # (s, h, b)
+        mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = select_modes(mLSE, [2, 1, 0])  # (s, h, b)
 
-        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
-        sQ_layout = self._smem_layout(self.tile_m)  # also O's layout
-        sK_layout = self._smem_layout(self.tile_n, self.cfg.stages_k)
-        sV_layout = self._smem_layout(self.tile_n, self.cfg.stages_v)
+        tiled_mma_qk, tiled_mma_pv = attention_tiled_mmas(self.dtype, self.num_wgs, self.tile_n,
+                                                          self.head_dim)
+        sQ_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_m)  # also O's layout
+        sK_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_n, self.cfg.stages_k)
+        sV_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_n, self.cfg.stages_v)
         sKV_one = cute.select(sK_layout, mode=[0, 1])  # one stage: the TMA box
         bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         bytes_kv = cute.size_in_bytes(self.dtype, sKV_one)
@@ -398,20 +374,8 @@ class HopperForward:
                 cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TURN_WG0) + next_wg,
                                          number_of_threads=2 * THREADS_PER_WARPGROUP)
 
-    @cute.jit
-    def wgmma(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor,
-              tB: cute.Tensor, accumulate):
-        """Issue acc (+)= A B over the K blocks as one async group; the caller waits on it.
-        ``accumulate`` False overwrites acc (a Python bool, or a run-time Boolean: wgmma's
-        scale-d is a predicate operand). wgmma.fence orders earlier register writes (P, a
-        rescaled O) before wgmma reads them."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
+    def wgmma(self, tiled_mma, acc, tA, tB, accumulate):
+        issue_wgmma(tiled_mma, acc, tA, tB, accumulate)
 
     @cute.jit
     def consume(self, mO, mLSE, tl, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,

@@ -1,0 +1,58 @@
+"""Hopper building blocks shared by the course's wgmma kernels (chapter 05's and fa4_final's):
+the swizzled shared-memory layout of a tile, the two tiled MMAs of attention, issuing one
+asynchronous wgmma group, and reordering a tensor's modes."""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from fa4_final.constants import WGMMA_M
+
+
+def select_modes(t: cute.Tensor, modes: list) -> cute.Tensor:
+    """Reorder a tensor's modes (a view; no data moves)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def smem_tile_layout(dtype, head_dim: int, rows: int, stages: int | None = None):
+    """128 B-swizzled K-major layout of a (rows, head_dim) tile (or a ring of ``stages`` of
+    them): rows of D contiguous elements, what TMA writes and wgmma reads without bank
+    conflicts."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, head_dim), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, head_dim), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, head_dim, stages), order=(0, 1, 2))
+
+
+def attention_tiled_mmas(dtype, num_warpgroups: int, tile_n: int, head_dim: int):
+    """(S = Q K^T, O = P V) tiled MMAs. S: A = Q and B = K, both K-major in shared memory.
+    O: A = P from registers, B = V read through a transposed view, so its contiguous dimension
+    (D) is the N mode: MN-major. Atoms (n, 1, 1): each warpgroup owns its own 64 rows."""
+    atoms = (num_warpgroups, 1, 1)
+    major = cute.nvgpu.OperandMajorMode
+    mma_qk = sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, major.K, major.K, Float32, atoms, (WGMMA_M, tile_n))
+    mma_pv = sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, major.K, major.MN, Float32, atoms, (WGMMA_M, head_dim),
+        warpgroup.OperandSource.RMEM)
+    return mma_qk, mma_pv
+
+
+@cute.jit
+def issue_wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+                accumulate):
+    """Issue acc (+)= A B over the K blocks as one async group; the caller waits on it.
+    ``accumulate`` False overwrites acc (a Python bool, or a run-time Boolean: wgmma's scale-d
+    is a predicate operand). wgmma.fence orders earlier register writes (P, a rescaled O)
+    before wgmma reads them."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+    for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
