@@ -1370,13 +1370,7 @@ def _main(argv=None) -> int:
         if not args.check:
             return 1 if sweep_failures else 0
     cases = CHECK_CASES if args.check else SMALL_CASES
-    failures = 0
-    for case in cases:
-        t0 = time.perf_counter()
-        ok, line = check_case(*case)
-        failures += not ok
-        print(f"{line} [{time.perf_counter() - t0:.1f} s]", flush=True)
-    print(f"{len(cases) - failures}/{len(cases)} cases passed", flush=True)
+    failures = checks.run_cases(check_case, [(case, None) for case in cases])
     return 1 if failures or sweep_failures else 0
 
 

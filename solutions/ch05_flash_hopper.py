@@ -1179,14 +1179,7 @@ def main(argv=None) -> int:
         rows = bench(rounds=args.rounds)
         return 1 if any(not r["verified"] for r in rows) else 0
     cases = [(case, None) for case in CHECK_CASES] if args.check else SMALL_CASES
-    failures = 0
-    for case, config in cases:
-        t0 = time.perf_counter()
-        ok, line = check_case(*case, config=config)
-        failures += not ok
-        print(f"{line} [{time.perf_counter() - t0:.1f} s]", flush=True)
-    print(f"{len(cases) - failures}/{len(cases)} cases passed", flush=True)
-    return 1 if failures else 0
+    return 1 if checks.run_cases(check_case, cases) else 0
 
 
 if __name__ == "__main__":

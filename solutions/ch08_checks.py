@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import replace
 
 import torch
@@ -81,15 +80,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU here; the compile-only checks are tests/test_fa4_final_compile.py")
         return 0
-    failures, cases = 0, all_cases(args.small)
-    for case, cfg in cases:
-        t0 = time.perf_counter()
-        ok, line = check_case(*case, config=cfg)
-        failures += not ok
-        print(f"{line} [{time.perf_counter() - t0:.1f} s]", flush=True)
-    print(f"{len(cases) - failures}/{len(cases)} cases passed", flush=True)
-    return 1 if failures else 0
-
+    return 1 if checks.run_cases(check_case, all_cases(args.small)) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

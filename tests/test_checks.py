@@ -97,3 +97,18 @@ def test_one_line_verdicts_for_kernel_buffers():
     q, k, v, _ = random_qkv(1, 40, 2, 32)
     ok, line = run_into_poisoned(_into(forgets_last_row), q, k, v, label="nan row", wait=no_wait)
     assert not ok and line.startswith("FAIL nan row") and "NaN 64" in line
+
+
+def test_run_cases_counts_failures_and_prints_each(capsys):
+    from utils.checks import run_cases
+
+    seen = []
+
+    def check(a, b, config=None):
+        seen.append((a, b, config))
+        return a < b, f"case {a} {b}"
+
+    assert run_cases(check, [((1, 2), None), ((3, 2), "cfg")]) == 1
+    out = capsys.readouterr().out
+    assert "case 1 2 [" in out and "1/2 cases passed" in out
+    assert seen == [(1, 2, None), (3, 2, "cfg")]

@@ -236,3 +236,19 @@ def check_random_case(attention_into, batch, seqlen_q, seqlen_k, heads, heads_kv
     )
     return run_into_poisoned(attention_into, q, k, v, causal, config=config, label=label,
                              wait=wait)
+
+
+def run_cases(check, cases) -> int:
+    """Run ``check(*case, config=config)`` -> (ok, line) for every (case, config) of ``cases``,
+    printing each line with its time as it goes and a count at the end (the chapters' --check
+    command lines). Returns the number of failed cases."""
+    import time
+
+    failures = 0
+    for case, config in cases:
+        t0 = time.perf_counter()
+        ok, line = check(*case, config=config)
+        failures += not ok
+        print(f"{line} [{time.perf_counter() - t0:.1f} s]", flush=True)
+    print(f"{len(cases) - failures}/{len(cases)} cases passed", flush=True)
+    return failures
