@@ -2,26 +2,27 @@
 
 What this adds over chapter 05's kernel (TMA + wgmma + an mbarrier pipeline, one tile per CTA):
 
-1. Ping-pong that pays. Two (three at D = 64) consumer warpgroups take turns issuing their
-   GEMMs (Note [Turns]), so while the tensor cores run one warpgroup's S = Q K^T and O += P V,
-   the other runs its softmax. Per 128 x 128 tile step at D = 128 the SM has 2048 tensor cycles
-   of GEMMs and 1024 MUFU cycles of exponentials (chapter 00): the exponentials fit under the
-   other warpgroup's GEMMs only if they never wait behind them.
+1. Ping-pong with exact turns. Two (three at D = 64) consumer warpgroups take turns issuing
+   their GEMMs (Note [Turns]), so while the tensor cores run one warpgroup's S = Q K^T and
+   O += P V, the other runs its softmax. Per 128 x 128 tile step at D = 128 the SM has 2048
+   tensor cycles of GEMMs and 1024 MUFU cycles of exponentials (chapter 00): the exponentials
+   fit under the other warpgroup's GEMMs only if they never wait behind them.
 2. Persistence. One CTA per SM walks many tiles (fa4_final.scheduler). The K/V rings keep
    streaming across tile boundaries, and O leaves through its own shared-memory buffer, so the
-   next tile's Q and first K land while this tile's last P V and epilogue run. A one-tile CTA
-   pays its pipeline fill (Q and the first K: about a microsecond from L2/HBM) and its epilogue
-   in the open every time: at S = 4096 a tile is 32 steps of about 1.2 us, so that is a few %.
-3. Causal tiles longest first: the m_blocks with the most keys start first and short ones fill
-   the end, instead of a long tile running alone while other SMs idle.
-4. Deeper K ring. Three K stages and two V stages plus a separate O buffer fit in the 227 KB at
-   D = 128 (HopperFwdConfig.smem_bytes); the third K stage hides the copy engine's latency for
-   the GEMM that waits on it first.
+   next tile's Q and first K land while this tile's last P V and epilogue run, instead of a
+   one-tile CTA paying its pipeline fill and its epilogue with the tensor cores idle.
+3. Causal tiles longest first, handed out in zigzag rounds (scheduler.zigzag_tile), so the
+   persistent CTAs finish together.
+4. The O rescale moved off the softmax's critical path (Note [Where O is rescaled]), a fresh S
+   accumulator per step (ptxas serialises the wgmma otherwise, for lack of registers), and a
+   three-deep K ring next to the separate O buffer within the 227 KB (config.smem_bytes).
 
-Everything the Blackwell kernel can share is shared: tile ranges (tiles), masks (mask), online
-softmax with the exp2 emulation and rescale-threshold knobs (softmax, fast_math) and the tile
-order (scheduler). Measured speeds: results/h200/fa4_final_fwd.json (``python -m
-fa4_final.bench``), printed in notebook 08; never typed here.
+Which of these pay, and by how much, is measured, not claimed here: notebook 08 prints the knob
+table (results/h200/fa4_final_knobs.json, ``python -m solutions.ch08_knobs``) and the standing
+against the peers (results/h200/fa4_final_fwd.json, ``python -m solutions.benchmark``).
+Everything the Blackwell kernel can share is shared: tile ranges (tiles), masks (mask), the
+online softmax with the exp2 emulation and rescale-threshold knobs (softmax, fast_math) and the
+tile order (scheduler).
 """
 
 from __future__ import annotations
