@@ -1,6 +1,7 @@
-"""``python -m fa4_final ...``: the package's small tools.
+"""``python -m fa4_final ...``: the package's two small tools.
 
     python -m fa4_final support-table [--write README.md]   what each GPU runs (fa4_final.dispatch)
+    python -m fa4_final cache [--clear]                      the disk cache (fa4_final.cache)
 """
 
 from __future__ import annotations
@@ -25,6 +26,30 @@ def support_table(argv: list[str]) -> int:
     return usage()
 
 
+def cache(argv: list[str]) -> int:
+    from fa4_final.cache import CACHE, ENV_DISK, cache_root, fingerprint, version
+
+    root = cache_root()
+    print(f"fa4_final compile cache: {root if root else f'disabled ({ENV_DISK}=0)'}")
+    print(f"fingerprint {fingerprint()[:16]} (the package's sources, CuTe DSL "
+          f"{version('cutlass')}, TVM-FFI {version('tvm_ffi')})")
+    if root is None:
+        return 0
+    if argv == ["--clear"]:
+        print(f"removed {CACHE.clear(disk=True)} files")
+        return 0
+    if argv:
+        return usage()
+    folder = Path(root) / fingerprint()[:16]
+    entries = sorted(folder.glob("*.o")) if folder.exists() else []
+    for e in entries:
+        key = e.with_suffix(".txt")
+        print(f"  {e.name}  {e.stat().st_size // 1024} KB  "
+              f"{key.read_text().strip()[:150] if key.exists() else ''}")
+    print(f"{len(entries)} entries for this fingerprint")
+    return 0
+
+
 def usage() -> int:
     print("usage:\n" + "\n".join(USAGE), file=sys.stderr)
     return 2
@@ -32,7 +57,7 @@ def usage() -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    tools = {"support-table": support_table}
+    tools = {"support-table": support_table, "cache": cache}
     if not argv or argv[0] not in tools:
         return usage()
     return tools[argv[0]](argv[1:])
