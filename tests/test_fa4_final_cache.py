@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,13 +123,16 @@ def test_compile_options_from_the_environment_are_part_of_the_key(monkeypatch):
 def test_the_forward_key_names_what_changes_the_code(monkeypatch):
     keys = []
     monkeypatch.setattr(launch, "cached", lambda key, build: keys.append(key) or object())
-    launch.compile_forward("sm_90a", 128, "bf16", False)
-    launch.compile_forward("sm_90a", 128, "bf16", False)
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    first = launch.compile_forward("sm_90a", 128, "bf16", False)[0]
+    assert launch.compile_forward("sm_90a", 128, "bf16", False)[0] is first and len(keys) == 1
     launch.compile_forward("sm_90a", 128, "bf16", True)
     launch.compile_forward("sm_90a", 64, "bf16", False)
     launch.compile_forward("sm_90a", 128, "fp16", False)
     launch.compile_forward("sm_90a", 128, "bf16", False, has_window_left=True)
-    assert keys[0] == keys[1] and len(set(map(repr, keys))) == 5
+    launch.compile_forward("sm_90a", 128, "bf16", False,
+                           config=replace(hopper_fwd_default(128), stages_k=2))
+    assert len(set(map(repr, keys))) == len(keys) == 6
     assert all(cache.entry_name(k, "fp") is not None for k in keys)
 
 
