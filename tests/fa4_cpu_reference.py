@@ -37,6 +37,25 @@ def visible(sq, sk, causal, left, right, device=None):
     return ok
 
 
+def attention_masked(q, k, v, causal=False, window=(None, None), softmax_scale=None,
+                     dtype=torch.float64):
+    """(out, lse) with autograd on any device, in the package's layout: the float64 yardstick
+    (``dtype=torch.float64``), or PyTorch in the kernel's precision (``dtype=q.dtype``: S
+    rounded to it, the softmax in float32, P rounded to it), as utils.reference, plus windows.
+    Rows that see no key: out 0, lse -inf."""
+    h, hk, d = q.shape[2], k.shape[2], q.shape[3]
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    soft = torch.float64 if dtype == torch.float64 else torch.float32
+    qf, kf, vf = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+    kf, vf = (t.repeat_interleave(h // hk, dim=1) for t in (kf, vf))
+    s = (qf @ kf.transpose(-1, -2)).to(soft) * scale
+    s = s.masked_fill(~visible(q.shape[1], k.shape[1], causal, *window, device=q.device),
+                      -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return (p.to(dtype) @ vf).transpose(1, 2), lse
+
+
 def _probs(q, k, scale, causal, left, right, lse=None):
     """(b, h, sq, sk) float32 P and lse (b, h, sq) from q (b, sq, h, d), k (b, sk, hk, d)."""
     h, hk = q.shape[2], k.shape[2]
@@ -55,8 +74,8 @@ def dense_forward(q, k, v, scale, causal, left, right):
     h, hk = q.shape[2], k.shape[2]
     b, sq = q.shape[:2]
     if min(q.shape[0], sq, h) == 0 or k.shape[1] == 0:
-        return (torch.zeros(q.shape, dtype=q.dtype),
-                torch.full((b, h, sq), -math.inf, dtype=torch.float32))
+        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
+                torch.full((b, h, sq), -math.inf, dtype=torch.float32, device=q.device))
     p, lse = _probs(q, k, scale, causal, left, right)
     vf = v.float().transpose(1, 2).repeat_interleave(h // hk, dim=1)
     out = (p @ vf).transpose(1, 2).to(q.dtype).contiguous()

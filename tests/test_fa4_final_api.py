@@ -27,15 +27,7 @@ def qkv(b=2, sq=40, sk=56, h=4, hk=2, d=64, dtype=BF16, grad=False, seed=0):
 
 def reference64(q, k, v, causal=False, window=(None, None), scale=None):
     """float64 attention with autograd: (out, lse) in the package's layout."""
-    h, hk, d = q.shape[2], k.shape[2], q.shape[3]
-    scale = d**-0.5 if scale is None else scale
-    qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k, v))
-    kf, vf = (t.repeat_interleave(h // hk, dim=1) for t in (kf, vf))
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    s = s.masked_fill(~ref.visible(q.shape[1], k.shape[1], causal, *window), -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    return (p @ vf).transpose(1, 2), lse
+    return ref.attention_masked(q, k, v, causal, window, scale)
 
 
 @pytest.fixture
