@@ -2,8 +2,9 @@
 
 A drop-in for the FlashAttention-4 package (``flash_attn.cute``) where it overlaps: change the
 import and keep the call. The same keyword names, and the same return: a pair ``(out, lse)``,
-lse None unless ``return_lse=True`` or an input requires grad (as FA4 returns it); with
-``return_lse=False`` the lse is returned detached, so a loss cannot silently miss its gradient.
+lse None unless ``return_lse=True`` or an input requires grad (as FA4 returns it). FA4 then
+drops the lse's gradient without a sign; here that lse comes back detached (requires_grad
+False), so the missing gradient shows. With ``return_lse=True`` the gradient flows.
 Arguments after q, k, v (after max_seqlen_k for varlen) are keyword-only: FA2 has dropout_p and
 FA4 has qv in the fourth place, so a positional call from either would mean something else here.
 FA4 keywords for features this package lacks are accepted at their neutral value (softcap=0.0,

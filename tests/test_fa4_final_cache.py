@@ -234,3 +234,14 @@ def test_cli_lists_and_clears(monkeypatch, tmp_path, tiny_build, capsys):
     out = capsys.readouterr().out
     assert str(tmp_path) in out and "1 entries" in out and "('tiny', 8" in out
     assert cli.main(["cache", "--clear"]) == 0 and not any(tmp_path.iterdir())
+
+
+def test_cli_warm_compiles_every_default_forward(monkeypatch, tmp_path, capsys):
+    from fa4_final import __main__ as cli
+
+    calls = []
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(launch, "compile_forward", lambda *a: calls.append(a))
+    assert cli.main(["cache", "--warm"]) == 0
+    assert len(calls) == 8 and {a[1] for a in calls} == {64, 128}
+    assert "forward D=128 fp16 causal" in capsys.readouterr().out
