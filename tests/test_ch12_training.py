@@ -57,13 +57,13 @@ def test_curve_comparison_arithmetic():
 def cpu_runs():
     cfg = tr.SMALL
     with ref.active():
-        return cfg, {name: tr.train(name, cfg, "cpu")
-                     for name in ("fa4_final", "sdpa_math", "sdpa_flash")}
+        return cfg, {name: tr.train(name, cfg, "cpu") for name in ("fa4_final", "sdpa_math")}
 
 
 def test_fa4_final_trains_like_sdpa(cpu_runs):
     cfg, runs = cpu_runs
-    verdict = tr.compare(runs, cfg, baseline="sdpa_math", yardstick="sdpa_flash")
+    # on a CPU the "kernel" is float32 PyTorch too: no drift allowed beyond GAP_ATOL
+    verdict = tr.compare(runs, cfg, baseline="sdpa_math", yardstick="sdpa_math")
     assert verdict["ok"], verdict
     start = math.log(cfg.vocab - 2)
     assert abs(runs["fa4_final"]["losses"][0] - start) < 0.3
@@ -82,5 +82,5 @@ def test_a_kernel_that_sees_the_future_fails_the_comparison(cpu_runs, monkeypatc
 
     monkeypatch.setitem(tr.IMPLS, "leaky", leaky)
     broken = dict(runs, fa4_final=tr.train("leaky", cfg, "cpu"))
-    verdict = tr.compare(broken, cfg, baseline="sdpa_math", yardstick="sdpa_flash")
+    verdict = tr.compare(broken, cfg, baseline="sdpa_math", yardstick="sdpa_math")
     assert not verdict["ok"] and verdict["gap"] > verdict["allowed"], verdict
