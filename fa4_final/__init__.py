@@ -1,9 +1,17 @@
 """fa4_final: a FlashAttention-4 style attention kernel in CuTe DSL with a PyTorch API.
 
-It stands alone (it imports neither the course's ``utils`` nor ``solutions``). Each module is
-taught in a chapter of the course:
+    from fa4_final import flash_attn_func, flash_attn_varlen_func
 
-    interface    checks, dispatch by architecture, the torch entry points     chapters 08, 12
+is a drop-in for ``flash_attn.cute``'s functions of the same names (see fa4_final.interface for
+what is supported). It stands alone (it imports neither the course's ``utils`` nor
+``solutions``). Each module is taught in a chapter of the course:
+
+    interface    flash_attn_func, flash_attn_varlen_func: the public API         chapter 12
+    ops          the torch custom ops: fake shapes for torch.compile, autograd   chapter 12
+    checks       input checks with errors that say what is accepted              chapter 12
+    run, varlen  eager calls of the kernels; the varlen per-sequence fallback    chapter 12
+    dispatch     which GPU runs which kernel; the support table                  chapter 12
+    cache        the compile cache in memory and on disk                         chapter 12
     compile      one compile path from fake tensors; artifacts for compile-only  chapters 03, 08
     config       frozen per-kernel configurations and tuned defaults            chapter 08
     constants    LOG2_E, LN_2, warp sizes, dtype maps                           chapter 03
@@ -14,8 +22,19 @@ taught in a chapter of the course:
     fast_math    2^x on the FMA units                                           chapter 06
     scheduler    tile order and the persistent static schedule                  chapter 08
     hopper.fwd   the warp-specialised ping-pong persistent forward (sm_90a)     chapter 08
+    hopper.launch  compile through the cache and launch the Hopper kernels      chapter 12
 """
 
-from fa4_final.interface import attention, compile_only, forward, forward_into
+from fa4_final.dispatch import support_table
+from fa4_final.errors import UnsupportedError
+from fa4_final.interface import (
+    attention,
+    compile_only,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    forward,
+    forward_into,
+)
 
-__all__ = ["attention", "compile_only", "forward", "forward_into"]
+__all__ = ["UnsupportedError", "attention", "compile_only", "flash_attn_func",
+           "flash_attn_varlen_func", "forward", "forward_into", "support_table"]

@@ -6,8 +6,9 @@ head count, takes torch tensors directly and runs on the caller's current stream
 with ``keep=True`` also returns the PTX, cubin, SASS and resources: that is what ``compile_only``
 shows and what the CPU tests check, with no GPU anywhere (``arch`` names the target).
 
-Compiled functions are cached in memory by (kernel key, arch, CuTe DSL version); the key of each
-kernel is its class name and frozen configuration.
+Compiled functions are cached in memory and on disk (fa4_final.cache) by (kernel key, arch, CuTe
+DSL version) and a fingerprint of the package's sources; the key of each kernel is its class name
+and frozen configuration.
 """
 
 from __future__ import annotations
@@ -147,15 +148,12 @@ def compile_kernel(kernel, *args, arch: str, keep: bool = False, tvm_ffi: bool =
     return compiled, Artifacts(arch, ptx, cubin, sass, seconds, kernel_resources(cubin, sass))
 
 
-_CACHE: dict = {}
-
-
 def cached(key: tuple, build):
-    """In-memory cache of compiled kernels: ``build()`` runs once per key and process."""
-    full = (*key, DSL_VERSION)
-    if full not in _CACHE:
-        _CACHE[full] = build()
-    return _CACHE[full]
+    """The compiled kernel for ``key``: ``build()`` runs once per key and process, and once per
+    key on the machine while the disk cache holds its entry (fa4_final.cache)."""
+    from fa4_final.cache import CACHE
+
+    return CACHE.get((*key, DSL_VERSION), build)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,142 @@
+"""Which GPU runs which kernels: the dispatch table, and the support table built from it.
+
+Each GPU family is one ``Backend``: the compute capabilities it answers for, the target its
+kernels are compiled for, and the functions that launch its forward, backward and varlen forward.
+``backend_for(device)`` picks the row or raises UnsupportedError naming what is supported, so no
+setup falls through to a kernel that would compute garbage. The README's table of what each GPU
+supports is printed from these rows (``python -m fa4_final support-table --write README.md``; a
+test fails when it is out of date).
+
+The Blackwell row is wired through one entry each for the forward and the backward: until the
+chapter 09-11 kernels are connected, they raise UnsupportedError saying so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fa4_final.config import HEAD_DIMS
+from fa4_final.errors import UnsupportedError
+from fa4_final.hopper import launch as hopper
+
+START, END = "<!-- support:start -->", "<!-- support:end -->"
+
+
+@dataclass(frozen=True)
+class Backend:
+    family: str  # "Hopper"
+    gpus: str  # the GPUs people know it by
+    arch: str  # "sm_90": what torch's compute capability says
+    capabilities: tuple[tuple[int, int], ...]
+    target: str  # what the kernels are compiled for
+    forward: Callable  # (q, k, v, out, lse, causal, softmax_scale, left, right, config)
+    backward: Callable  # (q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right, det)
+    forward_module: str
+    backward_module: str
+    wired: bool = True  # False: compiled by its chapter, not yet called from torch
+    head_dims: tuple[int, ...] = HEAD_DIMS
+    dtypes: tuple[str, ...] = ("bf16", "fp16")
+    # The varlen kernel plugs in here: (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+    # max_seqlen_q, max_seqlen_k, out, lse, causal, scale, left, right). None: fa4_final.varlen
+    # loops over the batch with the dense kernel.
+    varlen_forward: Callable | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.family} ({self.gpus}, {self.arch})"
+
+    def state(self, module: str) -> str:
+        """'yes', 'compiled, not wired' or 'not in this build', for the README."""
+        if not module_present(module):
+            return "not in this build"
+        return "yes" if self.wired else "compiled, not wired"
+
+
+def module_present(module: str) -> bool:
+    """Whether this build holds ``module`` (found, not imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing too
+        return False
+
+
+def _not_wired(family: str, what: str, module: str) -> Callable:
+    def run(*args, **kwargs):
+        raise UnsupportedError(
+            f"{family} kernels are compiled ({module}, chapters 09-11) but not yet wired to "
+            f"fa4_final's torch entry points: the {what} cannot run on this GPU yet. Supported "
+            f"now: {supported_list()}")
+
+    return run
+
+
+BACKENDS: tuple[Backend, ...] = (
+    Backend("Hopper", "H100, H200", "sm_90", ((9, 0),), "sm_90a",
+            forward=hopper.forward_into, backward=hopper.backward_into,
+            forward_module="fa4_final.hopper.fwd", backward_module=hopper.BACKWARD_MODULE),
+    Backend("Blackwell", "B200, GB200", "sm_100", ((10, 0),), "sm_100a",
+            forward=_not_wired("Blackwell (sm_100)", "forward", "fa4_final.blackwell.fwd"),
+            backward=_not_wired("Blackwell (sm_100)", "backward", "fa4_final.blackwell.bwd"),
+            forward_module="fa4_final.blackwell.fwd", backward_module="fa4_final.blackwell.bwd",
+            wired=False),
+)
+
+
+def supported_list() -> str:
+    """The families that run today, e.g. 'Hopper (H100, H200, sm_90)'."""
+    ready = [b.label for b in BACKENDS if b.wired] or ["none"]
+    return ", ".join(ready)
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The row for ``device``, or an UnsupportedError naming what is supported."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise UnsupportedError(f"fa4_final runs on CUDA GPUs: {supported_list()}; got a tensor "
+                               f"on {device}")
+    cap = tuple(torch.cuda.get_device_capability(device))
+    for backend in BACKENDS:
+        if cap in backend.capabilities:
+            return backend
+    raise UnsupportedError(
+        f"fa4_final has no kernels for {torch.cuda.get_device_name(device)} (compute capability "
+        f"{cap[0]}.{cap[1]}, sm_{cap[0]}{cap[1]}); it runs on {supported_list()}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the support table
+
+
+def support_table() -> str:
+    """Markdown: one row per GPU family, read off BACKENDS and the modules this build holds."""
+    head = ("| GPU | arch (compiled for) | forward | backward | head dims | dtypes | varlen |\n"
+            "|---|---|---|---|---|---|---|")
+    rows = []
+    for b in BACKENDS:
+        runs = b.state(b.forward_module) == "yes"
+        varlen = "kernel" if b.varlen_forward else "per-sequence loop over the dense kernel"
+        varlen, dims, dtypes = (varlen, ", ".join(map(str, b.head_dims)), ", ".join(b.dtypes)) \
+            if runs else ("-", "-", "-")
+        rows.append(f"| {b.family} ({b.gpus}) | {b.arch} ({b.target}) | "
+                    f"{b.state(b.forward_module)} | {b.state(b.backward_module)} | {dims} | "
+                    f"{dtypes} | {varlen} |")
+    rows.append("| any other GPU, or a CPU tensor | - | UnsupportedError naming the above | - | - "
+                "| - | - |")
+    notes = ("\nEvery row that runs takes causal and sliding-window masks (`window_size`), "
+             "GQA/MQA\n(heads divisible by the k/v heads) and sequences of length 0. Generated "
+             "from the\ndispatch table in `fa4_final/dispatch.py` by\n`python -m fa4_final "
+             "support-table --write README.md`.")
+    return "\n".join([head, *rows]) + "\n" + notes
+
+
+def render(readme_text: str) -> str:
+    """``readme_text`` with the table between the support markers replaced."""
+    if START not in readme_text or END not in readme_text:
+        raise ValueError(f"the README lacks the markers {START} ... {END}")
+    head, rest = readme_text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{support_table()}\n{END}{tail}"

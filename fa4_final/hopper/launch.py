@@ -1,0 +1,179 @@
+"""What runs the Hopper kernels from torch: compile (through the cache), then launch. Chapter 12.
+
+Inputs arrive checked (fa4_final.interface); these functions only pick the compiled kernel for
+the dtype, head dim and masks and pass the run-time arguments. The backward plugs in through one
+function, ``backward_kernel()``: it finds ``fa4_final.hopper.bwd.backward_into`` (chapter 11)
+or says that this build lacks it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from fa4_final.compile import cached, compile_kernel, fake_stream, fake_tensor
+from fa4_final.config import HopperFwdConfig, hopper_fwd_default
+from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES
+from fa4_final.errors import UnsupportedError
+
+ARCH = "sm_90a"
+BACKWARD_MODULE = "fa4_final.hopper.bwd"
+L2_BYTES_FOR_KV = 40 * 2**20  # of the H100/H200's 50 MB L2, what K and V may take
+
+# compile_forward's arguments -> the compiled kernel, in front of the cache: a call of the
+# forward must not pay for building the kernel object and its key (tens of us) every time.
+_COMPILED: dict = {}
+
+
+# ----------------------------------------------------------------------------------------------
+# compiling
+
+
+def _fwd_kernel(dtype_name: str, head_dim: int, causal: bool, has_left: bool, has_right: bool,
+                config: HopperFwdConfig):
+    from fa4_final.hopper.fwd import HopperForward
+
+    return HopperForward(CUTLASS_BY_NAME[dtype_name], head_dim, causal, config,
+                         has_window_left=has_left, has_window_right=has_right)
+
+
+def _fwd_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from fa4_final.timeline import MARKS, MAX_STEPS
+
+    dt = CUTLASS_BY_NAME[dtype_name]
+    div = 128 // dt.width  # 16-byte strides (TMA), in elements
+    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+    q = fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)
+    k = fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)
+    v = fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)
+    o = fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)
+    lse = fake_tensor(Float32, (b, h, sq), divisibility=1)
+    timeline = fake_tensor(cutlass.Int64, (1 + cfg.num_consumer_wgs, MAX_STEPS, MARKS))
+    return (q, k, v, o, lse, timeline, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
+            fake_stream())
+
+
+def compile_forward(arch: str = ARCH, head_dim: int = 128, dtype: str = "bf16",
+                    causal: bool = False, config: HopperFwdConfig | None = None,
+                    has_window_left: bool = False, has_window_right: bool = False,
+                    keep: bool = False):
+    """Compile the forward for ``arch`` with fake tensors (no GPU needed); returns
+    (compiled, artifacts or None). The GPU path and compile-only share this one function;
+    without ``keep`` the result comes from the compile cache (fa4_final.cache)."""
+    if dtype not in CUTLASS_BY_NAME:
+        raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
+    if arch != ARCH:
+        raise UnsupportedError(f"the Hopper forward uses wgmma, TMA and setmaxnreg: it compiles "
+                               f"for arch='{ARCH}' only, got {arch!r}")
+    cfg = config or hopper_fwd_default(head_dim, causal)
+    if not isinstance(cfg, HopperFwdConfig):
+        raise TypeError(f"config must be a HopperFwdConfig or None, got {type(cfg).__name__}")
+    memo = (arch, head_dim, dtype, bool(causal), cfg, bool(has_window_left),
+            bool(has_window_right))
+    if not keep and memo in _COMPILED:  # the per-call path: a dict lookup, about 1 us
+        return _COMPILED[memo], None
+    kernel = _fwd_kernel(dtype, head_dim, causal, has_window_left, has_window_right, cfg)
+
+    def build():
+        return compile_kernel(kernel, *_fwd_fake_args(dtype, head_dim, cfg), arch=arch,
+                              keep=keep)
+
+    if keep:
+        return build()
+    _COMPILED[memo] = cached(("fwd", arch, kernel.cache_key()), lambda: build()[0])
+    return _COMPILED[memo], None
+
+
+# ----------------------------------------------------------------------------------------------
+# running
+
+
+def l2_section_pairs(seqlen_k: int, head_dim: int, elem_bytes: int, pairs: int) -> int:
+    """(head, batch) pairs per section of the causal tile order (scheduler, Note [Causal
+    order]): the largest power of two whose K and V fit in L2, at least 1, at most ``pairs``."""
+    per_pair = 2 * seqlen_k * head_dim * elem_bytes
+    g = 1
+    while 2 * g * per_pair <= L2_BYTES_FOR_KV and 2 * g <= pairs:
+        g *= 2
+    return g
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def forward_into(q, k, v, out, lse, causal: bool, softmax_scale: float, window_left,
+                 window_right, config: HopperFwdConfig | None = None):
+    """Launch the forward on checked, non-empty inputs (window sides None when unbounded)."""
+    b, _, h, d = q.shape
+    has_right = window_right is not None and not causal
+    compiled, _ = compile_forward(ARCH, d, DTYPE_NAMES[q.dtype], causal, config,
+                                  has_window_left=window_left is not None,
+                                  has_window_right=has_right)
+    cfg = config or hopper_fwd_default(d, causal)
+    group = h * b  # causal: longest first over every (head, batch) pair
+    if cfg.l2_sections:
+        group = l2_section_pairs(k.shape[1], d, q.element_size(), h * b)
+    compiled(q, k, v, out, lse, _timeline_buffer(q.device, cfg), softmax_scale,
+             window_left or 0, window_right or 0, group, _num_sms(q.device))
+
+
+_TIMELINES: dict = {}
+
+
+def _timeline_buffer(device, cfg: HopperFwdConfig) -> torch.Tensor:
+    """The int64 (roles, MAX_STEPS, MARKS) buffer a kernel built with ``timeline=True``
+    writes its phase stamps to (Note [Timeline]); other builds never touch it."""
+    from fa4_final.timeline import MARKS, MAX_STEPS
+
+    key = (device, cfg.num_consumer_wgs)
+    if key not in _TIMELINES:
+        _TIMELINES[key] = torch.zeros(1 + cfg.num_consumer_wgs, MAX_STEPS, MARKS,
+                                      dtype=torch.int64, device=device)
+    return _TIMELINES[key]
+
+
+def forward_timeline(q, k, v, causal=False, config: HopperFwdConfig | None = None):
+    """One run of the forward built with ``timeline=True``; returns the recorded (roles,
+    MAX_STEPS, MARKS) cycle stamps of CTA 0's first tile as a CPU int64 tensor (0 = not
+    reached). Role 0 is the producer (one stamp per K tile issued), role w + 1 consumer
+    warpgroup w."""
+    from dataclasses import replace
+
+    from fa4_final.run import forward
+
+    cfg = replace(config or hopper_fwd_default(q.shape[-1], causal), timeline=True)
+    buf = _timeline_buffer(q.device, cfg)
+    buf.zero_()
+    forward(q, k, v, causal, config=cfg)
+    torch.cuda.synchronize(q.device)
+    return buf.cpu().clone()
+
+
+def backward_kernel():
+    """``fa4_final.hopper.bwd.backward_into``, or NotImplementedError naming what is missing.
+    An import error inside a present module is not hidden."""
+    if importlib.util.find_spec(BACKWARD_MODULE) is None:
+        raise NotImplementedError(
+            f"the Hopper backward is not in this build of fa4_final: {BACKWARD_MODULE} is "
+            f"missing (chapter 11). The forward runs; gradients need backward_into(q, k, v, "
+            f"out, lse, dout, dq, dk, dv, causal, softmax_scale, window_size, deterministic)")
+    fn = getattr(importlib.import_module(BACKWARD_MODULE), "backward_into", None)
+    if fn is None:
+        raise NotImplementedError(f"{BACKWARD_MODULE} has no backward_into(q, k, v, out, lse, "
+                                  f"dout, dq, dk, dv, ...) yet: the Hopper backward is not wired")
+    return fn
+
+
+def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal: bool, softmax_scale: float,
+                  window_left, window_right, deterministic: bool = False):
+    """Run the Hopper backward writing dq, dk, dv (inputs checked, non-empty)."""
+    backward_kernel()(q, k, v, out, lse, dout, dq, dk, dv, causal=causal,
+                      softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                      deterministic=deterministic)

@@ -1,0 +1,205 @@
+"""The kernels as torch custom operators: torch.compile sees each as one node. Chapter 12.
+
+    torch.ops.fa4_final.fwd          (q, k, v, ...)                   -> (out, lse)
+    torch.ops.fa4_final.bwd          (dout, q, k, v, out, lse, ...)   -> (dq, dk, dv)
+    torch.ops.fa4_final.varlen_fwd   (q, k, v, cu_seqlens_q, ...)     -> (out, lse)
+    torch.ops.fa4_final.varlen_bwd   (dout, q, k, v, out, lse, ...)   -> (dq, dk, dv)
+
+A compiled graph cannot trace into a CuTe DSL kernel, and must not try: the custom op is opaque,
+and its fake implementation tells the compiler the shapes, dtypes and strides of what the kernel
+returns (all outputs freshly allocated and contiguous, in the real implementation too), so
+``torch.compile(fullgraph=True)`` of a model that calls flash_attn_func has no graph break. The
+forward ops carry ``deterministic`` and ``return_lse`` only for their autograd formula
+(``register_autograd``), which calls the backward op.
+
+Window sides are ints here, -1 for an unbounded side (FlashAttention's convention); the public
+functions (fa4_final.interface) resolve None, causal and the default scale before calling.
+
+Note [Gradient of the returned lse]
+With return_lse=True the lse is an output that a loss may use; its gradient dlse joins the
+backward through the softmax: dS = P * (dP - D + dlse), with dP = dO V^T and D = rowsum(dO * O).
+The backward kernel computes D itself and uses O for nothing else, so a second call of the same
+kernel with V = 0 (so dP = 0), dO = 1 in three columns and O = -dlse split over those columns
+(three bf16/fp16 pieces that sum to the float32 value) gets D = -dlse and hence dS = P * dlse:
+exactly the extra dq and dk (dv of that call is P^T dO: thrown away). It costs one more backward,
+only when return_lse=True and a gradient is needed; a row that sees no key has P = 0 and gets
+nothing, as it should.
+"""
+
+
+import torch
+from torch import Tensor
+
+
+def _side(w: int):
+    return None if w < 0 else w
+
+
+# ----------------------------------------------------------------------------------------------
+# dense
+
+
+def fwd_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+             window_left: int, window_right: int, deterministic: bool,
+             return_lse: bool) -> tuple[Tensor, Tensor]:
+    from fa4_final.run import forward_into
+
+    b, sq, h, _ = q.shape
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    forward_into(q, k, v, out, lse, causal, softmax_scale, (_side(window_left),
+                                                            _side(window_right)))
+    return out, lse
+
+
+fwd = torch.library.custom_op("fa4_final::fwd", fwd_impl, mutates_args=())
+
+
+@fwd.register_fake
+def _(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, return_lse):
+    from fa4_final.checks import check_inputs
+
+    b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale, check_address=False)
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             softmax_scale: float, causal: bool, window_left: int, window_right: int,
+             deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from fa4_final.run import backward_into
+
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal, softmax_scale,
+                  (_side(window_left), _side(window_right)), deterministic)
+    return dq, dk, dv
+
+
+bwd = torch.library.custom_op("fa4_final::bwd", bwd_impl, mutates_args=())
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _lse_probe(dlse_rows: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(dout, out) whose rowsum(dout * out) is -dlse (Note [Gradient of the returned lse]).
+    ``dlse_rows`` is dlse laid out like like[..., 0]."""
+    x = -dlse_rows.float()
+    pieces = []
+    for _ in range(3):
+        piece = x.to(like.dtype)
+        pieces.append(piece)
+        x = x - piece.float()
+    probe_out = like.new_zeros(like.shape)
+    probe_dout = like.new_zeros(like.shape)
+    probe_out[..., :3] = torch.stack(pieces, dim=-1)
+    probe_dout[..., :3] = 1
+    return probe_dout, probe_out
+
+
+def _setup_fwd(ctx, inputs, output):
+    q, k, v, scale, causal, wl, wr, deterministic, return_lse = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = (scale, causal, wl, wr, deterministic)
+    ctx.return_lse = return_lse
+
+
+def _backward_fwd(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.options)
+    if ctx.return_lse and dlse is not None:
+        probe_dout, probe_out = _lse_probe(dlse.transpose(1, 2), out)  # (b, sq, h)
+        dq_lse, dk_lse, _ = bwd(probe_dout, q, k, torch.zeros_like(v), probe_out, lse,
+                                *ctx.options)
+        dq, dk = dq + dq_lse, dk + dk_lse
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen
+
+
+def varlen_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                    cu_seqlens_k: Tensor, seqused_k: Tensor | None, max_seqlen_q: int,
+                    max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+                    window_right: int, deterministic: bool,
+                    return_lse: bool) -> tuple[Tensor, Tensor]:
+    from fa4_final.varlen import varlen_forward_into
+
+    total_q, h, _ = q.shape
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((h, total_q), dtype=torch.float32)
+    varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, _side(max_seqlen_q),
+                        _side(max_seqlen_k), out, lse, causal, softmax_scale,
+                        (_side(window_left), _side(window_right)))
+    return out, lse
+
+
+varlen_fwd = torch.library.custom_op("fa4_final::varlen_fwd", varlen_fwd_impl,
+                                     mutates_args=())
+
+
+@varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, causal, window_left, window_right, deterministic, return_lse):
+    from fa4_final.checks import check_varlen_inputs
+
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None,
+                        softmax_scale, check_address=False)
+    total_q, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
+
+
+def varlen_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Tensor | None,
+                    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+                    window_left: int, window_right: int,
+                    deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from fa4_final.varlen import varlen_backward_into
+
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                         seqused_k, _side(max_seqlen_q), _side(max_seqlen_k), causal,
+                         softmax_scale, (_side(window_left), _side(window_right)),
+                         deterministic)
+    return dq, dk, dv
+
+
+varlen_bwd = torch.library.custom_op("fa4_final::varlen_bwd", varlen_bwd_impl,
+                                     mutates_args=())
+
+
+@varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+      max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_varlen_fwd(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal, wl, wr, deterministic,
+     return_lse) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k)
+    ctx.options = (max_q, max_k, scale, causal, wl, wr, deterministic)
+    ctx.return_lse = return_lse
+
+
+def _backward_varlen_fwd(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, *ctx.options)
+    if ctx.return_lse and dlse is not None:
+        probe_dout, probe_out = _lse_probe(dlse.transpose(0, 1), out)  # (total_q, h)
+        dq_lse, dk_lse, _ = varlen_bwd(probe_dout, q, k, torch.zeros_like(v), probe_out, lse,
+                                       cu_q, cu_k, seqused_k, *ctx.options)
+        dq, dk = dq + dq_lse, dk + dk_lse
+    return (dq, dk, dv) + (None,) * 11
+
+
+varlen_fwd.register_autograd(_backward_varlen_fwd, setup_context=_setup_varlen_fwd)

@@ -1,0 +1,117 @@
+"""Variable-length batches: sequences packed one after another, described by offsets. Chapter 12.
+
+q is (total_q, heads, dim), k and v (total_k, heads_kv, dim); sequence i holds the q rows
+cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1 and the k/v rows from cu_seqlens_k[i], of which the
+first seqused_k[i] are used when seqused_k is given (a KV cache allocated longer than it is
+filled). lse is (heads, total_q), FlashAttention's varlen layout. Masks are bottom-right aligned
+per sequence. A sequence with no query row costs nothing; one with no key gives out = 0 and
+lse = -inf for its rows.
+
+Note [Varlen fallback]
+The Hopper forward does not read cu_seqlens yet. Until it does, each sequence runs as a batch of
+one through the dense kernel: correct for any lengths, and as fast as the dense kernel when the
+sequences are long, but it pays one launch per sequence and leaves SMs idle on short ones (a
+sequence of 128 rows is one query tile: one CTA of 132). The offsets are copied to the host once
+per call (one device synchronisation); the checks of their values use that copy. When a backend
+gets a varlen kernel (``Backend.varlen_forward`` in fa4_final.dispatch), it is called instead,
+with the same arguments; the value checks then cost the only synchronisation and can be turned
+off with FA4_FINAL_VARLEN_CHECKS=0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from fa4_final.checks import (
+    _normalise_window,
+    check_grads,
+    check_outputs,
+    check_varlen_inputs,
+    check_varlen_values,
+)
+from fa4_final.dispatch import backend_for
+
+
+def _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k):
+    """The offsets on the host, in one copy."""
+    parts = [cu_seqlens_q, cu_seqlens_k] + ([seqused_k] if seqused_k is not None else [])
+    flat = torch.cat(parts).tolist()
+    n = cu_seqlens_q.shape[0]
+    cu_q, cu_k = flat[:n], flat[n:2 * n]
+    return cu_q, cu_k, (flat[2 * n:] if seqused_k is not None else None)
+
+
+def _spans(cu_q, cu_k, used_k):
+    """(first q row, q rows, first k row, k rows used) of every sequence."""
+    return [(cu_q[i], cu_q[i + 1] - cu_q[i], cu_k[i], used_k[i]) for i in range(len(cu_q) - 1)]
+
+
+def _values_checked(backend) -> bool:
+    return backend.varlen_forward is None or os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0"
+
+
+def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                        max_seqlen_k, out, lse, causal=False, softmax_scale=None,
+                        window_size=(None, None), config=None):
+    """Write the varlen forward into ``out`` (like q) and ``lse`` ((heads, total_q) float32)."""
+    batch, total_q, total_k, h, hk, d = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale)
+    causal, left, right = _normalise_window(causal, window_size)
+    backend = backend_for(q.device)
+    check_outputs(q, out, lse, (h, total_q))
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    if _values_checked(backend):
+        cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
+        _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k, max_seqlen_q,
+                                        max_seqlen_k)
+    if backend.varlen_forward is not None:  # Note [Varlen fallback]: the kernel plugs in here
+        backend.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                               max_seqlen_k, out, lse, causal, scale, left, right, config)
+        return out, lse
+    for q0, nq, k0, nk in _spans(cu_q, cu_k, used_k):
+        if nq == 0:
+            continue
+        o = out[q0:q0 + nq].unsqueeze(0)  # (1, nq, h, d): a batch of one
+        row_lse = lse[:, q0:q0 + nq].unsqueeze(0)  # (1, h, nq), row stride total_q
+        if nk == 0:
+            o.zero_()
+            row_lse.fill_(-math.inf)
+            continue
+        backend.forward(q[q0:q0 + nq].unsqueeze(0), k[k0:k0 + nk].unsqueeze(0),
+                        v[k0:k0 + nk].unsqueeze(0), o, row_lse, causal, scale, left, right,
+                        config)
+    return out, lse
+
+
+def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                         seqused_k, max_seqlen_q, max_seqlen_k, causal=False,
+                         softmax_scale=None, window_size=(None, None), deterministic=False):
+    """Gradients of the varlen forward into dq (like q), dk and dv (like k). Key rows no
+    sequence uses (past seqused_k) get zero gradients."""
+    batch, total_q, total_k, h, hk, d = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale)
+    causal, left, right = _normalise_window(causal, window_size)
+    backend = backend_for(q.device)
+    check_outputs(q, out, lse, (h, total_q))
+    check_grads(q, k, dout, dq, dk, dv)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
+    _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k, max_seqlen_q,
+                                    max_seqlen_k)
+    for t in (dq, dk, dv):  # rows of empty sequences and unused keys stay 0
+        t.zero_()
+    for q0, nq, k0, nk in _spans(cu_q, cu_k, used_k):
+        if nq == 0 or nk == 0:
+            continue
+        rows_q, rows_k = slice(q0, q0 + nq), slice(k0, k0 + nk)
+        one = [t[rows_q].unsqueeze(0) for t in (q, out, dout, dq)]
+        kv = [t[rows_k].unsqueeze(0) for t in (k, v, dk, dv)]
+        row_lse = lse[:, rows_q].unsqueeze(0).contiguous()  # (1, h, nq)
+        backend.backward(one[0], kv[0], kv[1], one[1], row_lse, one[2], one[3], kv[2], kv[3],
+                         causal, scale, left, right, deterministic)
+    return dq, dk, dv

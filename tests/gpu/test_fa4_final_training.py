@@ -1,0 +1,64 @@
+"""A small GPT trained a few hundred steps with fa4_final and with SDPA, same weights, same
+batches: the loss curves must agree within Note [How close two loss curves must be]
+(solutions/ch12_training.py). Needs the backward; the speed table is the script's job:
+    python -m solutions.ch12_training
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from solutions import ch12_training as tr
+from utils.hardware import missing
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(missing("sm_90") is not None, reason=str(missing("sm_90"))),
+]
+
+
+def _backward_missing() -> str | None:
+    from fa4_final.hopper import launch
+
+    try:
+        launch.backward_kernel()
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+needs_backward = pytest.mark.skipif(_backward_missing() is not None,
+                                    reason=str(_backward_missing()))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cfg = tr.TrainConfig()
+    return cfg, {name: tr.train(name, cfg, "cuda")
+                 for name in ("fa4_final", "sdpa_flash", "sdpa_efficient")}
+
+
+@needs_backward
+def test_loss_curves_agree_with_sdpa(runs):
+    cfg, got = runs
+    verdict = tr.compare(got, cfg)
+    print("\n" + tr.report(got, cfg, verdict))
+    assert verdict["ok"], tr.report(got, cfg, verdict)
+
+
+@needs_backward
+def test_compiled_training_follows_eager(runs):
+    """The same run through torch.compile(fullgraph=True): the custom ops inside an inductor
+    graph, forward and backward. Inductor fuses the other ops differently, so the curves are
+    held to the same band as two kernels, not to equality."""
+    cfg, got = runs
+    short = replace(cfg, steps=100)
+    compiled = tr.train("fa4_final", short, "cuda", compile=True)
+    eager = {"losses": got["fa4_final"]["losses"][:100]}
+    assert abs(compiled["losses"][0] - eager["losses"][0]) <= tr.STEP0_TOL
+    drift = tr.max_gap(got["sdpa_efficient"]["losses"][:100],
+                       got["sdpa_flash"]["losses"][:100], cfg.window)
+    gap = tr.max_gap(compiled["losses"], eager["losses"], cfg.window)
+    assert gap <= 2 * drift + tr.GAP_ATOL, (gap, drift)
+    assert torch.isfinite(torch.tensor(compiled["losses"])).all()
