@@ -129,6 +129,8 @@ def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_sca
     ``deterministic``: bitwise the same gradients every run (a fixed order of dQ adds)."""
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
     causal, left, right = _normalise_window(causal, window_size)
+    cfg = _config(d, causal, deterministic, config)
+    cfg.check(d)
     for name, t, ref in (("out", out, q), ("dout", dout, q), ("dq", dq, q), ("dk", dk, k),
                          ("dv", dv, k)):
         _check_like(name, t, ref)
@@ -145,7 +147,6 @@ def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_sca
     if sk == 0:
         dq.zero_()
         return dq, dk, dv
-    cfg = _config(d, causal, deterministic, config)
     has_right = right is not None and not causal
     kernels, _ = compile_backward(arch, d, DTYPE_NAMES[q.dtype], causal, cfg,
                                   has_window_left=left is not None, has_window_right=has_right)

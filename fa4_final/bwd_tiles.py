@@ -1,6 +1,16 @@
 """Which query tiles a key tile's backward visits, which of them need a mask, and the fixed turn
 order of the deterministic dQ accumulation. The backward's mirror of ``fa4_final.tiles``.
 
+Note [Turn order]
+In the deterministic mode the key tiles that visit query tile m add their dQ parts one after the
+other, in a fixed order. The order decides the speed: a key tile that arrives at m before its
+turn waits. With a causal diagonal (or any right window) key tile n reaches m after m - m_min(n)
+steps and m_min grows with n, so the highest key tile arrives first: turns go downwards, from
+last_visitor(m). Without one every key tile starts at m = 0 and any order makes a staircase;
+turns go upwards, from first_visitor(m). A CTA may only wait for CTAs launched before it (a
+waiting CTA holds its SM; one that cannot launch would never come): the kernel numbers its
+CTAs so that turns follow launch order (``launch_order_reversed``).
+
 Same visibility rule (FlashAttention's, bottom-right aligned): with offset = seqlen_k - seqlen_q,
 query i sees key j when 0 <= j < seqlen_k and i + offset - window_left <= j <= i + offset +
 window_right, i.e. for a fixed key j the queries
@@ -72,3 +82,28 @@ def first_visitor(w: TileWindow, m_block, seqlen_q, seqlen_k, window_left=None):
     # last_key(n) >= m_block * tile_m + offset - window_left
     need = m_block * w.tile_m + offset - window_left
     return _max(need, 0) // w.tile_n
+
+
+def last_visitor(w: TileWindow, m_block, num_n_blocks, seqlen_q, seqlen_k, window_right=None):
+    """The highest key tile whose ``q_tile_range`` contains query tile ``m_block`` (-1 if none):
+    the last n with m_min(n) <= m_block."""
+    if not w.masks_right:
+        return num_n_blocks - 1
+    offset = seqlen_k - seqlen_q
+    reach = (m_block + 1) * w.tile_m - 1 + offset + w.right_bound(window_right)
+    return _min(_max(reach + w.tile_n, 0) // w.tile_n - 1, num_n_blocks - 1)
+
+
+def launch_order_reversed(w: TileWindow) -> bool:
+    """Whether the deterministic kernel numbers key tiles from the last: its turns go downwards
+    (Note [Turn order]), so the CTAs waited for must be launched first."""
+    return w.masks_right
+
+
+def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
+            window_left=None, window_right=None):
+    """Key tile ``n_block``'s turn (0 = first) among the key tiles that add to query tile
+    ``m_block``'s dQ in the deterministic mode (Note [Turn order])."""
+    if launch_order_reversed(w):
+        return last_visitor(w, m_block, num_n_blocks, seqlen_q, seqlen_k, window_right) - n_block
+    return n_block - first_visitor(w, m_block, seqlen_q, seqlen_k, window_left)

@@ -131,7 +131,7 @@ class HopperBwdConfig:
 
     tile_m: int = 64  # query rows per step of the inner loop
     stages_q: int = 2  # depth of the Q (+ lse) and dO (+ delta) rings
-    stages_ds: int = 2  # dS buffers in shared memory (1: the warpgroups sync once more a step)
+    stages_ds: int = 2  # dS buffers (1 or stages_q; 1: the warpgroups sync once more a step)
     dq_swap_ab: bool = False  # dQ^T = K^T dS^T: wgmma M = D, so tile_m need not be 64k
     deterministic: bool = False  # dQ accumulated in a fixed order of KV tiles (Note [Turns])
 
@@ -179,8 +179,9 @@ class HopperBwdConfig:
                              f"needs head_dim = {WGMMA_M * BWD_MMA_WARPGROUPS}, got {head_dim}")
         if self.stages_q < 1:
             raise ValueError(f"stages_q must be >= 1, got {self.stages_q}")
-        if self.stages_ds not in (1, 2):
-            raise ValueError(f"stages_ds must be 1 or 2, got {self.stages_ds}")
+        if self.stages_ds not in (1, self.stages_q):
+            raise ValueError(f"stages_ds must be 1 or stages_q ({self.stages_q}): a dS buffer "
+                             f"follows its step's Q stage, got {self.stages_ds}")
         need = self.smem_bytes(head_dim)
         if need > SM90_SMEM_BYTES:
             raise ValueError(
@@ -196,4 +197,6 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
     D = 64: 128 x 128; D = 128: 64 x 128 (80 x 128 with dQ swapped when not causal)."""
     if head_dim <= 64:
         return HopperBwdConfig(tile_m=128, deterministic=deterministic)
-    return HopperBwdConfig(tile_m=64, deterministic=deterministic)
+    if causal:
+        return HopperBwdConfig(tile_m=64, deterministic=deterministic)
+    return HopperBwdConfig(tile_m=80, dq_swap_ab=True, deterministic=deterministic)

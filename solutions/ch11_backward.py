@@ -246,9 +246,12 @@ def attention_backward_tiles(q, k, v, out, lse, dout, causal=False, softmax_scal
 
 
 def backward(q, k, v, dout, causal=False, softmax_scale=None, **kw):
-    """Forward (the reference's out and lse, in q's dtype) then the tile loop: (dq, dk, dv)."""
-    out, lse = attention_reference(q, k, v, causal, softmax_scale, dtype=q.dtype)
-    return attention_backward_tiles(q, k, v, out, lse, dout, causal, softmax_scale, **kw)
+    """The forward as a kernel stores it (out rounded to q's dtype, lse in float32, both from
+    float32-or-better scores), then the tile loop: (dq, dk, dv). An lse from scores rounded to
+    bf16 would not match the float32 scores the loop recomputes: P would not sum to 1."""
+    out, lse = attention_reference(q, k, v, causal, softmax_scale)
+    return attention_backward_tiles(q, k, v, out.to(q.dtype), lse.float(), dout, causal,
+                                    softmax_scale, **kw)
 
 
 # ---------------------------------------------------------------------------------------------

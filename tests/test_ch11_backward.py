@@ -55,13 +55,17 @@ def test_empty_rows_give_zero_dq():
     assert (dq[:, :30] == 0).all() and not torch.isnan(dk).any()
 
 
-def test_bf16_loop_is_as_accurate_as_pytorch():
-    q, k, v, dout, seed = _grads((1, 200, 200, 2, 1, 64, 64, 128), True, torch.bfloat16)
+@pytest.mark.parametrize("seed", range(3))
+def test_bf16_loop_is_as_accurate_as_pytorch(seed):
+    # the course's rule: within 2 x PyTorch's own bf16 error (the loop keeps S and the sums in
+    # float32; about half PyTorch's error with a forward whose lse matches those scores)
+    q, k, v, _ = random_qkv(1, 200, 2, 64, heads_kv=1, dtype=torch.bfloat16, seed=seed)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
     got = ch11.backward(q, k, v, dout, causal=True)
     ref = ch11.backward_reference(q, k, v, dout, True)
     same = ch11.backward_reference(q, k, v, dout, True, dtype=torch.bfloat16)
     for g, r, s in zip(got, ref, same):
-        assert (g.double() - r).abs().max() <= 2 * (s.double() - r).abs().max() + 1e-2, seed
+        assert (g.double() - r).abs().max() <= 2 * (s.double() - r).abs().max(), seed
 
 
 @pytest.mark.parametrize("check,fn", [

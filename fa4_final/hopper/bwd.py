@@ -42,7 +42,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_final.atomics import bulk_add_f32, pass_turn, wait_turn
-from fa4_final.bwd_tiles import first_visitor, q_tile_range
+from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range
 from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
 from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
 from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
@@ -257,7 +257,8 @@ class HopperBackward:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * D], 1024]
 
         # the budget arithmetic of HopperBwdConfig.smem_bytes() is the struct's real size
-        assert SharedStorage.size_in_bytes() <= self.cfg.smem_bytes(D, self.dtype.width // 8)
+        assert SharedStorage.size_in_bytes() == self.cfg.smem_bytes(D, self.dtype.width // 8), (
+            SharedStorage.size_in_bytes(), self.cfg.smem_bytes(D, self.dtype.width // 8))
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, sQ_one, (self.tile_m, D))
@@ -348,6 +349,9 @@ class HopperBackward:
 
         n_block, head_kv, b = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        num_n_blocks = (seqlen_k + self.tile_n - 1) // self.tile_n
+        if const_expr(self.cfg.deterministic and launch_order_reversed(self.window)):
+            n_block = num_n_blocks - 1 - n_block  # turns go downwards (bwd_tiles Note [Turn order])
         m_min, m_max, n_first, n_last = q_tile_range(self.window, n_block, seqlen_q, seqlen_k,
                                                      window_left, window_right)
         if (n_block + 1) * self.tile_n > seqlen_k:  # keys past seqlen_k: mask every step
@@ -362,8 +366,8 @@ class HopperBackward:
                           tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, pipeline_q,
                           pipeline_do, pipeline_kv, n_block, head_kv, b, work)
             if warp_idx == self.roles["producer"]["dq_warp"]:
-                self.store_dq(mdQaccum, mTurn, sdQ, n_block, b, work, seqlen_q, seqlen_k,
-                              window_left)
+                self.store_dq(mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q,
+                              seqlen_k, window_left, window_right)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.mma(mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk,
@@ -435,20 +439,21 @@ class HopperBackward:
 
     # Note [Turns]
     # ------------
-    # Deterministic mode. Query tile m of a head receives dQ contributions from the key tiles
-    # first_visitor(m) .. last: each adds one block per MMA warpgroup. The turn counter of
-    # (batch, head, m) in global memory starts at 0 (bwd_pre); key tile n waits until it reads
-    # n - first_visitor(m), adds both its blocks, waits for the adds to complete (wait_group 0,
-    # not just .read) and increments the counter with release semantics. Every run then adds
-    # the same float32 values in the same order. No deadlock: a CTA waits only for CTAs of the
-    # same (head, batch) with a lower n_block, which have a lower block index and so were
-    # launched before it, and each of them waits only on lower ones in turn. The cost: a CTA's
-    # dQ adds trail the previous key tile's, so the first steps of a head's CTAs form a
-    # staircase (the lead measures how much of it the other heads' CTAs hide).
+    # Deterministic mode. Query tile m of a head receives dQ parts from every key tile that
+    # visits it; each adds one block per MMA warpgroup. The turn counter of (batch, head, m) in
+    # global memory starts at 0 (bwd_pre); key tile n waits until it reads its turn
+    # (bwd_tiles.dq_turn: downwards from the last visitor with a causal diagonal, upwards from
+    # the first otherwise), adds both its blocks, waits for the adds to complete (wait_group 0,
+    # not just .read) and increments the counter with release semantics. Every run then adds the
+    # same float32 values in the same order. No deadlock: a CTA waits only for CTAs of its
+    # (head, batch) that come earlier in its turn order, which the grid launches first (CTA x is
+    # key tile n_blocks - 1 - x when turns go downwards), and each of those waits only on earlier
+    # ones in turn. The cost: a CTA whose turn comes before its data is ready waits; without a
+    # causal diagonal all key tiles reach query tile 0 together and the turns form a staircase.
 
     @cute.jit
-    def store_dq(self, mdQaccum, mTurn, sdQ, n_block, b, work, seqlen_q, seqlen_k,
-                 window_left):
+    def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
+                 window_left, window_right):
         """dQ warp: per step, both warpgroups' float32 dQ blocks into the accumulator, each
         with one bulk add (Note [dQ in accumulator order]); in turn when deterministic."""
         m_min, m_max, _, _, head0, group = work
@@ -469,12 +474,13 @@ class HopperBackward:
                         cute.arch.sync_warp()
                     cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + w,
                                              number_of_threads=handshake)
-                turn_ptr = mTurn[None, head, b].iterator + m_block
+                turn_ptr = None
                 if const_expr(self.cfg.deterministic):
+                    turn_ptr = mTurn[None, head, b].iterator + m_block
                     if lane == 0:
-                        turn = n_block - first_visitor(self.window, m_block, seqlen_q,
-                                                       seqlen_k, window_left)
-                        wait_turn(turn_ptr, turn)
+                        wait_turn(turn_ptr, dq_turn(self.window, n_block, m_block, num_n_blocks,
+                                                    seqlen_q, seqlen_k, window_left,
+                                                    window_right))
                     cute.arch.sync_warp()
                 for w in cutlass.range_constexpr(wgs):
                     cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + w,

@@ -1,0 +1,160 @@
+"""Chapter 11's helpers for reading the Hopper backward kernel: its shared-memory plan, the
+instruction mix of one step from the compiled SASS, a cycle count per step, and the stored
+benchmark results (or a plain "not measured yet").
+
+The kernel itself lives in fa4_final (hopper/bwd.py, bwd_pre.py, bwd_post.py, bwd_tiles.py):
+the notebook quotes it from there, so no kernel exists twice.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from fa4_final.config import HopperBwdConfig
+
+# one H100/H200 SM per clock (ANCHORS.md)
+TENSOR_FLOP_PER_CLK = 4096
+MUFU_PER_CLK = 16
+SMEM_BYTES_PER_CLK = 128
+
+# ---------------------------------------------------------------------------------------------
+# 1. The shared-memory plan and the work of one step
+
+
+def smem_plan(cfg: HopperBwdConfig, head_dim: int, elem_bytes: int = 2) -> list[tuple]:
+    """(buffer, bytes, what it holds) of the kernel's SharedStorage; the sum (with alignment)
+    is ``cfg.smem_bytes(head_dim)``, which the kernel asserts against its struct."""
+    m, n, d, st = cfg.tile_m, cfg.tile_n, head_dim, cfg.stages_q
+    return [
+        ("Q", m * d * elem_bytes * st, f"{st} stages of a {m} x {d} query tile"),
+        ("dO", m * d * elem_bytes * st, f"{st} stages, with the Q tile of the same step"),
+        ("lse, delta", 2 * 4 * m * st, "float32 per query row, per stage"),
+        ("K", n * d * elem_bytes, "the CTA's keys, loaded once (later dK's staging)"),
+        ("V", n * d * elem_bytes, "the CTA's values, loaded once (later dV's staging)"),
+        ("dS", m * n * elem_bytes * cfg.stages_ds,
+         f"{cfg.stages_ds} x {m} x {n}: the A (or B) operand of the dQ GEMM"),
+        ("dQ", m * d * 4, f"float32 {m} x {d}: one step's dQ, on its way to the bulk add"),
+    ]
+
+
+def step_flops(cfg: HopperBwdConfig, head_dim: int) -> float:
+    """Five GEMMs of 2 * tile_m * tile_n * D FLOPs: one step of the CTA."""
+    return 5 * 2 * cfg.tile_m * cfg.tile_n * head_dim
+
+
+def step_cycles(cfg: HopperBwdConfig, head_dim: int) -> dict:
+    """Per step and SM: tensor-core cycles, MUFU cycles (one exp2 per score), and the
+    shared-memory cycles of the GEMM operands read from shared memory and of the stores.
+
+    Shared-memory operands per step: S^T and dP^T read K, V (A) and Q, dO (B); dV and dK read
+    dO and Q (B; A is in registers); dQ reads dS and K. Each wgmma warpgroup reads its own A
+    and the whole B, and B is read once per warpgroup."""
+    m, n, d, e = cfg.tile_m, cfg.tile_n, head_dim, 2
+    wgs = 2
+    reads = (2 * (n * d * e + wgs * m * d * e)  # S^T, dP^T: A = K/V halves, B = Q/dO per wg
+             + 2 * wgs * m * d * e  # dV, dK: B = dO, Q per warpgroup
+             + (m * n * e + n * d * e) * (1 if cfg.dq_swap_ab else 1))  # dQ: dS and K once
+    writes = m * n * e + m * d * 4  # dS (stmatrix) and dQ (float32)
+    bulk = m * d * 4 + 2 * m * d * e  # the bulk add reads dQ; TMA writes Q and dO
+    return {
+        "tensor": step_flops(cfg, d) / TENSOR_FLOP_PER_CLK,
+        "mufu": m * n / MUFU_PER_CLK,
+        "smem": (reads + writes + bulk) / SMEM_BYTES_PER_CLK,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The instruction mix of one step, from the SASS
+
+_INSTR = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+_PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
+KEEP_SUFFIX = ("HGMMA", "LDS", "STS", "STSM", "F2FP", "MUFU")
+
+
+def sass_instructions(sass: str) -> list[str]:
+    """The instructions of a SASS listing in order, predicates stripped."""
+    out = []
+    for line in sass.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            out.append(_PRED.sub("", m.group(1).strip()))
+    return out
+
+
+def _opcode(instr: str) -> str:
+    op = instr.split()[0]
+    base = op.split(".")[0]
+    return op if base in KEEP_SUFFIX else base
+
+
+def step_mixes(sass: str, gemms_per_step: int) -> list[Counter]:
+    """Opcode counts of each copy of the step in the SASS (the masked and unmasked variants):
+    from the first wgmma's WARPGROUP.ARRIVE through the last wait_group(0) to the loop's branch.
+    ``gemms_per_step``: HGMMA instructions of one step (2 D/16 + 2 tile_m/16 + tile_n/16)."""
+    ins = sass_instructions(sass)
+    idx = [i for i, t in enumerate(ins) if t.startswith("HGMMA")]
+    mixes = []
+    for g in range(0, len(idx) - gemms_per_step + 1, gemms_per_step):
+        a, b = idx[g], idx[g + gemms_per_step - 1]
+        while a > 0 and not ins[a].startswith("WARPGROUP.ARRIVE"):
+            a -= 1
+        while b < len(ins) and not ins[b].startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"):
+            b += 1
+        while b < len(ins) and not ins[b].startswith("BRA"):
+            b += 1
+        mixes.append(Counter(_opcode(t) for t in ins[a:b + 1]))
+    return mixes
+
+
+def gemms_per_step(cfg: HopperBwdConfig, head_dim: int) -> int:
+    """HGMMA instructions (k = 16 each) of one step: S^T and dP^T over D, dV and dK over
+    tile_m, dQ over tile_n."""
+    return 2 * head_dim // 16 + 2 * cfg.tile_m // 16 + cfg.tile_n // 16
+
+
+def mix_table(mixes: dict[str, Counter], top: int = 14) -> str:
+    """Side-by-side opcode counts of several step mixes ({label: Counter})."""
+    ops = Counter()
+    for c in mixes.values():
+        ops.update(c)
+    names = [op for op, _ in ops.most_common(top)]
+    width = max(len(n) for n in names) + 2
+    head = f"{'instruction':<{width}}" + "".join(f"{k:>14}" for k in mixes)
+    rows = [head]
+    for op in names:
+        rows.append(f"{op:<{width}}" + "".join(f"{c.get(op, 0):>14}" for c in mixes.values()))
+    rows.append(f"{'total':<{width}}" + "".join(f"{sum(c.values()):>14}" for c in mixes.values()))
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Stored results
+
+
+def stored_results(name: str = "ch11_bwd", gpu: str = "h200"):
+    """results/<gpu>/<name>.json, or None with a printed "not measured yet"."""
+    from utils.results import load_stored
+
+    return load_stored(name, gpu)
+
+
+def ratio_rows(res, impls=("fa4_final", "fa4_final_deterministic"), peers=None) -> str:
+    """Each shape's backward TFLOP/s per implementation, and ours over the best peer."""
+    if res is None:
+        return "not measured yet"
+    rows = [r for r in res.rows if r.get("pass") == "bwd"]
+    peers = peers or sorted({r["impl"] for r in rows} - set(impls))
+    names = list(impls) + list(peers)
+    shapes = sorted({(r["d"], r["s"], r["causal"]) for r in rows})
+    lines = [f"{'D':>4} {'S':>6} {'causal':>6}" + "".join(f"{n:>25}" for n in names)
+             + f"{'ours / best peer':>18}"]
+    for d, s, causal in shapes:
+        got = {r["impl"]: r.get("tflops") for r in rows
+               if (r["d"], r["s"], r["causal"]) == (d, s, causal)}
+        best = max((got.get(p) or 0 for p in peers), default=0)
+        ours = got.get(impls[0])
+        cells = "".join(f"{got[n]:>25.0f}" if got.get(n) else f"{'-':>25}" for n in names)
+        ratio = f"{ours / best:>18.2f}" if ours and best else f"{'-':>18}"
+        lines.append(f"{d:>4} {s:>6} {causal!s:>6}{cells}{ratio}")
+    return "\n".join(lines)
