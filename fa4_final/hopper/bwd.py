@@ -554,14 +554,8 @@ class HopperBackward:
         tdSsdS = thr_st_t.partition_D(_transpose(sdS))  # (CPY, .., STAGE)
         # dQ registers -> its float32 staging buffer, 16 B per thread (Note [dQ in acc..])
         tdQsdQ = self.dq_copy().get_slice(tidx).partition_D(sdQ)
-        # per-column (query) views of lse and delta: broadcast over the 128 key rows
+        # (key, query) of each accumulator element, this thread and thread 0: the mask
         tScS, t0ScS = fragment_coords(thr_sdp, (self.tile_n, self.tile_m))
-
-        def row_values(s_vec, stage):
-            bcast = cute.make_tensor(s_vec[None, stage].iterator, cute.make_layout(
-                (self.tile_n, self.tile_m), stride=(0, 1)))
-            return acc_rows_cols(thr_sdp.partition_C(bcast))  # (rows, cols): [0, c]
-
         ops = (tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrA, tdQrB, st_t, thr_st_t, tdSsdS,
                tdQsdQ, thr_dq)
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -571,7 +565,7 @@ class HopperBackward:
         if n_steps > 0:
             pipeline_kv.consumer_wait(state_kv)
         step = lambda m_block, masked, sq_: self.step(  # noqa: E731
-            m_block, masked, wg, sq_, ops, acc_dv, acc_dk, shape_st, shape_a, row_values, sLSE,
+            m_block, masked, wg, sq_, ops, acc_dv, acc_dk, shape_st, shape_a, sLSE,
             sDelta, thr_sdp, tScS, t0ScS, mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do,
             scale_log2, window_left, window_right, n_block, seqlen_q, seqlen_k)
         # Split the range, not the body: masked steps, unmasked steps, masked steps
@@ -590,7 +584,7 @@ class HopperBackward:
 
     @cute.jit
     def step(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv, acc_dk,
-             shape_st, shape_a, row_values, sLSE, sDelta, thr_sdp, tScS, t0ScS, mma_sdp, mma_dkv,
+             shape_st, shape_a, sLSE, sDelta, thr_sdp, tScS, t0ScS, mma_sdp, mma_dkv,
              mma_dq, pipeline_q, pipeline_do, scale_log2, window_left, window_right, n_block,
              seqlen_q, seqlen_k):
         """One query tile against this warpgroup's 64 keys: the five GEMMs of the module
@@ -606,7 +600,7 @@ class HopperBackward:
         pipeline_do.consumer_wait(state_q)
         acc_dp = cute.make_rmem_tensor(shape_st, Float32)
         self.wgmma(mma_sdp, acc_dp, tdPrV, tdPrdO[None, None, None, stage], False)  # dP^T
-        lse = row_values(sLSE, stage)
+        lse = self.column_values(thr_sdp, sLSE, stage)
         warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         if const_expr(masked):
             self.mask(acc_s, tScS, t0ScS, n_block, m_block, seqlen_q, seqlen_k, window_left,
@@ -620,7 +614,7 @@ class HopperBackward:
         # A-fragment order (fragments.acc_as_a_operand), converted to the input dtype
         rP = cute.make_rmem_tensor(shape_a, self.dtype)
         _convert(acc_as_a_operand(acc_s), rP)
-        delta = row_values(sDelta, stage)
+        delta = self.column_values(thr_sdp, sDelta, stage)
         warpgroup.wait_group(0)  # dP^T is ready
         dp = acc_rows_cols(acc_dp)
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
@@ -659,6 +653,14 @@ class HopperBackward:
         pipeline_q.consumer_release(state_q)
         state_q.advance()
         return state_q
+
+    def column_values(self, thr_sdp, s_vec: cute.Tensor, stage) -> cute.Tensor:
+        """A per-query vector in shared memory (lse or delta of one stage) seen through this
+        thread's S^T fragment: broadcast over the 128 key rows with stride 0, partitioned like
+        the accumulator; ``[0, c]`` is the value of the thread's column c."""
+        bcast = cute.make_tensor(s_vec[None, stage].iterator, cute.make_layout(
+            (self.tile_n, self.tile_m), stride=(0, 1)))
+        return acc_rows_cols(thr_sdp.partition_C(bcast))  # (rows, cols)
 
     @cute.jit
     def mask(self, acc_s, tScS, t0ScS, n_block, m_block, seqlen_q, seqlen_k, window_left,
