@@ -79,7 +79,7 @@ class BackwardPost:
         slab = self.tile_m * self.head_dim
         gAcc = cute.local_tile(mdQaccum[b, head, None], (slab,), (m_block,))
         gAcc = cute.make_tensor(gAcc.iterator, self.main.dq_chunk_layout())  # (chunk, 2)
-        tAgA = dq_copy.get_slice(tidx).partition_S(gAcc)
+        tAgA = dq_copy.get_slice(tidx).partition_D(gAcc)  # the positions MMA thread tidx wrote
         flat = cute.make_rmem_tensor(tAgA.shape, Float32)
         cute.autovec_copy(tAgA, flat)
         # 2. the same registers seen as the dQ accumulator, and each one's (row, col)

@@ -526,3 +526,47 @@ def check_flops_ratio(value) -> None:
             raise AssertionError("count GEMMs of the backward alone: S, dP, dV, dK, dQ against "
                                  "the forward's S and O")
         raise AssertionError("count the GEMMs: each is 2 * Sq * Sk * D FLOPs")
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Pictures
+
+
+def plot_dataflow(ax=None):
+    """The backward of one (Q tile, KV tile) pair: which operands each of the five GEMMs reads
+    and where its result goes (inputs grey, recomputed or derived blue, outputs green)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 4.2))
+    boxes = {  # name: (x, y, kind)
+        "Q": (0, 3), "K": (0, 2), "V": (0, 1), "dO": (0, 0),
+        "lse": (1.6, 3.6), "delta = rowsum(dO*O)": (1.6, -0.6),
+        "S = QK^T": (2.2, 2.6), "P = exp(S - lse)": (4.2, 2.6),
+        "dP = dO V^T": (2.2, 0.6), "dS = P (dP - delta)": (4.2, 1.2),
+        "dV += P^T dO": (6.6, 3.0), "dK += dS^T Q": (6.6, 1.8), "dQ += dS K": (6.6, 0.4),
+    }
+    kind = {"Q": 0, "K": 0, "V": 0, "dO": 0, "lse": 0, "delta = rowsum(dO*O)": 0,
+            "dV += P^T dO": 2, "dK += dS^T Q": 2, "dQ += dS K": 2}
+    colors = {0: "#d9d9d9", 1: "#9ecae1", 2: "#a1d99b"}
+    for name, (x, y) in boxes.items():
+        w = 0.6 if len(name) <= 3 else 1.55
+        ax.add_patch(FancyBboxPatch((x, y), w, 0.5, boxstyle="round,pad=0.05",
+                                    fc=colors[kind.get(name, 1)], ec="black", lw=0.8))
+        ax.text(x + w / 2, y + 0.25, name, ha="center", va="center", fontsize=9)
+    edges = [("Q", "S = QK^T"), ("K", "S = QK^T"), ("lse", "P = exp(S - lse)"),
+             ("S = QK^T", "P = exp(S - lse)"), ("dO", "dP = dO V^T"), ("V", "dP = dO V^T"),
+             ("P = exp(S - lse)", "dS = P (dP - delta)"), ("dP = dO V^T", "dS = P (dP - delta)"),
+             ("delta = rowsum(dO*O)", "dS = P (dP - delta)"), ("P = exp(S - lse)", "dV += P^T dO"),
+             ("dS = P (dP - delta)", "dK += dS^T Q"), ("dS = P (dP - delta)", "dQ += dS K")]
+    for a, b in edges:
+        (xa, ya), (xb, yb) = boxes[a], boxes[b]
+        wa = 0.6 if len(a) <= 3 else 1.55
+        ax.add_patch(FancyArrowPatch((xa + wa + 0.05, ya + 0.25), (xb - 0.05, yb + 0.25),
+                                     arrowstyle="->", mutation_scale=10, lw=0.8, color="#444"))
+    ax.set_xlim(-0.3, 8.5)
+    ax.set_ylim(-0.9, 4.4)
+    ax.axis("off")
+    ax.set_title("One tile of the backward: 5 GEMMs (S recomputed, dP, dV, dK, dQ)")
+    return ax

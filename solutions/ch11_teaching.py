@@ -45,16 +45,20 @@ def step_flops(cfg: HopperBwdConfig, head_dim: int) -> float:
 
 def step_cycles(cfg: HopperBwdConfig, head_dim: int) -> dict:
     """Per step and SM: tensor-core cycles, MUFU cycles (one exp2 per score), and the
-    shared-memory cycles of the GEMM operands read from shared memory and of the stores.
+    shared-memory cycles of the GEMM operands read from shared memory and of the stores (a
+    model: no bank conflicts, every operand byte read once per warpgroup that needs it).
 
-    Shared-memory operands per step: S^T and dP^T read K, V (A) and Q, dO (B); dV and dK read
-    dO and Q (B; A is in registers); dQ reads dS and K. Each wgmma warpgroup reads its own A
-    and the whole B, and B is read once per warpgroup."""
+    Shared-memory reads per step: S^T and dP^T read K, V (A, each warpgroup its 64 keys) and Q,
+    dO (B, whole, per warpgroup); dV and dK read dO and Q (B; A is in registers); dQ reads dS
+    and K, one of them split between the warpgroups, the other whole for each."""
     m, n, d, e = cfg.tile_m, cfg.tile_n, head_dim, 2
     wgs = 2
-    reads = (2 * (n * d * e + wgs * m * d * e)  # S^T, dP^T: A = K/V halves, B = Q/dO per wg
-             + 2 * wgs * m * d * e  # dV, dK: B = dO, Q per warpgroup
-             + (m * n * e + n * d * e) * (1 if cfg.dq_swap_ab else 1))  # dQ: dS and K once
+    reads = (2 * (n * d * e + wgs * m * d * e)  # S^T, dP^T
+             + 2 * wgs * m * d * e)  # dV, dK
+    if not cfg.dq_swap_ab and m == wgs * 64:  # dQ rows split: dS once, K whole per warpgroup
+        reads += m * n * e + wgs * n * d * e
+    else:  # D split (or swapped onto M): K once, dS whole per warpgroup
+        reads += n * d * e + wgs * m * n * e
     writes = m * n * e + m * d * 4  # dS (stmatrix) and dQ (float32)
     bulk = m * d * 4 + 2 * m * d * e  # the bulk add reads dQ; TMA writes Q and dO
     return {
@@ -158,3 +162,45 @@ def ratio_rows(res, impls=("fa4_final", "fa4_final_deterministic"), peers=None) 
         ratio = f"{ours / best:>18.2f}" if ours and best else f"{'-':>18}"
         lines.append(f"{d:>4} {s:>6} {causal!s:>6}{cells}{ratio}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Pictures
+
+
+def plot_turns(seqlen_q: int, seqlen_k: int, cfg: HopperBwdConfig, causal: bool,
+               window_left=None, ax=None):
+    """The (query tile, key tile) grid of the backward: each visited pair numbered with the
+    key tile's turn in the deterministic dQ accumulation of that query tile (fa4_final.bwd_tiles:
+    0 adds first), columns in launch order."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range
+    from fa4_final.tiles import TileWindow
+
+    w = TileWindow(cfg.tile_m, cfg.tile_n, causal, has_left=window_left is not None)
+    n_q, n_k = -(-seqlen_q // cfg.tile_m), -(-seqlen_k // cfg.tile_n)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(0.55 * n_k + 2, 0.35 * n_q + 1.5))
+    for x in range(n_k):
+        n = n_k - 1 - x if launch_order_reversed(w) else x
+        m_min, m_max, _, _ = q_tile_range(w, n, seqlen_q, seqlen_k, window_left, 0)
+        for m in range(n_q):
+            inside = m_min <= m < m_max
+            ax.add_patch(Rectangle((x, m), 1, 1, ec="black", lw=0.4,
+                                   fc="#9ecae1" if inside else "white"))
+            if inside:
+                turn = dq_turn(w, n, m, n_k, seqlen_q, seqlen_k, window_left, 0)
+                ax.text(x + 0.5, m + 0.5, str(turn), ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, n_k)
+    ax.set_ylim(n_q, 0)
+    ax.set_aspect("equal")
+    ax.grid(False)
+    ax.set_xticks([x + 0.5 for x in range(n_k)])
+    ax.set_xticklabels([str(n_k - 1 - x if launch_order_reversed(w) else x) for x in range(n_k)],
+                       fontsize=7)
+    ax.set_xlabel(f"key tile n (one CTA each, {cfg.tile_n} keys), in launch order")
+    ax.set_ylabel(f"query tile m ({cfg.tile_m} rows)")
+    ax.set_title(f"{'causal' if causal else 'no mask'}: each CTA's turn at each query tile")
+    return ax
