@@ -174,22 +174,21 @@ def backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
                          window_size, deterministic, config)
 
 
-def check(cases=None, deterministic=(False, True), seed: int = 0) -> bool:
-    """Small cases for `python -m fa4_final.backward --check` (and compute-sanitizer): the
-    forward, this backward, the float64 autograd reference; one line per case."""
-    ok_all = True
-    cases = cases or [(1, 100, 130, 2, 1, 64, True), (2, 129, 129, 2, 2, 128, False),
-                      (1, 64, 200, 4, 2, 128, True)]
-    from fa4_final.interface import forward
+SMALL_CASES = [(1, 100, 130, 2, 1, 64, True), (1, 129, 129, 2, 2, 128, False)]
+CHECK_CASES = SMALL_CASES + [(2, 200, 333, 4, 2, 128, True), (1, 300, 77, 2, 1, 128, True),
+                             (1, 257, 513, 4, 4, 64, False)]
 
-    for b, sq, sk, h, hk, d, causal in cases:
+
+def check(cases=None, deterministic=(False, True), seed: int = 0) -> bool:
+    """Small cases for `python -m fa4_final.backward --check [--small]` (and compute-sanitizer):
+    this backward on the out and lse of a float64 torch forward (so the backward is checked
+    alone), against float64 torch.autograd; one line per case. Returns whether all passed."""
+    ok_all = True
+    for b, sq, sk, h, hk, d, causal in cases or CHECK_CASES:
         g = torch.Generator(device="cpu").manual_seed(seed)
-        q = torch.randn(b, sq, h, d, generator=g).to("cuda", torch.bfloat16)
-        k = torch.randn(b, sk, hk, d, generator=g).to("cuda", torch.bfloat16)
-        v = torch.randn(b, sk, hk, d, generator=g).to("cuda", torch.bfloat16)
-        dout = torch.randn(b, sq, h, d, generator=g).to("cuda", torch.bfloat16)
-        out, lse = forward(q, k, v, causal=causal)
-        ref = _reference_grads(q, k, v, dout, causal)
+        q, k, v, dout = (torch.randn(b, s, n, d, generator=g).to("cuda", torch.bfloat16)
+                         for s, n in ((sq, h), (sk, hk), (sk, hk), (sq, h)))
+        out, lse, ref = _reference(q, k, v, dout, causal)
         for det in deterministic:
             grads = backward(q, k, v, out, lse, dout, causal=causal, deterministic=det)
             torch.cuda.synchronize()
@@ -204,27 +203,28 @@ def check(cases=None, deterministic=(False, True), seed: int = 0) -> bool:
     return ok_all
 
 
-def _reference_grads(q, k, v, dout, causal, softmax_scale=None):
-    """float64 torch.autograd gradients of plain attention (GQA by repeating k, v)."""
+def _reference(q, k, v, dout, causal):
+    """(out in q's dtype, lse float32, float64 autograd (dq, dk, dv)) of plain attention."""
     h, hk = q.shape[2], k.shape[2]
     leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     qd, kd, vd = (t.transpose(1, 2) for t in leaves)
     kd, vd = kd.repeat_interleave(h // hk, 1), vd.repeat_interleave(h // hk, 1)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    s = qd @ kd.transpose(-1, -2) * scale
+    s = qd @ kd.transpose(-1, -2) * q.shape[-1] ** -0.5
     if causal:
         sq, sk = q.shape[1], k.shape[1]
         i = torch.arange(sq, device=q.device)[:, None]
         j = torch.arange(sk, device=q.device)[None, :]
         s = s.masked_fill(j > i + sk - sq, -math.inf)
-    p = torch.softmax(s, -1).nan_to_num(0.0)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
     o = (p @ vd).transpose(1, 2)
-    return torch.autograd.grad(o, leaves, dout.double())
+    grads = torch.autograd.grad(o, leaves, dout.double())
+    return o.detach().to(q.dtype).contiguous(), lse.detach().float().contiguous(), grads
 
 
 if __name__ == "__main__":
     import sys
 
     if "--check" not in sys.argv:
-        sys.exit("usage: python -m fa4_final.backward --check")
-    sys.exit(0 if check() else 1)
+        sys.exit("usage: python -m fa4_final.backward --check [--small]")
+    sys.exit(0 if check(SMALL_CASES if "--small" in sys.argv else None) else 1)
