@@ -4,25 +4,26 @@ warpgroups and compared with what they must mean. No GPU: what cannot run here (
 TMA) is left to the GPU tests; everything that decides *which* element goes where is checked.
 """
 
-import os
-
+import cutlass
+import cutlass.cute as cute
 import numpy as np
 import pytest
+from cutlass import Float32, Int32
+from cutlass.cute.runtime import from_dlpack
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32  # noqa: E402
-from cutlass.cute.runtime import from_dlpack  # noqa: E402
-
-from fa4_final.bwd_tiles import dq_turn, q_tile_range  # noqa: E402
-from fa4_final.config import HopperBwdConfig  # noqa: E402
-from fa4_final.fragments import acc_as_a_operand, acc_rows_cols  # noqa: E402
-from fa4_final.hopper.bwd import HopperBackward  # noqa: E402
-from fa4_final.mask import fragment_coords  # noqa: E402
+from fa4_final.bwd_tiles import dq_turn, q_tile_range
+from fa4_final.config import HopperBwdConfig
+from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
+from fa4_final.hopper.bwd import HopperBackward
+from fa4_final.mask import fragment_coords
 
 THREADS = 256
+
+
+def host(fn, *args):
+    """Run a @cute.jit function that launches no kernel on the CPU, traced for sm_90a (wgmma
+    atoms check the target; the process's default target may be another one)."""
+    cute.compile(fn, *args, options="--gpu-arch sm_90a")(*args)
 CONFIGS = [(128, HopperBwdConfig(tile_m=64)), (128, HopperBwdConfig(tile_m=80, dq_swap_ab=True)),
            (64, HopperBwdConfig(tile_m=128))]
 
@@ -52,7 +53,7 @@ def test_p_transpose_is_the_a_operand_of_dv(d, cfg):
 
     s = np.zeros((THREADS, n, 2), np.int32)
     a = np.zeros_like(s)
-    coords(from_dlpack(s), from_dlpack(a))
+    host(coords, from_dlpack(s), from_dlpack(a))
     assert (s == a).all()
     # and together the threads cover the tile once
     flat = s[..., 0] * cfg.tile_m + s[..., 1]
@@ -82,7 +83,7 @@ def test_dq_accumulator_order_is_a_bijection(d, cfg):
 
     rc = np.zeros((THREADS, n, 2), np.int32)
     buf = np.full(slab, -1.0, np.float32)
-    where(from_dlpack(rc), from_dlpack(buf))
+    host(where, from_dlpack(rc), from_dlpack(buf))
     owner = buf.astype(np.int64)
     assert (owner >= 0).all(), "a position of the slab is written by no thread"
     t_of, i_of = owner // 1000, owner % 1000
@@ -116,7 +117,7 @@ def test_lse_and_delta_columns(d, cfg):
     vec = np.asfortranarray(vec)
     out = np.zeros((THREADS, m // 4), np.float32)
     want = np.zeros_like(out)
-    read(from_dlpack(vec).mark_layout_dynamic(leading_dim=0), from_dlpack(out),
+    host(read, from_dlpack(vec).mark_layout_dynamic(leading_dim=0), from_dlpack(out),
          from_dlpack(want))
     assert (out == want).all()
 
@@ -164,14 +165,14 @@ def test_mask_of_s_transpose(causal, left, right):
 
     n = cfg.tile_m * cfg.tile_n // THREADS
     rc = np.zeros((THREADS, n, 2), np.int32)
-    coords(from_dlpack(rc))
+    host(coords, from_dlpack(rc))
     checked = 0
     for n_block in range(-(-sk // 128)):
         m_min, m_max, _, _ = q_tile_range(k.window, n_block, sq, sk, left, right)
         for m_block in range(m_min, m_max):
             vals = np.ones((THREADS, n), np.float32)
-            run(from_dlpack(vals), Int32(n_block), Int32(m_block), Int32(left or 0),
-                Int32(right or 0))
+            host(run, from_dlpack(vals), Int32(n_block), Int32(m_block), Int32(left or 0),
+                 Int32(right or 0))
             keys = n_block * 128 + rc[..., 0]
             queries = m_block * 64 + rc[..., 1]
             want = _visible(queries, keys, sq, sk, causal, left, right)
@@ -197,7 +198,7 @@ def test_device_integer_ranges_match_python():
     for sq, sk, wl in ((300, 1000, 100), (1000, 300, 7), (129, 129, 0)):
         n_k = -(-sk // 128)
         got = np.zeros((n_k, 5), np.int32)
-        ranges(from_dlpack(got), Int32(sq), Int32(sk), Int32(wl))
+        host(ranges, from_dlpack(got), Int32(sq), Int32(sk), Int32(wl))
         for n in range(n_k):
             r = q_tile_range(w, n, sq, sk, wl, 0)
             assert tuple(got[n, :4]) == r
