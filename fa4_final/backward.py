@@ -64,7 +64,8 @@ def _fake_args(dtype_name: str, head_dim: int):
     lse2 = fake_tensor(Float32, (b, h, sq_pad), divisibility=4)
     delta = fake_tensor(Float32, (b, h, sq_pad), divisibility=4)
     accum = fake_tensor(Float32, (b, h, slab), divisibility=4)
-    turn = fake_tensor(Int32, (b, h, m_blocks), divisibility=1)
+    # its own extents: without the deterministic mode the caller passes a (1, 1, 1) dummy
+    turn = fake_tensor(Int32, (cute.sym_int(), cute.sym_int(), m_blocks), divisibility=1)
     q, out, dout, dq = like_q(), like_q(), like_q(), like_q()
     k, v, dk, dv = like_k(), like_k(), like_k(), like_k()
     return {
