@@ -1,6 +1,7 @@
 """Chapter 11's helpers for reading the Hopper backward kernel: its shared-memory plan, the
-instruction mix of one step from the compiled SASS, a cycle count per step, and the stored
-benchmark results (or a plain "not measured yet").
+instruction mix of one step from the compiled SASS, the stored benchmark results (or a plain
+"not measured yet"), the picture of the deterministic turn order. (A step's cycles come from
+chapter 00's model, utils.roofline.tile_cycles(gpu, "bwd", ...).)
 
 The kernel itself lives in fa4_final (hopper/bwd.py, bwd_pre.py, bwd_post.py, bwd_tiles.py):
 the notebook quotes it from there, so no kernel exists twice.
@@ -12,11 +13,6 @@ import re
 from collections import Counter
 
 from fa4_final.config import HopperBwdConfig
-
-# one H100/H200 SM per clock (ANCHORS.md)
-TENSOR_FLOP_PER_CLK = 4096
-MUFU_PER_CLK = 16
-SMEM_BYTES_PER_CLK = 128
 
 # ---------------------------------------------------------------------------------------------
 # 1. The shared-memory plan and the work of one step
@@ -36,36 +32,6 @@ def smem_plan(cfg: HopperBwdConfig, head_dim: int, elem_bytes: int = 2) -> list[
          f"{cfg.stages_ds} x {m} x {n}: the A (or B) operand of the dQ GEMM"),
         ("dQ", m * d * 4, f"float32 {m} x {d}: one step's dQ, on its way to the bulk add"),
     ]
-
-
-def step_flops(cfg: HopperBwdConfig, head_dim: int) -> float:
-    """Five GEMMs of 2 * tile_m * tile_n * D FLOPs: one step of the CTA."""
-    return 5 * 2 * cfg.tile_m * cfg.tile_n * head_dim
-
-
-def step_cycles(cfg: HopperBwdConfig, head_dim: int) -> dict:
-    """Per step and SM: tensor-core cycles, MUFU cycles (one exp2 per score), and the
-    shared-memory cycles of the GEMM operands read from shared memory and of the stores (a
-    model: no bank conflicts, every operand byte read once per warpgroup that needs it).
-
-    Shared-memory reads per step: S^T and dP^T read K, V (A, each warpgroup its 64 keys) and Q,
-    dO (B, whole, per warpgroup); dV and dK read dO and Q (B; A is in registers); dQ reads dS
-    and K, one of them split between the warpgroups, the other whole for each."""
-    m, n, d, e = cfg.tile_m, cfg.tile_n, head_dim, 2
-    wgs = 2
-    reads = (2 * (n * d * e + wgs * m * d * e)  # S^T, dP^T
-             + 2 * wgs * m * d * e)  # dV, dK
-    if not cfg.dq_swap_ab and m == wgs * 64:  # dQ rows split: dS once, K whole per warpgroup
-        reads += m * n * e + wgs * n * d * e
-    else:  # D split (or swapped onto M): K once, dS whole per warpgroup
-        reads += n * d * e + wgs * m * n * e
-    writes = m * n * e + m * d * 4  # dS (stmatrix) and dQ (float32)
-    bulk = m * d * 4 + 2 * m * d * e  # the bulk add reads dQ; TMA writes Q and dO
-    return {
-        "tensor": step_flops(cfg, d) / TENSOR_FLOP_PER_CLK,
-        "mufu": m * n / MUFU_PER_CLK,
-        "smem": (reads + writes + bulk) / SMEM_BYTES_PER_CLK,
-    }
 
 
 # ---------------------------------------------------------------------------------------------
