@@ -20,8 +20,11 @@ warpgroup's 64 keys and a query tile of tile_m rows:
 Why S^T and not S (FA3's SdP_swapAB): with keys on the wgmma M axis the accumulator of S^T is
 already laid out as the A operand of dV += P^T dO and dK += dS^T Q, so two of the five GEMMs
 read their A from registers and P never touches shared memory; only dS is stored, once, for dQ.
-Per step at tile_m = 64, D = 128 that is 5 GEMMs of 2 * 128 * 64 * 128 = 10.5 MFLOP: 2560 tensor
-cycles per SM, against shared-memory reads of ~4 KB per 64 x 16 x 16 wgmma k-block.
+Per step at tile_m = 64, D = 128 that is 5 GEMMs of 2 * 128 * 64 * 128 FLOPs = 10.5 MFLOP, 2560
+tensor-core cycles of an SM; the shared-memory traffic of the same step (operands re-read by
+each warpgroup, dS stored, dQ staged and read by the bulk add) is about as many cycles again
+(chapter 00's model), so the step overlaps its GEMMs with everything else or loses time: that is
+why both warpgroups issue their GEMMs back to back and wait only where a result is needed.
 
 Measured speeds: results/h200/ch11_bwd.json (``python -m solutions.ch11_bench``), printed in
 notebook 11; never typed here.
