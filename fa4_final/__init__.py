@@ -23,6 +23,13 @@ what is supported). It stands alone (it imports neither the course's ``utils`` n
     scheduler    tile order and the persistent static schedule                  chapter 08
     hopper.fwd   the warp-specialised ping-pong persistent forward (sm_90a)     chapter 08
     hopper.launch  compile through the cache and launch the Hopper kernels      chapter 12
+    hopper.bwd   the backward: K, V stationary, five wgmma per step (sm_90a)     chapter 11
+    bwd_pre      delta = rowsum(dO * O), lse in log2 units, zeroed dQ accumulator chapter 11
+    bwd_post     dQ from its float32 accumulator                                chapter 11
+    bwd_tiles    which query tiles a key tile visits; deterministic turn order  chapter 11
+    atomics      bulk float32 adds into global memory; turn counters            chapter 11
+    backward     the backward's torch entry points (backward_into, backward)     chapter 11
+    autograd     a minimal torch.autograd.Function over forward and backward    chapter 11
 """
 
 from fa4_final.dispatch import support_table

@@ -116,3 +116,89 @@ def hopper_fwd_default(head_dim: int, causal: bool = False) -> HopperFwdConfig:
     return HopperFwdConfig(num_consumer_wgs=2, tile_n=128, stages_k=3, stages_v=2,
                            o_rescale="next_pv")
 
+
+
+# ----------------------------------------------------------------------------------------------
+# The Hopper backward (fa4_final.hopper.bwd): chapter 11
+
+BWD_MMA_WARPGROUPS = 2  # each owns 64 keys of the CTA's KV tile: tile_n = 128
+SM90_BWD_REGISTERS = (24, 240)  # setmaxnreg (producer, each MMA warpgroup): 128*(24+2*240) <= 64K
+
+
+@dataclass(frozen=True)
+class HopperBwdConfig:
+    """Knobs of fa4_final.hopper.bwd.HopperBackward. One CTA per (KV tile, kv head, batch); two
+    MMA warpgroups own 64 keys each, so tile_n = 128 is derived; the inner loop walks the query
+    tiles of every query head of the group."""
+
+    tile_m: int = 64  # query rows per step of the inner loop
+    stages_q: int = 2  # depth of the Q (+ lse) and dO (+ delta) rings
+    stages_ds: int = 2  # dS buffers (1 or stages_q; 1: the warpgroups sync once more a step)
+    dq_swap_ab: bool = False  # dQ^T = K^T dS^T: wgmma M = D, so tile_m need not be 64k
+    deterministic: bool = False  # dQ accumulated in a fixed order of KV tiles (Note [Turns])
+
+    @property
+    def tile_n(self) -> int:
+        return WGMMA_M * BWD_MMA_WARPGROUPS
+
+    @property
+    def registers(self) -> tuple[int, int]:
+        return SM90_BWD_REGISTERS
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """Bytes of the kernel's SharedStorage, field by field in its order (the kernel asserts
+        its struct has this size): the mbarriers (full + empty per stage of Q and dO, and K/V's
+        one), lse and delta per stage (float32), the Q and dO rings, K, V, the dS buffers and
+        the float32 dQ staging tile; tiles 1 KB aligned for the 128 B swizzle."""
+        fields = [  # (bytes, alignment)
+            (8 * 2 * (2 * self.stages_q + 1), 8),
+            (4 * self.tile_m * self.stages_q, 128),  # lse (log2 units)
+            (4 * self.tile_m * self.stages_q, 128),  # delta
+            (self.tile_m * head_dim * elem_bytes * self.stages_q, 1024),  # Q
+            (self.tile_m * head_dim * elem_bytes * self.stages_q, 1024),  # dO
+            (self.tile_n * head_dim * elem_bytes, 1024),  # K
+            (self.tile_n * head_dim * elem_bytes, 1024),  # V
+            (self.tile_m * self.tile_n * elem_bytes * self.stages_ds, 1024),  # dS
+            (self.tile_m * head_dim * 4, 1024),  # dQ (float32)
+        ]
+        offset = 0
+        for size, align in fields:
+            offset = _align(offset, align) + size
+        return _align(offset, 1024)
+
+    def check(self, head_dim: int) -> None:
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+        m = self.tile_m
+        if isinstance(m, bool) or not isinstance(m, int) or m % 16 or not 16 <= m <= 128:
+            raise ValueError(f"tile_m must be a multiple of 16 in [16, 128] (it is the K of the "
+                             f"dV and dK wgmma), got {m!r}")
+        if not self.dq_swap_ab and m % WGMMA_M:
+            raise ValueError(f"tile_m={m} is not a multiple of {WGMMA_M}, the M of a wgmma: "
+                             f"dQ = dS K needs dq_swap_ab=True (dQ^T = K^T dS^T, M = head_dim)")
+        if self.dq_swap_ab and head_dim != WGMMA_M * BWD_MMA_WARPGROUPS:
+            raise ValueError(f"dq_swap_ab puts head_dim on the wgmma M of both warpgroups: it "
+                             f"needs head_dim = {WGMMA_M * BWD_MMA_WARPGROUPS}, got {head_dim}")
+        if self.stages_q < 1:
+            raise ValueError(f"stages_q must be >= 1, got {self.stages_q}")
+        if self.stages_ds not in (1, self.stages_q):
+            raise ValueError(f"stages_ds must be 1 or stages_q ({self.stages_q}): a dS buffer "
+                             f"follows its step's Q stage, got {self.stages_ds}")
+        need = self.smem_bytes(head_dim)
+        if need > SM90_SMEM_BYTES:
+            raise ValueError(
+                f"config needs {need} B of shared memory ({self.stages_q} stages of Q and dO of "
+                f"{m}x{head_dim}, K and V of {self.tile_n}x{head_dim}, {self.stages_ds} dS of "
+                f"{m}x{self.tile_n}, a float32 dQ of {m}x{head_dim}), more than the "
+                f"{SM90_SMEM_BYTES} B a CTA may use: a smaller tile_m or fewer stages")
+
+
+def hopper_bwd_default(head_dim: int, causal: bool = False,
+                       deterministic: bool = False) -> HopperBwdConfig:
+    """The backward's starting configs, FA3's on H100 (FA4 package's _tile_size_bwd_sm90):
+    D = 64: 128 x 128; D = 128: 64 x 128 (80 x 128 with dQ swapped when not causal)."""
+    if head_dim <= 64:
+        return HopperBwdConfig(tile_m=128, deterministic=deterministic)
+    if causal:
+        return HopperBwdConfig(tile_m=64, deterministic=deterministic)
+    return HopperBwdConfig(tile_m=80, dq_swap_ab=True, deterministic=deterministic)

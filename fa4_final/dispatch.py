@@ -50,10 +50,15 @@ class Backend:
         return f"{self.family} ({self.gpus}, {self.arch})"
 
     def state(self, module: str) -> str:
-        """'yes', 'compiled, not wired' or 'not in this build', for the README."""
+        """'yes', 'compiled, not wired', 'compiled, not yet verified on a GPU' or 'not in this
+        build', for the README."""
         if not module_present(module):
             return "not in this build"
-        return "yes" if self.wired else "compiled, not wired"
+        if not self.wired:
+            return "compiled, not wired"
+        if module == hopper.BACKWARD_MODULE and not hopper.BACKWARD_VERIFIED_ON_GPU:
+            return "compiled, not yet verified on a GPU"
+        return "yes"
 
 
 def module_present(module: str) -> bool:

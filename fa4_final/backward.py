@@ -1,0 +1,231 @@
+"""The backward's PyTorch entry points: checks, the three kernels compiled once, the workspace.
+
+    backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_scale=None,
+                  window_size=(None, None), deterministic=False)
+    backward(...) -> (dq, dk, dv)
+
+``out`` and ``lse`` are the forward's (fa4_final.interface.forward). Three launches on the
+current stream: bwd_pre (delta, lse in log2 units, zeroed dQ accumulator and turn counters),
+hopper.bwd (dK, dV and the dQ accumulator), bwd_post (dQ). Compiled like the forward: fake
+tensors, TVM-FFI, one compiled function per (kernel, config, dtype), cached in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from fa4_final.compile import cached, compile_kernel, fake_stream, fake_tensor
+from fa4_final.config import HopperBwdConfig, hopper_bwd_default
+from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES
+from fa4_final.interface import (
+    UnsupportedError,
+    _check_tma_operand,
+    _normalise_window,
+    check_inputs,
+    device_arch,
+)
+
+
+def _config(head_dim: int, causal: bool, deterministic: bool, config) -> HopperBwdConfig:
+    cfg = config or hopper_bwd_default(head_dim, causal)
+    if not isinstance(cfg, HopperBwdConfig):
+        raise TypeError(f"config must be a HopperBwdConfig or None, got {type(cfg).__name__}")
+    if deterministic and not cfg.deterministic:
+        cfg = replace(cfg, deterministic=True)
+    return cfg
+
+
+def _kernels(dtype_name, head_dim, causal, has_left, has_right, cfg):
+    from fa4_final.bwd_post import BackwardPost
+    from fa4_final.bwd_pre import BackwardPre
+    from fa4_final.hopper.bwd import HopperBackward
+
+    dt = CUTLASS_BY_NAME[dtype_name]
+    main = HopperBackward(dt, head_dim, causal, cfg, has_window_left=has_left,
+                          has_window_right=has_right)
+    pre = BackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic)
+    return {"pre": pre, "main": main, "post": BackwardPost(main)}
+
+
+def _fake_args(dtype_name: str, head_dim: int):
+    """Fake arguments of each kernel: symbolic batch, lengths and heads."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    dt = CUTLASS_BY_NAME[dtype_name]
+    div = 128 // dt.width  # 16-byte strides (TMA, 128-bit loads), in elements
+    b, sq, sk, h, hk, sq_pad, slab, m_blocks = (cute.sym_int() for _ in range(8))
+    like_q = lambda: fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)  # noqa: E731
+    like_k = lambda: fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)  # noqa: E731
+    lse = fake_tensor(Float32, (b, h, sq), divisibility=1)
+    lse2 = fake_tensor(Float32, (b, h, sq_pad), divisibility=4)
+    delta = fake_tensor(Float32, (b, h, sq_pad), divisibility=4)
+    accum = fake_tensor(Float32, (b, h, slab), divisibility=4)
+    # its own extents: without the deterministic mode the caller passes a (1, 1, 1) dummy
+    turn = fake_tensor(Int32, (cute.sym_int(), cute.sym_int(), m_blocks), divisibility=1)
+    q, out, dout, dq = like_q(), like_q(), like_q(), like_q()
+    k, v, dk, dv = like_k(), like_k(), like_k(), like_k()
+    return {
+        "pre": (out, dout, lse, lse2, delta, accum, turn, fake_stream()),
+        "main": (q, k, v, dout, lse2, delta, accum, dk, dv, turn, Float32(1.0), Int32(0),
+                 Int32(0), fake_stream()),
+        "post": (accum, dq, Float32(1.0), fake_stream()),
+    }
+
+
+def compile_backward(arch: str = "sm_90a", head_dim: int = 128, dtype: str = "bf16",
+                     causal: bool = False, config: HopperBwdConfig | None = None,
+                     deterministic: bool = False, has_window_left: bool = False,
+                     has_window_right: bool = False, keep: bool = False):
+    """Compile the three backward kernels for ``arch`` with fake tensors (no GPU needed).
+    Returns ({"pre", "main", "post"} -> compiled, {...} -> artifacts or None)."""
+    if dtype not in CUTLASS_BY_NAME:
+        raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
+    if arch != "sm_90a":
+        raise UnsupportedError(f"the Hopper backward uses wgmma, TMA and setmaxnreg: it "
+                               f"compiles for arch='sm_90a' only, got {arch!r}")
+    cfg = _config(head_dim, causal, deterministic, config)
+    kernels = _kernels(dtype, head_dim, causal, has_window_left, has_window_right, cfg)
+    compiled, artifacts = {}, {}
+    for role, kernel in kernels.items():
+        def build(kernel=kernel, role=role):
+            return compile_kernel(kernel, *_fake_args(dtype, head_dim)[role], arch=arch,
+                                  keep=keep)
+
+        if keep:
+            compiled[role], artifacts[role] = build()
+        else:
+            compiled[role] = cached(("bwd", role, arch, kernel.cache_key()),
+                                    lambda build=build: build()[0])
+            artifacts[role] = None
+    return compiled, artifacts
+
+
+def compile_only(arch: str = "sm_90a", head_dim: int = 128, dtype: str = "bf16",
+                 causal: bool = False, config: HopperBwdConfig | None = None,
+                 deterministic: bool = False, **window) -> dict:
+    """The compiled backward's artifacts (PTX, SASS, resources) per kernel, on any machine."""
+    return compile_backward(arch, head_dim, dtype, causal, config, deterministic, keep=True,
+                            **window)[1]
+
+
+def _check_like(name, t, ref):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
+        raise ValueError(f"{name} must be like {'q' if name in ('out', 'dout', 'dq') else 'k'} "
+                         f"{tuple(ref.shape)} {ref.dtype} on {ref.device}, got "
+                         f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    _check_tma_operand(name, t)
+
+
+def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_scale=None,
+                  window_size=(None, None), deterministic=False,
+                  config: HopperBwdConfig | None = None):
+    """Gradients of attention into ``dq`` (like q), ``dk`` and ``dv`` (like k): ``out``, ``lse``
+    from the forward, ``dout`` the gradient of out. GQA: dk, dv are summed over each group.
+    ``deterministic``: bitwise the same gradients every run (a fixed order of dQ adds)."""
+    b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
+    causal, left, right = _normalise_window(causal, window_size)
+    cfg = _config(d, causal, deterministic, config)
+    cfg.check(d)
+    for name, t, ref in (("out", out, q), ("dout", dout, q), ("dq", dq, q), ("dk", dk, k),
+                         ("dv", dv, k)):
+        _check_like(name, t, ref)
+    if not isinstance(lse, torch.Tensor) or lse.shape != (b, h, sq) \
+            or lse.dtype != torch.float32 or (lse.numel() and lse.stride(-1) != 1):
+        raise ValueError(f"lse must be float32 {(b, h, sq)} with stride 1 last (the forward's), "
+                         f"got {getattr(lse, 'dtype', type(lse).__name__)} "
+                         f"{tuple(getattr(lse, 'shape', ()))}")
+    arch = device_arch(q.device)
+    if b == 0 or h == 0 or sq == 0:
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv
+    if sk == 0:
+        dq.zero_()
+        return dq, dk, dv
+    has_right = right is not None and not causal
+    kernels, _ = compile_backward(arch, d, DTYPE_NAMES[q.dtype], causal, cfg,
+                                  has_window_left=left is not None, has_window_right=has_right)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    m_blocks = -(-sq // cfg.tile_m)
+    sq_pad = m_blocks * cfg.tile_m
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse2 = torch.empty(b, h, sq_pad, **f32)
+    delta = torch.empty(b, h, sq_pad, **f32)
+    accum = torch.empty(b, h, sq_pad * d, **f32)
+    turn_shape = (b, h, m_blocks) if cfg.deterministic else (1, 1, 1)
+    turn = torch.empty(turn_shape, dtype=torch.int32, device=q.device)
+    kernels["pre"](out, dout, lse, lse2, delta, accum, turn)
+    kernels["main"](q, k, v, dout, lse2, delta, accum, dk, dv, turn, scale, left or 0,
+                    right or 0)
+    kernels["post"](accum, dq, scale)
+    return dq, dk, dv
+
+
+def backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
+             window_size=(None, None), deterministic=False, config=None):
+    """(dq, dk, dv); see backward_into."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal, softmax_scale,
+                         window_size, deterministic, config)
+
+
+SMALL_CASES = [(1, 100, 130, 2, 1, 64, True), (1, 129, 129, 2, 2, 128, False)]
+CHECK_CASES = SMALL_CASES + [(2, 200, 333, 4, 2, 128, True), (1, 300, 77, 2, 1, 128, True),
+                             (1, 257, 513, 4, 4, 64, False)]
+
+
+def check(cases=None, deterministic=(False, True), seed: int = 0) -> bool:
+    """Small cases for `python -m fa4_final.backward --check [--small]` (and compute-sanitizer):
+    this backward on the out and lse of a float64 torch forward (so the backward is checked
+    alone), against float64 torch.autograd; one line per case. Returns whether all passed."""
+    ok_all = True
+    for b, sq, sk, h, hk, d, causal in cases or CHECK_CASES:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        q, k, v, dout = (torch.randn(b, s, n, d, generator=g).to("cuda", torch.bfloat16)
+                         for s, n in ((sq, h), (sk, hk), (sk, hk), (sq, h)))
+        out, lse, ref = _reference(q, k, v, dout, causal)
+        for det in deterministic:
+            grads = backward(q, k, v, out, lse, dout, causal=causal, deterministic=det)
+            torch.cuda.synchronize()
+            errs = [(g_.double() - r).abs().max().item() for g_, r in zip(grads, ref)]
+            scales = [r.abs().max().item() for r in ref]
+            nan = any(torch.isnan(g_).any().item() for g_ in grads)
+            ok = not nan and all(e <= 2e-2 * max(s, 1.0) for e, s in zip(errs, scales))
+            ok_all &= ok
+            print(f"{'ok  ' if ok else 'FAIL'} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} "
+                  f"causal={causal} deterministic={det}: max|err| dq {errs[0]:.2e} dk "
+                  f"{errs[1]:.2e} dv {errs[2]:.2e} (max |grad| {max(scales):.2e})", flush=True)
+    return ok_all
+
+
+def _reference(q, k, v, dout, causal):
+    """(out in q's dtype, lse float32, float64 autograd (dq, dk, dv)) of plain attention."""
+    h, hk = q.shape[2], k.shape[2]
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    qd, kd, vd = (t.transpose(1, 2) for t in leaves)
+    kd, vd = kd.repeat_interleave(h // hk, 1), vd.repeat_interleave(h // hk, 1)
+    s = qd @ kd.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + sk - sq, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    o = (p @ vd).transpose(1, 2)
+    grads = torch.autograd.grad(o, leaves, dout.double())
+    return o.detach().to(q.dtype).contiguous(), lse.detach().float().contiguous(), grads
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--check" not in sys.argv:
+        sys.exit("usage: python -m fa4_final.backward --check [--small]")
+    sys.exit(0 if check(SMALL_CASES if "--small" in sys.argv else None) else 1)

@@ -1,0 +1,109 @@
+"""The backward's postprocessing kernel: dQ = scale * (float32 dQ accumulator), in the inputs'
+dtype. The dQ epilogue the main kernel cannot run itself, because a query tile's dQ is complete
+only when every KV tile's CTA has added its part.
+
+The accumulator is stored in the main kernel's register order (Note [dQ in accumulator order]
+in fa4_final.hopper.bwd), so this kernel runs the main kernel's dQ tiled MMA once more, only to
+learn which (row, col) each loaded float belongs to: each thread loads exactly the floats the
+matching MMA thread stored (16 B at a time, coalesced), scales and converts them, writes them
+into a shared-memory tile by coordinate, and the CTA copies the tile out row by row (rows past
+seqlen_q are not written). Bytes: 4 B read and 2 B written per dQ element.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+VECTOR = 8  # 16-bit elements per 16-byte store
+ROW_PAD = 8  # elements of padding per shared-memory row: rows start in different banks
+
+
+class BackwardPost:
+    """dQ from the accumulator of ``main`` (a HopperBackward: its tile_m, dQ tiled MMA and copy),
+    one CTA of the main kernel's MMA threads per query tile."""
+
+    def __init__(self, main):
+        self.main = main
+        self.dtype = main.dtype
+        self.head_dim = main.head_dim
+        self.tile_m = main.tile_m
+        self.num_threads = main.num_threads - 128  # the MMA warpgroups' threads
+        self.threads_per_row = self.head_dim // VECTOR
+        self.rows_per_pass = self.num_threads // self.threads_per_row
+        assert self.tile_m % self.rows_per_pass == 0
+
+    def cache_key(self) -> tuple:
+        return (type(self).__name__, self.main.cache_key())
+
+    @cute.jit
+    def __call__(
+        self,
+        mdQaccum: cute.Tensor,  # (batch, heads, seqlen_q_padded * D) float32
+        mdQ: cute.Tensor,  # (batch, seqlen_q, heads, D) out
+        softmax_scale: Float32,
+        stream,
+    ):
+        if const_expr(mdQ.element_type != self.dtype or mdQaccum.element_type != Float32):
+            raise TypeError(f"dq must be {self.dtype} and its accumulator float32")
+        _, _, mma_dq = self.main.tiled_mmas()
+        row_stride = self.head_dim + ROW_PAD
+        sdQ_layout = cute.make_layout((self.tile_m, self.head_dim), stride=(row_stride, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, self.tile_m * row_stride],
+                                   16]
+
+        copy_out = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_layout((self.rows_per_pass, self.threads_per_row),
+                             stride=(self.threads_per_row, 1)),
+            cute.make_layout((1, VECTOR)))
+        num_m_blocks = cute.ceil_div(mdQ.shape[1], self.tile_m)
+        self.kernel(mdQaccum, mdQ, softmax_scale, mma_dq, self.main.dq_copy(), copy_out,
+                    sdQ_layout, SharedStorage).launch(
+            grid=(num_m_blocks, mdQ.shape[2], mdQ.shape[0]), block=[self.num_threads, 1, 1],
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
+               mma_dq: cute.TiledMma, dq_copy: cute.TiledCopy, copy_out: cute.TiledCopy,
+               sdQ_layout: cute.Layout, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, b = cute.arch.block_idx()
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)  # (tile_m, D)
+        # 1. this thread's floats, in the order MMA thread tidx stored them
+        slab = self.tile_m * self.head_dim
+        gAcc = cute.local_tile(mdQaccum[b, head, None], (slab,), (m_block,))
+        gAcc = cute.make_tensor(gAcc.iterator, self.main.dq_chunk_layout())  # (chunk, 2)
+        tAgA = dq_copy.get_slice(tidx).partition_D(gAcc)  # the positions MMA thread tidx wrote
+        flat = cute.make_rmem_tensor(tAgA.shape, Float32)
+        cute.autovec_copy(tAgA, flat)
+        # 2. the same registers seen as the dQ accumulator, and each one's (row, col)
+        thr_dq = mma_dq.get_slice(tidx)
+        tile = self.main.dq_tile_shape()
+        acc = cute.make_tensor(flat.iterator, cute.make_layout(thr_dq.partition_shape_C(tile)))
+        coords = thr_dq.partition_C(cute.make_identity_tensor(tile))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            rc = coords[i]
+            value = (acc[i] * softmax_scale).to(self.dtype)
+            if const_expr(self.main.cfg.dq_swap_ab):
+                sdQ[rc[1], rc[0]] = value  # dQ^T: (col, row)
+            else:
+                sdQ[rc[0], rc[1]] = value
+        cute.arch.barrier()
+        # 3. the tile out, 16 B per thread, rows past seqlen_q skipped
+        gdQ = cute.local_tile(mdQ[b, None, head, None], (self.tile_m, self.head_dim),
+                              (m_block, 0))
+        cdQ = cute.local_tile(cute.make_identity_tensor((mdQ.shape[1], self.head_dim)),
+                              (self.tile_m, self.head_dim), (m_block, 0))
+        thr_out = copy_out.get_slice(tidx)
+        tOsdQ = thr_out.partition_S(sdQ)  # (CPY, passes, 1)
+        tOgdQ = thr_out.partition_D(gdQ)
+        tOcdQ = thr_out.partition_D(cdQ)
+        for p in cutlass.range_constexpr(cute.size(tOsdQ, mode=[1])):
+            if tOcdQ[0, p, 0][0] < mdQ.shape[1]:
+                cute.autovec_copy(tOsdQ[None, p, 0], tOgdQ[None, p, 0])

@@ -1,0 +1,733 @@
+"""The Hopper backward (sm_90a): K and V stationary, Q and dO streamed, five wgmma per step.
+Chapter 11.
+
+One CTA per (KV tile of tile_n = 128 keys, kv head, batch). Two MMA warpgroups own 64 keys each;
+K, V and the dK, dV accumulators stay on chip for the whole CTA, and the inner loop walks every
+query tile that sees these keys, for every query head of the kv head's group (GQA: dK and dV sum
+over the group in registers, no float32 dK/dV buffers and no atomics for them). Per step, for a
+warpgroup's 64 keys and a query tile of tile_m rows:
+
+    S^T  = K Q^T               wgmma SS  (64 x tile_m, K = D)
+    dP^T = V dO^T              wgmma SS
+    P^T  = 2^(S^T * scale * log2 e - lse_log2)       registers (FFMA + MUFU.EX2)
+    dS^T = P^T * (dP^T - delta)                      registers
+    dV  += P^T dO              wgmma RS: P^T is the A operand straight from registers
+    dK  += dS^T Q              wgmma RS
+    dQ   = dS K                wgmma SS: dS goes through shared memory (both warpgroups' keys
+                                form its K dimension), dQ leaves through shared memory and one
+                                bulk float32 add into the dQ accumulator
+
+Why S^T and not S (FA3's SdP_swapAB): with keys on the wgmma M axis the accumulator of S^T is
+already laid out as the A operand of dV += P^T dO and dK += dS^T Q, so two of the five GEMMs
+read their A from registers and P never touches shared memory; only dS is stored, once, for dQ.
+Per step at tile_m = 64, D = 128 that is 5 GEMMs of 2 * 128 * 64 * 128 FLOPs = 10.5 MFLOP, 2560
+tensor-core cycles of an SM; the shared-memory traffic of the same step (operands re-read by
+each warpgroup, dS stored, dQ staged and read by the bulk add) is about as many cycles again
+(chapter 00's model), so the step overlaps its GEMMs with everything else or loses time: that is
+why both warpgroups issue their GEMMs back to back and wait only where a result is needed.
+
+Measured speeds: results/h200/ch11_bwd.json (``python -m solutions.ch11_bench``), printed in
+notebook 11; never typed here.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from fa4_final.atomics import bulk_add_f32, pass_turn, wait_turn
+from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range
+from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
+from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
+from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
+from fa4_final.mask import fragment_coords
+from fa4_final.tiles import TileWindow
+
+MMA_THREADS = THREADS_PER_WARPGROUP * BWD_MMA_WARPGROUPS
+
+
+class NamedBarrier(IntEnum):
+    """Hardware named barriers (bar.sync id); id 0 is __syncthreads."""
+
+    DS_READY = 1  # both MMA warpgroups: this step's dS is in shared memory
+    DS_FREE = 2  # both MMA warpgroups: the last dQ GEMM has read dS (stages_ds = 1 only)
+    EPILOGUE = 3  # both MMA warpgroups: K and V are free to stage dK and dV
+    DQ_EMPTY_WG0 = 4  # + w: the dQ warp has read warpgroup w's dQ buffer (128 + 32 threads)
+    DQ_FULL_WG0 = 6  # + w: warpgroup w's dQ is in its buffer
+
+
+@dsl_user_op
+def _pack2(a, b, dtype, *, loc=None, ip=None) -> Int32:
+    """Two float32 -> one register of two 16-bit values (cvt.rn.bf16x2.f32 / .f16x2): as inline
+    PTX the conversion happens once; as a plain cast LLVM rematerialises it for each of the two
+    consumers of dS (its stmatrix and the dK wgmma), 16 extra F2FP per step."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def _convert(src: cute.Tensor, dst: cute.Tensor):
+    """dst (16-bit, same size) <- src (float32), two elements per instruction."""
+    dst_pairs = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(dst_pairs)):
+        dst_pairs[i] = _pack2(src[2 * i], src[2 * i + 1], dst.element_type)
+
+
+def _select(t: cute.Tensor, modes: list) -> cute.Tensor:
+    """Reorder a tensor's modes (a view; no data moves)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def _transpose(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a shared-memory tensor: Q^T from Q, K^T from K (a view)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+class HopperBackward:
+    """dK, dV (and dQ's float32 accumulator) of attention, one KV tile per CTA.
+
+    Roles (data; the notebook prints them):
+      warpgroup 0   warp 0: TMA loads (K, V once; Q + lse and dO + delta per step)
+                    warp 1: dQ stores (bulk float32 adds; the turn counters when deterministic)
+      warpgroups 1-2  MMA: the five GEMMs and the pointwise work for 64 keys each; epilogue
+
+    Pipelines (producer -> consumer; EMPTY completes with one arrive per MMA warp, FULL with the
+    producer's arrive and the TMA byte count):
+      pipeline_kv   1 stage         K and V of the CTA's KV tile, loaded once
+      pipeline_q    stages_q        Q and its lse (log2 units) per query tile
+      pipeline_do   stages_q        dO and its delta per query tile
+    dS and dQ pass through shared memory under named barriers (NamedBarrier).
+    """
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config: HopperBwdConfig,
+                 has_window_left: bool = False, has_window_right: bool = False):
+        config.check(head_dim)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = bool(causal)
+        self.cfg = config
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        self.window = TileWindow(self.tile_m, self.tile_n, self.causal,
+                                 has_left=bool(has_window_left),
+                                 has_right=bool(has_window_right) and not self.causal)
+        self.producer_regs, self.mma_regs = config.registers
+        self.num_threads = THREADS_PER_WARPGROUP + MMA_THREADS
+        self.dq_chunk = self.tile_m * head_dim // BWD_MMA_WARPGROUPS  # floats per warpgroup
+        self.roles = {
+            "producer": {"warpgroups": (0,), "tma_warp": 0, "dq_warp": 1,
+                         "registers": self.producer_regs},
+            "mma": {"warpgroups": (1, 2), "keys_per_warpgroup": WGMMA_M,
+                    "registers": self.mma_regs},
+        }
+
+    def cache_key(self) -> tuple:
+        return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
+                self.window, self.cfg)
+
+    # ------------------------------------------------------------------------------------------
+    # layouts and MMAs (also used by fa4_final.bwd_post to read the dQ accumulator back)
+    # ------------------------------------------------------------------------------------------
+    def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
+        """128 B-swizzled row-major (rows, cols) tile, optionally staged: what TMA writes and
+        wgmma reads, K-major along cols and, through a transposed view, MN-major too."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+    def tiled_mmas(self):
+        """(S^T and dP^T; dV and dK; dQ). Atoms (2, 1, 1): each MMA warpgroup owns 64 keys.
+        dQ = dS K splits D between the warpgroups when tile_m = 64, rows when tile_m = 128; with
+        dq_swap_ab it is dQ^T = K^T dS^T, D on M."""
+        major = cute.nvgpu.OperandMajorMode
+        keys = (BWD_MMA_WARPGROUPS, 1, 1)
+        mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major.K, major.K, Float32, keys, (WGMMA_M, self.tile_m))
+        mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major.K, major.MN, Float32, keys, (WGMMA_M, self.head_dim),
+            warpgroup.OperandSource.RMEM)
+        if const_expr(self.cfg.dq_swap_ab):
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, major.MN, major.K, Float32, keys,
+                (WGMMA_M, self.tile_m))
+        else:
+            rows = self.tile_m // WGMMA_M
+            cols = BWD_MMA_WARPGROUPS // rows
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, major.K, major.MN, Float32, (rows, cols, 1),
+                (WGMMA_M, self.head_dim // cols))
+        return mma_sdp, mma_dkv, mma_dq
+
+    def dq_tile_shape(self) -> tuple:
+        """(M, N) of the dQ GEMM's accumulator tile."""
+        if const_expr(self.cfg.dq_swap_ab):
+            return (self.head_dim, self.tile_m)
+        return (self.tile_m, self.head_dim)
+
+    def dq_copy(self) -> cute.TiledCopy:
+        """How a thread's dQ accumulator registers map to the float32 staging buffer and the dQ
+        accumulator in global memory: 16 B per thread, consecutive threads adjacent (Note [dQ in
+        accumulator order])."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        return cute.make_tiled_copy_tv(
+            atom, cute.make_layout((THREADS_PER_WARPGROUP, BWD_MMA_WARPGROUPS)),
+            cute.make_layout(4))
+
+    def dq_chunk_layout(self) -> cute.Layout:
+        return cute.make_layout((self.dq_chunk, BWD_MMA_WARPGROUPS))
+
+    # Note [dQ in accumulator order]
+    # ------------------------------
+    # A step's dQ (tile_m x D floats) is added into global memory by one bulk instruction per
+    # warpgroup. For that the bytes must be contiguous in shared memory and in global memory,
+    # so the dQ accumulator is stored not row-major but in the order the threads hold it: chunk
+    # w of query tile m holds warpgroup w's registers, thread t's 4 consecutive floats at
+    # 16 t + 2048 k bytes. The shared-memory writes are then 128-bit and conflict-free, the bulk
+    # add is a straight copy, and fa4_final.bwd_post, which turns the accumulator into dQ,
+    # rebuilds each element's (row, col) from the same tiled MMA and copy (dq_copy).
+
+    # ------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, D)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
+        mdO: cute.Tensor,  # (batch, seqlen_q, heads, D)
+        mLSE2: cute.Tensor,  # (batch, heads, seqlen_q_padded) float32, log2 units (bwd_pre)
+        mDelta: cute.Tensor,  # (batch, heads, seqlen_q_padded) float32 (bwd_pre)
+        mdQaccum: cute.Tensor,  # (batch, heads, seqlen_q_padded * D) float32, zeroed (bwd_pre)
+        mdK: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
+        mdV: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
+        mTurn: cute.Tensor,  # (batch, heads, num_m_blocks) int32, zeroed (deterministic only)
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream,
+    ):
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
+                           == mdO.element_type == mdK.element_type == mdV.element_type
+                           == self.dtype)):
+            raise TypeError(f"q, k, v, dout, dk, dv must all be {self.dtype}")
+        if const_expr(not (mLSE2.element_type == mDelta.element_type == mdQaccum.element_type
+                           == Float32)):
+            raise TypeError("lse_log2, delta and the dQ accumulator must be float32")
+        # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
+        mQ, mK, mV, mdO, mdK, mdV = [_select(t, [1, 3, 2, 0])
+                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mLSE2, mDelta, mdQaccum, mTurn = [_select(t, [2, 1, 0])
+                                          for t in (mLSE2, mDelta, mdQaccum, mTurn)]
+        D, stages = self.head_dim, self.cfg.stages_q
+        sQ_layout = self._smem_layout(self.tile_m, D, stages)  # also dO's
+        sK_layout = self._smem_layout(self.tile_n, D)  # also V's, dK's and dV's
+        sdS_layout = self._smem_layout(self.tile_m, self.tile_n, self.cfg.stages_ds)
+        sQ_one = cute.select(sQ_layout, mode=[0, 1])
+        bytes_q = cute.size_in_bytes(self.dtype, sQ_one)
+        bytes_kv = cute.size_in_bytes(self.dtype, sK_layout)
+        bytes_row = self.tile_m * 4  # a tile's lse or delta
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)],
+                                   1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)],
+                                   1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * D], 1024]
+
+        # the budget arithmetic of HopperBwdConfig.smem_bytes() is the struct's real size
+        assert SharedStorage.size_in_bytes() == self.cfg.smem_bytes(D, self.dtype.width // 8), (
+            SharedStorage.size_in_bytes(), self.cfg.smem_bytes(D, self.dtype.width // 8))
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, sQ_one, (self.tile_m, D))
+        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(load, mdO, sQ_one, (self.tile_m, D))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, sK_layout, (self.tile_n, D))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, sK_layout, (self.tile_n, D))
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store, mdK, sK_layout,
+                                                          (self.tile_n, D))
+        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, mdV, sK_layout,
+                                                          (self.tile_n, D))
+        mma_sdp, mma_dkv, mma_dq = self.tiled_mmas()
+        num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        self.kernel(
+            tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, mLSE2, mDelta, mdQaccum, mTurn,
+            tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk, tma_atom_dv,
+            softmax_scale, softmax_scale * LOG2_E, window_left, window_right, mQ.shape[2],
+            sQ_layout, sK_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq,
+            bytes_q + bytes_row, bytes_kv, SharedStorage,
+        ).launch(grid=(num_n_blocks, mK.shape[2], mK.shape[3]),
+                 block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA coordinate tensors: (s, D, h, b)
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mLSE2: cute.Tensor,  # (s_padded, h, b)
+        mDelta: cute.Tensor,
+        mdQaccum: cute.Tensor,  # (s_padded * D, h, b)
+        mTurn: cute.Tensor,  # (num_m_blocks, h, b)
+        tma_atom_q: cute.CopyAtom,
+        tma_atom_k: cute.CopyAtom,
+        tma_atom_v: cute.CopyAtom,
+        tma_atom_do: cute.CopyAtom,
+        tma_atom_dk: cute.CopyAtom,
+        tma_atom_dv: cute.CopyAtom,
+        softmax_scale: Float32,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        heads: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        bytes_q: cutlass.Constexpr[int],
+        bytes_kv: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk,
+                         tma_atom_dv):
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_THREADS // WARP_SIZE)
+
+        def ring(mbar, stages, tx):
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
+                consumer_group=consumers, tx_count=tx, defer_sync=True)
+
+        pipeline_q = ring(storage.mbar_q, self.cfg.stages_q, bytes_q)
+        pipeline_do = ring(storage.mbar_do, self.cfg.stages_q, bytes_q)
+        pipeline_kv = ring(storage.mbar_kv, 1, 2 * bytes_kv)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (m, D, STAGE)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (n, D)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (m, n, ST)
+        row_layout = cute.make_layout((self.tile_m, self.cfg.stages_q))
+        sLSE = storage.sLSE.get_tensor(row_layout)  # (m, STAGE)
+        sDelta = storage.sDelta.get_tensor(row_layout)
+        sdQ = storage.sdQ.get_tensor(self.dq_chunk_layout())  # (tile_m * D / 2, 2) float32
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        n_block, head_kv, b = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        num_n_blocks = (seqlen_k + self.tile_n - 1) // self.tile_n
+        if const_expr(self.cfg.deterministic and launch_order_reversed(self.window)):
+            n_block = num_n_blocks - 1 - n_block  # turns go downwards (bwd_tiles Note [Turn order])
+        m_min, m_max, n_first, n_last = q_tile_range(self.window, n_block, seqlen_q, seqlen_k,
+                                                     window_left, window_right)
+        if (n_block + 1) * self.tile_n > seqlen_k:  # keys past seqlen_k: mask every step
+            n_first = m_max - m_min
+        group = heads // mK.shape[2]
+        work = (m_min, m_max, n_first, n_last, head_kv * group, group)
+
+        if warp_idx < THREADS_PER_WARPGROUP // WARP_SIZE:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == self.roles["producer"]["tma_warp"]:
+                self.load(mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+                          tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, pipeline_q,
+                          pipeline_do, pipeline_kv, n_block, head_kv, b, work)
+            if warp_idx == self.roles["producer"]["dq_warp"]:
+                self.store_dq(mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q,
+                              seqlen_k, window_left, window_right)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.mma(mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk,
+                     tma_atom_dv, mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do,
+                     pipeline_kv, softmax_scale, scale_log2, window_left, window_right,
+                     n_block, head_kv, b, seqlen_q, seqlen_k, work)
+
+    # Note [Phases]
+    # -------------
+    # The three roles walk the same steps in the same order: for each query head of the group,
+    # for m_block in [m_min, m_max). Per step the producer fills one Q stage (Q + lse) and one
+    # dO stage (dO + delta); the MMA warpgroups release Q after their last GEMM that reads it
+    # (dK += dS^T Q) and dO after dV += P^T dO. K and V come once, before the first step; a CTA
+    # with no step (keys no query sees) loads nothing and writes dK = dV = 0. The dQ warp takes
+    # each step's two dQ chunks in the same order; its buffers are handed over with named
+    # barriers: DQ_EMPTY (the bulk add has read the buffer) before a warpgroup writes, DQ_FULL
+    # after.
+
+    @cute.jit
+    def load(self, mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_atom_q,
+             tma_atom_k, tma_atom_v, tma_atom_do, pipeline_q, pipeline_do, pipeline_kv,
+             n_block, head_kv, b, work):
+        """TMA warp: K and V once, then per step Q + lse and dO + delta (Note [Phases])."""
+        m_min, m_max, _, _, head0, group = work
+        D = self.head_dim
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                               self.cfg.stages_q)
+        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
+        if m_max > m_min:
+            gK = cute.local_tile(mK[None, None, head_kv, b], (self.tile_n, D), (n_block, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, b], (self.tile_n, D), (n_block, 0))
+            pipeline_kv.producer_acquire(state_kv)
+            for atom, g, s in ((tma_atom_k, gK, sK), (tma_atom_v, gV, sV)):
+                tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                   cute.group_modes(s, 0, 2),
+                                                   cute.group_modes(g, 0, 2))
+                cute.copy(atom, tXgX, tXsX,
+                          tma_bar_ptr=pipeline_kv.producer_get_barrier(state_kv))
+        for h in cutlass.range(group, unroll=1):
+            head = head0 + h
+            # (m, D, m_blocks) of this head; (m, m_blocks) of its lse and delta
+            gQ = cute.local_tile(mQ[None, None, head, b], (self.tile_m, D), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, b], (self.tile_m, D), (None, 0))
+            gLSE = cute.local_tile(mLSE2[None, head, b], (self.tile_m,), (None,))
+            gDelta = cute.local_tile(mDelta[None, head, b], (self.tile_m,), (None,))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1),
+                                               cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_do, 0, cute.make_layout(1),
+                                                   cute.group_modes(sdO, 0, 2),
+                                                   cute.group_modes(gdO, 0, 2))
+            for m_block in cutlass.range(m_min, m_max, unroll=1):
+                pipeline_q.producer_acquire(state_q)
+                bar = pipeline_q.producer_get_barrier(state_q)
+                cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state_q.index],
+                          tma_bar_ptr=bar)
+                with cute.arch.elect_one():
+                    cute.copy(bulk, gLSE[None, m_block], sLSE[None, state_q.index],
+                              mbar_ptr=bar)
+                pipeline_do.producer_acquire(state_q)
+                bar = pipeline_do.producer_get_barrier(state_q)
+                cute.copy(tma_atom_do, tdOgdO[None, m_block], tdOsdO[None, state_q.index],
+                          tma_bar_ptr=bar)
+                with cute.arch.elect_one():
+                    cute.copy(bulk, gDelta[None, m_block], sDelta[None, state_q.index],
+                              mbar_ptr=bar)
+                state_q.advance()
+
+    # Note [Turns]
+    # ------------
+    # Deterministic mode. Query tile m of a head receives dQ parts from every key tile that
+    # visits it; each adds one block per MMA warpgroup. The turn counter of (batch, head, m) in
+    # global memory starts at 0 (bwd_pre); key tile n waits until it reads its turn
+    # (bwd_tiles.dq_turn: downwards from the last visitor with a causal diagonal, upwards from
+    # the first otherwise), adds both its blocks, waits for the adds to complete (wait_group 0,
+    # not just .read) and increments the counter with release semantics. Every run then adds the
+    # same float32 values in the same order. No deadlock: a CTA waits only for CTAs of its
+    # (head, batch) that come earlier in its turn order, which the grid launches first (CTA x is
+    # key tile n_blocks - 1 - x when turns go downwards), and each of those waits only on earlier
+    # ones in turn. The cost: a CTA whose turn comes before its data is ready waits; without a
+    # causal diagonal all key tiles reach query tile 0 together and the turns form a staircase.
+
+    @cute.jit
+    def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
+                 window_left, window_right):
+        """dQ warp: per step, both warpgroups' float32 dQ blocks into the accumulator, each
+        with one bulk add (Note [dQ in accumulator order]); in turn when deterministic."""
+        m_min, m_max, _, _, head0, group = work
+        lane = cute.arch.lane_idx()
+        wgs = BWD_MMA_WARPGROUPS
+        chunk_bytes = self.dq_chunk * 4
+        handshake = THREADS_PER_WARPGROUP + WARP_SIZE
+        for h in cutlass.range(group, unroll=1):
+            head = head0 + h
+            gAcc = mdQaccum[None, head, b]  # (s_padded * D,)
+            for m_block in cutlass.range(m_min, m_max, unroll=1):
+                for w in cutlass.range_constexpr(wgs):
+                    # the previous step's add of buffer w must have read it (groups retire in
+                    # order: w = 0 was committed first)
+                    if const_expr(not self.cfg.deterministic):
+                        if lane == 0:
+                            cute.arch.cp_async_bulk_wait_group(wgs - 1 - w, read=True)
+                        cute.arch.sync_warp()
+                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + w,
+                                             number_of_threads=handshake)
+                turn_ptr = None
+                if const_expr(self.cfg.deterministic):
+                    turn_ptr = mTurn[None, head, b].iterator + m_block
+                    if lane == 0:
+                        wait_turn(turn_ptr, dq_turn(self.window, n_block, m_block, num_n_blocks,
+                                                    seqlen_q, seqlen_k, window_left,
+                                                    window_right))
+                    cute.arch.sync_warp()
+                for w in cutlass.range_constexpr(wgs):
+                    cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + w,
+                                      number_of_threads=handshake)
+                    if lane == 0:
+                        offset = m_block * (self.tile_m * self.head_dim) + w * self.dq_chunk
+                        bulk_add_f32(gAcc.iterator + offset, sdQ[None, w].iterator,
+                                     chunk_bytes)
+                        cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.cfg.deterministic):
+                    if lane == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        cute.arch.fence_acq_rel_gpu()
+                        pass_turn(turn_ptr)
+                    cute.arch.sync_warp()
+        if lane == 0:  # shared memory must outlive the last add's reads of it
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def wgmma(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor,
+              tB: cute.Tensor, accumulate):
+        """Issue acc (+)= A B over the K blocks as one async group; the caller waits on it."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def mma(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk, tma_atom_dv,
+            mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do, pipeline_kv, softmax_scale,
+            scale_log2, window_left, window_right, n_block, head_kv, b, seqlen_q, seqlen_k,
+            work):
+        """MMA warpgroups: every step of the CTA, then the dK, dV epilogue."""
+        m_min, m_max, n_first, n_last, _, group = work
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 255
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        wg_sdp = mma_sdp.get_slice(wg * THREADS_PER_WARPGROUP)
+        wg_dkv = mma_dkv.get_slice(wg * THREADS_PER_WARPGROUP)
+        wg_dq = mma_dq.get_slice(wg * THREADS_PER_WARPGROUP)
+        thr_sdp = mma_sdp.get_slice(tidx)
+        thr_dkv = mma_dkv.get_slice(tidx)
+        thr_dq = mma_dq.get_slice(tidx)
+        # operands: A and B descriptors per warpgroup, accumulators per thread
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))  # (MMA, 1, D/16)
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (MMA, 1, D/16, STAGE)
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sdO)))  # (.., m/16, ST)
+        tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sQ)))
+        if const_expr(self.cfg.dq_swap_ab):  # dQ^T = K^T dS^T
+            tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(_transpose(sK)))  # (.., n/16)
+            tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))  # (.., n/16, STAGE)
+        else:  # dQ = dS K
+            tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (.., n/16, STAGE)
+            tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(_transpose(sK)))  # (.., n/16)
+        shape_st = thr_sdp.partition_shape_C((self.tile_n, self.tile_m))  # ((2,2,m/8),1,1)
+        shape_a = thr_dkv.partition_shape_A((self.tile_n, self.tile_m))  # ((2,2,2),1,m/16)
+        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)),
+                                       Float32)
+        acc_dk = cute.make_rmem_tensor_like(acc_dv)
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        # dS^T registers -> dS in shared memory: stmatrix, transposed
+        st_t = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(tidx)
+        tdSsdS = thr_st_t.partition_D(_transpose(sdS))  # (CPY, .., STAGE)
+        # dQ registers -> its float32 staging buffer, 16 B per thread (Note [dQ in acc..])
+        tdQsdQ = self.dq_copy().get_slice(tidx).partition_D(sdQ)
+        # (key, query) of each accumulator element, this thread and thread 0: the mask
+        tScS, t0ScS = fragment_coords(thr_sdp, (self.tile_n, self.tile_m))
+        ops = (tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrA, tdQrB, st_t, thr_st_t, tdSsdS,
+               tdQsdQ, thr_dq)
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                               self.cfg.stages_q)
+        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        n_steps = m_max - m_min
+        if n_steps > 0:
+            pipeline_kv.consumer_wait(state_kv)
+        step = lambda m_block, masked, sq_: self.step(  # noqa: E731
+            m_block, masked, wg, sq_, ops, acc_dv, acc_dk, shape_st, shape_a, sLSE,
+            sDelta, thr_sdp, tScS, t0ScS, mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do,
+            scale_log2, window_left, window_right, n_block, seqlen_q, seqlen_k)
+        # Split the range, not the body: masked steps, unmasked steps, masked steps
+        first_end = m_min + n_first
+        last_start = cutlass.max(m_max - n_last, first_end)
+        for _h in cutlass.range(group, unroll=1):
+            for m_block in cutlass.range(m_min, first_end, unroll=1):
+                state_q = step(m_block, True, state_q)
+            for m_block in cutlass.range(first_end, last_start, unroll=1):
+                state_q = step(m_block, False, state_q)
+            if const_expr(self.window.has_left):
+                for m_block in cutlass.range(last_start, m_max, unroll=1):
+                    state_q = step(m_block, True, state_q)
+        self.epilogue(acc_dk, acc_dv, mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, mma_dkv,
+                      softmax_scale, tidx, n_block, head_kv, b)
+
+    @cute.jit
+    def step(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv, acc_dk,
+             shape_st, shape_a, sLSE, sDelta, thr_sdp, tScS, t0ScS, mma_sdp, mma_dkv,
+             mma_dq, pipeline_q, pipeline_do, scale_log2, window_left, window_right, n_block,
+             seqlen_q, seqlen_k):
+        """One query tile against this warpgroup's 64 keys: the five GEMMs of the module
+        docstring. A fresh accumulator for S, dP and dQ each step: their registers die within
+        the step, so ptxas never serialises a wgmma to keep them (Note [Fresh accumulators])."""
+        (tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrA, tdQrB, st_t, thr_st_t, tdSsdS, tdQsdQ,
+         thr_dq) = ops
+        stage = state_q.index
+        ds_stage = stage if const_expr(self.cfg.stages_ds > 1) else 0
+        pipeline_q.consumer_wait(state_q)
+        acc_s = cute.make_rmem_tensor(shape_st, Float32)
+        self.wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], False)  # S^T = K Q^T
+        pipeline_do.consumer_wait(state_q)
+        acc_dp = cute.make_rmem_tensor(shape_st, Float32)
+        self.wgmma(mma_sdp, acc_dp, tdPrV, tdPrdO[None, None, None, stage], False)  # dP^T
+        lse = self.column_values(thr_sdp, sLSE, stage)
+        warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+        if const_expr(masked):
+            self.mask(acc_s, tScS, t0ScS, n_block, m_block, seqlen_q, seqlen_k, window_left,
+                      window_right)
+        s = acc_rows_cols(acc_s)
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            lse_c = lse[0, c]
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse_c, fastmath=True)
+        # P^T and dS^T as the A operands of dV += P^T dO, dK += dS^T Q: the same registers in
+        # A-fragment order (fragments.acc_as_a_operand), converted to the input dtype
+        rP = cute.make_rmem_tensor(shape_a, self.dtype)
+        _convert(acc_as_a_operand(acc_s), rP)
+        delta = self.column_values(thr_sdp, sDelta, stage)
+        warpgroup.wait_group(0)  # dP^T is ready
+        dp = acc_rows_cols(acc_dp)
+        for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+            delta_c = delta[0, c]
+            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                dp[r, c] = s[r, c] * (dp[r, c] - delta_c)
+        rdS = cute.make_rmem_tensor(shape_a, self.dtype)
+        _convert(acc_as_a_operand(acc_dp), rdS)
+        if const_expr(self.cfg.stages_ds == 1):  # the other warpgroup's last dQ GEMM read dS
+            cute.arch.barrier(barrier_id=int(NamedBarrier.DS_FREE), number_of_threads=MMA_THREADS)
+        cute.copy(st_t, thr_st_t.retile(rdS), tdSsdS[None, None, None, ds_stage])
+        self.wgmma(mma_dkv, acc_dv, rP, tdVrdO[None, None, None, stage],
+                   True)  # dV += P^T dO
+        # generic-proxy smem writes (stmatrix) -> visible to wgmma (async proxy); then both
+        # warpgroups' halves of dS are in place
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=MMA_THREADS)
+        acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self.dq_tile_shape()), Float32)
+        if const_expr(self.cfg.dq_swap_ab):
+            self.wgmma(mma_dq, acc_dq, tdQrA, tdQrB[None, None, None, ds_stage], False)
+        else:
+            self.wgmma(mma_dq, acc_dq, tdQrA[None, None, None, ds_stage], tdQrB, False)
+        warpgroup.wait_group(1)  # dV done: dO's stage is free
+        pipeline_do.consumer_release(state_q)
+        self.wgmma(mma_dkv, acc_dk, rdS, tdKrQ[None, None, None, stage],
+                   True)  # dK += dS^T Q
+        warpgroup.wait_group(1)  # dQ done
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg,
+                          number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
+        flat = cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape))
+        cute.autovec_copy(flat, tdQsdQ)
+        cute.arch.fence_view_async_shared()  # for the bulk add (async proxy)
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg,
+                                 number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
+        warpgroup.wait_group(0)  # dK done: Q's stage is free
+        pipeline_q.consumer_release(state_q)
+        state_q.advance()
+        return state_q
+
+    def column_values(self, thr_sdp, s_vec: cute.Tensor, stage) -> cute.Tensor:
+        """A per-query vector in shared memory (lse or delta of one stage) seen through this
+        thread's S^T fragment: broadcast over the 128 key rows with stride 0, partitioned like
+        the accumulator; ``[0, c]`` is the value of the thread's column c."""
+        bcast = cute.make_tensor(s_vec[None, stage].iterator, cute.make_layout(
+            (self.tile_n, self.tile_m), stride=(0, 1)))
+        return acc_rows_cols(thr_sdp.partition_C(bcast))  # (rows, cols)
+
+    @cute.jit
+    def mask(self, acc_s, tScS, t0ScS, n_block, m_block, seqlen_q, seqlen_k, window_left,
+             window_right):
+        """S^T entries of invisible (key, query) pairs -> -inf. Rows are keys here: per row the
+        visible queries are lo <= i < hi (fa4_final.bwd_tiles), compared with the column's
+        compile-time index (Note [Mask with constants] of fa4_final.mask)."""
+        w = self.window
+        s = acc_rows_cols(acc_s)
+        col_offset = m_block * self.tile_m + tScS[0, 0][1]
+        offset = seqlen_k - seqlen_q
+        big = Int32(1 << 30)
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            key = n_block * self.tile_n + tScS[r, 0][0]
+            lo = -big
+            hi = big
+            if const_expr(w.masks_right):
+                lo = key - offset - w.right_bound(window_right) - col_offset
+            if const_expr(w.has_left):
+                hi = key - offset + window_left + 1 - col_offset
+            if key >= seqlen_k:
+                lo = big
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                col = t0ScS[0, c][1]
+                s[r, c] = -Float32.inf if (col < lo) | (col >= hi) else s[r, c]
+
+    @cute.jit
+    def epilogue(self, acc_dk, acc_dv, mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, mma_dkv,
+                 softmax_scale, tidx, n_block, head_kv, b):
+        """dK = scale * (sum of dS^T Q) and dV to global memory: registers -> shared (stmatrix,
+        over the K and V buffers) -> TMA stores, which clip rows past seqlen_k."""
+        dk = acc_rows_cols(acc_dk)
+        for r in cutlass.range_constexpr(cute.size(dk, mode=[0])):
+            for c in cutlass.range(cute.size(dk, mode=[1]), unroll_full=True):
+                dk[r, c] = dk[r, c] * softmax_scale
+        rdK = cute.make_rmem_tensor_like(acc_dk, self.dtype)
+        rdK.store(acc_dk.load().to(self.dtype))
+        rdV = cute.make_rmem_tensor_like(acc_dv, self.dtype)
+        rdV.store(acc_dv.load().to(self.dtype))
+        # every GEMM of both warpgroups that reads K or V has retired
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=MMA_THREADS)
+        st = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st, mma_dkv).get_slice(tidx)
+        cute.copy(st, thr_st.retile(rdK), thr_st.partition_D(sK))
+        cute.copy(st, thr_st.retile(rdV), thr_st.partition_D(sV))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=MMA_THREADS)
+        if tidx // WARP_SIZE == 0:
+            D = self.head_dim
+            for atom, m, s in ((tma_atom_dk, mdK, sK), (tma_atom_dv, mdV, sV)):
+                g = cute.local_tile(m[None, None, head_kv, b], (self.tile_n, D), (n_block, 0))
+                tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                   cute.group_modes(s, 0, 2),
+                                                   cute.group_modes(g, 0, 2))
+                cute.copy(atom, tXsX, tXgX)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    # Note [Fresh accumulators]
+    # -------------------------
+    # ptxas keeps every register a wgmma writes live from its issue to its wait_group. An
+    # accumulator that lives across steps (zeroed and reused) makes the S^T of step i+1 share
+    # registers with step i's P^T, still read by dV += P^T dO; ptxas then inserts a wait before
+    # the next wgmma ("wgmma serialized", warning C7512) and the GEMMs stop overlapping. A
+    # tensor made inside the step has no such history. tests/test_fa4_final_bwd_compile.py
+    # counts the fences ptxas added.

@@ -1,0 +1,172 @@
+"""Chapter 11's helpers for reading the Hopper backward kernel: its shared-memory plan, the
+instruction mix of one step from the compiled SASS, the stored benchmark results (or a plain
+"not measured yet"), the picture of the deterministic turn order. (A step's cycles come from
+chapter 00's model, utils.roofline.tile_cycles(gpu, "bwd", ...).)
+
+The kernel itself lives in fa4_final (hopper/bwd.py, bwd_pre.py, bwd_post.py, bwd_tiles.py):
+the notebook quotes it from there, so no kernel exists twice.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from fa4_final.config import HopperBwdConfig
+
+# ---------------------------------------------------------------------------------------------
+# 1. The shared-memory plan and the work of one step
+
+
+def smem_plan(cfg: HopperBwdConfig, head_dim: int, elem_bytes: int = 2) -> list[tuple]:
+    """(buffer, bytes, what it holds) of the kernel's SharedStorage; the sum (with alignment)
+    is ``cfg.smem_bytes(head_dim)``, which the kernel asserts against its struct."""
+    m, n, d, st = cfg.tile_m, cfg.tile_n, head_dim, cfg.stages_q
+    return [
+        ("Q", m * d * elem_bytes * st, f"{st} stages of a {m} x {d} query tile"),
+        ("dO", m * d * elem_bytes * st, f"{st} stages, with the Q tile of the same step"),
+        ("lse, delta", 2 * 4 * m * st, "float32 per query row, per stage"),
+        ("K", n * d * elem_bytes, "the CTA's keys, loaded once (later dK's staging)"),
+        ("V", n * d * elem_bytes, "the CTA's values, loaded once (later dV's staging)"),
+        ("dS", m * n * elem_bytes * cfg.stages_ds,
+         f"{cfg.stages_ds} x {m} x {n}: the A (or B) operand of the dQ GEMM"),
+        ("dQ", m * d * 4, f"float32 {m} x {d}: one step's dQ, on its way to the bulk add"),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The instruction mix of one step, from the SASS
+
+_INSTR = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+_PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
+KEEP_SUFFIX = ("HGMMA", "LDS", "STS", "STSM", "F2FP", "MUFU")
+
+
+def sass_instructions(sass: str) -> list[str]:
+    """The instructions of a SASS listing in order, predicates stripped."""
+    out = []
+    for line in sass.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            out.append(_PRED.sub("", m.group(1).strip()))
+    return out
+
+
+def _opcode(instr: str) -> str:
+    op = instr.split()[0]
+    base = op.split(".")[0]
+    return op if base in KEEP_SUFFIX else base
+
+
+def step_mixes(sass: str, gemms_per_step: int) -> list[Counter]:
+    """Opcode counts of each copy of the step in the SASS (the masked and unmasked variants):
+    from the first wgmma's WARPGROUP.ARRIVE through the last wait_group(0) to the loop's branch.
+    ``gemms_per_step``: HGMMA instructions of one step (2 D/16 + 2 tile_m/16 + tile_n/16)."""
+    ins = sass_instructions(sass)
+    idx = [i for i, t in enumerate(ins) if t.startswith("HGMMA")]
+    mixes = []
+    for g in range(0, len(idx) - gemms_per_step + 1, gemms_per_step):
+        a, b = idx[g], idx[g + gemms_per_step - 1]
+        while a > 0 and not ins[a].startswith("WARPGROUP.ARRIVE"):
+            a -= 1
+        while b < len(ins) and not ins[b].startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"):
+            b += 1
+        while b < len(ins) and not ins[b].startswith("BRA"):
+            b += 1
+        mixes.append(Counter(_opcode(t) for t in ins[a:b + 1]))
+    return mixes
+
+
+def gemms_per_step(cfg: HopperBwdConfig, head_dim: int) -> int:
+    """HGMMA instructions (k = 16 each) of one step: S^T and dP^T over D, dV and dK over
+    tile_m, dQ over tile_n."""
+    return 2 * head_dim // 16 + 2 * cfg.tile_m // 16 + cfg.tile_n // 16
+
+
+def mix_table(mixes: dict[str, Counter], top: int = 14) -> str:
+    """Side-by-side opcode counts of several step mixes ({label: Counter})."""
+    ops = Counter()
+    for c in mixes.values():
+        ops.update(c)
+    names = [op for op, _ in ops.most_common(top)]
+    width = max(len(n) for n in names) + 2
+    head = f"{'instruction':<{width}}" + "".join(f"{k:>14}" for k in mixes)
+    rows = [head]
+    for op in names:
+        rows.append(f"{op:<{width}}" + "".join(f"{c.get(op, 0):>14}" for c in mixes.values()))
+    rows.append(f"{'total':<{width}}" + "".join(f"{sum(c.values()):>14}" for c in mixes.values()))
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Stored results
+
+
+def stored_results(name: str = "ch11_bwd", gpu: str = "h200"):
+    """results/<gpu>/<name>.json, or None with a printed "not measured yet"."""
+    from utils.results import load_stored
+
+    return load_stored(name, gpu)
+
+
+def ratio_rows(res, impls=("fa4_final", "fa4_final_deterministic"), peers=None) -> str:
+    """Each shape's backward TFLOP/s per implementation, and ours over the best peer."""
+    if res is None:
+        return "not measured yet"
+    rows = [r for r in res.rows if r.get("pass") == "bwd"]
+    peers = peers or sorted({r["impl"] for r in rows} - set(impls))
+    names = list(impls) + list(peers)
+    shapes = sorted({(r["d"], r["s"], r["causal"]) for r in rows})
+    lines = [f"{'D':>4} {'S':>6} {'causal':>6}" + "".join(f"{n:>25}" for n in names)
+             + f"{'ours / best peer':>18}"]
+    for d, s, causal in shapes:
+        got = {r["impl"]: r.get("tflops") for r in rows
+               if (r["d"], r["s"], r["causal"]) == (d, s, causal)}
+        best = max((got.get(p) or 0 for p in peers), default=0)
+        ours = got.get(impls[0])
+        cells = "".join(f"{got[n]:>25.0f}" if got.get(n) else f"{'-':>25}" for n in names)
+        ratio = f"{ours / best:>18.2f}" if ours and best else f"{'-':>18}"
+        lines.append(f"{d:>4} {s:>6} {causal!s:>6}{cells}{ratio}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Pictures
+
+
+def plot_turns(seqlen_q: int, seqlen_k: int, cfg: HopperBwdConfig, causal: bool,
+               window_left=None, ax=None):
+    """The (query tile, key tile) grid of the backward: each visited pair numbered with the
+    key tile's turn in the deterministic dQ accumulation of that query tile (fa4_final.bwd_tiles:
+    0 adds first), columns in launch order."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range
+    from fa4_final.tiles import TileWindow
+
+    w = TileWindow(cfg.tile_m, cfg.tile_n, causal, has_left=window_left is not None)
+    n_q, n_k = -(-seqlen_q // cfg.tile_m), -(-seqlen_k // cfg.tile_n)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(0.55 * n_k + 2, 0.35 * n_q + 1.5))
+    for x in range(n_k):
+        n = n_k - 1 - x if launch_order_reversed(w) else x
+        m_min, m_max, _, _ = q_tile_range(w, n, seqlen_q, seqlen_k, window_left, 0)
+        for m in range(n_q):
+            inside = m_min <= m < m_max
+            ax.add_patch(Rectangle((x, m), 1, 1, ec="black", lw=0.4,
+                                   fc="#9ecae1" if inside else "white"))
+            if inside:
+                turn = dq_turn(w, n, m, n_k, seqlen_q, seqlen_k, window_left, 0)
+                ax.text(x + 0.5, m + 0.5, str(turn), ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, n_k)
+    ax.set_ylim(n_q, 0)
+    ax.set_aspect("equal")
+    ax.grid(False)
+    ax.set_xticks([x + 0.5 for x in range(n_k)])
+    ax.set_xticklabels([str(n_k - 1 - x if launch_order_reversed(w) else x) for x in range(n_k)],
+                       fontsize=7)
+    ax.set_xlabel(f"key tile n (one CTA each, {cfg.tile_n} keys), in launch order")
+    ax.set_ylabel(f"query tile m ({cfg.tile_m} rows)")
+    ax.set_title(f"{'causal' if causal else 'no mask'}: each CTA's turn at each query tile")
+    return ax

@@ -1,0 +1,179 @@
+"""fa4_final's Hopper backward compiled for sm_90a with fake tensors, on a CPU: the instructions
+each kernel must contain, resources (no spills, no wgmma serialised by ptxas), the instruction
+mix of one step, the config checks; and the torch entry's input checks."""
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fa4_final import backward as bwd
+from fa4_final.config import HopperBwdConfig, hopper_bwd_default
+from fa4_final.interface import UnsupportedError
+from solutions import ch11_teaching as teach
+
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def artifacts():
+    cache = {}
+
+    def get(head_dim=128, causal=False, deterministic=False, dtype="bf16", config=None,
+            **window):
+        key = (head_dim, causal, deterministic, dtype, config, tuple(sorted(window.items())))
+        if key not in cache:
+            cache[key] = bwd.compile_only("sm_90a", head_dim, dtype, causal, config,
+                                          deterministic, **window)
+        return cache[key]
+
+    return get
+
+
+def wgmma_serialised(art) -> int:
+    """Fences ptxas added on its own (C7512: wgmma serialised): WARPGROUP.ARRIVE in the SASS
+    beyond the source's wgmma.fence."""
+    return art.count("WARPGROUP.ARRIVE", where="sass") - art.count("wgmma.fence.sync.aligned")
+
+
+@slow
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_kernel_builds_clean(artifacts, head_dim, causal, deterministic):
+    arts = artifacts(head_dim, causal, deterministic)
+    main, pre, post = arts["main"], arts["pre"], arts["post"]
+    main.require("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait",
+                 "setmaxnreg.inc", "setmaxnreg.dec", "bar.sync", "bar.arrive", "stmatrix",
+                 "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32",
+                 "cp.async.bulk.shared::cluster.global.mbarrier")
+    main.require("HGMMA", "UTMALDG", "UTMASTG", "STSM", "MUFU.EX2", where="sass")
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+240;", main.ptx)
+    assert re.search(r"setmaxnreg.dec.sync.aligned.u32\s+24;", main.ptx)
+    if deterministic:  # the turn counters: acquire loads, release adds
+        main.require("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32")
+    else:
+        main.forbid("ld.acquire.gpu", "red.release.gpu")
+    pre.require("ld.global.v4", "st.global.v4")
+    post.require("ld.global.v4", "st.global.v4")
+    for art in arts.values():
+        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    assert wgmma_serialised(main) == 0
+
+
+@slow
+@pytest.mark.parametrize("config", [
+    HopperBwdConfig(tile_m=64),  # D = 128 non-causal without the swap
+    HopperBwdConfig(tile_m=80, dq_swap_ab=True),
+    HopperBwdConfig(tile_m=64, stages_ds=1),
+    HopperBwdConfig(tile_m=64, stages_q=1, stages_ds=1),
+], ids=["m64", "m80_swap", "ds1", "q1"])
+def test_every_knob_compiles_clean(artifacts, config):
+    art = artifacts(128, False, config=config)["main"]
+    assert art.spills == 0, art.resources()
+    assert wgmma_serialised(art) == 0
+
+
+@slow
+@pytest.mark.parametrize("window", [dict(has_window_left=True),
+                                    dict(has_window_left=True, has_window_right=True)])
+def test_windows_and_fp16_compile_clean(artifacts, window):
+    art = artifacts(128, False, dtype="fp16", **window)["main"]
+    assert art.spills == 0 and wgmma_serialised(art) == 0
+
+
+@slow
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, False)])
+def test_one_step_does_the_algorithm_and_little_else(artifacts, head_dim, causal):
+    """Per step and thread (64 keys x tile_m queries per warpgroup, 2 rows x tile_m/4 columns per
+    thread): one FFMA + one MUFU.EX2 per score (P), one FADD + one FMUL (dS), one F2FP per two
+    values of P and of dS, the five GEMMs' HGMMAs; masking only in the masked copy."""
+    cfg = hopper_bwd_default(head_dim, causal)
+    mixes = teach.step_mixes(artifacts(head_dim, causal)["main"].sass,
+                             teach.gemms_per_step(cfg, head_dim))
+    assert len(mixes) == 2  # a masked and an unmasked copy of the step
+    per_thread = 2 * cfg.tile_m // 4
+    masked, plain = sorted(mixes, key=lambda c: -c.get("FSEL", 0))
+    for mix in mixes:
+        assert mix["MUFU.EX2"] == per_thread
+        assert mix["FFMA"] >= per_thread and mix["FMUL"] >= per_thread
+        assert mix["F2FP.BF16.F32.PACK_AB"] == per_thread  # no conversion done twice
+        assert sum(v for k, v in mix.items() if k.startswith("HGMMA")) == \
+            teach.gemms_per_step(cfg, head_dim)
+        assert sum(mix.values()) < 9 * per_thread + 160, teach.mix_table({"step": mix})
+    assert masked["FSEL"] == per_thread and plain.get("FSEL", 0) == 0
+
+
+def test_config_errors_name_the_knob():
+    with pytest.raises(ValueError, match="tile_m"):
+        HopperBwdConfig(tile_m=72).check(128)
+    with pytest.raises(ValueError, match="dq_swap_ab"):
+        HopperBwdConfig(tile_m=80).check(128)
+    with pytest.raises(ValueError, match="dq_swap_ab"):
+        HopperBwdConfig(tile_m=80, dq_swap_ab=True).check(64)
+    with pytest.raises(ValueError, match="shared memory"):
+        HopperBwdConfig(tile_m=128).check(128)
+    with pytest.raises(ValueError, match="stages_ds"):
+        HopperBwdConfig(stages_ds=3).check(128)
+    with pytest.raises(ValueError, match="stages_q"):
+        HopperBwdConfig(stages_q=0).check(128)
+    with pytest.raises(ValueError, match="head_dim"):
+        HopperBwdConfig().check(96)
+    for d in (64, 128):
+        for causal in (False, True):
+            cfg = hopper_bwd_default(d, causal)
+            cfg.check(d)
+            assert cfg.smem_bytes(d) <= 227 * 1024
+            assert not cfg.deterministic and hopper_bwd_default(d, causal, True).deterministic
+    with pytest.raises(UnsupportedError, match="sm_90a"):
+        bwd.compile_only("sm_100a")
+
+
+def test_smem_plan_adds_up():
+    for d, cfg in ((128, hopper_bwd_default(128)), (64, hopper_bwd_default(64)),
+                   (128, hopper_bwd_default(128, True))):
+        plan = sum(b for _, b, _ in teach.smem_plan(cfg, d))
+        assert plan <= cfg.smem_bytes(d) <= plan + 4096  # barriers and alignment
+
+
+def _inputs(**kw):
+    shape = dict(b=1, sq=64, sk=64, h=2, hk=2, d=64) | kw
+    q = torch.randn(shape["b"], shape["sq"], shape["h"], shape["d"], dtype=torch.bfloat16)
+    k = torch.randn(shape["b"], shape["sk"], shape["hk"], shape["d"], dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.randn(shape["b"], shape["h"], shape["sq"])
+    return q, k, v, out, lse, dout
+
+
+def test_input_checks_say_what_is_wrong():
+    q, k, v, out, lse, dout = _inputs()
+    with pytest.raises(ValueError, match="head_dim"):
+        bwd.backward(*_inputs(d=96))
+    with pytest.raises(ValueError, match="multiple"):
+        bwd.backward(*_inputs(h=3, hk=2))
+    with pytest.raises(ValueError, match="dout must be like q"):
+        bwd.backward(q, k, v, out, lse, dout[:, :32])
+    with pytest.raises(ValueError, match="lse must be float32"):
+        bwd.backward(q, k, v, out, lse.double(), dout)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        bwd.backward(q, k, v, out, lse[:, :1], dout)
+    with pytest.raises(ValueError, match="contiguous"):
+        bwd.backward(q, k, v, out, lse, torch.randn(1, 64, 2, 128, dtype=q.dtype)[..., ::2])
+    with pytest.raises(TypeError, match="dtype"):
+        bwd.backward(q.float(), k, v, out, lse, dout)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        bwd.backward(q, k, v, out, lse, dout, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="window_size"):
+        bwd.backward(q, k, v, out, lse, dout, window_size=(1, 2, 3))
+    with pytest.raises(TypeError, match="HopperBwdConfig"):
+        bwd.backward(q, k, v, out, lse, dout, config=object())
+    with pytest.raises(UnsupportedError, match="CUDA"):
+        bwd.backward(q, k, v, out, lse, dout)  # valid, but on a CPU
+
+
+def test_deterministic_flag_reaches_the_config():
+    cfg = bwd._config(128, False, True, None)
+    assert cfg.deterministic and cfg == replace(hopper_bwd_default(128), deterministic=True)
+    assert bwd._config(128, True, False, HopperBwdConfig(tile_m=64)).tile_m == 64
