@@ -17,16 +17,12 @@ from dataclasses import replace
 
 import torch
 
+from fa4_final.checks import _normalise_window, check_grads, check_inputs, check_outputs
 from fa4_final.compile import cached, compile_kernel, fake_stream, fake_tensor
 from fa4_final.config import HopperBwdConfig, hopper_bwd_default
 from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES
-from fa4_final.interface import (
-    UnsupportedError,
-    _check_tma_operand,
-    _normalise_window,
-    check_inputs,
-    device_arch,
-)
+from fa4_final.dispatch import backend_for
+from fa4_final.errors import UnsupportedError
 
 
 def _config(head_dim: int, causal: bool, deterministic: bool, config) -> HopperBwdConfig:
@@ -112,16 +108,6 @@ def compile_only(arch: str = "sm_90a", head_dim: int = 128, dtype: str = "bf16",
                             **window)[1]
 
 
-def _check_like(name, t, ref):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
-        raise ValueError(f"{name} must be like {'q' if name in ('out', 'dout', 'dq') else 'k'} "
-                         f"{tuple(ref.shape)} {ref.dtype} on {ref.device}, got "
-                         f"{tuple(t.shape)} {t.dtype} on {t.device}")
-    _check_tma_operand(name, t)
-
-
 def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_scale=None,
                   window_size=(None, None), deterministic=False,
                   config: HopperBwdConfig | None = None):
@@ -132,15 +118,9 @@ def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_sca
     causal, left, right = _normalise_window(causal, window_size)
     cfg = _config(d, causal, deterministic, config)
     cfg.check(d)
-    for name, t, ref in (("out", out, q), ("dout", dout, q), ("dq", dq, q), ("dk", dk, k),
-                         ("dv", dv, k)):
-        _check_like(name, t, ref)
-    if not isinstance(lse, torch.Tensor) or lse.shape != (b, h, sq) \
-            or lse.dtype != torch.float32 or (lse.numel() and lse.stride(-1) != 1):
-        raise ValueError(f"lse must be float32 {(b, h, sq)} with stride 1 last (the forward's), "
-                         f"got {getattr(lse, 'dtype', type(lse).__name__)} "
-                         f"{tuple(getattr(lse, 'shape', ()))}")
-    arch = device_arch(q.device)
+    check_outputs(q, out, lse, (b, h, sq))
+    check_grads(q, k, dout, dq, dk, dv)
+    arch = backend_for(q.device).target
     if b == 0 or h == 0 or sq == 0:
         dk.zero_()
         dv.zero_()

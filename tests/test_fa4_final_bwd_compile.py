@@ -153,7 +153,7 @@ def test_input_checks_say_what_is_wrong():
         bwd.backward(*_inputs(d=96))
     with pytest.raises(ValueError, match="multiple"):
         bwd.backward(*_inputs(h=3, hk=2))
-    with pytest.raises(ValueError, match="dout must be like q"):
+    with pytest.raises(ValueError, match="dout must have the shape, dtype and device of q"):
         bwd.backward(q, k, v, out, lse, dout[:, :32])
     with pytest.raises(ValueError, match="lse must be float32"):
         bwd.backward(q, k, v, out, lse.double(), dout)
