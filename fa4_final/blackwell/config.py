@@ -25,11 +25,13 @@ THREADS = 512  # 16 warps (ROLES in fwd.py)
 KV_BUDGET_BYTES = 224 * 1024
 MAX_KV_STAGES = 32
 
-# setmaxnreg budgets (softmax, correction, the rest) per head dim: 128 threads of each softmax
-# warpgroup, 128 correction threads, 128 threads in the four one-warp roles:
-# 128 * (2 * softmax + correction + rest) = 64 K registers.
-DEFAULT_REGISTERS = {64: (200, 64, 48), 128: (192, 80, 48)}
-DEFAULT_REGISTERS_2CTA = {64: (200, 64, 48), 128: (184, 80, 64)}
+# setmaxnreg budget (softmax, correction, the rest): 128 threads in each softmax warpgroup, 128
+# correction threads, 128 threads in the four one-warp roles:
+# 128 * (2 * 192 + 80 + 48) = 64 K registers, the whole SM. The same at D = 64 and 128, 1- and
+# 2-CTA: every role compiles spill-free with it (tests/test_blackwell_compile.py). FA4 gives its
+# 2-CTA kernel (184, 80, 64); here that made ptxas spill the pair's shared-memory base address
+# across the setmaxnreg of three roles.
+DEFAULT_REGISTERS = (192, 80, 48)
 
 
 def _align(n: int, to: int = 1024) -> int:
@@ -63,10 +65,7 @@ class BlackwellFwdConfig:
         return Q_STAGES * self.mma_m
 
     def register_budget(self, head_dim: int) -> tuple[int, int, int]:
-        if self.registers is not None:
-            return tuple(self.registers)
-        table = DEFAULT_REGISTERS_2CTA if self.two_cta else DEFAULT_REGISTERS
-        return table[head_dim]
+        return DEFAULT_REGISTERS if self.registers is None else tuple(self.registers)
 
     def tmem_plan(self, head_dim: int):
         return forward_plan(self.tile_n, head_dim, Q_STAGES)

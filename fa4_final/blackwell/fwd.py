@@ -33,6 +33,7 @@ tests/gpu/test_blackwell_fwd.py checks it against float64 the moment a B200 is p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -261,7 +262,7 @@ class BlackwellForward:
             clusters = cutlass.min(num_tiles, cutlass.max(max_ctas // self.cta_group, 1))
         self.kernel(
             tQ, tK, tV, tO, mLSE, tma_q, tma_k, tma_v, tma_o,
-            softmax_scale * LOG2_E, window_left, window_right, l2_group,
+            softmax_scale * LOG2_E, window_left, window_right, l2_group, clusters,
             mma_qk, mma_pv, sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout,
             cta_layout_vmnk, bytes_q, bytes_kv, SharedStorage,
         ).launch(grid=(clusters * self.cta_group, 1, 1), block=[THREADS, 1, 1],
@@ -287,6 +288,7 @@ class BlackwellForward:
         window_left: Int32,
         window_right: Int32,
         l2_group: Int32,
+        clusters: Int32,  # the persistent grid, in CTA pairs (2-CTA) or CTAs
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
@@ -304,9 +306,6 @@ class BlackwellForward:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        v = Int32(0)  # this CTA's place in its pair (0 = the leader, which issues the MMAs)
-        if const_expr(self.cfg.two_cta):
-            v = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         pipes = self.make_pipelines(storage, cta_layout_vmnk, bytes_q, bytes_kv)
         # mbarrier inits must be visible to every thread of the pair before anyone waits
         pipeline.pipeline_init_arrive(cluster_shape_mn=cta_layout_vmnk, is_relaxed=True)
@@ -316,7 +315,6 @@ class BlackwellForward:
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # (128, D, 2)
         sStats = storage.sStats.get_tensor(cute.make_layout((TILE_M, Q_STAGES)))
-        thr_qk, thr_pv = mma_qk.get_slice(v), mma_pv.get_slice(v)
 
         tmem_users = WARP_SIZE * (1 + sum(len(self.roles[r]["warps"])
                                           for r in ("softmax0", "softmax1", "correction")))
@@ -335,19 +333,24 @@ class BlackwellForward:
             cute.arch.setmaxregister_decrease(rest_regs)
         if warp == self.warp("load"):
             cute.arch.setmaxregister_decrease(rest_regs)
-            self.load(mQ, mK, mVt, sQ, sK, sV, tma_q, tma_k, tma_v, thr_qk, thr_pv, pipes,
-                      window_left, window_right, l2_group)
+            v, thr_qk, thr_pv = self.pair_slices(mma_qk, mma_pv)
+            self.load(mQ, mK, mVt, sQ, sK, sV, tma_q, tma_k, tma_v, thr_qk, thr_pv,
+                      self.with_leader(pipes, v),
+                      window_left, window_right, l2_group, clusters)
         if warp == self.warp("epilogue"):
             cute.arch.setmaxregister_decrease(rest_regs)
+            v, _, _ = self.pair_slices(mma_qk, mma_pv)
             self.epilogue(mO, sO, tma_o, pipes, v, window_left, window_right, l2_group,
-                          mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3])
+                          clusters, mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3])
         if warp == self.warp("mma"):
             cute.arch.setmaxregister_decrease(rest_regs)
             tmem.allocate(self.plan.columns_allocated)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.mma(mma_qk, mma_pv, sQ, sK, sV, tmem_ptr, thr_pv, tP_layout, pipes, v,
-                     window_left, window_right, l2_group, mQ.shape[0], mK.shape[0],
+            v, _, thr_pv = self.pair_slices(mma_qk, mma_pv)
+            self.mma(mma_qk, mma_pv, sQ, sK, sV, tmem_ptr, thr_pv, tP_layout,
+                     self.with_leader(pipes, v), v,
+                     window_left, window_right, l2_group, clusters, mQ.shape[0], mK.shape[0],
                      mQ.shape[2], mQ.shape[3])
             # every softmax and correction thread has arrived: nobody reads TMEM any more
             cute.arch.barrier(barrier_id=int(NamedBarrier.TMEM), number_of_threads=tmem_users)
@@ -358,10 +361,11 @@ class BlackwellForward:
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             stage = warp // WARPS_PER_GROUP
+            v, thr_qk, thr_pv = self.pair_slices(mma_qk, mma_pv)
             self.softmax(stage, self.tmem_tensors(tmem_ptr, thr_qk, thr_pv, tP_layout, stage),
                          thr_qk,
                          mLSE, sStats, pipes, v, scale_log2, window_left, window_right,
-                         l2_group, mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3])
+                         l2_group, clusters, mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3])
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TMEM),
                                      number_of_threads=tmem_users, aligned=False)
         if warp >= self.warp("correction") and warp < self.warp("mma"):
@@ -371,9 +375,10 @@ class BlackwellForward:
                 cute.arch.setmaxregister_decrease(corr_regs)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
+            v, thr_qk, thr_pv = self.pair_slices(mma_qk, mma_pv)
             self.correction(self.tmem_tensors(tmem_ptr, thr_qk, thr_pv, tP_layout), thr_pv,
                             mma_pv, sO, sStats, pipes, window_left, window_right, l2_group,
-                            mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3])
+                            clusters, mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3])
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TMEM),
                                      number_of_threads=tmem_users, aligned=False)
 
@@ -418,7 +423,50 @@ class BlackwellForward:
                     cta_layout_vmnk=cta_layout_vmnk, **common)
             else:
                 out[spec.name] = pipeline.PipelineAsync.create(**common)
+        if const_expr(self.cfg.two_cta):
+            out = self.pair_masks(out)
         return out
+
+    # Note [Pair masks]
+    # -----------------
+    # In a (2, 1, 1) cluster the pipelines' signalling masks are the same in both CTAs:
+    # tcgen05.commit arrives on both CTAs' barriers (mask 0b11), and a consumer's release of an
+    # umma pipeline arrives on the leader's (rank 0). cutlass computes them from the CTA's rank
+    # at run time, in the prologue, and ptxas then carries them across every role's
+    # setmaxnreg (it spilled one). Here they are compile-time constants;
+    # tests/test_blackwell_compile.py evaluates cutlass's own computation on the CPU and checks
+    # it gives these values.
+    PAIR_COMMIT_MASK = 0b11
+    PAIR_LEADER_RANK = 0
+
+    def pair_masks(self, pipes: dict) -> dict:
+        out = {}
+        for name, pipe in pipes.items():
+            if isinstance(pipe, pipeline.PipelineTmaUmma):
+                pipe = dataclasses.replace(pipe, consumer_mask=Int32(self.PAIR_COMMIT_MASK))
+            elif isinstance(pipe, pipeline.PipelineUmmaAsync):
+                pipe = dataclasses.replace(pipe, producer_mask=Int32(self.PAIR_COMMIT_MASK),
+                                           consumer_mask=Int32(self.PAIR_LEADER_RANK))
+            out[name] = pipe
+        return out
+
+    @cute.jit
+    def pair_slices(self, mma_qk, mma_pv):
+        """(v, this CTA's slice of each MMA): v is the CTA's place in its pair (0 = the leader,
+        which issues the MMAs; always 0 without 2-CTA). Each role derives them itself, so no
+        value of the prologue has to live across the roles' setmaxnreg."""
+        v = Int32(0)
+        if const_expr(self.cfg.two_cta):
+            v = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        return v, mma_qk.get_slice(v), mma_pv.get_slice(v)
+
+    @cute.jit
+    def with_leader(self, pipes: dict, v) -> dict:
+        """The TMA-UMMA pipelines with ``is_leader_cta`` taken from this role's own ``v``."""
+        if const_expr(not self.cfg.two_cta):
+            return pipes
+        return {n: dataclasses.replace(p, is_leader_cta=v == 0)
+                if isinstance(p, pipeline.PipelineTmaUmma) else p for n, p in pipes.items()}
 
     def region_stride(self, name: str) -> int:
         """Columns from region ``name``0 to ``name``1: the kernel addresses a Q stage's S, P or
@@ -463,20 +511,21 @@ class BlackwellForward:
         return m_block, head, b, n_min, n_max, n_top, n_bottom
 
     @cute.jit
-    def my_tiles(self, seqlen_q: Int32, heads: Int32, batch: Int32):
+    def my_tiles(self, seqlen_q: Int32, heads: Int32, batch: Int32, clusters: Int32):
         """(cluster index, clusters, number of tiles): the persistent loop's bounds. A pair of
-        CTAs is one cluster and computes the same tiles."""
+        CTAs is one cluster and computes the same tiles. ``clusters`` comes from the host (a
+        kernel parameter): derived from the grid size in every role, ptxas hoisted the
+        division above the role branches and spilled it across their setmaxnreg."""
         bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
         num_tiles = cute.ceil_div(seqlen_q, self.cfg.cluster_tile_m) * heads * batch
-        return bidx // self.cta_group, grid // self.cta_group, num_tiles
+        return bidx // self.cta_group, clusters, num_tiles
 
     # ------------------------------------------------------------------------------------------
     # load warp
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def load(self, mQ, mK, mVt, sQ, sK, sV, tma_q, tma_k, tma_v, thr_qk, thr_pv, pipes,
-             window_left: Int32, window_right: Int32, l2_group: Int32):
+             window_left: Int32, window_right: Int32, l2_group: Int32, clusters: Int32):
         """Every tile's K[last], Q0, Q1, V[last], then K, V of each further step: the order the
         MMA warp consumes them (Note [Pipelines])."""
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
@@ -484,7 +533,7 @@ class BlackwellForward:
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
         state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                 self.kv_stages)
-        cluster, clusters, num_tiles = self.my_tiles(seqlen_q, heads, batch)
+        cluster, clusters, num_tiles = self.my_tiles(seqlen_q, heads, batch, clusters)
         for r in cutlass.range(rounds(num_tiles, clusters), unroll=1):
             tile = zigzag_tile(r, cluster, clusters)
             if tile < num_tiles:
@@ -538,7 +587,7 @@ class BlackwellForward:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def mma(self, mma_qk, mma_pv, sQ, sK, sV, tmem_ptr, thr_pv, tP_layout, pipes, v,
-            window_left, window_right, l2_group, seqlen_q, seqlen_k, heads, batch):
+            window_left, window_right, l2_group, clusters, seqlen_q, seqlen_k, heads, batch):
         """One thread of the leader CTA issues every MMA (the other CTA of a pair only walks
         the tiles). Per tile, with i = 0, 1 the Q stages and j the KV steps:
             S_i = Q_i K_0                      for i = 0, 1
@@ -566,7 +615,7 @@ class BlackwellForward:
         state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                 self.kv_stages)
         p_phase = Int32(0)  # parity of the s[i] EMPTY phase the next O_i += P_i V waits for
-        cluster, clusters, num_tiles = self.my_tiles(seqlen_q, heads, batch)
+        cluster, clusters, num_tiles = self.my_tiles(seqlen_q, heads, batch, clusters)
         for r in cutlass.range(rounds(num_tiles, clusters), unroll=1):
             tile = zigzag_tile(r, cluster, clusters)
             if tile < num_tiles:
@@ -664,7 +713,7 @@ class BlackwellForward:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def softmax(self, stage, tmem, thr_qk, mLSE, sStats, pipes, v, scale_log2, window_left,
-                window_right, l2_group, seqlen_q, seqlen_k, heads, batch):
+                window_right, l2_group, clusters, seqlen_q, seqlen_k, heads, batch):
         """Warpgroup ``stage`` owns Q tile ``stage``: thread t holds row t of S_stage (TMEM lane
         t) for the whole KV loop, in registers, and leaves P_stage in TMEM."""
         tidx = cute.arch.thread_idx()[0] % (WARPS_PER_GROUP * WARP_SIZE)
@@ -690,7 +739,7 @@ class BlackwellForward:
                              self.cfg.rescale_threshold)
         stats_phase = Int32(1)  # producer side: the first wait for a free slot passes
         s_phase = Int32(0)
-        cluster, clusters, num_tiles = self.my_tiles(seqlen_q, heads, batch)
+        cluster, clusters, num_tiles = self.my_tiles(seqlen_q, heads, batch, clusters)
         for r in cutlass.range(rounds(num_tiles, clusters), unroll=1):
             tile = zigzag_tile(r, cluster, clusters)
             if tile < num_tiles:
@@ -774,7 +823,7 @@ class BlackwellForward:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def correction(self, tmem, thr_pv, mma_pv, sO, sStats, pipes, window_left, window_right,
-                   l2_group, seqlen_q, seqlen_k, heads, batch):
+                   l2_group, clusters, seqlen_q, seqlen_k, heads, batch):
         """Thread t owns row t of O_0 and O_1 (TMEM lane t): rescales it when the softmax's
         alpha asks for it, and writes O / l to shared memory at the end of each tile."""
         tidx = cute.arch.thread_idx()[0] % (WARPS_PER_GROUP * WARP_SIZE)
@@ -784,7 +833,7 @@ class BlackwellForward:
         stats_phase = Int32(0)
         state_epi = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
         o_phase = Int32(0)
-        cluster, clusters, num_tiles = self.my_tiles(seqlen_q, heads, batch)
+        cluster, clusters, num_tiles = self.my_tiles(seqlen_q, heads, batch, clusters)
         for r in cutlass.range(rounds(num_tiles, clusters), unroll=1):
             tile = zigzag_tile(r, cluster, clusters)
             if tile < num_tiles:
@@ -892,12 +941,12 @@ class BlackwellForward:
     # epilogue warp
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def epilogue(self, mO, sO, tma_o, pipes, v, window_left, window_right, l2_group, seqlen_q,
-                 seqlen_k, heads, batch):
+    def epilogue(self, mO, sO, tma_o, pipes, v, window_left, window_right, l2_group, clusters,
+                 seqlen_q, seqlen_k, heads, batch):
         """TMA-store both Q tiles' O of every tile (the store clips rows past seqlen_q), then
         hand each slot back once the store has read it."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
-        cluster, clusters, num_tiles = self.my_tiles(seqlen_q, heads, batch)
+        cluster, clusters, num_tiles = self.my_tiles(seqlen_q, heads, batch, clusters)
         for r in cutlass.range(rounds(num_tiles, clusters), unroll=1):
             tile = zigzag_tile(r, cluster, clusters)
             if tile < num_tiles:

@@ -86,12 +86,15 @@ class RowSoftmax(OnlineSoftmax):
 
     @cute.jit
     def row_max_of(self, s: cute.Tensor) -> Float32:
-        """max over the row: pairs folded into the running value with 3-input FMNMX."""
+        """max over the row: four independent chains (a chain of n dependent maxima would be
+        n times the FMNMX latency), each folding two new values per step, which ptxas turns
+        into one 3-input FMNMX3."""
         n = cute.size(s)
-        m = cute.arch.fmax(s[0], s[1])
-        for c in cutlass.range_constexpr(2, n, 2):
-            m = cute.arch.fmax(m, cute.arch.fmax(s[c], s[c + 1]))
-        return m
+        m = [cute.arch.fmax(s[2 * k], s[2 * k + 1]) for k in range(4)]
+        for c in cutlass.range_constexpr(8, n, 2):
+            k = (c // 2) % 4
+            m[k] = cute.arch.fmax(m[k], cute.arch.fmax(s[c], s[c + 1]))
+        return cute.arch.fmax(cute.arch.fmax(m[0], m[1]), cute.arch.fmax(m[2], m[3]))
 
     @cute.jit
     def new_max(self, s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> tuple:
