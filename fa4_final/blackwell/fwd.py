@@ -970,3 +970,63 @@ class BlackwellForward:
                     cute.arch.cp_async_bulk_wait_group(Q_STAGES - 1 - i, read=True)
                     pipes["epi"].consumer_release(held[i])
         cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points: the interface (fa4_final.interface) dispatches sm_100 here
+# ----------------------------------------------------------------------------------------------
+ARCH = "sm_100a"
+
+
+def fake_forward_args(dtype_name: str, head_dim: int) -> tuple:
+    """Fake arguments in the runtime order (q, k, v, out, lse, softmax_scale, window_left,
+    window_right, l2_group, max_ctas, stream): symbolic batch, lengths and heads, strides of
+    16-byte multiples (TMA), lse float32 (batch, heads, seqlen_q)."""
+    from fa4_final.compile import fake_stream, fake_tensor
+    from fa4_final.constants import CUTLASS_BY_NAME
+
+    dt = CUTLASS_BY_NAME[dtype_name]
+    div = 128 // dt.width
+    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+    q = fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)
+    k = fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)
+    v = fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)
+    o = fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)
+    lse = fake_tensor(Float32, (b, h, sq), divisibility=1)
+    return (q, k, v, o, lse, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
+            fake_stream())
+
+
+def compile_forward_sm100(head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
+                          config: BlackwellFwdConfig | None = None,
+                          has_window_left: bool = False, has_window_right: bool = False,
+                          keep: bool = False):
+    """Compile ``BlackwellForward`` for sm_100a from fake tensors (no GPU needed). Returns
+    (compiled, fa4_final.compile.Artifacts or None); without ``keep`` the compiled function is
+    cached in memory. The compiled function takes the runtime arguments of
+    ``fake_forward_args``, torch tensors included, and runs on the current stream."""
+    from fa4_final.blackwell.config import blackwell_fwd_default
+    from fa4_final.compile import cached, compile_kernel
+    from fa4_final.constants import CUTLASS_BY_NAME
+
+    if dtype not in CUTLASS_BY_NAME:
+        raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
+    cfg = config or blackwell_fwd_default(head_dim, causal)
+    if not isinstance(cfg, BlackwellFwdConfig):
+        raise TypeError(f"config must be a BlackwellFwdConfig or None, got {type(cfg).__name__}")
+    kernel = BlackwellForward(CUTLASS_BY_NAME[dtype], head_dim, causal, cfg,
+                              has_window_left=has_window_left,
+                              has_window_right=has_window_right)
+
+    def build():
+        return compile_kernel(kernel, *fake_forward_args(dtype, head_dim), arch=ARCH, keep=keep)
+
+    if keep:
+        return build()
+    return cached(("fwd", ARCH, kernel.cache_key()), lambda: build()[0]), None
+
+
+def compile_only(head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
+                 config: BlackwellFwdConfig | None = None, **window):
+    """The compiled forward's artifacts (PTX, cubin, SASS, resources), built on any machine."""
+    return compile_forward_sm100(head_dim, dtype, causal, config, keep=True, **window)[1]
