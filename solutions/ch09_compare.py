@@ -88,6 +88,38 @@ def sass_classes(sass: str) -> dict[str, int]:
     return {label: sum(1 for op in ops if re.match(rx, op)) for label, rx in SASS_CLASSES}
 
 
+ROLE_GROUPS = ("softmax", "correction", "one-warp roles")
+ROLE_CLASSES = ("UTC*MMA (tcgen05.mma)", "MUFU.EX2", "FFMA2", "FADD2", "FMUL2",
+                "FMNMX (2- and 3-input)", "F2FP (fp32 -> 16-bit pairs)", "LDTM (tcgen05.ld)",
+                "STTM (tcgen05.st)")
+
+
+def sass_by_role(sass: str) -> dict[str, dict[str, int]]:
+    """SASS class counts per role group, each instruction attributed to the setmaxnreg that
+    precedes it in the listing: the one that raises registers opens the softmax warpgroups'
+    code, the largest decrease the correction's, the others the one-warp roles' (load, MMA,
+    epilogue, spare). Approximate where ptxas interleaves blocks; good enough to say where
+    the instructions of a class live."""
+    marks = [(i, m.group(1), int(m.group(2), 16)) for i, line in enumerate(sass.splitlines())
+             if (m := re.search(r"USETMAXREG\.(\w+)\.CTAPOOL[^;]*?(0x[0-9a-f]+)", line))]
+    deallocs = [v for _, kind, v in marks if kind == "DEALLOC"]
+    top = max(deallocs) if deallocs else None
+    groups = {g: [] for g in ROLE_GROUPS}
+    current = None
+    bounds = {i: ("softmax" if kind != "DEALLOC" else "correction" if v == top
+                  else "one-warp roles") for i, kind, v in marks}
+    for i, line in enumerate(sass.splitlines()):
+        current = bounds.get(i, current)
+        if current is None:
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m:
+            groups[current].append(m.group(1))
+    rx = dict(SASS_CLASSES)
+    return {g: {c: sum(1 for op in ops if re.match(rx[c], op)) for c in ROLE_CLASSES}
+            for g, ops in groups.items()}
+
+
 def ptx_counts(ptx: str) -> dict[str, int]:
     return {w: ptx.count(w) for w in PTX_WORDS}
 
@@ -119,8 +151,10 @@ def kernel_metrics(ptx: str, sass: str, registers: int, spills: int) -> dict:
     """Everything the table stores for one compiled kernel."""
     regs = setmaxnreg_values(ptx)
     threads = re.search(r"\.reqntid\s+(\d+)", ptx) or re.search(r"\.maxntid\s+(\d+)", ptx)
+    by_role = sass_by_role(sass)
     return {
         "sass": sass_classes(sass),
+        **{f"sass in {g}": by_role[g] for g in ROLE_GROUPS},
         "ptx": ptx_counts(ptx),
         "registers (launch)": registers,
         "spill instructions": spills,
@@ -203,9 +237,11 @@ def flatten(impl: str, config: str, metrics: dict) -> list[dict]:
     rows = []
     for metric, value in metrics.items():
         if isinstance(value, dict):
-            unit = "SASS instructions" if metric == "sass" else "PTX occurrences"
-            rows += [{"impl": impl, "config": config, "metric": k, "value": v, "unit": unit}
-                     for k, v in value.items()]
+            unit = "PTX occurrences" if metric == "ptx" else "SASS instructions"
+            prefix = metric.removeprefix("sass in ") + ": " if metric.startswith("sass in") \
+                else ""
+            rows += [{"impl": impl, "config": config, "metric": prefix + k, "value": v,
+                      "unit": unit} for k, v in value.items()]
         else:
             unit = {"shared memory bytes": "bytes", "compile seconds": "s"}.get(metric, "")
             rows.append({"impl": impl, "config": config, "metric": metric, "value": value,

@@ -169,7 +169,7 @@ class BlackwellForward:
     def _mmas(self):
         """S = Q K^T: A = Q, B = K, both K-major in shared memory. O = P V: A = P from TMEM,
         B = V read MN-major. M = 128 rows per CTA; 256 over a pair (cta_group::2)."""
-        major = tcgen05.OperandMajorMode
+        major = cute.nvgpu.OperandMajorMode
         group = tcgen05.CtaGroup.TWO if self.cfg.two_cta else tcgen05.CtaGroup.ONE
         qk = sm100_utils.make_trivial_tiled_mma(self.dtype, self.dtype, major.K, major.K,
                                                 Float32, group, (self.mma_m, self.tile_n))
@@ -920,8 +920,11 @@ class BlackwellForward:
         tTt = thr_load.partition_S(tOtO_c[(None, None), None])
         tTs = thr_load.partition_D(tOsO_c[(None, None), None])
         tTc = thr_load.partition_D(tOcO_c[(None, None), None])
-        for c in cutlass.range_constexpr(self.head_dim // chunk):
-            rO = cute.make_rmem_tensor(tTc[None, 0, 0, c].shape, Float32)
+        # a run-time chunk loop: unrolled, ptxas hoists all D/16 swizzled sO addresses out of
+        # the tile loop and the correction (80 registers) spills them at fp16 (Note [One Q
+        # stage per iteration] for the same effect in the MMA warp)
+        for c in cutlass.range(self.head_dim // chunk, unroll=1):
+            rO = cute.make_rmem_tensor(tTc[None, 0, 0, 0].shape, Float32)
             if const_expr(zeros):
                 rO.fill(0.0)
             else:

@@ -56,7 +56,7 @@ class OneTileAttention:
     def _mmas(self):
         """S = Q K^T: A = Q, B = K, both K-major in shared memory. O = P V: A = P from TMEM
         (K-major: a row of P runs along the keys), B = V read MN-major (V^T's view)."""
-        major = tcgen05.OperandMajorMode
+        major = cute.nvgpu.OperandMajorMode
         one = tcgen05.CtaGroup.ONE
         qk = sm100_utils.make_trivial_tiled_mma(self.dtype, self.dtype, major.K, major.K,
                                                 Float32, one, (TILE, TILE))

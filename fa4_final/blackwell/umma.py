@@ -72,7 +72,7 @@ def decode_smem_desc(desc: int) -> dict:
 
 def op_instr_desc(op) -> int:
     """``instr_desc`` of a CuTe tcgen05 MMA op (its types, shape and major modes)."""
-    mn = tcgen05.OperandMajorMode.MN
+    mn = cute.nvgpu.OperandMajorMode.MN
     return instr_desc(op.a_dtype, op.b_dtype, op.acc_dtype, op.shape_mnk[0], op.shape_mnk[1],
                       op.a_major_mode == mn, op.b_major_mode == mn)
 
