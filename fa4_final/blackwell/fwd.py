@@ -399,6 +399,17 @@ class BlackwellForward:
     # run in issue order. The correction arrives once at start-up (O_i is free), once per
     # rescale and once after reading the final O_i, so its k-th arrival pairs with the softmax's
     # k-th. o[i]'s empty side is never waited on: O_i's reuse is guarded by s[i].
+    #
+    # Note [The correction runs one phase ahead]
+    # ------------------------------------------
+    # Because of its start-up arrival, the correction's last arrival on s[i] (after reading the
+    # last tile's O_i) belongs to a phase no softmax arrival completes: one warpgroup's arrivals
+    # stay pending on the (leader's) s[i] EMPTY barrier at exit. That is harmless in the CTA's
+    # own shared memory. In a pair, the other CTA's correction arrives there remotely; the
+    # leader cannot exit before it has: the leader's MMA warp frees TMEM only after the pair's
+    # dealloc handshake, which the other CTA's MMA warp joins only after that CTA's softmax and
+    # correction warps have passed the TMEM barrier, after their last arrival (FA4's 2-CTA
+    # forward has the same structure and no cluster barrier at the end either).
 
     def make_pipelines(self, storage, cta_layout_vmnk, bytes_q: int, bytes_kv: int) -> dict:
         """The cutlass pipelines of ``self.pipelines()``, one dict entry per name (lists for
