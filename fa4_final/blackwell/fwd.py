@@ -1044,3 +1044,41 @@ def compile_only(head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
                  config: BlackwellFwdConfig | None = None, **window):
     """The compiled forward's artifacts (PTX, cubin, SASS, resources), built on any machine."""
     return compile_forward_sm100(head_dim, dtype, causal, config, keep=True, **window)[1]
+
+
+def forward_into(q, k, v, out, lse, causal: bool = False, softmax_scale=None,
+                 window_size=(None, None), config: BlackwellFwdConfig | None = None):
+    """Run the sm_100a forward on torch tensors (b, s, h, d) into ``out`` and ``lse`` (b, h, s)
+    float32, on the current stream. A thin runner for tests and benchmarks on a B200; the
+    package's checks and dispatch live in fa4_final.interface. ``window_size``: (left, right),
+    None for an unbounded side."""
+    import torch
+
+    from fa4_final.constants import DTYPE_NAMES
+
+    b, sq, h, d = q.shape
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[1] == 0:  # no key at all: every row is empty
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    left, right = window_size
+    has_right = right is not None and not causal
+    compiled, _ = compile_forward_sm100(d, DTYPE_NAMES[q.dtype], causal, config,
+                                        has_window_left=left is not None,
+                                        has_window_right=has_right)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    compiled(q, k, v, out, lse, scale, left or 0, right or 0, h * b, sms)
+    return out, lse
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale=None,
+              config: BlackwellFwdConfig | None = None):
+    """The course's common signature: (out, lse)."""
+    import torch
+
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    return forward_into(q, k, v, out, lse, causal, softmax_scale, config=config)
