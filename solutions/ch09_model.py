@@ -289,7 +289,10 @@ def pair_verdict(seqlen: int, d: int = 128, causal: bool = False, tokens: int = 
         out["2-CTA" if two else "1-CTA"] = {"step": s.mma_fraction,
                                            "schedule": sch["efficiency"],
                                            "predicted": s.mma_fraction * sch["efficiency"]}
-    out["pays"] = out["2-CTA"]["predicted"] > out["1-CTA"]["predicted"]
+    one, two = out["1-CTA"]["predicted"], out["2-CTA"]["predicted"]
+    out["verdict"] = "ties" if math.isclose(one, two, rel_tol=0.005) else \
+        "pays" if two > one else "loses"
+    out["pays"] = out["verdict"] == "pays"
     return out
 
 
