@@ -305,7 +305,7 @@ class BlackwellForward:
         if warp == self.warp("load"):
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         pipes = self.make_pipelines(storage, cta_layout_vmnk, bytes_q, bytes_kv)
         # mbarrier inits must be visible to every thread of the pair before anyone waits
         pipeline.pipeline_init_arrive(cluster_shape_mn=cta_layout_vmnk, is_relaxed=True)

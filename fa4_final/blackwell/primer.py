@@ -116,7 +116,7 @@ class OneTileAttention:
         d = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         if warp == MMA_WARP:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(storage.mbar_load.ptr, 1)
