@@ -291,6 +291,14 @@ def value(res: results.Results, impl: str, config: str, metric: str):
     return res.one(impl=impl, config=config, metric=metric)["value"]
 
 
+def compile_label(res: results.Results) -> str:
+    """Where the stored counts come from: a compile, not a measurement."""
+    p = res.provenance
+    return (f"compiled for sm_100a on a CPU, no GPU ({p.get('mode', 'compile-only')}): CuTe DSL "
+            f"{p['cutlass_dsl']}, FA4 {p.get('fa4_version', '?')}, torch {p['torch']}, commit "
+            f"{str(p['commit'])[:10]}, {p['date']}")
+
+
 def side_by_side(res: results.Results, metrics=None) -> str:
     """A plain-text table: one line per metric, ours against FA4's, per configuration."""
     configs = [c["config"] for c in CONFIGS if c["fa4"]]
@@ -298,8 +306,7 @@ def side_by_side(res: results.Results, metrics=None) -> str:
         "registers (launch)", "spill instructions", "setmaxnreg inc", "setmaxnreg dec",
         "TMEM columns allocated", "instruction descriptors"]
     head = f"{'metric':30s}" + "".join(f"{c:>30s}" for c in configs)
-    lines = [f"[{res.name}] {res.label} ({res.provenance.get('mode', '')}, FA4 "
-             f"{res.provenance.get('fa4_version', '?')})", head,
+    lines = [f"[{res.name}] {compile_label(res)}", head,
              f"{'':30s}" + "".join(f"{'ours / FA4':>30s}" for _ in configs)]
     for m in metrics:
         cells = []
