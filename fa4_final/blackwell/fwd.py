@@ -1047,11 +1047,12 @@ def compile_only(head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
 
 
 def forward_into(q, k, v, out, lse, causal: bool = False, softmax_scale=None,
-                 window_size=(None, None), config: BlackwellFwdConfig | None = None):
+                 window_left=None, window_right=None,
+                 config: BlackwellFwdConfig | None = None):
     """Run the sm_100a forward on torch tensors (b, s, h, d) into ``out`` and ``lse`` (b, h, s)
-    float32, on the current stream. A thin runner for tests and benchmarks on a B200; the
-    package's checks and dispatch live in fa4_final.interface. ``window_size``: (left, right),
-    None for an unbounded side."""
+    float32, on the current stream; window sides None when unbounded. The signature of the
+    package's dispatch table (fa4_final.dispatch, ``Backend.forward``), whose checks run before
+    it; on its own it is the runner of the tests and benchmarks on a B200."""
     import torch
 
     from fa4_final.constants import DTYPE_NAMES
@@ -1063,7 +1064,7 @@ def forward_into(q, k, v, out, lse, causal: bool = False, softmax_scale=None,
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    left, right = window_size
+    left, right = window_left, window_right
     has_right = right is not None and not causal
     compiled, _ = compile_forward_sm100(d, DTYPE_NAMES[q.dtype], causal, config,
                                         has_window_left=left is not None,

@@ -41,7 +41,7 @@ def _run(q, k, v, causal, softmax_scale=None, config=None, window=(None, None)):
     b, sq, h, _ = q.shape
     out = poison_(torch.empty_like(q))
     lse = poison_(torch.empty(b, h, sq, dtype=torch.float32, device=q.device))
-    forward_into(q, k, v, out, lse, causal, softmax_scale, window, config)
+    forward_into(q, k, v, out, lse, causal, softmax_scale, *window, config=config)
     torch.cuda.synchronize()
     return out, lse
 
