@@ -52,3 +52,31 @@ def apply_mask(
                 s[r, c] = -Float32.inf if (col >= hi) | (col < lo) else s[r, c]
             else:
                 s[r, c] = -Float32.inf if col >= hi else s[r, c]
+
+
+@cute.jit
+def apply_mask_row(
+    s_row: cute.Tensor,  # (cols,) this thread's row of S, as tcgen05.ld (32x32b) delivers it
+    tScS_row: cute.Tensor,  # (cols,) -> (row, col) in the tile, this thread
+    t0ScS_row: cute.Tensor,  # the same for thread 0 (compile-time columns)
+    w: cutlass.Constexpr[TileWindow],
+    row,  # this thread's query row in the sequence
+    n_block,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    mask_left: cutlass.Constexpr[bool] = False,
+):
+    """One row per thread (Blackwell): the same rule as ``apply_mask`` with one row's limits,
+    computed once per thread (Note [Mask with constants])."""
+    lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
+    col_offset = tScS_row[0][1]
+    hi = hi - col_offset
+    lo = lo - col_offset
+    for c in cutlass.range_constexpr(cute.size(s_row)):
+        col = t0ScS_row[c][1]
+        if const_expr(mask_left):
+            s_row[c] = -Float32.inf if (col >= hi) | (col < lo) else s_row[c]
+        else:
+            s_row[c] = -Float32.inf if col >= hi else s_row[c]

@@ -1,0 +1,145 @@
+"""The Blackwell forward's knobs (``BlackwellFwdConfig``), their checks and the defaults.
+
+Everything a kernel needs to size its on-chip memory is derived here, in plain Python, so the CPU
+tests, the pipeline simulation and the cycle model read the same numbers the kernel is built
+from: the TMEM plan (``tmem.forward_plan``), the shared-memory sum (asserted against the kernel's
+struct), the K/V ring depth and the register budget of each warp role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fa4_final.blackwell.tmem import TMEM_LANES, forward_plan
+from fa4_final.constants import SM100_SMEM_BYTES
+from fa4_final.fast_math import emulated_count
+from fa4_final.softmax import EMULATION_PERIOD, MAX_RESCALE_THRESHOLD
+
+HEAD_DIMS = (64, 128)
+TILE_M = TMEM_LANES  # rows of one Q tile: one per TMEM lane, one per softmax thread
+Q_STAGES = 2  # Q tiles per CTA: the two softmax warpgroups ping-pong on them
+SM100_REGISTERS = 64 * 1024
+THREADS = 512  # 16 warps (ROLES in fwd.py)
+# FA4's rule for the K/V ring: stages of what 224 KB leaves after Q and O (the rest of the 227 KB
+# holds the barriers and the row statistics), at most this many.
+KV_BUDGET_BYTES = 224 * 1024
+MAX_KV_STAGES = 32
+
+# setmaxnreg budget (softmax, correction, the rest): 128 threads in each softmax warpgroup, 128
+# correction threads, 128 threads in the four one-warp roles:
+# 128 * (2 * 192 + 80 + 48) = 64 K registers, the whole SM. The same at D = 64 and 128, 1- and
+# 2-CTA: every role compiles spill-free with it (tests/test_blackwell_compile.py). FA4 gives its
+# 2-CTA kernel (184, 80, 64); here that made ptxas spill the pair's shared-memory base address
+# across the setmaxnreg of three roles.
+DEFAULT_REGISTERS = (192, 80, 48)
+
+
+def _align(n: int, to: int = 1024) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class BlackwellFwdConfig:
+    """Knobs of fa4_final.blackwell.fwd.BlackwellForward (chapters 09, 10)."""
+
+    two_cta: bool = False  # chapter 10: a CTA pair shares one 256-row tcgen05.mma (cta_group::2)
+    tile_n: int = 128  # keys per K/V tile
+    kv_stages: int = 0  # depth of the K/V ring; 0 = as many as fit (KV_BUDGET_BYTES)
+    persistent: bool = True  # one CTA (pair) per SM (pair) walks tiles (fa4_final.scheduler)
+    exp2_emulation_fraction: float = 0.125  # chapter 06: share of exponentials on the FMA units
+    rescale_threshold: float = 8.0  # chapter 07 (tau, log2 units; 0 = rescale at every growth)
+    registers: tuple[int, int, int] | None = None  # (softmax, correction, rest); None = default
+
+    @property
+    def cta_group(self) -> int:
+        return 2 if self.two_cta else 1
+
+    @property
+    def mma_m(self) -> int:
+        """Rows of one tcgen05.mma: 128 per CTA, 256 for a pair."""
+        return TILE_M * self.cta_group
+
+    @property
+    def cluster_tile_m(self) -> int:
+        """Query rows one scheduled tile covers: two Q stages of mma_m rows."""
+        return Q_STAGES * self.mma_m
+
+    def register_budget(self, head_dim: int) -> tuple[int, int, int]:
+        return DEFAULT_REGISTERS if self.registers is None else tuple(self.registers)
+
+    def tmem_plan(self, head_dim: int):
+        return forward_plan(self.tile_n, head_dim, Q_STAGES)
+
+    def _fixed_smem(self, head_dim: int, elem_bytes: int) -> tuple[int, int, int]:
+        """(small fields, Q, O) bytes: mbarriers (8 B each: full + empty for Q, K/V, S, O,
+        stats and the O epilogue), the TMEM address, the 2-CTA dealloc barrier, the row stats
+        (one float per row and Q stage), then Q and O, 1 KB aligned."""
+        kv = self.ring_depth(head_dim, elem_bytes)
+        barriers = 8 * 2 * (Q_STAGES + kv + 4 * Q_STAGES)
+        small = barriers + 8 + 4 + 4 * Q_STAGES * TILE_M
+        tile = TILE_M * head_dim * elem_bytes
+        return small, Q_STAGES * tile, Q_STAGES * tile
+
+    def kv_stage_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """One K or V tile in one CTA's shared memory: half of it when two CTAs share it."""
+        return self.tile_n * head_dim * elem_bytes // self.cta_group
+
+    def ring_depth(self, head_dim: int, elem_bytes: int = 2) -> int:
+        if self.kv_stages:
+            return self.kv_stages
+        q_and_o = 2 * Q_STAGES * TILE_M * head_dim * elem_bytes
+        return min((KV_BUDGET_BYTES - q_and_o) // self.kv_stage_bytes(head_dim, elem_bytes),
+                   MAX_KV_STAGES)
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """Bytes of the kernel's SharedStorage (the kernel asserts its struct has this size)."""
+        small, q, o = self._fixed_smem(head_dim, elem_bytes)
+        kv = self.ring_depth(head_dim, elem_bytes) * self.kv_stage_bytes(head_dim, elem_bytes)
+        return _align(small) + _align(o) + _align(q) + _align(kv)
+
+    def check(self, head_dim: int) -> BlackwellFwdConfig:
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+        if self.tile_n != 128:
+            raise ValueError(f"tile_n must be 128 (one S tile = 128 TMEM columns), got "
+                             f"{self.tile_n}")
+        self.tmem_plan(head_dim)  # raises when the columns do not fit
+        soft, corr, rest = self.register_budget(head_dim)
+        for name, r in (("softmax", soft), ("correction", corr), ("rest", rest)):
+            if r % 8 or not 24 <= r <= 256:
+                raise ValueError(f"{name} registers must be a multiple of 8 in [24, 256] "
+                                 f"(setmaxnreg), got {r}")
+        total = 128 * (Q_STAGES * soft + corr + rest)
+        if total > SM100_REGISTERS:
+            raise ValueError(f"register budget {self.register_budget(head_dim)} needs {total} "
+                             f"registers, more than the SM's {SM100_REGISTERS}")
+        if self.ring_depth(head_dim) < 2:
+            raise ValueError(f"kv_stages must be >= 2 (K and V of one step), got "
+                             f"{self.ring_depth(head_dim)}")
+        need = self.smem_bytes(head_dim)
+        if need > SM100_SMEM_BYTES:
+            raise ValueError(f"config needs {need} B of shared memory, more than the "
+                             f"{SM100_SMEM_BYTES} B a CTA may use: fewer kv_stages")
+        try:
+            emulated_count(self.exp2_emulation_fraction, EMULATION_PERIOD)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"exp2_emulation_fraction: {exc}") from None
+        tau = self.rescale_threshold
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+            raise TypeError(f"rescale_threshold must be a number, got {tau!r}")
+        if not 0.0 <= tau <= MAX_RESCALE_THRESHOLD:
+            raise ValueError(f"rescale_threshold must be in [0, {MAX_RESCALE_THRESHOLD}], got "
+                             f"{tau!r} (fp16 P must stay below 2^16)")
+        return self
+
+
+def blackwell_fwd_default(head_dim: int, causal: bool = False) -> BlackwellFwdConfig:
+    """The default sm_100 forward config: 2-CTA where FA4's package uses it (non-causal, D =
+    128; chapter 10's model says why), 1-CTA elsewhere. Emulation share and rescale threshold
+    as FA4's defaults for bf16 (chapters 06, 07): one exponential in eight on the FMA units,
+    tau = 8."""
+    return BlackwellFwdConfig(two_cta=(head_dim == 128 and not causal))
+
+
+def with_knobs(cfg: BlackwellFwdConfig, **knobs) -> BlackwellFwdConfig:
+    return replace(cfg, **knobs)

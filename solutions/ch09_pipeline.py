@@ -1,0 +1,757 @@
+"""Chapter 09: the Blackwell forward's warp roles and pipelines, simulated on the CPU.
+
+No Blackwell GPU ran the kernel, so its synchronisation is checked here instead: every warp role
+of ``fa4_final.blackwell.fwd.BlackwellForward`` replayed as a Python generator that waits on and
+arrives at mbarriers exactly where the kernel does, over many tiles, causal and not, 1- and
+2-CTA, with random operation times so that many interleavings occur. What comes from the kernel
+itself, not from a copy:
+
+- stage counts, arrival counts and barrier kinds: ``kernel.pipelines()`` (the table the kernel
+  builds its barriers from) and ``cfg.ring_depth``;
+- which key tiles each tile visits and in which order the CTA walks the tiles:
+  ``fa4_final.tiles.kv_tile_range`` and ``fa4_final.scheduler`` (the code the kernel calls);
+- the phase bits: ``PipelineState``'s rule (index = count mod stages, the phase flips at each
+  wrap; a producer starts at phase 1) and the explicit parities of the per-Q-stage pipelines.
+
+The role bodies below mirror ``load``, ``mma_tile``, ``softmax_step``, ``correction`` and
+``epilogue`` line for line (each cites the method). The simulator then checks what a GPU run
+would get wrong silently:
+
+- deadlock: every role waits and nothing is in flight;
+- a buffer (shared-memory stage, TMEM region, the row-stats slot, the O slot) read while it is
+  being written, or read holding something other than what the reader expects (stale or already
+  overwritten): every buffer carries a version label and every read names the one it needs;
+- an arrival on a barrier for a later phase than the one in progress (it would complete the
+  current phase too early), and arrivals left pending when the kernel ends.
+
+The MMA warp's instructions go to an in-order engine, as tcgen05 executes them; a
+``tcgen05.commit`` arrives when every MMA issued before it has completed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from fa4_final.blackwell.config import Q_STAGES, BlackwellFwdConfig
+from fa4_final.scheduler import tile_coords, tiles_of_cta
+from fa4_final.tiles import kv_tile_range
+
+
+class PipelineError(Exception):
+    pass
+
+
+class Deadlock(PipelineError):
+    pass
+
+
+class Overwrite(PipelineError):
+    pass
+
+
+class StaleRead(PipelineError):
+    pass
+
+
+class EarlyArrival(PipelineError):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------
+# mbarriers
+
+
+class Barrier:
+    """An mbarrier: a phase completes when ``arrivals`` have arrived and every announced byte
+    has landed. ``completed`` is the number of completed phases; a wait with parity p passes
+    when the phase in progress has the other parity (p's phase is done)."""
+
+    def __init__(self, name: str, arrivals: int, sim: Sim):
+        self.name, self.arrivals, self.sim = name, arrivals, sim
+        self.pending, self.tx, self.completed = arrivals, 0, 0
+        self.by_agent: dict[str, int] = {}  # arrivals per agent, to find early ones
+
+    def ready(self, parity: int) -> bool:
+        return (self.completed & 1) != parity
+
+    def arrive(self, who: str, count: int = 1, tx: int = 0) -> None:
+        k = self.by_agent.get(who, 0) // count  # the phase this agent arrives for
+        self.by_agent[who] = self.by_agent.get(who, 0) + count
+        if k > self.completed:
+            raise EarlyArrival(
+                f"t={self.sim.now}: {who} arrived on {self.name} for phase {k} while phase "
+                f"{self.completed} is still in progress: it would complete that phase early")
+        if count > self.pending:
+            raise EarlyArrival(f"t={self.sim.now}: {who}: {count} arrivals on {self.name} but "
+                               f"only {self.pending} missing in phase {self.completed}")
+        self.pending -= count
+        self.tx += tx
+        self._maybe_complete()
+
+    def land(self, nbytes: int, phase: int, what: str) -> None:
+        if phase != self.completed:
+            raise EarlyArrival(f"t={self.sim.now}: bytes of {what} landed on {self.name} for "
+                               f"phase {phase} during phase {self.completed}")
+        self.tx -= nbytes
+        self._maybe_complete()
+
+    def _maybe_complete(self) -> None:
+        if self.pending == 0 and self.tx == 0:
+            self.completed += 1
+            self.pending = self.arrivals
+            self.sim.log("barrier", f"{self.name} completes phase {self.completed - 1}")
+
+    def describe(self) -> str:
+        return (f"{self.name}: phase {self.completed} waits for {self.pending} of "
+                f"{self.arrivals} arrivals" + (f" and {self.tx} bytes" if self.tx else ""))
+
+
+@dataclass(frozen=True)
+class Wait:
+    barrier: Barrier
+    parity: int
+
+
+@dataclass
+class PipelineState:
+    """cutlass.pipeline.PipelineState: index = count mod stages; the phase flips at each wrap.
+    A producer starts at phase 1 (its first wait on a fresh EMPTY barrier passes)."""
+
+    stages: int
+    index: int = 0
+    phase: int = 0
+    count: int = 0
+
+    @classmethod
+    def producer(cls, stages):
+        return cls(stages, phase=1)
+
+    def advance(self) -> None:
+        self.index += 1
+        self.count += 1
+        if self.index == self.stages:
+            self.index, self.phase = 0, self.phase ^ 1
+
+    def clone(self) -> PipelineState:
+        return PipelineState(self.stages, self.index, self.phase, self.count)
+
+
+# ----------------------------------------------------------------------------------------------
+# buffers with versions
+
+
+class Buffer:
+    """A shared-memory stage or a TMEM region. ``version`` labels what it holds; reads and
+    writes take time and must not overlap a write."""
+
+    def __init__(self, name: str, sim: Sim):
+        self.name, self.sim = name, sim
+        self.version = None
+        self.readers: set[str] = set()
+        self.writer: str | None = None
+
+    def start_read(self, who: str, expect) -> None:
+        if self.writer is not None:
+            raise Overwrite(f"t={self.sim.now}: {who} reads {self.name} while {self.writer} "
+                            f"writes it")
+        ok = expect(self.version) if callable(expect) else self.version == expect
+        if expect is not None and not ok:
+            raise StaleRead(f"t={self.sim.now}: {who} reads {self.name} expecting {expect}, "
+                            f"but it holds {self.version}")
+        self.readers.add(who)
+
+    def end_read(self, who: str) -> None:
+        self.readers.discard(who)
+
+    def start_write(self, who: str) -> None:
+        others = self.readers - {who}  # an MMA may read and write its own accumulator
+        if others or self.writer is not None:
+            busy = ", ".join(sorted(others)) or self.writer
+            raise Overwrite(f"t={self.sim.now}: {who} writes {self.name} while {busy} "
+                            f"still uses it (it holds {self.version})")
+        self.writer = who
+
+    def end_write(self, who: str, version) -> None:
+        self.writer = None
+        self.version = version
+
+
+# ----------------------------------------------------------------------------------------------
+# the simulator
+
+
+@dataclass
+class Timing:
+    """Ticks of each kind of work: each operation draws uniformly from [lo, hi]."""
+
+    tma: tuple = (3, 9)
+    mma: tuple = (2, 5)
+    read_s: tuple = (1, 2)
+    store_p: tuple = (1, 4)
+    softmax: tuple = (2, 7)
+    rescale: tuple = (1, 4)
+    epilogue: tuple = (1, 4)
+    store: tuple = (2, 6)
+    rescale_share: float = 0.5  # how often a correction warp's vote says "rescale"
+
+
+@dataclass
+class _Agent:
+    name: str
+    gen: object
+    waiting: Wait | None = None
+    wait_since: int = 0
+    busy_until: int = 0
+    done: bool = False
+
+
+class Sim:
+    """Event loop: agents (the warp roles), a TMA engine and an in-order MMA engine."""
+
+    def __init__(self, seed: int = 0, timing: Timing | None = None, max_ticks: int = 2_000_000):
+        self.rng = random.Random(seed)
+        self.timing = timing or Timing()
+        self.now = 0
+        self.max_ticks = max_ticks
+        self.agents: list[_Agent] = []
+        self.tma: list[tuple] = []  # (lands_at, buffer, version, barrier, nbytes, phase)
+        self.mma_queue: list[dict] = []
+        self.mma_busy_until = 0
+        self.mma_current = None
+        self.events: list[tuple] = []
+        self.spans: list[tuple] = []  # (lane, t0, t1, label) for the timeline picture
+        self.keep_log = False
+
+    def ticks(self, kind: str) -> int:
+        lo, hi = getattr(self.timing, kind)
+        return self.rng.randint(lo, hi)
+
+    def log(self, who: str, what: str) -> None:
+        if self.keep_log:
+            self.events.append((self.now, who, what))
+
+    def span(self, lane: str, t0: int, t1: int, label: str) -> None:
+        if self.keep_log:
+            self.spans.append((lane, t0, t1, label))
+
+    def add(self, name: str, gen) -> None:
+        self.agents.append(_Agent(name, gen))
+
+    # the engines
+    def tma_copy(self, buf: Buffer, version, barrier: Barrier, nbytes: int, phase: int,
+                 who: str) -> None:
+        buf.start_write(f"TMA ({who})")
+        self.tma.append((self.now + self.ticks("tma"), buf, version, barrier, nbytes, phase,
+                         self.now))
+
+    def mma_issue(self, op: dict) -> None:
+        self.mma_queue.append(op)
+
+    def _run_engines(self) -> None:
+        for item in [x for x in self.tma if x[0] <= self.now]:
+            self.tma.remove(item)
+            _, buf, version, barrier, nbytes, phase, t0 = item
+            buf.end_write("TMA", version)
+            self.span("TMA", t0, self.now, str(version[0]))
+            barrier.land(nbytes, phase, str(version))
+        while True:
+            if self.mma_current is not None:
+                if self.now < self.mma_busy_until:
+                    return
+                op = self.mma_current
+                for buf, _ in op["reads"]:
+                    buf.end_read("MMA")
+                for buf, version in op["writes"]:
+                    buf.end_write("MMA", version)
+                self.span("tensor cores", op["t0"], self.now, op["label"])
+                self.mma_current = None
+            if not self.mma_queue:
+                return
+            op = self.mma_queue.pop(0)
+            if op.get("commit") is not None:
+                for barrier in op["commit"]:
+                    barrier.arrive("MMA commit")
+                continue
+            for buf, expect in op["reads"]:
+                buf.start_read("MMA", expect)
+            for buf, _ in op["writes"]:
+                buf.start_write("MMA")
+            op["t0"] = self.now
+            self.mma_current = op
+            self.mma_busy_until = self.now + self.ticks("mma")
+
+    def _advance(self, a: _Agent) -> None:
+        while not a.done and a.busy_until <= self.now:
+            if a.waiting is not None:
+                if not a.waiting.barrier.ready(a.waiting.parity):
+                    return
+                if self.now > a.wait_since:
+                    self.span(a.name, a.wait_since, self.now, "wait")
+                a.waiting = None
+            try:
+                item = next(a.gen)
+            except StopIteration:
+                a.done = True
+                return
+            if isinstance(item, Wait):
+                a.waiting, a.wait_since = item, self.now
+            elif isinstance(item, tuple) and item[0] == "busy":
+                _, n, label = item
+                self.span(a.name, self.now, self.now + n, label)
+                a.busy_until = self.now + n
+            else:
+                raise PipelineError(f"{a.name} yielded {item!r}")
+
+    def run(self) -> Sim:
+        while True:
+            self._run_engines()
+            for a in self.agents:
+                self._advance(a)
+            if all(a.done for a in self.agents) and not self.tma and not self.mma_queue \
+                    and self.mma_current is None:
+                return self
+            live = [a for a in self.agents if not a.done]
+            stuck = all(a.waiting is not None and not a.waiting.barrier.ready(a.waiting.parity)
+                        and a.busy_until <= self.now for a in live)
+            if stuck and not self.tma and not self.mma_queue and self.mma_current is None:
+                lines = [f"deadlock at t={self.now}: every role waits, nothing is in flight"]
+                lines += [f"  {a.name} waits for parity {a.waiting.parity} on "
+                          f"{a.waiting.barrier.describe()}" for a in live]
+                raise Deadlock("\n".join(lines))
+            if self.now >= self.max_ticks:
+                raise Deadlock(f"not finished after {self.max_ticks} ticks")
+            self.now += 1
+
+
+def busy(n: int, label: str):
+    return ("busy", n, label)
+
+
+# ----------------------------------------------------------------------------------------------
+# the forward's pipelines and roles
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention problem and the CTA (pair) whose tiles are simulated."""
+
+    seqlen_q: int
+    seqlen_k: int
+    heads: int = 1
+    batch: int = 1
+    causal: bool = False
+    cluster: int = 0  # which CTA (pair) of the persistent grid
+    grid: int = 1  # CTAs (pairs) in the persistent grid
+    window_left: int | None = None
+    window_right: int | None = None
+
+
+def tile_steps(kernel, prob: Problem) -> list[tuple[int, int, int]]:
+    """(tile, n_min, n_max) of every tile the CTA (pair) computes, in its order: the
+    scheduler's zigzag over tile_coords and kv_tile_range, as every role of the kernel."""
+    cfg = kernel.cfg
+    num_m = -(-prob.seqlen_q // cfg.cluster_tile_m)
+    num_tiles = num_m * prob.heads * prob.batch
+    out = []
+    for t in tiles_of_cta(prob.cluster, prob.grid, num_tiles):
+        m_block, _, _ = tile_coords(t, num_m, prob.heads, prob.batch, longest_first=prob.causal)
+        n_min, n_max, _, _ = kv_tile_range(kernel.window, m_block, prob.seqlen_q,
+                                           prob.seqlen_k, prob.window_left, prob.window_right)
+        out.append((t, n_min, n_max))
+    return out
+
+
+class ForwardSim:
+    """The barriers and buffers of one CTA (or pair) of ``kernel`` and its roles as agents.
+
+    ``mutate`` names a deliberate bug (BUGS) to show what the checks catch."""
+
+    BUGS = {
+        "s_before_pv": "the MMA warp issues S_i = Q_i K_j before O_i += P_i V_{j-1}",
+        "no_initial_release": "the correction does not announce at start-up that O_i is free",
+        "softmax_releases_before_store": "the softmax says P_i is ready before storing it",
+        "one_kv_stage": "a K/V ring of one stage",
+        "correction_skips_o_wait": "the correction reads the final O_i without waiting for o[i]",
+    }
+
+    def __init__(self, kernel, prob: Problem, seed: int = 0, timing: Timing | None = None,
+                 mutate: str | None = None, log: bool = False):
+        if mutate is not None and mutate not in self.BUGS:
+            raise ValueError(f"mutate must be one of {sorted(self.BUGS)}, got {mutate!r}")
+        self.k, self.prob, self.mutate = kernel, prob, mutate
+        self.sim = Sim(seed, timing)
+        self.sim.keep_log = log
+        self.ctas = kernel.cfg.cta_group
+        self.specs = {p.name: p for p in kernel.pipelines()}
+        if mutate == "one_kv_stage":
+            from dataclasses import replace
+
+            self.specs["kv"] = replace(self.specs["kv"], stages=1)
+        self.steps = tile_steps(kernel, prob)
+        self.bar = {}  # (cta, pipe, side, stage) -> Barrier
+        for name, spec in self.specs.items():
+            for cta in range(self.ctas):
+                for s in range(spec.stages):
+                    for side, n in (("full", spec.full_arrivals), ("empty", spec.empty_arrivals)):
+                        self.bar[cta, name, side, s] = Barrier(
+                            f"{name}.{side}[{s}]" + (f"@cta{cta}" if self.ctas > 1 else ""), n,
+                            self.sim)
+        self.buf = {}
+        for cta in range(self.ctas):
+            for i in range(Q_STAGES):
+                for name in ("Q", "SP", "O", "stats", "sO"):
+                    self.buf[cta, name, i] = Buffer(f"{name}{i}@cta{cta}", self.sim)
+            for s in range(self.specs["kv"].stages):
+                self.buf[cta, "KV", s] = Buffer(f"KV stage {s}@cta{cta}", self.sim)
+        for cta in range(self.ctas):
+            for i in range(Q_STAGES):
+                self.buf[cta, "O", i].version = ("O", None, "read")  # free at start-up
+        self.tx = {"q": 1, "kv": 1}  # bytes counted abstractly: one unit per CTA's copy
+        self._add_roles()
+
+    # routing of arrivals (Note [Pipelines] and [Pair masks] in fwd.py)
+    def full(self, cta, name, s):
+        kind = self.specs[name].kind
+        return self.bar[0 if kind == "tma_umma" else cta, name, "full", s]
+
+    def empty(self, cta, name, s):
+        kind = self.specs[name].kind
+        return self.bar[0 if kind == "umma_async" else cta, name, "empty", s]
+
+    def commit_targets(self, name, s):
+        """tcgen05.commit from the leader: the pipeline's barrier in every CTA of the pair."""
+        side = "empty" if self.specs[name].kind == "tma_umma" else "full"
+        return [self.bar[c, name, side, s] for c in range(self.ctas)]
+
+    def _add_roles(self):
+        for cta in range(self.ctas):
+            self.sim.add(f"load@{cta}", self.load(cta))
+        self.sim.add("mma", self.mma())
+        for cta in range(self.ctas):
+            for i in range(Q_STAGES):
+                self.sim.add(f"softmax{i}@{cta}", self.softmax(cta, i))
+            self.sim.add(f"correction@{cta}", self.correction(cta))
+            self.sim.add(f"epilogue@{cta}", self.epilogue(cta))
+
+    def n_block(self, n_max, j):
+        return n_max - 1 - j
+
+    # ---- load (BlackwellForward.load / load_one)
+    def load(self, cta):
+        me = f"load@{cta}"
+        sq = PipelineState.producer(self.specs["q"].stages)
+        skv = PipelineState.producer(self.specs["kv"].stages)
+
+        def one(pipe, state, buf, version):
+            yield Wait(self.bar[cta, pipe, "empty", state.index], state.phase)
+            full = self.full(cta, pipe, state.index)
+            if cta == 0:  # the leader announces the pair's bytes (arrive_expect_tx)
+                full.arrive(me, 1, tx=self.ctas * self.tx[pipe])
+            # the copy completes the phase of this stage's fill number
+            self.sim.tma_copy(buf, version, full, self.tx[pipe], state.count // state.stages, me)
+            yield busy(1, f"issue {version[0]}")
+            state.advance()
+
+        for tile, n_min, n_max in self.steps:
+            if n_max <= n_min:
+                continue
+            yield from one("kv", skv, self.buf[cta, "KV", skv.index], ("K", tile, n_max - 1))
+            for i in range(Q_STAGES):
+                yield from one("q", sq, self.buf[cta, "Q", sq.index], ("Q", tile, i))
+            yield from one("kv", skv, self.buf[cta, "KV", skv.index], ("V", tile, n_max - 1))
+            for j in range(1, n_max - n_min):
+                nb = self.n_block(n_max, j)
+                yield from one("kv", skv, self.buf[cta, "KV", skv.index], ("K", tile, nb))
+                yield from one("kv", skv, self.buf[cta, "KV", skv.index], ("V", tile, nb))
+        for pipe, state in (("kv", skv), ("q", sq)):  # producer_tail: the last empties land
+            for _ in range(self.specs[pipe].stages):
+                yield Wait(self.bar[cta, pipe, "empty", state.index], state.phase)
+                state.advance()
+
+    # ---- mma warp (BlackwellForward.mma / mma_tile), the leader only
+    def mma(self):
+        sq = PipelineState(self.specs["q"].stages)
+        skv = PipelineState(self.specs["kv"].stages)
+        p_phase = 0
+        for tile, n_min, n_max in self.steps:
+            if n_max <= n_min:
+                continue
+            n = n_max - n_min
+            for _ in range(Q_STAGES):
+                yield Wait(self.bar[0, "q", "full", sq.index], sq.phase)
+                sq.advance()
+            yield Wait(self.bar[0, "kv", "full", skv.index], skv.phase)
+            for i in range(Q_STAGES):
+                self.issue_s(tile, i, 0, skv.index, n_max)
+                self.commit("s", i)
+            self.commit("kv", skv.index)
+            skv.advance()
+            sv = skv.clone()
+            for t in range(Q_STAGES * (n - 1)):
+                i, j = t % Q_STAGES, t // Q_STAGES + 1
+                if i == 0:
+                    yield Wait(self.bar[0, "kv", "full", skv.index], skv.phase)
+                    sv = skv.clone()
+                    skv.advance()
+                    yield Wait(self.bar[0, "kv", "full", skv.index], skv.phase)
+                yield Wait(self.empty(0, "s", i), p_phase)
+                if self.mutate == "s_before_pv":
+                    self.issue_s(tile, i, j, skv.index, n_max)
+                    self.issue_pv(tile, i, j - 1, sv.index, n_max)
+                else:
+                    self.issue_pv(tile, i, j - 1, sv.index, n_max)
+                    self.issue_s(tile, i, j, skv.index, n_max)
+                self.commit("s", i)
+                if i == Q_STAGES - 1:
+                    p_phase ^= 1
+                    self.commit("kv", sv.index)
+                    self.commit("kv", skv.index)
+                    skv.advance()
+                yield busy(1, "issue")
+            for i in range(Q_STAGES):
+                self.commit("q", i)
+            yield Wait(self.bar[0, "kv", "full", skv.index], skv.phase)
+            for i in range(Q_STAGES):
+                yield Wait(self.empty(0, "s", i), p_phase)
+                self.issue_pv(tile, i, n - 1, skv.index, n_max)
+                self.commit("o", i)
+            p_phase ^= 1
+            self.commit("kv", skv.index)
+            skv.advance()
+            yield busy(1, "issue")
+
+    def commit(self, pipe, s):
+        self.sim.mma_issue({"commit": self.commit_targets(pipe, s)})
+
+    def issue_s(self, tile, i, j, kv_stage, n_max):
+        reads, writes = [], []
+        for c in range(self.ctas):  # a pair's MMA reads both CTAs' Q rows and K halves
+            reads += [(self.buf[c, "Q", i], ("Q", tile, i)),
+                      (self.buf[c, "KV", kv_stage], ("K", tile, self.n_block(n_max, j)))]
+            writes.append((self.buf[c, "SP", i], ("S", tile, j)))
+        self.sim.mma_issue({"reads": reads, "writes": writes, "label": f"S{i}"})
+
+    def issue_pv(self, tile, i, j, kv_stage, n_max):
+        reads, writes = [], []
+        for c in range(self.ctas):
+            # accumulate onto O rescaled for this step; the tile's first P V overwrites O, so
+            # the previous tile's final O must have been read out by then
+            o_expect = ("O", tile, "scaled", j) if j > 0 else (lambda v: v[2] == "read")
+            reads += [(self.buf[c, "SP", i], ("P", tile, j)),
+                      (self.buf[c, "KV", kv_stage], ("V", tile, self.n_block(n_max, j))),
+                      (self.buf[c, "O", i], o_expect)]
+            writes.append((self.buf[c, "O", i], ("O", tile, "acc", j)))
+        self.sim.mma_issue({"reads": reads, "writes": writes, "label": f"PV{i}"})
+
+    # ---- softmax warpgroups (BlackwellForward.softmax / softmax_step)
+    def softmax(self, cta, i):
+        me = f"softmax{i}@{cta}"
+        wg = self.specs["stats"].full_arrivals  # 128 threads arrive, one per row
+        s_phase, stats_phase = 0, 1
+        sp = self.buf[cta, "SP", i]
+        for tile, n_min, n_max in self.steps:
+            if n_max <= n_min:
+                continue
+            for j in range(n_max - n_min):
+                yield Wait(self.bar[cta, "s", "full", i], s_phase)
+                s_phase ^= 1
+                sp.start_read(me, ("S", tile, j))
+                yield busy(self.sim.ticks("read_s"), "tcgen05.ld S")
+                sp.end_read(me)
+                yield busy(self.sim.ticks("softmax") // 2, "max")
+                if j > 0:
+                    stats_phase = yield from self.send(cta, i, me, stats_phase,
+                                                       ("alpha", tile, j))
+                yield busy(self.sim.ticks("softmax"), "exp2")
+                if self.mutate == "softmax_releases_before_store":
+                    self.empty(cta, "s", i).arrive(me, wg)
+                sp.start_write(me)
+                yield busy(self.sim.ticks("store_p"), "tcgen05.st P")
+                sp.end_write(me, ("P", tile, j))
+                if self.mutate != "softmax_releases_before_store":
+                    self.empty(cta, "s", i).arrive(me, wg)
+            stats_phase = yield from self.send(cta, i, me, stats_phase, ("inv", tile))
+
+    def send(self, cta, i, me, phase, version):
+        """send_stat: wait for a free slot, write one float per row, arrive (128 threads)."""
+        yield Wait(self.bar[cta, "stats", "empty", i], phase)
+        st = self.buf[cta, "stats", i]
+        st.start_write(me)
+        yield busy(1, "stat")
+        st.end_write(me, version)
+        self.bar[cta, "stats", "full", i].arrive(me, self.specs["stats"].full_arrivals)
+        return phase ^ 1
+
+    # ---- correction warpgroup (BlackwellForward.correction / rescale_o / store_o)
+    def correction(self, cta):
+        me = f"correction@{cta}"
+        wg = self.specs["stats"].empty_arrivals
+        if self.mutate != "no_initial_release":
+            for i in range(Q_STAGES):
+                self.empty(cta, "s", i).arrive(me, wg)
+        stats_phase, o_phase = 0, 0
+        epi = PipelineState.producer(self.specs["epi"].stages)
+        for tile, n_min, n_max in self.steps:
+            if n_max > n_min:
+                for j in range(1, n_max - n_min):
+                    for i in range(Q_STAGES):
+                        yield from self.receive(cta, i, me, stats_phase, ("alpha", tile, j))
+                        o = self.buf[cta, "O", i]
+                        if self.sim.rng.random() < self.sim.timing.rescale_share:
+                            o.start_read(me, ("O", tile, "acc", j - 1))
+                            o.end_read(me)
+                            o.start_write(me)
+                            yield busy(self.sim.ticks("rescale"), "rescale O")
+                            o.end_write(me, ("O", tile, "scaled", j))
+                        else:  # the warp's vote: no row grew by more than tau
+                            if o.version != ("O", tile, "acc", j - 1):
+                                raise StaleRead(f"t={self.sim.now}: {me} skips rescaling O{i} "
+                                                f"at step {j}, but it holds {o.version}")
+                            o.version = ("O", tile, "scaled", j)
+                        self.empty(cta, "s", i).arrive(me, wg)
+                    stats_phase ^= 1
+                for i in range(Q_STAGES):
+                    yield from self.receive(cta, i, me, stats_phase, ("inv", tile))
+                    if self.mutate != "correction_skips_o_wait":
+                        yield Wait(self.bar[cta, "o", "full", i], o_phase)
+                    epi = yield from self.store_o(cta, i, me, epi, tile,
+                                                  ("O", tile, "acc", n_max - n_min - 1))
+                    o = self.buf[cta, "O", i]
+                    o.version = ("O", tile, "read")
+                    self.empty(cta, "s", i).arrive(me, wg)
+                stats_phase ^= 1
+                o_phase ^= 1
+            else:  # no key visible: zeros
+                for i in range(Q_STAGES):
+                    epi = yield from self.store_o(cta, i, me, epi, tile, None)
+        for _ in range(self.specs["epi"].stages):  # producer_tail
+            yield Wait(self.bar[cta, "epi", "empty", epi.index], epi.phase)
+            epi.advance()
+
+    def receive(self, cta, i, me, phase, version):
+        yield Wait(self.bar[cta, "stats", "full", i], phase)
+        st = self.buf[cta, "stats", i]
+        st.start_read(me, version)
+        st.end_read(me)
+        self.bar[cta, "stats", "empty", i].arrive(me, self.specs["stats"].empty_arrivals)
+
+    def store_o(self, cta, i, me, epi, tile, o_expect):
+        yield Wait(self.bar[cta, "epi", "empty", epi.index], epi.phase)
+        so = self.buf[cta, "sO", epi.index]
+        o = self.buf[cta, "O", i]
+        if o_expect is not None:
+            o.start_read(me, o_expect)
+        so.start_write(me)
+        yield busy(self.sim.ticks("epilogue"), "O / l -> sO")
+        so.end_write(me, ("O", tile, i))
+        if o_expect is not None:
+            o.end_read(me)
+        self.bar[cta, "epi", "full", epi.index].arrive(me, self.specs["epi"].full_arrivals)
+        epi.advance()
+        return epi
+
+    # ---- epilogue warp (BlackwellForward.epilogue)
+    def epilogue(self, cta):
+        me = f"epilogue@{cta}"
+        state = PipelineState(self.specs["epi"].stages)
+        for tile, _, _ in self.steps:
+            held = []
+            for i in range(Q_STAGES):
+                yield Wait(self.bar[cta, "epi", "full", state.index], state.phase)
+                so = self.buf[cta, "sO", state.index]
+                so.start_read(me, ("O", tile, i))
+                held.append((state.index, so))
+                state.advance()
+            yield busy(self.sim.ticks("store"), "TMA store O")
+            for idx, so in held:
+                so.end_read(me)
+                self.bar[cta, "epi", "empty", idx].arrive(me, self.specs["epi"].empty_arrivals)
+
+    def run(self) -> ForwardSim:
+        self.sim.run()
+        for (cta, name, side, _), b in self.bar.items():
+            # Note [The correction runs one phase ahead]: its start-up release leaves one
+            # warpgroup's arrivals pending on each s[i] EMPTY barrier (the leader's) at exit
+            ahead = self.specs["stats"].empty_arrivals * self.ctas \
+                if (name, side, cta) == ("s", "empty", 0) else 0
+            if b.pending != b.arrivals - ahead or b.tx:
+                raise PipelineError(f"the kernel ended with {b.describe()}: arrivals of a "
+                                    f"phase that never completed")
+        return self
+
+
+def simulate(kernel, prob: Problem, seeds=range(3), **kw) -> list[ForwardSim]:
+    return [ForwardSim(kernel, prob, seed=s, **kw).run() for s in seeds]
+
+
+def make_kernel(head_dim=128, causal=False, cfg: BlackwellFwdConfig | None = None,
+                dtype="bf16", **window):
+    """The kernel object (no compile): its config, roles and pipeline table."""
+    from fa4_final.blackwell.fwd import BlackwellForward
+    from fa4_final.constants import CUTLASS_BY_NAME
+
+    return BlackwellForward(CUTLASS_BY_NAME[dtype], head_dim, causal,
+                            cfg or BlackwellFwdConfig(), **window)
+
+
+def draw_timeline(fs: ForwardSim, t_max: int | None = None, ax=None, title=None):
+    """Gantt chart of a logged ForwardSim: the tensor cores, each role's work and waits."""
+    import matplotlib.pyplot as plt
+
+    spans = fs.sim.spans
+    lanes = ["TMA", "tensor cores"] + [a.name for a in fs.sim.agents]
+    y = {lane: i for i, lane in enumerate(lanes)}
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 0.45 * len(lanes) + 1.2))
+    colors = {"S0": "#1f77b4", "S1": "#aec7e8", "PV0": "#ff7f0e", "PV1": "#ffbb78",
+              "wait": "white", "exp2": "#2ca02c", "max": "#98df8a", "rescale O": "#d62728",
+              "O / l -> sO": "#9467bd", "TMA store O": "#8c564b", "K": "#7f7f7f",
+              "V": "#bcbd22", "Q": "#17becf"}
+    for lane, t0, t1, label in spans:
+        if t_max is not None and t0 > t_max:
+            continue
+        if lane not in y:
+            continue
+        c = colors.get(label, "#cccccc")
+        ax.barh(y[lane], t1 - t0, left=t0, color=c, edgecolor="#999999" if label == "wait"
+                else c, hatch="..." if label == "wait" else None, height=0.6)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    if t_max is not None:
+        ax.set_xlim(0, t_max)
+    ax.set_xlabel("tick (random operation times)")
+    from matplotlib.patches import Patch
+
+    shown = ["S0", "S1", "PV0", "PV1", "max", "exp2", "rescale O", "O / l -> sO", "wait"]
+    ax.legend(handles=[Patch(facecolor=colors[k], edgecolor="#999999",
+                             hatch="..." if k == "wait" else None, label=k) for k in shown],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title or "one CTA's roles, simulated")
+    ax.grid(axis="y", visible=False)
+    return ax
+
+
+@dataclass
+class Sweep:
+    """Outcome of simulating many problems: how many ran clean, and the first failure."""
+
+    runs: int = 0
+    tiles: int = 0
+    kv_steps: int = 0
+    failures: list = field(default_factory=list)
+
+
+def sweep(kernel, problems, seeds=range(4), **kw) -> Sweep:
+    out = Sweep()
+    for prob in problems:
+        for s in seeds:
+            try:
+                fs = ForwardSim(kernel, prob, seed=s, **kw).run()
+            except PipelineError as exc:
+                out.failures.append((prob, s, exc))
+                continue
+            out.runs += 1
+            out.tiles += len(fs.steps)
+            out.kv_steps += sum(max(b - a, 0) for _, a, b in fs.steps)
+    return out

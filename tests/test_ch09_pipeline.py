@@ -1,0 +1,96 @@
+"""Chapter 09: the Blackwell forward's pipelines simulated on the CPU with the kernel's own stage
+counts, arrival counts and phase rules: no deadlock, no buffer overwritten while read, no stale
+read, no early arrival, over many tiles, causal and not, 1- and 2-CTA; and each deliberate bug
+is caught."""
+
+from dataclasses import replace
+
+import pytest
+
+from fa4_final.blackwell.config import BlackwellFwdConfig
+from solutions import ch09_pipeline as P
+
+PROBLEMS = [
+    # (seqlen_q, seqlen_k, heads, grid, which CTA): lengths that are not tile multiples, more
+    # tiles than CTAs (persistent), seqlen_q > seqlen_k (causal tiles that see no key)
+    (1000, 1000, 2, 1, 0), (777, 2049, 3, 2, 1), (3000, 300, 1, 1, 0), (129, 129, 1, 1, 0),
+    (512, 4096, 2, 3, 2), (2048, 2048, 4, 3, 0),
+]
+
+
+def problems(causal, **window):
+    return [P.Problem(sq, sk, heads=h, causal=causal, grid=g, cluster=c, **window)
+            for sq, sk, h, g, c in PROBLEMS]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blackwell_pipeline_sim_runs_clean_1cta(head_dim, causal):
+    k = P.make_kernel(head_dim, causal)
+    out = P.sweep(k, problems(causal), seeds=range(3))
+    assert not out.failures, out.failures[0]
+    assert out.tiles > 30 and out.kv_steps > 200
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_2cta_pipeline_sim_runs_clean(causal):
+    k = P.make_kernel(128, causal, BlackwellFwdConfig(two_cta=True))
+    out = P.sweep(k, problems(causal), seeds=range(3))
+    assert not out.failures, out.failures[0]
+
+
+def test_blackwell_pipeline_sim_sliding_window():
+    k = P.make_kernel(128, False, has_window_left=True, has_window_right=True)
+    out = P.sweep(k, problems(False, window_left=300, window_right=50), seeds=range(3))
+    assert not out.failures, out.failures[0]
+    assert out.kv_steps > 0
+
+
+def test_blackwell_pipeline_sim_uses_the_kernels_own_tables():
+    k = P.make_kernel(128, True)
+    fs = P.ForwardSim(k, P.Problem(600, 600, causal=True))
+    specs = {p.name: p for p in k.pipelines()}
+    assert fs.specs == specs
+    assert specs["kv"].stages == k.cfg.ring_depth(128) == k.kv_stages
+    # every barrier the simulator made has the kernel's arrival count
+    for (_, name, side, _), bar in fs.bar.items():
+        want = specs[name].full_arrivals if side == "full" else specs[name].empty_arrivals
+        assert bar.arrivals == want
+    # s EMPTY: both warpgroups that release it (softmax_i, correction), every CTA of a pair
+    two = P.make_kernel(128, False, BlackwellFwdConfig(two_cta=True))
+    assert {p.name: p for p in two.pipelines()}["s"].empty_arrivals == 2 * 2 * 128
+
+
+@pytest.mark.parametrize("bug", sorted(P.ForwardSim.BUGS))
+def test_blackwell_pipeline_sim_catches_each_bug(bug):
+    k = P.make_kernel(128, True)
+    caught = 0
+    for s in range(4):
+        try:
+            P.ForwardSim(k, P.Problem(1000, 1000, heads=2, causal=True), seed=s, mutate=bug).run()
+        except P.PipelineError:
+            caught += 1
+    assert caught == 4, f"{P.ForwardSim.BUGS[bug]}: caught in {caught} of 4 runs"
+
+
+def test_blackwell_pipeline_phase_bits_follow_pipeline_state():
+    st = P.PipelineState.producer(3)
+    seen = []
+    for _ in range(7):
+        seen.append((st.index, st.phase))
+        st.advance()
+    assert seen == [(0, 1), (1, 1), (2, 1), (0, 0), (1, 0), (2, 0), (0, 1)]
+    # a fresh barrier: waiting for parity 1 passes, parity 0 waits for the first phase
+    sim = P.Sim()
+    b = P.Barrier("b", 2, sim)
+    assert b.ready(1) and not b.ready(0)
+    b.arrive("x")
+    with pytest.raises(P.EarlyArrival):
+        b.arrive("x")  # x's second arrival belongs to phase 1; phase 0 still waits for y
+
+
+def test_blackwell_pipeline_sim_ring_of_two_is_enough_but_not_one():
+    k = P.make_kernel(128, False, BlackwellFwdConfig(kv_stages=2))
+    assert not P.sweep(k, problems(False)[:3], seeds=range(2)).failures
+    with pytest.raises(ValueError, match="kv_stages"):
+        replace(BlackwellFwdConfig(), kv_stages=1).check(128)
