@@ -21,6 +21,8 @@ what is supported). It stands alone (it imports neither the course's ``utils`` n
     softmax      the online softmax; exp2 emulation and rescale-threshold knobs  chapters 05-07
     fast_math    2^x on the FMA units                                           chapter 06
     scheduler    tile order and the persistent static schedule                  chapter 08
+    timeline     in-kernel phase stamps for a Gantt chart (a debug build)        chapter 08
+    hopper.wgmma smem tile layouts, the attention tiled MMAs, one wgmma group     chapters 05, 08
     hopper.fwd   the warp-specialised ping-pong persistent forward (sm_90a)     chapter 08
     hopper.launch  compile through the cache and launch the Hopper kernels      chapter 12
     hopper.bwd   the backward: K, V stationary, five wgmma per step (sm_90a)     chapter 11
@@ -29,7 +31,8 @@ what is supported). It stands alone (it imports neither the course's ``utils`` n
     bwd_tiles    which query tiles a key tile visits; deterministic turn order  chapter 11
     atomics      bulk float32 adds into global memory; turn counters            chapter 11
     backward     the backward's torch entry points (backward_into, backward)     chapter 11
-    autograd     a minimal torch.autograd.Function over forward and backward    chapter 11
+    autograd     attention_autograd: flash_attn_func's output, differentiable    chapter 11
+    blackwell    the FA4 forward for sm_100a: TMEM plan, tcgen05, roles, 2-CTA   chapters 09, 10
 """
 
 from fa4_final.dispatch import support_table

@@ -50,12 +50,12 @@ class Backend:
         return f"{self.family} ({self.gpus}, {self.arch})"
 
     def state(self, module: str) -> str:
-        """'yes', 'compiled, not wired', 'compiled, not yet verified on a GPU' or 'not in this
-        build', for the README."""
+        """'yes', 'compiled, not yet run on a GPU', 'compiled, not yet verified on a GPU' or
+        'not in this build', for the README."""
         if not module_present(module):
             return "not in this build"
         if not self.wired:
-            return "compiled, not wired"
+            return "compiled, not yet run on a GPU"
         if module == hopper.BACKWARD_MODULE and not hopper.BACKWARD_VERIFIED_ON_GPU:
             return "compiled, not yet verified on a GPU"
         return "yes"
@@ -72,9 +72,9 @@ def module_present(module: str) -> bool:
 def _not_wired(family: str, what: str, module: str) -> Callable:
     def run(*args, **kwargs):
         raise UnsupportedError(
-            f"{family} kernels are compiled ({module}, chapters 09-11) but not yet wired to "
-            f"fa4_final's torch entry points: the {what} cannot run on this GPU yet. Supported "
-            f"now: {supported_list()}")
+            f"{family} kernels are compiled ({module}, chapters 09-11) and checked without a "
+            f"GPU, but have never run on one, so fa4_final's torch entry points do not use them "
+            f"yet: the {what} cannot run on this GPU. Supported now: {supported_list()}")
 
     return run
 

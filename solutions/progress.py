@@ -38,6 +38,8 @@ def _ratio(row: dict, peer: dict) -> str:
 
 def headline(version) -> str:
     if version.results is None:
+        if version.needs == "sm_100":
+            return "compiled for sm_100a and checked without a GPU; never run (no B200 here)"
         return "runs on CPU (not benchmarked)"
     try:
         res = results.load(version.results, gpu="h200")
