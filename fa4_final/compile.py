@@ -46,6 +46,22 @@ def fake_tensor(dtype, shape, divisibility: int = 1, leading_dim: int | None = -
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
+def fake_attention_tensors(dtype, head_dim: int) -> tuple:
+    """Fake (q, k, v, out, lse) of an attention call: symbolic batch, lengths and heads
+    (b, s_q, h, D) for q and out, (b, s_k, h_kv, D) for k and v, strides of 16-byte multiples
+    (TMA), lse float32 (b, h, s_q). Every kernel's fake arguments start from these."""
+    from cutlass import Float32
+
+    div = 128 // dtype.width  # 16-byte strides, in elements
+    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+    q = fake_tensor(dtype, (b, sq, h, head_dim), divisibility=div)
+    k = fake_tensor(dtype, (b, sk, hk, head_dim), divisibility=div)
+    v = fake_tensor(dtype, (b, sk, hk, head_dim), divisibility=div)
+    out = fake_tensor(dtype, (b, sq, h, head_dim), divisibility=div)
+    lse = fake_tensor(Float32, (b, h, sq), divisibility=1)
+    return q, k, v, out, lse
+
+
 def fake_stream():
     """The stream argument of a TVM-FFI kernel: at run time the caller's current stream."""
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

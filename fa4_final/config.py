@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fa4_final.constants import SM90_REGISTERS, SM90_SMEM_BYTES, THREADS_PER_WARPGROUP, WGMMA_M
-from fa4_final.fast_math import emulated_count
-from fa4_final.softmax import EMULATION_PERIOD, MAX_RESCALE_THRESHOLD
+from fa4_final.softmax import check_softmax_knobs
 
 HEAD_DIMS = (64, 128)
 O_RESCALE_PLACES = ("end", "early", "next_pv")
@@ -89,18 +88,7 @@ class HopperFwdConfig:
             raise ValueError(f"o_rescale must be one of {O_RESCALE_PLACES}, got {self.o_rescale!r}")
         if self.pingpong and self.num_consumer_wgs < 2:
             raise ValueError("pingpong needs at least 2 consumer warpgroups to take turns")
-        try:
-            emulated_count(self.exp2_emulation_fraction, EMULATION_PERIOD)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"exp2_emulation_fraction: {exc}") from None
-        tau = self.rescale_threshold
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)):
-            raise TypeError(f"rescale_threshold must be a number, got {tau!r}")
-        if not 0.0 <= tau <= MAX_RESCALE_THRESHOLD:
-            raise ValueError(
-                f"rescale_threshold must be in [0, {MAX_RESCALE_THRESHOLD}] (log2 units; 0 = "
-                f"always rescale), got {tau!r}: a stale max lets p reach 2^tau, and P must stay "
-                f"below fp16's largest value 65504 = 2^15.9998")
+        check_softmax_knobs(self.exp2_emulation_fraction, self.rescale_threshold)
 
 
 def hopper_fwd_default(head_dim: int, causal: bool = False) -> HopperFwdConfig:

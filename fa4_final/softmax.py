@@ -38,6 +38,26 @@ EMULATION_DEGREE = 3  # relative error 8.6e-5, 45 times below bf16's rounding of
 MAX_RESCALE_THRESHOLD = 15.99
 
 
+def check_softmax_knobs(exp2_emulation_fraction, rescale_threshold) -> None:
+    """The two softmax knobs of chapters 06-07, for every kernel's config: TypeError /
+    ValueError naming the knob and what it accepts."""
+    from fa4_final.fast_math import emulated_count
+
+    try:
+        emulated_count(exp2_emulation_fraction, EMULATION_PERIOD)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"exp2_emulation_fraction (chapter 06): {exc}") from None
+    tau = rescale_threshold
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+        raise TypeError(f"rescale_threshold (chapter 07) must be a number, got {tau!r}")
+    if not 0.0 <= tau <= MAX_RESCALE_THRESHOLD:
+        raise ValueError(
+            f"rescale_threshold (chapter 07) must be in [0, {MAX_RESCALE_THRESHOLD}] (log2 "
+            f"units; 0 = always "
+            f"rescale), got {tau!r}: a stale max lets p reach 2^tau, and P must stay below "
+            f"fp16's largest value 65504 = 2^15.9998")
+
+
 class OnlineSoftmax:
     """Running row max and row sum of this thread's rows.
 

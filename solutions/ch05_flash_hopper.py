@@ -58,7 +58,6 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa4_final.constants import LOG2_E
-from fa4_final.fast_math import emulated_count
 from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
 from fa4_final.hopper.wgmma import (
     attention_tiled_mmas,
@@ -67,7 +66,7 @@ from fa4_final.hopper.wgmma import (
     smem_tile_layout,
 )
 from fa4_final.mask import apply_mask, fragment_coords
-from fa4_final.softmax import EMULATION_PERIOD, MAX_RESCALE_THRESHOLD, OnlineSoftmax
+from fa4_final.softmax import MAX_RESCALE_THRESHOLD, OnlineSoftmax, check_softmax_knobs  # noqa: F401  (re-exported for ch07 and tests)
 from fa4_final.tiles import TileWindow, kv_tile_range
 from fa4_final.tiles import visible_cols as window_visible_cols
 from utils import checks
@@ -191,19 +190,8 @@ def check_config(head_dim: int, cfg: HopperConfig) -> None:
             f"{cfg.num_stages} x (K + V) {cfg.tile_n}x{head_dim}, bf16), more than the "
             f"{SMEM_BYTES_PER_CTA} B a CTA may use; at most {max_stages(head_dim, cfg)} stages fit"
         )
-    try:  # k of every EMULATION_PERIOD elements: ValueError / TypeError saying what is accepted
-        emulated_count(cfg.exp2_emulation_fraction, EMULATION_PERIOD)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"exp2_emulation_fraction (chapter 06): {exc}") from None
-    tau = cfg.rescale_threshold
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
-        raise TypeError(f"rescale_threshold (chapter 07) must be a number, got {tau!r}")
-    if not 0.0 <= tau <= MAX_RESCALE_THRESHOLD:
-        raise ValueError(
-            f"rescale_threshold (chapter 07) must be in [0, {MAX_RESCALE_THRESHOLD}] (log2 units; "
-            f"0 = always rescale), got {tau!r}: a stale max lets p reach 2^tau, and P must stay "
-            f"below fp16's largest value 65504 = 2^15.9998"
-        )
+    # chapters 06 and 07: the share of exponentials on the FMA units, the rescale threshold
+    check_softmax_knobs(cfg.exp2_emulation_fraction, cfg.rescale_threshold)
 
 
 def _assume_16b_strides(t: cute.Tensor) -> cute.Tensor:

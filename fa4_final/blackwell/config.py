@@ -12,8 +12,7 @@ from dataclasses import dataclass, replace
 
 from fa4_final.blackwell.tmem import TMEM_LANES, forward_plan
 from fa4_final.constants import SM100_SMEM_BYTES
-from fa4_final.fast_math import emulated_count
-from fa4_final.softmax import EMULATION_PERIOD, MAX_RESCALE_THRESHOLD
+from fa4_final.softmax import check_softmax_knobs
 
 HEAD_DIMS = (64, 128)
 TILE_M = TMEM_LANES  # rows of one Q tile: one per TMEM lane, one per softmax thread
@@ -120,16 +119,7 @@ class BlackwellFwdConfig:
         if need > SM100_SMEM_BYTES:
             raise ValueError(f"config needs {need} B of shared memory, more than the "
                              f"{SM100_SMEM_BYTES} B a CTA may use: fewer kv_stages")
-        try:
-            emulated_count(self.exp2_emulation_fraction, EMULATION_PERIOD)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"exp2_emulation_fraction: {exc}") from None
-        tau = self.rescale_threshold
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)):
-            raise TypeError(f"rescale_threshold must be a number, got {tau!r}")
-        if not 0.0 <= tau <= MAX_RESCALE_THRESHOLD:
-            raise ValueError(f"rescale_threshold must be in [0, {MAX_RESCALE_THRESHOLD}], got "
-                             f"{tau!r} (fp16 P must stay below 2^16)")
+        check_softmax_knobs(self.exp2_emulation_fraction, self.rescale_threshold)
         return self
 
 

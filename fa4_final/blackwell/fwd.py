@@ -996,17 +996,10 @@ def fake_forward_args(dtype_name: str, head_dim: int) -> tuple:
     """Fake arguments in the runtime order (q, k, v, out, lse, softmax_scale, window_left,
     window_right, l2_group, max_ctas, stream): symbolic batch, lengths and heads, strides of
     16-byte multiples (TMA), lse float32 (batch, heads, seqlen_q)."""
-    from fa4_final.compile import fake_stream, fake_tensor
+    from fa4_final.compile import fake_attention_tensors, fake_stream
     from fa4_final.constants import CUTLASS_BY_NAME
 
-    dt = CUTLASS_BY_NAME[dtype_name]
-    div = 128 // dt.width
-    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
-    q = fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)
-    k = fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)
-    v = fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)
-    o = fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)
-    lse = fake_tensor(Float32, (b, h, sq), divisibility=1)
+    q, k, v, o, lse = fake_attention_tensors(CUTLASS_BY_NAME[dtype_name], head_dim)
     return (q, k, v, o, lse, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
             fake_stream())
 

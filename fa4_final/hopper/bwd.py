@@ -49,6 +49,7 @@ from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range
 from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
 from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
 from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
+from fa4_final.hopper.wgmma import issue_wgmma
 from fa4_final.mask import fragment_coords
 from fa4_final.tiles import TileWindow
 
@@ -502,17 +503,9 @@ class HopperBackward:
         if lane == 0:  # shared memory must outlive the last add's reads of it
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-    @cute.jit
-    def wgmma(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor,
-              tB: cute.Tensor, accumulate):
-        """Issue acc (+)= A B over the K blocks as one async group; the caller waits on it."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
+    def wgmma(self, tiled_mma, acc, tA, tB, accumulate):
+        """Issue acc (+)= A B as one async group (fa4_final.hopper.wgmma.issue_wgmma)."""
+        issue_wgmma(tiled_mma, acc, tA, tB, accumulate)
 
     @cute.jit
     def mma(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk, tma_atom_dv,

@@ -14,7 +14,13 @@ import os
 
 import torch
 
-from fa4_final.compile import cached, compile_kernel, fake_stream, fake_tensor
+from fa4_final.compile import (
+    cached,
+    compile_kernel,
+    fake_attention_tensors,
+    fake_stream,
+    fake_tensor,
+)
 from fa4_final.config import HopperFwdConfig, hopper_fwd_default
 from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES
 from fa4_final.errors import UnsupportedError
@@ -46,19 +52,11 @@ def _fwd_kernel(dtype_name: str, head_dim: int, causal: bool, has_left: bool, ha
 
 def _fwd_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig):
     import cutlass
-    import cutlass.cute as cute
     from cutlass import Float32, Int32
 
     from fa4_final.timeline import MARKS, MAX_STEPS
 
-    dt = CUTLASS_BY_NAME[dtype_name]
-    div = 128 // dt.width  # 16-byte strides (TMA), in elements
-    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
-    q = fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)
-    k = fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)
-    v = fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)
-    o = fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)
-    lse = fake_tensor(Float32, (b, h, sq), divisibility=1)
+    q, k, v, o, lse = fake_attention_tensors(CUTLASS_BY_NAME[dtype_name], head_dim)
     timeline = fake_tensor(cutlass.Int64, (1 + cfg.num_consumer_wgs, MAX_STEPS, MARKS))
     return (q, k, v, o, lse, timeline, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
             fake_stream())
