@@ -154,6 +154,22 @@ def poisoned_empty(*shape, dtype, device) -> torch.Tensor:
 LSE_ATOL = 1e-3  # a kernel's lse (float32 scores) vs float64, where a row sees keys
 HANG_DEADLINE_S = 120.0
 
+# Shapes every forward kernel's GPU test runs: one row, lengths that are no multiple of a tile,
+# both orders of seqlen_q and seqlen_k under the bottom-right causal diagonal, GQA and MQA.
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype)
+AWKWARD_CASES = [
+    (1, 1, 1, 1, 1, 128, False, torch.bfloat16),
+    (2, 17, 17, 2, 1, 64, True, torch.float16),
+    (1, 129, 129, 4, 4, 128, True, torch.bfloat16),
+    (1, 1000, 1000, 2, 1, 64, False, torch.bfloat16),
+    (1, 4097, 4097, 1, 1, 128, True, torch.float16),
+    (1, 100, 1000, 2, 2, 128, True, torch.bfloat16),  # seqlen_q < seqlen_k: bottom-right diagonal
+    (1, 1000, 100, 2, 2, 128, True, torch.bfloat16),  # seqlen_q > seqlen_k: 900 rows see no key
+    (1, 1000, 100, 2, 2, 64, False, torch.float16),
+    (3, 257, 513, 8, 2, 128, False, torch.bfloat16),  # GQA, 4 query heads per kv head
+    (2, 300, 77, 6, 1, 128, True, torch.bfloat16),  # MQA
+]
+
 
 def wait_for_gpu(what: str, deadline_s: float = HANG_DEADLINE_S) -> None:
     """torch.cuda.synchronize() with a deadline: a kernel stuck at a barrier would otherwise

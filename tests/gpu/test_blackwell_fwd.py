@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fa4_final.blackwell.config import BlackwellFwdConfig, blackwell_fwd_default
-from utils.checks import poison_, tolerance_check
+from utils.checks import AWKWARD_CASES, poison_, tolerance_check
 from utils.hardware import missing
 from utils.reference import attention_reference, random_qkv
 
@@ -92,18 +92,7 @@ def check_case(batch, sq, sk, heads, heads_kv, dim, causal, dtype, config=None,
     return ok, line
 
 
-# (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype)
-CASES = [
-    (1, 1, 1, 1, 1, 128, False, BF16),
-    (2, 17, 17, 2, 1, 64, True, FP16),
-    (1, 129, 129, 4, 4, 128, True, BF16),
-    (1, 1000, 1000, 2, 1, 64, False, BF16),
-    (1, 4097, 4097, 1, 1, 128, True, FP16),
-    (1, 100, 1000, 2, 2, 128, True, BF16),  # seqlen_q < seqlen_k: bottom-right diagonal
-    (1, 1000, 100, 2, 2, 128, True, BF16),  # seqlen_q > seqlen_k: 900 rows see no key
-    (1, 1000, 100, 2, 2, 64, False, FP16),
-    (3, 257, 513, 8, 2, 128, False, BF16),  # GQA, 4 query heads per kv head
-    (2, 300, 77, 6, 1, 128, True, BF16),  # MQA
+CASES = AWKWARD_CASES + [
     (1, 600, 600, 3, 3, 64, True, BF16),
 ]
 
