@@ -1,4 +1,5 @@
-"""Views of tensor-core register fragments (mma.sync on sm_80, wgmma on sm_90); no data moves.
+"""Views of tensors: a global tensor with its modes reordered, and tensor-core register
+fragments (mma.sync on sm_80, wgmma on sm_90). No data moves.
 
 Both MMA families give a thread two rows of each 16-row band (r and r + 8) and two adjacent
 columns of every 8, so the 4 lanes of a quad share their rows and a row reduction is a local one
@@ -12,6 +13,11 @@ followed by two butterfly shuffles inside the quad (THREADS_PER_ROW).
 import cutlass.cute as cute
 
 THREADS_PER_ROW = 4  # lanes 4i .. 4i+3 of a warp hold the same accumulator rows
+
+
+def select_modes(t: cute.Tensor, modes: list) -> cute.Tensor:
+    """Reorder a tensor's modes (a view; no data moves)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 def acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:

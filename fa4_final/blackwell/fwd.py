@@ -51,6 +51,7 @@ from fa4_final.blackwell.config import Q_STAGES, THREADS, TILE_M, BlackwellFwdCo
 from fa4_final.blackwell.softmax import RowSoftmax
 from fa4_final.blackwell.tmem import lane_quarter
 from fa4_final.constants import LOG2_E, WARP_SIZE
+from fa4_final.fragments import select_modes
 from fa4_final.mask import apply_mask_row
 from fa4_final.scheduler import rounds, tile_coords, zigzag_tile
 from fa4_final.tiles import TileWindow, kv_tile_range
@@ -200,10 +201,9 @@ class BlackwellForward:
             raise TypeError("lse must be float32")
         d, n = self.head_dim, self.tile_n
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; V^T is (d, s, h, b)
-        mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-                          for t in (mQ, mK, mV, mO)]
-        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 0, 2, 3]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mVt = select_modes(mV, [1, 0, 2, 3])
+        mLSE = select_modes(mLSE, [2, 1, 0])
 
         mma_qk, mma_pv = self._mmas()
         tiler_qk, tiler_pv = (self.mma_m, n, d), (self.mma_m, d, n)

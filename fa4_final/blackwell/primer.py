@@ -36,6 +36,7 @@ from cutlass.pipeline import NamedBarrier
 
 from fa4_final.blackwell.tmem import forward_plan
 from fa4_final.constants import LN_2, LOG2_E, WARP_SIZE
+from fa4_final.fragments import select_modes
 
 TILE = 128  # query rows = keys = TMEM lanes = threads of the softmax warpgroup
 MMA_WARP = 4  # the warp after the softmax warpgroup
@@ -76,7 +77,7 @@ class OneTileAttention:
         sV_layout = sm100_utils.make_smem_layout_b(mma_pv, tiler_pv, self.dtype, 1)
         tP_layout = sm100_utils.make_smem_layout_a(mma_pv, tiler_pv, self.dtype, 1)
         # V^T: (D, keys), so that the P V MMA's B operand (N = D, K = keys) is a plain tile
-        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 0]))
+        mVt = select_modes(mV, [1, 0])
         load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
         one = cute.make_layout((1, 1, 1, 1))
         tma_q, gQ = cute.nvgpu.make_tiled_tma_atom_A(

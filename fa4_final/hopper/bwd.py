@@ -48,7 +48,7 @@ from fa4_final.atomics import bulk_add_f32, pass_turn, wait_turn
 from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range
 from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
 from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
-from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
+from fa4_final.fragments import acc_as_a_operand, acc_rows_cols, select_modes
 from fa4_final.hopper.wgmma import issue_wgmma
 from fa4_final.mask import fragment_coords
 from fa4_final.tiles import TileWindow
@@ -84,11 +84,6 @@ def _convert(src: cute.Tensor, dst: cute.Tensor):
     dst_pairs = cute.recast_tensor(dst, Int32)
     for i in cutlass.range_constexpr(cute.size(dst_pairs)):
         dst_pairs[i] = _pack2(src[2 * i], src[2 * i + 1], dst.element_type)
-
-
-def _select(t: cute.Tensor, modes: list) -> cute.Tensor:
-    """Reorder a tensor's modes (a view; no data moves)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 def _transpose(t: cute.Tensor) -> cute.Tensor:
@@ -231,9 +226,9 @@ class HopperBackward:
                            == Float32)):
             raise TypeError("lse_log2, delta and the dQ accumulator must be float32")
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
-        mQ, mK, mV, mdO, mdK, mdV = [_select(t, [1, 3, 2, 0])
+        mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0])
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mLSE2, mDelta, mdQaccum, mTurn = [_select(t, [2, 1, 0])
+        mLSE2, mDelta, mdQaccum, mTurn = [select_modes(t, [2, 1, 0])
                                           for t in (mLSE2, mDelta, mdQaccum, mTurn)]
         D, stages = self.head_dim, self.cfg.stages_q
         sQ_layout = self._smem_layout(self.tile_m, D, stages)  # also dO's

@@ -37,11 +37,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa4_final.config import HopperFwdConfig
 from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
-from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
+from fa4_final.fragments import acc_as_a_operand, acc_rows_cols, select_modes
 from fa4_final.hopper.wgmma import (
     attention_tiled_mmas,
     issue_wgmma,
-    select_modes,
     smem_tile_layout,
 )
 from fa4_final.mask import apply_mask, fragment_coords

@@ -12,11 +12,6 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4_final.constants import WGMMA_M
 
 
-def select_modes(t: cute.Tensor, modes: list) -> cute.Tensor:
-    """Reorder a tensor's modes (a view; no data moves)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
-
-
 def smem_tile_layout(dtype, head_dim: int, rows: int, stages: int | None = None):
     """128 B-swizzled K-major layout of a (rows, head_dim) tile (or a ring of ``stages`` of
     them): rows of D contiguous elements, what TMA writes and wgmma reads without bank
