@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from utils.bench import attention_flops
-from utils.reference import attention_reference, check_attention_inputs, random_qkv
+from utils.reference import attention_reference, check_attention_inputs, positive_int, random_qkv
 
 # ---------------------------------------------------------------------------------------------
 # 1. The version itself
@@ -234,8 +234,7 @@ def predict_peak_bytes(b, h, s_q, s_k, d, dtype=torch.bfloat16, causal=False,
     copy) while the float32 scores are cast back to the inputs' dtype.
     """
     for name, val in (("b", b), ("h", h), ("s_q", s_q), ("s_k", s_k), ("d", d)):
-        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        positive_int(name, val)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     hk = h if heads_kv is None else heads_kv

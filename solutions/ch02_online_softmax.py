@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from utils.reference import attention_reference, check_attention_inputs, random_qkv
+from utils.reference import attention_reference, check_attention_inputs, positive_int, random_qkv
 
 LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E)
 LN2 = math.log(2.0)  # log(x) = log2(x) * LN2
@@ -62,8 +62,7 @@ def online_softmax_stats(x: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor
     When a tile raises the max from m_old to m_new, the sum so far was taken relative to m_old:
     multiplying it by exp(m_old - m_new) moves it to m_new.
     """
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
-        raise ValueError(f"tile must be a positive integer, got {tile!r}")
+    positive_int("tile", tile)
     m = torch.full(x.shape[:-1], NEG_INF, dtype=x.dtype, device=x.device)
     l = torch.zeros_like(m)
     for start in range(0, x.shape[-1], tile):
@@ -164,9 +163,7 @@ def count_tiles(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int,
 
 def _prepare(q, k, v, softmax_scale, tile_m, tile_n):
     b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
-    for name, t in (("tile_m", tile_m), ("tile_n", tile_n)):
-        if isinstance(t, bool) or not isinstance(t, int) or t <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {t!r}")
+    positive_int("tile_m", tile_m), positive_int("tile_n", tile_n)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     acc = torch.promote_types(q.dtype, torch.float32)
 

@@ -75,7 +75,7 @@ import torch
 from solutions.ch02_online_softmax import LN2 as LN_2
 from solutions.ch02_online_softmax import LOG2E as LOG2_E
 from solutions.ch02_online_softmax import lse_from_state
-from utils.reference import check_attention_inputs
+from utils.reference import check_attention_inputs, positive_int
 
 FA4_RESCALE_THRESHOLD = 8.0  # log2(256): FA4's value for 16-bit inputs
 KV_ORDERS = ("reverse", "forward")
@@ -105,15 +105,9 @@ def _check_choice(name: str, value, options) -> None:
         raise ValueError(f"{name} must be one of {options}, got {value!r}")
 
 
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def _check_group(group_rows, group_rule) -> None:
     if group_rows is not None:
-        _check_positive_int("group_rows", group_rows)
+        positive_int("group_rows", group_rows)
     _check_choice("group_rule", group_rule, GROUP_RULES)
 
 
@@ -344,7 +338,7 @@ def attention_with_stats(q, k, v, causal=False, softmax_scale=None, *, rescale_t
     """
     b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
     tau = _check_tau(rescale_threshold, allow_none=True)
-    _check_positive_int("tile_n", tile_n)
+    positive_int("tile_n", tile_n)
     _check_choice("kv_order", kv_order, KV_ORDERS)
     _check_group(group_rows, group_rule)
     scale_log2 = (d**-0.5 if softmax_scale is None else float(softmax_scale)) * LOG2_E
@@ -383,7 +377,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, rescale_threshold=FA4_R
 def largest_safe_threshold(p_dtype: torch.dtype, seqlen_k: int) -> float:
     """Largest tau for which p <= 2^tau stays finite in ``p_dtype`` and l <= N 2^tau stays
     finite in float32 (strictly below both; FA4 asserts the first one)."""
-    _check_positive_int("seqlen_k", seqlen_k)
+    positive_int("seqlen_k", seqlen_k)
     if p_dtype not in (*_SIXTEEN_BIT, torch.float32):
         raise TypeError(f"p_dtype must be float16, bfloat16 or float32, got {p_dtype}")
     p_max = math.log2(torch.finfo(p_dtype).max)
@@ -423,10 +417,10 @@ def adversarial_qkv(seqlen_k: int, tile_n: int = 128, tau: float = FA4_RESCALE_T
     256 (hence the tile limit) and the products exact in float32. The other keys score about
     N(0, 1) nats, and the first leader sits >= 12 nats above 0, so no ordinary key leads a tile.
     """
-    _check_positive_int("seqlen_k", seqlen_k)
-    _check_positive_int("tile_n", tile_n)
-    _check_positive_int("seqlen_q", seqlen_q)
-    _check_positive_int("dim", dim)
+    positive_int("seqlen_k", seqlen_k)
+    positive_int("tile_n", tile_n)
+    positive_int("seqlen_q", seqlen_q)
+    positive_int("dim", dim)
     tau = _check_tau(tau)
     _check_choice("kv_order", kv_order, KV_ORDERS)
     if dim < 2:
@@ -458,7 +452,7 @@ def late_spike_qkv(growth_log2: float, seqlen_k: int = 1024, tile_n: int = 128,
                    dtype=torch.float32, seed: int = 0):
     """Ordinary N(0, 1)-nat scores plus one key, in the LAST tile processed, that beats every
     query's max by about ``growth_log2`` log2 units: the input that shows a too-large tau."""
-    _check_positive_int("seqlen_k", seqlen_k)
+    positive_int("seqlen_k", seqlen_k)
     if seqlen_k <= tile_n:
         raise ValueError(f"seqlen_k ({seqlen_k}) must exceed tile_n ({tile_n}): two tiles at least")
     scale = dim**-0.5
@@ -492,7 +486,7 @@ def pattern_qkv(name: str, seqlen_k: int = 16384, seqlen_q: int = 128, heads: in
     _check_choice("pattern", name, PATTERNS)
     for nm, val in (("seqlen_k", seqlen_k), ("seqlen_q", seqlen_q), ("heads", heads),
                     ("dim", dim)):
-        _check_positive_int(nm, val)
+        positive_int(nm, val)
     if name == "adversarial":
         qkv = [adversarial_qkv(seqlen_k, tile_n, tau, kv_order, seqlen_q, dim, seed=seed + i)
                for i in range(heads)]
@@ -521,7 +515,7 @@ def tile_maxima(q, k, causal=False, softmax_scale=None, tile_n=128, kv_order="re
     """(batch, heads, seqlen_q, n_tiles) float32: each tile's max score per row, log2 units,
     tiles in processing order, -inf where a tile has no visible key for the row."""
     b, sq, sk, h, hk, d = check_attention_inputs(q, k, k, softmax_scale)
-    _check_positive_int("tile_n", tile_n)
+    positive_int("tile_n", tile_n)
     _check_choice("kv_order", kv_order, KV_ORDERS)
     scale_log2 = (d**-0.5 if softmax_scale is None else float(softmax_scale)) * LOG2_E
     s = torch.matmul(_heads_first(q, h), _heads_first(k, h).transpose(-1, -2)) * scale_log2

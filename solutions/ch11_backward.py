@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from utils.reference import attention_reference, check_attention_inputs, random_qkv
+from utils.reference import attention_reference, check_attention_inputs, positive_int, random_qkv
 
 LOG2E = math.log2(math.e)
 NEG_INF = float("-inf")
@@ -196,9 +196,7 @@ def attention_backward_tiles(q, k, v, out, lse, dout, causal=False, softmax_scal
     every KV tile adds to. ``step``, ``q_start``, ``delta_fn`` are the loop's pieces (the
     exercises plug in here). ``out`` and ``lse`` are the forward's; outputs in q's dtype."""
     b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
-    for name, t in (("tile_m", tile_m), ("tile_n", tile_n)):
-        if isinstance(t, bool) or not isinstance(t, int) or t <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {t!r}")
+    positive_int("tile_m", tile_m), positive_int("tile_n", tile_n)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     acc = torch.promote_types(q.dtype, torch.float32)
     counts = counts if counts is not None else BackwardCounts()

@@ -16,6 +16,13 @@ import torch
 SUPPORTED_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def positive_int(name: str, value) -> int:
+    """``value`` if it is a positive int (a bool is not one); else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 def check_attention_inputs(q, k, v, softmax_scale=None) -> tuple[int, int, int, int, int, int]:
     """Validate shapes and dtypes; return (batch, seqlen_q, seqlen_k, heads, heads_kv, dim).
 

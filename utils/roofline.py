@@ -75,6 +75,7 @@ import math
 from dataclasses import dataclass
 
 from utils.hardware import PER_SM
+from utils.reference import positive_int
 
 UNITS = ("mma", "exp", "smem")
 UNIT_LABELS = {"mma": "tensor cores (MMA)", "exp": "exp unit (MUFU)", "smem": "shared memory"}
@@ -217,12 +218,6 @@ def resolve_gpu(arch: str) -> str:
     raise ValueError(f"unknown arch {arch!r}; accepted: {sorted(GPUS)} or {sorted(_ALIASES)}")
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def tile_cycles(arch: str = "B200", pass_: str = "fwd", m: int = 128, n: int = 128,
                 d: int = 128, ctas: int = 1, elem_bytes: int = 2) -> TileCycles:
     """Cycles per unit for one tile on one SM.
@@ -233,7 +228,7 @@ def tile_cycles(arch: str = "B200", pass_: str = "fwd", m: int = 128, n: int = 1
     gpu = resolve_gpu(arch)
     if pass_ not in PASSES:
         raise ValueError(f"pass_ must be one of {PASSES}, got {pass_!r}")
-    m, n, d = (_positive_int(k, v) for k, v in (("m", m), ("n", n), ("d", d)))
+    m, n, d = (positive_int(k, v) for k, v in (("m", m), ("n", n), ("d", d)))
     if ctas not in (1, 2):
         raise ValueError(f"ctas must be 1 or 2 (2-CTA MMA), got {ctas!r}")
     sm = GPUS[gpu]
