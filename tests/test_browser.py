@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.notebook_cells import notebook
 from utils import browser
 from utils import notebooks as nbm
 from utils.hardware import detect
@@ -56,17 +57,7 @@ def chromium():
 # ----------------------------------------------------------------------------------------------
 # Two notebooks that test the judge: what must not count as an error, and what must.
 
-def _notebook(*cells) -> dict:
-    out = []
-    for kind, src, *tags in cells:
-        cell = {"cell_type": kind, "metadata": {"tags": tags} if tags else {}, "source": src}
-        if kind == "code":
-            cell.update(outputs=[], execution_count=None)
-        out.append(cell)
-    return nbm.clean_notebook({"cells": out})
-
-
-CALM = _notebook(
+CALM = notebook(
     ("markdown", "# Not an error\nAn unsolved exercise, a warning, a figure, a GPU cell."),
     ("code", "%load_ext utils.notebook"),
     ("code", "from utils.exercises import exercise\n\n\ndef check(fn):\n    assert fn(2) == 4\n\n\n"
@@ -76,7 +67,7 @@ CALM = _notebook(
     ("code", "import matplotlib.pyplot as plt\nplt.plot([0, 1], [1, 0])\nplt.show()"),
     ("code", "%%gpu sm_90\nprint('on a Hopper GPU')", "gpu"),
 )
-RAISES = _notebook(
+RAISES = notebook(
     ("markdown", "# An error"),
     ("code", "x = 1"),
     ("code", "x / 0"),

@@ -1,17 +1,7 @@
 """The browser test's verdict on a notebook page, on pages described by hand (no browser)."""
 
+from tests.notebook_cells import notebook
 from utils import browser
-from utils import notebooks as nbm
-
-
-def nb(*cells) -> dict:
-    out = []
-    for kind, src, *tags in cells:
-        cell = {"cell_type": kind, "metadata": {"tags": tags} if tags else {}, "source": src}
-        if kind == "code":
-            cell.update(outputs=[], execution_count=None)
-        out.append(cell)
-    return nbm.clean_notebook({"cells": out})
 
 
 def shown(prompt="[1]:", *outputs, kind="code") -> dict:
@@ -35,13 +25,13 @@ def run_of(notebook, *cells) -> browser.NotebookRun:
 
 
 def test_a_clean_page_has_no_problems():
-    book = nb(("markdown", "# t"), ("code", "x = 1"), ("code", "print(x)"))
+    book = notebook(("markdown", "# t"), ("code", "x = 1"), ("code", "print(x)"))
     run = run_of(book, shown("", kind="markdown"), shown("[1]:"), shown("[2]:", out(text="1")))
     assert run.problems() == []
 
 
 def test_not_done_exercises_and_warnings_are_not_errors():
-    book = nb(("code", "@exercise('02.1', check=c, reference=r)\ndef f(): ..."),
+    book = notebook(("code", "@exercise('02.1', check=c, reference=r)\ndef f(): ..."),
               ("code", "warnings.warn('careful')"))
     run = run_of(
         book,
@@ -55,7 +45,7 @@ def test_not_done_exercises_and_warnings_are_not_errors():
 
 
 def test_a_traceback_and_the_cells_it_stopped_are_problems():
-    book = nb(("code", "x = 1"), ("code", "x / 0"), ("code", "print('after')"))
+    book = notebook(("code", "x = 1"), ("code", "x / 0"), ("code", "print('after')"))
     run = run_of(book, shown("[1]:"), shown("[2]:", out(STDERR, TRACE)), shown("[ ]:"))
     problems = run.problems()
     assert problems[0].startswith("cell 1 shows an error") and "ZeroDivisionError" in problems[0]
@@ -63,13 +53,13 @@ def test_a_traceback_and_the_cells_it_stopped_are_problems():
 
 
 def test_a_syntax_error_without_traceback_header_is_a_problem():
-    book = nb(("code", "1 +"))
+    book = notebook(("code", "1 +"))
     text = "  Cell In[1], line 1\n    1 +\n       ^\nSyntaxError: invalid syntax\n"
     assert run_of(book, shown("[1]:", out(STDERR, text))).problems()
 
 
 def test_figures_must_load_and_must_exist_where_the_notebook_plots():
-    book = nb(("code", "import matplotlib.pyplot as plt\nplt.plot([1, 2])"))
+    book = notebook(("code", "import matplotlib.pyplot as plt\nplt.plot([1, 2])"))
     ok = run_of(book, shown("[1]:", out("image/png", images=[PNG_OK])))
     assert ok.problems() == [] and len(ok.figures()) == 1
     broken = run_of(book, shown("[1]:", out("image/png", images=[PNG_BROKEN])))
@@ -82,7 +72,7 @@ def test_figures_must_load_and_must_exist_where_the_notebook_plots():
 
 
 def test_gpu_cells_must_say_they_were_skipped_on_a_cpu():
-    book = nb(("code", "%%gpu sm_90\nrun()", "gpu"))
+    book = notebook(("code", "%%gpu sm_90\nrun()", "gpu"))
     note = "[skipped] This cell needs a Hopper GPU (sm_90: H100/H200); this machine has no GPU."
     assert run_of(book, shown("[1]:", out(text=note))).problems() == []
     silent = run_of(book, shown("[1]:"))
@@ -91,20 +81,20 @@ def test_gpu_cells_must_say_they_were_skipped_on_a_cpu():
 
 
 def test_a_widget_that_fails_to_display_is_a_problem():
-    book = nb(("code", "explorer()"))
+    book = notebook(("code", "explorer()"))
     run = run_of(book, shown("[1]:", out("text/plain", "Error displaying widget: model not found")))
     assert run.problems() == ["cell 0: a widget did not display: "
                               "'Error displaying widget: model not found'"]
 
 
 def test_a_page_that_lost_cells_is_a_problem():
-    book = nb(("code", "x = 1"), ("code", "y = 2"))
+    book = notebook(("code", "x = 1"), ("code", "y = 2"))
     assert "the page shows 1 cells" in run_of(book, shown("[1]:")).problems()[0]
 
 
 def test_expects_figures_ignores_gpu_cells():
-    assert not browser.expects_figures(nb(("code", "%%gpu sm_90\nplt.plot([1])", "gpu")))
-    assert browser.expects_figures(nb(("code", "fig = plots.roofline(rows)")))
+    assert not browser.expects_figures(notebook(("code", "%%gpu sm_90\nplt.plot([1])", "gpu")))
+    assert browser.expects_figures(notebook(("code", "fig = plots.roofline(rows)")))
 
 
 def test_chromium_is_looked_up_by_name(monkeypatch, tmp_path):

@@ -19,7 +19,7 @@ from fa4_final.backward import backward_into, check
 from fa4_final.config import HopperBwdConfig, hopper_bwd_default
 from utils.checks import poison_, rounding_atol
 from utils.hardware import missing
-from utils.reference import random_qkv
+from utils.reference import causal_mask, random_qkv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,17 +30,8 @@ BF16, FP16 = torch.bfloat16, torch.float16
 
 
 def _visible(sq, sk, causal, left, right, device):
-    i = torch.arange(sq, device=device)[:, None]
-    j = torch.arange(sk, device=device)[None, :]
-    off = sk - sq
-    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if causal:
-        right = 0
-    if right is not None:
-        ok &= j <= i + off + right
-    if left is not None:
-        ok &= j >= i + off - left
-    return ok
+    """Where query i sees key j: the window, with causal setting its right edge to 0."""
+    return causal_mask(sq, sk, device, window_size=(left, 0 if causal else right))
 
 
 def _attention(q, k, v, visible, scale, dtype):
