@@ -46,43 +46,14 @@ def _run(q, k, v, causal, softmax_scale=None, config=None, window=(None, None)):
     return out, lse
 
 
-def _windowed_reference(q, k, v, left, right, softmax_scale, dtype):
-    """attention_reference with a bottom-right aligned (left, right) window (None: unbounded)."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    scale = d**-0.5 if softmax_scale is None else softmax_scale
-    sm = torch.float64 if dtype == torch.float64 else torch.float32
-    qf, kf, vf = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
-    kf, vf = (t.repeat_interleave(h // hk, dim=1) for t in (kf, vf))
-    s = torch.matmul(qf, kf.transpose(-1, -2)).to(sm) * scale
-    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
-    j = torch.arange(sk, device=q.device)[None, :]
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if left is not None:
-        keep &= j >= i - left
-    if right is not None:
-        keep &= j <= i + right
-    s = s.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m)
-    den = p.sum(dim=-1, keepdim=True)
-    p = p / torch.where(den > 0, den, torch.ones_like(den))
-    return torch.matmul(p.to(dtype), vf).transpose(1, 2).contiguous(), lse
-
-
 def check_case(batch, sq, sk, heads, heads_kv, dim, causal, dtype, config=None,
                softmax_scale=None, window=(None, None), scale=1.0):
     q, k, v, seed = random_qkv(batch, sq, heads, dim, seqlen_k=sk, heads_kv=heads_kv,
                                dtype=dtype, device="cuda", scale=scale)
     out, lse = _run(q, k, v, causal, softmax_scale, config, window)
-    if window == (None, None):
-        ref = attention_reference(q, k, v, causal, softmax_scale, dtype=torch.float64)
-        same = attention_reference(q, k, v, causal, softmax_scale, dtype=dtype)
-    else:
-        ref = _windowed_reference(q, k, v, *window, softmax_scale, torch.float64)
-        same = _windowed_reference(q, k, v, *window, softmax_scale, dtype)
+    ref = attention_reference(q, k, v, causal, softmax_scale, dtype=torch.float64,
+                              window_size=window)
+    same = attention_reference(q, k, v, causal, softmax_scale, dtype=dtype, window_size=window)
     verdicts = [tolerance_check(out, ref[0], same[0], "out"),
                 tolerance_check(lse, ref[1], same[1], "lse", extra_atol=1e-5)]
     ok = all(v.ok for v in verdicts)
