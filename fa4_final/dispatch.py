@@ -50,14 +50,11 @@ class Backend:
         return f"{self.family} ({self.gpus}, {self.arch})"
 
     def state(self, module: str) -> str:
-        """'yes', 'compiled, not yet run on a GPU', 'compiled, not yet verified on a GPU' or
-        'not in this build', for the README."""
+        """'yes', 'compiled, not yet run on a GPU' or 'not in this build', for the README."""
         if not module_present(module):
             return "not in this build"
         if not self.wired:
             return "compiled, not yet run on a GPU"
-        if module == hopper.BACKWARD_MODULE and not hopper.BACKWARD_VERIFIED_ON_GPU:
-            return "compiled, not yet verified on a GPU"
         return "yes"
 
 

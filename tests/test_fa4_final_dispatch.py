@@ -68,25 +68,12 @@ def test_table_states_follow_the_modules_of_the_build(monkeypatch):
     present = {"fa4_final.hopper.fwd", launch.BACKWARD_MODULE, "fa4_final.blackwell.fwd"}
     monkeypatch.setattr(dispatch, "module_present", lambda m: m in present)
     rows = {line.split(" |")[0]: line for line in dispatch.support_table().splitlines()}
-    assert "| yes | compiled, not yet verified on a GPU | 64, 128 |" in rows[
-        "| Hopper (H100, H200)"]
+    assert "| yes | yes | 64, 128 |" in rows["| Hopper (H100, H200)"]
     assert "| compiled, not yet run on a GPU | not in this build | - |" in rows[
         "| Blackwell (B200, GB200)"]
-    monkeypatch.setattr(launch, "BACKWARD_VERIFIED_ON_GPU", True)
+    present.discard(launch.BACKWARD_MODULE)
     rows = {line.split(" |")[0]: line for line in dispatch.support_table().splitlines()}
-    assert "| yes | yes | 64, 128 |" in rows["| Hopper (H100, H200)"]
-
-
-def test_an_unverified_backward_is_refused_unless_asked_for(monkeypatch):
-    from fa4_final.hopper import launch
-
-    monkeypatch.delenv("FA4_FINAL_UNVERIFIED_BACKWARD", raising=False)
-    if launch.BACKWARD_VERIFIED_ON_GPU:
-        pytest.skip("the backward is verified: nothing is refused")
-    with pytest.raises(NotImplementedError, match="not yet been verified on a GPU"):
-        launch.backward_kernel()
-    monkeypatch.setenv("FA4_FINAL_UNVERIFIED_BACKWARD", "1")
-    assert callable(launch.backward_kernel())
+    assert "| yes | not in this build | 64, 128 |" in rows["| Hopper (H100, H200)"]
 
 
 def test_render_needs_the_markers():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 import torch
 
@@ -27,10 +26,6 @@ from fa4_final.errors import UnsupportedError
 
 ARCH = "sm_90a"
 BACKWARD_MODULE = "fa4_final.backward"  # backward_into over fa4_final.hopper.bwd (chapter 11)
-# The backward compiles clean (tests/test_fa4_final_bwd_compile.py) but has not yet run on a GPU:
-# until its GPU tests pass, the torch entry points refuse it rather than risk silently wrong
-# gradients. FA4_FINAL_UNVERIFIED_BACKWARD=1 runs it anyway (its own GPU tests set it).
-BACKWARD_VERIFIED_ON_GPU = False
 L2_BYTES_FOR_KV = 40 * 2**20  # of the H100/H200's 50 MB L2, what K and V may take
 
 # compile_forward's arguments -> the compiled kernel, in front of the cache: a call of the
@@ -160,18 +155,13 @@ def forward_timeline(q, k, v, causal=False, config: HopperFwdConfig | None = Non
 
 
 def backward_kernel():
-    """``fa4_final.backward.backward_into``, or NotImplementedError naming what is missing or
-    not yet verified. An import error inside a present module is not hidden."""
+    """``fa4_final.backward.backward_into``, or NotImplementedError naming what is missing.
+    An import error inside a present module is not hidden."""
     if importlib.util.find_spec(BACKWARD_MODULE) is None:
         raise NotImplementedError(
             f"the Hopper backward is not in this build of fa4_final: {BACKWARD_MODULE} is "
             f"missing (chapter 11). The forward runs; gradients need backward_into(q, k, v, "
             f"out, lse, dout, dq, dk, dv, causal, softmax_scale, window_size, deterministic)")
-    if not BACKWARD_VERIFIED_ON_GPU and os.environ.get("FA4_FINAL_UNVERIFIED_BACKWARD") != "1":
-        raise NotImplementedError(
-            "the Hopper backward (chapter 11) compiles but has not yet been verified on a GPU, "
-            "so fa4_final does not run it for gradients yet; FA4_FINAL_UNVERIFIED_BACKWARD=1 "
-            "runs it anyway (fa4_final.backward.backward_into is also callable directly)")
     fn = getattr(importlib.import_module(BACKWARD_MODULE), "backward_into", None)
     if fn is None:
         raise NotImplementedError(f"{BACKWARD_MODULE} has no backward_into(q, k, v, out, lse, "

@@ -2,11 +2,12 @@
 # One visit to the H200: run the named steps in order, each under a time limit, logging to $OUT.
 #   bash tests/gpu/h200_session.sh env tests peers ch04 ch05 micro sanitize notebooks
 #   (fa4_final, chapter 08: fa4-check fa4-bench fa4-knobs fa4-timeline; SANITIZE=ch08_checks)
-#   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests; the backward is not yet verified on a
-#    GPU, so these set FA4_FINAL_UNVERIFIED_BACKWARD=1)
+#   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests)
 #   (profiles: ch04-profile, ch05-profile; each keeps ncu's CSV exports under $OUT/<name>_raw)
 # (ch04-peers also needs CUTLASS_FA2_EXAMPLE: the path of CUTLASS's Ampere FA2 example)
 # Results files written under results/ are sent back as $OUT/results.tar; logs as $OUT/logs.tar.gz.
+# DEADLINE=<epoch seconds> shortens the last steps so that none runs past it (the logs of a
+# command cut short stay under $OUT/logs).
 # Needs the CuTe DSL staged and sourced (/tmp/dsl_env.sh) and COURSE_COMMIT set by the caller.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"
@@ -18,6 +19,11 @@ status=0
 step() {  # step NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
+  if [ -n "${DEADLINE:-}" ]; then  # DEADLINE (epoch seconds): no step runs past it
+    local left=$((DEADLINE - $(date +%s)))
+    [ $left -lt $limit ] && limit=$left
+    if [ $limit -lt 20 ]; then echo "=== $name: skipped, DEADLINE reached"; status=1; return; fi
+  fi
   echo "=== $name (limit ${limit}s): $*"
   timeout --signal=KILL "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
   local rc=$?
@@ -42,10 +48,10 @@ for s in "$@"; do
     ch05-profile) step ch05_profile 300 $PY -m solutions.ch05_profile --raw-dir "$OUT/ch05_profile_raw" ;;
     ch07) step ch07_rescale 300 $PY -m solutions.ch07_rescaling --save ;;
     fa4-check) step fa4_check 420 $PY -m solutions.ch08_checks ;;
-    bwd-check) step bwd_check 300 env FA4_FINAL_UNVERIFIED_BACKWARD=1 $PY -m fa4_final.backward --check --small ;;
-    bwd-tests) step bwd_tests 900 env FA4_FINAL_UNVERIFIED_BACKWARD=1 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
-    bwd-bench) step bwd_bench 900 env FA4_FINAL_UNVERIFIED_BACKWARD=1 $PY -m solutions.ch11_bench ;;
-    api-tests) step api_tests 900 env FA4_FINAL_UNVERIFIED_BACKWARD=1 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
+    bwd-check) step bwd_check 300 $PY -m fa4_final.backward --check --small ;;
+    bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
+    bwd-bench) step bwd_bench 900 $PY -m solutions.ch11_bench ;;
+    api-tests) step api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
     fa4-bench) step fa4_bench 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     fa4-knobs) step fa4_knobs 480 $PY -m solutions.ch08_knobs --knobs --rounds ${ROUNDS:-3} ;;
     fa4-timeline) step fa4_timeline 120 $PY -m solutions.ch08_knobs --timeline ;;
