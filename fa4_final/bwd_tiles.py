@@ -70,6 +70,25 @@ def q_tile_range(w: TileWindow, n_block, seqlen_q, seqlen_k, window_left=None,
     return m_min, m_max, n_first, n_last
 
 
+def visible_queries(w: TileWindow, key, seqlen_q, seqlen_k, window_left=None,
+                    window_right=None, big=1 << 30):
+    """(lo, hi): key ``key`` is seen by the queries lo <= i < hi (the rule of the module
+    docstring; ``big`` stands for an unbounded side). A key past seqlen_k is seen by none. The
+    backward kernels hold one key per accumulator row and compare these with query columns."""
+    offset = seqlen_k - seqlen_q
+    lo = -big
+    hi = big
+    if w.masks_right:
+        lo = key - offset - w.right_bound(window_right)
+    if w.has_left:
+        hi = key - offset + window_left + 1
+    # a key past seqlen_k is seen by no query: hi = -big (arithmetic, no run-time branch, so
+    # the kernels may call this on traced values)
+    inside = _min(_max(seqlen_k - key, 0), 1)
+    hi = _min(hi, (2 * inside - 1) * big)
+    return lo, hi
+
+
 def first_visitor(w: TileWindow, m_block, seqlen_q, seqlen_k, window_left=None):
     """The lowest key tile whose ``q_tile_range`` contains query tile ``m_block`` (no left window:
     0, every key tile reaches the last rows). Key tiles first_visitor .. n all visit m_block

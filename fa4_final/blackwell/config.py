@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fa4_final.blackwell.tmem import TMEM_LANES, forward_plan
+from fa4_final.blackwell.tmem import TMEM_LANES, backward_plan, forward_plan
 from fa4_final.constants import SM100_SMEM_BYTES
 from fa4_final.softmax import check_softmax_knobs
 
@@ -133,3 +133,76 @@ def blackwell_fwd_default(head_dim: int, causal: bool = False) -> BlackwellFwdCo
 
 def with_knobs(cfg: BlackwellFwdConfig, **knobs) -> BlackwellFwdConfig:
     return replace(cfg, **knobs)
+
+
+# ----------------------------------------------------------------------------------------------
+# the backward (fa4_final.blackwell.bwd)
+# ----------------------------------------------------------------------------------------------
+BWD_TILE_M = 128  # queries per step: the N of S^T = K Q^T and the M of dQ = dS K
+BWD_TILE_N = TMEM_LANES  # keys per CTA: one per TMEM lane
+BWD_DQ_CHUNK = 32  # dQ columns per staging buffer (128 x 32 float32 = 16 KB)
+BWD_DQ_BUFFERS = 2
+# setmaxnreg budget (compute, dQ writer, the rest): two compute warpgroups, one dQ warpgroup,
+# four one-warp roles: 128 * (2 * 192 + 80 + 48) = 64 K registers.
+BWD_REGISTERS = (192, 80, 48)
+
+
+@dataclass(frozen=True)
+class BlackwellBwdConfig:
+    """Knobs of fa4_final.blackwell.bwd.BlackwellBackward (chapter 11). One CTA per (128-key
+    tile, kv head, batch); the inner loop walks 128-query tiles."""
+
+    q_stages: int = 2  # depth of the Q (+ lse) ring
+    do_stages: int = 0  # depth of the dO (+ delta) ring; 0 = 2 where it fits (D = 64), else 1
+    deterministic: bool = False  # dQ added in a fixed order of key tiles (hopper.bwd Note [Turns])
+
+    tile_m = BWD_TILE_M
+    tile_n = BWD_TILE_N
+
+    def do_depth(self, head_dim: int) -> int:
+        if self.do_stages:
+            return self.do_stages
+        return 2 if head_dim <= 64 else 1
+
+    def tmem_plan(self, head_dim: int):
+        return backward_plan(self.tile_n, self.tile_m, head_dim)
+
+    def smem_fields(self, head_dim: int, elem_bytes: int = 2) -> list[tuple[str, int, int]]:
+        """(name, bytes, alignment) of the kernel's SharedStorage in its order: full + empty
+        mbarriers of kv (1 stage), q, do and of the four one-stage MMA handshakes (s, dp, dq,
+        dkv), the TMEM address, lse and delta per stage, then the tiles (1 KB aligned for the
+        128 B swizzle): K, V, the Q and dO rings, dS (16-bit) and the float32 dQ staging."""
+        q, do = self.q_stages, self.do_depth(head_dim)
+        tile_q = self.tile_m * head_dim * elem_bytes
+        tile_k = self.tile_n * head_dim * elem_bytes
+        return [
+            ("barriers", 8 * 2 * (1 + q + do + 4), 8),
+            ("tmem_addr", 4, 4),
+            ("sLSE", 4 * self.tile_m * q, 16),
+            ("sDelta", 4 * self.tile_m * do, 16),
+            ("sK", tile_k, 1024),
+            ("sV", tile_k, 1024),
+            ("sQ", tile_q * q, 1024),
+            ("sdO", tile_q * do, 1024),
+            ("sdS", self.tile_n * self.tile_m * elem_bytes, 1024),
+            ("sdQ", 4 * self.tile_m * BWD_DQ_CHUNK * BWD_DQ_BUFFERS, 1024),
+        ]
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        offset = 0
+        for _, size, align in self.smem_fields(head_dim, elem_bytes):
+            offset = _align(offset, align) + size
+        return _align(offset, 1024)
+
+    def check(self, head_dim: int) -> BlackwellBwdConfig:
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+        if self.q_stages < 1 or self.do_depth(head_dim) < 1:
+            raise ValueError(f"q_stages and do_stages must be >= 1, got {self.q_stages}, "
+                             f"{self.do_stages}")
+        self.tmem_plan(head_dim)  # raises when the columns do not fit
+        need = self.smem_bytes(head_dim)
+        if need > SM100_SMEM_BYTES:
+            raise ValueError(f"config needs {need} B of shared memory, more than the "
+                             f"{SM100_SMEM_BYTES} B a CTA may use: fewer q_stages / do_stages")
+        return self

@@ -144,3 +144,23 @@ def forward_plan(tile_n: int, head_dim: int, q_stages: int = 2, elem_bits: int =
         regions.append(Region(f"P{i}", s.end - p_cols, p_cols,
                               f"P{i} = exp2(S{i} - m), {elem_bits}-bit pairs", alias_of=s.name))
     return TmemPlan(tuple(regions)).check()
+
+
+def backward_plan(tile_n: int, tile_m: int, head_dim: int, elem_bits: int = 16) -> TmemPlan:
+    """The backward's plan (Note [The backward's plan] in fa4_final.blackwell.bwd): one key per
+    lane. S^T and dP^T (tile_m query columns each), then the dV and dK accumulators (D columns
+    each) that live for the whole CTA; P^T in the upper half of S^T, dQ (one query per lane)
+    inside dP^T's columns."""
+    regions = [
+        Region("S", 0, tile_m, "S^T = K Q^T, fp32"),
+        Region("dP", tile_m, tile_m, "dP^T = V dO^T, fp32"),
+        Region("dV", 2 * tile_m, head_dim, "dV accumulator, fp32"),
+        Region("dK", 2 * tile_m + head_dim, head_dim, "dK accumulator (unscaled), fp32"),
+    ]
+    p_cols = columns_for(tile_m, elem_bits)
+    regions.append(Region("P", tile_m - p_cols, p_cols,
+                          f"P^T = exp2(S^T - lse), {elem_bits}-bit pairs", alias_of="S"))
+    regions.append(Region("dQ", tile_m, head_dim, "dQ = dS K, fp32, one query per lane",
+                          alias_of="dP"))
+    del tile_n  # the lanes: one key per lane, tile_n = 128
+    return TmemPlan(tuple(regions)).check()
