@@ -3,11 +3,12 @@ dtype. The dQ epilogue the main kernel cannot run itself, because a query tile's
 only when every KV tile's CTA has added its part.
 
 The accumulator is stored in the main kernel's register order (Note [dQ in accumulator order]
-in fa4_final.hopper.bwd), so this kernel runs the main kernel's dQ tiled MMA once more, only to
-learn which (row, col) each loaded float belongs to: each thread loads exactly the floats the
-matching MMA thread stored (16 B at a time, coalesced), scales and converts them, writes them
-into a shared-memory tile by coordinate, and the CTA copies the tile out row by row (rows past
-seqlen_q are not written). Bytes: 4 B read and 2 B written per dQ element.
+in fa4_final.hopper.bwd), so this kernel asks the main kernel which (row, col) each loaded float
+belongs to (``dq_coords``: the Hopper kernel partitions its dQ tiled MMA once more; the Blackwell
+kernel, which writes the same order, states the wgmma layout as arithmetic). Each thread loads
+exactly the floats the matching MMA thread stored (16 B at a time, coalesced), scales and
+converts them, writes them into a shared-memory tile by coordinate, and the CTA copies the tile
+out row by row (rows past seqlen_q are not written). Bytes: 4 B read and 2 B written per dQ element.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ class BackwardPost:
     ):
         if const_expr(mdQ.element_type != self.dtype or mdQaccum.element_type != Float32):
             raise TypeError(f"dq must be {self.dtype} and its accumulator float32")
-        _, _, mma_dq = self.main.tiled_mmas()
         row_stride = self.head_dim + ROW_PAD
         sdQ_layout = cute.make_layout((self.tile_m, self.head_dim), stride=(row_stride, 1))
 
@@ -62,14 +62,14 @@ class BackwardPost:
                              stride=(self.threads_per_row, 1)),
             cute.make_layout((1, VECTOR)))
         num_m_blocks = cute.ceil_div(mdQ.shape[1], self.tile_m)
-        self.kernel(mdQaccum, mdQ, softmax_scale, mma_dq, self.main.dq_copy(), copy_out,
+        self.kernel(mdQaccum, mdQ, softmax_scale, self.main.dq_copy(), copy_out,
                     sdQ_layout, SharedStorage).launch(
             grid=(num_m_blocks, mdQ.shape[2], mdQ.shape[0]), block=[self.num_threads, 1, 1],
             stream=stream)
 
     @cute.kernel
     def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
-               mma_dq: cute.TiledMma, dq_copy: cute.TiledCopy, copy_out: cute.TiledCopy,
+               dq_copy: cute.TiledCopy, copy_out: cute.TiledCopy,
                sdQ_layout: cute.Layout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, b = cute.arch.block_idx()
@@ -82,14 +82,11 @@ class BackwardPost:
         tAgA = dq_copy.get_slice(tidx).partition_D(gAcc)  # the positions MMA thread tidx wrote
         flat = cute.make_rmem_tensor(tAgA.shape, Float32)
         cute.autovec_copy(tAgA, flat)
-        # 2. the same registers seen as the dQ accumulator, and each one's (row, col)
-        thr_dq = mma_dq.get_slice(tidx)
-        tile = self.main.dq_tile_shape()
-        acc = cute.make_tensor(flat.iterator, cute.make_layout(thr_dq.partition_shape_C(tile)))
-        coords = thr_dq.partition_C(cute.make_identity_tensor(tile))
-        for i in cutlass.range_constexpr(cute.size(acc)):
+        # 2. the same registers seen as the dQ accumulator: register i is (row, col) coords[i]
+        coords = self.main.dq_coords(tidx)
+        for i in cutlass.range_constexpr(cute.size(flat)):
             rc = coords[i]
-            value = (acc[i] * softmax_scale).to(self.dtype)
+            value = (flat[i] * softmax_scale).to(self.dtype)
             if const_expr(self.main.cfg.dq_swap_ab):
                 sdQ[rc[1], rc[0]] = value  # dQ^T: (col, row)
             else:

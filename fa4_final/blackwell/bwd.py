@@ -62,8 +62,10 @@ from fa4_final.blackwell.config import (
 )
 from fa4_final.blackwell.tmem import lane_quarter
 from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range, visible_queries
-from fa4_final.constants import LOG2_E, WARP_SIZE
+from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
+from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
 from fa4_final.fragments import select_modes
+from fa4_final.hopper.bwd import HopperBackward
 from fa4_final.tiles import TileWindow
 
 THREADS = 512  # 16 warps (roles below)
@@ -97,6 +99,32 @@ class PipelineSpec:
     empty_arrivals: int
 
 
+class HopperDqOrder(HopperBackward):
+    """The Hopper backward's dQ accumulator order (its ``dq_copy``, ``dq_chunk_layout``,
+    ``dq_tile_shape``) at ``tile_m`` rows, without its wgmma: ``dq_coords`` states the wgmma
+    accumulator layout as arithmetic, so bwd_post compiles for sm_100a, where a warpgroup MMA
+    atom cannot be built."""
+
+    def __init__(self, dtype, head_dim: int, tile_m: int):
+        self.dtype, self.head_dim, self.tile_m = dtype, head_dim, tile_m
+        self.cfg = HopperBwdConfig(tile_m=tile_m)  # dq_swap_ab = False: rows per warpgroup
+        self.num_threads = THREADS_PER_WARPGROUP * (1 + BWD_MMA_WARPGROUPS)
+        self.dq_chunk = tile_m * head_dim // BWD_MMA_WARPGROUPS
+
+    def cache_key(self) -> tuple:
+        return (type(self).__name__, self.dtype.__name__, self.head_dim, self.tile_m)
+
+    def dq_coords(self, tidx):
+        """Register i = a + 2 h + 4 j of thread t (warp t // 32 of warpgroup w = tidx // 128)
+        holds row 64 w + 16 (t // 32 % 4) + (t % 32) // 4 + 8 h, column 8 j + 2 (t % 4) + a (the
+        wgmma m64nNk16 accumulator, PTX ISA)."""
+        t = tidx % THREADS_PER_WARPGROUP
+        row0 = (tidx // THREADS_PER_WARPGROUP) * 64 + (t // 32) * 16 + (t % 32) // 4
+        col0 = 2 * (t % 4)
+        return [(row0 + 8 * h, col0 + 8 * j + a) for j in range(self.head_dim // 8)
+                for h in range(2) for a in range(2)]
+
+
 class BlackwellBackward:
     """dK, dV and the float32 dQ accumulator of attention on sm_100a, one key tile per CTA."""
 
@@ -114,19 +142,19 @@ class BlackwellBackward:
                                  has_left=bool(has_window_left),
                                  has_right=bool(has_window_right) and not self.causal)
         self.plan = config.tmem_plan(head_dim)
-        comp, dq, rest = BWD_REGISTERS
+        regs = BWD_REGISTERS
         self.roles = {
-            "compute0": {"warps": (0, 1, 2, 3), "registers": comp,
+            "compute0": {"warps": (0, 1, 2, 3), "registers": regs["compute"],
                          "does": "P^T, dS^T for queries 0-63 of the step; dK, dV epilogue"},
-            "compute1": {"warps": (4, 5, 6, 7), "registers": comp,
+            "compute1": {"warps": (4, 5, 6, 7), "registers": regs["compute"],
                          "does": "the same for queries 64-127"},
-            "dq": {"warps": (8, 9, 10, 11), "registers": dq,
+            "dq": {"warps": (8, 9, 10, 11), "registers": regs["dq"],
                    "does": "dQ: TMEM -> shared memory -> bulk float32 adds (in turn)"},
-            "mma": {"warps": (12,), "registers": rest,
+            "mma": {"warps": (12,), "registers": regs["mma"],
                     "does": "TMEM alloc/free; one thread issues every tcgen05.mma"},
-            "load": {"warps": (13,), "registers": rest,
+            "load": {"warps": (13,), "registers": regs["load"],
                      "does": "TMA: K, V once; Q + lse, dO + delta per step"},
-            "spare": {"warps": (14, 15), "registers": rest, "does": "give registers away"},
+            "spare": {"warps": (14, 15), "registers": regs["spare"], "does": "give registers away"},
         }
         warps = sorted(w for r in self.roles.values() for w in r["warps"])
         assert warps == list(range(THREADS // WARP_SIZE))
@@ -229,13 +257,9 @@ class BlackwellBackward:
         }
 
     def dq_layout_owner(self):
-        """The Hopper backward whose dQ accumulator order this kernel writes (tile_m = 128), so
-        that ``fa4_final.bwd_post.BackwardPost`` serves both."""
-        from fa4_final.config import HopperBwdConfig
-        from fa4_final.hopper.bwd import HopperBackward
-
-        return HopperBackward(self.dtype, self.head_dim, self.causal,
-                              HopperBwdConfig(tile_m=self.tile_m, stages_q=1, stages_ds=1))
+        """The Hopper backward's dQ accumulator order at tile_m = 128 (``HopperDqOrder``), which
+        this kernel writes, so that ``fa4_final.bwd_post.BackwardPost`` serves both."""
+        return HopperDqOrder(self.dtype, self.head_dim, self.tile_m)
 
     # Note [dQ accumulator order]
     # ---------------------------
@@ -252,11 +276,26 @@ class BlackwellBackward:
     # 32-column chunk: ((8, 2, 4, 2), (2, 4, 4)) : ((16, 2, 128, 2048), (1, 4, 512)).
     # tests/test_blackwell_bwd_compile.py checks it against the Hopper kernel's own layouts.
 
+    DQ_STAGE = (((8, 2, 4, 2), (2, 4, 4)), ((16, 2, 128, 2048), (1, 4, 512)))  # shape, stride
+
     def dq_stage_layout(self) -> cute.Layout:
         """(128 rows, BWD_DQ_CHUNK columns) -> offset in one staging buffer (Note [dQ ...])."""
         assert BWD_DQ_CHUNK == 32 and self.tile_m == 128
-        return cute.make_layout(((8, 2, 4, 2), (2, 4, 4)),
-                                stride=((16, 2, 128, 2048), (1, 4, 512)))
+        shape, stride = self.DQ_STAGE
+        return cute.make_layout(shape, stride=stride)
+
+    def dq_stage_layout_plain(self):
+        """The same layout as a plain-int function (row, col) -> offset, for the CPU tests."""
+        (row_shape, col_shape), (row_stride, col_stride) = self.DQ_STAGE
+
+        def one(coord, shape, stride):  # colexicographic, as CuTe reads a flat coordinate
+            total = 0
+            for s, d in zip(shape, stride):
+                total += (coord % s) * d
+                coord //= s
+            return total
+
+        return lambda row, col: one(row, row_shape, row_stride) + one(col, col_shape, col_stride)
 
     @cute.jit
     def __call__(
@@ -384,9 +423,54 @@ class BlackwellBackward:
                              allocator_warp_id=self.warp("mma"))
         pipeline.pipeline_init_wait()
 
-        # the CTA's work: one key tile, its query tiles, for every head of the group
-        n_block, head_kv, b = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        work_of = lambda: self.cta_work(seqlen_q, seqlen_k, heads, mK.shape[2],  # noqa: E731
+                                        window_left, window_right)
+        regs = {name: r["registers"] for name, r in self.roles.items()}
+        if warp >= self.warp("spare"):
+            cute.arch.setmaxregister_decrease(regs["spare"])
+        if warp == self.warp("load"):
+            cute.arch.setmaxregister_decrease(regs["load"])
+            n_block, head_kv, b, _, work = work_of()
+            self.load(mQ, mK, mV, mdO, mLSE2, mDelta, smem, tma_q, tma_k, tma_v, tma_do,
+                      mmas[0], pipes, n_block, head_kv, b, work)
+        if warp == self.warp("mma"):
+            cute.arch.setmaxregister_increase(regs["mma"])
+            tmem.allocate(self.plan.columns_allocated)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.mma(mmas, lay, smem, tmem_ptr, pipes, work_of()[4])
+            # every compute and dQ thread has arrived: nobody reads TMEM any more
+            cute.arch.barrier(barrier_id=int(NamedBarrier.TMEM), number_of_threads=tmem_users)
+            tmem.relinquish_alloc_permit()
+            tmem.free(tmem_ptr)
+        if warp < self.warp("dq"):
+            cute.arch.setmaxregister_increase(regs["compute0"])
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            n_block, head_kv, b, _, work = work_of()
+            self.compute(mmas, tmem_ptr, smem, pipes, mdK, mdV, softmax_scale, scale_log2,
+                         window_left, window_right, n_block, head_kv, b, seqlen_q, seqlen_k,
+                         work)
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TMEM),
+                                     number_of_threads=tmem_users, aligned=False)
+        if warp >= self.warp("dq") and warp < self.warp("mma"):
+            cute.arch.setmaxregister_decrease(regs["dq"])
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            n_block, head_kv, b, num_n_blocks, work = work_of()
+            self.store_dq(mmas, tmem_ptr, smem, pipes, mdQaccum, mTurn, n_block, num_n_blocks,
+                          b, seqlen_q, seqlen_k, window_left, window_right, work)
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TMEM),
+                                     number_of_threads=tmem_users, aligned=False)
+
+    @cute.jit
+    def cta_work(self, seqlen_q, seqlen_k, heads, heads_kv, window_left, window_right):
+        """(n_block, kv head, batch, key tiles, work) of this CTA: one key tile, the query tiles
+        that see it (bwd_tiles.q_tile_range) for every head of the group. Each role calls it
+        after its setmaxnreg, so no value of the prologue lives across the role split (ptxas
+        spilled one there)."""
+        n_block, head_kv, b = cute.arch.block_idx()
         num_n_blocks = (seqlen_k + self.tile_n - 1) // self.tile_n
         if const_expr(self.cfg.deterministic and launch_order_reversed(self.window)):
             n_block = num_n_blocks - 1 - n_block  # turns go downwards (bwd_tiles Note [Turn order])
@@ -394,43 +478,9 @@ class BlackwellBackward:
                                                      window_left, window_right)
         if (n_block + 1) * self.tile_n > seqlen_k:  # keys past seqlen_k: mask every step
             n_first = m_max - m_min
-        group = heads // mK.shape[2]
-        work = (m_min, m_max, n_first, n_last, head_kv * group, group)
-
-        comp_regs, dq_regs, rest_regs = BWD_REGISTERS
-        if warp >= self.warp("spare"):
-            cute.arch.setmaxregister_decrease(rest_regs)
-        if warp == self.warp("load"):
-            cute.arch.setmaxregister_decrease(rest_regs)
-            self.load(mQ, mK, mV, mdO, mLSE2, mDelta, smem, tma_q, tma_k, tma_v, tma_do,
-                      mmas[0], pipes, n_block, head_kv, b, work)
-        if warp == self.warp("mma"):
-            cute.arch.setmaxregister_decrease(rest_regs)
-            tmem.allocate(self.plan.columns_allocated)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.mma(mmas, lay, smem, tmem_ptr, pipes, work)
-            # every compute and dQ thread has arrived: nobody reads TMEM any more
-            cute.arch.barrier(barrier_id=int(NamedBarrier.TMEM), number_of_threads=tmem_users)
-            tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr)
-        if warp < self.warp("dq"):
-            cute.arch.setmaxregister_increase(comp_regs)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.compute(mmas, tmem_ptr, smem, pipes, mdK, mdV, softmax_scale, scale_log2,
-                         window_left, window_right, n_block, head_kv, b, seqlen_q, seqlen_k,
-                         work)
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TMEM),
-                                     number_of_threads=tmem_users, aligned=False)
-        if warp >= self.warp("dq") and warp < self.warp("mma"):
-            cute.arch.setmaxregister_decrease(dq_regs)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.store_dq(mmas, tmem_ptr, smem, pipes, mdQaccum, mTurn, n_block, num_n_blocks,
-                          b, seqlen_q, seqlen_k, window_left, window_right, work)
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TMEM),
-                                     number_of_threads=tmem_users, aligned=False)
+        group = heads // heads_kv
+        return n_block, head_kv, b, num_n_blocks, (m_min, m_max, n_first, n_last,
+                                                   head_kv * group, group)
 
     def make_pipelines(self, storage, mma_sdp, bytes_q: int, bytes_kv: int) -> dict:
         """The cutlass pipelines of ``self.pipelines()``, by name."""

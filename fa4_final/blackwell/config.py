@@ -142,9 +142,11 @@ BWD_TILE_M = 128  # queries per step: the N of S^T = K Q^T and the M of dQ = dS 
 BWD_TILE_N = TMEM_LANES  # keys per CTA: one per TMEM lane
 BWD_DQ_CHUNK = 32  # dQ columns per staging buffer (128 x 32 float32 = 16 KB)
 BWD_DQ_BUFFERS = 2
-# setmaxnreg budget (compute, dQ writer, the rest): two compute warpgroups, one dQ warpgroup,
-# four one-warp roles: 128 * (2 * 192 + 80 + 48) = 64 K registers.
-BWD_REGISTERS = (192, 80, 48)
+# setmaxnreg budget per role. The MMA warp issues 5 GEMMs from 9 shared-memory operand views:
+# ptxas hoists every K block's descriptor (9 x D/16 or n/16 of them, 64 bits each) out of the step
+# loop, so it gets 160 registers where the forward's needs 48; the two spare warps give theirs
+# away. 128 * 2 * 176 (compute) + 128 * 80 (dQ) + 32 * (160 + 48 + 2 * 24) = 63488 <= 64 K.
+BWD_REGISTERS = {"compute": 176, "dq": 80, "mma": 160, "load": 48, "spare": 24}
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_final.atomics import bulk_add_f32, pass_turn, wait_turn
-from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range, visible_queries
+from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range
 from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
 from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
 from fa4_final.fragments import acc_as_a_operand, acc_rows_cols, select_modes
@@ -183,6 +183,12 @@ class HopperBackward:
         return cute.make_tiled_copy_tv(
             atom, cute.make_layout((THREADS_PER_WARPGROUP, BWD_MMA_WARPGROUPS)),
             cute.make_layout(4))
+
+    def dq_coords(self, tidx):
+        """(row, col) in the dQ tile of each of MMA thread ``tidx``'s dQ registers, in order."""
+        _, _, mma_dq = self.tiled_mmas()
+        tile = cute.make_identity_tensor(self.dq_tile_shape())
+        return mma_dq.get_slice(tidx).partition_C(tile)
 
     def dq_chunk_layout(self) -> cute.Layout:
         return cute.make_layout((self.dq_chunk, BWD_MMA_WARPGROUPS))
@@ -662,12 +668,18 @@ class HopperBackward:
         w = self.window
         s = acc_rows_cols(acc_s)
         col_offset = m_block * self.tile_m + tScS[0, 0][1]
+        offset = seqlen_k - seqlen_q
+        big = Int32(1 << 30)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             key = n_block * self.tile_n + tScS[r, 0][0]
-            lo, hi = visible_queries(w, key, seqlen_q, seqlen_k, window_left, window_right,
-                                     Int32(1 << 30))
-            lo = lo - col_offset
-            hi = hi - col_offset
+            lo = -big
+            hi = big
+            if const_expr(w.masks_right):
+                lo = key - offset - w.right_bound(window_right) - col_offset
+            if const_expr(w.has_left):
+                hi = key - offset + window_left + 1 - col_offset
+            if key >= seqlen_k:
+                lo = big
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 col = t0ScS[0, c][1]
                 s[r, c] = -Float32.inf if (col < lo) | (col >= hi) else s[r, c]

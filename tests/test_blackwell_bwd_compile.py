@@ -1,0 +1,166 @@
+"""fa4_final's Blackwell backward compiled for sm_100a on a CPU: the tcgen05 instructions it must
+contain, its resources (TMEM columns = the plan, <= 512; shared memory = the config's arithmetic,
+<= 227 KB; no spills; setmaxnreg = the roles' budgets), the per-step GEMM count, the dQ
+accumulator order it shares with the Hopper backward (so bwd_post serves both) and the
+pre/post kernels compiled for sm_100a. No GPU anywhere: select with -k sm100 / blackwell.
+"""
+
+import re
+
+import pytest
+
+from fa4_final.blackwell import tmem
+from fa4_final.blackwell.bwd import BlackwellBackward, HopperDqOrder, compile_only
+from fa4_final.blackwell.config import BWD_DQ_CHUNK, BlackwellBwdConfig
+from fa4_final.constants import CUTLASS_BY_NAME, SM100_SMEM_BYTES, SM100_TMEM_COLUMNS
+
+pytestmark = pytest.mark.slow
+
+BF16 = CUTLASS_BY_NAME["bf16"]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Artifacts of every variant the tests ask for, each compiled once per module."""
+    cache = {}
+
+    def get(head_dim=128, causal=False, cfg=None, dtype="bf16", roles=("main",), **window):
+        key = (head_dim, causal, cfg, dtype, roles, tuple(sorted(window.items())))
+        if key not in cache:
+            cache[key] = compile_only(head_dim, dtype, causal, cfg, roles=roles, **window)
+        return cache[key]
+
+    return get
+
+
+# ----------------------------------------------------------------------------------------------
+# plain Python: the TMEM plan, shared memory, roles
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_blackwell_bwd_tmem_plan_and_smem(head_dim):
+    cfg = BlackwellBwdConfig()
+    plan = cfg.tmem_plan(head_dim)
+    assert plan.columns_used == 2 * 128 + 2 * head_dim <= SM100_TMEM_COLUMNS
+    assert plan.columns_allocated == 512
+    assert plan["P"].alias_of == "S" and plan["P"].end == plan["S"].end  # P^T in S^T's top half
+    assert plan["dQ"].alias_of == "dP" and plan["dQ"].columns == head_dim
+    assert cfg.smem_bytes(head_dim) <= SM100_SMEM_BYTES
+    with pytest.raises(ValueError, match="shared memory"):
+        BlackwellBwdConfig(q_stages=3, do_stages=2).check(128)
+    with pytest.raises(ValueError, match="must lie inside dP"):  # dQ (D columns) in dP^T's 128
+        tmem.backward_plan(128, 128, 192)
+
+
+def test_blackwell_bwd_roles_cover_the_lanes_and_the_register_file():
+    k = BlackwellBackward(BF16, 128, False, BlackwellBwdConfig())
+    for role in ("compute0", "compute1", "dq"):  # one TMEM lane (key or query) per thread
+        lanes = sorted(lane for w in k.roles[role]["warps"] for lane in tmem.lane_quarter(w))
+        assert lanes == list(range(tmem.TMEM_LANES)), role
+    assert sum(32 * len(r["warps"]) * r["registers"] for r in k.roles.values()) <= 64 * 1024
+    names = [p.name for p in k.pipelines()]
+    assert names == ["kv", "q", "do", "s", "dp", "dq", "dkv"]
+
+
+def test_blackwell_bwd_dq_order_is_the_hopper_accumulator_order():
+    """Every (row, col) of a 128 x D dQ tile: the staging buffer plus bulk-add offset this
+    kernel writes (Note [dQ accumulator order]) equals where the Hopper kernel's dq_copy puts
+    the register holding it (thread t, register i -> 512 (i // 4) + 4 t + i % 4 in chunk w),
+    with the registers' coordinates from HopperDqOrder.dq_coords, which bwd_post reads back."""
+    for d in (64, 128):
+        order = HopperDqOrder(BF16, d, 128)
+        hopper = {}
+        for tidx in range(256):
+            w, t = divmod(tidx, 128)
+            for i, (r, c) in enumerate(order.dq_coords(tidx)):
+                hopper[(r, c)] = w * order.dq_chunk + 512 * (i // 4) + 4 * t + i % 4
+        assert len(hopper) == 128 * d and sorted(hopper.values()) == list(range(128 * d))
+        k = BlackwellBackward(BF16, d, False, BlackwellBwdConfig())
+        lay = k.dq_stage_layout_plain()
+        for (r, c), off in hopper.items():
+            chunk, cl = divmod(c, BWD_DQ_CHUNK)
+            w, local = divmod(lay(r, cl), 64 * BWD_DQ_CHUNK)
+            # buffer half w goes to m_block's slab at w * 64 D + chunk * 64 * 32
+            assert w * 64 * d + chunk * 64 * BWD_DQ_CHUNK + local == off, (r, c)
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled: instructions
+
+
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (64, True)])
+def test_sm100_bwd_has_the_blackwell_instructions(compiled, head_dim, causal):
+    art = compiled(head_dim, causal)["main"]
+    art.require("tcgen05.alloc", "tcgen05.dealloc", "tcgen05.relinquish_alloc_permit",
+                "tcgen05.mma", "tcgen05.commit", "tcgen05.ld", "tcgen05.st",
+                "mbarrier.try_wait", "setmaxnreg.inc", "setmaxnreg.dec",
+                "cp.async.bulk.tensor", "cp.reduce.async.bulk", "ex2.approx")
+    art.forbid("cta_group::2", "wgmma")
+    art.require("UTCHMMA", "UTCBAR", "LDTM", "STTM", "MUFU.EX2", "UTMALDG", where="sass")
+    assert re.search(r"\.(reqntid|maxntid)\s+512", art.ptx)
+    # A from TMEM exactly for dV += P^T dO: m/16 = 8 of the instructions
+    assert len(re.findall(r"tcgen05\.mma[^\n]*\[%r\d+\], \[%r\d+", art.ptx)) == 128 // 16
+
+
+def test_sm100_bwd_issues_five_gemms_per_step(compiled):
+    """S^T, dP^T (K = D), dV, dK (K = 128 queries), dQ (K = 128 keys): D/16 + D/16 + 3 * 8
+    tcgen05.mma per step, issued once (one step loop, no copies)."""
+    for d in (64, 128):
+        art = compiled(d)["main"]
+        assert art.count("tcgen05.mma") == 2 * d // 16 + 3 * 128 // 16, d
+        assert art.count("UTCHMMA", where="sass") == 2 * d // 16 + 3 * 128 // 16, d
+
+
+def test_sm100_bwd_dq_bulk_adds_per_step(compiled):
+    """Two 8 KB bulk float32 adds (the tile's two 64-row halves) per 32-column dQ chunk: 2 D / 32
+    cp.reduce.async.bulk per step, where per-element atomics would be 128 D / 4 red.v4."""
+    for d in (64, 128):
+        art = compiled(d)["main"]
+        assert art.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == \
+            2 * d // BWD_DQ_CHUNK
+        art.forbid("red.global.add.f32", "atom.global.add.f32")
+
+
+def test_sm100_bwd_deterministic_uses_the_turn_counters(compiled):
+    art = compiled(128, True, BlackwellBwdConfig(deterministic=True))["main"]
+    art.require("ld.acquire.gpu", "red.release.gpu")
+    assert "ld.acquire.gpu" not in compiled(128, True)["main"].ptx
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled: resources
+
+
+def test_blackwell_bwd_compiles_spill_free_everywhere(compiled):
+    variants = [dict(head_dim=128), dict(head_dim=64, causal=True),
+                dict(head_dim=128, causal=True, cfg=BlackwellBwdConfig(deterministic=True)),
+                dict(head_dim=128, causal=True, dtype="fp16"),
+                dict(head_dim=64, has_window_left=True, has_window_right=True)]
+    for v in variants:
+        art = compiled(**v)["main"]
+        assert art.spills == 0 and art.frame_bytes == 0, (v, art.resources())
+
+
+def test_blackwell_bwd_setmaxnreg_is_the_roles_budget(compiled):
+    art = compiled(128)["main"]
+    k = BlackwellBackward(BF16, 128, False, BlackwellBwdConfig())
+    budget = {r["registers"] for r in k.roles.values()}
+    seen = {int(x) for x in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)",
+                                       art.ptx)}
+    assert seen == budget
+
+
+def test_blackwell_bwd_tmem_alloc_is_the_plan(compiled):
+    art = compiled(128)["main"]
+    regs = re.findall(r"tcgen05\.alloc[^\n]*?,\s*(%r\d+|\d+);", art.ptx)
+    assert len(regs) == 1
+    cols = regs[0] if regs[0].isdigit() else \
+        re.search(rf"mov\.[ub]32\s+{regs[0]},\s*(\d+);", art.ptx).group(1)
+    assert int(cols) == BlackwellBwdConfig().tmem_plan(128).columns_allocated == 512
+
+
+def test_blackwell_bwd_pre_and_post_compile_for_sm100(compiled):
+    arts = compiled(128, roles=("pre", "main", "post"))
+    for role in ("pre", "post"):
+        assert arts[role].spills == 0, arts[role].resources()
+        arts[role].forbid("wgmma", "tcgen05")
