@@ -948,3 +948,44 @@ def compile_only(head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
     """The compiled kernels' artifacts (PTX, cubin, SASS, resources), built on any machine."""
     return compile_backward_sm100(head_dim, dtype, causal, config, keep=True, roles=roles,
                                   **window)[1]
+
+
+def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_scale=None,
+                  window_size=(None, None), deterministic=False,
+                  config: BlackwellBwdConfig | None = None):
+    """Run the sm_100a backward on torch tensors (the arguments of fa4_final.backward's
+    backward_into), on the current stream: bwd_pre, this kernel, bwd_post. The runner of
+    tests/gpu/test_blackwell_bwd.py; not dispatched to by the package (never run on a GPU)."""
+    from dataclasses import replace
+
+    import torch
+
+    from fa4_final.checks import _normalise_window
+
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    causal, left, right = _normalise_window(causal, window_size)
+    cfg = config or BlackwellBwdConfig()
+    if deterministic and not cfg.deterministic:
+        cfg = replace(cfg, deterministic=True)
+    if b == 0 or h == 0 or sq == 0 or sk == 0:
+        for t in (dq, dk, dv):
+            t.zero_()
+        return dq, dk, dv
+    from fa4_final.constants import DTYPE_NAMES
+
+    ks, _ = compile_backward_sm100(d, DTYPE_NAMES[q.dtype], causal, cfg,
+                                   has_window_left=left is not None,
+                                   has_window_right=right is not None and not causal)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    m_blocks = -(-sq // cfg.tile_m)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse2 = torch.empty(b, h, m_blocks * cfg.tile_m, **f32)
+    delta = torch.empty_like(lse2)
+    accum = torch.empty(b, h, m_blocks * cfg.tile_m * d, **f32)
+    turn = torch.empty((b, h, m_blocks) if cfg.deterministic else (1, 1, 1), dtype=torch.int32,
+                       device=q.device)
+    ks["pre"](out, dout, lse, lse2, delta, accum, turn)
+    ks["main"](q, k, v, dout, lse2, delta, accum, dk, dv, turn, scale, left or 0, right or 0)
+    ks["post"](accum, dq, scale)
+    return dq, dk, dv
