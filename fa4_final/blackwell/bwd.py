@@ -32,8 +32,11 @@ turn counters (``fa4_final.bwd_tiles.dq_turn``, ``fa4_final.atomics``, Note [Tur
 Shared with the Hopper backward, and therefore run on the H200 for real: the preprocess and
 postprocess kernels (``bwd_pre``, ``bwd_post``: this kernel writes its dQ into the Hopper
 kernel's accumulator order, Note [dQ accumulator order]), the query-tile ranges, masked-step
-counts and turn order (``bwd_tiles``), the visibility rule (``bwd_tiles.visible_queries``), and
-the tcgen05 issue helpers of the forward (``blackwell.umma``). It has never run on a GPU: it is
+counts and turn order (``bwd_tiles``), and
+the tcgen05 issue helpers of the forward (``blackwell.umma``). The per-key visibility rule is
+``bwd_tiles.visible_queries``; the Hopper mask keeps its own inline form of it (its select is two
+instructions per row cheaper, which its per-step instruction-count test holds it to). It has
+never run on a GPU: it is
 verified by compiling it for sm_100a (tests/test_blackwell_bwd_compile.py), and
 tests/gpu/test_blackwell_bwd.py compares its gradients with float64 the moment a B200 is present.
 Not built: the 2-CTA mode (cta_group::2, dS exchanged through distributed shared memory).
