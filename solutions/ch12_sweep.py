@@ -61,17 +61,18 @@ def sweep(args) -> list[dict]:
 ACCURACY_CASES = ((1, 1000, 1000, 8, 8, 128), (2, 333, 901, 8, 2, 64), (1, 2048, 2048, 16, 1, 128))
 
 
-def _errors(fn, q, k, v, dout, causal, ref) -> dict:
+def _errors(fn, q, k, v, dout, causal, ref) -> list[dict]:
+    """One row per tensor (out, dq, dk, dv): its largest error against float64."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     out = fn(*leaves, causal=causal)[0]
     grads = torch.autograd.grad(out, leaves, dout)
-    row = {}
+    rows = []
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
-        err = (got.double() - want).abs()
-        row[f"{name}_max_err"] = err.max().item()
-        row[f"{name}_rel_err"] = (err.max() / want.abs().max()).item()
-        row[f"{name}_finite"] = bool(torch.isfinite(got).all())
-    return row
+        err = (got.double() - want).abs().max()
+        rows.append({"tensor": name, "metric": "max_abs_err", "value": err.item(), "unit": "",
+                     "rel_err": (err / want.abs().max()).item(),
+                     "finite": bool(torch.isfinite(got).all())})
+    return rows
 
 
 def accuracy() -> list[dict]:
@@ -88,20 +89,24 @@ def accuracy() -> list[dict]:
             ref_out = attention_reference(*leaves, causal=causal)[0]
             ref = (ref_out.detach(), *torch.autograd.grad(ref_out, leaves, dout.double()))
             for name, fn in impls.items():
-                row = {"impl": name, "dtype": "bf16", "b": b, "sq": sq, "sk": sk, "h": h,
-                       "h_kv": hk, "d": d, "causal": causal}
+                case = {"impl": name, "dtype": "bf16", "b": b, "sq": sq, "sk": sk, "h": h,
+                        "h_kv": hk, "d": d, "causal": causal}
+                refused = {"metric": "max_abs_err", "value": None, "unit": ""}
                 if causal and sq != sk and name.startswith("sdpa"):
-                    row["error"] = ("not compared: SDPA's is_causal aligns the mask top-left "
-                                    "when sq != sk; the others align it bottom-right")
-                    rows.append(row)
+                    rows.append({**case, **refused, "error": (
+                        "not compared: SDPA's is_causal aligns the mask top-left when "
+                        "sq != sk; the others align it bottom-right")})
                     continue
                 try:
-                    row.update(_errors(fn, q, k, v, dout, causal, ref))
+                    found = [{**case, **r} for r in _errors(fn, q, k, v, dout, causal, ref)]
                 except Exception as exc:  # a peer that refuses a shape (GQA, sq != sk)
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                rows.append(row)
-                print({k_: (f"{v_:.2e}" if isinstance(v_, float) else v_)
-                       for k_, v_ in row.items()}, flush=True)
+                    found = [{**case, **refused, "error": f"{type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200]}"}]
+                rows += found
+                for r in found:
+                    print(f"{name:12s} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} "
+                          f"{r.get('tensor', '-')}: {r.get('value')} {r.get('error', '')}",
+                          flush=True)
     results.save("ch12_accuracy", rows, command="python -m solutions.ch12_sweep --accuracy")
     return rows
 
@@ -118,7 +123,8 @@ def memory(seqlens=(4096, 16384, 32768), d=128) -> list[dict]:
         floor = 2 * sum(t.numel() * t.element_size() for t in (q, k, v))  # inputs + gradients
         for name, fn in impls.items():
             row = {"impl": name, "dtype": "bf16", "b": shape.b, "s": s, "h": shape.h, "d": d,
-                   "causal": True, "inputs_and_grads_bytes": floor}
+                   "causal": True, "inputs_and_grads_bytes": floor,
+                   "metric": "peak_extra_bytes", "value": None, "unit": "bytes"}
             try:
                 torch.autograd.grad(fn(q, k, v, causal=True)[0], (q, k, v), dout)  # compile
                 torch.cuda.synchronize()
@@ -126,7 +132,7 @@ def memory(seqlens=(4096, 16384, 32768), d=128) -> list[dict]:
                 base = torch.cuda.memory_allocated()
                 grads = torch.autograd.grad(fn(q, k, v, causal=True)[0], (q, k, v), dout)
                 torch.cuda.synchronize()
-                row["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base - sum(
+                row["value"] = torch.cuda.max_memory_allocated() - base - sum(
                     g.numel() * g.element_size() for g in grads)
                 del grads
             except Exception as exc:
