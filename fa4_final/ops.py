@@ -104,6 +104,9 @@ def _setup_fwd(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.options = (scale, causal, wl, wr, deterministic)
     ctx.return_lse = return_lse
+    # An output the loss does not use arrives as None, not as a tensor of zeros: a zero dlse
+    # would cost the second backward of Note [Gradient of the returned lse] for nothing.
+    ctx.set_materialize_grads(False)
 
 
 def _backward_fwd(ctx, dout, dlse):
@@ -188,6 +191,7 @@ def _setup_varlen_fwd(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k)
     ctx.options = (max_q, max_k, scale, causal, wl, wr, deterministic)
     ctx.return_lse = return_lse
+    ctx.set_materialize_grads(False)  # as _setup_fwd
 
 
 def _backward_varlen_fwd(ctx, dout, dlse):

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096, 16384])
     ap.add_argument("--dims", nargs="+", type=int, default=[128])
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
-    ap.add_argument("--passes", nargs="+", default=["fwd"], choices=["fwd", "bwd"])
+    ap.add_argument("--passes", nargs="+", default=["fwd"], choices=["fwd", "bwd", "fwd+bwd"])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--rep", type=int, default=30, help="timed calls per round")

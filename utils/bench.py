@@ -565,11 +565,14 @@ def _inputs(shape: Shape, dtype, requires_grad=False, seed=0, device="cuda"):
 
 def _timed_call(fn, shape: Shape, pass_: str, dtype, device="cuda") -> Callable[[], object]:
     """A zero-argument call of ``fn`` on fresh inputs of ``shape``: the forward (inputs that
-    need no gradient, so no graph is recorded), or the backward of one stored forward (its
-    graph kept for every call)."""
+    need no gradient, so no graph is recorded), the backward of one stored forward (its graph
+    kept for every call), or both ("fwd+bwd": a new forward and its backward per call)."""
     q, k, v = _inputs(shape, dtype, requires_grad=(pass_ != "fwd"), device=device)
     if pass_ == "fwd":
         return lambda: fn(q, k, v, causal=shape.causal)
+    if pass_ == "fwd+bwd":  # a training step's attention: the forward, then its backward
+        dout = torch.randn(q.shape, device=device, dtype=dtype)
+        return lambda: torch.autograd.grad(fn(q, k, v, causal=shape.causal)[0], (q, k, v), dout)
     out = fn(q, k, v, causal=shape.causal)[0]
     dout = torch.randn_like(out)
     return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)

@@ -272,6 +272,20 @@ def test_backward_through_the_returned_lse():
 
 
 @needs_backward
+def test_an_unused_lse_costs_no_second_backward(monkeypatch):
+    calls = []
+    real = ops.bwd
+    monkeypatch.setattr(ops, "bwd", lambda *a: calls.append(1) or real(*a))
+    q, k, v = (rand(1, 256, 4, 128, seed=s, grad=True) for s in range(3))
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert len(calls) == 1, "a loss that does not use lse must not run the lse backward"
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
+    assert len(calls) == 3
+
+
+@needs_backward
 def test_deterministic_backward_is_bitwise_repeatable():
     q = rand(2, 1024, 8, 128, grad=True)
     k, v = (rand(2, 1024, 2, 128, seed=s, grad=True) for s in (1, 2))
