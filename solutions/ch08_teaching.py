@@ -351,7 +351,7 @@ def profile_table(profiles: dict, stalls: int = 6) -> list[str]:
              for b in by.values() for m in b if m.startswith("consumer_stall_")}
     reasons = sorted(share, key=lambda m: -share[m])[:stalls]
     if reasons:
-        lines.append("consumers' samples by stall reason (%), the largest in either:")
+        lines.append("consumers' samples by stall reason (%), largest first:")
         for m in reasons:
             name = m[len("consumer_stall_"):-len("_samples_pct")]
             cells = "".join(f"{b[m]:14.1f}" if m in b else f"{'-':>14s}" for b in by.values())
