@@ -23,7 +23,8 @@ shares and ratios; speeds come from the benchmarks. Saved as results/<gpu>/ch04_
 
 The machinery (``ProfileSpec``, ``run_ncu``, ``profile_with``, ``from_raw_with``, ``main_with``,
 the CSV readers and ``format_profile``) is shared with chapter 05's profile,
-``solutions.ch05_profile``, which adds what a warp-specialised wgmma kernel needs.
+``solutions.ch05_profile``, which adds what a warp-specialised wgmma kernel needs, and through it
+with fa4_final's (``solutions.ch08_profile``).
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ the default 128 x 128 tile). What is new is what a warp-specialised wgmma kernel
 ncu locks the SM clock to its base while it measures, so the figures are shares and ratios;
 speeds come from the benchmarks. Saved as results/<gpu>/ch05_profile.json (rows: impl, metric,
 value, unit).
+
+fa4_final's Hopper forward is read by the same functions (``solutions.ch08_profile`` sets only its
+kernel, its launch and its results name): its SASS has the same landmarks (see ``roles`` and
+``consumer_turn``).
 """
 
 from __future__ import annotations
@@ -94,7 +98,12 @@ def roles(records: list[dict]) -> list[str]:
     setmaxnreg.dec (USETMAXREG.DEALLOC) and "consumer" from setmaxnreg.inc (USETMAXREG.*ALLOC),
     each up to the other's start or the kernel's last EXIT. After that EXIT sit the
     out-of-line retry loops of mbarrier waits: each goes to the role whose code branches into
-    it, or that it branches back to; "retry" if neither can be told."""
+    it, or that it branches back to; "retry" if neither can be told.
+
+    This holds for fa4_final's kernel too: all its consumer warpgroups (two or three, in
+    ping-pong) run one copy of the consumer code, told apart by registers (their named-barrier
+    ids), not by SASS position; its persistent tile loops sit inside each role's span, and the
+    producer warps that give their registers away and leave exit inside the producer's."""
     ops = [r["opcode"] for r in records]
     sass = [r["sass"] for r in records]
     try:
@@ -103,8 +112,8 @@ def roles(records: list[dict]) -> list[str]:
         consumer = next(i for i, op in enumerate(ops)
                         if op.startswith("USETMAXREG") and "DEALLOC" not in op)
     except StopIteration:
-        raise ValueError("no setmaxnreg (USETMAXREG) in the SASS: is this chapter 05's warp-"
-                         "specialised kernel?") from None
+        raise ValueError("no setmaxnreg (USETMAXREG) in the SASS: is this a warp-specialised "
+                         "kernel?") from None
     last_exit = max(i for i, op in enumerate(ops) if op == "EXIT")
     out = ["setup"] * len(records)
     starts = sorted([(producer, "producer"), (consumer, "consumer")])
@@ -142,7 +151,13 @@ def consumer_turn(records: list[dict], role: list[str]) -> tuple[int, int] | Non
     ``wait_group(1)`` (``WARPGROUP.DEPBAR.LE gsb0, 0x1``, which only the steady turns have):
     the loop's back edge, a branch after it to a point before it, gives the span; if ncu's
     branch targets cannot be read, the run of instructions around it that execute at least
-    half as often. None without such a wait."""
+    half as often. None without such a wait.
+
+    In fa4_final the steady turn is the same shape, inside its persistent tile loop: the loop
+    found is the innermost one around that wait (the first back edge after it), the tile loop's
+    back edge comes later. Its ping-pong turn (``bar.sync`` before S, ``bar.arrive`` after P V)
+    sits in the turn's head and its GEMM issue; ``consumer_turn_named_barrier_pct`` says how
+    much of the turn that is."""
     idx = [i for i, r in enumerate(records)
            if role[i] == "consumer" and "DEPBAR.LE gsb0, 0x1" in r["sass"]]
     if not idx:
@@ -171,7 +186,8 @@ def turn_part(records: list[dict], span: tuple[int, int]) -> dict[int, str]:
     """Each instruction of the steady turn -> its part (TURN_PARTS), by position: up to the
     first HGMMA the K/V waits and loop head; then issuing the GEMMs; the wait for S
     (wait_group 1); the softmax while P V may run; the wait for P V (wait_group 0); the rest
-    (P to bf16, the O rescale, the loop's branch)."""
+    (P to bf16, the O rescale, the loop's branch). In fa4_final the O rescale is issued between
+    the GEMMs (o_rescale="next_pv"), so its multiplies count as issuing the GEMMs."""
     a, b = span
     sass = {i: records[i]["sass"] for i in range(a, b + 1)}
     first_mma = next((i for i in range(a, b + 1) if records[i]["opcode"].startswith("HGMMA")), a)
@@ -237,6 +253,10 @@ def role_rows(records: list[dict]) -> list[dict]:
             in_turn[part] += records[i]["samples"]
         for part in TURN_PARTS:
             pct(f"consumer_turn_{part}_pct", in_turn[part], cons)
+        # the ping-pong turns: bar.sync (wait for mine) and bar.arrive (pass it on)
+        pct("consumer_turn_named_barrier_pct",
+            sum(records[i]["samples"] for i in parts
+                if _is(records[i]["opcode"], WAIT_KINDS["named_barrier"])), cons)
         pct("consumer_time_outside_steady_turn_pct", cons - sum(in_turn.values()), cons)
         a, b = span
         steps = max(r["executed"] for r in records[a:b + 1]
@@ -251,24 +271,30 @@ def role_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
-def build_rows(raw_text: str, source_text: str, config_label: str) -> list[dict]:
+def build_rows(raw_text: str, source_text: str, config_label: str,
+               impl: str = "flash_hopper") -> list[dict]:
     rows = (core.raw_rows(core.parse_raw(raw_text), RAW_METRICS)
             + role_rows(core.parse_source_rows(source_text)))
-    return [{"impl": "flash_hopper", "config": config_label, **SHAPE, **r} for r in rows]
+    return [{"impl": impl, "config": config_label, **SHAPE, **r} for r in rows]
 
 
-def _run_target() -> None:
-    """The profiled process: compile, then launch the default kernel a second time (ncu skips
-    the first launch)."""
+def launch_twice(attention) -> None:
+    """The profiled process: ``attention(q, k, v, causal)`` at SHAPE twice, the first compiles
+    (ncu skips that launch)."""
     import torch
 
-    from solutions import ch05_flash_hopper as ch05
     from utils.reference import random_qkv
 
     q, k, v, _ = random_qkv(SHAPE["b"], SHAPE["s"], SHAPE["h"], SHAPE["d"], device="cuda")
     for _ in range(2):
-        ch05.attention(q, k, v, SHAPE["causal"])
+        attention(q, k, v, SHAPE["causal"])
     torch.cuda.synchronize()
+
+
+def _run_target() -> None:
+    from solutions import ch05_flash_hopper as ch05
+
+    launch_twice(ch05.attention)
 
 
 def config_label(cfg) -> str:

@@ -280,3 +280,134 @@ def loop_outline(sass: str) -> str:
         else:
             seq.append([name, 1])
     return " ".join(f"{n}x{c}" if c > 1 else n for n, c in seq)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Nsight Compute profile next to chapter 05's (solutions.ch08_profile, solutions.ch05_profile)
+
+# (metric, what it is), printed side by side; a row neither file has is skipped. The busy share
+# of the tensor pipe is read from whichever counter both files have (profile_busy).
+PROFILE_SIDE_BY_SIDE = (
+    ("issue_slots_busy_pct", "issue slots used (%)"),
+    ("achieved_warps_per_scheduler", "warps per scheduler (achieved)"),
+    ("registers_per_thread", "registers per thread at launch"),
+    ("warp_time_setup_pct", "warp time: setup, before the roles split (%)"),
+    ("warp_time_producer_pct", "warp time: producer (%)"),
+    ("warp_time_consumer_pct", "warp time: consumers (%)"),
+    ("producer_time_mbarrier_wait_pct", "producer: at its empty-slot waits (%)"),
+    ("consumer_time_mbarrier_wait_pct", "consumers: at mbarrier waits (a tile to land) (%)"),
+    ("consumer_time_wgmma_wait_pct", "consumers: at wgmma waits (wait_group) (%)"),
+    ("consumer_time_named_barrier_wait_pct", "consumers: at named barriers (%)"),
+    ("consumer_time_exp2_pct", "consumers: exponentials (MUFU.EX2) (%)"),
+    ("consumer_turn_turn_head_pct", "steady turn: K/V waits, its turn, loop head (%)"),
+    ("consumer_turn_named_barrier_pct", "  of which at the ping-pong barriers (%)"),
+    ("consumer_turn_issue_gemms_pct", "steady turn: issue S and P V (%)"),
+    ("consumer_turn_wait_s_pct", "steady turn: wait for S (wait_group 1) (%)"),
+    ("consumer_turn_softmax_under_pv_pct", "steady turn: between the waits, P V in flight (%)"),
+    ("consumer_turn_wait_pv_pct", "steady turn: wait for P V (wait_group 0) (%)"),
+    ("consumer_turn_after_pv_pct", "steady turn: after P V (%)"),
+    ("consumer_time_outside_steady_turn_pct", "consumers: outside the steady turns (%)"),
+    ("wgmma_per_consumer_warp_per_step", "wgmma per consumer warp per KV step"),
+    ("other_instructions_per_consumer_warp_per_step", "other instructions per warp per KV step"),
+)
+_BUSY = (("tensor_pipe_gmma_active_pct", "tensor pipe busy, GMMA counter (%)"),
+         ("tensor_pipe_active_pct", "tensor pipe busy, HMMA counter (%)"))
+
+
+def _by(res) -> dict:
+    return {r["metric"]: r["value"] for r in res.rows}
+
+
+def profile_busy(profiles: dict) -> tuple[str, str] | None:
+    """(metric, what it is) of the tensor-pipe counter every stored profile has, GMMA first."""
+    have = [set(_by(res)) for res in profiles.values() if res is not None]
+    return next((m for m in _BUSY if all(m[0] in h for h in have)), None) if have else None
+
+
+def profile_table(profiles: dict, stalls: int = 6) -> list[str]:
+    """Stored profiles side by side: {column name: Results or None}. A None column says it is
+    not measured yet and the table shows the others. Then the consumers' largest stall reasons
+    (share of their samples), largest in any column first."""
+    here = {name: res for name, res in profiles.items() if res is not None}
+    lines = [f"{name}: not measured yet, so it is left out of the table"
+             for name, res in profiles.items() if res is None]
+    if not here:
+        return lines
+    for name, res in here.items():
+        first = res.rows[0]
+        lines.append(f"{name}: {first['impl']} {first['config']} at D={first['d']}, "
+                     f"S={first['s']}; {res.label}")
+    by = {name: _by(res) for name, res in here.items()}
+    busy = profile_busy(here)
+    head = f"{'':52s}" + "".join(f"{name:>14s}" for name in here)
+    lines.append(head)
+    for metric, what in ((busy,) if busy else ()) + PROFILE_SIDE_BY_SIDE:
+        if not any(metric in b for b in by.values()):
+            continue
+        cells = "".join(f"{b[metric]:14.1f}" if metric in b else f"{'-':>14s}"
+                        for b in by.values())
+        lines.append(f"{what:52s}{cells}")
+    share = {m: max(b.get(m, 0.0) for b in by.values())
+             for b in by.values() for m in b if m.startswith("consumer_stall_")}
+    reasons = sorted(share, key=lambda m: -share[m])[:stalls]
+    if reasons:
+        lines.append("consumers' samples by stall reason (%), largest first:")
+        for m in reasons:
+            name = m[len("consumer_stall_"):-len("_samples_pct")]
+            cells = "".join(f"{b[m]:14.1f}" if m in b else f"{'-':>14s}" for b in by.values())
+            lines.append(f"  {name:50s}{cells}")
+    return lines
+
+
+def _more(a: float, b: float, rel: float = 0.05) -> str:
+    """'more', 'less' or 'about as much': a against b, 5 % either way counted as equal."""
+    if abs(a - b) <= rel * max(abs(a), abs(b), 1e-9):
+        return "about as much"
+    return "more" if a > b else "less"
+
+
+def profile_comparison(new, old, new_name: str = "fa4_final",
+                       old_name: str = "chapter 05") -> list[str]:
+    """Sentences comparing two stored profiles, every number and verdict computed from them."""
+    a, b = _by(new), _by(old)
+    out = []
+    busy = profile_busy({new_name: new, old_name: old})
+    if busy and "issue_slots_busy_pct" in a and "issue_slots_busy_pct" in b:
+        m = busy[0]
+        out.append(f"{new_name} keeps the tensor pipe busy {a[m]:.0f}% of the cycles, "
+                   f"{_more(a[m], b[m])} than {old_name}'s {b[m]:.0f}%; its issue slots are used "
+                   f"{a['issue_slots_busy_pct']:.0f}% against {b['issue_slots_busy_pct']:.0f}%")
+    key = "other_instructions_per_consumer_warp_per_step"
+    if key in a and key in b:
+        out.append(f"a consumer warp issues {a[key]:.0f} instructions besides its wgmma per KV "
+                   f"step in {new_name}, {b[key]:.0f} in {old_name}: "
+                   f"{_more(a[key], b[key])} work per step")
+    parts = ("turn_head", "issue_gemms", "wait_s", "softmax_under_pv", "wait_pv", "after_pv")
+    names = {"turn_head": "the loop head (K/V waits, its turn)", "issue_gemms": "issuing the GEMMs",
+             "wait_s": "waiting for S", "softmax_under_pv": "the work between the two waits",
+             "wait_pv": "waiting for P V", "after_pv": "the work after P V"}
+    for name, by in ((new_name, a), (old_name, b)):
+        turn = {p: by[f"consumer_turn_{p}_pct"] for p in parts if f"consumer_turn_{p}_pct" in by}
+        if len(turn) == len(parts):
+            top = max(turn, key=turn.get)
+            waits = turn["wait_s"] + turn["wait_pv"]
+            out.append(f"{name}: the largest part of a consumer's steady turn is {names[top]} "
+                       f"({turn[top]:.0f}% of the consumers' samples); its two wgmma waits take "
+                       f"{waits:.0f}%")
+    key = "consumer_turn_named_barrier_pct"
+    if key in a:
+        out.append(f"{new_name}'s ping-pong barriers hold {a[key]:.1f}% of the consumers' "
+                   f"samples inside the steady turn")
+    tops = {}
+    for name, by in ((new_name, a), (old_name, b)):
+        stall = {m: v for m, v in by.items() if m.startswith("consumer_stall_")
+                 and m != "consumer_stall_selected_samples_pct"}
+        if stall:
+            top = max(stall, key=stall.get)
+            tops[name] = top[len("consumer_stall_"):-len("_samples_pct")]
+            out.append(f"{name}: the consumers' most common stall, besides issuing, is "
+                       f"{tops[name]} ({stall[top]:.0f}% of their samples)")
+    if len(tops) == 2:
+        out.append("the same stall leads in both" if len(set(tops.values())) == 1
+                   else "a different stall leads in each")
+    return out

@@ -1,21 +1,26 @@
-"""How tests/data/ch05_profile_raw/ was made: a stand-in for ncu's exports of chapter 05's kernel,
-so the profile's parser is tested on the real shape of the problem before a real profile exists.
+"""How tests/data/ch05_profile_raw/ and tests/data/fa4_final_profile_raw/ were made: stand-ins for
+ncu's exports of chapter 05's kernel and of fa4_final's Hopper forward, so the profile's parser is
+tested on the real shape of the problem before a real profile exists.
 
-The SASS is the kernel's own (compiled here for sm_90a, no GPU); every count and sample in the
-files is invented, with the kernel's structure: 2048 CTAs of 12 warps, one producer warp and 8
-consumer warps per CTA, 128 KV tiles per CTA, so a loop body runs 127 times per warp. Samples are
-weighted by kind of instruction (heavy at the waits). Nothing here is a measurement.
+The SASS is each kernel's own (compiled here for sm_90a, no GPU); every count and sample in the
+files is invented, with the kernel's structure: CTAs of 12 warps, one producer warp and 8
+consumer warps per CTA, 128 KV tiles per query tile, so a KV loop body runs 127 times per warp
+and tile. Chapter 05 launches 2048 CTAs of one tile each; fa4_final 132 persistent CTAs of 16
+tiles each, so its per-tile code runs 16 times per warp. Only the innermost loops count as KV
+loops (fa4_final's persistent tile loops hold them). Samples are weighted by kind of instruction
+(heavy at the waits). Nothing here is a measurement.
 
-    python tests/data/make_ch05_profile_fixture.py      # rewrites raw.csv, source.csv, meta.json
+    PYTHONPATH=. python tests/data/make_ch05_profile_fixture.py             # ch05_profile_raw/
+    PYTHONPATH=. python tests/data/make_ch05_profile_fixture.py fa4_final   # fa4_final_..._raw/
 """
 
 import json
 import re
+import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent / "ch05_profile_raw"
 BASE = 0x7F3A12000000  # ncu prints absolute addresses; branch targets too
-CTAS, TURNS = 2048, 128
+TURNS = 128
 STALLS = ("selected", "wait", "long_sb", "barrier", "math", "dispatch", "warpgroup_arrive")
 
 
@@ -67,11 +72,28 @@ def weights(op: str, in_loop: bool, role: str):
     return 3, {"wait": 1, "selected": 2}
 
 
-def main() -> None:
+def compiled(impl: str):
+    """(SASS, CTAs, tiles per CTA, ncu's kernel name, config label) of one kernel at D = 128."""
+    if impl == "fa4_final":
+        from fa4_final import interface
+        from solutions import ch08_profile
+
+        return (interface.compile_only("sm_90a", head_dim=128).sass, 132, 16,
+                "kernel_cutlass_kernel_fa4_finalhopperfwdHopperForward",
+                ch08_profile.config_label(ch08_profile.default_config()))
     from solutions import ch05_flash_hopper as ch05
 
-    art = ch05.compile_only("sm_90a", head_dim=128)
-    ins = instructions(art.sass)
+    return (ch05.compile_only("sm_90a", head_dim=128).sass, 2048, 1,
+            "kernel_cutlass_kernel_solutionsch05_flash_hopperFlashAttentionHopper",
+            "128x128 wg2 s2 overlap")
+
+
+def main(impl: str = "flash_hopper") -> None:
+    sass, ctas, tiles, kernel_name, label = compiled(impl)
+    here = Path(__file__).parent / ("fa4_final_profile_raw" if impl == "fa4_final"
+                                    else "ch05_profile_raw")
+    here.mkdir(exist_ok=True)
+    ins = instructions(sass)
     ops = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in ins]
     producer = next(i for i, o in enumerate(ops) if o.startswith("USETMAXREG") and "DEALLOC" in o)
     consumer = next(i for i, o in enumerate(ops) if o.startswith("USETMAXREG")
@@ -88,6 +110,8 @@ def main() -> None:
             # not the setmaxnreg retry loop
             if any("UTMALDG" in t for t in body) or any("gsb0, 0x1" in t for t in body):
                 loops.append((a, i))
+    loops = [(a, b) for a, b in loops  # innermost only: not a persistent loop around a KV loop
+             if not any((a, b) != (c, d) and a <= c and d <= b for c, d in loops)]
     rows = []
     for i, (off, text) in enumerate(ins):
         role = ("setup" if i < min(producer, consumer) else
@@ -97,21 +121,22 @@ def main() -> None:
         warps = {"setup": 12, "producer": 1, "consumer": 8, "retry": 1}[role]
         if role == "producer" and i < producer + 2:
             warps = 4  # all four producer warps give registers away; three then exit
-        executed = CTAS * warps * ((TURNS - 1) if in_loop else 1)
+        per_cta = 1 if role == "setup" else tiles
+        executed = ctas * warps * per_cta * ((TURNS - 1) if in_loop else 1)
         if role == "retry":
-            executed = CTAS // 4
+            executed = ctas * tiles // 4
         samples, stalls = weights(text, in_loop, role)
         rows.append((BASE + off, text, samples, executed, stalls))
     head = ['"Address"', '"Source"', '"Warp Stall Sampling (All Samples)"',
             '"Warp Stall Sampling (Not-issued Samples)"', '"# Samples"',
             '"Instructions Executed"'] + [f'"stall_{s}"' for s in STALLS]
-    lines = ['"Kernel Name","kernel_cutlass_kernel_solutionsch05_flash_hopperFlashAttentionHopper"',
+    lines = [f'"Kernel Name","{kernel_name}"',
              ",".join(head)]
     for addr, text, samples, executed, stalls in rows:
         cells = [hex(addr), text, samples, samples - stalls.get("selected", 0), samples,
                  executed] + [stalls.get(s, 0) for s in STALLS]
         lines.append(",".join(f'"{c}"' for c in cells))
-    (HERE / "source.csv").write_text("\n".join(lines) + "\n")
+    (here / "source.csv").write_text("\n".join(lines) + "\n")
     metrics = [
         ("gpu__time_duration.sum", "msecond", "4.21"),
         ("gpc__cycles_elapsed.avg.per_second", "cycle/nsecond", "1.38"),
@@ -135,14 +160,14 @@ def main() -> None:
     raw = [",".join(['"ID"', '"Kernel Name"'] + [f'"{m}"' for m, _, _ in metrics]),
            ",".join(['""', '""'] + [f'"{u}"' for _, u, _ in metrics]),
            ",".join(['"0"', '"kernel"'] + [f'"{v}"' for _, _, v in metrics])]
-    (HERE / "raw.csv").write_text("\n".join(raw) + "\n")
+    (here / "raw.csv").write_text("\n".join(raw) + "\n")
     prov = {"gpu": "none (a hand-made fixture)", "driver": "none", "cuda": "none",
             "torch": "none", "cutlass_dsl": "4.8.1", "commit": "fixture", "date": "fixture",
-            "command": "python tests/data/make_ch05_profile_fixture.py"}
-    (HERE / "meta.json").write_text(json.dumps({"provenance": prov,
-                                                "config": "128x128 wg2 s2 overlap"}, indent=1)
+            "command": f"python tests/data/make_ch05_profile_fixture.py "
+                       f"{'fa4_final' if impl == 'fa4_final' else ''}".strip()}
+    (here / "meta.json").write_text(json.dumps({"provenance": prov, "config": label}, indent=1)
                                     + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:])

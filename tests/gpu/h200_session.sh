@@ -4,7 +4,8 @@
 #   (fa4_final, chapter 08: fa4-check fa4-bench fa4-knobs fa4-timeline; SANITIZE=ch08_checks)
 #   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
-#   (profiles: ch04-profile, ch05-profile; each keeps ncu's CSV exports under $OUT/<name>_raw)
+#   (profiles: ch04-profile, ch05-profile, fa4-profile; each keeps ncu's CSV exports under
+#    $OUT/<name>_raw)
 # (ch04-peers also needs CUTLASS_FA2_EXAMPLE: the path of CUTLASS's Ampere FA2 example)
 # Results files written under results/ are sent back as $OUT/results.tar; logs as $OUT/logs.tar.gz.
 # DEADLINE=<epoch seconds> shortens the last steps so that none runs past it (the logs of a
@@ -47,6 +48,7 @@ for s in "$@"; do
     ch04-check) step ch04_check 600 $PY -m solutions.ch04_flash_ampere --check ;;
     ch04-profile) step ch04_profile 300 $PY -m solutions.ch04_profile --raw-dir "$OUT/ch04_profile_raw" ;;
     ch05-profile) step ch05_profile 300 $PY -m solutions.ch05_profile --raw-dir "$OUT/ch05_profile_raw" ;;
+    fa4-profile) step fa4_profile 300 $PY -m solutions.ch08_profile --raw-dir "$OUT/fa4_final_profile_raw" ;;
     ch07) step ch07_rescale 300 $PY -m solutions.ch07_rescaling --save ;;
     fa4-check) step fa4_check 420 $PY -m solutions.ch08_checks ;;
     bwd-check) step bwd_check 300 $PY -m fa4_final.backward --check --small ;;
