@@ -49,6 +49,7 @@ def test_default_forward_has_the_hopper_instructions(artifacts, head_dim, causal
     dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
     dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0),
     dict(has_window_left=True), dict(has_window_right=True, has_window_left=True),
+    dict(stages_k=2, stages_v=3), dict(mask_bits=True),
 ])
 def test_every_knob_compiles_clean(artifacts, knobs):
     art = artifacts(128, False, **dict(knobs))
@@ -85,3 +86,13 @@ def test_config_errors_name_the_knob():
         HopperFwdConfig(rescale_threshold=16.0).check(128)
     with pytest.raises(interface.UnsupportedError, match="sm_90a"):
         interface.compile_only("sm_100a")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mask_bits_replaces_the_compares(artifacts, head_dim):
+    """Note [Mask as bits]: the causal kernel with mask_bits has no spills and far fewer
+    ISETP (one per masked element before) than the default."""
+    plain = artifacts(head_dim, True)
+    bits = artifacts(head_dim, True, mask_bits=True)
+    assert bits.spills == 0 and wgmma_serialised(bits) == 0, bits.resources()
+    assert bits.count("ISETP", "sass") < plain.count("ISETP", "sass") - 60

@@ -43,7 +43,7 @@ from fa4_final.hopper.wgmma import (
     issue_wgmma,
     smem_tile_layout,
 )
-from fa4_final.mask import apply_mask, fragment_coords
+from fa4_final.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
 from fa4_final.scheduler import rounds, tile_coords, zigzag_tile
 from fa4_final.softmax import OnlineSoftmax
 from fa4_final.tiles import TileWindow, kv_tile_range
@@ -449,6 +449,12 @@ class HopperForward:
         mask = lambda acc, i, left: apply_mask(  # noqa: E731  (i: visit index, n = n_max-1-i)
             acc, tScS, t0ScS, self.window, m_block, n_max - 1 - i, seqlen_q, seqlen_k,
             window_left, window_right, mask_left=left)
+        if const_expr(self.cfg.mask_bits and wgmma_column_rule(t0ScS)):
+            plain = mask
+            mask = lambda acc, i, left: (  # noqa: E731  (a left window: the plain mask)
+                plain(acc, i, left) if left else apply_mask_bits(
+                    acc, tScS, self.window, m_block, n_max - 1 - i, seqlen_q, seqlen_k,
+                    window_left, window_right))
         pipeline_q.consumer_wait(state_q)
         if n_tiles > 0:
             if const_expr(self.cfg.intra_wg_overlap):
