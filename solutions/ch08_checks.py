@@ -41,7 +41,8 @@ SMALL = [CASES[1], CASES[4], CASES[10]]
 KNOBS = [dict(pingpong=False), dict(persistent=False), dict(separate_o=False),
          dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
          dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0), dict(l2_sections=True),
-         dict(stages_k=2, stages_v=2), dict(stages_k=2, stages_v=3), dict(mask_bits=True)]
+         dict(stages_k=2, stages_v=2), dict(stages_k=2, stages_v=3), dict(mask_bits=True),
+         dict(o_rescale="early", mask_bits=True)]
 KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),
                (2, 777, 777, 4, 2, 64, False, FP16, None)]
 # knobs that change the mask or the P V bookkeeping also meet causal D = 64 (tile_m = 192, two

@@ -552,6 +552,16 @@ class HopperForward:
     #   "next_pv"  at the start of the next turn, between the S GEMM and the P V GEMM: they run
     #              while the tensor cores are busy with S.
     # The source order is a request: ptxas schedules. The benchmark decides the default.
+    # What ptxas makes of it (solutions.ch08_compare, results/compile/sm90_fwd_vs_fa4.json): it
+    # puts the wait for P V (the second WARPGROUP.DEPBAR of the step) right before the first
+    # instruction that needs P V done, whatever the source says: the first O multiply, the
+    # first F2FP into tOrP (P is loop-carried: it goes into the registers P V is reading), or
+    # the arrive that frees the V stage. With "next_pv" that is the first F2FP, before any
+    # MUFU.EX2: at D = 128 none of the 64 exponentials runs under P V (FA4's sm90 kernel: 10),
+    # and the 64 O multiplies land between the turn's bar.sync and its last HGMMA. With
+    # "early" ptxas spreads the multiplies late among the exponentials and 36 (causal: 66) of
+    # them run under P V. Two P buffers with the wait moved to the next step do not escape
+    # this either: ptxas hoists that wait into the previous step's softmax.
 
     @cute.jit
     def overlap_step(self, tl, record, i, masked: cutlass.Constexpr[bool],
