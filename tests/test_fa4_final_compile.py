@@ -96,3 +96,22 @@ def test_mask_bits_replaces_the_compares(artifacts, head_dim):
     bits = artifacts(head_dim, True, mask_bits=True)
     assert bits.spills == 0 and wgmma_serialised(bits) == 0, bits.resources()
     assert bits.count("ISETP", "sass") < plain.count("ISETP", "sass") - 60
+
+
+def test_sm90_comparison_finds_the_kv_step(artifacts):
+    """solutions.ch08_compare reads the steady KV step out of the SASS: one loop, the S and
+    P V GEMMs (D/16 + tile_n/16 HGMMA), a MUFU.EX2 per score of the thread's two rows plus the
+    two alphas, the turn's bar.sync / bar.arrive, the two waits; and the stored table holds
+    FA4's side for every configuration."""
+    from solutions import ch08_compare
+
+    loops = ch08_compare.kv_loops(artifacts(128, False).sass)
+    assert len(loops) == 1
+    step = ch08_compare.step_metrics(loops[0])["counts"]
+    assert step["HGMMA"] == 128 // 16 + 128 // 16 and step["MUFU.EX2"] == 64 + 2
+    assert step["BAR.SYNC"] == step["BAR.ARV"] == 1 and step["WARPGROUP.DEPBAR"] == 2
+    table = ch08_compare.load_table()
+    for d, causal in ch08_compare.CONFIGS:
+        name = ch08_compare.config_name(d, causal)
+        for impl in ("fa4", "fa4_final"):
+            assert table.where(impl=impl, config=name, metric="steady step: instructions")
