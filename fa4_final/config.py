@@ -38,6 +38,7 @@ class HopperFwdConfig:
     l2_sections: bool = False  # causal order in sections of heads that fit L2 (Note [Causal..])
     separate_o: bool = True  # O staged in its own buffer: the next Q loads during the epilogue
     o_rescale: str = "next_pv"  # where O *= alpha: "end", "early", "next_pv" (Note [Where O..])
+    mask_bits: bool = False  # right-edge mask as one bit word per row (mask, Note [Mask as bits])
     timeline: bool = False  # debug build: record phase timestamps (fa4_final.timeline)
     exp2_emulation_fraction: float = 0.0  # chapter 06
     rescale_threshold: float = 0.0  # chapter 07 (tau, log2 units; 0 = always rescale)

@@ -40,9 +40,15 @@ SMALL = [CASES[1], CASES[4], CASES[10]]
 # knobs of chapter 08 (and 06, 07) checked on two shapes each
 KNOBS = [dict(pingpong=False), dict(persistent=False), dict(separate_o=False),
          dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
-         dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0), dict(l2_sections=True)]
+         dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0), dict(l2_sections=True),
+         dict(stages_k=2, stages_v=2), dict(stages_k=2, stages_v=3), dict(mask_bits=True),
+         dict(o_rescale="early", mask_bits=True)]
 KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),
                (2, 777, 777, 4, 2, 64, False, FP16, None)]
+# knobs that change the mask or the P V bookkeeping also meet causal D = 64 (tile_m = 192, two
+# diagonal tiles), seqlen_q > seqlen_k and a window with both edges
+KNOB_MORE_SHAPES = {"mask_bits": [(2, 700, 500, 3, 1, 64, True, FP16, None),
+                                  (1, 700, 900, 2, 2, 64, True, BF16, (37, None))]}
 
 
 def run_into(q, k, v, out, lse, causal, softmax_scale, config, window):
@@ -68,7 +74,8 @@ def all_cases(small: bool = False):
         return [(c, None) for c in SMALL]
     cases = [(c, None) for c in CASES]
     for knobs in KNOBS:
-        for c in KNOB_SHAPES:
+        more = [c for k in knobs for c in KNOB_MORE_SHAPES.get(k, [])]
+        for c in KNOB_SHAPES + more:
             cases.append((c, replace(hopper_fwd_default(c[5], c[6]), **knobs)))
     return cases
 

@@ -29,6 +29,8 @@ KNOB_RESULTS = "fa4_final_knobs"
 TIMELINE_RESULTS = "ch08_timeline"
 # (head_dim, seqlen, causal) groups timed; each runs every config of knob_configs
 PLAN = ((128, 4096, False), (128, 16384, False), (128, 16384, True))
+# the groups where fa4_final trails the FA4 package most (results/h200/fa4_final_fwd.json)
+PLAN_GAPS = ((64, 16384, True), (128, 4096, True), (128, 16384, True))
 
 
 def knob_configs(head_dim: int, causal: bool) -> dict:
@@ -45,22 +47,43 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
         "no intra-warpgroup overlap": replace(base, intra_wg_overlap=False),
         "exp2 emulation 1/4": replace(base, exp2_emulation_fraction=0.25),
         "tau = 8": replace(base, rescale_threshold=8.0),
+        # from the SASS comparison with FA4's sm90 forward (solutions.ch08_compare)
+        "K/V stages 2/2 (FA4's)": replace(base, stages_k=2, stages_v=2),
+        "K/V stages 2/3": replace(base, stages_k=2, stages_v=3),
+        "mask as bit words": replace(base, mask_bits=True),
     }
     if causal:
         configs["causal order in L2 sections"] = replace(base, l2_sections=True)
+        configs["O rescaled between max and exp, mask as bit words"] = replace(
+            base, o_rescale="early", mask_bits=True)
     return configs
 
 
-def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True) -> list[dict]:
+def compile_knob_configs(head_dim: int, causal: bool) -> dict:
+    """The configs whose SASS solutions.ch08_compare records: every timed one but the debug
+    and ablation builds that change the kernel's whole structure."""
+    skip = ("one tile per CTA", "no intra-warpgroup overlap", "no ping-pong",
+            "causal order in L2 sections")
+    return {n: c for n, c in knob_configs(head_dim, causal).items() if n not in skip}
+
+
+def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True, plan=PLAN,
+          only=None, results_name: str = KNOB_RESULTS, command: str | None = None) -> list[dict]:
+    """Every config of knob_configs (``only``: those whose name holds one of the given strings,
+    and the default) timed per group of ``plan``; saved as results/<gpu>/<results_name>.json."""
     from utils.reference import random_qkv
 
+    def chosen(head_dim, causal):
+        return {n: c for n, c in knob_configs(head_dim, causal).items()
+                if only is None or n == "default" or any(o in n for o in only)}
+
     rows = []
-    for head_dim, seqlen, causal in PLAN:
+    for head_dim, seqlen, causal in plan:
         batch = 16384 // seqlen
         q, k, v, seed = random_qkv(batch, seqlen, 16, head_dim, device="cuda")
         flops = bench.attention_flops(batch, 16, seqlen, seqlen, head_dim, causal)
         calls, checked = {}, {}
-        for name, cfg in knob_configs(head_dim, causal).items():
+        for name, cfg in chosen(head_dim, causal).items():
             ok, line = ch08_checks.check_case(1, 1000, 1100, 4, 2, head_dim, causal,
                                               torch.bfloat16, config=cfg)
             checked[name] = ok
@@ -73,7 +96,7 @@ def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True) -> l
         measured = bench.interleaved({**calls, **peers}, rounds=rounds, rep=rep,
                                      max_seconds=1.5)
         extra = bench.peer_fields({n: measured[n] for n in peers}, flops)
-        for name, cfg in knob_configs(head_dim, causal).items():
+        for name, cfg in chosen(head_dim, causal).items():
             row = {"impl": "fa4_final", "config": name, "pass": "fwd", "dtype": "bf16",
                    "b": batch, "s": seqlen, "h": 16, "d": head_dim, "causal": causal,
                    "verified": checked[name], "seed": seed,
@@ -90,8 +113,8 @@ def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True) -> l
         del q, k, v
         torch.cuda.empty_cache()
     if save:
-        print("wrote", results.save(KNOB_RESULTS, rows,
-                                    command="python -m solutions.ch08_knobs --knobs"))
+        print("wrote", results.save(results_name, rows,
+                                    command=command or "python -m solutions.ch08_knobs --knobs"))
     return rows
 
 
@@ -133,6 +156,10 @@ def main(argv=None) -> int:
     ap.add_argument("--knobs", action="store_true")
     ap.add_argument("--timeline", action="store_true")
     ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS)
+    ap.add_argument("--only", nargs="*", help="configs whose name holds one of these (and the "
+                    "default); saved as fa4_final_knobs_only.json, not over the full table")
+    ap.add_argument("--gaps", action="store_true", help="time the groups of PLAN_GAPS (where "
+                    "the FA4 package leads), not PLAN")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (sm_90); the stored results are in results/h200/")
@@ -140,7 +167,10 @@ def main(argv=None) -> int:
     if args.timeline:
         timeline()
     if args.knobs:
-        knobs(rounds=args.rounds)
+        partial = args.only is not None or args.gaps
+        knobs(rounds=args.rounds, plan=PLAN_GAPS if args.gaps else PLAN, only=args.only,
+              results_name=KNOB_RESULTS + "_only" if partial else KNOB_RESULTS,
+              command="python -m solutions.ch08_knobs " + " ".join(argv or sys.argv[1:]))
     return 0
 
 

@@ -49,6 +49,7 @@ def test_default_forward_has_the_hopper_instructions(artifacts, head_dim, causal
     dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
     dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0),
     dict(has_window_left=True), dict(has_window_right=True, has_window_left=True),
+    dict(stages_k=2, stages_v=3), dict(mask_bits=True),
 ])
 def test_every_knob_compiles_clean(artifacts, knobs):
     art = artifacts(128, False, **dict(knobs))
@@ -85,3 +86,32 @@ def test_config_errors_name_the_knob():
         HopperFwdConfig(rescale_threshold=16.0).check(128)
     with pytest.raises(interface.UnsupportedError, match="sm_90a"):
         interface.compile_only("sm_100a")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mask_bits_replaces_the_compares(artifacts, head_dim):
+    """Note [Mask as bits]: the causal kernel with mask_bits has no spills and far fewer
+    ISETP (one per masked element before) than the default."""
+    plain = artifacts(head_dim, True)
+    bits = artifacts(head_dim, True, mask_bits=True)
+    assert bits.spills == 0 and wgmma_serialised(bits) == 0, bits.resources()
+    assert bits.count("ISETP", "sass") < plain.count("ISETP", "sass") - 60
+
+
+def test_sm90_comparison_finds_the_kv_step(artifacts):
+    """solutions.ch08_compare reads the steady KV step out of the SASS: one loop, the S and
+    P V GEMMs (D/16 + tile_n/16 HGMMA), a MUFU.EX2 per score of the thread's two rows plus the
+    two alphas, the turn's bar.sync / bar.arrive, the two waits; and the stored table holds
+    FA4's side for every configuration."""
+    from solutions import ch08_compare
+
+    loops = ch08_compare.kv_loops(artifacts(128, False).sass)
+    assert len(loops) == 1
+    step = ch08_compare.step_metrics(loops[0])["counts"]
+    assert step["HGMMA"] == 128 // 16 + 128 // 16 and step["MUFU.EX2"] == 64 + 2
+    assert step["BAR.SYNC"] == step["BAR.ARV"] == 1 and step["WARPGROUP.DEPBAR"] == 2
+    table = ch08_compare.load_table()
+    for d, causal in ch08_compare.CONFIGS:
+        name = ch08_compare.config_name(d, causal)
+        for impl in ("fa4", "fa4_final"):
+            assert table.where(impl=impl, config=name, metric="steady step: instructions")

@@ -43,7 +43,7 @@ from fa4_final.hopper.wgmma import (
     issue_wgmma,
     smem_tile_layout,
 )
-from fa4_final.mask import apply_mask, fragment_coords
+from fa4_final.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
 from fa4_final.scheduler import rounds, tile_coords, zigzag_tile
 from fa4_final.softmax import OnlineSoftmax
 from fa4_final.tiles import TileWindow, kv_tile_range
@@ -449,6 +449,12 @@ class HopperForward:
         mask = lambda acc, i, left: apply_mask(  # noqa: E731  (i: visit index, n = n_max-1-i)
             acc, tScS, t0ScS, self.window, m_block, n_max - 1 - i, seqlen_q, seqlen_k,
             window_left, window_right, mask_left=left)
+        if const_expr(self.cfg.mask_bits and wgmma_column_rule(t0ScS)):
+            plain = mask
+            mask = lambda acc, i, left: (  # noqa: E731  (a left window: the plain mask)
+                plain(acc, i, left) if left else apply_mask_bits(
+                    acc, tScS, self.window, m_block, n_max - 1 - i, seqlen_q, seqlen_k,
+                    window_left, window_right))
         pipeline_q.consumer_wait(state_q)
         if n_tiles > 0:
             if const_expr(self.cfg.intra_wg_overlap):
@@ -546,6 +552,16 @@ class HopperForward:
     #   "next_pv"  at the start of the next turn, between the S GEMM and the P V GEMM: they run
     #              while the tensor cores are busy with S.
     # The source order is a request: ptxas schedules. The benchmark decides the default.
+    # What ptxas makes of it (solutions.ch08_compare, results/compile/sm90_fwd_vs_fa4.json): it
+    # puts the wait for P V (the second WARPGROUP.DEPBAR of the step) right before the first
+    # instruction that needs P V done, whatever the source says: the first O multiply, the
+    # first F2FP into tOrP (P is loop-carried: it goes into the registers P V is reading), or
+    # the arrive that frees the V stage. With "next_pv" that is the first F2FP, before any
+    # MUFU.EX2: at D = 128 none of the 64 exponentials runs under P V (FA4's sm90 kernel: 10),
+    # and the 64 O multiplies land between the turn's bar.sync and its last HGMMA. With
+    # "early" ptxas spreads the multiplies late among the exponentials and 36 (causal: 66) of
+    # them run under P V. Two P buffers with the wait moved to the next step do not escape
+    # this either: ptxas hoists that wait into the previous step's softmax.
 
     @cute.jit
     def overlap_step(self, tl, record, i, masked: cutlass.Constexpr[bool],

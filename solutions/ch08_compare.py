@@ -1,0 +1,360 @@
+"""Chapter 08: our sm_90a forward and FA4's own, compiled the same way, side by side per KV step.
+
+Neither kernel runs here; both compile on a CPU (fake tensors, ``CUTE_DSL_ARCH=sm_90a``). The
+whole-kernel counts of chapter 09's table (solutions.ch09_compare) say little on Hopper, where
+both kernels hold several copies of the step (first tile, masked tiles, last P V); what decides
+the speed is the body of the steady KV loop, which every consumer warpgroup runs once per KV
+tile. This module finds that body in the SASS (the innermost loop that holds both HGMMA and
+MUFU.EX2), counts its instructions by class, and writes the order in which the step's waits,
+barriers, GEMMs and softmax phases come, because on Hopper the order is the schedule:
+
+- ``exps under P V``: MUFU.EX2 between the warpgroup's two WARPGROUP.DEPBAR (wait for S, then
+  wait for P V). Those exponentials run while this warpgroup's P V is still on the tensor
+  cores; the rest wait for it. With ping-pong at D = 128 a warpgroup has P V (512 tensor
+  cycles) plus the other warpgroup's two GEMMs (1024) to do its softmax in: waiting for P V
+  before the exponentials leaves it 1024.
+- ``ALU between turn and issue``: instructions between BAR.SYNC (the turn begins) and the last
+  HGMMA of the step: work that delays the GEMMs once the tensor cores are this warpgroup's.
+
+    python -m solutions.ch08_compare --write        # both sides (FA4 importable: --fa4-site)
+    python -m solutions.ch08_compare --write --ours # our rows only, FA4's kept from the file
+
+writes ``results/compile/sm90_fwd_vs_fa4.json`` (rows of impl, config, metric, value, unit).
+Counts are static: each loop body once, so they compare code shapes, not run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+from solutions.ch09_compare import (
+    DEFAULT_FA4_SITE,
+    FA4_VERSION,
+    sass_opcodes,
+    setmaxnreg_values,
+)
+from utils import results
+
+NAME = "sm90_fwd_vs_fa4"
+FOLDER = "compile"
+SMS = 132  # H100 / H200
+# FA4's own sm90 choice (interface._tile_size_fwd_sm90): (tile_m, tile_n, consumer warpgroups)
+FA4_TILES = {64: (192, 128, 3), 128: (128, 128, 2)}
+CONFIGS = [(d, causal) for d in (64, 128) for causal in (False, True)]
+
+# classes counted in a step: (label, regex on the opcode with its modifiers)
+STEP_CLASSES = [
+    ("HGMMA", r"^HGMMA"),
+    ("FFMA", r"^FFMA"),
+    ("FMUL", r"^FMUL"),
+    ("FADD", r"^FADD"),
+    ("FMNMX", r"^FMNMX"),
+    ("MUFU.EX2", r"^MUFU\.EX2"),
+    ("F2FP (fp32 -> 16-bit pairs)", r"^F2FP"),
+    ("F2F (single conversions)", r"^F2F\b|^F2F\."),
+    ("SHFL", r"^SHFL"),
+    ("FSEL", r"^FSEL"),
+    ("ISETP/FSETP", r"^(I|F)SETP"),
+    ("BAR.SYNC", r"^BAR\.SYNC"),
+    ("BAR.ARV", r"^BAR\.ARV"),
+    ("WARPGROUP.ARRIVE", r"^WARPGROUP\.ARRIVE"),
+    ("WARPGROUP.DEPBAR", r"^WARPGROUP\.DEPBAR"),
+    ("SYNCS (mbarrier)", r"^SYNCS"),
+    ("uniform (U*)", r"^U(?!TM)"),
+    ("integer (IMAD/IADD3/LOP3/SHF/LEA/MOV)", r"^(IMAD|IADD3|LOP3|SHF|LEA|MOV|VIADD)\b"),
+    ("LDL/STL (spills)", r"^(LDL|STL)\b"),
+]
+# the ops the order string shows; runs of one op are written opx<n>
+ORDER_OPS = ("HGMMA", "MUFU.EX2", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.SYNC", "BAR.ARV",
+             "SYNCS", "SHFL", "F2FP", "FMUL", "FMNMX", "FFMA", "FADD", "FSEL")
+_INSTR = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def _instructions(lines: list[str]) -> list[tuple[bool, str]]:
+    """(predicated, opcode) of each instruction line."""
+    out = []
+    for line in lines:
+        m = _INSTR.match(line)
+        if m:
+            out.append((m.group(1) is not None, m.group(2)))
+    return out
+
+
+def kv_loops(sass: str) -> list[list[str]]:
+    """Bodies (SASS lines, label to back-branch) of the KV loops: backward branches whose span
+    holds HGMMA and MUFU.EX2, without the out-of-line retry blocks of mbarrier waits (they
+    branch back into the middle of a body) and without the loops around them (tiles)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"\s*\.(L_x_\d+):", line))}
+    spans = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\b[^;]*?`?\(?\.(L_x_\d+)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            ops = [op for _, op in _instructions(lines[labels[m.group(1)]:i + 1])]
+            if any(op.startswith("HGMMA") for op in ops) and any(
+                    op.startswith("MUFU.EX2") for op in ops):
+                spans.append((labels[m.group(1)], i))
+    spans = [(a, b) for a, b in spans
+             if not any(a2 < a <= b2 < b for a2, b2 in spans)]  # retry edges into a body
+    spans = [(a, b) for a, b in spans
+             if not any(a <= a2 and b2 <= b and (a2, b2) != (a, b) for a2, b2 in spans)]
+    return [lines[a:b + 1] for a, b in sorted(set(spans))]
+
+
+def order(ops: list[str]) -> str:
+    """The step's key ops in program order, runs compressed: 'HGMMAx8 BAR.ARV ...'."""
+    keys = []
+    for op in ops:
+        key = next((k for k in reversed(ORDER_OPS) if op.startswith(k)), None)
+        if key:
+            keys.append(key)
+    runs = []
+    for k in keys:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    return " ".join(k if n == 1 else f"{k}x{n}" for k, n in runs)
+
+
+def step_metrics(body: list[str]) -> dict:
+    """Counts of one loop body (one KV step of one consumer warpgroup) and its schedule."""
+    instrs = _instructions(body)
+    ops = [op for _, op in instrs]
+    counts = {label: sum(1 for op in ops if re.match(rx, op)) for label, rx in STEP_CLASSES}
+    counts["predicated (@P)"] = sum(1 for pred, _ in instrs if pred)
+    counts["instructions"] = len(ops)
+    waits = [i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR")]
+    exps = [i for i, op in enumerate(ops) if op.startswith("MUFU.EX2")]
+    turn = next((i for i, op in enumerate(ops) if op.startswith("BAR.SYNC")), None)
+    gemms = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
+    sched = {
+        "exps under P V": (sum(1 for e in exps if waits[0] < e < waits[1])
+                           if len(waits) >= 2 else None),
+        "exps after the P V wait": (sum(1 for e in exps if e > waits[1])
+                                    if len(waits) >= 2 else None),
+        "ALU between turn and issue": (sum(1 for op in ops[turn + 1:gemms[-1]]
+                                           if not op.startswith(("HGMMA", "WARPGROUP")))
+                                       if turn is not None and gemms and turn < gemms[-1]
+                                       else None),
+        "order": order(ops),
+    }
+    return {"counts": counts, "schedule": sched}
+
+
+def kernel_metrics(ptx: str, sass: str, registers: int, spills: int, tile_m: int,
+                   tile_n: int) -> dict:
+    regs = setmaxnreg_values(ptx)
+    threads = re.search(r"\.reqntid\s+(\d+)", ptx) or re.search(r"\.maxntid\s+(\d+)", ptx)
+    n_threads = int(threads.group(1)) if threads else None
+    out = {
+        "registers (launch)": registers,
+        "spill instructions": spills,
+        "setmaxnreg inc (consumers)": regs["inc"],
+        "setmaxnreg dec (producer)": regs["dec"],
+        "threads per CTA": n_threads,
+        "consumer warpgroups": n_threads // 128 - 1 if n_threads else None,
+        "tile (m x n)": f"{tile_m}x{tile_n}",
+        "kernel HGMMA": sum(1 for op in sass_opcodes(sass) if op.startswith("HGMMA")),
+        "kernel MUFU.EX2": sum(1 for op in sass_opcodes(sass) if op.startswith("MUFU.EX2")),
+    }
+    loops = kv_loops(sass)
+    out["KV loops"] = len(loops)
+    # the steady step: the loop with the fewest predicated selects (causal kernels also have
+    # the masked loop over the diagonal tiles)
+    if loops:
+        by_mask = sorted(loops, key=lambda b: step_metrics(b)["counts"]["FSEL"])
+        steady = step_metrics(by_mask[0])
+        out["steady step"] = steady["counts"]
+        out["steady step schedule"] = steady["schedule"]
+        if len(loops) > 1:
+            masked = step_metrics(by_mask[-1])
+            out["masked step"] = masked["counts"]
+            out["masked step schedule"] = masked["schedule"]
+    return out
+
+
+def our_metrics(d: int, causal: bool, config=None) -> dict:
+    from fa4_final import interface
+    from fa4_final.config import hopper_fwd_default
+
+    cfg = config or hopper_fwd_default(d, causal)
+    art = interface.compile_only("sm_90a", d, "bf16", causal, cfg)
+    out = kernel_metrics(art.ptx, art.sass, art.registers, art.spills, cfg.tile_m, cfg.tile_n)
+    out["stages (K, V)"] = f"{cfg.stages_k}, {cfg.stages_v}"
+    return out
+
+
+_FA4_DRIVER = r'''
+import os, sys, json, time
+sys.path[:0] = json.loads(os.environ["FA4_SITE"])
+import cutlass.utils
+class HW:
+    def __init__(self, *a, **k): pass
+    def get_device_multiprocessor_count(self): return int(os.environ["FLASH_ATTENTION_NUM_SMS"])
+    def get_max_active_clusters(self, *a, **k): return int(os.environ["FLASH_ATTENTION_NUM_SMS"])
+cutlass.utils.HardwareInfo = HW
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from flash_attn.cute import interface
+d, causal = int(sys.argv[1]), sys.argv[2] == "1"
+with FakeTensorMode():
+    q, k, v = (torch.empty(2, 4096, 16, d, dtype=torch.bfloat16, device="cuda") for _ in "qkv")
+    try:
+        interface.flash_attn_func(q, k, v, causal=causal)
+    except Exception as exc:  # fake tensors end the call after the compile
+        print("call ended with", type(exc).__name__)
+'''
+
+
+def fa4_metrics(d: int, causal: bool, site=DEFAULT_FA4_SITE) -> dict:
+    """FA4's sm90 forward (bf16, 2 x 4096 x 16 heads, fake CUDA tensors), compiled in a fresh
+    process with its PTX and cubin dumped; the same metrics."""
+    from fa4_final.compile import disassemble, kernel_resources
+
+    with tempfile.TemporaryDirectory(prefix="fa4_sm90_") as dump:
+        env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a",
+                   FLASH_ATTENTION_NUM_SMS=str(SMS), CUTE_DSL_KEEP_PTX="1",
+                   CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DUMP_DIR=dump, FA4_SITE=json.dumps(list(site)))
+        with tempfile.NamedTemporaryFile("w", suffix="_fa4_driver.py", delete=False) as f:
+            f.write(_FA4_DRIVER)
+        try:
+            out = subprocess.run([sys.executable, f.name, str(d), str(int(causal))], env=env,
+                                 capture_output=True, text=True, timeout=1200)
+        finally:
+            os.unlink(f.name)
+        ptxs = sorted(Path(dump).glob("*FlashAttentionForwardSm90*.ptx"))
+        cubins = sorted(Path(dump).glob("*FlashAttentionForwardSm90*.cubin"))
+        if not ptxs or not cubins:
+            raise RuntimeError(f"FA4 produced no sm90 forward: {out.stderr[-2000:]}")
+        ptx, cubin = ptxs[-1].read_text(), cubins[-1].read_bytes()
+    sass = disassemble(cubin)
+    res = kernel_resources(cubin, sass)
+    tile_m, tile_n, _ = FA4_TILES[d]
+    out = kernel_metrics(ptx, sass, max(k.registers for k in res),
+                         sum(k.spill_instructions for k in res), tile_m, tile_n)
+    out["stages (K, V)"] = "2, 2"  # flash_fwd_sm90: num_stages=2, one state for K and V
+    return out
+
+
+def config_name(d: int, causal: bool) -> str:
+    return f"d{d} {'causal' if causal else 'non-causal'}"
+
+
+def knob_rows(d: int, causal: bool) -> list[dict]:
+    """Our steady-step counts for every knob variant of solutions.ch08_knobs at (d, causal)."""
+    from solutions.ch08_knobs import compile_knob_configs
+
+    rows = []
+    for name, cfg in compile_knob_configs(d, causal).items():
+        m = our_metrics(d, causal, cfg)
+        m["knobs"] = json.dumps({k: v for k, v in asdict(cfg).items()})
+        rows += _flat(f"fa4_final [{name}]", config_name(d, causal), m)
+    return rows
+
+
+def build_rows(ours_only: bool, site=DEFAULT_FA4_SITE, knobs: bool = True) -> list[dict]:
+    rows = []
+    stored = load_table().rows if ours_only and path().exists() else []
+    for d, causal in CONFIGS:
+        name = config_name(d, causal)
+        rows += _flat("fa4_final", name, our_metrics(d, causal))
+        if ours_only:
+            rows += [r for r in stored if r["impl"] == "fa4" and r["config"] == name]
+        else:
+            rows += _flat("fa4", name, fa4_metrics(d, causal, site))
+        if knobs:
+            rows += [r for r in knob_rows(d, causal) if "[default]" not in r["impl"]]
+    return rows
+
+
+def _flat(impl: str, config: str, metrics: dict) -> list[dict]:
+    """Table rows (impl, config, metric, value, unit); a step's dict becomes 'step: name'."""
+    rows = []
+    for metric, value in metrics.items():
+        if isinstance(value, dict):
+            rows += [{"impl": impl, "config": config, "metric": f"{metric}: {k}", "value": v,
+                      "unit": "SASS instructions" if isinstance(v, int) else "-"}
+                     for k, v in value.items()]
+        else:
+            rows.append({"impl": impl, "config": config, "metric": metric, "value": value,
+                         "unit": "-"})
+    return rows
+
+
+def path() -> Path:
+    return results.RESULTS_DIR / FOLDER / f"{NAME}.json"
+
+
+def load_table() -> results.Results:
+    return results.load(NAME, gpu=FOLDER)
+
+
+def write(ours_only: bool = False, site=DEFAULT_FA4_SITE, knobs: bool = True) -> Path:
+    command = "python -m solutions.ch08_compare --write" + (" --ours" if ours_only else "")
+    rows = build_rows(ours_only, site, knobs)
+    prov = results.collect_provenance(command)
+    prov.update(gpu="none: compile-only for sm_90a on a CPU", driver="none",
+                fa4_version=FA4_VERSION, mode="compile-only (fake tensors)")
+    if ours_only and path().exists():
+        old = load_table().provenance
+        prov["fa4_rows_from"] = f"{old.get('commit', '?')[:10]} {old.get('date', '?')}"
+    return results.save(NAME, rows, command, gpu=FOLDER, provenance=prov)
+
+
+SUMMARY = ["instructions", "HGMMA", "FFMA", "FMUL", "FADD", "FMNMX", "MUFU.EX2",
+           "F2FP (fp32 -> 16-bit pairs)", "SHFL", "FSEL", "BAR.SYNC", "BAR.ARV",
+           "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "SYNCS (mbarrier)", "uniform (U*)",
+           "integer (IMAD/IADD3/LOP3/SHF/LEA/MOV)", "predicated (@P)"]
+
+
+def side_by_side(res: results.Results, impls=("fa4_final", "fa4")) -> str:
+    """Steady-step counts, ours / FA4's, one column per configuration."""
+    names = [config_name(d, c) for d, c in CONFIGS]
+
+    def get(impl, config, metric):
+        rows = res.where(impl=impl, config=config, metric=metric)
+        return rows[0]["value"] if rows else "-"
+
+    lines = [f"{'steady step (per warpgroup)':34s}" + "".join(f"{n:>22s}" for n in names)]
+    metrics = ([f"steady step: {m}" for m in SUMMARY]
+               + ["steady step schedule: exps under P V", "steady step schedule: "
+                  "ALU between turn and issue", "registers (launch)", "setmaxnreg inc "
+                  "(consumers)", "spill instructions", "tile (m x n)", "consumer warpgroups",
+                  "stages (K, V)", "masked step: instructions", "masked step: FSEL"])
+    for m in metrics:
+        cells = [" / ".join(_short(get(i, n, m)) for i in impls) for n in names]
+        lines.append(f"{m.split(': ')[-1][:34]:34s}" + "".join(f"{c:>22s}" for c in cells))
+    return "\n".join(lines)
+
+
+def _short(v) -> str:
+    if isinstance(v, list):
+        return "+".join(f"{n}x{x}" if n > 1 else str(x) for x, n in Counter(v).items())
+    return str(v)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--ours", action="store_true", help="regenerate our rows only")
+    ap.add_argument("--no-knobs", action="store_true", help="skip the knob variants' rows")
+    ap.add_argument("--fa4-site", nargs="*", default=list(DEFAULT_FA4_SITE))
+    args = ap.parse_args(argv)
+    if args.write:
+        print(write(args.ours, tuple(args.fa4_site), knobs=not args.no_knobs))
+    print(side_by_side(load_table()))
+
+
+if __name__ == "__main__":
+    main()
