@@ -452,7 +452,7 @@ def memory_table(res) -> str:
             cells.append(f"{v / 2**20:>10.0f} ({v / floor:5.2f}x)".rjust(22) if v is not None
                          else ("error" if r.get("error") else "-").rjust(22))
         lines.append(f"{s:>6d} {d:>4d} {causal!s:>6s} {floor / 2**20:>18.0f}" + "".join(cells))
-    lines.append("each cell: extra MiB (that over the inputs and gradients)")
+    lines.append("each cell: extra MiB (as a multiple of the inputs and gradients)")
     return "\n".join(lines)
 
 
