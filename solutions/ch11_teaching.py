@@ -110,7 +110,8 @@ def stored_results(name: str = "ch11_bwd", gpu: str = "h200"):
 
 
 def ratio_rows(res, impls=("fa4_final", "fa4_final_deterministic"), peers=None) -> str:
-    """Each shape's backward TFLOP/s per implementation, and ours over the best peer."""
+    """Each shape's backward TFLOP/s per implementation, ours over the best peer, and the
+    deterministic mode's speed over the default's (what the fixed order of dQ adds costs)."""
     if res is None:
         return "not measured yet"
     rows = [r for r in res.rows if r.get("pass") == "bwd"]
@@ -118,7 +119,7 @@ def ratio_rows(res, impls=("fa4_final", "fa4_final_deterministic"), peers=None) 
     names = list(impls) + list(peers)
     shapes = sorted({(r["d"], r["s"], r["causal"]) for r in rows})
     lines = [f"{'D':>4} {'S':>6} {'causal':>6}" + "".join(f"{n:>25}" for n in names)
-             + f"{'ours / best peer':>18}"]
+             + f"{'ours / best peer':>18}" + f"{'determ. / default':>19}"]
     for d, s, causal in shapes:
         got = {r["impl"]: r.get("tflops") for r in rows
                if (r["d"], r["s"], r["causal"]) == (d, s, causal)}
@@ -126,7 +127,9 @@ def ratio_rows(res, impls=("fa4_final", "fa4_final_deterministic"), peers=None) 
         ours = got.get(impls[0])
         cells = "".join(f"{got[n]:>25.0f}" if got.get(n) else f"{'-':>25}" for n in names)
         ratio = f"{ours / best:>18.2f}" if ours and best else f"{'-':>18}"
-        lines.append(f"{d:>4} {s:>6} {causal!s:>6}{cells}{ratio}")
+        det = got.get(impls[1]) if len(impls) > 1 else None
+        cost = f"{det / ours:>19.2f}" if ours and det else f"{'-':>19}"
+        lines.append(f"{d:>4} {s:>6} {causal!s:>6}{cells}{ratio}{cost}")
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@
     python -m solutions.progress --write  # rewrite it inside README.md
 
 The headline figure of each version is its forward TFLOP/s at D=128, S=16384 (batch 1,
-16 heads), bf16, non-causal, read from ``results/h200/<version results>.json``, with its ratio
+16 heads), bf16, non-causal (for the backward of chapter 11, its backward TFLOP/s there),
+read from ``results/h200/<version results>.json``, with its ratio
 to the fastest peer measured in the same run (named), to the FA4 package when that is not the
 fastest, and to cuDNN and FlashAttention-2 (SDPA's flash backend). A ratio within the rows'
 spread is marked "~" (``utils.bench.compare``). A version that was never measured says so; no
@@ -23,6 +24,9 @@ from utils.bench import compare, is_peer
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- progression:start -->", "<!-- progression:end -->"
 HEADLINE = {"pass": "fwd", "d": 128, "s": 16384, "causal": False, "dtype": "bf16"}
+# (chapter, idea, results file, impl, source): the backward's row, after the forwards
+BACKWARD = (11, "fa4_final backward: K, V and dK, dV stay per CTA, dQ by float32 bulk adds",
+            "ch11_bwd", "fa4_final", "fa4_final/hopper/bwd.py")
 
 
 PEER_SHORT = {"fa4_package": "FA4 package", "sdpa_cudnn": "cuDNN", "sdpa_flash": "FA2",
@@ -41,18 +45,23 @@ def headline(version) -> str:
         if version.needs == "sm_100":
             return "compiled for sm_100a and checked without a GPU; never run (no B200 here)"
         return "runs on CPU (not benchmarked)"
+    return measured(version.results, version.name, HEADLINE)
+
+
+def measured(results_name: str, impl: str, shape: dict) -> str:
+    """``impl``'s TFLOP/s at ``shape`` in results/h200/<results_name>.json, with its ratios."""
     try:
-        res = results.load(version.results, gpu="h200")
+        res = results.load(results_name, gpu="h200")
     except FileNotFoundError:
         return "not measured yet"
-    rows = res.where(impl=version.name, **HEADLINE)
+    rows = res.where(impl=impl, **shape)
     if not rows or rows[0]["tflops"] is None:
         return "not measured yet"
     row = rows[0]
     tflops = row["tflops"]
     text = f"{tflops:.0f}" if tflops >= 10 else f"{tflops:.2g}"
     peers = {r["impl"]: r for r in res.rows if is_peer(r) and r.get("tflops")
-             and all(r.get(k) == v for k, v in HEADLINE.items())}
+             and all(r.get(k) == v for k, v in shape.items())}
     ratios = []
     top = max(peers.values(), key=lambda r: r["tflops"], default=None)
     if top is not None:
@@ -68,13 +77,16 @@ def headline(version) -> str:
 
 def table() -> str:
     lines = [
-        "| chapter | idea | fwd TFLOP/s on H200 (D=128, S=16384): ratios to peers of the same "
-        "run, ~ within noise | source |",
+        "| chapter | idea | TFLOP/s on H200 (D=128, S=16384; forward unless marked bwd): ratios "
+        "to peers of the same run, ~ within noise | source |",
         "|---|---|---|---|",
     ]
     for v in VERSIONS:
         src = v.module.replace(".", "/") + ".py"
         lines.append(f"| {v.chapter:02d} | {v.idea} | {headline(v)} | [`{src}`]({src}) |")
+    chapter, idea, name, impl, src = BACKWARD
+    figure = measured(name, impl, {**HEADLINE, "pass": "bwd"})
+    lines.append(f"| {chapter:02d} | {idea} | bwd {figure} | [`{src}`]({src}) |")
     return "\n".join(lines)
 
 

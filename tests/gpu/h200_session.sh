@@ -3,6 +3,7 @@
 #   bash tests/gpu/h200_session.sh env tests peers ch04 ch05 micro sanitize notebooks
 #   (fa4_final, chapter 08: fa4-check fa4-bench fa4-knobs fa4-timeline; SANITIZE=ch08_checks)
 #   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests)
+#   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
 #   (profiles: ch04-profile, ch05-profile; each keeps ncu's CSV exports under $OUT/<name>_raw)
 # (ch04-peers also needs CUTLASS_FA2_EXAMPLE: the path of CUTLASS's Ampere FA2 example)
 # Results files written under results/ are sent back as $OUT/results.tar; logs as $OUT/logs.tar.gz.
@@ -63,6 +64,13 @@ for s in "$@"; do
         done
       done ;;
     notebooks) step notebooks 580 env COURSE_STRICT_EXERCISES=1 $PY -m pytest -q -p no:cacheprovider --nbval-lax --nbval-cell-timeout=600 ${NOTEBOOKS:-solutions/} ;;
+    record)  # the test and sanitizer logs of this visit -> results/h200/gpu_checks.json
+      args=()
+      for log in "$OUT"/logs/*.log; do
+        n=$(basename "$log" .log)
+        case $n in gpu_tests|bwd_tests|api_tests|san_*) args+=("$n=$log") ;; esac
+      done
+      [ ${#args[@]} -gt 0 ] && step record 60 $PY -m solutions.gpu_checks "${args[@]}" ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done

@@ -1,0 +1,86 @@
+"""What the GPU test runs found, stored like any measurement: results/h200/gpu_checks.json.
+
+    python -m solutions.gpu_checks SUITE=LOG [SUITE=LOG ...]
+    python -m solutions.gpu_checks --provenance-from results/h200/ch11_bwd.json SUITE=LOG ...
+
+Each LOG is the output of a pytest run (its last "N passed, M failed ..." line is read) or of a
+compute-sanitizer run (its "ERROR SUMMARY" / "RACECHECK SUMMARY" line). A row per suite:
+impl (the suite's name), metric ("passed", "failed", "errors", "skipped" for pytest; "errors"
+or "hazards" for a sanitizer), value, unit. Rows of suites not named keep their stored value, so
+one run can add to what an earlier one recorded.
+
+Run on the GPU machine, right after the tests, the provenance is that machine's. For logs brought
+back from it, ``--provenance-from`` takes the provenance of a results file written in the same
+session (same machine, commit and date), and the command says so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from utils import results
+
+NAME = "gpu_checks"
+PYTEST = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected)")
+SANITIZER = re.compile(r"(ERROR|RACECHECK) SUMMARY: (\d+) (errors|hazards)")
+
+
+def read_log(text: str) -> dict[str, int]:
+    """{metric: count} from the log of one pytest or compute-sanitizer run."""
+    for line in reversed(text.splitlines()):
+        m = SANITIZER.search(line)
+        if m:
+            return {m.group(3): int(m.group(2))}
+        found = PYTEST.findall(line)
+        if found and (" in " in line or line.strip().startswith("=")):
+            counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
+                      for n, kind in found}
+            return {"errors" if k == "error" else k: v for k, v in counts.items()}
+    raise ValueError("no pytest summary line and no compute-sanitizer summary in the log")
+
+
+def rows_for(suite: str, text: str, provenance: dict) -> list[dict]:
+    """The suite's rows, each saying which commit and date it was measured at (a file can
+    hold rows of several runs; its own provenance is the latest run's)."""
+    counts = read_log(text)
+    unit = "findings" if set(counts) <= {"errors", "hazards"} and SANITIZER.search(text) \
+        else "tests"
+    return [{"impl": suite, "metric": metric, "value": value, "unit": unit,
+             "commit": provenance["commit"], "date": provenance["date"]}
+            for metric, value in counts.items()]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    provenance = None
+    if argv[:1] == ["--provenance-from"]:
+        provenance = json.loads(Path(argv[1]).read_text())["provenance"]
+        argv = argv[2:]
+    if not argv or any("=" not in a for a in argv):
+        print(__doc__, file=sys.stderr)
+        return 2
+    command = "python -m solutions.gpu_checks " + " ".join(argv)
+    if provenance is None:
+        provenance = results.collect_provenance(command)
+    else:
+        provenance = {**provenance,
+                      "command": command + f" (logs of the run of {provenance['date']})"}
+    new = []
+    for arg in argv:
+        suite, log = arg.split("=", 1)
+        new += rows_for(suite, Path(log).read_text(errors="replace"), provenance)
+    stored = results.load_stored(NAME)
+    named = {r["impl"] for r in new}
+    rows = [r for r in (stored.rows if stored else []) if r["impl"] not in named] + new
+    path = results.save(NAME, rows, command, gpu="h200", provenance=provenance)
+    for r in new:
+        print(f"{r['impl']:40s} {r['metric']:>10s} {r['value']}")
+    print(f"stored {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Reading GPU test logs into results rows (solutions.gpu_checks), on the CPU."""
+
+import pytest
+
+from solutions.gpu_checks import read_log
+
+
+def test_pytest_summaries():
+    assert read_log("...\nPASSED x\n45 passed, 1 warning in 112.08s (0:01:52)\n") == {
+        "passed": 45}
+    assert read_log("= 1 failed, 10 passed, 13 deselected, 14 warnings in 68.13s =") == {
+        "failed": 1, "passed": 10, "deselected": 13}
+    assert read_log("2 passed, 1 error in 3.0s") == {"passed": 2, "errors": 1}
+
+
+def test_sanitizer_summaries():
+    assert read_log("ok b=1\n========= ERROR SUMMARY: 0 errors\n") == {"errors": 0}
+    assert read_log("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+                    ) == {"hazards": 0}
+
+
+def test_a_log_without_a_summary_is_refused():
+    with pytest.raises(ValueError, match="no pytest summary"):
+        read_log("Traceback (most recent call last):\n  killed\n")
