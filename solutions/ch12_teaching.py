@@ -210,8 +210,7 @@ def plot_sweep(res, pass_: str):
         _plain_ticks(ax, seqlens)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
-    plots.label_provenance(axes.flat[len(panels) - 1], res.label)
-    fig.tight_layout()
+    _figure_label(fig, res.label)
     return fig
 
 
@@ -220,11 +219,18 @@ def _plain_ticks(ax, xs=None, logy=False) -> None:
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     if xs:
-        ax.set_xticks(xs, [str(x) for x in xs], rotation=30 if len(xs) > 5 else 0)
+        ax.set_xticks(xs, [str(x) for x in xs], rotation=45 if len(xs) > 5 else 0, fontsize=8)
         ax.xaxis.set_minor_formatter(NullFormatter())
     if logy:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _figure_label(fig, label: str) -> None:
+    """Lay out the panels, then put the provenance under all of them (one line for the figure,
+    outside the axes, so it does not squeeze them)."""
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.text(0.01, 0.01, label, fontsize=7, color="#555555")
 
 
 def peer_comparisons(res, impl: str = IMPL, pass_: str | None = None) -> list[tuple]:
@@ -260,8 +266,8 @@ def plot_vs_best_peer(res, impl: str = IMPL):
         if noise:
             s_all = sorted({s for s, _ in noise})
             band = [max(n for s2, n in noise if s2 == s) for s in s_all]
-            ax.fill_between(s_all, [1 - b for b in band], [1 + b for b in band], color="grey",
-                            alpha=0.2, label="largest spread")
+            ax.fill_between(s_all, [max(0.0, 1 - b) for b in band], [1 + b for b in band],
+                            color="grey", alpha=0.2, label="largest spread")
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xscale("log", base=2)
         _plain_ticks(ax, sorted({r["s"] for r, _, _ in found}))
@@ -269,8 +275,7 @@ def plot_vs_best_peer(res, impl: str = IMPL):
         ax.set_xlabel("sequence length S")
         ax.legend(fontsize=7)
     axes.flat[0].set_ylabel("ratio (> 1: faster than every peer)")
-    plots.label_provenance(axes.flat[0], res.label)
-    fig.tight_layout()
+    _figure_label(fig, res.label)
     return fig
 
 
