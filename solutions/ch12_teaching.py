@@ -1,0 +1,511 @@
+"""Chapter 12's helpers: the package's refusals shown live, two exercises with their checkers,
+and readers of the stored measurements (the full sweep, varlen, accuracy, memory, training).
+
+Every reader takes a ``utils.results.Results`` (or None, when the file was never measured) and
+derives what it prints from the rows: which implementation is fastest, whether a difference is
+larger than the spread (``utils.bench.compare``), how far the loss curves drift. Nothing is
+typed, so the text stays true when the files are measured again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from utils import bench, plots
+
+IMPL = "fa4_final"
+PASSES = ("fwd", "bwd", "fwd+bwd")
+SHAPE = ("pass", "dtype", "b", "s", "h", "d", "causal")
+
+
+def is_ours(impl: str) -> bool:
+    """fa4_final and its variants (deterministic, ...); everything else in a file is a peer."""
+    return impl.startswith(IMPL)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Refusals
+
+
+def refusal(call) -> str:
+    """What ``call()`` answers: 'accepted', or the error class and its message."""
+    from fa4_final import UnsupportedError
+
+    try:
+        call()
+    except (TypeError, ValueError, UnsupportedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Exercise 12.1: a check of head dims and head groups
+
+
+def check_heads(q, k) -> tuple[int, int, int]:
+    """(heads, heads_kv, head_dim) of q (..., heads, dim) and k (..., heads_kv, dim), or a
+    ValueError that says what was given and what is accepted."""
+    from fa4_final.config import HEAD_DIMS
+
+    h, d = q.shape[-2:]
+    hk, dk = k.shape[-2:]
+    if dk != d:
+        raise ValueError(f"q has head_dim {d} but k has head_dim {dk}: they must be equal")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {d}")
+    if hk == 0 or h % hk:
+        raise ValueError(f"q's {h} heads must be a multiple of k's {hk} heads (GQA/MQA)")
+    return h, hk, d
+
+
+def _meta(*shape):
+    import torch
+
+    return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+
+def check_check_heads(fn) -> None:
+    """Exercise 12.1: good shapes pass with the right triple; every bad one raises ValueError
+    whose message names the value given and what is accepted."""
+    good = [((2, 64, 8, 128), (2, 64, 8, 128), (8, 8, 128)),
+            ((1, 33, 8, 64), (1, 70, 2, 64), (8, 2, 64)),
+            ((1, 33, 6, 64), (1, 70, 1, 64), (6, 1, 64))]
+    for qs, ks, want in good:
+        try:
+            got = fn(_meta(*qs), _meta(*ks))
+        except ValueError as exc:
+            raise AssertionError(f"q {qs}, k {ks} is a valid input, but you refused it: "
+                                 f"{exc}") from None
+        if tuple(got) != want:
+            raise AssertionError(f"q {qs}, k {ks}: return (heads, heads_kv, head_dim) = {want}, "
+                                 f"got {got}")
+    bad = [((1, 16, 8, 96), (1, 16, 8, 96), ("96", "64", "128"), "an unsupported head_dim"),
+           ((1, 16, 8, 128), (1, 16, 8, 64), ("128", "64"), "q and k with different head dims"),
+           ((1, 16, 8, 64), (1, 16, 3, 64), ("8", "3"), "8 query heads over 3 k/v heads"),
+           ((1, 16, 8, 64), (1, 16, 0, 64), ("0",), "k with no heads")]
+    for qs, ks, named, what in bad:
+        try:
+            fn(_meta(*qs), _meta(*ks))
+        except ValueError as exc:
+            msg = str(exc)
+            missing = [n for n in named if n not in msg]
+            if missing:
+                raise AssertionError(f"{what}: your message {msg!r} does not name {missing}: say "
+                                     f"what was given and what is accepted") from None
+        except ZeroDivisionError:
+            raise AssertionError(f"{what}: you divided by zero heads; test heads_kv == 0 "
+                                 f"before h % heads_kv") from None
+        except Exception as exc:
+            raise AssertionError(f"{what}: raise ValueError, not {type(exc).__name__}, so "
+                                 f"callers can catch bad input") from None
+        else:
+            raise AssertionError(f"{what} (q {qs}, k {ks}) must be refused with a ValueError")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Exercise 12.2: a compile-cache key
+
+
+def example_call(**changes) -> dict:
+    """One forward call as the cache sees it: what the kernel was compiled for and what varies
+    from call to call."""
+    from fa4_final.config import hopper_fwd_default
+
+    call = {"dtype": "bf16", "head_dim": 128, "causal": False, "window_size": (None, None),
+            "config": hopper_fwd_default(128, False), "batch": 4, "seqlen_q": 4096,
+            "seqlen_k": 4096, "heads": 16, "heads_kv": 16, "softmax_scale": 128**-0.5,
+            "device_index": 0, "q_address": 0x7F00_0000_0000}
+    call.update(changes)
+    return call
+
+
+def kernel_key(call: dict) -> tuple:
+    """What changes the compiled code: dtype, head dim, causal, which window sides are bounded
+    (their sizes are runtime arguments), the tile configuration."""
+    left, right = call["window_size"]
+    return ("fwd", call["dtype"], call["head_dim"], call["causal"], left is not None,
+            right is not None, call["config"])
+
+
+def check_kernel_key(fn) -> None:
+    """Exercise 12.2: the key is stable (plain values, hashable, no object address), equal for
+    changes the compiled code does not depend on, different for those it does."""
+    from dataclasses import replace
+
+    from fa4_final.cache import entry_name
+
+    base = example_call()
+    key = fn(base)
+    try:
+        hash(key)
+    except TypeError:
+        raise AssertionError("the key must be hashable (a tuple of plain values), got "
+                             f"{type(key).__name__}") from None
+    if entry_name(key, "fingerprint") is None:
+        raise AssertionError(f"the key's repr holds an object address ({key!r}): it differs in "
+                             "every process, so the disk cache would always miss")
+    if fn(example_call()) != key:
+        raise AssertionError("two identical calls give different keys")
+    same = {"batch": 1, "seqlen_q": 333, "seqlen_k": 9000, "heads": 32, "heads_kv": 4,
+            "softmax_scale": 0.1, "device_index": 3, "q_address": 0x7F00_0000_4000}
+    for name, value in same.items():
+        if fn(example_call(**{name: value})) != key:
+            raise AssertionError(f"changing {name} gave a new key, but the kernel takes {name} "
+                                 "as a runtime argument: this miss recompiles for nothing")
+    if fn(example_call(window_size=(128, None))) != fn(example_call(window_size=(512, None))):
+        raise AssertionError("window sizes 128 and 512 gave different keys: the size is a "
+                             "runtime argument, only whether a side is bounded is compiled in")
+    cfg = base["config"]
+    differ = {"dtype": "fp16", "head_dim": 64, "causal": True, "window_size": (128, None),
+              "config": replace(cfg, tile_n=cfg.tile_n // 2)}
+    for name, value in differ.items():
+        if fn(example_call(**{name: value})) == key:
+            raise AssertionError(f"changing {name} to {value!r} kept the key: the cache would "
+                                 "return a kernel compiled for something else")
+    if fn(example_call(window_size=(None, 64))) == fn(example_call(window_size=(64, None))):
+        raise AssertionError("a bounded left side and a bounded right side gave the same key: "
+                             "they compile different masks")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The sweep: TFLOP/s against S, and the ratio to the best peer
+
+
+def impls_of(res) -> list[str]:
+    """Implementations in the file, ours first, then the peers in file order."""
+    names = list(dict.fromkeys(r["impl"] for r in res.rows))
+    return sorted(names, key=lambda n: not is_ours(n))
+
+
+def sweep_series(res, pass_: str, d: int, causal: bool, impls=None):
+    """(seqlens, {impl: [TFLOP/s or None per seqlen]}) of one panel of the sweep."""
+    rows = [r for r in res.rows if r["pass"] == pass_ and r["d"] == d and r["causal"] == causal]
+    seqlens = sorted({r["s"] for r in rows})
+    series = {}
+    for n in impls or impls_of(res):
+        got = {r["s"]: r.get("tflops") for r in rows if r["impl"] == n}
+        if any(got.values()):
+            series[n] = [got.get(s) for s in seqlens]
+    return seqlens, series
+
+
+def _panels(res, pass_):
+    dims = sorted({r["d"] for r in res.rows if r["pass"] == pass_})
+    return [(d, c) for d in dims for c in (False, True)]
+
+
+def plot_sweep(res, pass_: str):
+    """TFLOP/s against S for one pass: a panel per (head dim, causal), a line per impl."""
+    import matplotlib.pyplot as plt
+
+    panels = _panels(res, pass_)
+    cols = 2
+    rows = max(1, math.ceil(len(panels) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(12, 3.6 * rows), squeeze=False)
+    for ax, (d, causal) in zip(axes.flat, panels):
+        seqlens, series = sweep_series(res, pass_, d, causal)
+        plots.curves(seqlens, series, title=f"{pass_}, D={d}, {'causal' if causal else 'no mask'}",
+                     xlabel="sequence length S", ylabel="TFLOP/s", logx=True, ax=ax)
+        _plain_ticks(ax, seqlens)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    _figure_label(fig, res.label)
+    return fig
+
+
+def _plain_ticks(ax, xs=None, logy=False) -> None:
+    """Plain numbers on log axes (no mathtext powers, which need fonts a CPU image may lack)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    if xs:
+        ax.set_xticks(xs, [str(x) for x in xs], rotation=45 if len(xs) > 5 else 0, fontsize=8)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    if logy:
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _figure_label(fig, label: str) -> None:
+    """Lay out the panels, then put the provenance under all of them (one line for the figure,
+    outside the axes, so it does not squeeze them)."""
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.text(0.01, 0.01, label, fontsize=7, color="#555555")
+
+
+def peer_comparisons(res, impl: str = IMPL, pass_: str | None = None) -> list[tuple]:
+    """(row, best peer row, utils.bench.Comparison) for every timed shape of ``impl``."""
+    out = []
+    for row in res.rows:
+        if row["impl"] != impl or not row.get("tflops") or pass_ not in (None, row["pass"]):
+            continue
+        peer = bench.best_peer(res.rows, row)
+        cmp = bench.compare(row, peer) if peer else None
+        if cmp is not None:
+            out.append((row, peer, cmp))
+    return out
+
+
+def plot_vs_best_peer(res, impl: str = IMPL):
+    """``impl``'s TFLOP/s over the fastest peer of each shape, against S: a panel per pass, a
+    line per (head dim, causal), the band of the larger spread shaded around 1."""
+    import matplotlib.pyplot as plt
+
+    passes = [p for p in PASSES if any(r["pass"] == p for r in res.rows)]
+    fig, axes = plt.subplots(1, len(passes), figsize=(4.6 * len(passes), 3.8), squeeze=False,
+                             sharey=True)
+    for ax, pass_ in zip(axes.flat, passes):
+        found = peer_comparisons(res, impl, pass_)
+        for d, causal in _panels(res, pass_):
+            pts = sorted((r["s"], c.ratio) for r, _, c in found
+                         if r["d"] == d and r["causal"] == causal)
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if causal else "s",
+                        ls="-" if causal else "--", label=f"D={d}{' causal' if causal else ''}")
+        noise = sorted((r["s"], c.noise) for r, _, c in found)
+        if noise:
+            s_all = sorted({s for s, _ in noise})
+            band = [max(n for s2, n in noise if s2 == s) for s in s_all]
+            ax.fill_between(s_all, [max(0.0, 1 - b) for b in band], [1 + b for b in band],
+                            color="grey", alpha=0.2, label="largest spread")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xscale("log", base=2)
+        _plain_ticks(ax, sorted({r["s"] for r, _, _ in found}))
+        ax.set_title(f"{pass_}: {impl} / best peer")
+        ax.set_xlabel("sequence length S")
+        ax.legend(fontsize=7)
+    axes.flat[0].set_ylabel("ratio (> 1: faster than every peer)")
+    _figure_label(fig, res.label)
+    return fig
+
+
+def verdict_summary(res, impl: str = IMPL) -> str:
+    """Per pass: on how many shapes ``impl`` is faster, within noise, slower than the best
+    peer, the geometric mean of the ratios, and the best and worst shape."""
+    lines = []
+    for pass_ in PASSES:
+        found = peer_comparisons(res, impl, pass_)
+        if not found:
+            continue
+        counts = Counter(c.verdict for _, _, c in found)
+        gm = bench.geomean([c.ratio for _, _, c in found])
+        lo = min(found, key=lambda f: f[2].ratio)
+        hi = max(found, key=lambda f: f[2].ratio)
+        lines.append(
+            f"{pass_:8s} {len(found)} shapes: faster on {counts['faster']}, within noise on "
+            f"{counts['within noise']}, slower on {counts['slower']}; geometric mean "
+            f"{gm:.2f}x the best peer; lowest {_shape(lo[0])} {lo[2]} vs {lo[1]['impl']}, "
+            f"highest {_shape(hi[0])} {hi[2]} vs {hi[1]['impl']}")
+    return "\n".join(lines) or f"no timed {impl} rows with a peer"
+
+
+def _shape(row) -> str:
+    return f"D={row['d']} S={row['s']}{' causal' if row['causal'] else ''}"
+
+
+def fastest_counts(res, pass_: str) -> str:
+    """How often each implementation is the fastest of all at a shape of ``pass_``."""
+    groups = {}
+    for r in res.rows:
+        if r["pass"] == pass_ and r.get("tflops"):
+            groups.setdefault(tuple(r.get(k) for k in SHAPE), []).append(r)
+    wins = Counter(bench.fastest(g)["impl"] for g in groups.values())
+    return f"{pass_}: fastest at " + ", ".join(f"{n} {c}" for n, c in wins.most_common()) + \
+        f" of {len(groups)} shapes"
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Headline comparisons (fa4_final_fwd, ch11_bwd)
+
+
+def headline_lines(res, impl: str = IMPL) -> str:
+    """Each shape of ``impl``: its TFLOP/s and spread, the best peer's, the ratio and verdict."""
+    if res is None:
+        return "not measured yet"
+    lines = [f"[{res.name}] {res.label}",
+             f"{'pass':5s} {'D':>4s} {'S':>6s} {'causal':>6s} {impl + ' TFLOP/s':>18s} "
+             f"{'best peer':>22s}  ratio (verdict; larger spread)"]
+    for row, peer, cmp in sorted(peer_comparisons(res, impl),
+                                 key=lambda f: (f[0]["pass"], f[0]["d"], f[0]["s"],
+                                                f[0]["causal"])):
+        spread = bench.row_spread(row) or 0.0
+        lines.append(f"{row['pass']:5s} {row['d']:>4d} {row['s']:>6d} {row['causal']!s:>6s} "
+                     f"{row['tflops']:>10.0f} ±{spread:5.1%} "
+                     f"{peer['impl']:>16s} {peer['tflops']:>5.0f}  {cmp}")
+    lines.append(bench.spread_note([r for r in res.rows if r["impl"] == impl]))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Varlen, accuracy, memory (files that may not be measured yet)
+
+_PER_RUN = {"impl", "ms", "tflops", "ms_min", "ms_rounds", "spread", "rounds", "reps",
+            "sm_clock_mhz", "sm_clock_mhz_rounds", "power_w", "power_w_rounds", "clock_reasons",
+            "sensors", "tflops_rounds", "best_peer", "best_peer_tflops", "vs_best_peer",
+            "best_peer_spread", "error", "tflops_min", "tflops_max"}
+
+
+def _case_keys(rows) -> list[str]:
+    """The fields that describe a case (not a measurement), in the rows' order."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return [k for k in keys if k not in _PER_RUN and not isinstance(rows[0].get(k), (list, dict))]
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def varlen_table(res) -> str:
+    """One line per case of the varlen file: each implementation's TFLOP/s, and ours over the
+    fastest peer of that case with the verdict of utils.bench.compare."""
+    if res is None:
+        return "not measured yet"
+    keys = _case_keys(res.rows)
+    groups = {}
+    for r in res.rows:
+        groups.setdefault(tuple(_fmt(r.get(k)) for k in keys), []).append(r)
+    names = impls_of(res)
+    lines = [f"[{res.name}] {res.label}",
+             "  ".join(keys) + " | " + "  ".join(names) + " | ours / fastest peer"]
+    for case, rows in groups.items():
+        by = {r["impl"]: r for r in rows}
+        cells = [f"{by[n]['tflops']:.0f}" if by.get(n, {}).get("tflops") else
+                 ("error" if by.get(n, {}).get("error") else "-") for n in names]
+        ours = next((r for r in rows if is_ours(r["impl"]) and r.get("tflops")), None)
+        peer = bench.fastest([r for r in rows if not is_ours(r["impl"])])
+        cmp = bench.compare(ours, peer) if ours and peer else None
+        verdict = f"{cmp} vs {peer['impl']}" if cmp else "-"
+        lines.append("  ".join(case) + " | " + "  ".join(cells) + " | " + verdict)
+    return "\n".join(lines)
+
+
+ACCURACY_CASE = ("dtype", "b", "sq", "sk", "h", "h_kv", "d", "causal")
+TENSORS = ("out", "dq", "dk", "dv")
+
+
+def accuracy_table(res) -> str:
+    """Largest absolute error against float64 per case, implementation and tensor; a refused
+    or skipped case shows its reason."""
+    if res is None:
+        return "not measured yet"
+    cases = list(dict.fromkeys(tuple(r.get(k) for k in ACCURACY_CASE) for r in res.rows))
+    lines = [f"[{res.name}] {res.label}",
+             f"{'case':44s} {'impl':14s}" + "".join(f"{t:>10s}" for t in TENSORS)]
+    for case in cases:
+        label = "b={} sq={} sk={} h={}/{} d={}{}".format(*case[1:7],
+                                                          " causal" if case[7] else "")
+        rows = [r for r in res.rows if tuple(r.get(k) for k in ACCURACY_CASE) == case]
+        for impl in impls_of(res):
+            mine = [r for r in rows if r["impl"] == impl]
+            if not mine:
+                continue
+            err = next((r["error"] for r in mine if r.get("error")), None)
+            if err:
+                cells = f"  {err[:70]}"
+            else:
+                got = {r["tensor"]: r for r in mine}
+                cells = "".join(
+                    f"{got[t]['value']:>10.2e}" + ("" if got[t].get("finite", True) else "!")
+                    if t in got and got[t].get("value") is not None else f"{'-':>10s}"
+                    for t in TENSORS)
+            lines.append(f"{label:44s} {impl:14s}{cells}")
+    lines.append("! marks a tensor with a NaN or inf")
+    return "\n".join(lines)
+
+
+def accuracy_summary(res, impl: str = IMPL) -> str:
+    """Per tensor: the largest ratio of ``impl``'s error to the smallest peer error on the same
+    case, and whether every value ``impl`` returned was finite."""
+    if res is None:
+        return "not measured yet"
+    lines = []
+    for t in TENSORS:
+        ratios, finite = [], True
+        for r in res.rows:
+            if r["impl"] != impl or r.get("tensor") != t or r.get("value") is None:
+                continue
+            finite &= bool(r.get("finite", True))
+            case = tuple(r.get(k) for k in ACCURACY_CASE)
+            peers = [p["value"] for p in res.rows if not is_ours(p["impl"])
+                     and p.get("tensor") == t and p.get("value") is not None
+                     and tuple(p.get(k) for k in ACCURACY_CASE) == case]
+            if peers and min(peers) > 0:
+                ratios.append(r["value"] / min(peers))
+        if ratios:
+            lines.append(f"{t}: {impl}'s error is at most {max(ratios):.2f}x the most accurate "
+                         f"peer's (over {len(ratios)} cases); all finite: {finite}")
+    return "\n".join(lines) or f"no {impl} rows with a peer to compare"
+
+
+def memory_table(res) -> str:
+    """Peak memory of one forward + backward beyond the inputs and their gradients, in MiB and
+    as a multiple of those inputs and gradients."""
+    if res is None:
+        return "not measured yet"
+    names = impls_of(res)
+    lines = [f"[{res.name}] {res.label}",
+             f"{'S':>6s} {'D':>4s} {'causal':>6s} {'q,k,v + grads MiB':>18s}"
+             + "".join(f"{n:>22s}" for n in names)]
+    for s, d, causal in sorted({(r["s"], r["d"], r["causal"]) for r in res.rows}):
+        rows = {r["impl"]: r for r in res.rows
+                if (r["s"], r["d"], r["causal"]) == (s, d, causal)}
+        floor = next(iter(rows.values()))["inputs_and_grads_bytes"]
+        cells = []
+        for n in names:
+            r = rows.get(n, {})
+            v = r.get("value")
+            cells.append(f"{v / 2**20:>10.0f} ({v / floor:5.2f}x)".rjust(22) if v is not None
+                         else ("error" if r.get("error") else "-").rjust(22))
+        lines.append(f"{s:>6d} {d:>4d} {causal!s:>6s} {floor / 2**20:>18.0f}" + "".join(cells))
+    lines.append("each cell: extra MiB (as a multiple of the inputs and gradients)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. The training comparison (results/h200/fa4_final_training.json, solutions/ch12_training.py)
+
+
+def training_losses(res) -> dict[str, list[float]]:
+    return {r["impl"]: r["losses"] for r in res.rows if r.get("losses")}
+
+
+def plot_training(res, window: int | None = None):
+    """Loss curves smoothed over ``window`` steps (the file's own window by default), one line
+    per implementation, log scale."""
+    import matplotlib.pyplot as plt
+
+    from solutions.ch12_training import smooth
+
+    losses = training_losses(res)
+    window = window or next(r["window"] for r in res.rows if r.get("window"))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for impl, ls in losses.items():
+        xs = [i * window + window / 2 for i in range(len(smooth(ls, window)))]
+        ax.plot(xs, smooth(ls, window), marker="o", ms=3, label=impl, color=plots.color_for(impl))
+    ax.set_yscale("log")
+    _plain_ticks(ax, logy=True)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"loss (nats), mean over {window} steps")
+    ax.set_title("a small GPT learning to reverse a sequence")
+    ax.legend(fontsize=8)
+    plots.label_provenance(ax, res.label)
+    fig.tight_layout()
+    return fig
+
+
+def training_summary(res, impl: str = IMPL, baseline: str = "sdpa_flash") -> str:
+    """The loss gap against the allowed band, and each implementation's step time over the
+    baseline's."""
+    lines = []
+    gap = next((r for r in res.rows if r.get("metric") == f"max_loss_gap_vs_{baseline}"), None)
+    if gap:
+        lines.append(f"largest gap of the smoothed curves, {impl} vs {baseline}: "
+                     f"{gap['value']:.2e} nats; allowed {gap['allowed']:.2e} (twice the drift "
+                     f"between SDPA's two kernels, {gap['drift_efficient_vs_flash']:.2e}, plus "
+                     f"a floor); within the band: {gap['ok']}")
+    steps = {r["impl"]: r["value"] for r in res.rows if r.get("metric") == "step_ms"}
+    base = steps.get(baseline)
+    for n, ms in steps.items():
+        rel = f", {base / ms:.2f}x the speed of {baseline}" if base and n != baseline else ""
+        lines.append(f"{n:16s} {ms:6.2f} ms per training step{rel}")
+    return "\n".join(lines)

@@ -1,0 +1,189 @@
+"""Chapter 12's helpers: the exercise checkers pass the solutions and name the usual mistakes;
+the readers of the stored files work on rows of the shapes ch12_sweep.py and ch12_varlen_bench.py
+write, and say "not measured yet" for a file that is absent."""
+
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+from solutions import ch12_teaching as t12
+from utils.results import Results, load
+
+matplotlib.use("Agg")
+
+PROV = {"gpu": "NVIDIA H200", "driver": "x", "cuda": "13.0", "torch": "2.11", "cutlass_dsl": "4",
+        "commit": "abc", "date": "2026-12-01 00:00 UTC", "command": "test"}
+
+
+def fake(name, rows):
+    return Results(name, Path(f"{name}.json"), PROV, rows)
+
+
+def timed(impl, pass_, d, s, causal, tflops, spread=0.01):
+    ms = 1000.0 / tflops
+    return {"impl": impl, "pass": pass_, "dtype": "bf16", "b": 16384 // s, "s": s, "h": 16,
+            "d": d, "causal": causal, "ms": ms, "tflops": tflops, "spread": spread,
+            "ms_rounds": [ms] * 3}
+
+
+def sweep():
+    rows = []
+    for pass_ in t12.PASSES:
+        for d in (64, 128):
+            for s in (512, 4096, 32768):
+                for causal in (False, True):
+                    base = 300 + s / 100
+                    ours = base * (1.1 if d == 64 else 0.9)
+                    rows += [timed("fa4_final", pass_, d, s, causal, ours),
+                             timed("sdpa_flash", pass_, d, s, causal, base * 0.7),
+                             timed("sdpa_cudnn", pass_, d, s, causal, base),
+                             timed("fa4_package", pass_, d, s, causal, base * 1.003)]
+    return fake("ch12_sweep", rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# exercises
+
+
+def test_check_heads_solution_passes_and_mistakes_are_named():
+    t12.check_check_heads(t12.check_heads)
+
+    def no_gqa(q, k):
+        h, d = q.shape[-2:]
+        if d not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {d}")
+        return h, k.shape[-2], d
+
+    with pytest.raises(AssertionError, match="must be refused"):
+        t12.check_check_heads(no_gqa)
+
+    def vague(q, k):
+        try:
+            return t12.check_heads(q, k)
+        except ValueError:
+            raise ValueError("bad input") from None
+
+    with pytest.raises(AssertionError, match="does not name"):
+        t12.check_check_heads(vague)
+
+    def modulo_first(q, k):
+        h, hk = q.shape[-2], k.shape[-2]
+        if h % hk:
+            raise ValueError(f"{h} heads over {hk}")
+        return t12.check_heads(q, k)
+
+    with pytest.raises(AssertionError, match="divided by zero"):
+        t12.check_check_heads(modulo_first)
+
+
+def test_kernel_key_solution_passes_and_mistakes_are_named():
+    t12.check_kernel_key(t12.kernel_key)
+    with pytest.raises(AssertionError, match="changing batch"):
+        t12.check_kernel_key(lambda c: tuple(sorted((k, repr(v)) for k, v in c.items())))
+    with pytest.raises(AssertionError, match="window sizes"):
+        t12.check_kernel_key(lambda c: (*t12.kernel_key(c), c["window_size"]))
+    with pytest.raises(AssertionError, match="config"):
+        t12.check_kernel_key(lambda c: t12.kernel_key(c)[:-1])
+    with pytest.raises(AssertionError, match="object address"):
+        t12.check_kernel_key(lambda c: (*t12.kernel_key(c), object()))
+    with pytest.raises(AssertionError, match="hashable"):
+        t12.check_kernel_key(lambda c: list(t12.kernel_key(c)))
+
+
+def test_refusal_reports_the_error_or_acceptance():
+    import torch
+
+    from fa4_final import flash_attn_func
+
+    q = torch.empty(1, 8, 2, 96, dtype=torch.bfloat16)
+    assert t12.refusal(lambda: flash_attn_func(q, q, q)).startswith("ValueError: head_dim")
+    assert t12.refusal(lambda: None) == "accepted"
+
+
+# ----------------------------------------------------------------------------------------------
+# the sweep
+
+
+def test_sweep_series_and_plots():
+    res = sweep()
+    seqlens, series = t12.sweep_series(res, "bwd", 128, True)
+    assert seqlens == [512, 4096, 32768]
+    assert list(series) == ["fa4_final", "sdpa_flash", "sdpa_cudnn", "fa4_package"]
+    assert all(len(v) == 3 for v in series.values())
+    fig = t12.plot_sweep(res, "fwd")
+    assert len([a for a in fig.axes if a.get_visible()]) == 4
+    fig = t12.plot_vs_best_peer(res)
+    assert len(fig.axes) == 3
+
+
+def test_verdicts_follow_the_data():
+    res = sweep()
+    text = t12.verdict_summary(res)
+    # D=64 is 1.1x cuDNN/fa4_package (the best peer, 1.003x cudnn): faster; D=128 0.9x: slower.
+    assert "fwd      12 shapes: faster on 6, within noise on 0, slower on 6" in text
+    assert text.count("shapes") == 3
+    assert "fastest at fa4_final 6, fa4_package 6 of 12 shapes" in t12.fastest_counts(res, "fwd")
+    lines = t12.headline_lines(res).splitlines()
+    assert lines[0].startswith("[ch12_sweep] measured on NVIDIA H200")
+    assert any("faster" in ln for ln in lines) and any("slower" in ln for ln in lines)
+
+
+def test_within_noise_is_not_called_a_difference():
+    res = fake("x", [timed("fa4_final", "fwd", 128, 4096, False, 500, 0.03),
+                     timed("sdpa_cudnn", "fwd", 128, 4096, False, 510, 0.03)])
+    assert "within noise on 1" in t12.verdict_summary(res)
+
+
+def test_headline_files_read():
+    for name in ("fa4_final_fwd", "ch11_bwd"):
+        text = t12.headline_lines(load(name))
+        assert "best peer" in text and "x (" in text
+    assert t12.headline_lines(None) == "not measured yet"
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen, accuracy, memory, training
+
+
+def test_varlen_table_pivots_cases():
+    rows = [{**timed(n, "fwd", 128, 4096, False, t), "lengths": "mixed 128..8192"}
+            for n, t in (("fa4_final", 400), ("sdpa_flash", 300), ("fa4_package", 450))]
+    text = t12.varlen_table(fake("ch12_varlen", rows))
+    assert "mixed 128..8192" in text and "slower" in text and "vs fa4_package" in text
+    assert t12.varlen_table(None) == "not measured yet"
+
+
+def test_accuracy_table_and_summary():
+    case = {"dtype": "bf16", "b": 1, "sq": 1000, "sk": 1000, "h": 8, "h_kv": 8, "d": 128,
+            "causal": False}
+    rows = []
+    for impl, err in (("fa4_final", 2e-3), ("sdpa_flash", 4e-3), ("fa4_package", 1e-3)):
+        rows += [{**case, "impl": impl, "tensor": t, "metric": "max_abs_err", "value": err,
+                  "unit": "", "rel_err": err, "finite": True} for t in t12.TENSORS]
+    rows.append({**case, "causal": True, "sq": 333, "impl": "sdpa_flash", "metric": "max_abs_err",
+                 "value": None, "unit": "", "error": "not compared: top-left mask"})
+    res = fake("ch12_accuracy", rows)
+    table = t12.accuracy_table(res)
+    assert "not compared" in table and "2.00e-03" in table
+    assert "out: fa4_final's error is at most 2.00x the most accurate peer's" in \
+        t12.accuracy_summary(res)
+    assert t12.accuracy_table(None) == "not measured yet"
+
+
+def test_memory_table():
+    rows = [{"impl": n, "dtype": "bf16", "b": 1, "s": 16384, "h": 16, "d": 128, "causal": True,
+             "inputs_and_grads_bytes": 2**30, "metric": "peak_extra_bytes", "value": v,
+             "unit": "bytes"} for n, v in (("fa4_final", 2**28), ("sdpa_flash", 2**29))]
+    rows.append({**rows[0], "impl": "fa4_package", "value": None, "error": "ImportError: x"})
+    text = t12.memory_table(fake("ch12_memory", rows))
+    assert "256 ( 0.25x)" in text and "error" in text
+    assert t12.memory_table(None) == "not measured yet"
+
+
+def test_training_summary_and_plot():
+    res = load("fa4_final_training")
+    text = t12.training_summary(res)
+    assert "within the band" in text and "ms per training step" in text
+    assert set(t12.training_losses(res)) >= {"fa4_final", "sdpa_flash"}
+    t12.plot_training(res)
