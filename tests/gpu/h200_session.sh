@@ -2,7 +2,8 @@
 # One visit to the H200: run the named steps in order, each under a time limit, logging to $OUT.
 #   bash tests/gpu/h200_session.sh env tests peers ch04 ch05 micro sanitize notebooks
 #   (fa4_final, chapter 08: fa4-check fa4-bench fa4-knobs fa4-timeline; SANITIZE=ch08_checks)
-#   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests)
+#   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests varlen-tests varlen-bench
+#    varlen-sanitize)
 #   (profiles: ch04-profile, ch05-profile; each keeps ncu's CSV exports under $OUT/<name>_raw)
 # (ch04-peers also needs CUTLASS_FA2_EXAMPLE: the path of CUTLASS's Ampere FA2 example)
 # Results files written under results/ are sent back as $OUT/results.tar; logs as $OUT/logs.tar.gz.
@@ -52,6 +53,9 @@ for s in "$@"; do
     bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
     bwd-bench) step bwd_bench 900 $PY -m solutions.ch11_bench ;;
     api-tests) step api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
+    varlen-tests) step varlen_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py -k varlen ;;
+    varlen-bench) step varlen_bench 240 $PY -m solutions.ch12_varlen_bench ;;
+    varlen-sanitize) step varlen_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_api.py -k "test_varlen_forward and b70" ;;
     fa4-bench) step fa4_bench 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     fa4-knobs) step fa4_knobs 480 $PY -m solutions.ch08_knobs --knobs --rounds ${ROUNDS:-3} ;;
     fa4-timeline) step fa4_timeline 120 $PY -m solutions.ch08_knobs --timeline ;;
