@@ -12,7 +12,11 @@ entry, and the TMA descriptors stay the ones built once for the whole packed ten
 What the offset does not do is stop at the sequence's end: a TMA box that starts inside
 sequence b and runs past its last row reads rows of sequence b + 1 (clipped only at total_q).
 Loads may: those keys are masked by the per-sequence seqlen_k (mask.apply_mask) and those query
-rows are never stored. Stores may not: Note [Varlen epilogue] in hopper/fwd.py.
+rows are never stored. Stores may not: Note [Varlen epilogue] in hopper/fwd.py. One consequence
+of reading past the end: a masked key's probability is exactly 0, but 0 * V is NaN where V
+holds a NaN or an infinity, so key rows past seqused_k (or the next sequence's) must hold finite
+values, as any initialised KV cache does (the per-sequence loop, varlen.forward_loop, reads
+zeros there instead: TMA fills a box past a slice's end with zeros).
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ backend (no GPU)."""
 
 import math
 import random
+import threading
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from fa4_final.scheduler import (
     varlen_tile_coords_host,
     varlen_tiles,
 )
+from utils.host_emulation import patched, plain, python_loops
 
 
 def brute_locate(t, lens_q, tile_m, heads):
@@ -137,3 +140,94 @@ def test_one_kernel_call_for_the_whole_batch(monkeypatch):
     with pytest.raises(ValueError, match="seqused_k"):  # the value checks still run first
         varlen.varlen_forward_into(q, k, v, cu_q, cu_k, used + 20, None, None, out, lse)
     assert len(rec.calls) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# the device source itself, run on the CPU: one Python thread per lane, in lockstep at every
+# warp-collective call (utils.host_emulation turns the DSL's loops back into Python loops)
+
+
+class Warp:
+    """32 threads running one function; shuffles and ballots meet at a barrier, as a warp's
+    lanes do at shfl.sync / vote.sync."""
+
+    LANES = 32
+
+    def __init__(self):
+        self.barrier = threading.Barrier(self.LANES)
+        self.slots = [None] * self.LANES
+        self.local = threading.local()
+
+    def _exchange(self, value):
+        self.slots[self.local.lane] = value
+        self.barrier.wait()
+        seen = list(self.slots)
+        self.barrier.wait()
+        return seen
+
+    def lane_idx(self):
+        return self.local.lane
+
+    def shuffle_sync(self, value, src, mask_and_clamp=31):
+        return self._exchange(value)[src]
+
+    def shuffle_sync_up(self, value, offset):  # shfl.sync.up with c = 0: low lanes keep theirs
+        lane = self.local.lane
+        seen = self._exchange(value)
+        return seen[lane - offset] if lane >= offset else value
+
+    def vote_ballot_sync(self, pred):
+        return sum(1 << i for i, p in enumerate(self._exchange(bool(pred))) if p)
+
+    def run(self, fn, *args):
+        results, errors = [None] * self.LANES, []
+
+        def lane(i):
+            self.local.lane = i
+            try:
+                results[i] = fn(*args)
+            except Exception as exc:  # a lane that fails would hang the others: abort them
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=lane, args=(i,)) for i in range(self.LANES)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+def device_locate(t, lens_q, tile_m, heads):
+    """scheduler.varlen_locate's own source on 32 emulated lanes; every lane's answer."""
+    import cutlass.cute as cute
+
+    from fa4_final import scheduler
+
+    warp = Warp()
+    cu = np.array([0, *np.cumsum(lens_q, dtype=np.int64)], dtype=np.int64)
+    arch = dict(lane_idx=warp.lane_idx, shuffle_sync=warp.shuffle_sync,
+                shuffle_sync_up=warp.shuffle_sync_up, vote_ballot_sync=warp.vote_ballot_sync,
+                popc=lambda x: bin(x).count("1"))
+    ceil_div = lambda a, b: -(-int(a) // b)  # noqa: E731
+    with python_loops(), patched(cute.arch, **arch), patched(cute, ceil_div=ceil_div), \
+            patched(scheduler, Int32=int, _warp_inclusive_sum=plain(
+                scheduler._warp_inclusive_sum)):
+        return warp.run(plain(scheduler.varlen_locate), t, cu, tile_m, heads)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_device_source_agrees_with_brute_force(seed):
+    rng = random.Random(300 + seed)
+    lens = random_lens(rng, rng.choice([1, 5, 32, 33, 70]))
+    tile_m, heads = 128, rng.choice([1, 4])
+    total = sum(varlen_tiles(n, tile_m, heads) for n in lens)
+    for t in [-1, total] + rng.sample(range(total), min(total, 12)):
+        lanes = device_locate(t, lens, tile_m, heads)
+        assert all(lane == lanes[0] for lane in lanes), "lanes disagree"
+        b, before, got_total = lanes[0]
+        assert got_total == total
+        if 0 <= t < total:
+            assert (b, before) == brute_locate(t, lens, tile_m, heads), (t, lens)

@@ -16,6 +16,10 @@ What this adds over chapter 05's kernel (TMA + wgmma + an mbarrier pipeline, one
 4. The O rescale moved off the softmax's critical path (Note [Where O is rescaled]), a fresh S
    accumulator per step (ptxas serialises the wgmma otherwise, for lack of registers), and a
    three-deep K ring next to the separate O buffer within the 227 KB (config.smem_bytes).
+5. Varlen (chapter 12), a compile-time variant (``varlen=True``): packed sequences in one
+   launch. Only the tile lookup (fa4_final.seqlens, scheduler.varlen_locate), the TMA tiles'
+   origin (a domain offset per sequence) and the store of a sequence's partial last tile (Note
+   [Varlen epilogue]) differ; the dense variant's code is what it was without the flag.
 
 Which of these pay, and by how much, is measured, not claimed here: notebook 08 prints the knob
 table (results/h200/fa4_final_knobs.json, ``python -m solutions.ch08_knobs``) and the standing
