@@ -178,6 +178,25 @@ def test_varlen_forward(case):
                       f"sequence {i} (sq {lens_q[i]}, sk {nk[i]})")
 
 
+def test_varlen_degenerate_batches():
+    """No query row at all; no key at all; one row and one key per sequence."""
+    q, k, v, cu_q, cu_k = packed([0, 0], [3, 0])
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, return_lse=True)
+    assert out.shape == (0, 8, 128) and lse.shape == (8, 0)
+    q, k, v, cu_q, cu_k = packed([5, 2], [0, 0])
+    out, lse = poison_(torch.empty_like(q)), poison_(torch.empty(8, 7, device="cuda"))
+    varlen.varlen_forward_into(q, k, v, cu_q, cu_k, None, None, None, out, lse)
+    assert torch.all(out == 0) and torch.all(lse == -float("inf"))
+    q, k, v, cu_q, cu_k = packed([1, 1, 1], [1, 1, 1])
+    out, lse = poison_(torch.empty_like(q)), poison_(torch.empty(8, 3, device="cuda"))
+    varlen.varlen_forward_into(q, k, v, cu_q, cu_k, None, 1, 1, out, lse)
+    # one visible key: out is its value row (each k/v head serves 4 query heads), lse the score
+    torch.testing.assert_close(out.float(), v.repeat_interleave(4, dim=1).float(), atol=1e-2,
+                               rtol=1e-2)
+    want = (q.float() * k.float().repeat_interleave(4, dim=1)).sum(-1).T * 128**-0.5
+    assert torch.allclose(lse, want, atol=1e-2, rtol=1e-3)
+
+
 def test_varlen_api_returns_the_kernel_result():
     case = VARLEN[1]
     q, k, v, cu_q, cu_k, used_t, out, lse = run_varlen(case)
