@@ -121,8 +121,8 @@ def support_table() -> str:
     rows = []
     for b in BACKENDS:
         runs = b.state(b.forward_module) == "yes"
-        varlen = ("forward: one kernel; backward: per-sequence loop" if b.varlen_forward
-                  else "per-sequence loop over the dense kernel")
+        varlen = ("forward: one kernel (compiled, GPU tests pending); backward: per-sequence "
+                  "loop" if b.varlen_forward else "per-sequence loop over the dense kernel")
         varlen, dims, dtypes = (varlen, ", ".join(map(str, b.head_dims)), ", ".join(b.dtypes)) \
             if runs else ("-", "-", "-")
         rows.append(f"| {b.family} ({b.gpus}) | {b.arch} ({b.target}) | "
