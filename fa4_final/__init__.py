@@ -9,7 +9,8 @@ what is supported). It stands alone (it imports neither the course's ``utils`` n
     interface    flash_attn_func, flash_attn_varlen_func: the public API         chapter 12
     ops          the torch custom ops: fake shapes for torch.compile, autograd   chapter 12
     checks       input checks with errors that say what is accepted              chapter 12
-    run, varlen  eager calls of the kernels; the varlen per-sequence fallback    chapter 12
+    run, varlen  eager calls of the kernels; varlen's per-sequence loop (ref)  chapter 12
+    seqlens      a tile's sequence and rows: dense batch or packed varlen       chapter 12
     dispatch     which GPU runs which kernel; the support table                  chapter 12
     cache        the compile cache in memory and on disk                         chapter 12
     compile      one compile path from fake tensors; artifacts for compile-only  chapters 03, 08
@@ -20,7 +21,7 @@ what is supported). It stands alone (it imports neither the course's ``utils`` n
     fragments    views of mma.sync / wgmma register fragments                   chapters 04, 05
     softmax      the online softmax; exp2 emulation and rescale-threshold knobs  chapters 05-07
     fast_math    2^x on the FMA units                                           chapter 06
-    scheduler    tile order and the persistent static schedule                  chapter 08
+    scheduler    tile order, the persistent static schedule; varlen's tile map  chapters 08, 12
     timeline     in-kernel phase stamps for a Gantt chart (a debug build)        chapter 08
     hopper.wgmma smem tile layouts, the attention tiled MMAs, one wgmma group     chapters 05, 08
     hopper.fwd   the warp-specialised ping-pong persistent forward (sm_90a)     chapter 08

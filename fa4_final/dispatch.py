@@ -41,8 +41,8 @@ class Backend:
     head_dims: tuple[int, ...] = HEAD_DIMS
     dtypes: tuple[str, ...] = ("bf16", "fp16")
     # The varlen kernel plugs in here: (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-    # max_seqlen_q, max_seqlen_k, out, lse, causal, scale, left, right). None: fa4_final.varlen
-    # loops over the batch with the dense kernel.
+    # max_seqlen_q, max_seqlen_k, out, lse, causal, scale, left, right, config). None:
+    # fa4_final.varlen loops over the batch with the dense kernel.
     varlen_forward: Callable | None = None
 
     @property
@@ -79,7 +79,8 @@ def _not_wired(family: str, what: str, module: str) -> Callable:
 BACKENDS: tuple[Backend, ...] = (
     Backend("Hopper", "H100, H200", "sm_90", ((9, 0),), "sm_90a",
             forward=hopper.forward_into, backward=hopper.backward_into,
-            forward_module="fa4_final.hopper.fwd", backward_module=hopper.BACKWARD_MODULE),
+            forward_module="fa4_final.hopper.fwd", backward_module=hopper.BACKWARD_MODULE,
+            varlen_forward=hopper.varlen_forward_into),
     Backend("Blackwell", "B200, GB200", "sm_100", ((10, 0),), "sm_100a",
             forward=_not_wired("Blackwell (sm_100)", "forward", "fa4_final.blackwell.fwd"),
             backward=_not_wired("Blackwell (sm_100)", "backward", "fa4_final.blackwell.bwd"),
@@ -120,7 +121,8 @@ def support_table() -> str:
     rows = []
     for b in BACKENDS:
         runs = b.state(b.forward_module) == "yes"
-        varlen = "kernel" if b.varlen_forward else "per-sequence loop over the dense kernel"
+        varlen = ("forward: one kernel (compiled, GPU tests pending); backward: per-sequence "
+                  "loop" if b.varlen_forward else "per-sequence loop over the dense kernel")
         varlen, dims, dtypes = (varlen, ", ".join(map(str, b.head_dims)), ", ".join(b.dtypes)) \
             if runs else ("-", "-", "-")
         rows.append(f"| {b.family} ({b.gpus}) | {b.arch} ({b.target}) | "

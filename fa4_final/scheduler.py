@@ -14,6 +14,10 @@ short tiles fill the gaps at the end instead of one long tile running alone.
 
 from __future__ import annotations
 
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
 
 def tile_coords(t, num_m_blocks, num_heads, num_batch, longest_first: bool, l2_group=None):
     """(m_block, head, batch) of linear tile t, for t in [0, num_m_blocks * heads * batch).
@@ -86,3 +90,95 @@ def zigzag_tile(r, cta, grid):
 def rounds(num_tiles, grid):
     """Rounds a persistent grid of ``grid`` CTAs needs for ``num_tiles`` tiles."""
     return (num_tiles + grid - 1) // grid
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen: sequences packed one after another (fa4_final.varlen)
+
+# Note [Varlen order]
+# -------------------
+# Sequence b has ceil(len_q[b] / tile_m) query tiles per head. The linear tile index runs over
+# the sequences in the order given, each sequence's tiles contiguous: tile t belongs to the first
+# sequence b whose prefix sum of tiles (over every head) exceeds t, and inside it r = t - (tiles
+# before b) is placed by tile_coords with a batch of one, i.e. the dense kernel's own order:
+# m_block fastest when not causal (the CTAs running together read one head's K and V), longest
+# first when causal (every head's last m_block, then the one before, in sections of l2_group
+# heads). A global longest-first order over all sequences would need the tiles sorted by cost on
+# the host (a device sync, or an extra kernel); inside one sequence the tiles that run together
+# cost the same to within a few KV steps, and the zigzag rounds cancel the drift from one round
+# to the next, so what remains is one sequence-sized saw-tooth per sequence. Nothing is sorted
+# on the host, and nothing is read back: each warp finds its tile's sequence from cu_seqlens_q
+# by itself (varlen_locate), 32 sequences per step.
+
+
+def varlen_tiles(len_q: int, tile_m: int, heads: int) -> int:
+    """Tiles of one sequence of ``len_q`` query rows, over every head."""
+    return -(-len_q // tile_m) * heads
+
+
+def varlen_locate_host(t: int, lens_q: list[int], tile_m: int, heads: int):
+    """Plain-Python mirror of ``varlen_locate``: (b, tiles before b, total tiles), the warp's
+    lanes written out as lists. For t >= total tiles, b and tiles-before are 0."""
+    lanes = 32
+    b = before = base = 0
+    for chunk in range(-(-len(lens_q) // lanes)):
+        n = [varlen_tiles(lens_q[i], tile_m, heads) if i < len(lens_q) else 0
+             for i in (chunk * lanes + lane for lane in range(lanes))]
+        incl = [sum(n[:lane + 1]) for lane in range(lanes)]  # the warp's inclusive scan
+        total = incl[-1]
+        if base <= t < base + total:
+            j = sum(base + incl[lane] <= t for lane in range(lanes))  # popc(ballot(...))
+            b = chunk * lanes + j
+            before = base + incl[j] - n[j]
+        base += total
+    return b, before, base
+
+
+def varlen_tile_coords_host(t: int, lens_q: list[int], tile_m: int, heads: int,
+                            longest_first: bool, l2_group=None):
+    """(b, m_block, head) of linear tile t (Note [Varlen order]), as the kernel computes it."""
+    b, before, _ = varlen_locate_host(t, lens_q, tile_m, heads)
+    m_block, head, _ = tile_coords(t - before, -(-lens_q[b] // tile_m), heads, 1,
+                                   longest_first, l2_group)
+    return b, m_block, head
+
+
+WARP = 32
+
+
+@cute.jit
+def _warp_inclusive_sum(x: Int32) -> Int32:
+    lane = cute.arch.lane_idx()
+    for k in cutlass.range_constexpr(5):  # Hillis-Steele over 32 lanes: offsets 1, 2, 4, 8, 16
+        y = cute.arch.shuffle_sync_up(x, 1 << k)
+        if lane >= (1 << k):
+            x = x + y
+    return x
+
+
+@cute.jit
+def varlen_locate(t: Int32, mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[int],
+                  heads: Int32):
+    """(b, tiles before b, total tiles) for linear tile ``t`` (Note [Varlen order]).
+
+    Warp-collective: all 32 lanes of a warp call it with the same ``t``. Each step reads the
+    offsets of 32 sequences (one per lane), scans their tile counts across the warp, and the
+    sequence holding t is the number of lanes whose inclusive prefix is still <= t. The loop
+    runs ceil(batch / 32) steps whatever t is, so every warp also learns the total.
+    Host mirror: varlen_locate_host."""
+    batch = mCuSeqlensQ.shape[0] - 1
+    lane = cute.arch.lane_idx()
+    b, before, base = Int32(0), Int32(0), Int32(0)
+    for chunk in cutlass.range(cute.ceil_div(batch, WARP), unroll=1):
+        i = chunk * WARP + lane
+        n = Int32(0)
+        if i < batch:
+            n = cute.ceil_div(mCuSeqlensQ[i + 1] - mCuSeqlensQ[i], tile_m) * heads
+        incl = _warp_inclusive_sum(n)
+        total = cute.arch.shuffle_sync(incl, WARP - 1)
+        if (t >= base) & (t < base + total):  # the same for every lane: no divergence
+            j = cute.arch.popc(cute.arch.vote_ballot_sync(base + incl <= t))
+            b = chunk * WARP + j
+            before = base + cute.arch.shuffle_sync(incl - n, j)
+        base = base + total
+    return b, before, base

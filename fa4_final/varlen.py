@@ -7,15 +7,20 @@ filled). lse is (heads, total_q), FlashAttention's varlen layout. Masks are bott
 per sequence. A sequence with no query row costs nothing; one with no key gives out = 0 and
 lse = -inf for its rows.
 
-Note [Varlen fallback]
-The Hopper forward does not read cu_seqlens yet. Until it does, each sequence runs as a batch of
-one through the dense kernel: correct for any lengths, and as fast as the dense kernel when the
-sequences are long, but it pays one launch per sequence and leaves SMs idle on short ones (a
-sequence of 128 rows is one query tile: one CTA of 132). The offsets are copied to the host once
-per call (one device synchronisation); the checks of their values use that copy. When a backend
-gets a varlen kernel (``Backend.varlen_forward`` in fa4_final.dispatch), it is called instead,
-with the same arguments; the value checks then cost the only synchronisation and can be turned
-off with FA4_FINAL_VARLEN_CHECKS=0.
+Note [Varlen kernel]
+The forward is one launch of the Hopper kernel's varlen variant (``Backend.varlen_forward`` in
+fa4_final.dispatch -> hopper.launch.varlen_forward_into): the persistent scheduler walks the
+query tiles of every sequence and head (scheduler, Note [Varlen order]), each tile finds its
+sequence from cu_seqlens on the device and reaches its rows by a domain offset into the packed
+tensors (fa4_final.seqlens). The value checks of the offsets copy them to the host once per call
+(one device synchronisation, the only one); FA4_FINAL_VARLEN_CHECKS=0 turns them off, and then
+nothing waits for the GPU.
+
+The backward is still a loop: each sequence runs as a batch of one through the dense backward
+(correct for any lengths; one launch per sequence, so short sequences leave SMs idle). So is
+``forward_loop``, the forward as it was before the varlen kernel, kept as the reference that the
+benchmark (solutions.ch12_varlen_bench) and the GPU tests compare with, and used by a backend
+that has no varlen kernel.
 """
 
 from __future__ import annotations
@@ -68,10 +73,35 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
         cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
         _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k, max_seqlen_q,
                                         max_seqlen_k)
-    if backend.varlen_forward is not None:  # Note [Varlen fallback]: the kernel plugs in here
+    if backend.varlen_forward is not None:  # Note [Varlen kernel]
         backend.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                                max_seqlen_k, out, lse, causal, scale, left, right, config)
         return out, lse
+    _loop_into(backend, q, k, v, cu_q, cu_k, used_k, out, lse, causal, scale, left, right,
+               config)
+    return out, lse
+
+
+def forward_loop(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, causal=False,
+                 softmax_scale=None, window_size=(None, None), config=None):
+    """The per-sequence loop over the dense forward (Note [Varlen kernel]): (out, lse), checked
+    like varlen_forward_into. A reference for the benchmark and the tests, not the API."""
+    batch, total_q, total_k, h, hk, d = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None, softmax_scale)
+    causal, left, right = _normalise_window(causal, window_size)
+    backend = backend_for(q.device)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
+    _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k)
+    out = torch.empty_like(q)
+    lse = torch.empty(h, total_q, dtype=torch.float32, device=q.device)
+    _loop_into(backend, q, k, v, cu_q, cu_k, used_k, out, lse, causal, scale, left, right,
+               config)
+    return out, lse
+
+
+def _loop_into(backend, q, k, v, cu_q, cu_k, used_k, out, lse, causal, scale, left, right,
+               config):
     for q0, nq, k0, nk in _spans(cu_q, cu_k, used_k):
         if nq == 0:
             continue
@@ -84,14 +114,14 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
         backend.forward(q[q0:q0 + nq].unsqueeze(0), k[k0:k0 + nk].unsqueeze(0),
                         v[k0:k0 + nk].unsqueeze(0), o, row_lse, causal, scale, left, right,
                         config)
-    return out, lse
 
 
 def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                          seqused_k, max_seqlen_q, max_seqlen_k, causal=False,
                          softmax_scale=None, window_size=(None, None), deterministic=False):
     """Gradients of the varlen forward into dq (like q), dk and dv (like k). Key rows no
-    sequence uses (past seqused_k) get zero gradients."""
+    sequence uses (past seqused_k) get zero gradients. A per-sequence loop over the dense
+    backward (Note [Varlen kernel]): one launch per non-empty sequence."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale)

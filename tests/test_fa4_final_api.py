@@ -206,7 +206,8 @@ class Recorder:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     rec = Recorder()
-    backend = replace(dispatch.BACKENDS[0], forward=rec.forward, backward=rec.backward)
+    backend = replace(dispatch.BACKENDS[0], forward=rec.forward, backward=rec.backward,
+                      varlen_forward=None)  # the per-sequence loop
     for module in (run, varlen):
         monkeypatch.setattr(module, "backend_for", lambda device: backend)
     return rec
@@ -290,6 +291,15 @@ def test_varlen_fallback_is_the_dense_kernel_per_sequence(fake_gpu, causal):
     assert torch.all(lse[:, 5:38] == -math.inf) and torch.all(out[5:38] == 0)
     assert [c["shape"][1] for c in fake_gpu.calls] == [5, 17, 1]
     assert [c["sk"] for c in fake_gpu.calls] == [9, 31, 2]
+
+
+def test_forward_loop_is_the_per_sequence_reference(fake_gpu):
+    q, k, v, cu_q, cu_k = packed(*LENS)
+    out, lse = varlen.forward_loop(q, k, v, cu_q, cu_k, causal=True)
+    want_out, want_lse = ref.varlen_forward(q, k, v, cu_q, cu_k, None, 64**-0.5, True, None,
+                                            None)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert [c["shape"][1] for c in fake_gpu.calls] == [5, 17, 1]
 
 
 def test_varlen_fallback_backward(fake_gpu):

@@ -16,6 +16,10 @@ What this adds over chapter 05's kernel (TMA + wgmma + an mbarrier pipeline, one
 4. The O rescale moved off the softmax's critical path (Note [Where O is rescaled]), a fresh S
    accumulator per step (ptxas serialises the wgmma otherwise, for lack of registers), and a
    three-deep K ring next to the separate O buffer within the 227 KB (config.smem_bytes).
+5. Varlen (chapter 12), a compile-time variant (``varlen=True``): packed sequences in one
+   launch. Only the tile lookup (fa4_final.seqlens, scheduler.varlen_locate), the TMA tiles'
+   origin (a domain offset per sequence) and the store of a sequence's partial last tile (Note
+   [Varlen epilogue]) differ; the dense variant's code is what it was without the flag.
 
 Which of these pay, and by how much, is measured, not claimed here: notebook 08 prints the knob
 table (results/h200/fa4_final_knobs.json, ``python -m solutions.ch08_knobs``) and the standing
@@ -44,7 +48,8 @@ from fa4_final.hopper.wgmma import (
     smem_tile_layout,
 )
 from fa4_final.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
-from fa4_final.scheduler import rounds, tile_coords, zigzag_tile
+from fa4_final.scheduler import rounds, zigzag_tile
+from fa4_final.seqlens import Sequences
 from fa4_final.softmax import OnlineSoftmax
 from fa4_final.tiles import TileWindow, kv_tile_range
 from fa4_final.timeline import Mark, mark
@@ -72,7 +77,8 @@ class HopperForward:
     """
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperFwdConfig,
-                 has_window_left: bool = False, has_window_right: bool = False):
+                 has_window_left: bool = False, has_window_right: bool = False,
+                 varlen: bool = False, has_seqused_k: bool = False):
         config.check(head_dim)
         self.dtype = dtype
         self.head_dim = head_dim
@@ -84,6 +90,10 @@ class HopperForward:
                                  has_left=bool(has_window_left),
                                  has_right=bool(has_window_right) and not self.causal)
         self.producer_regs, self.consumer_regs = config.registers
+        # varlen: packed sequences (fa4_final.seqlens); a separate compiled variant, so the
+        # dense kernel's code is exactly what it is without this flag
+        self.varlen = bool(varlen)
+        self.has_seqused_k = self.varlen and bool(has_seqused_k)
         self.num_consumer_threads = THREADS_PER_WARPGROUP * self.num_wgs
         self.num_threads = THREADS_PER_WARPGROUP + self.num_consumer_threads
         self.roles = {
@@ -93,8 +103,9 @@ class HopperForward:
         }
 
     def cache_key(self) -> tuple:
-        return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
-                self.window, self.cfg)
+        key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
+               self.window, self.cfg)
+        return key + (("varlen", self.has_seqused_k),) if self.varlen else key
 
     # ------------------------------------------------------------------------------------------
     # host side: layouts, TMA descriptors, shared storage, grid, launch
@@ -113,6 +124,9 @@ class HopperForward:
         window_right: Int32,
         l2_group: Int32,  # causal tile order: (head, batch) pairs per section (scheduler)
         max_ctas: Int32,  # persistent grid size: the SM count
+        mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; dense: None
+        mCuSeqlensK: cute.Tensor | None,  # varlen: (batch + 1,) int32; dense: None
+        mSeqUsedK: cute.Tensor | None,  # varlen with seqused_k: (batch,) int32; else None
         stream,
     ):
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
@@ -120,6 +134,10 @@ class HopperForward:
             raise TypeError(f"q, k, v, out must all be {self.dtype}")
         if const_expr(mLSE.element_type != Float32):
             raise TypeError("lse must be float32")
+        if const_expr(self.varlen != (mCuSeqlensQ is not None and mCuSeqlensK is not None)
+                      or self.has_seqused_k != (mSeqUsedK is not None)):
+            raise TypeError("cu_seqlens_q/k (and seqused_k) are given exactly to the varlen "
+                            "variant (varlen=True, has_seqused_k=True)")
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = select_modes(mLSE, [2, 1, 0])  # (s, h, b)
@@ -160,6 +178,12 @@ class HopperForward:
 
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
+        mO_rows = None
+        if const_expr(self.varlen):
+            # a batch of one packed (total_q) rows: at most one partial tile more per sequence.
+            # The exact count needs the offsets' values; CTAs past it find no tile and exit.
+            num_tiles = (num_m_blocks + mCuSeqlensQ.shape[0] - 1) * mQ.shape[2]
+            mO_rows = mO  # the partial last tile of a sequence is stored without TMA
         grid = num_tiles
         if const_expr(self.cfg.persistent):
             grid = cutlass.min(num_tiles, max_ctas)
@@ -168,7 +192,7 @@ class HopperForward:
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
             softmax_scale * LOG2_E, window_left, window_right, l2_group,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
-            bytes_q, bytes_kv, SharedStorage,
+            bytes_q, bytes_kv, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mO_rows,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -200,6 +224,10 @@ class HopperForward:
         bytes_q: cutlass.Constexpr[int],
         bytes_kv: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
+        mO_rows: cute.Tensor | None,  # varlen: out itself (s, D, h, b), for partial tiles
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -231,25 +259,20 @@ class HopperForward:
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
 
+        seqs = lambda: Sequences(  # noqa: E731  (built where used: the dense code stays as it was)
+            self.tile_m, self.causal, mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3],
+            l2_group, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         if warp_idx < THREADS_PER_WARPGROUP // WARP_SIZE:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.roles["producer"]["tma_warp"]:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
                           pipeline_q, pipeline_k, pipeline_v, window_left, window_right,
-                          l2_group, mTL)
+                          seqs(), mTL)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mLSE, mTL, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                          pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left,
-                         window_right, l2_group, mQ.shape[0], mK.shape[0], mQ.shape[2],
-                         mQ.shape[3])
-
-    @cute.jit
-    def tile_of(self, tile: Int32, seqlen_q: Int32, heads: Int32, batch: Int32, l2_group):
-        """(m_block, head, batch) of linear tile ``tile``: fa4_final.scheduler's order."""
-        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-        return tile_coords(tile, num_m_blocks, heads, batch, longest_first=self.causal,
-                           l2_group=l2_group)
+                         window_right, seqs(), mO_rows)
 
     # Note [Phases]
     # -------------
@@ -267,10 +290,10 @@ class HopperForward:
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
-             pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, l2_group: Int32,
+             pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, seqs: Sequences,
              tl: cute.Tensor):
         """Producer warp: Q and the K/V tiles of every tile this CTA computes (Note [Phases])."""
-        num_tiles = cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
+        num_tiles = seqs.num_tiles()
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                self.cfg.stages_k)
@@ -285,25 +308,24 @@ class HopperForward:
                 state_q, state_k, state_v = self.load_tile(
                     tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
                     pipeline_k, pipeline_v, state_q, state_k, state_v, window_left,
-                    window_right, l2_group, tl, record & (r == 0))
+                    window_right, seqs, tl, record & (r == 0))
 
     @cute.jit
     def load_tile(self, tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
                   pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v,
-                  window_left: Int32, window_right: Int32, l2_group: Int32, tl, record):
+                  window_left: Int32, window_right: Int32, seqs: Sequences, tl, record):
         """Q and the K/V tiles of one tile, in the order of Note [Phases]."""
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        heads, batch, heads_kv = mQ.shape[2], mQ.shape[3], mK.shape[2]
-        m_block, head, b = self.tile_of(tile, seqlen_q, heads, batch, l2_group)
-        head_kv = head // (heads // heads_kv)
+        w = seqs.tile(tile)
+        m_block, head, seqlen_q, seqlen_k = w.m_block, w.head, w.seqlen_q, w.seqlen_k
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
         n_min, n_max, _, _ = kv_tile_range(self.window, m_block, seqlen_q, seqlen_k,
                                            window_left, window_right)
-        # (tile_m, D); (tile_n, D, n_tiles) of this (batch, head)
-        gQ = cute.local_tile(mQ[None, None, head, b], (self.tile_m, self.head_dim),
+        # (tile_m, D); (tile_n, D, n_tiles) of this (sequence, head)
+        gQ = cute.local_tile(seqs.rows_q(mQ, w, head), (self.tile_m, self.head_dim),
                              (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, b], (self.tile_n, self.head_dim),
+        gK = cute.local_tile(seqs.rows_k(mK, w, head_kv), (self.tile_n, self.head_dim),
                              (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, b], (self.tile_n, self.head_dim),
+        gV = cute.local_tile(seqs.rows_k(mV, w, head_kv), (self.tile_n, self.head_dim),
                              (None, 0))
         # TMA partitions: (TMA,) for Q; (TMA, STAGE) in smem and (TMA, n_tiles) for K, V
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1),
@@ -380,8 +402,7 @@ class HopperForward:
     @cute.jit
     def consume(self, mO, mLSE, tl, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, scale_log2: Float32, window_left: Int32,
-                window_right: Int32, l2_group: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                heads: Int32, batch: Int32):
+                window_right: Int32, seqs: Sequences, mO_rows: cute.Tensor | None):
         """Consumer warpgroups: every tile of this CTA, then the O store's tail."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. num_consumer_threads - 1
@@ -414,7 +435,7 @@ class HopperForward:
                                                self.cfg.stages_k)
         state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                self.cfg.stages_v)
-        num_tiles = cute.ceil_div(seqlen_q, self.tile_m) * heads * batch
+        num_tiles = seqs.num_tiles()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         record = (bidx == 0) & (tidx % THREADS_PER_WARPGROUP == 0)  # Note [Timeline]
@@ -426,8 +447,8 @@ class HopperForward:
                     zigzag_tile(r + 1, bidx, grid) >= num_tiles, mO, mLSE, sO,
                     tma_atom_o, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o,
                     tOrP, tSrQ, tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k,
-                    pipeline_v, state_q, state_k, state_v, window_left, window_right, l2_group,
-                    seqlen_q, seqlen_k, heads, batch)
+                    pipeline_v, state_q, state_k, state_v, window_left, window_right, seqs,
+                    mO_rows)
         if const_expr(self.cfg.separate_o):
             if tidx == 0:  # shared memory must outlive the last O store's reads of it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -436,11 +457,11 @@ class HopperForward:
     def consume_tile(self, tl, record, tile, first_tile, last_tile, mO, mLSE, sO, tma_atom_o,
                      tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o, tOrP, tSrQ,
                      tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k, pipeline_v,
-                     state_q, state_k, state_v, window_left, window_right, l2_group, seqlen_q,
-                     seqlen_k, heads, batch):
+                     state_q, state_k, state_v, window_left, window_right, seqs, mO_rows):
         """One tile: its KV loop and its epilogue. ``first_tile`` / ``last_tile``: of this
         CTA (Note [Turns])."""
-        m_block, head, b = self.tile_of(tile, seqlen_q, heads, batch, l2_group)
+        w = seqs.tile(tile)
+        m_block, head, seqlen_q, seqlen_k = w.m_block, w.head, w.seqlen_q, w.seqlen_k
         n_min, n_max, n_top, n_bottom = kv_tile_range(self.window, m_block, seqlen_q,
                                                       seqlen_k, window_left, window_right)
         n_tiles = n_max - n_min
@@ -473,8 +494,12 @@ class HopperForward:
             self.turn_end(wg, last_tile)
             if const_expr(self.cfg.separate_o):
                 pipeline_q.consumer_release(state_q)
-        self.epilogue(acc_o, softmax, mO[None, None, head, b], mLSE[None, head, b], sO,
-                      tma_atom_o, thr_mma_pv, tidx, m_block, seqlen_q, pipeline_q, state_q)
+        gO_rows = None  # varlen: out's own rows of this sequence and head (Note [Varlen..])
+        if const_expr(mO_rows is not None):
+            gO_rows = seqs.rows_q(mO_rows, w, head)
+        self.epilogue(acc_o, softmax, seqs.rows_q(mO, w, head), seqs.rows_q(mLSE, w, head), sO,
+                      tma_atom_o, thr_mma_pv, tidx, m_block, seqlen_q, pipeline_q, state_q,
+                      gO_rows)
         state_q.advance()
         return state_q, state_k, state_v
 
@@ -643,9 +668,11 @@ class HopperForward:
 
     @cute.jit
     def epilogue(self, acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv,
-                 tidx: Int32, m_block: Int32, seqlen_q: Int32, pipeline_q, state_q):
+                 tidx: Int32, m_block: Int32, seqlen_q: Int32, pipeline_q, state_q,
+                 gO_rows: cute.Tensor | None = None):
         """out = O / l and lse to global memory. O goes registers -> shared (stmatrix) -> one TMA
-        store, which clips rows past seqlen_q; lse is written directly."""
+        store, which clips rows past seqlen_q; lse is written directly. Varlen (``gO_rows``):
+        Note [Varlen epilogue]."""
         inv_sum, lse = softmax.finalize()
         o = acc_rows_cols(acc_o)
         for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
@@ -680,13 +707,13 @@ class HopperForward:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
                           number_of_threads=self.num_consumer_threads)
-        gO = cute.local_tile(gO_all, (self.tile_m, self.head_dim), (m_block, 0))  # (tile_m, D)
-        tOsO, tOgO = cpasync.tma_partition(tma_atom_o, 0, cute.make_layout(1),
-                                           cute.group_modes(sO, 0, 2),
-                                           cute.group_modes(gO, 0, 2))
-        if consumer_warp == 0:
-            cute.copy(tma_atom_o, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
+        if const_expr(gO_rows is None):
+            self.store_o_tma(sO, gO_all, tma_atom_o, m_block, consumer_warp)
+        else:
+            if (m_block + 1) * self.tile_m <= seqlen_q:
+                self.store_o_tma(sO, gO_all, tma_atom_o, m_block, consumer_warp)
+            else:
+                self.store_o_rows(sO, gO_rows, tidx, m_block, seqlen_q)
         if const_expr(not self.cfg.separate_o):
             # Q's buffer holds O until the store has read it; then the next Q may land there
             if consumer_warp == 0:
@@ -694,3 +721,51 @@ class HopperForward:
             cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
                               number_of_threads=self.num_consumer_threads)
             pipeline_q.consumer_release(state_q)
+
+    @cute.jit
+    def store_o_tma(self, sO, gO_all, tma_atom_o, m_block: Int32, consumer_warp: Int32):
+        """One TMA store of the (tile_m, D) block of O, issued by the first consumer warp."""
+        gO = cute.local_tile(gO_all, (self.tile_m, self.head_dim), (m_block, 0))  # (tile_m, D)
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_o, 0, cute.make_layout(1),
+                                           cute.group_modes(sO, 0, 2),
+                                           cute.group_modes(gO, 0, 2))
+        if consumer_warp == 0:
+            cute.copy(tma_atom_o, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+
+    # Note [Varlen epilogue]
+    # ----------------------
+    # The TMA store clips at the tensor's end, total_q, not at the sequence's: the last, partial
+    # tile of a sequence would overwrite the first rows of the next one. Full tiles keep the TMA
+    # store; a partial tile goes from shared memory to global memory in 16-byte vectors, one
+    # predicate per row (at D = 128: 256 threads x 8 vectors, 16 rows per pass). FA4's own
+    # answer keeps TMA for every tile: a tensor with one more mode, whose pointer shift and
+    # domain offset make the descriptor's bound fall exactly at the sequence's end
+    # (quack.copy_utils.offset_ragged_tensor); one partial tile per sequence did not seem worth
+    # that here. The shared-memory reads are plain loads, finished before the thread passes the
+    # next EPILOGUE barrier, so the buffer's reuse needs no bulk wait for them.
+
+    @cute.jit
+    def store_o_rows(self, sO, gO_rows, tidx: Int32, m_block: Int32, seqlen_q: Int32):
+        """The rows of the (tile_m, D) block of O that lie inside the sequence (Note [Varlen
+        epilogue]); every consumer thread takes part."""
+        vec = 128 // self.dtype.width  # elements per 16-byte vector
+        per_row = self.head_dim // vec  # threads per row
+        rows_per_pass = self.num_consumer_threads // per_row
+        assert self.tile_m % rows_per_pass == 0, (self.tile_m, rows_per_pass)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                   num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((rows_per_pass, per_row), order=(1, 0)),
+            cute.make_layout((1, vec)))
+        thr = tiled.get_slice(tidx)
+        gO = cute.local_tile(gO_rows, (self.tile_m, self.head_dim), (m_block, 0))  # (tile_m, D)
+        tOsO = thr.partition_S(sO)  # (CPY, tile_m / rows_per_pass, 1)
+        tOgO = thr.partition_D(gO)
+        tOcO = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        tOrO = cute.make_fragment_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        rows_left = seqlen_q - m_block * self.tile_m
+        for m in cutlass.range_constexpr(cute.size(tOsO, mode=[1])):
+            if tOcO[0, m, 0][0] < rows_left:
+                cute.copy(atom, tOrO[None, m, None], tOgO[None, m, None])

@@ -38,32 +38,40 @@ _COMPILED: dict = {}
 
 
 def _fwd_kernel(dtype_name: str, head_dim: int, causal: bool, has_left: bool, has_right: bool,
-                config: HopperFwdConfig):
+                config: HopperFwdConfig, varlen: bool = False, has_seqused_k: bool = False):
     from fa4_final.hopper.fwd import HopperForward
 
     return HopperForward(CUTLASS_BY_NAME[dtype_name], head_dim, causal, config,
-                         has_window_left=has_left, has_window_right=has_right)
+                         has_window_left=has_left, has_window_right=has_right, varlen=varlen,
+                         has_seqused_k=has_seqused_k)
 
 
-def _fwd_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig):
+def _fwd_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig, varlen: bool = False,
+                   has_seqused_k: bool = False):
     import cutlass
+    import cutlass.cute as cute
     from cutlass import Float32, Int32
 
     from fa4_final.timeline import MARKS, MAX_STEPS
 
     q, k, v, o, lse = fake_attention_tensors(CUTLASS_BY_NAME[dtype_name], head_dim)
     timeline = fake_tensor(cutlass.Int64, (1 + cfg.num_consumer_wgs, MAX_STEPS, MARKS))
+    # varlen: (batch + 1,) offsets and (batch,) used key counts, int32 (fa4_final.varlen)
+    cu_q, cu_k, used_k = (fake_tensor(Int32, (cute.sym_int(),)) if varlen else None
+                          for _ in range(3))
+    used_k = used_k if has_seqused_k else None
     return (q, k, v, o, lse, timeline, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
-            fake_stream())
+            cu_q, cu_k, used_k, fake_stream())
 
 
 def compile_forward(arch: str = ARCH, head_dim: int = 128, dtype: str = "bf16",
                     causal: bool = False, config: HopperFwdConfig | None = None,
                     has_window_left: bool = False, has_window_right: bool = False,
-                    keep: bool = False):
+                    keep: bool = False, varlen: bool = False, has_seqused_k: bool = False):
     """Compile the forward for ``arch`` with fake tensors (no GPU needed); returns
     (compiled, artifacts or None). The GPU path and compile-only share this one function;
-    without ``keep`` the result comes from the compile cache (fa4_final.cache)."""
+    without ``keep`` the result comes from the compile cache (fa4_final.cache). ``varlen``:
+    the packed-sequence variant (varlen_forward_into), with ``has_seqused_k`` or without."""
     if dtype not in CUTLASS_BY_NAME:
         raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
     if arch != ARCH:
@@ -73,14 +81,15 @@ def compile_forward(arch: str = ARCH, head_dim: int = 128, dtype: str = "bf16",
     if not isinstance(cfg, HopperFwdConfig):
         raise TypeError(f"config must be a HopperFwdConfig or None, got {type(cfg).__name__}")
     memo = (arch, head_dim, dtype, bool(causal), cfg, bool(has_window_left),
-            bool(has_window_right))
+            bool(has_window_right), bool(varlen), bool(varlen and has_seqused_k))
     if not keep and memo in _COMPILED:  # the per-call path: a dict lookup, about 1 us
         return _COMPILED[memo], None
-    kernel = _fwd_kernel(dtype, head_dim, causal, has_window_left, has_window_right, cfg)
+    kernel = _fwd_kernel(dtype, head_dim, causal, has_window_left, has_window_right, cfg,
+                         varlen, has_seqused_k)
 
     def build():
-        return compile_kernel(kernel, *_fwd_fake_args(dtype, head_dim, cfg), arch=arch,
-                              keep=keep)
+        return compile_kernel(kernel, *_fwd_fake_args(dtype, head_dim, cfg, varlen,
+                                                      has_seqused_k), arch=arch, keep=keep)
 
     if keep:
         return build()
@@ -119,7 +128,37 @@ def forward_into(q, k, v, out, lse, causal: bool, softmax_scale: float, window_l
     if cfg.l2_sections:
         group = l2_section_pairs(k.shape[1], d, q.element_size(), h * b)
     compiled(q, k, v, out, lse, _timeline_buffer(q.device, cfg), softmax_scale,
-             window_left or 0, window_right or 0, group, _num_sms(q.device))
+             window_left or 0, window_right or 0, group, _num_sms(q.device), None, None, None)
+
+
+def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                        max_seqlen_k, out, lse, causal: bool, softmax_scale: float, window_left,
+                        window_right, config: HopperFwdConfig | None = None):
+    """One launch of the varlen kernel on checked inputs: q (total_q, h, d), k and v (total_k,
+    h_kv, d), out like q, lse (h, total_q) (fa4_final.varlen). The packed tensors go in as a
+    batch of one; the kernel finds each tile's sequence from the offsets (fa4_final.seqlens)."""
+    total_q, h, d = q.shape
+    if total_q == 0:
+        return
+    if k.shape[0] == 0:  # no key anywhere (a TMA descriptor cannot have an empty extent)
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
+    has_right = window_right is not None and not causal
+    compiled, _ = compile_forward(ARCH, d, DTYPE_NAMES[q.dtype], causal, config,
+                                  has_window_left=window_left is not None,
+                                  has_window_right=has_right, varlen=True,
+                                  has_seqused_k=seqused_k is not None)
+    cfg = config or hopper_fwd_default(d, causal)
+    group = h  # causal: longest first over every head of a sequence (Note [Varlen order])
+    if cfg.l2_sections:
+        longest_k = max_seqlen_k if max_seqlen_k is not None and max_seqlen_k >= 0 \
+            else k.shape[0]
+        group = l2_section_pairs(longest_k, d, q.element_size(), h)
+    compiled(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
+             _timeline_buffer(q.device, cfg), softmax_scale, window_left or 0,
+             window_right or 0, group, _num_sms(q.device), cu_seqlens_q.contiguous(),
+             cu_seqlens_k.contiguous(), None if seqused_k is None else seqused_k.contiguous())
 
 
 _TIMELINES: dict = {}
