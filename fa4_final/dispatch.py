@@ -121,7 +121,7 @@ def support_table() -> str:
     rows = []
     for b in BACKENDS:
         runs = b.state(b.forward_module) == "yes"
-        varlen = ("forward: one kernel (compiled, GPU tests pending); backward: per-sequence "
+        varlen = ("forward: one kernel over the packed batch; backward: per-sequence "
                   "loop" if b.varlen_forward else "per-sequence loop over the dense kernel")
         varlen, dims, dtypes = (varlen, ", ".join(map(str, b.head_dims)), ", ".join(b.dtypes)) \
             if runs else ("-", "-", "-")

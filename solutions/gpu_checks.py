@@ -24,7 +24,7 @@ from pathlib import Path
 from utils import results
 
 NAME = "gpu_checks"
-PYTEST = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected)")
+PYTEST = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xpassed|xfailed)")
 SANITIZER = re.compile(r"(ERROR|RACECHECK) SUMMARY: (\d+) (errors|hazards)")
 
 

@@ -10,6 +10,8 @@ def test_pytest_summaries():
         "passed": 45}
     assert read_log("= 1 failed, 10 passed, 13 deselected, 14 warnings in 68.13s =") == {
         "failed": 1, "passed": 10, "deselected": 13}
+    assert read_log("14 passed, 18 deselected, 4 xpassed in 77.33s") == {
+        "passed": 14, "deselected": 18, "xpassed": 4}
     assert read_log("2 passed, 1 error in 3.0s") == {"passed": 2, "errors": 1}
 
 
