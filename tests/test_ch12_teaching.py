@@ -147,10 +147,13 @@ def test_headline_files_read():
 
 
 def test_varlen_table_pivots_cases():
-    rows = [{**timed(n, "fwd", 128, 4096, False, t), "lengths": "mixed 128..8192"}
-            for n, t in (("fa4_final", 400), ("sdpa_flash", 300), ("fa4_package", 450))]
+    extra = {"s_max": 8000, "total_tokens": 65536, "b": 32}
+    rows = [{**timed(n, "fwd", 128, 2048, False, t), **extra}
+            for n, t in (("fa4_final_varlen", 400), ("fa4_final_loop", 350),
+                         ("fa4_package", 450))]
     text = t12.varlen_table(fake("ch12_varlen", rows))
-    assert "mixed 128..8192" in text and "slower" in text and "vs fa4_package" in text
+    assert "32 seqs, mean 2048 max 8000" in text and "slower" in text
+    assert "vs fa4_package" in text and "fa4_final_loop" in text
     assert t12.varlen_table(None) == "not measured yet"
 
 
