@@ -164,3 +164,27 @@ def test_blackwell_bwd_pre_and_post_compile_for_sm100(compiled):
     for role in ("pre", "post"):
         assert arts[role].spills == 0, arts[role].resources()
         arts[role].forbid("wgmma", "tcgen05")
+
+
+# ----------------------------------------------------------------------------------------------
+# the stored side-by-side with FA4's own sm100 backward (solutions.ch09_compare --bwd)
+
+
+def test_sm100_bwd_side_by_side_our_side_regenerates(compiled):
+    """Our rows of results/compile/sm100_bwd_vs_fa4.json are what this code compiles to now
+    (the same variants the tests above compile, so no extra compile for D = 128 / 64 causal)."""
+    import cutlass
+
+    from solutions import ch09_compare as C
+
+    table = C.load_bwd_table()
+    if table.provenance["cutlass_dsl"] != getattr(cutlass, "__version__", "?"):
+        pytest.skip(f"table compiled with CuTe DSL {table.provenance['cutlass_dsl']}: "
+                    f"regenerate with python -m solutions.ch09_compare --bwd --write --ours")
+    for c in C.BWD_CONFIGS:
+        if not c["ours"]:
+            continue
+        now = C.our_bwd_metrics(c["d"], c["causal"], compiled(c["d"], c["causal"])["main"])
+        for row in C.flatten("fa4_final", c["config"], now):
+            stored = C.value(table, "fa4_final", c["config"], row["metric"])
+            assert stored == row["value"], (c["config"], row["metric"], stored, row["value"])
