@@ -100,6 +100,11 @@ def test_sm100_bwd_has_the_blackwell_instructions(compiled, head_dim, causal):
     assert re.search(r"\.(reqntid|maxntid)\s+512", art.ptx)
     # A from TMEM exactly for dV += P^T dO: m/16 = 8 of the instructions
     assert len(re.findall(r"tcgen05\.mma[^\n]*\[%r\d+\], \[%r\d+", art.ptx)) == 128 // 16
+    # Note [P^T over S^T]: both compute warpgroups meet before P^T overwrites S^T, once per
+    # compiled step (masked and unmasked)
+    from fa4_final.blackwell.bwd import NamedBarrier
+
+    assert len(re.findall(rf"bar\.sync\s+{int(NamedBarrier.COMPUTE)}, 256;", art.ptx)) == 2
 
 
 def test_sm100_bwd_issues_five_gemms_per_step(compiled):

@@ -34,7 +34,7 @@ def test_bwd_table_has_both_sides_and_the_five_gemms(table):
     for c in C.BWD_CONFIGS:
         impls = ["fa4"] + (["fa4_final"] if c["ours"] else [])
         for impl in impls:
-            val = lambda m, impl=impl: C.value(table, impl, c["config"], m)  # noqa: E731
+            val = lambda m, impl=impl, c=c: C.value(table, impl, c["config"], m)  # noqa: E731
             # S^T, dP^T (K = D), dV, dK, dQ (K = 128): D/16 + D/16 + 3 * 8 per step; FA4's
             # code holds every GEMM twice (prologue + loop + tail), ours once
             per_step = 2 * c["d"] // 16 + 3 * 128 // 16
