@@ -22,8 +22,9 @@ D = 128), one thread issues every MMA, and the compute warps spend their registe
 each; the dQ epilogue (TMEM -> shared -> bulk add) has its own warpgroup, so it overlaps the
 next step's GEMMs. Chapter 00's model for one step (M = N = D = 128, B200, 1-CTA): 5 GEMMs of
 2 * 128^3 FLOPs = 2560 tensor-core cycles against 3328 cycles of shared-memory traffic
-(ANCHORS.md): this kernel is bound by shared memory, which is what the 2-CTA mode (not built
-yet) attacks.
+(ANCHORS.md); ``solutions.ch09_model.bwd_step_cycles`` adds what this kernel reads on top (dS^T
+for dK from shared memory, the lse / delta broadcasts): bound by shared memory (model), which
+is what the 2-CTA mode (below, not built) attacks.
 
 Deterministic mode: the dQ warpgroup adds a step's dQ only in its turn, with the Hopper kernel's
 turn counters (``fa4_final.bwd_tiles.dq_turn``, ``fa4_final.atomics``, Note [Turns] of
@@ -39,7 +40,29 @@ instructions per row cheaper, which its per-step instruction-count test holds it
 never run on a GPU: it is
 verified by compiling it for sm_100a (tests/test_blackwell_bwd_compile.py), and
 tests/gpu/test_blackwell_bwd.py compares its gradients with float64 the moment a B200 is present.
-Not built: the 2-CTA mode (cta_group::2, dS exchanged through distributed shared memory).
+Verified on the CPU besides the compile: solutions.ch09_pipeline.BackwardSim replays every
+role's waits and arrivals with these pipelines; it found two races of the first design, fixed
+here (delta now rides with Q, Note [Handshakes]; bar.sync COMPUTE before P^T, Note [P^T over
+S^T]). solutions.ch09_compare --bwd stands the compiled kernel beside FA4's flash_bwd_sm100.
+
+Not built: the 2-CTA mode. The design, following the forward's pairs (fa4_final.blackwell.fwd:
+cluster launch (2, 1, 1), the leader CTA's MMA warp issues cta_group::2, its commits reach both
+CTAs' barriers, multicast TMA):
+- a pair owns 256 keys, 128 per CTA (its TMEM lanes); S^T = K Q^T, dP^T = V dO^T, dV += P^T dO
+  and dK += dS^T Q become M = 256 MMAs. Their B operands are split across the pair, Q and dO by
+  queries for S^T and dP^T but by D for dV and dK, so each CTA needs a second, differently split
+  view of them (FA4 loads mQt and mdOt for this);
+- dQ = dS K needs dS of all 256 keys for each query: each CTA writes its dS half into its
+  peer's shared memory (addresses from mapa, stores to shared::cluster, a cluster mbarrier
+  announcing it: FA4's relay warp and dS_cluster barriers), then computes dQ for its half of
+  D's columns (D/2 TMEM columns, K = 256) and adds that half to global memory: half of the
+  float32 adds per CTA (ch09_model: 64 KB -> 32 KB per step at D = 128);
+- per SM, shared memory would read half of Q's and dO's bytes (ch09_model: about 3840 -> 2944
+  cycles a step at D = 128, model).
+Why it is not here: the 1-CTA kernel already uses all 232448 B of shared memory at D = 128, so
+the 2-CTA budget (split views, the peer's dS half) has to be laid out anew; the dS exchange is a
+new pipeline that the simulation must replay first; and the session that built this had not the
+time to do all of it and its checks properly. A half-built pair is not committed.
 """
 
 from __future__ import annotations
