@@ -568,16 +568,19 @@ def load_bwd_table() -> results.Results:
 BWD_NOTES = [
     ("d128 non-causal 1-CTA", "FFMA2",
      "FA4 computes P and dS with packed FP32 pairs (FFMA2 / FMUL2 / FADD2: {fa4} FFMA2), we with "
-     "scalar FFMA / FMUL / FADD ({ours} FFMA2): the same arithmetic in twice the FMA-pipe "
-     "issues. Does the compute warpgroups' FMA pipe bound a step (ch09_model's backward row)? "
-     "If so, packing the exponent argument and dP - delta in pairs is the first change."),
+     "scalar FFMA / FMUL / FADD ({ours} FFMA2): the same lane operations in twice the "
+     "compute-warp instructions. Does that bound a step? ch09_model.bwd_step_cycles says no "
+     "(FP32 and issue stay well under the shared-memory time, model): packing would save "
+     "issue slots, not the step's bound."),
     ("d128 non-causal 1-CTA", "UTC*MMA (tcgen05.mma)",
      "FA4's code holds {fa4} tcgen05.mma, ours {ours}: one step's five GEMMs are D/16 + D/16 + 3 x "
      "8 = 40 at D = 128 in both, but FA4 software-pipelines its MMA loop (flash_bwd_sm100.mma: a "
      "prologue issuing S^T, dP^T, dV of the first step, a loop issuing S^T(i+1) before dK(i) and "
      "dQ(i), a tail), so each GEMM appears twice. Ours issues a step's five in order: S^T(i+1) "
      "waits until dS(i) is in shared memory. Do the tensor cores idle while the compute warps "
-     "turn dP^T into dS^T (ch09_model's backward step)?"),
+     "turn dP^T into dS^T? ch09_model.bwd_step_cycles: the in-order chain is shorter than the "
+     "shared-memory time at 1-CTA, so the order costs nothing while shared memory binds; in the "
+     "2-CTA design it would be the longest term (model)."),
     ("d128 non-causal 1-CTA", "compute: BAR (named barriers)",
      "FA4's compute warps pass {fa4} named barriers in code, ours {ours}: FA4 syncs its eight "
      "compute warps before P^T overwrites S^T columns that the other warpgroup may still be "

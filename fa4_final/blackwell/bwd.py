@@ -180,7 +180,7 @@ class BlackwellBackward:
             "mma": {"warps": (12,), "registers": regs["mma"],
                     "does": "TMEM alloc/free; one thread issues every tcgen05.mma"},
             "load": {"warps": (13,), "registers": regs["load"],
-                     "does": "TMA: K, V once; Q + lse, dO + delta per step"},
+                     "does": "TMA: K, V once; Q + lse + delta, dO per step"},
             "spare": {"warps": (14, 15), "registers": regs["spare"], "does": "give registers away"},
         }
         warps = sorted(w for r in self.roles.values() for w in r["warps"])
