@@ -59,8 +59,11 @@ CTAs' barriers, multicast TMA):
   float32 adds per CTA (ch09_model: 64 KB -> 32 KB per step at D = 128);
 - per SM, shared memory would read half of Q's and dO's bytes (ch09_model: about 3840 -> 2944
   cycles a step at D = 128, model).
-Why it is not here: the 1-CTA kernel already uses all 232448 B of shared memory at D = 128, so
-the 2-CTA budget (split views, the peer's dS half) has to be laid out anew; the dS exchange is a
+Why it is not here: the split views halve the bytes each MMA reads per SM but not the bytes
+held: a Q stage is 64 queries x D for S^T plus 128 queries x D/2 for dK, 32 KB per CTA at D = 128
+as in 1-CTA (likewise dO), and the peer's dS half adds 32 KB, on top of a 1-CTA layout that
+already uses all 232448 B; so the budget has to be laid out anew (one Q stage, as FA4's 2-CTA
+kernel has); the dS exchange is a
 new pipeline that the simulation must replay first; and the session that built this had not the
 time to do all of it and its checks properly. A half-built pair is not committed.
 """
