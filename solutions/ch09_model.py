@@ -298,3 +298,161 @@ def pair_verdict(seqlen: int, d: int = 128, causal: bool = False, tokens: int = 
 
 def with_mix(**changes) -> InstructionMix:
     return replace(MIX, **changes)
+
+
+# ----------------------------------------------------------------------------------------------
+# chapter 11: one step of the Blackwell backward (model)
+#
+# A step of fa4_final.blackwell.bwd: one CTA's 128 keys against one 128-query tile, five GEMMs
+# (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K), 128 x 128 scores, each
+# turned into P^T and dS^T by the two compute warpgroups (one key row of 64 queries a thread).
+
+
+@dataclass(frozen=True)
+class BwdMix:
+    """Compute-warp SASS instructions per score of one backward step, from the compiled kernel
+    (``results/compile/sm100_bwd_vs_fa4.json``, role "compute", two step copies of 64 scores a
+    thread; tests/test_ch09_model.py checks them): the exponent argument s * scale - lse (FFMA),
+    dP - delta (FADD), P (dP - delta) (FMUL), exp2 (MUFU), P^T and dS^T packed to 16 bits
+    (F2FP, one per pair each), a select per score that ptxas keeps in both copies (FSEL), lse
+    and delta read as 16-byte broadcasts (LDS: 2 x 64 / 4 per 64 scores), dS^T stored 16 bytes
+    at a time (STS), S^T and dP^T loaded 64 columns per warpgroup (LDTM), P^T stored (STTM).
+    ``packed``: FA4's form, the three FP32 operations in FFMA2 / FADD2 / FMUL2 pairs."""
+
+    ffma: float = 1.0
+    fadd: float = 1.0
+    fmul: float = 1.0
+    mufu: float = 1.0
+    f2fp: float = 1.0
+    fsel: float = 1.0
+    lds: float = 0.5
+    sts: float = 1 / 8
+    ldtm: float = 1 / 32
+    sttm: float = 1 / 64
+    packed: bool = False
+
+    def per_score(self) -> dict[str, float]:
+        out = {k: getattr(self, k) for k in ("ffma", "fadd", "fmul", "mufu", "f2fp", "fsel",
+                                              "lds", "sts", "ldtm", "sttm")}
+        if self.packed:
+            for k in ("ffma", "fadd", "fmul"):
+                out[k + "2"] = out.pop(k) / 2
+        return out
+
+    def fp32_lane_ops(self) -> float:
+        return self.ffma + self.fadd + self.fmul  # packed or not: the same lane operations
+
+
+BWD_MIX = BwdMix()
+FA4_BWD_MIX = replace(BWD_MIX, packed=True)
+
+
+@dataclass(frozen=True)
+class BwdStepCycles:
+    """One backward step of one CTA (per SM) in cycles per unit, and the bytes with no
+    published bandwidth (TMEM, global float32 adds) as break-even rates (model)."""
+
+    d: int
+    two_cta: bool
+    mma: float
+    mufu: float
+    fp32: float
+    issue: float
+    smem: float
+    in_order: float  # the step's chain when a step's five GEMMs issue in order (ours)
+    tmem_bytes: float
+    reduce_bytes: float
+    smem_items: tuple
+
+    UNITS = ("mma", "mufu", "fp32", "issue", "smem")
+
+    @property
+    def cycles(self) -> dict[str, float]:
+        return {u: getattr(self, u) for u in self.UNITS}
+
+    @property
+    def bound(self) -> float:
+        return max(self.cycles.values())
+
+    @property
+    def binding(self) -> tuple[str, ...]:
+        return tuple(u for u, c in self.cycles.items() if math.isclose(c, self.bound))
+
+    @property
+    def mma_fraction(self) -> float:
+        return self.mma / max(self.bound, self.in_order)
+
+    def break_even(self, nbytes: float) -> float:
+        """Bytes per clock per SM at which ``nbytes`` per step take as long as the MMAs."""
+        return nbytes / self.mma
+
+    def reduce_break_even_tb_s(self, fig=B200) -> float:
+        """The chip's global float32-add rate (TB/s) at which dQ's adds take the MMA time."""
+        return fig.chip_peak(self.break_even(self.reduce_bytes)) / 1e12
+
+    def table(self) -> list[dict]:
+        rows = [{"resource": u, "cycles per step": round(c), "label": "model"}
+                for u, c in self.cycles.items()]
+        rows.append({"resource": "in-order chain (ours)", "cycles per step":
+                     round(self.in_order), "label": "model"})
+        rows.append({"resource": "TMEM ld/st by threads", "cycles per step":
+                     f"{self.tmem_bytes / 1024:.0f} KB: break-even "
+                     f"{self.break_even(self.tmem_bytes):.0f} B/clk", "label": "model"})
+        rows.append({"resource": "global float32 adds (dQ)", "cycles per step":
+                     f"{self.reduce_bytes / 1024:.0f} KB: break-even "
+                     f"{self.break_even(self.reduce_bytes):.0f} B/clk/SM = "
+                     f"{self.reduce_break_even_tb_s():.1f} TB/s chip", "label": "model"})
+        return rows
+
+    @property
+    def limit(self) -> str:
+        """What sets the step time: the busiest unit, or the in-order chain when longer."""
+        return "in-order chain" if self.in_order > self.bound else "+".join(self.binding)
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{u} {c:.0f}" for u, c in self.cycles.items())
+        return (f"bwd D={self.d} {'2-CTA' if self.two_cta else '1-CTA'}: {parts} cycles, "
+                f"in-order chain {self.in_order:.0f} -> bound by {self.limit}, MMA "
+                f"at most {self.mma_fraction:.0%} busy (model)")
+
+
+def bwd_step_cycles(d: int = 128, two_cta: bool = False, mix: BwdMix = BWD_MIX,
+                    ds_for_dk_in_smem: bool = True, fig=B200) -> BwdStepCycles:
+    """Cycles of one backward step (128 keys of this SM x 128 queries) on one SM.
+
+    Shared memory: chapter 00's backward traffic (``utils.roofline.smem_traffic``: the GEMMs'
+    smem operands, dS stored, dQ staged and read back by the bulk add), plus what this kernel
+    does on top: dK += dS^T Q reads A = dS^T from shared memory (``ds_for_dk_in_smem``: chapter
+    00 assumes it on chip), and the compute warps' lse / delta broadcasts (one 128-byte
+    wavefront per warp instruction: MODEL ASSUMPTION). 2-CTA (the design in the docstring of
+    fa4_final.blackwell.bwd, not built): a pair on 256 keys, Q and dO (the B operands) halved
+    per SM, each CTA sends its dS half to the other through distributed shared memory (32 KB
+    written into the peer per step) and stages and adds half of dQ."""
+    from utils import roofline
+
+    ctas = 2 if two_cta else 1
+    keys, queries = TILE_N, TILE_M  # per SM
+    scores = keys * queries
+    mma = 5 * 2 * keys * queries * d / fig.mma_flops_per_clk
+    mufu = scores * mix.mufu / fig.exp2_per_clk
+    fp32 = scores * mix.fp32_lane_ops() / fig.fma_per_clk
+    issue = scores * sum(mix.per_score().values()) / ISSUE_PER_CLK
+    items = list(roofline.smem_traffic("B200", "bwd", keys, queries, d, ctas, ELEM_BYTES))
+    if two_cta:  # each CTA stages and adds half of dQ's columns
+        items = [(w, b / 2) if w.startswith("dQ fp32") else (w, b) for w, b in items]
+        items.append(("dS half from the peer CTA (DSMEM write)", keys * queries * ELEM_BYTES))
+    if ds_for_dk_in_smem:
+        items.append(("dK += dS^T Q: read A = dS^T", keys * queries * ELEM_BYTES))
+    warps = 2 * 4  # two compute warpgroups
+    lds_per_warp = mix.lds * scores / (warps * 32)
+    items.append(("lse, delta broadcasts (wavefronts x 128 B)", warps * lds_per_warp * 128))
+    smem = sum(b for _, b in items) / fig.smem_bytes_per_clk
+    gemm = mma / 5
+    per_warpgroup = scores / 2 / (ISSUE_PER_CLK / 2)  # a warpgroup's share of issue per score
+    ds_time = per_warpgroup * (mix.fadd + mix.fmul + mix.f2fp / 2 + mix.sts) / 2
+    # S^T(i) -> exp (MUFU) beside dP^T(i) -> dV(i) beside dS^T(i) -> dK(i), dQ(i) -> S^T(i+1)
+    in_order = gemm + max(mufu, gemm) + max(gemm, ds_time) + 2 * gemm
+    tmem = scores * (4 + 4 + ELEM_BYTES) + queries * d * 4 / ctas  # S, dP in; P out; dQ in
+    reduce_bytes = queries * d * 4 / ctas
+    return BwdStepCycles(d, two_cta, mma, mufu, fp32, issue, smem, in_order, tmem,
+                         reduce_bytes, tuple(items))

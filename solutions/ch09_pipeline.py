@@ -26,6 +26,16 @@ would get wrong silently:
 
 The MMA warp's instructions go to an in-order engine, as tcgen05 executes them; a
 ``tcgen05.commit`` arrives when every MMA issued before it has completed.
+
+The backward (chapter 11, ``BackwardSim``): the roles of ``fa4_final.blackwell.bwd.
+BlackwellBackward`` (load, mma, two compute warpgroups as separate agents, dQ) the same way, one
+CTA (key tile) per run, over every key tile of a problem, so causal step counts from 0 upwards;
+pipelines from ``kernel.pipelines()``, TMEM buffers from ``kernel.plan``, the dQ staging
+buffers and ``cp.async.bulk.wait_group`` as the kernel uses them. Not simulated: the
+deterministic mode's turn counters (they order CTAs, not roles; chapter 11's Hopper proof). It
+found two races in the first design, both fixed in the kernel: delta in the dO stage, which dV
+frees before the compute warps read delta (now delta rides with Q), and P^T stored over S^T
+columns the other compute warpgroup may still be loading (now bar.sync COMPUTE first, as FA4).
 """
 
 from __future__ import annotations
@@ -194,6 +204,7 @@ class Timing:
     epilogue: tuple = (1, 4)
     store: tuple = (2, 6)
     rescale_share: float = 0.5  # how often a correction warp's vote says "rescale"
+    jitter: tuple = (0, 6)  # a warpgroup scheduled late after a wait (the backward's roles)
 
 
 @dataclass
@@ -222,6 +233,7 @@ class Sim:
         self.events: list[tuple] = []
         self.spans: list[tuple] = []  # (lane, t0, t1, label) for the timeline picture
         self.keep_log = False
+        self.timers: list[tuple] = []  # (fires_at, callback): other async engines (bulk adds)
 
     def ticks(self, kind: str) -> int:
         lo, hi = getattr(self.timing, kind)
@@ -248,7 +260,13 @@ class Sim:
     def mma_issue(self, op: dict) -> None:
         self.mma_queue.append(op)
 
+    def after(self, ticks: int, callback) -> None:
+        self.timers.append((self.now + ticks, callback))
+
     def _run_engines(self) -> None:
+        for item in [x for x in self.timers if x[0] <= self.now]:
+            self.timers.remove(item)
+            item[1]()
         for item in [x for x in self.tma if x[0] <= self.now]:
             self.tma.remove(item)
             _, buf, version, barrier, nbytes, phase, t0 = item
@@ -309,12 +327,13 @@ class Sim:
             for a in self.agents:
                 self._advance(a)
             if all(a.done for a in self.agents) and not self.tma and not self.mma_queue \
-                    and self.mma_current is None:
+                    and self.mma_current is None and not self.timers:
                 return self
             live = [a for a in self.agents if not a.done]
             stuck = all(a.waiting is not None and not a.waiting.barrier.ready(a.waiting.parity)
                         and a.busy_until <= self.now for a in live)
-            if stuck and not self.tma and not self.mma_queue and self.mma_current is None:
+            if stuck and not self.tma and not self.mma_queue and self.mma_current is None \
+                    and not self.timers:
                 lines = [f"deadlock at t={self.now}: every role waits, nothing is in flight"]
                 lines += [f"  {a.name} waits for parity {a.waiting.parity} on "
                           f"{a.waiting.barrier.describe()}" for a in live]
@@ -754,4 +773,347 @@ def sweep(kernel, problems, seeds=range(4), **kw) -> Sweep:
             out.runs += 1
             out.tiles += len(fs.steps)
             out.kv_steps += sum(max(b - a, 0) for _, a, b in fs.steps)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the backward (chapter 11): fa4_final.blackwell.bwd.BlackwellBackward, one CTA = one key tile
+
+
+class Cond:
+    """A wait on something that is not an mbarrier (``cp.async.bulk.wait_group``): ready when
+    ``test()`` holds; waited on with any parity."""
+
+    def __init__(self, name: str, test):
+        self.name, self.test = name, test
+
+    def ready(self, parity: int) -> bool:
+        return self.test()
+
+    def describe(self) -> str:
+        return f"{self.name} (not yet)"
+
+
+@dataclass(frozen=True)
+class BwdProblem:
+    """One backward problem and the key tile (CTA) simulated."""
+
+    seqlen_q: int
+    seqlen_k: int
+    heads: int = 1
+    heads_kv: int = 1
+    causal: bool = False
+    n_block: int = 0
+    window_left: int | None = None
+    window_right: int | None = None
+
+
+def bwd_steps(kernel, prob: BwdProblem) -> int:
+    """Steps of the CTA's inner loop: the query tiles that see its keys
+    (``bwd_tiles.q_tile_range``, what ``cta_work`` calls) times the heads of the kv head's
+    group."""
+    from fa4_final.bwd_tiles import q_tile_range
+
+    m_min, m_max, _, _ = q_tile_range(kernel.window, prob.n_block, prob.seqlen_q, prob.seqlen_k,
+                                      prob.window_left, prob.window_right)
+    return (m_max - m_min) * (prob.heads // prob.heads_kv)
+
+
+class BackwardSim:
+    """The barriers and buffers of one CTA of ``kernel`` (a ``BlackwellBackward``) and its
+    roles as agents: load, mma, compute0, compute1 (separate agents: nothing orders their
+    threads but the barriers), dq. Pipelines from ``kernel.pipelines()``; the TMEM buffers from
+    ``kernel.plan``: S^T in units of the columns one warpgroup's P^T takes, so that the columns
+    P^T shares with S^T are their own buffers; dP^T and dQ (which lives in dP^T's columns) one
+    buffer; dV, dK. Shared memory: K, V, the Q (+ lse) and dO (+ delta) rings, the two halves of
+    dS (one per warpgroup), the dQ staging buffers.
+
+    ``mutate`` names a deliberate bug (BUGS) to show what the checks catch. One is no bug:
+    ``ds_without_dq_wait`` runs clean, because S^T(i+1), whose completion the compute warps
+    wait for before they compute dS(i+1), is issued after dK(i) and dQ(i) and tcgen05 MMAs of
+    one thread complete in order; the kernel's wait on dq's FULL barrier is a second guarantee
+    of the same fact (REDUNDANT)."""
+
+    REDUNDANT = ("ds_without_dq_wait",)
+    BUGS = {
+        "no_compute_sync": "the compute warpgroups store P^T without first waiting for each "
+                           "other to have loaded S^T (NamedBarrier.COMPUTE)",
+        "dp_without_dq_read": "the MMA warp issues dP^T(i+1) without waiting for the dQ warps "
+                              "to have read dQ(i) out of the same columns",
+        "ds_without_dq_wait": "the compute warps store dS(i+1) without waiting for dQ(i) (so "
+                              "for dK(i) and dQ(i) to have read dS(i)): REDUNDANT, see above",
+        "release_do_before_dv": "the MMA warp frees the dO stage before issuing dV += P^T dO",
+        "one_dq_buffer_wait": "the dQ warps reuse a staging buffer while a bulk add reads it",
+        "delta_with_do": "delta rides in the dO stage (the first design), which dV frees",
+    }
+
+    def __init__(self, kernel, prob: BwdProblem, seed: int = 0, timing: Timing | None = None,
+                 mutate: str | None = None, log: bool = False):
+        from fa4_final.blackwell.bwd import GROUP_THREADS, NamedBarrier
+        from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK
+
+        if mutate is not None and mutate not in self.BUGS:
+            raise ValueError(f"mutate must be one of {sorted(self.BUGS)}, got {mutate!r}")
+        self.k, self.prob, self.mutate = kernel, prob, mutate
+        self.sim = Sim(seed, timing)
+        self.sim.keep_log = log
+        self.specs = {p.name: p for p in kernel.pipelines()}
+        self.steps = bwd_steps(kernel, prob)
+        self.group_threads = GROUP_THREADS
+        self.dq_buffers, self.dq_chunks = BWD_DQ_BUFFERS, kernel.head_dim // BWD_DQ_CHUNK
+        self.bar = {}  # (pipe, side, stage) -> Barrier
+        for name, spec in self.specs.items():
+            for st in range(spec.stages):
+                for side, n in (("full", spec.full_arrivals), ("empty", spec.empty_arrivals)):
+                    self.bar[name, side, st] = Barrier(f"{name}.{side}[{st}]", n, self.sim)
+        # bar.sync NamedBarrier.COMPUTE: both compute warpgroups (a hardware barrier's phases)
+        self.compute_sync = Barrier(f"bar.sync {int(NamedBarrier.COMPUTE)}", 2 * GROUP_THREADS,
+                                    self.sim) if hasattr(NamedBarrier, "COMPUTE") else None
+        # TMEM: S^T in units of one warpgroup's P^T columns (Note [The backward's plan])
+        plan = kernel.plan
+        self.unit = plan["P"].columns // 2
+        s_units = plan["S"].columns // self.unit
+        half = kernel.tile_m // 2
+        self.s_read = {g: [(g * half + c) // self.unit for c in range(0, half, self.unit)]
+                       for g in (0, 1)}  # the S^T units warpgroup g loads
+        self.p_units = {g: (plan["P"].start - plan["S"].start) // self.unit + g for g in (0, 1)}
+        self.buf = {("S", u): Buffer(f"TMEM S^T cols {u * self.unit}..", self.sim)
+                    for u in range(s_units)}
+        for name in ("dPdQ", "dV", "dK", "K", "V", "dS0", "dS1"):
+            self.buf[name, 0] = Buffer(name, self.sim)
+        for i in range(self.dq_buffers):
+            self.buf["sdQ", i] = Buffer(f"dQ staging {i}", self.sim)
+        for pipe, what in (("q", "Q"), ("do", "dO")):
+            for st in range(self.specs[pipe].stages):
+                self.buf[what, st] = Buffer(f"{what} stage {st}", self.sim)
+        self.bulk_groups: list[int] = []  # committed bulk-add groups still reading smem
+        self._add_roles()
+
+    def _add_roles(self):
+        self.sim.add("load", self.load())
+        self.sim.add("mma", self.mma())
+        for g in (0, 1):
+            self.sim.add(f"compute{g}", self.compute(g))
+        self.sim.add("dq", self.store_dq())
+
+    def full(self, name, st=0):
+        return self.bar[name, "full", st]
+
+    def empty(self, name, st=0):
+        return self.bar[name, "empty", st]
+
+    # ---- load warp (BlackwellBackward.load / load_one)
+    def load(self):
+        if self.steps == 0:
+            return
+        me = "load"
+        kv = PipelineState.producer(1)
+        yield Wait(self.empty("kv"), kv.phase)
+        self.full("kv").arrive(me, 1, tx=2)
+        for what in ("K", "V"):
+            self.sim.tma_copy(self.buf[what, 0], (what,), self.full("kv"), 1, 0, me)
+        yield busy(1, "issue K, V")
+        sq = PipelineState.producer(self.specs["q"].stages)
+        sdo = PipelineState.producer(self.specs["do"].stages)
+        for t in range(self.steps):
+            for pipe, what, state in (("q", "Q", sq), ("do", "dO", sdo)):
+                yield Wait(self.empty(pipe, state.index), state.phase)
+                full = self.full(pipe, state.index)
+                full.arrive(me, 1, tx=1)
+                self.sim.tma_copy(self.buf[what, state.index], (what, t), full, 1,
+                                  state.count // state.stages, me)
+                yield busy(1, f"issue {what}")
+                state.advance()
+        for pipe, state in (("q", sq), ("do", sdo)):  # producer_tail
+            for _ in range(self.specs[pipe].stages):
+                yield Wait(self.empty(pipe, state.index), state.phase)
+                state.advance()
+
+    # ---- MMA warp (BlackwellBackward.mma): S^T, dP^T, dV, dK, dQ in issue order
+    def commit(self, *barriers):
+        self.sim.mma_issue({"commit": list(barriers)})
+
+    def gemm(self, label, reads, writes):
+        self.sim.mma_issue({"reads": reads, "writes": writes, "label": label})
+
+    def mma(self):
+        sq = PipelineState(self.specs["q"].stages)
+        sdo = PipelineState(self.specs["do"].stages)
+        phase = 0
+        s_all = [self.buf[k] for k in self.buf if k[0] == "S"]
+        p_bufs = [self.buf["S", self.p_units[g]] for g in (0, 1)]
+        ds = [self.buf["dS0", 0], self.buf["dS1", 0]]
+        if self.steps > 0:
+            yield Wait(self.full("kv"), 0)
+        for t in range(self.steps):
+            yield Wait(self.full("q", sq.index), sq.phase)
+            q = self.buf["Q", sq.index]
+            self.gemm("S^T", [(self.buf["K", 0], ("K",)), (q, ("Q", t))],
+                      [(b, ("S", t)) for b in s_all])
+            self.commit(self.full("s"))
+            yield Wait(self.full("do", sdo.index), sdo.phase)
+            do = self.buf["dO", sdo.index]
+            if self.mutate != "dp_without_dq_read":
+                yield Wait(self.empty("dq"), phase ^ 1)
+            self.gemm("dP^T", [(self.buf["V", 0], ("V",)), (do, ("dO", t))],
+                      [(self.buf["dPdQ", 0], ("dP", t))])
+            self.commit(self.full("dp"))
+            yield Wait(self.empty("s"), phase)
+            dv = self.buf["dV", 0]
+            if self.mutate == "release_do_before_dv":
+                self.commit(self.empty("do", sdo.index))
+            self.gemm("dV", [(b, ("P", t)) for b in p_bufs] + [(do, ("dO", t))]
+                      + ([(dv, ("dV", t - 1))] if t else []), [(dv, ("dV", t))])
+            if self.mutate != "release_do_before_dv":
+                self.commit(self.empty("do", sdo.index))
+            sdo.advance()
+            yield Wait(self.empty("dp"), phase)
+            dk = self.buf["dK", 0]
+            self.gemm("dK", [(b, ("dS", t)) for b in ds] + [(q, ("Q", t))]
+                      + ([(dk, ("dK", t - 1))] if t else []), [(dk, ("dK", t))])
+            self.gemm("dQ", [(b, ("dS", t)) for b in ds] + [(self.buf["K", 0], ("K",))],
+                      [(self.buf["dPdQ", 0], ("dQ", t))])
+            self.commit(self.full("dq"))
+            self.commit(self.empty("q", sq.index))
+            sq.advance()
+            phase ^= 1
+            yield busy(1, "issue")
+        if self.steps > 0:
+            self.commit(self.full("dkv"))
+
+    # ---- compute warpgroups (BlackwellBackward.compute / compute_step / epilogue)
+    def compute(self, g):
+        me = f"compute{g}"
+        n = self.group_threads
+        sq = PipelineState(self.specs["q"].stages)
+        sdo = PipelineState(self.specs["do"].stages)
+        phase, syncs = 0, 0
+        s_mine = [self.buf["S", u] for u in self.s_read[g]]
+        p_mine = self.buf["S", self.p_units[g]]
+        ds_mine = self.buf[f"dS{g}", 0]
+        for t in range(self.steps):
+            yield Wait(self.full("q", sq.index), sq.phase)
+            yield Wait(self.full("s"), phase)
+            yield busy(self.sim.ticks("jitter"), "scheduled")
+            q = self.buf["Q", sq.index]
+            rows = self.buf["dO", sdo.index] if self.mutate == "delta_with_do" else q
+            for b in s_mine:
+                b.start_read(me, ("S", t))
+            q.start_read(me, ("Q", t))  # lse
+            yield busy(self.sim.ticks("read_s"), "tcgen05.ld S^T")
+            for b in s_mine:
+                b.end_read(me)
+            yield busy(self.sim.ticks("softmax"), "exp2")
+            q.end_read(me)
+            if self.compute_sync is not None and self.mutate != "no_compute_sync":
+                self.compute_sync.arrive(me, n)  # every S^T column loaded before P^T is stored
+                yield Wait(self.compute_sync, syncs & 1)
+                syncs += 1
+            p_mine.start_write(me)
+            yield busy(self.sim.ticks("store_p"), "tcgen05.st P^T")
+            p_mine.end_write(me, ("P", t))
+            self.empty("s").arrive(me, n)
+            if self.mutate == "delta_with_do":
+                yield Wait(self.full("do", sdo.index), sdo.phase)
+            yield Wait(self.full("dp"), phase)
+            dpdq = self.buf["dPdQ", 0]
+            dpdq.start_read(me, ("dP", t))
+            rows.start_read(me, lambda v: v is not None and v[1] == t)  # delta
+            yield busy(self.sim.ticks("read_s"), "tcgen05.ld dP^T")
+            dpdq.end_read(me)
+            yield busy(self.sim.ticks("softmax") // 2, "dS^T")
+            rows.end_read(me)
+            if self.mutate != "ds_without_dq_wait":
+                yield Wait(self.full("dq"), phase ^ 1)
+            ds_mine.start_write(me)
+            yield busy(self.sim.ticks("store_p"), "dS^T -> smem")
+            ds_mine.end_write(me, ("dS", t))
+            self.empty("dp").arrive(me, n)
+            sq.advance()
+            sdo.advance()  # only the mutation reads the dO ring
+            phase ^= 1
+        if self.steps > 0:  # epilogue: dK, dV once the last MMA completed
+            yield Wait(self.full("dkv"), 0)
+            for name in ("dV", "dK"):
+                b = self.buf[name, 0]
+                b.start_read(me, (name, self.steps - 1))
+                yield busy(self.sim.ticks("epilogue"), f"{name} -> global")
+                b.end_read(me)
+
+    # ---- dQ warpgroup (BlackwellBackward.store_dq)
+    def store_dq(self):
+        me = "dq"
+        phase, buf = 0, 0
+        dpdq = self.buf["dPdQ", 0]
+        for t in range(self.steps):
+            yield Wait(self.full("dq"), phase)
+            for c in range(self.dq_chunks):
+                dpdq.start_read(me, ("dQ", t))
+                yield busy(self.sim.ticks("read_s"), "tcgen05.ld dQ")
+                dpdq.end_read(me)
+                if c == self.dq_chunks - 1:
+                    self.empty("dq").arrive(me, self.specs["dq"].empty_arrivals)
+                keep = self.dq_buffers - 1 if self.mutate != "one_dq_buffer_wait" \
+                    else self.dq_buffers
+                yield Wait(Cond("cp.async.bulk.wait_group.read",  # all but the newest keep
+                                lambda keep=keep: not any(self.bulk_groups[:len(
+                                    self.bulk_groups) - keep])), 0)
+                stage = self.buf["sdQ", buf]
+                stage.start_write(me)
+                yield busy(self.sim.ticks("epilogue"), "dQ -> staging")
+                stage.end_write(me, ("dQ", t, c))
+                stage.start_read("bulk add", ("dQ", t, c))
+                self.bulk_groups.append(True)  # in flight, in commit order
+                slot = len(self.bulk_groups) - 1
+
+                def done(stage=stage, slot=slot):
+                    stage.end_read("bulk add")
+                    self.bulk_groups[slot] = False
+
+                self.sim.after(self.sim.ticks("store"), done)
+                buf ^= 1
+            phase ^= 1
+        yield Wait(Cond("cp.async.bulk.wait_group.read 0", lambda: not any(self.bulk_groups)),
+                   0)
+
+    def run(self) -> BackwardSim:
+        self.sim.run()
+        for b in list(self.bar.values()) + [self.compute_sync] * (self.compute_sync is not None):
+            if b.pending != b.arrivals or b.tx:
+                raise PipelineError(f"the kernel ended with {b.describe()}: arrivals of a "
+                                    f"phase that never completed")
+        return self
+
+
+def make_bwd_kernel(head_dim=128, causal=False, cfg=None, dtype="bf16", **window):
+    """The backward kernel object (no compile): its config, roles, pipelines and TMEM plan."""
+    from fa4_final.blackwell.bwd import BlackwellBackward
+    from fa4_final.blackwell.config import BlackwellBwdConfig
+    from fa4_final.constants import CUTLASS_BY_NAME
+
+    return BlackwellBackward(CUTLASS_BY_NAME[dtype], head_dim, causal,
+                             cfg or BlackwellBwdConfig(), **window)
+
+
+def bwd_problems(prob: BwdProblem) -> list[BwdProblem]:
+    """Every key tile (CTA) of ``prob``: step counts from 0 (keys no query sees) upwards."""
+    from dataclasses import replace
+
+    return [replace(prob, n_block=n) for n in range(-(-prob.seqlen_k // 128))]
+
+
+def bwd_sweep(kernel, problems, seeds=range(3), **kw) -> Sweep:
+    """Simulate every key tile of every problem; ``tiles`` counts CTAs, ``kv_steps`` steps."""
+    out = Sweep()
+    for prob in problems:
+        for cta in bwd_problems(prob):
+            for s in seeds:
+                try:
+                    bs = BackwardSim(kernel, cta, seed=s, **kw).run()
+                except PipelineError as exc:
+                    out.failures.append((cta, s, exc))
+                    continue
+                out.runs += 1
+                out.tiles += 1
+                out.kv_steps += bs.steps
     return out

@@ -100,6 +100,11 @@ def test_sm100_bwd_has_the_blackwell_instructions(compiled, head_dim, causal):
     assert re.search(r"\.(reqntid|maxntid)\s+512", art.ptx)
     # A from TMEM exactly for dV += P^T dO: m/16 = 8 of the instructions
     assert len(re.findall(r"tcgen05\.mma[^\n]*\[%r\d+\], \[%r\d+", art.ptx)) == 128 // 16
+    # Note [P^T over S^T]: both compute warpgroups meet before P^T overwrites S^T, once per
+    # compiled step (masked and unmasked)
+    from fa4_final.blackwell.bwd import NamedBarrier
+
+    assert len(re.findall(rf"bar\.sync\s+{int(NamedBarrier.COMPUTE)}, 256;", art.ptx)) == 2
 
 
 def test_sm100_bwd_issues_five_gemms_per_step(compiled):
@@ -164,3 +169,27 @@ def test_blackwell_bwd_pre_and_post_compile_for_sm100(compiled):
     for role in ("pre", "post"):
         assert arts[role].spills == 0, arts[role].resources()
         arts[role].forbid("wgmma", "tcgen05")
+
+
+# ----------------------------------------------------------------------------------------------
+# the stored side-by-side with FA4's own sm100 backward (solutions.ch09_compare --bwd)
+
+
+def test_sm100_bwd_side_by_side_our_side_regenerates(compiled):
+    """Our rows of results/compile/sm100_bwd_vs_fa4.json are what this code compiles to now
+    (the same variants the tests above compile, so no extra compile for D = 128 / 64 causal)."""
+    import cutlass
+
+    from solutions import ch09_compare as C
+
+    table = C.load_bwd_table()
+    if table.provenance["cutlass_dsl"] != getattr(cutlass, "__version__", "?"):
+        pytest.skip(f"table compiled with CuTe DSL {table.provenance['cutlass_dsl']}: "
+                    f"regenerate with python -m solutions.ch09_compare --bwd --write --ours")
+    for c in C.BWD_CONFIGS:
+        if not c["ours"]:
+            continue
+        now = C.our_bwd_metrics(c["d"], c["causal"], compiled(c["d"], c["causal"])["main"])
+        for row in C.flatten("fa4_final", c["config"], now):
+            stored = C.value(table, "fa4_final", c["config"], row["metric"])
+            assert stored == row["value"], (c["config"], row["metric"], stored, row["value"])

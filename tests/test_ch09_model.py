@@ -81,3 +81,60 @@ def test_model_instruction_mix_matches_the_compiled_sass():
         assert got["FADD2"] == pytest.approx(copies * per["fadd2"] * cols, rel=0.03)
         assert got["FMNMX (2- and 3-input)"] == pytest.approx(copies * per["fmnmx"] * cols,
                                                                rel=0.06)
+
+
+# ----------------------------------------------------------------------------------------------
+# the backward step (chapter 11)
+
+
+def test_bwd_model_builds_on_chapter_00s_backward_tile():
+    tile = roofline.tile_cycles("B200", "bwd", 128, 128, 128)
+    step = M.bwd_step_cycles(128)
+    assert step.mma == tile.mma == 5 * 512  # five GEMMs of 2 * 128^3 FLOPs
+    assert step.mufu == tile.exp == 1024
+    extra = dict(step.smem_items)
+    # what this kernel adds to chapter 00's traffic: dS^T read by dK from smem, lse/delta reads
+    assert step.smem * 128 == tile.smem * 128 + extra["dK += dS^T Q: read A = dS^T"] + \
+        extra["lse, delta broadcasts (wavefronts x 128 B)"]
+    assert step.limit == "smem" and step.mma_fraction < 1
+    assert all(r["label"] == "model" for r in step.table())
+
+
+def test_bwd_model_2cta_halves_the_global_adds_and_the_b_operands():
+    one, two = M.bwd_step_cycles(128), M.bwd_step_cycles(128, two_cta=True)
+    assert two.reduce_bytes == one.reduce_bytes / 2 == 128 * 128 * 4 / 2
+    assert two.smem < one.smem and two.mma == one.mma
+    assert "dS half from the peer CTA (DSMEM write)" in dict(two.smem_items)
+    assert two.mma_fraction > one.mma_fraction
+    # FA4's packed FP32 issues fewer compute-warp instructions for the same lane operations
+    fa4 = M.bwd_step_cycles(128, mix=M.FA4_BWD_MIX)
+    assert fa4.issue < one.issue and fa4.fp32 == one.fp32
+
+
+def test_bwd_model_mix_is_the_compiled_compute_warps():
+    """BwdMix against the stored compile (results/compile/sm100_bwd_vs_fa4.json, which
+    test_blackwell_bwd_compile regenerates): two step copies of 64 scores a thread, plus the
+    dK / dV epilogue (D/2 values each: a scale for dK, a 16-bit pack for both)."""
+    t = ch09_compare.load_bwd_table()
+    for impl, mix, copies in (("fa4_final", M.BWD_MIX, 2), ("fa4", M.FA4_BWD_MIX, 1)):
+        for c in ch09_compare.BWD_CONFIGS:
+            if impl == "fa4_final" and not c["ours"] or c["two_cta"]:
+                continue
+            got = {r["metric"].split(": ", 1)[1]: r["value"]
+                   for r in t.where(impl=impl, config=c["config"])
+                   if r["metric"].startswith("compute: ")}
+            per, n, half_d = mix.per_score(), copies * 64, c["d"] // 2
+            assert got["MUFU.EX2"] == n * per["mufu"]
+            assert got["F2FP (fp32 -> 16-bit pairs)"] == n * per["f2fp"] + half_d  # 2 x D/4
+            if mix.packed:
+                assert got["FFMA2"] == n * per["ffma2"] and got["FADD2"] == n * per["fadd2"]
+                assert got["FMUL2"] == n * per["fmul2"] + half_d // 2
+            else:
+                assert got["FFMA (scalar)"] == n * per["ffma"]
+                assert got["FADD (scalar)"] == n * per["fadd"]
+                assert got["FMUL (scalar)"] == n * per["fmul"] + half_d
+                assert got["FSEL"] == n * per["fsel"]
+                assert got["STS (shared store)"] == n * per["sts"]
+                assert got["LDTM (tcgen05.ld)"] == n * per["ldtm"] + 2
+                assert got["STTM (tcgen05.st)"] == n * per["sttm"]
+                assert abs(got["LDS (shared load)"] - n * per["lds"]) <= 1

@@ -22,8 +22,9 @@ D = 128), one thread issues every MMA, and the compute warps spend their registe
 each; the dQ epilogue (TMEM -> shared -> bulk add) has its own warpgroup, so it overlaps the
 next step's GEMMs. Chapter 00's model for one step (M = N = D = 128, B200, 1-CTA): 5 GEMMs of
 2 * 128^3 FLOPs = 2560 tensor-core cycles against 3328 cycles of shared-memory traffic
-(ANCHORS.md): this kernel is bound by shared memory, which is what the 2-CTA mode (not built
-yet) attacks.
+(ANCHORS.md); ``solutions.ch09_model.bwd_step_cycles`` adds what this kernel reads on top (dS^T
+for dK from shared memory, the lse / delta broadcasts): bound by shared memory (model), which
+is what the 2-CTA mode (below, not built) attacks.
 
 Deterministic mode: the dQ warpgroup adds a step's dQ only in its turn, with the Hopper kernel's
 turn counters (``fa4_final.bwd_tiles.dq_turn``, ``fa4_final.atomics``, Note [Turns] of
@@ -39,7 +40,32 @@ instructions per row cheaper, which its per-step instruction-count test holds it
 never run on a GPU: it is
 verified by compiling it for sm_100a (tests/test_blackwell_bwd_compile.py), and
 tests/gpu/test_blackwell_bwd.py compares its gradients with float64 the moment a B200 is present.
-Not built: the 2-CTA mode (cta_group::2, dS exchanged through distributed shared memory).
+Verified on the CPU besides the compile: solutions.ch09_pipeline.BackwardSim replays every
+role's waits and arrivals with these pipelines; it found two races of the first design, fixed
+here (delta now rides with Q, Note [Handshakes]; bar.sync COMPUTE before P^T, Note [P^T over
+S^T]). solutions.ch09_compare --bwd stands the compiled kernel beside FA4's flash_bwd_sm100.
+
+Not built: the 2-CTA mode. The design, following the forward's pairs (fa4_final.blackwell.fwd:
+cluster launch (2, 1, 1), the leader CTA's MMA warp issues cta_group::2, its commits reach both
+CTAs' barriers, multicast TMA):
+- a pair owns 256 keys, 128 per CTA (its TMEM lanes); S^T = K Q^T, dP^T = V dO^T, dV += P^T dO
+  and dK += dS^T Q become M = 256 MMAs. Their B operands are split across the pair, Q and dO by
+  queries for S^T and dP^T but by D for dV and dK, so each CTA needs a second, differently split
+  view of them (FA4 loads mQt and mdOt for this);
+- dQ = dS K needs dS of all 256 keys for each query: each CTA writes its dS half into its
+  peer's shared memory (addresses from mapa, stores to shared::cluster, a cluster mbarrier
+  announcing it: FA4's relay warp and dS_cluster barriers), then computes dQ for its half of
+  D's columns (D/2 TMEM columns, K = 256) and adds that half to global memory: half of the
+  float32 adds per CTA (ch09_model: 64 KB -> 32 KB per step at D = 128);
+- per SM, shared memory would read half of Q's and dO's bytes (ch09_model: about 3840 -> 2944
+  cycles a step at D = 128, model).
+Why it is not here: the split views halve the bytes each MMA reads per SM but not the bytes
+held: a Q stage is 64 queries x D for S^T plus 128 queries x D/2 for dK, 32 KB per CTA at D = 128
+as in 1-CTA (likewise dO), and the peer's dS half adds 32 KB, on top of a 1-CTA layout that
+already uses all 232448 B; so the budget has to be laid out anew (one Q stage, as FA4's 2-CTA
+kernel has); the dS exchange is a
+new pipeline that the simulation must replay first; and the session that built this had not the
+time to do all of it and its checks properly. A half-built pair is not committed.
 """
 
 from __future__ import annotations
@@ -86,6 +112,7 @@ class NamedBarrier(IntEnum):
 
     TMEM = 1  # MMA, compute and dQ warps: the TMEM address is written / TMEM is free
     DQ_STAGE = 2  # the dQ warpgroup: a staging buffer is free / written
+    COMPUTE = 3  # both compute warpgroups: every S^T column loaded (Note [P^T over S^T])
 
 
 @dataclass(frozen=True)
@@ -156,7 +183,7 @@ class BlackwellBackward:
             "mma": {"warps": (12,), "registers": regs["mma"],
                     "does": "TMEM alloc/free; one thread issues every tcgen05.mma"},
             "load": {"warps": (13,), "registers": regs["load"],
-                     "does": "TMA: K, V once; Q + lse, dO + delta per step"},
+                     "does": "TMA: K, V once; Q + lse + delta, dO per step"},
             "spare": {"warps": (14, 15), "registers": regs["spare"], "does": "give registers away"},
         }
         warps = sorted(w for r in self.roles.values() for w in r["warps"])
@@ -180,10 +207,9 @@ class BlackwellBackward:
         return (
             PipelineSpec("kv", "K and V of the CTA's key tile, once", "tma_umma", 1, "load",
                          "mma", 1, 1),
-            PipelineSpec("q", "Q and its lse (log2 units) per step", "tma_umma", self.q_stages,
-                         "load", "mma (+ compute read lse)", 1, 1),
-            PipelineSpec("do", "dO and its delta per step", "tma_umma", self.do_stages, "load",
-                         "mma (+ compute read delta)", 1, 1),
+            PipelineSpec("q", "Q, its lse (log2 units) and delta per step", "tma_umma",
+                         self.q_stages, "load", "mma (+ compute read lse, delta)", 1, 1),
+            PipelineSpec("do", "dO per step", "tma_umma", self.do_stages, "load", "mma", 1, 1),
             PipelineSpec("s", "full: S^T in TMEM; empty: P^T in TMEM", "umma_async", 1, "mma",
                          "compute", 1, comp),
             PipelineSpec("dp", "full: dP^T in TMEM; empty: dS in smem, dP^T read",
@@ -198,15 +224,18 @@ class BlackwellBackward:
     # -----------------
     # Producer -> consumer, arrivals per phase (one stage each, except the TMA rings):
     #   kv    load -> mma       full: 1 + K, V bytes
-    #   q     load -> mma       full: 1 + Q, lse bytes   empty: tcgen05.commit after dK += dS^T Q
-    #   do    load -> mma       full: 1 + dO, delta      empty: commit after dV += P^T dO
+    #   q     load -> mma       full: 1 + Q, lse, delta bytes   empty: commit after dK += dS^T Q
+    #   do    load -> mma       full: 1 + dO bytes              empty: commit after dV += P^T dO
     #   s     mma -> compute    full: commit after S^T   empty: 256 (P^T stored in TMEM)
     #   dp    mma -> compute    full: commit after dP^T  empty: 256 (dS stored, dP^T read)
     #   dq    mma -> dq warps   full: commit after dQ    empty: 128 (dQ read out of TMEM)
     #   dkv   mma -> compute    full: commit after the CTA's last step
-    # The compute warps also wait on q's and do's FULL barriers (for lse and delta) without
-    # arriving on their EMPTY ones: the MMA warp's commit that frees a stage comes after it has
-    # waited for dS of that step, which the compute warps write after reading lse and delta. They
+    # The compute warps also wait on q's FULL barrier (for lse and delta) without arriving on its
+    # EMPTY one: the MMA warp's commit that frees a Q stage comes after it has waited for dS of
+    # that step, which the compute warps write after reading lse and delta. Delta rides with Q,
+    # not with dO: dO's stage is freed after dV, which waits only for P^T, so a delta there could
+    # be overwritten by the next dO while the compute warps still read it (the backward pipeline
+    # simulation of solutions/ch09_pipeline.py found this in the first design). They
     # wait on dq's FULL barrier too, one step late: dQ(i) done means dK(i) and dQ(i) have read
     # dS(i), so the dS buffer may take dS(i + 1). Region reuse in TMEM (Note [The backward's
     # plan]) follows from the same order: S^T(i + 1) is issued after P^T(i) is stored (s empty)
@@ -220,6 +249,15 @@ class BlackwellBackward:
     # the compute warps have read it (before dS is stored, before dQ(i) is issued), and the next
     # dP^T waits until the dQ warps have read dQ(i). P^T (16-bit pairs: 64 columns) lives in the
     # upper half of S^T, as P in the forward. D = 64: 384 columns used, 512 allocated.
+    #
+    # Note [P^T over S^T]
+    # -------------------
+    # Warpgroup g loads S^T columns 64 g .. 64 g + 63 and stores its P^T (16-bit pairs) into
+    # columns 64 + 32 g .. 64 + 32 g + 31: warpgroup 0's P^T lands on S^T columns warpgroup 1
+    # loads. Nothing else orders the two warpgroups inside a step, so each waits for its loads
+    # (tcgen05.wait::ld) and then for the other warpgroup at bar.sync COMPUTE before storing P^T,
+    # as FA4's compute warps do (flash_bwd_sm100: "P overwrites S lanes another warp may still be
+    # loading"). The pipeline simulation catches the race without it (mutation no_compute_sync).
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -344,7 +382,8 @@ class BlackwellBackward:
         tma_v, tV = cute.nvgpu.make_tiled_tma_atom_A(load, mV, lay["V"], tiler, mma_sdp,
                                                      cta_layout_vmnk.shape)
         bytes_row = 4 * m  # one float per query: lse or delta of a tile
-        bytes_q = cute.size_in_bytes(self.dtype, one_q) + bytes_row
+        bytes_q = cute.size_in_bytes(self.dtype, one_q) + 2 * bytes_row  # Q, lse, delta
+        bytes_do = cute.size_in_bytes(self.dtype, one_q)
         bytes_kv = 2 * cute.size_in_bytes(self.dtype, lay["K"])
 
         @cute.struct
@@ -358,7 +397,7 @@ class BlackwellBackward:
             mbar_dkv: cute.struct.MemRange[cutlass.Int64, 2]
             tmem_addr: Int32
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, m * self.q_stages], 16]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, m * self.do_stages], 16]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, m * self.q_stages], 16]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(lay["K"])], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(lay["V"])], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(lay["Q"])], 1024]
@@ -375,7 +414,7 @@ class BlackwellBackward:
         self.kernel(
             tQ, tK, tV, tdO, mLSE2, mDelta, mdQaccum, mdK, mdV, mTurn, tma_q, tma_k, tma_v,
             tma_do, softmax_scale, softmax_scale * LOG2_E, window_left, window_right,
-            mQ.shape[2], bytes_q, bytes_kv, SharedStorage,
+            mQ.shape[2], bytes_q, bytes_do, bytes_kv, SharedStorage,
         ).launch(grid=(num_n_blocks, mK.shape[2], mK.shape[3]), block=[THREADS, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
 
@@ -405,6 +444,7 @@ class BlackwellBackward:
         window_right: Int32,
         heads: Int32,
         bytes_q: cutlass.Constexpr[int],
+        bytes_do: cutlass.Constexpr[int],
         bytes_kv: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
     ):
@@ -415,7 +455,7 @@ class BlackwellBackward:
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         mmas = self.tiled_mmas()  # pure functions of the configuration: rebuilt, not passed
         lay = self.smem_layouts(mmas)
-        pipes = self.make_pipelines(storage, mmas[0], bytes_q, bytes_kv)
+        pipes = self.make_pipelines(storage, mmas[0], bytes_q, bytes_do, bytes_kv)
         pipeline.pipeline_init_arrive(is_relaxed=True)
         smem = self.smem_tensors(storage, lay)
         tmem_users = WARP_SIZE * (1 + sum(len(self.roles[r]["warps"])
@@ -485,12 +525,13 @@ class BlackwellBackward:
         return n_block, head_kv, b, num_n_blocks, (m_min, m_max, n_first, n_last,
                                                    head_kv * group, group)
 
-    def make_pipelines(self, storage, mma_sdp, bytes_q: int, bytes_kv: int) -> dict:
+    def make_pipelines(self, storage, mma_sdp, bytes_q: int, bytes_do: int,
+                       bytes_kv: int) -> dict:
         """The cutlass pipelines of ``self.pipelines()``, by name."""
         mbar = {"kv": storage.mbar_kv, "q": storage.mbar_q, "do": storage.mbar_do,
                 "s": storage.mbar_s, "dp": storage.mbar_dp, "dq": storage.mbar_dq,
                 "dkv": storage.mbar_dkv}
-        tx = {"kv": bytes_kv, "q": bytes_q, "do": bytes_q}
+        tx = {"kv": bytes_kv, "q": bytes_q, "do": bytes_do}
         cta_layout_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)),
                                             (mma_sdp.thr_id.shape,))
         out = {}
@@ -532,7 +573,7 @@ class BlackwellBackward:
                                                              outer.stride[2])))
         s["dSt_rows"] = storage.sdS.get_tensor(rows, swizzle=lay["dSt"].inner)
         s["LSE"] = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-        s["Delta"] = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
+        s["Delta"] = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
         s["dQ"] = storage.sdQ.get_tensor(cute.make_layout((self.tile_m * BWD_DQ_CHUNK,
                                                            BWD_DQ_BUFFERS)))
         return s
@@ -553,7 +594,7 @@ class BlackwellBackward:
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE2, mDelta, smem, tma_q, tma_k, tma_v, tma_do, mma_sdp,
              pipes, n_block, head_kv, b, work):
-        """K and V once, then per step Q + lse and dO + delta (Note [Handshakes])."""
+        """K and V once, then per step Q + lse + delta and dO (Note [Handshakes])."""
         m_min, m_max, _, _, head0, group = work
         d, m, n = self.head_dim, self.tile_m, self.tile_n
         thr = mma_sdp.get_slice(0)
@@ -580,10 +621,11 @@ class BlackwellBackward:
                 tQsQ, tQgQ = self._tma_partition(tma_q, smem["Q"], thr.partition_B(gQ))
                 tdOsdO, tdOgdO = self._tma_partition(tma_do, smem["dO"], thr.partition_B(gdO))
                 for m_block in cutlass.range(m_min, m_max, unroll=1):
-                    state_q = self.load_one(tma_q, tQgQ, tQsQ, bulk, gLSE, smem["LSE"],
+                    state_q = self.load_one(tma_q, tQgQ, tQsQ, bulk,
+                                            ((gLSE, smem["LSE"]), (gDelta, smem["Delta"])),
                                             m_block, pipes["q"], state_q)
-                    state_do = self.load_one(tma_do, tdOgdO, tdOsdO, bulk, gDelta,
-                                             smem["Delta"], m_block, pipes["do"], state_do)
+                    state_do = self.load_one(tma_do, tdOgdO, tdOsdO, bulk, (), m_block,
+                                             pipes["do"], state_do)
             pipes["q"].producer_tail(state_q)
             pipes["do"].producer_tail(state_do)
 
@@ -592,14 +634,15 @@ class BlackwellBackward:
                                      cute.group_modes(tXgX_mma, 0, 3))
 
     @cute.jit
-    def load_one(self, atom, tXgX, tXsX, bulk, gRow, sRow, block, pipe, state):
-        """A tile (TMA) and its per-query floats (one bulk copy) into the next free stage, both
-        counted by its FULL barrier."""
+    def load_one(self, atom, tXgX, tXsX, bulk, rows, block, pipe, state):
+        """A tile (TMA) and its per-query floats (``rows``: (global, shared) pairs, one bulk
+        copy each) into the next free stage, all counted by its FULL barrier."""
         pipe.producer_acquire(state)
         bar = pipe.producer_get_barrier(state)
         cute.copy(atom, tXgX[None, block], tXsX[None, state.index], tma_bar_ptr=bar)
-        with cute.arch.elect_one():
-            cute.copy(bulk, gRow[None, block], sRow[None, state.index], mbar_ptr=bar)
+        for gRow, sRow in rows:
+            with cute.arch.elect_one():
+                cute.copy(bulk, gRow[None, block], sRow[None, state.index], mbar_ptr=bar)
         state.advance()
         return state
 
@@ -721,35 +764,33 @@ class BlackwellBackward:
         sdS_row = cute.local_tile(smem["dSt_rows"][tidx, None], (half,), (g,))
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                self.q_stages)
-        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                self.do_stages)
         phase = Int32(0)
         key = n_block * self.tile_n + tidx
-        step = lambda m_block, masked, sq, sd, ph: self.compute_step(  # noqa: E731
+        step = lambda m_block, masked, sq, ph: self.compute_step(  # noqa: E731
             m_block, masked, key, g, tStS, tdPtdP, tScS, t0ScS, load_s, load_dp, store_p,
-            tPtP, p_regs, sdS_row, smem, pipes, sq, sd, ph, scale_log2, seqlen_q, seqlen_k,
+            tPtP, p_regs, sdS_row, smem, pipes, sq, ph, scale_log2, seqlen_q, seqlen_k,
             window_left, window_right)
         first_end = m_min + n_first
         last_start = cutlass.max(m_max - n_last, first_end)
         for _h in cutlass.range(group, unroll=1):
             for m_block in cutlass.range(m_min, first_end, unroll=1):
-                state_q, state_do, phase = step(m_block, True, state_q, state_do, phase)
+                state_q, phase = step(m_block, True, state_q, phase)
             for m_block in cutlass.range(first_end, last_start, unroll=1):
-                state_q, state_do, phase = step(m_block, False, state_q, state_do, phase)
+                state_q, phase = step(m_block, False, state_q, phase)
             if const_expr(self.window.has_left):
                 for m_block in cutlass.range(last_start, m_max, unroll=1):
-                    state_q, state_do, phase = step(m_block, True, state_q, state_do, phase)
+                    state_q, phase = step(m_block, True, state_q, phase)
         self.epilogue(mma_dv, tmem_ptr, pipes, mdK, mdV, softmax_scale, tidx, g, key,
                       head_kv, b, seqlen_k, m_max > m_min)
 
     @cute.jit
     def compute_step(self, m_block, masked: cutlass.Constexpr[bool], key, g, tStS, tdPtdP, tScS,
                      t0ScS, load_s, load_dp, store_p, tPtP, p_regs, sdS_row, smem, pipes,
-                     state_q, state_do, phase, scale_log2, seqlen_q, seqlen_k, window_left,
+                     state_q, phase, scale_log2, seqlen_q, seqlen_k, window_left,
                      window_right):
         """One step for 64 queries of one key: S^T row -> P^T (TMEM), dP^T row -> dS^T (smem)."""
         half = self.tile_m // 2
-        pipes["q"].consumer_wait(state_q)  # lse of the step (and Q, which only the MMA reads)
+        pipes["q"].consumer_wait(state_q)  # lse, delta of the step (Q: only the MMA reads it)
         pipes["s"].consumer_wait(at(phase))
         s = cute.make_rmem_tensor(tScS.shape, Float32)  # this key's 64 scores
         cute.copy(load_s, tStS, s)
@@ -767,15 +808,16 @@ class BlackwellBackward:
         rP32 = cute.make_rmem_tensor(p_regs, Float32)
         rP = cute.make_tensor(cute.recast_ptr(rP32.iterator, dtype=self.dtype), s.layout)
         rP.store(s.load().to(self.dtype))
+        cute.arch.fence_view_async_tmem_load()  # this warpgroup's S^T loads have landed
+        cute.arch.barrier(barrier_id=int(NamedBarrier.COMPUTE),  # Note [P^T over S^T]
+                          number_of_threads=2 * GROUP_THREADS)
         cute.copy(store_p, rP32, tPtP)
         cute.arch.fence_view_async_tmem_store()  # P^T visible to the MMA before we say so
         pipes["s"].consumer_release(at(phase))
-        state_q.advance()
-        pipes["do"].consumer_wait(state_do)  # delta of the step
         pipes["dp"].consumer_wait(at(phase))
         dp = cute.make_rmem_tensor(tScS.shape, Float32)
         cute.copy(load_dp, tdPtdP, dp)
-        delta = smem["Delta"][None, state_do.index]
+        delta = smem["Delta"][None, state_q.index]
         for c in cutlass.range_constexpr(cute.size(dp)):
             dp[c] = s[c] * (dp[c] - delta[g * half + c])
         rdS = cute.make_rmem_tensor(dp.layout, self.dtype)
@@ -785,8 +827,8 @@ class BlackwellBackward:
         cute.autovec_copy(rdS, sdS_row)
         cute.arch.fence_view_async_shared()  # generic-proxy stores -> visible to tcgen05.mma
         pipes["dp"].consumer_release(at(phase))
-        state_do.advance()
-        return state_q, state_do, phase ^ 1
+        state_q.advance()
+        return state_q, phase ^ 1
 
     @cute.jit
     def epilogue(self, mma_dv, tmem_ptr, pipes, mdK, mdV, softmax_scale, tidx, g, key, head_kv,

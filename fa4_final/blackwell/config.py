@@ -172,7 +172,7 @@ class BlackwellBwdConfig:
     def smem_fields(self, head_dim: int, elem_bytes: int = 2) -> list[tuple[str, int, int]]:
         """(name, bytes, alignment) of the kernel's SharedStorage in its order: full + empty
         mbarriers of kv (1 stage), q, do and of the four one-stage MMA handshakes (s, dp, dq,
-        dkv), the TMEM address, lse and delta per stage, then the tiles (1 KB aligned for the
+        dkv), the TMEM address, lse and delta per Q stage, then the tiles (1 KB aligned for the
         128 B swizzle): K, V, the Q and dO rings, dS (16-bit) and the float32 dQ staging."""
         q, do = self.q_stages, self.do_depth(head_dim)
         tile_q = self.tile_m * head_dim * elem_bytes
@@ -181,7 +181,7 @@ class BlackwellBwdConfig:
             ("barriers", 8 * 2 * (1 + q + do + 4), 8),
             ("tmem_addr", 4, 4),
             ("sLSE", 4 * self.tile_m * q, 16),
-            ("sDelta", 4 * self.tile_m * do, 16),
+            ("sDelta", 4 * self.tile_m * q, 16),  # delta rides with Q (bwd Note [Handshakes])
             ("sK", tile_k, 1024),
             ("sV", tile_k, 1024),
             ("sQ", tile_q * q, 1024),
