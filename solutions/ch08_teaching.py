@@ -11,6 +11,7 @@ import re
 from collections import Counter
 
 from fa4_final.scheduler import rounds, tile_coords
+from utils import bench
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 08.1: the ping-pong turn rule (Note [Turns] in fa4_final.hopper.fwd)
@@ -312,6 +313,22 @@ PROFILE_SIDE_BY_SIDE = (
 )
 _BUSY = (("tensor_pipe_gmma_active_pct", "tensor pipe busy, GMMA counter (%)"),
          ("tensor_pipe_active_pct", "tensor pipe busy, HMMA counter (%)"))
+
+
+def knob_lines(knobs) -> list[str]:
+    """Per shape of a knob file (solutions.ch08_knobs): the default, the fastest peer of the same
+    rounds, and each other config with the verdict of utils.bench.compare against the default."""
+    lines = []
+    for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in knobs.rows}):
+        group = [r for r in knobs.rows if (r["d"], r["s"], r["causal"]) == (d, s, causal)]
+        base = next(r for r in group if r["config"] == "default")
+        lines.append(f"D={d} S={s} causal={causal}: default {base['tflops']:.0f} TFLOP/s; "
+                     f"fastest peer {base['best_peer']} {base['best_peer_tflops']:.0f}")
+        for r in group:
+            if r is not base and r.get("tflops"):
+                lines.append(f"    {r['config']:52s} {r['tflops']:5.0f}  default is "
+                             f"{bench.compare(base, r)}")
+    return lines
 
 
 def _by(res) -> dict:
