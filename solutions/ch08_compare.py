@@ -27,18 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
-import sys
-import tempfile
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
 from solutions.ch09_compare import (
     DEFAULT_FA4_SITE,
+    FA4_FWD_DRIVER,
     FA4_VERSION,
+    compile_fa4,
     sass_opcodes,
     setmaxnreg_values,
 )
@@ -195,54 +193,13 @@ def our_metrics(d: int, causal: bool, config=None) -> dict:
     return out
 
 
-_FA4_DRIVER = r'''
-import os, sys, json, time
-sys.path[:0] = json.loads(os.environ["FA4_SITE"])
-import cutlass.utils
-class HW:
-    def __init__(self, *a, **k): pass
-    def get_device_multiprocessor_count(self): return int(os.environ["FLASH_ATTENTION_NUM_SMS"])
-    def get_max_active_clusters(self, *a, **k): return int(os.environ["FLASH_ATTENTION_NUM_SMS"])
-cutlass.utils.HardwareInfo = HW
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from flash_attn.cute import interface
-d, causal = int(sys.argv[1]), sys.argv[2] == "1"
-with FakeTensorMode():
-    q, k, v = (torch.empty(2, 4096, 16, d, dtype=torch.bfloat16, device="cuda") for _ in "qkv")
-    try:
-        interface.flash_attn_func(q, k, v, causal=causal)
-    except Exception as exc:  # fake tensors end the call after the compile
-        print("call ended with", type(exc).__name__)
-'''
-
-
 def fa4_metrics(d: int, causal: bool, site=DEFAULT_FA4_SITE) -> dict:
     """FA4's sm90 forward (bf16, 2 x 4096 x 16 heads, fake CUDA tensors), compiled in a fresh
     process with its PTX and cubin dumped; the same metrics."""
-    from fa4_final.compile import disassemble, kernel_resources
-
-    with tempfile.TemporaryDirectory(prefix="fa4_sm90_") as dump:
-        env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a",
-                   FLASH_ATTENTION_NUM_SMS=str(SMS), CUTE_DSL_KEEP_PTX="1",
-                   CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DUMP_DIR=dump, FA4_SITE=json.dumps(list(site)))
-        with tempfile.NamedTemporaryFile("w", suffix="_fa4_driver.py", delete=False) as f:
-            f.write(_FA4_DRIVER)
-        try:
-            out = subprocess.run([sys.executable, f.name, str(d), str(int(causal))], env=env,
-                                 capture_output=True, text=True, timeout=1200)
-        finally:
-            os.unlink(f.name)
-        ptxs = sorted(Path(dump).glob("*FlashAttentionForwardSm90*.ptx"))
-        cubins = sorted(Path(dump).glob("*FlashAttentionForwardSm90*.cubin"))
-        if not ptxs or not cubins:
-            raise RuntimeError(f"FA4 produced no sm90 forward: {out.stderr[-2000:]}")
-        ptx, cubin = ptxs[-1].read_text(), cubins[-1].read_bytes()
-    sass = disassemble(cubin)
-    res = kernel_resources(cubin, sass)
+    ptx, sass, registers, spills, _ = compile_fa4(
+        FA4_FWD_DRIVER, "FlashAttentionForwardSm90", "sm_90a", SMS, d, causal, site)
     tile_m, tile_n, _ = FA4_TILES[d]
-    out = kernel_metrics(ptx, sass, max(k.registers for k in res),
-                         sum(k.spill_instructions for k in res), tile_m, tile_n)
+    out = kernel_metrics(ptx, sass, registers, spills, tile_m, tile_n)
     out["stages (K, V)"] = "2, 2"  # flash_fwd_sm90: num_stages=2, one state for K and V
     return out
 

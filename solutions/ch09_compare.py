@@ -184,19 +184,25 @@ def our_metrics(d: int, causal: bool, two_cta: bool) -> dict:
     return out
 
 
-_FA4_DRIVER = r'''
+# The start of every FA4 compile driver: FA4's site on the path, a fake device with the SM count
+# of FLASH_ATTENTION_NUM_SMS (no GPU is asked), fake CUDA tensors from torch.
+FA4_DRIVER_HEAD = r'''
 import os, sys, json, time
 sys.path[:0] = json.loads(os.environ["FA4_SITE"])
 import cutlass.utils
 class HW:
     def __init__(self, *a, **k): pass
-    def get_device_multiprocessor_count(self): return 148
-    def get_max_active_clusters(self, *a, **k): return 148
+    def get_device_multiprocessor_count(self): return int(os.environ["FLASH_ATTENTION_NUM_SMS"])
+    def get_max_active_clusters(self, *a, **k): return int(os.environ["FLASH_ATTENTION_NUM_SMS"])
 cutlass.utils.HardwareInfo = HW
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from flash_attn.cute import interface
 d, causal = int(sys.argv[1]), sys.argv[2] == "1"
+'''
+
+# FA4's forward on (2, 4096, 16, d) bf16 tensors: the call compiles, then ends on fake tensors.
+FA4_FWD_DRIVER = FA4_DRIVER_HEAD + r'''
 with FakeTensorMode():
     q, k, v = (torch.empty(2, 4096, 16, d, dtype=torch.bfloat16, device="cuda") for _ in "qkv")
     t0 = time.time()
@@ -208,33 +214,48 @@ with FakeTensorMode():
 '''
 
 
-def fa4_metrics(d: int, causal: bool, site=DEFAULT_FA4_SITE) -> dict:
-    """Compile FA4's sm100 forward (bf16, 2 x 4096 x 16 heads, fake CUDA tensors) in a fresh
-    process, with its PTX and cubin dumped, and read the same metrics."""
+def compile_fa4(driver: str, kernel: str, arch: str, sms: int, d: int, causal: bool, site,
+                **env) -> tuple[str, str, int, int, str]:
+    """Run an FA4 compile ``driver`` in a fresh process with its PTX and cubin dumped; return
+    (ptx, sass, registers, spill instructions, the driver's stdout) of the kernel whose file
+    names hold ``kernel``. ``env``: more environment for the driver."""
     from fa4_final.compile import disassemble, kernel_resources
 
-    with tempfile.TemporaryDirectory(prefix="fa4_sm100_") as dump:
-        env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_100", CUTE_DSL_ARCH="sm_100a",
-                   FLASH_ATTENTION_NUM_SMS="148", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_KEEP_CUBIN="1",
-                   CUTE_DSL_DUMP_DIR=dump, FA4_SITE=json.dumps(list(site)))
+    with tempfile.TemporaryDirectory(prefix=f"fa4_{arch}_") as dump:
+        env = dict(os.environ, FLASH_ATTENTION_ARCH=arch.rstrip("a"), CUTE_DSL_ARCH=arch,
+                   FLASH_ATTENTION_NUM_SMS=str(sms), CUTE_DSL_KEEP_PTX="1",
+                   CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DUMP_DIR=dump,
+                   FA4_SITE=json.dumps(list(site)), **env)
         with tempfile.NamedTemporaryFile("w", suffix="_fa4_driver.py", delete=False) as f:
-            f.write(_FA4_DRIVER)
+            f.write(driver)
         try:
             out = subprocess.run([sys.executable, f.name, str(d), str(int(causal))], env=env,
                                  capture_output=True, text=True, timeout=1200)
         finally:
             os.unlink(f.name)
-        ptxs = sorted(Path(dump).glob("*FlashAttentionForwardSm100*.ptx"))
-        cubins = sorted(Path(dump).glob("*FlashAttentionForwardSm100*.cubin"))
+        ptxs = sorted(Path(dump).glob(f"*{kernel}*.ptx"))
+        cubins = sorted(Path(dump).glob(f"*{kernel}*.cubin"))
         if not ptxs or not cubins:
-            raise RuntimeError(f"FA4 produced no sm100 forward: {out.stderr[-2000:]}")
+            raise RuntimeError(f"FA4 produced no {kernel} for {arch}: {out.stderr[-2000:]}")
         ptx, cubin = ptxs[-1].read_text(), cubins[-1].read_bytes()
     sass = disassemble(cubin)
     res = kernel_resources(cubin, sass)
-    metrics = kernel_metrics(ptx, sass, max(k.registers for k in res),
-                             sum(k.spill_instructions for k in res))
-    m = re.search(r"compile seconds ([\d.]+)", out.stdout)
-    metrics["compile seconds"] = float(m.group(1)) if m else None
+    return (ptx, sass, max(k.registers for k in res), sum(k.spill_instructions for k in res),
+            out.stdout)
+
+
+def compile_seconds(stdout: str) -> float | None:
+    m = re.search(r"compile seconds ([\d.]+)", stdout)
+    return float(m.group(1)) if m else None
+
+
+def fa4_metrics(d: int, causal: bool, site=DEFAULT_FA4_SITE) -> dict:
+    """Compile FA4's sm100 forward (bf16, 2 x 4096 x 16 heads, fake CUDA tensors) in a fresh
+    process, with its PTX and cubin dumped, and read the same metrics."""
+    ptx, sass, registers, spills, stdout = compile_fa4(
+        FA4_FWD_DRIVER, "FlashAttentionForwardSm100", "sm_100a", 148, d, causal, site)
+    metrics = kernel_metrics(ptx, sass, registers, spills)
+    metrics["compile seconds"] = compile_seconds(stdout)
     return metrics
 
 
@@ -463,18 +484,7 @@ def our_bwd_metrics(d: int, causal: bool, art=None) -> dict:
     return out
 
 
-_FA4_BWD_DRIVER = r'''
-import os, sys, json, time
-sys.path[:0] = json.loads(os.environ["FA4_SITE"])
-import cutlass.utils
-class HW:
-    def __init__(self, *a, **k): pass
-    def get_device_multiprocessor_count(self): return 148
-    def get_max_active_clusters(self, *a, **k): return 148
-cutlass.utils.HardwareInfo = HW
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from flash_attn.cute import interface
+_FA4_BWD_DRIVER = FA4_DRIVER_HEAD + r'''
 from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100 as K
 made = []
 init = K.__init__
@@ -482,7 +492,6 @@ def record(self, *a, **kw):
     init(self, *a, **kw)
     made.append(self)
 K.__init__ = record
-d, causal = int(sys.argv[1]), sys.argv[2] == "1"
 with FakeTensorMode():
     b, s, h = 2, 4096, 16
     q, k, v, o, do = (torch.empty(b, s, h, d, dtype=torch.bfloat16, device="cuda")
@@ -513,32 +522,15 @@ def fa4_bwd_metrics(d: int, causal: bool, two_cta: bool, site=DEFAULT_FA4_SITE) 
     """Compile FA4's sm100 backward (bf16, 2 x 4096 x 16 heads, fake CUDA tensors; its 1-CTA
     kernel under FA_DISABLE_2CTA=1) in a fresh process; the same metrics as ours, its role
     budgets, TMEM map and shared memory read off the kernel object it built."""
-    from fa4_final.compile import disassemble, kernel_resources
-
-    with tempfile.TemporaryDirectory(prefix="fa4_sm100_bwd_") as dump:
-        env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_100", CUTE_DSL_ARCH="sm_100a",
-                   FLASH_ATTENTION_NUM_SMS="148", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_KEEP_CUBIN="1",
-                   CUTE_DSL_DUMP_DIR=dump, FA4_SITE=json.dumps(list(site)),
-                   FA_DISABLE_2CTA="0" if two_cta else "1")
-        with tempfile.NamedTemporaryFile("w", suffix="_fa4_bwd_driver.py", delete=False) as f:
-            f.write(_FA4_BWD_DRIVER)
-        try:
-            out = subprocess.run([sys.executable, f.name, str(d), str(int(causal))], env=env,
-                                 capture_output=True, text=True, timeout=1200)
-        finally:
-            os.unlink(f.name)
-        ptxs = sorted(Path(dump).glob("*FlashAttentionBackwardSm100*.ptx"))
-        cubins = sorted(Path(dump).glob("*FlashAttentionBackwardSm100*.cubin"))
-        found = re.search(r"^FA4BWD (.*)$", out.stdout, re.M)
-        if not ptxs or not cubins or not found:
-            raise RuntimeError(f"FA4 produced no sm100 backward: {out.stderr[-2000:]}")
-        ptx, cubin = ptxs[-1].read_text(), cubins[-1].read_bytes()
+    ptx, sass, registers, spills, stdout = compile_fa4(
+        _FA4_BWD_DRIVER, "FlashAttentionBackwardSm100", "sm_100a", 148, d, causal, site,
+        FA_DISABLE_2CTA="0" if two_cta else "1")
+    found = re.search(r"^FA4BWD (.*)$", stdout, re.M)
+    if not found:
+        raise RuntimeError("FA4's backward driver did not report its kernel object")
     info = json.loads(found.group(1))
     assert info["two_cta"] == two_cta, info
-    sass = disassemble(cubin)
-    res = kernel_resources(cubin, sass)
-    metrics = bwd_kernel_metrics(ptx, sass, max(k.registers for k in res),
-                                 sum(k.spill_instructions for k in res),
+    metrics = bwd_kernel_metrics(ptx, sass, registers, spills,
                                  {role: regs for role, (_, regs) in info["roles"].items()})
     used = [(n, o, c) for n, (o, c) in info["regions"].items() if c]
     metrics.update({
@@ -550,8 +542,7 @@ def fa4_bwd_metrics(d: int, causal: bool, two_cta: bool, site=DEFAULT_FA4_SITE) 
         "dQ staging (buffers x float32 columns)":
             f"{info['sdQaccum_stage']}x{info['dQ_reduce_ncol']}",
     })
-    m = re.search(r"compile seconds ([\d.]+)", out.stdout)
-    metrics["compile seconds"] = float(m.group(1)) if m else None
+    metrics["compile seconds"] = compile_seconds(stdout)
     return metrics
 
 

@@ -173,3 +173,22 @@ def plot_turns(seqlen_q: int, seqlen_k: int, cfg: HopperBwdConfig, causal: bool,
     ax.set_ylabel(f"query tile m ({cfg.tile_m} rows)")
     ax.set_title(f"{'causal' if causal else 'no mask'}: each CTA's turn at each query tile")
     return ax
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 11.7: the Blackwell backward's free TMEM columns at D = 64
+
+
+def free_columns(head_dim: int = 64) -> int:
+    """TMEM columns the Blackwell backward allocates but does not use (fa4_final.blackwell)."""
+    from fa4_final.blackwell.config import BlackwellBwdConfig
+
+    plan = BlackwellBwdConfig().tmem_plan(head_dim)
+    return plan.columns_allocated - plan.columns_used
+
+
+def check_free_columns(value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise AssertionError(f"give a number of columns, got {type(value).__name__}")
+    if value != free_columns(64):
+        raise AssertionError("allocated minus used: the allocation is a power of two")
