@@ -45,27 +45,66 @@ role's waits and arrivals with these pipelines; it found two races of the first 
 here (delta now rides with Q, Note [Handshakes]; bar.sync COMPUTE before P^T, Note [P^T over
 S^T]). solutions.ch09_compare --bwd stands the compiled kernel beside FA4's flash_bwd_sm100.
 
-Not built: the 2-CTA mode. The design, following the forward's pairs (fa4_final.blackwell.fwd:
-cluster launch (2, 1, 1), the leader CTA's MMA warp issues cta_group::2, its commits reach both
-CTAs' barriers, multicast TMA):
+Not built: the 2-CTA mode. A second session set out to build it (a config flag, default off) and
+stopped at the budget: what it established on the CPU (CuTe's cta_group::2 tiled MMAs and their
+shared-memory layouts built for sm_100a; FA4's flash_bwd_sm100 read for comparison) is this
+design. It follows the forward's pairs (fa4_final.blackwell.fwd: cluster launch (2, 1, 1), the
+leader CTA's MMA warp issues cta_group::2, its commits reach both CTAs' barriers, multicast TMA):
 - a pair owns 256 keys, 128 per CTA (its TMEM lanes); S^T = K Q^T, dP^T = V dO^T, dV += P^T dO
-  and dK += dS^T Q become M = 256 MMAs. Their B operands are split across the pair, Q and dO by
-  queries for S^T and dP^T but by D for dV and dK, so each CTA needs a second, differently split
-  view of them (FA4 loads mQt and mdOt for this);
-- dQ = dS K needs dS of all 256 keys for each query: each CTA writes its dS half into its
-  peer's shared memory (addresses from mapa, stores to shared::cluster, a cluster mbarrier
-  announcing it: FA4's relay warp and dS_cluster barriers), then computes dQ for its half of
-  D's columns (D/2 TMEM columns, K = 256) and adds that half to global memory: half of the
-  float32 adds per CTA (ch09_model: 64 KB -> 32 KB per step at D = 128);
-- per SM, shared memory would read half of Q's and dO's bytes (ch09_model: about 3840 -> 2944
-  cycles a step at D = 128, model).
-Why it is not here: the split views halve the bytes each MMA reads per SM but not the bytes
-held: a Q stage is 64 queries x D for S^T plus 128 queries x D/2 for dK, 32 KB per CTA at D = 128
-as in 1-CTA (likewise dO), and the peer's dS half adds 32 KB, on top of a 1-CTA layout that
-already uses all 232448 B; so the budget has to be laid out anew (one Q stage, as FA4's 2-CTA
-kernel has); the dS exchange is a
-new pipeline that the simulation must replay first; and the session that built this had not the
-time to do all of it and its checks properly. A half-built pair is not committed.
+  and dK += dS^T Q are M = 256 pair MMAs. Their B operands are split across the pair, Q and dO
+  by queries for S^T and dP^T (64 queries x D per CTA) but by D for dV and dK (D/2 x 128
+  queries), so each CTA loads a second, differently split copy of them (FA4's mQt, mdOt);
+- dQ = dS K is a pair MMA too: M = 128 queries (64 per CTA), N = D, K = 256 keys. A per-CTA
+  cta_group::1 dQ over half of D (the first form of this note) is out: newer toolkits reject a
+  kernel whose tcgen05 instructions mix cta_group::1 and ::2 (CCCL #8297, LLVM #162597; this
+  DSL's ptxas still builds such a kernel), and it would need the peer's whole dS (32 KB, not 16)
+  and its keys' half of K. CuTe's accumulator for the pair's M = 128 is ((64, (D/2, 2)) : (lane,
+  (column, 64 lanes))): lanes i and 64 + i hold the two halves of query i's row, D/2 columns.
+  CTA r's 64 queries are one contiguous 64 x D block of the Hopper accumulator order (Note [dQ
+  accumulator order]), so each CTA adds half of what a 1-CTA CTA adds: 4 bulk adds of 8 KB per
+  step at D = 128 instead of 8, 2 instead of 4 at D = 64;
+- one descriptor serves both CTAs of a pair MMA: each reads its own shared memory at the same
+  offset, in the same K order. That fixes both operands of dQ. Its A (64 queries x 256 keys,
+  keys ordered [leader's | follower's]) holds at block r CTA r's own dS for its queries and at
+  block 1 - r the peer's, 16 KB written by the peer per step (FA4: ``sdS + rank * half``, a bulk
+  copy to shared::cluster counted by a cluster mbarrier). It cannot be dK's dS^T buffer: dK reads
+  queries [0-63 | 64-127] of the CTA's keys in that order in both CTAs, so the follower's block 0
+  still holds its own queries 0-63 when the leader's keys for queries 64-127 must land there. Its
+  B (K^T split by D: D/2 x 256 keys) cannot be sK for the same reason: a separate tile, Kt
+  (FA4's sKt).
+
+Shared memory per CTA, in bytes (tiles: cosize of make_smem_layout_a / _b of the cta_group::2
+MMAs, 2 B an element; small fields: the mbarriers, the TMEM address and one Q stage of lse and
+delta, before the first 1 KB aligned tile):
+
+                                              D = 128   D = 64
+    small fields                                 2048     2048
+    K, V (A of S^T, dP^T)                       65536    32768
+    Q, dO (B of S^T, dP^T: 64 queries)          32768    16384
+    Qt, dOt (B of dK, dV: D/2 columns)          32768    16384
+    Kt (B of dQ: D/2 x 256 keys)                32768    16384
+    dS (A of dQ: 64 queries x 256 keys)         32768    32768
+    = what the pair needs in any case          198656   116736
+    + dS^T (A of dK from shared memory, as now) 32768    32768
+    + dQ staging, two 32-column buffers         32768    32768
+    = this kernel's scheme as a pair           264192   182272   (limit 232448)
+
+The one Q stage and one dO stage (as FA4's 2-CTA kernel) are already in the table. At D = 64
+this kernel's scheme fits. At D = 128 it does not, even with the smallest staging (one 8-column
+buffer, 4 KB: 235520 B). FA4 reads dK's A from TMEM instead (a TS MMA, as dV reads P^T): dS^T as
+16-bit pairs over the dP^T columns it came from, which frees the 32 KB: 198656 + 32768 = 231424 B
+with this kernel's staging, 215040 B with FA4's (4 x 8 columns). TMEM at D = 128 then holds S^T
+128 + dP^T 128 + dV 128 + dK 128 = 512 columns: P^T over S^T's upper half as now, dS^T over
+dP^T's upper half (a second bar.sync COMPUTE: warpgroup 0's dS^T lands on columns warpgroup 1
+loads, as in Note [P^T over S^T]), dQ's 64 columns over dP^T's lower half.
+Why it is not here: that is a new kernel in three places (dK's A in TMEM, the dQ pair MMA with Kt,
+the dS exchange), seven TMA loads instead of four, cluster pipelines whose empty barriers count
+both CTAs' compute warps, the dS exchange as a new pipeline (its block free after dQ(i - 1), whose
+commit reaches both CTAs; full when the peer's 16 KB have landed) that the pipeline simulation
+must replay first, and a pair-wide teardown; the session had 70 minutes, spent them on the budget
+above, and committed no kernel: a half-built pair is worse than none. ch09_model's 2-CTA row
+still models the first form (32 KB into the peer per step, dS^T read from shared memory for dK):
+with this design the peer write is 16 KB and the dS^T read moves to TMEM.
 """
 
 from __future__ import annotations
