@@ -417,7 +417,7 @@ class BwdStepCycles:
 
 
 def bwd_step_cycles(d: int = 128, two_cta: bool = False, mix: BwdMix = BWD_MIX,
-                    ds_for_dk_in_smem: bool = True, fig=B200) -> BwdStepCycles:
+                    ds_for_dk_in_smem: bool | None = None, fig=B200) -> BwdStepCycles:
     """Cycles of one backward step (128 keys of this SM x 128 queries) on one SM.
 
     Shared memory: chapter 00's backward traffic (``utils.roofline.smem_traffic``: the GEMMs'
@@ -426,8 +426,10 @@ def bwd_step_cycles(d: int = 128, two_cta: bool = False, mix: BwdMix = BWD_MIX,
     00 assumes it on chip), and the compute warps' lse / delta broadcasts (one 128-byte
     wavefront per warp instruction: MODEL ASSUMPTION). 2-CTA (the design in the docstring of
     fa4_final.blackwell.bwd, not built): a pair on 256 keys, Q and dO (the B operands) halved
-    per SM, each CTA sends its dS half to the other through distributed shared memory (32 KB
-    written into the peer per step) and stages and adds half of dQ."""
+    per SM, dQ one pair MMA whose A is the pair's dS for this CTA's 64 queries, so each CTA
+    writes the peer's half of it (16 KB per step) through distributed shared memory, and stages
+    and adds half of dQ; at D = 128 dK's A (dS^T) is read from TMEM, not shared memory, or the
+    pair's buffers do not fit (``ds_for_dk_in_smem`` None: that choice)."""
     from utils import roofline
 
     ctas = 2 if two_cta else 1
@@ -440,7 +442,10 @@ def bwd_step_cycles(d: int = 128, two_cta: bool = False, mix: BwdMix = BWD_MIX,
     items = list(roofline.smem_traffic("B200", "bwd", keys, queries, d, ctas, ELEM_BYTES))
     if two_cta:  # each CTA stages and adds half of dQ's columns
         items = [(w, b / 2) if w.startswith("dQ fp32") else (w, b) for w, b in items]
-        items.append(("dS half from the peer CTA (DSMEM write)", keys * queries * ELEM_BYTES))
+        items.append(("dS half from the peer CTA (DSMEM write)",
+                      keys * queries * ELEM_BYTES / 2))
+    if ds_for_dk_in_smem is None:
+        ds_for_dk_in_smem = not (two_cta and d == 128)
     if ds_for_dk_in_smem:
         items.append(("dK += dS^T Q: read A = dS^T", keys * queries * ELEM_BYTES))
     warps = 2 * 4  # two compute warpgroups
