@@ -968,7 +968,7 @@ def sass_overlap(sass: str) -> dict:
 
 
 # ===============================================================================================
-# command line: quick checks on a Hopper GPU (the lead runs these, also under compute-sanitizer)
+# command line: quick checks on a Hopper GPU (also run under compute-sanitizer)
 # ===============================================================================================
 # (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype)
 SMALL_CASE = (1, 200, 200, 2, 1, 128, True, torch.bfloat16)

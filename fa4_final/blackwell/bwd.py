@@ -45,11 +45,11 @@ role's waits and arrivals with these pipelines; it found two races of the first 
 here (delta now rides with Q, Note [Handshakes]; bar.sync COMPUTE before P^T, Note [P^T over
 S^T]). solutions.ch09_compare --bwd stands the compiled kernel beside FA4's flash_bwd_sm100.
 
-Not built: the 2-CTA mode. A second session set out to build it (a config flag, default off) and
-stopped at the budget: what it established on the CPU (CuTe's cta_group::2 tiled MMAs and their
-shared-memory layouts built for sm_100a; FA4's flash_bwd_sm100 read for comparison) is this
-design. It follows the forward's pairs (fa4_final.blackwell.fwd: cluster launch (2, 1, 1), the
-leader CTA's MMA warp issues cta_group::2, its commits reach both CTAs' barriers, multicast TMA):
+Not built: the 2-CTA mode (a config flag, default off). What building its pieces on the CPU
+established (CuTe's cta_group::2 tiled MMAs and their shared-memory layouts built for sm_100a;
+FA4's flash_bwd_sm100 read for comparison) is this design. It follows the forward's pairs
+(fa4_final.blackwell.fwd: cluster launch (2, 1, 1), the leader CTA's MMA warp issues
+cta_group::2, its commits reach both CTAs' barriers, multicast TMA):
 - a pair owns 256 keys, 128 per CTA (its TMEM lanes); S^T = K Q^T, dP^T = V dO^T, dV += P^T dO
   and dK += dS^T Q are M = 256 pair MMAs. Their B operands are split across the pair, Q and dO
   by queries for S^T and dP^T (64 queries x D per CTA) but by D for dV and dK (D/2 x 128
@@ -101,10 +101,9 @@ Why it is not here: that is a new kernel in three places (dK's A in TMEM, the dQ
 the dS exchange), seven TMA loads instead of four, cluster pipelines whose empty barriers count
 both CTAs' compute warps, the dS exchange as a new pipeline (its block free after dQ(i - 1), whose
 commit reaches both CTAs; full when the peer's 16 KB have landed) that the pipeline simulation
-must replay first, and a pair-wide teardown; the session had 70 minutes, spent them on the budget
-above, and committed no kernel: a half-built pair is worse than none. ch09_model's 2-CTA row
-still models the first form (32 KB into the peer per step, dS^T read from shared memory for dK):
-with this design the peer write is 16 KB and the dS^T read moves to TMEM.
+must replay first, and a pair-wide teardown. Until all of it is built and checked, no part of
+it is in the kernel: a half-built pair is worse than none. ch09_model.bwd_step_cycles' 2-CTA row
+models this design (16 KB into the peer per step; dS^T read from TMEM at D = 128).
 """
 
 from __future__ import annotations
