@@ -33,7 +33,8 @@ what is supported). It stands alone (it imports neither the course's ``utils`` n
     atomics      bulk float32 adds into global memory; turn counters            chapter 11
     backward     the backward's torch entry points (backward_into, backward)     chapter 11
     autograd     attention_autograd: flash_attn_func's output, differentiable    chapter 11
-    blackwell    the FA4 forward for sm_100a: TMEM plan, tcgen05, roles, 2-CTA   chapters 09, 10
+    blackwell    sm_100a: TMEM plan, tcgen05, roles; the forward (1- and 2-CTA)  chapters 09-11
+                 and the 1-CTA backward (compiled and checked, never run on a GPU)
 """
 
 from fa4_final.dispatch import support_table

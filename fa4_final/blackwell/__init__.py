@@ -1,10 +1,14 @@
-"""Blackwell (sm_100a) kernels: chapters 09 and 10.
+"""Blackwell (sm_100a) kernels: chapters 09, 10 and 11 (compiled and checked; never run on a GPU).
 
     tmem       the TMEM column plan as data, the lane-quarter rule, allocation sizes
     umma       tcgen05.mma from descriptors: instruction / shared-memory descriptors, lean issue
-    config     BlackwellFwdConfig: knobs, derived sizes (ring depth, shared memory, registers)
+    roles      warp roles as data: the checks every role table keeps; cache key and role lookup
+    config     BlackwellFwdConfig, BlackwellBwdConfig: knobs, derived sizes (ring depth, shared
+               memory, registers, the TMEM plans)
     softmax    RowSoftmax: fa4_final.softmax.OnlineSoftmax with one row per thread
     primer     one attention tile with every tcgen05 step once (chapter 09's primer)
     fwd        BlackwellForward: the warp-specialised forward, 1- or 2-CTA; compile_forward_sm100,
                compile_only, forward_into, attention
+    bwd        BlackwellBackward: the 1-CTA backward, TMEM accumulators, dQ in the Hopper
+               accumulator order (bwd_pre / bwd_post shared); the 2-CTA design in its docstring
 """

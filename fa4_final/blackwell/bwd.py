@@ -127,7 +127,7 @@ from fa4_final.blackwell.config import (
     BWD_REGISTERS,
     BlackwellBwdConfig,
 )
-from fa4_final.blackwell.tmem import lane_quarter
+from fa4_final.blackwell.roles import WarpRoles, check_roles
 from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range, visible_queries
 from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
 from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
@@ -193,7 +193,7 @@ class HopperDqOrder(HopperBackward):
                 for h in range(2) for a in range(2)]
 
 
-class BlackwellBackward:
+class BlackwellBackward(WarpRoles):
     """dK, dV and the float32 dQ accumulator of attention on sm_100a, one key tile per CTA."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: BlackwellBwdConfig,
@@ -224,20 +224,7 @@ class BlackwellBackward:
                      "does": "TMA: K, V once; Q + lse + delta, dO per step"},
             "spare": {"warps": (14, 15), "registers": regs["spare"], "does": "give registers away"},
         }
-        warps = sorted(w for r in self.roles.values() for w in r["warps"])
-        assert warps == list(range(THREADS // WARP_SIZE))
-        for name in ("compute0", "compute1", "dq"):  # TMEM roles: one lane (= key) a thread
-            quarters = sorted(lane_quarter(w).start for w in self.roles[name]["warps"])
-            assert quarters == [0, 32, 64, 96], name
-        assert sum(WARP_SIZE * len(r["warps"]) * r["registers"] for r in self.roles.values()) \
-            <= 64 * 1024
-
-    def cache_key(self) -> tuple:
-        return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
-                self.window, self.cfg)
-
-    def warp(self, role: str) -> int:
-        return self.roles[role]["warps"][0]
+        check_roles(self.roles, THREADS, ("compute0", "compute1", "dq"))
 
     def pipelines(self) -> tuple[PipelineSpec, ...]:
         """The pipelines (Note [Handshakes]); arrivals per barrier phase."""

@@ -48,8 +48,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fa4_final.blackwell import umma
 from fa4_final.blackwell.config import Q_STAGES, THREADS, TILE_M, BlackwellFwdConfig
+from fa4_final.blackwell.roles import WarpRoles, check_roles
 from fa4_final.blackwell.softmax import RowSoftmax
-from fa4_final.blackwell.tmem import lane_quarter
 from fa4_final.constants import LOG2_E, WARP_SIZE
 from fa4_final.fragments import select_modes
 from fa4_final.mask import apply_mask_row
@@ -90,7 +90,7 @@ class PipelineSpec:
     per_q_stage: bool = False
 
 
-class BlackwellForward:
+class BlackwellForward(WarpRoles):
     """Attention forward on sm_100a; one scheduled tile is ``cfg.cluster_tile_m`` query rows of
     one (batch, head): two Q tiles per CTA (the Q stages), 128 rows each, per CTA of a pair.
 
@@ -126,21 +126,7 @@ class BlackwellForward:
             "load": {"warps": (14,), "registers": rest, "does": "TMA loads of Q, K, V"},
             "spare": {"warps": (15,), "registers": rest, "does": "gives its registers away"},
         }
-        warps = sorted(w for r in self.roles.values() for w in r["warps"])
-        assert warps == list(range(THREADS // WARP_SIZE))
-        for name in ("softmax0", "softmax1", "correction"):
-            # a TMEM role is a whole warpgroup: its warps cover the 4 lane quarters once
-            quarters = sorted(lane_quarter(w).start for w in self.roles[name]["warps"])
-            assert quarters == [0, 32, 64, 96], name
-        assert sum(WARP_SIZE * len(r["warps"]) * r["registers"] for r in self.roles.values()) \
-            <= 64 * 1024
-
-    def cache_key(self) -> tuple:
-        return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
-                self.window, self.cfg)
-
-    def warp(self, role: str) -> int:
-        return self.roles[role]["warps"][0]
+        check_roles(self.roles, THREADS, ("softmax0", "softmax1", "correction"))
 
     def pipelines(self) -> tuple[PipelineSpec, ...]:
         """The pipelines (Note [Pipelines]); arrivals are per barrier phase, counted over the

@@ -1,0 +1,38 @@
+"""Warp roles as data: what every warp-specialised Blackwell kernel declares and checks. Ch 09.
+
+A kernel names its roles in ``self.roles``: {name: {"warps": (...), "registers": n, "does": ...}}
+(registers: the setmaxnreg budget of each of the role's threads). ``check_roles`` holds the rules
+every such table must keep, asserted when the kernel object is built, before anything compiles.
+"""
+
+from __future__ import annotations
+
+from fa4_final.blackwell.tmem import lane_quarter
+from fa4_final.constants import WARP_SIZE
+
+REGISTER_FILE = 64 * 1024  # 32-bit registers per SM
+
+
+def check_roles(roles: dict, threads: int, tmem_roles: tuple[str, ...]) -> None:
+    """Every warp of the CTA has exactly one role; each role that reads or writes TMEM one row a
+    thread (``tmem_roles``) is a whole warpgroup covering the four lane quarters (tmem.py, rule
+    2); the roles' register budgets fit the register file."""
+    warps = sorted(w for r in roles.values() for w in r["warps"])
+    assert warps == list(range(threads // WARP_SIZE)), warps
+    for name in tmem_roles:
+        quarters = sorted(lane_quarter(w).start for w in roles[name]["warps"])
+        assert quarters == [0, 32, 64, 96], name
+    assert sum(WARP_SIZE * len(r["warps"]) * r["registers"] for r in roles.values()) \
+        <= REGISTER_FILE
+
+
+class WarpRoles:
+    """The host-side face both Blackwell kernels share: their cache key and role lookup."""
+
+    def cache_key(self) -> tuple:
+        return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
+                self.window, self.cfg)
+
+    def warp(self, role: str) -> int:
+        """The first warp of ``role`` (a single-warp role's only warp)."""
+        return self.roles[role]["warps"][0]
