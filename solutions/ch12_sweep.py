@@ -100,8 +100,7 @@ def accuracy() -> list[dict]:
                 try:
                     found = [{**case, **r} for r in _errors(fn, q, k, v, dout, causal, ref)]
                 except Exception as exc:  # a peer that refuses a shape (GQA, sq != sk)
-                    found = [{**case, **refused, "error": f"{type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:200]}"}]
+                    found = [{**case, **refused, "error": bench.error_text(exc)}]
                 rows += found
                 for r in found:
                     print(f"{name:12s} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} "
@@ -136,7 +135,7 @@ def memory(seqlens=(4096, 16384, 32768), d=128) -> list[dict]:
                     g.numel() * g.element_size() for g in grads)
                 del grads
             except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                row["error"] = bench.error_text(exc)
             rows.append(row)
             print(row, flush=True)
         del q, k, v, dout

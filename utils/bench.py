@@ -392,6 +392,11 @@ class Measured:
         return out
 
 
+def error_text(exc: Exception) -> str:
+    """How a failed implementation is recorded in a row: the exception's type and first line."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
 def interleaved(fns: dict, rounds: int = MIN_ROUNDS, timer: Callable | None = None,
                 sensors: GpuSensors | None = None, on_error: str = "record",
                 progress: Callable[[str], None] | None = None, **timer_kw) -> dict:
@@ -418,7 +423,7 @@ def interleaved(fns: dict, rounds: int = MIN_ROUNDS, timer: Callable | None = No
             except Exception as exc:  # a peer may not support a shape; record it plainly
                 if on_error == "raise":
                     raise
-                m.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" + (
+                m.error = error_text(exc) + (
                     f" (in round {rnd})" if rnd else "")
                 continue
             m.ms_rounds.append(timing.median_ms)
@@ -627,7 +632,7 @@ def benchmark_attention(
             except Exception as exc:  # the stored forward of a backward can fail already
                 if on_error == "raise":
                     raise
-                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                errors[name] = error_text(exc)
         measured = interleaved(calls, rounds=rounds, timer=timer, sensors=sensors,
                                on_error=on_error, warmup=warmup, rep=rep)
         for name in impls:
