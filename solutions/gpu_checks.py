@@ -36,9 +36,7 @@ def read_log(text: str) -> dict[str, int]:
             return {m.group(3): int(m.group(2))}
         found = PYTEST.findall(line)
         if found and (" in " in line or line.strip().startswith("=")):
-            counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
-                      for n, kind in found}
-            return {"errors" if k == "error" else k: v for k, v in counts.items()}
+            return {"errors" if kind.startswith("error") else kind: int(n) for n, kind in found}
     raise ValueError("no pytest summary line and no compute-sanitizer summary in the log")
 
 
