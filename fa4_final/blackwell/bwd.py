@@ -196,6 +196,8 @@ class HopperDqOrder(HopperBackward):
 class BlackwellBackward(WarpRoles):
     """dK, dV and the float32 dQ accumulator of attention on sm_100a, one key tile per CTA."""
 
+    TMEM_ROLES = ("compute0", "compute1", "dq")  # one TMEM lane (row) per thread
+
     def __init__(self, dtype, head_dim: int, causal: bool, config: BlackwellBwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False):
         config.check(head_dim)
@@ -224,7 +226,7 @@ class BlackwellBackward(WarpRoles):
                      "does": "TMA: K, V once; Q + lse + delta, dO per step"},
             "spare": {"warps": (14, 15), "registers": regs["spare"], "does": "give registers away"},
         }
-        check_roles(self.roles, THREADS, ("compute0", "compute1", "dq"))
+        check_roles(self.roles, THREADS, self.TMEM_ROLES)
 
     def pipelines(self) -> tuple[PipelineSpec, ...]:
         """The pipelines (Note [Handshakes]); arrivals per barrier phase."""
@@ -483,8 +485,7 @@ class BlackwellBackward(WarpRoles):
         pipes = self.make_pipelines(storage, mmas[0], bytes_q, bytes_do, bytes_kv)
         pipeline.pipeline_init_arrive(is_relaxed=True)
         smem = self.smem_tensors(storage, lay)
-        tmem_users = WARP_SIZE * (1 + sum(len(self.roles[r]["warps"])
-                                          for r in ("compute0", "compute1", "dq")))
+        tmem_users = self.tmem_threads()
         tmem = TmemAllocator(storage.tmem_addr.ptr,
                              barrier_for_retrieve=pipeline.NamedBarrier(int(NamedBarrier.TMEM),
                                                                         tmem_users),

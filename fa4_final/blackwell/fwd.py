@@ -97,6 +97,8 @@ class BlackwellForward(WarpRoles):
     Roles (``self.roles``; the notebook prints them) and pipelines (``self.pipelines()``, the
     table the kernel builds its barriers from and the CPU simulation replays) are data."""
 
+    TMEM_ROLES = ("softmax0", "softmax1", "correction")  # one TMEM lane (row) per thread
+
     def __init__(self, dtype, head_dim: int, causal: bool, config: BlackwellFwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False):
         config.check(head_dim)
@@ -126,7 +128,7 @@ class BlackwellForward(WarpRoles):
             "load": {"warps": (14,), "registers": rest, "does": "TMA loads of Q, K, V"},
             "spare": {"warps": (15,), "registers": rest, "does": "gives its registers away"},
         }
-        check_roles(self.roles, THREADS, ("softmax0", "softmax1", "correction"))
+        check_roles(self.roles, THREADS, self.TMEM_ROLES)
 
     def pipelines(self) -> tuple[PipelineSpec, ...]:
         """The pipelines (Note [Pipelines]); arrivals are per barrier phase, counted over the
@@ -302,8 +304,7 @@ class BlackwellForward(WarpRoles):
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # (128, D, 2)
         sStats = storage.sStats.get_tensor(cute.make_layout((TILE_M, Q_STAGES)))
 
-        tmem_users = WARP_SIZE * (1 + sum(len(self.roles[r]["warps"])
-                                          for r in ("softmax0", "softmax1", "correction")))
+        tmem_users = self.tmem_threads()
         tmem = TmemAllocator(storage.tmem_addr.ptr,
                              barrier_for_retrieve=pipeline.NamedBarrier(int(NamedBarrier.TMEM),
                                                                         tmem_users),

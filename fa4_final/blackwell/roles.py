@@ -27,7 +27,11 @@ def check_roles(roles: dict, threads: int, tmem_roles: tuple[str, ...]) -> None:
 
 
 class WarpRoles:
-    """The host-side face both Blackwell kernels share: their cache key and role lookup."""
+    """The host-side face both Blackwell kernels share: their cache key, role lookup and the
+    roles that work on TMEM (``TMEM_ROLES``, set by each kernel: checked by check_roles, counted
+    by tmem_threads)."""
+
+    TMEM_ROLES: tuple[str, ...] = ()
 
     def cache_key(self) -> tuple:
         return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
@@ -36,3 +40,7 @@ class WarpRoles:
     def warp(self, role: str) -> int:
         """The first warp of ``role`` (a single-warp role's only warp)."""
         return self.roles[role]["warps"][0]
+
+    def tmem_threads(self) -> int:
+        """Threads that meet at the TMEM barrier: the TMEM roles and the allocating MMA warp."""
+        return WARP_SIZE * (1 + sum(len(self.roles[r]["warps"]) for r in self.TMEM_ROLES))
