@@ -381,7 +381,23 @@ def tile_steps(kernel, prob: Problem) -> list[tuple[int, int, int]]:
     return out
 
 
-class ForwardSim:
+class _KernelSim:
+    """What both simulations set up alike: the kernel, the problem, the event loop and the
+    kernel's own pipeline table; ``mutate`` names one of the subclass's BUGS."""
+
+    BUGS: dict[str, str] = {}
+
+    def __init__(self, kernel, prob, seed: int, timing: Timing | None, mutate: str | None,
+                 log: bool):
+        if mutate is not None and mutate not in self.BUGS:
+            raise ValueError(f"mutate must be one of {sorted(self.BUGS)}, got {mutate!r}")
+        self.k, self.prob, self.mutate = kernel, prob, mutate
+        self.sim = Sim(seed, timing)
+        self.sim.keep_log = log
+        self.specs = {p.name: p for p in kernel.pipelines()}
+
+
+class ForwardSim(_KernelSim):
     """The barriers and buffers of one CTA (or pair) of ``kernel`` and its roles as agents.
 
     ``mutate`` names a deliberate bug (BUGS) to show what the checks catch."""
@@ -396,13 +412,8 @@ class ForwardSim:
 
     def __init__(self, kernel, prob: Problem, seed: int = 0, timing: Timing | None = None,
                  mutate: str | None = None, log: bool = False):
-        if mutate is not None and mutate not in self.BUGS:
-            raise ValueError(f"mutate must be one of {sorted(self.BUGS)}, got {mutate!r}")
-        self.k, self.prob, self.mutate = kernel, prob, mutate
-        self.sim = Sim(seed, timing)
-        self.sim.keep_log = log
+        super().__init__(kernel, prob, seed, timing, mutate, log)
         self.ctas = kernel.cfg.cta_group
-        self.specs = {p.name: p for p in kernel.pipelines()}
         if mutate == "one_kv_stage":
             from dataclasses import replace
 
@@ -819,7 +830,7 @@ def bwd_steps(kernel, prob: BwdProblem) -> int:
     return (m_max - m_min) * (prob.heads // prob.heads_kv)
 
 
-class BackwardSim:
+class BackwardSim(_KernelSim):
     """The barriers and buffers of one CTA of ``kernel`` (a ``BlackwellBackward``) and its
     roles as agents: load, mma, compute0, compute1 (separate agents: nothing orders their
     threads but the barriers), dq. Pipelines from ``kernel.pipelines()``; the TMEM buffers from
@@ -852,12 +863,7 @@ class BackwardSim:
         from fa4_final.blackwell.bwd import GROUP_THREADS, NamedBarrier
         from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK
 
-        if mutate is not None and mutate not in self.BUGS:
-            raise ValueError(f"mutate must be one of {sorted(self.BUGS)}, got {mutate!r}")
-        self.k, self.prob, self.mutate = kernel, prob, mutate
-        self.sim = Sim(seed, timing)
-        self.sim.keep_log = log
-        self.specs = {p.name: p for p in kernel.pipelines()}
+        super().__init__(kernel, prob, seed, timing, mutate, log)
         self.steps = bwd_steps(kernel, prob)
         self.group_threads = GROUP_THREADS
         self.dq_buffers, self.dq_chunks = BWD_DQ_BUFFERS, kernel.head_dim // BWD_DQ_CHUNK
