@@ -88,20 +88,8 @@ MIX = InstructionMix()
 FP32_OPS = {"ffma2": 2, "fadd2": 2, "fmul2": 2}  # lane operations per thread instruction
 
 
-@dataclass(frozen=True)
-class StepCycles:
-    """One KV step of one CTA on one SM: cycles per unit, TMEM bytes, and what binds."""
-
-    d: int
-    two_cta: bool
-    emulated: float
-    rescale_share: float
-    mma: float
-    mufu: float
-    fp32: float
-    issue: float
-    smem: float
-    tmem_bytes: float
+class _UnitCycles:
+    """Cycles per unit of one step (the fields named in UNITS), and which of them binds."""
 
     UNITS = ("mma", "mufu", "fp32", "issue", "smem")
 
@@ -116,6 +104,22 @@ class StepCycles:
     @property
     def binding(self) -> tuple[str, ...]:
         return tuple(u for u, c in self.cycles.items() if math.isclose(c, self.bound))
+
+
+@dataclass(frozen=True)
+class StepCycles(_UnitCycles):
+    """One KV step of one CTA on one SM: cycles per unit, TMEM bytes, and what binds."""
+
+    d: int
+    two_cta: bool
+    emulated: float
+    rescale_share: float
+    mma: float
+    mufu: float
+    fp32: float
+    issue: float
+    smem: float
+    tmem_bytes: float
 
     @property
     def mma_fraction(self) -> float:
@@ -348,7 +352,7 @@ FA4_BWD_MIX = replace(BWD_MIX, packed=True)
 
 
 @dataclass(frozen=True)
-class BwdStepCycles:
+class BwdStepCycles(_UnitCycles):
     """One backward step of one CTA (per SM) in cycles per unit, and the bytes with no
     published bandwidth (TMEM, global float32 adds) as break-even rates (model)."""
 
@@ -363,20 +367,6 @@ class BwdStepCycles:
     tmem_bytes: float
     reduce_bytes: float
     smem_items: tuple
-
-    UNITS = ("mma", "mufu", "fp32", "issue", "smem")
-
-    @property
-    def cycles(self) -> dict[str, float]:
-        return {u: getattr(self, u) for u in self.UNITS}
-
-    @property
-    def bound(self) -> float:
-        return max(self.cycles.values())
-
-    @property
-    def binding(self) -> tuple[str, ...]:
-        return tuple(u for u, c in self.cycles.items() if math.isclose(c, self.bound))
 
     @property
     def mma_fraction(self) -> float:
