@@ -31,6 +31,8 @@ TIMELINE_RESULTS = "ch08_timeline"
 PLAN = ((128, 4096, False), (128, 16384, False), (128, 16384, True))
 # the groups where fa4_final trails the FA4 package most (results/h200/fa4_final_fwd.json)
 PLAN_GAPS = ((64, 16384, True), (128, 4096, True), (128, 16384, True))
+# every shape of the forward's benchmark (solutions.benchmark --name fa4_final_fwd)
+PLAN_ALL = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True))
 
 
 def knob_configs(head_dim: int, causal: bool) -> dict:
@@ -54,6 +56,10 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
     }
     if causal:
         configs["causal order in L2 sections"] = replace(base, l2_sections=True)
+        # the FA4 package's causal schedule on sm90: one CTA per tile, longest first in
+        # sections of heads that fit L2, the hardware handing tiles to SMs as they free up
+        configs["one tile per CTA, L2 sections"] = replace(base, persistent=False,
+                                                           l2_sections=True)
         configs["O rescaled between max and exp, mask as bit words"] = replace(
             base, o_rescale="early", mask_bits=True)
     return configs
@@ -63,7 +69,7 @@ def compile_knob_configs(head_dim: int, causal: bool) -> dict:
     """The configs whose SASS solutions.ch08_compare records: every timed one but the debug
     and ablation builds that change the kernel's whole structure."""
     skip = ("one tile per CTA", "no intra-warpgroup overlap", "no ping-pong",
-            "causal order in L2 sections")
+            "causal order in L2 sections", "one tile per CTA, L2 sections")
     return {n: c for n, c in knob_configs(head_dim, causal).items() if n not in skip}
 
 
@@ -160,6 +166,8 @@ def main(argv=None) -> int:
                     "default); saved as fa4_final_knobs_only.json, not over the full table")
     ap.add_argument("--gaps", action="store_true", help="time the groups of PLAN_GAPS (where "
                     "the FA4 package leads), not PLAN")
+    ap.add_argument("--all-shapes", action="store_true", help="time the eight groups of "
+                    "PLAN_ALL (D 64/128, S 4096/16384, causal or not), not PLAN")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (sm_90); the stored results are in results/h200/")
@@ -167,8 +175,9 @@ def main(argv=None) -> int:
     if args.timeline:
         timeline()
     if args.knobs:
-        partial = args.only is not None or args.gaps
-        knobs(rounds=args.rounds, plan=PLAN_GAPS if args.gaps else PLAN, only=args.only,
+        partial = args.only is not None or args.gaps or args.all_shapes
+        plan = PLAN_ALL if args.all_shapes else PLAN_GAPS if args.gaps else PLAN
+        knobs(rounds=args.rounds, plan=plan, only=args.only,
               results_name=KNOB_RESULTS + "_only" if partial else KNOB_RESULTS,
               command="python -m solutions.ch08_knobs " + " ".join(argv or sys.argv[1:]))
     return 0

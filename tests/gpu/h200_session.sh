@@ -2,7 +2,8 @@
 # One visit to the H200: run the named steps in order, each under a time limit, logging to $OUT.
 #   bash tests/gpu/h200_session.sh env tests peers ch04 ch05 micro sanitize notebooks
 #   (fa4_final, chapter 08: fa4-check fa4-bench fa4-knobs fa4-timeline; SANITIZE=ch08_checks)
-#   (fa4-gaps: the forward's knobs at the shapes where the FA4 package leads)
+#   (fa4-gaps: the forward's knobs at the shapes where the FA4 package leads; fa4-sched: the
+#    tile schedules (persistent or one tile per CTA, L2 sections) at all eight forward shapes)
 #   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests ch12-sweep ch12-acc varlen-tests
 #    varlen-bench varlen-sanitize)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
@@ -62,6 +63,7 @@ for s in "$@"; do
     varlen-sanitize) step varlen_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_api.py -k "test_varlen_forward and b70" ;;
     fa4-bench) step fa4_bench 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     fa4-gaps) step fa4_gaps 300 $PY -m solutions.ch08_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
+    fa4-sched) step fa4_sched 420 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "one tile per CTA" ;;
     ch12-sweep) step ch12_sweep 420 $PY -m solutions.ch12_sweep --sweep ;;
     ch12-acc) step ch12_acc 200 $PY -m solutions.ch12_sweep --accuracy --memory ;;
     fa4-knobs) step fa4_knobs 480 $PY -m solutions.ch08_knobs --knobs --rounds ${ROUNDS:-3} ;;
