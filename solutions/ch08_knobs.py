@@ -166,6 +166,8 @@ def main(argv=None) -> int:
                     "default); saved as fa4_final_knobs_only.json, not over the full table")
     ap.add_argument("--gaps", action="store_true", help="time the groups of PLAN_GAPS (where "
                     "the FA4 package leads), not PLAN")
+    ap.add_argument("--name", help="results file to write (default: fa4_final_knobs, or "
+                    "fa4_final_knobs_only for a partial run)")
     ap.add_argument("--all-shapes", action="store_true", help="time the eight groups of "
                     "PLAN_ALL (D 64/128, S 4096/16384, causal or not), not PLAN")
     args = ap.parse_args(argv)
@@ -178,7 +180,7 @@ def main(argv=None) -> int:
         partial = args.only is not None or args.gaps or args.all_shapes
         plan = PLAN_ALL if args.all_shapes else PLAN_GAPS if args.gaps else PLAN
         knobs(rounds=args.rounds, plan=plan, only=args.only,
-              results_name=KNOB_RESULTS + "_only" if partial else KNOB_RESULTS,
+              results_name=args.name or (KNOB_RESULTS + "_only" if partial else KNOB_RESULTS),
               command="python -m solutions.ch08_knobs " + " ".join(argv or sys.argv[1:]))
     return 0
 
