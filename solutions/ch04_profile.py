@@ -86,11 +86,12 @@ _TO_COURSE_UNIT = {
             "cycle/second": 1e-9},
     "ms": {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
            "second": 1e3, "s": 1e3},
+    "GB": {"byte": 1e-9, "kbyte": 1e-6, "mbyte": 1e-3, "gbyte": 1.0, "tbyte": 1e3},
 }
 
 
 def _scale(value: float, unit: str, want: str) -> float:
-    """``value`` in ncu's ``unit``, converted to ``want`` (GHz or ms; counts such as registers,
+    """``value`` in ncu's ``unit``, converted to ``want`` (GHz, ms or GB; counts such as registers,
     warps or % pass through). An unknown time or clock unit raises rather than guess."""
     if want not in _TO_COURSE_UNIT:
         return value

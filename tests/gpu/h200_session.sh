@@ -7,7 +7,8 @@
 #   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests ch12-sweep ch12-acc varlen-tests
 #    varlen-bench varlen-sanitize)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
-#   (profiles: ch04-profile, ch05-profile, fa4-profile; each keeps ncu's CSV exports under
+#   (profiles: ch04-profile, ch05-profile, fa4-profile, fa4-versus (fa4_final and the FA4
+#    package side by side); each keeps ncu's CSV exports under
 #    $OUT/<name>_raw)
 # (ch04-peers also needs CUTLASS_FA2_EXAMPLE: the path of CUTLASS's Ampere FA2 example)
 # Results files written under results/ are sent back as $OUT/results.tar; logs as $OUT/logs.tar.gz.
@@ -52,6 +53,7 @@ for s in "$@"; do
     ch04-profile) step ch04_profile 300 $PY -m solutions.ch04_profile --raw-dir "$OUT/ch04_profile_raw" ;;
     ch05-profile) step ch05_profile 300 $PY -m solutions.ch05_profile --raw-dir "$OUT/ch05_profile_raw" ;;
     fa4-profile) step fa4_profile 300 $PY -m solutions.ch08_profile --raw-dir "$OUT/fa4_final_profile_raw" ;;
+    fa4-versus) step fa4_versus 540 $PY -m solutions.ch08_versus --raw-dir "$OUT/fa4_final_versus_raw" ;;
     ch07) step ch07_rescale 300 $PY -m solutions.ch07_rescaling --save ;;
     fa4-check) step fa4_check 420 $PY -m solutions.ch08_checks ;;
     bwd-check) step bwd_check 300 $PY -m fa4_final.backward --check --small ;;

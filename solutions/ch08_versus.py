@@ -1,0 +1,207 @@
+"""fa4_final's Hopper forward and the FA4 package's, profiled by Nsight Compute side by side at
+the shapes where the package leads, and at one where they are level for comparison.
+
+    python -m solutions.ch08_versus                 # GPU, ncu: results/<gpu>/fa4_final_versus.json
+    python -m solutions.ch08_versus --raw-dir DIR   # ... and keep ncu's CSV exports in DIR
+
+Chapter 08's own profile (``solutions.ch08_profile``) reads one kernel by SASS position; that
+needs the kernel's structure, which the package's kernel does not share. This one reads only
+what any kernel has: the counters of ncu's raw page (time, the tensor pipe, issue slots, DRAM
+and L2, the stall reasons). Each (kernel, shape) is one ncu run of its own process, on the second
+launch (the first compiles); ncu holds the SM clock at its base, so compare shares and ratios,
+not speeds. The shapes are the benchmark's (16 heads, 16384 tokens, bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from solutions import ch04_profile as core
+from solutions import ch05_profile as ch05p
+
+RESULTS = "fa4_final_versus"
+HEADS, TOKENS = 16, 16384
+# (head_dim, seqlen, causal): the two causal shapes with the widest gaps in the benchmark, and
+# the headline non-causal one, where the two kernels run level
+SHAPES = ((64, 16384, True), (128, 4096, True), (128, 16384, False))
+# ncu's names: fa4_final's class is HopperForward, the package's FlashAttentionForwardSm90
+KERNELS = {"fa4_final": "regex:HopperForward", "fa4_package": "regex:FlashAttentionForwardSm90"}
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "LaunchStats",
+            "Occupancy", "WarpStateStats", "SchedulerStats")
+RAW_METRICS = ch05p.RAW_METRICS + (
+    ("dram_throughput_pct", "dram__throughput.avg.pct_of_peak_sustained_elapsed", "%"),
+    ("l2_hit_rate_pct", "lts__t_sector_hit_rate.pct", "%"),
+    ("dram_read_gbytes", "dram__bytes_read.sum", "GB"),
+)
+EXTRA_METRICS = ch05p.EXTRA_METRICS + (
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "lts__t_sector_hit_rate.pct",
+    "dram__bytes_read.sum",
+)
+# the rows the notebook prints, in order: (metric, what it is)
+SIDE_BY_SIDE = (
+    ("duration_ms", "kernel time at ncu's clock (ms)"),
+    ("tensor_pipe_gmma_active_pct", "tensor pipe (GMMA) busy (% of cycles)"),
+    ("issue_slots_busy_pct", "issue slots busy (%)"),
+    ("wgmma_instructions", "wgmma instructions (warp instructions)"),
+    ("dram_throughput_pct", "DRAM throughput (% of peak)"),
+    ("dram_read_gbytes", "DRAM bytes read (GB)"),
+    ("l2_hit_rate_pct", "L2 hit rate (%)"),
+    ("registers_per_thread", "registers per thread"),
+)
+
+
+def target(impl: str, head_dim: int, seqlen: int, causal: bool) -> None:
+    """The profiled process: one kernel at one shape, launched twice (ncu skips the first)."""
+    import torch
+
+    from utils import bench
+    from utils.reference import random_qkv
+
+    if impl == "fa4_final":
+        from fa4_final import interface
+
+        def run(q, k, v):
+            return interface.attention(q, k, v, causal)
+    else:
+        fa4 = bench.peers()["fa4_package"]
+
+        def run(q, k, v):
+            return fa4(q, k, v, causal=causal)
+    q, k, v, _ = random_qkv(TOKENS // seqlen, seqlen, HEADS, head_dim, device="cuda")
+    for _ in range(2):
+        run(q, k, v)
+    torch.cuda.synchronize()
+
+
+def run_ncu(impl: str, head_dim: int, seqlen: int, causal: bool) -> str:
+    """ncu's raw page (CSV) for ``impl``'s forward kernel at the shape."""
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        raise RuntimeError("ncu (Nsight Compute) is not on PATH; it comes with the CUDA toolkit")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "versus"
+        cmd = [ncu, "--launch-skip", "1", "--launch-count", "1", "-k", KERNELS[impl],
+               "--import-source", "no", "-f", "-o", str(report)]
+        for section in SECTIONS:
+            cmd += ["--section", section]
+        metrics = core._available(ncu, EXTRA_METRICS)
+        if metrics:
+            cmd += ["--metrics", ",".join(metrics)]
+        cmd += [sys.executable, "-m", "solutions.ch08_versus", "--target", impl, str(head_dim),
+                str(seqlen), str(int(causal))]
+        subprocess.run(cmd, check=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return subprocess.run([ncu, "-i", f"{report}.ncu-rep", "--page", "raw", "--csv"],
+                              check=True, capture_output=True, text=True, timeout=300).stdout
+
+
+def rows_of(raw_text: str, impl: str, head_dim: int, seqlen: int, causal: bool) -> list[dict]:
+    shape = {"b": TOKENS // seqlen, "s": seqlen, "h": HEADS, "d": head_dim, "causal": causal}
+    return [{"impl": impl, **shape, **r}
+            for r in core.raw_rows(core.parse_raw(raw_text), RAW_METRICS)]
+
+
+def profile(raw_dir: Path | None = None, shapes=SHAPES) -> Path:
+    from utils import results
+
+    command = "python -m solutions.ch08_versus"
+    provenance = results.collect_provenance(command)
+    rows = []
+    for d, s, causal in shapes:
+        for impl in KERNELS:
+            raw = run_ncu(impl, d, s, causal)
+            if raw_dir is not None:
+                raw_dir.mkdir(parents=True, exist_ok=True)
+                (raw_dir / f"{impl}_d{d}_s{s}_{'causal' if causal else 'noncausal'}.csv"
+                 ).write_text(raw)
+            rows += rows_of(raw, impl, d, s, causal)
+            print(f"profiled {impl} D={d} S={s} causal={causal}", flush=True)
+    if raw_dir is not None:
+        (raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance}, indent=1))
+    return results.save(RESULTS, rows, command=command, provenance=provenance)
+
+
+def side_by_side(res, stalls: int = 5) -> list[str]:
+    """Per shape, the two kernels' counters in two columns, then the largest stall reasons
+    (cycles between two issues of a warp, all warps), largest in either column first."""
+    lines = []
+    shapes = sorted({(r["d"], r["s"], r["causal"]) for r in res.rows})
+    for d, s, causal in shapes:
+        by = {impl: {r["metric"]: r["value"] for r in res.rows
+                     if (r["d"], r["s"], r["causal"], r["impl"]) == (d, s, causal, impl)}
+              for impl in KERNELS}
+        by = {impl: b for impl, b in by.items() if b}
+        lines.append(f"D={d} S={s} {'causal' if causal else 'non-causal'}"
+                     + "".join(f"{impl:>14s}" for impl in by))
+        for metric, what in SIDE_BY_SIDE:
+            if all(metric in b for b in by.values()):
+                lines.append(f"  {what:46s}" + "".join(f"{b[metric]:14.2f}" for b in by.values()))
+        reasons = {m for b in by.values() for m in b if m.startswith("stall_")}
+        top = sorted(reasons, key=lambda m: -max(b.get(m, 0.0) for b in by.values()))[:stalls]
+        for m in top:
+            lines.append(f"  stall: {m[6:]:39s}"
+                         + "".join(f"{b.get(m, 0.0):14.2f}" for b in by.values()))
+    return lines
+
+
+def reading(res) -> list[str]:
+    """One sentence per shape, every number from the file: which kernel is shorter and by how
+    much, and how their tensor-pipe, issue, DRAM and L2 figures compare."""
+    out = []
+    for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):
+        by = {impl: {r["metric"]: r["value"] for r in res.rows
+                     if (r["d"], r["s"], r["causal"], r["impl"]) == (d, s, causal, impl)}
+              for impl in KERNELS}
+        ours, theirs = by["fa4_final"], by["fa4_package"]
+        if "duration_ms" not in ours or "duration_ms" not in theirs:
+            continue
+        ratio = theirs["duration_ms"] / ours["duration_ms"]
+        parts = [f"D={d} S={s} {'causal' if causal else 'non-causal'}: fa4_final runs "
+                 f"{ratio:.2f}x the package's speed under ncu"]
+        for metric, what in (("tensor_pipe_gmma_active_pct", "tensor pipe busy"),
+                             ("issue_slots_busy_pct", "issue slots busy"),
+                             ("dram_throughput_pct", "DRAM throughput"),
+                             ("l2_hit_rate_pct", "L2 hit rate")):
+            if metric in ours and metric in theirs:
+                parts.append(f"{what} {ours[metric]:.0f}% against {theirs[metric]:.0f}%")
+        m = "tensor_pipe_gmma_active_pct"
+        if m in ours and m in theirs:
+            busy = [b[m] / 100 * b["duration_ms"] for b in (ours, theirs)]
+            parts.append(f"tensor pipe busy for {busy[0]:.3f} ms against {busy[1]:.3f} ms")
+        out.append("; ".join(parts))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", nargs=4, metavar=("IMPL", "D", "S", "CAUSAL"),
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--raw-dir", type=Path, help="also keep ncu's CSV exports here")
+    args = ap.parse_args(argv)
+    if args.target:
+        impl, d, s, causal = args.target
+        target(impl, int(d), int(s), bool(int(causal)))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU (sm_90) and ncu; the stored results are in results/h200/")
+        return 0
+    path = profile(args.raw_dir)
+    from utils import results
+
+    res = results.load(RESULTS)
+    print("\n".join(side_by_side(res) + reading(res)))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
