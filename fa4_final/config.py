@@ -36,6 +36,7 @@ class HopperFwdConfig:
     pingpong: bool = True  # consumer warpgroups take turns issuing wgmma (Note [Turns])
     persistent: bool = True  # one CTA per SM walks tiles (fa4_final.scheduler)
     l2_sections: bool = False  # causal order in sections of heads that fit L2 (Note [Causal..])
+    tile_table: bool = False  # tiles to CTAs by a host-built list schedule (Note [Tile table])
     separate_o: bool = True  # O staged in its own buffer: the next Q loads during the epilogue
     o_rescale: str = "next_pv"  # where O *= alpha: "end", "early", "next_pv" (Note [Where O..])
     mask_bits: bool = False  # right-edge mask as one bit word per row (mask, Note [Mask as bits])
@@ -87,6 +88,10 @@ class HopperFwdConfig:
                 f"separate_o=False")
         if self.o_rescale not in O_RESCALE_PLACES:
             raise ValueError(f"o_rescale must be one of {O_RESCALE_PLACES}, got {self.o_rescale!r}")
+        if self.tile_table and not self.persistent:
+            raise ValueError("tile_table assigns tiles to persistent CTAs: it needs "
+                             "persistent=True (one CTA per tile leaves the assignment to the "
+                             "hardware)")
         if self.pingpong and self.num_consumer_wgs < 2:
             raise ValueError("pingpong needs at least 2 consumer warpgroups to take turns")
         check_softmax_knobs(self.exp2_emulation_fraction, self.rescale_threshold)

@@ -92,6 +92,56 @@ def rounds(num_tiles, grid):
     return (num_tiles + grid - 1) // grid
 
 
+# Note [Tile table]
+# -----------------
+# The order of the tiles (above) and which CTA computes which are two choices. zigzag_tile
+# hands them out in fixed rounds, which balances a cost sequence that falls smoothly (longest
+# first over every head). In sections of a few heads (Note [Causal order]) the costs are a
+# saw-tooth, one tooth per section, and fixed rounds then leave some CTAs with far more work
+# than others. What balances a saw-tooth is what the hardware does with one CTA per tile: the
+# next tile goes to whichever CTA frees up first. A persistent kernel can have that without
+# any atomics because the costs are known before the launch: a causal tile costs the number of
+# key tiles it visits (fa4_final.tiles.kv_tile_range) plus a constant for its first and last
+# turns and its epilogue. The host replays that greedy assignment (list scheduling) once per
+# shape and uploads the result as a table: entry r * grid + cta is the linear tile CTA ``cta``
+# computes in its round r, or num_tiles when it has none left. The producer and the consumer
+# warps read the same entries, so they still walk the same tiles without talking to each other
+# (Note [Phases] of fa4_final.hopper.fwd). The table ends with a row of num_tiles, so reading
+# round r + 1 to learn whether round r is a CTA's last never leaves it.
+
+TILE_OVERHEAD_STEPS = 1  # what a tile costs besides its key tiles, in key-tile steps (model)
+
+
+def list_schedule(costs: list[int], grid: int) -> list[list[int]]:
+    """Tiles 0 .. len(costs) - 1, in that order, each to the CTA that frees up first (ties:
+    the lowest CTA). Returns each CTA's tiles in the order it computes them."""
+    import heapq
+
+    free = [(0, cta) for cta in range(grid)]
+    tiles: list[list[int]] = [[] for _ in range(grid)]
+    for t, cost in enumerate(costs):
+        at, cta = heapq.heappop(free)
+        tiles[cta].append(t)
+        heapq.heappush(free, (at + cost, cta))
+    return tiles
+
+
+def tile_table(costs: list[int], grid: int) -> list[int]:
+    """The flat table of Note [Tile table]: (rounds + 1) * grid entries, round-major; the
+    sentinel is len(costs)."""
+    per_cta = list_schedule(costs, grid)
+    rows = max(len(ts) for ts in per_cta) + 1
+    sentinel = len(costs)
+    return [per_cta[cta][r] if r < len(per_cta[cta]) else sentinel
+            for r in range(rows) for cta in range(grid)]
+
+
+def table_rounds(table_entries: int, grid):
+    """Rounds a CTA walks in a table of ``table_entries`` entries (its last row is the
+    sentinel row)."""
+    return table_entries // grid - 1
+
+
 # ----------------------------------------------------------------------------------------------
 # varlen: sequences packed one after another (fa4_final.varlen)
 

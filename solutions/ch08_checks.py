@@ -42,13 +42,21 @@ KNOBS = [dict(pingpong=False), dict(persistent=False), dict(separate_o=False),
          dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
          dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0), dict(l2_sections=True),
          dict(stages_k=2, stages_v=2), dict(stages_k=2, stages_v=3), dict(mask_bits=True),
-         dict(o_rescale="early", mask_bits=True)]
+         dict(o_rescale="early", mask_bits=True), dict(l2_sections=True, tile_table=True)]
 KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),
                (2, 777, 777, 4, 2, 64, False, FP16, None)]
 # knobs that change the mask or the P V bookkeeping also meet causal D = 64 (tile_m = 192, two
 # diagonal tiles), seqlen_q > seqlen_k and a window with both edges
 KNOB_MORE_SHAPES = {"mask_bits": [(2, 700, 500, 3, 1, 64, True, FP16, None),
-                                  (1, 700, 900, 2, 2, 64, True, BF16, (37, None))]}
+                                  (1, 700, 900, 2, 2, 64, True, BF16, (37, None))],
+                    # the table changes which CTA computes what: many tiles per CTA, rows
+                    # that see no key, windows, and a grid smaller than the SM count
+                    "tile_table": [(4, 2048, 2048, 16, 4, 128, True, BF16, None),
+                                   (2, 8192, 8192, 16, 2, 64, True, FP16, None),
+                                   (1, 1000, 100, 2, 2, 128, True, BF16, None),
+                                   (1, 700, 900, 2, 2, 64, True, BF16, (37, None)),
+                                   (3, 333, 555, 6, 2, 64, False, FP16, None),
+                                   (1, 129, 129, 4, 4, 128, True, BF16, None)]}
 
 
 def run_into(q, k, v, out, lse, causal, softmax_scale, config, window):
@@ -69,11 +77,14 @@ def check_case(b, sq, sk, h, hk, d, causal, dtype, window=None, config=None):
     return checks.compare_outputs(q, k, v, out, lse, causal, label=label, window_size=window)
 
 
-def all_cases(small: bool = False):
+def all_cases(small: bool = False, knob: str | None = None):
+    """Every case, or the three small ones, or (``knob``) those of the knob sets naming it."""
     if small:
         return [(c, None) for c in SMALL]
-    cases = [(c, None) for c in CASES]
+    cases = [(c, None) for c in CASES] if knob is None else []
     for knobs in KNOBS:
+        if knob is not None and knob not in knobs:
+            continue
         more = [c for k in knobs for c in KNOB_MORE_SHAPES.get(k, [])]
         for c in KNOB_SHAPES + more:
             cases.append((c, replace(hopper_fwd_default(c[5], c[6]), **knobs)))
@@ -83,11 +94,12 @@ def all_cases(small: bool = False):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="three small cases (for sanitizers)")
+    ap.add_argument("--knob", help="only the cases of the knob sets that set this knob")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU here; the compile-only checks are tests/test_fa4_final_compile.py")
         return 0
-    return 1 if checks.run_cases(check_case, all_cases(args.small)) else 0
+    return 1 if checks.run_cases(check_case, all_cases(args.small, args.knob)) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -60,6 +60,8 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
         # sections of heads that fit L2, the hardware handing tiles to SMs as they free up
         configs["one tile per CTA, L2 sections"] = replace(base, persistent=False,
                                                            l2_sections=True)
+        # the same order with persistent CTAs, tiles handed out by the host's list schedule
+        configs["L2 sections, tile table"] = replace(base, l2_sections=True, tile_table=True)
         configs["O rescaled between max and exp, mask as bit words"] = replace(
             base, o_rescale="early", mask_bits=True)
     return configs
@@ -69,7 +71,8 @@ def compile_knob_configs(head_dim: int, causal: bool) -> dict:
     """The configs whose SASS solutions.ch08_compare records: every timed one but the debug
     and ablation builds that change the kernel's whole structure."""
     skip = ("one tile per CTA", "no intra-warpgroup overlap", "no ping-pong",
-            "causal order in L2 sections", "one tile per CTA, L2 sections")
+            "causal order in L2 sections", "one tile per CTA, L2 sections",
+            "L2 sections, tile table")
     return {n: c for n, c in knob_configs(head_dim, causal).items() if n not in skip}
 
 

@@ -84,8 +84,22 @@ def test_config_errors_name_the_knob():
         HopperFwdConfig().check(96)
     with pytest.raises(ValueError, match="rescale_threshold"):
         HopperFwdConfig(rescale_threshold=16.0).check(128)
+    with pytest.raises(ValueError, match="tile_table"):
+        HopperFwdConfig(tile_table=True, persistent=False).check(128)
     with pytest.raises(interface.UnsupportedError, match="sm_90a"):
         interface.compile_only("sm_100a")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_tile_table_is_read_not_computed(artifacts, head_dim):
+    """Note [Tile table]: with tile_table the tile loop reads its tiles from global memory (the
+    producer and consumers each: two more global loads a round, one of them the next round's)
+    instead of the zigzag arithmetic; clean, and the rest of the kernel unchanged."""
+    plain = artifacts(head_dim, True, l2_sections=True)
+    table = artifacts(head_dim, True, l2_sections=True, tile_table=True)
+    assert table.spills == 0 and wgmma_serialised(table) == 0, table.resources()
+    assert table.count("ld.global") > plain.count("ld.global")
+    assert table.count("HGMMA", "sass") == plain.count("HGMMA", "sass")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

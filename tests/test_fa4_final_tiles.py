@@ -6,7 +6,16 @@ import random
 
 import pytest
 
-from fa4_final.scheduler import rounds, tile_coords, tiles_of_cta, zigzag_tile
+from fa4_final.scheduler import (
+    TILE_OVERHEAD_STEPS,
+    list_schedule,
+    rounds,
+    table_rounds,
+    tile_coords,
+    tile_table,
+    tiles_of_cta,
+    zigzag_tile,
+)
 from fa4_final.tiles import TileWindow, kv_tile_range, visible_cols
 
 
@@ -103,3 +112,72 @@ def test_zigzag_balances_longest_first_causal_tiles():
     zig = max(sum(cost(t) for t in tiles_of_cta(c, grid, n)) for c in range(grid))
     rr = max(sum(cost(t) for t in range(c, n, grid)) for c in range(grid))
     assert zig < 1.01 * ideal < rr / 1.04
+
+
+# ----------------------------------------------------------------------------------------------
+# the tile table (Note [Tile table]): list scheduling over the sectioned causal order
+
+
+@pytest.mark.parametrize("costs, grid", [([5, 3, 3, 2, 2, 1], 2), ([1] * 10, 3), ([7], 4),
+                                         ([4, 4, 1, 1, 1, 1, 1, 1], 3)])
+def test_tile_table_holds_every_tile_once_in_each_ctas_order(costs, grid):
+    table = tile_table(costs, grid)
+    n = len(costs)
+    assert len(table) % grid == 0 and table[-grid:] == [n] * grid  # the sentinel row
+    assert sorted(t for t in table if t < n) == list(range(n))
+    for cta in range(grid):
+        mine = [table[r * grid + cta] for r in range(table_rounds(len(table), grid))]
+        mine = [t for t in mine if t < n]
+        assert mine == sorted(mine)  # a CTA's tiles in the order of the tile sequence
+        # once a CTA has no tile left, it has none in any later round
+        col = [table[r * grid + cta] for r in range(len(table) // grid)]
+        assert col == mine + [n] * (len(col) - len(mine))
+
+
+def test_list_schedule_is_greedy_and_within_the_list_scheduling_bound():
+    costs = [random.Random(3).randint(1, 40) for _ in range(500)]
+    grid = 17
+    per_cta = list_schedule(costs, grid)
+    loads = [sum(costs[t] for t in ts) for ts in per_cta]
+    # Graham's bound for list scheduling: makespan <= mean load + the largest single cost
+    assert max(loads) <= sum(costs) / grid + max(costs)
+
+
+@pytest.mark.parametrize("d, seqlen, heads, batch", [(64, 16384, 16, 1), (128, 4096, 16, 4),
+                                                     (128, 16384, 16, 1)])
+def test_the_table_balances_causal_sections_that_zigzag_does_not(d, seqlen, heads, batch):
+    """The reason for the table: in sections of heads that fit L2 the causal costs are a
+    saw-tooth, which fixed zigzag rounds balance poorly and list scheduling well."""
+    from dataclasses import replace
+
+    from fa4_final.config import hopper_fwd_default
+    from fa4_final.hopper.launch import l2_section_pairs, tile_costs
+
+    cfg = replace(hopper_fwd_default(d, True), l2_sections=True, tile_table=True)
+    group = l2_section_pairs(seqlen, d, 2, heads * batch)
+    costs = tile_costs(cfg, True, seqlen, seqlen, heads, batch, group)
+    grid = 132
+    ideal = sum(costs) / grid
+    zig = max(sum(costs[t] for t in tiles_of_cta(c, grid, len(costs))) for c in range(grid))
+    table = max(sum(costs[t] for t in ts) for ts in list_schedule(costs, grid))
+    assert table < 1.01 * ideal
+    assert zig > 1.04 * ideal
+
+
+@pytest.mark.parametrize("tm, tn, sq, sk, causal, left, right", CASES)
+def test_tile_costs_count_the_visited_key_tiles(tm, tn, sq, sk, causal, left, right):
+    from fa4_final.config import HopperFwdConfig
+    from fa4_final.hopper.launch import tile_costs
+
+    cfg = HopperFwdConfig(num_consumer_wgs=tm // 64 if tm % 64 == 0 else 2, tile_n=tn)
+    if cfg.tile_m != tm:
+        pytest.skip("tile_m is 64 per consumer warpgroup")
+    heads, batch = 2, 1
+    w = TileWindow(tm, tn, causal, left is not None, right is not None and not causal)
+    costs = tile_costs(cfg, causal, sq, sk, heads, batch, None if not causal else heads * batch,
+                       left, right)
+    m_blocks = -(-sq // tm)
+    for t, cost in enumerate(costs):
+        m_block = tile_coords(t, m_blocks, heads, batch, causal, heads * batch)[0]
+        needed, _ = brute(w, m_block, sq, sk, causal, left, right)
+        assert cost == len(needed) + TILE_OVERHEAD_STEPS

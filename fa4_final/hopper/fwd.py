@@ -48,7 +48,7 @@ from fa4_final.hopper.wgmma import (
     smem_tile_layout,
 )
 from fa4_final.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
-from fa4_final.scheduler import rounds, zigzag_tile
+from fa4_final.scheduler import rounds, table_rounds, zigzag_tile
 from fa4_final.seqlens import Sequences
 from fa4_final.softmax import OnlineSoftmax
 from fa4_final.tiles import TileWindow, kv_tile_range
@@ -94,6 +94,9 @@ class HopperForward:
         # dense kernel's code is exactly what it is without this flag
         self.varlen = bool(varlen)
         self.has_seqused_k = self.varlen and bool(has_seqused_k)
+        # the table needs each tile's cost before the launch: dense only (varlen's costs are in
+        # device memory, and reading them back would cost a sync)
+        self.use_table = config.tile_table and not self.varlen
         self.num_consumer_threads = THREADS_PER_WARPGROUP * self.num_wgs
         self.num_threads = THREADS_PER_WARPGROUP + self.num_consumer_threads
         self.roles = {
@@ -106,6 +109,21 @@ class HopperForward:
         key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
                self.window, self.cfg)
         return key + (("varlen", self.has_seqused_k),) if self.varlen else key
+
+    @staticmethod
+    def rounds(num_tiles, grid, mTileTable):
+        """Rounds of the persistent tile loop: fixed (zigzag) or the table's."""
+        if const_expr(mTileTable is None):
+            return rounds(num_tiles, grid)
+        return table_rounds(mTileTable.shape[0], grid)
+
+    @staticmethod
+    def tile_of(r, cta, grid, mTileTable):
+        """Linear tile of CTA ``cta`` in round ``r``: zigzag rounds, or the table's entry
+        (Note [Tile table]); >= num_tiles means none."""
+        if const_expr(mTileTable is None):
+            return zigzag_tile(r, cta, grid)
+        return mTileTable[r * grid + cta]
 
     # ------------------------------------------------------------------------------------------
     # host side: layouts, TMA descriptors, shared storage, grid, launch
@@ -127,6 +145,7 @@ class HopperForward:
         mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; dense: None
         mCuSeqlensK: cute.Tensor | None,  # varlen: (batch + 1,) int32; dense: None
         mSeqUsedK: cute.Tensor | None,  # varlen with seqused_k: (batch,) int32; else None
+        mTileTable: cute.Tensor | None,  # tile_table: (rounds + 1) * grid int32; else None
         stream,
     ):
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
@@ -138,6 +157,9 @@ class HopperForward:
                       or self.has_seqused_k != (mSeqUsedK is not None)):
             raise TypeError("cu_seqlens_q/k (and seqused_k) are given exactly to the varlen "
                             "variant (varlen=True, has_seqused_k=True)")
+        if const_expr(self.use_table != (mTileTable is not None)):
+            raise TypeError("the tile table is given exactly to a dense build with "
+                            "config.tile_table=True (Note [Tile table])")
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = select_modes(mLSE, [2, 1, 0])  # (s, h, b)
@@ -193,6 +215,7 @@ class HopperForward:
             softmax_scale * LOG2_E, window_left, window_right, l2_group,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
             bytes_q, bytes_kv, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mO_rows,
+            mTileTable,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -228,6 +251,7 @@ class HopperForward:
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
         mO_rows: cute.Tensor | None,  # varlen: out itself (s, D, h, b), for partial tiles
+        mTileTable: cute.Tensor | None,  # Note [Tile table]
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -267,12 +291,12 @@ class HopperForward:
             if warp_idx == self.roles["producer"]["tma_warp"]:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
                           pipeline_q, pipeline_k, pipeline_v, window_left, window_right,
-                          seqs(), mTL)
+                          seqs(), mTL, mTileTable)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mLSE, mTL, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                          pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left,
-                         window_right, seqs(), mO_rows)
+                         window_right, seqs(), mO_rows, mTileTable)
 
     # Note [Phases]
     # -------------
@@ -291,7 +315,7 @@ class HopperForward:
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
              pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, seqs: Sequences,
-             tl: cute.Tensor):
+             tl: cute.Tensor, mTileTable: cute.Tensor | None):
         """Producer warp: Q and the K/V tiles of every tile this CTA computes (Note [Phases])."""
         num_tiles = seqs.num_tiles()
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -302,8 +326,8 @@ class HopperForward:
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         record = (bidx == 0) & (cute.arch.lane_idx() == 0)
-        for r in cutlass.range(rounds(num_tiles, grid), unroll=1):
-            tile = zigzag_tile(r, bidx, grid)
+        for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):
+            tile = self.tile_of(r, bidx, grid, mTileTable)
             if tile < num_tiles:
                 state_q, state_k, state_v = self.load_tile(
                     tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
@@ -402,7 +426,8 @@ class HopperForward:
     @cute.jit
     def consume(self, mO, mLSE, tl, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, scale_log2: Float32, window_left: Int32,
-                window_right: Int32, seqs: Sequences, mO_rows: cute.Tensor | None):
+                window_right: Int32, seqs: Sequences, mO_rows: cute.Tensor | None,
+                mTileTable: cute.Tensor | None):
         """Consumer warpgroups: every tile of this CTA, then the O store's tail."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. num_consumer_threads - 1
@@ -439,12 +464,12 @@ class HopperForward:
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         record = (bidx == 0) & (tidx % THREADS_PER_WARPGROUP == 0)  # Note [Timeline]
-        for r in cutlass.range(rounds(num_tiles, grid), unroll=1):
-            tile = zigzag_tile(r, bidx, grid)
+        for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):
+            tile = self.tile_of(r, bidx, grid, mTileTable)
             if tile < num_tiles:
                 state_q, state_k, state_v = self.consume_tile(
                     tl, record & (r == 0), tile, r == 0,
-                    zigzag_tile(r + 1, bidx, grid) >= num_tiles, mO, mLSE, sO,
+                    self.tile_of(r + 1, bidx, grid, mTileTable) >= num_tiles, mO, mLSE, sO,
                     tma_atom_o, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o,
                     tOrP, tSrQ, tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k,
                     pipeline_v, state_q, state_k, state_v, window_left, window_right, seqs,

@@ -23,6 +23,8 @@ from fa4_final.compile import (
 from fa4_final.config import HopperFwdConfig, hopper_fwd_default
 from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES
 from fa4_final.errors import UnsupportedError
+from fa4_final.scheduler import TILE_OVERHEAD_STEPS, persistent_grid, tile_coords, tile_table
+from fa4_final.tiles import TileWindow, kv_tile_range
 
 ARCH = "sm_90a"
 BACKWARD_MODULE = "fa4_final.backward"  # backward_into over fa4_final.hopper.bwd (chapter 11)
@@ -60,8 +62,9 @@ def _fwd_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig, varlen:
     cu_q, cu_k, used_k = (fake_tensor(Int32, (cute.sym_int(),)) if varlen else None
                           for _ in range(3))
     used_k = used_k if has_seqused_k else None
+    table = fake_tensor(Int32, (cute.sym_int(),)) if cfg.tile_table and not varlen else None
     return (q, k, v, o, lse, timeline, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
-            cu_q, cu_k, used_k, fake_stream())
+            cu_q, cu_k, used_k, table, fake_stream())
 
 
 def compile_forward(arch: str = ARCH, head_dim: int = 128, dtype: str = "bf16",
@@ -127,8 +130,13 @@ def forward_into(q, k, v, out, lse, causal: bool, softmax_scale: float, window_l
     group = h * b  # causal: longest first over every (head, batch) pair
     if cfg.l2_sections:
         group = l2_section_pairs(k.shape[1], d, q.element_size(), h * b)
+    sms = _num_sms(q.device)
+    table = None
+    if cfg.tile_table:
+        table = _tile_table(q.device, cfg, causal, q.shape[1], k.shape[1], h, b, group, sms,
+                            window_left, None if causal else window_right)
     compiled(q, k, v, out, lse, _timeline_buffer(q.device, cfg), softmax_scale,
-             window_left or 0, window_right or 0, group, _num_sms(q.device), None, None, None)
+             window_left or 0, window_right or 0, group, sms, None, None, None, table)
 
 
 def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
@@ -158,7 +166,40 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
     compiled(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
              _timeline_buffer(q.device, cfg), softmax_scale, window_left or 0,
              window_right or 0, group, _num_sms(q.device), cu_seqlens_q.contiguous(),
-             cu_seqlens_k.contiguous(), None if seqused_k is None else seqused_k.contiguous())
+             cu_seqlens_k.contiguous(), None if seqused_k is None else seqused_k.contiguous(),
+             None)
+
+
+_TABLES: dict = {}
+
+
+def tile_costs(cfg: HopperFwdConfig, causal: bool, seqlen_q: int, seqlen_k: int, heads: int,
+               batch: int, l2_group: int, window_left=None, window_right=None) -> list[int]:
+    """Each linear tile's cost in key-tile steps, in the kernel's tile order (Note [Tile
+    table]): the key tiles it visits plus the per-tile overhead."""
+    window = TileWindow(cfg.tile_m, cfg.tile_n, causal, has_left=window_left is not None,
+                        has_right=window_right is not None and not causal)
+    num_m_blocks = -(-seqlen_q // cfg.tile_m)
+    per_m_block = []
+    for m in range(num_m_blocks):
+        n_min, n_max, _, _ = kv_tile_range(window, m, seqlen_q, seqlen_k, window_left,
+                                           window_right)
+        per_m_block.append(max(n_max - n_min, 0) + TILE_OVERHEAD_STEPS)
+    return [per_m_block[tile_coords(t, num_m_blocks, heads, batch, causal, l2_group)[0]]
+            for t in range(num_m_blocks * heads * batch)]
+
+
+def _tile_table(device, cfg: HopperFwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
+                heads: int, batch: int, l2_group: int, sms: int, window_left, window_right):
+    """The device copy of the launch's tile table, built once per shape (Note [Tile table])."""
+    key = (device, cfg.tile_m, cfg.tile_n, causal, seqlen_q, seqlen_k, heads, batch, l2_group,
+           sms, window_left, window_right)
+    if key not in _TABLES:
+        costs = tile_costs(cfg, causal, seqlen_q, seqlen_k, heads, batch, l2_group,
+                           window_left, window_right)
+        grid = persistent_grid(len(costs), sms)
+        _TABLES[key] = torch.tensor(tile_table(costs, grid), dtype=torch.int32, device=device)
+    return _TABLES[key]
 
 
 _TIMELINES: dict = {}
