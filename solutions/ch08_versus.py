@@ -33,6 +33,10 @@ HEADS, TOKENS = 16, 16384
 SHAPES = ((64, 16384, True), (128, 4096, True), (128, 16384, False))
 # ncu's names: fa4_final's class is HopperForward, the package's FlashAttentionForwardSm90
 KERNELS = {"fa4_final": "regex:HopperForward", "fa4_package": "regex:FlashAttentionForwardSm90"}
+# fa4_final with its causal tiles in L2 sections handed out by the tile table (Note [Tile
+# table]): profiled at the causal shapes beside the default
+VARIANTS = {"fa4_final_table": dict(l2_sections=True, tile_table=True)}
+KERNEL_OF = {**{name: KERNELS["fa4_final"] for name in VARIANTS}, **KERNELS}
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "LaunchStats",
             "Occupancy", "WarpStateStats", "SchedulerStats")
 RAW_METRICS = ch05p.RAW_METRICS + (
@@ -49,6 +53,7 @@ EXTRA_METRICS = ch05p.EXTRA_METRICS + (
 SIDE_BY_SIDE = (
     ("duration_ms", "kernel time at ncu's clock (ms)"),
     ("tensor_pipe_gmma_active_pct", "tensor pipe (GMMA) busy (% of cycles)"),
+    ("tensor_pipe_active_pct", "tensor pipe busy (% of cycles)"),
     ("issue_slots_busy_pct", "issue slots busy (%)"),
     ("wgmma_instructions", "wgmma instructions (warp instructions)"),
     ("dram_throughput_pct", "DRAM throughput (% of peak)"),
@@ -65,11 +70,16 @@ def target(impl: str, head_dim: int, seqlen: int, causal: bool) -> None:
     from utils import bench
     from utils.reference import random_qkv
 
-    if impl == "fa4_final":
+    if impl == "fa4_final" or impl in VARIANTS:
+        from dataclasses import replace
+
         from fa4_final import interface
+        from fa4_final.config import hopper_fwd_default
+
+        cfg = replace(hopper_fwd_default(head_dim, causal), **VARIANTS.get(impl, {}))
 
         def run(q, k, v):
-            return interface.attention(q, k, v, causal)
+            return interface.attention(q, k, v, causal, config=cfg)
     else:
         fa4 = bench.peers()["fa4_package"]
 
@@ -88,7 +98,7 @@ def run_ncu(impl: str, head_dim: int, seqlen: int, causal: bool) -> str:
         raise RuntimeError("ncu (Nsight Compute) is not on PATH; it comes with the CUDA toolkit")
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "versus"
-        cmd = [ncu, "--launch-skip", "1", "--launch-count", "1", "-k", KERNELS[impl],
+        cmd = [ncu, "--launch-skip", "1", "--launch-count", "1", "-k", KERNEL_OF[impl],
                "--import-source", "no", "-f", "-o", str(report)]
         for section in SECTIONS:
             cmd += ["--section", section]
@@ -108,6 +118,10 @@ def rows_of(raw_text: str, impl: str, head_dim: int, seqlen: int, causal: bool) 
             for r in core.raw_rows(core.parse_raw(raw_text), RAW_METRICS)]
 
 
+def impls_at(causal: bool) -> list[str]:
+    return [*KERNELS, *(VARIANTS if causal else ())]
+
+
 def profile(raw_dir: Path | None = None, shapes=SHAPES) -> Path:
     from utils import results
 
@@ -115,7 +129,7 @@ def profile(raw_dir: Path | None = None, shapes=SHAPES) -> Path:
     provenance = results.collect_provenance(command)
     rows = []
     for d, s, causal in shapes:
-        for impl in KERNELS:
+        for impl in impls_at(causal):
             raw = run_ncu(impl, d, s, causal)
             if raw_dir is not None:
                 raw_dir.mkdir(parents=True, exist_ok=True)
@@ -136,7 +150,7 @@ def side_by_side(res, stalls: int = 5) -> list[str]:
     for d, s, causal in shapes:
         by = {impl: {r["metric"]: r["value"] for r in res.rows
                      if (r["d"], r["s"], r["causal"], r["impl"]) == (d, s, causal, impl)}
-              for impl in KERNELS}
+              for impl in impls_at(causal)}
         by = {impl: b for impl, b in by.items() if b}
         lines.append(f"D={d} S={s} {'causal' if causal else 'non-causal'}"
                      + "".join(f"{impl:>14s}" for impl in by))
@@ -158,24 +172,26 @@ def reading(res) -> list[str]:
     for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):
         by = {impl: {r["metric"]: r["value"] for r in res.rows
                      if (r["d"], r["s"], r["causal"], r["impl"]) == (d, s, causal, impl)}
-              for impl in KERNELS}
-        ours, theirs = by["fa4_final"], by["fa4_package"]
-        if "duration_ms" not in ours or "duration_ms" not in theirs:
-            continue
-        ratio = theirs["duration_ms"] / ours["duration_ms"]
-        parts = [f"D={d} S={s} {'causal' if causal else 'non-causal'}: fa4_final runs "
-                 f"{ratio:.2f}x the package's speed under ncu"]
-        for metric, what in (("tensor_pipe_gmma_active_pct", "tensor pipe busy"),
-                             ("issue_slots_busy_pct", "issue slots busy"),
-                             ("dram_throughput_pct", "DRAM throughput"),
-                             ("l2_hit_rate_pct", "L2 hit rate")):
-            if metric in ours and metric in theirs:
-                parts.append(f"{what} {ours[metric]:.0f}% against {theirs[metric]:.0f}%")
-        m = "tensor_pipe_gmma_active_pct"
-        if m in ours and m in theirs:
-            busy = [b[m] / 100 * b["duration_ms"] for b in (ours, theirs)]
-            parts.append(f"tensor pipe busy for {busy[0]:.3f} ms against {busy[1]:.3f} ms")
-        out.append("; ".join(parts))
+              for impl in impls_at(causal)}
+        theirs = by["fa4_package"]
+        for name in (n for n in by if n != "fa4_package"):
+            ours = by[name]
+            if "duration_ms" not in ours or "duration_ms" not in theirs:
+                continue
+            ratio = theirs["duration_ms"] / ours["duration_ms"]
+            parts = [f"D={d} S={s} {'causal' if causal else 'non-causal'}: {name} runs "
+                     f"{ratio:.2f}x the package's speed under ncu"]
+            for metric, what in (("tensor_pipe_active_pct", "tensor pipe busy"),
+                                 ("issue_slots_busy_pct", "issue slots busy"),
+                                 ("dram_throughput_pct", "DRAM throughput"),
+                                 ("l2_hit_rate_pct", "L2 hit rate")):
+                if metric in ours and metric in theirs:
+                    parts.append(f"{what} {ours[metric]:.0f}% against {theirs[metric]:.0f}%")
+            m = "tensor_pipe_active_pct"
+            if m in ours and m in theirs:
+                busy = [b[m] / 100 * b["duration_ms"] for b in (ours, theirs)]
+                parts.append(f"tensor pipe busy for {busy[0]:.3f} ms against {busy[1]:.3f} ms")
+            out.append("; ".join(parts))
     return out
 
 
