@@ -97,19 +97,27 @@ class HopperFwdConfig:
         check_softmax_knobs(self.exp2_emulation_fraction, self.rescale_threshold)
 
 
-def hopper_fwd_default(head_dim: int, causal: bool = False) -> HopperFwdConfig:
+def hopper_fwd_default(head_dim: int, causal: bool = False,
+                       varlen: bool = False) -> HopperFwdConfig:
     """The forward config for sm_90. D = 64: 192 x 128 with three consumer warpgroups (160
     registers each; spill-free only because every step takes a fresh S accumulator); D = 128:
     128 x 128 with two. O rescaled at the next P V's issue: of the three places it was the one
     the H200 runs favoured, and results/h200/fa4_final_knobs.json holds the comparison with the
-    run-to-run spread (notebook 08 prints the verdicts). ``causal`` is accepted for callers that
-    key by it; no setting differs by it today."""
+    run-to-run spread (notebook 08 prints the verdicts).
+
+    Causal (dense): tiles longest first in sections of heads whose K and V fit in L2, handed to
+    the persistent CTAs by the host's list schedule (Note [Tile table]). Longest first over
+    every head reads 2-4x more from DRAM at S = 4096 and 16384 (results/h200/
+    fa4_final_versus.json: L2 hit rate 45% against 84% at D = 128, S = 4096);
+    results/h200/fa4_final_sched.json times the schedules. Varlen keeps longest first over a
+    sequence's heads in zigzag rounds: the table needs the tile costs before the launch, and
+    varlen's lengths are on the device."""
+    schedule = dict(l2_sections=True, tile_table=True) if causal and not varlen else {}
     if head_dim <= 64:
         return HopperFwdConfig(num_consumer_wgs=3, tile_n=128, stages_k=3, stages_v=3,
-                               o_rescale="next_pv")
+                               o_rescale="next_pv", **schedule)
     return HopperFwdConfig(num_consumer_wgs=2, tile_n=128, stages_k=3, stages_v=2,
-                           o_rescale="next_pv")
-
+                           o_rescale="next_pv", **schedule)
 
 
 # ----------------------------------------------------------------------------------------------

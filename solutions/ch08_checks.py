@@ -38,9 +38,10 @@ CASES = [
 ]
 SMALL = [CASES[1], CASES[4], CASES[10]]
 # knobs of chapter 08 (and 06, 07) checked on two shapes each
-KNOBS = [dict(pingpong=False), dict(persistent=False), dict(separate_o=False),
+KNOBS = [dict(pingpong=False), dict(persistent=False, tile_table=False), dict(separate_o=False),
          dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
-         dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0), dict(l2_sections=True),
+         dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0),
+         dict(l2_sections=False, tile_table=False), dict(l2_sections=True, tile_table=False),
          dict(stages_k=2, stages_v=2), dict(stages_k=2, stages_v=3), dict(mask_bits=True),
          dict(o_rescale="early", mask_bits=True), dict(l2_sections=True, tile_table=True)]
 KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),

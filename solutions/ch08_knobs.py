@@ -41,7 +41,8 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
     configs = {
         "default": base,
         "no ping-pong": replace(base, pingpong=False),
-        "one tile per CTA": replace(base, persistent=False),
+        "one tile per CTA": replace(base, persistent=False, l2_sections=False,
+                                    tile_table=False),
         "O over Q (no separate O buffer)": replace(base, separate_o=False, stages_k=2,
                                                    stages_v=2),
         "O rescaled after the softmax": replace(base, o_rescale="end"),
@@ -54,14 +55,16 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
         "K/V stages 2/3": replace(base, stages_k=2, stages_v=3),
         "mask as bit words": replace(base, mask_bits=True),
     }
-    if causal:
-        configs["causal order in L2 sections"] = replace(base, l2_sections=True)
+    if causal:  # the default: longest first in L2 sections, list-scheduled (Note [Tile table])
+        # fixed zigzag rounds, longest first over every head (the default before the table)
+        configs["zigzag rounds, longest first over all heads"] = replace(
+            base, l2_sections=False, tile_table=False)
+        configs["zigzag rounds in L2 sections"] = replace(base, l2_sections=True,
+                                                          tile_table=False)
         # the FA4 package's causal schedule on sm90: one CTA per tile, longest first in
         # sections of heads that fit L2, the hardware handing tiles to SMs as they free up
         configs["one tile per CTA, L2 sections"] = replace(base, persistent=False,
-                                                           l2_sections=True)
-        # the same order with persistent CTAs, tiles handed out by the host's list schedule
-        configs["L2 sections, tile table"] = replace(base, l2_sections=True, tile_table=True)
+                                                           l2_sections=True, tile_table=False)
         configs["O rescaled between max and exp, mask as bit words"] = replace(
             base, o_rescale="early", mask_bits=True)
     return configs
@@ -71,8 +74,8 @@ def compile_knob_configs(head_dim: int, causal: bool) -> dict:
     """The configs whose SASS solutions.ch08_compare records: every timed one but the debug
     and ablation builds that change the kernel's whole structure."""
     skip = ("one tile per CTA", "no intra-warpgroup overlap", "no ping-pong",
-            "causal order in L2 sections", "one tile per CTA, L2 sections",
-            "L2 sections, tile table")
+            "zigzag rounds, longest first over all heads", "zigzag rounds in L2 sections",
+            "one tile per CTA, L2 sections")
     return {n: c for n, c in knob_configs(head_dim, causal).items() if n not in skip}
 
 

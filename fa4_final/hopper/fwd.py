@@ -11,8 +11,10 @@ What this adds over chapter 05's kernel (TMA + wgmma + an mbarrier pipeline, one
    streaming across tile boundaries, and O leaves through its own shared-memory buffer, so the
    next tile's Q and first K land while this tile's last P V and epilogue run, instead of a
    one-tile CTA paying its pipeline fill and its epilogue with the tensor cores idle.
-3. Causal tiles longest first, handed out in zigzag rounds (scheduler.zigzag_tile), so the
-   persistent CTAs finish together.
+3. Causal tiles longest first, so the persistent CTAs finish together: in sections of heads
+   whose K and V fit in L2, handed out by a table the host builds per shape with list
+   scheduling (config.tile_table, Note [Tile table] in fa4_final.scheduler); without the table
+   in fixed zigzag rounds (scheduler.zigzag_tile), which only balance the unsectioned order.
 4. The O rescale moved off the softmax's critical path (Note [Where O is rescaled]), a fresh S
    accumulator per step (ptxas serialises the wgmma otherwise, for lack of registers), and a
    three-deep K ring next to the separate O buffer within the 227 KB (config.smem_bytes).

@@ -80,7 +80,7 @@ def compile_forward(arch: str = ARCH, head_dim: int = 128, dtype: str = "bf16",
     if arch != ARCH:
         raise UnsupportedError(f"the Hopper forward uses wgmma, TMA and setmaxnreg: it compiles "
                                f"for arch='{ARCH}' only, got {arch!r}")
-    cfg = config or hopper_fwd_default(head_dim, causal)
+    cfg = config or hopper_fwd_default(head_dim, causal, varlen)
     if not isinstance(cfg, HopperFwdConfig):
         raise TypeError(f"config must be a HopperFwdConfig or None, got {type(cfg).__name__}")
     memo = (arch, head_dim, dtype, bool(causal), cfg, bool(has_window_left),
@@ -157,7 +157,7 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
                                   has_window_left=window_left is not None,
                                   has_window_right=has_right, varlen=True,
                                   has_seqused_k=seqused_k is not None)
-    cfg = config or hopper_fwd_default(d, causal)
+    cfg = config or hopper_fwd_default(d, causal, varlen=True)
     group = h  # causal: longest first over every head of a sequence (Note [Varlen order])
     if cfg.l2_sections:
         longest_k = max_seqlen_k if max_seqlen_k is not None and max_seqlen_k >= 0 \

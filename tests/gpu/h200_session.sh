@@ -65,7 +65,7 @@ for s in "$@"; do
     varlen-sanitize) step varlen_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_api.py -k "test_varlen_forward and b70" ;;
     fa4-bench) step fa4_bench 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     fa4-gaps) step fa4_gaps 300 $PY -m solutions.ch08_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
-    fa4-sched) step fa4_sched 420 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "one tile per CTA" "L2 sections" --name fa4_final_sched ;;
+    fa4-sched) step fa4_sched 420 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "one tile per CTA" "zigzag" --name fa4_final_sched ;;
     ch12-sweep) step ch12_sweep 420 $PY -m solutions.ch12_sweep --sweep ;;
     ch12-acc) step ch12_acc 200 $PY -m solutions.ch12_sweep --accuracy --memory ;;
     fa4-knobs) step fa4_knobs 480 $PY -m solutions.ch08_knobs --knobs --rounds ${ROUNDS:-3} ;;
