@@ -3,8 +3,9 @@
     python -m solutions.gpu_checks SUITE=LOG [SUITE=LOG ...]
     python -m solutions.gpu_checks --provenance-from results/h200/ch11_bwd.json SUITE=LOG ...
 
-Each LOG is the output of a pytest run (its last "N passed, M failed ..." line is read) or of a
-compute-sanitizer run (its "ERROR SUMMARY" / "RACECHECK SUMMARY" line). A row per suite:
+Each LOG is the output of a pytest run (its last "N passed, M failed ..." line is read), of a
+compute-sanitizer run (its "ERROR SUMMARY" / "RACECHECK SUMMARY" line) or of a chapter's case
+checks (utils.checks.run_cases: "N/M cases passed"). A row per suite:
 impl (the suite's name), metric ("passed", "failed", "errors", "skipped" for pytest; "errors"
 or "hazards" for a sanitizer), value, unit. Rows of suites not named keep their stored value, so
 one run can add to what an earlier one recorded.
@@ -26,6 +27,7 @@ from utils import results
 NAME = "gpu_checks"
 PYTEST = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xpassed|xfailed)")
 SANITIZER = re.compile(r"(ERROR|RACECHECK) SUMMARY: (\d+) (errors|hazards)")
+CASES = re.compile(r"^(\d+)/(\d+) cases passed")  # utils.checks.run_cases (ch04/05/08 checks)
 
 
 def read_log(text: str) -> dict[str, int]:
@@ -34,10 +36,14 @@ def read_log(text: str) -> dict[str, int]:
         m = SANITIZER.search(line)
         if m:
             return {m.group(3): int(m.group(2))}
+        m = CASES.match(line.strip())
+        if m:
+            return {"passed": int(m.group(1)), "failed": int(m.group(2)) - int(m.group(1))}
         found = PYTEST.findall(line)
         if found and (" in " in line or line.strip().startswith("=")):
             return {"errors" if kind.startswith("error") else kind: int(n) for n, kind in found}
-    raise ValueError("no pytest summary line and no compute-sanitizer summary in the log")
+    raise ValueError("no pytest summary line, no compute-sanitizer summary and no 'N/M cases "
+                     "passed' line in the log")
 
 
 def rows_for(suite: str, text: str, provenance: dict) -> list[dict]:

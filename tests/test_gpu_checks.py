@@ -24,3 +24,10 @@ def test_sanitizer_summaries():
 def test_a_log_without_a_summary_is_refused():
     with pytest.raises(ValueError, match="no pytest summary"):
         read_log("Traceback (most recent call last):\n  killed\n")
+
+
+def test_case_check_summaries():
+    assert read_log("ok   b=1 ...\nFAIL b=2 ...\n71/72 cases passed\n") == {"passed": 71,
+                                                                          "failed": 1}
+    # a sanitizer run of the case checks: its own summary comes last and wins
+    assert read_log("3/3 cases passed\n========= ERROR SUMMARY: 0 errors\n") == {"errors": 0}
