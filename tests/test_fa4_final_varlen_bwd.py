@@ -320,3 +320,74 @@ def test_the_launch_handles_empty_batches(monkeypatch):
     varlen_backward.varlen_backward_launch(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k,
                                            None, 4, 0, False, 0.1, None, None)
     assert torch.all(dq == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the GPU tests' own checks, on a CPU stand-in for the kernel
+
+
+@pytest.fixture
+def gpu_tests_on_cpu(monkeypatch):
+    """tests/gpu/test_fa4_final_varlen_bwd.py with DEVICE = "cpu" and the kernel (and the
+    loop) replaced by the CPU reference (tests.fa4_cpu_reference.varlen_backward)."""
+    from tests import fa4_cpu_reference as ref
+    from tests.gpu import test_fa4_final_varlen_bwd as gpu
+
+    def stand_in(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used, max_q, max_k,
+                 causal=False, softmax_scale=None, window_size=(None, None),
+                 deterministic=False):
+        left, right = window_size
+        right = 0 if causal else right
+        grads = ref.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, used,
+                                    q.shape[-1] ** -0.5, causal, left, right)
+        for dst, src in zip((dq, dk, dv), grads):
+            dst.copy_(src)
+        return dq, dk, dv
+
+    def loop(q, k, v, out, lse, dout, cu_q, cu_k, used=None, **kw):
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        return stand_in(q, k, v, out, lse, dout, *grads, cu_q, cu_k, used, None, None, **kw)
+
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    monkeypatch.setattr(varlen, "varlen_backward_into", stand_in)
+    monkeypatch.setattr(varlen, "backward_loop", loop)
+    return gpu
+
+
+@pytest.mark.parametrize("name", ["mixed-causal-used", "mixed-mqa-window-d64-fp16",
+                                  "skewed-causal"])
+def test_the_gpu_checks_pass_a_right_answer_and_fail_wrong_ones(gpu_tests_on_cpu, name):
+    gpu = gpu_tests_on_cpu
+    p = gpu.Problem(gpu.CASES[name])
+    right = p.run()
+    p.check(right, name)
+    gpu.test_varlen_backward_deterministic_is_bitwise_repeatable_and_the_loop(
+        lambda _: p, name)
+    # an element nobody wrote, a gradient leaking into unused keys, a wrong value
+    for spoil in ("nan", "unused", "scale"):
+        grads = [g.clone() for g in right]
+        if spoil == "nan":
+            grads[0][p.rows[2].start + 5, 1, 3] = float("nan")
+        elif spoil == "unused":
+            b = next(i for i, n in enumerate(p.lens_k) if p.used_k[i] < n) if p.used else None
+            if b is None:
+                continue
+            grads[1][p.keys[b].stop] = 1e-3
+        else:
+            grads[2] *= 1.05
+        with pytest.raises(AssertionError):
+            p.check(grads, f"{name} spoiled by {spoil}")
+
+
+def test_the_gpu_guard_rows_catch_writes_outside(gpu_tests_on_cpu, monkeypatch):
+    gpu = gpu_tests_on_cpu
+    p = gpu.Problem(gpu.CASES["mixed-gqa-d128"])
+    real = varlen.varlen_backward_into
+
+    def spills(q, k, v, out, lse, dout, dq, dk, dv, *rest, **kw):
+        real(q, k, v, out, lse, dout, dq, dk, dv, *rest, **kw)
+        dk.as_strided((1,), (1,), dk.storage_offset() + dk.numel()).fill_(0.0)  # one past
+
+    monkeypatch.setattr(varlen, "varlen_backward_into", spills)
+    with pytest.raises(AssertionError, match="outside"):
+        p.run()
