@@ -363,8 +363,8 @@ def varlen_table(res) -> str:
     """One line per case of the varlen file (solutions.ch12_varlen_bench): the pass (forward,
     backward, both; a file from before the backward rows has forward rows only), the batch's
     lengths, each implementation's TFLOP/s, and the varlen kernel over the fastest peer with the
-    verdict of utils.bench.compare. The other fa4_final rows (the API's checked call, the per-sequence
-    loop) are shown beside it, not compared as peers."""
+    verdict of utils.bench.compare. The other fa4_final rows (the API's checked call, the
+    per-sequence loop) are shown beside it, not compared as peers."""
     if res is None:
         return "not measured yet"
     groups = {}
