@@ -26,6 +26,11 @@ each warpgroup, dS stored, dQ staged and read by the bulk add) is about as many 
 (chapter 00's model), so the step overlaps its GEMMs with everything else or loses time: that is
 why both warpgroups issue their GEMMs back to back and wait only where a result is needed.
 
+Varlen (chapter 12) is a compile-time variant, HopperVarlenBackward: packed sequences in one
+launch, one CTA per key tile of a sequence and kv head (Note [Varlen backward]). Only the CTA's
+lookup, the offsets of its rows and slabs and the store of a partial last key tile differ; the
+dense variant's code is what it was without it (its SASS is unchanged).
+
 Measured speeds: results/h200/ch11_bwd.json (``python -m solutions.ch11_bench``), printed in
 notebook 11; never typed here.
 """
