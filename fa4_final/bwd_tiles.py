@@ -126,3 +126,64 @@ def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
     if launch_order_reversed(w):
         return last_visitor(w, m_block, num_n_blocks, seqlen_q, seqlen_k, window_right) - n_block
     return n_block - first_visitor(w, m_block, seqlen_q, seqlen_k, window_left)
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen: the backward over packed sequences (fa4_final.varlen, Note [Varlen backward])
+
+# Note [Varlen dQ accumulator]
+# The float32 dQ accumulator, lse_log2 and delta are per query tile: a tile's tile_m * D floats
+# are one contiguous slab in the order the MMA threads hold them (Note [dQ in accumulator order]
+# of fa4_final.hopper.bwd), added with one bulk instruction per warpgroup, and its lse and delta
+# arrive with one 16-byte-aligned bulk copy of tile_m floats. So a query tile must own a whole
+# slab: with packed sequences a tile starts at a sequence's row cu_seqlens_q[b] + m * tile_m,
+# anywhere, and row-indexed buffers would need the slabs of two sequences to overlap. Each
+# sequence is therefore padded to whole tiles: sequence b's query tile m is slab
+#     dq_accum_tile(cu_seqlens_q[b], b, tile_m) + m = cu_seqlens_q[b] // tile_m + b + m,
+# an expression of the sequence's own offset (no scan over the lengths before it, on the host or
+# the device). Sequence b needs ceil(len_b / tile_m) slabs and the next starts at
+# cu[b + 1] // tile_m + b + 1 >= cu[b] // tile_m + ceil(len_b / tile_m) + b: no overlap. All of
+# them fit in dq_accum_tiles(total_q, batch, tile_m) = total_q // tile_m + batch slabs, at most
+# one tile per sequence more than the packed rows (FA2 and FA3 pad the same way). The padding
+# rows of a sequence's last tile get lse_log2 = +inf from bwd_pre (P = 0, so they add exact
+# zeros); the slabs between sequences are never read. The alternative, exact per-tile offsets
+# (a prefix sum of ceil(len_b / tile_m)), would save those gap slabs but need that scan in
+# bwd_pre, the main kernel and bwd_post alike.
+
+
+def dq_accum_tile(seq_start_q, b, tile_m: int):
+    """The dQ accumulator's slab (query tile index) of sequence ``b``'s first query tile, from
+    its first packed row ``seq_start_q`` = cu_seqlens_q[b] (Note [Varlen dQ accumulator])."""
+    return seq_start_q // tile_m + b
+
+
+def dq_accum_tiles(total_q: int, batch: int, tile_m: int) -> int:
+    """Slabs of the varlen dQ accumulator (and tiles of its lse_log2, delta, turn counters)."""
+    return total_q // tile_m + batch
+
+
+def varlen_grid_bound(total: int, batch: int, tile: int, heads: int) -> int:
+    """CTAs a varlen launch needs at most for ``total`` packed rows cut per sequence into tiles
+    of ``tile``: each sequence adds at most one partial tile (sum of ceil(len_b / tile) <=
+    ceil(total / tile) + batch), per head. CTAs past the exact count find no tile and exit."""
+    return (-(-total // tile) + batch) * heads
+
+
+def varlen_key_tile_host(t: int, lens_k: list[int], tile_n: int, heads_kv: int,
+                         reversed_order: bool = False):
+    """(b, n_block, head_kv) of the varlen backward's CTA ``t``, or None past the last key tile:
+    sequences in order, in each its kv heads, in each head its key tiles (Note [Varlen backward]
+    in fa4_final.hopper.bwd). ``reversed_order``: the deterministic mode's numbering when turns
+    go downwards (launch_order_reversed), the highest key tile first. Host mirror of
+    HopperBackward.varlen_key_tile."""
+    from fa4_final.scheduler import varlen_locate_host
+
+    b, before, total = varlen_locate_host(t, lens_k, tile_n, heads_kv)
+    if not 0 <= t < total:
+        return None
+    n_blocks = -(-lens_k[b] // tile_n)
+    r = t - before
+    n_block = r % n_blocks
+    if reversed_order:
+        n_block = n_blocks - 1 - n_block
+    return b, n_block, r // n_blocks

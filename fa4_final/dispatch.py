@@ -22,6 +22,7 @@ import torch
 from fa4_final.config import HEAD_DIMS
 from fa4_final.errors import UnsupportedError
 from fa4_final.hopper import launch as hopper
+from fa4_final.varlen_backward import varlen_backward_launch
 
 START, END = "<!-- support:start -->", "<!-- support:end -->"
 
@@ -44,6 +45,10 @@ class Backend:
     # max_seqlen_q, max_seqlen_k, out, lse, causal, scale, left, right, config). None:
     # fa4_final.varlen loops over the batch with the dense kernel.
     varlen_forward: Callable | None = None
+    # The varlen backward: (q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+    # seqused_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right, deterministic). None:
+    # the per-sequence loop over the dense backward.
+    varlen_backward: Callable | None = None
 
     @property
     def label(self) -> str:
@@ -80,7 +85,8 @@ BACKENDS: tuple[Backend, ...] = (
     Backend("Hopper", "H100, H200", "sm_90", ((9, 0),), "sm_90a",
             forward=hopper.forward_into, backward=hopper.backward_into,
             forward_module="fa4_final.hopper.fwd", backward_module=hopper.BACKWARD_MODULE,
-            varlen_forward=hopper.varlen_forward_into),
+            varlen_forward=hopper.varlen_forward_into,
+            varlen_backward=varlen_backward_launch),
     Backend("Blackwell", "B200, GB200", "sm_100", ((10, 0),), "sm_100a",
             forward=_not_wired("Blackwell (sm_100)", "forward", "fa4_final.blackwell.fwd"),
             backward=_not_wired("Blackwell (sm_100)", "backward", "fa4_final.blackwell.bwd"),
@@ -121,8 +127,11 @@ def support_table() -> str:
     rows = []
     for b in BACKENDS:
         runs = b.state(b.forward_module) == "yes"
-        varlen = ("forward: one kernel over the packed batch; backward: per-sequence "
-                  "loop" if b.varlen_forward else "per-sequence loop over the dense kernel")
+        varlen = "per-sequence loop over the dense kernel"
+        if b.varlen_forward:
+            varlen = ("forward and backward: one kernel over the packed batch"
+                      if b.varlen_backward else "forward: one kernel over the packed batch; "
+                      "backward: per-sequence loop")
         varlen, dims, dtypes = (varlen, ", ".join(map(str, b.head_dims)), ", ".join(b.dtypes)) \
             if runs else ("-", "-", "-")
         rows.append(f"| {b.family} ({b.gpus}) | {b.arch} ({b.target}) | "

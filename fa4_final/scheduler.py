@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, const_expr
 
 
 def tile_coords(t, num_m_blocks, num_heads, num_batch, longest_first: bool, l2_group=None):
@@ -208,14 +208,15 @@ def _warp_inclusive_sum(x: Int32) -> Int32:
 
 @cute.jit
 def varlen_locate(t: Int32, mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[int],
-                  heads: Int32):
+                  heads: Int32, mSeqUsed: cute.Tensor | None = None):
     """(b, tiles before b, total tiles) for linear tile ``t`` (Note [Varlen order]).
 
     Warp-collective: all 32 lanes of a warp call it with the same ``t``. Each step reads the
     offsets of 32 sequences (one per lane), scans their tile counts across the warp, and the
     sequence holding t is the number of lanes whose inclusive prefix is still <= t. The loop
     runs ceil(batch / 32) steps whatever t is, so every warp also learns the total.
-    Host mirror: varlen_locate_host."""
+    ``mSeqUsed`` (the backward's key tiles with seqused_k): sequence i is mSeqUsed[i] long, not
+    cu[i + 1] - cu[i]. Host mirror: varlen_locate_host."""
     batch = mCuSeqlensQ.shape[0] - 1
     lane = cute.arch.lane_idx()
     b, before, base = Int32(0), Int32(0), Int32(0)
@@ -223,7 +224,10 @@ def varlen_locate(t: Int32, mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[
         i = chunk * WARP + lane
         n = Int32(0)
         if i < batch:
-            n = cute.ceil_div(mCuSeqlensQ[i + 1] - mCuSeqlensQ[i], tile_m) * heads
+            if const_expr(mSeqUsed is None):
+                n = cute.ceil_div(mCuSeqlensQ[i + 1] - mCuSeqlensQ[i], tile_m) * heads
+            else:
+                n = cute.ceil_div(mSeqUsed[i], tile_m) * heads
         incl = _warp_inclusive_sum(n)
         total = cute.arch.shuffle_sync(incl, WARP - 1)
         if (t >= base) & (t < base + total):  # the same for every lane: no divergence

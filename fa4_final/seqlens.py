@@ -27,6 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from fa4_final.bwd_tiles import dq_accum_tile
 from fa4_final.scheduler import tile_coords, varlen_locate
 
 
@@ -82,11 +83,11 @@ class Sequences:
     def rows_q(self, mX: cute.Tensor, w: SeqTile, head) -> cute.Tensor:
         """``mX`` (s, D, h, b) or (s, h, b) -> this sequence's (s, D) or (s,) slab of ``head``,
         row 0 its first query row (q, out, lse)."""
-        return _rows(mX, head, w.b, w.offset_q)
+        return sequence_slab(mX, head, w.b, w.offset_q)
 
     def rows_k(self, mX: cute.Tensor, w: SeqTile, head_kv) -> cute.Tensor:
         """The same for k and v: row 0 is the sequence's first key."""
-        return _rows(mX, head_kv, w.b, w.offset_k)
+        return sequence_slab(mX, head_kv, w.b, w.offset_k)
 
 
 @cute.jit
@@ -96,9 +97,32 @@ def _dense_tile(t: Int32, seqlen_q: Int32, heads: Int32, batch: Int32, l2_group,
                        longest_first=longest_first, l2_group=l2_group)
 
 
-def _rows(mX: cute.Tensor, head, b, offset):
+def sequence_slab(mX: cute.Tensor, head, b, offset):
+    """``mX`` (s, D, h, b) or (s, h, b) -> the (s, D) or (s,) slab of ``head`` and batch entry
+    ``b``, row 0 moved to ``offset`` when given (varlen: a sequence's first row), else as is."""
     if cute.rank(mX) == 4:
         slab = mX[None, None, head, b]
         return slab if offset is None else cute.domain_offset((offset, 0), slab)
     slab = mX[None, head, b]
     return slab if offset is None else cute.domain_offset((offset,), slab)
+
+
+class QueryTile:
+    """Where a varlen query tile lies: its sequence's rows and padded tiles, and its head."""
+
+    def __init__(self, valid, head, seqlen_q, offset_q, m_base):
+        self.valid, self.head, self.seqlen_q = valid, head, seqlen_q
+        self.offset_q, self.m_base = offset_q, m_base
+
+
+@cute.jit
+def varlen_query_tile(t, mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[int], heads):
+    """(m_block, QueryTile) of linear tile ``t`` of the backward's bwd_pre and bwd_post: sequence by
+    sequence, in each its heads, in each head its query tiles (warp-collective)."""
+    b, before, total = varlen_locate(t, mCuSeqlensQ, tile_m, heads)
+    offset_q = mCuSeqlensQ[b]
+    seqlen_q = mCuSeqlensQ[b + 1] - offset_q
+    n_m = cutlass.max(cute.ceil_div(seqlen_q, tile_m), 1)
+    r = t - before
+    return r % n_m, QueryTile(t < total, r // n_m, seqlen_q, offset_q,
+                              dq_accum_tile(offset_q, b, tile_m))

@@ -16,11 +16,14 @@ tensors (fa4_final.seqlens). The value checks of the offsets copy them to the ho
 (one device synchronisation, the only one); FA4_FINAL_VARLEN_CHECKS=0 turns them off, and then
 nothing waits for the GPU.
 
-The backward is still a loop: each sequence runs as a batch of one through the dense backward
-(correct for any lengths; one launch per sequence, so short sequences leave SMs idle). So is
-``forward_loop``, the forward as it was before the varlen kernel, kept as the reference that the
-benchmark (solutions.ch12_varlen_bench) and the GPU tests compare with, and used by a backend
-that has no varlen kernel.
+The backward is one launch of each of the backward's three kernels in their varlen variants
+(``Backend.varlen_backward`` -> fa4_final.varlen_backward; Note [Varlen backward] in
+fa4_final.hopper.bwd: one CTA per key tile of a sequence and kv head, the dQ accumulator padded
+per sequence to whole query tiles, Note [Varlen dQ accumulator] in fa4_final.bwd_tiles).
+``forward_loop`` and ``backward_loop`` are the per-sequence loops over the dense kernels (each
+sequence a batch of one: correct for any lengths, one launch per sequence, so short sequences
+leave SMs idle), kept as the references that the benchmark (solutions.ch12_varlen_bench) and the
+GPU tests compare with, and used by a backend that has no varlen kernel.
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ def _spans(cu_q, cu_k, used_k):
     return [(cu_q[i], cu_q[i + 1] - cu_q[i], cu_k[i], used_k[i]) for i in range(len(cu_q) - 1)]
 
 
-def _values_checked(backend) -> bool:
-    return backend.varlen_forward is None or os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0"
+def _values_checked(backend, kernel="varlen_forward") -> bool:
+    return (getattr(backend, kernel, None) is None
+            or os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0")
 
 
 def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
@@ -120,8 +124,8 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
                          seqused_k, max_seqlen_q, max_seqlen_k, causal=False,
                          softmax_scale=None, window_size=(None, None), deterministic=False):
     """Gradients of the varlen forward into dq (like q), dk and dv (like k). Key rows no
-    sequence uses (past seqused_k) get zero gradients. A per-sequence loop over the dense
-    backward (Note [Varlen kernel]): one launch per non-empty sequence."""
+    sequence uses (past seqused_k) get zero gradients. One launch per kernel of the backward
+    (Note [Varlen kernel]); the loop where the backend has no varlen backward."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale)
@@ -130,9 +134,43 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
     check_outputs(q, out, lse, (h, total_q))
     check_grads(q, k, dout, dq, dk, dv)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    kernel = getattr(backend, "varlen_backward", None)
+    if _values_checked(backend, "varlen_backward"):
+        cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
+        _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k, max_seqlen_q,
+                                        max_seqlen_k)
+    if kernel is not None:  # Note [Varlen kernel]
+        kernel(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k,
+               max_seqlen_q, max_seqlen_k, causal, scale, left, right, deterministic)
+        return dq, dk, dv
+    _backward_loop_into(backend, q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used_k,
+                        causal, scale, left, right, deterministic)
+    return dq, dk, dv
+
+
+def backward_loop(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, seqused_k=None,
+                  causal=False, softmax_scale=None, window_size=(None, None),
+                  deterministic=False):
+    """The per-sequence loop over the dense backward (Note [Varlen kernel]): (dq, dk, dv),
+    checked like varlen_backward_into. A reference for the benchmark and the tests, not the
+    API."""
+    batch, total_q, total_k, h, hk, d = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None, softmax_scale)
+    causal, left, right = _normalise_window(causal, window_size)
+    backend = backend_for(q.device)
+    check_outputs(q, out, lse, (h, total_q))
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
-    _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k, max_seqlen_q,
-                                    max_seqlen_k)
+    _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    check_grads(q, k, dout, dq, dk, dv)
+    _backward_loop_into(backend, q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used_k,
+                        causal, scale, left, right, deterministic)
+    return dq, dk, dv
+
+
+def _backward_loop_into(backend, q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used_k,
+                        causal, scale, left, right, deterministic):
     for t in (dq, dk, dv):  # rows of empty sequences and unused keys stay 0
         t.zero_()
     for q0, nq, k0, nk in _spans(cu_q, cu_k, used_k):
@@ -144,4 +182,3 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
         row_lse = lse[:, rows_q].unsqueeze(0).contiguous()  # (1, h, nq)
         backend.backward(one[0], kv[0], kv[1], one[1], row_lse, one[2], one[3], kv[2], kv[3],
                          causal, scale, left, right, deterministic)
-    return dq, dk, dv

@@ -355,15 +355,16 @@ def _fmt(v) -> str:
     return "-" if v is None else str(v)
 
 
-VARLEN_CASE = ("dtype", "b", "h", "d", "causal")
+VARLEN_CASE = ("dtype", "b", "h", "d", "causal", "pass")
 VARLEN_OURS = "fa4_final_varlen"  # the kernel over the packed batch, as FA4's call (no host sync)
 
 
 def varlen_table(res) -> str:
-    """One line per case of the varlen file (solutions.ch12_varlen_bench): the batch's lengths,
-    each implementation's TFLOP/s, and the varlen kernel over the fastest peer with the verdict
-    of utils.bench.compare. The other fa4_final rows (the API's checked call, the per-sequence
-    loop) are shown beside it, not compared as peers."""
+    """One line per case of the varlen file (solutions.ch12_varlen_bench): the pass (forward,
+    backward, both; a file from before the backward rows has forward rows only), the batch's
+    lengths, each implementation's TFLOP/s, and the varlen kernel over the fastest peer with the
+    verdict of utils.bench.compare. The other fa4_final rows (the API's checked call, the
+    per-sequence loop) are shown beside it, not compared as peers."""
     if res is None:
         return "not measured yet"
     groups = {}
@@ -371,19 +372,19 @@ def varlen_table(res) -> str:
         groups.setdefault(tuple(r.get(k) for k in VARLEN_CASE), []).append(r)
     names = impls_of(res)
     lines = [f"[{res.name}] {res.label}",
-             f"{'case':38s}" + "".join(f"{n:>26s}" for n in names) + "  varlen kernel vs peer"]
+             f"{'case':50s}" + "".join(f"{n:>26s}" for n in names) + "  varlen kernel vs peer"]
     for case, rows in groups.items():
         by = {r["impl"]: r for r in rows}
         first = rows[0]
-        label = (f"{case[1]} seqs, mean {first.get('s')} max {first.get('s_max')}, "
-                 f"d={case[3]}{' causal' if case[4] else ''}")
+        label = (f"{case[5] or 'fwd'} {case[1]} seqs, mean {first.get('s')} max "
+                 f"{first.get('s_max')}, d={case[3]}{' causal' if case[4] else ''}")
         cells = "".join(f"{by[n]['tflops']:>26.0f}" if by.get(n, {}).get("tflops") else
                         f"{'error' if by.get(n, {}).get('error') else '-':>26s}" for n in names)
         ours = by.get(VARLEN_OURS) if by.get(VARLEN_OURS, {}).get("tflops") else None
         peer = bench.fastest([r for r in rows if not is_ours(r["impl"])])
         cmp = bench.compare(ours, peer) if ours and peer else None
         verdict = f"  {cmp} vs {peer['impl']}" if cmp else "  -"
-        lines.append(f"{label:38s}{cells}{verdict}")
+        lines.append(f"{label:50s}{cells}{verdict}")
     return "\n".join(lines)
 
 

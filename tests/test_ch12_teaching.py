@@ -154,6 +154,14 @@ def test_varlen_table_pivots_cases():
     text = t12.varlen_table(fake("ch12_varlen", rows))
     assert "32 seqs, mean 2048 max 8000" in text and "slower" in text
     assert "vs fa4_package" in text and "fa4_final_loop" in text
+    # the backward's rows make cases of their own, next to the forward's
+    bwd = [{**timed(n, p, 128, 2048, False, t), **extra}
+           for p in ("bwd", "fwd+bwd")
+           for n, t in (("fa4_final_varlen", 300), ("fa4_package", 250))]
+    text = t12.varlen_table(fake("ch12_varlen", rows + bwd))
+    lines = text.splitlines()
+    assert [line.split()[0] for line in lines[2:]] == ["fwd", "bwd", "fwd+bwd"]
+    assert "faster" in lines[3] and "vs fa4_package" in lines[4]
     assert t12.varlen_table(None) == "not measured yet"
 
 

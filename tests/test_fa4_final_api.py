@@ -207,7 +207,7 @@ class Recorder:
 def fake_gpu(monkeypatch):
     rec = Recorder()
     backend = replace(dispatch.BACKENDS[0], forward=rec.forward, backward=rec.backward,
-                      varlen_forward=None)  # the per-sequence loop
+                      varlen_forward=None, varlen_backward=None)  # the per-sequence loops
     for module in (run, varlen):
         monkeypatch.setattr(module, "backend_for", lambda device: backend)
     return rec

@@ -26,6 +26,11 @@ each warpgroup, dS stored, dQ staged and read by the bulk add) is about as many 
 (chapter 00's model), so the step overlaps its GEMMs with everything else or loses time: that is
 why both warpgroups issue their GEMMs back to back and wait only where a result is needed.
 
+Varlen (chapter 12) is a compile-time variant, HopperVarlenBackward: packed sequences in one
+launch, one CTA per key tile of a sequence and kv head (Note [Varlen backward]). Only the CTA's
+lookup, the offsets of its rows and slabs and the store of a partial last key tile differ; the
+dense variant's code is what it was without it (its SASS is unchanged).
+
 Measured speeds: results/h200/ch11_bwd.json (``python -m solutions.ch11_bench``), printed in
 notebook 11; never typed here.
 """
@@ -45,12 +50,14 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_final.atomics import bulk_add_f32, pass_turn, wait_turn
-from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range
+from fa4_final.bwd_tiles import dq_accum_tile, dq_turn, launch_order_reversed, q_tile_range
 from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
 from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
 from fa4_final.fragments import acc_as_a_operand, acc_rows_cols, select_modes
 from fa4_final.hopper.wgmma import issue_wgmma
 from fa4_final.mask import fragment_coords
+from fa4_final.scheduler import varlen_locate
+from fa4_final.seqlens import sequence_slab
 from fa4_final.tiles import TileWindow
 
 MMA_THREADS = THREADS_PER_WARPGROUP * BWD_MMA_WARPGROUPS
@@ -108,6 +115,9 @@ class HopperBackward:
       pipeline_do   stages_q        dO and its delta per query tile
     dS and dQ pass through shared memory under named barriers (NamedBarrier).
     """
+
+    varlen = False  # HopperVarlenBackward: packed sequences (Note [Varlen backward])
+    has_seqused_k = False
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperBwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False):
@@ -224,6 +234,14 @@ class HopperBackward:
         window_right: Int32,
         stream,
     ):
+        self.launch(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, mTurn, softmax_scale,
+                    window_left, window_right, None, None, None, stream)
+
+    @cute.jit
+    def launch(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, mTurn, softmax_scale,
+               window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, stream):
+        """The host side of both variants: layouts, TMA descriptors, grid. The varlen tensors
+        are None in the dense one (HopperVarlenBackward's arguments)."""
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                            == mdO.element_type == mdK.element_type == mdV.element_type
                            == self.dtype)):
@@ -277,14 +295,21 @@ class HopperBackward:
                                                           (self.tile_n, D))
         mma_sdp, mma_dkv, mma_dq = self.tiled_mmas()
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        grid = (num_n_blocks, mK.shape[2], mK.shape[3])
+        mdK_rows, mdV_rows = None, None
+        if const_expr(self.varlen):
+            # one CTA per (key tile of a sequence, kv head), counted from shapes alone
+            # (bwd_tiles.varlen_grid_bound): CTAs past the last key tile exit
+            grid = ((num_n_blocks + mCuSeqlensK.shape[0] - 1) * mK.shape[2], 1, 1)
+            mdK_rows, mdV_rows = mdK, mdV  # a sequence's partial last key tile: no TMA store
         self.kernel(
             tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, mLSE2, mDelta, mdQaccum, mTurn,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk, tma_atom_dv,
             softmax_scale, softmax_scale * LOG2_E, window_left, window_right, mQ.shape[2],
             sQ_layout, sK_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq,
-            bytes_q + bytes_row, bytes_kv, SharedStorage,
-        ).launch(grid=(num_n_blocks, mK.shape[2], mK.shape[3]),
-                 block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+            bytes_q + bytes_row, bytes_kv, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+            mdK_rows, mdV_rows,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -322,6 +347,11 @@ class HopperBackward:
         bytes_q: cutlass.Constexpr[int],
         bytes_kv: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
+        mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; dense: None
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,  # varlen with seqused_k: (batch,) int32
+        mdK_rows: cute.Tensor | None,  # varlen: dk and dv themselves (s, D, h, b)
+        mdV_rows: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -354,6 +384,11 @@ class HopperBackward:
 
         n_block, head_kv, b = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        seq = None  # dense; varlen: where this CTA's sequence lies (Note [Varlen backward])
+        if const_expr(self.varlen):
+            n_block, head_kv, seqlen_q, seqlen_k, seq = self.varlen_key_tile(
+                n_block, mK.shape[2], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+            b = Int32(0)  # the packed batch of one
         num_n_blocks = (seqlen_k + self.tile_n - 1) // self.tile_n
         if const_expr(self.cfg.deterministic and launch_order_reversed(self.window)):
             n_block = num_n_blocks - 1 - n_block  # turns go downwards (bwd_tiles Note [Turn order])
@@ -369,16 +404,66 @@ class HopperBackward:
             if warp_idx == self.roles["producer"]["tma_warp"]:
                 self.load(mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                           tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, pipeline_q,
-                          pipeline_do, pipeline_kv, n_block, head_kv, b, work)
+                          pipeline_do, pipeline_kv, n_block, head_kv, b, work, seq)
             if warp_idx == self.roles["producer"]["dq_warp"]:
                 self.store_dq(mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q,
-                              seqlen_k, window_left, window_right)
+                              seqlen_k, window_left, window_right, seq)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.mma(mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk,
                      tma_atom_dv, mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do,
                      pipeline_kv, softmax_scale, scale_log2, window_left, window_right,
-                     n_block, head_kv, b, seqlen_q, seqlen_k, work)
+                     n_block, head_kv, b, seqlen_q, seqlen_k, work, seq, mdK_rows, mdV_rows)
+
+    # Note [Varlen backward]
+    # ----------------------
+    # HopperVarlenBackward: the packed sequences of fa4_final.varlen in one launch. A CTA is
+    # still one (key tile, kv head), now of one sequence: CTA t is the t-th of the list
+    # "sequence 0's kv head 0's key tiles, its kv head 1's, ..., sequence 1's, ..." (key tiles
+    # fastest, so the CTAs running together walk the same query heads' Q and dO out of L2).
+    # Each warp finds its CTA's sequence by itself with the forward's warp scan
+    # (scheduler.varlen_locate, over cu_seqlens_k, or seqused_k where given): ceil(batch / 32)
+    # steps of two L2 loads and five shuffles, a few hundred cycles against a CTA's
+    # ceil(len_q / tile_m) * group steps of 2.5k+ tensor cycles. The grid is counted from
+    # shapes alone, (ceil(total_k / tile_n) + batch) * heads_kv (bwd_tiles.varlen_grid_bound):
+    # no device sync, and at most batch * heads_kv CTAs find no tile and exit at once. The
+    # alternative, a (max key tiles, heads_kv, batch) grid with early exit, needs max_seqlen_k
+    # on the host and launches max_tiles * batch CTAs: for one 8k sequence among 100 short ones
+    # that is 64 * 101 CTAs per kv head of which about 165 work, each empty one still paying
+    # its launch, shared-memory carve-out and exit on an SM (one CTA per SM fits), where the
+    # list grid's empty CTAs are at most batch per kv head.
+    # Inside its sequence a CTA runs the dense code with the sequence's own seqlen_q and
+    # seqlen_k (masks, tile ranges, deterministic turns, the reversed launch order of Note
+    # [Turns] all per sequence): Q, dO, K and V are reached by a domain offset to the sequence's
+    # first row; lse_log2, delta, the dQ accumulator and the turn counters by the sequence's
+    # padded tile (Note [Varlen dQ accumulator] in fa4_final.bwd_tiles). Reading past a
+    # sequence's end is harmless as in the forward (fa4_final.seqlens): those keys are masked,
+    # those query rows have P = 0. Writing is not: a partial last key tile stores its dK and dV
+    # rows from shared memory with one predicate per row (store_rows) instead of a TMA store
+    # that would clip only at total_k. A sequence with keys but no query row gets dK = dV = 0
+    # from its CTAs (no step); one with no key owns no CTA, and its dQ is the zeroed
+    # accumulator. Rows past seqused_k belong to no key tile: the launch zeroes dk and dv first.
+
+    @cute.jit
+    def varlen_key_tile(self, t, heads_kv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK):
+        """(n_block, head_kv, seqlen_q, seqlen_k, (first q row, first k row, first padded
+        tile)) of CTA ``t`` (Note [Varlen backward]); past the last tile both lengths are 0, so
+        the CTA has no step and stores nothing. Warp-collective. Host mirror:
+        bwd_tiles.varlen_key_tile_host."""
+        b, before, total = varlen_locate(t, mCuSeqlensK, self.tile_n, heads_kv, mSeqUsedK)
+        offset_q, offset_k = mCuSeqlensQ[b], mCuSeqlensK[b]
+        seqlen_q = mCuSeqlensQ[b + 1] - offset_q
+        if const_expr(mSeqUsedK is not None):
+            seqlen_k = mSeqUsedK[b]
+        else:
+            seqlen_k = mCuSeqlensK[b + 1] - offset_k
+        valid = t < total
+        seqlen_q = seqlen_q if valid else Int32(0)
+        seqlen_k = seqlen_k if valid else Int32(0)
+        n_blocks = cutlass.max(cute.ceil_div(seqlen_k, self.tile_n), 1)
+        r = t - before
+        seq = (offset_q, offset_k, dq_accum_tile(offset_q, b, self.tile_m))
+        return r % n_blocks, r // n_blocks, seqlen_q, seqlen_k, seq
 
     # Note [Phases]
     # -------------
@@ -394,17 +479,22 @@ class HopperBackward:
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_atom_q,
              tma_atom_k, tma_atom_v, tma_atom_do, pipeline_q, pipeline_do, pipeline_kv,
-             n_block, head_kv, b, work):
+             n_block, head_kv, b, work, seq=None):
         """TMA warp: K and V once, then per step Q + lse and dO + delta (Note [Phases])."""
         m_min, m_max, _, _, head0, group = work
+        offset_q = offset_k = m_base = None  # dense; varlen: Note [Varlen backward]
+        if const_expr(seq is not None):
+            offset_q, offset_k, m_base = seq
         D = self.head_dim
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                self.cfg.stages_q)
         state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         if m_max > m_min:
-            gK = cute.local_tile(mK[None, None, head_kv, b], (self.tile_n, D), (n_block, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, b], (self.tile_n, D), (n_block, 0))
+            gK = cute.local_tile(sequence_slab(mK, head_kv, b, offset_k), (self.tile_n, D),
+                                 (n_block, 0))
+            gV = cute.local_tile(sequence_slab(mV, head_kv, b, offset_k), (self.tile_n, D),
+                                 (n_block, 0))
             pipeline_kv.producer_acquire(state_kv)
             for atom, g, s in ((tma_atom_k, gK, sK), (tma_atom_v, gV, sV)):
                 tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1),
@@ -415,8 +505,10 @@ class HopperBackward:
         for h in cutlass.range(group, unroll=1):
             head = head0 + h
             # (m, D, m_blocks) of this head; (m, m_blocks) of its lse and delta
-            gQ = cute.local_tile(mQ[None, None, head, b], (self.tile_m, D), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, b], (self.tile_m, D), (None, 0))
+            gQ = cute.local_tile(sequence_slab(mQ, head, b, offset_q), (self.tile_m, D),
+                                 (None, 0))
+            gdO = cute.local_tile(sequence_slab(mdO, head, b, offset_q), (self.tile_m, D),
+                                  (None, 0))
             gLSE = cute.local_tile(mLSE2[None, head, b], (self.tile_m,), (None,))
             gDelta = cute.local_tile(mDelta[None, head, b], (self.tile_m,), (None,))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1),
@@ -426,19 +518,22 @@ class HopperBackward:
                                                    cute.group_modes(sdO, 0, 2),
                                                    cute.group_modes(gdO, 0, 2))
             for m_block in cutlass.range(m_min, m_max, unroll=1):
+                m_pad = m_block  # its tile of lse_log2, delta, dQ accumulator, turns
+                if const_expr(m_base is not None):
+                    m_pad = m_base + m_block
                 pipeline_q.producer_acquire(state_q)
                 bar = pipeline_q.producer_get_barrier(state_q)
                 cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state_q.index],
                           tma_bar_ptr=bar)
                 with cute.arch.elect_one():
-                    cute.copy(bulk, gLSE[None, m_block], sLSE[None, state_q.index],
+                    cute.copy(bulk, gLSE[None, m_pad], sLSE[None, state_q.index],
                               mbar_ptr=bar)
                 pipeline_do.producer_acquire(state_q)
                 bar = pipeline_do.producer_get_barrier(state_q)
                 cute.copy(tma_atom_do, tdOgdO[None, m_block], tdOsdO[None, state_q.index],
                           tma_bar_ptr=bar)
                 with cute.arch.elect_one():
-                    cute.copy(bulk, gDelta[None, m_block], sDelta[None, state_q.index],
+                    cute.copy(bulk, gDelta[None, m_pad], sDelta[None, state_q.index],
                               mbar_ptr=bar)
                 state_q.advance()
 
@@ -458,10 +553,13 @@ class HopperBackward:
 
     @cute.jit
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
-                 window_left, window_right):
+                 window_left, window_right, seq=None):
         """dQ warp: per step, both warpgroups' float32 dQ blocks into the accumulator, each
         with one bulk add (Note [dQ in accumulator order]); in turn when deterministic."""
         m_min, m_max, _, _, head0, group = work
+        m_base = None  # varlen: the sequence's first padded tile (Note [Varlen backward])
+        if const_expr(seq is not None):
+            m_base = seq[2]
         lane = cute.arch.lane_idx()
         wgs = BWD_MMA_WARPGROUPS
         chunk_bytes = self.dq_chunk * 4
@@ -470,6 +568,9 @@ class HopperBackward:
             head = head0 + h
             gAcc = mdQaccum[None, head, b]  # (s_padded * D,)
             for m_block in cutlass.range(m_min, m_max, unroll=1):
+                m_pad = m_block  # its tile of lse_log2, delta, dQ accumulator, turns
+                if const_expr(m_base is not None):
+                    m_pad = m_base + m_block
                 for w in cutlass.range_constexpr(wgs):
                     # the previous step's add of buffer w must have read it (groups retire in
                     # order: w = 0 was committed first)
@@ -481,7 +582,7 @@ class HopperBackward:
                                              number_of_threads=handshake)
                 turn_ptr = None
                 if const_expr(self.cfg.deterministic):
-                    turn_ptr = mTurn[None, head, b].iterator + m_block
+                    turn_ptr = mTurn[None, head, b].iterator + m_pad
                     if lane == 0:
                         wait_turn(turn_ptr, dq_turn(self.window, n_block, m_block, num_n_blocks,
                                                     seqlen_q, seqlen_k, window_left,
@@ -491,7 +592,7 @@ class HopperBackward:
                     cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + w,
                                       number_of_threads=handshake)
                     if lane == 0:
-                        offset = m_block * (self.tile_m * self.head_dim) + w * self.dq_chunk
+                        offset = m_pad * (self.tile_m * self.head_dim) + w * self.dq_chunk
                         bulk_add_f32(gAcc.iterator + offset, sdQ[None, w].iterator,
                                      chunk_bytes)
                         cute.arch.cp_async_bulk_commit_group()
@@ -512,7 +613,7 @@ class HopperBackward:
     def mma(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk, tma_atom_dv,
             mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do, pipeline_kv, softmax_scale,
             scale_log2, window_left, window_right, n_block, head_kv, b, seqlen_q, seqlen_k,
-            work):
+            work, seq=None, mdK_rows=None, mdV_rows=None):
         """MMA warpgroups: every step of the CTA, then the dK, dV epilogue."""
         m_min, m_max, n_first, n_last, _, group = work
         tidx, _, _ = cute.arch.thread_idx()
@@ -577,7 +678,8 @@ class HopperBackward:
                 for m_block in cutlass.range(last_start, m_max, unroll=1):
                     state_q = step(m_block, True, state_q)
         self.epilogue(acc_dk, acc_dv, mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, mma_dkv,
-                      softmax_scale, tidx, n_block, head_kv, b)
+                      softmax_scale, tidx, n_block, head_kv, b, seq, seqlen_k, mdK_rows,
+                      mdV_rows)
 
     @cute.jit
     def step(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv, acc_dk,
@@ -686,9 +788,11 @@ class HopperBackward:
 
     @cute.jit
     def epilogue(self, acc_dk, acc_dv, mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, mma_dkv,
-                 softmax_scale, tidx, n_block, head_kv, b):
+                 softmax_scale, tidx, n_block, head_kv, b, seq=None, seqlen_k=None,
+                 mdK_rows=None, mdV_rows=None):
         """dK = scale * (sum of dS^T Q) and dV to global memory: registers -> shared (stmatrix,
-        over the K and V buffers) -> TMA stores, which clip rows past seqlen_k."""
+        over the K and V buffers) -> TMA stores, which clip rows past seqlen_k. Varlen: a
+        sequence's partial last key tile goes out row by row (Note [Varlen backward])."""
         dk = acc_rows_cols(acc_dk)
         for r in cutlass.range_constexpr(cute.size(dk, mode=[0])):
             for c in cutlass.range(cute.size(dk, mode=[1]), unroll_full=True):
@@ -706,16 +810,61 @@ class HopperBackward:
         cute.copy(st, thr_st.retile(rdV), thr_st.partition_D(sV))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=MMA_THREADS)
+        if const_expr(seq is None):
+            self.store_tma(mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, tidx, n_block, head_kv,
+                           b, None)
+        else:
+            # a CTA past the last key tile has seqlen_k = 0 (and, reversed, n_block = -1): no
+            # row is stored
+            keys_left = cutlass.min(seqlen_k - n_block * self.tile_n, seqlen_k)
+            if keys_left >= self.tile_n:
+                self.store_tma(mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, tidx, n_block,
+                               head_kv, b, seq[1])
+            else:
+                for m, s in ((mdK_rows, sK), (mdV_rows, sV)):
+                    g = cute.local_tile(sequence_slab(m, head_kv, b, seq[1]),
+                                        (self.tile_n, self.head_dim), (n_block, 0))
+                    self.store_rows(s, g, tidx, keys_left)
+
+    @cute.jit
+    def store_tma(self, mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, tidx, n_block, head_kv, b,
+                  offset_k):
+        """dK and dV of the tile (in sK, sV) with one TMA store each, by the first MMA warp."""
         if tidx // WARP_SIZE == 0:
             D = self.head_dim
             for atom, m, s in ((tma_atom_dk, mdK, sK), (tma_atom_dv, mdV, sV)):
-                g = cute.local_tile(m[None, None, head_kv, b], (self.tile_n, D), (n_block, 0))
+                g = cute.local_tile(sequence_slab(m, head_kv, b, offset_k), (self.tile_n, D),
+                                    (n_block, 0))
                 tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                                    cute.group_modes(s, 0, 2),
                                                    cute.group_modes(g, 0, 2))
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_rows(self, s_tile, g_tile, tidx, rows_left):
+        """The first ``rows_left`` rows of the (tile_n, D) tile ``s_tile`` to ``g_tile``, 16
+        bytes per thread and pass, one predicate per row (the forward's Note [Varlen
+        epilogue]); every MMA thread takes part. Plain loads: nothing to wait for after."""
+        vec = 128 // self.dtype.width
+        per_row = self.head_dim // vec  # threads per row
+        rows_per_pass = MMA_THREADS // per_row
+        assert self.tile_n % rows_per_pass == 0, (self.tile_n, rows_per_pass)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                   num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((rows_per_pass, per_row), order=(1, 0)),
+            cute.make_layout((1, vec)))
+        thr = tiled.get_slice(tidx)
+        tXsX = thr.partition_S(s_tile)  # (CPY, tile_n / rows_per_pass, 1)
+        tXgX = thr.partition_D(g_tile)
+        tXcX = thr.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        tXrX = cute.make_fragment_like(tXsX, self.dtype)
+        cute.autovec_copy(tXsX, tXrX)
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            if tXcX[0, m, 0][0] < rows_left:
+                cute.copy(atom, tXrX[None, m, None], tXgX[None, m, None])
 
     # Note [Fresh accumulators]
     # -------------------------
@@ -725,3 +874,49 @@ class HopperBackward:
     # the next wgmma ("wgmma serialized", warning C7512) and the GEMMs stop overlapping. A
     # tensor made inside the step has no such history. tests/test_fa4_final_bwd_compile.py
     # counts the fences ptxas added.
+
+
+class HopperVarlenBackward(HopperBackward):
+    """The backward over packed varlen sequences in one launch (Note [Varlen backward]): the
+    dense kernel with a compile-time flag, so the dense variant's code is what it was. Tensors
+    as fa4_final.varlen packs them, each given as a batch of one: q, dout (1, total_q, heads,
+    D), k, v, dk, dv (1, total_k, heads_kv, D); lse_log2, delta (1, heads, padded rows), the dQ
+    accumulator (1, heads, padded rows * D) and the turn counters (1, heads, padded tiles) in
+    the padded layout of Note [Varlen dQ accumulator] (fa4_final.bwd_tiles)."""
+
+    varlen = True
+
+    def __init__(self, dtype, head_dim: int, causal: bool, config: HopperBwdConfig,
+                 has_window_left: bool = False, has_window_right: bool = False,
+                 has_seqused_k: bool = False):
+        super().__init__(dtype, head_dim, causal, config, has_window_left, has_window_right)
+        self.has_seqused_k = bool(has_seqused_k)
+
+    def cache_key(self) -> tuple:
+        return super().cache_key() + (("varlen", self.has_seqused_k),)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (1, total_q, heads, D)
+        mK: cute.Tensor,  # (1, total_k, heads_kv, D)
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE2: cute.Tensor,  # (1, heads, padded rows) float32 (bwd_pre)
+        mDelta: cute.Tensor,
+        mdQaccum: cute.Tensor,  # (1, heads, padded rows * D) float32, zeroed
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mTurn: cute.Tensor,  # (1, heads, padded tiles) int32 (deterministic only)
+        mCuSeqlensQ: cute.Tensor,  # (batch + 1,) int32
+        mCuSeqlensK: cute.Tensor,  # (batch + 1,) int32
+        mSeqUsedK: cute.Tensor | None,  # (batch,) int32 or None (has_seqused_k)
+        softmax_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream,
+    ):
+        if const_expr(self.has_seqused_k != (mSeqUsedK is not None)):
+            raise TypeError("seqused_k is given exactly to the has_seqused_k variant")
+        self.launch(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, mTurn, softmax_scale,
+                    window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, stream)

@@ -5,7 +5,7 @@
 #   (fa4-gaps: the forward's knobs at the shapes where the FA4 package leads; fa4-sched: the
 #    tile schedules (persistent or one tile per CTA, L2 sections) at all eight forward shapes)
 #   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests ch12-sweep ch12-acc varlen-tests
-#    varlen-bench varlen-sanitize)
+#    varlen-bench varlen-sanitize varlen-bwd-sanitize)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
 #   (profiles: ch04-profile, ch05-profile, fa4-profile, fa4-versus (fa4_final and the FA4
 #    package side by side); each keeps ncu's CSV exports under
@@ -60,9 +60,10 @@ for s in "$@"; do
     bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
     bwd-bench) step bwd_bench 900 $PY -m solutions.ch11_bench ;;
     api-tests) step api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
-    varlen-tests) step varlen_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py -k varlen ;;
-    varlen-bench) step varlen_bench 240 $PY -m solutions.ch12_varlen_bench ;;
+    varlen-tests) step varlen_tests 480 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py -k varlen ;;
+    varlen-bench) step varlen_bench 420 $PY -m solutions.ch12_varlen_bench ;;
     varlen-sanitize) step varlen_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_api.py -k "test_varlen_forward and b70" ;;
+    varlen-bwd-sanitize) step varlen_bwd_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_varlen_bwd.py -k "against_float64 and (mixed-causal-used or many)" ;;
     fa4-bench) step fa4_bench 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     fa4-gaps) step fa4_gaps 300 $PY -m solutions.ch08_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
     fa4-sched) step fa4_sched 420 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "one tile per CTA" "zigzag" --name fa4_final_sched ;;
@@ -82,7 +83,7 @@ for s in "$@"; do
       args=()
       for log in "$OUT"/logs/*.log; do
         n=$(basename "$log" .log)
-        case $n in gpu_tests|bwd_tests|api_tests|varlen_tests|varlen_memcheck|san_*|*_check) args+=("$n=$log") ;; esac
+        case $n in gpu_tests|bwd_tests|api_tests|varlen_tests|varlen_memcheck|varlen_bwd_memcheck|san_*|*_check) args+=("$n=$log") ;; esac
       done
       [ ${#args[@]} -gt 0 ] && step record 60 $PY -m solutions.gpu_checks "${args[@]}" ;;
     *) echo "unknown step $s"; status=1 ;;

@@ -389,7 +389,7 @@ VARLEN_BWD = [  # lens_q, lens_k, h, hk, d, dtype, causal, window
 @pytest.mark.parametrize("case", VARLEN_BWD, ids=lambda c: f"h{c[2]}-hk{c[3]}-d{c[4]}-"
                          f"causal{int(c[6])}-w{c[7][0]}_{c[7][1]}")
 def test_varlen_backward_matches_dense_per_sequence(case):
-    """The varlen forward kernel, then the per-sequence backward loop, through autograd; each
+    """The varlen forward kernel, then the varlen backward kernels, through autograd; each
     sequence's dq, dk, dv against float64 autograd (the tolerance rule of the backward's own
     test); keys and rows of sequences with no visible pair get 0."""
     from tests.gpu.test_fa4_final_bwd import _grads, _visible
