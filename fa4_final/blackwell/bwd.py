@@ -200,13 +200,16 @@ class BlackwellBackward(WarpRoles):
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: BlackwellBwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False):
+        if config.two_cta and type(self) is BlackwellBackward:
+            raise ValueError("BlackwellBwdConfig(two_cta=True) is the pair kernel, "
+                             "fa4_final.blackwell.bwd_pair.BlackwellBackwardPair")
         config.check(head_dim)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal)
         self.cfg = config
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
-        self.q_stages = config.q_stages
+        self.q_stages = config.q_depth(head_dim)
         self.do_stages = config.do_depth(head_dim)
         self.window = TileWindow(self.tile_m, self.tile_n, self.causal,
                                  has_left=bool(has_window_left),
@@ -981,6 +984,10 @@ def kernels(dtype: str = "bf16", head_dim: int = 128, causal: bool = False,
     if not isinstance(cfg, BlackwellBwdConfig):
         raise TypeError(f"config must be a BlackwellBwdConfig or None, got {type(cfg).__name__}")
     dt = CUTLASS_BY_NAME[dtype]
+    if cfg.two_cta:
+        raise ValueError("the 2-CTA backward (BlackwellBwdConfig(two_cta=True)) is not built "
+                         "yet: only its pipelines exist (solutions.ch09_pipeline."
+                         "PairBackwardSim); use two_cta=False")
     main = BlackwellBackward(dt, head_dim, causal, cfg, has_window_left=has_window_left,
                              has_window_right=has_window_right)
     return {"pre": BackwardPre(dt, head_dim, main.tile_m, cfg.deterministic), "main": main,
