@@ -1311,6 +1311,8 @@ class PairBackwardSim(_KernelSim):
             yield busy(1, "issue")
         if self.steps > 0:
             self.commit("dkv")
+            # the last dQ read by both CTAs' dQ warps: no remote arrival still in flight
+            yield Wait(self.empty("dq", 0), phase ^ 1)
 
     # ---- the follower's MMA warp (BlackwellBackwardPair.relay)
     def relay(self):

@@ -193,3 +193,112 @@ def test_sm100_bwd_side_by_side_our_side_regenerates(compiled):
         for row in C.flatten("fa4_final", c["config"], now):
             stored = C.value(table, "fa4_final", c["config"], row["metric"])
             assert stored == row["value"], (c["config"], row["metric"], stored, row["value"])
+
+
+# ----------------------------------------------------------------------------------------------
+# the 2-CTA mode (fa4_final.blackwell.bwd_pair): a CTA pair per 256 keys
+
+PAIR = BlackwellBwdConfig(two_cta=True)
+
+
+def test_blackwell_bwd_pair_refuses_what_it_does_not_build():
+    from fa4_final.blackwell.bwd import kernels
+
+    with pytest.raises(ValueError, match="deterministic"):
+        kernels("bf16", 128, True, BlackwellBwdConfig(two_cta=True, deterministic=True))
+    with pytest.raises(ValueError, match="head_dim"):
+        kernels("bf16", 96, False, PAIR)
+    with pytest.raises(ValueError, match="pair kernel"):  # the 1-CTA class never takes the flag
+        BlackwellBackward(BF16, 128, False, PAIR)
+    assert BlackwellBwdConfig().two_cta is False  # the default stays 1-CTA
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_blackwell_bwd_pair_tmem_plan_and_smem(head_dim):
+    plan = PAIR.tmem_plan(head_dim)
+    assert plan.columns_used == 2 * 128 + 2 * head_dim and plan.columns_allocated == 512
+    assert plan["dS"].alias_of == "dP" and plan["dS"].end == plan["dP"].end  # dK's A in TMEM
+    assert plan["dQ"].alias_of == "dP" and plan["dQ"].columns == head_dim // 2
+    assert plan["dQ"].end <= plan["dS"].start
+    assert PAIR.smem_bytes(head_dim) <= SM100_SMEM_BYTES
+    assert PAIR.q_depth(head_dim) == (1 if head_dim == 128 else 2)
+
+
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (64, True), (128, True)])
+def test_sm100_bwd_pair_is_a_pair_kernel(compiled, head_dim, causal):
+    """Every tcgen05 instruction is cta_group::2 (newer toolkits reject a kernel that mixes
+    ::1 and ::2), commits reach both CTAs, the TMA loads count on the leader's barrier, the
+    kernel knows its cluster rank and meets the peer at cluster barriers; dS goes to the peer
+    by st.async (mapa'd addresses, bytes counted by the peer's mbarrier, armed remotely)."""
+    from fa4_final.blackwell import bwd_pair
+
+    art = compiled(head_dim, causal, PAIR)["main"]
+    art.require("tcgen05.mma.cta_group::2", "tcgen05.commit.cta_group::2",
+                "multicast::cluster", "tcgen05.alloc.cta_group::2",
+                "tcgen05.dealloc.cta_group::2", "cp.async.bulk.tensor", ".cta_group::2",
+                "%cluster_ctarank", "barrier.cluster.arrive", "barrier.cluster.wait",
+                "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32", "mapa",
+                "mbarrier.arrive.expect_tx.shared::cluster", "mbarrier.arrive.shared::cluster")
+    art.forbid("cta_group::1", "wgmma")
+    assert art.count("tcgen05.mma.cta_group::2") == art.count("tcgen05.mma")
+    art.require("UTCHMMA.2CTA", "UTCBAR.2CTA.MULTICAST", "UTMALDG.4D.2CTA", "STAS.128",
+                where="sass")
+    assert bwd_pair.CLUSTER == (2, 1, 1) and re.search(r"\.(reqntid|maxntid)\s+512", art.ptx)
+
+
+def test_sm100_bwd_pair_issues_five_pair_gemms_per_step(compiled):
+    """S^T, dP^T (K = D), dV, dK (K = 128 queries), dQ (K = the pair's 256 keys): D/16 + D/16
+    + 8 + 8 + 16 tcgen05.mma per step, issued once; dV and dK read A from TMEM (16 of them)."""
+    for d in (64, 128):
+        art = compiled(d, False, PAIR)["main"]
+        assert art.count("tcgen05.mma") == 2 * d // 16 + 2 * 128 // 16 + 256 // 16, d
+        assert art.count("UTCHMMA.2CTA", where="sass") == art.count("tcgen05.mma"), d
+        assert len(re.findall(r"tcgen05\.mma[^\n]*\[%r\d+\], \[%r\d+", art.ptx)) == 2 * 8
+
+
+def test_sm100_bwd_pair_halves_the_dq_bulk_adds_per_cta(compiled):
+    """Each CTA adds its 64 queries' dQ: two 8 KB adds per 32-column chunk of its D/2 columns,
+    D/32 per step: half of the 1-CTA kernel's 2 D/32, and no per-element atomics."""
+    word = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
+    for d in (64, 128):
+        one, two = compiled(d)["main"], compiled(d, False, PAIR)["main"]
+        assert 2 * two.count(word) == one.count(word) == 2 * d // BWD_DQ_CHUNK, d
+        assert two.count("UBLKRED", where="sass") == d // BWD_DQ_CHUNK
+        two.forbid("red.global.add.f32", "atom.global.add.f32")
+
+
+def test_sm100_bwd_pair_exchanges_ds_and_syncs_twice_per_step(compiled):
+    """Per compiled step (masked and unmasked copies: 2, 3 with a left window): 8 st.async of 16
+    bytes a thread (its 64 dS values) into the peer, one remote expect_tx arming the peer's
+    barrier, and two bar.sync COMPUTE: before P^T over S^T and before dS^T over dP^T."""
+    from fa4_final.blackwell.bwd import NamedBarrier
+
+    for kw, copies in ((dict(head_dim=128), 2),
+                       (dict(head_dim=64, has_window_left=True, has_window_right=True), 3)):
+        art = compiled(cfg=PAIR, **kw)["main"]
+        assert art.count("st.async.shared::cluster") == 8 * copies, kw
+        assert art.count("mbarrier.arrive.expect_tx.shared::cluster") == copies, kw
+        assert len(re.findall(rf"bar\.sync\s+{int(NamedBarrier.COMPUTE)}, 256;", art.ptx)) \
+            == 2 * copies, kw
+
+
+def test_blackwell_bwd_pair_compiles_spill_free_within_the_budgets(compiled):
+    variants = [dict(head_dim=128), dict(head_dim=128, causal=True), dict(head_dim=64),
+                dict(head_dim=64, causal=True), dict(head_dim=128, causal=True, dtype="fp16"),
+                dict(head_dim=64, has_window_left=True, has_window_right=True)]
+    from fa4_final.blackwell.bwd_pair import BlackwellBackwardPair
+
+    k = BlackwellBackwardPair(BF16, 128, False, PAIR)
+    budget = {r["registers"] for r in k.roles.values()}
+    for v in variants:
+        art = compiled(cfg=PAIR, **v)["main"]
+        assert art.spills == 0 and art.frame_bytes == 0, (v, art.resources())
+        seen = {int(x) for x in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)",
+                                           art.ptx)}
+        assert seen == budget, v
+        regs = re.findall(r"tcgen05\.alloc[^\n]*?,\s*(%r\d+|\d+);", art.ptx)
+        cols = regs[0] if regs[0].isdigit() else \
+            re.search(rf"mov\.[ub]32\s+{regs[0]},\s*(\d+);", art.ptx).group(1)
+        assert int(cols) == PAIR.tmem_plan(v["head_dim"]).columns_allocated == 512
+    # the struct the kernel asserts against the config's arithmetic, at the limit's side
+    assert PAIR.smem_bytes(128) == 231424 <= SM100_SMEM_BYTES == 232448
