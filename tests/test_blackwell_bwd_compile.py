@@ -189,7 +189,9 @@ def test_sm100_bwd_side_by_side_our_side_regenerates(compiled):
     for c in C.BWD_CONFIGS:
         if not c["ours"]:
             continue
-        now = C.our_bwd_metrics(c["d"], c["causal"], compiled(c["d"], c["causal"])["main"])
+        cfg = BlackwellBwdConfig(two_cta=True) if c["two_cta"] else None
+        now = C.our_bwd_metrics(c["d"], c["causal"], compiled(c["d"], c["causal"], cfg)["main"],
+                                two_cta=c["two_cta"])
         for row in C.flatten("fa4_final", c["config"], now):
             stored = C.value(table, "fa4_final", c["config"], row["metric"])
             assert stored == row["value"], (c["config"], row["metric"], stored, row["value"])
