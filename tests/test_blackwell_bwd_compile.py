@@ -226,6 +226,68 @@ def test_blackwell_bwd_pair_tmem_plan_and_smem(head_dim):
     assert PAIR.q_depth(head_dim) == (1 if head_dim == 128 else 2)
 
 
+def test_blackwell_bwd_pair_dq_lands_in_the_hopper_accumulator_order():
+    """Every (query, column) of a pair's 128 x D dQ tile: CTA r holds query 64 r + (t % 64) at
+    TMEM lane t, columns (t // 64) D/2 + 32 c + j (the pair MMA's M = 128 accumulator); its dQ
+    warps stage lane t as row t of the 1-CTA staging layout and add half hh of the buffer at
+    r 64 D + hh 32 D + 2048 c (BlackwellBackwardPair.store_dq). That is the Hopper accumulator
+    order bwd_post reads (the formula of Note [dQ accumulator order]), each element once."""
+    from fa4_final.blackwell.bwd_pair import BlackwellBackwardPair
+
+    def hopper(row, col, d):
+        return (64 * d * (row // 64) + 512 * (col // 8) + 128 * ((row % 64) // 16)
+                + 16 * (row % 8) + 2 * ((row % 16) // 8) + 4 * ((col % 8) // 2) + col % 2)
+
+    for d in (64, 128):
+        k = BlackwellBackwardPair(BF16, d, False, BlackwellBwdConfig(two_cta=True))
+        stage = k.dq_stage_layout_plain()
+        half = 64 * BWD_DQ_CHUNK
+        seen = set()
+        for r in (0, 1):
+            for t in range(128):
+                for c in range(d // 2 // BWD_DQ_CHUNK):
+                    for j in range(BWD_DQ_CHUNK):
+                        hh, local = divmod(stage(t, j), half)
+                        assert hh == t // 64
+                        off = r * 64 * d + hh * 32 * d + c * half + local
+                        row, col = 64 * r + t % 64, (t // 64) * d // 2 + BWD_DQ_CHUNK * c + j
+                        assert off == hopper(row, col, d), (d, r, t, c, j)
+                        seen.add(off)
+        assert sorted(seen) == list(range(128 * d))
+
+
+def test_blackwell_bwd_pair_layouts_as_the_kernel_assumes_them():
+    """CuTe's own layouts (host-side CuTe runs on the CPU) are what store_dq, compute and the dS
+    exchange assume: dQ's pair accumulator puts query i's columns D/2 .. D - 1 on lane 64 + i
+    (lane stride 1 << 16 in a TMEM address); S^T's has 128 lanes per CTA; dS (dQ's A) is the
+    MN-major ((64 queries, 16 keys), 1, 16 key blocks) tile that ``dS_rows`` regroups."""
+    import cutlass.cute as cute
+
+    from fa4_final.blackwell.bwd_pair import BlackwellBackwardPair
+
+    got = {}
+
+    def probe_for(d):
+        k = BlackwellBackwardPair(BF16, d, False, PAIR)
+
+        @cute.jit
+        def probe():
+            sdp, _, _, dq = k.tiled_mmas()
+            lay = k.smem_layouts(k.tiled_mmas())
+            for name, t, mn in (("dq", dq, (128, d)), ("s", sdp, (256, 128))):
+                thr = t.get_slice(1)
+                got[d, name] = str(thr.make_fragment_C(thr.partition_shape_C(mn)).layout)
+            got[d, "dS"] = str(lay["dS"].outer)
+
+        return probe
+
+    for d in (64, 128):
+        probe_for(d)()
+        assert got[d, "dq"] == f"((64,({d // 2},2)),1,1):((65536,(1,{64 << 16})),0,0)"
+        assert got[d, "s"] == "((128,128),1,1):((65536,1),0,0)"
+        assert got[d, "dS"] == "((64,16),1,16):((1,64),0,1024)"
+
+
 @pytest.mark.parametrize("head_dim,causal", [(128, False), (64, True), (128, True)])
 def test_sm100_bwd_pair_is_a_pair_kernel(compiled, head_dim, causal):
     """Every tcgen05 instruction is cta_group::2 (newer toolkits reject a kernel that mixes

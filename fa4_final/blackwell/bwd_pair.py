@@ -31,10 +31,12 @@ does the contention of CTAs adding into the same accumulator lines.
 
 The dS exchange (Note [The dS exchange]): CTA r's dQ A needs dS for its 64 queries and all 256
 keys; its own keys' block it writes itself, the peer's 16 KB arrive from the peer's warpgroup r
-by st.async, 16 bytes a store, counted by an mbarrier in the receiving CTA (bytes, not a bulk
-copy: a bulk copy needs the 16 KB staged first, and a 16 KB staging buffer does not fit at
-D = 128). Each step it costs each CTA 16 KB into the peer's shared memory plus one relay arrival
-(the follower's MMA warp tells the leader its barrier completed), and the dQ GEMM waits for it.
+by st.async, 16 bytes a store, counted by an mbarrier in the receiving CTA (not a bulk copy:
+that needs the 16 KB staged first, and a staging buffer does not fit beside this kernel's two
+32-column dQ buffers at D = 128, 231424 + 16384 B > 232448 B; FA4 shrinks its dQ staging to four
+8-column buffers and stages dS instead). Each step it costs each CTA 16 KB into the peer's
+shared memory plus one relay arrival (the follower's MMA warp tells the leader its barrier
+completed), and the dQ GEMM waits for it.
 
 Shared memory per CTA (``BlackwellBwdConfig.pair_smem_fields``, asserted against the struct):
 
@@ -49,7 +51,7 @@ Shared memory per CTA (``BlackwellBwdConfig.pair_smem_fields``, asserted against
     dQ staging, two 32-column buffers            32768    32768
     = total                                     231424   183296   (limit 232448)
 
-dS^T, dK's A, lives in TMEM (Note [The pair's plan] in tmem.backward_pair_plan): a dS^T tile in
+dS^T, dK's A, lives in TMEM (tmem.backward_pair_plan): a dS^T tile in
 shared memory as the 1-CTA kernel keeps it would need 32 KB more, 264192 B at D = 128. TMEM per
 CTA: S^T 128 + dP^T 128 + dV D + dK D columns (512 at D = 128); P^T over S^T's upper half, dS^T
 over dP^T's upper half, dQ (D/2) over dP^T's lower half.
@@ -742,10 +744,10 @@ class BlackwellBackwardPair(BlackwellBackward):
 
     # Note [dS^T over dP^T]
     # ---------------------
-    # dK's A is dS^T in TMEM (16-bit pairs over dP^T's upper 64 columns, Note [The pair's
-    # plan]): warpgroup g stores its 32 columns at 192 + 32 g, and warpgroup 0's land on dP^T
-    # columns warpgroup 1 loads. So a second bar.sync COMPUTE, as before P^T (Note [P^T over
-    # S^T]); solutions.ch09_pipeline.PairBackwardSim catches its absence (no_ds_sync).
+    # dK's A is dS^T in TMEM (16-bit pairs over dP^T's upper 64 columns, tmem.backward_pair_plan):
+    # warpgroup g stores its 32 columns at 192 + 32 g, and warpgroup 0's land on dP^T columns
+    # warpgroup 1 loads. So a second bar.sync COMPUTE, as before P^T (Note [P^T over S^T]);
+    # solutions.ch09_pipeline.PairBackwardSim catches its absence (no_ds_sync).
 
     @cute.jit
     def compute_step(self, m_block, masked: cutlass.Constexpr[bool], key, key_in_pair, g, r,
@@ -818,10 +820,11 @@ class BlackwellBackwardPair(BlackwellBackward):
     # Note [The swizzle in bytes]
     # -----------------------------
     # The 128 B swizzle of the operand tiles (CuTe's S<3,4,3>, the UMMA descriptor's mode) acts
-    # on the byte address: bits 4-6 ^= bits 7-9, inside a 1 KB aligned tile. The generic stores
-    # get it from the swizzled tensor view; st.async takes a plain address, so the exchange
-    # computes it: byte offset b -> b ^ ((b >> 3) & 0x70). The 16 bytes of 8 queries stay
-    # contiguous (the XOR moves whole 16 B units), so each st.async.v4 lands in one piece.
+    # on the shared-memory byte address: bits 4-6 ^= bits 7-9. The generic stores get it from
+    # the swizzled tensor view (its PTX: xor of (addr >> 3) & 112 into addr); st.async takes a
+    # plain address, so the exchange applies the same: a -> a ^ ((a >> 3) & 0x70), then mapa to
+    # the peer (same offset there). The 16 bytes of 8 queries stay contiguous (the XOR moves
+    # whole 16 B units), so each st.async.v4 lands in one piece.
 
     @cute.jit
     def store_ds(self, rdS, rdS32, key_in_pair, g, r, tidx, smem, bars):
@@ -839,10 +842,9 @@ class BlackwellBackwardPair(BlackwellBackward):
                                      cute.make_layout(cute.size(rdS32)))
             base = smem["dS_base"].toint()
             for j in cutlass.range_constexpr(cute.size(rdS32) // 4):  # 16 B = 8 queries each
-                at_byte = 2 * cute.crd2idx((key_in_pair, 8 * j), smem["dS_rows"].layout)
-                at_byte = at_byte ^ ((at_byte >> 3) & 0x70)  # Note [The swizzle in bytes]
-                dst = cute.make_ptr(Int32, base + at_byte, cute.AddressSpace.smem,
-                                    assumed_align=16)
+                addr = base + 2 * cute.crd2idx((key_in_pair, 8 * j), smem["dS_rows"].layout)
+                addr = addr ^ ((addr >> 3) & 0x70)  # Note [The swizzle in bytes]
+                dst = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=16)
                 cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1],
                                                   words[4 * j + 2], words[4 * j + 3]),
                                             bars["dsx"], peer)

@@ -167,8 +167,8 @@ def backward_plan(tile_n: int, tile_m: int, head_dim: int, elem_bits: int = 16) 
 
 
 def backward_pair_plan(tile_m: int, head_dim: int, elem_bits: int = 16) -> TmemPlan:
-    """The 2-CTA backward's plan, per CTA (Note [The pair's plan] in fa4_final.blackwell.
-    bwd_pair): the CTA's 128 keys on its lanes, as the 1-CTA plan; S^T, dP^T, dV, dK = 512
+    """The 2-CTA backward's plan, per CTA (fa4_final.blackwell.bwd_pair's docstring): the CTA's
+    128 keys on its lanes, as the 1-CTA plan; S^T, dP^T, dV, dK = 512
     columns at D = 128. P^T in S^T's upper half; dS^T (16-bit, dK's A operand read from TMEM)
     in dP^T's upper half; dQ (the pair's M = 128 accumulator: 64 queries per CTA, lanes i and
     64 + i holding the two halves of query i's row, D/2 columns) in dP^T's lower half."""
