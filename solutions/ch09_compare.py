@@ -575,7 +575,7 @@ BWD_NOTES = [
      "waits until dS(i) is in shared memory. Do the tensor cores idle while the compute warps "
      "turn dP^T into dS^T? ch09_model.bwd_step_cycles: the in-order chain is shorter than the "
      "shared-memory time at 1-CTA, so the order costs nothing while shared memory binds; in the "
-     "2-CTA design it would be the longest term (model)."),
+     "2-CTA kernel (bwd_pair) it is the longest term (model)."),
     ("d128 non-causal 1-CTA", "compute: BAR (named barriers)",
      "FA4's compute warps pass {fa4} named barriers in code, ours {ours}: FA4 syncs its eight "
      "compute warps before P^T overwrites S^T columns that the other warpgroup may still be "
