@@ -138,8 +138,14 @@ class BlackwellBackwardPair(BlackwellBackward):
         self.window = TileWindow(self.tile_m, self.pair_tile_n, self.causal,
                                  has_left=bool(has_window_left),
                                  has_right=bool(has_window_right) and not self.causal)
-        self.roles["mma"]["does"] = ("leader: TMEM alloc/free, one thread issues every pair "
-                                     "tcgen05.mma; follower: relays its dS-exchange barrier")
+        does = {"compute0": "P^T, dS^T (TMEM) and dS for queries 0-63: into CTA 0's dS",
+                "compute1": "the same for queries 64-127: into CTA 1's dS",
+                "dq": "its CTA's 64 queries of dQ: TMEM -> shared memory -> bulk float32 adds",
+                "mma": "TMEM alloc/free; leader: one thread issues every pair tcgen05.mma; "
+                       "follower: relays its dS-exchange barrier to the leader",
+                "load": "TMA: K, V, Kt once; Q + Qt, lse + delta, dO + dOt per step"}
+        for role, text in does.items():
+            self.roles[role]["does"] = text
 
     def pipelines(self) -> tuple[PipelineSpec, ...]:
         """The pair's pipelines (Note [The pair's handshakes]); arrivals per barrier phase. Kinds:
