@@ -34,7 +34,7 @@ what is supported). It stands alone (it imports neither the course's ``utils`` n
     backward     the backward's torch entry points (backward_into, backward)     chapter 11
     autograd     attention_autograd: flash_attn_func's output, differentiable    chapter 11
     blackwell    sm_100a: TMEM plan, tcgen05, roles; the forward (1- and 2-CTA)  chapters 09-11
-                 and the 1-CTA backward (compiled and checked, never run on a GPU)
+                 and the backward, 1- and 2-CTA (compiled and checked, never run on a GPU)
 """
 
 from fa4_final.dispatch import support_table

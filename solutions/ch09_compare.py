@@ -360,14 +360,15 @@ def _short(v) -> str:
 # ----------------------------------------------------------------------------------------------
 BWD_NAME = "sm100_bwd_vs_fa4"
 # FA4's interface takes its 2-CTA backward for every D >= 128 (FA_DISABLE_2CTA=1 gives its 1-CTA
-# kernel) and the 1-CTA one at D = 64. Ours is 1-CTA, so it stands beside FA4's 1-CTA kernel;
-# FA4's own choice at D = 128 (2-CTA) is stored too, for the 2-CTA question of chapter 11.
+# kernel) and the 1-CTA one at D = 64. Our default is 1-CTA and stands beside FA4's 1-CTA kernel;
+# our 2-CTA mode (fa4_final.blackwell.bwd_pair) beside FA4's own choice at D = 128, 2-CTA.
 BWD_CONFIGS = [
     {"config": "d128 non-causal 1-CTA", "d": 128, "causal": False, "two_cta": False,
      "ours": True},
     {"config": "d128 causal 1-CTA", "d": 128, "causal": True, "two_cta": False, "ours": True},
     {"config": "d128 non-causal 2-CTA", "d": 128, "causal": False, "two_cta": True,
-     "ours": False},
+     "ours": True},
+    {"config": "d128 causal 2-CTA", "d": 128, "causal": True, "two_cta": True, "ours": True},
     {"config": "d64 non-causal", "d": 64, "causal": False, "two_cta": False, "ours": True},
     {"config": "d64 causal", "d": 64, "causal": True, "two_cta": False, "ours": True},
 ]
@@ -451,15 +452,17 @@ def bwd_kernel_metrics(ptx: str, sass: str, registers: int, spills: int,
     return out
 
 
-def our_bwd_structure(d: int, causal: bool) -> dict:
+def our_bwd_structure(d: int, causal: bool, two_cta: bool = False) -> dict:
     """What our backward declares as data (no compile): roles' budgets, TMEM plan, stages,
     shared memory."""
     from fa4_final.blackwell.bwd import BlackwellBackward
+    from fa4_final.blackwell.bwd_pair import BlackwellBackwardPair
     from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK, BlackwellBwdConfig
     from fa4_final.constants import CUTLASS_BY_NAME
 
-    cfg = BlackwellBwdConfig()
-    k = BlackwellBackward(CUTLASS_BY_NAME["bf16"], d, causal, cfg)
+    cfg = BlackwellBwdConfig(two_cta=two_cta)
+    cls = BlackwellBackwardPair if two_cta else BlackwellBackward
+    k = cls(CUTLASS_BY_NAME["bf16"], d, causal, cfg)
     return {
         "role registers": {name: r["registers"] for name, r in k.roles.items()},
         "shared memory bytes": cfg.smem_bytes(d),
@@ -471,13 +474,14 @@ def our_bwd_structure(d: int, causal: bool) -> dict:
     }
 
 
-def our_bwd_metrics(d: int, causal: bool, art=None) -> dict:
+def our_bwd_metrics(d: int, causal: bool, art=None, two_cta: bool = False) -> dict:
     """Our backward's row set: the compiled kernel's counts plus its declared structure."""
     if art is None:
         from fa4_final.blackwell.bwd import compile_only
+        from fa4_final.blackwell.config import BlackwellBwdConfig
 
-        art = compile_only(d, "bf16", causal)["main"]
-    st = our_bwd_structure(d, causal)
+        art = compile_only(d, "bf16", causal, BlackwellBwdConfig(two_cta=two_cta))["main"]
+    st = our_bwd_structure(d, causal, two_cta)
     out = bwd_kernel_metrics(art.ptx, art.sass, art.registers, art.spills,
                              st.pop("role registers"))
     out.update(st)
@@ -571,7 +575,7 @@ BWD_NOTES = [
      "waits until dS(i) is in shared memory. Do the tensor cores idle while the compute warps "
      "turn dP^T into dS^T? ch09_model.bwd_step_cycles: the in-order chain is shorter than the "
      "shared-memory time at 1-CTA, so the order costs nothing while shared memory binds; in the "
-     "2-CTA design it would be the longest term (model)."),
+     "2-CTA kernel (bwd_pair) it is the longest term (model)."),
     ("d128 non-causal 1-CTA", "compute: BAR (named barriers)",
      "FA4's compute warps pass {fa4} named barriers in code, ours {ours}: FA4 syncs its eight "
      "compute warps before P^T overwrites S^T columns that the other warpgroup may still be "
@@ -594,9 +598,24 @@ BWD_NOTES = [
     ("d64 non-causal", "shared memory bytes",
      "At D = 64 we take {ours} B against FA4's {fa4}: our dO ring is two deep where it fits "
      "(BlackwellBwdConfig.do_depth), FA4's one. Worth it only if a step waits for dO."),
+    ("d128 non-causal 2-CTA", "UBLKRED (bulk reduction)",
+     "Each CTA of our pair issues {ours} bulk dQ adds per step against the 1-CTA kernel's 8: it "
+     "adds only its 64 queries (the pair's dQ GEMM has already summed the 256 keys), in 8 KB "
+     "blocks of the Hopper order; FA4's pair issues {fa4} (its 4 x 8-column staging). Half "
+     "the global float32 adds per query tile: what the pair is for, with the shared-memory "
+     "relief of the halved B operands (ch09_model.bwd_step_cycles, model)."),
     ("d128 non-causal 2-CTA", "UTC*MMA (tcgen05.mma)",
-     "FA4's own choice at D = 128 is its 2-CTA kernel (cta_group::2, a relay warp exchanging dS "
-     "through the cluster): not built here; the 1-CTA rows compare like with like."),
+     "Our pair's code holds {ours} tcgen05.mma (cta_group::2), FA4's {fa4}: ours is one step of "
+     "D/16 + D/16 + 8 + 8 + 16, the dQ GEMM running over the pair's 256 keys (K = 256, 64 "
+     "queries per CTA); FA4's software-pipelined loop repeats GEMMs (prologue, loop, tail), how "
+     "its count splits by GEMM was not traced here."),
+    ("d128 non-causal 2-CTA", "spill instructions",
+     "Our pair compiles with {ours} spill instructions, FA4's 2-CTA kernel with {fa4} (this DSL, "
+     "its own register budgets). Neither has run on a GPU here."),
+    ("d128 non-causal 2-CTA", "shared memory bytes",
+     "{ours} B per CTA for our pair, {fa4} for FA4's: both read dK's A (dS^T) from TMEM to fit; "
+     "ours keeps two 32-column dQ staging buffers and sends dS to the peer by st.async (no "
+     "staging buffer for the exchange), FA4 stages dS and bulk-copies it to the peer."),
 ]
 
 
@@ -616,7 +635,8 @@ def build_bwd_rows(ours_only: bool, site=DEFAULT_FA4_SITE) -> list[dict]:
     stored = load_bwd_table().rows if ours_only and bwd_path().exists() else []
     for c in BWD_CONFIGS:
         if c["ours"]:
-            rows += flatten("fa4_final", c["config"], our_bwd_metrics(c["d"], c["causal"]))
+            rows += flatten("fa4_final", c["config"],
+                            our_bwd_metrics(c["d"], c["causal"], two_cta=c["two_cta"]))
         if ours_only:
             rows += [r for r in stored if r["impl"] == "fa4" and r["config"] == c["config"]]
         else:

@@ -367,6 +367,7 @@ class BwdStepCycles(_UnitCycles):
     tmem_bytes: float
     reduce_bytes: float
     smem_items: tuple
+    dsmem_bytes: float = 0.0  # 2-CTA: dS written into the peer CTA per step
 
     @property
     def mma_fraction(self) -> float:
@@ -392,6 +393,10 @@ class BwdStepCycles(_UnitCycles):
                      f"{self.reduce_bytes / 1024:.0f} KB: break-even "
                      f"{self.break_even(self.reduce_bytes):.0f} B/clk/SM = "
                      f"{self.reduce_break_even_tb_s():.1f} TB/s chip", "label": "model"})
+        if self.dsmem_bytes:
+            rows.append({"resource": "dS exchange into the peer (DSMEM)", "cycles per step":
+                         f"{self.dsmem_bytes / 1024:.0f} KB: hidden behind dK at >= "
+                         f"{self.dsmem_bytes / (self.mma / 5):.0f} B/clk", "label": "model"})
         return rows
 
     @property
@@ -414,12 +419,14 @@ def bwd_step_cycles(d: int = 128, two_cta: bool = False, mix: BwdMix = BWD_MIX,
     smem operands, dS stored, dQ staged and read back by the bulk add), plus what this kernel
     does on top: dK += dS^T Q reads A = dS^T from shared memory (``ds_for_dk_in_smem``: chapter
     00 assumes it on chip), and the compute warps' lse / delta broadcasts (one 128-byte
-    wavefront per warp instruction: MODEL ASSUMPTION). 2-CTA (the design in the docstring of
-    fa4_final.blackwell.bwd, not built): a pair on 256 keys, Q and dO (the B operands) halved
-    per SM, dQ one pair MMA whose A is the pair's dS for this CTA's 64 queries, so each CTA
-    writes the peer's half of it (16 KB per step) through distributed shared memory, and stages
-    and adds half of dQ; at D = 128 dK's A (dS^T) is read from TMEM, not shared memory, or the
-    pair's buffers do not fit (``ds_for_dk_in_smem`` None: that choice)."""
+    wavefront per warp instruction: MODEL ASSUMPTION). 2-CTA: the pair kernel as built
+    (fa4_final.blackwell.bwd_pair), corrected where chapter 00's tile differs from it: the B
+    operands of S^T, dP^T, dV, dK halve per CTA, but dQ's B (Kt, D/2 x the pair's 256 keys) does
+    not, its K doubling as its N halves; dS for dQ is 16 KB stored by the CTA's own warpgroup and
+    16 KB written by the peer (DSMEM), not 32 KB stored; each CTA stages and adds half of dQ;
+    dK's A (dS^T) is read from TMEM at every D (``ds_for_dk_in_smem`` None: that choice), which
+    adds a 16-bit dS^T store to the TMEM traffic. The exchange's 16 KB per step have no
+    published rate: a break-even rate, like TMEM's (``dsmem_bytes``)."""
     from utils import roofline
 
     ctas = 2 if two_cta else 1
@@ -430,12 +437,23 @@ def bwd_step_cycles(d: int = 128, two_cta: bool = False, mix: BwdMix = BWD_MIX,
     fp32 = scores * mix.fp32_lane_ops() / fig.fma_per_clk
     issue = scores * sum(mix.per_score().values()) / ISSUE_PER_CLK
     items = list(roofline.smem_traffic("B200", "bwd", keys, queries, d, ctas, ELEM_BYTES))
-    if two_cta:  # each CTA stages and adds half of dQ's columns
-        items = [(w, b / 2) if w.startswith("dQ fp32") else (w, b) for w, b in items]
-        items.append(("dS half from the peer CTA (DSMEM write)",
-                      keys * queries * ELEM_BYTES / 2))
+    dsmem = 0.0
+    if two_cta:
+        exchanged = keys * queries * ELEM_BYTES / 2  # one warpgroup's dS: 16 KB
+        pair = []
+        for w, b in items:
+            if w.startswith("dQ fp32"):  # each CTA stages and adds half of dQ's columns
+                pair.append((w, b / 2))
+            elif w.startswith("dQ = dS K: read B"):  # Kt: D/2 x 256 keys, not halved
+                pair.append(("dQ = dS K: read B = Kt (D/2 x 256 keys)", b * 2))
+            elif w.startswith("dS store"):
+                pair += [("dS store, own queries (A operand of dQ)", exchanged),
+                         ("dS half from the peer CTA (DSMEM write)", exchanged)]
+            else:
+                pair.append((w, b))
+        items, dsmem = pair, exchanged
     if ds_for_dk_in_smem is None:
-        ds_for_dk_in_smem = not (two_cta and d == 128)
+        ds_for_dk_in_smem = not two_cta
     if ds_for_dk_in_smem:
         items.append(("dK += dS^T Q: read A = dS^T", keys * queries * ELEM_BYTES))
     warps = 2 * 4  # two compute warpgroups
@@ -446,8 +464,10 @@ def bwd_step_cycles(d: int = 128, two_cta: bool = False, mix: BwdMix = BWD_MIX,
     per_warpgroup = scores / 2 / (ISSUE_PER_CLK / 2)  # a warpgroup's share of issue per score
     ds_time = per_warpgroup * (mix.fadd + mix.fmul + mix.f2fp / 2 + mix.sts) / 2
     # S^T(i) -> exp (MUFU) beside dP^T(i) -> dV(i) beside dS^T(i) -> dK(i), dQ(i) -> S^T(i+1)
+    # (2-CTA: dQ(i) also waits for the peer's dS; hidden behind dK(i) below the break-even)
     in_order = gemm + max(mufu, gemm) + max(gemm, ds_time) + 2 * gemm
-    tmem = scores * (4 + 4 + ELEM_BYTES) + queries * d * 4 / ctas  # S, dP in; P out; dQ in
+    ds_t_in_tmem = 0 if ds_for_dk_in_smem else ELEM_BYTES
+    tmem = scores * (4 + 4 + ELEM_BYTES + ds_t_in_tmem) + queries * d * 4 / ctas
     reduce_bytes = queries * d * 4 / ctas
     return BwdStepCycles(d, two_cta, mma, mufu, fp32, issue, smem, in_order, tmem,
-                         reduce_bytes, tuple(items))
+                         reduce_bytes, tuple(items), dsmem)

@@ -36,6 +36,16 @@ deterministic mode's turn counters (they order CTAs, not roles; chapter 11's Hop
 found two races in the first design, both fixed in the kernel: delta in the dO stage, which dV
 frees before the compute warps read delta (now delta rides with Q), and P^T stored over S^T
 columns the other compute warpgroup may still be loading (now bar.sync COMPUTE first, as FA4).
+
+The 2-CTA backward (``PairBackwardSim``, ``fa4_final.blackwell.bwd_pair``): both CTAs of a pair
+at once, as the forward's pairs: the leader's barriers that count both CTAs (TMA bytes of both,
+both CTAs' compute and dQ warps), commits that reach both CTAs, and the dS exchange: each CTA's
+second warpgroup stores its dS into the peer's shared memory (st.async), whose bytes complete a
+barrier in the peer; the follower's MMA warp relays its barrier to the leader, which waits for
+both before dQ. Written before the kernel, it fixed two choices of the design: a second
+bar.sync COMPUTE before dS^T is stored over dP^T's columns (dK reads it from TMEM; mutation
+no_ds_sync), and lse / delta in a ring of their own in each CTA (the pair's Q ring has its FULL
+barrier in the leader only, so the follower's compute warps could not wait on it for lse).
 """
 
 from __future__ import annotations
@@ -205,6 +215,7 @@ class Timing:
     store: tuple = (2, 6)
     rescale_share: float = 0.5  # how often a correction warp's vote says "rescale"
     jitter: tuple = (0, 6)  # a warpgroup scheduled late after a wait (the backward's roles)
+    dsmem: tuple = (4, 16)  # st.async into the peer CTA's shared memory, until its bytes land
 
 
 @dataclass
@@ -1091,31 +1102,378 @@ class BackwardSim(_KernelSim):
         return self
 
 
+class PairBackwardSim(_KernelSim):
+    """The 2-CTA backward (``fa4_final.blackwell.bwd_pair.BlackwellBackwardPair``): both CTAs of
+    one pair (256 keys) and their roles as agents: load@r, compute0@r, compute1@r, dq@r for
+    r = 0 (leader), 1; the leader's MMA warp, which issues every pair GEMM (each reads both
+    CTAs' shared memory and TMEM and writes both CTAs' TMEM); the follower's MMA warp, which
+    relays its dS-exchange barrier to the leader. Barriers from ``kernel.pipelines()``, placed
+    by kind (``full`` / ``empty``): a tma_umma FULL barrier lives in the leader and counts both
+    CTAs' bytes; an umma_async EMPTY barrier lives in the leader and counts both CTAs' warps;
+    the leader's tcgen05.commit arrives on the barrier in both CTAs. TMEM in 32-column units
+    (one warpgroup's P^T or dS^T): S^T, dP^T; dQ and dS^T in dP^T's units (``kernel.plan``).
+    Shared memory per CTA: K, V, Kt; the Q, Qt, dO, dOt stages; lse, delta (the rows ring);
+    the two 128-key blocks of dS (block r written by CTA r's warpgroup r, block 1 - r by the
+    peer's warpgroup r, through DSMEM: st.async, which completes bytes on the receiving CTA's
+    dsx barrier); the dQ staging buffers.
+
+    ``mutate`` names a deliberate bug (BUGS). ``REDUNDANT`` as in BackwardSim: the dq FULL wait
+    before dS is stored is a second guarantee of what in-order MMAs already give."""
+
+    REDUNDANT = ("ds_without_dq_wait",)
+    BUGS = {
+        "dq_without_relay": "the leader issues dQ = dS K without waiting for the follower's "
+                            "dS-exchange barrier (relayed by the follower's MMA warp)",
+        "dq_without_own_dsx": "the leader issues dQ without waiting for the peer's 16 KB of dS "
+                              "to land in its own shared memory",
+        "no_ds_sync": "the compute warpgroups store dS^T over dP^T's upper columns without first "
+                      "waiting for each other to have loaded dP^T (NamedBarrier.COMPUTE)",
+        "empty_counts_one_cta": "the leader's EMPTY barriers of s, dp, dq count one CTA's "
+                                "warps, not both CTAs'",
+        "leader_counts_own_bytes": "the leader arms its FULL barriers with its own TMA bytes "
+                                   "only, not the follower's too",
+        "commit_to_leader_only": "tcgen05.commit arrives on the leader's barriers only, not "
+                                 "multicast to both CTAs",
+        "ds_without_dq_wait": "the compute warps store dS(i+1) (locally and into the peer) "
+                              "without waiting for dQ(i): REDUNDANT, see above",
+    }
+
+    def __init__(self, kernel, prob: BwdProblem, seed: int = 0, timing: Timing | None = None,
+                 mutate: str | None = None, log: bool = False):
+        from fa4_final.blackwell.bwd import GROUP_THREADS, WARPS_PER_GROUP
+        from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK
+
+        super().__init__(kernel, prob, seed, timing, mutate, log)
+        if mutate == "empty_counts_one_cta":
+            from dataclasses import replace
+
+            for name in ("s", "dp", "dq"):
+                spec = self.specs[name]
+                self.specs[name] = replace(spec, empty_arrivals=spec.empty_arrivals // 2)
+        self.steps = bwd_steps(kernel, prob)
+        self.group_threads, self.warps = GROUP_THREADS, WARPS_PER_GROUP
+        self.dq_buffers = BWD_DQ_BUFFERS
+        self.dq_chunks = kernel.head_dim // 2 // BWD_DQ_CHUNK  # each CTA: D/2 columns a lane
+        self.bulk_adds = [0, 0]  # 8 KB bulk adds of dQ issued by each CTA
+        self.bar = {}  # (cta, pipe, side, stage) -> Barrier
+        for name, spec in self.specs.items():
+            for cta in (0, 1):
+                for st in range(spec.stages):
+                    for side, n in (("full", spec.full_arrivals), ("empty", spec.empty_arrivals)):
+                        if n:
+                            self.bar[cta, name, side, st] = Barrier(
+                                f"{name}.{side}[{st}]@cta{cta}", n, self.sim)
+        # bar.sync NamedBarrier.COMPUTE of each CTA: both of its compute warpgroups
+        self.compute_sync = [Barrier(f"bar.sync COMPUTE@cta{c}", 2 * GROUP_THREADS, self.sim)
+                             for c in (0, 1)]
+        plan = kernel.plan
+        self.unit = plan["P"].columns // 2  # columns of one warpgroup's P^T or dS^T
+        half = kernel.tile_m // 2
+
+        def units(region, host):
+            first = (plan[region].start - plan[host].start) // self.unit
+            return list(range(first, first + plan[region].columns // self.unit))
+
+        self.read_units = {g: [(g * half + c) // self.unit for c in range(0, half, self.unit)]
+                           for g in (0, 1)}  # the S^T / dP^T units warpgroup g loads
+        self.p_unit = {g: units("P", "S")[g] for g in (0, 1)}
+        self.ds_unit = {g: units("dS", "dP")[g] for g in (0, 1)}
+        self.dq_units = units("dQ", "dP")
+        self.buf = {}
+        for c in (0, 1):
+            for host in ("S", "dP"):
+                for u in range(plan[host].columns // self.unit):
+                    self.buf[c, host, u] = Buffer(f"TMEM {host} unit {u}@cta{c}", self.sim)
+            for name in ("dV", "dK", "K", "V", "Kt", "sdS0", "sdS1"):
+                self.buf[c, name, 0] = Buffer(f"{name}@cta{c}", self.sim)
+            for i in range(self.dq_buffers):
+                self.buf[c, "sdQ", i] = Buffer(f"dQ staging {i}@cta{c}", self.sim)
+            for pipe, whats in (("q", ("Q", "Qt")), ("do", ("dO", "dOt")),
+                                ("rows", ("LSE", "Delta"))):
+                for st in range(self.specs[pipe].stages):
+                    for what in whats:
+                        self.buf[c, what, st] = Buffer(f"{what} stage {st}@cta{c}", self.sim)
+        self.bulk_groups = {0: [], 1: []}
+        self._add_roles()
+
+    def _add_roles(self):
+        for c in (0, 1):
+            self.sim.add(f"load@{c}", self.load(c))
+        self.sim.add("mma@0", self.mma())
+        self.sim.add("relay@1", self.relay())
+        for c in (0, 1):
+            for g in (0, 1):
+                self.sim.add(f"compute{g}@{c}", self.compute(c, g))
+            self.sim.add(f"dq@{c}", self.store_dq(c))
+
+    # where each barrier lives (PairBackwardSim docstring; bwd_pair Note [The pair's handshakes])
+    def full(self, name, cta, st=0):
+        kind = self.specs[name].kind
+        return self.bar[0 if kind in ("tma_umma", "relay") else cta, name, "full", st]
+
+    def empty(self, name, cta, st=0):
+        kind = self.specs[name].kind
+        return self.bar[0 if kind == "umma_async" else cta, name, "empty", st]
+
+    def commit(self, name, st=0):
+        """The leader's tcgen05.commit: FULL of an umma_async pipeline, EMPTY of a tma_umma one,
+        in both CTAs (in the leader's only, for the mutation)."""
+        side = "empty" if self.specs[name].kind == "tma_umma" else "full"
+        ctas = (0,) if self.mutate == "commit_to_leader_only" else (0, 1)
+        self.sim.mma_issue({"commit": [self.bar[c, name, side, st] for c in ctas]})
+
+    def gemm(self, label, reads, writes):
+        self.sim.mma_issue({"reads": reads, "writes": writes, "label": label})
+
+    def both(self, name, st=0):
+        return [self.buf[c, name, st] for c in (0, 1)]
+
+    # ---- load warp of CTA r (BlackwellBackwardPair.load)
+    def load(self, r):
+        if self.steps == 0:
+            return
+        me = f"load@{r}"
+        pair_bytes = 1 if self.mutate == "leader_counts_own_bytes" else 2
+
+        def stage(pipe, whats, state, version):
+            yield Wait(self.empty(pipe, r, state.index), state.phase)
+            full = self.full(pipe, r, state.index)
+            local = self.specs[pipe].kind == "local"
+            if r == 0 or local:  # the leader arms the pair's barrier with both CTAs' bytes
+                full.arrive(me, 1, tx=len(whats) * (1 if local else pair_bytes))
+            for what in whats:
+                self.sim.tma_copy(self.buf[r, what, state.index], (what,) + version, full, 1,
+                                  state.count // state.stages, me)
+            yield busy(1, f"issue {'/'.join(whats)}")
+            state.advance()
+
+        yield from stage("kv", ("K", "V", "Kt"), PipelineState.producer(1), ())
+        states = {p: PipelineState.producer(self.specs[p].stages) for p in ("q", "rows", "do")}
+        for t in range(self.steps):
+            for pipe, whats in (("q", ("Q", "Qt")), ("rows", ("LSE", "Delta")),
+                                ("do", ("dO", "dOt"))):
+                yield from stage(pipe, whats, states[pipe], (t,))
+        for pipe, state in states.items():  # producer_tail
+            for _ in range(self.specs[pipe].stages):
+                yield Wait(self.empty(pipe, r, state.index), state.phase)
+                state.advance()
+
+    # ---- the leader's MMA warp (BlackwellBackwardPair.mma): five pair GEMMs per step
+    def mma(self):
+        sq = PipelineState(self.specs["q"].stages)
+        sdo = PipelineState(self.specs["do"].stages)
+        phase = 0
+        plan = self.k.plan
+        s_all = [self.buf[c, "S", u] for c in (0, 1) for u in range(plan["S"].columns
+                                                                     // self.unit)]
+        dp_all = [self.buf[c, "dP", u] for c in (0, 1) for u in range(plan["dP"].columns
+                                                                       // self.unit)]
+        if self.steps > 0:
+            yield Wait(self.full("kv", 0), 0)
+        for t in range(self.steps):
+            yield Wait(self.full("q", 0, sq.index), sq.phase)
+            kq = [(b, ("K",)) for b in self.both("K")] + [(b, ("Q", t))
+                                                          for b in self.both("Q", sq.index)]
+            self.gemm("S^T", kq, [(b, ("S", t)) for b in s_all])
+            self.commit("s")
+            yield Wait(self.full("do", 0, sdo.index), sdo.phase)
+            yield Wait(self.empty("dq", 0), phase ^ 1)  # dQ(t - 1) read out of dP^T's units
+            vdo = [(b, ("V",)) for b in self.both("V")] + [(b, ("dO", t))
+                                                           for b in self.both("dO", sdo.index)]
+            self.gemm("dP^T", vdo, [(b, ("dP", t)) for b in dp_all])
+            self.commit("dp")
+            yield Wait(self.empty("s", 0), phase)  # P^T in both CTAs' TMEM
+            p = [(self.buf[c, "S", self.p_unit[g]], ("P", t)) for c in (0, 1) for g in (0, 1)]
+            dv = self.both("dV")
+            self.gemm("dV", p + [(b, ("dOt", t)) for b in self.both("dOt", sdo.index)]
+                      + ([(b, ("dV", t - 1)) for b in dv] if t else []),
+                      [(b, ("dV", t)) for b in dv])
+            self.commit("do", sdo.index)
+            sdo.advance()
+            yield Wait(self.empty("dp", 0), phase)  # dS^T in TMEM, own dS blocks stored
+            ds_t = [(self.buf[c, "dP", self.ds_unit[g]], ("dS^T", t)) for c in (0, 1)
+                    for g in (0, 1)]
+            dk = self.both("dK")
+            self.gemm("dK", ds_t + [(b, ("Qt", t)) for b in self.both("Qt", sq.index)]
+                      + ([(b, ("dK", t - 1)) for b in dk] if t else []),
+                      [(b, ("dK", t)) for b in dk])
+            if self.mutate != "dq_without_own_dsx":
+                yield Wait(self.full("dsx", 0), phase)  # the follower's dS block landed here
+            if self.mutate != "dq_without_relay":
+                yield Wait(self.full("dsx_relay", 0), phase)  # ours landed in the follower
+            ds = [(self.buf[c, f"sdS{blk}", 0], ("dS", t)) for c in (0, 1) for blk in (0, 1)]
+            self.gemm("dQ", ds + [(b, ("Kt",)) for b in self.both("Kt")],
+                      [(self.buf[c, "dP", u], ("dQ", t)) for c in (0, 1) for u in self.dq_units])
+            self.commit("dq")
+            self.commit("q", sq.index)
+            sq.advance()
+            phase ^= 1
+            yield busy(1, "issue")
+        if self.steps > 0:
+            self.commit("dkv")
+            # the last dQ read by both CTAs' dQ warps: no remote arrival still in flight
+            yield Wait(self.empty("dq", 0), phase ^ 1)
+
+    # ---- the follower's MMA warp (BlackwellBackwardPair.relay)
+    def relay(self):
+        for t in range(self.steps):
+            yield Wait(self.full("dsx", 1), t & 1)
+            self.full("dsx_relay", 1).arrive("relay@1", 1)
+
+    # ---- compute warpgroup g of CTA r (BlackwellBackwardPair.compute_step / epilogue)
+    def sync(self, r, me, count):
+        b = self.compute_sync[r]
+        b.arrive(me, self.group_threads)
+        yield Wait(b, count & 1)
+
+    def compute(self, r, g):
+        me = f"compute{g}@{r}"
+        w = self.warps  # per-warp arrivals on the pair's barriers
+        sr = PipelineState(self.specs["rows"].stages)
+        phase, syncs = 0, 0
+        s_mine = [self.buf[r, "S", u] for u in self.read_units[g]]
+        dp_mine = [self.buf[r, "dP", u] for u in self.read_units[g]]
+        peer = 1 - r if g != r else r  # whose sdS block r this warpgroup's dS goes to
+        ds_dst = self.buf[peer, f"sdS{r}", 0]
+        for t in range(self.steps):
+            yield Wait(self.full("rows", r, sr.index), sr.phase)
+            yield Wait(self.full("s", r), phase)
+            yield busy(self.sim.ticks("jitter"), "scheduled")
+            lse = self.buf[r, "LSE", sr.index]
+            for b in s_mine:
+                b.start_read(me, ("S", t))
+            lse.start_read(me, ("LSE", t))
+            yield busy(self.sim.ticks("read_s"), "tcgen05.ld S^T")
+            for b in s_mine:
+                b.end_read(me)
+            yield busy(self.sim.ticks("softmax"), "exp2")
+            lse.end_read(me)
+            yield from self.sync(r, me, syncs)  # Note [P^T over S^T]
+            syncs += 1
+            p = self.buf[r, "S", self.p_unit[g]]
+            p.start_write(me)
+            yield busy(self.sim.ticks("store_p"), "tcgen05.st P^T")
+            p.end_write(me, ("P", t))
+            self.empty("s", r).arrive(me, w)
+            yield Wait(self.full("dp", r), phase)
+            delta = self.buf[r, "Delta", sr.index]
+            for b in dp_mine:
+                b.start_read(me, ("dP", t))
+            delta.start_read(me, ("Delta", t))
+            yield busy(self.sim.ticks("read_s"), "tcgen05.ld dP^T")
+            for b in dp_mine:
+                b.end_read(me)
+            yield busy(self.sim.ticks("softmax") // 2, "dS^T")
+            delta.end_read(me)
+            if self.mutate != "no_ds_sync":
+                yield from self.sync(r, me, syncs)  # Note [dS^T over dP^T]
+                syncs += 1
+            dst = self.buf[r, "dP", self.ds_unit[g]]
+            dst.start_write(me)
+            yield busy(self.sim.ticks("store_p"), "tcgen05.st dS^T")
+            dst.end_write(me, ("dS^T", t))
+            if self.mutate != "ds_without_dq_wait":
+                yield Wait(self.full("dq", r), phase ^ 1)  # dQ(t - 1) read both CTAs' dS
+            ds_dst.start_write(me)
+            if peer == r:
+                yield busy(self.sim.ticks("store_p"), "dS -> own smem")
+                ds_dst.end_write(me, ("dS", t))
+            else:  # st.async into the peer; its bytes complete the peer's dsx barrier
+                bar = self.full("dsx", peer)
+                bar.arrive(me, 1, tx=1)  # one elected thread: mbarrier.expect_tx, remote
+                yield busy(self.sim.ticks("store_p"), "st.async dS -> peer")
+
+                def landed(buf=ds_dst, bar=bar, t=t):
+                    buf.end_write("st.async", ("dS", t))
+                    bar.land(1, t, f"dS {t} from {me}")
+
+                self.sim.after(self.sim.ticks("dsmem"), landed)
+            self.empty("dp", r).arrive(me, w)
+            self.empty("rows", r, sr.index).arrive(me, w)
+            sr.advance()
+            phase ^= 1
+        if self.steps > 0:  # epilogue: dK, dV of the CTA's keys once the last MMA completed
+            yield Wait(self.full("dkv", r), 0)
+            for name in ("dV", "dK"):
+                b = self.buf[r, name, 0]
+                b.start_read(me, (name, self.steps - 1))
+                yield busy(self.sim.ticks("epilogue"), f"{name} -> global")
+                b.end_read(me)
+
+    # ---- dQ warpgroup of CTA r (BlackwellBackwardPair.store_dq): its 64 queries' dQ
+    def store_dq(self, r):
+        me = f"dq@{r}"
+        phase, buf = 0, 0
+        groups = self.bulk_groups[r]
+        mine = [self.buf[r, "dP", u] for u in self.dq_units]
+        for t in range(self.steps):
+            yield Wait(self.full("dq", r), phase)
+            for c in range(self.dq_chunks):
+                for b in mine:
+                    b.start_read(me, ("dQ", t))
+                yield busy(self.sim.ticks("read_s"), "tcgen05.ld dQ")
+                for b in mine:
+                    b.end_read(me)
+                if c == self.dq_chunks - 1:
+                    self.empty("dq", r).arrive(me, self.warps)
+                yield Wait(Cond("cp.async.bulk.wait_group.read", lambda: not any(
+                    groups[:len(groups) - (self.dq_buffers - 1)])), 0)
+                stage = self.buf[r, "sdQ", buf]
+                stage.start_write(me)
+                yield busy(self.sim.ticks("epilogue"), "dQ -> staging")
+                stage.end_write(me, ("dQ", t, c))
+                stage.start_read("bulk add", ("dQ", t, c))
+                self.bulk_adds[r] += 2  # the chunk's two 64-row x 32-column blocks of 8 KB
+                groups.append(True)
+                slot = len(groups) - 1
+
+                def done(stage=stage, slot=slot):
+                    stage.end_read("bulk add")
+                    groups[slot] = False
+
+                self.sim.after(self.sim.ticks("store"), done)
+                buf ^= 1
+            phase ^= 1
+        yield Wait(Cond("cp.async.bulk.wait_group.read 0", lambda: not any(groups)), 0)
+
+    def run(self) -> PairBackwardSim:
+        self.sim.run()
+        for b in list(self.bar.values()) + self.compute_sync:
+            if b.pending != b.arrivals or b.tx:
+                raise PipelineError(f"the kernel ended with {b.describe()}: arrivals of a "
+                                    f"phase that never completed")
+        return self
+
+
 def make_bwd_kernel(head_dim=128, causal=False, cfg=None, dtype="bf16", **window):
     """The backward kernel object (no compile): its config, roles, pipelines and TMEM plan."""
     from fa4_final.blackwell.bwd import BlackwellBackward
+    from fa4_final.blackwell.bwd_pair import BlackwellBackwardPair
     from fa4_final.blackwell.config import BlackwellBwdConfig
     from fa4_final.constants import CUTLASS_BY_NAME
 
-    return BlackwellBackward(CUTLASS_BY_NAME[dtype], head_dim, causal,
-                             cfg or BlackwellBwdConfig(), **window)
+    cfg = cfg or BlackwellBwdConfig()
+    cls = BlackwellBackwardPair if cfg.two_cta else BlackwellBackward
+    return cls(CUTLASS_BY_NAME[dtype], head_dim, causal, cfg, **window)
 
 
-def bwd_problems(prob: BwdProblem) -> list[BwdProblem]:
-    """Every key tile (CTA) of ``prob``: step counts from 0 (keys no query sees) upwards."""
+def bwd_problems(prob: BwdProblem, tile_n: int = 128) -> list[BwdProblem]:
+    """Every key tile (CTA, or pair with ``tile_n`` = 256) of ``prob``: step counts from 0
+    (keys no query sees) upwards."""
     from dataclasses import replace
 
-    return [replace(prob, n_block=n) for n in range(-(-prob.seqlen_k // 128))]
+    return [replace(prob, n_block=n) for n in range(-(-prob.seqlen_k // tile_n))]
 
 
 def bwd_sweep(kernel, problems, seeds=range(3), **kw) -> Sweep:
     """Simulate every key tile of every problem; ``tiles`` counts CTAs, ``kv_steps`` steps."""
     out = Sweep()
+    sim = PairBackwardSim if kernel.cfg.two_cta else BackwardSim
     for prob in problems:
-        for cta in bwd_problems(prob):
+        for cta in bwd_problems(prob, kernel.window.tile_n):
             for s in seeds:
                 try:
-                    bs = BackwardSim(kernel, cta, seed=s, **kw).run()
+                    bs = sim(kernel, cta, seed=s, **kw).run()
                 except PipelineError as exc:
                     out.failures.append((cta, s, exc))
                     continue

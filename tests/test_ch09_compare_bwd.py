@@ -17,7 +17,7 @@ def test_bwd_table_structure_is_what_the_kernel_declares(table):
     for c in C.BWD_CONFIGS:
         if not c["ours"]:
             continue
-        st = C.our_bwd_structure(c["d"], c["causal"])
+        st = C.our_bwd_structure(c["d"], c["causal"], c["two_cta"])
         roles = st.pop("role registers")
         for metric, want in st.items():
             assert C.value(table, "fa4_final", c["config"], metric) == want, (c, metric)
@@ -39,6 +39,8 @@ def test_bwd_table_has_both_sides_and_the_five_gemms(table):
             # code holds every GEMM twice (prologue + loop + tail), ours once
             per_step = 2 * c["d"] // 16 + 3 * 128 // 16
             copies = 2 if impl == "fa4" else 1
+            if impl == "fa4_final" and c["two_cta"]:  # our pair's dQ runs over 256 keys
+                per_step += 128 // 16
             assert val("UTC*MMA (tcgen05.mma)") == copies * per_step, (impl, c["config"])
             assert val("spill instructions") == 0 or (impl, c["two_cta"]) == ("fa4", True)
             assert val("TMEM columns allocated") == [512]
@@ -58,3 +60,16 @@ def test_bwd_table_notes_quote_the_rows(table):
     notes = table.where(impl="note")
     assert len(notes) == len(C.BWD_NOTES)
     assert notes == C.bwd_notes([r for r in table.rows if r["impl"] != "note"])
+
+
+def test_bwd_table_pair_halves_our_dq_adds(table):
+    """Our 2-CTA rows beside our 1-CTA ones: every MMA cta_group::2, half the bulk dQ adds per
+    CTA, the pair's shared memory within the limit, no spills; FA4's 2-CTA beside it."""
+    for causal in ("non-causal", "causal"):
+        one, two = f"d128 {causal} 1-CTA", f"d128 {causal} 2-CTA"
+        ours = lambda cfg, m: C.value(table, "fa4_final", cfg, m)  # noqa: E731
+        assert ours(two, "cta_group::2") > 0 and ours(one, "cta_group::2") == 0
+        assert 2 * ours(two, "UBLKRED (bulk reduction)") == ours(one, "UBLKRED (bulk reduction)")
+        assert ours(two, "spill instructions") == 0
+        assert ours(two, "shared memory bytes") == 231424 <= 232448
+        assert C.value(table, "fa4", two, "cta_group::2") > 0

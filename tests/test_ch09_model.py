@@ -111,6 +111,27 @@ def test_bwd_model_2cta_halves_the_global_adds_and_the_b_operands():
     assert fa4.issue < one.issue and fa4.fp32 == one.fp32
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_model_2cta_is_the_pair_kernel_as_built(d):
+    """The 2-CTA row reads the pair kernel's own figures: the exchange is one warpgroup's dS
+    (bwd_pair.DS_EXCHANGE_BYTES), dQ's B is Kt (D/2 x 256 keys, as big as 1-CTA's K), dK's A
+    comes from TMEM, each CTA adds 64 x D floats of dQ (the compiled D/32 bulk adds of 8 KB)."""
+    from fa4_final.blackwell.bwd_pair import DS_EXCHANGE_BYTES
+    from fa4_final.blackwell.config import BlackwellBwdConfig
+
+    one, two = M.bwd_step_cycles(d), M.bwd_step_cycles(d, two_cta=True)
+    items, items1 = dict(two.smem_items), dict(one.smem_items)
+    assert two.dsmem_bytes == DS_EXCHANGE_BYTES == items["dS half from the peer CTA (DSMEM write)"]
+    assert items["dS store, own queries (A operand of dQ)"] == DS_EXCHANGE_BYTES
+    assert items["dQ = dS K: read B = Kt (D/2 x 256 keys)"] == d // 2 * 256 * 2 == \
+        items1["dQ = dS K: read B = K"]
+    assert not any(w.startswith("dK += dS^T Q: read A") for w in items)
+    assert two.reduce_bytes == (d // 32) * 8192 == 64 * d * 4
+    assert BlackwellBwdConfig(two_cta=True).tmem_plan(d)["dS"].alias_of == "dP"
+    assert two.smem < one.smem and "dS exchange into the peer (DSMEM)" in \
+        {r["resource"] for r in two.table()}
+
+
 def test_bwd_model_mix_is_the_compiled_compute_warps():
     """BwdMix against the stored compile (results/compile/sm100_bwd_vs_fa4.json, which
     test_blackwell_bwd_compile regenerates): two step copies of 64 scores a thread, plus the

@@ -144,7 +144,7 @@ def test_blackwell_bwd_pipeline_sim_uses_the_kernels_own_tables():
     bs = P.BackwardSim(k, P.BwdProblem(600, 600))
     specs = {p.name: p for p in k.pipelines()}
     assert bs.specs == specs
-    assert specs["q"].stages == k.cfg.q_stages and specs["do"].stages == k.cfg.do_depth(128)
+    assert specs["q"].stages == k.cfg.q_depth(128) and specs["do"].stages == k.cfg.do_depth(128)
     for (name, side, _), bar in bs.bar.items():
         want = specs[name].full_arrivals if side == "full" else specs[name].empty_arrivals
         assert bar.arrivals == want
@@ -169,3 +169,66 @@ def test_blackwell_bwd_pipeline_sim_catches_each_bug(bug):
         assert caught == 0
     else:
         assert caught == 4, f"{P.BackwardSim.BUGS[bug]}: caught in {caught} of 4 runs"
+
+
+# the 2-CTA backward (fa4_final.blackwell.bwd_pair): both CTAs of a pair, every pair of a problem
+
+def pair_kernel(head_dim=128, causal=False, **window):
+    from fa4_final.blackwell.config import BlackwellBwdConfig
+
+    return P.make_bwd_kernel(head_dim, causal, BlackwellBwdConfig(two_cta=True), **window)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blackwell_bwd_pair_pipeline_sim_runs_clean(head_dim, causal):
+    k = pair_kernel(head_dim, causal)
+    out = P.bwd_sweep(k, bwd_problems(causal), seeds=range(3))
+    assert not out.failures, out.failures[0]
+    assert out.tiles > 30 and out.kv_steps > 300
+    pairs = [cta for prob in bwd_problems(causal) for cta in P.bwd_problems(prob, 256)]
+    steps = {P.bwd_steps(k, cta) for cta in pairs}
+    assert len(steps) > (5 if causal else 3)  # causal: step counts vary with the key pair
+    # each CTA adds half of the 1-CTA kernel's dQ: D/2 columns of its 64 queries, 8 KB blocks
+    bs = P.PairBackwardSim(k, P.BwdProblem(1000, 1000, heads=2)).run()
+    one = P.BackwardSim(P.make_bwd_kernel(head_dim, causal), P.BwdProblem(1000, 1000, heads=2))
+    assert bs.bulk_adds == [bs.steps * head_dim // 32] * 2
+    assert 2 * bs.dq_chunks == one.dq_chunks
+
+
+def test_blackwell_bwd_pair_pipeline_sim_window_and_tables():
+    k = pair_kernel(64, False, has_window_left=True, has_window_right=True)
+    probs = bwd_problems(False, window_left=300, window_right=50)
+    out = P.bwd_sweep(k, probs, seeds=range(2))
+    assert not out.failures, out.failures[0]
+    assert 0 in {P.bwd_steps(k, cta) for prob in probs for cta in P.bwd_problems(prob, 256)}
+    k = pair_kernel(128, True)
+    bs = P.PairBackwardSim(k, P.BwdProblem(600, 600))
+    specs = {p.name: p for p in k.pipelines()}
+    assert bs.specs == specs and k.window.tile_n == 256
+    for (_, name, side, _), bar in bs.bar.items():
+        want = specs[name].full_arrivals if side == "full" else specs[name].empty_arrivals
+        assert bar.arrivals == want
+    # the leader's EMPTY barriers count both CTAs' warps; tma FULL barriers live in the leader
+    assert specs["s"].empty_arrivals == specs["dp"].empty_arrivals == 16
+    assert specs["dq"].empty_arrivals == 8 and specs["rows"].empty_arrivals == 8
+    assert bs.full("q", 1) is bs.bar[0, "q", "full", 0] and bs.full("s", 1) is not bs.full("s", 0)
+    # TMEM from the plan: dS^T (dK's A) over dP^T's upper units, dQ over its lower ones
+    assert set(bs.ds_unit.values()).isdisjoint(bs.dq_units)
+    assert bs.ds_unit[0] in bs.read_units[1]  # why the second bar.sync COMPUTE is needed
+
+
+@pytest.mark.parametrize("bug", sorted(P.PairBackwardSim.BUGS))
+def test_blackwell_bwd_pair_pipeline_sim_catches_each_bug(bug):
+    k = pair_kernel(128, True)
+    caught = 0
+    for s in range(4):
+        try:
+            P.PairBackwardSim(k, P.BwdProblem(2000, 2000, heads=2, causal=True, n_block=3),
+                              seed=s, mutate=bug).run()
+        except P.PipelineError:
+            caught += 1
+    if bug in P.PairBackwardSim.REDUNDANT:
+        assert caught == 0
+    else:
+        assert caught == 4, f"{P.PairBackwardSim.BUGS[bug]}: caught in {caught} of 4 runs"

@@ -10,5 +10,8 @@
     fwd        BlackwellForward: the warp-specialised forward, 1- or 2-CTA; compile_forward_sm100,
                compile_only, forward_into, attention
     bwd        BlackwellBackward: the 1-CTA backward, TMEM accumulators, dQ in the Hopper
-               accumulator order (bwd_pre / bwd_post shared); the 2-CTA design in its docstring
+               accumulator order (bwd_pre / bwd_post shared); compile_only, backward_into
+    bwd_pair   BlackwellBackwardPair: its 2-CTA mode (BlackwellBwdConfig(two_cta=True)): a CTA
+               pair per 256 keys, cta_group::2 GEMMs, dS exchanged through distributed shared
+               memory, half the dQ adds per CTA
 """

@@ -24,7 +24,7 @@ next step's GEMMs. Chapter 00's model for one step (M = N = D = 128, B200, 1-CTA
 2 * 128^3 FLOPs = 2560 tensor-core cycles against 3328 cycles of shared-memory traffic
 (ANCHORS.md); ``solutions.ch09_model.bwd_step_cycles`` adds what this kernel reads on top (dS^T
 for dK from shared memory, the lse / delta broadcasts): bound by shared memory (model), which
-is what the 2-CTA mode (below, not built) attacks.
+is what the 2-CTA mode (``bwd_pair``, below) attacks.
 
 Deterministic mode: the dQ warpgroup adds a step's dQ only in its turn, with the Hopper kernel's
 turn counters (``fa4_final.bwd_tiles.dq_turn``, ``fa4_final.atomics``, Note [Turns] of
@@ -45,65 +45,11 @@ role's waits and arrivals with these pipelines; it found two races of the first 
 here (delta now rides with Q, Note [Handshakes]; bar.sync COMPUTE before P^T, Note [P^T over
 S^T]). solutions.ch09_compare --bwd stands the compiled kernel beside FA4's flash_bwd_sm100.
 
-Not built: the 2-CTA mode (a config flag, default off). What building its pieces on the CPU
-established (CuTe's cta_group::2 tiled MMAs and their shared-memory layouts built for sm_100a;
-FA4's flash_bwd_sm100 read for comparison) is this design. It follows the forward's pairs
-(fa4_final.blackwell.fwd: cluster launch (2, 1, 1), the leader CTA's MMA warp issues
-cta_group::2, its commits reach both CTAs' barriers, multicast TMA):
-- a pair owns 256 keys, 128 per CTA (its TMEM lanes); S^T = K Q^T, dP^T = V dO^T, dV += P^T dO
-  and dK += dS^T Q are M = 256 pair MMAs. Their B operands are split across the pair, Q and dO
-  by queries for S^T and dP^T (64 queries x D per CTA) but by D for dV and dK (D/2 x 128
-  queries), so each CTA loads a second, differently split copy of them (FA4's mQt, mdOt);
-- dQ = dS K is a pair MMA too: M = 128 queries (64 per CTA), N = D, K = 256 keys. A per-CTA
-  cta_group::1 dQ over half of D (the first form of this note) is out: newer toolkits reject a
-  kernel whose tcgen05 instructions mix cta_group::1 and ::2 (CCCL #8297, LLVM #162597; this
-  DSL's ptxas still builds such a kernel), and it would need the peer's whole dS (32 KB, not 16)
-  and its keys' half of K. CuTe's accumulator for the pair's M = 128 is ((64, (D/2, 2)) : (lane,
-  (column, 64 lanes))): lanes i and 64 + i hold the two halves of query i's row, D/2 columns.
-  CTA r's 64 queries are one contiguous 64 x D block of the Hopper accumulator order (Note [dQ
-  accumulator order]), so each CTA adds half of what a 1-CTA CTA adds: 4 bulk adds of 8 KB per
-  step at D = 128 instead of 8, 2 instead of 4 at D = 64;
-- one descriptor serves both CTAs of a pair MMA: each reads its own shared memory at the same
-  offset, in the same K order. That fixes both operands of dQ. Its A (64 queries x 256 keys,
-  keys ordered [leader's | follower's]) holds at block r CTA r's own dS for its queries and at
-  block 1 - r the peer's, 16 KB written by the peer per step (FA4: ``sdS + rank * half``, a bulk
-  copy to shared::cluster counted by a cluster mbarrier). It cannot be dK's dS^T buffer: dK reads
-  queries [0-63 | 64-127] of the CTA's keys in that order in both CTAs, so the follower's block 0
-  still holds its own queries 0-63 when the leader's keys for queries 64-127 must land there. Its
-  B (K^T split by D: D/2 x 256 keys) cannot be sK for the same reason: a separate tile, Kt
-  (FA4's sKt).
-
-Shared memory per CTA, in bytes (tiles: cosize of make_smem_layout_a / _b of the cta_group::2
-MMAs, 2 B an element; small fields: the mbarriers, the TMEM address and one Q stage of lse and
-delta, before the first 1 KB aligned tile):
-
-                                              D = 128   D = 64
-    small fields                                 2048     2048
-    K, V (A of S^T, dP^T)                       65536    32768
-    Q, dO (B of S^T, dP^T: 64 queries)          32768    16384
-    Qt, dOt (B of dK, dV: D/2 columns)          32768    16384
-    Kt (B of dQ: D/2 x 256 keys)                32768    16384
-    dS (A of dQ: 64 queries x 256 keys)         32768    32768
-    = what the pair needs in any case          198656   116736
-    + dS^T (A of dK from shared memory, as now) 32768    32768
-    + dQ staging, two 32-column buffers         32768    32768
-    = this kernel's scheme as a pair           264192   182272   (limit 232448)
-
-The one Q stage and one dO stage (as FA4's 2-CTA kernel) are already in the table. At D = 64
-this kernel's scheme fits. At D = 128 it does not, even with the smallest staging (one 8-column
-buffer, 4 KB: 235520 B). FA4 reads dK's A from TMEM instead (a TS MMA, as dV reads P^T): dS^T as
-16-bit pairs over the dP^T columns it came from, which frees the 32 KB: 198656 + 32768 = 231424 B
-with this kernel's staging, 215040 B with FA4's (4 x 8 columns). TMEM at D = 128 then holds S^T
-128 + dP^T 128 + dV 128 + dK 128 = 512 columns: P^T over S^T's upper half as now, dS^T over
-dP^T's upper half (a second bar.sync COMPUTE: warpgroup 0's dS^T lands on columns warpgroup 1
-loads, as in Note [P^T over S^T]), dQ's 64 columns over dP^T's lower half.
-Why it is not here: that is a new kernel in three places (dK's A in TMEM, the dQ pair MMA with Kt,
-the dS exchange), seven TMA loads instead of four, cluster pipelines whose empty barriers count
-both CTAs' compute warps, the dS exchange as a new pipeline (its block free after dQ(i - 1), whose
-commit reaches both CTAs; full when the peer's 16 KB have landed) that the pipeline simulation
-must replay first, and a pair-wide teardown. Until all of it is built and checked, no part of
-it is in the kernel: a half-built pair is worse than none. ch09_model.bwd_step_cycles' 2-CTA row
-models this design (16 KB into the peer per step; dS^T read from TMEM at D = 128).
+The 2-CTA mode (``BlackwellBwdConfig(two_cta=True)``, default off) is its own kernel,
+``fa4_final.blackwell.bwd_pair.BlackwellBackwardPair``, a subclass of this one: a CTA pair per 256
+keys, every GEMM a pair MMA, dS exchanged through distributed shared memory, half the dQ adds
+per CTA. Its docstring has the design, the shared-memory table and the handshakes; this kernel's
+code and SASS are untouched by it.
 """
 
 from __future__ import annotations
@@ -200,13 +146,16 @@ class BlackwellBackward(WarpRoles):
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: BlackwellBwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False):
+        if config.two_cta and type(self) is BlackwellBackward:
+            raise ValueError("BlackwellBwdConfig(two_cta=True) is the pair kernel, "
+                             "fa4_final.blackwell.bwd_pair.BlackwellBackwardPair")
         config.check(head_dim)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal)
         self.cfg = config
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
-        self.q_stages = config.q_stages
+        self.q_stages = config.q_depth(head_dim)
         self.do_stages = config.do_depth(head_dim)
         self.window = TileWindow(self.tile_m, self.tile_n, self.causal,
                                  has_left=bool(has_window_left),
@@ -862,7 +811,7 @@ class BlackwellBackward(WarpRoles):
         """dK = scale * (sum of dS^T Q) and dV: this thread's key row, half of D, straight from
         TMEM to global memory (16-byte stores; keys past seqlen_k are not written)."""
         d2 = self.head_dim // 2
-        mn = (self.tile_n, self.head_dim)
+        mn = (self.tile_n * self.cfg.cta_group, self.head_dim)  # the pair's MMA: 256 keys
         if has_steps:
             pipes["dkv"].consumer_wait(at(0))
         for region, m_out, scale in (("dV", mdV, None), ("dK", mdK, softmax_scale)):
@@ -981,8 +930,11 @@ def kernels(dtype: str = "bf16", head_dim: int = 128, causal: bool = False,
     if not isinstance(cfg, BlackwellBwdConfig):
         raise TypeError(f"config must be a BlackwellBwdConfig or None, got {type(cfg).__name__}")
     dt = CUTLASS_BY_NAME[dtype]
-    main = BlackwellBackward(dt, head_dim, causal, cfg, has_window_left=has_window_left,
-                             has_window_right=has_window_right)
+    cls = BlackwellBackward
+    if cfg.two_cta:
+        from fa4_final.blackwell.bwd_pair import BlackwellBackwardPair as cls
+    main = cls(dt, head_dim, causal, cfg, has_window_left=has_window_left,
+               has_window_right=has_window_right)
     return {"pre": BackwardPre(dt, head_dim, main.tile_m, cfg.deterministic), "main": main,
             "post": BackwardPost(main.dq_layout_owner())}
 

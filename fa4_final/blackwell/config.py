@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fa4_final.blackwell.tmem import TMEM_LANES, backward_plan, forward_plan
+from fa4_final.blackwell.tmem import TMEM_LANES, backward_pair_plan, backward_plan, forward_plan
 from fa4_final.constants import SM100_SMEM_BYTES
 from fa4_final.softmax import check_softmax_knobs
 
@@ -152,14 +152,25 @@ BWD_REGISTERS = {"compute": 176, "dq": 80, "mma": 160, "load": 48, "spare": 24}
 @dataclass(frozen=True)
 class BlackwellBwdConfig:
     """Knobs of fa4_final.blackwell.bwd.BlackwellBackward (chapter 11). One CTA per (128-key
-    tile, kv head, batch); the inner loop walks 128-query tiles."""
+    tile, kv head, batch), or with ``two_cta`` one CTA pair per 256 keys
+    (fa4_final.blackwell.bwd_pair); the inner loop walks 128-query tiles."""
 
-    q_stages: int = 2  # depth of the Q (+ lse) ring
+    q_stages: int = 0  # depth of the Q (+ lse) ring; 0 = 2 (1-CTA), pair: 2 at D = 64, else 1
     do_stages: int = 0  # depth of the dO (+ delta) ring; 0 = 2 where it fits (D = 64), else 1
     deterministic: bool = False  # dQ added in a fixed order of key tiles (hopper.bwd Note [Turns])
+    two_cta: bool = False  # a CTA pair shares every GEMM (cta_group::2), dS exchanged via DSMEM
 
     tile_m = BWD_TILE_M
     tile_n = BWD_TILE_N
+
+    @property
+    def cta_group(self) -> int:
+        return 2 if self.two_cta else 1
+
+    def q_depth(self, head_dim: int) -> int:
+        if self.q_stages:
+            return self.q_stages
+        return 1 if self.two_cta and head_dim > 64 else 2
 
     def do_depth(self, head_dim: int) -> int:
         if self.do_stages:
@@ -167,6 +178,8 @@ class BlackwellBwdConfig:
         return 2 if head_dim <= 64 else 1
 
     def tmem_plan(self, head_dim: int):
+        if self.two_cta:
+            return backward_pair_plan(self.tile_m, head_dim)
         return backward_plan(self.tile_n, self.tile_m, head_dim)
 
     def smem_fields(self, head_dim: int, elem_bytes: int = 2) -> list[tuple[str, int, int]]:
@@ -174,7 +187,9 @@ class BlackwellBwdConfig:
         mbarriers of kv (1 stage), q, do and of the four one-stage MMA handshakes (s, dp, dq,
         dkv), the TMEM address, lse and delta per Q stage, then the tiles (1 KB aligned for the
         128 B swizzle): K, V, the Q and dO rings, dS (16-bit) and the float32 dQ staging."""
-        q, do = self.q_stages, self.do_depth(head_dim)
+        if self.two_cta:
+            return self.pair_smem_fields(head_dim, elem_bytes)
+        q, do = self.q_depth(head_dim), self.do_depth(head_dim)
         tile_q = self.tile_m * head_dim * elem_bytes
         tile_k = self.tile_n * head_dim * elem_bytes
         return [
@@ -190,6 +205,33 @@ class BlackwellBwdConfig:
             ("sdQ", 4 * self.tile_m * BWD_DQ_CHUNK * BWD_DQ_BUFFERS, 1024),
         ]
 
+    def pair_smem_fields(self, head_dim: int, elem_bytes: int = 2) -> list[tuple[str, int, int]]:
+        """The pair's SharedStorage, per CTA (bwd_pair Note [The pair's shared memory]): the
+        mbarriers (full + empty of kv, q, do, rows and the four MMA handshakes; dS-exchange full,
+        its relay to the leader, the pair's TMEM-free handshake), the TMEM address, lse and
+        delta per Q stage; the CTA's own K and V (A of S^T, dP^T); Kt (B of dQ: D/2 x 256
+        keys); Q, Qt, dO, dOt halves per stage (64 queries x D for S^T, dP^T; D/2 x 128 queries
+        for dK, dV); dS (A of dQ: 64 queries x 256 keys); the dQ staging. dS^T, dK's A, lives
+        in TMEM."""
+        q, do = self.q_depth(head_dim), self.do_depth(head_dim)
+        half_q = self.tile_m // 2 * head_dim * elem_bytes  # = head_dim / 2 x tile_m
+        tile_k = self.tile_n * head_dim * elem_bytes  # = Kt: head_dim / 2 x 2 tile_n
+        return [
+            ("barriers", 8 * (2 * (1 + q + do + q + 4) + 3), 8),
+            ("tmem_addr", 4, 4),
+            ("sLSE", 4 * self.tile_m * q, 16),
+            ("sDelta", 4 * self.tile_m * q, 16),
+            ("sK", tile_k, 1024),
+            ("sV", tile_k, 1024),
+            ("sKt", tile_k, 1024),
+            ("sQ", half_q * q, 1024),
+            ("sQt", half_q * q, 1024),
+            ("sdO", half_q * do, 1024),
+            ("sdOt", half_q * do, 1024),
+            ("sdS", self.tile_m // 2 * 2 * self.tile_n * elem_bytes, 1024),
+            ("sdQ", 4 * self.tile_m * BWD_DQ_CHUNK * BWD_DQ_BUFFERS, 1024),
+        ]
+
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         offset = 0
         for _, size, align in self.smem_fields(head_dim, elem_bytes):
@@ -199,7 +241,7 @@ class BlackwellBwdConfig:
     def check(self, head_dim: int) -> BlackwellBwdConfig:
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
-        if self.q_stages < 1 or self.do_depth(head_dim) < 1:
+        if self.q_depth(head_dim) < 1 or self.do_depth(head_dim) < 1:
             raise ValueError(f"q_stages and do_stages must be >= 1, got {self.q_stages}, "
                              f"{self.do_stages}")
         self.tmem_plan(head_dim)  # raises when the columns do not fit

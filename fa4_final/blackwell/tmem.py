@@ -164,3 +164,25 @@ def backward_plan(tile_n: int, tile_m: int, head_dim: int, elem_bits: int = 16) 
                           alias_of="dP"))
     del tile_n  # the lanes: one key per lane, tile_n = 128
     return TmemPlan(tuple(regions)).check()
+
+
+def backward_pair_plan(tile_m: int, head_dim: int, elem_bits: int = 16) -> TmemPlan:
+    """The 2-CTA backward's plan, per CTA (fa4_final.blackwell.bwd_pair's docstring): the CTA's
+    128 keys on its lanes, as the 1-CTA plan; S^T, dP^T, dV, dK = 512
+    columns at D = 128. P^T in S^T's upper half; dS^T (16-bit, dK's A operand read from TMEM)
+    in dP^T's upper half; dQ (the pair's M = 128 accumulator: 64 queries per CTA, lanes i and
+    64 + i holding the two halves of query i's row, D/2 columns) in dP^T's lower half."""
+    p_cols = columns_for(tile_m, elem_bits)
+    regions = (
+        Region("S", 0, tile_m, "S^T = K Q^T, fp32"),
+        Region("dP", tile_m, tile_m, "dP^T = V dO^T, fp32"),
+        Region("dV", 2 * tile_m, head_dim, "dV accumulator, fp32"),
+        Region("dK", 2 * tile_m + head_dim, head_dim, "dK accumulator (unscaled), fp32"),
+        Region("P", tile_m - p_cols, p_cols, f"P^T = exp2(S^T - lse), {elem_bits}-bit pairs",
+               alias_of="S"),
+        Region("dS", 2 * tile_m - p_cols, p_cols, f"dS^T, {elem_bits}-bit pairs (A of dK)",
+               alias_of="dP"),
+        Region("dQ", tile_m, head_dim // 2, "dQ = dS K, fp32: 64 queries, half a row per lane",
+               alias_of="dP"),
+    )
+    return TmemPlan(regions).check()

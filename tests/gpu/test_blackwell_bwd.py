@@ -29,7 +29,7 @@ pytestmark = [
 ]
 
 
-def _check(case, causal, window=(None, None), deterministic=False, seed=None):
+def _check(case, causal, window=(None, None), deterministic=False, seed=None, config=None):
     from fa4_final.blackwell.bwd import backward_into
 
     b, sq, sk, h, hk, d, dtype = case
@@ -42,7 +42,7 @@ def _check(case, causal, window=(None, None), deterministic=False, seed=None):
     out, lse = out.to(dtype).contiguous(), lse.float().contiguous()
     grads = [poison_(torch.empty_like(t)) for t in (q, k, v)]
     backward_into(q, k, v, out, lse, dout, *grads, causal=causal, window_size=window,
-                  deterministic=deterministic)
+                  deterministic=deterministic, config=config)
     torch.cuda.synchronize()
     ref = _grads(q, k, v, dout, visible, scale, torch.float64)
     same = _grads(q, k, v, dout, visible, scale, dtype)
@@ -52,7 +52,8 @@ def _check(case, causal, window=(None, None), deterministic=False, seed=None):
         limit = 2 * (s.double() - r).abs().max().item() + rounding_atol(r, dtype) + 1e-4
         ok &= err.max().item() <= limit
         lines.append(f"{name} max|err| {err.max().item():.2e} (limit {limit:.2e})")
-    return ok, f"{case} causal={causal} window={window} det={deterministic}: " + "; ".join(lines)
+    return ok, (f"{case} causal={causal} window={window} det={deterministic} config={config}: "
+                + "; ".join(lines))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -71,4 +72,24 @@ def test_blackwell_bwd_sliding_windows(window):
 @pytest.mark.parametrize("causal", [False, True])
 def test_blackwell_bwd_deterministic(causal):
     ok, line = _check((2, 257, 513, 4, 2, 128, torch.bfloat16), causal, deterministic=True)
+    assert ok, line
+
+
+# the 2-CTA mode (fa4_final.blackwell.bwd_pair): the same checks, never run before either
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] in (64, 128)],
+                         ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_blackwell_bwd_pair_matches_float64_autograd(case, causal):
+    from fa4_final.blackwell.config import BlackwellBwdConfig
+
+    ok, line = _check(case, causal, config=BlackwellBwdConfig(two_cta=True))
+    assert ok, line
+
+
+@pytest.mark.parametrize("window", [(64, None), (None, 40)])
+def test_blackwell_bwd_pair_sliding_windows(window):
+    from fa4_final.blackwell.config import BlackwellBwdConfig
+
+    ok, line = _check((1, 300, 333, 2, 1, 128, torch.bfloat16), False, window,
+                      config=BlackwellBwdConfig(two_cta=True))
     assert ok, line
