@@ -121,6 +121,14 @@ def check_tma_operand(name: str, t: torch.Tensor, check_address: bool = True) ->
             f"call .contiguous() first")
 
 
+def check_addresses(*named) -> None:
+    """The base-address part of check_tma_operand for (name, tensor) pairs whose strides
+    passed it already (check_inputs with ``check_address=False``): the same error."""
+    for name, t in named:
+        if t.data_ptr() % 16 and t.numel():
+            check_tma_operand(name, t)
+
+
 def check_outputs(q, out, lse, lse_shape: tuple, check_address: bool = True) -> None:
     """``out`` like q; ``lse`` float32 of ``lse_shape`` with a unit last stride."""
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:

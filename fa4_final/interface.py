@@ -106,9 +106,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(N
     d = check_inputs(q, k, v, softmax_scale, check_address=False)[-1]
     causal, left, right = _window_ints(causal, window_size)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = ops.fwd(q, k, v, scale, causal, left, right,
-                       check_flag("deterministic", deterministic),
-                       check_flag("return_lse", return_lse))
+    fwd = ops.fwd_eager if ops.eager(q, k, v) else ops.fwd  # Note [The eager path], ops.py
+    out, lse = fwd(q, k, v, scale, causal, left, right, check_flag("deterministic", deterministic),
+                   check_flag("return_lse", return_lse))
     return out, _returned_lse(lse, return_lse, (q, k, v))
 
 
