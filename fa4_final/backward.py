@@ -178,10 +178,9 @@ def launch_backward(q, k, v, out, lse, dout, dq, dk, dv, causal: bool, softmax_s
     b, sq, h, d = q.shape
     m_blocks = -(-sq // tile_m)
     sq_pad = m_blocks * tile_m
-    f32 = dict(dtype=torch.float32, device=q.device)
-    lse2 = torch.empty((b, h, sq_pad), **f32)
-    delta = torch.empty((b, h, sq_pad), **f32)
-    accum = torch.empty((b, h, sq_pad * d), **f32)
+    lse2 = q.new_empty((b, h, sq_pad), dtype=torch.float32)
+    delta = q.new_empty((b, h, sq_pad), dtype=torch.float32)
+    accum = q.new_empty((b, h, sq_pad * d), dtype=torch.float32)
     if det:
         turn = torch.empty((b, h, m_blocks), dtype=torch.int32, device=q.device)
     pre(out, dout, lse, lse2, delta, accum, turn)

@@ -108,10 +108,11 @@ def check_tma_operand(name: str, t: torch.Tensor, check_address: bool = True) ->
     multiples of 16 bytes, a 16-byte aligned base."""
     if t.numel() == 0:
         return
-    if t.stride(-1) != 1:
+    strides, size = t.stride(), t.element_size()
+    if strides[-1] != 1:
         raise ValueError(f"{name}'s last dimension must be contiguous (stride 1), got strides "
-                         f"{t.stride()}; call .contiguous() first")
-    bad = [st for st in t.stride()[:-1] if (st * t.element_size()) % 16]
+                         f"{strides}; call .contiguous() first")
+    bad = [st for st in strides[:-1] if (st * size) % 16]
     misaligned = check_address and t.data_ptr() % 16
     if bad or misaligned:
         where = f", address % 16 = {t.data_ptr() % 16}" if check_address else ""

@@ -102,7 +102,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(N
     right (None or -1: unbounded); ``deterministic`` asks the backward for a fixed
     accumulation order. Differentiable in q, k, v; traceable by torch.compile(fullgraph=True).
     """
-    _refuse_fa4_options("flash_attn_func", fa4_options, _FA4_NEUTRAL)
+    if fa4_options:
+        _refuse_fa4_options("flash_attn_func", fa4_options, _FA4_NEUTRAL)
     d = check_inputs(q, k, v, softmax_scale, check_address=False)[-1]
     causal, left, right = _window_ints(causal, window_size)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)

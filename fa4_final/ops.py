@@ -162,8 +162,8 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: boo
 
     check_addresses(("q", q), ("k", k), ("v", v))  # what fwd_impl's forward_into adds
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, softmax_scale, causal, window_left, window_right,
-                                     deterministic, return_lse)
+        return _EagerAttention.apply(q, k, v, (softmax_scale, causal, window_left, window_right,
+                                               deterministic, return_lse))
     return _eager_fwd(q, k, v, softmax_scale, causal, window_left, window_right)
 
 
@@ -171,8 +171,8 @@ def _eager_fwd(q, k, v, softmax_scale, causal, window_left, window_right):
     from fa4_final import run
 
     b, sq, h, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # as q.new_empty(q.shape)
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
     return run.forward_checked(run.cached_backend(q.device), q, k, v, out, lse, causal,
                                softmax_scale, _side(window_left), _side(window_right))
 
@@ -185,9 +185,8 @@ def _eager_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, wind
     from fa4_final.checks import check_tma_operand
 
     check_tma_operand("dout", dout)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    like = dict(memory_format=torch.contiguous_format)  # as bwd_impl's new_empty
+    dq, dk, dv = (torch.empty_like(t, **like) for t in (q, k, v))
     return run.backward_checked(run.cached_backend(q.device), q, k, v, out, lse, dout, dq, dk,
                                 dv, causal, softmax_scale, _side(window_left),
                                 _side(window_right), deterministic)
@@ -197,17 +196,16 @@ class _EagerAttention(torch.autograd.Function):
     """fwd's registered autograd (_setup_fwd, _backward_fwd) without the op."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, deterministic,
-                return_lse):
-        out, lse = _eager_fwd(q, k, v, softmax_scale, causal, window_left, window_right)
-        _setup_fwd(ctx, (q, k, v, softmax_scale, causal, window_left, window_right,
-                         deterministic, return_lse), (out, lse))
+    def forward(ctx, q, k, v, options):  # options: fwd's arguments after v, in one tuple
+        out, lse = _eager_fwd(q, k, v, *options[:4])
+        _setup_fwd(ctx, (q, k, v, *options), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         # create_graph=True: the op, whose missing double backward says so
-        return _backward_fwd(ctx, dout, dlse, bwd if torch.is_grad_enabled() else _eager_bwd)
+        grads = _backward_fwd(ctx, dout, dlse, bwd if torch.is_grad_enabled() else _eager_bwd)
+        return (*grads[:3], None)
 
 
 # ----------------------------------------------------------------------------------------------
