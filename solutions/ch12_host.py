@@ -286,10 +286,43 @@ def _fa4_final_call(q, k, v, causal=False, softmax_scale=None):
     return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
 
 
+def _fa4_final_op_call(q, k, v, causal=False, softmax_scale=None):
+    """fa4_final through its custom ops even in eager mode (what every call took before the
+    eager path, Note [The eager path] in fa4_final/ops.py): the cost of the op dispatch."""
+    from fa4_final import ops
+
+    saved, ops.EAGER_DEVICE_TYPES = ops.EAGER_DEVICE_TYPES, ()
+    try:
+        return _fa4_final_call(q, k, v, causal, softmax_scale)
+    finally:
+        ops.EAGER_DEVICE_TYPES = saved
+
+
 def implementations() -> dict:
-    impls = {"fa4_final": _fa4_final_call, **bench.peers()}
+    from fa4_final import ops
+
+    impls = {"fa4_final": _fa4_final_call}
+    if hasattr(ops, "EAGER_DEVICE_TYPES"):
+        impls["fa4_final_op"] = _fa4_final_op_call
+    impls.update(bench.peers())
     impls.pop("sdpa_efficient", None)
     return impls
+
+
+def _path_fields() -> dict:
+    """Whether fa4_final's calls here take the eager path, and whether torch tensors reach
+    TVM-FFI through the DLPack C exchange API (its fast path) rather than per-call capsules."""
+    from fa4_final import ops
+
+    try:
+        import tvm_ffi  # noqa: F401  (installs the exchange API on torch.Tensor when it can)
+    except ImportError:
+        pass
+
+    q = torch.empty(1, 8, 1, 64, dtype=torch.bfloat16, device="cuda")
+    eager = getattr(ops, "eager", None)
+    return {"eager_path": None if eager is None else bool(eager(q, q, q)),
+            "dlpack_c_exchange_api": hasattr(torch.Tensor, "__dlpack_c_exchange_api__")}
 
 
 def _kernel_us(fn, calls: int) -> tuple[float, float]:
@@ -327,11 +360,14 @@ def measure_call(fn, calls: int = 40, rounds: int = 5) -> dict:
         end.record()
         torch.cuda.synchronize()
         wall.append(start.elapsed_time(end) * 1e3 / calls)
-    kernel_us, ops_per_call = _kernel_us(fn, calls)
     h, w = statistics.median(host), statistics.median(wall)
-    return {"host_us": h, "wall_us": w, "kernel_us": kernel_us, "gpu_ops_per_call": ops_per_call,
-            "host_us_rounds": host, "wall_us_rounds": wall, "host_bound": h > kernel_us,
-            "gpu_idle_us": max(0.0, w - kernel_us)}
+    row = {"host_us": h, "wall_us": w, "host_us_rounds": host, "wall_us_rounds": wall}
+    try:
+        kernel_us, ops_per_call = _kernel_us(fn, calls)
+    except Exception as exc:  # the profiler: keep the timings without it
+        return {**row, "kernel_us": None, "kernel_error": bench.error_text(exc)}
+    return {**row, "kernel_us": kernel_us, "gpu_ops_per_call": ops_per_call,
+            "host_bound": h > kernel_us, "gpu_idle_us": max(0.0, w - kernel_us)}
 
 
 def tvm_ffi_launch_us(d: int = 128, calls: int = 200) -> list[dict]:
@@ -367,13 +403,16 @@ def tvm_ffi_launch_us(d: int = 128, calls: int = 200) -> list[dict]:
         us = (time.perf_counter() - t0) / calls * 1e6
         torch.cuda.synchronize()
         rows.append({"impl": "fa4_final", "metric": metric, "value": us, "unit": "us",
-                     "d": d, "note": "host time per call, arguments prepared once"})
+                     "d": d, "note": "host time per call, arguments prepared once",
+                     **_path_fields()})
         print(f"{metric}: {us:.1f} us")
     return rows
 
 
 def gpu(seqlens, dims, calls: int, rounds: int, tokens: int) -> list[dict]:
     impls = implementations()
+    paths = _path_fields()
+    print(f"fa4_final: {paths}")
     rows = []
     for d in dims:
         for s in seqlens:
@@ -383,7 +422,8 @@ def gpu(seqlens, dims, calls: int, rounds: int, tokens: int) -> list[dict]:
                     flops = bench.attention_flops(shape.b, shape.h, s, s, d, causal, pass_)
                     for name, impl in impls.items():
                         row = {"impl": name, **bench._shape_fields(shape, pass_, torch.bfloat16),
-                               "ms": None, "tflops": None}
+                               "ms": None, "tflops": None,
+                               **(paths if name.startswith("fa4_final") else {})}
                         try:
                             m = measure_call(bench._timed_call(impl, shape, pass_,
                                                                torch.bfloat16), calls, rounds)
@@ -395,12 +435,17 @@ def gpu(seqlens, dims, calls: int, rounds: int, tokens: int) -> list[dict]:
                         row.update(m, ms=m["wall_us"] / 1e3,
                                    tflops=flops / (m["wall_us"] * 1e-6) / 1e12)
                         rows.append(row)
+                        kernels = (f"kernels {m['kernel_us']:6.1f} us "
+                                   f"({m['gpu_ops_per_call']:.0f} per call)"
+                                   if m["kernel_us"] is not None else m["kernel_error"])
                         print(f"{name:12s} {pass_:7s} b={shape.b:3d} s={s:5d} d={d} "
                               f"causal={causal!s:5}: host {m['host_us']:6.1f} us, wall "
-                              f"{m['wall_us']:6.1f} us, kernels {m['kernel_us']:6.1f} us "
-                              f"({m['gpu_ops_per_call']:.0f} per call)")
+                              f"{m['wall_us']:6.1f} us, {kernels}")
                     torch.cuda.empty_cache()
-    rows += tvm_ffi_launch_us()
+    try:
+        rows += tvm_ffi_launch_us()
+    except Exception as exc:
+        print(f"tvm_ffi_launch_us: {bench.error_text(exc)}")
     return rows
 
 

@@ -5,6 +5,8 @@
 #   (fa4-gaps: the forward's knobs at the shapes where the FA4 package leads)
 #   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests ch12-sweep ch12-acc varlen-tests
 #    varlen-bench varlen-sanitize)
+#   (host: the API's host time per call vs its kernels' time, with the peers; host-train: the
+#    small-GPT training step, fa4_final vs SDPA)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
 #   (profiles: ch04-profile, ch05-profile, fa4-profile; each keeps ncu's CSV exports under
 #    $OUT/<name>_raw)
@@ -63,6 +65,8 @@ for s in "$@"; do
     fa4-bench) step fa4_bench 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     fa4-gaps) step fa4_gaps 300 $PY -m solutions.ch08_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
     ch12-sweep) step ch12_sweep 420 $PY -m solutions.ch12_sweep --sweep ;;
+    host) step ch12_host 420 $PY -m solutions.ch12_host --gpu ;;
+    host-train) step ch12_training 300 $PY -m solutions.ch12_training ;;
     ch12-acc) step ch12_acc 200 $PY -m solutions.ch12_sweep --accuracy --memory ;;
     fa4-knobs) step fa4_knobs 480 $PY -m solutions.ch08_knobs --knobs --rounds ${ROUNDS:-3} ;;
     fa4-timeline) step fa4_timeline 120 $PY -m solutions.ch08_knobs --timeline ;;
