@@ -321,3 +321,13 @@ def test_hopper_backward_skips_the_checks_of_fa4_final_backward(monkeypatch):
     q, k, v = qkv(grad=False)
     launch.backward_into(q, k, v, q, None, q, q, k, v, True, 0.1, 5, 0, True)
     assert seen == [("launch", (True, 0.1, 5, 0, True), {"arch": "sm_90a"})]
+
+
+def test_a_profiler_trace_names_the_calls(eager_cpu):
+    q, k, v = qkv()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out, _ = flash_attn_func(q, k, v)
+        torch.autograd.grad(out.sum(), (q, k, v))
+    names = {e.name for e in prof.events()}
+    assert {"fa4_final::fwd", "fa4_final::bwd"} <= names
+    assert eager_cpu.calls == ["forward", "backward"]
