@@ -20,7 +20,8 @@ lse = -inf.
 Layers, top to bottom: these functions (argument checks that also run under torch.compile) ->
 the custom ops (fa4_final.ops: what torch.compile and autograd see) -> run / varlen (checked
 eager calls) -> dispatch (which GPU runs which kernel) -> hopper.launch (compile through the
-cache, launch).
+cache, launch). A dense eager call on GPU tensors that nothing traces skips the op and the
+second checks (Note [The eager path] in fa4_final.ops).
 """
 
 from __future__ import annotations
