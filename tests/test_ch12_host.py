@@ -41,3 +41,35 @@ def test_stored_cpu_profile_says_what_it_measured():
     variants = {r["variant"] for r in stored.rows}
     assert {"before", "after"} <= variants
     assert all("no-ops" in r["setup"] for r in stored.rows)
+
+
+def test_gpu_rows_are_valid_results(monkeypatch):
+    """--gpu's plumbing with the GPU parts replaced: one row per impl, shape and pass, the
+    attention keys filled from the wall time, an impl that fails recorded with its error."""
+    impls = {"fa4_final": None, "fa4_final_op": None, "sdpa_flash": None}
+    monkeypatch.setattr(ch12_host, "implementations", lambda: impls)
+    monkeypatch.setattr(ch12_host, "_path_fields",
+                        lambda: {"eager_path": True, "dlpack_c_exchange_api": True})
+
+    def timed_call(fn, shape, pass_, dtype):
+        if pass_ == "fwd+bwd" and shape.s == 512:
+            raise RuntimeError("no such kernel")
+        return lambda: None
+
+    monkeypatch.setattr(ch12_host.bench, "_timed_call", timed_call)
+    monkeypatch.setattr(ch12_host, "measure_call", lambda fn, calls, rounds: {
+        "host_us": 50.0, "wall_us": 80.0, "kernel_us": 70.0, "gpu_ops_per_call": 4.0,
+        "host_bound": False, "gpu_idle_us": 10.0})
+    monkeypatch.setattr(ch12_host, "tvm_ffi_launch_us", lambda: [
+        {"impl": "fa4_final", "metric": "tvm_ffi_launch_us", "value": 5.0, "unit": "us"}])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    rows = ch12_host.gpu([256, 512], [64], calls=2, rounds=1, tokens=1024)
+    results.validate({"provenance": results.collect_provenance("test"), "rows": rows})
+    timed = [r for r in rows if "pass" in r]
+    assert len(timed) == 3 * 2 * 2 * 2  # impls x seqlens x causal x passes
+    failed = [r for r in timed if "error" in r]
+    assert len(failed) == 3 * 2 and all(r["ms"] is None for r in failed)
+    ok = next(r for r in timed if r["impl"] == "fa4_final" and "error" not in r)
+    assert ok["ms"] == 0.08 and ok["eager_path"] and ok["b"] == 4
+    assert "eager_path" not in next(r for r in timed if r["impl"] == "sdpa_flash")
+    assert rows[-1]["metric"] == "tvm_ffi_launch_us"
