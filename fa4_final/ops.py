@@ -141,16 +141,21 @@ fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
 EAGER_DEVICE_TYPES = ("cuda",)  # where the kernels run (ch12_host's profile adds "cpu")
 
 
+def _unobserved() -> bool:
+    """Nothing that must see the ops is active: torch.compile (compiled autograd too), a
+    tracer, a dispatch or function mode, a functorch transform."""
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._len_torch_function_stack()
+            and not torch._C._are_functorch_transforms_active())
+
+
 def eager(q, k, v) -> bool:
     """Whether a call on q, k, v may skip the custom op: plain tensors on a GPU, and nothing
     (torch.compile, a tracer, a dispatch or function mode, a functorch transform) that must
     see the op."""
     return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
-            and q.device.type in EAGER_DEVICE_TYPES
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._len_torch_function_stack()
-            and not torch._C._are_functorch_transforms_active())
+            and q.device.type in EAGER_DEVICE_TYPES and _unobserved())
 
 
 def fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
@@ -213,8 +218,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        # create_graph=True: the op, whose missing double backward says so
-        grads = _backward_fwd(ctx, dout, dlse, bwd if torch.is_grad_enabled() else _eager_bwd)
+        # the op where something watches the backward, and for create_graph=True (the op's
+        # missing double backward says so)
+        direct = not torch.is_grad_enabled() and _unobserved()
+        grads = _backward_fwd(ctx, dout, dlse, _eager_bwd if direct else bwd)
         return (*grads[:3], None)
 
 

@@ -270,6 +270,15 @@ def test_a_double_backward_goes_through_the_op(eager_cpu, monkeypatch):
     assert seen and "backward" not in eager_cpu.calls
 
 
+def test_a_backward_under_a_dispatch_mode_goes_through_the_op(eager_cpu):
+    q, k, v = qkv()
+    out, _ = flash_attn_func(q, k, v)  # eager: the Function
+    assert eager_cpu.calls == ["forward"]
+    with Spy() as spy:
+        torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert any("fa4_final.bwd" in op for op in spy.ops) and eager_cpu.calls == ["forward"]
+
+
 # ----------------------------------------------------------------------------------------------
 # the launch layers look their plans up once
 
