@@ -138,23 +138,58 @@ def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_sca
     if sk == 0:
         dq.zero_()
         return dq, dk, dv
-    has_right = right is not None and not causal
-    kernels, _ = compile_backward(arch, d, DTYPE_NAMES[q.dtype], causal, cfg,
-                                  has_window_left=left is not None, has_window_right=has_right)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
-    m_blocks = -(-sq // cfg.tile_m)
-    sq_pad = m_blocks * cfg.tile_m
-    f32 = dict(dtype=torch.float32, device=q.device)
-    lse2 = torch.empty(b, h, sq_pad, **f32)
-    delta = torch.empty(b, h, sq_pad, **f32)
-    accum = torch.empty(b, h, sq_pad * d, **f32)
-    turn_shape = (b, h, m_blocks) if cfg.deterministic else (1, 1, 1)
-    turn = torch.empty(turn_shape, dtype=torch.int32, device=q.device)
-    kernels["pre"](out, dout, lse, lse2, delta, accum, turn)
-    kernels["main"](q, k, v, dout, lse2, delta, accum, dk, dv, turn, scale, left or 0,
-                    right or 0)
-    kernels["post"](accum, dq, scale)
+    launch_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right,
+                    deterministic, config, arch=arch)
     return dq, dk, dv
+
+
+# What a backward call of one kind needs besides its tensors, looked up once: (compile_backward,
+# arch, device, head dim, dtype, causal, has_left, has_right, deterministic, config) -> (the
+# three kernels, tile_m, the unused (1, 1, 1) turn buffer outside the deterministic mode).
+_PLANS: dict = {}
+
+
+def _backward_plan(arch, q, causal, has_left, has_right, deterministic, config):
+    d = q.shape[-1]
+    key = (compile_backward, arch, q.device, d, q.dtype, causal, has_left, has_right,
+           deterministic, config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        cfg = _config(d, causal, deterministic, config)
+        kernels, _ = compile_backward(arch, d, DTYPE_NAMES[q.dtype], causal, cfg,
+                                      has_window_left=has_left, has_window_right=has_right)
+        # never read or written without the deterministic mode: one serves every call
+        turn = None if cfg.deterministic else torch.empty((1, 1, 1), dtype=torch.int32,
+                                                          device=q.device)
+        plan = _PLANS[key] = (kernels["pre"], kernels["main"], kernels["post"], cfg.tile_m,
+                              cfg.deterministic, turn)
+    return plan
+
+
+def launch_backward(q, k, v, out, lse, dout, dq, dk, dv, causal: bool, softmax_scale: float,
+                    left, right, deterministic: bool = False,
+                    config: HopperBwdConfig | None = None, arch: str = "sm_90a"):
+    """The three launches of backward_into on inputs it checked: non-empty, the window
+    normalised (sides None when unbounded, causal with right = 0), the scale resolved."""
+    pre, main, post, tile_m, det, turn = _backward_plan(
+        arch, q, causal, left is not None, right is not None and not causal, deterministic,
+        config)
+    b, sq, h, d = q.shape
+    m_blocks = -(-sq // tile_m)
+    sq_pad = m_blocks * tile_m
+    lse2 = q.new_empty((b, h, sq_pad), dtype=torch.float32)
+    delta = q.new_empty((b, h, sq_pad), dtype=torch.float32)
+    accum = q.new_empty((b, h, sq_pad * d), dtype=torch.float32)
+    if det:
+        turn = torch.empty((b, h, m_blocks), dtype=torch.int32, device=q.device)
+    pre(out, dout, lse, lse2, delta, accum, turn)
+    main(q, k, v, dout, lse2, delta, accum, dk, dv, turn, softmax_scale, left or 0, right or 0)
+    post(accum, dq, softmax_scale)
+
+
+# fa4_final.hopper.launch.backward_into calls this for inputs that fa4_final.run checked
+backward_into.checked_inputs = launch_backward
 
 
 def backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,

@@ -108,10 +108,11 @@ def check_tma_operand(name: str, t: torch.Tensor, check_address: bool = True) ->
     multiples of 16 bytes, a 16-byte aligned base."""
     if t.numel() == 0:
         return
-    if t.stride(-1) != 1:
+    strides, size = t.stride(), t.element_size()
+    if strides[-1] != 1:
         raise ValueError(f"{name}'s last dimension must be contiguous (stride 1), got strides "
-                         f"{t.stride()}; call .contiguous() first")
-    bad = [st for st in t.stride()[:-1] if (st * t.element_size()) % 16]
+                         f"{strides}; call .contiguous() first")
+    bad = [st for st in strides[:-1] if (st * size) % 16]
     misaligned = check_address and t.data_ptr() % 16
     if bad or misaligned:
         where = f", address % 16 = {t.data_ptr() % 16}" if check_address else ""
@@ -119,6 +120,14 @@ def check_tma_operand(name: str, t: torch.Tensor, check_address: bool = True) ->
             f"{name} needs strides that are multiples of 16 bytes and a 16-byte aligned base "
             f"address (TMA): strides {t.stride()} of {t.element_size()}-byte elements{where}; "
             f"call .contiguous() first")
+
+
+def check_addresses(*named) -> None:
+    """The base-address part of check_tma_operand for (name, tensor) pairs whose strides
+    passed it already (check_inputs with ``check_address=False``): the same error."""
+    for name, t in named:
+        if t.data_ptr() % 16 and t.numel():
+            check_tma_operand(name, t)
 
 
 def check_outputs(q, out, lse, lse_shape: tuple, check_address: bool = True) -> None:

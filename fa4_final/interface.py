@@ -20,7 +20,8 @@ lse = -inf.
 Layers, top to bottom: these functions (argument checks that also run under torch.compile) ->
 the custom ops (fa4_final.ops: what torch.compile and autograd see) -> run / varlen (checked
 eager calls) -> dispatch (which GPU runs which kernel) -> hopper.launch (compile through the
-cache, launch).
+cache, launch). A dense eager call on GPU tensors that nothing traces skips the op and the
+second checks (Note [The eager path] in fa4_final.ops).
 """
 
 from __future__ import annotations
@@ -102,13 +103,14 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(N
     right (None or -1: unbounded); ``deterministic`` asks the backward for a fixed
     accumulation order. Differentiable in q, k, v; traceable by torch.compile(fullgraph=True).
     """
-    _refuse_fa4_options("flash_attn_func", fa4_options, _FA4_NEUTRAL)
+    if fa4_options:
+        _refuse_fa4_options("flash_attn_func", fa4_options, _FA4_NEUTRAL)
     d = check_inputs(q, k, v, softmax_scale, check_address=False)[-1]
     causal, left, right = _window_ints(causal, window_size)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = ops.fwd(q, k, v, scale, causal, left, right,
-                       check_flag("deterministic", deterministic),
-                       check_flag("return_lse", return_lse))
+    fwd = ops.fwd_eager if ops.eager(q, k, v) else ops.fwd  # Note [The eager path], ops.py
+    out, lse = fwd(q, k, v, scale, causal, left, right, check_flag("deterministic", deterministic),
+                   check_flag("return_lse", return_lse))
     return out, _returned_lse(lse, return_lse, (q, k, v))
 
 

@@ -24,6 +24,17 @@ kernel with V = 0 (so dP = 0), dO = 1 in three columns and O = -dlse split over 
 exactly the extra dq and dk (dv of that call is P^T dO: thrown away). It costs one more backward,
 only when return_lse=True and a gradient is needed; a row that sees no key has P = 0 and gets
 nothing, as it should.
+
+Note [The eager path]
+A custom op is what torch.compile, FakeTensorMode, opcheck and dispatch modes must see, but a
+plain eager call pays for it every time: the dispatcher, the op's autograd wrapper, its guard
+against being traced, and the checks of each layer below, tens of microseconds per call, as
+much as a short kernel runs. So ``fwd_eager`` makes the same call without the op when nothing
+could observe the difference (``eager``: real CUDA tensors, no tracing, compiling, dispatch or
+function mode, no functorch transform): the same checks, once, by the public function; the same
+kernels through the same layers (run.forward_checked, the backend of the device); the same
+autograd formula (``_backward_fwd``) in a torch.autograd.Function. Everything else, and a double
+backward, goes through the ops.
 """
 
 
@@ -109,19 +120,109 @@ def _setup_fwd(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward_fwd(ctx, dout, dlse):
+def _backward_fwd(ctx, dout, dlse, bwd_op=None):
+    bwd_op = bwd if bwd_op is None else bwd_op  # the op, or _eager_bwd (Note [The eager path])
     q, k, v, out, lse = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.options)
+    dq, dk, dv = bwd_op(dout, q, k, v, out, lse, *ctx.options)
     if ctx.return_lse and dlse is not None:
         probe_dout, probe_out = _lse_probe(dlse.transpose(1, 2), out)  # (b, sq, h)
-        dq_lse, dk_lse, _ = bwd(probe_dout, q, k, torch.zeros_like(v), probe_out, lse,
-                                *ctx.options)
+        dq_lse, dk_lse, _ = bwd_op(probe_dout, q, k, torch.zeros_like(v), probe_out, lse,
+                                   *ctx.options)
         dq, dk = dq + dq_lse, dk + dk_lse
     return dq, dk, dv, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
+
+
+# the eager path (Note [The eager path])
+
+EAGER_DEVICE_TYPES = ("cuda",)  # where the kernels run (ch12_host's profile adds "cpu")
+
+
+def _unobserved() -> bool:
+    """Nothing that must see the ops is active: torch.compile (compiled autograd too), a
+    tracer, a dispatch or function mode, a functorch transform."""
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._len_torch_function_stack()
+            and not torch._C._are_functorch_transforms_active())
+
+
+def eager(q, k, v) -> bool:
+    """Whether a call on q, k, v may skip the custom op: plain tensors on a GPU, and nothing
+    (torch.compile, a tracer, a dispatch or function mode, a functorch transform) that must
+    see the op."""
+    return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and q.device.type in EAGER_DEVICE_TYPES and _unobserved())
+
+
+def fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+              window_left: int, window_right: int, deterministic: bool,
+              return_lse: bool) -> tuple[Tensor, Tensor]:
+    """``fwd(...)`` for a call that ``eager`` admits, on inputs checked by check_inputs with
+    ``check_address=False`` and resolved by the public function (flash_attn_func)."""
+    from fa4_final.checks import check_addresses
+
+    check_addresses(("q", q), ("k", k), ("v", v))  # what fwd_impl's forward_into adds
+    options = (softmax_scale, causal, window_left, window_right, deterministic, return_lse)
+    if torch.autograd._profiler_enabled():  # a trace shows the call as it shows the op
+        with torch.profiler.record_function("fa4_final::fwd"):
+            return _eager_call(q, k, v, options)
+    return _eager_call(q, k, v, options)
+
+
+def _eager_call(q, k, v, options):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(q, k, v, options)
+    return _eager_fwd(q, k, v, *options[:4])
+
+
+def _eager_fwd(q, k, v, softmax_scale, causal, window_left, window_right):
+    from fa4_final import run
+
+    b, sq, h, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # as q.new_empty(q.shape)
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    return run.forward_checked(run.cached_backend(q.device), q, k, v, out, lse, causal,
+                               softmax_scale, _side(window_left), _side(window_right))
+
+
+def _eager_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
+               deterministic):
+    """``bwd(...)`` on the forward's checked tensors; autograd gives dout out's shape, dtype
+    and device, so what bwd_impl's checks add is dout's TMA rule (after .contiguous())."""
+    from fa4_final import run
+    from fa4_final.checks import check_tma_operand
+
+    check_tma_operand("dout", dout)
+    like = dict(memory_format=torch.contiguous_format)  # as bwd_impl's new_empty
+    dq, dk, dv = (torch.empty_like(t, **like) for t in (q, k, v))
+    args = (run.cached_backend(q.device), q, k, v, out, lse, dout, dq, dk, dv, causal,
+            softmax_scale, _side(window_left), _side(window_right), deterministic)
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function("fa4_final::bwd"):
+            return run.backward_checked(*args)
+    return run.backward_checked(*args)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """fwd's registered autograd (_setup_fwd, _backward_fwd) without the op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, options):  # options: fwd's arguments after v, in one tuple
+        out, lse = _eager_fwd(q, k, v, *options[:4])
+        _setup_fwd(ctx, (q, k, v, *options), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        # the op where something watches the backward, and for create_graph=True (the op's
+        # missing double backward says so)
+        direct = not torch.is_grad_enabled() and _unobserved()
+        grads = _backward_fwd(ctx, dout, dlse, _eager_bwd if direct else bwd)
+        return (*grads[:3], None)
 
 
 # ----------------------------------------------------------------------------------------------

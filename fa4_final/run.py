@@ -26,13 +26,21 @@ def forward_into(q, k, v, out, lse, causal=False, softmax_scale=None, window_siz
     causal, left, right = _normalise_window(causal, window_size)
     backend = backend_for(q.device)
     check_outputs(q, out, lse, (b, h, sq))
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    return forward_checked(backend, q, k, v, out, lse, causal, scale, left, right, config)
+
+
+def forward_checked(backend, q, k, v, out, lse, causal: bool, scale: float, left, right,
+                    config=None):
+    """forward_into after its checks: the window normalised, the scale resolved, ``out`` and
+    ``lse`` as forward_into wants them. Empty problems end here."""
+    b, sq, h, _ = q.shape
     if sq == 0 or b == 0 or h == 0:
         return out, lse
-    if sk == 0:  # no key at all: every row is empty
+    if k.shape[1] == 0:  # no key at all: every row is empty
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     backend.forward(q, k, v, out, lse, causal, scale, left, right, config)
     return out, lse
 
@@ -45,14 +53,34 @@ def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_sca
     backend = backend_for(q.device)
     check_outputs(q, out, lse, (b, h, sq))
     check_grads(q, k, dout, dq, dk, dv)
-    if min(b, sq, sk, h) == 0:  # nothing attends: q, k, v have no influence on the output
-        for t in (dq, dk, dv):
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    return backward_checked(backend, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left,
+                            right, deterministic)
+
+
+def backward_checked(backend, q, k, v, out, lse, dout, dq, dk, dv, causal: bool, scale: float,
+                     left, right, deterministic: bool = False):
+    """backward_into after its checks (as forward_checked)."""
+    if min(q.shape[0], q.shape[1], k.shape[1], q.shape[2]) == 0:
+        for t in (dq, dk, dv):  # nothing attends: q, k, v have no influence on the output
             t.zero_()
         return dq, dk, dv
-    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     backend.backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right,
                      deterministic)
     return dq, dk, dv
+
+
+_BACKENDS: dict = {}
+
+
+def cached_backend(device):
+    """``backend_for(device)``, looked up once per device (it reads the device's compute
+    capability); the function is in the key, so a replaced backend_for is asked again."""
+    key = (backend_for, device)
+    backend = _BACKENDS.get(key)
+    if backend is None:
+        backend = _BACKENDS[key] = backend_for(device)
+    return backend
 
 
 def forward(q, k, v, causal=False, softmax_scale=None, window_size=(None, None), config=None):

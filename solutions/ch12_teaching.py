@@ -518,3 +518,91 @@ def training_summary(res, impl: str = IMPL, baseline: str = "sdpa_flash") -> str
         rel = f", {base / ms:.2f}x the speed of {baseline}" if base and n != baseline else ""
         lines.append(f"{n:16s} {ms:6.2f} ms per training step{rel}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# the host's cost per call (solutions/ch12_host.py)
+
+
+def _us(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _host_shape(r) -> str:
+    return f"{r['pass']} b={r['b']} S={r['s']} D={r['d']}{' causal' if r['causal'] else ''}"
+
+
+def _host_value(res, variant: str, metric: str, impl: str = IMPL):
+    row = next((r for r in res.rows if r.get("variant") == variant and r["metric"] == metric
+                and r["impl"] == impl), None)
+    return None if row is None else row["value"]
+
+
+def host_table(res) -> str:
+    """Host microseconds per call of each stored variant (``--profile``, kernels as no-ops),
+    the checks and launches per call, and the floor: a Python autograd op that only allocates."""
+    if res is None:
+        return "not measured yet"
+    variants = list(dict.fromkeys(r["variant"] for r in res.rows))
+    lines = [res.label, "setup: " + res.rows[0]["setup"], "",
+             f"{'':22s} {'fwd us':>8s} {'fwd+bwd us':>11s} {'checks/call':>12s} "
+             f"{'launches/call':>14s}"]
+    for v in variants:
+        fwd, both = _host_value(res, v, "host_us fwd"), _host_value(res, v, "host_us fwd+bwd")
+        checks = _host_value(res, v, "check_inputs per call fwd+bwd")
+        launches = _host_value(res, v, "kernel launches per call fwd+bwd")
+        commit = next(r["fa4_final_commit"] for r in res.rows if r["variant"] == v)
+        lines.append(f"{IMPL + ' ' + v:22s} {fwd:8.1f} {both:11.1f} {checks:12g} "
+                     f"{launches:14g}   (fa4_final of {str(commit)[:10]})")
+    floor = _host_value(res, variants[-1], "host_us fwd+bwd", impl="floor")
+    if floor is not None:
+        lines.append(f"{'floor (a bare Function)':22s} {'':8s} {floor:11.1f}")
+    if len(variants) >= 2:
+        a, b = variants[0], variants[-1]
+        for metric in ("host_us fwd", "host_us fwd+bwd"):
+            ratio = _host_value(res, a, metric) / _host_value(res, b, metric)
+            lines.append(f"{metric.split()[1]}: {ratio:.1f}x less host time per call ({b} vs "
+                         f"{a})")
+    return "\n".join(lines)
+
+
+def host_parts(res, pass_: str = "fwd+bwd") -> str:
+    """Where a call's host time goes, per variant side by side (cProfile shares, scaled)."""
+    if res is None:
+        return "not measured yet"
+    variants = list(dict.fromkeys(r["variant"] for r in res.rows))
+    parts = {}
+    for r in res.rows:
+        if r["metric"] == f"host_us {pass_} by part":
+            parts.setdefault(r["part"], {})[r["variant"]] = r["value"]
+    head = f"{'host us per ' + pass_ + ' call, by part':66s}" + "".join(f"{v:>9s}"
+                                                                      for v in variants)
+    lines = [head]
+    for part, by in sorted(parts.items(), key=lambda kv: -max(kv[1].values())):
+        lines.append(f"{part:66s}" + "".join(f"{_us(by.get(v)):>9s}" for v in variants))
+    return "\n".join(lines)
+
+
+def host_gpu_table(res, impls=("fa4_final", "fa4_final_op", "sdpa_flash", "sdpa_cudnn",
+                               "fa4_package")) -> str:
+    """``--gpu``: host, wall and kernel microseconds per call of each implementation, per shape;
+    ``host-bound`` where issuing the call took longer than its kernels ran."""
+    if res is None:
+        return "not measured yet"
+    rows = [r for r in res.rows if r.get("pass") and r.get("wall_us") is not None
+            and r["impl"] in impls]
+    lines = [res.label, f"{'shape':36s} {'impl':13s} {'host us':>8s} {'wall us':>8s} "
+                        f"{'kernels us':>10s}"]
+    shapes = list(dict.fromkeys((r["pass"], r["b"], r["s"], r["h"], r["d"], r["causal"])
+                                for r in rows))
+    for shape in shapes:
+        for r in rows:
+            if (r["pass"], r["b"], r["s"], r["h"], r["d"], r["causal"]) != shape:
+                continue
+            bound = "  host-bound" if r.get("host_bound") else ""
+            lines.append(f"{_host_shape(r):36s} {r['impl']:13s} {r['host_us']:8.1f} "
+                         f"{r['wall_us']:8.1f} {_us(r.get('kernel_us')):>10s}{bound}")
+    for r in res.rows:
+        if r.get("metric") in ("tvm_ffi_launch_us", "torch_empty_us"):
+            lines.append(f"{r['metric']}: {r['value']:.1f} us per call ({r['note']})")
+    return "\n".join(lines)

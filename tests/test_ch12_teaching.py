@@ -198,3 +198,25 @@ def test_training_summary_and_plot():
     assert "within the band" in text and "ms per training step" in text
     assert set(t12.training_losses(res)) >= {"fa4_final", "sdpa_flash"}
     t12.plot_training(res)
+
+
+def test_host_tables():
+    stored = load("ch12_host", gpu="cpu")
+    text = t12.host_table(stored)
+    assert "fa4_final before" in text and "fa4_final after" in text and "floor" in text
+    assert "less host time per call (after vs before)" in text
+    parts = t12.host_parts(stored)
+    assert "checks (fa4_final.checks)" in parts and "before" in parts.splitlines()[0]
+    shape = {"pass": "fwd+bwd", "dtype": "bf16", "b": 32, "s": 512, "h": 16, "d": 128,
+             "causal": False, "ms": 0.5, "tflops": 100.0}
+    rows = [{**shape, "impl": "fa4_final", "host_us": 120.0, "wall_us": 500.0,
+             "kernel_us": 380.0, "host_bound": False},
+            {**shape, "impl": "fa4_final_op", "host_us": 600.0, "wall_us": 640.0,
+             "kernel_us": 380.0, "host_bound": True},
+            {"impl": "fa4_final", "metric": "tvm_ffi_launch_us", "value": 6.5, "unit": "us",
+             "note": "host time per call, arguments prepared once"}]
+    table = t12.host_gpu_table(fake("ch12_host", rows))
+    assert "fwd+bwd b=32 S=512 D=128" in table and table.count("host-bound") == 1
+    assert "tvm_ffi_launch_us: 6.5 us" in table
+    for fn in (t12.host_table, t12.host_parts, t12.host_gpu_table):
+        assert fn(None) == "not measured yet"

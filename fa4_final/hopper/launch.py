@@ -114,29 +114,51 @@ def l2_section_pairs(seqlen_k: int, head_dim: int, elem_bytes: int, pairs: int) 
     return g
 
 
+_SMS: dict = {}
+
+
 def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _SMS.get(device)
+    if sms is None:  # the device's properties do not change: read them once
+        sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms
+
+
+# What a forward call of one kind needs besides its tensors, looked up once: (compile_forward,
+# _num_sms, device, head dim, dtype, causal, has_left, has_right, config) -> (compiled kernel,
+# the config, the timeline buffer, the SM count). The functions are in the key so
+# that a test or tool replacing one of them never meets an entry made with the other.
+_PLANS: dict = {}
+
+
+def _forward_plan(q, causal: bool, has_left: bool, has_right: bool, config):
+    d = q.shape[-1]
+    key = (compile_forward, _num_sms, q.device, d, q.dtype, causal, has_left, has_right, config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        compiled, _ = compile_forward(ARCH, d, DTYPE_NAMES[q.dtype], causal, config,
+                                      has_window_left=has_left, has_window_right=has_right)
+        cfg = config or hopper_fwd_default(d, causal)
+        plan = _PLANS[key] = (compiled, cfg, _timeline_buffer(q.device, cfg),
+                              _num_sms(q.device))
+    return plan
 
 
 def forward_into(q, k, v, out, lse, causal: bool, softmax_scale: float, window_left,
                  window_right, config: HopperFwdConfig | None = None):
     """Launch the forward on checked, non-empty inputs (window sides None when unbounded)."""
     b, _, h, d = q.shape
-    has_right = window_right is not None and not causal
-    compiled, _ = compile_forward(ARCH, d, DTYPE_NAMES[q.dtype], causal, config,
-                                  has_window_left=window_left is not None,
-                                  has_window_right=has_right)
-    cfg = config or hopper_fwd_default(d, causal)
+    compiled, cfg, timeline, sms = _forward_plan(
+        q, causal, window_left is not None, window_right is not None and not causal, config)
     group = h * b  # causal: longest first over every (head, batch) pair
     if cfg.l2_sections:
         group = l2_section_pairs(k.shape[1], d, q.element_size(), h * b)
-    sms = _num_sms(q.device)
     table = None
     if cfg.tile_table:
         table = _tile_table(q.device, cfg, causal, q.shape[1], k.shape[1], h, b, group, sms,
                             window_left, None if causal else window_right)
-    compiled(q, k, v, out, lse, _timeline_buffer(q.device, cfg), softmax_scale,
-             window_left or 0, window_right or 0, group, sms, None, None, None, table)
+    compiled(q, k, v, out, lse, timeline, softmax_scale, window_left or 0, window_right or 0,
+             group, sms, None, None, None, table)
 
 
 def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
@@ -234,9 +256,15 @@ def forward_timeline(q, k, v, causal=False, config: HopperFwdConfig | None = Non
     return buf.cpu().clone()
 
 
+_BACKWARD_FN: dict = {}  # BACKWARD_MODULE -> its backward_into, once found
+
+
 def backward_kernel():
     """``fa4_final.backward.backward_into``, or NotImplementedError naming what is missing.
     An import error inside a present module is not hidden."""
+    fn = _BACKWARD_FN.get(BACKWARD_MODULE)
+    if fn is not None:
+        return fn
     if importlib.util.find_spec(BACKWARD_MODULE) is None:
         raise NotImplementedError(
             f"the Hopper backward is not in this build of fa4_final: {BACKWARD_MODULE} is "
@@ -246,12 +274,20 @@ def backward_kernel():
     if fn is None:
         raise NotImplementedError(f"{BACKWARD_MODULE} has no backward_into(q, k, v, out, lse, "
                                   f"dout, dq, dk, dv, ...) yet: the Hopper backward is not wired")
+    _BACKWARD_FN[BACKWARD_MODULE] = fn
     return fn
 
 
 def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal: bool, softmax_scale: float,
                   window_left, window_right, deterministic: bool = False):
-    """Run the Hopper backward writing dq, dk, dv (inputs checked, non-empty)."""
-    backward_kernel()(q, k, v, out, lse, dout, dq, dk, dv, causal=causal,
-                      softmax_scale=softmax_scale, window_size=(window_left, window_right),
-                      deterministic=deterministic)
+    """Run the Hopper backward writing dq, dk, dv (inputs checked, non-empty). A backward_into
+    that offers ``checked_inputs`` (fa4_final.backward's does: its launches without its
+    checks) gets the call there, as the inputs were checked already."""
+    fn = backward_kernel()
+    checked = getattr(fn, "checked_inputs", None)
+    if checked is not None:
+        checked(q, k, v, out, lse, dout, dq, dk, dv, causal, softmax_scale, window_left,
+                window_right, deterministic, arch=ARCH)
+        return
+    fn(q, k, v, out, lse, dout, dq, dk, dv, causal=causal, softmax_scale=softmax_scale,
+       window_size=(window_left, window_right), deterministic=deterministic)

@@ -6,6 +6,8 @@
 #    tile schedules (persistent or one tile per CTA, L2 sections) at all eight forward shapes)
 #   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests ch12-sweep ch12-acc varlen-tests
 #    varlen-bench varlen-sanitize varlen-bwd-sanitize)
+#   (host: the API's host time per call vs its kernels' time, with the peers; host-train: the
+#    small-GPT training step, fa4_final vs SDPA)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
 #   (profiles: ch04-profile, ch05-profile, fa4-profile, fa4-versus (fa4_final and the FA4
 #    package side by side); each keeps ncu's CSV exports under
@@ -68,6 +70,8 @@ for s in "$@"; do
     fa4-gaps) step fa4_gaps 300 $PY -m solutions.ch08_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
     fa4-sched) step fa4_sched 420 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "one tile per CTA" "zigzag" --name fa4_final_sched ;;
     ch12-sweep) step ch12_sweep 420 $PY -m solutions.ch12_sweep --sweep ;;
+    host) step ch12_host 420 $PY -m solutions.ch12_host --gpu ;;
+    host-train) step ch12_training 300 $PY -m solutions.ch12_training ;;
     ch12-acc) step ch12_acc 200 $PY -m solutions.ch12_sweep --accuracy --memory ;;
     fa4-knobs) step fa4_knobs 480 $PY -m solutions.ch08_knobs --knobs --rounds ${ROUNDS:-3} ;;
     fa4-timeline) step fa4_timeline 120 $PY -m solutions.ch08_knobs --timeline ;;
