@@ -5,6 +5,7 @@
 #   (fa4-gaps: the forward's knobs at the shapes where the FA4 package leads; fa4-sched: the
 #    tile schedules (persistent or one tile per CTA, L2 sections) at all eight forward shapes)
 #   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests ch12-sweep ch12-acc varlen-tests
+#    api-varlen-tests (the API's GPU tests and the varlen backward's, without the training run)
 #    varlen-bench varlen-sanitize varlen-bwd-sanitize)
 #   (host: the API's host time per call vs its kernels' time, with the peers; host-train: the
 #    small-GPT training step, fa4_final vs SDPA)
@@ -62,6 +63,7 @@ for s in "$@"; do
     bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
     bwd-bench) step bwd_bench 900 $PY -m solutions.ch11_bench ;;
     api-tests) step api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
+    api-varlen-tests) step api_varlen_tests 540 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py ;;
     varlen-tests) step varlen_tests 480 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py -k varlen ;;
     varlen-bench) step varlen_bench 420 $PY -m solutions.ch12_varlen_bench ;;
     varlen-sanitize) step varlen_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_api.py -k "test_varlen_forward and b70" ;;
@@ -87,7 +89,7 @@ for s in "$@"; do
       args=()
       for log in "$OUT"/logs/*.log; do
         n=$(basename "$log" .log)
-        case $n in gpu_tests|bwd_tests|api_tests|varlen_tests|varlen_memcheck|varlen_bwd_memcheck|san_*|*_check) args+=("$n=$log") ;; esac
+        case $n in gpu_tests|bwd_tests|api_tests|api_varlen_tests|varlen_tests|varlen_memcheck|varlen_bwd_memcheck|san_*|*_check) args+=("$n=$log") ;; esac
       done
       [ ${#args[@]} -gt 0 ] && step record 60 $PY -m solutions.gpu_checks "${args[@]}" ;;
     *) echo "unknown step $s"; status=1 ;;
