@@ -388,7 +388,7 @@ def tvm_ffi_launch_us(d: int = 128, calls: int = 200) -> list[dict]:
 
     def one():
         compiled(q, k, v, out, lse, timeline, scale, 0, 0, shape.h * shape.b, sms, None, None,
-                 None)
+                 None, None)  # non-causal: no tile table (Note [Tile table])
 
     def alloc():
         torch.empty(q.shape, dtype=q.dtype, device=q.device)
