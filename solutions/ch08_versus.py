@@ -9,7 +9,9 @@ needs the kernel's structure, which the package's kernel does not share. This on
 what any kernel has: the counters of ncu's raw page (time, the tensor pipe, issue slots, DRAM
 and L2, the stall reasons). Each (kernel, shape) is one ncu run of its own process, on the second
 launch (the first compiles); ncu holds the SM clock at its base, so compare shares and ratios,
-not speeds. The shapes are the benchmark's (16 heads, 16384 tokens, bf16).
+not speeds. The shapes are the benchmark's (16 heads, 16384 tokens, bf16). At the causal
+shapes fa4_final is also profiled with the schedule it had before the tile table
+(``fa4_final_zigzag``), which is how the difference in DRAM traffic was found.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ HEADS, TOKENS = 16, 16384
 SHAPES = ((64, 16384, True), (128, 4096, True), (128, 16384, False))
 # ncu's names: fa4_final's class is HopperForward, the package's FlashAttentionForwardSm90
 KERNELS = {"fa4_final": "regex:HopperForward", "fa4_package": "regex:FlashAttentionForwardSm90"}
-# fa4_final with its causal tiles in L2 sections handed out by the tile table (Note [Tile
-# table]): profiled at the causal shapes beside the default
-VARIANTS = {"fa4_final_table": dict(l2_sections=True, tile_table=True)}
+# fa4_final with the causal schedule it had before the tile table (Note [Tile table]): fixed
+# zigzag rounds, longest first over every head; profiled at the causal shapes beside the default
+VARIANTS = {"fa4_final_zigzag": dict(l2_sections=False, tile_table=False)}
 KERNEL_OF = {**{name: KERNELS["fa4_final"] for name in VARIANTS}, **KERNELS}
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "LaunchStats",
             "Occupancy", "WarpStateStats", "SchedulerStats")
@@ -152,16 +154,16 @@ def side_by_side(res, stalls: int = 5) -> list[str]:
                      if (r["d"], r["s"], r["causal"], r["impl"]) == (d, s, causal, impl)}
               for impl in impls_at(causal)}
         by = {impl: b for impl, b in by.items() if b}
-        lines.append(f"D={d} S={s} {'causal' if causal else 'non-causal'}"
-                     + "".join(f"{impl:>14s}" for impl in by))
+        lines.append(f"{f'D={d} S={s} ' + ('causal' if causal else 'non-causal'):46s}"
+                     + "".join(f"{impl:>18s}" for impl in by))
         for metric, what in SIDE_BY_SIDE:
             if all(metric in b for b in by.values()):
-                lines.append(f"  {what:46s}" + "".join(f"{b[metric]:14.2f}" for b in by.values()))
+                lines.append(f"  {what:44s}" + "".join(f"{b[metric]:18.2f}" for b in by.values()))
         reasons = {m for b in by.values() for m in b if m.startswith("stall_")}
         top = sorted(reasons, key=lambda m: -max(b.get(m, 0.0) for b in by.values()))[:stalls]
         for m in top:
-            lines.append(f"  stall: {m[6:]:39s}"
-                         + "".join(f"{b.get(m, 0.0):14.2f}" for b in by.values()))
+            lines.append(f"  stall: {m[6:]:37s}"
+                         + "".join(f"{b.get(m, 0.0):18.2f}" for b in by.values()))
     return lines
 
 
