@@ -708,7 +708,7 @@ class BlackwellBackward(WarpRoles):
         """Thread t of warpgroup g owns key t of the tile and queries 64 g .. 64 g + 63 of each
         step: P^T and dS^T of that piece of the key's row, then its half of dK and dV."""
         mma_sdp, mma_dv, _, _ = mmas
-        m_min, m_max, n_first, n_last, _, group = work
+        m_min, m_max = work[0], work[1]
         tidx = cute.arch.thread_idx()[0] % GROUP_THREADS
         g = cute.arch.make_warp_uniform(cute.arch.warp_idx() // WARPS_PER_GROUP)
         half = self.tile_m // 2
@@ -741,27 +741,36 @@ class BlackwellBackward(WarpRoles):
                                                self.q_stages)
         phase = Int32(0)
         key = n_block * self.tile_n + tidx
-        step = lambda m_block, masked, sq, ph: self.compute_step(  # noqa: E731
-            m_block, masked, key, g, tStS, tdPtdP, tScS, t0ScS, load_s, load_dp, store_p,
-            tPtP, p_regs, sdS_row, smem, pipes, sq, ph, scale_log2, seqlen_q, seqlen_k,
-            window_left, window_right)
-        first_end = m_min + n_first
-        last_start = cutlass.max(m_max - n_last, first_end)
-        for _h in cutlass.range(group, unroll=1):
-            for m_block in cutlass.range(m_min, first_end, unroll=1):
-                state_q, phase = step(m_block, True, state_q, phase)
-            for m_block in cutlass.range(first_end, last_start, unroll=1):
-                state_q, phase = step(m_block, False, state_q, phase)
-            if const_expr(self.window.has_left):
-                for m_block in cutlass.range(last_start, m_max, unroll=1):
-                    state_q, phase = step(m_block, True, state_q, phase)
+        self.compute_steps(work, state_q, phase, (
+            key, g, tStS, tdPtdP, tScS, t0ScS, load_s, load_dp, store_p, tPtP, p_regs, sdS_row,
+            smem, pipes, scale_log2, seqlen_q, seqlen_k, window_left, window_right))
         self.epilogue(mma_dv, tmem_ptr, pipes, mdK, mdV, softmax_scale, tidx, g, key,
                       head_kv, b, seqlen_k, m_max > m_min)
 
     @cute.jit
-    def compute_step(self, m_block, masked: cutlass.Constexpr[bool], key, g, tStS, tdPtdP, tScS,
-                     t0ScS, load_s, load_dp, store_p, tPtP, p_regs, sdS_row, smem, pipes,
-                     state_q, phase, scale_log2, seqlen_q, seqlen_k, window_left,
+    def compute_steps(self, work, state_q, phase, step_args: tuple):
+        """The compute warps' walk over the key tile's query tiles m_min .. m_max - 1 (``work``),
+        once per head of the group: the first n_first tiles masked, then the unmasked ones,
+        then, with a left window, the last n_last masked again; each tile one
+        ``self.compute_step(m_block, masked, state_q, phase, *step_args)``. The 2-CTA kernel
+        (bwd_pair) walks the same way with its own compute_step and ``step_args``."""
+        m_min, m_max, n_first, n_last, _, group = work
+        first_end = m_min + n_first
+        last_start = cutlass.max(m_max - n_last, first_end)
+        for _h in cutlass.range(group, unroll=1):
+            for m_block in cutlass.range(m_min, first_end, unroll=1):
+                state_q, phase = self.compute_step(m_block, True, state_q, phase, *step_args)
+            for m_block in cutlass.range(first_end, last_start, unroll=1):
+                state_q, phase = self.compute_step(m_block, False, state_q, phase, *step_args)
+            if const_expr(self.window.has_left):
+                for m_block in cutlass.range(last_start, m_max, unroll=1):
+                    state_q, phase = self.compute_step(m_block, True, state_q, phase,
+                                                       *step_args)
+
+    @cute.jit
+    def compute_step(self, m_block, masked: cutlass.Constexpr[bool], state_q, phase, key, g,
+                     tStS, tdPtdP, tScS, t0ScS, load_s, load_dp, store_p, tPtP, p_regs,
+                     sdS_row, smem, pipes, scale_log2, seqlen_q, seqlen_k, window_left,
                      window_right):
         """One step for 64 queries of one key: S^T row -> P^T (TMEM), dP^T row -> dS^T (smem)."""
         half = self.tile_m // 2

@@ -694,7 +694,7 @@ class BlackwellBackwardPair(BlackwellBackward):
         this CTA's shared memory when g = r, into the peer's when not (Note [The dS exchange]);
         then its half of the key's dK and dV."""
         mma_sdp, mma_dv, _, _ = mmas
-        m_min, m_max, n_first, n_last, _, group = work
+        m_min, m_max = work[0], work[1]
         tidx = cute.arch.thread_idx()[0] % GROUP_THREADS
         g = cute.arch.make_warp_uniform(cute.arch.warp_idx() // WARPS_PER_GROUP)
         half = self.tile_m // 2
@@ -732,19 +732,9 @@ class BlackwellBackwardPair(BlackwellBackward):
                                                   self.q_stages)
         phase = Int32(0)
         key = n_block * self.pair_tile_n + key_in_pair
-        step = lambda m_block, masked, sr, ph: self.compute_step(  # noqa: E731
-            m_block, masked, key, key_in_pair, g, r, tidx, views, smem, pipes, bars, sr, ph,
-            scale_log2, seqlen_q, seqlen_k, window_left, window_right)
-        first_end = m_min + n_first
-        last_start = cutlass.max(m_max - n_last, first_end)
-        for _h in cutlass.range(group, unroll=1):
-            for m_block in cutlass.range(m_min, first_end, unroll=1):
-                state_rows, phase = step(m_block, True, state_rows, phase)
-            for m_block in cutlass.range(first_end, last_start, unroll=1):
-                state_rows, phase = step(m_block, False, state_rows, phase)
-            if const_expr(self.window.has_left):
-                for m_block in cutlass.range(last_start, m_max, unroll=1):
-                    state_rows, phase = step(m_block, True, state_rows, phase)
+        self.compute_steps(work, state_rows, phase, (
+            key, key_in_pair, g, r, tidx, views, smem, pipes, bars, scale_log2, seqlen_q,
+            seqlen_k, window_left, window_right))  # BlackwellBackward's walk, this compute_step
         self.epilogue(mma_dv, tmem_ptr, pipes, mdK, mdV, softmax_scale, tidx, g, key,
                       head_kv, b, seqlen_k, m_max > m_min)
 
@@ -756,8 +746,8 @@ class BlackwellBackwardPair(BlackwellBackward):
     # solutions.ch09_pipeline.PairBackwardSim catches its absence (no_ds_sync).
 
     @cute.jit
-    def compute_step(self, m_block, masked: cutlass.Constexpr[bool], key, key_in_pair, g, r,
-                     tidx, v, smem, pipes, bars, state_rows, phase, scale_log2, seqlen_q,
+    def compute_step(self, m_block, masked: cutlass.Constexpr[bool], state_rows, phase, key,
+                     key_in_pair, g, r, tidx, v, smem, pipes, bars, scale_log2, seqlen_q,
                      seqlen_k, window_left, window_right):
         """One step for 64 queries of one key: S^T row -> P^T (TMEM); dP^T row -> dS^T (TMEM)
         and dS (this CTA's or the peer's shared memory)."""
