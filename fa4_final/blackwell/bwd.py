@@ -778,20 +778,9 @@ class BlackwellBackward(WarpRoles):
         pipes["s"].consumer_wait(at(phase))
         s = cute.make_rmem_tensor(tScS.shape, Float32)  # this key's 64 scores
         cute.copy(load_s, tStS, s)
-        if const_expr(masked):
-            lo, hi = visible_queries(self.window, key, seqlen_q, seqlen_k, window_left,
-                                     window_right, Int32(1 << 30))
-            col0 = m_block * self.tile_m + g * half
-            lo, hi = lo - col0, hi - col0
-            for c in cutlass.range_constexpr(cute.size(s)):
-                col = t0ScS[c][1]
-                s[c] = -Float32.inf if (col < lo) | (col >= hi) else s[c]
-        lse = smem["LSE"][None, state_q.index]
-        for c in cutlass.range_constexpr(cute.size(s)):
-            s[c] = cute.math.exp2(s[c] * scale_log2 - lse[g * half + c], fastmath=True)
-        rP32 = cute.make_rmem_tensor(p_regs, Float32)
-        rP = cute.make_tensor(cute.recast_ptr(rP32.iterator, dtype=self.dtype), s.layout)
-        rP.store(s.load().to(self.dtype))
+        self.probabilities(s, masked, m_block, key, g, t0ScS, smem["LSE"][None, state_q.index],
+                           scale_log2, seqlen_q, seqlen_k, window_left, window_right)
+        rP32, _ = self.packed_16bit(s, p_regs)
         cute.arch.fence_view_async_tmem_load()  # this warpgroup's S^T loads have landed
         cute.arch.barrier(barrier_id=int(NamedBarrier.COMPUTE),  # Note [P^T over S^T]
                           number_of_threads=2 * GROUP_THREADS)
@@ -813,6 +802,33 @@ class BlackwellBackward(WarpRoles):
         pipes["dp"].consumer_release(at(phase))
         state_q.advance()
         return state_q, phase ^ 1
+
+    @cute.jit
+    def probabilities(self, s, masked: cutlass.Constexpr[bool], m_block, key, g, t0ScS, lse,
+                      scale_log2, seqlen_q, seqlen_k, window_left, window_right):
+        """S^T row -> P^T row in place, for warpgroup g's 64 queries of tile m_block: the
+        queries ``key`` does not see at -inf (masked steps), then exp2(s * scale_log2 - lse)."""
+        half = self.tile_m // 2
+        if const_expr(masked):
+            lo, hi = visible_queries(self.window, key, seqlen_q, seqlen_k, window_left,
+                                     window_right, Int32(1 << 30))
+            col0 = m_block * self.tile_m + g * half
+            lo, hi = lo - col0, hi - col0
+            for c in cutlass.range_constexpr(cute.size(s)):
+                col = t0ScS[c][1]
+                s[c] = -Float32.inf if (col < lo) | (col >= hi) else s[c]
+        for c in cutlass.range_constexpr(cute.size(s)):
+            s[c] = cute.math.exp2(s[c] * scale_log2 - lse[g * half + c], fastmath=True)
+
+    @cute.jit
+    def packed_16bit(self, x, regs):
+        """``x`` (float32) rounded to the kernel's 16-bit type, two values to each 32-bit
+        register of a tensor shaped ``regs`` (the source of a tcgen05.st 32x32b); that tensor
+        and its 16-bit view, laid out as ``x``."""
+        x32 = cute.make_rmem_tensor(regs, Float32)
+        x16 = cute.make_tensor(cute.recast_ptr(x32.iterator, dtype=self.dtype), x.layout)
+        x16.store(x.load().to(self.dtype))
+        return x32, x16
 
     @cute.jit
     def epilogue(self, mma_dv, tmem_ptr, pipes, mdK, mdV, softmax_scale, tidx, g, key, head_kv,

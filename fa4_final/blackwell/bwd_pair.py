@@ -110,7 +110,7 @@ from fa4_final.blackwell.bwd import (
 )
 from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK
 from fa4_final.blackwell.tmem import TMEM_LANES
-from fa4_final.bwd_tiles import q_tile_range, visible_queries
+from fa4_final.bwd_tiles import q_tile_range
 from fa4_final.constants import LOG2_E
 from fa4_final.fragments import select_modes
 from fa4_final.tiles import TileWindow
@@ -756,20 +756,10 @@ class BlackwellBackwardPair(BlackwellBackward):
         pipes["s"].consumer_wait(at(phase))
         s = cute.make_rmem_tensor(v["tScS"].shape, Float32)  # this key's 64 scores
         cute.copy(v["load_s"], v["tStS"], s)
-        if const_expr(masked):
-            lo, hi = visible_queries(self.window, key, seqlen_q, seqlen_k, window_left,
-                                     window_right, Int32(1 << 30))
-            col0 = m_block * self.tile_m + g * half
-            lo, hi = lo - col0, hi - col0
-            for c in cutlass.range_constexpr(cute.size(s)):
-                col = v["t0ScS"][c][1]
-                s[c] = -Float32.inf if (col < lo) | (col >= hi) else s[c]
-        lse = smem["LSE"][None, state_rows.index]
-        for c in cutlass.range_constexpr(cute.size(s)):
-            s[c] = cute.math.exp2(s[c] * scale_log2 - lse[g * half + c], fastmath=True)
-        rP32 = cute.make_rmem_tensor(v["p_regs"], Float32)
-        rP = cute.make_tensor(cute.recast_ptr(rP32.iterator, dtype=self.dtype), s.layout)
-        rP.store(s.load().to(self.dtype))
+        self.probabilities(s, masked, m_block, key, g, v["t0ScS"],
+                           smem["LSE"][None, state_rows.index], scale_log2, seqlen_q, seqlen_k,
+                           window_left, window_right)
+        rP32, _ = self.packed_16bit(s, v["p_regs"])
         cute.arch.fence_view_async_tmem_load()
         cute.arch.barrier(barrier_id=int(NamedBarrier.COMPUTE),  # Note [P^T over S^T]
                           number_of_threads=2 * GROUP_THREADS)
@@ -784,9 +774,7 @@ class BlackwellBackwardPair(BlackwellBackward):
         delta = smem["Delta"][None, state_rows.index]
         for c in cutlass.range_constexpr(cute.size(dp)):
             dp[c] = s[c] * (dp[c] - delta[g * half + c])
-        rdS32 = cute.make_rmem_tensor(v["p_regs"], Float32)
-        rdS = cute.make_tensor(cute.recast_ptr(rdS32.iterator, dtype=self.dtype), dp.layout)
-        rdS.store(dp.load().to(self.dtype))
+        rdS32, rdS = self.packed_16bit(dp, v["p_regs"])
         cute.arch.fence_view_async_tmem_load()  # dP^T read
         cute.arch.barrier(barrier_id=int(NamedBarrier.COMPUTE),  # Note [dS^T over dP^T]
                           number_of_threads=2 * GROUP_THREADS)
