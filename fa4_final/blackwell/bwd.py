@@ -712,29 +712,7 @@ class BlackwellBackward(WarpRoles):
         tidx = cute.arch.thread_idx()[0] % GROUP_THREADS
         g = cute.arch.make_warp_uniform(cute.arch.warp_idx() // WARPS_PER_GROUP)
         half = self.tile_m // 2
-        mn = (self.tile_n, self.tile_m)
-        ld = lambda cols: cute.make_copy_atom(  # noqa: E731
-            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(cols)), Float32)
-        tS = self.tmem_view(tmem_ptr, mma_sdp, mn, "S", g * half, half)  # (128, 64)
-        tdP = self.tmem_view(tmem_ptr, mma_sdp, mn, "dP", g * half, half)
-        load_s = tcgen05.make_tmem_copy(ld(half), tS).get_slice(tidx)
-        load_dp = tcgen05.make_tmem_copy(ld(half), tdP).get_slice(tidx)
-        tStS = load_s.partition_S(tS)
-        tdPtdP = load_dp.partition_S(tdP)
-        cS = cute.make_identity_tensor((self.tile_n, half))
-        tScS = load_s.partition_D(cS)  # (key, query) of each register
-        t0ScS = tcgen05.make_tmem_copy(ld(half), tS).get_slice(0).partition_D(cS)
-        # P^T: 16-bit pairs, this warpgroup's 64 queries = 32 columns of region P
-        p_cols = self.plan["P"].columns // 2
-        tP32 = cute.make_tensor(tS.iterator + (self.plan.offset("P") - self.plan.offset("S"))
-                                - g * half + g * p_cols,
-                                cute.composition(tS.layout, cute.make_layout((self.tile_n,
-                                                                              p_cols))))
-        store_p = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols)), Float32), tP32
-        ).get_slice(tidx)
-        tPtP = store_p.partition_D(tP32)
-        p_regs = store_p.partition_S(cute.make_identity_tensor((self.tile_n, p_cols))).shape
+        v = self.step_views(tmem_ptr, mma_sdp, (self.tile_n, self.tile_m), tidx, g)
         # this thread's 64 dS^T values in shared memory: key tidx, queries 64 g ..
         sdS_row = cute.local_tile(smem["dSt_rows"][tidx, None], (half,), (g,))
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -742,10 +720,50 @@ class BlackwellBackward(WarpRoles):
         phase = Int32(0)
         key = n_block * self.tile_n + tidx
         self.compute_steps(work, state_q, phase, (
-            key, g, tStS, tdPtdP, tScS, t0ScS, load_s, load_dp, store_p, tPtP, p_regs, sdS_row,
-            smem, pipes, scale_log2, seqlen_q, seqlen_k, window_left, window_right))
+            key, g, v, sdS_row, smem, pipes, scale_log2, seqlen_q, seqlen_k, window_left,
+            window_right))
         self.epilogue(mma_dv, tmem_ptr, pipes, mdK, mdV, softmax_scale, tidx, g, key,
                       head_kv, b, seqlen_k, m_max > m_min)
+
+    def step_views(self, tmem_ptr, mma_sdp, mn, tidx, g) -> dict:
+        """Thread tidx of warpgroup g in a step: loads of its key's row of S^T and dP^T over the
+        warpgroup's 64 query columns (tStS, tdPtdP by load_s, load_dp, from tS, tdP), the
+        (key, query) of each loaded value (tScS; thread 0's, t0ScS, for the mask), and the
+        store of P^T's 16-bit pairs over S^T (tPtP by store_p, from registers shaped p_regs)."""
+        half = self.tile_m // 2
+        ld = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(half)),
+                                 Float32)
+        tS = self.tmem_view(tmem_ptr, mma_sdp, mn, "S", g * half, half)  # (128, 64)
+        tdP = self.tmem_view(tmem_ptr, mma_sdp, mn, "dP", g * half, half)
+        load_s = tcgen05.make_tmem_copy(ld, tS).get_slice(tidx)
+        load_dp = tcgen05.make_tmem_copy(ld, tdP).get_slice(tidx)
+        cS = cute.make_identity_tensor((self.tile_n, half))
+        tP32 = self.packed_columns(tS, "P", "S", g)
+        store_p = tcgen05.make_tmem_copy(self.store_16bit_pairs(), tP32).get_slice(tidx)
+        p_cols = self.plan["P"].columns // 2
+        return dict(tS=tS, tdP=tdP, load_s=load_s, load_dp=load_dp,
+                    tStS=load_s.partition_S(tS), tdPtdP=load_dp.partition_S(tdP),
+                    tScS=load_s.partition_D(cS),
+                    t0ScS=tcgen05.make_tmem_copy(ld, tS).get_slice(0).partition_D(cS),
+                    store_p=store_p, tPtP=store_p.partition_D(tP32),
+                    p_regs=store_p.partition_S(cute.make_identity_tensor((self.tile_n,
+                                                                          p_cols))).shape)
+
+    def store_16bit_pairs(self):
+        """tcgen05.st of one warpgroup's 64 queries as 16-bit pairs: 32 columns of a region."""
+        return cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(self.plan["P"].columns // 2)),
+            Float32)
+
+    def packed_columns(self, t, region: str, host: str, g):
+        """The (128, 32) columns of TMEM ``region`` that warpgroup g's 64 queries fill with
+        16-bit pairs, from ``t``, its 64 columns of region ``host`` (P^T over S^T: Note [P^T
+        over S^T])."""
+        half, p_cols = self.tile_m // 2, self.plan["P"].columns // 2
+        return cute.make_tensor(t.iterator + (self.plan.offset(region) - self.plan.offset(host))
+                                - g * half + g * p_cols,
+                                cute.composition(t.layout, cute.make_layout((self.tile_n,
+                                                                             p_cols))))
 
     @cute.jit
     def compute_steps(self, work, state_q, phase, step_args: tuple):
@@ -768,28 +786,27 @@ class BlackwellBackward(WarpRoles):
                                                        *step_args)
 
     @cute.jit
-    def compute_step(self, m_block, masked: cutlass.Constexpr[bool], state_q, phase, key, g,
-                     tStS, tdPtdP, tScS, t0ScS, load_s, load_dp, store_p, tPtP, p_regs,
+    def compute_step(self, m_block, masked: cutlass.Constexpr[bool], state_q, phase, key, g, v,
                      sdS_row, smem, pipes, scale_log2, seqlen_q, seqlen_k, window_left,
                      window_right):
         """One step for 64 queries of one key: S^T row -> P^T (TMEM), dP^T row -> dS^T (smem)."""
         half = self.tile_m // 2
         pipes["q"].consumer_wait(state_q)  # lse, delta of the step (Q: only the MMA reads it)
         pipes["s"].consumer_wait(at(phase))
-        s = cute.make_rmem_tensor(tScS.shape, Float32)  # this key's 64 scores
-        cute.copy(load_s, tStS, s)
-        self.probabilities(s, masked, m_block, key, g, t0ScS, smem["LSE"][None, state_q.index],
+        s = cute.make_rmem_tensor(v["tScS"].shape, Float32)  # this key's 64 scores
+        cute.copy(v["load_s"], v["tStS"], s)
+        self.probabilities(s, masked, m_block, key, g, v["t0ScS"], smem["LSE"][None, state_q.index],
                            scale_log2, seqlen_q, seqlen_k, window_left, window_right)
-        rP32, _ = self.packed_16bit(s, p_regs)
+        rP32, _ = self.packed_16bit(s, v["p_regs"])
         cute.arch.fence_view_async_tmem_load()  # this warpgroup's S^T loads have landed
         cute.arch.barrier(barrier_id=int(NamedBarrier.COMPUTE),  # Note [P^T over S^T]
                           number_of_threads=2 * GROUP_THREADS)
-        cute.copy(store_p, rP32, tPtP)
+        cute.copy(v["store_p"], rP32, v["tPtP"])
         cute.arch.fence_view_async_tmem_store()  # P^T visible to the MMA before we say so
         pipes["s"].consumer_release(at(phase))
         pipes["dp"].consumer_wait(at(phase))
-        dp = cute.make_rmem_tensor(tScS.shape, Float32)
-        cute.copy(load_dp, tdPtdP, dp)
+        dp = cute.make_rmem_tensor(v["tScS"].shape, Float32)
+        cute.copy(v["load_dp"], v["tdPtdP"], dp)
         delta = smem["Delta"][None, state_q.index]
         for c in cutlass.range_constexpr(cute.size(dp)):
             dp[c] = s[c] * (dp[c] - delta[g * half + c])

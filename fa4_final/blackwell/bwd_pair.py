@@ -697,43 +697,17 @@ class BlackwellBackwardPair(BlackwellBackward):
         m_min, m_max = work[0], work[1]
         tidx = cute.arch.thread_idx()[0] % GROUP_THREADS
         g = cute.arch.make_warp_uniform(cute.arch.warp_idx() // WARPS_PER_GROUP)
-        half = self.tile_m // 2
-        mn = (self.pair_tile_n, self.tile_m)
-        ld = lambda cols: cute.make_copy_atom(  # noqa: E731
-            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(cols)), Float32)
-        tS = self.tmem_view(tmem_ptr, mma_sdp, mn, "S", g * half, half)  # (128, 64)
-        tdP = self.tmem_view(tmem_ptr, mma_sdp, mn, "dP", g * half, half)
-        load_s = tcgen05.make_tmem_copy(ld(half), tS).get_slice(tidx)
-        load_dp = tcgen05.make_tmem_copy(ld(half), tdP).get_slice(tidx)
-        cS = cute.make_identity_tensor((self.tile_n, half))
-        p_cols = self.plan["P"].columns // 2  # one warpgroup's 64 queries, 16-bit pairs
-
-        def packed(t, region, host):  # (128, 32) columns of region, warpgroup g's quarter
-            return cute.make_tensor(t.iterator + (self.plan.offset(region)
-                                                  - self.plan.offset(host)) - g * half
-                                    + g * p_cols,
-                                    cute.composition(t.layout, cute.make_layout((self.tile_n,
-                                                                                 p_cols))))
-
-        st = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols)),
-                                 Float32)
-        tP32, tdS32 = packed(tS, "P", "S"), packed(tdP, "dS", "dP")
-        store_p = tcgen05.make_tmem_copy(st, tP32).get_slice(tidx)
-        store_ds = tcgen05.make_tmem_copy(st, tdS32).get_slice(tidx)
-        views = dict(tStS=load_s.partition_S(tS), tdPtdP=load_dp.partition_S(tdP),
-                     tScS=load_s.partition_D(cS),
-                     t0ScS=tcgen05.make_tmem_copy(ld(half), tS).get_slice(0).partition_D(cS),
-                     load_s=load_s, load_dp=load_dp, store_p=store_p, store_ds=store_ds,
-                     tPtP=store_p.partition_D(tP32), tdStdS=store_ds.partition_D(tdS32),
-                     p_regs=store_p.partition_S(cute.make_identity_tensor((self.tile_n,
-                                                                           p_cols))).shape)
+        v = self.step_views(tmem_ptr, mma_sdp, (self.pair_tile_n, self.tile_m), tidx, g)
+        tdS32 = self.packed_columns(v["tdP"], "dS", "dP", g)  # Note [dS^T over dP^T]
+        store_ds = tcgen05.make_tmem_copy(self.store_16bit_pairs(), tdS32).get_slice(tidx)
+        v.update(store_ds=store_ds, tdStdS=store_ds.partition_D(tdS32))
         key_in_pair = r * self.tile_n + tidx
         state_rows = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                   self.q_stages)
         phase = Int32(0)
         key = n_block * self.pair_tile_n + key_in_pair
         self.compute_steps(work, state_rows, phase, (
-            key, key_in_pair, g, r, tidx, views, smem, pipes, bars, scale_log2, seqlen_q,
+            key, key_in_pair, g, r, tidx, v, smem, pipes, bars, scale_log2, seqlen_q,
             seqlen_k, window_left, window_right))  # BlackwellBackward's walk, this compute_step
         self.epilogue(mma_dv, tmem_ptr, pipes, mdK, mdV, softmax_scale, tidx, g, key,
                       head_kv, b, seqlen_k, m_max > m_min)
