@@ -257,8 +257,13 @@ class BlackwellBackward(WarpRoles):
         """Shared-memory layouts, two per buffer that two GEMMs read in different majors: the
         same bytes, seen K-major by one GEMM and MN-major by the other (CuTe's canonical
         128 B-swizzled layouts of a tile agree on every element's address)."""
+        return self.operand_layouts(mmas, self.tile_n)
+
+    def operand_layouts(self, mmas, n: int) -> dict:
+        """The operand layouts of ``mmas`` for a tile of ``n`` keys: tile_n here, the pair's
+        256 in BlackwellBackwardPair (each CTA's share: CuTe's pair layouts are per CTA)."""
         sdp, dv, dk, dq = mmas
-        dt, d, m, n = self.dtype, self.head_dim, self.tile_m, self.tile_n
+        dt, d, m = self.dtype, self.head_dim, self.tile_m
         first = lambda lay: cute.slice_(lay, (None, None, None, 0))  # noqa: E731
         return {
             "K": first(sm100_utils.make_smem_layout_a(sdp, (n, m, d), dt, 1)),
@@ -267,7 +272,7 @@ class BlackwellBackward(WarpRoles):
             "dO": sm100_utils.make_smem_layout_b(sdp, (n, m, d), dt, self.do_stages),
             "dOt": sm100_utils.make_smem_layout_b(dv, (n, d, m), dt, self.do_stages),
             "Qt": sm100_utils.make_smem_layout_b(dk, (n, d, m), dt, self.q_stages),
-            "dSt": first(sm100_utils.make_smem_layout_a(dk, (n, d, m), dt, 1)),
+            "dSt": first(sm100_utils.make_smem_layout_a(dk, (n, d, m), dt, 1)),  # pair: TMEM
             "dS": first(sm100_utils.make_smem_layout_a(dq, (m, d, n), dt, 1)),
             "Kt": first(sm100_utils.make_smem_layout_b(dq, (m, d, n), dt, 1)),
             "P": first(sm100_utils.make_smem_layout_a(dv, (n, d, m), dt, 1)),  # in TMEM

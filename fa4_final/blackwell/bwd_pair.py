@@ -201,21 +201,7 @@ class BlackwellBackwardPair(BlackwellBackward):
         """One CTA's share of every pair operand (CuTe's layouts of a cta_group::2 MMA are per
         CTA): K, V its 128 keys; Q, dO 64 queries; Qt, dOt D/2 columns; Kt D/2 columns of the
         pair's 256 keys; dS 64 queries x 256 keys. P^T and dS^T (in TMEM) as dV's and dK's A."""
-        sdp, dv, dk, dq = mmas
-        dt, d, m, n2 = self.dtype, self.head_dim, self.tile_m, self.pair_tile_n
-        first = lambda lay: cute.slice_(lay, (None, None, None, 0))  # noqa: E731
-        return {
-            "K": first(sm100_utils.make_smem_layout_a(sdp, (n2, m, d), dt, 1)),
-            "V": first(sm100_utils.make_smem_layout_a(sdp, (n2, m, d), dt, 1)),
-            "Q": sm100_utils.make_smem_layout_b(sdp, (n2, m, d), dt, self.q_stages),
-            "dO": sm100_utils.make_smem_layout_b(sdp, (n2, m, d), dt, self.do_stages),
-            "Qt": sm100_utils.make_smem_layout_b(dk, (n2, d, m), dt, self.q_stages),
-            "dOt": sm100_utils.make_smem_layout_b(dv, (n2, d, m), dt, self.do_stages),
-            "dS": first(sm100_utils.make_smem_layout_a(dq, (m, d, n2), dt, 1)),
-            "Kt": first(sm100_utils.make_smem_layout_b(dq, (m, d, n2), dt, 1)),
-            "P": first(sm100_utils.make_smem_layout_a(dv, (n2, d, m), dt, 1)),  # in TMEM
-            "dSt": first(sm100_utils.make_smem_layout_a(dk, (n2, d, m), dt, 1)),  # in TMEM
-        }
+        return self.operand_layouts(mmas, self.pair_tile_n)
 
     @cute.jit
     def __call__(
