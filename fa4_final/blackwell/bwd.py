@@ -73,7 +73,7 @@ from fa4_final.blackwell.config import (
     BWD_REGISTERS,
     BlackwellBwdConfig,
 )
-from fa4_final.blackwell.roles import WarpRoles, check_roles
+from fa4_final.blackwell.roles import WarpRoles, check_roles, pipeline_args
 from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range, visible_queries
 from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
 from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
@@ -516,13 +516,7 @@ class BlackwellBackward(WarpRoles):
                                             (mma_sdp.thr_id.shape,))
         out = {}
         for spec in self.pipelines():
-            common = dict(
-                barrier_storage=mbar[spec.name].data_ptr(), num_stages=spec.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         spec.full_arrivals),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         spec.empty_arrivals),
-                cta_layout_vmnk=cta_layout_vmnk, defer_sync=True)
+            common = dict(pipeline_args(spec, mbar[spec.name]), cta_layout_vmnk=cta_layout_vmnk)
             if spec.kind == "tma_umma":
                 out[spec.name] = pipeline.PipelineTmaUmma.create(tx_count=tx[spec.name],
                                                                  **common)

@@ -109,6 +109,7 @@ from fa4_final.blackwell.bwd import (
     at,
 )
 from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK
+from fa4_final.blackwell.roles import pipeline_args
 from fa4_final.blackwell.tmem import TMEM_LANES
 from fa4_final.bwd_tiles import q_tile_range
 from fa4_final.constants import LOG2_E
@@ -447,13 +448,7 @@ class BlackwellBackwardPair(BlackwellBackward):
         for spec in self.pipelines():
             if spec.name not in mbar:
                 continue
-            common = dict(
-                barrier_storage=mbar[spec.name].data_ptr(), num_stages=spec.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         spec.full_arrivals),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         spec.empty_arrivals),
-                cta_layout_vmnk=vmnk, defer_sync=True)
+            common = dict(pipeline_args(spec, mbar[spec.name]), cta_layout_vmnk=vmnk)
             if spec.kind == "tma_umma":
                 pipe = pipeline.PipelineTmaUmma.create(tx_count=tx[spec.name], **common)
                 pipe = dataclasses.replace(pipe, consumer_mask=Int32(self.PAIR_COMMIT_MASK))
