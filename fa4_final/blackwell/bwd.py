@@ -497,13 +497,23 @@ class BlackwellBackward(WarpRoles):
         num_n_blocks = (seqlen_k + self.tile_n - 1) // self.tile_n
         if const_expr(self.cfg.deterministic and launch_order_reversed(self.window)):
             n_block = num_n_blocks - 1 - n_block  # turns go downwards (bwd_tiles Note [Turn order])
+        return n_block, head_kv, b, num_n_blocks, self.key_tile_work(
+            n_block, self.tile_n, head_kv, heads, heads_kv, seqlen_q, seqlen_k, window_left,
+            window_right)
+
+    @cute.jit
+    def key_tile_work(self, n_block, keys: int, head_kv, heads, heads_kv, seqlen_q, seqlen_k,
+                      window_left, window_right):
+        """``work`` of the key tile n_block (``keys`` keys: tile_n, or the pair's 256), what
+        every role walks: (m_min, m_max, n_first, n_last, first head, heads of the group), the
+        query tiles that see the tile (bwd_tiles.q_tile_range, by self.window), of which the
+        first n_first and the last n_last are masked."""
         m_min, m_max, n_first, n_last = q_tile_range(self.window, n_block, seqlen_q, seqlen_k,
                                                      window_left, window_right)
-        if (n_block + 1) * self.tile_n > seqlen_k:  # keys past seqlen_k: mask every step
+        if (n_block + 1) * keys > seqlen_k:  # keys past seqlen_k: mask every step
             n_first = m_max - m_min
         group = heads // heads_kv
-        return n_block, head_kv, b, num_n_blocks, (m_min, m_max, n_first, n_last,
-                                                   head_kv * group, group)
+        return (m_min, m_max, n_first, n_last, head_kv * group, group)
 
     def make_pipelines(self, storage, mma_sdp, bytes_q: int, bytes_do: int,
                        bytes_kv: int) -> dict:

@@ -111,7 +111,6 @@ from fa4_final.blackwell.bwd import (
 from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK
 from fa4_final.blackwell.roles import pipeline_args
 from fa4_final.blackwell.tmem import TMEM_LANES
-from fa4_final.bwd_tiles import q_tile_range
 from fa4_final.constants import LOG2_E
 from fa4_final.fragments import select_modes
 from fa4_final.tiles import TileWindow
@@ -424,12 +423,9 @@ class BlackwellBackwardPair(BlackwellBackward):
         bidx, head_kv, b = cute.arch.block_idx()
         n_block = bidx // PAIR
         r = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        m_min, m_max, n_first, n_last = q_tile_range(self.window, n_block, seqlen_q, seqlen_k,
-                                                     window_left, window_right)
-        if (n_block + 1) * self.pair_tile_n > seqlen_k:  # keys past seqlen_k: mask every step
-            n_first = m_max - m_min
-        group = heads // heads_kv
-        return n_block, r, head_kv, b, (m_min, m_max, n_first, n_last, head_kv * group, group)
+        return n_block, r, head_kv, b, self.key_tile_work(
+            n_block, self.pair_tile_n, head_kv, heads, heads_kv, seqlen_q, seqlen_k, window_left,
+            window_right)
 
     # Note [Pair masks] (fa4_final.blackwell.fwd): the commit masks and the leader's rank as
     # compile-time constants, so no value of the prologue lives across the roles' setmaxnreg.
