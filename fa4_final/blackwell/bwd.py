@@ -929,17 +929,7 @@ class BlackwellBackward(WarpRoles):
                     if const_expr(c == chunks - 1):  # dQ read: dP^T may take the columns
                         cute.arch.fence_view_async_tmem_load()
                         pipes["dq"].consumer_release(at(phase))
-                    # the add that read this buffer two chunks ago has finished reading it
-                    if tidx == 0:
-                        cute.arch.cp_async_bulk_wait_group(BWD_DQ_BUFFERS - 1, read=True)
-                    cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE),
-                                      number_of_threads=GROUP_THREADS)
-                    sStage = cute.make_tensor(smem["dQ"][None, buf].iterator, stage_layout)
-                    cute.autovec_copy(cute.make_tensor(r.iterator, cute.make_layout(
-                        BWD_DQ_CHUNK)), sStage[tidx, None])
-                    cute.arch.fence_view_async_shared()  # for the bulk add (async proxy)
-                    cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE),
-                                      number_of_threads=GROUP_THREADS)
+                    self.stage_dq_chunk(r, smem, buf, stage_layout, tidx)
                     if tidx == 0:
                         for w in cutlass.range_constexpr(2):
                             offset = (m_block * (self.tile_m * self.head_dim)
@@ -958,6 +948,20 @@ class BlackwellBackward(WarpRoles):
                 phase ^= 1
         if tidx == 0:  # shared memory must outlive the last add's reads of it
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def stage_dq_chunk(self, r, smem, buf, stage_layout, tidx):
+        """This lane's 32 floats of dQ (registers ``r``) into staging buffer ``buf`` (Note [dQ
+        accumulator order]) once the bulk add that read it two chunks ago has finished, and
+        visible to the next bulk add (async proxy) when this returns: every dQ thread calls it."""
+        if tidx == 0:
+            cute.arch.cp_async_bulk_wait_group(BWD_DQ_BUFFERS - 1, read=True)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE), number_of_threads=GROUP_THREADS)
+        sStage = cute.make_tensor(smem["dQ"][None, buf].iterator, stage_layout)
+        cute.autovec_copy(cute.make_tensor(r.iterator, cute.make_layout(BWD_DQ_CHUNK)),
+                          sStage[tidx, None])
+        cute.arch.fence_view_async_shared()  # for the bulk add (async proxy)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE), number_of_threads=GROUP_THREADS)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -822,16 +822,7 @@ class BlackwellBackwardPair(BlackwellBackward):
                         cute.arch.sync_warp()
                         with cute.arch.elect_one():
                             pipes["dq"].consumer_release(at(phase))
-                    if tidx == 0:
-                        cute.arch.cp_async_bulk_wait_group(BWD_DQ_BUFFERS - 1, read=True)
-                    cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE),
-                                      number_of_threads=GROUP_THREADS)
-                    sStage = cute.make_tensor(smem["dQ"][None, buf].iterator, stage_layout)
-                    cute.autovec_copy(cute.make_tensor(rr.iterator, cute.make_layout(
-                        BWD_DQ_CHUNK)), sStage[tidx, None])
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE),
-                                      number_of_threads=GROUP_THREADS)
+                    self.stage_dq_chunk(rr, smem, buf, stage_layout, tidx)
                     if tidx == 0:
                         for hh in cutlass.range_constexpr(2):  # lanes 0-63, then 64-127
                             offset = (m_block * (self.tile_m * d) + r * (self.tile_m // 2 * d)
