@@ -556,11 +556,18 @@ class BlackwellBackward(WarpRoles):
                                 stride=(outer.stride[0][0], (outer.stride[0][1],
                                                              outer.stride[2])))
         s["dSt_rows"] = storage.sdS.get_tensor(rows, swizzle=lay["dSt"].inner)
-        s["LSE"] = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-        s["Delta"] = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-        s["dQ"] = storage.sdQ.get_tensor(cute.make_layout((self.tile_m * BWD_DQ_CHUNK,
-                                                           BWD_DQ_BUFFERS)))
+        s.update(self.row_and_staging_tensors(storage))
         return s
+
+    def row_and_staging_tensors(self, storage) -> dict:
+        """The float32 buffers both kernels' storage has: lse and delta of each Q stage's
+        tile_m queries, and the dQ warps' BWD_DQ_BUFFERS staging buffers."""
+        return {
+            "LSE": storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
+            "Delta": storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
+            "dQ": storage.sdQ.get_tensor(cute.make_layout((self.tile_m * BWD_DQ_CHUNK,
+                                                          BWD_DQ_BUFFERS))),
+        }
 
     def tmem_view(self, tmem_ptr, tiled_mma, mn, region: str, col0=0, cols=None):
         """(128, cols) fp32 view of TMEM region ``region`` (columns col0 .. col0 + cols of the

@@ -477,10 +477,7 @@ class BlackwellBackwardPair(BlackwellBackward):
                                         outer.stride[0][0]))
         s["dS_rows"] = storage.sdS.get_tensor(rows, swizzle=lay["dS"].inner)
         s["dS_base"] = storage.sdS.data_ptr()
-        s["LSE"] = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-        s["Delta"] = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-        s["dQ"] = storage.sdQ.get_tensor(cute.make_layout((self.tile_m * BWD_DQ_CHUNK,
-                                                           BWD_DQ_BUFFERS)))
+        s.update(self.row_and_staging_tensors(storage))
         return s
 
     def tmem_view(self, tmem_ptr, tiled_mma, mn, region: str, col0=0, cols=None):
