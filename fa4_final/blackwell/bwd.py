@@ -319,6 +319,11 @@ class BlackwellBackward(WarpRoles):
 
         return lambda row, col: one(row, row_shape, row_stride) + one(col, col_shape, col_stride)
 
+    def check_dtypes(self, *tensors) -> None:
+        """q, k, v, dout, dk, dv of the launch all in the kernel's dtype (a trace-time check)."""
+        if any(t.element_type != self.dtype for t in tensors):
+            raise TypeError(f"q, k, v, dout, dk, dv must all be {self.dtype}")
+
     @cute.jit
     def __call__(
         self,
@@ -337,10 +342,7 @@ class BlackwellBackward(WarpRoles):
         window_right: Int32,
         stream,
     ):
-        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
-                           == mdO.element_type == mdK.element_type == mdV.element_type
-                           == self.dtype)):
-            raise TypeError(f"q, k, v, dout, dk, dv must all be {self.dtype}")
+        self.check_dtypes(mQ, mK, mV, mdO, mdK, mdV)
         d, m, n = self.head_dim, self.tile_m, self.tile_n
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1
         mQ, mK, mV, mdO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO)]

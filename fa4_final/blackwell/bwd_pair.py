@@ -221,10 +221,7 @@ class BlackwellBackwardPair(BlackwellBackward):
         window_right: Int32,
         stream,
     ):
-        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
-                           == mdO.element_type == mdK.element_type == mdV.element_type
-                           == self.dtype)):
-            raise TypeError(f"q, k, v, dout, dk, dv must all be {self.dtype}")
+        self.check_dtypes(mQ, mK, mV, mdO, mdK, mdV)
         d, m, n2 = self.head_dim, self.tile_m, self.pair_tile_n
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; the transposed views
         # (d, s, h, b) are the B operands split by D (Qt, dOt, Kt)
