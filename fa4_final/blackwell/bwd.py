@@ -807,7 +807,8 @@ class BlackwellBackward(WarpRoles):
     def compute_step(self, m_block, masked: cutlass.Constexpr[bool], state_q, phase, key, g, v,
                      sdS_row, smem, pipes, scale_log2, seqlen_q, seqlen_k, window_left,
                      window_right):
-        """One step for 64 queries of one key: S^T row -> P^T (TMEM), dP^T row -> dS^T (smem)."""
+        """One step for 64 queries of one key: S^T row -> P^T (TMEM), dP^T row -> dS^T (smem);
+        ``v``: the TMEM views and copies of ``step_views``."""
         half = self.tile_m // 2
         pipes["q"].consumer_wait(state_q)  # lse, delta of the step (Q: only the MMA reads it)
         pipes["s"].consumer_wait(at(phase))

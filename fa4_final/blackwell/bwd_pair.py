@@ -695,7 +695,8 @@ class BlackwellBackwardPair(BlackwellBackward):
                      key_in_pair, g, r, tidx, v, smem, pipes, bars, scale_log2, seqlen_q,
                      seqlen_k, window_left, window_right):
         """One step for 64 queries of one key: S^T row -> P^T (TMEM); dP^T row -> dS^T (TMEM)
-        and dS (this CTA's or the peer's shared memory)."""
+        and dS (this CTA's or the peer's shared memory); ``v``: ``step_views`` plus the dS^T
+        store (tdStdS by store_ds)."""
         half = self.tile_m // 2
         cute.arch.mbarrier_wait(bars["rows_full"] + state_rows.index, state_rows.phase)
         pipes["s"].consumer_wait(at(phase))
