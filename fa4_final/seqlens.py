@@ -107,6 +107,33 @@ def sequence_slab(mX: cute.Tensor, head, b, offset):
     return slab if offset is None else cute.domain_offset((offset,), slab)
 
 
+@cute.jit
+def store_rows(s_tile: cute.Tensor, g_tile: cute.Tensor, tidx, rows_left, threads: int):
+    """The first ``rows_left`` rows of the (rows, D) shared-memory tile ``s_tile`` to ``g_tile``,
+    16 bytes per thread and pass, one predicate per row (Note [Varlen epilogue] in hopper/fwd.py);
+    all ``threads`` threads take part. The shared-memory reads are plain loads: nothing to wait
+    for after. The forward's partial O tile, the backward's partial dK and dV tiles."""
+    dtype = s_tile.element_type
+    rows, head_dim = cute.size(s_tile, mode=[0]), cute.size(s_tile, mode=[1])
+    vec = 128 // dtype.width  # elements per 16-byte vector
+    per_row = head_dim // vec  # threads per row
+    rows_per_pass = threads // per_row
+    assert rows % rows_per_pass == 0, (rows, rows_per_pass)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    tiled = cute.make_tiled_copy_tv(
+        atom, cute.make_ordered_layout((rows_per_pass, per_row), order=(1, 0)),
+        cute.make_layout((1, vec)))
+    thr = tiled.get_slice(tidx)
+    tXsX = thr.partition_S(s_tile)  # (CPY, rows / rows_per_pass, 1)
+    tXgX = thr.partition_D(g_tile)
+    tXcX = thr.partition_S(cute.make_identity_tensor((rows, head_dim)))
+    tXrX = cute.make_fragment_like(tXsX, dtype)
+    cute.autovec_copy(tXsX, tXrX)
+    for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+        if tXcX[0, m, 0][0] < rows_left:
+            cute.copy(atom, tXrX[None, m, None], tXgX[None, m, None])
+
+
 class QueryTile:
     """Where a varlen query tile lies: its sequence's rows and padded tiles, and its head."""
 

@@ -407,6 +407,21 @@ class _KernelSim:
         self.sim.keep_log = log
         self.specs = {p.name: p for p in kernel.pipelines()}
 
+    def load_and_combine(self, me, columns, tag, row, row_tag, label, work_label,
+                         work_share=1):
+        """A backward compute step's tcgen05.ld of its TMEM ``columns`` (S^T or dP^T, read as
+        ``tag``) and the math that combines them with a row in shared memory (lse or delta,
+        read as ``row_tag``): the columns are free once loaded, the row once the math is done.
+        The math takes 1 / ``work_share`` of a softmax's ticks (drawn after the load's)."""
+        for b in columns:
+            b.start_read(me, tag)
+        row.start_read(me, row_tag)
+        yield busy(self.sim.ticks("read_s"), label)
+        for b in columns:
+            b.end_read(me)
+        yield busy(self.sim.ticks("softmax") // work_share, work_label)
+        row.end_read(me)
+
 
 class ForwardSim(_KernelSim):
     """The barriers and buffers of one CTA (or pair) of ``kernel`` and its roles as agents.
@@ -1014,14 +1029,8 @@ class BackwardSim(_KernelSim):
             yield busy(self.sim.ticks("jitter"), "scheduled")
             q = self.buf["Q", sq.index]
             rows = self.buf["dO", sdo.index] if self.mutate == "delta_with_do" else q
-            for b in s_mine:
-                b.start_read(me, ("S", t))
-            q.start_read(me, ("Q", t))  # lse
-            yield busy(self.sim.ticks("read_s"), "tcgen05.ld S^T")
-            for b in s_mine:
-                b.end_read(me)
-            yield busy(self.sim.ticks("softmax"), "exp2")
-            q.end_read(me)
+            yield from self.load_and_combine(me, s_mine, ("S", t), q, ("Q", t),  # Q's lse
+                                             "tcgen05.ld S^T", "exp2")
             if self.compute_sync is not None and self.mutate != "no_compute_sync":
                 self.compute_sync.arrive(me, n)  # every S^T column loaded before P^T is stored
                 yield Wait(self.compute_sync, syncs & 1)
@@ -1033,13 +1042,9 @@ class BackwardSim(_KernelSim):
             if self.mutate == "delta_with_do":
                 yield Wait(self.full("do", sdo.index), sdo.phase)
             yield Wait(self.full("dp"), phase)
-            dpdq = self.buf["dPdQ", 0]
-            dpdq.start_read(me, ("dP", t))
-            rows.start_read(me, lambda v: v is not None and v[1] == t)  # delta
-            yield busy(self.sim.ticks("read_s"), "tcgen05.ld dP^T")
-            dpdq.end_read(me)
-            yield busy(self.sim.ticks("softmax") // 2, "dS^T")
-            rows.end_read(me)
+            yield from self.load_and_combine(  # delta
+                me, [self.buf["dPdQ", 0]], ("dP", t), rows, lambda v: v is not None and v[1] == t,
+                "tcgen05.ld dP^T", "dS^T", 2)
             if self.mutate != "ds_without_dq_wait":
                 yield Wait(self.full("dq"), phase ^ 1)
             ds_mine.start_write(me)
@@ -1339,15 +1344,8 @@ class PairBackwardSim(_KernelSim):
             yield Wait(self.full("rows", r, sr.index), sr.phase)
             yield Wait(self.full("s", r), phase)
             yield busy(self.sim.ticks("jitter"), "scheduled")
-            lse = self.buf[r, "LSE", sr.index]
-            for b in s_mine:
-                b.start_read(me, ("S", t))
-            lse.start_read(me, ("LSE", t))
-            yield busy(self.sim.ticks("read_s"), "tcgen05.ld S^T")
-            for b in s_mine:
-                b.end_read(me)
-            yield busy(self.sim.ticks("softmax"), "exp2")
-            lse.end_read(me)
+            yield from self.load_and_combine(me, s_mine, ("S", t), self.buf[r, "LSE", sr.index],
+                                             ("LSE", t), "tcgen05.ld S^T", "exp2")
             yield from self.sync(r, me, syncs)  # Note [P^T over S^T]
             syncs += 1
             p = self.buf[r, "S", self.p_unit[g]]
@@ -1356,15 +1354,9 @@ class PairBackwardSim(_KernelSim):
             p.end_write(me, ("P", t))
             self.empty("s", r).arrive(me, w)
             yield Wait(self.full("dp", r), phase)
-            delta = self.buf[r, "Delta", sr.index]
-            for b in dp_mine:
-                b.start_read(me, ("dP", t))
-            delta.start_read(me, ("Delta", t))
-            yield busy(self.sim.ticks("read_s"), "tcgen05.ld dP^T")
-            for b in dp_mine:
-                b.end_read(me)
-            yield busy(self.sim.ticks("softmax") // 2, "dS^T")
-            delta.end_read(me)
+            yield from self.load_and_combine(me, dp_mine, ("dP", t),
+                                             self.buf[r, "Delta", sr.index], ("Delta", t),
+                                             "tcgen05.ld dP^T", "dS^T", 2)
             if self.mutate != "no_ds_sync":
                 yield from self.sync(r, me, syncs)  # Note [dS^T over dP^T]
                 syncs += 1

@@ -73,7 +73,7 @@ from fa4_final.blackwell.config import (
     BWD_REGISTERS,
     BlackwellBwdConfig,
 )
-from fa4_final.blackwell.roles import WarpRoles, check_roles
+from fa4_final.blackwell.roles import WarpRoles, check_roles, pipeline_args
 from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range, visible_queries
 from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
 from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
@@ -257,8 +257,13 @@ class BlackwellBackward(WarpRoles):
         """Shared-memory layouts, two per buffer that two GEMMs read in different majors: the
         same bytes, seen K-major by one GEMM and MN-major by the other (CuTe's canonical
         128 B-swizzled layouts of a tile agree on every element's address)."""
+        return self.operand_layouts(mmas, self.tile_n)
+
+    def operand_layouts(self, mmas, n: int) -> dict:
+        """The operand layouts of ``mmas`` for a tile of ``n`` keys: tile_n here, the pair's
+        256 in BlackwellBackwardPair (each CTA's share: CuTe's pair layouts are per CTA)."""
         sdp, dv, dk, dq = mmas
-        dt, d, m, n = self.dtype, self.head_dim, self.tile_m, self.tile_n
+        dt, d, m = self.dtype, self.head_dim, self.tile_m
         first = lambda lay: cute.slice_(lay, (None, None, None, 0))  # noqa: E731
         return {
             "K": first(sm100_utils.make_smem_layout_a(sdp, (n, m, d), dt, 1)),
@@ -267,7 +272,7 @@ class BlackwellBackward(WarpRoles):
             "dO": sm100_utils.make_smem_layout_b(sdp, (n, m, d), dt, self.do_stages),
             "dOt": sm100_utils.make_smem_layout_b(dv, (n, d, m), dt, self.do_stages),
             "Qt": sm100_utils.make_smem_layout_b(dk, (n, d, m), dt, self.q_stages),
-            "dSt": first(sm100_utils.make_smem_layout_a(dk, (n, d, m), dt, 1)),
+            "dSt": first(sm100_utils.make_smem_layout_a(dk, (n, d, m), dt, 1)),  # pair: TMEM
             "dS": first(sm100_utils.make_smem_layout_a(dq, (m, d, n), dt, 1)),
             "Kt": first(sm100_utils.make_smem_layout_b(dq, (m, d, n), dt, 1)),
             "P": first(sm100_utils.make_smem_layout_a(dv, (n, d, m), dt, 1)),  # in TMEM
@@ -314,6 +319,11 @@ class BlackwellBackward(WarpRoles):
 
         return lambda row, col: one(row, row_shape, row_stride) + one(col, col_shape, col_stride)
 
+    def check_dtypes(self, *tensors) -> None:
+        """q, k, v, dout, dk, dv of the launch all in the kernel's dtype (a trace-time check)."""
+        if any(t.element_type != self.dtype for t in tensors):
+            raise TypeError(f"q, k, v, dout, dk, dv must all be {self.dtype}")
+
     @cute.jit
     def __call__(
         self,
@@ -332,10 +342,7 @@ class BlackwellBackward(WarpRoles):
         window_right: Int32,
         stream,
     ):
-        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
-                           == mdO.element_type == mdK.element_type == mdV.element_type
-                           == self.dtype)):
-            raise TypeError(f"q, k, v, dout, dk, dv must all be {self.dtype}")
+        self.check_dtypes(mQ, mK, mV, mdO, mdK, mdV)
         d, m, n = self.head_dim, self.tile_m, self.tile_n
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1
         mQ, mK, mV, mdO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO)]
@@ -492,13 +499,23 @@ class BlackwellBackward(WarpRoles):
         num_n_blocks = (seqlen_k + self.tile_n - 1) // self.tile_n
         if const_expr(self.cfg.deterministic and launch_order_reversed(self.window)):
             n_block = num_n_blocks - 1 - n_block  # turns go downwards (bwd_tiles Note [Turn order])
+        return n_block, head_kv, b, num_n_blocks, self.key_tile_work(
+            n_block, self.tile_n, head_kv, heads, heads_kv, seqlen_q, seqlen_k, window_left,
+            window_right)
+
+    @cute.jit
+    def key_tile_work(self, n_block, keys: int, head_kv, heads, heads_kv, seqlen_q, seqlen_k,
+                      window_left, window_right):
+        """``work`` of the key tile n_block (``keys`` keys: tile_n, or the pair's 256), what
+        every role walks: (m_min, m_max, n_first, n_last, first head, heads of the group), the
+        query tiles that see the tile (bwd_tiles.q_tile_range, by self.window), of which the
+        first n_first and the last n_last are masked."""
         m_min, m_max, n_first, n_last = q_tile_range(self.window, n_block, seqlen_q, seqlen_k,
                                                      window_left, window_right)
-        if (n_block + 1) * self.tile_n > seqlen_k:  # keys past seqlen_k: mask every step
+        if (n_block + 1) * keys > seqlen_k:  # keys past seqlen_k: mask every step
             n_first = m_max - m_min
         group = heads // heads_kv
-        return n_block, head_kv, b, num_n_blocks, (m_min, m_max, n_first, n_last,
-                                                   head_kv * group, group)
+        return (m_min, m_max, n_first, n_last, head_kv * group, group)
 
     def make_pipelines(self, storage, mma_sdp, bytes_q: int, bytes_do: int,
                        bytes_kv: int) -> dict:
@@ -511,13 +528,7 @@ class BlackwellBackward(WarpRoles):
                                             (mma_sdp.thr_id.shape,))
         out = {}
         for spec in self.pipelines():
-            common = dict(
-                barrier_storage=mbar[spec.name].data_ptr(), num_stages=spec.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         spec.full_arrivals),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         spec.empty_arrivals),
-                cta_layout_vmnk=cta_layout_vmnk, defer_sync=True)
+            common = dict(pipeline_args(spec, mbar[spec.name]), cta_layout_vmnk=cta_layout_vmnk)
             if spec.kind == "tma_umma":
                 out[spec.name] = pipeline.PipelineTmaUmma.create(tx_count=tx[spec.name],
                                                                  **common)
@@ -547,11 +558,18 @@ class BlackwellBackward(WarpRoles):
                                 stride=(outer.stride[0][0], (outer.stride[0][1],
                                                              outer.stride[2])))
         s["dSt_rows"] = storage.sdS.get_tensor(rows, swizzle=lay["dSt"].inner)
-        s["LSE"] = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-        s["Delta"] = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-        s["dQ"] = storage.sdQ.get_tensor(cute.make_layout((self.tile_m * BWD_DQ_CHUNK,
-                                                           BWD_DQ_BUFFERS)))
+        s.update(self.row_and_staging_tensors(storage))
         return s
+
+    def row_and_staging_tensors(self, storage) -> dict:
+        """The float32 buffers both kernels' storage has: lse and delta of each Q stage's
+        tile_m queries, and the dQ warps' BWD_DQ_BUFFERS staging buffers."""
+        return {
+            "LSE": storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
+            "Delta": storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
+            "dQ": storage.sdQ.get_tensor(cute.make_layout((self.tile_m * BWD_DQ_CHUNK,
+                                                          BWD_DQ_BUFFERS))),
+        }
 
     def tmem_view(self, tmem_ptr, tiled_mma, mn, region: str, col0=0, cols=None):
         """(128, cols) fp32 view of TMEM region ``region`` (columns col0 .. col0 + cols of the
@@ -708,90 +726,106 @@ class BlackwellBackward(WarpRoles):
         """Thread t of warpgroup g owns key t of the tile and queries 64 g .. 64 g + 63 of each
         step: P^T and dS^T of that piece of the key's row, then its half of dK and dV."""
         mma_sdp, mma_dv, _, _ = mmas
-        m_min, m_max, n_first, n_last, _, group = work
+        m_min, m_max = work[0], work[1]
         tidx = cute.arch.thread_idx()[0] % GROUP_THREADS
         g = cute.arch.make_warp_uniform(cute.arch.warp_idx() // WARPS_PER_GROUP)
         half = self.tile_m // 2
-        mn = (self.tile_n, self.tile_m)
-        ld = lambda cols: cute.make_copy_atom(  # noqa: E731
-            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(cols)), Float32)
-        tS = self.tmem_view(tmem_ptr, mma_sdp, mn, "S", g * half, half)  # (128, 64)
-        tdP = self.tmem_view(tmem_ptr, mma_sdp, mn, "dP", g * half, half)
-        load_s = tcgen05.make_tmem_copy(ld(half), tS).get_slice(tidx)
-        load_dp = tcgen05.make_tmem_copy(ld(half), tdP).get_slice(tidx)
-        tStS = load_s.partition_S(tS)
-        tdPtdP = load_dp.partition_S(tdP)
-        cS = cute.make_identity_tensor((self.tile_n, half))
-        tScS = load_s.partition_D(cS)  # (key, query) of each register
-        t0ScS = tcgen05.make_tmem_copy(ld(half), tS).get_slice(0).partition_D(cS)
-        # P^T: 16-bit pairs, this warpgroup's 64 queries = 32 columns of region P
-        p_cols = self.plan["P"].columns // 2
-        tP32 = cute.make_tensor(tS.iterator + (self.plan.offset("P") - self.plan.offset("S"))
-                                - g * half + g * p_cols,
-                                cute.composition(tS.layout, cute.make_layout((self.tile_n,
-                                                                              p_cols))))
-        store_p = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols)), Float32), tP32
-        ).get_slice(tidx)
-        tPtP = store_p.partition_D(tP32)
-        p_regs = store_p.partition_S(cute.make_identity_tensor((self.tile_n, p_cols))).shape
+        v = self.step_views(tmem_ptr, mma_sdp, (self.tile_n, self.tile_m), tidx, g)
         # this thread's 64 dS^T values in shared memory: key tidx, queries 64 g ..
         sdS_row = cute.local_tile(smem["dSt_rows"][tidx, None], (half,), (g,))
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                self.q_stages)
         phase = Int32(0)
         key = n_block * self.tile_n + tidx
-        step = lambda m_block, masked, sq, ph: self.compute_step(  # noqa: E731
-            m_block, masked, key, g, tStS, tdPtdP, tScS, t0ScS, load_s, load_dp, store_p,
-            tPtP, p_regs, sdS_row, smem, pipes, sq, ph, scale_log2, seqlen_q, seqlen_k,
-            window_left, window_right)
+        self.compute_steps(work, state_q, phase, (
+            key, g, v, sdS_row, smem, pipes, scale_log2, seqlen_q, seqlen_k, window_left,
+            window_right))
+        self.epilogue(mma_dv, tmem_ptr, pipes, mdK, mdV, softmax_scale, tidx, g, key,
+                      head_kv, b, seqlen_k, m_max > m_min)
+
+    def step_views(self, tmem_ptr, mma_sdp, mn, tidx, g) -> dict:
+        """Thread tidx of warpgroup g in a step: loads of its key's row of S^T and dP^T over the
+        warpgroup's 64 query columns (tStS, tdPtdP by load_s, load_dp, from tS, tdP), the
+        (key, query) of each loaded value (tScS; thread 0's, t0ScS, for the mask), and the
+        store of P^T's 16-bit pairs over S^T (tPtP by store_p, from registers shaped p_regs)."""
+        half = self.tile_m // 2
+        ld = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(half)),
+                                 Float32)
+        tS = self.tmem_view(tmem_ptr, mma_sdp, mn, "S", g * half, half)  # (128, 64)
+        tdP = self.tmem_view(tmem_ptr, mma_sdp, mn, "dP", g * half, half)
+        load_s = tcgen05.make_tmem_copy(ld, tS).get_slice(tidx)
+        load_dp = tcgen05.make_tmem_copy(ld, tdP).get_slice(tidx)
+        cS = cute.make_identity_tensor((self.tile_n, half))
+        tP32 = self.packed_columns(tS, "P", "S", g)
+        store_p = tcgen05.make_tmem_copy(self.store_16bit_pairs(), tP32).get_slice(tidx)
+        p_cols = self.plan["P"].columns // 2
+        return dict(tS=tS, tdP=tdP, load_s=load_s, load_dp=load_dp,
+                    tStS=load_s.partition_S(tS), tdPtdP=load_dp.partition_S(tdP),
+                    tScS=load_s.partition_D(cS),
+                    t0ScS=tcgen05.make_tmem_copy(ld, tS).get_slice(0).partition_D(cS),
+                    store_p=store_p, tPtP=store_p.partition_D(tP32),
+                    p_regs=store_p.partition_S(cute.make_identity_tensor((self.tile_n,
+                                                                          p_cols))).shape)
+
+    def store_16bit_pairs(self):
+        """tcgen05.st of one warpgroup's 64 queries as 16-bit pairs: 32 columns of a region."""
+        return cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(self.plan["P"].columns // 2)),
+            Float32)
+
+    def packed_columns(self, t, region: str, host: str, g):
+        """The (128, 32) columns of TMEM ``region`` that warpgroup g's 64 queries fill with
+        16-bit pairs, from ``t``, its 64 columns of region ``host`` (P^T over S^T: Note [P^T
+        over S^T])."""
+        half, p_cols = self.tile_m // 2, self.plan["P"].columns // 2
+        return cute.make_tensor(t.iterator + (self.plan.offset(region) - self.plan.offset(host))
+                                - g * half + g * p_cols,
+                                cute.composition(t.layout, cute.make_layout((self.tile_n,
+                                                                             p_cols))))
+
+    @cute.jit
+    def compute_steps(self, work, state_q, phase, step_args: tuple):
+        """The compute warps' walk over the key tile's query tiles m_min .. m_max - 1 (``work``),
+        once per head of the group: the first n_first tiles masked, then the unmasked ones,
+        then, with a left window, the last n_last masked again; each tile one
+        ``self.compute_step(m_block, masked, state_q, phase, *step_args)``. The 2-CTA kernel
+        (bwd_pair) walks the same way with its own compute_step and ``step_args``."""
+        m_min, m_max, n_first, n_last, _, group = work
         first_end = m_min + n_first
         last_start = cutlass.max(m_max - n_last, first_end)
         for _h in cutlass.range(group, unroll=1):
             for m_block in cutlass.range(m_min, first_end, unroll=1):
-                state_q, phase = step(m_block, True, state_q, phase)
+                state_q, phase = self.compute_step(m_block, True, state_q, phase, *step_args)
             for m_block in cutlass.range(first_end, last_start, unroll=1):
-                state_q, phase = step(m_block, False, state_q, phase)
+                state_q, phase = self.compute_step(m_block, False, state_q, phase, *step_args)
             if const_expr(self.window.has_left):
                 for m_block in cutlass.range(last_start, m_max, unroll=1):
-                    state_q, phase = step(m_block, True, state_q, phase)
-        self.epilogue(mma_dv, tmem_ptr, pipes, mdK, mdV, softmax_scale, tidx, g, key,
-                      head_kv, b, seqlen_k, m_max > m_min)
+                    state_q, phase = self.compute_step(m_block, True, state_q, phase,
+                                                       *step_args)
 
     @cute.jit
-    def compute_step(self, m_block, masked: cutlass.Constexpr[bool], key, g, tStS, tdPtdP, tScS,
-                     t0ScS, load_s, load_dp, store_p, tPtP, p_regs, sdS_row, smem, pipes,
-                     state_q, phase, scale_log2, seqlen_q, seqlen_k, window_left,
+    def compute_step(self, m_block, masked: cutlass.Constexpr[bool], state_q, phase, key, g, v,
+                     sdS_row, smem, pipes, scale_log2, seqlen_q, seqlen_k, window_left,
                      window_right):
-        """One step for 64 queries of one key: S^T row -> P^T (TMEM), dP^T row -> dS^T (smem)."""
+        """One step for 64 queries of one key: S^T row -> P^T (TMEM), dP^T row -> dS^T (smem);
+        ``v``: the TMEM views and copies of ``step_views``."""
         half = self.tile_m // 2
         pipes["q"].consumer_wait(state_q)  # lse, delta of the step (Q: only the MMA reads it)
         pipes["s"].consumer_wait(at(phase))
-        s = cute.make_rmem_tensor(tScS.shape, Float32)  # this key's 64 scores
-        cute.copy(load_s, tStS, s)
-        if const_expr(masked):
-            lo, hi = visible_queries(self.window, key, seqlen_q, seqlen_k, window_left,
-                                     window_right, Int32(1 << 30))
-            col0 = m_block * self.tile_m + g * half
-            lo, hi = lo - col0, hi - col0
-            for c in cutlass.range_constexpr(cute.size(s)):
-                col = t0ScS[c][1]
-                s[c] = -Float32.inf if (col < lo) | (col >= hi) else s[c]
-        lse = smem["LSE"][None, state_q.index]
-        for c in cutlass.range_constexpr(cute.size(s)):
-            s[c] = cute.math.exp2(s[c] * scale_log2 - lse[g * half + c], fastmath=True)
-        rP32 = cute.make_rmem_tensor(p_regs, Float32)
-        rP = cute.make_tensor(cute.recast_ptr(rP32.iterator, dtype=self.dtype), s.layout)
-        rP.store(s.load().to(self.dtype))
+        s = cute.make_rmem_tensor(v["tScS"].shape, Float32)  # this key's 64 scores
+        cute.copy(v["load_s"], v["tStS"], s)
+        self.probabilities(s, masked, m_block, key, g, v["t0ScS"], smem["LSE"][None, state_q.index],
+                           scale_log2, seqlen_q, seqlen_k, window_left, window_right)
+        rP32, _ = self.packed_16bit(s, v["p_regs"])
         cute.arch.fence_view_async_tmem_load()  # this warpgroup's S^T loads have landed
         cute.arch.barrier(barrier_id=int(NamedBarrier.COMPUTE),  # Note [P^T over S^T]
                           number_of_threads=2 * GROUP_THREADS)
-        cute.copy(store_p, rP32, tPtP)
+        cute.copy(v["store_p"], rP32, v["tPtP"])
         cute.arch.fence_view_async_tmem_store()  # P^T visible to the MMA before we say so
         pipes["s"].consumer_release(at(phase))
         pipes["dp"].consumer_wait(at(phase))
-        dp = cute.make_rmem_tensor(tScS.shape, Float32)
-        cute.copy(load_dp, tdPtdP, dp)
+        dp = cute.make_rmem_tensor(v["tScS"].shape, Float32)
+        cute.copy(v["load_dp"], v["tdPtdP"], dp)
         delta = smem["Delta"][None, state_q.index]
         for c in cutlass.range_constexpr(cute.size(dp)):
             dp[c] = s[c] * (dp[c] - delta[g * half + c])
@@ -804,6 +838,33 @@ class BlackwellBackward(WarpRoles):
         pipes["dp"].consumer_release(at(phase))
         state_q.advance()
         return state_q, phase ^ 1
+
+    @cute.jit
+    def probabilities(self, s, masked: cutlass.Constexpr[bool], m_block, key, g, t0ScS, lse,
+                      scale_log2, seqlen_q, seqlen_k, window_left, window_right):
+        """S^T row -> P^T row in place, for warpgroup g's 64 queries of tile m_block: the
+        queries ``key`` does not see at -inf (masked steps), then exp2(s * scale_log2 - lse)."""
+        half = self.tile_m // 2
+        if const_expr(masked):
+            lo, hi = visible_queries(self.window, key, seqlen_q, seqlen_k, window_left,
+                                     window_right, Int32(1 << 30))
+            col0 = m_block * self.tile_m + g * half
+            lo, hi = lo - col0, hi - col0
+            for c in cutlass.range_constexpr(cute.size(s)):
+                col = t0ScS[c][1]
+                s[c] = -Float32.inf if (col < lo) | (col >= hi) else s[c]
+        for c in cutlass.range_constexpr(cute.size(s)):
+            s[c] = cute.math.exp2(s[c] * scale_log2 - lse[g * half + c], fastmath=True)
+
+    @cute.jit
+    def packed_16bit(self, x, regs):
+        """``x`` (float32) rounded to the kernel's 16-bit type, two values to each 32-bit
+        register of a tensor shaped ``regs`` (the source of a tcgen05.st 32x32b); that tensor
+        and its 16-bit view, laid out as ``x``."""
+        x32 = cute.make_rmem_tensor(regs, Float32)
+        x16 = cute.make_tensor(cute.recast_ptr(x32.iterator, dtype=self.dtype), x.layout)
+        x16.store(x.load().to(self.dtype))
+        return x32, x16
 
     @cute.jit
     def epilogue(self, mma_dv, tmem_ptr, pipes, mdK, mdV, softmax_scale, tidx, g, key, head_kv,
@@ -878,17 +939,7 @@ class BlackwellBackward(WarpRoles):
                     if const_expr(c == chunks - 1):  # dQ read: dP^T may take the columns
                         cute.arch.fence_view_async_tmem_load()
                         pipes["dq"].consumer_release(at(phase))
-                    # the add that read this buffer two chunks ago has finished reading it
-                    if tidx == 0:
-                        cute.arch.cp_async_bulk_wait_group(BWD_DQ_BUFFERS - 1, read=True)
-                    cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE),
-                                      number_of_threads=GROUP_THREADS)
-                    sStage = cute.make_tensor(smem["dQ"][None, buf].iterator, stage_layout)
-                    cute.autovec_copy(cute.make_tensor(r.iterator, cute.make_layout(
-                        BWD_DQ_CHUNK)), sStage[tidx, None])
-                    cute.arch.fence_view_async_shared()  # for the bulk add (async proxy)
-                    cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE),
-                                      number_of_threads=GROUP_THREADS)
+                    self.stage_dq_chunk(r, smem, buf, stage_layout, tidx)
                     if tidx == 0:
                         for w in cutlass.range_constexpr(2):
                             offset = (m_block * (self.tile_m * self.head_dim)
@@ -907,6 +958,20 @@ class BlackwellBackward(WarpRoles):
                 phase ^= 1
         if tidx == 0:  # shared memory must outlive the last add's reads of it
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def stage_dq_chunk(self, r, smem, buf, stage_layout, tidx):
+        """This lane's 32 floats of dQ (registers ``r``) into staging buffer ``buf`` (Note [dQ
+        accumulator order]) once the bulk add that read it two chunks ago has finished, and
+        visible to the next bulk add (async proxy) when this returns: every dQ thread calls it."""
+        if tidx == 0:
+            cute.arch.cp_async_bulk_wait_group(BWD_DQ_BUFFERS - 1, read=True)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE), number_of_threads=GROUP_THREADS)
+        sStage = cute.make_tensor(smem["dQ"][None, buf].iterator, stage_layout)
+        cute.autovec_copy(cute.make_tensor(r.iterator, cute.make_layout(BWD_DQ_CHUNK)),
+                          sStage[tidx, None])
+        cute.arch.fence_view_async_shared()  # for the bulk add (async proxy)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE), number_of_threads=GROUP_THREADS)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -109,8 +109,8 @@ from fa4_final.blackwell.bwd import (
     at,
 )
 from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK
+from fa4_final.blackwell.roles import pipeline_args
 from fa4_final.blackwell.tmem import TMEM_LANES
-from fa4_final.bwd_tiles import q_tile_range, visible_queries
 from fa4_final.constants import LOG2_E
 from fa4_final.fragments import select_modes
 from fa4_final.tiles import TileWindow
@@ -201,21 +201,7 @@ class BlackwellBackwardPair(BlackwellBackward):
         """One CTA's share of every pair operand (CuTe's layouts of a cta_group::2 MMA are per
         CTA): K, V its 128 keys; Q, dO 64 queries; Qt, dOt D/2 columns; Kt D/2 columns of the
         pair's 256 keys; dS 64 queries x 256 keys. P^T and dS^T (in TMEM) as dV's and dK's A."""
-        sdp, dv, dk, dq = mmas
-        dt, d, m, n2 = self.dtype, self.head_dim, self.tile_m, self.pair_tile_n
-        first = lambda lay: cute.slice_(lay, (None, None, None, 0))  # noqa: E731
-        return {
-            "K": first(sm100_utils.make_smem_layout_a(sdp, (n2, m, d), dt, 1)),
-            "V": first(sm100_utils.make_smem_layout_a(sdp, (n2, m, d), dt, 1)),
-            "Q": sm100_utils.make_smem_layout_b(sdp, (n2, m, d), dt, self.q_stages),
-            "dO": sm100_utils.make_smem_layout_b(sdp, (n2, m, d), dt, self.do_stages),
-            "Qt": sm100_utils.make_smem_layout_b(dk, (n2, d, m), dt, self.q_stages),
-            "dOt": sm100_utils.make_smem_layout_b(dv, (n2, d, m), dt, self.do_stages),
-            "dS": first(sm100_utils.make_smem_layout_a(dq, (m, d, n2), dt, 1)),
-            "Kt": first(sm100_utils.make_smem_layout_b(dq, (m, d, n2), dt, 1)),
-            "P": first(sm100_utils.make_smem_layout_a(dv, (n2, d, m), dt, 1)),  # in TMEM
-            "dSt": first(sm100_utils.make_smem_layout_a(dk, (n2, d, m), dt, 1)),  # in TMEM
-        }
+        return self.operand_layouts(mmas, self.pair_tile_n)
 
     @cute.jit
     def __call__(
@@ -235,10 +221,7 @@ class BlackwellBackwardPair(BlackwellBackward):
         window_right: Int32,
         stream,
     ):
-        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
-                           == mdO.element_type == mdK.element_type == mdV.element_type
-                           == self.dtype)):
-            raise TypeError(f"q, k, v, dout, dk, dv must all be {self.dtype}")
+        self.check_dtypes(mQ, mK, mV, mdO, mdK, mdV)
         d, m, n2 = self.head_dim, self.tile_m, self.pair_tile_n
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; the transposed views
         # (d, s, h, b) are the B operands split by D (Qt, dOt, Kt)
@@ -437,12 +420,9 @@ class BlackwellBackwardPair(BlackwellBackward):
         bidx, head_kv, b = cute.arch.block_idx()
         n_block = bidx // PAIR
         r = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        m_min, m_max, n_first, n_last = q_tile_range(self.window, n_block, seqlen_q, seqlen_k,
-                                                     window_left, window_right)
-        if (n_block + 1) * self.pair_tile_n > seqlen_k:  # keys past seqlen_k: mask every step
-            n_first = m_max - m_min
-        group = heads // heads_kv
-        return n_block, r, head_kv, b, (m_min, m_max, n_first, n_last, head_kv * group, group)
+        return n_block, r, head_kv, b, self.key_tile_work(
+            n_block, self.pair_tile_n, head_kv, heads, heads_kv, seqlen_q, seqlen_k, window_left,
+            window_right)
 
     # Note [Pair masks] (fa4_final.blackwell.fwd): the commit masks and the leader's rank as
     # compile-time constants, so no value of the prologue lives across the roles' setmaxnreg.
@@ -461,13 +441,7 @@ class BlackwellBackwardPair(BlackwellBackward):
         for spec in self.pipelines():
             if spec.name not in mbar:
                 continue
-            common = dict(
-                barrier_storage=mbar[spec.name].data_ptr(), num_stages=spec.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         spec.full_arrivals),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         spec.empty_arrivals),
-                cta_layout_vmnk=vmnk, defer_sync=True)
+            common = dict(pipeline_args(spec, mbar[spec.name]), cta_layout_vmnk=vmnk)
             if spec.kind == "tma_umma":
                 pipe = pipeline.PipelineTmaUmma.create(tx_count=tx[spec.name], **common)
                 pipe = dataclasses.replace(pipe, consumer_mask=Int32(self.PAIR_COMMIT_MASK))
@@ -500,10 +474,7 @@ class BlackwellBackwardPair(BlackwellBackward):
                                         outer.stride[0][0]))
         s["dS_rows"] = storage.sdS.get_tensor(rows, swizzle=lay["dS"].inner)
         s["dS_base"] = storage.sdS.data_ptr()
-        s["LSE"] = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-        s["Delta"] = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-        s["dQ"] = storage.sdQ.get_tensor(cute.make_layout((self.tile_m * BWD_DQ_CHUNK,
-                                                           BWD_DQ_BUFFERS)))
+        s.update(self.row_and_staging_tensors(storage))
         return s
 
     def tmem_view(self, tmem_ptr, tiled_mma, mn, region: str, col0=0, cols=None):
@@ -694,57 +665,21 @@ class BlackwellBackwardPair(BlackwellBackward):
         this CTA's shared memory when g = r, into the peer's when not (Note [The dS exchange]);
         then its half of the key's dK and dV."""
         mma_sdp, mma_dv, _, _ = mmas
-        m_min, m_max, n_first, n_last, _, group = work
+        m_min, m_max = work[0], work[1]
         tidx = cute.arch.thread_idx()[0] % GROUP_THREADS
         g = cute.arch.make_warp_uniform(cute.arch.warp_idx() // WARPS_PER_GROUP)
-        half = self.tile_m // 2
-        mn = (self.pair_tile_n, self.tile_m)
-        ld = lambda cols: cute.make_copy_atom(  # noqa: E731
-            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(cols)), Float32)
-        tS = self.tmem_view(tmem_ptr, mma_sdp, mn, "S", g * half, half)  # (128, 64)
-        tdP = self.tmem_view(tmem_ptr, mma_sdp, mn, "dP", g * half, half)
-        load_s = tcgen05.make_tmem_copy(ld(half), tS).get_slice(tidx)
-        load_dp = tcgen05.make_tmem_copy(ld(half), tdP).get_slice(tidx)
-        cS = cute.make_identity_tensor((self.tile_n, half))
-        p_cols = self.plan["P"].columns // 2  # one warpgroup's 64 queries, 16-bit pairs
-
-        def packed(t, region, host):  # (128, 32) columns of region, warpgroup g's quarter
-            return cute.make_tensor(t.iterator + (self.plan.offset(region)
-                                                  - self.plan.offset(host)) - g * half
-                                    + g * p_cols,
-                                    cute.composition(t.layout, cute.make_layout((self.tile_n,
-                                                                                 p_cols))))
-
-        st = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols)),
-                                 Float32)
-        tP32, tdS32 = packed(tS, "P", "S"), packed(tdP, "dS", "dP")
-        store_p = tcgen05.make_tmem_copy(st, tP32).get_slice(tidx)
-        store_ds = tcgen05.make_tmem_copy(st, tdS32).get_slice(tidx)
-        views = dict(tStS=load_s.partition_S(tS), tdPtdP=load_dp.partition_S(tdP),
-                     tScS=load_s.partition_D(cS),
-                     t0ScS=tcgen05.make_tmem_copy(ld(half), tS).get_slice(0).partition_D(cS),
-                     load_s=load_s, load_dp=load_dp, store_p=store_p, store_ds=store_ds,
-                     tPtP=store_p.partition_D(tP32), tdStdS=store_ds.partition_D(tdS32),
-                     p_regs=store_p.partition_S(cute.make_identity_tensor((self.tile_n,
-                                                                           p_cols))).shape)
+        v = self.step_views(tmem_ptr, mma_sdp, (self.pair_tile_n, self.tile_m), tidx, g)
+        tdS32 = self.packed_columns(v["tdP"], "dS", "dP", g)  # Note [dS^T over dP^T]
+        store_ds = tcgen05.make_tmem_copy(self.store_16bit_pairs(), tdS32).get_slice(tidx)
+        v.update(store_ds=store_ds, tdStdS=store_ds.partition_D(tdS32))
         key_in_pair = r * self.tile_n + tidx
         state_rows = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                   self.q_stages)
         phase = Int32(0)
         key = n_block * self.pair_tile_n + key_in_pair
-        step = lambda m_block, masked, sr, ph: self.compute_step(  # noqa: E731
-            m_block, masked, key, key_in_pair, g, r, tidx, views, smem, pipes, bars, sr, ph,
-            scale_log2, seqlen_q, seqlen_k, window_left, window_right)
-        first_end = m_min + n_first
-        last_start = cutlass.max(m_max - n_last, first_end)
-        for _h in cutlass.range(group, unroll=1):
-            for m_block in cutlass.range(m_min, first_end, unroll=1):
-                state_rows, phase = step(m_block, True, state_rows, phase)
-            for m_block in cutlass.range(first_end, last_start, unroll=1):
-                state_rows, phase = step(m_block, False, state_rows, phase)
-            if const_expr(self.window.has_left):
-                for m_block in cutlass.range(last_start, m_max, unroll=1):
-                    state_rows, phase = step(m_block, True, state_rows, phase)
+        self.compute_steps(work, state_rows, phase, (
+            key, key_in_pair, g, r, tidx, v, smem, pipes, bars, scale_log2, seqlen_q,
+            seqlen_k, window_left, window_right))  # BlackwellBackward's walk, this compute_step
         self.epilogue(mma_dv, tmem_ptr, pipes, mdK, mdV, softmax_scale, tidx, g, key,
                       head_kv, b, seqlen_k, m_max > m_min)
 
@@ -756,30 +691,21 @@ class BlackwellBackwardPair(BlackwellBackward):
     # solutions.ch09_pipeline.PairBackwardSim catches its absence (no_ds_sync).
 
     @cute.jit
-    def compute_step(self, m_block, masked: cutlass.Constexpr[bool], key, key_in_pair, g, r,
-                     tidx, v, smem, pipes, bars, state_rows, phase, scale_log2, seqlen_q,
+    def compute_step(self, m_block, masked: cutlass.Constexpr[bool], state_rows, phase, key,
+                     key_in_pair, g, r, tidx, v, smem, pipes, bars, scale_log2, seqlen_q,
                      seqlen_k, window_left, window_right):
         """One step for 64 queries of one key: S^T row -> P^T (TMEM); dP^T row -> dS^T (TMEM)
-        and dS (this CTA's or the peer's shared memory)."""
+        and dS (this CTA's or the peer's shared memory); ``v``: ``step_views`` plus the dS^T
+        store (tdStdS by store_ds)."""
         half = self.tile_m // 2
         cute.arch.mbarrier_wait(bars["rows_full"] + state_rows.index, state_rows.phase)
         pipes["s"].consumer_wait(at(phase))
         s = cute.make_rmem_tensor(v["tScS"].shape, Float32)  # this key's 64 scores
         cute.copy(v["load_s"], v["tStS"], s)
-        if const_expr(masked):
-            lo, hi = visible_queries(self.window, key, seqlen_q, seqlen_k, window_left,
-                                     window_right, Int32(1 << 30))
-            col0 = m_block * self.tile_m + g * half
-            lo, hi = lo - col0, hi - col0
-            for c in cutlass.range_constexpr(cute.size(s)):
-                col = v["t0ScS"][c][1]
-                s[c] = -Float32.inf if (col < lo) | (col >= hi) else s[c]
-        lse = smem["LSE"][None, state_rows.index]
-        for c in cutlass.range_constexpr(cute.size(s)):
-            s[c] = cute.math.exp2(s[c] * scale_log2 - lse[g * half + c], fastmath=True)
-        rP32 = cute.make_rmem_tensor(v["p_regs"], Float32)
-        rP = cute.make_tensor(cute.recast_ptr(rP32.iterator, dtype=self.dtype), s.layout)
-        rP.store(s.load().to(self.dtype))
+        self.probabilities(s, masked, m_block, key, g, v["t0ScS"],
+                           smem["LSE"][None, state_rows.index], scale_log2, seqlen_q, seqlen_k,
+                           window_left, window_right)
+        rP32, _ = self.packed_16bit(s, v["p_regs"])
         cute.arch.fence_view_async_tmem_load()
         cute.arch.barrier(barrier_id=int(NamedBarrier.COMPUTE),  # Note [P^T over S^T]
                           number_of_threads=2 * GROUP_THREADS)
@@ -794,9 +720,7 @@ class BlackwellBackwardPair(BlackwellBackward):
         delta = smem["Delta"][None, state_rows.index]
         for c in cutlass.range_constexpr(cute.size(dp)):
             dp[c] = s[c] * (dp[c] - delta[g * half + c])
-        rdS32 = cute.make_rmem_tensor(v["p_regs"], Float32)
-        rdS = cute.make_tensor(cute.recast_ptr(rdS32.iterator, dtype=self.dtype), dp.layout)
-        rdS.store(dp.load().to(self.dtype))
+        rdS32, rdS = self.packed_16bit(dp, v["p_regs"])
         cute.arch.fence_view_async_tmem_load()  # dP^T read
         cute.arch.barrier(barrier_id=int(NamedBarrier.COMPUTE),  # Note [dS^T over dP^T]
                           number_of_threads=2 * GROUP_THREADS)
@@ -893,16 +817,7 @@ class BlackwellBackwardPair(BlackwellBackward):
                         cute.arch.sync_warp()
                         with cute.arch.elect_one():
                             pipes["dq"].consumer_release(at(phase))
-                    if tidx == 0:
-                        cute.arch.cp_async_bulk_wait_group(BWD_DQ_BUFFERS - 1, read=True)
-                    cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE),
-                                      number_of_threads=GROUP_THREADS)
-                    sStage = cute.make_tensor(smem["dQ"][None, buf].iterator, stage_layout)
-                    cute.autovec_copy(cute.make_tensor(rr.iterator, cute.make_layout(
-                        BWD_DQ_CHUNK)), sStage[tidx, None])
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE),
-                                      number_of_threads=GROUP_THREADS)
+                    self.stage_dq_chunk(rr, smem, buf, stage_layout, tidx)
                     if tidx == 0:
                         for hh in cutlass.range_constexpr(2):  # lanes 0-63, then 64-127
                             offset = (m_block * (self.tile_m * d) + r * (self.tile_m // 2 * d)

@@ -48,7 +48,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fa4_final.blackwell import umma
 from fa4_final.blackwell.config import Q_STAGES, THREADS, TILE_M, BlackwellFwdConfig
-from fa4_final.blackwell.roles import WarpRoles, check_roles
+from fa4_final.blackwell.roles import WarpRoles, check_roles, pipeline_args
 from fa4_final.blackwell.softmax import RowSoftmax
 from fa4_final.constants import LOG2_E, WARP_SIZE
 from fa4_final.fragments import select_modes
@@ -406,13 +406,7 @@ class BlackwellForward(WarpRoles):
         tx = {"q": bytes_q, "kv": bytes_kv}
         out = {}
         for spec in self.pipelines():
-            common = dict(
-                barrier_storage=mbar[spec.name].data_ptr(), num_stages=spec.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         spec.full_arrivals),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         spec.empty_arrivals),
-                defer_sync=True)
+            common = pipeline_args(spec, mbar[spec.name])
             if spec.kind == "tma_umma":
                 out[spec.name] = pipeline.PipelineTmaUmma.create(
                     tx_count=tx[spec.name], cta_layout_vmnk=cta_layout_vmnk, **common)

@@ -57,7 +57,7 @@ from fa4_final.fragments import acc_as_a_operand, acc_rows_cols, select_modes
 from fa4_final.hopper.wgmma import issue_wgmma
 from fa4_final.mask import fragment_coords
 from fa4_final.scheduler import varlen_locate
-from fa4_final.seqlens import sequence_slab
+from fa4_final.seqlens import sequence_slab, store_rows
 from fa4_final.tiles import TileWindow
 
 MMA_THREADS = THREADS_PER_WARPGROUP * BWD_MMA_WARPGROUPS
@@ -439,10 +439,11 @@ class HopperBackward:
     # padded tile (Note [Varlen dQ accumulator] in fa4_final.bwd_tiles). Reading past a
     # sequence's end is harmless as in the forward (fa4_final.seqlens): those keys are masked,
     # those query rows have P = 0. Writing is not: a partial last key tile stores its dK and dV
-    # rows from shared memory with one predicate per row (store_rows) instead of a TMA store
-    # that would clip only at total_k. A sequence with keys but no query row gets dK = dV = 0
-    # from its CTAs (no step); one with no key owns no CTA, and its dQ is the zeroed
-    # accumulator. Rows past seqused_k belong to no key tile: the launch zeroes dk and dv first.
+    # rows from shared memory with one predicate per row (seqlens.store_rows, as the forward's
+    # partial O tile) instead of a TMA store that would clip only at total_k. A sequence with
+    # keys but no query row gets dK = dV = 0 from its CTAs (no step); one with no key owns no
+    # CTA, and its dQ is the zeroed accumulator. Rows past seqused_k belong to no key tile: the
+    # launch zeroes dk and dv first.
 
     @cute.jit
     def varlen_key_tile(self, t, heads_kv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK):
@@ -824,7 +825,7 @@ class HopperBackward:
                 for m, s in ((mdK_rows, sK), (mdV_rows, sV)):
                     g = cute.local_tile(sequence_slab(m, head_kv, b, seq[1]),
                                         (self.tile_n, self.head_dim), (n_block, 0))
-                    self.store_rows(s, g, tidx, keys_left)
+                    store_rows(s, g, tidx, keys_left, MMA_THREADS)
 
     @cute.jit
     def store_tma(self, mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, tidx, n_block, head_kv, b,
@@ -841,30 +842,6 @@ class HopperBackward:
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def store_rows(self, s_tile, g_tile, tidx, rows_left):
-        """The first ``rows_left`` rows of the (tile_n, D) tile ``s_tile`` to ``g_tile``, 16
-        bytes per thread and pass, one predicate per row (the forward's Note [Varlen
-        epilogue]); every MMA thread takes part. Plain loads: nothing to wait for after."""
-        vec = 128 // self.dtype.width
-        per_row = self.head_dim // vec  # threads per row
-        rows_per_pass = MMA_THREADS // per_row
-        assert self.tile_n % rows_per_pass == 0, (self.tile_n, rows_per_pass)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                   num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((rows_per_pass, per_row), order=(1, 0)),
-            cute.make_layout((1, vec)))
-        thr = tiled.get_slice(tidx)
-        tXsX = thr.partition_S(s_tile)  # (CPY, tile_n / rows_per_pass, 1)
-        tXgX = thr.partition_D(g_tile)
-        tXcX = thr.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
-        tXrX = cute.make_fragment_like(tXsX, self.dtype)
-        cute.autovec_copy(tXsX, tXrX)
-        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-            if tXcX[0, m, 0][0] < rows_left:
-                cute.copy(atom, tXrX[None, m, None], tXgX[None, m, None])
 
     # Note [Fresh accumulators]
     # -------------------------

@@ -51,7 +51,7 @@ from fa4_final.hopper.wgmma import (
 )
 from fa4_final.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
 from fa4_final.scheduler import rounds, table_rounds, zigzag_tile
-from fa4_final.seqlens import Sequences
+from fa4_final.seqlens import Sequences, store_rows
 from fa4_final.softmax import OnlineSoftmax
 from fa4_final.tiles import TileWindow, kv_tile_range
 from fa4_final.timeline import Mark, mark
@@ -740,7 +740,9 @@ class HopperForward:
             if (m_block + 1) * self.tile_m <= seqlen_q:
                 self.store_o_tma(sO, gO_all, tma_atom_o, m_block, consumer_warp)
             else:
-                self.store_o_rows(sO, gO_rows, tidx, m_block, seqlen_q)
+                gO = cute.local_tile(gO_rows, (self.tile_m, self.head_dim), (m_block, 0))
+                store_rows(sO, gO, tidx, seqlen_q - m_block * self.tile_m,
+                           self.num_consumer_threads)  # Note [Varlen epilogue]
         if const_expr(not self.cfg.separate_o):
             # Q's buffer holds O until the store has read it; then the next Q may land there
             if consumer_warp == 0:
@@ -765,34 +767,11 @@ class HopperForward:
     # The TMA store clips at the tensor's end, total_q, not at the sequence's: the last, partial
     # tile of a sequence would overwrite the first rows of the next one. Full tiles keep the TMA
     # store; a partial tile goes from shared memory to global memory in 16-byte vectors, one
-    # predicate per row (at D = 128: 256 threads x 8 vectors, 16 rows per pass). FA4's own
+    # predicate per row (fa4_final.seqlens.store_rows, which the backward's partial dK and dV
+    # tiles use too; at D = 128: 256 threads x 8 vectors, 16 rows per pass). FA4's own
     # answer keeps TMA for every tile: a tensor with one more mode, whose pointer shift and
     # domain offset make the descriptor's bound fall exactly at the sequence's end
     # (quack.copy_utils.offset_ragged_tensor); one partial tile per sequence did not seem worth
     # that here. The shared-memory reads are plain loads, finished before the thread passes the
     # next EPILOGUE barrier, so the buffer's reuse needs no bulk wait for them.
 
-    @cute.jit
-    def store_o_rows(self, sO, gO_rows, tidx: Int32, m_block: Int32, seqlen_q: Int32):
-        """The rows of the (tile_m, D) block of O that lie inside the sequence (Note [Varlen
-        epilogue]); every consumer thread takes part."""
-        vec = 128 // self.dtype.width  # elements per 16-byte vector
-        per_row = self.head_dim // vec  # threads per row
-        rows_per_pass = self.num_consumer_threads // per_row
-        assert self.tile_m % rows_per_pass == 0, (self.tile_m, rows_per_pass)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                   num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((rows_per_pass, per_row), order=(1, 0)),
-            cute.make_layout((1, vec)))
-        thr = tiled.get_slice(tidx)
-        gO = cute.local_tile(gO_rows, (self.tile_m, self.head_dim), (m_block, 0))  # (tile_m, D)
-        tOsO = thr.partition_S(sO)  # (CPY, tile_m / rows_per_pass, 1)
-        tOgO = thr.partition_D(gO)
-        tOcO = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        tOrO = cute.make_fragment_like(tOsO, self.dtype)
-        cute.autovec_copy(tOsO, tOrO)
-        rows_left = seqlen_q - m_block * self.tile_m
-        for m in cutlass.range_constexpr(cute.size(tOsO, mode=[1])):
-            if tOcO[0, m, 0][0] < rows_left:
-                cute.copy(atom, tOrO[None, m, None], tOgO[None, m, None])
