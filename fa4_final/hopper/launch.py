@@ -193,6 +193,7 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
 
 
 _TABLES: dict = {}
+_MAX_TABLES = 256  # a table is about one int32 per tile; built on the first call of a shape
 
 
 def tile_costs(cfg: HopperFwdConfig, causal: bool, seqlen_q: int, seqlen_k: int, heads: int,
@@ -213,10 +214,14 @@ def tile_costs(cfg: HopperFwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
 
 def _tile_table(device, cfg: HopperFwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
                 heads: int, batch: int, l2_group: int, sms: int, window_left, window_right):
-    """The device copy of the launch's tile table, built once per shape (Note [Tile table])."""
+    """The device copy of the launch's tile table, built once per shape (Note [Tile table]).
+    Its first call for a shape copies the table to the device, so a CUDA graph should be
+    captured after a warm-up call of that shape, as for the compile."""
     key = (device, cfg.tile_m, cfg.tile_n, causal, seqlen_q, seqlen_k, heads, batch, l2_group,
            sms, window_left, window_right)
     if key not in _TABLES:
+        if len(_TABLES) >= _MAX_TABLES:  # many shapes (e.g. a length per batch): keep it bounded
+            _TABLES.clear()
         costs = tile_costs(cfg, causal, seqlen_q, seqlen_k, heads, batch, l2_group,
                            window_left, window_right)
         grid = persistent_grid(len(costs), sms)
