@@ -294,9 +294,10 @@ def _available(ncu: str, metrics) -> list[str]:
     return keep
 
 
-def run_ncu(spec: ProfileSpec) -> tuple[str, str]:
-    """Profile the second launch of ``spec``'s kernel in ``python -m spec.module --target``;
-    return ncu's raw page and SASS source page as CSV text."""
+def run_ncu(spec: ProfileSpec, target_args: tuple = (), source: bool = True
+            ) -> tuple[str, str | None]:
+    """Profile the second launch of ``spec``'s kernel in ``python -m spec.module --target
+    [target_args]``; return ncu's raw page and (``source``) its SASS source page as CSV text."""
     ncu = shutil.which("ncu")
     if ncu is None:
         raise RuntimeError("ncu (Nsight Compute) is not on PATH; it comes with the CUDA toolkit")
@@ -309,15 +310,17 @@ def run_ncu(spec: ProfileSpec) -> tuple[str, str]:
         metrics = _available(ncu, spec.metrics)
         if metrics:
             cmd += ["--metrics", ",".join(metrics)]
-        cmd += [sys.executable, "-m", spec.module, "--target"]
+        cmd += [sys.executable, "-m", spec.module, "--target", *target_args]
         subprocess.run(cmd, check=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         rep = f"{report}.ncu-rep"
         raw = subprocess.run([ncu, "-i", rep, "--page", "raw", "--csv"], check=True,
                              capture_output=True, text=True, timeout=300).stdout
-        source = subprocess.run([ncu, "-i", rep, "--page", "source", "--csv", "--print-source",
-                                 "sass"], check=True, capture_output=True, text=True,
-                                timeout=300).stdout
-    return raw, source
+        if not source:
+            return raw, None
+        sass = subprocess.run([ncu, "-i", rep, "--page", "source", "--csv", "--print-source",
+                               "sass"], check=True, capture_output=True, text=True,
+                              timeout=300).stdout
+    return raw, sass
 
 
 def profile_with(spec: ProfileSpec, label: str, raw_dir: Path | None = None) -> Path:

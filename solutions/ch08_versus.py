@@ -18,11 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from solutions import ch04_profile as core
@@ -94,24 +90,13 @@ def target(impl: str, head_dim: int, seqlen: int, causal: bool) -> None:
 
 
 def run_ncu(impl: str, head_dim: int, seqlen: int, causal: bool) -> str:
-    """ncu's raw page (CSV) for ``impl``'s forward kernel at the shape."""
-    ncu = shutil.which("ncu")
-    if ncu is None:
-        raise RuntimeError("ncu (Nsight Compute) is not on PATH; it comes with the CUDA toolkit")
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "versus"
-        cmd = [ncu, "--launch-skip", "1", "--launch-count", "1", "-k", KERNEL_OF[impl],
-               "--import-source", "no", "-f", "-o", str(report)]
-        for section in SECTIONS:
-            cmd += ["--section", section]
-        metrics = core._available(ncu, EXTRA_METRICS)
-        if metrics:
-            cmd += ["--metrics", ",".join(metrics)]
-        cmd += [sys.executable, "-m", "solutions.ch08_versus", "--target", impl, str(head_dim),
-                str(seqlen), str(int(causal))]
-        subprocess.run(cmd, check=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        return subprocess.run([ncu, "-i", f"{report}.ncu-rep", "--page", "raw", "--csv"],
-                              check=True, capture_output=True, text=True, timeout=300).stdout
+    """ncu's raw page (CSV) for ``impl``'s forward kernel at the shape (chapter 04's runner,
+    with this module's ``--target`` and no source page)."""
+    spec = core.ProfileSpec(RESULTS, "solutions.ch08_versus", KERNEL_OF[impl], SECTIONS,
+                            EXTRA_METRICS, None)
+    raw, _ = core.run_ncu(spec, (impl, str(head_dim), str(seqlen), str(int(causal))),
+                          source=False)
+    return raw
 
 
 def rows_of(raw_text: str, impl: str, head_dim: int, seqlen: int, causal: bool) -> list[dict]:
