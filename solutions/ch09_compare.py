@@ -153,15 +153,12 @@ def instr_descs(ptx: str) -> list[str]:
                       + re.findall(r"mov\.b32\s+id,\s*(0x[0-9a-f]+);", ptx)))
 
 
-def kernel_metrics(ptx: str, sass: str, registers: int, spills: int) -> dict:
-    """Everything the table stores for one compiled kernel."""
+def resource_metrics(ptx: str, registers: int, spills: int) -> dict:
+    """The resources both tables store for a compiled kernel: registers and spills, the
+    setmaxnreg budgets, TMEM columns, MMA instruction descriptors, threads per CTA."""
     regs = setmaxnreg_values(ptx)
     threads = re.search(r"\.reqntid\s+(\d+)", ptx) or re.search(r"\.maxntid\s+(\d+)", ptx)
-    by_role = sass_by_role(sass)
     return {
-        "sass": sass_classes(sass),
-        **{f"sass in {g}": by_role[g] for g in ROLE_GROUPS},
-        "ptx": ptx_counts(ptx),
         "registers (launch)": registers,
         "spill instructions": spills,
         "setmaxnreg inc": regs["inc"],
@@ -169,6 +166,17 @@ def kernel_metrics(ptx: str, sass: str, registers: int, spills: int) -> dict:
         "TMEM columns allocated": tmem_alloc_columns(ptx),
         "instruction descriptors": instr_descs(ptx),
         "threads per CTA": int(threads.group(1)) if threads else None,
+    }
+
+
+def kernel_metrics(ptx: str, sass: str, registers: int, spills: int) -> dict:
+    """Everything the table stores for one compiled kernel."""
+    by_role = sass_by_role(sass)
+    return {
+        "sass": sass_classes(sass),
+        **{f"sass in {g}": by_role[g] for g in ROLE_GROUPS},
+        "ptx": ptx_counts(ptx),
+        **resource_metrics(ptx, registers, spills),
     }
 
 
@@ -428,8 +436,6 @@ def bwd_kernel_metrics(ptx: str, sass: str, registers: int, spills: int,
                        role_registers: dict[str, int]) -> dict:
     """Everything the backward table stores for one compiled kernel, from its PTX and SASS;
     ``role_registers`` (role -> setmaxnreg budget) as the kernel declares it."""
-    regs = setmaxnreg_values(ptx)
-    threads = re.search(r"\.reqntid\s+(\d+)", ptx) or re.search(r"\.maxntid\s+(\d+)", ptx)
     by_group = sass_by_budget(sass, budget_groups(role_registers))
     ops = sass_opcodes(sass)
     rx = dict(BWD_SASS_CLASSES)
@@ -440,15 +446,7 @@ def bwd_kernel_metrics(ptx: str, sass: str, registers: int, spills: int,
     for role, r in role_registers.items():
         named.setdefault(BWD_ROLE_NAMES[role], r)
     out.update({f"registers: {name}": r for name, r in named.items()})
-    out.update({
-        "registers (launch)": registers,
-        "spill instructions": spills,
-        "setmaxnreg inc": regs["inc"],
-        "setmaxnreg dec": regs["dec"],
-        "TMEM columns allocated": tmem_alloc_columns(ptx),
-        "instruction descriptors": instr_descs(ptx),
-        "threads per CTA": int(threads.group(1)) if threads else None,
-    })
+    out.update(resource_metrics(ptx, registers, spills))
     return out
 
 
