@@ -37,6 +37,7 @@ class HopperFwdConfig:
     persistent: bool = True  # one CTA per SM walks tiles (fa4_final.scheduler)
     l2_sections: bool = False  # causal order in sections of heads that fit L2 (Note [Causal..])
     tile_table: bool = False  # tiles to CTAs by a host-built list schedule (Note [Tile table])
+    split_tail: bool = False  # the table's last round cut along the keys (Note [Split tail])
     separate_o: bool = True  # O staged in its own buffer: the next Q loads during the epilogue
     o_rescale: str = "next_pv"  # where O *= alpha: "end", "early", "next_pv" (Note [Where O..])
     mask_bits: bool = False  # right-edge mask as one bit word per row (mask, Note [Mask as bits])
@@ -52,11 +53,19 @@ class HopperFwdConfig:
     def registers(self) -> tuple[int, int]:
         return SM90_REGISTER_BUDGETS[self.num_consumer_wgs]
 
+    @property
+    def splits_tail(self) -> bool:
+        """Whether tiles may be cut along the keys: split_tail cuts the tile table's last
+        round, so without a table (tile_table=False) it does nothing, as l2_sections does
+        nothing without a causal diagonal."""
+        return self.split_tail and self.tile_table
+
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Bytes of the kernel's SharedStorage: mbarriers (8 B each, full + empty per stage of
-        Q, K and V), Q, the K and V rings, and O when it has its own buffer; each tile 1 KB
-        aligned for the 128 B swizzle. The kernel asserts its struct has exactly this size."""
-        barriers = 8 * 2 * (1 + self.stages_k + self.stages_v)
+        Q, K and V) and the split tail's count, Q, the K and V rings, and O when it has its own
+        buffer; each tile 1 KB aligned for the 128 B swizzle. The kernel asserts its struct
+        has exactly this size."""
+        barriers = 8 * 2 * (1 + self.stages_k + self.stages_v) + 8  # + the split-tail count
         q = self.tile_m * head_dim * elem_bytes
         kv = self.tile_n * head_dim * elem_bytes
         o = q if self.separate_o else 0
@@ -112,7 +121,10 @@ def hopper_fwd_default(head_dim: int, causal: bool = False,
     results/h200/fa4_final_sched.json times the schedules. Varlen keeps longest first over a
     sequence's heads in zigzag rounds: the table needs the tile costs before the launch, and
     varlen's lengths are on the device."""
-    schedule = dict(l2_sections=True, tile_table=True) if causal and not varlen else {}
+    schedule = {}
+    if not varlen:  # causal: sectioned and list-scheduled; equal tiles: the tail cut
+        schedule = dict(l2_sections=True, tile_table=True) if causal else dict(
+            tile_table=True, split_tail=True)
     if head_dim <= 64:
         return HopperFwdConfig(num_consumer_wgs=3, tile_n=128, stages_k=3, stages_v=3,
                                o_rescale="next_pv", **schedule)

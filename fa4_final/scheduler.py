@@ -136,6 +136,81 @@ def tile_table(costs: list[int], grid: int) -> list[int]:
             for r in range(rows) for cta in range(grid)]
 
 
+# Note [Split tail]
+# -----------------
+# Equal tiles (not causal) over a persistent grid come in rounds: 2048 tiles on 132 SMs are 15
+# full rounds and a last one of 68 tiles, during which 64 SMs have nothing to do, 3% of the
+# kernel's SM time. The FA4 package's one CTA per tile has the same last, partial wave. The
+# split tail cuts the tiles of that last round along the keys instead: their KV steps,
+# concatenated, are dealt out in contiguous ranges of equal length to every CTA, so each
+# CTA's last work is 16 or 17 steps of 32 instead of 32 steps or nothing. A range may end in
+# the next tile, so a CTA computes at most two pieces. Each piece is a tile restricted to a
+# range of key tiles: it leaves its unnormalised O, row max and row sum (float32) in a
+# workspace and counts itself on the tile's counter (an atomic add); the piece that finds the
+# count complete is the last, merges the others into its registers exactly as the online
+# softmax merges two key tiles, zeroes the counter for the next launch and stores out and lse
+# like an unsplit tile. Nobody waits for anybody. A piece costs its steps plus writing its
+# partial (and, for the last one, reading the others'), SPLIT_OVERHEAD_STEPS in the model; the
+# host splits only when that model says the kernel ends sooner.
+#
+# Table entries are then SPLIT_FIELDS int32 each: (tile, first key tile, end key tile, slot,
+# first slot of the tile, pieces of the tile); a whole tile has slot -1 and keys [0, 2^30).
+
+SPLIT_FIELDS = 6
+WHOLE_TILE_KEYS = 1 << 30
+SPLIT_OVERHEAD_STEPS = 2  # a piece's partial write plus the last piece's reads (model)
+MIN_PIECE_STEPS = 4  # shorter ranges cost more in overhead than they balance
+
+
+def split_tail_items(num_tiles: int, steps: int, grid: int):
+    """Per CTA, its work items (tile, n_lo, n_hi, slot, first_slot, pieces) for num_tiles
+    equal tiles of ``steps`` key tiles each (Note [Split tail]), and the number of slots.
+    Without a worthwhile split: whole tiles in rounds, 0 slots."""
+    full, rest = divmod(num_tiles, grid)
+    items = [[(r * grid + cta, 0, WHOLE_TILE_KEYS, -1, 0, 0) for r in range(full)]
+             for cta in range(grid)]
+    total = rest * steps
+    takers = min(grid, total // MIN_PIECE_STEPS)
+    split_end = -(-total // takers) + SPLIT_OVERHEAD_STEPS if takers else steps
+    if rest == 0 or steps < 2 or split_end >= steps:
+        for i in range(rest):  # the last, partial round as it is
+            items[i].append((full * grid + i, 0, WHOLE_TILE_KEYS, -1, 0, 0))
+        return items, 0
+    # steps [bounds[c], bounds[c + 1]) of the concatenated rest go to CTA c
+    bounds = [c * total // takers for c in range(takers + 1)]
+    pieces = []  # (cta, tile, n_lo, n_hi) in stream order
+    for cta in range(takers):
+        a, b = bounds[cta], bounds[cta + 1]
+        while a < b:
+            t, lo = divmod(a, steps)
+            hi = min(b - t * steps, steps)
+            pieces.append((cta, full * grid + t, lo, hi))
+            a = t * steps + hi
+    first_slot, count = {}, {}
+    for slot, (_, tile, _, _) in enumerate(pieces):
+        first_slot.setdefault(tile, slot)
+        count[tile] = count.get(tile, 0) + 1
+    for slot, (cta, tile, lo, hi) in enumerate(pieces):
+        if count[tile] == 1:  # a tile left whole by the ranges
+            items[cta].append((tile, 0, WHOLE_TILE_KEYS, -1, 0, 0))
+        else:
+            items[cta].append((tile, lo, hi, slot, first_slot[tile], count[tile]))
+    return items, len(pieces)
+
+
+def split_tail_table(num_tiles: int, steps: int, grid: int) -> tuple[list[int], int]:
+    """The flat table of Note [Split tail] ((rounds + 1) * grid entries of SPLIT_FIELDS,
+    round-major; the sentinel entry's tile is num_tiles) and the number of slots."""
+    items, slots = split_tail_items(num_tiles, steps, grid)
+    rows = max(len(it) for it in items) + 1
+    sentinel = (num_tiles, 0, 0, -1, 0, 0)
+    flat = []
+    for r in range(rows):
+        for cta in range(grid):
+            flat.extend(items[cta][r] if r < len(items[cta]) else sentinel)
+    return flat, slots
+
+
 def table_rounds(table_entries: int, grid):
     """Rounds a CTA walks in a table of ``table_entries`` entries (its last row is the
     sentinel row)."""

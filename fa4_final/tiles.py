@@ -95,6 +95,18 @@ def kv_tile_range(w: TileWindow, m_block, seqlen_q, seqlen_k, window_left=None,
     return n_min, n_max, n_top_masked, n_bottom_masked
 
 
+
+def clip_range(n_min, n_max, n_top, n_bottom, n_lo, n_hi):
+    """kv_tile_range's result restricted to the key tiles n_lo <= n < n_hi (a piece of a tile
+    cut along the keys, fa4_final.scheduler Note [Split tail]). The masked tiles stay the first
+    and last visited: the top ones are the piece's top ones, the bottom ones its bottom ones,
+    each count less what the cut removed. An empty piece has n_max <= n_min."""
+    lo, hi = _max(n_min, n_lo), _min(n_max, n_hi)
+    size = _max(hi - lo, 0)
+    top = _min(_max(n_top - (n_max - hi), 0), size)
+    bottom = _min(_max(n_bottom - (lo - n_min), 0), size)
+    return lo, hi, top, bottom
+
 def visible_cols(w: TileWindow, row, n_block, seqlen_q, seqlen_k, window_left=None,
                  window_right=None):
     """(lo, hi): query ``row`` (index in the sequence) sees the columns lo <= c < hi of key tile

@@ -37,13 +37,18 @@ CASES = [
     (1, 2048, 2048, 4, 4, 128, True, BF16, (300, None)),
 ]
 SMALL = [CASES[1], CASES[4], CASES[10]]
+# small shapes whose tiles the default schedule cuts along the keys (Note [Split tail]): fewer
+# tiles than SMs, so every tile is merged from several pieces (for the sanitizers)
+SMALL_SPLIT = [(1, 1000, 4097, 2, 1, 128, False, FP16, None),
+               (1, 2000, 1500, 4, 2, 64, False, BF16, None)]
 # knobs of chapter 08 (and 06, 07) checked on two shapes each
 KNOBS = [dict(pingpong=False), dict(persistent=False, tile_table=False), dict(separate_o=False),
          dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
          dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0),
          dict(l2_sections=False, tile_table=False), dict(l2_sections=True, tile_table=False),
          dict(stages_k=2, stages_v=2), dict(stages_k=2, stages_v=3), dict(mask_bits=True),
-         dict(o_rescale="early", mask_bits=True), dict(l2_sections=True, tile_table=True)]
+         dict(o_rescale="early", mask_bits=True), dict(l2_sections=True, tile_table=True),
+         dict(tile_table=True, split_tail=True)]
 KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),
                (2, 777, 777, 4, 2, 64, False, FP16, None)]
 # knobs that change the mask or the P V bookkeeping also meet causal D = 64 (tile_m = 192, two
@@ -57,7 +62,19 @@ KNOB_MORE_SHAPES = {"mask_bits": [(2, 700, 500, 3, 1, 64, True, FP16, None),
                                    (1, 1000, 100, 2, 2, 128, True, BF16, None),
                                    (1, 700, 900, 2, 2, 64, True, BF16, (37, None)),
                                    (3, 333, 555, 6, 2, 64, False, FP16, None),
-                                   (1, 129, 129, 4, 4, 128, True, BF16, None)]}
+                                   (1, 129, 129, 4, 4, 128, True, BF16, None)],
+                    # Note [Split tail]: a last round cut along the keys (2048 and 1376 tiles
+                    # on 132 SMs), tiles fewer than SMs (each in up to 9 pieces), a partial top
+                    # key tile in a piece, sq > sk, GQA, both head dims and dtypes; causal and
+                    # windowed shapes take whole tiles from the same table
+                    "split_tail": [(4, 4096, 4096, 16, 4, 128, False, BF16, None),
+                                   (2, 8192, 8192, 16, 2, 64, False, FP16, None),
+                                   (1, 1000, 4097, 2, 1, 128, False, FP16, None),
+                                   (3, 333, 555, 6, 2, 64, False, BF16, None),
+                                   (1, 1000, 100, 2, 2, 128, False, BF16, None),
+                                   (2, 4096, 4095, 8, 8, 64, False, BF16, None),
+                                   (1, 700, 900, 2, 2, 64, True, BF16, (37, None)),
+                                   (1, 600, 2000, 4, 2, 128, False, FP16, (300, 200))]}
 
 
 def run_into(q, k, v, out, lse, causal, softmax_scale, config, window):
@@ -78,10 +95,11 @@ def check_case(b, sq, sk, h, hk, d, causal, dtype, window=None, config=None):
     return checks.compare_outputs(q, k, v, out, lse, causal, label=label, window_size=window)
 
 
-def all_cases(small: bool = False, knob: str | None = None):
-    """Every case, or the three small ones, or (``knob``) those of the knob sets naming it."""
+def all_cases(small: bool = False, knob: str | None = None, split: bool = False):
+    """Every case, or the three small ones (``split``: the two small split-tail ones), or
+    (``knob``) those of the knob sets naming it."""
     if small:
-        return [(c, None) for c in SMALL]
+        return [(c, None) for c in (SMALL_SPLIT if split else SMALL)]
     cases = [(c, None) for c in CASES] if knob is None else []
     for knobs in KNOBS:
         if knob is not None and knob not in knobs:
@@ -96,11 +114,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="three small cases (for sanitizers)")
     ap.add_argument("--knob", help="only the cases of the knob sets that set this knob")
+    ap.add_argument("--split", action="store_true", help="with --small: the split-tail cases")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU here; the compile-only checks are tests/test_fa4_final_compile.py")
         return 0
-    return 1 if checks.run_cases(check_case, all_cases(args.small, args.knob)) else 0
+    return 1 if checks.run_cases(check_case, all_cases(args.small, args.knob, args.split)) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,6 +33,7 @@ PLAN = ((128, 4096, False), (128, 16384, False), (128, 16384, True))
 PLAN_GAPS = ((64, 16384, True), (128, 4096, True), (128, 16384, True))
 # every shape of the forward's benchmark (solutions.benchmark --name fa4_final_fwd)
 PLAN_ALL = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True))
+PLAN_NON_CAUSAL = tuple(p for p in PLAN_ALL if not p[2])
 
 
 def knob_configs(head_dim: int, causal: bool) -> dict:
@@ -55,6 +56,13 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
         "K/V stages 2/3": replace(base, stages_k=2, stages_v=3),
         "mask as bit words": replace(base, mask_bits=True),
     }
+    if not causal:  # equal tiles: the last round whole, or cut along the keys (Note [Split tail])
+        if base.split_tail:
+            configs["last round of whole tiles"] = replace(base, split_tail=False,
+                                                           tile_table=False)
+        else:
+            configs["last round cut along the keys"] = replace(base, tile_table=True,
+                                                               split_tail=True)
     if causal:  # the default: longest first in L2 sections, list-scheduled (Note [Tile table])
         # fixed zigzag rounds, longest first over every head (the default before the table)
         configs["zigzag rounds, longest first over all heads"] = replace(
@@ -140,8 +148,8 @@ def timeline(save: bool = True) -> list[dict]:
     base = hopper_fwd_default(128, False)
     plans = {"fa4_final": base,
              "chapter 05 schedule": replace(base, pingpong=False, persistent=False,
-                                            o_rescale="end", separate_o=False, stages_k=2,
-                                            stages_v=2)}
+                                            tile_table=False, o_rescale="end",
+                                            separate_o=False, stages_k=2, stages_v=2)}
     rows = []
     for name, cfg in plans.items():
         for _ in range(3):  # warm: compiled, clocks up
@@ -176,6 +184,8 @@ def main(argv=None) -> int:
                     "fa4_final_knobs_only for a partial run)")
     ap.add_argument("--all-shapes", action="store_true", help="time the eight groups of "
                     "PLAN_ALL (D 64/128, S 4096/16384, causal or not), not PLAN")
+    ap.add_argument("--non-causal", action="store_true", help="time the four non-causal "
+                    "groups of PLAN_ALL only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (sm_90); the stored results are in results/h200/")
@@ -183,8 +193,9 @@ def main(argv=None) -> int:
     if args.timeline:
         timeline()
     if args.knobs:
-        partial = args.only is not None or args.gaps or args.all_shapes
-        plan = PLAN_ALL if args.all_shapes else PLAN_GAPS if args.gaps else PLAN
+        partial = args.only is not None or args.gaps or args.all_shapes or args.non_causal
+        plan = (PLAN_ALL if args.all_shapes else PLAN_NON_CAUSAL if args.non_causal
+                else PLAN_GAPS if args.gaps else PLAN)
         knobs(rounds=args.rounds, plan=plan, only=args.only,
               results_name=args.name or (KNOB_RESULTS + "_only" if partial else KNOB_RESULTS),
               command="python -m solutions.ch08_knobs " + " ".join(argv or sys.argv[1:]))

@@ -45,7 +45,7 @@ def test_default_forward_has_the_hopper_instructions(artifacts, head_dim, causal
 
 
 @pytest.mark.parametrize("knobs", [
-    dict(pingpong=False), dict(persistent=False), dict(separate_o=False),
+    dict(pingpong=False), dict(persistent=False, tile_table=False), dict(separate_o=False),
     dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
     dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0),
     dict(has_window_left=True), dict(has_window_right=True, has_window_left=True),

@@ -181,3 +181,125 @@ def test_tile_costs_count_the_visited_key_tiles(tm, tn, sq, sk, causal, left, ri
         m_block = tile_coords(t, m_blocks, heads, batch, causal, heads * batch)[0]
         needed, _ = brute(w, m_block, sq, sk, causal, left, right)
         assert cost == len(needed) + TILE_OVERHEAD_STEPS
+
+
+# ----------------------------------------------------------------------------------------------
+# the split tail (Note [Split tail]): the last round's tiles cut along the keys
+
+
+def _pieces_by_tile(items):
+    by_tile = {}
+    for cta, its in enumerate(items):
+        for tile, lo, hi, slot, first, count in its:
+            by_tile.setdefault(tile, []).append((cta, lo, hi, slot, first, count))
+    return by_tile
+
+
+@pytest.mark.parametrize("num_tiles, steps, grid", [(2048, 32, 132), (1376, 86, 132),
+                                                    (1408, 32, 132), (16, 33, 132),
+                                                    (36, 5, 132), (8, 2, 132), (264, 32, 132),
+                                                    (133, 40, 132), (7, 100, 3)])
+def test_split_tail_covers_every_key_tile_of_every_tile_once(num_tiles, steps, grid):
+    from fa4_final.scheduler import (
+        MIN_PIECE_STEPS,
+        SPLIT_OVERHEAD_STEPS,
+        WHOLE_TILE_KEYS,
+        split_tail_items,
+    )
+
+    items, slots = split_tail_items(num_tiles, steps, grid)
+    by_tile = _pieces_by_tile(items)
+    assert sorted(by_tile) == list(range(num_tiles))
+    used_slots = []
+    for pieces in by_tile.values():
+        if len(pieces) == 1:  # whole
+            assert pieces[0][1:] == (0, WHOLE_TILE_KEYS, -1, 0, 0)
+            continue
+        keys = sorted(k for _, lo, hi, *_ in pieces for k in range(lo, hi))
+        assert keys == list(range(steps))  # every key tile once
+        firsts = {p[4] for p in pieces}
+        counts = {p[5] for p in pieces}
+        assert counts == {len(pieces)} and len(firsts) == 1
+        mine = sorted(p[3] for p in pieces)
+        assert mine == list(range(firsts.pop(), mine[0] + len(pieces)))  # consecutive slots
+        assert all(hi - lo >= 1 for _, lo, hi, *_ in pieces)
+        used_slots += mine
+    assert sorted(used_slots) == list(range(slots))
+    # a CTA computes at most two pieces, after its whole tiles
+    for its in items:
+        kinds = [slot >= 0 for _, _, _, slot, _, _ in its]
+        assert sum(kinds) <= 2 and kinds == sorted(kinds)
+
+    def span(its):
+        return sum(steps if slot < 0 else hi - lo + SPLIT_OVERHEAD_STEPS
+                   for _, lo, hi, slot, _, _ in its)
+
+    unsplit = -(-num_tiles // grid) * steps
+    makespan = max(span(its) for its in items)
+    assert makespan <= unsplit  # the host splits only when the model says it pays
+    if slots:
+        longest = max(hi - lo for its in items for _, lo, hi, slot, _, _ in its if slot >= 0)
+        assert longest <= -(-(num_tiles % grid) * steps // grid) + 1 or longest >= MIN_PIECE_STEPS
+
+
+def test_split_tail_cuts_the_last_round_of_2048_tiles_on_132_sms():
+    """The case it is for: 15 full rounds and 68 tiles more; cut, every CTA's last work is
+    16 or 17 key tiles (plus the overhead of its one or two pieces) instead of 32 or none."""
+    from fa4_final.scheduler import split_tail_items
+
+    items, slots = split_tail_items(2048, 32, 132)
+    assert all(sum(slot < 0 for _, _, _, slot, _, _ in its) == 15 for its in items)
+    tails = [sum(hi - lo for _, lo, hi, slot, _, _ in its if slot >= 0) for its in items]
+    assert set(tails) == {16, 17} and sum(tails) == 68 * 32
+    assert 132 <= slots <= 2 * 132
+
+
+def test_split_tail_leaves_full_rounds_and_short_tiles_whole():
+    from fa4_final.scheduler import split_tail_items
+
+    assert split_tail_items(264, 32, 132)[1] == 0  # two full rounds: nothing to balance
+    assert split_tail_items(8, 2, 132)[1] == 0  # pieces shorter than their overhead
+    assert split_tail_items(131, 32, 132)[1] == 0  # 131 of 132 busy: cutting costs more
+
+
+def test_the_split_table_has_whole_entries_for_causal_and_windowed_shapes():
+    """With split_tail the kernel reads six fields per entry; causal costs differ per tile,
+    so the table is the list schedule's, every entry a whole tile."""
+    from dataclasses import replace
+
+    from fa4_final.config import hopper_fwd_default
+    from fa4_final.hopper.launch import host_table
+    from fa4_final.scheduler import SPLIT_FIELDS, WHOLE_TILE_KEYS
+
+    cfg = replace(hopper_fwd_default(128, True), split_tail=True)
+    plain = replace(cfg, split_tail=False)
+    flat, slots = host_table(cfg, True, 4096, 4096, 16, 4, 4, 132)
+    want, _ = host_table(plain, True, 4096, 4096, 16, 4, 4, 132)
+    assert slots == 0 and flat[::SPLIT_FIELDS] == want
+    assert set(zip(*[flat[f::SPLIT_FIELDS] for f in range(1, SPLIT_FIELDS)])) == {
+        (0, WHOLE_TILE_KEYS, -1, 0, 0)}
+    nc = replace(hopper_fwd_default(128, False), tile_table=True, split_tail=True)
+    flat, slots = host_table(nc, False, 4096, 4096, 16, 4, 64, 132)
+    assert slots > 0 and len(flat) % (SPLIT_FIELDS * 132) == 0
+
+
+@pytest.mark.parametrize("tm, tn, sq, sk, causal, left, right", CASES)
+def test_a_clipped_range_masks_exactly_the_tiles_brute_force_says(tm, tn, sq, sk, causal, left,
+                                                                   right):
+    """clip_range: every piece [lo, hi) of a tile's key range keeps kv_tile_range's promise,
+    its first n_top and last n_bottom visits hold every tile that needs a mask."""
+    from fa4_final.tiles import clip_range
+
+    w = TileWindow(tm, tn, causal, has_left=left is not None,
+                   has_right=right is not None and not causal)
+    for m_block in range(-(-sq // tm)):
+        n_min, n_max, top, bottom = kv_tile_range(w, m_block, sq, sk, left, right)
+        visited, partial = brute(w, m_block, sq, sk, causal, left, right)
+        for lo in range(n_min, n_max):
+            for hi in range(lo + 1, n_max + 1):
+                a, b, t, u = clip_range(n_min, n_max, top, bottom, lo, hi)
+                assert (a, b) == (lo, hi)
+                order = list(range(b - 1, a - 1, -1))  # visit order, highest first
+                assert 0 <= t <= len(order) and 0 <= u <= len(order)
+                masked = set(order[:t]) | set(order[len(order) - u:])
+                assert partial & set(order) <= masked

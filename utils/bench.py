@@ -7,7 +7,8 @@ Method (written down so every number in the course means the same thing):
 - warm-up calls first (compilation, autotuning, module load stay out of the numbers);
 - one *round* times every implementation once (the median of ``rep`` calls); at least 3 rounds
   run in one process, round r timing every implementation before round r + 1 starts, so a
-  change of clock or temperature during the run hits all of them alike (``interleaved``);
+  change of clock or temperature during the run hits all of them alike (``interleaved``), and
+  starting at implementation r (mod n), so none always runs right after the same one;
 - each row stores the median over rounds, the per-round values and their spread
   ((max - min) / median); a difference between two rows is called real only when it is larger
   than the spread of both (``compare``), otherwise it is printed "within noise";
@@ -412,8 +413,13 @@ def interleaved(fns: dict, rounds: int = MIN_ROUNDS, timer: Callable | None = No
     if sensors is None:
         sensors = open_sensors() if timer is time_cuda else NoSensors("no sensors given")
     out = {key: Measured(sensors=sensors.source, sensors_note=sensors.note) for key in fns}
+    keys = list(fns)
     for rnd in range(rounds):
-        for key, fn in fns.items():
+        # round r starts at implementation r (mod n): under a power cap the clock depends on
+        # what ran just before, so no implementation always follows the same one
+        shift = rnd % len(keys) if keys else 0
+        for key in keys[shift:] + keys[:shift]:
+            fn = fns[key]
             m = out[key]
             if m.error:
                 continue

@@ -15,6 +15,9 @@ What this adds over chapter 05's kernel (TMA + wgmma + an mbarrier pipeline, one
    whose K and V fit in L2, handed out by a table the host builds per shape with list
    scheduling (config.tile_table, Note [Tile table] in fa4_final.scheduler); without the table
    in fixed zigzag rounds (scheduler.zigzag_tile), which only balance the unsectioned order.
+   Equal tiles (not causal) come from the same table, whose last, partial round is cut along
+   the keys so that every SM ends together (config.split_tail, Note [Split tail]): a piece
+   leaves its partial O and row statistics in a workspace and the tile's last piece merges.
 4. The O rescale moved off the softmax's critical path (Note [Where O is rescaled]), a fresh S
    accumulator per step (ptxas serialises the wgmma otherwise, for lack of registers), and a
    three-deep K ring next to the separate O buffer within the 227 KB (config.smem_bytes).
@@ -50,10 +53,16 @@ from fa4_final.hopper.wgmma import (
     smem_tile_layout,
 )
 from fa4_final.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
-from fa4_final.scheduler import rounds, table_rounds, zigzag_tile
+from fa4_final.scheduler import (
+    SPLIT_FIELDS,
+    WHOLE_TILE_KEYS,
+    rounds,
+    table_rounds,
+    zigzag_tile,
+)
 from fa4_final.seqlens import Sequences, store_rows
 from fa4_final.softmax import OnlineSoftmax
-from fa4_final.tiles import TileWindow, kv_tile_range
+from fa4_final.tiles import TileWindow, clip_range, kv_tile_range
 from fa4_final.timeline import Mark, mark
 
 
@@ -99,6 +108,9 @@ class HopperForward:
         # the table needs each tile's cost before the launch: dense only (varlen's costs are in
         # device memory, and reading them back would cost a sync)
         self.use_table = config.tile_table and not self.varlen
+        # Note [Split tail] (fa4_final.scheduler): the table's entries carry key ranges, and a
+        # tile cut into pieces is merged by its last piece
+        self.split = self.use_table and config.splits_tail
         self.num_consumer_threads = THREADS_PER_WARPGROUP * self.num_wgs
         self.num_threads = THREADS_PER_WARPGROUP + self.num_consumer_threads
         self.roles = {
@@ -112,20 +124,30 @@ class HopperForward:
                self.window, self.cfg)
         return key + (("varlen", self.has_seqused_k),) if self.varlen else key
 
-    @staticmethod
-    def rounds(num_tiles, grid, mTileTable):
+    def fields(self) -> int:
+        """int32 per table entry: the tile, or (Note [Split tail]) the tile and its piece."""
+        return SPLIT_FIELDS if self.split else 1
+
+    def rounds(self, num_tiles, grid, mTileTable):
         """Rounds of the persistent tile loop: fixed (zigzag) or the table's."""
         if const_expr(mTileTable is None):
             return rounds(num_tiles, grid)
-        return table_rounds(mTileTable.shape[0], grid)
+        return table_rounds(mTileTable.shape[0] // self.fields(), grid)
 
-    @staticmethod
-    def tile_of(r, cta, grid, mTileTable):
+    def tile_of(self, r, cta, grid, mTileTable):
         """Linear tile of CTA ``cta`` in round ``r``: zigzag rounds, or the table's entry
         (Note [Tile table]); >= num_tiles means none."""
         if const_expr(mTileTable is None):
             return zigzag_tile(r, cta, grid)
-        return mTileTable[r * grid + cta]
+        return mTileTable[(r * grid + cta) * self.fields()]
+
+    def piece_of(self, r, cta, grid, mTileTable):
+        """(first key tile, end key tile, slot, first slot of the tile, pieces of the tile) of
+        CTA ``cta``'s round ``r`` (Note [Split tail]); a whole tile: (0, 2^30, -1, 0, 0)."""
+        if const_expr(not self.split):
+            return Int32(0), Int32(WHOLE_TILE_KEYS), Int32(-1), Int32(0), Int32(0)
+        at = (r * grid + cta) * SPLIT_FIELDS
+        return tuple(mTileTable[at + f] for f in range(1, SPLIT_FIELDS))
 
     # ------------------------------------------------------------------------------------------
     # host side: layouts, TMA descriptors, shared storage, grid, launch
@@ -147,7 +169,10 @@ class HopperForward:
         mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; dense: None
         mCuSeqlensK: cute.Tensor | None,  # varlen: (batch + 1,) int32; dense: None
         mSeqUsedK: cute.Tensor | None,  # varlen with seqused_k: (batch,) int32; else None
-        mTileTable: cute.Tensor | None,  # tile_table: (rounds + 1) * grid int32; else None
+        mTileTable: cute.Tensor | None,  # tile_table: (rounds + 1) * grid entries; else None
+        mPartO: cute.Tensor | None,  # split tail: (slots, O elements, threads) float32
+        mPartML: cute.Tensor | None,  # split tail: (slots, 2 * rows, threads) float32
+        mCounters: cute.Tensor | None,  # split tail: (slots,) int32, zero before the launch
         stream,
     ):
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
@@ -162,6 +187,10 @@ class HopperForward:
         if const_expr(self.use_table != (mTileTable is not None)):
             raise TypeError("the tile table is given exactly to a dense build with "
                             "config.tile_table=True (Note [Tile table])")
+        if const_expr(any((t is not None) != self.split for t in (mPartO, mPartML, mCounters))):
+            raise TypeError("the split-tail workspace (partial O, row stats, counters) is given "
+                            "exactly to a dense build with config.splits_tail (Note [Split "
+                            "tail])")
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = select_modes(mLSE, [2, 1, 0])  # (s, h, b)
@@ -181,6 +210,8 @@ class HopperForward:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.stages_k]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.stages_v]
+            # Note [Split tail]: the count a tile's counter showed, for every consumer thread
+            split_count: cute.struct.MemRange[Int32, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -217,7 +248,7 @@ class HopperForward:
             softmax_scale * LOG2_E, window_left, window_right, l2_group,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
             bytes_q, bytes_kv, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mO_rows,
-            mTileTable,
+            mTileTable, mPartO, mPartML, mCounters,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -254,6 +285,9 @@ class HopperForward:
         mSeqUsedK: cute.Tensor | None,
         mO_rows: cute.Tensor | None,  # varlen: out itself (s, D, h, b), for partial tiles
         mTileTable: cute.Tensor | None,  # Note [Tile table]
+        mPartO: cute.Tensor | None,  # Note [Split tail]
+        mPartML: cute.Tensor | None,
+        mCounters: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -296,9 +330,13 @@ class HopperForward:
                           seqs(), mTL, mTileTable)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            split = None
+            if const_expr(self.split):
+                split = (mPartO, mPartML, mCounters, storage.split_count.get_tensor(
+                    cute.make_layout(2)))
             self.consume(mO, mLSE, mTL, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                          pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left,
-                         window_right, seqs(), mO_rows, mTileTable)
+                         window_right, seqs(), mO_rows, mTileTable, split)
 
     # Note [Phases]
     # -------------
@@ -331,21 +369,27 @@ class HopperForward:
         for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):
             tile = self.tile_of(r, bidx, grid, mTileTable)
             if tile < num_tiles:
+                n_lo, n_hi, _, _, _ = self.piece_of(r, bidx, grid, mTileTable)
                 state_q, state_k, state_v = self.load_tile(
                     tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
                     pipeline_k, pipeline_v, state_q, state_k, state_v, window_left,
-                    window_right, seqs, tl, record & (r == 0))
+                    window_right, seqs, tl, record & (r == 0), n_lo, n_hi)
 
     @cute.jit
     def load_tile(self, tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
                   pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v,
-                  window_left: Int32, window_right: Int32, seqs: Sequences, tl, record):
-        """Q and the K/V tiles of one tile, in the order of Note [Phases]."""
+                  window_left: Int32, window_right: Int32, seqs: Sequences, tl, record,
+                  n_lo: Int32, n_hi: Int32):
+        """Q and the K/V tiles of one tile (or of its piece n_lo <= n < n_hi: Note [Split
+        tail]), in the order of Note [Phases]."""
         w = seqs.tile(tile)
         m_block, head, seqlen_q, seqlen_k = w.m_block, w.head, w.seqlen_q, w.seqlen_k
         head_kv = head // (mQ.shape[2] // mK.shape[2])
-        n_min, n_max, _, _ = kv_tile_range(self.window, m_block, seqlen_q, seqlen_k,
-                                           window_left, window_right)
+        n_min, n_max, n_top, n_bottom = kv_tile_range(self.window, m_block, seqlen_q, seqlen_k,
+                                                      window_left, window_right)
+        if const_expr(self.split):
+            n_min, n_max, n_top, n_bottom = clip_range(n_min, n_max, n_top, n_bottom, n_lo,
+                                                       n_hi)
         # (tile_m, D); (tile_n, D, n_tiles) of this (sequence, head)
         gQ = cute.local_tile(seqs.rows_q(mQ, w, head), (self.tile_m, self.head_dim),
                              (m_block, 0))
@@ -429,8 +473,9 @@ class HopperForward:
     def consume(self, mO, mLSE, tl, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, seqs: Sequences, mO_rows: cute.Tensor | None,
-                mTileTable: cute.Tensor | None):
-        """Consumer warpgroups: every tile of this CTA, then the O store's tail."""
+                mTileTable: cute.Tensor | None, split):
+        """Consumer warpgroups: every tile (or piece of one: Note [Split tail]; ``split`` is
+        then its workspace) of this CTA, then the O store's tail."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. num_consumer_threads - 1
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -469,13 +514,14 @@ class HopperForward:
         for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):
             tile = self.tile_of(r, bidx, grid, mTileTable)
             if tile < num_tiles:
+                piece = self.piece_of(r, bidx, grid, mTileTable)
                 state_q, state_k, state_v = self.consume_tile(
                     tl, record & (r == 0), tile, r == 0,
                     self.tile_of(r + 1, bidx, grid, mTileTable) >= num_tiles, mO, mLSE, sO,
                     tma_atom_o, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o,
                     tOrP, tSrQ, tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k,
                     pipeline_v, state_q, state_k, state_v, window_left, window_right, seqs,
-                    mO_rows)
+                    mO_rows, piece, split)
         if const_expr(self.cfg.separate_o):
             if tidx == 0:  # shared memory must outlive the last O store's reads of it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -484,13 +530,18 @@ class HopperForward:
     def consume_tile(self, tl, record, tile, first_tile, last_tile, mO, mLSE, sO, tma_atom_o,
                      tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o, tOrP, tSrQ,
                      tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k, pipeline_v,
-                     state_q, state_k, state_v, window_left, window_right, seqs, mO_rows):
+                     state_q, state_k, state_v, window_left, window_right, seqs, mO_rows,
+                     piece, split):
         """One tile: its KV loop and its epilogue. ``first_tile`` / ``last_tile``: of this
-        CTA (Note [Turns])."""
+        CTA (Note [Turns]). ``piece``: its key range and slot (Note [Split tail])."""
         w = seqs.tile(tile)
         m_block, head, seqlen_q, seqlen_k = w.m_block, w.head, w.seqlen_q, w.seqlen_k
         n_min, n_max, n_top, n_bottom = kv_tile_range(self.window, m_block, seqlen_q,
                                                       seqlen_k, window_left, window_right)
+        n_lo, n_hi, slot, first_slot, pieces = piece
+        if const_expr(self.split):
+            n_min, n_max, n_top, n_bottom = clip_range(n_min, n_max, n_top, n_bottom, n_lo,
+                                                       n_hi)
         n_tiles = n_max - n_min
         softmax.reset()
         acc_o.fill(0.0)
@@ -524,9 +575,20 @@ class HopperForward:
         gO_rows = None  # varlen: out's own rows of this sequence and head (Note [Varlen..])
         if const_expr(mO_rows is not None):
             gO_rows = seqs.rows_q(mO_rows, w, head)
-        self.epilogue(acc_o, softmax, seqs.rows_q(mO, w, head), seqs.rows_q(mLSE, w, head), sO,
-                      tma_atom_o, thr_mma_pv, tidx, m_block, seqlen_q, pipeline_q, state_q,
-                      gO_rows)
+        gO_all, gLSE_all = seqs.rows_q(mO, w, head), seqs.rows_q(mLSE, w, head)
+        if const_expr(self.split):
+            # a whole tile stores out; a piece only when it is the tile's last
+            store = cutlass.Boolean(True)
+            if slot >= 0:
+                store = self.merge_pieces(acc_o, softmax, split, tidx, slot, first_slot, pieces)
+            if store:
+                self.epilogue(acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv, tidx,
+                              m_block, seqlen_q, pipeline_q, state_q, gO_rows)
+            elif const_expr(not self.cfg.separate_o):
+                pipeline_q.consumer_release(state_q)  # the epilogue's release of O over Q
+        else:
+            self.epilogue(acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv, tidx,
+                          m_block, seqlen_q, pipeline_q, state_q, gO_rows)
         state_q.advance()
         return state_q, state_k, state_v
 
@@ -692,6 +754,55 @@ class HopperForward:
             pipeline_v.consumer_release(state_v)
             state_v.advance()
         return state_k, state_v
+
+    @cute.jit
+    def merge_pieces(self, acc_o, softmax, split, tidx: Int32, slot: Int32, first_slot: Int32,
+                     pieces: Int32):
+        """A piece of a tile cut along the keys (Note [Split tail] in fa4_final.scheduler):
+        leave this piece's O, row max and row sum in its slot, count it on the tile's counter,
+        and if it is the last, merge the other pieces into the registers (the online softmax's
+        rescale, piece by piece). Returns whether this piece stores the tile. Every consumer
+        thread reads the same count, so the answer is uniform over the CTA."""
+        mPartO, mPartML, mCounters, sCount = split
+        o = acc_rows_cols(acc_o)
+        rows, cols = cute.size(o, mode=[0]), cute.size(o, mode=[1])
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cols):
+                mPartO[slot, r * cols + c, tidx] = o[r, c]  # a warp writes 128 B per element
+            mPartML[slot, r, tidx] = softmax.row_max[r]
+            mPartML[slot, rows + r, tidx] = softmax.row_sum[r]  # this thread's partial sum
+        cute.arch.fence_acq_rel_gpu()  # the partial is visible before the count says so
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                          number_of_threads=self.num_consumer_threads)
+        if tidx == 0:
+            sCount[0] = cute.arch.atomic_add(mCounters.iterator + first_slot, Int32(1),
+                                             sem="acq_rel", scope="gpu")
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                          number_of_threads=self.num_consumer_threads)
+        last = sCount[0] == pieces - 1
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),  # read before it is reused
+                          number_of_threads=self.num_consumer_threads)
+        if last:
+            cute.arch.fence_acq_rel_gpu()  # the other pieces' partials, after their counts
+            if tidx == 0:
+                mCounters[first_slot] = Int32(0)  # ready for the next launch
+            scale = softmax.scale_log2
+            for other in cutlass.range(first_slot, first_slot + pieces, unroll=1):
+                if other != slot:
+                    for r in cutlass.range_constexpr(rows):
+                        m_other = mPartML[other, r, tidx]
+                        m_new = cute.arch.fmax(softmax.row_max[r], m_other)
+                        # a row that saw no key in both: max -inf, merged against 0 (no NaN)
+                        m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+                        keep = cute.math.exp2(softmax.row_max[r] * scale - m_safe * scale,
+                                              fastmath=True)
+                        take = cute.math.exp2(m_other * scale - m_safe * scale, fastmath=True)
+                        softmax.row_sum[r] = (softmax.row_sum[r] * keep
+                                              + mPartML[other, rows + r, tidx] * take)
+                        softmax.row_max[r] = m_new
+                        for c in cutlass.range_constexpr(cols):
+                            o[r, c] = o[r, c] * keep + mPartO[other, r * cols + c, tidx] * take
+        return last
 
     @cute.jit
     def epilogue(self, acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv,

@@ -21,9 +21,16 @@ from fa4_final.compile import (
     fake_tensor,
 )
 from fa4_final.config import HopperFwdConfig, hopper_fwd_default
-from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES
+from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES, THREADS_PER_WARPGROUP, WGMMA_M
 from fa4_final.errors import UnsupportedError
-from fa4_final.scheduler import TILE_OVERHEAD_STEPS, persistent_grid, tile_coords, tile_table
+from fa4_final.scheduler import (
+    TILE_OVERHEAD_STEPS,
+    WHOLE_TILE_KEYS,
+    persistent_grid,
+    split_tail_table,
+    tile_coords,
+    tile_table,
+)
 from fa4_final.tiles import TileWindow, kv_tile_range
 
 ARCH = "sm_90a"
@@ -63,8 +70,24 @@ def _fwd_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig, varlen:
                           for _ in range(3))
     used_k = used_k if has_seqused_k else None
     table = fake_tensor(Int32, (cute.sym_int(),)) if cfg.tile_table and not varlen else None
+    # split_tail (scheduler Note [Split tail]): (slots, O elements, threads) and (slots, 2 *
+    # rows, threads) float32 per consumer thread, one int32 counter per slot
+    part_o = part_ml = counters = None
+    if cfg.splits_tail and not varlen:
+        threads, elems, rows = split_workspace_dims(cfg, head_dim)
+        part_o = fake_tensor(Float32, (cute.sym_int(), elems, threads))
+        part_ml = fake_tensor(Float32, (cute.sym_int(), 2 * rows, threads))
+        counters = fake_tensor(Int32, (cute.sym_int(),))
     return (q, k, v, o, lse, timeline, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
-            cu_q, cu_k, used_k, table, fake_stream())
+            cu_q, cu_k, used_k, table, part_o, part_ml, counters, fake_stream())
+
+
+def split_workspace_dims(cfg: HopperFwdConfig, head_dim: int) -> tuple[int, int, int]:
+    """(consumer threads, O elements per thread, rows per thread) of the split tail's
+    workspace: a wgmma accumulator gives each thread of a warpgroup 64 * N / 128 elements of
+    its 64 rows, in 2 rows."""
+    threads = THREADS_PER_WARPGROUP * cfg.num_consumer_wgs
+    return threads, WGMMA_M * head_dim // THREADS_PER_WARPGROUP, 2
 
 
 def compile_forward(arch: str = ARCH, head_dim: int = 128, dtype: str = "bf16",
@@ -153,12 +176,19 @@ def forward_into(q, k, v, out, lse, causal: bool, softmax_scale: float, window_l
     group = h * b  # causal: longest first over every (head, batch) pair
     if cfg.l2_sections:
         group = l2_section_pairs(k.shape[1], d, q.element_size(), h * b)
-    table = None
+    table, slots = None, 0
     if cfg.tile_table:
-        table = _tile_table(q.device, cfg, causal, q.shape[1], k.shape[1], h, b, group, sms,
-                            window_left, None if causal else window_right)
+        table, slots = _tile_table(q.device, cfg, causal, q.shape[1], k.shape[1], h, b, group,
+                                   sms, window_left, None if causal else window_right)
+    part_o = part_ml = counters = None
+    if cfg.splits_tail:  # Note [Split tail]: a workspace per call (one slot at least)
+        threads, elems, rows = split_workspace_dims(cfg, d)
+        n = max(slots, 1)
+        part_o = torch.empty((n, elems, threads), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((n, 2 * rows, threads), dtype=torch.float32, device=q.device)
+        counters = torch.zeros(n, dtype=torch.int32, device=q.device)
     compiled(q, k, v, out, lse, timeline, softmax_scale, window_left or 0, window_right or 0,
-             group, sms, None, None, None, table)
+             group, sms, None, None, None, table, part_o, part_ml, counters)
 
 
 def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
@@ -189,7 +219,7 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
              _timeline_buffer(q.device, cfg), softmax_scale, window_left or 0,
              window_right or 0, group, _num_sms(q.device), cu_seqlens_q.contiguous(),
              cu_seqlens_k.contiguous(), None if seqused_k is None else seqused_k.contiguous(),
-             None)
+             None, None, None, None)
 
 
 _TABLES: dict = {}
@@ -214,19 +244,35 @@ def tile_costs(cfg: HopperFwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
 
 def _tile_table(device, cfg: HopperFwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
                 heads: int, batch: int, l2_group: int, sms: int, window_left, window_right):
-    """The device copy of the launch's tile table, built once per shape (Note [Tile table]).
-    Its first call for a shape copies the table to the device, so a CUDA graph should be
-    captured after a warm-up call of that shape, as for the compile."""
-    key = (device, cfg.tile_m, cfg.tile_n, causal, seqlen_q, seqlen_k, heads, batch, l2_group,
-           sms, window_left, window_right)
+    """The device copy of the launch's tile table, built once per shape (Note [Tile table]),
+    and its number of split-tail slots. Its first call for a shape copies the table to the
+    device, so a CUDA graph should be captured after a warm-up call of that shape, as for the
+    compile."""
+    key = (device, cfg.tile_m, cfg.tile_n, cfg.splits_tail, causal, seqlen_q, seqlen_k, heads,
+           batch, l2_group, sms, window_left, window_right)
     if key not in _TABLES:
         if len(_TABLES) >= _MAX_TABLES:  # many shapes (e.g. a length per batch): keep it bounded
             _TABLES.clear()
-        costs = tile_costs(cfg, causal, seqlen_q, seqlen_k, heads, batch, l2_group,
-                           window_left, window_right)
-        grid = persistent_grid(len(costs), sms)
-        _TABLES[key] = torch.tensor(tile_table(costs, grid), dtype=torch.int32, device=device)
+        flat, slots = host_table(cfg, causal, seqlen_q, seqlen_k, heads, batch, l2_group, sms,
+                                 window_left, window_right)
+        _TABLES[key] = (torch.tensor(flat, dtype=torch.int32, device=device), slots)
     return _TABLES[key]
+
+
+def host_table(cfg: HopperFwdConfig, causal: bool, seqlen_q: int, seqlen_k: int, heads: int,
+               batch: int, l2_group: int, sms: int, window_left=None, window_right=None):
+    """(flat table, split-tail slots) for one shape, as lists: Note [Tile table], or with
+    split_tail Note [Split tail] when every tile costs the same (no causal diagonal, no
+    window); otherwise its entries are the list schedule's, each a whole tile."""
+    costs = tile_costs(cfg, causal, seqlen_q, seqlen_k, heads, batch, l2_group, window_left,
+                       window_right)
+    grid = persistent_grid(len(costs), sms)
+    if not cfg.splits_tail:
+        return tile_table(costs, grid), 0
+    if len(set(costs)) == 1:
+        return split_tail_table(len(costs), costs[0] - TILE_OVERHEAD_STEPS, grid)
+    whole = (0, WHOLE_TILE_KEYS, -1, 0, 0)
+    return [f for t in tile_table(costs, grid) for f in (t, *whole)], 0
 
 
 _TIMELINES: dict = {}

@@ -3,7 +3,9 @@
 #   bash tests/gpu/h200_session.sh env tests peers ch04 ch05 micro sanitize notebooks
 #   (fa4_final, chapter 08: fa4-check fa4-bench fa4-knobs fa4-timeline; SANITIZE=ch08_checks)
 #   (fa4-gaps: the forward's knobs at the shapes where the FA4 package leads; fa4-sched: the
-#    tile schedules (persistent or one tile per CTA, L2 sections) at all eight forward shapes)
+#    tile schedules (persistent or one tile per CTA, L2 sections) at all eight forward shapes;
+#    fa4-split: the last round whole or cut along the keys at the four non-causal shapes;
+#    split-check / split-sanitize: the split tail's float64 checks / under the sanitizers)
 #   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests ch12-sweep ch12-acc varlen-tests
 #    api-varlen-tests (the API's GPU tests and the varlen backward's, without the training run)
 #    varlen-bench varlen-sanitize varlen-bwd-sanitize)
@@ -70,6 +72,12 @@ for s in "$@"; do
     varlen-bwd-sanitize) step varlen_bwd_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_varlen_bwd.py -k "against_float64 and (mixed-causal-used or many)" ;;
     fa4-bench) step fa4_bench 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     fa4-gaps) step fa4_gaps 300 $PY -m solutions.ch08_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
+    fa4-split) step fa4_split 420 $PY -m solutions.ch08_knobs --knobs --non-causal --only "last round" "cut along" --rounds ${ROUNDS:-5} --name fa4_final_split ;;
+    split-check) step split_check 300 $PY -m solutions.ch08_checks --knob split_tail ;;
+    split-sanitize)
+      for tool in memcheck racecheck synccheck; do
+        step "san_split_${tool}" 300 $SAN --tool $tool $PY -m solutions.ch08_checks --small --split
+      done ;;
     fa4-sched) step fa4_sched 420 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "one tile per CTA" "zigzag" --name fa4_final_sched ;;
     ch12-sweep) step ch12_sweep 420 $PY -m solutions.ch12_sweep --sweep ;;
     host) step ch12_host 420 $PY -m solutions.ch12_host --gpu ;;
