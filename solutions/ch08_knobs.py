@@ -56,6 +56,8 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
         "K/V stages 2/3": replace(base, stages_k=2, stages_v=3),
         "mask as bit words": replace(base, mask_bits=True),
     }
+    if head_dim == 64:  # FA4's choice is 192 x 128 with three; the 128-row tile of D = 128
+        configs["128 x 128 tiles, two consumer warpgroups"] = replace(base, num_consumer_wgs=2)
     if not causal:  # equal tiles: the last round whole, or cut along the keys (Note [Split tail])
         if base.split_tail:
             configs["last round of whole tiles"] = replace(base, split_tail=False,
@@ -186,6 +188,8 @@ def main(argv=None) -> int:
                     "PLAN_ALL (D 64/128, S 4096/16384, causal or not), not PLAN")
     ap.add_argument("--non-causal", action="store_true", help="time the four non-causal "
                     "groups of PLAN_ALL only")
+    ap.add_argument("--shape", nargs=3, type=int, metavar=("D", "S", "CAUSAL"),
+                    help="time one group only, e.g. --shape 64 16384 1")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (sm_90); the stored results are in results/h200/")
@@ -193,9 +197,12 @@ def main(argv=None) -> int:
     if args.timeline:
         timeline()
     if args.knobs:
-        partial = args.only is not None or args.gaps or args.all_shapes or args.non_causal
+        partial = (args.only is not None or args.gaps or args.all_shapes or args.non_causal
+                   or args.shape is not None)
         plan = (PLAN_ALL if args.all_shapes else PLAN_NON_CAUSAL if args.non_causal
                 else PLAN_GAPS if args.gaps else PLAN)
+        if args.shape is not None:
+            plan = ((args.shape[0], args.shape[1], bool(args.shape[2])),)
         knobs(rounds=args.rounds, plan=plan, only=args.only,
               results_name=args.name or (KNOB_RESULTS + "_only" if partial else KNOB_RESULTS),
               command="python -m solutions.ch08_knobs " + " ".join(argv or sys.argv[1:]))
