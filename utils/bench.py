@@ -151,6 +151,11 @@ class GpuSensors:
     def read(self) -> dict:
         return {"sm_clock_mhz": None, "power_w": None, "reasons": None}
 
+    def energy(self) -> dict:
+        """``{"energy_mj", "power_limit_w"}``: the energy counter and the enforced power limit
+        (NVML only; None elsewhere)."""
+        return {"energy_mj": None, "power_limit_w": None}
+
 
 class NoSensors(GpuSensors):
     def __init__(self, note: str):
@@ -198,6 +203,26 @@ class _NvmlSensors(GpuSensors):
         if rc != 0:
             raise OSError(f"NVML found no device for {ids} (error {rc})")
         return handle
+
+    def energy(self) -> dict:
+        """The board's energy counter since the driver loaded (millijoules) and the power limit
+        it enforces (watts); None where NVML does not say."""
+        out = {"energy_mj": None, "power_limit_w": None}
+        if self._py is not None:
+            py, h = self._py, self._handle
+            for key, call in (("energy_mj", lambda: py.nvmlDeviceGetTotalEnergyConsumption(h)),
+                              ("power_limit_w",
+                               lambda: py.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0)):
+                with contextlib.suppress(Exception):
+                    out[key] = call()
+            return out
+        ct, lib, h = self._ct, self._lib, self._handle
+        wide, value = ct.c_ulonglong(), ct.c_uint()
+        if lib.nvmlDeviceGetTotalEnergyConsumption(h, ct.byref(wide)) == 0:
+            out["energy_mj"] = int(wide.value)
+        if lib.nvmlDeviceGetEnforcedPowerLimit(h, ct.byref(value)) == 0:
+            out["power_limit_w"] = value.value / 1000.0
+        return out
 
     def read(self) -> dict:
         out = {"sm_clock_mhz": None, "power_w": None, "reasons": None}

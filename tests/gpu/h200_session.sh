@@ -74,6 +74,7 @@ for s in "$@"; do
     fa4-gaps) step fa4_gaps 300 $PY -m solutions.ch08_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
     fa4-split) step fa4_split 420 $PY -m solutions.ch08_knobs --knobs --non-causal --only "last round" "cut along" --rounds ${ROUNDS:-5} --name fa4_final_split ;;
     fa4-d64c) step fa4_d64c 420 $PY -m solutions.ch08_knobs --knobs --shape 64 16384 1 --only "one tile per CTA, L2" "stages 2/2" "zigzag rounds in L2" "128 x 128" "after the softmax" --rounds ${ROUNDS:-7} --name fa4_final_d64_causal ;;
+    energy) step fa4_energy 300 $PY -m solutions.ch08_energy ;;
     split-check) step split_check 300 $PY -m solutions.ch08_checks --knob split_tail ;;
     split-sanitize)
       for tool in memcheck racecheck synccheck; do
