@@ -7,7 +7,9 @@ until the board draws no more: then a kernel's speed is its work divided by the 
 on that work, at the power the limit allows. This tool runs each implementation back to back for
 a few seconds (no L2 flush, the next call queued behind the last), reads the board's energy
 counter (NVML, millijoules) before and after, and stores per call: joules, time, TFLOP/s, the
-mean power and the SM clock over the run. Implementations alternate, twice each per shape.
+mean power and the SM clock over the run. Implementations alternate in rotated rounds, three
+per shape: fa4_final, the same kernel without the split tail (non-causal shapes), and the
+benchmark's two fastest peers.
 
     python -m solutions.ch08_energy            # writes results/<gpu>/fa4_final_energy.json
 """
@@ -25,8 +27,11 @@ from fa4_final import interface
 from utils import bench, results
 
 RESULTS = "fa4_final_energy"
-SHAPES = ((64, 16384, True), (64, 16384, False), (128, 16384, True), (128, 16384, False))
+# the forward benchmark's eight shapes (solutions.benchmark --name fa4_final_fwd)
+SHAPES = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True))
 TOKENS, HEADS = 16384, 16
+PEERS = ("fa4_package", "sdpa_cudnn")  # the two fastest peers of the benchmark
+WHOLE = "fa4_final, last round whole"  # non-causal: the same kernel without the split tail
 
 
 def sustained(fn, sensors, seconds: float) -> dict:
@@ -54,7 +59,10 @@ def sustained(fn, sensors, seconds: float) -> dict:
     return out
 
 
-def measure(seconds: float = 2.0, rounds: int = 2, save: bool = True) -> list[dict]:
+def measure(seconds: float = 1.5, rounds: int = 3, save: bool = True) -> list[dict]:
+    from dataclasses import replace
+
+    from fa4_final.config import hopper_fwd_default
     from utils.reference import random_qkv
 
     sensors = bench.open_sensors()
@@ -64,22 +72,43 @@ def measure(seconds: float = 2.0, rounds: int = 2, save: bool = True) -> list[di
         q, k, v, seed = random_qkv(batch, s, HEADS, d, device="cuda")
         flops = bench.attention_flops(batch, HEADS, s, s, d, causal)
         calls = {"fa4_final": lambda qkv=(q, k, v), c=causal: interface.forward(*qkv, c)}
-        calls.update(bench.peer_calls(q, k, v, causal, names=("fa4_package",)))
+        if not causal:
+            whole = replace(hopper_fwd_default(d, causal), split_tail=False)
+            calls[WHOLE] = lambda qkv=(q, k, v), cfg=whole: interface.forward(*qkv, config=cfg)
+        calls.update(bench.peer_calls(q, k, v, causal, names=PEERS))
+        # the kernels' answers first (NaN never passes): against SDPA's math-free reference,
+        # cuDNN, within bf16's rounding of out
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal).transpose(1, 2)
+        agree = {}
+        for name in [n for n in calls if n.startswith("fa4_final")]:
+            got = calls[name]()[0]
+            err = (got.float() - want.float()).abs().max().item()
+            agree[name] = err
+            if not err <= 2e-2:  # NaN fails too
+                raise AssertionError(f"{name} D={d} S={s} causal={causal}: max |out - SDPA| "
+                                     f"{err} > 2e-2")
         runs = {name: [] for name in calls}
-        for _ in range(rounds):
-            for name, fn in calls.items():
-                runs[name].append(sustained(fn, sensors, seconds))
+        keys = list(calls)
+        for rnd in range(rounds):  # rotated, as utils.bench.interleaved does
+            for name in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:
+                runs[name].append(sustained(calls[name], sensors, seconds))
         for name, got in runs.items():
-            ms = statistics.median(r["ms_per_call"] for r in got)
+            per_run = [r["ms_per_call"] for r in got]
+            ms = statistics.median(per_run)
             row = {"impl": name, "pass": "fwd", "dtype": "bf16", "b": batch, "s": s,
-                   "h": HEADS, "d": d, "causal": causal, "seed": seed, "runs": got,
-                   "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
+                   "h": HEADS, "h_kv": HEADS, "d": d, "causal": causal, "seed": seed, "runs": got,
+                   "ms": ms, "ms_rounds": per_run, "rounds": len(per_run),
+                   "spread": (max(per_run) - min(per_run)) / ms,
+                   "tflops": flops / (ms * 1e-3) / 1e12}
+            if name in agree:
+                row["max_abs_diff_vs_sdpa"] = agree[name]
             joules = [r["joules_per_call"] for r in got if r.get("joules_per_call")]
             if joules:
                 row["joules_per_call"] = statistics.median(joules)
                 row["tflop_per_joule"] = flops / 1e12 / row["joules_per_call"]
             rows.append(row)
-            print(f"D={d} S={s} causal={causal} {name:10s} {row['tflops']:5.0f} TFLOP/s "
+            print(f"D={d} S={s} causal={causal} {name:28s} {row['tflops']:5.0f} TFLOP/s "
                   f"sustained, {row.get('tflop_per_joule', float('nan')):.2f} TFLOP/J, "
                   f"power {[round(r.get('mean_power_w') or 0) for r in got]} W, clock "
                   f"{[r.get('sm_clock_mhz') for r in got]} MHz", flush=True)
@@ -95,8 +124,8 @@ def measure(seconds: float = 2.0, rounds: int = 2, save: bool = True) -> list[di
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=2.0)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=1.5)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (sm_90); the stored results are in results/h200/")

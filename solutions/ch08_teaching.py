@@ -428,3 +428,64 @@ def profile_comparison(new, old, new_name: str = "fa4_final",
         out.append("the same stall leads in both" if len(set(tops.values())) == 1
                    else "a different stall leads in each")
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the split tail (Note [Split tail] in fa4_final.scheduler)
+
+
+def last_work(num_tiles: int, steps: int, grid: int, split: bool) -> list[int]:
+    """Key-tile steps each CTA computes, whole last round or split (the scheduler's plan, with
+    SPLIT_OVERHEAD_STEPS charged per piece), sorted from the busiest CTA down."""
+    from fa4_final.scheduler import SPLIT_OVERHEAD_STEPS, split_tail_items
+
+    if split:
+        items, _ = split_tail_items(num_tiles, steps, grid)
+    else:
+        items = [[(t, 0, steps, -1, 0, 0) for t in range(cta, num_tiles, grid)]
+                 for cta in range(grid)]
+    work = [sum(min(hi, steps) - lo + (SPLIT_OVERHEAD_STEPS if slot >= 0 else 0)
+                for _, lo, hi, slot, _, _ in its) for its in items]
+    return sorted(work, reverse=True)
+
+
+def merge_pieces_numpy(scores, values, cuts, scale_log2: float = 1.0):
+    """The kernel's split-tail arithmetic on one block of rows, in float64: each piece of the
+    keys (``cuts``: boundaries) leaves (O unnormalised, row max, row sum) as the online softmax
+    ends it; the last piece merges the others into its own, one at a time, as
+    HopperForward.merge_pieces does; out = O / l. Returns (out, lse in log2 units)."""
+    import numpy as np
+
+    pieces = []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        s = scores[:, lo:hi]
+        m = s.max(axis=1)
+        p = np.exp2((s - m[:, None]) * scale_log2)
+        pieces.append((p @ values[lo:hi], m, p.sum(axis=1)))
+    o, m, l_sum = pieces[-1]
+    for o2, m2, l2 in pieces[:-1]:
+        m_new = np.maximum(m, m2)
+        keep, take = np.exp2((m - m_new) * scale_log2), np.exp2((m2 - m_new) * scale_log2)
+        o = o * keep[:, None] + o2 * take[:, None]
+        l_sum = l_sum * keep + l2 * take
+        m = m_new
+    return o / l_sum[:, None], m * scale_log2 + np.log2(l_sum)
+
+
+def energy_lines(res) -> list[str]:
+    """Per shape of solutions.ch08_energy's file: each implementation's speed and energy under
+    sustained load, and fa4_final's ratio to the other."""
+    lines = []
+    for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):
+        group = {r["impl"]: r for r in res.rows if (r["d"], r["s"], r["causal"]) == (d, s, causal)}
+        ours = group.get("fa4_final")
+        for name, r in group.items():
+            power = [round(x.get("mean_power_w") or 0) for x in r["runs"]]
+            clock = [x.get("sm_clock_mhz") for x in r["runs"]]
+            each = [round(r["tflops"] * r["ms"] / x["ms_per_call"]) for x in r["runs"]]
+            ratio = f"  fa4_final / this {ours['tflops'] / r['tflops']:.2f}x" if (
+                ours and name != "fa4_final") else ""
+            lines.append(f"D={d:3d} S={s} causal={causal!s:5s} {name:11s} {r['tflops']:4.0f} "
+                         f"TFLOP/s (runs {each}), {r.get('tflop_per_joule', float('nan')):.2f} "
+                         f"TFLOP/J, power {power} W, clock {clock} MHz{ratio}")
+    return lines
