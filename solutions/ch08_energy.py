@@ -76,8 +76,8 @@ def measure(seconds: float = 1.5, rounds: int = 3, save: bool = True) -> list[di
             whole = replace(hopper_fwd_default(d, causal), split_tail=False)
             calls[WHOLE] = lambda qkv=(q, k, v), cfg=whole: interface.forward(*qkv, config=cfg)
         calls.update(bench.peer_calls(q, k, v, causal, names=PEERS))
-        # the kernels' answers first (NaN never passes): against SDPA's math-free reference,
-        # cuDNN, within bf16's rounding of out
+        # the kernels' answers first (NaN never passes): against torch's SDPA (the backend it
+        # picks), within bf16's rounding of out
         want = torch.nn.functional.scaled_dot_product_attention(
             *(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal).transpose(1, 2)
         agree = {}

@@ -1,9 +1,9 @@
 """The Hopper forward's varlen variant compiled for sm_90a with fake tensors, on a CPU: it
 compiles for D = 64 and 128, causal or not, with no spills and the dense kernel's registers, and
 its instruction mix is that of the dense kernel with the same knobs (the same wgmma, TMA loads
-and stores, stmatrix, exponentials) plus the varlen pieces: the warp scan over cu_seqlens (SHFL, POPC) and the
-partial last tile's 16-byte stores (Note [Varlen epilogue]). The dense variant has none of
-those: the flag compiles them out."""
+and stores, stmatrix, exponentials) plus the varlen pieces: the warp scan over cu_seqlens
+(SHFL, POPC) and the partial last tile's 16-byte stores (Note [Varlen epilogue]). The dense
+variant has none of those: the flag compiles them out."""
 
 import pytest
 
