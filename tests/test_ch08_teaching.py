@@ -63,3 +63,31 @@ def test_loop_outline_shows_where_o_is_rescaled():
     assert t08.loop_outline(end.sass).endswith("FMULx64")
     assert t08.loop_outline(nxt.sass).index("FMUL") < t08.loop_outline(nxt.sass).index("pass")
     assert t08.loop_census(end.sass)["HGMMA"] == 16
+
+
+def test_the_split_tail_plan_and_its_merge():
+    """Note [Split tail] as notebook 08 shows it: the plan ends every CTA sooner than a whole
+    last round, and the pieces' merge is the softmax of the whole row (float64, any cuts)."""
+    import numpy as np
+
+    whole, split = (t08.last_work(2048, 32, 132, s) for s in (False, True))
+    assert whole[0] == 16 * 32 and whole[-1] == 15 * 32
+    assert split[0] < whole[0] and sum(split) >= sum(whole)  # the overhead is paid, not hidden
+    rng = np.random.default_rng(7)
+    scores, values = 5 * rng.standard_normal((16, 300)), rng.standard_normal((300, 8))
+    p = np.exp(scores - scores.max(axis=1, keepdims=True))
+    want = (p @ values) / p.sum(axis=1, keepdims=True)
+    lse_want = np.log2(p.sum(axis=1)) + scores.max(axis=1) * np.log2(np.e)
+    for cuts in ([0, 300], [0, 1, 300], [0, 100, 117, 299, 300]):
+        out, lse = t08.merge_pieces_numpy(scores, values, cuts, float(np.log2(np.e)))
+        assert np.abs(out - want).max() < 1e-12 and np.abs(lse - lse_want).max() < 1e-12
+
+
+def test_energy_lines_read_a_sustained_run():
+    from utils import results
+
+    res = results.load("fa4_final_energy")
+    lines = t08.energy_lines(res)
+    assert len(lines) == len(res.rows)
+    assert all("TFLOP/J" in line for line in lines)
+    assert any("fa4_final / this" in line for line in lines)
