@@ -294,17 +294,19 @@ def _available(ncu: str, metrics) -> list[str]:
     return keep
 
 
-def run_ncu(spec: ProfileSpec, target_args: tuple = (), source: bool = True
-            ) -> tuple[str, str | None]:
+def run_ncu(spec: ProfileSpec, target_args: tuple = (), source: bool = True,
+            ncu_args: tuple = ()) -> tuple[str, str | None]:
     """Profile the second launch of ``spec``'s kernel in ``python -m spec.module --target
-    [target_args]``; return ncu's raw page and (``source``) its SASS source page as CSV text."""
+    [target_args]``; return ncu's raw page and (``source``) its SASS source page as CSV text.
+    ``ncu_args``: more options for ncu (e.g. ``("--clock-control", "none")``: the GPU's own
+    clock instead of ncu's fixed base clock)."""
     ncu = shutil.which("ncu")
     if ncu is None:
         raise RuntimeError("ncu (Nsight Compute) is not on PATH; it comes with the CUDA toolkit")
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / spec.results
         cmd = [ncu, "--launch-skip", "1", "--launch-count", "1", "-k", spec.kernel_regex,
-               "--import-source", "no", "-f", "-o", str(report)]
+               "--import-source", "no", "-f", "-o", str(report), *ncu_args]
         for section in spec.sections:
             cmd += ["--section", section]
         metrics = _available(ncu, spec.metrics)

@@ -25,6 +25,7 @@ from solutions import ch04_profile as core
 from solutions import ch05_profile as ch05p
 
 RESULTS = "fa4_final_versus"
+RESULTS_BOOST = "fa4_final_versus_boost"  # one shape at the GPU's own clock (--boost)
 HEADS, TOKENS = 16, 16384
 # (head_dim, seqlen, causal): the two causal shapes with the widest gaps in the benchmark, and
 # the headline non-causal one, where the two kernels run level
@@ -89,13 +90,13 @@ def target(impl: str, head_dim: int, seqlen: int, causal: bool) -> None:
     torch.cuda.synchronize()
 
 
-def run_ncu(impl: str, head_dim: int, seqlen: int, causal: bool) -> str:
+def run_ncu(impl: str, head_dim: int, seqlen: int, causal: bool, boost: bool = False) -> str:
     """ncu's raw page (CSV) for ``impl``'s forward kernel at the shape (chapter 04's runner,
-    with this module's ``--target`` and no source page)."""
+    with this module's ``--target`` and no source page); ``boost``: at the GPU's own clock."""
     spec = core.ProfileSpec(RESULTS, "solutions.ch08_versus", KERNEL_OF[impl], SECTIONS,
                             EXTRA_METRICS, None)
     raw, _ = core.run_ncu(spec, (impl, str(head_dim), str(seqlen), str(int(causal))),
-                          source=False)
+                          source=False, ncu_args=("--clock-control", "none") if boost else ())
     return raw
 
 
@@ -105,19 +106,21 @@ def rows_of(raw_text: str, impl: str, head_dim: int, seqlen: int, causal: bool) 
             for r in core.raw_rows(core.parse_raw(raw_text), RAW_METRICS)]
 
 
-def impls_at(causal: bool) -> list[str]:
-    return [*KERNELS, *(VARIANTS if causal else ())]
+def impls_at(causal: bool, variants: bool = True) -> list[str]:
+    return [*KERNELS, *(VARIANTS if causal and variants else ())]
 
 
-def profile(raw_dir: Path | None = None, shapes=SHAPES) -> Path:
+def profile(raw_dir: Path | None = None, shapes=SHAPES, boost: bool = False) -> Path:
+    """Profile every kernel at ``shapes``. ``boost``: at the GPU's own clock (ncu's
+    ``--clock-control none``), the two kernels only, saved as RESULTS_BOOST."""
     from utils import results
 
-    command = "python -m solutions.ch08_versus"
+    command = "python -m solutions.ch08_versus" + (" --boost" if boost else "")
     provenance = results.collect_provenance(command)
     rows = []
     for d, s, causal in shapes:
-        for impl in impls_at(causal):
-            raw = run_ncu(impl, d, s, causal)
+        for impl in impls_at(causal, variants=not boost):
+            raw = run_ncu(impl, d, s, causal, boost)
             if raw_dir is not None:
                 raw_dir.mkdir(parents=True, exist_ok=True)
                 (raw_dir / f"{impl}_d{d}_s{s}_{'causal' if causal else 'noncausal'}.csv"
@@ -126,7 +129,8 @@ def profile(raw_dir: Path | None = None, shapes=SHAPES) -> Path:
             print(f"profiled {impl} D={d} S={s} causal={causal}", flush=True)
     if raw_dir is not None:
         (raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance}, indent=1))
-    return results.save(RESULTS, rows, command=command, provenance=provenance)
+    return results.save(RESULTS_BOOST if boost else RESULTS, rows, command=command,
+                        provenance=provenance)
 
 
 def side_by_side(res, stalls: int = 5) -> list[str]:
@@ -187,6 +191,9 @@ def main(argv=None) -> int:
     ap.add_argument("--target", nargs=4, metavar=("IMPL", "D", "S", "CAUSAL"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--raw-dir", type=Path, help="also keep ncu's CSV exports here")
+    ap.add_argument("--boost", nargs=3, type=int, metavar=("D", "S", "CAUSAL"),
+                    help="one shape at the GPU's own clock (ncu --clock-control none), saved "
+                    "as fa4_final_versus_boost")
     args = ap.parse_args(argv)
     if args.target:
         impl, d, s, causal = args.target
@@ -197,10 +204,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (sm_90) and ncu; the stored results are in results/h200/")
         return 0
-    path = profile(args.raw_dir)
+    if args.boost:
+        d, s, c = args.boost
+        path = profile(args.raw_dir, shapes=((d, s, bool(c)),), boost=True)
+    else:
+        path = profile(args.raw_dir)
     from utils import results
 
-    res = results.load(RESULTS)
+    res = results.load(RESULTS_BOOST if args.boost else RESULTS)
     print("\n".join(side_by_side(res) + reading(res)))
     print(f"wrote {path}")
     return 0

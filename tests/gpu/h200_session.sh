@@ -58,6 +58,7 @@ for s in "$@"; do
     ch04-profile) step ch04_profile 300 $PY -m solutions.ch04_profile --raw-dir "$OUT/ch04_profile_raw" ;;
     ch05-profile) step ch05_profile 300 $PY -m solutions.ch05_profile --raw-dir "$OUT/ch05_profile_raw" ;;
     fa4-profile) step fa4_profile 300 $PY -m solutions.ch08_profile --raw-dir "$OUT/fa4_final_profile_raw" ;;
+    fa4-boost) step fa4_boost 300 $PY -m solutions.ch08_versus --boost 64 16384 1 --raw-dir "$OUT/fa4_final_versus_boost_raw" ;;
     fa4-versus) step fa4_versus 540 $PY -m solutions.ch08_versus --raw-dir "$OUT/fa4_final_versus_raw" ;;
     ch07) step ch07_rescale 300 $PY -m solutions.ch07_rescaling --save ;;
     fa4-check) step fa4_check 420 $PY -m solutions.ch08_checks ;;
