@@ -32,6 +32,7 @@ import os
 import statistics
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -74,14 +75,18 @@ class _L2Flusher:
 _flusher: _L2Flusher | None = None
 
 
+SETTLE_SECONDS = 0.25  # each implementation runs itself this long before it is timed
+
+
 def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
               flush_l2: bool = True, max_seconds: float = 4.0,
-              during=contextlib.nullcontext) -> Timing:
+              during=contextlib.nullcontext, settle_s: float = SETTLE_SECONDS) -> Timing:
     """Median time of ``fn()`` in milliseconds, measured with CUDA events.
 
     ``rep`` is lowered for slow functions so one measurement takes about ``max_seconds``.
     ``during()`` is a context manager entered around the timed calls only (warm-up and
-    compilation stay outside): ``interleaved`` reads the SM clock there.
+    compilation stay outside): ``interleaved`` reads the SM clock there. ``settle_s``: before
+    the timed calls, ``fn`` runs back to back for this long (Note [Settling]).
     """
     global _flusher
     if flush_l2 and _flusher is None:
@@ -96,6 +101,12 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
     # Slow functions (eager PyTorch loops) need no long warm-up and few repeats.
     for _ in range(min(warmup, int(200.0 / one))):
         fn()
+    settle_until = time.perf_counter() + settle_s  # Note [Settling]
+    while time.perf_counter() < settle_until and one < 1e3 * settle_s:
+        if flush_l2:
+            _flusher()
+        fn()
+        torch.cuda.synchronize()
     rep = max(3, min(rep, int(max_seconds * 1e3 / one)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
@@ -110,6 +121,17 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
     q = statistics.quantiles(times, n=5) if len(times) >= 5 else [times[0]] * 4
     return Timing(statistics.median(times), times[0], q[0], q[-1], rep)
+
+
+# Note [Settling]
+# ---------------
+# An H200 near its power limit sets its clock from the power drawn in the last few tens of
+# milliseconds. Timed right after another implementation, a kernel runs at the clock that one
+# left behind: after a slow, cool kernel it gets a high clock, after a hot one a low clock. In
+# rounds that keep one order (rotated or not), every implementation always follows the same
+# neighbour, so the bias does not average out. Each timing therefore starts with the kernel
+# running itself for SETTLE_SECONDS, L2 flushed as in the timed calls: the clock it is timed at
+# is the one its own power draw sets.
 
 
 # ----------------------------------------------------------------------------------------------
