@@ -7,7 +7,8 @@ until the board draws no more: then a kernel's speed is its work divided by the 
 on that work, at the power the limit allows. This tool runs each implementation back to back for
 a few seconds (no L2 flush, the next call queued behind the last), reads the board's energy
 counter (NVML, millijoules) before and after, and stores per call: joules, time, TFLOP/s, the
-mean power and the SM clock over the run. Implementations alternate in rotated rounds, three
+mean power and the SM clock over the run. Implementations alternate in rounds (odd ones
+backwards), three
 per shape: fa4_final, the same kernel without the split tail (non-causal shapes), and the
 benchmark's two fastest peers.
 
@@ -90,8 +91,8 @@ def measure(seconds: float = 1.5, rounds: int = 3, save: bool = True) -> list[di
                                      f"{err} > 2e-2")
         runs = {name: [] for name in calls}
         keys = list(calls)
-        for rnd in range(rounds):  # rotated, as utils.bench.interleaved does
-            for name in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:
+        for rnd in range(rounds):  # odd rounds backwards, as utils.bench.interleaved does
+            for name in (keys if rnd % 2 == 0 else keys[::-1]):
                 runs[name].append(sustained(calls[name], sensors, seconds))
         for name, got in runs.items():
             per_run = [r["ms_per_call"] for r in got]

@@ -70,8 +70,8 @@ def test_rounds_interleave_every_implementation_before_the_next_round():
     timer = FakeTimer({"a": [1, 1, 1], "b": [2, 2, 2], "c": [3, 3, 3]})
     bench.interleaved(named("a", "b", "c"), rounds=3, timer=timer,
                       sensors=bench.NoSensors("test"))
-    # and round r starts at implementation r: none always follows the same one
-    assert timer.order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    # odd rounds backwards: an implementation's predecessor alternates
+    assert timer.order == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
 
 
 def test_rounds_keep_median_spread_and_per_round_values():
@@ -128,7 +128,7 @@ def test_a_failing_implementation_is_recorded_and_skipped_later():
 
     got = bench.interleaved(named("good", "bad"), rounds=3, timer=timer,
                             sensors=bench.NoSensors("test"))
-    # round 1 starts at "bad" (rotation), which fails there and is skipped in round 2
+    # round 1 runs backwards: "bad" first, fails there and is skipped in round 2
     assert calls == ["good", "bad", "bad", "good", "good"]
     assert got["bad"].error == "RuntimeError: out of memory (in round 1)"
     assert got["bad"].ms_rounds == [1.0] and got["good"].ms_rounds == [1.0] * 3
@@ -196,7 +196,7 @@ def test_benchmark_attention_rounds_on_the_cpu():
     rows = bench.benchmark_attention({"naive": slow, "fa4_package": fast}, shapes, rounds=3,
                                      timer=timer, sensors=FakeSensors([1755.0]),
                                      device="cpu", progress=False)
-    assert timer.order == ["slow", "fast", "fast", "slow", "slow", "fast"] * 2
+    assert timer.order == ["slow", "fast", "fast", "slow", "slow", "fast"] * 2  # odd rounds back
     assert [r["impl"] for r in rows] == ["naive", "fa4_package"] * 2
     first = rows[0]
     assert first["ms"] == 5.0 and first["ms_rounds"] == [4.0, 5.0, 6.0]

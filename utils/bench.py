@@ -7,8 +7,9 @@ Method (written down so every number in the course means the same thing):
 - warm-up calls first (compilation, autotuning, module load stay out of the numbers);
 - one *round* times every implementation once (the median of ``rep`` calls); at least 3 rounds
   run in one process, round r timing every implementation before round r + 1 starts, so a
-  change of clock or temperature during the run hits all of them alike (``interleaved``), and
-  starting at implementation r (mod n), so none always runs right after the same one;
+  change of clock or temperature during the run hits all of them alike (``interleaved``), odd
+  rounds in reverse order; each timing starts with the implementation running itself for a
+  quarter of a second, so it is timed at the clock its own power draw sets (Note [Settling]);
 - each row stores the median over rounds, the per-round values and their spread
   ((max - min) / median); a difference between two rows is called real only when it is larger
   than the spread of both (``compare``), otherwise it is printed "within noise";
@@ -462,10 +463,9 @@ def interleaved(fns: dict, rounds: int = MIN_ROUNDS, timer: Callable | None = No
     out = {key: Measured(sensors=sensors.source, sensors_note=sensors.note) for key in fns}
     keys = list(fns)
     for rnd in range(rounds):
-        # round r starts at implementation r (mod n): under a power cap the clock depends on
-        # what ran just before, so no implementation always follows the same one
-        shift = rnd % len(keys) if keys else 0
-        for key in keys[shift:] + keys[:shift]:
+        # odd rounds run backwards, so an implementation's predecessor alternates between its
+        # two neighbours (Note [Settling] takes the predecessor's clock out of the timing)
+        for key in (keys if rnd % 2 == 0 else keys[::-1]):
             fn = fns[key]
             m = out[key]
             if m.error:
