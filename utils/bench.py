@@ -8,8 +8,8 @@ Method (written down so every number in the course means the same thing):
 - one *round* times every implementation once (the median of ``rep`` calls); at least 3 rounds
   run in one process, round r timing every implementation before round r + 1 starts, so a
   change of clock or temperature during the run hits all of them alike (``interleaved``), odd
-  rounds in reverse order; each timing starts with the implementation running itself for a
-  quarter of a second, so it is timed at the clock its own power draw sets (Note [Settling]);
+  rounds in reverse order, so no implementation always follows the same one (Note
+  [Predecessors]);
 - each row stores the median over rounds, the per-round values and their spread
   ((max - min) / median); a difference between two rows is called real only when it is larger
   than the spread of both (``compare``), otherwise it is printed "within noise";
@@ -33,7 +33,6 @@ import os
 import statistics
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -76,18 +75,14 @@ class _L2Flusher:
 _flusher: _L2Flusher | None = None
 
 
-SETTLE_SECONDS = 0.25  # each implementation runs itself this long before it is timed
-
-
 def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
               flush_l2: bool = True, max_seconds: float = 4.0,
-              during=contextlib.nullcontext, settle_s: float = SETTLE_SECONDS) -> Timing:
+              during=contextlib.nullcontext) -> Timing:
     """Median time of ``fn()`` in milliseconds, measured with CUDA events.
 
     ``rep`` is lowered for slow functions so one measurement takes about ``max_seconds``.
     ``during()`` is a context manager entered around the timed calls only (warm-up and
-    compilation stay outside): ``interleaved`` reads the SM clock there. ``settle_s``: before
-    the timed calls, ``fn`` runs back to back for this long (Note [Settling]).
+    compilation stay outside): ``interleaved`` reads the SM clock there.
     """
     global _flusher
     if flush_l2 and _flusher is None:
@@ -102,12 +97,6 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
     # Slow functions (eager PyTorch loops) need no long warm-up and few repeats.
     for _ in range(min(warmup, int(200.0 / one))):
         fn()
-    settle_until = time.perf_counter() + settle_s  # Note [Settling]
-    while time.perf_counter() < settle_until and one < 1e3 * settle_s:
-        if flush_l2:
-            _flusher()
-        fn()
-        torch.cuda.synchronize()
     rep = max(3, min(rep, int(max_seconds * 1e3 / one)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
@@ -124,15 +113,16 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
     return Timing(statistics.median(times), times[0], q[0], q[-1], rep)
 
 
-# Note [Settling]
-# ---------------
+# Note [Predecessors]
+# -------------------
 # An H200 near its power limit sets its clock from the power drawn in the last few tens of
-# milliseconds. Timed right after another implementation, a kernel runs at the clock that one
-# left behind: after a slow, cool kernel it gets a high clock, after a hot one a low clock. In
-# rounds that keep one order (rotated or not), every implementation always follows the same
-# neighbour, so the bias does not average out. Each timing therefore starts with the kernel
-# running itself for SETTLE_SECONDS, L2 flushed as in the timed calls: the clock it is timed at
-# is the one its own power draw sets.
+# milliseconds, so a kernel timed right after another runs partly at the clock that one left
+# behind: after a slow, cool kernel (SDPA's memory-efficient backend) a higher clock than after
+# a hot one. Rounds in one fixed order give every implementation the same predecessor in every
+# round, and a rotated order (round r starting at implementation r) does too, cyclically; the
+# H200 runs of 2026-12-01 from commit ebbb135 on used that rotation. Odd rounds backwards give
+# each implementation its two neighbours in turn. A sustained run (solutions.ch08_energy), each
+# implementation back to back for seconds, has no predecessor at all.
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,7 +454,7 @@ def interleaved(fns: dict, rounds: int = MIN_ROUNDS, timer: Callable | None = No
     keys = list(fns)
     for rnd in range(rounds):
         # odd rounds run backwards, so an implementation's predecessor alternates between its
-        # two neighbours (Note [Settling] takes the predecessor's clock out of the timing)
+        # two neighbours (Note [Predecessors])
         for key in (keys if rnd % 2 == 0 else keys[::-1]):
             fn = fns[key]
             m = out[key]
