@@ -116,9 +116,9 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
 # Note [Predecessors]
 # -------------------
 # An H200 near its power limit sets its clock from the power drawn in the last few tens of
-# milliseconds, so a kernel timed right after another runs partly at the clock that one left
-# behind: after a slow, cool kernel (SDPA's memory-efficient backend) a higher clock than after
-# a hot one. Rounds in one fixed order give every implementation the same predecessor in every
+# milliseconds, so a kernel timed right after another can run partly at the clock that one
+# left behind: after a slow, cool kernel (SDPA's memory-efficient backend) a higher clock than
+# after a hot one. Rounds in one fixed order give every implementation the same predecessor in every
 # round, and a rotated order (round r starting at implementation r) does too, cyclically; the
 # H200 runs of 2026-12-01 from commit ebbb135 on used that rotation. Odd rounds backwards give
 # each implementation its two neighbours in turn. A sustained run (solutions.ch08_energy), each
