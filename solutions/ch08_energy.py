@@ -5,12 +5,11 @@ The benchmark (utils.bench) times short bursts of calls, L2 flushed before each.
 keeps the GPU busy for hours instead, and an H200 that reaches its power limit lowers its clock
 until the board draws no more: then a kernel's speed is its work divided by the energy it spends
 on that work, at the power the limit allows. This tool runs each implementation back to back for
-a few seconds (no L2 flush, the next call queued behind the last), reads the board's energy
-counter (NVML, millijoules) before and after, and stores per call: joules, time, TFLOP/s, the
-mean power and the SM clock over the run. Implementations alternate in rounds (odd ones
-backwards), three
-per shape: fa4_final, the same kernel without the split tail (non-causal shapes), and the
-benchmark's two fastest peers.
+a few seconds (no L2 flush, ten calls queued at a time), reads the board's energy counter
+(NVML, millijoules) before and after, and stores per call: joules, time, TFLOP/s, the mean power
+and the SM clock over the run. Implementations alternate in three rounds per shape, odd ones
+backwards (the stored run of commit c72b23e rotated them instead): fa4_final, the same kernel
+without the split tail (non-causal shapes), and the benchmark's two fastest peers.
 
     python -m solutions.ch08_energy            # writes results/<gpu>/fa4_final_energy.json
 """
