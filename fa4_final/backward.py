@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from fa4_final.checks import _normalise_window, check_grads, check_inputs, check_outputs
-from fa4_final.compile import cached, compile_kernel, fake_stream, fake_tensor
+from fa4_final.compile import compile_roles, fake_stream, fake_tensor
 from fa4_final.config import HopperBwdConfig, hopper_bwd_default
 from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES
 from fa4_final.dispatch import backend_for
@@ -93,18 +93,8 @@ def compile_backward(arch: str = "sm_90a", head_dim: int = 128, dtype: str = "bf
     if not keep and memo in _COMPILED:  # the per-call path: a dict lookup, not ~100 us of
         return _COMPILED[memo], dict.fromkeys(_COMPILED[memo])  # kernel objects and keys
     kernels = _kernels(dtype, head_dim, causal, has_window_left, has_window_right, cfg)
-    compiled, artifacts = {}, {}
-    for role, kernel in kernels.items():
-        def build(kernel=kernel, role=role):
-            return compile_kernel(kernel, *_fake_args(dtype, head_dim)[role], arch=arch,
-                                  keep=keep)
-
-        if keep:
-            compiled[role], artifacts[role] = build()
-        else:
-            compiled[role] = cached(("bwd", role, arch, kernel.cache_key()),
-                                    lambda build=build: build()[0])
-            artifacts[role] = None
+    compiled, artifacts = compile_roles(
+        kernels, lambda role: _fake_args(dtype, head_dim)[role], "bwd", arch, keep)
     if not keep:
         _COMPILED[memo] = compiled
     return compiled, artifacts

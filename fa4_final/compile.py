@@ -164,6 +164,26 @@ def compile_kernel(kernel, *args, arch: str, keep: bool = False, tvm_ffi: bool =
     return compiled, Artifacts(arch, ptx, cubin, sass, seconds, kernel_resources(cubin, sass))
 
 
+def compile_roles(kernels: dict, args_of, tag: str, arch: str, keep: bool = False):
+    """Compile a pass made of several kernels (the backward's pre, main and post), role by
+    role, with the fake arguments ``args_of(role)`` (called only when a kernel is built).
+    Without ``keep`` each comes from the compile cache under (tag, role, arch, its
+    cache_key()); with ``keep`` it is built afresh and its artifacts are returned too.
+    Returns ({role: compiled}, {role: artifacts or None})."""
+    compiled, artifacts = {}, {}
+    for role, kernel in kernels.items():
+        def build(kernel=kernel, role=role):
+            return compile_kernel(kernel, *args_of(role), arch=arch, keep=keep)
+
+        if keep:
+            compiled[role], artifacts[role] = build()
+        else:
+            compiled[role] = cached((tag, role, arch, kernel.cache_key()),
+                                    lambda build=build: build()[0])
+            artifacts[role] = None
+    return compiled, artifacts
+
+
 def cached(key: tuple, build):
     """The compiled kernel for ``key``: ``build()`` runs once per key and process, and once per
     key on the machine while the disk cache holds its entry (fa4_final.cache)."""

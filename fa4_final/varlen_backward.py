@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fa4_final.bwd_tiles import dq_accum_tiles
-from fa4_final.compile import cached, compile_kernel, fake_tensor
+from fa4_final.compile import compile_roles, fake_tensor
 from fa4_final.config import HopperBwdConfig
 from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES
 from fa4_final.errors import UnsupportedError
@@ -83,18 +83,9 @@ def compile_varlen_backward(arch: str = ARCH, head_dim: int = 128, dtype: str = 
         return _COMPILED[memo], dict.fromkeys(_COMPILED[memo])
     kernels = _kernels(dtype, head_dim, causal, has_window_left, has_window_right,
                        has_seqused_k, cfg)
-    compiled, artifacts = {}, {}
-    for role, kernel in kernels.items():
-        def build(kernel=kernel, role=role):
-            return compile_kernel(kernel, *_fake_args(dtype, head_dim, has_seqused_k)[role],
-                                  arch=arch, keep=keep)
-
-        if keep:
-            compiled[role], artifacts[role] = build()
-        else:
-            compiled[role] = cached(("varlen_bwd", role, arch, kernel.cache_key()),
-                                    lambda build=build: build()[0])
-            artifacts[role] = None
+    compiled, artifacts = compile_roles(
+        kernels, lambda role: _fake_args(dtype, head_dim, has_seqused_k)[role], "varlen_bwd",
+        arch, keep)
     if not keep:
         _COMPILED[memo] = compiled
     return compiled, artifacts

@@ -1011,24 +1011,12 @@ def compile_backward_sm100(head_dim: int = 128, dtype: str = "bf16", causal: boo
     Returns ({role: compiled}, {role: artifacts or None}); the runtime arguments are those of
     fa4_final.backward (the same workspace at tile_m = 128)."""
     from fa4_final.backward import _fake_args
-    from fa4_final.compile import cached, compile_kernel
+    from fa4_final.compile import compile_roles
 
     ks = kernels(dtype, head_dim, causal, config, **window)
     args = _fake_args(dtype, head_dim)
-    compiled, artifacts = {}, {}
-    for role in roles:
-        kernel = ks[role]
-
-        def build(kernel=kernel, role=role):
-            return compile_kernel(kernel, *args[role], arch=ARCH, keep=keep)
-
-        if keep:
-            compiled[role], artifacts[role] = build()
-        else:
-            compiled[role] = cached(("bwd", role, ARCH, kernel.cache_key()),
-                                    lambda build=build: build()[0])
-            artifacts[role] = None
-    return compiled, artifacts
+    return compile_roles({role: ks[role] for role in roles}, args.__getitem__, "bwd", ARCH,
+                         keep)
 
 
 def compile_only(head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
