@@ -89,9 +89,8 @@ def measure(seconds: float = 1.5, rounds: int = 3, save: bool = True) -> list[di
                 raise AssertionError(f"{name} D={d} S={s} causal={causal}: max |out - SDPA| "
                                      f"{err} > 2e-2")
         runs = {name: [] for name in calls}
-        keys = list(calls)
-        for rnd in range(rounds):  # odd rounds backwards, as utils.bench.interleaved does
-            for name in (keys if rnd % 2 == 0 else keys[::-1]):
+        for rnd in range(rounds):
+            for name in bench.round_order(list(calls), rnd):
                 runs[name].append(sustained(calls[name], sensors, seconds))
         for name, got in runs.items():
             per_run = [r["ms_per_call"] for r in got]

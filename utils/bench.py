@@ -436,6 +436,12 @@ def error_text(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
+def round_order(keys: list, rnd: int) -> list:
+    """The order of round ``rnd``: odd rounds run backwards, so an implementation's predecessor
+    alternates between its two neighbours (Note [Predecessors])."""
+    return keys if rnd % 2 == 0 else keys[::-1]
+
+
 def interleaved(fns: dict, rounds: int = MIN_ROUNDS, timer: Callable | None = None,
                 sensors: GpuSensors | None = None, on_error: str = "record",
                 progress: Callable[[str], None] | None = None, **timer_kw) -> dict:
@@ -451,11 +457,8 @@ def interleaved(fns: dict, rounds: int = MIN_ROUNDS, timer: Callable | None = No
     if sensors is None:
         sensors = open_sensors() if timer is time_cuda else NoSensors("no sensors given")
     out = {key: Measured(sensors=sensors.source, sensors_note=sensors.note) for key in fns}
-    keys = list(fns)
     for rnd in range(rounds):
-        # odd rounds run backwards, so an implementation's predecessor alternates between its
-        # two neighbours (Note [Predecessors])
-        for key in (keys if rnd % 2 == 0 else keys[::-1]):
+        for key in round_order(list(fns), rnd):
             fn = fns[key]
             m = out[key]
             if m.error:
