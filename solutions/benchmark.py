@@ -34,6 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=30, help="timed calls per round")
     ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS,
                     help=f"interleaved rounds (at least {bench.MIN_ROUNDS})")
+    ap.add_argument("--settle-ms", type=float, default=0.0,
+                    help="before its timed calls, each implementation runs this long more "
+                    "(utils.bench Note [Predecessors])")
     args = ap.parse_args(argv)
     if args.rounds < bench.MIN_ROUNDS:
         ap.error(f"--rounds: at least {bench.MIN_ROUNDS}, so a round's spread can be told from "
@@ -56,7 +59,7 @@ def main(argv=None) -> int:
     for pass_ in args.passes:
         run = {n: f for n, f in impls.items() if pass_ == "fwd" or n not in no_backward}
         rows += bench.benchmark_attention(run, shapes, passes=(pass_,), dtype=dtype, rep=args.rep,
-                                          rounds=args.rounds)
+                                          rounds=args.rounds, settle_ms=args.settle_ms)
     path = results.save(args.name, rows, command="python -m solutions.benchmark " + " ".join(
         argv if argv is not None else sys.argv[1:]))
     for pass_ in args.passes:

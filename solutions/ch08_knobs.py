@@ -70,6 +70,10 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
         else:
             configs["last round cut along the keys"] = replace(base, tile_table=True,
                                                                split_tail=True)
+    if causal:  # the unmasked loop unrolled: ptxas folds a step's stage and descriptor
+        # arithmetic into the next (not causal, ptxas spills the unrolled loop at 128 registers)
+        configs["unroll 2"] = replace(base, unroll=2)
+        configs["unroll 3"] = replace(base, unroll=3)
     if causal:  # the default: longest first in L2 sections, list-scheduled (Note [Tile table])
         # fixed zigzag rounds, longest first over every head (the default before the table)
         configs["zigzag rounds, longest first over all heads"] = replace(
@@ -95,14 +99,17 @@ def compile_knob_configs(head_dim: int, causal: bool) -> dict:
 
 
 def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True, plan=PLAN,
-          only=None, results_name: str = KNOB_RESULTS, command: str | None = None) -> list[dict]:
+          only=None, results_name: str = KNOB_RESULTS, command: str | None = None,
+          settle_ms: float = 0.0, exact: bool = False) -> list[dict]:
     """Every config of knob_configs (``only``: those whose name holds one of the given strings,
-    and the default) timed per group of ``plan``; saved as results/<gpu>/<results_name>.json."""
+    or with ``exact`` is one of them, and the default) timed per group of ``plan``; saved as
+    results/<gpu>/<results_name>.json."""
     from utils.reference import random_qkv
 
     def chosen(head_dim, causal):
         return {n: c for n, c in knob_configs(head_dim, causal).items()
-                if only is None or n == "default" or any(o in n for o in only)}
+                if only is None or n == "default" or any(
+                    (o == n) if exact else (o in n) for o in only)}
 
     rows = []
     for head_dim, seqlen, causal in plan:
@@ -121,7 +128,8 @@ def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True, plan
                            interface.forward(*qkv, c, config=cfg))
         peers = bench.peer_calls(q, k, v, causal)
         measured = bench.interleaved({**calls, **peers}, rounds=rounds, rep=rep,
-                                     max_seconds=1.5)
+                                     max_seconds=1.5,
+                                     **({"settle_ms": settle_ms} if settle_ms else {}))
         extra = bench.peer_fields({n: measured[n] for n in peers}, flops)
         for name, cfg in chosen(head_dim, causal).items():
             row = {"impl": "fa4_final", "config": name, "pass": "fwd", "dtype": "bf16",
@@ -193,6 +201,10 @@ def main(argv=None) -> int:
                     "PLAN_ALL (D 64/128, S 4096/16384, causal or not), not PLAN")
     ap.add_argument("--non-causal", action="store_true", help="time the four non-causal "
                     "groups of PLAN_ALL only")
+    ap.add_argument("--exact", action="store_true", help="--only names whole configs, not "
+                    "parts of their names")
+    ap.add_argument("--settle-ms", type=float, default=0.0, help="each config runs this long "
+                    "more before its timed calls (utils.bench Note [Predecessors])")
     ap.add_argument("--shape", nargs=3, type=int, metavar=("D", "S", "CAUSAL"),
                     action="append", help="time this group only, e.g. --shape 64 16384 1 "
                     "(repeat for several)")
@@ -211,7 +223,8 @@ def main(argv=None) -> int:
             plan = tuple((d, s, bool(c)) for d, s, c in args.shape)
         knobs(rounds=args.rounds, plan=plan, only=args.only,
               results_name=args.name or (KNOB_RESULTS + "_only" if partial else KNOB_RESULTS),
-              command="python -m solutions.ch08_knobs " + " ".join(argv or sys.argv[1:]))
+              command="python -m solutions.ch08_knobs " + " ".join(argv or sys.argv[1:]),
+              settle_ms=args.settle_ms, exact=args.exact)
     return 0
 
 

@@ -77,12 +77,15 @@ _flusher: _L2Flusher | None = None
 
 def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
               flush_l2: bool = True, max_seconds: float = 4.0,
-              during=contextlib.nullcontext) -> Timing:
+              during=contextlib.nullcontext, settle_ms: float = 0.0) -> Timing:
     """Median time of ``fn()`` in milliseconds, measured with CUDA events.
 
     ``rep`` is lowered for slow functions so one measurement takes about ``max_seconds``.
     ``during()`` is a context manager entered around the timed calls only (warm-up and
-    compilation stay outside): ``interleaved`` reads the SM clock there.
+    compilation stay outside): ``interleaved`` reads the SM clock there. ``settle_ms``: after
+    the warm-up, ``fn`` runs (L2 flushed before each call, as in the timed calls) for about
+    this long more, so the GPU's clock is the one ``fn`` itself sets, not the one left by
+    whatever ran before (Note [Predecessors]).
     """
     global _flusher
     if flush_l2 and _flusher is None:
@@ -96,6 +99,10 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
     one = max(start.elapsed_time(end), 1e-3)
     # Slow functions (eager PyTorch loops) need no long warm-up and few repeats.
     for _ in range(min(warmup, int(200.0 / one))):
+        fn()
+    for _ in range(min(int(settle_ms / one), 10_000)):
+        if flush_l2:
+            _flusher()
         fn()
     rep = max(3, min(rep, int(max_seconds * 1e3 / one)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
@@ -123,6 +130,14 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
 # H200 runs of 2026-12-01 from commit ebbb135 on used that rotation. Odd rounds backwards give
 # each implementation its two neighbours in turn. A sustained run (solutions.ch08_energy), each
 # implementation back to back for seconds, has no predecessor at all.
+#
+# Measured (results/h200/fa4_final_predecessors.json, solutions.ch08_predecessors): at D = 64,
+# S = 16384, causal, a burst of 30 calls takes 8-10% longer after 40 ms of a hot kernel than
+# after an idle pause, for fa4_final and the FA4 package alike, and the ratio of the two moved
+# from 0.96 to 1.00 with the predecessor alone. ``time_cuda(settle_ms=...)`` runs the timed
+# function itself for that long before its timed calls: every implementation is then timed at
+# the clock its own load sets (40 ms was enough there for the first timed call to sit at the
+# burst's level).
 
 
 # ----------------------------------------------------------------------------------------------
@@ -642,6 +657,7 @@ def benchmark_attention(
     dtype=torch.bfloat16,
     warmup: int = 5,
     rep: int = 30,
+    settle_ms: float = 0.0,
     progress: bool = True,
     on_error: str = "record",
     rounds: int = MIN_ROUNDS,
@@ -680,7 +696,8 @@ def benchmark_attention(
                     raise
                 errors[name] = error_text(exc)
         measured = interleaved(calls, rounds=rounds, timer=timer, sensors=sensors,
-                               on_error=on_error, warmup=warmup, rep=rep)
+                               on_error=on_error, warmup=warmup, rep=rep,
+                               **({"settle_ms": settle_ms} if settle_ms else {}))
         for name in impls:
             row = {"impl": name, **_shape_fields(shape, pass_, dtype), "ms": None,
                    "tflops": None}
