@@ -9,6 +9,7 @@
 #    fa4-d64: the exp2 emulation share and the rescale threshold at the four D = 64 shapes;
 #    fa4-tune: tau = 8 and the unrolled loop at the eight shapes, each config settled at its own
 #    clock first; fa4-bench-settled: the forward benchmark so;
+#    clocked: fa4_final, two variants and the FA4 package at ncu's fixed clock, 8 shapes;
 #    predecessors: one shape's burst timed after an idle pause, a slow kernel, the other
 #    implementation, itself)
 #   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests ch12-sweep ch12-acc varlen-tests
@@ -83,6 +84,7 @@ for s in "$@"; do
     fa4-d64) step fa4_d64 540 $PY -m solutions.ch08_knobs --knobs --shape 64 4096 0 --shape 64 4096 1 --shape 64 16384 0 --shape 64 16384 1 --only "exp2 emulation" "tau = 8" --rounds ${ROUNDS:-5} --name fa4_final_d64_softmax ;;
     fa4-tune) step fa4_tune 560 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "tau = 8" "unroll 2" "unroll 3" --exact --settle-ms 50 --rounds ${ROUNDS:-5} --name fa4_final_tune ;;
     fa4-bench-settled) step fa4_bench_settled 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd_settled --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-5} --settle-ms 50 ;;
+    clocked) step fa4_clocked 560 $PY -m solutions.ch08_clocked ;;
     predecessors) step fa4_predecessors 300 $PY -m solutions.ch08_predecessors ;;
     energy) step fa4_energy 300 $PY -m solutions.ch08_energy ;;
     split-check) step split_check 300 $PY -m solutions.ch08_checks --knob split_tail ;;

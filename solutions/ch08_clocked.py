@@ -1,0 +1,173 @@
+"""Chapter 08: fa4_final's forward, a few of its variants and the FA4 package timed at one fixed
+SM clock, kernel by kernel, by Nsight Compute.
+
+A burst on a power-limited H200 moves by several per cent with what ran before it (utils.bench
+Note [Predecessors]); a difference of 1-2% between two kernels drowns in that. Nsight Compute
+holds the SM clock at its base, runs one kernel at a time and flushes the caches before each, so
+a kernel's duration there repeats to a few tenths of a per cent: the instrument for telling
+apart variants that close. It says nothing of power: a variant that saves energy gains under
+the power limit and not here (solutions.ch08_energy measures that), and the base clock makes
+memory relatively faster than at the GPU's own clock.
+
+    python -m solutions.ch08_clocked          # GPU + ncu: results/<gpu>/fa4_final_clocked.json
+
+Each shape is one ncu run of its own process (``--target``): every variant is called once to
+compile (not profiled), then ``LAUNCHES`` times in rounds whose order alternates
+(utils.bench.round_order); the launches are matched to variants by that order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+RESULTS = "fa4_final_clocked"
+HEADS, TOKENS = 16, 16384
+LAUNCHES = 7
+SHAPES = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True))
+# name -> fa4_final config changes (None: the FA4 package)
+VARIANTS = {
+    "fa4_final": {},
+    "tau = 8": {"rescale_threshold": 8.0},
+    "O rescaled after the softmax": {"o_rescale": "end"},
+    "fa4_package": None,
+}
+KERNEL_REGEX = "regex:HopperForward|FlashAttentionForwardSm90"
+METRIC = "gpu__time_duration.sum"
+
+
+def calls(head_dim: int, seqlen: int, causal: bool, names) -> dict:
+    """name -> a zero-argument call of that variant's forward on one set of random inputs."""
+    from dataclasses import replace
+
+    from fa4_final import interface
+    from fa4_final.config import hopper_fwd_default
+    from utils import bench
+    from utils.reference import random_qkv
+
+    q, k, v, _ = random_qkv(TOKENS // seqlen, seqlen, HEADS, head_dim, device="cuda")
+    out = {}
+    for name in names:
+        change = VARIANTS[name]
+        if change is None:
+            fa4 = bench.peers()["fa4_package"]
+            out[name] = lambda fa4=fa4: fa4(q, k, v, causal=causal)
+        else:
+            cfg = replace(hopper_fwd_default(head_dim, causal), **change)
+            out[name] = lambda cfg=cfg: interface.forward(q, k, v, causal, config=cfg)
+    return out
+
+
+def launch_order(names: list, launches: int = LAUNCHES) -> list:
+    """The variant of each profiled launch, in order: round r runs every variant once."""
+    from utils.bench import round_order
+
+    return [n for r in range(launches) for n in round_order(list(names), r)]
+
+
+def target(head_dim: int, seqlen: int, causal: bool, names: list) -> None:
+    """The profiled process: each variant once (compilation, skipped by ncu), then the rounds."""
+    import torch
+
+    fns = calls(head_dim, seqlen, causal, names)
+    for name in names:
+        fns[name]()
+    torch.cuda.synchronize()
+    for name in launch_order(names):
+        fns[name]()
+    torch.cuda.synchronize()
+
+
+def durations(csv_text: str) -> list[float]:
+    """Kernel durations (ms) in launch order from ncu's raw page (CSV; its second row holds the
+    units)."""
+    rows = list(csv.reader(io.StringIO(csv_text)))
+    start = next(i for i, r in enumerate(rows) if METRIC in r)
+    header, units = rows[start], rows[start + 1]
+    col = header.index(METRIC)
+    scale = {"ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
+             "nsecond": 1e-6, "second": 1e3, "s": 1e3}[units[col].strip()]
+    return [float(r[col].replace(",", "")) * scale for r in rows[start + 2:] if len(r) > col]
+
+
+def run_ncu(head_dim: int, seqlen: int, causal: bool, names: list) -> str:
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        raise RuntimeError("ncu (Nsight Compute) is not on PATH; it comes with the CUDA toolkit")
+    with tempfile.TemporaryDirectory() as tmp:
+        rep = os.path.join(tmp, "clocked")
+        subprocess.run(
+            [ncu, "--launch-skip", str(len(names)), "--launch-count",
+             str(len(launch_order(names))), "-k", KERNEL_REGEX, "--metrics", METRIC, "-f",
+             "-o", rep, sys.executable, "-m", "solutions.ch08_clocked", "--target",
+             str(head_dim), str(seqlen), str(int(causal)), *names],
+            check=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return subprocess.run([ncu, "-i", rep + ".ncu-rep", "--page", "raw", "--csv"],
+                              check=True, capture_output=True, text=True, timeout=300).stdout
+
+
+def rows_for(head_dim: int, seqlen: int, causal: bool, names: list, times: list) -> list[dict]:
+    from utils import bench
+
+    order = launch_order(names)
+    if len(times) != len(order):
+        raise RuntimeError(f"ncu timed {len(times)} kernels, {len(order)} were launched: the "
+                           "kernel filter caught another kernel or missed one")
+    b = TOKENS // seqlen
+    flops = bench.attention_flops(b, HEADS, seqlen, seqlen, head_dim, causal)
+    rows = []
+    for name in names:
+        ms = [t for t, n in zip(times, order) if n == name]
+        med = statistics.median(ms)
+        rows.append({"impl": "fa4_package" if VARIANTS[name] is None else "fa4_final",
+                     "config": name, "knobs": VARIANTS[name], "pass": "fwd", "dtype": "bf16",
+                     "b": b, "s": seqlen, "h": HEADS, "d": head_dim, "causal": causal,
+                     "ms": med, "ms_launches": ms, "spread": (max(ms) - min(ms)) / med,
+                     "tflops": flops / (med * 1e-3) / 1e12, "clock": "ncu base clock"})
+    return rows
+
+
+def measure(shapes=SHAPES, names=tuple(VARIANTS)) -> list[dict]:
+    rows = []
+    for d, s, c in shapes:
+        times = durations(run_ncu(d, s, c, list(names)))
+        new = rows_for(d, s, c, list(names), times)
+        rows += new
+        pkg = next((r for r in new if r["impl"] == "fa4_package"), None)
+        line = ", ".join(f"{r['config']} {r['ms']:.4f} ms" + (
+            f" ({pkg['ms'] / r['ms']:.3f}x)" if pkg and r is not pkg else "") for r in new)
+        print(f"D={d} S={s} causal={c}: {line}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", nargs="+", metavar="D S CAUSAL NAME",
+                    help="(the profiled process) head dim, seqlen, causal, variant names")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    args = ap.parse_args(argv)
+    if args.target:
+        d, s, c, *names = args.target
+        target(int(d), int(s), bool(int(c)), names)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU and ncu; the stored results are in results/h200/")
+        return 0
+    from utils import results
+
+    rows = measure(names=tuple(args.variants))
+    print("wrote", results.save(RESULTS, rows, command="python -m solutions.ch08_clocked"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
