@@ -38,7 +38,13 @@ VARIANTS = {
     "tau = 8": {"rescale_threshold": 8.0},
     "O rescaled after the softmax": {"o_rescale": "end"},
     "fa4_package": None,
+    # more, for --variants: the causal schedules and the stages of chapter 08's knobs
+    "tau = 8, O rescaled after the softmax": {"rescale_threshold": 8.0, "o_rescale": "end"},
+    "one tile per CTA, L2 sections": {"persistent": False, "tile_table": False},
+    "zigzag rounds in L2 sections": {"tile_table": False},
+    "K/V stages 2/2": {"stages_k": 2, "stages_v": 2},
 }
+DEFAULT_VARIANTS = ("fa4_final", "tau = 8", "O rescaled after the softmax", "fa4_package")
 KERNEL_REGEX = "regex:HopperForward|FlashAttentionForwardSm90"
 METRIC = "gpu__time_duration.sum"
 
@@ -134,7 +140,7 @@ def rows_for(head_dim: int, seqlen: int, causal: bool, names: list, times: list)
     return rows
 
 
-def measure(shapes=SHAPES, names=tuple(VARIANTS)) -> list[dict]:
+def measure(shapes=SHAPES, names=DEFAULT_VARIANTS) -> list[dict]:
     rows = []
     for d, s, c in shapes:
         times = durations(run_ncu(d, s, c, list(names)))
@@ -151,7 +157,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", nargs="+", metavar="D S CAUSAL NAME",
                     help="(the profiled process) head dim, seqlen, causal, variant names")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+                    choices=list(VARIANTS))
+    ap.add_argument("--shape", nargs=3, type=int, action="append", metavar=("D", "S", "CAUSAL"),
+                    help="this shape only (repeat for several; default: the eight)")
+    ap.add_argument("--name", default=RESULTS, help="results file to write")
     args = ap.parse_args(argv)
     if args.target:
         d, s, c, *names = args.target
@@ -164,8 +174,10 @@ def main(argv=None) -> int:
         return 0
     from utils import results
 
-    rows = measure(names=tuple(args.variants))
-    print("wrote", results.save(RESULTS, rows, command="python -m solutions.ch08_clocked"))
+    shapes = tuple((d, s, bool(c)) for d, s, c in args.shape) if args.shape else SHAPES
+    rows = measure(shapes, names=tuple(args.variants))
+    print("wrote", results.save(args.name, rows, command="python -m solutions.ch08_clocked " +
+                                " ".join(argv if argv is not None else sys.argv[1:])))
     return 0
 
 
