@@ -118,6 +118,13 @@ def hopper_fwd_default(head_dim: int, causal: bool = False,
     the H200 runs favoured, and results/h200/fa4_final_knobs.json holds the comparison with the
     run-to-run spread (notebook 08 prints the verdicts).
 
+    D = 64 skips the O rescale unless a row's max grew by more than tau = 8 (chapter 07; each
+    step's O multiply is then a branch the warp takes rarely), and its causal shapes keep two K
+    and two V stages, not three. Both were chosen at ncu's fixed SM clock, where a kernel's time
+    repeats to a few tenths of a per cent (results/h200/fa4_final_clocked*.json; at D = 128
+    tau = 8 was slower there); the bursts' spread is larger than either difference. Varlen,
+    not measured so, keeps three stages and tau = 0.
+
     Causal (dense): tiles longest first in sections of heads whose K and V fit in L2, handed to
     the persistent CTAs by the host's list schedule (Note [Tile table]). Longest first over
     every head reads 2-4x more from DRAM at S = 4096 and 16384 (results/h200/
@@ -131,9 +138,11 @@ def hopper_fwd_default(head_dim: int, causal: bool = False,
     if not varlen:  # causal: sectioned and list-scheduled; equal tiles: the tail cut
         schedule = dict(l2_sections=True, tile_table=True) if causal else dict(
             tile_table=True, split_tail=True)
-    if head_dim <= 64:
-        return HopperFwdConfig(num_consumer_wgs=3, tile_n=128, stages_k=3, stages_v=3,
-                               o_rescale="next_pv", **schedule)
+    if head_dim <= 64:  # dense: O rescaled only when a row's max grew by more than tau = 8
+        stages = 2 if causal and not varlen else 3
+        return HopperFwdConfig(num_consumer_wgs=3, tile_n=128, stages_k=stages,
+                               stages_v=stages, o_rescale="next_pv",
+                               rescale_threshold=0.0 if varlen else 8.0, **schedule)
     return HopperFwdConfig(num_consumer_wgs=2, tile_n=128, stages_k=3, stages_v=2,
                            o_rescale="next_pv", **schedule)
 

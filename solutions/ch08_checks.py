@@ -115,11 +115,15 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="three small cases (for sanitizers)")
     ap.add_argument("--knob", help="only the cases of the knob sets that set this knob")
     ap.add_argument("--split", action="store_true", help="with --small: the split-tail cases")
+    ap.add_argument("--defaults", action="store_true", help="only the cases that run the "
+                    "default configs (no knob sets)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU here; the compile-only checks are tests/test_fa4_final_compile.py")
         return 0
-    return 1 if checks.run_cases(check_case, all_cases(args.small, args.knob, args.split)) else 0
+    cases = ([(c, None) for c in CASES] if args.defaults
+             else all_cases(args.small, args.knob, args.split))
+    return 1 if checks.run_cases(check_case, cases) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -84,11 +84,12 @@ for s in "$@"; do
     fa4-d64) step fa4_d64 540 $PY -m solutions.ch08_knobs --knobs --shape 64 4096 0 --shape 64 4096 1 --shape 64 16384 0 --shape 64 16384 1 --only "exp2 emulation" "tau = 8" --rounds ${ROUNDS:-5} --name fa4_final_d64_softmax ;;
     fa4-tune) step fa4_tune 560 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "tau = 8" "unroll 2" "unroll 3" --exact --settle-ms 50 --rounds ${ROUNDS:-5} --name fa4_final_tune ;;
     fa4-bench-settled) step fa4_bench_settled 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd_settled --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-5} --settle-ms 50 ;;
-    clocked) step fa4_clocked 560 $PY -m solutions.ch08_clocked ;;
+    clocked) step fa4_clocked 560 $PY -m solutions.ch08_clocked ${CLOCKED_ARGS:-} ;;
     clocked-d64c2) step fa4_clocked_d64c2 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "K/V stages 2/2" "K/V stages 2/2, tau = 8" "K/V stages 2/2, O rescaled after the softmax" "K/V stages 2/2, tau = 8, O rescaled after the softmax" fa4_package --name fa4_final_clocked_d64_causal_stages ;;
     clocked-d64c) step fa4_clocked_d64c 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "tau = 8" "O rescaled after the softmax" "tau = 8, O rescaled after the softmax" "one tile per CTA, L2 sections" "zigzag rounds in L2 sections" "K/V stages 2/2" fa4_package --name fa4_final_clocked_d64_causal ;;
     predecessors) step fa4_predecessors 300 $PY -m solutions.ch08_predecessors ;;
     energy) step fa4_energy 300 $PY -m solutions.ch08_energy ;;
+    fa4-check-defaults) step fa4_check_defaults 300 $PY -m solutions.ch08_checks --defaults ;;
     split-check) step split_check 300 $PY -m solutions.ch08_checks --knob split_tail ;;
     split-sanitize)
       for tool in memcheck racecheck synccheck; do
