@@ -41,7 +41,6 @@ class HopperFwdConfig:
     separate_o: bool = True  # O staged in its own buffer: the next Q loads during the epilogue
     o_rescale: str = "next_pv"  # where O *= alpha: "end", "early", "next_pv" (Note [Where O..])
     mask_bits: bool = False  # right-edge mask as one bit word per row (mask, Note [Mask as bits])
-    unroll: int = 1  # unmasked KV steps per loop trip (ptxas then folds stage arithmetic)
     timeline: bool = False  # debug build: record phase timestamps (fa4_final.timeline)
     exp2_emulation_fraction: float = 0.0  # chapter 06
     rescale_threshold: float = 0.0  # chapter 07 (tau, log2 units; 0 = always rescale)
@@ -96,9 +95,6 @@ class HopperFwdConfig:
                 f"{', a separate O' if self.separate_o else ''}; 16-bit), more than the "
                 f"{SM90_SMEM_BYTES} B a CTA may use: fewer stages, a smaller tile_n, or "
                 f"separate_o=False")
-        if isinstance(self.unroll, bool) or self.unroll not in (1, 2, 3, 4):
-            raise ValueError(f"unroll must be 1, 2, 3 or 4 (KV steps per trip of the unmasked "
-                             f"loop), got {self.unroll!r}")
         if self.o_rescale not in O_RESCALE_PLACES:
             raise ValueError(f"o_rescale must be one of {O_RESCALE_PLACES}, got {self.o_rescale!r}")
         if self.tile_table and not self.persistent:

@@ -70,10 +70,6 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
         else:
             configs["last round cut along the keys"] = replace(base, tile_table=True,
                                                                split_tail=True)
-    if causal:  # the unmasked loop unrolled: ptxas folds a step's stage and descriptor
-        # arithmetic into the next (not causal, ptxas spills the unrolled loop at 128 registers)
-        configs["unroll 2"] = replace(base, unroll=2)
-        configs["unroll 3"] = replace(base, unroll=3)
     if causal:  # the default: longest first in L2 sections, list-scheduled (Note [Tile table])
         # fixed zigzag rounds, longest first over every head (the default before the table)
         configs["zigzag rounds, longest first over all heads"] = replace(

@@ -489,3 +489,88 @@ def energy_lines(res) -> list[str]:
                          f"TFLOP/s (runs {each}), {r.get('tflop_per_joule', float('nan')):.2f} "
                          f"TFLOP/J, power {power} W, clock {clock} MHz{ratio}")
     return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# Four ways to time the same two kernels (section 8)
+
+
+def predecessor_lines(res) -> list[str]:
+    """Per predecessor in solutions.ch08_predecessors' file: each implementation's median burst
+    over the rounds, and fa4_final's speed over the package's after that predecessor."""
+    import statistics
+
+    preds = list(dict.fromkeys(r["predecessor"] for r in res.rows))
+    impls = list(dict.fromkeys(r["impl"] for r in res.rows))
+    med = {(i, p): statistics.median(r["ms"] for r in res.rows
+                                     if r["impl"] == i and r["predecessor"] == p)
+           for i in impls for p in preds}
+    lines = []
+    for p in preds:
+        times = ", ".join(f"{i} {med[(i, p)]:.3f} ms" for i in impls)
+        ratio = med[("fa4_package", p)] / med[("fa4_final", p)]
+        lines.append(f"after {p:15s} {times}; fa4_final / package {ratio:.3f}x")
+    for i in impls:
+        ms = [med[(i, p)] for p in preds]
+        lines.append(f"{i}: slowest / fastest burst over the predecessors {max(ms) / min(ms):.3f}")
+    return lines
+
+
+def clocked_lines(res, base: str = "fa4_final") -> list[str]:
+    """Per shape of a solutions.ch08_clocked file: every variant's kernel time at ncu's clock,
+    its speed over the FA4 package's, and (variants) the verdict against ``base``."""
+    lines = []
+    for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):
+        group = {r["config"]: r for r in res.rows
+                 if (r["d"], r["s"], r["causal"]) == (d, s, causal)}
+        pkg, ours = group.get("fa4_package"), group.get(base)
+        lines.append(f"D={d:3d} S={s:5d} causal={causal!s:5s}")
+        for name, r in group.items():
+            if name == "fa4_package":
+                continue
+            vs_pkg = f"vs package {bench.compare(r, pkg)}" if pkg else ""
+            vs_base = (f"; vs {base} {bench.compare(r, ours)}" if ours and r is not ours
+                       else "")
+            lines.append(f"    {name:52s} {r['ms']:.4f} ms  {vs_pkg}{vs_base}")
+        if pkg:
+            lines.append(f"    {'fa4_package':52s} {pkg['ms']:.4f} ms")
+    return lines
+
+
+def _best_peer_row(rows: list[dict], r: dict) -> dict | None:
+    peers = [p for p in rows if bench.is_peer(p) and bench.same_shape(p, r) and p.get("ms")]
+    return min(peers, key=lambda p: p["ms"]) if peers else None
+
+
+def instrument_rows(named: dict) -> list[dict]:
+    """One row per shape: fa4_final's comparison (utils.bench.Comparison) with the fastest peer
+    timed in each results file of ``named`` (label -> Results; a file of solutions.ch08_clocked
+    holds the package only)."""
+    shapes = sorted({(r["d"], r["s"], r["causal"]) for res in named.values() for r in res.rows
+                     if r["impl"] == "fa4_final"})
+    out = []
+    for d, s, causal in shapes:
+        row = {"d": d, "s": s, "causal": causal}
+        for label, res in named.items():
+            ours = next((r for r in res.rows if r["impl"] == "fa4_final"
+                         and r.get("config", "fa4_final") in ("fa4_final", "default")
+                         and (r["d"], r["s"], r["causal"]) == (d, s, causal)), None)
+            peer = _best_peer_row(res.rows, ours) if ours else None
+            row[label] = bench.compare(ours, peer) if peer else None
+        out.append(row)
+    return out
+
+
+def instrument_lines(named: dict) -> list[str]:
+    """instrument_rows as a table: the ratio per way of timing, '+' faster, '-' slower, '~'
+    within that file's spread."""
+    mark = {"faster": "+", "slower": "-", "within noise": "~"}
+    head = f"{'D':>3s} {'S':>5s} {'causal':6s} " + " ".join(f"{k:>14s}" for k in named)
+    lines = [head]
+    for row in instrument_rows(named):
+        cells = []
+        for k in named:
+            c = row[k]
+            cells.append(f"{'-':>14s}" if c is None else f"{c.ratio:12.3f} {mark[c.verdict]}")
+        lines.append(f"{row['d']:3d} {row['s']:5d} {row['causal']!s:6s} " + " ".join(cells))
+    return lines

@@ -284,3 +284,23 @@ def test_nvidia_smi_is_read_rarely_and_parsed(monkeypatch):
     assert bench.Sampler(sensors).interval_s >= 0.5
     Done.stdout = "[N/A], [N/A], [N/A]"
     assert sensors.read() == {"sm_clock_mhz": None, "power_w": None, "reasons": None}
+
+
+def test_benchmark_attention_passes_the_settle_time_to_the_timer_only_when_asked():
+    seen = []
+
+    class Recording(FakeTimer):
+        def __call__(self, fn, during, **kw):
+            seen.append(kw.get("settle_ms"))
+            return super().__call__(fn, during, **kw)
+
+    def impl(q, k, v, causal=False, softmax_scale=None):
+        return "a"
+
+    shape = [bench.Shape(b=1, s=8, h=2, d=4)]
+    for settle, want in ((0.0, None), (50.0, 50.0)):
+        seen.clear()
+        bench.benchmark_attention({"a": impl}, shape, rounds=3, timer=Recording({"a": [1.0] * 3}),
+                                  sensors=FakeSensors([1755.0]), device="cpu", progress=False,
+                                  settle_ms=settle)
+        assert seen == [want] * 3

@@ -91,3 +91,19 @@ def test_energy_lines_read_a_sustained_run():
     assert len(lines) == len(res.rows)
     assert all("TFLOP/J" in line for line in lines)
     assert any("fa4_final / this" in line for line in lines)
+
+
+def test_the_four_ways_of_timing_read_the_stored_files():
+    from utils import results
+
+    named = {"bursts": results.load("fa4_final_fwd"),
+             "fixed clock": results.load("fa4_final_clocked_vs_package"),
+             "sustained": results.load("fa4_final_energy")}
+    rows = t08.instrument_rows(named)
+    assert len(rows) == 8 and all(r[k] is not None for r in rows for k in named)
+    lines = t08.instrument_lines(named)
+    assert lines[0].split()[:3] == ["D", "S", "causal"] and len(lines) == 9
+    pred = t08.predecessor_lines(results.load("fa4_final_predecessors"))
+    assert any(line.startswith("after idle") for line in pred)
+    clocked = t08.clocked_lines(results.load("fa4_final_clocked"))
+    assert any("vs package" in line for line in clocked)

@@ -73,6 +73,19 @@ def test_knobs_show_in_the_code(artifacts):
     assert emulated.count("add.rm.f32") > 0 and artifacts(128, False).count("add.rm.f32") == 0
 
 
+def test_the_d64_defaults_skip_the_rescale_by_a_vote(artifacts):
+    """D = 64 (dense) takes tau = 8, its causal kernel two K/V stages; varlen and D = 128 keep
+    the always-rescale step (fa4_final.config.hopper_fwd_default)."""
+    for causal in (False, True):
+        assert hopper_fwd_default(64, causal).rescale_threshold == 8.0
+        assert hopper_fwd_default(64, causal, varlen=True).rescale_threshold == 0.0
+        assert hopper_fwd_default(128, causal).rescale_threshold == 0.0
+    assert (hopper_fwd_default(64, True).stages_k, hopper_fwd_default(64, True).stages_v) == (2, 2)
+    art = artifacts(64, True)
+    assert art.count("vote.sync.any", "ptx") >= 1 and art.spills == 0
+    assert wgmma_serialised(art) == 0
+
+
 def test_config_errors_name_the_knob():
     with pytest.raises(ValueError, match="shared memory"):
         HopperFwdConfig(stages_k=4, stages_v=4).check(128)

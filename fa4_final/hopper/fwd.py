@@ -636,7 +636,7 @@ class HopperForward:
             # a window narrower than a tile can cut a diagonal tile on both sides
             state_k, state_v, rescale = step(i, True, self.window.has_left, state_k, state_v,
                                              rescale)
-        for i in cutlass.range(top_end, bottom_start, unroll=self.cfg.unroll):
+        for i in cutlass.range(top_end, bottom_start, unroll=1):
             state_k, state_v, rescale = step(i, False, False, state_k, state_v, rescale)
         if const_expr(self.window.has_left):
             for i in cutlass.range(bottom_start, n_tiles, unroll=1):

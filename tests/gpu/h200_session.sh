@@ -7,7 +7,7 @@
 #    fa4-split: the last round whole or cut along the keys at the four non-causal shapes;
 #    split-check / split-sanitize: the split tail's float64 checks / under the sanitizers;
 #    fa4-d64: the exp2 emulation share and the rescale threshold at the four D = 64 shapes;
-#    fa4-tune: tau = 8 and the unrolled loop at the eight shapes, each config settled at its own
+#    fa4-tune: tau = 8 at the eight shapes, each config settled at its own
 #    clock first; fa4-bench-settled: the forward benchmark so;
 #    clocked: fa4_final, two variants and the FA4 package at ncu's fixed clock, 8 shapes;
 #    predecessors: one shape's burst timed after an idle pause, a slow kernel, the other
@@ -82,7 +82,7 @@ for s in "$@"; do
     fa4-split) step fa4_split 420 $PY -m solutions.ch08_knobs --knobs --non-causal --only "last round" "cut along" --rounds ${ROUNDS:-5} --name fa4_final_split ;;
     fa4-d64c) step fa4_d64c 420 $PY -m solutions.ch08_knobs --knobs --shape 64 16384 1 --only "one tile per CTA, L2" "stages 2/2" "zigzag rounds in L2" "128 x 128" "after the softmax" --rounds ${ROUNDS:-7} --name fa4_final_d64_causal ;;
     fa4-d64) step fa4_d64 540 $PY -m solutions.ch08_knobs --knobs --shape 64 4096 0 --shape 64 4096 1 --shape 64 16384 0 --shape 64 16384 1 --only "exp2 emulation" "tau = 8" --rounds ${ROUNDS:-5} --name fa4_final_d64_softmax ;;
-    fa4-tune) step fa4_tune 560 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "tau = 8" "unroll 2" "unroll 3" --exact --settle-ms 50 --rounds ${ROUNDS:-5} --name fa4_final_tune ;;
+    fa4-tune) step fa4_tune 560 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "tau = 8" --exact --settle-ms 50 --rounds ${ROUNDS:-5} --name fa4_final_tune ;;
     fa4-bench-settled) step fa4_bench_settled 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd_settled --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-5} --settle-ms 50 ;;
     clocked) step fa4_clocked 560 $PY -m solutions.ch08_clocked ${CLOCKED_ARGS:-} ;;
     clocked-d64c2) step fa4_clocked_d64c2 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "K/V stages 2/2" "K/V stages 2/2, tau = 8" "K/V stages 2/2, O rescaled after the softmax" "K/V stages 2/2, tau = 8, O rescaled after the softmax" fa4_package --name fa4_final_clocked_d64_causal_stages ;;
