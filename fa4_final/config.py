@@ -116,10 +116,10 @@ def hopper_fwd_default(head_dim: int, causal: bool = False,
 
     D = 64 skips the O rescale unless a row's max grew by more than tau = 8 (chapter 07; each
     step's O multiply is then a branch the warp takes rarely), and its causal shapes keep two K
-    and two V stages, not three. Both were chosen at ncu's fixed SM clock, where a kernel's time
-    repeats to a few tenths of a per cent (results/h200/fa4_final_clocked*.json; at D = 128
-    tau = 8 was slower there); the bursts' spread is larger than either difference. Varlen,
-    not measured so, keeps three stages and tau = 0.
+    and two V stages, not three. Both were chosen at ncu's fixed SM clock, free of the power
+    limit and of what ran before (results/h200/fa4_final_clocked*.json; at D = 128 tau = 8 was
+    slower there); the bursts' spread is larger than either difference. Varlen, not measured
+    so, keeps three stages and tau = 0.
 
     Causal (dense): tiles longest first in sections of heads whose K and V fit in L2, handed to
     the persistent CTAs by the host's list schedule (Note [Tile table]). Longest first over

@@ -3,8 +3,9 @@ SM clock, kernel by kernel, by Nsight Compute.
 
 A burst on a power-limited H200 moves by several per cent with what ran before it (utils.bench
 Note [Predecessors]); a difference of 1-2% between two kernels drowns in that. Nsight Compute
-holds the SM clock at its base, runs one kernel at a time and flushes the caches before each, so
-a kernel's duration there repeats to a few tenths of a per cent: the instrument for telling
+holds the SM clock at its base, runs one kernel at a time and flushes the caches before each:
+no predecessor, no power limit, and a spread over the rounds of one to a few per cent (the
+launches drift together, which the alternating rounds cancel), the instrument for telling
 apart variants that close. It says nothing of power: a variant that saves energy gains under
 the power limit and not here (solutions.ch08_energy measures that), and the base clock makes
 memory relatively faster than at the GPU's own clock.

@@ -136,8 +136,8 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
 # after an idle pause, for fa4_final and the FA4 package alike, and the ratio of the two moved
 # from 0.96 to 1.00 with the predecessor alone. ``time_cuda(settle_ms=...)`` runs the timed
 # function itself for that long before its timed calls: every implementation is then timed at
-# the clock its own load sets (40 ms was enough there for the first timed call to sit at the
-# burst's level).
+# the clock its own load sets (after 40 ms of itself, the first timed calls there were already
+# within a few per cent of the burst's last ones).
 
 
 # ----------------------------------------------------------------------------------------------
