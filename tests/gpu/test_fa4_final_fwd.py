@@ -47,3 +47,28 @@ def test_timeline_records_every_phase():
     stamps = consumer[:steps]
     assert bool((stamps[:, 1:] >= stamps[:, :-1]).all())  # marks in order inside a step
     assert bool((stamps[1:, Mark.WAIT] >= stamps[:-1, Mark.P_READY]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_d64_default_rescales_on_the_adversarial_input(causal, dtype):
+    """The D = 64 default multiplies O only when a row's max grew by more than tau: on chapter
+    07's input whose max grows by tau + 1 at every KV tile (in the kernel's reverse order), every
+    warp votes to rescale at every tile, and out and lse must still match float64."""
+    from fa4_final.config import hopper_fwd_default
+    from solutions import ch07_rescaling as ch07
+    from utils import checks
+
+    cfg = hopper_fwd_default(64, causal)
+    assert cfg.rescale_threshold > 0
+    q, k, v = ch07.pattern_qkv("adversarial", 1031, 1031, 2, 64, tile_n=cfg.tile_n,
+                               tau=cfg.rescale_threshold, kv_order="reverse")
+    q, k, v = (t.to("cuda", dtype) for t in (q, k, v))
+    b, sq, h, d = q.shape
+    out = checks.poisoned_empty(b, sq, h, d, dtype=dtype, device="cuda")
+    lse = checks.poisoned_empty(b, h, sq, dtype=torch.float32, device="cuda")
+    label = f"adversarial D=64 default causal={causal} {dtype}"
+    ch08_checks.run_into(q, k, v, out, lse, causal, None, cfg, None)
+    checks.wait_for_gpu(label)
+    ok, line = checks.compare_outputs(q, k, v, out, lse, causal, label=label)
+    assert ok, line
