@@ -30,11 +30,11 @@ def _burst(fn, calls: int) -> None:
         fn()
 
 
-def _timed_calls(fn, reps: int, flush) -> list[float]:
+def _timed_calls(fn, reps: int) -> list[float]:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
-        flush()
+        bench.clear_l2()
         starts[i].record()
         fn()
         ends[i].record()
@@ -53,7 +53,6 @@ def measure(d: int = 64, s: int = 16384, causal: bool = True, reps: int = 30, ro
     impls = {"fa4_final": lambda: interface.forward(q, k, v, causal),
              "fa4_package": lambda: peers["fa4_package"](q, k, v, causal=causal)}
     slow = lambda: peers["sdpa_efficient"](q, k, v, causal=causal)  # noqa: E731
-    flush = bench._L2Flusher()
     for fn in (*impls.values(), slow):  # compile and warm every kernel once
         fn()
     torch.cuda.synchronize()
@@ -84,7 +83,7 @@ def measure(d: int = 64, s: int = 16384, causal: bool = True, reps: int = 30, ro
                     _burst(impls[name], counts[name])
                 sampler = bench.Sampler(sensors)
                 with sampler:
-                    ms = _timed_calls(impls[name], reps, flush)
+                    ms = _timed_calls(impls[name], reps)
                 med = statistics.median(ms)
                 rows.append({"impl": name, "predecessor": pred, "round": rnd, "pass": "fwd",
                              "dtype": "bf16", "b": b, "s": s, "h": 16, "d": d,
