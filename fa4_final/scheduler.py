@@ -126,14 +126,19 @@ def list_schedule(costs: list[int], grid: int) -> list[list[int]]:
     return tiles
 
 
+def round_major(per_cta: list[list], sentinel) -> list:
+    """Each CTA's entries laid out round by round (round r: CTA 0's r-th entry, CTA 1's, ...),
+    ``sentinel`` where a CTA has none, for one round more than the longest list: the sentinel
+    row ends every CTA's walk."""
+    rows = max(len(entries) for entries in per_cta) + 1
+    return [per_cta[cta][r] if r < len(per_cta[cta]) else sentinel
+            for r in range(rows) for cta in range(len(per_cta))]
+
+
 def tile_table(costs: list[int], grid: int) -> list[int]:
     """The flat table of Note [Tile table]: (rounds + 1) * grid entries, round-major; the
     sentinel is len(costs)."""
-    per_cta = list_schedule(costs, grid)
-    rows = max(len(ts) for ts in per_cta) + 1
-    sentinel = len(costs)
-    return [per_cta[cta][r] if r < len(per_cta[cta]) else sentinel
-            for r in range(rows) for cta in range(grid)]
+    return round_major(list_schedule(costs, grid), len(costs))
 
 
 # Note [Split tail]
@@ -202,13 +207,8 @@ def split_tail_table(num_tiles: int, steps: int, grid: int) -> tuple[list[int], 
     """The flat table of Note [Split tail] ((rounds + 1) * grid entries of SPLIT_FIELDS,
     round-major; the sentinel entry's tile is num_tiles) and the number of slots."""
     items, slots = split_tail_items(num_tiles, steps, grid)
-    rows = max(len(it) for it in items) + 1
     sentinel = (num_tiles, 0, 0, -1, 0, 0)
-    flat = []
-    for r in range(rows):
-        for cta in range(grid):
-            flat.extend(items[cta][r] if r < len(items[cta]) else sentinel)
-    return flat, slots
+    return [f for entry in round_major(items, sentinel) for f in entry], slots
 
 
 def table_rounds(table_entries: int, grid):

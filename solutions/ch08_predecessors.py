@@ -30,18 +30,6 @@ def _burst(fn, calls: int) -> None:
         fn()
 
 
-def _timed_calls(fn, reps: int) -> list[float]:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        bench.clear_l2()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
-
-
 def measure(d: int = 64, s: int = 16384, causal: bool = True, reps: int = 30, rounds: int = 4,
             pred_ms: float = 40.0) -> list[dict]:
     from utils.reference import random_qkv
@@ -83,7 +71,7 @@ def measure(d: int = 64, s: int = 16384, causal: bool = True, reps: int = 30, ro
                     _burst(impls[name], counts[name])
                 sampler = bench.Sampler(sensors)
                 with sampler:
-                    ms = _timed_calls(impls[name], reps)
+                    ms = bench.call_times(impls[name], reps)
                 med = statistics.median(ms)
                 rows.append({"impl": name, "predecessor": pred, "round": rnd, "pass": "fwd",
                              "dtype": "bf16", "b": b, "s": s, "h": 16, "d": d,

@@ -84,6 +84,21 @@ def clear_l2() -> None:
     _flusher()
 
 
+def call_times(fn: Callable[[], object], reps: int, flush_l2: bool = True) -> list[float]:
+    """Each of ``reps`` calls of ``fn`` in milliseconds, in call order, by CUDA events around
+    the call alone (L2 flushed before each unless ``flush_l2`` is False); no warm-up."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if flush_l2:
+            clear_l2()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
 def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
               flush_l2: bool = True, max_seconds: float = 4.0,
               during=contextlib.nullcontext, settle_ms: float = 0.0) -> Timing:
@@ -111,17 +126,8 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, rep: int = 30,
             clear_l2()
         fn()
     rep = max(3, min(rep, int(max_seconds * 1e3 / one)))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     with during():
-        for i in range(rep):
-            if flush_l2:
-                clear_l2()
-            starts[i].record()
-            fn()
-            ends[i].record()
-        torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        times = sorted(call_times(fn, rep, flush_l2))
     q = statistics.quantiles(times, n=5) if len(times) >= 5 else [times[0]] * 4
     return Timing(statistics.median(times), times[0], q[0], q[-1], rep)
 
