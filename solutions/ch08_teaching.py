@@ -537,11 +537,6 @@ def clocked_lines(res, base: str = "fa4_final") -> list[str]:
     return lines
 
 
-def _best_peer_row(rows: list[dict], r: dict) -> dict | None:
-    peers = [p for p in rows if bench.is_peer(p) and bench.same_shape(p, r) and p.get("ms")]
-    return min(peers, key=lambda p: p["ms"]) if peers else None
-
-
 def instrument_rows(named: dict) -> list[dict]:
     """One row per shape: fa4_final's comparison (utils.bench.Comparison) with the fastest peer
     timed in each results file of ``named`` (label -> Results; a file of solutions.ch08_clocked
@@ -555,7 +550,7 @@ def instrument_rows(named: dict) -> list[dict]:
             ours = next((r for r in res.rows if r["impl"] == "fa4_final"
                          and r.get("config", "fa4_final") in ("fa4_final", "default")
                          and (r["d"], r["s"], r["causal"]) == (d, s, causal)), None)
-            peer = _best_peer_row(res.rows, ours) if ours else None
+            peer = bench.best_peer(res.rows, ours) if ours else None
             row[label] = bench.compare(ours, peer) if peer else None
         out.append(row)
     return out
