@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fa4_final.constants import SM90_REGISTERS, SM90_SMEM_BYTES, THREADS_PER_WARPGROUP, WGMMA_M
+from fa4_final.scheduler import TILE_SLOTS
 from fa4_final.softmax import check_softmax_knobs
 
 HEAD_DIMS = (64, 128)
@@ -38,6 +39,7 @@ class HopperFwdConfig:
     l2_sections: bool = False  # causal order in sections of heads that fit L2 (Note [Causal..])
     tile_table: bool = False  # tiles to CTAs by a host-built list schedule (Note [Tile table])
     split_tail: bool = False  # the table's last round cut along the keys (Note [Split tail])
+    dynamic_tiles: bool = False  # each CTA's next tile from a counter at run time (Note [Dyn..])
     separate_o: bool = True  # O staged in its own buffer: the next Q loads during the epilogue
     o_rescale: str = "next_pv"  # where O *= alpha: "end", "early", "next_pv" (Note [Where O..])
     mask_bits: bool = False  # right-edge mask as one bit word per row (mask, Note [Mask as bits])
@@ -66,6 +68,7 @@ class HopperFwdConfig:
         buffer; each tile 1 KB aligned for the 128 B swizzle. The kernel asserts its struct
         has exactly this size."""
         barriers = 8 * 2 * (1 + self.stages_k + self.stages_v) + 8  # + the split-tail count
+        barriers += (8 * 2 + 4) * TILE_SLOTS  # Note [Dynamic tiles]: FULL, EMPTY, the tile
         q = self.tile_m * head_dim * elem_bytes
         kv = self.tile_n * head_dim * elem_bytes
         o = q if self.separate_o else 0
@@ -101,6 +104,10 @@ class HopperFwdConfig:
             raise ValueError("tile_table assigns tiles to persistent CTAs: it needs "
                              "persistent=True (one CTA per tile leaves the assignment to the "
                              "hardware)")
+        if self.dynamic_tiles and (self.tile_table or not self.persistent):
+            raise ValueError("dynamic_tiles hands tiles to persistent CTAs at run time: it "
+                             "needs persistent=True and tile_table=False (the table hands "
+                             "them out before the launch)")
         if self.pingpong and self.num_consumer_wgs < 2:
             raise ValueError("pingpong needs at least 2 consumer warpgroups to take turns")
         check_softmax_knobs(self.exp2_emulation_fraction, self.rescale_threshold)

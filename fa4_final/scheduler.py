@@ -217,6 +217,67 @@ def table_rounds(table_entries: int, grid):
     return table_entries // grid - 1
 
 
+# Note [Dynamic tiles]
+# --------------------
+# The tile table balances the costs the host's model predicts. What it cannot see is what a
+# tile really costs on the GPU: a tile whose K and V miss in L2, an SM that the power manager
+# clocks lower, a CTA whose turns collide with its neighbour's epilogue. A scatter of 1-2% per
+# tile leaves some CTAs behind by the end (the model in fa4_final_model, notebook 08, puts
+# that at 0.5-1% of the kernel). The dynamic scheduler takes the next tile when a CTA needs
+# it, as the hardware does with one CTA per tile, and keeps the persistent kernel's overlap of
+# one tile's epilogue with the next one's loads:
+#   - tile t is the t-th of the order above (longest first, in L2 sections);
+#   - CTA c starts with tile c; after issuing the loads of a tile, its producer warp takes the
+#     next from a global counter: t = grid + atomicAdd(counter, 1), none once t >= num_tiles;
+#   - the producer hands t to the consumer warpgroups through a ring of TILE_SLOTS slots in
+#     shared memory, each with a FULL mbarrier (the producer's arrive, after its store) and
+#     an EMPTY one (every consumer thread's arrive, after its load); a t >= num_tiles ends
+#     every role's loop;
+#   - every CTA fetches once more than it has tiles, so a launch makes exactly num_tiles
+#     fetches: the one that returns num_tiles - 1 is the launch's last and sets the counter
+#     back to 0 for the next launch (nobody zeroes it on the host; the next launch on the same
+#     stream starts after this one has ended).
+# The consumers then do not know, during a tile, whether it is their last, which the turns of
+# Note [Turns] (fa4_final.hopper.fwd) used to skip the last arrive: every turn now hands on,
+# and warpgroup 0 takes one turn more after the loop, the one the last arrive opened.
+
+TILE_SLOTS = 2  # depth of the producer -> consumers ring of tile indices
+
+
+@cute.jit
+def fetch_tile(counter: cute.Tensor, grid: Int32, num_tiles: Int32) -> Int32:
+    """The next tile of Note [Dynamic tiles]: lane 0 of the calling warp adds 1 to the
+    counter, the warp gets grid + the old value. The launch's last fetch zeroes the counter."""
+    got = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        got = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+        if got == num_tiles - 1:
+            counter[0] = Int32(0)
+    return grid + cute.arch.shuffle_sync(got, 0)
+
+
+@cute.jit
+def publish_tile(full: cute.Pointer, empty: cute.Pointer, slots: cute.Tensor, r: Int32,
+                 tile: Int32):
+    """Producer (lane 0): the tile of round r into slot r % TILE_SLOTS once the consumers
+    have read what the slot held, then its FULL arrive (a release: the store is seen)."""
+    if cute.arch.lane_idx() == 0:
+        s = r % TILE_SLOTS
+        cute.arch.mbarrier_wait(empty + s, ((r // TILE_SLOTS) % 2) ^ 1)  # lap 0 passes
+        slots[s] = tile
+        cute.arch.mbarrier_arrive(full + s)
+
+
+@cute.jit
+def read_tile(full: cute.Pointer, empty: cute.Pointer, slots: cute.Tensor, r: Int32) -> Int32:
+    """Consumer thread: the tile of round r, then its EMPTY arrive (the slot may be reused)."""
+    s = r % TILE_SLOTS
+    cute.arch.mbarrier_wait(full + s, (r // TILE_SLOTS) % 2)
+    tile = slots[s]
+    cute.arch.mbarrier_arrive(empty + s)
+    return tile
+
+
 # ----------------------------------------------------------------------------------------------
 # varlen: sequences packed one after another (fa4_final.varlen)
 

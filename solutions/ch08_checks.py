@@ -48,7 +48,8 @@ KNOBS = [dict(pingpong=False), dict(persistent=False, tile_table=False), dict(se
          dict(l2_sections=False, tile_table=False), dict(l2_sections=True, tile_table=False),
          dict(stages_k=2, stages_v=2), dict(stages_k=2, stages_v=3), dict(mask_bits=True),
          dict(o_rescale="early", mask_bits=True), dict(l2_sections=True, tile_table=True),
-         dict(tile_table=True, split_tail=True)]
+         dict(tile_table=True, split_tail=True),
+         dict(l2_sections=True, tile_table=False, dynamic_tiles=True)]
 KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),
                (2, 777, 777, 4, 2, 64, False, FP16, None)]
 # knobs that change the mask or the P V bookkeeping also meet causal D = 64 (tile_m = 192, two
@@ -56,7 +57,10 @@ KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),
 KNOB_MORE_SHAPES = {"mask_bits": [(2, 700, 500, 3, 1, 64, True, FP16, None),
                                   (1, 700, 900, 2, 2, 64, True, BF16, (37, None))],
                     # the table changes which CTA computes what: many tiles per CTA, rows
-                    # that see no key, windows, and a grid smaller than the SM count
+                    # that see no key, windows, and a grid smaller than the SM count (also the
+                    # shapes of the dynamic scheduler's knob set, which sets tile_table=False:
+                    # every launch after the first takes its tiles from the counter the one
+                    # before set back to zero)
                     "tile_table": [(4, 2048, 2048, 16, 4, 128, True, BF16, None),
                                    (2, 8192, 8192, 16, 2, 64, True, FP16, None),
                                    (1, 1000, 100, 2, 2, 128, True, BF16, None),
@@ -96,10 +100,15 @@ def check_case(b, sq, sk, h, hk, d, causal, dtype, window=None, config=None):
 
 
 def all_cases(small: bool = False, knob: str | None = None, split: bool = False):
-    """Every case, or the three small ones (``split``: the two small split-tail ones), or
-    (``knob``) those of the knob sets naming it."""
+    """Every case, or the three small ones (``split``: the two small split-tail ones; with
+    ``knob``, run with the first knob set naming it), or (``knob``) those of the knob sets
+    naming it."""
     if small:
-        return [(c, None) for c in (SMALL_SPLIT if split else SMALL)]
+        shapes = SMALL_SPLIT if split else SMALL
+        if knob is None:
+            return [(c, None) for c in shapes]
+        knobs = next(k for k in KNOBS if knob in k)  # the first knob set naming it
+        return [(c, replace(hopper_fwd_default(c[5], c[6]), **knobs)) for c in shapes]
     cases = [(c, None) for c in CASES] if knob is None else []
     for knobs in KNOBS:
         if knob is not None and knob not in knobs:

@@ -431,6 +431,44 @@ def profile_comparison(new, old, new_name: str = "fa4_final",
 
 
 # ----------------------------------------------------------------------------------------------
+# the tile table against dynamic tiles (Note [Dynamic tiles] in fa4_final.scheduler)
+
+
+def dispatch_model(costs: list[int], grid: int, scatter: float, seeds: int = 20,
+                   lead: float = 2.0) -> dict:
+    """When the tiles' real costs scatter around the model's, what each way of handing them
+    out costs. Each tile really costs cost * (1 + scatter * g), g standard normal (fresh per
+    seed, clipped at -0.9). ``table``: the host's list schedule, planned on the model's costs,
+    run with the real ones; ``dynamic``: each CTA takes the next tile in order when it asks,
+    ``lead`` key-tile steps before it finishes its current one (the producer asks once it has
+    issued the current tile's loads). Returns the mean over seeds of each one's end (its
+    busiest CTA) over the ideal (the real total / grid), minus 1."""
+    import heapq
+
+    import numpy as np
+
+    from fa4_final.scheduler import list_schedule
+
+    plan = list_schedule(costs, grid)
+    over = {"table": [], "dynamic": []}
+    for seed in range(seeds):
+        g = np.random.default_rng(seed).standard_normal(len(costs))
+        real = np.asarray(costs, dtype=np.float64) * (1.0 + scatter * np.maximum(g, -0.9))
+        ideal = real.sum() / grid
+        over["table"].append(max(real[ts].sum() for ts in plan) / ideal - 1.0)
+        # (time the CTA asks, its end so far, cta); its first tile is taken at time 0
+        ends = [real[c] for c in range(min(grid, len(costs)))]
+        asks = [(max(e - lead, 0.0), e, c) for c, e in enumerate(ends)]
+        heapq.heapify(asks)
+        for t in range(len(ends), len(costs)):
+            _, end, c = heapq.heappop(asks)
+            end += real[t]  # the next tile starts when the current one ends
+            heapq.heappush(asks, (max(end - lead, 0.0), end, c))
+        over["dynamic"].append(max(e for _, e, _ in asks) / ideal - 1.0)
+    return {k: float(np.mean(v)) for k, v in over.items()}
+
+
+# ----------------------------------------------------------------------------------------------
 # the split tail (Note [Split tail] in fa4_final.scheduler)
 
 

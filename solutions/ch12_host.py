@@ -374,21 +374,17 @@ def measure_call(fn, calls: int = 40, rounds: int = 5) -> dict:
 def tvm_ffi_launch_us(d: int = 128, calls: int = 200) -> list[dict]:
     """Host us of one launch of the compiled forward with every argument ready (what the API
     adds nothing to), and of allocating one output tensor."""
-    from fa4_final.config import hopper_fwd_default
     from fa4_final.hopper import launch
 
     shape = bench.Shape.standard(512, d)
     q, k, v = bench._inputs(shape, torch.bfloat16)
     out = torch.empty_like(q)
     lse = torch.empty(shape.b, shape.h, shape.s, dtype=torch.float32, device="cuda")
-    compiled, _ = launch.compile_forward(launch.ARCH, d, "bf16", False)
-    timeline = launch._timeline_buffer(q.device, hopper_fwd_default(d))
-    sms = launch._num_sms(q.device)
-    scale = d**-0.5
+    # the arguments as the API builds them (the split tail's workspace included), once
+    compiled, args = launch.forward_args(q, k, v, out, lse, False, d**-0.5, None, None)
 
     def one():
-        compiled(q, k, v, out, lse, timeline, scale, 0, 0, shape.h * shape.b, sms, None, None,
-                 None, None)  # non-causal: no tile table (Note [Tile table])
+        compiled(*args)
 
     def alloc():
         torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -118,6 +118,26 @@ def test_the_tile_table_is_read_not_computed(artifacts, head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+def test_dynamic_tiles_take_their_tiles_from_one_atomic(artifacts, head_dim):
+    """Note [Dynamic tiles]: the dynamic build reads no table; its one global atomic is the
+    producer's fetch, the tile ring adds mbarrier arrives and waits, and the GPU work (the
+    wgmma) and the registers stay those of the table's build, with no spills."""
+    table = artifacts(head_dim, True)
+    dynamic = artifacts(head_dim, True, tile_table=False, dynamic_tiles=True)
+    assert dynamic.spills == 0 and wgmma_serialised(dynamic) == 0, dynamic.resources()
+    assert dynamic.count("atom.global.add") == 1 and table.count("atom.global.add") == 0
+    assert dynamic.count("ld.global") == 0 < table.count("ld.global")
+    assert dynamic.count("mbarrier.arrive") > table.count("mbarrier.arrive")
+    assert dynamic.count("HGMMA", "sass") == table.count("HGMMA", "sass")
+
+
+def test_dynamic_tiles_need_a_persistent_kernel_without_a_table():
+    for bad in (dict(tile_table=True), dict(persistent=False, tile_table=False)):
+        with pytest.raises(ValueError, match="dynamic_tiles"):
+            replace(hopper_fwd_default(64, True), dynamic_tiles=True, **bad).check(64)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
 def test_mask_bits_replaces_the_compares(artifacts, head_dim):
     """Note [Mask as bits]: the causal kernel with mask_bits has no spills and far fewer
     ISETP (one per masked element before) than the default."""

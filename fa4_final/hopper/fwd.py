@@ -55,7 +55,11 @@ from fa4_final.hopper.wgmma import (
 from fa4_final.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
 from fa4_final.scheduler import (
     SPLIT_FIELDS,
+    TILE_SLOTS,
     WHOLE_TILE_KEYS,
+    fetch_tile,
+    publish_tile,
+    read_tile,
     rounds,
     table_rounds,
     zigzag_tile,
@@ -111,6 +115,8 @@ class HopperForward:
         # Note [Split tail] (fa4_final.scheduler): the table's entries carry key ranges, and a
         # tile cut into pieces is merged by its last piece
         self.split = self.use_table and config.splits_tail
+        # Note [Dynamic tiles] (fa4_final.scheduler): dense only, like the table
+        self.dynamic = config.dynamic_tiles and not self.varlen
         self.num_consumer_threads = THREADS_PER_WARPGROUP * self.num_wgs
         self.num_threads = THREADS_PER_WARPGROUP + self.num_consumer_threads
         self.roles = {
@@ -173,6 +179,7 @@ class HopperForward:
         mPartO: cute.Tensor | None,  # split tail: (slots, O elements, threads) float32
         mPartML: cute.Tensor | None,  # split tail: (slots, 2 * rows, threads) float32
         mCounters: cute.Tensor | None,  # split tail: (slots,) int32, zero before the launch
+        mTileCounter: cute.Tensor | None,  # dynamic_tiles: (1,) int32, zero before the launch
         stream,
     ):
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
@@ -191,6 +198,9 @@ class HopperForward:
             raise TypeError("the split-tail workspace (partial O, row stats, counters) is given "
                             "exactly to a dense build with config.splits_tail (Note [Split "
                             "tail])")
+        if const_expr(self.dynamic != (mTileCounter is not None)):
+            raise TypeError("the tile counter is given exactly to a dense build with "
+                            "config.dynamic_tiles=True (Note [Dynamic tiles])")
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = select_modes(mLSE, [2, 1, 0])  # (s, h, b)
@@ -212,6 +222,9 @@ class HopperForward:
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.stages_v]
             # Note [Split tail]: the count a tile's counter showed, for every consumer thread
             split_count: cute.struct.MemRange[Int32, 2]
+            # Note [Dynamic tiles]: the tile ring's FULL and EMPTY barriers, and its slots
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS]
+            tile_slots: cute.struct.MemRange[Int32, TILE_SLOTS]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -248,7 +261,7 @@ class HopperForward:
             softmax_scale * LOG2_E, window_left, window_right, l2_group,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
             bytes_q, bytes_kv, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mO_rows,
-            mTileTable, mPartO, mPartML, mCounters,
+            mTileTable, mPartO, mPartML, mCounters, mTileCounter,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -288,6 +301,7 @@ class HopperForward:
         mPartO: cute.Tensor | None,  # Note [Split tail]
         mPartML: cute.Tensor | None,
         mCounters: cute.Tensor | None,
+        mTileCounter: cute.Tensor | None,  # Note [Dynamic tiles]
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -315,6 +329,18 @@ class HopperForward:
         sO = sQ
         if const_expr(self.cfg.separate_o):
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        tiles = None  # Note [Dynamic tiles]: (counter, FULL, EMPTY, slots)
+        if const_expr(self.dynamic):
+            full = storage.mbar_tile.data_ptr()
+            tiles = (mTileCounter, full, full + TILE_SLOTS,
+                     storage.tile_slots.get_tensor(cute.make_layout(TILE_SLOTS)))
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for s in cutlass.range_constexpr(TILE_SLOTS):
+                        cute.arch.mbarrier_init(full + s, 1)
+                        cute.arch.mbarrier_init(full + TILE_SLOTS + s,
+                                                self.num_consumer_threads)
+                cute.arch.mbarrier_init_fence()
         # mbarrier inits (warp 0) must be visible to every thread before anyone waits on them
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
@@ -327,7 +353,7 @@ class HopperForward:
             if warp_idx == self.roles["producer"]["tma_warp"]:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
                           pipeline_q, pipeline_k, pipeline_v, window_left, window_right,
-                          seqs(), mTL, mTileTable)
+                          seqs(), mTL, mTileTable, tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             split = None
@@ -336,7 +362,7 @@ class HopperForward:
                     cute.make_layout(2)))
             self.consume(mO, mLSE, mTL, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                          pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left,
-                         window_right, seqs(), mO_rows, mTileTable, split)
+                         window_right, seqs(), mO_rows, mTileTable, split, tiles)
 
     # Note [Phases]
     # -------------
@@ -355,8 +381,9 @@ class HopperForward:
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
              pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, seqs: Sequences,
-             tl: cute.Tensor, mTileTable: cute.Tensor | None):
-        """Producer warp: Q and the K/V tiles of every tile this CTA computes (Note [Phases])."""
+             tl: cute.Tensor, mTileTable: cute.Tensor | None, tiles=None):
+        """Producer warp: Q and the K/V tiles of every tile this CTA computes (Note [Phases]);
+        with ``tiles``, the tiles it takes at run time (Note [Dynamic tiles])."""
         num_tiles = seqs.num_tiles()
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
@@ -366,14 +393,28 @@ class HopperForward:
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         record = (bidx == 0) & (cute.arch.lane_idx() == 0)
-        for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):
-            tile = self.tile_of(r, bidx, grid, mTileTable)
-            if tile < num_tiles:
-                n_lo, n_hi, _, _, _ = self.piece_of(r, bidx, grid, mTileTable)
+        if const_expr(tiles is not None):
+            counter, full, empty, slots = tiles
+            tile, r = Int32(bidx), Int32(0)
+            while tile < num_tiles:
+                publish_tile(full, empty, slots, r, tile)
                 state_q, state_k, state_v = self.load_tile(
                     tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
                     pipeline_k, pipeline_v, state_q, state_k, state_v, window_left,
-                    window_right, seqs, tl, record & (r == 0), n_lo, n_hi)
+                    window_right, seqs, tl, record & (r == 0), Int32(0),
+                    Int32(WHOLE_TILE_KEYS))
+                tile = fetch_tile(counter, grid, num_tiles)  # after the loads: as late as can be
+                r = r + 1
+            publish_tile(full, empty, slots, r, tile)  # past the last: every consumer stops
+        else:
+            for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):
+                tile = self.tile_of(r, bidx, grid, mTileTable)
+                if tile < num_tiles:
+                    n_lo, n_hi, _, _, _ = self.piece_of(r, bidx, grid, mTileTable)
+                    state_q, state_k, state_v = self.load_tile(
+                        tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+                        pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v,
+                        window_left, window_right, seqs, tl, record & (r == 0), n_lo, n_hi)
 
     @cute.jit
     def load_tile(self, tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
@@ -473,9 +514,10 @@ class HopperForward:
     def consume(self, mO, mLSE, tl, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, seqs: Sequences, mO_rows: cute.Tensor | None,
-                mTileTable: cute.Tensor | None, split):
+                mTileTable: cute.Tensor | None, split, tiles=None):
         """Consumer warpgroups: every tile (or piece of one: Note [Split tail]; ``split`` is
-        then its workspace) of this CTA, then the O store's tail."""
+        then its workspace) of this CTA, then the O store's tail. ``tiles``: the ring the
+        producer hands the tiles through (Note [Dynamic tiles])."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. num_consumer_threads - 1
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -511,17 +553,32 @@ class HopperForward:
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         record = (bidx == 0) & (tidx % THREADS_PER_WARPGROUP == 0)  # Note [Timeline]
-        for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):
-            tile = self.tile_of(r, bidx, grid, mTileTable)
-            if tile < num_tiles:
-                piece = self.piece_of(r, bidx, grid, mTileTable)
-                state_q, state_k, state_v = self.consume_tile(
-                    tl, record & (r == 0), tile, r == 0,
-                    self.tile_of(r + 1, bidx, grid, mTileTable) >= num_tiles, mO, mLSE, sO,
-                    tma_atom_o, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o,
-                    tOrP, tSrQ, tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k,
-                    pipeline_v, state_q, state_k, state_v, window_left, window_right, seqs,
-                    mO_rows, piece, split)
+        tile_step = lambda tile, r, last, piece, sq, sk, sv: self.consume_tile(  # noqa: E731
+            tl, record & (r == 0), tile, r == 0, last, mO, mLSE, sO, tma_atom_o, tiled_mma_qk,
+            tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tScS,
+            t0ScS, softmax, pipeline_q, pipeline_k, pipeline_v, sq, sk, sv, window_left,
+            window_right, seqs, mO_rows, piece, split)
+        if const_expr(tiles is not None):
+            _, full, empty, slots = tiles
+            r = Int32(0)
+            tile = read_tile(full, empty, slots, r)
+            whole = (Int32(0), Int32(WHOLE_TILE_KEYS), Int32(-1), Int32(0), Int32(0))
+            while tile < num_tiles:
+                # not known to be the last: every turn hands on (Note [Dynamic tiles])
+                state_q, state_k, state_v = tile_step(tile, r, False, whole, state_q, state_k,
+                                                      state_v)
+                r = r + 1
+                tile = read_tile(full, empty, slots, r)
+            if wg == 0:  # the turn the last warpgroup's last arrive opened
+                self.turn_begin(wg, False)
+        else:
+            for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):
+                tile = self.tile_of(r, bidx, grid, mTileTable)
+                if tile < num_tiles:
+                    last = self.tile_of(r + 1, bidx, grid, mTileTable) >= num_tiles
+                    state_q, state_k, state_v = tile_step(
+                        tile, r, last, self.piece_of(r, bidx, grid, mTileTable), state_q,
+                        state_k, state_v)
         if const_expr(self.cfg.separate_o):
             if tidx == 0:  # shared memory must outlive the last O store's reads of it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)

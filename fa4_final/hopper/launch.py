@@ -78,8 +78,9 @@ def _fwd_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig, varlen:
         part_o = fake_tensor(Float32, (cute.sym_int(), elems, threads))
         part_ml = fake_tensor(Float32, (cute.sym_int(), 2 * rows, threads))
         counters = fake_tensor(Int32, (cute.sym_int(),))
+    tile_counter = fake_tensor(Int32, (1,)) if cfg.dynamic_tiles and not varlen else None
     return (q, k, v, o, lse, timeline, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
-            cu_q, cu_k, used_k, table, part_o, part_ml, counters, fake_stream())
+            cu_q, cu_k, used_k, table, part_o, part_ml, counters, tile_counter, fake_stream())
 
 
 def split_workspace_dims(cfg: HopperFwdConfig, head_dim: int) -> tuple[int, int, int]:
@@ -170,6 +171,15 @@ def _forward_plan(q, causal: bool, has_left: bool, has_right: bool, config):
 def forward_into(q, k, v, out, lse, causal: bool, softmax_scale: float, window_left,
                  window_right, config: HopperFwdConfig | None = None):
     """Launch the forward on checked, non-empty inputs (window sides None when unbounded)."""
+    compiled, args = forward_args(q, k, v, out, lse, causal, softmax_scale, window_left,
+                                  window_right, config)
+    compiled(*args)
+
+
+def forward_args(q, k, v, out, lse, causal: bool, softmax_scale: float, window_left,
+                 window_right, config: HopperFwdConfig | None = None):
+    """(compiled kernel, its run-time arguments) for one dense forward call: what
+    forward_into launches, for a tool that times the launch alone."""
     b, _, h, d = q.shape
     compiled, cfg, timeline, sms = _forward_plan(
         q, causal, window_left is not None, window_right is not None and not causal, config)
@@ -187,8 +197,10 @@ def forward_into(q, k, v, out, lse, causal: bool, softmax_scale: float, window_l
         part_o = torch.empty((n, elems, threads), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((n, 2 * rows, threads), dtype=torch.float32, device=q.device)
         counters = torch.zeros(n, dtype=torch.int32, device=q.device)
-    compiled(q, k, v, out, lse, timeline, softmax_scale, window_left or 0, window_right or 0,
-             group, sms, None, None, None, table, part_o, part_ml, counters)
+    tile_counter = _tile_counter(q.device) if cfg.dynamic_tiles else None
+    return compiled, (q, k, v, out, lse, timeline, softmax_scale, window_left or 0,
+                      window_right or 0, group, sms, None, None, None, table, part_o, part_ml,
+                      counters, tile_counter)
 
 
 def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
@@ -219,7 +231,7 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
              _timeline_buffer(q.device, cfg), softmax_scale, window_left or 0,
              window_right or 0, group, _num_sms(q.device), cu_seqlens_q.contiguous(),
              cu_seqlens_k.contiguous(), None if seqused_k is None else seqused_k.contiguous(),
-             None, None, None, None)
+             None, None, None, None, None)
 
 
 _TABLES: dict = {}
@@ -273,6 +285,25 @@ def host_table(cfg: HopperFwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
         return split_tail_table(len(costs), costs[0] - TILE_OVERHEAD_STEPS, grid)
     whole = (0, WHOLE_TILE_KEYS, -1, 0, 0)
     return [f for t in tile_table(costs, grid) for f in (t, *whole)], 0
+
+
+_TILE_COUNTERS: dict = {}
+
+
+def _tile_counter(device) -> torch.Tensor:
+    """The int32 counter the dynamic scheduler takes tiles from (Note [Dynamic tiles]): one
+    per (device, stream), zeroed once here and set back to zero by each launch's last fetch,
+    so launches that follow each other on a stream share it and launches on two streams,
+    which may overlap, do not. While a CUDA graph is being captured the counter is a fresh
+    one that the graph zeroes itself (its memset is captured with the launch)."""
+    stream = torch.cuda.current_stream(device)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device, stream.cuda_stream)
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 _TIMELINES: dict = {}

@@ -6,6 +6,8 @@
 #    tile schedules (persistent or one tile per CTA, L2 sections) at all eight forward shapes;
 #    fa4-split: the last round whole or cut along the keys at the four non-causal shapes;
 #    split-check / split-sanitize: the split tail's float64 checks / under the sanitizers;
+#    dyn-check / dyn-sanitize / clocked-dyn: the same for the dynamic tile scheduler, and its
+#    time at the four causal shapes at the fixed clock;
 #    fa4-d64: the exp2 emulation share and the rescale threshold at the four D = 64 shapes;
 #    fa4-tune: tau = 8 at the eight shapes, each config settled at its own
 #    clock first; fa4-bench-settled: the forward benchmark so;
@@ -91,6 +93,12 @@ for s in "$@"; do
     energy) step fa4_energy 300 $PY -m solutions.ch08_energy ;;
     fa4-check-defaults) step fa4_check_defaults 300 $PY -m solutions.ch08_checks --defaults ;;
     split-check) step split_check 300 $PY -m solutions.ch08_checks --knob split_tail ;;
+    dyn-check) step dyn_check 240 $PY -m solutions.ch08_checks --knob dynamic_tiles ;;
+    dyn-sanitize)
+      for tool in memcheck racecheck synccheck; do
+        step "san_dyn_${tool}" 240 $SAN --tool $tool $PY -m solutions.ch08_checks --small --knob dynamic_tiles
+      done ;;
+    clocked-dyn) step fa4_clocked_dyn 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --shape 128 16384 1 --shape 128 4096 1 --variants fa4_final "dynamic tiles" fa4_package --name fa4_final_clocked_dynamic ;;
     split-sanitize)
       for tool in memcheck racecheck synccheck; do
         step "san_split_${tool}" 300 $SAN --tool $tool $PY -m solutions.ch08_checks --small --split
