@@ -39,7 +39,7 @@ class HopperFwdConfig:
     l2_sections: bool = False  # causal order in sections of heads that fit L2 (Note [Causal..])
     tile_table: bool = False  # tiles to CTAs by a host-built list schedule (Note [Tile table])
     split_tail: bool = False  # the table's last round cut along the keys (Note [Split tail])
-    dynamic_tiles: bool = False  # each CTA's next tile from a counter at run time (Note [Dyn..])
+    dynamic_tiles: bool = False  # next tile from a counter at run time (Note [Dynamic tiles])
     separate_o: bool = True  # O staged in its own buffer: the next Q loads during the epilogue
     o_rescale: str = "next_pv"  # where O *= alpha: "end", "early", "next_pv" (Note [Where O..])
     mask_bits: bool = False  # right-edge mask as one bit word per row (mask, Note [Mask as bits])
@@ -61,6 +61,13 @@ class HopperFwdConfig:
         round, so without a table (tile_table=False) it does nothing, as l2_sections does
         nothing without a causal diagonal."""
         return self.split_tail and self.tile_table
+
+    @property
+    def schedules_dynamically(self) -> bool:
+        """Whether CTAs take their tiles at run time (Note [Dynamic tiles]): only a persistent
+        kernel has CTAs that take more than one, and a tile table (tile_table=True) hands
+        them out before the launch, so either of those leaves dynamic_tiles without effect."""
+        return self.dynamic_tiles and self.persistent and not self.tile_table
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Bytes of the kernel's SharedStorage: mbarriers (8 B each, full + empty per stage of
@@ -104,10 +111,6 @@ class HopperFwdConfig:
             raise ValueError("tile_table assigns tiles to persistent CTAs: it needs "
                              "persistent=True (one CTA per tile leaves the assignment to the "
                              "hardware)")
-        if self.dynamic_tiles and (self.tile_table or not self.persistent):
-            raise ValueError("dynamic_tiles hands tiles to persistent CTAs at run time: it "
-                             "needs persistent=True and tile_table=False (the table hands "
-                             "them out before the launch)")
         if self.pingpong and self.num_consumer_wgs < 2:
             raise ValueError("pingpong needs at least 2 consumer warpgroups to take turns")
         check_softmax_knobs(self.exp2_emulation_fraction, self.rescale_threshold)
@@ -128,18 +131,20 @@ def hopper_fwd_default(head_dim: int, causal: bool = False,
     slower there); the bursts' spread is larger than either difference. Varlen, not measured
     so, keeps three stages and tau = 0.
 
-    Causal (dense): tiles longest first in sections of heads whose K and V fit in L2, handed to
-    the persistent CTAs by the host's list schedule (Note [Tile table]). Longest first over
-    every head reads 2-4x more from DRAM at S = 4096 and 16384 (results/h200/
-    fa4_final_versus.json: L2 hit rate 45% against 84% at D = 128, S = 4096);
-    results/h200/fa4_final_sched.json times the schedules. Not causal (dense): the same table,
+    Causal (dense): tiles longest first in sections of heads whose K and V fit in L2, each
+    persistent CTA taking its next one at run time (Note [Dynamic tiles]): at the fixed clock
+    faster than the host's list schedule (Note [Tile table]) at the four causal shapes of the
+    benchmark (results/h200/fa4_final_clocked_dynamic.json). Longest first over every head
+    reads 2-4x more from DRAM at S = 4096 and 16384 (results/h200/fa4_final_versus.json: L2
+    hit rate 45% against 84% at D = 128, S = 4096); results/h200/fa4_final_sched.json times
+    the older schedules. Not causal (dense): the same table,
     its last partial round cut along the keys (Note [Split tail]; results/h200/
     fa4_final_split.json and fa4_final_energy.json compare it with whole tiles). Varlen keeps
     longest first over a sequence's heads in zigzag rounds: the table needs the tile costs
     before the launch, and varlen's lengths are on the device."""
     schedule = {}
-    if not varlen:  # causal: sectioned and list-scheduled; equal tiles: the tail cut
-        schedule = dict(l2_sections=True, tile_table=True) if causal else dict(
+    if not varlen:  # causal: sectioned, taken at run time; equal tiles: the table, tail cut
+        schedule = dict(l2_sections=True, dynamic_tiles=True) if causal else dict(
             tile_table=True, split_tail=True)
     if head_dim <= 64:  # dense: O rescaled only when a row's max grew by more than tau = 8
         stages = 2 if causal and not varlen else 3

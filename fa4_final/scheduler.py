@@ -221,11 +221,12 @@ def table_rounds(table_entries: int, grid):
 # --------------------
 # The tile table balances the costs the host's model predicts. What it cannot see is what a
 # tile really costs on the GPU: a tile whose K and V miss in L2, an SM that the power manager
-# clocks lower, a CTA whose turns collide with its neighbour's epilogue. A scatter of 1-2% per
-# tile leaves some CTAs behind by the end (the model in fa4_final_model, notebook 08, puts
-# that at 0.5-1% of the kernel). The dynamic scheduler takes the next tile when a CTA needs
-# it, as the hardware does with one CTA per tile, and keeps the persistent kernel's overlap of
-# one tile's epilogue with the next one's loads:
+# clocks lower, a CTA whose turns collide with its neighbour's epilogue. A small scatter per
+# tile leaves some CTAs behind by the end (solutions.ch08_teaching.dispatch_model, which
+# notebook 08 runs, has a scatter of 1-2% cost the table half a per cent to a per cent more
+# than dynamic hand-out at the benchmark's causal shapes). The dynamic scheduler takes the
+# next tile when a CTA needs it, as the hardware does with one CTA per tile, and keeps the
+# persistent kernel's overlap of one tile's epilogue with the next one's loads:
 #   - tile t is the t-th of the order above (longest first, in L2 sections);
 #   - CTA c starts with tile c; after issuing the loads of a tile, its producer warp takes the
 #     next from a global counter: t = grid + atomicAdd(counter, 1), none once t >= num_tiles;
@@ -235,11 +236,12 @@ def table_rounds(table_entries: int, grid):
 #     every role's loop;
 #   - every CTA fetches once more than it has tiles, so a launch makes exactly num_tiles
 #     fetches: the one that returns num_tiles - 1 is the launch's last and sets the counter
-#     back to 0 for the next launch (nobody zeroes it on the host; the next launch on the same
-#     stream starts after this one has ended).
+#     back to 0 for the next launch (the host zeroes it once, when it creates it; the next
+#     launch on the same stream starts after this one has ended).
 # The consumers then do not know, during a tile, whether it is their last, which the turns of
-# Note [Turns] (fa4_final.hopper.fwd) used to skip the last arrive: every turn now hands on,
-# and warpgroup 0 takes one turn more after the loop, the one the last arrive opened.
+# Note [Turns] (fa4_final.hopper.fwd) need in order to skip the last arrive. So here every
+# turn hands on, and warpgroup 0 takes one turn more after the loop: the one that the last
+# warpgroup's last arrive opened.
 
 TILE_SLOTS = 2  # depth of the producer -> consumers ring of tile indices
 

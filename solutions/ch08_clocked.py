@@ -42,8 +42,9 @@ VARIANTS = {
     # more, for --variants: the causal schedules and the stages of chapter 08's knobs
     "tau = 8, O rescaled after the softmax": {"rescale_threshold": 8.0, "o_rescale": "end"},
     "one tile per CTA, L2 sections": {"persistent": False, "tile_table": False},
-    "zigzag rounds in L2 sections": {"tile_table": False},
+    "zigzag rounds in L2 sections": {"tile_table": False, "dynamic_tiles": False},
     "dynamic tiles": {"tile_table": False, "dynamic_tiles": True},
+    "tile table": {"tile_table": True, "dynamic_tiles": False},
     "K/V stages 2/2": {"stages_k": 2, "stages_v": 2},
     "K/V stages 2/2, tau = 8": {"stages_k": 2, "stages_v": 2, "rescale_threshold": 8.0},
     "K/V stages 2/2, O rescaled after the softmax": {"stages_k": 2, "stages_v": 2,

@@ -70,12 +70,14 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
         else:
             configs["last round cut along the keys"] = replace(base, tile_table=True,
                                                                split_tail=True)
-    if causal:  # the default: longest first in L2 sections, list-scheduled (Note [Tile table])
-        # fixed zigzag rounds, longest first over every head (the default before the table)
+    if causal:  # the default: longest first in L2 sections, taken at run time (Note [Dyn..])
+        # fixed zigzag rounds, longest first over every head (the first default)
         configs["zigzag rounds, longest first over all heads"] = replace(
-            base, l2_sections=False, tile_table=False)
+            base, l2_sections=False, tile_table=False, dynamic_tiles=False)
         configs["zigzag rounds in L2 sections"] = replace(base, l2_sections=True,
-                                                          tile_table=False)
+                                                          tile_table=False, dynamic_tiles=False)
+        # the host's list schedule (Note [Tile table]; the default before dynamic tiles)
+        configs["tile table"] = replace(base, tile_table=True, dynamic_tiles=False)
         # the FA4 package's causal schedule on sm90: one CTA per tile, longest first in
         # sections of heads that fit L2, the hardware handing tiles to SMs as they free up
         configs["one tile per CTA, L2 sections"] = replace(base, persistent=False,

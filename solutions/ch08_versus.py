@@ -34,7 +34,7 @@ SHAPES = ((64, 16384, True), (128, 4096, True), (128, 16384, False))
 KERNELS = {"fa4_final": "regex:HopperForward", "fa4_package": "regex:FlashAttentionForwardSm90"}
 # fa4_final with the causal schedule it had before the tile table (Note [Tile table]): fixed
 # zigzag rounds, longest first over every head; profiled at the causal shapes beside the default
-VARIANTS = {"fa4_final_zigzag": dict(l2_sections=False, tile_table=False)}
+VARIANTS = {"fa4_final_zigzag": dict(l2_sections=False, tile_table=False, dynamic_tiles=False)}
 KERNEL_OF = {**{name: KERNELS["fa4_final"] for name in VARIANTS}, **KERNELS}
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "LaunchStats",
             "Occupancy", "WarpStateStats", "SchedulerStats")

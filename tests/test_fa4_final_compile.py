@@ -105,13 +105,13 @@ def test_config_errors_name_the_knob():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_tile_table_is_read_not_computed(artifacts, head_dim):
-    assert hopper_fwd_default(head_dim, True).tile_table
+    assert hopper_fwd_default(head_dim, False).tile_table
     assert not hopper_fwd_default(head_dim, True, varlen=True).tile_table
     """Note [Tile table]: with tile_table the tile loop reads its tiles from global memory (the
     producer and consumers each: two more global loads a round, one of them the next round's)
     instead of the zigzag arithmetic; clean, and the rest of the kernel unchanged."""
-    plain = artifacts(head_dim, True, l2_sections=True, tile_table=False)
-    table = artifacts(head_dim, True)  # the causal default has it
+    plain = artifacts(head_dim, True, l2_sections=True, tile_table=False, dynamic_tiles=False)
+    table = artifacts(head_dim, True, tile_table=True)
     assert table.spills == 0 and wgmma_serialised(table) == 0, table.resources()
     assert table.count("ld.global") > plain.count("ld.global")
     assert table.count("HGMMA", "sass") == plain.count("HGMMA", "sass")
@@ -122,8 +122,10 @@ def test_dynamic_tiles_take_their_tiles_from_one_atomic(artifacts, head_dim):
     """Note [Dynamic tiles]: the dynamic build reads no table; its one global atomic is the
     producer's fetch, the tile ring adds mbarrier arrives and waits, and the GPU work (the
     wgmma) and the registers stay those of the table's build, with no spills."""
-    table = artifacts(head_dim, True)
-    dynamic = artifacts(head_dim, True, tile_table=False, dynamic_tiles=True)
+    assert hopper_fwd_default(head_dim, True).schedules_dynamically  # the causal default
+    assert not hopper_fwd_default(head_dim, True, varlen=True).schedules_dynamically
+    table = artifacts(head_dim, True, tile_table=True)
+    dynamic = artifacts(head_dim, True)
     assert dynamic.spills == 0 and wgmma_serialised(dynamic) == 0, dynamic.resources()
     assert dynamic.count("atom.global.add") == 1 and table.count("atom.global.add") == 0
     assert dynamic.count("ld.global") == 0 < table.count("ld.global")
@@ -131,10 +133,10 @@ def test_dynamic_tiles_take_their_tiles_from_one_atomic(artifacts, head_dim):
     assert dynamic.count("HGMMA", "sass") == table.count("HGMMA", "sass")
 
 
-def test_dynamic_tiles_need_a_persistent_kernel_without_a_table():
-    for bad in (dict(tile_table=True), dict(persistent=False, tile_table=False)):
-        with pytest.raises(ValueError, match="dynamic_tiles"):
-            replace(hopper_fwd_default(64, True), dynamic_tiles=True, **bad).check(64)
+def test_a_table_or_one_tile_per_cta_leaves_dynamic_tiles_without_effect():
+    base = hopper_fwd_default(64, True)
+    for other in (dict(tile_table=True), dict(persistent=False)):
+        assert not replace(base, **other).schedules_dynamically
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

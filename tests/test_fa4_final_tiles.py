@@ -271,7 +271,7 @@ def test_the_split_table_has_whole_entries_for_causal_and_windowed_shapes():
     from fa4_final.hopper.launch import host_table
     from fa4_final.scheduler import SPLIT_FIELDS, WHOLE_TILE_KEYS
 
-    cfg = replace(hopper_fwd_default(128, True), split_tail=True)
+    cfg = replace(hopper_fwd_default(128, True), tile_table=True, split_tail=True)
     plain = replace(cfg, split_tail=False)
     flat, slots = host_table(cfg, True, 4096, 4096, 16, 4, 4, 132)
     want, _ = host_table(plain, True, 4096, 4096, 16, 4, 4, 132)

@@ -12,12 +12,14 @@ What this adds over chapter 05's kernel (TMA + wgmma + an mbarrier pipeline, one
    next tile's Q and first K land while this tile's last P V and epilogue run, instead of a
    one-tile CTA paying its pipeline fill and its epilogue with the tensor cores idle.
 3. Causal tiles longest first, so the persistent CTAs finish together: in sections of heads
-   whose K and V fit in L2, handed out by a table the host builds per shape with list
-   scheduling (config.tile_table, Note [Tile table] in fa4_final.scheduler); without the table
-   in fixed zigzag rounds (scheduler.zigzag_tile), which only balance the unsectioned order.
-   Equal tiles (not causal) come from the same table, whose last, partial round is cut along
-   the keys so that every SM ends together (config.split_tail, Note [Split tail]): a piece
-   leaves its partial O and row statistics in a workspace and the tile's last piece merges.
+   whose K and V fit in L2, each CTA taking its next tile from a global counter when its
+   producer has issued the current one's loads (config.dynamic_tiles, Note [Dynamic tiles] in
+   fa4_final.scheduler); or handed out by a table the host builds per shape with list
+   scheduling (config.tile_table, Note [Tile table]); or in fixed zigzag rounds
+   (scheduler.zigzag_tile), which only balance the unsectioned order. Equal tiles (not causal)
+   come from the table, whose last, partial round is cut along the keys so that every SM ends
+   together (config.split_tail, Note [Split tail]): a piece leaves its partial O and row
+   statistics in a workspace and the tile's last piece merges.
 4. The O rescale moved off the softmax's critical path (Note [Where O is rescaled]), a fresh S
    accumulator per step (ptxas serialises the wgmma otherwise, for lack of registers), and a
    three-deep K ring next to the separate O buffer within the 227 KB (config.smem_bytes).
@@ -116,7 +118,7 @@ class HopperForward:
         # tile cut into pieces is merged by its last piece
         self.split = self.use_table and config.splits_tail
         # Note [Dynamic tiles] (fa4_final.scheduler): dense only, like the table
-        self.dynamic = config.dynamic_tiles and not self.varlen
+        self.dynamic = config.schedules_dynamically and not self.varlen
         self.num_consumer_threads = THREADS_PER_WARPGROUP * self.num_wgs
         self.num_threads = THREADS_PER_WARPGROUP + self.num_consumer_threads
         self.roles = {
@@ -489,6 +491,8 @@ class HopperForward:
     # turn of warpgroup 0 has nobody before it and does not wait; the last turn of the last
     # warpgroup has nobody after it and does not arrive: every barrier then sees as many
     # arrive-halves as sync-halves and none is left pending when the CTA exits.
+    # With dynamic tiles (Note [Dynamic tiles]) no turn knows it is the last: the last one
+    # arrives too, and warpgroup 0 syncs once more after its tile loop to take that arrive.
 
     @cute.jit
     def turn_begin(self, wg: Int32, first_of_cta):

@@ -78,7 +78,8 @@ def _fwd_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig, varlen:
         part_o = fake_tensor(Float32, (cute.sym_int(), elems, threads))
         part_ml = fake_tensor(Float32, (cute.sym_int(), 2 * rows, threads))
         counters = fake_tensor(Int32, (cute.sym_int(),))
-    tile_counter = fake_tensor(Int32, (1,)) if cfg.dynamic_tiles and not varlen else None
+    tile_counter = (fake_tensor(Int32, (1,)) if cfg.schedules_dynamically and not varlen
+                    else None)
     return (q, k, v, o, lse, timeline, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
             cu_q, cu_k, used_k, table, part_o, part_ml, counters, tile_counter, fake_stream())
 
@@ -197,7 +198,7 @@ def forward_args(q, k, v, out, lse, causal: bool, softmax_scale: float, window_l
         part_o = torch.empty((n, elems, threads), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((n, 2 * rows, threads), dtype=torch.float32, device=q.device)
         counters = torch.zeros(n, dtype=torch.int32, device=q.device)
-    tile_counter = _tile_counter(q.device) if cfg.dynamic_tiles else None
+    tile_counter = _tile_counter(q.device) if cfg.schedules_dynamically else None
     return compiled, (q, k, v, out, lse, timeline, softmax_scale, window_left or 0,
                       window_right or 0, group, sms, None, None, None, table, part_o, part_ml,
                       counters, tile_counter)

@@ -98,7 +98,7 @@ for s in "$@"; do
       for tool in memcheck racecheck synccheck; do
         step "san_dyn_${tool}" 240 $SAN --tool $tool $PY -m solutions.ch08_checks --small --knob dynamic_tiles
       done ;;
-    clocked-dyn) step fa4_clocked_dyn 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --shape 128 16384 1 --shape 128 4096 1 --variants fa4_final "dynamic tiles" fa4_package --name fa4_final_clocked_dynamic ;;
+    clocked-dyn) step fa4_clocked_dyn 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --shape 128 16384 1 --shape 128 4096 1 --variants fa4_final "tile table" fa4_package --name fa4_final_clocked_dynamic ;;
     split-sanitize)
       for tool in memcheck racecheck synccheck; do
         step "san_split_${tool}" 300 $SAN --tool $tool $PY -m solutions.ch08_checks --small --split

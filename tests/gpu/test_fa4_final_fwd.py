@@ -72,3 +72,50 @@ def test_d64_default_rescales_on_the_adversarial_input(causal, dtype):
     checks.wait_for_gpu(label)
     ok, line = checks.compare_outputs(q, k, v, out, lse, causal, label=label)
     assert ok, line
+
+
+def _causal_inputs(b=2, s=3000, h=8, d=64, dtype=torch.bfloat16):
+    from utils.reference import random_qkv
+
+    q, k, v, _ = random_qkv(b, s, h, d, dtype=dtype, device="cuda")
+    return q, k, v
+
+
+def test_dynamic_tiles_counter_survives_streams_and_graph_replays():
+    """Note [Dynamic tiles]: the causal default takes its tiles from a counter that each
+    launch's last fetch sets back to zero. Launches on two streams at once each get their own
+    counter, and a CUDA graph replayed many times zeroes its own: every result must equal the
+    first one bit for bit (the same tiles, computed by whichever CTA, give the same bits)."""
+    from fa4_final import attention
+    from fa4_final.config import hopper_fwd_default
+    from utils import checks
+
+    assert hopper_fwd_default(64, True).schedules_dynamically
+    q, k, v = _causal_inputs()
+    want, want_lse = attention(q, k, v, causal=True)
+    assert not torch.isnan(want).any()
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = []
+    torch.cuda.synchronize()
+    for _ in range(5):  # interleaved launches on two streams
+        for s in streams:
+            with torch.cuda.stream(s):
+                outs.append(attention(q, k, v, causal=True))
+    torch.cuda.synchronize()
+    checks.wait_for_gpu("two streams")
+    for out, lse in outs:
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention(q, k, v, causal=True)  # warm-up on the capture stream
+        with torch.cuda.graph(graph, stream=side):
+            g_out, g_lse = attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(4):
+        g_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(g_out, want) and torch.equal(g_lse, want_lse)
+    out, lse = attention(q, k, v, causal=True)  # and the eager path after the graph
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
