@@ -264,8 +264,9 @@ def write(ours_only: bool = False, site=DEFAULT_FA4_SITE, knobs: bool = True) ->
     prov.update(gpu="none: compile-only for sm_90a on a CPU", driver="none",
                 fa4_version=FA4_VERSION, mode="compile-only (fake tensors)")
     if ours_only and path().exists():
-        old = load_table().provenance
-        prov["fa4_rows_from"] = f"{old.get('commit', '?')[:10]} {old.get('date', '?')}"
+        old = load_table().provenance  # where FA4's rows were compiled, kept over rewrites
+        prov["fa4_rows_from"] = old.get("fa4_rows_from") or (
+            f"{old.get('commit', '?')[:10]} {old.get('date', '?')}")
     return results.save(NAME, rows, command, gpu=FOLDER, provenance=prov)
 
 
