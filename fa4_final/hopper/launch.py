@@ -289,6 +289,7 @@ def host_table(cfg: HopperFwdConfig, causal: bool, seqlen_q: int, seqlen_k: int,
 
 
 _TILE_COUNTERS: dict = {}
+_MAX_TILE_COUNTERS = 64
 
 
 def _tile_counter(device) -> torch.Tensor:
@@ -303,6 +304,8 @@ def _tile_counter(device) -> torch.Tensor:
     key = (device, stream.cuda_stream)
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
+        if len(_TILE_COUNTERS) >= _MAX_TILE_COUNTERS:  # a new stream per call: stay bounded
+            _TILE_COUNTERS.clear()  # (each was allocated on its stream: freed in its order)
         counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
 
