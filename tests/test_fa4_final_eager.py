@@ -299,6 +299,10 @@ def test_forward_plan_is_looked_up_once(monkeypatch):
         launch.forward_into(q, k, v, out, lse, causal, 0.1, None, 0 if causal else None)
     assert len(compiled_calls) == 2 and len(launches) == 4
     assert launches[0][9:11] == (2 * 4, 132)  # the (head, batch) group and the SM count
+    # non-causal: the tile table, no counter; causal: the dynamic scheduler's counter, no table
+    assert launches[0][14] is not None and launches[0][18] is None
+    assert launches[1][14] is None and launches[1][18].shape == (1,)
+    assert launches[3][18] is launches[1][18]  # one counter per device and stream
 
 
 def test_backward_plan_is_looked_up_once(monkeypatch):

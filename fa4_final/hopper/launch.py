@@ -298,10 +298,11 @@ def _tile_counter(device) -> torch.Tensor:
     so launches that follow each other on a stream share it and launches on two streams,
     which may overlap, do not. While a CUDA graph is being captured the counter is a fresh
     one that the graph zeroes itself (its memset is captured with the launch)."""
-    stream = torch.cuda.current_stream(device)
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    key = (device, stream.cuda_stream)
+    key = (device, None)  # a device without CUDA streams (tests on the CPU): one counter
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(1, dtype=torch.int32, device=device)
+        key = (device, torch.cuda.current_stream(device).cuda_stream)
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
         if len(_TILE_COUNTERS) >= _MAX_TILE_COUNTERS:  # a new stream per call: stay bounded
