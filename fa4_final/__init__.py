@@ -21,7 +21,7 @@ what is supported). It stands alone (it imports neither the course's ``utils`` n
     fragments    views of mma.sync / wgmma register fragments                   chapters 04, 05
     softmax      the online softmax; exp2 emulation and rescale-threshold knobs  chapters 05-07
     fast_math    2^x on the FMA units                                           chapter 06
-    scheduler    tile order, the persistent static schedule; varlen's tile map  chapters 08, 12
+    scheduler    tile order; static, tabled and dynamic schedules; varlen's map  chapters 08, 12
     timeline     in-kernel phase stamps for a Gantt chart (a debug build)        chapter 08
     hopper.wgmma smem tile layouts, the attention tiled MMAs, one wgmma group     chapters 05, 08
     hopper.fwd   the warp-specialised ping-pong persistent forward (sm_90a)     chapter 08

@@ -1,10 +1,13 @@
-"""Tile order and the persistent static scheduler.
+"""Tile order and the persistent schedulers.
 
 A persistent kernel launches one CTA per SM (or fewer when there is less work) and each CTA walks
-the linear tile index t = blockIdx.x, blockIdx.x + gridDim.x, ... Its producer and consumer warps
-walk the same sequence independently (nothing to communicate: the order is a pure function of t),
-and the K/V pipelines run on across tile boundaries, so the next tile's loads start while the
-last one's epilogue is being written.
+many linear tiles t: in fixed rounds (t = blockIdx.x, then zigzag_tile), from a table the host
+built (Note [Tile table]), or taking the next at run time from a global counter (Note [Dynamic
+tiles]). With fixed rounds or a table its producer and consumer warps walk the same sequence
+independently (nothing to communicate: the order is a pure function of t, or of the table); the
+dynamic producer hands each tile to the consumers through shared memory. Either way the K/V
+pipelines run on across tile boundaries, so the next tile's loads start while the last one's
+epilogue is being written.
 
 Order: non-causal tiles go m_block fastest, so the CTAs that run at the same
 time work on the same (batch, head) and read the same K/V tiles out of L2. Causal tiles go
