@@ -201,8 +201,9 @@ class HopperForward:
                             "exactly to a dense build with config.splits_tail (Note [Split "
                             "tail])")
         if const_expr(self.dynamic != (mTileCounter is not None)):
-            raise TypeError("the tile counter is given exactly to a dense build with "
-                            "config.dynamic_tiles=True (Note [Dynamic tiles])")
+            raise TypeError("the tile counter is given exactly to a dense build whose config "
+                            "schedules dynamically (config.schedules_dynamically: Note "
+                            "[Dynamic tiles])")
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = select_modes(mLSE, [2, 1, 0])  # (s, h, b)
