@@ -135,12 +135,12 @@ def hopper_fwd_default(head_dim: int, causal: bool = False,
     persistent CTA taking its next one at run time (Note [Dynamic tiles]): at the fixed clock
     ahead of the host's list schedule (Note [Tile table]) at the four causal shapes of the
     benchmark in two runs, each time by less than the run's spread (results/h200/
-    fa4_final_clocked_dynamic*.json). Longest first over every head
-    reads 2-4x more from DRAM at S = 4096 and 16384 (results/h200/fa4_final_versus.json: L2
-    hit rate 45% against 84% at D = 128, S = 4096); results/h200/fa4_final_sched.json times
-    the older schedules. Not causal (dense): the same table,
-    its last partial round cut along the keys (Note [Split tail]; results/h200/
-    fa4_final_split.json and fa4_final_energy.json compare it with whole tiles). Varlen keeps
+    fa4_final_clocked_dynamic*.json). Longest first over every head reads 2-4x more from DRAM
+    at S = 4096 and 16384 (results/h200/fa4_final_versus.json: L2 hit rate 45% against 84% at
+    D = 128, S = 4096); results/h200/fa4_final_sched.json times the older schedules. Not
+    causal (dense): the tile table, its last partial round cut along the keys (Note [Split
+    tail]; results/h200/fa4_final_split.json and fa4_final_energy.json compare it with whole
+    tiles). Varlen keeps
     longest first over a sequence's heads in zigzag rounds: the table needs the tile costs
     before the launch, and varlen's lengths are on the device."""
     schedule = {}

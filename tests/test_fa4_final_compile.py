@@ -131,6 +131,7 @@ def test_dynamic_tiles_take_their_tiles_from_one_atomic(artifacts, head_dim):
     assert dynamic.count("ld.global") == 0 < table.count("ld.global")
     assert dynamic.count("mbarrier.arrive") > table.count("mbarrier.arrive")
     assert dynamic.count("HGMMA", "sass") == table.count("HGMMA", "sass")
+    assert dynamic.registers == table.registers
 
 
 def test_a_table_or_one_tile_per_cta_leaves_dynamic_tiles_without_effect():

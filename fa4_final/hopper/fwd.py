@@ -401,11 +401,11 @@ class HopperForward:
             tile, r = Int32(bidx), Int32(0)
             while tile < num_tiles:
                 publish_tile(full, empty, slots, r, tile)
+                n_lo, n_hi, _, _, _ = self.piece_of(r, bidx, grid, mTileTable)  # whole tiles
                 state_q, state_k, state_v = self.load_tile(
                     tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
                     pipeline_k, pipeline_v, state_q, state_k, state_v, window_left,
-                    window_right, seqs, tl, record & (r == 0), Int32(0),
-                    Int32(WHOLE_TILE_KEYS))
+                    window_right, seqs, tl, record & (r == 0), n_lo, n_hi)
                 tile = fetch_tile(counter, grid, num_tiles)  # after the loads: as late as can be
                 r = r + 1
             publish_tile(full, empty, slots, r, tile)  # past the last: every consumer stops
@@ -567,11 +567,12 @@ class HopperForward:
             _, full, empty, slots = tiles
             r = Int32(0)
             tile = read_tile(full, empty, slots, r)
-            whole = (Int32(0), Int32(WHOLE_TILE_KEYS), Int32(-1), Int32(0), Int32(0))
             while tile < num_tiles:
-                # not known to be the last: every turn hands on (Note [Dynamic tiles])
-                state_q, state_k, state_v = tile_step(tile, r, False, whole, state_q, state_k,
-                                                      state_v)
+                # not known to be the last: every turn hands on (Note [Dynamic tiles]); whole
+                # tiles (no table, so no split)
+                state_q, state_k, state_v = tile_step(
+                    tile, r, False, self.piece_of(r, bidx, grid, mTileTable), state_q, state_k,
+                    state_v)
                 r = r + 1
                 tile = read_tile(full, empty, slots, r)
             if wg == 0:  # the turn the last warpgroup's last arrive opened

@@ -74,13 +74,6 @@ def test_d64_default_rescales_on_the_adversarial_input(causal, dtype):
     assert ok, line
 
 
-def _causal_inputs(b=2, s=3000, h=8, d=64, dtype=torch.bfloat16):
-    from utils.reference import random_qkv
-
-    q, k, v, _ = random_qkv(b, s, h, d, dtype=dtype, device="cuda")
-    return q, k, v
-
-
 def test_dynamic_tiles_counter_survives_streams_and_graph_replays():
     """Note [Dynamic tiles]: the causal default takes its tiles from a counter that each
     launch's last fetch sets back to zero. Launches on two streams at once each get their own
@@ -89,9 +82,10 @@ def test_dynamic_tiles_counter_survives_streams_and_graph_replays():
     from fa4_final import attention
     from fa4_final.config import hopper_fwd_default
     from utils import checks
+    from utils.reference import random_qkv
 
     assert hopper_fwd_default(64, True).schedules_dynamically
-    q, k, v = _causal_inputs()
+    q, k, v, _ = random_qkv(2, 3000, 8, 64, dtype=torch.bfloat16, device="cuda")
     want, want_lse = attention(q, k, v, causal=True)
     assert not torch.isnan(want).any()
     streams = [torch.cuda.Stream() for _ in range(2)]
