@@ -135,18 +135,20 @@ def hopper_fwd_default(head_dim: int, causal: bool = False,
     persistent CTA taking its next one at run time (Note [Dynamic tiles]): at the fixed clock
     ahead of the host's list schedule (Note [Tile table]) at the four causal shapes of the
     benchmark in two runs, each time by less than the run's spread (results/h200/
-    fa4_final_clocked_dynamic*.json). Longest first over every head reads 2-4x more from DRAM
-    at S = 4096 and 16384 (results/h200/fa4_final_versus.json: L2 hit rate 45% against 84% at
+    fa4_final_clocked_dynamic*.json). Longest first over every head reads 3-5x more from DRAM
+    at S = 4096 and 16384 (results/h200/fa4_final_versus.json: L2 hit rate 39% against 84% at
     D = 128, S = 4096); results/h200/fa4_final_sched.json times the older schedules. Not
     causal (dense): the tile table, its last partial round cut along the keys (Note [Split
     tail]; results/h200/fa4_final_split.json and fa4_final_energy.json compare it with whole
-    tiles). Varlen keeps
-    longest first over a sequence's heads in zigzag rounds: the table needs the tile costs
-    before the launch, and varlen's lengths are on the device."""
-    schedule = {}
-    if not varlen:  # causal: sectioned, taken at run time; equal tiles: the table, tail cut
-        schedule = dict(l2_sections=True, dynamic_tiles=True) if causal else dict(
-            tile_table=True, split_tail=True)
+    tiles). Varlen takes its tiles at run time too, causal or not, causal ones in L2 sections
+    of a sequence's heads (Note [Varlen order]): the table needs the tile costs before the
+    launch, and varlen's lengths are on the device; results/h200/ch12_varlen.json times it
+    beside the fixed zigzag rounds it replaced."""
+    # causal or varlen: sectioned (causal only), taken at run time; equal dense tiles: the
+    # table, its last round cut
+    schedule = dict(l2_sections=True, dynamic_tiles=True)
+    if not causal and not varlen:
+        schedule = dict(tile_table=True, split_tail=True)
     if head_dim <= 64:  # dense: O rescaled only when a row's max grew by more than tau = 8
         stages = 2 if causal and not varlen else 3
         return HopperFwdConfig(num_consumer_wgs=3, tile_n=128, stages_k=stages,

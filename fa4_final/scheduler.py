@@ -20,6 +20,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def tile_coords(t, num_m_blocks, num_heads, num_batch, longest_first: bool, l2_group=None):
@@ -230,21 +232,25 @@ def table_rounds(table_entries: int, grid):
 # than dynamic hand-out at the benchmark's causal shapes). The dynamic scheduler takes the
 # next tile when a CTA needs it, as the hardware does with one CTA per tile, and keeps the
 # persistent kernel's overlap of one tile's epilogue with the next one's loads:
-#   - tile t is the t-th of the order above (longest first, in L2 sections);
+#   - tile t is the t-th of the order above (longest first, in L2 sections), or of Note
+#     [Varlen order];
 #   - CTA c starts with tile c; after issuing the loads of a tile, its producer warp takes the
 #     next from a global counter: t = grid + atomicAdd(counter, 1), none once t >= num_tiles;
 #   - the producer hands t to the consumer warpgroups through a ring of TILE_SLOTS slots in
 #     shared memory, each with a FULL mbarrier (the producer's arrive, after its store) and
 #     an EMPTY one (every consumer thread's arrive, after its load); a t >= num_tiles ends
 #     every role's loop;
-#   - every CTA fetches once more than it has tiles, so a launch makes exactly num_tiles
-#     fetches: the one that returns num_tiles - 1 is the launch's last and sets the counter
-#     back to 0 for the next launch (the host zeroes it once, when it creates it; the next
-#     launch on the same stream starts after this one has ended).
+#   - every CTA that has a first tile (c < num_tiles; a varlen grid may be larger) fetches
+#     once more than it has tiles, so a launch makes exactly num_tiles fetches (grid of them
+#     return a t past the end, one per such CTA, and num_tiles - grid return tiles; with
+#     fewer tiles than CTAs, num_tiles CTAs fetch once): the one that returns num_tiles - 1
+#     is the launch's last and sets the counter back to 0 for the next launch (the host
+#     zeroes it once, when it creates it; the next launch on the same stream starts after
+#     this one has ended).
 # The consumers then do not know, during a tile, whether it is their last, which the turns of
 # Note [Turns] (fa4_final.hopper.fwd) need in order to skip the last arrive. So here every
 # turn hands on, and warpgroup 0 takes one turn more after the loop: the one that the last
-# warpgroup's last arrive opened.
+# warpgroup's last arrive opened (none in a CTA that found no tile).
 
 TILE_SLOTS = 2  # depth of the producer -> consumers ring of tile indices
 
@@ -295,11 +301,13 @@ def read_tile(full: cute.Pointer, empty: cute.Pointer, slots: cute.Tensor, r: In
 # m_block fastest when not causal (the CTAs running together read one head's K and V), longest
 # first when causal (every head's last m_block, then the one before, in sections of l2_group
 # heads). A global longest-first order over all sequences would need the tiles sorted by cost on
-# the host (a device sync, or an extra kernel); inside one sequence the tiles that run together
-# cost the same to within a few KV steps, and the zigzag rounds cancel the drift from one round
-# to the next, so what remains is one sequence-sized saw-tooth per sequence. Nothing is sorted
-# on the host, and nothing is read back: each warp finds its tile's sequence from cu_seqlens_q
-# by itself (varlen_locate), 32 sequences per step.
+# the host (a device sync, or an extra kernel). The costs therefore come as one saw-tooth per
+# sequence (per L2 section of its heads), teeth of every size: fixed zigzag rounds leave some
+# CTAs far behind on such a sequence, so the varlen kernel takes its tiles at run time (Note
+# [Dynamic tiles]), each CTA the next one as it frees up. Nothing is sorted on the host, and
+# nothing is read back: each warp finds its tile's sequence from cu_seqlens_q by itself
+# (varlen_locate), 32 sequences per step. The host sizes the grid from a bound on the tile
+# count (the exact count needs the offsets' values), so a CTA may find no tile at all.
 
 
 def varlen_tiles(len_q: int, tile_m: int, heads: int) -> int:
@@ -347,6 +355,16 @@ def _warp_inclusive_sum(x: Int32) -> Int32:
     return x
 
 
+@dsl_user_op
+def _lane_here(*, loc=None, ip=None) -> Int32:
+    """The lane index, read where it is used: an asm with side effects, which LLVM may not
+    hoist out of a loop. (The lane intrinsic it may: the tile loops of the 24-register
+    producer then kept a per-lane pointer into cu_seqlens live, and spilled it.)"""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %laneid;", "=r",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 @cute.jit
 def varlen_locate(t: Int32, mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[int],
                   heads: Int32, mSeqUsed: cute.Tensor | None = None):
@@ -359,10 +377,9 @@ def varlen_locate(t: Int32, mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[
     ``mSeqUsed`` (the backward's key tiles with seqused_k): sequence i is mSeqUsed[i] long, not
     cu[i + 1] - cu[i]. Host mirror: varlen_locate_host."""
     batch = mCuSeqlensQ.shape[0] - 1
-    lane = cute.arch.lane_idx()
     b, before, base = Int32(0), Int32(0), Int32(0)
     for chunk in cutlass.range(cute.ceil_div(batch, WARP), unroll=1):
-        i = chunk * WARP + lane
+        i = chunk * WARP + _lane_here()
         n = Int32(0)
         if i < batch:
             if const_expr(mSeqUsed is None):

@@ -11,6 +11,10 @@ Rows (all on the same packed inputs, every pass and implementation in the same r
   fa4_final_varlen_checked  the same call with the value checks on (the default): one copy of
                             the offsets to the host, i.e. one device synchronisation per call
                             (per forward and per backward)
+  fa4_final_varlen_zigzag   the forward alone, the varlen kernel with the schedule it had
+                            before the dynamic scheduler: fixed zigzag rounds, longest first
+                            over all of a sequence's heads (fa4_final.scheduler, Note [Varlen
+                            order]); checks off
   fa4_final_loop            fa4_final.varlen.forward_loop / backward_loop: the dense kernels
                             once per sequence, what flash_attn_varlen_func ran before the varlen
                             kernels
@@ -46,7 +50,11 @@ import torch
 
 from utils import bench, results
 
-IMPLS = ("fa4_final_varlen", "fa4_final_varlen_checked", "fa4_final_loop", "fa4_package")
+IMPLS = ("fa4_final_varlen", "fa4_final_varlen_checked", "fa4_final_varlen_zigzag",
+         "fa4_final_loop", "fa4_package")
+FORWARD_ONLY = ("fa4_final_varlen_zigzag",)  # rows of the pass "fwd" only
+# the varlen forward's schedule before the dynamic scheduler (Note [Varlen order])
+ZIGZAG = dict(dynamic_tiles=False, l2_sections=False)
 PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
@@ -91,6 +99,26 @@ class _Checks:
             os.environ.pop("FA4_FINAL_VARLEN_CHECKS")
         else:
             os.environ["FA4_FINAL_VARLEN_CHECKS"] = self.before
+
+
+def _zigzag_runner(q, k, v, cu, longest):
+    """f(causal) -> out: the varlen forward in the fixed zigzag rounds (ZIGZAG), checks off."""
+    from dataclasses import replace
+
+    from fa4_final import varlen
+    from fa4_final.config import hopper_fwd_default
+
+    def run(causal):
+        out = torch.empty_like(q)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        config = replace(hopper_fwd_default(q.shape[-1], causal, varlen=True), **ZIGZAG)
+        with _Checks(False):
+            varlen.varlen_forward_into(q.detach(), k.detach(), v.detach(), cu, cu, None,
+                                       longest, longest, out, lse, causal=causal,
+                                       config=config)
+        return out
+
+    return run
 
 
 def _runners(q, k, v, cu, longest):
@@ -206,6 +234,7 @@ def main(argv=None) -> int:
     runners = _runners(q, k, v, cu, longest)
     # the forward rows record no graph (as before the backward rows existed)
     by_pass = {("fwd", name): _without_grad(fn) for name, fn in runners.items()}
+    by_pass[("fwd", "fa4_final_varlen_zigzag")] = _zigzag_runner(q, k, v, cu, longest)
     if grads_needed:
         by_pass |= {(p, name): fn for (name, p), fn in
                     _grad_runners(runners, q, k, v, cu, dout).items()}
@@ -225,7 +254,7 @@ def main(argv=None) -> int:
                 print(f"{pass_} causal={causal}: fa4_final_varlen failed: "
                       f"{bench.error_text(exc)}", flush=True)
                 continue
-            for name in ("fa4_final_loop", "fa4_package"):
+            for name in ("fa4_final_varlen_zigzag", "fa4_final_loop", "fa4_package"):
                 if (grad_pass, name) not in by_pass:
                     continue
                 try:
@@ -249,6 +278,8 @@ def main(argv=None) -> int:
         for causal in causals:
             flops = varlen_flops(lengths, args.heads, args.dim, causal, pass_)
             for name in IMPLS:
+                if name in FORWARD_ONLY and pass_ != "fwd":
+                    continue
                 key = (pass_, name, causal)
                 row = dict(impl=name, **{"pass": pass_}, dtype=bench.DTYPE_NAMES[dtype],
                            b=len(lengths), s=round(sum(lengths) / len(lengths)), h=args.heads,

@@ -3,7 +3,8 @@ compiles for D = 64 and 128, causal or not, with no spills and the dense kernel'
 its instruction mix is that of the dense kernel with the same knobs (the same wgmma, TMA loads
 and stores, stmatrix, exponentials) plus the varlen pieces: the warp scan over cu_seqlens
 (SHFL, POPC) and the partial last tile's 16-byte stores (Note [Varlen epilogue]). The dense
-variant has none of those: the flag compiles them out."""
+variant has none of those: the flag compiles them out. Both take their tiles from the dynamic
+scheduler's counter (Note [Dynamic tiles])."""
 
 import pytest
 
@@ -54,6 +55,10 @@ def test_varlen_compiles_clean_with_the_dense_instruction_mix(artifacts, head_di
     dense.forbid("shfl.sync.up")
     # no wgmma serialised by ptxas (test_fa4_final_compile.wgmma_serialised)
     assert var.count("WARPGROUP.ARRIVE", "sass") == var.count("wgmma.fence.sync.aligned")
+    # its tiles come from the counter of Note [Dynamic tiles], as the dense build's of these
+    # knobs do: one global atomic
+    assert same.schedules_dynamically
+    assert var.count("atom.global.add") == dense.count("atom.global.add") == 1
 
 
 def test_varlen_with_seqused_k_and_a_window(artifacts):

@@ -26,7 +26,9 @@ What this adds over chapter 05's kernel (TMA + wgmma + an mbarrier pipeline, one
 5. Varlen (chapter 12), a compile-time variant (``varlen=True``): packed sequences in one
    launch. Only the tile lookup (fa4_final.seqlens, scheduler.varlen_locate), the TMA tiles'
    origin (a domain offset per sequence) and the store of a sequence's partial last tile (Note
-   [Varlen epilogue]) differ; the dense variant's code is what it was without the flag.
+   [Varlen epilogue]) differ; its tiles come from the same counter (a CTA may find none: the
+   grid is sized from a bound, the exact count is known only on the device). The dense
+   variant's code is what it was without the flag.
 
 Which of these pay, and by how much, is measured, not claimed here: notebook 08 prints the knob
 table (results/h200/fa4_final_knobs.json, ``python -m solutions.ch08_knobs``) and the standing
@@ -117,8 +119,9 @@ class HopperForward:
         # Note [Split tail] (fa4_final.scheduler): the table's entries carry key ranges, and a
         # tile cut into pieces is merged by its last piece
         self.split = self.use_table and config.splits_tail
-        # Note [Dynamic tiles] (fa4_final.scheduler): dense only, like the table
-        self.dynamic = config.schedules_dynamically and not self.varlen
+        # Note [Dynamic tiles] (fa4_final.scheduler): dense and varlen alike (the tile count
+        # is known on the device; a varlen CTA may find none: Note [Varlen order])
+        self.dynamic = config.schedules_dynamically
         self.num_consumer_threads = THREADS_PER_WARPGROUP * self.num_wgs
         self.num_threads = THREADS_PER_WARPGROUP + self.num_consumer_threads
         self.roles = {
@@ -201,7 +204,7 @@ class HopperForward:
                             "exactly to a dense build with config.splits_tail (Note [Split "
                             "tail])")
         if const_expr(self.dynamic != (mTileCounter is not None)):
-            raise TypeError("the tile counter is given exactly to a dense build whose config "
+            raise TypeError("the tile counter is given exactly to a build whose config "
                             "schedules dynamically (config.schedules_dynamically: Note "
                             "[Dynamic tiles])")
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
@@ -575,7 +578,7 @@ class HopperForward:
                     state_v)
                 r = r + 1
                 tile = read_tile(full, empty, slots, r)
-            if wg == 0:  # the turn the last warpgroup's last arrive opened
+            if (wg == 0) & (r > 0):  # the turn the last warpgroup's last arrive opened
                 self.turn_begin(wg, False)
         else:
             for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):

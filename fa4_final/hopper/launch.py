@@ -78,8 +78,7 @@ def _fwd_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig, varlen:
         part_o = fake_tensor(Float32, (cute.sym_int(), elems, threads))
         part_ml = fake_tensor(Float32, (cute.sym_int(), 2 * rows, threads))
         counters = fake_tensor(Int32, (cute.sym_int(),))
-    tile_counter = (fake_tensor(Int32, (1,)) if cfg.schedules_dynamically and not varlen
-                    else None)
+    tile_counter = fake_tensor(Int32, (1,)) if cfg.schedules_dynamically else None
     return (q, k, v, o, lse, timeline, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
             cu_q, cu_k, used_k, table, part_o, part_ml, counters, tile_counter, fake_stream())
 
@@ -232,7 +231,8 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
              _timeline_buffer(q.device, cfg), softmax_scale, window_left or 0,
              window_right or 0, group, _num_sms(q.device), cu_seqlens_q.contiguous(),
              cu_seqlens_k.contiguous(), None if seqused_k is None else seqused_k.contiguous(),
-             None, None, None, None, None)
+             None, None, None, None,
+             _tile_counter(q.device) if cfg.schedules_dynamically else None)
 
 
 _TABLES: dict = {}

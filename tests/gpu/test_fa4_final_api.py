@@ -178,6 +178,36 @@ def test_varlen_forward(case):
                       f"sequence {i} (sq {lens_q[i]}, sk {nk[i]})")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_dynamic_tiles_with_idle_ctas_repeat_bitwise(causal):
+    """Note [Dynamic tiles] on the varlen kernel: the grid is sized from a bound on the tile
+    count (every sequence may end in a partial tile), so with few tiles some CTAs find none
+    and must exit without taking a turn. Three launches give the same bits (the same tiles,
+    whichever CTA computes them), each checked against float64, and the counter is zero
+    after each (the launch's last fetch resets it)."""
+    from fa4_final.config import hopper_fwd_default
+    from fa4_final.scheduler import varlen_tiles
+
+    assert hopper_fwd_default(128, causal, varlen=True).schedules_dynamically
+    lens = [100, 100, 3]  # 3 tiles per head; the bound: (ceil(203 / 128) + 2) = 4 per head
+    case = (lens, lens, None, 2, 1, 128, BF16, causal, (None, None))
+    tiles = sum(varlen_tiles(n, 128, 2) for n in lens)
+    bound = (-(-sum(lens) // 128) + len(lens) - 1) * 2
+    assert tiles < bound <= launch._num_sms(torch.device("cuda"))  # CTAs with no tile
+    first = None
+    for _ in range(3):
+        q, k, v, cu_q, cu_k, _, out, lse = run_varlen(case)
+        assert launch._tile_counter(q.device).item() == 0
+        if first is None:
+            first = out.clone(), lse.clone()
+            for i in range(len(lens)):
+                rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+                one = [t[None, rows] for t in (q, k, v)]
+                check_forward(*one, out[None, rows], lse[None, :, rows], causal, (None, None),
+                              f"sequence {i}")
+        assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
+
+
 def test_varlen_degenerate_batches():
     """No query row at all; no key at all; one row and one key per sequence."""
     q, k, v, cu_q, cu_k = packed([0, 0], [3, 0])
