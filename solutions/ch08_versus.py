@@ -1,5 +1,6 @@
 """fa4_final's Hopper forward and the FA4 package's, profiled by Nsight Compute side by side at
-the shapes where the package leads, and at one where they are level for comparison.
+two causal shapes (the one where the package stays ahead at the fixed clock, and the one where
+it led by the most before the L2 sections) and at the headline non-causal one for comparison.
 
     python -m solutions.ch08_versus                 # GPU, ncu: results/<gpu>/fa4_final_versus.json
     python -m solutions.ch08_versus --raw-dir DIR   # ... and keep ncu's CSV exports in DIR
@@ -27,8 +28,9 @@ from solutions import ch05_profile as ch05p
 RESULTS = "fa4_final_versus"
 RESULTS_BOOST = "fa4_final_versus_boost"  # one shape at the GPU's own clock (--boost)
 HEADS, TOKENS = 16, 16384
-# (head_dim, seqlen, causal): the two causal shapes with the widest gaps in the benchmark, and
-# the headline non-causal one, where the two kernels run level
+# (head_dim, seqlen, causal): D = 64 S = 16384 causal, still behind the package at the fixed
+# clock; D = 128 S = 4096 causal, the widest gap before the L2 sections; the headline
+# non-causal shape
 SHAPES = ((64, 16384, True), (128, 4096, True), (128, 16384, False))
 # ncu's names: fa4_final's class is HopperForward, the package's FlashAttentionForwardSm90
 KERNELS = {"fa4_final": "regex:HopperForward", "fa4_package": "regex:FlashAttentionForwardSm90"}
