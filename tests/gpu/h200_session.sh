@@ -16,7 +16,8 @@
 #    implementation, itself)
 #   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests ch12-sweep ch12-acc varlen-tests
 #    api-varlen-tests (the API's GPU tests and the varlen backward's, without the training run)
-#    varlen-bench varlen-sanitize varlen-bwd-sanitize)
+#    varlen-bench varlen-sanitize varlen-bwd-sanitize; varlen-dyn-sanitize: the varlen
+#    forward's dynamic tiles under memcheck, racecheck and synccheck)
 #   (host: the API's host time per call vs its kernels' time, with the peers; host-train: the
 #    small-GPT training step, fa4_final vs SDPA)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
@@ -99,6 +100,10 @@ for s in "$@"; do
         step "san_dyn_${tool}" 240 $SAN --tool $tool $PY -m solutions.ch08_checks --small --knob dynamic_tiles
       done ;;
     clocked-dyn) step fa4_clocked_dyn 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --shape 128 16384 1 --shape 128 4096 1 --variants fa4_final "tile table" fa4_package --name fa4_final_clocked_dynamic ;;
+    varlen-dyn-sanitize)  # the varlen forward's dynamic tiles: idle CTAs, many sequences, D = 64
+      for tool in memcheck racecheck synccheck; do
+        step "san_varlen_${tool}" 300 $SAN --tool $tool $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_api.py -k "idle_ctas or (test_varlen_forward and (b70 or d64-float16-causal1))"
+      done ;;
     split-sanitize)
       for tool in memcheck racecheck synccheck; do
         step "san_split_${tool}" 300 $SAN --tool $tool $PY -m solutions.ch08_checks --small --split
