@@ -388,6 +388,27 @@ def varlen_table(res) -> str:
     return "\n".join(lines)
 
 
+VARLEN_ZIGZAG = "fa4_final_varlen_zigzag"  # the same kernel in its old fixed rounds (fwd only)
+
+
+def varlen_schedule_lines(res) -> str:
+    """Per forward case of the varlen file: the kernel taking its tiles at run time over the
+    same kernel in fixed zigzag rounds (the same run), with the verdict of utils.bench.compare.
+    Files from before the zigzag rows have none to show."""
+    if res is None:
+        return "not measured yet"
+    lines = []
+    for causal in (False, True):
+        by = {r["impl"]: r for r in res.rows
+              if r.get("pass", "fwd") == "fwd" and bool(r.get("causal")) == causal}
+        cmp = bench.compare(by[VARLEN_OURS], by[VARLEN_ZIGZAG]) if (
+            VARLEN_OURS in by and VARLEN_ZIGZAG in by) else None
+        if cmp:
+            lines.append(f"fwd{' causal' if causal else ''}: tiles taken at run time "
+                         f"{cmp} against fixed zigzag rounds")
+    return "\n".join(lines) or "no zigzag rows in this file"
+
+
 ACCURACY_CASE = ("dtype", "b", "sq", "sk", "h", "h_kv", "d", "causal")
 TENSORS = ("out", "dq", "dk", "dv")
 

@@ -165,6 +165,18 @@ def test_varlen_table_pivots_cases():
     assert t12.varlen_table(None) == "not measured yet"
 
 
+def test_varlen_schedule_lines_compare_with_the_zigzag_rounds():
+    rows = [timed(n, "fwd", 128, 2048, c, t)
+            for c in (False, True)
+            for n, t in (("fa4_final_varlen", 500), ("fa4_final_varlen_zigzag", 400))]
+    text = t12.varlen_schedule_lines(fake("ch12_varlen", rows))
+    lines = text.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("fwd causal")
+    assert all("1.25x" in line and "faster" in line for line in lines)
+    assert "no zigzag rows" in t12.varlen_schedule_lines(fake("ch12_varlen", rows[:1]))
+    assert t12.varlen_schedule_lines(None) == "not measured yet"
+
+
 def test_accuracy_table_and_summary():
     case = {"dtype": "bf16", "b": 1, "sq": 1000, "sk": 1000, "h": 8, "h_kv": 8, "d": 128,
             "causal": False}
