@@ -254,8 +254,9 @@ class HopperForward:
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         mO_rows = None
         if const_expr(self.varlen):
-            # a batch of one packed (total_q) rows: at most one partial tile more per sequence.
-            # The exact count needs the offsets' values; CTAs past it find no tile and exit.
+            # a batch of one packed (total_q) rows: at most one partial tile more per sequence
+            # (bwd_tiles.varlen_grid_bound on the host). The exact count needs the offsets'
+            # values; CTAs past it find no tile and exit.
             num_tiles = (num_m_blocks + mCuSeqlensQ.shape[0] - 1) * mQ.shape[2]
             mO_rows = mO  # the partial last tile of a sequence is stored without TMA
         grid = num_tiles

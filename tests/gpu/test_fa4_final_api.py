@@ -185,14 +185,15 @@ def test_varlen_dynamic_tiles_with_idle_ctas_repeat_bitwise(causal):
     and must exit without taking a turn. Three launches give the same bits (the same tiles,
     whichever CTA computes them), each checked against float64, and the counter is zero
     after each (the launch's last fetch resets it)."""
+    from fa4_final.bwd_tiles import varlen_grid_bound
     from fa4_final.config import hopper_fwd_default
     from fa4_final.scheduler import varlen_tiles
 
     assert hopper_fwd_default(128, causal, varlen=True).schedules_dynamically
-    lens = [100, 100, 3]  # 3 tiles per head; the bound: (ceil(203 / 128) + 2) = 4 per head
+    lens = [100, 100, 3]  # 3 tiles per head; the grid's bound: ceil(203 / 128) + 3 = 5 per head
     case = (lens, lens, None, 2, 1, 128, BF16, causal, (None, None))
     tiles = sum(varlen_tiles(n, 128, 2) for n in lens)
-    bound = (-(-sum(lens) // 128) + len(lens) - 1) * 2
+    bound = varlen_grid_bound(sum(lens), len(lens), 128, 2)  # the forward's grid, too
     assert tiles < bound <= launch._num_sms(torch.device("cuda"))  # CTAs with no tile
     first = None
     for _ in range(3):
