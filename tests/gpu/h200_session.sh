@@ -22,8 +22,8 @@
 #    small-GPT training step, fa4_final vs SDPA)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
 #   (profiles: ch04-profile, ch05-profile, fa4-profile, fa4-versus (fa4_final and the FA4
-#    package side by side); each keeps ncu's CSV exports under
-#    $OUT/<name>_raw)
+#    package side by side), fa4-stalls (the two, per SASS instruction); each keeps ncu's CSV
+#    exports under $OUT/<name>_raw)
 # (ch04-peers also needs CUTLASS_FA2_EXAMPLE: the path of CUTLASS's Ampere FA2 example)
 # Results files written under results/ are sent back as $OUT/results.tar; logs as $OUT/logs.tar.gz.
 # DEADLINE=<epoch seconds> shortens the last steps so that none runs past it (the logs of a
@@ -68,6 +68,7 @@ for s in "$@"; do
     ch05-profile) step ch05_profile 300 $PY -m solutions.ch05_profile --raw-dir "$OUT/ch05_profile_raw" ;;
     fa4-profile) step fa4_profile 300 $PY -m solutions.ch08_profile --raw-dir "$OUT/fa4_final_profile_raw" ;;
     fa4-boost) step fa4_boost 300 $PY -m solutions.ch08_versus --boost 64 16384 1 --raw-dir "$OUT/fa4_final_versus_boost_raw" ;;
+    fa4-stalls) step fa4_stalls 560 $PY -m solutions.ch08_stalls --raw-dir "$OUT/fa4_final_stalls_raw" ;;
     fa4-versus) step fa4_versus 540 $PY -m solutions.ch08_versus --raw-dir "$OUT/fa4_final_versus_raw" ;;
     ch07) step ch07_rescale 300 $PY -m solutions.ch07_rescaling --save ;;
     fa4-check) step fa4_check 420 $PY -m solutions.ch08_checks ;;

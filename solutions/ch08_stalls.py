@@ -1,0 +1,226 @@
+"""Where the warps of fa4_final's Hopper forward and of the FA4 package's wait, instruction by
+instruction: ncu's warp-state sampling per SASS instruction, both kernels at one shape.
+
+    python -m solutions.ch08_stalls                # GPU, ncu: results/<gpu>/fa4_final_stalls.json
+    python -m solutions.ch08_stalls --raw-dir DIR  # ... and keep ncu's CSV exports in DIR
+    python -m solutions.ch08_stalls --from-raw DIR # re-read DIR (any machine, no GPU)
+
+``solutions.ch08_versus`` compares the two kernels by whole-kernel counters: time, tensor pipe,
+issue slots, stall reasons averaged over every warp. Those say *that* one kernel's warps wait
+longer for a fixed-latency result ("wait") or for the shared-memory pipe ("mio_throttle"), not
+*where*. Here every (kernel, shape) is profiled once more with ncu's SourceCounters section: the
+SM samples each warp's state every few hundred cycles and ncu charges the sample to the
+instruction the warp sits at, with the reason it is not issuing. Grouping the samples by warp
+role (the SASS after ``setmaxnreg.dec`` is the producer's, after ``setmaxnreg.inc`` the
+consumers', as in chapter 05's profile) and by kind of instruction shows where each kernel's
+consumer warps spend their time; both kernels run three consumer warpgroups of 64 rows at
+D = 64, with one 192 x 128 tile, so the shares compare like for like.
+
+Saved rows (impl, shape, metric, value, unit): the counters of ch08_versus, the role and turn
+shares of chapter 05's profile (``ch05_profile.role_rows``), and per kind of consumer
+instruction (``KINDS``) its share of the consumers' samples, its share of their issued
+instructions, and the stall reason most of its samples carry. ncu holds the SM clock at its base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from solutions import ch04_profile as core
+from solutions import ch05_profile as ch05p
+from solutions import ch08_versus as versus
+
+RESULTS = "fa4_final_stalls"
+# (head_dim, seqlen, causal): the shape where the package stays ahead at the fixed clock, and the
+# same shape without the mask, where fa4_final leads
+SHAPES = ((64, 16384, True), (64, 16384, False))
+IMPLS = ("fa4_final", "fa4_package")
+SECTIONS = (*versus.SECTIONS, "SourceCounters")
+# Kinds of consumer instruction, in the order the table prints them: (kind, opcode prefixes).
+# An instruction falls in the first kind whose prefix its opcode starts with.
+KINDS = (
+    ("wgmma issue (HGMMA)", ("HGMMA",)),
+    ("wgmma wait (WARPGROUP.DEPBAR)", ("WARPGROUP.DEPBAR",)),
+    ("wgmma fence (WARPGROUP.ARRIVE)", ("WARPGROUP.ARRIVE",)),
+    ("mbarrier wait (SYNCS, NANOSLEEP)", ("SYNCS", "NANOSLEEP")),
+    ("named barrier (BAR)", ("BAR.",)),
+    ("exp2 (MUFU.EX2)", ("MUFU.EX2",)),
+    ("row max (FMNMX)", ("FMNMX",)),
+    ("scale and subtract (FFMA)", ("FFMA",)),
+    ("row sum (FADD)", ("FADD",)),
+    ("multiply (FMUL)", ("FMUL",)),
+    ("to 16-bit (F2FP)", ("F2FP",)),
+    ("shuffle (SHFL)", ("SHFL",)),
+    ("select (FSEL)", ("FSEL",)),
+    ("uniform datapath (U*)", ("U",)),
+    ("branch (BRA)", ("BRA",)),
+)
+OTHER = "other"
+
+
+def kind_of(opcode: str) -> str:
+    return next((k for k, prefixes in KINDS if any(opcode.startswith(p) for p in prefixes)),
+                OTHER)
+
+
+def kind_rows(records: list[dict]) -> list[dict]:
+    """Per kind of consumer instruction: its share of the consumers' warp samples, of their
+    executed instructions, and the reason most of its stalled samples carry ("selected" is a
+    sample taken while the warp issued)."""
+    role = ch05p.roles(records)
+    consumer = [r for r, x in zip(records, role) if x == "consumer"]
+    samples = sum(r["samples"] for r in consumer) or 1
+    executed = sum(r["executed"] for r in consumer) or 1
+    by_kind: dict[str, list[dict]] = {}
+    for r in consumer:
+        by_kind.setdefault(kind_of(r["opcode"]), []).append(r)
+    rows = []
+    for kind in (*(k for k, _ in KINDS), OTHER):
+        group = by_kind.get(kind, [])
+        if not group:
+            continue
+        reasons = Counter()
+        for r in group:
+            reasons.update(r["stalls"])
+        top = reasons.most_common(1)
+        rows += [
+            {"metric": f"kind_samples_pct[{kind}]", "unit": "%",
+             "value": 100.0 * sum(r["samples"] for r in group) / samples},
+            {"metric": f"kind_executed_pct[{kind}]", "unit": "%",
+             "value": 100.0 * sum(r["executed"] for r in group) / executed},
+        ]
+        if top and top[0][1]:
+            rows.append({"metric": f"kind_top_reason[{kind}]", "unit": "reason",
+                         "value": top[0][0]})
+    return rows
+
+
+def hot_rows(records: list[dict], n: int = 12) -> list[dict]:
+    """The ``n`` consumer instructions that hold the most samples, in order: their SASS, share of
+    the consumers' samples and the reasons of those samples (``{reason: share}``)."""
+    role = ch05p.roles(records)
+    consumer = [r for r, x in zip(records, role) if x == "consumer"]
+    samples = sum(r["samples"] for r in consumer) or 1
+    rows = []
+    for rank, r in enumerate(sorted(consumer, key=lambda r: -r["samples"])[:n]):
+        st = {k: round(100.0 * v / (r["samples"] or 1), 1)
+              for k, v in sorted(r["stalls"].items(), key=lambda kv: -kv[1]) if v}
+        rows.append({"metric": f"hot[{rank}]", "unit": "instruction",
+                     "value": {"sass": r["sass"], "samples_pct": 100.0 * r["samples"] / samples,
+                               "executed": r["executed"], "reasons_pct": st}})
+    return rows
+
+
+def build_rows(raw_text: str, source_text: str, impl: str, head_dim: int, seqlen: int,
+               causal: bool) -> list[dict]:
+    records = core.parse_source_rows(source_text)
+    rows = versus.rows_of(raw_text, impl, head_dim, seqlen, causal)
+    shape = {k: rows[0][k] for k in ("b", "s", "h", "d", "causal")} if rows else {}
+    extra = []
+    try:
+        extra = ch05p.role_rows(records) + kind_rows(records) + hot_rows(records)
+    except (ValueError, StopIteration) as e:  # a SASS without the landmarks: counters only
+        extra = [{"metric": "role_split", "value": f"not found: {e}", "unit": "note"}]
+    return rows + [{"impl": impl, **shape, **r} for r in extra]
+
+
+def run_ncu(impl: str, head_dim: int, seqlen: int, causal: bool) -> tuple[str, str]:
+    spec = core.ProfileSpec(RESULTS, "solutions.ch08_versus", versus.KERNEL_OF[impl], SECTIONS,
+                            versus.EXTRA_METRICS, None)
+    return core.run_ncu(spec, (impl, str(head_dim), str(seqlen), str(int(causal))), source=True)
+
+
+def _stem(impl, d, s, causal) -> str:
+    return f"{impl}_d{d}_s{s}_{'causal' if causal else 'noncausal'}"
+
+
+def profile(raw_dir: Path | None = None, shapes=SHAPES) -> Path:
+    from utils import results
+
+    command = "python -m solutions.ch08_stalls"
+    provenance = results.collect_provenance(command)
+    rows = []
+    for d, s, causal in shapes:
+        for impl in IMPLS:
+            raw, source = run_ncu(impl, d, s, causal)
+            if raw_dir is not None:
+                raw_dir.mkdir(parents=True, exist_ok=True)
+                (raw_dir / f"{_stem(impl, d, s, causal)}.raw.csv").write_text(raw)
+                (raw_dir / f"{_stem(impl, d, s, causal)}.source.csv").write_text(source)
+                (raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance,
+                                                               "shapes": shapes}, indent=1))
+            rows += build_rows(raw, source, impl, d, s, causal)
+            print(f"profiled {impl} D={d} S={s} causal={causal}", flush=True)
+    return results.save(RESULTS, rows, command=command, provenance=provenance)
+
+
+def from_raw(raw_dir: Path) -> Path:
+    """Rebuild the results file from the CSV exports ``--raw-dir`` kept (their provenance)."""
+    from utils import results
+
+    meta = json.loads((raw_dir / "meta.json").read_text())
+    rows = []
+    for d, s, causal in meta["shapes"]:
+        for impl in IMPLS:
+            stem = raw_dir / _stem(impl, d, s, causal)
+            rows += build_rows(Path(f"{stem}.raw.csv").read_text(),
+                               Path(f"{stem}.source.csv").read_text(), impl, d, s, causal)
+    provenance = dict(meta["provenance"])
+    provenance["command"] += (f" (rows re-read from its CSV exports with --from-raw at commit "
+                              f"{results.collect_provenance('')['commit'][:10]})")
+    return results.save(RESULTS, rows, command=provenance["command"], provenance=provenance)
+
+
+def table(res, shape=None) -> list[str]:
+    """Per shape, the consumers' samples and issued instructions by kind, the two kernels side by
+    side (percent of each kernel's own consumer samples / instructions)."""
+    lines = []
+    shapes = sorted({(r["d"], r["s"], r["causal"]) for r in res.rows})
+    for d, s, causal in shapes if shape is None else [shape]:
+        by = {impl: {r["metric"]: r["value"] for r in res.rows
+                     if (r["d"], r["s"], r["causal"], r["impl"]) == (d, s, causal, impl)}
+              for impl in IMPLS}
+        head = f"D={d} S={s} {'causal' if causal else 'non-causal'}"
+        lines.append(f"{head:34s}" + "".join(f"{impl + ' samples':>22s}{'instr.':>8s}"
+                                              for impl in IMPLS))
+        for kind in (*(k for k, _ in KINDS), OTHER):
+            cells = []
+            for impl in IMPLS:
+                b = by[impl]
+                smp = b.get(f"kind_samples_pct[{kind}]")
+                ex = b.get(f"kind_executed_pct[{kind}]")
+                why = b.get(f"kind_top_reason[{kind}]", "")
+                cells.append(f"{'' if smp is None else f'{smp:5.1f}% ({why})':>22s}"
+                             f"{'' if ex is None else f'{ex:7.1f}%':>8s}")
+            if any(c.strip() for c in cells):
+                lines.append(f"  {kind:32s}" + "".join(cells))
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--raw-dir", type=Path, help="also keep ncu's CSV exports here")
+    ap.add_argument("--from-raw", type=Path, help="re-read the exports kept in this folder")
+    args = ap.parse_args(argv)
+    from utils import results
+
+    if args.from_raw:
+        path = from_raw(args.from_raw)
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("needs a CUDA GPU (sm_90) and ncu; the stored results are in results/h200/")
+            return 0
+        path = profile(args.raw_dir)
+    print("\n".join(table(results.load(RESULTS))))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
