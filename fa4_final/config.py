@@ -14,6 +14,7 @@ from fa4_final.softmax import check_softmax_knobs
 
 HEAD_DIMS = (64, 128)
 O_RESCALE_PLACES = ("end", "early", "next_pv")
+REDUCTION_WAYS = (0, 1, 2, 4)  # row max / row sum: chains per row (0 = a pairwise tree)
 
 # setmaxnreg budgets (producer, consumer) per number of consumer warpgroups: the CTA's total,
 # 128 * (producer + n * consumer), must stay within the SM's 64 K registers.
@@ -46,6 +47,8 @@ class HopperFwdConfig:
     timeline: bool = False  # debug build: record phase timestamps (fa4_final.timeline)
     exp2_emulation_fraction: float = 0.0  # chapter 06
     rescale_threshold: float = 0.0  # chapter 07 (tau, log2 units; 0 = always rescale)
+    row_max_ways: int = 0  # running chains per row max; 0 = a pairwise tree (Note [Reduction..])
+    row_sum_ways: int = 0  # the same for the row sum, its first chain starting from alpha * l
 
     @property
     def tile_m(self) -> int:
@@ -114,6 +117,11 @@ class HopperFwdConfig:
         if self.pingpong and self.num_consumer_wgs < 2:
             raise ValueError("pingpong needs at least 2 consumer warpgroups to take turns")
         check_softmax_knobs(self.exp2_emulation_fraction, self.rescale_threshold)
+        for name in ("row_max_ways", "row_sum_ways"):
+            ways = getattr(self, name)
+            if ways not in REDUCTION_WAYS:
+                raise ValueError(f"{name} must be one of {REDUCTION_WAYS} (0 = a pairwise "
+                                 f"tree), got {ways!r}")
 
 
 def hopper_fwd_default(head_dim: int, causal: bool = False,

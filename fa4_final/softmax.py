@@ -25,7 +25,7 @@ from cutlass import Float32, const_expr
 
 from fa4_final.constants import LN_2
 from fa4_final.fast_math import exp2_at
-from fa4_final.fragments import THREADS_PER_ROW, acc_rows_cols, tree_reduce
+from fa4_final.fragments import THREADS_PER_ROW, acc_rows_cols, chain_reduce, tree_reduce
 
 # k of every EMULATION_PERIOD consecutive elements of a row go to the polynomial, so the
 # emulated share moves in steps of 1/8.
@@ -66,7 +66,9 @@ class OnlineSoftmax:
 
     def __init__(self, scale_log2: Float32, num_rows: int, exp2_emulation_fraction=0.0,
                  rescale_threshold=0.0, threads_per_row: int = THREADS_PER_ROW, row_max=None,
-                 row_sum=None):
+                 row_sum=None, max_ways: int = 0, sum_ways: int = 0):
+        self.max_ways = max_ways  # Note [Reduction shape]: 0 = a pairwise tree
+        self.sum_ways = sum_ways
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.exp2_emulation_fraction = exp2_emulation_fraction
@@ -92,7 +94,7 @@ class OnlineSoftmax:
             start += n
         return OnlineSoftmax(rebuilt[0], self.num_rows, self.exp2_emulation_fraction,
                              self.rescale_threshold, self.threads_per_row, rebuilt[1],
-                             rebuilt[2])
+                             rebuilt[2], self.max_ways, self.sum_ways)
 
     def _dynamic(self):
         return (self.scale_log2, self.row_max, self.row_sum)
@@ -169,10 +171,8 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             s_row = s[r, None]
             self.exp2_row(s_row, max_scaled[r])
-            tile_sum = tree_reduce([s_row[c] for c in range(cols)], lambda a, b: a + b)
             row_scale[r] = self._alpha(r, max_scaled[r], rescale, is_first)
-            self.row_sum[r] = tile_sum if const_expr(is_first) else (
-                self.row_sum[r] * row_scale[r] + tile_sum)
+            self._fold_sum(r, s_row, cols, row_scale, is_first)
             self.row_max[r] = row_max_new[r]
         return row_scale, rescale
 
@@ -183,8 +183,12 @@ class OnlineSoftmax:
         cols = cute.size(s, mode=[1])
         tile_max = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
-            tile_max[r] = self._quad_max(tree_reduce([s[r, c] for c in range(cols)],
-                                                     cute.arch.fmax))
+            values = [s[r, c] for c in range(cols)]
+            if const_expr(self.max_ways == 0):
+                tile_max[r] = self._quad_max(tree_reduce(values, cute.arch.fmax))
+            else:
+                tile_max[r] = self._quad_max(chain_reduce(values, cute.arch.fmax,
+                                                          self.max_ways))
         row_max_new = tile_max
         rescale = True
         if const_expr(not is_first):
@@ -230,11 +234,35 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             s_row = s[r, None]
             self.exp2_row(s_row, max_scaled[r])
-            tile_sum = tree_reduce([s_row[c] for c in range(cols)], lambda a, b: a + b)
+            self._fold_sum(r, s_row, cols, row_scale, is_first)
+
+    # Note [Reduction shape]
+    # ----------------------
+    # A row's 32 values (per thread, at tile_n = 128) reduce to one max and, after the
+    # exponentials, one sum. A pairwise tree has depth 5 instead of 31, but a warp issues in
+    # order: a tree's upper levels wait for the fixed latency of the level below, and with them
+    # every exponential behind them in the stream. A chain that takes the values in the order
+    # the exponentials produce them waits only for the value it adds: the MUFU result it would
+    # wait for anyway. ``max_ways`` / ``sum_ways`` say how many running chains each reduction
+    # keeps (0 = the tree); the sum's first chain starts from alpha * l, so the rescaled old sum
+    # costs one FMUL and no extra add. Only the order of the fp32 additions changes.
+
+    @cute.jit
+    def _fold_sum(self, r: int, s_row, cols: int, row_scale, is_first: cutlass.Constexpr[bool]):
+        """row_sum[r] <- (alpha * row_sum[r] unless first) + sum of the row's p."""
+        add = lambda a, b: a + b  # noqa: E731
+        values = [s_row[c] for c in range(cols)]
+        if const_expr(self.sum_ways == 0):
+            tile_sum = tree_reduce(values, add)
             if const_expr(is_first):
                 self.row_sum[r] = tile_sum
             else:
                 self.row_sum[r] = self.row_sum[r] * row_scale[r] + tile_sum
+        elif const_expr(is_first):
+            self.row_sum[r] = chain_reduce(values, add, self.sum_ways)
+        else:
+            self.row_sum[r] = chain_reduce(values, add, self.sum_ways,
+                                           self.row_sum[r] * row_scale[r])
 
     @cute.jit
     def rescale_o(self, acc_o: cute.Tensor, row_scale: cute.Tensor, needed=True) -> None:

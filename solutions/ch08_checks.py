@@ -50,12 +50,19 @@ KNOBS = [dict(pingpong=False), dict(persistent=False, tile_table=False), dict(se
          dict(stages_k=2, stages_v=2), dict(stages_k=2, stages_v=3), dict(mask_bits=True),
          dict(o_rescale="early", mask_bits=True), dict(l2_sections=True, tile_table=True),
          dict(tile_table=True, split_tail=True),
-         dict(l2_sections=True, tile_table=False, dynamic_tiles=True)]
+         dict(l2_sections=True, tile_table=False, dynamic_tiles=True),
+         dict(row_sum_ways=1, row_max_ways=4), dict(row_sum_ways=2, row_max_ways=2)]
 KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),
                (2, 777, 777, 4, 2, 64, False, FP16, None)]
 # knobs that change the mask or the P V bookkeeping also meet causal D = 64 (tile_m = 192, two
 # diagonal tiles), seqlen_q > seqlen_k and a window with both edges
-KNOB_MORE_SHAPES = {"mask_bits": [(2, 700, 500, 3, 1, 64, True, FP16, None),
+KNOB_MORE_SHAPES = {# the reductions' order: causal D = 64 (masked and steady steps, a
+                    # first tile), rows that see no key, fp16
+                    "row_sum_ways": [(2, 700, 500, 3, 1, 64, True, FP16, None),
+                                     (2, 8192, 8192, 16, 2, 64, True, FP16, None),
+                                     (1, 1000, 100, 2, 2, 128, True, BF16, None),
+                                     (2, 4096, 4095, 8, 8, 64, False, BF16, None)],
+                    "mask_bits": [(2, 700, 500, 3, 1, 64, True, FP16, None),
                                   (1, 700, 900, 2, 2, 64, True, BF16, (37, None))],
                     # the table changes which CTA computes what: many tiles per CTA, rows
                     # that see no key, windows, and a grid smaller than the SM count (also the

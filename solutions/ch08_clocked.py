@@ -51,6 +51,12 @@ VARIANTS = {
                                                      "o_rescale": "end"},
     "K/V stages 2/2, tau = 8, O rescaled after the softmax": {
         "stages_k": 2, "stages_v": 2, "rescale_threshold": 8.0, "o_rescale": "end"},
+    # the shape of the row reductions (Note [Reduction shape] in fa4_final.softmax)
+    "row sum in one chain": {"row_sum_ways": 1},
+    "row sum in two chains": {"row_sum_ways": 2},
+    "row sum in a tree": {"row_sum_ways": 0},
+    "row max in four chains": {"row_max_ways": 4},
+    "row sum in one chain, row max in four chains": {"row_sum_ways": 1, "row_max_ways": 4},
 }
 DEFAULT_VARIANTS = ("fa4_final", "tau = 8", "O rescaled after the softmax", "fa4_package")
 KERNEL_REGEX = "regex:HopperForward|FlashAttentionForwardSm90"

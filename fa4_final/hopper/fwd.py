@@ -551,7 +551,8 @@ class HopperForward:
                                      self.dtype)
         tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_rows_cols(acc_o), mode=[0]),
-                                self.cfg.exp2_emulation_fraction, self.cfg.rescale_threshold)
+                                self.cfg.exp2_emulation_fraction, self.cfg.rescale_threshold,
+                                max_ways=self.cfg.row_max_ways, sum_ways=self.cfg.row_sum_ways)
 
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,

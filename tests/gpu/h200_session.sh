@@ -91,6 +91,9 @@ for s in "$@"; do
     clocked) step fa4_clocked 560 $PY -m solutions.ch08_clocked ${CLOCKED_ARGS:-} ;;
     clocked-d64c2) step fa4_clocked_d64c2 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "K/V stages 2/2" "K/V stages 2/2, tau = 8" "K/V stages 2/2, O rescaled after the softmax" "K/V stages 2/2, tau = 8, O rescaled after the softmax" fa4_package --name fa4_final_clocked_d64_causal_stages ;;
     clocked-d64c) step fa4_clocked_d64c 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "tau = 8" "O rescaled after the softmax" "tau = 8, O rescaled after the softmax" "one tile per CTA, L2 sections" "zigzag rounds in L2 sections" "K/V stages 2/2" fa4_package --name fa4_final_clocked_d64_causal ;;
+    clocked-rowsum) step fa4_clocked_rowsum 560 $PY -m solutions.ch08_clocked --variants fa4_final "row sum in one chain" "row sum in two chains" fa4_package --name fa4_final_clocked_row_sum ;;
+    clocked-rowmax) step fa4_clocked_rowmax 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "row sum in one chain" "row sum in one chain, row max in four chains" "row max in four chains" fa4_package --name fa4_final_clocked_row_max ;;
+    rowsum-check) step rowsum_check 300 $PY -m solutions.ch08_checks --knob row_sum_ways ;;
     predecessors) step fa4_predecessors 300 $PY -m solutions.ch08_predecessors ;;
     energy) step fa4_energy 300 $PY -m solutions.ch08_energy ;;
     fa4-check-defaults) step fa4_check_defaults 300 $PY -m solutions.ch08_checks --defaults ;;
