@@ -49,6 +49,7 @@ class HopperFwdConfig:
     rescale_threshold: float = 0.0  # chapter 07 (tau, log2 units; 0 = always rescale)
     row_max_ways: int = 0  # running chains per row max; 0 = a pairwise tree (Note [Reduction..])
     row_sum_ways: int = 0  # the same for the row sum, its first chain starting from alpha * l
+    pin_lane: bool = True  # the EMPTY arrives' lane read once, not every step (Note [Signalling..])
 
     @property
     def tile_m(self) -> int:

@@ -356,10 +356,12 @@ def _warp_inclusive_sum(x: Int32) -> Int32:
 
 
 @dsl_user_op
-def _lane_here(*, loc=None, ip=None) -> Int32:
-    """The lane index, read where it is used: an asm with side effects, which LLVM may not
-    hoist out of a loop. (The lane intrinsic it may: the tile loops of the 24-register
-    producer then kept a per-lane pointer into cu_seqlens live, and spilled it.)"""
+def lane_here(*, loc=None, ip=None) -> Int32:
+    """The lane index, read where it is called: an asm with side effects, which LLVM may neither
+    hoist out of a loop nor read again later. (The lane intrinsic it may move either way: the
+    tile loops of the 24-register producer kept a per-lane pointer into cu_seqlens live, and
+    spilled it; the consumers' KV loop read the thread index again every step, Note
+    [Signalling lane] in fa4_final.hopper.fwd.)"""
     return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %laneid;", "=r",
                                  has_side_effects=True, is_align_stack=False,
                                  asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
@@ -379,7 +381,7 @@ def varlen_locate(t: Int32, mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[
     batch = mCuSeqlensQ.shape[0] - 1
     b, before, base = Int32(0), Int32(0), Int32(0)
     for chunk in cutlass.range(cute.ceil_div(batch, WARP), unroll=1):
-        i = chunk * WARP + _lane_here()
+        i = chunk * WARP + lane_here()
         n = Int32(0)
         if i < batch:
             if const_expr(mSeqUsed is None):

@@ -57,6 +57,8 @@ VARIANTS = {
     "row sum in a tree": {"row_sum_ways": 0},
     "row max in four chains": {"row_max_ways": 4},
     "row sum in one chain, row max in four chains": {"row_sum_ways": 1, "row_max_ways": 4},
+    # Note [Signalling lane] in fa4_final.hopper.fwd: the thread index read again every step
+    "lane read every step": {"pin_lane": False},
 }
 DEFAULT_VARIANTS = ("fa4_final", "tau = 8", "O rescaled after the softmax", "fa4_package")
 KERNEL_REGEX = "regex:HopperForward|FlashAttentionForwardSm90"

@@ -213,7 +213,7 @@ def device_locate(t, lens_q, tile_m, heads):
                 popc=lambda x: bin(x).count("1"))
     ceil_div = lambda a, b: -(-int(a) // b)  # noqa: E731
     with python_loops(), patched(cute.arch, **arch), patched(cute, ceil_div=ceil_div), \
-            patched(scheduler, Int32=int, _lane_here=warp.lane_idx, _warp_inclusive_sum=plain(
+            patched(scheduler, Int32=int, lane_here=warp.lane_idx, _warp_inclusive_sum=plain(
                 scheduler._warp_inclusive_sum)):
         return warp.run(plain(scheduler.varlen_locate), t, cu, tile_m, heads)
 

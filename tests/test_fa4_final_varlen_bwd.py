@@ -136,7 +136,7 @@ def _on_lanes(fn, *args, modules=()):
     with python_loops(), patched(cute.arch, **arch), patched(cute, ceil_div=ceil_div), \
             patched(cutlass, max=max), \
             patched(scheduler, Int32=int, const_expr=bool, varlen_locate=plain(
-                scheduler.varlen_locate), _lane_here=warp.lane_idx, _warp_inclusive_sum=plain(
+                scheduler.varlen_locate), lane_here=warp.lane_idx, _warp_inclusive_sum=plain(
                 scheduler._warp_inclusive_sum)):
         stack = [patched(m, Int32=int, const_expr=bool,
                          varlen_locate=plain(scheduler.varlen_locate)) for m in modules]

@@ -62,6 +62,7 @@ from fa4_final.scheduler import (
     TILE_SLOTS,
     WHOLE_TILE_KEYS,
     fetch_tile,
+    lane_here,
     publish_tile,
     read_tile,
     rounds,
@@ -322,10 +323,21 @@ class HopperForward:
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                               self.num_consumer_threads // WARP_SIZE)
 
+        # Note [Signalling lane]
+        # ----------------------
+        # Lane 0 of each consumer warp arrives on a ring's EMPTY barrier. The rings would read
+        # the thread index for that themselves, and LLVM, which may re-read it anywhere, reads
+        # it again every KV step: an S2R whose 20-odd cycles of latency the next instruction
+        # waited out between the V wait and the P V issue, while this warpgroup held its turn
+        # on the tensor cores (results/h200/fa4_final_stalls.json: 0.8% of the consumers' samples
+        # at D = 64). The lane read once by lane_here, an asm LLVM may not repeat, stays in a
+        # register instead (pin_lane=False: the rings read it themselves, for comparison).
+        lane = lane_here() if const_expr(self.cfg.pin_lane) else None
+
         def ring(mbar, stages, tx):
             return pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
-                consumer_group=consumers, tx_count=tx, defer_sync=True)
+                consumer_group=consumers, tx_count=tx, defer_sync=True, tidx=lane)
 
         pipeline_q = ring(storage.mbar_q, 1, bytes_q)
         pipeline_k = ring(storage.mbar_k, self.cfg.stages_k, bytes_kv)
