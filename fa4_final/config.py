@@ -49,7 +49,7 @@ class HopperFwdConfig:
     rescale_threshold: float = 0.0  # chapter 07 (tau, log2 units; 0 = always rescale)
     row_max_ways: int = 0  # running chains per row max; 0 = a pairwise tree (Note [Reduction..])
     row_sum_ways: int = 0  # the same for the row sum, its first chain starting from alpha * l
-    pin_lane: bool = True  # the EMPTY arrives' lane read once, not every step (Note [Signalling..])
+    pin_lane: bool = False  # the EMPTY arrives' lane read once, not every step (Note [Signall..])
 
     @property
     def tile_m(self) -> int:
@@ -138,7 +138,10 @@ def hopper_fwd_default(head_dim: int, causal: bool = False,
     and two V stages, not three. Both were chosen at ncu's fixed SM clock, free of the power
     limit and of what ran before (results/h200/fa4_final_clocked*.json; at D = 128 tau = 8 was
     slower there); the bursts' spread is larger than either difference. Varlen, not measured
-    so, keeps three stages and tau = 0.
+    so, keeps three stages and tau = 0. D = 64 causal also reads the signalling lane once
+    (pin_lane, Note [Signalling lane]): at the fixed clock 0.6% faster at S = 16384 and a tie
+    at 4096, within the spread; elsewhere ptxas schedules the step worse with it (D = 128,
+    S = 16384 causal: 3% slower; results/h200/fa4_final_clocked_lane.json).
 
     Causal (dense): tiles longest first in sections of heads whose K and V fit in L2, each
     persistent CTA taking its next one at run time (Note [Dynamic tiles]): at the fixed clock
@@ -162,7 +165,8 @@ def hopper_fwd_default(head_dim: int, causal: bool = False,
         stages = 2 if causal and not varlen else 3
         return HopperFwdConfig(num_consumer_wgs=3, tile_n=128, stages_k=stages,
                                stages_v=stages, o_rescale="next_pv",
-                               rescale_threshold=0.0 if varlen else 8.0, **schedule)
+                               rescale_threshold=0.0 if varlen else 8.0,
+                               pin_lane=causal and not varlen, **schedule)
     return HopperFwdConfig(num_consumer_wgs=2, tile_n=128, stages_k=3, stages_v=2,
                            o_rescale="next_pv", **schedule)
 
