@@ -99,6 +99,63 @@ def kind_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
+def steady_rows(records: list[dict]) -> list[dict]:
+    """The consumers' sample count, and per kind the samples of the steady KV loop: the
+    instructions executed exactly as often as the most frequent MUFU.EX2 (once per step and
+    consumer warp; the first, masked and last steps run other copies). Samples are counts at
+    one sampling interval, so two kernels' counts compare as time spent."""
+    role = ch05p.roles(records)
+    consumer = [r for r, x in zip(records, role) if x == "consumer"]
+    steps = Counter(r["executed"] for r in consumer if r["opcode"].startswith("MUFU.EX2"))
+    if not steps:
+        return []
+    per_step = max(steps)
+    loop = [r for r in consumer if r["executed"] == per_step]
+    rows = [{"metric": "consumer_samples", "unit": "samples",
+             "value": sum(r["samples"] for r in consumer)},
+            {"metric": "steady_loop_instructions", "unit": "instructions", "value": len(loop)},
+            {"metric": "steady_loop_steps", "unit": "warp steps", "value": per_step}]
+    by_kind, reasons = Counter(), {}
+    for r in loop:
+        by_kind[kind_of(r["opcode"])] += r["samples"]
+        reasons.setdefault(kind_of(r["opcode"]), Counter()).update(r["stalls"])
+    rows += [{"metric": f"steady_samples[{k}]", "unit": "samples", "value": v}
+             for k, v in by_kind.items()]
+    rows += [{"metric": f"steady_reasons[{k}]", "unit": "samples per reason",
+              "value": dict(v)} for k, v in reasons.items()]
+    return rows
+
+
+def steady_difference(res, shape=(64, 16384, True), ours="fa4_final",
+                      theirs="fa4_package") -> list[str]:
+    """Per kind, the steady KV loop's samples of ``ours`` minus ``theirs``, in per cent of
+    ``theirs``' consumer samples, largest first: where the one kernel's consumers spend the
+    time the other's do not."""
+    d, s, causal = shape
+    by = {impl: {r["metric"]: r["value"] for r in res.rows
+                 if (r["d"], r["s"], r["causal"], r["impl"]) == (d, s, causal, impl)}
+          for impl in (ours, theirs)}
+    total = by[theirs].get("consumer_samples")
+    if not total or "consumer_samples" not in by[ours]:
+        return [f"no steady-loop samples stored for D={d} S={s} causal={causal}"]
+    kinds = {m for b in by.values() for m in b if m.startswith("steady_samples[")}
+    diff = sorted(((by[ours].get(m, 0) - by[theirs].get(m, 0), m[15:-1]) for m in kinds),
+                  reverse=True)
+    lines = [f"D={d} S={s} {'causal' if causal else 'non-causal'}: consumer samples {ours} "
+             f"{by[ours]['consumer_samples']:.0f}, {theirs} {total:.0f} "
+             f"({100 * (by[ours]['consumer_samples'] / total - 1):+.1f}%); steady loop, "
+             f"{ours} minus {theirs}, in % of {theirs}'s consumer samples:"]
+    for v, kind in diff:
+        if abs(v) < 0.002 * total:
+            continue
+        mine, other = (by[x].get(f"steady_reasons[{kind}]", {}) for x in (ours, theirs))
+        moved = {r: mine.get(r, 0) - other.get(r, 0) for r in {*mine, *other}}
+        why = max(moved, key=lambda r: moved[r] if v > 0 else -moved[r], default=None)
+        reason = f"  (largest reason: {why} {100 * moved[why] / total:+.1f}%)" if why else ""
+        lines.append(f"  {kind:34s} {100 * v / total:+5.1f}%{reason}")
+    return lines
+
+
 def hot_rows(records: list[dict], n: int = 12) -> list[dict]:
     """The ``n`` consumer instructions that hold the most samples, in order: their SASS, share of
     the consumers' samples and the reasons of those samples (``{reason: share}``)."""
@@ -122,7 +179,8 @@ def build_rows(raw_text: str, source_text: str, impl: str, head_dim: int, seqlen
     shape = {k: rows[0][k] for k in ("b", "s", "h", "d", "causal")} if rows else {}
     extra = []
     try:
-        extra = ch05p.role_rows(records) + kind_rows(records) + hot_rows(records)
+        extra = (ch05p.role_rows(records) + kind_rows(records) + steady_rows(records)
+                 + hot_rows(records))
     except (ValueError, StopIteration) as e:  # a SASS without the landmarks: counters only
         extra = [{"metric": "role_split", "value": f"not found: {e}", "unit": "note"}]
     return rows + [{"impl": impl, **shape, **r} for r in extra]

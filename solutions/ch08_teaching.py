@@ -607,3 +607,50 @@ def instrument_lines(named: dict) -> list[str]:
             cells.append(f"{'-':>14s}" if c is None else f"{c.ratio:12.3f} {mark[c.verdict]}")
         lines.append(f"{row['d']:3d} {row['s']:5d} {row['causal']!s:6s} " + " ".join(cells))
     return lines
+
+
+def default_in_lane_run(res) -> list[str]:
+    """From the run that timed both ways of reading the signalling lane (solutions.ch08_clocked,
+    variants fa4_final = lane read once and "lane read every step"): per shape, the column that
+    is today's default (``hopper_fwd_default(...).pin_lane``) against the FA4 package."""
+    from fa4_final.config import hopper_fwd_default
+
+    lines = []
+    for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):
+        group = {r["config"]: r for r in res.rows
+                 if (r["d"], r["s"], r["causal"]) == (d, s, causal)}
+        pinned = hopper_fwd_default(d, causal).pin_lane
+        ours = group["fa4_final" if pinned else "lane read every step"]
+        how = "lane read once" if pinned else "lane read every step"
+        c = bench.compare(ours, group["fa4_package"])
+        lines.append(f"D={d:3d} S={s:5d} {'causal    ' if causal else 'non-causal'} default "
+                     f"({how:20s}) {ours['ms']:.4f} ms: {c.ratio:.3f}x the package "
+                     f"({c.verdict}; spread {c.noise:.1%})")
+    return lines
+
+
+def compiled_step_facts(head_dim: int, causal: bool, variants: dict) -> list[str]:
+    """Compile the default forward with each of ``variants`` (label -> config changes) for
+    sm_90a on this machine and say, per build, how its steady KV step is scheduled: its
+    instructions, how many of its exponentials ptxas placed before the wait for P V (they run
+    under that GEMM), and how many reads of the thread index (S2R) its KV loops hold."""
+    from dataclasses import replace
+
+    from fa4_final import interface
+    from fa4_final.config import hopper_fwd_default
+    from solutions import ch08_compare
+
+    lines = []
+    for label, change in variants.items():
+        cfg = replace(hopper_fwd_default(head_dim, causal), **change)
+        art = interface.compile_only("sm_90a", head_dim, "bf16", causal, cfg)
+        m = ch08_compare.kernel_metrics(art.ptx, art.sass, art.registers, art.spills,
+                                        cfg.tile_m, cfg.tile_n)
+        step, sched = m["steady step"], m["steady step schedule"]
+        s2r = sum(1 for body in ch08_compare.kv_loops(art.sass) for line in body
+                  if "S2R" in line and "SR_TID" in line)
+        lines.append(f"{label:32s} steady step {step['instructions']} instructions, "
+                     f"{sched['exps under P V']} of {step['MUFU.EX2']} exponentials before the "
+                     f"P V wait; S2R of the thread index in the KV loops: {s2r}; "
+                     f"{art.registers} registers, {art.spills} spills")
+    return lines
