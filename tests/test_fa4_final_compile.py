@@ -50,6 +50,7 @@ def test_default_forward_has_the_hopper_instructions(artifacts, head_dim, causal
     dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0),
     dict(has_window_left=True), dict(has_window_right=True, has_window_left=True),
     dict(stages_k=2, stages_v=3), dict(mask_bits=True),
+    dict(row_sum_ways=1), dict(row_sum_ways=2, row_max_ways=4), dict(pin_lane=True),
 ])
 def test_every_knob_compiles_clean(artifacts, knobs):
     art = artifacts(128, False, **dict(knobs))
@@ -167,3 +168,23 @@ def test_sm90_comparison_finds_the_kv_step(artifacts):
         name = ch08_compare.config_name(d, causal)
         for impl in ("fa4", "fa4_final"):
             assert table.where(impl=impl, config=name, metric="steady step: instructions")
+
+
+def test_d64_causal_default_reads_the_lane_once(artifacts):
+    """Note [Signalling lane]: the default D = 64 causal build keeps the thread index out of its
+    KV loops; without pin_lane LLVM reads it (S2R) again in the loops."""
+    from solutions.ch08_compare import kv_loops
+
+    def s2r_in_loops(art):
+        return sum(1 for body in kv_loops(art.sass) for line in body
+                   if "S2R" in line and "SR_TID" in line)
+
+    assert hopper_fwd_default(64, True).pin_lane
+    assert s2r_in_loops(artifacts(64, True)) == 0
+    assert s2r_in_loops(artifacts(64, True, pin_lane=False)) > 0
+
+
+@pytest.mark.parametrize("name", ["row_sum_ways", "row_max_ways"])
+def test_reduction_ways_are_checked(name):
+    with pytest.raises(ValueError, match=name):
+        replace(hopper_fwd_default(64), **{name: 3}).check(64)
