@@ -125,6 +125,12 @@ class HopperFwdConfig:
                                  f"tree), got {ways!r}")
 
 
+# The causal schedule before the tile table and the dynamic hand-out: fixed zigzag rounds,
+# longest first over every head (fa4_final.scheduler.zigzag_tile); benchmarks and profiles
+# time it beside the default (replace(hopper_fwd_default(...), **ZIGZAG_ROUNDS)).
+ZIGZAG_ROUNDS = dict(l2_sections=False, tile_table=False, dynamic_tiles=False)
+
+
 def hopper_fwd_default(head_dim: int, causal: bool = False,
                        varlen: bool = False) -> HopperFwdConfig:
     """The forward config for sm_90. D = 64: 192 x 128 with three consumer warpgroups (160

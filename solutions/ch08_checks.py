@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from fa4_final import interface
-from fa4_final.config import hopper_fwd_default
+from fa4_final.config import ZIGZAG_ROUNDS, hopper_fwd_default
 from utils import checks
 from utils.reference import random_qkv
 
@@ -45,7 +45,7 @@ SMALL_SPLIT = [(1, 1000, 4097, 2, 1, 128, False, FP16, None),
 KNOBS = [dict(pingpong=False), dict(persistent=False, tile_table=False), dict(separate_o=False),
          dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
          dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0),
-         dict(l2_sections=False, tile_table=False, dynamic_tiles=False),
+         ZIGZAG_ROUNDS,
          dict(l2_sections=True, tile_table=False, dynamic_tiles=False),
          dict(stages_k=2, stages_v=2), dict(stages_k=2, stages_v=3), dict(mask_bits=True),
          dict(o_rescale="early", mask_bits=True), dict(l2_sections=True, tile_table=True),

@@ -20,7 +20,7 @@ from dataclasses import asdict, replace
 import torch
 
 from fa4_final import interface
-from fa4_final.config import hopper_fwd_default
+from fa4_final.config import ZIGZAG_ROUNDS, hopper_fwd_default
 from fa4_final.timeline import MARKS, Mark
 from solutions import ch08_checks
 from utils import bench, results
@@ -72,8 +72,7 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
                                                                split_tail=True)
     if causal:  # the default: longest first in L2 sections, taken at run time (Note [Dyn..])
         # fixed zigzag rounds, longest first over every head (the first default)
-        configs["zigzag rounds, longest first over all heads"] = replace(
-            base, l2_sections=False, tile_table=False, dynamic_tiles=False)
+        configs["zigzag rounds, longest first over all heads"] = replace(base, **ZIGZAG_ROUNDS)
         configs["zigzag rounds in L2 sections"] = replace(base, l2_sections=True,
                                                           tile_table=False, dynamic_tiles=False)
         # the host's list schedule (Note [Tile table]; the default before dynamic tiles)

@@ -22,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from fa4_final.config import ZIGZAG_ROUNDS
 from solutions import ch04_profile as core
 from solutions import ch05_profile as ch05p
 
@@ -36,7 +37,7 @@ SHAPES = ((64, 16384, True), (128, 4096, True), (128, 16384, False))
 KERNELS = {"fa4_final": "regex:HopperForward", "fa4_package": "regex:FlashAttentionForwardSm90"}
 # fa4_final with the causal schedule it had before the tile table (Note [Tile table]): fixed
 # zigzag rounds, longest first over every head; profiled at the causal shapes beside the default
-VARIANTS = {"fa4_final_zigzag": dict(l2_sections=False, tile_table=False, dynamic_tiles=False)}
+VARIANTS = {"fa4_final_zigzag": ZIGZAG_ROUNDS}
 KERNEL_OF = {**{name: KERNELS["fa4_final"] for name in VARIANTS}, **KERNELS}
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "LaunchStats",
             "Occupancy", "WarpStateStats", "SchedulerStats")

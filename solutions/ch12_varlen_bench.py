@@ -48,13 +48,14 @@ import sys
 
 import torch
 
+from fa4_final.config import ZIGZAG_ROUNDS
 from utils import bench, results
 
 IMPLS = ("fa4_final_varlen", "fa4_final_varlen_checked", "fa4_final_varlen_zigzag",
          "fa4_final_loop", "fa4_package")
 FORWARD_ONLY = ("fa4_final_varlen_zigzag",)  # rows of the pass "fwd" only
 # the varlen forward's schedule before the dynamic scheduler (Note [Varlen order])
-ZIGZAG = dict(dynamic_tiles=False, l2_sections=False)
+ZIGZAG = ZIGZAG_ROUNDS
 PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
