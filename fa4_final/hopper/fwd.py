@@ -327,12 +327,12 @@ class HopperForward:
         # ----------------------
         # Lane 0 of each consumer warp arrives on a ring's EMPTY barrier. The rings would read
         # the thread index for that themselves, and LLVM, which may re-read it anywhere, reads
-        # it again every KV step: an S2R whose 20-odd cycles of latency the next instruction
-        # waited out between the V wait and the P V issue, while this warpgroup held its turn
-        # on the tensor cores (results/h200/fa4_final_stalls.json: 0.8% of the consumers' samples
-        # at D = 64). With pin_lane the lane is read once by lane_here, an asm LLVM may not
-        # repeat, and stays in a register. Only D = 64 causal does so by default: elsewhere
-        # ptxas then scheduled the step worse than the stall cost (hopper_fwd_default).
+        # it again every KV step: an S2R whose latency the next instruction waited out between
+        # the V wait and the P V issue, while this warpgroup held its turn on the tensor cores
+        # (results/h200/fa4_final_stalls.json, D = 64). With pin_lane the lane is read once by
+        # lane_here, an asm LLVM may not repeat, and stays in a register. Only D = 64 causal
+        # does so by default: elsewhere ptxas then scheduled the step worse than the stall
+        # cost (hopper_fwd_default).
         lane = lane_here() if const_expr(self.cfg.pin_lane) else None
 
         def ring(mbar, stages, tx):
