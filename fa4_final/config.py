@@ -49,6 +49,7 @@ class HopperFwdConfig:
     rescale_threshold: float = 0.0  # chapter 07 (tau, log2 units; 0 = always rescale)
     row_max_ways: int = 0  # running chains per row max; 0 = a pairwise tree (Note [Reduction..])
     row_sum_ways: int = 0  # the same for the row sum, its first chain starting from alpha * l
+    rescale_skip_unchanged: bool = False  # tau = 0: skip O *= alpha if no max moved (Note [Warp..])
     pin_lane: bool = False  # the EMPTY arrives' lane read once, not every step (Note [Signall..])
 
     @property

@@ -16,7 +16,8 @@ Two compile-time knobs change the step without restructuring it (0 means the pla
   polynomial of ``fast_math`` instead of MUFU, chosen per element at compile time (no branch);
 - ``rescale_threshold`` (chapter 07, tau in log2 units): keep a warp's stale maxima unless some
   row of the warp grew by more than tau (Note [Warp vote]); alpha is then exactly 1 and the O
-  multiply is skipped with one warp-uniform branch.
+  multiply is skipped with one warp-uniform branch. With tau = 0, ``skip_unchanged`` keeps the
+  true max and skips the multiply only where no row's max moved.
 """
 
 import cutlass
@@ -66,9 +67,11 @@ class OnlineSoftmax:
 
     def __init__(self, scale_log2: Float32, num_rows: int, exp2_emulation_fraction=0.0,
                  rescale_threshold=0.0, threads_per_row: int = THREADS_PER_ROW, row_max=None,
-                 row_sum=None, max_ways: int = 0, sum_ways: int = 0):
+                 row_sum=None, max_ways: int = 0, sum_ways: int = 0,
+                 skip_unchanged: bool = False):
         self.max_ways = max_ways  # Note [Reduction shape]: 0 = a pairwise tree
         self.sum_ways = sum_ways
+        self.skip_unchanged = skip_unchanged  # tau = 0 only: Note [Warp vote], last paragraph
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.exp2_emulation_fraction = exp2_emulation_fraction
@@ -94,7 +97,7 @@ class OnlineSoftmax:
             start += n
         return OnlineSoftmax(rebuilt[0], self.num_rows, self.exp2_emulation_fraction,
                              self.rescale_threshold, self.threads_per_row, rebuilt[1],
-                             rebuilt[2], self.max_ways, self.sum_ways)
+                             rebuilt[2], self.max_ways, self.sum_ways, self.skip_unchanged)
 
     def _dynamic(self):
         return (self.scale_log2, self.row_max, self.row_sum)
@@ -128,6 +131,10 @@ class OnlineSoftmax:
     # The max in use is what row_max holds, so finalize() pairs l with the max that was
     # subtracted: the result is exact after the final division. A row whose max is still -inf
     # grows by +inf on its first key and always votes yes.
+    # With tau = 0 and ``skip_unchanged`` the exponentials always take the true running max,
+    # so nothing waits for the vote before them; the warp votes only on whether any of its
+    # rows' maxima moved at all, and skips O's multiply when none did (alpha is then exactly 1
+    # for every row). The vote then gates only the O multiply, which comes later.
 
     @cute.jit
     def running_max_to_use(self, row_max_old: cute.Tensor, tile_max: cute.Tensor) -> tuple:
@@ -137,6 +144,11 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             new[r] = cute.arch.fmax(row_max_old[r], tile_max[r])
         rescale = True
+        if const_expr(self.rescale_threshold == 0.0 and self.skip_unchanged):
+            moved = cutlass.Boolean(False)
+            for r in cutlass.range_constexpr(self.num_rows):
+                moved = moved | (new[r] > row_max_old[r])  # -inf to -inf: not moved
+            rescale = cute.arch.vote_any_sync(moved)
         if const_expr(self.rescale_threshold > 0.0):
             grew = cutlass.Boolean(False)
             for r in cutlass.range_constexpr(self.num_rows):
@@ -207,10 +219,14 @@ class OnlineSoftmax:
         if const_expr(is_first):
             return Float32(1.0)
         alpha = cute.math.exp2(self.row_max[r] * self.scale_log2 - max_scaled, fastmath=True)
-        if const_expr(self.rescale_threshold > 0.0):
+        if const_expr(self._may_skip()):
             # a kept max gives alpha = 1 exactly, not 2^(the FFMA's rounding error)
             alpha = alpha if rescale else Float32(1.0)
         return alpha
+
+    def _may_skip(self) -> bool:
+        """Whether a warp may skip O's multiply (the vote decides at run time)."""
+        return self.rescale_threshold > 0.0 or self.skip_unchanged
 
     @cute.jit
     def new_max(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> tuple:
@@ -266,8 +282,9 @@ class OnlineSoftmax:
 
     @cute.jit
     def rescale_o(self, acc_o: cute.Tensor, row_scale: cute.Tensor, needed=True) -> None:
-        """O_row *= alpha_row; with tau > 0, skipped by the whole warp when its vote said no."""
-        if const_expr(self.rescale_threshold > 0.0):
+        """O_row *= alpha_row; with tau > 0 (or skip_unchanged), skipped by the whole warp when
+        its vote said no."""
+        if const_expr(self._may_skip()):
             if needed:
                 self._multiply_rows(acc_o, row_scale)
         else:

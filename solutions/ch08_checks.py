@@ -51,7 +51,8 @@ KNOBS = [dict(pingpong=False), dict(persistent=False, tile_table=False), dict(se
          dict(o_rescale="early", mask_bits=True), dict(l2_sections=True, tile_table=True),
          dict(tile_table=True, split_tail=True),
          dict(l2_sections=True, tile_table=False, dynamic_tiles=True),
-         dict(row_sum_ways=1, row_max_ways=4), dict(row_sum_ways=2, row_max_ways=2)]
+         dict(row_sum_ways=1, row_max_ways=4), dict(row_sum_ways=2, row_max_ways=2),
+         dict(rescale_threshold=0.0, rescale_skip_unchanged=True)]
 KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),
                (2, 777, 777, 4, 2, 64, False, FP16, None)]
 # knobs that change the mask or the P V bookkeeping also meet causal D = 64 (tile_m = 192, two
@@ -62,6 +63,12 @@ KNOB_MORE_SHAPES = {# the reductions' order: causal D = 64 (masked and steady st
                                      (2, 8192, 8192, 16, 2, 64, True, FP16, None),
                                      (1, 1000, 100, 2, 2, 128, True, BF16, None),
                                      (2, 4096, 4095, 8, 8, 64, False, BF16, None)],
+                    # the skipped O multiply: many KV tiles (maxima that stop moving), rows
+                    # that see no key, a left window, both head dims
+                    "rescale_skip_unchanged": [(2, 8192, 8192, 16, 2, 64, True, FP16, None),
+                                               (1, 8192, 8192, 2, 2, 128, False, BF16, None),
+                                               (1, 1000, 100, 2, 2, 128, True, BF16, None),
+                                               (1, 700, 900, 2, 2, 64, True, BF16, (37, None))],
                     "mask_bits": [(2, 700, 500, 3, 1, 64, True, FP16, None),
                                   (1, 700, 900, 2, 2, 64, True, BF16, (37, None))],
                     # the table changes which CTA computes what: many tiles per CTA, rows

@@ -59,6 +59,11 @@ VARIANTS = {
     "row sum in one chain, row max in four chains": {"row_sum_ways": 1, "row_max_ways": 4},
     # Note [Signalling lane] in fa4_final.hopper.fwd: the thread index read again every step
     "lane read every step": {"pin_lane": False},
+    # Note [Warp vote] in fa4_final.softmax, last paragraph: no stale max, the vote off the
+    # exponentials' path
+    "tau = 0, O multiply skipped when no max moved": {"rescale_threshold": 0.0,
+                                                      "rescale_skip_unchanged": True},
+    "tau = 0": {"rescale_threshold": 0.0},
 }
 DEFAULT_VARIANTS = ("fa4_final", "tau = 8", "O rescaled after the softmax", "fa4_package")
 KERNEL_REGEX = "regex:HopperForward|FlashAttentionForwardSm90"

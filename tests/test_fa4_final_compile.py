@@ -51,6 +51,7 @@ def test_default_forward_has_the_hopper_instructions(artifacts, head_dim, causal
     dict(has_window_left=True), dict(has_window_right=True, has_window_left=True),
     dict(stages_k=2, stages_v=3), dict(mask_bits=True),
     dict(row_sum_ways=1), dict(row_sum_ways=2, row_max_ways=4), dict(pin_lane=True),
+    dict(rescale_skip_unchanged=True),
 ])
 def test_every_knob_compiles_clean(artifacts, knobs):
     art = artifacts(128, False, **dict(knobs))
@@ -188,3 +189,19 @@ def test_d64_causal_default_reads_the_lane_once(artifacts):
 def test_reduction_ways_are_checked(name):
     with pytest.raises(ValueError, match=name):
         replace(hopper_fwd_default(64), **{name: 3}).check(64)
+
+
+def test_skip_unchanged_keeps_the_vote_off_the_exponentials(artifacts):
+    """Note [Warp vote]: with tau = 8 the steady step votes before its first exponential; with
+    tau = 0 and rescale_skip_unchanged the exponentials come first (the vote only gates O)."""
+    from solutions.ch08_compare import _instructions, kv_loops
+
+    def vote_before_first_exp(art):
+        ops = [op for _, op in _instructions(kv_loops(art.sass)[-1])]
+        first_exp = next(i for i, op in enumerate(ops) if op.startswith("MUFU.EX2"))
+        return any(op.startswith("VOTE") for op in ops[:first_exp])
+
+    assert vote_before_first_exp(artifacts(64, False))  # the default: tau = 8
+    skip = artifacts(64, False, rescale_threshold=0.0, rescale_skip_unchanged=True)
+    assert not vote_before_first_exp(skip)
+    assert skip.spills == 0

@@ -565,7 +565,8 @@ class HopperForward:
         tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_rows_cols(acc_o), mode=[0]),
                                 self.cfg.exp2_emulation_fraction, self.cfg.rescale_threshold,
-                                max_ways=self.cfg.row_max_ways, sum_ways=self.cfg.row_sum_ways)
+                                max_ways=self.cfg.row_max_ways, sum_ways=self.cfg.row_sum_ways,
+                                skip_unchanged=self.cfg.rescale_skip_unchanged)
 
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
