@@ -196,6 +196,9 @@ class HopperBwdConfig:
     stages_ds: int = 2  # dS buffers (1 or stages_q; 1: the warpgroups sync once more a step)
     dq_swap_ab: bool = False  # dQ^T = K^T dS^T: wgmma M = D, so tile_m need not be 64k
     deterministic: bool = False  # dQ accumulated in a fixed order of KV tiles (Note [Turns])
+    pin_lane: bool = False  # the EMPTY arrives' lane read once (fa4_final.hopper.fwd Note
+    # [Signalling lane]); its KV-tile loop reads the thread index every step without it. Not
+    # timed yet, so off
 
     @property
     def tile_n(self) -> int:

@@ -68,11 +68,17 @@ def test_every_kernel_builds_clean(artifacts, head_dim, causal, deterministic):
     HopperBwdConfig(tile_m=80, dq_swap_ab=True),
     HopperBwdConfig(tile_m=64, stages_ds=1),
     HopperBwdConfig(tile_m=64, stages_q=1, stages_ds=1),
-], ids=["m64", "m80_swap", "ds1", "q1"])
+    HopperBwdConfig(tile_m=64, pin_lane=True),
+], ids=["m64", "m80_swap", "ds1", "q1", "pin_lane"])
 def test_every_knob_compiles_clean(artifacts, config):
     art = artifacts(128, False, config=config)["main"]
     assert art.spills == 0, art.resources()
     assert wgmma_serialised(art) == 0
+    if config.pin_lane:  # Note [Signalling lane]: no read of the thread index in the loops
+        from solutions.ch08_compare import kv_loops
+
+        assert not any("S2R" in line and "SR_TID" in line
+                       for body in kv_loops(art.sass) for line in body)
 
 
 @slow

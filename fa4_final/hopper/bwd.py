@@ -56,7 +56,7 @@ from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_
 from fa4_final.fragments import acc_as_a_operand, acc_rows_cols, select_modes
 from fa4_final.hopper.wgmma import issue_wgmma
 from fa4_final.mask import fragment_coords
-from fa4_final.scheduler import varlen_locate
+from fa4_final.scheduler import lane_here, varlen_locate
 from fa4_final.seqlens import sequence_slab, store_rows
 from fa4_final.tiles import TileWindow
 
@@ -362,10 +362,13 @@ class HopperBackward:
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_THREADS // WARP_SIZE)
 
+        # the signalling lane read once (pin_lane; Note [Signalling lane] in hopper.fwd)
+        lane = lane_here() if const_expr(self.cfg.pin_lane) else None
+
         def ring(mbar, stages, tx):
             return pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
-                consumer_group=consumers, tx_count=tx, defer_sync=True)
+                consumer_group=consumers, tx_count=tx, defer_sync=True, tidx=lane)
 
         pipeline_q = ring(storage.mbar_q, self.cfg.stages_q, bytes_q)
         pipeline_do = ring(storage.mbar_do, self.cfg.stages_q, bytes_q)
