@@ -124,6 +124,10 @@ class HopperFwdConfig:
             if ways not in REDUCTION_WAYS:
                 raise ValueError(f"{name} must be one of {REDUCTION_WAYS} (0 = a pairwise "
                                  f"tree), got {ways!r}")
+        if self.rescale_skip_unchanged and self.rescale_threshold > 0.0:
+            raise ValueError(f"rescale_skip_unchanged applies to rescale_threshold = 0 only (a "
+                             f"threshold already skips O's multiply), got rescale_threshold="
+                             f"{self.rescale_threshold}")
 
 
 # The causal schedule before the tile table and the dynamic hand-out: fixed zigzag rounds,

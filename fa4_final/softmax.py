@@ -261,7 +261,9 @@ class OnlineSoftmax:
     # the exponentials produce them waits only for the value it adds: the MUFU result it would
     # wait for anyway. ``max_ways`` / ``sum_ways`` say how many running chains each reduction
     # keeps (0 = the tree); the sum's first chain starts from alpha * l, so the rescaled old sum
-    # costs one FMUL and no extra add. Only the order of the fp32 additions changes.
+    # costs one FMUL and no extra add. Only the order of the fp32 additions changes. Timed at
+    # a fixed clock the chains did not pay on the H200 (results/h200/
+    # fa4_final_clocked_row_sum.json, notebook 08 section 9): the default keeps the tree.
 
     @cute.jit
     def _fold_sum(self, r: int, s_row, cols: int, row_scale, is_first: cutlass.Constexpr[bool]):

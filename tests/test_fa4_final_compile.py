@@ -205,3 +205,9 @@ def test_skip_unchanged_keeps_the_vote_off_the_exponentials(artifacts):
     skip = artifacts(64, False, rescale_threshold=0.0, rescale_skip_unchanged=True)
     assert not vote_before_first_exp(skip)
     assert skip.spills == 0
+
+
+def test_skip_unchanged_needs_tau_zero():
+    with pytest.raises(ValueError, match="rescale_skip_unchanged applies to rescale_threshold"):
+        replace(hopper_fwd_default(64), rescale_skip_unchanged=True).check(64)  # tau = 8
+    replace(hopper_fwd_default(128), rescale_skip_unchanged=True).check(128)  # tau = 0: fine
