@@ -559,7 +559,9 @@ def rescale_frequency(patterns=PATTERNS, orders=KV_ORDERS, tau=FA4_RESCALE_THRES
     """One row per (pattern, order): the fraction of tile steps where the max grew at all
     (= where an always-rescale kernel multiplies O by alpha < 1), where it outran the max in use
     by more than tau (a rescale), and, per group size, the fraction of group decisions that
-    multiply O (``group_rule="any"``). CPU-cheap: scores once per pattern, then a scan."""
+    multiply O (``group_rule="any"``): ``group{g}`` with the threshold, ``exact{g}`` with tau = 0
+    (the true max always; a group skips the multiply only where none of its rows' maxima moved,
+    fa4_final's ``rescale_skip_unchanged``). CPU-cheap: scores once per pattern, then a scan."""
     table = []
     for name in patterns:
         for order in orders:
@@ -572,15 +574,21 @@ def rescale_frequency(patterns=PATTERNS, orders=KV_ORDERS, tau=FA4_RESCALE_THRES
                    "max_p": stats.max_p}
             for g in group_rows:
                 row[f"group{g}"] = scan_tile_maxima(tmax, tau, group_rows=g).frac_group
+            for g in group_rows:
+                row[f"exact{g}"] = scan_tile_maxima(tmax, 0.0, group_rows=g).frac_group
             table.append(row)
     return table
 
 
 def format_frequency(table: list[dict]) -> str:
     """The rows of ``rescale_frequency`` as a plain-text table (percentages)."""
-    groups = [c for c in table[0] if c.startswith("group")] if table else []
+    groups = [c for c in table[0] if c.startswith(("group", "exact"))] if table else []
+
+    def title(c):
+        return f"any of {c[5:]}" if c.startswith("group") else f"tau=0, {c[5:]}"
+
     head = (f"{'pattern':<12}{'order':<9}{'steps':>8}{'grew':>9}{'rescaled':>10}"
-            + "".join(f"{'any of ' + c[5:]:>11}" for c in groups) + f"{'largest p':>11}")
+            + "".join(f"{title(c):>11}" for c in groups) + f"{'largest p':>11}")
     lines = [head]
     for r in table:
         lines.append(f"{r['pattern']:<12}{r['order']:<9}{r['steps']:>8}{r['grew']:>9.1%}"

@@ -239,6 +239,9 @@ def test_rescale_frequency_table():
     for order in ch07.KV_ORDERS:
         adv = rows[("adversarial", order)]
         assert adv["grew"] == adv["rescaled"] == adv["group16"] == adv["group32"] == 1.0
+        assert adv["exact16"] == adv["exact32"] == 1.0
+    for r in table:  # skipping only exact no-ops multiplies at least as often as the threshold
+        assert r["exact16"] >= r["group16"] and r["exact32"] >= r["exact16"]
     assert rows[("sink", "forward")]["grew"] == 0.0  # the sink is seen first: max set at once
     # visited last, the sink moves every row's max by more than tau exactly once
     assert rows[("sink", "reverse")]["rescaled"] == pytest.approx(1 / 31)
