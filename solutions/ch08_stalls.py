@@ -19,7 +19,13 @@ D = 64, with one 192 x 128 tile, so the shares compare like for like.
 Saved rows (impl, shape, metric, value, unit): the counters of ch08_versus, the role and turn
 shares of chapter 05's profile (``ch05_profile.role_rows``), and per kind of consumer
 instruction (``KINDS``) its share of the consumers' samples, its share of their issued
-instructions, and the stall reason most of its samples carry. ncu holds the SM clock at its base.
+instructions, and the stall reason most of its samples carry; the consumers' sample count and,
+per kind, the steady KV loop's samples and their reasons (``steady_rows``; ``steady_difference``
+sets two kernels against each other); the consumer instructions that hold the most samples
+(``hot_rows``). ncu holds the SM clock at its base.
+
+Reading the attribution: a warp waiting at a named barrier is charged to the instruction after
+the ``BAR.SYNC``, a warp polling an mbarrier to the branch of its retry loop.
 """
 
 from __future__ import annotations
