@@ -54,7 +54,6 @@ VARIANTS = {
     # the shape of the row reductions (Note [Reduction shape] in fa4_final.softmax)
     "row sum in one chain": {"row_sum_ways": 1},
     "row sum in two chains": {"row_sum_ways": 2},
-    "row sum in a tree": {"row_sum_ways": 0},
     "row max in four chains": {"row_max_ways": 4},
     "row sum in one chain, row max in four chains": {"row_sum_ways": 1, "row_max_ways": 4},
     # Note [Signalling lane] in fa4_final.hopper.fwd: the thread index read again every step

@@ -109,6 +109,13 @@ def kv_loops(sass: str) -> list[list[str]]:
     return [lines[a:b + 1] for a, b in sorted(set(spans))]
 
 
+def thread_index_reads(sass: str) -> int:
+    """How many reads of the thread index (S2R SR_TID) the KV loops hold: Note [Signalling
+    lane] in fa4_final.hopper.fwd (LLVM re-reads it there every step unless it is pinned)."""
+    return sum(1 for body in kv_loops(sass) for line in body
+               if "S2R" in line and "SR_TID" in line)
+
+
 def order(ops: list[str]) -> str:
     """The step's key ops in program order, runs compressed: 'HGMMAx8 BAR.ARV ...'."""
     keys = []

@@ -73,12 +73,15 @@ def kind_of(opcode: str) -> str:
                 OTHER)
 
 
-def kind_rows(records: list[dict]) -> list[dict]:
+def consumer_records(records: list[dict]) -> list[dict]:
+    """The consumer warps' instructions of a source page (chapter 05's role split)."""
+    return [r for r, x in zip(records, ch05p.roles(records)) if x == "consumer"]
+
+
+def kind_rows(consumer: list[dict]) -> list[dict]:
     """Per kind of consumer instruction: its share of the consumers' warp samples, of their
     executed instructions, and the reason most of its stalled samples carry ("selected" is a
     sample taken while the warp issued)."""
-    role = ch05p.roles(records)
-    consumer = [r for r, x in zip(records, role) if x == "consumer"]
     samples = sum(r["samples"] for r in consumer) or 1
     executed = sum(r["executed"] for r in consumer) or 1
     by_kind: dict[str, list[dict]] = {}
@@ -105,13 +108,11 @@ def kind_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
-def steady_rows(records: list[dict]) -> list[dict]:
+def steady_rows(consumer: list[dict]) -> list[dict]:
     """The consumers' sample count, and per kind the samples of the steady KV loop: the
     instructions executed exactly as often as the most frequent MUFU.EX2 (once per step and
     consumer warp; the first, masked and last steps run other copies). Samples are counts at
     one sampling interval, so two kernels' counts compare as time spent."""
-    role = ch05p.roles(records)
-    consumer = [r for r, x in zip(records, role) if x == "consumer"]
     steps = Counter(r["executed"] for r in consumer if r["opcode"].startswith("MUFU.EX2"))
     if not steps:
         return []
@@ -162,11 +163,9 @@ def steady_difference(res, shape=(64, 16384, True), ours="fa4_final",
     return lines
 
 
-def hot_rows(records: list[dict], n: int = 12) -> list[dict]:
+def hot_rows(consumer: list[dict], n: int = 12) -> list[dict]:
     """The ``n`` consumer instructions that hold the most samples, in order: their SASS, share of
     the consumers' samples and the reasons of those samples (``{reason: share}``)."""
-    role = ch05p.roles(records)
-    consumer = [r for r, x in zip(records, role) if x == "consumer"]
     samples = sum(r["samples"] for r in consumer) or 1
     rows = []
     for rank, r in enumerate(sorted(consumer, key=lambda r: -r["samples"])[:n]):
@@ -185,8 +184,9 @@ def build_rows(raw_text: str, source_text: str, impl: str, head_dim: int, seqlen
     shape = {k: rows[0][k] for k in ("b", "s", "h", "d", "causal")} if rows else {}
     extra = []
     try:
-        extra = (ch05p.role_rows(records) + kind_rows(records) + steady_rows(records)
-                 + hot_rows(records))
+        consumer = consumer_records(records)
+        extra = (ch05p.role_rows(records) + kind_rows(consumer) + steady_rows(consumer)
+                 + hot_rows(consumer))
     except (ValueError, StopIteration) as e:  # a SASS without the landmarks: counters only
         extra = [{"metric": "role_split", "value": f"not found: {e}", "unit": "note"}]
     return rows + [{"impl": impl, **shape, **r} for r in extra]

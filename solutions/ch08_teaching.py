@@ -647,8 +647,7 @@ def compiled_step_facts(head_dim: int, causal: bool, variants: dict) -> list[str
         m = ch08_compare.kernel_metrics(art.ptx, art.sass, art.registers, art.spills,
                                         cfg.tile_m, cfg.tile_n)
         step, sched = m["steady step"], m["steady step schedule"]
-        s2r = sum(1 for body in ch08_compare.kv_loops(art.sass) for line in body
-                  if "S2R" in line and "SR_TID" in line)
+        s2r = ch08_compare.thread_index_reads(art.sass)
         lines.append(f"{label:32s} steady step {step['instructions']} instructions, "
                      f"{sched['exps under P V']} of {step['MUFU.EX2']} exponentials before the "
                      f"P V wait; S2R of the thread index in the KV loops: {s2r}; "

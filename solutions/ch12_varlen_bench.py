@@ -54,8 +54,6 @@ from utils import bench, results
 IMPLS = ("fa4_final_varlen", "fa4_final_varlen_checked", "fa4_final_varlen_zigzag",
          "fa4_final_loop", "fa4_package")
 FORWARD_ONLY = ("fa4_final_varlen_zigzag",)  # rows of the pass "fwd" only
-# the varlen forward's schedule before the dynamic scheduler (Note [Varlen order])
-ZIGZAG = ZIGZAG_ROUNDS
 PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
@@ -103,7 +101,8 @@ class _Checks:
 
 
 def _zigzag_runner(q, k, v, cu, longest):
-    """f(causal) -> out: the varlen forward in the fixed zigzag rounds (ZIGZAG), checks off."""
+    """f(causal) -> out: the varlen forward in the schedule it had before the dynamic scheduler
+    (config.ZIGZAG_ROUNDS, Note [Varlen order]), checks off."""
     from dataclasses import replace
 
     from fa4_final import varlen
@@ -112,7 +111,7 @@ def _zigzag_runner(q, k, v, cu, longest):
     def run(causal):
         out = torch.empty_like(q)
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        config = replace(hopper_fwd_default(q.shape[-1], causal, varlen=True), **ZIGZAG)
+        config = replace(hopper_fwd_default(q.shape[-1], causal, varlen=True), **ZIGZAG_ROUNDS)
         with _Checks(False):
             varlen.varlen_forward_into(q.detach(), k.detach(), v.detach(), cu, cu, None,
                                        longest, longest, out, lse, causal=causal,

@@ -43,7 +43,8 @@ def _kernel(fadd_wait: int):
 
 
 def test_steady_rows_count_the_loop_at_its_step_count():
-    rows = {r["metric"]: r["value"] for r in st.steady_rows(_kernel(fadd_wait=5))}
+    consumer = st.consumer_records(_kernel(fadd_wait=5))
+    rows = {r["metric"]: r["value"] for r in st.steady_rows(consumer)}
     assert rows["steady_loop_steps"] == 400 and rows["steady_loop_instructions"] == 3
     assert rows["consumer_samples"] == 1 + 3 + 20 + 30 + 15 + 1
     assert rows["steady_samples[row sum (FADD)]"] == 15
@@ -54,7 +55,7 @@ def test_steady_rows_count_the_loop_at_its_step_count():
 def test_difference_is_in_the_second_kernels_samples_and_names_the_reason():
     def rows(impl, fadd_wait):
         return [{"impl": impl, "d": 64, "s": 16384, "causal": True, **r}
-                for r in st.steady_rows(_kernel(fadd_wait))]
+                for r in st.steady_rows(st.consumer_records(_kernel(fadd_wait)))]
 
     res = SimpleNamespace(rows=rows("fa4_final", 40) + rows("fa4_package", 0))
     lines = st.steady_difference(res)
@@ -66,7 +67,8 @@ def test_difference_is_in_the_second_kernels_samples_and_names_the_reason():
 
 
 def test_kind_rows_share_the_consumers_samples():
-    rows = {r["metric"]: r["value"] for r in st.kind_rows(_kernel(fadd_wait=0))}
+    consumer = st.consumer_records(_kernel(fadd_wait=0))
+    rows = {r["metric"]: r["value"] for r in st.kind_rows(consumer)}
     assert sum(v for m, v in rows.items() if m.startswith("kind_samples_pct")) == \
         pytest.approx(100.0)
     assert rows["kind_top_reason[exp2 (MUFU.EX2)]"] == "mio"
