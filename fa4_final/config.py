@@ -49,7 +49,7 @@ class HopperFwdConfig:
     rescale_threshold: float = 0.0  # chapter 07 (tau, log2 units; 0 = always rescale)
     row_max_ways: int = 0  # running chains per row max; 0 = a pairwise tree (Note [Reduction..])
     row_sum_ways: int = 0  # the same for the row sum, its first chain starting from alpha * l
-    rescale_skip_unchanged: bool = False  # tau = 0: skip O *= alpha if no max moved (Note [Warp..])
+    rescale_skip_unchanged: bool = False  # rows keep/move maxima alone; the vote gates O only
     pin_lane: bool = False  # the EMPTY arrives' lane read once, not every step (Note [Signall..])
 
     @property
@@ -124,10 +124,6 @@ class HopperFwdConfig:
             if ways not in REDUCTION_WAYS:
                 raise ValueError(f"{name} must be one of {REDUCTION_WAYS} (0 = a pairwise "
                                  f"tree), got {ways!r}")
-        if self.rescale_skip_unchanged and self.rescale_threshold > 0.0:
-            raise ValueError(f"rescale_skip_unchanged applies to rescale_threshold = 0 only (a "
-                             f"threshold already skips O's multiply), got rescale_threshold="
-                             f"{self.rescale_threshold}")
 
 
 # The causal schedule before the tile table and the dynamic hand-out: fixed zigzag rounds,

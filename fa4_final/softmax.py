@@ -16,8 +16,9 @@ Two compile-time knobs change the step without restructuring it (0 means the pla
   polynomial of ``fast_math`` instead of MUFU, chosen per element at compile time (no branch);
 - ``rescale_threshold`` (chapter 07, tau in log2 units): keep a warp's stale maxima unless some
   row of the warp grew by more than tau (Note [Warp vote]); alpha is then exactly 1 and the O
-  multiply is skipped with one warp-uniform branch. With tau = 0, ``skip_unchanged`` keeps the
-  true max and skips the multiply only where no row's max moved.
+  multiply is skipped with one warp-uniform branch. With ``skip_unchanged`` each row decides
+  alone (it keeps its max unless it grew by more than tau; at tau = 0 it always takes the true
+  max) and the vote only decides whether the warp multiplies O.
 """
 
 import cutlass
@@ -71,7 +72,7 @@ class OnlineSoftmax:
                  skip_unchanged: bool = False):
         self.max_ways = max_ways  # Note [Reduction shape]: 0 = a pairwise tree
         self.sum_ways = sum_ways
-        self.skip_unchanged = skip_unchanged  # tau = 0 only: Note [Warp vote], last paragraph
+        self.skip_unchanged = skip_unchanged  # rows decide alone: Note [Warp vote], last paragraph
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.exp2_emulation_fraction = exp2_emulation_fraction
@@ -131,10 +132,13 @@ class OnlineSoftmax:
     # The max in use is what row_max holds, so finalize() pairs l with the max that was
     # subtracted: the result is exact after the final division. A row whose max is still -inf
     # grows by +inf on its first key and always votes yes.
-    # With tau = 0 and ``skip_unchanged`` the exponentials always take the true running max,
-    # so nothing waits for the vote before them; the warp votes only on whether any of its
-    # rows' maxima moved at all, and skips O's multiply when none did (alpha is then exactly 1
-    # for every row). The vote then gates only the O multiply, which comes later.
+    # With ``skip_unchanged`` each row decides alone: it moves to its true running max when
+    # that grew by more than tau, else keeps the max it had (at tau = 0: it always takes the
+    # true max, and "kept" means "did not move"). Nothing before the exponentials waits for the
+    # vote; the warp votes only on whether any of its rows moved, and skips O's multiply when
+    # none did (alpha is then exactly 1 for every row). The vote gates only the O multiply,
+    # which comes later. In a warp that multiplies, a row that kept its max multiplies O and l
+    # by the same 2^(rounding of the FFMA), about 1: consistent, so exact after the division.
 
     @cute.jit
     def running_max_to_use(self, row_max_old: cute.Tensor, tile_max: cute.Tensor) -> tuple:
@@ -144,12 +148,21 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             new[r] = cute.arch.fmax(row_max_old[r], tile_max[r])
         rescale = True
-        if const_expr(self.rescale_threshold == 0.0 and self.skip_unchanged):
+        if const_expr(self.skip_unchanged and self.rescale_threshold == 0.0):
             moved = cutlass.Boolean(False)
             for r in cutlass.range_constexpr(self.num_rows):
                 moved = moved | (new[r] > row_max_old[r])  # -inf to -inf: not moved
             rescale = cute.arch.vote_any_sync(moved)
-        if const_expr(self.rescale_threshold > 0.0):
+        elif const_expr(self.skip_unchanged):  # tau > 0, each row on its own
+            moved = cutlass.Boolean(False)
+            for r in cutlass.range_constexpr(self.num_rows):
+                # NaN (-inf to -inf) > tau is false: a row with no key yet stays at -inf
+                grew = (new[r] - row_max_old[r]) * self.scale_log2 > Float32(
+                    self.rescale_threshold)
+                new[r] = new[r] if grew else row_max_old[r]
+                moved = moved | grew
+            rescale = cute.arch.vote_any_sync(moved)
+        elif const_expr(self.rescale_threshold > 0.0):
             grew = cutlass.Boolean(False)
             for r in cutlass.range_constexpr(self.num_rows):
                 # +inf at a row's first key, NaN while it has none (-inf - -inf): NaN > tau is false

@@ -52,7 +52,8 @@ KNOBS = [dict(pingpong=False), dict(persistent=False, tile_table=False), dict(se
          dict(tile_table=True, split_tail=True),
          dict(l2_sections=True, tile_table=False, dynamic_tiles=True),
          dict(row_sum_ways=1, row_max_ways=4), dict(row_sum_ways=2, row_max_ways=2),
-         dict(rescale_threshold=0.0, rescale_skip_unchanged=True)]
+         dict(rescale_threshold=0.0, rescale_skip_unchanged=True),
+         dict(rescale_threshold=8.0, rescale_skip_unchanged=True)]
 KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),
                (2, 777, 777, 4, 2, 64, False, FP16, None)]
 # knobs that change the mask or the P V bookkeeping also meet causal D = 64 (tile_m = 192, two

@@ -63,6 +63,8 @@ VARIANTS = {
     "tau = 0, O multiply skipped when no max moved": {"rescale_threshold": 0.0,
                                                       "rescale_skip_unchanged": True},
     "tau = 0": {"rescale_threshold": 0.0},
+    # the same with a threshold: each row keeps or moves its own max, the vote gates O only
+    "tau = 8, rows decide alone": {"rescale_threshold": 8.0, "rescale_skip_unchanged": True},
 }
 DEFAULT_VARIANTS = ("fa4_final", "tau = 8", "O rescaled after the softmax", "fa4_package")
 KERNEL_REGEX = "regex:HopperForward|FlashAttentionForwardSm90"

@@ -94,7 +94,7 @@ for s in "$@"; do
     clocked-rowsum) step fa4_clocked_rowsum 560 $PY -m solutions.ch08_clocked --variants fa4_final "row sum in one chain" "row sum in two chains" fa4_package --name fa4_final_clocked_row_sum ;;
     clocked-rowmax) step fa4_clocked_rowmax 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "row sum in one chain" "row sum in one chain, row max in four chains" "row max in four chains" fa4_package --name fa4_final_clocked_row_max ;;
     clocked-lane) step fa4_clocked_lane 560 $PY -m solutions.ch08_clocked --variants fa4_final "lane read every step" fa4_package --name fa4_final_clocked_lane ;;
-    clocked-skip) step fa4_clocked_skip 560 $PY -m solutions.ch08_clocked --variants fa4_final "tau = 0, O multiply skipped when no max moved" "tau = 0" fa4_package --name fa4_final_clocked_skip ;;
+    clocked-skip) step fa4_clocked_skip 560 $PY -m solutions.ch08_clocked --variants fa4_final "tau = 8, rows decide alone" "tau = 0, O multiply skipped when no max moved" "tau = 8" fa4_package --name fa4_final_clocked_skip ;;
     skip-check) step skip_check 300 $PY -m solutions.ch08_checks --knob rescale_skip_unchanged ;;
     rowsum-check) step rowsum_check 300 $PY -m solutions.ch08_checks --knob row_sum_ways ;;
     predecessors) step fa4_predecessors 300 $PY -m solutions.ch08_predecessors ;;
