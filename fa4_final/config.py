@@ -140,12 +140,14 @@ def hopper_fwd_default(head_dim: int, causal: bool = False,
     the H200 runs favoured, and results/h200/fa4_final_knobs.json holds the comparison with the
     run-to-run spread (notebook 08 prints the verdicts).
 
-    D = 64 skips the O rescale unless a row's max grew by more than tau = 8 (chapter 07; each
-    step's O multiply is then a branch the warp takes rarely), and its causal shapes keep two K
-    and two V stages, not three. Both were chosen at ncu's fixed SM clock, free of the power
-    limit and of what ran before (results/h200/fa4_final_clocked*.json; at D = 128 tau = 8 was
-    slower there); the bursts' spread is larger than either difference. Varlen, not measured
-    so, keeps three stages and tau = 0. D = 64 causal also reads the signalling lane once
+    D = 64 (dense) skips the O multiply in a step where no row of the warp moved its max
+    (rescale_skip_unchanged with tau = 0, Note [Warp vote]: exact maxima, the vote off the
+    exponentials' path), and its causal shapes keep two K and two V stages, not three. Both
+    were chosen at ncu's fixed SM clock, free of the power limit and of what ran before
+    (results/h200/fa4_final_clocked*.json; fa4_final_clocked_skip.json compares the skip with
+    tau = 8, whose vote the exponentials wait for, and shows both slower at D = 128); the
+    bursts' spread is larger than either difference. Varlen, not measured so, keeps three
+    stages and multiplies O every step. D = 64 causal also reads the signalling lane once
     (pin_lane, Note [Signalling lane]): at the fixed clock 0.6% faster at S = 16384 and a tie
     at 4096, within the spread; elsewhere ptxas schedules the step worse with it (D = 128,
     S = 16384 causal: 3% slower; results/h200/fa4_final_clocked_lane.json).
@@ -168,11 +170,11 @@ def hopper_fwd_default(head_dim: int, causal: bool = False,
     schedule = dict(l2_sections=True, dynamic_tiles=True)
     if not causal and not varlen:
         schedule = dict(tile_table=True, split_tail=True)
-    if head_dim <= 64:  # dense: O rescaled only when a row's max grew by more than tau = 8
+    if head_dim <= 64:  # dense: O multiplied only in steps where some row's max moved
         stages = 2 if causal and not varlen else 3
         return HopperFwdConfig(num_consumer_wgs=3, tile_n=128, stages_k=stages,
                                stages_v=stages, o_rescale="next_pv",
-                               rescale_threshold=0.0 if varlen else 8.0,
+                               rescale_skip_unchanged=not varlen,
                                pin_lane=causal and not varlen, **schedule)
     return HopperFwdConfig(num_consumer_wgs=2, tile_n=128, stages_k=3, stages_v=2,
                            o_rescale="next_pv", **schedule)

@@ -36,21 +36,25 @@ SHAPES = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (Fal
 # name -> fa4_final config changes (None: the FA4 package)
 VARIANTS = {
     "fa4_final": {},
-    "tau = 8": {"rescale_threshold": 8.0},
+    # the threshold as chapter 07 has it: the warp votes before the exponentials
+    "tau = 8": {"rescale_threshold": 8.0, "rescale_skip_unchanged": False},
     "O rescaled after the softmax": {"o_rescale": "end"},
     "fa4_package": None,
     # more, for --variants: the causal schedules and the stages of chapter 08's knobs
-    "tau = 8, O rescaled after the softmax": {"rescale_threshold": 8.0, "o_rescale": "end"},
+    "tau = 8, O rescaled after the softmax": {"rescale_threshold": 8.0, "o_rescale": "end",
+                                              "rescale_skip_unchanged": False},
     "one tile per CTA, L2 sections": {"persistent": False, "tile_table": False},
     "zigzag rounds in L2 sections": {"tile_table": False, "dynamic_tiles": False},
     "dynamic tiles": {"tile_table": False, "dynamic_tiles": True},
     "tile table": {"tile_table": True, "dynamic_tiles": False},
     "K/V stages 2/2": {"stages_k": 2, "stages_v": 2},
-    "K/V stages 2/2, tau = 8": {"stages_k": 2, "stages_v": 2, "rescale_threshold": 8.0},
+    "K/V stages 2/2, tau = 8": {"stages_k": 2, "stages_v": 2, "rescale_threshold": 8.0,
+                                "rescale_skip_unchanged": False},
     "K/V stages 2/2, O rescaled after the softmax": {"stages_k": 2, "stages_v": 2,
                                                      "o_rescale": "end"},
     "K/V stages 2/2, tau = 8, O rescaled after the softmax": {
-        "stages_k": 2, "stages_v": 2, "rescale_threshold": 8.0, "o_rescale": "end"},
+        "stages_k": 2, "stages_v": 2, "rescale_threshold": 8.0, "o_rescale": "end",
+        "rescale_skip_unchanged": False},
     # the shape of the row reductions (Note [Reduction shape] in fa4_final.softmax)
     "row sum in one chain": {"row_sum_ways": 1},
     "row sum in two chains": {"row_sum_ways": 2},
@@ -62,7 +66,7 @@ VARIANTS = {
     # exponentials' path
     "tau = 0, O multiply skipped when no max moved": {"rescale_threshold": 0.0,
                                                       "rescale_skip_unchanged": True},
-    "tau = 0": {"rescale_threshold": 0.0},
+    "tau = 0": {"rescale_threshold": 0.0, "rescale_skip_unchanged": False},
     # the same with a threshold: each row keeps or moves its own max, the vote gates O only
     "tau = 8, rows decide alone": {"rescale_threshold": 8.0, "rescale_skip_unchanged": True},
 }

@@ -51,7 +51,7 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
         "no intra-warpgroup overlap": replace(base, intra_wg_overlap=False),
         "exp2 emulation 1/4": replace(base, exp2_emulation_fraction=0.25),
         "exp2 emulation 1/8": replace(base, exp2_emulation_fraction=0.125),
-        "tau = 8": replace(base, rescale_threshold=8.0),
+        "tau = 8": replace(base, rescale_threshold=8.0, rescale_skip_unchanged=False),
         # from the SASS comparison with FA4's sm90 forward (solutions.ch08_compare)
         "K/V stages 2/2 (FA4's)": replace(base, stages_k=2, stages_v=2),
         "K/V stages 2/3": replace(base, stages_k=2, stages_v=3),
@@ -61,7 +61,8 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
         # at D = 64 a step's exponentials keep the MUFU busy about as long as its GEMMs keep
         # the tensor cores, so a share moved to the FMA units is timed, alone and with tau
         configs["exp2 emulation 1/8, tau = 8"] = replace(base, exp2_emulation_fraction=0.125,
-                                                         rescale_threshold=8.0)
+                                                         rescale_threshold=8.0,
+                                                         rescale_skip_unchanged=False)
         configs["128 x 128 tiles, two consumer warpgroups"] = replace(base, num_consumer_wgs=2)
     if not causal:  # equal tiles: the last round whole, or cut along the keys (Note [Split tail])
         if base.split_tail:

@@ -76,12 +76,14 @@ def test_knobs_show_in_the_code(artifacts):
 
 
 def test_the_d64_defaults_skip_the_rescale_by_a_vote(artifacts):
-    """D = 64 (dense) takes tau = 8, its causal kernel two K/V stages; varlen and D = 128 keep
-    the always-rescale step (fa4_final.config.hopper_fwd_default)."""
+    """D = 64 (dense) skips O's multiply where no row moved (tau = 0), its causal kernel has two
+    K/V stages; varlen and D = 128 keep the always-rescale step (fa4_final.config.
+    hopper_fwd_default)."""
     for causal in (False, True):
-        assert hopper_fwd_default(64, causal).rescale_threshold == 8.0
-        assert hopper_fwd_default(64, causal, varlen=True).rescale_threshold == 0.0
-        assert hopper_fwd_default(128, causal).rescale_threshold == 0.0
+        d64 = hopper_fwd_default(64, causal)
+        assert (d64.rescale_threshold, d64.rescale_skip_unchanged) == (0.0, True)
+        for other in (hopper_fwd_default(64, causal, varlen=True), hopper_fwd_default(128, causal)):
+            assert (other.rescale_threshold, other.rescale_skip_unchanged) == (0.0, False)
     assert (hopper_fwd_default(64, True).stages_k, hopper_fwd_default(64, True).stages_v) == (2, 2)
     art = artifacts(64, True)
     assert art.count("vote.sync.any", "ptx") >= 1 and art.spills == 0
@@ -188,7 +190,7 @@ def test_reduction_ways_are_checked(name):
 
 
 def test_skip_unchanged_keeps_the_vote_off_the_exponentials(artifacts):
-    """Note [Warp vote]: with tau = 8 the steady step's maxima are selected by the vote before
+    """Note [Warp vote]: with tau = 8 alone the steady step's maxima are selected by the vote before
     its first exponential; with rescale_skip_unchanged (tau = 0 or 8) nothing before the first
     exponential reads the vote's predicate (the vote only gates O; ptxas may still place it
     early)."""
@@ -208,7 +210,8 @@ def test_skip_unchanged_keeps_the_vote_off_the_exponentials(artifacts):
                 return True
         return False
 
-    assert exp_waits_for_vote(artifacts(64, False))  # the default: tau = 8
+    assert exp_waits_for_vote(artifacts(64, False, rescale_threshold=8.0,
+                                        rescale_skip_unchanged=False))
     for tau in (0.0, 8.0):
         skip = artifacts(64, False, rescale_threshold=tau, rescale_skip_unchanged=True)
         assert not exp_waits_for_vote(skip), tau
