@@ -116,6 +116,23 @@ def thread_index_reads(sass: str) -> int:
                if "S2R" in line and "SR_TID" in line)
 
 
+def exponentials_wait_for_vote(sass: str) -> bool:
+    """Whether, in the steady KV loop, an instruction before the first exponential reads the
+    predicate a warp vote (VOTE.ANY) wrote: Note [Warp vote] in fa4_final.softmax. With tau > 0
+    alone the vote selects the maxima the exponentials subtract; with skip_unchanged it only
+    gates O's multiply (ptxas may still place the vote early, which costs nothing)."""
+    body = kv_loops(sass)[-1]
+    first_exp = next(i for i, line in enumerate(body) if "MUFU.EX2" in line)
+    voted = None
+    for line in body[:first_exp]:
+        m = re.search(r"VOTE\.ANY\s+(P\d)", line)
+        if m:
+            voted = m.group(1)
+        elif voted and re.search(rf"\b{voted}\b\s*;", line):
+            return True
+    return False
+
+
 def order(ops: list[str]) -> str:
     """The step's key ops in program order, runs compressed: 'HGMMAx8 BAR.ARV ...'."""
     keys = []

@@ -609,24 +609,46 @@ def instrument_lines(named: dict) -> list[str]:
     return lines
 
 
-def default_in_lane_run(res) -> list[str]:
-    """From the run that timed both ways of reading the signalling lane (solutions.ch08_clocked,
-    variants fa4_final = lane read once and "lane read every step"): per shape, the column that
-    is today's default (``hopper_fwd_default(...).pin_lane``) against the FA4 package."""
+def default_in_run(res, column, how) -> list[str]:
+    """Per shape of a solutions.ch08_clocked file, the column ``column(cfg)`` names for today's
+    default there (``cfg = hopper_fwd_default(d, causal)``) against the FA4 package;
+    ``how(cfg)`` says in a few words what that column is. The run chose the default, which
+    flatters it."""
     from fa4_final.config import hopper_fwd_default
 
     lines = []
     for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):
         group = {r["config"]: r for r in res.rows
                  if (r["d"], r["s"], r["causal"]) == (d, s, causal)}
-        pinned = hopper_fwd_default(d, causal).pin_lane
-        ours = group["fa4_final" if pinned else "lane read every step"]
-        how = "lane read once" if pinned else "lane read every step"
+        cfg = hopper_fwd_default(d, causal)
+        ours = group[column(cfg)]
         c = bench.compare(ours, group["fa4_package"])
-        lines.append(f"D={d:3d} S={s:5d} {'causal    ' if causal else 'non-causal'} default "
-                     f"({how:20s}) {ours['ms']:.4f} ms: {c.ratio:.3f}x the package "
+        lines.append(f"D={d:3d} S={s:5d} {'causal    ' if causal else 'non-causal'} "
+                     f"({how(cfg):20s}) {ours['ms']:.4f} ms: {c.ratio:.3f}x the package "
                      f"({c.verdict}; spread {c.noise:.1%})")
     return lines
+
+
+def default_in_lane_run(res) -> list[str]:
+    """The lane run (variants fa4_final = lane read once and "lane read every step"): per
+    shape, the column with today's default way of reading the lane, against the package."""
+    return default_in_run(
+        res, lambda cfg: "fa4_final" if cfg.pin_lane else "lane read every step",
+        lambda cfg: "lane read once" if cfg.pin_lane else "lane read every step")
+
+
+def default_in_skip_run(res) -> list[str]:
+    """The skip run (fa4_final of its commit: tau = 8 at D = 64, tau = 0 at D = 128; "tau = 0,
+    O multiply skipped when no max moved"): per shape, the column that is today's default
+    softmax step, against the package."""
+    def column_of(cfg):
+        if cfg.rescale_skip_unchanged:
+            return "tau = 0, O multiply skipped when no max moved"
+        return "fa4_final"  # tau = 0 without the skip: the run's D = 128 default
+
+    return default_in_run(res, column_of,
+                          lambda cfg: "skip, tau = 0" if cfg.rescale_skip_unchanged
+                          else "always multiply")
 
 
 def compiled_step_facts(head_dim: int, causal: bool, variants: dict) -> list[str]:

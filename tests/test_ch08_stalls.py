@@ -91,3 +91,10 @@ def test_the_lane_run_picks_each_shapes_default_column():
     d64_causal = [line for line in lines if line.startswith("D= 64") and "non-causal" not in line]
     assert d64_causal and all("lane read once" in line for line in d64_causal)
     assert all("lane read every step" in line for line in lines if line.startswith("D=128"))
+
+
+def test_the_skip_run_picks_each_shapes_default_column():
+    res = results.load("fa4_final_clocked_skip")
+    lines = t08.default_in_skip_run(res)
+    assert len(lines) == 8 and all("the package" in line for line in lines)
+    assert all(("skip, tau = 0" in line) == line.startswith("D= 64") for line in lines)

@@ -190,29 +190,14 @@ def test_reduction_ways_are_checked(name):
 
 
 def test_skip_unchanged_keeps_the_vote_off_the_exponentials(artifacts):
-    """Note [Warp vote]: with tau = 8 alone the steady step's maxima are selected by the vote before
-    its first exponential; with rescale_skip_unchanged (tau = 0 or 8) nothing before the first
-    exponential reads the vote's predicate (the vote only gates O; ptxas may still place it
-    early)."""
-    import re
+    """Note [Warp vote]: with tau = 8 alone the steady step's maxima are selected by the vote
+    before its first exponential; with rescale_skip_unchanged (tau = 0 or 8) nothing before the
+    first exponential reads the vote's predicate (the vote only gates O)."""
+    from solutions.ch08_compare import exponentials_wait_for_vote
 
-    from solutions.ch08_compare import kv_loops
-
-    def exp_waits_for_vote(art):
-        body = kv_loops(art.sass)[-1]
-        first_exp = next(i for i, line in enumerate(body) if "MUFU.EX2" in line)
-        voted = None
-        for line in body[:first_exp]:
-            m = re.search(r"VOTE\.ANY\s+(P\d)", line)
-            if m:
-                voted = m.group(1)
-            elif voted and re.search(rf"\b{voted}\b\s*;", line):
-                return True
-        return False
-
-    assert exp_waits_for_vote(artifacts(64, False, rescale_threshold=8.0,
-                                        rescale_skip_unchanged=False))
+    assert exponentials_wait_for_vote(artifacts(64, False, rescale_threshold=8.0,
+                                                rescale_skip_unchanged=False).sass)
     for tau in (0.0, 8.0):
         skip = artifacts(64, False, rescale_threshold=tau, rescale_skip_unchanged=True)
-        assert not exp_waits_for_vote(skip), tau
+        assert not exponentials_wait_for_vote(skip.sass), tau
         assert skip.spills == 0
