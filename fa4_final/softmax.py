@@ -148,18 +148,16 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             new[r] = cute.arch.fmax(row_max_old[r], tile_max[r])
         rescale = True
-        if const_expr(self.skip_unchanged and self.rescale_threshold == 0.0):
+        if const_expr(self.skip_unchanged):  # each row on its own; the vote gates O only
             moved = cutlass.Boolean(False)
             for r in cutlass.range_constexpr(self.num_rows):
-                moved = moved | (new[r] > row_max_old[r])  # -inf to -inf: not moved
-            rescale = cute.arch.vote_any_sync(moved)
-        elif const_expr(self.skip_unchanged):  # tau > 0, each row on its own
-            moved = cutlass.Boolean(False)
-            for r in cutlass.range_constexpr(self.num_rows):
-                # NaN (-inf to -inf) > tau is false: a row with no key yet stays at -inf
-                grew = (new[r] - row_max_old[r]) * self.scale_log2 > Float32(
-                    self.rescale_threshold)
-                new[r] = new[r] if grew else row_max_old[r]
+                if const_expr(self.rescale_threshold == 0.0):
+                    grew = new[r] > row_max_old[r]  # -inf to -inf: not moved
+                else:
+                    # NaN (-inf to -inf) > tau is false: a row with no key yet stays at -inf
+                    grew = (new[r] - row_max_old[r]) * self.scale_log2 > Float32(
+                        self.rescale_threshold)
+                    new[r] = new[r] if grew else row_max_old[r]
                 moved = moved | grew
             rescale = cute.arch.vote_any_sync(moved)
         elif const_expr(self.rescale_threshold > 0.0):
