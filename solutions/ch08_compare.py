@@ -133,6 +133,27 @@ def exponentials_wait_for_vote(sass: str) -> bool:
     return False
 
 
+def o_multiply_placement(sass: str) -> dict[str, int]:
+    """Where the steady KV step's FMULs sit around its two GEMM issues: before the turn
+    (BAR.SYNC), from the turn to the last HGMMA of the first group (S = Q K^T of the next
+    tile), between that and the second group's WARPGROUP.ARRIVE (P V into O), and elsewhere.
+    O's rescale is the bulk of them (o_rescale='next_pv': it must land before P V)."""
+    body = min(kv_loops(sass), key=lambda b: step_metrics(b)["counts"]["FSEL"])
+    ops = [op for _, op in _instructions(body)]
+    turn = next((i for i, op in enumerate(ops) if op.startswith("BAR.SYNC")), 0)
+    arrives = [i for i, op in enumerate(ops) if op.startswith("WARPGROUP.ARRIVE")]
+    first = [i for i, op in enumerate(ops[:arrives[1]]) if op.startswith("HGMMA")]
+    out = {"before the turn": 0, "with S's issue": 0, "between S's and P V's issue": 0,
+           "elsewhere": 0, "first GEMM's HGMMA": len(first)}
+    for i, op in enumerate(ops):
+        if not op.startswith("FMUL"):
+            continue
+        key = ("before the turn" if i < turn else "with S's issue" if i < first[-1]
+               else "between S's and P V's issue" if i < arrives[1] else "elsewhere")
+        out[key] += 1
+    return out
+
+
 def order(ops: list[str]) -> str:
     """The step's key ops in program order, runs compressed: 'HGMMAx8 BAR.ARV ...'."""
     keys = []

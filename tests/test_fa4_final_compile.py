@@ -201,3 +201,18 @@ def test_skip_unchanged_keeps_the_vote_off_the_exponentials(artifacts):
         skip = artifacts(64, False, rescale_threshold=tau, rescale_skip_unchanged=True)
         assert not exponentials_wait_for_vote(skip.sass), tau
         assert skip.spills == 0
+
+
+def test_o_multiply_sits_where_the_notebook_says(artifacts):
+    """Notebook 08, "The vote on the path": in the plain D = 128 step ptxas spreads O's 64
+    multiplies over the turn and S's issue; behind the skip's branch (the D = 64 default) O's 32
+    sit in one block between S's issue and P V's."""
+    from solutions.ch08_compare import o_multiply_placement
+
+    plain = o_multiply_placement(artifacts(128, False).sass)
+    assert plain["between S's and P V's issue"] == 0
+    assert plain["before the turn"] + plain["with S's issue"] == 64
+    assert hopper_fwd_default(64).rescale_skip_unchanged
+    skip = o_multiply_placement(artifacts(64, False).sass)
+    assert skip["between S's and P V's issue"] == 32 and skip["first GEMM's HGMMA"] == 64 // 16
+
