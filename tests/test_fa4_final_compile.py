@@ -215,4 +215,3 @@ def test_o_multiply_sits_where_the_notebook_says(artifacts):
     assert hopper_fwd_default(64).rescale_skip_unchanged
     skip = o_multiply_placement(artifacts(64, False).sass)
     assert skip["between S's and P V's issue"] == 32 and skip["first GEMM's HGMMA"] == 64 // 16
-
