@@ -109,6 +109,17 @@ def kv_loops(sass: str) -> list[list[str]]:
     return [lines[a:b + 1] for a, b in sorted(set(spans))]
 
 
+def by_mask(loops: list[list[str]]) -> list[list[str]]:
+    """KV loops, the steady one first: the loop with the fewest predicated selects (FSEL);
+    causal kernels also have the masked loop over the diagonal tiles, last."""
+    return sorted(loops, key=lambda b: step_metrics(b)["counts"]["FSEL"])
+
+
+def steady_loop(sass: str) -> list[str]:
+    """The body of the steady KV loop (see ``by_mask``)."""
+    return by_mask(kv_loops(sass))[0]
+
+
 def thread_index_reads(sass: str) -> int:
     """How many reads of the thread index (S2R SR_TID) the KV loops hold: Note [Signalling
     lane] in fa4_final.hopper.fwd (LLVM re-reads it there every step unless it is pinned)."""
@@ -121,7 +132,7 @@ def exponentials_wait_for_vote(sass: str) -> bool:
     predicate a warp vote (VOTE.ANY) wrote: Note [Warp vote] in fa4_final.softmax. With tau > 0
     alone the vote selects the maxima the exponentials subtract; with skip_unchanged it only
     gates O's multiply (ptxas may still place the vote early, which costs nothing)."""
-    body = kv_loops(sass)[-1]
+    body = steady_loop(sass)
     first_exp = next(i for i, line in enumerate(body) if "MUFU.EX2" in line)
     voted = None
     for line in body[:first_exp]:
@@ -138,8 +149,7 @@ def o_multiply_placement(sass: str) -> dict[str, int]:
     (BAR.SYNC), from the turn to the last HGMMA of the first group (S = Q K^T of the next
     tile), between that and the second group's WARPGROUP.ARRIVE (P V into O), and elsewhere.
     O's rescale is the bulk of them (o_rescale='next_pv': it must land before P V)."""
-    body = min(kv_loops(sass), key=lambda b: step_metrics(b)["counts"]["FSEL"])
-    ops = [op for _, op in _instructions(body)]
+    ops = [op for _, op in _instructions(steady_loop(sass))]
     turn = next((i for i, op in enumerate(ops) if op.startswith("BAR.SYNC")), 0)
     arrives = [i for i, op in enumerate(ops) if op.startswith("WARPGROUP.ARRIVE")]
     first = [i for i, op in enumerate(ops[:arrives[1]]) if op.startswith("HGMMA")]
@@ -213,15 +223,13 @@ def kernel_metrics(ptx: str, sass: str, registers: int, spills: int, tile_m: int
     }
     loops = kv_loops(sass)
     out["KV loops"] = len(loops)
-    # the steady step: the loop with the fewest predicated selects (causal kernels also have
-    # the masked loop over the diagonal tiles)
     if loops:
-        by_mask = sorted(loops, key=lambda b: step_metrics(b)["counts"]["FSEL"])
-        steady = step_metrics(by_mask[0])
+        ordered = by_mask(loops)
+        steady = step_metrics(ordered[0])
         out["steady step"] = steady["counts"]
         out["steady step schedule"] = steady["schedule"]
         if len(loops) > 1:
-            masked = step_metrics(by_mask[-1])
+            masked = step_metrics(ordered[-1])
             out["masked step"] = masked["counts"]
             out["masked step schedule"] = masked["schedule"]
     return out
