@@ -10,6 +10,7 @@ numbers on the host: they run when the kernel runs (fa4_final.varlen).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -20,27 +21,31 @@ ACCEPTED_DTYPES = "torch.bfloat16, torch.float16"
 
 
 def _normalise_window(causal: bool, window_size) -> tuple[bool, int | None, int | None]:
-    """(causal, left, right) with None for an unbounded side; FlashAttention's -1 also means
-    unbounded. A window of (None, 0) is causal."""
+    """(causal, left, right) as the FA4 package (4.0.0b36) reads ``causal`` and ``window_size``,
+    with None for an unbounded side.
+
+    Query row i sees key j when i + offset - left <= j <= i + offset + right (offset =
+    seqlen_k - seqlen_q). A negative side is a bound like any other: ``(None, -w)`` keeps the
+    keys at least w before the diagonal, ``(-w, None)`` those at least w after it. Only a window
+    whose two sides are both negative means "no window" (FlashAttention-2 spelled that (-1, -1)).
+    ``causal=True`` sets the right side to 0, whatever was given (as FA4 does). A window of
+    (None, 0) is causal; a right side of 0 with a left bound is returned as causal with that
+    left bound (the same mask)."""
     if window_size is None:
         window_size = (None, None)
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+        raise ValueError(f"window_size must be a pair (left, right) of ints or None, got "
+                         f"{window_size!r}")
     sides = []
     for name, w in zip(("left", "right"), window_size):
-        if w is None or (isinstance(w, int) and not isinstance(w, bool) and w < 0):
-            sides.append(None)
-        elif isinstance(w, int) and not isinstance(w, bool):
-            sides.append(int(w))
-        else:
-            raise ValueError(f"window_size {name} must be an int >= 0, -1 or None, got {w!r}")
+        if w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Integral)):
+            raise ValueError(f"window_size's {name} side must be an int or None, got {w!r}")
+        sides.append(None if w is None else int(w))
     left, right = sides
+    if left is not None and right is not None and left < 0 and right < 0:
+        left = right = None
     if causal:
-        if right not in (None, 0):
-            raise ValueError(f"causal=True fixes window_size's right side to 0, got {right}")
         right = 0
-    if right == 0 and left is None:
-        causal = True
     return bool(causal or right == 0), left, right
 
 

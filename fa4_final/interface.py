@@ -5,8 +5,9 @@ import and keep the call. The same keyword names, and the same return: a pair ``
 lse None unless ``return_lse=True`` or an input requires grad (as FA4 returns it). FA4 then
 drops the lse's gradient without a sign; here that lse comes back detached (requires_grad
 False), so the missing gradient shows. With ``return_lse=True`` the gradient flows.
-Arguments after q, k, v (after max_seqlen_k for varlen) are keyword-only: FA2 has dropout_p and
-FA4 has qv in the fourth place, so a positional call from either would mean something else here.
+Arguments after q, k, v are keyword-only, for varlen too: FA4 has qv in the fourth place and FA2
+dropout_p (or cu_seqlens_q for varlen), so a positional call from either would mean something
+else here; it is refused with a TypeError that says so.
 FA4 keywords for features this package lacks are accepted at their neutral value (softcap=0.0,
 qv=None, ...) and refused with UnsupportedError otherwise; ``num_splits`` and ``pack_gqa`` only
 tune FA4's speed and are ignored.
@@ -71,8 +72,8 @@ def _refuse_fa4_options(func: str, options: dict, neutral: dict) -> None:
         if name not in neutral:
             raise TypeError(f"{func}() got an unexpected keyword argument {name!r}")
         default = neutral[name]
-        unused = value is None if default is None else (
-            not isinstance(value, torch.Tensor) and value == default)
+        unused = value is None or (default is not None and not isinstance(value, torch.Tensor)
+                                   and value == default)
         if not unused:
             raise UnsupportedError(
                 f"{func}: fa4_final does not implement FA4's {name} (got {value!r}); it supports "
@@ -88,25 +89,38 @@ def _returned_lse(lse, return_lse: bool, inputs):
     return None
 
 
-def _window_ints(causal, window_size) -> tuple[bool, int, int]:
-    causal, left, right = _normalise_window(check_flag("causal", causal), window_size)
-    return causal, -1 if left is None else left, -1 if right is None else right
+def _window(causal, window_size) -> tuple[bool, int | None, int | None]:
+    return _normalise_window(check_flag("causal", causal), window_size)
 
 
-def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None),
-                    deterministic=False, return_lse=False, **fa4_options):
+def _refuse_positional(func: str, extra: tuple) -> None:
+    if extra:
+        raise TypeError(
+            f"{func}() takes q, k, v positionally and everything after them by keyword, got "
+            f"{len(extra)} more positional argument(s): FA4's fourth positional argument is qv "
+            f"(FlashAttention-2's is dropout_p or cu_seqlens_q), so a positional call from "
+            f"either would mean something else here. Name them, e.g. cu_seqlens_q=..., "
+            f"causal=True")
+
+
+def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
+                    window_size=(None, None), deterministic=False, return_lse=False,
+                    **fa4_options):
     """Attention of q (batch, seqlen_q, heads, dim) over k, v (batch, seqlen_k, heads_kv, dim).
 
     Returns ``(out, lse)``: out like q; lse (batch, heads, seqlen_q) float32 when
     ``return_lse`` (its gradient flows) or an input requires grad (detached), else None.
     ``window_size=(left, right)`` keeps keys j with i + sk - sq - left <= j <= i + sk - sq +
-    right (None or -1: unbounded); ``deterministic`` asks the backward for a fixed
+    right: None is an unbounded side, a negative side a bound like any other, and only both
+    sides negative mean no window (FA4's reading, fa4_final.checks._normalise_window);
+    ``causal=True`` sets the right side to 0. ``deterministic`` asks the backward for a fixed
     accumulation order. Differentiable in q, k, v; traceable by torch.compile(fullgraph=True).
     """
+    _refuse_positional("flash_attn_func", extra)
     if fa4_options:
         _refuse_fa4_options("flash_attn_func", fa4_options, _FA4_NEUTRAL)
     d = check_inputs(q, k, v, softmax_scale, check_address=False)[-1]
-    causal, left, right = _window_ints(causal, window_size)
+    causal, left, right = _window(causal, window_size)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     fwd = ops.fwd_eager if ops.eager(q, k, v) else ops.fwd  # Note [The eager path], ops.py
     out, lse = fwd(q, k, v, scale, causal, left, right, check_flag("deterministic", deterministic),
@@ -114,10 +128,10 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(N
     return out, _returned_lse(lse, return_lse, (q, k, v))
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                           max_seqlen_k=None, *, seqused_k=None, softmax_scale=None,
-                           causal=False, window_size=(None, None), deterministic=False,
-                           return_lse=False, **fa4_options):
+def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None,
+                           max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
+                           softmax_scale=None, causal=False, window_size=(None, None),
+                           deterministic=False, return_lse=False, **fa4_options):
     """Attention over sequences packed along the first dim (see fa4_final.varlen).
 
     q (total_q, heads, dim), k and v (total_k, heads_kv, dim); cu_seqlens_q and cu_seqlens_k:
@@ -126,10 +140,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     Returns ``(out, lse)``: out like q, lse (heads, total_q) float32 or None as in
     flash_attn_func.
     """
+    _refuse_positional("flash_attn_varlen_func", extra)
     _refuse_fa4_options("flash_attn_varlen_func", fa4_options, _FA4_VARLEN_NEUTRAL)
     d = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                             max_seqlen_k, softmax_scale, check_address=False)[-1]
-    causal, left, right = _window_ints(causal, window_size)
+    causal, left, right = _window(causal, window_size)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                               -1 if max_seqlen_q is None else max_seqlen_q,

@@ -12,8 +12,9 @@ returns (all outputs freshly allocated and contiguous, in the real implementatio
 forward ops carry ``deterministic`` and ``return_lse`` only for their autograd formula
 (``register_autograd``), which calls the backward op.
 
-Window sides are ints here, -1 for an unbounded side (FlashAttention's convention); the public
-functions (fa4_final.interface) resolve None, causal and the default scale before calling.
+Window sides arrive normalised (fa4_final.checks._normalise_window: None for an unbounded side,
+any int, negative ones included, a bound); the public functions (fa4_final.interface) resolve
+them, causal and the default scale before calling.
 
 Note [Gradient of the returned lse]
 With return_lse=True the lse is an output that a loss may use; its gradient dlse joins the
@@ -42,8 +43,9 @@ import torch
 from torch import Tensor
 
 
-def _side(w: int):
-    return None if w < 0 else w
+def _side(n: int):
+    """max_seqlen_q/k: -1 in the op's schema stands for None (not given)."""
+    return None if n < 0 else n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -51,15 +53,14 @@ def _side(w: int):
 
 
 def fwd_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-             window_left: int, window_right: int, deterministic: bool,
+             window_left: int | None, window_right: int | None, deterministic: bool,
              return_lse: bool) -> tuple[Tensor, Tensor]:
     from fa4_final.run import forward_into
 
     b, sq, h, _ = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
-    forward_into(q, k, v, out, lse, causal, softmax_scale, (_side(window_left),
-                                                            _side(window_right)))
+    forward_into(q, k, v, out, lse, causal, softmax_scale, (window_left, window_right))
     return out, lse
 
 
@@ -75,13 +76,14 @@ def _(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, 
 
 
 def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-             softmax_scale: float, causal: bool, window_left: int, window_right: int,
+             softmax_scale: float, causal: bool, window_left: int | None,
+             window_right: int | None,
              deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     from fa4_final.run import backward_into
 
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal, softmax_scale,
-                  (_side(window_left), _side(window_right)), deterministic)
+                  (window_left, window_right), deterministic)
     return dq, dk, dv
 
 
@@ -159,7 +161,7 @@ def eager(q, k, v) -> bool:
 
 
 def fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-              window_left: int, window_right: int, deterministic: bool,
+              window_left: int | None, window_right: int | None, deterministic: bool,
               return_lse: bool) -> tuple[Tensor, Tensor]:
     """``fwd(...)`` for a call that ``eager`` admits, on inputs checked by check_inputs with
     ``check_address=False`` and resolved by the public function (flash_attn_func)."""
@@ -186,7 +188,7 @@ def _eager_fwd(q, k, v, softmax_scale, causal, window_left, window_right):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # as q.new_empty(q.shape)
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
     return run.forward_checked(run.cached_backend(q.device), q, k, v, out, lse, causal,
-                               softmax_scale, _side(window_left), _side(window_right))
+                               softmax_scale, window_left, window_right)
 
 
 def _eager_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
@@ -200,7 +202,7 @@ def _eager_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, wind
     like = dict(memory_format=torch.contiguous_format)  # as bwd_impl's new_empty
     dq, dk, dv = (torch.empty_like(t, **like) for t in (q, k, v))
     args = (run.cached_backend(q.device), q, k, v, out, lse, dout, dq, dk, dv, causal,
-            softmax_scale, _side(window_left), _side(window_right), deterministic)
+            softmax_scale, window_left, window_right, deterministic)
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function("fa4_final::bwd"):
             return run.backward_checked(*args)
@@ -231,8 +233,8 @@ class _EagerAttention(torch.autograd.Function):
 
 def varlen_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                     cu_seqlens_k: Tensor, seqused_k: Tensor | None, max_seqlen_q: int,
-                    max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
-                    window_right: int, deterministic: bool,
+                    max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int | None,
+                    window_right: int | None, deterministic: bool,
                     return_lse: bool) -> tuple[Tensor, Tensor]:
     from fa4_final.varlen import varlen_forward_into
 
@@ -241,7 +243,7 @@ def varlen_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     lse = q.new_empty((h, total_q), dtype=torch.float32)
     varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, _side(max_seqlen_q),
                         _side(max_seqlen_k), out, lse, causal, softmax_scale,
-                        (_side(window_left), _side(window_right)))
+                        (window_left, window_right))
     return out, lse
 
 
@@ -263,14 +265,14 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k
 def varlen_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Tensor | None,
                     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-                    window_left: int, window_right: int,
+                    window_left: int | None, window_right: int | None,
                     deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     from fa4_final.varlen import varlen_backward_into
 
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                          seqused_k, _side(max_seqlen_q), _side(max_seqlen_k), causal,
-                         softmax_scale, (_side(window_left), _side(window_right)),
+                         softmax_scale, (window_left, window_right),
                          deterministic)
     return dq, dk, dv
 

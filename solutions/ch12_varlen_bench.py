@@ -129,8 +129,9 @@ def _runners(q, k, v, cu, longest):
     def ours(checked: bool):
         def run(causal):
             with _Checks(checked):
-                return fa4_final.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,
-                                                        causal=causal)[0]
+                return fa4_final.flash_attn_varlen_func(
+                    q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                    max_seqlen_k=longest, causal=causal)[0]
 
         return run
 

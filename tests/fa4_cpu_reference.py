@@ -18,23 +18,16 @@ import math
 import torch
 
 from fa4_final import ops
+from tests.window_oracle import visible_mask
 
 _ACTIVE = [False]
 _REGISTERED = [False]
 
 
 def visible(sq, sk, causal, left, right, device=None):
-    """(sq, sk) bool: query i sees key j (bottom-right aligned, FlashAttention's window)."""
-    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
-    j = torch.arange(sk, device=device)[None, :]
-    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if causal:
-        right = 0
-    if right is not None and right >= 0:
-        ok &= j <= i + right
-    if left is not None and left >= 0:
-        ok &= j >= i - left
-    return ok
+    """(sq, sk) bool: query i sees key j (bottom-right aligned): FA4's reading of causal and the
+    window (tests.window_oracle), which leaves already normalised sides as they are."""
+    return visible_mask(sq, sk, causal, (left, right), device)
 
 
 def attention_masked(q, k, v, causal=False, window=(None, None), softmax_scale=None,

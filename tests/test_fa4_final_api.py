@@ -61,12 +61,16 @@ def test_return_lse_gives_a_differentiable_lse(cpu_kernels):
     torch.testing.assert_close(lse.double(), lse64, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("causal, window", [(False, (None, None)), (True, (None, None)),
-                                            (False, (7, 3)), (True, (5, -1)), (False, (-1, 0))])
-def test_forward_matches_float64(cpu_kernels, causal, window):
+@pytest.mark.parametrize("causal, window", [
+    (False, (None, None)), (True, (None, None)), (False, (7, 3)), (True, (5, -1)),
+    (False, (-1, 0)), (False, (-1, -1)), (False, (None, -3)), (False, (-4, None)),
+    (False, (6, -2)), (True, (-2, None)), (False, (2, -5))])
+def test_forward_negative_window_matches_float64(cpu_kernels, causal, window):
+    """The public call's window reaches the ops as FA4 reads it (tests.window_oracle): a
+    negative side is a bound, both negative no window, causal sets the right side to 0."""
     q, k, v = qkv(sq=40, sk=56)
     out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
-    out64, lse64 = reference64(q, k, v, causal, checks._normalise_window(causal, window)[1:])
+    out64, lse64 = reference64(q, k, v, causal, window)
     torch.testing.assert_close(out.double(), out64, atol=2e-2, rtol=0)
     finite = torch.isfinite(lse64)
     assert torch.equal(torch.isfinite(lse), finite)
@@ -319,7 +323,8 @@ def test_varlen_fallback_backward(fake_gpu):
 def test_varlen_api_matches_dense_per_sequence(cpu_kernels):
     q, k, v, cu_q, cu_k = packed(*LENS, dtype=FP16)
     q.requires_grad_(True)
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 33, 40, causal=True,
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      max_seqlen_q=33, max_seqlen_k=40, causal=True,
                                       return_lse=True)
     assert out.shape == q.shape and lse.shape == (4, q.shape[0])
     for i in range(5):

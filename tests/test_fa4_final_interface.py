@@ -50,17 +50,23 @@ def test_softmax_scale(scale):
 @pytest.mark.parametrize("window, causal, expect", [
     ((None, None), False, (False, None, None)), ((-1, -1), False, (False, None, None)),
     ((None, 0), False, (True, None, 0)), ((10, None), True, (True, 10, 0)),
-    ((5, 7), False, (False, 5, 7)),
+    ((5, 7), False, (False, 5, 7)), ((None, 3), True, (True, None, 0)),
+    # a negative side is a bound; only both negative mean no window (FA4's reading)
+    ((None, -1), False, (False, None, -1)), ((-4, None), False, (False, -4, None)),
+    ((-2, 5), False, (False, -2, 5)), ((3, -1), False, (False, 3, -1)),
+    ((-3, -1), True, (True, None, 0)), ((-3, 9), True, (True, -3, 0)),
 ])
-def test_window_normalisation(window, causal, expect):
+def test_window_normalisation_negative_sides_are_bounds(window, causal, expect):
     assert interface._normalise_window(causal, window) == expect
 
 
-def test_window_errors():
-    with pytest.raises(ValueError, match="right side to 0"):
-        interface._normalise_window(True, (None, 3))
-    with pytest.raises(ValueError, match="pair"):
-        interface._normalise_window(False, 5)
+@pytest.mark.parametrize("window, match", [
+    (5, "pair"), ((1, 2, 3), "pair"), ((1.5, None), "left side must be an int"),
+    ((None, True), "right side must be an int"), (("3", None), "left side"),
+])
+def test_window_errors(window, match):
+    with pytest.raises(ValueError, match=match):
+        interface._normalise_window(False, window)
 
 
 def test_l2_sections_fit_l2():

@@ -169,7 +169,8 @@ def test_compile_aot_eager_varlen(cpu_kernels):
     q, k, v, cu_q, cu_k = packed()
 
     def f(q, k, v):
-        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 19, 9, causal=True,
+        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                          max_seqlen_q=19, max_seqlen_k=9, causal=True,
                                           return_lse=True)
         return out.float().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
 

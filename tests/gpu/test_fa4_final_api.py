@@ -212,7 +212,8 @@ def test_varlen_dynamic_tiles_with_idle_ctas_repeat_bitwise(causal):
 def test_varlen_degenerate_batches():
     """No query row at all; no key at all; one row and one key per sequence."""
     q, k, v, cu_q, cu_k = packed([0, 0], [3, 0])
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, return_lse=True)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      return_lse=True)
     assert out.shape == (0, 8, 128) and lse.shape == (8, 0)
     q, k, v, cu_q, cu_k = packed([5, 2], [0, 0])
     out, lse = poison_(torch.empty_like(q)), poison_(torch.empty(8, 7, device="cuda"))
@@ -231,7 +232,9 @@ def test_varlen_degenerate_batches():
 def test_varlen_api_returns_the_kernel_result():
     case = VARLEN[1]
     q, k, v, cu_q, cu_k, used_t, out, lse = run_varlen(case)
-    got, got_lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1024, 1500, seqused_k=used_t,
+    got, got_lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              max_seqlen_q=1024, max_seqlen_k=1500,
+                                              seqused_k=used_t,
                                           causal=True, return_lse=True)
     assert got.shape == q.shape and got_lse.shape == (8, q.shape[0])
     assert torch.equal(got, out) and torch.equal(got_lse, lse)
@@ -253,9 +256,9 @@ def test_varlen_bad_offsets_are_refused_on_the_gpu():
     short = cu_k.clone()
     short[-1] -= 1  # monotone and starting at 0, but one key row is left out
     with pytest.raises(ValueError, match="last entry"):
-        flash_attn_varlen_func(q, k, v, cu_q, short)
+        flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=short)
     with pytest.raises(ValueError, match="must start at 0"):
-        flash_attn_varlen_func(q, k, v, cu_q, cu_k - 1)
+        flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k - 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,7 +433,8 @@ def test_varlen_backward_matches_dense_per_sequence(case):
     q, k, v, cu_q, cu_k = packed(lens_q, lens_k, h, hk, d, dtype)
     for t in (q, k, v):
         t.requires_grad_(True)
-    out, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=causal, window_size=window,
+    out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal,
+                                    window_size=window,
                                     deterministic=True)
     dout = rand(*q.shape, dtype=dtype, seed=5)
     got = torch.autograd.grad(out, (q, k, v), dout)

@@ -17,9 +17,10 @@ import torch
 
 from fa4_final.backward import backward_into, check
 from fa4_final.config import HopperBwdConfig, hopper_bwd_default
+from tests.window_oracle import visible_mask
 from utils.checks import poison_, rounding_atol
 from utils.hardware import missing
-from utils.reference import causal_mask, random_qkv
+from utils.reference import random_qkv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,8 +31,8 @@ BF16, FP16 = torch.bfloat16, torch.float16
 
 
 def _visible(sq, sk, causal, left, right, device):
-    """Where query i sees key j: the window, with causal setting its right edge to 0."""
-    return causal_mask(sq, sk, device, window_size=(left, 0 if causal else right))
+    """Where query i sees key j: FA4's reading of causal and window_size (tests.window_oracle)."""
+    return visible_mask(sq, sk, causal, (left, right), device)
 
 
 def _attention(q, k, v, visible, scale, dtype):

@@ -273,7 +273,9 @@ def test_varlen_backward_through_the_api_is_the_kernel():
     try:
         for checks in ("1", "0"):
             os.environ["FA4_FINAL_VARLEN_CHECKS"] = checks
-            out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+            out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              max_seqlen_q=max(lens_q),
+                                              max_seqlen_k=max(lens_k),
                                               causal=True, deterministic=True,
                                               return_lse=True)
             got = torch.autograd.grad(out, (q, k, v), dout)
