@@ -18,7 +18,7 @@ import math
 import torch
 
 from fa4_final import ops
-from tests.window_oracle import visible_mask
+from utils.window import visible_mask
 
 _ACTIVE = [False]
 _REGISTERED = [False]
@@ -26,7 +26,7 @@ _REGISTERED = [False]
 
 def visible(sq, sk, causal, left, right, device=None):
     """(sq, sk) bool: query i sees key j (bottom-right aligned): FA4's reading of causal and the
-    window (tests.window_oracle), which leaves already normalised sides as they are."""
+    window (utils.window), which leaves already normalised sides as they are."""
     return visible_mask(sq, sk, causal, (left, right), device)
 
 

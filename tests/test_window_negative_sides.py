@@ -1,4 +1,4 @@
-"""Windows of every sign, checked against an independent brute-force mask (tests.window_oracle):
+"""Windows of every sign, checked against an independent brute-force mask (utils.window):
 the package's reading of ``causal`` and ``window_size``, the forward's and the backward's tile
 ranges and per-row column limits, and the split tail's clipped ranges. Plain Python ints, no GPU.
 
@@ -20,7 +20,7 @@ from fa4_final.bwd_tiles import (
 )
 from fa4_final.checks import _normalise_window
 from fa4_final.tiles import TileWindow, clip_range, kv_tile_range, visible_cols
-from tests.window_oracle import WINDOWS, fa4_sides, sees, visible_mask
+from utils.window import WINDOWS, fa4_sides, sees, visible_mask
 
 
 def _package_window(tm, tn, causal, window):

@@ -17,10 +17,10 @@ import torch
 
 from fa4_final.backward import backward_into, check
 from fa4_final.config import HopperBwdConfig, hopper_bwd_default
-from tests.window_oracle import visible_mask
 from utils.checks import poison_, rounding_atol
 from utils.hardware import missing
 from utils.reference import random_qkv
+from utils.window import visible_mask
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +31,7 @@ BF16, FP16 = torch.bfloat16, torch.float16
 
 
 def _visible(sq, sk, causal, left, right, device):
-    """Where query i sees key j: FA4's reading of causal and window_size (tests.window_oracle)."""
+    """Where query i sees key j: FA4's reading of causal and window_size (utils.window)."""
     return visible_mask(sq, sk, causal, (left, right), device)
 
 

@@ -1,0 +1,427 @@
+"""fa4_final against the FA4 package on random calls of everything the API accepts.
+
+    python -m measure.conformance --cases 240 --workers 4          # on a GPU with both packages
+    python -m measure.conformance --cases 240 --dry-run            # the cases only (any machine)
+
+Each case is one random call: dense or varlen (with or without ``seqused_k``), bf16 or fp16,
+head dim 64 or 128, GQA/MQA head groups, seqlen_q != seqlen_k, lengths of zero, ``causal``,
+``window_size`` with sides of every sign, ``softmax_scale``, ``deterministic`` and ``return_lse``
+with the lse's gradient in the loss. Both packages get the same call on the same inputs, forward
+and backward; both are held against a float64 reference written here from FA4's semantics
+(utils.window), with FlashAttention's rule: a result's worst error at most twice plain PyTorch's
+in the same precision plus the step of rounding the reference to that precision; NaN never
+passes; a row that sees no key is out = 0, lse = -inf.
+
+A case's verdict for fa4_final:
+    agree      both packages pass the rule (their results are the same function)
+    ok         fa4_final passes; FA4 refused the call or failed the rule (``fa4`` says how)
+    refused    fa4_final raised UnsupportedError, ValueError or TypeError naming what it got:
+               a gap, never a wrong answer (``fa4`` says whether FA4 runs it)
+    MISMATCH   fa4_final returned numbers that fail the rule, or raised anything else, or hung
+A row per case goes to results/<gpu>/conformance_fa4.json. Kernels are compiled once per static
+configuration; cases are drawn from a small list of them (``STATIC``) so that the run's compile
+time stays a few minutes, with the run-time arguments (shapes, window values, scale, heads)
+free within each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from utils.window import visible_mask
+
+NAME = "conformance_fa4"
+CLEAN_ERRORS = ("UnsupportedError", "ValueError", "TypeError")
+LSE_SLACK = 1e-5  # float32 lse: what rounding the float64 lse to float32 can cost, and more
+
+# (head_dim, dtype, mask, layout, deterministic): compiled once each; the masks say which window
+# sides a case may bound, the values are drawn per case (any sign)
+MASKS = ("none", "causal", "left", "right", "both", "causal_left")
+STATIC = [
+    (64, "bf16", "none", "dense", False), (128, "fp16", "causal", "dense", False),
+    (128, "bf16", "left", "dense", False), (64, "fp16", "right", "dense", False),
+    (128, "bf16", "both", "dense", False), (64, "bf16", "causal_left", "dense", True),
+    (128, "bf16", "right", "dense", True), (64, "fp16", "both", "dense", False),
+    (128, "fp16", "none", "varlen", False), (64, "bf16", "causal", "varlen_used", False),
+    (128, "bf16", "both", "varlen", True), (64, "fp16", "left", "varlen_used", False),
+    (128, "bf16", "right", "varlen_used", False), (64, "bf16", "causal_left", "varlen", False),
+    (128, "fp16", "causal", "dense", True), (64, "bf16", "left", "dense", False),
+]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+HEAD_GROUPS = ((1, 1), (2, 2), (4, 1), (6, 2), (8, 2), (3, 3))
+
+
+@dataclass
+class Case:
+    index: int
+    seed: int
+    d: int
+    dtype: str
+    layout: str  # dense | varlen | varlen_used
+    causal: bool
+    window: tuple  # (left, right) as passed: None or an int of any sign
+    deterministic: bool
+    return_lse: bool
+    h: int
+    hk: int
+    scale: float | None
+    lens_q: list = field(default_factory=list)  # one per sequence (dense: batch copies of sq)
+    lens_k: list = field(default_factory=list)
+    used_k: list | None = None  # varlen_used: keys used per sequence
+
+    def describe(self) -> str:
+        w = f"window={self.window}" if self.window != (None, None) else ""
+        return (f"#{self.index} {self.layout} d={self.d} {self.dtype} h={self.h}/{self.hk} "
+                f"q={self.lens_q} k={self.lens_k}{f' used={self.used_k}' if self.used_k else ''}"
+                f" causal={self.causal} {w} det={self.deterministic} lse={self.return_lse} "
+                f"scale={self.scale}")
+
+
+def _side(rng: random.Random, longest: int) -> int:
+    """A window side of any sign: near the diagonal, around a tile, or past every key."""
+    magnitude = rng.choice([0, 1, 2, 5, 17, 64, 127, 130, longest // 2, longest + 3])
+    return magnitude if rng.random() < 0.55 else -magnitude
+
+
+def make_cases(n: int, seed: int = 0) -> list[Case]:
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        d, dtype, mask, layout, det = STATIC[i % len(STATIC)]
+        h, hk = rng.choice(HEAD_GROUPS)
+        batch = rng.choice([1, 2, 3])
+        if layout == "dense":
+            sq = rng.choice([0, 1, 17, 64, 129, 200, 384, 511, 700])
+            sk = rng.choice([0, 1, 33, 128, 255, 300, 513, 640]) if rng.random() < 0.7 else sq
+            if sq == 0 and sk == 0:
+                sk = 5
+            lens_q, lens_k = [sq] * batch, [sk] * batch
+        else:
+            batch = rng.choice([1, 3, 5])
+            lens_q = [rng.choice([0, 1, 7, 64, 130, 257, 400]) for _ in range(batch)]
+            lens_k = [rng.choice([0, 1, 9, 128, 200, 333, 500]) for _ in range(batch)]
+        used = None
+        if layout == "varlen_used":
+            used = [rng.randint(0, n_k) for n_k in lens_k]
+        longest = max(lens_k + lens_q + [1])
+        left = right = None
+        causal = mask in ("causal", "causal_left")
+        if mask in ("left", "both", "causal_left"):
+            left = _side(rng, longest)
+        if mask in ("right", "both"):
+            right = _side(rng, longest)
+        if causal and rng.random() < 0.25:  # causal overrides any right side (FA4)
+            right = _side(rng, longest)
+        scale = None if rng.random() < 0.6 else round(rng.uniform(0.03, 0.3), 4)
+        cases.append(Case(i, seed * 100003 + i, d, dtype, layout, causal, (left, right), det,
+                          rng.random() < 0.5, h, hk, scale, lens_q, lens_k, used))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs and the float64 reference
+
+
+def make_inputs(case: Case, device) -> dict:
+    """q, k, v, the loss weights and (varlen) the offsets: fresh random values from the case's
+    seed, the same for both packages."""
+    g = torch.Generator(device="cpu").manual_seed(case.seed)
+    dt = DTYPES[case.dtype]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dt).to(device)
+
+    if case.layout == "dense":
+        b, sq, sk = len(case.lens_q), case.lens_q[0], case.lens_k[0]
+        q, k, v = rand(b, sq, case.h, case.d), rand(b, sk, case.hk, case.d), rand(
+            b, sk, case.hk, case.d)
+        extra = {}
+    else:
+        tq, tk = sum(case.lens_q), sum(case.lens_k)
+        q, k, v = rand(tq, case.h, case.d), rand(tk, case.hk, case.d), rand(tk, case.hk, case.d)
+
+        def offsets(lens):
+            return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
+                                dtype=torch.int32, device=device)
+
+        extra = {"cu_seqlens_q": offsets(case.lens_q), "cu_seqlens_k": offsets(case.lens_k)}
+        if case.used_k is not None:
+            extra["seqused_k"] = torch.tensor(case.used_k, dtype=torch.int32, device=device)
+    w_out = torch.randn(q.shape, generator=g).to(device)
+    lse_shape = (q.shape[0], case.h, q.shape[1]) if case.layout == "dense" else (case.h, q.shape[0])
+    w_lse = torch.randn(lse_shape, generator=g).to(device)
+    return {"q": q, "k": k, "v": v, "w_out": w_out, "w_lse": w_lse, **extra}
+
+
+def _one_sequence(q, k, v, case: Case, dtype):
+    """(out, lse) of one sequence, q (sq, h, d), k and v (sk, hk, d), in ``dtype`` (float64: the
+    yardstick; the inputs' dtype: PyTorch in the kernels' precision, S and P rounded to it, the
+    softmax in float32)."""
+    h, hk, d = q.shape[1], k.shape[1], q.shape[2]
+    scale = d ** -0.5 if case.scale is None else case.scale
+    soft = torch.float64 if dtype == torch.float64 else torch.float32
+    qf, kf, vf = (t.to(dtype).transpose(0, 1) for t in (q, k, v))  # (heads, s, d)
+    kf, vf = kf.repeat_interleave(h // hk, 0), vf.repeat_interleave(h // hk, 0)
+    s = (qf @ kf.transpose(-1, -2)).to(soft) * scale
+    seen = visible_mask(q.shape[0], k.shape[0], case.causal, case.window, q.device)
+    s = s.masked_fill(~seen, -math.inf)
+    lse = torch.logsumexp(s, -1)  # (h, sq): -inf where a row sees no key
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0)[..., None])
+    return (p.to(dtype) @ vf).transpose(0, 1), lse
+
+
+def reference(inputs: dict, case: Case, dtype):
+    """(out, lse) of the whole call with autograd, in the package's layouts."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    if case.layout == "dense":
+        outs, lses = zip(*(_one_sequence(q[b], k[b], v[b], case, dtype)
+                           for b in range(q.shape[0]))) if q.shape[0] else ((), ())
+        out = torch.stack(outs) if outs else q.new_zeros(q.shape, dtype=dtype)
+        lse = torch.stack(lses) if lses else q.new_zeros((0, case.h, q.shape[1]),
+                                                         dtype=torch.float64)
+        return out, lse
+    outs, lses = [], []
+    cq, ck = [0], [0]
+    for n_q, n_k in zip(case.lens_q, case.lens_k):
+        cq.append(cq[-1] + n_q)
+        ck.append(ck[-1] + n_k)
+    for i in range(len(case.lens_q)):
+        used = case.lens_k[i] if case.used_k is None else case.used_k[i]
+        o, s = _one_sequence(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i] + used], v[ck[i]:ck[i] + used],
+                             case, dtype)
+        outs.append(o)
+        lses.append(s)
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def loss_of(out, lse, inputs, case: Case):
+    """What the backward differentiates: out weighted, plus lse weighted when it is returned
+    (its gradient flows through the backward: FA4's dlse)."""
+    loss = (out.double() * inputs["w_out"].double()).sum()
+    if case.return_lse:
+        finite = torch.isfinite(lse)
+        loss = loss + torch.where(finite, lse.double(), 0.0).mul(inputs["w_lse"].double()).sum()
+    return loss
+
+
+# ----------------------------------------------------------------------------------------------
+# the two packages
+
+
+def call(package, inputs: dict, case: Case):
+    """(out, lse, (dq, dk, dv)) of one package's call, forward and backward."""
+    q, k, v = (inputs[n].detach().clone().requires_grad_(True) for n in "qkv")
+    kwargs = dict(softmax_scale=case.scale, causal=case.causal, window_size=case.window,
+                  deterministic=case.deterministic, return_lse=case.return_lse)
+    if case.layout == "dense":
+        out, lse = package.flash_attn_func(q, k, v, **kwargs)
+    else:
+        kwargs.update(cu_seqlens_q=inputs["cu_seqlens_q"], cu_seqlens_k=inputs["cu_seqlens_k"],
+                      max_seqlen_q=max(case.lens_q), max_seqlen_k=max(case.lens_k),
+                      seqused_k=inputs.get("seqused_k"))
+        out, lse = package.flash_attn_varlen_func(q, k, v, **kwargs)
+    grads = torch.autograd.grad(loss_of(out, lse, inputs, case), (q, k, v), allow_unused=True)
+    grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+    return out.detach(), lse.detach(), grads
+
+
+def _rule(name, value, ref, same, dtype, slack=0.0):
+    """FlashAttention's rule for one tensor: (passed, worst error, limit, why)."""
+    v, r, p = (t.detach().double().cpu() for t in (value, ref, same))
+    if v.shape != r.shape:
+        return False, math.inf, 0.0, f"{name}: shape {tuple(v.shape)} != {tuple(r.shape)}"
+    if v.numel() == 0:
+        return True, 0.0, 0.0, ""
+    nan = int(torch.isnan(v).sum())
+    inf_r, inf_v = torch.isinf(r), torch.isinf(v)
+    inf_bad = int(((inf_r | inf_v) & ~(inf_r & inf_v & (v == r))).sum())
+    fin = ~(inf_r | inf_v | torch.isnan(v))
+    err = float((v - r).abs()[fin].max()) if fin.any() else 0.0
+    pt = float((p - r).abs()[fin & torch.isfinite(p)].max()) if (fin & torch.isfinite(p)).any() \
+        else 0.0
+    rf = r[torch.isfinite(r)]
+    step = float((rf.to(dtype).double() - rf).abs().max()) if rf.numel() else 0.0
+    limit = 2 * pt + step + slack
+    ok = nan == 0 and inf_bad == 0 and err <= limit
+    why = "" if ok else (f"{name}: max err {err:.3g} > limit {limit:.3g}" if not (nan or inf_bad)
+                         else f"{name}: {nan} NaN, {inf_bad} infinities where the reference "
+                              f"has none or other ones")
+    return ok, err, limit, why
+
+
+def judge(result, ref, same, case: Case) -> dict:
+    """The rule on out, lse, dq, dk, dv; plus rows that see no key: out 0, lse -inf."""
+    out, lse, grads = result
+    dtype = DTYPES[case.dtype]
+    if lse is None:  # q, k, v require grad: both packages return the lse (FA4's convention)
+        return {"passed": False, "why": "no lse returned for inputs that require grad",
+                "err": {}, "limit": {}}
+    verdicts = {"out": _rule("out", out, ref[0], same[0], dtype),
+                "lse": _rule("lse", lse, ref[1], same[1], torch.float32, LSE_SLACK)}
+    for name, g, g_ref, g_same in zip(("dq", "dk", "dv"), grads, ref[2], same[2]):
+        verdicts[name] = _rule(name, g, g_ref, g_same, dtype)
+    empty = ~torch.isfinite(ref[1].cpu())
+    rows_ok = True
+    if empty.any():
+        lse_c, out_c = lse.detach().cpu(), out.detach().cpu()
+        out_rows = out_c.transpose(1, 2) if case.layout == "dense" else out_c.transpose(0, 1)
+        rows_ok = bool(torch.isneginf(lse_c[empty]).all()) and bool((out_rows[empty] == 0).all())
+    whys = [v[3] for v in verdicts.values() if v[3]]
+    if not rows_ok:
+        whys.append("rows that see no key are not out = 0, lse = -inf")
+    return {"passed": not whys, "why": "; ".join(whys),
+            "err": {k: v[1] for k, v in verdicts.items()},
+            "limit": {k: v[2] for k, v in verdicts.items()}}
+
+
+def run_case(case: Case, packages: dict, device="cuda") -> dict:
+    """One case: the references, then each package; the row that is stored."""
+    inputs = make_inputs(case, device)
+    refs = {}
+    for key, dtype in (("ref", torch.float64), ("same", DTYPES[case.dtype])):
+        q, k, v = (inputs[n].detach().clone().requires_grad_(True) for n in "qkv")
+        out, lse = reference({**inputs, "q": q, "k": k, "v": v}, case, dtype)
+        grads = torch.autograd.grad(loss_of(out, lse, inputs, case), (q, k, v),
+                                    allow_unused=True)
+        grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+        refs[key] = (out.detach(), lse.detach(), grads)
+    row = {"impl": "fa4_final", "metric": "conformance", "unit": "case",
+           "case": {k: v for k, v in asdict(case).items() if k != "seed"}, "seed": case.seed}
+    for name, package in packages.items():
+        t0 = time.perf_counter()
+        try:
+            result = call(package, inputs, case)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            row[name] = {"status": "ran", **judge(result, refs["ref"], refs["same"], case)}
+        except Exception as exc:  # a refusal or a failure: which one is the verdict's business
+            kind = type(exc).__name__
+            row[name] = {"status": "refused" if kind in CLEAN_ERRORS else "error",
+                         "error": f"{kind}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+            if kind not in CLEAN_ERRORS:
+                row[name]["trace"] = traceback.format_exc(limit=3)[-600:]
+        row[name]["seconds"] = round(time.perf_counter() - t0, 3)
+    row["verdict"] = verdict(row)
+    row["value"] = int(row["verdict"] == "MISMATCH")
+    return row
+
+
+def verdict(row: dict) -> str:
+    ours, theirs = row["fa4_final"], row.get("fa4", {"status": "absent"})
+    if ours["status"] == "refused":
+        return "refused"
+    if ours["status"] != "ran" or not ours["passed"]:
+        return "MISMATCH"
+    return "agree" if theirs.get("status") == "ran" and theirs.get("passed") else "ok"
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+
+
+def _worker(indices: list[int], n_cases: int, seed: int, queue) -> None:
+    import fa4_final
+
+    packages = {"fa4_final": fa4_final}
+    try:
+        from flash_attn import cute as fa4
+
+        packages["fa4"] = fa4
+    except Exception as exc:  # the peer is optional: rows then say "absent"
+        print(f"FA4 package not importable: {exc}", file=sys.stderr)
+    cases = make_cases(n_cases, seed)
+    for i in indices:
+        row = run_case(cases[i], packages)
+        queue.put(row)
+        print(f"{row['verdict']:9s} {cases[i].describe()}"
+              + (f"  [{row['fa4_final'].get('why') or row['fa4_final'].get('error', '')}]"
+                 if row["verdict"] not in ("agree", "ok") else ""), flush=True)
+
+
+def run(n_cases: int, seed: int, workers: int, deadline_s: float) -> list[dict]:
+    """Cases spread over ``workers`` processes (kernels compile in parallel); a case whose
+    worker died or ran past the deadline is a MISMATCH row saying so."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(list(range(w, n_cases, workers)), n_cases, seed,
+                                               queue)) for w in range(workers)]
+    for p in procs:
+        p.start()
+    rows, start = {}, time.monotonic()
+    while len(rows) < n_cases and time.monotonic() - start < deadline_s:
+        try:
+            row = queue.get(timeout=5)
+            rows[row["case"]["index"]] = row
+        except Exception:
+            if not any(p.is_alive() for p in procs):
+                break
+    for p in procs:
+        p.join(timeout=1)
+        if p.is_alive():
+            p.kill()
+    cases = make_cases(n_cases, seed)
+    for i in range(n_cases):
+        if i not in rows:
+            rows[i] = {"impl": "fa4_final", "metric": "conformance", "unit": "case", "value": 1,
+                       "case": {k: v for k, v in asdict(cases[i]).items() if k != "seed"},
+                       "seed": cases[i].seed, "verdict": "MISMATCH",
+                       "fa4_final": {"status": "no result: the worker died or the run "
+                                               "reached its deadline"}}
+    return [rows[i] for i in range(n_cases)]
+
+
+def summary(rows: list[dict]) -> str:
+    from collections import Counter
+
+    counts = Counter(r["verdict"] for r in rows)
+    fa4 = Counter(r.get("fa4", {}).get("status", "absent") for r in rows)
+    fa4_wrong = sum(1 for r in rows if r.get("fa4", {}).get("status") == "ran"
+                    and not r["fa4"]["passed"])
+    lines = [f"{len(rows)} cases: " + ", ".join(f"{k} {counts[k]}" for k in
+                                                ("agree", "ok", "refused", "MISMATCH")),
+             f"FA4 package: ran {fa4['ran']} (failed the rule {fa4_wrong}), refused "
+             f"{fa4['refused']}, errors {fa4['error']}, absent {fa4['absent']}"]
+    refusals = Counter(r["fa4_final"]["error"].split(":")[0] + ": " +
+                       r["fa4_final"]["error"].split(":", 1)[1][:90]
+                       for r in rows if r["verdict"] == "refused")
+    lines += [f"  fa4_final refused ({n}): {msg}" for msg, n in refusals.most_common()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=int, default=240)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run")
+    ap.add_argument("--name", default=NAME)
+    ap.add_argument("--dry-run", action="store_true", help="print the cases and stop")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        for c in make_cases(args.cases, args.seed):
+            print(c.describe())
+        return 0
+    rows = run(args.cases, args.seed, args.workers, args.deadline)
+    print(summary(rows))
+    from utils import results
+
+    command = "python -m measure.conformance " + " ".join(argv or sys.argv[1:])
+    path = results.save(args.name, rows, command)
+    print(f"saved {path}")
+    return int(any(r["verdict"] == "MISMATCH" for r in rows))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
