@@ -16,6 +16,7 @@ import torch
 
 from fa4_final.config import HEAD_DIMS
 from fa4_final.constants import TORCH_TO_CUTLASS
+from fa4_final.errors import UnsupportedError
 
 ACCEPTED_DTYPES = "torch.bfloat16, torch.float16"
 
@@ -76,6 +77,10 @@ def _check_qkv(q, k, v, dims: int, layout: str) -> None:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1]:
+        raise UnsupportedError(
+            f"v's head dim {v.shape[-1]} differs from q and k's {k.shape[-1]}: fa4_final runs "
+            f"dv == d only (head dims {HEAD_DIMS}); the FA4 package also takes dv != d")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
@@ -87,7 +92,7 @@ def _check_heads_and_dim(q, k) -> tuple[int, int, int]:
     if dk != d:
         raise ValueError(f"q has head_dim {d} but k and v have head_dim {dk}")
     if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {d}")
+        raise UnsupportedError(f"head_dim must be one of {HEAD_DIMS}, got {d}")
     if hk == 0 or h % hk:
         raise ValueError(f"q's {h} heads must be a multiple of k/v's {hk} heads (GQA/MQA)")
     return h, hk, d

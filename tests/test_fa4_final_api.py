@@ -66,7 +66,7 @@ def test_return_lse_gives_a_differentiable_lse(cpu_kernels):
     (False, (-1, 0)), (False, (-1, -1)), (False, (None, -3)), (False, (-4, None)),
     (False, (6, -2)), (True, (-2, None)), (False, (2, -5))])
 def test_forward_negative_window_matches_float64(cpu_kernels, causal, window):
-    """The public call's window reaches the ops as FA4 reads it (tests.window_oracle): a
+    """The public call's window reaches the ops as FA4 reads it (utils.window): a
     negative side is a bound, both negative no window, causal sets the right side to 0."""
     q, k, v = qkv(sq=40, sk=56)
     out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
@@ -174,6 +174,8 @@ def test_strides_and_batches():
         flash_attn_func(q, k[:1], v[:1])
     with pytest.raises(ValueError, match="same shape"):
         flash_attn_func(q, k, v[:, :10])
+    with pytest.raises(UnsupportedError, match=r"v's head dim 32 differs.*dv == d only"):
+        flash_attn_func(q, k, v[..., :32].contiguous())
 
 
 def test_a_16_byte_stride_rule_on_a_sliced_head_dim():
