@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from solutions.ch12_teaching import conformance_summary
 from utils.window import visible_mask
 
 NAME = "conformance_fa4"
@@ -381,24 +382,6 @@ def run(n_cases: int, seed: int, workers: int, deadline_s: float) -> list[dict]:
     return [rows[i] for i in range(n_cases)]
 
 
-def summary(rows: list[dict]) -> str:
-    from collections import Counter
-
-    counts = Counter(r["verdict"] for r in rows)
-    fa4 = Counter(r.get("fa4", {}).get("status", "absent") for r in rows)
-    fa4_wrong = sum(1 for r in rows if r.get("fa4", {}).get("status") == "ran"
-                    and not r["fa4"]["passed"])
-    lines = [f"{len(rows)} cases: " + ", ".join(f"{k} {counts[k]}" for k in
-                                                ("agree", "ok", "refused", "MISMATCH")),
-             f"FA4 package: ran {fa4['ran']} (failed the rule {fa4_wrong}), refused "
-             f"{fa4['refused']}, errors {fa4['error']}, absent {fa4['absent']}"]
-    refusals = Counter(r["fa4_final"]["error"].split(":")[0] + ": " +
-                       r["fa4_final"]["error"].split(":", 1)[1][:90]
-                       for r in rows if r["verdict"] == "refused")
-    lines += [f"  fa4_final refused ({n}): {msg}" for msg, n in refusals.most_common()]
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=240)
@@ -413,7 +396,7 @@ def main(argv=None) -> int:
             print(c.describe())
         return 0
     rows = run(args.cases, args.seed, args.workers, args.deadline)
-    print(summary(rows))
+    print(conformance_summary(rows))
     from utils import results
 
     command = "python -m measure.conformance " + " ".join(argv or sys.argv[1:])

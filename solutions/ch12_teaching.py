@@ -627,3 +627,77 @@ def host_gpu_table(res, impls=("fa4_final", "fa4_final_op", "sdpa_flash", "sdpa_
         if r.get("metric") in ("tvm_ffi_launch_us", "torch_empty_us"):
             lines.append(f"{r['metric']}: {r['value']:.1f} us per call ({r['note']})")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Where fa4_final and the FA4 package (4.0.0b36) differ on purpose. Everything else a call
+# accepts means what it means in FA4; measure/conformance.py holds the two side by side.
+
+FA4_DIFFERENCES = [
+    ("lse when an input requires grad but return_lse=False",
+     "returned on the autograd graph; its gradient is dropped without a sign",
+     "returned detached (requires_grad False): a loss that uses it shows the missing gradient",
+     "a silently dropped gradient is a wrong answer"),
+    ("arguments after q, k, v given by position",
+     "taken: the 4th is qv (FlashAttention-2's is dropout_p, or cu_seqlens_q for varlen)",
+     "refused with a TypeError that says to name them",
+     "the same positional call means different things in FA2 and FA4"),
+    ("inputs whose strides TMA cannot read",
+     "copied into contiguous tensors first (an extra copy per call)",
+     "refused, saying which stride and how to fix it (.contiguous())",
+     "a hidden copy per call costs time and memory the caller does not see"),
+    ("softmax_scale <= 0, NaN or infinite",
+     "used as given",
+     "refused, naming the value",
+     "no attention layer means it; it is a bug upstream"),
+    ("cu_seqlens not starting at 0, decreasing, or not ending at the row count; max_seqlen "
+     "below the longest sequence; seqused_k above a sequence's keys",
+     "trusted",
+     "refused, naming the entry (one host copy of the offsets per call)",
+     "a wrong offset reads another sequence's rows: a wrong answer, not an error"),
+    ("num_splits, pack_gqa",
+     "change how the kernel runs",
+     "accepted and ignored",
+     "they never change the result"),
+    ("softcap, learnable_sink, qv, score_mod, mask_mod, page_table, seqused_q, dv != d, head "
+     "dims other than 64 and 128",
+     "computed",
+     "refused with UnsupportedError naming the argument and what runs (accepted at the value "
+     "that means 'not used')",
+     "not implemented here: an error is the only honest answer"),
+]
+
+
+def differences_table() -> str:
+    """FA4_DIFFERENCES as a markdown table."""
+    rows = ["| call | FA4 4.0.0b36 | fa4_final | why |", "|---|---|---|---|"]
+    rows += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in FA4_DIFFERENCES]
+    return "\n".join(rows)
+
+
+def conformance_lines(res) -> str:
+    """The stored conformance run (measure/conformance.py) in a few lines: verdict counts, what
+    the FA4 package did with the same calls, and each kind of refusal."""
+    if res is None:
+        return "conformance: not measured yet"
+    return f"[{res.name}] {res.label}\n{conformance_summary(res.rows)}"
+
+
+def conformance_summary(rows: list[dict]) -> str:
+    """Verdict counts of a conformance run, the FA4 package's outcomes, each kind of refusal."""
+    from collections import Counter
+
+    counts = Counter(r["verdict"] for r in rows)
+    fa4 = Counter(r.get("fa4", {}).get("status", "absent") for r in rows)
+    fa4_wrong = sum(1 for r in rows if r.get("fa4", {}).get("status") == "ran"
+                    and not r["fa4"]["passed"])
+    lines = [f"{len(rows)} cases: " + ", ".join(f"{k} {counts[k]}" for k in
+                                                ("agree", "ok", "refused", "MISMATCH")),
+             f"FA4 package: ran {fa4['ran']} (failed the rule {fa4_wrong}), refused "
+             f"{fa4['refused']}, errors {fa4['error']}, absent {fa4['absent']}"]
+    refusals = Counter(r["fa4_final"]["error"].split(":")[0] + ": " +
+                       r["fa4_final"]["error"].split(":", 1)[1][:90]
+                       for r in rows if r["verdict"] == "refused")
+    lines += [f"  fa4_final refused ({n}): {msg}" for msg, n in refusals.most_common()]
+    return "\n".join(lines)
+

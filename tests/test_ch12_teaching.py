@@ -97,7 +97,7 @@ def test_refusal_reports_the_error_or_acceptance():
     from fa4_final import flash_attn_func
 
     q = torch.empty(1, 8, 2, 96, dtype=torch.bfloat16)
-    assert t12.refusal(lambda: flash_attn_func(q, q, q)).startswith("ValueError: head_dim")
+    assert t12.refusal(lambda: flash_attn_func(q, q, q)).startswith("UnsupportedError: head_dim")
     assert t12.refusal(lambda: None) == "accepted"
 
 

@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from utils.window import fa4_sides
+
 SUPPORTED_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -100,11 +102,9 @@ def attention_reference(
         kf = kf.repeat_interleave(h // hk, dim=1)
         vf = vf.repeat_interleave(h // hk, dim=1)
     s = torch.matmul(qf, kf.transpose(-1, -2)).to(softmax_dtype) * scale  # (b, h, sq, sk)
-    if causal or window_size is not None:
-        left, right = window_size if window_size is not None else (None, None)
-        if causal:
-            right = 0
-        s = s.masked_fill(~causal_mask(sq, sk, s.device, (left, right)), float("-inf"))
+    if causal or window_size is not None:  # FA4's reading of the two (utils.window)
+        s = s.masked_fill(~causal_mask(sq, sk, s.device, fa4_sides(causal, window_size)),
+                          float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     row_max = s.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))

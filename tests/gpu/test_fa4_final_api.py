@@ -69,6 +69,12 @@ DENSE = [  # b, sq, sk, h, hk, d, causal, window, dtype
     (2, 700, 700, 4, 2, 128, False, (64, 0), BF16),  # sliding window, causal right edge
     (1, 333, 901, 4, 4, 64, False, (100, 37), FP16),
     (1, 64, 4096, 2, 1, 128, False, (None, 5), BF16),
+    # negative sides are bounds (FA4): keys strictly before / after the diagonal, a band
+    (2, 300, 300, 4, 2, 128, False, (None, -1), BF16),
+    (1, 513, 700, 4, 4, 64, False, (-3, None), FP16),
+    (1, 400, 400, 2, 1, 128, False, (70, -9), BF16),
+    (2, 129, 260, 4, 4, 64, False, (-5, 140), BF16),
+    (1, 200, 200, 2, 2, 128, False, (-1, -1), FP16),  # both negative: no window
 ]
 
 
@@ -136,6 +142,8 @@ VARLEN = [  # lens_q, lens_k, seqused_k, h, hk, d, dtype, causal, window
     (LENS_Q, LENS_K, None, 6, 1, 64, FP16, True, (None, None)),  # MQA, 3 consumer warpgroups
     (LENS_Q, LENS_K, None, 4, 4, 64, BF16, False, (64, 0)),
     (LENS_Q, LENS_K, USED_K, 4, 2, 128, FP16, False, (None, 5)),
+    (LENS_Q, LENS_K, USED_K, 4, 2, 128, BF16, False, (None, -2)),
+    (LENS_Q, LENS_K, None, 4, 4, 64, FP16, False, (40, -7)),
     (MANY_Q, MANY_K, None, 4, 2, 128, BF16, True, (None, None)),
     (MANY_Q, MANY_Q, None, 4, 1, 64, BF16, False, (None, None)),
 ]
@@ -346,6 +354,8 @@ BACKWARD = [  # b, sq, sk, h, hk, d, causal, window, dtype
     (2, 257, 257, 4, 4, 128, False, (None, None), BF16),
     (1, 600, 1000, 8, 2, 64, True, (None, None), BF16),
     (2, 300, 300, 4, 1, 128, False, (64, 8), FP16),
+    (1, 300, 450, 4, 2, 128, False, (None, -3), BF16),
+    (2, 257, 257, 4, 4, 64, False, (-2, 60), FP16),
 ]
 
 
@@ -417,6 +427,7 @@ VARLEN_BWD = [  # lens_q, lens_k, h, hk, d, dtype, causal, window
     (LENS_Q, LENS_K, 8, 2, 128, FP16, True, (None, None)),
     (LENS_Q, LENS_K, 4, 1, 64, BF16, False, (100, 20)),
     (LENS_Q, LENS_K, 4, 4, 128, BF16, False, (None, None)),
+    (LENS_Q, LENS_K, 4, 2, 64, BF16, False, (-4, None)),
 ]
 
 

@@ -132,7 +132,8 @@ def test_every_config(name, causal):
     assert ok, line
 
 
-@pytest.mark.parametrize("window", [(64, None), (32, 16), (None, 40), (200, 0)])
+@pytest.mark.parametrize("window", [(64, None), (32, 16), (None, 40), (200, 0), (None, -5),
+                                    (-7, None), (50, -20), (-3, 30)])
 def test_sliding_windows(window):
     ok, line = _check((1, 700, 900, 2, 1, 128, BF16), False, window=window)
     print(line)
@@ -147,7 +148,7 @@ def test_deterministic_is_correct(d, causal):
     assert ok, line
 
 
-@pytest.mark.parametrize("window", [(None, None), (100, None), (None, 0)])
+@pytest.mark.parametrize("window", [(None, None), (100, None), (None, 0), (None, -4)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_deterministic_is_bitwise_reproducible(d, window):
     """20 runs, GQA: the same bits every time (dQ adds in a fixed order; dK and dV are summed
