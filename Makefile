@@ -34,13 +34,16 @@ lab: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m utils.notebooks check
+	$(PY) -m utils.notebooks stats
 
 unit: install
 	$(PY) -m pytest -q -m "not browser" tests
 
+# The solved notebooks run once, strict, keeping their outputs for the site (utils.execute);
+# the learner copies and the labs run under nbval.
 notebooks: install
-	COURSE_STRICT_EXERCISES=1 $(PY) -m pytest -q $(NBVAL) solutions/
-	$(PY) -m pytest -q $(NBVAL) chapters/
+	$(PY) -m utils.execute solutions
+	$(PY) -m pytest -q $(NBVAL) chapters/ $(wildcard labs/*.ipynb)
 
 # JupyterLab (as `make lab` serves it) and the built site, in headless Chromium: every chapter
 # run with Run All Cells. Skipped, saying why, where no Chromium is found (Debian: apt-get
@@ -48,7 +51,8 @@ notebooks: install
 browser: install site
 	$(PY) -m pytest -q -p no:cacheprovider -m browser tests/test_browser.py
 
-# The course as a static website, from the solved notebooks executed here: build/site/.
+# The course as a static website, from the solved notebooks executed here (reusing what
+# `make notebooks` executed when the tree has not changed since): build/site/.
 site: install
 	$(PY) -m utils.site build
 

@@ -69,3 +69,50 @@ def test_value_answers(capsys, monkeypatch):
     assert exercises.check_answer("t.6", 41.5, check=near_42, reference=42) == 41.5
     assert exercises.check_answer("t.7", 7, check=near_42, reference=42) == 42
     assert "7 is not near 42" in capsys.readouterr().out
+
+
+def helper(x):
+    return x * 2
+
+
+def test_an_answer_calling_the_reference_is_refused(capsys, monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT_EXERCISES", raising=False)
+
+    @exercises.exercise("t.7", check=check, reference=reference)
+    def double(x):
+        return reference(x)
+
+    out = capsys.readouterr().out
+    assert double is reference and "uses reference: that is the reference solution" in out
+    assert exercises.status()["t.7"] == "failed"
+
+
+def test_an_answer_calling_a_forbidden_helper_is_refused(capsys, monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT_EXERCISES", raising=False)
+    import tests.test_exercises as here
+
+    @exercises.exercise("t.8", check=check, reference=reference,
+                        forbid={helper: "the exercise is to write the doubling"})
+    def double(x):
+        return here.helper(x)
+
+    out = capsys.readouterr().out
+    assert "uses here.helper: the exercise is to write the doubling" in out
+
+
+def test_a_closure_variable_holding_the_reference_is_seen(capsys, monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT_EXERCISES", raising=False)
+    ref_alias = reference
+
+    @exercises.exercise("t.9", check=check, reference=reference)
+    def double(x):
+        return ref_alias(x)
+
+    assert "uses ref_alias" in capsys.readouterr().out
+
+
+def test_a_callable_answer_to_check_answer_is_read_too(capsys, monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT_EXERCISES", raising=False)
+    got = exercises.check_answer("t.10", lambda x: reference(x), check=check,
+                                 reference=reference)
+    assert got is reference and "reference solution" in capsys.readouterr().out

@@ -40,12 +40,36 @@ def test_index_page_is_made_from_the_readme(tmp_path):
     assert "(workshop.md)" in index
 
 
-def test_config_executes_and_fails_on_errors(tmp_path):
+def test_config_renders_the_executed_notebooks(tmp_path):
+    """The site does not execute again: it renders the copies utils.execute ran (strict)."""
     site.stage(tmp_path)
     config = (tmp_path / "_config.yml").read_text()
-    assert "execute_notebooks: force" in config
+    assert 'execute_notebooks: "off"' in config
     assert "nb_execution_raise_on_error: true" in config
-    assert "allow_errors: false" in config
+
+
+def test_stage_takes_outputs_from_the_executed_copies(tmp_path):
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    for nb in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"):
+        data = json.loads(nb.read_text())
+        for cell in data["cells"]:
+            if cell["cell_type"] == "code":
+                cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "ran\n"}]
+        (executed / nb.name).write_text(json.dumps(data))
+    site.stage(tmp_path / "src", executed=executed)
+    staged = json.loads((tmp_path / "src" / "00_hardware_roofline.ipynb").read_text())
+    assert any(c.get("outputs") for c in staged["cells"] if c["cell_type"] == "code")
+
+
+def test_execute_fingerprint_moves_with_the_sources(tmp_path):
+    from utils import execute
+
+    (tmp_path / "solutions").mkdir()
+    (tmp_path / "solutions" / "a.py").write_text("x = 1\n")
+    first = execute.fingerprint(tmp_path)
+    (tmp_path / "solutions" / "a.py").write_text("x = 2\n")
+    assert execute.fingerprint(tmp_path) != first
 
 
 def test_links_are_rewritten_for_the_site():

@@ -2,6 +2,7 @@
 
     python -m utils.notebooks build            # solutions/NN_*.ipynb -> chapters/NN_*.ipynb
     python -m utils.notebooks check            # exit 1 if chapters/ drifted or rules are broken
+    python -m utils.notebooks stats            # words, cells, exercises, predictions per notebook
     python -m utils.notebooks from-percent draft.py solutions/NN_slug.ipynb
     python -m utils.notebooks to-percent solutions/NN_slug.ipynb draft.py
 
@@ -25,9 +26,16 @@ import re
 import sys
 from pathlib import Path
 
+from utils.claims import unbacked_sentences
+
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 CHAPTERS = ROOT / "chapters"
+LABS = ROOT / "labs"
+LAB_NAME = re.compile(r"^[a-z0-9_]+\.ipynb$")
+READ_FIRST = re.compile(r"\*\*Read first[:.]?\*\*", re.I)
+# One sitting (60-120 minutes): a chapter's core stays within these
+SITTING_WORDS, SITTING_CELLS = 3500, 70
 
 BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?:\s+stub:\s*(?P<stub>.*))?$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
@@ -135,10 +143,21 @@ _CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(*\[])|\n\s*\n|\n(?=\s*(?:[-*]|\d+\.)\s)")
 _ISSUE_AS_IN_INSTRUCTIONS = "slot|rate|width|port|queue|stage|cycle|logic|line|count|bound|time"
 MAKING_TALK = re.compile(
-    r"\bthe (?:lead|brief)(?![\w-])"
+    r"\bthe (?:lead|brief|owner)(?![\w-])"
     rf"|\bthe issue(?![\w-])(?!\s+(?:{_ISSUE_AS_IN_INSTRUCTIONS})s?\b)"
     r"|\btargets? of\b|\bre-?bas(?:e|ed|ing)\b"
-    r"|\bwho asked\b", re.I)
+    r"|\bwho asked\b"
+    # the course's own history: learners meet kernels, not how the course was written
+    r"|\btaken out again\b|\bwas not taken here\b|\bfirst version\b|\bnow fixed\b"
+    r"|\bthe next thing to look at\b|\bchangelog\b|\bthree changes did it\b"
+    r"|\b(?:before|after) (?:this|that|the) (?:change|commit|fix)\b"
+    r"|\bin (?:an|the) (?:earlier|older|previous) (?:version|session|commit)\b"
+    r"|\b(?:fixed|found) (?:two|three|several|the) (?:races|bugs)\b", re.I)
+# a commit hash: 7 to 10 hex digits, with both a letter and a digit
+COMMIT_HASH = re.compile(r"(?<![0-9a-zA-Z_/.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,10}"
+                         r"(?![0-9a-zA-Z_])")
+# the answer given before the learner thinks: a prediction (utils.predict) comes first instead
+TOLD = re.compile(r"\byou should see\b", re.I)
 
 
 def typed_figures(markdown: str) -> list[str]:
@@ -158,8 +177,10 @@ def typed_figures(markdown: str) -> list[str]:
 
 
 def making_talk(markdown: str) -> list[str]:
-    """Phrases about how the course was made, which learners have no use for."""
-    return [m.group(0) for m in MAKING_TALK.finditer(_CODE.sub(" ", markdown))]
+    """Phrases about how the course was made (its history, commit hashes), which learners have
+    no use for, and answers told before a measurement instead of predicted."""
+    text = _CODE.sub(" ", re.sub(r"<!--.*?-->", " ", markdown, flags=re.S))
+    return [m.group(0) for rx in (MAKING_TALK, COMMIT_HASH, TOLD) for m in rx.finditer(text)]
 
 
 def prose_problems(nb: dict, name: str) -> list[str]:
@@ -177,8 +198,17 @@ def prose_problems(nb: dict, name: str) -> list[str]:
             )
         talk = making_talk(src)
         if talk:
-            problems.append(f"{name} cell {i}: markdown talks about how the course was made "
-                            f"({', '.join(repr(t) for t in talk)}); say it to the learner")
+            problems.append(f"{name} cell {i}: markdown talks about how the course was made or "
+                            f"tells the answer before a measurement "
+                            f"({', '.join(repr(t) for t in talk)}); say it to the learner, and "
+                            f"ask for a prediction (utils.predict) instead of 'you should see'")
+        unbacked = unbacked_sentences(src)
+        if unbacked:
+            problems.append(f"{name} cell {i}: markdown compares measurements "
+                            f"({', '.join(repr(u) for u in unbacked)}) with no claim behind "
+                            f"it: print it from its results file, name a registered claim "
+                            f"(<!-- claims: id -->, utils/claims.py), or mark the cell "
+                            f"<!-- not-measured: why --> when it compares by principle")
     return problems
 
 
@@ -204,6 +234,21 @@ def lint(nb: dict, name: str) -> list[str]:
 
 def solved_notebooks() -> list[Path]:
     return sorted(p for p in SOLUTIONS.glob("*.ipynb") if NOTEBOOK_NAME.match(p.name))
+
+
+def lab_notebooks() -> list[Path]:
+    return sorted(p for p in LABS.glob("*.ipynb") if LAB_NAME.match(p.name))
+
+
+def lint_lab(nb: dict, name: str) -> list[str]:
+    """A lab: the prose rules and no outputs, as a chapter; and its first markdown cell says what
+    to read first (the chapter it deepens)."""
+    problems = lint(nb, name)
+    first = next((c for c in nb["cells"] if c["cell_type"] == "markdown"), None)
+    if first is None or not READ_FIRST.search(_source(first)):
+        problems.append(f"{name}: the first markdown cell must say what to read first "
+                        f"('**Read first:** chapter NN, ...')")
+    return problems
 
 
 def build(write: bool = True) -> list[str]:
@@ -239,7 +284,77 @@ def build(write: bool = True) -> list[str]:
     for extra in sorted(CHAPTERS.glob("*.ipynb")):
         if extra.name not in expected:
             problems.append(f"chapters/{extra.name} has no solved notebook in solutions/")
+    for path in lab_notebooks():
+        problems += lint_lab(json.loads(path.read_text()), f"labs/{path.name}")
     return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# Stats: is every chapter one sitting, does the learner build and predict?
+
+_EXERCISE = re.compile(r"@exercise\(\s*[\"'](?P<id>[\w.]+)[\"']"
+                       r"|check_answer\(\s*[\"'](?P<id2>[\w.]+)")
+_DEVICE = re.compile(r"^\s*@cute\.(?:jit|kernel)\b", re.M)
+_PREDICT = re.compile(r"\bpredict\(\s*[\"'](?P<id>[\w.]+)")
+_REVEAL = re.compile(r"\breveal\(\s*[\"'](?P<id>[\w.]+)")
+_MEASURED = re.compile(r"\bload_stored\(|\bresults\.load\(")
+
+
+def notebook_stats(nb: dict) -> dict:
+    """Words and cells, exercises (device-code ones: a cell whose exercise is a ``@cute.jit`` or
+    ``@cute.kernel`` function), predictions and reveals, and the measurement cells (those that
+    read stored results) with no prediction earlier in their section (since the last ``## ``)."""
+    words = cells = 0
+    exercises, device, predictions, reveals, unpredicted = set(), set(), set(), set(), []
+    predicted_in_section = False
+    for i, cell in enumerate(nb["cells"]):
+        src = _source(cell)
+        cells += 1
+        if cell["cell_type"] == "markdown":
+            words += len(re.sub(r"<!--.*?-->", " ", src, flags=re.S).split())
+            if re.search(r"^## ", src, re.M):
+                predicted_in_section = False
+            continue
+        ids = {m.group("id") or m.group("id2") for m in _EXERCISE.finditer(src)}
+        exercises |= ids
+        if ids and _DEVICE.search(src):
+            device |= ids
+        if _PREDICT.search(src):
+            predicted_in_section = True
+        predictions |= {m.group("id") for m in _PREDICT.finditer(src)}
+        reveals |= {m.group("id") for m in _REVEAL.finditer(src)}
+        if _MEASURED.search(src) and not predicted_in_section:
+            unpredicted.append(i)
+    return {"words": words, "cells": cells, "exercises": sorted(exercises),
+            "device_exercises": sorted(device), "predictions": sorted(predictions),
+            "reveals": sorted(reveals), "unpredicted_measurements": unpredicted}
+
+
+def course_stats() -> list[tuple[str, dict]]:
+    """(name, stats) of every solved chapter notebook, then every lab."""
+    rows = [(p.name, notebook_stats(json.loads(p.read_text()))) for p in solved_notebooks()]
+    rows += [(f"labs/{p.name}", notebook_stats(json.loads(p.read_text())))
+             for p in lab_notebooks()]
+    return rows
+
+
+def stats_table(rows=None) -> str:
+    """The table ``python -m utils.notebooks stats`` prints: per chapter and lab its words and
+    cells against the sitting, its exercises and how many are device code, its predictions, and
+    the measurement cells no prediction comes before."""
+    rows = course_stats() if rows is None else rows
+    head = ("| notebook | md words | cells | one sitting | exercises | device code | "
+            "predictions | measurements before any prediction |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for name, st in rows:
+        chapter = not name.startswith("labs/")
+        fits = st["words"] <= SITTING_WORDS and st["cells"] <= SITTING_CELLS
+        lines.append(
+            f"| {name} | {st['words']:,} | {st['cells']} | "
+            f"{('yes' if fits else 'NO') if chapter else '(lab)'} | {len(st['exercises'])} | "
+            f"{len(st['device_exercises'])} | {len(st['predictions'])} | "
+            f"{', '.join(f'cell {i}' for i in st['unpredicted_measurements']) or '-'} |")
+    return "\n".join(lines)
 
 
 def strip(paths) -> None:
@@ -306,6 +421,9 @@ def main(argv=None) -> int:
         problems = build(write=True)
     elif cmd == "check":
         problems = build(write=False)
+    elif cmd == "stats":
+        print(stats_table())
+        problems = []
     elif cmd == "strip":
         strip(argv[1:] or [*solved_notebooks(), *sorted(CHAPTERS.glob("*.ipynb"))])
         problems = []

@@ -5,10 +5,13 @@
 
 The book is staged in ``build/site-src/``: an index page made from the README's sections (the
 chapter list and the progression table among them), every solved notebook
-``solutions/NN_*.ipynb`` and the workshop guide. Jupyter Book (1.x, Sphinx underneath) then
-executes the notebooks on this machine, so a machine with no GPU shows what the course shows
-there: compiled code, and the stored GPU figures with their provenance. It needs no network at
-build time. The finished HTML is copied to ``build/site/``.
+``solutions/NN_*.ipynb`` as executed on this machine, and the workshop guide, so a machine with
+no GPU shows what the course shows there: compiled code, and the stored GPU figures with their
+provenance. The notebooks are executed once, by ``python -m utils.execute solutions`` (which
+``make notebooks`` runs for the test suite too); the site renders those executed copies and
+runs them again only when they were executed from another tree (utils.execute.fresh). Jupyter
+Book (1.x, Sphinx underneath) renders them without executing; it needs no network. The finished
+HTML is copied to ``build/site/``.
 
 Links between pages are rewritten for the site: a chapter's notebook name points at its page,
 ``docs/workshop.md`` at the guide's page; a link to a file the site does not carry (a ``.py``
@@ -114,9 +117,7 @@ copyright: ""
 only_build_toc_files: true
 exclude_patterns: ["_build", "**.ipynb_checkpoints"]
 execute:
-  execute_notebooks: force
-  timeout: 900
-  allow_errors: false
+  execute_notebooks: "off"
   stderr_output: show
 html:
   use_repository_button: false
@@ -136,8 +137,9 @@ sphinx:
 """
 
 
-def stage(dest: Path = STAGE) -> list[str]:
-    """Write the book's sources into ``dest``; returns the chapter page names."""
+def stage(dest: Path = STAGE, executed: Path | None = None) -> list[str]:
+    """Write the book's sources into ``dest``; returns the chapter page names. ``executed``: the
+    folder of the executed notebooks (utils.execute), whose outputs the pages show."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
@@ -147,7 +149,8 @@ def stage(dest: Path = STAGE) -> list[str]:
     pages.update({str(ROOT / "chapters" / p.name): p.stem + ".ipynb" for p in notebooks})
     pages.update({str(src): page + ".md" for src, page, _ in EXTRA_PAGES})
     for nb_path in notebooks:
-        nb = json.loads(nb_path.read_text())
+        source = executed / nb_path.name if executed is not None else nb_path
+        nb = json.loads(source.read_text())
         for cell in nb["cells"]:
             if cell["cell_type"] == "markdown":
                 src = cell["source"]
@@ -163,9 +166,15 @@ def stage(dest: Path = STAGE) -> list[str]:
 
 
 def build(site: Path = SITE) -> Path:
-    """Stage, execute and render the book; the HTML ends up in ``site``. Raises on any failed
-    cell (the solved notebooks run with ``COURSE_STRICT_EXERCISES=1``, as in the test suite)."""
-    stage(STAGE)
+    """Stage and render the book from the executed solved notebooks (executing them first when
+    build/executed/ does not hold them for this tree); the HTML ends up in ``site``. Raises on
+    any failed cell (the solved notebooks run with ``COURSE_STRICT_EXERCISES=1``, as in the test
+    suite)."""
+    from utils import execute
+
+    if not execute.fresh("solutions") and execute.execute(["solutions"], execute.default_jobs()):
+        raise RuntimeError("a solved notebook failed: see the lines above")
+    stage(STAGE, executed=execute.OUT / "solutions")
     if WORK.exists():
         shutil.rmtree(WORK)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
