@@ -6,13 +6,13 @@ is a drop-in for ``flash_attn.cute``'s functions of the same names (see fa4_fina
 what is supported). It stands alone (it imports neither the course's ``utils`` nor
 ``solutions``). Each module is taught in a chapter of the course:
 
-    interface    flash_attn_func, flash_attn_varlen_func: the public API         chapter 12
-    ops          the torch custom ops: fake shapes for torch.compile, autograd   chapter 12
-    checks       input checks with errors that say what is accepted              chapter 12
-    run, varlen  eager calls of the kernels; varlen's per-sequence loop (ref)  chapter 12
-    seqlens      a tile's sequence and rows: dense batch or packed varlen       chapter 12
-    dispatch     which GPU runs which kernel; the support table                  chapter 12
-    cache        the compile cache in memory and on disk                         chapter 12
+    interface    flash_attn_func, flash_attn_varlen_func: the public API         chapter 13
+    ops          the torch custom ops: fake shapes for torch.compile, autograd   chapter 13
+    checks       input checks with errors that say what is accepted              chapter 13
+    run, varlen  eager calls of the kernels; varlen's per-sequence loop (ref)  chapter 13
+    seqlens      a tile's sequence and rows: dense batch or packed varlen       chapter 13
+    dispatch     which GPU runs which kernel; the support table                  chapter 13
+    cache        the compile cache in memory and on disk                         chapter 13
     compile      one compile path from fake tensors; artifacts for compile-only  chapters 03, 08
     config       frozen per-kernel configurations and tuned defaults            chapter 08
     constants    LOG2_E, LN_2, warp sizes, dtype maps                           chapter 03
@@ -25,7 +25,7 @@ what is supported). It stands alone (it imports neither the course's ``utils`` n
     timeline     in-kernel phase stamps for a Gantt chart (a debug build)        chapter 08
     hopper.wgmma smem tile layouts, the attention tiled MMAs, one wgmma group     chapters 05, 08
     hopper.fwd   the warp-specialised ping-pong persistent forward (sm_90a)     chapter 08
-    hopper.launch  compile through the cache and launch the Hopper kernels      chapter 12
+    hopper.launch  compile through the cache and launch the Hopper kernels      chapter 13
     hopper.bwd   the backward: K, V stationary, five wgmma per step (sm_90a)     chapter 11
     bwd_pre      delta = rowsum(dO * O), lse in log2 units, zeroed dQ accumulator chapter 11
     bwd_post     dQ from its float32 accumulator                                chapter 11
@@ -33,7 +33,7 @@ what is supported). It stands alone (it imports neither the course's ``utils`` n
     atomics      bulk float32 adds into global memory; turn counters            chapter 11
     backward     the backward's torch entry points (backward_into, backward)     chapter 11
     autograd     attention_autograd: flash_attn_func's output, differentiable    chapter 11
-    blackwell    sm_100a: TMEM plan, tcgen05, roles; the forward (1- and 2-CTA)  chapters 09-11
+    blackwell    sm_100a: TMEM plan, tcgen05, roles; the forward (1- and 2-CTA)  chapters 09-12
                  and the backward, 1- and 2-CTA (compiled and checked, never run on a GPU)
 """
 

@@ -1,4 +1,4 @@
-"""The compile cache: in memory for this process, on disk for the next one. Chapter 12.
+"""The compile cache: in memory for this process, on disk for the next one. Chapter 13.
 
 A CuTe DSL kernel compiles in one to a few seconds (DSL tracing, MLIR passes, ptxas); loading
 the same kernel from an object file takes milliseconds. A training job that starts 8 processes,

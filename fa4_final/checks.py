@@ -1,5 +1,5 @@
 """Input checks: every setup the kernels cannot take is refused here, saying what was wrong and
-what is accepted. Chapter 12.
+what is accepted. Chapter 13.
 
 Two kinds. Checks of metadata (dtype, device, shapes, strides) cost nothing and run everywhere,
 also while torch.compile traces (on fake tensors, so they never read an address or a value).

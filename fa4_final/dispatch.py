@@ -74,7 +74,7 @@ def module_present(module: str) -> bool:
 def _not_wired(family: str, what: str, module: str) -> Callable:
     def run(*args, **kwargs):
         raise UnsupportedError(
-            f"{family} kernels are compiled ({module}, chapters 09-11) and checked without a "
+            f"{family} kernels are compiled ({module}, chapters 09-12) and checked without a "
             f"GPU, but have never run on one, so fa4_final's torch entry points do not use them "
             f"yet: the {what} cannot run on this GPU. Supported now: {supported_list()}")
 

@@ -1,4 +1,4 @@
-"""The PyTorch entry points: ``flash_attn_func`` and ``flash_attn_varlen_func``. Chapter 12.
+"""The PyTorch entry points: ``flash_attn_func`` and ``flash_attn_varlen_func``. Chapter 13.
 
 A drop-in for the FlashAttention-4 package (``flash_attn.cute``) where it overlaps: change the
 import and keep the call. The same keyword names, and the same return: a pair ``(out, lse)``,

@@ -1,4 +1,4 @@
-"""The kernels as torch custom operators: torch.compile sees each as one node. Chapter 12.
+"""The kernels as torch custom operators: torch.compile sees each as one node. Chapter 13.
 
     torch.ops.fa4_final.fwd          (q, k, v, ...)                   -> (out, lse)
     torch.ops.fa4_final.bwd          (dout, q, k, v, out, lse, ...)   -> (dq, dk, dv)

@@ -1,5 +1,5 @@
 """Which sequence a tile belongs to, and where its rows lie: the dense batch or packed varlen
-sequences, one interface for the kernels. Chapter 12.
+sequences, one interface for the kernels. Chapter 13.
 
 Dense: q is (batch, seqlen_q, heads, D) and every sequence has the same lengths; tile t is placed
 by scheduler.tile_coords. Varlen (fa4_final.varlen): the packed q (total_q, heads, D) arrives as

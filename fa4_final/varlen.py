@@ -1,4 +1,4 @@
-"""Variable-length batches: sequences packed one after another, described by offsets. Chapter 12.
+"""Variable-length batches: sequences packed one after another, described by offsets. Chapter 13.
 
 q is (total_q, heads, dim), k and v (total_k, heads_kv, dim); sequence i holds the q rows
 cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1 and the k/v rows from cu_seqlens_k[i], of which the

@@ -1,5 +1,5 @@
 """The varlen backward's host side: the three kernels' varlen variants compiled once, the padded
-workspace, three launches. Chapter 12.
+workspace, three launches. Chapter 13.
 
     varlen_backward_launch(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                            seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,

@@ -305,7 +305,7 @@ def with_mix(**changes) -> InstructionMix:
 
 
 # ----------------------------------------------------------------------------------------------
-# chapter 11: one step of the Blackwell backward (model)
+# chapter 12: one step of the Blackwell backward (model)
 #
 # A step of fa4_final.blackwell.bwd: one CTA's 128 keys against one 128-query tile, five GEMMs
 # (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K), 128 x 128 scores, each

@@ -27,7 +27,7 @@ would get wrong silently:
 The MMA warp's instructions go to an in-order engine, as tcgen05 executes them; a
 ``tcgen05.commit`` arrives when every MMA issued before it has completed.
 
-The backward (chapter 11, ``BackwardSim``): the roles of ``fa4_final.blackwell.bwd.
+The backward (chapter 12, ``BackwardSim``): the roles of ``fa4_final.blackwell.bwd.
 BlackwellBackward`` (load, mma, two compute warpgroups as separate agents, dQ) the same way, one
 CTA (key tile) per run, over every key tile of a problem, so causal step counts from 0 upwards;
 pipelines from ``kernel.pipelines()``, TMEM buffers from ``kernel.plan``, the dQ staging
@@ -814,7 +814,7 @@ def sweep(kernel, problems, seeds=range(4), **kw) -> Sweep:
 
 
 # ----------------------------------------------------------------------------------------------
-# the backward (chapter 11): fa4_final.blackwell.bwd.BlackwellBackward, one CTA = one key tile
+# the backward (chapter 12): fa4_final.blackwell.bwd.BlackwellBackward, one CTA = one key tile
 
 
 class Cond:

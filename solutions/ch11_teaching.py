@@ -176,7 +176,7 @@ def plot_turns(seqlen_q: int, seqlen_k: int, cfg: HopperBwdConfig, causal: bool,
 
 
 # ---------------------------------------------------------------------------------------------
-# Exercise 11.7: the Blackwell backward's free TMEM columns at D = 64
+# Exercise 12.1: the Blackwell backward's free TMEM columns at D = 64
 
 
 def free_columns(head_dim: int = 64) -> int:

@@ -1,4 +1,4 @@
-"""Chapter 12's measurements of the package: the full sweep, accuracy against float64, memory.
+"""Chapter 13's measurements of the package: the full sweep, accuracy against float64, memory.
 
     python -m solutions.ch12_sweep --sweep       # fwd, bwd, fwd+bwd; D 64, 128; S 512..32768
     python -m solutions.ch12_sweep --accuracy    # max error against float64, every impl

@@ -84,7 +84,7 @@ def test_model_instruction_mix_matches_the_compiled_sass():
 
 
 # ----------------------------------------------------------------------------------------------
-# the backward step (chapter 11)
+# the backward step (chapter 12)
 
 
 def test_bwd_model_builds_on_chapter_00s_backward_tile():

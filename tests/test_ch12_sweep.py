@@ -1,4 +1,4 @@
-"""Chapter 12's measurement script on the CPU: its rows are storable, its errors are right."""
+"""Chapter 13's measurement script on the CPU: its rows are storable, its errors are right."""
 
 import torch
 

@@ -148,6 +148,7 @@ def test_lint_checks_markdown_cells_only():
     nb["cells"].append({"cell_type": "code", "metadata": {}, "outputs": [],
                         "execution_count": None, "source": ['print("628 TFLOP/s, 1.02x")']})
     problems = nbm.lint(nb, "demo")
-    assert len(problems) == 2, problems
+    assert len(problems) == 3, problems
     assert "'628 TFLOP/s', '1.02x'" in problems[0] and "(paper)" in problems[0]
     assert "'the lead'" in problems[1]
+    assert "compares measurements ('1.02x')" in problems[2] and "claims:" in problems[2]

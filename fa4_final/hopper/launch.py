@@ -1,4 +1,4 @@
-"""What runs the Hopper kernels from torch: compile (through the cache), then launch. Chapter 12.
+"""What runs the Hopper kernels from torch: compile (through the cache), then launch. Chapter 13.
 
 Inputs arrive checked (fa4_final.interface); these functions only pick the compiled kernel for
 the dtype, head dim and masks and pass the run-time arguments. The backward plugs in through one

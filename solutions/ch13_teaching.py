@@ -1,4 +1,4 @@
-"""Chapter 12's helpers: the package's refusals shown live, two exercises with their checkers,
+"""Chapter 13's helpers: the package's refusals shown live, two exercises with their checkers,
 and readers of the stored measurements (the full sweep, varlen, accuracy, memory, training).
 
 Every reader takes a ``utils.results.Results`` (or None, when the file was never measured) and
@@ -40,7 +40,7 @@ def refusal(call) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Exercise 12.1: a check of head dims and head groups
+# 2. Exercise 13.1: a check of head dims and head groups
 
 
 def check_heads(q, k) -> tuple[int, int, int]:
@@ -66,7 +66,7 @@ def _meta(*shape):
 
 
 def check_check_heads(fn) -> None:
-    """Exercise 12.1: good shapes pass with the right triple; every bad one raises ValueError
+    """Exercise 13.1: good shapes pass with the right triple; every bad one raises ValueError
     whose message names the value given and what is accepted."""
     good = [((2, 64, 8, 128), (2, 64, 8, 128), (8, 8, 128)),
             ((1, 33, 8, 64), (1, 70, 2, 64), (8, 2, 64)),
@@ -104,7 +104,7 @@ def check_check_heads(fn) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Exercise 12.2: a compile-cache key
+# 3. Exercise 13.2: a compile-cache key
 
 
 def example_call(**changes) -> dict:
@@ -129,7 +129,7 @@ def kernel_key(call: dict) -> tuple:
 
 
 def check_kernel_key(fn) -> None:
-    """Exercise 12.2: the key is stable (plain values, hashable, no object address), equal for
+    """Exercise 13.2: the key is stable (plain values, hashable, no object address), equal for
     changes the compiled code does not depend on, different for those it does."""
     from dataclasses import replace
 
