@@ -37,10 +37,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from solutions.ch12_teaching import conformance_summary
+from solutions.ch13_teaching import conformance_summary
 from utils.window import visible_mask
 
 NAME = "conformance_fa4"
+PRODUCES = [(f"results/h200/{NAME}.json", "python -m measure.conformance --cases 240 --workers 4",
+             "fa4_final and the FA4 package on random calls of every accepted argument: a "
+             "verdict per case")]
 CLEAN_ERRORS = ("UnsupportedError", "ValueError", "TypeError")
 LSE_SLACK = 1e-5  # float32 lse: what rounding the float64 lse to float32 can cost, and more
 
