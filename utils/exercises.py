@@ -132,6 +132,27 @@ def _forbidden(reference, forbid) -> dict:
     return table
 
 
+def judge(check, answer, reference=None, forbid: dict | None = None) -> str | None:
+    """What the exercise machinery says of ``answer``: None when it passes, "not done" when it
+    raises NotImplementedError, else the message a learner reads (a refused reference or helper,
+    a failed check, or the crash). The mutation tests (tests/test_exercise_mutations.py) hold
+    every exercise's typical wrong answers against it."""
+    if callable(answer):
+        refusal = refused_call(answer, _forbidden(reference if callable(reference) else None,
+                                                  forbid))
+        if refusal:
+            return refusal
+    try:
+        check(answer)
+    except NotImplementedError:
+        return "not done"
+    except AssertionError as exc:
+        return str(exc) or "the check failed"
+    except Exception as exc:
+        return f"your code raised {type(exc).__name__}: {exc}"
+    return None
+
+
 def exercise(ex_id: str, check, reference, forbid: dict | None = None):
     """Decorator: check the learner's function now; return it if it passes, else ``reference``.
     An answer that uses ``reference`` or an object of ``forbid`` ({helper: why}) is refused."""
