@@ -73,7 +73,7 @@ from fa4_final.blackwell.config import (
     BWD_REGISTERS,
     BlackwellBwdConfig,
 )
-from fa4_final.blackwell.roles import WarpRoles, check_roles, pipeline_args
+from fa4_final.blackwell.roles import WarpRoles, check_roles, pipeline_args, set_registers
 from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range, visible_queries
 from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
 from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
@@ -234,6 +234,25 @@ class BlackwellBackward(WarpRoles):
     # (tcgen05.wait::ld) and then for the other warpgroup at bar.sync COMPUTE before storing P^T,
     # as FA4's compute warps do (flash_bwd_sm100: "P overwrites S lanes another warp may still be
     # loading"). The pipeline simulation catches the race without it (mutation no_compute_sync).
+    #
+    # Note [Register plan]
+    # --------------------
+    # The CTA starts with 128 registers a thread (64 K / 512 threads, one CTA an SM); each role's
+    # setmaxnreg then moves registers between its warps and the pool of the SM sub-partition
+    # they run on: warp w on sub-partition w % 4, 512 registers per thread slot there. Each
+    # sub-partition holds one warp of every warpgroup (warps k, 4 + k, 8 + k, 12 + k), so what
+    # must fit is compute0 + compute1 + dQ + warpgroup 3, not the CTA's total:
+    #     176 + 176 + 48 + 112 = 512       (config.BWD_REGISTERS; fa4_final.register_plan)
+    # A plan over 512 on one sub-partition leaves a setmaxnreg.inc waiting for registers no warp
+    # there will release: the kernel hangs before its first barrier completes (a 16-warp plan
+    # of 176, 176, 80 and an MMA warp raised to 160 needs 592 on sub-partition 0; the H200,
+    # which has the same rule, hangs on it). check_roles refuses such a table when the kernel
+    # object is built. Warpgroup 3 lowers once, at the top of its branch, to one budget for its
+    # four warps (the PTX ISA asks every warp of a warpgroup to run the same setmaxnreg): the
+    # MMA warp needs the most of them, the load and spare warps keep what it needs. The compute
+    # warps hold a key's 64 scores and 64 dP values at once (176); the dQ warps 32 TMEM columns
+    # at a time (48). FA4's backward keeps the same sum (its compute, reduce and the larger of
+    # load and MMA at most 512) and also only lowers in warpgroup 3.
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -452,25 +471,24 @@ class BlackwellBackward(WarpRoles):
         work_of = lambda: self.cta_work(seqlen_q, seqlen_k, heads, mK.shape[2],  # noqa: E731
                                         window_left, window_right)
         regs = {name: r["registers"] for name, r in self.roles.items()}
-        if warp >= self.warp("spare"):
-            cute.arch.setmaxregister_decrease(regs["spare"])
-        if warp == self.warp("load"):
-            cute.arch.setmaxregister_decrease(regs["load"])
-            n_block, head_kv, b, _, work = work_of()
-            self.load(mQ, mK, mV, mdO, mLSE2, mDelta, smem, tma_q, tma_k, tma_v, tma_do,
-                      mmas[0], pipes, n_block, head_kv, b, work)
-        if warp == self.warp("mma"):
-            cute.arch.setmaxregister_increase(regs["mma"])
-            tmem.allocate(self.plan.columns_allocated)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.mma(mmas, lay, smem, tmem_ptr, pipes, work_of()[4])
-            # every compute and dQ thread has arrived: nobody reads TMEM any more
-            cute.arch.barrier(barrier_id=int(NamedBarrier.TMEM), number_of_threads=tmem_users)
-            tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr)
+        if warp >= self.warp("mma"):  # warpgroup 3: one budget (Note [Register plan])
+            set_registers(regs["mma"], THREADS)
+            if warp == self.warp("load"):
+                n_block, head_kv, b, _, work = work_of()
+                self.load(mQ, mK, mV, mdO, mLSE2, mDelta, smem, tma_q, tma_k, tma_v, tma_do,
+                          mmas[0], pipes, n_block, head_kv, b, work)
+            if warp == self.warp("mma"):
+                tmem.allocate(self.plan.columns_allocated)
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(Float32)
+                self.mma(mmas, lay, smem, tmem_ptr, pipes, work_of()[4])
+                # every compute and dQ thread has arrived: nobody reads TMEM any more
+                cute.arch.barrier(barrier_id=int(NamedBarrier.TMEM),
+                                  number_of_threads=tmem_users)
+                tmem.relinquish_alloc_permit()
+                tmem.free(tmem_ptr)
         if warp < self.warp("dq"):
-            cute.arch.setmaxregister_increase(regs["compute0"])
+            set_registers(regs["compute0"], THREADS)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             n_block, head_kv, b, _, work = work_of()
@@ -480,7 +498,7 @@ class BlackwellBackward(WarpRoles):
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TMEM),
                                      number_of_threads=tmem_users, aligned=False)
         if warp >= self.warp("dq") and warp < self.warp("mma"):
-            cute.arch.setmaxregister_decrease(regs["dq"])
+            set_registers(regs["dq"], THREADS)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             n_block, head_kv, b, num_n_blocks, work = work_of()

@@ -41,8 +41,9 @@ completed), and the dQ GEMM waits for it.
 Shared memory per CTA (``BlackwellBwdConfig.pair_smem_fields``, asserted against the struct):
 
                                                 D = 128   D = 64
-    small fields (barriers, TMEM address, lse,    2048     3072   (1 / 2 Q stages)
-      delta per Q stage)
+    small fields (barriers, TMEM address, the     2048     3072   (1 / 2 Q stages)
+      MMA warp's descriptor words, lse, delta
+      per Q stage)
     K, V (own keys)                              65536    32768
     Kt (D/2 x 256 keys)                          32768    16384
     Q, Qt per Q stage                            32768    32768   (1 / 2 stages)
@@ -79,10 +80,10 @@ Not built: a deterministic mode (refused: the turn counters of the 1-CTA kernel 
 and the pair's two CTAs add disjoint halves; it would need its own turn order). What the compile
 cannot show and a B200 must: that the pair is faster (the model, solutions.ch09_model.
 bwd_step_cycles, says shared memory per CTA drops; the dQ GEMM's wait for the exchange is new);
-that st.async's bytes are visible to the MMA with the receiving side's fence.proxy.async (what
-PTX documents about st.async and the async proxy was not settled here; the kernel fences after
-the wait, in the leader's MMA thread and in the follower's relay); and the gradients themselves
-(tests/gpu/test_blackwell_bwd.py compares them with float64 when a B200 is present).
+that the exchange's bytes reach the tcgen05 MMA (the exchange is fenced on both sides and its
+waits acquire at cluster scope, Note [The dS exchange]; the same steps run on the H200 with a
+bulk store as the async-proxy reader, tests/gpu/test_protocol_probes.py); and the gradients
+themselves (tests/gpu/test_blackwell_bwd.py compares them with float64 when a B200 is present).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import TmemAllocator
 
 from fa4_final.atomics import bulk_add_f32
-from fa4_final.blackwell import umma
+from fa4_final.blackwell import peer, umma
 from fa4_final.blackwell.bwd import (
     GROUP_THREADS,
     THREADS,
@@ -109,7 +110,7 @@ from fa4_final.blackwell.bwd import (
     at,
 )
 from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK
-from fa4_final.blackwell.roles import pipeline_args
+from fa4_final.blackwell.roles import pipeline_args, set_registers
 from fa4_final.blackwell.tmem import TMEM_LANES
 from fa4_final.constants import LOG2_E
 from fa4_final.fragments import select_modes
@@ -118,6 +119,7 @@ from fa4_final.tiles import TileWindow
 PAIR = 2  # CTAs of a cluster
 CLUSTER = (PAIR, 1, 1)  # the launch's cluster shape: the two CTAs of a pair are grid x 2 p, 2 p + 1
 COMPUTE_WARPS = 2 * WARPS_PER_GROUP
+DESC_WORDS = 8  # the leader's MMA operands in shared memory (Note [Descriptors read each step])
 DQ_WARPS = WARPS_PER_GROUP
 
 
@@ -270,6 +272,7 @@ class BlackwellBackwardPair(BlackwellBackward):
             mbar_dsx_relay: cutlass.Int64
             tmem_dealloc: cutlass.Int64  # the pair frees TMEM together
             tmem_addr: Int32
+            desc_lo: cute.struct.Align[cute.struct.MemRange[Int32, DESC_WORDS], 16]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, m * qs], 16]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, m * qs], 16]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(lay["K"])], 1024]
@@ -358,44 +361,45 @@ class BlackwellBackwardPair(BlackwellBackward):
                     cute.arch.mbarrier_init(bars["rows_empty"] + i, COMPUTE_WARPS)
                 cute.arch.mbarrier_init(bars["dsx"], 1)
                 cute.arch.mbarrier_init(bars["dsx_relay"], 1)
-        # every mbarrier initialised and visible to both CTAs before anyone waits or arrives
-        pipeline.pipeline_init_arrive(cluster_shape_mn=vmnk, is_relaxed=True)
-        smem = self.smem_tensors(storage, lay)
+        # the allocator initialises the pair's TMEM-free barrier here, before the cluster arrive
+        # that publishes every mbarrier to the peer (fwd Note [Allocator barrier first])
         tmem_users = self.tmem_threads()
         tmem = TmemAllocator(storage.tmem_addr.ptr,
                              barrier_for_retrieve=pipeline.NamedBarrier(int(NamedBarrier.TMEM),
                                                                         tmem_users),
                              allocator_warp_id=self.warp("mma"), is_two_cta=True,
                              two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.ptr)
+        # every mbarrier initialised and visible to both CTAs before anyone waits or arrives
+        pipeline.pipeline_init_arrive(cluster_shape_mn=vmnk, is_relaxed=True)
+        smem = self.smem_tensors(storage, lay)
         pipeline.pipeline_init_wait(cluster_shape_mn=vmnk)
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         work_of = lambda: self.pair_work(seqlen_q, seqlen_k, heads, mK.shape[2],  # noqa: E731
                                          window_left, window_right)
         regs = {name: r["registers"] for name, r in self.roles.items()}
-        if warp >= self.warp("spare"):
-            cute.arch.setmaxregister_decrease(regs["spare"])
-        if warp == self.warp("load"):
-            cute.arch.setmaxregister_decrease(regs["load"])
-            n_block, r, head_kv, b, work = work_of()
-            self.load(mQ, mQt, mK, mKt, mV, mdO, mdOt, mLSE2, mDelta, smem, atoms, mmas,
-                      self.with_leader(pipes, r), bars, n_block, r, head_kv, b, work)
-        if warp == self.warp("mma"):
-            cute.arch.setmaxregister_increase(regs["mma"])
-            tmem.allocate(self.plan.columns_allocated)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
-            _, r, _, _, work = work_of()
-            if r == 0:
-                self.mma(mmas, lay, smem, tmem_ptr, pipes, bars, work)
-            else:
-                self.relay(bars, work)
-            # every compute and dQ thread of this CTA has arrived: nobody reads its TMEM
-            cute.arch.barrier(barrier_id=int(NamedBarrier.TMEM), number_of_threads=tmem_users)
-            tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr)
+        if warp >= self.warp("mma"):  # warpgroup 3: one budget (bwd Note [Register plan])
+            set_registers(regs["mma"], THREADS)
+            if warp == self.warp("load"):
+                n_block, r, head_kv, b, work = work_of()
+                self.load(mQ, mQt, mK, mKt, mV, mdO, mdOt, mLSE2, mDelta, smem, atoms, mmas,
+                          self.with_leader(pipes, r), bars, n_block, r, head_kv, b, work)
+            if warp == self.warp("mma"):
+                tmem.allocate(self.plan.columns_allocated)
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(Float32)
+                _, r, _, _, work = work_of()
+                if r == 0:
+                    self.mma(mmas, lay, smem, tmem_ptr, pipes, bars, work)
+                else:
+                    self.relay(bars, work)
+                # every compute and dQ thread of this CTA has arrived: nobody reads its TMEM
+                cute.arch.barrier(barrier_id=int(NamedBarrier.TMEM),
+                                  number_of_threads=tmem_users)
+                tmem.relinquish_alloc_permit()
+                tmem.free(tmem_ptr)
         if warp < self.warp("dq"):
-            cute.arch.setmaxregister_increase(regs["compute0"])
+            set_registers(regs["compute0"], THREADS)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             n_block, r, head_kv, b, work = work_of()
@@ -405,7 +409,7 @@ class BlackwellBackwardPair(BlackwellBackward):
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TMEM),
                                      number_of_threads=tmem_users, aligned=False)
         if warp >= self.warp("dq") and warp < self.warp("mma"):
-            cute.arch.setmaxregister_decrease(regs["dq"])
+            set_registers(regs["dq"], THREADS)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             _, r, _, b, work = work_of()
@@ -474,6 +478,7 @@ class BlackwellBackwardPair(BlackwellBackward):
                                         outer.stride[0][0]))
         s["dS_rows"] = storage.sdS.get_tensor(rows, swizzle=lay["dS"].inner)
         s["dS_base"] = storage.sdS.data_ptr()
+        s["desc_lo"] = storage.desc_lo.get_tensor(cute.make_layout(DESC_WORDS))
         s.update(self.row_and_staging_tensors(storage))
         return s
 
@@ -597,37 +602,48 @@ class BlackwellBackwardPair(BlackwellBackward):
         n_steps = (m_max - m_min) * group
         if n_steps > 0:
             pipes["kv"].consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
+        # Note [Descriptors read each step]: the base words go through shared memory
+        names = [w[0] for w in which]
+        assert len(names) == DESC_WORDS
+        words = smem["desc_lo"]  # (DESC_WORDS,) Int32
+        if cute.arch.lane_idx() == 0:
+            for i in cutlass.range_constexpr(DESC_WORDS):
+                words[i] = ops[names[i]][0]
+        cute.arch.sync_warp()
         for t in cutlass.range(n_steps, unroll=1):
-            q_lo, q_hi, q_off, q_st = ops["Q"]
-            k_lo, k_hi, k_off, _ = ops["K"]
+            lo = umma.reload_words(words.iterator.toint(), DESC_WORDS)
+            cur = {n: (lo[i],) + tuple(ops[n][1:]) for i, n in enumerate(names)}
+            q_lo, q_hi, q_off, q_st = cur["Q"]
+            k_lo, k_hi, k_off, _ = cur["K"]
             pipes["q"].consumer_wait(state_q)
             umma.mma(base + self.plan.offset("S"), k_lo, k_hi, k_off,
                      q_lo + state_q.index * q_st, q_hi, q_off, idesc["sdp"], False, PAIR)
             pipes["s"].producer_commit(at(0))  # S^T -> both CTAs' compute warps
-            o_lo, o_hi, o_off, o_st = ops["dO"]
-            v_lo, v_hi, v_off, _ = ops["V"]
+            o_lo, o_hi, o_off, o_st = cur["dO"]
+            v_lo, v_hi, v_off, _ = cur["V"]
             pipes["do"].consumer_wait(state_do)
             pipes["dq"].producer_acquire(at(phase ^ 1))  # dQ(t - 1) read out of dP's columns
             umma.mma(base + self.plan.offset("dP"), v_lo, v_hi, v_off,
                      o_lo + state_do.index * o_st, o_hi, o_off, idesc["sdp"], False, PAIR)
             pipes["dp"].producer_commit(at(0))
             pipes["s"].producer_acquire(at(phase))  # P^T stored in both CTAs
-            t_lo, t_hi, t_off, t_st = ops["dOt"]
+            t_lo, t_hi, t_off, t_st = cur["dOt"]
             umma.mma(base + self.plan.offset("dV"), base + self.plan.offset("P"), None,
                      p_offsets, t_lo + state_do.index * t_st, t_hi, t_off, idesc["dv"], t > 0,
                      PAIR)
             pipes["do"].consumer_release(state_do)  # after dV: the last reader of dO, dOt
             state_do.advance()
             pipes["dp"].producer_acquire(at(phase))  # dS^T in both CTAs' TMEM, own dS blocks
-            r_lo, r_hi, r_off, r_st = ops["Qt"]
+            r_lo, r_hi, r_off, r_st = cur["Qt"]
             umma.mma(base + self.plan.offset("dK"), base + self.plan.offset("dS"), None,
                      ds_offsets, r_lo + state_q.index * r_st, r_hi, r_off, idesc["dk"], t > 0,
                      PAIR)
-            cute.arch.mbarrier_wait(bars["dsx"], phase)  # the follower's dS block landed here
-            cute.arch.fence_view_async_shared()  # st.async's bytes -> the MMA (async proxy)
-            cute.arch.mbarrier_wait(bars["dsx_relay"], phase)  # and ours in the follower
-            a_lo, a_hi, a_off, _ = ops["dS"]
-            b_lo, b_hi, b_off, _ = ops["Kt"]
+            # the follower's dS block landed here (acquire, cluster scope), then handed to the
+            # async proxy; and ours in the follower (peer Note [Exchange proxies])
+            peer.wait_peer_bytes(bars["dsx"], phase)
+            peer.wait_acquire_cluster(bars["dsx_relay"], phase)
+            a_lo, a_hi, a_off, _ = cur["dS"]
+            b_lo, b_hi, b_off, _ = cur["Kt"]
             umma.mma(base + self.plan.offset("dQ"), a_lo, a_hi, a_off, b_lo, b_hi, b_off,
                      idesc["dq"], False, PAIR)
             pipes["dq"].producer_commit(at(0))  # dQ -> both dQ warpgroups; dS free
@@ -639,6 +655,21 @@ class BlackwellBackwardPair(BlackwellBackward):
             # the last dQ read by both CTAs' dQ warps: no remote arrival left in flight here
             pipes["dq"].producer_acquire(at(phase ^ 1))
 
+    # Note [Descriptors read each step]
+    # ---------------------------------
+    # Every operand's K blocks differ only in the low word of its shared-memory descriptor (a
+    # constant added to the base, blackwell.umma), and the bases never change: left to itself,
+    # ptxas computes all 80 per-block descriptors of a D = 128 step (8 operands, 8 or 16 K
+    # blocks) once, before the step loop, and keeps them as 64-bit pairs: 160 registers, more
+    # than warpgroup 3 can have beside 2 x 176 compute and 48 dQ registers on one SM
+    # sub-partition (bwd Note [Register plan]); at 128 it spilled them (103 spill
+    # instructions). So the leader writes the 8 base words to shared memory once and reads them
+    # back at the top of each step with ld.volatile.shared.v4 (two loads, ``umma.
+    # reload_words``), which ptxas executes where it stands: each GEMM's block descriptors are
+    # computed from the fresh words inside the step, and the warp fits in 112 registers with no
+    # spill. The 32 bytes sit in the alignment gap before sLSE, so the shared-memory total is
+    # unchanged. Two shared loads a step, against a step of five pair GEMMs.
+
     @cute.jit
     def relay(self, bars, work):
         """The follower's MMA warp: each step, once the leader's 16 KB of dS have landed here
@@ -647,10 +678,9 @@ class BlackwellBackwardPair(BlackwellBackward):
         m_min, m_max, _, _, _, group = work
         phase = Int32(0)
         for _ in cutlass.range((m_max - m_min) * group, unroll=1):
-            cute.arch.mbarrier_wait(bars["dsx"], phase)
-            cute.arch.fence_view_async_shared()  # as the leader's MMA thread does for its own
+            peer.wait_peer_bytes(bars["dsx"], phase)  # as the leader's MMA thread does
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive(bars["dsx_relay"], Int32(self.PAIR_LEADER_RANK))
+                peer.relay_arrive(bars["dsx_relay"], Int32(self.PAIR_LEADER_RANK))
             phase ^= 1
 
     # ------------------------------------------------------------------------------------------
@@ -746,6 +776,20 @@ class BlackwellBackwardPair(BlackwellBackward):
     # since it cannot wait on the follower's, for dsx_relay, on which the follower's MMA warp
     # arrives once its dsx barrier completed. The block is free again after dQ(t - 1), whose
     # commit reaches both CTAs' dq FULL barrier, which the compute warps wait on before storing.
+    #
+    # The proxies (fa4_final.blackwell.peer, Note [Exchange proxies] in its docstring): st.async
+    # writes in the generic proxy and the dQ MMA reads in the async proxy, so the exchange is
+    # fenced on both sides of the path, with nothing left to what PTX does not spell out about
+    # st.async. Writer: fence.proxy.async.shared::cluster before its st.async (the dQ(t - 1)
+    # MMA's read of the block, observed through dq FULL, is ordered before the new writes).
+    # Reader: mbarrier.try_wait.acquire.cluster on dsx (the default .cta scope does not
+    # synchronise with the peer's release), then fence.proxy.async.shared::cta, then the MMA;
+    # the follower's relay arrives with .release.cluster after its own acquire and fence, and
+    # the leader acquires dsx_relay at cluster scope. Not FA4's way (a bulk copy
+    # cp.async.bulk.shared::cluster from a staged 16 KB, in the async proxy end to end): that
+    # staging buffer does not fit at D = 128 (module docstring). The H200 runs these same steps
+    # (solutions/ch09_protocol_probes.py, DsExchangeProbe): the peer's bytes, read back by a
+    # bulk store (async proxy), over several steps of one buffer.
 
     # Note [The swizzle in bytes]
     # -----------------------------
@@ -764,20 +808,18 @@ class BlackwellBackwardPair(BlackwellBackward):
             cute.autovec_copy(rdS, smem["dS_rows"][key_in_pair, None])
             cute.arch.fence_view_async_shared()  # generic-proxy stores -> visible to the MMA
         else:
-            peer = 1 - r
+            other = 1 - r
+            peer.fence_before_peer_store()  # Note [The dS exchange]: the proxies
             if tidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(bars["dsx"], DS_EXCHANGE_BYTES,
-                                                        peer_cta_rank_in_cluster=peer)
+                peer.arm_peer(bars["dsx"], DS_EXCHANGE_BYTES, other)
             words = cute.make_tensor(cute.recast_ptr(rdS32.iterator, dtype=Int32),
                                      cute.make_layout(cute.size(rdS32)))
             base = smem["dS_base"].toint()
             for j in cutlass.range_constexpr(cute.size(rdS32) // 4):  # 16 B = 8 queries each
                 addr = base + 2 * cute.crd2idx((key_in_pair, 8 * j), smem["dS_rows"].layout)
                 addr = addr ^ ((addr >> 3) & 0x70)  # Note [The swizzle in bytes]
-                dst = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=16)
-                cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1],
-                                                  words[4 * j + 2], words[4 * j + 3]),
-                                            bars["dsx"], peer)
+                peer.store_peer_v4(addr, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
+                                          words[4 * j + 3]), bars["dsx"], other)
 
     # ------------------------------------------------------------------------------------------
     # dQ warpgroup

@@ -12,29 +12,43 @@ from dataclasses import dataclass, replace
 
 from fa4_final.blackwell.tmem import TMEM_LANES, backward_pair_plan, backward_plan, forward_plan
 from fa4_final.constants import SM100_SMEM_BYTES
+from fa4_final.register_plan import check_budgets, problems
 from fa4_final.softmax import check_softmax_knobs
 
 HEAD_DIMS = (64, 128)
 TILE_M = TMEM_LANES  # rows of one Q tile: one per TMEM lane, one per softmax thread
 Q_STAGES = 2  # Q tiles per CTA: the two softmax warpgroups ping-pong on them
-SM100_REGISTERS = 64 * 1024
 THREADS = 512  # 16 warps (ROLES in fwd.py)
 # FA4's rule for the K/V ring: stages of what 224 KB leaves after Q and O (the rest of the 227 KB
 # holds the barriers and the row statistics), at most this many.
 KV_BUDGET_BYTES = 224 * 1024
 MAX_KV_STAGES = 32
 
-# setmaxnreg budget (softmax, correction, the rest): 128 threads in each softmax warpgroup, 128
-# correction threads, 128 threads in the four one-warp roles:
-# 128 * (2 * 192 + 80 + 48) = 64 K registers, the whole SM. The same at D = 64 and 128, 1- and
-# 2-CTA: every role compiles spill-free with it (tests/test_blackwell_compile.py). FA4 gives its
-# 2-CTA kernel (184, 80, 64); here that made ptxas spill the pair's shared-memory base address
-# across the setmaxnreg of three roles.
+# setmaxnreg budget (softmax, correction, the rest). Warp w runs on SM sub-partition w % 4, whose
+# register file gives each of its 32 thread slots 512 registers (fa4_final.register_plan): each
+# sub-partition holds one warp of each warpgroup, softmax0, softmax1, correction and one of the
+# four one-warp roles, so 2 * 192 + 80 + 48 = 512 per sub-partition (64 K registers for the
+# CTA). The same at D = 64 and 128, 1- and 2-CTA: every role compiles spill-free with it
+# (tests/test_blackwell_compile.py). FA4 gives its 2-CTA kernel (184, 80, 64); here that made
+# ptxas spill the pair's shared-memory base address across the setmaxnreg of three roles.
 DEFAULT_REGISTERS = (192, 80, 48)
 
 
 def _align(n: int, to: int = 1024) -> int:
     return -(-n // to) * to
+
+
+def forward_warp_budgets(soft: int, corr: int, rest: int) -> dict[int, int]:
+    """warp -> setmaxnreg budget of the forward's roles (fwd.py): softmax warps 0-7,
+    correction 8-11, the four one-warp roles 12-15."""
+    return {w: soft if w < 8 else corr if w < 12 else rest for w in range(THREADS // 32)}
+
+
+def backward_warp_budgets(regs: dict) -> dict[int, int]:
+    """warp -> setmaxnreg budget of the backward's roles (bwd.py; the pair's are the same):
+    compute warps 0-7, dQ 8-11, MMA 12, load 13, spare 14-15."""
+    role = ["compute"] * 8 + ["dq"] * 4 + ["mma", "load", "spare", "spare"]
+    return {w: regs[r] for w, r in enumerate(role)}
 
 
 @dataclass(frozen=True)
@@ -108,10 +122,10 @@ class BlackwellFwdConfig:
             if r % 8 or not 24 <= r <= 256:
                 raise ValueError(f"{name} registers must be a multiple of 8 in [24, 256] "
                                  f"(setmaxnreg), got {r}")
-        total = 128 * (Q_STAGES * soft + corr + rest)
-        if total > SM100_REGISTERS:
-            raise ValueError(f"register budget {self.register_budget(head_dim)} needs {total} "
-                             f"registers, more than the SM's {SM100_REGISTERS}")
+        plan = forward_warp_budgets(soft, corr, rest)
+        if problems(plan, THREADS):
+            raise ValueError(f"register budget {self.register_budget(head_dim)} cannot run: "
+                             f"{'; '.join(problems(plan, THREADS))}")
         if self.ring_depth(head_dim) < 2:
             raise ValueError(f"kv_stages must be >= 2 (K and V of one step), got "
                              f"{self.ring_depth(head_dim)}")
@@ -142,11 +156,16 @@ BWD_TILE_M = 128  # queries per step: the N of S^T = K Q^T and the M of dQ = dS 
 BWD_TILE_N = TMEM_LANES  # keys per CTA: one per TMEM lane
 BWD_DQ_CHUNK = 32  # dQ columns per staging buffer (128 x 32 float32 = 16 KB)
 BWD_DQ_BUFFERS = 2
-# setmaxnreg budget per role. The MMA warp issues 5 GEMMs from 9 shared-memory operand views:
-# ptxas hoists every K block's descriptor (9 x D/16 or n/16 of them, 64 bits each) out of the step
-# loop, so it gets 160 registers where the forward's needs 48; the two spare warps give theirs
-# away. 128 * 2 * 176 (compute) + 128 * 80 (dQ) + 32 * (160 + 48 + 2 * 24) = 63488 <= 64 K.
-BWD_REGISTERS = {"compute": 176, "dq": 80, "mma": 160, "load": 48, "spare": 24}
+# setmaxnreg budget per role (Note [Register plan] of bwd.py). Each SM sub-partition holds one
+# warp of each warpgroup (warp w runs on w % 4) and gives its 32 thread slots 512 registers each:
+# compute0 + compute1 + dQ + warpgroup 3 = 176 + 176 + 48 + 112 = 512. Warpgroup 3 (MMA, load,
+# two spare warps) lowers to one budget, as the PTX ISA asks of a warpgroup's setmaxnreg; the
+# dQ warps hold 32 TMEM columns at a time and need few. Every role compiles spill-free with it at
+# D = 64 and 128, 1-CTA and pair (tests/test_blackwell_bwd_compile.py); the pair's MMA warp
+# only because it re-reads its descriptors' base words each step (bwd_pair Note [Descriptors
+# read each step]): ptxas hoisted all 80 of its per-block descriptors out of the step loop
+# otherwise, 160 registers.
+BWD_REGISTERS = {"compute": 176, "dq": 48, "mma": 112, "load": 112, "spare": 112}
 
 
 @dataclass(frozen=True)
@@ -208,8 +227,9 @@ class BlackwellBwdConfig:
     def pair_smem_fields(self, head_dim: int, elem_bytes: int = 2) -> list[tuple[str, int, int]]:
         """The pair's SharedStorage, per CTA (bwd_pair Note [The pair's shared memory]): the
         mbarriers (full + empty of kv, q, do, rows and the four MMA handshakes; dS-exchange full,
-        its relay to the leader, the pair's TMEM-free handshake), the TMEM address, lse and
-        delta per Q stage; the CTA's own K and V (A of S^T, dP^T); Kt (B of dQ: D/2 x 256
+        its relay to the leader, the pair's TMEM-free handshake), the TMEM address, the MMA
+        warp's descriptor base words (bwd_pair Note [Descriptors read each step]), lse and delta
+        per Q stage; the CTA's own K and V (A of S^T, dP^T); Kt (B of dQ: D/2 x 256
         keys); Q, Qt, dO, dOt halves per stage (64 queries x D for S^T, dP^T; D/2 x 128 queries
         for dK, dV); dS (A of dQ: 64 queries x 256 keys); the dQ staging. dS^T, dK's A, lives
         in TMEM."""
@@ -219,6 +239,7 @@ class BlackwellBwdConfig:
         return [
             ("barriers", 8 * (2 * (1 + q + do + q + 4) + 3), 8),
             ("tmem_addr", 4, 4),
+            ("desc_lo", 32, 16),
             ("sLSE", 4 * self.tile_m * q, 16),
             ("sDelta", 4 * self.tile_m * q, 16),
             ("sK", tile_k, 1024),
@@ -249,4 +270,5 @@ class BlackwellBwdConfig:
         if need > SM100_SMEM_BYTES:
             raise ValueError(f"config needs {need} B of shared memory, more than the "
                              f"{SM100_SMEM_BYTES} B a CTA may use: fewer q_stages / do_stages")
+        check_budgets(backward_warp_budgets(BWD_REGISTERS), THREADS)
         return self

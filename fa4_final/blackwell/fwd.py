@@ -295,6 +295,13 @@ class BlackwellForward(WarpRoles):
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         pipes = self.make_pipelines(storage, cta_layout_vmnk, bytes_q, bytes_kv)
+        tmem_users = self.tmem_threads()
+        # Note [Allocator barrier first]
+        tmem = TmemAllocator(storage.tmem_addr.ptr,
+                             barrier_for_retrieve=pipeline.NamedBarrier(int(NamedBarrier.TMEM),
+                                                                        tmem_users),
+                             allocator_warp_id=self.warp("mma"), is_two_cta=self.cfg.two_cta,
+                             two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.ptr)
         # mbarrier inits must be visible to every thread of the pair before anyone waits
         pipeline.pipeline_init_arrive(cluster_shape_mn=cta_layout_vmnk, is_relaxed=True)
 
@@ -304,12 +311,6 @@ class BlackwellForward(WarpRoles):
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # (128, D, 2)
         sStats = storage.sStats.get_tensor(cute.make_layout((TILE_M, Q_STAGES)))
 
-        tmem_users = self.tmem_threads()
-        tmem = TmemAllocator(storage.tmem_addr.ptr,
-                             barrier_for_retrieve=pipeline.NamedBarrier(int(NamedBarrier.TMEM),
-                                                                        tmem_users),
-                             allocator_warp_id=self.warp("mma"), is_two_cta=self.cfg.two_cta,
-                             two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.ptr)
         pipeline.pipeline_init_wait(cluster_shape_mn=cta_layout_vmnk)
 
         soft_regs = self.roles["softmax0"]["registers"]
@@ -397,6 +398,18 @@ class BlackwellForward(WarpRoles):
     # dealloc handshake, which the other CTA's MMA warp joins only after that CTA's softmax and
     # correction warps have passed the TMEM barrier, after their last arrival (FA4's 2-CTA
     # forward has the same structure and no cluster barrier at the end either).
+    #
+    # Note [Allocator barrier first]
+    # ------------------------------
+    # In 2-CTA mode the TMEM allocator owns one more mbarrier, the pair's dealloc handshake
+    # (tmem_dealloc), which the other CTA's MMA warp arrives on remotely before freeing TMEM.
+    # Every mbarrier the peer may touch is published by one cluster barrier: the inits, then
+    # fence.mbarrier_init.release.cluster, then barrier.cluster.arrive.relaxed in each CTA, and
+    # barrier.cluster.wait before anyone arrives or waits. A relaxed arrive carries no release
+    # of its own, so an init issued after it is not covered: the peer could pass its wait and
+    # arrive on a barrier not yet initialised. So TmemAllocator, whose constructor initialises
+    # the dealloc barrier, is built before pipeline_init_arrive (as FA4 builds it), here and in
+    # bwd_pair; tests/test_pair_barrier_setup_order.py holds the PTX to that order.
 
     def make_pipelines(self, storage, cta_layout_vmnk, bytes_q: int, bytes_kv: int) -> dict:
         """The cutlass pipelines of ``self.pipelines()``, one dict entry per name (lists for

@@ -7,25 +7,36 @@ every such table must keep, asserted when the kernel object is built, before any
 
 from __future__ import annotations
 
+import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
 from fa4_final.blackwell.tmem import lane_quarter
 from fa4_final.constants import WARP_SIZE
-
-REGISTER_FILE = 64 * 1024  # 32-bit registers per SM
+from fa4_final.register_plan import check_role_registers, launch_registers
 
 
 def check_roles(roles: dict, threads: int, tmem_roles: tuple[str, ...]) -> None:
     """Every warp of the CTA has exactly one role; each role that reads or writes TMEM one row a
     thread (``tmem_roles``) is a whole warpgroup covering the four lane quarters (tmem.py, rule
-    2); the roles' register budgets fit the register file."""
+    2); the roles' register budgets fit each SM sub-partition and are uniform within each
+    warpgroup (fa4_final.register_plan: a plan over a sub-partition's 512 registers per thread
+    slot hangs in setmaxnreg.inc)."""
     warps = sorted(w for r in roles.values() for w in r["warps"])
     assert warps == list(range(threads // WARP_SIZE)), warps
     for name in tmem_roles:
         quarters = sorted(lane_quarter(w).start for w in roles[name]["warps"])
         assert quarters == [0, 32, 64, 96], name
-    assert sum(WARP_SIZE * len(r["warps"]) * r["registers"] for r in roles.values()) \
-        <= REGISTER_FILE
+    check_role_registers(roles, threads)
+
+
+def set_registers(registers: int, threads: int) -> None:
+    """``setmaxnreg`` to ``registers``: .inc above what a thread holds at launch
+    (``register_plan.launch_registers``: ``threads`` threads a CTA, one CTA an SM), .dec at
+    or below it."""
+    if registers > launch_registers(threads):
+        cute.arch.setmaxregister_increase(registers)
+    else:
+        cute.arch.setmaxregister_decrease(registers)
 
 
 def pipeline_args(spec, barriers) -> dict:

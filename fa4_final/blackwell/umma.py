@@ -28,7 +28,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import tcgen05
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 # operand formats of kind::f16 (PTX ISA) and accumulator formats
 _AB_FORMAT = {"Float16": 0, "BFloat16": 1}
@@ -138,3 +138,19 @@ def mma(acc_tmem: Int32, a: Int32, a_hi, a_offsets: list, b_lo: Int32, b_hi: Int
     llvm.inline_asm(None, [x.ir_value(loc=loc, ip=ip) for x in args], "\n".join(body),
                     ",".join(["r"] * len(args)), has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def reload_words(addr: Int32, count: int, *, loc=None, ip=None) -> list:
+    """``count`` (a multiple of 4) 32-bit words from shared byte address ``addr``, read with
+    ``ld.volatile.shared.v4``: executed where it stands, every time (Note [Descriptors read
+    each step])."""
+    i32 = T.i32()
+    out = []
+    for k in range(0, count, 4):
+        struct = llvm.inline_asm(
+            llvm.StructType.get_literal([i32] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+            f"ld.volatile.shared.v4.u32 {{$0, $1, $2, $3}}, [$4+{4 * k}];", "=r,=r,=r,=r,r",
+            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        out += [Int32(llvm.extractvalue(i32, struct, [j], loc=loc, ip=ip)) for j in range(4)]
+    return out

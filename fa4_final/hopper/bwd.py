@@ -56,6 +56,7 @@ from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_
 from fa4_final.fragments import acc_as_a_operand, acc_rows_cols, select_modes
 from fa4_final.hopper.wgmma import issue_wgmma
 from fa4_final.mask import fragment_coords
+from fa4_final.register_plan import check_role_registers
 from fa4_final.scheduler import lane_here, varlen_locate
 from fa4_final.seqlens import sequence_slab, store_rows
 from fa4_final.tiles import TileWindow
@@ -139,6 +140,7 @@ class HopperBackward:
             "mma": {"warpgroups": (1, 2), "keys_per_warpgroup": WGMMA_M,
                     "registers": self.mma_regs},
         }
+        check_role_registers(self.roles, self.num_threads)  # per SM sub-partition
 
     def cache_key(self) -> tuple:
         return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,

@@ -57,6 +57,7 @@ from fa4_final.hopper.wgmma import (
     smem_tile_layout,
 )
 from fa4_final.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
+from fa4_final.register_plan import check_role_registers
 from fa4_final.scheduler import (
     SPLIT_FIELDS,
     TILE_SLOTS,
@@ -130,6 +131,7 @@ class HopperForward:
             "consumer": {"warpgroups": tuple(range(1, self.num_wgs + 1)),
                          "registers": self.consumer_regs},
         }
+        check_role_registers(self.roles, self.num_threads)  # per SM sub-partition
 
     def cache_key(self) -> tuple:
         key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
