@@ -1,12 +1,9 @@
-"""Where chapter 04's kernel spends its time: Nsight Compute on one launch, stored with provenance.
-
-    python -m solutions.ch04_profile                      # GPU and ncu: profile, save the JSON
-    python -m solutions.ch04_profile --raw-dir DIR        # ... and keep ncu's CSV exports in DIR
-    python -m solutions.ch04_profile --from-raw DIR       # re-read DIR (any machine, no GPU)
+"""Reading an Nsight Compute profile of chapter 04's kernel (measured by
+``python -m measure.profile_ch04`` on a GPU, stored as results/<gpu>/ch04_profile.json).
 
 The kernel is the one ``attention()`` launches at the chapter's headline shape (D = 128, 16 heads
 of 16384 queries and keys, bf16, non-causal). ncu replays that launch to read its counters and
-samples the warps' program counters; from that it reports:
+samples the warps' program counters; from that the rows say:
 
 - the tensor pipe's active share, issue slots used, warps per scheduler (occupancy) and the
   limits that set it, shared-memory bank conflicts per shared load wavefront;
@@ -18,29 +15,16 @@ samples the warps' program counters; from that it reports:
   step.
 
 ncu locks the SM clock to its base (1.38 GHz on the H200) while it measures, so the figures are
-shares and ratios; speeds come from the benchmarks. Saved as results/<gpu>/ch04_profile.json
-(rows: impl, metric, value, unit).
-
-The machinery (``ProfileSpec``, ``run_ncu``, ``profile_with``, ``from_raw_with``, ``main_with``,
-the CSV readers and ``format_profile``) is shared with chapter 05's profile,
-``solutions.ch05_profile``, which adds what a warp-specialised wgmma kernel needs, and through it
-with fa4_final's (``solutions.ch08_profile``).
+shares and ratios; speeds come from the benchmarks. The CSV readers (``parse_raw``,
+``parse_source_rows``, ``raw_rows``) and ``format_profile`` are shared with chapter 05's reading,
+``solutions.ch05_profile``, and through it with fa4_final's (``solutions.ch08_profile``).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
-import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 
 RESULTS = "ch04_profile"
 SHAPE = {"b": 1, "s": 16384, "h": 16, "d": 128, "causal": False}
@@ -257,128 +241,6 @@ def build_rows(raw_text: str, source_text: str, config_label: str) -> list[dict]
     return [{"impl": "flash_ampere", "config": config_label, **SHAPE, **r} for r in rows]
 
 
-# ----------------------------------------------------------------------------------------------
-# On the GPU. The machinery is shared with chapter 05's profile (solutions.ch05_profile): a
-# ProfileSpec says which kernel, which counters and how to read them.
-
-
-@dataclass(frozen=True)
-class ProfileSpec:
-    """What one chapter's profile needs: the results file, the module whose ``--target`` runs
-    the kernel, ncu's kernel filter, sections and extra metrics, and ``build(raw, source,
-    label) -> rows`` that turns ncu's two CSV exports into result rows."""
-
-    results: str
-    module: str
-    kernel_regex: str
-    sections: tuple
-    metrics: tuple
-    build: object
-
-
-def _available(ncu: str, metrics) -> list[str]:
-    """The metrics this ncu knows on this GPU (``--query-metrics``): an unknown name would make
-    ncu refuse the whole run. Without the list (an older ncu), all of them are tried."""
-    try:
-        out = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True,
-                             timeout=120).stdout
-    except (OSError, subprocess.SubprocessError):
-        return list(metrics)
-    known = {line.split()[0] for line in out.splitlines() if line.strip()}
-    if len(known) < 50:  # not a metric list: do not filter on it
-        return list(metrics)
-    keep = [m for m in metrics if m.split(".")[0] in known]
-    for m in metrics:
-        if m not in keep:
-            print(f"ncu on this GPU has no metric {m.split('.')[0]}; profiling without it")
-    return keep
-
-
-def run_ncu(spec: ProfileSpec, target_args: tuple = (), source: bool = True,
-            ncu_args: tuple = ()) -> tuple[str, str | None]:
-    """Profile the second launch of ``spec``'s kernel in ``python -m spec.module --target
-    [target_args]``; return ncu's raw page and (``source``) its SASS source page as CSV text.
-    ``ncu_args``: more options for ncu (e.g. ``("--clock-control", "none")``: the GPU's own
-    clock instead of ncu's fixed base clock)."""
-    ncu = shutil.which("ncu")
-    if ncu is None:
-        raise RuntimeError("ncu (Nsight Compute) is not on PATH; it comes with the CUDA toolkit")
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / spec.results
-        cmd = [ncu, "--launch-skip", "1", "--launch-count", "1", "-k", spec.kernel_regex,
-               "--import-source", "no", "-f", "-o", str(report), *ncu_args]
-        for section in spec.sections:
-            cmd += ["--section", section]
-        metrics = _available(ncu, spec.metrics)
-        if metrics:
-            cmd += ["--metrics", ",".join(metrics)]
-        cmd += [sys.executable, "-m", spec.module, "--target", *target_args]
-        subprocess.run(cmd, check=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        rep = f"{report}.ncu-rep"
-        raw = subprocess.run([ncu, "-i", rep, "--page", "raw", "--csv"], check=True,
-                             capture_output=True, text=True, timeout=300).stdout
-        if not source:
-            return raw, None
-        sass = subprocess.run([ncu, "-i", rep, "--page", "source", "--csv", "--print-source",
-                               "sass"], check=True, capture_output=True, text=True,
-                              timeout=300).stdout
-    return raw, sass
-
-
-def profile_with(spec: ProfileSpec, label: str, raw_dir: Path | None = None) -> Path:
-    """Run ncu for ``spec`` on this GPU; keep the CSV exports in ``raw_dir`` if given; save and
-    return results/<gpu>/<spec.results>.json."""
-    from utils import results
-
-    raw, source = run_ncu(spec)
-    command = f"python -m {spec.module}"
-    provenance = results.collect_provenance(command)
-    if raw_dir is not None:
-        raw_dir.mkdir(parents=True, exist_ok=True)
-        (raw_dir / "raw.csv").write_text(raw)
-        (raw_dir / "source.csv").write_text(source)
-        (raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance,
-                                                        "config": label}, indent=1))
-    return results.save(spec.results, spec.build(raw, source, label), command=command,
-                        provenance=provenance)
-
-
-def from_raw_with(spec: ProfileSpec, raw_dir: Path) -> Path:
-    """Rebuild ``spec``'s results file from ncu exports kept by ``--raw-dir`` (with their
-    provenance): any machine, no GPU."""
-    from utils import results
-
-    meta = json.loads((raw_dir / "meta.json").read_text())
-    rows = spec.build((raw_dir / "raw.csv").read_text(), (raw_dir / "source.csv").read_text(),
-                      meta["config"])
-    provenance = dict(meta["provenance"])  # where and when it was measured: unchanged
-    provenance["command"] += (f" (rows re-read from its CSV exports with --from-raw at commit "
-                              f"{results.collect_provenance('')['commit'][:10]})")
-    return results.save(spec.results, rows, command=provenance["command"], provenance=provenance)
-
-
-def main_with(spec: ProfileSpec, target, label, argv=None, doc: str = "") -> int:
-    """The command line both chapters' profiles share: ``--target`` (the profiled process runs
-    ``target()``), ``--raw-dir DIR``, ``--from-raw DIR``; ``label()`` names the profiled tile."""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--raw-dir", type=Path, help="also keep ncu's CSV exports here")
-    ap.add_argument("--from-raw", type=Path, help="rebuild the JSON from a --raw-dir folder")
-    args = ap.parse_args(argv)
-    if args.target:
-        target()
-        return 0
-    if args.from_raw:
-        path = from_raw_with(spec, args.from_raw)
-    else:
-        path = profile_with(spec, label(), args.raw_dir)
-    from utils import results
-
-    print(results.load(spec.results).table(["metric", "value", "unit"]))
-    print(f"wrote {path}")
-    return 0
-
-
 def format_profile(res, metrics, stalls: int = 6) -> list[str]:
     """A stored profile as lines: a head (tile, shape, the clock ncu held), the rows of
     ``metrics`` ((metric, what it is); rows the file lacks are skipped), then the ``stalls``
@@ -403,47 +265,3 @@ def format_profile(res, metrics, stalls: int = 6) -> list[str]:
         for r in stall_rows[:stalls]:
             lines.append(f"    {r['metric'][6:]:26s} {r['value']:5.2f}")
     return lines
-
-
-def _target() -> None:
-    """The profiled process: compile, then launch the default kernel a second time (ncu skips
-    the first launch, which includes nothing but is the warm-up)."""
-    import torch
-
-    from solutions import ch04_flash_ampere as fa
-    from utils.reference import random_qkv
-
-    q, k, v, _ = random_qkv(SHAPE["b"], SHAPE["s"], SHAPE["h"], SHAPE["d"], device="cuda")
-    for _ in range(2):
-        fa.attention(q, k, v, SHAPE["causal"])
-    torch.cuda.synchronize()
-
-
-def _label() -> str:
-    from solutions import ch04_flash_ampere as fa
-    from utils.hardware import device_arch
-
-    return fa.config_label(fa.default_config(SHAPE["d"], SHAPE["causal"], device_arch("cuda"),
-                                             "bf16"))
-
-
-SPEC = ProfileSpec(RESULTS, "solutions.ch04_profile", KERNEL_REGEX, SECTIONS, EXTRA_METRICS,
-                   build_rows)
-
-
-def profile(raw_dir: Path | None = None) -> Path:
-    """Run ncu on this GPU; save and return results/<gpu>/ch04_profile.json."""
-    return profile_with(SPEC, _label(), raw_dir)
-
-
-def from_raw(raw_dir: Path) -> Path:
-    """Rebuild the results file from ncu exports kept by ``--raw-dir`` (with their provenance)."""
-    return from_raw_with(SPEC, raw_dir)
-
-
-def _main(argv=None) -> int:
-    return main_with(SPEC, _target, _label, argv, __doc__)
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

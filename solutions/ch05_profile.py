@@ -1,10 +1,7 @@
-"""Where chapter 05's kernel spends its time: Nsight Compute on one launch, stored with provenance.
+"""Reading an Nsight Compute profile of chapter 05's kernel (measured by
+``python -m measure.profile_ch05`` on a GPU, stored as results/<gpu>/ch05_profile.json).
 
-    python -m solutions.ch05_profile                      # GPU and ncu: profile, save the JSON
-    python -m solutions.ch05_profile --raw-dir DIR        # ... and keep ncu's CSV exports in DIR
-    python -m solutions.ch05_profile --from-raw DIR       # re-read DIR (any machine, no GPU)
-
-The same machinery as chapter 04's profile (``solutions.ch04_profile``: ncu on the second launch,
+The same reading as chapter 04's profile (``solutions.ch04_profile``: ncu on the second launch,
 its raw and SASS-source exports, the stall reasons), for the kernel ``ch05.attention()`` launches
 at the chapter's headline shape (D = 128, 16 heads of 16384 queries and keys, bf16, non-causal,
 the default 128 x 128 tile). What is new is what a warp-specialised wgmma kernel needs:
@@ -27,14 +24,13 @@ speeds come from the benchmarks. Saved as results/<gpu>/ch05_profile.json (rows:
 value, unit).
 
 fa4_final's Hopper forward is read by the same functions (``solutions.ch08_profile`` sets only its
-kernel, its launch and its results name): its SASS has the same landmarks (see ``roles`` and
+kernel and its results name): its SASS has the same landmarks (see ``roles`` and
 ``consumer_turn``).
 """
 
 from __future__ import annotations
 
 import re
-import sys
 
 from solutions import ch04_profile as core
 
@@ -278,44 +274,7 @@ def build_rows(raw_text: str, source_text: str, config_label: str,
     return [{"impl": impl, "config": config_label, **SHAPE, **r} for r in rows]
 
 
-def launch_twice(attention) -> None:
-    """The profiled process: ``attention(q, k, v, causal)`` at SHAPE twice, the first compiles
-    (ncu skips that launch)."""
-    import torch
-
-    from utils.reference import random_qkv
-
-    q, k, v, _ = random_qkv(SHAPE["b"], SHAPE["s"], SHAPE["h"], SHAPE["d"], device="cuda")
-    for _ in range(2):
-        attention(q, k, v, SHAPE["causal"])
-    torch.cuda.synchronize()
-
-
-def _run_target() -> None:
-    from solutions import ch05_flash_hopper as ch05
-
-    launch_twice(ch05.attention)
-
-
 def config_label(cfg) -> str:
     """'128x128 wg2 s2 overlap' (+ ' pingpong'): the tile a profile row was measured with."""
     return (f"{cfg.tile_m}x{cfg.tile_n} wg{cfg.num_consumer_wgs} s{cfg.num_stages}"
             f"{' overlap' if cfg.intra_wg_overlap else ''}{' pingpong' if cfg.pingpong else ''}")
-
-
-def _label() -> str:
-    from solutions import ch05_flash_hopper as ch05
-
-    return config_label(ch05.default_config(SHAPE["d"]))
-
-
-SPEC = core.ProfileSpec(RESULTS, "solutions.ch05_profile", KERNEL_REGEX, SECTIONS,
-                        EXTRA_METRICS, build_rows)
-
-
-def _main(argv=None) -> int:
-    return core.main_with(SPEC, _run_target, _label, argv, __doc__)
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

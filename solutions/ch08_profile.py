@@ -1,11 +1,8 @@
-"""Where fa4_final's Hopper forward spends its time: chapter 05's profile, on the final kernel.
-
-    python -m solutions.ch08_profile                      # GPU and ncu: profile, save the JSON
-    python -m solutions.ch08_profile --raw-dir DIR        # ... and keep ncu's CSV exports in DIR
-    python -m solutions.ch08_profile --from-raw DIR       # re-read DIR (any machine, no GPU)
+"""Reading the Nsight Compute profile of fa4_final's Hopper forward (measured by
+``python -m measure.profile_fa4_final`` on a GPU): chapter 05's reading, on the final kernel.
 
 Everything is chapter 05's (``solutions.ch05_profile``, on ``solutions.ch04_profile``'s
-machinery): the counters, the sections, the role split by SASS position, the steady KV turn
+readers): the counters, the sections, the role split by SASS position, the steady KV turn
 between its two ``wait_group``s. Only the kernel differs: the one
 ``fa4_final.interface.attention`` launches at the same headline shape (D = 128, 16 heads of 16384
 queries and keys, bf16, non-causal) with its default configuration (two consumer warpgroups in
@@ -20,9 +17,6 @@ Saved as results/<gpu>/fa4_final_profile.json, the same rows as ch05_profile.jso
 
 from __future__ import annotations
 
-import sys
-
-from solutions import ch04_profile as core
 from solutions import ch05_profile as ch05p
 
 RESULTS = "fa4_final_profile"
@@ -48,25 +42,3 @@ def config_label(cfg) -> str:
                                    ("persistent", cfg.persistent)) if on]
     return " ".join([f"{cfg.tile_m}x{cfg.tile_n} wg{cfg.num_consumer_wgs} k{cfg.stages_k} "
                      f"v{cfg.stages_v}", *flags])
-
-
-def _run_target() -> None:
-    from fa4_final import interface
-
-    ch05p.launch_twice(interface.attention)
-
-
-def _label() -> str:
-    return config_label(default_config())
-
-
-SPEC = core.ProfileSpec(RESULTS, "solutions.ch08_profile", KERNEL_REGEX, ch05p.SECTIONS,
-                        ch05p.EXTRA_METRICS, build_rows)
-
-
-def _main(argv=None) -> int:
-    return core.main_with(SPEC, _run_target, _label, argv, __doc__)
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -36,6 +36,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from measure import _ncu as ncu
 from solutions import ch04_profile as core
 from solutions import ch05_profile as ch05p
 from solutions import ch08_versus as versus
@@ -193,9 +194,9 @@ def build_rows(raw_text: str, source_text: str, impl: str, head_dim: int, seqlen
 
 
 def run_ncu(impl: str, head_dim: int, seqlen: int, causal: bool) -> tuple[str, str]:
-    spec = core.ProfileSpec(RESULTS, "solutions.ch08_versus", versus.KERNEL_OF[impl], SECTIONS,
+    spec = ncu.ProfileSpec(RESULTS, "solutions.ch08_versus", versus.KERNEL_OF[impl], SECTIONS,
                             versus.EXTRA_METRICS, None)
-    return core.run_ncu(spec, (impl, str(head_dim), str(seqlen), str(int(causal))), source=True)
+    return ncu.run_ncu(spec, (impl, str(head_dim), str(seqlen), str(int(causal))), source=True)
 
 
 def _stem(impl, d, s, causal) -> str:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from fa4_final.config import ZIGZAG_ROUNDS
+from measure import _ncu as ncu
 from solutions import ch04_profile as core
 from solutions import ch05_profile as ch05p
 
@@ -96,9 +97,9 @@ def target(impl: str, head_dim: int, seqlen: int, causal: bool) -> None:
 def run_ncu(impl: str, head_dim: int, seqlen: int, causal: bool, boost: bool = False) -> str:
     """ncu's raw page (CSV) for ``impl``'s forward kernel at the shape (chapter 04's runner,
     with this module's ``--target`` and no source page); ``boost``: at the GPU's own clock."""
-    spec = core.ProfileSpec(RESULTS, "solutions.ch08_versus", KERNEL_OF[impl], SECTIONS,
+    spec = ncu.ProfileSpec(RESULTS, "solutions.ch08_versus", KERNEL_OF[impl], SECTIONS,
                             EXTRA_METRICS, None)
-    raw, _ = core.run_ncu(spec, (impl, str(head_dim), str(seqlen), str(int(causal))),
+    raw, _ = ncu.run_ncu(spec, (impl, str(head_dim), str(seqlen), str(int(causal))),
                           source=False, ncu_args=("--clock-control", "none") if boost else ())
     return raw
 

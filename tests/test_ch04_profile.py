@@ -3,6 +3,7 @@ ncu's format, and the stored profile when there is one."""
 
 import pytest
 
+from measure import _ncu as ncu
 from solutions import ch04_profile as prof
 from solutions import ch04_teaching as t4
 from utils.results import load
@@ -121,7 +122,7 @@ def test_metrics_this_ncu_does_not_know_are_left_out(tmp_path, capsys):
     fake = tmp_path / "ncu"
     fake.write_text("#!/bin/sh\n" + "".join(f"echo '{n}  Counter  something'\n" for n in names))
     fake.chmod(0o755)
-    keep = prof._available(str(fake), ["sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+    keep = ncu._available(str(fake), ["sm__issue_active.avg.pct_of_peak_sustained_elapsed",
                                        "sm__pipe_tensor_op_gmma_cycles_active.avg.pct"])
     assert keep == ["sm__issue_active.avg.pct_of_peak_sustained_elapsed"]
     assert "no metric sm__pipe_tensor_op_gmma_cycles_active" in capsys.readouterr().out
@@ -131,11 +132,12 @@ def test_an_unreadable_metric_list_filters_nothing(tmp_path):
     fake = tmp_path / "ncu"
     fake.write_text("#!/bin/sh\necho usage\n")
     fake.chmod(0o755)
-    assert prof._available(str(fake), ["a.b", "c.d"]) == ["a.b", "c.d"]
+    assert ncu._available(str(fake), ["a.b", "c.d"]) == ["a.b", "c.d"]
 
 
 def test_both_chapters_profiles_share_one_command_line():
-    from solutions import ch05_profile
+    from measure import profile_ch04, profile_ch05
 
-    assert prof.SPEC.results == "ch04_profile" and ch05_profile.SPEC.results == "ch05_profile"
-    assert ch05_profile.SPEC.build is not prof.SPEC.build
+    assert profile_ch04.SPEC.results == "ch04_profile"
+    assert profile_ch05.SPEC.results == "ch05_profile"
+    assert profile_ch05.SPEC.build is not profile_ch04.SPEC.build

@@ -112,8 +112,11 @@ def test_the_teaching_lines_read_the_rows(rows):
 
 
 def test_the_spec_shares_chapter_04s_machinery():
-    assert prof.SPEC.build is prof.build_rows and prof.SPEC.module == "solutions.ch05_profile"
-    assert set(core.SECTIONS) <= set(prof.SPEC.sections)
+    from measure import profile_ch05
+
+    spec = profile_ch05.SPEC
+    assert spec.build is prof.build_rows and spec.module == "measure.profile_ch05"
+    assert set(core.SECTIONS) <= set(spec.sections)
     assert prof.config_label(t5.ch05.default_config(128)) == "128x128 wg2 s2 overlap"
 
 
@@ -191,8 +194,11 @@ def test_fa4_final_rows_and_spec(fa4_rows):
     assert 0 < by["consumer_turn_named_barrier_pct"] <= by["consumer_turn_turn_head_pct"] \
         + by["consumer_turn_issue_gemms_pct"]
     assert by["wgmma_per_consumer_warp_per_step"] == pytest.approx(16)
-    assert p8.SPEC.results == "fa4_final_profile" and p8.SPEC.module == "solutions.ch08_profile"
-    assert p8.SPEC.sections == prof.SECTIONS and p8.SPEC.metrics == prof.EXTRA_METRICS
+    from measure import profile_fa4_final
+
+    spec = profile_fa4_final.SPEC
+    assert spec.results == "fa4_final_profile" and spec.module == "measure.profile_fa4_final"
+    assert spec.sections == prof.SECTIONS and spec.metrics == prof.EXTRA_METRICS
     name = (FA4 / "source.csv").read_text().splitlines()[0]
     assert p8.KERNEL_REGEX.removeprefix("regex:") in name
     assert p8.KERNEL_REGEX.removeprefix("regex:") not in (FIXTURE / "source.csv").read_text()
@@ -201,12 +207,13 @@ def test_fa4_final_rows_and_spec(fa4_rows):
 def test_fa4_final_from_raw_writes_its_own_file(tmp_path, monkeypatch):
     import json
 
-    from solutions import ch08_profile as p8
     from utils import results
 
     monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
     monkeypatch.setenv("COURSE_COMMIT", "0123456789abcdef")
-    path = core.from_raw_with(p8.SPEC, FA4)
+    from measure import _ncu, profile_fa4_final
+
+    path = _ncu.from_raw_with(profile_fa4_final.SPEC, FA4)
     assert path.name == "fa4_final_profile.json" and path.parent.parent == tmp_path
     data = json.loads(path.read_text())
     assert {r["impl"] for r in data["rows"]} == {"fa4_final"}

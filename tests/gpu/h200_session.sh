@@ -64,9 +64,9 @@ for s in "$@"; do
     ch05-check) step ch05_check 600 $PY -m solutions.ch05_flash_hopper --check ;;
     ch05-knobs) step ch05_knobs 420 $PY -m solutions.ch05_flash_hopper --bench ;;
     ch04-check) step ch04_check 600 $PY -m solutions.ch04_flash_ampere --check ;;
-    ch04-profile) step ch04_profile 300 $PY -m solutions.ch04_profile --raw-dir "$OUT/ch04_profile_raw" ;;
-    ch05-profile) step ch05_profile 300 $PY -m solutions.ch05_profile --raw-dir "$OUT/ch05_profile_raw" ;;
-    fa4-profile) step fa4_profile 300 $PY -m solutions.ch08_profile --raw-dir "$OUT/fa4_final_profile_raw" ;;
+    ch04-profile) step ch04_profile 300 $PY -m measure.profile_ch04 --raw-dir "$OUT/ch04_profile_raw" ;;
+    ch05-profile) step ch05_profile 300 $PY -m measure.profile_ch05 --raw-dir "$OUT/ch05_profile_raw" ;;
+    fa4-profile) step fa4_profile 300 $PY -m measure.profile_fa4_final --raw-dir "$OUT/fa4_final_profile_raw" ;;
     fa4-boost) step fa4_boost 300 $PY -m solutions.ch08_versus --boost 64 16384 1 --raw-dir "$OUT/fa4_final_versus_boost_raw" ;;
     fa4-stalls) step fa4_stalls 560 $PY -m solutions.ch08_stalls --raw-dir "$OUT/fa4_final_stalls_raw" ;;
     fa4-versus) step fa4_versus 540 $PY -m solutions.ch08_versus --raw-dir "$OUT/fa4_final_versus_raw" ;;
