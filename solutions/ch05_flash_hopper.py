@@ -39,7 +39,7 @@ unless a warp's max grew by more than tau). Chapter 00's model predicts little f
 Hopper at D = 128, where the tile is MMA-bound (2048 MMA cycles against 1024 of MUFU): time that
 was already hidden under the GEMMs cannot be won back; at D = 64 the two tie (1024 each).
 
-Measured speeds live in results/<gpu>/*.json, not here: ``python -m solutions.benchmark``
+Measured speeds live in results/<gpu>/*.json, not here: ``python -m measure.benchmark``
 (against the peers) and ``python -m solutions.ch05_flash_hopper --bench`` (every knob, verified
 then timed: results/<gpu>/ch05_knobs.json).
 """

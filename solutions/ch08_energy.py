@@ -27,7 +27,7 @@ from fa4_final import interface
 from utils import bench, results
 
 RESULTS = "fa4_final_energy"
-# the forward benchmark's eight shapes (solutions.benchmark --name fa4_final_fwd)
+# the forward benchmark's eight shapes (measure.benchmark --name fa4_final_fwd)
 SHAPES = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True))
 TOKENS, HEADS = 16384, 16
 PEERS = ("fa4_package", "sdpa_cudnn")  # the two fastest peers of the benchmark

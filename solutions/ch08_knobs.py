@@ -31,7 +31,7 @@ TIMELINE_RESULTS = "ch08_timeline"
 PLAN = ((128, 4096, False), (128, 16384, False), (128, 16384, True))
 # the groups where fa4_final trails the FA4 package most (results/h200/fa4_final_fwd.json)
 PLAN_GAPS = ((64, 16384, True), (128, 4096, True), (128, 16384, True))
-# every shape of the forward's benchmark (solutions.benchmark --name fa4_final_fwd)
+# every shape of the forward's benchmark (measure.benchmark --name fa4_final_fwd)
 PLAN_ALL = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True))
 PLAN_NON_CAUSAL = tuple(p for p in PLAN_ALL if not p[2])
 

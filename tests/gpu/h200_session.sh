@@ -55,12 +55,12 @@ for s in "$@"; do
   case $s in
     env) step env 60 bash -c "nvidia-smi; $PY -c 'import torch, cutlass; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; which make compute-sanitizer ncu; $PY -m pip list 2>/dev/null | grep -i -E 'flash|quack|cutlass|nbval|ipykernel|pytest'" ;;
     tests) step gpu_tests 540 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout=300 -rA ${GPU_TESTS:-tests/gpu} ;;
-    peers) step peers 420 $PY -m solutions.benchmark --name peers --seqlens 1024 4096 16384 --dims 64 128 --causal both --passes fwd bwd ;;
-    versions) step ch01_ch02 300 $PY -m solutions.benchmark --versions naive tiled_fa2 --name ch01_ch02_fwd --seqlens 1024 4096 16384 --dims 128 --causal no ;;
-    ch04) step ch04_bench 420 $PY -m solutions.benchmark --versions flash_ampere --name ch04_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
+    peers) step peers 420 $PY -m measure.benchmark --name peers --seqlens 1024 4096 16384 --dims 64 128 --causal both --passes fwd bwd ;;
+    versions) step ch01_ch02 300 $PY -m measure.benchmark --versions naive tiled_fa2 --name ch01_ch02_fwd --seqlens 1024 4096 16384 --dims 128 --causal no ;;
+    ch04) step ch04_bench 420 $PY -m measure.benchmark --versions flash_ampere --name ch04_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
     ch04-sweep) step ch04_sweep 420 $PY -m solutions.ch04_flash_ampere --sweep --check ;;
     ch04-peers) step ch04_peers 300 $PY -m solutions.ch04_peers --cutlass-example "${CUTLASS_FA2_EXAMPLE:?set CUTLASS_FA2_EXAMPLE to the path of flash_attention_v2.py from CUTLASS}" ;;
-    ch05) step ch05_bench 420 $PY -m solutions.benchmark --versions flash_hopper --name ch05_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
+    ch05) step ch05_bench 420 $PY -m measure.benchmark --versions flash_hopper --name ch05_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
     ch05-check) step ch05_check 600 $PY -m solutions.ch05_flash_hopper --check ;;
     ch05-knobs) step ch05_knobs 420 $PY -m solutions.ch05_flash_hopper --bench ;;
     ch04-check) step ch04_check 600 $PY -m solutions.ch04_flash_ampere --check ;;
@@ -81,13 +81,13 @@ for s in "$@"; do
     varlen-bench) step varlen_bench 420 $PY -m solutions.ch12_varlen_bench ;;
     varlen-sanitize) step varlen_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_api.py -k "test_varlen_forward and b70" ;;
     varlen-bwd-sanitize) step varlen_bwd_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_varlen_bwd.py -k "against_float64 and (mixed-causal-used or many)" ;;
-    fa4-bench) step fa4_bench 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
+    fa4-bench) step fa4_bench 480 $PY -m measure.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     fa4-gaps) step fa4_gaps 300 $PY -m solutions.ch08_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
     fa4-split) step fa4_split 420 $PY -m solutions.ch08_knobs --knobs --non-causal --only "last round" "cut along" --rounds ${ROUNDS:-5} --name fa4_final_split ;;
     fa4-d64c) step fa4_d64c 420 $PY -m solutions.ch08_knobs --knobs --shape 64 16384 1 --only "one tile per CTA, L2" "stages 2/2" "zigzag rounds in L2" "128 x 128" "after the softmax" --rounds ${ROUNDS:-7} --name fa4_final_d64_causal ;;
     fa4-d64) step fa4_d64 540 $PY -m solutions.ch08_knobs --knobs --shape 64 4096 0 --shape 64 4096 1 --shape 64 16384 0 --shape 64 16384 1 --only "exp2 emulation" "tau = 8" --rounds ${ROUNDS:-5} --name fa4_final_d64_softmax ;;
     fa4-tune) step fa4_tune 560 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "tau = 8" --exact --settle-ms 50 --rounds ${ROUNDS:-5} --name fa4_final_tune ;;
-    fa4-bench-settled) step fa4_bench_settled 480 $PY -m solutions.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd_settled --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-5} --settle-ms 50 ;;
+    fa4-bench-settled) step fa4_bench_settled 480 $PY -m measure.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd_settled --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-5} --settle-ms 50 ;;
     clocked) step fa4_clocked 560 $PY -m solutions.ch08_clocked ${CLOCKED_ARGS:-} ;;
     clocked-d64c2) step fa4_clocked_d64c2 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "K/V stages 2/2" "K/V stages 2/2, tau = 8" "K/V stages 2/2, O rescaled after the softmax" "K/V stages 2/2, tau = 8, O rescaled after the softmax" fa4_package --name fa4_final_clocked_d64_causal_stages ;;
     clocked-d64c) step fa4_clocked_d64c 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "tau = 8" "O rescaled after the softmax" "tau = 8, O rescaled after the softmax" "one tile per CTA, L2 sections" "zigzag rounds in L2 sections" "K/V stages 2/2" fa4_package --name fa4_final_clocked_d64_causal ;;

@@ -1,6 +1,6 @@
 """Benchmark course kernels next to their peers in one run and store the figures.
 
-    python -m solutions.benchmark --versions flash_ampere --name ch04_fwd \
+    python -m measure.benchmark --versions flash_ampere --name ch04_fwd \
         --seqlens 4096 16384 --dims 128 --causal both
 
 Writes results/<gpu>/<name>.json (utils/results.py) and prints TFLOP/s with ratios to the
@@ -19,6 +19,26 @@ import torch
 
 from solutions.registry import by_name
 from utils import bench, results
+
+_FWD = "--seqlens 4096 16384 --dims 64 128 --causal both"
+PRODUCES = [
+    ("results/h200/peers.json", "python -m measure.benchmark --name peers --seqlens 1024 4096 "
+     "16384 --dims 64 128 --causal both --passes fwd bwd",
+     "the peers alone (SDPA flash, cuDNN, the FA4 package), forward and backward"),
+    ("results/h200/ch01_ch02_fwd.json", "python -m measure.benchmark --versions naive tiled_fa2 "
+     "--name ch01_ch02_fwd --seqlens 1024 4096 16384 --dims 128 --causal no",
+     "chapters 01-02's PyTorch versions beside the peers"),
+    ("results/h200/ch04_fwd.json", f"python -m measure.benchmark --versions flash_ampere --name "
+     f"ch04_fwd {_FWD}", "chapter 04's kernel beside the peers"),
+    ("results/h200/ch05_fwd.json", f"python -m measure.benchmark --versions flash_hopper --name "
+     f"ch05_fwd {_FWD}", "chapter 05's kernel beside the peers"),
+    ("results/h200/fa4_final_fwd.json", f"python -m measure.benchmark --versions fa4_final "
+     f"flash_hopper --name fa4_final_fwd {_FWD} --rounds 3",
+     "fa4_final's forward beside chapter 05's kernel and the peers, in bursts"),
+    ("results/h200/fa4_final_fwd_settled.json", f"python -m measure.benchmark --versions "
+     f"fa4_final flash_hopper --name fa4_final_fwd_settled {_FWD} --rounds 5 --settle-ms 50",
+     "the same, each implementation settled at its own clock first"),
+]
 
 
 def main(argv=None) -> int:
@@ -60,7 +80,7 @@ def main(argv=None) -> int:
         run = {n: f for n, f in impls.items() if pass_ == "fwd" or n not in no_backward}
         rows += bench.benchmark_attention(run, shapes, passes=(pass_,), dtype=dtype, rep=args.rep,
                                           rounds=args.rounds, settle_ms=args.settle_ms)
-    path = results.save(args.name, rows, command="python -m solutions.benchmark " + " ".join(
+    path = results.save(args.name, rows, command="python -m measure.benchmark " + " ".join(
         argv if argv is not None else sys.argv[1:]))
     for pass_ in args.passes:
         print(f"\n{pass_}:")
