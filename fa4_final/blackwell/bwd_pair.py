@@ -638,10 +638,11 @@ class BlackwellBackwardPair(BlackwellBackward):
             umma.mma(base + self.plan.offset("dK"), base + self.plan.offset("dS"), None,
                      ds_offsets, r_lo + state_q.index * r_st, r_hi, r_off, idesc["dk"], t > 0,
                      PAIR)
-            # the follower's dS block landed here (acquire, cluster scope), then handed to the
-            # async proxy; and ours in the follower (peer Note [Exchange proxies])
-            peer.wait_peer_bytes(bars["dsx"], phase)
-            peer.wait_acquire_cluster(bars["dsx_relay"], phase)
+            # the follower's dS block landed here, and ours in the follower (its relay), both
+            # acquired at cluster scope, then handed to the async proxy (fa4_final.blackwell.
+            # peer, Note [Exchange proxies])
+            peer.wait_acquire_cluster(bars["dsx"], phase)
+            peer.wait_peer_bytes(bars["dsx_relay"], phase)
             a_lo, a_hi, a_off, _ = cur["dS"]
             b_lo, b_hi, b_off, _ = cur["Kt"]
             umma.mma(base + self.plan.offset("dQ"), a_lo, a_hi, a_off, b_lo, b_hi, b_off,
@@ -783,9 +784,9 @@ class BlackwellBackwardPair(BlackwellBackward):
     # st.async. Writer: fence.proxy.async.shared::cluster before its st.async (the dQ(t - 1)
     # MMA's read of the block, observed through dq FULL, is ordered before the new writes).
     # Reader: mbarrier.try_wait.acquire.cluster on dsx (the default .cta scope does not
-    # synchronise with the peer's release), then fence.proxy.async.shared::cta, then the MMA;
-    # the follower's relay arrives with .release.cluster after its own acquire and fence, and
-    # the leader acquires dsx_relay at cluster scope. Not FA4's way (a bulk copy
+    # synchronise with the peer's release); the follower fences (fence.proxy.async) and relays
+    # with .release.cluster; the leader acquires dsx_relay at cluster scope too, then fences
+    # once, then issues the MMA, which reads both CTAs' blocks. Not FA4's way (a bulk copy
     # cp.async.bulk.shared::cluster from a staged 16 KB, in the async proxy end to end): that
     # staging buffer does not fit at D = 128 (module docstring). The H200 runs these same steps
     # (solutions/ch09_protocol_probes.py, DsExchangeProbe): the peer's bytes, read back by a
