@@ -155,6 +155,19 @@ class HopperForward:
             return zigzag_tile(r, cta, grid)
         return mTileTable[(r * grid + cta) * self.fields()]
 
+    @cute.jit
+    def walk_tiles(self, num_tiles: Int32, cta: Int32, grid: Int32, mTileTable, state_q,
+                   state_k, state_v, visit):
+        """The persistent tile loop of fixed rounds, the producer's and the consumers' alike:
+        ``visit(tile, r, last, state_q, state_k, state_v)`` for each tile of CTA ``cta`` in
+        order (zigzag rounds, or the table's), returning the rings' states, which the loop
+        carries to the next tile. ``last``: no tile follows in this CTA (Note [Turns])."""
+        for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):
+            tile = self.tile_of(r, cta, grid, mTileTable)
+            if tile < num_tiles:
+                last = self.tile_of(r + 1, cta, grid, mTileTable) >= num_tiles
+                state_q, state_k, state_v = visit(tile, r, last, state_q, state_k, state_v)
+
     def piece_of(self, r, cta, grid, mTileTable):
         """(first key tile, end key tile, slot, first slot of the tile, pieces of the tile) of
         CTA ``cta``'s round ``r`` (Note [Split tail]); a whole tile: (0, 2^30, -1, 0, 0)."""
@@ -429,14 +442,12 @@ class HopperForward:
                 r = r + 1
             publish_tile(full, empty, slots, r, tile)  # past the last: every consumer stops
         else:
-            for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):
-                tile = self.tile_of(r, bidx, grid, mTileTable)
-                if tile < num_tiles:
-                    n_lo, n_hi, _, _, _ = self.piece_of(r, bidx, grid, mTileTable)
-                    state_q, state_k, state_v = self.load_tile(
-                        tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-                        pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v,
-                        window_left, window_right, seqs, tl, record & (r == 0), n_lo, n_hi)
+            load_step = lambda tile, r, last, sq, sk, sv: self.load_tile(  # noqa: E731
+                tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
+                pipeline_k, pipeline_v, sq, sk, sv, window_left, window_right, seqs, tl,
+                record & (r == 0), *self.piece_of(r, bidx, grid, mTileTable)[:2])
+            self.walk_tiles(num_tiles, bidx, grid, mTileTable, state_q, state_k, state_v,
+                            load_step)
 
     @cute.jit
     def load_tile(self, tile, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
@@ -531,6 +542,15 @@ class HopperForward:
                 cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TURN_WG0) + next_wg,
                                          number_of_threads=2 * THREADS_PER_WARPGROUP)
 
+    @cute.jit
+    def turn(self, wg: Int32, first_of_cta, last_of_cta, issue):
+        """One ping-pong turn of warpgroup ``wg`` (Note [Turns]): wait for it, ``issue()`` the
+        warpgroup's GEMMs, hand the turn to the next warpgroup. ``first_of_cta`` /
+        ``last_of_cta``: this is the CTA's very first / very last turn."""
+        self.turn_begin(wg, first_of_cta)
+        issue()
+        self.turn_end(wg, last_of_cta)
+
     def wgmma(self, tiled_mma, acc, tA, tB, accumulate):
         issue_wgmma(tiled_mma, acc, tA, tB, accumulate)
 
@@ -599,13 +619,10 @@ class HopperForward:
             if (wg == 0) & (r > 0):  # the turn the last warpgroup's last arrive opened
                 self.turn_begin(wg, False)
         else:
-            for r in cutlass.range(self.rounds(num_tiles, grid, mTileTable), unroll=1):
-                tile = self.tile_of(r, bidx, grid, mTileTable)
-                if tile < num_tiles:
-                    last = self.tile_of(r + 1, bidx, grid, mTileTable) >= num_tiles
-                    state_q, state_k, state_v = tile_step(
-                        tile, r, last, self.piece_of(r, bidx, grid, mTileTable), state_q,
-                        state_k, state_v)
+            self.walk_tiles(num_tiles, bidx, grid, mTileTable, state_q, state_k, state_v,
+                            lambda tile, r, last, sq, sk, sv: tile_step(
+                                tile, r, last, self.piece_of(r, bidx, grid, mTileTable), sq, sk,
+                                sv))
         if const_expr(self.cfg.separate_o):
             if tidx == 0:  # shared memory must outlive the last O store's reads of it
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -652,8 +669,7 @@ class HopperForward:
                     pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v)
         else:  # no visible key: out = 0, and one empty turn keeps the turn count fixed
             acc_o.fill(0.0)
-            self.turn_begin(wg, first_tile)
-            self.turn_end(wg, last_tile)
+            self.turn(wg, first_tile, last_tile, lambda: None)
             if const_expr(self.cfg.separate_o):
                 pipeline_q.consumer_release(state_q)
         gO_rows = None  # varlen: out's own rows of this sequence and head (Note [Varlen..])
@@ -687,11 +703,10 @@ class HopperForward:
         timeline, role = self.cfg.timeline, wg + 1
         mark(timeline, tl, record, role, 0, Mark.WAIT)
         pipeline_k.consumer_wait(state_k)
-        self.turn_begin(wg, first_tile)
-        mark(timeline, tl, record, role, 0, Mark.ISSUE)
         s = cute.make_rmem_tensor_like(acc_s)  # a fresh S each step: its registers die with P
-        self.wgmma(tiled_mma_qk, s, tSrQ, tSrK[None, None, None, state_k.index], False)
-        self.turn_end(wg, False)
+        self.turn(wg, first_tile, False, lambda: (
+            mark(timeline, tl, record, role, 0, Mark.ISSUE),
+            self.wgmma(tiled_mma_qk, s, tSrQ, tSrK[None, None, None, state_k.index], False)))
         mark(timeline, tl, record, role, 0, Mark.ISSUED)
         warpgroup.wait_group(0)
         mark(timeline, tl, record, role, 0, Mark.S_READY)
@@ -728,15 +743,20 @@ class HopperForward:
         if const_expr(self.cfg.separate_o):  # every Q K^T of this tile is done
             pipeline_q.consumer_release(state_q)
         pipeline_v.consumer_wait(state_v)
-        self.turn_begin(wg, False)
-        if const_expr(self.cfg.o_rescale == "next_pv"):
-            softmax.rescale_o(acc_o, pending, rescale)
-        self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index], True)
-        self.turn_end(wg, last_tile)
+        self.turn(wg, False, last_tile, lambda: self.issue_last_pv(
+            softmax, acc_o, pending, rescale, tiled_mma_pv, tOrP, tOrVt, state_v))
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(state_v)
         state_v.advance()
         return state_k, state_v
+
+    @cute.jit
+    def issue_last_pv(self, softmax, acc_o, pending, rescale, tiled_mma_pv, tOrP, tOrVt,
+                      state_v):
+        """The last turn of a tile: O's pending rescale, then O += P_{n-1} V_{n-1}."""
+        if const_expr(self.cfg.o_rescale == "next_pv"):
+            softmax.rescale_o(acc_o, pending, rescale)
+        self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index], True)
 
     # Note [Where O is rescaled]
     # --------------------------
@@ -771,15 +791,10 @@ class HopperForward:
         timeline, role = self.cfg.timeline, wg + 1
         mark(timeline, tl, record, role, i, Mark.WAIT)
         pipeline_k.consumer_wait(state_k)
-        self.turn_begin(wg, False)
-        mark(timeline, tl, record, role, i, Mark.ISSUE)
         s = cute.make_rmem_tensor_like(acc_s)
-        self.wgmma(tiled_mma_qk, s, tSrQ, tSrK[None, None, None, state_k.index], False)
-        if const_expr(self.cfg.o_rescale == "next_pv"):
-            softmax.rescale_o(acc_o, pending, pending_rescale)
-        pipeline_v.consumer_wait(state_v)
-        self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index], True)
-        self.turn_end(wg, False)
+        self.turn(wg, False, False, lambda: self.issue_step(
+            tl, record, role, i, s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv,
+            pipeline_v, state_k, state_v, softmax, pending, pending_rescale))
         mark(timeline, tl, record, role, i, Mark.ISSUED)
         warpgroup.wait_group(1)  # S is ready; P V may still be running
         mark(timeline, tl, record, role, i, Mark.S_READY)
@@ -807,6 +822,19 @@ class HopperForward:
         return state_k, state_v, rescale
 
     @cute.jit
+    def issue_step(self, tl, record, role, i, s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                   tiled_mma_pv, pipeline_v, state_k, state_v, softmax, pending,
+                   pending_rescale):
+        """A steady turn's GEMMs: S_i = Q K_i^T, O's pending rescale (o_rescale = "next_pv"),
+        then, once V has landed, O += P_{i-1} V_{i-1}."""
+        mark(self.cfg.timeline, tl, record, role, i, Mark.ISSUE)
+        self.wgmma(tiled_mma_qk, s, tSrQ, tSrK[None, None, None, state_k.index], False)
+        if const_expr(self.cfg.o_rescale == "next_pv"):
+            softmax.rescale_o(acc_o, pending, pending_rescale)
+        pipeline_v.consumer_wait(state_v)
+        self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index], True)
+
+    @cute.jit
     def mainloop_serial(self, wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask,
                         softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                         tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, state_q, state_k,
@@ -815,9 +843,8 @@ class HopperForward:
         two turns per KV tile."""
         for i in cutlass.range(n_tiles, unroll=1):
             pipeline_k.consumer_wait(state_k)
-            self.turn_begin(wg, first_tile & (i == 0))
-            self.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state_k.index], False)
-            self.turn_end(wg, False)
+            self.turn(wg, first_tile & (i == 0), False, lambda: self.wgmma(
+                tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state_k.index], False))
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(state_k)
             state_k.advance()
@@ -830,10 +857,9 @@ class HopperForward:
             tOrP.store(acc_as_a_operand(acc_s).load().to(self.dtype))
             softmax.rescale_o(acc_o, row_scale, rescale)
             pipeline_v.consumer_wait(state_v)
-            self.turn_begin(wg, False)
-            self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index],
-                       i > 0)  # the first P V overwrites the uninitialised O
-            self.turn_end(wg, last_tile & (i == n_tiles - 1))
+            self.turn(wg, False, last_tile & (i == n_tiles - 1), lambda: self.wgmma(
+                tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index],
+                i > 0))  # the first P V overwrites the uninitialised O
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(state_v)
             state_v.advance()
