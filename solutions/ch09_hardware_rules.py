@@ -130,7 +130,7 @@ def print_table(width: int = 100) -> None:
     import textwrap
 
     for i, r in enumerate(RULES, 1):
-        print(f"{i:2d}. [{r.gpu}] " + textwrap.fill(r.rule, width, subsequent_indent="    "))
+        print(textwrap.fill(f"{i:2d}. [{r.gpu}] {r.rule}", width, subsequent_indent="    "))
         print(textwrap.fill("where: " + r.where, width, initial_indent="    ",
                             subsequent_indent="      "))
         for g in r.guards:
