@@ -1,9 +1,6 @@
-"""Where the warps of fa4_final's Hopper forward and of the FA4 package's wait, instruction by
-instruction: ncu's warp-state sampling per SASS instruction, both kernels at one shape.
-
-    python -m solutions.ch08_stalls                # GPU, ncu: results/<gpu>/fa4_final_stalls.json
-    python -m solutions.ch08_stalls --raw-dir DIR  # ... and keep ncu's CSV exports in DIR
-    python -m solutions.ch08_stalls --from-raw DIR # re-read DIR (any machine, no GPU)
+"""Reading where the warps of fa4_final's Hopper forward and of the FA4 package's wait,
+instruction by instruction: ncu's warp-state sampling per SASS instruction, both kernels at one
+shape (measured by ``python -m measure.fwd_stalls``; labs/the_last_three_percent.ipynb).
 
 ``solutions.ch08_versus`` compares the two kernels by whole-kernel counters: time, tensor pipe,
 issue slots, stall reasons averaged over every warp. Those say *that* one kernel's warps wait
@@ -30,13 +27,8 @@ the ``BAR.SYNC``, a warp polling an mbarrier to the branch of its retry loop.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections import Counter
-from pathlib import Path
 
-from measure import _ncu as ncu
 from solutions import ch04_profile as core
 from solutions import ch05_profile as ch05p
 from solutions import ch08_versus as versus
@@ -193,53 +185,6 @@ def build_rows(raw_text: str, source_text: str, impl: str, head_dim: int, seqlen
     return rows + [{"impl": impl, **shape, **r} for r in extra]
 
 
-def run_ncu(impl: str, head_dim: int, seqlen: int, causal: bool) -> tuple[str, str]:
-    spec = ncu.ProfileSpec(RESULTS, "solutions.ch08_versus", versus.KERNEL_OF[impl], SECTIONS,
-                            versus.EXTRA_METRICS, None)
-    return ncu.run_ncu(spec, (impl, str(head_dim), str(seqlen), str(int(causal))), source=True)
-
-
-def _stem(impl, d, s, causal) -> str:
-    return f"{impl}_d{d}_s{s}_{'causal' if causal else 'noncausal'}"
-
-
-def profile(raw_dir: Path | None = None, shapes=SHAPES) -> Path:
-    from utils import results
-
-    command = "python -m solutions.ch08_stalls"
-    provenance = results.collect_provenance(command)
-    rows = []
-    for d, s, causal in shapes:
-        for impl in IMPLS:
-            raw, source = run_ncu(impl, d, s, causal)
-            if raw_dir is not None:
-                raw_dir.mkdir(parents=True, exist_ok=True)
-                (raw_dir / f"{_stem(impl, d, s, causal)}.raw.csv").write_text(raw)
-                (raw_dir / f"{_stem(impl, d, s, causal)}.source.csv").write_text(source)
-                (raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance,
-                                                               "shapes": shapes}, indent=1))
-            rows += build_rows(raw, source, impl, d, s, causal)
-            print(f"profiled {impl} D={d} S={s} causal={causal}", flush=True)
-    return results.save(RESULTS, rows, command=command, provenance=provenance)
-
-
-def from_raw(raw_dir: Path) -> Path:
-    """Rebuild the results file from the CSV exports ``--raw-dir`` kept (their provenance)."""
-    from utils import results
-
-    meta = json.loads((raw_dir / "meta.json").read_text())
-    rows = []
-    for d, s, causal in meta["shapes"]:
-        for impl in IMPLS:
-            stem = raw_dir / _stem(impl, d, s, causal)
-            rows += build_rows(Path(f"{stem}.raw.csv").read_text(),
-                               Path(f"{stem}.source.csv").read_text(), impl, d, s, causal)
-    provenance = dict(meta["provenance"])
-    provenance["command"] += (f" (rows re-read from its CSV exports with --from-raw at commit "
-                              f"{results.collect_provenance('')['commit'][:10]})")
-    return results.save(RESULTS, rows, command=provenance["command"], provenance=provenance)
-
-
 def table(res, shape=None) -> list[str]:
     """Per shape, the consumers' samples and issued instructions by kind, the two kernels side by
     side (percent of each kernel's own consumer samples / instructions)."""
@@ -264,28 +209,3 @@ def table(res, shape=None) -> list[str]:
             if any(c.strip() for c in cells):
                 lines.append(f"  {kind:32s}" + "".join(cells))
     return lines
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--raw-dir", type=Path, help="also keep ncu's CSV exports here")
-    ap.add_argument("--from-raw", type=Path, help="re-read the exports kept in this folder")
-    args = ap.parse_args(argv)
-    from utils import results
-
-    if args.from_raw:
-        path = from_raw(args.from_raw)
-    else:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("needs a CUDA GPU (sm_90) and ncu; the stored results are in results/h200/")
-            return 0
-        path = profile(args.raw_dir)
-    print("\n".join(table(results.load(RESULTS))))
-    print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,6 @@
-"""fa4_final's Hopper forward and the FA4 package's, profiled by Nsight Compute side by side at
-two causal shapes (the one where the package stays ahead at the fixed clock, and the one where
-it led by the most before the L2 sections) and at the headline non-causal one for comparison.
-
-    python -m solutions.ch08_versus                 # GPU, ncu: results/<gpu>/fa4_final_versus.json
-    python -m solutions.ch08_versus --raw-dir DIR   # ... and keep ncu's CSV exports in DIR
+"""Reading the side-by-side Nsight Compute profile of fa4_final's Hopper forward and the FA4
+package's (measured by ``python -m measure.fwd_versus``): two causal shapes and the headline
+non-causal one, the two kernels' counters in two columns.
 
 Chapter 08's own profile (``solutions.ch08_profile``) reads one kernel by SASS position; that
 needs the kernel's structure, which the package's kernel does not share. This one reads only
@@ -17,22 +14,15 @@ shapes fa4_final is also profiled with the schedule it had before the tile table
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
 from fa4_final.config import ZIGZAG_ROUNDS
-from measure import _ncu as ncu
 from solutions import ch04_profile as core
 from solutions import ch05_profile as ch05p
 
 RESULTS = "fa4_final_versus"
 RESULTS_BOOST = "fa4_final_versus_boost"  # one shape at the GPU's own clock (--boost)
 HEADS, TOKENS = 16, 16384
-# (head_dim, seqlen, causal): D = 64 S = 16384 causal, still behind the package at the fixed
-# clock; D = 128 S = 4096 causal, the widest gap before the L2 sections; the headline
-# non-causal shape
+# (head_dim, seqlen, causal): D = 64 S = 16384 causal; D = 128 S = 4096 causal, the widest gap
+# before the L2 sections; the headline non-causal shape
 SHAPES = ((64, 16384, True), (128, 4096, True), (128, 16384, False))
 # ncu's names: fa4_final's class is HopperForward, the package's FlashAttentionForwardSm90
 KERNELS = {"fa4_final": "regex:HopperForward", "fa4_package": "regex:FlashAttentionForwardSm90"}
@@ -66,44 +56,6 @@ SIDE_BY_SIDE = (
 )
 
 
-def target(impl: str, head_dim: int, seqlen: int, causal: bool) -> None:
-    """The profiled process: one kernel at one shape, launched twice (ncu skips the first)."""
-    import torch
-
-    from utils import bench
-    from utils.reference import random_qkv
-
-    if impl == "fa4_final" or impl in VARIANTS:
-        from dataclasses import replace
-
-        from fa4_final import interface
-        from fa4_final.config import hopper_fwd_default
-
-        cfg = replace(hopper_fwd_default(head_dim, causal), **VARIANTS.get(impl, {}))
-
-        def run(q, k, v):
-            return interface.attention(q, k, v, causal, config=cfg)
-    else:
-        fa4 = bench.peers()["fa4_package"]
-
-        def run(q, k, v):
-            return fa4(q, k, v, causal=causal)
-    q, k, v, _ = random_qkv(TOKENS // seqlen, seqlen, HEADS, head_dim, device="cuda")
-    for _ in range(2):
-        run(q, k, v)
-    torch.cuda.synchronize()
-
-
-def run_ncu(impl: str, head_dim: int, seqlen: int, causal: bool, boost: bool = False) -> str:
-    """ncu's raw page (CSV) for ``impl``'s forward kernel at the shape (chapter 04's runner,
-    with this module's ``--target`` and no source page); ``boost``: at the GPU's own clock."""
-    spec = ncu.ProfileSpec(RESULTS, "solutions.ch08_versus", KERNEL_OF[impl], SECTIONS,
-                            EXTRA_METRICS, None)
-    raw, _ = ncu.run_ncu(spec, (impl, str(head_dim), str(seqlen), str(int(causal))),
-                          source=False, ncu_args=("--clock-control", "none") if boost else ())
-    return raw
-
-
 def rows_of(raw_text: str, impl: str, head_dim: int, seqlen: int, causal: bool) -> list[dict]:
     shape = {"b": TOKENS // seqlen, "s": seqlen, "h": HEADS, "d": head_dim, "causal": causal}
     return [{"impl": impl, **shape, **r}
@@ -112,29 +64,6 @@ def rows_of(raw_text: str, impl: str, head_dim: int, seqlen: int, causal: bool) 
 
 def impls_at(causal: bool, variants: bool = True) -> list[str]:
     return [*KERNELS, *(VARIANTS if causal and variants else ())]
-
-
-def profile(raw_dir: Path | None = None, shapes=SHAPES, boost: bool = False) -> Path:
-    """Profile every kernel at ``shapes``. ``boost``: at the GPU's own clock (ncu's
-    ``--clock-control none``), the two kernels only, saved as RESULTS_BOOST."""
-    from utils import results
-
-    command = "python -m solutions.ch08_versus" + (" --boost" if boost else "")
-    provenance = results.collect_provenance(command)
-    rows = []
-    for d, s, causal in shapes:
-        for impl in impls_at(causal, variants=not boost):
-            raw = run_ncu(impl, d, s, causal, boost)
-            if raw_dir is not None:
-                raw_dir.mkdir(parents=True, exist_ok=True)
-                (raw_dir / f"{impl}_d{d}_s{s}_{'causal' if causal else 'noncausal'}.csv"
-                 ).write_text(raw)
-            rows += rows_of(raw, impl, d, s, causal)
-            print(f"profiled {impl} D={d} S={s} causal={causal}", flush=True)
-    if raw_dir is not None:
-        (raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance}, indent=1))
-    return results.save(RESULTS_BOOST if boost else RESULTS, rows, command=command,
-                        provenance=provenance)
 
 
 def side_by_side(res, stalls: int = 5) -> list[str]:
@@ -188,38 +117,3 @@ def reading(res) -> list[str]:
                 parts.append(f"tensor pipe busy for {busy[0]:.3f} ms against {busy[1]:.3f} ms")
             out.append("; ".join(parts))
     return out
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", nargs=4, metavar=("IMPL", "D", "S", "CAUSAL"),
-                    help=argparse.SUPPRESS)
-    ap.add_argument("--raw-dir", type=Path, help="also keep ncu's CSV exports here")
-    ap.add_argument("--boost", nargs=3, type=int, metavar=("D", "S", "CAUSAL"),
-                    help="one shape at the GPU's own clock (ncu --clock-control none), saved "
-                    "as fa4_final_versus_boost")
-    args = ap.parse_args(argv)
-    if args.target:
-        impl, d, s, causal = args.target
-        target(impl, int(d), int(s), bool(int(causal)))
-        return 0
-    import torch
-
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU (sm_90) and ncu; the stored results are in results/h200/")
-        return 0
-    if args.boost:
-        d, s, c = args.boost
-        path = profile(args.raw_dir, shapes=((d, s, bool(c)),), boost=True)
-    else:
-        path = profile(args.raw_dir)
-    from utils import results
-
-    res = results.load(RESULTS_BOOST if args.boost else RESULTS)
-    print("\n".join(side_by_side(res) + reading(res)))
-    print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

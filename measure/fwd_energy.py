@@ -1,4 +1,4 @@
-"""Chapter 08: each forward's energy per call and speed under sustained load, next to the FA4
+"""Each forward's energy per call and speed under sustained load, next to the FA4
 package's.
 
 The benchmark (utils.bench) times short bursts of calls, L2 flushed before each. A training run
@@ -8,10 +8,10 @@ on that work, at the power the limit allows. This tool runs each implementation 
 a few seconds (no L2 flush, ten calls queued at a time), reads the board's energy counter
 (NVML, millijoules) before and after, and stores per call: joules, time, TFLOP/s, the mean power
 and the SM clock over the run. Implementations alternate in three rounds per shape, odd ones
-backwards (the stored run of commit c72b23e rotated them instead): fa4_final, the same kernel
+backwards: fa4_final, the same kernel
 without the split tail (non-causal shapes), and the benchmark's two fastest peers.
 
-    python -m solutions.ch08_energy            # writes results/<gpu>/fa4_final_energy.json
+    python -m measure.fwd_energy               # writes results/<gpu>/fa4_final_energy.json
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from fa4_final import interface
 from utils import bench, results
 
 RESULTS = "fa4_final_energy"
+PRODUCES = [(f"results/h200/{RESULTS}.json", "python -m measure.fwd_energy",
+             "fa4_final and its two fastest peers run back to back for seconds each: energy "
+             "per call, speed, power and clock under sustained load")]
 # the forward benchmark's eight shapes (measure.benchmark --name fa4_final_fwd)
 SHAPES = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True))
 TOKENS, HEADS = 16384, 16
@@ -117,7 +120,7 @@ def measure(seconds: float = 1.5, rounds: int = 3, save: bool = True) -> list[di
         limit = sensors.energy()["power_limit_w"]
         for r in rows:
             r["power_limit_w"] = limit
-        print("wrote", results.save(RESULTS, rows, command="python -m solutions.ch08_energy"))
+        print("wrote", results.save(RESULTS, rows, command="python -m measure.fwd_energy"))
     return rows
 
 

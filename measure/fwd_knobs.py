@@ -1,9 +1,9 @@
-"""Chapter 08's measurements of fa4_final's Hopper forward: every overlap idea switched off (or
-moved) one at a time, timed in interleaved rounds next to the peers, and the in-kernel timeline
-of CTA 0 for the Gantt chart of notebook 08.
+"""fa4_final's Hopper forward with its knobs changed one at a time, timed in bursts in
+interleaved rounds next to the peers (chapter 08's tuning runs, read in
+labs/measuring_small_differences.ipynb and labs/the_last_three_percent.ipynb; the chapter's own
+ablation is measure.fwd_clocked --ablation, at a fixed clock).
 
-    python -m solutions.ch08_knobs --knobs      # results/<gpu>/fa4_final_knobs.json
-    python -m solutions.ch08_knobs --timeline   # results/<gpu>/ch08_timeline.json
+    python -m measure.fwd_knobs --knobs         # results/<gpu>/fa4_final_knobs.json
 
 Each configuration is first checked against float64 on a small awkward shape (fresh random
 inputs, NaN-poisoned outputs; a failing one is not timed), then timed at batch x seqlen = 16384
@@ -21,12 +21,10 @@ import torch
 
 from fa4_final import interface
 from fa4_final.config import ZIGZAG_ROUNDS, hopper_fwd_default
-from fa4_final.timeline import MARKS, Mark
-from solutions import ch08_checks
+from measure import fwd_checks
 from utils import bench, results
 
 KNOB_RESULTS = "fa4_final_knobs"
-TIMELINE_RESULTS = "ch08_timeline"
 # (head_dim, seqlen, causal) groups timed; each runs every config of knob_configs
 PLAN = ((128, 4096, False), (128, 16384, False), (128, 16384, True))
 # the groups where fa4_final trails the FA4 package most (results/h200/fa4_final_fwd.json)
@@ -34,6 +32,30 @@ PLAN_GAPS = ((64, 16384, True), (128, 4096, True), (128, 16384, True))
 # every shape of the forward's benchmark (measure.benchmark --name fa4_final_fwd)
 PLAN_ALL = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True))
 PLAN_NON_CAUSAL = tuple(p for p in PLAN_ALL if not p[2])
+_RUN = "python -m measure.fwd_knobs --knobs"
+PRODUCES = [
+    (f"results/h200/{KNOB_RESULTS}.json", _RUN,
+     "every overlap idea switched off or moved, in bursts beside the peers, three shapes"),
+    ("results/h200/fa4_final_knobs_only.json", f"{_RUN} --gaps --only 'O rescaled' 'mask as bit'",
+     "the O rescale's place and the bit-word mask where the FA4 package led"),
+    ("results/h200/fa4_final_sched.json",
+     f"{_RUN} --all-shapes --only 'one tile per CTA' zigzag --name fa4_final_sched",
+     "the tile schedules (persistent or one tile per CTA, zigzag rounds) at eight shapes"),
+    ("results/h200/fa4_final_split.json",
+     f"{_RUN} --non-causal --only 'last round' 'cut along' --rounds 5 --name fa4_final_split",
+     "the last round whole or cut along the keys, four non-causal shapes"),
+    ("results/h200/fa4_final_d64_causal.json",
+     f"{_RUN} --shape 64 16384 1 --only 'one tile per CTA, L2' 'stages 2/2' "
+     "'zigzag rounds in L2' '128 x 128' 'after the softmax' --rounds 7 "
+     "--name fa4_final_d64_causal", "D = 64 causal: schedules, stages and tiles"),
+    ("results/h200/fa4_final_d64_softmax.json",
+     f"{_RUN} --shape 64 4096 0 --shape 64 4096 1 --shape 64 16384 0 --shape 64 16384 1 "
+     "--only 'exp2 emulation' 'tau = 8' --rounds 5 --name fa4_final_d64_softmax",
+     "D = 64: the exp2 emulation share and the rescale threshold"),
+    ("results/h200/fa4_final_tune.json",
+     f"{_RUN} --all-shapes --only 'tau = 8' --exact --settle-ms 50 --rounds 5 "
+     "--name fa4_final_tune", "tau = 8 at eight shapes, each config settled first"),
+]
 
 
 def knob_configs(head_dim: int, causal: bool) -> dict:
@@ -116,7 +138,7 @@ def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True, plan
         flops = bench.attention_flops(batch, 16, seqlen, seqlen, head_dim, causal)
         calls, checked = {}, {}
         for name, cfg in chosen(head_dim, causal).items():
-            ok, line = ch08_checks.check_case(1, 1000, 1100, 4, 2, head_dim, causal,
+            ok, line = fwd_checks.check_case(1, 1000, 1100, 4, 2, head_dim, causal,
                                               torch.bfloat16, config=cfg)
             checked[name] = ok
             if not ok:
@@ -147,47 +169,13 @@ def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True, plan
         torch.cuda.empty_cache()
     if save:
         print("wrote", results.save(results_name, rows,
-                                    command=command or "python -m solutions.ch08_knobs --knobs"))
-    return rows
-
-
-def timeline(save: bool = True) -> list[dict]:
-    """Phase stamps of CTA 0's first tile (fa4_final.timeline) for the default and for the
-    schedule of chapter 05 (no ping-pong, one tile per CTA, O rescaled after the softmax), at
-    D = 128, S = 4096, non-causal. Cycles, relative to the first stamp of the run."""
-    from utils.reference import random_qkv
-
-    q, k, v, seed = random_qkv(4, 4096, 16, 128, device="cuda")
-    base = hopper_fwd_default(128, False)
-    plans = {"fa4_final": base,
-             "chapter 05 schedule": replace(base, pingpong=False, persistent=False,
-                                            tile_table=False, o_rescale="end",
-                                            separate_o=False, stages_k=2, stages_v=2)}
-    rows = []
-    for name, cfg in plans.items():
-        for _ in range(3):  # warm: compiled, clocks up
-            interface.forward(q, k, v, config=replace(cfg, timeline=True))
-        tl = interface.forward_timeline(q, k, v, config=cfg)
-        t0 = int(tl[tl > 0].min())
-        for role in range(tl.shape[0]):
-            for step in range(tl.shape[1]):
-                stamps = [int(x) - t0 if x > 0 else None for x in tl[role, step].tolist()]
-                if any(s is not None for s in stamps):
-                    rows.append({"impl": name, "role": role, "step": step,
-                                 "metric": "phase stamps", "unit": "cycles",
-                                 "value": dict(zip([m.name for m in Mark], stamps)),
-                                 "seed": seed, "knobs": asdict(cfg)})
-    assert MARKS == len(Mark)
-    if save:
-        print("wrote", results.save(TIMELINE_RESULTS, rows,
-                                    command="python -m solutions.ch08_knobs --timeline"))
+                                    command=command or "python -m measure.fwd_knobs --knobs"))
     return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--knobs", action="store_true")
-    ap.add_argument("--timeline", action="store_true")
     ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS)
     ap.add_argument("--only", nargs="*", help="configs whose name holds one of these (and the "
                     "default); saved as fa4_final_knobs_only.json, not over the full table")
@@ -210,8 +198,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (sm_90); the stored results are in results/h200/")
         return 0
-    if args.timeline:
-        timeline()
     if args.knobs:
         partial = (args.only is not None or args.gaps or args.all_shapes or args.non_causal
                    or args.shape is not None)
@@ -221,7 +207,7 @@ def main(argv=None) -> int:
             plan = tuple((d, s, bool(c)) for d, s, c in args.shape)
         knobs(rounds=args.rounds, plan=plan, only=args.only,
               results_name=args.name or (KNOB_RESULTS + "_only" if partial else KNOB_RESULTS),
-              command="python -m solutions.ch08_knobs " + " ".join(argv or sys.argv[1:]),
+              command="python -m measure.fwd_knobs " + " ".join(argv or sys.argv[1:]),
               settle_ms=args.settle_ms, exact=args.exact)
     return 0
 

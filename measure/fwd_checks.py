@@ -1,8 +1,9 @@
-"""Chapter 08's checks of fa4_final's Hopper forward on a GPU: fresh random inputs of awkward
+"""fa4_final's Hopper forward checked on a GPU (chapter 08): fresh random inputs of awkward
 shapes against the float64 reference, NaN-poisoned outputs, one line per case.
 
-    python -m solutions.ch08_checks            # every case (also what the GPU tests run)
-    python -m solutions.ch08_checks --small    # three small cases: what compute-sanitizer runs
+    python -m measure.fwd_checks             # every case (also what the GPU tests run)
+    python -m measure.fwd_checks --save      # ... and the verdicts: fa4_final_checks.json
+    python -m measure.fwd_checks --small     # three small cases: what compute-sanitizer runs
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from utils import checks
 from utils.reference import random_qkv
 
 BF16, FP16 = torch.bfloat16, torch.float16
+RESULTS = "fa4_final_checks"
+PRODUCES = [(f"results/h200/{RESULTS}.json", "python -m measure.fwd_checks --defaults --save",
+             "fa4_final's forward against float64 on awkward shapes: a verdict per case")]
 # (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype, window_size)
 CASES = [
     (1, 1, 1, 1, 1, 128, False, BF16, None),
@@ -143,13 +147,31 @@ def main(argv=None) -> int:
     ap.add_argument("--split", action="store_true", help="with --small: the split-tail cases")
     ap.add_argument("--defaults", action="store_true", help="only the cases that run the "
                     "default configs (no knob sets)")
+    ap.add_argument("--save", action="store_true", help=f"write the verdicts to {RESULTS}.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU here; the compile-only checks are tests/test_fa4_final_compile.py")
         return 0
     cases = ([(c, None) for c in CASES] if args.defaults
              else all_cases(args.small, args.knob, args.split))
-    return 1 if checks.run_cases(check_case, cases) else 0
+    if not args.save:
+        return 1 if checks.run_cases(check_case, cases) else 0
+    from utils import results
+
+    rows = []
+    for case, config in cases:
+        ok, line = check_case(*case, config=config)
+        print(line, flush=True)
+        b, sq, sk, h, hk, d, causal, dtype, window = case
+        rows.append({"name": "forward against float64", "metric": "passed", "value": bool(ok),
+                     "unit": "verdict", "impl": "fa4_final", "b": b, "sq": sq, "sk": sk,
+                     "h": h, "h_kv": hk, "d": d, "causal": causal,
+                     "dtype": str(dtype).removeprefix("torch."), "window": window,
+                     "config": "default" if config is None else str(config), "line": line})
+    command = "python -m measure.fwd_checks " + " ".join(argv if argv is not None else
+                                                         sys.argv[1:])
+    print("wrote", results.save(RESULTS, rows, command=command))
+    return 0 if all(r["value"] for r in rows) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""Chapter 08: fa4_final's forward, a few of its variants and the FA4 package timed at one fixed
-SM clock, kernel by kernel, by Nsight Compute.
+"""fa4_final's forward, its variants and the FA4 package timed at one fixed SM clock, kernel by
+kernel, by Nsight Compute (chapter 08; labs/measuring_small_differences.ipynb).
 
 A burst on a power-limited H200 moves by several per cent with what ran before it (utils.bench
 Note [Predecessors]); a difference of 1-2% between two kernels drowns in that. Nsight Compute
@@ -7,10 +7,12 @@ holds the SM clock at its base, runs one kernel at a time and flushes the caches
 no predecessor, no power limit, and a spread over the rounds of one to a few per cent (the
 launches drift together, which the alternating rounds cancel), the instrument for telling
 apart variants that close. It says nothing of power: a variant that saves energy gains under
-the power limit and not here (solutions.ch08_energy measures that), and the base clock makes
+the power limit and not here (measure.fwd_energy measures that), and the base clock makes
 memory relatively faster than at the GPU's own clock.
 
-    python -m solutions.ch08_clocked          # GPU + ncu: results/<gpu>/fa4_final_clocked.json
+    python -m measure.fwd_clocked             # GPU + ncu: results/<gpu>/fa4_final_clocked.json
+    python -m measure.fwd_clocked --ablation  # chapter 08's ideas, each switched off in turn:
+                                              # results/<gpu>/fa4_final_ablation.json
 
 Each shape is one ncu run of its own process (``--target``): every variant is called once to
 compile (not profiled), then ``LAUNCHES`` times in rounds whose order alternates
@@ -30,6 +32,7 @@ import sys
 import tempfile
 
 RESULTS = "fa4_final_clocked"
+ABLATION_RESULTS = "fa4_final_ablation"
 HEADS, TOKENS = 16, 16384
 LAUNCHES = 7
 SHAPES = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True))
@@ -69,8 +72,67 @@ VARIANTS = {
     "tau = 0": {"rescale_threshold": 0.0, "rescale_skip_unchanged": False},
     # the same with a threshold: each row keeps or moves its own max, the vote gates O only
     "tau = 8, rows decide alone": {"rescale_threshold": 8.0, "rescale_skip_unchanged": True},
+    # chapter 08's ablation (--ablation): each idea of the chapter switched off in turn
+    "no ping-pong": {"pingpong": False},
+    "no intra-warpgroup overlap": {"intra_wg_overlap": False},
+    "one tile per CTA": {"persistent": False, "tile_table": False},
+    "O over Q (no separate O buffer)": {"separate_o": False},
+    # not causal: the last round of whole tiles (no split tail); causal: fixed zigzag rounds
+    # over the L2 sections' saw-tooth of costs instead of tiles taken at run time
+    "tiles not balanced": lambda causal: (
+        {"tile_table": False, "dynamic_tiles": False} if causal else {"split_tail": False}),
 }
 DEFAULT_VARIANTS = ("fa4_final", "tau = 8", "O rescaled after the softmax", "fa4_package")
+ABLATION = ("fa4_final", "no ping-pong", "no intra-warpgroup overlap",
+            "O rescaled after the softmax", "one tile per CTA", "O over Q (no separate O buffer)",
+            "tiles not balanced", "fa4_package")
+ABLATION_SHAPES = tuple((d, 16384, c) for d in (64, 128) for c in (False, True))
+PRODUCES = [
+    (f"results/h200/{ABLATION_RESULTS}.json", "python -m measure.fwd_clocked --ablation",
+     "chapter 08's ideas switched off one at a time, at ncu's fixed clock, four shapes"),
+    (f"results/h200/{RESULTS}.json", "python -m measure.fwd_clocked",
+     "fa4_final, tau = 8, O rescaled after the softmax and the FA4 package at ncu's clock"),
+    ("results/h200/fa4_final_clocked_vs_package*.json",
+     "python -m measure.fwd_clocked --variants fa4_final fa4_package "
+     "--name fa4_final_clocked_vs_package", "fa4_final against the FA4 package at ncu's clock"),
+    ("results/h200/fa4_final_clocked_d64_causal.json",
+     "python -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "
+     "'tau = 8' 'O rescaled after the softmax' 'tau = 8, O rescaled after the softmax' "
+     "'one tile per CTA, L2 sections' 'zigzag rounds in L2 sections' 'K/V stages 2/2' "
+     "fa4_package --name fa4_final_clocked_d64_causal", "D = 64 causal: knobs at ncu's clock"),
+    ("results/h200/fa4_final_clocked_d64_causal_stages.json",
+     "python -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "
+     "'K/V stages 2/2' 'K/V stages 2/2, tau = 8' 'K/V stages 2/2, O rescaled after the softmax' "
+     "'K/V stages 2/2, tau = 8, O rescaled after the softmax' fa4_package "
+     "--name fa4_final_clocked_d64_causal_stages", "D = 64 causal: two K/V stages with tau"),
+    ("results/h200/fa4_final_clocked_dynamic*.json",
+     "python -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --shape 128 16384 1 "
+     "--shape 128 4096 1 --variants fa4_final 'tile table' fa4_package "
+     "--name fa4_final_clocked_dynamic", "the causal schedules: dynamic tiles or the table"),
+    ("results/h200/fa4_final_clocked_lane.json",
+     "python -m measure.fwd_clocked --variants fa4_final 'lane read every step' fa4_package "
+     "--name fa4_final_clocked_lane", "the signalling lane read once or every step"),
+    ("results/h200/fa4_final_clocked_row_sum.json",
+     "python -m measure.fwd_clocked --variants fa4_final 'row sum in one chain' "
+     "'row sum in two chains' fa4_package --name fa4_final_clocked_row_sum",
+     "the row sum as a tree or as chains"),
+    ("results/h200/fa4_final_clocked_row_max.json",
+     "python -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "
+     "'row sum in one chain' 'row sum in one chain, row max in four chains' "
+     "'row max in four chains' fa4_package --name fa4_final_clocked_row_max",
+     "the row max as a tree or as chains (D = 64 causal)"),
+    ("results/h200/fa4_final_clocked_skip.json",
+     "python -m measure.fwd_clocked --variants fa4_final 'tau = 8, rows decide alone' "
+     "'tau = 0, O multiply skipped when no max moved' 'tau = 8' fa4_package "
+     "--name fa4_final_clocked_skip", "the warp vote on or off the exponentials' path"),
+]
+
+
+def change_of(name: str, causal: bool) -> dict | None:
+    """The config changes of variant ``name`` at a causal or non-causal shape (None: the FA4
+    package)."""
+    change = VARIANTS[name]
+    return change(causal) if callable(change) else change
 KERNEL_REGEX = "regex:HopperForward|FlashAttentionForwardSm90"
 METRIC = "gpu__time_duration.sum"
 
@@ -87,7 +149,7 @@ def calls(head_dim: int, seqlen: int, causal: bool, names) -> dict:
     q, k, v, _ = random_qkv(TOKENS // seqlen, seqlen, HEADS, head_dim, device="cuda")
     out = {}
     for name in names:
-        change = VARIANTS[name]
+        change = change_of(name, causal)
         if change is None:
             fa4 = bench.peers()["fa4_package"]
             out[name] = lambda fa4=fa4: fa4(q, k, v, causal=causal)
@@ -138,7 +200,7 @@ def run_ncu(head_dim: int, seqlen: int, causal: bool, names: list) -> str:
         subprocess.run(
             [ncu, "--launch-skip", str(len(names)), "--launch-count",
              str(len(launch_order(names))), "-k", KERNEL_REGEX, "--metrics", METRIC, "-f",
-             "-o", rep, sys.executable, "-m", "solutions.ch08_clocked", "--target",
+             "-o", rep, sys.executable, "-m", "measure.fwd_clocked", "--target",
              str(head_dim), str(seqlen), str(int(causal)), *names],
             check=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         return subprocess.run([ncu, "-i", rep + ".ncu-rep", "--page", "raw", "--csv"],
@@ -159,7 +221,8 @@ def rows_for(head_dim: int, seqlen: int, causal: bool, names: list, times: list)
         ms = [t for t, n in zip(times, order) if n == name]
         med = statistics.median(ms)
         rows.append({"impl": "fa4_package" if VARIANTS[name] is None else "fa4_final",
-                     "config": name, "knobs": VARIANTS[name], "pass": "fwd", "dtype": "bf16",
+                     "config": name, "knobs": change_of(name, causal), "pass": "fwd",
+                     "dtype": "bf16",
                      "b": b, "s": seqlen, "h": HEADS, "d": head_dim, "causal": causal,
                      "ms": med, "ms_rounds": ms, "spread": (max(ms) - min(ms)) / med,
                      "tflops": flops / (med * 1e-3) / 1e12, "clock": "ncu base clock"})
@@ -187,7 +250,10 @@ def main(argv=None) -> int:
                     choices=list(VARIANTS))
     ap.add_argument("--shape", nargs=3, type=int, action="append", metavar=("D", "S", "CAUSAL"),
                     help="this shape only (repeat for several; default: the eight)")
-    ap.add_argument("--name", default=RESULTS, help="results file to write")
+    ap.add_argument("--name", help="results file to write (default: fa4_final_clocked, or "
+                    "fa4_final_ablation with --ablation)")
+    ap.add_argument("--ablation", action="store_true", help="chapter 08's ablation: the "
+                    "variants of ABLATION at the shapes of ABLATION_SHAPES")
     args = ap.parse_args(argv)
     if args.target:
         d, s, c, *names = args.target
@@ -200,9 +266,12 @@ def main(argv=None) -> int:
         return 0
     from utils import results
 
-    shapes = tuple((d, s, bool(c)) for d, s, c in args.shape) if args.shape else SHAPES
-    rows = measure(shapes, names=tuple(args.variants))
-    print("wrote", results.save(args.name, rows, command="python -m solutions.ch08_clocked " +
+    shapes = tuple((d, s, bool(c)) for d, s, c in args.shape) if args.shape else (
+        ABLATION_SHAPES if args.ablation else SHAPES)
+    names = ABLATION if args.ablation else tuple(args.variants)
+    name = args.name or (ABLATION_RESULTS if args.ablation else RESULTS)
+    rows = measure(shapes, names=names)
+    print("wrote", results.save(name, rows, command="python -m measure.fwd_clocked " +
                                 " ".join(argv if argv is not None else sys.argv[1:])))
     return 0
 

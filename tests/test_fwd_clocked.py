@@ -1,4 +1,4 @@
-"""solutions.ch08_clocked on the CPU: the launch order it profiles, reading ncu's raw page back
+"""measure.fwd_clocked on the CPU: the launch order it profiles, reading ncu's raw page back
 into per-variant rows, and the variants' configs."""
 
 from dataclasses import replace
@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from fa4_final.config import hopper_fwd_default
-from solutions import ch08_clocked as clocked
+from measure import fwd_clocked as clocked
 from utils import results
 
 
@@ -45,4 +45,13 @@ def test_units_other_than_microseconds():
 @pytest.mark.parametrize("name", [n for n, c in clocked.VARIANTS.items() if c is not None])
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)])
 def test_every_variant_is_a_valid_config(name, d, causal):
-    replace(hopper_fwd_default(d, causal), **clocked.VARIANTS[name]).check(d)
+    replace(hopper_fwd_default(d, causal), **clocked.change_of(name, causal)).check(d)
+
+
+def test_the_ablation_switches_off_one_idea_per_variant():
+    assert clocked.ABLATION[0] == "fa4_final" and clocked.ABLATION[-1] == "fa4_package"
+    for causal in (False, True):
+        base = hopper_fwd_default(128, causal)
+        for name in clocked.ABLATION[1:-1]:
+            cfg = replace(base, **clocked.change_of(name, causal))
+            assert cfg != base, f"{name} changes nothing at causal={causal}"

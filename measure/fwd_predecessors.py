@@ -1,4 +1,4 @@
-"""Chapter 08: does a kernel's time in a burst depend on what ran before it?
+"""Does a kernel's time in a burst depend on what ran before it?
 
 utils.bench Note [Predecessors] says an H200 near its power limit may run a kernel partly at
 the clock its predecessor left. This module tests that at one shape: for each implementation
@@ -7,7 +7,7 @@ the other implementation, a burst of itself), it runs the predecessor, then ``re
 with the L2 flushed before each (as utils.bench.time_cuda does), and keeps every call's time,
 not just the median, so a drift inside the burst shows. Orders alternate over ``rounds``.
 
-    python -m solutions.ch08_predecessors            # results/<gpu>/fa4_final_predecessors.json
+    python -m measure.fwd_predecessors              # results/<gpu>/fa4_final_predecessors.json
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from fa4_final import interface
 from utils import bench, results
 
 NAME = "fa4_final_predecessors"
+PRODUCES = [(f"results/h200/{NAME}.json", "python -m measure.fwd_predecessors",
+             "one shape's bursts of fa4_final and the FA4 package, each timed after four "
+             "different predecessors, every call kept")]
 PREDECESSORS = ("idle 0.5 s", "sdpa_efficient", "other", "itself")
 
 
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
         return 0
     d, s, c = args.shape
     rows = measure(d, s, bool(c), rounds=args.rounds)
-    print("wrote", results.save(NAME, rows, command="python -m solutions.ch08_predecessors"))
+    print("wrote", results.save(NAME, rows, command="python -m measure.fwd_predecessors"))
     return 0
 
 
