@@ -19,7 +19,9 @@ inline-PTX block, the low words computed on the fly. Why not CuTe's ``cute.gemm`
 descriptor fragments? It precomputes a 64-bit descriptor per (K block, stage): for Q, K and V
 that is 2 * 8 + 3 * 8 + 3 * 8 = 64 descriptors at D = 128, more than the 63 uniform registers,
 and the MMA warp (48 registers) spilled them (measured on our compile: 78 spill instructions);
-FA4's own forward issues its MMAs the same lean way.
+FA4's own forward issues its MMAs the same lean way. ``reload_words`` reads descriptor base
+words back from shared memory where they must be fresh each step (bwd_pair, Note [Descriptors
+read each step]).
 """
 
 from __future__ import annotations

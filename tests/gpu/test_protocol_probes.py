@@ -100,14 +100,14 @@ def test_setmaxnreg_over_a_sub_partition_hangs():
 
 
 def test_ds_exchange_between_the_ctas_of_a_cluster():
-    res = run_probe(["exchange"], timeout=300)
+    res = run_probe(["exchange"], timeout=180)
     assert res["rows"], f"the exchange probe reported nothing: it {res['how']}\n{res['tail']}"
     problems = res["rows"][0]["problems"]
     assert problems == [], "\n".join(problems[:10])
 
 
 def test_multicast_tma_fills_both_ctas_of_a_cluster():
-    res = run_probe(["multicast"], timeout=300)
+    res = run_probe(["multicast"], timeout=180)
     assert len(res["rows"]) == 2, (
         f"the multicast probe reported {len(res['rows'])} of 2 variants: it {res['how']}\n"
         f"{res['tail']}")
