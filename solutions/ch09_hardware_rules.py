@@ -98,8 +98,9 @@ RULES = (
          H200),
     Rule("tcgen05.ld: the load is complete (tcgen05.wait::ld, or every loaded register "
          "consumed) before its TMEM columns may be overwritten or another thread is told so "
-         "(a tcgen05.st, a barrier arrive, an MMA); ptxas orders the reads of the destination "
-         "registers themselves, as FA4 and CUTLASS assume",
+         "(a tcgen05.st, a barrier arrive, an MMA). The loaded registers themselves are read "
+         "with no wait::ld before them, as FA4's and CUTLASS's kernels read them: our reading "
+         "(not documented) is that ptxas tracks those registers like any load's",
          "blackwell/fwd.py: softmax, correction; bwd.py and bwd_pair.py: compute_step, "
          "store_dq (cute.arch.fence_view_async_tmem_load)",
          (f"{PROT}::test_tmem_loads_complete_before_a_signal",),
