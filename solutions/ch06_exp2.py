@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import numpy as np
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from fa4_final.fast_math import (  # noqa: F401  (re-exported: the notebook imports them here)
     CLAMP_LOW,
@@ -464,7 +464,87 @@ def model_error_bound(degree: int = 3) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Exercise checkers: each raises AssertionError in plain words
+# 5. Exercise checkers: each raises AssertionError in plain words, and judges the method too:
+#    the exercises forbid the NumPy shortcuts (the FORBID_* tables, passed as ``forbid=``) and
+#    the checkers run the answer with the chapter's helpers swapped for recording stand-ins, to
+#    see that the trick was done (the round-down add of 1.5 * 2^23, the integer shift).
+
+FORBID_FLOOR = {
+    np.floor: "NumPy's floor is what the trick replaces: the GPU has no cheap floor",
+    np.ceil: "a rounding function is what the trick replaces",
+    np.trunc: "a rounding function is what the trick replaces",
+    np.rint: "a rounding function is what the trick replaces",
+    np.round: "a rounding function is what the trick replaces",
+    np.fix: "a rounding function is what the trick replaces",
+    np.modf: "modf splits x for you; the trick is the round-down add",
+    np.fmod: "a remainder is what the trick replaces",
+    np.remainder: "a remainder is what the trick replaces",
+    np.divmod: "divmod rounds for you; the trick is the round-down add",
+    math.floor: "a floor is what the trick replaces",
+}
+FORBID_ASSEMBLE = {
+    np.ldexp: "ldexp multiplies by 2^n for you; build it from the bit patterns",
+    np.exp2: "exp2 is the function this chapter builds",
+    np.power: "a power computes 2^n by value; build it from the bit patterns",
+    np.float_power: "a power computes 2^n by value; build it from the bit patterns",
+    math.ldexp: "ldexp multiplies by 2^n for you; build it from the bit patterns",
+    math.pow: "a power computes 2^n by value; build it from the bit patterns",
+    np.frexp: "frexp reads the exponent for you; work on the bit patterns",
+}
+
+
+def _undecorated(fn):
+    """The Python function behind ``fn`` as written (a ``@cute.jit`` function's original code
+    even after the DSL compiled it; see utils.host_emulation.plain)."""
+    raw = getattr(fn, "__wrapped__", fn)
+    code = getattr(raw, "_original_code", None) or raw.__code__
+    return raw, code
+
+
+def swapped(fn, swap: dict, modules=()):
+    """``fn`` (as written) with every object of ``swap`` ({original: stand-in}) replaced where
+    its code names it: a global name, or an attribute of one of ``modules``. Returns
+    (the function, a context manager that patches the modules' attributes while it runs)."""
+    import types
+    from contextlib import ExitStack
+
+    from utils.host_emulation import patched
+
+    by_id = {id(k): v for k, v in swap.items()}
+    raw, code = _undecorated(fn)
+    scope = dict(raw.__globals__)
+    for name, value in list(scope.items()):
+        if id(value) in by_id:
+            scope[name] = by_id[id(value)]
+    clone = types.FunctionType(code, scope, raw.__name__, raw.__defaults__, raw.__closure__)
+    clone.__kwdefaults__ = getattr(raw, "__kwdefaults__", None)
+
+    def patches():
+        stack = ExitStack()
+        for mod in modules:
+            attrs = {name: by_id[id(v)] for name, v in vars(mod).items() if id(v) in by_id}
+            if attrs:
+                stack.enter_context(patched(mod, **attrs))
+        return stack
+
+    return clone, patches
+
+
+def _recorded_calls(fn, helper, args):
+    """Run ``fn(*args)`` with ``helper`` (a function of this module) recording its calls;
+    returns (fn's result, [the arguments of each call])."""
+    import sys
+
+    calls = []
+
+    def recorder(*a, **kw):
+        calls.append(a)
+        return helper(*a, **kw)
+
+    clone, patches = swapped(fn, {helper: recorder}, [sys.modules[__name__]])
+    with patches():
+        out = clone(*args)
+    return out, calls
 
 
 def _probe_points() -> np.ndarray:
@@ -476,9 +556,11 @@ def _probe_points() -> np.ndarray:
 
 
 def check_floor_trick(fn) -> None:
-    """Exercise 06.1: fn(x) -> (floor(x), x - floor(x)) as float32, by the floor trick."""
+    """Exercise 06.1: fn(x) -> (floor(x), x - floor(x)) as float32, by the floor trick: the
+    answer must make the round-down add of 1.5 * 2^23 (``add_rm_f32``; NumPy's rounding
+    functions are forbidden by FORBID_FLOOR)."""
     x = _probe_points()
-    out = fn(x.copy())
+    out, calls = _recorded_calls(fn, add_rm_f32, (x.copy(),))
     assert isinstance(out, tuple) and len(out) == 2, (
         f"return a pair (n, f), got {type(out).__name__}"
     )
@@ -489,7 +571,13 @@ def check_floor_trick(fn) -> None:
     assert n.dtype == _F32 and f.dtype == _F32, (
         f"n and f must be float32 like the GPU registers, got {n.dtype} and {f.dtype}"
     )
-    want = np.floor(x)
+    magic = [c for c in calls if any(np.all(as_f32(a) == _F32(SHIFTER)) for a in c[:2])]
+    assert magic, (
+        "your floor never makes the round-down add of 1.5·2^23 (add_rm_f32(x, SHIFTER)): the "
+        "trick is that one add, which leaves floor(x) in the low bits of the sum; a floor "
+        "computed any other way needs a conversion instruction on the GPU"
+    )
+    want = floor_trick(x)[0]
     bad = np.flatnonzero(n != want)
     if bad.size:
         i = bad[0]
@@ -509,28 +597,51 @@ def check_floor_trick(fn) -> None:
 
 
 def check_assemble_exponent(fn) -> None:
-    """Exercise 06.2: fn(j, p) -> p * 2^n, j = SHIFTER + n as float32, by integer operations."""
+    """Exercise 06.2: fn(j, p) -> (bits(j) << 23) + bits(p) as float32, j = SHIFTER + n: p * 2^n
+    for n in [-126, 127], and what a 32-bit register gives past that (the exponent field wraps:
+    n = -127 gives +0 for p = 1, which the model relies on for x <= -127), so 2^n computed by
+    value does not pass (NumPy's ldexp and powers are forbidden by FORBID_ASSEMBLE)."""
     rng = np.random.default_rng(62)
-    n = np.concatenate([np.arange(-126, 128), rng.integers(-126, 128, 500)])
-    p = as_f32(np.concatenate([np.ones(254), rng.uniform(1.0, 2.0, 500)]))
+    n = np.concatenate([np.arange(-126, 128), rng.integers(-126, 128, 500), [-127, -127, 128]])
+    p = as_f32(np.concatenate([np.ones(254), rng.uniform(1.0, 2.0, 500), [1.0, 1.5, 1.5]]))
     j = as_f32(SHIFTER + n)
     got = np.asarray(fn(j.copy(), p.copy()))
     assert got.shape == p.shape, f"expected shape {p.shape}, got {got.shape}"
     assert got.dtype == _F32, f"the result must be float32, got {got.dtype}"
-    want = np.ldexp(p, n.astype(np.int32)).astype(_F32)
+    want = assemble_exponent(j, p)
     bad = np.flatnonzero(f32_bits(got) != f32_bits(want))
     if bad.size:
-        i = bad[0]
-        if np.all(n[bad] < 0):
+        inside = bad[(n[bad] >= -126) & (n[bad] <= 127)]
+        i = inside[0] if inside.size else bad[0]
+        if not inside.size:
+            raise AssertionError(
+                f"for n = {n[i]} and p = {p[i]!r} a 32-bit register gives "
+                f"{int(f32_bits(want[i])):#010x} ({want[i]!r}): the exponent field wraps "
+                f"around. You gave {int(f32_bits(got[i])):#010x} ({got[i]!r}), p * 2^n by value. "
+                "Work on the bit patterns: (bits(j) << 23) + bits(p), as integers, modulo 2^32"
+            )
+        shifted = {s: (f32_bits(j).astype(np.uint64) << s) + f32_bits(p) for s in (22, 24)}
+        wrong_shift = [s for s, v in shifted.items()
+                       if np.array_equal(f32_bits(got), (v & 0xFFFFFFFF).astype(_U32))]
+        if wrong_shift:
+            hint = (f" You shifted by {wrong_shift[0]}: the exponent field starts at bit 23 "
+                    "(23 mantissa bits below it), so n << 23 adds n to it.")
+        elif np.all(n[bad] < 0):
             hint = " Negative n must wrap around modulo 2^32, as in a 32-bit register."
         elif np.array_equal(got, p):
             hint = " You returned p unchanged: n still has to go into its exponent bits."
         else:
-            hint = (" Use j's BIT PATTERN (f32_bits), not its value: shift it left by 23, keep "
-                    "32 bits (mask with 0xFFFFFFFF) and add the bit pattern of p, as integers.")
+            hint = (" Shift j's bit pattern (f32_bits) left by 23, keep 32 bits (mask with "
+                    "0xFFFFFFFF) and add the bit pattern of p, as integers.")
         raise AssertionError(
             f"for n = {n[i]} and p = {p[i]!r}, p * 2^n = {want[i]!r}, you gave {got[i]!r}.{hint}"
         )
+
+
+FORBID_MAX_ERROR = {
+    error_extrema: "that is the chapter's own search for the extrema",
+    relative_error: "write p(f) / 2^f - 1 yourself",
+}
 
 
 def check_max_relative_error(fn) -> None:
@@ -699,6 +810,7 @@ PIPES = {
 }
 _SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 _SCAFFOLD = {"NOP", "EXIT", "BRA", "RET"}
+_CONSTANT_LOADS = ("MOV", "HFMA2.MMA", "IMAD.MOV", "IMAD.MOV.U32", "UMOV")
 
 
 def sass_opcodes(sass: str) -> Counter:
@@ -721,8 +833,7 @@ def instruction_census(arch: str = "sm_90a", degree: int = 3, nan_safe: bool = T
     diff = sass_opcodes(poly.sass)
     diff.subtract(sass_opcodes(mufu.sass))
     diff["MUFU.EX2"] += 1
-    constants = ("MOV", "HFMA2.MMA", "IMAD.MOV", "IMAD.MOV.U32", "UMOV")
-    return Counter({k: v for k, v in diff.items() if v > 0 and k not in constants})
+    return Counter({k: v for k, v in diff.items() if v > 0 and k not in _CONSTANT_LOADS})
 
 
 def exp_rate_model(fraction: float, census: Counter) -> dict:
@@ -745,6 +856,885 @@ def exp_rate_model(fraction: float, census: Counter) -> dict:
     binding = max(clocks, key=clocks.get)
     return {"fraction": fraction, "exp_per_clk_sm": 4 * 32 / clocks[binding],
             "binding": binding, **{f"clk_{k}": v for k, v in clocks.items()}}
+
+
+# ----------------------------------------------------------------------------------------------
+# 9. Exercises 06.4 and 06.5 (device code): run on the CPU, compiled for sm_90a, run on a GPU
+#
+# Note [Device code on the CPU]
+# A @cute.jit function is Python that builds a program. Run as plain Python with NumPy values in
+# place of the DSL's (utils.host_emulation), the same source computes what the GPU computes: a
+# value becomes a ``Reg``, a float32 or int32 array with one entry per thread; its operators
+# round once to nearest, as the GPU's FADD/FMUL do, and wrap modulo 2^32 for integers; each
+# one-instruction helper (ptx_add_rm, ptx_sub_rn, ptx_fma_rn) becomes this module's float32
+# model of that instruction, and MUFU's ex2 becomes float32(2^x), flushed to zero below 2^-126.
+# So a learner's exp2 runs on a quarter of a million inputs at once and its bit patterns are
+# compared with exp2_f32_model's. Only the helpers' models are trusted; everything the learner
+# writes runs as written. The compile step then checks what emulation cannot see: which SASS
+# instructions the code became.
+
+HALF_COEFFS = tuple(c / 2.0 for c in exp2_coefficients(3))  # Note [Special values]: halved
+
+
+class Reg:
+    """One DSL register value for many threads at once: a float32, int32 or bool NumPy array.
+
+    Operators as the DSL's: float32 ones round once to nearest, int32 ones wrap modulo 2^32,
+    ``<<`` is a logical shift, ``bitcast`` reinterprets bits. A Python ``if`` on a Reg is an
+    error: on the GPU it would be a branch on a run-time value."""
+
+    __slots__ = ("v",)
+    __array_ufunc__ = None  # NumPy scalars defer to Reg's own operators
+
+    def __init__(self, v):
+        self.v = np.asarray(v)
+
+    @property
+    def is_float(self) -> bool:
+        return self.v.dtype == _F32
+
+    def _other(self, other):
+        if isinstance(other, Reg):
+            if other.v.dtype != self.v.dtype:
+                raise AssertionError(
+                    f"an operation mixes a {_type_name(self)} and a {_type_name(other)}: "
+                    "convert or bitcast one of them first (x.bitcast(Int32) reads a float's "
+                    "bits)")
+            return other.v
+        if isinstance(other, (bool, np.bool_)):
+            return np.asarray(other)
+        if self.is_float and isinstance(other, (int, float, np.integer, np.floating)):
+            return _F32(other)
+        if self.v.dtype == np.int32 and isinstance(other, (int, np.integer)):
+            return np.int64(int(other))
+        raise AssertionError(f"an operation mixes a {_type_name(self)} and "
+                             f"{type(other).__name__} {other!r}")
+
+    def _float(self, op, other, reverse=False):
+        b = self._other(other)
+        a, b = (b, self.v) if reverse else (self.v, b)
+        with np.errstate(all="ignore"):
+            return Reg(canonical_nan(op(a, b)))
+
+    def _int(self, op, other, reverse=False):
+        b = self._other(other)
+        a, b = (b, self.v) if reverse else (self.v, b)
+        wide = op(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
+        return Reg((wide & 0xFFFFFFFF).astype(_U32).view(np.int32))
+
+    def _arith(self, op, other, reverse=False):
+        if self.v.dtype == np.bool_:
+            raise AssertionError("arithmetic on a comparison's result: use it in a select")
+        return (self._float if self.is_float else self._int)(op, other, reverse)
+
+    def __add__(self, o):
+        return self._arith(np.add, o)
+
+    def __radd__(self, o):
+        return self._arith(np.add, o, True)
+
+    def __sub__(self, o):
+        return self._arith(np.subtract, o)
+
+    def __rsub__(self, o):
+        return self._arith(np.subtract, o, True)
+
+    def __mul__(self, o):
+        return self._arith(np.multiply, o)
+
+    def __rmul__(self, o):
+        return self._arith(np.multiply, o, True)
+
+    def __neg__(self):
+        return self._arith(np.subtract, 0, True) if not self.is_float else Reg(-self.v)
+
+    def __mod__(self, o):
+        if self.is_float:
+            raise AssertionError("% of a Float32: the GPU has no such instruction")
+        return self._int(lambda a, b: np.fmod(a, b), o)
+
+    def __floordiv__(self, o):
+        if self.is_float:
+            raise AssertionError("// of a Float32: the GPU has no such instruction")
+        return self._int(lambda a, b: np.trunc(a / b).astype(np.int64), o)
+
+    def __truediv__(self, o):
+        raise AssertionError("a division is a multi-instruction sequence on the GPU; the exp2 "
+                             "needs none")
+
+    def __pow__(self, o):
+        raise AssertionError("** has no GPU instruction: 2^n comes from the exponent bits")
+
+    def _shift(self, amount, left: bool):
+        if self.is_float:
+            raise AssertionError("a shift of a Float32: shift its bit pattern, "
+                                 "x.bitcast(Int32) << 23")
+        amt = int(amount.v) if isinstance(amount, Reg) else int(amount)
+        _log("shl" if left else "shr", amt)
+        if left:
+            return self._int(lambda a, b: a << b, amt)
+        return Reg(self.v >> np.int32(amt))
+
+    def __lshift__(self, amount):
+        return self._shift(amount, True)
+
+    def __rshift__(self, amount):
+        return self._shift(amount, False)
+
+    def _bits(self, op, other):
+        b = self._other(other)
+        return Reg(op(self.v, np.asarray(b).astype(self.v.dtype)))
+
+    def __and__(self, o):
+        return self._bits(np.bitwise_and, o)
+
+    def __or__(self, o):
+        return self._bits(np.bitwise_or, o)
+
+    def __xor__(self, o):
+        return self._bits(np.bitwise_xor, o)
+
+    __rand__, __ror__, __rxor__ = __and__, __or__, __xor__
+
+    def _cmp(self, op, other):
+        with np.errstate(all="ignore"):
+            return Reg(op(self.v, self._other(other)))
+
+    def __lt__(self, o):
+        return self._cmp(np.less, o)
+
+    def __le__(self, o):
+        return self._cmp(np.less_equal, o)
+
+    def __gt__(self, o):
+        return self._cmp(np.greater, o)
+
+    def __ge__(self, o):
+        return self._cmp(np.greater_equal, o)
+
+    def __eq__(self, o):
+        return self._cmp(np.equal, o)
+
+    def __ne__(self, o):
+        return self._cmp(np.not_equal, o)
+
+    __hash__ = None
+
+    def __bool__(self):
+        raise AssertionError(
+            "a Python if (or and / or / min / max) on a run-time value, which on the GPU is "
+            "a branch that threads of one warp may take differently. A clamp is "
+            "cute.arch.fmax; a choice that depends only on an element's position is made "
+            "while the kernel is built, on plain Python ints")
+
+    def bitcast(self, dtype, **_):
+        kind = _dsl_kind(dtype)
+        if kind is None:
+            raise AssertionError(f"bitcast to {dtype!r}: use Float32 or Int32")
+        _log("bitcast", kind)
+        target = _F32 if kind == "Float32" else np.int32
+        if self.v.dtype == np.bool_:
+            raise AssertionError("bitcast of a comparison's result")
+        return Reg(self.v.view(target))
+
+    def to(self, dtype, **_):
+        return _convert(self, _dsl_kind(dtype))
+
+
+def _type_name(r: Reg) -> str:
+    return {np.dtype(_F32): "Float32", np.dtype(np.int32): "Int32"}.get(r.v.dtype, "Boolean")
+
+
+_DSL_KINDS = ("Float32", "Int32", "Uint32", "Boolean")
+
+
+def _dsl_kind(dtype):
+    name = getattr(dtype, "_emu_kind", None) or getattr(dtype, "__name__", None)
+    return name if name in _DSL_KINDS else None
+
+
+def _convert(value, kind: str):
+    """The DSL's value conversion ``Float32(v)`` / ``Int32(v)`` (not a bitcast)."""
+    if kind == "Float32":
+        if isinstance(value, Reg):
+            if value.is_float:
+                return value
+            _log("convert", "Int32 -> Float32")
+            return Reg(value.v.astype(_F32))
+        return Reg(_F32(value))
+    if kind in ("Int32", "Uint32"):
+        if isinstance(value, Reg):
+            if value.is_float:
+                _log("convert", "Float32 -> Int32")
+                with np.errstate(all="ignore"):
+                    return Reg(np.trunc(value.v).astype(np.int64).astype(np.int32))
+            return value
+        return Reg(np.asarray(int(value) & 0xFFFFFFFF, dtype=np.uint64).astype(_U32)
+                   .view(np.int32))
+    return Reg(np.asarray(value, dtype=np.bool_)) if not isinstance(value, Reg) else value
+
+
+def _emu_type(kind: str):
+    def new(cls, value=0):
+        return _convert(value, kind)
+
+    attrs = {"__new__": new, "_emu_kind": kind}
+    if kind == "Float32":
+        attrs["inf"] = _F32(np.inf)
+    return type(kind, (), attrs)
+
+
+EMU_TYPES = {kind: _emu_type(kind) for kind in _DSL_KINDS}
+_EMU_LOG: list | None = None
+
+
+def _log(*event) -> None:
+    if _EMU_LOG is not None:
+        _EMU_LOG.append(event)
+
+
+def _as_reg(x) -> Reg:
+    return x if isinstance(x, Reg) else Reg(_F32(x))
+
+
+def mufu_ex2_model(x) -> np.ndarray:
+    """``ex2.approx.ftz.f32`` for the emulation: 2^x rounded to float32, inputs and results
+    below 2^-126 flushed to zero (the hardware is within 2 ulp of this)."""
+    x = as_f32(x)
+    x = np.where(np.abs(x) < _F32(2.0**-126), _F32(0), x)
+    with np.errstate(all="ignore"):
+        y = np.exp2(x.astype(np.float64)).astype(_F32)
+    return canonical_nan(np.where(y < _F32(2.0**-126), _F32(0), y))
+
+
+def _stand_ins(units: list | None = None) -> dict:
+    """{DSL object: its NumPy stand-in} for the emulation. ``units`` collects, per call of
+    MUFU's exp2 or of ``exp2_poly``, (unit, the input array)."""
+    import cutlass.cute as cute_mod
+
+    from fa4_final import fast_math
+    from utils.host_emulation import _const_expr, _PyRange
+
+    def fmax(a, b, *, abs=False, nan=False, ftz=False, **_):  # noqa: A002
+        _log("fmax", bool(nan))
+        return Reg(max_f32(_as_reg(a).v, _as_reg(b).v, keep_nan=bool(nan)))
+
+    def add_rm(a, b, **_):
+        a, b = _as_reg(a), _as_reg(b)
+        _log("add_rm", *(float(r.v) for r in (a, b) if r.v.ndim == 0))
+        return Reg(add_rm_f32(a.v, b.v))
+
+    def sub_rn(a, b, **_):
+        return Reg(sub_rn_f32(_as_reg(a).v, _as_reg(b).v))
+
+    def fma_rn(a, b, c, **_):
+        _log("fma")
+        return Reg(fma_rn_f32(_as_reg(a).v, _as_reg(b).v, _as_reg(c).v))
+
+    def mufu(x, fastmath=False, **_):
+        _log("mufu")
+        if units is not None:
+            units.append(("MUFU", _as_reg(x).v.copy()))
+        return Reg(mufu_ex2_model(_as_reg(x).v))
+
+    def poly(x, degree=3, nan_safe=True, **_):
+        _log("poly")
+        if units is not None:
+            units.append(("polynomial", _as_reg(x).v.copy()))
+        return Reg(exp2_f32_model(_as_reg(x).v, degree, nan_safe))
+
+    import cutlass as cutlass_mod
+
+    swap = {
+        cute_mod.arch.fmax: fmax, cute_mod.math.exp2: mufu,
+        fast_math.ptx_add_rm: add_rm, fast_math.ptx_sub_rn: sub_rn, fast_math.ptx_fma_rn: fma_rn,
+        fast_math.exp2_poly: poly,
+        cutlass_mod.range: _PyRange, cutlass_mod.range_constexpr: _PyRange,
+        cutlass_mod.const_expr: _const_expr,
+        cute_mod.size: lambda t, mode=None, **_: t.size if hasattr(t, "size") else len(t),
+    }
+    for kind in _DSL_KINDS:
+        swap[getattr(cutlass_mod, kind)] = EMU_TYPES[kind]
+    return swap
+
+
+def _emulation_modules():
+    import sys
+
+    import cutlass as cutlass_mod
+    import cutlass.cute as cute_mod
+
+    from fa4_final import fast_math
+
+    return [sys.modules[__name__], fast_math, cute_mod, cute_mod.arch, cute_mod.math, cutlass_mod]
+
+
+def emulate(fn, *args, units: list | None = None):
+    """Run the ``@cute.jit`` function ``fn`` on the CPU (Note [Device code on the CPU]) with
+    ``args`` (Reg values, fragments); returns (its result, the log of what it did)."""
+    global _EMU_LOG
+    swap = _stand_ins(units)
+    clone, patches = swapped(fn, swap, _emulation_modules())
+    _EMU_LOG = []
+    try:
+        with patches():
+            out = clone(*args)
+        return out, list(_EMU_LOG)
+    finally:
+        _EMU_LOG = None
+
+
+# --- exercise 06.4: exp2 in device code -------------------------------------------------------
+
+
+@cute.jit
+def exp2_device(x: Float32) -> Float32:
+    """Exercise 06.4's reference: Note [The instruction sequence], written out (degree 3,
+    NaN-safe): the clamp, the round-down add, the Horner FMAs, the integer exponent add."""
+    xc = cute.arch.fmax(x, Float32(CLAMP_LOW), nan=True)
+    j = ptx_add_rm(xc, Float32(SHIFTER))  # SHIFTER + floor(xc)
+    f = xc - (j - Float32(SHIFTER))  # both subtractions exact but for xc in (-1, 0)
+    q = ptx_fma_rn(Float32(HALF_COEFFS[3]), f, Float32(HALF_COEFFS[2]))
+    q = ptx_fma_rn(q, f, Float32(HALF_COEFFS[1]))
+    q = ptx_fma_rn(q, f, Float32(HALF_COEFFS[0]))  # p(f) / 2
+    bits = (j.bitcast(Int32) << 23) + q.bitcast(Int32) + Int32(1 << 23)  # + (n + 1) << 23
+    return bits.bitcast(Float32)
+
+
+FORBID_EXP2_DEVICE = {
+    exp2_poly: "that is the package's finished exp2; write the sequence yourself",
+    exp2_at: "exp2_at calls the package's exp2; write the sequence yourself",
+    ptx_exponent_add: "ptx_exponent_add does the shift and the add for you",
+    cute.math.exp2: "that is MUFU's ex2, the instruction this exercise replaces",
+    np.exp2: "NumPy does not run on the GPU",
+    np.floor: "NumPy does not run on the GPU; the floor is the round-down add",
+    np.ldexp: "NumPy does not run on the GPU; 2^n goes into the exponent bits",
+}
+
+
+def _exp2_variant(x, *, clamp=True, keep_nan=True, floor_rm=True, fused=True, halved=True,
+                  plus_one=True) -> np.ndarray:
+    """exp2_f32_model with one step done another way: the typical slips of exercise 06.4."""
+    coeffs = HALF_COEFFS if halved else exp2_coefficients(3)
+    x = as_f32(x)
+    xc = max_f32(x, CLAMP_LOW, keep_nan=keep_nan) if clamp else x
+    j = add_rm_f32(xc, SHIFTER) if floor_rm else sub_rn_f32(xc, -_F32(SHIFTER))
+    f = sub_rn_f32(xc, sub_rn_f32(j, SHIFTER))
+    q = np.full_like(f, coeffs[-1])
+    for c in coeffs[-2::-1]:
+        if fused:
+            q = fma_rn_f32(q, f, c)
+        else:
+            with np.errstate(all="ignore"):
+                q = canonical_nan((q * f).astype(_F32) + _F32(c))
+    total = (f32_bits(j).astype(np.uint64) << 23) + f32_bits(q) + (2**23 if plus_one else 0)
+    return bits_f32(total & 0xFFFFFFFF)
+
+
+_EXP2_SLIPS = [
+    (dict(floor_rm=False), "the floor rounds to nearest: an ordinary add of 1.5·2^23 rounds to "
+     "nearest, so half of the inputs get floor(x) + 1 and a fraction below 0. Use "
+     "ch06.ptx_add_rm, the add that rounds toward minus infinity"),
+    (dict(fused=False), "the Horner steps round twice (a multiply, then an add): use "
+     "ch06.ptx_fma_rn(a, b, c), one rounding per step, as the model does"),
+    (dict(keep_nan=False), "a NaN input comes out as 0: the clamp drops the NaN. Clamp with "
+     "cute.arch.fmax(x, Float32(-127.0), nan=True), which keeps it"),
+    (dict(clamp=False), "inputs below -127 (and -inf) come out wrong: without the clamp the "
+     "exponent field wraps around. Clamp first: cute.arch.fmax(x, Float32(-127.0), nan=True)"),
+    (dict(plus_one=False), "every result is half of 2^x: with the halved coefficients, add the "
+     "lost factor 2 as one more 2^23 in the exponent field (+ Int32(1 << 23))"),
+    (dict(halved=False), "every result is twice 2^x: the halved coefficients (ch06.HALF_COEFFS) "
+     "go with the extra 2^23"),
+    (dict(halved=False, plus_one=False), "a NaN input comes out as the largest finite float "
+     "0x7f7fffff: with the full coefficients the NaN's bits shifted left by 23 put -1 into the "
+     "exponent field. Use the halved coefficients (ch06.HALF_COEFFS) and add the lost factor 2 "
+     "as a separate 2^23 (Note [Special values])"),
+]
+
+
+def exp2_probe_inputs() -> np.ndarray:
+    """The inputs 06.4 is judged on: special values, the edges of the domain, (-1, 0), and a
+    quarter of a million random values in [-130, 128)."""
+    rng = np.random.default_rng(64)
+    special = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 8.0, -126.0, -126.5, -127.0, -127.5, -128.0,
+               -200.0, 127.0, 127.99, -1e-7, 1e-7, -1e-30, np.inf * -1, np.nan, -3.0e38]
+    return as_f32(np.concatenate([special, rng.uniform(-130, 128, 200_000),
+                                  rng.uniform(-1, 0, 50_000)]))
+
+
+def _first_mismatch(x, got_bits, want_bits) -> str:
+    i = int(np.flatnonzero(got_bits != want_bits)[0])
+    return (f"for x = {x[i]!r} the GPU's sequence gives {int(want_bits[i]):#010x} "
+            f"({bits_f32(want_bits[i])!r}), yours {int(got_bits[i]):#010x} "
+            f"({bits_f32(got_bits[i])!r})")
+
+
+def _check_exp2_values(fn) -> list:
+    """06.4 on the CPU: fn's bits against exp2_f32_model on exp2_probe_inputs; returns the log."""
+    x = exp2_probe_inputs()
+    out, log = emulate(fn, Reg(x.copy()))
+    assert isinstance(out, Reg), (
+        f"return the Float32 result, got {type(out).__name__}")
+    assert out.v.shape == x.shape, "return one value per input (one per thread)"
+    assert out.v.dtype == _F32, (
+        "your function returns the Int32 bit pattern: bitcast it back, bits.bitcast(Float32)")
+    got, want = f32_bits(out.v), f32_bits(exp2_f32_model(x))
+    if np.array_equal(got, want):
+        return log
+    if any(e == ("convert", "Float32 -> Int32") for e in log):
+        raise AssertionError(
+            "Int32(j) converts j's value to an integer; the trick needs j's bit pattern, "
+            f"j.bitcast(Int32). {_first_mismatch(x, got, want)}")
+    for kw, words in _EXP2_SLIPS:
+        if np.array_equal(got, f32_bits(_exp2_variant(x, **kw))):
+            raise AssertionError(f"{words}. {_first_mismatch(x, got, want)}")
+    raise AssertionError(_first_mismatch(x, got, want) + ". Compare your steps with "
+                         "Note [The instruction sequence], one instruction at a time")
+
+
+def _check_exp2_method(log: list) -> None:
+    adds = [e for e in log if e[0] == "add_rm"]
+    assert any(SHIFTER in e[1:] for e in adds), (
+        "the floor must be the round-down add of 1.5·2^23: ch06.ptx_add_rm(xc, "
+        "Float32(ch06.SHIFTER))")
+    fmas = sum(1 for e in log if e[0] == "fma")
+    assert fmas == 3, (
+        f"{fmas} calls of ptx_fma_rn: Horner's rule for degree 3 is exactly three FMAs")
+    assert ("shl", 23) in log, (
+        "the integer part must reach the exponent field by a shift: j.bitcast(Int32) << 23, "
+        "then integer adds")
+
+
+class Exp2Each:
+    """y = fn(x) elementwise over a 1-D float32 tensor, one element per thread: the kernel
+    around a learner's exp2 (exercise 06.4), for its compile check and its GPU run."""
+
+    threads = 128
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stream):
+        n = cute.size(mX)
+        self.kernel(mX, mY, n).launch(grid=(cute.ceil_div(n, self.threads), 1, 1),
+                                      block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mY: cute.Tensor, n):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * self.threads + tidx
+        if i < n:
+            mY[i] = self.fn(mX[i])
+
+
+_EXERCISE_BUILDS: dict = {}
+
+
+def compile_exercise(kernel, key, arch: str = "sm_90a"):
+    """``kernel`` (an Exp2Each or FragmentEach) compiled for ``arch`` with no GPU; remembered
+    by ``key``."""
+    from utils.compile_only import compile_for, fake_stream, fake_tensor
+
+    if key not in _EXERCISE_BUILDS:
+        _EXERCISE_BUILDS[key] = compile_for(arch, kernel, fake_tensor(Float32, (None,)),
+                                            fake_tensor(Float32, (None,)), fake_stream())
+    return _EXERCISE_BUILDS[key]
+
+
+@cute.jit
+def _identity(x: Float32) -> Float32:
+    return x
+
+
+def exp2_sass_census(fn) -> Counter:
+    """SASS opcodes of one ``fn`` (a @cute.jit exp2): Exp2Each(fn) compiled for sm_90a, minus
+    the same kernel around the identity (the loads, the stores, the index), constant loads left
+    out (in a loop they are hoisted)."""
+    ops = sass_opcodes(compile_exercise(Exp2Each(fn), ("06.4", fn)).sass)
+    ops.subtract(sass_opcodes(compile_exercise(Exp2Each(_identity), ("06.4", _identity)).sass))
+    return Counter({k: v for k, v in ops.items() if v > 0 and k not in _CONSTANT_LOADS})
+
+
+def _check_exp2_sass(fn) -> None:
+    ops = exp2_sass_census(fn)
+
+    def n(prefix):
+        return sum(v for k, v in ops.items() if k.split(".")[0] == prefix)
+
+    assert n("MUFU") == 0, (
+        f"compiled for sm_90a the kernel has {n('MUFU')} MUFU instruction(s): the emulated "
+        "path must use no MUFU (it is the unit being relieved)")
+    conversions = {k: v for k, v in ops.items() if k.split(".")[0] in ("F2I", "I2F", "FRND")}
+    assert not conversions, (
+        f"conversion instructions in the SASS ({dict(conversions)}): they run on the same "
+        "16-lane unit as MUFU. Take the floor with the round-down add of 1.5·2^23 and keep n "
+        "in j's bits")
+    assert ops.get("FADD.RM", 0) >= 1, (
+        "no FADD.RM in the SASS: the floor is one add rounding toward minus infinity")
+    assert n("FFMA") == 3, (
+        f"{n('FFMA')} FFMA in the SASS (and {n('FMUL')} FMUL): the degree-3 Horner "
+        "polynomial is three FFMAs")
+    assert n("LEA") + n("SHF") + n("SHL") >= 1 and n("LEA") + n("IADD3") + n("IADD") >= 2, (
+        f"the exponent is not assembled by integer instructions (SASS of one exp2: "
+        f"{dict(ops)}): a shift left by 23 and integer adds (LEA, IADD3)")
+
+
+def check_exp2_device(fn, compile_check: bool = True) -> None:
+    """Exercise 06.4: ``fn`` (a @cute.jit 2^x of one Float32) run on the CPU on
+    ``exp2_probe_inputs``, bit for bit against exp2_f32_model, the method read from what it
+    did (the round-down add of SHIFTER, three FMAs, a shift by 23); then compiled for sm_90a:
+    no MUFU, no conversion, FADD.RM, three FFMA, the integer shift and adds."""
+    log = _check_exp2_values(fn)
+    _check_exp2_method(log)
+    if compile_check:
+        _check_exp2_sass(fn)
+
+
+def check_exp2_device_on_gpu(fn, n: int = 1 << 20) -> tuple[bool, list[str]]:
+    """Exercise 06.4 on a GPU: ``Exp2Each(fn)`` on ``n`` random inputs in [-127, 127) and the
+    probe inputs; bits against the model, and the relative error against float64 within
+    ``model_error_bound(3)``. Returns (ok, lines)."""
+    import torch
+
+    x = np.concatenate([exp2_probe_inputs(),
+                        np.random.default_rng(7).uniform(-127, 127, n).astype(_F32)])
+    y = _run_each(Exp2Each(fn), ("06.4", fn), x)
+    lines, ok = [], True
+    bad = np.flatnonzero(f32_bits(y) != f32_bits(exp2_f32_model(x)))
+    ok &= bad.size == 0
+    lines.append(f"bits equal to the CPU model on {x.size - bad.size} of {x.size} inputs"
+                 + (f"; first difference at x = {x[bad[0]]!r}" if bad.size else ""))
+    inside = (x >= -126) & (x < 127)
+    err = np.abs(y[inside].astype(np.float64) / np.exp2(x[inside].astype(np.float64)) - 1)
+    bound = model_error_bound(3)
+    ok &= bool(err.max() <= bound)
+    lines.append(f"max relative error against float64 on [-126, 127): {err.max():.3e} "
+                 f"(bound {bound:.3e}) on {torch.cuda.get_device_name()}")
+    return ok, lines
+
+
+def _run_each(kernel, key, x: np.ndarray) -> np.ndarray:
+    """Run an Exp2Each / FragmentEach kernel on a GPU over float32 ``x``; returns y (NumPy)."""
+    import cuda.bindings.driver as cuda
+    import torch
+    from cutlass.cute.runtime import from_dlpack
+
+    size = getattr(kernel, "size", 1)
+    padded = -(-x.size // size) * size
+    xt = torch.zeros(padded, dtype=torch.float32, device="cuda")
+    xt[:x.size] = torch.from_numpy(x).cuda()
+    yt = torch.empty_like(xt)
+    args = [from_dlpack(t, assumed_align=16).mark_layout_dynamic() for t in (xt, yt)]
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    gpu_key = ("gpu", *key)
+    if gpu_key not in _EXERCISE_BUILDS:
+        _EXERCISE_BUILDS[gpu_key] = cute.compile[cute.GPUArch("sm_90a")](kernel, *args, stream)
+    _EXERCISE_BUILDS[gpu_key](*args, stream)
+    torch.cuda.synchronize()
+    return yt[:x.size].cpu().numpy()
+
+
+# --- exercise 06.5: a row split between MUFU and the polynomial -------------------------------
+
+
+@cute.jit
+def exp2_split(frag, k: cutlass.Constexpr):
+    """Exercise 06.5's reference: 2^x of every element of a register fragment, in place; in each
+    block of 8 elements, k go to the polynomial, spread out (position i when i * k mod 8 < k:
+    k = 2 gives 0 and 4), the rest to MUFU. The choice is made while the kernel is traced."""
+    for i in cutlass.range_constexpr(cute.size(frag)):
+        if (i % 8) * k % 8 < k:
+            frag[i] = exp2_poly(frag[i])
+        else:
+            frag[i] = cute.math.exp2(frag[i], fastmath=True)
+
+
+FORBID_SPLIT = {
+    is_emulated: "that is the package's choice of positions; make your own",
+    emulated_count: "write the count yourself",
+    exp2_at: "exp2_at makes the choice for you",
+    exp2_fragment: "exp2_fragment does the whole exercise",
+}
+
+
+class EmuFragment:
+    """A register fragment of ``size`` elements for many threads at once (rows: elements)."""
+
+    def __init__(self, values: np.ndarray):
+        self.a = np.array(values, dtype=_F32)
+        self.size = self.a.shape[0]
+        self.element_type = EMU_TYPES["Float32"]
+        self.written = np.zeros(self.size, dtype=np.int64)
+
+    def __getitem__(self, i):
+        if not isinstance(i, (int, np.integer)):
+            raise AssertionError(f"index the fragment element by element, frag[i]; got {i!r}")
+        return Reg(self.a[i].copy())
+
+    def __setitem__(self, i, value):
+        if not isinstance(i, (int, np.integer)):
+            raise AssertionError(f"index the fragment element by element, frag[i]; got {i!r}")
+        value = _as_reg(value)
+        if not value.is_float:
+            raise AssertionError(f"element {i} was given an Int32: the fragment holds Float32")
+        self.a[i] = value.v
+        self.written[i] += 1
+
+    def load(self):
+        raise AssertionError("work element by element (frag[i]): each element's unit is "
+                             "chosen when the kernel is built")
+
+    store = load
+
+
+SPLIT_SIZES = (8, 16, 32)
+
+
+def split_positions(k: int, size: int = 8) -> list[int]:
+    return [i for i in range(size) if (i % 8) * k % 8 < k]
+
+
+def _spread_ok(positions: list[int]) -> bool:
+    """Whether k positions of a block of 8 are as evenly spread as k allows: the gaps between
+    neighbours, around the block, differ by at most 1."""
+    if len(positions) < 2:
+        return True
+    gaps = np.diff(positions + [positions[0] + 8])
+    return int(gaps.max() - gaps.min()) <= 1
+
+
+def _check_split_emulated(fn) -> None:
+    for size in SPLIT_SIZES:
+        for k in range(9):
+            threads = 3
+            x = -(np.arange(size)[:, None] * 0.731 % 29.0) - 0.01 * np.arange(threads) - 0.5
+            x32 = x.astype(_F32)
+            frag = EmuFragment(x32)
+            units: list = []
+            emulate(fn, frag, k, units=units)
+            what = f"with k = {k} and a fragment of {size} elements"
+            unit_of: dict = {}
+            for unit, arg in units:
+                for i in range(size):
+                    if np.array_equal(np.broadcast_to(arg, x32[i].shape), x32[i]):
+                        unit_of.setdefault(i, []).append(unit)
+            for i in range(size):
+                got = unit_of.get(i, [])
+                assert got, (f"{what}: element {i} never went through cute.math.exp2 (MUFU) or "
+                             "ch06.exp2_poly (the polynomial)")
+                assert len(got) == 1, (f"{what}: element {i} went through {' and '.join(got)}: "
+                                       "each element needs one exponential, on one unit")
+                unit = got[0]
+                want = (exp2_f32_model(x32[i]) if unit == "polynomial"
+                        else mufu_ex2_model(x32[i]))
+                assert np.array_equal(f32_bits(frag.a[i]), f32_bits(want)), (
+                    f"{what}: element {i} holds the wrong value: it must become 2^x of its own "
+                    f"input, in place (frag[{i}] = ...)")
+            for b in range(size // 8):
+                poly = [i - 8 * b for i in range(8 * b, 8 * b + 8)
+                        if unit_of[i] == ["polynomial"]]
+                assert len(poly) == k, (
+                    f"{what}: the block of elements {8 * b}..{8 * b + 7} sends {len(poly)} "
+                    f"(positions {poly}) to the polynomial, not k = {k}")
+                assert _spread_ok(poly), (
+                    f"{what}: positions {poly} of each 8 go to the polynomial, bunched together: "
+                    "side by side their FMAs queue behind each other while MUFU waits. Spread "
+                    f"them as evenly as {k} of 8 allow (e.g. {split_positions(k)})")
+
+
+class FragmentEach:
+    """Each thread loads ``size`` consecutive floats into a register fragment, calls
+    ``fn(fragment, k)`` and stores it back: the kernel around exercise 06.5."""
+
+    threads = 128
+
+    def __init__(self, fn, k: int, size: int = 16):
+        self.fn, self.k, self.size = fn, k, size
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stream):
+        gX = cute.zipped_divide(mX, (self.size,))  # (size, n / size)
+        gY = cute.zipped_divide(mY, (self.size,))
+        tiles = cute.size(gX, mode=[1])
+        self.kernel(gX, gY, tiles).launch(grid=(cute.ceil_div(tiles, self.threads), 1, 1),
+                                          block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, gX: cute.Tensor, gY: cute.Tensor, tiles):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        t = bidx * self.threads + tidx
+        if t < tiles:
+            r_x = cute.make_rmem_tensor((self.size,), Float32)  # (size,) in registers
+            r_x.store(gX[None, t].load())
+            self.fn(r_x, self.k)
+            gY[None, t].store(r_x.load())
+
+
+def split_ptx_counts(fn, k: int = 3, size: int = 16) -> dict:
+    """PTX and SASS counts of FragmentEach(fn, k, size) compiled for sm_90a."""
+    art = compile_exercise(FragmentEach(fn, k, size), ("06.5", fn, k, size))
+    return {"ex2.approx": art.count("ex2.approx"), "fma.rn.f32": art.count("fma.rn.f32"),
+            "MUFU.EX2": art.count("MUFU.EX2", where="sass")}
+
+
+def check_exp2_split(fn, compile_check: bool = True) -> None:
+    """Exercise 06.5: ``fn(frag, k)`` run on the CPU for fragments of 8, 16, 32 elements and
+    k = 0..8, each element's unit recorded: k of every 8 on the polynomial, spread evenly, the
+    rest on MUFU, each element 2^x of its own input; then compiled for sm_90a with k = 3 and 16
+    elements: 10 ex2.approx and MUFU.EX2, 18 fma.rn (three per emulated element), no more."""
+    _check_split_emulated(fn)
+    if compile_check:
+        got = split_ptx_counts(fn)
+        want = {"ex2.approx": 10, "fma.rn.f32": 18, "MUFU.EX2": 10}
+        assert got == want, (
+            f"compiled for sm_90a with k = 3 and 16 elements the kernel has {got}, expected "
+            f"{want}: each element's unit must be fixed when the kernel is built (a Python "
+            "choice over cutlass.range_constexpr), with no run-time branch")
+
+
+def check_exp2_split_on_gpu(fn, n: int = 1 << 20) -> tuple[bool, list[str]]:
+    """Exercise 06.5 on a GPU: FragmentEach(fn, k) over ``n`` inputs in [-30, 0] for k = 0, 2,
+    3, 8: the polynomial's positions bit for bit against the model, MUFU's within 2^-21 of
+    float64 (ex2.approx), every result within the model's bound. Returns (ok, lines)."""
+    x = np.random.default_rng(65).uniform(-30, 0, n).astype(_F32)
+    exact = np.exp2(x.astype(np.float64))
+    ok, lines = True, []
+    for k in (0, 2, 3, 8):
+        y = _run_each(FragmentEach(fn, k), ("06.5", fn, k, 16), x)
+        emulated = np.isin(np.arange(n) % 16, split_positions(k, 16))
+        same = np.array_equal(f32_bits(y[emulated]), f32_bits(exp2_f32_model(x[emulated])))
+        err_mufu = (np.abs(y[~emulated] / exact[~emulated] - 1).max() if (~emulated).any()
+                    else 0.0)
+        err_all = np.abs(y / exact - 1).max()
+        case_ok = same and err_mufu <= 2.0**-21 and err_all <= model_error_bound(3)
+        ok &= bool(case_ok)
+        lines.append(f"k = {k}: polynomial positions {'bit-exact' if same else 'DIFFER'}, "
+                     f"MUFU max rel. error {err_mufu:.2e}, all {err_all:.2e}: "
+                     f"{'ok' if case_ok else 'WRONG'}")
+    return ok, lines
+
+
+# ----------------------------------------------------------------------------------------------
+# 10. Reading the stored measurements (results/h200/microbench.json, ch05_knobs.json) and the
+#     claims the notebook's prose makes about them (tests/test_claims.py runs the checks)
+
+KNOBS_RESULTS = "ch05_knobs"  # chapter 05's kernel with each knob, one run
+EMULATION_CONFIGS = ("exp2 emulation 1/4", "exp2 emulation 1/2")
+
+
+def claim(cid: str, results_name: str, text: str):
+    """Register ``check`` (Results -> (holds, one line)) as claim ``cid`` on ``results_name``
+    (utils.claims; tests/test_claims.py runs it on the stored file)."""
+    from utils import claims
+
+    if hasattr(claims, "claim"):
+        return claims.claim(cid, results_name, text)
+
+    def register(check):
+        claims.REGISTRY[cid] = claims.Claim(cid, results_name, text, check)
+        return check
+
+    return register
+
+
+def mix_rates(res) -> list[dict]:
+    """The microbenchmark's exp2 rate per clock per SM against the share on the degree-3,
+    NaN-safe, shifter-floor polynomial (MUFU alone at 0, the polynomial alone at 1)."""
+    rows = res.where(metric="exp2_per_clk_sm", degree=3, nan_safe=True, floor="shifter")
+    return sorted(rows, key=lambda r: r["fraction"])
+
+
+def mix_summary(res) -> dict:
+    """MUFU alone, the polynomial alone and the best mix, exp/clk/SM."""
+    rows = mix_rates(res)
+    best = max((r for r in rows if 0 < r["fraction"] < 1), key=lambda r: r["value"])
+    return {"mufu": rows[0]["value"], "poly": rows[-1]["value"], "best": best["value"],
+            "best_fraction": best["fraction"]}
+
+
+@claim("06.mix_beats_both", "microbench",
+       "a mix of MUFU and the polynomial computes more exponentials per clock than MUFU alone, "
+       "and MUFU alone more than the polynomial alone")
+def _mix_beats_both(res):
+    s = mix_summary(res)
+    return (s["best"] > s["mufu"] > s["poly"],
+            f"best mix {s['best']:.2f} at {s['best_fraction']}, MUFU {s['mufu']:.2f}, "
+            f"polynomial {s['poly']:.2f} exp/clk/SM")
+
+
+@claim("06.mix_below_model", "microbench",
+       "the best measured mix stays below the issue model's best, at a smaller share")
+def _mix_below_model(res):
+    s = mix_summary(res)
+    census = Counter({"FMNMX.NAN": 1, "FADD.RM": 1, "FADD": 2, "FFMA": 3, "LEA": 1, "IADD3": 1})
+    model = max((exp_rate_model(f / 16, census) for f in range(17)),
+                key=lambda r: r["exp_per_clk_sm"])
+    return (s["best"] < model["exp_per_clk_sm"] and s["best_fraction"] < model["fraction"],
+            f"measured {s['best']:.2f} at {s['best_fraction']}, model "
+            f"{model['exp_per_clk_sm']:.2f} at {model['fraction']:.3f}")
+
+
+def knob_row(res, d: int, causal: bool, config: str) -> dict | None:
+    return next((r for r in res.rows if (r["d"], r["causal"], r["config"]) == (d, causal, config)
+                 and r.get("ms")), None)
+
+
+def emulation_comparisons(res) -> list[tuple]:
+    """(d, causal, config, utils.bench.compare of that row against the default) for every
+    emulated share the run timed."""
+    from utils.bench import compare
+
+    out = []
+    for d, causal in dict.fromkeys((r["d"], r["causal"]) for r in res.rows):
+        base = knob_row(res, d, causal, "default")
+        for cfg in EMULATION_CONFIGS:
+            row = knob_row(res, d, causal, cfg)
+            if base and row:
+                out.append((d, causal, cfg, compare(row, base)))
+    return out
+
+
+def format_emulation(res) -> str:
+    """One line per emulated share: its speed over the default's in the same run, verdict."""
+    from utils.bench import spread_note
+
+    lines = [f"{'D':>4} {'causal':7s} {'config':20s} speed vs default"]
+    for d, causal, cfg, c in emulation_comparisons(res):
+        lines.append(f"{d:>4} {causal!s:7s} {cfg:20s} {c}")
+    lines.append(spread_note([r for r in res.rows if r.get("ms")]))
+    return "\n".join(lines)
+
+
+@claim("06.emulation_slower_at_d128", KNOBS_RESULTS,
+       "at D = 128 every emulated share makes chapter 05's kernel slower than its default, "
+       "beyond the spread, causal or not")
+def _slower_at_128(res):
+    found = [(cfg, causal, c) for d, causal, cfg, c in emulation_comparisons(res) if d == 128]
+    ok = len(found) == 4 and all(c.real and c.ratio < 1 for *_, c in found)
+    return ok, ", ".join(f"{cfg} causal={causal}: {c.ratio:.3f}" for cfg, causal, c in found)
+
+
+@claim("06.loss_not_ordered_by_share", KNOBS_RESULTS,
+       "at D = 128 non-causal the half share is not slower than the quarter beyond the spread")
+def _not_ordered(res):
+    from utils.bench import compare
+
+    half = knob_row(res, 128, False, "exp2 emulation 1/2")
+    quarter = knob_row(res, 128, False, "exp2 emulation 1/4")
+    c = compare(half, quarter)
+    return not (c.real and c.ratio < 1), f"1/2 over 1/4: {c}"
+
+
+@claim("06.d64_quarter_faster", KNOBS_RESULTS,
+       "at D = 64 non-causal a quarter emulated is faster than the default in this one run, "
+       "beyond the spread between its calls")
+def _d64_faster(res):
+    c = dict(((d, causal, cfg), c) for d, causal, cfg, c in emulation_comparisons(res))
+    c = c.get((64, False, "exp2 emulation 1/4"))
+    return c is not None and c.real and c.ratio > 1, f"{c}"
 
 
 def _print_coefficients() -> None:

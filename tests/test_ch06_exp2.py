@@ -237,16 +237,20 @@ def test_floor_checker_names_round_to_nearest():
         n = (x + F32(ch06.SHIFTER)) - F32(ch06.SHIFTER)
         return n, x - n
 
-    with pytest.raises(AssertionError, match="rounded to nearest"):
+    with pytest.raises(AssertionError, match="round-down add of 1.5·2\\^23"):
         ch06.check_floor_trick(rounds_to_nearest)
+    def in_float64(x):
+        n = ch06.add_rm_f32(x, ch06.SHIFTER).astype(np.float64) - ch06.SHIFTER
+        return n, x - n
+
     with pytest.raises(AssertionError, match="float32"):
-        ch06.check_floor_trick(lambda x: (np.floor(x.astype(np.float64)), x - np.floor(x)))
+        ch06.check_floor_trick(in_float64)
     with pytest.raises(AssertionError, match="pair"):
         ch06.check_floor_trick(lambda x: np.floor(x))
 
 
 def test_assemble_checker_rejects_wrong_answers():
-    with pytest.raises(AssertionError, match="BIT PATTERN"):
+    with pytest.raises(AssertionError, match="Shift j's bit pattern"):
         ch06.check_assemble_exponent(lambda j, p: (j * p).astype(F32))
     with pytest.raises(AssertionError, match="unchanged"):
         ch06.check_assemble_exponent(lambda j, p: p)
@@ -372,3 +376,66 @@ def _half(m_x: cute.Tensor, stream):
 def test_exp2_fragment_refuses_a_non_float32_fragment():
     with pytest.raises(TypeError, match="needs a Float32 fragment, got Float16"):
         compile_for("sm_90a", _half, fake_tensor(Float32, (None,)), fake_stream(), sass=False)
+
+
+# -- exercises 06.4 and 06.5: device code on the CPU, compiled, judged ------------------------
+
+
+def test_registers_on_the_cpu_behave_like_the_gpus():
+    R, I32 = ch06.Reg, ch06.EMU_TYPES["Int32"]
+    x = R(np.array([1.5, -2.0], dtype=np.float32))
+    assert np.array_equal(x.bitcast(I32).v, np.array([0x3FC00000, -0x40000000], dtype=np.int32))
+    big = I32(0x40000000) << 2  # wraps modulo 2^32, like a register
+    assert int(big.v) == 0
+    assert (I32(-1) + I32(1)).v == 0
+    with pytest.raises(AssertionError, match="Python if"):
+        bool(x > 0.0)
+    with pytest.raises(AssertionError, match="mixes a Float32 and a Int32"):
+        x + I32(1)
+    y = x + 0.1  # a Python float enters as a float32 constant and the sum rounds once
+    assert y.v.dtype == np.float32 and y.v[0] == F32(1.5) + F32(0.1)
+
+
+def test_emulated_reference_exp2_is_the_model_bit_for_bit():
+    x = ch06.exp2_probe_inputs()
+    out, log = ch06.emulate(ch06.exp2_device, ch06.Reg(x.copy()))
+    assert np.array_equal(ch06.f32_bits(out.v), ch06.f32_bits(ch06.exp2_f32_model(x)))
+    assert ("shl", 23) in log and sum(e[0] == "fma" for e in log) == 3
+
+
+@pytest.mark.parametrize("slip", [kw for kw, _ in ch06._EXP2_SLIPS])
+def test_each_named_slip_changes_some_bits(slip):
+    x = ch06.exp2_probe_inputs()
+    assert not np.array_equal(ch06.f32_bits(ch06._exp2_variant(x, **slip)),
+                              ch06.f32_bits(ch06.exp2_f32_model(x)))
+
+
+def test_device_exercises_pass_on_the_cpu_without_compiling():
+    ch06.check_exp2_device(ch06.exp2_device, compile_check=False)
+    ch06.check_exp2_split(ch06.exp2_split, compile_check=False)
+
+
+@pytest.mark.slow
+def test_device_exercises_pass_compiled_for_sm90a():
+    ch06.check_exp2_device(ch06.exp2_device)
+    ch06.check_exp2_split(ch06.exp2_split)
+    census = ch06.exp2_sass_census(ch06.exp2_device)
+    assert census == ch06.instruction_census("sm_90a")  # the package's exp2 compiles the same
+
+
+def test_split_positions_are_spread_and_counted():
+    for k in range(9):
+        pos = ch06.split_positions(k)
+        assert len(pos) == k and ch06._spread_ok(pos)
+        assert pos == [i for i in range(8) if ch06.is_emulated(i, k / 8, 8)]
+
+
+def test_stored_measurements_read_as_the_chapter_says():
+    from utils import results
+
+    s = ch06.mix_summary(results.load("microbench", gpu="h200"))
+    assert s["best"] > s["mufu"] > s["poly"]
+    comps = ch06.emulation_comparisons(results.load(ch06.KNOBS_RESULTS, gpu="h200"))
+    assert {(d, cfg) for d, _, cfg, _ in comps} >= {(128, c) for c in ch06.EMULATION_CONFIGS}
+    assert "speed vs default" in ch06.format_emulation(results.load(ch06.KNOBS_RESULTS,
+                                                                    gpu="h200"))

@@ -62,3 +62,31 @@ def test_producer_loop_inside_the_kernel_on_hopper(producer):
     fn = t5.load_kv if producer == "reference" else wrong.load_v_first_in_each_turn
     ok, lines = t5.check_load_kv_on_gpu(fn)
     assert ok, "\n".join(lines)
+
+
+# --- chapter 06: exp2 in device code (06.4) and the split of a row (06.5) ---------------------
+
+
+@pytest.mark.skipif(not _hopper(), reason="compiled for sm_90a")
+def test_exp2_device_reference_on_gpu():
+    from solutions import ch06_exp2 as ch06
+
+    ok, lines = ch06.check_exp2_device_on_gpu(ch06.exp2_device)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="compiled for sm_90a")
+def test_exp2_whose_clamp_drops_nan_differs_on_gpu():
+    from solutions import ch06_exp2 as ch06
+    from tests.exercise_mutations import ch06 as wrong6
+
+    ok, lines = ch06.check_exp2_device_on_gpu(wrong6.exp2_clamp_drops_nan)
+    assert not ok and "first difference at x = " in lines[0], lines
+
+
+@pytest.mark.skipif(not _hopper(), reason="compiled for sm_90a")
+def test_exp2_split_reference_on_gpu():
+    from solutions import ch06_exp2 as ch06
+
+    ok, lines = ch06.check_exp2_split_on_gpu(ch06.exp2_split)
+    assert ok, "\n".join(lines)
