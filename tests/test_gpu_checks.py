@@ -1,8 +1,8 @@
-"""Reading GPU test logs into results rows (solutions.gpu_checks), on the CPU."""
+"""Reading GPU test logs into results rows (measure.gpu_checks), on the CPU."""
 
 import pytest
 
-from solutions.gpu_checks import read_log
+from measure.gpu_checks import read_log
 
 
 def test_pytest_summaries():

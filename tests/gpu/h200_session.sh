@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One visit to the H200: run the named steps in order, each under a time limit, logging to $OUT.
 #   bash tests/gpu/h200_session.sh env tests peers ch04 ch05 micro sanitize notebooks
-#   (fa4_final, chapter 08: fa4-check fa4-bench fa4-knobs fa4-timeline; SANITIZE=ch08_checks)
+#   (fa4_final, chapter 08: fa4-check fa4-bench fa4-ablation fa4-timeline (the chapter's three files);
+#    fa4-knobs: the knobs in bursts; split-sanitize, dyn-sanitize: measure.fwd_checks under the sanitizers)
 #   (fa4-gaps: the forward's knobs at the shapes where the FA4 package leads; fa4-sched: the
 #    tile schedules (persistent or one tile per CTA, L2 sections) at all eight forward shapes;
 #    fa4-split: the last round whole or cut along the keys at the four non-causal shapes;
@@ -62,16 +63,16 @@ for s in "$@"; do
     ch04-peers) step ch04_peers 300 $PY -m solutions.ch04_peers --cutlass-example "${CUTLASS_FA2_EXAMPLE:?set CUTLASS_FA2_EXAMPLE to the path of flash_attention_v2.py from CUTLASS}" ;;
     ch05) step ch05_bench 420 $PY -m measure.benchmark --versions flash_hopper --name ch05_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
     ch05-check) step ch05_check 600 $PY -m solutions.ch05_flash_hopper --check ;;
-    ch05-knobs) step ch05_knobs 420 $PY -m solutions.ch05_flash_hopper --bench ;;
+    ch05-knobs) step ch05_knobs 420 $PY -m measure.ch05_knobs ;;
     ch04-check) step ch04_check 600 $PY -m solutions.ch04_flash_ampere --check ;;
     ch04-profile) step ch04_profile 300 $PY -m measure.profile_ch04 --raw-dir "$OUT/ch04_profile_raw" ;;
     ch05-profile) step ch05_profile 300 $PY -m measure.profile_ch05 --raw-dir "$OUT/ch05_profile_raw" ;;
     fa4-profile) step fa4_profile 300 $PY -m measure.profile_fa4_final --raw-dir "$OUT/fa4_final_profile_raw" ;;
-    fa4-boost) step fa4_boost 300 $PY -m solutions.ch08_versus --boost 64 16384 1 --raw-dir "$OUT/fa4_final_versus_boost_raw" ;;
-    fa4-stalls) step fa4_stalls 560 $PY -m solutions.ch08_stalls --raw-dir "$OUT/fa4_final_stalls_raw" ;;
-    fa4-versus) step fa4_versus 540 $PY -m solutions.ch08_versus --raw-dir "$OUT/fa4_final_versus_raw" ;;
+    fa4-boost) step fa4_boost 300 $PY -m measure.fwd_versus --boost 64 16384 1 --raw-dir "$OUT/fa4_final_versus_boost_raw" ;;
+    fa4-stalls) step fa4_stalls 560 $PY -m measure.fwd_stalls --raw-dir "$OUT/fa4_final_stalls_raw" ;;
+    fa4-versus) step fa4_versus 540 $PY -m measure.fwd_versus --raw-dir "$OUT/fa4_final_versus_raw" ;;
     ch07) step ch07_rescale 300 $PY -m solutions.ch07_rescaling --save ;;
-    fa4-check) step fa4_check 420 $PY -m solutions.ch08_checks ;;
+    fa4-check) step fa4_check 420 $PY -m measure.fwd_checks ;;
     bwd-check) step bwd_check 300 $PY -m fa4_final.backward --check --small ;;
     bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
     bwd-bench) step bwd_bench 900 $PY -m solutions.ch11_bench ;;
@@ -82,46 +83,47 @@ for s in "$@"; do
     varlen-sanitize) step varlen_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_api.py -k "test_varlen_forward and b70" ;;
     varlen-bwd-sanitize) step varlen_bwd_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_varlen_bwd.py -k "against_float64 and (mixed-causal-used or many)" ;;
     fa4-bench) step fa4_bench 480 $PY -m measure.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
-    fa4-gaps) step fa4_gaps 300 $PY -m solutions.ch08_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
-    fa4-split) step fa4_split 420 $PY -m solutions.ch08_knobs --knobs --non-causal --only "last round" "cut along" --rounds ${ROUNDS:-5} --name fa4_final_split ;;
-    fa4-d64c) step fa4_d64c 420 $PY -m solutions.ch08_knobs --knobs --shape 64 16384 1 --only "one tile per CTA, L2" "stages 2/2" "zigzag rounds in L2" "128 x 128" "after the softmax" --rounds ${ROUNDS:-7} --name fa4_final_d64_causal ;;
-    fa4-d64) step fa4_d64 540 $PY -m solutions.ch08_knobs --knobs --shape 64 4096 0 --shape 64 4096 1 --shape 64 16384 0 --shape 64 16384 1 --only "exp2 emulation" "tau = 8" --rounds ${ROUNDS:-5} --name fa4_final_d64_softmax ;;
-    fa4-tune) step fa4_tune 560 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "tau = 8" --exact --settle-ms 50 --rounds ${ROUNDS:-5} --name fa4_final_tune ;;
+    fa4-gaps) step fa4_gaps 300 $PY -m measure.fwd_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
+    fa4-split) step fa4_split 420 $PY -m measure.fwd_knobs --knobs --non-causal --only "last round" "cut along" --rounds ${ROUNDS:-5} --name fa4_final_split ;;
+    fa4-d64c) step fa4_d64c 420 $PY -m measure.fwd_knobs --knobs --shape 64 16384 1 --only "one tile per CTA, L2" "stages 2/2" "zigzag rounds in L2" "128 x 128" "after the softmax" --rounds ${ROUNDS:-7} --name fa4_final_d64_causal ;;
+    fa4-d64) step fa4_d64 540 $PY -m measure.fwd_knobs --knobs --shape 64 4096 0 --shape 64 4096 1 --shape 64 16384 0 --shape 64 16384 1 --only "exp2 emulation" "tau = 8" --rounds ${ROUNDS:-5} --name fa4_final_d64_softmax ;;
+    fa4-tune) step fa4_tune 560 $PY -m measure.fwd_knobs --knobs --all-shapes --only "tau = 8" --exact --settle-ms 50 --rounds ${ROUNDS:-5} --name fa4_final_tune ;;
     fa4-bench-settled) step fa4_bench_settled 480 $PY -m measure.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd_settled --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-5} --settle-ms 50 ;;
-    clocked) step fa4_clocked 560 $PY -m solutions.ch08_clocked ${CLOCKED_ARGS:-} ;;
-    clocked-d64c2) step fa4_clocked_d64c2 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "K/V stages 2/2" "K/V stages 2/2, tau = 8" "K/V stages 2/2, O rescaled after the softmax" "K/V stages 2/2, tau = 8, O rescaled after the softmax" fa4_package --name fa4_final_clocked_d64_causal_stages ;;
-    clocked-d64c) step fa4_clocked_d64c 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "tau = 8" "O rescaled after the softmax" "tau = 8, O rescaled after the softmax" "one tile per CTA, L2 sections" "zigzag rounds in L2 sections" "K/V stages 2/2" fa4_package --name fa4_final_clocked_d64_causal ;;
-    clocked-rowsum) step fa4_clocked_rowsum 560 $PY -m solutions.ch08_clocked --variants fa4_final "row sum in one chain" "row sum in two chains" fa4_package --name fa4_final_clocked_row_sum ;;
-    clocked-rowmax) step fa4_clocked_rowmax 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "row sum in one chain" "row sum in one chain, row max in four chains" "row max in four chains" fa4_package --name fa4_final_clocked_row_max ;;
-    clocked-lane) step fa4_clocked_lane 560 $PY -m solutions.ch08_clocked --variants fa4_final "lane read every step" fa4_package --name fa4_final_clocked_lane ;;
-    clocked-skip) step fa4_clocked_skip 560 $PY -m solutions.ch08_clocked --variants fa4_final "tau = 8, rows decide alone" "tau = 0, O multiply skipped when no max moved" "tau = 8" fa4_package --name fa4_final_clocked_skip ;;
-    skip-check) step skip_check 300 $PY -m solutions.ch08_checks --knob rescale_skip_unchanged ;;
-    rowsum-check) step rowsum_check 300 $PY -m solutions.ch08_checks --knob row_sum_ways ;;
-    predecessors) step fa4_predecessors 300 $PY -m solutions.ch08_predecessors ;;
-    energy) step fa4_energy 300 $PY -m solutions.ch08_energy ;;
-    fa4-check-defaults) step fa4_check_defaults 300 $PY -m solutions.ch08_checks --defaults ;;
-    split-check) step split_check 300 $PY -m solutions.ch08_checks --knob split_tail ;;
-    dyn-check) step dyn_check 240 $PY -m solutions.ch08_checks --knob dynamic_tiles ;;
+    clocked) step fa4_clocked 560 $PY -m measure.fwd_clocked ${CLOCKED_ARGS:-} ;;
+    clocked-d64c2) step fa4_clocked_d64c2 560 $PY -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "K/V stages 2/2" "K/V stages 2/2, tau = 8" "K/V stages 2/2, O rescaled after the softmax" "K/V stages 2/2, tau = 8, O rescaled after the softmax" fa4_package --name fa4_final_clocked_d64_causal_stages ;;
+    clocked-d64c) step fa4_clocked_d64c 560 $PY -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "tau = 8" "O rescaled after the softmax" "tau = 8, O rescaled after the softmax" "one tile per CTA, L2 sections" "zigzag rounds in L2 sections" "K/V stages 2/2" fa4_package --name fa4_final_clocked_d64_causal ;;
+    clocked-rowsum) step fa4_clocked_rowsum 560 $PY -m measure.fwd_clocked --variants fa4_final "row sum in one chain" "row sum in two chains" fa4_package --name fa4_final_clocked_row_sum ;;
+    clocked-rowmax) step fa4_clocked_rowmax 560 $PY -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "row sum in one chain" "row sum in one chain, row max in four chains" "row max in four chains" fa4_package --name fa4_final_clocked_row_max ;;
+    clocked-lane) step fa4_clocked_lane 560 $PY -m measure.fwd_clocked --variants fa4_final "lane read every step" fa4_package --name fa4_final_clocked_lane ;;
+    clocked-skip) step fa4_clocked_skip 560 $PY -m measure.fwd_clocked --variants fa4_final "tau = 8, rows decide alone" "tau = 0, O multiply skipped when no max moved" "tau = 8" fa4_package --name fa4_final_clocked_skip ;;
+    skip-check) step skip_check 300 $PY -m measure.fwd_checks --knob rescale_skip_unchanged ;;
+    rowsum-check) step rowsum_check 300 $PY -m measure.fwd_checks --knob row_sum_ways ;;
+    predecessors) step fa4_predecessors 300 $PY -m measure.fwd_predecessors ;;
+    energy) step fa4_energy 300 $PY -m measure.fwd_energy ;;
+    fa4-check-defaults) step fa4_check_defaults 300 $PY -m measure.fwd_checks --defaults --save ;;
+    split-check) step split_check 300 $PY -m measure.fwd_checks --knob split_tail ;;
+    dyn-check) step dyn_check 240 $PY -m measure.fwd_checks --knob dynamic_tiles ;;
     dyn-sanitize)
       for tool in memcheck racecheck synccheck; do
-        step "san_dyn_${tool}" 240 $SAN --tool $tool $PY -m solutions.ch08_checks --small --knob dynamic_tiles
+        step "san_dyn_${tool}" 240 $SAN --tool $tool $PY -m measure.fwd_checks --small --knob dynamic_tiles
       done ;;
-    clocked-dyn) step fa4_clocked_dyn 560 $PY -m solutions.ch08_clocked --shape 64 16384 1 --shape 64 4096 1 --shape 128 16384 1 --shape 128 4096 1 --variants fa4_final "tile table" fa4_package --name fa4_final_clocked_dynamic ;;
+    clocked-dyn) step fa4_clocked_dyn 560 $PY -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --shape 128 16384 1 --shape 128 4096 1 --variants fa4_final "tile table" fa4_package --name fa4_final_clocked_dynamic ;;
     varlen-dyn-sanitize)  # the varlen forward's dynamic tiles: idle CTAs, many sequences, D = 64
       for tool in memcheck racecheck synccheck; do
         step "san_varlen_${tool}" 300 $SAN --tool $tool $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_api.py -k "idle_ctas or (test_varlen_forward and (b70 or d64-float16-causal1))"
       done ;;
     split-sanitize)
       for tool in memcheck racecheck synccheck; do
-        step "san_split_${tool}" 300 $SAN --tool $tool $PY -m solutions.ch08_checks --small --split
+        step "san_split_${tool}" 300 $SAN --tool $tool $PY -m measure.fwd_checks --small --split
       done ;;
-    fa4-sched) step fa4_sched 420 $PY -m solutions.ch08_knobs --knobs --all-shapes --only "one tile per CTA" "zigzag" --name fa4_final_sched ;;
+    fa4-sched) step fa4_sched 420 $PY -m measure.fwd_knobs --knobs --all-shapes --only "one tile per CTA" "zigzag" --name fa4_final_sched ;;
     ch12-sweep) step ch12_sweep 420 $PY -m solutions.ch12_sweep --sweep ;;
     host) step ch12_host 420 $PY -m solutions.ch12_host --gpu ;;
     host-train) step ch12_training 300 $PY -m solutions.ch12_training ;;
     ch12-acc) step ch12_acc 200 $PY -m solutions.ch12_sweep --accuracy --memory ;;
-    fa4-knobs) step fa4_knobs 480 $PY -m solutions.ch08_knobs --knobs --rounds ${ROUNDS:-3} ;;
-    fa4-timeline) step fa4_timeline 120 $PY -m solutions.ch08_knobs --timeline ;;
+    fa4-knobs) step fa4_knobs 480 $PY -m measure.fwd_knobs --knobs --rounds ${ROUNDS:-3} ;;
+    fa4-ablation) step fa4_ablation 590 $PY -m measure.fwd_clocked --ablation ;;
+    fa4-timeline) step fa4_timeline 120 $PY -m measure.fwd_timeline ;;
     micro) step microbench 300 $PY -m solutions.run_microbench ;;
     sanitize)
       for m in ${SANITIZE:-ch04_flash_ampere ch05_flash_hopper}; do
@@ -129,14 +131,18 @@ for s in "$@"; do
           step "san_${m}_${tool}" 300 $SAN --tool $tool $PY -m solutions.$m --small
         done
       done ;;
+    probes) step probes 420 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_protocol_probes.py ;;
+    conformance) step conformance 580 $PY -m measure.conformance --cases ${CASES:-240} --workers ${WORKERS:-6} --deadline ${CONF_DEADLINE:-520} ;;
+    conformance-sample) step conformance_sample 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_conformance_fa4.py ;;
+    window-tests) step window_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_bwd.py -k "test_flash_attn_func_forward or test_varlen_forward or test_backward or test_varlen_backward_matches or test_sliding_windows or test_deterministic_is_bitwise" ;;
     notebooks) step notebooks 580 env COURSE_STRICT_EXERCISES=1 $PY -m pytest -q -p no:cacheprovider --nbval-lax --nbval-cell-timeout=600 ${NOTEBOOKS:-solutions/} ;;
     record)  # the test and sanitizer logs of this visit -> results/h200/gpu_checks.json
       args=()
       for log in "$OUT"/logs/*.log; do
         n=$(basename "$log" .log)
-        case $n in gpu_tests|bwd_tests|api_tests|api_varlen_tests|varlen_tests|varlen_memcheck|varlen_bwd_memcheck|san_*|*_check) args+=("$n=$log") ;; esac
+        case $n in gpu_tests|bwd_tests|api_tests|probes|window_tests|conformance_sample|api_varlen_tests|varlen_tests|varlen_memcheck|varlen_bwd_memcheck|san_*|*_check) args+=("$n=$log") ;; esac
       done
-      [ ${#args[@]} -gt 0 ] && step record 60 $PY -m solutions.gpu_checks "${args[@]}" ;;
+      [ ${#args[@]} -gt 0 ] && step record 60 $PY -m measure.gpu_checks "${args[@]}" ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done

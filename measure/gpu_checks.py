@@ -1,7 +1,7 @@
 """What the GPU test runs found, stored like any measurement: results/h200/gpu_checks.json.
 
-    python -m solutions.gpu_checks SUITE=LOG [SUITE=LOG ...]
-    python -m solutions.gpu_checks --provenance-from results/h200/ch11_bwd.json SUITE=LOG ...
+    python -m measure.gpu_checks SUITE=LOG [SUITE=LOG ...]
+    python -m measure.gpu_checks --provenance-from results/h200/ch11_bwd.json SUITE=LOG ...
 
 Each LOG is the output of a pytest run (its last "N passed, M failed ..." line is read), of a
 compute-sanitizer run (its "ERROR SUMMARY" / "RACECHECK SUMMARY" line) or of a chapter's case
@@ -25,6 +25,9 @@ from pathlib import Path
 from utils import results
 
 NAME = "gpu_checks"
+PRODUCES = [(f"results/h200/{NAME}.json", "python -m measure.gpu_checks SUITE=LOG ... (the "
+             "'record' step of tests/gpu/h200_session.sh)",
+             "the GPU test and sanitizer runs of a visit: passed/failed/errors per suite")]
 PYTEST = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xpassed|xfailed)")
 SANITIZER = re.compile(r"(ERROR|RACECHECK) SUMMARY: (\d+) (errors|hazards)")
 CASES = re.compile(r"^(\d+)/(\d+) cases passed")  # utils.checks.run_cases (ch04/05/08 checks)
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
     if not argv or any("=" not in a for a in argv):
         print(__doc__, file=sys.stderr)
         return 2
-    command = "python -m solutions.gpu_checks " + " ".join(argv)
+    command = "python -m measure.gpu_checks " + " ".join(argv)
     if provenance is None:
         provenance = results.collect_provenance(command)
     else:
