@@ -31,9 +31,8 @@ Entry points: ``attention(q, k, v, causal=False, softmax_scale=None, config=None
 (CUDA tensors, layout (batch, seqlen, heads, dim)); ``compile_only(arch, ...)`` and
 ``config_report`` for CI with no GPU; ``launched_resources`` for the registers and stack of a
 kernel compiled on the GPU. On a GPU, ``python -m solutions.ch04_flash_ampere`` with
-``--small`` (two cases; also run under compute-sanitizer), ``--check`` (CHECK_CASES) or
-``--sweep`` (check and time every tile of SWEEP_PLAN next to SDPA's flash backend, save
-results/<gpu>/ch04_sweep.json; ``--sweep --check`` runs both in one process).
+``--small`` (two cases; also run under compute-sanitizer) or ``--check`` (CHECK_CASES). The tile
+sweep that times SWEEP_CONFIGS is ``python -m measure.ch04_sweep``.
 
 Note [Work split]. A CTA has num_threads // 32 warps stacked along the query rows: warp w owns
 rows 16w .. 16w + 15 of every block of 16 * warps rows, for S and for O, so a row's softmax
@@ -67,9 +66,7 @@ config_report() lists registers, stack bytes and spill instructions of every swe
 import argparse
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, replace
-from functools import partial
 from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
@@ -218,7 +215,7 @@ TUNED_CONFIGS = {
 }
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-# What the chapter sweeps (``--sweep`` checks each tile, then times it): the default and one
+# What the chapter sweeps (measure.ch04_sweep checks each tile, then times it): the default and one
 # knob changed at a time, including tiles that spill, to measure what a spill costs.
 SWEEP_CONFIGS = {
     64: (
@@ -713,9 +710,7 @@ class FlashAttentionAmpere:
         # (c) S = Q K^T: (M, N) in fp32, 2 * M * N * D FLOPs on the tensor cores.
         acc_S = cute.make_rmem_tensor(thr.thr_mma.partition_shape_C((M, N)), Float32)
         acc_S.fill(0.0)  # (MMA, MMA_M, MMA_N)
-        gemm_from_smem(thr.tiled_mma, acc_S, thr.tSrQ, thr.tSrK, thr.tSsQ,
-                       thr.tSsK[None, None, None, stage], thr.smem_copy_Q, thr.smem_copy_K,
-                       self.config.qk_unroll)
+        self.gemm_qk(acc_S, thr, stage)
 
         # (d) Mask, online softmax, rescale O; P = exp2(...) rounded to bf16/fp16.
         if const_expr(is_first):
@@ -742,6 +737,22 @@ class FlashAttentionAmpere:
         cute.arch.cp_async_commit_group()
 
         # (f) O += P V: the A operand straight from registers, B from shared memory.
+        self.gemm_pv(rP, thr, stage)
+
+    # ------------------------------------------------------------------------------------------
+    # The two GEMMs of a step, as methods: a course subclass swaps in other code here
+
+    @cute.jit
+    def gemm_qk(self, acc_S: cute.Tensor, thr: SimpleNamespace, stage):
+        """S += Q K^T for K buffer ``stage``: ``gemm_from_smem`` over the head dim."""
+        gemm_from_smem(thr.tiled_mma, acc_S, thr.tSrQ, thr.tSrK, thr.tSsQ,
+                       thr.tSsK[None, None, None, stage], thr.smem_copy_Q, thr.smem_copy_K,
+                       self.config.qk_unroll)
+
+    @cute.jit
+    def gemm_pv(self, rP: cute.Tensor, thr: SimpleNamespace, stage):
+        """O += P V for V buffer ``stage``, P (``rP``, 16-bit) straight from registers:
+        ``gemm_from_regs`` over the keys of the tile."""
         gemm_from_regs(thr.tiled_mma, thr.acc_O, acc_as_a_operand(rP), thr.tOrVt,
                        thr.tOsVt[None, None, None, stage], thr.smem_copy_V)
 
@@ -1112,7 +1123,7 @@ def config_report(arch="sm_90a", head_dim=128, causal=False) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------
-# On a GPU: --small (also run under compute-sanitizer), --check, --sweep
+# On a GPU: --small (also run under compute-sanitizer), --check
 
 # (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype)
 SMALL_CASES = [
@@ -1150,16 +1161,6 @@ def check_case(batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype, c
                                     dim, causal, dtype, config=config)
 
 
-SWEEP_RESULTS = "ch04_sweep"
-SWEEP_SEQLEN, SWEEP_HEADS = 16384, 16  # batch * seqlen = 16384 tokens, as in results/*/ch04_fwd
-# (head_dim, causal) -> which tiles of SWEEP_CONFIGS[head_dim] to time there (None: all)
-SWEEP_PLAN = {
-    (128, False): None,
-    (128, True): (DEFAULT_CONFIGS[128], SM90_D128_TILE,
-                  TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=4),
-                  TileConfig(128, 64, 128, smem_layout="swizzled", qk_unroll=8)),
-    (64, False): None,
-}
 ABLATION_IMPL = "flash_ampere_no_softmax"  # the sweep's rows for SoftmaxLeftOut
 # Tiles also timed as SoftmaxLeftOut (Note [What the softmax costs]), at D = 128 non-causal.
 ABLATION_CONFIGS = (DEFAULT_CONFIGS[128], SM90_D128_TILE)
@@ -1169,7 +1170,7 @@ class SoftmaxLeftOut(FlashAttentionAmpere):
     """A timing ablation, not attention (Note [What the softmax costs]): the same kernel with
     the online softmax cut down to what keeps its input alive (each row's first score goes into
     the row sum), so the loads, barriers, S = QK^T and O += PV run as before with P = S rounded
-    to 16 bits. Its output means nothing; only ``sweep`` runs it, to time it.
+    to 16 bits. Its output means nothing; only measure.ch04_sweep runs it, to time it.
 
     Note [What the softmax costs]. Timed next to the full kernel on the same inputs, the
     difference is what the softmax adds on top of the two GEMMs (max, exp2, sum, O rescale and
@@ -1182,91 +1183,6 @@ class SoftmaxLeftOut(FlashAttentionAmpere):
         for r in cutlass.range_constexpr(cute.size(row_max)):
             row_sum[r] = row_sum[r] + s[r, 0]
             row_max[r] = Float32(0.0)
-
-
-def sweep(plan=None, seqlen=SWEEP_SEQLEN, heads=SWEEP_HEADS, rep=30, save=True,
-          rounds=3) -> list[dict]:
-    """Each (head_dim, causal, tile) of ``plan``: checked once against float64 on an awkward
-    shape (fresh inputs, NaN-poisoned outputs), then timed at (batch, seqlen, heads) =
-    (16384 // seqlen, seqlen, heads) in ``rounds`` interleaved rounds (utils.bench.interleaved:
-    every tile, the SoftmaxLeftOut ablations and the peers SDPA flash, cuDNN and the FA4
-    package on the same inputs, once per round; L2 flushed, median of ``rep`` calls per round).
-    A tile that fails its check is not timed. Each row also records the registers, stack bytes
-    and spill instructions of the kernel that ran, SDPA's flash backend (FlashAttention-2) and
-    the fastest peer of the same inputs (``sdpa_flash_tflops``, ``best_peer``). Prints a table;
-    saves SWEEP_RESULTS."""
-    from utils import bench as ub
-    from utils import results
-    from utils.reference import random_qkv
-
-    plan = SWEEP_PLAN if plan is None else plan
-    batch = max(1, 16384 // seqlen)
-    arch = device_arch("cuda")
-    rows, calls, flops_of = [], {}, {}
-    for (head_dim, causal), configs in plan.items():
-        configs = SWEEP_CONFIGS[head_dim] if configs is None else configs
-        q, k, v, seed = random_qkv(batch, seqlen, heads, head_dim, device="cuda")
-        group = (head_dim, causal)
-        flops_of[group] = ub.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
-        for peer, call in ub.peer_calls(q, k, v, causal).items():
-            calls[(group, ub.PEER_KEY, peer)] = call
-        for config in configs:
-            t0 = time.perf_counter()
-            try:  # one broken tile must not cost the rest of a rare GPU session
-                ok, line = check_case(1, 1000, 1100, 4, 2, head_dim, causal, torch.bfloat16,
-                                      config)
-            except Exception as exc:  # reported in the row and the table; the run goes on
-                ok, line = False, f"FAIL d={head_dim} causal={causal} {config}: {exc!r}"
-            res = launched_resources(head_dim, causal, config, sass=True)
-            row = {
-                "impl": "flash_ampere", "pass": "fwd", "dtype": "bf16", "b": batch,
-                "s": seqlen, "h": heads, "d": head_dim, "causal": causal,
-                "m_block": config.m_block, "n_block": config.n_block,
-                "num_threads": config.num_threads, "num_stages": config.num_stages,
-                "smem_layout": config.smem_layout, "qk_unroll": config.qk_unroll,
-                "skip_rescale": config.skip_rescale,
-                "default": config == default_config(head_dim, causal, arch, "bf16"),
-                "portable_default": config == DEFAULT_CONFIGS[head_dim],
-                "smem_bytes": config.smem_bytes(head_dim), "verified": ok, "seed": seed,
-                "ms": None, "tflops": None, **config.accumulator_registers(head_dim),
-                "registers": res and res.registers, "stack_bytes": res and res.frame_bytes,
-                "spill_instructions": res and res.spill_instructions,
-            }
-            rows.append(row)
-            if ok:
-                calls[(group, config_label(config))] = partial(attention, q, k, v, causal,
-                                                               config=config)
-            else:
-                print(line, flush=True)
-            print(f"  {'ok  ' if ok else 'FAIL'} d={head_dim} causal={causal} {tile_name(row)}: "
-                  f"checked [{time.perf_counter() - t0:.1f} s]", flush=True)
-            if (head_dim, causal) == (128, False) and config in ABLATION_CONFIGS:
-                out = torch.empty_like(q)
-                lse = torch.empty(batch, heads, seqlen, dtype=torch.float32, device="cuda")
-                calls[(group, config_label(config), ABLATION_IMPL)] = partial(
-                    _launch, q, k, v, out, lse, causal, None, config, SoftmaxLeftOut)
-                rows.append({**row, "impl": ABLATION_IMPL, "verified": None, "default": False,
-                             "portable_default": False, "registers": None, "stack_bytes": None,
-                             "spill_instructions": None})
-    measured = ub.interleaved(calls, rounds=rounds, rep=rep,
-                              progress=lambda line: print("  " + line, flush=True))
-    for row in rows:
-        group = (row["d"], row["causal"])
-        peers = {key[2]: m for key, m in measured.items()
-                 if key[0] == group and key[1:2] == (ub.PEER_KEY,)}
-        key = (group, tile_name(row)) + ((ABLATION_IMPL,) if row["impl"] == ABLATION_IMPL else ())
-        if row["verified"] is not False and key in measured:
-            row.update(measured[key].fields(flops_of[group]))
-        row.update(ub.peer_fields(peers, flops_of[group]))
-        # the chapter's yardstick, FlashAttention-2, under the name older sweeps used
-        row["sdpa_flash_tflops"] = row["peers_tflops"].get("sdpa_flash")
-    print(format_sweep(rows), flush=True)
-    if save:
-        path = results.save(SWEEP_RESULTS, rows,
-                            command="python -m solutions.ch04_flash_ampere --sweep")
-        failed = sum(r["verified"] is False for r in rows)  # ablation rows are never checked
-        print(f"wrote {path}" + (f" ({failed} tiles FAILED their check)" if failed else ""))
-    return rows
 
 
 def config_label(config: TileConfig) -> str:
@@ -1288,90 +1204,17 @@ def tile_name(row: dict) -> str:
     return config_label(config_from_row(row))
 
 
-def format_sweep(rows: list[dict]) -> str:
-    """The rows of ``sweep`` as a table (speed relative to the default tile, with
-    ``utils.bench.compare``'s verdict, and to SDPA's flash backend; registers, stack bytes and
-    spill instructions of the kernel that ran; the fastest peer of the same run), then per
-    (D, causal) the fastest tile whose kernel has no stack frame, i.e. spills nothing."""
-    from utils.bench import compare, row_spread, spread_note, vs_best_peer
-
-    def cell(value, width):
-        return f"{'-' if value is None else value:>{width}}"
-
-    lines = [f"{'d':>3s} {'causal':6s} {'tile':31s} {'ms':>7s} {'TFLOP/s':>7s} {'spread':>6s} "
-             f"{'vs def':>6s} {'':12s} {'vs SDPA':>7s} {'regs':>4s} {'stack':>5s} {'spills':>6s}"
-             "  vs best peer"]
-    kernel_rows = [r for r in rows if r.get("impl") != ABLATION_IMPL]
-    for r in rows:
-        tile = tile_name(r) + (" *" if r["default"] else "")
-        if r.get("impl") == ABLATION_IMPL:
-            tile = tile_name(r) + " no softmax"
-        res = " ".join(cell(r[k], w) for k, w in
-                       (("registers", 4), ("stack_bytes", 5), ("spill_instructions", 6)))
-        if not r["ms"]:
-            lines.append(f"{r['d']:3d} {r['causal']!s:6s} {tile:31s} {'check FAILED':>30s} {res}")
-            continue
-        base = [b for b in kernel_rows if b["default"] and b["ms"]
-                and (b["d"], b["causal"]) == (r["d"], r["causal"])]
-        vs_def = f"{base[0]['ms'] / r['ms']:5.3f}x" if base else ""
-        verdict = compare(r, base[0]).verdict if base and base[0] is not r else ""
-        spread = row_spread(r)
-        spread = f"{spread:6.1%}" if spread is not None else ""
-        peer = r["sdpa_flash_tflops"]
-        vs_sdpa = f"{r['tflops'] / peer:6.3f}x" if peer else ""
-        lines.append(f"{r['d']:3d} {r['causal']!s:6s} {tile:31s} {r['ms']:7.3f} "
-                     f"{r['tflops']:7.1f} {spread:>6s} {vs_def:>6s} {verdict:12s} {vs_sdpa:>7s} "
-                     f"{res}  {vs_best_peer(r)}".rstrip())
-    for d, causal in dict.fromkeys((r["d"], r["causal"]) for r in rows):
-        timed = [r for r in kernel_rows if (r["d"], r["causal"]) == (d, causal) and r["ms"]]
-        if not timed:
-            continue
-        peer = timed[0]["sdpa_flash_tflops"]
-        line = f"d={d} causal={causal}: SDPA flash {peer or float('nan'):.1f} TFLOP/s; "
-        clean = [r for r in timed if r["stack_bytes"] == 0]
-        if clean:
-            best = max(clean, key=lambda r: r["tflops"])
-            line += (f"fastest spill-free {tile_name(best)}"
-                     f"{' (the default)' if best['default'] else ''} {best['tflops']:.1f}"
-                     + (f" = {best['tflops'] / peer:.3f}x SDPA flash" if peer else ""))
-        else:
-            line += "no spill-free tile was timed"
-        fastest = max(timed, key=lambda r: r["tflops"])
-        if fastest["stack_bytes"] != 0:
-            line += (f"; fastest overall {tile_name(fastest)} {fastest['tflops']:.1f} "
-                     f"(stack {fastest['stack_bytes']} B)")
-        if timed[0].get("best_peer"):
-            line += (f"; fastest peer {timed[0]['best_peer']} "
-                     f"{timed[0]['best_peer_tflops']:.1f}")
-        lines.append(line)
-    if any("ms_rounds" in r or "ms_min" in r for r in rows):  # measured rows, not made up
-        lines.append(spread_note([r for r in rows if r["ms"]]))
-    return "\n".join(lines)
-
-
 def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="two small cases (the default)")
     parser.add_argument("--check", action="store_true", help="every CHECK_CASES entry")
-    parser.add_argument("--sweep", action="store_true",
-                        help=f"check and time the tiles of SWEEP_PLAN, save {SWEEP_RESULTS}; "
-                             "with --check, the cases run after it in the same process")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved rounds of --sweep (at least 3)")
     args = parser.parse_args(argv)
-    if args.rounds < 3:
-        parser.error("--rounds: at least 3, so a round's spread can be told from an effect")
     if not torch.cuda.is_available():
         print("no CUDA GPU here; compile_only() and tests/test_ch04_compile.py need none")
         return 0
-    sweep_failures = 0
-    if args.sweep:
-        sweep_failures = sum(r["verified"] is False for r in sweep(rounds=args.rounds))
-        if not args.check:
-            return 1 if sweep_failures else 0
     cases = CHECK_CASES if args.check else SMALL_CASES
     failures = checks.run_cases(check_case, [(case, None) for case in cases])
-    return 1 if failures or sweep_failures else 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -59,8 +59,8 @@ for s in "$@"; do
     peers) step peers 420 $PY -m measure.benchmark --name peers --seqlens 1024 4096 16384 --dims 64 128 --causal both --passes fwd bwd ;;
     versions) step ch01_ch02 300 $PY -m measure.benchmark --versions naive tiled_fa2 --name ch01_ch02_fwd --seqlens 1024 4096 16384 --dims 128 --causal no ;;
     ch04) step ch04_bench 420 $PY -m measure.benchmark --versions flash_ampere --name ch04_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
-    ch04-sweep) step ch04_sweep 420 $PY -m solutions.ch04_flash_ampere --sweep --check ;;
-    ch04-peers) step ch04_peers 300 $PY -m solutions.ch04_peers --cutlass-example "${CUTLASS_FA2_EXAMPLE:?set CUTLASS_FA2_EXAMPLE to the path of flash_attention_v2.py from CUTLASS}" ;;
+    ch04-sweep) step ch04_sweep 420 $PY -m measure.ch04_sweep --check ;;
+    ch04-peers) step ch04_peers 300 $PY -m measure.ch04_cutlass_peer --cutlass-example "${CUTLASS_FA2_EXAMPLE:?set CUTLASS_FA2_EXAMPLE to the path of flash_attention_v2.py from CUTLASS}" ;;
     ch05) step ch05_bench 420 $PY -m measure.benchmark --versions flash_hopper --name ch05_fwd --seqlens 4096 16384 --dims 64 128 --causal both ;;
     ch05-check) step ch05_check 600 $PY -m solutions.ch05_flash_hopper --check ;;
     ch05-knobs) step ch05_knobs 420 $PY -m measure.ch05_knobs ;;

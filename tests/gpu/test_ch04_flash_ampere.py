@@ -4,7 +4,7 @@
     pytest -m gpu -s tests/gpu/test_ch04_flash_ampere.py -k "not sweep"  # default tiles only
 
 Most of the time goes into compiling (a few seconds per dtype, head dim, mask and tile); speed
-is measured by ``python -m solutions.ch04_flash_ampere --sweep``, not here.
+is measured by ``python -m measure.ch04_sweep``, not here.
 
 Every comparison uses fresh random inputs (the seed is in the message), outputs filled with NaN
 before the kernel runs (a forgotten element cannot pass) and the course's tolerance rule
@@ -227,7 +227,8 @@ def _tile_id(item):
 @pytest.mark.parametrize("item", SWEEP, ids=_tile_id)
 def test_sweep_tile_is_correct(item):
     """The other tiles of the sweep, once each: causal (every mask path, a partial last KV tile,
-    GQA) on one moderate shape; ``--sweep`` checks each tile again, non-causal, before timing."""
+    GQA) on one moderate shape; measure.ch04_sweep checks each tile again, non-causal, before
+    timing."""
     d, config = item
     ok, line = ch04.check_case(2, 300, 517, 4, 2, d, True, BF16, config=config)
     print(line)
