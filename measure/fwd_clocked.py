@@ -11,8 +11,6 @@ the power limit and not here (measure.fwd_energy measures that), and the base cl
 memory relatively faster than at the GPU's own clock.
 
     python -m measure.fwd_clocked             # GPU + ncu: results/<gpu>/fa4_final_clocked.json
-    python -m measure.fwd_clocked --ablation  # chapter 08's ideas, each switched off in turn:
-                                              # results/<gpu>/fa4_final_ablation.json
 
 Each shape is one ncu run of its own process (``--target``): every variant is called once to
 compile (not profiled), then ``LAUNCHES`` times in rounds whose order alternates
@@ -32,7 +30,6 @@ import sys
 import tempfile
 
 RESULTS = "fa4_final_clocked"
-ABLATION_RESULTS = "fa4_final_ablation"
 HEADS, TOKENS = 16, 16384
 LAUNCHES = 7
 SHAPES = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True))
@@ -72,7 +69,7 @@ VARIANTS = {
     "tau = 0": {"rescale_threshold": 0.0, "rescale_skip_unchanged": False},
     # the same with a threshold: each row keeps or moves its own max, the vote gates O only
     "tau = 8, rows decide alone": {"rescale_threshold": 8.0, "rescale_skip_unchanged": True},
-    # chapter 08's ablation (--ablation): each idea of the chapter switched off in turn
+    # chapter 08's ideas, each switched off (measure.fwd_knobs --ablation times them in bursts)
     "no ping-pong": {"pingpong": False},
     "no intra-warpgroup overlap": {"intra_wg_overlap": False},
     "one tile per CTA": {"persistent": False, "tile_table": False},
@@ -83,13 +80,7 @@ VARIANTS = {
         {"tile_table": False, "dynamic_tiles": False} if causal else {"split_tail": False}),
 }
 DEFAULT_VARIANTS = ("fa4_final", "tau = 8", "O rescaled after the softmax", "fa4_package")
-ABLATION = ("fa4_final", "no ping-pong", "no intra-warpgroup overlap",
-            "O rescaled after the softmax", "one tile per CTA", "O over Q (no separate O buffer)",
-            "tiles not balanced", "fa4_package")
-ABLATION_SHAPES = tuple((d, 16384, c) for d in (64, 128) for c in (False, True))
 PRODUCES = [
-    (f"results/h200/{ABLATION_RESULTS}.json", "python -m measure.fwd_clocked --ablation",
-     "chapter 08's ideas switched off one at a time, at ncu's fixed clock, four shapes"),
     (f"results/h200/{RESULTS}.json", "python -m measure.fwd_clocked",
      "fa4_final, tau = 8, O rescaled after the softmax and the FA4 package at ncu's clock"),
     ("results/h200/fa4_final_clocked_vs_package*.json",
@@ -250,10 +241,7 @@ def main(argv=None) -> int:
                     choices=list(VARIANTS))
     ap.add_argument("--shape", nargs=3, type=int, action="append", metavar=("D", "S", "CAUSAL"),
                     help="this shape only (repeat for several; default: the eight)")
-    ap.add_argument("--name", help="results file to write (default: fa4_final_clocked, or "
-                    "fa4_final_ablation with --ablation)")
-    ap.add_argument("--ablation", action="store_true", help="chapter 08's ablation: the "
-                    "variants of ABLATION at the shapes of ABLATION_SHAPES")
+    ap.add_argument("--name", default=RESULTS, help="results file to write")
     args = ap.parse_args(argv)
     if args.target:
         d, s, c, *names = args.target
@@ -266,12 +254,9 @@ def main(argv=None) -> int:
         return 0
     from utils import results
 
-    shapes = tuple((d, s, bool(c)) for d, s, c in args.shape) if args.shape else (
-        ABLATION_SHAPES if args.ablation else SHAPES)
-    names = ABLATION if args.ablation else tuple(args.variants)
-    name = args.name or (ABLATION_RESULTS if args.ablation else RESULTS)
-    rows = measure(shapes, names=names)
-    print("wrote", results.save(name, rows, command="python -m measure.fwd_clocked " +
+    shapes = tuple((d, s, bool(c)) for d, s, c in args.shape) if args.shape else SHAPES
+    rows = measure(shapes, names=tuple(args.variants))
+    print("wrote", results.save(args.name, rows, command="python -m measure.fwd_clocked " +
                                 " ".join(argv if argv is not None else sys.argv[1:])))
     return 0
 

@@ -33,7 +33,14 @@ PLAN_GAPS = ((64, 16384, True), (128, 4096, True), (128, 16384, True))
 PLAN_ALL = tuple((d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True))
 PLAN_NON_CAUSAL = tuple(p for p in PLAN_ALL if not p[2])
 _RUN = "python -m measure.fwd_knobs --knobs"
+ABLATION_RESULTS = "fa4_final_ablation"
+# chapter 08's ablation: the long-sequence shapes of the benchmark, both head dims, causal or not
+PLAN_ABLATION = tuple((d, 16384, c) for d in (64, 128) for c in (False, True))
+ABLATION_ROUNDS, ABLATION_SETTLE_MS = 5, 50.0
 PRODUCES = [
+    (f"results/h200/{ABLATION_RESULTS}.json", "python -m measure.fwd_knobs --ablation",
+     "chapter 08's ideas switched off one at a time (ablation_configs), in settled bursts in "
+     "5 interleaved rounds beside the peers, four shapes"),
     (f"results/h200/{KNOB_RESULTS}.json", _RUN,
      "every overlap idea switched off or moved, in bursts beside the peers, three shapes"),
     ("results/h200/fa4_final_knobs_only.json", f"{_RUN} --gaps --only 'O rescaled' 'mask as bit'",
@@ -109,6 +116,24 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
     return configs
 
 
+def ablation_configs(head_dim: int, causal: bool) -> dict:
+    """Name -> config: the default, then each idea of chapter 08 switched off in turn."""
+    base = hopper_fwd_default(head_dim, causal)
+    # not causal: the last round of whole tiles; causal: fixed zigzag rounds over the L2
+    # sections' saw-tooth of costs, not tiles taken at run time
+    unbalanced = (dict(tile_table=False, dynamic_tiles=False) if causal
+                  else dict(split_tail=False))
+    return {
+        "default": base,
+        "no ping-pong": replace(base, pingpong=False),
+        "no intra-warpgroup overlap": replace(base, intra_wg_overlap=False),
+        "O rescaled after the softmax": replace(base, o_rescale="end"),
+        "one tile per CTA": replace(base, persistent=False, tile_table=False),
+        "O over Q (no separate O buffer)": replace(base, separate_o=False),
+        "tiles not balanced": replace(base, **unbalanced),
+    }
+
+
 def compile_knob_configs(head_dim: int, causal: bool) -> dict:
     """The configs whose SASS solutions.ch08_compare records: every timed one but the debug
     and ablation builds that change the kernel's whole structure."""
@@ -126,8 +151,10 @@ def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True, plan
     results/<gpu>/<results_name>.json."""
     from utils.reference import random_qkv
 
+    table = ablation_configs if results_name == ABLATION_RESULTS else knob_configs
+
     def chosen(head_dim, causal):
-        return {n: c for n, c in knob_configs(head_dim, causal).items()
+        return {n: c for n, c in table(head_dim, causal).items()
                 if only is None or n == "default" or any(
                     (o == n) if exact else (o in n) for o in only)}
 
@@ -176,6 +203,9 @@ def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True, plan
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--knobs", action="store_true")
+    ap.add_argument("--ablation", action="store_true", help="chapter 08's ablation "
+                    "(ablation_configs at PLAN_ABLATION, 5 settled rounds): "
+                    "fa4_final_ablation.json")
     ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS)
     ap.add_argument("--only", nargs="*", help="configs whose name holds one of these (and the "
                     "default); saved as fa4_final_knobs_only.json, not over the full table")
@@ -198,6 +228,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (sm_90); the stored results are in results/h200/")
         return 0
+    if args.ablation:
+        knobs(rounds=max(args.rounds, ABLATION_ROUNDS), plan=PLAN_ABLATION,
+              results_name=ABLATION_RESULTS, settle_ms=args.settle_ms or ABLATION_SETTLE_MS,
+              command="python -m measure.fwd_knobs " + " ".join(argv or sys.argv[1:]))
     if args.knobs:
         partial = (args.only is not None or args.gaps or args.all_shapes or args.non_causal
                    or args.shape is not None)

@@ -6,106 +6,566 @@ The kernel itself is fa4_final.hopper.fwd (no kernel lives here); the notebook q
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 from collections import Counter
+from dataclasses import replace
 
-from fa4_final.scheduler import rounds, tile_coords
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+from fa4_final.constants import THREADS_PER_WARPGROUP
+from fa4_final.hopper.fwd import HopperForward, NamedBarrier
+from fa4_final.scheduler import rounds, tile_coords, zigzag_tile
 from utils import bench
+from utils.host_emulation import patched, plain, python_loops
+
+
+def claim(cid: str, results_name: str, text: str):
+    """Register ``check`` (Results -> (holds, one line)) as claim ``cid`` on ``results_name``:
+    ``utils.claims.claim`` where it exists, else the same entry written into its registry
+    (tests/test_claims.py runs every claim on its stored file)."""
+    from utils import claims
+
+    if hasattr(claims, "claim"):
+        return claims.claim(cid, results_name, text)
+
+    def register(check):
+        claims.REGISTRY[cid] = claims.Claim(cid, results_name, text, check)
+        return check
+
+    return register
+
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 08.1: the ping-pong turn rule (Note [Turns] in fa4_final.hopper.fwd)
+# The exercises' kernel: fa4_final's Hopper forward with one of its methods replaced by the
+# learner's device code (as chapter 05's HopperWithProducer replaces its producer loop)
 
 
-def turn_waits(wg: int, first_of_cta: bool) -> bool:
-    """Does warpgroup ``wg`` wait on its barrier before this turn? Everyone but warpgroup 0's
-    very first turn of the CTA: nobody before that one will ever arrive."""
-    return wg > 0 or not first_of_cta
+class HopperExercise(HopperForward):
+    """fa4_final.hopper.fwd.HopperForward with ``turn`` (exercise 08.1: ``turn_fn(wg, num_wgs,
+    first_of_cta, last_of_cta, issue_gemms)``) and/or ``walk_tiles`` (exercise 08.2:
+    ``tile_loop_fn(num_tiles, cta, grid, state_q, state_k, state_v, visit)``, fixed rounds
+    without a table) replaced. Everything else is the kernel's own code."""
+
+    def __init__(self, *args, turn_fn=None, tile_loop_fn=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.turn_fn, self.tile_loop_fn = turn_fn, tile_loop_fn
+
+    def cache_key(self) -> tuple:
+        return super().cache_key() + (("exercise", self.turn_fn, self.tile_loop_fn),)
+
+    @cute.jit
+    def turn(self, wg: Int32, first_of_cta, last_of_cta, issue):
+        if const_expr(self.turn_fn is None):
+            super().turn(wg, first_of_cta, last_of_cta, issue)
+        else:
+            self.turn_fn(wg, self.num_wgs, first_of_cta, last_of_cta, issue)
+
+    @cute.jit
+    def walk_tiles(self, num_tiles: Int32, cta: Int32, grid: Int32, mTileTable, state_q,
+                   state_k, state_v, visit):
+        if const_expr(self.tile_loop_fn is None or mTileTable is not None):
+            super().walk_tiles(num_tiles, cta, grid, mTileTable, state_q, state_k, state_v,
+                               visit)
+        else:
+            self.tile_loop_fn(num_tiles, cta, grid, state_q, state_k, state_v, visit)
 
 
-def turn_passes(wg: int, last_of_cta: bool, num_wgs: int) -> bool:
-    """Does warpgroup ``wg`` arrive on the next warpgroup's barrier after this turn? Everyone
-    but the last warpgroup's very last turn: nobody after that one will ever wait."""
-    return wg < num_wgs - 1 or not last_of_cta
+# exercise 08.1 compiles the kernel with the tile table (no dynamic tiles: their extra turn
+# after the loop is the kernel's own, Note [Dynamic tiles]); 08.2 with fixed zigzag rounds
+TURN_CONFIG = dict(tile_table=True, dynamic_tiles=False)
+_BUILDS: dict = {}
 
 
-def simulate_turns(waits, passes, num_wgs: int, turns_per_tile: list[int]) -> dict:
-    """Run the turn protocol of ``num_wgs`` consumer warpgroups over a CTA's tiles.
+def exercise_config(head_dim: int, causal: bool, which: str):
+    from fa4_final.config import ZIGZAG_ROUNDS, hopper_fwd_default
 
-    Each named barrier b_w (one per warpgroup) completes a phase when 128 threads sync on it and
-    128 arrive on it; we count in halves. A tile with 0 turns takes one empty turn (the kernel
-    does that so the count never depends on the data). The warpgroups run as fast as the
-    barriers let them, in any order: the simulation repeatedly lets any warpgroup that can make
-    progress do so. Returns {"deadlock": bool, "order": [(turn, wg), ...],
-    "pending_arrives": {w: n}, "stuck": {w: turn}}."""
-    turns = [max(t, 1) for t in turns_per_tile]
-    total = sum(turns)
-    flags = []  # (first_of_cta, last_of_cta) of each global turn
-    for g in range(total):
-        flags.append((g == 0, g == total - 1))
-    arrived = [0] * num_wgs  # arrive-halves not yet matched by a sync
-    pos = [0] * num_wgs  # next global turn of each warpgroup
-    order = []
-    progress = True
-    while progress:
-        progress = False
-        for w in range(num_wgs):  # each warpgroup runs ahead as far as its barrier lets it
-            while pos[w] < total:
-                first, last = flags[pos[w]]
-                if waits(w, first):
-                    if arrived[w] == 0:
-                        break  # blocked at bar.sync
-                    arrived[w] -= 1
-                order.append((pos[w], w))
-                if passes(w, last, num_wgs):
-                    arrived[(w + 1) % num_wgs] += 1
-                pos[w] += 1
-                progress = True
-    stuck = {w: pos[w] for w in range(num_wgs) if pos[w] < total}
-    return {"deadlock": bool(stuck), "order": order, "stuck": stuck,
-            "pending_arrives": {w: n for w, n in enumerate(arrived) if n}}
+    change = TURN_CONFIG if which == "turn" else ZIGZAG_ROUNDS
+    return replace(hopper_fwd_default(head_dim, causal), **change)
 
 
-def check_turn_rule(pair) -> None:
-    """Exercise 08.1: ``pair`` = (waits, passes). Many CTAs, 2 and 3 warpgroups, tiles with no
-    key among them: no deadlock, turns strictly alternate, no arrive left pending at exit."""
-    waits, passes = pair
-    rng = random.Random(8)
-    plans = [[3], [1], [0], [0, 0], [2, 0, 5], [0, 4], [4, 0]]
-    plans += [[rng.choice([0, 1, 2, 7]) for _ in range(rng.randint(1, 6))] for _ in range(40)]
+def compile_exercise(head_dim: int = 128, causal: bool = False, turn_fn=None,
+                     tile_loop_fn=None):
+    """The exercise kernel compiled for sm_90a with fake tensors (no GPU): its artifacts."""
+    from fa4_final.compile import compile_kernel
+    from fa4_final.constants import CUTLASS_BY_NAME
+    from fa4_final.hopper.launch import _fwd_fake_args
+
+    which = "turn" if turn_fn is not None else "tiles"
+    key = (head_dim, causal, turn_fn, tile_loop_fn)
+    if key not in _BUILDS:
+        cfg = exercise_config(head_dim, causal, which)
+        kernel = HopperExercise(CUTLASS_BY_NAME["bf16"], head_dim, causal, cfg,
+                                turn_fn=turn_fn, tile_loop_fn=tile_loop_fn)
+        _BUILDS[key] = compile_kernel(kernel, *_fwd_fake_args("bf16", head_dim, cfg),
+                                      arch="sm_90a", keep=True)[1]
+    return _BUILDS[key]
+
+
+@contextlib.contextmanager
+def exercise_kernel(**fns):
+    """fa4_final's launch path builds ``HopperExercise(**fns)`` instead of its kernel for the
+    ``with`` block (its memo of compiled kernels emptied before and after)."""
+    from fa4_final.hopper import launch
+
+    def build(dtype_name, head_dim, causal, has_left, has_right, config, varlen=False,
+              has_seqused_k=False):
+        from fa4_final.constants import CUTLASS_BY_NAME
+
+        return HopperExercise(CUTLASS_BY_NAME[dtype_name], head_dim, causal, config,
+                              has_window_left=has_left, has_window_right=has_right,
+                              varlen=varlen, has_seqused_k=has_seqused_k, **fns)
+
+    launch._COMPILED.clear()
+    launch._PLANS.clear()
+    try:
+        with patched(launch, _fwd_kernel=build):
+            yield
+    finally:
+        launch._COMPILED.clear()
+        launch._PLANS.clear()
+
+
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype): one tile; tiles that see no
+# key (sq > sk, causal); a partial last round and tiles cut along the keys (non-causal); many
+# tiles per CTA through three consumer warpgroups (D = 64); GQA
+EXERCISE_GPU_CASES = [
+    (1, 128, 128, 1, 1, 128, False, "bfloat16"),
+    (1, 1000, 100, 2, 2, 128, True, "bfloat16"),
+    (4, 4096, 4096, 16, 4, 128, False, "bfloat16"),
+    (2, 8192, 8192, 16, 2, 64, True, "float16"),
+    (3, 333, 555, 6, 2, 64, False, "float16"),
+    (1, 2048, 2048, 4, 4, 128, True, "bfloat16"),
+]
+
+
+def check_on_gpu(which: str, fn, cases=EXERCISE_GPU_CASES) -> tuple[bool, list[str]]:
+    """Exercise 08.1 (``which="turn"``) or 08.2 (``"tiles"``) on a Hopper GPU: the whole kernel
+    with ``fn`` in it, on fresh random inputs of awkward shapes, against float64."""
+    import torch
+
+    from fa4_final import interface
+    from utils import checks
+
+    def attention_into(q, k, v, out, lse, causal=False, softmax_scale=None, config=None):
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        interface.forward_into(q, k, v, out, lse, causal, scale, (None, None), config)
+        return out, lse
+
+    fns = {"turn_fn": fn} if which == "turn" else {"tile_loop_fn": fn}
+    ok, lines = True, []
+    with exercise_kernel(**fns):
+        for b, sq, sk, h, hk, d, causal, dtype in cases:
+            case_ok, line = checks.check_random_case(
+                attention_into, b, sq, sk, h, hk, d, causal, getattr(torch, dtype),
+                config=exercise_config(d, causal, which))
+            ok &= case_ok
+            lines.append(line)
+    return ok, lines
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 08.1: the ping-pong turn (Note [Turns] in fa4_final.hopper.fwd)
+
+TURN_WG0 = int(NamedBarrier.TURN_WG0)
+EPILOGUE_BARRIER = int(NamedBarrier.EPILOGUE)
+PAIR = 2 * THREADS_PER_WARPGROUP  # threads on a turn barrier: 128 sync, 128 arrive
+
+
+@cute.jit
+def pingpong_turn(wg: Int32, num_wgs: cutlass.Constexpr[int], first_of_cta, last_of_cta,
+                  issue_gemms):
+    """Reference: one turn of consumer warpgroup ``wg`` (the kernel's turn_begin, the issue,
+    turn_end). Warpgroup w waits on barrier TURN_WG0 + w and hands on to TURN_WG0 + w + 1."""
+    if (wg > 0) | (not first_of_cta):  # warpgroup 0's very first turn: nobody came before
+        cute.arch.barrier(barrier_id=int(NamedBarrier.TURN_WG0) + wg,
+                          number_of_threads=2 * THREADS_PER_WARPGROUP)
+    issue_gemms()
+    if (wg < num_wgs - 1) | (not last_of_cta):  # the last one's very last turn: nobody follows
+        next_wg = wg + 1
+        if next_wg == num_wgs:
+            next_wg = Int32(0)
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.TURN_WG0) + next_wg,
+                                 number_of_threads=2 * THREADS_PER_WARPGROUP)
+
+
+def _number(value, what: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise AssertionError(f"{what} should be a plain integer expression of wg and num_wgs; "
+                             f"got {value!r}") from None
+
+
+def _plain_with(fn, **names):
+    """``fn``'s plain Python (host_emulation.plain) with some global names replaced."""
+    import types
+
+    raw = plain(fn)
+    return types.FunctionType(raw.__code__, {**raw.__globals__, **names}, raw.__name__,
+                              raw.__defaults__, raw.__closure__)
+
+
+def record_turn(fn, wg: int, num_wgs: int, first: bool, last: bool) -> list[tuple]:
+    """Run one turn of ``fn`` (exercise 08.1's signature) as plain Python with recording
+    stand-ins: [("sync", barrier, threads) | ("issue",) | ("arrive", barrier, threads), ...]."""
+    import cutlass as cutlass_module
+
+    events: list[tuple] = []
+
+    def barrier(*, barrier_id=None, number_of_threads=None, **_):
+        if barrier_id is None or number_of_threads is None:
+            raise AssertionError("give cute.arch.barrier both barrier_id= and "
+                                 "number_of_threads=: without them it is __syncthreads(), "
+                                 "which every thread of the CTA, the producer too, must reach")
+        events.append(("sync", _number(barrier_id, "barrier_id"),
+                       _number(number_of_threads, "number_of_threads")))
+
+    def barrier_arrive(*, barrier_id=None, number_of_threads=None, **_):
+        if barrier_id is None or number_of_threads is None:
+            raise AssertionError("give cute.arch.barrier_arrive both barrier_id= and "
+                                 "number_of_threads=")
+        events.append(("arrive", _number(barrier_id, "barrier_id"),
+                       _number(number_of_threads, "number_of_threads")))
+
+    run = _plain_with(fn, Int32=int)
+    with python_loops(), patched(cute.arch, barrier=barrier, barrier_arrive=barrier_arrive), \
+            patched(cutlass_module, Int32=int):
+        run(wg, num_wgs, first, last, lambda: events.append(("issue",)))
+    return events
+
+
+def _turn_shape_mistake(events: list[tuple], wg: int, num_wgs: int, first: bool,
+                        last: bool) -> str | None:
+    """The first slip in one recorded turn, in words (None: none found)."""
+    what = f"warpgroup {wg} of {num_wgs}" + (", the CTA's first turn" if first else "") + (
+        ", the CTA's last turn" if last else "")
+    kinds = [e[0] for e in events]
+    if kinds.count("issue") != 1:
+        return (f"{what}: your turn calls issue_gemms() {kinds.count('issue')} times; a turn "
+                f"issues the warpgroup's GEMMs exactly once, between waiting for the turn and "
+                f"handing it on")
+    at = kinds.index("issue")
+    if "arrive" in kinds[:at]:
+        return (f"{what}: you hand the turn on (bar.arrive) before issuing your GEMMs: the "
+                f"next warpgroup may then issue before you, an unordered issue")
+    if "sync" in kinds[at:]:
+        return (f"{what}: you wait for your turn (bar.sync) after issuing your GEMMs: the "
+                f"issue is not guarded by the turn at all")
+    if kinds.count("sync") > 1 or kinds.count("arrive") > 1:
+        return (f"{what}: one turn waits once (bar.sync on its own barrier) and hands on once "
+                f"(bar.arrive on the next warpgroup's); you recorded {kinds}")
+    for kind, barrier, threads in (e for e in events if e[0] != "issue"):
+        if barrier == 0:
+            return (f"{what}: barrier 0 is __syncthreads(), which every thread of the CTA must "
+                    f"reach, the producer warpgroup too: the turns need barriers of their own "
+                    f"(NamedBarrier.TURN_WG0 + w)")
+        if barrier == EPILOGUE_BARRIER:
+            return (f"{what}: barrier {barrier} is the epilogue's (NamedBarrier.EPILOGUE), which "
+                    f"all consumer threads use to share the O buffer; the turns start at "
+                    f"NamedBarrier.TURN_WG0 = {TURN_WG0}")
+        if not 0 < barrier < 16:
+            return f"{what}: barrier {barrier} does not exist: an SM has named barriers 0-15"
+        if threads != PAIR:
+            why = ("128 completes it as soon as this warpgroup's own threads get there, so "
+                   "nobody waits for anybody" if threads == THREADS_PER_WARPGROUP else
+                   "that many threads never meet there, so it never completes")
+            return (f"{what}: bar.{kind} with number_of_threads={threads}: a turn barrier is "
+                    f"met by two warpgroups, 128 threads that sync and 128 that arrive, so it "
+                    f"counts {PAIR}; {why}")
+    return None
+
+
+def simulate_pingpong(behaviour: dict, num_wgs: int, turns: int, seed: int) -> dict:
+    """Replay recorded turns (``behaviour[(wg, first, last)]``: record_turn's events) of
+    ``num_wgs`` warpgroups that each take ``turns`` turns, the warpgroups scheduled in a random
+    order (``seed``). Named barriers as the hardware counts them: a barrier completes when
+    ``threads`` have arrived (128 per bar.sync or bar.arrive of a warpgroup) and releases the
+    warpgroups syncing on it. Returns {"issues": [(turn, wg), ...], "stuck": {wg: (turn,
+    barrier)}, "pending": {barrier: threads}, "mixed": [barrier, ...]}."""
+    rng = random.Random(seed)
+    count: dict[int, int] = {}
+    need: dict[int, set] = {}
+    waiting: dict[int, list] = {}
+    pos = [0] * num_wgs  # next turn of each warpgroup
+    step = [0] * num_wgs  # next event of that turn
+    blocked: dict[int, int] = {}  # wg -> barrier it syncs on
+    issues = []
+
+    def events(w):
+        return behaviour[(w, pos[w] == 0, pos[w] == turns - 1)]
+
+    def arrive(barrier, threads):
+        need.setdefault(barrier, set()).add(threads)
+        count[barrier] = count.get(barrier, 0) + THREADS_PER_WARPGROUP
+        if count[barrier] >= threads:
+            count[barrier] -= threads
+            for w in waiting.pop(barrier, []):
+                blocked.pop(w, None)
+
+    while True:
+        ready = [w for w in range(num_wgs) if pos[w] < turns and w not in blocked]
+        if not ready:
+            break
+        w = rng.choice(ready)
+        ev = events(w)
+        if step[w] == len(ev):
+            pos[w], step[w] = pos[w] + 1, 0
+            continue
+        e = ev[step[w]]
+        step[w] += 1
+        if e[0] == "issue":
+            issues.append((pos[w], w))
+        elif e[0] == "arrive":
+            arrive(e[1], e[2])
+        else:
+            blocked[w] = e[1]
+            waiting.setdefault(e[1], []).append(w)
+            arrive(e[1], e[2])
+    return {"issues": issues,
+            "stuck": {w: (pos[w], blocked[w]) for w in blocked if pos[w] < turns},
+            "pending": {b: n for b, n in count.items() if n},
+            "mixed": [b for b, ns in need.items() if len(ns) > 1]}
+
+
+def _turn_hint(wg: int, first: bool) -> str:
+    if wg == 0 and first:
+        return (" Warpgroup 0's very first turn has nobody before it: if it waits, nobody "
+                "ever arrives.")
+    return (" A warpgroup that does not hand the turn on leaves the next one waiting forever: "
+            "only the last warpgroup's very last turn may skip the arrive.")
+
+
+def check_turn_rules(fn) -> None:
+    """Exercise 08.1 without compiling: ``fn`` recorded turn by turn (plain Python), each turn's
+    shape checked, then the recorded behaviour replayed by 2 and 3 warpgroups over CTAs of 1-9
+    turns, in many random interleavings: no deadlock, GEMMs issued in turn order, no arrive
+    pending at the CTA's exit."""
+    from cutlass.base_dsl.common import DSLBaseError
+
     for num_wgs in (2, 3):
-        for plan in plans:
-            res = simulate_turns(waits, passes, num_wgs, plan)
-            if res["deadlock"]:
-                w, g = next(iter(res["stuck"].items()))
-                hint = (" Warpgroup 0's first turn has nobody before it: if it waits, nobody "
-                        "ever arrives." if g == 0 and w == 0 else
-                        " A warpgroup that does not arrive after a turn leaves the next one "
-                        "waiting forever: only the very last turn of the CTA may skip it.")
-                raise AssertionError(
-                    f"{num_wgs} warpgroups, turns per tile {plan}: warpgroup {w} waits forever "
-                    f"at its turn {g}.{hint}")
-            expected = [(g, w) for g in range(sum(max(t, 1) for t in plan))
-                        for w in range(num_wgs)]
-            if res["order"] != expected:
-                raise AssertionError(
-                    f"{num_wgs} warpgroups, turns {plan}: the turns ran out of order "
-                    f"({res['order'][:6]}...): a warpgroup that skips its wait can run ahead "
-                    f"of the one before it; only warpgroup 0's first turn may skip it")
-            if res["pending_arrives"]:
-                raise AssertionError(
-                    f"{num_wgs} warpgroups, turns {plan}: arrives left pending at the end on "
-                    f"the barriers of warpgroups {sorted(res['pending_arrives'])}: the last "
-                    f"warpgroup's last turn must not hand the turn on (nobody will take it)")
+        behaviour = {}
+        for wg in range(num_wgs):
+            for first in (False, True):
+                for last in (False, True):
+                    try:
+                        ev = record_turn(fn, wg, num_wgs, first, last)
+                    except DSLBaseError as exc:
+                        raise AssertionError(
+                            "write the barriers in the turn itself with cute.arch.barrier and "
+                            "cute.arch.barrier_arrive (a nested @cute.jit helper cannot run "
+                            f"here: {type(exc).__name__})") from None
+                    mistake = _turn_shape_mistake(ev, wg, num_wgs, first, last)
+                    if mistake:
+                        raise AssertionError(mistake + ".")
+                    behaviour[(wg, first, last)] = ev
+        for turns in (1, 2, 3, 5, 9):
+            want = [(t, w) for t in range(turns) for w in range(num_wgs)]
+            for seed in range(12):
+                res = simulate_pingpong(behaviour, num_wgs, turns, seed)
+                where = f"{num_wgs} warpgroups taking {turns} turns each"
+                if res["mixed"]:
+                    raise AssertionError(
+                        f"{where}: barrier {res['mixed'][0]} is used with different thread "
+                        f"counts; every bar.sync and bar.arrive on one barrier names the same")
+                if res["stuck"]:
+                    w, (t, b) = min(res["stuck"].items(), key=lambda kv: (kv[1][0], kv[0]))
+                    raise AssertionError(
+                        f"{where}: deadlock, warpgroup {w} waits forever on barrier {b} at "
+                        f"its turn {t}.{_turn_hint(w, t == 0)}")
+                if res["issues"] != want:
+                    bad = next(i for i, (a, b) in enumerate(zip(res["issues"], want)) if a != b)
+                    (t, w), (t2, w2) = res["issues"][bad], want[bad]
+                    raise AssertionError(
+                        f"{where}: unordered issue, warpgroup {w} issued the GEMMs of its turn "
+                        f"{t} while warpgroup {w2}'s turn {t2} was due: the turns must go "
+                        f"(0, wg 0), (0, wg 1), ..., (1, wg 0), ...; each warpgroup waits on its "
+                        f"own barrier and hands on to the next one's, only warpgroup 0's very "
+                        f"first turn skips the wait")
+                if res["pending"]:
+                    b, n = next(iter(res["pending"].items()))
+                    raise AssertionError(
+                        f"{where}: {n} threads' arrive left pending on barrier {b} when the "
+                        f"CTA exits: the last warpgroup's very last turn must not hand the "
+                        f"turn on, nobody will take it")
+
+
+_BAR = re.compile(r"\bbar\.(sync|arrive)\s+(%r\d+|\d+),\s*(\d+);")
+
+
+def turn_ptx_facts(ptx: str) -> dict:
+    """The PTX's named-barrier instructions whose id is a register (the turns; the epilogue's
+    is the constant 1): how many of each and the thread counts they name."""
+    found = {"sync": [], "arrive": []}
+    for kind, barrier, threads in _BAR.findall(ptx):
+        if barrier.startswith("%r"):
+            found[kind].append(int(threads))
+    return found
+
+
+def check_turn(fn, compile_check: bool = True) -> None:
+    """Exercise 08.1: ``check_turn_rules``, then the kernel compiled for sm_90a with ``fn`` as
+    its turn (D = 128, two consumer warpgroups): every turn barrier in the PTX counts 256
+    threads, and in the steady KV step's SASS the BAR.SYNC comes before the first HGMMA and
+    the BAR.ARV after the last."""
+    check_turn_rules(fn)
+    if not compile_check:
+        return
+    art = compile_exercise(128, False, turn_fn=fn)
+    facts = turn_ptx_facts(art.ptx)
+    if not facts["sync"] or not facts["arrive"]:
+        raise AssertionError(f"compiled for sm_90a, the kernel has {len(facts['sync'])} turn "
+                             f"bar.sync and {len(facts['arrive'])} bar.arrive: the turns are "
+                             f"missing")
+    wrong = sorted({n for n in facts["sync"] + facts["arrive"] if n != PAIR})
+    if wrong:
+        raise AssertionError(f"compiled for sm_90a, a turn barrier counts {wrong} threads in the "
+                             f"PTX, not {PAIR}")
+    ops = [op for op, _ in steady_loop(art.sass)]
+    gemms = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
+    syncs = [i for i, op in enumerate(ops) if op.startswith("BAR.SYNC")]
+    arrives = [i for i, op in enumerate(ops) if op.startswith("BAR.ARV")]
+    if not (syncs and arrives and syncs[0] < gemms[0] and arrives[-1] > gemms[-1]):
+        raise AssertionError("compiled for sm_90a, the steady KV step's SASS does not wait for "
+                             "its turn (BAR.SYNC) before its first HGMMA and hand it on "
+                             "(BAR.ARV) after its last")
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 08.2: the persistent tile order
+# Exercise 08.2: the persistent tile loop (walk_tiles in fa4_final.hopper.fwd)
 
 
-def zigzag(r: int, cta: int, grid: int) -> int:
-    """Reference: CTA ``cta``'s tile in round ``r`` (fa4_final.scheduler.zigzag_tile)."""
-    return r * grid + (cta if r % 2 == 0 else grid - 1 - cta)
+@cute.jit
+def tile_loop(num_tiles: Int32, cta: Int32, grid: Int32, state_q, state_k, state_v, visit):
+    """Reference: the kernel's walk over CTA ``cta``'s tiles in zigzag rounds (walk_tiles
+    without a table)."""
+    for r in cutlass.range(rounds(num_tiles, grid), unroll=1):
+        tile = zigzag_tile(r, cta, grid)
+        if tile < num_tiles:
+            last = zigzag_tile(r + 1, cta, grid) >= num_tiles
+            state_q, state_k, state_v = visit(tile, r, last, state_q, state_k, state_v)
+
+
+class _States:
+    """A stand-in for the three rings' states after a given tile: visit returns new ones."""
+
+    def __init__(self, after: int):
+        self.after = after
+
+
+def record_tiles(fn, num_tiles: int, cta: int, grid: int) -> list[tuple]:
+    """Run ``fn`` (exercise 08.2's signature) for one CTA as plain Python: the (tile, r, last)
+    of every visit, in order. visit checks that it gets the states the previous visit
+    returned (the loop must carry them)."""
+    import cutlass as cutlass_module
+
+    visits: list[tuple] = []
+    start = tuple(_States(-1) for _ in range(3))
+
+    def visit(tile, r, last, sq, sk, sv):
+        tile, r = _number(tile, "the tile"), _number(r, "r")
+        if not all(isinstance(x, _States) for x in (sq, sk, sv)):
+            raise AssertionError("pass visit the three states in order: visit(tile, r, last, "
+                                 "state_q, state_k, state_v)")
+        before = visits[-1][0] if visits else -1
+        if any(x.after != before for x in (sq, sk, sv)):
+            raise AssertionError(
+                f"CTA {cta}: tile {tile} got the rings' states from before the CTA's previous "
+                f"tile: rebind them in the loop body, state_q, state_k, state_v = visit(...), "
+                f"so the loop carries them from tile to tile (the rings' slots and phases run "
+                f"on across tiles, Note [Phases])")
+        visits.append((tile, r, bool(last)))
+        return tuple(_States(tile) for _ in range(3))
+
+    run = _plain_with(fn, Int32=int)
+    with python_loops(), patched(cutlass_module, Int32=int):
+        run(num_tiles, cta, grid, *start, visit)
+    return visits
+
+
+TILE_LOOP_CASES = [(1, 1), (5, 5), (7, 3), (10, 4), (9, 7), (132, 132), (133, 132),
+                   (263, 132), (1376, 132), (2048, 132), (45, 7)]
+
+
+def check_tile_loop_rules(fn) -> None:
+    """Exercise 08.2 without compiling: every CTA of many grids run as plain Python; every
+    tile computed exactly once, r = 0 on a CTA's first tile, ``last`` on its last tile only,
+    the states carried, and longest-first causal tiles balanced within 1% of the ideal."""
+    for num_tiles, grid in TILE_LOOP_CASES:
+        owner: dict[int, int] = {}
+        for cta in range(grid):
+            visits = record_tiles(fn, num_tiles, cta, grid)
+            where = f"{num_tiles} tiles on {grid} CTAs, CTA {cta}"
+            for i, (tile, r, last) in enumerate(visits):
+                if not 0 <= tile < num_tiles:
+                    raise AssertionError(
+                        f"{where} visited tile {tile}, but the tiles are 0..{num_tiles - 1}: the "
+                        f"last round is partial, so test tile < num_tiles before visiting")
+                if tile in owner:
+                    raise AssertionError(f"{where}: tile {tile} is computed twice, by CTA "
+                                         f"{owner[tile]} and by CTA {cta}")
+                owner[tile] = cta
+                if i == 0 and r != 0:
+                    raise AssertionError(
+                        f"{where}: its first tile came with r = {r}; the kernel takes r == 0 as "
+                        f"a CTA's first tile (its first turn does not wait, Note [Turns]): pass "
+                        f"the round index")
+                if last != (i == len(visits) - 1):
+                    raise AssertionError(
+                        f"{where}: tile {tile} came with last={last} but "
+                        + ("the CTA computes more tiles after it: the last warpgroup would stop "
+                           "handing the turn on and the next one waits forever"
+                           if last else "it is the CTA's last: its last turn would hand the "
+                           "turn on to nobody and an arrive stays pending at exit")
+                        + "; last is whether the next round's tile is past num_tiles")
+        missing = sorted(set(range(num_tiles)) - set(owner))
+        if missing:
+            raise AssertionError(f"{num_tiles} tiles on {grid} CTAs: tile(s) {missing[:5]} are "
+                                 f"computed by no CTA; round r hands out tiles r*grid to "
+                                 f"r*grid + grid - 1, one per CTA")
+    b = schedule_balance_of(fn)
+    if b["imbalance"] > 0.01:
+        raise AssertionError(
+            f"causal tiles longest first (128 m_blocks x 16 heads on 132 CTAs): the busiest CTA "
+            f"has {b['worst']} KV steps, {b['imbalance']:.1%} over the ideal {b['ideal']:.0f}. "
+            f"Longest-first tiles get shorter within every round: reverse the order of every "
+            f"other round, so the CTA that took the longest tile of one round takes the "
+            f"shortest of the next")
+
+
+def schedule_balance_of(fn, num_m_blocks: int = 128, heads: int = 16, grid: int = 132) -> dict:
+    """The busiest CTA's KV steps against the ideal when ``fn`` (exercise 08.2) walks causal
+    tiles longest first (tile t costs its m_block + 1 KV steps)."""
+    n = num_m_blocks * heads
+    per_cta = [sum(causal_cost(t, num_m_blocks, heads) for t, _, _ in
+                   record_tiles(fn, n, cta, grid)) for cta in range(grid)]
+    ideal = sum(causal_cost(t, num_m_blocks, heads) for t in range(n)) / grid
+    return {"worst": max(per_cta), "ideal": ideal, "imbalance": max(per_cta) / ideal - 1.0}
+
+
+def check_tile_loop(fn, compile_check: bool = True) -> None:
+    """Exercise 08.2: ``check_tile_loop_rules``, then the kernel compiled for sm_90a with ``fn``
+    as both roles' tile loop (D = 128, causal, zigzag rounds): it compiles (the loop carries
+    the rings' states) and nothing spills to local memory."""
+    check_tile_loop_rules(fn)
+    if not compile_check:
+        return
+    try:
+        art = compile_exercise(128, True, tile_loop_fn=fn)
+    except Exception as exc:
+        if "dominate" not in str(exc):
+            raise
+        raise AssertionError(
+            "the loop runs right as Python but does not compile: a value made inside the loop "
+            "(the states visit returns) must be rebound in the loop body itself, and nothing "
+            "made inside a dynamic if may be used after it") from None
+    if art.spills or "ld.local" in art.ptx:
+        raise AssertionError(f"compiled for sm_90a, the kernel spills ({art.spills} spill "
+                             f"instructions): keep the loop's arithmetic to the few integers "
+                             f"it needs")
 
 
 def causal_cost(t: int, num_m_blocks: int, heads: int) -> int:
@@ -113,50 +573,30 @@ def causal_cost(t: int, num_m_blocks: int, heads: int) -> int:
     return tile_coords(t, num_m_blocks, heads, 1, True)[0] + 1
 
 
-def schedule_balance(tile_of, num_m_blocks=128, heads=16, grid=132) -> dict:
-    """The busiest CTA's KV steps against the ideal (total / grid) when CTA c computes tiles
-    ``tile_of(r, c, grid)`` for r = 0, 1, ... (those below num_tiles)."""
-    n = num_m_blocks * heads
-    per_cta = []
-    seen = []
-    for c in range(grid):
-        tiles = [tile_of(r, c, grid) for r in range(rounds(n, grid))]
-        tiles = [t for t in tiles if t < n]
-        seen += tiles
-        per_cta.append(sum(causal_cost(t, num_m_blocks, heads) for t in tiles))
-    ideal = sum(causal_cost(t, num_m_blocks, heads) for t in range(n)) / grid
-    return {"seen": sorted(seen) == list(range(n)), "worst": max(per_cta), "ideal": ideal,
-            "imbalance": max(per_cta) / ideal - 1.0}
-
-
-def check_tile_order(tile_of) -> None:
-    """Exercise 08.2: every tile exactly once, and the busiest CTA within 1% of the ideal."""
-    for grid, m, h in ((132, 128, 16), (132, 32, 64), (7, 9, 5)):
-        b = schedule_balance(tile_of, m, h, grid)
-        small = grid * 8 > m * h  # few rounds: whole tiles cannot even out; coverage only
-        if not b["seen"]:
-            raise AssertionError(
-                f"grid {grid}, {m * h} tiles: some tile is computed twice or never; in every "
-                f"round the {grid} CTAs must take the {grid} tiles r*grid .. r*grid + grid - 1")
-        if not small and b["imbalance"] > 0.01:
-            rr = schedule_balance(lambda r, c, g: r * g + c, m, h, grid)["imbalance"]
-            raise AssertionError(
-                f"grid {grid}: the busiest CTA has {b['worst']} KV steps, "
-                f"{b['imbalance']:.1%} over the ideal {b['ideal']:.0f} (plain round robin: "
-                f"{rr:.1%}). Longest-first tiles get shorter within every round: reverse the "
-                f"order of every other round so the CTA that took the longest tile of one round "
-                f"takes the shortest of the next")
-
-
 # ----------------------------------------------------------------------------------------------
 # Exercise 08.3: the shared-memory budget
 
 
+class _Budgeted:
+    """A config whose own ``smem_bytes`` is not to be called: every other field is ``cfg``'s."""
+
+    def __init__(self, cfg):
+        self._cfg = cfg
+
+    def __getattr__(self, name):
+        if name == "smem_bytes":
+            raise AssertionError("your code calls cfg.smem_bytes: that is the kernel's own "
+                                 "answer; add up the buffers yourself")
+        return getattr(self._cfg, name)
+
+    def __repr__(self):
+        return repr(self._cfg)
+
+
 def check_smem_bytes(fn) -> None:
     """Exercise 08.3: ``fn(cfg, head_dim) -> bytes`` equals the kernel's SharedStorage size
-    (HopperFwdConfig.smem_bytes, asserted against the struct when the kernel is traced)."""
-    from dataclasses import replace
-
+    (HopperFwdConfig.smem_bytes, asserted against the struct when the kernel is traced),
+    computed from the config's fields, not by asking the config."""
     from fa4_final.config import HopperFwdConfig
 
     cases = [(HopperFwdConfig(), 128), (HopperFwdConfig(stages_k=3), 128),
@@ -164,7 +604,7 @@ def check_smem_bytes(fn) -> None:
              (replace(HopperFwdConfig(), separate_o=False, stages_k=3, stages_v=3), 128),
              (HopperFwdConfig(tile_n=176, stages_k=1, stages_v=1), 128)]
     for cfg, d in cases:
-        want, got = cfg.smem_bytes(d), fn(cfg, d)
+        want, got = cfg.smem_bytes(d), fn(_Budgeted(cfg), d)
         if got != want:
             diff = got - want
             hint = ""
@@ -175,6 +615,33 @@ def check_smem_bytes(fn) -> None:
             raise AssertionError(
                 f"{cfg} at D={d}: got {got} B, the kernel's struct has {want} B{hint}; each "
                 f"buffer is rounded up to 1024 B for the 128 B swizzle")
+
+
+def _smem_forbid() -> dict:
+    from fa4_final.config import HopperFwdConfig
+
+    return {HopperFwdConfig.smem_bytes: "that is the kernel's own answer; add up the buffers "
+                                        "yourself"}
+
+
+def smem_bytes_reference(cfg, head_dim: int, elem_bytes: int = 2) -> int:
+    """Reference for exercise 08.3: the buffers of the SharedStorage struct, each 1 KB
+    aligned (the split tail's count and the tile ring sit in the barriers' block)."""
+    def align(n):
+        return -(-n // 1024) * 1024
+
+    barriers = 8 * 2 * (1 + cfg.stages_k + cfg.stages_v)
+    q = cfg.tile_m * head_dim * elem_bytes
+    kv = cfg.tile_n * head_dim * elem_bytes
+    return (align(barriers) + align(q) + align(cfg.stages_k * kv) + align(cfg.stages_v * kv)
+            + align(q if cfg.separate_o else 0))
+
+
+SMEM_FORBID = _smem_forbid()
+TILE_LOOP_FORBID = {
+    zigzag_tile: "write the zigzag index yourself: it is what balances the causal tiles",
+    HopperForward.walk_tiles: "that is the kernel's own loop; write yours",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,22 +780,6 @@ PROFILE_SIDE_BY_SIDE = (
 )
 _BUSY = (("tensor_pipe_gmma_active_pct", "tensor pipe busy, GMMA counter (%)"),
          ("tensor_pipe_active_pct", "tensor pipe busy, HMMA counter (%)"))
-
-
-def knob_lines(knobs) -> list[str]:
-    """Per shape of a knob file (solutions.ch08_knobs): the default, the fastest peer of the same
-    rounds, and each other config with the verdict of utils.bench.compare against the default."""
-    lines = []
-    for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in knobs.rows}):
-        group = [r for r in knobs.rows if (r["d"], r["s"], r["causal"]) == (d, s, causal)]
-        base = next(r for r in group if r["config"] == "default")
-        lines.append(f"D={d} S={s} causal={causal}: default {base['tflops']:.0f} TFLOP/s; "
-                     f"fastest peer {base['best_peer']} {base['best_peer_tflops']:.0f}")
-        for r in group:
-            if r is not base and r.get("tflops"):
-                lines.append(f"    {r['config']:52s} {r['tflops']:5.0f}  default is "
-                             f"{bench.compare(base, r)}")
-    return lines
 
 
 def _by(res) -> dict:
@@ -510,168 +961,163 @@ def merge_pieces_numpy(scores, values, cuts, scale_log2: float = 1.0):
     return o / l_sum[:, None], m * scale_log2 + np.log2(l_sum)
 
 
-def energy_lines(res) -> list[str]:
-    """Per shape of solutions.ch08_energy's file: each implementation's speed and energy under
-    sustained load, and fa4_final's ratio to the other."""
-    lines = []
-    for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):
-        group = {r["impl"]: r for r in res.rows if (r["d"], r["s"], r["causal"]) == (d, s, causal)}
-        ours = group.get("fa4_final")
-        for name, r in group.items():
-            power = [round(x.get("mean_power_w") or 0) for x in r["runs"]]
-            clock = [x.get("sm_clock_mhz") for x in r["runs"]]
-            each = [round(r["tflops"] * r["ms"] / x["ms_per_call"]) for x in r["runs"]]
-            ratio = f"  fa4_final / this {ours['tflops'] / r['tflops']:.2f}x" if (
-                ours and name != "fa4_final") else ""
-            lines.append(f"D={d:3d} S={s} causal={causal!s:5s} {name:11s} {r['tflops']:4.0f} "
-                         f"TFLOP/s (runs {each}), {r.get('tflop_per_joule', float('nan')):.2f} "
-                         f"TFLOP/J, power {power} W, clock {clock} MHz{ratio}")
-    return lines
-
-
 # ----------------------------------------------------------------------------------------------
-# Four ways to time the same two kernels (section 8)
+# What each idea is worth (measure.fwd_knobs --ablation: results/h200/fa4_final_ablation.json)
+# and where the kernel stands (measure.benchmark: results/h200/fa4_final_fwd.json)
+
+ABLATION = "fa4_final_ablation"
+STANDING = "fa4_final_fwd"
+IDEAS = ("no ping-pong", "no intra-warpgroup overlap", "O rescaled after the softmax",
+         "one tile per CTA", "O over Q (no separate O buffer)", "tiles not balanced")
 
 
-def predecessor_lines(res) -> list[str]:
-    """Per predecessor in solutions.ch08_predecessors' file: each implementation's median burst
-    over the rounds, and fa4_final's speed over the package's after that predecessor."""
-    import statistics
-
-    preds = list(dict.fromkeys(r["predecessor"] for r in res.rows))
-    impls = list(dict.fromkeys(r["impl"] for r in res.rows))
-    med = {(i, p): statistics.median(r["ms"] for r in res.rows
-                                     if r["impl"] == i and r["predecessor"] == p)
-           for i in impls for p in preds}
-    lines = []
-    for p in preds:
-        times = ", ".join(f"{i} {med[(i, p)]:.3f} ms" for i in impls)
-        ratio = med[("fa4_package", p)] / med[("fa4_final", p)]
-        lines.append(f"after {p:15s} {times}; fa4_final / package {ratio:.3f}x")
-    for i in impls:
-        ms = [med[(i, p)] for p in preds]
-        lines.append(f"{i}: slowest / fastest burst over the predecessors {max(ms) / min(ms):.3f}")
-    return lines
+def _shape(r) -> tuple:
+    return r["d"], r["s"], r["causal"]
 
 
-def clocked_lines(res, base: str = "fa4_final") -> list[str]:
-    """Per shape of a solutions.ch08_clocked file: every variant's kernel time at ncu's clock,
-    its speed over the FA4 package's, and (variants) the verdict against ``base``."""
-    lines = []
-    for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):
-        group = {r["config"]: r for r in res.rows
-                 if (r["d"], r["s"], r["causal"]) == (d, s, causal)}
-        pkg, ours = group.get("fa4_package"), group.get(base)
-        lines.append(f"D={d:3d} S={s:5d} causal={causal!s:5s}")
-        for name, r in group.items():
-            if name == "fa4_package":
-                continue
-            vs_pkg = f"vs package {bench.compare(r, pkg)}" if pkg else ""
-            vs_base = (f"; vs {base} {bench.compare(r, ours)}" if ours and r is not ours
-                       else "")
-            lines.append(f"    {name:52s} {r['ms']:.4f} ms  {vs_pkg}{vs_base}")
-        if pkg:
-            lines.append(f"    {'fa4_package':52s} {pkg['ms']:.4f} ms")
-    return lines
+def shape_name(d, s, causal) -> str:
+    return f"D={d} S={s} {'causal' if causal else 'non-causal'}"
 
 
-def instrument_rows(named: dict) -> list[dict]:
-    """One row per shape: fa4_final's comparison (utils.bench.Comparison) with the fastest peer
-    timed in each results file of ``named`` (label -> Results; a file of solutions.ch08_clocked
-    holds the package only)."""
-    shapes = sorted({(r["d"], r["s"], r["causal"]) for res in named.values() for r in res.rows
-                     if r["impl"] == "fa4_final"})
-    out = []
-    for d, s, causal in shapes:
-        row = {"d": d, "s": s, "causal": causal}
-        for label, res in named.items():
-            ours = next((r for r in res.rows if r["impl"] == "fa4_final"
-                         and r.get("config", "fa4_final") in ("fa4_final", "default")
-                         and (r["d"], r["s"], r["causal"]) == (d, s, causal)), None)
-            peer = bench.best_peer(res.rows, ours) if ours else None
-            row[label] = bench.compare(ours, peer) if peer else None
-        out.append(row)
+def ablation_verdicts(res) -> dict:
+    """{idea: {shape: Comparison of the default against the kernel with the idea off}}: the
+    ratio is the default's speed over the ablated kernel's; the verdict "faster" means the idea
+    is worth more than the spread of both rows."""
+    out: dict = {}
+    for r in res.rows:
+        if r["config"] in ("default",) or not r.get("tflops"):
+            continue
+        base = next(b for b in res.rows if b["config"] == "default" and _shape(b) == _shape(r))
+        out.setdefault(r["config"], {})[_shape(r)] = bench.compare(base, r)
     return out
 
 
-def instrument_lines(named: dict) -> list[str]:
-    """instrument_rows as a table: the ratio per way of timing, '+' faster, '-' slower, '~'
-    within that file's spread."""
-    mark = {"faster": "+", "slower": "-", "within noise": "~"}
-    head = f"{'D':>3s} {'S':>5s} {'causal':6s} " + " ".join(f"{k:>14s}" for k in named)
-    lines = [head]
-    for row in instrument_rows(named):
+def ablation_lines(res) -> list[str]:
+    """The ablation as a table: per shape the default's speed and the fastest peer's, then one
+    line per idea: what switching it off costs at each shape (the default's speed over the
+    ablated kernel's, '+' beyond the spread, '~' within it, '-' the ablated kernel faster)."""
+    shapes = sorted({_shape(r) for r in res.rows})
+    lines = []
+    for sh in shapes:
+        base = next(r for r in res.rows if r["config"] == "default" and _shape(r) == sh)
+        lines.append(f"{shape_name(*sh):28s} default {base['tflops']:4.0f} TFLOP/s (spread "
+                     f"{base['spread']:.1%}); fastest peer {base.get('best_peer')} "
+                     f"{base.get('best_peer_tflops') or 0:4.0f}")
+    mark = {"faster": "+", "within noise": "~", "slower": "-"}
+    names = [f"D={d} {'causal' if c else 'non-c.'}" for d, _, c in shapes]
+    head = f"{'switched off':34s}" + "".join(f"{n:>13s}" for n in names)
+    lines += ["", head]
+    verdicts = ablation_verdicts(res)
+    for idea in IDEAS:
+        if idea not in verdicts:
+            continue
         cells = []
-        for k in named:
-            c = row[k]
-            cells.append(f"{'-':>14s}" if c is None else f"{c.ratio:12.3f} {mark[c.verdict]}")
-        lines.append(f"{row['d']:3d} {row['s']:5d} {row['causal']!s:6s} " + " ".join(cells))
+        for sh in shapes:
+            c = verdicts[idea].get(sh)
+            cells.append(f"{'-':>13s}" if c is None else f"{c.ratio:11.2f}x{mark[c.verdict]}")
+        lines.append(f"{idea:34s}" + "".join(cells))
     return lines
 
 
-def default_in_run(res, column, how) -> list[str]:
-    """Per shape of a solutions.ch08_clocked file, the column ``column(cfg)`` names for today's
-    default there (``cfg = hopper_fwd_default(d, causal)``) against the FA4 package;
-    ``how(cfg)`` says in a few words what that column is. The run chose the default, which
-    flatters it."""
-    from fa4_final.config import hopper_fwd_default
+def idea_summary(res) -> list[str]:
+    """One sentence per idea, counted from the file: at how many shapes switching it off cost
+    more than the spread."""
+    out = []
+    for idea, by in ablation_verdicts(res).items():
+        n = len(by)
+        beyond = sum(c.verdict == "faster" for c in by.values())
+        worse = sum(c.verdict == "slower" for c in by.values())
+        costs = ", ".join(f"{c.ratio:.2f}x" for c in by.values())
+        out.append(f"{idea}: the default is faster beyond the spread at {beyond} of {n} shapes"
+                   + (f", slower beyond it at {worse}" if worse else "")
+                   + f" (default / ablated: {costs})")
+    return out
 
+
+def standing_lines(res) -> list[str]:
+    """fa4_final and chapter 05's kernel per shape, each against the fastest peer of the same
+    run, and fa4_final against chapter 05's."""
     lines = []
-    for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):
-        group = {r["config"]: r for r in res.rows
-                 if (r["d"], r["s"], r["causal"]) == (d, s, causal)}
-        cfg = hopper_fwd_default(d, causal)
-        ours = group[column(cfg)]
-        c = bench.compare(ours, group["fa4_package"])
-        lines.append(f"D={d:3d} S={s:5d} {'causal    ' if causal else 'non-causal'} "
-                     f"({how(cfg):20s}) {ours['ms']:.4f} ms: {c.ratio:.3f}x the package "
-                     f"({c.verdict}; spread {c.noise:.1%})")
+    for r in sorted((r for r in res.rows if r["impl"] == "fa4_final"), key=_shape):
+        peer = bench.best_peer(res.rows, r)
+        ch05 = next((x for x in res.rows if x["impl"] == "flash_hopper"
+                     and bench.same_shape(x, r)), None)
+        line = (f"{shape_name(*_shape(r)):28s} {r['tflops']:4.0f} TFLOP/s; vs {peer['impl']} "
+                f"({peer['tflops']:.0f}): {bench.compare(r, peer)}")
+        if ch05:
+            line += f"; vs chapter 05 ({ch05['tflops']:.0f}): {bench.compare(r, ch05)}"
+        lines.append(line)
     return lines
 
 
-def default_in_lane_run(res) -> list[str]:
-    """The lane run (variants fa4_final = lane read once and "lane read every step"): per
-    shape, the column with today's default way of reading the lane, against the package."""
-    return default_in_run(
-        res, lambda cfg: "fa4_final" if cfg.pin_lane else "lane read every step",
-        lambda cfg: "lane read once" if cfg.pin_lane else "lane read every step")
+@claim("08.ablation_overlap_pays", ABLATION,
+       "switching intra-warpgroup overlap off is slower beyond the spread at every shape")
+def _overlap_pays(res):
+    by = ablation_verdicts(res)["no intra-warpgroup overlap"]
+    return (all(c.verdict == "faster" for c in by.values()),
+            "; ".join(f"{shape_name(*k)} {c}" for k, c in by.items()))
 
 
-def default_in_skip_run(res) -> list[str]:
-    """The skip run (fa4_final of its commit: tau = 8 at D = 64, tau = 0 at D = 128; "tau = 0,
-    O multiply skipped when no max moved"): per shape, the column that is today's default
-    softmax step, against the package."""
-    def column_of(cfg):
-        if cfg.rescale_skip_unchanged:
-            return "tau = 0, O multiply skipped when no max moved"
-        return "fa4_final"  # tau = 0 without the skip: the run's D = 128 default
-
-    return default_in_run(res, column_of,
-                          lambda cfg: "skip, tau = 0" if cfg.rescale_skip_unchanged
-                          else "always multiply")
+@claim("08.fwd_beats_ch05_at_d64", STANDING,
+       "fa4_final is faster than chapter 05's kernel beyond the spread at every D = 64 shape")
+def _beats_ch05(res):
+    found = []
+    for r in (r for r in res.rows if r["impl"] == "fa4_final" and r["d"] == 64):
+        ch05 = next(x for x in res.rows
+                    if x["impl"] == "flash_hopper" and bench.same_shape(x, r))
+        found.append((shape_name(*_shape(r)), bench.compare(r, ch05)))
+    return (bool(found) and all(c.verdict == "faster" for _, c in found),
+            "; ".join(f"{s} {c}" for s, c in found))
 
 
-def compiled_step_facts(head_dim: int, causal: bool, variants: dict) -> list[str]:
-    """Compile the default forward with each of ``variants`` (label -> config changes) for
-    sm_90a on this machine and say, per build, how its steady KV step is scheduled: its
-    instructions, how many of its exponentials ptxas placed before the wait for P V (they run
-    under that GEMM), and how many reads of the thread index (S2R) its KV loops hold."""
-    from dataclasses import replace
+@claim("08.fwd_within_a_tenth", STANDING,
+       "fa4_final reaches at least 0.9 of the fastest peer's speed at every shape")
+def _within_a_tenth(res):
+    ratios = [(shape_name(*_shape(r)), bench.compare(r, bench.best_peer(res.rows, r)).ratio)
+              for r in res.rows if r["impl"] == "fa4_final"]
+    return (bool(ratios) and min(v for _, v in ratios) >= 0.9,
+            ", ".join(f"{s} {v:.2f}" for s, v in ratios))
 
-    from fa4_final import interface
-    from fa4_final.config import hopper_fwd_default
-    from solutions import ch08_compare
 
-    lines = []
-    for label, change in variants.items():
-        cfg = replace(hopper_fwd_default(head_dim, causal), **change)
-        art = interface.compile_only("sm_90a", head_dim, "bf16", causal, cfg)
-        m = ch08_compare.kernel_metrics(art.ptx, art.sass, art.registers, art.spills,
-                                        cfg.tile_m, cfg.tile_n)
-        step, sched = m["steady step"], m["steady step schedule"]
-        s2r = ch08_compare.thread_index_reads(art.sass)
-        lines.append(f"{label:32s} steady step {step['instructions']} instructions, "
-                     f"{sched['exps under P V']} of {step['MUFU.EX2']} exponentials before the "
-                     f"P V wait; S2R of the thread index in the KV loops: {s2r}; "
-                     f"{art.registers} registers, {art.spills} spills")
-    return lines
+@claim("08.timeline_softmax_longer", "ch08_timeline",
+       "in the stored timeline, each warpgroup's softmax phase takes longer than half of the "
+       "step's GEMM cycles (the other warpgroup's share of the tensor cores, chapter 00's "
+       "model)")
+def _softmax_longer(res):
+    from utils import roofline
+
+    half = roofline.tile_cycles("H100", "fwd", m=128, n=128, d=128).mma / 2
+    soft = {wg: p["softmax"] for wg, p in phase_medians(res.rows, "fa4_final").items()}
+    return all(v > half for v in soft.values()), f"softmax medians {soft}, half the GEMMs {half}"
+
+
+@claim("08.timeline_tensor_cores_wait", "ch08_timeline",
+       "in the stored timeline, one KV step takes longer than the GEMMs need at the full rate")
+def _tensor_cores_wait(res):
+    from utils import roofline
+
+    need = roofline.tile_cycles("H100", "fwd", m=128, n=128, d=128).mma
+    period = step_period(res.rows, "fa4_final")
+    return period > need, f"step {period} cycles, GEMMs {need}"
+
+
+def costliest_idea(res) -> str:
+    """The idea whose absence costs the most: the largest median of default / ablated over the
+    shapes of the ablation file."""
+    import statistics
+
+    by = ablation_verdicts(res)
+    return max((i for i in IDEAS if i in by),
+               key=lambda i: statistics.median(c.ratio for c in by[i].values()))
+
+
+@cute.jit
+def round_robin_loop(num_tiles: Int32, cta: Int32, grid: Int32, state_q, state_k, state_v,
+                     visit):
+    """Plain round robin (tile r * grid + cta): covers every tile, balances causal tiles
+    badly (the notebook sets it beside exercise 08.2)."""
+    for r in cutlass.range(rounds(num_tiles, grid), unroll=1):
+        tile = r * grid + cta
+        if tile < num_tiles:
+            state_q, state_k, state_v = visit(tile, r, tile + grid >= num_tiles, state_q,
+                                              state_k, state_v)

@@ -1,14 +1,14 @@
 """solutions.ch08_stalls on the CPU: the kinds of consumer instruction, the steady loop's rows
 and the two-kernel difference, on hand-made SASS source pages and on the stored H200 file; the
-fixed-clock helpers of ch08_teaching that read the runs these led to. The ncu runs themselves are
-on the H200."""
+fixed-clock helpers of labs/the_last_three_percent that read the runs these led to. The ncu runs
+themselves are on the H200."""
 
 from types import SimpleNamespace
 
 import pytest
 
+from labs import the_last_three_percent_helpers as t08
 from solutions import ch08_stalls as st
-from solutions import ch08_teaching as t08
 from utils import results
 
 

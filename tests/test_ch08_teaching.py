@@ -6,37 +6,77 @@ import pytest
 from solutions import ch08_teaching as t08
 
 
-def test_turn_rule_solution_passes_and_mistakes_are_named():
-    t08.check_turn_rule((t08.turn_waits, t08.turn_passes))
-    with pytest.raises(AssertionError, match="waits forever at its turn 0"):
-        t08.check_turn_rule((lambda w, f: True, t08.turn_passes))
-    with pytest.raises(AssertionError, match="pending"):
-        t08.check_turn_rule((t08.turn_waits, lambda w, last, n: True))
-    with pytest.raises(AssertionError, match="out of order"):
-        t08.check_turn_rule((lambda w, f: w > 0, t08.turn_passes))
+def test_the_turn_reference_passes_and_its_recording_names_the_barriers():
+    t08.check_turn_rules(t08.pingpong_turn)
+    first = t08.record_turn(t08.pingpong_turn, 0, 2, True, False)
+    assert first == [("issue",), ("arrive", t08.TURN_WG0 + 1, 256)]
+    last = t08.record_turn(t08.pingpong_turn, 1, 2, False, True)
+    assert last == [("sync", t08.TURN_WG0 + 1, 256), ("issue",)]
+    wrap = t08.record_turn(t08.pingpong_turn, 2, 3, False, False)
+    assert wrap[-1] == ("arrive", t08.TURN_WG0, 256)
 
 
-def test_turns_of_tiles_without_keys_still_alternate():
-    res = t08.simulate_turns(t08.turn_waits, t08.turn_passes, 3, [0, 2, 0])
-    assert not res["deadlock"] and not res["pending_arrives"]
-    assert res["order"] == [(g, w) for g in range(4) for w in range(3)]
+def test_the_turn_simulator_finds_the_three_failures():
+    good = {(w, f, last): t08.record_turn(t08.pingpong_turn, w, 2, f, last)
+            for w in range(2) for f in (False, True) for last in (False, True)}
+    ok = t08.simulate_pingpong(good, 2, 4, seed=1)
+    assert not ok["stuck"] and not ok["pending"]
+    assert ok["issues"] == [(t, w) for t in range(4) for w in range(2)]
+    no_wait = {k: [e for e in v if e[0] != "sync"] for k, v in good.items()}
+    runs = [t08.simulate_pingpong(no_wait, 2, 4, seed) for seed in range(12)]
+    assert any(r["issues"] != ok["issues"] for r in runs)  # unordered issue
+    always = {k: [("sync", t08.TURN_WG0 + k[0], 256)] + [e for e in v if e[0] != "sync"]
+              for k, v in good.items()}
+    assert t08.simulate_pingpong(always, 2, 3, seed=0)["stuck"]  # deadlock
+    hands_on = {k: [e for e in v if e[0] != "arrive"]
+                + [("arrive", t08.TURN_WG0 + (k[0] + 1) % 2, 256)] for k, v in good.items()}
+    assert t08.simulate_pingpong(hands_on, 2, 3, seed=0)["pending"]
 
 
-def test_tile_order_checker():
-    t08.check_tile_order(t08.zigzag)
-    with pytest.raises(AssertionError, match="reverse the order of every other round"):
-        t08.check_tile_order(lambda r, c, g: r * g + c)
-    with pytest.raises(AssertionError, match="twice or never"):
-        t08.check_tile_order(lambda r, c, g: r * g)
+def test_the_tile_loop_reference_walks_the_schedulers_tiles():
+    from fa4_final.scheduler import tiles_of_cta
+
+    t08.check_tile_loop_rules(t08.tile_loop)
+    for num_tiles, grid in ((7, 3), (263, 132), (2048, 132)):
+        for cta in (0, 1, grid - 1):
+            visits = t08.record_tiles(t08.tile_loop, num_tiles, cta, grid)
+            assert [t for t, _, _ in visits] == tiles_of_cta(cta, grid, num_tiles)
+            assert [last for _, _, last in visits] == [False] * (len(visits) - 1) + [True]
+    assert t08.schedule_balance_of(t08.round_robin_loop)["imbalance"] > 0.05
 
 
 def test_smem_checker():
     from fa4_final.config import HopperFwdConfig
 
-    t08.check_smem_bytes(lambda cfg, d: cfg.smem_bytes(d))
+    t08.check_smem_bytes(t08.smem_bytes_reference)
     with pytest.raises(AssertionError, match="1 KB"):
-        t08.check_smem_bytes(lambda cfg, d: cfg.smem_bytes(d) - 1024)
+        t08.check_smem_bytes(lambda cfg, d: t08.smem_bytes_reference(cfg, d) - 1024)
+    with pytest.raises(AssertionError, match="smem_bytes"):
+        t08.check_smem_bytes(lambda cfg, d: cfg.smem_bytes(d))
     assert HopperFwdConfig().smem_bytes(128) <= 227 * 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["turn", "tiles"])
+def test_the_exercise_kernel_with_the_references_is_the_kernel(which):
+    """HopperExercise with the reference answers compiles to the kernel's own SASS: the
+    learner's code goes exactly where the kernel's was."""
+    from fa4_final import interface
+    from tests.test_ch08_seams import instructions
+
+    fns = {"turn_fn": t08.pingpong_turn} if which == "turn" else {
+        "tile_loop_fn": t08.tile_loop}
+    causal = which == "tiles"
+    ours = t08.compile_exercise(128, causal, **fns)
+    cfg = t08.exercise_config(128, causal, which)
+    kernel = interface.compile_only("sm_90a", 128, "bf16", causal, cfg)
+    assert instructions(ours.sass) == instructions(kernel.sass)
+
+
+@pytest.mark.slow
+def test_the_checkers_compile_the_references():
+    t08.check_turn(t08.pingpong_turn)
+    t08.check_tile_loop(t08.tile_loop)
 
 
 def test_stored_timeline_reads_as_phases():
@@ -83,27 +123,17 @@ def test_the_split_tail_plan_and_its_merge():
         assert np.abs(out - want).max() < 1e-12 and np.abs(lse - lse_want).max() < 1e-12
 
 
-def test_energy_lines_read_a_sustained_run():
+def test_the_ablation_and_the_standing_read_their_files():
     from utils import results
 
-    res = results.load("fa4_final_energy")
-    lines = t08.energy_lines(res)
-    assert len(lines) == len(res.rows)
-    assert all("TFLOP/J" in line for line in lines)
-    assert any("fa4_final / this" in line for line in lines)
-
-
-def test_the_four_ways_of_timing_read_the_stored_files():
-    from utils import results
-
-    named = {"bursts": results.load("fa4_final_fwd"),
-             "fixed clock": results.load("fa4_final_clocked_vs_package"),
-             "sustained": results.load("fa4_final_energy")}
-    rows = t08.instrument_rows(named)
-    assert len(rows) == 8 and all(r[k] is not None for r in rows for k in named)
-    lines = t08.instrument_lines(named)
-    assert lines[0].split()[:3] == ["D", "S", "causal"] and len(lines) == 9
-    pred = t08.predecessor_lines(results.load("fa4_final_predecessors"))
-    assert any(line.startswith("after idle") for line in pred)
-    clocked = t08.clocked_lines(results.load("fa4_final_clocked"))
-    assert any("vs package" in line for line in clocked)
+    fwd = results.load(t08.STANDING)
+    lines = t08.standing_lines(fwd)
+    assert len(lines) == 8 and all("vs chapter 05" in line for line in lines)
+    ablation = results.load_stored(t08.ABLATION)
+    if ablation is None:
+        pytest.skip("fa4_final_ablation.json is not stored yet")
+    verdicts = t08.ablation_verdicts(ablation)
+    assert set(verdicts) == set(t08.IDEAS)
+    assert all(len(by) == 4 for by in verdicts.values())
+    assert t08.costliest_idea(ablation) in t08.IDEAS
+    assert len(t08.idea_summary(ablation)) == len(t08.IDEAS)

@@ -1,0 +1,1 @@
+"""Optional notebooks and their helpers: measurement method, tuning histories, profiles."""

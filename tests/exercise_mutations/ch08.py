@@ -1,0 +1,159 @@
+"""Chapter 08's typical wrong answers: the ping-pong turn (08.1), the persistent tile loop
+(08.2), the shared-memory budget (08.3). The wrong device code lives here, in a file, as the
+DSL needs."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from fa4_final.scheduler import zigzag_tile
+from solutions import ch08_teaching as t08
+from tests.exercise_mutations import Mutation
+
+TURN0 = t08.TURN_WG0
+
+
+@cute.jit
+def turn_always_waits(wg: Int32, num_wgs: cutlass.Constexpr[int], first_of_cta, last_of_cta,
+                      issue_gemms):
+    cute.arch.barrier(barrier_id=TURN0 + wg, number_of_threads=256)
+    issue_gemms()
+    if (wg < num_wgs - 1) | (not last_of_cta):
+        cute.arch.barrier_arrive(barrier_id=TURN0 + (wg + 1) % num_wgs, number_of_threads=256)
+
+
+@cute.jit
+def turn_counts_one_warpgroup(wg: Int32, num_wgs: cutlass.Constexpr[int], first_of_cta,
+                              last_of_cta, issue_gemms):
+    if (wg > 0) | (not first_of_cta):
+        cute.arch.barrier(barrier_id=TURN0 + wg, number_of_threads=128)
+    issue_gemms()
+    if (wg < num_wgs - 1) | (not last_of_cta):
+        cute.arch.barrier_arrive(barrier_id=TURN0 + (wg + 1) % num_wgs, number_of_threads=128)
+
+
+@cute.jit
+def turn_hands_on_first(wg: Int32, num_wgs: cutlass.Constexpr[int], first_of_cta, last_of_cta,
+                        issue_gemms):
+    if (wg > 0) | (not first_of_cta):
+        cute.arch.barrier(barrier_id=TURN0 + wg, number_of_threads=256)
+    if (wg < num_wgs - 1) | (not last_of_cta):
+        cute.arch.barrier_arrive(barrier_id=TURN0 + (wg + 1) % num_wgs, number_of_threads=256)
+    issue_gemms()
+
+
+@cute.jit
+def turn_always_hands_on(wg: Int32, num_wgs: cutlass.Constexpr[int], first_of_cta,
+                         last_of_cta, issue_gemms):
+    if (wg > 0) | (not first_of_cta):
+        cute.arch.barrier(barrier_id=TURN0 + wg, number_of_threads=256)
+    issue_gemms()
+    cute.arch.barrier_arrive(barrier_id=TURN0 + (wg + 1) % num_wgs, number_of_threads=256)
+
+
+@cute.jit
+def turn_on_barrier_wg(wg: Int32, num_wgs: cutlass.Constexpr[int], first_of_cta, last_of_cta,
+                       issue_gemms):
+    if (wg > 0) | (not first_of_cta):
+        cute.arch.barrier(barrier_id=wg, number_of_threads=256)
+    issue_gemms()
+    if (wg < num_wgs - 1) | (not last_of_cta):
+        cute.arch.barrier_arrive(barrier_id=(wg + 1) % num_wgs, number_of_threads=256)
+
+
+@cute.jit
+def tiles_round_robin(num_tiles: Int32, cta: Int32, grid: Int32, state_q, state_k, state_v,
+                      visit):
+    for r in cutlass.range((num_tiles + grid - 1) // grid, unroll=1):
+        tile = r * grid + cta
+        if tile < num_tiles:
+            last = tile + grid >= num_tiles
+            state_q, state_k, state_v = visit(tile, r, last, state_q, state_k, state_v)
+
+
+@cute.jit
+def tiles_last_round_is_last(num_tiles: Int32, cta: Int32, grid: Int32, state_q, state_k,
+                             state_v, visit):
+    n = (num_tiles + grid - 1) // grid
+    for r in cutlass.range(n, unroll=1):
+        tile = r * grid + cta + (r % 2) * (grid - 1 - 2 * cta)
+        if tile < num_tiles:
+            state_q, state_k, state_v = visit(tile, r, r == n - 1, state_q, state_k, state_v)
+
+
+@cute.jit
+def tiles_no_bound(num_tiles: Int32, cta: Int32, grid: Int32, state_q, state_k, state_v,
+                   visit):
+    n = (num_tiles + grid - 1) // grid
+    for r in cutlass.range(n, unroll=1):
+        tile = r * grid + cta + (r % 2) * (grid - 1 - 2 * cta)
+        state_q, state_k, state_v = visit(tile, r, r == n - 1, state_q, state_k, state_v)
+
+
+@cute.jit
+def tiles_states_not_carried(num_tiles: Int32, cta: Int32, grid: Int32, state_q, state_k,
+                             state_v, visit):
+    for r in cutlass.range((num_tiles + grid - 1) // grid, unroll=1):
+        tile = r * grid + cta + (r % 2) * (grid - 1 - 2 * cta)
+        if tile < num_tiles:
+            after = (r + 1) * grid + cta + ((r + 1) % 2) * (grid - 1 - 2 * cta)
+            visit(tile, r, after >= num_tiles, state_q, state_k, state_v)
+
+
+@cute.jit
+def tiles_by_the_helper(num_tiles: Int32, cta: Int32, grid: Int32, state_q, state_k, state_v,
+                        visit):
+    for r in cutlass.range((num_tiles + grid - 1) // grid, unroll=1):
+        tile = zigzag_tile(r, cta, grid)
+        if tile < num_tiles:
+            last = zigzag_tile(r + 1, cta, grid) >= num_tiles
+            state_q, state_k, state_v = visit(tile, r, last, state_q, state_k, state_v)
+
+
+def _smem_no_barriers(cfg, head_dim, elem_bytes=2):
+    def align(n):
+        return -(-n // 1024) * 1024
+
+    q = cfg.tile_m * head_dim * elem_bytes
+    kv = cfg.tile_n * head_dim * elem_bytes
+    return (align(q) + align(cfg.stages_k * kv) + align(cfg.stages_v * kv)
+            + align(q if cfg.separate_o else 0))
+
+
+def _smem_no_o(cfg, head_dim, elem_bytes=2):
+    def align(n):
+        return -(-n // 1024) * 1024
+
+    barriers = 8 * 2 * (1 + cfg.stages_k + cfg.stages_v)
+    q = cfg.tile_m * head_dim * elem_bytes
+    kv = cfg.tile_n * head_dim * elem_bytes
+    return align(barriers) + align(q) + align(cfg.stages_k * kv) + align(cfg.stages_v * kv)
+
+
+def _smem_by_the_config(cfg, head_dim, elem_bytes=2):
+    return cfg.smem_bytes(head_dim, elem_bytes)
+
+
+TURN = dict(check=t08.check_turn, reference=t08.pingpong_turn)
+TILES = dict(check=t08.check_tile_loop, reference=t08.tile_loop, forbid=t08.TILE_LOOP_FORBID)
+SMEM = dict(check=t08.check_smem_bytes, reference=t08.smem_bytes_reference,
+            forbid=t08.SMEM_FORBID)
+
+MUTATIONS = [
+    Mutation("08.1", answer=turn_always_waits, says="Warpgroup 0's very first turn", **TURN),
+    Mutation("08.1", answer=turn_counts_one_warpgroup, says="number_of_threads=128", **TURN),
+    Mutation("08.1", answer=turn_hands_on_first, says="unordered issue", **TURN),
+    Mutation("08.1", answer=turn_always_hands_on, says="left pending", **TURN),
+    Mutation("08.1", answer=turn_on_barrier_wg, says="__syncthreads", **TURN),
+    Mutation("08.2", answer=tiles_round_robin, says="reverse the order of every other round",
+             **TILES),
+    Mutation("08.2", answer=tiles_last_round_is_last, says="it is the CTA's last", **TILES),
+    Mutation("08.2", answer=tiles_no_bound, says="test tile < num_tiles", **TILES),
+    Mutation("08.2", answer=tiles_states_not_carried, says="rebind them in the loop body",
+             **TILES),
+    Mutation("08.2", answer=tiles_by_the_helper, says="zigzag_tile", **TILES),
+    Mutation("08.3", answer=_smem_no_barriers, says="1 KB", **SMEM),
+    Mutation("08.3", answer=_smem_no_o, says="the separate O buffer", **SMEM),
+    Mutation("08.3", answer=_smem_by_the_config, says="smem_bytes", **SMEM),
+]
+
