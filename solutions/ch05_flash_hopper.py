@@ -40,8 +40,8 @@ Hopper at D = 128, where the tile is MMA-bound (2048 MMA cycles against 1024 of 
 was already hidden under the GEMMs cannot be won back; at D = 64 the two tie (1024 each).
 
 Measured speeds live in results/<gpu>/*.json, not here: ``python -m measure.benchmark``
-(against the peers) and ``python -m solutions.ch05_flash_hopper --bench`` (every knob, verified
-then timed: results/<gpu>/ch05_knobs.json).
+(against the peers) and ``python -m measure.ch05_knobs`` (every knob, verified then timed:
+results/<gpu>/ch05_knobs.json); labs/ch05_tuning.ipynb reads them.
 """
 
 import argparse
@@ -124,11 +124,11 @@ def default_config(head_dim: int) -> HopperConfig:
     -v: C7519; ``injected_wgmma_fences``), which splits the P V into one group per wgmma, so
     wait_group(1) ("S is ready") also waits for most of P V. Two three-warpgroup tiles compile
     clean: 192 x 64, and 192 x 128 without intra-warpgroup overlap (the other two warpgroups'
-    GEMMs cover a softmax). --bench timed both against the two-warpgroup 128 x 128 tile at
-    D = 64 (results/h200/ch05_knobs.json): 192 x 64 (ping-pong on, as measured) was 1.11x
-    faster, 192 x 128 without overlap 0.99x; so 192 x 64 is the default at D = 64. 192 x 64 was
-    timed only with ping-pong on; for the two-warpgroup 128 x 128 tile the knob run found it off
-    1.04x faster than on, within the run-to-run spread, so neither setting is established at
+    GEMMs cover a softmax). The knob run (measure.ch05_knobs, results/h200/ch05_knobs.json)
+    timed both against the two-warpgroup 128 x 128 tile at D = 64: 192 x 64 (ping-pong on) was
+    faster by more than the spread between runs, 192 x 128 without overlap within noise; so
+    192 x 64 is the default at D = 64 (labs/ch05_tuning.ipynb prints the figures). Ping-pong
+    flipped on the two-warpgroup tile was within noise, so neither setting is established at
     D = 64."""
     if head_dim <= 64:
         return HopperConfig(tile_n=64, num_consumer_wgs=3, pingpong=True)
@@ -534,30 +534,30 @@ class FlashAttentionHopper:
     # Note [Ping-pong]
     # ----------------
     # FA3 makes its consumer warpgroups take turns issuing GEMMs (Note [Turns]) so that one
-    # warpgroup's exponentials run while the tensor cores work on the other's GEMMs. On the
-    # H200 this kernel measured faster without the barriers at D = 128 (--bench: its "ping-pong"
-    # row against "default", stored in results/<gpu>/ch05_knobs.json), so the default is off;
-    # D = 64 keeps it on: --bench timed both only for the two-warpgroup tile (within noise),
-    # not for the 192 x 64 default. The SASS of
-    # the two builds differs only by the BAR.SYNC before the turn's 16 HGMMA and the BAR.ARV
-    # after them, and it shows why they have nothing left to order:
+    # warpgroup's exponentials run while the tensor cores work on the other's GEMMs. The knob
+    # run (measure.ch05_knobs, results/<gpu>/ch05_knobs.json) found flipping it within noise at
+    # D = 128 and for the two-warpgroup tile at D = 64; the default is off at D = 128 and on at
+    # D = 64 (the 192 x 64 tile was timed with it on only). The SASS of the two builds differs
+    # only by the BAR.SYNC before the turn's 16 HGMMA and the BAR.ARV after them. What follows
+    # is our reading of why the barriers find little to order; point 1 is read in the SASS,
+    # points 2 and 3 are hypotheses about hardware NVIDIA does not document.
     # 1. A warpgroup waits for its own P V before its exponentials: ptxas hoists wait_group(0)
     #    (WARPGROUP.DEPBAR.LE gsb0, 0x0) above all but a handful of a turn's 64 MUFU.EX2
     #    (sass_overlap()). So its softmax can only overlap the *other* warpgroup's GEMMs.
-    # 2. The tensor cores run wgmma groups in issue order. While warpgroup A waits for its P V,
-    #    B's turn is queued behind it; when A's P V ends, B's S and P V (1024 tensor cycles at
-    #    D = 128, half of a 128 x 128 tile step) start, and A's softmax (60 MUFU.EX2 per warp at
-    #    8 cycles each, 480 cycles, and about 210 other instructions) ends before them. A then
-    #    issues its next turn into the queue behind B's. The two warpgroups alternate by
-    #    themselves: the order the barriers would enforce is already the order that happens.
-    # 3. So the barriers can only add waiting: a warpgroup that is ready must wait until the
-    #    other has issued, and any delay of one (a K/V tile landing late, issue slots lost to
-    #    the other's softmax on the same SM sub-partitions) stalls both and can drain the
-    #    tensor cores' queue, where without barriers the ready one issues. Plus a barrier round
-    #    trip per turn.
+    # 2. Hypothesis: the tensor cores of an SM take the wgmma groups of its warpgroups roughly
+    #    in the order they were issued. Then, while warpgroup A waits for its P V, B's GEMMs
+    #    wait behind it; when A's P V ends, B's S and P V (1024 tensor cycles at D = 128) start,
+    #    and A's softmax (60 MUFU.EX2 per warp at 8 cycles each, about 480 cycles, and some 210
+    #    other instructions) ends before them, so A issues its next turn behind B's: the two
+    #    would alternate without barriers. What would show it: per-warpgroup timestamps of
+    #    wgmma issue and completion (globaltimer or clock64 around wait_group), or ncu's tensor
+    #    pipe activity with one consumer warpgroup against two.
+    # 3. Hypothesis: if 2 holds, the barriers can only add waiting: a ready warpgroup waits
+    #    until the other has issued, and any delay of one (a K/V tile landing late, issue
+    #    slots lost to the other's softmax) stalls both. What would show it: ncu's
+    #    barrier-stall share of the consumer warps with and without the knob.
     # The knob stays: a kernel whose softmax really overlaps its own P V (chapter 08) changes
-    # point 1. Hardware counters would confirm point 3 (ncu's barrier-stall share of the
-    # consumer warps with and without the knob).
+    # point 1.
 
     # Note [Turns]
     # ------------
@@ -591,6 +591,18 @@ class FlashAttentionHopper:
                     barrier_id=int(NamedBarrier.TURN_WG0) + next_wg,
                     number_of_threads=2 * THREADS_PER_WG,
                 )
+
+    @cute.jit
+    def gemm_turn(self, wg: Int32, turn: Int32, num_turns: Int32, tiled_mma_qk, tiled_mma_pv,
+                  acc_s: cute.Tensor, acc_o: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                  tOrP: cute.Tensor, tOrVt: cute.Tensor):
+        """A steady turn's GEMMs: S_{j+1} = Q K_{j+1}^T (a fresh accumulator) and O += P_j V_j,
+        two groups in that order; hand the turn on (ping-pong); return once S is complete, P V
+        still running. ``tSrK`` and ``tOrVt`` are this turn's stages."""
+        self.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK, True)
+        self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt, False)
+        self.turn_end(wg, turn, num_turns)
+        warpgroup.wait_group(1)  # the older group, S, is done; P V may still run
 
     def wgmma(self, tiled_mma, acc, tA, tB, zero_init: bool):
         """Issue acc (+)= A B as one async group (fa4_final.hopper.wgmma.issue_wgmma); the caller
@@ -689,12 +701,9 @@ class FlashAttentionHopper:
                     pipeline_k.consumer_wait(state_k)
                     pipeline_v.consumer_wait(state_v)
                     self.turn_begin(wg, i)
-                    self.wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, state_k.index],
-                               True)
-                    self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index],
-                               False)
-                    self.turn_end(wg, i, num_turns)
-                    warpgroup.wait_group(1)  # S is ready; P V may still be running
+                    self.gemm_turn(wg, i, num_turns, tiled_mma_qk, tiled_mma_pv, acc_s, acc_o,
+                                   tSrQ, tSrK[None, None, None, state_k.index], tOrP,
+                                   tOrVt[None, None, None, state_v.index])
                     pipeline_k.consumer_release(state_k)
                     state_k.advance()
                     if i < n_masked:
@@ -780,17 +789,38 @@ class FlashAttentionHopper:
         tOsO = thr_mma_pv.partition_C(sO)  # ((2, 2, D/8), 1, 1): where this thread's O goes
         rO = cute.make_rmem_tensor_like(acc_o, self.dtype)
         rO.store(acc_o.load().to(self.dtype))
+        # (tile_m, D)
+        gO = cute.local_tile(gO_all, (self.tile_m, self.head_dim), (m_block, 0))
+        # the TMA's view of the whole tile: (TMA,) in shared and in global memory
+        tOsO_tma, tOgO_tma = cpasync.tma_partition(
+            tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+            cute.group_modes(gO, 0, 2),
+        )
+        self.store_o(rO, tOsO, tma_atom_o, tOsO_tma, tOgO_tma, tidx)
+
+    # Note [Proxies]
+    # --------------
+    # Shared memory is reached through two proxies. The threads' ld.shared / st.shared use the
+    # generic proxy; the TMA and wgmma read and write it through the async proxy. Program order
+    # and bar.sync order generic accesses among threads, not generic against async. So when
+    # threads write a tile that the TMA (or wgmma) then reads, each writing thread issues
+    # fence.proxy.async.shared::cta after its stores and before the barrier that hands the tile
+    # over; the thread that issues the TMA waits at that barrier first. Without the fence
+    # nothing traps or hangs: the TMA may read stale bytes, or may not, depending on when the
+    # stores drain, so a test run cannot be relied on to catch it (exercise 05.6 checks the
+    # code and the PTX instead). The other direction needs no fence in code: the mbarrier's
+    # byte count makes the TMA's writes visible to the threads that waited on it.
+
+    @cute.jit
+    def store_o(self, rO: cute.Tensor, tOsO: cute.Tensor, tma_atom_o: cute.CopyAtom,
+                tOsO_tma: cute.Tensor, tOgO_tma: cute.Tensor, tidx: Int32):
+        """Every consumer thread writes its O fragment ``rO`` into shared memory (``tOsO``),
+        then one warp stores the whole tile to global memory with the TMA. See Note [Proxies]."""
         cute.autovec_copy(rO, tOsO)
         # generic-proxy smem writes -> visible to the TMA (async proxy), then all rows written
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
                           number_of_threads=self.num_consumer_threads)
-        # (tile_m, D)
-        gO = cute.local_tile(gO_all, (self.tile_m, self.head_dim), (m_block, 0))
-        tOsO_tma, tOgO_tma = cpasync.tma_partition(
-            tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-            cute.group_modes(gO, 0, 2),
-        )
         if tidx // cute.arch.WARP_SIZE == 0:
             cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
             cute.arch.cp_async_bulk_commit_group()
@@ -1014,7 +1044,8 @@ def check_case(batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype, c
 
 
 # ===============================================================================================
-# --bench: every knob at the chapter's target shape, verified, timed, stored
+# The knob run: every knob at the chapter's target shape, verified, then timed. This module only
+# times; ``python -m measure.ch05_knobs`` stores the rows (results/<gpu>/ch05_knobs.json).
 # ===============================================================================================
 BENCH_RESULTS = "ch05_knobs"
 BENCH_SEQLEN, BENCH_HEADS = 16384, 16  # batch * seqlen = 16384 tokens, as in results/*/ch05_fwd
@@ -1048,7 +1079,7 @@ def bench_configs(head_dim: int) -> dict:
     }
 
 
-def bench(plan=None, seqlen=BENCH_SEQLEN, heads=BENCH_HEADS, rep=30, save=True,
+def bench(plan=None, seqlen=BENCH_SEQLEN, heads=BENCH_HEADS, rep=30, save=False,
           rounds=3) -> list[dict]:
     """Each (head_dim, causal, config) of ``plan``: verified once against the float64 reference
     on a small awkward shape (fresh random inputs, NaN-poisoned outputs), then timed at
@@ -1056,11 +1087,15 @@ def bench(plan=None, seqlen=BENCH_SEQLEN, heads=BENCH_HEADS, rep=30, save=True,
     (``utils.bench.interleaved``: every config of every group, and the peers SDPA flash, cuDNN
     and the FA4 package on the same inputs, once per round; L2 flushed, median of ``rep`` calls
     per round). A config that fails its check is not timed. Prints a table and returns rows for
-    utils.results (saved as BENCH_RESULTS): median over rounds, per-round values, spread, SM
-    clock, and the fastest peer of the group (``best_peer``, ``peers_tflops``)."""
+    utils.results: median over rounds, per-round values, spread, SM clock, and the fastest peer
+    of the group (``best_peer``, ``peers_tflops``). ``python -m measure.ch05_knobs`` stores them
+    as BENCH_RESULTS; ``save=True`` is refused here (this module writes no results)."""
     from utils import bench as ub
-    from utils import results
     from utils.reference import random_qkv
+
+    if save:
+        raise ValueError("ch05_flash_hopper.bench only times; `python -m measure.ch05_knobs` "
+                         f"stores the rows as results/<gpu>/{BENCH_RESULTS}.json")
 
     plan = BENCH_PLAN if plan is None else plan
     batch = max(1, 16384 // seqlen)
@@ -1107,10 +1142,8 @@ def bench(plan=None, seqlen=BENCH_SEQLEN, heads=BENCH_HEADS, rep=30, save=True,
                                    if key[0] == group and key[1:2] == (ub.PEER_KEY,)},
                                   flops_of[group]))
     print(format_knob_rows(rows), flush=True)
-    if save:
-        path = results.save(BENCH_RESULTS, rows,
-                            command="python -m solutions.ch05_flash_hopper --bench")
-        print(f"wrote {path}" + (f" ({failures} configs FAILED their check)" if failures else ""))
+    if failures:
+        print(f"{failures} configs FAILED their check", flush=True)
     return rows
 
 
@@ -1152,19 +1185,10 @@ def main(argv=None) -> int:
     parser.add_argument("--small", action="store_true",
                         help="SMALL_CASES: three small cases (the default)")
     parser.add_argument("--check", action="store_true", help="every CHECK_CASES entry")
-    parser.add_argument("--bench", action="store_true",
-                        help=f"verify and time every knob (BENCH_PLAN), save {BENCH_RESULTS}")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved rounds of --bench (at least 3)")
     args = parser.parse_args(argv)
-    if args.rounds < 3:
-        parser.error("--rounds: at least 3, so a round's spread can be told from an effect")
     if not torch.cuda.is_available():
         print("no CUDA GPU here; the compile-only checks are tests/test_ch05_compile.py")
         return 0
-    if args.bench:
-        rows = bench(rounds=args.rounds)
-        return 1 if any(not r["verified"] for r in rows) else 0
     cases = [(case, None) for case in CHECK_CASES] if args.check else SMALL_CASES
     return 1 if checks.run_cases(check_case, cases) else 0
 

@@ -259,7 +259,8 @@ def test_knob_types_and_accepted_values():
 
 
 def test_bench_plan_covers_the_brief():
-    """--bench times every knob of chapters 05-07 at D = 128, causal and not."""
+    """The knob run (measure.ch05_knobs) times every knob of chapters 05-07 at D = 128, causal
+    and not."""
     for causal in (False, True):
         names = set(ch05.BENCH_PLAN[(128, causal)])
         assert {"default", "no intra-wg overlap", "ping-pong", "3 stages", "exp2 emulation 1/4",
@@ -307,6 +308,18 @@ def test_command_line_without_gpu(capsys):
         pytest.skip("a GPU is present; tests/gpu/ covers the command line there")
     assert ch05.main(["--small"]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_the_knob_run_is_a_measure_driver_and_the_kernel_module_only_times():
+    """The knob run's driver lives in measure/ (it writes results); the kernel module keeps the
+    timing and refuses to save."""
+    from measure import ch05_knobs
+
+    assert ch05_knobs.PRODUCES[0][0] == f"results/h200/{ch05.BENCH_RESULTS}.json"
+    with pytest.raises(ValueError, match="measure.ch05_knobs"):
+        ch05.bench({}, save=True)
+    with pytest.raises(SystemExit):
+        ch05.main(["--bench"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,7 +487,7 @@ def test_the_gpu_checker_itself():
 
 
 def test_knob_table_formats_stored_rows():
-    """The table --bench prints and the notebooks show from results/<gpu>/ch05_knobs.json."""
+    """The table the knob run prints and the notebooks show from results/<gpu>/ch05_knobs.json."""
     def row(name, d, causal, ms):
         return {"config": name, "d": d, "causal": causal, "ms": ms,
                 "tflops": None if ms is None else 1000.0 / ms}
