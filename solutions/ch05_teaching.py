@@ -11,10 +11,11 @@ config, its shared-memory sum, its compiled PTX and SASS) and models the ideas a
 - one steady-state turn of the compiled SASS (where ptxas put the waits and the exponentials);
 - a fluid model of two or three consumer warpgroups sharing the tensor cores and MUFU, with and
   without ping-pong;
-- exercises 05.1 (stage count), 05.2 (the producer's step of the ring), 05.3 (proxy fence), and
-  05.4 in device code, the kernel's own producer loop over the K and V rings
-  (``HopperWithProducer`` swaps it into the kernel; ``record_producer`` and ``KVRingSim`` check
-  it on the CPU): their references and checkers;
+- exercises 05.1 (stage count), 05.2 (the producer's step of the ring), 05.3 (a race that
+  hides: drive the simulator into the failure), and 05.4 in device code, the kernel's own
+  producer loop over the K and V rings (``HopperWithProducer`` swaps it into the kernel;
+  ``record_producer`` and ``KVRingSim`` check it on the CPU): their references and checkers.
+  The consumers' exercises in device code (05.5, 05.6) are in ``solutions.ch05_consumer``;
 - the stored figures read with verdicts: standing against the peers, the knob run against the
   spread between runs, and the Nsight Compute profile (``solutions.ch05_profile``).
 
@@ -171,12 +172,22 @@ def profile_reading(res) -> list[str]:
                    f"{after:.0f}%: " + ("more of the turn's time runs after P V than under it"
                                         if after > under else
                                         "more of the turn's time runs under P V than after it"))
-    if "producer_time_mbarrier_wait_pct" in by:
-        out.append(f"the producer warp sits at its empty-slot waits "
-                   f"{by['producer_time_mbarrier_wait_pct']:.0f}% of its time: "
-                   + ("the ring is full most of the time, loads are not the limit"
-                      if by["producer_time_mbarrier_wait_pct"] > 50 else
-                      "it is often busy issuing: the loads may be close to the limit"))
+    if "consumer_time_mbarrier_wait_pct" in by:
+        tile = by["consumer_time_mbarrier_wait_pct"]
+        out.append(f"the consumers wait for a tile to land {tile:.1f}% of their time: "
+                   + ("the loads keep up with them" if tile < 5 else
+                      "the loads hold them up noticeably"))
+    if "producer_time_mbarrier_wait_pct" in by and "producer_time_tma_issue_pct" in by:
+        wait, issue = by["producer_time_mbarrier_wait_pct"], by["producer_time_tma_issue_pct"]
+        if wait > 50:
+            verdict = "the ring is full most of the time, loads are not the limit"
+        elif issue > 50:
+            verdict = "it is mostly issuing: the loads may be close to the limit"
+        else:
+            verdict = ("neither dominates; its other samples sit elsewhere in its code, so the "
+                       "producer's own samples do not say whether the loads limit")
+        out.append(f"the producer warp: {wait:.1f}% of its samples at its empty-slot waits, "
+                   f"{issue:.1f}% issuing TMA loads: {verdict}")
     return out
 
 
@@ -310,17 +321,22 @@ def kv_smem_cycles(n: int, d: int, readers: int, arch: str = "H100") -> float:
 def mma_styles(m: int = 128, n: int = 128, d: int = 128, warps: int = 4) -> list[dict]:
     """One forward tile (m query rows, n keys, head dim d) on an H100/H200 SM, two ways.
 
-    Ampere style: ``warps`` warps stacked along the rows, Q in registers, every warp reads all
-    of K and V from shared memory (ldmatrix) and issues m16n8k16 mma.sync. Hopper style: one
-    warpgroup per 64 rows, wgmma reads Q, K and V from shared memory (utils.roofline's model).
+    Ampere style, as chapter 04's kernel does it: ``warps`` warps stacked along the rows; every
+    step each warp loads its own rows of Q (the A operand of S = Q K^T) and all of K and V from
+    shared memory with ldmatrix, and issues m16n8k16 mma.sync. Q is not kept in registers: its
+    fragments are loaded again, k-slice by k-slice, for every K tile. Hopper style: one
+    warpgroup per 64 rows, wgmma reads Q, K and V straight from shared memory, each once per
+    warpgroup (utils.roofline's model); P stays in registers in both.
     """
     flops = 4 * m * n * d
     mma = flops / HOPPER.mma_flops_per_clk
     wg = roofline.tile_cycles("H100", "fwd", m=m, n=n, d=d)
+    q_bytes = m * d * ELEM_BYTES  # each warp its own rows: the whole Q tile once per step
+    ampere = kv_smem_cycles(n, d, warps) + q_bytes / HOPPER.smem_bytes_per_clk
     return [
         {"style": f"mma.sync, {warps} warps ({m // warps} rows each)",
          "instructions": flops // (2 * 16 * 8 * 16), "rows_per_b_read": m // warps,
-         "mma_cycles": mma, "smem_cycles": kv_smem_cycles(n, d, warps)},
+         "mma_cycles": mma, "smem_cycles": ampere},
         {"style": f"wgmma, {m // ch05.WGMMA_M} warpgroups (64 rows each)",
          "instructions": (m // ch05.WGMMA_M) * (d // 16 + n // 16), "rows_per_b_read": 64,
          "mma_cycles": mma, "smem_cycles": wg.smem},
@@ -1633,7 +1649,7 @@ def turn_cycles(head_dim: int, tile_n: int = 128) -> dict:
 
 SCHEDULE_MODES = {
     "interleaved": "GEMMs issued together share the tensor cores (instructions interleaved)",
-    "issue order": "no barriers; the tensor cores run GEMM groups in the order they were issued",
+    "issue order": "no barriers; assume the tensor cores take GEMM groups in issue order",
     "ping-pong": "named barriers make the warpgroups issue in turn; groups run in that order",
 }
 
@@ -1798,52 +1814,292 @@ def ptx_lines(ptx: str, pattern: str, limit: int = 8) -> list[str]:
 
 
 # ================================================================================================
-# 10. Exercise 05.3: the proxy fence
+# Exercise 05.3: a race that hides
 # ================================================================================================
-PROXY_OUTCOMES = {
-    "a": "Nothing: the barrier already orders every shared-memory access of the CTA, the TMA's "
-         "and wgmma's included.",
-    "b": "The TMA (or wgmma) may read some of those bytes as they were before the threads "
-         "wrote them: the output is silently wrong in places, differently from run to run.",
-    "c": "The GPU stops the kernel with an illegal-instruction or illegal-address error.",
-    "d": "The kernel hangs: the TMA waits for a fence that never comes.",
-}
-FENCE_PLACES = {
-    "1": "in every writing thread, before it writes shared memory",
-    "2": "in every writing thread, after its shared-memory writes and before the barrier that "
-         "hands the data to the issuing thread",
-    "3": "only in the thread that issues the TMA, right after the copy instruction",
-}
-PROXY_ANSWER = ("b", "2")
-
-_OUTCOME_WHY = {
-    "a": "a barrier orders the threads' ordinary (generic-proxy) loads and stores among "
-         "themselves; the TMA unit and wgmma read shared memory through the async proxy, which "
-         "a barrier does not order against them. That gap is what fence.proxy.async closes.",
-    "c": "nothing in the hardware checks this ordering: every access is legal on its own, only "
-         "their order is undefined, so nothing traps.",
-    "d": "nobody waits on a proxy fence. The TMA starts as soon as it is issued, and that is the "
-         "danger: it may read before the writes are visible to it.",
-}
-_PLACE_WHY = {
-    "1": "a fence orders what its thread did before it against what comes after it; before the "
-         "writes there is nothing to order yet.",
-    "3": "after the copy is issued it is too late: the TMA may already be reading. And the "
-         "writes to order are those of every thread that wrote, so each of them fences its "
-         "own stores, then the barrier hands over to the one thread that issues the copy.",
-}
+SCENARIO_KEYS = ("n_tiles", "stages", "consumers", "latency", "read_ticks")
 
 
-def check_proxy_fence(answer) -> None:
-    """Exercise 05.3: answer = (outcome letter, place number)."""
-    assert isinstance(answer, (tuple, list)) and len(answer) == 2, (
-        "answer with a pair: (one of 'a'-'d' from PROXY_OUTCOMES, one of '1'-'3' from "
-        "FENCE_PLACES), for example ('a', '1')")
-    outcome, place = (str(x).strip().lower().strip("()") for x in answer)
-    assert outcome in PROXY_OUTCOMES, f"the outcome should be one of a, b, c, d; got {outcome!r}"
-    assert place in FENCE_PLACES, f"the place should be one of 1, 2, 3; got {place!r}"
-    if outcome != PROXY_ANSWER[0]:
-        raise AssertionError(f"outcome {outcome!r} is not what happens: {_OUTCOME_WHY[outcome]}")
-    if place != PROXY_ANSWER[1]:
-        raise AssertionError(f"the outcome is right, but place {place!r} does not work: "
-                             f"{_PLACE_WHY[place]}")
+def _scenario(name: str, cfg) -> dict:
+    if not isinstance(cfg, dict):
+        raise AssertionError(f"{name} should be a dict of RingSim settings, such as "
+                             f"dict(n_tiles=8, stages=2, consumers=2, latency=4, read_ticks=3); "
+                             f"got {cfg!r}")
+    unknown = sorted(set(cfg) - set(SCENARIO_KEYS))
+    if unknown:
+        raise AssertionError(f"{name}: RingSim has no setting {unknown[0]!r} here; use "
+                             f"{', '.join(SCENARIO_KEYS)}")
+    full = {**{k: getattr(RingSim, k) for k in SCENARIO_KEYS}, **cfg}
+    for key, value in full.items():
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise AssertionError(f"{name}: {key} must be a whole number >= 1, got {value!r}")
+    if full["n_tiles"] <= 2 * full["stages"]:
+        raise AssertionError(
+            f"{name}: {full['n_tiles']} tiles through {full['stages']} slot(s) reuse each slot "
+            "at most once; a scenario that tests the producer's wait lets the ring wrap at "
+            "least twice (n_tiles > 2 x stages)")
+    return full
+
+
+def run_scenario(cfg: dict, producer=None) -> str | None:
+    """Run ``RingSim(**cfg)`` with ``producer`` (default: the one that never waits on empty):
+    None when every consumer read every tile, else the simulator's complaint."""
+    producer = producer_no_wait if producer is None else producer
+    cfg = {**{k: getattr(RingSim, k) for k in SCENARIO_KEYS}, **cfg}
+    try:
+        sim = RingSim(**cfg, producer_step=producer).run()
+    except PipelineError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    reads = sorted((me, tile) for me, tile, *_ in sim.ring.reads)
+    if reads != sorted((me, t) for me in range(cfg["consumers"]) for t in range(cfg["n_tiles"])):
+        return "not every consumer read every tile exactly once"
+    return None
+
+
+# Exercise 05.3's reference: the producer that never waits on empty runs clean while each copy
+# lands before the producer comes round the ring (latency < stages) and the consumers read a tile
+# per tick, as fast as the producer issues; with slower reads the ring fills, and the producer
+# refills a slot that is still being read.
+_HIDES = dict(n_tiles=8, stages=3, consumers=2, latency=2, read_ticks=1)
+RACE_SCENARIOS = (_HIDES, dict(_HIDES, read_ticks=3))
+
+
+def check_race_scenarios(answer) -> None:
+    """Exercise 05.3: ``answer`` = (hides, shows), two dicts of RingSim settings that differ in
+    one setting; the checker runs both with ``producer_no_wait`` itself. ``hides`` must run
+    clean (every tile read by every consumer), ``shows`` must end in an overwrite (or the extra
+    arrival that comes with it), not a deadlock."""
+    if answer is None or (isinstance(answer, (tuple, list)) and all(a is None for a in answer)):
+        raise NotImplementedError
+    if not (isinstance(answer, (tuple, list)) and len(answer) == 2):
+        raise AssertionError("answer with a pair (hides, shows) of dicts of RingSim settings")
+    hides, shows = (_scenario(n, c) for n, c in zip(("hides", "shows"), answer))
+    changed = [k for k in SCENARIO_KEYS if hides[k] != shows[k]]
+    if len(changed) != 1:
+        raise AssertionError(
+            f"your two scenarios differ in {', '.join(changed) or 'nothing'}: change exactly "
+            "one setting between them, so that the runs tell you which setting exposes the "
+            "race")
+    for name, cfg in (("hides", hides), ("shows", shows)):
+        if run_scenario(cfg, producer_step) is not None:  # cannot happen: a sanity check
+            raise AssertionError(f"{name}: even the correct producer fails: "
+                                 f"{run_scenario(cfg, producer_step)}")
+    said = run_scenario(hides)
+    if said is not None:
+        raise AssertionError(f"in 'hides' ({hides}) the race shows: {said}\nLook for "
+                             "settings in which no slot is ever refilled while it is read")
+    said = run_scenario(shows)
+    if said is None:
+        raise AssertionError(
+            f"in 'shows' ({shows}) the broken producer runs clean: the race stays hidden. "
+            f"You changed {changed[0]}; think about who is slower, the producer (one tile per "
+            "tick) or the consumers, and when a slot is refilled")
+    if said.startswith("Deadlock"):
+        raise AssertionError(f"'shows' ends in a deadlock, not in the race: {said}")
+
+
+# ================================================================================================
+# Readings of the stored runs: the chapter's predictions, the peak, and the claims its prose (and
+# the lab's) makes, each checked on its results file (tests/test_claims.py)
+# ================================================================================================
+# NVIDIA's dense bf16 tensor-core figure for the H100 SXM and the H200 SXM (datasheets).
+DATASHEET_BF16_DENSE_TFLOPS = 989
+
+
+def peak_lines(micro=None) -> list[str]:
+    """The chip's bf16 peak three ways, each with the clock it assumes: the datasheet figure
+    (and the clock at which 4096 FLOP/clk/SM x 132 SMs gives it), the same product at the
+    maximum boost clock, and the large matmul measured on the H200 (``micro``: microbench)."""
+    per_clk_chip = HOPPER.mma_flops_per_clk * HOPPER.sms
+    clock = DATASHEET_BF16_DENSE_TFLOPS * 1e12 / per_clk_chip / 1e9
+    lines = [f"datasheet (H100/H200 SXM, dense bf16): {DATASHEET_BF16_DENSE_TFLOPS} TFLOP/s = "
+             f"{HOPPER.mma_flops_per_clk} FLOP/clk/SM x {HOPPER.sms} SMs x {clock:.2f} GHz "
+             f"(the clock that product needs)",
+             f"the same product at the {HOPPER.boost_clock_ghz} GHz maximum boost clock: "
+             f"{HOPPER.chip_peak(HOPPER.mma_flops_per_clk) / 1e12:.0f} TFLOP/s (model)"]
+    if micro is not None:
+        for r in micro.where(metric="matmul_tflops"):
+            lines.append(f"measured, {r['impl']}: {r['value']:.0f} TFLOP/s at whatever clock "
+                         f"the GPU held ({micro.label})")
+    return lines
+
+
+def fwd_row(res, impl: str, d: int = 128, s: int = 16384, causal: bool = False) -> dict:
+    return res.one(impl=impl, d=d, s=s, causal=causal, **{"pass": "fwd"})
+
+
+def fwd_ratio(res, impl: str, peer: str, d: int = 128, s: int = 16384,
+              causal: bool = False) -> float:
+    """``impl``'s TFLOP/s over ``peer``'s at one shape of one run."""
+    return fwd_row(res, impl, d, s, causal)["tflops"] / fwd_row(res, peer, d, s, causal)["tflops"]
+
+
+def _shapes(res) -> list[tuple]:
+    return sorted({(r["d"], r["s"], r["causal"]) for r in res.rows if r.get("pass") == "fwd"})
+
+
+def claim(cid: str, results_name: str, text: str):
+    """Register ``check`` (Results -> (holds, one line)) as claim ``cid`` on ``results_name``:
+    ``utils.claims.claim`` where it exists, else the same entry written into its registry."""
+    from utils import claims
+
+    if hasattr(claims, "claim"):
+        return claims.claim(cid, results_name, text)
+
+    def register(check):
+        claims.REGISTRY[cid] = claims.Claim(cid, results_name, text, check)
+        return check
+
+    return register
+
+
+@claim("05.fa2_far_behind", "ch05_fwd",
+        "SDPA's FlashAttention-2 (mma.sync) reaches at most 0.75x of "
+        "this chapter's kernel at every shape of the run")
+def _fa2_far_behind(res):
+    worst = max(fwd_ratio(res, "sdpa_flash", "flash_hopper", *k) for k in _shapes(res))
+    return worst <= 0.75, f"sdpa_flash / flash_hopper at most {worst:.2f}"
+
+
+@claim("05.level_with_cudnn_d128", "ch05_fwd",
+        "at D = 128 the kernel is level with cuDNN (within 3%) "
+        "at every S, causal or not")
+def _level_with_cudnn(res):
+    from solutions.ch04_teaching import LEVEL
+
+    ratios = [fwd_ratio(res, "flash_hopper", "sdpa_cudnn", *k) for k in _shapes(res)
+              if k[0] == 128]
+    return all(abs(r - 1) < LEVEL for r in ratios), ", ".join(f"{r:.2f}" for r in ratios)
+
+
+@claim("05.behind_fa4_package", "ch05_fwd",
+        "the kernel is behind the FA4 package at every shape, and "
+        "at D = 64 by more than either row's spread")
+def _behind_fa4(res):
+    from utils.bench import compare
+
+    ok, out = True, []
+    for k in _shapes(res):
+        c = compare(fwd_row(res, "flash_hopper", *k), fwd_row(res, "fa4_package", *k))
+        ok &= c.ratio < 1 and (c.real or k[0] != 64)
+        out.append(f"D={k[0]} S={k[1]} causal={k[2]}: {c}")
+    return ok, "; ".join(out)
+
+
+@claim("05.d64_gap_larger", "ch05_fwd",
+        "at D = 64 the kernel is behind cuDNN by more than 3%, and "
+        "its gap to cuDNN and to the FA4 package is larger than at D = 128, at every S, "
+        "causal or not")
+def _d64_gap(res):
+    from solutions.ch04_teaching import LEVEL
+
+    lines, ok = [], True
+    for s, causal in sorted({(k[1], k[2]) for k in _shapes(res)}):
+        ok &= fwd_ratio(res, "flash_hopper", "sdpa_cudnn", 64, s, causal) < 1 - LEVEL
+    for peer in ("sdpa_cudnn", "fa4_package"):
+        for s, causal in sorted({(k[1], k[2]) for k in _shapes(res)}):
+            r64 = fwd_ratio(res, "flash_hopper", peer, 64, s, causal)
+            r128 = fwd_ratio(res, "flash_hopper", peer, 128, s, causal)
+            ok &= r64 < r128
+            lines.append(f"{peer} S={s} causal={causal}: {r64:.2f} vs {r128:.2f}")
+    return ok, "; ".join(lines)
+
+
+# --- the knob run (the lab reads it; labs/ch05_tuning.ipynb) ----------------------------------
+def knob_verdicts(knobs, fwd=None) -> dict:
+    """{(d, causal, knob name): (ratio to the default, noise, verdict)} of the knob run, with
+    ``knob_effects``'s rule: the noise is the larger of the two rows' spreads and the spread
+    between two runs of the same default (``default_spread`` with ``fwd``, when given)."""
+    from utils.bench import compare
+
+    spread = default_spread(knobs, fwd) if fwd is not None else None
+    out = {}
+    for d, causal in dict.fromkeys((r.get("d"), r.get("causal")) for r in knobs.rows):
+        rows = [r for r in knobs.rows if (r.get("d"), r.get("causal")) == (d, causal)]
+        base = next((r for r in rows if r.get("config") == "default" and r.get("tflops")), None)
+        for r in rows:
+            c = None if base is None or r is base else compare(r, base)
+            if c is None:
+                continue
+            noise = max(c.noise, spread["spread"] if spread else 0.0)
+            verdict = ("within noise" if abs(c.ratio - 1) <= noise
+                       else "faster" if c.ratio > 1 else "slower")
+            out[(d, causal, knob_name(r))] = (c.ratio, noise, verdict)
+    return out
+
+
+def _verdicts(res):
+    from utils import results
+
+    try:
+        fwd = results.load("ch05_fwd", gpu="h200")
+    except FileNotFoundError:
+        fwd = None
+    return knob_verdicts(res, fwd)
+
+
+def _knob_holds(res, picks, want):
+    v = _verdicts(res)
+    found = {k: v[k] for k in v if any(k[0] == d and k[2].startswith(name) for d, name in picks)}
+    ok = bool(found) and all(verdict in want for _, _, verdict in found.values())
+    return ok, "; ".join(f"D={d} causal={c} {n}: {r:.2f}x, noise {z:.0%}, {verdict}"
+                         for (d, c, n), (r, z, verdict) in found.items())
+
+
+@claim("05.no_overlap_slower", "ch05_knobs",
+        "without intra-warpgroup overlap the kernel is slower at "
+        "D = 128, causal and not, by more than the noise")
+def _no_overlap(res):
+    return _knob_holds(res, [(128, "no intra-wg overlap")], {"slower"})
+
+
+@claim("05.pingpong_within_noise", "ch05_knobs",
+        "flipping ping-pong is within noise at D = 128 and at "
+        "D = 64")
+def _pingpong(res):
+    return _knob_holds(res, [(128, "ping-pong"), (64, "ping-pong")], {"within noise"})
+
+
+@claim("05.three_stages_within_noise", "ch05_knobs",
+        "a third K/V stage is within noise at D = 128, "
+        "causal and not")
+def _stages(res):
+    return _knob_holds(res, [(128, "3 stages")], {"within noise"})
+
+
+@claim("05.d64_192x64_faster", "ch05_knobs",
+        "at D = 64 the three-warpgroup 192 x 64 tile is faster "
+        "than the two-warpgroup 128 x 128 tile, by more than the noise")
+def _d64_tiles(res):
+    from utils import results
+    from utils.bench import compare
+
+    small, big = d64_tile_rows(res)
+    if small is None or big is None:
+        return False, "the run has no 192 x 64 and 128 x 128 rows alike but for the tile"
+    try:
+        spread = default_spread(res, results.load("ch05_fwd", gpu="h200"))
+    except FileNotFoundError:
+        spread = None
+    c = compare(small, big)
+    noise = max(c.noise, spread["spread"] if spread else 0.0)
+    return c.ratio > 1 + noise, f"192 x 64 / 128 x 128 = {c.ratio:.2f}, noise {noise:.0%}"
+
+
+def d64_tile_rows(knobs) -> tuple[dict | None, dict | None]:
+    """The knob run's D = 64 non-causal rows that differ only in the tile: the three-warpgroup
+    192 x 64 and the two-warpgroup 128 x 128, both with the overlap, the same ping-pong setting
+    and neither chapter 06's nor chapter 07's knob."""
+    plain = [r for r in knobs.rows if r.get("d") == 64 and not r.get("causal") and r.get("tflops")
+             and r.get("intra_wg_overlap") and not r.get("exp2_emulation_fraction")
+             and not r.get("rescale_threshold")]
+    small = next((r for r in plain if (r.get("tile_m"), r.get("tile_n")) == (192, 64)), None)
+    big = next((r for r in plain if (r.get("tile_m"), r.get("tile_n")) == (128, 128)
+                and small is not None and r.get("pingpong") == small.get("pingpong")), None)
+    return small, big
+
+
+@claim("05.d64_192x128_within_noise", "ch05_knobs",
+        "at D = 64 the 192 x 128 tile without overlap is "
+        "within noise of the two-warpgroup 128 x 128 tile")
+def _d64_no_overlap(res):
+    return _knob_holds(res, [(64, "192 x 128, no overlap")], {"within noise"})

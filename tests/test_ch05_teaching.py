@@ -2,6 +2,7 @@
 give the chapter's arithmetic, and every checker accepts the solution and rejects wrong answers
 with a message that says what went wrong."""
 
+import inspect
 from dataclasses import replace
 
 import matplotlib
@@ -13,7 +14,7 @@ import pytest  # noqa: E402
 
 from solutions import ch05_flash_hopper as ch05  # noqa: E402
 from solutions import ch05_teaching as t5  # noqa: E402
-from tests import device_exercise_mistakes as wrong  # noqa: E402
+from tests.exercise_mutations import ch05 as wrong  # noqa: E402
 from utils.results import Results  # noqa: E402
 
 
@@ -207,21 +208,32 @@ def test_smem_breakdown_sums_to_the_kernel_struct():
 
 
 # ---------------------------------------------------------------------------------------------
-# exercise 05.3: the proxy fence
+# exercise 05.3: a race that hides
 # ---------------------------------------------------------------------------------------------
-def test_check_proxy_fence():
-    t5.check_proxy_fence(t5.PROXY_ANSWER)
-    t5.check_proxy_fence(["B", " (2) "])
-    for outcome in "acd":
-        with pytest.raises(AssertionError, match="not what happens"):
-            t5.check_proxy_fence((outcome, "2"))
-    for place in "13":
-        with pytest.raises(AssertionError, match="does not work"):
-            t5.check_proxy_fence(("b", place))
+def test_race_scenarios_reference_hides_then_shows():
+    hides, shows = t5.RACE_SCENARIOS
+    t5.check_race_scenarios(t5.RACE_SCENARIOS)
+    assert t5.run_scenario(hides) is None
+    assert t5.run_scenario(shows).startswith("Overwrite")
+    assert t5.run_scenario(shows, t5.producer_step) is None  # the correct producer is fine
+
+
+def test_race_scenarios_stub_is_not_done_and_bad_input_is_explained():
+    with pytest.raises(NotImplementedError):
+        t5.check_race_scenarios((None, None))
     with pytest.raises(AssertionError, match="pair"):
-        t5.check_proxy_fence("b")
-    with pytest.raises(AssertionError, match="one of a, b, c, d"):
-        t5.check_proxy_fence(("e", "2"))
+        t5.check_race_scenarios({"n_tiles": 8})
+    with pytest.raises(AssertionError, match="no setting 'tiles'"):
+        t5.check_race_scenarios(({"tiles": 8}, {}))
+    with pytest.raises(AssertionError, match="whole number"):
+        t5.check_race_scenarios((dict(t5.RACE_SCENARIOS[0], latency=0), t5.RACE_SCENARIOS[1]))
+
+
+def test_a_slow_copy_shows_the_race_too():
+    """Changing the TMA latency instead of the read time exposes the same producer: it arms a
+    full barrier again before the copy that armed it has landed."""
+    hides = t5.RACE_SCENARIOS[0]
+    t5.check_race_scenarios((hides, dict(hides, latency=5)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,11 +242,15 @@ def test_check_proxy_fence():
 def test_b_operand_reuse_model():
     assert t5.rows_per_b_read_needed("H100") == 32
     sync, wg = t5.mma_styles(m=128, n=128, d=128, warps=4)
-    assert sync["smem_cycles"] == sync["mma_cycles"] == 2048  # a tie at 32 rows per warp
-    assert wg["smem_cycles"] < wg["mma_cycles"]
+    # K and V alone would tie at 32 rows per warp (2048 cycles each); chapter 04's kernel also
+    # reloads its Q rows from shared memory every step (ldmatrix), 32 KB more: smem binds
+    assert sync["mma_cycles"] == 2048 and sync["smem_cycles"] == 2048 + 256
+    assert wg["smem_cycles"] == 1280 < wg["mma_cycles"]
     assert sync["instructions"] == 2048 and wg["instructions"] == 32
     eight = t5.mma_styles(m=128, n=128, d=128, warps=8)[0]
-    assert eight["smem_cycles"] == 2 * eight["mma_cycles"]  # 16 rows per warp: smem binds
+    assert eight["smem_cycles"] == 2 * 2048 + 256  # 16 rows per warp: smem binds further
+    ch04_tile = t5.mma_styles(m=128, n=64, d=128, warps=4)[0]  # chapter 04's D = 128 default
+    assert ch04_tile["smem_cycles"] > ch04_tile["mma_cycles"]
 
 
 def test_tensor_map_and_zero_fill():
@@ -335,7 +351,10 @@ def test_steady_turn_on_the_compiled_kernel():
 def test_source_pieces_and_notes():
     piece = t5.source_between(ch05.FlashAttentionHopper.mma_softmax, "# turns 1 .. n-1",
                               "# turn n: the last O += P V")
-    assert "wait_group(1)" in piece and "wait_group(0)" in piece
+    assert "self.gemm_turn(" in piece and "wait_group(0)" in piece
+    assert "wait_group(1)" in inspect.getsource(ch05.FlashAttentionHopper.gemm_turn)
+    assert t5.note("Proxies").startswith("Note [Proxies]")
+    assert "Hypothesis" in t5.note("Ping-pong")
     missing = t5.source_between(ch05.FlashAttentionHopper.load, "no such marker")
     assert missing.startswith("# ('no such marker' not found")
     assert t5.note("Phases").startswith("Note [Phases]")
@@ -381,7 +400,7 @@ def test_pictures_draw_headless():
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 05.4 (device code): the producer's K/V loop. Typical slips live in
-# tests/device_exercise_mistakes.py.
+# tests/exercise_mutations/ch05.py.
 
 
 def test_load_kv_is_the_kernels_loop_and_passes():
