@@ -71,7 +71,7 @@ for s in "$@"; do
     fa4-boost) step fa4_boost 300 $PY -m measure.fwd_versus --boost 64 16384 1 --raw-dir "$OUT/fa4_final_versus_boost_raw" ;;
     fa4-stalls) step fa4_stalls 560 $PY -m measure.fwd_stalls --raw-dir "$OUT/fa4_final_stalls_raw" ;;
     fa4-versus) step fa4_versus 540 $PY -m measure.fwd_versus --raw-dir "$OUT/fa4_final_versus_raw" ;;
-    ch07) step ch07_rescale 300 $PY -m solutions.ch07_rescaling --save ;;
+    ch07) step ch07_rescale 300 $PY -m measure.rescale_knob --save ;;
     fa4-check) step fa4_check 420 $PY -m measure.fwd_checks ;;
     bwd-check) step bwd_check 300 $PY -m fa4_final.backward --check --small ;;
     bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;

@@ -54,14 +54,6 @@ def test_top_left_mask_is_wrong_on_gpu():
     assert not ok, lines
 
 
-@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90): TMA, wgmma")
-@pytest.mark.parametrize("producer", ["reference", "v_first"])
-def test_producer_loop_inside_the_kernel_on_hopper(producer):
-    from solutions import ch05_teaching as t5
-
-    fn = t5.load_kv if producer == "reference" else wrong.load_v_first_in_each_turn
-    ok, lines = t5.check_load_kv_on_gpu(fn)
-    assert ok, "\n".join(lines)
 
 
 # --- chapter 06: exp2 in device code (06.4) and the split of a row (06.5) ---------------------
@@ -90,3 +82,112 @@ def test_exp2_split_reference_on_gpu():
 
     ok, lines = ch06.check_exp2_split_on_gpu(ch06.exp2_split)
     assert ok, "\n".join(lines)
+
+
+# --- chapter 05: the producer's loop (05.4), the turn's GEMMs (05.5), the epilogue (05.6) ------
+# Each inside the whole attention kernel, against float64 on awkward shapes. Wrong answers live
+# in tests/exercise_mutations/ch05.py.
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90): TMA, wgmma")
+@pytest.mark.parametrize("producer", ["reference", "v_first"])
+def test_producer_loop_inside_the_kernel_on_hopper(producer):
+    from solutions import ch05_teaching as t5
+    from tests.exercise_mutations import ch05 as wrong5
+
+    fn = t5.load_kv if producer == "reference" else wrong5.load_v_first_in_each_turn
+    ok, lines = t5.check_load_kv_on_gpu(fn)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90): TMA, wgmma")
+@pytest.mark.parametrize("turn", ["reference", "own helper"])
+def test_gemm_turn_inside_the_kernel_on_hopper(turn):
+    from solutions import ch05_consumer as c5
+    from tests.exercise_mutations import ch05 as wrong5
+
+    fn = c5.gemm_turn if turn == "reference" else wrong5.turn_with_own_helper
+    ok, lines = c5.check_gemm_turn_on_gpu(fn)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90): TMA, wgmma")
+def test_gemm_turn_that_accumulates_s_is_wrong_on_hopper():
+    from solutions import ch05_consumer as c5
+    from tests.exercise_mutations import ch05 as wrong5
+
+    ok, lines = c5.check_gemm_turn_on_gpu(wrong5.turn_s_accumulates, cases=c5.GPU_CASES[4:5])
+    assert not ok, lines
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90): TMA, wgmma")
+def test_store_o_inside_the_kernel_on_hopper():
+    from solutions import ch05_consumer as c5
+
+    ok, lines = c5.check_store_o_on_gpu(c5.store_o)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90): TMA, wgmma")
+def test_store_o_from_every_warp_is_only_slower_on_hopper():
+    """Every consumer warp storing the whole tile is refused by the checker (wasteful) yet gives
+    the right answer: the GPU check cannot tell, the recorder can."""
+    from solutions import ch05_consumer as c5
+    from tests.exercise_mutations import ch05 as wrong5
+
+    ok, lines = c5.check_store_o_on_gpu(wrong5.store_from_every_warp, cases=c5.GPU_CASES[:2])
+    assert ok, "\n".join(lines)
+
+
+# --- chapter 08: the ping-pong turn (08.1) and the persistent tile loop (08.2) -----------------
+# Both run inside fa4_final's Hopper forward (ch08_teaching.HopperExercise) against float64 on
+# awkward shapes. A turn or a loop that only unbalances or reorders passes here: the order of
+# the turns and the balance of the tiles change the time, not the values, which is why their
+# checkers on the CPU simulate and count instead.
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90): TMA, wgmma")
+@pytest.mark.parametrize("which", ["turn", "tiles"])
+def test_ch08_exercise_references_inside_the_kernel_on_hopper(which):
+    from solutions import ch08_teaching as t08
+
+    fn = t08.pingpong_turn if which == "turn" else t08.tile_loop
+    ok, lines = t08.check_on_gpu(which, fn)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90): TMA, wgmma")
+def test_ch08_round_robin_tiles_are_right_but_unbalanced_on_hopper():
+    from solutions import ch08_teaching as t08
+
+    ok, lines = t08.check_on_gpu("tiles", t08.round_robin_loop, t08.EXERCISE_GPU_CASES[:3])
+    assert ok, "\n".join(lines)
+    assert t08.schedule_balance_of(t08.round_robin_loop)["imbalance"] > 0.05
+
+
+# --- chapter 07: the decision and its warp vote (07.2), the step (07.3) -----------------------
+
+
+@pytest.mark.skipif(not _hopper(), reason="compiled for sm_90a")
+def test_running_max_reference_on_gpu():
+    from solutions import ch07_rescaling as ch07
+
+    ok, lines = ch07.check_running_max_on_gpu(ch07.running_max)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="compiled for sm_90a")
+def test_softmax_step_reference_on_gpu():
+    from solutions import ch07_rescaling as ch07
+
+    ok, lines = ch07.check_softmax_step_on_gpu(ch07.softmax_step)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="compiled for sm_90a")
+def test_step_without_the_row_sum_correction_is_wrong_on_gpu():
+    from solutions import ch07_rescaling as ch07
+    from tests.exercise_mutations import ch07 as wrong7
+
+    ok, lines = ch07.check_softmax_step_on_gpu(wrong7.step_no_alpha_on_l)
+    assert not ok, "\n".join(lines)

@@ -1,0 +1,346 @@
+"""Chapter 07's exercises: typical wrong answers, each with the words its checker must say.
+The device-code ones (07.2, 07.3) are @cute.jit functions: the DSL reads their source from this
+file."""
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32
+
+from solutions import ch07_rescaling as ch07
+from tests.exercise_mutations import Mutation
+
+
+# --- 07.2 the decision and the vote -----------------------------------------------------------
+@cute.jit
+def running_max_no_vote(row_max, tile_max, tau: cutlass.Constexpr):
+    m_used = cute.make_rmem_tensor(cute.size(row_max), Float32)
+    moved = cutlass.Boolean(False)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        m_new = cute.arch.fmax(row_max[r], tile_max[r])
+        grew = m_new - row_max[r] > Float32(tau)
+        m_used[r] = m_new if grew else row_max[r]
+        moved = moved | grew
+    return m_used, moved
+
+
+@cute.jit
+def running_max_vote_moves_every_row(row_max, tile_max, tau: cutlass.Constexpr):
+    m_used = cute.make_rmem_tensor(cute.size(row_max), Float32)
+    moved = cutlass.Boolean(False)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        moved = moved | (cute.arch.fmax(row_max[r], tile_max[r]) - row_max[r] > Float32(tau))
+    vote = cute.arch.vote_any_sync(moved)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        m_new = cute.arch.fmax(row_max[r], tile_max[r])
+        m_used[r] = m_new if vote else row_max[r]
+    return m_used, vote
+
+
+@cute.jit
+def running_max_exactly_tau_moves(row_max, tile_max, tau: cutlass.Constexpr):
+    m_used = cute.make_rmem_tensor(cute.size(row_max), Float32)
+    moved = cutlass.Boolean(False)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        m_new = cute.arch.fmax(row_max[r], tile_max[r])
+        grew = m_new - row_max[r] >= Float32(tau)
+        m_used[r] = m_new if grew else row_max[r]
+        moved = moved | grew
+    return m_used, cute.arch.vote_any_sync(moved)
+
+
+@cute.jit
+def running_max_votes_last_row(row_max, tile_max, tau: cutlass.Constexpr):
+    m_used = cute.make_rmem_tensor(cute.size(row_max), Float32)
+    moved = cutlass.Boolean(False)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        m_new = cute.arch.fmax(row_max[r], tile_max[r])
+        grew = m_new - row_max[r] > Float32(tau)
+        m_used[r] = m_new if grew else row_max[r]
+        moved = grew
+    return m_used, cute.arch.vote_any_sync(moved)
+
+
+@cute.jit
+def running_max_adds_growth(row_max, tile_max, tau: cutlass.Constexpr):
+    m_used = cute.make_rmem_tensor(cute.size(row_max), Float32)
+    moved = cutlass.Boolean(False)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        growth = cute.arch.fmax(row_max[r], tile_max[r]) - row_max[r]
+        grew = growth > Float32(tau)
+        m_used[r] = row_max[r] + (growth if grew else Float32(0.0))
+        moved = moved | grew
+    return m_used, cute.arch.vote_any_sync(moved)
+
+
+@cute.jit
+def running_max_in_place(row_max, tile_max, tau: cutlass.Constexpr):
+    moved = cutlass.Boolean(False)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        m_new = cute.arch.fmax(row_max[r], tile_max[r])
+        grew = m_new - row_max[r] > Float32(tau)
+        row_max[r] = m_new if grew else row_max[r]
+        moved = moved | grew
+    return row_max, cute.arch.vote_any_sync(moved)
+
+
+@cute.jit
+def running_max_votes_in_a_branch(row_max, tile_max, tau: cutlass.Constexpr):
+    m_used = cute.make_rmem_tensor(cute.size(row_max), Float32)
+    moved = cutlass.Boolean(False)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        m_new = cute.arch.fmax(row_max[r], tile_max[r])
+        grew = m_new - row_max[r] > Float32(tau)
+        m_used[r] = m_new if grew else row_max[r]
+        moved = moved | grew
+    vote = cutlass.Boolean(False)
+    if moved:
+        vote = cute.arch.vote_any_sync(moved)
+    return m_used, vote
+
+
+# --- 07.3 the step ----------------------------------------------------------------------------
+@cute.jit
+def step_no_alpha_on_l(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
+    rows = cute.size(s, mode=[0])
+    cols = cute.size(s, mode=[1])
+    tile_max = cute.make_rmem_tensor(rows, Float32)
+    for r in cutlass.range_constexpr(rows):
+        m = s[r, 0]
+        for c in cutlass.range_constexpr(1, cols):
+            m = cute.arch.fmax(m, s[r, c])
+        tile_max[r] = m
+    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
+    alpha = cute.make_rmem_tensor(rows, Float32)
+    for r in cutlass.range_constexpr(rows):
+        m_safe = Float32(0.0) if m_used[r] == -Float32.inf else m_used[r]
+        alpha[r] = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
+        total = Float32(0.0)
+        for c in cutlass.range_constexpr(cols):
+            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
+            total = total + s[r, c]
+        row_sum[r] = row_sum[r] + total
+        row_max[r] = m_used[r]
+    if multiply_o:
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
+                acc_o[r, c] = acc_o[r, c] * alpha[r]
+
+
+@cute.jit
+def step_always_multiplies(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
+    rows = cute.size(s, mode=[0])
+    cols = cute.size(s, mode=[1])
+    tile_max = cute.make_rmem_tensor(rows, Float32)
+    for r in cutlass.range_constexpr(rows):
+        m = s[r, 0]
+        for c in cutlass.range_constexpr(1, cols):
+            m = cute.arch.fmax(m, s[r, c])
+        tile_max[r] = m
+    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
+    for r in cutlass.range_constexpr(rows):
+        m_safe = Float32(0.0) if m_used[r] == -Float32.inf else m_used[r]
+        alpha = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
+        total = Float32(0.0)
+        for c in cutlass.range_constexpr(cols):
+            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
+            total = total + s[r, c]
+        row_sum[r] = row_sum[r] * alpha + total
+        row_max[r] = m_used[r]
+        for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
+            acc_o[r, c] = acc_o[r, c] * alpha
+
+
+@cute.jit
+def step_forgets_row_max(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
+    rows = cute.size(s, mode=[0])
+    cols = cute.size(s, mode=[1])
+    tile_max = cute.make_rmem_tensor(rows, Float32)
+    for r in cutlass.range_constexpr(rows):
+        m = s[r, 0]
+        for c in cutlass.range_constexpr(1, cols):
+            m = cute.arch.fmax(m, s[r, c])
+        tile_max[r] = m
+    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
+    alpha = cute.make_rmem_tensor(rows, Float32)
+    for r in cutlass.range_constexpr(rows):
+        m_safe = Float32(0.0) if m_used[r] == -Float32.inf else m_used[r]
+        alpha[r] = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
+        total = Float32(0.0)
+        for c in cutlass.range_constexpr(cols):
+            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
+            total = total + s[r, c]
+        row_sum[r] = row_sum[r] * alpha[r] + total
+    if multiply_o:
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
+                acc_o[r, c] = acc_o[r, c] * alpha[r]
+
+
+@cute.jit
+def step_exps_against_the_true_max(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
+    rows = cute.size(s, mode=[0])
+    cols = cute.size(s, mode=[1])
+    tile_max = cute.make_rmem_tensor(rows, Float32)
+    for r in cutlass.range_constexpr(rows):
+        m = s[r, 0]
+        for c in cutlass.range_constexpr(1, cols):
+            m = cute.arch.fmax(m, s[r, c])
+        tile_max[r] = m
+    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
+    alpha = cute.make_rmem_tensor(rows, Float32)
+    for r in cutlass.range_constexpr(rows):
+        m_true = cute.arch.fmax(row_max[r], tile_max[r])
+        m_safe = Float32(0.0) if m_true == -Float32.inf else m_true
+        alpha[r] = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
+        total = Float32(0.0)
+        for c in cutlass.range_constexpr(cols):
+            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
+            total = total + s[r, c]
+        row_sum[r] = row_sum[r] * alpha[r] + total
+        row_max[r] = m_used[r]
+    if multiply_o:
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
+                acc_o[r, c] = acc_o[r, c] * alpha[r]
+
+
+@cute.jit
+def step_lanes_decide_alone(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
+    rows = cute.size(s, mode=[0])
+    cols = cute.size(s, mode=[1])
+    tile_max = cute.make_rmem_tensor(rows, Float32)
+    for r in cutlass.range_constexpr(rows):
+        m = s[r, 0]
+        for c in cutlass.range_constexpr(1, cols):
+            m = cute.arch.fmax(m, s[r, c])
+        tile_max[r] = m
+    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
+    alpha = cute.make_rmem_tensor(rows, Float32)
+    mine = cutlass.Boolean(False)
+    for r in cutlass.range_constexpr(rows):
+        mine = mine | (m_used[r] != row_max[r])
+        m_safe = Float32(0.0) if m_used[r] == -Float32.inf else m_used[r]
+        alpha[r] = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
+        total = Float32(0.0)
+        for c in cutlass.range_constexpr(cols):
+            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
+            total = total + s[r, c]
+        row_sum[r] = row_sum[r] * alpha[r] + total
+        row_max[r] = m_used[r]
+    if mine:
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
+                acc_o[r, c] = acc_o[r, c] * alpha[r]
+
+
+@cute.jit
+def step_max_picked_by_the_vote(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
+    """Right values (when the vote says no, no row moved), but the exponentials now read the
+    vote's predicate: they wait for the warp."""
+    rows = cute.size(s, mode=[0])
+    cols = cute.size(s, mode=[1])
+    tile_max = cute.make_rmem_tensor(rows, Float32)
+    for r in cutlass.range_constexpr(rows):
+        m = s[r, 0]
+        for c in cutlass.range_constexpr(1, cols):
+            m = cute.arch.fmax(m, s[r, c])
+        tile_max[r] = m
+    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
+    alpha = cute.make_rmem_tensor(rows, Float32)
+    for r in cutlass.range_constexpr(rows):
+        m_pick = m_used[r] if multiply_o else row_max[r]
+        m_safe = Float32(0.0) if m_pick == -Float32.inf else m_pick
+        alpha[r] = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
+        total = Float32(0.0)
+        for c in cutlass.range_constexpr(cols):
+            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
+            total = total + s[r, c]
+        row_sum[r] = row_sum[r] * alpha[r] + total
+        row_max[r] = m_pick
+    if multiply_o:
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
+                acc_o[r, c] = acc_o[r, c] * alpha[r]
+
+
+# --- 07.1 the end of the row, 07.4 the adversarial input --------------------------------------
+def finalize_log2_lse(o_acc, row_sum, m_used):
+    out = o_acc / row_sum.masked_fill(row_sum == 0, 1.0)[..., None]
+    return out, m_used + torch.log2(row_sum)
+
+
+def finalize_divides_by_zero(o_acc, row_sum, m_used):
+    return o_acc / row_sum[..., None], (m_used + torch.log2(row_sum)) * ch07.LN_2
+
+
+def finalize_natural_log_of_sum(o_acc, row_sum, m_used):
+    out = o_acc / row_sum.masked_fill(row_sum == 0, 1.0)[..., None]
+    return out, m_used * ch07.LN_2 + torch.log2(row_sum)
+
+
+def adversarial_plain_random(seqlen_k, tile_n=128, tau=8.0, kv_order="reverse"):
+    return tuple(torch.randn(1, n, 1, 32) for n in (16, seqlen_k, seqlen_k))
+
+
+def _leaders(seqlen_k, tile_n, step_log2, order):
+    dim = 64
+    q, k, v = torch.randn(1, 16, 1, dim), torch.randn(1, seqlen_k, 1, dim), torch.randn(
+        1, seqlen_k, 1, dim)
+    q[..., 0] = step_log2 * ch07.LN_2 * dim**0.5
+    k[..., 0] = 0.0
+    starts = list(range(0, seqlen_k, tile_n))
+    if order == "reverse":
+        starts = starts[::-1]
+    for i, start in enumerate(starts):
+        k[0, start, 0, :] = 0.0
+        k[0, start, 0, 0] = i + 3
+    return q, k, v
+
+
+def adversarial_forward_order(seqlen_k, tile_n=128, tau=8.0, kv_order="reverse"):
+    return _leaders(seqlen_k, tile_n, tau + 1, "forward")
+
+
+def adversarial_steps_of_tau(seqlen_k, tile_n=128, tau=8.0, kv_order="reverse"):
+    return _leaders(seqlen_k, tile_n, tau, kv_order)
+
+
+def _m(ex, check, answer, says, reference, forbid=None, slow=False):
+    return Mutation(exercise=ex, check=check, answer=answer, says=says, reference=reference,
+                    forbid=forbid or {}, slow=slow)
+
+
+V = (ch07.check_running_max, ch07.running_max, ch07.FORBID_RUNNING_MAX)
+S = (ch07.check_softmax_step, ch07.softmax_step, ch07.FORBID_STEP)
+F = (ch07.check_finalize, ch07.finalize, ch07.FORBID_FINALIZE)
+A = (ch07.check_adversarial, ch07.adversarial_qkv, ch07.FORBID_ADVERSARIAL)
+
+
+def _mut(ex, spec, answer, says, slow=False):
+    check, reference, forbid = spec
+    return _m(ex, check, answer, says, reference, forbid, slow)
+
+
+MUTATIONS = [
+    _mut("07.2", V, running_max_no_vote, "not the same in every lane"),
+    _mut("07.2", V, running_max_vote_moves_every_row, "the vote decides only O's multiply"),
+    _mut("07.2", V, running_max_exactly_tau_moves, "a growth of exactly tau keeps it"),
+    _mut("07.2", V, running_max_votes_last_row, "moved its max but the warp's vote says skip"),
+    _mut("07.2", V, running_max_adds_growth, "got a NaN max"),
+    _mut("07.2", V, running_max_in_place, "changed row_max or tile_max in place"),
+    _mut("07.2", V, running_max_votes_in_a_branch, "reached vote_any_sync and lanes"),
+    _mut("07.3", S, step_no_alpha_on_l, "its row sum was not multiplied by alpha"),
+    _mut("07.3", S, step_always_multiplies, "yet O was multiplied"),
+    _mut("07.3", S, step_forgets_row_max, "row_max still holds"),
+    _mut("07.3", S, step_exps_against_the_true_max, "p is not 2^(s - m) with the max it keeps"),
+    _mut("07.3", S, step_lanes_decide_alone, "O's multiply diverges within the warp"),
+    _mut("07.3", S, step_max_picked_by_the_vote, "the exponentials wait for the warp to vote",
+         slow=True),
+    _mut("07.1", F, finalize_log2_lse, "lse is off by"),
+    _mut("07.1", F, finalize_divides_by_zero, "NaN in the result"),
+    _mut("07.1", F, finalize_natural_log_of_sum, "lse is off by"),
+    _mut("07.4", A, adversarial_plain_random, "must grow by more than tau"),
+    _mut("07.4", A, adversarial_forward_order, "Remember the kernel order"),
+    _mut("07.4", A, adversarial_steps_of_tau, "must grow by more than tau"),
+]
