@@ -13,6 +13,7 @@ import math
 from collections import Counter
 
 from utils import bench, plots
+from utils.claims import claim
 
 IMPL = "fa4_final"
 PASSES = ("fwd", "bwd", "fwd+bwd")
@@ -655,6 +656,11 @@ FA4_DIFFERENCES = [
      "trusted",
      "refused, naming the entry (one host copy of the offsets per call)",
      "a wrong offset reads another sequence's rows: a wrong answer, not an error"),
+    ("varlen with seqused_k: dk and dv of the keys past seqused_k (keys the output never "
+     "saw)",
+     "left unwritten: whatever the fresh tensor held (NaN or garbage in the conformance run)",
+     "written as 0, their true gradient",
+     "a gradient that is not written is a wrong answer the optimizer then applies"),
     ("num_splits, pack_gqa",
      "change how the kernel runs",
      "accepted and ignored",
@@ -701,3 +707,16 @@ def conformance_summary(rows: list[dict]) -> str:
     lines += [f"  fa4_final refused ({n}): {msg}" for msg, n in refusals.most_common()]
     return "\n".join(lines)
 
+
+@claim("13.fa4_seqused_grads", "conformance_fa4",
+       "where the FA4 package fails the rule, it is varlen with seqused_k and only dk and dv "
+       "(the keys past seqused_k left unwritten); fa4_final passes every case")
+def _(res):
+    theirs = [r for r in res.rows if r.get("fa4", {}).get("status") == "ran"
+              and not r["fa4"]["passed"]]
+    layouts = {r["case"]["layout"] for r in theirs}
+    tensors = {part.strip().split(":")[0] for r in theirs for part in r["fa4"]["why"].split(";")}
+    ours_ok = all(r["verdict"] in ("agree", "ok") for r in res.rows)
+    ok = ours_ok and layouts <= {"varlen_used"} and tensors <= {"dk", "dv"}
+    return ok, (f"FA4 fails {len(theirs)} cases, layouts {sorted(layouts)}, tensors "
+                f"{sorted(tensors)}; fa4_final passes all {len(res.rows)}: {ours_ok}")

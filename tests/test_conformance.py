@@ -164,3 +164,27 @@ def test_conformance_rule_is_flash_attention_s():
     assert not conf._rule("x", torch.tensor([1.0, float("nan"), -math.inf]), ref, same,
                           torch.bfloat16)[0]
     assert not conf._rule("x", torch.tensor([1.0, 2.0, 0.0]), ref, same, torch.bfloat16)[0]
+
+
+def test_conformance_gradient_floor_is_float32_roundoff_at_the_calls_scale():
+    """Note [Gradient floor]: a row that sees one key has dq = dk = 0 exactly; a package whose
+    float32 sums leave 1e-6 there passes, one whose dq is off by a bug's size does not."""
+    case = conf.Case(0, 5, 64, "bf16", "dense", False, (None, None), False, False, 2, 2, None,
+                     [9], [1])
+    inputs = conf.make_inputs(case, "cpu")
+
+    def graded(noise):
+        refs = {}
+        for key, dtype in (("ref", torch.float64), ("same", torch.bfloat16)):
+            q, k, v = (inputs[n].detach().clone().requires_grad_(True) for n in "qkv")
+            out, lse = conf.reference({**inputs, "q": q, "k": k, "v": v}, case, dtype)
+            grads = torch.autograd.grad(conf.loss_of(out, lse, inputs, case), (q, k, v))
+            refs[key] = (out.detach(), lse.detach(), grads)
+        out, lse, (dq, dk, dv) = refs["ref"]
+        result = (out.to(torch.bfloat16), lse.float(),
+                  (dq.to(torch.bfloat16) + noise, dk.to(torch.bfloat16), dv.to(torch.bfloat16)))
+        return conf.judge(result, refs["ref"], refs["same"], case)
+
+    assert graded(1e-6)["passed"]
+    bad = graded(0.05)
+    assert not bad["passed"] and "dq: max err" in bad["why"]

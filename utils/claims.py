@@ -58,6 +58,20 @@ class Claim:
 
 REGISTRY: dict[str, Claim] = {}
 
+
+def claim(claim_id: str, results: str, text: str, gpu: str = "h200"):
+    """Register the decorated check as the claim ``claim_id`` about
+    ``results/<gpu>/<results>.json``: a function (Results) -> (holds, what the file shows)."""
+
+    def register(check):
+        old = REGISTRY.get(claim_id)
+        if old is not None and old.check.__qualname__ != check.__qualname__:
+            raise ValueError(f"claim {claim_id!r} is registered twice")
+        REGISTRY[claim_id] = Claim(claim_id, results, text, check, gpu)
+        return check
+
+    return register
+
 def evaluate(c: Claim) -> tuple[bool, str]:
     """(holds, what the file shows) for one claim; a missing file does not hold."""
     from utils import results
