@@ -943,7 +943,10 @@ def _size(t, mode=None, **_):
 
 
 def _is_jit(obj) -> bool:
-    return callable(obj) and getattr(obj, "_dsl_cls", None) is not None
+    try:
+        return callable(obj) and getattr(obj, "_dsl_cls", None) is not None
+    except Exception:  # noqa: BLE001  (an object whose attribute lookup itself fails)
+        return False
 
 
 def _emulation_swap(fn, warp: WarpEmulator):
