@@ -122,7 +122,7 @@ for s in "$@"; do
     host-train) step ch12_training 300 $PY -m solutions.ch12_training ;;
     ch12-acc) step ch12_acc 200 $PY -m solutions.ch12_sweep --accuracy --memory ;;
     fa4-knobs) step fa4_knobs 480 $PY -m measure.fwd_knobs --knobs --rounds ${ROUNDS:-3} ;;
-    fa4-ablation) step fa4_ablation 590 $PY -m measure.fwd_clocked --ablation ;;
+    fa4-ablation) step fa4_ablation 420 $PY -m measure.fwd_knobs --ablation ;;
     fa4-timeline) step fa4_timeline 120 $PY -m measure.fwd_timeline ;;
     micro) step microbench 300 $PY -m solutions.run_microbench ;;
     sanitize)
