@@ -9,7 +9,7 @@ from utils import bench
 
 
 def knob_lines(knobs) -> list[str]:
-    """Per shape of a knob file (solutions.ch08_knobs): the default, the fastest peer of the same
+    """Per shape of a knob file (measure.fwd_knobs): the default, the fastest peer of the same
     rounds, and each other config with the verdict of utils.bench.compare against the default."""
     lines = []
     for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in knobs.rows}):
@@ -25,7 +25,7 @@ def knob_lines(knobs) -> list[str]:
 
 
 def energy_lines(res) -> list[str]:
-    """Per shape of solutions.ch08_energy's file: each implementation's speed and energy under
+    """Per shape of measure.fwd_energy's file: each implementation's speed and energy under
     sustained load, and fa4_final's ratio to the other."""
     lines = []
     for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):
@@ -44,7 +44,7 @@ def energy_lines(res) -> list[str]:
 
 
 def predecessor_lines(res) -> list[str]:
-    """Per predecessor in solutions.ch08_predecessors' file: each implementation's median burst
+    """Per predecessor in measure.fwd_predecessors' file: each implementation's median burst
     over the rounds, and fa4_final's speed over the package's after that predecessor."""
     import statistics
 
@@ -65,7 +65,7 @@ def predecessor_lines(res) -> list[str]:
 
 
 def clocked_lines(res, base: str = "fa4_final") -> list[str]:
-    """Per shape of a solutions.ch08_clocked file: every variant's kernel time at ncu's clock,
+    """Per shape of a measure.fwd_clocked file: every variant's kernel time at ncu's clock,
     its speed over the FA4 package's, and (variants) the verdict against ``base``."""
     lines = []
     for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):
@@ -87,7 +87,7 @@ def clocked_lines(res, base: str = "fa4_final") -> list[str]:
 
 def instrument_rows(named: dict) -> list[dict]:
     """One row per shape: fa4_final's comparison (utils.bench.Comparison) with the fastest peer
-    timed in each results file of ``named`` (label -> Results; a file of solutions.ch08_clocked
+    timed in each results file of ``named`` (label -> Results; a file of measure.fwd_clocked
     holds the package only)."""
     shapes = sorted({(r["d"], r["s"], r["causal"]) for res in named.values() for r in res.rows
                      if r["impl"] == "fa4_final"})

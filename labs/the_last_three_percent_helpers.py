@@ -8,7 +8,7 @@ from utils import bench
 
 
 def default_in_run(res, column, how) -> list[str]:
-    """Per shape of a solutions.ch08_clocked file, the column ``column(cfg)`` names for today's
+    """Per shape of a measure.fwd_clocked file, the column ``column(cfg)`` names for today's
     default there (``cfg = hopper_fwd_default(d, causal)``) against the FA4 package;
     ``how(cfg)`` says in a few words what that column is. The run chose the default, which
     flatters it."""

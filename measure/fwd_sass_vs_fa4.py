@@ -47,7 +47,7 @@ def fa4_metrics(d: int, causal: bool, site=DEFAULT_FA4_SITE) -> dict:
 
 
 def knob_rows(d: int, causal: bool) -> list[dict]:
-    """Our steady-step counts for every knob variant of solutions.ch08_knobs at (d, causal)."""
+    """Our steady-step counts for every knob variant of measure.fwd_knobs at (d, causal)."""
     from measure.fwd_knobs import compile_knob_configs
 
     rows = []
