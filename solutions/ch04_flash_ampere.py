@@ -47,11 +47,11 @@ D = 128, 128 x 64 and 4 warps that is 128 + 64 of the 255 registers a thread may
 rows) and some 20 addresses and indices. That fits only if ptxas does not spend registers on
 loading ahead, and it does: to hide ldmatrix latency it hoists each load as early as its
 dependences allow. With the k-loop of S = QK^T fully unrolled it issues the loads of later
-k-slices several mma.sync ahead, and it hoists V's fragments into the softmax while the fp32
-scores are still live (the first version of this kernel had 9 ldmatrix.x4 of V, 36 registers,
-in flight at its peak). At 255 that ends in spills: that version spilled 12-92 instructions'
-worth at 128 x 64 (CUTLASS's and FA4's Ampere-style kernels spill there too). Two changes bound the
-look-ahead instead of shrinking the tile. (1) S = QK^T is a run-time loop over its 16-wide
+k-slices several mma.sync ahead, and with nothing to stop it, it hoists V's fragments into the
+softmax while the fp32 scores are still live (up to 9 ldmatrix.x4 of V, 36 registers, in
+flight at the peak). At 255 that ends in spills, 12-92 instructions' worth at 128 x 64
+(CUTLASS's and FA4's Ampere-style kernels spill there too). Two choices bound the look-ahead
+instead of shrinking the tile. (1) S = QK^T is a run-time loop over its 16-wide
 k-slices, unrolled only qk_unroll times (gemm_from_smem): ptxas does not move loads from one
 trip of a loop into an earlier one, so at most qk_unroll slices of Q and K fragments (8 + 16
 registers per slice at 32 rows x 64 keys) sit on top of S. (2) The barrier that says "V has

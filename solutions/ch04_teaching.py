@@ -1,35 +1,29 @@
-"""Chapter 04's teaching helpers: pictures, the register and occupancy arithmetic, the causal tile
-map, the instruction mix of the compiled loop, and the exercises' references and checkers.
+"""Chapter 04's teaching helpers: who holds what in the mma.sync layout, the register budget of a
+tile against ptxas, the causal tile map, and the readings of the stored measurements the chapter
+shows. The KV step's device-code exercises are ``solutions/ch04_kv_step.py``; the tuning lab's
+helpers (the sweep, the profile, the CUTLASS comparison, bank conflicts, the instruction mix) are
+``labs/ch04_tuning_helpers.py``.
 
 The kernel is ``solutions/ch04_flash_ampere.py`` and its CPU model ``solutions/ch04_cpu_model.py``;
-this module only looks at them. Tile configs (``DEFAULT_CONFIGS``, ``SWEEP_CONFIGS``) are read at
-run time, never copied; layouts and KV tile ranges come from the kernel's own code run host-side
-(a ``@cute.jit`` function that launches nothing runs on the CPU); registers and spills come from
-``compile_only``; measured speed only from ``results/``. Nothing here needs a GPU.
+this module only looks at them. Tile configs are read at run time, never copied; layouts and KV
+tile ranges come from the kernel's own code run host-side (a ``@cute.jit`` function that launches
+nothing runs on the CPU); registers and spills come from ``compile_only``; measured speed only
+from ``results/``. Nothing here needs a GPU.
 
 - who holds what: the S tile coloured by thread and warp, and P's registers as the A operand;
-- the register model (``register_estimate``) and occupancy (``ctas_per_sm``), next to what ptxas
-  made of each tile (``resources``, cached: a compile takes seconds);
-- bank conflicts of one ldmatrix read in the kernel's padded and swizzled shared memory;
-- the causal tile map from the kernel's ``kv_tile_range``;
-- the instruction mix of one KV step in the SASS, and the Hopper ceilings it implies;
-- stored results: the forward benchmark and how it stands against its peers, the tile sweep and
-  what each knob did, the Nsight Compute profile;
-- exercises 04.1 (registers of a tile), 04.2 (which thread holds S[r, c]), 04.3 (which KV tiles
-  a causal CTA visits and masks), and two in device code: 04.4 (the quad all-reduce, checked by
-  a model of a warp as a vector of 32 lanes and a compile for sm_80) and 04.5 (a fragment's
-  causal mask, run host-side for every thread of the kernel's tile); both run on a GPU inside
-  small kernels (``QuadReduce``, ``MaskHarness``).
+- exercise 04.1: registers per thread of a tile, graded against what ptxas allocates; occupancy;
+- exercise 04.2: which KV tiles a causal query tile visits and which it masks, graded against
+  the kernel's ``kv_tile_range`` run on the CPU; the causal tile map;
+- stored results: the forward benchmark against its peers, the mma.sync microbenchmark, the
+  chip's peak at each clock, and the claims the chapter's prose makes about them.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import re
 import textwrap
-from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -42,7 +36,7 @@ from solutions import ch04_flash_ampere as fa
 from utils import layout_plots as lp
 from utils import roofline
 from utils.hardware import PER_SM
-from utils.notebook import source_between
+from utils.notebook import source_between  # noqa: F401 (the notebook prints kernel excerpts)
 from utils.results import load_stored  # noqa: F401 (the notebook's stored-results cells)
 
 TileConfig = fa.TileConfig
@@ -50,7 +44,7 @@ ELEM_BYTES = 2  # bf16 / fp16
 
 
 # ================================================================================================
-# Reading the kernel and the stored results
+# Reading the kernel
 # ================================================================================================
 def source(fn) -> str:
     """The dedented source of a kernel function or method (through the DSL's decorators)."""
@@ -197,6 +191,7 @@ def draw_p_as_a_operand(cfg: TileConfig | None = None, head_dim: int = 128, axes
     return axes
 
 
+
 # ================================================================================================
 # 2. Registers and occupancy
 # ================================================================================================
@@ -293,137 +288,113 @@ def resources(arch: str, head_dim: int, cfg: TileConfig, causal: bool = False) -
             "spill_instructions": art.spills}
 
 
-def resource_rows(configs, head_dim: int = 128, arch: str = "sm_90a", causal: bool = False):
-    """Per tile: the model, what ptxas made of it, and CTAs per SM on that arch."""
-    sm = "sm_90" if arch.startswith("sm_90") else "sm_80"
-    rows = []
-    for cfg in configs:
-        est = register_estimate(cfg, head_dim)
-        res = resources(arch, head_dim, cfg, causal)
-        occ = ctas_per_sm(res["registers"], cfg.num_threads, cfg.smem_bytes(head_dim), sm)
-        rows.append({"config": cfg, "acc_O": est["S = QK^T"]["acc_O"],
-                     "acc_S": est["S = QK^T"]["acc_S"], "model": est["peak"],
-                     "model_fits": est["fits"], **res, "smem_bytes": cfg.smem_bytes(head_dim),
-                     "ctas": occ["ctas"], "warps": occ["warps"], "limit": occ["limited by"],
-                     "ctas_by_registers": occ["by"]["registers"],
-                     "ctas_by_smem": occ["by"]["shared memory"]})
-    return rows
+
+# --- Exercise 04.1: registers of a tile, graded against ptxas ------------------------------------
+def registers_needed(cfg: TileConfig, head_dim: int) -> tuple[int, bool]:
+    """Exercise 04.1's reference: the register model's peak and whether it fits in 255."""
+    est = register_estimate(cfg, head_dim)
+    return est["peak"], est["fits"]
 
 
-def format_resource_rows(rows, head_dim: int = 128) -> str:
-    default = fa.default_config(head_dim)
-    lines = [f"{'tile':28s} {'acc_O':>5s} {'acc_S':>5s} {'model':>5s} {'regs':>4s} "
-             f"{'stack':>5s} {'spills':>6s} {'smem KB':>7s} {'CTAs/SM (regs, smem)':>21s}  "
-             "model agrees?"]
-    for r in rows:
-        spilled = r["spill_instructions"] > 0 or r["stack_bytes"] > 0
-        agrees = "yes" if r["model_fits"] != spilled else "NO"
-        name = config_name(r["config"]) + (" *" if r["config"] == default else "")
-        lines.append(
-            f"{name:28s} {r['acc_O']:5d} {r['acc_S']:5d} {r['model']:5d} {r['registers']:4d} "
-            f"{r['stack_bytes']:5d} {r['spill_instructions']:6d} {r['smem_bytes'] / 1024:7.1f} "
-            f"{r['ctas']:>6d} ({r['ctas_by_registers']}, {r['ctas_by_smem']}){'':9s}  {agrees}")
-    return "\n".join(lines)
+def _swizzled(m, n, threads, unroll):
+    return TileConfig(m, n, threads, smem_layout="swizzled", qk_unroll=unroll)
 
 
-def draw_register_budget(rows, head_dim: int = 128, ax=None):
-    """Stacked bars: the register model's items at each tile's busiest moment, the 255 limit,
-    and what ptxas allocated (its stack frame, where spills go, on top in red)."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(11, 4.5))
-    colours = {"acc_O": "#1f77b4", "acc_S": "#ff7f0e", "P (bf16)": "#ffbb78",
-               "Q slices": "#2ca02c", "K blocks": "#98df8a", "V blocks": "#98df8a",
-               "softmax state": "#9467bd", "bookkeeping": "#c7c7c7"}
-    seen = set()
-    for x, r in enumerate(rows):
-        est = register_estimate(r["config"], head_dim)
-        phase = max(("S = QK^T", "O += PV"), key=lambda p: sum(est[p].values()))
-        bottom = 0
-        for item, n in est[phase].items():
-            ax.bar(x, n, bottom=bottom, color=colours[item], width=0.6,
-                   label=item if item not in seen else None)
-            seen.add(item)
-            bottom += n
-        ax.plot([x - 0.35, x + 0.35], [r["registers"]] * 2, color="black", linewidth=2.5,
-                label="ptxas: registers" if x == 0 else None)
-        if r["stack_bytes"]:
-            ax.annotate(f"spills:\n{r['stack_bytes']} B", (x, max(bottom, r["registers"])),
-                        xytext=(0, 3), textcoords="offset points", ha="center", fontsize=7,
-                        color="#d62728")
-    ax.axhline(REGISTER_LIMIT, color="#d62728", linestyle="--", linewidth=1)
-    ax.text(-0.45, REGISTER_LIMIT + 4, "255 per thread", color="#d62728", ha="left",
-            fontsize=8)
-    ax.set_xticks(range(len(rows)), [config_name(r["config"]).replace(" ", "\n", 2)
-                                     for r in rows], fontsize=7)
-    ax.set_ylabel("registers per thread")
-    ax.set_title(f"Register model at each tile's busiest moment (D={head_dim}) vs ptxas")
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return ax
+# Tiles ptxas fits well below the limit, one it fits at the limit (the default at D = 128) and
+# one it cannot fit; compiled for sm_80, the kernel's portable target.
+REGISTER_TILES = [
+    (_swizzled(64, 32, 128, 1), 64),
+    (_swizzled(64, 64, 128, 2), 64),
+    (_swizzled(64, 64, 128, 1), 128),
+    (_swizzled(128, 128, 256, 2), 128),
+    (fa.DEFAULT_CONFIGS[128], 128),
+    (_swizzled(128, 128, 128, 2), 128),
+]
+REGISTER_ARCH = "sm_80"
+# An estimate of what must be live may undercount what ptxas takes (it spends free registers on
+# loading ahead), but not by this much: below this share of ptxas's count something large is left
+# out. Above ptxas's count (plus one allocation step) the estimate counts something ptxas did
+# without.
+LOWER_SHARE = 0.6
 
 
-# ================================================================================================
-# 3. Bank conflicts in the kernel's shared memory
-# ================================================================================================
-class _SmemProbe:
-    def __init__(self, kernel, rows: int):
-        self.kernel = kernel
-        self.rows = rows
-
-    @cute.jit
-    def run(self, out: cute.Tensor):
-        layout = self.kernel.smem_layout(self.rows)  # the kernel's own (rows, D) layout
-        for r in cutlass.range(self.rows):
-            for c in cutlass.range(self.kernel.head_dim):
-                out[r, c] = layout((r, c))
+def tile_name(cfg: TileConfig, head_dim: int) -> str:
+    return (f"{cfg.m_block} x {cfg.n_block} with {cfg.num_warps} warps, {cfg.qk_unroll} k-slice"
+            f"{'s' if cfg.qk_unroll > 1 else ''} per QK^T trip, D = {head_dim}")
 
 
-def smem_offsets(smem_layout: str, head_dim: int = 128, rows: int = 16) -> np.ndarray:
-    """(rows, head_dim) element offsets of the kernel's shared-memory tile: "padded" and
-    "swizzled" evaluated from ``FlashAttentionAmpere.smem_layout`` on the CPU; "row-major" is the
-    plain layout with neither (rows head_dim elements apart), for comparison."""
-    if smem_layout == "row-major":
-        return np.arange(rows)[:, None] * head_dim + np.arange(head_dim)[None, :]
-    kernel = _kernel(TileConfig(smem_layout=smem_layout), head_dim)
-    out = np.zeros((rows, head_dim), dtype=np.int32)
-    _SmemProbe(kernel, rows).run(from_dlpack(out))
-    return out
-
-
-def ldmatrix_addresses(smem_layout: str, head_dim: int = 128, chunk: int = 0, row0: int = 0):
-    """Byte addresses of one 8 x 8 matrix of an ldmatrix: 16 bytes (8 values) at 16-byte chunk
-    ``chunk`` of rows row0 .. row0 + 7, one address per thread."""
-    off = smem_offsets(smem_layout, head_dim, rows=row0 + 8)
-    return [int(off[row0 + r, 8 * chunk]) * ELEM_BYTES for r in range(8)]
-
-
-def cp_async_addresses(smem_layout: str, head_dim: int = 128, row: int = 0, half: int = 0):
-    """Byte addresses of one 128-byte phase of the cp.async writes: 8 threads x 16 bytes covering
-    64 values of one row (the kernel's copy layout: 8 threads per 128-byte row chunk)."""
-    off = smem_offsets(smem_layout, head_dim, rows=row + 1)
-    return [int(off[row, 64 * half + 8 * t]) * ELEM_BYTES for t in range(8)]
-
-
-def bank_summary(head_dim: int = 128) -> list[dict]:
-    """Per layout: shared memory per row of the tile, and the worst ldmatrix read and cp.async
-    write phase over the first 16 rows, in cycles (ideal: 1)."""
+def ptxas_rows(tiles=None) -> list[dict]:
+    """What ptxas made of each tile of REGISTER_TILES (compiled for REGISTER_ARCH, remembered):
+    registers per thread, stack frame bytes, spill instructions."""
     out = []
-    for name in ("row-major", "padded", "swizzled"):
-        ld = max(lp.bank_wavefronts(ldmatrix_addresses(name, head_dim, chunk, row0), 16).wavefronts
-                 for chunk in range(head_dim // 8) for row0 in (0, 8))
-        cp = max(lp.bank_wavefronts(cp_async_addresses(name, head_dim, row, half), 16).wavefronts
-                 for row in range(16) for half in range(head_dim // 64))
-        per_row = head_dim if name == "row-major" else TileConfig(smem_layout=name).smem_row(
-            head_dim)
-        out.append({"layout": name, "bytes_per_row": per_row * ELEM_BYTES,
-                    "ldmatrix_cycles": ld, "cp_async_cycles": cp})
+    for cfg, d in REGISTER_TILES if tiles is None else tiles:
+        out.append({"config": cfg, "head_dim": d, **resources(REGISTER_ARCH, d, cfg)})
     return out
 
 
+def check_registers_needed(fn) -> None:
+    """Exercise 04.1: ``fn(cfg, head_dim) -> (registers, fits)`` against ptxas on REGISTER_TILES:
+    a tile ptxas spilled must not fit; on a tile it fitted in R registers, the estimate must lie
+    between LOWER_SHARE * R and R + one allocation step, and say it fits."""
+    for cfg, d in REGISTER_TILES:
+        got = fn(cfg, d)  # before compiling: an answer that is not done says so at once
+        row = ptxas_rows([(cfg, d)])[0]
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise AssertionError(f"return a pair (registers, fits), got {got!r}")
+        regs, fits = got
+        if not isinstance(regs, (int, float, np.integer, np.floating)) or regs <= 0:
+            raise AssertionError(f"registers must be a positive number, got {regs!r}")
+        if bool(fits) != (regs <= REGISTER_LIMIT):
+            raise AssertionError(f"{tile_name(cfg, d)}: you estimate {regs} registers, so fits "
+                                 f"must be {regs <= REGISTER_LIMIT} (the limit is "
+                                 f"{REGISTER_LIMIT} per thread); got {fits!r}")
+        acc = cfg.accumulator_registers(d)
+        if row["stack_bytes"] > 0:
+            if fits:
+                raise AssertionError(
+                    f"{tile_name(cfg, d)}: ptxas could not fit it: it spilled "
+                    f"{row['spill_instructions']} instructions into a {row['stack_bytes']}-byte "
+                    f"stack frame, and your estimate of {regs} says it fits. The accumulators "
+                    f"alone, acc_O = m_block * D / threads = {acc['acc_O']} and acc_S = "
+                    f"m_block * n_block / threads = {acc['acc_S']}, are live through the whole "
+                    "step")
+            continue
+        ptxas = row["registers"]
+        if regs > ptxas + REGISTER_STEP:
+            raise AssertionError(
+                f"{tile_name(cfg, d)}: ptxas fitted it in {ptxas} registers with no spill, and "
+                f"your estimate is {regs}: you count something that is not live at the same "
+                "time as the rest. S in fp32 is gone once P exists (P takes half the registers, "
+                "two bf16 per register), and V's fragments arrive only after the softmax")
+        if regs < LOWER_SHARE * ptxas:
+            raise AssertionError(
+                f"{tile_name(cfg, d)}: ptxas takes {ptxas} registers and your estimate is "
+                f"{regs}, less than {LOWER_SHARE:.0%} of that: something large is missing. "
+                f"Start from the accumulators (acc_O {acc['acc_O']} + acc_S {acc['acc_S']}), "
+                "then the operand fragments in flight, a max and a sum per row the thread "
+                "holds, and a few dozen addresses and counters")
+
+
+def register_lines(fn) -> list[str]:
+    """Per tile of REGISTER_TILES: ``fn``'s estimate beside what ptxas allocated."""
+    lines = [f"{'tile':58s} {'yours':>5s} {'ptxas':>5s} {'stack B':>7s} {'spills':>6s}"]
+    for row in ptxas_rows():
+        regs, fits = fn(row["config"], row["head_dim"])
+        lines.append(f"{tile_name(row['config'], row['head_dim']):58s} {regs:5.0f} "
+                     f"{row['registers']:5d} {row['stack_bytes']:7d} "
+                     f"{row['spill_instructions']:6d}")
+    return lines
+
+
+REGISTERS_FORBID = {
+    register_estimate: "that is the chapter's own model; write yours",
+    fa.compile_only: "the check compiles the tiles; your function estimates from their sizes",
+    ptxas_rows: "the check compiles the tiles; your function estimates from their sizes",
+}
+
+
 # ================================================================================================
-# 4. Causal block skipping: the kernel's kv_tile_range on the CPU
+# 3. Causal block skipping: the kernel's kv_tile_range on the CPU
 # ================================================================================================
 @cute.jit
 def _tile_ranges(out: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, tile_m: cutlass.Constexpr,
@@ -531,118 +502,93 @@ def draw_tile_map(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, causal
     return ax
 
 
+
+
+# --- Exercise 04.2: which KV tiles a causal CTA visits, and which it masks -----------------------
+def kv_tiles(m_block: int, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int,
+             causal: bool) -> tuple[list[int], list[int]]:
+    """Exercise 04.2's reference: (visited, masked) KV tile indices of query tile ``m_block``,
+    sorted. Rows are those of the whole tile, even past seqlen_q (the kernel computes them and
+    never stores them); bottom-right causal: row i sees keys j <= i + seqlen_k - seqlen_q."""
+    n_tiles = -(-seqlen_k // tile_n)
+    if causal:
+        offset = seqlen_k - seqlen_q
+        last_row_end = max((m_block + 1) * tile_m + offset, 0)  # one past the last row's keys
+        n_visit = min(n_tiles, -(-last_row_end // tile_n))
+        first_row_end = max(m_block * tile_m + offset + 1, 0)  # one past the first row's keys
+        first_masked = min(first_row_end // tile_n, n_visit - 1)
+    else:
+        n_visit, first_masked = n_tiles, n_tiles - 1
+    if n_visit == 0:  # no row sees a key: one fully masked step on tile 0 gives O = 0, lse = -inf
+        return [0], [0]
+    return list(range(n_visit)), list(range(first_masked, n_visit))
+
+
+KV_TILE_CASES = [
+    # (seqlen_q, seqlen_k, tile_m, tile_n, causal)
+    (300, 420, 128, 32, True),  # seqlen_q < seqlen_k: the diagonal moves right
+    (300, 77, 128, 32, True),  # seqlen_q > seqlen_k: the first rows see no key
+    (256, 256, 128, 64, True),
+    (257, 256, 128, 32, True),
+    (1000, 1000, 64, 128, True),
+    (1, 131, 128, 64, True),
+    (4097, 1000, 128, 64, True),
+    (300, 420, 128, 32, False),
+    (150, 67, 128, 64, False),
+    (256, 256, 128, 64, False),
+]
+
+
+def _kernel_kv_tiles(seqlen_q, seqlen_k, tile_m, tile_n, causal):
+    """Per query tile: (visited, masked, whether any row sees a key), from the kernel's code."""
+    kinds = tile_map(seqlen_q, seqlen_k, tile_m, tile_n, causal)
+    ranges = kv_tile_ranges(seqlen_q, seqlen_k, tile_m, tile_n, causal)
+    return [([int(n) for n in np.flatnonzero(row != SKIPPED)],
+             [int(n) for n in np.flatnonzero(row == MASKED)], bool(n_max > 0))
+            for row, (n_max, _) in zip(kinds, ranges)]
+
+
+def check_kv_tiles(fn) -> None:
+    """Exercise 04.2: ``fn(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal) -> (visited,
+    masked)`` against the kernel's own ``kv_tile_range`` (run on the CPU) for every query tile of
+    awkward shapes, causal and not."""
+    for sq, sk, tm, tn, causal in KV_TILE_CASES:
+        for m, (visited, masked, any_key) in enumerate(_kernel_kv_tiles(sq, sk, tm, tn, causal)):
+            got = fn(m, sq, sk, tm, tn, causal)
+            if not (isinstance(got, tuple) and len(got) == 2):
+                raise AssertionError(f"return a pair (visited, masked) of lists, got {got!r}")
+            got_v, got_m = sorted(int(x) for x in got[0]), sorted(int(x) for x in got[1])
+            if (got_v, got_m) == (visited, masked):
+                continue
+            where = (f"query tile {m} (rows {m * tm} .. {(m + 1) * tm - 1}) of seqlen_q={sq}, "
+                     f"seqlen_k={sk}, tiles {tm} x {tn}, {'causal' if causal else 'non-causal'}")
+            head = (f"{where}: the kernel visits {visited} and masks {masked}; you said "
+                    f"visited {got_v}, masked {got_m}.")
+            if not any_key:
+                raise AssertionError(f"{head} No row of this tile sees a key; the kernel still "
+                                     "runs one fully masked step on tile 0, so that O = 0 and "
+                                     "lse = -inf come out of the same code.")
+            if got_v != visited:
+                raise AssertionError(
+                    f"{head} Visit tile n when some row of the tile sees some key in it: the "
+                    "last row sees the most keys (up to (m_block + 1) * tile_m - 1 + seqlen_k - "
+                    "seqlen_q, and below seqlen_k).")
+            raise AssertionError(
+                f"{head} A tile needs the mask when the tile's FIRST row (the one that sees the "
+                "fewest keys) does not see all of its keys, or it reaches past seqlen_k; the "
+                "kernel also always masks the first tile it visits (the highest).")
+
+
 # ================================================================================================
-# 5. Why it cannot reach Hopper speed: the instruction mix of one KV step
+# 4. What mma.sync can reach on Hopper, and the stored results
 # ================================================================================================
 # Hopper runs the warp-synchronous mma.sync at a fraction of the rate its tensor cores reach
 # with wgmma. Measured on the H200 (results/h200/microbench.json, solutions.microbench.
 # MmaSyncThroughput: independent m16n8k16 from registers): 2702 FLOP/clk/SM of wgmma's 4096.
 # tests/test_ch04_teaching.py checks this constant against the stored figure.
 MMA_SYNC_SHARE = 0.66
-SCHEDULERS_PER_SM = 4  # one warp instruction issued per clock by each
-INSTRUCTION_CLASSES = {
-    "mma.sync (HMMA)": ("HMMA",),
-    "ldmatrix (LDSM)": ("LDSM",),
-    "cp.async + waits (LDGSTS, LDGDEPBAR, DEPBAR)": ("LDGSTS", "LDGDEPBAR", "DEPBAR"),
-    "exp2 (MUFU)": ("MUFU",),
-    "fp32 softmax math (FMUL, FFMA, FADD, FMNMX, FSEL, FSETP)":
-        ("FMUL", "FFMA", "FADD", "FMNMX", "FSEL", "FSETP"),
-    "convert P to bf16 (F2FP)": ("F2FP",),
-    "quad shuffles (SHFL)": ("SHFL",),
-    "barriers (BAR)": ("BAR",),
-    "spills (LDL, STL)": ("LDL", "STL"),
-}
-OTHER = "addresses, counters, other"
-_SASS_LINE = re.compile(r"/\*[0-9a-f]+\*/\s+(?P<pred>@!?U?P\w+\s+)?(?P<op>[A-Z][A-Z0-9_]*)")
-_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-_BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
-
-
-def loop_body(sass: str) -> list[str]:
-    """Opcodes of the loop with the most HMMA (the KV loop), never-executed ones (@!PT) left
-    out: the region from a label to the last branch back to it."""
-    lines = sass.splitlines()
-    labels = {}
-    best: list[str] = []
-    for i, ln in enumerate(lines):
-        lab = _LABEL.match(ln)
-        if lab:
-            labels[lab.group(1)] = i
-        br = _BRANCH.search(ln)
-        if br and br.group(1) in labels and labels[br.group(1)] < i:
-            ops = []
-            for body in lines[labels[br.group(1)]:i + 1]:
-                m = _SASS_LINE.search(body)
-                if m and not (m.group("pred") or "").strip().startswith(("@!PT", "@!UPT")) \
-                        and m.group("op") != "NOP":
-                    ops.append(m.group("op"))
-            if ops.count("HMMA") > best.count("HMMA"):
-                best = ops
-    return best
-
-
-def instruction_mix(cfg: TileConfig | None = None, head_dim: int = 128, arch: str = "sm_90a"):
-    """Per warp and per KV step, the compiled loop's instructions by class (a dict, in the order
-    of INSTRUCTION_CLASSES, OTHER last). Normalised by the mma.sync count one step needs, so an
-    unrolled loop still gives one step. The tile is compiled with its QK^T loop fully unrolled
-    (``qk_unroll = D / 16``): a rolled inner loop's body runs several times per step, so its
-    static count would not be one step; unrolled, the instructions per step are the same, plus
-    any spill traffic the extra registers cause."""
-    cfg = fa.default_config(head_dim) if cfg is None else cfg
-    cfg = replace(cfg, qk_unroll=head_dim // 16)
-    ops = Counter(loop_body(compiled(arch, head_dim, cfg).sass))
-    if not ops["HMMA"]:
-        raise RuntimeError("found no loop with mma.sync (HMMA) in the SASS: is nvdisasm there? "
-                           "(nvidia-cutlass-dsl-libs-base[sass] brings it)")
-    per_step = 2 * (cfg.m_block // (16 * cfg.num_warps)) * (cfg.n_block // 8) * (head_dim // 16)
-    steps = max(1, round(ops["HMMA"] / per_step))
-    mix = {}
-    for name, opcodes in INSTRUCTION_CLASSES.items():
-        mix[name] = sum(ops.pop(op, 0) for op in opcodes) / steps
-    mix[OTHER] = sum(ops.values()) / steps
-    return mix
-
-
-def hopper_ceilings(cfg: TileConfig | None = None, head_dim: int = 128, mix: dict | None = None):
-    """One KV step of one CTA on one H100/H200 SM, per unit: cycles, and the TFLOP/s the whole
-    chip would reach if that unit were the only limit (132 SMs at the boost clock of
-    utils.hardware.PER_SM). Rows: (what, cycles, TFLOP/s)."""
-    cfg = fa.default_config(head_dim) if cfg is None else cfg
-    mix = instruction_mix(cfg, head_dim) if mix is None else mix
-    hopper = PER_SM["sm_90"]
-    flops = 4 * cfg.m_block * cfg.n_block * head_dim
-    warps = cfg.num_warps
-    wgmma_rate = flops / hopper.mma_flops_per_clk
-    mma_sync = wgmma_rate / MMA_SYNC_SHARE
-    mufu = mix["exp2 (MUFU)"] * 32 * warps / hopper.exp2_per_clk
-    issue = sum(mix.values()) * warps / SCHEDULERS_PER_SM
-    rows = [
-        ("tensor cores at the wgmma rate", wgmma_rate),
-        (f"tensor cores at the mma.sync rate (measured: {MMA_SYNC_SHARE:g} of it)", mma_sync),
-        ("exp2 on MUFU", mufu),
-        ("issuing the loop's instructions (4 schedulers)", issue),
-        ("mma.sync, then exp2, no overlap", mma_sync + mufu),
-    ]
-    tflops = lambda cycles: flops / cycles * hopper.chip_peak(1) / 1e12  # noqa: E731
-    return [(what, cycles, tflops(cycles)) for what, cycles in rows]
-
-
-def issue_rows(configs, head_dim: int = 128, arch: str = "sm_90a") -> list[dict]:
-    """Per tile, one KV step of one CTA on one H100/H200 SM: cycles to issue the compiled loop's
-    instructions (4 schedulers) against cycles of mma.sync (at MMA_SYNC_SHARE of the tensor-core
-    rate). The O rescale costs acc_O FMULs per thread and step whatever n_block is, like the
-    barriers and shuffles: wider KV tiles spread those over more keys."""
-    hopper = PER_SM["sm_90"]
-    rows = []
-    for cfg in configs:
-        mix = instruction_mix(cfg, head_dim, arch)
-        per_warp = sum(mix.values())
-        issue = per_warp * cfg.num_warps / SCHEDULERS_PER_SM
-        mma = 4 * cfg.m_block * cfg.n_block * head_dim / hopper.mma_flops_per_clk / MMA_SYNC_SHARE
-        rows.append({"config": cfg, "per_warp": per_warp, "issue": issue, "mma_sync": mma,
-                     "issue_share": issue / mma, "hmma": mix["mma.sync (HMMA)"],
-                     "o_rescale": cfg.m_block * head_dim // cfg.num_threads})
-    return rows
+# NVIDIA's datasheet figure for dense bf16 on the H100 and H200 SXM, in TFLOP/s.
+DATASHEET_DENSE_BF16_TFLOPS = 989
 
 
 def expected_tflops(head_dim: int = 128, n_block: int | None = None) -> dict:
@@ -661,7 +607,7 @@ def expected_tflops(head_dim: int = 128, n_block: int | None = None) -> dict:
 
 
 # ================================================================================================
-# 6. Stored results
+# Stored results
 # ================================================================================================
 def tflops_groups(res, pass_: str = "fwd"):
     """(group labels, {impl: TFLOP/s per group}) for utils.plots.grouped_bars: one group per
@@ -738,164 +684,39 @@ def _median(values):
 LEVEL = 0.03  # two kernels within 3% of each other in one run are "level" (peer_lines)
 
 
-def peer_lines(res, ours: str = "flash_ampere", peer: str = "cutlass_example_128x64",
-               portable: str = "flash_ampere_portable") -> list[str]:
-    """The stored ch04_cutlass_peer run (medians over rounds): ours against CUTLASS's example
-    (with a verdict: level within LEVEL, or who is ahead) and against the portable (sm_80-safe)
-    default tile, per (causal, data)."""
-    groups = dict.fromkeys((r["causal"], r["data"]) for r in res.rows)
-    lines = []
-    for causal, data in groups:
-        med = {}
-        for impl in (ours, peer, portable):
-            vals = [r["tflops"] for r in res.rows if (r["causal"], r["data"]) == (causal, data)
-                    and r["impl"] == impl and r.get("tflops")]
-            if vals:
-                med[impl] = _median(vals)
-        if ours not in med:
-            continue
-        what = f"{'causal' if causal else 'non-causal'}, {data}:"
-        parts = []
-        if peer in med:
-            ratio = med[ours] / med[peer]
-            verdict = ("level" if abs(ratio - 1) < LEVEL else
-                       "ours ahead" if ratio > 1 else "CUTLASS's ahead")
-            parts.append(f"{ours} / CUTLASS's example = {ratio:.3f} ({verdict})")
-        if portable in med:
-            parts.append(f"{ours} / the portable tile = {med[ours] / med[portable]:.3f}")
-        lines.append(f"{what:24s} " + "; ".join(parts))
-    return lines
+
+def peak_lines() -> list[str]:
+    """The H100/H200's dense bf16 peak, and which clock each figure assumes: the course's model
+    (utils.hardware: 4096 FLOP/clk/SM at the 1.98 GHz maximum boost clock) and NVIDIA's
+    datasheet figure, which is the same product at a lower clock."""
+    h = PER_SM["sm_90"]
+    model = h.chip_peak(h.mma_flops_per_clk) / 1e12
+    datasheet_ghz = DATASHEET_DENSE_BF16_TFLOPS * 1e12 / (h.mma_flops_per_clk * h.sms) / 1e9
+    return [f"model: {h.mma_flops_per_clk} FLOP/clk/SM x {h.sms} SMs x {h.boost_clock_ghz} GHz "
+            f"(the maximum boost clock) = {model:.0f} TFLOP/s",
+            f"datasheet: {DATASHEET_DENSE_BF16_TFLOPS} TFLOP/s dense bf16 (H100/H200 SXM) = "
+            f"{h.mma_flops_per_clk} x {h.sms} x {datasheet_ghz:.2f} GHz"]
 
 
-def run_spread(*results, impl: str = "flash_ampere", **at) -> dict | None:
-    """The same kernel at the same shape in several stored runs (the default tile of each, on
-    random inputs): the lowest and highest TFLOP/s, their spread (a fraction), how many timings
-    from which files. None with fewer than two timings. The yardstick for small differences."""
-    at = {**STANDING, **at}
-    seen = []
-    for res in results:
-        if res is None:
-            continue
-        for r in res.rows:
-            if (r.get("impl") == impl and r.get("tflops") and r.get("pass", "fwd") == "fwd"
-                    and all(r.get(k) == v for k, v in at.items()) and r.get("default", True)
-                    and r.get("data", "randn") == "randn"):
-                seen.append((r["tflops"], res.name))
-    if len(seen) < 2:
-        return None
-    lo, hi = min(seen)[0], max(seen)[0]
-    return {"lo": lo, "hi": hi, "spread": hi / lo - 1, "timings": len(seen),
-            "files": sorted({n for _, n in seen}), "impl": impl, **at}
+def mma_instructions(cfg: TileConfig | None = None, head_dim: int = 128) -> dict:
+    """MMA instructions one KV step of one CTA issues, for the same tile: mma.sync m16n8k16 (a
+    warp's 16 x 8 x 16 product) against wgmma m64nNk16 (a warpgroup's 64 x N x 16), with N = the
+    KV tile for S = Q K^T and N = D for O += P V. Plain arithmetic on the tile's sizes."""
+    c = fa.default_config(head_dim) if cfg is None else cfg
+    flops = 4 * c.m_block * c.n_block * head_dim
+    mma_sync = flops // (2 * 16 * 8 * 16)
+    wgmma = (c.m_block // 64) * (head_dim // 16 + c.n_block // 16)
+    return {"tile": f"{c.m_block} x {c.n_block}, D = {head_dim}", "mma.sync": mma_sync,
+            "wgmma": wgmma, "ratio": mma_sync / wgmma}
 
 
-def spread_line(spread: dict | None) -> str:
-    if spread is None:
-        return "fewer than two runs of the same kernel and shape are stored"
-    return (f"{spread['impl']} at D={spread['d']}, S={spread['s']}, "
-            f"{'causal' if spread['causal'] else 'non-causal'}, {spread['timings']} timings in "
-            f"{', '.join(spread['files'])}: {spread['lo']:.0f} to {spread['hi']:.0f} TFLOP/s, a "
-            f"spread of {spread['spread']:.1%}")
-
-
-def _sweep_row(rows, d, causal, impl="flash_ampere", **tile):
-    base = {"m_block": 128, "n_block": 64, "num_threads": 128, "num_stages": 1,
-            "smem_layout": "swizzled", "qk_unroll": 2, "skip_rescale": False, **tile}
-    return next((r for r in rows if r.get("impl") == impl and r["d"] == d
-                 and r["causal"] == causal and r.get("tflops")
-                 and all(r.get(k) == v for k, v in base.items())), None)
-
-
-def sweep_findings(res, spread: float | None = None) -> list[str]:
-    """What the stored sweep says about each knob, one line each, computed from its rows:
-    A vs B in TFLOP/s and their ratio, with A's spills. A ratio is marked "within noise" when
-    it does not clear the larger of the two rows' own spreads (``utils.bench.compare``) and
-    ``spread`` (a fraction: the same kernel between runs, from ``run_spread``)."""
-    rows = res.rows
-    out = []
-
-    def spills(r):
-        n = r.get("spill_instructions")
-        return "spill-free" if n == 0 else (f"{n} spill instructions" if n else "spills unknown")
-
-    def compare(what, d, causal, a, b):
-        from utils.bench import compare as against
-
-        ra, rb = _sweep_row(rows, d, causal, **a), _sweep_row(rows, d, causal, **b)
-        if ra is None or rb is None:
-            return
-        ratio = ra["tflops"] / rb["tflops"]
-        c = against(ra, rb)
-        limit = max(c.noise if c is not None else 0.0, spread or 0.0)
-        noise = " (within noise)" if abs(ratio - 1) <= limit else ""
-        out.append(f"D={d} {'causal' if causal else 'non-causal'}, {what}: {ra['tflops']:.0f} vs "
-                   f"{rb['tflops']:.0f} TFLOP/s = {ratio:.2f}x{noise}; {spills(ra)}")
-
-    compare("QK^T fully unrolled (4 slices per trip) vs 1 slice", 64, False,
-            {"qk_unroll": 4}, {"qk_unroll": 1})
-    compare("4 slices per trip vs 2", 128, False, {"qk_unroll": 4}, {"qk_unroll": 2})
-    compare("2 stages vs 1, 4 slices per trip", 128, False,
-            {"qk_unroll": 4, "num_stages": 2}, {"qk_unroll": 4})
-    compare("2 stages, 4 slices vs the portable default (1 stage, 2 slices)", 128, False,
-            {"qk_unroll": 4, "num_stages": 2}, {})
-    two = _sweep_row(rows, 128, False, qk_unroll=4, num_stages=2)
-    if two is not None and two.get("sdpa_flash_tflops"):
-        out.append(f"D=128 non-causal, 2 stages and 4 slices vs SDPA's flash backend in the "
-                   f"same sweep: {two['tflops'] / two['sdpa_flash_tflops']:.2f}x")
-    compare("4 slices, 1 stage vs the portable default", 128, True, {"qk_unroll": 4}, {})
-    compare("2 stages vs 1, 4 slices per trip", 128, True,
-            {"qk_unroll": 4, "num_stages": 2}, {"qk_unroll": 4})
-    compare("3 stages vs 2, 4 slices per trip", 128, False,
-            {"qk_unroll": 4, "num_stages": 3}, {"qk_unroll": 4, "num_stages": 2})
-    compare("skip_rescale vs the same tile without it", 128, False,
-            {"qk_unroll": 4, "num_stages": 2, "skip_rescale": True},
-            {"qk_unroll": 4, "num_stages": 2})
-    compare("KV tile 128 x 64 vs 128 x 32", 128, False, {}, {"n_block": 32})
-    compare("QK^T fully unrolled (8 slices) vs 4 slices", 128, False,
-            {"qk_unroll": 8}, {"qk_unroll": 4})
-    compare("8 warps (256 x 64) vs 4 warps (128 x 64)", 128, False,
-            {"m_block": 256, "num_threads": 256}, {})
-    compare("padded vs swizzled shared memory", 128, False, {"smem_layout": "padded"}, {})
-    return out
+def at_standing(res, impl: str) -> dict | None:
+    """``impl``'s row of a forward run at the chapter's headline shape (STANDING)."""
+    rows = res.where(**{"impl": impl, "pass": "fwd", **STANDING})
+    return rows[0] if rows else None
 
 
 row_config = fa.config_from_row  # the TileConfig a sweep row was measured with
-
-
-def sweep_lines(res, compile_groups=((128, False),), arch: str = "sm_90a") -> list[str]:
-    """The stored tile sweep, grouped by (D, causal): TFLOP/s, ratio to the group's default
-    row, the accumulators, and registers / stack / spill instructions (from the row when the
-    sweep stored them, else compiled here for the groups in ``compile_groups``)."""
-    lines = []
-    groups = dict.fromkeys((r["d"], r["causal"]) for r in res.rows)
-    for d, causal in groups:
-        rows = [r for r in res.rows if (r["d"], r["causal"]) == (d, causal)]
-        base = next((r["tflops"] for r in rows if r.get("default") and r.get("tflops")
-                     and r.get("impl") != fa.ABLATION_IMPL), None)
-        lines.append(f"D={d} {'causal' if causal else 'non-causal'} (S={rows[0]['s']}):")
-        lines.append(f"    {'tile':28s} {'TFLOP/s':>7s} {'vs def':>6s} {'acc O+S':>7s} "
-                     f"{'regs':>4s} {'stack':>5s} {'spills':>6s}")
-        for r in sorted(rows, key=lambda r: -(r.get("tflops") or 0)):
-            name = config_name(row_config(r)) + (" *" if r.get("default") else "")
-            if r.get("impl") == fa.ABLATION_IMPL:  # Note [What the softmax costs]
-                lines.append(f"    {name + ' without softmax':28s} {r['tflops']:7.0f} "
-                             f"{r['tflops'] / base if base else 0:5.2f}x  (timing ablation: "
-                             "output is not attention)")
-                continue
-            if "registers" in r:
-                regs = {k: r.get(k) for k in ("registers", "stack_bytes", "spill_instructions")}
-            elif (d, causal) in compile_groups:
-                regs = resources(arch, d, row_config(r), causal)
-            else:
-                regs = {"registers": None, "stack_bytes": None, "spill_instructions": None}
-            cells = "".join(f" {'-' if v is None else v:>{w}}" for v, w in
-                            zip(regs.values(), (4, 5, 6)))
-            acc = r.get("acc_O", 0) + r.get("acc_S", 0)
-            if not r.get("tflops"):
-                lines.append(f"    {name:28s} {'not timed (check failed)':>22s}{cells}")
-                continue
-            ratio = f"{r['tflops'] / base:5.2f}x" if base else "     "
-            lines.append(f"    {name:28s} {r['tflops']:7.0f} {ratio:>6s} {acc:7d}{cells}")
-    return lines
 
 
 def ceiling_lines(micro, sweep, head_dim: int = 128) -> list[str]:
@@ -919,672 +740,83 @@ def ceiling_lines(micro, sweep, head_dim: int = 128) -> list[str]:
     return lines
 
 
-# What profile_lines prints, in order: (metric, what it is); rows the file lacks are skipped.
-PROFILE_METRICS = (
-    ("tensor_pipe_active_pct", "tensor pipe busy (share of cycles, %)"),
-    ("issue_slots_busy_pct", "issue slots used (%)"),
-    ("achieved_warps_per_scheduler", "warps per scheduler (achieved)"),
-    ("registers_per_thread", "registers per thread"),
-    ("ctas_per_sm_limit_registers", "CTAs per SM the registers allow"),
-    ("ctas_per_sm_limit_shared_mem", "CTAs per SM the shared memory allows"),
-    ("smem_load_bank_conflicts_pct", "shared loads: bank-conflict wavefronts (%)"),
-    ("mma_sync_per_warp_per_step", "mma.sync per warp per KV step"),
-    ("other_instructions_per_warp_per_step", "other instructions per warp per KV step"),
-    ("warp_time_loop_head_pct", "warp time: loop head (waits, barrier, cp.async) %"),
-    ("warp_time_qk_pct", "warp time: S = QK^T %"),
-    ("warp_time_softmax_pct", "warp time: softmax %"),
-    ("warp_time_pv_pct", "warp time: O += PV %"),
-    ("warp_time_at_mma_sync_pct", "warp time at an mma.sync (either GEMM) %"),
-)
-
-
-def profile_lines(res, stalls: int = 6) -> list[str]:
-    """The stored Nsight Compute profile (solutions.ch04_profile): the counters of
-    PROFILE_METRICS, then the ``stalls`` largest stall reasons in cycles per issued
-    instruction, and the shares of two stall reasons that sit at an mma.sync."""
-    from solutions.ch04_profile import format_profile
-
-    by_metric = {r["metric"]: r for r in res.rows}
-    lines = format_profile(res, PROFILE_METRICS, stalls)
-    for reason, what in (("wait", "'wait' samples at an mma.sync (its issue gap) %"),
-                         ("short_sb", "'short_scoreboard' samples at an mma.sync (its "
-                                      "ldmatrix) %")):
-        row = by_metric.get(f"stall_{reason}_samples_at_mma_sync_pct")
-        if row is not None:
-            lines.append(f"  {what:58s} {row['value']:8.0f}")
-    return lines
-
-
-def profile_reading(res) -> list[str]:
-    """The stored profile read as sentences, each number next to what it means (verdicts are
-    computed from the numbers, so a new profile cannot leave an old sentence behind)."""
-    by = {r["metric"]: r["value"] for r in res.rows}
-    out = []
-    if "tensor_pipe_active_pct" in by and "issue_slots_busy_pct" in by:
-        busy, issue = by["tensor_pipe_active_pct"], by["issue_slots_busy_pct"]
-        verdict = ("neither is saturated" if max(busy, issue) < 80
-                   else "one of them is close to its limit")
-        out.append(f"tensor pipe busy {busy:.0f}% of the cycles, issue slots used {issue:.0f}%: "
-                   f"{verdict}")
-    if "warp_time_at_mma_sync_pct" in by:
-        line = f"a warp spends {by['warp_time_at_mma_sync_pct']:.0f}% of its time at an mma.sync"
-        extra = [f"{by[k]:.0f}% of its '{name}' samples" for k, name in
-                 (("stall_wait_samples_at_mma_sync_pct", "wait"),
-                  ("stall_short_sb_samples_at_mma_sync_pct", "short_scoreboard")) if k in by]
-        out.append(line + (" (and " + " and ".join(extra) + " sit there)" if extra else ""))
-    parts = [(p, by.get(f"warp_time_{p}_pct")) for p in ("loop_head", "qk", "softmax", "pv")]
-    if all(v is not None for _, v in parts):
-        names = {"loop_head": "loop head", "qk": "S = QK^T", "softmax": "softmax",
-                 "pv": "O += PV"}
-        ranked = sorted(parts, key=lambda kv: -kv[1])
-        out.append("by part of the KV loop, largest first: "
-                   + ", ".join(f"{names[p]} {v:.0f}%" for p, v in ranked))
-    return out
-
-
-def cutlass_peer_lines(res) -> list[str]:
-    """The stored ch04_cutlass_peer run, one line per (causal, data): medians over rounds and
-    ratios to SDPA's flash backend from the same run."""
-    from solutions.ch04_peers import summary
-
-    return summary(res.rows)
-
 
 # ================================================================================================
-# 7. Exercises
+# Claims the chapter's prose makes (tests/test_claims.py checks each on its file)
 # ================================================================================================
-# --- 04.1: registers of a tile ------------------------------------------------------------------
-def registers_needed(cfg: TileConfig, head_dim: int) -> tuple[int, bool]:
-    """Exercise 04.1's reference: the register model's peak and whether it fits in 255."""
-    est = register_estimate(cfg, head_dim)
-    return est["peak"], est["fits"]
-
-
-def _register_cases():
-    cases = []
-    for d in (64, 128):
-        for m in (64, 128, 256):
-            for n in (32, 64, 128):
-                for threads, unroll in ((128, 1), (128, 2), (256, 1), (256, 2)):
-                    cfg = TileConfig(m, n, threads, qk_unroll=unroll)
-                    try:
-                        cfg.check(d)
-                    except ValueError:
-                        continue
-                    cases.append((cfg, d))
-    return cases
-
-
-def check_registers_needed(fn) -> None:
-    """Exercise 04.1: ``fn(cfg, head_dim) -> (registers, fits)`` against the register model on
-    every valid tile of 64/128/256 rows, 32/64/128 keys, 4 or 8 warps, 1 or 2 k-slices per
-    trip, D = 64 and 128."""
-    for cfg, d in _register_cases():
-        got = fn(cfg, d)
-        if not (isinstance(got, tuple) and len(got) == 2):
-            raise AssertionError(f"return a pair (registers, fits), got {got!r}")
-        regs, fits = got
-        want, want_fits = registers_needed(cfg, d)
-        tile = f"{cfg.m_block} x {cfg.n_block} with {cfg.num_warps} warps at D={d}"
-        if regs != want:
-            est = register_estimate(cfg, d)
-            acc = (est["S = QK^T"]["acc_O"], est["S = QK^T"]["acc_S"])
-            raise AssertionError(
-                f"{tile}: you counted {regs} registers, the model counts {want}. Its two "
-                f"busiest moments: {estimate_text(cfg, d)}; the peak is the larger. (Check "
-                f"first: acc_O = m_block * D / threads = {acc[0]}, acc_S = m_block * n_block / "
-                f"threads = {acc[1]}.)")
-        if fits is not want_fits:
-            raise AssertionError(f"{tile}: {regs} registers, so fits must be {want_fits} (the "
-                                 f"limit is {REGISTER_LIMIT} per thread); got {fits!r}")
-
-
-# --- 04.2: which thread holds S[r, c] -----------------------------------------------------------
-def s_owner(row: int, col: int, num_warps: int) -> int:
-    """Exercise 04.2's reference: the thread whose mma.sync accumulator holds S[row, col]."""
-    warp = (row // 16) % num_warps  # warps take 16-row slices in turn (Note [Work split])
-    lane = 4 * (row % 8) + (col % 8) // 2  # m16n8: lane l has rows l//4 (+8), cols 2(l%4) (+1)
-    return 32 * warp + lane
-
-
-OWNER_CONFIGS = [(None, 128), (TileConfig(128, 64, 256), 128), (TileConfig(64, 128, 128), 64)]
-
-
-def check_s_owner(fn) -> None:
-    """Exercise 04.2: ``fn(row, col, num_warps) -> thread`` against the kernel's own TiledMma
-    (``ch04_cpu_model.s_owner_map``) for every element of three tiles."""
-    for cfg, d in OWNER_CONFIGS:
-        cfg = fa.default_config(d) if cfg is None else cfg
-        owner = cm.s_owner_map(cfg, d)
-        for r in range(cfg.m_block):
-            for c in range(cfg.n_block):
-                got, want = fn(r, c, cfg.num_warps), int(owner[r, c])
-                if got == want:
-                    continue
-                tile = f"a {cfg.m_block} x {cfg.n_block} tile with {cfg.num_warps} warps"
-                head = (f"S[{r}, {c}] of {tile} is held by thread {want} (warp {want // 32}, "
-                        f"lane {want % 32}); you said {got!r}.")
-                if not isinstance(got, (int, np.integer)) or got < 0:
-                    raise AssertionError(f"{head} Return a thread index 0..{cfg.num_threads - 1}.")
-                if got // 32 != want // 32:
-                    raise AssertionError(
-                        f"{head} The warp is wrong: warps own 16-row slices of the tile in turn, "
-                        f"warp w rows 16w .. 16w + 15, then 16 * {cfg.num_warps} rows later "
-                        f"again (Note [Work split]); there are only {cfg.num_warps} warps.")
-                raise AssertionError(
-                    f"{head} The warp is right, the lane is not: in each 16 x 8 block, lane l "
-                    "holds rows l // 4 and l // 4 + 8 and columns 2 * (l % 4) and 2 * (l % 4) "
-                    "+ 1 (chapter 03's picture of the m16n8k16 accumulator).")
-
-
-# --- 04.3: which KV tiles a causal CTA visits, and which it masks -------------------------------
-def kv_tiles(m_block: int, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int,
-             causal: bool) -> tuple[list[int], list[int]]:
-    """Exercise 04.3's reference: (visited, masked) KV tile indices of query tile ``m_block``,
-    sorted. Rows are those of the whole tile, even past seqlen_q (the kernel computes them and
-    never stores them); bottom-right causal: row i sees keys j <= i + seqlen_k - seqlen_q."""
-    n_tiles = -(-seqlen_k // tile_n)
-    if causal:
-        offset = seqlen_k - seqlen_q
-        last_row_end = max((m_block + 1) * tile_m + offset, 0)  # one past the last row's keys
-        n_visit = min(n_tiles, -(-last_row_end // tile_n))
-        first_row_end = max(m_block * tile_m + offset + 1, 0)  # one past the first row's keys
-        first_masked = min(first_row_end // tile_n, n_visit - 1)
-    else:
-        n_visit, first_masked = n_tiles, n_tiles - 1
-    if n_visit == 0:  # no row sees a key: one fully masked step on tile 0 gives O = 0, lse = -inf
-        return [0], [0]
-    return list(range(n_visit)), list(range(first_masked, n_visit))
-
-
-KV_TILE_CASES = [
-    # (seqlen_q, seqlen_k, tile_m, tile_n, causal)
-    (300, 420, 128, 32, True),  # seqlen_q < seqlen_k: the diagonal moves right
-    (300, 77, 128, 32, True),  # seqlen_q > seqlen_k: the first rows see no key
-    (256, 256, 128, 64, True),
-    (257, 256, 128, 32, True),
-    (1000, 1000, 64, 128, True),
-    (1, 131, 128, 64, True),
-    (4097, 1000, 128, 64, True),
-    (300, 420, 128, 32, False),
-    (150, 67, 128, 64, False),
-    (256, 256, 128, 64, False),
-]
-
-
-def _kernel_kv_tiles(seqlen_q, seqlen_k, tile_m, tile_n, causal):
-    """Per query tile: (visited, masked, whether any row sees a key), from the kernel's code."""
-    kinds = tile_map(seqlen_q, seqlen_k, tile_m, tile_n, causal)
-    ranges = kv_tile_ranges(seqlen_q, seqlen_k, tile_m, tile_n, causal)
-    return [([int(n) for n in np.flatnonzero(row != SKIPPED)],
-             [int(n) for n in np.flatnonzero(row == MASKED)], bool(n_max > 0))
-            for row, (n_max, _) in zip(kinds, ranges)]
-
-
-def check_kv_tiles(fn) -> None:
-    """Exercise 04.3: ``fn(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal) -> (visited,
-    masked)`` against the kernel's own ``kv_tile_range`` (run on the CPU) for every query tile of
-    awkward shapes, causal and not."""
-    for sq, sk, tm, tn, causal in KV_TILE_CASES:
-        for m, (visited, masked, any_key) in enumerate(_kernel_kv_tiles(sq, sk, tm, tn, causal)):
-            got = fn(m, sq, sk, tm, tn, causal)
-            if not (isinstance(got, tuple) and len(got) == 2):
-                raise AssertionError(f"return a pair (visited, masked) of lists, got {got!r}")
-            got_v, got_m = sorted(int(x) for x in got[0]), sorted(int(x) for x in got[1])
-            if (got_v, got_m) == (visited, masked):
-                continue
-            where = (f"query tile {m} (rows {m * tm} .. {(m + 1) * tm - 1}) of seqlen_q={sq}, "
-                     f"seqlen_k={sk}, tiles {tm} x {tn}, {'causal' if causal else 'non-causal'}")
-            head = (f"{where}: the kernel visits {visited} and masks {masked}; you said "
-                    f"visited {got_v}, masked {got_m}.")
-            if not any_key:
-                raise AssertionError(f"{head} No row of this tile sees a key; the kernel still "
-                                     "runs one fully masked step on tile 0, so that O = 0 and "
-                                     "lse = -inf come out of the same code.")
-            if got_v != visited:
-                raise AssertionError(
-                    f"{head} Visit tile n when some row of the tile sees some key in it: the "
-                    "last row sees the most keys (up to (m_block + 1) * tile_m - 1 + seqlen_k - "
-                    "seqlen_q, and below seqlen_k).")
-            raise AssertionError(
-                f"{head} A tile needs the mask when the tile's FIRST row (the one that sees the "
-                "fewest keys) does not see all of its keys, or it reaches past seqlen_k; the "
-                "kernel also always masks the first tile it visits (the highest).")
-
-
-# --- 04.4: the quad all-reduce (device code) ---------------------------------------------------
-# A row of S lives in the 4 lanes of a quad (lanes 4q .. 4q + 3). Every lane needs the row's
-# max (and, in finalize, its sum): a reduction whose result ends up in all 4 lanes.
-@cute.jit
-def quad_allreduce(x: cutlass.Float32, op: cutlass.Constexpr) -> cutlass.Float32:
-    """Exercise 04.4's reference: ``op`` over the 4 lanes of this lane's quad, in every lane.
-    The butterfly with xor 2 pairs lanes {0, 2} and {1, 3}; then xor 1 pairs {0, 1}, {2, 3}."""
-    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
-    return op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-
-
-LANES = 32
-
-
-def _shuffle_model(kind: str, calls: list):
-    """A warp-wide shuffle of PTX's ``shfl.sync`` on a NumPy vector of 32 lanes (one value per
-    lane), recording (kind, offset) in ``calls``. A lane whose source is outside its segment
-    keeps its own value, as the instruction does; ``mask_and_clamp`` is PTX's c operand,
-    (segment mask << 8) | clamp."""
-
-    def shuffle(value, offset, mask=0xFFFFFFFF, mask_and_clamp=None, **_):
-        if not (isinstance(value, np.ndarray) and value.shape == (LANES,)):
-            raise AssertionError(f"cute.arch.shuffle_sync_{kind} got {value!r}; shuffle the "
-                                 "lane's value x (or a value computed from it)")
-        offset = int(offset)
-        calls.append((kind, offset))
-        c = (0 if kind == "up" else 31) if mask_and_clamp is None else int(mask_and_clamp)
-        seg, clamp = (c >> 8) & 31, c & 31
-        lane = np.arange(LANES)
-        lo = lane & seg
-        hi = lo | (clamp & ~seg)
-        src = {"bfly": lane ^ offset, "down": lane + offset, "up": lane - offset,
-               "idx": (offset & ~seg) | lo}[kind]
-        ok = (src >= lo) if kind == "up" else (src <= hi)
-        return np.where(ok, value[np.clip(src, 0, LANES - 1)], value)
-
-    return shuffle
-
-
-def run_quad_allreduce(fn, lanes: np.ndarray, op) -> tuple[np.ndarray, list]:
-    """``fn(x, op)`` run as plain Python for a whole warp at once: x is the vector of the 32
-    lanes' values and every ``cute.arch`` shuffle a lane permutation of it. Returns each lane's
-    result and the shuffles made, [(kind, offset), ...]."""
-    from utils.host_emulation import patched, plain, python_loops
-
-    calls: list = []
-    shuffles = {f"shuffle_sync{'' if k == 'idx' else '_' + k}": _shuffle_model(k, calls)
-                for k in ("bfly", "down", "up", "idx")}
-    with python_loops(), patched(cute.arch, fmax=np.fmax, **shuffles):
-        out = plain(fn)(lanes.astype(np.float32), op)
-    return out, calls
-
-
-def _quad_truth(lanes: np.ndarray, op) -> np.ndarray:
-    quads = lanes.reshape(-1, 4)
-    return np.repeat(op.reduce(quads, axis=1), 4)
-
-
-def check_quad_allreduce(fn) -> None:
-    """Exercise 04.4: ``fn(x, op)`` must leave in every lane ``op`` over its quad's 4 values, for
-    op = max and op = add, with butterfly shuffles; then the compiled sm_80 kernel must hold two
-    ``shfl.sync.bfly`` per reduction."""
-    rng = np.random.default_rng(44)
-    with_inf = np.where(np.arange(LANES) % 4 == 3, -np.inf, rng.standard_normal(LANES))
-    cases = [("max", np.fmax, rng.standard_normal(LANES)), ("max", np.fmax, with_inf),
-             ("sum", np.add, rng.integers(1, 9, LANES).astype(np.float64)),
-             ("sum", np.add, 2.0 ** np.arange(LANES) % 97)]
-    for name, op, lanes in cases:
-        lanes = lanes.astype(np.float32)
-        got, calls = run_quad_allreduce(fn, lanes, op)
-        if got is None:
-            raise AssertionError("quad_allreduce returned None: return the combined value")
-        got = np.broadcast_to(np.asarray(got, dtype=np.float32), (LANES,))
-        want = _quad_truth(lanes, op)
-        if np.array_equal(got, want):
-            continue
-        offsets = [o for k, o in calls if k == "bfly"]
-        kinds = sorted({k for k, _ in calls} - {"bfly"})
-        lane = int(np.flatnonzero(got != want)[0])
-        quad = ", ".join(f"{v:.3g}" for v in lanes[4 * (lane // 4):4 * (lane // 4) + 4])
-        head = (f"with op = {name}, lane {lane} holds {got[lane]:.3g} but its quad (lanes "
-                f"{4 * (lane // 4)}..{4 * (lane // 4) + 3}, values {quad}) gives "
-                f"{want[lane]:.3g}.")
-        if not calls:
-            why = ("no shuffle was made: a lane sees only its own value until it reads its "
-                   "neighbours' with cute.arch.shuffle_sync_bfly")
-        elif kinds:
-            why = (f"you used shuffle_sync_{kinds[0]}: a shift or an indexed read leaves some "
-                   "lanes of the quad without the full result. The butterfly (xor) pairs every "
-                   "lane with a partner, so after two steps all 4 lanes hold it")
-        elif any(o >= 4 for o in offsets):
-            reach = 2 ** max(o.bit_length() for o in offsets)
-            why = (f"you reduced over {reach} lanes (xor offsets {sorted(set(offsets))}): xor "
-                   "offsets 1 and 2 cover the 4 lanes of a quad; offset 4 and above reach other "
-                   "quads, which hold other rows")
-        elif len(set(offsets)) < len(offsets):
-            why = (f"the offsets {offsets} repeat one: the second shuffle with the same offset "
-                   "combines the same pair again (a max does not notice, a sum doubles). Use "
-                   "offsets 2 and 1, once each")
-        elif sorted(set(offsets)) != [1, 2]:
-            why = (f"the offsets {offsets} combine each lane with only one partner: lanes agree "
-                   "in pairs. Two butterfly steps, xor 2 and xor 1, reach all four")
-        else:
-            why = ("the shuffles are right, so look at how the values are combined: apply `op` "
-                   "to the lane's value and the shuffled one after each shuffle, and return the "
-                   "result")
-        raise AssertionError(f"{head} Hint: {why}.")
-    art = QuadReduce(fn).compile("sm_80")
-    n = art.count("shfl.sync.bfly")
-    if n != 4:
-        raise AssertionError(f"the compiled sm_80 kernel (one max and one sum per thread) has {n} "
-                             "shfl.sync.bfly; two per reduction is all a quad needs")
-
-
-class QuadReduce:
-    """A small kernel around a quad all-reduce: thread i reads x[i] and writes the max and the
-    sum of its quad's four values (lanes 4q .. 4q + 3) to mx[i] and sm[i]."""
-
-    THREADS = 128
-
-    def __init__(self, allreduce=quad_allreduce):
-        self.allreduce = allreduce
-
-    @cute.kernel
-    def kernel(self, mX: cute.Tensor, mMax: cute.Tensor, mSum: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        i = bidx * self.THREADS + tidx
-        x = mX[i]
-        mMax[i] = self.allreduce(x, fa.fmax)
-        mSum[i] = self.allreduce(x, fa.fadd)
-
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mMax: cute.Tensor, mSum: cute.Tensor, stream):
-        self.kernel(mX, mMax, mSum).launch(grid=(cute.size(mX) // self.THREADS, 1, 1),
-                                           block=(self.THREADS, 1, 1), stream=stream)
-
-    def compile(self, arch: str = "sm_80"):
-        from utils.compile_only import compile_for, fake_stream, fake_tensor
-
-        return compile_for(arch, self, *(fake_tensor(cutlass.Float32, (None,), align=4)
-                                         for _ in range(3)), fake_stream())
-
-
-_GPU_COMPILED: dict = {}
-
-
-def _launch(key, build, tensors, device):
-    import cuda.bindings.driver as cuda
-    import torch
-
-    with torch.cuda.device(device):
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        if key not in _GPU_COMPILED:
-            _GPU_COMPILED[key] = cute.compile(build(), *tensors, stream)
-        _GPU_COMPILED[key](*tensors, stream)
-
-
-def check_quad_allreduce_on_gpu(fn, n: int = 1 << 16, seed: int = 0):
-    """Exercise 04.4 on a GPU: ``QuadReduce(fn)`` on n random values against torch's max and
-    sum over groups of 4. Returns (ok, one line)."""
-    import torch
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, device="cuda", generator=g)
-    mx, sm = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-    tensors = [from_dlpack(t).mark_layout_dynamic() for t in (x, mx, sm)]
-    _launch(("quad", fn), lambda: QuadReduce(fn), tensors, x.device)
-    torch.cuda.synchronize()
-    quads = x.view(-1, 4)
-    want_max = quads.amax(1).repeat_interleave(4)
-    want_sum = quads.double().sum(1).repeat_interleave(4)
-    max_ok = torch.equal(mx, want_max)
-    # fp32 sums in another order than torch's: a few ulp
-    sum_err = (sm.double() - want_sum).abs().max().item()
-    ok = max_ok and sum_err < 1e-5
-    return ok, (f"{n} lanes: max {'exact' if max_ok else 'WRONG'}, sum max |error| "
-                f"{sum_err:.1e} ({'ok' if ok else 'WRONG'})")
-
-
-# --- 04.5: the causal mask on a thread's fragment (device code) ---------------------------------
-@cute.jit
-def mask_scores(acc_S: cute.Tensor, tScS: cute.Tensor, row0: Int32, col0: Int32,
-                seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr):
-    """Exercise 04.5's reference: -inf into every score of the fragment its query may not see.
-    acc_S[i] is S[row0 + tScS[i][0], col0 + tScS[i][1]] (query row, key column in the whole
-    sequence); keys past seqlen_k do not exist; causal is bottom-right aligned, so query i sees
-    keys j <= i + seqlen_k - seqlen_q."""
-    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-        row = row0 + tScS[i][0]
-        col = col0 + tScS[i][1]
-        limit = seqlen_k  # one past the last key this row may see
-        if cutlass.const_expr(causal):
-            limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q)
-        acc_S[i] = -cutlass.Float32.inf if col >= limit else acc_S[i]
-
-
-class MaskHarness:
-    """Run a fragment mask for every thread of one CTA of chapter 04's kernel, for a list of
-    (seqlen_q, seqlen_k, m_block, n_block) cases, with the kernel's own mma.sync partition: on
-    the CPU (``on_cpu``) or as a kernel, one CTA per case (``__call__``). out[case, r, c] is 0
-    where S[r, c] of the (m_block, n_block) tile stays, -inf where the mask cleared it."""
-
-    def __init__(self, mask=mask_scores, causal: bool = True, cfg: TileConfig | None = None):
-        self.mask, self.causal = mask, causal
-        self.flash = _kernel(cfg, 128, causal)
-        self.m_block, self.n_block = self.flash.m_block, self.flash.n_block
-        self.num_threads = self.flash.num_threads
-
-    @cute.jit
-    def thread(self, out: cute.Tensor, cases: cute.Tensor, case, tidx):
-        tiled_mma = self.flash.make_tiled_mma()
-        cS = cute.make_identity_tensor((self.m_block, self.n_block))
-        tScS = tiled_mma.get_slice(tidx).partition_C(cS)  # ((2, 2), MMA_M, MMA_N) -> (r, c)
-        acc_S = cute.make_rmem_tensor(tScS.shape, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
-        acc_S.fill(0.0)
-        seqlen_q, seqlen_k = cases[case, 0], cases[case, 1]
-        row0, col0 = cases[case, 2] * self.m_block, cases[case, 3] * self.n_block
-        self.mask(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, self.causal)
-        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-            out[case, tScS[i][0], tScS[i][1]] = acc_S[i]
-
-    @cute.jit
-    def on_cpu(self, out: cute.Tensor, cases: cute.Tensor):
-        for case in cutlass.range(cute.size(cases, mode=[0])):
-            for tidx in cutlass.range(self.num_threads):
-                self.thread(out, cases, case, tidx)
-
-    @cute.kernel
-    def kernel(self, out: cute.Tensor, cases: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        case, _, _ = cute.arch.block_idx()
-        self.thread(out, cases, case, tidx)
-
-    @cute.jit
-    def __call__(self, out: cute.Tensor, cases: cute.Tensor, stream):
-        self.kernel(out, cases).launch(grid=(cute.size(cases, mode=[0]), 1, 1),
-                                       block=(self.num_threads, 1, 1), stream=stream)
-
-
-# (seqlen_q, seqlen_k, causal): fewer queries than keys (the diagonal moves right), more (the
-# first rows see no key), equal lengths that are no multiple of the tile, one query
-MASK_SHAPES = [(77, 131, True), (300, 77, True), (200, 200, True), (1, 131, True),
-               (150, 67, False), (64, 200, False)]
-
-
-def _mask_cases(seqlen_q, seqlen_k, tile_m, tile_n):
-    return [(seqlen_q, seqlen_k, m, n) for m in range(-(-seqlen_q // tile_m))
-            for n in range(-(-seqlen_k // tile_n))]
-
-
-def mask_truth(cases, tile_m, tile_n, causal, offset=None, origin=True, strict=False):
-    """(cases, tile_m, tile_n) of 0 / -inf: the mask the kernel applies, or a variant of it (a
-    typical slip) that the check uses to name the mistake: ``offset`` replaces seqlen_k -
-    seqlen_q, ``origin=False`` forgets the tile's position, ``strict`` also hides the diagonal."""
-    out = np.zeros((len(cases), tile_m, tile_n), np.float32)
-    r, c = np.arange(tile_m)[:, None], np.arange(tile_n)[None, :]
-    for i, (sq, sk, mb, nb) in enumerate(cases):
-        row, col = (r + mb * tile_m, c + nb * tile_n) if origin else (r, c)
-        hide = col >= sk
-        if causal:
-            off = sk - sq if offset is None else offset(sq, sk)
-            hide = hide | ((col >= row + off) if strict else (col > row + off))
-        out[i][np.broadcast_to(hide, (tile_m, tile_n))] = -np.inf
-    return out
-
-
-def run_mask_on_cpu(fn, cases, causal: bool) -> np.ndarray:
-    """``MaskHarness(fn).on_cpu`` for ``cases``: the (cases, tile_m, tile_n) result."""
-    harness = MaskHarness(fn, causal)
-    out = np.full((len(cases), harness.m_block, harness.n_block), np.nan, np.float32)
-    table = np.array(cases, dtype=np.int32).reshape(-1, 4)
-    harness.on_cpu(from_dlpack(out), from_dlpack(table))
-    return out
-
-
-def _mask_hint(got, live, cases, tm, tn, causal) -> str:
-    variants = [
-        (dict(origin=False),
-         "you compared the tile's own coordinates: tScS[i] is the position inside the tile; "
-         "add the tile's origin (row0, col0) to get the query and the key"),
-        (dict(offset=lambda sq, sk: 0),
-         "you aligned the diagonal to the top left (query i sees keys j <= i). With "
-         "seqlen_q != seqlen_k the queries are the last seqlen_q positions of the sequence: "
-         "query i sees keys j <= i + seqlen_k - seqlen_q"),
-        (dict(offset=lambda sq, sk: sq - sk),
-         "the diagonal moved the wrong way: query i sees keys j <= i + seqlen_k - seqlen_q, "
-         "not i + seqlen_q - seqlen_k"),
-        (dict(strict=True),
-         "you also hid the diagonal: query i sees key i + seqlen_k - seqlen_q itself, so mask "
-         "j > i + seqlen_k - seqlen_q, not j >="),
-        (dict(offset=lambda sq, sk: sk - sq + 1),
-         "you let one key too many through: query i sees keys up to i + seqlen_k - seqlen_q "
-         "and no further"),
-    ]
-    for kw, hint in variants:
-        if np.array_equal(np.isinf(got[live]),
-                          np.isinf(mask_truth(cases, tm, tn, causal, **kw)[live])):
-            return hint
-    return ""
-
-
-def check_mask_scores(fn) -> None:
-    """Exercise 04.5: ``fn(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, causal)`` run on the CPU
-    for every thread of the kernel's default D = 128 tile, for every tile of awkward shapes,
-    causal and not; the scores it sets to -inf must be exactly those the kernel masks."""
-    tm, tn = MaskHarness(mask_scores).m_block, MaskHarness(mask_scores).n_block
-    for causal in (True, False):
-        shapes = [(sq, sk) for sq, sk, c in MASK_SHAPES if c == causal]
-        cases = [case for sq, sk in shapes for case in _mask_cases(sq, sk, tm, tn)]
-        got = run_mask_on_cpu(fn, cases, causal)
-        want = mask_truth(cases, tm, tn, causal)
-        if np.isnan(got).any() or (np.isfinite(got) & (got != 0)).any():
-            raise AssertionError("leave the scores a query may see as they are and set the "
-                                 "others to -inf (-cutlass.Float32.inf); nothing else")
-        # rows past seqlen_q are computed and never stored: whatever the mask does there is fine
-        live = np.stack([np.arange(tm)[:, None] + mb * tm < sq for sq, _, mb, _ in cases])
-        live = np.broadcast_to(live, got.shape)
-        bad = live & (np.isinf(got) != np.isinf(want))
-        if not bad.any():
-            continue
-        k, r, c = (int(v) for v in np.argwhere(bad)[0])
-        sq, sk, mb, nb = cases[k]
-        row, col = mb * tm + r, nb * tn + c
-        should = "hidden (-inf)" if np.isinf(want[k, r, c]) else "visible"
-        what = (f"seqlen_q={sq}, seqlen_k={sk}, {'causal' if causal else 'non-causal'}, tile "
-                f"({mb}, {nb}) of {tm} x {tn}: S[{row}, {col}] (query {row}, key {col}) must be "
-                f"{should}, and {int(bad.sum())} scores of these tiles are wrong.")
-        if col >= sk and not np.isinf(got[k, r, c]):
-            hint = (f"keys at and past seqlen_k = {sk} do not exist (the last K tile's rows "
-                    "there are zeros): their scores must be -inf too, causal or not")
-        else:
-            hint = _mask_hint(got, live, cases, tm, tn, causal)
-        if not hint and not np.isinf(got).any():
-            hint = "nothing was set to -inf"
-        raise AssertionError(what + (f" Hint: {hint}." if hint else ""))
-
-
-def check_mask_on_gpu(fn, shapes=MASK_SHAPES):
-    """Exercise 04.5 on a GPU: ``MaskHarness(fn)`` as a kernel, one CTA per tile of each shape,
-    against the mask the kernel applies. Returns (ok, lines)."""
-    import torch
-
-    lines, ok = [], True
-    for causal in (True, False):
-        harness = MaskHarness(fn, causal)
-        tm, tn = harness.m_block, harness.n_block
-        cases = [case for sq, sk, c in shapes if c == causal
-                 for case in _mask_cases(sq, sk, tm, tn)]
-        out = torch.full((len(cases), tm, tn), float("nan"), device="cuda")
-        table = torch.tensor(cases, dtype=torch.int32, device="cuda").reshape(-1, 4)
-        tensors = [from_dlpack(out).mark_layout_dynamic(leading_dim=2),
-                   from_dlpack(table).mark_layout_dynamic(leading_dim=1)]
-        _launch(("mask", fn, causal), lambda: harness, tensors, out.device)
-        got = out.cpu().numpy()
-        want = mask_truth(cases, tm, tn, causal)
-        live = np.broadcast_to(np.stack([np.arange(tm)[:, None] + mb * tm < sq
-                                         for sq, _, mb, _ in cases]), got.shape)
-        bad = int((live & (np.isinf(got) != np.isinf(want))).sum()) + int(np.isnan(got).sum())
-        ok &= bad == 0
-        lines.append(f"{'causal' if causal else 'non-causal'}: {len(cases)} tiles of {tm} x {tn}"
-                     f", {bad} scores wrong")
-    return ok, lines
-
-
-__all__ = [
-    "BOOKKEEPING_REGISTERS",
-    "MASK_SHAPES",
-    "MaskHarness",
-    "QuadReduce",
-    "check_mask_on_gpu",
-    "check_mask_scores",
-    "check_quad_allreduce",
-    "check_quad_allreduce_on_gpu",
-    "mask_scores",
-    "mask_truth",
-    "quad_allreduce",
-    "run_mask_on_cpu",
-    "run_quad_allreduce",
-    "KV_TILE_CASES",
-    "MMA_SYNC_SHARE",
-    "ceiling_lines",
-    "cutlass_peer_lines",
-    "profile_lines",
-    "profile_reading",
-    "REGISTER_LIMIT",
-    "SM_LIMITS",
-    "TILE_KINDS",
-    "a_owner_map",
-    "bank_summary",
-    "check_kv_tiles",
-    "check_registers_needed",
-    "check_s_owner",
-    "compiled",
-    "config_name",
-    "cp_async_addresses",
-    "ctas_per_sm",
-    "draw_p_as_a_operand",
-    "draw_register_budget",
-    "draw_s_owners",
-    "draw_tile_map",
-    "estimate_text",
-    "expected_tflops",
-    "format_resource_rows",
-    "hopper_ceilings",
-    "instruction_mix",
-    "issue_rows",
-    "kv_tile_ranges",
-    "kv_tiles",
-    "ldmatrix_addresses",
-    "load_stored",
-    "loop_body",
-    "note",
-    "plot_fwd",
-    "register_estimate",
-    "registers_needed",
-    "resource_rows",
-    "resources",
-    "row_config",
-    "s_owner",
-    "smem_offsets",
-    "source",
-    "source_between",
-    "sweep_lines",
-    "mma_sync_rate_lines",
-    "peer_lines",
-    "run_spread",
-    "spread_line",
-    "standing_lines",
-    "sweep_findings",
-    "tflops_groups",
-    "tile_counts",
-    "tile_map",
-    "visible",
-]
-
+def claim(cid: str, results_name: str, text: str):
+    """Register ``check`` (Results -> (holds, one line)) as claim ``cid`` on ``results_name``
+    (utils.claims' registry; its ``claim`` decorator when it has one)."""
+    from utils import claims
+
+    if hasattr(claims, "claim"):
+        return claims.claim(cid, results_name, text)
+
+    def register(check):
+        claims.REGISTRY[cid] = claims.Claim(cid, results_name, text, check)
+        return check
+
+    return register
+
+
+def _fwd_shapes(res):
+    return sorted({(r["d"], r["s"], r["causal"]) for r in res.rows
+                   if r.get("impl") == "flash_ampere" and r.get("tflops")})
+
+
+def _pick(res, impl, shape):
+    d, s, causal = shape
+    rows = res.where(impl=impl, d=d, s=s, causal=causal)
+    return rows[0] if rows and rows[0].get("tflops") else None
+
+
+@claim("04.ahead_of_fa2", "ch04_fwd",
+       "flash_ampere runs ahead of SDPA's flash backend (FlashAttention-2) at every shape of the "
+       "run, by more than either row's spread")
+def _ahead_of_fa2(res):
+    from utils.bench import compare
+
+    worst = None
+    for shape in _fwd_shapes(res):
+        ours, fa2 = _pick(res, "flash_ampere", shape), _pick(res, "sdpa_flash", shape)
+        if fa2 is None:
+            return False, f"no sdpa_flash row at {shape}"
+        c = compare(ours, fa2)
+        if c is None or c.ratio <= 1 + c.noise:
+            return False, f"at {shape}: ratio {c and c.ratio:.3f}, noise {c and c.noise:.3f}"
+        worst = c.ratio if worst is None else min(worst, c.ratio)
+    return worst is not None, f"smallest ratio over SDPA flash {worst:.3f}"
+
+
+@claim("04.hopper_kernels_far_ahead", "ch04_fwd",
+       "cuDNN and the FA4 package (TMA + wgmma kernels) each run at least 1.3 times as fast as "
+       "flash_ampere at every shape of the run")
+def _hopper_kernels_far_ahead(res):
+    ratios = []
+    for shape in _fwd_shapes(res):
+        ours = _pick(res, "flash_ampere", shape)
+        for peer in ("sdpa_cudnn", "fa4_package"):
+            row = _pick(res, peer, shape)
+            if row is None:
+                return False, f"no {peer} row at {shape}"
+            ratios.append(row["tflops"] / ours["tflops"])
+    return bool(ratios) and min(ratios) >= 1.3, f"ratios {min(ratios):.2f} to {max(ratios):.2f}"
+
+
+@claim("04.mma_sync_below_wgmma", "microbench",
+       "on the H200 mma.sync reaches well under wgmma's tensor-core rate: below 0.8 of its "
+       "4096 FLOP per clock per SM")
+def _mma_sync_below_wgmma(res):
+    per_clk = res.one(metric="mma_sync_flop_per_clk_sm")["value"]
+    share = per_clk / PER_SM["sm_90"].mma_flops_per_clk
+    return share < 0.8, f"mma.sync {per_clk:.0f} FLOP/clk/SM = {share:.2f} of wgmma's rate"
+
+
+KV_TILES_FORBID = {
+    fa.kv_tile_range: "that is the kernel's answer, which the check compares with; work it out "
+                      "from the rule",
+    fa.tiles.kv_tile_range: "that is the kernel's arithmetic (fa4_final.tiles); work it out from "
+                            "the rule",
+    kv_tile_ranges: "that runs the kernel's kv_tile_range; work it out from the rule",
+    tile_map: "that runs the kernel's kv_tile_range; work it out from the rule",
+}

@@ -1,11 +1,11 @@
-"""Typical wrong answers to the device-code exercises of chapters 03-04, written the way a
+"""Typical wrong answers to the device-code exercises of chapter 03, written the way a
 learner would write them, so the checkers' words are tested on real slips (CPU tests) and the
 GPU checks are shown to catch them (tests/gpu). Kernels' source must live in a file: here.
-Chapter 05's live in tests/exercise_mutations/ch05.py."""
+Chapters 04 and 05's live in tests/exercise_mutations/ch04.py and ch05.py."""
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32
+from cutlass import Boolean
 
 from solutions import ch03_cute_basics as ch03
 
@@ -44,119 +44,4 @@ def partition_thread_zero(tiled_copy, tidx, gX, gY, cX, shape):
 
 @cute.jit
 def partition_not_done(tiled_copy, tidx, gX, gY, cX, shape):
-    raise NotImplementedError("exercise: replace this line with your code")
-
-
-# ----------------------------------------------------------------------------------------------
-# 04.4: the quad all-reduce
-
-
-@cute.jit
-def allreduce_eight_lanes(x: Float32, op: cutlass.Constexpr) -> Float32:
-    for offset in (1, 2, 4):
-        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
-    return x
-
-
-@cute.jit
-def allreduce_one_step(x: Float32, op: cutlass.Constexpr) -> Float32:
-    return op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-
-
-@cute.jit
-def allreduce_same_offset_twice(x: Float32, op: cutlass.Constexpr) -> Float32:
-    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-    return op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-
-
-@cute.jit
-def allreduce_shift_down(x: Float32, op: cutlass.Constexpr) -> Float32:
-    x = op(x, cute.arch.shuffle_sync_down(x, offset=2))
-    return op(x, cute.arch.shuffle_sync_down(x, offset=1))
-
-
-@cute.jit
-def allreduce_max_always(x: Float32, op: cutlass.Constexpr) -> Float32:
-    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
-    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-
-
-@cute.jit
-def allreduce_in_a_loop(x: Float32, op: cutlass.Constexpr) -> Float32:  # right, written as a loop
-    for i in cutlass.range_constexpr(2):
-        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1 << i))
-    return x
-
-
-@cute.jit
-def allreduce_no_return(x: Float32, op: cutlass.Constexpr) -> Float32:
-    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
-    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-
-
-# ----------------------------------------------------------------------------------------------
-# 04.5: the causal mask of a fragment
-
-
-@cute.jit
-def mask_top_left(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, causal: cutlass.Constexpr):
-    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-        row, col = row0 + tScS[i][0], col0 + tScS[i][1]
-        limit = seqlen_k
-        if cutlass.const_expr(causal):
-            limit = cutlass.min(limit, row + 1)  # as if seqlen_q == seqlen_k
-        if col >= limit:
-            acc_S[i] = -Float32.inf
-
-
-@cute.jit
-def mask_hides_diagonal(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, causal: cutlass.Constexpr):
-    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-        row, col = row0 + tScS[i][0], col0 + tScS[i][1]
-        limit = seqlen_k
-        if cutlass.const_expr(causal):
-            limit = cutlass.min(limit, row + seqlen_k - seqlen_q)  # one short
-        if col >= limit:
-            acc_S[i] = -Float32.inf
-
-
-@cute.jit
-def mask_tile_coordinates(acc_S, tScS, row0, col0, seqlen_q, seqlen_k,
-                          causal: cutlass.Constexpr):
-    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-        row, col = tScS[i][0], tScS[i][1]  # forgot the tile's origin
-        limit = seqlen_k
-        if cutlass.const_expr(causal):
-            limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q)
-        if col >= limit:
-            acc_S[i] = -Float32.inf
-
-
-@cute.jit
-def mask_causal_only(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, causal: cutlass.Constexpr):
-    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-        row, col = row0 + tScS[i][0], col0 + tScS[i][1]
-        if cutlass.const_expr(causal):  # keys past seqlen_k stay visible when not causal
-            if col > row + seqlen_k - seqlen_q:
-                acc_S[i] = -Float32.inf
-
-
-@cute.jit
-def mask_wrong_sign(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, causal: cutlass.Constexpr):
-    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-        row, col = row0 + tScS[i][0], col0 + tScS[i][1]
-        limit = seqlen_k
-        if cutlass.const_expr(causal):
-            limit = cutlass.min(limit, row + 1 + seqlen_q - seqlen_k)
-        if col >= limit:
-            acc_S[i] = -Float32.inf
-
-
-@cute.jit
-def mask_nothing(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, causal: cutlass.Constexpr):
-    pass
-
-
-@cute.jit
-def mask_not_done(acc_S, tScS, row0, col0, seqlen_q, seqlen_k, causal: cutlass.Constexpr):
     raise NotImplementedError("exercise: replace this line with your code")

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from solutions import ch03_cute_basics as ch03
-from solutions import ch04_teaching as t4
 from tests import device_exercise_mistakes as wrong
 
 pytestmark = [
@@ -32,26 +31,6 @@ def test_copy_partition_reference_on_gpu(shape, dtype):
 def test_copy_partition_without_predicate_writes_outside_on_gpu():
     ok, line = ch03.check_copy_on_gpu(wrong.partition_no_predicate, (37, 264), torch.bfloat16)
     assert not ok and "outside the tensor" in line, line
-
-
-def test_quad_allreduce_reference_on_gpu():
-    ok, line = t4.check_quad_allreduce_on_gpu(t4.quad_allreduce)
-    assert ok, line
-
-
-def test_quad_allreduce_over_eight_lanes_is_wrong_on_gpu():
-    ok, line = t4.check_quad_allreduce_on_gpu(wrong.allreduce_eight_lanes)
-    assert not ok, line
-
-
-def test_mask_reference_on_gpu():
-    ok, lines = t4.check_mask_on_gpu(t4.mask_scores)
-    assert ok, lines
-
-
-def test_top_left_mask_is_wrong_on_gpu():
-    ok, lines = t4.check_mask_on_gpu(wrong.mask_top_left)
-    assert not ok, lines
 
 
 
@@ -190,4 +169,36 @@ def test_step_without_the_row_sum_correction_is_wrong_on_gpu():
     from tests.exercise_mutations import ch07 as wrong7
 
     ok, lines = ch07.check_softmax_step_on_gpu(wrong7.step_no_alpha_on_l)
+    assert not ok, "\n".join(lines)
+
+
+# --- chapter 04: the KV step's three pieces (04.3 QK^T, 04.4 the softmax, 04.5 PV) ------------
+
+
+def _ampere() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
+@pytest.mark.skipif(not _ampere(), reason="needs an Ampere-or-newer GPU (sm_80+)")
+@pytest.mark.parametrize("piece", ["qk", "softmax", "pv", "all"])
+def test_kv_step_references_inside_the_kernel_on_gpu(piece):
+    from solutions import ch04_kv_step as kv
+
+    refs = {"qk": kv.gemm_qk, "softmax": kv.online_softmax, "pv": kv.gemm_pv}
+    pieces = refs if piece == "all" else {piece: refs[piece]}
+    ok, lines = kv.check_pieces_on_gpu(**pieces)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _ampere(), reason="needs an Ampere-or-newer GPU (sm_80+)")
+@pytest.mark.parametrize("piece, name", [("softmax", "softmax_no_o_rescale"),
+                                         ("softmax", "softmax_no_guard"),
+                                         ("pv", "pv_slot_off_by_one"),
+                                         ("qk", "qk_first_slice_of_k")])
+def test_a_wrong_kv_step_piece_is_wrong_on_gpu(piece, name):
+    """What the CPU check names, the GPU shows: the kernel with the slip is off float64."""
+    from solutions import ch04_kv_step as kv
+    from tests.exercise_mutations import ch04 as wrong4
+
+    ok, lines = kv.check_pieces_on_gpu(**{piece: getattr(wrong4, name)})
     assert not ok, "\n".join(lines)

@@ -1,0 +1,522 @@
+"""Chapter 04's typical wrong answers, each held against its exercise's checker
+(tests/test_exercise_mutations.py). The device-code ones are written the way a learner would
+write them, in this file because the DSL reads a kernel's source from its file."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from solutions import ch04_flash_ampere as fa
+from solutions import ch04_kv_step as kv
+from solutions import ch04_teaching as t4
+from tests.exercise_mutations import Mutation
+
+
+# ----------------------------------------------------------------------------------------------
+# 04.1: registers of a tile
+def registers_accumulators_only(cfg, head_dim):
+    acc = cfg.accumulator_registers(head_dim)
+    n = acc["acc_O"] + acc["acc_S"]
+    return n, n <= 255
+
+
+def registers_everything_at_once(cfg, head_dim):
+    # S in fp32, P in bf16 and both operands' fragments all counted as live together
+    acc = cfg.accumulator_registers(head_dim)
+    n = acc["acc_O"] + acc["acc_S"] + acc["acc_S"] // 2 + 16 + 16 + 24 + 64
+    return n, n <= 255
+
+
+def _live_at_peak(cfg, head_dim):
+    rows_per_warp = cfg.m_block // cfg.num_warps
+    acc_o = cfg.m_block * head_dim // cfg.num_threads
+    acc_s = cfg.m_block * cfg.n_block // cfg.num_threads
+    q_slices = cfg.qk_unroll * rows_per_warp // 4
+    return acc_o + acc_s + q_slices + 8 + rows_per_warp // 4 + 24
+
+
+def registers_capped_at_the_limit(cfg, head_dim):
+    n = min(_live_at_peak(cfg, head_dim), 255)  # "ptxas will make it fit"
+    return n, True
+
+
+def registers_ignore_the_limit(cfg, head_dim):
+    return _live_at_peak(cfg, head_dim), True
+
+
+def registers_from_the_model(cfg, head_dim):
+    est = t4.register_estimate(cfg, head_dim)
+    return est["peak"], est["fits"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 04.2: which KV tiles a causal query tile visits and masks
+def tiles_everything(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal):
+    n = -(-seqlen_k // tile_n)
+    return list(range(n)), [n - 1]
+
+
+def tiles_no_empty_rule(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal):
+    n_tiles = -(-seqlen_k // tile_n)
+    if not causal:
+        return list(range(n_tiles)), [n_tiles - 1]
+    offset = seqlen_k - seqlen_q
+    n_visit = min(n_tiles, -(-max((m_block + 1) * tile_m + offset, 0) // tile_n))
+    first_masked = min(max(m_block * tile_m + offset + 1, 0) // tile_n, n_visit - 1)
+    return list(range(n_visit)), list(range(max(first_masked, 0), n_visit))
+
+
+def tiles_mask_off_by_one(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal):
+    n_tiles = -(-seqlen_k // tile_n)
+    if not causal:
+        return list(range(n_tiles)), [n_tiles - 1]
+    offset = seqlen_k - seqlen_q
+    n_visit = min(n_tiles, -(-max((m_block + 1) * tile_m + offset, 0) // tile_n))
+    if n_visit == 0:
+        return [0], [0]
+    first_row_keys = max(m_block * tile_m + offset, 0)  # one key short: the diagonal itself
+    first_masked = min(first_row_keys // tile_n, n_visit - 1)
+    return list(range(n_visit)), list(range(first_masked, n_visit))
+
+
+def tiles_from_the_kernel(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal):
+    ranges = t4.kv_tile_ranges(seqlen_q, seqlen_k, tile_m, tile_n, causal)
+    n_max, n_masked = (int(x) for x in ranges[m_block])
+    return list(range(max(n_max, 1))), list(range(max(n_masked, 0), max(n_max, 1)))
+
+
+# ----------------------------------------------------------------------------------------------
+# 04.3: S = Q K^T
+@cute.jit
+def qk_registers_by_k(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
+                      unroll: cutlass.Constexpr):
+    tCrA_copy = smem_copy_A.retile(tCrA)
+    tCrB_copy = smem_copy_B.retile(tCrB)
+    for k in cutlass.range(cute.size(tCsA, mode=[2]), unroll=unroll):
+        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, k])
+        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, k])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+@cute.jit
+def qk_first_slice_of_k(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
+                        unroll: cutlass.Constexpr):
+    tCrA_copy = smem_copy_A.retile(tCrA)
+    tCrB_copy = smem_copy_B.retile(tCrB)
+    for k in cutlass.range(cute.size(tCsA, mode=[2]), unroll=unroll):
+        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, 0])
+        cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_copy[None, None, 0])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, 0], tCrB[None, None, 0], acc)
+
+
+@cute.jit
+def qk_fully_unrolled(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
+                      unroll: cutlass.Constexpr):
+    tCrA_copy = smem_copy_A.retile(tCrA)
+    tCrB_copy = smem_copy_B.retile(tCrB)
+    for k in cutlass.range_constexpr(cute.size(tCsA, mode=[2])):
+        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, k])
+        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, k])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+@cute.jit
+def qk_no_unroll(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
+                 unroll: cutlass.Constexpr):
+    tCrA_copy = smem_copy_A.retile(tCrA)
+    tCrB_copy = smem_copy_B.retile(tCrB)
+    for k in cutlass.range(cute.size(tCsA, mode=[2])):
+        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, 0])
+        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, 0])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, 0], tCrB[None, None, 0], acc)
+
+
+@cute.jit
+def qk_into_the_mma_view(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
+                         unroll: cutlass.Constexpr):
+    for k in cutlass.range(cute.size(tCsA, mode=[2]), unroll=unroll):
+        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA[None, None, 0])
+        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB[None, None, 0])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, 0], tCrB[None, None, 0], acc)
+
+
+@cute.jit
+def qk_operands_swapped(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
+                        unroll: cutlass.Constexpr):
+    tCrA_copy = smem_copy_A.retile(tCrA)
+    tCrB_copy = smem_copy_B.retile(tCrB)
+    for k in cutlass.range(cute.size(tCsA, mode=[2]), unroll=unroll):
+        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, 0])
+        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, 0])
+        cute.gemm(tiled_mma, acc, tCrB[None, None, 0], tCrA[None, None, 0], acc)
+
+
+@cute.jit
+def qk_unrolled_fully_at_run_time(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A,
+                                  smem_copy_B, unroll: cutlass.Constexpr):
+    tCrA_copy = smem_copy_A.retile(tCrA)
+    tCrB_copy = smem_copy_B.retile(tCrB)
+    for k in cutlass.range(cute.size(tCsA, mode=[2]), unroll_full=True):
+        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, 0])
+        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, 0])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, 0], tCrB[None, None, 0], acc)
+
+
+@cute.jit
+def qk_the_kernels(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
+                   unroll: cutlass.Constexpr):
+    fa.gemm_from_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B, unroll)
+
+
+@cute.jit
+def qk_not_done(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
+                unroll: cutlass.Constexpr):
+    raise NotImplementedError("exercise: replace this line with your code")
+
+
+# ----------------------------------------------------------------------------------------------
+# 04.4: the online softmax in registers
+@cute.jit
+def softmax_no_guard(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        row_max[r] = m_new
+        p_row = cute.math.exp2(s_row * scale_log2 - m_new * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        correction = cute.math.exp2((m_old - m_new) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+        o[r, None].store(o[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_offsets_past_the_quad(s, o, row_max, row_sum, scale_log2,
+                                  is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        for offset in (1, 2, 4):
+            m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=offset))
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        row_max[r] = m_new
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+        o[r, None].store(o[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_one_shuffle(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        row_max[r] = m_new
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+        o[r, None].store(o[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_no_shuffle(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        row_max[r] = m_new
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+        o[r, None].store(o[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_no_o_rescale(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        row_max[r] = m_new
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+
+
+@cute.jit
+def softmax_no_sum_rescale(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        row_max[r] = m_new
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+        o[r, None].store(o[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_sums_the_quad(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        row_max[r] = m_new
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        p_sum = p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+        p_sum = p_sum + cute.arch.shuffle_sync_bfly(p_sum, offset=2)
+        p_sum = p_sum + cute.arch.shuffle_sync_bfly(p_sum, offset=1)
+        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + p_sum
+        o[r, None].store(o[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_forgets_earlier_max(s, o, row_max, row_sum, scale_log2,
+                                is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
+        m_old = row_max[r]
+        m_new = m_tile  # this tile's max only
+        row_max[r] = m_new
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+        o[r, None].store(o[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_natural_exp(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
+        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        row_max[r] = m_new
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        p_row = cute.math.exp(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        correction = cute.math.exp((m_old - m_safe) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+        o[r, None].store(o[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_shuffles_in_a_branch(s, o, row_max, row_sum, scale_log2,
+                                 is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        if m_tile > -Float32.inf:  # skip the shuffles for a masked part of the row
+            m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
+            m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        row_max[r] = m_new
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+        o[r, None].store(o[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_an_extra_shuffle(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        for offset in (2, 1, 2):  # the third changes nothing for a max, and costs a shuffle
+            m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=offset))
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        row_max[r] = m_new
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+        o[r, None].store(o[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_with_the_kernels_reduce(s, o, row_max, row_sum, scale_log2,
+                                    is_first: cutlass.Constexpr):
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = s[r, None].load()
+        m_tile = fa.quad_allreduce(s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), fa.fmax)
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_tile)
+        row_max[r] = m_new
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+        s[r, None].store(p_row)
+        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+        o[r, None].store(o[r, None].load() * correction)
+
+
+@cute.jit
+def softmax_not_done(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
+    raise NotImplementedError("exercise: replace this line with your code")
+
+
+# ----------------------------------------------------------------------------------------------
+# 04.5: O += P V
+@cute.jit
+def pv_first_slice_never_loaded(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
+    tCrB_copy = smem_copy_B.retile(tCrB)
+    num_k = cute.size(tCrA, mode=[2])
+    for k in cutlass.range_constexpr(num_k):
+        if k + 1 < num_k:
+            cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_copy[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+@cute.jit
+def pv_run_time_loop(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
+    tCrB_copy = smem_copy_B.retile(tCrB)
+    for k in cutlass.range(cute.size(tCrA, mode=[2]), unroll=1):
+        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, 0])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, 0], acc)
+
+
+@cute.jit
+def pv_slot_off_by_one(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
+    tCrB_copy = smem_copy_B.retile(tCrB)
+    num_k = cute.size(tCrA, mode=[2])
+    cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_copy[None, None, 0])
+    for k in cutlass.range_constexpr(num_k):
+        if k + 1 < num_k:  # the next slice into this slice's registers, before they are read
+            cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_copy[None, None, k])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+@cute.jit
+def pv_loads_one_past_the_end(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
+    tCrB_copy = smem_copy_B.retile(tCrB)
+    num_k = cute.size(tCrA, mode=[2])
+    cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_copy[None, None, 0])
+    for k in cutlass.range_constexpr(num_k):
+        cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_copy[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+@cute.jit
+def pv_loads_p(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
+    tCrB_copy = smem_copy_B.retile(tCrB)
+    for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        cute.copy(smem_copy_B, tCsB[None, None, k], tCrA[None, None, k])
+        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, k])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+@cute.jit
+def pv_the_kernels(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
+    fa.gemm_from_regs(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B)
+
+
+@cute.jit
+def pv_not_done(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
+    raise NotImplementedError("exercise: replace this line with your code")
+
+
+def _qk(answer, says, slow=False):
+    return Mutation("04.3", kv.check_gemm_qk, answer, says, kv.gemm_qk, kv.QK_FORBID, slow)
+
+
+def _softmax(answer, says, slow=False):
+    return Mutation("04.4", kv.check_online_softmax, answer, says, kv.online_softmax,
+                    kv.SOFTMAX_FORBID, slow)
+
+
+def _pv(answer, says, slow=False):
+    return Mutation("04.5", kv.check_gemm_pv, answer, says, kv.gemm_pv, kv.PV_FORBID, slow)
+
+
+def _registers(answer, says, slow=True):
+    return Mutation("04.1", t4.check_registers_needed, answer, says, t4.registers_needed,
+                    t4.REGISTERS_FORBID, slow)
+
+
+def _tiles(answer, says):
+    return Mutation("04.2", t4.check_kv_tiles, answer, says, t4.kv_tiles, t4.KV_TILES_FORBID)
+
+
+MUTATIONS = [
+    _registers(registers_accumulators_only, "something large is missing"),
+    _registers(registers_everything_at_once, "not live at the same"),
+    _registers(registers_capped_at_the_limit, "ptxas could not fit it"),
+    _registers(registers_ignore_the_limit, "so fits must be False"),
+    _registers(registers_from_the_model, "the chapter's own model", slow=False),
+    _tiles(tiles_everything, "some row of the tile sees some key"),
+    _tiles(tiles_no_empty_rule, "fully masked step on tile 0"),
+    _tiles(tiles_mask_off_by_one, "FIRST row"),
+    _tiles(tiles_from_the_kernel, "runs the kernel's kv_tile_range"),
+    _qk(qk_registers_by_k, "indexed by the run-time loop counter k"),
+    _qk(qk_first_slice_of_k, "the k-th 16 columns of Q go with the k-th 16 of K"),
+    _qk(qk_fully_unrolled, "unrolled the loop over the k-slices completely"),
+    _qk(qk_no_unroll, "Pass unroll=unroll"),
+    _qk(qk_into_the_mma_view, "ldmatrix writes its registers in its own arrangement"),
+    _qk(qk_operands_swapped, "operands in the wrong places"),
+    _qk(qk_unrolled_fully_at_run_time, "uses local memory", slow=True),
+    _qk(qk_the_kernels, "the reference solution"),
+    _qk(qk_not_done, "not done"),
+    _softmax(softmax_no_guard, "exp2(-inf + inf) = NaN"),
+    _softmax(softmax_offsets_past_the_quad, "reach beyond the quad"),
+    _softmax(softmax_one_shuffle, "pair each lane with one partner only"),
+    _softmax(softmax_no_shuffle, "no lane read another lane's value"),
+    _softmax(softmax_no_o_rescale, "missing rescale of O"),
+    _softmax(softmax_no_sum_rescale, "missing rescale of the row sum"),
+    _softmax(softmax_sums_the_quad, "finalize adds the four partial sums"),
+    _softmax(softmax_forgets_earlier_max, "remember the earlier tiles"),
+    _softmax(softmax_natural_exp, "meant for exp2"),
+    _softmax(softmax_shuffles_in_a_branch, "different numbers of shuffles"),
+    _softmax(softmax_an_extra_shuffle, "butterfly shuffles where the kernel has", slow=True),
+    _softmax(softmax_with_the_kernels_reduce, "write the two shuffles of the quad yourself"),
+    _softmax(softmax_not_done, "not done"),
+    _pv(pv_first_slice_never_loaded, "before any ldmatrix filled it"),
+    _pv(pv_run_time_loop, "indexed by a run-time loop counter"),
+    _pv(pv_slot_off_by_one, "of P with slice"),
+    _pv(pv_loads_one_past_the_end, "you asked for slice 4"),
+    _pv(pv_loads_p, "already in registers"),
+    _pv(pv_the_kernels, "the reference solution"),
+    _pv(pv_not_done, "not done"),
+]
