@@ -212,7 +212,9 @@ def test_smem_breakdown_sums_to_the_kernel_struct():
 # ---------------------------------------------------------------------------------------------
 def test_race_scenarios_reference_hides_then_shows():
     hides, shows = t5.RACE_SCENARIOS
-    t5.check_race_scenarios(t5.RACE_SCENARIOS)
+    t5.check_race_scenarios((dict(hides), dict(shows)))
+    with pytest.raises(AssertionError, match="the reference's pair"):
+        t5.check_race_scenarios(t5.RACE_SCENARIOS)
     assert t5.run_scenario(hides) is None
     assert t5.run_scenario(shows).startswith("Overwrite")
     assert t5.run_scenario(shows, t5.producer_step) is None  # the correct producer is fine
@@ -226,13 +228,13 @@ def test_race_scenarios_stub_is_not_done_and_bad_input_is_explained():
     with pytest.raises(AssertionError, match="no setting 'tiles'"):
         t5.check_race_scenarios(({"tiles": 8}, {}))
     with pytest.raises(AssertionError, match="whole number"):
-        t5.check_race_scenarios((dict(t5.RACE_SCENARIOS[0], latency=0), t5.RACE_SCENARIOS[1]))
+        t5.check_race_scenarios((dict(t5.RACE_SCENARIOS[0], latency=0), dict(t5.RACE_SCENARIOS[1])))
 
 
 def test_a_slow_copy_shows_the_race_too():
     """Changing the TMA latency instead of the read time exposes the same producer: it arms a
     full barrier again before the copy that armed it has landed."""
-    hides = t5.RACE_SCENARIOS[0]
+    hides = dict(t5.RACE_SCENARIOS[0])
     t5.check_race_scenarios((hides, dict(hides, latency=5)))
 
 

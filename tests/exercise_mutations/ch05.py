@@ -54,7 +54,7 @@ def producer_half_bytes(ring, t):
 
 # ----------------------------------------------------------------------------------------------
 # 05.3: a race that hides (dicts of RingSim settings: hides, shows)
-_H = t5.RACE_SCENARIOS[0]
+_H = dict(t5.RACE_SCENARIOS[0])
 SCENARIO_TWO_CHANGES = (_H, dict(_H, read_ticks=3, latency=4))
 SCENARIO_HIDES_SHOWS = (dict(_H, latency=4), dict(_H, latency=4, read_ticks=3))
 SCENARIO_STAYS_HIDDEN = (_H, dict(_H, consumers=1))
