@@ -1591,13 +1591,15 @@ def gpu_step_cases() -> list[StepCase]:
     return cases
 
 
-def check_softmax_step_on_gpu(fn) -> tuple[bool, list[str]]:
+def check_softmax_step_on_gpu(fn, run=None, cases=None) -> tuple[bool, list[str]]:
     """Exercise 07.3 on a Hopper GPU: the exercise's kernel with ``fn`` as its step, on the
     awkward cases of ``gpu_step_cases``, against float64 (MUFU's ex2 and the final division are
-    approximate: 1e-4). Returns (ok, one line per case)."""
+    approximate: 1e-4). Returns (ok, one line per case). ``run``: the runner, by default
+    ``run_step_kernel`` (``emulate_step_kernel`` checks this function's logic with no GPU)."""
+    run = run or run_step_kernel
     ok, lines = True, []
-    for case in gpu_step_cases():
-        out, lse = run_step_kernel(fn, case)
+    for case in cases or gpu_step_cases():
+        out, lse = run(fn, case)
         want_out, want_lse = reference_attention(case.scores, case.v)
         seen = np.isfinite(want_lse)
         err = float(np.abs(out - want_out).max())
@@ -1611,28 +1613,55 @@ def check_softmax_step_on_gpu(fn) -> tuple[bool, list[str]]:
     return ok, lines
 
 
-def check_running_max_on_gpu(fn) -> tuple[bool, list[str]]:
-    """Exercise 07.2 on a Hopper GPU: VoteKernel(fn) on every case of ``vote_cases`` (one
-    warp each), maxima and votes against the rule. Returns (ok, one line per case)."""
+def run_vote_kernel(fn, old: np.ndarray, tile: np.ndarray, tau: float):
+    """VoteKernel(fn) on a GPU for one warp's 64 rows: (the maxima it returns, each lane's
+    vote as 1.0 or 0.0)."""
     import cuda.bindings.driver as cuda
     import torch
     from cutlass.cute.runtime import from_dlpack
 
+    tensors = [torch.from_numpy(old).cuda(), torch.from_numpy(tile).cuda(),
+               torch.empty(WARP_ROWS, device="cuda"), torch.empty(WARP, device="cuda")]
+    args = [from_dlpack(t, assumed_align=4).mark_layout_dynamic() for t in tensors]
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    key = ("gpu-vote", fn, tau)
+    if key not in _BUILDS:
+        _BUILDS[key] = cute.compile[cute.GPUArch("sm_90a")](VoteKernel(fn, tau), *args, stream)
+    _BUILDS[key](*args, stream)
+    torch.cuda.synchronize()
+    return tensors[2].cpu().numpy(), tensors[3].cpu().numpy()
+
+
+def emulate_vote_kernel(fn, old: np.ndarray, tile: np.ndarray, tau: float):
+    """``run_vote_kernel`` on the CPU: the same function on a warp of emulated lanes."""
+    m_used, votes, _ = emulate_running_max(fn, old, tile, tau)
+    return m_used, votes.astype(np.float32)
+
+
+def emulate_step_kernel(fn, case: StepCase) -> tuple[np.ndarray, np.ndarray]:
+    """``run_step_kernel`` on the CPU: the kernel's warps one after another, each on emulated
+    lanes (rows padded to whole warps with rows that see no key)."""
+    rows = case.scores.shape[0]
+    pad = -(-rows // WARP_ROWS) * WARP_ROWS - rows
+    scores = np.concatenate([case.scores,
+                             np.full((pad, case.scores.shape[1]), -np.inf, np.float32)])
+    outs, lses = [], []
+    for start in range(0, scores.shape[0], WARP_ROWS):
+        tr = emulate_step(fn, StepCase(case.what, scores[start:start + WARP_ROWS], case.v,
+                                       case.tau))
+        outs.append(tr.out)
+        lses.append(tr.lse)
+    return np.concatenate(outs)[:rows], np.concatenate(lses)[:rows]
+
+
+def check_running_max_on_gpu(fn, run=run_vote_kernel) -> tuple[bool, list[str]]:
+    """Exercise 07.2 on a Hopper GPU: VoteKernel(fn) on every case of ``vote_cases`` (one
+    warp each), maxima and votes against the rule. Returns (ok, one line per case). ``run``:
+    the runner (``emulate_vote_kernel`` checks this function's logic with no GPU)."""
     ok, lines = True, []
     for what, old, tile, tau in vote_cases():
-        tensors = [torch.from_numpy(old).cuda(), torch.from_numpy(tile).cuda(),
-                   torch.empty(WARP_ROWS, device="cuda"), torch.empty(WARP, device="cuda")]
-        args = [from_dlpack(t, assumed_align=4).mark_layout_dynamic() for t in tensors]
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        key = ("gpu-vote", fn, tau)
-        if key not in _BUILDS:
-            _BUILDS[key] = cute.compile[cute.GPUArch("sm_90a")](VoteKernel(fn, tau), *args,
-                                                                 stream)
-        _BUILDS[key](*args, stream)
-        torch.cuda.synchronize()
+        got, votes = run(fn, old, tile, tau)
         want, moved = _rule(old, tile, tau)
-        got = tensors[2].cpu().numpy()
-        votes = tensors[3].cpu().numpy()
         case_ok = (np.array_equal(got, want, equal_nan=True)
                    and bool((votes == float(moved.any())).all()))
         ok &= case_ok

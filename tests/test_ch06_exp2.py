@@ -439,3 +439,15 @@ def test_stored_measurements_read_as_the_chapter_says():
     assert {(d, cfg) for d, _, cfg, _ in comps} >= {(128, c) for c in ch06.EMULATION_CONFIGS}
     assert "speed vs default" in ch06.format_emulation(results.load(ch06.KNOBS_RESULTS,
                                                                     gpu="h200"))
+
+
+def test_gpu_checks_judge_through_a_cpu_runner():
+    """The GPU checks' own logic, with the kernels' runner swapped for the emulation."""
+    from tests.exercise_mutations import ch06 as wrong
+
+    run = ch06.emulate_each
+    assert ch06.check_exp2_device_on_gpu(ch06.exp2_device, n=1 << 14, run=run)[0]
+    ok, lines = ch06.check_exp2_device_on_gpu(wrong.exp2_clamp_drops_nan, n=1 << 14, run=run)
+    assert not ok and "first difference at x = np.float32(nan)" in lines[0]
+    assert ch06.check_exp2_split_on_gpu(ch06.exp2_split, n=1 << 12, run=run)[0]
+    assert not ch06.check_exp2_split_on_gpu(wrong.split_bunched, n=1 << 12, run=run)[0]

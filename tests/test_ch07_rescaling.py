@@ -449,3 +449,18 @@ def test_the_measurement_driver_lives_in_measure():
 
     assert driver.PRODUCES[0][0] == f"results/h200/{ch07.RESULTS_NAME}.json"
     assert not hasattr(ch07, "benchmark_knob") and not hasattr(ch07, "main")
+
+
+def test_gpu_checks_judge_through_a_cpu_runner():
+    """The GPU checks' own logic, with the kernels' runners swapped for the emulation."""
+    from tests.exercise_mutations import ch07 as wrong
+
+    assert ch07.check_running_max_on_gpu(ch07.running_max, run=ch07.emulate_vote_kernel)[0]
+    assert not ch07.check_running_max_on_gpu(wrong.running_max_votes_last_row,
+                                             run=ch07.emulate_vote_kernel)[0]
+    small = [ch07.StepCase(c.what, c.scores[:100], c.v, c.tau) for c in ch07.step_cases()]
+    assert ch07.check_softmax_step_on_gpu(ch07.softmax_step, run=ch07.emulate_step_kernel,
+                                          cases=small)[0]
+    ok, lines = ch07.check_softmax_step_on_gpu(wrong.step_no_alpha_on_l,
+                                               run=ch07.emulate_step_kernel, cases=small)
+    assert not ok and any("WRONG" in line for line in lines)
