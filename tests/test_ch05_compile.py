@@ -119,7 +119,7 @@ def test_defaults_get_no_wgmma_fences_from_ptxas(compiled, head_dim, causal):
 def test_head_dim_64_three_warpgroup_tiles(compiled):
     """default_config's docstring, as compiled: at 160 registers per consumer thread, FA4's
     192 x 128 spills, 192 x 112 does not spill but gets fences injected between its P V
-    wgmmas, and the two candidates --bench times compile clean."""
+    wgmmas, and the two candidates the knob run times compile clean."""
     H = ch05.HopperConfig
     fa4_tile = compiled(64, False, "bf16", H(tile_n=128, num_consumer_wgs=3))
     assert fa4_tile.spills > 0, fa4_tile.resources()

@@ -115,7 +115,7 @@ def test_every_knob_is_correct(knob):
 
 @pytest.mark.parametrize("name", ["192 x 64", "192 x 128, no overlap"])
 def test_three_consumer_warpgroups(name):
-    """The D = 64 candidates --bench times (default_config's docstring)."""
+    """The D = 64 candidates the knob run times (measure.ch05_knobs; default_config)."""
     cfg = ch05.bench_configs(64)[name]
     for causal in (False, True):
         ok, line = ch05.check_case(1, 1000, 1234, 2, 1, 64, causal, BF16, config=cfg)
