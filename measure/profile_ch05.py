@@ -46,12 +46,6 @@ def _run_target() -> None:
     launch_twice(ch05.attention)
 
 
-def _run_target() -> None:
-    from solutions import ch05_flash_hopper as ch05
-
-    launch_twice(ch05.attention)
-
-
 def _label() -> str:
     from solutions import ch05_flash_hopper as ch05
 
