@@ -1,4 +1,7 @@
-"""Microbenchmarks for chapters 00 and 06: how fast one SM computes exp2 and reads shared memory.
+"""Microbenchmarks for chapters 00, 04 and 06: how fast one SM computes exp2, reads shared memory
+and issues mma.sync. The kernels live here; ``python -m measure.microbench`` runs them (with a
+large matmul, an HBM copy and the cost of an eager operator) and stores
+results/<gpu>/microbench.json.
 
 The cycle model of chapter 00 (``utils/roofline.py``) divides work by per-SM, per-clock figures:
 16 exp2 per clock on MUFU, 128 bytes per clock from shared memory (ANCHORS.md). Here we measure
@@ -487,40 +490,3 @@ def exp_variants() -> list[ExpThroughput]:
     variants += [ExpThroughput(CHAINS, nan_safe=False), ExpThroughput(3, nan_safe=False),
                  ExpThroughput(CHAINS, floor="cvt")]
     return variants
-
-
-def matmul_tflops(n: int = 8192, warmup: int = 3, reps: int = 20, rounds: int = 3) -> dict:
-    """torch bf16 n x n x n matmul: 2 n^3 FLOPs per call, L2 flushed; the median over
-    ``rounds`` rounds (``utils.bench.interleaved``), their range and the SM clock."""
-    import torch
-
-    from utils.bench import interleaved
-
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    m = interleaved({"matmul": lambda: a @ b}, rounds=rounds, warmup=warmup, rep=reps)["matmul"]
-    flops = 2 * n**3
-    per_round = [flops / (ms * 1e-3) / 1e12 for ms in m.ms_rounds]
-    return {"ms": m.median_ms, "tflops": m.tflops(flops), "n": n, "min": min(per_round),
-            "max": max(per_round), "rounds": len(per_round),
-            "sm_clock_mhz": m.fields()["sm_clock_mhz"]}
-
-
-def copy_bandwidth(nbytes: int = 2**30, rounds: int = 3, reps: int = 20) -> dict:
-    """Device-to-device ``copy_`` of ``nbytes`` (far larger than the L2): each call reads and
-    writes ``nbytes`` of HBM, so 2 * nbytes / time is the bandwidth a streaming kernel gets.
-    Median over ``rounds`` rounds (``utils.bench.interleaved``), with their spread and the SM
-    clock read during them."""
-    import torch
-
-    from utils.bench import interleaved
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    m = interleaved({"copy": lambda: dst.copy_(src)}, rounds=rounds, rep=reps)["copy"]
-    per_round = [2 * nbytes / (ms * 1e-3) for ms in m.ms_rounds]
-    fields = m.fields()
-    return {"bytes_per_s": 2 * nbytes / (m.median_ms * 1e-3), "min": min(per_round),
-            "max": max(per_round), "rounds": len(per_round), "ms": m.median_ms,
-            "nbytes": nbytes, "sm_clock_mhz": fields["sm_clock_mhz"],
-            "sensors": fields["sensors"]}

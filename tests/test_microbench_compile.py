@@ -1,9 +1,10 @@
-"""The microbenchmark kernels compiled for sm_90a with no GPU, and the result rows' format."""
+"""The microbenchmark kernels compiled for sm_90a with no GPU, and the result rows' format
+(the driver is measure/microbench.py)."""
 
 import pytest
 
+from measure import microbench as driver
 from solutions import microbench as mb
-from solutions import run_microbench
 from utils import results
 
 EMULATED = (0, 2, 4, 8)
@@ -108,15 +109,21 @@ def test_mma_kernel_is_independent_hmma_from_registers():
 
 
 def test_rows_pass_the_results_validation():
-    rows = run_microbench.exp_rows(mb.ExpThroughput(3), _fake_figures(True))
-    rows += run_microbench.smem_rows(mb.SmemBandwidth(16), _fake_figures(False))
-    rows += run_microbench.matmul_rows({"n": 8192, "ms": 1.5, "tflops": 733.0})
-    rows += run_microbench.copy_rows(_fake_copy())
-    rows += run_microbench.mma_rows(mb.MmaSyncThroughput(),
-                                    _fake_figures(False) | {"per_s": 6.4e14})
+    rows = driver.exp_rows(mb.ExpThroughput(3), _fake_figures(True))
+    rows += driver.smem_rows(mb.SmemBandwidth(16), _fake_figures(False))
+    rows += driver.matmul_rows({"n": 8192, "ms": 1.5, "tflops": 733.0})
+    rows += driver.copy_rows(_fake_copy())
+    rows += driver.mma_rows(mb.MmaSyncThroughput(), _fake_figures(False) | {"per_s": 6.4e14})
+    rows += driver.launch_rows(_fake_launches())
     results.validate({"provenance": {k: "x" for k in results.PROVENANCE_KEYS}, "rows": rows})
     assert {r["metric"] for r in rows} >= {"exp2_rate", "exp2_per_clk_sm", "smem_bytes_per_clk_sm",
-                                          "matmul_tflops", "hbm_copy_bandwidth"}
+                                          "matmul_tflops", "hbm_copy_bandwidth",
+                                          "eager_launch_us"}
+
+
+def _fake_launches():
+    one = {"us": 6.0, "min": 5.8, "max": 6.3, "rounds": 3, "sm_clock_mhz": None}
+    return {"adds": one | {"launches": driver.EAGER_OPS}, "loop": one | {"launches": 1300}}
 
 
 def _fake_copy():
@@ -126,12 +133,12 @@ def _fake_copy():
 
 def test_problems_are_reported_in_words():
     fig = _fake_figures(True)
-    assert run_microbench.problems(fig, exp=True) == []
+    assert driver.problems(fig, exp=True) == []
     fig.update(sms_used=100, fixed_point_min=0.2)
-    said = " ".join(run_microbench.problems(fig, exp=True))
+    said = " ".join(driver.problems(fig, exp=True))
     assert "100 SMs" in said and "wrong thing" in said
     bad = _fake_figures(False) | {"checksum_ok": False}
-    assert "wrong addresses" in run_microbench.problems(bad, exp=False)[0]
+    assert "wrong addresses" in driver.problems(bad, exp=False)[0]
 
 
 def test_script_says_why_it_measures_nothing_without_a_gpu(capsys):
@@ -139,7 +146,7 @@ def test_script_says_why_it_measures_nothing_without_a_gpu(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the script would measure")
-    assert run_microbench.main([]) == 1
+    assert driver.main([]) == 1
     assert "no CUDA GPU" in capsys.readouterr().out
 
 
@@ -160,13 +167,14 @@ def test_script_control_flow_with_fake_measurements(monkeypatch, capsys):
     monkeypatch.setattr(mb.SmemBandwidth, "measure", lambda self, steps, **kw: _fake_figures(False))
     monkeypatch.setattr(mb.MmaSyncThroughput, "measure",
                         lambda self, steps, **kw: _fake_figures(False) | {"finite": True})
-    monkeypatch.setattr(mb, "matmul_tflops", lambda: {"n": 8192, "ms": 1.5, "tflops": 733.0})
-    monkeypatch.setattr(mb, "copy_bandwidth", _fake_copy)
+    monkeypatch.setattr(driver, "matmul_tflops", lambda: {"n": 8192, "ms": 1.5, "tflops": 733.0})
+    monkeypatch.setattr(driver, "copy_bandwidth", _fake_copy)
+    monkeypatch.setattr(driver, "eager_launch_cost", _fake_launches)
     monkeypatch.setattr(results, "save", lambda name, rows, command: saved.update(
         name=name, rows=rows, command=command) or "results/h200/microbench.json")
-    assert run_microbench.main(["--quick"]) == 1  # the crash makes the exit status 1
+    assert driver.main(["--quick"]) == 1  # the crash makes the exit status 1
     out = capsys.readouterr().out
     assert "FAIL poly deg 3 (cvt floor): raised RuntimeError: pretend compile failure" in out
     assert saved["name"] == "microbench" and "--quick" in saved["command"]
     measured = len(mb.exp_variants()) - 1
-    assert len(saved["rows"]) == 3 * measured + 2 * 2 + 3 + 1 + 1
+    assert len(saved["rows"]) == 3 * measured + 2 * 2 + 3 + 1 + 1 + 2

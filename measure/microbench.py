@@ -1,9 +1,10 @@
 """Run the microbenchmarks on this machine's GPU and store them in results/<gpu>/microbench.json.
 
-    timeout 300 python -m solutions.run_microbench          # about 30 s on an H200
-    python -m solutions.run_microbench --quick              # 10x fewer loop trips: a smoke test
+    timeout 300 python -m measure.microbench          # about 40 s on an H200
+    python -m measure.microbench --quick              # 10x fewer loop trips: a smoke test
 
-What it measures (``solutions/microbench.py`` says how):
+What it measures (the kernels are ``solutions/microbench.py``, which chapters 00, 04 and 06
+teach from; the torch-level measurements are here):
 - exp2: MUFU alone, the FMA polynomial alone (degrees 2..5, the naive cvt-floor version, the
   version that does not keep NaN), and mixes with 1..6 of every 8 exps on the polynomial;
   exps per second on the chip, exps per clock per SM, and the SM clock the run had;
@@ -11,7 +12,10 @@ What it measures (``solutions/microbench.py`` says how):
 - mma.sync (m16n8k16, bf16 -> fp32) from registers: FLOP/clk/SM and TFLOP/s, chapter 04's ceiling;
 - a torch bf16 8192^3 matmul in TFLOP/s, the tensor-core ceiling the other figures compare to;
 - a 1 GiB device-to-device copy in B/s (3 interleaved rounds), the HBM bandwidth a streaming
-  kernel gets (chapter 01's roofline).
+  kernel gets (chapter 01's roofline);
+- the cost of one eager PyTorch operator on the GPU, measured where the data is too small to
+  matter (chapter 02's launch-bound reading): a one-element ``torch.add`` issued back to back,
+  and chapter 02's own tile loop on one head of 1024 tokens (64 KB per operator), per launch.
 
 Each row: ``impl``, ``metric``, ``value``, ``unit`` and the knobs (``fraction``, ``degree``, ...).
 Checks that would make a figure meaningless (an SM without blocks, chains that did not converge,
@@ -27,6 +31,11 @@ import sys
 import time
 import traceback
 
+COMMAND = "python -m measure.microbench"
+PRODUCES = [("results/h200/microbench.json", COMMAND,
+             "per-SM rates of MUFU exp2 (and chapter 06's mixes), shared memory and mma.sync; a "
+             "large bf16 matmul; a 1 GiB copy; the cost of one eager PyTorch operator")]
+EAGER_OPS = 1000  # one-element adds per timed call of eager_launch_cost
 FIXED_POINT = 0.641185744504986  # v = 2^-v
 
 
@@ -79,6 +88,87 @@ def matmul_rows(fig: dict) -> list[dict]:
              **{k: fig.get(k) for k in ("min", "max", "rounds", "sm_clock_mhz")}}]
 
 
+def matmul_tflops(n: int = 8192, warmup: int = 3, reps: int = 20, rounds: int = 3) -> dict:
+    """torch bf16 n x n x n matmul: 2 n^3 FLOPs per call, L2 flushed; the median over
+    ``rounds`` rounds (``utils.bench.interleaved``), their range and the SM clock."""
+    import torch
+
+    from utils.bench import interleaved
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    m = interleaved({"matmul": lambda: a @ b}, rounds=rounds, warmup=warmup, rep=reps)["matmul"]
+    flops = 2 * n**3
+    per_round = [flops / (ms * 1e-3) / 1e12 for ms in m.ms_rounds]
+    return {"ms": m.median_ms, "tflops": m.tflops(flops), "n": n, "min": min(per_round),
+            "max": max(per_round), "rounds": len(per_round),
+            "sm_clock_mhz": m.fields()["sm_clock_mhz"]}
+
+
+def copy_bandwidth(nbytes: int = 2**30, rounds: int = 3, reps: int = 20) -> dict:
+    """Device-to-device ``copy_`` of ``nbytes`` (far larger than the L2): each call reads and
+    writes ``nbytes`` of HBM, so 2 * nbytes / time is the bandwidth a streaming kernel gets.
+    Median over ``rounds`` rounds (``utils.bench.interleaved``), with their spread and the SM
+    clock read during them."""
+    import torch
+
+    from utils.bench import interleaved
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    m = interleaved({"copy": lambda: dst.copy_(src)}, rounds=rounds, rep=reps)["copy"]
+    per_round = [2 * nbytes / (ms * 1e-3) for ms in m.ms_rounds]
+    fields = m.fields()
+    return {"bytes_per_s": 2 * nbytes / (m.median_ms * 1e-3), "min": min(per_round),
+            "max": max(per_round), "rounds": len(per_round), "ms": m.median_ms,
+            "nbytes": nbytes, "sm_clock_mhz": fields["sm_clock_mhz"],
+            "sensors": fields["sensors"]}
+
+
+def eager_launch_cost(rounds: int = 3) -> dict:
+    """What one eager PyTorch operator costs the GPU stream when its data is too small to matter:
+    (a) ``EAGER_OPS`` one-element ``torch.add`` calls issued back to back, per call; (b) chapter
+    02's tile loop (``attention_fa2``) on one head of 1024 tokens, D = 128 (64 KB per operator),
+    per launch of its counted launches. CUDA events around a host-bound sequence measure the
+    time the host takes to issue it. Medians over ``rounds`` interleaved rounds, with their
+    range in microseconds."""
+    import torch
+
+    from solutions import ch02_online_softmax as ch02
+    from utils.bench import interleaved
+    from utils.reference import random_qkv
+
+    x = torch.zeros(1, device="cuda")
+    one = torch.ones(1, device="cuda")
+
+    def adds():
+        for _ in range(EAGER_OPS):
+            torch.add(x, one, out=x)
+
+    s = 1024
+    q, k, v, _ = random_qkv(1, s, 1, 128, dtype=torch.bfloat16, device="cuda")
+    launches = ch02.launch_count().total(s, s)
+    m = interleaved({"adds": adds, "loop": lambda: ch02.attention_fa2(q, k, v)}, rounds=rounds,
+                    rep=10, flush_l2=False)
+    out = {}
+    for key, per_call in (("adds", EAGER_OPS), ("loop", launches)):
+        us = [ms * 1e3 / per_call for ms in m[key].ms_rounds]
+        out[key] = {"us": m[key].median_ms * 1e3 / per_call, "min": min(us), "max": max(us),
+                    "rounds": len(us), "launches": per_call,
+                    "sm_clock_mhz": m[key].fields()["sm_clock_mhz"]}
+    return out
+
+
+def launch_rows(fig: dict) -> list[dict]:
+    """Result rows of ``eager_launch_cost``: microseconds per operator, with the range of the
+    rounds."""
+    names = {"adds": "torch.add of one element, back to back",
+             "loop": "chapter 02's tile loop, B=1 H=1 S=1024 D=128 (64 KB per operator)"}
+    return [{"impl": names[key], "metric": "eager_launch_us", "value": f["us"], "unit": "us",
+             "min": f["min"], "max": f["max"], "rounds": f["rounds"], "launches": f["launches"],
+             "sm_clock_mhz": f["sm_clock_mhz"]} for key, f in fig.items()]
+
+
 def problems(fig: dict, exp: bool, checksum: bool = True) -> list[str]:
     """What makes a measurement unusable, in words (empty: fine)."""
     out = []
@@ -105,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop starting new measurements after this many seconds (default "
                              "150); what was measured is still written")
     args = parser.parse_args(argv)
-    command = "python -m solutions.run_microbench " + " ".join(argv or sys.argv[1:])
+    command = f"{COMMAND} " + " ".join(argv or sys.argv[1:])
 
     import torch
 
@@ -169,17 +259,23 @@ def main(argv: list[str] | None = None) -> int:
                            f"{fig['per_clk_sm']:6.0f} FLOP/clk/SM  (SM clock "
                            f"{fig['sm_clock_ghz']:.2f} GHz, {fig['ms']:.2f} ms)", indent="")
     if not args.no_matmul and not over_budget("matmul"):
-        fig = attempt("matmul", mb.matmul_tflops)
+        fig = attempt("matmul", matmul_tflops)
         if fig is not None:
             rows += matmul_rows(fig)
             print(f"torch bf16 matmul {fig['n']}^3: {fig['tflops']:.0f} TFLOP/s "
                   f"({fig['ms']:.2f} ms)")
     if not over_budget("copy"):
-        fig = attempt("copy", mb.copy_bandwidth)
+        fig = attempt("copy", copy_bandwidth)
         if fig is not None:
             rows += copy_rows(fig)
             print(f"HBM copy: {fig['bytes_per_s'] / 1e12:.2f} TB/s read + write "
                   f"({fig['min'] / 1e12:.2f}-{fig['max'] / 1e12:.2f} over {fig['rounds']} rounds)")
+    if not over_budget("eager launches"):
+        fig = attempt("eager launches", eager_launch_cost)
+        if fig is not None:
+            rows += launch_rows(fig)
+            print("eager operator cost: " + ", ".join(
+                f"{r['impl']}: {r['value']:.1f} us" for r in launch_rows(fig)))
     if rows:
         path = save(args.name, rows, command=command)
         print(f"wrote {path} ({len(rows)} rows) in {time.perf_counter() - t0:.1f} s")
