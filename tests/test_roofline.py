@@ -140,48 +140,36 @@ def test_utils_imports_no_lesson():
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 00's exercises: the checkers accept the solutions and name the usual mistakes
+# Chapter 00's exercises: the checkers accept the solutions and the hand-made counts; the planted
+# mistakes live in tests/exercise_mutations/ch00.py
 
 from solutions import ch00_hardware as ch00  # noqa: E402
-
-
-def _by_hand(arch, m, n, d, p_in_smem=False, rereads=True, bytes_per=2, one_matmul=False):
-    fig = roofline.PER_SM[roofline.GPUS[arch]]
-    reads = math.ceil(m / roofline.MMA_ISSUE[roofline.GPUS[arch]].rows_per_instruction)
-    reads = reads if rereads else 1
-    smem = (m * d + 2 * reads * n * d + (m * n if p_in_smem else 0)) * bytes_per
-    return {"mma": (2 if one_matmul else 4) * m * n * d / fig.mma_flops_per_clk,
-            "exp": m * n / fig.exp2_per_clk, "smem": smem / fig.smem_bytes_per_clk}
+from tests.exercise_mutations import ch00 as wrong0  # noqa: E402
 
 
 def test_chapter00_checkers_accept_solutions():
     ch00.check_forward_tile_cycles(ch00.forward_tile_cycles)
-    ch00.check_forward_tile_cycles(_by_hand)
-    ch00.check_binding_units({64: "exp", 128: ("mma", "exp"), 256: "mma"})
-    ch00.check_binding_units({64: "exp", 128: "exp", 256: "mma"})
-    ch00.check_b300_speedups(ch00.b300_speedups())
-    assert ch00.b300_speedups() == (2.0, 1.0)
+    ch00.check_forward_tile_cycles(wrong0._by_hand)
+    ch00.check_tie_head_dim(ch00.tie_head_dim)
+    ch00.check_narrowest_kv_tile(ch00.narrowest_kv_tile)
+    ch00.check_narrowest_kv_tile(lambda arch, m, d: wrong0._narrowest(arch, m, d))
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(one_matmul=True), "two matmuls"),
-    (dict(p_in_smem=True), "P does not come from shared memory"),
-    (dict(rereads=False), "warpgroups"),
-    (dict(bytes_per=1), "bytes, not elements"),
-])
-def test_chapter00_tile_checker_names_the_mistake(kwargs, words):
-    with pytest.raises(AssertionError, match=words):
-        ch00.check_forward_tile_cycles(lambda arch, m, n, d: _by_hand(arch, m, n, d, **kwargs))
+def test_tie_head_dim_is_where_the_model_ties():
+    for name, sm in (("H100", "sm_90"), ("B200", "sm_100"), ("B300", "sm_103")):
+        d = ch00.tie_head_dim(roofline.PER_SM[sm])
+        t = tile_cycles(name, "fwd", m=96, n=80, d=int(d))
+        assert t.mma == t.exp, (name, d, t)
 
 
-def test_chapter00_value_checkers_reject():
-    with pytest.raises(AssertionError, match="D=64"):
-        ch00.check_binding_units({64: "mma", 128: "mma", 256: "mma"})
-    with pytest.raises(AssertionError, match="unknown unit"):
-        ch00.check_binding_units({64: "tensor", 128: "mma", 256: "mma"})
-    with pytest.raises(AssertionError, match="dict"):
-        ch00.check_binding_units(["exp", "mma", "mma"])
-    with pytest.raises(AssertionError, match="D=128"):
-        ch00.check_b300_speedups((2.0, 2.0))
-    with pytest.raises(AssertionError, match="two numbers"):
-        ch00.check_b300_speedups(2.0)
+def test_narrowest_kv_tile_does_not_depend_on_d_and_fails_for_a_64_row_blackwell_tile():
+    assert {ch00.narrowest_kv_tile("H100", 128, d) for d in (64, 128, 256)} == {32}
+    assert {ch00.narrowest_kv_tile("B200", 128, d) for d in (64, 128, 256)} == {64}
+    assert ch00.narrowest_kv_tile("B200", 64, 128) is None
+
+
+def test_peak_lines_say_which_clock_each_figure_assumes():
+    lines = ch00.peak_lines()
+    assert "989 TFLOP/s" in lines[0] and "1.83 GHz" in lines[0]
+    assert "1.98 GHz" in lines[1] and "(model)" in lines[1]
+    assert abs(ch00.datasheet_clock_ghz() - 1.83) < 0.01
