@@ -35,6 +35,7 @@ import numpy as np
 
 from solutions import ch05_flash_hopper as ch05
 from utils import roofline
+from utils.claims import claim
 from utils.hardware import PER_SM
 from utils.notebook import source_between  # noqa: F401 (the notebook quotes the kernel with it)
 from utils.results import load_stored  # noqa: F401 (the notebook's stored-results cells)
@@ -1939,20 +1940,6 @@ def fwd_ratio(res, impl: str, peer: str, d: int = 128, s: int = 16384,
 def _shapes(res) -> list[tuple]:
     return sorted({(r["d"], r["s"], r["causal"]) for r in res.rows if r.get("pass") == "fwd"})
 
-
-def claim(cid: str, results_name: str, text: str):
-    """Register ``check`` (Results -> (holds, one line)) as claim ``cid`` on ``results_name``:
-    ``utils.claims.claim`` where it exists, else the same entry written into its registry."""
-    from utils import claims
-
-    if hasattr(claims, "claim"):
-        return claims.claim(cid, results_name, text)
-
-    def register(check):
-        claims.REGISTRY[cid] = claims.Claim(cid, results_name, text, check)
-        return check
-
-    return register
 
 
 @claim("05.fa2_far_behind", "ch05_fwd",

@@ -57,6 +57,7 @@ from fa4_final.fast_math import (  # noqa: F401  (re-exported: the notebook impo
     ptx_sub_rn,
 )
 from fa4_final.fast_math import check_degree as _check_degree
+from utils.claims import claim
 
 # ----------------------------------------------------------------------------------------------
 # 1. Float32 bit patterns and the rounding of single instructions
@@ -1638,20 +1639,6 @@ def check_exp2_split_on_gpu(fn, n: int = 1 << 20, run=None) -> tuple[bool, list[
 KNOBS_RESULTS = "ch05_knobs"  # chapter 05's kernel with each knob, one run
 EMULATION_CONFIGS = ("exp2 emulation 1/4", "exp2 emulation 1/2")
 
-
-def claim(cid: str, results_name: str, text: str):
-    """Register ``check`` (Results -> (holds, one line)) as claim ``cid`` on ``results_name``
-    (utils.claims; tests/test_claims.py runs it on the stored file)."""
-    from utils import claims
-
-    if hasattr(claims, "claim"):
-        return claims.claim(cid, results_name, text)
-
-    def register(check):
-        claims.REGISTRY[cid] = claims.Claim(cid, results_name, text, check)
-        return check
-
-    return register
 
 
 def mix_rates(res) -> list[dict]:

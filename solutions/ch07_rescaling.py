@@ -84,6 +84,7 @@ from cutlass import Float32
 from solutions.ch02_online_softmax import LN2 as LN_2
 from solutions.ch02_online_softmax import LOG2E as LOG2_E
 from solutions.ch02_online_softmax import lse_from_state
+from utils.claims import claim
 from utils.reference import check_attention_inputs, positive_int
 
 FA4_RESCALE_THRESHOLD = 8.0  # log2(256): FA4's value for 16-bit inputs
@@ -1748,20 +1749,6 @@ def partial_attention(attention_fn, config):
 # ---------------------------------------------------------------------------------------------
 # 9. Reading the stored run (results/h200/ch07_rescale.json) and the claims the prose makes
 
-
-def claim(cid: str, results_name: str, text: str):
-    """Register ``check`` (Results -> (holds, one line)) as claim ``cid`` on ``results_name``
-    (utils.claims; tests/test_claims.py runs it on the stored file)."""
-    from utils import claims
-
-    if hasattr(claims, "claim"):
-        return claims.claim(cid, results_name, text)
-
-    def register(check):
-        claims.REGISTRY[cid] = claims.Claim(cid, results_name, text, check)
-        return check
-
-    return register
 
 
 def stored_row(res, inputs: str, causal: bool, tau: float) -> dict | None:
