@@ -3,9 +3,9 @@ ncu's format, and the stored profile when there is one."""
 
 import pytest
 
+from labs import ch04_tuning_helpers as lab
 from measure import _ncu as ncu
 from solutions import ch04_profile as prof
-from solutions import ch04_teaching as t4
 from utils.results import load
 
 RAW = "\n".join([
@@ -103,7 +103,7 @@ def test_profile_lines_read_the_stored_profile():
         res = load(prof.RESULTS)
     except FileNotFoundError:
         pytest.skip("no stored ch04_profile on the H200 yet")
-    lines = t4.profile_lines(res)
+    lines = lab.profile_lines(res)
     text = "\n".join(lines)
     assert "tensor pipe busy" in text and "warp time: softmax" in text and "stall" not in lines[0]
     by = {r["metric"]: r["value"] for r in res.rows}
