@@ -35,6 +35,7 @@ from solutions import ch04_cpu_model as cm
 from solutions import ch04_flash_ampere as fa
 from utils import layout_plots as lp
 from utils import roofline
+from utils.claims import claim
 from utils.hardware import PER_SM
 from utils.notebook import source_between  # noqa: F401 (the notebook prints kernel excerpts)
 from utils.results import load_stored  # noqa: F401 (the notebook's stored-results cells)
@@ -744,20 +745,6 @@ def ceiling_lines(micro, sweep, head_dim: int = 128) -> list[str]:
 # ================================================================================================
 # Claims the chapter's prose makes (tests/test_claims.py checks each on its file)
 # ================================================================================================
-def claim(cid: str, results_name: str, text: str):
-    """Register ``check`` (Results -> (holds, one line)) as claim ``cid`` on ``results_name``
-    (utils.claims' registry; its ``claim`` decorator when it has one)."""
-    from utils import claims
-
-    if hasattr(claims, "claim"):
-        return claims.claim(cid, results_name, text)
-
-    def register(check):
-        claims.REGISTRY[cid] = claims.Claim(cid, results_name, text, check)
-        return check
-
-    return register
-
 
 def _fwd_shapes(res):
     return sorted({(r["d"], r["s"], r["causal"]) for r in res.rows
