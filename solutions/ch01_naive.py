@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from utils.bench import attention_flops
+from utils.claims import claim
 from utils.reference import attention_reference, check_attention_inputs, positive_int, random_qkv
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +334,7 @@ def measure_peak_bytes(fn, q, k, v, causal=False, softmax_scale=None) -> PeakMem
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Exercises: the checkers say in plain words what is wrong
+# 4. Exercises: the checkers say in plain words what is wrong (01.1 attention, 01.2 its peak)
 
 
 def _first_problem(fn, q, k, v, causal, what: str) -> str | None:
@@ -398,30 +399,131 @@ def check_causal_attention(fn) -> None:
         raise AssertionError(problem + ". With GQA, query head i uses kv head i // (H / H_kv)")
 
 
-MEMORY_QUESTION = dict(b=1, h=16, s_q=16384, s_k=16384, d=128, dtype=torch.bfloat16)
+def _attention_forbid() -> dict:
+    import torch.nn.functional as F
+
+    from solutions import ch02_online_softmax as ch02
+
+    why = "it computes attention for you; the exercise is to write the steps yourself"
+    return {attention_reference: "that is the float64 reference the checker compares with; " + why,
+            F.scaled_dot_product_attention: "PyTorch's fused attention: " + why,
+            ch02.attention: why, ch02.attention_fa2: why, ch02.attention_fa1: why}
 
 
-def check_memory_answer(answer) -> None:
-    """Exercise 01.2: the peak memory of ``attention`` at MEMORY_QUESTION, in GiB (within 3%)."""
-    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not math.isfinite(
-            answer):
-        raise AssertionError(f"give a number of GiB, got {answer!r}")
-    expected = predict_peak_bytes(**MEMORY_QUESTION).peak / 2**30
-    n2 = MEMORY_QUESTION["b"] * MEMORY_QUESTION["h"] * MEMORY_QUESTION["s_q"] ** 2
-    if math.isclose(answer, expected, rel_tol=0.03):
-        return
-    hints = {
-        n2 * 2 / 2**30: "that is one bf16 score matrix; at the peak its float32 copy is alive "
-                        "too (2 + 4 bytes per score)",
-        n2 * 4 / 2**30: "that is the float32 scores alone; the bf16 P is made while they are "
-                        "still alive (2 + 4 bytes per score)",
-        n2 * 2 / 1e9: "bytes / 1e9 is GB; the question asks for GiB (bytes / 2**30)",
-        n2 * 6 / 1e9: "bytes / 1e9 is GB; the question asks for GiB (bytes / 2**30)",
-    }
-    for value, hint in hints.items():
-        if math.isclose(answer, value, rel_tol=0.03):
-            raise AssertionError(f"{answer:.3g} GiB: {hint}")
-    raise AssertionError(
-        f"{answer:.3g} GiB is not it. Count the (B, H, S, S) matrices alive at the same moment "
-        "and the bytes per element of each; the (S, D) tensors are small next to them"
-    )
+ATTENTION_FORBID = _attention_forbid()  # 01.1
+
+
+# Exercise 01.2: the peak, beyond the inputs, of ``attention`` on bf16 inputs. Shapes where the
+# score matrices dominate and shapes where the (B, H, S, D) copies are a few per cent of it.
+PEAK_CASES = ((1, 16, 16384, 16384, 128), (1, 2, 100, 300, 64), (1, 4, 1024, 1024, 64),
+              (2, 3, 512, 200, 64))
+PEAK_TOLERANCE = 0.02
+PEAK_FORBID = {
+    predict_peak_bytes: "it is the course's count, stage by stage; the exercise is to make it",
+    measure_peak_bytes: "it measures the peak instead of predicting it",
+    naive_traffic: "it counts the bytes moved, not the bytes held; count what is alive at once",
+}
+
+
+def naive_peak_bytes(b: int, h: int, s_q: int, s_k: int, d: int) -> int:
+    """Reference for 01.2: the bytes ``attention`` holds at its peak beyond its bf16 inputs."""
+    return predict_peak_bytes(b, h, s_q, s_k, d, torch.bfloat16).peak
+
+
+def check_peak_bytes(fn) -> None:
+    """Exercise 01.2: ``fn(b, h, s_q, s_k, d) -> bytes`` within 2% of the count of every tensor
+    ``attention`` holds at its peak (bf16 inputs, no mask)."""
+    for b, h, sq, sk, d in PEAK_CASES:
+        got = fn(b, h, sq, sk, d)
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
+            raise AssertionError(f"return a number of bytes, got {got!r}")
+        want = naive_peak_bytes(b, h, sq, sk, d)
+        if abs(got - want) <= PEAK_TOLERANCE * want:
+            continue
+        n2 = b * h * sq * sk
+        copies = 2 * b * h * (sq + 2 * sk) * d
+        where = (f"B={b}, H={h}, Sq={sq}, Sk={sk}, D={d}: you say {got:,.0f} bytes, the peak is "
+                 f"{want:,.0f}")
+        hints = [
+            (6 * n2, "the score matrices are right, but matmul wants (B, H, S, D) copies of Q, "
+                     "K and V (transposed, contiguous), 2 bytes per element, alive until the "
+                     "function returns: add them"),
+            (2 * n2 + copies, "that is one bf16 score matrix; at the peak its float32 copy is "
+                              "alive too (2 + 4 bytes per score)"),
+            (4 * n2 + copies, "that is the float32 scores alone; the bf16 P is made while they "
+                              "are still alive (2 + 4 bytes per score)"),
+            (8 * n2 + copies, "at most two score matrices are alive at once: the bf16 S is "
+                              "dropped once its float32 copy exists, and P is made from that"),
+            (10 * n2 + copies, "at most two score matrices are alive at once: the bf16 S is "
+                               "dropped once its float32 copy exists, and P is made from that"),
+        ]
+        if got < 1e-3 * want:
+            raise AssertionError(f"{where}. Return bytes, not GiB or MB")
+        for value, hint in hints:
+            if math.isclose(got, value, rel_tol=PEAK_TOLERANCE):
+                raise AssertionError(f"{where}. {hint}")
+        raise AssertionError(f"{where}. Count the (B, H, Sq, Sk) matrices alive at the same "
+                             "moment and the bytes per element of each, plus the (B, H, S, D) "
+                             "copies of Q, K and V")
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Reading the stored run (results/h200/ch01_ch02_fwd.json): roofline points, the peers
+
+
+def naive_points(versions, bandwidth: float, compute_flops: float) -> list[tuple]:
+    """(stored row, RooflinePoint, bytes per second moved by the byte count) for every naive
+    forward row of ``versions`` that was timed."""
+    out = []
+    for r in versions.where(impl="naive", **{"pass": "fwd"}):
+        if not r.get("ms"):
+            continue
+        t = naive_traffic(r["b"], r["h"], r["s"], r["s"], r["d"], causal=r["causal"])
+        pt = roofline(f"naive S={r['s']}", t.flops, t.bytes, r["ms"], bandwidth, compute_flops)
+        out.append((r, pt, t.bytes / (r["ms"] * 1e-3)))
+    return out
+
+
+def fused_point(row, bandwidth: float, compute_flops: float) -> RooflinePoint:
+    """A fused kernel's stored row on the roofline, with the bytes a kernel that never writes S
+    or P must move."""
+    floor = fused_floor_bytes(row["b"], row["h"], row["s"], row["s"], row["d"])
+    flops = naive_traffic(row["b"], row["h"], row["s"], row["s"], row["d"]).flops
+    return roofline(f"{row['impl']} S={row['s']}", flops, floor, row["ms"], bandwidth,
+                    compute_flops)
+
+
+def naive_tflops(versions, s: int = 16384) -> float:
+    return versions.one(impl="naive", s=s, **{"pass": "fwd"})["tflops"]
+
+
+def best_peer_over_naive(versions, s: int = 16384) -> tuple[str, float]:
+    """(the fastest peer of the run at length s, its TFLOP/s over the naive version's)."""
+    from utils import bench
+
+    naive = versions.one(impl="naive", s=s, **{"pass": "fwd"})
+    peer = bench.best_peer(versions.rows, naive)
+    return peer["impl"], peer["tflops"] / naive["tflops"]
+
+
+@claim("01.naive_under_its_bandwidth_line", "ch01_ch02_fwd",
+       "at every stored length the naive version runs below what its byte count allows at the "
+       "H200's datasheet bandwidth, and far below the tensor cores' datasheet peak")
+def _naive_under_bandwidth(res):
+    from utils.hardware import HBM_DATASHEET_BYTES_PER_S
+
+    pts = naive_points(res, HBM_DATASHEET_BYTES_PER_S["H200"], 989e12)
+    ok = bool(pts) and all(pt.memory_bound and pt.of_bound < 1 and pt.tflops < 0.1 * 989
+                           for _, pt, _ in pts)
+    return ok, "; ".join(f"S={r['s']}: {pt.tflops:.1f} of {pt.bound_tflops:.1f} TFLOP/s allowed"
+                         for r, pt, _ in pts)
+
+
+@claim("01.fused_ten_times_ahead", "ch01_ch02_fwd",
+       "at every stored length the fastest fused peer of the run does the same forward more than "
+       "ten times as fast as the naive version")
+def _fused_ahead(res):
+    ratios = {r["s"]: best_peer_over_naive(res, r["s"])
+              for r in res.where(impl="naive", **{"pass": "fwd"}) if r.get("tflops")}
+    return (bool(ratios) and all(x > 10 for _, x in ratios.values()),
+            ", ".join(f"S={s}: {p} {x:.0f}x" for s, (p, x) in sorted(ratios.items())))
