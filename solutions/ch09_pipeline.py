@@ -1473,3 +1473,317 @@ def bwd_sweep(kernel, problems, seeds=range(3), **kw) -> Sweep:
                 out.tiles += 1
                 out.kv_steps += bs.steps
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# chapters 09-10's primer: one tile on one CTA (OneTileAttention) or on a pair
+# (PairTileAttention), replayed call by call from what each role's code did
+
+
+class Uninitialised(PipelineError):
+    pass
+
+
+@dataclass(frozen=True)
+class Op:
+    """One call a role of the primer made, as the exercises' checkers record it.
+
+    kind: "wait" (mbarrier_wait on ``bar`` of CTA ``cta`` with ``parity``), "arrive" (``count``
+    arrivals on ``bar`` of CTA ``cta``), "gemm" (one tcgen05.mma of GEMM ``what``, "S" or "O",
+    K-block ``k``, ``accumulate``), "commit" (tcgen05.commit onto ``bar``; ``mask`` 0b11 for
+    both CTAs of a pair, None for the issuing CTA only; ``count`` commits: 32 when the whole
+    warp issued it), "ld" / "st" (tcgen05.ld of ``what`` / tcgen05.st of ``what``), "wait_st"
+    (tcgen05.wait::st), "init" (mbarrier_init of ``bar`` with ``count`` arrivals),
+    "fence_init", "cluster_arrive", "cluster_wait"."""
+
+    kind: str
+    bar: str | None = None
+    cta: int = 0
+    parity: int = 0
+    count: int = 1
+    what: str = ""
+    k: int = 0
+    accumulate: bool = False
+    mask: int | None = None
+    relaxed: bool = True
+
+
+PRIMER_BARS = ("load", "s", "p", "o")
+PRIMER_ROWS = 128
+
+
+def primer_mma_ops(head_dim: int = 128, pair: bool = False) -> list[Op]:
+    """The MMA warp of the reference primer (of the leader CTA for a pair)."""
+    ops = [Op("wait", "load")]
+    ops += [Op("gemm", what="S", k=k, accumulate=k != 0) for k in range(head_dim // 16)]
+    ops += [Op("commit", "s", mask=0b11 if pair else None), Op("wait", "p")]
+    ops += [Op("gemm", what="O", k=k, accumulate=k != 0) for k in range(PRIMER_ROWS // 16)]
+    return ops + [Op("commit", "o", mask=0b11 if pair else None)]
+
+
+def primer_softmax_ops(pair: bool = False) -> list[Op]:
+    """One softmax thread of the reference primer, up to its arrive (each CTA's, for a pair:
+    the arrive goes to the leader's mbar_p)."""
+    return [Op("wait", "s"), Op("ld", what="S"), Op("st", what="P"), Op("wait_st"),
+            Op("arrive", "p", cta=0)]
+
+
+def primer_init_ops(pair: bool = True) -> list[Op]:
+    """The reference barrier set-up of one CTA of the pair (PairTileAttention)."""
+    counts = {"load": 1, "s": 1, "p": 2 * PRIMER_ROWS if pair else PRIMER_ROWS, "o": 1}
+    return [Op("init", b, count=counts[b]) for b in PRIMER_BARS] + [
+        Op("fence_init"), Op("cluster_arrive"), Op("cluster_wait")]
+
+
+@dataclass(frozen=True)
+class AccVersion:
+    """What an accumulator in TMEM (S or O) holds: the K-blocks summed into it and whether the
+    sum started from zero (the first MMA overwrote what was there)."""
+
+    name: str
+    blocks: frozenset
+    clean: bool
+    total: int
+
+    def __repr__(self) -> str:
+        if not self.blocks:
+            return f"what the previous tile left in {self.name}'s columns"
+        if self.clean and len(self.blocks) == self.total:
+            return f"the complete {self.name}"
+        return (f"{self.name} after {len(self.blocks)} of its {self.total} K-blocks"
+                + ("" if self.clean else ", added to what was there before"))
+
+    def add(self, k: int, accumulate: bool) -> AccVersion:
+        if accumulate:
+            return AccVersion(self.name, self.blocks | {k}, self.clean, self.total)
+        return AccVersion(self.name, frozenset({k}), True, self.total)
+
+
+class PrimerBarrier(Barrier):
+    """A primer barrier that knows whether it has been initialised, and whether its init is
+    visible to the other CTA of a pair (published by a fence and a cluster arrive)."""
+
+    def __init__(self, name: str, arrivals: int, sim: Sim, cta: int, initialised: bool):
+        super().__init__(name, arrivals, sim)
+        self.cta, self.initialised, self.published = cta, initialised, initialised
+
+    def touch(self, who_cta: int, what: str) -> None:
+        if not self.initialised:
+            raise Uninitialised(
+                f"t={self.sim.now}: {what} {self.name} before CTA {self.cta} initialised it: an "
+                "mbarrier holds garbage until mbarrier_init, so the arrival or the wait is lost")
+        if who_cta != self.cta and not self.published:
+            raise Uninitialised(
+                f"t={self.sim.now}: {what} {self.name} from CTA {who_cta} before CTA {self.cta}'s "
+                "init was published to the cluster (fence.mbarrier_init, then the cluster "
+                "barrier's arrive)")
+
+    def ready(self, parity: int) -> bool:
+        return self.initialised and super().ready(parity)
+
+
+class PrimerSim:
+    """The primer's roles as agents: the load warp (given), the MMA warp (``mma``: per CTA, a
+    list of ``Op``), the softmax warpgroup (``softmax``: per CTA, a list of (threads, ops)
+    groups: threads that made the same calls) and, for a pair, each CTA's barrier set-up
+    (``init``: per CTA, ops; None: initialised before anything runs, as the one-CTA primer's
+    inits followed by __syncthreads).
+
+    Buffers carry versions: shared memory ("loaded"), S (the K-blocks summed into it and
+    whether it started from zero), P, O. The tensor cores run MMAs in issue order; a commit
+    arrives when every MMA before it has completed. tcgen05.st completes some ticks after it is
+    issued; tcgen05.wait::st waits for that. CTA start times differ by up to ``skew`` ticks.
+    Raises Deadlock, Overwrite, StaleRead, EarlyArrival or Uninitialised, in words."""
+
+    def __init__(self, mma: dict, softmax: dict, init: dict | None = None, pair: bool = False,
+                 head_dim: int = 128, seed: int = 0, skew: int = 30, log: bool = False):
+        self.pair, self.d = pair, head_dim
+        self.ctas = 2 if pair else 1
+        self.sim = Sim(seed)
+        self.sim.keep_log = log
+        rng = random.Random(seed + 1000)
+        self.start = [rng.randint(0, skew) if pair else 0 for _ in range(self.ctas)]
+        default = primer_init_ops(pair)
+        counts = {op.bar: op.count for op in default if op.kind == "init"}
+        self.bar = {(c, b): PrimerBarrier(self._bar_name(c, b), counts[b], self.sim, c,
+                                          initialised=init is None)
+                    for c in range(self.ctas) for b in PRIMER_BARS}
+        self.smem = [Buffer(f"CTA {c}'s shared memory (Q, K, V)", self.sim)
+                     for c in range(self.ctas)]
+        self.S = [Buffer(self._name(c, "S in TMEM"), self.sim) for c in range(self.ctas)]
+        # P: one buffer per group of softmax threads (each group writes its own rows)
+        self.P = [[Buffer(self._name(c, "P in TMEM" if len(softmax[c]) == 1 else
+                                     f"P in TMEM (rows of group {g})"), self.sim)
+                   for g in range(len(softmax[c]))] for c in range(self.ctas)]
+        self.O = [Buffer(self._name(c, "O in TMEM"), self.sim) for c in range(self.ctas)]
+        s0 = AccVersion("S", frozenset(), False, head_dim // 16)
+        o0 = AccVersion("O", frozenset(), False, PRIMER_ROWS // 16)
+        for c in range(self.ctas):
+            self.S[c].version = s0  # what the last kernel left
+            self.O[c].version = o0
+        self.full_s = AccVersion("S", frozenset(range(s0.total)), True, s0.total)
+        self.full_o = AccVersion("O", frozenset(range(o0.total)), True, o0.total)
+        self.setup_done = [init is None] * self.ctas
+        self.cluster_arrived = [0] * self.ctas
+        self.s_version = [s0] * self.ctas
+        self.o_version = [o0] * self.ctas
+        for c in range(self.ctas):
+            if init is not None:
+                self.sim.add(f"CTA {c} set-up", self.setup(c, init[c]))
+            self.sim.add(self._name(c, "load warp"), self.load(c))
+            self.sim.add(self._name(c, "MMA warp"), self.mma(c, mma.get(c, [])))
+            for g, (threads, ops) in enumerate(softmax[c]):
+                label = "softmax warpgroup" if len(softmax[c]) == 1 else \
+                    f"softmax threads of group {g} ({threads} thread(s))"
+                self.sim.add(self._name(c, label), self.softmax(c, g, threads, ops, label))
+
+    def _name(self, c: int, what: str) -> str:
+        return f"CTA {c}'s {what}" if self.pair else what
+
+    def _bar_name(self, c: int, b: str) -> str:
+        return f"CTA {c}'s mbar_{b}" if self.pair else f"mbar_{b}"
+
+    def _gate(self, c: int):
+        """Wait for the CTA's start and, in a pair, for its set-up."""
+        if self.start[c]:
+            yield busy(self.start[c], "start")
+        while not self.setup_done[c]:
+            yield Wait(Cond(f"CTA {c}'s set-up", lambda c=c: self.setup_done[c]), 0)
+
+    def _wait(self, who_cta: int, op: Op):
+        b = self.bar[(op.cta, op.bar)]
+        b.touch(who_cta, "a wait on")
+        return Wait(b, op.parity)
+
+    def _arrive(self, who: str, who_cta: int, b: PrimerBarrier, count: int, tx: int = 0):
+        b.touch(who_cta, "an arrive on")
+        b.arrive(who, count, tx)
+
+    # roles -----------------------------------------------------------------------------------
+    def setup(self, c: int, ops: list[Op]):
+        if self.start[c]:
+            yield busy(self.start[c], "start")
+        fenced = False
+        for op in ops:
+            if op.kind == "init":
+                b = self.bar[(c, op.bar)]
+                b.initialised, b.arrivals, b.pending = True, op.count, op.count
+            elif op.kind == "fence_init":
+                fenced = True
+            elif op.kind == "cluster_arrive":
+                if fenced or not op.relaxed:
+                    for b in PRIMER_BARS:
+                        self.bar[(c, b)].published = self.bar[(c, b)].initialised
+                self.cluster_arrived[c] += 1
+            elif op.kind == "cluster_wait":
+                n = self.cluster_arrived[c]
+                yield Wait(Cond("the cluster barrier", lambda n=n: min(self.cluster_arrived)
+                                >= n), 0)
+            yield busy(1, op.kind)
+        self.setup_done[c] = True
+
+    def load(self, c: int):
+        """Q, K, V (a pair: this CTA's share) into shared memory; the bytes count on the
+        leader's mbar_load, armed by the leader's expect_tx."""
+        yield from self._gate(c)
+        lead = self.bar[(0, "load")]
+        nbytes = 3 * PRIMER_ROWS * self.d * 2
+        if c == 0:
+            self._arrive(self._name(c, "load warp"), c, lead, 1, tx=nbytes * self.ctas)
+        lead.touch(c, f"the TMA bytes of CTA {c} land on" if self.pair else "TMA bytes land on")
+        self.sim.tma_copy(self.smem[c], "Q, K, V", lead, nbytes, 0, self._name(c, "load warp"))
+        yield busy(1, "TMA")
+
+    def mma(self, c: int, ops: list[Op]):
+        me = self._name(c, "MMA warp")
+        yield from self._gate(c)
+        for op in ops:
+            if op.kind == "wait":
+                yield self._wait(c, op)
+            elif op.kind == "gemm":
+                self._gemm(c, op)
+                yield busy(1, f"issue {op.what}")
+            elif op.kind == "commit":
+                targets = [self.bar[(t, op.bar)] for t in range(self.ctas)
+                           if op.mask is not None and op.mask >> t & 1] \
+                    if op.mask is not None else [self.bar[(c, op.bar)]]
+                for b in targets:
+                    b.touch(c, "a tcgen05.commit onto")
+                # a commit by every thread of the warp arrives once per thread
+                self.sim.mma_issue({"commit": targets * op.count})
+                yield busy(1, "commit")
+            elif op.kind == "arrive":
+                self._arrive(me, c, self.bar[(op.cta, op.bar)], op.count)
+            else:
+                raise PipelineError(f"the MMA warp made a call the primer has no model of: "
+                                    f"{op.kind}")
+
+    def _gemm(self, c: int, op: Op):
+        ctas = range(self.ctas) if self.pair else [c]
+        if op.what == "S":
+            reads = [(self.smem[t], "Q, K, V") for t in ctas]
+            writes = []
+            for t in ctas:
+                self.s_version[t] = self.s_version[t].add(op.k, op.accumulate)
+                writes.append((self.S[t], self.s_version[t]))
+            label = "S"
+        else:
+            reads = [(self.smem[t], "Q, K, V") for t in ctas] + [
+                (p, "P") for t in ctas for p in self.P[t]]
+            writes = []
+            for t in ctas:
+                self.o_version[t] = self.o_version[t].add(op.k, op.accumulate)
+                writes.append((self.O[t], self.o_version[t]))
+            label = "PV"
+        self.sim.mma_issue({"reads": reads, "writes": writes, "label": label})
+
+    def softmax(self, c: int, g: int, threads: int, ops: list[Op], label: str):
+        me = self._name(c, label)
+        yield from self._gate(c)
+        in_flight = []
+        for op in ops:
+            if op.kind == "wait":
+                yield self._wait(c, op)
+            elif op.kind == "ld":
+                buf, want = (self.S[c], self.full_s) if op.what == "S" else \
+                    (self.O[c], self.full_o)
+                buf.start_read(me, want)
+                yield busy(self.sim.ticks("read_s"), f"tcgen05.ld {op.what}")
+                buf.end_read(me)
+                yield busy(self.sim.ticks("softmax"), "max, exp2")
+            elif op.kind == "st":
+                self.P[c][g].start_write(me)
+                in_flight.append(1)
+
+                def done(c=c):
+                    self.P[c][g].end_write(me, "P")
+                    in_flight.pop()
+
+                self.sim.after(self.sim.ticks("store_p") + 1, done)
+                yield busy(1, "tcgen05.st P")
+            elif op.kind == "wait_st":
+                yield Wait(Cond("tcgen05.wait::st", lambda f=in_flight: not f), 0)
+            elif op.kind == "arrive":
+                self._arrive(me, c, self.bar[(op.cta, op.bar)], threads * op.count)
+            else:
+                raise PipelineError(f"the softmax made a call the primer has no model of: "
+                                    f"{op.kind}")
+        # the given epilogue: wait for O (its own CTA's barrier), load it
+        yield self._wait(c, Op("wait", "o", cta=c))
+        self.O[c].start_read(me, self.full_o)
+        yield busy(self.sim.ticks("read_s"), "tcgen05.ld O")
+        self.O[c].end_read(me)
+
+    def run(self) -> PrimerSim:
+        self.sim.run()
+        for b in self.bar.values():
+            if b.initialised and (b.pending != b.arrivals or b.tx):
+                raise EarlyArrival(f"the kernel ended with {b.describe()}: arrivals of a phase "
+                                   "that never completed (more arrivals than one phase counts)")
+        return self
+
+
+def primer_run(mma: dict, softmax: dict, init: dict | None = None, pair: bool = False,
+               head_dim: int = 128, seeds=range(8)) -> list[PrimerSim]:
+    """The primer simulated with several seeds (interleavings); raises on the first failure."""
+    return [PrimerSim(mma, softmax, init, pair, head_dim, seed=s).run() for s in seeds]

@@ -1,7 +1,8 @@
-"""fa4_final's Blackwell forward and chapter 09's primer compiled for sm_100a on a CPU: the tcgen05
-instructions they must contain, their resources (TMEM columns = the plan, <= 512; shared memory
-<= 227 KB; no spills; setmaxnreg = the roles' budgets) and our side of the stored comparison with
-FA4's own sm100 forward. No GPU anywhere: select with -k sm100 / blackwell / tcgen05 / tmem / 2cta.
+"""fa4_final's Blackwell forward and chapter 09's primer (solutions/ch09_primer.py) compiled for
+sm_100a on a CPU: the tcgen05 instructions they must contain, their resources (TMEM columns = the
+plan, <= 512; shared memory <= 227 KB; no spills; setmaxnreg = the roles' budgets) and our side of
+the stored comparison with FA4's own sm100 forward. No GPU anywhere: select with -k sm100 /
+blackwell / tcgen05 / tmem / 2cta.
 """
 
 import re
@@ -41,7 +42,7 @@ def compiled():
 
 @pytest.fixture(scope="module")
 def primer():
-    from fa4_final.blackwell.primer import compile_one_tile
+    from solutions.ch09_primer import compile_one_tile
 
     return compile_one_tile(128)[1]
 

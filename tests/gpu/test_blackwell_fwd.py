@@ -180,7 +180,7 @@ def test_sm100_runs_on_the_current_stream():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_tcgen05_primer_one_tile_is_correct(head_dim):
     """Chapter 09's primer: one 128 x 128 tile, every tcgen05 step once."""
-    from fa4_final.blackwell.primer import compile_one_tile
+    from solutions.ch09_primer import compile_one_tile
 
     compiled, _ = compile_one_tile(head_dim, keep=False)
     g = torch.Generator().manual_seed(0)

@@ -1,0 +1,343 @@
+"""Chapter 09's typical wrong answers: the TMEM column plan (09.1), the lane quarters (09.2),
+the primer's MMA issue (09.3) and softmax warpgroup (09.4) in device code, the arrivals of
+s[i]'s EMPTY barrier (09.5). The wrong device code lives here, in a file, as the DSL needs."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass.cute.nvgpu import tcgen05
+
+from fa4_final.blackwell.softmax import RowSoftmax
+from solutions import ch09_primer as primer
+from solutions import ch09_teaching as T
+from tests.exercise_mutations import Mutation
+
+
+# --- 09.1 ---------------------------------------------------------------------------------------
+def _plan(tile_n, head_dim, p_low=False, alloc=None, refuse=True):
+    if 2 * tile_n + 2 * head_dim > 512 and refuse:
+        raise ValueError("does not fit")
+    s = {f"S{i}": (i * tile_n, tile_n) for i in range(2)}
+    o = {f"O{i}": (2 * tile_n + i * head_dim, head_dim) for i in range(2)}
+    p = {f"P{i}": (i * tile_n + (0 if p_low else tile_n // 2), tile_n // 2) for i in range(2)}
+    used = 2 * tile_n + 2 * head_dim
+    fits = next((a for a in (32, 64, 128, 256, 512) if a >= used), 1024)
+    return {**s, **o, **p, "alloc": used if alloc == "used" else fits}
+
+
+def plan_p_low_half(tile_n, head_dim):
+    return _plan(tile_n, head_dim, p_low=True)
+
+
+def plan_alloc_used(tile_n, head_dim):
+    return _plan(tile_n, head_dim, alloc="used")
+
+
+def plan_never_refuses(tile_n, head_dim):
+    return _plan(tile_n, head_dim, refuse=False)
+
+
+# --- 09.2 ---------------------------------------------------------------------------------------
+def warps_first_quarter_only(rows):
+    return [w for w in range(16) if w % 4 == rows.start // 32]
+
+
+def warps_by_warpgroup(rows):
+    return [w for w in range(16) if rows.start // 32 == w // 4]
+
+
+# --- 09.3 ---------------------------------------------------------------------------------------
+@cute.jit
+def issue_always_accumulates(mma_qk, tStS, tSrQ, tSrK, mbar_s):
+    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+        mma_qk.set(tcgen05.Field.ACCUMULATE, True)
+        cute.gemm(mma_qk, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
+    with cute.arch.elect_one():
+        tcgen05.commit(mbar_s)
+
+
+@cute.jit
+def issue_never_accumulates(mma_qk, tStS, tSrQ, tSrK, mbar_s):
+    mma_qk.set(tcgen05.Field.ACCUMULATE, False)
+    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+        cute.gemm(mma_qk, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
+    with cute.arch.elect_one():
+        tcgen05.commit(mbar_s)
+
+
+@cute.jit
+def issue_commits_every_mma(mma_qk, tStS, tSrQ, tSrK, mbar_s):
+    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+        mma_qk.set(tcgen05.Field.ACCUMULATE, k != 0)
+        cute.gemm(mma_qk, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
+        with cute.arch.elect_one():
+            tcgen05.commit(mbar_s)
+
+
+@cute.jit
+def issue_commits_first(mma_qk, tStS, tSrQ, tSrK, mbar_s):
+    with cute.arch.elect_one():
+        tcgen05.commit(mbar_s)
+    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+        mma_qk.set(tcgen05.Field.ACCUMULATE, k != 0)
+        cute.gemm(mma_qk, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
+
+
+@cute.jit
+def issue_whole_warp_commits(mma_qk, tStS, tSrQ, tSrK, mbar_s):
+    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+        mma_qk.set(tcgen05.Field.ACCUMULATE, k != 0)
+        cute.gemm(mma_qk, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
+    tcgen05.commit(mbar_s)
+
+
+@cute.jit
+def issue_one_block_of_k(mma_qk, tStS, tSrQ, tSrK, mbar_s):
+    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+        mma_qk.set(tcgen05.Field.ACCUMULATE, k != 0)
+        cute.gemm(mma_qk, tStS, tSrQ[None, None, k], tSrK[None, None, 0], tStS)
+    with cute.arch.elect_one():
+        tcgen05.commit(mbar_s)
+
+
+# --- 09.4 ---------------------------------------------------------------------------------------
+@cute.jit
+def softmax_no_wait(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p, scale_log2):
+    cute.copy(load_s, tStS, rS)
+    row_max = -Float32.inf
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        row_max = cute.arch.fmax(row_max, rS[c])
+    max_scaled = row_max * scale_log2
+    row_sum = Float32(0.0)
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
+        row_sum += p
+        rS[c] = p
+    rP.store(rS.load().to(rP.element_type))
+    cute.copy(store_p, rP32, tPtP)
+    cute.arch.fence_view_async_tmem_store()
+    cute.arch.mbarrier_arrive(mbar_p)
+    return max_scaled, row_sum
+
+
+@cute.jit
+def softmax_wrong_parity(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
+                         scale_log2):
+    cute.arch.mbarrier_wait(mbar_s, 1)
+    cute.copy(load_s, tStS, rS)
+    row_max = -Float32.inf
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        row_max = cute.arch.fmax(row_max, rS[c])
+    max_scaled = row_max * scale_log2
+    row_sum = Float32(0.0)
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
+        row_sum += p
+        rS[c] = p
+    rP.store(rS.load().to(rP.element_type))
+    cute.copy(store_p, rP32, tPtP)
+    cute.arch.fence_view_async_tmem_store()
+    cute.arch.mbarrier_arrive(mbar_p)
+    return max_scaled, row_sum
+
+
+@cute.jit
+def softmax_arrives_before_fence(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
+                                 scale_log2):
+    cute.arch.mbarrier_wait(mbar_s, 0)
+    cute.copy(load_s, tStS, rS)
+    row_max = -Float32.inf
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        row_max = cute.arch.fmax(row_max, rS[c])
+    max_scaled = row_max * scale_log2
+    row_sum = Float32(0.0)
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
+        row_sum += p
+        rS[c] = p
+    rP.store(rS.load().to(rP.element_type))
+    cute.copy(store_p, rP32, tPtP)
+    cute.arch.mbarrier_arrive(mbar_p)
+    cute.arch.fence_view_async_tmem_store()
+    return max_scaled, row_sum
+
+
+@cute.jit
+def softmax_no_fence(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p, scale_log2):
+    cute.arch.mbarrier_wait(mbar_s, 0)
+    cute.copy(load_s, tStS, rS)
+    row_max = -Float32.inf
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        row_max = cute.arch.fmax(row_max, rS[c])
+    max_scaled = row_max * scale_log2
+    row_sum = Float32(0.0)
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
+        row_sum += p
+        rS[c] = p
+    rP.store(rS.load().to(rP.element_type))
+    cute.copy(store_p, rP32, tPtP)
+    cute.arch.mbarrier_arrive(mbar_p)
+    return max_scaled, row_sum
+
+
+@cute.jit
+def softmax_without_max(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
+                        scale_log2):
+    cute.arch.mbarrier_wait(mbar_s, 0)
+    cute.copy(load_s, tStS, rS)
+    row_sum = Float32(0.0)
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        p = cute.math.exp2(rS[c] * scale_log2, fastmath=True)
+        row_sum += p
+        rS[c] = p
+    rP.store(rS.load().to(rP.element_type))
+    cute.copy(store_p, rP32, tPtP)
+    cute.arch.fence_view_async_tmem_store()
+    cute.arch.mbarrier_arrive(mbar_p)
+    return Float32(0.0), row_sum
+
+
+@cute.jit
+def softmax_natural_exp(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
+                        scale_log2):
+    cute.arch.mbarrier_wait(mbar_s, 0)
+    cute.copy(load_s, tStS, rS)
+    row_max = -Float32.inf
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        row_max = cute.arch.fmax(row_max, rS[c])
+    max_scaled = row_max * scale_log2
+    row_sum = Float32(0.0)
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        p = cute.math.exp(rS[c] * scale_log2 - max_scaled, fastmath=True)
+        row_sum += p
+        rS[c] = p
+    rP.store(rS.load().to(rP.element_type))
+    cute.copy(store_p, rP32, tPtP)
+    cute.arch.fence_view_async_tmem_store()
+    cute.arch.mbarrier_arrive(mbar_p)
+    return max_scaled, row_sum
+
+
+@cute.jit
+def softmax_elected_arrive(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
+                           scale_log2):
+    cute.arch.mbarrier_wait(mbar_s, 0)
+    cute.copy(load_s, tStS, rS)
+    row_max = -Float32.inf
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        row_max = cute.arch.fmax(row_max, rS[c])
+    max_scaled = row_max * scale_log2
+    row_sum = Float32(0.0)
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
+        row_sum += p
+        rS[c] = p
+    rP.store(rS.load().to(rP.element_type))
+    cute.copy(store_p, rP32, tPtP)
+    cute.arch.fence_view_async_tmem_store()
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive(mbar_p)
+    return max_scaled, row_sum
+
+
+@cute.jit
+def softmax_arrives_on_s(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
+                         scale_log2):
+    cute.arch.mbarrier_wait(mbar_s, 0)
+    cute.copy(load_s, tStS, rS)
+    row_max = -Float32.inf
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        row_max = cute.arch.fmax(row_max, rS[c])
+    max_scaled = row_max * scale_log2
+    row_sum = Float32(0.0)
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
+        row_sum += p
+        rS[c] = p
+    rP.store(rS.load().to(rP.element_type))
+    cute.copy(store_p, rP32, tPtP)
+    cute.arch.fence_view_async_tmem_store()
+    cute.arch.mbarrier_arrive(mbar_s)
+    return max_scaled, row_sum
+
+
+@cute.jit
+def softmax_fp16_p(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p, scale_log2):
+    cute.arch.mbarrier_wait(mbar_s, 0)
+    cute.copy(load_s, tStS, rS)
+    row_max = -Float32.inf
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        row_max = cute.arch.fmax(row_max, rS[c])
+    max_scaled = row_max * scale_log2
+    row_sum = Float32(0.0)
+    for c in cutlass.range_constexpr(cute.size(rS)):
+        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
+        row_sum += p
+        rS[c] = p
+    rP.store(rS.load().to(cutlass.Float16))
+    cute.copy(store_p, rP32, tPtP)
+    cute.arch.fence_view_async_tmem_store()
+    cute.arch.mbarrier_arrive(mbar_p)
+    return max_scaled, row_sum
+
+
+@cute.jit
+def softmax_with_helper(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p, scale_log2):
+    cute.arch.mbarrier_wait(mbar_s, 0)
+    cute.copy(load_s, tStS, rS)
+    max_scaled, row_sum = primer.row_exp2(rS, scale_log2)
+    rP.store(rS.load().to(rP.element_type))
+    cute.copy(store_p, rP32, tPtP)
+    cute.arch.fence_view_async_tmem_store()
+    cute.arch.mbarrier_arrive(mbar_p)
+    return max_scaled, row_sum
+
+
+SOFTMAX_FORBID = {
+    primer.row_exp2: "it is the row arithmetic you are asked to write (the pair primer's helper)",
+    RowSoftmax: "it is the full forward's softmax; write the row's max and exponentials here",
+}
+
+
+def _m09_4(answer, says, **kw):
+    return Mutation("09.4", T.check_softmax_to_p, answer, says, reference=primer.softmax_to_p,
+                    forbid=SOFTMAX_FORBID, **kw)
+
+
+def _m09_3(answer, says):
+    return Mutation("09.3", T.check_issue_qk, answer, says, reference=primer.issue_qk)
+
+
+MUTATIONS = [
+    Mutation("09.1", T.check_plan_columns, plan_p_low_half, "upper half of S_i's columns",
+             reference=T.plan_columns),
+    Mutation("09.1", T.check_plan_columns, plan_alloc_used, "a power of two >= 32",
+             reference=T.plan_columns),
+    Mutation("09.1", T.check_plan_columns, plan_never_refuses, "raise ValueError",
+             reference=T.plan_columns),
+    Mutation("09.2", T.check_warps_for_rows, warps_first_quarter_only, "crosses a multiple of 32",
+             reference=T.warps_for_rows),
+    Mutation("09.2", T.check_warps_for_rows, warps_by_warpgroup, "lanes 32 (w mod 4)",
+             reference=T.warps_for_rows),
+    _m09_3(issue_always_accumulates, "ACCUMULATE to False for k = 0"),
+    _m09_3(issue_never_accumulates, "must be True for every k > 0"),
+    _m09_3(issue_commits_every_mma, "commit once, after the last MMA"),
+    _m09_3(issue_commits_first, "before the last MMA"),
+    _m09_3(issue_whole_warp_commits, "cute.arch.elect_one()"),
+    _m09_3(issue_one_block_of_k, "the same 16 columns of D"),
+    _m09_4(softmax_no_wait, "wait on mbar_s with parity 0"),
+    _m09_4(softmax_wrong_parity, "wait on mbar_s with parity 0"),
+    _m09_4(softmax_arrives_before_fence, "fence_view_async_tmem_store() (tcgen05.wait::st)"),
+    _m09_4(softmax_no_fence, "fence_view_async_tmem_store() (tcgen05.wait::st)"),
+    _m09_4(softmax_without_max, "did not subtract the row's max"),
+    _m09_4(softmax_natural_exp, "use cute.math.exp2"),
+    _m09_4(softmax_elected_arrive, "one per softmax thread"),
+    _m09_4(softmax_arrives_on_s, "the softmax arrives on mbar_p"),
+    _m09_4(softmax_fp16_p, "convert with .to(rP.element_type)"),
+    _m09_4(softmax_with_helper, "the row arithmetic you are asked to write"),
+    Mutation("09.5", T.check_s_empty_arrivals, {"1-CTA": 128, "2-CTA": 256},
+             "the correction warpgroup"),
+    Mutation("09.5", T.check_s_empty_arrivals, {"1-CTA": 256, "2-CTA": 256},
+             "both CTAs' warpgroups arrive on the leader's barrier"),
+]
