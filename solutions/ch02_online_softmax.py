@@ -9,10 +9,12 @@ the N^2 terms of ``ch01_naive.naive_traffic`` disappear, and so does the N^2 mem
 The loops mirror the kernels to come:
 
 * ``attention_fa1``: FlashAttention-1 order. Outer loop over KV tiles, inner over Q tiles; each
-  Q tile's O, m, l live in memory and are read and written at every KV tile.
+  Q tile's O, m, l live in memory and are read and written at every KV tile. FlashAttention-1's
+  kernel ran this whole loop in one CTA per (batch, head).
 * ``attention_fa2`` (= ``attention``): FlashAttention-2 order. Outer loop over Q tiles, inner over
   KV tiles; O, m, l stay in "registers" (local tensors) and O is written once. This is the loop
-  every later kernel runs (one CTA per Q tile).
+  every later kernel runs (one CTA per Q tile: FlashAttention-2 parallelises over the sequence
+  too, not only over batch and heads).
 
 As kernels do: inputs in bf16/fp16, scores, P's row sums and O accumulated in float32; P rounded
 to the inputs' dtype before the P V matmul (the tensor cores take it that way); exp2 instead of
@@ -36,6 +38,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from utils.claims import claim
 from utils.reference import attention_reference, check_attention_inputs, positive_int, random_qkv
 
 LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E)
@@ -487,6 +490,64 @@ def launch_count(dtype=torch.bfloat16) -> LaunchCount:
     return LaunchCount(per_step, per_q_tile, t11 - per_step - per_q_tile)
 
 
+def launch_lines(versions, launches: LaunchCount, micro=None) -> list[str]:
+    """The stored run's loop beside its launch count and the fastest peer of the same run; and,
+    when the microbenchmark measured one eager operator alone (``eager_launch_us``), what the
+    launches would take at that cost. The cost comes from a separate measurement where the data
+    is too small to matter, so comparing it with the loop's time tests the launch-bound reading
+    instead of assuming it."""
+    from utils import bench
+
+    rows = [r for r in versions.where(impl="tiled_fa2", **{"pass": "fwd"}) if r.get("ms")]
+    lines = []
+    for r in rows:
+        peer = bench.best_peer(versions.rows, r)
+        n = launches.total(r["s"], r["s"])
+        lines.append(f"  B={r['b']:<3} S={r['s']:<6} {r['ms']:8.1f} ms, {n:7,} launches"
+                     + (f"; {peer['impl']} does the same forward in {peer['ms']:.2f} ms"
+                        if peer else ""))
+    alone = micro.where(metric="eager_launch_us") if micro is not None else []
+    if not alone:
+        lines.append("  one eager operator measured alone: not in microbench.json yet (python -m "
+                     "measure.microbench measures it); the stored run alone cannot tell launch "
+                     "cost from the GPU's work on the data")
+        return lines
+    for a in alone:
+        lines.append(f"  one operator measured alone, {a['impl']}: {a['value']:.1f} us "
+                     f"({a['min']:.1f}..{a['max']:.1f} over {a['rounds']} rounds)")
+    loop = next((a for a in alone if "tile loop" in a["impl"]), alone[0])
+    for r in rows:
+        model = launches.total(r["s"], r["s"]) * loop["value"] * 1e-3
+        lines.append(f"  B={r['b']:<3} S={r['s']:<6} launches x {loop['value']:.1f} us = "
+                     f"{model:8.1f} ms, against {r['ms']:8.1f} ms measured: {model / r['ms']:.0%}")
+    return lines
+
+
+def loop_ms(versions, s: int = 16384) -> float:
+    return versions.one(impl="tiled_fa2", s=s, **{"pass": "fwd"})["ms"]
+
+
+@claim("02.loop_slower_than_naive", "ch01_ch02_fwd",
+       "at every stored length the tile loop takes longer on the H200 than the naive version")
+def _loop_slower(res):
+    pairs = {r["s"]: (r["ms"], res.one(impl="naive", s=r["s"], **{"pass": "fwd"})["ms"])
+             for r in res.where(impl="tiled_fa2", **{"pass": "fwd"})}
+    return (bool(pairs) and all(t > n for t, n in pairs.values()),
+            ", ".join(f"S={s}: loop {t:.0f} ms, naive {n:.0f} ms" for s, (t, n) in pairs.items()))
+
+
+@claim("02.loop_hundred_times_behind_peers", "ch01_ch02_fwd",
+       "at every stored length the fastest peer of the run does the same forward more than a "
+       "hundred times as fast as the tile loop")
+def _loop_behind(res):
+    from utils import bench
+
+    ratios = {r["s"]: r["ms"] / bench.best_peer(res.rows, r)["ms"]
+              for r in res.where(impl="tiled_fa2", **{"pass": "fwd"})}
+    return (bool(ratios) and all(x > 100 for x in ratios.values()),
+            ", ".join(f"S={s}: {x:.0f}x" for s, x in ratios.items()))
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. Checkers: run the learner's piece inside the loop against the float64 reference
 
@@ -536,6 +597,14 @@ def _close(a, b) -> bool:
     if not isinstance(a, torch.Tensor) or a.shape != b.shape:
         return False
     return torch.allclose(a.double(), b.double(), rtol=1e-9, atol=1e-12)
+
+
+TILE_UPDATE_FORBID = {  # 02.1 (the reference is refused anyway)
+    online_softmax_stats: "it runs the running max and sum over whole rows for you; write the "
+                          "one-tile update yourself",
+    online_softmax: "it computes a whole softmax; the exercise is the one-tile update of O, m "
+                    "and l",
+}
 
 
 def check_tile_update(fn) -> None:
@@ -611,6 +680,23 @@ def check_lse(fn) -> None:
         raise AssertionError(problem)
 
 
+def kv_tiles_forbid() -> dict:
+    """What exercise 02.3 refuses: the course's other implementations of the same count (those of
+    chapter 04 and fa4_final, when this session has imported them: an answer can only name an
+    object its notebook has imported) and count_tiles, which runs the reference."""
+    import sys
+
+    why = "it counts the tiles for you; the exercise is to work out the last visible key"
+    table = {count_tiles: why}
+    for module, names in (("solutions.ch04_flash_ampere", ("kv_tile_range",)),
+                          ("solutions.ch04_teaching", ("kv_tiles", "kv_tile_ranges")),
+                          ("fa4_final.tiles", ("kv_tile_range",))):
+        if module in sys.modules:
+            table.update({getattr(sys.modules[module], n): why for n in names
+                          if hasattr(sys.modules[module], n)})
+    return table
+
+
 def check_kv_tiles_to_visit(fn) -> None:
     """Exercise 02.3: ``fn(q_start, q_end, seqlen_q, seqlen_k, tile_n, causal) -> int``."""
     for sq, sk in ((100, 100), (40, 130), (130, 40), (64, 64), (1, 300)):
@@ -628,6 +714,10 @@ def check_kv_tiles_to_visit(fn) -> None:
                          f"row i sees keys j <= i + {sk - sq}")
                 if not isinstance(got, int) or isinstance(got, bool):
                     raise AssertionError(f"return an int, got {type(got).__name__} ({where})")
+                if got < 0:
+                    raise AssertionError(f"you visit {got} tiles: a count cannot be negative. "
+                                         "When no row of the tile sees any key (seqlen_q > "
+                                         f"seqlen_k, early rows) visit 0 tiles ({where})")
                 if got > want:
                     raise AssertionError(f"you visit {got} tiles but tile {want} and later hold "
                                          f"no key any row sees ({where})")
