@@ -37,8 +37,8 @@ what is supported). It stands alone (it imports neither the course's ``utils`` n
                  and the backward, 1- and 2-CTA (compiled and checked, never run on a GPU)
 """
 
+from fa4_final.common.errors import UnsupportedError
 from fa4_final.dispatch import support_table
-from fa4_final.errors import UnsupportedError
 from fa4_final.interface import (
     attention,
     compile_only,

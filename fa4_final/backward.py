@@ -18,11 +18,11 @@ from dataclasses import replace
 import torch
 
 from fa4_final.checks import _normalise_window, check_grads, check_inputs, check_outputs
+from fa4_final.common.constants import CUTLASS_BY_NAME, DTYPE_NAMES
+from fa4_final.common.errors import UnsupportedError
 from fa4_final.compile import compile_roles, fake_stream, fake_tensor
 from fa4_final.config import HopperBwdConfig, hopper_bwd_default
-from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES
 from fa4_final.dispatch import backend_for
-from fa4_final.errors import UnsupportedError
 
 # compile_backward's arguments -> the three compiled kernels, in front of the cache (as the
 # forward's fa4_final.hopper.launch._COMPILED)
@@ -39,8 +39,8 @@ def _config(head_dim: int, causal: bool, deterministic: bool, config) -> HopperB
 
 
 def _kernels(dtype_name, head_dim, causal, has_left, has_right, cfg):
-    from fa4_final.bwd_post import BackwardPost
-    from fa4_final.bwd_pre import BackwardPre
+    from fa4_final.common.bwd_post import BackwardPost
+    from fa4_final.common.bwd_pre import BackwardPre
     from fa4_final.hopper.bwd import HopperBackward
 
     dt = CUTLASS_BY_NAME[dtype_name]

@@ -14,9 +14,9 @@ import numbers
 
 import torch
 
+from fa4_final.common.constants import TORCH_TO_CUTLASS
+from fa4_final.common.errors import UnsupportedError
 from fa4_final.config import HEAD_DIMS
-from fa4_final.constants import TORCH_TO_CUTLASS
-from fa4_final.errors import UnsupportedError
 
 ACCEPTED_DTYPES = "torch.bfloat16, torch.float16"
 

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_final.constants import SM90_REGISTERS, SM90_SMEM_BYTES, THREADS_PER_WARPGROUP, WGMMA_M
-from fa4_final.scheduler import TILE_SLOTS
-from fa4_final.softmax import check_softmax_knobs
+from fa4_final.common.constants import (
+    SM90_REGISTERS,
+    SM90_SMEM_BYTES,
+    THREADS_PER_WARPGROUP,
+    WGMMA_M,
+)
+from fa4_final.common.schedule import TILE_SLOTS
+from fa4_final.common.softmax import check_softmax_knobs
 
 HEAD_DIMS = (64, 128)
 O_RESCALE_PLACES = ("end", "early", "next_pv")
@@ -36,7 +41,7 @@ class HopperFwdConfig:
     stages_v: int = 2  # depth of the V ring
     intra_wg_overlap: bool = True  # softmax(S_j) while wgmma S_{j+1} and P_j V_j run
     pingpong: bool = True  # consumer warpgroups take turns issuing wgmma (Note [Turns])
-    persistent: bool = True  # one CTA per SM walks tiles (fa4_final.scheduler)
+    persistent: bool = True  # one CTA per SM walks tiles (fa4_final.common.schedule)
     l2_sections: bool = False  # causal order in sections of heads that fit L2 (Note [Causal..])
     tile_table: bool = False  # tiles to CTAs by a host-built list schedule (Note [Tile table])
     split_tail: bool = False  # the table's last round cut along the keys (Note [Split tail])
@@ -44,7 +49,7 @@ class HopperFwdConfig:
     separate_o: bool = True  # O staged in its own buffer: the next Q loads during the epilogue
     o_rescale: str = "next_pv"  # where O *= alpha: "end", "early", "next_pv" (Note [Where O..])
     mask_bits: bool = False  # right-edge mask as one bit word per row (mask, Note [Mask as bits])
-    timeline: bool = False  # debug build: record phase timestamps (fa4_final.timeline)
+    timeline: bool = False  # debug build: record phase timestamps (fa4_final.common.timeline)
     exp2_emulation_fraction: float = 0.0  # chapter 06
     rescale_threshold: float = 0.0  # chapter 07 (tau, log2 units; 0 = always rescale)
     row_max_ways: int = 0  # running chains per row max; 0 = a pairwise tree (Note [Reduction..])
@@ -127,7 +132,7 @@ class HopperFwdConfig:
 
 
 # The causal schedule before the tile table and the dynamic hand-out: fixed zigzag rounds,
-# longest first over every head (fa4_final.scheduler.zigzag_tile); benchmarks and profiles
+# longest first over every head (fa4_final.common.schedule.zigzag_tile); benchmarks and profiles
 # time it beside the default (replace(hopper_fwd_default(...), **ZIGZAG_ROUNDS)).
 ZIGZAG_ROUNDS = dict(l2_sections=False, tile_table=False, dynamic_tiles=False)
 

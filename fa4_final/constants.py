@@ -1,23 +1,7 @@
-"""Numbers every kernel of the package shares, each spelt once."""
+"""Legacy path of fa4_final.common.constants (fa4_final/_legacy_paths.py): the same module."""
 
-import math
+import sys
 
-import cutlass
-import torch
+from fa4_final.common import constants as _module
 
-LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * LOG2_E): the softmax runs in the log2 domain
-LN_2 = math.log(2.0)  # lse = log2-domain value * LN_2
-WARP_SIZE = 32
-THREADS_PER_WARPGROUP = 128  # 4 warps: the unit that issues a Hopper wgmma
-WGMMA_M = 64  # rows of one wgmma: each Hopper consumer warpgroup owns this many query rows
-
-# Hopper: 227 KB of dynamic shared memory per CTA (opt-in maximum), 64 K registers per SM.
-SM90_SMEM_BYTES = 227 * 1024
-SM90_REGISTERS = 64 * 1024
-# Blackwell (sm_100): the same 227 KB per CTA; 512 columns x 128 lanes x 32 bit of tensor memory.
-SM100_SMEM_BYTES = 227 * 1024
-SM100_TMEM_COLUMNS = 512
-
-TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-CUTLASS_BY_NAME = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+sys.modules[__name__] = _module

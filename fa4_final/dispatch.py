@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fa4_final.common.errors import UnsupportedError
 from fa4_final.config import HEAD_DIMS
-from fa4_final.errors import UnsupportedError
 from fa4_final.hopper import launch as hopper
 from fa4_final.varlen_backward import varlen_backward_launch
 

@@ -1,6 +1,7 @@
-"""The package's own exception: a setup fa4_final does not run, said plainly."""
+"""Legacy path of fa4_final.common.errors (fa4_final/_legacy_paths.py): the same module."""
 
+import sys
 
-class UnsupportedError(ValueError):
-    """A setup this package does not run (a GPU, a CPU tensor, an arch, a feature), with what
-    it does run. A ValueError, so code that catches bad input catches it too."""
+from fa4_final.common import errors as _module
+
+sys.modules[__name__] = _module

@@ -37,8 +37,8 @@ from fa4_final.checks import (
     check_tma_operand,
     check_varlen_inputs,
 )
+from fa4_final.common.errors import UnsupportedError
 from fa4_final.dispatch import BACKENDS, backend_for, support_table, supported_list
-from fa4_final.errors import UnsupportedError
 from fa4_final.hopper.launch import compile_forward, forward_timeline, l2_section_pairs
 from fa4_final.run import backward_into, device_arch, forward, forward_into
 from fa4_final.varlen import varlen_backward_into, varlen_forward_into

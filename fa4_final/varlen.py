@@ -12,14 +12,14 @@ The forward is one launch of the Hopper kernel's varlen variant (``Backend.varle
 fa4_final.dispatch -> hopper.launch.varlen_forward_into): the persistent scheduler walks the
 query tiles of every sequence and head (scheduler, Note [Varlen order]), each tile finds its
 sequence from cu_seqlens on the device and reaches its rows by a domain offset into the packed
-tensors (fa4_final.seqlens). The value checks of the offsets copy them to the host once per call
+tensors (common.seqlens). The value checks of the offsets copy them to the host once per call
 (one device synchronisation, the only one); FA4_FINAL_VARLEN_CHECKS=0 turns them off, and then
 nothing waits for the GPU.
 
 The backward is one launch of each of the backward's three kernels in their varlen variants
 (``Backend.varlen_backward`` -> fa4_final.varlen_backward; Note [Varlen backward] in
 fa4_final.hopper.bwd: one CTA per key tile of a sequence and kv head, the dQ accumulator padded
-per sequence to whole query tiles, Note [Varlen dQ accumulator] in fa4_final.bwd_tiles).
+per sequence to whole query tiles, Note [Varlen dQ accumulator] in fa4_final.common.bwd_tiles).
 ``forward_loop`` and ``backward_loop`` are the per-sequence loops over the dense kernels (each
 sequence a batch of one: correct for any lengths, one launch per sequence, so short sequences
 leave SMs idle), kept as the references that the benchmark (solutions.ch12_varlen_bench) and the

@@ -10,26 +10,26 @@ Inputs arrive checked (fa4_final.varlen.varlen_backward_into). Like the dense ba
 main kernel (dK, dV, the dQ accumulator), bwd_post (dQ), each a compile-time varlen variant of
 the dense kernel (Note [Varlen backward] in fa4_final.hopper.bwd), over the packed tensors given
 as a batch of one. The workspace is padded per sequence to whole query tiles (Note [Varlen dQ
-accumulator] in fa4_final.bwd_tiles): sized from shapes alone, so nothing waits for the GPU.
+accumulator] in fa4_final.common.bwd_tiles): sized from shapes alone, so nothing waits for the GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fa4_final.bwd_tiles import dq_accum_tiles
+from fa4_final.common.bwd_tiles import dq_accum_tiles
+from fa4_final.common.constants import CUTLASS_BY_NAME, DTYPE_NAMES
+from fa4_final.common.errors import UnsupportedError
 from fa4_final.compile import compile_roles, fake_tensor
 from fa4_final.config import HopperBwdConfig
-from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES
-from fa4_final.errors import UnsupportedError
 
 ARCH = "sm_90a"
 _COMPILED: dict = {}  # compile_varlen_backward's arguments -> the three compiled kernels
 
 
 def _kernels(dtype_name, head_dim, causal, has_left, has_right, has_seqused_k, cfg):
-    from fa4_final.bwd_post import VarlenBackwardPost
-    from fa4_final.bwd_pre import VarlenBackwardPre
+    from fa4_final.common.bwd_post import VarlenBackwardPost
+    from fa4_final.common.bwd_pre import VarlenBackwardPre
     from fa4_final.hopper.bwd import HopperVarlenBackward
 
     dt = CUTLASS_BY_NAME[dtype_name]

@@ -3,13 +3,12 @@
     tmem       the TMEM column plan as data, the lane-quarter rule, allocation sizes
     umma       tcgen05.mma from descriptors: instruction / shared-memory descriptors, lean issue
     roles      warp roles as data: the checks every role table keeps (setmaxnreg per SM
-               sub-partition: fa4_final.register_plan); cache key and role lookup
+               sub-partition: fa4_final.common.register_plan); cache key and role lookup
     config     BlackwellFwdConfig, BlackwellBwdConfig: knobs, derived sizes (ring depth, shared
                memory, registers, the TMEM plans)
-    softmax    RowSoftmax: fa4_final.softmax.OnlineSoftmax with one row per thread
+    softmax    RowSoftmax: fa4_final.common.softmax.OnlineSoftmax with one row per thread
     peer       the steps of a tile exchange between the CTAs of a pair (st.async, cluster-
                scope waits, proxy fences): the pair backward's and the H200 probes'
-    primer     one attention tile with every tcgen05 step once (chapter 09's primer)
     fwd        BlackwellForward: the warp-specialised forward, 1- or 2-CTA; compile_forward_sm100,
                compile_only, forward_into, attention
     bwd        BlackwellBackward: the 1-CTA backward, TMEM accumulators, dQ in the Hopper

@@ -27,7 +27,7 @@ for dK from shared memory, the lse / delta broadcasts): bound by shared memory (
 is what the 2-CTA mode (``bwd_pair``, below) attacks.
 
 Deterministic mode: the dQ warpgroup adds a step's dQ only in its turn, with the Hopper kernel's
-turn counters (``fa4_final.bwd_tiles.dq_turn``, ``fa4_final.atomics``, Note [Turns] of
+turn counters (``fa4_final.common.bwd_tiles.dq_turn``, ``fa4_final.common.atomics``, Note [Turns] of
 ``fa4_final.hopper.bwd``): the same scheme, so the same proof of deadlock freedom.
 
 Shared with the Hopper backward, and therefore run on the H200 for real: the preprocess and
@@ -65,7 +65,6 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import TmemAllocator
 
-from fa4_final.atomics import bulk_add_f32, pass_turn, wait_turn
 from fa4_final.blackwell import umma
 from fa4_final.blackwell.config import (
     BWD_DQ_BUFFERS,
@@ -74,12 +73,13 @@ from fa4_final.blackwell.config import (
     BlackwellBwdConfig,
 )
 from fa4_final.blackwell.roles import WarpRoles, check_roles, pipeline_args, set_registers
-from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range, visible_queries
+from fa4_final.common.atomics import bulk_add_f32, pass_turn, wait_turn
+from fa4_final.common.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range, visible_queries
+from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
+from fa4_final.common.fragments import select_modes
+from fa4_final.common.tiles import TileWindow
 from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
-from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
-from fa4_final.fragments import select_modes
 from fa4_final.hopper.bwd import HopperBackward
-from fa4_final.tiles import TileWindow
 
 THREADS = 512  # 16 warps (roles below)
 WARPS_PER_GROUP = 4
@@ -242,7 +242,7 @@ class BlackwellBackward(WarpRoles):
     # they run on: warp w on sub-partition w % 4, 512 registers per thread slot there. Each
     # sub-partition holds one warp of every warpgroup (warps k, 4 + k, 8 + k, 12 + k), so what
     # must fit is compute0 + compute1 + dQ + warpgroup 3, not the CTA's total:
-    #     176 + 176 + 48 + 112 = 512       (config.BWD_REGISTERS; fa4_final.register_plan)
+    #     176 + 176 + 48 + 112 = 512       (config.BWD_REGISTERS; fa4_final.common.register_plan)
     # A plan over 512 on one sub-partition leaves a setmaxnreg.inc waiting for registers no warp
     # there will release: the kernel hangs before its first barrier completes (a 16-warp plan
     # of 176, 176, 80 and an MMA warp raised to 160 needs 592 on sub-partition 0; the H200,
@@ -299,7 +299,7 @@ class BlackwellBackward(WarpRoles):
 
     def dq_layout_owner(self):
         """The Hopper backward's dQ accumulator order at tile_m = 128 (``HopperDqOrder``), which
-        this kernel writes, so that ``fa4_final.bwd_post.BackwardPost`` serves both."""
+        this kernel writes, so that ``fa4_final.common.bwd_post.BackwardPost`` serves both."""
         return HopperDqOrder(self.dtype, self.head_dim, self.tile_m)
 
     # Note [dQ accumulator order]
@@ -1003,9 +1003,9 @@ def kernels(dtype: str = "bf16", head_dim: int = 128, causal: bool = False,
             has_window_right: bool = False) -> dict:
     """{"pre", "main", "post"}: the Hopper backward's pre- and postprocess kernels around this
     one (tile_m = 128, the Hopper accumulator order)."""
-    from fa4_final.bwd_post import BackwardPost
-    from fa4_final.bwd_pre import BackwardPre
-    from fa4_final.constants import CUTLASS_BY_NAME
+    from fa4_final.common.bwd_post import BackwardPost
+    from fa4_final.common.bwd_pre import BackwardPre
+    from fa4_final.common.constants import CUTLASS_BY_NAME
 
     if dtype not in CUTLASS_BY_NAME:
         raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
@@ -1066,7 +1066,7 @@ def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_sca
         for t in (dq, dk, dv):
             t.zero_()
         return dq, dk, dv
-    from fa4_final.constants import DTYPE_NAMES
+    from fa4_final.common.constants import DTYPE_NAMES
 
     ks, _ = compile_backward_sm100(d, DTYPE_NAMES[q.dtype], causal, cfg,
                                    has_window_left=left is not None,

@@ -98,7 +98,6 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import TmemAllocator
 
-from fa4_final.atomics import bulk_add_f32
 from fa4_final.blackwell import peer, umma
 from fa4_final.blackwell.bwd import (
     GROUP_THREADS,
@@ -112,9 +111,10 @@ from fa4_final.blackwell.bwd import (
 from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK
 from fa4_final.blackwell.roles import pipeline_args, set_registers
 from fa4_final.blackwell.tmem import TMEM_LANES
-from fa4_final.constants import LOG2_E
-from fa4_final.fragments import select_modes
-from fa4_final.tiles import TileWindow
+from fa4_final.common.atomics import bulk_add_f32
+from fa4_final.common.constants import LOG2_E
+from fa4_final.common.fragments import select_modes
+from fa4_final.common.tiles import TileWindow
 
 PAIR = 2  # CTAs of a cluster
 CLUSTER = (PAIR, 1, 1)  # the launch's cluster shape: the two CTAs of a pair are grid x 2 p, 2 p + 1

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fa4_final.blackwell.tmem import TMEM_LANES, backward_pair_plan, backward_plan, forward_plan
-from fa4_final.constants import SM100_SMEM_BYTES
-from fa4_final.register_plan import check_budgets, problems
-from fa4_final.softmax import check_softmax_knobs
+from fa4_final.common.constants import SM100_SMEM_BYTES
+from fa4_final.common.register_plan import check_budgets, problems
+from fa4_final.common.softmax import check_softmax_knobs
 
 HEAD_DIMS = (64, 128)
 TILE_M = TMEM_LANES  # rows of one Q tile: one per TMEM lane, one per softmax thread
@@ -25,7 +25,7 @@ KV_BUDGET_BYTES = 224 * 1024
 MAX_KV_STAGES = 32
 
 # setmaxnreg budget (softmax, correction, the rest). Warp w runs on SM sub-partition w % 4, whose
-# register file gives each of its 32 thread slots 512 registers (fa4_final.register_plan): each
+# register file gives each of its 32 thread slots 512 registers (common.register_plan): each
 # sub-partition holds one warp of each warpgroup, softmax0, softmax1, correction and one of the
 # four one-warp roles, so 2 * 192 + 80 + 48 = 512 per sub-partition (64 K registers for the
 # CTA). The same at D = 64 and 128, 1- and 2-CTA: every role compiles spill-free with it
@@ -58,7 +58,7 @@ class BlackwellFwdConfig:
     two_cta: bool = False  # chapter 10: a CTA pair shares one 256-row tcgen05.mma (cta_group::2)
     tile_n: int = 128  # keys per K/V tile
     kv_stages: int = 0  # depth of the K/V ring; 0 = as many as fit (KV_BUDGET_BYTES)
-    persistent: bool = True  # one CTA (pair) per SM (pair) walks tiles (fa4_final.scheduler)
+    persistent: bool = True  # one CTA (pair) per SM (pair) walks tiles (fa4_final.common.schedule)
     exp2_emulation_fraction: float = 0.125  # chapter 06: share of exponentials on the FMA units
     rescale_threshold: float = 8.0  # chapter 07 (tau, log2 units; 0 = rescale at every growth)
     registers: tuple[int, int, int] | None = None  # (softmax, correction, rest); None = default

@@ -50,11 +50,11 @@ from fa4_final.blackwell import umma
 from fa4_final.blackwell.config import Q_STAGES, THREADS, TILE_M, BlackwellFwdConfig
 from fa4_final.blackwell.roles import WarpRoles, check_roles, pipeline_args
 from fa4_final.blackwell.softmax import RowSoftmax
-from fa4_final.constants import LOG2_E, WARP_SIZE
-from fa4_final.fragments import select_modes
-from fa4_final.mask import apply_mask_row
-from fa4_final.scheduler import rounds, tile_coords, zigzag_tile
-from fa4_final.tiles import TileWindow, kv_tile_range
+from fa4_final.common.constants import LOG2_E, WARP_SIZE
+from fa4_final.common.fragments import select_modes
+from fa4_final.common.mask import apply_mask_row
+from fa4_final.common.schedule import rounds, tile_coords, zigzag_tile
+from fa4_final.common.tiles import TileWindow, kv_tile_range
 
 WARPS_PER_GROUP = 4
 
@@ -990,8 +990,8 @@ def fake_forward_args(dtype_name: str, head_dim: int) -> tuple:
     """Fake arguments in the runtime order (q, k, v, out, lse, softmax_scale, window_left,
     window_right, l2_group, max_ctas, stream): symbolic batch, lengths and heads, strides of
     16-byte multiples (TMA), lse float32 (batch, heads, seqlen_q)."""
+    from fa4_final.common.constants import CUTLASS_BY_NAME
     from fa4_final.compile import fake_attention_tensors, fake_stream
-    from fa4_final.constants import CUTLASS_BY_NAME
 
     q, k, v, o, lse = fake_attention_tensors(CUTLASS_BY_NAME[dtype_name], head_dim)
     return (q, k, v, o, lse, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
@@ -1007,8 +1007,8 @@ def compile_forward_sm100(head_dim: int = 128, dtype: str = "bf16", causal: bool
     cached in memory. The compiled function takes the runtime arguments of
     ``fake_forward_args``, torch tensors included, and runs on the current stream."""
     from fa4_final.blackwell.config import blackwell_fwd_default
+    from fa4_final.common.constants import CUTLASS_BY_NAME
     from fa4_final.compile import cached, compile_kernel
-    from fa4_final.constants import CUTLASS_BY_NAME
 
     if dtype not in CUTLASS_BY_NAME:
         raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
@@ -1042,7 +1042,7 @@ def forward_into(q, k, v, out, lse, causal: bool = False, softmax_scale=None,
     it; on its own it is the runner of the tests and benchmarks on a B200."""
     import torch
 
-    from fa4_final.constants import DTYPE_NAMES
+    from fa4_final.common.constants import DTYPE_NAMES
 
     b, sq, h, d = q.shape
     if out.numel() == 0:

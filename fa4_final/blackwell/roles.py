@@ -11,15 +11,15 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
 from fa4_final.blackwell.tmem import lane_quarter
-from fa4_final.constants import WARP_SIZE
-from fa4_final.register_plan import check_role_registers, launch_registers
+from fa4_final.common.constants import WARP_SIZE
+from fa4_final.common.register_plan import check_role_registers, launch_registers
 
 
 def check_roles(roles: dict, threads: int, tmem_roles: tuple[str, ...]) -> None:
     """Every warp of the CTA has exactly one role; each role that reads or writes TMEM one row a
     thread (``tmem_roles``) is a whole warpgroup covering the four lane quarters (tmem.py, rule
     2); the roles' register budgets fit each SM sub-partition and are uniform within each
-    warpgroup (fa4_final.register_plan: a plan over a sub-partition's 512 registers per thread
+    warpgroup (common.register_plan: a plan over a sub-partition's 512 registers per thread
     slot hangs in setmaxnreg.inc)."""
     warps = sorted(w for r in roles.values() for w in r["warps"])
     assert warps == list(range(threads // WARP_SIZE)), warps

@@ -2,7 +2,7 @@
 
 ``tcgen05.ld`` of a 32x32b shape gives lane t of TMEM (row t of S) to thread t of the warpgroup:
 a thread owns a whole row, so the row max and sum need no shuffles at all (threads_per_row = 1),
-and the rescale decision is per row. ``RowSoftmax`` is ``fa4_final.softmax.OnlineSoftmax`` with
+and the rescale decision is per row. ``RowSoftmax`` is ``common.softmax.OnlineSoftmax`` with
 ``num_rows = 1, threads_per_row = 1``: ``reset`` and ``finalize`` are the same code; the step
 differs where a row-per-thread layout pays:
 
@@ -21,14 +21,14 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 from cutlass.cutlass_dsl import dsl_user_op
 
-from fa4_final.fast_math import (
+from fa4_final.common.fast_math import (
     CLAMP_LOW,
     SHIFTER,
     exp2_coefficients,
     is_emulated,
     ptx_exponent_add,
 )
-from fa4_final.softmax import EMULATION_DEGREE, EMULATION_PERIOD, OnlineSoftmax
+from fa4_final.common.softmax import EMULATION_DEGREE, EMULATION_PERIOD, OnlineSoftmax
 
 
 @dsl_user_op

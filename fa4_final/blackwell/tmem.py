@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TMEM_LANES = 128
-TMEM_COLUMNS = 512  # per SM (fa4_final.constants.SM100_TMEM_COLUMNS)
+TMEM_COLUMNS = 512  # per SM (fa4_final.common.constants.SM100_TMEM_COLUMNS)
 COLUMN_BITS = 32
 LANES_PER_WARP = 32
 MIN_ALLOC_COLUMNS = 32

@@ -49,17 +49,17 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from fa4_final.atomics import bulk_add_f32, pass_turn, wait_turn
-from fa4_final.bwd_tiles import dq_accum_tile, dq_turn, launch_order_reversed, q_tile_range
+from fa4_final.common.atomics import bulk_add_f32, pass_turn, wait_turn
+from fa4_final.common.bwd_tiles import dq_accum_tile, dq_turn, launch_order_reversed, q_tile_range
+from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
+from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols, select_modes
+from fa4_final.common.mask import fragment_coords
+from fa4_final.common.register_plan import check_role_registers
+from fa4_final.common.schedule import lane_here, varlen_locate
+from fa4_final.common.seqlens import sequence_slab, store_rows
+from fa4_final.common.tiles import TileWindow
 from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
-from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
-from fa4_final.fragments import acc_as_a_operand, acc_rows_cols, select_modes
 from fa4_final.hopper.wgmma import issue_wgmma
-from fa4_final.mask import fragment_coords
-from fa4_final.register_plan import check_role_registers
-from fa4_final.scheduler import lane_here, varlen_locate
-from fa4_final.seqlens import sequence_slab, store_rows
-from fa4_final.tiles import TileWindow
 
 MMA_THREADS = THREADS_PER_WARPGROUP * BWD_MMA_WARPGROUPS
 
@@ -147,7 +147,7 @@ class HopperBackward:
                 self.window, self.cfg)
 
     # ------------------------------------------------------------------------------------------
-    # layouts and MMAs (also used by fa4_final.bwd_post to read the dQ accumulator back)
+    # layouts and MMAs (also used by fa4_final.common.bwd_post to read the dQ accumulator back)
     # ------------------------------------------------------------------------------------------
     def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
         """128 B-swizzled row-major (rows, cols) tile, optionally staged: what TMA writes and
@@ -212,7 +212,7 @@ class HopperBackward:
     # so the dQ accumulator is stored not row-major but in the order the threads hold it: chunk
     # w of query tile m holds warpgroup w's registers, thread t's 4 consecutive floats at
     # 16 t + 2048 k bytes. The shared-memory writes are then 128-bit and conflict-free, the bulk
-    # add is a straight copy, and fa4_final.bwd_post, which turns the accumulator into dQ,
+    # add is a straight copy, and fa4_final.common.bwd_post, which turns the accumulator into dQ,
     # rebuilds each element's (row, col) from the same tiled MMA and copy (dq_copy).
 
     # ------------------------------------------------------------------------------------------
@@ -441,8 +441,8 @@ class HopperBackward:
     # seqlen_k (masks, tile ranges, deterministic turns, the reversed launch order of Note
     # [Turns] all per sequence): Q, dO, K and V are reached by a domain offset to the sequence's
     # first row; lse_log2, delta, the dQ accumulator and the turn counters by the sequence's
-    # padded tile (Note [Varlen dQ accumulator] in fa4_final.bwd_tiles). Reading past a
-    # sequence's end is harmless as in the forward (fa4_final.seqlens): those keys are masked,
+    # padded tile (Note [Varlen dQ accumulator] in fa4_final.common.bwd_tiles). Reading past a
+    # sequence's end is harmless as in the forward (common.seqlens): those keys are masked,
     # those query rows have P = 0. Writing is not: a partial last key tile stores its dK and dV
     # rows from shared memory with one predicate per row (seqlens.store_rows, as the forward's
     # partial O tile) instead of a TMA store that would clip only at total_k. A sequence with
@@ -771,8 +771,8 @@ class HopperBackward:
     def mask(self, acc_s, tScS, t0ScS, n_block, m_block, seqlen_q, seqlen_k, window_left,
              window_right):
         """S^T entries of invisible (key, query) pairs -> -inf. Rows are keys here: per row the
-        visible queries are lo <= i < hi (fa4_final.bwd_tiles), compared with the column's
-        compile-time index (Note [Mask with constants] of fa4_final.mask)."""
+        visible queries are lo <= i < hi (fa4_final.common.bwd_tiles), compared with the column's
+        compile-time index (Note [Mask with constants] of fa4_final.common.mask)."""
         w = self.window
         s = acc_rows_cols(acc_s)
         col_offset = m_block * self.tile_m + tScS[0, 0][1]
@@ -864,7 +864,7 @@ class HopperVarlenBackward(HopperBackward):
     as fa4_final.varlen packs them, each given as a batch of one: q, dout (1, total_q, heads,
     D), k, v, dk, dv (1, total_k, heads_kv, D); lse_log2, delta (1, heads, padded rows), the dQ
     accumulator (1, heads, padded rows * D) and the turn counters (1, heads, padded tiles) in
-    the padded layout of Note [Varlen dQ accumulator] (fa4_final.bwd_tiles)."""
+    the padded layout of Note [Varlen dQ accumulator] (fa4_final.common.bwd_tiles)."""
 
     varlen = True
 

@@ -7,14 +7,14 @@ What this adds over chapter 05's kernel (TMA + wgmma + an mbarrier pipeline, one
    O += P V, the other runs its softmax. Per 128 x 128 tile step at D = 128 the SM has 2048
    tensor cycles of GEMMs and 1024 MUFU cycles of exponentials (chapter 00): the exponentials
    fit under the other warpgroup's GEMMs only if they never wait behind them.
-2. Persistence. One CTA per SM walks many tiles (fa4_final.scheduler). The K/V rings keep
+2. Persistence. One CTA per SM walks many tiles (fa4_final.common.schedule). The K/V rings keep
    streaming across tile boundaries, and O leaves through its own shared-memory buffer, so the
    next tile's Q and first K land while this tile's last P V and epilogue run, instead of a
    one-tile CTA paying its pipeline fill and its epilogue with the tensor cores idle.
 3. Causal tiles longest first, so the persistent CTAs finish together: in sections of heads
    whose K and V fit in L2, each CTA taking its next tile from a global counter when its
    producer has issued the current one's loads (config.dynamic_tiles, Note [Dynamic tiles] in
-   fa4_final.scheduler); or handed out by a table the host builds per shape with list
+   fa4_final.common.schedule); or handed out by a table the host builds per shape with list
    scheduling (config.tile_table, Note [Tile table]); or in fixed zigzag rounds
    (scheduler.zigzag_tile), which only balance the unsectioned order. Equal tiles (not causal)
    come from the table, whose last, partial round is cut along the keys so that every SM ends
@@ -24,7 +24,7 @@ What this adds over chapter 05's kernel (TMA + wgmma + an mbarrier pipeline, one
    accumulator per step (ptxas serialises the wgmma otherwise, for lack of registers), and a
    three-deep K ring next to the separate O buffer within the 227 KB (config.smem_bytes).
 5. Varlen (chapter 12), a compile-time variant (``varlen=True``): packed sequences in one
-   launch. Only the tile lookup (fa4_final.seqlens, scheduler.varlen_locate), the TMA tiles'
+   launch. Only the tile lookup (fa4_final.common.seqlens, scheduler.varlen_locate), the TMA tiles'
    origin (a domain offset per sequence) and the store of a sequence's partial last tile (Note
    [Varlen epilogue]) differ; its tiles come from the same counter (a CTA may find none: the
    grid is sized from a bound, the exact count is known only on the device). The dense
@@ -48,17 +48,11 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from fa4_final.config import HopperFwdConfig
-from fa4_final.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
-from fa4_final.fragments import acc_as_a_operand, acc_rows_cols, select_modes
-from fa4_final.hopper.wgmma import (
-    attention_tiled_mmas,
-    issue_wgmma,
-    smem_tile_layout,
-)
-from fa4_final.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
-from fa4_final.register_plan import check_role_registers
-from fa4_final.scheduler import (
+from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
+from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols, select_modes
+from fa4_final.common.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
+from fa4_final.common.register_plan import check_role_registers
+from fa4_final.common.schedule import (
     SPLIT_FIELDS,
     TILE_SLOTS,
     WHOLE_TILE_KEYS,
@@ -70,10 +64,16 @@ from fa4_final.scheduler import (
     table_rounds,
     zigzag_tile,
 )
-from fa4_final.seqlens import Sequences, store_rows
-from fa4_final.softmax import OnlineSoftmax
-from fa4_final.tiles import TileWindow, clip_range, kv_tile_range
-from fa4_final.timeline import Mark, mark
+from fa4_final.common.seqlens import Sequences, store_rows
+from fa4_final.common.softmax import OnlineSoftmax
+from fa4_final.common.tiles import TileWindow, clip_range, kv_tile_range
+from fa4_final.common.timeline import Mark, mark
+from fa4_final.config import HopperFwdConfig
+from fa4_final.hopper.wgmma import (
+    attention_tiled_mmas,
+    issue_wgmma,
+    smem_tile_layout,
+)
 
 
 class NamedBarrier(IntEnum):
@@ -111,17 +111,17 @@ class HopperForward:
                                  has_left=bool(has_window_left),
                                  has_right=bool(has_window_right) and not self.causal)
         self.producer_regs, self.consumer_regs = config.registers
-        # varlen: packed sequences (fa4_final.seqlens); a separate compiled variant, so the
+        # varlen: packed sequences (fa4_final.common.seqlens); a separate compiled variant, so the
         # dense kernel's code is exactly what it is without this flag
         self.varlen = bool(varlen)
         self.has_seqused_k = self.varlen and bool(has_seqused_k)
         # the table needs each tile's cost before the launch: dense only (varlen's costs are in
         # device memory, and reading them back would cost a sync)
         self.use_table = config.tile_table and not self.varlen
-        # Note [Split tail] (fa4_final.scheduler): the table's entries carry key ranges, and a
+        # Note [Split tail] (fa4_final.common.schedule): the table's entries carry key ranges, and a
         # tile cut into pieces is merged by its last piece
         self.split = self.use_table and config.splits_tail
-        # Note [Dynamic tiles] (fa4_final.scheduler): dense and varlen alike (the tile count
+        # Note [Dynamic tiles] (fa4_final.common.schedule): dense and varlen alike (the tile count
         # is known on the device; a varlen CTA may find none: Note [Varlen order])
         self.dynamic = config.schedules_dynamically
         self.num_consumer_threads = THREADS_PER_WARPGROUP * self.num_wgs
@@ -868,7 +868,7 @@ class HopperForward:
     @cute.jit
     def merge_pieces(self, acc_o, softmax, split, tidx: Int32, slot: Int32, first_slot: Int32,
                      pieces: Int32):
-        """A piece of a tile cut along the keys (Note [Split tail] in fa4_final.scheduler):
+        """A piece of a tile cut along the keys (Note [Split tail] in fa4_final.common.schedule):
         leave this piece's O, row max and row sum in its slot, count it on the tile's counter,
         and if it is the last, merge the other pieces into the registers (the online softmax's
         rescale, piece by piece). Returns whether this piece stores the tile. Every consumer
@@ -988,7 +988,7 @@ class HopperForward:
     # The TMA store clips at the tensor's end, total_q, not at the sequence's: the last, partial
     # tile of a sequence would overwrite the first rows of the next one. Full tiles keep the TMA
     # store; a partial tile goes from shared memory to global memory in 16-byte vectors, one
-    # predicate per row (fa4_final.seqlens.store_rows, which the backward's partial dK and dV
+    # predicate per row (fa4_final.common.seqlens.store_rows, which the backward's partial dK and dV
     # tiles use too; at D = 128: 256 threads x 8 vectors, 16 rows per pass). FA4's own
     # answer keeps TMA for every tile: a tensor with one more mode, whose pointer shift and
     # domain offset make the descriptor's bound fall exactly at the sequence's end

@@ -13,6 +13,17 @@ import importlib.util
 
 import torch
 
+from fa4_final.common.constants import CUTLASS_BY_NAME, DTYPE_NAMES, THREADS_PER_WARPGROUP, WGMMA_M
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.common.schedule import (
+    TILE_OVERHEAD_STEPS,
+    WHOLE_TILE_KEYS,
+    persistent_grid,
+    split_tail_table,
+    tile_coords,
+    tile_table,
+)
+from fa4_final.common.tiles import TileWindow, kv_tile_range
 from fa4_final.compile import (
     cached,
     compile_kernel,
@@ -21,17 +32,6 @@ from fa4_final.compile import (
     fake_tensor,
 )
 from fa4_final.config import HopperFwdConfig, hopper_fwd_default
-from fa4_final.constants import CUTLASS_BY_NAME, DTYPE_NAMES, THREADS_PER_WARPGROUP, WGMMA_M
-from fa4_final.errors import UnsupportedError
-from fa4_final.scheduler import (
-    TILE_OVERHEAD_STEPS,
-    WHOLE_TILE_KEYS,
-    persistent_grid,
-    split_tail_table,
-    tile_coords,
-    tile_table,
-)
-from fa4_final.tiles import TileWindow, kv_tile_range
 
 ARCH = "sm_90a"
 BACKWARD_MODULE = "fa4_final.backward"  # backward_into over fa4_final.hopper.bwd (chapter 11)
@@ -61,7 +61,7 @@ def _fwd_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig, varlen:
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    from fa4_final.timeline import MARKS, MAX_STEPS
+    from fa4_final.common.timeline import MARKS, MAX_STEPS
 
     q, k, v, o, lse = fake_attention_tensors(CUTLASS_BY_NAME[dtype_name], head_dim)
     timeline = fake_tensor(cutlass.Int64, (1 + cfg.num_consumer_wgs, MAX_STEPS, MARKS))
@@ -208,7 +208,7 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
                         window_right, config: HopperFwdConfig | None = None):
     """One launch of the varlen kernel on checked inputs: q (total_q, h, d), k and v (total_k,
     h_kv, d), out like q, lse (h, total_q) (fa4_final.varlen). The packed tensors go in as a
-    batch of one; the kernel finds each tile's sequence from the offsets (fa4_final.seqlens)."""
+    batch of one; the kernel finds each tile's sequence from the offsets (common.seqlens)."""
     total_q, h, d = q.shape
     if total_q == 0:
         return
@@ -317,7 +317,7 @@ _TIMELINES: dict = {}
 def _timeline_buffer(device, cfg: HopperFwdConfig) -> torch.Tensor:
     """The int64 (roles, MAX_STEPS, MARKS) buffer a kernel built with ``timeline=True``
     writes its phase stamps to (Note [Timeline]); other builds never touch it."""
-    from fa4_final.timeline import MARKS, MAX_STEPS
+    from fa4_final.common.timeline import MARKS, MAX_STEPS
 
     key = (device, cfg.num_consumer_wgs)
     if key not in _TIMELINES:

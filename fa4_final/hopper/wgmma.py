@@ -9,7 +9,7 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from fa4_final.constants import WGMMA_M
+from fa4_final.common.constants import WGMMA_M
 
 
 def smem_tile_layout(dtype, head_dim: int, rows: int, stages: int | None = None):

@@ -1,0 +1,2 @@
+"""The device code both architectures share: numbers, tiles and masks, the online softmax,
+the schedule, roles and pipelines, and the backward pieces (pre, post, tiles, dQ order)."""

@@ -1,0 +1,189 @@
+"""Which query tiles a key tile's backward visits, which of them need a mask, and the fixed turn
+order of the deterministic dQ accumulation. The backward's mirror of ``fa4_final.common.tiles``.
+
+Note [Turn order]
+In the deterministic mode the key tiles that visit query tile m add their dQ parts one after the
+other, in a fixed order. The order decides the speed: a key tile that arrives at m before its
+turn waits. With a causal diagonal (or any right window) key tile n reaches m after m - m_min(n)
+steps and m_min grows with n, so the highest key tile arrives first: turns go downwards, from
+last_visitor(m). Without one every key tile starts at m = 0 and any order makes a staircase;
+turns go upwards, from first_visitor(m). A CTA may only wait for CTAs launched before it (a
+waiting CTA holds its SM; one that cannot launch would never come): the kernel numbers its
+CTAs so that turns follow launch order (``launch_order_reversed``).
+
+Same visibility rule (FlashAttention's, bottom-right aligned): with offset = seqlen_k - seqlen_q,
+query i sees key j when 0 <= j < seqlen_k and i + offset - window_left <= j <= i + offset +
+window_right, i.e. for a fixed key j the queries
+    j - offset - window_right  <=  i  <=  j - offset + window_left.
+Plain arithmetic on purpose (kernels call it on ``Int32`` values while traced; the CPU tests on
+Python ints against brute force). Rows past seqlen_q in the last query tile are padding that the
+kernel makes harmless (their lse is +inf, so P = 0): the ranges may count them as visible.
+"""
+
+from __future__ import annotations
+
+import cutlass
+
+from fa4_final.common.tiles import TileWindow
+
+
+def _min(a, b):
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else cutlass.min(a, b)
+
+
+def _max(a, b):
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else cutlass.max(a, b)
+
+
+def q_tile_range(w: TileWindow, n_block, seqlen_q, seqlen_k, window_left=None,
+                 window_right=None):
+    """(m_min, m_max, n_first_masked, n_last_masked) for key tile ``n_block``.
+
+    Query tiles m_min .. m_max - 1 are visited in increasing order; m_min == m_max means none
+    (keys that no query sees: their dK and dV are zero). The first ``n_first_masked`` visited
+    can hold pairs right of a row's window (causal: above the diagonal); the last
+    ``n_last_masked`` can hold pairs left of it. The tiles between need no mask. Keys past
+    seqlen_k (the last key tile) are not counted here: the kernel masks every step of that tile.
+    """
+    offset = seqlen_k - seqlen_q
+    num_m = (seqlen_q + w.tile_m - 1) // w.tile_m
+    first_key = n_block * w.tile_n
+    last_key = _min(first_key + w.tile_n, seqlen_k) - 1
+    m_min = 0
+    full_right = 0  # first query tile whose every row sees every key of the tile on the right
+    if w.masks_right:
+        wr = w.right_bound(window_right)
+        first_row = _max(first_key - offset - wr, 0)  # the first query that sees first_key
+        m_min = _min(first_row // w.tile_m, num_m)
+        full_row = _max(last_key - offset - wr, 0)  # from here on rows see last_key too
+        full_right = (full_row + w.tile_m - 1) // w.tile_m
+    m_max = num_m
+    full_left = num_m  # one past the last query tile free of left masking
+    if w.has_left:
+        last_row = last_key - offset + window_left  # the last query that sees last_key
+        m_max = _min((_max(last_row, -1) + w.tile_m) // w.tile_m, num_m)
+        # a tile is free of left masking when its last row still sees first_key
+        full_left = _max(first_key - offset + window_left + 1, 0) // w.tile_m
+    m_max = _max(m_max, m_min)
+    n_first = _min(_max(full_right, m_min), m_max) - m_min
+    n_last = m_max - _max(_min(full_left, m_max), m_min + n_first)
+    return m_min, m_max, n_first, n_last
+
+
+def visible_queries(w: TileWindow, key, seqlen_q, seqlen_k, window_left=None,
+                    window_right=None, big=1 << 30):
+    """(lo, hi): key ``key`` is seen by the queries lo <= i < hi (the rule of the module
+    docstring; ``big`` stands for an unbounded side). A key past seqlen_k is seen by none. The
+    backward kernels hold one key per accumulator row and compare these with query columns."""
+    offset = seqlen_k - seqlen_q
+    lo = -big
+    hi = big
+    if w.masks_right:
+        lo = key - offset - w.right_bound(window_right)
+    if w.has_left:
+        hi = key - offset + window_left + 1
+    # a key past seqlen_k is seen by no query: hi = -big (arithmetic, no run-time branch, so
+    # the kernels may call this on traced values)
+    inside = _min(_max(seqlen_k - key, 0), 1)
+    hi = _min(hi, (2 * inside - 1) * big)
+    return lo, hi
+
+
+def first_visitor(w: TileWindow, m_block, seqlen_q, seqlen_k, window_left=None):
+    """The lowest key tile whose ``q_tile_range`` contains query tile ``m_block`` (no left window:
+    0, every key tile reaches the last rows). Key tiles first_visitor .. n all visit m_block
+    when n does, so in the deterministic mode key tile n adds its dQ to m_block as turn
+    n - first_visitor (Note [Turns] of fa4_final.hopper.bwd)."""
+    if not w.has_left:
+        return 0
+    offset = seqlen_k - seqlen_q
+    # key tile n reaches m_block when its last key is seen by the tile's first row:
+    # last_key(n) >= m_block * tile_m + offset - window_left
+    need = m_block * w.tile_m + offset - window_left
+    return _max(need, 0) // w.tile_n
+
+
+def last_visitor(w: TileWindow, m_block, num_n_blocks, seqlen_q, seqlen_k, window_right=None):
+    """The highest key tile whose ``q_tile_range`` contains query tile ``m_block`` (-1 if none):
+    the last n with m_min(n) <= m_block."""
+    if not w.masks_right:
+        return num_n_blocks - 1
+    offset = seqlen_k - seqlen_q
+    reach = (m_block + 1) * w.tile_m - 1 + offset + w.right_bound(window_right)
+    return _min(_max(reach + w.tile_n, 0) // w.tile_n - 1, num_n_blocks - 1)
+
+
+def launch_order_reversed(w: TileWindow) -> bool:
+    """Whether the deterministic kernel numbers key tiles from the last: its turns go downwards
+    (Note [Turn order]), so the CTAs waited for must be launched first."""
+    return w.masks_right
+
+
+def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
+            window_left=None, window_right=None):
+    """Key tile ``n_block``'s turn (0 = first) among the key tiles that add to query tile
+    ``m_block``'s dQ in the deterministic mode (Note [Turn order])."""
+    if launch_order_reversed(w):
+        return last_visitor(w, m_block, num_n_blocks, seqlen_q, seqlen_k, window_right) - n_block
+    return n_block - first_visitor(w, m_block, seqlen_q, seqlen_k, window_left)
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen: the backward over packed sequences (fa4_final.varlen, Note [Varlen backward])
+
+# Note [Varlen dQ accumulator]
+# The float32 dQ accumulator, lse_log2 and delta are per query tile: a tile's tile_m * D floats
+# are one contiguous slab in the order the MMA threads hold them (Note [dQ in accumulator order]
+# of fa4_final.hopper.bwd), added with one bulk instruction per warpgroup, and its lse and delta
+# arrive with one 16-byte-aligned bulk copy of tile_m floats. So a query tile must own a whole
+# slab: with packed sequences a tile starts at a sequence's row cu_seqlens_q[b] + m * tile_m,
+# anywhere, and row-indexed buffers would need the slabs of two sequences to overlap. Each
+# sequence is therefore padded to whole tiles: sequence b's query tile m is slab
+#     dq_accum_tile(cu_seqlens_q[b], b, tile_m) + m = cu_seqlens_q[b] // tile_m + b + m,
+# an expression of the sequence's own offset (no scan over the lengths before it, on the host or
+# the device). Sequence b needs ceil(len_b / tile_m) slabs and the next starts at
+# cu[b + 1] // tile_m + b + 1 >= cu[b] // tile_m + ceil(len_b / tile_m) + b: no overlap. All of
+# them fit in dq_accum_tiles(total_q, batch, tile_m) = total_q // tile_m + batch slabs, at most
+# one tile per sequence more than the packed rows (FA2 and FA3 pad the same way). The padding
+# rows of a sequence's last tile get lse_log2 = +inf from bwd_pre (P = 0, so they add exact
+# zeros); the slabs between sequences are never read. The alternative, exact per-tile offsets
+# (a prefix sum of ceil(len_b / tile_m)), would save those gap slabs but need that scan in
+# bwd_pre, the main kernel and bwd_post alike.
+
+
+def dq_accum_tile(seq_start_q, b, tile_m: int):
+    """The dQ accumulator's slab (query tile index) of sequence ``b``'s first query tile, from
+    its first packed row ``seq_start_q`` = cu_seqlens_q[b] (Note [Varlen dQ accumulator])."""
+    return seq_start_q // tile_m + b
+
+
+def dq_accum_tiles(total_q: int, batch: int, tile_m: int) -> int:
+    """Slabs of the varlen dQ accumulator (and tiles of its lse_log2, delta, turn counters)."""
+    return total_q // tile_m + batch
+
+
+def varlen_grid_bound(total: int, batch: int, tile: int, heads: int) -> int:
+    """CTAs a varlen launch needs at most for ``total`` packed rows cut per sequence into tiles
+    of ``tile``: each sequence adds at most one partial tile (sum of ceil(len_b / tile) <=
+    ceil(total / tile) + batch), per head. CTAs past the exact count find no tile and exit."""
+    return (-(-total // tile) + batch) * heads
+
+
+def varlen_key_tile_host(t: int, lens_k: list[int], tile_n: int, heads_kv: int,
+                         reversed_order: bool = False):
+    """(b, n_block, head_kv) of the varlen backward's CTA ``t``, or None past the last key tile:
+    sequences in order, in each its kv heads, in each head its key tiles (Note [Varlen backward]
+    in fa4_final.hopper.bwd). ``reversed_order``: the deterministic mode's numbering when turns
+    go downwards (launch_order_reversed), the highest key tile first. Host mirror of
+    HopperBackward.varlen_key_tile."""
+    from fa4_final.common.schedule import varlen_locate_host
+
+    b, before, total = varlen_locate_host(t, lens_k, tile_n, heads_kv)
+    if not 0 <= t < total:
+        return None
+    n_blocks = -(-lens_k[b] // tile_n)
+    r = t - before
+    n_block = r % n_blocks
+    if reversed_order:
+        n_block = n_blocks - 1 - n_block
+    return b, n_block, r // n_blocks
