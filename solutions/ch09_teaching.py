@@ -891,13 +891,28 @@ def compile_with_pieces(issue_qk_fn=None, softmax_fn=None, head_dim: int = 128):
     return _PIECE_BUILDS[key]
 
 
-def barrier_registers(ptx: str, names=("load", "s", "p", "o")) -> dict:
-    """{name: the PTX register of its address}, from the kernel's mbarrier.init lines (the
-    primer initialises mbar_load, mbar_s, mbar_p, mbar_o in that order)."""
+PRIMER_BARRIER_OFFSETS = {0: "load", 8: "s", 16: "p", 24: "o"}  # the primer's struct
+
+
+def barrier_registers(ptx: str, offsets=PRIMER_BARRIER_OFFSETS) -> dict:
+    """{name: the PTX register holding its address}: the primer's barriers are the first
+    fields of its shared storage (mbar_load, mbar_s, mbar_p, mbar_o, 8 bytes each), at the
+    dynamic shared-memory base plus their offset."""
     import re
 
-    regs = re.findall(r"mbarrier\.init\.shared\.b64\s+\[(%r\d+)\]", ptx)
-    return dict(zip(names, regs[-len(names):]))
+    roots = set(re.findall(r"mov\.b32\s+(%r\d+),\s*__dynamic_shmem__0;", ptx))
+    roots |= {dst for dst, src in re.findall(
+        r"shfl\.sync\.idx\.b32\s+(%r\d+),\s*(%r\d+),", ptx) if src in roots}
+    adds = re.findall(r"add\.s32\s+(%r\d+),\s*(%r\d+),\s*(\d+);", ptx)
+    best: dict = {}
+    for root in sorted(roots):
+        found = {offsets[0]: root}
+        for dst, src, imm in adds:
+            if src == root and int(imm) in offsets and offsets[int(imm)] not in found:
+                found[offsets[int(imm)]] = dst
+        if len(found) > len(best):
+            best = found
+    return best
 
 
 def _lines(ptx: str) -> list[str]:
