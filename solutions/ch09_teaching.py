@@ -1030,3 +1030,57 @@ def check_primer_on_gpu(issue_qk_fn=None, softmax_fn=None, cases=PRIMER_GPU_CASE
         lines.append(f"D={d} scale={scale} seed={seed}: out {'ok' if verdict.ok else 'WRONG'}, "
                      f"lse {'ok' if lse_ok else 'WRONG'}")
     return ok, lines
+
+
+# --- the forward on a Blackwell GPU (measure.blackwell_fwd times it) ---------------------------
+FORWARD_VARIANTS = {
+    "fa4_final_sm100": {},
+    "fa4_final_sm100_1cta": {"two_cta": False},
+    "fa4_final_sm100_2cta": {"two_cta": True},
+    "fa4_final_sm100_no_emulation": {"exp2_emulation_fraction": 0.0},
+    "fa4_final_sm100_always_rescale": {"rescale_threshold": 0.0},
+}
+
+
+def forward_variant(knobs: dict):
+    """``attention(q, k, v, causal, softmax_scale)`` of the sm_100a forward with ``knobs``
+    changed in its default configuration."""
+    from dataclasses import replace
+
+    from fa4_final.blackwell.config import blackwell_fwd_default
+    from fa4_final.blackwell.fwd import attention
+
+    def run(q, k, v, causal=False, softmax_scale=None):
+        cfg = replace(blackwell_fwd_default(q.shape[-1], causal), **knobs)
+        return attention(q, k, v, causal, softmax_scale, config=cfg)
+
+    return run
+
+
+def verify_forward(fn, d: int, causal: bool) -> bool:
+    """One awkward case (lengths off the tile, GQA) against float64 on a Blackwell GPU."""
+    import torch
+
+    from utils.checks import tolerance_check
+    from utils.reference import attention_reference, random_qkv
+
+    q, k, v, _ = random_qkv(2, 1000, 4, d, seqlen_k=1100, heads_kv=2, dtype=torch.bfloat16,
+                            device="cuda")
+    out, _ = fn(q, k, v, causal=causal)
+    ref = attention_reference(q, k, v, causal, dtype=torch.float64)
+    same = attention_reference(q, k, v, causal, dtype=torch.bfloat16)
+    return tolerance_check(out, ref[0], same[0], "out").ok
+
+
+def check_forward_on_gpu() -> tuple[bool, list[str]]:
+    """Every forward variant on one awkward case per head dim and mask: (ok, one line each)."""
+    ok, lines = True, []
+    for name, knobs in FORWARD_VARIANTS.items():
+        fn = forward_variant(knobs)
+        for d in (64, 128):
+            for causal in (False, True):
+                good = verify_forward(fn, d, causal)
+                ok &= good
+                lines.append(f"{name} D={d} causal={causal}: "
+                             f"{'verified' if good else 'WRONG'}")
+    return ok, lines

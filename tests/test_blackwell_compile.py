@@ -275,7 +275,7 @@ def test_sm100_side_by_side_table_our_side_regenerates(compiled):
 
     if table.provenance["cutlass_dsl"] != getattr(cutlass, "__version__", "?"):
         pytest.skip(f"table compiled with CuTe DSL {table.provenance['cutlass_dsl']}; this is "
-                    f"{cutlass.__version__}: regenerate with python -m solutions.ch09_compare "
+                    f"{cutlass.__version__}: regenerate with python -m measure.sm100_vs_fa4 "
                     f"--write --ours")
     for c in ch09_compare.CONFIGS:
         cfg = replace(blackwell_fwd_default(c["d"], c["causal"]), two_cta=c["two_cta"])

@@ -5,6 +5,7 @@ step are there on both sides, and every note's figures are the rows'."""
 
 import pytest
 
+from measure import sm100_vs_fa4 as W
 from solutions import ch09_compare as C
 
 
@@ -58,8 +59,8 @@ def test_bwd_table_has_both_sides_and_the_five_gemms(table):
 
 def test_bwd_table_notes_quote_the_rows(table):
     notes = table.where(impl="note")
-    assert len(notes) == len(C.BWD_NOTES)
-    assert notes == C.bwd_notes([r for r in table.rows if r["impl"] != "note"])
+    assert len(notes) == len(W.BWD_NOTES)
+    assert notes == W.bwd_notes([r for r in table.rows if r["impl"] != "note"])
 
 
 def test_bwd_table_pair_halves_our_dq_adds(table):

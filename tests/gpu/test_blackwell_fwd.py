@@ -197,7 +197,7 @@ def test_tcgen05_primer_one_tile_is_correct(head_dim):
 
 
 def test_sm100_benchmark_script_small():
-    proc = subprocess.run([sys.executable, "-m", "solutions.ch09_bench", "--small"],
+    proc = subprocess.run([sys.executable, "-m", "measure.blackwell_fwd", "--small"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verified" in proc.stdout, proc.stdout
