@@ -15,12 +15,16 @@ CuTe FlashAttention kernel is made of, and checks each against PyTorch:
    CTA tile; cp.async copies 16 B per thread from global into swizzled shared memory, ldmatrix
    loads 8x8 blocks into registers, and mma.sync m16n8k16 does 2*16*8*16 = 4096 FLOP per warp
    instruction (an FMA instruction does 2*32 = 64: 64x fewer instructions). The K loop is not
-   pipelined yet: each tile is loaded, waited for, then used (chapter 04 overlaps them).
+   pipelined yet: each tile is loaded, waited for, then used (chapter 04 overlaps them). The
+   epilogue (each thread's accumulators into C, predicated per element) is one function,
+   ``store_accumulators``, which the learner writes in exercise 03.5 (``Gemm`` takes it as an
+   argument; ``EpilogueOnCpu`` runs it for every thread on the CPU).
 
 Also here: CuTe run on the host (a CPU, no GPU: layout algebra, partitions of NumPy arrays, the
 vector-add and copy kernels' per-thread code run for every (block, thread) in a loop), the
 chapter's exercises with their checkers, and ``compile_only(arch, kernel)`` for PTX/SASS on a CPU.
-Measured figures, if any, live in results/<gpu>/ch03_*.json; none are typed here.
+Measured figures live in results/<gpu>/ch03_kernels.json (``python -m measure.ch03_kernels``:
+each kernel beside PyTorch in interleaved rounds); none are typed here.
 
 Entry points (CUDA tensors): ``vector_add(a, b)``, ``tiled_copy(x)``, ``gemm_tn(a, b)``; each takes
 an optional ``out=``. ``python -m solutions.ch03_cute_basics`` runs all three once on a GPU.
@@ -388,108 +392,169 @@ def _smem_layout(rows: int, cols: int):
     return cute.tile_to_shape(atom, (rows, cols), (0, 1))
 
 
-@cute.kernel
-def _gemm_kernel(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
-                 sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
-                 g2s_copy: cute.TiledCopy, tiled_mma: cute.TiledMma):
-    tile_m, tile_n, tile_k = GEMM_TILE
-    dtype = mA.element_type
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx_m, bidx_n, _ = cute.arch.block_idx()
-
-    # 1. This CTA's tiles of A, B, C in global memory, and their coordinates.
-    gA = cute.local_tile(mA, (tile_m, tile_k), (bidx_m, None))  # (BM, BK, k_tiles)
-    gB = cute.local_tile(mB, (tile_n, tile_k), (bidx_n, None))  # (BN, BK, k_tiles)
-    gC = cute.local_tile(mC, (tile_m, tile_n), (bidx_m, bidx_n))  # (BM, BN)
-    cA = cute.local_tile(cute.make_identity_tensor(mA.shape), (tile_m, tile_k), (bidx_m, None))
-    cB = cute.local_tile(cute.make_identity_tensor(mB.shape), (tile_n, tile_k), (bidx_n, None))
-    cC = cute.local_tile(cute.make_identity_tensor(mC.shape), (tile_m, tile_n), (bidx_m, bidx_n))
-
-    # 2. Shared memory: one swizzled (64, 64) tile each of A and B, 8 KB apiece.
-    smem = cutlass.memory.SmemAllocator()
-    sA = smem.allocate_tensor(dtype, sA_layout, byte_alignment=128)  # (BM, BK)
-    sB = smem.allocate_tensor(dtype, sB_layout, byte_alignment=128)  # (BN, BK)
-
-    # 3. Global -> shared: each thread copies 16-byte vectors with cp.async.
-    thr_g2s = g2s_copy.get_slice(tidx)
-    tAgA = thr_g2s.partition_S(gA)  # (CPY, CPY_M, CPY_K, k_tiles)
-    tAsA = thr_g2s.partition_D(sA)  # (CPY, CPY_M, CPY_K)
-    tAcA = thr_g2s.partition_S(cA)  # (CPY, CPY_M, CPY_K, k_tiles) -> (m, k)
-    tBgB = thr_g2s.partition_S(gB)  # (CPY, CPY_N, CPY_K, k_tiles)
-    tBsB = thr_g2s.partition_D(sB)  # (CPY, CPY_N, CPY_K)
-    tBcB = thr_g2s.partition_S(cB)  # (CPY, CPY_N, CPY_K, k_tiles) -> (n, k)
-
-    # 4. The MMA's view: register fragments of A, B and the fp32 accumulator.
+@cute.jit
+def store_accumulators(tiled_mma: cute.TiledMma, tidx, tCrC: cute.Tensor, gC: cute.Tensor,
+                       cC: cute.Tensor, shape):
+    """The GEMM's epilogue (exercise 03.5's reference): thread ``tidx`` writes its fp32
+    accumulators ``tCrC`` (MMA, MMA_M, MMA_N) into the CTA's tile ``gC`` of C, each one only
+    where its coordinate, from the tile's coordinate tensor ``cC``, lies inside ``shape``."""
     thr_mma = tiled_mma.get_slice(tidx)
-    tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))  # (MMA, MMA_M, MMA_K)
-    tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))  # (MMA, MMA_N, MMA_K)
-    tCgC = thr_mma.partition_C(gC)  # (MMA, MMA_M, MMA_N)
+    tCgC = thr_mma.partition_C(gC)  # (MMA, MMA_M, MMA_N): the same TV layout as tCrC
     tCcC = thr_mma.partition_C(cC)  # (MMA, MMA_M, MMA_N) -> (m, n)
-    tCrC = tiled_mma.make_fragment_C(tCgC)  # (MMA, MMA_M, MMA_N) fp32
-    tCrC.fill(0.0)
-
-    # 5. Shared -> registers with ldmatrix, in exactly the layout the MMA fragments want.
-    ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
-    s2r_A = cute.make_tiled_copy_A(ldsm, tiled_mma)
-    s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma)
-    thr_s2r_A = s2r_A.get_slice(tidx)
-    thr_s2r_B = s2r_B.get_slice(tidx)
-    tCsA = thr_s2r_A.partition_S(sA)  # (CPY, CPY_M, CPY_K)
-    tCrA_view = thr_s2r_A.retile(tCrA)  # (CPY, CPY_M, CPY_K): tCrA seen as ldmatrix's target
-    tCsB = thr_s2r_B.partition_S(sB)  # (CPY, CPY_N, CPY_K)
-    tCrB_view = thr_s2r_B.retile(tCrB)  # (CPY, CPY_N, CPY_K)
-
-    # 6. Main loop over K tiles.
-    for kt in range(cute.size(gA, mode=[2])):
-        # Out-of-range vectors are zero-filled, not skipped: zeros past K add nothing to the
-        # dot products, and rows past M or N never reach the output.
-        for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
-            for k in cutlass.range_constexpr(cute.size(tAsA, mode=[2])):
-                if cute.elem_less(tAcA[0, m, k, kt], mA.shape):
-                    cute.copy(g2s_copy, tAgA[None, m, k, kt], tAsA[None, m, k])
-                else:
-                    tAsA[None, m, k].fill(0)
-        for n in cutlass.range_constexpr(cute.size(tBsB, mode=[1])):
-            for k in cutlass.range_constexpr(cute.size(tBsB, mode=[2])):
-                if cute.elem_less(tBcB[0, n, k, kt], mB.shape):
-                    cute.copy(g2s_copy, tBgB[None, n, k, kt], tBsB[None, n, k])
-                else:
-                    tBsB[None, n, k].fill(0)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)  # this thread's copies have landed ...
-        cute.arch.sync_threads()  # ... and everyone else's: the tile is complete
-        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):  # 64 / 16 = 4 k-blocks
-            cute.copy(s2r_A, tCsA[None, None, kb], tCrA_view[None, None, kb])
-            cute.copy(s2r_B, tCsB[None, None, kb], tCrB_view[None, None, kb])
-            cute.gemm(tiled_mma, tCrC, tCrA[None, None, kb], tCrB[None, None, kb], tCrC)
-        cute.arch.sync_threads()  # nobody overwrites the tile while another warp still reads it
-
-    # 7. Epilogue: each thread stores its accumulators that fall inside C.
     for i in cutlass.range_constexpr(cute.size(tCrC)):
-        if cute.elem_less(tCcC[i], mC.shape):
+        if cute.elem_less(tCcC[i], shape):  # C's last tiles overhang M and N
             tCgC[i] = tCrC[i]
 
 
+class Gemm:
+    """C = A @ B^T with mma.sync around an epilogue function: ``store_accumulators`` or a
+    learner's version of it (exercise 03.5)."""
+
+    def __init__(self, epilogue=store_accumulators):
+        self.epilogue = epilogue
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
+               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+               g2s_copy: cute.TiledCopy, tiled_mma: cute.TiledMma):
+        tile_m, tile_n, tile_k = GEMM_TILE
+        dtype = mA.element_type
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx_m, bidx_n, _ = cute.arch.block_idx()
+
+        # 1. This CTA's tiles of A, B, C in global memory, and their coordinates.
+        gA = cute.local_tile(mA, (tile_m, tile_k), (bidx_m, None))  # (BM, BK, k_tiles)
+        gB = cute.local_tile(mB, (tile_n, tile_k), (bidx_n, None))  # (BN, BK, k_tiles)
+        gC = cute.local_tile(mC, (tile_m, tile_n), (bidx_m, bidx_n))  # (BM, BN)
+        cA = cute.local_tile(cute.make_identity_tensor(mA.shape), (tile_m, tile_k),
+                             (bidx_m, None))
+        cB = cute.local_tile(cute.make_identity_tensor(mB.shape), (tile_n, tile_k),
+                             (bidx_n, None))
+        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), (tile_m, tile_n),
+                             (bidx_m, bidx_n))
+
+        # 2. Shared memory: one swizzled (64, 64) tile each of A and B, 8 KB apiece.
+        smem = cutlass.memory.SmemAllocator()
+        sA = smem.allocate_tensor(dtype, sA_layout, byte_alignment=128)  # (BM, BK)
+        sB = smem.allocate_tensor(dtype, sB_layout, byte_alignment=128)  # (BN, BK)
+
+        # 3. Global -> shared: each thread copies 16-byte vectors with cp.async.
+        thr_g2s = g2s_copy.get_slice(tidx)
+        tAgA = thr_g2s.partition_S(gA)  # (CPY, CPY_M, CPY_K, k_tiles)
+        tAsA = thr_g2s.partition_D(sA)  # (CPY, CPY_M, CPY_K)
+        tAcA = thr_g2s.partition_S(cA)  # (CPY, CPY_M, CPY_K, k_tiles) -> (m, k)
+        tBgB = thr_g2s.partition_S(gB)  # (CPY, CPY_N, CPY_K, k_tiles)
+        tBsB = thr_g2s.partition_D(sB)  # (CPY, CPY_N, CPY_K)
+        tBcB = thr_g2s.partition_S(cB)  # (CPY, CPY_N, CPY_K, k_tiles) -> (n, k)
+
+        # 4. The MMA's view: register fragments of A, B and the fp32 accumulator.
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))  # (MMA, MMA_M, MMA_K)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))  # (MMA, MMA_N, MMA_K)
+        tCrC = tiled_mma.make_fragment_C(thr_mma.partition_C(gC))  # (MMA, MMA_M, MMA_N) fp32
+        tCrC.fill(0.0)
+
+        # 5. Shared -> registers with ldmatrix, in exactly the layout the MMA fragments want.
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                   dtype)
+        s2r_A = cute.make_tiled_copy_A(ldsm, tiled_mma)
+        s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma)
+        thr_s2r_A = s2r_A.get_slice(tidx)
+        thr_s2r_B = s2r_B.get_slice(tidx)
+        tCsA = thr_s2r_A.partition_S(sA)  # (CPY, CPY_M, CPY_K)
+        tCrA_view = thr_s2r_A.retile(tCrA)  # (CPY, CPY_M, CPY_K): tCrA as ldmatrix's target
+        tCsB = thr_s2r_B.partition_S(sB)  # (CPY, CPY_N, CPY_K)
+        tCrB_view = thr_s2r_B.retile(tCrB)  # (CPY, CPY_N, CPY_K)
+
+        # 6. Main loop over K tiles.
+        for kt in range(cute.size(gA, mode=[2])):
+            # Out-of-range vectors are zero-filled, not skipped: zeros past K add nothing to
+            # the dot products, and rows past M or N never reach the output.
+            for m in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
+                for k in cutlass.range_constexpr(cute.size(tAsA, mode=[2])):
+                    if cute.elem_less(tAcA[0, m, k, kt], mA.shape):
+                        cute.copy(g2s_copy, tAgA[None, m, k, kt], tAsA[None, m, k])
+                    else:
+                        tAsA[None, m, k].fill(0)
+            for n in cutlass.range_constexpr(cute.size(tBsB, mode=[1])):
+                for k in cutlass.range_constexpr(cute.size(tBsB, mode=[2])):
+                    if cute.elem_less(tBcB[0, n, k, kt], mB.shape):
+                        cute.copy(g2s_copy, tBgB[None, n, k, kt], tBsB[None, n, k])
+                    else:
+                        tBsB[None, n, k].fill(0)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)  # this thread's copies have landed ...
+            cute.arch.sync_threads()  # ... and everyone else's: the tile is complete
+            for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):  # 64 / 16 = 4
+                cute.copy(s2r_A, tCsA[None, None, kb], tCrA_view[None, None, kb])
+                cute.copy(s2r_B, tCsB[None, None, kb], tCrB_view[None, None, kb])
+                cute.gemm(tiled_mma, tCrC, tCrA[None, None, kb], tCrB[None, None, kb], tCrC)
+            cute.arch.sync_threads()  # nobody overwrites the tile while another warp reads it
+
+        # 7. Epilogue: each thread stores its accumulators that fall inside C (exercise 03.5).
+        self.epilogue(tiled_mma, tidx, tCrC, gC, cC, mC.shape)
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
+                 stream: cuda.CUstream):
+        """Host side: layouts, copy and MMA descriptions, one CTA per 64x64 tile of C."""
+        tile_m, tile_n, tile_k = GEMM_TILE
+        grid = ((mC.shape[0] + tile_m - 1) // tile_m, (mC.shape[1] + tile_n - 1) // tile_n, 1)
+        self.kernel(mA, mB, mC, _smem_layout(tile_m, tile_k), _smem_layout(tile_n, tile_k),
+                    _gemm_g2s_copy(mA.element_type), _gemm_tiled_mma(mA.element_type)).launch(
+            grid=grid, block=(GEMM_THREADS, 1, 1), stream=stream)
+
+
 @cute.jit
-def gemm_launch(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, stream: cuda.CUstream):
-    """Host side: layouts, copy and MMA descriptions, one CTA per 64x64 tile of C."""
-    tile_m, tile_n, tile_k = GEMM_TILE
-    dtype = mA.element_type
-    vec = _vector_len(dtype)
+def _gemm_g2s_copy(dtype: cutlass.Constexpr):
     # cp.async, 16 B per thread: 8 threads cover a 64-element row, 128 threads 16 rows.
+    vec = _vector_len(dtype)
     g2s_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    dtype, num_bits_per_copy=VECTOR_BITS)
-    per_row = tile_k // vec
+    per_row = GEMM_TILE[2] // vec
     thr = cute.make_layout((GEMM_THREADS // per_row, per_row), stride=(per_row, 1))
-    g2s_copy = cute.make_tiled_copy_tv(g2s_atom, thr, cute.make_layout((1, vec)))
+    return cute.make_tiled_copy_tv(g2s_atom, thr, cute.make_layout((1, vec)))
+
+
+@cute.jit
+def _gemm_tiled_mma(dtype: cutlass.Constexpr):
     # 2x2 warps of m16n8k16. The permutation makes each warp's N extent 16 instead of 8, so
     # one ldmatrix.x4 loads B for two n8 atoms at once.
-    tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), GEMM_WARPS,
-                                    permutation_mnk=(GEMM_WARPS[0] * 16, GEMM_WARPS[1] * 16, 16))
-    grid = ((mC.shape[0] + tile_m - 1) // tile_m, (mC.shape[1] + tile_n - 1) // tile_n, 1)
-    _gemm_kernel(mA, mB, mC, _smem_layout(tile_m, tile_k), _smem_layout(tile_n, tile_k),
-                 g2s_copy, tiled_mma).launch(grid=grid, block=(GEMM_THREADS, 1, 1),
-                                             stream=stream)
+    return cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), GEMM_WARPS,
+                               permutation_mnk=(GEMM_WARPS[0] * 16, GEMM_WARPS[1] * 16, 16))
+
+
+gemm_launch = Gemm()  # the chapter's kernel, with the reference epilogue
+
+
+class EpilogueOnCpu:
+    """The GEMM's epilogue run on the CPU for every (block, thread) of the grid, one after
+    another: each thread's accumulator fragment is filled with the values the reference
+    partition gives it from a "truth" matrix (what the MMAs would have left there), then
+    ``epilogue`` stores it. A right epilogue reproduces the truth matrix inside C and writes
+    nothing outside."""
+
+    def __init__(self, epilogue=store_accumulators):
+        self.epilogue = epilogue
+
+    @cute.jit
+    def grid_on_cpu(self, mTruth: cute.Tensor, mC: cute.Tensor, rows: Int32, cols: Int32):
+        tile_m, tile_n, _ = GEMM_TILE
+        tiled_mma = _gemm_tiled_mma(cutlass.BFloat16)
+        shape = (rows, cols)
+        for bidx_m in cutlass.range((rows + tile_m - 1) // tile_m):
+            for bidx_n in cutlass.range((cols + tile_n - 1) // tile_n):
+                for tidx in cutlass.range(GEMM_THREADS):
+                    gT = cute.local_tile(mTruth, (tile_m, tile_n), (bidx_m, bidx_n))
+                    gC = cute.local_tile(mC, (tile_m, tile_n), (bidx_m, bidx_n))  # (BM, BN)
+                    cC = cute.local_tile(cute.make_identity_tensor(shape), (tile_m, tile_n),
+                                         (bidx_m, bidx_n))
+                    thr_mma = tiled_mma.get_slice(tidx)
+                    tTgT = thr_mma.partition_C(gT)  # (MMA, MMA_M, MMA_N)
+                    tCrC = tiled_mma.make_fragment_C(tTgT)  # (MMA, MMA_M, MMA_N) fp32
+                    for i in cutlass.range_constexpr(cute.size(tCrC)):
+                        tCrC[i] = tTgT[i]
+                    self.epilogue(tiled_mma, tidx, tCrC, gC, cC, shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -645,9 +710,10 @@ def tiled_copy(x: torch.Tensor, out: torch.Tensor | None = None, partition=None)
     return out
 
 
-def gemm_tn(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None):
+def gemm_tn(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, epilogue=None):
     """``a @ b.T`` in fp32 with mma.sync: a (M, K), b (N, K), bf16 or fp16 CUDA tensors,
-    K a multiple of 8 (rows start on 16-byte boundaries). Returns (M, N) float32."""
+    K a multiple of 8 (rows start on 16-byte boundaries). Returns (M, N) float32.
+    ``epilogue`` replaces ``store_accumulators`` (exercise 03.5)."""
     _check_tensor("a", a, MMA_DTYPES)
     _check_tensor("b", b, MMA_DTYPES)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
@@ -664,7 +730,8 @@ def gemm_tn(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None):
     out = _check_out(out, (m, n), torch.float32, a.device)
     a, b = _aligned_contiguous(a), _aligned_contiguous(b)
     tensors = [_row_major_cute(t.detach(), 8) for t in (a, b)] + [_row_major_cute(out, 1)]
-    _run(("gemm_tn", a.dtype), gemm_launch, tensors, a.device)
+    epilogue = epilogue or store_accumulators
+    _run(("gemm_tn", a.dtype, epilogue), Gemm(epilogue), tensors, a.device)
     return out
 
 
@@ -672,11 +739,12 @@ KERNELS = ("vector_add", "tiled_copy", "gemm")
 
 
 def compile_only(arch: str = "sm_80", kernel: str = "gemm", dtype=cutlass.BFloat16,
-                 partition=None):
+                 partition=None, epilogue=None):
     """Compile one of this chapter's kernels for ``arch`` with no GPU present and return its
     ``utils.compile_only.Artifacts`` (PTX, SASS, registers, spills). The fake tensors have the
     types the torch entry points pass (dynamic extents, 16-byte aligned rows). ``partition``
-    replaces the tiled copy's ``copy_partition`` (exercise 03.3)."""
+    replaces the tiled copy's ``copy_partition`` (exercise 03.3), ``epilogue`` the GEMM's
+    ``store_accumulators`` (exercise 03.5)."""
     from utils.compile_only import compile_for, fake_stream
 
     if kernel not in KERNELS:
@@ -697,7 +765,8 @@ def compile_only(arch: str = "sm_80", kernel: str = "gemm", dtype=cutlass.BFloat
     if kernel == "tiled_copy":
         return compile_for(arch, TiledCopy(partition or copy_partition), fake(dtype, 2, vec),
                            fake(dtype, 2, vec), fake_stream())
-    return compile_for(arch, gemm_launch, fake(dtype, 2, vec), fake(dtype, 2, vec),
+    return compile_for(arch, Gemm(epilogue or store_accumulators), fake(dtype, 2, vec),
+                       fake(dtype, 2, vec),
                        fake(cutlass.Float32, 2), fake_stream())
 
 
@@ -814,7 +883,8 @@ def thread_coords_cases():
     copy_layout, copy_tile = copy_tv_layout(cutlass.Float32)
     cases = [("tiled_copy (fp32)", copy_layout, copy_tile, t) for t in (0, 5, 37, 127)]
     for name, (layout, tile) in mma_tv_layouts().items():
-        cases += [(f"mma.sync m16n8k16 operand {name}", layout, tile, t) for t in (0, 5, 31)]
+        # not lane 5 of the accumulator: the chapter shows that one before the exercise
+        cases += [(f"mma.sync m16n8k16 operand {name}", layout, tile, t) for t in (0, 6, 31)]
     # make_layout_tv((4,8):(8,1), (1,4):(4,1)): 4x8 threads, 1x4 values each, a (4, 32) tile
     small = (((8, 4), 4), ((16, 1), 4))
     cases += [("4x8 threads x 1x4 values", small, (4, 32), t) for t in (0, 9, 31)]
@@ -907,6 +977,24 @@ def check_swizzled_offset(fn) -> None:
                                  f"{rep.wavefronts} cycles instead of {rep.ideal}")
 
 
+# What the prompts forbid ({helper: why}); each exercise's reference is refused anyway.
+LAYOUT_INDEX_FORBID = {
+    lp.crd2idx: "it evaluates the layout for you; that is the exercise",
+    lp.idx2crd: "it splits the int coordinate for you; splitting leftmost-fastest is half the "
+                "exercise",
+    cute_layout_indices: "it asks CuTe for the answer",
+    cute_layout_grid: "it asks CuTe for the answer",
+}
+THREAD_COORDS_FORBID = {
+    cute_thread_slice: "it lets CuTe partition the tile for you; compute the coordinates from "
+                       "the TV layout",
+    lp.crd2idx: "it evaluates the layout for you; use your layout_index from exercise 03.1",
+}
+SWIZZLE_FORBID = {
+    cute_swizzled_offsets: "it reads CuTe's own swizzled layout; write the permutation yourself",
+}
+
+
 # Exercise 03.3: the tiled copy's partition and predicate. Shapes that are no multiple of the
 # (16, 128) fp32 tile in either direction, one that is exactly a tile, and one smaller than a
 # warp's row of vectors.
@@ -986,6 +1074,117 @@ def check_copy_partition(fn) -> None:
                              "vector, as the tiled copy's atom moves them.")
 
 
+# Exercise 03.5: the GEMM's epilogue. C shapes that are no multiple of the 64 x 64 tile in
+# either direction, one that is exactly a tile, one smaller than a warp's piece.
+EPILOGUE_CHECK_SHAPES = ((77, 136), (64, 64), (5, 3), (130, 70))
+
+
+def _epilogue_into_margin(truth: np.ndarray, epilogue) -> np.ndarray:
+    """The CPU run of the epilogue on a C of truth's shape inside a larger buffer: returns the
+    whole destination buffer, NaN wherever nothing was written."""
+    rows, cols = truth.shape
+    src, dst = _margin_buffers(truth, GEMM_TILE[:2])
+    EpilogueOnCpu(epilogue).grid_on_cpu(_row_major_cute(src, 1), _row_major_cute(dst, 1),
+                                        Int32(rows), Int32(cols))
+    return dst
+
+
+def epilogue_verdict(truth: np.ndarray, dst: np.ndarray) -> str | None:
+    """What is wrong with an epilogue's C (inside the margin buffer ``dst``), or None."""
+    rows, cols = truth.shape
+    what = f"storing a {rows} x {cols} C (tiles of 64 x 64, 128 threads)"
+    below, right = ~np.isnan(dst[rows:, :]), ~np.isnan(dst[:rows, cols:])
+    if below.any() or right.any():
+        where = []
+        if below.any():
+            where.append(f"rows {rows} and beyond (first at "
+                         f"{[(r + rows, c) for r, c in _first(below)]})")
+        if right.any():
+            where.append(f"columns {cols} and beyond (first at "
+                         f"{[(r, c + cols) for r, c in _first(right)]})")
+        return (f"{what}: your threads wrote outside C, at {' and at '.join(where)}. The last "
+                "tiles overhang M and N; store an accumulator only when its (m, n) from the "
+                "partitioned coordinate tensor cC is inside `shape` in both directions "
+                "(cute.elem_less)")
+    inside = dst[:rows, :cols]
+    missing = np.isnan(inside)
+    if missing.any():
+        hint = ("every accumulator inside C must be stored: check the predicate and that each "
+                "thread stores its whole fragment")
+        if missing.sum() >= 0.5 * inside.size:
+            hint = ("most of C was never written, as if the threads shared a few slices: "
+                    "partition gC and cC with this thread's slice, tiled_mma.get_slice(tidx)")
+        return (f"{what}: {int(missing.sum())} of {inside.size} elements were never written, "
+                f"first at (m, n) {_first(missing)}. Hint: {hint}")
+    wrong = inside != truth
+    if wrong.any():
+        r, c = _first(wrong, 1)[0]
+        came = np.argwhere(truth == inside[r, c])
+        src = f" (it holds C{tuple(int(v) for v in came[0])})" if len(came) else ""
+        return (f"{what}: element ({r}, {c}) received the wrong accumulator{src}; "
+                f"{int(wrong.sum())} elements are wrong. The accumulator fragment tCrC is laid "
+                "out by the MMA's C layout: partition gC with partition_C of the same thread's "
+                "slice (not partition_A or B, not another thread's)")
+    return None
+
+
+def _epilogue_stores(art) -> int:
+    """Global stores of 4-byte words in the PTX, a vector store counting each of its words."""
+    words = 0
+    for m in re.finditer(r"st\.global(?:\.v(\d))?\.(?:f32|b32|u32|s32)", art.ptx):
+        words += int(m.group(1) or 1)
+    return words
+
+
+def check_store_accumulators(fn) -> None:
+    """Exercise 03.5's check: the epilogue run on the CPU for every thread of ragged C's with a
+    margin that catches writes past the edges, then compiled into the GEMM for sm_80: one 4-byte
+    store per accumulator (32 per thread), the MMA loop untouched, no local memory."""
+    for i, shape in enumerate(EPILOGUE_CHECK_SHAPES):
+        truth = np.random.default_rng(70 + i).standard_normal(shape, dtype=np.float32)
+        problem = epilogue_verdict(truth, _epilogue_into_margin(truth, fn))
+        if problem:
+            raise AssertionError(problem)
+    art = compile_only("sm_80", "gemm", epilogue=fn)
+    per_thread = GEMM_TILE[0] * GEMM_TILE[1] // GEMM_THREADS
+    if art.count("mma.sync") != 32:
+        raise AssertionError(f"compiled for sm_80, the GEMM has {art.count('mma.sync')} mma.sync "
+                             "per K tile instead of 32: the epilogue must not change the loop")
+    if art.count("ld.local") or art.count("st.local") or art.spills:
+        raise AssertionError(
+            "compiled for sm_80, the epilogue uses local memory (ld.local/st.local): an index "
+            "into a register tensor that is not known at compile time forces it out of "
+            "registers. Loop with cutlass.range_constexpr so every index is static")
+    stores = _epilogue_stores(art)
+    if stores != per_thread:
+        raise AssertionError(f"compiled for sm_80, each thread stores {stores} 4-byte words; it "
+                             f"holds {per_thread} accumulators (64 x 64 / 128 threads), and "
+                             "each must be stored once")
+
+
+def check_epilogue_on_gpu(epilogue, shape, dtype=torch.bfloat16, seed: int = 0):
+    """Exercise 03.5 on a GPU: gemm_tn with ``epilogue`` against float64 for A (M, K) and B (N,
+    K) of ``shape`` = (M, N, K); C is the start of a larger buffer whose tail (64 more rows) must
+    stay untouched. Returns (ok, one line)."""
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    b = torch.randn(n, k, device="cuda", generator=g).to(dtype)
+    buf = torch.full(((m + GEMM_TILE[0]) * n,), float("nan"), device="cuda")
+    c = buf[: m * n].view(m, n)
+    gemm_tn(a, b, out=c, epilogue=epilogue)
+    torch.cuda.synchronize()
+    name = f"{m} x {n} x {k} {str(dtype).replace('torch.', '')}"
+    if not torch.isnan(buf[m * n:]).all():
+        return False, f"{name}: the epilogue wrote past the end of C (rows {m} and beyond)"
+    if torch.isnan(c).any():
+        return False, f"{name}: {int(torch.isnan(c).sum())} elements of C were never written"
+    ref = a.double() @ b.double().T
+    err = ((c.double() - ref).norm() / ref.norm()).item()
+    ok = err < 1e-5
+    return ok, f"{name}: relative error {err:.1e} against float64" + ("" if ok else ": wrong")
+
+
 def check_copy_on_gpu(partition, shape, dtype=torch.bfloat16, seed: int = 0):
     """Exercise 03.3 on a GPU: the tiled copy kernel with ``partition``, x of ``shape`` (fresh
     random values) in a margin buffer as on the CPU. Returns (ok, one line)."""
@@ -1009,6 +1208,32 @@ def check_copy_on_gpu(partition, shape, dtype=torch.bfloat16, seed: int = 0):
     problem = copy_verdict(x.float().cpu().numpy(), dst.float().cpu().numpy(), _vector_len(dt))
     name = str(dtype).replace("torch.", "")
     return problem is None, f"{shape[0]} x {shape[1]} {name}: {problem or 'exact, nothing outside'}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the stored run (results/h200/ch03_kernels.json, measure/ch03_kernels.py)
+
+KERNEL_PEERS = {"vector_add": "torch.add", "tiled_copy": "torch copy_",
+                "gemm_tn": "torch bf16 matmul"}
+
+
+def kernel_share(res, impl: str) -> float:
+    """``impl``'s figure (GB/s or TFLOP/s) over PyTorch's for the same work, same run."""
+    return (res.one(impl=impl)["value"] / res.one(impl=KERNEL_PEERS[impl])["value"])
+
+
+def kernel_lines(res, impl: str) -> list[str]:
+    """The pair of one stored measurement: each side's median and spread over the rounds, and
+    the ratio, said to be within noise when it is inside the two spreads."""
+    from utils import bench
+
+    ours, peer = res.one(impl=impl), res.one(impl=KERNEL_PEERS[impl])
+    lines = [f"  {r['impl']:<18} {r['value']:8.1f} {r['metric']} (spread {r['spread']:.1%} over "
+             f"{r['rounds']} rounds)" for r in (ours, peer)]
+    cmp = bench.compare(ours, peer)
+    verdict = "" if cmp is None else f": {cmp}"
+    lines.append(f"  {impl} at {ours['value'] / peer['value']:.2f} of {peer['impl']}{verdict}")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------

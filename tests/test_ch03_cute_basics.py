@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from solutions import ch03_cute_basics as ch03
-from tests import device_exercise_mistakes as wrong
+from tests.exercise_mutations import ch03 as wrong
 
 # ----------------------------------------------------------------------------------------------
 # Host-side CuTe
@@ -130,47 +130,13 @@ def test_exercise_solutions_pass_their_checks():
     ch03.check_swizzled_offset(ch03.swizzled_offset)
 
 
-def _row_major_split(shape, stride, coord):  # splits ints rightmost-fastest: a classic slip
-    if isinstance(shape, int):
-        return coord * stride
-    if isinstance(coord, int):
-        parts = []
-        for s in reversed(shape):
-            n = ch03.lp.size(s)
-            parts.append(coord % n)
-            coord //= n
-        coord = tuple(reversed(parts))
-    return sum(_row_major_split(s, d, c) for s, d, c in zip(shape, stride, coord))
+def test_forbidden_helpers_are_the_ones_that_do_the_work():
+    from utils import exercises
 
-
-def test_layout_index_check_rejects_wrong_answers():
-    with pytest.raises(AssertionError, match="leftmost-mode-fastest"):
-        ch03.check_layout_index(_row_major_split)
-    with pytest.raises(AssertionError, match="expected 10, got 0"):
-        ch03.check_layout_index(lambda shape, stride, coord: 0)
-    with pytest.raises(AssertionError, match="returned None"):
-        ch03.check_layout_index(lambda shape, stride, coord: None)
-
-
-def test_thread_coords_check_rejects_wrong_answers():
-    def row_by_row(shape, stride, tile, tid):  # reads the index row-major: wrong convention
-        n = tile[1]
-        return [(i // n, i % n) for i in (ch03.layout_index(shape, stride, (tid, v))
-                                          for v in range(ch03.lp.size(shape[1])))]
-
-    with pytest.raises(AssertionError, match="column by column"):
-        ch03.check_thread_coords(row_by_row)
-    with pytest.raises(AssertionError, match="wrong order"):
-        ch03.check_thread_coords(lambda *a: ch03.thread_coords(*a)[::-1])
-
-
-def test_swizzle_check_rejects_wrong_answers():
-    with pytest.raises(AssertionError, match="8-way bank conflict"):
-        ch03.check_swizzled_offset(ch03.plain_offset)
-    with pytest.raises(AssertionError, match="16-byte chunks"):  # permutes single elements
-        ch03.check_swizzled_offset(lambda r, c: r * 64 + (c ^ (r % 8)))
-    with pytest.raises(AssertionError, match="one-to-one"):
-        ch03.check_swizzled_offset(lambda r, c: (r % 8) * 64 + c)
+    assert exercises.refused_call(wrong.index_from_the_plot_helper, ch03.LAYOUT_INDEX_FORBID)
+    assert exercises.refused_call(wrong.coords_from_cute, ch03.THREAD_COORDS_FORBID)
+    assert exercises.refused_call(wrong.swizzle_read_from_cute, ch03.SWIZZLE_FORBID)
+    assert not exercises.refused_call(ch03.thread_coords, ch03.THREAD_COORDS_FORBID)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,7 +201,7 @@ def test_compile_only_rejects_unknown_kernels_and_dtypes():
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 03.3 (device code): the tiled copy's partition and predicate. The wrong answers are
-# in tests/device_exercise_mistakes.py, written the way a learner would write them.
+# in tests/exercise_mutations/ch03.py, written the way a learner would write them.
 
 
 def test_copy_partition_solution_passes_and_the_cpu_copy_uses_it():
@@ -280,3 +246,42 @@ def test_the_margin_launch_compiles(arch):
     art = compile_for(arch, ch03.TiledCopy().launch_in_margin, *fake, ch03.Int32(1),
                       ch03.Int32(1), fake_stream())
     assert art.count("ld.global.v4") == 4 and art.count("st.global.v4") == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 03.5 (device code): the GEMM's epilogue
+
+
+def test_epilogue_reference_passes_and_reproduces_c_on_the_cpu():
+    ch03.check_store_accumulators(ch03.store_accumulators)
+    truth = np.random.default_rng(5).standard_normal((70, 130), dtype=np.float32)
+    dst = ch03._epilogue_into_margin(truth, ch03.store_accumulators)
+    assert ch03.epilogue_verdict(truth, dst) is None
+    assert np.array_equal(dst[:70, :130], truth)
+
+
+def test_epilogue_verdict_on_hand_made_results():
+    truth = np.arange(6 * 5, dtype=np.float32).reshape(6, 5)
+    dst = np.full((6 + 64, 5 + 64), np.nan, np.float32)
+    dst[:6, :5] = truth
+    assert ch03.epilogue_verdict(truth, dst) is None
+    swapped = dst.copy()
+    swapped[0, 0], swapped[0, 1] = truth[0, 1], truth[0, 0]
+    assert "wrong accumulator (it holds C(0, 1))" in ch03.epilogue_verdict(truth, swapped)
+    outside = dst.copy()
+    outside[6, 0] = 1.0
+    assert "outside C, at rows 6 and beyond" in ch03.epilogue_verdict(truth, outside)
+
+
+# The GEMM with the reference epilogue, compiled on this CPU: the SASS of the chapter's kernel
+# (its digest moves only when the kernel or the toolchain does).
+GEMM_SASS_SHA256 = {"sm_80": "fc4b32c7da0e18b0", "sm_90a": "588442fe9fba3ced"}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_gemm_with_the_reference_epilogue_is_the_chapters_kernel(artifacts, arch):
+    import hashlib
+
+    art = artifacts[("gemm", arch)]
+    assert hashlib.sha256(art.sass.encode()).hexdigest()[:16] == GEMM_SASS_SHA256[arch]
+    assert ch03._epilogue_stores(art) == 32

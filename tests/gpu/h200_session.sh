@@ -125,6 +125,7 @@ for s in "$@"; do
     fa4-ablation) step fa4_ablation 420 $PY -m measure.fwd_knobs --ablation ;;
     fa4-timeline) step fa4_timeline 120 $PY -m measure.fwd_timeline ;;
     micro) step microbench 300 $PY -m measure.microbench ;;
+    ch03) step ch03_kernels 300 $PY -m measure.ch03_kernels ;;
     sanitize)
       for m in ${SANITIZE:-ch04_flash_ampere ch05_flash_hopper}; do
         for tool in memcheck racecheck synccheck; do

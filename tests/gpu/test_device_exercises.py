@@ -1,15 +1,14 @@
-"""The device-code exercises of chapters 03-05 on a GPU: each reference solution inside its
-small kernel (or, for 05.4, inside the whole attention kernel) against PyTorch, and one typical
-wrong answer per exercise, to show the GPU check catches what the CPU check names.
+"""The device-code exercises on a GPU: each reference solution inside its small kernel (or the
+whole attention kernel) against PyTorch or float64 on awkward shapes, and typical wrong answers,
+to show the GPU check catches what the CPU check names.
 
-Wrong answers live in tests/device_exercise_mistakes.py (the DSL reads kernels' source from
+Wrong answers live in tests/exercise_mutations/chNN.py (the DSL reads kernels' source from
 files), shared with the CPU tests."""
 
 import pytest
 import torch
 
 from solutions import ch03_cute_basics as ch03
-from tests import device_exercise_mistakes as wrong
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,6 +20,9 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+# --- chapter 03: the tiled copy's partition (03.3), the GEMM's epilogue (03.5) -----------------
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 8), (37, 264), (16, 256), (1000, 72), (4097, 520)])
 def test_copy_partition_reference_on_gpu(shape, dtype):
@@ -29,10 +31,27 @@ def test_copy_partition_reference_on_gpu(shape, dtype):
 
 
 def test_copy_partition_without_predicate_writes_outside_on_gpu():
-    ok, line = ch03.check_copy_on_gpu(wrong.partition_no_predicate, (37, 264), torch.bfloat16)
+    from tests.exercise_mutations import ch03 as wrong3
+
+    ok, line = ch03.check_copy_on_gpu(wrong3.partition_no_predicate, (37, 264), torch.bfloat16)
     assert not ok and "outside the tensor" in line, line
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mnk", [(77, 136, 40), (64, 64, 64), (5, 3, 8), (1000, 130, 264),
+                                 (130, 1000, 72)])
+def test_epilogue_reference_on_gpu(mnk, dtype):
+    ok, line = ch03.check_epilogue_on_gpu(ch03.store_accumulators, mnk, dtype, seed=mnk[0])
+    assert ok, line
+
+
+@pytest.mark.parametrize("name, words", [("epilogue_no_predicate", "past the end of C"),
+                                         ("epilogue_lane_not_thread", "never written")])
+def test_a_wrong_epilogue_is_wrong_on_gpu(name, words):
+    from tests.exercise_mutations import ch03 as wrong3
+
+    ok, line = ch03.check_epilogue_on_gpu(getattr(wrong3, name), (77, 136, 40))
+    assert not ok and words in line, line
 
 
 # --- chapter 06: exp2 in device code (06.4) and the split of a row (06.5) ---------------------

@@ -1,0 +1,209 @@
+"""Chapter 03's exercises: typical wrong answers, each with the words its checker must say.
+The device-code ones (03.3 the tiled copy's partition, 03.5 the GEMM's epilogue) are @cute.jit
+functions written the way a learner would write them, in this file because the DSL reads a
+kernel's source from its file; the GPU tests (tests/gpu/test_device_exercises.py) use them too."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean
+
+from solutions import ch03_cute_basics as ch03
+from tests.exercise_mutations import Mutation
+from utils import layout_plots as lp
+
+
+# --- 03.1 a layout's index --------------------------------------------------------------------
+def _index(shape, stride, coord, split):
+    if isinstance(shape, int):
+        return coord * stride
+    if isinstance(coord, int):
+        coord = split(shape, coord)
+    return sum(_index(s, d, c, split) for s, d, c in zip(shape, stride, coord))
+
+
+def _split_rightmost(shape, coord):
+    parts = []
+    for s in reversed(shape):
+        parts.append(coord % lp.size(s))
+        coord //= lp.size(s)
+    return tuple(reversed(parts))
+
+
+def index_rightmost_fastest(shape, stride, coord):
+    return _index(shape, stride, coord, _split_rightmost)
+
+
+def index_int_as_first_mode(shape, stride, coord):
+    return _index(shape, stride, coord, lambda s, c: (c,) + (0,) * (len(s) - 1))
+
+
+def index_from_the_plot_helper(shape, stride, coord):
+    return lp.crd2idx(coord, shape, stride)
+
+
+# --- 03.2 a thread's coordinates --------------------------------------------------------------
+def coords_row_major(tv_shape, tv_stride, tile_shape, tid):
+    n = tile_shape[1]
+    out = []
+    for v in range(lp.size(tv_shape[1])):
+        i = ch03.layout_index(tv_shape, tv_stride, (tid, v))
+        out.append((i // n, i % n))  # rows first: the tile index is column by column
+    return out
+
+
+def coords_sorted(tv_shape, tv_stride, tile_shape, tid):
+    m = tile_shape[0]
+    idx = sorted(ch03.layout_index(tv_shape, tv_stride, (tid, v))
+                 for v in range(lp.size(tv_shape[1])))
+    return [(i % m, i // m) for i in idx]
+
+
+def coords_from_cute(tv_shape, tv_stride, tile_shape, tid):
+    import numpy as np
+
+    tags = (np.arange(tile_shape[0])[:, None] * 10000
+            + np.arange(tile_shape[1])[None, :]).astype(np.int32)
+    mine = ch03.cute_thread_slice(tags, tv_shape, tv_stride, tid)
+    return [(int(t) // 10000, int(t) % 10000) for t in mine]
+
+
+# --- 03.3 the tiled copy's partition and predicate --------------------------------------------
+def _predicates(tXgX):
+    return cute.make_rmem_tensor((cute.size(tXgX, mode=[1]), cute.size(tXgX, mode=[2])), Boolean)
+
+
+@cute.jit
+def partition_no_predicate(tiled_copy, tidx, gX, gY, cX, shape):
+    thr = tiled_copy.get_slice(tidx)
+    tXgX, tXgY = thr.partition_S(gX), thr.partition_D(gY)
+    tXpX = _predicates(tXgX)
+    tXpX.fill(True)
+    return tXgX, tXgY, tXpX
+
+
+@cute.jit
+def partition_rows_only(tiled_copy, tidx, gX, gY, cX, shape):
+    thr = tiled_copy.get_slice(tidx)
+    tXgX, tXgY, tXcX = thr.partition_S(gX), thr.partition_D(gY), thr.partition_S(cX)
+    tXpX = _predicates(tXgX)
+    for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
+        for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
+            tXpX[m, n] = tXcX[0, m, n][0] < shape[0]  # the row only: columns overhang
+    return tXgX, tXgY, tXpX
+
+
+@cute.jit
+def partition_thread_zero(tiled_copy, tidx, gX, gY, cX, shape):
+    thr = tiled_copy.get_slice(0)  # every thread takes slice 0
+    tXgX, tXgY, tXcX = thr.partition_S(gX), thr.partition_D(gY), thr.partition_S(cX)
+    tXpX = _predicates(tXgX)
+    for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
+        for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
+            tXpX[m, n] = cute.elem_less(tXcX[0, m, n], shape)
+    return tXgX, tXgY, tXpX
+
+
+@cute.jit
+def partition_not_done(tiled_copy, tidx, gX, gY, cX, shape):
+    raise NotImplementedError("exercise: replace this line with your code")
+
+
+@cute.jit
+def partition_calls_the_reference(tiled_copy, tidx, gX, gY, cX, shape):
+    return ch03.copy_partition(tiled_copy, tidx, gX, gY, cX, shape)
+
+
+# --- 03.4 the swizzle -------------------------------------------------------------------------
+def swizzle_none(row, col):
+    return row * 64 + col
+
+
+def swizzle_elements(row, col):
+    return row * 64 + (col ^ (row % 8))  # permutes elements inside a 16-byte chunk
+
+
+def swizzle_by_row_block(row, col):
+    return row * 64 + ((col // 8) ^ (row // 8 % 8)) * 8 + col % 8  # rows 0..7 share a key
+
+
+def swizzle_or_not_xor(row, col):
+    return row * 64 + ((col // 8) | (row % 8)) * 8 + col % 8  # two chunks land in one slot
+
+
+def swizzle_read_from_cute(row, col):
+    return int(ch03.cute_swizzled_offsets()[row, col])
+
+
+# --- 03.5 the GEMM's epilogue -----------------------------------------------------------------
+@cute.jit
+def epilogue_no_predicate(tiled_mma, tidx, tCrC, gC, cC, shape):
+    tCgC = tiled_mma.get_slice(tidx).partition_C(gC)
+    for i in cutlass.range_constexpr(cute.size(tCrC)):
+        tCgC[i] = tCrC[i]  # the last tiles overhang M and N
+
+
+@cute.jit
+def epilogue_rows_only(tiled_mma, tidx, tCrC, gC, cC, shape):
+    thr_mma = tiled_mma.get_slice(tidx)
+    tCgC, tCcC = thr_mma.partition_C(gC), thr_mma.partition_C(cC)
+    for i in cutlass.range_constexpr(cute.size(tCrC)):
+        if tCcC[i][0] < shape[0]:  # columns past N are written too
+            tCgC[i] = tCrC[i]
+
+
+@cute.jit
+def epilogue_thread_zero(tiled_mma, tidx, tCrC, gC, cC, shape):
+    thr_mma = tiled_mma.get_slice(0)  # every thread stores to thread 0's places
+    tCgC, tCcC = thr_mma.partition_C(gC), thr_mma.partition_C(cC)
+    for i in cutlass.range_constexpr(cute.size(tCrC)):
+        if cute.elem_less(tCcC[i], shape):
+            tCgC[i] = tCrC[i]
+
+
+@cute.jit
+def epilogue_lane_not_thread(tiled_mma, tidx, tCrC, gC, cC, shape):
+    thr_mma = tiled_mma.get_slice(tidx % 32)  # the lane: every warp stores to warp 0's places
+    tCgC, tCcC = thr_mma.partition_C(gC), thr_mma.partition_C(cC)
+    for i in cutlass.range_constexpr(cute.size(tCrC)):
+        if cute.elem_less(tCcC[i], shape):
+            tCgC[i] = tCrC[i]
+
+
+@cute.jit
+def epilogue_not_done(tiled_mma, tidx, tCrC, gC, cC, shape):
+    raise NotImplementedError("exercise: replace this line with your code")
+
+
+T1 = dict(check=ch03.check_layout_index, reference=ch03.layout_index,
+          forbid=ch03.LAYOUT_INDEX_FORBID)
+T2 = dict(check=ch03.check_thread_coords, reference=ch03.thread_coords,
+          forbid=ch03.THREAD_COORDS_FORBID)
+T3 = dict(check=ch03.check_copy_partition, reference=ch03.copy_partition)
+T4 = dict(check=ch03.check_swizzled_offset, reference=ch03.swizzled_offset,
+          forbid=ch03.SWIZZLE_FORBID)
+T5 = dict(check=ch03.check_store_accumulators, reference=ch03.store_accumulators)
+
+MUTATIONS = [
+    Mutation("03.1", answer=index_rightmost_fastest, says="leftmost-mode-fastest", **T1),
+    Mutation("03.1", answer=index_int_as_first_mode, says="leftmost-mode-fastest", **T1),
+    Mutation("03.1", answer=index_from_the_plot_helper, says="evaluates the layout for you",
+             **T1),
+    Mutation("03.2", answer=coords_row_major, says="column by column", **T2),
+    Mutation("03.2", answer=coords_sorted, says="wrong order", **T2),
+    Mutation("03.2", answer=coords_from_cute, says="lets CuTe partition the tile", **T2),
+    Mutation("03.3", answer=partition_no_predicate, says="outside the tensor", **T3),
+    Mutation("03.3", answer=partition_rows_only, says="columns", **T3),
+    Mutation("03.3", answer=partition_thread_zero, says="get_slice(tidx)", **T3),
+    Mutation("03.3", answer=partition_not_done, says="not done", **T3),
+    Mutation("03.3", answer=partition_calls_the_reference, says="reference solution", **T3),
+    Mutation("03.4", answer=swizzle_none, says="bank conflict", **T4),
+    Mutation("03.4", answer=swizzle_elements, says="Permute whole 16-byte chunks", **T4),
+    Mutation("03.4", answer=swizzle_by_row_block, says="bank conflict", **T4),
+    Mutation("03.4", answer=swizzle_or_not_xor, says="one-to-one", **T4),
+    Mutation("03.4", answer=swizzle_read_from_cute, says="CuTe's own swizzled layout", **T4),
+    Mutation("03.5", answer=epilogue_no_predicate, says="outside C", **T5),
+    Mutation("03.5", answer=epilogue_rows_only, says="columns", **T5),
+    Mutation("03.5", answer=epilogue_thread_zero, says="get_slice(tidx)", **T5),
+    Mutation("03.5", answer=epilogue_lane_not_thread, says="get_slice(tidx)", **T5),
+    Mutation("03.5", answer=epilogue_not_done, says="not done", **T5),
+]
