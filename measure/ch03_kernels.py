@@ -33,7 +33,7 @@ def _rows(pair: str, measured: dict, per_call: float, unit: str, scale: float) -
     for impl, m in measured.items():
         fields = m.fields()
         values = [per_call / (ms * 1e-3) / scale for ms in m.ms_rounds]
-        rows.append({"impl": impl, "pair": pair, "metric": unit,
+        rows.append({"impl": impl, "pair": pair, "metric": "rate", "unit": unit,
                      "value": per_call / (m.median_ms * 1e-3) / scale,
                      "value_rounds": values, **fields})
     return rows
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(f"gemm_tn's relative error {err:.1e} against float64")
 
     for r in rows:
-        print(f"{r['pair']:<34} {r['impl']:<18} {r['value']:9.1f} {r['metric']}  "
+        print(f"{r['pair']:<34} {r['impl']:<18} {r['value']:9.1f} {r['unit']}  "
               f"(spread {r['spread']:.1%})")
     if rows:
         print("wrote", save(args.name, rows, command=f"{COMMAND} " + " ".join(argv or [])))

@@ -1228,7 +1228,7 @@ def kernel_lines(res, impl: str) -> list[str]:
     from utils import bench
 
     ours, peer = res.one(impl=impl), res.one(impl=KERNEL_PEERS[impl])
-    lines = [f"  {r['impl']:<18} {r['value']:8.1f} {r['metric']} (spread {r['spread']:.1%} over "
+    lines = [f"  {r['impl']:<18} {r['value']:8.1f} {r['unit']} (spread {r['spread']:.1%} over "
              f"{r['rounds']} rounds)" for r in (ours, peer)]
     cmp = bench.compare(ours, peer)
     verdict = "" if cmp is None else f": {cmp}"

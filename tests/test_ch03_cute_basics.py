@@ -285,3 +285,27 @@ def test_gemm_with_the_reference_epilogue_is_the_chapters_kernel(artifacts, arch
     art = artifacts[("gemm", arch)]
     assert hashlib.sha256(art.sass.encode()).hexdigest()[:16] == GEMM_SASS_SHA256[arch]
     assert ch03._epilogue_stores(art) == 32
+
+
+def test_stored_pair_rows_of_the_driver_validate_and_read():
+    """measure/ch03_kernels.py's rows pass the results validation, and the chapter's reading
+    says a ratio inside the spreads is within noise."""
+    from measure import ch03_kernels as driver
+    from utils import bench, results
+
+    def measured(ms_rounds):
+        m = bench.Measured(sensors=None, sensors_note="made up")
+        m.ms_rounds, m.reps = list(ms_rounds), 10
+        return m
+
+    rows = driver._rows("copy", {"tiled_copy": measured([1.00, 1.02, 0.99]),
+                                 "torch copy_": measured([1.01, 0.98, 1.00])}, 4e9, "GB/s", 1e9)
+    results.validate({"provenance": {k: "x" for k in results.PROVENANCE_KEYS}, "rows": rows})
+
+    class Res:
+        def one(self, impl):
+            return next(r for r in rows if r["impl"] == impl)
+
+    said = "\n".join(ch03.kernel_lines(Res(), "tiled_copy"))
+    assert "within noise" in said and "GB/s" in said
+    assert abs(ch03.kernel_share(Res(), "tiled_copy") - 1.0) < 0.05

@@ -121,3 +121,16 @@ def test_mma_sync_ceiling_is_plausible():
     print(fig)
     assert fig["finite"] and fig["sms_used"] == fig["sms_expected"]
     assert 1024 < fig["per_clk_sm"] <= 4096, fig
+
+
+def test_eager_launch_cost_runs_and_is_microseconds():
+    """measure.microbench's cost of one eager operator: both rows in microseconds, the tile
+    loop's per launch no less than a bare add's (it does an add's work and more per launch)."""
+    from measure import microbench as driver
+
+    fig = driver.eager_launch_cost(rounds=1)
+    rows = driver.launch_rows(fig)
+    print(rows)
+    assert {r["metric"] for r in rows} == {"eager_launch_us"}
+    assert 0.5 < fig["adds"]["us"] < 200 and 0.5 < fig["loop"]["us"] < 500, fig
+    assert fig["loop"]["us"] > 0.5 * fig["adds"]["us"], fig
