@@ -75,7 +75,7 @@ for s in "$@"; do
     fa4-check) step fa4_check 420 $PY -m measure.fwd_checks ;;
     bwd-check) step bwd_check 300 $PY -m fa4_final.backward --check --small ;;
     bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
-    bwd-bench) step bwd_bench 900 $PY -m solutions.ch11_bench ;;
+    bwd-bench) step bwd_bench 900 $PY -m measure.bwd_benchmark ;;
     api-tests) step api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
     api-varlen-tests) step api_varlen_tests 540 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py ;;
     varlen-tests) step varlen_tests 480 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py -k varlen ;;

@@ -1,7 +1,8 @@
-"""Benchmark the backward: fa4_final (default and deterministic) next to its peers, one run.
+"""Chapter 11's measurement: the backward, fa4_final (default and deterministic) next to its
+peers, one run.
 
-    python -m solutions.ch11_bench                 # D = 128, S = 4096 and 16384, causal or not
-    python -m solutions.ch11_bench --rounds 5 --seqlens 4096
+    python -m measure.bwd_benchmark                 # D = 128, S = 4096 and 16384, causal or not
+    python -m measure.bwd_benchmark --rounds 5 --seqlens 4096
 
 Rows ``fa4_final`` and ``fa4_final_deterministic`` (fa4_final.autograd over fa4_final's forward
 and backward) and the peers of utils.bench.peers() (SDPA's flash and cuDNN backends, the FA4
@@ -13,7 +14,8 @@ of the rounds' medians, with the rounds' min and max. Before timing, each shape'
 gradients are compared with SDPA flash's (the largest difference relative to the largest
 gradient is stored with the row): a wrong kernel is not benchmarked in silence.
 
-Writes results/<gpu>/ch11_bwd.json (utils.results.save, with provenance).
+Writes results/<gpu>/ch11_bwd.json (utils.results.save, with provenance); notebook 11 reads it
+through solutions.ch11_teaching (ratio_rows, the claims).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ import torch
 from utils import bench, results
 
 IMPLS = ("fa4_final", "fa4_final_deterministic")
+PRODUCES = [("results/h200/ch11_bwd.json", "python -m measure.bwd_benchmark",
+             "the backward (dQ, dK, dV from a stored forward) of fa4_final, default and "
+             "deterministic, beside SDPA flash, cuDNN and the FA4 package: D = 128, S = 4096 and "
+             "16384, causal or not, 3 interleaved rounds, gradients checked against SDPA flash")]
 
 
 def _ours(deterministic: bool):
@@ -65,7 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="ch11_bwd")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("ch11_bench: needs a CUDA GPU", file=sys.stderr)
+        print("measure.bwd_benchmark: needs a CUDA GPU", file=sys.stderr)
         return 2
     impls = {name: _ours(det) for det, name in enumerate(IMPLS)}
     peers = bench.peers()
@@ -108,7 +114,7 @@ def main(argv=None) -> int:
         if (name, shape) in checks:
             row["max_rel_diff_vs_sdpa_flash"] = checks[(name, shape)]
         out.append(row)
-    command = "python -m solutions.ch11_bench " + " ".join(
+    command = "python -m measure.bwd_benchmark " + " ".join(
         argv if argv is not None else sys.argv[1:])
     path = results.save(args.name, out, command=command)
     print("\nbackward TFLOP/s, median of rounds (ratio to the first column's impl):")
