@@ -560,7 +560,8 @@ def _deserialise(data: bytes):
 
 def _rank_main(rank, world, backend, init_file, collective_timeout, threads, worker, args,
                results):
-    """One process of ``launch``: join the group, run ``worker(rank, world, *args)``, report."""
+    """One process of ``launch``: join the group, say so, run ``worker(rank, world, *args)``,
+    report its result or its error."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
@@ -570,6 +571,7 @@ def _rank_main(rank, world, backend, init_file, collective_timeout, threads, wor
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
+        results.put(("ready", rank, b""))
         value = worker(rank, world, *args)
         results.put(("ok", rank, _serialise(value)))
     except BaseException as exc:  # noqa: BLE001  (every failure goes to the launcher, in words)
@@ -584,14 +586,17 @@ def _rank_main(rank, world, backend, init_file, collective_timeout, threads, wor
 
 
 def launch(worker, world: int, args: tuple = (), backend: str = "gloo", deadline: float = 120.0,
-           collective_timeout: float = 30.0, threads: int = 1, grace: float = 3.0) -> list:
+           collective_timeout: float = 30.0, threads: int = 1, grace: float = 3.0,
+           startup: float = 180.0) -> list:
     """Run ``worker(rank, world, *args)`` in ``world`` fresh processes joined in a process group
     (gloo on CPUs, NCCL on GPUs; one GPU per rank) and return the ranks' results in rank order.
 
-    ``worker`` must be importable (a module-level function). Every collective times out after
-    ``collective_timeout`` seconds; the whole run after ``deadline``. When a rank raises or dies,
-    the others get ``grace`` seconds to report too, then are stopped, and RankFailed names every
-    rank that failed, what it said, and the ranks that were still running: never a hang."""
+    ``worker`` must be importable (a module-level function). The ranks have ``startup`` seconds
+    to start and join the group (importing torch is slow on a busy machine), then ``deadline``
+    seconds to finish; every collective times out after ``collective_timeout`` seconds. When a
+    rank raises or dies, the others get ``grace`` seconds to report too, then are stopped, and
+    RankFailed names every rank that failed, what it said, and the ranks that were still
+    running: never a hang."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -604,8 +609,8 @@ def launch(worker, world: int, args: tuple = (), backend: str = "gloo", deadline
                  for r in range(world)]
         for p in procs:
             p.start()
-        done, failed = {}, {}
-        end = time.monotonic() + deadline
+        ready, done, failed = set(), {}, {}
+        end = time.monotonic() + startup
         first_failure = None
         while len(done) + len(failed) < world:
             now = time.monotonic()
@@ -620,7 +625,11 @@ def launch(worker, world: int, args: tuple = (), backend: str = "gloo", deadline
                         failed[r] = f"exited with code {p.exitcode} without a result"
                         first_failure = first_failure or time.monotonic()
                 continue
-            if kind == "ok":
+            if kind == "ready":
+                ready.add(rank)
+                if len(ready) == world:  # the run's own deadline starts when all have joined
+                    end = time.monotonic() + deadline
+            elif kind == "ok":
                 done[rank] = _deserialise(payload)
             else:
                 failed[rank] = payload
@@ -636,10 +645,13 @@ def launch(worker, world: int, args: tuple = (), backend: str = "gloo", deadline
                 p.join(5)
         if failed or running:
             lines = [f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())]
-            if running:
-                why = (f"ran past the {deadline:.0f} s deadline" if not failed else
-                       "still running after the failure above (stopped)")
-                lines.append(f"ranks {running} {why}")
+            if running and failed:
+                lines.append(f"ranks {running} still running after the failure above (stopped)")
+            elif running and len(ready) < world:
+                lines.append(f"ranks {sorted(set(range(world)) - ready)} had not joined the "
+                             f"process group after {startup:.0f} s")
+            elif running:
+                lines.append(f"ranks {running} ran past the {deadline:.0f} s deadline")
             raise RankFailed(f"{worker.__name__} on {world} {backend} processes: "
                              + "; ".join(lines))
     return [done[r] for r in range(world)]
