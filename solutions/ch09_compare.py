@@ -422,10 +422,18 @@ def our_bwd_structure(d: int, causal: bool, two_cta: bool = False) -> dict:
 def our_bwd_metrics(d: int, causal: bool, art=None, two_cta: bool = False) -> dict:
     """Our backward's row set: the compiled kernel's counts plus its declared structure."""
     if art is None:
-        from fa4_final.blackwell.bwd import compile_only
         from fa4_final.blackwell.config import BlackwellBwdConfig
 
-        art = compile_only(d, "bf16", causal, BlackwellBwdConfig(two_cta=two_cta))["main"]
+        cfg = BlackwellBwdConfig(two_cta=two_cta)
+        try:
+            from fa4_final.blackwell.host import backward_recipe
+            from fa4_final.runtime.compile import artifacts
+        except ImportError:
+            from fa4_final.blackwell.bwd import compile_only
+
+            art = compile_only(d, "bf16", causal, cfg)["main"]
+        else:
+            art = artifacts(backward_recipe(d, "bf16", causal, cfg), roles=("main",))["main"]
     st = our_bwd_structure(d, causal, two_cta)
     out = bwd_kernel_metrics(art.ptx, art.sass, art.registers, art.spills,
                              st.pop("role registers"))

@@ -546,8 +546,19 @@ def row_exp2(rS, scale_log2):
 # compile (no GPU) and run (a B200)
 
 
+def _compile_kernel(*args, **kwargs):
+    try:
+        from fa4_final.runtime.compile import compile_kernel
+    except ImportError:
+        from fa4_final.compile import compile_kernel
+    return compile_kernel(*args, **kwargs)
+
+
 def _fake_args(head_dim: int, dtype: str, rows: int):
-    from fa4_final.compile import fake_stream, fake_tensor
+    try:
+        from fa4_final.common.recipe import fake_stream, fake_tensor
+    except ImportError:
+        from fa4_final.compile import fake_stream, fake_tensor
     from fa4_final.constants import CUTLASS_BY_NAME
 
     dt = CUTLASS_BY_NAME[dtype]
@@ -562,18 +573,14 @@ def _fake_args(head_dim: int, dtype: str, rows: int):
 def compile_one_tile(head_dim: int = 128, dtype: str = "bf16", keep: bool = True,
                      issue_qk_fn=None, softmax_fn=None):
     """Compile ``OneTileAttention`` for sm_100a from fake tensors; (compiled, artifacts)."""
-    from fa4_final.compile import compile_kernel
-
     dt, args = _fake_args(head_dim, dtype, TILE)
     kernel = OneTileAttention(dt, head_dim, issue_qk_fn, softmax_fn)
-    return compile_kernel(kernel, *args, arch="sm_100a", keep=keep)
+    return _compile_kernel(kernel, *args, arch="sm_100a", keep=keep)
 
 
 def compile_pair_tile(head_dim: int = 128, dtype: str = "bf16", keep: bool = True,
                       mma_fn=None, init_fn=None):
     """Compile ``PairTileAttention`` for sm_100a from fake tensors; (compiled, artifacts)."""
-    from fa4_final.compile import compile_kernel
-
     dt, args = _fake_args(head_dim, dtype, PAIR * TILE)
     kernel = PairTileAttention(dt, head_dim, mma_fn, init_fn)
-    return compile_kernel(kernel, *args, arch="sm_100a", keep=keep)
+    return _compile_kernel(kernel, *args, arch="sm_100a", keep=keep)

@@ -19,6 +19,7 @@ import math
 from fa4_final.blackwell import tmem
 from fa4_final.blackwell.config import BlackwellFwdConfig
 from fa4_final.constants import SM100_SMEM_BYTES
+from utils.claims import claim
 from utils.host_emulation import patched
 from utils.notebook import source_between  # noqa: F401 (the notebooks quote the kernel with it)
 from utils.results import load_stored  # noqa: F401
@@ -1032,6 +1033,21 @@ def check_primer_on_gpu(issue_qk_fn=None, softmax_fn=None, cases=PRIMER_GPU_CASE
     return ok, lines
 
 
+# --- the forward compiled (no GPU) and on a Blackwell GPU (measure.blackwell_fwd times it) -----
+def compile_forward(head_dim: int = 128, causal: bool = False, cfg=None, dtype: str = "bf16"):
+    """``fa4_final.blackwell``'s forward compiled for sm_100a from fake tensors (no GPU): its
+    artifacts (PTX, SASS, resources). Through the package's host recipe where it has one
+    (fa4_final.blackwell.host), else the kernel module's compile_only."""
+    try:
+        from fa4_final.blackwell.host import forward_recipe
+        from fa4_final.runtime.compile import artifacts
+    except ImportError:
+        from fa4_final.blackwell.fwd import compile_only
+
+        return compile_only(head_dim, dtype, causal, cfg)
+    return artifacts(forward_recipe(head_dim, dtype, causal, cfg), roles=("main",))["main"]
+
+
 # --- the forward on a Blackwell GPU (measure.blackwell_fwd times it) ---------------------------
 FORWARD_VARIANTS = {
     "fa4_final_sm100": {},
@@ -1084,3 +1100,80 @@ def check_forward_on_gpu() -> tuple[bool, list[str]]:
                 lines.append(f"{name} D={d} causal={causal}: "
                              f"{'verified' if good else 'WRONG'}")
     return ok, lines
+
+
+# --- the stored comparison with FA4 (section 6): what the chapter prints, and its claims -------
+FA4_SUMMARY_METRICS = [
+    "UTC*MMA (tcgen05.mma)", "softmax: MUFU.EX2", "softmax: FFMA2", "softmax: FADD2",
+    "softmax: F2FP (fp32 -> 16-bit pairs)", "softmax: LDTM (tcgen05.ld)",
+    "softmax: STTM (tcgen05.st)", "registers (launch)", "spill instructions",
+    "TMEM columns allocated", "instruction descriptors"]
+SAME_SHARE_CONFIGS = ("d128 causal", "d64 non-causal", "d64 causal")  # same emulated share
+SAME_CODE_METRICS = ("softmax: MUFU.EX2", "softmax: FFMA2", "softmax: F2FP (fp32 -> 16-bit pairs)",
+                     "softmax: LDTM (tcgen05.ld)", "softmax: STTM (tcgen05.st)")
+
+
+def _fa4_configs():
+    from solutions import ch09_compare
+
+    return [c["config"] for c in ch09_compare.CONFIGS if c["fa4"]]
+
+
+@claim("09.softmax_matches_fa4", "sm100_fwd_vs_fa4",
+       "where both kernels emulate the same share (D = 128 causal, D = 64), our softmax "
+       "warpgroups hold exactly FA4's MUFU.EX2, FFMA2, F2FP, LDTM and STTM counts; TMEM columns "
+       "and instruction descriptors are the same in every configuration", gpu="compile")
+def _softmax_matches_fa4(res):
+    from solutions.ch09_compare import value
+
+    diffs = [(c, m, value(res, "fa4_final", c, m), value(res, "fa4", c, m))
+             for c in SAME_SHARE_CONFIGS for m in SAME_CODE_METRICS
+             if value(res, "fa4_final", c, m) != value(res, "fa4", c, m)]
+    diffs += [(c, m, value(res, "fa4_final", c, m), value(res, "fa4", c, m))
+              for c in _fa4_configs() for m in ("TMEM columns allocated", "instruction descriptors")
+              if value(res, "fa4_final", c, m) != value(res, "fa4", c, m)]
+    return not diffs, f"differences: {diffs}" if diffs else "equal, metric by metric"
+
+
+@claim("09.mma_count_half_of_fa4", "sm100_fwd_vs_fa4",
+       "our code holds half as many tcgen05.mma as FA4's in every configuration", gpu="compile")
+def _mma_count_half(res):
+    from solutions.ch09_compare import value
+
+    pairs = {c: (value(res, "fa4_final", c, "UTC*MMA (tcgen05.mma)"),
+                 value(res, "fa4", c, "UTC*MMA (tcgen05.mma)")) for c in _fa4_configs()}
+    return all(2 * a == b for a, b in pairs.values()), f"ours / FA4's: {pairs}"
+
+
+@claim("09.fa4_emulates_more_2cta", "sm100_fwd_vs_fa4",
+       "at non-causal D = 128 (2-CTA) FA4's softmax holds fewer MUFU.EX2 than ours", gpu="compile")
+def _fa4_emulates_more(res):
+    from solutions.ch09_compare import value
+
+    c = "d128 non-causal 2-CTA"
+    a, b = (value(res, impl, c, "softmax: MUFU.EX2") for impl in ("fa4_final", "fa4"))
+    return b < a, f"MUFU.EX2 ours {a}, FA4 {b}"
+
+
+@claim("09.lab_correction_rolled", "sm100_fwd_vs_fa4",
+       "in the correction warpgroup our code holds fewer FMUL2, F2FP and LDTM than FA4's in "
+       "every configuration", gpu="compile")
+def _correction_rolled(res):
+    from solutions.ch09_compare import value
+
+    metrics = [f"correction: {m}" for m in ("FMUL2", "F2FP (fp32 -> 16-bit pairs)",
+                                            "LDTM (tcgen05.ld)")]
+    pairs = {(c, m): (value(res, "fa4_final", c, m), value(res, "fa4", c, m))
+             for c in _fa4_configs() for m in metrics}
+    return all(a < b for a, b in pairs.values()), f"ours / FA4's: {list(pairs.values())}"
+
+
+@claim("09.lab_fewer_named_barriers", "sm100_fwd_vs_fa4",
+       "our kernel's code passes fewer named barriers (BAR) than FA4's in every configuration",
+       gpu="compile")
+def _fewer_named_barriers(res):
+    from solutions.ch09_compare import value
+
+    pairs = {c: (value(res, "fa4_final", c, "BAR (named barriers)"),
+                 value(res, "fa4", c, "BAR (named barriers)")) for c in _fa4_configs()}
+    return all(a < b for a, b in pairs.values()), f"ours / FA4's: {pairs}"
