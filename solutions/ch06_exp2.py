@@ -14,7 +14,7 @@ on its own it is not faster than MUFU: at one instruction issued per clock per S
 it gives 4 * 32 / 9 = 14.2 exp/clk/SM against MUFU's 16. But the two run on different units, so
 a row split between them goes faster than either: with a share phi on the polynomial, a
 sub-partition spends 8 * (1 - phi) clocks of MUFU time and (1 - phi) + 9 * phi clocks of issue
-per 32 exps; they balance at phi = 7/16, for 28 exp/clk/SM in the model. ``run_microbench``
+per 32 exps; they balance at phi = 7/16, for 28 exp/clk/SM in the model. ``measure.microbench``
 measures it on the H200 (results/h200/microbench.json; the notebook prints the figures).
 
 Numerics (all executed in NumPy on a CPU, every step rounded as the GPU rounds it):
