@@ -1,8 +1,9 @@
 """Which GPU is here, what it can run, and the per-SM figures the course reasons with.
 
 ``PER_SM`` is the one place the hardware table lives (per SM, per clock; ANCHORS.md). Peak
-figures for the whole chip follow from it and a clock, and are labelled as datasheet-style
-estimates; measured ceilings live in results files.
+figures for the whole chip follow from it and a clock: with the boost clock they are the
+course's model figures (labelled "(model)"), not NVIDIA's datasheet figures, which assume a
+lower clock (DATASHEET_DENSE_BF16_TFLOPS). Measured ceilings live in results files.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ PER_SM = {
     "sm_103": ArchFigures("B300", "sm_103a", 8192, 32, 128, 128, 256 * 1024, 148, 1.965),
 }
 
+
+# NVIDIA's dense bf16 tensor-core figure for the H100/H200 SXM (datasheet): 4096 FLOP/clk/SM x
+# 132 SMs at about 1.83 GHz. The boost clock above gives more: that product is the model's.
+DATASHEET_DENSE_BF16_TFLOPS = {"sm_90": 989.0}
 
 # HBM bandwidth by part, from NVIDIA's datasheets (peak; a streaming copy gets less, and
 # results/<gpu>/microbench.json holds what one measured). Parts of one arch differ here.
