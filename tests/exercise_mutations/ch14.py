@@ -1,0 +1,265 @@
+"""Chapter 14's exercises: typical wrong answers, each with the words its checker must say. The
+device-code ones (14.1 the merge of two partials, 14.2 the one-pass step) are @cute.jit
+functions: the DSL reads their source from this file."""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32
+
+from solutions import ch14_ring as ring
+from solutions import ch14_teaching as t14
+from tests.exercise_mutations import Mutation
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+# --- 14.1 the merge of two partials -------------------------------------------------------------
+@cute.jit
+def merge_unstable(o1, lse1: Float32, o2, lse2: Float32, o) -> Float32:
+    w1 = cute.math.exp2(lse1 * Float32(LOG2_E), fastmath=True)
+    w2 = cute.math.exp2(lse2 * Float32(LOG2_E), fastmath=True)
+    total = w1 + w2
+    inv = Float32(1.0) / total
+    for i in cutlass.range_constexpr(cute.size(o)):
+        o[i] = (o1[i] * w1 + o2[i] * w2) * inv
+    return cute.math.log2(total, fastmath=True) * Float32(LN_2)
+
+
+@cute.jit
+def merge_nan_for_empty_rows(o1, lse1: Float32, o2, lse2: Float32, o) -> Float32:
+    m = cute.arch.fmax(lse1, lse2)
+    w1 = cute.math.exp2((lse1 - m) * Float32(LOG2_E), fastmath=True)
+    w2 = cute.math.exp2((lse2 - m) * Float32(LOG2_E), fastmath=True)
+    inv = Float32(1.0) / (w1 + w2)
+    for i in cutlass.range_constexpr(cute.size(o)):
+        o[i] = (o1[i] * w1 + o2[i] * w2) * inv
+    return m + cute.math.log2(w1 + w2, fastmath=True) * Float32(LN_2)
+
+
+@cute.jit
+def merge_lse_in_log2(o1, lse1: Float32, o2, lse2: Float32, o) -> Float32:
+    m = cute.arch.fmax(lse1, lse2)
+    m_safe = Float32(0.0) if m == -Float32.inf else m
+    w1 = cute.math.exp2((lse1 - m_safe) * Float32(LOG2_E), fastmath=True)
+    w2 = cute.math.exp2((lse2 - m_safe) * Float32(LOG2_E), fastmath=True)
+    total = w1 + w2
+    inv = Float32(0.0) if total == Float32(0.0) else Float32(1.0) / total
+    for i in cutlass.range_constexpr(cute.size(o)):
+        o[i] = (o1[i] * w1 + o2[i] * w2) * inv
+    return m_safe * Float32(LOG2_E) + cute.math.log2(total, fastmath=True)
+
+
+@cute.jit
+def merge_not_normalised(o1, lse1: Float32, o2, lse2: Float32, o) -> Float32:
+    m = cute.arch.fmax(lse1, lse2)
+    m_safe = Float32(0.0) if m == -Float32.inf else m
+    w1 = cute.math.exp2((lse1 - m_safe) * Float32(LOG2_E), fastmath=True)
+    w2 = cute.math.exp2((lse2 - m_safe) * Float32(LOG2_E), fastmath=True)
+    for i in cutlass.range_constexpr(cute.size(o)):
+        o[i] = o1[i] * w1 + o2[i] * w2
+    return m_safe + cute.math.log2(w1 + w2, fastmath=True) * Float32(LN_2)
+
+
+@cute.jit
+def merge_divides_per_element(o1, lse1: Float32, o2, lse2: Float32, o) -> Float32:
+    m = cute.arch.fmax(lse1, lse2)
+    m_safe = Float32(0.0) if m == -Float32.inf else m
+    w1 = cute.math.exp2((lse1 - m_safe) * Float32(LOG2_E), fastmath=True)
+    w2 = cute.math.exp2((lse2 - m_safe) * Float32(LOG2_E), fastmath=True)
+    total = w1 + w2
+    safe = Float32(1.0) if total == Float32(0.0) else total
+    for i in cutlass.range_constexpr(cute.size(o)):
+        o[i] = (o1[i] * w1 + o2[i] * w2) / safe
+    return m_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)
+
+
+@cute.jit
+def merge_forgets_the_max(o1, lse1: Float32, o2, lse2: Float32, o) -> Float32:
+    m = cute.arch.fmax(lse1, lse2)
+    m_safe = Float32(0.0) if m == -Float32.inf else m
+    w1 = cute.math.exp2((lse1 - m_safe) * Float32(LOG2_E), fastmath=True)
+    w2 = cute.math.exp2((lse2 - m_safe) * Float32(LOG2_E), fastmath=True)
+    total = w1 + w2
+    inv = Float32(0.0) if total == Float32(0.0) else Float32(1.0) / total
+    for i in cutlass.range_constexpr(cute.size(o)):
+        o[i] = (o1[i] * w1 + o2[i] * w2) * inv
+    return cute.math.log2(total, fastmath=True) * Float32(LN_2)
+
+
+# --- 14.2 the one-pass step --------------------------------------------------------------------
+@cute.jit
+def step_without_rescale(acc, row_max: Float32, row_sum: Float32, o_b, lse_b: Float32):
+    m_new = cute.arch.fmax(row_max, lse_b)
+    m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+    w = cute.math.exp2((lse_b - m_safe) * Float32(LOG2_E), fastmath=True)
+    alpha = cute.math.exp2((row_max - m_safe) * Float32(LOG2_E), fastmath=True)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = acc[i] + o_b[i] * w
+    return m_new, row_sum * alpha + w
+
+
+@cute.jit
+def step_nan_before_any_key(acc, row_max: Float32, row_sum: Float32, o_b, lse_b: Float32):
+    m_new = cute.arch.fmax(row_max, lse_b)
+    alpha = cute.math.exp2((row_max - m_new) * Float32(LOG2_E), fastmath=True)
+    w = cute.math.exp2((lse_b - m_new) * Float32(LOG2_E), fastmath=True)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = acc[i] * alpha + o_b[i] * w
+    return m_new, row_sum * alpha + w
+
+
+@cute.jit
+def step_divides(acc, row_max: Float32, row_sum: Float32, o_b, lse_b: Float32):
+    m_new = cute.arch.fmax(row_max, lse_b)
+    m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+    old_safe = m_safe if row_max == -Float32.inf else row_max
+    alpha = Float32(1.0) / cute.math.exp2((m_safe - old_safe) * Float32(LOG2_E), fastmath=True)
+    alpha = Float32(0.0) if row_max == -Float32.inf else alpha
+    w = cute.math.exp2((lse_b - m_safe) * Float32(LOG2_E), fastmath=True)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = acc[i] * alpha + o_b[i] * w
+    return m_new, row_sum * alpha + w
+
+
+@cute.jit
+def step_old_max_only(acc, row_max: Float32, row_sum: Float32, o_b, lse_b: Float32):
+    m_safe = Float32(0.0) if row_max == -Float32.inf else row_max
+    w = cute.math.exp2((lse_b - m_safe) * Float32(LOG2_E), fastmath=True)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = acc[i] + o_b[i] * w
+    m_new = row_max if row_max != -Float32.inf else lse_b
+    scale = cute.math.exp2((m_safe - (Float32(0.0) if m_new == -Float32.inf else m_new))
+                           * Float32(LOG2_E), fastmath=True)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = acc[i] * scale
+    return m_new, (row_sum + w) * scale
+
+
+# --- 14.3 the ring loop ------------------------------------------------------------------------
+def loop_attends_first(q, kv, comm, attend):
+    out = lse = None
+    for step in range(comm.world):
+        src = (comm.rank - step) % comm.world
+        o_b, l_b = attend(q, kv, src)
+        out, lse = (o_b, l_b) if out is None else ring.merge(out, lse, o_b, l_b)
+        if step + 1 < comm.world:
+            kv = comm.exchange(kv).wait()
+    return out, lse
+
+
+def loop_waits_first(q, kv, comm, attend):
+    out = lse = None
+    for step in range(comm.world):
+        src = (comm.rank - step) % comm.world
+        nxt = comm.exchange(kv).wait() if step + 1 < comm.world else None
+        o_b, l_b = attend(q, kv, src)
+        out, lse = (o_b, l_b) if out is None else ring.merge(out, lse, o_b, l_b)
+        kv = nxt
+    return out, lse
+
+
+def loop_sends_on_the_last_step(q, kv, comm, attend):
+    out = lse = None
+    for step in range(comm.world):
+        src = (comm.rank - step) % comm.world
+        handle = comm.exchange(kv)
+        o_b, l_b = attend(q, kv, src)
+        out, lse = (o_b, l_b) if out is None else ring.merge(out, lse, o_b, l_b)
+        kv = handle.wait()
+    return out, lse
+
+
+def loop_wrong_source(q, kv, comm, attend):
+    out = lse = None
+    for step in range(comm.world):
+        src = (comm.rank + step) % comm.world
+        handle = comm.exchange(kv) if step + 1 < comm.world else None
+        o_b, l_b = attend(q, kv, src)
+        out, lse = (o_b, l_b) if out is None else ring.merge(out, lse, o_b, l_b)
+        if handle is not None:
+            kv = handle.wait()
+    return out, lse
+
+
+def loop_keeps_the_last_block(q, kv, comm, attend):
+    out = lse = None
+    for step in range(comm.world):
+        src = (comm.rank - step) % comm.world
+        handle = comm.exchange(kv) if step + 1 < comm.world else None
+        out, lse = attend(q, kv, src)
+        if handle is not None:
+            kv = handle.wait()
+    return out, lse
+
+
+def loop_uses_the_ring(q, kv, comm, attend):
+    return ring.ring_forward(q, kv[0], kv[1], None, comm)
+
+
+# --- 14.4 the chunk assignment -----------------------------------------------------------------
+def chunks_contiguous(world):
+    return [(2 * r, 2 * r + 1) for r in range(world)]
+
+
+def chunks_striped(world):
+    return [(r, world + r) for r in range(world)]
+
+
+def chunks_off_by_one(world):
+    return [(r, 2 * world - r) for r in range(world)]
+
+
+def chunks_from_the_layout(world):
+    return [tuple(range(2)) for _ in ring.zigzag_layout(2 * world, world).ranges]
+
+
+MUTATIONS = [
+    Mutation("14.1", t14.check_merge_pair, merge_unstable, "an exponential overflowed",
+             reference=t14.merge_pair, forbid=t14.FORBID_MERGE),
+    Mutation("14.1", t14.check_merge_pair, merge_nan_for_empty_rows, "-inf - (-inf) is NaN",
+             reference=t14.merge_pair, forbid=t14.FORBID_MERGE),
+    Mutation("14.1", t14.check_merge_pair, merge_lse_in_log2, "in log2 units",
+             reference=t14.merge_pair, forbid=t14.FORBID_MERGE),
+    Mutation("14.1", t14.check_merge_pair, merge_not_normalised, "the weights do not sum to 1",
+             reference=t14.merge_pair, forbid=t14.FORBID_MERGE),
+    Mutation("14.1", t14.check_merge_pair, merge_divides_per_element, "divides per element",
+             reference=t14.merge_pair, forbid=t14.FORBID_MERGE, slow=True),
+    Mutation("14.1", t14.check_merge_pair, merge_forgets_the_max, "the merged lse is",
+             reference=t14.merge_pair, forbid=t14.FORBID_MERGE),
+    Mutation("14.2", t14.check_merge_step, step_without_rescale, "must be rescaled",
+             reference=t14.merge_step, forbid=t14.FORBID_STEP),
+    Mutation("14.2", t14.check_merge_step, step_nan_before_any_key, "is NaN",
+             reference=t14.merge_step, forbid=t14.FORBID_STEP),
+    Mutation("14.2", t14.check_merge_step, step_divides, "your step divides",
+             reference=t14.merge_step, forbid=t14.FORBID_STEP, slow=True),
+    Mutation("14.2", t14.check_merge_step, step_old_max_only, "overflowed",
+             reference=t14.merge_step, forbid=t14.FORBID_STEP),
+    Mutation("14.3", t14.check_ring_loop, loop_attends_first,
+             "attend ran before the exchange was started", reference=t14.ring_loop,
+             forbid=t14.FORBID_RING_LOOP),
+    Mutation("14.3", t14.check_ring_loop, loop_waits_first, "nothing overlaps",
+             reference=t14.ring_loop, forbid=t14.FORBID_RING_LOOP),
+    Mutation("14.3", t14.check_ring_loop, loop_sends_on_the_last_step, "W - 1 are enough",
+             reference=t14.ring_loop, forbid=t14.FORBID_RING_LOOP),
+    Mutation("14.3", t14.check_ring_loop, loop_wrong_source, "src must name it",
+             reference=t14.ring_loop, forbid=t14.FORBID_RING_LOOP),
+    Mutation("14.3", t14.check_ring_loop, loop_keeps_the_last_block,
+             "every piece must be merged", reference=t14.ring_loop,
+             forbid=t14.FORBID_RING_LOOP),
+    Mutation("14.3", t14.check_ring_loop, loop_uses_the_ring, "that is the chapter's ring",
+             reference=t14.ring_loop, forbid=t14.FORBID_RING_LOOP),
+    Mutation("14.4", t14.check_zigzag, chunks_contiguous, "waits for rank",
+             reference=t14.zigzag_chunks, forbid=t14.FORBID_ZIGZAG),
+    Mutation("14.4", t14.check_zigzag, chunks_striped, "rank 1 (chunks (1, 3)) does",
+             reference=t14.zigzag_chunks, forbid=t14.FORBID_ZIGZAG),
+    Mutation("14.4", t14.check_zigzag, chunks_off_by_one, "chunk indices run from 0",
+             reference=t14.zigzag_chunks, forbid=t14.FORBID_ZIGZAG),
+    Mutation("14.4", t14.check_zigzag, chunks_from_the_layout, "that is the chapter's layout",
+             reference=t14.zigzag_chunks, forbid=t14.FORBID_ZIGZAG),
+]
+
+__all__ = ["MUTATIONS", "torch"]
