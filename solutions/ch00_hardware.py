@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from utils import roofline
+from utils import hardware, roofline
 from utils.claims import claim
 from utils.hardware import PER_SM, ArchFigures
 
@@ -208,7 +208,7 @@ def check_narrowest_kv_tile(fn) -> None:
 
 HOPPER = PER_SM["sm_90"]
 # NVIDIA's dense bf16 tensor-core figure for the H100 SXM and the H200 SXM (datasheets).
-DATASHEET_DENSE_BF16_TFLOPS = 989
+DATASHEET_DENSE_BF16_TFLOPS = hardware.DATASHEET_DENSE_BF16_TFLOPS["sm_90"]
 
 
 def datasheet_clock_ghz() -> float:

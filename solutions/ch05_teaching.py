@@ -34,7 +34,7 @@ import cutlass.cute as cute
 import numpy as np
 
 from solutions import ch05_flash_hopper as ch05
-from utils import roofline
+from utils import hardware, roofline
 from utils.claims import claim
 from utils.hardware import PER_SM
 from utils.notebook import source_between  # noqa: F401 (the notebook quotes the kernel with it)
@@ -1906,7 +1906,7 @@ def check_race_scenarios(answer) -> None:
 # the lab's) makes, each checked on its results file (tests/test_claims.py)
 # ================================================================================================
 # NVIDIA's dense bf16 tensor-core figure for the H100 SXM and the H200 SXM (datasheets).
-DATASHEET_BF16_DENSE_TFLOPS = 989
+DATASHEET_BF16_DENSE_TFLOPS = hardware.DATASHEET_DENSE_BF16_TFLOPS["sm_90"]
 
 
 def peak_lines(micro=None) -> list[str]:
