@@ -40,7 +40,7 @@ PER_SM = {
 
 # NVIDIA's dense bf16 tensor-core figure for the H100/H200 SXM (datasheet): 4096 FLOP/clk/SM x
 # 132 SMs at about 1.83 GHz. The boost clock above gives more: that product is the model's.
-DATASHEET_DENSE_BF16_TFLOPS = {"sm_90": 989.0}
+DATASHEET_DENSE_BF16_TFLOPS = {"sm_90": 989}
 
 # HBM bandwidth by part, from NVIDIA's datasheets (peak; a streaming copy gets less, and
 # results/<gpu>/microbench.json holds what one measured). Parts of one arch differ here.
