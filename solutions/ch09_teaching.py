@@ -1,24 +1,26 @@
 """Chapters 09-10's teaching helpers: a CPU model of tensor memory, pictures, and the exercises.
 
-The kernels are ``fa4_final.blackwell`` (primer, fwd); the pipeline simulation is
-``solutions.ch09_pipeline``, the cycle model ``solutions.ch09_model``, the comparison with FA4
-``solutions.ch09_compare``. This module adds what a learner pokes at on a CPU:
+The kernels are ``solutions.ch09_primer`` and ``fa4_final.blackwell.fwd``; the pipeline
+simulation is ``solutions.ch09_pipeline``, the cycle model ``solutions.ch09_model``, the
+comparison with FA4 ``solutions.ch09_compare``. This module adds what a learner pokes at on a CPU:
 
 - ``TmemModel``: tensor memory as an allocator of columns with the rules of tcgen05.alloc, and
   the lane-quarter rule of tcgen05.ld / st, raising in plain words when a rule is broken;
 - pictures: the forward's TMEM plan and roles, and (chapter 10) a CTA pair's MMA;
-- exercises 09.1-09.3 and 10.1-10.2: references and checkers.
+- exercises 09.1-09.5: references and checkers; for the device-code ones (09.3, 09.4) the CPU
+  emulation of the primer's pieces, their replay in the primer's simulation, the PTX checks
+  of the compiled primer and the GPU check (chapter 10's are in ``solutions.ch10_teaching``);
+- the forward compiled (``compile_forward``) and run on a Blackwell GPU (``FORWARD_VARIANTS``,
+  ``verify_forward``: ``measure.blackwell_fwd`` times them);
+- the claims behind chapter 09's and the lab's comparison with FA4's compiled forward.
 
 Nothing here needs a GPU.
 """
 
 from __future__ import annotations
 
-import math
-
 from fa4_final.blackwell import tmem
 from fa4_final.blackwell.config import BlackwellFwdConfig
-from fa4_final.constants import SM100_SMEM_BYTES
 from utils.claims import claim
 from utils.host_emulation import patched
 from utils.notebook import source_between  # noqa: F401 (the notebooks quote the kernel with it)
@@ -260,42 +262,6 @@ def check_s_empty_arrivals(answer) -> None:
             if two:
                 hint += "; in a pair both CTAs' warpgroups arrive on the leader's barrier"
             raise AssertionError(f"{key}: {answer[key]} is not it: {hint}")
-
-
-def smem_cycles_per_step(d: int, two_cta: bool) -> float:
-    """Reference for 10.1: shared-memory cycles per KV step on one SM (two Q tiles)."""
-    from solutions import ch09_model
-
-    return ch09_model.step_cycles(d, two_cta).smem
-
-
-def check_smem_cycles_per_step(fn) -> None:
-    for d in (64, 128):
-        for two in (False, True):
-            got, want = fn(d, two), smem_cycles_per_step(d, two)
-            if not math.isclose(got, want, rel_tol=1e-6):
-                raise AssertionError(
-                    f"D={d} {'2-CTA' if two else '1-CTA'}: {got:g} cycles, expected {want:g}. "
-                    "Per step each SM's MMAs read both Q tiles (A, 128 x D each), K twice and V "
-                    "twice (B, 128 x D each, once per Q tile); in a pair each SM reads half of "
-                    "every B. 2 bytes per element, 128 bytes per clock")
-
-
-def kv_stages_that_fit(d: int, two_cta: bool) -> int:
-    """Reference for 10.2: the K/V ring depth FA4's rule gives (BlackwellFwdConfig)."""
-    return BlackwellFwdConfig(two_cta=two_cta).ring_depth(d)
-
-
-def check_kv_stages_that_fit(fn) -> None:
-    for d in (64, 128):
-        for two in (False, True):
-            got, want = fn(d, two), kv_stages_that_fit(d, two)
-            if got != want:
-                raise AssertionError(
-                    f"D={d} {'2-CTA' if two else '1-CTA'}: {got}, expected {want}. Take 224 KB, "
-                    "subtract Q and O (two 128 x D tiles each, bf16), divide by one K/V stage "
-                    f"(128 x D x 2 bytes, half of it in a pair); at most 32. ({SM100_SMEM_BYTES} "
-                    "B is the limit; the rest holds barriers and row statistics)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -201,3 +201,33 @@ def test_sm100_benchmark_script_small():
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verified" in proc.stdout, proc.stdout
+
+
+# --- chapters 09-10's device-code exercises: the primers with the reference pieces -----------
+def test_primer_device_exercise_references_on_gpu():
+    """09.3 and 09.4's references inside the primer, four tiles against float64 (one whose
+    scores overflow exp2 unless the row max is subtracted)."""
+    from solutions import ch09_primer as primer
+    from solutions import ch09_teaching as T
+
+    ok, lines = T.check_primer_on_gpu(primer.issue_qk, primer.softmax_to_p)
+    assert ok, "\n".join(lines)
+
+
+def test_primer_softmax_without_the_max_fails_on_gpu():
+    """The GPU check catches what the CPU check names: exp2 of raw scores overflows."""
+    from solutions import ch09_teaching as T
+    from tests.exercise_mutations import ch09 as wrong
+
+    ok, lines = T.check_primer_on_gpu(softmax_fn=wrong.softmax_without_max,
+                                      cases=[(64, 30.0, 3)])
+    assert not ok and "WRONG" in lines[0], lines
+
+
+def test_pair_primer_device_exercise_references_on_gpu():
+    """10.3 and 10.4's references inside the pair primer (a cluster of two, 256 query rows)."""
+    from solutions import ch09_primer as primer
+    from solutions import ch10_teaching as T10
+
+    ok, lines = T10.check_pair_on_gpu(primer.pair_mma, primer.init_pair_barriers)
+    assert ok, "\n".join(lines)
