@@ -396,52 +396,6 @@ def check_softmax_delta(fn) -> None:
         raise AssertionError(problem)
 
 
-def check_recompute_p(fn) -> None:
-    """Exercise 11.2: ``fn(s, lse) -> P``; s in log2 units, lse natural log."""
-    g = torch.Generator().manual_seed(4)
-    s_nat = torch.randn(2, 6, 9, generator=g, dtype=torch.float64) * 3
-    s_nat[:, 1, 4:] = NEG_INF  # a partly masked row
-    s_nat[:, 2, :] = NEG_INF  # a row that sees no key
-    lse = torch.logsumexp(s_nat, dim=-1)
-    s = s_nat * LOG2E
-    got = fn(s.clone(), lse.clone())
-    want = recompute_p(s, lse)
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        raise AssertionError(f"return P with the tile's shape {tuple(want.shape)}")
-    if torch.isnan(got).any():
-        raise AssertionError("NaN in P: a row that saw no key has lse = -inf and scores -inf; "
-                             "2^(-inf - (-inf)) is NaN. Use +inf in place of its lse so P = 0")
-    if not _close(got, want):
-        if _close(got, torch.exp(s - lse[..., None]).nan_to_num(0.0)):
-            raise AssertionError("s is in log2 units (log2 e folded into the scale): use exp2, "
-                                 "and the LSE in log2 units too (lse * log2 e)")
-        if _close(got, torch.exp2(s - lse[..., None]).nan_to_num(0.0)):
-            raise AssertionError("the LSE is a natural log: convert it to log2 units (times "
-                                 "log2 e) before subtracting it from s")
-        raise AssertionError("P = 2^(s - lse * log2 e); rows of a real softmax then sum to 1")
-    problem = compare_with_autograd("your recompute_p", step=lambda *a: tile_step(*a, p_fn=fn))
-    if problem:
-        raise AssertionError(problem)
-
-
-def check_ds_from_dp(fn) -> None:
-    """Exercise 11.3: ``fn(p, dp, delta) -> dS``."""
-    g = torch.Generator().manual_seed(5)
-    p = torch.rand(2, 5, 7, generator=g, dtype=torch.float64)
-    dp = torch.randn(2, 5, 7, generator=g, dtype=torch.float64)
-    delta = torch.randn(2, 5, generator=g, dtype=torch.float64)
-    got = fn(p.clone(), dp.clone(), delta.clone())
-    if not isinstance(got, torch.Tensor) or got.shape != p.shape:
-        raise AssertionError(f"return dS with the tile's shape {tuple(p.shape)}")
-    if not _close(got, ds_from_dp(p, dp, delta)):
-        if _close(got, p * dp - delta[..., None]):
-            raise AssertionError("delta is subtracted inside: dS = P * (dP - delta)")
-        raise AssertionError("dS = P * (dP - delta), delta broadcast along each row")
-    problem = compare_with_autograd("your ds_from_dp", step=lambda *a: tile_step(*a, ds_fn=fn))
-    if problem:
-        raise AssertionError(problem)
-
-
 def check_tile_step(fn) -> None:
     """Exercise 11.4: ``fn(q_t, k_t, v_t, do_t, lse_t, delta_t, scale, visible) -> (dq_part,
     dk_part, dv_part)``, dq and dk without the final scale."""
@@ -513,17 +467,72 @@ def check_first_q_tile(fn) -> None:
         raise AssertionError(problem)
 
 
-def check_flops_ratio(value) -> None:
-    """Exercise 11.6: the backward's FLOPs over the forward's."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise AssertionError(f"give a number, got {type(value).__name__}")
-    if abs(value - 2.5) > 1e-9:
-        if abs(value - 2.0) < 1e-9:
-            raise AssertionError("the backward also recomputes S = Q K^T: count it too")
-        if abs(value - 1.5) < 1e-9 or abs(value - 3.5) < 1e-9:
-            raise AssertionError("count GEMMs of the backward alone: S, dP, dV, dK, dQ against "
-                                 "the forward's S and O")
-        raise AssertionError("count the GEMMs: each is 2 * Sq * Sk * D FLOPs")
+def dq_add_bytes(seqlen_q: int, seqlen_k: int, head_dim: int, tile_m: int, tile_n: int,
+                 causal: bool) -> int:
+    """Exercise 11.4's reference: the float32 bytes the bulk adds of one (batch, head) send into
+    dQ's accumulator. Every (query tile, key tile) pair the loop visits adds one whole
+    tile_m x head_dim block, the last query tile's padding rows included (the accumulator is
+    padded to whole tiles); a key tile visits the query tiles from ``first_q_tile`` on."""
+    n_q = -(-seqlen_q // tile_m)
+    visited = 0
+    for k0 in range(0, seqlen_k, tile_n):
+        visited += n_q - min(first_q_tile(k0, seqlen_q, seqlen_k, tile_m, causal), n_q)
+    return visited * tile_m * head_dim * 4
+
+
+def _dq_bytes_forbid() -> dict:
+    from fa4_final.common.bwd_tiles import q_tile_range
+
+    why = "it walks the loop for you; count the visited tiles with first_q_tile"
+    return {q_tile_range: "that is the kernel's own range; count with your first_q_tile",
+            attention_backward_tiles: why, BackwardCounts: why,
+            backward_traffic: "its accumulator term is the average, not the count"}
+
+
+FORBID_DQ_BYTES = _dq_bytes_forbid()
+DQ_BYTES_SHAPES = [(4096, 4096, 128, 64, 128), (1000, 1000, 64, 128, 128),
+                   (300, 520, 128, 80, 128), (700, 400, 128, 64, 128), (1, 300, 64, 64, 128),
+                   (257, 513, 128, 64, 128)]
+
+
+def check_dq_add_bytes(fn) -> None:
+    """Exercise 11.4: ``fn(seqlen_q, seqlen_k, head_dim, tile_m, tile_n, causal) -> bytes``,
+    against the kernel's own tile ranges (fa4_final.common.bwd_tiles.q_tile_range) on awkward
+    shapes, causal or not."""
+    from fa4_final.common.bwd_tiles import q_tile_range
+    from fa4_final.common.tiles import TileWindow
+
+    for sq, sk, d, tm, tn in DQ_BYTES_SHAPES:
+        for causal in (False, True):
+            w = TileWindow(tm, tn, causal)
+            n_q, n_k = -(-sq // tm), -(-sk // tn)
+            pairs = sum(q_tile_range(w, n, sq, sk)[1] - q_tile_range(w, n, sq, sk)[0]
+                        for n in range(n_k))
+            block = tm * d * 4
+            want = pairs * block
+            got = fn(sq, sk, d, tm, tn, causal)
+            where = (f"seqlen_q={sq}, seqlen_k={sk}, D={d}, tiles {tm} x {tn}, "
+                     f"causal={causal}: {pairs} of the {n_q} x {n_k} tile pairs are visited")
+            if not isinstance(got, (int, float)) or isinstance(got, bool):
+                raise AssertionError(f"return a number of bytes, got {type(got).__name__}")
+            if got == want:
+                continue
+            if causal and got == n_q * n_k * block:
+                raise AssertionError(f"{where}: you counted every pair. With a causal mask key "
+                                     "tile n skips the query tiles before first_q_tile (no row "
+                                     "there sees its keys): they add nothing")
+            if causal and abs(got - n_q * n_k * block / 2) < block:
+                raise AssertionError(f"{where}: the causal count is not half the grid: the "
+                                     "tiles on the diagonal are added whole. Count the visited "
+                                     "pairs with first_q_tile")
+            if got * 2 == want:
+                raise AssertionError(f"{where}: the accumulator is float32, 4 bytes an element "
+                                     "(the bf16 dQ is made from it at the very end)")
+            if got < want and got % (d * 4) == 0 and sq % tm:
+                raise AssertionError(f"{where}: a bulk add sends a whole tile of {tm} rows, the "
+                                     "last query tile's padding rows too (the accumulator is "
+                                     "padded to whole tiles)")
+            raise AssertionError(f"{where}: got {got} bytes, the kernel's adds send {want}")
 
 
 # ---------------------------------------------------------------------------------------------

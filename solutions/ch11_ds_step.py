@@ -166,22 +166,34 @@ class HopperDsStep(HopperBackward):
         return state_q
 
 
+def fake_backward_args(head_dim: int) -> dict:
+    """The backward kernels' fake arguments (role -> tuple), bf16: symbolic batch, lengths,
+    heads (fa4_final's own, wherever the package keeps them)."""
+    try:
+        from fa4_final.common.backward import fake_backward_args as fake
+    except ImportError:
+        from fa4_final.backward import _fake_args as fake
+    return fake("bf16", head_dim)
+
+
+def compile_for(kernel, role: str, head_dim: int, arch: str, keep: bool = True):
+    """(compiled, artifacts) of one backward kernel object (``role``: pre, main or post)."""
+    from fa4_final.compile import compile_kernel
+
+    return compile_kernel(kernel, *fake_backward_args(head_dim)[role], arch=arch, keep=keep)
+
+
 _BUILDS: dict = {}
 
 
 def compile_ds_step(ds_fn, head_dim: int = 128, causal: bool = True,
                     config: HopperBwdConfig | None = None):
     """The main backward kernel with ``ds_fn`` compiled for sm_90a (fake tensors, no GPU)."""
-    from fa4_final.backward import _fake_args
-    from fa4_final.compile import compile_kernel
-    from fa4_final.common.constants import CUTLASS_BY_NAME
-
     cfg = config or hopper_bwd_default(head_dim, causal)
     key = (ds_fn, head_dim, causal, cfg)
     if key not in _BUILDS:
-        kernel = HopperDsStep(ds_fn, CUTLASS_BY_NAME["bf16"], head_dim, causal, cfg)
-        _BUILDS[key] = compile_kernel(kernel, *_fake_args("bf16", head_dim)["main"],
-                                      arch="sm_90a", keep=True)[1]
+        kernel = HopperDsStep(ds_fn, cutlass.BFloat16, head_dim, causal, cfg)
+        _BUILDS[key] = compile_for(kernel, "main", head_dim, "sm_90a")[1]
     return _BUILDS[key]
 
 
@@ -202,6 +214,31 @@ def fragment_key(thread: int, r: int) -> int:
 def fragment_query(thread: int, c: int) -> int:
     """The query (column of the S^T tile) of element column ``c`` of MMA thread ``thread``."""
     return 8 * (c // 2) + 2 * (thread % 4) + c % 2
+
+
+def fragment_layout_mismatches(threads=(0, 1, 5, 37, 100, 130, 200, 255)) -> list:
+    """(thread, r, c) where ``fragment_key`` / ``fragment_query`` disagree with CuTe's own
+    partition of the kernel's S^T accumulator (two warpgroups, 64 x 64 each): empty when the
+    emulation's layout is the kernel's. Host-side CuTe (launches nothing); needs
+    CUTE_DSL_ARCH=sm_90a in the environment when no Hopper GPU is present."""
+    import cutlass.utils.hopper_helpers as sm90_utils
+
+    from fa4_final.common.mask import fragment_coords
+
+    seen = {}
+
+    @cute.jit
+    def probe():
+        major = cute.nvgpu.OperandMajorMode
+        mma = sm90_utils.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, major.K,
+                                                major.K, Float32, (2, 1, 1), (64, 64))
+        for i in cutlass.range_constexpr(len(threads)):
+            coords, _ = fragment_coords(mma.get_slice(threads[i]), (TILE_N, 64))
+            seen[threads[i]] = [[coords[r, c] for c in range(16)] for r in range(2)]
+
+    probe()
+    return [(t, r, c) for t, rows in seen.items() for r in range(2) for c in range(16)
+            if tuple(rows[r][c]) != (fragment_key(t, r), fragment_query(t, c))]
 
 
 @dataclass
@@ -557,36 +594,64 @@ def check_ds_step(fn, compile_check: bool = True) -> None:
 # On a GPU: the whole backward with the learner's function, against float64
 
 
-def exercise_backward(make_main):
-    """A context in which fa4_final's backward builds its main kernel with ``make_main(dtype,
-    head_dim, causal, cfg)`` (its memo of compiled kernels emptied before and after)."""
-    import contextlib
+class ExerciseBackward:
+    """The backward's three launches (fa4_final's bwd_pre and bwd_post around an exercise's main
+    kernel object), compiled for sm_90a and run on torch tensors: the runner of the GPU
+    checks. ``make_main(dtype, head_dim, causal, cfg)`` builds the main kernel."""
 
-    from fa4_final import backward as fb
-    from fa4_final.common.constants import CUTLASS_BY_NAME
-    from utils.host_emulation import patched
+    def __init__(self, make_main, deterministic: bool = False):
+        self.make_main, self.deterministic = make_main, deterministic
+        self.plans: dict = {}
 
-    own = fb._kernels
+    def plan(self, dtype, head_dim: int, causal: bool):
+        from dataclasses import replace
 
-    def kernels(dtype_name, head_dim, causal, has_left, has_right, cfg):
-        ks = own(dtype_name, head_dim, causal, has_left, has_right, cfg)
-        if has_left or has_right:
-            raise ValueError("the exercises' kernels take no sliding window")
-        main = make_main(CUTLASS_BY_NAME[dtype_name], head_dim, causal, cfg)
-        return {"pre": ks["pre"], "main": main, "post": type(ks["post"])(main)}
+        from fa4_final.common.bwd_post import BackwardPost
+        from fa4_final.common.bwd_pre import BackwardPre
 
-    @contextlib.contextmanager
-    def scope():
-        fb._COMPILED.clear()
-        fb._PLANS.clear()
-        try:
-            with patched(fb, _kernels=kernels):
-                yield
-        finally:
-            fb._COMPILED.clear()
-            fb._PLANS.clear()
+        key = (dtype, head_dim, causal)
+        if key not in self.plans:
+            cfg = replace(hopper_bwd_default(head_dim, causal), deterministic=self.deterministic)
+            main = self.make_main(dtype, head_dim, causal, cfg)
+            kernels = {"pre": BackwardPre(dtype, head_dim, cfg.tile_m, self.deterministic),
+                       "main": main, "post": BackwardPost(main)}
+            self.plans[key] = (cfg, {role: compile_for(k, role, head_dim, "sm_90a",
+                                                        keep=False)[0]
+                                     for role, k in kernels.items()})
+        return self.plans[key]
 
-    return scope()
+    def __call__(self, q, k, v, out, lse, dout, causal: bool):
+        """(dq, dk, dv) of the forward's ``out``, ``lse`` (float32) and ``dout``."""
+        import torch
+
+        b, sq, h, d = q.shape
+        cfg, kern = self.plan(cutlass.BFloat16 if q.dtype == torch.bfloat16
+                              else cutlass.Float16, d, causal)
+        m_blocks = -(-sq // cfg.tile_m)
+        lse2 = q.new_empty((b, h, m_blocks * cfg.tile_m), dtype=torch.float32)
+        delta = torch.empty_like(lse2)
+        accum = q.new_empty((b, h, m_blocks * cfg.tile_m * d), dtype=torch.float32)
+        turn = torch.empty((b, h, m_blocks) if self.deterministic else (1, 1, 1),
+                           dtype=torch.int32, device=q.device)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        scale = d ** -0.5
+        kern["pre"](out, dout, lse, lse2, delta, accum, turn)
+        kern["main"](q, k, v, dout, lse2, delta, accum, dk, dv, turn, scale, 0, 0)
+        kern["post"](accum, dq, scale)
+        return dq, dk, dv
+
+
+def reference_backward(q, k, v, dout, causal: bool):
+    """(out in q's dtype, lse float32, float64 autograd (dq, dk, dv)) of plain attention."""
+    import torch
+
+    from solutions.ch11_backward import backward_reference
+    from utils.reference import attention_reference
+
+    out, lse = attention_reference(q, k, v, causal)
+    grads = backward_reference(q, k, v, dout, causal)
+    return out.to(q.dtype).contiguous(), lse.float().contiguous(), [
+        g.to(q.device, torch.float64) for g in grads]
 
 
 # (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal): lengths off the tiles, seqlen_q
@@ -596,29 +661,25 @@ GPU_CASES = [(1, 100, 130, 2, 1, 64, True), (1, 129, 129, 2, 2, 128, False),
              (1, 257, 513, 4, 4, 64, False), (1, 1000, 1000, 2, 2, 128, True)]
 
 
-def gpu_case_lines(cases, deterministic: bool = False, repeat: bool = False,
-                   seed: int = 0) -> tuple[bool, list[str]]:
-    """fa4_final's backward (as the surrounding ``exercise_backward`` builds it) on each case,
-    on the out and lse of a float64 forward, against float64 autograd; with ``repeat`` also
-    run twice and compared bit for bit. Returns (all passed, one line per case)."""
+def gpu_case_lines(run, cases, repeat: bool = False, seed: int = 0) -> tuple[bool, list[str]]:
+    """``run`` (an ExerciseBackward) on each case, on the out and lse of a float64 forward,
+    against float64 autograd; with ``repeat`` also run twice and compared bit for bit.
+    Returns (all passed, one line per case)."""
     import torch
-
-    from fa4_final import backward as fb
 
     ok_all, lines = True, []
     for b, sq, sk, h, hk, d, causal in cases:
         g = torch.Generator().manual_seed(seed)
         q, k, v, dout = (torch.randn(b, s, n, d, generator=g).to("cuda", torch.bfloat16)
                          for s, n in ((sq, h), (sk, hk), (sk, hk), (sq, h)))
-        out, lse, ref = fb._reference(q, k, v, dout, causal)
-        grads = fb.backward(q, k, v, out, lse, dout, causal=causal, deterministic=deterministic)
+        out, lse, ref = reference_backward(q, k, v, dout, causal)
+        grads = run(q, k, v, out, lse, dout, causal)
         errs = [(x.double() - r).abs().max().item() for x, r in zip(grads, ref)]
         scales = [r.abs().max().item() for r in ref]
         ok = all(e <= 2e-2 * max(s, 1.0) for e, s in zip(errs, scales))
         same = ""
         if repeat:
-            again = fb.backward(q, k, v, out, lse, dout, causal=causal,
-                                deterministic=deterministic)
+            again = run(q, k, v, out, lse, dout, causal)
             bitwise = all(torch.equal(x, y) for x, y in zip(grads, again))
             ok &= bitwise
             same = ", two runs bitwise equal" if bitwise else ", two runs DIFFER"
@@ -631,5 +692,5 @@ def gpu_case_lines(cases, deterministic: bool = False, repeat: bool = False,
 
 def check_ds_step_on_gpu(fn, cases=None) -> tuple[bool, list[str]]:
     """Exercise 11.5 on a Hopper GPU: the backward with ``fn`` as its pointwise step."""
-    with exercise_backward(lambda dt, d, causal, cfg: HopperDsStep(fn, dt, d, causal, cfg)):
-        return gpu_case_lines(cases or GPU_CASES)
+    run = ExerciseBackward(lambda dt, d, causal, cfg: HopperDsStep(fn, dt, d, causal, cfg))
+    return gpu_case_lines(run, cases or GPU_CASES)

@@ -1,10 +1,12 @@
 """Chapter 11's helpers for reading the Hopper backward kernel: its shared-memory plan, the
-instruction mix of one step from the compiled SASS, the stored benchmark results (or a plain
-"not measured yet"), the picture of the deterministic turn order. (A step's cycles come from
-chapter 00's model, utils.roofline.tile_cycles(gpu, "bwd", ...).)
+instruction mix of one step from the compiled SASS, the stored benchmark (results/h200/
+ch11_bwd.json, written by measure.bwd_benchmark) with its verdicts and claims, the picture of
+the deterministic turn order. (A step's cycles come from chapter 00's model,
+utils.roofline.tile_cycles(gpu, "bwd", ...).) The device-code exercises are in ch11_ds_step.py
+and ch11_turns.py.
 
-The kernel itself lives in fa4_final (hopper/bwd.py, bwd_pre.py, bwd_post.py, bwd_tiles.py):
-the notebook quotes it from there, so no kernel exists twice.
+The kernel itself lives in fa4_final (hopper/bwd.py, common/bwd_pre.py, common/bwd_post.py,
+common/bwd_tiles.py): the notebook quotes it from there, so no kernel exists twice.
 """
 
 from __future__ import annotations
@@ -145,8 +147,8 @@ def plot_turns(seqlen_q: int, seqlen_k: int, cfg: HopperBwdConfig, causal: bool,
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    from fa4_final.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range
-    from fa4_final.tiles import TileWindow
+    from fa4_final.common.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range
+    from fa4_final.common.tiles import TileWindow
 
     w = TileWindow(cfg.tile_m, cfg.tile_n, causal, has_left=window_left is not None)
     n_q, n_k = -(-seqlen_q // cfg.tile_m), -(-seqlen_k // cfg.tile_n)
@@ -176,19 +178,70 @@ def plot_turns(seqlen_q: int, seqlen_k: int, cfg: HopperBwdConfig, causal: bool,
 
 
 # ---------------------------------------------------------------------------------------------
-# Exercise 12.1: the Blackwell backward's free TMEM columns at D = 64
+# 5. Reading the stored benchmark (results/h200/ch11_bwd.json, measure.bwd_benchmark)
+
+RESULTS_NAME = "ch11_bwd"
+SHAPES = [(4096, False), (4096, True), (16384, False), (16384, True)]
 
 
-def free_columns(head_dim: int = 64) -> int:
-    """TMEM columns the Blackwell backward allocates but does not use (fa4_final.blackwell)."""
-    from fa4_final.blackwell.config import BlackwellBwdConfig
-
-    plan = BlackwellBwdConfig().tmem_plan(head_dim)
-    return plan.columns_allocated - plan.columns_used
+def _by(res) -> dict:
+    return {(r["impl"], r["s"], r["causal"]): r for r in res.rows if r.get("pass") == "bwd"}
 
 
-def check_free_columns(value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise AssertionError(f"give a number of columns, got {type(value).__name__}")
-    if value != free_columns(64):
-        raise AssertionError("allocated minus used: the allocation is a power of two")
+def comparisons(res) -> dict:
+    """{(S, causal): {"deterministic": its speed over the default's, "fa4_package": the
+    default's over the FA4 package's}} as utils.bench.Comparison (ratio, spread, verdict)."""
+    from utils import bench
+
+    by = _by(res)
+    out = {}
+    for s, causal in SHAPES:
+        ours = by.get(("fa4_final", s, causal))
+        if ours is None:
+            continue
+        out[(s, causal)] = {
+            "deterministic": bench.compare(by[("fa4_final_deterministic", s, causal)], ours),
+            "fa4_package": bench.compare(ours, by[("fa4_package", s, causal)]),
+        }
+    return out
+
+
+def verdict_lines(res) -> list[str]:
+    """One line per shape: the deterministic mode against the default, the default against the
+    FA4 package, each with its spread and whether the difference exceeds it."""
+    lines = []
+    for (s, causal), c in comparisons(res).items():
+        lines.append(f"S = {s:>5}, causal={causal!s:<5}: deterministic / default "
+                     f"{c['deterministic']}; default / FA4 package {c['fa4_package']}")
+    return lines
+
+
+def deterministic_ratio(res, s: int, causal: bool) -> float:
+    """The deterministic backward's speed over the default's at one shape (median of rounds)."""
+    return comparisons(res)[(s, causal)]["deterministic"].ratio
+
+
+def claim(cid: str, text: str):
+    from utils import claims
+
+    return claims.claim(cid, RESULTS_NAME, text)
+
+
+@claim("11.deterministic_costs", "the fixed order of dQ adds costs speed beyond the spread at "
+        "three of the four shapes and is within the spread at S = 16384 without a mask")
+def _deterministic_costs(res):
+    c = comparisons(res)
+    real = {k for k, v in c.items() if v["deterministic"].real and v["deterministic"].ratio < 1}
+    want = {(4096, False), (4096, True), (16384, True)}
+    noise = not c[(16384, False)]["deterministic"].real
+    return real == want and noise, "; ".join(verdict_lines(res))
+
+
+@claim("11.default_near_fa4_package", "the default backward is within the spread of the FA4 "
+        "package at three shapes and behind it beyond the spread at S = 16384 without a mask")
+def _default_near_package(res):
+    c = comparisons(res)
+    behind = {k for k, v in c.items() if v["fa4_package"].real and v["fa4_package"].ratio < 1}
+    ahead = {k for k, v in c.items() if v["fa4_package"].real and v["fa4_package"].ratio > 1}
+    return behind == {(16384, False)} and not ahead, "; ".join(
+        f"S={s} causal={cz}: {v['fa4_package']}" for (s, cz), v in c.items())

@@ -140,16 +140,13 @@ def compile_turns(turn_fn, head_dim: int = 128, causal: bool = True):
     """The deterministic main backward kernel with ``turn_fn`` compiled for sm_90a."""
     from dataclasses import replace
 
-    from fa4_final.backward import _fake_args
-    from fa4_final.compile import compile_kernel
-    from fa4_final.common.constants import CUTLASS_BY_NAME
+    from solutions.ch11_ds_step import compile_for
 
     key = (turn_fn, head_dim, causal)
     if key not in _BUILDS:
         cfg = replace(hopper_bwd_default(head_dim, causal), deterministic=True)
-        kernel = HopperTurns(turn_fn, CUTLASS_BY_NAME["bf16"], head_dim, causal, cfg)
-        _BUILDS[key] = compile_kernel(kernel, *_fake_args("bf16", head_dim)["main"],
-                                      arch="sm_90a", keep=True)[1]
+        kernel = HopperTurns(turn_fn, cutlass.BFloat16, head_dim, causal, cfg)
+        _BUILDS[key] = compile_for(kernel, "main", head_dim, "sm_90a")[1]
     return _BUILDS[key]
 
 
@@ -595,7 +592,8 @@ def check_add_in_turn(fn, compile_check: bool = True) -> None:
 def check_add_in_turn_on_gpu(fn, cases=None) -> tuple[bool, list[str]]:
     """Exercise 11.6 on a Hopper GPU: the deterministic backward with ``fn`` as the dQ warp's
     turn, against float64 and run twice, bit for bit."""
-    from solutions.ch11_ds_step import GPU_CASES, exercise_backward, gpu_case_lines
+    from solutions.ch11_ds_step import GPU_CASES, ExerciseBackward, gpu_case_lines
 
-    with exercise_backward(lambda dt, d, causal, cfg: HopperTurns(fn, dt, d, causal, cfg)):
-        return gpu_case_lines(cases or GPU_CASES, deterministic=True, repeat=True)
+    run = ExerciseBackward(lambda dt, d, causal, cfg: HopperTurns(fn, dt, d, causal, cfg),
+                           deterministic=True)
+    return gpu_case_lines(run, cases or GPU_CASES, repeat=True)
