@@ -1,0 +1,216 @@
+"""Chapter 12's exercises: typical wrong answers, each with the words its checker must say.
+The device-code ones (12.2 the register split, 12.3 the writer's side of the dS exchange) are
+@cute.jit functions: the DSL reads their source from this file."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from fa4_final.blackwell import peer
+from fa4_final.blackwell.tmem import Region, TmemPlan
+from solutions import ch12_blackwell_bwd as c12
+from tests.exercise_mutations import Mutation
+
+
+# --- 12.1 dQ with columns of its own -----------------------------------------------------------
+def plan_dq_still_inside_dp(head_dim, tile_m=128):
+    return TmemPlan((
+        Region("S", 0, tile_m, "S^T"), Region("dP", tile_m, tile_m, "dP^T"),
+        Region("dV", 2 * tile_m, head_dim, "dV"), Region("dK", 2 * tile_m + head_dim, head_dim,
+                                                        "dK"),
+        Region("dQ", tile_m, head_dim, "dQ", alias_of="dP"),
+        Region("P", tile_m // 2, tile_m // 2, "P^T", alias_of="S"))).check()
+
+
+def plan_only_for_d64(head_dim, tile_m=128):
+    return TmemPlan((
+        Region("S", 0, tile_m, "S^T"), Region("dP", tile_m, tile_m, "dP^T"),
+        Region("dV", 256, 64, "dV"), Region("dK", 320, 64, "dK"), Region("dQ", 384, 64, "dQ"),
+        Region("P", tile_m // 2, tile_m // 2, "P^T", alias_of="S"))).check()
+
+
+def plan_p_with_own_columns(head_dim, tile_m=128):
+    return TmemPlan((
+        Region("S", 0, tile_m, "S^T"), Region("dP", tile_m, tile_m, "dP^T"),
+        Region("dV", 2 * tile_m, head_dim, "dV"), Region("dK", 2 * tile_m + head_dim, head_dim,
+                                                        "dK"),
+        Region("dQ", 2 * tile_m + 2 * head_dim, head_dim, "dQ"),
+        Region("P", 2 * tile_m + 3 * head_dim, tile_m // 2, "P^T"))).check()
+
+
+# --- 12.2 the register split -------------------------------------------------------------------
+@cute.jit
+def split_mma_warp_raised(warp):
+    if warp == 12:
+        cute.arch.setmaxregister_increase(160)
+    elif warp >= 12:
+        cute.arch.setmaxregister_decrease(48)
+    elif warp >= 8:
+        cute.arch.setmaxregister_decrease(80)
+    else:
+        cute.arch.setmaxregister_increase(176)
+
+
+@cute.jit
+def split_over_512(warp):
+    if warp >= 12:
+        cute.arch.setmaxregister_decrease(120)
+    elif warp >= 8:
+        cute.arch.setmaxregister_decrease(48)
+    else:
+        cute.arch.setmaxregister_increase(176)
+
+
+@cute.jit
+def split_increase_below_launch(warp):
+    if warp >= 12:
+        cute.arch.setmaxregister_increase(112)
+    elif warp >= 8:
+        cute.arch.setmaxregister_decrease(48)
+    else:
+        cute.arch.setmaxregister_increase(176)
+
+
+@cute.jit
+def split_forgets_warpgroup3(warp):
+    if warp < 8:
+        cute.arch.setmaxregister_increase(176)
+    elif warp < 12:
+        cute.arch.setmaxregister_decrease(48)
+
+
+@cute.jit
+def split_mma_starved(warp):
+    if warp >= 12:
+        cute.arch.setmaxregister_decrease(96)
+    elif warp >= 8:
+        cute.arch.setmaxregister_decrease(48)
+    else:
+        cute.arch.setmaxregister_increase(184)
+
+
+@cute.jit
+def split_dq_starved(warp):
+    if warp >= 12:
+        cute.arch.setmaxregister_decrease(128)
+    elif warp >= 8:
+        cute.arch.setmaxregister_decrease(32)
+    else:
+        cute.arch.setmaxregister_increase(176)
+
+
+# --- 12.3 the writer's side of the dS exchange -------------------------------------------------
+@cute.jit
+def send_unfenced(words, unit_addr, dsx, peer_rank, tidx, nbytes):
+    if tidx == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(dsx, nbytes, peer_cta_rank_in_cluster=peer_rank)
+    for j in cutlass.range_constexpr(cute.size(words) // 4):
+        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
+        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
+                                          words[4 * j + 3]), dsx, peer_rank)
+
+
+@cute.jit
+def send_fenced_for_own_cta(words, unit_addr, dsx, peer_rank, tidx, nbytes):
+    cute.arch.fence_view_async_shared()
+    if tidx == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(dsx, nbytes, peer_cta_rank_in_cluster=peer_rank)
+    for j in cutlass.range_constexpr(cute.size(words) // 4):
+        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
+        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
+                                          words[4 * j + 3]), dsx, peer_rank)
+
+
+@cute.jit
+def send_every_thread_arms(words, unit_addr, dsx, peer_rank, tidx, nbytes):
+    cute.arch.fence_proxy("async.shared", space="cluster")
+    cute.arch.mbarrier_arrive_and_expect_tx(dsx, 128, peer_cta_rank_in_cluster=peer_rank)
+    for j in cutlass.range_constexpr(cute.size(words) // 4):
+        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
+        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
+                                          words[4 * j + 3]), dsx, peer_rank)
+
+
+@cute.jit
+def send_half_the_bytes(words, unit_addr, dsx, peer_rank, tidx, nbytes):
+    cute.arch.fence_proxy("async.shared", space="cluster")
+    if tidx == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(dsx, nbytes, peer_cta_rank_in_cluster=peer_rank)
+    for j in cutlass.range_constexpr(cute.size(words) // 8):
+        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
+        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
+                                          words[4 * j + 3]), dsx, peer_rank)
+
+
+@cute.jit
+def send_arms_own_barrier(words, unit_addr, dsx, peer_rank, tidx, nbytes):
+    cute.arch.fence_proxy("async.shared", space="cluster")
+    if tidx == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(dsx, nbytes)
+    for j in cutlass.range_constexpr(cute.size(words) // 4):
+        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
+        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
+                                          words[4 * j + 3]), dsx, peer_rank)
+
+
+@cute.jit
+def send_never_arms(words, unit_addr, dsx, peer_rank, tidx, nbytes):
+    cute.arch.fence_proxy("async.shared", space="cluster")
+    for j in cutlass.range_constexpr(cute.size(words) // 4):
+        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
+        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
+                                          words[4 * j + 3]), dsx, peer_rank)
+
+
+@cute.jit
+def send_words_out_of_order(words, unit_addr, dsx, peer_rank, tidx, nbytes):
+    cute.arch.fence_proxy("async.shared", space="cluster")
+    if tidx == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(dsx, nbytes, peer_cta_rank_in_cluster=peer_rank)
+    for j in cutlass.range_constexpr(cute.size(words) // 4):
+        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
+        cute.arch.store_async_dsmem(dst, (words[j], words[j + 8], words[j + 16],
+                                          words[j + 24]), dsx, peer_rank)
+
+
+@cute.jit
+def send_with_package_steps(words, unit_addr, dsx, peer_rank, tidx, nbytes):
+    peer.fence_before_peer_store()
+    if tidx == 0:
+        peer.arm_peer(dsx, nbytes, peer_rank)
+    for j in cutlass.range_constexpr(cute.size(words) // 4):
+        peer.store_peer_v4(unit_addr(j), (words[4 * j], words[4 * j + 1], words[4 * j + 2],
+                                          words[4 * j + 3]), dsx, peer_rank)
+
+
+_PLAN = dict(reference=c12.own_dq_plan)
+_SPLIT = dict(reference=c12.split_registers)
+_SEND = dict(reference=c12.send_ds, forbid=c12.FORBID_SEND)
+
+MUTATIONS = [
+    Mutation("12.1", c12.check_own_dq_plan, plan_dq_still_inside_dp, "still lives inside",
+             **_PLAN),
+    Mutation("12.1", c12.check_own_dq_plan, plan_only_for_d64, "640", **_PLAN),
+    Mutation("12.1", c12.check_own_dq_plan, plan_p_with_own_columns, "inside S^T", **_PLAN),
+    Mutation("12.2", c12.check_split_rules, split_mma_warp_raised, "sub-partition 0", **_SPLIT),
+    Mutation("12.2", c12.check_split_rules, split_mma_warp_raised, "same setmaxnreg", **_SPLIT),
+    Mutation("12.2", c12.check_split_rules, split_over_512, "520", **_SPLIT),
+    Mutation("12.2", c12.check_split_rules, split_increase_below_launch, "setmaxnreg.inc to 112",
+             **_SPLIT),
+    Mutation("12.2", c12.check_split_rules, split_forgets_warpgroup3, "warp 12 runs no",
+             **_SPLIT),
+    Mutation("12.2", c12.check_split_registers, split_mma_starved, "spills", slow=True,
+             **_SPLIT),
+    Mutation("12.2", c12.check_split_registers, split_dq_starved, "Register allocation failed",
+             slow=True, **_SPLIT),
+    Mutation("12.3", c12.check_send_rules, send_unfenced, "no proxy fence", **_SEND),
+    Mutation("12.3", c12.check_send_rules, send_fenced_for_own_cta, "space 'cluster'", **_SEND),
+    Mutation("12.3", c12.check_send_rules, send_every_thread_arms, "128 threads armed", **_SEND),
+    Mutation("12.3", c12.check_send_rules, send_every_thread_arms, "pair simulator", **_SEND),
+    Mutation("12.3", c12.check_send_rules, send_half_the_bytes, "Deadlock", **_SEND),
+    Mutation("12.3", c12.check_send_rules, send_arms_own_barrier, "own CTA's barrier", **_SEND),
+    Mutation("12.3", c12.check_send_rules, send_never_arms, "no thread arms", **_SEND),
+    Mutation("12.3", c12.check_send_rules, send_words_out_of_order, "words 4j", **_SEND),
+    Mutation("12.3", c12.check_send_rules, send_with_package_steps, "the package's", **_SEND),
+    Mutation("12.3", c12.check_send_ds, send_unfenced, "no proxy fence", slow=True, **_SEND),
+]
