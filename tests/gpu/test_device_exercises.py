@@ -221,3 +221,34 @@ def test_a_wrong_kv_step_piece_is_wrong_on_gpu(piece, name):
 
     ok, lines = kv.check_pieces_on_gpu(**{piece: getattr(wrong4, name)})
     assert not ok, "\n".join(lines)
+
+
+# --- chapter 11: the pointwise step (11.5) and the deterministic turn (11.6) -------------------
+# Both inside fa4_final's Hopper backward (ch11_ds_step.HopperDsStep, ch11_turns.HopperTurns),
+# pre- and postprocess kernels around them, against float64 autograd on awkward shapes.
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
+def test_ch11_ds_step_reference_inside_the_backward_on_hopper():
+    from solutions import ch11_ds_step as ds
+
+    ok, lines = ds.check_ds_step_on_gpu(ds.ds_step)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("name", ["ds_mask_off_by_one", "ds_delta_outside"])
+def test_ch11_a_wrong_ds_step_is_wrong_on_hopper(name):
+    from solutions import ch11_ds_step as ds
+    from tests.exercise_mutations import ch11 as wrong11
+
+    ok, lines = ds.check_ds_step_on_gpu(getattr(wrong11, name))
+    assert not ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
+def test_ch11_turn_reference_is_bitwise_deterministic_on_hopper():
+    from solutions import ch11_turns as turns
+
+    ok, lines = turns.check_add_in_turn_on_gpu(turns.add_in_turn)
+    assert ok, "\n".join(lines)
