@@ -729,3 +729,45 @@ def check_on_processes(world: int, cases: list, layout_kind: str = "zigzag",
     largest error of each output (float64)."""
     per_rank = launch(ring_case_worker, world, (cases, layout_kind), deadline=deadline)
     return ring_errors(per_rank, cases, world, layout_kind)
+
+
+# ================================================================================================
+# 8. fa4_final inside PyTorch's own context_parallel: through the SDPA registration, if present
+# ================================================================================================
+SDPA_MODULES = ("fa4_final.api", "fa4_final.interface", "fa4_final")
+
+
+def fa4_sdpa_module() -> tuple[str | None, str]:
+    """(the fa4_final module PyTorch's FA4 registration can use, or None; a sentence why).
+
+    ``torch.nn.attention._fa4.register_flash_attention_fa4(module_path)`` swaps SDPA's flash
+    kernels for a module that exposes FA4's private contract, ``_flash_attn_fwd`` and
+    ``_flash_attn_bwd``; context_parallel's ring then calls them for every block."""
+    import importlib
+
+    for path in SDPA_MODULES:
+        try:
+            module = importlib.import_module(path)
+        except ImportError:
+            continue
+        if hasattr(module, "_flash_attn_fwd") and hasattr(module, "_flash_attn_bwd"):
+            return path, f"{path} exposes _flash_attn_fwd and _flash_attn_bwd"
+    return None, ("fa4_final has no SDPA registration yet: none of "
+                  f"{', '.join(SDPA_MODULES)} exposes _flash_attn_fwd and _flash_attn_bwd, the "
+                  "contract torch.nn.attention's FA4 registration needs, so PyTorch's "
+                  "context_parallel cannot call fa4_final's kernels; that comparison is skipped")
+
+
+def activate_fa4_sdpa() -> str:
+    """Register and activate fa4_final as SDPA's flash implementation (GPU only); returns the
+    module path, or raises RuntimeError with fa4_sdpa_module's sentence."""
+    from torch.nn.attention import activate_flash_attention_impl, register_flash_attention_impl
+    from torch.nn.attention._fa4 import register_flash_attention_fa4
+
+    path, why = fa4_sdpa_module()
+    if path is None:
+        raise RuntimeError(why)
+    register_flash_attention_impl("fa4_final",
+                                  register_fn=lambda: register_flash_attention_fa4(path))
+    activate_flash_attention_impl("fa4_final")
+    return path
