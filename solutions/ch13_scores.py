@@ -44,10 +44,10 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32
 
-from fa4_final.fragments import acc_rows_cols
+from fa4_final.common.fragments import acc_rows_cols
+from fa4_final.common.mask import apply_mask, apply_mask_bits, apply_mask_row, fragment_coords
+from fa4_final.common.tiles import TileWindow, kv_tile_range, visible_cols
 from fa4_final.hopper.fwd import HopperForward
-from fa4_final.mask import apply_mask, apply_mask_bits, apply_mask_row, fragment_coords
-from fa4_final.tiles import TileWindow, kv_tile_range, visible_cols
 from utils.host_emulation import patched, python_loops
 
 WGMMA_ROWS = 64  # query rows per consumer warpgroup
@@ -89,10 +89,12 @@ SINK_MASK_FORBID = {
 
 def window_args(causal: bool, window_size, tile_m: int, tile_n: int):
     """(TileWindow, window_left, window_right) as fa4_final hands a call to the kernel: FA4's
-    reading of ``causal`` and ``window_size`` (fa4_final.checks), 0 for an unbounded side."""
-    from fa4_final.checks import _normalise_window
+    reading of ``causal`` and ``window_size`` (utils.window), 0 for an unbounded side; a right
+    side of 0 is the causal mask."""
+    from utils.window import fa4_sides
 
-    causal, left, right = _normalise_window(causal, window_size)
+    left, right = fa4_sides(causal, window_size)
+    causal = causal or right == 0
     w = TileWindow(tile_m, tile_n, causal, has_left=left is not None,
                    has_right=right is not None and not causal)
     return w, (0 if left is None else left), (0 if right is None else right)
@@ -623,7 +625,7 @@ def mask_sass_facts(fn) -> dict:
         "local memory": art.spills > 0 or ops["LDL"] + ops["STL"] > 0 or any(
             k.frame_bytes for k in art.kernels),
         "instructions per element": (sum(ops.values()) - sum(base_ops.values())) / elements,
-        "package's window mask, instructions per element":
+        "package mask per element":
             (sum(yard.values()) - sum(base_ops.values())) / elements,
     }
 
@@ -640,7 +642,7 @@ def _mask_sass_mistake(facts: dict) -> str | None:
     if facts["selects per element"] > 2:
         return (f"compiled for sm_90a, your mask costs {facts['selects per element']:.1f} "
                 f"selects per element: fold the conditions into one predicate per element")
-    limit = facts["package's window mask, instructions per element"] + 1.0
+    limit = facts["package mask per element"] + 1.0
     if facts["instructions per element"] > limit:
         return (f"compiled for sm_90a, your mask costs {facts['instructions per element']:.1f} "
                 f"instructions per element, the package's window mask "
@@ -650,10 +652,13 @@ def _mask_sass_mistake(facts: dict) -> str | None:
     return None
 
 
+_sink_rules = check_sink_mask_rules  # a private name: the workshop guide lists its messages
+
+
 def check_sink_mask(fn, compile_check: bool = True) -> None:
     """Exercise 13.3: ``check_sink_mask_rules`` (every thread, plain Python, against brute
     force), then the mask compiled for sm_90a into a one-tile kernel and its SASS read."""
-    check_sink_mask_rules(fn)
+    _sink_rules(fn)
     if not compile_check:
         return
     mistake = _mask_sass_mistake(mask_sass_facts(fn))
@@ -808,18 +813,22 @@ def _softcap_sass_mistake(facts: dict) -> str | None:
     if facts["divisions (IEEE division calls, MUFU.RCP)"] > n // 4:
         return (f"compiled for sm_90a, your softcap divides per element "
                 f"({facts['divisions (IEEE division calls, MUFU.RCP)']} division calls and "
-                f"reciprocals for {n} elements): a float32 division is a call of some ten "
-                f"instructions; work out scale / c and c / scale once, before the loop")
+                f"reciprocals for {n} elements): a float32 division is a subroutine "
+                f"call of more than a dozen instructions; work out scale / c and c / scale "
+                f"once, before the loop")
     if facts["multiplies per element"] > 3:
         return (f"compiled for sm_90a, your softcap costs {facts['multiplies per element']:.1f} "
                 f"multiplies per element: one into tanh's argument, one out")
     return None
 
 
+_softcap_rules = check_softcap_rules  # a private name: the workshop guide lists its messages
+
+
 def check_softcap(fn, compile_check: bool = True) -> None:
     """Exercise 13.4: ``check_softcap_rules``, then the softcap compiled for sm_90a into a
     one-tile kernel: one MUFU.TANH per element, no division per element."""
-    check_softcap_rules(fn)
+    _softcap_rules(fn)
     if not compile_check:
         return
     mistake = _softcap_sass_mistake(softcap_sass_facts(fn))
@@ -891,25 +900,33 @@ def exercise_config(head_dim: int, causal: bool):
     return replace(hopper_fwd_default(head_dim, causal), **ZIGZAG_ROUNDS, mask_bits=False)
 
 
+def _build(mask_fn, sink, softcap_fn, softcap, head_dim: int, causal: bool, has_right: bool,
+           dtype_name: str = "bf16", keep: bool = False):
+    """(compiled, artifacts or None, config) of HopperWithScores for sm_90a (remembered)."""
+    from fa4_final.compile import compile_kernel
+    from fa4_final.hopper.launch import _fwd_fake_args
+
+    key = ("forward", mask_fn, sink, softcap_fn, softcap, head_dim, causal, has_right,
+           dtype_name, keep)
+    if key not in _BUILDS:
+        cfg = exercise_config(head_dim, causal)
+        scale = head_dim ** -0.5
+        kernel = HopperWithScores(
+            getattr(cutlass, {"bf16": "BFloat16", "fp16": "Float16"}[dtype_name]), head_dim,
+            causal, cfg, has_window_right=has_right, mask_fn=mask_fn, sink=sink,
+            softcap_fn=softcap_fn, softcap=softcap, softmax_scale=scale)
+        with scores_seam(mask_fn, sink, softcap_fn, softcap, scale):
+            compiled, art = compile_kernel(kernel, *_fwd_fake_args(dtype_name, head_dim, cfg),
+                                           arch="sm_90a", keep=keep)
+        _BUILDS[key] = (compiled, art, cfg)
+    return _BUILDS[key]
+
+
 def compile_scores_kernel(mask_fn=None, sink: int = PROBE_SINK, softcap_fn=None,
                           softcap: float = 30.0, head_dim: int = 128, causal: bool = False):
     """fa4_final's forward with the two exercises in it, compiled for sm_90a with fake tensors
     (no GPU): its artifacts (remembered)."""
-    from fa4_final.compile import compile_kernel
-    from fa4_final.constants import CUTLASS_BY_NAME
-    from fa4_final.hopper.launch import _fwd_fake_args
-
-    key = ("forward", mask_fn, sink, softcap_fn, softcap, head_dim, causal)
-    if key not in _BUILDS:
-        cfg = exercise_config(head_dim, causal)
-        kernel = HopperWithScores(
-            CUTLASS_BY_NAME["bf16"], head_dim, causal, cfg, has_window_right=True,
-            mask_fn=mask_fn, sink=sink, softcap_fn=softcap_fn, softcap=softcap,
-            softmax_scale=head_dim ** -0.5)
-        with scores_seam(mask_fn, sink, softcap_fn, softcap, head_dim ** -0.5):
-            _BUILDS[key] = compile_kernel(kernel, *_fwd_fake_args("bf16", head_dim, cfg),
-                                          arch="sm_90a", keep=True)[1]
-    return _BUILDS[key]
+    return _build(mask_fn, sink, softcap_fn, softcap, head_dim, causal, True, keep=True)[1]
 
 
 def scores_reference(q, k, v, causal=False, window_size=None, sink=0, softcap=None,
@@ -943,38 +960,30 @@ def scores_reference(q, k, v, causal=False, window_size=None, sink=0, softcap=No
 
 def attention_with_scores(q, k, v, causal=False, window_size=None, sink=0, mask_fn=None,
                           softcap=None, softcap_fn=None):
-    """fa4_final's forward with the exercises' mask step, on a Hopper GPU: (out, lse)."""
+    """fa4_final's forward with the exercises' mask step, on a Hopper GPU: (out, lse), into
+    NaN-poisoned buffers (an element the kernel forgets stays NaN). Launched directly, with the
+    arguments fa4_final's own launch passes (fixed zigzag rounds: no tile table, no split)."""
     import torch
 
-    from fa4_final.checks import _normalise_window
-    from fa4_final.constants import CUTLASS_BY_NAME
-    from fa4_final.hopper import launch
+    from fa4_final.common.timeline import MARKS, MAX_STEPS
+    from utils.window import fa4_sides
 
-    d = q.shape[-1]
-    scale = d ** -0.5
-    causal, left, right = _normalise_window(causal, window_size)
-    cfg = exercise_config(d, causal)
-
-    def build(dtype_name, head_dim, causal_, has_left, has_right, config, varlen=False,
-              has_seqused_k=False):
-        return HopperWithScores(CUTLASS_BY_NAME[dtype_name], head_dim, causal_, config,
-                   has_window_right=has_right, mask_fn=mask_fn, sink=sink,
-                   softcap_fn=softcap_fn, softcap=softcap, softmax_scale=scale)
-
+    b, _, h, d = q.shape
+    left, right = fa4_sides(causal, window_size)
+    causal = causal or right == 0
+    has_right = right is not None and not causal
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
+    compiled, _, cfg = _build(mask_fn, sink, softcap_fn, softcap, d, causal, has_right,
+                              dtype_name)
     out = torch.full_like(q, float("nan"))
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
-    launch._COMPILED.clear()
-    launch._PLANS.clear()
-    try:
-        with patched(launch, _fwd_kernel=build), \
-                scores_seam(mask_fn, sink, softcap_fn, softcap, scale):
-            launch.forward_into(q, k, v, out, lse, causal, scale,
-                                NO_LEFT if left is None else left,
-                                None if causal else right, cfg)
-            torch.cuda.synchronize()
-    finally:
-        launch._COMPILED.clear()
-        launch._PLANS.clear()
+    lse = torch.full((b, h, q.shape[1]), float("nan"), device=q.device)
+    timeline = torch.zeros((1 + cfg.num_consumer_wgs, MAX_STEPS, MARKS), dtype=torch.int64,
+                           device=q.device)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    compiled(q, k, v, out, lse, timeline, d ** -0.5, NO_LEFT if left is None else left,
+             0 if right is None or causal else right, h * b, sms, None, None, None, None, None,
+             None, None, None)
+    torch.cuda.synchronize()
     return out, lse
 
 

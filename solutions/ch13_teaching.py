@@ -1,5 +1,9 @@
-"""Chapter 13's helpers: the package's refusals shown live, two exercises with their checkers,
-and readers of the stored measurements (the full sweep, varlen, accuracy, memory, training).
+"""Chapter 13's helpers: the package's refusals shown live, the exercises 13.1 (a check of a new
+keyword) and 13.2 (a compile-cache key) with their checkers, and readers of the stored files the
+chapter reads: the compile times, the headline shapes of the sweep, accuracy against float64, the
+training run, the conformance run. The device-code exercises 13.3 and 13.4 live in
+solutions/ch13_scores.py; the lab's readers (the whole sweep, varlen, memory, host cost) in
+labs/package_sweeps_and_host_cost_helpers.py.
 
 Every reader takes a ``utils.results.Results`` (or None, when the file was never measured) and
 derives what it prints from the rows: which implementation is fastest, whether a difference is
@@ -9,8 +13,7 @@ typed, so the text stays true when the files are measured again.
 
 from __future__ import annotations
 
-import math
-from collections import Counter
+import numbers
 
 from utils import bench, plots
 from utils.claims import claim
@@ -18,6 +21,8 @@ from utils.claims import claim
 IMPL = "fa4_final"
 PASSES = ("fwd", "bwd", "fwd+bwd")
 SHAPE = ("pass", "dtype", "b", "s", "h", "d", "causal")
+SWEEP = "package_sweep"  # measure/package_sweep.py --sweep
+HEADLINE_SEQLENS = (4096, 16384)
 
 
 def is_ours(impl: str) -> bool:
@@ -26,7 +31,38 @@ def is_ours(impl: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Refusals
+# Reading the package where its pieces live
+
+
+def api_module():
+    """The module that defines fa4_final's public functions (its docstring is the API's)."""
+    import inspect
+
+    import fa4_final
+
+    return inspect.getmodule(fa4_final.flash_attn_func)
+
+
+def note(title: str, end: str = '"""') -> str:
+    """The text of ``Note [title]`` from fa4_final's sources, up to the first later line that
+    holds ``end``: found by its title wherever the note lives in the package."""
+    from pathlib import Path
+
+    import fa4_final
+
+    root = Path(fa4_final.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip().lstrip("# ") == f"Note [{title}]":
+                stop = next((j for j in range(i + 1, len(lines)) if end in lines[j]),
+                            len(lines))
+                return "\n".join(lines[i:stop])
+    return f"(Note [{title}] not found in fa4_final)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals
 
 
 def refusal(call) -> str:
@@ -41,71 +77,118 @@ def refusal(call) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Exercise 13.1: a check of head dims and head groups
+# Exercise 13.1: the check of a new keyword, sink_tokens
 
 
-def check_heads(q, k) -> tuple[int, int, int]:
-    """(heads, heads_kv, head_dim) of q (..., heads, dim) and k (..., heads_kv, dim), or a
-    ValueError that says what was given and what is accepted."""
-    from fa4_final.config import HEAD_DIMS
-
-    h, d = q.shape[-2:]
-    hk, dk = k.shape[-2:]
-    if dk != d:
-        raise ValueError(f"q has head_dim {d} but k has head_dim {dk}: they must be equal")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {d}")
-    if hk == 0 or h % hk:
-        raise ValueError(f"q's {h} heads must be a multiple of k's {hk} heads (GQA/MQA)")
-    return h, hk, d
-
-
-def _meta(*shape):
-    import torch
-
-    return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+def check_sink_tokens(sink_tokens, window_size=None, causal=False) -> int:
+    """How many leading keys every query row also sees (attention sinks), checked: an int >= 0
+    (a bool is not a count), and more than 0 only with a bounded left side of the window, read
+    as FA4 reads ``window_size`` (None: unbounded; both sides negative: no window at all)."""
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, numbers.Integral):
+        raise TypeError(f"sink_tokens must be an int >= 0, got {sink_tokens!r} "
+                        f"({type(sink_tokens).__name__})")
+    if sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens}")
+    left, right = (None, None) if window_size is None else window_size
+    if left is not None and right is not None and left < 0 and right < 0:
+        left = None  # FA4: two negative sides mean no window
+    if sink_tokens > 0 and left is None:
+        raise ValueError(f"sink_tokens={sink_tokens} keeps keys the window's left side would "
+                         f"drop, but window_size={window_size!r} has no left side: every key "
+                         f"left of the diagonal is visible already. Give window_size=(left, "
+                         f"right) with a left bound, or sink_tokens=0")
+    return int(sink_tokens)
 
 
-def check_check_heads(fn) -> None:
-    """Exercise 13.1: good shapes pass with the right triple; every bad one raises ValueError
-    whose message names the value given and what is accepted."""
-    good = [((2, 64, 8, 128), (2, 64, 8, 128), (8, 8, 128)),
-            ((1, 33, 8, 64), (1, 70, 2, 64), (8, 2, 64)),
-            ((1, 33, 6, 64), (1, 70, 1, 64), (6, 1, 64))]
-    for qs, ks, want in good:
+# (sink_tokens, window_size, causal, what it is) the check must accept, with the count it returns
+_SINKS_ACCEPTED = [
+    (4, (128, 0), False, "4 sinks with a sliding window of 128 keys to the left"),
+    (0, None, False, "no sinks and no window"),
+    (0, (-1, -1), False, "no sinks, window (-1, -1) (no window)"),
+    (3, (-3, 10), False, "3 sinks with window (-3, 10): a negative left side is a bound too"),
+    (2, (0, None), True, "2 sinks, causal, window (0, None)"),
+    (7, (100, None), True, "7 sinks, causal, a left side of 100"),
+]
+# (sink_tokens, window_size, causal, words the message must hold, what is wrong)
+_SINKS_REFUSED = [
+    (True, (64, 0), False, ("True",), "sink_tokens=True (a bool is not a count)"),
+    (2.0, (64, 0), False, ("2.0",), "sink_tokens=2.0 (a float)"),
+    ("4", (64, 0), False, ("'4'",), "sink_tokens='4' (a string)"),
+    (-1, (64, 0), False, ("-1", "0"), "sink_tokens=-1"),
+    (4, None, False, ("4", "left"), "4 sinks with window_size=None (no left side)"),
+    (4, (None, 0), False, ("4", "left"), "4 sinks with window (None, 0): causal, no left side"),
+    (4, (-1, -1), False, ("4", "left"), "4 sinks with window (-1, -1): two negative sides are "
+                                        "no window"),
+    (2, (-5, -1), True, ("2", "left"), "2 sinks with window (-5, -1), causal: still no window"),
+]
+
+
+def check_check_sink(fn) -> None:
+    """Exercise 13.1: counts pass and come back as ints; every bad value is refused with a
+    ValueError or TypeError whose message names the value given and what is accepted."""
+    for sinks, window, causal, what in _SINKS_ACCEPTED:
         try:
-            got = fn(_meta(*qs), _meta(*ks))
-        except ValueError as exc:
-            raise AssertionError(f"q {qs}, k {ks} is a valid input, but you refused it: "
-                                 f"{exc}") from None
-        if tuple(got) != want:
-            raise AssertionError(f"q {qs}, k {ks}: return (heads, heads_kv, head_dim) = {want}, "
-                                 f"got {got}")
-    bad = [((1, 16, 8, 96), (1, 16, 8, 96), ("96", "64", "128"), "an unsupported head_dim"),
-           ((1, 16, 8, 128), (1, 16, 8, 64), ("128", "64"), "q and k with different head dims"),
-           ((1, 16, 8, 64), (1, 16, 3, 64), ("8", "3"), "8 query heads over 3 k/v heads"),
-           ((1, 16, 8, 64), (1, 16, 0, 64), ("0",), "k with no heads")]
-    for qs, ks, named, what in bad:
+            got = fn(sinks, window, causal)
+        except (ValueError, TypeError) as exc:
+            raise AssertionError(f"{what} is a valid call, but you refused it: {exc}") from None
+        if type(got) is not int or got != sinks:
+            raise AssertionError(f"{what}: return the count as an int, {sinks}; got {got!r}")
+    for sinks, window, causal, named, what in _SINKS_REFUSED:
         try:
-            fn(_meta(*qs), _meta(*ks))
-        except ValueError as exc:
+            got = fn(sinks, window, causal)
+        except (ValueError, TypeError) as exc:
             msg = str(exc)
             missing = [n for n in named if n not in msg]
             if missing:
-                raise AssertionError(f"{what}: your message {msg!r} does not name {missing}: say "
-                                     f"what was given and what is accepted") from None
-        except ZeroDivisionError:
-            raise AssertionError(f"{what}: you divided by zero heads; test heads_kv == 0 "
-                                 f"before h % heads_kv") from None
+                raise AssertionError(f"{what}: your message {msg!r} does not name {missing}: "
+                                     f"say what was given and what is accepted") from None
         except Exception as exc:
-            raise AssertionError(f"{what}: raise ValueError, not {type(exc).__name__}, so "
-                                 f"callers can catch bad input") from None
+            raise AssertionError(f"{what}: raise ValueError or TypeError, not "
+                                 f"{type(exc).__name__}, so callers can catch bad input") from None
         else:
-            raise AssertionError(f"{what} (q {qs}, k {ks}) must be refused with a ValueError")
+            raise AssertionError(f"{what} must be refused, but you returned {got!r}")
+    import numpy as np
+
+    try:
+        got = fn(np.int64(5), (64, 64), False)
+    except (ValueError, TypeError) as exc:
+        raise AssertionError(f"numpy's int64(5) is a count too (a numbers.Integral, not an "
+                             f"int): you refused it: {exc}") from None
+    if type(got) is not int or got != 5:
+        raise AssertionError(f"numpy's int64(5) is a count too: return it as the int 5, got "
+                             f"{got!r}")
+
+
+def package_window_reader():
+    """fa4_final's own reader of ``causal`` and ``window_size`` (None if it has moved)."""
+    import importlib
+
+    for module in ("fa4_final.checks", "fa4_final.runtime.checks", "fa4_final.api.checks"):
+        try:
+            found = getattr(importlib.import_module(module), "_normalise_window", None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def _sink_forbid() -> dict:
+    from utils.window import fa4_sides
+
+    why = "read the window's sides yourself: the rule that only two negative sides mean no " \
+          "window is the exercise"
+    forbid = {fa4_sides: why}
+    if package_window_reader() is not None:
+        forbid[package_window_reader()] = why
+    return forbid
+
+
+SINK_CHECK_FORBID = _sink_forbid()
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Exercise 13.2: a compile-cache key
+# Exercise 13.2: a compile-cache key
 
 
 def example_call(**changes) -> dict:
@@ -170,7 +253,30 @@ def check_kernel_key(fn) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. The sweep: TFLOP/s against S, and the ratio to the best peer
+# The compile cache's cost (results/cpu/compile_times.json, measure/compile_times.py)
+
+COMPILE_METRICS = ("cold_first_call_s", "dsl_compile_s", "export_s", "warm_first_call_s",
+                   "disk_load_s", "memory_hit_us", "import_s")
+
+
+def compile_times_table(rows: list[dict]) -> str:
+    """One line per (head dim, dtype, causal): the median of each metric over fresh processes."""
+    head = f"{'case':18s}" + "".join(f"{m:>19s}" for m in COMPILE_METRICS)
+    lines = [head]
+    for case in sorted({(r["d"], r["dtype"], r["causal"]) for r in rows}):
+        got = {r["metric"]: r["value"] for r in rows if (r["d"], r["dtype"], r["causal"]) == case}
+        label = f"D={case[0]} {case[1]}{' causal' if case[2] else ''}"
+        lines.append(f"{label:18s}" + "".join(f"{got[m]:19.4g}" for m in COMPILE_METRICS))
+    return "\n".join(lines)
+
+
+def warm_over_cold(rows: list[dict]) -> dict:
+    """(head dim, causal) -> the warm first call's time as a fraction of the cold one's."""
+    out = {}
+    for d, causal in sorted({(r["d"], r["causal"]) for r in rows}):
+        got = {r["metric"]: r["value"] for r in rows if (r["d"], r["causal"]) == (d, causal)}
+        out[(d, causal)] = got["warm_first_call_s"] / got["cold_first_call_s"]
+    return out
 
 
 def impls_of(res) -> list[str]:
@@ -179,43 +285,8 @@ def impls_of(res) -> list[str]:
     return sorted(names, key=lambda n: not is_ours(n))
 
 
-def sweep_series(res, pass_: str, d: int, causal: bool, impls=None):
-    """(seqlens, {impl: [TFLOP/s or None per seqlen]}) of one panel of the sweep."""
-    rows = [r for r in res.rows if r["pass"] == pass_ and r["d"] == d and r["causal"] == causal]
-    seqlens = sorted({r["s"] for r in rows})
-    series = {}
-    for n in impls or impls_of(res):
-        got = {r["s"]: r.get("tflops") for r in rows if r["impl"] == n}
-        if any(got.values()):
-            series[n] = [got.get(s) for s in seqlens]
-    return seqlens, series
 
-
-def _panels(res, pass_):
-    dims = sorted({r["d"] for r in res.rows if r["pass"] == pass_})
-    return [(d, c) for d in dims for c in (False, True)]
-
-
-def plot_sweep(res, pass_: str):
-    """TFLOP/s against S for one pass: a panel per (head dim, causal), a line per impl."""
-    import matplotlib.pyplot as plt
-
-    panels = _panels(res, pass_)
-    cols = 2
-    rows = max(1, math.ceil(len(panels) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(12, 3.6 * rows), squeeze=False)
-    for ax, (d, causal) in zip(axes.flat, panels):
-        seqlens, series = sweep_series(res, pass_, d, causal)
-        plots.curves(seqlens, series, title=f"{pass_}, D={d}, {'causal' if causal else 'no mask'}",
-                     xlabel="sequence length S", ylabel="TFLOP/s", logx=True, ax=ax)
-        _plain_ticks(ax, seqlens)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    _figure_label(fig, res.label)
-    return fig
-
-
-def _plain_ticks(ax, xs=None, logy=False) -> None:
+def plain_ticks(ax, xs=None, logy=False) -> None:
     """Plain numbers on log axes (no mathtext powers, which need fonts a CPU image may lack)."""
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
@@ -226,12 +297,6 @@ def _plain_ticks(ax, xs=None, logy=False) -> None:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
 
-
-def _figure_label(fig, label: str) -> None:
-    """Lay out the panels, then put the provenance under all of them (one line for the figure,
-    outside the axes, so it does not squeeze them)."""
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.text(0.01, 0.01, label, fontsize=7, color="#555555")
 
 
 def peer_comparisons(res, impl: str = IMPL, pass_: str | None = None) -> list[tuple]:
@@ -247,167 +312,53 @@ def peer_comparisons(res, impl: str = IMPL, pass_: str | None = None) -> list[tu
     return out
 
 
-def plot_vs_best_peer(res, impl: str = IMPL):
-    """``impl``'s TFLOP/s over the fastest peer of each shape, against S: a panel per pass, a
-    line per (head dim, causal), the band of the larger spread shaded around 1."""
-    import matplotlib.pyplot as plt
-
-    passes = [p for p in PASSES if any(r["pass"] == p for r in res.rows)]
-    fig, axes = plt.subplots(1, len(passes), figsize=(4.6 * len(passes), 3.8), squeeze=False,
-                             sharey=True)
-    for ax, pass_ in zip(axes.flat, passes):
-        found = peer_comparisons(res, impl, pass_)
-        for d, causal in _panels(res, pass_):
-            pts = sorted((r["s"], c.ratio) for r, _, c in found
-                         if r["d"] == d and r["causal"] == causal)
-            if pts:
-                ax.plot(*zip(*pts), marker="o" if causal else "s",
-                        ls="-" if causal else "--", label=f"D={d}{' causal' if causal else ''}")
-        noise = sorted((r["s"], c.noise) for r, _, c in found)
-        if noise:
-            s_all = sorted({s for s, _ in noise})
-            band = [max(n for s2, n in noise if s2 == s) for s in s_all]
-            ax.fill_between(s_all, [max(0.0, 1 - b) for b in band], [1 + b for b in band],
-                            color="grey", alpha=0.2, label="largest spread")
-        ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xscale("log", base=2)
-        _plain_ticks(ax, sorted({r["s"] for r, _, _ in found}))
-        ax.set_title(f"{pass_}: {impl} / best peer")
-        ax.set_xlabel("sequence length S")
-        ax.legend(fontsize=7)
-    axes.flat[0].set_ylabel("ratio (> 1: faster than every peer)")
-    _figure_label(fig, res.label)
-    return fig
-
-
-def verdict_summary(res, impl: str = IMPL) -> str:
-    """Per pass: on how many shapes ``impl`` is faster, within noise, slower than the best
-    peer, the geometric mean of the ratios, and the best and worst shape."""
-    lines = []
-    for pass_ in PASSES:
-        found = peer_comparisons(res, impl, pass_)
-        if not found:
-            continue
-        counts = Counter(c.verdict for _, _, c in found)
-        gm = bench.geomean([c.ratio for _, _, c in found])
-        lo = min(found, key=lambda f: f[2].ratio)
-        hi = max(found, key=lambda f: f[2].ratio)
-        lines.append(
-            f"{pass_:8s} {len(found)} shapes: faster on {counts['faster']}, within noise on "
-            f"{counts['within noise']}, slower on {counts['slower']}; geometric mean "
-            f"{gm:.2f}x the best peer; lowest {_shape(lo[0])} {lo[2]} vs {lo[1]['impl']}, "
-            f"highest {_shape(hi[0])} {hi[2]} vs {hi[1]['impl']}")
-    return "\n".join(lines) or f"no timed {impl} rows with a peer"
-
-
-def _shape(row) -> str:
-    return f"D={row['d']} S={row['s']}{' causal' if row['causal'] else ''}"
-
-
-def fastest_counts(res, pass_: str) -> str:
-    """How often each implementation is the fastest of all at a shape of ``pass_``."""
-    groups = {}
-    for r in res.rows:
-        if r["pass"] == pass_ and r.get("tflops"):
-            groups.setdefault(tuple(r.get(k) for k in SHAPE), []).append(r)
-    wins = Counter(bench.fastest(g)["impl"] for g in groups.values())
-    return f"{pass_}: fastest at " + ", ".join(f"{n} {c}" for n, c in wins.most_common()) + \
-        f" of {len(groups)} shapes"
-
-
 # ---------------------------------------------------------------------------------------------
-# 5. Headline comparisons (fa4_final_fwd, ch11_bwd)
+# Where the package stands: the sweep's headline shapes (measure/package_sweep.py --sweep)
 
 
-def headline_lines(res, impl: str = IMPL) -> str:
-    """Each shape of ``impl``: its TFLOP/s and spread, the best peer's, the ratio and verdict."""
+def headline_rows(res, seqlens=HEADLINE_SEQLENS) -> list[tuple]:
+    """(row, best peer row, Comparison) of fa4_final at the headline lengths, every pass."""
+    return sorted((f for f in peer_comparisons(res) if f[0]["s"] in seqlens),
+                  key=lambda f: (PASSES.index(f[0]["pass"]), f[0]["d"], f[0]["s"],
+                                 f[0]["causal"]))
+
+
+def headline_lines(res, seqlens=HEADLINE_SEQLENS) -> str:
+    """Each headline shape of fa4_final: its TFLOP/s and spread, the best peer's, the ratio and
+    the verdict (within noise when the ratio is inside the larger spread)."""
     if res is None:
         return "not measured yet"
     lines = [f"[{res.name}] {res.label}",
-             f"{'pass':5s} {'D':>4s} {'S':>6s} {'causal':>6s} {impl + ' TFLOP/s':>18s} "
+             f"{'pass':8s} {'D':>4s} {'S':>6s} {'causal':>6s} {IMPL + ' TFLOP/s':>18s} "
              f"{'best peer':>22s}  ratio (verdict; larger spread)"]
-    for row, peer, cmp in sorted(peer_comparisons(res, impl),
-                                 key=lambda f: (f[0]["pass"], f[0]["d"], f[0]["s"],
-                                                f[0]["causal"])):
+    for row, peer, cmp in headline_rows(res, seqlens):
         spread = bench.row_spread(row) or 0.0
-        lines.append(f"{row['pass']:5s} {row['d']:>4d} {row['s']:>6d} {row['causal']!s:>6s} "
+        lines.append(f"{row['pass']:8s} {row['d']:>4d} {row['s']:>6d} {row['causal']!s:>6s} "
                      f"{row['tflops']:>10.0f} ±{spread:5.1%} "
                      f"{peer['impl']:>16s} {peer['tflops']:>5.0f}  {cmp}")
-    lines.append(bench.spread_note([r for r in res.rows if r["impl"] == impl]))
+    return "\n".join(lines)
+
+
+def headline_verdicts(res, seqlens=HEADLINE_SEQLENS) -> str:
+    """Per pass: at how many headline shapes fa4_final is faster, within noise or slower than
+    the best peer, and the geometric mean of the ratios."""
+    from collections import Counter
+
+    lines = []
+    for pass_ in PASSES:
+        found = [f for f in headline_rows(res, seqlens) if f[0]["pass"] == pass_]
+        if not found:
+            continue
+        n = Counter(c.verdict for _, _, c in found)
+        gm = bench.geomean([c.ratio for _, _, c in found])
+        lines.append(f"{pass_:8s} {len(found)} shapes: faster at {n['faster']}, within noise "
+                     f"at {n['within noise']}, slower at {n['slower']}; geometric mean "
+                     f"{gm:.2f}x the best peer")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. Varlen, accuracy, memory (files that may not be measured yet)
-
-_PER_RUN = {"impl", "ms", "tflops", "ms_min", "ms_rounds", "spread", "rounds", "reps",
-            "sm_clock_mhz", "sm_clock_mhz_rounds", "power_w", "power_w_rounds", "clock_reasons",
-            "sensors", "tflops_rounds", "best_peer", "best_peer_tflops", "vs_best_peer",
-            "best_peer_spread", "error", "tflops_min", "tflops_max"}
-
-
-def _case_keys(rows) -> list[str]:
-    """The fields that describe a case (not a measurement), in the rows' order."""
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    return [k for k in keys if k not in _PER_RUN and not isinstance(rows[0].get(k), (list, dict))]
-
-
-def _fmt(v) -> str:
-    return "-" if v is None else str(v)
-
-
-VARLEN_CASE = ("dtype", "b", "h", "d", "causal", "pass")
-VARLEN_OURS = "fa4_final_varlen"  # the kernel over the packed batch, as FA4's call (no host sync)
-
-
-def varlen_table(res) -> str:
-    """One line per case of the varlen file (solutions.ch12_varlen_bench): the pass (forward,
-    backward, both; a file from before the backward rows has forward rows only), the batch's
-    lengths, each implementation's TFLOP/s, and the varlen kernel over the fastest peer with the
-    verdict of utils.bench.compare. The other fa4_final rows (the API's checked call, the
-    per-sequence loop) are shown beside it, not compared as peers."""
-    if res is None:
-        return "not measured yet"
-    groups = {}
-    for r in res.rows:
-        groups.setdefault(tuple(r.get(k) for k in VARLEN_CASE), []).append(r)
-    names = impls_of(res)
-    lines = [f"[{res.name}] {res.label}",
-             f"{'case':50s}" + "".join(f"{n:>26s}" for n in names) + "  varlen kernel vs peer"]
-    for case, rows in groups.items():
-        by = {r["impl"]: r for r in rows}
-        first = rows[0]
-        label = (f"{case[5] or 'fwd'} {case[1]} seqs, mean {first.get('s')} max "
-                 f"{first.get('s_max')}, d={case[3]}{' causal' if case[4] else ''}")
-        cells = "".join(f"{by[n]['tflops']:>26.0f}" if by.get(n, {}).get("tflops") else
-                        f"{'error' if by.get(n, {}).get('error') else '-':>26s}" for n in names)
-        ours = by.get(VARLEN_OURS) if by.get(VARLEN_OURS, {}).get("tflops") else None
-        peer = bench.fastest([r for r in rows if not is_ours(r["impl"])])
-        cmp = bench.compare(ours, peer) if ours and peer else None
-        verdict = f"  {cmp} vs {peer['impl']}" if cmp else "  -"
-        lines.append(f"{label:50s}{cells}{verdict}")
-    return "\n".join(lines)
-
-
-VARLEN_ZIGZAG = "fa4_final_varlen_zigzag"  # the same kernel in its old fixed rounds (fwd only)
-
-
-def varlen_schedule_lines(res) -> str:
-    """Per forward case of the varlen file: the kernel taking its tiles at run time over the
-    same kernel in fixed zigzag rounds (the same run), with the verdict of utils.bench.compare.
-    Files from before the zigzag rows have none to show."""
-    if res is None:
-        return "not measured yet"
-    lines = []
-    for causal in (False, True):
-        by = {r["impl"]: r for r in res.rows
-              if r.get("pass", "fwd") == "fwd" and bool(r.get("causal")) == causal}
-        cmp = bench.compare(by[VARLEN_OURS], by[VARLEN_ZIGZAG]) if (
-            VARLEN_OURS in by and VARLEN_ZIGZAG in by) else None
-        if cmp:
-            lines.append(f"fwd{' causal' if causal else ''}: tiles taken at run time "
-                         f"{cmp} against fixed zigzag rounds")
-    return "\n".join(lines) or "no zigzag rows in this file"
+# Accuracy against float64 (measure/package_sweep.py --accuracy)
 
 
 ACCURACY_CASE = ("dtype", "b", "sq", "sk", "h", "h_kv", "d", "causal")
@@ -468,32 +419,8 @@ def accuracy_summary(res, impl: str = IMPL) -> str:
     return "\n".join(lines) or f"no {impl} rows with a peer to compare"
 
 
-def memory_table(res) -> str:
-    """Peak memory of one forward + backward beyond the inputs and their gradients, in MiB and
-    as a multiple of those inputs and gradients."""
-    if res is None:
-        return "not measured yet"
-    names = impls_of(res)
-    lines = [f"[{res.name}] {res.label}",
-             f"{'S':>6s} {'D':>4s} {'causal':>6s} {'q,k,v + grads MiB':>18s}"
-             + "".join(f"{n:>22s}" for n in names)]
-    for s, d, causal in sorted({(r["s"], r["d"], r["causal"]) for r in res.rows}):
-        rows = {r["impl"]: r for r in res.rows
-                if (r["s"], r["d"], r["causal"]) == (s, d, causal)}
-        floor = next(iter(rows.values()))["inputs_and_grads_bytes"]
-        cells = []
-        for n in names:
-            r = rows.get(n, {})
-            v = r.get("value")
-            cells.append(f"{v / 2**20:>10.0f} ({v / floor:5.2f}x)".rjust(22) if v is not None
-                         else ("error" if r.get("error") else "-").rjust(22))
-        lines.append(f"{s:>6d} {d:>4d} {causal!s:>6s} {floor / 2**20:>18.0f}" + "".join(cells))
-    lines.append("each cell: extra MiB (as a multiple of the inputs and gradients)")
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------------------------
-# 7. The training comparison (results/h200/fa4_final_training.json, solutions/ch12_training.py)
+# The training run (results/h200/fa4_final_training.json, measure/package_training.py)
 
 
 def training_losses(res) -> dict[str, list[float]]:
@@ -505,7 +432,7 @@ def plot_training(res, window: int | None = None):
     per implementation, log scale."""
     import matplotlib.pyplot as plt
 
-    from solutions.ch12_training import smooth
+    from solutions.ch13_training import smooth
 
     losses = training_losses(res)
     window = window or next(r["window"] for r in res.rows if r.get("window"))
@@ -514,7 +441,7 @@ def plot_training(res, window: int | None = None):
         xs = [i * window + window / 2 for i in range(len(smooth(ls, window)))]
         ax.plot(xs, smooth(ls, window), marker="o", ms=3, label=impl, color=plots.color_for(impl))
     ax.set_yscale("log")
-    _plain_ticks(ax, logy=True)
+    plain_ticks(ax, logy=True)
     ax.set_xlabel("training step")
     ax.set_ylabel(f"loss (nats), mean over {window} steps")
     ax.set_title("a small GPT learning to reverse a sequence")
@@ -539,94 +466,6 @@ def training_summary(res, impl: str = IMPL, baseline: str = "sdpa_flash") -> str
     for n, ms in steps.items():
         rel = f", {base / ms:.2f}x the speed of {baseline}" if base and n != baseline else ""
         lines.append(f"{n:16s} {ms:6.2f} ms per training step{rel}")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# the host's cost per call (solutions/ch12_host.py)
-
-
-def _us(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
-def _host_shape(r) -> str:
-    return f"{r['pass']} b={r['b']} S={r['s']} D={r['d']}{' causal' if r['causal'] else ''}"
-
-
-def _host_value(res, variant: str, metric: str, impl: str = IMPL):
-    row = next((r for r in res.rows if r.get("variant") == variant and r["metric"] == metric
-                and r["impl"] == impl), None)
-    return None if row is None else row["value"]
-
-
-def host_table(res) -> str:
-    """Host microseconds per call of each stored variant (``--profile``, kernels as no-ops),
-    the checks and launches per call, and the floor: a Python autograd op that only allocates."""
-    if res is None:
-        return "not measured yet"
-    variants = list(dict.fromkeys(r["variant"] for r in res.rows))
-    lines = [res.label, "setup: " + res.rows[0]["setup"], "",
-             f"{'':22s} {'fwd us':>8s} {'fwd+bwd us':>11s} {'checks/call':>12s} "
-             f"{'launches/call':>14s}"]
-    for v in variants:
-        fwd, both = _host_value(res, v, "host_us fwd"), _host_value(res, v, "host_us fwd+bwd")
-        checks = _host_value(res, v, "check_inputs per call fwd+bwd")
-        launches = _host_value(res, v, "kernel launches per call fwd+bwd")
-        commit = next(r["fa4_final_commit"] for r in res.rows if r["variant"] == v)
-        lines.append(f"{IMPL + ' ' + v:22s} {fwd:8.1f} {both:11.1f} {checks:12g} "
-                     f"{launches:14g}   (fa4_final of {str(commit)[:10]})")
-    floor = _host_value(res, variants[-1], "host_us fwd+bwd", impl="floor")
-    if floor is not None:
-        lines.append(f"{'floor (a bare Function)':22s} {'':8s} {floor:11.1f}")
-    if len(variants) >= 2:
-        a, b = variants[0], variants[-1]
-        for metric in ("host_us fwd", "host_us fwd+bwd"):
-            ratio = _host_value(res, a, metric) / _host_value(res, b, metric)
-            lines.append(f"{metric.split()[1]}: {ratio:.1f}x less host time per call ({b} vs "
-                         f"{a})")
-    return "\n".join(lines)
-
-
-def host_parts(res, pass_: str = "fwd+bwd") -> str:
-    """Where a call's host time goes, per variant side by side (cProfile shares, scaled)."""
-    if res is None:
-        return "not measured yet"
-    variants = list(dict.fromkeys(r["variant"] for r in res.rows))
-    parts = {}
-    for r in res.rows:
-        if r["metric"] == f"host_us {pass_} by part":
-            parts.setdefault(r["part"], {})[r["variant"]] = r["value"]
-    head = f"{'host us per ' + pass_ + ' call, by part':66s}" + "".join(f"{v:>9s}"
-                                                                      for v in variants)
-    lines = [head]
-    for part, by in sorted(parts.items(), key=lambda kv: -max(kv[1].values())):
-        lines.append(f"{part:66s}" + "".join(f"{_us(by.get(v)):>9s}" for v in variants))
-    return "\n".join(lines)
-
-
-def host_gpu_table(res, impls=("fa4_final", "fa4_final_op", "sdpa_flash", "sdpa_cudnn",
-                               "fa4_package")) -> str:
-    """``--gpu``: host, wall and kernel microseconds per call of each implementation, per shape;
-    ``host-bound`` where issuing the call took longer than its kernels ran."""
-    if res is None:
-        return "not measured yet"
-    rows = [r for r in res.rows if r.get("pass") and r.get("wall_us") is not None
-            and r["impl"] in impls]
-    lines = [res.label, f"{'shape':36s} {'impl':13s} {'host us':>8s} {'wall us':>8s} "
-                        f"{'kernels us':>10s}"]
-    shapes = list(dict.fromkeys((r["pass"], r["b"], r["s"], r["h"], r["d"], r["causal"])
-                                for r in rows))
-    for shape in shapes:
-        for r in rows:
-            if (r["pass"], r["b"], r["s"], r["h"], r["d"], r["causal"]) != shape:
-                continue
-            bound = "  host-bound" if r.get("host_bound") else ""
-            lines.append(f"{_host_shape(r):36s} {r['impl']:13s} {r['host_us']:8.1f} "
-                         f"{r['wall_us']:8.1f} {_us(r.get('kernel_us')):>10s}{bound}")
-    for r in res.rows:
-        if r.get("metric") in ("tvm_ffi_launch_us", "torch_empty_us"):
-            lines.append(f"{r['metric']}: {r['value']:.1f} us per call ({r['note']})")
     return "\n".join(lines)
 
 
@@ -720,3 +559,110 @@ def _(res):
     ok = ours_ok and layouts <= {"varlen_used"} and tensors <= {"dk", "dv"}
     return ok, (f"FA4 fails {len(theirs)} cases, layouts {sorted(layouts)}, tensors "
                 f"{sorted(tensors)}; fa4_final passes all {len(res.rows)}: {ours_ok}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers the chapter's predictions are revealed against
+
+
+def headline_ratio(res, pass_: str = "fwd+bwd", d: int = 128, s: int = 16384,
+                   causal: bool = False) -> float:
+    """fa4_final's TFLOP/s over the best peer's at one shape of the sweep."""
+    row, peer, _ = next(f for f in headline_rows(res, (s,)) if f[0]["pass"] == pass_
+                        and f[0]["d"] == d and f[0]["causal"] == causal)
+    return row["tflops"] / peer["tflops"]
+
+
+def accuracy_ratios(res, impl: str = IMPL) -> list[float]:
+    """fa4_final's error over the most accurate peer's, per (case, tensor) with a peer."""
+    out = []
+    for r in res.rows:
+        if r["impl"] != impl or r.get("value") is None:
+            continue
+        case = tuple(r.get(k) for k in ACCURACY_CASE)
+        peers = [p["value"] for p in res.rows if not is_ours(p["impl"])
+                 and p.get("tensor") == r["tensor"] and p.get("value") is not None
+                 and tuple(p.get(k) for k in ACCURACY_CASE) == case]
+        if peers and min(peers) > 0:
+            out.append(r["value"] / min(peers))
+    return out
+
+
+def training_gap(res) -> dict:
+    return next(r for r in res.rows if r.get("metric") == "max_loss_gap_vs_sdpa_flash")
+
+
+def plot_sink_mask(sq: int = 48, sk: int = 48, window_size=(12, 0), sink: int = 4):
+    """Which keys each query row sees: the window alone, and the window with sinks."""
+    import matplotlib.pyplot as plt
+
+    from solutions.ch13_scores import sink_visible
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.2), sharey=True)
+    for ax, n, title in ((axes[0], 0, f"window_size={window_size}"),
+                         (axes[1], sink, f"window_size={window_size}, {sink} sink tokens")):
+        ax.imshow(sink_visible(sq, sk, False, window_size, n), cmap="Greys", vmin=0, vmax=1.6,
+                  interpolation="nearest")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("key j")
+    axes[0].set_ylabel("query row i")
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Claims the chapter's prose makes (tests/test_claims.py checks them on the stored files)
+
+
+@claim("13.headline_nine_tenths", SWEEP,
+       "at every headline shape (D 64 and 128, S 4096 and 16384, causal or not) of every pass, "
+       "fa4_final reaches at least nine tenths of the best peer's TFLOP/s")
+def _(res):
+    found = headline_rows(res)
+    worst = min(found, key=lambda f: f[2].ratio)
+    return (len(found) == 24 and worst[2].ratio >= 0.9,
+            f"{len(found)} shapes; lowest {worst[2].ratio:.2f} ({worst[0]['pass']} "
+            f"D={worst[0]['d']} S={worst[0]['s']} causal={worst[0]['causal']})")
+
+
+@claim("13.headline_best_peer_is_fa4", SWEEP,
+       "at every headline shape of every pass, the fastest peer is the FA4 package")
+def _(res):
+    peers = {f[1]["impl"] for f in headline_rows(res)}
+    return peers == {"fa4_package"}, f"fastest peers at the headline shapes: {sorted(peers)}"
+
+
+@claim("13.fwd_bwd_mostly_within_noise", SWEEP,
+       "for forward + backward, fa4_final and the best peer are within noise at more than half "
+       "of the headline shapes")
+def _(res):
+    found = [f for f in headline_rows(res) if f[0]["pass"] == "fwd+bwd"]
+    n = sum(1 for _, _, c in found if c.verdict == "within noise")
+    return n > len(found) / 2, f"within noise at {n} of {len(found)} fwd+bwd shapes"
+
+
+@claim("13.accuracy_like_peers", "package_accuracy",
+       "fa4_final's largest error against float64 is at most 1.5 times the most accurate "
+       "peer's for every case and tensor (out, dq, dk, dv), and every value is finite")
+def _(res):
+    ratios = accuracy_ratios(res)
+    finite = all(r.get("finite", True) for r in res.rows if r["impl"] == IMPL)
+    return (bool(ratios) and max(ratios) <= 1.5 and finite,
+            f"{len(ratios)} comparisons, largest ratio {max(ratios):.2f}, all finite {finite}")
+
+
+@claim("13.training_within_band", "fa4_final_training",
+       "the smoothed loss curves of fa4_final and SDPA's flash kernel stay within the band set "
+       "by the drift between SDPA's two kernels (Note [How close two loss curves must be])")
+def _(res):
+    gap = training_gap(res)
+    return bool(gap["ok"]), f"gap {gap['value']:.2e} nats, allowed {gap['allowed']:.2e}"
+
+
+@claim("13.training_steps_close", "fa4_final_training",
+       "the median training-step times of fa4_final and the SDPA kernels lie within a tenth of "
+       "each other")
+def _(res):
+    steps = {r["impl"]: r["value"] for r in res.rows if r.get("metric") == "step_ms"}
+    spread = max(steps.values()) / min(steps.values())
+    return spread <= 1.1, f"step times {steps}: largest over smallest {spread:.3f}"

@@ -1,6 +1,6 @@
-"""Chapter 13's helpers: the exercise checkers pass the solutions and name the usual mistakes;
-the readers of the stored files work on rows of the shapes ch12_sweep.py and ch12_varlen_bench.py
-write, and say "not measured yet" for a file that is absent."""
+"""Chapter 13's helpers (solutions/ch13_teaching.py): the checkers of exercises 13.1 and 13.2 pass
+the solutions and name the usual mistakes; the readers of the stored files work on rows of the
+shapes measure/package_sweep.py writes, and say "not measured yet" for a file that is absent."""
 
 from pathlib import Path
 
@@ -39,42 +39,41 @@ def sweep():
                              timed("sdpa_flash", pass_, d, s, causal, base * 0.7),
                              timed("sdpa_cudnn", pass_, d, s, causal, base),
                              timed("fa4_package", pass_, d, s, causal, base * 1.003)]
-    return fake("ch12_sweep", rows)
+    return fake("package_sweep", rows)
 
 
 # ----------------------------------------------------------------------------------------------
 # exercises
 
 
-def test_check_heads_solution_passes_and_mistakes_are_named():
-    t13.check_check_heads(t13.check_heads)
+def test_check_sink_solution_passes_and_mistakes_are_named():
+    import numpy as np
 
-    def no_gqa(q, k):
-        h, d = q.shape[-2:]
-        if d not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128, got {d}")
-        return h, k.shape[-2], d
+    t13.check_check_sink(t13.check_sink_tokens)
+    assert t13.check_sink_tokens(np.int64(3), (10, 0)) == 3
+    for bad in (True, 2.0, -1):
+        with pytest.raises((TypeError, ValueError)):
+            t13.check_sink_tokens(bad, (64, 0))
+    with pytest.raises(ValueError, match="left"):
+        t13.check_sink_tokens(4, (-2, -1))
+    assert t13.check_sink_tokens(4, (-2, 5)) == 4  # a negative left side is a bound
 
-    with pytest.raises(AssertionError, match="must be refused"):
-        t13.check_check_heads(no_gqa)
 
-    def vague(q, k):
-        try:
-            return t13.check_heads(q, k)
-        except ValueError:
-            raise ValueError("bad input") from None
+_normalise_window = t13.package_window_reader()
 
-    with pytest.raises(AssertionError, match="does not name"):
-        t13.check_check_heads(vague)
 
-    def modulo_first(q, k):
-        h, hk = q.shape[-2], k.shape[-2]
-        if h % hk:
-            raise ValueError(f"{h} heads over {hk}")
-        return t13.check_heads(q, k)
+def test_sink_check_refuses_the_package_window_reader():
+    from utils.exercises import judge
 
-    with pytest.raises(AssertionError, match="divided by zero"):
-        t13.check_check_heads(modulo_first)
+    def via_package(sink_tokens, window_size=None, causal=False):
+        _, left, _ = _normalise_window(causal, window_size)
+        if sink_tokens and left is None:
+            raise ValueError(f"sink_tokens={sink_tokens} needs a left side")
+        return int(sink_tokens)
+
+    said = judge(t13.check_check_sink, via_package, t13.check_sink_tokens,
+                 t13.SINK_CHECK_FORBID)
+    assert said is not None and "_normalise_window" in said
 
 
 def test_kernel_key_solution_passes_and_mistakes_are_named():
@@ -102,79 +101,36 @@ def test_refusal_reports_the_error_or_acceptance():
 
 
 # ----------------------------------------------------------------------------------------------
-# the sweep
+# the chapter's readers
 
 
-def test_sweep_series_and_plots():
+def test_headline_lines_and_verdicts_follow_the_data():
     res = sweep()
-    seqlens, series = t13.sweep_series(res, "bwd", 128, True)
-    assert seqlens == [512, 4096, 32768]
-    assert list(series) == ["fa4_final", "sdpa_flash", "sdpa_cudnn", "fa4_package"]
-    assert all(len(v) == 3 for v in series.values())
-    fig = t13.plot_sweep(res, "fwd")
-    assert len([a for a in fig.axes if a.get_visible()]) == 4
-    fig = t13.plot_vs_best_peer(res)
-    assert len(fig.axes) == 3
-
-
-def test_verdicts_follow_the_data():
-    res = sweep()
-    text = t13.verdict_summary(res)
-    # D=64 is 1.1x cuDNN/fa4_package (the best peer, 1.003x cudnn): faster; D=128 0.9x: slower.
-    assert "fwd      12 shapes: faster on 6, within noise on 0, slower on 6" in text
-    assert text.count("shapes") == 3
-    assert "fastest at fa4_final 6, fa4_package 6 of 12 shapes" in t13.fastest_counts(res, "fwd")
-    lines = t13.headline_lines(res).splitlines()
-    assert lines[0].startswith("[ch12_sweep] measured on NVIDIA H200")
+    text = t13.headline_lines(res)
+    lines = text.splitlines()
+    assert lines[0].startswith("[package_sweep] measured on NVIDIA H200")
+    assert all(" 512 " not in ln and " 32768 " not in ln for ln in lines[2:])
+    assert len(lines) == 2 + 3 * 2 * 2 * 1  # passes x dims x causal x the one headline S here
     assert any("faster" in ln for ln in lines) and any("slower" in ln for ln in lines)
-
-
-def test_within_noise_is_not_called_a_difference():
-    res = fake("x", [timed("fa4_final", "fwd", 128, 4096, False, 500, 0.03),
-                     timed("sdpa_cudnn", "fwd", 128, 4096, False, 510, 0.03)])
-    assert "within noise on 1" in t13.verdict_summary(res)
-
-
-def test_headline_files_read():
-    for name in ("fa4_final_fwd", "ch11_bwd"):
-        text = t13.headline_lines(load(name))
-        assert "best peer" in text and "x (" in text
+    verdicts = t13.headline_verdicts(res)
+    assert verdicts.count("shapes") == 3 and "faster at 2, within noise at 0, slower at 2" in \
+        verdicts
+    assert t13.headline_ratio(res, "fwd", 64, 4096, False) == pytest.approx(1.1 / 1.003)
     assert t13.headline_lines(None) == "not measured yet"
 
 
-# ----------------------------------------------------------------------------------------------
-# varlen, accuracy, memory, training
+def test_stored_headline_sweep_reads():
+    res = load(t13.SWEEP)
+    assert "best peer" in t13.headline_lines(res)
+    assert 0.5 < t13.headline_ratio(res) < 2
 
 
-def test_varlen_table_pivots_cases():
-    extra = {"s_max": 8000, "total_tokens": 65536, "b": 32}
-    rows = [{**timed(n, "fwd", 128, 2048, False, t), **extra}
-            for n, t in (("fa4_final_varlen", 400), ("fa4_final_loop", 350),
-                         ("fa4_package", 450))]
-    text = t13.varlen_table(fake("ch12_varlen", rows))
-    assert "32 seqs, mean 2048 max 8000" in text and "slower" in text
-    assert "vs fa4_package" in text and "fa4_final_loop" in text
-    # the backward's rows make cases of their own, next to the forward's
-    bwd = [{**timed(n, p, 128, 2048, False, t), **extra}
-           for p in ("bwd", "fwd+bwd")
-           for n, t in (("fa4_final_varlen", 300), ("fa4_package", 250))]
-    text = t13.varlen_table(fake("ch12_varlen", rows + bwd))
-    lines = text.splitlines()
-    assert [line.split()[0] for line in lines[2:]] == ["fwd", "bwd", "fwd+bwd"]
-    assert "faster" in lines[3] and "vs fa4_package" in lines[4]
-    assert t13.varlen_table(None) == "not measured yet"
-
-
-def test_varlen_schedule_lines_compare_with_the_zigzag_rounds():
-    rows = [timed(n, "fwd", 128, 2048, c, t)
-            for c in (False, True)
-            for n, t in (("fa4_final_varlen", 500), ("fa4_final_varlen_zigzag", 400))]
-    text = t13.varlen_schedule_lines(fake("ch12_varlen", rows))
-    lines = text.splitlines()
-    assert len(lines) == 2 and lines[1].startswith("fwd causal")
-    assert all("1.25x" in line and "faster" in line for line in lines)
-    assert "no zigzag rows" in t13.varlen_schedule_lines(fake("ch12_varlen", rows[:1]))
-    assert t13.varlen_schedule_lines(None) == "not measured yet"
+def test_compile_times_table_and_fractions():
+    stored = load("compile_times", gpu="cpu")
+    table = t13.compile_times_table(stored.rows)
+    assert table.splitlines()[0].startswith("case") and "D=128 bf16" in table
+    fractions = t13.warm_over_cold(stored.rows)
+    assert (128, False) in fractions and all(0 < f < 1 for f in fractions.values())
 
 
 def test_accuracy_table_and_summary():
@@ -186,7 +142,7 @@ def test_accuracy_table_and_summary():
                   "unit": "", "rel_err": err, "finite": True} for t in t13.TENSORS]
     rows.append({**case, "causal": True, "sq": 333, "impl": "sdpa_flash", "metric": "max_abs_err",
                  "value": None, "unit": "", "error": "not compared: top-left mask"})
-    res = fake("ch12_accuracy", rows)
+    res = fake("package_accuracy", rows)
     table = t13.accuracy_table(res)
     assert "not compared" in table and "2.00e-03" in table
     assert "out: fa4_final's error is at most 2.00x the most accurate peer's" in \
@@ -194,14 +150,7 @@ def test_accuracy_table_and_summary():
     assert t13.accuracy_table(None) == "not measured yet"
 
 
-def test_memory_table():
-    rows = [{"impl": n, "dtype": "bf16", "b": 1, "s": 16384, "h": 16, "d": 128, "causal": True,
-             "inputs_and_grads_bytes": 2**30, "metric": "peak_extra_bytes", "value": v,
-             "unit": "bytes"} for n, v in (("fa4_final", 2**28), ("sdpa_flash", 2**29))]
-    rows.append({**rows[0], "impl": "fa4_package", "value": None, "error": "ImportError: x"})
-    text = t13.memory_table(fake("ch12_memory", rows))
-    assert "256 ( 0.25x)" in text and "error" in text
-    assert t13.memory_table(None) == "not measured yet"
+    assert max(t13.accuracy_ratios(res)) == pytest.approx(2.0)
 
 
 def test_training_summary_and_plot():
@@ -210,25 +159,9 @@ def test_training_summary_and_plot():
     assert "within the band" in text and "ms per training step" in text
     assert set(t13.training_losses(res)) >= {"fa4_final", "sdpa_flash"}
     t13.plot_training(res)
+    assert t13.training_gap(res)["ok"]
 
 
-def test_host_tables():
-    stored = load("ch12_host", gpu="cpu")
-    text = t13.host_table(stored)
-    assert "fa4_final before" in text and "fa4_final after" in text and "floor" in text
-    assert "less host time per call (after vs before)" in text
-    parts = t13.host_parts(stored)
-    assert "checks (fa4_final.checks)" in parts and "before" in parts.splitlines()[0]
-    shape = {"pass": "fwd+bwd", "dtype": "bf16", "b": 32, "s": 512, "h": 16, "d": 128,
-             "causal": False, "ms": 0.5, "tflops": 100.0}
-    rows = [{**shape, "impl": "fa4_final", "host_us": 120.0, "wall_us": 500.0,
-             "kernel_us": 380.0, "host_bound": False},
-            {**shape, "impl": "fa4_final_op", "host_us": 600.0, "wall_us": 640.0,
-             "kernel_us": 380.0, "host_bound": True},
-            {"impl": "fa4_final", "metric": "tvm_ffi_launch_us", "value": 6.5, "unit": "us",
-             "note": "host time per call, arguments prepared once"}]
-    table = t13.host_gpu_table(fake("ch12_host", rows))
-    assert "fwd+bwd b=32 S=512 D=128" in table and table.count("host-bound") == 1
-    assert "tvm_ffi_launch_us: 6.5 us" in table
-    for fn in (t13.host_table, t13.host_parts, t13.host_gpu_table):
-        assert fn(None) == "not measured yet"
+def test_sink_mask_picture():
+    fig = t13.plot_sink_mask()
+    assert len(fig.axes) == 2

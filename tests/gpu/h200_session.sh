@@ -79,7 +79,7 @@ for s in "$@"; do
     api-tests) step api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
     api-varlen-tests) step api_varlen_tests 540 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py ;;
     varlen-tests) step varlen_tests 480 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py -k varlen ;;
-    varlen-bench) step varlen_bench 420 $PY -m solutions.ch12_varlen_bench ;;
+    varlen-bench) step varlen_bench 420 $PY -m measure.package_varlen ;;
     varlen-sanitize) step varlen_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_api.py -k "test_varlen_forward and b70" ;;
     varlen-bwd-sanitize) step varlen_bwd_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_varlen_bwd.py -k "against_float64 and (mixed-causal-used or many)" ;;
     fa4-bench) step fa4_bench 480 $PY -m measure.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
@@ -117,10 +117,10 @@ for s in "$@"; do
         step "san_split_${tool}" 300 $SAN --tool $tool $PY -m measure.fwd_checks --small --split
       done ;;
     fa4-sched) step fa4_sched 420 $PY -m measure.fwd_knobs --knobs --all-shapes --only "one tile per CTA" "zigzag" --name fa4_final_sched ;;
-    ch12-sweep) step ch12_sweep 420 $PY -m solutions.ch12_sweep --sweep ;;
-    host) step ch12_host 420 $PY -m solutions.ch12_host --gpu ;;
-    host-train) step ch12_training 300 $PY -m solutions.ch12_training ;;
-    ch12-acc) step ch12_acc 200 $PY -m solutions.ch12_sweep --accuracy --memory ;;
+    ch12-sweep) step package_sweep 420 $PY -m measure.package_sweep --sweep ;;
+    host) step package_host 420 $PY -m measure.package_host --gpu ;;
+    host-train) step package_training 300 $PY -m measure.package_training ;;
+    ch12-acc) step package_acc 200 $PY -m measure.package_sweep --accuracy --memory ;;
     fa4-knobs) step fa4_knobs 480 $PY -m measure.fwd_knobs --knobs --rounds ${ROUNDS:-3} ;;
     fa4-ablation) step fa4_ablation 420 $PY -m measure.fwd_knobs --ablation ;;
     fa4-timeline) step fa4_timeline 120 $PY -m measure.fwd_timeline ;;

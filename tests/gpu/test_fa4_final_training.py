@@ -1,7 +1,7 @@
 """A small GPT trained a few hundred steps with fa4_final and with SDPA, same weights, same
 batches: the loss curves must agree within Note [How close two loss curves must be]
-(solutions/ch12_training.py). Needs the backward; the speed table is the script's job:
-    python -m solutions.ch12_training
+(solutions/ch13_training.py). Needs the backward; the speed table is the driver's job:
+    python -m measure.package_training
 """
 
 from dataclasses import replace
@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from solutions import ch12_training as tr
+from solutions import ch13_training as tr
 from utils.hardware import missing
 
 pytestmark = [

@@ -1,8 +1,8 @@
-"""Chapter 13's measurement script on the CPU: its rows are storable, its errors are right."""
+"""measure/package_sweep.py on the CPU: its rows are storable, its errors are right."""
 
 import torch
 
-from solutions import ch12_sweep
+from measure import package_sweep
 from utils import results
 from utils.reference import attention_reference
 
@@ -19,16 +19,16 @@ def test_accuracy_rows_are_storable_and_measure_the_error():
     def float32_attention(q, k, v, causal=False):
         return attention_reference(q, k, v, causal=causal, dtype=torch.float32)
 
-    rows = ch12_sweep._errors(float32_attention, q, k, v, dout, True, ref)
+    rows = package_sweep._errors(float32_attention, q, k, v, dout, True, ref)
     assert [r["tensor"] for r in rows] == ["out", "dq", "dk", "dv"]
     assert all(r["finite"] and 0 < r["value"] < 1e-4 for r in rows)
     results.validate({"provenance": PROVENANCE, "rows": [{"impl": "f32", **r} for r in rows]},
-                     "ch12_accuracy")
+                     "package_accuracy")
 
 
 def test_the_sweep_needs_something_to_measure(capsys):
     try:
-        ch12_sweep.main([])
+        package_sweep.main([])
     except SystemExit as exc:
         assert exc.code == 2
     assert "--sweep, --accuracy and/or --memory" in capsys.readouterr().err

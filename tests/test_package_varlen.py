@@ -1,6 +1,6 @@
-"""The varlen benchmark's host-side pieces (no GPU): the length list and the per-sequence FLOPs."""
+"""measure/package_varlen.py: the length list and the per-sequence FLOPs (no GPU)."""
 
-from solutions.ch12_varlen_bench import draw_lengths, varlen_flops
+from measure.package_varlen import draw_lengths, varlen_flops
 from utils.bench import attention_flops
 
 
@@ -20,7 +20,7 @@ def test_flops_are_counted_per_sequence():
 
 
 def test_backward_flops_and_passes():
-    from solutions.ch12_varlen_bench import PASSES
+    from measure.package_varlen import PASSES
 
     assert PASSES == ("fwd", "bwd", "fwd+bwd")
     assert varlen_flops([100, 300], 16, 128, True, "bwd") == 2.5 * varlen_flops(
@@ -35,7 +35,7 @@ def test_grad_runners_time_the_backward_on_a_kept_graph(monkeypatch):
     import torch
 
     from fa4_final import varlen
-    from solutions import ch12_varlen_bench as vb
+    from measure import package_varlen as vb
 
     q, k, v = (torch.randn(10, 2, 8, requires_grad=True) for _ in range(3))
     dout, cu = torch.randn(10, 2, 8), torch.tensor([0, 4, 10])

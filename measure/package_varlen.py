@@ -1,8 +1,8 @@
 """Benchmark varlen attention, forward and backward: one kernel launch (per kernel) against the
 per-sequence loop and FA4.
 
-    python -m solutions.ch12_varlen_bench                # 32 sequences, 64..8192, ~64k tokens
-    python -m solutions.ch12_varlen_bench --rounds 5 --causal yes --passes fwd,bwd
+    python -m measure.package_varlen                # 32 sequences, 64..8192, ~64k tokens
+    python -m measure.package_varlen --rounds 5 --causal yes --passes fwd,bwd
 
 Rows (all on the same packed inputs, every pass and implementation in the same rounds):
   fa4_final_varlen          fa4_final.flash_attn_varlen_func, the varlen kernels, with the
@@ -11,13 +11,11 @@ Rows (all on the same packed inputs, every pass and implementation in the same r
   fa4_final_varlen_checked  the same call with the value checks on (the default): one copy of
                             the offsets to the host, i.e. one device synchronisation per call
                             (per forward and per backward)
-  fa4_final_varlen_zigzag   the forward alone, the varlen kernel with the schedule it had
-                            before the dynamic scheduler: fixed zigzag rounds, longest first
-                            over all of a sequence's heads (fa4_final.scheduler, Note [Varlen
-                            order]); checks off
+  fa4_final_varlen_zigzag   the forward alone, the varlen kernel in fixed zigzag rounds, longest
+                            first over all of a sequence's heads, in place of tiles taken at run
+                            time (fa4_final.scheduler, Note [Varlen order]); checks off
   fa4_final_loop            fa4_final.varlen.forward_loop / backward_loop: the dense kernels
-                            once per sequence, what flash_attn_varlen_func ran before the varlen
-                            kernels
+                            once per sequence, one launch per sequence
   fa4_package               flash_attn.cute.flash_attn_varlen_func (the FA4 package), when
                             installed
 Passes (``--passes``, the column ``pass``): ``fwd`` the forward; ``bwd`` the backward alone
@@ -35,7 +33,7 @@ before every call; medians and spread stored). Before timing, the varlen kernel'
 its dq, dk, dv) are compared with the loop's and the FA4 package's (max |difference|, stored with
 their rows; a backward row's is the largest over dq, dk, dv).
 
-Writes results/<gpu>/ch12_varlen.json (utils.results.save, with provenance).
+Writes results/<gpu>/package_varlen.json (utils.results.save, with provenance).
 """
 
 from __future__ import annotations
@@ -50,6 +48,13 @@ import torch
 
 from fa4_final.config import ZIGZAG_ROUNDS
 from utils import bench, results
+
+PRODUCES = [
+    ("results/h200/package_varlen.json", "python -m measure.package_varlen",
+     "a packed batch of 32 sequences of mixed lengths: the varlen kernels with and without the "
+     "offsets' host check, in fixed zigzag rounds, the per-sequence loop and the FA4 package; "
+     "forward, backward and both"),
+]
 
 IMPLS = ("fa4_final_varlen", "fa4_final_varlen_checked", "fa4_final_varlen_zigzag",
          "fa4_final_loop", "fa4_package")
@@ -101,8 +106,8 @@ class _Checks:
 
 
 def _zigzag_runner(q, k, v, cu, longest):
-    """f(causal) -> out: the varlen forward in the schedule it had before the dynamic scheduler
-    (config.ZIGZAG_ROUNDS, Note [Varlen order]), checks off."""
+    """f(causal) -> out: the varlen forward in fixed zigzag rounds instead of tiles taken at run
+    time (config.ZIGZAG_ROUNDS, Note [Varlen order]), checks off."""
     from dataclasses import replace
 
     from fa4_final import varlen
@@ -215,10 +220,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default="ch12_varlen")
+    ap.add_argument("--name", default="package_varlen")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("ch12_varlen_bench: needs a CUDA GPU", file=sys.stderr)
+        print("package_varlen: needs a CUDA GPU", file=sys.stderr)
         return 2
     passes = [p for p in args.passes.split(",") if p]
     if not passes or any(p not in PASSES for p in passes):
@@ -233,7 +238,7 @@ def main(argv=None) -> int:
     dout = torch.randn(q.shape, device="cuda", generator=torch.Generator(
         device="cuda").manual_seed(args.seed + 1)).to(dtype)
     runners = _runners(q, k, v, cu, longest)
-    # the forward rows record no graph (as before the backward rows existed)
+    # the forward rows record no graph
     by_pass = {("fwd", name): _without_grad(fn) for name, fn in runners.items()}
     by_pass[("fwd", "fa4_final_varlen_zigzag")] = _zigzag_runner(q, k, v, cu, longest)
     if grads_needed:
@@ -294,7 +299,7 @@ def main(argv=None) -> int:
                 if key in diffs:
                     row["max_abs_diff_vs_fa4_final_varlen"] = diffs[key]
                 rows.append(row)
-    command = "python -m solutions.ch12_varlen_bench " + " ".join(
+    command = "python -m measure.package_varlen " + " ".join(
         argv if argv is not None else sys.argv[1:])
     path = results.save(args.name, rows, command=command)
     print("\nvarlen attention, median of rounds:")

@@ -1,8 +1,10 @@
-"""Chapter 13's measurements of the package: the full sweep, accuracy against float64, memory.
+"""The package through its public API beside its peers: the full sweep, accuracy against
+float64, memory. Chapter 13 reads the headline shapes and the accuracy; the lab
+labs/package_sweeps_and_host_cost.ipynb reads all of it.
 
-    python -m solutions.ch12_sweep --sweep       # fwd, bwd, fwd+bwd; D 64, 128; S 512..32768
-    python -m solutions.ch12_sweep --accuracy    # max error against float64, every impl
-    python -m solutions.ch12_sweep --memory      # peak memory of a training step's attention
+    python -m measure.package_sweep --sweep       # fwd, bwd, fwd+bwd; D 64, 128; S 512..32768
+    python -m measure.package_sweep --accuracy    # max error against float64, every impl
+    python -m measure.package_sweep --memory      # peak memory of a training step's attention
 
 Every implementation goes through its public entry point with autograd: fa4_final's
 ``flash_attn_func``, SDPA's flash and cuDNN backends, the FA4 package's ``flash_attn_func``
@@ -10,7 +12,7 @@ when installed (utils.bench.peers). The sweep keeps the course's shape (batch x 
 tokens, 16 heads; at S = 32768 one sequence) and times every implementation once per shape per
 round, interleaved (utils.bench.benchmark_attention), for ``--rounds`` rounds.
 
-Writes results/<gpu>/ch12_sweep.json, ch12_accuracy.json and ch12_memory.json
+Writes results/<gpu>/package_sweep.json, package_accuracy.json and package_memory.json
 (utils.results.save, with provenance).
 """
 
@@ -23,6 +25,18 @@ import torch
 
 from utils import bench, results
 from utils.reference import attention_reference
+
+PRODUCES = [
+    ("results/h200/package_sweep.json",
+     "python -m measure.package_sweep --sweep --dims 64 128 --seqlens 512 1024 2048 4096 8192 "
+     "16384 32768 --passes fwd bwd fwd+bwd --rounds 3 --rep 10",
+     "fa4_final's public API (autograd) beside SDPA flash, cuDNN and the FA4 package: forward, "
+     "backward and both, D = 64 and 128, S = 512 to 32768, causal or not, in interleaved rounds"),
+    ("results/h200/package_accuracy.json", "python -m measure.package_sweep --accuracy",
+     "out, dq, dk, dv of every implementation against float64 autograd on awkward shapes"),
+    ("results/h200/package_memory.json", "python -m measure.package_sweep --memory",
+     "peak memory of one forward + backward beyond the inputs and their gradients"),
+]
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 PASSES = ("fwd", "bwd", "fwd+bwd")
@@ -37,7 +51,7 @@ def fa4_final_autograd(q, k, v, causal=False, softmax_scale=None):
 
 def implementations() -> dict:
     impls = {"fa4_final": fa4_final_autograd, **bench.peers()}
-    impls.pop("sdpa_efficient", None)  # 4x slower than the rest; chapter 01-02's point, not 12's
+    impls.pop("sdpa_efficient", None)  # far behind the rest: chapters 01-02 compare it
     return impls
 
 
@@ -46,7 +60,7 @@ def sweep(args) -> list[dict]:
               for c in (False, True)]
     rows = bench.benchmark_attention(implementations(), shapes, passes=tuple(args.passes),
                                      rep=args.rep, rounds=args.rounds)
-    results.save("ch12_sweep", rows, command="python -m solutions.ch12_sweep --sweep " +
+    results.save("package_sweep", rows, command="python -m measure.package_sweep --sweep " +
                  " ".join(f"--{k} {' '.join(map(str, v))}" for k, v in
                           (("dims", args.dims), ("seqlens", args.seqlens),
                            ("passes", args.passes), ("rounds", [args.rounds]),
@@ -106,7 +120,8 @@ def accuracy() -> list[dict]:
                     print(f"{name:12s} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} "
                           f"{r.get('tensor', '-')}: {r.get('value')} {r.get('error', '')}",
                           flush=True)
-    results.save("ch12_accuracy", rows, command="python -m solutions.ch12_sweep --accuracy")
+    results.save("package_accuracy", rows,
+                 command="python -m measure.package_sweep --accuracy")
     return rows
 
 
@@ -140,7 +155,7 @@ def memory(seqlens=(4096, 16384, 32768), d=128) -> list[dict]:
             print(row, flush=True)
         del q, k, v, dout
         torch.cuda.empty_cache()
-    results.save("ch12_memory", rows, command="python -m solutions.ch12_sweep --memory")
+    results.save("package_memory", rows, command="python -m measure.package_sweep --memory")
     return rows
 
 
@@ -161,7 +176,7 @@ def main(argv=None) -> int:
     if args.rounds < bench.MIN_ROUNDS:
         ap.error(f"--rounds: at least {bench.MIN_ROUNDS}")
     if not torch.cuda.is_available():
-        print("ch12_sweep: needs a CUDA GPU", file=sys.stderr)
+        print("package_sweep: needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.accuracy:
         accuracy()

@@ -1,4 +1,4 @@
-"""The CPU pieces of chapter 13's training comparison (solutions/ch12_training.py): the task, the
+"""The CPU pieces of chapter 13's training comparison (solutions/ch13_training.py): the task, the
 model, the curve comparison, and a short run through fa4_final's custom op and autograd (with the
 test-only CPU reference kernel) against SDPA's math path. tests/gpu/test_fa4_final_training.py
 runs the real kernels."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fa4_final import checks
-from solutions import ch12_training as tr
+from solutions import ch13_training as tr
 from tests import fa4_cpu_reference as ref
 
 

@@ -1,7 +1,7 @@
 """Cold and warm compile times of fa4_final's forward: results/<machine>/compile_times.json.
 
-    python -m solutions.ch12_compile_times             # about a minute on a CPU, no GPU needed
-    python -m solutions.ch12_compile_times --repeats 1 --cases 128,bf16,0
+    python -m measure.compile_times             # about a minute on a CPU, no GPU needed
+    python -m measure.compile_times --repeats 1 --cases 128,bf16,0
 
 Each measurement is a fresh Python process, so nothing is warm that a user's new process would
 not have warm:
@@ -23,6 +23,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+PRODUCES = [
+    ("results/cpu/compile_times.json", "python -m measure.compile_times --repeats 5",
+     "fa4_final's forward in fresh processes: cold compile and export, warm load from the disk "
+     "cache, the in-memory hit, the import; chapter 13 reads it"),
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ((128, "bf16", False), (128, "bf16", True), (64, "bf16", False))
@@ -96,19 +102,6 @@ def host() -> dict:
     return {"host_cpu": model, "host_cores": os.cpu_count()}
 
 
-def table(rows: list[dict]) -> str:
-    metrics = ["cold_first_call_s", "dsl_compile_s", "export_s", "warm_first_call_s",
-               "disk_load_s", "memory_hit_us", "import_s"]
-    head = f"{'case':18s}" + "".join(f"{m:>19s}" for m in metrics)
-    lines = [head]
-    cases = sorted({(r["d"], r["dtype"], r["causal"]) for r in rows})
-    for case in cases:
-        got = {r["metric"]: r["value"] for r in rows if (r["d"], r["dtype"], r["causal"]) == case}
-        label = f"D={case[0]} {case[1]}{' causal' if case[2] else ''}"
-        lines.append(f"{label:18s}" + "".join(f"{got[m]:19.4g}" for m in metrics))
-    return "\n".join(lines)
-
-
 def parse_case(text: str) -> tuple[int, str, bool]:
     d, dtype, causal = text.split(",")
     return int(d), dtype, causal.strip() in ("1", "true", "causal")
@@ -122,11 +115,13 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default="compile_times", help="results file name")
     parser.add_argument("--no-save", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    command = "python -m solutions.ch12_compile_times " + " ".join(argv or sys.argv[1:])
+    command = "python -m measure.compile_times " + " ".join(argv or sys.argv[1:])
     rows = []
     for d, dtype, causal in args.cases or CASES:
         rows += measure(d, dtype, causal, args.repeats)
-    print(table(rows))
+    from solutions.ch13_teaching import compile_times_table
+
+    print(compile_times_table(rows))
     if not args.no_save:
         from utils.results import save
 

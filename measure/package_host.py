@@ -1,16 +1,16 @@
 """What one call of fa4_final's PyTorch API costs the host (the CPU), apart from the kernels.
 
-    python -m solutions.ch12_host --profile [--label after]   # any machine: kernels are no-ops
-    python -m solutions.ch12_host --gpu                       # a GPU: wall time vs kernel time
+    python -m measure.package_host --profile [--label after]   # any machine: kernels are no-ops
+    python -m measure.package_host --gpu                       # a GPU: wall time vs kernel time
 
 ``--profile`` replaces the kernels by functions that do nothing (the compiled launches, the GPU
 lookup, the SM count) and runs the API on tiny CPU tensors: what is left is the Python and
 PyTorch work of a call (checks, dispatch, autograd, allocations). It prints host microseconds
 per forward and per forward + backward, the time split by where it goes (from cProfile, scaled
 to the measured time), and how often the checks and launches run per call. Rows are stored in
-results/cpu/ch12_host.json under ``--label`` (rows of other labels are kept, so a "before" and
-an "after" run sit side by side); ``--fa4-commit`` names the fa4_final tree measured when it is
-not the one of this checkout (PYTHONPATH pointing at an older copy).
+results/cpu/package_host.json under ``--label`` (rows of other labels are kept, so two versions
+of the package measured on the same CPU sit side by side); ``--fa4-commit`` names the fa4_final
+tree measured when it is not the one of this checkout (PYTHONPATH pointing at another copy).
 
 ``--gpu`` times, at short sequences where the kernels are short, each implementation's
 forward and forward + backward through its public API: host time per call (issuing the calls,
@@ -18,7 +18,7 @@ no wait), wall time per call (back-to-back calls, the GPU's clock) and kernel ti
 (the sum of the kernels' durations, torch.profiler). Wall above kernel time is the GPU waiting
 for the host. fa4_final, SDPA's flash and cuDNN backends and the FA4 package when installed, in
 one run. Also the cost of one TVM-FFI launch of the compiled forward with its arguments ready.
-Writes results/<gpu>/ch12_host.json.
+Writes results/<gpu>/package_host.json.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import importlib
 import pstats
 import statistics
 import sys
@@ -34,6 +35,18 @@ import time
 import torch
 
 from utils import bench, results
+
+PRODUCES = [
+    ("results/cpu/package_host.json", "python -m measure.package_host --profile --label after",
+     "host microseconds per API call with every kernel a no-op, the checks and launches per "
+     "call, the time split by where it goes; one variant per fa4_final tree measured on that "
+     "CPU (--label, --fa4-commit)"),
+    ("results/h200/package_host.json",
+     "python -m measure.package_host --gpu --seqlens 256 512 1024 --dims 64 128 --tokens 16384 "
+     "--calls 40 --rounds 5",
+     "host, wall and kernel microseconds per call at short sequences, every implementation "
+     "through its public API; one TVM-FFI launch and one allocation"),
+]
 
 SETUP_CPU = ("this CPU, no GPU: tiny CPU tensors (b=1, s=16, h=2, d=64, bf16), every kernel "
              "launch and the GPU lookups replaced by no-ops")
@@ -72,7 +85,7 @@ def noop_kernels():
     if hasattr(ops, "EAGER_DEVICE_TYPES"):  # the eager path (ops.eager) for CPU tensors too
         patches.append((ops, "EAGER_DEVICE_TYPES", (*ops.EAGER_DEVICE_TYPES, "cpu")))
     counted = {"check_inputs": 0}
-    for module in (checks, run, fb, sys.modules["fa4_final.interface"]):
+    for module in (checks, run, fb, importlib.import_module("fa4_final.interface")):
         if hasattr(module, "check_inputs"):
             original = module.check_inputs
 
@@ -259,21 +272,21 @@ def profile(label: str, fa4_commit: str | None, n: int, repeats: int,
             if r["metric"].endswith("per call fwd+bwd") or r["metric"].endswith("per call fwd"):
                 print(f"{r['metric']}: {r['value']:g}")
     if save:
-        _save_merged(rows, label, "python -m solutions.ch12_host --profile --label " + label)
+        _save_merged(rows, label, "python -m measure.package_host --profile --label " + label)
     return rows
 
 
 def _save_merged(rows: list[dict], label: str, command: str) -> None:
-    """Store under results/cpu/ch12_host.json, keeping the rows of other labels."""
+    """Store under results/cpu/package_host.json, keeping the rows of other labels."""
     kept = []
-    old = results.RESULTS_DIR / "cpu" / "ch12_host.json"
+    old = results.RESULTS_DIR / "cpu" / "package_host.json"
     if old.exists():
-        kept = [r for r in results.load("ch12_host", gpu="cpu").rows
+        kept = [r for r in results.load("package_host", gpu="cpu").rows
                 if r.get("variant") != label]
-    from solutions.ch12_compile_times import host
+    from measure.compile_times import host
 
     rows = [{**r, **host(), "date": results.collect_provenance(command)["date"]} for r in rows]
-    path = results.save("ch12_host", kept + rows, command=command, gpu="cpu")
+    path = results.save("package_host", kept + rows, command=command, gpu="cpu")
     print(f"\nwrote {path}")
 
 
@@ -288,8 +301,8 @@ def _fa4_final_call(q, k, v, causal=False, softmax_scale=None):
 
 
 def _fa4_final_op_call(q, k, v, causal=False, softmax_scale=None):
-    """fa4_final through its custom ops even in eager mode (what every call took before the
-    eager path, Note [The eager path] in fa4_final/ops.py): the cost of the op dispatch."""
+    """fa4_final through its custom ops even in eager mode (the path torch.compile and fake
+    tensors take, Note [The eager path] in fa4_final/ops.py): the cost of the op dispatch."""
     from fa4_final import ops
 
     saved, ops.EAGER_DEVICE_TYPES = ops.EAGER_DEVICE_TYPES, ()
@@ -469,14 +482,14 @@ def main(argv=None) -> int:
         profile(args.label, args.fa4_commit, args.n, args.repeats, save=not args.no_save)
     if args.gpu:
         if not torch.cuda.is_available():
-            print("ch12_host --gpu: needs a CUDA GPU", file=sys.stderr)
+            print("package_host --gpu: needs a CUDA GPU", file=sys.stderr)
             return 2
         rows = gpu(args.seqlens, args.dims, args.calls, args.rounds, args.tokens)
         if not args.no_save:
-            cmd = ("python -m solutions.ch12_host --gpu --seqlens " +
+            cmd = ("python -m measure.package_host --gpu --seqlens " +
                    " ".join(map(str, args.seqlens)) + " --dims " + " ".join(map(str, args.dims))
                    + f" --tokens {args.tokens} --calls {args.calls} --rounds {args.rounds}")
-            print(f"wrote {results.save('ch12_host', rows, command=cmd)}")
+            print(f"wrote {results.save('package_host', rows, command=cmd)}")
     return 0
 
 

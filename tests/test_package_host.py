@@ -1,4 +1,4 @@
-"""solutions/ch12_host.py on a CPU: its profile of the host path (kernels as no-ops) runs, counts
+"""measure/package_host.py on a CPU: its profile of the host path (kernels as no-ops) runs, counts
 the checks and launches of a call, stores valid rows, and leaves fa4_final as it found it."""
 
 import torch
@@ -6,14 +6,14 @@ import torch
 import fa4_final.backward as fb
 from fa4_final import checks, dispatch, ops, run
 from fa4_final.hopper import launch
-from solutions import ch12_host
+from measure import package_host
 from utils import results
 
 
 def test_profile_counts_one_check_and_four_launches_per_training_call():
     before = (dispatch.backend_for, run.backend_for, launch.compile_forward, launch._num_sms,
               fb.compile_backward, checks.check_inputs, ops.EAGER_DEVICE_TYPES)
-    rows = ch12_host.profile("test", "abc", n=5, repeats=1, save=False)
+    rows = package_host.profile("test", "abc", n=5, repeats=1, save=False)
     counts = {r["metric"]: r["value"] for r in rows if r["unit"] == "calls"}
     assert counts["check_inputs per call fwd"] == 1
     assert counts["check_inputs per call fwd+bwd"] == 1
@@ -31,15 +31,15 @@ def test_profile_counts_one_check_and_four_launches_per_training_call():
 def test_gpu_mode_refuses_without_a_gpu(capsys):
     if torch.cuda.is_available():
         return
-    assert ch12_host.main(["--gpu", "--no-save"]) == 2
+    assert package_host.main(["--gpu", "--no-save"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_stored_cpu_profile_says_what_it_measured():
-    stored = results.load("ch12_host", gpu="cpu")
+    stored = results.load("package_host", gpu="cpu")
     assert stored.provenance["gpu"] == "cpu"
     variants = {r["variant"] for r in stored.rows}
-    assert {"before", "after"} <= variants
+    assert {"before", "after"} <= variants  # two trees of the package on the same CPU
     assert all("no-ops" in r["setup"] for r in stored.rows)
 
 
@@ -47,8 +47,8 @@ def test_gpu_rows_are_valid_results(monkeypatch):
     """--gpu's plumbing with the GPU parts replaced: one row per impl, shape and pass, the
     attention keys filled from the wall time, an impl that fails recorded with its error."""
     impls = {"fa4_final": None, "fa4_final_op": None, "sdpa_flash": None}
-    monkeypatch.setattr(ch12_host, "implementations", lambda: impls)
-    monkeypatch.setattr(ch12_host, "_path_fields",
+    monkeypatch.setattr(package_host, "implementations", lambda: impls)
+    monkeypatch.setattr(package_host, "_path_fields",
                         lambda: {"eager_path": True, "dlpack_c_exchange_api": True})
 
     def timed_call(fn, shape, pass_, dtype):
@@ -56,14 +56,14 @@ def test_gpu_rows_are_valid_results(monkeypatch):
             raise RuntimeError("no such kernel")
         return lambda: None
 
-    monkeypatch.setattr(ch12_host.bench, "_timed_call", timed_call)
-    monkeypatch.setattr(ch12_host, "measure_call", lambda fn, calls, rounds: {
+    monkeypatch.setattr(package_host.bench, "_timed_call", timed_call)
+    monkeypatch.setattr(package_host, "measure_call", lambda fn, calls, rounds: {
         "host_us": 50.0, "wall_us": 80.0, "kernel_us": 70.0, "gpu_ops_per_call": 4.0,
         "host_bound": False, "gpu_idle_us": 10.0})
-    monkeypatch.setattr(ch12_host, "tvm_ffi_launch_us", lambda: [
+    monkeypatch.setattr(package_host, "tvm_ffi_launch_us", lambda: [
         {"impl": "fa4_final", "metric": "tvm_ffi_launch_us", "value": 5.0, "unit": "us"}])
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    rows = ch12_host.gpu([256, 512], [64], calls=2, rounds=1, tokens=1024)
+    rows = package_host.gpu([256, 512], [64], calls=2, rounds=1, tokens=1024)
     results.validate({"provenance": results.collect_provenance("test"), "rows": rows})
     timed = [r for r in rows if "pass" in r]
     assert len(timed) == 3 * 2 * 2 * 2  # impls x seqlens x causal x passes

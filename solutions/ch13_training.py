@@ -1,8 +1,8 @@
-"""A real use of fa4_final: train a small GPT on a synthetic task with it and with PyTorch's SDPA.
+"""A real use of fa4_final: a small GPT trained on a synthetic task with it and with PyTorch's
+SDPA (chapter 13). The run that stores it is measure/package_training.py:
 
-    python -m solutions.ch12_training                  # H100/H200: about a minute
-    python -m solutions.ch12_training --compile        # the same through torch.compile
-    python -m solutions.ch12_training --steps 60 --no-save
+    python -m measure.package_training                  # H100/H200: about a minute
+    python -m measure.package_training --compile        # the same through torch.compile
 
 The model is plain PyTorch (pre-norm blocks, GQA attention, GELU MLP) and its attention is one
 function, swapped between runs: ``fa4_final.flash_attn_func`` or ``F.scaled_dot_product_attention``
@@ -25,11 +25,9 @@ slows learning: both leave that band.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
-import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -271,32 +269,3 @@ def rows_of(runs: dict[str, dict], cfg: TrainConfig, verdict: dict) -> list[dict
                  "drift_efficient_vs_flash": verdict["drift"], "step0_gap": verdict["step0_gap"],
                  "ok": verdict["ok"], **knobs})
     return rows
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
-    parser.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True)")
-    parser.add_argument("--name", default="fa4_final_training", help="results file name")
-    parser.add_argument("--no-save", action="store_true")
-    args = parser.parse_args(argv)
-    command = "python -m solutions.ch12_training " + " ".join(argv or sys.argv[1:])
-    if not torch.cuda.is_available():
-        print("no CUDA GPU here: nothing trained (tests/test_ch12_training.py runs the CPU "
-              "pieces)")
-        return 1
-    cfg = replace(TrainConfig(), steps=args.steps)
-    runs = {name: train(name, cfg, "cuda", compile=args.compile)
-            for name in ("fa4_final", "sdpa_flash", "sdpa_efficient")}
-    verdict = compare(runs, cfg)
-    print(report(runs, cfg, verdict))
-    if not args.no_save:
-        from utils.results import save
-
-        name = args.name + ("_compiled" if args.compile else "")
-        print(f"saved {save(name, rows_of(runs, cfg, verdict), command)}")
-    return 0 if verdict["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

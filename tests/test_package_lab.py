@@ -1,0 +1,147 @@
+"""The readers of labs/package_sweeps_and_host_cost.ipynb (labs/package_sweeps_and_host_cost_
+helpers.py): they work on rows of the shapes measure/package_sweep.py, package_varlen.py and
+package_host.py write, say "not measured yet" for a file that is absent, and show the package as it
+is (the newest tree of the CPU profile)."""
+
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+from labs import package_sweeps_and_host_cost_helpers as lab
+from utils.results import Results, load
+
+matplotlib.use("Agg")
+
+PROV = {"gpu": "NVIDIA H200", "driver": "x", "cuda": "13.0", "torch": "2.11", "cutlass_dsl": "4",
+        "commit": "abc", "date": "2026-12-01 00:00 UTC", "command": "test"}
+
+
+def fake(name, rows):
+    return Results(name, Path(f"{name}.json"), PROV, rows)
+
+
+def timed(impl, pass_, d, s, causal, tflops, spread=0.01):
+    ms = 1000.0 / tflops
+    return {"impl": impl, "pass": pass_, "dtype": "bf16", "b": 16384 // s, "s": s, "h": 16,
+            "d": d, "causal": causal, "ms": ms, "tflops": tflops, "spread": spread,
+            "ms_rounds": [ms] * 3}
+
+
+def sweep():
+    rows = []
+    for pass_ in lab.PASSES:
+        for d in (64, 128):
+            for s in (512, 4096, 32768):
+                for causal in (False, True):
+                    base = 300 + s / 100
+                    ours = base * (1.1 if d == 64 else 0.9)
+                    rows += [timed("fa4_final", pass_, d, s, causal, ours),
+                             timed("sdpa_flash", pass_, d, s, causal, base * 0.7),
+                             timed("sdpa_cudnn", pass_, d, s, causal, base),
+                             timed("fa4_package", pass_, d, s, causal, base * 1.003)]
+    return fake("package_sweep", rows)
+
+
+def test_sweep_series_and_plots():
+    res = sweep()
+    seqlens, series = lab.sweep_series(res, "bwd", 128, True)
+    assert seqlens == [512, 4096, 32768]
+    assert list(series) == ["fa4_final", "sdpa_flash", "sdpa_cudnn", "fa4_package"]
+    assert all(len(v) == 3 for v in series.values())
+    fig = lab.plot_sweep(res, "fwd")
+    assert len([a for a in fig.axes if a.get_visible()]) == 4
+    fig = lab.plot_vs_best_peer(res)
+    assert len(fig.axes) == 3
+
+
+def test_verdicts_follow_the_data():
+    res = sweep()
+    text = lab.verdict_summary(res)
+    # D=64 is 1.1x cuDNN/fa4_package (the best peer, 1.003x cudnn): faster; D=128 0.9x: slower.
+    assert "fwd      12 shapes: faster on 6, within noise on 0, slower on 6" in text
+    assert text.count("shapes") == 3
+    assert "fastest at fa4_final 6, fa4_package 6 of 12 shapes" in lab.fastest_counts(res, "fwd")
+    assert lab.sweep_ratio(res, "fwd", 128, 512, False) == pytest.approx(0.9 / 1.003)
+
+
+def test_within_noise_is_not_called_a_difference():
+    res = fake("x", [timed("fa4_final", "fwd", 128, 4096, False, 500, 0.03),
+                     timed("sdpa_cudnn", "fwd", 128, 4096, False, 510, 0.03)])
+    assert "within noise on 1" in lab.verdict_summary(res)
+
+
+def test_varlen_table_pivots_cases():
+    extra = {"s_max": 8000, "total_tokens": 65536, "b": 32}
+    rows = [{**timed(n, "fwd", 128, 2048, False, t), **extra}
+            for n, t in (("fa4_final_varlen", 400), ("fa4_final_loop", 350),
+                         ("fa4_package", 450))]
+    text = lab.varlen_table(fake("package_varlen", rows))
+    assert "32 seqs, mean 2048 max 8000" in text and "slower" in text
+    assert "vs fa4_package" in text and "fa4_final_loop" in text
+    # the backward's rows make cases of their own, next to the forward's
+    bwd = [{**timed(n, p, 128, 2048, False, t), **extra}
+           for p in ("bwd", "fwd+bwd")
+           for n, t in (("fa4_final_varlen", 300), ("fa4_package", 250))]
+    text = lab.varlen_table(fake("package_varlen", rows + bwd))
+    lines = text.splitlines()
+    assert [line.split()[0] for line in lines[2:]] == ["fwd", "bwd", "fwd+bwd"]
+    assert "faster" in lines[3] and "vs fa4_package" in lines[4]
+    assert lab.varlen_table(None) == "not measured yet"
+
+
+def test_varlen_schedule_lines_compare_with_the_zigzag_rounds():
+    rows = [timed(n, "fwd", 128, 2048, c, t)
+            for c in (False, True)
+            for n, t in (("fa4_final_varlen", 500), ("fa4_final_varlen_zigzag", 400))]
+    text = lab.varlen_schedule_lines(fake("package_varlen", rows))
+    lines = text.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("fwd causal")
+    assert all("1.25x" in line and "faster" in line for line in lines)
+    assert "no zigzag rows" in lab.varlen_schedule_lines(fake("package_varlen", rows[:1]))
+    assert lab.varlen_schedule_lines(None) == "not measured yet"
+
+
+def test_memory_table():
+    rows = [{"impl": n, "dtype": "bf16", "b": 1, "s": 16384, "h": 16, "d": 128, "causal": True,
+             "inputs_and_grads_bytes": 2**30, "metric": "peak_extra_bytes", "value": v,
+             "unit": "bytes"} for n, v in (("fa4_final", 2**28), ("sdpa_flash", 2**29))]
+    rows.append({**rows[0], "impl": "fa4_package", "value": None, "error": "ImportError: x"})
+    text = lab.memory_table(fake("package_memory", rows))
+    assert "256 ( 0.25x)" in text and "error" in text
+    assert lab.memory_table(None) == "not measured yet"
+
+
+def test_host_tables():
+    stored = load("package_host", gpu="cpu")
+    newest = lab.latest_variant(stored)
+    commit = next(r["fa4_final_commit"] for r in stored.rows if r["variant"] == newest)
+    assert str(stored.provenance["commit"]).startswith(str(commit)[:10])
+    text = lab.host_table(stored)
+    assert f"fa4_final as of {str(commit)[:10]}" in text and "floor" in text
+    assert "the floor's" in text and lab.host_over_floor(stored) > 1
+    parts = lab.host_parts(stored)
+    assert "checks (fa4_final.checks)" in parts
+    assert len(parts.splitlines()) == 1 + len({r["part"] for r in stored.rows
+                                               if r.get("part") and r["variant"] == newest
+                                               and "fwd+bwd" in r["metric"]})
+    shape = {"pass": "fwd+bwd", "dtype": "bf16", "b": 32, "s": 512, "h": 16, "d": 128,
+             "causal": False, "ms": 0.5, "tflops": 100.0}
+    rows = [{**shape, "impl": "fa4_final", "host_us": 120.0, "wall_us": 500.0,
+             "kernel_us": 380.0, "host_bound": False},
+            {**shape, "impl": "fa4_final_op", "host_us": 600.0, "wall_us": 640.0,
+             "kernel_us": 380.0, "host_bound": True},
+            {"impl": "fa4_final", "metric": "tvm_ffi_launch_us", "value": 6.5, "unit": "us",
+             "note": "host time per call, arguments prepared once"}]
+    table = lab.host_gpu_table(fake("package_host", rows))
+    assert "fwd+bwd b=32 S=512 D=128" in table and table.count("host-bound") == 1
+    assert "tvm_ffi_launch_us: 6.5 us" in table
+    assert lab.op_over_eager(fake("package_host", rows)) == pytest.approx(5.0)
+    for fn in (lab.host_table, lab.host_parts, lab.host_gpu_table):
+        assert fn(None) == "not measured yet"
+
+
+def test_stored_files_read():
+    assert 0 < lab.varlen_over_loop(load("package_varlen")) < 10
+    assert 0 < lab.memory_multiple(load("package_memory")) < 2
+    assert lab.op_over_eager(load("package_host")) > 0
