@@ -252,3 +252,37 @@ def test_ch11_turn_reference_is_bitwise_deterministic_on_hopper():
 
     ok, lines = turns.check_add_in_turn_on_gpu(turns.add_in_turn)
     assert ok, "\n".join(lines)
+
+
+# --- chapter 13: the sink mask (13.3) and the softcap (13.4) ------------------------------------
+# Both inside fa4_final's Hopper forward (ch13_scores.HopperWithScores: the kernel's mask step
+# swapped while it is traced, every visited key tile masked), against float64 on awkward shapes.
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
+def test_ch13_sink_mask_reference_inside_the_forward_on_hopper():
+    from solutions import ch13_scores as t13s
+
+    ok, lines = t13s.check_sink_mask_on_gpu(t13s.sink_mask)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
+def test_ch13_softcap_reference_inside_the_forward_on_hopper():
+    from solutions import ch13_scores as t13s
+
+    ok, lines = t13s.check_softcap_on_gpu(t13s.softcap_scores)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("which, name", [("mask", "mask_without_sinks"),
+                                         ("mask", "sinks_past_the_right_side"),
+                                         ("softcap", "softcap_unscaled")])
+def test_ch13_a_wrong_answer_is_wrong_on_hopper(which, name):
+    from solutions import ch13_scores as t13s
+    from tests.exercise_mutations import ch13 as wrong13
+
+    check = t13s.check_sink_mask_on_gpu if which == "mask" else t13s.check_softcap_on_gpu
+    ok, lines = check(getattr(wrong13, name))
+    assert not ok, "\n".join(lines)

@@ -1,0 +1,267 @@
+"""Chapter 13's exercises: typical wrong answers, each with the words its checker must say. The
+device-code ones (13.3 the sink mask, 13.4 the softcap) are @cute.jit functions: the DSL reads
+their source from this file."""
+
+import math
+import numbers
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from fa4_final.common.tiles import visible_cols
+from solutions import ch13_scores as t13s
+from solutions import ch13_teaching as t13
+from tests.exercise_mutations import Mutation
+
+_normalise_window = t13.package_window_reader()
+
+
+# --- 13.3 the window mask with sink tokens ----------------------------------------------------
+@cute.jit
+def mask_without_sinks(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seqlen_q,
+                       seqlen_k, window_left, window_right, sink: cutlass.Constexpr[int]):
+    col_offset = tScS[0, 0][1]
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        row = m_block * w.tile_m + tScS[r, 0][0]
+        lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
+        lo = lo - col_offset
+        hi = hi - col_offset
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            col = t0ScS[0, c][1]
+            s[r, c] = s[r, c] if (col < hi) & (col >= lo) else -Float32.inf
+
+
+@cute.jit
+def sinks_one_too_many(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seqlen_q,
+                       seqlen_k, window_left, window_right, sink: cutlass.Constexpr[int]):
+    col_offset = tScS[0, 0][1]
+    sink_end = sink - n_block * w.tile_n - col_offset
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        row = m_block * w.tile_m + tScS[r, 0][0]
+        lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
+        lo = lo - col_offset
+        hi = hi - col_offset
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            col = t0ScS[0, c][1]
+            keep = (col < hi) & ((col >= lo) | (col <= sink_end))
+            s[r, c] = s[r, c] if keep else -Float32.inf
+
+
+@cute.jit
+def sinks_past_the_right_side(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block,
+                              seqlen_q, seqlen_k, window_left, window_right,
+                              sink: cutlass.Constexpr[int]):
+    col_offset = tScS[0, 0][1]
+    sink_end = sink - n_block * w.tile_n - col_offset
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        row = m_block * w.tile_m + tScS[r, 0][0]
+        lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
+        lo = lo - col_offset
+        hi = hi - col_offset
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            col = t0ScS[0, c][1]
+            keep = ((col < hi) & (col >= lo)) | (col < sink_end)
+            s[r, c] = s[r, c] if keep else -Float32.inf
+
+
+@cute.jit
+def sinks_in_every_tile(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seqlen_q,
+                        seqlen_k, window_left, window_right, sink: cutlass.Constexpr[int]):
+    col_offset = tScS[0, 0][1]
+    sink_end = sink - col_offset
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        row = m_block * w.tile_m + tScS[r, 0][0]
+        lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
+        lo = lo - col_offset
+        hi = hi - col_offset
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            col = t0ScS[0, c][1]
+            keep = (col < hi) & ((col >= lo) | (col < sink_end))
+            s[r, c] = s[r, c] if keep else -Float32.inf
+
+
+@cute.jit
+def limits_not_shifted(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seqlen_q,
+                       seqlen_k, window_left, window_right, sink: cutlass.Constexpr[int]):
+    sink_end = sink - n_block * w.tile_n
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        row = m_block * w.tile_m + tScS[r, 0][0]
+        lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            col = t0ScS[0, c][1]
+            keep = (col < hi) & ((col >= lo) | (col < sink_end))
+            s[r, c] = s[r, c] if keep else -Float32.inf
+
+
+@cute.jit
+def mask_with_an_if(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seqlen_q, seqlen_k,
+                    window_left, window_right, sink: cutlass.Constexpr[int]):
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        row = m_block * w.tile_m + tScS[r, 0][0]
+        lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            col = tScS[r, c][1]
+            if (col >= hi) | ((col < lo) & (n_block * w.tile_n + col >= sink)):
+                s[r, c] = -Float32.inf
+
+
+# --- 13.4 the softcap -------------------------------------------------------------------------
+@cute.jit
+def softcap_unscaled(s, softmax_scale: Float32, softcap: Float32):
+    inv = 1.0 / softcap
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            s[r, c] = cute.math.tanh(s[r, c] * inv, fastmath=True) * softcap
+
+
+@cute.jit
+def softcap_scaled_twice(s, softmax_scale: Float32, softcap: Float32):
+    into = softmax_scale / softcap
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            s[r, c] = cute.math.tanh(s[r, c] * into, fastmath=True) * softcap
+
+
+@cute.jit
+def softcap_slow_tanh(s, softmax_scale: Float32, softcap: Float32):
+    into = softmax_scale / softcap
+    back = softcap / softmax_scale
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            s[r, c] = cute.math.tanh(s[r, c] * into) * back
+
+
+@cute.jit
+def softcap_divides_per_element(s, softmax_scale: Float32, softcap: Float32):
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            s[r, c] = cute.math.tanh(s[r, c] * softmax_scale / softcap, fastmath=True) \
+                * softcap / softmax_scale
+
+
+def softcap_on_the_host(s, softmax_scale, softcap):
+    for i in range(cute.size(s)):
+        s[i] = math.tanh(s[i] * softmax_scale / softcap) * softcap / softmax_scale
+
+
+# --- 13.1 the check of sink_tokens ----------------------------------------------------------
+def _count(sink_tokens):
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, numbers.Integral) \
+            or sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+    return int(sink_tokens)
+
+
+def sink_check_takes_bools(sink_tokens, window_size=None, causal=False):
+    if not isinstance(sink_tokens, numbers.Integral) or sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+    left = None if window_size is None else window_size[0]
+    if sink_tokens and left is None:
+        raise ValueError(f"sink_tokens={sink_tokens} needs a left side of the window")
+    return int(sink_tokens)
+
+
+def sink_check_reads_negative_left_as_none(sink_tokens, window_size=None, causal=False):
+    n = _count(sink_tokens)
+    left = None if window_size is None else window_size[0]
+    if left is not None and left < 0:
+        left = None
+    if n and left is None:
+        raise ValueError(f"sink_tokens={n} needs a left side of the window")
+    return n
+
+
+def sink_check_forgets_two_negative_sides(sink_tokens, window_size=None, causal=False):
+    n = _count(sink_tokens)
+    left = None if window_size is None else window_size[0]
+    if n and left is None:
+        raise ValueError(f"sink_tokens={n} needs a left side of the window")
+    return n
+
+
+def sink_check_says_too_little(sink_tokens, window_size=None, causal=False):
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, numbers.Integral) \
+            or sink_tokens < 0:
+        raise ValueError("bad sink_tokens")
+    left, right = (None, None) if window_size is None else window_size
+    if left is not None and right is not None and left < 0 and right < 0:
+        left = None
+    if sink_tokens and left is None:
+        raise ValueError("bad window")
+    return int(sink_tokens)
+
+
+def sink_check_through_the_package(sink_tokens, window_size=None, causal=False):
+    _, left, _ = _normalise_window(causal, window_size)
+    n = _count(sink_tokens)
+    if n and left is None:
+        raise ValueError(f"sink_tokens={n} needs a left side of the window")
+    return n
+
+
+# --- 13.2 the cache key -----------------------------------------------------------------------
+def key_of_everything(call):
+    return tuple(sorted((k, repr(v)) for k, v in call.items()))
+
+
+def _key(call):
+    left, right = call["window_size"]
+    return ("fwd", call["dtype"], call["head_dim"], call["causal"], left is not None,
+            right is not None)
+
+
+def key_with_window_sizes(call):
+    return (*_key(call), call["config"], call["window_size"])
+
+
+def key_without_config(call):
+    return _key(call)
+
+
+def key_with_an_object(call):
+    return (*_key(call), call["config"], object())
+
+
+def key_without_window_sides(call):
+    return ("fwd", call["dtype"], call["head_dim"], call["causal"], call["config"])
+
+
+_ck = dict(check=t13.check_check_sink, reference=t13.check_sink_tokens,
+           forbid=t13.SINK_CHECK_FORBID)
+_kk = dict(check=t13.check_kernel_key, reference=t13.kernel_key)
+_mask = dict(check=t13s.check_sink_mask, reference=t13s.sink_mask,
+             forbid=t13s.SINK_MASK_FORBID)
+_cap = dict(check=t13s.check_softcap, reference=t13s.softcap_scores,
+            forbid=t13s.SOFTCAP_FORBID)
+
+MUTATIONS = [
+    Mutation("13.1", answer=sink_check_takes_bools, says="a bool is not a count", **_ck),
+    Mutation("13.1", answer=sink_check_reads_negative_left_as_none,
+             says="a negative left side is a bound too", **_ck),
+    Mutation("13.1", answer=sink_check_forgets_two_negative_sides,
+             says="two negative sides are no window", **_ck),
+    Mutation("13.1", answer=sink_check_says_too_little, says="does not name", **_ck),
+    Mutation("13.1", answer=sink_check_through_the_package, says="_normalise_window", **_ck),
+    Mutation("13.2", answer=key_of_everything, says="runtime argument", **_kk),
+    Mutation("13.2", answer=key_with_window_sizes, says="window sizes 128 and 512", **_kk),
+    Mutation("13.2", answer=key_without_config, says="config", **_kk),
+    Mutation("13.2", answer=key_with_an_object, says="object address", **_kk),
+    Mutation("13.2", answer=key_without_window_sides, says="changing window_size", **_kk),
+    Mutation("13.3", answer=mask_without_sinks, says="it is a sink token", **_mask),
+    Mutation("13.3", answer=sinks_one_too_many, says="a mask off by one", **_mask),
+    Mutation("13.3", answer=sinks_past_the_right_side, says="it is right of the window",
+             **_mask),
+    Mutation("13.3", answer=sinks_in_every_tile, says="is not a sink", **_mask),
+    Mutation("13.3", answer=limits_not_shifted, says="must be masked", **_mask),
+    Mutation("13.3", answer=mask_with_an_if, says="instructions per element", slow=True,
+             **_mask),
+    Mutation("13.4", answer=softcap_unscaled, says="the scores reach your function unscaled",
+             **_cap),
+    Mutation("13.4", answer=softcap_scaled_twice, says="the softmax multiplies by the scale "
+             "again", **_cap),
+    Mutation("13.4", answer=softcap_slow_tanh, says="fastmath=True", **_cap),
+    Mutation("13.4", answer=softcap_divides_per_element, says="divides per element", slow=True,
+             **_cap),
+    Mutation("13.4", answer=softcap_on_the_host, says="math.tanh", **_cap),
+]
