@@ -289,7 +289,7 @@ def _row_mistake(what, got_o, got_l, want_o, want_l, log2_units_hint=True,
     return None
 
 
-def check_merge_pair_values(fn) -> None:
+def _check_pair_values(fn) -> None:
     """14.1 on this CPU: fn on the rows of ``merge_rows`` against float64."""
     _refuse_device_only(fn)
     rows, os_, lses = _merge_case(2)
@@ -302,7 +302,7 @@ def check_merge_pair_values(fn) -> None:
             raise AssertionError(mistake)
 
 
-def check_merge_step_values(fn, parts: int = 4) -> None:
+def _check_step_values(fn, parts: int = 4) -> None:
     """14.2 on this CPU: fn as the step over ``parts`` partials per row, against float64."""
     _refuse_device_only(fn)
     rows, os_, lses = _merge_case(parts)
@@ -312,9 +312,9 @@ def check_merge_step_values(fn, parts: int = 4) -> None:
         mistake = _row_mistake(what, o[i].astype(np.float64), float(lse[i]), want_o[i],
                                float(want_l[i]), log2_units_hint=False, lses=lses[:, i])
         if mistake:
-            if "the weights do not sum" in mistake or "out differs" in mistake:
-                mistake += (". The running acc must be rescaled by exp2((old max - new max) "
-                            "log2 e) whenever the max grows, like the online softmax's O")
+            if "do not sum" in mistake or "differs" in mistake:
+                mistake = (f"{mistake}. The running acc must be rescaled by exp2((old max - "
+                           "new max) log2 e) whenever the max grows, like the online softmax's O")
             raise AssertionError(mistake)
 
 
@@ -367,24 +367,35 @@ def merge_sass_facts(fn, kind: str = "pair", parts: int = 4) -> dict:
     }
 
 
-def _sass_mistake(facts: dict, kind: str) -> str | None:
-    d, parts = facts["row length D"], facts["partials per row"]
+def _local_memory_mistake(facts: dict) -> str | None:
     if facts["local memory"]:
         return ("compiled for sm_90a, the row sits in local memory: index the tensors with "
                 "compile-time indices (loops over cutlass.range_constexpr)")
-    if kind == "pair":
-        if facts["MUFU.LG2"] > 1:
-            return (f"compiled for sm_90a, your merge has {facts['MUFU.LG2']} MUFU.LG2 for a row "
-                    f"of {d}: the lse is one log per row, not one per element")
-        if facts["MUFU.EX2"] > 2:
-            return (f"compiled for sm_90a, your merge has {facts['MUFU.EX2']} MUFU.EX2 for a row "
-                    f"of {d}: the two weights are per row; compute them once, before the loop "
-                    "over the elements")
-        if facts["reciprocals and division calls"] > 16:
-            return (f"compiled for sm_90a, your merge divides per element "
-                    f"({facts['reciprocals and division calls']} reciprocals and division "
-                    "calls): take the reciprocal of the sum once and multiply")
-        return None
+    return None
+
+
+def _pair_sass_mistake(facts: dict) -> str | None:
+    d = facts["row length D"]
+    if _local_memory_mistake(facts):
+        return _local_memory_mistake(facts)
+    if facts["MUFU.LG2"] > 1:
+        return (f"compiled for sm_90a, your merge has {facts['MUFU.LG2']} MUFU.LG2 for a row "
+                f"of {d}: the lse is one log per row, not one per element")
+    if facts["MUFU.EX2"] > 2:
+        return (f"compiled for sm_90a, your merge has {facts['MUFU.EX2']} MUFU.EX2 for a row "
+                f"of {d}: the two weights are per row; compute them once, before the loop over "
+                "the elements")
+    if facts["reciprocals and division calls"] > 16:
+        return (f"compiled for sm_90a, your merge divides per element "
+                f"({facts['reciprocals and division calls']} reciprocals and division calls): "
+                "take the reciprocal of the sum once and multiply")
+    return None
+
+
+def _step_sass_mistake(facts: dict) -> str | None:
+    parts = facts["partials per row"]
+    if _local_memory_mistake(facts):
+        return _local_memory_mistake(facts)
     if facts["MUFU.LG2"] > 1:
         return ("compiled for sm_90a, your step takes a log: the step keeps row_max and row_sum; "
                 "the log is taken once at the end (lse = row_max + log(row_sum))")
@@ -400,9 +411,9 @@ def _sass_mistake(facts: dict, kind: str) -> str | None:
 
 def check_merge_pair(fn, compile_check: bool = True) -> None:
     """Exercise 14.1: the values on this CPU, then the SASS of one thread per row."""
-    check_merge_pair_values(fn)
+    _check_pair_values(fn)
     if compile_check:
-        mistake = _sass_mistake(merge_sass_facts(fn, "pair"), "pair")
+        mistake = _pair_sass_mistake(merge_sass_facts(fn, "pair"))
         if mistake:
             raise AssertionError(mistake)
 
@@ -410,10 +421,10 @@ def check_merge_pair(fn, compile_check: bool = True) -> None:
 def check_merge_step(fn, compile_check: bool = True) -> None:
     """Exercise 14.2: four partials per row on this CPU (three too, so a step that assumes a
     count is caught), then the SASS."""
-    check_merge_step_values(fn, 4)
-    check_merge_step_values(fn, 3)
+    _check_step_values(fn, 4)
+    _check_step_values(fn, 3)
     if compile_check:
-        mistake = _sass_mistake(merge_sass_facts(fn, "step"), "step")
+        mistake = _step_sass_mistake(merge_sass_facts(fn, "step"))
         if mistake:
             raise AssertionError(mistake)
 

@@ -125,6 +125,8 @@ for s in "$@"; do
     fa4-ablation) step fa4_ablation 420 $PY -m measure.fwd_knobs --ablation ;;
     fa4-timeline) step fa4_timeline 120 $PY -m measure.fwd_timeline ;;
     micro) step microbench 300 $PY -m measure.microbench ;;
+    ring) step ring 420 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_ring_attention.py ;;  # chapter 14: 2 ranks on one GPU (gloo), NCCL with 2+ GPUs, the merge kernels
+    ring-scaling) step ring_scaling 600 $PY -m measure.ring_scaling ;;  # chapter 14, 2-8 GPUs only: refuses on one
     ch03) step ch03_kernels 300 $PY -m measure.ch03_kernels ;;
     sanitize)
       for m in ${SANITIZE:-ch04_flash_ampere ch05_flash_hopper}; do
