@@ -870,6 +870,10 @@ def scores_seam(mask_fn=None, sink: int = 0, softcap_fn=None, softcap=None,
     rule) on every visited key tile; with sinks the visited tiles start at 0."""
     from fa4_final.hopper import fwd as fwd_module
 
+    for name in ("kv_tile_range", "apply_mask", "apply_mask_bits"):
+        if not hasattr(fwd_module, name):  # the seam is the kernel module's own names
+            raise RuntimeError(f"fa4_final.hopper.fwd no longer names {name}: the exercise "
+                               f"kernel cannot swap its mask step")
     package_range = fwd_module.kv_tile_range
 
     def tile_range(w, m_block, seqlen_q, seqlen_k, window_left=None, window_right=None):
