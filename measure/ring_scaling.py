@@ -8,11 +8,12 @@ Needs at least 2 CUDA GPUs of one host (it refuses, saying so, with fewer). One 
 1. correctness: the ring with fa4_final's kernels (solutions.ch14_ring.fa4_block_forward /
    fa4_block_backward) on all GPUs against fa4_final on one GPU, forward and gradients, bf16,
    causal, at a length that fits one GPU;
-2. scaling: forward and forward + backward of one causal problem (GQA 32/8, D = 128, bf16) on
-   W = 1, 2, 4, ... GPUs for each sequence length that fits, in interleaved rounds, three ways:
+2. scaling: forward and forward + backward of one causal problem (D = 128, bf16) on
+   W = 1, 2, 4, ... GPUs for each sequence length that fits, in interleaved rounds, three ways
+   (32 heads, MHA: the same problem for all three):
    - ``fa4_final_ring``: this chapter's ring with fa4_final's kernels;
    - ``torch_cp_cudnn``: PyTorch's ``context_parallel`` (its own ring over SDPA, head-tail load
-     balance, rotate method "alltoall") with SDPA's cuDNN backend;
+     balance, rotate method "alltoall") with SDPA's cuDNN backend; at W = 1 plain SDPA;
    - ``torch_cp_fa4_final``: the same with fa4_final registered as SDPA's flash implementation
      (solutions.ch14_ring.activate_fa4_sdpa); skipped, with the reason stored in the file,
      while fa4_final has no SDPA registration.
@@ -40,7 +41,8 @@ PRODUCES = [
      "one GPU; chapter 14 describes it"),
 ]
 
-HEADS, HEADS_KV, HEAD_DIM = 32, 8, 128
+# MHA: PyTorch's context_parallel path takes SDPA's flash and cuDNN ops, which here get no GQA
+HEADS, HEADS_KV, HEAD_DIM = 32, 32, 128
 
 
 def _inputs(seqlen: int, device, seed: int = 0):
@@ -78,29 +80,36 @@ def _fa4_ring(q, k, v, dout, layout, comm, backward: bool):
     return run
 
 
-def _torch_cp(q, k, v, dout, world, backward: bool, backend: str):
-    """PyTorch's context_parallel over the whole problem (it shards the buffers itself)."""
+def _time_torch_cp(q, k, v, dout, world, backward: bool, backend: str, repeats: int) -> float:
+    """PyTorch's context_parallel over the whole problem: it shards the buffers once on entry
+    (not timed); inside, each timed call is one SDPA (its ring) forward, or forward and
+    backward. With W = 1 it is plain SDPA on one GPU, the baseline of the same backend."""
+    import contextlib
+
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import set_rotate_method
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    mesh = init_device_mesh("cuda", (world,))
-    set_rotate_method("alltoall")
     sdpa = SDPBackend.CUDNN_ATTENTION if backend == "cudnn" else SDPBackend.FLASH_ATTENTION
-    # (b, h, s, d) as SDPA takes them; GQA through enable_gqa
-    qt, kt, vt, dot = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))
+    bufs = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]  # (b, h, s, d) for SDPA
+    if world > 1:
+        set_rotate_method("alltoall")
+        cp = context_parallel(init_device_mesh("cuda", (world,)), buffers=bufs,
+                              buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs))
+    else:
+        cp = contextlib.nullcontext()
+    with cp:
+        leaves = [b.detach().requires_grad_(backward) for b in bufs[:3]]
 
-    def run():
-        bufs = [t.clone().requires_grad_(backward and t is not dot) for t in (qt, kt, vt, dot)]
-        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2]):
+        def run():
             with sdpa_kernel(sdpa):
-                out = F.scaled_dot_product_attention(bufs[0], bufs[1], bufs[2], is_causal=True,
-                                                     enable_gqa=True)
+                out = F.scaled_dot_product_attention(*leaves, is_causal=True)
                 if backward:
                     out.backward(bufs[3])
-    return run
+
+        return _time(run, repeats)
 
 
 def scaling_worker(rank: int, world: int, seqlens: list, repeats: int, skip_fa4_cp: str | None):
@@ -112,20 +121,18 @@ def scaling_worker(rank: int, world: int, seqlens: list, repeats: int, skip_fa4_
         q, k, v, dout = _inputs(seqlen, device)
         layout = ring.zigzag_layout(seqlen, world)
         lq, lk, lv, ldo = (layout.shard(t, rank) for t in (q, k, v, dout))
-        names = ["fa4_final_ring"]
-        if world > 1:
-            names.append("torch_cp_cudnn")
-            if skip_fa4_cp is None:
-                names.append("torch_cp_fa4_final")
+        names = ["fa4_final_ring", "torch_cp_cudnn"]
+        if skip_fa4_cp is None:
+            names.append("torch_cp_fa4_final")
         for name in names:
             for pass_, bwd in (("fwd", False), ("fwd+bwd", True)):
-                if name == "fa4_final_ring":
-                    run = _fa4_ring(lq, lk, lv, ldo, layout, comm, bwd)
-                else:
-                    run = _torch_cp(q, k, v, dout, world, bwd,
-                                    "cudnn" if name == "torch_cp_cudnn" else "flash")
                 try:
-                    ms = _time(run, repeats)
+                    if name == "fa4_final_ring":
+                        ms = _time(_fa4_ring(lq, lk, lv, ldo, layout, comm, bwd), repeats)
+                    else:
+                        ms = _time_torch_cp(q, k, v, dout, world, bwd,
+                                            "cudnn" if name == "torch_cp_cudnn" else "flash",
+                                            repeats)
                     found.append({"impl": name, "s": seqlen, "pass": pass_, "ms": ms})
                 except torch.cuda.OutOfMemoryError as exc:
                     found.append({"impl": name, "s": seqlen, "pass": pass_, "ms": None,

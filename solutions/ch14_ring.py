@@ -771,3 +771,57 @@ def activate_fa4_sdpa() -> str:
                                   register_fn=lambda: register_flash_attention_fa4(path))
     activate_flash_attention_impl("fa4_final")
     return path
+
+
+# ================================================================================================
+# 9. fa4_final's kernels inside the ring, on Hopper GPUs
+# ================================================================================================
+# (b, s, h, hk, d, causal): lengths not a multiple of 2W, GQA, D 64 and 128
+GPU_CASES = [(1, 1000, 4, 2, 128, True), (2, 777, 4, 4, 64, False), (1, 4099, 8, 2, 128, True)]
+
+
+def gpu_ring_worker(rank: int, world: int, cases: list):
+    """One rank: every case through the ring with fa4_final's kernels, bf16; returns this rank's
+    (out, lse, dq, dk, dv) on the CPU in float64."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    comm = DistRing()
+    found = []
+    for n, (b, s, h, hk, d, causal) in enumerate(cases):
+        q, k, v, dout = Case(b, s, h, hk, d, causal, 100 + n).inputs(torch.bfloat16, device)
+        layout = zigzag_layout(s, world)
+        lq, lk, lv, ldo = (layout.shard(t, rank) for t in (q, k, v, dout))
+        out, lse = ring_forward(lq, lk, lv, layout, comm, causal, block_fn=fa4_block_forward)
+        grads = ring_backward(ldo, lq, lk, lv, out, lse, layout, comm, causal,
+                              block_fn=fa4_block_backward)
+        torch.cuda.synchronize()
+        found.append(tuple(t.double().cpu() for t in (out, lse, *grads)))
+    return found
+
+
+def check_on_gpus(world: int = 2, backend: str = "gloo", cases=GPU_CASES) -> tuple[bool, list]:
+    """The ring with fa4_final's kernels on ``world`` ranks (gloo: ranks may share one GPU, the
+    pieces move through host memory; nccl: one GPU per rank) against float64 autograd on the
+    same bf16 inputs. Returns (ok, one line per case); the tolerance is 2e-2 of each output's
+    largest magnitude (bf16 inputs and outputs)."""
+    per_rank = launch(gpu_ring_worker, world, (list(cases),), backend=backend, deadline=600,
+                      collective_timeout=120)
+    ok, lines = True, []
+    for n, (b, s, h, hk, d, causal) in enumerate(cases):
+        q, k, v, dout = (t.to(torch.bfloat16).double()
+                         for t in Case(b, s, h, hk, d, causal, 100 + n).inputs())
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = reference_attention(*leaves, causal=causal)
+        ref = (ref_out.detach(), ref_lse.detach(), *torch.autograd.grad(ref_out, leaves, dout))
+        layout = zigzag_layout(s, world)
+        errs, case_ok = [], True
+        for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+            got = layout.unshard([per_rank[r][n][i] for r in range(world)],
+                                 dim=2 if name == "lse" else 1)
+            err = float((got - ref[i]).abs().max())
+            case_ok &= err <= 2e-2 * max(1.0, float(ref[i].abs().max()))
+            errs.append(f"{name} {err:.1e}")
+        ok &= case_ok
+        lines.append(f"W={world} {backend} b={b} s={s} h={h}/{hk} d={d} causal={causal}: max "
+                     f"|ring - float64| {', '.join(errs)} -> {'ok' if case_ok else 'FAIL'}")
+    return ok, lines
