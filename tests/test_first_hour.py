@@ -2,13 +2,14 @@
 
 import json
 
-from utils import first_hour, results
+from measure import first_hour
+from utils import results
 
 FAKE = {
     "provenance": {
         "gpu": "cpu", "driver": "none", "cuda": "none", "torch": "2.13.0+cpu",
         "cutlass_dsl": "4.8.1", "commit": "abc", "date": "2026-12-01 10:00 UTC",
-        "command": "python -m utils.first_hour measure", "machine": "2 cores, 23.4 GiB, "
+        "command": "python -m measure.first_hour measure", "machine": "2 cores, 23.4 GiB, "
         "x86_64, no GPU", "python": "3.11.7",
         "conditions": "... torch, from a local wheel (torch-2.13.0+cpu.whl, PIP_FIND_LINKS) ...",
     },
@@ -19,7 +20,7 @@ FAKE = {
 
 def test_readme_line_is_current():
     text = first_hour.README.read_text()
-    assert first_hour.render(text) == text, "run `python -m utils.first_hour --write`"
+    assert first_hour.render(text) == text, "run `python -m measure.first_hour --write`"
 
 
 def test_line_reads_the_measurement():

@@ -1,6 +1,6 @@
 """Drive the course in a real browser: JupyterLab served by `make lab`, and the built website.
 
-Used by ``tests/test_browser.py`` and by ``python -m utils.first_hour``. Headless Chromium from
+Used by ``tests/test_browser.py`` and by ``python -m measure.first_hour``. Headless Chromium from
 the system (Debian's ``chromium`` package: ``/usr/bin/chromium``), driven by Playwright; no
 browser is downloaded. ``COURSE_CHROMIUM`` names another binary.
 

@@ -1,8 +1,8 @@
 """A newcomer's first minutes, measured: from `git clone` to chapter 00 open in JupyterLab.
 
-    python -m utils.first_hour measure [--source REPO]  # writes results/cpu/first_hour.json
-    python -m utils.first_hour --write                  # rewrites the README's line from it
-    python -m utils.first_hour                          # prints that line
+    python -m measure.first_hour measure [--source REPO]  # writes results/cpu/first_hour.json
+    python -m measure.first_hour --write                  # rewrites the README's line from it
+    python -m measure.first_hour                          # prints that line
 
 ``measure`` does what the README asks of a newcomer, on this machine: a fresh ``git clone``
 of ``REPO`` (default: this repository) into a temporary folder, then ``make lab`` there, with an
@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RESULT = ROOT / "results" / "cpu" / "first_hour.json"
+PRODUCES = [("results/cpu/first_hour.json", "python -m measure.first_hour measure",
+             "a fresh clone to chapter 00 open in JupyterLab: install, start, first cell")]
 START, END = "<!-- first-hour:start -->", "<!-- first-hour:end -->"
 METRICS = ("clone", "make_lab_until_server_answers", "chapter_00_open_kernel_idle",
            "first_code_cell", "clone_to_chapter_00")
@@ -100,7 +102,7 @@ def measure(source: str = str(ROOT), workdir: Path | None = None) -> Path:
     }
     rows = [{"impl": "make lab", "metric": k, "value": round(seconds[k], 1), "unit": "s"}
             for k in METRICS]
-    command = f"python -m utils.first_hour measure --source {source}"
+    command = f"python -m measure.first_hour measure --source {source}"
     prov = results.collect_provenance(command)
     prov.update(
         commit=commit,
@@ -122,7 +124,7 @@ def line(data: dict | None = None) -> str:
     """The README's sentence, from the stored measurement."""
     if data is None:
         if not RESULT.exists():
-            return "Clone to chapter 00: not measured yet (`python -m utils.first_hour measure`)."
+            return "Clone to chapter 00: not measured yet (`python -m measure.first_hour measure`)."
         data = json.loads(RESULT.read_text())
     value = {r["metric"]: r["value"] for r in data["rows"]}
     p = data["provenance"]
