@@ -61,7 +61,7 @@ __all__ = [
     "DistRing", "Layout", "RankFailed", "ThreadRing", "block_backward", "block_forward",
     "block_visibility", "contiguous_layout", "fa4_block_backward", "fa4_block_forward", "launch",
     "merge", "reference_attention", "ring_backward", "ring_forward", "split_even",
-    "visible_pairs", "zigzag_layout",
+    "varlen_blocks", "visible_pairs", "zigzag_layout",
 ]
 
 
@@ -185,21 +185,34 @@ def _global_mask(q_start, sq, k_start, sk, device) -> torch.Tensor:
     return kj <= qi
 
 
-def _scores(q, k, q_start, k_start, causal, scale):
+def _doc_mask(q_start, sq, k_start, sk, cu_seqlens, device) -> torch.Tensor:
+    """(sq, sk) True where query and key belong to the same document of a packed sequence
+    (cu_seqlens: the documents' start offsets and the total, as in varlen attention)."""
+    bounds = torch.as_tensor(cu_seqlens, device=device)[1:-1]
+    qd = torch.bucketize(torch.arange(q_start, q_start + sq, device=device), bounds, right=True)
+    kd = torch.bucketize(torch.arange(k_start, k_start + sk, device=device), bounds, right=True)
+    return qd[:, None] == kd[None, :]
+
+
+def _scores(q, k, q_start, k_start, causal, scale, cu_seqlens=None):
     h = q.shape[2]
     s = torch.matmul(q.transpose(1, 2), _expand_kv(k, h).transpose(-1, -2)) * scale
     if causal:
         mask = _global_mask(q_start, q.shape[1], k_start, k.shape[1], q.device)
         s = s.masked_fill(~mask, float("-inf"))
+    if cu_seqlens is not None:
+        mask = _doc_mask(q_start, q.shape[1], k_start, k.shape[1], cu_seqlens, q.device)
+        s = s.masked_fill(~mask, float("-inf"))
     return s  # (b, h, sq, sk)
 
 
 def block_forward(q, k, v, q_start: int = 0, k_start: int = 0, causal: bool = False,
-                  softmax_scale=None):
+                  softmax_scale=None, cu_seqlens=None):
     """(out, lse) of queries at global positions q_start.. over keys at k_start.. (the course's
     reference attention, in the inputs' dtype: float64 or float32 on a CPU). out like q; lse
-    (b, h, sq); a row that sees no key gets out = 0, lse = -inf."""
-    s = _scores(q, k, q_start, k_start, causal, _scale(q, softmax_scale))
+    (b, h, sq); a row that sees no key gets out = 0, lse = -inf. ``cu_seqlens``: the sequence
+    is a packed batch of documents (varlen), and a query sees only its own document's keys."""
+    s = _scores(q, k, q_start, k_start, causal, _scale(q, softmax_scale), cu_seqlens)
     lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     p = torch.exp(s - safe[..., None])  # masked scores give 0; a row with no key is all 0
@@ -208,14 +221,14 @@ def block_forward(q, k, v, q_start: int = 0, k_start: int = 0, causal: bool = Fa
 
 
 def block_backward(dout, q, k, v, out, lse, q_start: int = 0, k_start: int = 0,
-                   causal: bool = False, softmax_scale=None):
+                   causal: bool = False, softmax_scale=None, cu_seqlens=None):
     """(dq, dk, dv) of one block from the GLOBAL out and lse of these query rows (Note [The
     backward's ring]): P = exp(S - lse) is the block's share of the global softmax, and
     delta = rowsum(dO * O) uses the global O, so the blocks' gradients add up exactly. GQA: dk,
     dv are summed over each group of query heads."""
     scale = _scale(q, softmax_scale)
     h, hk = q.shape[2], k.shape[2]
-    s = _scores(q, k, q_start, k_start, causal, scale)
+    s = _scores(q, k, q_start, k_start, causal, scale, cu_seqlens)
     safe = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
     p = torch.exp(s - safe[..., None])  # (b, h, sq, sk); rows with lse = -inf: 0
     do = dout.transpose(1, 2)  # (b, h, sq, d)
@@ -271,9 +284,20 @@ def fa4_block_backward(dout, q, k, v, out, lse, q_start: int = 0, k_start: int =
     return dq.float(), dk.float(), dv.float()
 
 
-def reference_attention(q, k, v, causal: bool = False, softmax_scale=None):
+def reference_attention(q, k, v, causal: bool = False, softmax_scale=None, cu_seqlens=None):
     """One process, the whole sequence: what the ring must reproduce."""
-    return block_forward(q, k, v, 0, 0, causal, softmax_scale)
+    return block_forward(q, k, v, 0, 0, causal, softmax_scale, cu_seqlens)
+
+
+def varlen_blocks(cu_seqlens):
+    """(block forward, block backward) for a packed batch of documents: the ring code is
+    unchanged, the block functions add the document mask at global positions. (On GPUs this
+    would take fa4_final's varlen kernels with each block's documents cut to the block: not
+    done here.)"""
+    import functools
+
+    return (functools.partial(block_forward, cu_seqlens=tuple(cu_seqlens)),
+            functools.partial(block_backward, cu_seqlens=tuple(cu_seqlens)))
 
 
 # ================================================================================================
@@ -599,7 +623,10 @@ def launch(worker, world: int, args: tuple = (), backend: str = "gloo", deadline
     running: never a hang."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    # fresh processes forked from a server that imported torch once (spawning each rank would
+    # import torch W times per launch); no CUDA is touched before a rank sets its device
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "solutions.ch14_ring"])
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="ring_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
@@ -671,6 +698,13 @@ class Case:
     d: int
     causal: bool
     seed: int = 0
+    cu_seqlens: tuple | None = None  # a packed batch of documents (varlen), b = 1
+
+    def blocks(self):
+        """The block functions of this case (the document mask added for varlen)."""
+        if self.cu_seqlens is None:
+            return block_forward, block_backward
+        return varlen_blocks(self.cu_seqlens)
 
     def inputs(self, dtype=torch.float64, device="cpu"):
         g = torch.Generator().manual_seed(self.seed)
@@ -685,7 +719,7 @@ def reference_case(case: Case):
     """(out, lse, dq, dk, dv) of one process over the whole sequence, float64 autograd."""
     q, k, v, dout = case.inputs()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = reference_attention(*leaves, causal=case.causal)
+    out, lse = reference_attention(*leaves, causal=case.causal, cu_seqlens=case.cu_seqlens)
     grads = torch.autograd.grad(out, leaves, dout)
     return (out.detach(), lse.detach(), *grads)
 
@@ -699,8 +733,9 @@ def ring_case_worker(rank: int, world: int, cases: list, layout_kind: str = "zig
         q, k, v, dout = case.inputs()
         layout = (zigzag_layout if layout_kind == "zigzag" else contiguous_layout)(case.s, world)
         lq, lk, lv, ldo = (layout.shard(t, rank) for t in (q, k, v, dout))
-        out, lse = ring_forward(lq, lk, lv, layout, comm, case.causal)
-        grads = ring_backward(ldo, lq, lk, lv, out, lse, layout, comm, case.causal)
+        fwd, bwd = case.blocks()
+        out, lse = ring_forward(lq, lk, lv, layout, comm, case.causal, block_fn=fwd)
+        grads = ring_backward(ldo, lq, lk, lv, out, lse, layout, comm, case.causal, block_fn=bwd)
         found.append((out, lse, *grads))
     return found
 

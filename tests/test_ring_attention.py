@@ -17,6 +17,7 @@ CASES = [
     R.Case(2, 24, 4, 2, 8, False, 2),  # even chunks, batch 2
     R.Case(1, 19, 2, 2, 4, False, 3),  # uneven, not causal
     R.Case(1, 6, 2, 2, 4, True, 4),    # fewer tokens than 2W chunks for W = 4: empty chunks
+    R.Case(1, 29, 2, 1, 4, True, 5, cu_seqlens=(0, 3, 17, 18, 29)),  # varlen: 4 documents
 ]
 TOL = 1e-12
 
@@ -38,6 +39,16 @@ def test_ring_block_forward_global_offsets_hide_later_keys():
     out_m, lse_m = R.block_forward(q[:, 4:], k[:, :4], v[:, :4], 4, 0, True)
     out_n, lse_n = R.block_forward(q[:, 4:], k[:, :4], v[:, :4], 4, 0, False)
     assert torch.equal(out_m, out_n) and torch.equal(lse_m, lse_n)
+
+
+def test_ring_varlen_reference_is_attention_per_document():
+    q, k, v, _ = R.Case(1, 20, 2, 2, 4, True, 11).inputs()
+    cu = (0, 7, 20)
+    out, lse = R.reference_attention(q, k, v, causal=True, cu_seqlens=cu)
+    for a, b in zip(cu, cu[1:]):
+        ref_out, ref_lse = attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], causal=True)
+        assert (out[:, a:b] - ref_out).abs().max() < TOL
+        assert (lse[..., a:b] - ref_lse).abs().max() < TOL
 
 
 def test_ring_merge_of_two_halves_is_the_whole():
@@ -98,9 +109,10 @@ def test_ring_in_threads_equals_one_process(world):
 
         def rank_fn(comm, layout=layout, case=case, q=q, k=k, v=v, dout=dout):
             lq, lk, lv, ldo = (layout.shard(t, comm.rank) for t in (q, k, v, dout))
-            out, lse = R.ring_forward(lq, lk, lv, layout, comm, case.causal)
+            fwd, bwd = case.blocks()
+            out, lse = R.ring_forward(lq, lk, lv, layout, comm, case.causal, block_fn=fwd)
             return (out, lse, *R.ring_backward(ldo, lq, lk, lv, out, lse, layout, comm,
-                                               case.causal))
+                                               case.causal, block_fn=bwd))
 
         per_rank = R.ThreadRing(world).run(rank_fn)
         errors = R.ring_errors([[r] for r in per_rank], [case], world)[0]
