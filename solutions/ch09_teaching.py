@@ -1002,16 +1002,20 @@ def check_primer_on_gpu(issue_qk_fn=None, softmax_fn=None, cases=PRIMER_GPU_CASE
 # --- the forward compiled (no GPU) and on a Blackwell GPU (measure.blackwell_fwd times it) -----
 def compile_forward(head_dim: int = 128, causal: bool = False, cfg=None, dtype: str = "bf16"):
     """``fa4_final.blackwell``'s forward compiled for sm_100a from fake tensors (no GPU): its
-    artifacts (PTX, SASS, resources). Through the package's host recipe where it has one
-    (fa4_final.blackwell.host), else the kernel module's compile_only."""
-    try:
-        from fa4_final.blackwell.host import forward_recipe
-        from fa4_final.runtime.compile import artifacts
+    artifacts (PTX, SASS, resources), through whichever compile-only entry point the package
+    has (fa4_final.api.sm100, the kernel module, or the host recipe)."""
+    try:  # the package's sm_100a compile-only entry point, where it has one
+        from fa4_final.api.sm100 import compile_only
     except ImportError:
-        from fa4_final.blackwell.fwd import compile_only
+        try:
+            from fa4_final.blackwell.fwd import compile_only
+        except ImportError:
+            from fa4_final.blackwell.host import forward_recipe
+            from fa4_final.runtime.compile import artifacts
 
-        return compile_only(head_dim, dtype, causal, cfg)
-    return artifacts(forward_recipe(head_dim, dtype, causal, cfg), roles=("main",))["main"]
+            return artifacts(forward_recipe(head_dim, dtype, causal, cfg),
+                             roles=("main",))["main"]
+    return compile_only(head_dim, dtype, causal, cfg)
 
 
 # --- the forward on a Blackwell GPU (measure.blackwell_fwd times it) ---------------------------
@@ -1030,7 +1034,11 @@ def forward_variant(knobs: dict):
     from dataclasses import replace
 
     from fa4_final.blackwell.config import blackwell_fwd_default
-    from fa4_final.blackwell.fwd import attention
+
+    try:  # the package's sm_100a entry point, where it has one
+        from fa4_final.api.sm100 import attention
+    except ImportError:
+        from fa4_final.blackwell.fwd import attention
 
     def run(q, k, v, causal=False, softmax_scale=None):
         cfg = replace(blackwell_fwd_default(q.shape[-1], causal), **knobs)
