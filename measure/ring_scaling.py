@@ -116,7 +116,7 @@ def scaling_worker(rank: int, world: int, seqlens: list, repeats: int, skip_fa4_
     """One rank: every sequence length, three implementations, forward and fwd + bwd."""
     comm = ring.DistRing()
     device = torch.device("cuda", rank)
-    found = []
+    found, activated = [], []
     for seqlen in seqlens:
         q, k, v, dout = _inputs(seqlen, device)
         layout = ring.zigzag_layout(seqlen, world)
@@ -130,6 +130,9 @@ def scaling_worker(rank: int, world: int, seqlens: list, repeats: int, skip_fa4_
                     if name == "fa4_final_ring":
                         ms = _time(_fa4_ring(lq, lk, lv, ldo, layout, comm, bwd), repeats)
                     else:
+                        if name == "torch_cp_fa4_final" and not activated:
+                            ring.activate_fa4_sdpa()  # SDPA's flash ops now run fa4_final
+                            activated.append(True)
                         ms = _time_torch_cp(q, k, v, dout, world, bwd,
                                             "cudnn" if name == "torch_cp_cudnn" else "flash",
                                             repeats)
