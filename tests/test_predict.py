@@ -33,3 +33,12 @@ def test_bad_predictions_and_reveals_say_what_is_wrong():
         predict("t.5", "fast", question="q", default=1.0)
     with pytest.raises(LookupError, match="run its predict"):
         reveal("t.never", 1.0, lesson="")
+
+
+def test_a_model_or_compiled_figure_is_not_called_measured(capsys):
+    predict("t.6", 2.0, question="binding unit ratio", default=1.0)
+    reveal("t.6", 2.0, lesson="", source="model, chapter 00")
+    predict("t.7", 10, question="LDTM count", default=8)
+    reveal("t.7", 12, lesson="", source="compiled for sm_100a on this CPU")
+    out = capsys.readouterr().out
+    assert "the model gives 2" in out and "compiled: 12" in out and "measured" not in out

@@ -69,14 +69,27 @@ def where(p: Prediction, measured, close: float) -> str:
     return "low" if gap < 0 else "high"
 
 
+def _kind_of(source: str) -> str:
+    """What the revealed figure is, from its source label: a model's figure, a count read off a
+    compiled kernel, or a measurement."""
+    low = source.lower()
+    if "model" in low:
+        return "the model gives"
+    if "compiled" in low or "sass" in low or "ptx" in low:
+        return "compiled:"
+    return "measured"
+
+
 def reveal(pred_id: str, measured, lesson, *, close: float = 0.1,
-           source: str = "") -> str:
+           source: str = "", kind: str | None = None) -> str:
     """Print the prediction beside the measurement, and the lesson for where it landed.
 
     ``lesson``: a string, or a dict keyed by ``where``'s answer ('close', 'low', 'high' for a
     number; 'right', 'wrong' for a choice), or a function of that answer. ``close``: the relative
-    gap that still counts as close. ``source``: where the measurement comes from (a results
-    file's label). Returns where the prediction landed."""
+    gap that still counts as close. ``source``: where the figure comes from (a results file's
+    label, "model", "compiled for sm_100a"). ``kind``: how the figure is introduced ("measured",
+    "the model gives", "compiled:"); by default read from ``source``, so a model's figure is
+    never called measured. Returns where the prediction landed."""
     p = _PREDICTIONS.get(pred_id)
     if p is None:
         raise LookupError(f"no prediction {pred_id} yet: run its predict(...) cell first")
@@ -89,7 +102,8 @@ def reveal(pred_id: str, measured, lesson, *, close: float = 0.1,
         text = lesson
     who = "you predicted" if p.yours else "the default predicted"
     lines = [f"[prediction {pred_id}] {p.question}",
-             f"  {who} {_fmt(p.value, p.unit)}; measured {_fmt(measured, p.unit)}"
+             f"  {who} {_fmt(p.value, p.unit)}; {kind or _kind_of(source)} "
+             f"{_fmt(measured, p.unit)}"
              + (f" ({source})" if source else "")]
     if p.options is None:
         gap = (float(p.value) - float(measured)) / max(abs(float(measured)), 1e-12)
