@@ -16,7 +16,7 @@ queries against one K, V piece) and the communicator:
   float32, with a causal mask at global offsets; ``DistRing`` over gloo; ``ThreadRing`` (W
   threads in one process) for the notebook and the exercises' checks;
 - on a Hopper GPU, ``fa4_block_forward`` / ``fa4_block_backward``: fa4_final's kernels through
-  its public entry points (``fa4_final.run.forward_into``, ``fa4_final.backward.backward_into``);
+  its public entry points (``fa4_final.forward_into``, ``fa4_final.backward.backward_into``);
   ``DistRing`` over NCCL, or over gloo through host memory when several ranks share one GPU.
 
 Note [The merge]
@@ -258,7 +258,7 @@ def _fa4_window(q_start, sq, k_start, sk, causal):
 def fa4_block_forward(q, k, v, q_start: int = 0, k_start: int = 0, causal: bool = False,
                       softmax_scale=None):
     """block_forward on a Hopper GPU: fa4_final's forward kernel (bf16/fp16), lse float32."""
-    from fa4_final.run import forward_into
+    from fa4_final import forward_into  # the package's public entry point
 
     q, k, v = (t.contiguous() for t in (q, k, v))
     b, sq, h, _ = q.shape
