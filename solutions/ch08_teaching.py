@@ -238,7 +238,7 @@ def _turn_shape_mistake(events: list[tuple], wg: int, num_wgs: int, first: bool,
                 f"next warpgroup may then issue before you, an unordered issue")
     if "sync" in kinds[at:]:
         return (f"{what}: you wait for your turn (bar.sync) after issuing your GEMMs: the "
-                f"issue is not guarded by the turn at all")
+                f"GEMM issue is not guarded by the turn at all")
     if kinds.count("sync") > 1 or kinds.count("arrive") > 1:
         return (f"{what}: one turn waits once (bar.sync on its own barrier) and hands on once "
                 f"(bar.arrive on the next warpgroup's); you recorded {kinds}")
