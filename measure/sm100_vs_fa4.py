@@ -190,9 +190,9 @@ BWD_NOTES = [
      "FA4's compute warps pass {fa4} named barriers in code, ours {ours}: FA4 syncs its eight "
      "compute warps before P^T overwrites S^T columns that the other warpgroup may still be "
      "loading (its comment: 'P overwrites S lanes another warp may still be loading'). Ours "
-     "stores P^T into the upper half of S^T, which the second warpgroup reads: it needed the "
-     "same barrier. ch09_pipeline's backward simulation found the race (mutation "
-     "no_compute_sync) and the kernel now passes bar.sync COMPUTE before storing P^T."),
+     "stores P^T into the upper half of S^T, which the second warpgroup reads: it needs the "
+     "same barrier, bar.sync COMPUTE before storing P^T. Without it ch09_pipeline's backward "
+     "simulation reports the race (mutation no_compute_sync)."),
     ("d128 non-causal 1-CTA", "MUFU.EX2",
      "We have {ours} MUFU.EX2 against FA4's {fa4}: our compute step is instantiated twice (masked "
      "and unmasked loops, bwd_tiles' n_first/n_last split), FA4's once. Static code size, not "
