@@ -2,9 +2,9 @@
 
 What this adds over chapter 04 (Ampere-style: cp.async + mma.sync, every warp loads and computes):
 
-1. TMA loads. One thread asks the copy engine for a whole (128, 128) bf16 tile, 32 KB, with one
+1. TMA loads. One thread asks the TMA unit for a whole (128, 128) bf16 tile, 32 KB, with one
    ``cp.async.bulk.tensor``; with cp.async, 128 threads issued 2048 16-byte copies per tile and
-   computed every address. The copy engine also zero-fills rows past the end of the sequence and
+   computed every address. The TMA unit also zero-fills rows past the end of the sequence and
    counts the bytes it wrote into an mbarrier, so "tile ready" is one wait, not a __syncthreads.
 2. wgmma. ``wgmma.mma_async`` runs a 64 x N x 16 product for a whole warpgroup (4 warps), reads
    its B operand (and here A for QK^T) straight from swizzled shared memory and runs

@@ -283,7 +283,7 @@ class DsExchangeProbe:
 
 
 def bulk_store(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, nbytes: int) -> None:
-    """``nbytes`` from shared to global memory by the copy engine (async proxy), one thread."""
+    """``nbytes`` from shared to global memory by the TMA unit (async proxy), one thread."""
     cute.arch.inline_ptx("cp.async.bulk.global.shared::cta.bulk_group [{$r0}], [{$r1}], {$r2};",
                          read_only_args=[gmem_ptr, smem_ptr, Int32(nbytes)])
 
