@@ -1,7 +1,7 @@
 """``python -m fa4_final ...``: the package's two small tools.
 
-    python -m fa4_final support-table [--write README.md]   what each GPU runs (fa4_final.dispatch)
-    python -m fa4_final cache [--clear | --warm]             the disk cache (fa4_final.cache)
+    python -m fa4_final support-table [--write README.md]   what each GPU runs (runtime.dispatch)
+    python -m fa4_final cache [--clear | --warm]             the disk cache (runtime.cache)
 
 ``cache --warm`` compiles the Hopper forward for every head dim, dtype and causal flag into the
 disk cache, on any machine (no GPU needed): a build step can fill the cache that training jobs
@@ -17,7 +17,7 @@ USAGE = __doc__.strip().splitlines()[2:4]
 
 
 def support_table(argv: list[str]) -> int:
-    from fa4_final.dispatch import render, support_table
+    from fa4_final.runtime.dispatch import render, support_table
 
     if not argv:
         print(support_table())
@@ -31,7 +31,7 @@ def support_table(argv: list[str]) -> int:
 
 
 def cache(argv: list[str]) -> int:
-    from fa4_final.cache import CACHE, ENV_DISK, cache_root, fingerprint, version
+    from fa4_final.runtime.cache import CACHE, ENV_DISK, cache_root, fingerprint, version
 
     root = cache_root()
     print(f"fa4_final compile cache: {root if root else f'disabled ({ENV_DISK}=0)'}")
@@ -59,16 +59,18 @@ def cache(argv: list[str]) -> int:
 def warm() -> int:
     import time
 
-    from fa4_final.cache import CACHE
-    from fa4_final.config import HEAD_DIMS
-    from fa4_final.hopper.launch import compile_forward
+    from fa4_final.common.constants import HEAD_DIMS
+    from fa4_final.hopper.host import forward_recipe
+    from fa4_final.runtime import compile as compile_path
+    from fa4_final.runtime.cache import CACHE
 
     for d in HEAD_DIMS:
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
                 before = dict(CACHE.stats)
                 t0 = time.perf_counter()
-                compile_forward("sm_90a", d, dtype, causal)
+                compile_path.compiled(forward_recipe, d, dtype, causal, None, False, False, False,
+                                      False)
                 how = "compiled" if CACHE.stats["compiled"] > before.get("compiled", 0) \
                     else "on disk already"
                 print(f"  forward D={d} {dtype}{' causal' if causal else ''}: {how} "

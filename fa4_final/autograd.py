@@ -1,17 +1,7 @@
-"""``attention_autograd``: attention's output, differentiable in q, k, v, for the course's
-benchmarks and tests. It is ``flash_attn_func`` (the custom ops of fa4_final.ops, whose
-registered autograd runs the backward of chapter 11) returning the output alone.
+"""Legacy path of fa4_final.api.autograd (fa4_final/_legacy_paths.py): the same module."""
 
-    out = attention_autograd(q, k, v, causal=False, softmax_scale=None, deterministic=False)
-"""
+import sys
 
-from __future__ import annotations
+from fa4_final.api import autograd as _module
 
-from fa4_final.interface import flash_attn_func
-
-
-def attention_autograd(q, k, v, causal=False, softmax_scale=None, deterministic=False):
-    """Attention's output; ``deterministic`` makes the gradients bitwise reproducible."""
-    out, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=bool(causal),
-                             deterministic=bool(deterministic))
-    return out
+sys.modules[__name__] = _module

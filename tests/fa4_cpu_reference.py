@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from fa4_final import ops
+from fa4_final.api import ops
 from utils.window import visible_mask
 
 _ACTIVE = [False]

@@ -24,38 +24,38 @@ DIGESTS = Path(__file__).parent / "data" / "sass_digests.json"
 
 
 def _hopper_fwd(d, causal, varlen=False):
-    from fa4_final.hopper.launch import compile_forward
+    from fa4_final.hopper.host import forward_recipe
+    from fa4_final.runtime.compile import artifacts
 
-    return {"main": compile_forward("sm_90a", d, "bf16", causal, keep=True, varlen=varlen)[1]}
+    return artifacts(forward_recipe(d, "bf16", causal, varlen=varlen))
 
 
 def _hopper_bwd(d, causal, det, varlen=False):
-    if varlen:
-        from fa4_final.varlen_backward import compile_only
-    else:
-        from fa4_final.backward import compile_only
+    from fa4_final.hopper.host import backward_recipe
+    from fa4_final.runtime.compile import artifacts
 
-    return compile_only("sm_90a", d, "bf16", causal, deterministic=det)
+    return artifacts(backward_recipe(d, "bf16", causal, deterministic=det, varlen=varlen))
 
 
 def _blackwell_fwd(d, causal, two_cta=None):
     from dataclasses import replace
 
     from fa4_final.blackwell.config import blackwell_fwd_default
-    from fa4_final.blackwell.fwd import compile_only
+    from fa4_final.blackwell.host import forward_recipe
+    from fa4_final.runtime.compile import artifacts
 
     cfg = blackwell_fwd_default(d, causal)
     if two_cta is not None:
         cfg = replace(cfg, two_cta=two_cta)
-    return {"main": compile_only(d, "bf16", causal, cfg)}
+    return artifacts(forward_recipe(d, "bf16", causal, cfg))
 
 
 def _blackwell_bwd(d, causal, two_cta=False):
-    from fa4_final.blackwell.bwd import compile_only
     from fa4_final.blackwell.config import BlackwellBwdConfig
+    from fa4_final.blackwell.host import backward_recipe
+    from fa4_final.runtime.compile import artifacts
 
-    return compile_only(d, "bf16", causal, BlackwellBwdConfig(two_cta=two_cta),
-                        roles=("pre", "main", "post"))
+    return artifacts(backward_recipe(d, "bf16", causal, BlackwellBwdConfig(two_cta=two_cta)))
 
 
 def kernels() -> dict:

@@ -10,9 +10,12 @@ import re
 import pytest
 
 from fa4_final.blackwell import tmem
-from fa4_final.blackwell.bwd import BlackwellBackward, HopperDqOrder, compile_only
+from fa4_final.blackwell.bwd import BlackwellBackward
 from fa4_final.blackwell.config import BWD_DQ_CHUNK, BlackwellBwdConfig
-from fa4_final.constants import CUTLASS_BY_NAME, SM100_SMEM_BYTES, SM100_TMEM_COLUMNS
+from fa4_final.blackwell.host import backward_recipe
+from fa4_final.common.constants import CUTLASS_BY_NAME, SM100_SMEM_BYTES, SM100_TMEM_COLUMNS
+from fa4_final.common.dq_order import DqOrder
+from fa4_final.runtime.compile import artifacts
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +30,7 @@ def compiled():
     def get(head_dim=128, causal=False, cfg=None, dtype="bf16", roles=("main",), **window):
         key = (head_dim, causal, cfg, dtype, roles, tuple(sorted(window.items())))
         if key not in cache:
-            cache[key] = compile_only(head_dim, dtype, causal, cfg, roles=roles, **window)
+            cache[key] = artifacts(backward_recipe(head_dim, dtype, causal, cfg, **window), roles)
         return cache[key]
 
     return get
@@ -66,9 +69,9 @@ def test_blackwell_bwd_dq_order_is_the_hopper_accumulator_order():
     """Every (row, col) of a 128 x D dQ tile: the staging buffer plus bulk-add offset this
     kernel writes (Note [dQ accumulator order]) equals where the Hopper kernel's dq_copy puts
     the register holding it (thread t, register i -> 512 (i // 4) + 4 t + i % 4 in chunk w),
-    with the registers' coordinates from HopperDqOrder.dq_coords, which bwd_post reads back."""
+    with the registers' coordinates from DqOrder.dq_coords, which bwd_post reads back."""
     for d in (64, 128):
-        order = HopperDqOrder(BF16, d, 128)
+        order = DqOrder(BF16, d, 128)
         hopper = {}
         for tidx in range(256):
             w, t = divmod(tidx, 128)
@@ -204,12 +207,10 @@ PAIR = BlackwellBwdConfig(two_cta=True)
 
 
 def test_blackwell_bwd_pair_refuses_what_it_does_not_build():
-    from fa4_final.blackwell.bwd import kernels
-
     with pytest.raises(ValueError, match="deterministic"):
-        kernels("bf16", 128, True, BlackwellBwdConfig(two_cta=True, deterministic=True))
+        backward_recipe(128, "bf16", True, BlackwellBwdConfig(two_cta=True, deterministic=True))
     with pytest.raises(ValueError, match="head_dim"):
-        kernels("bf16", 96, False, PAIR)
+        backward_recipe(96, "bf16", False, PAIR)
     with pytest.raises(ValueError, match="pair kernel"):  # the 1-CTA class never takes the flag
         BlackwellBackward(BF16, 128, False, PAIR)
     assert BlackwellBwdConfig().two_cta is False  # the default stays 1-CTA

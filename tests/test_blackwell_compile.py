@@ -10,14 +10,15 @@ from dataclasses import replace
 
 import pytest
 
+from fa4_final.api.sm100 import compile_only
 from fa4_final.blackwell import tmem, umma
 from fa4_final.blackwell.config import (
     Q_STAGES,
     BlackwellFwdConfig,
     blackwell_fwd_default,
 )
-from fa4_final.blackwell.fwd import BlackwellForward, compile_only
-from fa4_final.constants import CUTLASS_BY_NAME, SM100_SMEM_BYTES, SM100_TMEM_COLUMNS
+from fa4_final.blackwell.fwd import BlackwellForward
+from fa4_final.common.constants import CUTLASS_BY_NAME, SM100_SMEM_BYTES, SM100_TMEM_COLUMNS
 from solutions import ch09_compare
 
 pytestmark = pytest.mark.slow

@@ -29,14 +29,11 @@ def ptx():
     def get(name):
         if name not in cache:
             kind, d, cfg = KERNELS[name]
-            if kind == "fwd":
-                from fa4_final.blackwell.fwd import compile_only
+            from fa4_final.blackwell import host
+            from fa4_final.runtime.compile import artifacts
 
-                cache[name] = compile_only(d, "bf16", False, cfg).ptx
-            else:
-                from fa4_final.blackwell.bwd import compile_only
-
-                cache[name] = compile_only(d, "bf16", False, cfg)["main"].ptx
+            recipe = host.forward_recipe if kind == "fwd" else host.backward_recipe
+            cache[name] = artifacts(recipe(d, "bf16", False, cfg), ("main",))["main"].ptx
         return cache[name]
 
     return get

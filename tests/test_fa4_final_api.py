@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fa4_final import checks, dispatch, flash_attn_func, flash_attn_varlen_func, run, varlen
-from fa4_final.errors import UnsupportedError
-from fa4_final.hopper import launch
+from fa4_final import flash_attn_func, flash_attn_varlen_func
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.runtime import checks, dispatch, prologue, varlen
 from tests import fa4_cpu_reference as ref
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -202,7 +202,8 @@ class Recorder:
         out.copy_(o)
         lse.copy_(l)
 
-    def backward(self, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right, det):
+    def backward(self, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right, det,
+                 config=None):
         self.calls.append(dict(backward=True, shape=tuple(q.shape), deterministic=det))
         for t, g in zip((dq, dk, dv),
                         ref.dense_backward(dout, q, k, v, out, lse, scale, causal, left, right)):
@@ -214,15 +215,14 @@ def fake_gpu(monkeypatch):
     rec = Recorder()
     backend = replace(dispatch.BACKENDS[0], forward=rec.forward, backward=rec.backward,
                       varlen_forward=None, varlen_backward=None)  # the per-sequence loops
-    for module in (run, varlen):
-        monkeypatch.setattr(module, "backend_for", lambda device: backend)
+    monkeypatch.setattr(prologue, "backend_for", lambda device: backend)
     return rec
 
 
 def test_forward_into_resolves_scale_and_window(fake_gpu):
     q, k, v = qkv()
-    run.forward(q, k, v, window_size=(None, 0))
-    run.forward(q, k, v, softmax_scale=0.5, window_size=(8, 2))
+    prologue.forward(q, k, v, window_size=(None, 0))
+    prologue.forward(q, k, v, softmax_scale=0.5, window_size=(8, 2))
     assert fake_gpu.calls == [
         dict(shape=(2, 40, 4, 64), sk=56, causal=True, scale=64**-0.5, left=None, right=0),
         dict(shape=(2, 40, 4, 64), sk=56, causal=False, scale=0.5, left=8, right=2)]
@@ -230,40 +230,28 @@ def test_forward_into_resolves_scale_and_window(fake_gpu):
 
 def test_empty_problems_never_reach_the_kernel(fake_gpu):
     q, k, v = qkv(sk=0)
-    out, lse = run.forward(q, k, v)
+    out, lse = prologue.forward(q, k, v)
     assert torch.all(out == 0) and torch.all(lse == -math.inf)
     q, k, v = qkv(sq=0)
-    out, lse = run.forward(q, k, v)
+    out, lse = prologue.forward(q, k, v)
     assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in qkv(sq=0))
-    run.backward_into(q, k, v, out, lse, torch.empty_like(q), dq, dk, dv)
+    prologue.backward_into(q, k, v, out, lse, torch.empty_like(q), dq, dk, dv)
     assert torch.all(dk == 0) and torch.all(dv == 0)
     assert fake_gpu.calls == []
 
 
-def test_backward_plugs_in_through_one_function(monkeypatch):
-    seen = {}
-
-    def fake_backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False,
-                           softmax_scale=None, window_size=(None, None), deterministic=False):
-        seen.update(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                    deterministic=deterministic)
-
-    monkeypatch.setattr(launch, "backward_kernel", lambda: fake_backward_into)
-    monkeypatch.setattr(run, "backend_for", lambda device: dispatch.BACKENDS[0])
+def test_every_entry_point_resolves_the_call_once(fake_gpu):
+    """One prologue (runtime.prologue.prepare) for the forward and the backward: the window
+    normalised, the default scale, the deterministic flag passed on."""
     q, k, v = qkv()
     out, lse = torch.empty_like(q), torch.empty(2, 4, 40)
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    run.backward_into(q, k, v, out, lse, torch.empty_like(q), *grads, causal=True,
-                      deterministic=True)
-    assert seen == dict(causal=True, softmax_scale=64**-0.5, window_size=(None, 0),
-                        deterministic=True)
-
-
-def test_a_missing_backward_says_what_is_missing(monkeypatch):
-    monkeypatch.setattr(launch, "BACKWARD_MODULE", "fa4_final.hopper.no_such_bwd")
-    with pytest.raises(NotImplementedError, match=r"fa4_final\.hopper\.no_such_bwd is missing"):
-        launch.backward_kernel()
+    prologue.backward_into(q, k, v, out, lse, torch.empty_like(q), *grads, causal=True,
+                           deterministic=True)
+    assert fake_gpu.calls == [dict(backward=True, shape=(2, 40, 4, 64), deterministic=True)]
+    p = prologue.prepare(64, False, None, (3, -1))
+    assert (p.backend, p.causal, p.left, p.right, p.scale) == (None, False, 3, -1, 64**-0.5)
 
 
 # ----------------------------------------------------------------------------------------------

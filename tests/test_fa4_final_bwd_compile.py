@@ -8,9 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fa4_final import backward as bwd
-from fa4_final.config import HopperBwdConfig, hopper_bwd_default
-from fa4_final.interface import UnsupportedError
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
+from fa4_final.hopper.host import backward_config, backward_recipe
+from fa4_final.runtime.compile import artifacts as compile_artifacts
+from fa4_final.runtime.prologue import backward
 from solutions import ch11_teaching as teach
 
 slow = pytest.mark.slow
@@ -24,8 +26,8 @@ def artifacts():
             **window):
         key = (head_dim, causal, deterministic, dtype, config, tuple(sorted(window.items())))
         if key not in cache:
-            cache[key] = bwd.compile_only("sm_90a", head_dim, dtype, causal, config,
-                                          deterministic, **window)
+            cache[key] = compile_artifacts(backward_recipe(head_dim, dtype, causal, config,
+                                                           deterministic, **window))
         return cache[key]
 
     return get
@@ -132,7 +134,7 @@ def test_config_errors_name_the_knob():
             assert cfg.smem_bytes(d) <= 227 * 1024
             assert not cfg.deterministic and hopper_bwd_default(d, causal, True).deterministic
     with pytest.raises(UnsupportedError, match="sm_90a"):
-        bwd.compile_only("sm_100a")
+        backward_recipe(arch="sm_100a")
 
 
 def test_smem_plan_adds_up():
@@ -155,30 +157,30 @@ def _inputs(**kw):
 def test_input_checks_say_what_is_wrong():
     q, k, v, out, lse, dout = _inputs()
     with pytest.raises(ValueError, match="head_dim"):
-        bwd.backward(*_inputs(d=96))
+        backward(*_inputs(d=96))
     with pytest.raises(ValueError, match="multiple"):
-        bwd.backward(*_inputs(h=3, hk=2))
+        backward(*_inputs(h=3, hk=2))
     with pytest.raises(ValueError, match="dout must have the shape, dtype and device of q"):
-        bwd.backward(q, k, v, out, lse, dout[:, :32])
+        backward(q, k, v, out, lse, dout[:, :32])
     with pytest.raises(ValueError, match="lse must be float32"):
-        bwd.backward(q, k, v, out, lse.double(), dout)
+        backward(q, k, v, out, lse.double(), dout)
     with pytest.raises(ValueError, match="lse must be float32"):
-        bwd.backward(q, k, v, out, lse[:, :1], dout)
+        backward(q, k, v, out, lse[:, :1], dout)
     with pytest.raises(ValueError, match="contiguous"):
-        bwd.backward(q, k, v, out, lse, torch.randn(1, 64, 2, 128, dtype=q.dtype)[..., ::2])
+        backward(q, k, v, out, lse, torch.randn(1, 64, 2, 128, dtype=q.dtype)[..., ::2])
     with pytest.raises(TypeError, match="dtype"):
-        bwd.backward(q.float(), k, v, out, lse, dout)
+        backward(q.float(), k, v, out, lse, dout)
     with pytest.raises(ValueError, match="softmax_scale"):
-        bwd.backward(q, k, v, out, lse, dout, softmax_scale=-1.0)
+        backward(q, k, v, out, lse, dout, softmax_scale=-1.0)
     with pytest.raises(ValueError, match="window_size"):
-        bwd.backward(q, k, v, out, lse, dout, window_size=(1, 2, 3))
+        backward(q, k, v, out, lse, dout, window_size=(1, 2, 3))
     with pytest.raises(TypeError, match="HopperBwdConfig"):
-        bwd.backward(q, k, v, out, lse, dout, config=object())
+        backward_config(128, False, False, object())
     with pytest.raises(UnsupportedError, match="CUDA"):
-        bwd.backward(q, k, v, out, lse, dout)  # valid, but on a CPU
+        backward(q, k, v, out, lse, dout)  # valid, but on a CPU
 
 
 def test_deterministic_flag_reaches_the_config():
-    cfg = bwd._config(128, False, True, None)
+    cfg = backward_config(128, False, True, None)
     assert cfg.deterministic and cfg == replace(hopper_bwd_default(128), deterministic=True)
-    assert bwd._config(128, True, False, HopperBwdConfig(tile_m=64)).tile_m == 64
+    assert backward_config(128, True, False, HopperBwdConfig(tile_m=64)).tile_m == 64

@@ -11,11 +11,11 @@ import pytest
 from cutlass import Float32, Int32
 from cutlass.cute.runtime import from_dlpack
 
-from fa4_final.bwd_tiles import dq_turn, q_tile_range
-from fa4_final.config import HopperBwdConfig
-from fa4_final.fragments import acc_as_a_operand, acc_rows_cols
+from fa4_final.common.bwd_tiles import dq_turn, q_tile_range
+from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols
+from fa4_final.common.mask import fragment_coords
 from fa4_final.hopper.bwd import HopperBackward
-from fa4_final.mask import fragment_coords
+from fa4_final.hopper.config import HopperBwdConfig
 
 THREADS = 256
 
@@ -184,7 +184,7 @@ def test_mask_of_s_transpose(causal, left, right):
 
 def test_device_integer_ranges_match_python():
     """q_tile_range and dq_turn traced on Int32 (as in the kernel) give the Python answers."""
-    from fa4_final.tiles import TileWindow
+    from fa4_final.common.tiles import TileWindow
 
     w = TileWindow(64, 128, True, has_left=True)
 

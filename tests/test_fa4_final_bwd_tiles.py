@@ -1,4 +1,4 @@
-"""fa4_final.bwd_tiles on Python ints against brute force: every (query tile, key tile) pair
+"""fa4_final.common.bwd_tiles on Python ints against brute force: every (query tile, key tile) pair
 with a visible score is visited, the steps left unmasked are fully visible, the visitors of a
 query tile are contiguous, and the deterministic turns are a permutation that only waits for
 CTAs launched earlier."""
@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from fa4_final.bwd_tiles import (
+from fa4_final.common.bwd_tiles import (
     dq_turn,
     first_visitor,
     last_visitor,
     launch_order_reversed,
     q_tile_range,
 )
-from fa4_final.tiles import TileWindow
+from fa4_final.common.tiles import TileWindow
 
 
 def _visible(i, j, sq, sk, causal, left, right):

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from fa4_final import cache
-from fa4_final.config import hopper_fwd_default
-from fa4_final.hopper import launch
+from fa4_final.hopper.config import hopper_fwd_default
+from fa4_final.hopper.host import forward_recipe
+from fa4_final.runtime import cache
+from fa4_final.runtime import compile as compile_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,8 +24,9 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     import cutlass.cute as cute
     from cutlass import Float32
-    from fa4_final.cache import CompileCache
-    from fa4_final.compile import compile_kernel, fake_stream, fake_tensor
+    from fa4_final.runtime.cache import CompileCache
+    from fa4_final.common.recipe import fake_stream, fake_tensor
+    from fa4_final.runtime.compile import compile_kernel
     from tests.tiny_kernels import scale
 
     def build():
@@ -58,7 +60,8 @@ def tiny_build():
     import cutlass.cute as cute
     from cutlass import Float32
 
-    from fa4_final.compile import compile_kernel, fake_stream, fake_tensor
+    from fa4_final.common.recipe import fake_stream, fake_tensor
+    from fa4_final.runtime.compile import compile_kernel
     from tests.tiny_kernels import scale
 
     calls = []
@@ -122,16 +125,20 @@ def test_compile_options_from_the_environment_are_part_of_the_key(monkeypatch):
 
 def test_the_forward_key_names_what_changes_the_code(monkeypatch):
     keys = []
-    monkeypatch.setattr(launch, "cached", lambda key, build: keys.append(key) or object())
-    monkeypatch.setattr(launch, "_COMPILED", {})
-    first = launch.compile_forward("sm_90a", 128, "bf16", False)[0]
-    assert launch.compile_forward("sm_90a", 128, "bf16", False)[0] is first and len(keys) == 1
-    launch.compile_forward("sm_90a", 128, "bf16", True)
-    launch.compile_forward("sm_90a", 64, "bf16", False)
-    launch.compile_forward("sm_90a", 128, "fp16", False)
-    launch.compile_forward("sm_90a", 128, "bf16", False, has_window_left=True)
-    launch.compile_forward("sm_90a", 128, "bf16", False,
-                           config=replace(hopper_fwd_default(128), stages_k=2))
+    monkeypatch.setattr(compile_path, "cached", lambda key, build: keys.append(key) or object())
+    monkeypatch.setattr(compile_path, "_PLANS", {})
+
+    def forward(d=128, dtype="bf16", causal=False, config=None, left=False):
+        return compile_path.compiled(forward_recipe, d, dtype, causal, config, left, False,
+                                     False, False).kernels["main"]
+
+    first = forward()
+    assert forward() is first and len(keys) == 1
+    forward(causal=True)
+    forward(d=64)
+    forward(dtype="fp16")
+    forward(left=True)
+    forward(config=replace(hopper_fwd_default(128), stages_k=2))
     assert len(set(map(repr, keys))) == len(keys) == 6
     assert all(cache.entry_name(k, "fp") is not None for k in keys)
 
@@ -241,7 +248,7 @@ def test_cli_warm_compiles_every_default_forward(monkeypatch, tmp_path, capsys):
 
     calls = []
     monkeypatch.setenv(cache.ENV_DIR, str(tmp_path))
-    monkeypatch.setattr(launch, "compile_forward", lambda *a: calls.append(a))
+    monkeypatch.setattr(compile_path, "compiled", lambda *a: calls.append(a))
     assert cli.main(["cache", "--warm"]) == 0
     assert len(calls) == 8 and {a[1] for a in calls} == {64, 128}
     assert "forward D=128 fp16 causal" in capsys.readouterr().out

@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from fa4_final import interface
-from fa4_final.config import HopperFwdConfig, hopper_fwd_default
+from fa4_final.api.interface import compile_only
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.hopper.config import HopperFwdConfig, hopper_fwd_default
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,7 @@ def artifacts():
         if key not in cache:
             window = {k: kw.pop(k) for k in ("has_window_left", "has_window_right") if k in kw}
             cfg = replace(hopper_fwd_default(head_dim, causal), **kw) if kw else None
-            cache[key] = interface.compile_only("sm_90a", head_dim, dtype, causal, cfg, **window)
+            cache[key] = compile_only("sm_90a", head_dim, dtype, causal, cfg, **window)
         return cache[key]
 
     return get
@@ -103,8 +104,8 @@ def test_config_errors_name_the_knob():
         HopperFwdConfig(rescale_threshold=16.0).check(128)
     with pytest.raises(ValueError, match="tile_table"):
         HopperFwdConfig(tile_table=True, persistent=False).check(128)
-    with pytest.raises(interface.UnsupportedError, match="sm_90a"):
-        interface.compile_only("sm_100a")
+    with pytest.raises(UnsupportedError, match="sm_90a"):
+        compile_only("sm_100a")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from fa4_final import __main__ as cli
-from fa4_final import dispatch
-from fa4_final.errors import UnsupportedError
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.hopper import host as hopper_host
+from fa4_final.runtime import dispatch
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -33,10 +34,8 @@ def test_readme_support_table_is_current():
 def test_hopper_runs_the_hopper_kernels(gpu):
     gpu((9, 0), "NVIDIA H200")
     b = dispatch.backend_for(torch.device("cuda", 0))
-    assert b.family == "Hopper" and b.target == "sm_90a"
-    from fa4_final.hopper import launch
-
-    assert b.forward is launch.forward_into and b.backward is launch.backward_into
+    assert b.family == "Hopper" and b.target == "sm_90a" and b.host is hopper_host
+    assert b.varlen_forward is not None and b.varlen_backward is not None
 
 
 def test_blackwell_is_one_entry_that_says_it_is_not_wired(gpu):
@@ -62,16 +61,23 @@ def test_a_cpu_tensor_is_refused():
         dispatch.backend_for(torch.device("cpu"))
 
 
-def test_table_states_follow_the_modules_of_the_build(monkeypatch):
-    from fa4_final.hopper import launch
+def test_a_target_by_name_runs_a_row_that_is_not_wired():
+    blackwell = dispatch.backend_for_target("sm_100a")
+    assert not blackwell.wired and dispatch.wired(blackwell).wired
+    assert dispatch.wired(blackwell).forward is not blackwell.forward
+    assert dispatch.wired(dispatch.HOPPER) is dispatch.HOPPER
+    with pytest.raises(UnsupportedError, match="sm_80"):
+        dispatch.backend_for_target("sm_80")
 
-    present = {"fa4_final.hopper.fwd", launch.BACKWARD_MODULE, "fa4_final.blackwell.fwd"}
+
+def test_table_states_follow_the_modules_of_the_build(monkeypatch):
+    present = {"fa4_final.hopper.fwd", "fa4_final.hopper.bwd", "fa4_final.blackwell.fwd"}
     monkeypatch.setattr(dispatch, "module_present", lambda m: m in present)
     rows = {line.split(" |")[0]: line for line in dispatch.support_table().splitlines()}
     assert "| yes | yes | 64, 128 |" in rows["| Hopper (H100, H200)"]
     assert "| compiled, not yet run on a GPU | not in this build | - |" in rows[
         "| Blackwell (B200, GB200)"]
-    present.discard(launch.BACKWARD_MODULE)
+    present.discard("fa4_final.hopper.bwd")
     rows = {line.split(" |")[0]: line for line in dispatch.support_table().splitlines()}
     assert "| yes | not in this build | 64, 128 |" in rows["| Hopper (H100, H200)"]
 

@@ -1,4 +1,4 @@
-"""fa4_final's eager path (Note [The eager path] in fa4_final/ops.py) on a CPU: the same results,
+"""fa4_final's eager path (Note [The eager path], api/ops.py) on a CPU: the same results,
 gradients and errors as the custom ops, the checks run once per public call, the launch plans
 looked up once, and the ops still taken wherever something must see them (fake tensors,
 torch.compile, dispatch modes, functorch, a double backward).
@@ -14,9 +14,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fa4_final.backward as fb
-from fa4_final import checks, dispatch, flash_attn_func, interface, ops, run
-from fa4_final.hopper import launch
+from fa4_final import flash_attn_func
+from fa4_final.api import interface, ops
+from fa4_final.hopper import host
+from fa4_final.runtime import checks, dispatch, prologue
+from fa4_final.runtime import compile as compile_path
 from tests import fa4_cpu_reference as ref
 
 BF16 = torch.bfloat16
@@ -40,7 +42,8 @@ class RefBackend:
         out.copy_(o)
         lse.copy_(s)
 
-    def backward(self, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right, det):
+    def backward(self, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right, det,
+                 config=None):
         self.calls.append("backward")
         for t, g in zip((dq, dk, dv),
                         ref.dense_backward(dout, q, k, v, out, lse, scale, causal, left, right)):
@@ -54,7 +57,7 @@ def eager_backend(monkeypatch):
     ``calls`` record the launches."""
     rec = RefBackend()
     backend = replace(dispatch.BACKENDS[0], forward=rec.forward, backward=rec.backward)
-    monkeypatch.setattr(run, "backend_for", lambda device: backend)
+    monkeypatch.setattr(prologue, "backend_for", lambda device: backend)
     monkeypatch.setattr(ops, "EAGER_DEVICE_TYPES", ("cuda", "cpu"))
     return rec
 
@@ -113,7 +116,7 @@ def test_eager_return_conventions(eager_cpu):
 def counting(monkeypatch):
     """check_inputs counted wherever a layer calls it."""
     count = [0]
-    for module in (checks, interface, run, fb):
+    for module in (checks, interface, ops, prologue):
         original = module.check_inputs
 
         def counted(*a, _original=original, **k):
@@ -136,8 +139,8 @@ def test_inputs_are_checked_once_per_call(eager_cpu, monkeypatch):
 
 
 def test_the_ops_path_checks_in_every_layer(eager_backend, monkeypatch):
-    """What the eager path saves: through the ops each layer checks again (three times here;
-    on a GPU fa4_final.backward, which the reference backend replaces, makes it four)."""
+    """What the eager path saves: through the ops each layer checks again (three times: the
+    public function, the forward's op and the backward's op, each through the prologue)."""
     op_path(monkeypatch)
     count = counting(monkeypatch)
     q, k, v = qkv()
@@ -184,7 +187,7 @@ def test_bad_inputs_fail_before_any_path(eager_cpu):
 
 
 def test_a_cpu_tensor_still_names_the_supported_gpus():
-    from fa4_final.errors import UnsupportedError
+    from fa4_final.common.errors import UnsupportedError
 
     q, k, v = qkv()
     with pytest.raises(UnsupportedError, match="runs on CUDA GPUs"):
@@ -283,21 +286,30 @@ def test_a_backward_under_a_dispatch_mode_goes_through_the_op(eager_cpu):
 # the launch layers look their plans up once
 
 
-def test_forward_plan_is_looked_up_once(monkeypatch):
-    compiled_calls, launches = [], []
+@pytest.fixture
+def fake_compiles(monkeypatch):
+    """The compile path with every kernel a recorder of its launches: (builds, launches)."""
+    builds, launches = [], []
 
-    def fake_compile(*args, **kw):
-        compiled_calls.append(args)
-        return (lambda *a: launches.append(a)), None
+    def cached(key, build):
+        builds.append(key)
+        return lambda *a, role=key[1]: launches.append((role, a))
 
-    monkeypatch.setattr(launch, "compile_forward", fake_compile)
-    monkeypatch.setattr(launch, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(compile_path, "cached", cached)
+    monkeypatch.setattr(compile_path, "_PLANS", {})
+    monkeypatch.setattr(host, "num_sms", lambda device: 132)
+    return builds, launches
+
+
+def test_forward_plan_is_looked_up_once(fake_compiles):
+    builds, launches = fake_compiles
     q, k, v = qkv(grad=False)
     out = torch.empty_like(q)
     lse = torch.empty(2, 4, 24)
     for causal in (False, True, False, True):
-        launch.forward_into(q, k, v, out, lse, causal, 0.1, None, 0 if causal else None)
-    assert len(compiled_calls) == 2 and len(launches) == 4
+        dispatch.HOPPER.forward(q, k, v, out, lse, causal, 0.1, None, 0 if causal else None)
+    launches = [a for _, a in launches]
+    assert len(builds) == 2 and len(launches) == 4
     assert launches[0][9:11] == (2 * 4, 132)  # the (head, batch) group and the SM count
     # non-causal: the tile table, no counter; causal: the dynamic scheduler's counter, no table
     assert launches[0][14] is not None and launches[0][18] is None
@@ -305,35 +317,30 @@ def test_forward_plan_is_looked_up_once(monkeypatch):
     assert launches[3][18] is launches[1][18]  # one counter per device and stream
 
 
-def test_backward_plan_is_looked_up_once(monkeypatch):
-    compiled, launched = [], []
-
-    def fake_compile(*args, **kw):
-        compiled.append(args)
-        return {r: (lambda *a, r=r: launched.append((r, a))) for r in ("pre", "main", "post")}, \
-            None
-
-    monkeypatch.setattr(fb, "compile_backward", fake_compile)
+def test_backward_plan_is_looked_up_once(fake_compiles):
+    builds, launched = fake_compiles
     q, k, v = qkv(grad=False)
     out, dout, dq = (torch.empty_like(q) for _ in range(3))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     lse = torch.empty(2, 4, 24)
     for det in (False, False, True, True):
-        fb.launch_backward(q, k, v, out, lse, dout, dq, dk, dv, False, 0.1, None, None, det)
-    assert len(compiled) == 2 and [r for r, _ in launched] == ["pre", "main", "post"] * 4
+        dispatch.HOPPER.backward(q, k, v, out, lse, dout, dq, dk, dv, False, 0.1, None, None,
+                                 det)
+    assert len(builds) == 2 * 3 and [r for r, _ in launched] == ["pre", "main", "post"] * 4
     turns = [a[6] for r, a in launched if r == "pre"]
     assert turns[0] is turns[1] and turns[0].shape == (1, 1, 1)  # one unused dummy
     assert turns[2].shape == (2, 4, 1) and turns[2] is not turns[3]
 
 
-def test_hopper_backward_skips_the_checks_of_fa4_final_backward(monkeypatch):
+def test_the_backends_contract_runs_no_check(fake_compiles, monkeypatch):
+    """Below the prologue nothing checks again: the inputs arrive checked."""
     seen = []
-    monkeypatch.setattr(fb, "check_inputs", lambda *a, **k: seen.append("checked"))
-    monkeypatch.setattr(fb.backward_into, "checked_inputs",
-                        lambda *a, **k: seen.append(("launch", a[9:14], k)))
+    for module in (checks, prologue):
+        monkeypatch.setattr(module, "check_inputs", lambda *a, **k: seen.append("checked"))
     q, k, v = qkv(grad=False)
-    launch.backward_into(q, k, v, q, None, q, q, k, v, True, 0.1, 5, 0, True)
-    assert seen == [("launch", (True, 0.1, 5, 0, True), {"arch": "sm_90a"})]
+    lse = torch.empty(2, 4, 24)
+    dispatch.HOPPER.backward(q, k, v, q, lse, q, q, k, v, True, 0.1, 5, 0, True)
+    assert seen == [] and [r for r, _ in fake_compiles[1]] == ["pre", "main", "post"]
 
 
 def test_a_profiler_trace_names_the_calls(eager_cpu):

@@ -4,7 +4,10 @@
 import pytest
 import torch
 
-from fa4_final import interface
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.hopper.host import l2_section_pairs
+from fa4_final.runtime.checks import normalise_window
+from fa4_final.runtime.prologue import forward
 
 
 def qkv(b=1, sq=64, sk=64, h=2, hk=2, d=128, dtype=torch.bfloat16):
@@ -19,32 +22,32 @@ def qkv(b=1, sq=64, sk=64, h=2, hk=2, d=128, dtype=torch.bfloat16):
 ])
 def test_bad_shapes_and_dtypes(change, error, match):
     with pytest.raises(error, match=match):
-        interface.forward(*qkv(**change))
+        forward(*qkv(**change))
 
 
 def test_mismatched_batch_and_dims():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="batch"):
-        interface.forward(q, torch.cat([k, k]), torch.cat([v, v]))
+        forward(q, torch.cat([k, k]), torch.cat([v, v]))
     with pytest.raises(ValueError, match="same shape"):
-        interface.forward(q, k, v[:, :10])
+        forward(q, k, v[:, :10])
 
 
 def test_strides_tma_cannot_read():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="contiguous"):
-        interface.forward(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v)
+        forward(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v)
 
 
 def test_a_cpu_tensor_names_the_supported_gpus():
-    with pytest.raises(interface.UnsupportedError, match="Hopper"):
-        interface.forward(*qkv())
+    with pytest.raises(UnsupportedError, match="Hopper"):
+        forward(*qkv())
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), True])
 def test_softmax_scale(scale):
     with pytest.raises(ValueError, match="softmax_scale"):
-        interface.forward(*qkv(), softmax_scale=scale)
+        forward(*qkv(), softmax_scale=scale)
 
 
 @pytest.mark.parametrize("window, causal, expect", [
@@ -57,7 +60,7 @@ def test_softmax_scale(scale):
     ((-3, -1), True, (True, None, 0)), ((-3, 9), True, (True, -3, 0)),
 ])
 def test_window_normalisation_negative_sides_are_bounds(window, causal, expect):
-    assert interface._normalise_window(causal, window) == expect
+    assert normalise_window(causal, window) == expect
 
 
 @pytest.mark.parametrize("window, match", [
@@ -66,10 +69,10 @@ def test_window_normalisation_negative_sides_are_bounds(window, causal, expect):
 ])
 def test_window_errors(window, match):
     with pytest.raises(ValueError, match=match):
-        interface._normalise_window(False, window)
+        normalise_window(False, window)
 
 
 def test_l2_sections_fit_l2():
-    assert interface.l2_section_pairs(16384, 128, 2, 16) == 4  # 8 MB of K+V per head
-    assert interface.l2_section_pairs(10**7, 128, 2, 16) == 1
-    assert interface.l2_section_pairs(128, 64, 2, 3) == 2
+    assert l2_section_pairs(16384, 128, 2, 16) == 4  # 8 MB of K+V per head
+    assert l2_section_pairs(10**7, 128, 2, 16) == 1
+    assert l2_section_pairs(128, 64, 2, 3) == 2

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fa4_final import flash_attn_func, flash_attn_varlen_func, ops
+from fa4_final import flash_attn_func, flash_attn_varlen_func
+from fa4_final.api import ops
 from tests import fa4_cpu_reference as ref
 
 BF16 = torch.bfloat16

@@ -38,7 +38,7 @@ def test_the_wheel_holds_every_module_of_the_package(wheel):
                if "__pycache__" not in p.parts}
     missing = sorted(modules - names)
     assert not missing, f"pyproject.toml leaves out {missing}"
-    assert "fa4_final/hopper/fwd.py" in names and "fa4_final/hopper/launch.py" in names
+    assert "fa4_final/hopper/fwd.py" in names and "fa4_final/hopper/host.py" in names
 
 
 def test_the_installed_package_imports_from_another_folder(wheel, tmp_path):
@@ -46,10 +46,11 @@ def test_the_installed_package_imports_from_another_folder(wheel, tmp_path):
     zipfile.ZipFile(wheel).extractall(site)  # a pure-Python wheel installs by unpacking
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code = ("import fa4_final, fa4_final.hopper.launch, fa4_final.hopper.fwd, torch\n"
+    code = ("import fa4_final, fa4_final.hopper.host, fa4_final.hopper.fwd, torch\n"
+            "from fa4_final.runtime.dispatch import support_table\n"
             "assert callable(fa4_final.flash_attn_func)\n"
             "assert hasattr(torch.ops.fa4_final, 'fwd')\n"
-            "assert '| Hopper (H100, H200) |' in fa4_final.support_table()\n"
+            "assert '| Hopper (H100, H200) |' in support_table()\n"
             "print(fa4_final.__file__)\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
     out = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env,

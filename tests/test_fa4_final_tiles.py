@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from fa4_final.scheduler import (
+from fa4_final.common.schedule import (
     TILE_OVERHEAD_STEPS,
     list_schedule,
     rounds,
@@ -16,7 +16,7 @@ from fa4_final.scheduler import (
     tiles_of_cta,
     zigzag_tile,
 )
-from fa4_final.tiles import TileWindow, kv_tile_range, visible_cols
+from fa4_final.common.tiles import TileWindow, kv_tile_range, visible_cols
 
 
 def visible(i, j, sq, sk, causal, left, right):
@@ -150,8 +150,8 @@ def test_the_table_balances_causal_sections_that_zigzag_does_not(d, seqlen, head
     saw-tooth, which fixed zigzag rounds balance poorly and list scheduling well."""
     from dataclasses import replace
 
-    from fa4_final.config import hopper_fwd_default
-    from fa4_final.hopper.launch import l2_section_pairs, tile_costs
+    from fa4_final.hopper.config import hopper_fwd_default
+    from fa4_final.hopper.host import l2_section_pairs, tile_costs
 
     cfg = replace(hopper_fwd_default(d, True), l2_sections=True, tile_table=True)
     group = l2_section_pairs(seqlen, d, 2, heads * batch)
@@ -166,8 +166,8 @@ def test_the_table_balances_causal_sections_that_zigzag_does_not(d, seqlen, head
 
 @pytest.mark.parametrize("tm, tn, sq, sk, causal, left, right", CASES)
 def test_tile_costs_count_the_visited_key_tiles(tm, tn, sq, sk, causal, left, right):
-    from fa4_final.config import HopperFwdConfig
-    from fa4_final.hopper.launch import tile_costs
+    from fa4_final.hopper.config import HopperFwdConfig
+    from fa4_final.hopper.host import tile_costs
 
     cfg = HopperFwdConfig(num_consumer_wgs=tm // 64 if tm % 64 == 0 else 2, tile_n=tn)
     if cfg.tile_m != tm:
@@ -200,7 +200,7 @@ def _pieces_by_tile(items):
                                                     (36, 5, 132), (8, 2, 132), (264, 32, 132),
                                                     (133, 40, 132), (7, 100, 3)])
 def test_split_tail_covers_every_key_tile_of_every_tile_once(num_tiles, steps, grid):
-    from fa4_final.scheduler import (
+    from fa4_final.common.schedule import (
         MIN_PIECE_STEPS,
         SPLIT_OVERHEAD_STEPS,
         WHOLE_TILE_KEYS,
@@ -245,7 +245,7 @@ def test_split_tail_covers_every_key_tile_of_every_tile_once(num_tiles, steps, g
 def test_split_tail_cuts_the_last_round_of_2048_tiles_on_132_sms():
     """The case it is for: 15 full rounds and 68 tiles more; cut, every CTA's last work is
     16 or 17 key tiles (plus the overhead of its one or two pieces) instead of 32 or none."""
-    from fa4_final.scheduler import split_tail_items
+    from fa4_final.common.schedule import split_tail_items
 
     items, slots = split_tail_items(2048, 32, 132)
     assert all(sum(slot < 0 for _, _, _, slot, _, _ in its) == 15 for its in items)
@@ -255,7 +255,7 @@ def test_split_tail_cuts_the_last_round_of_2048_tiles_on_132_sms():
 
 
 def test_split_tail_leaves_full_rounds_and_short_tiles_whole():
-    from fa4_final.scheduler import split_tail_items
+    from fa4_final.common.schedule import split_tail_items
 
     assert split_tail_items(264, 32, 132)[1] == 0  # two full rounds: nothing to balance
     assert split_tail_items(8, 2, 132)[1] == 0  # pieces shorter than their overhead
@@ -267,9 +267,9 @@ def test_the_split_table_has_whole_entries_for_causal_and_windowed_shapes():
     so the table is the list schedule's, every entry a whole tile."""
     from dataclasses import replace
 
-    from fa4_final.config import hopper_fwd_default
-    from fa4_final.hopper.launch import host_table
-    from fa4_final.scheduler import SPLIT_FIELDS, WHOLE_TILE_KEYS
+    from fa4_final.common.schedule import SPLIT_FIELDS, WHOLE_TILE_KEYS
+    from fa4_final.hopper.config import hopper_fwd_default
+    from fa4_final.hopper.host import host_table
 
     cfg = replace(hopper_fwd_default(128, True), tile_table=True, split_tail=True)
     plain = replace(cfg, split_tail=False)
@@ -288,7 +288,7 @@ def test_a_clipped_range_masks_exactly_the_tiles_brute_force_says(tm, tn, sq, sk
                                                                    right):
     """clip_range: every piece [lo, hi) of a tile's key range keeps kv_tile_range's promise,
     its first n_top and last n_bottom visits hold every tile that needs a mask."""
-    from fa4_final.tiles import clip_range
+    from fa4_final.common.tiles import clip_range
 
     w = TileWindow(tm, tn, causal, has_left=left is not None,
                    has_right=right is not None and not causal)

@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from fa4_final import dispatch, varlen
-from fa4_final.hopper import launch
-from fa4_final.scheduler import (
+from fa4_final.common.schedule import (
     tile_coords,
     varlen_locate_host,
     varlen_tile_coords_host,
     varlen_tiles,
 )
+from fa4_final.runtime import dispatch, prologue, varlen
 from utils.host_emulation import patched, plain, python_loops
 
 
@@ -123,14 +122,15 @@ def packed(lens_q, lens_k, h=4, hk=2, d=64):
 
 
 def test_the_hopper_row_has_the_varlen_kernel():
-    assert dispatch.BACKENDS[0].varlen_forward is launch.varlen_forward_into
+    assert dispatch.HOPPER.varlen_forward is not None
+    assert dispatch.BLACKWELL.varlen_forward is None
 
 
 def test_one_kernel_call_for_the_whole_batch(monkeypatch):
     rec = Recorder()
     backend = replace(dispatch.BACKENDS[0], forward=rec.forward,
                       varlen_forward=rec.varlen_forward)
-    monkeypatch.setattr(varlen, "backend_for", lambda device: backend)
+    monkeypatch.setattr(prologue, "backend_for", lambda device: backend)
     q, k, v, cu_q, cu_k = packed([5, 0, 33, 1], [9, 12, 0, 3])
     out, lse = torch.empty_like(q), torch.empty(4, q.shape[0])
     used = torch.tensor([9, 2, 0, 3], dtype=torch.int32)
@@ -204,7 +204,7 @@ def device_locate(t, lens_q, tile_m, heads):
     """scheduler.varlen_locate's own source on 32 emulated lanes; every lane's answer."""
     import cutlass.cute as cute
 
-    from fa4_final import scheduler
+    from fa4_final.common import schedule as scheduler
 
     warp = Warp()
     cu = np.array([0, *np.cumsum(lens_q, dtype=np.int64)], dtype=np.int64)

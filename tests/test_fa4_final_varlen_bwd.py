@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fa4_final import dispatch, varlen, varlen_backward
-from fa4_final.bwd_tiles import (
+from fa4_final.common.bwd_tiles import (
     dq_accum_tile,
     dq_accum_tiles,
     dq_turn,
@@ -23,8 +22,11 @@ from fa4_final.bwd_tiles import (
     varlen_grid_bound,
     varlen_key_tile_host,
 )
-from fa4_final.config import hopper_bwd_default
-from fa4_final.tiles import TileWindow
+from fa4_final.common.tiles import TileWindow
+from fa4_final.hopper import host
+from fa4_final.hopper.config import hopper_bwd_default
+from fa4_final.runtime import dispatch, prologue, varlen
+from fa4_final.runtime.compile import Plan
 from tests.test_fa4_final_varlen import Warp, random_lens
 from utils.host_emulation import patched, plain, python_loops
 
@@ -57,11 +59,11 @@ def test_accumulator_slabs_never_overlap_and_fit(seed):
 
 
 def test_workspace_shapes_follow_the_slabs():
-    shapes = varlen_backward.workspace_shapes(1000, 7, 4, 128, 64, True)
+    shapes = host.workspace_shapes(1000, 7, 4, 128, 64, True)
     tiles = 1000 // 64 + 7
     assert shapes == {"lse2": (1, 4, tiles * 64), "delta": (1, 4, tiles * 64),
                       "accum": (1, 4, tiles * 64 * 128), "turn": (1, 4, tiles)}
-    assert varlen_backward.workspace_shapes(1000, 7, 4, 128, 64, False)["turn"] == (1, 1, 1)
+    assert host.workspace_shapes(1000, 7, 4, 128, 64, False)["turn"] == (1, 1, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,7 +128,7 @@ def _on_lanes(fn, *args, modules=()):
     import cutlass
     import cutlass.cute as cute
 
-    from fa4_final import scheduler
+    from fa4_final.common import schedule as scheduler
 
     warp = Warp()
     arch = dict(lane_idx=warp.lane_idx, shuffle_sync=warp.shuffle_sync,
@@ -153,9 +155,9 @@ def _on_lanes(fn, *args, modules=()):
 def test_the_device_key_tile_lookup_agrees_with_its_mirror(seed):
     """HopperVarlenBackward.varlen_key_tile's own source (seqused_k or not) against
     varlen_key_tile_host; past the last tile both lengths are 0."""
-    from fa4_final.config import hopper_bwd_default
-    from fa4_final.constants import CUTLASS_BY_NAME
+    from fa4_final.common.constants import CUTLASS_BY_NAME
     from fa4_final.hopper import bwd as hbwd
+    from fa4_final.hopper.config import hopper_bwd_default
 
     rng = random.Random(300 + seed)
     batch = rng.choice([1, 5, 33])
@@ -187,7 +189,7 @@ def test_the_device_key_tile_lookup_agrees_with_its_mirror(seed):
 def test_the_device_query_tile_lookup_lists_every_tile_once(seed):
     """seqlens.varlen_query_tile (bwd_pre and bwd_post) over the grid: every (sequence, head,
     query tile) once, with its sequence's rows and padded slabs; the rest invalid."""
-    from fa4_final import seqlens
+    from fa4_final.common import seqlens
 
     rng = random.Random(400 + seed)
     lens_q = random_lens(rng, rng.choice([2, 33]))
@@ -231,22 +233,22 @@ def _grads_args(lens_q, lens_k):
 
 
 def test_the_hopper_row_has_the_varlen_backward():
-    assert dispatch.BACKENDS[0].varlen_backward is varlen_backward.varlen_backward_launch
-    assert dispatch.BACKENDS[1].varlen_backward is None
+    assert dispatch.HOPPER.varlen_backward is not None
+    assert dispatch.BLACKWELL.varlen_backward is None
 
 
 def test_one_call_of_the_varlen_backward(monkeypatch):
     calls = []
     backend = replace(dispatch.BACKENDS[0], varlen_backward=lambda *a: calls.append(a),
                       backward=lambda *a: calls.append(("dense",) + a))
-    monkeypatch.setattr(varlen, "backend_for", lambda device: backend)
+    monkeypatch.setattr(prologue, "backend_for", lambda device: backend)
     args = _grads_args([5, 0, 33, 1], [9, 12, 0, 3])
     used = torch.tensor([9, 2, 0, 3], dtype=torch.int32)
     varlen.varlen_backward_into(*args, used, 33, 12, causal=True, window_size=(7, None),
                                 deterministic=True)
     assert len(calls) == 1
     got = calls[0]
-    assert got[11] is used and got[12:] == (33, 12, True, 64**-0.5, 7, 0, True)
+    assert got[11] is used and got[12:] == (33, 12, True, 64**-0.5, 7, 0, True, None)
     with pytest.raises(ValueError, match="seqused_k"):  # the value checks still run first
         varlen.varlen_backward_into(*args, used + 20, None, None)
     assert len(calls) == 1
@@ -256,7 +258,7 @@ def test_without_the_kernel_the_loop_runs(monkeypatch):
     calls = []
     backend = replace(dispatch.BACKENDS[0], varlen_backward=None,
                       backward=lambda q, k, *a: calls.append((q.shape[1], k.shape[1])))
-    monkeypatch.setattr(varlen, "backend_for", lambda device: backend)
+    monkeypatch.setattr(prologue, "backend_for", lambda device: backend)
     args = _grads_args([5, 0, 33, 1], [9, 12, 0, 3])
     varlen.varlen_backward_into(*args, None, None, None)
     assert calls == [(5, 9), (1, 3)]  # the sequences with queries and keys, one launch each
@@ -281,18 +283,16 @@ class FakeKernels:
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_the_launch_passes_the_packed_batch_of_one(monkeypatch, deterministic):
+def test_the_launch_passes_the_packed_batch_of_one(deterministic):
     fake = FakeKernels()
-    monkeypatch.setattr(varlen_backward, "compile_varlen_backward",
-                        lambda *a, **kw: (fake, None))
+    plan = Plan(fake, hopper_bwd_default(64, False, deterministic))
     lens_q, lens_k = [5, 0, 130, 1], [9, 12, 0, 3]
     q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k = _grads_args(lens_q, lens_k)
     used = torch.tensor([9, 2, 0, 3], dtype=torch.int32)
     dk.fill_(7.0)
     dv.fill_(7.0)
-    varlen_backward.varlen_backward_launch(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k,
-                                           used, 130, 12, False, 0.125, None, None,
-                                           deterministic)
+    host.launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used,
+                                130, 12, False, 0.125, None, None)
     assert torch.all(dk == 0) and torch.all(dv == 0)  # seqused_k: rows past it stay 0
     roles = [r for r, _ in fake.calls]
     assert roles == ["pre", "main", "post"]
@@ -307,18 +307,18 @@ def test_the_launch_passes_the_packed_batch_of_one(monkeypatch, deterministic):
     assert post[1] == (1, 136, 4, 64) and post[3] == 0.125
 
 
-def test_the_launch_handles_empty_batches(monkeypatch):
-    monkeypatch.setattr(varlen_backward, "compile_varlen_backward",
-                        lambda *a, **kw: pytest.fail("nothing to compile for"))
+def test_empty_batches_never_reach_the_kernel(monkeypatch):
+    backend = replace(dispatch.HOPPER,
+                      varlen_backward=lambda *a: pytest.fail("nothing to launch for"))
+    monkeypatch.setattr(prologue, "backend_for", lambda device: backend)
     q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k = _grads_args([0, 0], [3, 4])
     dk.fill_(1.0)
-    varlen_backward.varlen_backward_launch(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k,
-                                           None, 0, 4, True, 0.1, None, None)
+    varlen.varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, None, 0, 4,
+                                causal=True)
     assert torch.all(dk == 0) and torch.all(dv == 0)
     q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k = _grads_args([3, 4], [0, 0])
     dq.fill_(1.0)
-    varlen_backward.varlen_backward_launch(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k,
-                                           None, 4, 0, False, 0.1, None, None)
+    varlen.varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, None, 4, 0)
     assert torch.all(dq == 0)
 
 

@@ -7,9 +7,9 @@ POPC) and the partial key tile's 16-byte row stores. The dense kernels have none
 
 import pytest
 
-from fa4_final import backward as bwd
-from fa4_final import varlen_backward as vb
-from fa4_final.config import hopper_bwd_default
+from fa4_final.hopper.config import hopper_bwd_default
+from fa4_final.hopper.host import backward_recipe
+from fa4_final.runtime.compile import artifacts as compile_artifacts
 from solutions import ch11_teaching as teach
 
 pytestmark = pytest.mark.slow
@@ -24,9 +24,8 @@ def artifacts():
     def get(head_dim, causal, varlen, deterministic=False, **kw):
         key = (head_dim, causal, varlen, deterministic, tuple(sorted(kw.items())))
         if key not in cache:
-            module = vb if varlen else bwd
-            cache[key] = module.compile_only("sm_90a", head_dim, "bf16", causal, None,
-                                             deterministic, **kw)
+            cache[key] = compile_artifacts(backward_recipe(
+                head_dim, "bf16", causal, None, deterministic, varlen=varlen, **kw))
         return cache[key]
 
     return get
@@ -103,9 +102,9 @@ def test_seqused_k_and_windows_compile_clean(artifacts):
 
 
 def test_the_variants_are_cached_apart():
-    from fa4_final.bwd_post import BackwardPost, VarlenBackwardPost
-    from fa4_final.bwd_pre import BackwardPre, VarlenBackwardPre
-    from fa4_final.constants import CUTLASS_BY_NAME
+    from fa4_final.common.bwd_post import BackwardPost, VarlenBackwardPost
+    from fa4_final.common.bwd_pre import BackwardPre, VarlenBackwardPre
+    from fa4_final.common.constants import CUTLASS_BY_NAME
     from fa4_final.hopper.bwd import HopperBackward, HopperVarlenBackward
 
     dt, cfg = CUTLASS_BY_NAME["bf16"], hopper_bwd_default(128)

@@ -8,9 +8,8 @@ scheduler's counter (Note [Dynamic tiles])."""
 
 import pytest
 
-from fa4_final import interface
-from fa4_final.config import hopper_fwd_default
-from fa4_final.hopper.launch import compile_forward
+from fa4_final.api.interface import compile_only
+from fa4_final.hopper.config import hopper_fwd_default
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +23,7 @@ def artifacts():
     def get(head_dim, causal, varlen, **kw):
         key = (head_dim, causal, varlen, tuple(sorted(kw.items())))
         if key not in cache:
-            if varlen:
-                cache[key] = compile_forward("sm_90a", head_dim, "bf16", causal, keep=True,
-                                             varlen=True, **kw)[1]
-            else:
-                cache[key] = interface.compile_only("sm_90a", head_dim, "bf16", causal, **kw)
+            cache[key] = compile_only("sm_90a", head_dim, "bf16", causal, varlen=varlen, **kw)
         return cache[key]
 
     return get

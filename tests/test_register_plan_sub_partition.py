@@ -1,14 +1,14 @@
-"""Register plans per SM sub-partition (fa4_final.register_plan): every kernel's role table fits
+"""Register plans per SM sub-partition (common.register_plan): every kernel's role table fits
 each sub-partition's 512 registers per thread slot, with one setmaxnreg per warpgroup, and the
 check refuses the plan the Blackwell backward had before (its MMA warp raised to 160: 592 on
 sub-partition 0), naming the sub-partition and its sum. Plain Python: no compile, no GPU."""
 
 import pytest
 
-from fa4_final import register_plan as rp
 from fa4_final.blackwell.config import BlackwellFwdConfig, backward_warp_budgets
 from fa4_final.blackwell.roles import check_roles
-from fa4_final.constants import CUTLASS_BY_NAME
+from fa4_final.common import register_plan as rp
+from fa4_final.common.constants import CUTLASS_BY_NAME
 from solutions.ch09_protocol_probes import OLD_BWD_PLAN, kernel_plans
 
 BF16 = CUTLASS_BY_NAME["bf16"]

@@ -11,21 +11,21 @@ import random
 import pytest
 import torch
 
-from fa4_final.bwd_tiles import (
+from fa4_final.common.bwd_tiles import (
     dq_turn,
     first_visitor,
     last_visitor,
     q_tile_range,
     visible_queries,
 )
-from fa4_final.checks import _normalise_window
-from fa4_final.tiles import TileWindow, clip_range, kv_tile_range, visible_cols
+from fa4_final.common.tiles import TileWindow, clip_range, kv_tile_range, visible_cols
+from fa4_final.runtime.checks import normalise_window
 from utils.window import WINDOWS, fa4_sides, sees, visible_mask
 
 
 def _package_window(tm, tn, causal, window):
     """(TileWindow, left, right) as the package builds them from a public call's arguments."""
-    causal, left, right = _normalise_window(causal, window)
+    causal, left, right = normalise_window(causal, window)
     w = TileWindow(tm, tn, causal, has_left=left is not None,
                    has_right=right is not None and not causal)
     return w, left, right
@@ -42,7 +42,7 @@ def _shapes(n, seed, tiles_m=(64, 128, 192), tiles_n=(64, 128), longest=330):
 def test_normalised_negative_window_keeps_exactly_the_pairs_fa4_keeps(causal, window):
     """_normalise_window's sides, read as plain bounds, select the same (row, key) pairs as
     FA4's reading of the raw arguments, for three shapes (sq = sk, sq < sk, sq > sk)."""
-    causal_n, left, right = _normalise_window(causal, window)
+    causal_n, left, right = normalise_window(causal, window)
     assert left == fa4_sides(causal, window)[0]
     for sq, sk in ((40, 40), (17, 53), (61, 9)):
         want = visible_mask(sq, sk, causal, window)

@@ -54,7 +54,6 @@ code and SASS are untouched by it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import IntEnum
 
 import cutlass
@@ -72,14 +71,14 @@ from fa4_final.blackwell.config import (
     BWD_REGISTERS,
     BlackwellBwdConfig,
 )
-from fa4_final.blackwell.roles import WarpRoles, check_roles, pipeline_args, set_registers
+from fa4_final.blackwell.roles import WarpRoles, check_roles, set_registers
 from fa4_final.common.atomics import bulk_add_f32, pass_turn, wait_turn
 from fa4_final.common.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range, visible_queries
-from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
+from fa4_final.common.constants import LOG2_E, WARP_SIZE
+from fa4_final.common.dq_order import DqOrder
 from fa4_final.common.fragments import select_modes
+from fa4_final.common.pipelines import PipelineSpec, pipeline_args
 from fa4_final.common.tiles import TileWindow
-from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
-from fa4_final.hopper.bwd import HopperBackward
 
 THREADS = 512  # 16 warps (roles below)
 WARPS_PER_GROUP = 4
@@ -97,46 +96,6 @@ class NamedBarrier(IntEnum):
     TMEM = 1  # MMA, compute and dQ warps: the TMEM address is written / TMEM is free
     DQ_STAGE = 2  # the dQ warpgroup: a staging buffer is free / written
     COMPUTE = 3  # both compute warpgroups: every S^T column loaded (Note [P^T over S^T])
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """One pipeline: what flows, between which roles, the arrivals completing each barrier."""
-
-    name: str
-    what: str
-    kind: str  # "tma_umma" (TMA -> MMA), "umma_async" (MMA commit -> threads)
-    stages: int
-    producer: str
-    consumer: str
-    full_arrivals: int
-    empty_arrivals: int
-
-
-class HopperDqOrder(HopperBackward):
-    """The Hopper backward's dQ accumulator order (its ``dq_copy``, ``dq_chunk_layout``,
-    ``dq_tile_shape``) at ``tile_m`` rows, without its wgmma: ``dq_coords`` states the wgmma
-    accumulator layout as arithmetic, so bwd_post compiles for sm_100a, where a warpgroup MMA
-    atom cannot be built."""
-
-    def __init__(self, dtype, head_dim: int, tile_m: int):
-        self.dtype, self.head_dim, self.tile_m = dtype, head_dim, tile_m
-        self.cfg = HopperBwdConfig(tile_m=tile_m)  # dq_swap_ab = False: rows per warpgroup
-        self.num_threads = THREADS_PER_WARPGROUP * (1 + BWD_MMA_WARPGROUPS)
-        self.dq_chunk = tile_m * head_dim // BWD_MMA_WARPGROUPS
-
-    def cache_key(self) -> tuple:
-        return (type(self).__name__, self.dtype.__name__, self.head_dim, self.tile_m)
-
-    def dq_coords(self, tidx):
-        """Register i = a + 2 h + 4 j of thread t (warp t // 32 of warpgroup w = tidx // 128)
-        holds row 64 w + 16 (t // 32 % 4) + (t % 32) // 4 + 8 h, column 8 j + 2 (t % 4) + a (the
-        wgmma m64nNk16 accumulator, PTX ISA)."""
-        t = tidx % THREADS_PER_WARPGROUP
-        row0 = (tidx // THREADS_PER_WARPGROUP) * 64 + (t // 32) * 16 + (t % 32) // 4
-        col0 = 2 * (t % 4)
-        return [(row0 + 8 * h, col0 + 8 * j + a) for j in range(self.head_dim // 8)
-                for h in range(2) for a in range(2)]
 
 
 class BlackwellBackward(WarpRoles):
@@ -297,10 +256,10 @@ class BlackwellBackward(WarpRoles):
             "P": first(sm100_utils.make_smem_layout_a(dv, (n, d, m), dt, 1)),  # in TMEM
         }
 
-    def dq_layout_owner(self):
-        """The Hopper backward's dQ accumulator order at tile_m = 128 (``HopperDqOrder``), which
-        this kernel writes, so that ``fa4_final.common.bwd_post.BackwardPost`` serves both."""
-        return HopperDqOrder(self.dtype, self.head_dim, self.tile_m)
+    def dq_layout_owner(self) -> DqOrder:
+        """The dQ accumulator order at tile_m = 128, which this kernel writes (Note [dQ in
+        accumulator order] in common.dq_order), so that one bwd_post serves both backwards."""
+        return DqOrder(self.dtype, self.head_dim, self.tile_m)
 
     # Note [dQ accumulator order]
     # ---------------------------
@@ -990,96 +949,3 @@ class BlackwellBackward(WarpRoles):
                           sStage[tidx, None])
         cute.arch.fence_view_async_shared()  # for the bulk add (async proxy)
         cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE), number_of_threads=GROUP_THREADS)
-
-
-# ----------------------------------------------------------------------------------------------
-# compile entry points (not wired into fa4_final.dispatch: compiled, never run on a GPU)
-# ----------------------------------------------------------------------------------------------
-ARCH = "sm_100a"
-
-
-def kernels(dtype: str = "bf16", head_dim: int = 128, causal: bool = False,
-            config: BlackwellBwdConfig | None = None, has_window_left: bool = False,
-            has_window_right: bool = False) -> dict:
-    """{"pre", "main", "post"}: the Hopper backward's pre- and postprocess kernels around this
-    one (tile_m = 128, the Hopper accumulator order)."""
-    from fa4_final.common.bwd_post import BackwardPost
-    from fa4_final.common.bwd_pre import BackwardPre
-    from fa4_final.common.constants import CUTLASS_BY_NAME
-
-    if dtype not in CUTLASS_BY_NAME:
-        raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
-    cfg = config or BlackwellBwdConfig()
-    if not isinstance(cfg, BlackwellBwdConfig):
-        raise TypeError(f"config must be a BlackwellBwdConfig or None, got {type(cfg).__name__}")
-    dt = CUTLASS_BY_NAME[dtype]
-    cls = BlackwellBackward
-    if cfg.two_cta:
-        from fa4_final.blackwell.bwd_pair import BlackwellBackwardPair as cls
-    main = cls(dt, head_dim, causal, cfg, has_window_left=has_window_left,
-               has_window_right=has_window_right)
-    return {"pre": BackwardPre(dt, head_dim, main.tile_m, cfg.deterministic), "main": main,
-            "post": BackwardPost(main.dq_layout_owner())}
-
-
-def compile_backward_sm100(head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
-                           config: BlackwellBwdConfig | None = None, keep: bool = False,
-                           roles=("pre", "main", "post"), **window):
-    """Compile the three backward kernels for sm_100a from fake tensors (no GPU needed).
-    Returns ({role: compiled}, {role: artifacts or None}); the runtime arguments are those of
-    fa4_final.backward (the same workspace at tile_m = 128)."""
-    from fa4_final.backward import _fake_args
-    from fa4_final.compile import compile_roles
-
-    ks = kernels(dtype, head_dim, causal, config, **window)
-    args = _fake_args(dtype, head_dim)
-    return compile_roles({role: ks[role] for role in roles}, args.__getitem__, "bwd", ARCH,
-                         keep)
-
-
-def compile_only(head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
-                 config: BlackwellBwdConfig | None = None, roles=("main",), **window) -> dict:
-    """The compiled kernels' artifacts (PTX, cubin, SASS, resources), built on any machine."""
-    return compile_backward_sm100(head_dim, dtype, causal, config, keep=True, roles=roles,
-                                  **window)[1]
-
-
-def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_scale=None,
-                  window_size=(None, None), deterministic=False,
-                  config: BlackwellBwdConfig | None = None):
-    """Run the sm_100a backward on torch tensors (the arguments of fa4_final.backward's
-    backward_into), on the current stream: bwd_pre, this kernel, bwd_post. The runner of
-    tests/gpu/test_blackwell_bwd.py; not dispatched to by the package (never run on a GPU)."""
-    from dataclasses import replace
-
-    import torch
-
-    from fa4_final.checks import _normalise_window
-
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    causal, left, right = _normalise_window(causal, window_size)
-    cfg = config or BlackwellBwdConfig()
-    if deterministic and not cfg.deterministic:
-        cfg = replace(cfg, deterministic=True)
-    if b == 0 or h == 0 or sq == 0 or sk == 0:
-        for t in (dq, dk, dv):
-            t.zero_()
-        return dq, dk, dv
-    from fa4_final.common.constants import DTYPE_NAMES
-
-    ks, _ = compile_backward_sm100(d, DTYPE_NAMES[q.dtype], causal, cfg,
-                                   has_window_left=left is not None,
-                                   has_window_right=right is not None and not causal)
-    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
-    m_blocks = -(-sq // cfg.tile_m)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    lse2 = torch.empty(b, h, m_blocks * cfg.tile_m, **f32)
-    delta = torch.empty_like(lse2)
-    accum = torch.empty(b, h, m_blocks * cfg.tile_m * d, **f32)
-    turn = torch.empty((b, h, m_blocks) if cfg.deterministic else (1, 1, 1), dtype=torch.int32,
-                       device=q.device)
-    ks["pre"](out, dout, lse, lse2, delta, accum, turn)
-    ks["main"](q, k, v, dout, lse2, delta, accum, dk, dv, turn, scale, left or 0, right or 0)
-    ks["post"](accum, dq, scale)
-    return dq, dk, dv

@@ -105,15 +105,15 @@ from fa4_final.blackwell.bwd import (
     WARPS_PER_GROUP,
     BlackwellBackward,
     NamedBarrier,
-    PipelineSpec,
     at,
 )
 from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK
-from fa4_final.blackwell.roles import pipeline_args, set_registers
+from fa4_final.blackwell.roles import set_registers
 from fa4_final.blackwell.tmem import TMEM_LANES
 from fa4_final.common.atomics import bulk_add_f32
 from fa4_final.common.constants import LOG2_E
 from fa4_final.common.fragments import select_modes
+from fa4_final.common.pipelines import PipelineSpec, pipeline_args
 from fa4_final.common.tiles import TileWindow
 
 PAIR = 2  # CTAs of a cluster

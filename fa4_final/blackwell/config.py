@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fa4_final.blackwell.tmem import TMEM_LANES, backward_pair_plan, backward_plan, forward_plan
-from fa4_final.common.constants import SM100_SMEM_BYTES
+from fa4_final.common.constants import HEAD_DIMS, SM100_SMEM_BYTES
 from fa4_final.common.register_plan import check_budgets, problems
 from fa4_final.common.softmax import check_softmax_knobs
 
-HEAD_DIMS = (64, 128)
 TILE_M = TMEM_LANES  # rows of one Q tile: one per TMEM lane, one per softmax thread
 Q_STAGES = 2  # Q tiles per CTA: the two softmax warpgroups ping-pong on them
 THREADS = 512  # 16 warps (ROLES in fwd.py)

@@ -34,7 +34,6 @@ tests/gpu/test_blackwell_fwd.py checks it against float64 the moment a B200 is p
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from enum import IntEnum
 
 import cutlass
@@ -48,11 +47,12 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fa4_final.blackwell import umma
 from fa4_final.blackwell.config import Q_STAGES, THREADS, TILE_M, BlackwellFwdConfig
-from fa4_final.blackwell.roles import WarpRoles, check_roles, pipeline_args
+from fa4_final.blackwell.roles import WarpRoles, check_roles
 from fa4_final.blackwell.softmax import RowSoftmax
 from fa4_final.common.constants import LOG2_E, WARP_SIZE
 from fa4_final.common.fragments import select_modes
 from fa4_final.common.mask import apply_mask_row
+from fa4_final.common.pipelines import PipelineSpec, pipeline_args
 from fa4_final.common.schedule import rounds, tile_coords, zigzag_tile
 from fa4_final.common.tiles import TileWindow, kv_tile_range
 
@@ -69,25 +69,6 @@ class NamedBarrier(IntEnum):
     """Hardware named barriers (bar.sync id); id 0 is __syncthreads."""
 
     TMEM = 1  # MMA, softmax and correction warps: the TMEM address is written / TMEM is free
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """One pipeline: what flows, between which roles, and the arrivals that complete each of its
-    barriers. ``full`` completes when the producer side has arrived ``full_arrivals`` times (TMA
-    loads also count their bytes); ``empty`` when the consumer side has arrived
-    ``empty_arrivals`` times. ``per_q_stage``: stage i belongs to Q tile i and is addressed
-    by that index (``at``), not walked as a ring."""
-
-    name: str
-    what: str
-    kind: str  # cutlass class: "tma_umma", "umma_async" or "async"
-    stages: int
-    producer: str
-    consumer: str
-    full_arrivals: int
-    empty_arrivals: int
-    per_q_stage: bool = False
 
 
 class BlackwellForward(WarpRoles):
@@ -978,95 +959,3 @@ class BlackwellForward(WarpRoles):
                     cute.arch.cp_async_bulk_wait_group(Q_STAGES - 1 - i, read=True)
                     pipes["epi"].consumer_release(held[i])
         cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# entry points: the interface (fa4_final.interface) dispatches sm_100 here
-# ----------------------------------------------------------------------------------------------
-ARCH = "sm_100a"
-
-
-def fake_forward_args(dtype_name: str, head_dim: int) -> tuple:
-    """Fake arguments in the runtime order (q, k, v, out, lse, softmax_scale, window_left,
-    window_right, l2_group, max_ctas, stream): symbolic batch, lengths and heads, strides of
-    16-byte multiples (TMA), lse float32 (batch, heads, seqlen_q)."""
-    from fa4_final.common.constants import CUTLASS_BY_NAME
-    from fa4_final.compile import fake_attention_tensors, fake_stream
-
-    q, k, v, o, lse = fake_attention_tensors(CUTLASS_BY_NAME[dtype_name], head_dim)
-    return (q, k, v, o, lse, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
-            fake_stream())
-
-
-def compile_forward_sm100(head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
-                          config: BlackwellFwdConfig | None = None,
-                          has_window_left: bool = False, has_window_right: bool = False,
-                          keep: bool = False):
-    """Compile ``BlackwellForward`` for sm_100a from fake tensors (no GPU needed). Returns
-    (compiled, fa4_final.compile.Artifacts or None); without ``keep`` the compiled function is
-    cached in memory. The compiled function takes the runtime arguments of
-    ``fake_forward_args``, torch tensors included, and runs on the current stream."""
-    from fa4_final.blackwell.config import blackwell_fwd_default
-    from fa4_final.common.constants import CUTLASS_BY_NAME
-    from fa4_final.compile import cached, compile_kernel
-
-    if dtype not in CUTLASS_BY_NAME:
-        raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
-    cfg = config or blackwell_fwd_default(head_dim, causal)
-    if not isinstance(cfg, BlackwellFwdConfig):
-        raise TypeError(f"config must be a BlackwellFwdConfig or None, got {type(cfg).__name__}")
-    kernel = BlackwellForward(CUTLASS_BY_NAME[dtype], head_dim, causal, cfg,
-                              has_window_left=has_window_left,
-                              has_window_right=has_window_right)
-
-    def build():
-        return compile_kernel(kernel, *fake_forward_args(dtype, head_dim), arch=ARCH, keep=keep)
-
-    if keep:
-        return build()
-    return cached(("fwd", ARCH, kernel.cache_key()), lambda: build()[0]), None
-
-
-def compile_only(head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
-                 config: BlackwellFwdConfig | None = None, **window):
-    """The compiled forward's artifacts (PTX, cubin, SASS, resources), built on any machine."""
-    return compile_forward_sm100(head_dim, dtype, causal, config, keep=True, **window)[1]
-
-
-def forward_into(q, k, v, out, lse, causal: bool = False, softmax_scale=None,
-                 window_left=None, window_right=None,
-                 config: BlackwellFwdConfig | None = None):
-    """Run the sm_100a forward on torch tensors (b, s, h, d) into ``out`` and ``lse`` (b, h, s)
-    float32, on the current stream; window sides None when unbounded. The signature of the
-    package's dispatch table (fa4_final.dispatch, ``Backend.forward``), whose checks run before
-    it; on its own it is the runner of the tests and benchmarks on a B200."""
-    import torch
-
-    from fa4_final.common.constants import DTYPE_NAMES
-
-    b, sq, h, d = q.shape
-    if out.numel() == 0:
-        return out, lse
-    if k.shape[1] == 0:  # no key at all: every row is empty
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-    left, right = window_left, window_right
-    has_right = right is not None and not causal
-    compiled, _ = compile_forward_sm100(d, DTYPE_NAMES[q.dtype], causal, config,
-                                        has_window_left=left is not None,
-                                        has_window_right=has_right)
-    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    compiled(q, k, v, out, lse, scale, left or 0, right or 0, h * b, sms)
-    return out, lse
-
-
-def attention(q, k, v, causal: bool = False, softmax_scale=None,
-              config: BlackwellFwdConfig | None = None):
-    """The course's common signature: (out, lse)."""
-    import torch
-
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    return forward_into(q, k, v, out, lse, causal, softmax_scale, config=config)

@@ -8,7 +8,6 @@ every such table must keep, asserted when the kernel object is built, before any
 from __future__ import annotations
 
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 
 from fa4_final.blackwell.tmem import lane_quarter
 from fa4_final.common.constants import WARP_SIZE
@@ -37,18 +36,6 @@ def set_registers(registers: int, threads: int) -> None:
         cute.arch.setmaxregister_increase(registers)
     else:
         cute.arch.setmaxregister_decrease(registers)
-
-
-def pipeline_args(spec, barriers) -> dict:
-    """The arguments every cutlass pipeline of a kernel's ``pipelines()`` entry ``spec`` takes:
-    its mbarriers (``barriers``, a storage field) and stages, producer and consumer groups of
-    ``spec.full_arrivals`` and ``spec.empty_arrivals`` thread arrivals per phase, and the
-    barriers' initialisation left to the kernel's own fence (defer_sync)."""
-    return dict(
-        barrier_storage=barriers.data_ptr(), num_stages=spec.stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, spec.full_arrivals),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, spec.empty_arrivals),
-        defer_sync=True)
 
 
 class WarpRoles:

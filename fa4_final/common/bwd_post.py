@@ -2,13 +2,13 @@
 dtype. The dQ epilogue the main kernel cannot run itself, because a query tile's dQ is complete
 only when every KV tile's CTA has added its part.
 
-The accumulator is stored in the main kernel's register order (Note [dQ in accumulator order]
-in fa4_final.hopper.bwd), so this kernel asks the main kernel which (row, col) each loaded float
-belongs to (``dq_coords``: the Hopper kernel partitions its dQ tiled MMA once more; the Blackwell
-kernel, which writes the same order, states the wgmma layout as arithmetic). Each thread loads
-exactly the floats the matching MMA thread stored (16 B at a time, coalesced), scales and
-converts them, writes them into a shared-memory tile by coordinate, and the CTA copies the tile
-out row by row (rows past seqlen_q are not written). Bytes: 4 B read and 2 B written per dQ element.
+The accumulator is stored in the main kernel's register order (Note [dQ in accumulator order] in
+common.dq_order), so this kernel asks the writer which (row, col) each loaded float belongs to
+(``dq_coords``: the Hopper kernel partitions its dQ tiled MMA once more; for the Blackwell kernel,
+which writes the same order, common.dq_order.DqOrder states it as arithmetic). Each thread loads
+exactly the floats the matching MMA thread stored (16 B at a time, coalesced), scales and converts
+them, writes them into a shared-memory tile by coordinate, and the CTA copies the tile out row by
+row (rows past seqlen_q are not written). Bytes: 4 B read and 2 B written per dQ element.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ ROW_PAD = 8  # elements of padding per shared-memory row: rows start in differen
 
 
 class BackwardPost:
-    """dQ from the accumulator of ``main`` (a HopperBackward: its tile_m, dQ tiled MMA and copy),
-    one CTA of the main kernel's MMA threads per query tile."""
+    """dQ from the accumulator ``main`` wrote (a HopperBackward, or a common.dq_order.DqOrder:
+    its tile_m, dQ copy, chunk layout and register coordinates), one CTA of the writer's MMA
+    threads per query tile."""
 
     varlen = False  # VarlenBackwardPost: packed sequences
 
@@ -119,7 +120,7 @@ class BackwardPost:
         for i in cutlass.range_constexpr(cute.size(flat)):
             rc = coords[i]
             value = (flat[i] * softmax_scale).to(self.dtype)
-            if const_expr(self.main.cfg.dq_swap_ab):
+            if const_expr(self.main.dq_swap_ab):
                 sdQ[rc[1], rc[0]] = value  # dQ^T: (col, row)
             else:
                 sdQ[rc[0], rc[1]] = value

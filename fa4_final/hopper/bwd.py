@@ -52,13 +52,15 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4_final.common.atomics import bulk_add_f32, pass_turn, wait_turn
 from fa4_final.common.bwd_tiles import dq_accum_tile, dq_turn, launch_order_reversed, q_tile_range
 from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
+from fa4_final.common.dq_order import dq_chunk_layout, dq_copy
 from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols, select_modes
 from fa4_final.common.mask import fragment_coords
+from fa4_final.common.pipelines import PipelineSpec, tma_async_pipeline
 from fa4_final.common.register_plan import check_role_registers
 from fa4_final.common.schedule import lane_here, varlen_locate
 from fa4_final.common.seqlens import sequence_slab, store_rows
 from fa4_final.common.tiles import TileWindow
-from fa4_final.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
+from fa4_final.hopper.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
 from fa4_final.hopper.wgmma import issue_wgmma
 
 MMA_THREADS = THREADS_PER_WARPGROUP * BWD_MMA_WARPGROUPS
@@ -109,12 +111,8 @@ class HopperBackward:
                     warp 1: dQ stores (bulk float32 adds; the turn counters when deterministic)
       warpgroups 1-2  MMA: the five GEMMs and the pointwise work for 64 keys each; epilogue
 
-    Pipelines (producer -> consumer; EMPTY completes with one arrive per MMA warp, FULL with the
-    producer's arrive and the TMA byte count):
-      pipeline_kv   1 stage         K and V of the CTA's KV tile, loaded once
-      pipeline_q    stages_q        Q and its lse (log2 units) per query tile
-      pipeline_do   stages_q        dO and its delta per query tile
-    dS and dQ pass through shared memory under named barriers (NamedBarrier).
+    Pipelines: ``pipelines()``, data (common.pipelines.PipelineSpec). dS and dQ pass through
+    shared memory under named barriers (NamedBarrier).
     """
 
     varlen = False  # HopperVarlenBackward: packed sequences (Note [Varlen backward])
@@ -134,6 +132,7 @@ class HopperBackward:
         self.producer_regs, self.mma_regs = config.registers
         self.num_threads = THREADS_PER_WARPGROUP + MMA_THREADS
         self.dq_chunk = self.tile_m * head_dim // BWD_MMA_WARPGROUPS  # floats per warpgroup
+        self.dq_swap_ab = config.dq_swap_ab  # what bwd_post asks of a dQ writer
         self.roles = {
             "producer": {"warpgroups": (0,), "tma_warp": 0, "dq_warp": 1,
                          "registers": self.producer_regs},
@@ -141,6 +140,19 @@ class HopperBackward:
                     "registers": self.mma_regs},
         }
         check_role_registers(self.roles, self.num_threads)  # per SM sub-partition
+
+    def pipelines(self) -> tuple[PipelineSpec, ...]:
+        """The TMA warp -> MMA warpgroups rings: FULL completes with the TMA warp's arrive and
+        the byte count, EMPTY with one arrive per MMA warp."""
+        warps = MMA_THREADS // WARP_SIZE
+        return (
+            PipelineSpec("q", "Q and its lse (log2 units) per query tile", "tma_async",
+                         self.cfg.stages_q, "producer", "mma", 1, warps),
+            PipelineSpec("do", "dO and its delta per query tile", "tma_async",
+                         self.cfg.stages_q, "producer", "mma", 1, warps),
+            PipelineSpec("kv", "K and V of the CTA's KV tile, loaded once", "tma_async", 1,
+                         "producer", "mma", 1, warps),
+        )
 
     def cache_key(self) -> tuple:
         return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
@@ -188,13 +200,8 @@ class HopperBackward:
         return (self.tile_m, self.head_dim)
 
     def dq_copy(self) -> cute.TiledCopy:
-        """How a thread's dQ accumulator registers map to the float32 staging buffer and the dQ
-        accumulator in global memory: 16 B per thread, consecutive threads adjacent (Note [dQ in
-        accumulator order])."""
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-        return cute.make_tiled_copy_tv(
-            atom, cute.make_layout((THREADS_PER_WARPGROUP, BWD_MMA_WARPGROUPS)),
-            cute.make_layout(4))
+        """Registers -> the dQ staging buffer and accumulator (Note [dQ in accumulator order])."""
+        return dq_copy()
 
     def dq_coords(self, tidx):
         """(row, col) in the dQ tile of each of MMA thread ``tidx``'s dQ registers, in order."""
@@ -203,17 +210,7 @@ class HopperBackward:
         return mma_dq.get_slice(tidx).partition_C(tile)
 
     def dq_chunk_layout(self) -> cute.Layout:
-        return cute.make_layout((self.dq_chunk, BWD_MMA_WARPGROUPS))
-
-    # Note [dQ in accumulator order]
-    # ------------------------------
-    # A step's dQ (tile_m x D floats) is added into global memory by one bulk instruction per
-    # warpgroup. For that the bytes must be contiguous in shared memory and in global memory,
-    # so the dQ accumulator is stored not row-major but in the order the threads hold it: chunk
-    # w of query tile m holds warpgroup w's registers, thread t's 4 consecutive floats at
-    # 16 t + 2048 k bytes. The shared-memory writes are then 128-bit and conflict-free, the bulk
-    # add is a straight copy, and fa4_final.common.bwd_post, which turns the accumulator into dQ,
-    # rebuilds each element's (row, col) from the same tiled MMA and copy (dq_copy).
+        return dq_chunk_layout(self.dq_chunk)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -361,20 +358,13 @@ class HopperBackward:
                          tma_atom_dv):
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_THREADS // WARP_SIZE)
-
         # the signalling lane read once (pin_lane; Note [Signalling lane] in hopper.fwd)
         lane = lane_here() if const_expr(self.cfg.pin_lane) else None
-
-        def ring(mbar, stages, tx):
-            return pipeline.PipelineTmaAsync.create(
-                barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
-                consumer_group=consumers, tx_count=tx, defer_sync=True, tidx=lane)
-
-        pipeline_q = ring(storage.mbar_q, self.cfg.stages_q, bytes_q)
-        pipeline_do = ring(storage.mbar_do, self.cfg.stages_q, bytes_q)
-        pipeline_kv = ring(storage.mbar_kv, 1, 2 * bytes_kv)
+        mbar = {"q": storage.mbar_q, "do": storage.mbar_do, "kv": storage.mbar_kv}
+        tx = {"q": bytes_q, "do": bytes_q, "kv": 2 * bytes_kv}
+        pipes = {spec.name: tma_async_pipeline(spec, mbar[spec.name], tx[spec.name], lane)
+                 for spec in self.pipelines()}
+        pipeline_q, pipeline_do, pipeline_kv = pipes["q"], pipes["do"], pipes["kv"]
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (m, D, STAGE)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (n, D)

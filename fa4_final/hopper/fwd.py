@@ -51,6 +51,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
 from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols, select_modes
 from fa4_final.common.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
+from fa4_final.common.pipelines import PipelineSpec, tma_async_pipeline
 from fa4_final.common.register_plan import check_role_registers
 from fa4_final.common.schedule import (
     SPLIT_FIELDS,
@@ -68,7 +69,7 @@ from fa4_final.common.seqlens import Sequences, store_rows
 from fa4_final.common.softmax import OnlineSoftmax
 from fa4_final.common.tiles import TileWindow, clip_range, kv_tile_range
 from fa4_final.common.timeline import Mark, mark
-from fa4_final.config import HopperFwdConfig
+from fa4_final.hopper.config import HopperFwdConfig
 from fa4_final.hopper.wgmma import (
     attention_tiled_mmas,
     issue_wgmma,
@@ -90,11 +91,7 @@ class HopperForward:
       warpgroup 0      producer: warp 0 issues every TMA load; the others only give registers
       warpgroups 1..n  consumers: wgmma S = Q K^T, mask, online softmax, wgmma O += P V, epilogue
 
-    Pipelines (producer -> consumer; an EMPTY barrier completes with one arrive per consumer
-    warp, a FULL one with the producer's arrive carrying the TMA byte count):
-      pipeline_q  1 stage      Q of the current tile; released after its last Q K^T
-      pipeline_k  stages_k     K tiles, visited from the highest n_block down
-      pipeline_v  stages_v     V tiles, same order
+    Pipelines: ``pipelines()``, data (common.pipelines.PipelineSpec), as on Blackwell.
     """
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperFwdConfig,
@@ -132,6 +129,19 @@ class HopperForward:
                          "registers": self.consumer_regs},
         }
         check_role_registers(self.roles, self.num_threads)  # per SM sub-partition
+
+    def pipelines(self) -> tuple[PipelineSpec, ...]:
+        """The producer -> consumer rings (Note [Phases]): FULL completes with the TMA warp's
+        one arrive carrying the byte count, EMPTY with one arrive per consumer warp."""
+        warps = self.num_consumer_threads // WARP_SIZE
+        return (
+            PipelineSpec("q", "Q of the current tile; released after its last Q K^T",
+                         "tma_async", 1, "producer", "consumer", 1, warps),
+            PipelineSpec("k", "K tiles, visited from the highest n_block down", "tma_async",
+                         self.cfg.stages_k, "producer", "consumer", 1, warps),
+            PipelineSpec("v", "V tiles, in K's order", "tma_async", self.cfg.stages_v,
+                         "producer", "consumer", 1, warps),
+        )
 
     def cache_key(self) -> tuple:
         key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
@@ -332,11 +342,6 @@ class HopperForward:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        # Producer: the one TMA thread (its arrive carries the byte count). Consumers: one arrive
-        # per consumer warp, so an EMPTY barrier completes when every consumer warp is done.
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                              self.num_consumer_threads // WARP_SIZE)
 
         # Note [Signalling lane]
         # ----------------------
@@ -349,15 +354,11 @@ class HopperForward:
         # does so by default: elsewhere ptxas then scheduled the step worse than the stall
         # cost (hopper_fwd_default).
         lane = lane_here() if const_expr(self.cfg.pin_lane) else None
-
-        def ring(mbar, stages, tx):
-            return pipeline.PipelineTmaAsync.create(
-                barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
-                consumer_group=consumers, tx_count=tx, defer_sync=True, tidx=lane)
-
-        pipeline_q = ring(storage.mbar_q, 1, bytes_q)
-        pipeline_k = ring(storage.mbar_k, self.cfg.stages_k, bytes_kv)
-        pipeline_v = ring(storage.mbar_v, self.cfg.stages_v, bytes_kv)
+        mbar = {"q": storage.mbar_q, "k": storage.mbar_k, "v": storage.mbar_v}
+        tx = {"q": bytes_q, "k": bytes_kv, "v": bytes_kv}
+        pipes = {spec.name: tma_async_pipeline(spec, mbar[spec.name], tx[spec.name], lane)
+                 for spec in self.pipelines()}
+        pipeline_q, pipeline_k, pipeline_v = pipes["q"], pipes["k"], pipes["v"]
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (tile_m, D)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (n, D, STAGE)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (n, D, STAGE)

@@ -30,7 +30,7 @@ pytestmark = [
 
 
 def _check(case, causal, window=(None, None), deterministic=False, seed=None, config=None):
-    from fa4_final.blackwell.bwd import backward_into
+    from fa4_final.runtime.prologue import backward_into
 
     b, sq, sk, h, hk, d, dtype = case
     q, k, v, seed = random_qkv(b, sq, h, d, seqlen_k=sk, heads_kv=hk, dtype=dtype,
@@ -42,7 +42,7 @@ def _check(case, causal, window=(None, None), deterministic=False, seed=None, co
     out, lse = out.to(dtype).contiguous(), lse.float().contiguous()
     grads = [poison_(torch.empty_like(t)) for t in (q, k, v)]
     backward_into(q, k, v, out, lse, dout, *grads, causal=causal, window_size=window,
-                  deterministic=deterministic, config=config)
+                  deterministic=deterministic, config=config, target="sm_100a")
     torch.cuda.synchronize()
     ref = _grads(q, k, v, dout, visible, scale, torch.float64)
     same = _grads(q, k, v, dout, visible, scale, dtype)

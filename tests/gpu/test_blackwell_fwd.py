@@ -36,12 +36,13 @@ ONE_CTA, TWO_CTA = BlackwellFwdConfig(), BlackwellFwdConfig(two_cta=True)
 
 
 def _run(q, k, v, causal, softmax_scale=None, config=None, window=(None, None)):
-    from fa4_final.blackwell.fwd import forward_into
+    from fa4_final.runtime.prologue import forward_into
 
     b, sq, h, _ = q.shape
     out = poison_(torch.empty_like(q))
     lse = poison_(torch.empty(b, h, sq, dtype=torch.float32, device=q.device))
-    forward_into(q, k, v, out, lse, causal, softmax_scale, *window, config=config)
+    forward_into(q, k, v, out, lse, causal, softmax_scale, window, config=config,
+                 target="sm_100a")
     torch.cuda.synchronize()
     return out, lse
 
@@ -164,7 +165,7 @@ def test_sm100_strided_views_of_a_packed_qkv_tensor():
 
 
 def test_sm100_runs_on_the_current_stream():
-    from fa4_final.blackwell.fwd import attention
+    from fa4_final.api.sm100 import attention
 
     q, k, v, seed = random_qkv(1, 2048, 4, 128, dtype=BF16, device="cuda")
     side = torch.cuda.Stream()

@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fa4_final import flash_attn_func, flash_attn_varlen_func, ops, run, varlen
-from fa4_final.hopper import launch
+from fa4_final import flash_attn_func, flash_attn_varlen_func
+from fa4_final.api import ops
+from fa4_final.hopper import host
+from fa4_final.runtime import prologue, varlen
+from fa4_final.runtime.dispatch import module_present
 from tests import fa4_cpu_reference as ref
 from utils.checks import poison_, rounding_atol, tolerance_check
 from utils.hardware import missing
@@ -30,15 +33,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def has_backward() -> bool:
-    try:
-        launch.backward_kernel()
-        return True
-    except NotImplementedError:
-        return False
+    return module_present("fa4_final.hopper.bwd")
 
 
 needs_backward = pytest.mark.skipif(not has_backward(), reason="this build has no Hopper "
-                                    "backward (fa4_final.hopper.bwd.backward_into)")
+                                    "backward (fa4_final.hopper.bwd)")
 
 
 def rand(*shape, dtype=BF16, seed=0, grad=False):
@@ -90,7 +89,7 @@ def test_flash_attn_func_forward(case):
 def test_forward_into_writes_every_element():
     q, k, v = rand(2, 300, 4, 128), rand(2, 300, 4, 128, seed=1), rand(2, 300, 4, 128, seed=2)
     out, lse = poison_(torch.empty_like(q)), poison_(torch.empty(2, 4, 300, device="cuda"))
-    run.forward_into(q, k, v, out, lse, causal=True)
+    prologue.forward_into(q, k, v, out, lse, causal=True)
     check_forward(q, k, v, out, lse, True, (None, None), "poisoned")
 
 
@@ -193,20 +192,20 @@ def test_varlen_dynamic_tiles_with_idle_ctas_repeat_bitwise(causal):
     and must exit without taking a turn. Three launches give the same bits (the same tiles,
     whichever CTA computes them), each checked against float64, and the counter is zero
     after each (the launch's last fetch resets it)."""
-    from fa4_final.bwd_tiles import varlen_grid_bound
-    from fa4_final.config import hopper_fwd_default
-    from fa4_final.scheduler import varlen_tiles
+    from fa4_final.common.bwd_tiles import varlen_grid_bound
+    from fa4_final.common.schedule import varlen_tiles
+    from fa4_final.hopper.config import hopper_fwd_default
 
     assert hopper_fwd_default(128, causal, varlen=True).schedules_dynamically
     lens = [100, 100, 3]  # 3 tiles per head; the grid's bound: ceil(203 / 128) + 3 = 5 per head
     case = (lens, lens, None, 2, 1, 128, BF16, causal, (None, None))
     tiles = sum(varlen_tiles(n, 128, 2) for n in lens)
     bound = varlen_grid_bound(sum(lens), len(lens), 128, 2)  # the forward's grid, too
-    assert tiles < bound <= launch._num_sms(torch.device("cuda"))  # CTAs with no tile
+    assert tiles < bound <= host.num_sms(torch.device("cuda"))  # CTAs with no tile
     first = None
     for _ in range(3):
         q, k, v, cu_q, cu_k, _, out, lse = run_varlen(case)
-        assert launch._tile_counter(q.device).item() == 0
+        assert host._tile_counter(q.device).item() == 0
         if first is None:
             first = out.clone(), lse.clone()
             for i in range(len(lens)):
@@ -320,7 +319,7 @@ def test_torch_compile_fullgraph_inductor_no_recompiles():
 CACHE_SCRIPT = textwrap.dedent("""
     import json, torch
     from fa4_final import flash_attn_func
-    from fa4_final.cache import CACHE
+    from fa4_final.runtime.cache import CACHE
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 500, 4, 64, device="cuda", generator=g).bfloat16()
     out, lse = flash_attn_func(q, q, q, causal=True, return_lse=True)

@@ -6,7 +6,7 @@ dq, dk, dv are filled with NaN before each run: an element the kernels forget fa
 is the course's: max error <= 2 x PyTorch's own error in bf16/fp16 + the rounding slack. Run
 with a timeout (a broken barrier protocol hangs rather than fails), e.g.
     timeout 900 python -m pytest tests/gpu/test_fa4_final_bwd.py -m gpu -x -v
-`python -m fa4_final.backward --check` prints one line per small case (for compute-sanitizer).
+`python -m solutions.ch11_bwd_check` prints one line per small case (for compute-sanitizer).
 """
 
 import math
@@ -15,8 +15,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fa4_final.backward import backward_into, check
-from fa4_final.config import HopperBwdConfig, hopper_bwd_default
+from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
+from fa4_final.runtime.prologue import backward_into
+from solutions.ch11_bwd_check import check
 from utils.checks import poison_, rounding_atol
 from utils.hardware import missing
 from utils.reference import random_qkv
@@ -190,7 +191,7 @@ def test_softmax_scale_and_fp16():
 
 
 def test_autograd_end_to_end():
-    from fa4_final.autograd import attention_autograd
+    from fa4_final.api.autograd import attention_autograd
 
     for causal, det in ((False, False), (True, True)):
         q, k, v, seed = random_qkv(2, 333, 4, 128, seqlen_k=444, heads_kv=2, dtype=BF16,

@@ -26,7 +26,7 @@ def test_forward_matches_float64(case, config):
 
 
 def test_registry_signature():
-    from fa4_final import attention
+    from fa4_final.api.interface import attention
     from utils.reference import random_qkv
 
     q, k, v, _ = random_qkv(1, 300, 2, 128, device="cuda")
@@ -35,8 +35,8 @@ def test_registry_signature():
 
 
 def test_timeline_records_every_phase():
-    from fa4_final.interface import forward_timeline
-    from fa4_final.timeline import Mark
+    from fa4_final.common.timeline import Mark
+    from fa4_final.runtime.prologue import forward_timeline
     from utils.reference import random_qkv
 
     q, k, v, _ = random_qkv(1, 4096, 2, 128, device="cuda")
@@ -56,7 +56,7 @@ def test_d64_default_rescales_on_the_adversarial_input(causal, dtype):
     (tau = 0: moved at all): on chapter 07's input whose max grows by tau + 1 at every KV tile
     (in the kernel's reverse order), every warp votes to rescale at every tile, and out and lse
     must still match float64."""
-    from fa4_final.config import hopper_fwd_default
+    from fa4_final.hopper.config import hopper_fwd_default
     from solutions import ch07_rescaling as ch07
     from utils import checks
 
@@ -80,8 +80,8 @@ def test_dynamic_tiles_counter_survives_streams_and_graph_replays():
     launch's last fetch sets back to zero. Launches on two streams at once each get their own
     counter, and a CUDA graph replayed many times zeroes its own: every result must equal the
     first one bit for bit (the same tiles, computed by whichever CTA, give the same bits)."""
-    from fa4_final import attention
-    from fa4_final.config import hopper_fwd_default
+    from fa4_final.api.interface import attention
+    from fa4_final.hopper.config import hopper_fwd_default
     from utils import checks
     from utils.reference import random_qkv
 

@@ -24,7 +24,8 @@ import os
 import pytest
 import torch
 
-from fa4_final import flash_attn_varlen_func, varlen
+from fa4_final import flash_attn_varlen_func
+from fa4_final.runtime import varlen
 from tests.gpu.test_fa4_final_bwd import _attention, _grads, _visible
 from utils.checks import poison_, rounding_atol
 from utils.hardware import missing

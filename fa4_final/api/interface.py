@@ -1,0 +1,149 @@
+"""The PyTorch entry points: ``flash_attn_func`` and ``flash_attn_varlen_func``.
+
+A drop-in for the FlashAttention-4 package (``flash_attn.cute``) where it overlaps: change the
+import and keep the call. The same keyword names, and the same return: a pair ``(out, lse)``,
+lse None unless ``return_lse=True`` or an input requires grad (as FA4 returns it). FA4 then
+drops the lse's gradient without a sign; here that lse comes back detached (requires_grad
+False), so the missing gradient shows. With ``return_lse=True`` the gradient flows.
+Arguments after q, k, v are keyword-only, for varlen too: FA4 has qv in the fourth place and FA2
+dropout_p (or cu_seqlens_q for varlen), so a positional call from either would mean something
+else here; it is refused with a TypeError that says so.
+FA4 keywords for features this package lacks are accepted at their neutral value (softcap=0.0,
+qv=None, ...) and refused with UnsupportedError otherwise; ``num_splits`` and ``pack_gqa`` only
+tune FA4's speed and are ignored.
+
+Layout (FlashAttention's): q (batch, seqlen_q, heads, dim), k and v (batch, seqlen_k, heads_kv,
+dim) with heads % heads_kv == 0 (GQA/MQA); out like q; lse float32 (batch, heads, seqlen_q), the
+natural log of each row's sum of exp(scale * q.k). Varlen: runtime.varlen. Causal and window
+masks are bottom-right aligned when seqlen_q != seqlen_k; a row that sees no key gets out = 0,
+lse = -inf.
+
+Layers, top to bottom: these functions (argument checks that also run under torch.compile) ->
+the custom ops (api.ops: what torch.compile and autograd see) -> the runtime (checked eager
+calls through one prologue, runtime.prologue and runtime.varlen; which GPU runs which kernel,
+runtime.dispatch; one compile path, runtime.compile) -> each architecture's host module
+(hopper.host: recipes and launches) -> the kernels. A dense eager call on GPU tensors that
+nothing traces skips the op and the second checks (Note [The eager path] in api.ops).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fa4_final.api import ops
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.runtime.checks import check_flag, check_inputs, check_varlen_inputs
+from fa4_final.runtime.compile import artifacts
+from fa4_final.runtime.dispatch import backend_for_target
+from fa4_final.runtime.prologue import forward, prepare
+
+# FA4 keywords of features fa4_final does not have, with the value that means "not used".
+_FA4_NEUTRAL = {
+    "qv": None, "gather_kv_indices": None, "learnable_sink": None, "softcap": 0.0,
+    "score_mod": None, "score_mod_bwd": None, "mask_mod": None, "aux_tensors": None,
+    "aux_scalars": None, "block_sparse_tensors": None, "block_sparse_tensors_bwd": None,
+    "gather_bwd_recompute_p": False, "gather_bwd_token_chunk": None,
+}
+_FA4_VARLEN_NEUTRAL = {
+    **_FA4_NEUTRAL, "seqused_q": None, "min_seqlen_k": None, "page_table": None,
+    "scheduler_metadata": None, "seqlen_k_per_split": None, "disable_scheduler_metadata": False,
+}
+_FA4_SPEED_ONLY = ("num_splits", "pack_gqa")  # change how FA4 runs, never what it returns
+
+
+def _refuse_fa4_options(func: str, options: dict, neutral: dict) -> None:
+    for name, value in options.items():
+        if name in _FA4_SPEED_ONLY:
+            continue
+        if name not in neutral:
+            raise TypeError(f"{func}() got an unexpected keyword argument {name!r}")
+        default = neutral[name]
+        unused = value is None or (default is not None and not isinstance(value, torch.Tensor)
+                                   and value == default)
+        if not unused:
+            raise UnsupportedError(
+                f"{func}: fa4_final does not implement FA4's {name} (got {value!r}); it supports "
+                f"softmax_scale, causal, window_size, deterministic, return_lse, GQA/MQA and "
+                f"varlen with seqused_k")
+
+
+def _returned_lse(lse, return_lse: bool, inputs):
+    if return_lse:
+        return lse
+    if any(t.requires_grad for t in inputs):
+        return lse.detach()
+    return None
+
+
+def _refuse_positional(func: str, extra: tuple) -> None:
+    if extra:
+        raise TypeError(
+            f"{func}() takes q, k, v positionally and everything after them by keyword, got "
+            f"{len(extra)} more positional argument(s): FA4's fourth positional argument is qv "
+            f"(FlashAttention-2's is dropout_p or cu_seqlens_q), so a positional call from "
+            f"either would mean something else here. Name them, e.g. cu_seqlens_q=..., "
+            f"causal=True")
+
+
+def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
+                    window_size=(None, None), deterministic=False, return_lse=False,
+                    **fa4_options):
+    """Attention of q (batch, seqlen_q, heads, dim) over k, v (batch, seqlen_k, heads_kv, dim).
+
+    Returns ``(out, lse)``: out like q; lse (batch, heads, seqlen_q) float32 when
+    ``return_lse`` (its gradient flows) or an input requires grad (detached), else None.
+    ``window_size=(left, right)`` keeps keys j with i + sk - sq - left <= j <= i + sk - sq +
+    right: None is an unbounded side, a negative side a bound like any other, and only both
+    sides negative mean no window (FA4's reading, runtime.checks.normalise_window);
+    ``causal=True`` sets the right side to 0. ``deterministic`` asks the backward for a fixed
+    accumulation order. Differentiable in q, k, v; traceable by torch.compile(fullgraph=True).
+    """
+    _refuse_positional("flash_attn_func", extra)
+    if fa4_options:
+        _refuse_fa4_options("flash_attn_func", fa4_options, _FA4_NEUTRAL)
+    d = check_inputs(q, k, v, softmax_scale, check_address=False)[-1]
+    p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
+    fwd = ops.fwd_eager if ops.eager(q, k, v) else ops.fwd  # Note [The eager path], api.ops
+    out, lse = fwd(q, k, v, p.scale, p.causal, p.left, p.right,
+                   check_flag("deterministic", deterministic), check_flag("return_lse", return_lse))
+    return out, _returned_lse(lse, return_lse, (q, k, v))
+
+
+def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None,
+                           max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
+                           softmax_scale=None, causal=False, window_size=(None, None),
+                           deterministic=False, return_lse=False, **fa4_options):
+    """Attention over sequences packed along the first dim (see runtime.varlen).
+
+    q (total_q, heads, dim), k and v (total_k, heads_kv, dim); cu_seqlens_q and cu_seqlens_k:
+    int32 (batch + 1,) offsets from 0 to the totals; seqused_k: int32 (batch,), the k rows used
+    per sequence; max_seqlen_q/k: upper bounds of the lengths (checked; None: not given).
+    Returns ``(out, lse)``: out like q, lse (heads, total_q) float32 or None as in
+    flash_attn_func.
+    """
+    _refuse_positional("flash_attn_varlen_func", extra)
+    _refuse_fa4_options("flash_attn_varlen_func", fa4_options, _FA4_VARLEN_NEUTRAL)
+    d = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                            max_seqlen_k, softmax_scale, check_address=False)[-1]
+    p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
+    out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                              -1 if max_seqlen_q is None else max_seqlen_q,
+                              -1 if max_seqlen_k is None else max_seqlen_k, p.scale, p.causal,
+                              p.left, p.right, check_flag("deterministic", deterministic),
+                              check_flag("return_lse", return_lse))
+    return out, _returned_lse(lse, return_lse, (q, k, v))
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, config=None, target=None):
+    """The course's common signature (every chapter's kernel has it): (out, lse), eager.
+    ``target="sm_100a"``: the Blackwell kernels, on a B200 (not dispatched to yet)."""
+    return forward(q, k, v, causal, softmax_scale, config=config, target=target)
+
+
+def compile_only(arch: str = "sm_90a", head_dim: int = 128, dtype: str = "bf16",
+                 causal: bool = False, config=None, **flags):
+    """The compiled forward's artifacts (PTX, SASS, resources) for ``arch``, built on any
+    machine; ``flags``: has_window_left, has_window_right, varlen, has_seqused_k."""
+    recipe = backend_for_target(arch).host.forward_recipe(head_dim, dtype, causal, config,
+                                                          arch=arch, **flags)
+    return artifacts(recipe)["main"]

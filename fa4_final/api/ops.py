@@ -1,0 +1,303 @@
+"""The kernels as torch custom operators: torch.compile sees each as one node.
+
+    torch.ops.fa4_final.fwd          (q, k, v, ...)                   -> (out, lse)
+    torch.ops.fa4_final.bwd          (dout, q, k, v, out, lse, ...)   -> (dq, dk, dv)
+    torch.ops.fa4_final.varlen_fwd   (q, k, v, cu_seqlens_q, ...)     -> (out, lse)
+    torch.ops.fa4_final.varlen_bwd   (dout, q, k, v, out, lse, ...)   -> (dq, dk, dv)
+
+A compiled graph cannot trace into a CuTe DSL kernel, and must not try: the custom op is opaque,
+and its fake implementation tells the compiler the shapes, dtypes and strides of what the kernel
+returns (all outputs freshly allocated and contiguous, in the real implementation too), so
+``torch.compile(fullgraph=True)`` of a model that calls flash_attn_func has no graph break. The
+forward ops carry ``deterministic`` and ``return_lse`` only for their autograd formula
+(``register_autograd``), which calls the backward op.
+
+Window sides arrive normalised (runtime.checks.normalise_window: None for an unbounded side, any
+int, negative ones included, a bound); the public functions (api.interface) resolve them, causal
+and the default scale before calling (the runtime's prologue, runtime.prologue.prepare).
+
+Note [Gradient of the returned lse]
+With return_lse=True the lse is an output that a loss may use; its gradient dlse joins the
+backward through the softmax: dS = P * (dP - D + dlse), with dP = dO V^T and D = rowsum(dO * O).
+The backward kernel computes D itself and uses O for nothing else, so a second call of the same
+kernel with V = 0 (so dP = 0), dO = 1 in three columns and O = -dlse split over those columns
+(three bf16/fp16 pieces that sum to the float32 value) gets D = -dlse and hence dS = P * dlse:
+exactly the extra dq and dk (dv of that call is P^T dO: thrown away). It costs one more backward,
+only when return_lse=True and a gradient is needed; a row that sees no key has P = 0 and gets
+nothing, as it should.
+
+Note [The eager path]
+A custom op is what torch.compile, FakeTensorMode, opcheck and dispatch modes must see, but a
+plain eager call pays for it every time: the dispatcher, the op's autograd wrapper, its guard
+against being traced, and the checks of each layer below, tens of microseconds per call, as
+much as a short kernel runs. So ``fwd_eager`` makes the same call without the op when nothing
+could observe the difference (``eager``: real CUDA tensors, no tracing, compiling, dispatch or
+function mode, no functorch transform): the same checks, once, by the public function; the same
+kernels through the same layers (runtime.prologue.forward_prepared, the device's backend); the
+autograd formula (``_backward_fwd``) in a torch.autograd.Function. Everything else, and a double
+backward, goes through the ops.
+"""
+
+
+import torch
+from torch import Tensor
+
+from fa4_final.runtime import prologue
+from fa4_final.runtime.checks import (
+    check_addresses,
+    check_inputs,
+    check_tma_operand,
+    check_varlen_inputs,
+)
+from fa4_final.runtime.prologue import backward_into, forward_into
+from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
+
+
+def _side(n: int):
+    """max_seqlen_q/k: -1 in the op's schema stands for None (not given)."""
+    return None if n < 0 else n
+
+
+# ----------------------------------------------------------------------------------------------
+# dense
+
+
+def fwd_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+             window_left: int | None, window_right: int | None, deterministic: bool,
+             return_lse: bool) -> tuple[Tensor, Tensor]:
+    b, sq, h, _ = q.shape
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    forward_into(q, k, v, out, lse, causal, softmax_scale, (window_left, window_right))
+    return out, lse
+
+
+fwd = torch.library.custom_op("fa4_final::fwd", fwd_impl, mutates_args=())
+
+
+@fwd.register_fake
+def _(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, return_lse):
+    b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale, check_address=False)
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             softmax_scale: float, causal: bool, window_left: int | None,
+             window_right: int | None,
+             deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal, softmax_scale,
+                  (window_left, window_right), deterministic)
+    return dq, dk, dv
+
+
+bwd = torch.library.custom_op("fa4_final::bwd", bwd_impl, mutates_args=())
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _lse_probe(dlse_rows: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(dout, out) whose rowsum(dout * out) is -dlse (Note [Gradient of the returned lse]).
+    ``dlse_rows`` is dlse laid out like like[..., 0]."""
+    x = -dlse_rows.float()
+    pieces = []
+    for _ in range(3):
+        piece = x.to(like.dtype)
+        pieces.append(piece)
+        x = x - piece.float()
+    probe_out = like.new_zeros(like.shape)
+    probe_dout = like.new_zeros(like.shape)
+    probe_out[..., :3] = torch.stack(pieces, dim=-1)
+    probe_dout[..., :3] = 1
+    return probe_dout, probe_out
+
+
+def _setup_fwd(ctx, inputs, output):
+    q, k, v, scale, causal, wl, wr, deterministic, return_lse = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = (scale, causal, wl, wr, deterministic)
+    ctx.return_lse = return_lse
+    # An output the loss does not use arrives as None, not as a tensor of zeros: a zero dlse
+    # would cost the second backward of Note [Gradient of the returned lse] for nothing.
+    ctx.set_materialize_grads(False)
+
+
+def _backward_fwd(ctx, dout, dlse, bwd_op=None):
+    bwd_op = bwd if bwd_op is None else bwd_op  # the op, or _eager_bwd (Note [The eager path])
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dq, dk, dv = bwd_op(dout, q, k, v, out, lse, *ctx.options)
+    if ctx.return_lse and dlse is not None:
+        probe_dout, probe_out = _lse_probe(dlse.transpose(1, 2), out)  # (b, sq, h)
+        dq_lse, dk_lse, _ = bwd_op(probe_dout, q, k, torch.zeros_like(v), probe_out, lse,
+                                   *ctx.options)
+        dq, dk = dq + dq_lse, dk + dk_lse
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
+
+
+# the eager path (Note [The eager path])
+
+EAGER_DEVICE_TYPES = ("cuda",)  # where the kernels run (a host-cost profile may add "cpu")
+
+
+def _unobserved() -> bool:
+    """Nothing that must see the ops is active: torch.compile (compiled autograd too), a
+    tracer, a dispatch or function mode, a functorch transform."""
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._len_torch_function_stack()
+            and not torch._C._are_functorch_transforms_active())
+
+
+def eager(q, k, v) -> bool:
+    """Whether a call on q, k, v may skip the custom op: plain tensors on a GPU, and nothing
+    (torch.compile, a tracer, a dispatch or function mode, a functorch transform) that must
+    see the op."""
+    return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and q.device.type in EAGER_DEVICE_TYPES and _unobserved())
+
+
+def fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+              window_left: int | None, window_right: int | None, deterministic: bool,
+              return_lse: bool) -> tuple[Tensor, Tensor]:
+    """``fwd(...)`` for a call that ``eager`` admits, on inputs checked by check_inputs with
+    ``check_address=False`` and resolved by the public function (flash_attn_func)."""
+    check_addresses(("q", q), ("k", k), ("v", v))  # what fwd_impl's forward_into adds
+    options = (softmax_scale, causal, window_left, window_right, deterministic, return_lse)
+    if torch.autograd._profiler_enabled():  # a trace shows the call as it shows the op
+        with torch.profiler.record_function("fa4_final::fwd"):
+            return _eager_call(q, k, v, options)
+    return _eager_call(q, k, v, options)
+
+
+def _eager_call(q, k, v, options):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(q, k, v, options)
+    return _eager_fwd(q, k, v, *options[:4])
+
+
+def _eager_fwd(q, k, v, softmax_scale, causal, window_left, window_right):
+    b, sq, h, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # as q.new_empty(q.shape)
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    return prologue.forward_prepared(prologue.cached_backend(q.device), q, k, v, out, lse,
+                                     causal, softmax_scale, window_left, window_right)
+
+
+def _eager_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
+               deterministic):
+    """``bwd(...)`` on the forward's checked tensors; autograd gives dout out's shape, dtype
+    and device, so what bwd_impl's checks add is dout's TMA rule (after .contiguous())."""
+    check_tma_operand("dout", dout)
+    like = dict(memory_format=torch.contiguous_format)  # as bwd_impl's new_empty
+    dq, dk, dv = (torch.empty_like(t, **like) for t in (q, k, v))
+    args = (prologue.cached_backend(q.device), q, k, v, out, lse, dout, dq, dk, dv, causal,
+            softmax_scale, window_left, window_right, deterministic)
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function("fa4_final::bwd"):
+            return prologue.backward_prepared(*args)
+    return prologue.backward_prepared(*args)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """fwd's registered autograd (_setup_fwd, _backward_fwd) without the op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, options):  # options: fwd's arguments after v, in one tuple
+        out, lse = _eager_fwd(q, k, v, *options[:4])
+        _setup_fwd(ctx, (q, k, v, *options), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        # the op where something watches the backward, and for create_graph=True (the op's
+        # missing double backward says so)
+        direct = not torch.is_grad_enabled() and _unobserved()
+        grads = _backward_fwd(ctx, dout, dlse, _eager_bwd if direct else bwd)
+        return (*grads[:3], None)
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen
+
+
+def varlen_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                    cu_seqlens_k: Tensor, seqused_k: Tensor | None, max_seqlen_q: int,
+                    max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int | None,
+                    window_right: int | None, deterministic: bool,
+                    return_lse: bool) -> tuple[Tensor, Tensor]:
+    total_q, h, _ = q.shape
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((h, total_q), dtype=torch.float32)
+    varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, _side(max_seqlen_q),
+                        _side(max_seqlen_k), out, lse, causal, softmax_scale,
+                        (window_left, window_right))
+    return out, lse
+
+
+varlen_fwd = torch.library.custom_op("fa4_final::varlen_fwd", varlen_fwd_impl,
+                                     mutates_args=())
+
+
+@varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, causal, window_left, window_right, deterministic, return_lse):
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None,
+                        softmax_scale, check_address=False)
+    total_q, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
+
+
+def varlen_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Tensor | None,
+                    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+                    window_left: int | None, window_right: int | None,
+                    deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                         seqused_k, _side(max_seqlen_q), _side(max_seqlen_k), causal,
+                         softmax_scale, (window_left, window_right),
+                         deterministic)
+    return dq, dk, dv
+
+
+varlen_bwd = torch.library.custom_op("fa4_final::varlen_bwd", varlen_bwd_impl,
+                                     mutates_args=())
+
+
+@varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+      max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_varlen_fwd(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal, wl, wr, deterministic,
+     return_lse) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k)
+    ctx.options = (max_q, max_k, scale, causal, wl, wr, deterministic)
+    ctx.return_lse = return_lse
+    ctx.set_materialize_grads(False)  # as _setup_fwd
+
+
+def _backward_varlen_fwd(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, *ctx.options)
+    if ctx.return_lse and dlse is not None:
+        probe_dout, probe_out = _lse_probe(dlse.transpose(0, 1), out)  # (total_q, h)
+        dq_lse, dk_lse, _ = varlen_bwd(probe_dout, q, k, torch.zeros_like(v), probe_out, lse,
+                                       cu_q, cu_k, seqused_k, *ctx.options)
+        dq, dk = dq + dq_lse, dk + dk_lse
+    return (dq, dk, dv) + (None,) * 11
+
+
+varlen_fwd.register_autograd(_backward_varlen_fwd, setup_context=_setup_varlen_fwd)

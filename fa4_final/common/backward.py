@@ -1,0 +1,74 @@
+"""The backward's host side that both architectures share: the three kernels' fake arguments,
+the workspace and the three launches.
+
+Both backwards run bwd_pre (delta, lse in log2 units, the zeroed dQ accumulator and turn
+counters), their main kernel (dK, dV and the dQ accumulator) and bwd_post (dQ), with the same
+arguments: the Blackwell kernel writes the Hopper kernel's accumulator order (common.dq_order)
+at its own tile_m.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32
+
+from fa4_final.common.constants import CUTLASS_BY_NAME
+from fa4_final.common.recipe import fake_stream, fake_tensor
+
+
+def fake_backward_args(dtype_name: str, head_dim: int) -> dict:
+    """Fake arguments of each kernel (role -> tuple): symbolic batch, lengths and heads."""
+    dt = CUTLASS_BY_NAME[dtype_name]
+    div = 128 // dt.width  # 16-byte strides (TMA, 128-bit loads), in elements
+    b, sq, sk, h, hk, sq_pad, slab, m_blocks = (cute.sym_int() for _ in range(8))
+    like_q = lambda: fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)  # noqa: E731
+    like_k = lambda: fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)  # noqa: E731
+    lse = fake_tensor(Float32, (b, h, sq), divisibility=1)
+    lse2 = fake_tensor(Float32, (b, h, sq_pad), divisibility=4)
+    delta = fake_tensor(Float32, (b, h, sq_pad), divisibility=4)
+    accum = fake_tensor(Float32, (b, h, slab), divisibility=4)
+    # its own extents: without the deterministic mode the caller passes a (1, 1, 1) dummy
+    turn = fake_tensor(Int32, (cute.sym_int(), cute.sym_int(), m_blocks), divisibility=1)
+    q, out, dout, dq = like_q(), like_q(), like_q(), like_q()
+    k, v, dk, dv = like_k(), like_k(), like_k(), like_k()
+    return {
+        "pre": (out, dout, lse, lse2, delta, accum, turn, fake_stream()),
+        "main": (q, k, v, dout, lse2, delta, accum, dk, dv, turn, Float32(1.0), Int32(0),
+                 Int32(0), fake_stream()),
+        "post": (accum, dq, Float32(1.0), fake_stream()),
+    }
+
+
+_TURN_DUMMIES: dict = {}
+
+
+def _turn_dummy(device) -> torch.Tensor:
+    """The (1, 1, 1) turn buffer of a launch outside the deterministic mode: never read or
+    written, so one per device serves every call."""
+    dummy = _TURN_DUMMIES.get(device)
+    if dummy is None:
+        dummy = _TURN_DUMMIES[device] = torch.empty((1, 1, 1), dtype=torch.int32, device=device)
+    return dummy
+
+
+def launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, softmax_scale: float, left,
+                    right) -> None:
+    """The three launches of a dense backward (``plan``: its compiled kernels by role and its
+    config, whose tile_m pads the workspace) on checked, non-empty inputs; window sides None when
+    unbounded (causal: right = 0)."""
+    kernels, cfg = plan.kernels, plan.config
+    b, sq, h, d = q.shape
+    m_blocks = -(-sq // cfg.tile_m)
+    sq_pad = m_blocks * cfg.tile_m
+    lse2 = q.new_empty((b, h, sq_pad), dtype=torch.float32)
+    delta = q.new_empty((b, h, sq_pad), dtype=torch.float32)
+    accum = q.new_empty((b, h, sq_pad * d), dtype=torch.float32)
+    if cfg.deterministic:
+        turn = torch.empty((b, h, m_blocks), dtype=torch.int32, device=q.device)
+    else:
+        turn = _turn_dummy(q.device)
+    kernels["pre"](out, dout, lse, lse2, delta, accum, turn)
+    kernels["main"](q, k, v, dout, lse2, delta, accum, dk, dv, turn, softmax_scale, left or 0,
+                    right or 0)
+    kernels["post"](accum, dq, softmax_scale)

@@ -1,0 +1,250 @@
+"""Input checks: every setup the kernels cannot take is refused here, saying what was wrong and
+what is accepted.
+
+Two kinds. Checks of metadata (dtype, device, shapes, strides) cost nothing and run everywhere,
+also while torch.compile traces (on fake tensors, so they never read an address or a value).
+Checks of values (cu_seqlens monotone, their last entry, seqused_k within the lengths) need the
+numbers on the host: they run when the kernel runs (runtime.varlen).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from fa4_final.common.constants import HEAD_DIMS, TORCH_TO_CUTLASS
+from fa4_final.common.errors import UnsupportedError
+
+ACCEPTED_DTYPES = "torch.bfloat16, torch.float16"
+
+
+def normalise_window(causal: bool, window_size) -> tuple[bool, int | None, int | None]:
+    """(causal, left, right) as the FA4 package (4.0.0b36) reads ``causal`` and ``window_size``,
+    with None for an unbounded side.
+
+    Query row i sees key j when i + offset - left <= j <= i + offset + right (offset =
+    seqlen_k - seqlen_q). A negative side is a bound like any other: ``(None, -w)`` keeps the
+    keys at least w before the diagonal, ``(-w, None)`` those at least w after it. Only a window
+    whose two sides are both negative means "no window" (FlashAttention-2 spelled that (-1, -1)).
+    ``causal=True`` sets the right side to 0, whatever was given (as FA4 does). A window of
+    (None, 0) is causal; a right side of 0 with a left bound is returned as causal with that
+    left bound (the same mask)."""
+    if window_size is None:
+        window_size = (None, None)
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be a pair (left, right) of ints or None, got "
+                         f"{window_size!r}")
+    sides = []
+    for name, w in zip(("left", "right"), window_size):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Integral)):
+            raise ValueError(f"window_size's {name} side must be an int or None, got {w!r}")
+        sides.append(None if w is None else int(w))
+    left, right = sides
+    if left is not None and right is not None and left < 0 and right < 0:
+        left = right = None
+    if causal:
+        right = 0
+    return bool(causal or right == 0), left, right
+
+
+def check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_scale(softmax_scale) -> None:
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a finite number > 0 or None, got "
+                         f"{softmax_scale!r}")
+
+
+def _check_qkv(q, k, v, dims: int, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in TORCH_TO_CUTLASS:
+            raise TypeError(f"{name} has dtype {t.dtype}; accepted: {ACCEPTED_DTYPES}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1]:
+        raise UnsupportedError(
+            f"v's head dim {v.shape[-1]} differs from q and k's {k.shape[-1]}: fa4_final runs "
+            f"dv == d only (head dims {HEAD_DIMS}); the FA4 package also takes dv != d")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+
+
+def _check_heads_and_dim(q, k) -> tuple[int, int, int]:
+    h, d = q.shape[-2:]
+    hk, dk = k.shape[-2:]
+    if dk != d:
+        raise ValueError(f"q has head_dim {d} but k and v have head_dim {dk}")
+    if d not in HEAD_DIMS:
+        raise UnsupportedError(f"head_dim must be one of {HEAD_DIMS}, got {d}")
+    if hk == 0 or h % hk:
+        raise ValueError(f"q's {h} heads must be a multiple of k/v's {hk} heads (GQA/MQA)")
+    return h, hk, d
+
+
+def check_inputs(q, k, v, softmax_scale=None, check_address: bool = True):
+    """Validate dense q, k, v; return (batch, seqlen_q, seqlen_k, heads, heads_kv, dim).
+    ``check_address=False`` skips the base-address test (fake tensors have no address)."""
+    _check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
+    b, sq = q.shape[:2]
+    bk, sk = k.shape[:2]
+    if bk != b:
+        raise ValueError(f"q has batch {b} but k and v have batch {bk}")
+    h, hk, d = _check_heads_and_dim(q, k)
+    check_scale(softmax_scale)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tma_operand(name, t, check_address)
+    return b, sq, sk, h, hk, d
+
+
+def check_tma_operand(name: str, t: torch.Tensor, check_address: bool = True) -> None:
+    """TMA reads tensors through a descriptor: the last dim contiguous, the other strides
+    multiples of 16 bytes, a 16-byte aligned base."""
+    if t.numel() == 0:
+        return
+    strides, size = t.stride(), t.element_size()
+    if strides[-1] != 1:
+        raise ValueError(f"{name}'s last dimension must be contiguous (stride 1), got strides "
+                         f"{strides}; call .contiguous() first")
+    bad = [st for st in strides[:-1] if (st * size) % 16]
+    misaligned = check_address and t.data_ptr() % 16
+    if bad or misaligned:
+        where = f", address % 16 = {t.data_ptr() % 16}" if check_address else ""
+        raise ValueError(
+            f"{name} needs strides that are multiples of 16 bytes and a 16-byte aligned base "
+            f"address (TMA): strides {t.stride()} of {t.element_size()}-byte elements{where}; "
+            f"call .contiguous() first")
+
+
+def check_addresses(*named) -> None:
+    """The base-address part of check_tma_operand for (name, tensor) pairs whose strides
+    passed it already (check_inputs with ``check_address=False``): the same error."""
+    for name, t in named:
+        if t.data_ptr() % 16 and t.numel():
+            check_tma_operand(name, t)
+
+
+def check_outputs(q, out, lse, lse_shape: tuple, check_address: bool = True) -> None:
+    """``out`` like q; ``lse`` float32 of ``lse_shape`` with a unit last stride."""
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be like q {tuple(q.shape)} {q.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    check_tma_operand("out", out, check_address)
+    if tuple(lse.shape) != tuple(lse_shape) or lse.dtype != torch.float32 \
+            or lse.device != q.device or (lse.numel() and lse.stride(-1) != 1):
+        raise ValueError(f"lse must be float32 {tuple(lse_shape)} with stride 1 last, on "
+                         f"{q.device}, got {lse.dtype} {tuple(lse.shape)} strides {lse.stride()} "
+                         f"on {lse.device}")
+
+
+def check_grads(q, k, dout, dq, dk, dv, check_address: bool = True) -> None:
+    """dout and dq like q, dk and dv like k, all readable by TMA."""
+    for name, t, like in (("dout", dout, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
+        if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+            raise ValueError(f"{name} must have the shape, dtype and device of "
+                             f"{'q' if like is q else 'k'} ({tuple(like.shape)} {like.dtype} "
+                             f"{like.device}), got {tuple(t.shape)} {t.dtype} {t.device}")
+        check_tma_operand(name, t, check_address)
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen
+
+
+def _check_index_vector(name: str, t, length, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have {length} entries (one per sequence), got "
+                         f"{t.shape[0]}")
+
+
+def check_max_seqlen(name: str, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None,
+                        max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
+                        check_address: bool = True):
+    """Validate packed q (total_q, heads, dim), k and v (total_k, heads_kv, dim) and the int32
+    cu_seqlens (batch + 1 entries each) and seqused_k (batch); return (batch, total_q,
+    total_k, heads, heads_kv, dim). The values are checked by check_varlen_values."""
+    _check_qkv(q, k, v, 3, "(total_tokens, heads, head_dim) (sequences packed one after another)")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is None:
+            raise ValueError(f"{name} is required: the int32 offsets of each sequence, batch + 1 "
+                             f"entries starting at 0")
+        _check_index_vector(name, cu, None, q.device)
+        if cu.shape[0] < 1:
+            raise ValueError(f"{name} must have batch + 1 >= 1 entries, got none")
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k "
+                         f"{cu_seqlens_k.shape[0]}: both are batch + 1 long")
+    batch = cu_seqlens_q.shape[0] - 1
+    if seqused_k is not None:
+        _check_index_vector("seqused_k", seqused_k, batch, q.device)
+    check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    h, hk, d = _check_heads_and_dim(q, k)
+    check_scale(softmax_scale)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tma_operand(name, t, check_address)
+    return batch, q.shape[0], k.shape[0], h, hk, d
+
+
+def check_varlen_values(cu_q: list[int], cu_k: list[int], seqused_k: list[int] | None,
+                        total_q: int, total_k: int, max_seqlen_q=None, max_seqlen_k=None):
+    """The checks that need the offsets' values (host lists); returns the per-sequence (q
+    lengths, k lengths used)."""
+    for name, cu, total, what in (("cu_seqlens_q", cu_q, total_q, "q"),
+                                  ("cu_seqlens_k", cu_k, total_k, "k and v")):
+        if cu[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {cu[0]}")
+        drops = [i for i in range(len(cu) - 1) if cu[i + 1] < cu[i]]
+        if drops:
+            i = drops[0]
+            raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0), but entry "
+                             f"{i + 1} = {cu[i + 1]} < entry {i} = {cu[i]}")
+        if cu[-1] != total:
+            raise ValueError(f"{name}'s last entry must equal the {total} rows of {what}, got "
+                             f"{cu[-1]}")
+    len_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    len_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    used_k = len_k
+    if seqused_k is not None:
+        bad = [i for i, (u, n) in enumerate(zip(seqused_k, len_k)) if not 0 <= u <= n]
+        if bad:
+            i = bad[0]
+            raise ValueError(f"seqused_k[{i}] = {seqused_k[i]} must be in [0, {len_k[i]}] (the "
+                             f"length of sequence {i} in cu_seqlens_k)")
+        used_k = list(seqused_k)
+    for name, given, lengths in (("max_seqlen_q", max_seqlen_q, len_q),
+                                 ("max_seqlen_k", max_seqlen_k, used_k)):
+        longest = max(lengths, default=0)
+        if given is not None and given < longest:
+            raise ValueError(f"{name} = {given} is less than the longest sequence, {longest}")
+    return len_q, used_k

@@ -1,0 +1,214 @@
+"""Which GPU runs which kernels: the dispatch table, and the support table built from it.
+
+Each GPU family is one ``Backend``: the compute capabilities it answers for, the target its
+kernels are compiled for, and its host module (recipes and launches, fa4_final.hopper.host or
+fa4_final.blackwell.host). Its ``forward``, ``backward``, ``varlen_forward`` and
+``varlen_backward`` keep one contract for every family: inputs checked and not empty, window
+sides None when unbounded, the scale resolved (the runtime's prologue does that); each finds its
+compiled kernels through the one compile path (runtime.compile) and calls the host's launch.
+``backend_for(device)`` picks the row or raises UnsupportedError naming what is supported, so no
+setup falls through to a kernel that would compute garbage. A README's table of what each GPU
+supports is printed from these rows (``python -m fa4_final support-table --write README.md``).
+
+The Blackwell row is compiled and checked but not wired: its entries raise UnsupportedError
+saying so, unless a caller asks for its target by name (the runtime's ``target=``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from types import ModuleType
+
+import torch
+
+from fa4_final.blackwell import host as blackwell_host
+from fa4_final.common.constants import DTYPE_NAMES, HEAD_DIMS
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.hopper import host as hopper_host
+from fa4_final.runtime.compile import compiled
+
+START, END = "<!-- support:start -->", "<!-- support:end -->"
+
+
+@dataclass(frozen=True)
+class Backend:
+    family: str  # "Hopper"
+    gpus: str  # the GPUs people know it by
+    arch: str  # "sm_90": what torch's compute capability says
+    capabilities: tuple[tuple[int, int], ...]
+    target: str  # what the kernels are compiled for
+    host: ModuleType  # recipes and launches
+    forward: Callable  # (q, k, v, out, lse, causal, scale, left, right, config=None)
+    backward: Callable  # (q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right,
+    #                      deterministic, config=None)
+    forward_module: str
+    backward_module: str
+    wired: bool = True  # False: compiled and checked, not yet called from torch
+    head_dims: tuple[int, ...] = HEAD_DIMS
+    dtypes: tuple[str, ...] = ("bf16", "fp16")
+    # One launch over packed sequences: (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+    # max_seqlen_q, max_seqlen_k, out, lse, causal, scale, left, right, config=None). None:
+    # runtime.varlen loops over the sequences with the dense kernel.
+    varlen_forward: Callable | None = None
+    # (q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k,
+    # max_seqlen_q, max_seqlen_k, causal, scale, left, right, deterministic, config=None)
+    varlen_backward: Callable | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.family} ({self.gpus}, {self.arch})"
+
+    def state(self, module: str) -> str:
+        """'yes', 'compiled, not yet run on a GPU' or 'not in this build', for the README."""
+        if not module_present(module):
+            return "not in this build"
+        if not self.wired:
+            return "compiled, not yet run on a GPU"
+        return "yes"
+
+
+def runners(host: ModuleType) -> dict:
+    """The contract's functions for ``host``: each finds its compiled kernels through the one
+    compile path and calls the host's launch. Varlen ones only where the host launches one."""
+    def forward(q, k, v, out, lse, causal, scale, left, right, config=None):
+        plan = compiled(host.forward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
+                        left is not None, right is not None and not causal, False, False)
+        host.launch_forward(plan, q, k, v, out, lse, causal, scale, left, right)
+
+    def backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right,
+                 deterministic=False, config=None):
+        plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
+                        deterministic, left is not None, right is not None and not causal,
+                        False, False)
+        host.launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left,
+                             right)
+
+    def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                       max_seqlen_k, out, lse, causal, scale, left, right, config=None):
+        plan = compiled(host.forward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
+                        left is not None, right is not None and not causal, True,
+                        seqused_k is not None)
+        host.launch_varlen_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                   max_seqlen_q, max_seqlen_k, out, lse, causal, scale, left,
+                                   right)
+
+    def varlen_backward(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                        seqused_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right,
+                        deterministic=False, config=None):
+        plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
+                        deterministic, left is not None, right is not None and not causal,
+                        True, seqused_k is not None)
+        host.launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
+                                    cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                                    causal, scale, left, right)
+
+    return {"forward": forward, "backward": backward,
+            "varlen_forward": varlen_forward if hasattr(host, "launch_varlen_forward") else None,
+            "varlen_backward": varlen_backward if hasattr(host, "launch_varlen_backward")
+            else None}
+
+
+def _not_wired(family: str, what: str, modules: str) -> Callable:
+    def run(*args, **kwargs):
+        raise UnsupportedError(
+            f"{family} kernels are compiled ({modules}) and checked without a GPU, but have "
+            f"never run on one, so fa4_final's torch entry points do not use them yet: the "
+            f"{what} cannot run on this GPU. Supported now: {supported_list()}")
+
+    return run
+
+
+def wired(backend: Backend) -> Backend:
+    """``backend`` with its kernels called, wired or not (the runtime's ``target=``)."""
+    return backend if backend.wired else replace(backend, wired=True, **runners(backend.host))
+
+
+def module_present(module: str) -> bool:
+    """Whether this build holds ``module`` (found, not imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing too
+        return False
+
+
+HOPPER = Backend("Hopper", "H100, H200", "sm_90", ((9, 0),), hopper_host.ARCH, hopper_host,
+                 forward_module="fa4_final.hopper.fwd", backward_module="fa4_final.hopper.bwd",
+                 **runners(hopper_host))
+BLACKWELL = Backend("Blackwell", "B200, GB200", "sm_100", ((10, 0),), blackwell_host.ARCH,
+                    blackwell_host,
+                    forward=_not_wired("Blackwell (sm_100)", "forward", "fa4_final.blackwell"),
+                    backward=_not_wired("Blackwell (sm_100)", "backward", "fa4_final.blackwell"),
+                    forward_module="fa4_final.blackwell.fwd",
+                    backward_module="fa4_final.blackwell.bwd", wired=False)
+BACKENDS: tuple[Backend, ...] = (HOPPER, BLACKWELL)
+
+
+def supported_list() -> str:
+    """The families that run today, e.g. 'Hopper (H100, H200, sm_90)'."""
+    ready = [b.label for b in BACKENDS if b.wired] or ["none"]
+    return ", ".join(ready)
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The row for ``device``, or an UnsupportedError naming what is supported."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise UnsupportedError(f"fa4_final runs on CUDA GPUs: {supported_list()}; got a tensor "
+                               f"on {device}")
+    cap = tuple(torch.cuda.get_device_capability(device))
+    for backend in BACKENDS:
+        if cap in backend.capabilities:
+            return backend
+    raise UnsupportedError(
+        f"fa4_final has no kernels for {torch.cuda.get_device_name(device)} (compute capability "
+        f"{cap[0]}.{cap[1]}, sm_{cap[0]}{cap[1]}); it runs on {supported_list()}")
+
+
+def backend_for_target(target: str) -> Backend:
+    """The row whose kernels compile for ``target`` ("sm_90a", "sm_100a"), wired or not."""
+    for backend in BACKENDS:
+        if backend.target == target:
+            return backend
+    raise UnsupportedError(f"fa4_final compiles for {[b.target for b in BACKENDS]}, not "
+                           f"{target!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the support table
+
+
+def support_table() -> str:
+    """Markdown: one row per GPU family, read off BACKENDS and the modules this build holds."""
+    head = ("| GPU | arch (compiled for) | forward | backward | head dims | dtypes | varlen |\n"
+            "|---|---|---|---|---|---|---|")
+    rows = []
+    for b in BACKENDS:
+        runs = b.state(b.forward_module) == "yes"
+        varlen = "per-sequence loop over the dense kernel"
+        if b.varlen_forward:
+            varlen = ("forward and backward: one kernel over the packed batch"
+                      if b.varlen_backward else "forward: one kernel over the packed "
+                      "batch; backward: per-sequence loop")
+        varlen, dims, dtypes = (varlen, ", ".join(map(str, b.head_dims)), ", ".join(b.dtypes)) \
+            if runs else ("-", "-", "-")
+        rows.append(f"| {b.family} ({b.gpus}) | {b.arch} ({b.target}) | "
+                    f"{b.state(b.forward_module)} | {b.state(b.backward_module)} | {dims} | "
+                    f"{dtypes} | {varlen} |")
+    rows.append("| any other GPU, or a CPU tensor | - | UnsupportedError naming the above | - | - "
+                "| - | - |")
+    notes = ("\nEvery row that runs takes causal and sliding-window masks (`window_size`), "
+             "GQA/MQA\n(heads divisible by the k/v heads) and sequences of length 0. Generated "
+             "from the\ndispatch table in `fa4_final/runtime/dispatch.py` by\n`python -m "
+             "fa4_final support-table --write README.md`.")
+    return "\n".join([head, *rows]) + "\n" + notes
+
+
+def render(readme_text: str) -> str:
+    """``readme_text`` with the table between the support markers replaced."""
+    if START not in readme_text or END not in readme_text:
+        raise ValueError(f"the README lacks the markers {START} ... {END}")
+    head, rest = readme_text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{support_table()}\n{END}{tail}"
