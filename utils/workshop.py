@@ -256,10 +256,60 @@ def section(exs: list[Exercise], noted: set[str] = frozenset()) -> str:
     return "\n".join(lines)
 
 
+FACTS_START, FACTS_END = "<!-- facts:start -->", "<!-- facts:end -->"
+_GPU_CELL = re.compile(r"^\s*%%gpu\s+(sm_\d+)", re.M)
+_READ_FIRST_CHAPTERS = re.compile(r"chapters?\s+(\d\d)(?:\s*(?:-|and|to)\s*(\d\d))?", re.I)
+
+
+def _labs_by_chapter() -> dict[str, list[str]]:
+    """Chapter number -> the labs whose first cell says to read that chapter first."""
+    found: dict[str, list[str]] = {}
+    for path in nbm.lab_notebooks():
+        first = next((c for c in json.loads(path.read_text())["cells"]
+                      if c["cell_type"] == "markdown"), None)
+        line = next((ln for ln in _source(first).splitlines() if nbm.READ_FIRST.search(ln)), "")
+        for a, b in _READ_FIRST_CHAPTERS.findall(line):
+            for n in range(int(a), int(b or a) + 1):
+                found.setdefault(f"{n:02d}", []).append(path.stem)
+    return found
+
+
+def facts() -> str:
+    """The course at a glance, from the notebooks themselves: each chapter's size against one
+    sitting, its exercises (device code among them), its predictions, which GPU its live cells
+    need, and the labs that deepen it; then the longest chapter."""
+    labs = _labs_by_chapter()
+    lines = ["| chapter | markdown words | cells | exercises (device code) | predictions | "
+             "live on a GPU | labs |", "|---|---|---|---|---|---|---|"]
+    longest = None
+    for path in nbm.solved_notebooks():
+        nb = json.loads(path.read_text())
+        st = nbm.notebook_stats(nb)
+        gpus = sorted({m for c in nb["cells"] if c["cell_type"] == "code"
+                       for m in _GPU_CELL.findall(_source(c))})
+        chapter = path.stem[:2]
+        lines.append(f"| `{path.stem}` | {st['words']:,} | {st['cells']} | "
+                     f"{len(st['exercises'])} ({len(st['device_exercises'])}) | "
+                     f"{len(st['predictions'])} | {', '.join(gpus) or 'CPU only'} | "
+                     f"{', '.join(f'`{lab}`' for lab in labs.get(chapter, [])) or '-'} |")
+        if longest is None or st["words"] > longest[1]:
+            longest = (path.stem, st["words"], st["cells"])
+    lines += ["", f"The longest chapter is `{longest[0]}` ({longest[1]:,} markdown words, "
+                  f"{longest[2]} cells); one sitting is at most about {nbm.SITTING_WORDS:,} "
+                  f"words and {nbm.SITTING_CELLS} cells. Every cell runs on a CPU; a cell "
+                  f"marked for a GPU prints a note there, and the cell beside it shows the "
+                  f"compiled code or the stored measurement."]
+    return "\n".join(lines)
+
+
 def render(guide_text: str, exs: list[Exercise] | None = None) -> str:
     exs = exercises() if exs is None else exs
     head, rest = guide_text.split(START, 1)
     _, tail = rest.split(END, 1)
+    if FACTS_START in head:
+        before, _, after = head.partition(FACTS_START)
+        _, _, after = after.partition(FACTS_END)
+        head = f"{before}{FACTS_START}\n{facts()}\n{FACTS_END}{after}"
     return f"{head}{START}\n{section(exs, noted_ids(guide_text))}\n{END}{tail}"
 
 
