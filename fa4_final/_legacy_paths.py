@@ -1,6 +1,6 @@
-"""Old module paths and names, kept importable while the course's notebooks and drivers move to
-the new ones. Nothing in the package uses them (tests/test_fa4_final_layers.py); deleting them
-is deleting the files of LEGACY_PATHS, this file and its one call in fa4_final/__init__.py.
+"""Old module paths and names, kept importable while code outside the package moves to the new
+ones. Nothing in the package uses them (the package's layers test checks it); deleting them is
+deleting the files of LEGACY_PATHS, this file and its one call in fa4_final/__init__.py.
 
 Each legacy path is a small shim module: an alias of the new module (its ``sys.modules`` entry
 replaced: the same module object, private names and monkeypatching included) or, where a module

@@ -2,13 +2,13 @@
 it must contain, and resources (no spills, no wgmma serialised by ptxas)."""
 
 import re
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
 from fa4_final.api.interface import compile_only
 from fa4_final.common.errors import UnsupportedError
-from fa4_final.hopper.config import HopperFwdConfig, hopper_fwd_default
+from fa4_final.hopper.config import SCHEDULES, HopperFwdConfig, hopper_fwd_default
 
 pytestmark = pytest.mark.slow
 
@@ -46,13 +46,12 @@ def test_default_forward_has_the_hopper_instructions(artifacts, head_dim, causal
 
 
 @pytest.mark.parametrize("knobs", [
-    dict(pingpong=False), dict(persistent=False, tile_table=False), dict(separate_o=False),
-    dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
-    dict(exp2_emulation_fraction=0.25), dict(rescale_threshold=8.0),
-    dict(has_window_left=True), dict(has_window_right=True, has_window_left=True),
-    dict(stages_k=2, stages_v=3), dict(mask_bits=True),
-    dict(row_sum_ways=1), dict(row_sum_ways=2, row_max_ways=4), dict(pin_lane=True),
-    dict(rescale_skip_unchanged=True),
+    dict(pingpong=False), dict(schedule="grid"), dict(schedule="zigzag"),
+    dict(schedule="table"), dict(schedule="dynamic", l2_sections=True),
+    dict(intra_wg_overlap=False), dict(exp2_emulation_fraction=0.25),
+    dict(rescale_threshold=8.0), dict(has_window_left=True),
+    dict(has_window_right=True, has_window_left=True), dict(stages_k=2, stages_v=3),
+    dict(pin_lane=True), dict(rescale_skip_unchanged=True),
 ])
 def test_every_knob_compiles_clean(artifacts, knobs):
     art = artifacts(128, False, **dict(knobs))
@@ -78,7 +77,7 @@ def test_knobs_show_in_the_code(artifacts):
 
 def test_the_d64_defaults_skip_the_rescale_by_a_vote(artifacts):
     """D = 64 (dense) skips O's multiply where no row moved (tau = 0), its causal kernel has two
-    K/V stages; varlen and D = 128 keep the always-rescale step (fa4_final.config.
+    K/V stages; varlen and D = 128 keep the always-rescale step (hopper.config.
     hopper_fwd_default)."""
     for causal in (False, True):
         d64 = hopper_fwd_default(64, causal)
@@ -96,27 +95,31 @@ def test_config_errors_name_the_knob():
         HopperFwdConfig(stages_k=4, stages_v=4).check(128)
     with pytest.raises(ValueError, match="num_consumer_wgs"):
         HopperFwdConfig(num_consumer_wgs=4).check(128)
-    with pytest.raises(ValueError, match="o_rescale"):
-        HopperFwdConfig(o_rescale="later").check(128)
+    with pytest.raises(ValueError, match="schedule"):
+        HopperFwdConfig(schedule="later").check(128)
     with pytest.raises(ValueError, match="head_dim"):
         HopperFwdConfig().check(96)
     with pytest.raises(ValueError, match="rescale_threshold"):
         HopperFwdConfig(rescale_threshold=16.0).check(128)
-    with pytest.raises(ValueError, match="tile_table"):
-        HopperFwdConfig(tile_table=True, persistent=False).check(128)
+    with pytest.raises(ValueError, match="pingpong"):
+        HopperFwdConfig(num_consumer_wgs=1).check(128)
     with pytest.raises(UnsupportedError, match="sm_90a"):
-        compile_only("sm_100a")
+        compile_only("sm_80")
+    from fa4_final.hopper.host import forward_recipe
+
+    with pytest.raises(UnsupportedError, match="compiles for arch='sm_90a' only"):
+        forward_recipe(arch="sm_100a")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_tile_table_is_read_not_computed(artifacts, head_dim):
-    assert hopper_fwd_default(head_dim, False).tile_table
-    assert not hopper_fwd_default(head_dim, True, varlen=True).tile_table
-    """Note [Tile table]: with tile_table the tile loop reads its tiles from global memory (the
+    """Note [Tile table]: with a table the tile loop reads its tiles from global memory (the
     producer and consumers each: two more global loads a round, one of them the next round's)
     instead of the zigzag arithmetic; clean, and the rest of the kernel unchanged."""
-    plain = artifacts(head_dim, True, l2_sections=True, tile_table=False, dynamic_tiles=False)
-    table = artifacts(head_dim, True, tile_table=True)
+    assert hopper_fwd_default(head_dim, False).uses_table
+    assert not hopper_fwd_default(head_dim, True, varlen=True).uses_table
+    plain = artifacts(head_dim, True, schedule="zigzag")
+    table = artifacts(head_dim, True, schedule="table")
     assert table.spills == 0 and wgmma_serialised(table) == 0, table.resources()
     assert table.count("ld.global") > plain.count("ld.global")
     assert table.count("HGMMA", "sass") == plain.count("HGMMA", "sass")
@@ -129,7 +132,7 @@ def test_dynamic_tiles_take_their_tiles_from_one_atomic(artifacts, head_dim):
     wgmma) and the registers stay those of the table's build, with no spills."""
     assert hopper_fwd_default(head_dim, True).schedules_dynamically  # the causal default
     assert hopper_fwd_default(head_dim, True, varlen=True).schedules_dynamically  # and varlen's
-    table = artifacts(head_dim, True, tile_table=True)
+    table = artifacts(head_dim, True, schedule="table")
     dynamic = artifacts(head_dim, True)
     assert dynamic.spills == 0 and wgmma_serialised(dynamic) == 0, dynamic.resources()
     assert dynamic.count("atom.global.add") == 1 and table.count("atom.global.add") == 0
@@ -139,20 +142,26 @@ def test_dynamic_tiles_take_their_tiles_from_one_atomic(artifacts, head_dim):
     assert dynamic.registers == table.registers
 
 
-def test_a_table_or_one_tile_per_cta_leaves_dynamic_tiles_without_effect():
-    base = hopper_fwd_default(64, True)
-    for other in (dict(tile_table=True), dict(persistent=False)):
-        assert not replace(base, **other).schedules_dynamically
+def test_the_schedule_is_one_choice():
+    """Each schedule is one behaviour: what the kernel and the host derive from it."""
+    derived = {s: (c.persistent, c.uses_table, c.splits_tail, c.schedules_dynamically)
+               for s in SCHEDULES for c in [HopperFwdConfig(schedule=s)]}
+    assert derived == {"grid": (False, False, False, False),
+                       "zigzag": (True, False, False, False),
+                       "table": (True, True, False, False),
+                       "split_tail": (True, True, True, False),
+                       "dynamic": (True, False, False, True)}
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_mask_bits_replaces_the_compares(artifacts, head_dim):
-    """Note [Mask as bits]: the causal kernel with mask_bits has no spills and far fewer
-    ISETP (one per masked element before) than the default."""
-    plain = artifacts(head_dim, True)
-    bits = artifacts(head_dim, True, mask_bits=True)
-    assert bits.spills == 0 and wgmma_serialised(bits) == 0, bits.resources()
-    assert bits.count("ISETP", "sass") < plain.count("ISETP", "sass") - 60
+def test_the_forward_config_has_at_most_14_knobs():
+    assert len(fields(HopperFwdConfig)) <= 14, [f.name for f in fields(HopperFwdConfig)]
+
+
+def test_a_varlen_kernel_refuses_a_table():
+    from fa4_final.hopper.host import forward_recipe
+
+    with pytest.raises(ValueError, match="schedule='table'"):
+        forward_recipe(128, "bf16", True, HopperFwdConfig(schedule="table"), varlen=True)
 
 
 def test_sm90_comparison_finds_the_kv_step(artifacts):
@@ -182,12 +191,6 @@ def test_d64_causal_default_reads_the_lane_once(artifacts):
     assert hopper_fwd_default(64, True).pin_lane
     assert thread_index_reads(artifacts(64, True).sass) == 0
     assert thread_index_reads(artifacts(64, True, pin_lane=False).sass) > 0
-
-
-@pytest.mark.parametrize("name", ["row_sum_ways", "row_max_ways"])
-def test_reduction_ways_are_checked(name):
-    with pytest.raises(ValueError, match=name):
-        replace(hopper_fwd_default(64), **{name: 3}).check(64)
 
 
 def test_skip_unchanged_keeps_the_vote_off_the_exponentials(artifacts):

@@ -153,7 +153,7 @@ def test_the_table_balances_causal_sections_that_zigzag_does_not(d, seqlen, head
     from fa4_final.hopper.config import hopper_fwd_default
     from fa4_final.hopper.host import l2_section_pairs, tile_costs
 
-    cfg = replace(hopper_fwd_default(d, True), l2_sections=True, tile_table=True)
+    cfg = replace(hopper_fwd_default(d, True), l2_sections=True, schedule="table")
     group = l2_section_pairs(seqlen, d, 2, heads * batch)
     costs = tile_costs(cfg, True, seqlen, seqlen, heads, batch, group)
     grid = 132
@@ -166,12 +166,11 @@ def test_the_table_balances_causal_sections_that_zigzag_does_not(d, seqlen, head
 
 @pytest.mark.parametrize("tm, tn, sq, sk, causal, left, right", CASES)
 def test_tile_costs_count_the_visited_key_tiles(tm, tn, sq, sk, causal, left, right):
-    from fa4_final.hopper.config import HopperFwdConfig
+    from types import SimpleNamespace
+
     from fa4_final.hopper.host import tile_costs
 
-    cfg = HopperFwdConfig(num_consumer_wgs=tm // 64 if tm % 64 == 0 else 2, tile_n=tn)
-    if cfg.tile_m != tm:
-        pytest.skip("tile_m is 64 per consumer warpgroup")
+    cfg = SimpleNamespace(tile_m=tm, tile_n=tn)  # what tile_costs reads of a config
     heads, batch = 2, 1
     w = TileWindow(tm, tn, causal, left is not None, right is not None and not causal)
     costs = tile_costs(cfg, causal, sq, sk, heads, batch, None if not causal else heads * batch,
@@ -271,14 +270,14 @@ def test_the_split_table_has_whole_entries_for_causal_and_windowed_shapes():
     from fa4_final.hopper.config import hopper_fwd_default
     from fa4_final.hopper.host import host_table
 
-    cfg = replace(hopper_fwd_default(128, True), tile_table=True, split_tail=True)
-    plain = replace(cfg, split_tail=False)
+    cfg = replace(hopper_fwd_default(128, True), schedule="split_tail")
+    plain = replace(cfg, schedule="table")
     flat, slots = host_table(cfg, True, 4096, 4096, 16, 4, 4, 132)
     want, _ = host_table(plain, True, 4096, 4096, 16, 4, 4, 132)
     assert slots == 0 and flat[::SPLIT_FIELDS] == want
     assert set(zip(*[flat[f::SPLIT_FIELDS] for f in range(1, SPLIT_FIELDS)])) == {
         (0, WHOLE_TILE_KEYS, -1, 0, 0)}
-    nc = replace(hopper_fwd_default(128, False), tile_table=True, split_tail=True)
+    nc = replace(hopper_fwd_default(128, False), schedule="split_tail")
     flat, slots = host_table(nc, False, 4096, 4096, 16, 4, 64, 132)
     assert slots > 0 and len(flat) % (SPLIT_FIELDS * 132) == 0
 

@@ -1,5 +1,5 @@
 """The Blackwell backward (sm_100a): K and V stationary per CTA, five tcgen05 GEMMs per step, the
-accumulators in tensor memory. Chapter 11.
+accumulators in tensor memory.
 
 One CTA per (key tile of 128 keys, kv head, batch), as on Hopper (``fa4_final.hopper.bwd``); the
 inner loop walks every 128-query tile that sees these keys, for every query head of the kv
@@ -20,30 +20,27 @@ registers (dV and dK alone: 2 x 64 x D / 128 = 128 registers a thread at D = 128
 their own wgmma. Here every accumulator lives in TMEM (``tmem.backward_plan``: 512 columns at
 D = 128), one thread issues every MMA, and the compute warps spend their registers on one key row
 each; the dQ epilogue (TMEM -> shared -> bulk add) has its own warpgroup, so it overlaps the
-next step's GEMMs. Chapter 00's model for one step (M = N = D = 128, B200, 1-CTA): 5 GEMMs of
-2 * 128^3 FLOPs = 2560 tensor-core cycles against 3328 cycles of shared-memory traffic
-(ANCHORS.md); ``solutions.ch09_model.bwd_step_cycles`` adds what this kernel reads on top (dS^T
-for dK from shared memory, the lse / delta broadcasts): bound by shared memory (model), which
-is what the 2-CTA mode (``bwd_pair``, below) attacks.
+next step's GEMMs. A cycle model of one step (M = N = D = 128, B200, 1-CTA): 5 GEMMs of
+2 * 128^3 FLOPs = 2560 tensor-core cycles against 3328 cycles of shared-memory traffic, plus what
+this kernel reads on top (dS^T for dK from shared memory, the lse / delta broadcasts): bound by
+shared memory (model), which is what the 2-CTA mode (``bwd_pair``, below) attacks.
 
 Deterministic mode: the dQ warpgroup adds a step's dQ only in its turn, with the Hopper kernel's
-turn counters (``fa4_final.common.bwd_tiles.dq_turn``, ``fa4_final.common.atomics``, Note [Turns] of
-``fa4_final.hopper.bwd``): the same scheme, so the same proof of deadlock freedom.
+turn counters (``common.bwd_tiles.dq_turn``, ``common.atomics``, Note [dQ turns] in hopper.bwd):
+the same scheme, so the same proof of deadlock freedom.
 
 Shared with the Hopper backward, and therefore run on the H200 for real: the preprocess and
-postprocess kernels (``bwd_pre``, ``bwd_post``: this kernel writes its dQ into the Hopper
-kernel's accumulator order, Note [dQ accumulator order]), the query-tile ranges, masked-step
-counts and turn order (``bwd_tiles``), and
-the tcgen05 issue helpers of the forward (``blackwell.umma``). The per-key visibility rule is
-``bwd_tiles.visible_queries``; the Hopper mask keeps its own inline form of it (its select is two
-instructions per row cheaper, which its per-step instruction-count test holds it to). It has
-never run on a GPU: it is
-verified by compiling it for sm_100a (tests/test_blackwell_bwd_compile.py), and
-tests/gpu/test_blackwell_bwd.py compares its gradients with float64 the moment a B200 is present.
-Verified on the CPU besides the compile: solutions.ch09_pipeline.BackwardSim replays every
-role's waits and arrivals with these pipelines; it found two races of the first design, fixed
-here (delta now rides with Q, Note [Handshakes]; bar.sync COMPUTE before P^T, Note [P^T over
-S^T]). solutions.ch09_compare --bwd stands the compiled kernel beside FA4's flash_bwd_sm100.
+postprocess kernels (``bwd_pre``, ``bwd_post``: this kernel writes its dQ into the Hopper kernel's
+accumulator order, Note [dQ accumulator order]), the query-tile ranges, masked-step counts and turn
+order (``bwd_tiles``), and the tcgen05 issue helpers of the forward (``blackwell.umma``). The
+per-key visibility rule is ``bwd_tiles.visible_queries``; the Hopper mask keeps its own inline form
+of it (its select is two instructions per row cheaper, which its per-step instruction-count test
+holds it to). It has never run on a GPU: it is verified by compiling it for sm_100a (its
+instructions, resources and per-step counts, beside FA4's flash_bwd_sm100 compiled the same way)
+and by a CPU simulation that replays every role's waits and arrivals with these pipelines; that
+found two races of a first design, fixed here (delta rides with Q, Note [Handshakes]; bar.sync
+COMPUTE before P^T, Note [P^T over S^T]). GPU tests compare its gradients with float64 the moment
+a B200 is present.
 
 The 2-CTA mode (``BlackwellBwdConfig(two_cta=True)``, default off) is its own kernel,
 ``fa4_final.blackwell.bwd_pair.BlackwellBackwardPair``, a subclass of this one: a CTA pair per 256
@@ -156,7 +153,6 @@ class BlackwellBackward(WarpRoles):
         )
 
     # Note [Handshakes]
-    # -----------------
     # Producer -> consumer, arrivals per phase (one stage each, except the TMA rings):
     #   kv    load -> mma       full: 1 + K, V bytes
     #   q     load -> mma       full: 1 + Q, lse, delta bytes   empty: commit after dK += dS^T Q
@@ -166,19 +162,18 @@ class BlackwellBackward(WarpRoles):
     #   dq    mma -> dq warps   full: commit after dQ    empty: 128 (dQ read out of TMEM)
     #   dkv   mma -> compute    full: commit after the CTA's last step
     # The compute warps also wait on q's FULL barrier (for lse and delta) without arriving on its
-    # EMPTY one: the MMA warp's commit that frees a Q stage comes after it has waited for dS of
-    # that step, which the compute warps write after reading lse and delta. Delta rides with Q,
-    # not with dO: dO's stage is freed after dV, which waits only for P^T, so a delta there could
-    # be overwritten by the next dO while the compute warps still read it (the backward pipeline
-    # simulation of solutions/ch09_pipeline.py found this in the first design). They
-    # wait on dq's FULL barrier too, one step late: dQ(i) done means dK(i) and dQ(i) have read
-    # dS(i), so the dS buffer may take dS(i + 1). Region reuse in TMEM (Note [The backward's
-    # plan]) follows from the same order: S^T(i + 1) is issued after P^T(i) is stored (s empty)
-    # and after dV(i) that reads P^T(i) (tcgen05 MMAs of one thread run in issue order); dP^T(i +
-    # 1) overwrites dQ(i), so it waits for dq's EMPTY side.
+    # EMPTY one: the MMA warp's commit that frees a Q stage comes after it has waited for dS of that
+    # step, which the compute warps write after reading lse and delta. Delta rides with Q, not with
+    # dO: dO's stage is freed after dV, which waits only for P^T, so a delta there could be
+    # overwritten by the next dO while the compute warps still read it (a simulation of the
+    # backward's pipelines found this in a first design). They wait on dq's
+    # FULL barrier too, one step late: dQ(i) done means dK(i) and dQ(i) have read dS(i), so the dS
+    # buffer may take dS(i + 1). Region reuse in TMEM (Note [The backward's plan]) follows from the
+    # same order: S^T(i + 1) is issued after P^T(i) is stored (s empty) and after dV(i) that reads
+    # P^T(i) (tcgen05 MMAs of one thread run in issue order); dP^T(i + 1) overwrites dQ(i), so it
+    # waits for dq's EMPTY side.
     #
     # Note [The backward's plan]
-    # --------------------------
     # D = 128: S^T 128 + dP^T 128 + dV 128 + dK 128 = 512 columns, all of them, so dQ (128 x D,
     # one query per lane) cannot have its own: it lives in dP^T's columns. dP^T(i) is dead once
     # the compute warps have read it (before dS is stored, before dQ(i) is issued), and the next
@@ -186,7 +181,6 @@ class BlackwellBackward(WarpRoles):
     # upper half of S^T, as P in the forward. D = 64: 384 columns used, 512 allocated.
     #
     # Note [P^T over S^T]
-    # -------------------
     # Warpgroup g loads S^T columns 64 g .. 64 g + 63 and stores its P^T (16-bit pairs) into
     # columns 64 + 32 g .. 64 + 32 g + 31: warpgroup 0's P^T lands on S^T columns warpgroup 1
     # loads. Nothing else orders the two warpgroups inside a step, so each waits for its loads
@@ -195,7 +189,6 @@ class BlackwellBackward(WarpRoles):
     # loading"). The pipeline simulation catches the race without it (mutation no_compute_sync).
     #
     # Note [Register plan]
-    # --------------------
     # The CTA starts with 128 registers a thread (64 K / 512 threads, one CTA an SM); each role's
     # setmaxnreg then moves registers between its warps and the pool of the SM sub-partition
     # they run on: warp w on sub-partition w % 4, 512 registers per thread slot there. Each
@@ -257,15 +250,15 @@ class BlackwellBackward(WarpRoles):
         }
 
     def dq_layout_owner(self) -> DqOrder:
-        """The dQ accumulator order at tile_m = 128, which this kernel writes (Note [dQ in
-        accumulator order] in common.dq_order), so that one bwd_post serves both backwards."""
+        """The dQ accumulator order at tile_m = 128, which this kernel writes
+        (Note [dQ in accumulator order] in common.dq_order), so that one bwd_post serves both
+        backwards."""
         return DqOrder(self.dtype, self.head_dim, self.tile_m)
 
     # Note [dQ accumulator order]
-    # ---------------------------
-    # The Hopper kernel stores a query tile's float32 dQ in its wgmma register order (Note [dQ
-    # in accumulator order] there) and bwd_post reads it back. At tile_m = 128 that order puts
-    # element (row R, column C) at
+    # The Hopper kernel stores a query tile's float32 dQ in its wgmma register order
+    # (Note [dQ in accumulator order] there) and bwd_post reads it back. At tile_m = 128 that order
+    # puts element (row R, column C) at
     #     64 D (R // 64) + 512 (C // 8) + 128 ((R % 64) // 16) + 16 (R % 8) + 2 ((R % 16) // 8)
     #     + 4 ((C % 8) // 2) + C % 2
     # (warpgroup R // 64 owns a chunk of 64 D floats; in it thread t of the warpgroup, row
@@ -274,12 +267,13 @@ class BlackwellBackward(WarpRoles):
     # chunk of a 64-row half is one contiguous 8 KB block (one bulk add), and columns 2 c, 2 c + 1
     # are adjacent (one 8-byte shared-memory store). ``dq_stage_layout`` is the formula for one
     # 32-column chunk: ((8, 2, 4, 2), (2, 4, 4)) : ((16, 2, 128, 2048), (1, 4, 512)).
-    # tests/test_blackwell_bwd_compile.py checks it against the Hopper kernel's own layouts.
+    # The package's compile tests check it against the Hopper kernel's own layouts.
 
     DQ_STAGE = (((8, 2, 4, 2), (2, 4, 4)), ((16, 2, 128, 2048), (1, 4, 512)))  # shape, stride
 
     def dq_stage_layout(self) -> cute.Layout:
-        """(128 rows, BWD_DQ_CHUNK columns) -> offset in one staging buffer (Note [dQ ...])."""
+        """(128 rows, BWD_DQ_CHUNK columns) -> offset in one staging buffer
+        (Note [dQ accumulator order])."""
         assert BWD_DQ_CHUNK == 32 and self.tile_m == 128
         shape, stride = self.DQ_STAGE
         return cute.make_layout(shape, stride=stride)
@@ -752,8 +746,8 @@ class BlackwellBackward(WarpRoles):
 
     def packed_columns(self, t, region: str, host: str, g):
         """The (128, 32) columns of TMEM ``region`` that warpgroup g's 64 queries fill with
-        16-bit pairs, from ``t``, its 64 columns of region ``host`` (P^T over S^T: Note [P^T
-        over S^T])."""
+        16-bit pairs, from ``t``, its 64 columns of region ``host`` (P^T over S^T:
+        Note [P^T over S^T])."""
         half, p_cols = self.tile_m // 2, self.plan["P"].columns // 2
         return cute.make_tensor(t.iterator + (self.plan.offset(region) - self.plan.offset(host))
                                 - g * half + g * p_cols,
@@ -881,7 +875,7 @@ class BlackwellBackward(WarpRoles):
                  seqlen_q, seqlen_k, window_left, window_right, work):
         """Per step: dQ out of TMEM 32 columns at a time (thread t = query t), into a staging
         buffer in the Hopper accumulator order (Note [dQ accumulator order]), two 8 KB bulk
-        adds per chunk by one thread; in turn when deterministic (Note [Turns] of hopper.bwd)."""
+        adds per chunk by one thread; in turn when deterministic (Note [dQ turns] in hopper.bwd)."""
         mma_dq = mmas[3]
         m_min, m_max, _, _, head0, group = work
         tidx = cute.arch.thread_idx()[0] % GROUP_THREADS
@@ -938,9 +932,10 @@ class BlackwellBackward(WarpRoles):
 
     @cute.jit
     def stage_dq_chunk(self, r, smem, buf, stage_layout, tidx):
-        """This lane's 32 floats of dQ (registers ``r``) into staging buffer ``buf`` (Note [dQ
-        accumulator order]) once the bulk add that read it two chunks ago has finished, and
-        visible to the next bulk add (async proxy) when this returns: every dQ thread calls it."""
+        """This lane's 32 floats of dQ (registers ``r``) into staging buffer ``buf``
+        (Note [dQ accumulator order]) once the bulk add that read it two chunks ago has finished,
+        and visible to the next bulk add (async proxy) when this returns: every dQ thread calls it.
+        """
         if tidx == 0:
             cute.arch.cp_async_bulk_wait_group(BWD_DQ_BUFFERS - 1, read=True)
         cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_STAGE), number_of_threads=GROUP_THREADS)

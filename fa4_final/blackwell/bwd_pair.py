@@ -1,9 +1,9 @@
-"""The 2-CTA mode of the Blackwell backward (sm_100a, chapter 11): a CTA pair shares every GEMM
+"""The 2-CTA mode of the Blackwell backward (sm_100a): a CTA pair shares every GEMM
 (``tcgen05.mma.cta_group::2``) and exchanges dS through distributed shared memory, so each CTA
 adds half of what a 1-CTA CTA adds to the float32 dQ accumulator. ``BlackwellBwdConfig(
 two_cta=True)``; the default stays 1-CTA (``fa4_final.blackwell.bwd``), because this kernel has
-never run on a GPU: it is verified by compiling it for sm_100a (tests/test_blackwell_bwd_compile.py)
-and by replaying its pipelines (solutions.ch09_pipeline.PairBackwardSim), nothing more.
+never run on a GPU: it is verified by compiling it for sm_100a and by replaying its pipelines in a
+CPU simulation, nothing more.
 
 A cluster (2, 1, 1) owns 256 keys, 128 per CTA (its TMEM lanes); CTA 0, the leader, issues every
 MMA from one thread, its commits reach both CTAs' barriers (the forward's pairs, fa4_final.
@@ -38,7 +38,8 @@ that needs the 16 KB staged first, and a staging buffer does not fit beside this
 shared memory plus one relay arrival (the follower's MMA warp tells the leader its barrier
 completed), and the dQ GEMM waits for it.
 
-Shared memory per CTA (``BlackwellBwdConfig.pair_smem_fields``, asserted against the struct):
+Note [The pair's shared memory]
+Per CTA (``BlackwellBwdConfig.pair_smem_fields``, asserted against the struct):
 
                                                 D = 128   D = 64
     small fields (barriers, TMEM address, the     2048     3072   (1 / 2 Q stages)
@@ -57,7 +58,8 @@ shared memory as the 1-CTA kernel keeps it would need 32 KB more, 264192 B at D 
 CTA: S^T 128 + dP^T 128 + dV D + dK D columns (512 at D = 128); P^T over S^T's upper half, dS^T
 over dP^T's upper half, dQ (D/2) over dP^T's lower half.
 
-Note [The pair's handshakes] (``pipelines()``, replayed by PairBackwardSim):
+Note [The pair's handshakes]
+The pipelines (``pipelines()``, replayed by the course's pipeline simulation):
     kv    load -> mma     FULL in the leader: 1 + both CTAs' K, V, Kt bytes; EMPTY: commit (both)
     q     load -> mma     FULL: 1 + both CTAs' Q, Qt bytes    EMPTY: commit after dK (both CTAs)
     do    load -> mma     FULL: 1 + both CTAs' dO, dOt bytes  EMPTY: commit after dV
@@ -78,12 +80,12 @@ Arrivals on the leader's barriers are one per warp (an elected lane after __sync
 
 Not built: a deterministic mode (refused: the turn counters of the 1-CTA kernel order key tiles,
 and the pair's two CTAs add disjoint halves; it would need its own turn order). What the compile
-cannot show and a B200 must: that the pair is faster (the model, solutions.ch09_model.
-bwd_step_cycles, says shared memory per CTA drops; the dQ GEMM's wait for the exchange is new);
-that the exchange's bytes reach the tcgen05 MMA (the exchange is fenced on both sides and its
-waits acquire at cluster scope, Note [The dS exchange]; the same steps run on the H200 with a
-bulk store as the async-proxy reader, tests/gpu/test_protocol_probes.py); and the gradients
-themselves (tests/gpu/test_blackwell_bwd.py compares them with float64 when a B200 is present).
+cannot show and a B200 must: that the pair is faster (a cycle model says shared memory per CTA
+drops; the dQ GEMM's wait for the exchange is new); that the exchange's bytes reach the tcgen05
+MMA (the exchange is fenced on both sides and its waits acquire at cluster scope,
+Note [The dS exchange]; the same steps run on the H200 with a bulk store as the async-proxy
+reader); and the gradients themselves (GPU tests compare them with float64 when a B200 is
+present).
 """
 
 from __future__ import annotations
@@ -657,7 +659,6 @@ class BlackwellBackwardPair(BlackwellBackward):
             pipes["dq"].producer_acquire(at(phase ^ 1))
 
     # Note [Descriptors read each step]
-    # ---------------------------------
     # Every operand's K blocks differ only in the low word of its shared-memory descriptor (a
     # constant added to the base, blackwell.umma), and the bases never change: left to itself,
     # ptxas computes all 80 per-block descriptors of a D = 128 step (8 operands, 8 or 16 K
@@ -715,11 +716,10 @@ class BlackwellBackwardPair(BlackwellBackward):
                       head_kv, b, seqlen_k, m_max > m_min)
 
     # Note [dS^T over dP^T]
-    # ---------------------
     # dK's A is dS^T in TMEM (16-bit pairs over dP^T's upper 64 columns, tmem.backward_pair_plan):
     # warpgroup g stores its 32 columns at 192 + 32 g, and warpgroup 0's land on dP^T columns
-    # warpgroup 1 loads. So a second bar.sync COMPUTE, as before P^T (Note [P^T over S^T]);
-    # solutions.ch09_pipeline.PairBackwardSim catches its absence (no_ds_sync).
+    # warpgroup 1 loads. So a second bar.sync COMPUTE, as before P^T (Note [P^T over S^T]); a
+    # CPU simulation of the pair's pipelines catches its absence.
 
     @cute.jit
     def compute_step(self, m_block, masked: cutlass.Constexpr[bool], state_rows, phase, key,
@@ -767,7 +767,6 @@ class BlackwellBackwardPair(BlackwellBackward):
         return state_rows, phase ^ 1
 
     # Note [The dS exchange]
-    # ----------------------
     # dQ's A in CTA c is dS for its 64 queries (64 c ..) and all 256 keys of the pair, block b of
     # 128 keys from CTA b. Warpgroup g of CTA r holds dS of CTA r's keys for queries 64 g ..: the
     # block r of CTA g's A. So warpgroup r stores into its own CTA (generic stores, then
@@ -789,11 +788,10 @@ class BlackwellBackwardPair(BlackwellBackward):
     # once, then issues the MMA, which reads both CTAs' blocks. Not FA4's way (a bulk copy
     # cp.async.bulk.shared::cluster from a staged 16 KB, in the async proxy end to end): that
     # staging buffer does not fit at D = 128 (module docstring). The H200 runs these same steps
-    # (solutions/ch09_protocol_probes.py, DsExchangeProbe): the peer's bytes, read back by a
-    # bulk store (async proxy), over several steps of one buffer.
+    # in a probe kernel: the peer's bytes, read back by a bulk store (async proxy), over several
+    # steps of one buffer.
 
     # Note [The swizzle in bytes]
-    # -----------------------------
     # The 128 B swizzle of the operand tiles (CuTe's S<3,4,3>, the UMMA descriptor's mode) acts
     # on the shared-memory byte address: bits 4-6 ^= bits 7-9. The generic stores get it from
     # the swizzled tensor view (its PTX: xor of (addr >> 3) & 112 into addr); st.async takes a

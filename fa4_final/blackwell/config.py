@@ -27,8 +27,8 @@ MAX_KV_STAGES = 32
 # register file gives each of its 32 thread slots 512 registers (common.register_plan): each
 # sub-partition holds one warp of each warpgroup, softmax0, softmax1, correction and one of the
 # four one-warp roles, so 2 * 192 + 80 + 48 = 512 per sub-partition (64 K registers for the
-# CTA). The same at D = 64 and 128, 1- and 2-CTA: every role compiles spill-free with it
-# (tests/test_blackwell_compile.py). FA4 gives its 2-CTA kernel (184, 80, 64); here that made
+# CTA). The same at D = 64 and 128, 1- and 2-CTA: every role compiles spill-free with it (the
+# package's compile tests). FA4 gives its 2-CTA kernel (184, 80, 64); here that made
 # ptxas spill the pair's shared-memory base address across the setmaxnreg of three roles.
 DEFAULT_REGISTERS = (192, 80, 48)
 
@@ -52,14 +52,14 @@ def backward_warp_budgets(regs: dict) -> dict[int, int]:
 
 @dataclass(frozen=True)
 class BlackwellFwdConfig:
-    """Knobs of fa4_final.blackwell.fwd.BlackwellForward (chapters 09, 10)."""
+    """Knobs of fa4_final.blackwell.fwd.BlackwellForward."""
 
-    two_cta: bool = False  # chapter 10: a CTA pair shares one 256-row tcgen05.mma (cta_group::2)
+    two_cta: bool = False  # a CTA pair shares one 256-row tcgen05.mma (cta_group::2)
     tile_n: int = 128  # keys per K/V tile
     kv_stages: int = 0  # depth of the K/V ring; 0 = as many as fit (KV_BUDGET_BYTES)
     persistent: bool = True  # one CTA (pair) per SM (pair) walks tiles (fa4_final.common.schedule)
-    exp2_emulation_fraction: float = 0.125  # chapter 06: share of exponentials on the FMA units
-    rescale_threshold: float = 8.0  # chapter 07 (tau, log2 units; 0 = rescale at every growth)
+    exp2_emulation_fraction: float = 0.125  # share of exponentials on the FMA units
+    rescale_threshold: float = 8.0  # tau, log2 units; 0 = rescale at every growth
     registers: tuple[int, int, int] | None = None  # (softmax, correction, rest); None = default
 
     @property
@@ -137,10 +137,10 @@ class BlackwellFwdConfig:
 
 
 def blackwell_fwd_default(head_dim: int, causal: bool = False) -> BlackwellFwdConfig:
-    """The default sm_100 forward config: 2-CTA where FA4's package uses it (non-causal, D =
-    128; chapter 10's model says why), 1-CTA elsewhere. Emulation share and rescale threshold
-    as FA4's defaults for bf16 (chapters 06, 07): one exponential in eight on the FMA units,
-    tau = 8."""
+    """The default sm_100 forward config: 2-CTA where FA4's package uses it (non-causal,
+    D = 128: the pair halves the K and V each SM reads from shared memory per step), 1-CTA
+    elsewhere. Emulation share and rescale threshold as FA4's defaults for bf16: one exponential
+    in eight on the FMA units, tau = 8."""
     return BlackwellFwdConfig(two_cta=(head_dim == 128 and not causal))
 
 
@@ -155,27 +155,26 @@ BWD_TILE_M = 128  # queries per step: the N of S^T = K Q^T and the M of dQ = dS 
 BWD_TILE_N = TMEM_LANES  # keys per CTA: one per TMEM lane
 BWD_DQ_CHUNK = 32  # dQ columns per staging buffer (128 x 32 float32 = 16 KB)
 BWD_DQ_BUFFERS = 2
-# setmaxnreg budget per role (Note [Register plan] of bwd.py). Each SM sub-partition holds one
-# warp of each warpgroup (warp w runs on w % 4) and gives its 32 thread slots 512 registers each:
-# compute0 + compute1 + dQ + warpgroup 3 = 176 + 176 + 48 + 112 = 512. Warpgroup 3 (MMA, load,
-# two spare warps) lowers to one budget, as the PTX ISA asks of a warpgroup's setmaxnreg; the
-# dQ warps hold 32 TMEM columns at a time and need few. Every role compiles spill-free with it at
-# D = 64 and 128, 1-CTA and pair (tests/test_blackwell_bwd_compile.py); the pair's MMA warp
-# only because it re-reads its descriptors' base words each step (bwd_pair Note [Descriptors
-# read each step]): ptxas hoisted all 80 of its per-block descriptors out of the step loop
-# otherwise, 160 registers.
+# setmaxnreg budget per role (Note [Register plan] of bwd.py). Each SM sub-partition holds one warp
+# of each warpgroup (warp w runs on w % 4) and gives its 32 thread slots 512 registers each:
+# compute0 + compute1 + dQ + warpgroup 3 = 176 + 176 + 48 + 112 = 512. Warpgroup 3 (MMA, load, two
+# spare warps) lowers to one budget, as the PTX ISA asks of a warpgroup's setmaxnreg; the dQ warps
+# hold 32 TMEM columns at a time and need few. Every role compiles spill-free with it at D = 64 and
+# 128, 1-CTA and pair (the package's compile tests); the pair's MMA warp only because it
+# re-reads its descriptors' base words each step (bwd_pair Note [Descriptors read each step]): ptxas
+# hoisted all 80 of its per-block descriptors out of the step loop otherwise, 160 registers.
 BWD_REGISTERS = {"compute": 176, "dq": 48, "mma": 112, "load": 112, "spare": 112}
 
 
 @dataclass(frozen=True)
 class BlackwellBwdConfig:
-    """Knobs of fa4_final.blackwell.bwd.BlackwellBackward (chapter 11). One CTA per (128-key
+    """Knobs of fa4_final.blackwell.bwd.BlackwellBackward. One CTA per (128-key
     tile, kv head, batch), or with ``two_cta`` one CTA pair per 256 keys
     (fa4_final.blackwell.bwd_pair); the inner loop walks 128-query tiles."""
 
     q_stages: int = 0  # depth of the Q (+ lse) ring; 0 = 2 (1-CTA), pair: 2 at D = 64, else 1
     do_stages: int = 0  # depth of the dO (+ delta) ring; 0 = 2 where it fits (D = 64), else 1
-    deterministic: bool = False  # dQ added in a fixed order of key tiles (hopper.bwd Note [Turns])
+    deterministic: bool = False  # dQ added in a fixed key-tile order (Note [dQ turns])
     two_cta: bool = False  # a CTA pair shares every GEMM (cta_group::2), dS exchanged via DSMEM
 
     tile_m = BWD_TILE_M

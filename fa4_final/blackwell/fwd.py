@@ -1,8 +1,8 @@
 """The Blackwell forward (sm_100a): tcgen05 MMAs into tensor memory, warp roles, ping-pong on two
-Q tiles, persistent tiles; 2-CTA MMA as a config flag. Chapters 09 and 10.
+Q tiles, persistent tiles; 2-CTA MMA as a config flag.
 
-What changes from the Hopper forward (``fa4_final.hopper.fwd``) and why (chapter 00's cycle model,
-B200, one 128 x 128 tile step at D = 128: MMA 1024 cycles, exp 1024, shared memory 768):
+What changes from the Hopper forward (``fa4_final.hopper.fwd``) and why (a cycle model, B200, one
+128 x 128 tile step at D = 128: MMA 1024 cycles, exp 1024, shared memory 768):
 
 1. The accumulators leave the registers. S and O live in tensor memory (TMEM), written by
    ``tcgen05.mma`` which ONE thread issues for the whole CTA. The warps that compute the softmax
@@ -13,22 +13,22 @@ B200, one 128 x 128 tile step at D = 128: MMA 1024 cycles, exp 1024, shared memo
    the epilogue, one warp stores O. On Hopper the same warpgroup issued its GEMMs, did the
    softmax and rescaled O; here exponentials, rescaling and MMA issue run on different warps, so
    each can overlap the others instead of being serialised by one instruction stream.
-3. The exponent unit ties with the tensor cores, so two of chapter 06-07's tricks now pay: part
+3. The exponent unit ties with the tensor cores, so two softmax tricks now pay: part
    of the exponentials go to the FMA pipe (``exp2_emulation_fraction``, packed in pairs) and O is
    rescaled only when a row's max grew by more than tau (``rescale_threshold``).
-4. ``two_cta`` (chapter 10): two CTAs of a cluster issue one M = 256 ``tcgen05.mma``
+4. ``two_cta``: two CTAs of a cluster issue one M = 256 ``tcgen05.mma``
    (``cta_group::2``); each CTA loads half of every K and V tile, so each SM reads half of the B
    operands from shared memory and holds half of each K/V stage.
 
 Shared with the Hopper kernel and therefore tested on the H200 for real: which key tiles a tile
 visits and which need masks (``tiles``), the visibility rule of each row (``tiles.visible_cols``
-via ``mask.apply_mask_row``), the tile order (``scheduler``), exp2 polynomial coefficients and
-selection rule (``fast_math``), the online-softmax bookkeeping (``softmax.OnlineSoftmax``, of
+via ``mask.apply_mask_row``), the tile order (``common.schedule``), exp2 polynomial coefficients
+and selection rule (``fast_math``), the online-softmax bookkeeping (``softmax.OnlineSoftmax``, of
 which ``blackwell.softmax.RowSoftmax`` is the one-row-per-thread subclass), and the one compile
-path (``compile``). No Blackwell GPU was available to write this kernel: it is verified by
+path (``runtime.compile``). No Blackwell GPU was available to write this kernel: it is verified by
 compiling it for sm_100a (instructions, resources, a side-by-side with FA4's own sm100 forward),
-by simulating its pipelines on the CPU (``solutions/ch09_pipeline.py``) and by a cycle model;
-tests/gpu/test_blackwell_fwd.py checks it against float64 the moment a B200 is present.
+by simulating its pipelines on the CPU and by a cycle model; GPU tests check it against float64
+the moment a B200 is present.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class BlackwellForward(WarpRoles):
     """Attention forward on sm_100a; one scheduled tile is ``cfg.cluster_tile_m`` query rows of
     one (batch, head): two Q tiles per CTA (the Q stages), 128 rows each, per CTA of a pair.
 
-    Roles (``self.roles``; the notebook prints them) and pipelines (``self.pipelines()``, the
+    Roles (``self.roles``) and pipelines (``self.pipelines()``, the
     table the kernel builds its barriers from and the CPU simulation replays) are data."""
 
     TMEM_ROLES = ("softmax0", "softmax1", "correction")  # one TMEM lane (row) per thread
@@ -277,7 +277,7 @@ class BlackwellForward(WarpRoles):
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         pipes = self.make_pipelines(storage, cta_layout_vmnk, bytes_q, bytes_kv)
         tmem_users = self.tmem_threads()
-        # Note [Allocator barrier first]
+        # TMEM's allocator before the pipelines' init: Note [Allocator barrier first]
         tmem = TmemAllocator(storage.tmem_addr.ptr,
                              barrier_for_retrieve=pipeline.NamedBarrier(int(NamedBarrier.TMEM),
                                                                         tmem_users),
@@ -352,7 +352,6 @@ class BlackwellForward(WarpRoles):
                                      number_of_threads=tmem_users, aligned=False)
 
     # Note [Pipelines]
-    # ----------------
     # Producer -> consumer, arrivals per phase (2-CTA: the leader's barriers count both CTAs):
     #   q      load -> mma          full: 1 + Q bytes     empty: 1 (tcgen05.commit)
     #   kv     load -> mma          full: 1 + K/V bytes   empty: 1 (tcgen05.commit)
@@ -370,7 +369,6 @@ class BlackwellForward(WarpRoles):
     # k-th. o[i]'s empty side is never waited on: O_i's reuse is guarded by s[i].
     #
     # Note [The correction runs one phase ahead]
-    # ------------------------------------------
     # Because of its start-up arrival, the correction's last arrival on s[i] (after reading the
     # last tile's O_i) belongs to a phase no softmax arrival completes: one warpgroup's arrivals
     # stay pending on the (leader's) s[i] EMPTY barrier at exit. That is harmless in the CTA's
@@ -381,7 +379,6 @@ class BlackwellForward(WarpRoles):
     # forward has the same structure and no cluster barrier at the end either).
     #
     # Note [Allocator barrier first]
-    # ------------------------------
     # In 2-CTA mode the TMEM allocator owns one more mbarrier, the pair's dealloc handshake
     # (tmem_dealloc), which the other CTA's MMA warp arrives on remotely before freeing TMEM.
     # Every mbarrier the peer may touch is published by one cluster barrier: the inits, then
@@ -390,7 +387,7 @@ class BlackwellForward(WarpRoles):
     # of its own, so an init issued after it is not covered: the peer could pass its wait and
     # arrive on a barrier not yet initialised. So TmemAllocator, whose constructor initialises
     # the dealloc barrier, is built before pipeline_init_arrive (as FA4 builds it), here and in
-    # bwd_pair; tests/test_pair_barrier_setup_order.py holds the PTX to that order.
+    # bwd_pair; a compile test holds the PTX to that order.
 
     def make_pipelines(self, storage, cta_layout_vmnk, bytes_q: int, bytes_kv: int) -> dict:
         """The cutlass pipelines of ``self.pipelines()``, one dict entry per name (lists for
@@ -414,14 +411,12 @@ class BlackwellForward(WarpRoles):
         return out
 
     # Note [Pair masks]
-    # -----------------
     # In a (2, 1, 1) cluster the pipelines' signalling masks are the same in both CTAs:
     # tcgen05.commit arrives on both CTAs' barriers (mask 0b11), and a consumer's release of an
     # umma pipeline arrives on the leader's (rank 0). cutlass computes them from the CTA's rank
     # at run time, in the prologue, and ptxas then carries them across every role's
-    # setmaxnreg (it spilled one). Here they are compile-time constants;
-    # tests/test_blackwell_compile.py evaluates cutlass's own computation on the CPU and checks
-    # it gives these values.
+    # setmaxnreg (it spilled one). Here they are compile-time constants; a compile test evaluates
+    # cutlass's own computation on the CPU and checks it gives these values.
     PAIR_COMMIT_MASK = 0b11
     PAIR_LEADER_RANK = 0
 
@@ -613,7 +608,6 @@ class BlackwellForward(WarpRoles):
                         p_phase)
 
     # Note [One Q stage per iteration]
-    # --------------------------------
     # The steady-state loop runs once per (KV step, Q stage), the stage i = t & 1 a run-time
     # value, rather than once per KV step with both stages unrolled. The instructions are the
     # same; what changes is what ptxas sees: with a constant stage the 2 x D/16 shared-memory
@@ -907,8 +901,8 @@ class BlackwellForward(WarpRoles):
         tTs = thr_load.partition_D(tOsO_c[(None, None), None])
         tTc = thr_load.partition_D(tOcO_c[(None, None), None])
         # a run-time chunk loop: unrolled, ptxas hoists all D/16 swizzled sO addresses out of
-        # the tile loop and the correction (80 registers) spills them at fp16 (Note [One Q
-        # stage per iteration] for the same effect in the MMA warp)
+        # the tile loop and the correction (80 registers) spills them at fp16
+        # (Note [One Q stage per iteration] for the same effect in the MMA warp)
         for c in cutlass.range(self.head_dim // chunk, unroll=1):
             rO = cute.make_rmem_tensor(tTc[None, 0, 0, 0].shape, Float32)
             if const_expr(zeros):

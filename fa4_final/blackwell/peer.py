@@ -1,10 +1,9 @@
-"""The steps of a tile exchange between the two CTAs of a cluster, as device functions. Chapter 11.
+"""The steps of a tile exchange between the two CTAs of a cluster, as device functions.
 
 The pair backward (bwd_pair, Note [The dS exchange]) moves 16 KB of dS from each CTA into the
-other's shared memory every step. Its steps are here, and nowhere else, so that the probe kernels
-of solutions/ch09_protocol_probes.py run the very same instructions on a Hopper GPU: all of them
-are sm_90 PTX (distributed shared memory, st.async, remote mbarriers, cluster-scope waits,
-proxy fences), nothing of tcgen05.
+other's shared memory every step. Its steps are here, and nowhere else, so that probe kernels can
+run the very same instructions on a Hopper GPU: all of them are sm_90 PTX (distributed shared
+memory, st.async, remote mbarriers, cluster-scope waits, proxy fences), nothing of tcgen05.
 
     writer (one CTA)                              reader (the peer)
     fence_before_peer_store()                     ...
@@ -13,7 +12,8 @@ proxy fences), nothing of tcgen05.
                                                   the async proxy (MMA, TMA store) reads them
     optionally: relay_arrive(relay, leader)       wait_acquire_cluster(relay, phase)
 
-Why each fence (Note [Exchange proxies]): st.async writes are generic-proxy writes, performed
+Note [Exchange proxies]
+Why each fence: st.async writes are generic-proxy writes, performed
 asynchronously for the writing thread, whose mbarrier complete_tx releases them at cluster scope.
 The reader acquires them at cluster scope (``mbarrier.try_wait.acquire.cluster``; the default
 .cta scope does not synchronise with a release from another CTA), then orders them before its

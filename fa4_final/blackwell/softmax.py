@@ -1,4 +1,4 @@
-"""The online softmax with one row per thread, as Blackwell's TMEM hands it out. Chapter 09.
+"""The online softmax with one row per thread, as Blackwell's TMEM hands it out.
 
 ``tcgen05.ld`` of a 32x32b shape gives lane t of TMEM (row t of S) to thread t of the warpgroup:
 a thread owns a whole row, so the row max and sum need no shuffles at all (threads_per_row = 1),
@@ -9,9 +9,9 @@ differs where a row-per-thread layout pays:
 - the row max is a tree of 3-input FMNMX (one instruction folds two new values);
 - scale and subtract, and the row sum, use packed fp32 pairs (FFMA2 / FADD2: two lanes of
   arithmetic per instruction, sm_100's answer to an FMA pipe that the exponentials crowd);
-- the emulated share of the exponentials (chapter 06) is evaluated in pairs with the same
+- the emulated share of the exponentials (fast_math) is evaluated in pairs with the same
   packed instructions (``exp2_poly2``), chosen per pair at compile time;
-- conditional rescaling (chapter 07) is decided per row (Note [Per-row threshold]).
+- conditional rescaling is decided per row (Note [Per-row threshold]).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from fa4_final.common.softmax import EMULATION_DEGREE, EMULATION_PERIOD, OnlineS
 
 @dsl_user_op
 def exp2_poly2(x0, x1, degree: int = EMULATION_DEGREE, *, loc=None, ip=None) -> tuple:
-    """2^x for a pair on the FMA pipe with packed fp32 instructions: fast_math's sequence (Note
-    [The instruction sequence]) with FADD2.RM / FADD2 / FFMA2 doing two elements per
+    """2^x for a pair on the FMA pipe with packed fp32 instructions: fast_math's sequence
+    (Note [The instruction sequence]) with FADD2.RM / FADD2 / FFMA2 doing two elements per
     instruction; the clamp and the integer exponent add stay scalar. Same coefficients (halved,
     so a NaN stays NaN), so the same 8.6e-5 bound at degree 3."""
     coeffs = tuple(c / 2.0 for c in exp2_coefficients(degree))
@@ -58,7 +58,6 @@ def emulated_pair(pair: int, fraction) -> bool:
 
 
 # Note [Per-row threshold]
-# ------------------------
 # On Hopper four lanes share a row and a warp holds 16 rows in registers next to its O, so the
 # softmax votes over the warp and keeps or moves all of its rows' maxima together (softmax.py,
 # Note [Warp vote]). Here a thread owns one row and O is not in its registers: the correction

@@ -1,4 +1,4 @@
-"""Tensor memory (TMEM) as data: the column plan of a kernel, and the rules of access. Chapter 09.
+"""Tensor memory (TMEM) as data: the column plan of a kernel, and the rules of access.
 
 TMEM is a 256 KB scratchpad per SM beside the tensor cores: 128 lanes (rows) x 512 columns of
 32 bits. ``tcgen05.mma`` writes its fp32 accumulator there (one lane per row of the tile, one

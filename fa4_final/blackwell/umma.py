@@ -1,4 +1,4 @@
-"""tcgen05.mma from descriptors: what one thread hands the tensor cores. Chapter 09.
+"""tcgen05.mma from descriptors: what one thread hands the tensor cores.
 
 A ``tcgen05.mma`` names its operands by *descriptors*, not registers:
 
@@ -20,8 +20,8 @@ descriptor fragments? It precomputes a 64-bit descriptor per (K block, stage): f
 that is 2 * 8 + 3 * 8 + 3 * 8 = 64 descriptors at D = 128, more than the 63 uniform registers,
 and the MMA warp (48 registers) spilled them (measured on our compile: 78 spill instructions);
 FA4's own forward issues its MMAs the same lean way. ``reload_words`` reads descriptor base
-words back from shared memory where they must be fresh each step (bwd_pair, Note [Descriptors
-read each step]).
+words back from shared memory where they must be fresh each step (bwd_pair,
+Note [Descriptors read each step]).
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ def mma(acc_tmem: Int32, a: Int32, a_hi, a_offsets: list, b_lo: Int32, b_hi: Int
 @dsl_user_op
 def reload_words(addr: Int32, count: int, *, loc=None, ip=None) -> list:
     """``count`` (a multiple of 4) 32-bit words from shared byte address ``addr``, read with
-    ``ld.volatile.shared.v4``: executed where it stands, every time (Note [Descriptors read
-    each step])."""
+    ``ld.volatile.shared.v4``: executed where it stands, every time
+    (Note [Descriptors read each step])."""
     i32 = T.i32()
     out = []
     for k in range(0, count, 4):

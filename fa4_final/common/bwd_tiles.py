@@ -93,7 +93,7 @@ def first_visitor(w: TileWindow, m_block, seqlen_q, seqlen_k, window_left=None):
     """The lowest key tile whose ``q_tile_range`` contains query tile ``m_block`` (no left window:
     0, every key tile reaches the last rows). Key tiles first_visitor .. n all visit m_block
     when n does, so in the deterministic mode key tile n adds its dQ to m_block as turn
-    n - first_visitor (Note [Turns] of fa4_final.hopper.bwd)."""
+    n - first_visitor (Note [dQ turns] in hopper.bwd)."""
     if not w.has_left:
         return 0
     offset = seqlen_k - seqlen_q

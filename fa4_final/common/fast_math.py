@@ -1,10 +1,12 @@
-"""2^x on the FMA units: the device side of chapter 06's software exp2.
+"""2^x on the FMA units: the device side of a software exp2.
 
-Chapter 06 derives and fits the polynomial (the Remez exchange, the float32 model and its error
-bound); this module holds only what a kernel needs: the frozen coefficients and the instruction
-sequence, written one PTX instruction per helper so nothing depends on LLVM's contraction.
+The polynomial is a minimax fit (a Remez exchange, checked on a bit-exact float32 model with its
+error bound); this module holds only what a kernel needs: the frozen coefficients and the
+instruction sequence, written one PTX instruction per helper so nothing depends on LLVM's
+contraction.
 
-Note [The instruction sequence]  (what exp2_poly emits; each line is one PTX instruction)
+Note [The instruction sequence]
+What exp2_poly emits, one PTX instruction a line:
   xc = max.NaN.f32(x, -127)          clamp: -inf and x < -127 become -127, NaN stays NaN
   j  = add.rm.f32(xc, 1.5 * 2^23)    SHIFTER + floor(xc), exact: add.rm rounds toward -inf
   n  = sub.rn.f32(j, 1.5 * 2^23)     floor(xc), exact
@@ -29,9 +31,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 SHIFTER = 1.5 * 2.0**23  # 12582912.0, bit pattern 0x4B400000
 CLAMP_LOW = -127.0  # below it 2^x < 2^-127 is zero for every ftz consumer
 
-# Minimax fits of 2^f on [0, 1) with p(0) = 1 pinned (chapter 06's Remez exchange), rounded to
-# float32 and frozen so every machine compiles the same kernel; chapter 06's tests check that a
-# fresh fit still rounds to these. Lowest degree first.
+# Minimax fits of 2^f on [0, 1) with p(0) = 1 pinned (a Remez exchange), rounded to float32 and
+# frozen so every machine compiles the same kernel (a fresh fit still rounds to these). Lowest
+# degree first.
 EXP2_COEFFS: dict[int, tuple[float, ...]] = {
     2: (1.0, float.fromhex("0x1.54f8d6p-1"), float.fromhex("0x1.51d9ccp-2")),
     3: (1.0, float.fromhex("0x1.63e658p-1"), float.fromhex("0x1.d2378ap-3"),
@@ -100,7 +102,7 @@ def exp2_poly(x, degree: int = 3, nan_safe: bool = True, *, loc=None, ip=None) -
     """2^x on the FMA and integer units, no MUFU (Note [The instruction sequence]).
 
     ``degree`` (2..5) and ``nan_safe`` are compile-time. Relative error 8.6e-5 at degree 3 for x
-    in [-126, 127) (chapter 06 proves the bound on its bit-exact float32 model)."""
+    in [-126, 127) (the bound holds on a bit-exact float32 model of these instructions)."""
     coeffs = exp2_coefficients(degree)
     if nan_safe:
         coeffs = tuple(c / 2.0 for c in coeffs)

@@ -63,16 +63,3 @@ def tree_reduce(values: list, op):
         pairs = [op(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
         values = pairs + values[len(pairs) * 2:]
     return values[0]
-
-
-def chain_reduce(values: list, op, ways: int = 1, init=None):
-    """Combine values in ``ways`` running chains, value i going to chain i % ways, then the
-    chains pairwise; ``init`` (if given) starts the first chain. One chain consumes the values
-    in the order they come, each op waiting only for the value it adds (Note [Reduction
-    shape] in fa4_final.common.softmax)."""
-    chains = list(values[:ways])
-    if init is not None:
-        chains[0] = op(init, chains[0])
-    for i in range(ways, len(values)):
-        chains[i % ways] = op(chains[i % ways], values[i])
-    return tree_reduce(chains, op)

@@ -12,8 +12,7 @@ first barrier. The PTX ISA also asks every warp of a warpgroup to run the same `
 A kernel's role table gives each role its warps (Blackwell: ``"warps"``) or warpgroups (Hopper:
 ``"warpgroups"``) and its budget (``"registers"``, per thread). ``check_role_registers`` holds a
 table to these rules when the kernel object is built, before anything compiles; the Blackwell
-and Hopper kernels both call it, and the probe kernels of solutions/ch09_protocol_probes.py run
-the same plans on a GPU.
+and Hopper kernels both call it, and probe kernels run the same plans on a GPU.
 
 This module is plain Python: it imports no DSL.
 """

@@ -1,13 +1,12 @@
 """Tile order and the persistent schedulers.
 
 A persistent kernel launches one CTA per SM (or fewer when there is less work) and each CTA walks
-many linear tiles t: in fixed rounds (t = blockIdx.x, then zigzag_tile), from a table the host
-built (Note [Tile table]), or taking the next at run time from a global counter (Note [Dynamic
-tiles]). With fixed rounds or a table its producer and consumer warps walk the same sequence
-independently (nothing to communicate: the order is a pure function of t, or of the table); the
-dynamic producer hands each tile to the consumers through shared memory. Either way the K/V
-pipelines run on across tile boundaries, so the next tile's loads start while the last one's
-epilogue is being written.
+many linear tiles t: in fixed rounds (t = blockIdx.x, then zigzag_tile), from a table the host built
+(Note [Tile table]), or taking the next at run time from a global counter (Note [Dynamic tiles]).
+With fixed rounds or a table its producer and consumer warps walk the same sequence independently
+(nothing to communicate: the order is a pure function of t, or of the table); the dynamic producer
+hands each tile to the consumers through shared memory. Either way the K/V pipelines run on across
+tile boundaries, so the next tile's loads start while the last one's epilogue is being written.
 
 Order: non-causal tiles go m_block fastest, so the CTAs that run at the same
 time work on the same (batch, head) and read the same K/V tiles out of L2. Causal tiles go
@@ -59,7 +58,6 @@ def _min(a, b):
 
 
 # Note [Causal order]
-# -------------------
 # Causal tiles cost m_block + 1 KV steps. Longest first over all (head, batch) pairs lets a
 # static persistent schedule balance (zigzag_tile pairs long and short tiles), but the tiles that
 # run together then span every head. Sections of a few heads, as FA3 and FA4 order them, keep the
@@ -98,21 +96,20 @@ def rounds(num_tiles, grid):
 
 
 # Note [Tile table]
-# -----------------
-# The order of the tiles (above) and which CTA computes which are two choices. zigzag_tile
-# hands them out in fixed rounds, which balances a cost sequence that falls smoothly (longest
-# first over every head). In sections of a few heads (Note [Causal order]) the costs are a
-# saw-tooth, one tooth per section, and fixed rounds then leave some CTAs with far more work
-# than others. What balances a saw-tooth is what the hardware does with one CTA per tile: the
-# next tile goes to whichever CTA frees up first. A persistent kernel can have that without
-# any atomics because the costs are known before the launch: a causal tile costs the number of
-# key tiles it visits (fa4_final.common.tiles.kv_tile_range) plus a constant for its first and last
-# turns and its epilogue. The host replays that greedy assignment (list scheduling) once per
-# shape and uploads the result as a table: entry r * grid + cta is the linear tile CTA ``cta``
-# computes in its round r, or num_tiles when it has none left. The producer and the consumer
-# warps read the same entries, so they still walk the same tiles without talking to each other
-# (Note [Phases] of fa4_final.hopper.fwd). The table ends with a row of num_tiles, so reading
-# round r + 1 to learn whether round r is a CTA's last never leaves it.
+# The order of the tiles (above) and which CTA computes which are two choices. zigzag_tile hands
+# them out in fixed rounds, which balances a cost sequence that falls smoothly (longest first over
+# every head). In sections of a few heads (Note [Causal order]) the costs are a saw-tooth, one tooth
+# per section, and fixed rounds then leave some CTAs with far more work than others. What balances a
+# saw-tooth is what the hardware does with one CTA per tile: the next tile goes to whichever CTA
+# frees up first. A persistent kernel can have that without any atomics because the costs are known
+# before the launch: a causal tile costs the number of key tiles it visits
+# (fa4_final.common.tiles.kv_tile_range) plus a constant for its first and last turns and its
+# epilogue. The host replays that greedy assignment (list scheduling) once per shape and uploads the
+# result as a table: entry r * grid + cta is the linear tile CTA ``cta`` computes in its round r, or
+# num_tiles when it has none left. The producer and the consumer warps read the same entries, so
+# they still walk the same tiles without talking to each other (Note [Forward phases] of
+# fa4_final.hopper.fwd). The table ends with a row of num_tiles, so reading round r + 1 to learn
+# whether round r is a CTA's last never leaves it.
 
 TILE_OVERHEAD_STEPS = 1  # what a tile costs besides its key tiles, in key-tile steps (model)
 
@@ -147,7 +144,6 @@ def tile_table(costs: list[int], grid: int) -> list[int]:
 
 
 # Note [Split tail]
-# -----------------
 # Equal tiles (not causal) over a persistent grid come in rounds: 2048 tiles on 132 SMs are 15
 # full rounds and a last one of 68 tiles, during which 64 SMs have nothing to do, 3% of the
 # kernel's SM time. The FA4 package's one CTA per tile has the same last, partial wave. The
@@ -223,17 +219,15 @@ def table_rounds(table_entries: int, grid):
 
 
 # Note [Dynamic tiles]
-# --------------------
-# The tile table balances the costs the host's model predicts. What it cannot see is what a
-# tile really costs on the GPU: a tile whose K and V miss in L2, an SM that the power manager
-# clocks lower, a CTA whose turns collide with its neighbour's epilogue. A small scatter per
-# tile leaves some CTAs behind by the end (solutions.ch08_teaching.dispatch_model, which
-# notebook 08 runs, has a scatter of 1-2% cost the table half a per cent to a per cent more
-# than dynamic hand-out at the benchmark's causal shapes). The dynamic scheduler takes the
-# next tile when a CTA needs it, as the hardware does with one CTA per tile, and keeps the
-# persistent kernel's overlap of one tile's epilogue with the next one's loads:
-#   - tile t is the t-th of the order above (longest first, in L2 sections), or of Note
-#     [Varlen order];
+# The tile table balances the costs the host's model predicts. What it cannot see is what a tile
+# really costs on the GPU: a tile whose K and V miss in L2, an SM that the power manager clocks
+# lower, a CTA whose turns collide with its neighbour's epilogue. A small scatter per tile leaves
+# some CTAs behind by the end (in a model of the hand-out, a scatter of 1-2% costs the table half a
+# per cent to a per cent more than dynamic hand-out at causal benchmark shapes). The dynamic
+# scheduler takes the next tile when a CTA needs it, as the hardware does with one CTA per tile, and
+# keeps the persistent kernel's overlap of one tile's epilogue with the next one's loads:
+#   - tile t is the t-th of the order above (longest first, in L2 sections), or of
+#     Note [Varlen order];
 #   - CTA c starts with tile c; after issuing the loads of a tile, its producer warp takes the
 #     next from a global counter: t = grid + atomicAdd(counter, 1), none once t >= num_tiles;
 #   - the producer hands t to the consumer warpgroups through a ring of TILE_SLOTS slots in
@@ -293,7 +287,6 @@ def read_tile(full: cute.Pointer, empty: cute.Pointer, slots: cute.Tensor, r: In
 # varlen: sequences packed one after another (fa4_final.varlen)
 
 # Note [Varlen order]
-# -------------------
 # Sequence b has ceil(len_q[b] / tile_m) query tiles per head. The linear tile index runs over
 # the sequences in the order given, each sequence's tiles contiguous: tile t belongs to the first
 # sequence b whose prefix sum of tiles (over every head) exceeds t, and inside it r = t - (tiles
@@ -303,8 +296,8 @@ def read_tile(full: cute.Pointer, empty: cute.Pointer, slots: cute.Tensor, r: In
 # heads). A global longest-first order over all sequences would need the tiles sorted by cost on
 # the host (a device sync, or an extra kernel). The costs therefore come as one saw-tooth per
 # sequence (per L2 section of its heads), teeth of every size: fixed zigzag rounds leave some
-# CTAs far behind on such a sequence, so the varlen kernel takes its tiles at run time (Note
-# [Dynamic tiles]), each CTA the next one as it frees up. Nothing is sorted on the host, and
+# CTAs far behind on such a sequence, so the varlen kernel takes its tiles at run time
+# (Note [Dynamic tiles]), each CTA the next one as it frees up. Nothing is sorted on the host, and
 # nothing is read back: each warp finds its tile's sequence from cu_seqlens_q by itself
 # (varlen_locate), 32 sequences per step. The host sizes the grid from a bound on the tile
 # count (the exact count needs the offsets' values), so a CTA may find no tile at all.
@@ -360,8 +353,8 @@ def lane_here(*, loc=None, ip=None) -> Int32:
     """The lane index, read where it is called: an asm with side effects, which LLVM may neither
     hoist out of a loop nor read again later. (The lane intrinsic it may move either way: the
     tile loops of the 24-register producer kept a per-lane pointer into cu_seqlens live, and
-    spilled it; the consumers' KV loop read the thread index again every step, Note
-    [Signalling lane] in fa4_final.hopper.fwd.)"""
+    spilled it; the consumers' KV loop read the thread index again every step,
+    Note [Signalling lane] in fa4_final.hopper.fwd.)"""
     return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %laneid;", "=r",
                                  has_side_effects=True, is_align_stack=False,
                                  asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))

@@ -1,5 +1,5 @@
 """Which sequence a tile belongs to, and where its rows lie: the dense batch or packed varlen
-sequences, one interface for the kernels. Chapter 13.
+sequences, one interface for the kernels.
 
 Dense: q is (batch, seqlen_q, heads, D) and every sequence has the same lengths; tile t is placed
 by scheduler.tile_coords. Varlen (fa4_final.varlen): the packed q (total_q, heads, D) arrives as
@@ -46,7 +46,8 @@ class SeqTile:
 
 class Sequences:
     """The tile space of one launch. Built inside the kernel from its arguments; the producer
-    and the consumer warps each hold one and call ``tile(t)`` for the same t (Note [Phases])."""
+    and the consumer warps each hold one and call ``tile(t)`` for the same t
+    (Note [Forward phases])."""
 
     def __init__(self, tile_m: int, longest_first: bool, seqlen_q, seqlen_k, heads, batch,
                  l2_group, mCuSeqlensQ=None, mCuSeqlensK=None, mSeqUsedK=None):

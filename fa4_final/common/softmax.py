@@ -12,9 +12,9 @@ and at the end out = O / l, lse = (m * scale_log2 + log2 l) * ln 2. The max is t
 scores, valid because scale > 0 (the interface checks it).
 
 Two compile-time knobs change the step without restructuring it (0 means the plain algorithm):
-- ``exp2_emulation_fraction`` (chapter 06): a share of each row's exponentials goes to the FMA
+- ``exp2_emulation_fraction``: a share of each row's exponentials goes to the FMA
   polynomial of ``fast_math`` instead of MUFU, chosen per element at compile time (no branch);
-- ``rescale_threshold`` (chapter 07, tau in log2 units): keep a warp's stale maxima unless some
+- ``rescale_threshold`` (tau, in log2 units): keep a warp's stale maxima unless some
   row of the warp grew by more than tau (Note [Warp vote]); alpha is then exactly 1 and the O
   multiply is skipped with one warp-uniform branch. With ``skip_unchanged`` each row decides
   alone (it keeps its max unless it grew by more than tau; at tau = 0 it always takes the true
@@ -27,7 +27,7 @@ from cutlass import Float32, const_expr
 
 from fa4_final.common.constants import LN_2
 from fa4_final.common.fast_math import exp2_at
-from fa4_final.common.fragments import THREADS_PER_ROW, acc_rows_cols, chain_reduce, tree_reduce
+from fa4_final.common.fragments import THREADS_PER_ROW, acc_rows_cols, tree_reduce
 
 # k of every EMULATION_PERIOD consecutive elements of a row go to the polynomial, so the
 # emulated share moves in steps of 1/8.
@@ -41,20 +41,20 @@ MAX_RESCALE_THRESHOLD = 15.99
 
 
 def check_softmax_knobs(exp2_emulation_fraction, rescale_threshold) -> None:
-    """The two softmax knobs of chapters 06-07, for every kernel's config: TypeError /
-    ValueError naming the knob and what it accepts."""
+    """The two softmax knobs, for every kernel's config: TypeError / ValueError naming the knob and
+    what it accepts."""
     from fa4_final.common.fast_math import emulated_count
 
     try:
         emulated_count(exp2_emulation_fraction, EMULATION_PERIOD)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"exp2_emulation_fraction (chapter 06): {exc}") from None
+        raise type(exc)(f"exp2_emulation_fraction: {exc}") from None
     tau = rescale_threshold
     if isinstance(tau, bool) or not isinstance(tau, (int, float)):
-        raise TypeError(f"rescale_threshold (chapter 07) must be a number, got {tau!r}")
+        raise TypeError(f"rescale_threshold must be a number, got {tau!r}")
     if not 0.0 <= tau <= MAX_RESCALE_THRESHOLD:
         raise ValueError(
-            f"rescale_threshold (chapter 07) must be in [0, {MAX_RESCALE_THRESHOLD}] (log2 "
+            f"rescale_threshold must be in [0, {MAX_RESCALE_THRESHOLD}] (log2 "
             f"units; 0 = always "
             f"rescale), got {tau!r}: a stale max lets p reach 2^tau, and P must stay below "
             f"fp16's largest value 65504 = 2^15.9998")
@@ -68,10 +68,7 @@ class OnlineSoftmax:
 
     def __init__(self, scale_log2: Float32, num_rows: int, exp2_emulation_fraction=0.0,
                  rescale_threshold=0.0, threads_per_row: int = THREADS_PER_ROW, row_max=None,
-                 row_sum=None, max_ways: int = 0, sum_ways: int = 0,
-                 skip_unchanged: bool = False):
-        self.max_ways = max_ways  # Note [Reduction shape]: 0 = a pairwise tree
-        self.sum_ways = sum_ways
+                 row_sum=None, skip_unchanged: bool = False):
         self.skip_unchanged = skip_unchanged  # rows decide alone: Note [Warp vote], last paragraph
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
@@ -98,7 +95,7 @@ class OnlineSoftmax:
             start += n
         return OnlineSoftmax(rebuilt[0], self.num_rows, self.exp2_emulation_fraction,
                              self.rescale_threshold, self.threads_per_row, rebuilt[1],
-                             rebuilt[2], self.max_ways, self.sum_ways, self.skip_unchanged)
+                             rebuilt[2], self.skip_unchanged)
 
     def _dynamic(self):
         return (self.scale_log2, self.row_max, self.row_sum)
@@ -119,7 +116,6 @@ class OnlineSoftmax:
         return cute.arch.warp_reduction_sum(x, threads_in_group=self.threads_per_row)
 
     # Note [Warp vote]
-    # ----------------
     # A wgmma warp owns 16 consecutive query rows (an mma.sync warp 16 per m-block as well):
     # lane 4i + j holds rows i and i + 8 of the warp's band, and the lanes of a quad agree on a
     # row's tile max after the quad reduction. With tau > 0, per KV tile, each thread asks for its
@@ -207,11 +203,7 @@ class OnlineSoftmax:
         tile_max = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             values = [s[r, c] for c in range(cols)]
-            if const_expr(self.max_ways == 0):
-                tile_max[r] = self._quad_max(tree_reduce(values, cute.arch.fmax))
-            else:
-                tile_max[r] = self._quad_max(chain_reduce(values, cute.arch.fmax,
-                                                          self.max_ways))
+            tile_max[r] = self._quad_max(tree_reduce(values, cute.arch.fmax))
         row_max_new = tile_max
         rescale = True
         if const_expr(not is_first):
@@ -264,34 +256,27 @@ class OnlineSoftmax:
             self._fold_sum(r, s_row, cols, row_scale, is_first)
 
     # Note [Reduction shape]
-    # ----------------------
     # A row's 32 values (per thread, at tile_n = 128) reduce to one max and, after the
     # exponentials, one sum. A pairwise tree has depth 5 instead of 31, but a warp issues in
     # order: a tree's upper levels wait for the fixed latency of the level below, and with them
     # every exponential behind them in the stream. A chain that takes the values in the order
     # the exponentials produce them waits only for the value it adds: the MUFU result it would
-    # wait for anyway. ``max_ways`` / ``sum_ways`` say how many running chains each reduction
-    # keeps (0 = the tree); the sum's first chain starts from alpha * l, so the rescaled old sum
-    # costs one FMUL and no extra add. Only the order of the fp32 additions changes. Timed at
-    # a fixed clock the chains did not pay on the H200 (results/h200/
-    # fa4_final_clocked_row_sum.json, notebook 08 section 9): the default keeps the tree.
+    # wait for anyway. So chains were tried: the max and the sum each in 1, 2 or 4 running
+    # chains, the sum's first chain starting from alpha * l (the rescaled old sum costs one FMUL
+    # and no extra add; only the order of the fp32 additions changes). Timed on the H200 at a
+    # fixed clock they did not pay: one chain was never faster than the tree beyond the
+    # spread, and slower at D = 128, where ptxas scheduled the chained step worse (the
+    # waiting moved to other instructions). The tree stayed and the knob went.
 
     @cute.jit
     def _fold_sum(self, r: int, s_row, cols: int, row_scale, is_first: cutlass.Constexpr[bool]):
         """row_sum[r] <- (alpha * row_sum[r] unless first) + sum of the row's p."""
         add = lambda a, b: a + b  # noqa: E731
-        values = [s_row[c] for c in range(cols)]
-        if const_expr(self.sum_ways == 0):
-            tile_sum = tree_reduce(values, add)
-            if const_expr(is_first):
-                self.row_sum[r] = tile_sum
-            else:
-                self.row_sum[r] = self.row_sum[r] * row_scale[r] + tile_sum
-        elif const_expr(is_first):
-            self.row_sum[r] = chain_reduce(values, add, self.sum_ways)
+        tile_sum = tree_reduce([s_row[c] for c in range(cols)], add)
+        if const_expr(is_first):
+            self.row_sum[r] = tile_sum
         else:
-            self.row_sum[r] = chain_reduce(values, add, self.sum_ways,
-                                           self.row_sum[r] * row_scale[r])
+            self.row_sum[r] = self.row_sum[r] * row_scale[r] + tile_sum
 
     @cute.jit
     def rescale_o(self, acc_o: cute.Tensor, row_scale: cute.Tensor, needed=True) -> None:

@@ -1,1 +1,2 @@
-"""Hopper (sm_90a) kernels: the forward (chapter 08) and the backward (chapter 11)."""
+"""Hopper (sm_90a) kernels: the forward and the backward, their configs, and host.py (recipes
+and launches)."""

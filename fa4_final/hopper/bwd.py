@@ -1,5 +1,4 @@
 """The Hopper backward (sm_90a): K and V stationary, Q and dO streamed, five wgmma per step.
-Chapter 11.
 
 One CTA per (KV tile of tile_n = 128 keys, kv head, batch). Two MMA warpgroups own 64 keys each;
 K, V and the dK, dV accumulators stay on chip for the whole CTA, and the inner loop walks every
@@ -23,16 +22,13 @@ read their A from registers and P never touches shared memory; only dS is stored
 Per step at tile_m = 64, D = 128 that is 5 GEMMs of 2 * 128 * 64 * 128 FLOPs = 10.5 MFLOP, 2560
 tensor-core cycles of an SM; the shared-memory traffic of the same step (operands re-read by
 each warpgroup, dS stored, dQ staged and read by the bulk add) is about as many cycles again
-(chapter 00's model), so the step overlaps its GEMMs with everything else or loses time: that is
+(a cycle model), so the step overlaps its GEMMs with everything else or loses time: that is
 why both warpgroups issue their GEMMs back to back and wait only where a result is needed.
 
-Varlen (chapter 12) is a compile-time variant, HopperVarlenBackward: packed sequences in one
+Varlen is a compile-time variant, HopperVarlenBackward: packed sequences in one
 launch, one CTA per key tile of a sequence and kv head (Note [Varlen backward]). Only the CTA's
 lookup, the offsets of its rows and slabs and the store of a partial last key tile differ; the
 dense variant's code is what it was without it (its SASS is unchanged).
-
-Measured speeds: results/h200/ch11_bwd.json (``python -m solutions.ch11_bench``), printed in
-notebook 11; never typed here.
 """
 
 from __future__ import annotations
@@ -106,7 +102,7 @@ def _transpose(t: cute.Tensor) -> cute.Tensor:
 class HopperBackward:
     """dK, dV (and dQ's float32 accumulator) of attention, one KV tile per CTA.
 
-    Roles (data; the notebook prints them):
+    Roles (data, ``self.roles``):
       warpgroup 0   warp 0: TMA loads (K, V once; Q + lse and dO + delta per step)
                     warp 1: dQ stores (bulk float32 adds; the turn counters when deterministic)
       warpgroups 1-2  MMA: the five GEMMs and the pointwise work for 64 keys each; epilogue
@@ -411,34 +407,31 @@ class HopperBackward:
                      n_block, head_kv, b, seqlen_q, seqlen_k, work, seq, mdK_rows, mdV_rows)
 
     # Note [Varlen backward]
-    # ----------------------
-    # HopperVarlenBackward: the packed sequences of fa4_final.varlen in one launch. A CTA is
-    # still one (key tile, kv head), now of one sequence: CTA t is the t-th of the list
-    # "sequence 0's kv head 0's key tiles, its kv head 1's, ..., sequence 1's, ..." (key tiles
-    # fastest, so the CTAs running together walk the same query heads' Q and dO out of L2).
-    # Each warp finds its CTA's sequence by itself with the forward's warp scan
-    # (scheduler.varlen_locate, over cu_seqlens_k, or seqused_k where given): ceil(batch / 32)
-    # steps of two L2 loads and five shuffles, a few hundred cycles against a CTA's
-    # ceil(len_q / tile_m) * group steps of 2.5k+ tensor cycles. The grid is counted from
-    # shapes alone, (ceil(total_k / tile_n) + batch) * heads_kv (bwd_tiles.varlen_grid_bound):
-    # no device sync, and at most batch * heads_kv CTAs find no tile and exit at once. The
-    # alternative, a (max key tiles, heads_kv, batch) grid with early exit, needs max_seqlen_k
-    # on the host and launches max_tiles * batch CTAs: for one 8k sequence among 100 short ones
-    # that is 64 * 101 CTAs per kv head of which about 165 work, each empty one still paying
-    # its launch, shared-memory carve-out and exit on an SM (one CTA per SM fits), where the
-    # list grid's empty CTAs are at most batch per kv head.
-    # Inside its sequence a CTA runs the dense code with the sequence's own seqlen_q and
-    # seqlen_k (masks, tile ranges, deterministic turns, the reversed launch order of Note
-    # [Turns] all per sequence): Q, dO, K and V are reached by a domain offset to the sequence's
-    # first row; lse_log2, delta, the dQ accumulator and the turn counters by the sequence's
-    # padded tile (Note [Varlen dQ accumulator] in fa4_final.common.bwd_tiles). Reading past a
-    # sequence's end is harmless as in the forward (common.seqlens): those keys are masked,
-    # those query rows have P = 0. Writing is not: a partial last key tile stores its dK and dV
-    # rows from shared memory with one predicate per row (seqlens.store_rows, as the forward's
-    # partial O tile) instead of a TMA store that would clip only at total_k. A sequence with
-    # keys but no query row gets dK = dV = 0 from its CTAs (no step); one with no key owns no
-    # CTA, and its dQ is the zeroed accumulator. Rows past seqused_k belong to no key tile: the
-    # launch zeroes dk and dv first.
+    # HopperVarlenBackward: the packed sequences of fa4_final.varlen in one launch. A CTA is still
+    # one (key tile, kv head), now of one sequence: CTA t is the t-th of the list "sequence 0's kv
+    # head 0's key tiles, its kv head 1's, ..., sequence 1's, ..." (key tiles fastest, so the CTAs
+    # running together walk the same query heads' Q and dO out of L2). Each warp finds its CTA's
+    # sequence by itself with the forward's warp scan (scheduler.varlen_locate, over cu_seqlens_k,
+    # or seqused_k where given): ceil(batch / 32) steps of two L2 loads and five shuffles, a few
+    # hundred cycles against a CTA's ceil(len_q / tile_m) * group steps of 2.5k+ tensor cycles. The
+    # grid is counted from shapes alone, (ceil(total_k / tile_n) + batch) * heads_kv
+    # (bwd_tiles.varlen_grid_bound): no device sync, and at most batch * heads_kv CTAs find no tile
+    # and exit at once. The alternative, a (max key tiles, heads_kv, batch) grid with early exit,
+    # needs max_seqlen_k on the host and launches max_tiles * batch CTAs: for one 8k sequence among
+    # 100 short ones that is 64 * 101 CTAs per kv head of which about 165 work, each empty one still
+    # paying its launch, shared-memory carve-out and exit on an SM (one CTA per SM fits), where the
+    # list grid's empty CTAs are at most batch per kv head. Inside its sequence a CTA runs the dense
+    # code with the sequence's own seqlen_q and seqlen_k (masks, tile ranges, deterministic turns,
+    # the reversed launch order of Note [dQ turns] all per sequence): Q, dO, K and V are reached by
+    # a domain offset to the sequence's first row; lse_log2, delta, the dQ accumulator and the turn
+    # counters by the sequence's padded tile (Note [Varlen dQ accumulator] in
+    # fa4_final.common.bwd_tiles). Reading past a sequence's end is harmless as in the forward
+    # (common.seqlens): those keys are masked, those query rows have P = 0. Writing is not: a
+    # partial last key tile stores its dK and dV rows from shared memory with one predicate per row
+    # (seqlens.store_rows, as the forward's partial O tile) instead of a TMA store that would clip
+    # only at total_k. A sequence with keys but no query row gets dK = dV = 0 from its CTAs (no
+    # step); one with no key owns no CTA, and its dQ is the zeroed accumulator. Rows past seqused_k
+    # belong to no key tile: the launch zeroes dk and dv first.
 
     @cute.jit
     def varlen_key_tile(self, t, heads_kv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK):
@@ -461,8 +454,7 @@ class HopperBackward:
         seq = (offset_q, offset_k, dq_accum_tile(offset_q, b, self.tile_m))
         return r % n_blocks, r // n_blocks, seqlen_q, seqlen_k, seq
 
-    # Note [Phases]
-    # -------------
+    # Note [Backward phases]
     # The three roles walk the same steps in the same order: for each query head of the group,
     # for m_block in [m_min, m_max). Per step the producer fills one Q stage (Q + lse) and one
     # dO stage (dO + delta); the MMA warpgroups release Q after their last GEMM that reads it
@@ -476,7 +468,7 @@ class HopperBackward:
     def load(self, mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_atom_q,
              tma_atom_k, tma_atom_v, tma_atom_do, pipeline_q, pipeline_do, pipeline_kv,
              n_block, head_kv, b, work, seq=None):
-        """TMA warp: K and V once, then per step Q + lse and dO + delta (Note [Phases])."""
+        """TMA warp: K and V once, then per step Q + lse and dO + delta (Note [Backward phases])."""
         m_min, m_max, _, _, head0, group = work
         offset_q = offset_k = m_base = None  # dense; varlen: Note [Varlen backward]
         if const_expr(seq is not None):
@@ -533,8 +525,7 @@ class HopperBackward:
                               mbar_ptr=bar)
                 state_q.advance()
 
-    # Note [Turns]
-    # ------------
+    # Note [dQ turns]
     # Deterministic mode. Query tile m of a head receives dQ parts from every key tile that
     # visits it; each adds one block per MMA warpgroup. The turn counter of (batch, head, m) in
     # global memory starts at 0 (bwd_pre); key tile n waits until it reads its turn
@@ -646,7 +637,8 @@ class HopperBackward:
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_t.partition_D(_transpose(sdS))  # (CPY, .., STAGE)
-        # dQ registers -> its float32 staging buffer, 16 B per thread (Note [dQ in acc..])
+        # dQ registers -> its float32 staging buffer, 16 B per thread
+        # (Note [dQ in accumulator order])
         tdQsdQ = self.dq_copy().get_slice(tidx).partition_D(sdQ)
         # (key, query) of each accumulator element, this thread and thread 0: the mask
         tScS, t0ScS = fragment_coords(thr_sdp, (self.tile_n, self.tile_m))
@@ -839,19 +831,18 @@ class HopperBackward:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # Note [Fresh accumulators]
-    # -------------------------
     # ptxas keeps every register a wgmma writes live from its issue to its wait_group. An
     # accumulator that lives across steps (zeroed and reused) makes the S^T of step i+1 share
     # registers with step i's P^T, still read by dV += P^T dO; ptxas then inserts a wait before
     # the next wgmma ("wgmma serialized", warning C7512) and the GEMMs stop overlapping. A
-    # tensor made inside the step has no such history. tests/test_fa4_final_bwd_compile.py
-    # counts the fences ptxas added.
+    # tensor made inside the step has no such history. The compile tests count the fences
+    # ptxas added.
 
 
 class HopperVarlenBackward(HopperBackward):
     """The backward over packed varlen sequences in one launch (Note [Varlen backward]): the
     dense kernel with a compile-time flag, so the dense variant's code is what it was. Tensors
-    as fa4_final.varlen packs them, each given as a batch of one: q, dout (1, total_q, heads,
+    as runtime.varlen packs them, each given as a batch of one: q, dout (1, total_q, heads,
     D), k, v, dk, dv (1, total_k, heads_kv, D); lse_log2, delta (1, heads, padded rows), the dQ
     accumulator (1, heads, padded rows * D) and the turn counters (1, heads, padded tiles) in
     the padded layout of Note [Varlen dQ accumulator] (fa4_final.common.bwd_tiles)."""

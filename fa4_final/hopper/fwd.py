@@ -1,41 +1,40 @@
-"""The Hopper forward (sm_90a): warp-specialised, ping-pong, persistent. Chapter 08.
+"""The Hopper forward (sm_90a): warp-specialised, ping-pong, persistent.
 
-What this adds over chapter 05's kernel (TMA + wgmma + an mbarrier pipeline, one tile per CTA):
+What it adds over a one-tile-per-CTA kernel (TMA + wgmma + an mbarrier pipeline):
 
 1. Ping-pong with exact turns. Two (three at D = 64) consumer warpgroups take turns issuing
    their GEMMs (Note [Turns]), so while the tensor cores run one warpgroup's S = Q K^T and
    O += P V, the other runs its softmax. Per 128 x 128 tile step at D = 128 the SM has 2048
-   tensor cycles of GEMMs and 1024 MUFU cycles of exponentials (chapter 00): the exponentials
-   fit under the other warpgroup's GEMMs only if they never wait behind them.
-2. Persistence. One CTA per SM walks many tiles (fa4_final.common.schedule). The K/V rings keep
-   streaming across tile boundaries, and O leaves through its own shared-memory buffer, so the
-   next tile's Q and first K land while this tile's last P V and epilogue run, instead of a
-   one-tile CTA paying its pipeline fill and its epilogue with the tensor cores idle.
-3. Causal tiles longest first, so the persistent CTAs finish together: in sections of heads
-   whose K and V fit in L2, each CTA taking its next tile from a global counter when its
-   producer has issued the current one's loads (config.dynamic_tiles, Note [Dynamic tiles] in
-   fa4_final.common.schedule); or handed out by a table the host builds per shape with list
-   scheduling (config.tile_table, Note [Tile table]); or in fixed zigzag rounds
-   (scheduler.zigzag_tile), which only balance the unsectioned order. Equal tiles (not causal)
-   come from the table, whose last, partial round is cut along the keys so that every SM ends
-   together (config.split_tail, Note [Split tail]): a piece leaves its partial O and row
-   statistics in a workspace and the tile's last piece merges.
-4. The O rescale moved off the softmax's critical path (Note [Where O is rescaled]), a fresh S
-   accumulator per step (ptxas serialises the wgmma otherwise, for lack of registers), and a
-   three-deep K ring next to the separate O buffer within the 227 KB (config.smem_bytes).
-5. Varlen (chapter 12), a compile-time variant (``varlen=True``): packed sequences in one
-   launch. Only the tile lookup (fa4_final.common.seqlens, scheduler.varlen_locate), the TMA tiles'
-   origin (a domain offset per sequence) and the store of a sequence's partial last tile (Note
-   [Varlen epilogue]) differ; its tiles come from the same counter (a CTA may find none: the
-   grid is sized from a bound, the exact count is known only on the device). The dense
-   variant's code is what it was without the flag.
+   tensor cycles of GEMMs and 1024 MUFU cycles of exponentials (a cycle model): the
+   exponentials fit under the other warpgroup's GEMMs only if they never wait behind them.
+2. Persistence. One CTA per SM walks many tiles (common.schedule). The K/V rings keep streaming
+   across tile boundaries, and O leaves through its own shared-memory buffer, so the next tile's
+   Q and first K land while this tile's last P V and epilogue run, instead of a one-tile CTA
+   paying its pipeline fill and its epilogue with the tensor cores idle.
+3. Which CTA computes which tile is one choice, ``config.schedule``: causal tiles go longest
+   first in sections of heads whose K and V fit in L2, each CTA taking its next tile from a
+   global counter when its producer has issued the current one's loads ("dynamic",
+   Note [Dynamic tiles]); or handed out by a table the host builds per shape with list
+   scheduling ("table", Note [Tile table]); or in fixed zigzag rounds ("zigzag"), which only
+   balance the unsectioned order; or one CTA per tile ("grid"). Equal tiles (not causal) come
+   from the table, whose last, partial round is cut along the keys so that every SM ends
+   together ("split_tail", Note [Split tail]): a piece leaves its partial O and row statistics in
+   a workspace and the tile's last piece merges.
+4. O rescaled at the next P V's issue, off the softmax's critical path
+   (Note [Where O is rescaled]), a fresh S accumulator per step (ptxas serialises the wgmma
+   otherwise, for lack of registers), and a three-deep K ring next to the O buffer within the
+   227 KB (config.smem_bytes).
+5. Varlen, a compile-time variant (``varlen=True``): packed sequences in one launch. Only the
+   tile lookup (common.seqlens, schedule.varlen_locate), the TMA tiles' origin (a domain offset
+   per sequence) and the store of a sequence's partial last tile (Note [Varlen epilogue]) differ;
+   its tiles come from the same counter (a CTA may find none: the grid is sized from a bound, the
+   exact count is known only on the device). The dense variant's code is what it was without
+   the flag.
 
-Which of these pay, and by how much, is measured, not claimed here: notebook 08 prints the knob
-table (results/h200/fa4_final_knobs.json, ``python -m solutions.ch08_knobs``) and the standing
-against the peers (results/h200/fa4_final_fwd.json, ``python -m solutions.benchmark``).
-Everything the Blackwell kernel can share is shared: tile ranges (tiles), masks (mask), the
-online softmax with the exp2 emulation and rescale-threshold knobs (softmax, fast_math) and the
-tile order (scheduler).
+Which of these pay, and by how much, is measured, not claimed here (fa4_final.hopper.defaults
+says what each default rests on). Everything the Blackwell kernel can share is shared: tile
+ranges (tiles), masks (mask), the online softmax with the exp2 emulation and rescale-threshold
+knobs (softmax, fast_math) and the tile order (schedule).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
 from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols, select_modes
-from fa4_final.common.mask import apply_mask, apply_mask_bits, fragment_coords, wgmma_column_rule
+from fa4_final.common.mask import apply_mask, fragment_coords
 from fa4_final.common.pipelines import PipelineSpec, tma_async_pipeline
 from fa4_final.common.register_plan import check_role_registers
 from fa4_final.common.schedule import (
@@ -87,11 +86,14 @@ class NamedBarrier(IntEnum):
 class HopperForward:
     """Attention forward, one (tile_m, D) block of O per tile, tiles walked by persistent CTAs.
 
-    Roles (data; the notebook prints them):
+    Roles (data, ``self.roles``):
       warpgroup 0      producer: warp 0 issues every TMA load; the others only give registers
       warpgroups 1..n  consumers: wgmma S = Q K^T, mask, online softmax, wgmma O += P V, epilogue
 
-    Pipelines: ``pipelines()``, data (common.pipelines.PipelineSpec), as on Blackwell.
+    Pipelines (producer -> consumer), data as on Blackwell: ``pipelines()``, one
+    common.pipelines.PipelineSpec each, from which the kernel builds its rings. An EMPTY barrier
+    completes with one arrive per consumer warp, a FULL one with the producer's arrive carrying
+    the TMA byte count: q (1 stage), k (stages_k), v (stages_v).
     """
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperFwdConfig,
@@ -114,7 +116,11 @@ class HopperForward:
         self.has_seqused_k = self.varlen and bool(has_seqused_k)
         # the table needs each tile's cost before the launch: dense only (varlen's costs are in
         # device memory, and reading them back would cost a sync)
-        self.use_table = config.tile_table and not self.varlen
+        if self.varlen and config.uses_table:
+            raise ValueError(f"schedule={config.schedule!r} hands out tiles from a table the host "
+                             f"builds from their costs, which a varlen launch has only on the "
+                             f"device: take 'dynamic', 'zigzag' or 'grid'")
+        self.use_table = config.uses_table
         # Note [Split tail] (fa4_final.common.schedule): the table's entries carry key ranges, and a
         # tile cut into pieces is merged by its last piece
         self.split = self.use_table and config.splits_tail
@@ -131,8 +137,8 @@ class HopperForward:
         check_role_registers(self.roles, self.num_threads)  # per SM sub-partition
 
     def pipelines(self) -> tuple[PipelineSpec, ...]:
-        """The producer -> consumer rings (Note [Phases]): FULL completes with the TMA warp's
-        one arrive carrying the byte count, EMPTY with one arrive per consumer warp."""
+        """The producer -> consumer rings (Note [Forward phases]): FULL completes with the TMA
+        warp's one arrive carrying the byte count, EMPTY with one arrive per consumer warp."""
         warps = self.num_consumer_threads // WARP_SIZE
         return (
             PipelineSpec("q", "Q of the current tile; released after its last Q K^T",
@@ -206,11 +212,11 @@ class HopperForward:
         mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; dense: None
         mCuSeqlensK: cute.Tensor | None,  # varlen: (batch + 1,) int32; dense: None
         mSeqUsedK: cute.Tensor | None,  # varlen with seqused_k: (batch,) int32; else None
-        mTileTable: cute.Tensor | None,  # tile_table: (rounds + 1) * grid entries; else None
+        mTileTable: cute.Tensor | None,  # a table schedule: (rounds + 1) * grid entries
         mPartO: cute.Tensor | None,  # split tail: (slots, O elements, threads) float32
         mPartML: cute.Tensor | None,  # split tail: (slots, 2 * rows, threads) float32
         mCounters: cute.Tensor | None,  # split tail: (slots,) int32, zero before the launch
-        mTileCounter: cute.Tensor | None,  # dynamic_tiles: (1,) int32, zero before the launch
+        mTileCounter: cute.Tensor | None,  # "dynamic": (1,) int32, zero before the launch
         stream,
     ):
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
@@ -223,16 +229,15 @@ class HopperForward:
             raise TypeError("cu_seqlens_q/k (and seqused_k) are given exactly to the varlen "
                             "variant (varlen=True, has_seqused_k=True)")
         if const_expr(self.use_table != (mTileTable is not None)):
-            raise TypeError("the tile table is given exactly to a dense build with "
-                            "config.tile_table=True (Note [Tile table])")
+            raise TypeError("the tile table is given exactly to a build whose schedule is "
+                            "'table' or 'split_tail' (Note [Tile table])")
         if const_expr(any((t is not None) != self.split for t in (mPartO, mPartML, mCounters))):
             raise TypeError("the split-tail workspace (partial O, row stats, counters) is given "
-                            "exactly to a dense build with config.splits_tail (Note [Split "
-                            "tail])")
+                            "exactly to a build whose schedule is 'split_tail' "
+                            "(Note [Split tail])")
         if const_expr(self.dynamic != (mTileCounter is not None)):
-            raise TypeError("the tile counter is given exactly to a build whose config "
-                            "schedules dynamically (config.schedules_dynamically: Note "
-                            "[Dynamic tiles])")
+            raise TypeError("the tile counter is given exactly to a build whose schedule is "
+                            "'dynamic' (Note [Dynamic tiles])")
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = select_modes(mLSE, [2, 1, 0])  # (s, h, b)
@@ -245,7 +250,6 @@ class HopperForward:
         sKV_one = cute.select(sK_layout, mode=[0, 1])  # one stage: the TMA box
         bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         bytes_kv = cute.size_in_bytes(self.dtype, sKV_one)
-        o_elems = cute.cosize(sQ_layout) if const_expr(self.cfg.separate_o) else 0
 
         @cute.struct
         class SharedStorage:
@@ -260,7 +264,7 @@ class HopperForward:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
 
         # the budget arithmetic of HopperFwdConfig.smem_bytes() is the struct's real size
         assert SharedStorage.size_in_bytes() == self.cfg.smem_bytes(self.head_dim,
@@ -344,12 +348,11 @@ class HopperForward:
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
 
         # Note [Signalling lane]
-        # ----------------------
         # Lane 0 of each consumer warp arrives on a ring's EMPTY barrier. The rings would read
         # the thread index for that themselves, and LLVM, which may re-read it anywhere, reads
         # it again every KV step: an S2R whose latency the next instruction waited out between
         # the V wait and the P V issue, while this warpgroup held its turn on the tensor cores
-        # (results/h200/fa4_final_stalls.json, D = 64). With pin_lane the lane is read once by
+        # (ncu's stall samples, D = 64). With pin_lane the lane is read once by
         # lane_here, an asm LLVM may not repeat, and stays in a register. Only D = 64 causal
         # does so by default: elsewhere ptxas then scheduled the step worse than the stall
         # cost (hopper_fwd_default).
@@ -362,9 +365,7 @@ class HopperForward:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (tile_m, D)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (n, D, STAGE)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (n, D, STAGE)
-        sO = sQ
-        if const_expr(self.cfg.separate_o):
-            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         tiles = None  # Note [Dynamic tiles]: (counter, FULL, EMPTY, slots)
         if const_expr(self.dynamic):
             full = storage.mbar_tile.data_ptr()
@@ -400,8 +401,7 @@ class HopperForward:
                          pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left,
                          window_right, seqs(), mO_rows, mTileTable, split, tiles)
 
-    # Note [Phases]
-    # -------------
+    # Note [Forward phases]
     # Each stage has a FULL and an EMPTY mbarrier; PipelineState walks a ring (index = count %
     # stages, the phase bit flips at each wrap). The producer waits EMPTY with the opposite
     # parity, so its first lap passes at once. Both roles walk the same tiles in the same order
@@ -418,8 +418,9 @@ class HopperForward:
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipeline_q,
              pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, seqs: Sequences,
              tl: cute.Tensor, mTileTable: cute.Tensor | None, tiles=None):
-        """Producer warp: Q and the K/V tiles of every tile this CTA computes (Note [Phases]);
-        with ``tiles``, the tiles it takes at run time (Note [Dynamic tiles])."""
+        """Producer warp: Q and the K/V tiles of every tile this CTA computes
+        (Note [Forward phases]); with ``tiles``, the tiles it takes at run time
+        (Note [Dynamic tiles])."""
         num_tiles = seqs.num_tiles()
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
@@ -455,8 +456,8 @@ class HopperForward:
                   pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v,
                   window_left: Int32, window_right: Int32, seqs: Sequences, tl, record,
                   n_lo: Int32, n_hi: Int32):
-        """Q and the K/V tiles of one tile (or of its piece n_lo <= n < n_hi: Note [Split
-        tail]), in the order of Note [Phases]."""
+        """Q and the K/V tiles of one tile (or of its piece n_lo <= n < n_hi:
+        Note [Split tail]), in the order of Note [Forward phases]."""
         w = seqs.tile(tile)
         m_block, head, seqlen_q, seqlen_k = w.m_block, w.head, w.seqlen_q, w.seqlen_k
         head_kv = head // (mQ.shape[2] // mK.shape[2])
@@ -512,7 +513,6 @@ class HopperForward:
         return state
 
     # Note [Turns]
-    # ------------
     # Ping-pong: consumer warpgroups take turns *issuing* wgmma; the GEMMs then run on the tensor
     # cores while the issuer does its softmax. A turn of warpgroup w starts with bar.sync on named
     # barrier TURN_WG0 + w and ends, once its wgmma are issued, with bar.arrive on the next
@@ -588,7 +588,6 @@ class HopperForward:
         tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_rows_cols(acc_o), mode=[0]),
                                 self.cfg.exp2_emulation_fraction, self.cfg.rescale_threshold,
-                                max_ways=self.cfg.row_max_ways, sum_ways=self.cfg.row_sum_ways,
                                 skip_unchanged=self.cfg.rescale_skip_unchanged)
 
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -624,9 +623,8 @@ class HopperForward:
                             lambda tile, r, last, sq, sk, sv: tile_step(
                                 tile, r, last, self.piece_of(r, bidx, grid, mTileTable), sq, sk,
                                 sv))
-        if const_expr(self.cfg.separate_o):
-            if tidx == 0:  # shared memory must outlive the last O store's reads of it
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if tidx == 0:  # shared memory must outlive the last O store's reads of it
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def consume_tile(self, tl, record, tile, first_tile, last_tile, mO, mLSE, sO, tma_atom_o,
@@ -650,12 +648,6 @@ class HopperForward:
         mask = lambda acc, i, left: apply_mask(  # noqa: E731  (i: visit index, n = n_max-1-i)
             acc, tScS, t0ScS, self.window, m_block, n_max - 1 - i, seqlen_q, seqlen_k,
             window_left, window_right, mask_left=left)
-        if const_expr(self.cfg.mask_bits and wgmma_column_rule(t0ScS)):
-            plain = mask
-            mask = lambda acc, i, left: (  # noqa: E731  (a left window: the plain mask)
-                plain(acc, i, left) if left else apply_mask_bits(
-                    acc, tScS, self.window, m_block, n_max - 1 - i, seqlen_q, seqlen_k,
-                    window_left, window_right))
         pipeline_q.consumer_wait(state_q)
         if n_tiles > 0:
             if const_expr(self.cfg.intra_wg_overlap):
@@ -671,9 +663,8 @@ class HopperForward:
         else:  # no visible key: out = 0, and one empty turn keeps the turn count fixed
             acc_o.fill(0.0)
             self.turn(wg, first_tile, last_tile, lambda: None)
-            if const_expr(self.cfg.separate_o):
-                pipeline_q.consumer_release(state_q)
-        gO_rows = None  # varlen: out's own rows of this sequence and head (Note [Varlen..])
+            pipeline_q.consumer_release(state_q)
+        gO_rows = None  # varlen: out's own rows of this sequence and head (Note [Varlen epilogue])
         if const_expr(mO_rows is not None):
             gO_rows = seqs.rows_q(mO_rows, w, head)
         gO_all, gLSE_all = seqs.rows_q(mO, w, head), seqs.rows_q(mLSE, w, head)
@@ -684,12 +675,10 @@ class HopperForward:
                 store = self.merge_pieces(acc_o, softmax, split, tidx, slot, first_slot, pieces)
             if store:
                 self.epilogue(acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv, tidx,
-                              m_block, seqlen_q, pipeline_q, state_q, gO_rows)
-            elif const_expr(not self.cfg.separate_o):
-                pipeline_q.consumer_release(state_q)  # the epilogue's release of O over Q
+                              m_block, seqlen_q, gO_rows)
         else:
             self.epilogue(acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv, tidx,
-                          m_block, seqlen_q, pipeline_q, state_q, gO_rows)
+                          m_block, seqlen_q, gO_rows)
         state_q.advance()
         return state_q, state_k, state_v
 
@@ -718,8 +707,8 @@ class HopperForward:
         row_scale, rescale = softmax.update(s, is_first=True)
         tOrP.store(acc_as_a_operand(s).load().to(self.dtype))
         mark(timeline, tl, record, role, 0, Mark.P_READY)
-        # alpha of the last softmax, applied to O when the next P V (Note [Where O is rescaled])
-        # is issued (o_rescale = "next_pv")
+        # alpha of the last softmax, applied to O when the next P V is issued
+        # (Note [Where O is rescaled])
         pending = cute.make_rmem_tensor_like(row_scale)
         pending.store(row_scale.load())
 
@@ -741,8 +730,7 @@ class HopperForward:
         if const_expr(self.window.has_left):
             for i in cutlass.range(bottom_start, n_tiles, unroll=1):
                 state_k, state_v, rescale = step(i, True, True, state_k, state_v, rescale)
-        if const_expr(self.cfg.separate_o):  # every Q K^T of this tile is done
-            pipeline_q.consumer_release(state_q)
+        pipeline_q.consumer_release(state_q)  # every Q K^T of this tile is done
         pipeline_v.consumer_wait(state_v)
         self.turn(wg, False, last_tile, lambda: self.issue_last_pv(
             softmax, acc_o, pending, rescale, tiled_mma_pv, tOrP, tOrVt, state_v))
@@ -755,32 +743,31 @@ class HopperForward:
     def issue_last_pv(self, softmax, acc_o, pending, rescale, tiled_mma_pv, tOrP, tOrVt,
                       state_v):
         """The last turn of a tile: O's pending rescale, then O += P_{n-1} V_{n-1}."""
-        if const_expr(self.cfg.o_rescale == "next_pv"):
-            softmax.rescale_o(acc_o, pending, rescale)
+        softmax.rescale_o(acc_o, pending, rescale)
         self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index], True)
 
     # Note [Where O is rescaled]
-    # --------------------------
     # O must be multiplied by alpha after the P V that accumulates into it has finished and
-    # before the next P V adds to it. Three places (HopperFwdConfig.o_rescale):
-    #   "end"      after the softmax, as written in the algorithm: the D multiplies per row then
-    #              sit on the warpgroup's critical path to its next turn;
-    #   "early"    right after the row maxima and alpha, before the exponentials: the multiplies
-    #              fill the issue slots between MUFU instructions (MUFU takes 8 cycles per warp
-    #              instruction at 16 exp/clk/SM, so most issue slots of the softmax are free);
-    #   "next_pv"  at the start of the next turn, between the S GEMM and the P V GEMM: they run
-    #              while the tensor cores are busy with S.
-    # The source order is a request: ptxas schedules. The benchmark decides the default.
-    # What ptxas makes of it (solutions.ch08_compare, results/compile/sm90_fwd_vs_fa4.json): it
-    # puts the wait for P V (the second WARPGROUP.DEPBAR of the step) right before the first
-    # instruction that needs P V done, whatever the source says: the first O multiply, the
-    # first F2FP into tOrP (P is loop-carried: it goes into the registers P V is reading), or
-    # the arrive that frees the V stage. With "next_pv" that is the first F2FP, before any
-    # MUFU.EX2: at D = 128 none of the 64 exponentials runs under P V (FA4's sm90 kernel: 10),
-    # and the 64 O multiplies land between the turn's bar.sync and its last HGMMA. With
-    # "early" ptxas spreads the multiplies late among the exponentials and 36 (causal: 66) of
-    # them run under P V. Two P buffers with the wait moved to the next step do not escape
-    # this either: ptxas hoists that wait into the previous step's softmax.
+    # before the next P V adds to it. Three places were built and timed on the H200:
+    #   after the softmax, as written in the algorithm: the D multiplies per row then sit on
+    #     the warpgroup's critical path to its next turn;
+    #   right after the row maxima and alpha, before the exponentials: the multiplies fill the
+    #     issue slots between MUFU instructions (MUFU takes 8 cycles per warp instruction at
+    #     16 exp/clk/SM, so most issue slots of the softmax are free);
+    #   at the start of the next turn, between the S GEMM and the P V GEMM (this kernel): they
+    #     run while the tensor cores are busy with S.
+    # The other two were never faster beyond the run-to-run spread and at D = 128 often slower,
+    # so the place is fixed and the knob went. The source order is a request: ptxas schedules.
+    # What it makes of it, read off the SASS: it puts the wait for P V (the second
+    # WARPGROUP.DEPBAR of the step) right before the first instruction that needs P V done,
+    # whatever the source says: the first O multiply, the first F2FP into tOrP (P is
+    # loop-carried: it goes into the registers P V is reading), or the arrive that frees the V
+    # stage. Here that is the first F2FP, before any MUFU.EX2: at D = 128 none of the 64
+    # exponentials runs under P V (FA4's sm90 kernel: 10), and the 64 O multiplies land between
+    # the turn's bar.sync and its last HGMMA. Before the exponentials ptxas spreads the
+    # multiplies late among them and 36 (causal: 66) run under P V. Two P buffers with the wait
+    # moved to the next step do not escape this either: ptxas hoists that wait into the
+    # previous step's softmax.
 
     @cute.jit
     def overlap_step(self, tl, record, i, masked: cutlass.Constexpr[bool],
@@ -803,21 +790,12 @@ class HopperForward:
         state_k.advance()
         if const_expr(masked):
             mask(s, i, left)
-        place = self.cfg.o_rescale
         row_scale, rescale, max_scaled = softmax.new_max(s, is_first=False)
-        if const_expr(place == "early"):
-            warpgroup.wait_group(0)  # P V done: O, tOrP and the V stage are free again
-            pipeline_v.consumer_release(state_v)
-            softmax.rescale_o(acc_o, row_scale, rescale)
         softmax.exponentiate(s, max_scaled, row_scale, is_first=False)
-        if const_expr(place != "early"):
-            warpgroup.wait_group(0)
-            pipeline_v.consumer_release(state_v)
+        warpgroup.wait_group(0)  # P V done: O, tOrP and the V stage are free again
+        pipeline_v.consumer_release(state_v)
         state_v.advance()
-        if const_expr(place == "next_pv"):
-            pending.store(row_scale.load())
-        elif const_expr(place == "end"):
-            softmax.rescale_o(acc_o, row_scale, rescale)
+        pending.store(row_scale.load())  # O's rescale waits for the next P V's issue
         tOrP.store(acc_as_a_operand(s).load().to(self.dtype))
         mark(timeline, tl, record, role, i, Mark.P_READY)
         return state_k, state_v, rescale
@@ -826,12 +804,11 @@ class HopperForward:
     def issue_step(self, tl, record, role, i, s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                    tiled_mma_pv, pipeline_v, state_k, state_v, softmax, pending,
                    pending_rescale):
-        """A steady turn's GEMMs: S_i = Q K_i^T, O's pending rescale (o_rescale = "next_pv"),
+        """A steady turn's GEMMs: S_i = Q K_i^T, O's pending rescale (Note [Where O is rescaled]),
         then, once V has landed, O += P_{i-1} V_{i-1}."""
         mark(self.cfg.timeline, tl, record, role, i, Mark.ISSUE)
         self.wgmma(tiled_mma_qk, s, tSrQ, tSrK[None, None, None, state_k.index], False)
-        if const_expr(self.cfg.o_rescale == "next_pv"):
-            softmax.rescale_o(acc_o, pending, pending_rescale)
+        softmax.rescale_o(acc_o, pending, pending_rescale)
         pipeline_v.consumer_wait(state_v)
         self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index], True)
 
@@ -849,9 +826,8 @@ class HopperForward:
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(state_k)
             state_k.advance()
-            if const_expr(self.cfg.separate_o):
-                if i == n_tiles - 1:
-                    pipeline_q.consumer_release(state_q)
+            if i == n_tiles - 1:
+                pipeline_q.consumer_release(state_q)
             if (i < n_top) | (i >= n_tiles - n_bottom) | (i == 0):
                 mask(acc_s, i, self.window.has_left)
             row_scale, rescale = softmax.update(acc_s, is_first=False)
@@ -917,7 +893,7 @@ class HopperForward:
 
     @cute.jit
     def epilogue(self, acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv,
-                 tidx: Int32, m_block: Int32, seqlen_q: Int32, pipeline_q, state_q,
+                 tidx: Int32, m_block: Int32, seqlen_q: Int32,
                  gO_rows: cute.Tensor | None = None):
         """out = O / l and lse to global memory. O goes registers -> shared (stmatrix) -> one TMA
         store, which clips rows past seqlen_q; lse is written directly. Varlen (``gO_rows``):
@@ -940,14 +916,15 @@ class HopperForward:
                     gLSE_all[row] = lse[r]
 
         consumer_warp = tidx // WARP_SIZE
-        if const_expr(self.cfg.separate_o):
-            # the previous tile's O store must have read the buffer before it is rewritten
-            if tidx == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
-                              number_of_threads=self.num_consumer_threads)
-        # O over Q when there is no separate buffer: a warpgroup's O rows are exactly the bytes
-        # of its own Q rows, whose last wgmma has retired
+        # O has its own buffer. Writing O over Q's (a warpgroup's O rows are exactly the bytes
+        # of its Q rows) was tried: it frees a tile of shared memory for a deeper ring, but the
+        # next tile's Q must then wait for this store, and timed on the H200 it was never faster
+        # beyond the spread. The previous tile's O store must have read the buffer before it is
+        # rewritten
+        if tidx == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                          number_of_threads=self.num_consumer_threads)
         store_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_store = cute.make_tiled_copy_C(store_atom, thr_mma_pv).get_slice(tidx)
@@ -965,13 +942,6 @@ class HopperForward:
                 gO = cute.local_tile(gO_rows, (self.tile_m, self.head_dim), (m_block, 0))
                 store_rows(sO, gO, tidx, seqlen_q - m_block * self.tile_m,
                            self.num_consumer_threads)  # Note [Varlen epilogue]
-        if const_expr(not self.cfg.separate_o):
-            # Q's buffer holds O until the store has read it; then the next Q may land there
-            if consumer_warp == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
-                              number_of_threads=self.num_consumer_threads)
-            pipeline_q.consumer_release(state_q)
 
     @cute.jit
     def store_o_tma(self, sO, gO_all, tma_atom_o, m_block: Int32, consumer_warp: Int32):
@@ -985,7 +955,6 @@ class HopperForward:
             cute.arch.cp_async_bulk_commit_group()
 
     # Note [Varlen epilogue]
-    # ----------------------
     # The TMA store clips at the tensor's end, total_q, not at the sequence's: the last, partial
     # tile of a sequence would overwrite the first rows of the next one. Full tiles keep the TMA
     # store; a partial tile goes from shared memory to global memory in 16-byte vectors, one

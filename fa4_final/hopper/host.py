@@ -79,7 +79,7 @@ def forward_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig,
     cu_q, cu_k, used_k = (fake_tensor(Int32, (cute.sym_int(),)) if varlen else None
                           for _ in range(3))
     used_k = used_k if has_seqused_k else None
-    table = fake_tensor(Int32, (cute.sym_int(),)) if cfg.tile_table and not varlen else None
+    table = fake_tensor(Int32, (cute.sym_int(),)) if cfg.uses_table and not varlen else None
     # split_tail (schedule Note [Split tail]): (slots, O elements, threads) and (slots, 2 *
     # rows, threads) float32 per consumer thread, one int32 counter per slot
     part_o = part_ml = counters = None
@@ -120,8 +120,9 @@ def forward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = Fals
 
 
 def l2_section_pairs(seqlen_k: int, head_dim: int, elem_bytes: int, pairs: int) -> int:
-    """(head, batch) pairs per section of the causal tile order (schedule, Note [Causal
-    order]): the largest power of two whose K and V fit in L2, at least 1, at most ``pairs``."""
+    """(head, batch) pairs per section of the causal tile order (schedule,
+    Note [Causal order]): the largest power of two whose K and V fit in L2, at least 1, at most
+    ``pairs``."""
     per_pair = 2 * seqlen_k * head_dim * elem_bytes
     g = 1
     while 2 * g * per_pair <= L2_BYTES_FOR_KV and 2 * g <= pairs:
@@ -151,7 +152,7 @@ def forward_args(plan, q, k, v, out, lse, causal: bool, softmax_scale: float, wi
     if cfg.l2_sections:
         group = l2_section_pairs(k.shape[1], d, q.element_size(), h * b)
     table, slots = None, 0
-    if cfg.tile_table:
+    if cfg.uses_table:
         table, slots = _tile_table(q.device, cfg, causal, q.shape[1], k.shape[1], h, b, group,
                                    sms, window_left, None if causal else window_right)
     part_o = part_ml = counters = None
@@ -201,8 +202,8 @@ _MAX_TABLES = 256  # a table is about one int32 per tile; built on the first cal
 
 def tile_costs(cfg: HopperFwdConfig, causal: bool, seqlen_q: int, seqlen_k: int, heads: int,
                batch: int, l2_group: int, window_left=None, window_right=None) -> list[int]:
-    """Each linear tile's cost in key-tile steps, in the kernel's tile order (Note [Tile
-    table]): the key tiles it visits plus the per-tile overhead."""
+    """Each linear tile's cost in key-tile steps, in the kernel's tile order
+    (Note [Tile table]): the key tiles it visits plus the per-tile overhead."""
     window = TileWindow(cfg.tile_m, cfg.tile_n, causal, has_left=window_left is not None,
                         has_right=window_right is not None and not causal)
     num_m_blocks = -(-seqlen_q // cfg.tile_m)
@@ -383,7 +384,7 @@ def launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens
     (Note [Varlen dQ accumulator]), so nothing waits for the GPU."""
     total_q, h, d = q.shape
     batch = cu_seqlens_q.shape[0] - 1
-    if seqused_k is not None:  # keys past seqused_k belong to no key tile (Note [Varlen bwd])
+    if seqused_k is not None:  # keys past seqused_k belong to no key tile (Note [Varlen backward])
         dk.zero_()
         dv.zero_()
     kernels, cfg = plan.kernels, plan.config

@@ -1,6 +1,6 @@
-"""Hopper building blocks shared by the course's wgmma kernels (chapter 05's and fa4_final's):
-the swizzled shared-memory layout of a tile, the two tiled MMAs of attention, issuing one
-asynchronous wgmma group, and reordering a tensor's modes."""
+"""Hopper building blocks of the wgmma kernels: the swizzled shared-memory layout of a tile, the
+two tiled MMAs of attention, issuing one asynchronous wgmma group, and reordering a tensor's
+modes."""
 
 import cutlass
 import cutlass.cute as cute
