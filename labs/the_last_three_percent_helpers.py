@@ -56,14 +56,14 @@ def compiled_step_facts(head_dim: int, causal: bool, variants: dict) -> list[str
     under that GEMM), and how many reads of the thread index (S2R) its KV loops hold."""
     from dataclasses import replace
 
-    from fa4_final import interface
-    from fa4_final.config import hopper_fwd_default
+    from fa4_final.api.interface import compile_only
+    from fa4_final.hopper.config import hopper_fwd_default
     from solutions import ch08_compare
 
     lines = []
     for label, change in variants.items():
         cfg = replace(hopper_fwd_default(head_dim, causal), **change)
-        art = interface.compile_only("sm_90a", head_dim, "bf16", causal, cfg)
+        art = compile_only("sm_90a", head_dim, "bf16", causal, cfg)
         m = ch08_compare.kernel_metrics(art.ptx, art.sass, art.registers, art.spills,
                                         cfg.tile_m, cfg.tile_n)
         step, sched = m["steady step"], m["steady step schedule"]

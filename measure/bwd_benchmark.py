@@ -4,7 +4,7 @@ peers, one run.
     python -m measure.bwd_benchmark                 # D = 128, S = 4096 and 16384, causal or not
     python -m measure.bwd_benchmark --rounds 5 --seqlens 4096
 
-Rows ``fa4_final`` and ``fa4_final_deterministic`` (fa4_final.autograd over fa4_final's forward
+Rows ``fa4_final`` and ``fa4_final_deterministic`` (fa4_final.api.autograd over fa4_final's forward
 and backward) and the peers of utils.bench.peers() (SDPA's flash and cuDNN backends, the FA4
 package when installed; SDPA's memory-efficient backend with --efficient). Each measurement is
 the backward alone: the forward runs once and ``torch.autograd.grad`` is timed
@@ -36,7 +36,7 @@ PRODUCES = [("results/h200/ch11_bwd.json", "python -m measure.bwd_benchmark",
 
 
 def _ours(deterministic: bool):
-    from fa4_final.autograd import attention_autograd
+    from fa4_final.api.autograd import attention_autograd
 
     def run(q, k, v, causal=False, softmax_scale=None):
         return attention_autograd(q, k, v, causal, softmax_scale, deterministic), None

@@ -5,7 +5,7 @@
 
 Each measurement is a fresh Python process, so nothing is warm that a user's new process would
 not have warm:
-  cold   an empty disk cache: the first call of ``compile_forward`` traces, compiles (MLIR, ptxas)
+  cold   an empty disk cache: the first call of the compile path traces, compiles (MLIR, ptxas)
          and exports the entry (``dsl_compile_s`` + ``export_s`` of it);
   warm   a second process on the same cache: the first call loads the object file
          (``disk_load_s`` of it), then a second call in that process hits memory.
@@ -33,18 +33,20 @@ PRODUCES = [
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ((128, "bf16", False), (128, "bf16", True), (64, "bf16", False))
 
-# One process: import, two calls of compile_forward, and what the cache says about them.
+# One process: import, two calls of the compile path (runtime.compile.compiled), and what the
+# cache says about them.
 CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
 import fa4_final
-from fa4_final.cache import CACHE
-from fa4_final.hopper.launch import compile_forward
+from fa4_final.runtime.cache import CACHE
+from fa4_final.hopper.host import forward_recipe
+from fa4_final.runtime.compile import compiled
 t1 = time.perf_counter()
 d, dtype, causal = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
-compile_forward("sm_90a", d, dtype, causal)
+compiled(forward_recipe, d, dtype, causal, None, False, False, False, False)
 t2 = time.perf_counter()
-compile_forward("sm_90a", d, dtype, causal)
+compiled(forward_recipe, d, dtype, causal, None, False, False, False, False)
 t3 = time.perf_counter()
 print(json.dumps(dict(import_s=t1 - t0, first_call_s=t2 - t1, memory_hit_us=(t3 - t2) * 1e6,
                       stats=dict(CACHE.stats), seconds=CACHE.seconds)))

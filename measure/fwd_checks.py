@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import torch
 
-from fa4_final import interface
-from fa4_final.config import ZIGZAG_ROUNDS, hopper_fwd_default
+from fa4_final.hopper.config import hopper_fwd_default
+from fa4_final.runtime.prologue import forward_into
 from utils import checks
 from utils.reference import random_qkv
 
@@ -45,44 +45,34 @@ SMALL = [CASES[1], CASES[4], CASES[10]]
 # tiles than SMs, so every tile is merged from several pieces (for the sanitizers)
 SMALL_SPLIT = [(1, 1000, 4097, 2, 1, 128, False, FP16, None),
                (1, 2000, 1500, 4, 2, 64, False, BF16, None)]
-# knobs of chapter 08 (and 06, 07) checked on two shapes each
-KNOBS = [dict(pingpong=False), dict(persistent=False, tile_table=False), dict(separate_o=False),
-         dict(intra_wg_overlap=False), dict(o_rescale="end"), dict(o_rescale="early"),
-         dict(exp2_emulation_fraction=0.25),
+# knobs of chapter 08 (and 06, 07) checked on two shapes each; ``--knob`` picks the sets that
+# set a knob or choose a schedule by that name
+KNOBS = [dict(pingpong=False), dict(schedule="grid"),
+         dict(intra_wg_overlap=False), dict(exp2_emulation_fraction=0.25),
          dict(rescale_threshold=8.0, rescale_skip_unchanged=False),
-         ZIGZAG_ROUNDS,
-         dict(l2_sections=True, tile_table=False, dynamic_tiles=False),
-         dict(stages_k=2, stages_v=2), dict(stages_k=2, stages_v=3), dict(mask_bits=True),
-         dict(o_rescale="early", mask_bits=True), dict(l2_sections=True, tile_table=True),
-         dict(tile_table=True, split_tail=True),
-         dict(l2_sections=True, tile_table=False, dynamic_tiles=True),
-         dict(row_sum_ways=1, row_max_ways=4), dict(row_sum_ways=2, row_max_ways=2),
+         dict(schedule="zigzag", l2_sections=False),
+         dict(schedule="zigzag", l2_sections=True),
+         dict(stages_k=2, stages_v=2), dict(stages_k=2, stages_v=3),
+         dict(schedule="table", l2_sections=True),
+         dict(schedule="split_tail"),
+         dict(schedule="dynamic", l2_sections=True),
          dict(rescale_threshold=0.0, rescale_skip_unchanged=True),
          dict(rescale_threshold=8.0, rescale_skip_unchanged=True)]
 KNOB_SHAPES = [(1, 1000, 4097, 2, 1, 128, True, BF16, None),
                (2, 777, 777, 4, 2, 64, False, FP16, None)]
 # knobs that change the mask or the P V bookkeeping also meet causal D = 64 (tile_m = 192, two
 # diagonal tiles), seqlen_q > seqlen_k and a window with both edges
-KNOB_MORE_SHAPES = {# the reductions' order: causal D = 64 (masked and steady steps, a
-                    # first tile), rows that see no key, fp16
-                    "row_sum_ways": [(2, 700, 500, 3, 1, 64, True, FP16, None),
-                                     (2, 8192, 8192, 16, 2, 64, True, FP16, None),
-                                     (1, 1000, 100, 2, 2, 128, True, BF16, None),
-                                     (2, 4096, 4095, 8, 8, 64, False, BF16, None)],
-                    # the skipped O multiply: many KV tiles (maxima that stop moving), rows
+KNOB_MORE_SHAPES = {# the skipped O multiply: many KV tiles (maxima that stop moving), rows
                     # that see no key, a left window, both head dims
                     "rescale_skip_unchanged": [(2, 8192, 8192, 16, 2, 64, True, FP16, None),
                                                (1, 8192, 8192, 2, 2, 128, False, BF16, None),
                                                (1, 1000, 100, 2, 2, 128, True, BF16, None),
                                                (1, 700, 900, 2, 2, 64, True, BF16, (37, None))],
-                    "mask_bits": [(2, 700, 500, 3, 1, 64, True, FP16, None),
-                                  (1, 700, 900, 2, 2, 64, True, BF16, (37, None))],
-                    # the table changes which CTA computes what: many tiles per CTA, rows
-                    # that see no key, windows, and a grid smaller than the SM count (also the
-                    # shapes of the dynamic scheduler's knob set, which sets tile_table=False:
-                    # every launch after the first takes its tiles from the counter the one
-                    # before set back to zero)
-                    "tile_table": [(4, 2048, 2048, 16, 4, 128, True, BF16, None),
+                    # every schedule changes which CTA computes what: many tiles per CTA,
+                    # rows that see no key, windows, and a grid smaller than the SM count (the
+                    # dynamic scheduler: every launch after the first takes its tiles from the
+                    # counter the one before set back to zero)
+                    "schedule": [(4, 2048, 2048, 16, 4, 128, True, BF16, None),
                                    (2, 8192, 8192, 16, 2, 64, True, FP16, None),
                                    (1, 1000, 100, 2, 2, 128, True, BF16, None),
                                    (1, 700, 900, 2, 2, 64, True, BF16, (37, None)),
@@ -103,8 +93,12 @@ KNOB_MORE_SHAPES = {# the reductions' order: causal D = 64 (masked and steady st
 
 
 def run_into(q, k, v, out, lse, causal, softmax_scale, config, window):
-    interface.forward_into(q, k, v, out, lse, causal, softmax_scale, window or (None, None),
-                           config)
+    forward_into(q, k, v, out, lse, causal, softmax_scale, window or (None, None), config)
+
+
+def names(knobs: dict) -> list:
+    """What ``--knob`` matches in a knob set: its knobs, and the schedule it chooses."""
+    return [*knobs, knobs.get("schedule")]
 
 
 def check_case(b, sq, sk, h, hk, d, causal, dtype, window=None, config=None):
@@ -128,13 +122,13 @@ def all_cases(small: bool = False, knob: str | None = None, split: bool = False)
         shapes = SMALL_SPLIT if split else SMALL
         if knob is None:
             return [(c, None) for c in shapes]
-        knobs = next(k for k in KNOBS if knob in k)  # the first knob set naming it
+        knobs = next(k for k in KNOBS if knob in names(k))  # the first knob set naming it
         return [(c, replace(hopper_fwd_default(c[5], c[6]), **knobs)) for c in shapes]
     cases = [(c, None) for c in CASES] if knob is None else []
     for knobs in KNOBS:
-        if knob is not None and knob not in knobs:
+        if knob is not None and knob not in names(knobs):
             continue
-        more = [c for k in knobs for c in KNOB_MORE_SHAPES.get(k, [])]
+        more = [c for k in names(knobs) for c in KNOB_MORE_SHAPES.get(k, [])]
         for c in KNOB_SHAPES + more:
             cases.append((c, replace(hopper_fwd_default(c[5], c[6]), **knobs)))
     return cases
@@ -143,7 +137,8 @@ def all_cases(small: bool = False, knob: str | None = None, split: bool = False)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="three small cases (for sanitizers)")
-    ap.add_argument("--knob", help="only the cases of the knob sets that set this knob")
+    ap.add_argument("--knob", help="only the cases of the knob sets that set this knob or "
+                    "choose this schedule")
     ap.add_argument("--split", action="store_true", help="with --small: the split-tail cases")
     ap.add_argument("--defaults", action="store_true", help="only the cases that run the "
                     "default configs (no knob sets)")

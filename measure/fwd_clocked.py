@@ -38,31 +38,20 @@ VARIANTS = {
     "fa4_final": {},
     # the threshold as chapter 07 has it: the warp votes before the exponentials
     "tau = 8": {"rescale_threshold": 8.0, "rescale_skip_unchanged": False},
-    "O rescaled after the softmax": {"o_rescale": "end"},
     "fa4_package": None,
-    # more, for --variants: the causal schedules and the stages of chapter 08's knobs
-    "tau = 8, O rescaled after the softmax": {"rescale_threshold": 8.0, "o_rescale": "end",
-                                              "rescale_skip_unchanged": False},
-    "one tile per CTA, L2 sections": {"persistent": False, "tile_table": False},
-    "zigzag rounds in L2 sections": {"tile_table": False, "dynamic_tiles": False},
-    "dynamic tiles": {"tile_table": False, "dynamic_tiles": True},
-    "tile table": {"tile_table": True, "dynamic_tiles": False},
+    # more, for --variants: the causal schedules and the stages of chapter 08's knobs (the
+    # variants of knobs deleted since, the O rescale's place and the row reductions' chains,
+    # went with them: their stored files remain, measure.defaults_table reads them)
+    "one tile per CTA, L2 sections": {"schedule": "grid"},
+    "zigzag rounds in L2 sections": {"schedule": "zigzag"},
+    "dynamic tiles": {"schedule": "dynamic"},
+    "tile table": {"schedule": "table"},
     "K/V stages 2/2": {"stages_k": 2, "stages_v": 2},
     "K/V stages 2/2, tau = 8": {"stages_k": 2, "stages_v": 2, "rescale_threshold": 8.0,
                                 "rescale_skip_unchanged": False},
-    "K/V stages 2/2, O rescaled after the softmax": {"stages_k": 2, "stages_v": 2,
-                                                     "o_rescale": "end"},
-    "K/V stages 2/2, tau = 8, O rescaled after the softmax": {
-        "stages_k": 2, "stages_v": 2, "rescale_threshold": 8.0, "o_rescale": "end",
-        "rescale_skip_unchanged": False},
-    # the shape of the row reductions (Note [Reduction shape] in fa4_final.softmax)
-    "row sum in one chain": {"row_sum_ways": 1},
-    "row sum in two chains": {"row_sum_ways": 2},
-    "row max in four chains": {"row_max_ways": 4},
-    "row sum in one chain, row max in four chains": {"row_sum_ways": 1, "row_max_ways": 4},
     # Note [Signalling lane] in fa4_final.hopper.fwd: the thread index read again every step
     "lane read every step": {"pin_lane": False},
-    # Note [Warp vote] in fa4_final.softmax, last paragraph: no stale max, the vote off the
+    # Note [Warp vote] in fa4_final.common.softmax, last paragraph: no stale max, the vote off the
     # exponentials' path
     "tau = 0, O multiply skipped when no max moved": {"rescale_threshold": 0.0,
                                                       "rescale_skip_unchanged": True},
@@ -72,17 +61,17 @@ VARIANTS = {
     # chapter 08's ideas, each switched off (measure.fwd_knobs --ablation times them in bursts)
     "no ping-pong": {"pingpong": False},
     "no intra-warpgroup overlap": {"intra_wg_overlap": False},
-    "one tile per CTA": {"persistent": False, "tile_table": False},
-    "O over Q (no separate O buffer)": {"separate_o": False},
+    "one tile per CTA": {"schedule": "grid"},
     # not causal: the last round of whole tiles (no split tail); causal: fixed zigzag rounds
     # over the L2 sections' saw-tooth of costs instead of tiles taken at run time
-    "tiles not balanced": lambda causal: (
-        {"tile_table": False, "dynamic_tiles": False} if causal else {"split_tail": False}),
+    "tiles not balanced": lambda causal: {"schedule": "zigzag" if causal else "table"},
 }
-DEFAULT_VARIANTS = ("fa4_final", "tau = 8", "O rescaled after the softmax", "fa4_package")
+DEFAULT_VARIANTS = ("fa4_final", "tau = 8", "fa4_package")
+DELETED = " (some of its variants' knobs were deleted since: the stored file is what remains)"
 PRODUCES = [
     (f"results/h200/{RESULTS}.json", "python -m measure.fwd_clocked",
-     "fa4_final, tau = 8, O rescaled after the softmax and the FA4 package at ncu's clock"),
+     "fa4_final, tau = 8, O rescaled after the softmax and the FA4 package at ncu's clock"
+     + DELETED),
     ("results/h200/fa4_final_clocked_vs_package*.json",
      "python -m measure.fwd_clocked --variants fa4_final fa4_package "
      "--name fa4_final_clocked_vs_package", "fa4_final against the FA4 package at ncu's clock"),
@@ -90,12 +79,14 @@ PRODUCES = [
      "python -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "
      "'tau = 8' 'O rescaled after the softmax' 'tau = 8, O rescaled after the softmax' "
      "'one tile per CTA, L2 sections' 'zigzag rounds in L2 sections' 'K/V stages 2/2' "
-     "fa4_package --name fa4_final_clocked_d64_causal", "D = 64 causal: knobs at ncu's clock"),
+     "fa4_package --name fa4_final_clocked_d64_causal",
+     "D = 64 causal: knobs at ncu's clock" + DELETED),
     ("results/h200/fa4_final_clocked_d64_causal_stages.json",
      "python -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "
      "'K/V stages 2/2' 'K/V stages 2/2, tau = 8' 'K/V stages 2/2, O rescaled after the softmax' "
      "'K/V stages 2/2, tau = 8, O rescaled after the softmax' fa4_package "
-     "--name fa4_final_clocked_d64_causal_stages", "D = 64 causal: two K/V stages with tau"),
+     "--name fa4_final_clocked_d64_causal_stages",
+     "D = 64 causal: two K/V stages with tau" + DELETED),
     ("results/h200/fa4_final_clocked_dynamic*.json",
      "python -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --shape 128 16384 1 "
      "--shape 128 4096 1 --variants fa4_final 'tile table' fa4_package "
@@ -106,12 +97,12 @@ PRODUCES = [
     ("results/h200/fa4_final_clocked_row_sum.json",
      "python -m measure.fwd_clocked --variants fa4_final 'row sum in one chain' "
      "'row sum in two chains' fa4_package --name fa4_final_clocked_row_sum",
-     "the row sum as a tree or as chains"),
+     "the row sum as a tree or as chains" + DELETED),
     ("results/h200/fa4_final_clocked_row_max.json",
      "python -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "
      "'row sum in one chain' 'row sum in one chain, row max in four chains' "
      "'row max in four chains' fa4_package --name fa4_final_clocked_row_max",
-     "the row max as a tree or as chains (D = 64 causal)"),
+     "the row max as a tree or as chains (D = 64 causal)" + DELETED),
     ("results/h200/fa4_final_clocked_skip.json",
      "python -m measure.fwd_clocked --variants fa4_final 'tau = 8, rows decide alone' "
      "'tau = 0, O multiply skipped when no max moved' 'tau = 8' fa4_package "
@@ -132,8 +123,8 @@ def calls(head_dim: int, seqlen: int, causal: bool, names) -> dict:
     """name -> a zero-argument call of that variant's forward on one set of random inputs."""
     from dataclasses import replace
 
-    from fa4_final import interface
-    from fa4_final.config import hopper_fwd_default
+    from fa4_final.hopper.config import hopper_fwd_default
+    from fa4_final.runtime.prologue import forward
     from utils import bench
     from utils.reference import random_qkv
 
@@ -146,7 +137,7 @@ def calls(head_dim: int, seqlen: int, causal: bool, names) -> dict:
             out[name] = lambda fa4=fa4: fa4(q, k, v, causal=causal)
         else:
             cfg = replace(hopper_fwd_default(head_dim, causal), **change)
-            out[name] = lambda cfg=cfg: interface.forward(q, k, v, causal, config=cfg)
+            out[name] = lambda cfg=cfg: forward(q, k, v, causal, config=cfg)
     return out
 
 

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from fa4_final import interface
+from fa4_final.runtime.prologue import forward
 from utils import bench, results
 
 RESULTS = "fa4_final_energy"
@@ -65,7 +65,7 @@ def sustained(fn, sensors, seconds: float) -> dict:
 def measure(seconds: float = 1.5, rounds: int = 3, save: bool = True) -> list[dict]:
     from dataclasses import replace
 
-    from fa4_final.config import hopper_fwd_default
+    from fa4_final.hopper.config import hopper_fwd_default
     from utils.reference import random_qkv
 
     sensors = bench.open_sensors()
@@ -74,10 +74,10 @@ def measure(seconds: float = 1.5, rounds: int = 3, save: bool = True) -> list[di
         batch = TOKENS // s
         q, k, v, seed = random_qkv(batch, s, HEADS, d, device="cuda")
         flops = bench.attention_flops(batch, HEADS, s, s, d, causal)
-        calls = {"fa4_final": lambda qkv=(q, k, v), c=causal: interface.forward(*qkv, c)}
+        calls = {"fa4_final": lambda qkv=(q, k, v), c=causal: forward(*qkv, c)}
         if not causal:
-            whole = replace(hopper_fwd_default(d, causal), split_tail=False)
-            calls[WHOLE] = lambda qkv=(q, k, v), cfg=whole: interface.forward(*qkv, config=cfg)
+            whole = replace(hopper_fwd_default(d, causal), schedule="table")
+            calls[WHOLE] = lambda qkv=(q, k, v), cfg=whole: forward(*qkv, config=cfg)
         calls.update(bench.peer_calls(q, k, v, causal, names=PEERS))
         # the kernels' answers first (NaN never passes): against torch's SDPA (the backend it
         # picks), within bf16's rounding of out

@@ -19,8 +19,8 @@ from dataclasses import asdict, replace
 
 import torch
 
-from fa4_final import interface
-from fa4_final.config import ZIGZAG_ROUNDS, hopper_fwd_default
+from fa4_final.hopper.config import hopper_fwd_default
+from fa4_final.runtime.prologue import forward
 from measure import fwd_checks
 from utils import bench, results
 
@@ -40,11 +40,14 @@ ABLATION_ROUNDS, ABLATION_SETTLE_MS = 5, 50.0
 PRODUCES = [
     (f"results/h200/{ABLATION_RESULTS}.json", "python -m measure.fwd_knobs --ablation",
      "chapter 08's ideas switched off one at a time (ablation_configs), in settled bursts in "
-     "5 interleaved rounds beside the peers, four shapes"),
+     "5 interleaved rounds beside the peers, four shapes (its O-rescale and O-over-Q rows: "
+     "knobs deleted since)"),
     (f"results/h200/{KNOB_RESULTS}.json", _RUN,
-     "every overlap idea switched off or moved, in bursts beside the peers, three shapes"),
+     "every overlap idea switched off or moved, in bursts beside the peers, three shapes "
+     "(the O rescale's place and O over Q: knobs deleted since)"),
     ("results/h200/fa4_final_knobs_only.json", f"{_RUN} --gaps --only 'O rescaled' 'mask as bit'",
-     "the O rescale's place and the bit-word mask where the FA4 package led"),
+     "the O rescale's place and the bit-word mask where the FA4 package led (both knobs were "
+     "deleted after this run, their variants with them: the stored file is what remains)"),
     ("results/h200/fa4_final_sched.json",
      f"{_RUN} --all-shapes --only 'one tile per CTA' zigzag --name fa4_final_sched",
      "the tile schedules (persistent or one tile per CTA, zigzag rounds) at eight shapes"),
@@ -54,7 +57,8 @@ PRODUCES = [
     ("results/h200/fa4_final_d64_causal.json",
      f"{_RUN} --shape 64 16384 1 --only 'one tile per CTA, L2' 'stages 2/2' "
      "'zigzag rounds in L2' '128 x 128' 'after the softmax' --rounds 7 "
-     "--name fa4_final_d64_causal", "D = 64 causal: schedules, stages and tiles"),
+     "--name fa4_final_d64_causal", "D = 64 causal: schedules, stages and tiles (and the O "
+     "rescale's place, a knob deleted since)"),
     ("results/h200/fa4_final_d64_softmax.json",
      f"{_RUN} --shape 64 4096 0 --shape 64 4096 1 --shape 64 16384 0 --shape 64 16384 1 "
      "--only 'exp2 emulation' 'tau = 8' --rounds 5 --name fa4_final_d64_softmax",
@@ -71,12 +75,7 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
     configs = {
         "default": base,
         "no ping-pong": replace(base, pingpong=False),
-        "one tile per CTA": replace(base, persistent=False, l2_sections=False,
-                                    tile_table=False),
-        "O over Q (no separate O buffer)": replace(base, separate_o=False, stages_k=2,
-                                                   stages_v=2),
-        "O rescaled after the softmax": replace(base, o_rescale="end"),
-        "O rescaled between max and exp": replace(base, o_rescale="early"),
+        "one tile per CTA": replace(base, schedule="grid", l2_sections=False),
         "no intra-warpgroup overlap": replace(base, intra_wg_overlap=False),
         "exp2 emulation 1/4": replace(base, exp2_emulation_fraction=0.25),
         "exp2 emulation 1/8": replace(base, exp2_emulation_fraction=0.125),
@@ -84,7 +83,6 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
         # from the SASS comparison with FA4's sm90 forward (solutions.ch08_compare)
         "K/V stages 2/2 (FA4's)": replace(base, stages_k=2, stages_v=2),
         "K/V stages 2/3": replace(base, stages_k=2, stages_v=3),
-        "mask as bit words": replace(base, mask_bits=True),
     }
     if head_dim == 64:  # FA4's choice is 192 x 128 with three; the 128-row tile of D = 128
         # at D = 64 a step's exponentials keep the MUFU busy about as long as its GEMMs keep
@@ -94,25 +92,22 @@ def knob_configs(head_dim: int, causal: bool) -> dict:
                                                          rescale_skip_unchanged=False)
         configs["128 x 128 tiles, two consumer warpgroups"] = replace(base, num_consumer_wgs=2)
     if not causal:  # equal tiles: the last round whole, or cut along the keys (Note [Split tail])
-        if base.split_tail:
-            configs["last round of whole tiles"] = replace(base, split_tail=False,
-                                                           tile_table=False)
+        if base.splits_tail:
+            configs["last round of whole tiles"] = replace(base, schedule="table")
         else:
-            configs["last round cut along the keys"] = replace(base, tile_table=True,
-                                                               split_tail=True)
-    if causal:  # the default: longest first in L2 sections, taken at run time (Note [Dyn..])
+            configs["last round cut along the keys"] = replace(base, schedule="split_tail")
+    if causal:  # the default: longest first in L2 sections, taken at run time (dynamic)
         # fixed zigzag rounds, longest first over every head (the first default)
-        configs["zigzag rounds, longest first over all heads"] = replace(base, **ZIGZAG_ROUNDS)
-        configs["zigzag rounds in L2 sections"] = replace(base, l2_sections=True,
-                                                          tile_table=False, dynamic_tiles=False)
+        configs["zigzag rounds, longest first over all heads"] = replace(
+            base, schedule="zigzag", l2_sections=False)
+        configs["zigzag rounds in L2 sections"] = replace(base, schedule="zigzag",
+                                                          l2_sections=True)
         # the host's list schedule (Note [Tile table]; the default before dynamic tiles)
-        configs["tile table"] = replace(base, tile_table=True, dynamic_tiles=False)
+        configs["tile table"] = replace(base, schedule="table")
         # the FA4 package's causal schedule on sm90: one CTA per tile, longest first in
         # sections of heads that fit L2, the hardware handing tiles to SMs as they free up
-        configs["one tile per CTA, L2 sections"] = replace(base, persistent=False,
-                                                           l2_sections=True, tile_table=False)
-        configs["O rescaled between max and exp, mask as bit words"] = replace(
-            base, o_rescale="early", mask_bits=True)
+        configs["one tile per CTA, L2 sections"] = replace(base, schedule="grid",
+                                                           l2_sections=True)
     return configs
 
 
@@ -121,16 +116,13 @@ def ablation_configs(head_dim: int, causal: bool) -> dict:
     base = hopper_fwd_default(head_dim, causal)
     # not causal: the last round of whole tiles; causal: fixed zigzag rounds over the L2
     # sections' saw-tooth of costs, not tiles taken at run time
-    unbalanced = (dict(tile_table=False, dynamic_tiles=False) if causal
-                  else dict(split_tail=False))
+    unbalanced = "zigzag" if causal else "table"
     return {
         "default": base,
         "no ping-pong": replace(base, pingpong=False),
         "no intra-warpgroup overlap": replace(base, intra_wg_overlap=False),
-        "O rescaled after the softmax": replace(base, o_rescale="end"),
-        "one tile per CTA": replace(base, persistent=False, tile_table=False),
-        "O over Q (no separate O buffer)": replace(base, separate_o=False),
-        "tiles not balanced": replace(base, **unbalanced),
+        "one tile per CTA": replace(base, schedule="grid"),
+        "tiles not balanced": replace(base, schedule=unbalanced),
     }
 
 
@@ -172,7 +164,7 @@ def knobs(rounds: int = bench.MIN_ROUNDS, rep: int = 20, save: bool = True, plan
                 print(line, flush=True)
                 continue
             calls[name] = (lambda cfg=cfg, qkv=(q, k, v), c=causal:
-                           interface.forward(*qkv, c, config=cfg))
+                           forward(*qkv, c, config=cfg))
         peers = bench.peer_calls(q, k, v, causal)
         measured = bench.interleaved({**calls, **peers}, rounds=rounds, rep=rep,
                                      max_seconds=1.5,

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from fa4_final import interface
+from fa4_final.runtime.prologue import forward
 from utils import bench, results
 
 NAME = "fa4_final_predecessors"
@@ -41,7 +41,7 @@ def measure(d: int = 64, s: int = 16384, causal: bool = True, reps: int = 30, ro
     q, k, v, seed = random_qkv(b, s, 16, d, device="cuda")
     flops = bench.attention_flops(b, 16, s, s, d, causal)
     peers = bench.peers()
-    impls = {"fa4_final": lambda: interface.forward(q, k, v, causal),
+    impls = {"fa4_final": lambda: forward(q, k, v, causal),
              "fa4_package": lambda: peers["fa4_package"](q, k, v, causal=causal)}
     slow = lambda: peers["sdpa_efficient"](q, k, v, causal=causal)  # noqa: E731
     for fn in (*impls.values(), slow):  # compile and warm every kernel once

@@ -52,8 +52,8 @@ def target(impl: str, head_dim: int, seqlen: int, causal: bool) -> None:
     if impl == "fa4_final" or impl in VARIANTS:
         from dataclasses import replace
 
-        from fa4_final import interface
-        from fa4_final.config import hopper_fwd_default
+        from fa4_final.api import interface
+        from fa4_final.hopper.config import hopper_fwd_default
 
         cfg = replace(hopper_fwd_default(head_dim, causal), **VARIANTS.get(impl, {}))
 

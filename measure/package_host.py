@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import importlib
 import pstats
 import statistics
 import sys
@@ -68,24 +67,23 @@ class _Noop:
 @contextlib.contextmanager
 def noop_kernels():
     """Every GPU-only step of fa4_final replaced by a no-op, for CPU tensors: the dispatch to
-    the Hopper row, the compiled forward and backward kernels, the SM count. Restores all."""
-    import fa4_final.backward as fb
-    from fa4_final import checks, dispatch, ops, run
-    from fa4_final.hopper import launch
+    the Hopper row, every compiled kernel (the compile path's cache lookup answers with a
+    no-op), the SM count. Restores all."""
+    from fa4_final.api import interface, ops
+    from fa4_final.hopper import host
+    from fa4_final.runtime import checks, dispatch, prologue
+    from fa4_final.runtime import compile as compile_path
 
     hopper = next(b for b in dispatch.BACKENDS if b.family == "Hopper")
     noop = _Noop()
     patches = [(dispatch, "backend_for", lambda device: hopper),
-               (run, "backend_for", lambda device: hopper),
-               (fb, "backend_for", lambda device: hopper),
-               (launch, "compile_forward", lambda *a, **k: (noop, None)),
-               (launch, "_num_sms", lambda device: 132),
-               (fb, "compile_backward",
-                lambda *a, **k: ({"pre": noop, "main": noop, "post": noop}, None))]
+               (prologue, "backend_for", lambda device: hopper),
+               (compile_path, "cached", lambda key, build: noop),
+               (host, "num_sms", lambda device: 132)]
     if hasattr(ops, "EAGER_DEVICE_TYPES"):  # the eager path (ops.eager) for CPU tensors too
         patches.append((ops, "EAGER_DEVICE_TYPES", (*ops.EAGER_DEVICE_TYPES, "cpu")))
     counted = {"check_inputs": 0}
-    for module in (checks, run, fb, importlib.import_module("fa4_final.interface")):
+    for module in (checks, prologue, interface, ops):
         if hasattr(module, "check_inputs"):
             original = module.check_inputs
 
@@ -110,15 +108,16 @@ def noop_kernels():
 
 
 def _host_caches() -> list[dict]:
-    """The per-call caches of fa4_final's host path (absent in older trees): cleared around a
-    profile, so none keeps a no-op kernel or a real one across it."""
-    import fa4_final.backward as fb
-    from fa4_final import run
-    from fa4_final.hopper import launch
+    """The per-call caches of fa4_final's host path: cleared around a profile, so none keeps a
+    no-op kernel or a real one across it."""
+    from fa4_final.common import backward
+    from fa4_final.hopper import host
+    from fa4_final.runtime import compile as compile_path
+    from fa4_final.runtime import prologue
 
     found = []
-    for module in (launch, fb, run):
-        for name in ("_PLANS", "_BACKENDS", "_BACKWARD_FN", "_TURN_DUMMIES", "_SMS"):
+    for module in (compile_path, prologue, host, backward):
+        for name in ("_PLANS", "_BACKENDS", "_TURN_DUMMIES", "_SMS"):
             c = getattr(module, name, None)
             if isinstance(c, dict):
                 found.append(c)
@@ -194,11 +193,12 @@ def time_host(fn, n: int = 200, repeats: int = 15, warmup: int = 30) -> dict:
 
 # Where the host's time goes, by the file (or builtin) that spends it (cProfile's own time).
 CATEGORIES = (
-    ("checks (fa4_final.checks)", ("fa4_final/checks.py",)),
-    ("fa4_final API and ops (interface, ops)", ("fa4_final/interface.py", "fa4_final/ops.py")),
-    ("fa4_final launch layers (run, dispatch, backward, hopper.launch)",
-     ("fa4_final/run.py", "fa4_final/dispatch.py", "fa4_final/backward.py",
-      "fa4_final/hopper/launch.py", "fa4_final/config.py")),
+    ("checks (fa4_final.runtime.checks)", ("fa4_final/runtime/checks.py",)),
+    ("fa4_final API and ops (interface, ops)", ("fa4_final/api/",)),
+    ("fa4_final launch layers (runtime, hopper.host)",
+     ("fa4_final/runtime/prologue.py", "fa4_final/runtime/varlen.py",
+      "fa4_final/runtime/dispatch.py", "fa4_final/runtime/compile.py", "fa4_final/hopper/",
+      "fa4_final/common/")),
     ("torch custom-op dispatch (torch._library, torch._ops, dynamo guards)",
      ("torch/_library/", "torch/_ops.py", "torch/_compile.py", "torch/_dynamo/",
       "torch/_C/_dynamo", "torch/utils/_python_dispatch.py", "torch/_subclasses")),
@@ -303,7 +303,7 @@ def _fa4_final_call(q, k, v, causal=False, softmax_scale=None):
 def _fa4_final_op_call(q, k, v, causal=False, softmax_scale=None):
     """fa4_final through its custom ops even in eager mode (the path torch.compile and fake
     tensors take, Note [The eager path] in fa4_final/ops.py): the cost of the op dispatch."""
-    from fa4_final import ops
+    from fa4_final.api import ops
 
     saved, ops.EAGER_DEVICE_TYPES = ops.EAGER_DEVICE_TYPES, ()
     try:
@@ -313,7 +313,7 @@ def _fa4_final_op_call(q, k, v, causal=False, softmax_scale=None):
 
 
 def implementations() -> dict:
-    from fa4_final import ops
+    from fa4_final.api import ops
 
     impls = {"fa4_final": _fa4_final_call}
     if hasattr(ops, "EAGER_DEVICE_TYPES"):
@@ -326,7 +326,7 @@ def implementations() -> dict:
 def _path_fields() -> dict:
     """Whether fa4_final's calls here take the eager path, and whether torch tensors reach
     TVM-FFI through the DLPack C exchange API (its fast path) rather than per-call capsules."""
-    from fa4_final import ops
+    from fa4_final.api import ops
 
     try:
         import tvm_ffi  # noqa: F401  (installs the exchange API on torch.Tensor when it can)
@@ -387,14 +387,19 @@ def measure_call(fn, calls: int = 40, rounds: int = 5) -> dict:
 def tvm_ffi_launch_us(d: int = 128, calls: int = 200) -> list[dict]:
     """Host us of one launch of the compiled forward with every argument ready (what the API
     adds nothing to), and of allocating one output tensor."""
-    from fa4_final.hopper import launch
+    from fa4_final.common.constants import DTYPE_NAMES
+    from fa4_final.hopper import host
+    from fa4_final.runtime.compile import compiled as compiled_plan
 
     shape = bench.Shape.standard(512, d)
     q, k, v = bench._inputs(shape, torch.bfloat16)
     out = torch.empty_like(q)
     lse = torch.empty(shape.b, shape.h, shape.s, dtype=torch.float32, device="cuda")
     # the arguments as the API builds them (the split tail's workspace included), once
-    compiled, args = launch.forward_args(q, k, v, out, lse, False, d**-0.5, None, None)
+    plan = compiled_plan(host.forward_recipe, d, DTYPE_NAMES[q.dtype], False, None, False,
+                         False, False, False)
+    compiled = plan.kernels["main"]
+    args = host.forward_args(plan, q, k, v, out, lse, False, d**-0.5, None, None)
 
     def one():
         compiled(*args)

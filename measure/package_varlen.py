@@ -13,8 +13,8 @@ Rows (all on the same packed inputs, every pass and implementation in the same r
                             (per forward and per backward)
   fa4_final_varlen_zigzag   the forward alone, the varlen kernel in fixed zigzag rounds, longest
                             first over all of a sequence's heads, in place of tiles taken at run
-                            time (fa4_final.scheduler, Note [Varlen order]); checks off
-  fa4_final_loop            fa4_final.varlen.forward_loop / backward_loop: the dense kernels
+                            time (fa4_final.common.schedule, Note [Varlen order]); checks off
+  fa4_final_loop            fa4_final.runtime.varlen.forward_loop / backward_loop: the dense kernels
                             once per sequence, one launch per sequence
   fa4_package               flash_attn.cute.flash_attn_varlen_func (the FA4 package), when
                             installed
@@ -46,7 +46,6 @@ import sys
 
 import torch
 
-from fa4_final.config import ZIGZAG_ROUNDS
 from utils import bench, results
 
 PRODUCES = [
@@ -89,7 +88,7 @@ def _inputs(lengths, heads, dim, dtype, seed=0):
 
 
 class _Checks:
-    """FA4_FINAL_VARLEN_CHECKS set for the ``with`` block (fa4_final.varlen), then restored."""
+    """FA4_FINAL_VARLEN_CHECKS set for the ``with`` block (runtime.varlen), then restored."""
 
     def __init__(self, on: bool):
         self.value = "1" if on else "0"
@@ -107,16 +106,17 @@ class _Checks:
 
 def _zigzag_runner(q, k, v, cu, longest):
     """f(causal) -> out: the varlen forward in fixed zigzag rounds instead of tiles taken at run
-    time (config.ZIGZAG_ROUNDS, Note [Varlen order]), checks off."""
+    time (schedule "zigzag", Note [Varlen order]), checks off."""
     from dataclasses import replace
 
-    from fa4_final import varlen
-    from fa4_final.config import hopper_fwd_default
+    from fa4_final.hopper.config import hopper_fwd_default
+    from fa4_final.runtime import varlen
 
     def run(causal):
         out = torch.empty_like(q)
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        config = replace(hopper_fwd_default(q.shape[-1], causal, varlen=True), **ZIGZAG_ROUNDS)
+        config = replace(hopper_fwd_default(q.shape[-1], causal, varlen=True),
+                         schedule="zigzag", l2_sections=False)
         with _Checks(False):
             varlen.varlen_forward_into(q.detach(), k.detach(), v.detach(), cu, cu, None,
                                        longest, longest, out, lse, causal=causal,
@@ -129,7 +129,7 @@ def _zigzag_runner(q, k, v, cu, longest):
 def _runners(q, k, v, cu, longest):
     """impl -> f(causal) returning out (differentiable in q, k, v where they require grad)."""
     import fa4_final
-    from fa4_final import varlen
+    from fa4_final.runtime import varlen
 
     def ours(checked: bool):
         def run(causal):
@@ -163,7 +163,7 @@ def _runners(q, k, v, cu, longest):
 def _grad_runners(runners, q, k, v, cu, dout):
     """{(impl, pass): f(causal)} for the passes "bwd" (on a graph recorded once per impl and
     causal, kept with retain_graph) and "fwd+bwd"; each returns (dq, dk, dv)."""
-    from fa4_final import varlen
+    from fa4_final.runtime import varlen
 
     graphs = {}  # (impl, causal) -> out of one forward, its graph kept
 

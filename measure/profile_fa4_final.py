@@ -21,7 +21,7 @@ PRODUCES = [(f"results/h200/{RESULTS}.json", "python -m measure.profile_fa4_fina
 
 
 def _run_target() -> None:
-    from fa4_final import interface
+    from fa4_final.api import interface
 
     launch_twice(interface.attention)
 

@@ -60,23 +60,24 @@ class HopperExercise(HopperForward):
 
 # exercise 08.1 compiles the kernel with the tile table (no dynamic tiles: their extra turn
 # after the loop is the kernel's own, Note [Dynamic tiles]); 08.2 with fixed zigzag rounds
-TURN_CONFIG = dict(tile_table=True, dynamic_tiles=False)
+TURN_CONFIG = dict(schedule="table")
+ZIGZAG_CONFIG = dict(schedule="zigzag", l2_sections=False)
 _BUILDS: dict = {}
 
 
 def exercise_config(head_dim: int, causal: bool, which: str):
-    from fa4_final.config import ZIGZAG_ROUNDS, hopper_fwd_default
+    from fa4_final.hopper.config import hopper_fwd_default
 
-    change = TURN_CONFIG if which == "turn" else ZIGZAG_ROUNDS
+    change = TURN_CONFIG if which == "turn" else ZIGZAG_CONFIG
     return replace(hopper_fwd_default(head_dim, causal), **change)
 
 
 def compile_exercise(head_dim: int = 128, causal: bool = False, turn_fn=None,
                      tile_loop_fn=None):
     """The exercise kernel compiled for sm_90a with fake tensors (no GPU): its artifacts."""
-    from fa4_final.compile import compile_kernel
-    from fa4_final.constants import CUTLASS_BY_NAME
-    from fa4_final.hopper.launch import _fwd_fake_args
+    from fa4_final.common.constants import CUTLASS_BY_NAME
+    from fa4_final.hopper.host import forward_fake_args
+    from fa4_final.runtime.compile import compile_kernel
 
     which = "turn" if turn_fn is not None else "tiles"
     key = (head_dim, causal, turn_fn, tile_loop_fn)
@@ -84,7 +85,7 @@ def compile_exercise(head_dim: int = 128, causal: bool = False, turn_fn=None,
         cfg = exercise_config(head_dim, causal, which)
         kernel = HopperExercise(CUTLASS_BY_NAME["bf16"], head_dim, causal, cfg,
                                 turn_fn=turn_fn, tile_loop_fn=tile_loop_fn)
-        _BUILDS[key] = compile_kernel(kernel, *_fwd_fake_args("bf16", head_dim, cfg),
+        _BUILDS[key] = compile_kernel(kernel, *forward_fake_args("bf16", head_dim, cfg),
                                       arch="sm_90a", keep=True)[1]
     return _BUILDS[key]
 
@@ -92,25 +93,24 @@ def compile_exercise(head_dim: int = 128, causal: bool = False, turn_fn=None,
 @contextlib.contextmanager
 def exercise_kernel(**fns):
     """fa4_final's launch path builds ``HopperExercise(**fns)`` instead of its kernel for the
-    ``with`` block (its memo of compiled kernels emptied before and after)."""
-    from fa4_final.hopper import launch
+    ``with`` block (the compile path's per-call lookup emptied before and after)."""
+    from fa4_final.hopper import host
+    from fa4_final.runtime import compile as compile_path
 
     def build(dtype_name, head_dim, causal, has_left, has_right, config, varlen=False,
               has_seqused_k=False):
-        from fa4_final.constants import CUTLASS_BY_NAME
+        from fa4_final.common.constants import CUTLASS_BY_NAME
 
         return HopperExercise(CUTLASS_BY_NAME[dtype_name], head_dim, causal, config,
                               has_window_left=has_left, has_window_right=has_right,
                               varlen=varlen, has_seqused_k=has_seqused_k, **fns)
 
-    launch._COMPILED.clear()
-    launch._PLANS.clear()
+    compile_path.forget()
     try:
-        with patched(launch, _fwd_kernel=build):
+        with patched(host, forward_kernel=build):
             yield
     finally:
-        launch._COMPILED.clear()
-        launch._PLANS.clear()
+        compile_path.forget()
 
 
 # (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, causal, dtype): one tile; tiles that see no
@@ -131,12 +131,11 @@ def check_on_gpu(which: str, fn, cases=EXERCISE_GPU_CASES) -> tuple[bool, list[s
     with ``fn`` in it, on fresh random inputs of awkward shapes, against float64."""
     import torch
 
-    from fa4_final import interface
+    from fa4_final.runtime.prologue import forward_into
     from utils import checks
 
     def attention_into(q, k, v, out, lse, causal=False, softmax_scale=None, config=None):
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-        interface.forward_into(q, k, v, out, lse, causal, scale, (None, None), config)
+        forward_into(q, k, v, out, lse, causal, softmax_scale, (None, None), config)
         return out, lse
 
     fns = {"turn_fn": fn} if which == "turn" else {"tile_loop_fn": fn}
@@ -575,6 +574,8 @@ class _Budgeted:
         if name == "smem_bytes":
             raise AssertionError("your code calls cfg.smem_bytes: that is the kernel's own "
                                  "answer; add up the buffers yourself")
+        if name == "separate_o":  # the config's old flag: O now always has its own buffer
+            return True
         return getattr(self._cfg, name)
 
     def __repr__(self):
@@ -585,12 +586,12 @@ def check_smem_bytes(fn) -> None:
     """Exercise 08.3: ``fn(cfg, head_dim) -> bytes`` equals the kernel's SharedStorage size
     (HopperFwdConfig.smem_bytes, asserted against the struct when the kernel is traced),
     computed from the config's fields, not by asking the config."""
-    from fa4_final.config import HopperFwdConfig
+    from fa4_final.hopper.config import HopperFwdConfig
 
     cases = [(HopperFwdConfig(), 128), (HopperFwdConfig(stages_k=3), 128),
              (HopperFwdConfig(num_consumer_wgs=3, stages_k=3, stages_v=3), 64),
-             (replace(HopperFwdConfig(), separate_o=False, stages_k=3, stages_v=3), 128),
-             (HopperFwdConfig(tile_n=176, stages_k=1, stages_v=1), 128)]
+             (HopperFwdConfig(num_consumer_wgs=1, pingpong=False, stages_k=4, stages_v=3), 128),
+             (HopperFwdConfig(stages_k=1, stages_v=1), 64)]
     for cfg, d in cases:
         want, got = cfg.smem_bytes(d), fn(_Budgeted(cfg), d)
         if got != want:
@@ -598,7 +599,7 @@ def check_smem_bytes(fn) -> None:
             hint = ""
             if diff % 1024 == 0 and abs(diff) <= 1024:
                 hint = " (1 KB: the barriers sit in their own 1 KB-aligned block)"
-            elif cfg.separate_o and diff == -cfg.tile_m * d * 2:
+            elif diff == -cfg.tile_m * d * 2:
                 hint = " (the separate O buffer: tile_m x D, like Q)"
             raise AssertionError(
                 f"{cfg} at D={d}: got {got} B, the kernel's struct has {want} B{hint}; each "
@@ -606,7 +607,7 @@ def check_smem_bytes(fn) -> None:
 
 
 def _smem_forbid() -> dict:
-    from fa4_final.config import HopperFwdConfig
+    from fa4_final.hopper.config import HopperFwdConfig
 
     return {HopperFwdConfig.smem_bytes: "that is the kernel's own answer; add up the buffers "
                                         "yourself"}
@@ -622,7 +623,7 @@ def smem_bytes_reference(cfg, head_dim: int, elem_bytes: int = 2) -> int:
     q = cfg.tile_m * head_dim * elem_bytes
     kv = cfg.tile_n * head_dim * elem_bytes
     return (align(barriers) + align(q) + align(cfg.stages_k * kv) + align(cfg.stages_v * kv)
-            + align(q if cfg.separate_o else 0))
+            + align(q))  # O's own buffer
 
 
 SMEM_FORBID = _smem_forbid()

@@ -45,7 +45,7 @@ import numpy as np
 from cutlass import Float32, Int32
 
 from fa4_final.common.fragments import acc_rows_cols
-from fa4_final.common.mask import apply_mask, apply_mask_bits, apply_mask_row, fragment_coords
+from fa4_final.common.mask import apply_mask, apply_mask_row, fragment_coords
 from fa4_final.common.tiles import TileWindow, kv_tile_range, visible_cols
 from fa4_final.hopper.fwd import HopperForward
 from utils.host_emulation import patched, python_loops
@@ -83,7 +83,6 @@ SINK_MASK_FORBID = {
     apply_mask: "it is the package's window mask on the accumulator; the exercise is to add the "
                 "sinks to the rule, with visible_cols for the window",
     apply_mask_row: "it is the Blackwell kernel's window mask, one row per thread",
-    apply_mask_bits: "it masks the right edge only, as a bit word per row",
 }
 
 
@@ -870,7 +869,7 @@ def scores_seam(mask_fn=None, sink: int = 0, softcap_fn=None, softcap=None,
     rule) on every visited key tile; with sinks the visited tiles start at 0."""
     from fa4_final.hopper import fwd as fwd_module
 
-    for name in ("kv_tile_range", "apply_mask", "apply_mask_bits"):
+    for name in ("kv_tile_range", "apply_mask"):
         if not hasattr(fwd_module, name):  # the seam is the kernel module's own names
             raise RuntimeError(f"fa4_final.hopper.fwd no longer names {name}: the exercise "
                                f"kernel cannot swap its mask step")
@@ -891,24 +890,23 @@ def scores_seam(mask_fn=None, sink: int = 0, softcap_fn=None, softcap=None,
         (mask_fn or window_mask)(s, tScS, t0ScS, w, m_block, n_block, seqlen_q, seqlen_k,
                                  window_left, window_right, sink)
 
-    with patched(fwd_module, kv_tile_range=tile_range, apply_mask=mask_step,
-                 apply_mask_bits=mask_step):
+    with patched(fwd_module, kv_tile_range=tile_range, apply_mask=mask_step):
         yield
 
 
 def exercise_config(head_dim: int, causal: bool):
     """The forward's default config in fixed zigzag rounds (no host tile table, whose key ranges
-    are the package's), the mask as selects (not bit words)."""
-    from fa4_final.config import ZIGZAG_ROUNDS, hopper_fwd_default
+    are the package's)."""
+    from fa4_final.hopper.config import hopper_fwd_default
 
-    return replace(hopper_fwd_default(head_dim, causal), **ZIGZAG_ROUNDS, mask_bits=False)
+    return replace(hopper_fwd_default(head_dim, causal), schedule="zigzag", l2_sections=False)
 
 
 def _build(mask_fn, sink, softcap_fn, softcap, head_dim: int, causal: bool, has_right: bool,
            dtype_name: str = "bf16", keep: bool = False):
     """(compiled, artifacts or None, config) of HopperWithScores for sm_90a (remembered)."""
-    from fa4_final.compile import compile_kernel
-    from fa4_final.hopper.launch import _fwd_fake_args
+    from fa4_final.hopper.host import forward_fake_args
+    from fa4_final.runtime.compile import compile_kernel
 
     key = ("forward", mask_fn, sink, softcap_fn, softcap, head_dim, causal, has_right,
            dtype_name, keep)
@@ -920,7 +918,7 @@ def _build(mask_fn, sink, softcap_fn, softcap, head_dim: int, causal: bool, has_
             causal, cfg, has_window_right=has_right, mask_fn=mask_fn, sink=sink,
             softcap_fn=softcap_fn, softcap=softcap, softmax_scale=scale)
         with scores_seam(mask_fn, sink, softcap_fn, softcap, scale):
-            compiled, art = compile_kernel(kernel, *_fwd_fake_args(dtype_name, head_dim, cfg),
+            compiled, art = compile_kernel(kernel, *forward_fake_args(dtype_name, head_dim, cfg),
                                            arch="sm_90a", keep=keep)
         _BUILDS[key] = (compiled, art, cfg)
     return _BUILDS[key]

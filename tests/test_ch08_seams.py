@@ -40,12 +40,12 @@ def instructions(sass: str) -> list[str]:
 
 
 def _compile(cls, head_dim, causal, cfg):
-    from fa4_final.compile import compile_kernel
-    from fa4_final.constants import CUTLASS_BY_NAME
-    from fa4_final.hopper.launch import _fwd_fake_args
+    from fa4_final.common.constants import CUTLASS_BY_NAME
+    from fa4_final.hopper.host import forward_fake_args
+    from fa4_final.runtime.compile import compile_kernel
 
     kernel = cls(CUTLASS_BY_NAME["bf16"], head_dim, causal, cfg)
-    return compile_kernel(kernel, *_fwd_fake_args("bf16", head_dim, cfg), arch="sm_90a",
+    return compile_kernel(kernel, *forward_fake_args("bf16", head_dim, cfg), arch="sm_90a",
                           keep=True)[1].sass
 
 
@@ -64,12 +64,12 @@ def before(tmp_path_factory):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("build", ["default", "zigzag rounds", "no overlap"])
 def test_extracted_methods_leave_the_sass_unchanged(before, head_dim, causal, build):
-    from fa4_final.config import ZIGZAG_ROUNDS, hopper_fwd_default
+    from fa4_final.hopper.config import hopper_fwd_default
     from fa4_final.hopper.fwd import HopperForward
 
     cfg = hopper_fwd_default(head_dim, causal)
     if build == "zigzag rounds":
-        cfg = replace(cfg, **ZIGZAG_ROUNDS)
+        cfg = replace(cfg, schedule="zigzag", l2_sections=False)
     elif build == "no overlap":
         cfg = replace(cfg, intra_wg_overlap=False)
     old = instructions(_compile(before, head_dim, causal, cfg))

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from fa4_final.config import hopper_fwd_default
+from fa4_final.hopper.config import hopper_fwd_default
 from measure import fwd_clocked as clocked
 from utils import results
 

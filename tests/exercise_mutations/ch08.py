@@ -117,7 +117,7 @@ def _smem_no_barriers(cfg, head_dim, elem_bytes=2):
     q = cfg.tile_m * head_dim * elem_bytes
     kv = cfg.tile_n * head_dim * elem_bytes
     return (align(q) + align(cfg.stages_k * kv) + align(cfg.stages_v * kv)
-            + align(q if cfg.separate_o else 0))
+            + align(q))
 
 
 def _smem_no_o(cfg, head_dim, elem_bytes=2):

@@ -73,7 +73,7 @@ for s in "$@"; do
     fa4-versus) step fa4_versus 540 $PY -m measure.fwd_versus --raw-dir "$OUT/fa4_final_versus_raw" ;;
     ch07) step ch07_rescale 300 $PY -m measure.rescale_knob --save ;;
     fa4-check) step fa4_check 420 $PY -m measure.fwd_checks ;;
-    bwd-check) step bwd_check 300 $PY -m fa4_final.backward --check --small ;;
+    bwd-check) step bwd_check 300 $PY -m solutions.ch11_bwd_check --small ;;
     bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
     bwd-bench) step bwd_bench 900 $PY -m measure.bwd_benchmark ;;
     api-tests) step api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
@@ -92,20 +92,18 @@ for s in "$@"; do
     clocked) step fa4_clocked 560 $PY -m measure.fwd_clocked ${CLOCKED_ARGS:-} ;;
     clocked-d64c2) step fa4_clocked_d64c2 560 $PY -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "K/V stages 2/2" "K/V stages 2/2, tau = 8" "K/V stages 2/2, O rescaled after the softmax" "K/V stages 2/2, tau = 8, O rescaled after the softmax" fa4_package --name fa4_final_clocked_d64_causal_stages ;;
     clocked-d64c) step fa4_clocked_d64c 560 $PY -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "tau = 8" "O rescaled after the softmax" "tau = 8, O rescaled after the softmax" "one tile per CTA, L2 sections" "zigzag rounds in L2 sections" "K/V stages 2/2" fa4_package --name fa4_final_clocked_d64_causal ;;
-    clocked-rowsum) step fa4_clocked_rowsum 560 $PY -m measure.fwd_clocked --variants fa4_final "row sum in one chain" "row sum in two chains" fa4_package --name fa4_final_clocked_row_sum ;;
     clocked-rowmax) step fa4_clocked_rowmax 560 $PY -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --variants fa4_final "row sum in one chain" "row sum in one chain, row max in four chains" "row max in four chains" fa4_package --name fa4_final_clocked_row_max ;;
     clocked-lane) step fa4_clocked_lane 560 $PY -m measure.fwd_clocked --variants fa4_final "lane read every step" fa4_package --name fa4_final_clocked_lane ;;
     clocked-skip) step fa4_clocked_skip 560 $PY -m measure.fwd_clocked --variants fa4_final "tau = 8, rows decide alone" "tau = 0, O multiply skipped when no max moved" "tau = 8" fa4_package --name fa4_final_clocked_skip ;;
     skip-check) step skip_check 300 $PY -m measure.fwd_checks --knob rescale_skip_unchanged ;;
-    rowsum-check) step rowsum_check 300 $PY -m measure.fwd_checks --knob row_sum_ways ;;
     predecessors) step fa4_predecessors 300 $PY -m measure.fwd_predecessors ;;
     energy) step fa4_energy 300 $PY -m measure.fwd_energy ;;
     fa4-check-defaults) step fa4_check_defaults 300 $PY -m measure.fwd_checks --defaults --save ;;
     split-check) step split_check 300 $PY -m measure.fwd_checks --knob split_tail ;;
-    dyn-check) step dyn_check 240 $PY -m measure.fwd_checks --knob dynamic_tiles ;;
+    dyn-check) step dyn_check 240 $PY -m measure.fwd_checks --knob dynamic ;;
     dyn-sanitize)
       for tool in memcheck racecheck synccheck; do
-        step "san_dyn_${tool}" 240 $SAN --tool $tool $PY -m measure.fwd_checks --small --knob dynamic_tiles
+        step "san_dyn_${tool}" 240 $SAN --tool $tool $PY -m measure.fwd_checks --small --knob dynamic
       done ;;
     clocked-dyn) step fa4_clocked_dyn 560 $PY -m measure.fwd_clocked --shape 64 16384 1 --shape 64 4096 1 --shape 128 16384 1 --shape 128 4096 1 --variants fa4_final "tile table" fa4_package --name fa4_final_clocked_dynamic ;;
     varlen-dyn-sanitize)  # the varlen forward's dynamic tiles: idle CTAs, many sequences, D = 64
