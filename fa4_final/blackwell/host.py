@@ -19,6 +19,7 @@ from fa4_final.blackwell.config import (
     blackwell_fwd_default,
 )
 from fa4_final.common import backward as shared_backward
+from fa4_final.common.backward import launch_backward  # noqa: F401  (the contract's backward)
 from fa4_final.common.constants import CUTLASS_BY_NAME
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.common.recipe import Recipe, fake_attention_tensors, fake_stream
@@ -103,10 +104,3 @@ def backward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = Fal
                "post": BackwardPost(main.dq_layout_owner())}
     return Recipe("bwd", ARCH, kernels,
                   lambda role: shared_backward.fake_backward_args(dtype, head_dim)[role], cfg)
-
-
-def launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal: bool,
-                    softmax_scale: float, window_left, window_right) -> None:
-    """bwd_pre, the 1-CTA or pair kernel, bwd_post (the module's contract)."""
-    shared_backward.launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, softmax_scale,
-                                    window_left, window_right)

@@ -52,11 +52,11 @@ def _turn_dummy(device) -> torch.Tensor:
     return dummy
 
 
-def launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, softmax_scale: float, left,
-                    right) -> None:
-    """The three launches of a dense backward (``plan``: its compiled kernels by role and its
-    config, whose tile_m pads the workspace) on checked, non-empty inputs; window sides None when
-    unbounded (causal: right = 0)."""
+def launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal: bool,
+                    softmax_scale: float, left, right) -> None:
+    """The three launches of a dense backward, the hosts' contract (``plan``: its compiled
+    kernels by role and its config, whose tile_m pads the workspace) on checked, non-empty
+    inputs; window sides None when unbounded (causal: right = 0, its mask compiled in)."""
     kernels, cfg = plan.kernels, plan.config
     b, sq, h, d = q.shape
     m_blocks = -(-sq // cfg.tile_m)

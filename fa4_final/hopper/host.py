@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from fa4_final.common import backward as shared_backward
+from fa4_final.common.backward import launch_backward  # noqa: F401  (the contract's backward)
 from fa4_final.common.bwd_tiles import dq_accum_tiles
 from fa4_final.common.constants import CUTLASS_BY_NAME, THREADS_PER_WARPGROUP, WGMMA_M
 from fa4_final.common.errors import UnsupportedError
@@ -354,13 +355,6 @@ def backward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = Fal
                       lambda role: _varlen_fake_args(dtype, head_dim, has_seqused_k)[role], cfg)
     return Recipe("bwd", ARCH, kernels,
                   lambda role: shared_backward.fake_backward_args(dtype, head_dim)[role], cfg)
-
-
-def launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal: bool,
-                    softmax_scale: float, window_left, window_right) -> None:
-    """bwd_pre, the main kernel, bwd_post (the module's contract)."""
-    shared_backward.launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, softmax_scale,
-                                    window_left, window_right)
 
 
 def workspace_shapes(total_q: int, batch: int, heads: int, head_dim: int, tile_m: int,

@@ -56,9 +56,17 @@ def _spans(cu_q, cu_k, used_k):
     return [(cu_q[i], cu_q[i + 1] - cu_q[i], cu_k[i], used_k[i]) for i in range(len(cu_q) - 1)]
 
 
-def _values_checked(has_kernel: bool) -> bool:
-    """The loop needs the host lists anyway; the kernel only for the value checks."""
-    return not has_kernel or os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0"
+def _used_lengths(has_kernel: bool, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k,
+                  max_seqlen_q, max_seqlen_k):
+    """(cu_q, cu_k, used key lengths) on the host after their value checks, or None when the
+    kernel runs with the checks off: the loop needs the host lists anyway, the kernel only for
+    the checks (Note [Varlen kernel])."""
+    if has_kernel and os.environ.get("FA4_FINAL_VARLEN_CHECKS") == "0":
+        return None
+    cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
+    _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k, max_seqlen_q,
+                                    max_seqlen_k)
+    return cu_q, cu_k, used_k
 
 
 def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
@@ -71,10 +79,8 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
     check_outputs(q, out, lse, (h, total_q))
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_forward is not None
-    if _values_checked(has_kernel):
-        cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
-        _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k, max_seqlen_q,
-                                        max_seqlen_k)
+    lists = _used_lengths(has_kernel, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k,
+                          max_seqlen_q, max_seqlen_k)
     if has_kernel:  # Note [Varlen kernel]
         if q.shape[0] == 0:
             return out, lse
@@ -86,7 +92,7 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
                                  max_seqlen_k, out, lse, p.causal, p.scale, p.left, p.right,
                                  config)
         return out, lse
-    _loop_into(p, q, k, v, cu_q, cu_k, used_k, out, lse, config)
+    _loop_into(p, q, k, v, *lists, out, lse, config)
     return out, lse
 
 
@@ -134,10 +140,8 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
     check_grads(q, k, dout, dq, dk, dv)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_backward is not None
-    if _values_checked(has_kernel):
-        cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
-        _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k, max_seqlen_q,
-                                        max_seqlen_k)
+    lists = _used_lengths(has_kernel, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k,
+                          max_seqlen_q, max_seqlen_k)
     if has_kernel:  # Note [Varlen kernel]
         if total_q == 0 or batch == 0:  # no query row: every key's gradient is 0
             for t in (dq, dk, dv):
@@ -150,8 +154,7 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
                                   cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                                   p.causal, p.scale, p.left, p.right, deterministic, config)
         return dq, dk, dv
-    _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used_k,
-                        deterministic, config)
+    _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, *lists, deterministic, config)
     return dq, dk, dv
 
 
