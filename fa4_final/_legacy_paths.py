@@ -53,25 +53,27 @@ SPLIT = {
 
 LEGACY_PATHS = sorted({*ALIASES, *SPLIT, "fa4_final._legacy_paths"})
 
-# names put back on modules that are not shims: module -> {name: new home}
+# names put back on modules that are not shims: module -> {name: "new module:its name"}
 ATTACHED = {
-    "fa4_final": {"attention": "fa4_final.api.interface",
-                  "compile_only": "fa4_final.api.interface",
-                  "forward": "fa4_final.runtime.prologue",
-                  "forward_into": "fa4_final.runtime.prologue",
-                  "support_table": "fa4_final.runtime.dispatch"},
-    "fa4_final.blackwell.fwd": {"ARCH": "fa4_final.blackwell.host",
-                                "attention": "fa4_final.api.sm100",
-                                "compile_forward_sm100": "fa4_final._legacy_paths",
-                                "compile_only": "fa4_final._legacy_paths",
-                                "fake_forward_args": "fa4_final.blackwell.host",
-                                "forward_into": "fa4_final._legacy_paths"},
-    "fa4_final.blackwell.bwd": {"ARCH": "fa4_final.blackwell.host",
-                                "HopperDqOrder": "fa4_final.common.dq_order",
-                                "backward_into": "fa4_final._legacy_paths",
-                                "compile_backward_sm100": "fa4_final._legacy_paths",
-                                "compile_only": "fa4_final._legacy_paths",
-                                "kernels": "fa4_final._legacy_paths"},
+    "fa4_final": {"attention": "fa4_final.api.interface:attention",
+                  "compile_only": "fa4_final.api.interface:compile_only",
+                  "forward": "fa4_final.runtime.prologue:forward",
+                  "forward_into": "fa4_final.runtime.prologue:forward_into",
+                  "support_table": "fa4_final.runtime.dispatch:support_table"},
+    "fa4_final.blackwell.fwd": {"ARCH": "fa4_final.blackwell.host:ARCH",
+                                "attention": "fa4_final.api.sm100:attention",
+                                "compile_forward_sm100":
+                                    "fa4_final._legacy_paths:compile_forward_sm100",
+                                "compile_only": "fa4_final._legacy_paths:fwd_compile_only",
+                                "fake_forward_args": "fa4_final.blackwell.host:fake_forward_args",
+                                "forward_into": "fa4_final._legacy_paths:forward_into"},
+    "fa4_final.blackwell.bwd": {"ARCH": "fa4_final.blackwell.host:ARCH",
+                                "HopperDqOrder": "fa4_final.common.dq_order:DqOrder",
+                                "backward_into": "fa4_final._legacy_paths:backward_into",
+                                "compile_backward_sm100":
+                                    "fa4_final._legacy_paths:compile_backward_sm100",
+                                "compile_only": "fa4_final._legacy_paths:bwd_compile_only",
+                                "kernels": "fa4_final._legacy_paths:kernels"},
 }
 
 
@@ -98,8 +100,7 @@ def compile_forward(arch="sm_90a", head_dim=128, dtype="bf16", causal=False, con
 
 def compile_backward(arch="sm_90a", head_dim=128, dtype="bf16", causal=False, config=None,
                      deterministic=False, has_window_left=False, has_window_right=False,
-                     keep=False, varlen=False, has_seqused_k=False, roles=None,
-                     backend="hopper"):
+                     keep=False, varlen=False, has_seqused_k=False, roles=None):
     """Old backward.compile_backward: ({role: compiled}, {role: artifacts or None})."""
     from fa4_final.runtime.compile import compile_kernel, compiled
     from fa4_final.runtime.dispatch import backend_for_target
@@ -198,15 +199,16 @@ def compile_forward_sm100(head_dim=128, dtype="bf16", causal=False, config=None,
                            has_window_right, keep)
 
 
-def compile_only(head_dim=128, dtype="bf16", causal=False, config=None, roles=None, **window):
-    """Old blackwell.fwd.compile_only (no ``roles``) and blackwell.bwd.compile_only (its
-    ``roles``, ("main",) by default): told apart by the config's type."""
-    from fa4_final.blackwell.config import BlackwellBwdConfig
-
-    if roles is not None or isinstance(config, BlackwellBwdConfig):
-        return compile_backward("sm_100a", head_dim, dtype, causal, config,
-                                keep=True, roles=roles or ("main",), **window)[1]
+def fwd_compile_only(head_dim=128, dtype="bf16", causal=False, config=None, **window):
+    """Old blackwell.fwd.compile_only: the forward's artifacts."""
     return compile_forward("sm_100a", head_dim, dtype, causal, config, keep=True, **window)[1]
+
+
+def bwd_compile_only(head_dim=128, dtype="bf16", causal=False, config=None, roles=("main",),
+                     **window):
+    """Old blackwell.bwd.compile_only: {role: artifacts}."""
+    return compile_backward("sm_100a", head_dim, dtype, causal, config, keep=True,
+                            roles=roles, **window)[1]
 
 
 def forward_into(q, k, v, out, lse, causal=False, softmax_scale=None, window_left=None,
@@ -246,9 +248,9 @@ def attach() -> None:
     """Put ATTACHED's names back on their old modules."""
     import importlib
 
-    aliases = {"HopperDqOrder": "DqOrder"}
     for module, names in ATTACHED.items():
         target = importlib.import_module(module)
-        for name, home in names.items():
+        for name, where in names.items():
+            home, attr = where.split(":")
             source = sys.modules[__name__] if home == __name__ else importlib.import_module(home)
-            setattr(target, name, getattr(source, aliases.get(name, name)))
+            setattr(target, name, getattr(source, attr))
