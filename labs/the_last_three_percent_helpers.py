@@ -12,7 +12,7 @@ def default_in_run(res, column, how) -> list[str]:
     default there (``cfg = hopper_fwd_default(d, causal)``) against the FA4 package;
     ``how(cfg)`` says in a few words what that column is. The run chose the default, which
     flatters it."""
-    from fa4_final.config import hopper_fwd_default
+    from fa4_final.hopper.config import hopper_fwd_default
 
     lines = []
     for d, s, causal in sorted({(r["d"], r["s"], r["causal"]) for r in res.rows}):

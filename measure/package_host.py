@@ -302,7 +302,7 @@ def _fa4_final_call(q, k, v, causal=False, softmax_scale=None):
 
 def _fa4_final_op_call(q, k, v, causal=False, softmax_scale=None):
     """fa4_final through its custom ops even in eager mode (the path torch.compile and fake
-    tensors take, Note [The eager path] in fa4_final/ops.py): the cost of the op dispatch."""
+    tensors take, Note [The eager path] in fa4_final/api/ops.py): the cost of the op dispatch."""
     from fa4_final.api import ops
 
     saved, ops.EAGER_DEVICE_TYPES = ops.EAGER_DEVICE_TYPES, ()

@@ -690,7 +690,7 @@ def kv_tiles_forbid() -> dict:
     table = {count_tiles: why}
     for module, names in (("solutions.ch04_flash_ampere", ("kv_tile_range",)),
                           ("solutions.ch04_teaching", ("kv_tiles", "kv_tile_ranges")),
-                          ("fa4_final.tiles", ("kv_tile_range",))):
+                          ("fa4_final.common.tiles", ("kv_tile_range",))):
         if module in sys.modules:
             table.update({getattr(sys.modules[module], n): why for n in names
                           if hasattr(sys.modules[module], n)})

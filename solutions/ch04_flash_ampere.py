@@ -77,10 +77,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import from_dlpack
 
-from fa4_final import tiles
-from fa4_final.constants import LN_2, LOG2_E
-from fa4_final.fragments import acc_as_a_operand
-from fa4_final.fragments import acc_rows_cols as rows_cols_view
+from fa4_final.common import tiles
+from fa4_final.common.constants import LN_2, LOG2_E
+from fa4_final.common.fragments import acc_as_a_operand
+from fa4_final.common.fragments import acc_rows_cols as rows_cols_view
 from utils import checks
 from utils.hardware import device_arch
 from utils.reference import check_attention_inputs
@@ -266,7 +266,7 @@ def default_config(head_dim: int, causal: bool = False, arch: str | None = None,
 # rows_cols_view and acc_as_a_operand (Note [P as an A operand]: for m16n8k16 the A fragment of
 # lane l is rows (l // 4, +8) at k = (2 * (l % 4), +1) and (2 * (l % 4) + 8, +1), exactly the C
 # fragments of two neighbouring 8-column blocks, so pairing the n-blocks is the whole conversion)
-# are fa4_final.fragments' views, written once for mma.sync and wgmma fragments alike.
+# are fa4_final.common.fragments' views, written once for mma.sync and wgmma fragments alike.
 
 
 @cute.jit
@@ -309,8 +309,8 @@ def kv_tile_range(
     to m_block * tile_m + seqlen_k - seqlen_q, so tiles ending at or before that key need no
     mask. Non-causal: only the last tile can stick out past seqlen_k.
     """
-    # fa4_final.tiles does the arithmetic (shared with chapters 05 and 08); this kernel's loop
-    # always peels its first visited tile as a masked one, hence the n_block_max - 1.
+    # fa4_final.common.tiles does the arithmetic (shared with chapters 05 and 08); this kernel's
+    # loop always peels its first visited tile as a masked one, hence the n_block_max - 1.
     _, n_block_max, n_top, _ = tiles.kv_tile_range(tiles.TileWindow(tile_m, tile_n, causal),
                                                    m_block, seqlen_q, seqlen_k)
     n_block_masked_min = cutlass.min(n_block_max - n_top, n_block_max - 1)

@@ -802,8 +802,8 @@ def _mma_sync_below_wgmma(res):
 KV_TILES_FORBID = {
     fa.kv_tile_range: "that is the kernel's answer, which the check compares with; work it out "
                       "from the rule",
-    fa.tiles.kv_tile_range: "that is the kernel's arithmetic (fa4_final.tiles); work it out from "
-                            "the rule",
+    fa.tiles.kv_tile_range: "that is the kernel's arithmetic (fa4_final.common.tiles); work it "
+                            "out from the rule",
     kv_tile_ranges: "that runs the kernel's kv_tile_range; work it out from the rule",
     tile_map: "that runs the kernel's kv_tile_range; work it out from the rule",
 }

@@ -57,17 +57,17 @@ import torch
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from fa4_final.constants import LOG2_E
-from fa4_final.fragments import acc_as_a_operand, acc_rows_cols, select_modes
+from fa4_final.common.constants import LOG2_E
+from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols, select_modes
+from fa4_final.common.mask import apply_mask, fragment_coords
+from fa4_final.common.softmax import MAX_RESCALE_THRESHOLD, OnlineSoftmax, check_softmax_knobs  # noqa: F401  (re-exported for ch07 and tests)
+from fa4_final.common.tiles import TileWindow, kv_tile_range
+from fa4_final.common.tiles import visible_cols as window_visible_cols
 from fa4_final.hopper.wgmma import (
     attention_tiled_mmas,
     issue_wgmma,
     smem_tile_layout,
 )
-from fa4_final.mask import apply_mask, fragment_coords
-from fa4_final.softmax import MAX_RESCALE_THRESHOLD, OnlineSoftmax, check_softmax_knobs  # noqa: F401  (re-exported for ch07 and tests)
-from fa4_final.tiles import TileWindow, kv_tile_range
-from fa4_final.tiles import visible_cols as window_visible_cols
 from utils import checks
 
 SMEM_BYTES_PER_CTA = 227 * 1024  # H100 / H200 opt-in maximum of dynamic shared memory per CTA
@@ -104,7 +104,7 @@ class HopperConfig:
 # 128 * (producer + n * consumer), must stay within the SM's 64 K registers.
 REGISTER_BUDGETS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
-# MAX_RESCALE_THRESHOLD (fa4_final.softmax): a stale max lets p reach 2^tau, and P enters the
+# MAX_RESCALE_THRESHOLD (fa4_final.common.softmax): a stale max lets p reach 2^tau, and P enters the
 # P V wgmma in the input dtype, so tau stays below fp16's 2^16 with headroom.
 
 
@@ -324,7 +324,8 @@ class FlashAttentionHopper:
         Both roles call this, so producer and consumers agree on the number of K/V tiles: a
         consumer never waits for a tile the producer will not load (see Note [Phases]).
         Causal is bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q.
-        The arithmetic is fa4_final.tiles.kv_tile_range's (shared with chapter 08's kernel)."""
+        The arithmetic is fa4_final.common.tiles.kv_tile_range's (shared with chapter 08's
+        kernel)."""
         n_min, n_max, n_top, _ = kv_tile_range(self.window, m_block, seqlen_q, seqlen_k)
         return n_max - n_min, n_top
 
@@ -614,7 +615,7 @@ class FlashAttentionHopper:
                    seqlen_q: Int32, seqlen_k: Int32):
         """Scores of invisible keys -> -inf: keys past seqlen_k, and with causal keys
         j > i + seqlen_k - seqlen_q. Only the first n_masked tiles of a row of tiles call this.
-        fa4_final.mask.apply_mask does the work (Note [Mask with constants] there)."""
+        fa4_final.common.mask.apply_mask does the work (Note [Mask with constants] there)."""
         tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
         apply_mask(acc_s, tScS, t0ScS, self.window, m_block, n_block, seqlen_q, seqlen_k,
                    None, None)

@@ -183,7 +183,8 @@ def turn_part(records: list[dict], span: tuple[int, int]) -> dict[int, str]:
     first HGMMA the K/V waits and loop head; then issuing the GEMMs; the wait for S
     (wait_group 1); the softmax while P V may run; the wait for P V (wait_group 0); the rest
     (P to bf16, the O rescale, the loop's branch). In fa4_final the O rescale is issued between
-    the GEMMs (o_rescale="next_pv"), so its multiplies count as issuing the GEMMs."""
+    the GEMMs (at the next P V, Note [Where O is rescaled]), so its multiplies count as issuing
+    the GEMMs."""
     a, b = span
     sass = {i: records[i]["sass"] for i in range(a, b + 1)}
     first_mma = next((i for i in range(a, b + 1) if records[i]["opcode"].startswith("HGMMA")), a)

@@ -6,15 +6,15 @@ two adjacent columns out of every 8). The four threads of a quad share a row, so
 sum need a reduction over those 4 lanes only.
 
 The code lives in the fa4_final package, written once for every kernel of the course:
-``fa4_final.softmax.OnlineSoftmax`` (the step, with chapter 06's exp2 share and chapter 07's
-rescale threshold as compile-time knobs, Note [Warp vote] there), ``fa4_final.fragments``
-(``acc_rows_cols``, ``acc_as_a_operand``, ``tree_reduce``) and ``fa4_final.constants``. This
+``fa4_final.common.softmax.OnlineSoftmax`` (the step, with chapter 06's exp2 share and chapter 07's
+rescale threshold as compile-time knobs, Note [Warp vote] there), ``fa4_final.common.fragments``
+(``acc_rows_cols``, ``acc_as_a_operand``, ``tree_reduce``) and ``fa4_final.common.constants``. This
 module names them for chapter 05 and adds the one number only this chapter needs.
 """
 
-from fa4_final.constants import LN_2, LOG2_E
-from fa4_final.fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_cols, tree_reduce
-from fa4_final.softmax import EMULATION_DEGREE, EMULATION_PERIOD, OnlineSoftmax
+from fa4_final.common.constants import LN_2, LOG2_E
+from fa4_final.common.fragments import THREADS_PER_ROW, acc_as_a_operand, acc_rows_cols, tree_reduce
+from fa4_final.common.softmax import EMULATION_DEGREE, EMULATION_PERIOD, OnlineSoftmax
 
 # Rows one warp owns in a wgmma accumulator: 8 quads x 2 rows (r and r + 8). The warp vote of
 # chapter 07 decides for these 16 consecutive query rows together.

@@ -40,7 +40,7 @@ import cutlass.cute as cute
 import numpy as np
 from cutlass import Float32, Int32
 
-from fa4_final.fast_math import (  # noqa: F401  (re-exported: the notebook imports them here)
+from fa4_final.common.fast_math import (  # noqa: F401  (re-exported: the notebook imports them here)
     CLAMP_LOW,
     DEGREES,
     EXP2_COEFFS,
@@ -56,13 +56,13 @@ from fa4_final.fast_math import (  # noqa: F401  (re-exported: the notebook impo
     ptx_fma_rn,
     ptx_sub_rn,
 )
-from fa4_final.fast_math import check_degree as _check_degree
+from fa4_final.common.fast_math import check_degree as _check_degree
 from utils.claims import claim
 
 # ----------------------------------------------------------------------------------------------
 # 1. Float32 bit patterns and the rounding of single instructions
 
-SHIFTER_BITS = 0x4B400000  # of SHIFTER = 1.5 * 2^23 (fa4_final.fast_math, with CLAMP_LOW)
+SHIFTER_BITS = 0x4B400000  # of SHIFTER = 1.5 * 2^23 (fa4_final.common.fast_math, with CLAMP_LOW)
 CANONICAL_NAN_BITS = 0x7FFFFFFF  # the NaN every GPU fp32 instruction returns
 BF16_UNIT_ROUNDOFF = 2.0**-8  # 8 significant bits: 3.9e-3
 FP16_UNIT_ROUNDOFF = 2.0**-11  # 11 significant bits: 4.9e-4
@@ -381,8 +381,8 @@ def remez_fit(degree: int, pin_one: bool = True, max_iter: int = 30,
 
 
 # The float32 coefficients the GPU uses: remez_fit(d).coeffs rounded to float32, frozen in
-# fa4_final.fast_math (EXP2_COEFFS, exp2_coefficients) so every machine compiles the same kernel;
-# tests/test_ch06_exp2.py checks that a fresh fit still rounds to them. Regenerate with
+# fa4_final.common.fast_math (EXP2_COEFFS, exp2_coefficients) so every machine compiles the same
+# kernel; tests/test_ch06_exp2.py checks that a fresh fit still rounds to them. Regenerate with
 # ``python -m solutions.ch06_exp2 --coefficients``.
 
 
@@ -678,7 +678,8 @@ def check_max_relative_error(fn) -> None:
 # depends on LLVM's floating-point contraction and the PTX reads like the model above.
 
 
-# The helpers live in fa4_final.fast_math (the kernels of chapters 05-10 use them from there):
+# The helpers live in fa4_final.common.fast_math (the kernels of chapters 05-10 use them from
+# there):
 # inline_ptx_f32, ptx_add_rm, ptx_sub_rn, ptx_fma_rn, ptx_exponent_add (one instruction each),
 # exp2_poly (Note [The instruction sequence]), emulated_count / is_emulated (which elements of a
 # row go to the polynomial) and exp2_at (MUFU or the polynomial, by position). This chapter
@@ -1113,7 +1114,7 @@ def _stand_ins(units: list | None = None) -> dict:
     MUFU's exp2 or of ``exp2_poly``, (unit, the input array)."""
     import cutlass.cute as cute_mod
 
-    from fa4_final import fast_math
+    from fa4_final.common import fast_math
     from utils.host_emulation import _const_expr, _PyRange
 
     def fmax(a, b, *, abs=False, nan=False, ftz=False, **_):  # noqa: A002
@@ -1165,7 +1166,7 @@ def _emulation_modules():
     import cutlass as cutlass_mod
     import cutlass.cute as cute_mod
 
-    from fa4_final import fast_math
+    from fa4_final.common import fast_math
 
     return [sys.modules[__name__], fast_math, cute_mod, cute_mod.arch, cute_mod.math, cutlass_mod]
 

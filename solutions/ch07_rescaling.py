@@ -730,7 +730,7 @@ HEAD_DIM = 8
 
 @cute.jit
 def running_max(row_max, tile_max, tau: cutlass.Constexpr):
-    """Exercise 07.2's reference (fa4_final.softmax, Note [Warp vote], rows deciding alone):
+    """Exercise 07.2's reference (fa4_final.common.softmax, Note [Warp vote], rows deciding alone):
     each row keeps its max unless this tile raised it by more than ``tau`` (log2 units); the
     warp votes whether any of its rows moved, and that vote alone decides O's multiply.
     Returns (the max each row subtracts from now on, a new register tensor; the vote)."""
@@ -779,7 +779,7 @@ def softmax_step(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
 
 
 def _forbid_tables():
-    from fa4_final.softmax import OnlineSoftmax
+    from fa4_final.common.softmax import OnlineSoftmax
 
     running = {
         OnlineSoftmax.running_max_to_use: "that is the package's version; write your own",
@@ -1386,7 +1386,7 @@ def check_softmax_step(fn, compile_check: bool = True) -> None:
             "compiled for sm_90a, an instruction before the first exponential of the KV loop "
             "reads the vote's predicate: the exponentials wait for the warp to vote. Subtract "
             "each row's own max (its own decision); let the vote gate only O's multiply "
-            "(Note [Warp vote] in fa4_final/softmax.py)")
+            "(Note [Warp vote] in fa4_final/common/softmax.py)")
         assert facts["O multiply reads the vote"], (
             "compiled for sm_90a, nothing after the vote reads its predicate: O's multiply does "
             "not depend on the vote, so nothing is skipped. Put it under if multiply_o:")

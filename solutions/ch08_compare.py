@@ -121,8 +121,8 @@ def thread_index_reads(sass: str) -> int:
 
 def exponentials_wait_for_vote(sass: str) -> bool:
     """Whether, in the steady KV loop, an instruction before the first exponential reads the
-    predicate a warp vote (VOTE.ANY) wrote: Note [Warp vote] in fa4_final.softmax. With tau > 0
-    alone the vote selects the maxima the exponentials subtract; with skip_unchanged it only
+    predicate a warp vote (VOTE.ANY) wrote: Note [Warp vote] in fa4_final.common.softmax. With
+    tau > 0 alone the vote selects the maxima the exponentials subtract; with skip_unchanged it only
     gates O's multiply (ptxas may still place the vote early, which costs nothing)."""
     body = steady_loop(sass)
     first_exp = next(i for i, line in enumerate(body) if "MUFU.EX2" in line)
@@ -140,7 +140,7 @@ def o_multiply_placement(sass: str) -> dict[str, int]:
     """Where the steady KV step's FMULs sit around its two GEMM issues: before the turn
     (BAR.SYNC), from the turn to the last HGMMA of the first group (S = Q K^T of the next
     tile), between that and the second group's WARPGROUP.ARRIVE (P V into O), and elsewhere.
-    O's rescale is the bulk of them (o_rescale='next_pv': it must land before P V)."""
+    O's rescale is the bulk of them (issued at the next P V: it must land before P V adds to O)."""
     ops = [op for _, op in _instructions(steady_loop(sass))]
     turn = next((i for i, op in enumerate(ops) if op.startswith("BAR.SYNC")), 0)
     arrives = [i for i, op in enumerate(ops) if op.startswith("WARPGROUP.ARRIVE")]
@@ -228,11 +228,11 @@ def kernel_metrics(ptx: str, sass: str, registers: int, spills: int, tile_m: int
 
 
 def our_metrics(d: int, causal: bool, config=None) -> dict:
-    from fa4_final import interface
-    from fa4_final.config import hopper_fwd_default
+    from fa4_final.api.interface import compile_only
+    from fa4_final.hopper.config import hopper_fwd_default
 
     cfg = config or hopper_fwd_default(d, causal)
-    art = interface.compile_only("sm_90a", d, "bf16", causal, cfg)
+    art = compile_only("sm_90a", d, "bf16", causal, cfg)
     out = kernel_metrics(art.ptx, art.sass, art.registers, art.spills, cfg.tile_m, cfg.tile_n)
     out["stages (K, V)"] = f"{cfg.stages_k}, {cfg.stages_v}"
     return out

@@ -4,8 +4,8 @@
 Everything is chapter 05's (``solutions.ch05_profile``, on ``solutions.ch04_profile``'s
 readers): the counters, the sections, the role split by SASS position, the steady KV turn
 between its two ``wait_group``s. Only the kernel differs: the one
-``fa4_final.interface.attention`` launches at the same headline shape (D = 128, 16 heads of 16384
-queries and keys, bf16, non-causal) with its default configuration (two consumer warpgroups in
+``fa4_final.api.interface.attention`` launches at the same headline shape (D = 128, 16 heads of
+16384 queries and keys, bf16, non-causal) with its default configuration (two consumer warpgroups in
 ping-pong, persistent CTAs, O in its own buffer, O rescaled at the next P V). Its SASS, compiled
 for sm_90a on a CPU, keeps the landmarks that reading relies on: one ``setmaxnreg.dec`` opens the
 producer's code and one ``setmaxnreg.inc`` the consumers' (both warpgroups share it), the
@@ -31,7 +31,7 @@ def build_rows(raw_text: str, source_text: str, config_label: str) -> list[dict]
 
 
 def default_config():
-    from fa4_final.config import hopper_fwd_default
+    from fa4_final.hopper.config import hopper_fwd_default
 
     return hopper_fwd_default(SHAPE["d"], SHAPE["causal"])
 

@@ -214,7 +214,7 @@ def compile_fa4(driver: str, kernel: str, arch: str, sms: int, d: int, causal: b
     """Run an FA4 compile ``driver`` in a fresh process with its PTX and cubin dumped; return
     (ptx, sass, registers, spill instructions, the driver's stdout) of the kernel whose file
     names hold ``kernel``. ``env``: more environment for the driver."""
-    from fa4_final.compile import disassemble, kernel_resources
+    from fa4_final.runtime.compile import disassemble, kernel_resources
 
     with tempfile.TemporaryDirectory(prefix=f"fa4_{arch}_") as dump:
         env = dict(os.environ, FLASH_ATTENTION_ARCH=arch.rstrip("a"), CUTE_DSL_ARCH=arch,
@@ -403,7 +403,7 @@ def our_bwd_structure(d: int, causal: bool, two_cta: bool = False) -> dict:
     from fa4_final.blackwell.bwd import BlackwellBackward
     from fa4_final.blackwell.bwd_pair import BlackwellBackwardPair
     from fa4_final.blackwell.config import BWD_DQ_BUFFERS, BWD_DQ_CHUNK, BlackwellBwdConfig
-    from fa4_final.constants import CUTLASS_BY_NAME
+    from fa4_final.common.constants import CUTLASS_BY_NAME
 
     cfg = BlackwellBwdConfig(two_cta=two_cta)
     cls = BlackwellBackwardPair if two_cta else BlackwellBackward
@@ -423,17 +423,11 @@ def our_bwd_metrics(d: int, causal: bool, art=None, two_cta: bool = False) -> di
     """Our backward's row set: the compiled kernel's counts plus its declared structure."""
     if art is None:
         from fa4_final.blackwell.config import BlackwellBwdConfig
+        from fa4_final.blackwell.host import backward_recipe
+        from fa4_final.runtime.compile import artifacts
 
         cfg = BlackwellBwdConfig(two_cta=two_cta)
-        try:
-            from fa4_final.blackwell.host import backward_recipe
-            from fa4_final.runtime.compile import artifacts
-        except ImportError:
-            from fa4_final.blackwell.bwd import compile_only
-
-            art = compile_only(d, "bf16", causal, cfg)["main"]
-        else:
-            art = artifacts(backward_recipe(d, "bf16", causal, cfg), roles=("main",))["main"]
+        art = artifacts(backward_recipe(d, "bf16", causal, cfg), roles=("main",))["main"]
     st = our_bwd_structure(d, causal, two_cta)
     out = bwd_kernel_metrics(art.ptx, art.sass, art.registers, art.spills,
                              st.pop("role registers"))

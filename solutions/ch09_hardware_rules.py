@@ -41,14 +41,14 @@ RULES = (
     Rule("setmaxnreg per SM sub-partition: warp w runs on sub-partition w % 4; the budgets of "
          "the warps there sum to at most 512 registers per thread slot (and to no more than "
          "they held at launch), or a setmaxnreg.inc waits forever",
-         "fa4_final/register_plan.py: check_role_registers, called by blackwell/roles.py: "
+         "fa4_final/common/register_plan.py: check_role_registers, called by blackwell/roles.py: "
          "check_roles and the Hopper kernels' __init__; blackwell/config.py: BWD_REGISTERS",
          (f"{SUB}::test_sub_partition_every_kernel_plan_fits",
           f"{SUB}::test_sub_partition_refuses_the_old_backward_plan",
           f"{PROBE}::test_setmaxnreg_plan_finishes_within_each_sub_partition"),
          H200),
     Rule("setmaxnreg per warpgroup: every warp of a warpgroup runs the same setmaxnreg",
-         "fa4_final/register_plan.py: problems; blackwell/bwd.py and bwd_pair.py: kernel "
+         "fa4_final/common/register_plan.py: problems; blackwell/bwd.py and bwd_pair.py: kernel "
          "(warpgroup 3 lowers once, at the top of its branch)",
          (f"{SUB}::test_sub_partition_refuses_a_mixed_warpgroup",
           f"{PROT}::test_backward_warpgroup3_lowers_once"),

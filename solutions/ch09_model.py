@@ -257,8 +257,8 @@ def schedule(seqlen: int, heads: int, batch: int, causal: bool, two_cta: bool,
     """The persistent grid's makespan in KV steps (each step one 128-key tile for 256 rows per
     SM, so equal cost on both variants) and its efficiency: the useful scores (visible ones)
     over what the grid's SMs could compute in that time."""
-    from fa4_final.scheduler import tile_coords, tiles_of_cta
-    from fa4_final.tiles import TileWindow, kv_tile_range
+    from fa4_final.common.schedule import tile_coords, tiles_of_cta
+    from fa4_final.common.tiles import TileWindow, kv_tile_range
 
     ctas = 2 if two_cta else 1
     tile_m = Q_STAGES * TILE_M * ctas

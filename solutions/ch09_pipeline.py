@@ -9,7 +9,8 @@ itself, not from a copy:
 - stage counts, arrival counts and barrier kinds: ``kernel.pipelines()`` (the table the kernel
   builds its barriers from) and ``cfg.ring_depth``;
 - which key tiles each tile visits and in which order the CTA walks the tiles:
-  ``fa4_final.tiles.kv_tile_range`` and ``fa4_final.scheduler`` (the code the kernel calls);
+  ``fa4_final.common.tiles.kv_tile_range`` and ``fa4_final.common.schedule`` (the code the
+  kernel calls);
 - the phase bits: ``PipelineState``'s rule (index = count mod stages, the phase flips at each
   wrap; a producer starts at phase 1) and the explicit parities of the per-Q-stage pipelines.
 
@@ -54,8 +55,8 @@ import random
 from dataclasses import dataclass, field
 
 from fa4_final.blackwell.config import Q_STAGES, BlackwellFwdConfig
-from fa4_final.scheduler import tile_coords, tiles_of_cta
-from fa4_final.tiles import kv_tile_range
+from fa4_final.common.schedule import tile_coords, tiles_of_cta
+from fa4_final.common.tiles import kv_tile_range
 
 
 class PipelineError(Exception):
@@ -745,7 +746,7 @@ def make_kernel(head_dim=128, causal=False, cfg: BlackwellFwdConfig | None = Non
                 dtype="bf16", **window):
     """The kernel object (no compile): its config, roles and pipeline table."""
     from fa4_final.blackwell.fwd import BlackwellForward
-    from fa4_final.constants import CUTLASS_BY_NAME
+    from fa4_final.common.constants import CUTLASS_BY_NAME
 
     return BlackwellForward(CUTLASS_BY_NAME[dtype], head_dim, causal,
                             cfg or BlackwellFwdConfig(), **window)
@@ -849,7 +850,7 @@ def bwd_steps(kernel, prob: BwdProblem) -> int:
     """Steps of the CTA's inner loop: the query tiles that see its keys
     (``bwd_tiles.q_tile_range``, what ``cta_work`` calls) times the heads of the kv head's
     group."""
-    from fa4_final.bwd_tiles import q_tile_range
+    from fa4_final.common.bwd_tiles import q_tile_range
 
     m_min, m_max, _, _ = q_tile_range(kernel.window, prob.n_block, prob.seqlen_q, prob.seqlen_k,
                                       prob.window_left, prob.window_right)
@@ -1442,7 +1443,7 @@ def make_bwd_kernel(head_dim=128, causal=False, cfg=None, dtype="bf16", **window
     from fa4_final.blackwell.bwd import BlackwellBackward
     from fa4_final.blackwell.bwd_pair import BlackwellBackwardPair
     from fa4_final.blackwell.config import BlackwellBwdConfig
-    from fa4_final.constants import CUTLASS_BY_NAME
+    from fa4_final.common.constants import CUTLASS_BY_NAME
 
     cfg = cfg or BlackwellBwdConfig()
     cls = BlackwellBackwardPair if cfg.two_cta else BlackwellBackward

@@ -47,8 +47,8 @@ from cutlass.memory import TmemAllocator
 from cutlass.pipeline import NamedBarrier
 
 from fa4_final.blackwell.tmem import forward_plan
-from fa4_final.constants import LN_2, LOG2_E, WARP_SIZE
-from fa4_final.fragments import select_modes
+from fa4_final.common.constants import LN_2, LOG2_E, WARP_SIZE
+from fa4_final.common.fragments import select_modes
 
 TILE = 128  # query rows per CTA = keys = TMEM lanes = threads of the softmax warpgroup
 MMA_WARP = 4  # the warp after the softmax warpgroup
@@ -547,19 +547,14 @@ def row_exp2(rS, scale_log2):
 
 
 def _compile_kernel(*args, **kwargs):
-    try:
-        from fa4_final.runtime.compile import compile_kernel
-    except ImportError:
-        from fa4_final.compile import compile_kernel
+    from fa4_final.runtime.compile import compile_kernel
+
     return compile_kernel(*args, **kwargs)
 
 
 def _fake_args(head_dim: int, dtype: str, rows: int):
-    try:
-        from fa4_final.common.recipe import fake_stream, fake_tensor
-    except ImportError:
-        from fa4_final.compile import fake_stream, fake_tensor
-    from fa4_final.constants import CUTLASS_BY_NAME
+    from fa4_final.common.constants import CUTLASS_BY_NAME
+    from fa4_final.common.recipe import fake_stream, fake_tensor
 
     dt = CUTLASS_BY_NAME[dtype]
     div = 128 // dt.width

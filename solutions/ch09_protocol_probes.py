@@ -42,10 +42,11 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
-from fa4_final import register_plan as rp
 from fa4_final.blackwell import peer
-from fa4_final.compile import compile_kernel, fake_stream, fake_tensor
-from fa4_final.constants import WARP_SIZE
+from fa4_final.common import register_plan as rp
+from fa4_final.common.constants import WARP_SIZE
+from fa4_final.common.recipe import fake_stream, fake_tensor
+from fa4_final.runtime.compile import compile_kernel
 
 ARCH = "sm_90a"
 PTXAS_ENTRY_MAX = 255  # registers a thread may use; a 256-thread CTA is launched with 255
@@ -69,9 +70,9 @@ def kernel_plans() -> dict[str, tuple[tuple[int, ...], int]]:
     from fa4_final.blackwell.bwd_pair import BlackwellBackwardPair
     from fa4_final.blackwell.config import BlackwellBwdConfig, BlackwellFwdConfig
     from fa4_final.blackwell.fwd import BlackwellForward
-    from fa4_final.config import HopperBwdConfig, HopperFwdConfig
-    from fa4_final.constants import CUTLASS_BY_NAME
+    from fa4_final.common.constants import CUTLASS_BY_NAME
     from fa4_final.hopper.bwd import HopperBackward
+    from fa4_final.hopper.config import HopperBwdConfig, HopperFwdConfig
     from fa4_final.hopper.fwd import HopperForward
 
     bf16 = CUTLASS_BY_NAME["bf16"]

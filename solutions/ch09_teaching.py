@@ -1002,19 +1002,10 @@ def check_primer_on_gpu(issue_qk_fn=None, softmax_fn=None, cases=PRIMER_GPU_CASE
 # --- the forward compiled (no GPU) and on a Blackwell GPU (measure.blackwell_fwd times it) -----
 def compile_forward(head_dim: int = 128, causal: bool = False, cfg=None, dtype: str = "bf16"):
     """``fa4_final.blackwell``'s forward compiled for sm_100a from fake tensors (no GPU): its
-    artifacts (PTX, SASS, resources), through whichever compile-only entry point the package
-    has (fa4_final.api.sm100, the kernel module, or the host recipe)."""
-    try:  # the package's sm_100a compile-only entry point, where it has one
-        from fa4_final.api.sm100 import compile_only
-    except ImportError:
-        try:
-            from fa4_final.blackwell.fwd import compile_only
-        except ImportError:
-            from fa4_final.blackwell.host import forward_recipe
-            from fa4_final.runtime.compile import artifacts
+    artifacts (PTX, SASS, resources), through the package's sm_100a compile-only entry point
+    (fa4_final.api.sm100)."""
+    from fa4_final.api.sm100 import compile_only
 
-            return artifacts(forward_recipe(head_dim, dtype, causal, cfg),
-                             roles=("main",))["main"]
     return compile_only(head_dim, dtype, causal, cfg)
 
 
@@ -1033,12 +1024,8 @@ def forward_variant(knobs: dict):
     changed in its default configuration."""
     from dataclasses import replace
 
+    from fa4_final.api.sm100 import attention
     from fa4_final.blackwell.config import blackwell_fwd_default
-
-    try:  # the package's sm_100a entry point, where it has one
-        from fa4_final.api.sm100 import attention
-    except ImportError:
-        from fa4_final.blackwell.fwd import attention
 
     def run(q, k, v, causal=False, softmax_scale=None):
         cfg = replace(blackwell_fwd_default(q.shape[-1], causal), **knobs)

@@ -41,8 +41,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from fa4_final.common.constants import THREADS_PER_WARPGROUP, WARP_SIZE
 from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols
-from fa4_final.config import HopperBwdConfig, hopper_bwd_default
 from fa4_final.hopper.bwd import MMA_THREADS, HopperBackward, NamedBarrier, _convert
+from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
 
 LOG2E = float(np.log2(np.e))
 
@@ -168,17 +168,15 @@ class HopperDsStep(HopperBackward):
 
 def fake_backward_args(head_dim: int) -> dict:
     """The backward kernels' fake arguments (role -> tuple), bf16: symbolic batch, lengths,
-    heads (fa4_final's own, wherever the package keeps them)."""
-    try:
-        from fa4_final.common.backward import fake_backward_args as fake
-    except ImportError:
-        from fa4_final.backward import _fake_args as fake
-    return fake("bf16", head_dim)
+    heads (fa4_final's own)."""
+    from fa4_final.common.backward import fake_backward_args
+
+    return fake_backward_args("bf16", head_dim)
 
 
 def compile_for(kernel, role: str, head_dim: int, arch: str, keep: bool = True):
     """(compiled, artifacts) of one backward kernel object (``role``: pre, main or post)."""
-    from fa4_final.compile import compile_kernel
+    from fa4_final.runtime.compile import compile_kernel
 
     return compile_kernel(kernel, *fake_backward_args(head_dim)[role], arch=arch, keep=keep)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from fa4_final.config import HopperBwdConfig
+from fa4_final.hopper.config import HopperBwdConfig
 
 # ---------------------------------------------------------------------------------------------
 # 1. The shared-memory plan and the work of one step
@@ -142,8 +142,8 @@ def ratio_rows(res, impls=("fa4_final", "fa4_final_deterministic"), peers=None) 
 def plot_turns(seqlen_q: int, seqlen_k: int, cfg: HopperBwdConfig, causal: bool,
                window_left=None, ax=None):
     """The (query tile, key tile) grid of the backward: each visited pair numbered with the
-    key tile's turn in the deterministic dQ accumulation of that query tile (fa4_final.bwd_tiles:
-    0 adds first), columns in launch order."""
+    key tile's turn in the deterministic dQ accumulation of that query tile
+    (fa4_final.common.bwd_tiles: 0 adds first), columns in launch order."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 

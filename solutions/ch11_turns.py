@@ -44,8 +44,8 @@ from fa4_final.common.atomics import bulk_add_f32, pass_turn, wait_turn
 from fa4_final.common.bwd_tiles import dq_turn, launch_order_reversed, q_tile_range
 from fa4_final.common.constants import THREADS_PER_WARPGROUP, WARP_SIZE
 from fa4_final.common.tiles import TileWindow
-from fa4_final.config import BWD_MMA_WARPGROUPS, hopper_bwd_default
 from fa4_final.hopper.bwd import HopperBackward, NamedBarrier
+from fa4_final.hopper.config import BWD_MMA_WARPGROUPS, hopper_bwd_default
 
 # ----------------------------------------------------------------------------------------------
 # The reference
@@ -165,7 +165,7 @@ class Deadlock(TurnError):
 @dataclass(frozen=True)
 class TurnGrid:
     """The key tiles of one (batch, head) of the backward and what each dQ warp does: its query
-    tiles in order and its turn at each (fa4_final.bwd_tiles). ``turns``: "kernel" (dq_turn),
+    tiles in order and its turn at each (fa4_final.common.bwd_tiles). ``turns``: "kernel" (dq_turn),
     or "reversed" (the other direction: a deliberate mistake, to show what it does)."""
 
     seqlen_q: int

@@ -120,7 +120,7 @@ def sink_visible(sq: int, sk: int, causal: bool, window_size, sink: int) -> np.n
 def key_tiles(w: TileWindow, m_block: int, sq: int, sk: int, window_left, window_right,
               sink: int) -> tuple[int, int]:
     """(n_min, n_max): the key tiles the exercise kernel visits for query tile ``m_block``: the
-    package's range (fa4_final.tiles.kv_tile_range), from tile 0 when there are sinks."""
+    package's range (fa4_final.common.tiles.kv_tile_range), from tile 0 when there are sinks."""
     n_min, n_max, _, _ = kv_tile_range(w, m_block, sq, sk, window_left, window_right)
     return (0 if sink > 0 and w.has_left else n_min), n_max
 
@@ -561,8 +561,8 @@ def keep_all(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seqlen_q, s
 @cute.jit
 def window_mask(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seqlen_q, seqlen_k,
                 window_left, window_right, sink: cutlass.Constexpr[int]):
-    """The package's window mask (fa4_final.mask.apply_mask's rule, both sides), no sinks: the
-    yardstick of what a mask may cost."""
+    """The package's window mask (fa4_final.common.mask.apply_mask's rule, both sides), no sinks:
+    the yardstick of what a mask may cost."""
     col_offset = tScS[0, 0][1]
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         row = m_block * w.tile_m + tScS[r, 0][0]

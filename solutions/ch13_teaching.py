@@ -160,17 +160,10 @@ def check_check_sink(fn) -> None:
 
 
 def package_window_reader():
-    """fa4_final's own reader of ``causal`` and ``window_size`` (None if it has moved)."""
-    import importlib
+    """fa4_final's own reader of ``causal`` and ``window_size`` (runtime.checks)."""
+    from fa4_final.runtime.checks import normalise_window
 
-    for module in ("fa4_final.checks", "fa4_final.runtime.checks", "fa4_final.api.checks"):
-        try:
-            found = getattr(importlib.import_module(module), "_normalise_window", None)
-        except ImportError:
-            continue
-        if found is not None:
-            return found
-    return None
+    return normalise_window
 
 
 def _sink_forbid() -> dict:
@@ -178,10 +171,7 @@ def _sink_forbid() -> dict:
 
     why = "read the window's sides yourself: the rule that only two negative sides mean no " \
           "window is the exercise"
-    forbid = {fa4_sides: why}
-    if package_window_reader() is not None:
-        forbid[package_window_reader()] = why
-    return forbid
+    return {fa4_sides: why, package_window_reader(): why}
 
 
 SINK_CHECK_FORBID = _sink_forbid()
@@ -194,7 +184,7 @@ SINK_CHECK_FORBID = _sink_forbid()
 def example_call(**changes) -> dict:
     """One forward call as the cache sees it: what the kernel was compiled for and what varies
     from call to call."""
-    from fa4_final.config import hopper_fwd_default
+    from fa4_final.hopper.config import hopper_fwd_default
 
     call = {"dtype": "bf16", "head_dim": 128, "causal": False, "window_size": (None, None),
             "config": hopper_fwd_default(128, False), "batch": 4, "seqlen_q": 4096,
@@ -217,7 +207,7 @@ def check_kernel_key(fn) -> None:
     changes the compiled code does not depend on, different for those it does."""
     from dataclasses import replace
 
-    from fa4_final.cache import entry_name
+    from fa4_final.runtime.cache import entry_name
 
     base = example_call()
     key = fn(base)

@@ -16,7 +16,8 @@ queries against one K, V piece) and the communicator:
   float32, with a causal mask at global offsets; ``DistRing`` over gloo; ``ThreadRing`` (W
   threads in one process) for the notebook and the exercises' checks;
 - on a Hopper GPU, ``fa4_block_forward`` / ``fa4_block_backward``: fa4_final's kernels through
-  its public entry points (``fa4_final.forward_into``, ``fa4_final.backward.backward_into``);
+  its eager entry points (``fa4_final.runtime.prologue``'s ``forward_into`` and
+  ``backward_into``);
   ``DistRing`` over NCCL, or over gloo through host memory when several ranks share one GPU.
 
 Note [The merge]
@@ -258,7 +259,7 @@ def _fa4_window(q_start, sq, k_start, sk, causal):
 def fa4_block_forward(q, k, v, q_start: int = 0, k_start: int = 0, causal: bool = False,
                       softmax_scale=None):
     """block_forward on a Hopper GPU: fa4_final's forward kernel (bf16/fp16), lse float32."""
-    from fa4_final import forward_into  # the package's public entry point
+    from fa4_final.runtime.prologue import forward_into  # the package's eager entry point
 
     q, k, v = (t.contiguous() for t in (q, k, v))
     b, sq, h, _ = q.shape
@@ -273,7 +274,7 @@ def fa4_block_backward(dout, q, k, v, out, lse, q_start: int = 0, k_start: int =
                        causal: bool = False, softmax_scale=None):
     """block_backward on a Hopper GPU: fa4_final's backward kernels, given the global out (in
     q's dtype) and lse; returns dq (float32) and dk, dv (float32) for accumulation."""
-    from fa4_final.backward import backward_into
+    from fa4_final.runtime.prologue import backward_into
 
     q, k, v = (t.contiguous() for t in (q, k, v))
     out, dout = out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous()
@@ -769,7 +770,7 @@ def check_on_processes(world: int, cases: list, layout_kind: str = "zigzag",
 # ================================================================================================
 # 8. fa4_final inside PyTorch's own context_parallel: through the SDPA registration, if present
 # ================================================================================================
-SDPA_MODULES = ("fa4_final.api", "fa4_final.interface", "fa4_final")
+SDPA_MODULES = ("fa4_final.api", "fa4_final.api.interface", "fa4_final")
 
 
 def fa4_sdpa_module() -> tuple[str | None, str]:

@@ -36,11 +36,11 @@ VERSIONS = [
             "CuTe DSL: cp.async + ldmatrix + mma.sync, softmax in registers", "ch04_fwd"),
     Version(5, "flash_hopper", "solutions.ch05_flash_hopper", "sm_90",
             "CuTe DSL: TMA + WGMMA + mbarrier pipeline, warp specialisation", "ch05_fwd"),
-    Version(8, "fa4_final", "fa4_final.interface", "sm_90",
+    Version(8, "fa4_final", "fa4_final.api.interface", "sm_90",
             "fa4_final: ping-pong warpgroups, persistent tiles with the last round split along "
             "the keys, O rescaled under the S GEMM",
             "fa4_final_fwd"),
-    Version(9, "fa4_final_sm100", "fa4_final.blackwell.fwd", "sm_100",
+    Version(9, "fa4_final_sm100", "fa4_final.api.sm100", "sm_100",
             "fa4_final on Blackwell: TMEM accumulators, tcgen05 MMA, 2-CTA pairs (compiled; no "
             "B200 run)"),
 ]

@@ -7,7 +7,7 @@ UnsupportedError, as it does for users.
 
 The backward is written out (not autograd through the forward) the way the kernels do it:
 P from q, k and lse; dS = P * (dP - D) with D = rowsum(dO * O). O is used for D only, which is
-what Note [Gradient of the returned lse] in fa4_final/ops.py relies on.
+what Note [Gradient of the returned lse] in fa4_final/api/ops.py relies on.
 """
 
 from __future__ import annotations

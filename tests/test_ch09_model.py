@@ -64,8 +64,8 @@ def test_2cta_model_halves_smem_and_loses_on_short_causal():
 def test_model_instruction_mix_matches_the_compiled_sass():
     """Each softmax step copy in the compiled kernel (3 at causal D = 128: the first step, the
     masked loop, the unmasked loop) holds what InstructionMix says, per class."""
+    from fa4_final.api.sm100 import compile_only
     from fa4_final.blackwell.config import BlackwellFwdConfig
-    from fa4_final.blackwell.fwd import compile_only
 
     copies, cols = 3, 128
     for f in (Fraction(0), Fraction(1, 4)):

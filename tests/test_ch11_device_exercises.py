@@ -42,8 +42,8 @@ def test_step_cases_cover_the_masks():
 
 @pytest.mark.slow
 def test_ds_step_reference_compiles_to_the_kernels_unmasked_step():
-    from fa4_final.config import hopper_bwd_default
     from fa4_final.hopper.bwd import HopperBackward
+    from fa4_final.hopper.config import hopper_bwd_default
 
     ds.check_ds_step(ds.ds_step)
     cfg = hopper_bwd_default(128, True)

@@ -59,21 +59,21 @@ def test_check_sink_solution_passes_and_mistakes_are_named():
     assert t13.check_sink_tokens(4, (-2, 5)) == 4  # a negative left side is a bound
 
 
-_normalise_window = t13.package_window_reader()
+normalise_window = t13.package_window_reader()
 
 
 def test_sink_check_refuses_the_package_window_reader():
     from utils.exercises import judge
 
     def via_package(sink_tokens, window_size=None, causal=False):
-        _, left, _ = _normalise_window(causal, window_size)
+        _, left, _ = normalise_window(causal, window_size)
         if sink_tokens and left is None:
             raise ValueError(f"sink_tokens={sink_tokens} needs a left side")
         return int(sink_tokens)
 
     said = judge(t13.check_check_sink, via_package, t13.check_sink_tokens,
                  t13.SINK_CHECK_FORBID)
-    assert said is not None and "_normalise_window" in said
+    assert said is not None and "normalise_window" in said
 
 
 def test_kernel_key_solution_passes_and_mistakes_are_named():

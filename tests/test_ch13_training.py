@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fa4_final import checks
+from fa4_final.runtime import checks
 from solutions import ch13_training as tr
 from tests import fa4_cpu_reference as ref
 

@@ -34,7 +34,7 @@ def test_grad_runners_time_the_backward_on_a_kept_graph(monkeypatch):
     "fwd+bwd" runs both every call; the loop's rows call backward_loop on forward_loop's out."""
     import torch
 
-    from fa4_final import varlen
+    from fa4_final.runtime import varlen
     from measure import package_varlen as vb
 
     q, k, v = (torch.randn(10, 2, 8, requires_grad=True) for _ in range(3))

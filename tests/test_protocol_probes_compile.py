@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from fa4_final import register_plan as rp
+from fa4_final.common import register_plan as rp
 from solutions import ch09_hardware_rules as H
 from solutions import ch09_protocol_probes as P
 

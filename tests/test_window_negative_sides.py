@@ -40,7 +40,7 @@ def _shapes(n, seed, tiles_m=(64, 128, 192), tiles_n=(64, 128), longest=330):
 
 @pytest.mark.parametrize("causal, window", itertools.product((False, True), WINDOWS))
 def test_normalised_negative_window_keeps_exactly_the_pairs_fa4_keeps(causal, window):
-    """_normalise_window's sides, read as plain bounds, select the same (row, key) pairs as
+    """normalise_window's sides, read as plain bounds, select the same (row, key) pairs as
     FA4's reading of the raw arguments, for three shapes (sq = sk, sq < sk, sq > sk)."""
     causal_n, left, right = normalise_window(causal, window)
     assert left == fa4_sides(causal, window)[0]

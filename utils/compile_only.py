@@ -20,9 +20,9 @@ import time
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
-# The artifact types and the cubin/SASS readers are fa4_final.compile's (one copy for the course
-# and the package); this module adds the course's own compile helper around them.
-from fa4_final.compile import (
+# The artifact types and the cubin/SASS readers are fa4_final.runtime.compile's (one copy for the
+# course and the package); this module adds the course's own compile helper around them.
+from fa4_final.runtime.compile import (
     ARCHS,
     Artifacts,
     KernelResources,

@@ -75,7 +75,7 @@ def weights(op: str, in_loop: bool, role: str):
 def compiled(impl: str):
     """(SASS, CTAs, tiles per CTA, ncu's kernel name, config label) of one kernel at D = 128."""
     if impl == "fa4_final":
-        from fa4_final import interface
+        from fa4_final.api import interface
         from solutions import ch08_profile
 
         return (interface.compile_only("sm_90a", head_dim=128).sass, 132, 16,

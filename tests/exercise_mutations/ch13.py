@@ -14,7 +14,7 @@ from solutions import ch13_scores as t13s
 from solutions import ch13_teaching as t13
 from tests.exercise_mutations import Mutation
 
-_normalise_window = t13.package_window_reader()
+normalise_window = t13.package_window_reader()
 
 
 # --- 13.3 the window mask with sink tokens ----------------------------------------------------
@@ -193,7 +193,7 @@ def sink_check_says_too_little(sink_tokens, window_size=None, causal=False):
 
 
 def sink_check_through_the_package(sink_tokens, window_size=None, causal=False):
-    _, left, _ = _normalise_window(causal, window_size)
+    _, left, _ = normalise_window(causal, window_size)
     n = _count(sink_tokens)
     if n and left is None:
         raise ValueError(f"sink_tokens={n} needs a left side of the window")
@@ -242,7 +242,7 @@ MUTATIONS = [
     Mutation("13.1", answer=sink_check_forgets_two_negative_sides,
              says="two negative sides are no window", **_ck),
     Mutation("13.1", answer=sink_check_says_too_little, says="does not name", **_ck),
-    Mutation("13.1", answer=sink_check_through_the_package, says="_normalise_window", **_ck),
+    Mutation("13.1", answer=sink_check_through_the_package, says="normalise_window", **_ck),
     Mutation("13.2", answer=key_of_everything, says="runtime argument", **_kk),
     Mutation("13.2", answer=key_with_window_sizes, says="window sizes 128 and 512", **_kk),
     Mutation("13.2", answer=key_without_config, says="config", **_kk),
