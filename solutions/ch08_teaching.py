@@ -16,9 +16,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from fa4_final.constants import THREADS_PER_WARPGROUP
+from fa4_final.common.constants import THREADS_PER_WARPGROUP
+from fa4_final.common.schedule import rounds, tile_coords, zigzag_tile
 from fa4_final.hopper.fwd import HopperForward, NamedBarrier
-from fa4_final.scheduler import rounds, tile_coords, zigzag_tile
 from utils import bench
 from utils.claims import claim
 from utils.host_emulation import patched, plain, python_loops
@@ -574,8 +574,6 @@ class _Budgeted:
         if name == "smem_bytes":
             raise AssertionError("your code calls cfg.smem_bytes: that is the kernel's own "
                                  "answer; add up the buffers yourself")
-        if name == "separate_o":  # the config's old flag: O now always has its own buffer
-            return True
         return getattr(self._cfg, name)
 
     def __repr__(self):
@@ -600,7 +598,7 @@ def check_smem_bytes(fn) -> None:
             if diff % 1024 == 0 and abs(diff) <= 1024:
                 hint = " (1 KB: the barriers sit in their own 1 KB-aligned block)"
             elif diff == -cfg.tile_m * d * 2:
-                hint = " (the separate O buffer: tile_m x D, like Q)"
+                hint = " (O's own buffer: tile_m x D, like Q)"
             raise AssertionError(
                 f"{cfg} at D={d}: got {got} B, the kernel's struct has {want} B{hint}; each "
                 f"buffer is rounded up to 1024 B for the 128 B swizzle")
@@ -634,7 +632,7 @@ TILE_LOOP_FORBID = {
 
 
 # ----------------------------------------------------------------------------------------------
-# Reading the stored timeline (results/h200/ch08_timeline.json; fa4_final.timeline)
+# Reading the stored timeline (results/h200/ch08_timeline.json; fa4_final.common.timeline)
 
 PHASE_COLOURS = {"waits for K and its turn": "#d9d9d9", "issues its GEMMs": "#4c72b0",
                  "waits for S": "#b0c4de", "softmax": "#dd8452"}
@@ -643,7 +641,7 @@ PHASE_COLOURS = {"waits for K and its turn": "#d9d9d9", "issues its GEMMs": "#4c
 def timeline_bars(rows: list[dict], impl: str, steps: range) -> dict:
     """{role: [(phase, start, length), ...]} in cycles for the consumer warpgroups of
     ``impl``'s stored timeline, KV steps ``steps``."""
-    from fa4_final.timeline import PHASES
+    from fa4_final.common.timeline import PHASES
 
     out: dict[int, list] = {}
     for r in rows:
@@ -871,7 +869,7 @@ def profile_comparison(new, old, new_name: str = "fa4_final",
 
 
 # ----------------------------------------------------------------------------------------------
-# the tile table against dynamic tiles (Note [Dynamic tiles] in fa4_final.scheduler)
+# the tile table against dynamic tiles (Note [Dynamic tiles] in fa4_final.common.schedule)
 
 
 def dispatch_model(costs: list[int], grid: int, scatter: float, seeds: int = 20,
@@ -887,7 +885,7 @@ def dispatch_model(costs: list[int], grid: int, scatter: float, seeds: int = 20,
 
     import numpy as np
 
-    from fa4_final.scheduler import list_schedule
+    from fa4_final.common.schedule import list_schedule
 
     plan = list_schedule(costs, grid)
     over = {"table": [], "dynamic": []}
@@ -909,13 +907,13 @@ def dispatch_model(costs: list[int], grid: int, scatter: float, seeds: int = 20,
 
 
 # ----------------------------------------------------------------------------------------------
-# the split tail (Note [Split tail] in fa4_final.scheduler)
+# the split tail (Note [Split tail] in fa4_final.common.schedule)
 
 
 def last_work(num_tiles: int, steps: int, grid: int, split: bool) -> list[int]:
     """Key-tile steps each CTA computes, whole last round or split (the scheduler's plan, with
     SPLIT_OVERHEAD_STEPS charged per piece), sorted from the busiest CTA down."""
-    from fa4_final.scheduler import SPLIT_OVERHEAD_STEPS, split_tail_items
+    from fa4_final.common.schedule import SPLIT_OVERHEAD_STEPS, split_tail_items
 
     if split:
         items, _ = split_tail_items(num_tiles, steps, grid)

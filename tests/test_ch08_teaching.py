@@ -34,7 +34,7 @@ def test_the_turn_simulator_finds_the_three_failures():
 
 
 def test_the_tile_loop_reference_walks_the_schedulers_tiles():
-    from fa4_final.scheduler import tiles_of_cta
+    from fa4_final.common.schedule import tiles_of_cta
 
     t08.check_tile_loop_rules(t08.tile_loop)
     for num_tiles, grid in ((7, 3), (263, 132), (2048, 132)):
@@ -46,7 +46,7 @@ def test_the_tile_loop_reference_walks_the_schedulers_tiles():
 
 
 def test_smem_checker():
-    from fa4_final.config import HopperFwdConfig
+    from fa4_final.hopper.config import HopperFwdConfig
 
     t08.check_smem_bytes(t08.smem_bytes_reference)
     with pytest.raises(AssertionError, match="1 KB"):
@@ -61,7 +61,7 @@ def test_smem_checker():
 def test_the_exercise_kernel_with_the_references_is_the_kernel(which):
     """HopperExercise with the reference answers compiles to the kernel's own SASS: the
     learner's code goes exactly where the kernel's was."""
-    from fa4_final import interface
+    from fa4_final.api import interface
     from tests.test_ch08_seams import instructions
 
     fns = {"turn_fn": t08.pingpong_turn} if which == "turn" else {

@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from fa4_final.scheduler import zigzag_tile
+from fa4_final.common.schedule import zigzag_tile
 from solutions import ch08_teaching as t08
 from tests.exercise_mutations import Mutation
 
@@ -153,7 +153,7 @@ MUTATIONS = [
              **TILES),
     Mutation("08.2", answer=tiles_by_the_helper, says="zigzag_tile", **TILES),
     Mutation("08.3", answer=_smem_no_barriers, says="1 KB", **SMEM),
-    Mutation("08.3", answer=_smem_no_o, says="the separate O buffer", **SMEM),
+    Mutation("08.3", answer=_smem_no_o, says="O's own buffer", **SMEM),
     Mutation("08.3", answer=_smem_by_the_config, says="smem_bytes", **SMEM),
 ]
 
