@@ -3,7 +3,8 @@
     from fa4_final import flash_attn_func, flash_attn_varlen_func
 
 is a drop-in for ``flash_attn.cute``'s functions of the same names (fa4_final.api.interface says
-what is supported). Four layers, each importing only the layers below it:
+what is supported). Four layers, each importing only the layers below it (hopper/ and
+blackwell/ are one layer, the architectures, and never import each other):
 
     api/        flash_attn_func, flash_attn_varlen_func, the torch custom ops, attention_autograd
     runtime/    input checks; one prologue per call (checks, window, scale, backend); dispatch
@@ -18,10 +19,7 @@ what is supported). Four layers, each importing only the layers below it:
 It stands alone: it imports nothing of the course around it.
 """
 
-from fa4_final import _legacy_paths
 from fa4_final.api.interface import flash_attn_func, flash_attn_varlen_func
 from fa4_final.common.errors import UnsupportedError
 
 __all__ = ["UnsupportedError", "flash_attn_func", "flash_attn_varlen_func"]
-
-_legacy_paths.attach()

@@ -5,8 +5,7 @@
     arch     hopper/, blackwell/                        configs, kernels, host (never each other)
     common   common/                                    device code both architectures share
 
-Every ``import`` is read from the source (module level and inside functions alike, by AST). The
-legacy shims (fa4_final._legacy_paths.LEGACY_PATHS) are skipped, and no module imports one.
+Every ``import`` is read from the source (module level and inside functions alike, by AST).
 """
 
 import ast
@@ -14,8 +13,6 @@ import re
 from pathlib import Path
 
 import pytest
-
-from fa4_final._legacy_paths import LEGACY_PATHS
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fa4_final"
 RANK = {"api": 3, "runtime": 2, "hopper": 1, "blackwell": 1, "common": 0}
@@ -28,7 +25,6 @@ def module_name(path: Path) -> str:
 
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))
            if "__pycache__" not in p.parts}
-CHECKED = {m: p for m, p in MODULES.items() if m not in LEGACY_PATHS}
 
 
 def layer(module: str) -> str:
@@ -55,28 +51,25 @@ def imports(module: str) -> set[str]:
     return found
 
 
-GRAPH = {m: imports(m) for m in CHECKED}
+GRAPH = {m: imports(m) for m in MODULES}
 
 
 def test_every_module_has_a_layer():
-    assert {layer(m) for m in CHECKED} <= set(RANK), sorted({layer(m) for m in CHECKED})
+    assert {layer(m) for m in MODULES} <= set(RANK), sorted({layer(m) for m in MODULES})
 
 
-def test_no_module_imports_a_legacy_path():
-    bad = [f"{m} imports {i}" for m, deps in sorted(GRAPH.items()) for i in sorted(deps)
-           if i in LEGACY_PATHS and m != "fa4_final"]
-    # the package's __init__ only calls _legacy_paths.attach(), which keeps old names alive
-    bad += [f"fa4_final imports {i}" for i in sorted(GRAPH["fa4_final"])
-            if i in LEGACY_PATHS and i != "fa4_final._legacy_paths"]
-    assert not bad, "\n".join(bad)
+def test_every_import_is_a_module_of_the_package():
+    """An import of a path the package does not have (a module that moved) fails here, by
+    name, before any test imports it."""
+    missing = [f"{m} imports {i}" for m, deps in sorted(GRAPH.items()) for i in sorted(deps)
+               if i not in MODULES]
+    assert not missing, "\n".join(missing)
 
 
 def test_each_layer_imports_only_the_layers_below():
     upward = []
     for m, deps in sorted(GRAPH.items()):
         for i in sorted(deps):
-            if i in LEGACY_PATHS:
-                continue
             a, b = layer(m), layer(i)
             if RANK[b] > RANK[a] or (RANK[a] == RANK[b] == 1 and a != b):
                 upward.append(f"{m} ({a}) imports {i} ({b})")

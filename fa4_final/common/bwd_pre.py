@@ -156,10 +156,10 @@ class BackwardPre:
 
 
 class VarlenBackwardPre(BackwardPre):
-    """bwd_pre over packed sequences (fa4_final.varlen): out, dout (1, total_q, heads, D), lse
+    """bwd_pre over packed sequences (runtime.varlen): out, dout (1, total_q, heads, D), lse
     (1, heads, total_q); lse_log2, delta, the dQ accumulator and the turn counters in the padded
     layout of Note [Varlen dQ accumulator]. One CTA per query tile of a sequence and head,
-    listed as the forward lists them (scheduler.varlen_locate); CTAs past the last exit."""
+    listed as the forward lists them (schedule.varlen_locate); CTAs past the last exit."""
 
     varlen = True
 

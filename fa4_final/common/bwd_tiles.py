@@ -129,7 +129,7 @@ def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
 
 
 # ----------------------------------------------------------------------------------------------
-# varlen: the backward over packed sequences (fa4_final.varlen, Note [Varlen backward])
+# varlen: the backward over packed sequences (fa4_final.runtime.varlen, Note [Varlen backward])
 
 # Note [Varlen dQ accumulator]
 # The float32 dQ accumulator, lse_log2 and delta are per query tile: a tile's tile_m * D floats

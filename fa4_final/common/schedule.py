@@ -284,7 +284,7 @@ def read_tile(full: cute.Pointer, empty: cute.Pointer, slots: cute.Tensor, r: In
 
 
 # ----------------------------------------------------------------------------------------------
-# varlen: sequences packed one after another (fa4_final.varlen)
+# varlen: sequences packed one after another (fa4_final.runtime.varlen)
 
 # Note [Varlen order]
 # Sequence b has ceil(len_q[b] / tile_m) query tiles per head. The linear tile index runs over

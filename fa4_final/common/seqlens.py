@@ -2,9 +2,9 @@
 sequences, one interface for the kernels.
 
 Dense: q is (batch, seqlen_q, heads, D) and every sequence has the same lengths; tile t is placed
-by scheduler.tile_coords. Varlen (fa4_final.varlen): the packed q (total_q, heads, D) arrives as
+by schedule.tile_coords. Varlen (runtime.varlen): the packed q (total_q, heads, D) arrives as
 a batch of one, (1, total_q, heads, D), and sequence b is rows cu_seqlens_q[b] ..
-cu_seqlens_q[b + 1] - 1 of it; tile t is placed by scheduler.varlen_locate (Note [Varlen order]).
+cu_seqlens_q[b + 1] - 1 of it; tile t is placed by schedule.varlen_locate (Note [Varlen order]).
 Its rows are reached by moving the coordinate origin to the sequence's first row
 (``cute.domain_offset``): the kernel then indexes a sequence exactly as it indexes a dense batch
 entry, and the TMA descriptors stay the ones built once for the whole packed tensor.

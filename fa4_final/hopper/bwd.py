@@ -407,11 +407,11 @@ class HopperBackward:
                      n_block, head_kv, b, seqlen_q, seqlen_k, work, seq, mdK_rows, mdV_rows)
 
     # Note [Varlen backward]
-    # HopperVarlenBackward: the packed sequences of fa4_final.varlen in one launch. A CTA is still
+    # HopperVarlenBackward: the packed sequences of runtime.varlen in one launch. A CTA is still
     # one (key tile, kv head), now of one sequence: CTA t is the t-th of the list "sequence 0's kv
     # head 0's key tiles, its kv head 1's, ..., sequence 1's, ..." (key tiles fastest, so the CTAs
     # running together walk the same query heads' Q and dO out of L2). Each warp finds its CTA's
-    # sequence by itself with the forward's warp scan (scheduler.varlen_locate, over cu_seqlens_k,
+    # sequence by itself with the forward's warp scan (schedule.varlen_locate, over cu_seqlens_k,
     # or seqused_k where given): ceil(batch / 32) steps of two L2 loads and five shuffles, a few
     # hundred cycles against a CTA's ceil(len_q / tile_m) * group steps of 2.5k+ tensor cycles. The
     # grid is counted from shapes alone, (ceil(total_k / tile_n) + batch) * heads_kv

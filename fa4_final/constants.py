@@ -1,7 +1,0 @@
-"""Legacy path of fa4_final.common.constants (fa4_final/_legacy_paths.py): the same module."""
-
-import sys
-
-from fa4_final.common import constants as _module
-
-sys.modules[__name__] = _module

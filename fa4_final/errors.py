@@ -1,7 +1,0 @@
-"""Legacy path of fa4_final.common.errors (fa4_final/_legacy_paths.py): the same module."""
-
-import sys
-
-from fa4_final.common import errors as _module
-
-sys.modules[__name__] = _module
