@@ -189,8 +189,14 @@ def check_config(head_dim: int, cfg: HopperConfig) -> None:
             f"{cfg.num_stages} x (K + V) {cfg.tile_n}x{head_dim}, bf16), more than the "
             f"{SMEM_BYTES_PER_CTA} B a CTA may use; at most {max_stages(head_dim, cfg)} stages fit"
         )
-    # chapters 06 and 07: the share of exponentials on the FMA units, the rescale threshold
-    check_softmax_knobs(cfg.exp2_emulation_fraction, cfg.rescale_threshold)
+    # chapters 06 and 07: the share of exponentials on the FMA units, the rescale threshold;
+    # the package's words, plus the chapter that explains the knob
+    for chapter, args in (("chapter 06", (cfg.exp2_emulation_fraction, 0.0)),
+                          ("chapter 07", (0.0, cfg.rescale_threshold))):
+        try:
+            check_softmax_knobs(*args)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{chapter}: {exc}") from None
 
 
 def _assume_16b_strides(t: cute.Tensor) -> cute.Tensor:

@@ -23,11 +23,19 @@ from pathlib import Path
 DIGESTS = Path(__file__).parent / "data" / "sass_digests.json"
 
 
-def _hopper_fwd(d, causal, varlen=False):
+def _hopper_fwd(d, causal, varlen=False, build="default"):
+    from dataclasses import replace
+
+    from fa4_final.hopper.config import hopper_fwd_default
     from fa4_final.hopper.host import forward_recipe
     from fa4_final.runtime.compile import artifacts
 
-    return artifacts(forward_recipe(d, "bf16", causal, varlen=varlen))
+    cfg = None
+    if build == "zigzag rounds":  # walk_tiles' fixed-round path
+        cfg = replace(hopper_fwd_default(d, causal), schedule="zigzag", l2_sections=False)
+    elif build == "no overlap":  # turn's path without the intra-warpgroup overlap
+        cfg = replace(hopper_fwd_default(d, causal), intra_wg_overlap=False)
+    return artifacts(forward_recipe(d, "bf16", causal, cfg, varlen=varlen))
 
 
 def _hopper_bwd(d, causal, det, varlen=False):
@@ -75,11 +83,23 @@ def kernels() -> dict:
             out[f"blackwell_bwd_d{d}_{c}"] = lambda d=d, causal=causal: _blackwell_bwd(d, causal)
             out[f"blackwell_bwd_pair_d{d}_{c}"] = \
                 lambda d=d, causal=causal: _blackwell_bwd(d, causal, two_cta=True)
+    # the other paths of the two methods chapter 08's exercises replace (turn, walk_tiles)
+    out["hopper_fwd_d128_causal_zigzag_rounds"] = \
+        lambda: _hopper_fwd(128, True, build="zigzag rounds")
+    out["hopper_fwd_d128_dense_no_overlap"] = lambda: _hopper_fwd(128, False, build="no overlap")
     out["hopper_varlen_bwd_d128_causal"] = lambda: _hopper_bwd(128, True, False, varlen=True)
     out["hopper_varlen_bwd_d128_dense"] = lambda: _hopper_bwd(128, False, False, varlen=True)
     out["blackwell_fwd_d128_causal_2cta"] = lambda: _blackwell_fwd(128, True, two_cta=True)
     out["blackwell_fwd_d128_dense_1cta"] = lambda: _blackwell_fwd(128, False, two_cta=False)
     return out
+
+
+_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.+?)\s*;")
+
+
+def instructions(sass: str) -> list[str]:
+    """The SASS's instructions in order, without addresses or symbol names."""
+    return [m.group(1) for m in map(_INSTR.search, sass.splitlines()) if m]
 
 
 def digest(art) -> str:

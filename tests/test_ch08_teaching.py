@@ -62,7 +62,7 @@ def test_the_exercise_kernel_with_the_references_is_the_kernel(which):
     """HopperExercise with the reference answers compiles to the kernel's own SASS: the
     learner's code goes exactly where the kernel's was."""
     from fa4_final.api import interface
-    from tests.test_ch08_seams import instructions
+    from tests.fa4_final_sass import instructions
 
     fns = {"turn_fn": t08.pingpong_turn} if which == "turn" else {
         "tile_loop_fn": t08.tile_loop}
