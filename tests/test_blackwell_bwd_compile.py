@@ -188,7 +188,7 @@ def test_sm100_bwd_side_by_side_our_side_regenerates(compiled):
     table = C.load_bwd_table()
     if table.provenance["cutlass_dsl"] != getattr(cutlass, "__version__", "?"):
         pytest.skip(f"table compiled with CuTe DSL {table.provenance['cutlass_dsl']}: "
-                    f"regenerate with python -m solutions.ch09_compare --bwd --write --ours")
+                    f"regenerate with python -m measure.sm100_vs_fa4 --bwd --write --ours")
     for c in C.BWD_CONFIGS:
         if not c["ours"]:
             continue

@@ -1,7 +1,7 @@
 """Global-memory reductions and turn counters: how CTAs that share an output add into it.
 
 The backward's dQ gets a contribution from every KV tile, i.e. from many CTAs. Each CTA stages
-its float32 contribution in shared memory and one thread hands it to the copy engine:
+its float32 contribution in shared memory and one thread hands it to the TMA unit:
 
     cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [gmem], [smem], bytes
 
