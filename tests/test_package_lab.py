@@ -3,44 +3,19 @@ helpers.py): they work on rows of the shapes measure/package_sweep.py, package_v
 package_host.py write, say "not measured yet" for a file that is absent, and show the package as it
 is (the newest tree of the CPU profile)."""
 
-from pathlib import Path
-
 import matplotlib
 import pytest
 
 from labs import package_sweeps_and_host_cost_helpers as lab
-from utils.results import Results, load
+from tests.fake_sweeps import fake, timed
+from tests.fake_sweeps import sweep as fake_sweep
+from utils.results import load
 
 matplotlib.use("Agg")
 
-PROV = {"gpu": "NVIDIA H200", "driver": "x", "cuda": "13.0", "torch": "2.11", "cutlass_dsl": "4",
-        "commit": "abc", "date": "2026-12-01 00:00 UTC", "command": "test"}
-
-
-def fake(name, rows):
-    return Results(name, Path(f"{name}.json"), PROV, rows)
-
-
-def timed(impl, pass_, d, s, causal, tflops, spread=0.01):
-    ms = 1000.0 / tflops
-    return {"impl": impl, "pass": pass_, "dtype": "bf16", "b": 16384 // s, "s": s, "h": 16,
-            "d": d, "causal": causal, "ms": ms, "tflops": tflops, "spread": spread,
-            "ms_rounds": [ms] * 3}
-
 
 def sweep():
-    rows = []
-    for pass_ in lab.PASSES:
-        for d in (64, 128):
-            for s in (512, 4096, 32768):
-                for causal in (False, True):
-                    base = 300 + s / 100
-                    ours = base * (1.1 if d == 64 else 0.9)
-                    rows += [timed("fa4_final", pass_, d, s, causal, ours),
-                             timed("sdpa_flash", pass_, d, s, causal, base * 0.7),
-                             timed("sdpa_cudnn", pass_, d, s, causal, base),
-                             timed("fa4_package", pass_, d, s, causal, base * 1.003)]
-    return fake("package_sweep", rows)
+    return fake_sweep(lab.PASSES)
 
 
 def test_sweep_series_and_plots():
