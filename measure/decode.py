@@ -1,0 +1,257 @@
+"""Benchmark attention at decode shapes: a few query tokens against a long KV cache.
+
+    python -m measure.decode                                  # the whole grid, both modes
+    python -m measure.decode --dims 128 --batch 32 --keys 8192 --tokens 1   # one shape
+    python -m measure.decode --name decode_d64 --dims 64 --deadline 500
+
+Shapes: ``--tokens`` query tokens per sequence (1, 4, 16), ``--keys`` cached keys (1k-128k),
+``--batch`` sequences (1, 32, 128), ``--heads`` query/KV head pairs (32/8, 64/8: GQA 4 and 8),
+``--dims`` (128, 64), bf16. Every query token sees the whole cache (no mask): SDPA aligns a
+causal mask to the top left, so with more than one query token its causal call would compute
+something else than a decoder's bottom-right one; a mask changes the bytes read by at most
+``tokens`` keys.
+
+Rows, all on the same q, k, v of a shape, interleaved in ``--rounds`` rounds (utils.bench):
+  fa4_final           fa4_final.flash_attn_func (the package's forward as it is)
+  fa4_final_paged     fa4_final.flash_attn_varlen_func with a page table over the same cache
+                      (an error row while the package refuses page_table)
+  fa4_package         the FA4 package's flash_attn_func as a user calls it (num_splits=1)
+  fa4_package_splits  the same with num_splits=0 (its split heuristic)
+  fa4_package_paged   its flash_attn_varlen_func with the page table (num_splits=0)
+  sdpa_flash, sdpa_cudnn   PyTorch SDPA with one backend each (enable_gqa)
+The page table maps each sequence's ``keys / page`` pages to a random permutation of the cache's
+pages (a view of the same memory, ``--page`` keys per page), as a serving engine's allocator
+leaves them; the contiguous rows read the cache in order.
+
+Two modes (the column ``mode``): ``flush``, the L2 overwritten before every call (one decode
+step at a time, as a model runs it between other layers), and ``back_to_back`` (calls one after
+another with nothing between; a cache that fits in L2 may then be read from it).
+
+Bytes and the memory roofline: a row's ``kv_bytes`` is what the cache holds for the shape (K and
+V, every sequence and KV head); ``read_tbps`` = kv_bytes / time, and ``of_copy`` divides it by the
+copy rate measured in the same run (``copy`` rows: a device-to-device copy of ``--copy-gib``
+GiB, read + written bytes over time, in each mode). A row's ``vs_best_peer`` is its TFLOP/s over
+the fastest peer row of its shape and mode (fa4_final rows are not peers).
+
+Shapes whose cache is larger than ``--max-gb`` are recorded as skipped. ``--deadline`` seconds:
+the run stops after the shape that passes it and stores what it measured, saying so.
+Writes results/<gpu>/<name>.json (utils.results.save, with provenance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from utils import bench, results
+
+PRODUCES = [
+    ("results/h200/decode.json", "python -m measure.decode --dims 128 --deadline 540",
+     "decode shapes at D = 128 (1-16 query tokens, 1k-128k cached keys, batch 1-128, GQA 4 and "
+     "8): fa4_final, contiguous and paged, beside cuDNN, SDPA flash and the FA4 package with and "
+     "without splits and a page table; L2 flushed and back to back; the copy rate of the run"),
+    ("results/h200/decode_d64.json", "python -m measure.decode --name decode_d64 --dims 64 "
+     "--deadline 540", "the same at D = 64"),
+]
+
+PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")
+OURS = ("fa4_final", "fa4_final_paged")
+MODES = ("flush", "back_to_back")
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    batch: int
+    tokens: int
+    keys: int
+    heads: int
+    heads_kv: int
+    d: int
+
+    def kv_bytes(self, elem_bytes: int = 2) -> int:
+        """K and V of every sequence and KV head: what one decode step must read at least."""
+        return 2 * self.batch * self.keys * self.heads_kv * self.d * elem_bytes
+
+    def flops(self) -> float:
+        """Two GEMMs of 2 flops per multiply-add: Q K^T and P V, every query row every key."""
+        return 4.0 * self.batch * self.heads * self.tokens * self.keys * self.d
+
+
+def grid(tokens, keys, batches, heads, dims) -> list[DecodeShape]:
+    return [DecodeShape(b, t, s, h, hk, d)
+            for d, (h, hk), b, s, t in itertools.product(dims, heads, batches, keys, tokens)]
+
+
+def random_page_table(batch: int, keys: int, page: int, generator=None) -> torch.Tensor:
+    """(batch, keys // page) int32: sequence b's page i lives in cache page table[b, i], a random
+    permutation of all batch * keys // page pages."""
+    if keys % page:
+        raise ValueError(f"keys ({keys}) must be a multiple of the page size ({page})")
+    pages = batch * (keys // page)
+    return torch.randperm(pages, generator=generator, dtype=torch.int64).to(
+        torch.int32).reshape(batch, keys // page)
+
+
+def row_fields(shape: DecodeShape, page: int) -> dict:
+    """A row's shape in the results files' attention keys (utils.results): b sequences, s cached
+    keys, s_q query tokens, h query heads over h_kv KV heads."""
+    return {"pass": "fwd", "dtype": "bf16", "b": shape.batch, "s": shape.keys,
+            "s_q": shape.tokens, "h": shape.heads, "h_kv": shape.heads_kv, "d": shape.d,
+            "causal": False, "page": page, "kv_bytes": shape.kv_bytes(), "flops": shape.flops()}
+
+
+def _calls(shape: DecodeShape, page: int, device="cuda") -> dict:
+    """Zero-argument forward calls of every implementation found, on one set of inputs."""
+    g = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16
+    q = torch.randn(shape.batch, shape.tokens, shape.heads, shape.d, device=device, dtype=dt,
+                    generator=g)
+    k = torch.randn(shape.batch, shape.keys, shape.heads_kv, shape.d, device=device, dtype=dt,
+                    generator=g)
+    v = torch.randn_like(k)
+    pages = shape.batch * shape.keys // page
+    k_cache = k.view(pages, page, shape.heads_kv, shape.d)  # the same memory, paged
+    v_cache = v.view(pages, page, shape.heads_kv, shape.d)
+    table = random_page_table(shape.batch, shape.keys, page).to(device)
+    used = torch.full((shape.batch,), shape.keys, dtype=torch.int32, device=device)
+    calls = {}
+
+    import fa4_final
+    calls["fa4_final"] = lambda: fa4_final.flash_attn_func(q, k, v)
+    calls["fa4_final_paged"] = lambda: fa4_final.flash_attn_varlen_func(
+        q, k_cache, v_cache, page_table=table, seqused_k=used)
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception:  # the FA4 package is not installed here: its rows are left out
+        pass
+    else:
+        calls["fa4_package"] = lambda: flash_attn_func(q, k, v)
+        calls["fa4_package_splits"] = lambda: flash_attn_func(q, k, v, num_splits=0)
+        calls["fa4_package_paged"] = lambda: flash_attn_varlen_func(
+            q, k_cache, v_cache, page_table=table, seqused_k=used, num_splits=0)
+    for name in ("sdpa_flash", "sdpa_cudnn"):
+        fn = bench.peers()[name]
+        calls[name] = lambda fn=fn: fn(q, k, v)
+    return calls
+
+
+def _copy_rows(gib: float, rounds: int) -> list[dict]:
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    rows = []
+    for mode in MODES:
+        m = bench.interleaved({"copy": lambda a=src, b=dst: b.copy_(a)}, rounds=rounds, rep=20,
+                              flush_l2=(mode == "flush"))["copy"]
+        tbps = 2 * n / (m.median_ms * 1e-3) / 1e12 if m.median_ms else None
+        rows.append({"impl": "copy", "metric": "copy_rate", "value": tbps, "unit": "TB/s",
+                     "mode": mode, "bytes": 2 * n, **m.fields()})
+    del src, dst
+    torch.cuda.empty_cache()
+    return rows
+
+
+def attach_roofline(rows: list[dict]) -> list[dict]:
+    """Add read_tbps, of_copy (over the same mode's copy rate) and vs_best_peer to timed rows."""
+    copy = {r["mode"]: r.get("value") for r in rows if r["impl"] == "copy"}
+    key = ("mode", "b", "s_q", "s", "h", "h_kv", "d")
+    for row in rows:
+        if row["impl"] == "copy" or not row.get("ms"):
+            continue
+        row["read_tbps"] = row["kv_bytes"] / (row["ms"] * 1e-3) / 1e12
+        if copy.get(row["mode"]):
+            row["of_copy"] = row["read_tbps"] / copy[row["mode"]]
+        same = [r for r in rows if r["impl"] in PEERS and r.get("ms") and r is not row
+                and all(r.get(k_) == row.get(k_) for k_ in key)]
+        if same:
+            best = min(same, key=lambda r: r["ms"])
+            row.update(best_peer=best["impl"], best_peer_ms=best["ms"],
+                       vs_best_peer=best["ms"] / row["ms"])
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--name", default="decode")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--keys", nargs="+", type=int, default=[1024, 8192, 32768, 131072])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 32, 128])
+    ap.add_argument("--heads", nargs="+", default=["32/8", "64/8"],
+                    help="query heads / KV heads")
+    ap.add_argument("--dims", nargs="+", type=int, default=[128, 64])
+    ap.add_argument("--page", type=int, default=128, help="keys per page of the paged rows")
+    ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS)
+    ap.add_argument("--rep", type=int, default=20, help="timed calls per round at most")
+    ap.add_argument("--max-seconds", type=float, default=0.25,
+                    help="one implementation's timed calls in one round take about this long")
+    ap.add_argument("--copy-gib", type=float, default=4.0)
+    ap.add_argument("--max-gb", type=float, default=80.0, help="largest cache to allocate (GB)")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds; stop after a shape")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    args = ap.parse_args(argv)
+    if args.rounds < bench.MIN_ROUNDS:
+        ap.error(f"--rounds: at least {bench.MIN_ROUNDS}")
+    try:
+        heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
+    except ValueError:
+        ap.error(f"--heads: pairs like 32/8, got {args.heads}")
+    if any(len(h) != 2 or h[0] % h[1] for h in heads):
+        ap.error(f"--heads: query heads must be a multiple of KV heads, got {args.heads}")
+    if not torch.cuda.is_available():
+        print("decode: needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    start = time.monotonic()
+    rows = _copy_rows(args.copy_gib, args.rounds)
+    shapes = grid(args.tokens, args.keys, args.batch, heads, args.dims)
+    done = 0
+    for shape in shapes:
+        if args.deadline is not None and time.monotonic() - start > args.deadline:
+            break
+        fields = row_fields(shape, args.page)
+        if shape.kv_bytes() > args.max_gb * 1e9 or shape.keys % args.page:
+            why = (f"cache of {shape.kv_bytes() / 1e9:.1f} GB > --max-gb {args.max_gb}"
+                   if shape.kv_bytes() > args.max_gb * 1e9
+                   else f"keys not a multiple of --page {args.page}")
+            rows.append({"impl": "skipped", **fields, "ms": None, "tflops": None, "error": why})
+            done += 1
+            continue
+        try:
+            calls = _calls(shape, args.page)
+        except torch.cuda.OutOfMemoryError as exc:
+            rows.append({"impl": "skipped", **fields, "ms": None, "tflops": None,
+                         "error": bench.error_text(exc)})
+            torch.cuda.empty_cache()
+            done += 1
+            continue
+        for mode in args.modes:
+            measured = bench.interleaved(calls, rounds=args.rounds, rep=args.rep,
+                                         max_seconds=args.max_seconds,
+                                         flush_l2=(mode == "flush"))
+            for name, m in measured.items():
+                rows.append({"impl": name, "mode": mode, **fields, **m.fields(shape.flops())})
+        del calls
+        torch.cuda.empty_cache()
+        done += 1
+        print(f"[{time.monotonic() - start:.0f} s] {shape}", flush=True)
+    rows = attach_roofline(rows)
+    note = (f"{done} of {len(shapes)} shapes" + ("" if done == len(shapes) else
+            f" (stopped at --deadline {args.deadline} s)"))
+    path = results.save(args.name, rows, command="python -m measure.decode " + " ".join(
+        argv if argv is not None else sys.argv[1:]) + f"  [{note}]")
+    print(f"wrote {path}: {note}")
+    for r in rows:
+        if r["impl"] in OURS and r.get("vs_best_peer"):
+            print(f"{r['impl']:16s} {r['mode']:12s} b={r['b']} t={r['s_q']} "
+                  f"s={r['s']} {r['h']}/{r['h_kv']} d={r['d']}: "
+                  f"{r['vs_best_peer']:.2f}x {r['best_peer']}, {r.get('of_copy', 0):.0%} of copy")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
