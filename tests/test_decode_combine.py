@@ -1,0 +1,289 @@
+"""The split-KV combine (fa4_final.common.combine) on a CPU.
+
+- The merge itself, as a float64 host model that follows the kernel's steps (max, weights
+  normalised once per row, splits added in order, a split of weight 0 never read): on random
+  queries, keys and values cut into key ranges (empty ranges and rows that see no key among
+  them), merging the ranges' partials equals one softmax over all keys; a row no split saw gets
+  out 0 and lse -inf; the partials of empty splits may be NaN. The same model in float32 stays
+  within float32's error of it.
+- The kernel compiled from fake tensors for sm_90a and sm_100a (slow): 16-byte loads of the
+  partials and 16-byte stores of out (PTX and SASS), no local memory and no spills, no atomics
+  (the order is fixed), one shared-memory weight row per row of the CTA.
+- The launch's checks (runtime.decode.combine_splits) on CPU tensors: every bad tensor is named.
+The same model is the yardstick of tests/gpu/test_decode_combine.py on the H200.
+"""
+
+import math
+import re
+
+import pytest
+import torch
+
+from fa4_final.common.combine import ELEMS_PER_LANE, MAX_SPLITS, UNROLL, combine_recipe
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.runtime.decode import _combine_layout, partials_like, split_ranges
+
+slow = pytest.mark.slow
+
+
+# ----------------------------------------------------------------------------------------------
+# the host model
+
+
+def combine_reference(out_partial, lse_partial):
+    """(out, lse) of the merge, in the partials' dtype (float64 for the yardstick): dense layout
+    out_partial (n, b, s, h, dv), lse_partial (n, b, h, s). The kernel's steps: m = max lse (0
+    in place of -inf), w_s = exp(lse_s - m) / sum w, splits added in order 0, 1, ..., a split
+    of weight 0 skipped (its partial never read: NaN there does not leak)."""
+    m = lse_partial.amax(dim=0)  # (b, h, s)
+    m_safe = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    w = torch.exp(lse_partial - m_safe)
+    total = w.sum(dim=0)
+    seen = total > 0
+    inv = torch.where(seen, 1.0 / torch.where(seen, total, torch.ones_like(total)),
+                      torch.zeros_like(total))
+    weights = (w * inv).permute(0, 1, 3, 2).unsqueeze(-1)  # (n, b, s, h, 1)
+    out = torch.zeros_like(out_partial[0])
+    for s in range(out_partial.shape[0]):
+        out = out + torch.where(weights[s] > 0, out_partial[s] * weights[s], torch.zeros_like(out))
+    lse = torch.where(seen, m + torch.log(torch.where(seen, total, torch.ones_like(total))),
+                      torch.full_like(total, -math.inf))
+    return out, lse
+
+
+def attention_partials(q, k, v, bounds, visible=None, poison_empty=True):
+    """Per key range [a, b) of ``bounds``: the normalised partial out (n, b, s, h, d) and lse
+    (n, b, h, s) of attention restricted to it, in q's dtype; a range a row sees no key of gets
+    lse -inf and (poison_empty) NaN out. ``visible``: (b, h, s, sk) bool mask."""
+    b, sq, h, d = q.shape
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -math.inf)
+    outs, lses = [], []
+    for lo, hi in bounds:
+        s = scores[..., lo:hi]
+        lse = torch.logsumexp(s, dim=-1) if hi > lo else \
+            torch.full((b, h, sq), -math.inf, dtype=q.dtype)
+        p = torch.exp(s - lse.unsqueeze(-1)) if hi > lo else s
+        o = torch.einsum("bhqk,bkhd->bqhd", p, v[:, lo:hi]) if hi > lo else \
+            torch.zeros(b, sq, h, d, dtype=q.dtype)
+        empty = (lse == -math.inf).permute(0, 2, 1).unsqueeze(-1)  # (b, s, h, 1)
+        o = torch.where(empty, torch.full_like(o, math.nan if poison_empty else 0.0), o)
+        outs.append(o)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def one_shot(q, k, v, visible=None):
+    b, sq, h, d = q.shape
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows with no key: 0
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def _inputs(b, sq, sk, h, d, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, n, h, d, generator=g, dtype=dtype) for n in (sq, sk, sk)]
+
+
+CASES = {  # name: (batch, seqlen_q, seqlen_k, heads, dim, key ranges, mask)
+    "one-split": (2, 1, 37, 4, 64, [(0, 37)], None),
+    "three-with-an-empty": (2, 7, 300, 3, 128, [(0, 128), (128, 128), (128, 300)], None),
+    "uneven": (1, 16, 1000, 2, 64, split_ranges(8, 5), None),
+    "more-splits-than-keys": (1, 3, 5, 2, 64, [(i, min(i + 1, 5)) for i in range(9)], None),
+    "causal-rows-see-few": (2, 16, 40, 2, 64, [(0, 8), (8, 24), (24, 40)], "causal"),
+    "rows-that-see-nothing": (1, 16, 64, 2, 64, [(0, 16), (16, 64)], "nothing"),
+    "128-splits": (1, 2, 512, 2, 64, [(4 * i, 4 * i + 4) for i in range(128)], None),
+}
+
+
+def _mask(kind, b, h, sq, sk):
+    if kind is None:
+        return None
+    qi = torch.arange(sq)[:, None]
+    kj = torch.arange(sk)[None, :]
+    if kind == "causal":  # bottom right, sq < sk: query i sees keys <= i + sk - sq - 30
+        vis = kj <= qi + sk - sq - 30
+    else:  # rows 0..5 see no key at all, the others all
+        vis = (qi >= 6).expand(sq, sk)
+    return vis.expand(b, h, sq, sk)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_merge_equals_one_softmax(name):
+    b, sq, sk, h, d, bounds, mask = CASES[name]
+    if name == "uneven":  # 5 splits of 8 tiles of 125 keys
+        bounds = [(lo * 125, hi * 125) for lo, hi in bounds]
+    q, k, v = _inputs(b, sq, sk, h, d, seed=len(name))
+    visible = _mask(mask, b, h, sq, sk)
+    out_p, lse_p = attention_partials(q, k, v, bounds, visible)
+    out, lse = combine_reference(out_p, lse_p)
+    ref_out, ref_lse = one_shot(q, k, v, visible)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
+    finite = ref_lse > -math.inf
+    assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-12 * (1 + ref_lse.abs().max())
+    assert (out - ref_out).abs().max() <= 1e-12 * (1 + v.abs().max())
+    empty_rows = (~finite).permute(0, 2, 1)  # (b, s, h)
+    assert (out[empty_rows] == 0).all()
+
+
+def test_all_empty_rows_give_zero_and_minus_inf():
+    n, b, sq, h, d = 4, 2, 3, 2, 64
+    out_p = torch.full((n, b, sq, h, d), math.nan, dtype=torch.float64)
+    lse_p = torch.full((n, b, h, sq), -math.inf, dtype=torch.float64)
+    out, lse = combine_reference(out_p, lse_p)
+    assert (out == 0).all() and (lse == -math.inf).all()
+
+
+def test_merge_is_the_online_softmax_merge_in_any_order():
+    """Merging splits pairwise (the online softmax's step) in any order gives the same
+    (out, lse): the combine's fixed order is a choice for bitwise repeatability only."""
+    q, k, v = _inputs(1, 4, 90, 2, 64, seed=3)
+    out_p, lse_p = attention_partials(q, k, v, [(0, 30), (30, 31), (31, 90)], poison_empty=False)
+    out, lse = combine_reference(out_p, lse_p)
+    for order in ([2, 0, 1], [1, 2, 0]):
+        o, m = out_p[order[0]], lse_p[order[0]]
+        for s in order[1:]:
+            new = torch.logaddexp(m, lse_p[s])
+            wa = torch.exp(m - new).permute(0, 2, 1).unsqueeze(-1)
+            wb = torch.exp(lse_p[s] - new).permute(0, 2, 1).unsqueeze(-1)
+            o, m = o * wa + out_p[s] * wb, new
+        assert torch.allclose(o, out, atol=1e-12) and torch.allclose(m, lse, atol=1e-12)
+
+
+def test_float32_model_within_float32_error():
+    """The kernel computes in float32: the same model in float32 stays within a few float32
+    ulps of the float64 one, also with lse values spread over 80 nats (weights underflow)."""
+    g = torch.Generator().manual_seed(7)
+    n, b, sq, h, d = 16, 3, 5, 4, 128
+    out_p = torch.randn(n, b, sq, h, d, generator=g, dtype=torch.float64)
+    lse_p = torch.rand(n, b, h, sq, generator=g, dtype=torch.float64) * 80 - 40
+    lse_p[3] = -math.inf
+    out_p[3] = math.nan
+    ref_out, ref_lse = combine_reference(out_p, lse_p)
+    out32, lse32 = combine_reference(out_p.float(), lse_p.float())
+    assert (out32.double() - ref_out).abs().max() <= 1e-5 * ref_out.abs().max()
+    assert (lse32.double() - ref_lse).abs().max() <= 1e-5 * (1 + ref_lse.abs().max())
+
+
+def test_split_ranges_cover_the_keys():
+    for tiles in (1, 7, 64, 1000):
+        for n in (1, 3, 16, 128):
+            r = split_ranges(tiles, n)
+            assert len(r) == n and r[0][0] == 0 and r[-1][1] == tiles
+            assert all(a[1] == b_[0] for a, b_ in zip(r, r[1:]))
+
+
+# ----------------------------------------------------------------------------------------------
+# the compiled kernel
+
+
+@pytest.fixture(scope="module")
+def artifacts():
+    from fa4_final.runtime.compile import artifacts as compile_artifacts
+
+    cache = {}
+
+    def get(head_dim, arch, dtype="bf16"):
+        key = (head_dim, arch, dtype)
+        if key not in cache:
+            cache[key] = compile_artifacts(combine_recipe(head_dim, dtype, arch))["main"]
+        return cache[key]
+
+    return get
+
+
+@slow
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_combine_compiles_with_16_byte_loads(artifacts, head_dim, arch):
+    art = artifacts(head_dim, arch)
+    # the partials: two 16-byte loads per split and lane, UNROLL splits in flight
+    wide = art.count("ld.global.v4.b32") + art.count("ld.global.v2.b64")
+    assert wide == 2 * UNROLL, (wide, art.resources())
+    assert art.count("LDG.E.128", where="sass") == 2 * UNROLL
+    assert art.count("STG.E.128", where="sass") == 1  # out: 8 columns x 2 B per lane
+    # the lse: one 4-byte load per split and lane, at most MAX_SPLITS / lanes of them
+    lanes = head_dim // ELEMS_PER_LANE
+    assert art.count("ld.global.b32") + art.count("ld.global.f32") == MAX_SPLITS // lanes
+    art.require("ex2.approx", "lg2.approx", "shfl.sync.bfly", "bar.sync")
+    # no local memory; a fixed order, no atomics
+    assert not re.search(r"\.local\b|^\s*(@%p\d+\s+)?(atom|red)\.", art.ptx, re.M)
+    assert art.frame_bytes == 0 and art.spills == 0, art.resources()
+
+
+@slow
+def test_combine_compiles_for_fp16(artifacts):
+    art = artifacts(128, "sm_90a", "fp16")
+    art.require("cvt.rn.f16x2.f32")
+    assert art.count("STG.E.128", where="sass") == 1 and art.spills == 0
+
+
+def test_recipe_refuses_what_it_does_not_build():
+    with pytest.raises(UnsupportedError, match="sm_80"):
+        combine_recipe(128, "bf16", "sm_80")
+    with pytest.raises(ValueError, match="'fp32'"):
+        combine_recipe(128, "fp32", "sm_90a")
+    with pytest.raises(UnsupportedError, match="96"):
+        combine_recipe(96, "bf16", "sm_90a")
+
+
+# ----------------------------------------------------------------------------------------------
+# the launch's checks
+
+
+def _dense(n=3, b=2, sq=5, h=4, dv=128, dtype=torch.bfloat16):
+    out = torch.empty(b, sq, h, dv, dtype=dtype)
+    lse = torch.empty(b, h, sq)
+    return (*partials_like(out, n), out, lse)
+
+
+def _varlen(n=3, total_q=9, h=4, dv=64):
+    out = torch.empty(total_q, h, dv, dtype=torch.float16)
+    lse = torch.empty(h, total_q)
+    return (*partials_like(out, n), out, lse)
+
+
+def test_layouts_accepted():
+    op, lp, out, lse, rows = _combine_layout(*_dense())
+    assert op.shape == (3, 2, 5, 4, 128) and lp.shape == (3, 2, 4, 5) and rows == 40
+    op, lp, out, lse, rows = _combine_layout(*_varlen())
+    assert op.shape == (3, 1, 9, 4, 64) and lp.shape == (3, 1, 4, 9) and out.shape == (1, 9, 4, 64)
+    assert lse.shape == (1, 4, 9) and rows == 36
+
+
+@pytest.mark.parametrize("change, error, says", [
+    (lambda t: (t[0].to(torch.bfloat16), *t[1:]), TypeError, "out_partial must be float32"),
+    (lambda t: (t[0], t[1].double(), *t[2:]), TypeError, "lse_partial must be float32"),
+    (lambda t: (*t[:2], t[2].float(), t[3]), TypeError, "out has dtype torch.float32"),
+    (lambda t: (*t[:3], t[3][:, :, :4]), ValueError, r"lse must have shape \(2, 4, 5\)"),
+    (lambda t: (t[0][:, :1], *t[1:]), ValueError, r"out_partial must have shape \(3, 2, 5"),
+    (lambda t: (t[0], t[1][:2], *t[2:]), ValueError, "out_partial has 3 splits but lse_partial 2"),
+    (lambda t: (t[0][:0], t[1][:0], *t[2:]), ValueError, r"must be in \[1, 128\], got 0"),
+    (lambda t: (t[0][..., :96], t[1], t[2][..., :96], t[3]), UnsupportedError, "dv = 96"),
+    (lambda t: (t[0], t[1], t[2].transpose(1, 2).contiguous().transpose(1, 2)[..., :128],
+                t[3]), None, None),
+    (lambda t: (torch.empty(3, 2, 5, 4, 130)[..., :128], *t[1:]), ValueError,
+     "out_partial is read and written 16 bytes at a time"),
+    (lambda t: (*t[:3], t[3].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+     "lse must have a unit last stride"),
+    (lambda t: (*t[:3], "lse"), TypeError, "lse must be a torch.Tensor"),
+], ids=["out_partial-dtype", "lse_partial-dtype", "out-dtype", "lse-shape", "out_partial-shape",
+        "split-counts", "no-split", "dv", "out-strided-ok", "out_partial-strided",
+        "lse-stride", "lse-type"])
+def test_bad_tensors_named(change, error, says):
+    args = change(_dense())
+    if error is None:
+        _combine_layout(*args)
+        return
+    with pytest.raises(error, match=says):
+        _combine_layout(*args)
+
+
+def test_more_than_max_splits_refused():
+    with pytest.raises(ValueError, match=r"\[1, 128\], got 129"):
+        _combine_layout(*_dense(n=129, b=1, sq=1, h=1))
