@@ -70,7 +70,9 @@ def min_tiles_per_split(packed_rows: int, tile_m: int, tile_n: int) -> int:
 #      column) stays a small share of the 4 B per key and column of K and V it reads;
 #   4. capped by MAX_SPLITS (the combine's bound);
 #   5. evened: with t = ceil(key_tiles / splits) tiles per split, ceil(key_tiles / t) splits,
-#      so no split is shorter than the others by a whole share and none is empty.
+#      so no split is empty when the kernel gives each split t tiles (FA4's cut: the last
+#      split takes the rest). Evening can only lower the count, and by little on long caches:
+#      ceil(T / t) > splits T / (T + splits) >= 0.8 splits once T >= 4 splits.
 # The decode benchmark is the judge of the constants (one CTA per SM as the target, 2 tiles and
 # a quarter for the partial); FA4's own rule (floor(num_sms / ctas), no split at <= 4 key tiles)
 # differs in 2 (floor) and 3.

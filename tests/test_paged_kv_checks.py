@@ -1,0 +1,212 @@
+"""A paged KV cache's checks (fa4_final.runtime.decode, Note [Paged KV checks]) and its address
+arithmetic, on CPU tensors: every bad input gets an error that names the argument, the value and
+what is accepted; the used pages' values are checked, padding columns are not; a gather by
+paged_key_row equals the contiguous cache bit for bit."""
+
+import pytest
+import torch
+
+from fa4_final.runtime.decode import (
+    PagedKV,
+    check_num_splits,
+    check_paged_kv,
+    gather_pages,
+    paged_key_row,
+)
+
+NUM_PAGES, PAGE, HK, D = 12, 16, 2, 64
+
+
+def _cache(num_pages=NUM_PAGES, page=PAGE, hk=HK, d=D, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(num_pages, page, hk, d, generator=g).to(dtype)
+    v = torch.randn(num_pages, page, hk, d, generator=g).to(dtype)
+    return k, v
+
+
+def _table():
+    """3 sequences, 4 page slots each: 0, 17 and 64 keys used; unused slots hold -1."""
+    table = torch.tensor([[-1, -1, -1, -1], [5, 0, -1, -1], [11, 3, 7, 2]], dtype=torch.int32)
+    used = torch.tensor([0, 17, 64], dtype=torch.int32)
+    return table, used
+
+
+def test_a_good_cache_passes():
+    k, v = _cache()
+    table, used = _table()
+    paged = check_paged_kv(k, v, table, used, batch=3)
+    assert paged == PagedKV(NUM_PAGES, PAGE, 4) and paged.capacity == 64
+
+
+def _raises(error, says, k=None, v=None, table=None, used=None, batch=3, **kw):
+    k0, v0 = _cache()
+    t0, u0 = _table()
+    with pytest.raises(error, match=says):
+        check_paged_kv(k0 if k is None else k, v0 if v is None else v,
+                       t0 if table is None else table, u0 if used is None else used, batch, **kw)
+
+
+def test_a_page_past_the_cache():
+    table, _ = _table()
+    table[2, 1] = NUM_PAGES
+    _raises(ValueError, r"page_table\[2, 1\] = 12 is not a page of the cache: k and v hold 12 "
+                        r"pages, so the pages a sequence uses must be in \[0, 12\) \(sequence 2 "
+                        r"uses its first 4 entries: seqused_k\[2\] = 64, page_size 16\)",
+            table=table)
+
+
+def test_a_negative_page_in_use():
+    table, _ = _table()
+    table[1, 1] = -1  # sequence 1 uses 2 pages (17 keys)
+    _raises(ValueError, r"page_table\[1, 1\] = -1 is not a page", table=table)
+
+
+def test_the_first_bad_page_is_named():
+    table, _ = _table()
+    table[2, 3] = 99
+    table[1, 0] = 40
+    _raises(ValueError, r"page_table\[1, 0\] = 40", table=table)
+
+
+def test_padding_columns_may_hold_anything():
+    k, v = _cache()
+    table, used = _table()
+    table[1, 2:] = 2**31 - 1
+    table[0, :] = -7
+    check_paged_kv(k, v, table, used, batch=3)
+
+
+def test_seqused_k_over_the_page_table():
+    _, used = _table()
+    used[1] = 65
+    _raises(ValueError, r"seqused_k\[1\] = 65 must be in \[0, 64\] \(max_pages 4 x page_size "
+                        r"16: the keys page_table row 1 can map\)", used=used)
+
+
+def test_seqused_k_negative():
+    _, used = _table()
+    used[0] = -1
+    _raises(ValueError, r"seqused_k\[0\] = -1 must be in \[0, 64\]", used=used)
+
+
+def test_value_checks_can_be_skipped(monkeypatch):
+    k, v = _cache()
+    table, used = _table()
+    table[2, 0] = 1000
+    check_paged_kv(k, v, table, used, 3, check_values=False)
+    monkeypatch.setenv("FA4_FINAL_VARLEN_CHECKS", "0")
+    check_paged_kv(k, v, table, used, 3)  # the varlen checks' switch turns these off too
+    with pytest.raises(ValueError, match="1000"):
+        check_paged_kv(k, v, table, used, 3, check_values=True)
+
+
+@pytest.mark.parametrize("page", [8, 24, 40, 0])
+def test_page_size_a_multiple_of_16(page):
+    k, v = _cache(page=max(page, 1))
+    if page == 0:
+        k, v = k[:, :0], v[:, :0]
+    _raises(ValueError, rf"page_size \(k.shape\[1\]\) must be a positive multiple of 16, got "
+                        rf"{page}", k=k, v=v)
+
+
+@pytest.mark.parametrize("page", [16, 32, 48, 128, 256])
+def test_page_sizes_accepted(page):
+    k, v = _cache(num_pages=4, page=page)
+    table = torch.tensor([[0, 3]], dtype=torch.int32)
+    check_paged_kv(k, v, table, torch.tensor([2 * page], dtype=torch.int32), 1)
+
+
+def test_page_table_dtype():
+    table, _ = _table()
+    _raises(TypeError, "page_table must have dtype torch.int32, got torch.int64",
+            table=table.long())
+    _raises(TypeError, "page_table must be a torch.Tensor of int32, got list",
+            table=table.tolist())
+
+
+@pytest.mark.parametrize("shape, says", [
+    ((12,), r"got shape \(12,\)"), ((2, 4), r"got shape \(2, 4\)"),
+    ((3, 4, 1), r"got shape \(3, 4, 1\)")])
+def test_page_table_shape(shape, says):
+    _raises(ValueError, r"page_table must be 2-D \(batch, max_pages\) = \(3, max_pages\), " + says,
+            table=torch.zeros(shape, dtype=torch.int32))
+
+
+def test_page_table_device():
+    table = torch.zeros((3, 4), dtype=torch.int32, device="meta")
+    _raises(ValueError, "page_table must be on k's device cpu, got meta", table=table)
+
+
+def test_seqused_k_required_and_checked():
+    k, v = _cache()
+    table, used = _table()
+    with pytest.raises(ValueError, match="seqused_k is required with a page_table"):
+        check_paged_kv(k, v, table, None, 3)
+    _raises(TypeError, "seqused_k must have dtype torch.int32, got torch.int64", used=used.long())
+    _raises(ValueError, r"seqused_k must have shape \(3,\)", used=used[:2])
+    _raises(ValueError, "seqused_k must be on k's device cpu, got meta",
+            used=torch.zeros(3, dtype=torch.int32, device="meta"))
+
+
+def test_not_with_cu_seqlens_k():
+    _raises(ValueError, "page_table is not supported with cu_seqlens_k",
+            cu_seqlens_k=torch.zeros(4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_cache_shape(which):
+    k, v = _cache()
+    bad = {which: (k if which == "k" else v).reshape(NUM_PAGES * PAGE, HK, D)}
+    _raises(ValueError, rf"with a page_table, {which} must be 4-D \(num_pages, page_size, "
+                        rf"heads_kv, head_dim\), got shape \(192, 2, 64\)", **bad)
+
+
+def test_k_and_v_alike_and_not_empty():
+    k, v = _cache()
+    _raises(ValueError, "k and v must have the same", v=v[:6])
+    _raises(ValueError, "hold no page", k=k[:0], v=v[:0])
+
+
+@pytest.mark.parametrize("value", [True, 2.0, "2"])
+def test_num_splits_refused_with_its_value(value):
+    with pytest.raises(TypeError, match=f"got {value!r}"):
+        check_num_splits(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# the address arithmetic
+
+
+def test_paged_key_row():
+    row = [7, 2, 9]
+    assert paged_key_row(row, 16, 0) == (7, 0)
+    assert paged_key_row(row, 16, 15) == (7, 15)
+    assert paged_key_row(row, 16, 16) == (2, 0)
+    assert paged_key_row(row, 16, 47) == (9, 15)
+    assert paged_key_row(torch.tensor(row, dtype=torch.int32), 32, 40) == (2, 8)
+    with pytest.raises(ValueError, match="key_index 48 is outside the 3 pages of 16 keys"):
+        paged_key_row(row, 16, 48)
+    with pytest.raises(ValueError, match="key_index -1"):
+        paged_key_row(row, 16, -1)
+
+
+@pytest.mark.parametrize("page", [16, 48, 128])
+def test_paged_equals_contiguous_bit_for_bit(page):
+    """A contiguous cache scattered into shuffled pages and gathered back by the page table is
+    the same bits, for every sequence length (partial last pages included)."""
+    g = torch.Generator().manual_seed(page)
+    batch, max_pages = 3, 5
+    lengths = [1, page * 3 + 5, page * max_pages]
+    dense = torch.randn(batch, page * max_pages, HK, D, generator=g).to(torch.bfloat16)
+    num_pages = batch * max_pages + 4  # spare pages that nobody uses
+    order = torch.randperm(num_pages, generator=g)[:batch * max_pages].to(torch.int32)
+    table = order.reshape(batch, max_pages)
+    cache = torch.full((num_pages, page, HK, D), float("nan"), dtype=torch.bfloat16)
+    for b in range(batch):
+        for key in range(lengths[b]):
+            p, r = paged_key_row(table[b], page, key)
+            cache[p, r] = dense[b, key]
+    check_paged_kv(cache, cache, table, torch.tensor(lengths, dtype=torch.int32), batch)
+    for b in range(batch):
+        got = gather_pages(cache, table[b], lengths[b])
+        assert torch.equal(got.view(torch.int16), dense[b, :lengths[b]].view(torch.int16))
