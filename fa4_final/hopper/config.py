@@ -234,3 +234,73 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
     if causal:
         return HopperBwdConfig(tile_m=64, deterministic=deterministic)
     return HopperBwdConfig(tile_m=80, dq_swap_ab=True, deterministic=deterministic)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Hopper decode forward (fa4_final.hopper.decode)
+
+DECODE_TILE_NS = (32, 64, 128)  # keys per K/V tile: wgmma N of S = Q K^T, K of O += P V
+# setmaxnreg (producer warpgroup, consumer warpgroup). The kernel is launched with a bound of two
+# CTAs an SM, so each thread starts with 64 K / 2 / 256 = 128 registers; the producer gives
+# 128 - 24 to the consumer: 24 + 232 = 2 x 128 per thread slot of a sub-partition.
+SM90_DECODE_REGISTERS = (24, 232)
+DECODE_LAUNCH_REGISTERS = 128
+DECODE_CTAS_PER_SM_BOUND = 2
+
+
+@dataclass(frozen=True)
+class HopperDecodeConfig:
+    """Knobs of fa4_final.hopper.decode.HopperDecode: one consumer warpgroup of tile_m = 64
+    packed query rows (wgmma's smallest M), a producer warp issuing TMA, ``stages`` K tiles and
+    as many V tiles in flight (Note [Decode bytes in flight])."""
+
+    tile_n: int = 128  # keys per K/V tile; a page must hold whole tiles (Note [Key tile pages])
+    stages: int = 3  # depth of the K ring and of the V ring
+
+    @property
+    def tile_m(self) -> int:
+        return WGMMA_M
+
+    @property
+    def registers(self) -> tuple[int, int]:
+        return SM90_DECODE_REGISTERS
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """Bytes of the kernel's SharedStorage: the mbarriers (full + empty per stage of K and
+        of V), Q, the K ring and the V ring, each tile 1 KB aligned for the 128 B swizzle. The
+        kernel asserts its struct has exactly this size."""
+        barriers = 8 * 2 * 2 * self.stages
+        q = self.tile_m * head_dim * elem_bytes
+        kv = self.tile_n * head_dim * elem_bytes * self.stages
+        return _align(barriers) + _align(q) + 2 * _align(kv)
+
+    def kv_bytes_in_flight(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """K and V bytes the producer can have requested ahead of the consumer."""
+        return 2 * self.stages * self.tile_n * head_dim * elem_bytes
+
+    def check(self, head_dim: int) -> None:
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+        if isinstance(self.tile_n, bool) or self.tile_n not in DECODE_TILE_NS:
+            raise ValueError(f"tile_n must be one of {DECODE_TILE_NS} (keys per K/V tile: the N "
+                             f"of S = Q K^T and the K of O += P V), got {self.tile_n!r}")
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
+            raise ValueError(f"stages must be an int >= 1 (K and V tiles in flight), got "
+                             f"{self.stages!r}")
+        producer, consumer = self.registers
+        assert producer + consumer <= DECODE_CTAS_PER_SM_BOUND * DECODE_LAUNCH_REGISTERS
+        need = self.smem_bytes(head_dim)
+        if need > SM90_SMEM_BYTES:
+            raise ValueError(
+                f"config needs {need} B of shared memory (Q {self.tile_m}x{head_dim}, "
+                f"{self.stages} K + {self.stages} V stages of {self.tile_n}x{head_dim}; 16-bit), "
+                f"more than the {SM90_SMEM_BYTES} B a CTA may use: fewer stages or a smaller "
+                f"tile_n")
+
+
+def hopper_decode_default(head_dim: int) -> HopperDecodeConfig:
+    """The decode config for sm_90 (Note [Decode bytes in flight] in fa4_final.hopper.decode):
+    128-key tiles; D = 128: three K and three V stages (192 KB of K/V in flight, one CTA an SM);
+    D = 64: three stages (96 KB, 105 KB of shared memory, so two CTAs fit an SM). Not yet timed:
+    these rest on the arithmetic of the Note alone."""
+    return HopperDecodeConfig(tile_n=128, stages=3)

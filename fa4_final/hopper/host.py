@@ -8,6 +8,7 @@ recipe of the same arguments). The runtime's prologue does all of that before it
     forward_recipe / backward_recipe        kernels, fake arguments, config of one pass
     launch_forward / launch_varlen_forward  one launch of the forward
     launch_backward / launch_varlen_backward  bwd_pre, the main kernel, bwd_post
+    decode_recipe / launch_decode           the decode forward (packed GQA, split-KV, paged)
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from fa4_final.common.tiles import TileWindow, kv_tile_range
 from fa4_final.common.timeline import MARKS, MAX_STEPS
 from fa4_final.hopper.config import (
     HopperBwdConfig,
+    HopperDecodeConfig,
     HopperFwdConfig,
     hopper_bwd_default,
+    hopper_decode_default,
     hopper_fwd_default,
 )
 
@@ -394,3 +397,69 @@ def launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens
                     delta, accum, dk.unsqueeze(0), dv.unsqueeze(0), turn, cu_q, cu_k, used,
                     softmax_scale, window_left or 0, window_right or 0)
     kernels["post"](accum, dq.unsqueeze(0), cu_q, softmax_scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# the decode forward
+
+
+def decode_fake_args(dtype_name: str, head_dim: int, paged: bool, has_seqused_k: bool,
+                     split: bool) -> tuple:
+    """The decode kernel's fake arguments, in its launch order: q (b, s_q, h, D); k and v
+    (b, s_k, h_kv, D), or paged (num_pages, page_size, h_kv, D), the same fake shape; out and
+    lse, or with ``split`` the float32 partials (splits, b, s_q, h, D) and (splits, b, h, s_q);
+    the page table (b, max_pages) int32, contiguous along its pages; seqused_k (b,) int32."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    q, k, v, out, lse = fake_attention_tensors(CUTLASS_BY_NAME[dtype_name], head_dim)
+    if split:
+        splits, b, sq, h = (cute.sym_int() for _ in range(4))
+        out = fake_tensor(Float32, (splits, b, sq, h, head_dim))
+        lse = fake_tensor(Float32, (splits, b, h, sq))
+    page_table = fake_tensor(Int32, (cute.sym_int(), cute.sym_int())) if paged else None
+    used_k = fake_tensor(Int32, (cute.sym_int(),)) if has_seqused_k else None
+    return q, k, v, out, lse, page_table, used_k, Float32(1.0), fake_stream()
+
+
+def decode_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = True,
+                  paged: bool = False, has_seqused_k: bool = False, split: bool = False,
+                  config: HopperDecodeConfig | None = None, arch: str = ARCH) -> Recipe:
+    """The decode forward (fa4_final.hopper.decode) for one (head dim, dtype, causal, paged,
+    seqused_k, split) and config: compiled from fake tensors, so it needs no GPU."""
+    _check_target(dtype, arch, "decode forward")
+    cfg = config or hopper_decode_default(head_dim)
+    if not isinstance(cfg, HopperDecodeConfig):
+        raise TypeError(f"config must be a HopperDecodeConfig or None, got {type(cfg).__name__}")
+    from fa4_final.hopper.decode import HopperDecode
+
+    kernel = HopperDecode(CUTLASS_BY_NAME[dtype], head_dim, causal, cfg, paged=paged,
+                          has_seqused_k=has_seqused_k, split=split)
+    return Recipe("decode", ARCH, {"main": kernel},
+                  lambda role: decode_fake_args(dtype, head_dim, paged, has_seqused_k, split),
+                  cfg)
+
+
+def check_decode_page_size(page_size: int, config: HopperDecodeConfig) -> None:
+    """UnsupportedError naming ``page_size`` when the TMA page walk cannot take it."""
+    from fa4_final.common.decode_index import page_size_problem
+
+    problem = page_size_problem(page_size, config.tile_n)
+    if problem is not None:
+        raise UnsupportedError(problem)
+
+
+def launch_decode(plan, q, k, v, out, lse, page_table=None, seqused_k=None,
+                  softmax_scale: float | None = None) -> None:
+    """One launch of the decode forward compiled as ``plan`` (from decode_recipe with the same
+    paged, seqused_k and split choices). q (b, s_q, h, D); k, v (b, s_k, h_kv, D) or, with
+    ``page_table`` (b, max_pages) int32, (num_pages, page_size, h_kv, D); ``seqused_k`` (b,)
+    int32 or None. ``out`` and ``lse`` are preallocated by the caller: out like q and lse (b, h,
+    s_q) float32 for one split, or the float32 partials (splits, b, s_q, h, D) and (splits, b,
+    h, s_q) that the combine merges. Nothing here reads device memory: the launch is safe to
+    capture in a CUDA graph (the compile must happen before, with a warm-up call)."""
+    if page_table is not None:
+        check_decode_page_size(k.shape[1], plan.config)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    plan.kernels["main"](q, k, v, out, lse, page_table, seqused_k, softmax_scale)

@@ -1,0 +1,109 @@
+"""The decode kernel's index arithmetic: packed query rows, key tiles per split, pages.
+
+Plain arithmetic on purpose, like common.tiles: the Hopper decode kernel calls these functions
+on run-time ``Int32`` values while it is traced, and the CPU tests call them on Python ints and
+hold them against brute force and a float64 walk of the whole decode.
+
+Note [Packed GQA rows]
+The query heads that share a KV head read the same keys, so a CTA takes all of them at once: the
+rows of its query tile are (token, head) pairs of one (batch entry, KV head), the heads of a
+token next to each other,
+    packed row r  ->  token r // group,  head kv_head * group + r % group,
+with ``group`` = heads // heads_kv. A sequence's seqlen_q tokens give seqlen_q * group packed rows,
+cut into tiles of tile_m rows (m-blocks); the last m-block's rows past that count are padding,
+computed and never stored. Causal masking is bottom-right (the query tokens are the last
+seqlen_q of the sequence): token t sees keys j < t + seqlen_k - seqlen_q + 1, so a packed row's
+key limit depends on its token only, and the rows of one token share it.
+
+Note [Key splits]
+A (batch entry, KV head)'s key tiles are cut into ``num_splits`` consecutive ranges of
+ceil(tiles / num_splits) tiles, counted over the whole sequence (ceil(seqlen_k / tile_n) tiles)
+so that every m-block cuts at the same keys; an m-block whose causal limit ends earlier clips
+its ranges there. A split left with no tile writes lse = -inf and out = 0, which the combine
+weighs by exp(-inf) = 0. The tiles are visited from the highest down, so the ones that need a
+mask (past seqlen_k or right of a row's causal limit) come first.
+
+Note [Key tile pages]
+A paged cache keeps keys in pages of page_size rows, k of shape (num_pages, page_size, heads_kv,
+D), and a sequence's page i is page_table[b, i]. With page_size a multiple of tile_n, key tile n
+lies inside one page: slot n // (page_size // tile_n) of the sequence's row of the table, tile
+n % (page_size // tile_n) inside that page, so one TMA box per tile still reads it. A contiguous
+cache is the same walk with one page per sequence: page b, page_size = the cache's length.
+"""
+
+from __future__ import annotations
+
+from fa4_final.common.tiles import _max, _min
+
+
+def _cdiv(a, b):
+    """ceil(a / b) for a >= 0, b > 0: ints or run-time Int32 alike (either may be either)."""
+    return (a + b - 1) // b
+
+
+def packed_rows(seqlen_q, group):
+    """Packed query rows of one (batch entry, KV head): every token times every head of its group
+    (Note [Packed GQA rows])."""
+    return seqlen_q * group
+
+
+def num_m_blocks(seqlen_q, group, tile_m: int):
+    """Query tiles of tile_m packed rows over one (batch entry, KV head)."""
+    return _cdiv(packed_rows(seqlen_q, group), tile_m)
+
+
+def unpack_row(row, group, kv_head):
+    """(token, query head) of packed row ``row`` of KV head ``kv_head``."""
+    return row // group, kv_head * group + row % group
+
+
+def key_limit(row, group, seqlen_q, seqlen_k, causal: bool):
+    """One past the last key packed row ``row`` sees (<= 0: none). Not causal: seqlen_k.
+    Causal: bottom-right, token t sees keys j <= t + seqlen_k - seqlen_q."""
+    if not causal:
+        return seqlen_k
+    return _min(seqlen_k, row // group + seqlen_k - seqlen_q + 1)
+
+
+def block_key_tiles(m_block, tile_m: int, tile_n: int, group, seqlen_q, seqlen_k,
+                    causal: bool):
+    """(n_end, n_full) for m-block ``m_block``: its rows see keys of tiles 0 .. n_end - 1 only,
+    and tiles n >= n_full hold keys some of its rows must not see (a mask is needed there).
+    Padding rows past the packed count are left out of n_end (they are never stored)."""
+    first = m_block * tile_m
+    last = _min(first + tile_m, packed_rows(seqlen_q, group)) - 1
+    end = _max(key_limit(last, group, seqlen_q, seqlen_k, causal), 0)
+    full = _max(key_limit(first, group, seqlen_q, seqlen_k, causal), 0)
+    return _cdiv(end, tile_n), full // tile_n
+
+
+def split_key_tiles(split, num_splits, seqlen_k, tile_n: int, n_end):
+    """(n_lo, n_hi): split ``split`` of ``num_splits`` visits key tiles n_lo <= n < n_hi
+    (Note [Key splits]); n_hi <= n_lo means none."""
+    per_split = _cdiv(_cdiv(seqlen_k, tile_n), num_splits)
+    n_lo = split * per_split
+    n_hi = _min(n_lo + per_split, n_end)
+    return n_lo, _max(n_hi, n_lo)
+
+
+def masked_tiles(n_lo, n_hi, n_full):
+    """How many of the split's tiles, the first visited (the highest), need a mask."""
+    return _min(_max(n_hi - _max(n_full, n_lo), 0), n_hi - n_lo)
+
+
+def key_tile_location(n, tile_n: int, page_size):
+    """(slot in the sequence's page-table row, tile inside that page) of key tile ``n``
+    (Note [Key tile pages]); page_size is a multiple of tile_n."""
+    tiles_per_page = page_size // tile_n
+    return n // tiles_per_page, n % tiles_per_page
+
+
+def page_size_problem(page_size: int, tile_n: int) -> str | None:
+    """Why the TMA page walk cannot take pages of ``page_size`` rows, or None when it can."""
+    if page_size < 1 or page_size % tile_n:
+        return (f"page_size={page_size}: the decode kernel loads each key tile of {tile_n} rows "
+                f"with one TMA box from one page, so the page size must be a positive multiple "
+                f"of {tile_n} (a smaller key tile, HopperDecodeConfig(tile_n=...), takes smaller "
+                f"pages); pages that split a tile need a gathered load, which this kernel does "
+                f"not have")
+    return None

@@ -1,0 +1,183 @@
+"""Float64 decode on the CPU: the answer (``decode_reference``), a walk of the Hopper decode
+kernel's own index arithmetic (``emulate_decode``), and the inputs both take (``paged_cache``).
+
+The reference knows nothing of tiles, splits or pages: per sequence it gathers the first
+seqused_k keys, masks bottom-right causal, and takes the softmax in float64. The emulation does
+what the kernel does, with the functions the kernel calls (fa4_final.common.decode_index): the
+grid of (m-block, split, KV head, batch entry), packed GQA rows, the split's key tiles from the
+highest down, each tile read from its page, the mask only on the tiles the kernel masks, the
+online softmax per split, float32-layout partials (out_partial (splits, b, s_q, h, D), lse_partial
+(splits, b, h, s_q), natural log, -inf for a split with no key), and a float64 merge of them.
+Where the kernel's arithmetic is wrong (a tile it skips, a mask it omits, a wrong page) the
+emulation disagrees with the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fa4_final.common.decode_index import (
+    block_key_tiles,
+    key_limit,
+    key_tile_location,
+    masked_tiles,
+    num_m_blocks,
+    packed_rows,
+    split_key_tiles,
+    unpack_row,
+)
+
+F64 = torch.float64
+
+
+def sequence_keys(k, b: int, length: int, page_table=None):
+    """The first ``length`` key rows of sequence ``b``, (length, h_kv, D): contiguous k is
+    (b, s_k, h_kv, D); paged k is (num_pages, page_size, h_kv, D) with page_table (b, pages)."""
+    if page_table is None:
+        return k[b, :length]
+    page_size = k.shape[1]
+    pages = -(-length // page_size)
+    rows = torch.cat([k[int(page_table[b, i])] for i in range(pages)]) if pages else k[0, :0]
+    return rows[:length]
+
+
+def cached_lengths(k, batch: int, page_table=None, seqused_k=None) -> list[int]:
+    """Each sequence's key count, as the kernel takes it (HopperDecode.cached_length)."""
+    if seqused_k is not None:
+        return [int(x) for x in seqused_k]
+    if page_table is not None:
+        return [k.shape[1] * page_table.shape[1]] * batch
+    return [k.shape[1]] * batch
+
+
+def decode_reference(q, k, v, causal: bool, softmax_scale=None, page_table=None,
+                     seqused_k=None):
+    """Float64 (out (b, s_q, h, D), lse (b, h, s_q)); a row with no visible key: out 0,
+    lse -inf. Causal is bottom-right: token t sees keys j <= t + seqlen_k - seqlen_q."""
+    b_count, sq, h, d = q.shape
+    h_kv = k.shape[2]
+    group = h // h_kv
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    out = torch.zeros(b_count, sq, h, d, dtype=F64)
+    lse = torch.full((b_count, h, sq), -math.inf, dtype=F64)
+    for b, length in enumerate(cached_lengths(k, b_count, page_table, seqused_k)):
+        keys = sequence_keys(k, b, length, page_table).to(F64)  # (L, h_kv, D)
+        vals = sequence_keys(v, b, length, page_table).to(F64)
+        visible = torch.ones(sq, length, dtype=torch.bool)
+        if causal:
+            t = torch.arange(sq)[:, None]
+            visible = torch.arange(length)[None, :] <= t + length - sq
+        for head in range(h):
+            s = scale * q[b, :, head].to(F64) @ keys[:, head // group].T  # (s_q, L)
+            s = s.masked_fill(~visible, -math.inf)
+            row_lse = torch.logsumexp(s, dim=1)
+            seen = visible.any(dim=1)
+            p = torch.exp(s - torch.where(seen, row_lse, 0.0)[:, None])
+            out[b, :, head] = torch.where(seen[:, None], p @ vals[:, head // group], 0.0)
+            lse[b, head] = torch.where(seen, row_lse, -math.inf)
+    return out, lse
+
+
+def key_tile(x, b: int, kv_head: int, n: int, tile_n: int, page_table=None):
+    """Key tile ``n`` of sequence ``b`` as the producer's TMA box reads it, (tile_n, D): from
+    its page (paged), else rows n * tile_n .. of the batch entry, zero past the cache's end (the
+    TMA box's fill)."""
+    if page_table is not None:
+        slot, inside = key_tile_location(n, tile_n, x.shape[1])
+        page = int(page_table[b, slot])
+        return x[page, inside * tile_n:(inside + 1) * tile_n, kv_head]
+    rows = x[b, n * tile_n:(n + 1) * tile_n, kv_head]
+    pad = torch.zeros(tile_n - rows.shape[0], rows.shape[1], dtype=rows.dtype)
+    return torch.cat([rows, pad])
+
+
+def emulate_decode(q, k, v, causal: bool, num_splits: int, softmax_scale=None, page_table=None,
+                   seqused_k=None, tile_m: int = 64, tile_n: int = 128):
+    """(out_partial, lse_partial, tiles visited) of the kernel's walk, in float64 and the split
+    contract's layout. Rows of a tile the kernel does not mask are not masked here either."""
+    b_count, sq, h, d = q.shape
+    h_kv = k.shape[2]
+    group = h // h_kv
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    out_p = torch.full((num_splits, b_count, sq, h, d), math.nan, dtype=F64)
+    lse_p = torch.full((num_splits, b_count, h, sq), math.nan, dtype=F64)
+    visited = 0
+    lengths = cached_lengths(k, b_count, page_table, seqused_k)
+    for b in range(b_count):
+        seqlen_k = lengths[b]
+        for kv_head in range(h_kv):
+            for m_block in range(num_m_blocks(sq, group, tile_m)):
+                n_end, n_full = block_key_tiles(m_block, tile_m, tile_n, group, sq, seqlen_k,
+                                                causal)
+                first = m_block * tile_m
+                rows = list(range(first, min(first + tile_m, packed_rows(sq, group))))
+                where = [unpack_row(r, group, kv_head) for r in rows]
+                qt = torch.stack([q[b, t, hh] for t, hh in where]).to(F64)  # (rows, D)
+                limits = torch.tensor([key_limit(r, group, sq, seqlen_k, causal) for r in rows])
+                for split in range(num_splits):
+                    n_lo, n_hi = split_key_tiles(split, num_splits, seqlen_k, tile_n, n_end)
+                    top = max(masked_tiles(n_lo, n_hi, n_full), 1)
+                    m = torch.full((len(rows),), -math.inf, dtype=F64)
+                    lsum = torch.zeros(len(rows), dtype=F64)
+                    o = torch.zeros(len(rows), d, dtype=F64)
+                    for i in range(n_hi - n_lo):
+                        n = n_hi - 1 - i
+                        visited += 1
+                        kt = key_tile(k, b, kv_head, n, tile_n, page_table).to(F64)
+                        vt = key_tile(v, b, kv_head, n, tile_n, page_table).to(F64)
+                        s = scale * qt @ kt.T  # (rows, tile_n)
+                        if i < top:
+                            cols = n * tile_n + torch.arange(tile_n)
+                            s = s.masked_fill(cols[None, :] >= limits[:, None], -math.inf)
+                        m_new = torch.maximum(m, s.max(dim=1).values)
+                        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
+                        alpha = torch.exp(m - m_safe)
+                        p = torch.exp(s - m_safe[:, None])
+                        lsum = alpha * lsum + p.sum(dim=1)
+                        o = alpha[:, None] * o + p @ vt
+                        m = m_new
+                    seen = lsum > 0
+                    row_out = torch.where(seen[:, None], o / torch.where(seen, lsum, 1.0)[:, None],
+                                          0.0)
+                    row_lse = torch.where(seen, m + torch.log(torch.where(seen, lsum, 1.0)),
+                                          -math.inf)
+                    for j, (t, hh) in enumerate(where):
+                        out_p[split, b, t, hh] = row_out[j]
+                        lse_p[split, b, hh, t] = row_lse[j]
+    return out_p, lse_p, visited
+
+
+def merge_splits(out_partial, lse_partial):
+    """Float64 merge of split partials (the combine's math, splits in order): out =
+    sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s); every split -inf: out 0,
+    lse -inf. Returns (out (b, s_q, h, D), lse (b, h, s_q))."""
+    lse_p = lse_partial.to(F64)
+    lse = torch.logsumexp(lse_p, dim=0)  # (b, h, s_q)
+    seen = torch.isfinite(lse)
+    w = torch.exp(lse_p - torch.where(seen, lse, 0.0)[None])  # (splits, b, h, s_q)
+    w = torch.where(seen[None], w, 0.0).permute(0, 1, 3, 2)[..., None]  # (splits, b, s_q, h, 1)
+    out = (w * torch.nan_to_num(out_partial.to(F64), nan=0.0)).sum(dim=0)
+    return out, torch.where(seen, lse, -math.inf)
+
+
+def paged_cache(k, v, page_size: int, generator=None, spare_pages: int = 3):
+    """The contiguous cache (b, s_k, h_kv, D) as pages: (k_paged, v_paged, page_table) with
+    the pages in a shuffled order among ``spare_pages`` extra pages that no sequence owns and
+    that hold NaN (a read of one shows). s_k must be a multiple of page_size."""
+    b_count, sk, h_kv, d = k.shape
+    assert sk % page_size == 0, (sk, page_size)
+    per_seq = sk // page_size
+    total = b_count * per_seq + spare_pages
+    order = torch.randperm(total, generator=generator)
+    kp = torch.full((total, page_size, h_kv, d), math.nan, dtype=k.dtype)
+    vp = torch.full((total, page_size, h_kv, d), math.nan, dtype=v.dtype)
+    table = torch.empty(b_count, per_seq, dtype=torch.int32)
+    for b in range(b_count):
+        for i in range(per_seq):
+            page = int(order[b * per_seq + i])
+            table[b, i] = page
+            kp[page] = k[b, i * page_size:(i + 1) * page_size]
+            vp[page] = v[b, i * page_size:(i + 1) * page_size]
+    return kp, vp, table

@@ -1,0 +1,228 @@
+"""The Hopper decode kernel's index arithmetic on the CPU (fa4_final.common.decode_index): packed
+GQA rows, key limits, the key tiles of an m-block and of a split, the masked tiles, pages; each
+against brute force, then the kernel's whole walk (tests.decode_reference.emulate_decode) in
+float64 against the float64 decode, contiguous and paged, one split and several."""
+
+import math
+
+import pytest
+import torch
+
+from fa4_final.common.decode_index import (
+    block_key_tiles,
+    key_limit,
+    key_tile_location,
+    masked_tiles,
+    num_m_blocks,
+    packed_rows,
+    page_size_problem,
+    split_key_tiles,
+    unpack_row,
+)
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.hopper.config import HopperDecodeConfig, hopper_decode_default
+from tests.decode_reference import (
+    cached_lengths,
+    decode_reference,
+    emulate_decode,
+    merge_splits,
+    paged_cache,
+)
+
+GROUPS = (1, 4, 8, 16)
+
+
+def visible(token: int, key: int, seqlen_q: int, seqlen_k: int, causal: bool) -> bool:
+    """Brute force: bottom-right causal, or every key of the sequence."""
+    return 0 <= key < seqlen_k and (not causal or key <= token + seqlen_k - seqlen_q)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("seqlen_q", [1, 3, 4, 16])
+def test_packed_rows_cover_each_token_and_head_once(group, seqlen_q):
+    """Row r -> (token r // group, head kv_head * group + r % group): a bijection onto the
+    group's (token, head) pairs, the heads of a token adjacent (FA4's pack_gqa order)."""
+    for kv_head in (0, 3):
+        rows = packed_rows(seqlen_q, group)
+        pairs = [unpack_row(r, group, kv_head) for r in range(rows)]
+        assert sorted(pairs) == [(t, kv_head * group + g) for t in range(seqlen_q)
+                                 for g in range(group)]
+        assert pairs[:group] == [(0, kv_head * group + g) for g in range(group)]
+    assert num_m_blocks(seqlen_q, group, 64) == -(-seqlen_q * group // 64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_limit_is_the_brute_force_visibility(causal):
+    for group in (1, 4):
+        for seqlen_q in (1, 5, 16):
+            for seqlen_k in (1, 3, 16, 130):
+                for r in range(packed_rows(seqlen_q, group)):
+                    t = r // group
+                    lim = key_limit(r, group, seqlen_q, seqlen_k, causal)
+                    seen = [j for j in range(-2, seqlen_k + 3)
+                            if visible(t, j, seqlen_q, seqlen_k, causal)]
+                    assert seen == list(range(max(lim, 0))), (r, seqlen_q, seqlen_k)
+
+
+def block_cases():
+    for tile_m, tile_n in ((64, 128), (64, 32)):
+        for group in GROUPS:
+            for seqlen_q in (1, 2, 4, 7, 16):
+                for seqlen_k in (1, 17, 128, 129, 300, 1000):
+                    yield tile_m, tile_n, group, seqlen_q, seqlen_k
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_key_tiles_are_tight(causal):
+    """n_end: every key a real row of the m-block sees lies in tiles < n_end, and the last of
+    them holds one; n_full: tiles below it are seen whole by every real row, and tile n_full
+    (when visited) hides a key from some row or runs past seqlen_k."""
+    for tile_m, tile_n, group, seqlen_q, seqlen_k in block_cases():
+        for m_block in range(num_m_blocks(seqlen_q, group, tile_m)):
+            rows = range(m_block * tile_m, min((m_block + 1) * tile_m, seqlen_q * group))
+            n_end, n_full = block_key_tiles(m_block, tile_m, tile_n, group, seqlen_q, seqlen_k,
+                                            causal)
+            seen = {j for r in rows for j in range(seqlen_k)
+                    if visible(r // group, j, seqlen_q, seqlen_k, causal)}
+            assert n_end == (-(-(max(seen) + 1) // tile_n) if seen else 0)
+            for n in range(min(n_full, n_end)):
+                assert all(visible(r // group, j, seqlen_q, seqlen_k, causal)
+                           for r in rows for j in range(n * tile_n, (n + 1) * tile_n))
+            if n_full < n_end:
+                assert not all(visible(r // group, j, seqlen_q, seqlen_k, causal)
+                               for r in rows
+                               for j in range(n_full * tile_n, (n_full + 1) * tile_n))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+def test_splits_cut_the_key_tiles_in_order(num_splits):
+    """The splits' ranges are consecutive, disjoint, cover 0 .. n_end and cut at the same keys
+    for every m-block (their size comes from the whole sequence); masked_tiles counts exactly
+    the split's tiles at or above n_full."""
+    for tile_m, tile_n, group, seqlen_q, seqlen_k in block_cases():
+        per = math.ceil(math.ceil(seqlen_k / tile_n) / num_splits)
+        for m_block in range(num_m_blocks(seqlen_q, group, tile_m)):
+            n_end, n_full = block_key_tiles(m_block, tile_m, tile_n, group, seqlen_q, seqlen_k,
+                                            True)
+            covered = []
+            for split in range(num_splits):
+                n_lo, n_hi = split_key_tiles(split, num_splits, seqlen_k, tile_n, n_end)
+                assert n_lo == split * per and n_hi - n_lo <= per
+                covered += range(n_lo, n_hi)
+                assert masked_tiles(n_lo, n_hi, n_full) == sum(
+                    1 for n in range(n_lo, n_hi) if n >= n_full)
+            assert covered == list(range(n_end))
+
+
+@pytest.mark.parametrize("tile_n", [32, 64, 128])
+@pytest.mark.parametrize("page_size", [128, 256, 512])
+def test_a_key_tile_lies_in_one_page(tile_n, page_size):
+    """Key j = n * tile_n + c of a sequence is row (inside * tile_n + c) of its page
+    ``table[slot]``: exactly row j % page_size of page slot j // page_size."""
+    for n in range(40):
+        slot, inside = key_tile_location(n, tile_n, page_size)
+        for c in (0, tile_n - 1):
+            j = n * tile_n + c
+            assert (slot, inside * tile_n + c) == (j // page_size, j % page_size)
+
+
+def test_page_sizes_that_split_a_tile_are_refused_by_name():
+    from fa4_final.hopper.host import check_decode_page_size
+
+    assert page_size_problem(256, 128) is None and page_size_problem(64, 64) is None
+    for page_size in (16, 64, 96, 0):
+        with pytest.raises(UnsupportedError, match=f"page_size={page_size}:.*multiple of 128"):
+            check_decode_page_size(page_size, hopper_decode_default(128))
+    check_decode_page_size(64, HopperDecodeConfig(tile_n=64))
+
+
+def test_decode_config_checks_name_the_knob():
+    for d in (64, 128):
+        cfg = hopper_decode_default(d)
+        cfg.check(d)
+        assert cfg.tile_m == 64 and cfg.smem_bytes(d) <= 227 * 1024
+    # Note [Decode bytes in flight]: 209 KB at D = 128 (one CTA an SM), 105 KB at D = 64 (two)
+    assert hopper_decode_default(128).smem_bytes(128) == 209 * 1024
+    assert 2 * (hopper_decode_default(64).smem_bytes(64) + 1024) <= 228 * 1024
+    assert hopper_decode_default(128).kv_bytes_in_flight(128) == 192 * 1024
+    with pytest.raises(ValueError, match="tile_n"):
+        HopperDecodeConfig(tile_n=96).check(128)
+    with pytest.raises(ValueError, match="stages"):
+        HopperDecodeConfig(stages=0).check(128)
+    with pytest.raises(ValueError, match="shared memory"):
+        HopperDecodeConfig(stages=4).check(128)
+    with pytest.raises(ValueError, match="head_dim"):
+        HopperDecodeConfig().check(96)
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernel's walk in float64 against the float64 decode
+
+def inputs(batch, seqlen_q, seqlen_k, heads, heads_kv, d, seed, cache=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, heads, d, generator=g, dtype=torch.float64)
+    cache = cache or seqlen_k
+    k = torch.randn(batch, cache, heads_kv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, cache, heads_kv, d, generator=g, dtype=torch.float64)
+    return q, k, v, g
+
+
+CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, causal, splits, tile_n)
+    (1, 1, 1, 4, 1, True, 1, 128),
+    (2, 1, 300, 8, 2, True, 1, 128),
+    (2, 4, 300, 8, 1, True, 3, 128),
+    (1, 16, 1000, 16, 2, True, 4, 128),  # 16 tokens x GQA 8: 128 packed rows, two m-blocks
+    (2, 16, 257, 16, 1, True, 7, 64),  # GQA 16: four m-blocks, more splits than some have tiles
+    (1, 5, 3, 4, 4, True, 2, 32),  # more tokens than keys: rows that see nothing
+    (2, 3, 200, 4, 1, False, 5, 32),
+    (1, 16, 200, 4, 1, True, 1, 32),  # the diagonal crosses a tile edge: two masked tiles
+    (1, 16, 200, 4, 1, True, 2, 32),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_the_kernels_walk_is_the_decode(case):
+    batch, sq, sk, h, hk, causal, splits, tile_n = case
+    q, k, v, _ = inputs(batch, sq, sk, h, hk, 32, seed=sum(case[:5]))
+    out_ref, lse_ref = decode_reference(q, k, v, causal)
+    out_p, lse_p, _ = emulate_decode(q, k, v, causal, splits, tile_n=tile_n)
+    assert not out_p.isnan().any() and not lse_p.isnan().any()  # every partial written
+    out, lse = merge_splits(out_p, lse_p)
+    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-10, atol=1e-12)
+    if splits == 1:  # one split: the partials are out and lse themselves
+        torch.testing.assert_close(out_p[0], out_ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("page_size,tile_n", [(128, 128), (256, 128), (64, 64)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_walk_equals_contiguous_bit_for_bit(page_size, tile_n, splits):
+    """The cache as shuffled pages among NaN pages no sequence owns, cached lengths per sequence
+    (seqused_k) shorter than the pages hold: the paged walk reads no foreign page and gives the
+    contiguous walk's every bit."""
+    batch, sq, h, hk = 3, 4, 8, 2
+    pages = 5
+    q, k, v, g = inputs(batch, sq, 0, h, hk, 32, seed=page_size + splits,
+                        cache=pages * page_size)
+    used = torch.tensor([pages * page_size, 1, pages * page_size - 77], dtype=torch.int32)
+    kp, vp, table = paged_cache(k, v, page_size, generator=g)
+    contiguous = emulate_decode(q, k, v, True, splits, seqused_k=used, tile_n=tile_n)
+    paged = emulate_decode(q, kp, vp, True, splits, page_table=table, seqused_k=used,
+                           tile_n=tile_n)
+    assert contiguous[2] == paged[2]
+    for a, b in zip(contiguous[:2], paged[:2]):
+        assert torch.equal(a, b)
+    out, lse = merge_splits(*paged[:2])
+    out_ref, lse_ref = decode_reference(q, kp, vp, True, page_table=table, seqused_k=used)
+    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-10, atol=1e-12)
+    assert cached_lengths(kp, batch, table) == [pages * page_size] * batch
+
+
+def test_a_split_with_no_key_writes_minus_inf_and_zero():
+    q, k, v, _ = inputs(1, 1, 130, 4, 1, 16, seed=3)
+    out_p, lse_p, visited = emulate_decode(q, k, v, True, 5)  # 2 tiles over 5 splits
+    assert visited == 2
+    assert torch.isinf(lse_p[2:]).all() and (lse_p[2:] < 0).all()
+    assert (out_p[2:] == 0).all()
+    assert math.isfinite(float(lse_p[0, 0, 0, 0]))
