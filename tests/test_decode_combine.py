@@ -170,6 +170,121 @@ def test_float32_model_within_float32_error():
     assert (lse32.double() - ref_lse).abs().max() <= 1e-5 * (1 + ref_lse.abs().max())
 
 
+# ----------------------------------------------------------------------------------------------
+# the kernel's plan, emulated on the host
+
+
+def emulate_combine(out_partial, lse_partial, out, lse):
+    """What SplitCombine does, step by step in float32 on the host: its CTAs of
+    ``rows_per_cta`` rows, each row's ``lanes`` lanes holding lse slots (lane l: splits l,
+    l + lanes, ...), the butterfly max and sum over the lanes, the normalised weights in a
+    (rows, MAX_SPLITS) table, the partials added UNROLL splits at a time in split order, a split
+    of weight 0 never read; each lane writes its ELEMS_PER_LANE columns. Takes the launch's
+    arguments (dense or varlen, checked by its checks); returns how many times each element of
+    out was written (every one exactly once, by the plan)."""
+    from fa4_final.common.combine import THREADS
+
+    op, lp, o, lse4, rows = _combine_layout(out_partial, lse_partial, out, lse)
+    n, b, sq, h, dv = op.shape
+    lanes = dv // ELEMS_PER_LANE
+    rows_per_cta = THREADS // lanes
+    per_lane = MAX_SPLITS // lanes
+    ctas = -(-rows // rows_per_cta)
+    row = torch.arange(ctas * rows_per_cta)  # cta * rows_per_cta + local
+    valid = row < rows
+    q, hh, bb = row % sq, (row // sq) % h, row // (sq * h)
+    qv, hv, bv = (t.clamp(max=m - 1) for t, m in ((q, sq), (hh, h), (bb, b)))
+    split = torch.arange(per_lane)[None, :] * lanes + torch.arange(lanes)[:, None]  # (lane, c)
+    r_w = torch.full((len(row), lanes, per_lane), -math.inf)
+    take = valid[:, None, None] & (split < n)[None]
+    lse_rows = lp[split.clamp(max=n - 1)[None], bv[:, None, None], hv[:, None, None],
+                  qv[:, None, None]]
+    r_w = torch.where(take, lse_rows.float(), r_w)
+
+    def butterfly(x, op):
+        for offset in (lanes // 2 ** (i + 1) for i in range(lanes.bit_length() - 1)):
+            x = op(x, x[:, torch.arange(lanes) ^ offset])
+        return x
+
+    m = butterfly(r_w.amax(dim=2), torch.maximum)  # (rows, lanes), equal over the lanes
+    m_safe = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    r_w = torch.exp2((r_w - m_safe[..., None]) * math.log2(math.e))
+    lane_sum = torch.zeros(len(row), lanes)
+    for c in range(per_lane):
+        lane_sum = lane_sum + r_w[..., c]
+    total = butterfly(lane_sum, torch.add)
+    assert torch.equal(total, total[:, :1].expand_as(total))  # every lane holds the same sum
+    seen = total[:, 0] > 0
+    inv = torch.where(seen, 1.0 / torch.where(seen, total[:, 0], torch.ones(len(row))), 0.0)
+    s_w = torch.zeros(len(row), MAX_SPLITS)
+    s_w[:, split.flatten()] = (r_w * inv[:, None, None]).flatten(1)
+    lse_val = torch.where(seen, m[:, 0] + torch.log(total[:, 0]), -math.inf)
+    lse4[bv[valid], hv[valid], qv[valid]] = lse_val[valid]
+    acc = torch.zeros(len(row), dv)
+    for t in range(-(-n // UNROLL)):
+        x = []
+        for u in range(UNROLL):
+            s = t * UNROLL + u
+            w = s_w[:, s]
+            read = (w > 0) & valid
+            assert not read.any() or s < n  # weights past num_splits are 0: never read
+            part = op[min(s, n - 1), bv, qv, hv] if read.any() else torch.zeros(len(row), dv)
+            x.append((w, torch.where(read[:, None], part, torch.zeros_like(part))))
+        for w, part in x:
+            acc = acc + part * w[:, None]
+    o[bv[valid], qv[valid], hv[valid]] = acc[valid].to(o.dtype)
+    written = torch.zeros(o.shape, dtype=torch.int32)
+    for lane in range(lanes):  # each lane's columns, each valid row once
+        cols = slice(lane * ELEMS_PER_LANE, (lane + 1) * ELEMS_PER_LANE)
+        written[bv[valid], qv[valid], hv[valid], cols] += 1
+    return written
+
+
+@pytest.mark.parametrize("n, b, sq, h, dv, varlen", [
+    (1, 2, 1, 8, 128, False), (3, 3, 7, 5, 64, False), (128, 1, 16, 3, 128, False),
+    (17, 1, 37, 6, 64, True), (5, 33, 7, 5, 128, False)])
+def test_the_kernel_plan_writes_every_element_once(n, b, sq, h, dv, varlen):
+    g = torch.Generator().manual_seed(n * 131 + dv)
+    rows_shape = (b * sq, h) if varlen else (b, sq, h)
+    out = torch.full((*rows_shape, dv), math.nan, dtype=torch.bfloat16)
+    lse = torch.full((h, b * sq) if varlen else (b, h, sq), math.nan)
+    out_p, lse_p = partials_like(out, n)
+    out_p.copy_(torch.randn(out_p.shape, generator=g))
+    lse_p.copy_(torch.randn(lse_p.shape, generator=g) * 10)
+    lse_p[1::3] = -math.inf  # empty splits, NaN partials: never read
+    out_p[1::3] = math.nan
+    written = emulate_combine(out_p, lse_p, out, lse)
+    assert (written == 1).all()
+    dense = (out_p.unsqueeze(1), lse_p.unsqueeze(1)) if varlen else (out_p, lse_p)
+    ref_out, ref_lse = combine_reference(dense[0].double(), dense[1].double())
+    got_out, got_lse = (out.unsqueeze(0), lse.unsqueeze(0)) if varlen else (out, lse)
+    assert not torch.isnan(got_out).any() and not torch.isnan(got_lse).any()
+    assert (got_out.double() - ref_out).abs().max() <= 2 ** -8 * ref_out.abs().max() + 1e-6
+    assert (got_lse.double() - ref_lse).abs().max() <= 1e-5 * (1 + ref_lse.abs().max())
+
+
+def test_the_gpu_checks_run_on_the_emulated_plan(monkeypatch):
+    """tests/gpu/test_decode_combine.py's cases and checks, run with the plan's emulation in
+    place of the kernel and the CPU in place of the GPU: the harness itself (partials, guards,
+    poisoning, the rule) works before a GPU is asked."""
+    import tests.gpu.test_decode_combine as gpu
+
+    def emulate(out_partial, lse_partial, out, lse):
+        emulate_combine(out_partial, lse_partial, out, lse)
+        return out, lse
+
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu, "combine_splits", emulate)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    for name in gpu.CASES:
+        gpu.test_combine_against_float64(name)
+    gpu.test_varlen_layout(3, 37, 6, 128, torch.bfloat16)
+    gpu.test_varlen_layout(17, 1, 32, 64, torch.float16)
+    gpu.test_partials_of_attention_merge_to_attention(64, torch.float16)
+    gpu.test_a_nan_never_passes()
+    gpu.test_empty_problems_launch_nothing()
+
+
 def test_split_ranges_cover_the_keys():
     for tiles in (1, 7, 64, 1000):
         for n in (1, 3, 16, 128):
