@@ -1,0 +1,120 @@
+"""fa4_final's Hopper decode forward (fa4_final.hopper.decode) compiled for sm_90a from fake
+tensors, on a CPU: D = 64 and 128, contiguous and paged, one split and several, with and without
+seqused_k. What must be in the PTX and SASS (wgmma, TMA loads, setmaxnreg, mbarrier waits, the
+16-byte Q loads and the proxy fence before wgmma reads them), what must not (local memory, a
+TMA store, wgmma serialised by ptxas), and the register plan. A few seconds a compile."""
+
+import re
+
+import pytest
+
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.hopper.config import (
+    DECODE_LAUNCH_REGISTERS,
+    SM90_DECODE_REGISTERS,
+    hopper_decode_default,
+)
+from fa4_final.hopper.host import decode_recipe
+from fa4_final.runtime.compile import artifacts
+
+pytestmark = pytest.mark.slow
+
+VARIANTS = [  # (head_dim, paged, has_seqused_k, split, causal, dtype)
+    (128, False, False, False, True, "bf16"),
+    (128, False, True, True, True, "bf16"),
+    (128, True, True, False, True, "bf16"),
+    (128, True, True, True, True, "bf16"),
+    (64, False, False, False, True, "bf16"),
+    (64, True, True, True, True, "fp16"),
+    (64, True, False, False, False, "bf16"),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache = {}
+
+    def get(variant):
+        if variant not in cache:
+            d, paged, used, split, causal, dtype = variant
+            cache[variant] = artifacts(decode_recipe(d, dtype, causal, paged, used, split))["main"]
+        return cache[variant]
+
+    return get
+
+
+def name(v):
+    d, paged, used, split, causal, dtype = v
+    return (f"d{d}-{'paged' if paged else 'contiguous'}{'-seqused' if used else ''}"
+            f"-{'split' if split else 'one-split'}{'-causal' if causal else ''}-{dtype}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=name)
+def test_decode_has_the_hopper_instructions(compiled, variant):
+    d, paged, used, split, causal, dtype = variant
+    art = compiled(variant)
+    art.require("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec",
+                "mbarrier.try_wait", "fence.proxy.async", "bar.sync")
+    art.require("HGMMA", "UTMALDG", "MUFU.EX2", "LDG.E.128", where="sass")
+    # out leaves from registers: no shared-memory staging, no TMA store
+    art.forbid("UTMASTG", "STSM", where="sass")
+    assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    # ptxas fenced no wgmma on its own (C7512: serialised for lack of registers)
+    assert art.count("WARPGROUP.ARRIVE", "sass") == art.count("wgmma.fence.sync.aligned")
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:2], ids=name)
+def test_register_plan(compiled, variant):
+    """Launched at 128 registers a thread (two CTAs an SM bound the launch), the producer
+    warpgroup drops to 24 and the consumer rises to 232: 24 + 232 = 2 x 128 per thread slot of
+    each sub-partition (fa4_final.common.register_plan)."""
+    art = compiled(variant)
+    producer, consumer = SM90_DECODE_REGISTERS
+    assert re.search(rf"setmaxnreg.dec.sync.aligned.u32\s+{producer};", art.ptx)
+    assert re.search(rf"setmaxnreg.inc.sync.aligned.u32\s+{consumer};", art.ptx)
+    assert art.registers <= DECODE_LAUNCH_REGISTERS, art.resources()
+    assert producer + consumer <= 2 * DECODE_LAUNCH_REGISTERS
+    assert ".reqntid 256, 1, 1" in art.ptx and ".minnctapersm 2" in art.ptx
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=name)
+def test_one_gemm_pair_per_step_body(compiled, variant):
+    """Three step bodies (the first tile, the other masked ones, the free ones), each with
+    S = Q K^T (D / 16 wgmma) and O += P V (tile_n / 16)."""
+    d = variant[0]
+    tile_n = hopper_decode_default(d).tile_n
+    art = compiled(variant)
+    assert art.count("HGMMA", "sass") == 3 * (d // 16 + tile_n // 16)
+    assert art.count("wgmma.commit_group") == 6
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=name)
+def test_device_reads_are_the_lengths_and_the_pages(compiled, variant):
+    """Besides Q's 16-byte loads, the only global reads are seqused_k[b] (once a CTA) and the
+    page of each key tile (in the producer's loop): no host-side metadata."""
+    d, paged, used, split, causal, dtype = variant
+    art = compiled(variant)
+    assert art.count("ld.global.b32") == int(paged) + int(used)
+    assert art.count("ld.global.v4.b32") == 64 * d // 8 // 128  # Q: 16 B a thread a row chunk
+
+
+def test_paged_and_contiguous_run_the_same_consumer(compiled):
+    """Paged changes only where the producer points its TMA box: the GEMMs, the exponentials
+    and the stores are the contiguous build's."""
+    contiguous, paged = compiled(VARIANTS[1]), compiled(VARIANTS[3])
+    for word in ("HGMMA", "MUFU.EX2", "STG.E", "UTMALDG"):
+        assert contiguous.count(word, "sass") == paged.count(word, "sass"), word
+
+
+def test_split_writes_float32_partials(compiled):
+    """One split stores out in the input dtype (pairs of bf16 in 32 bits); several store the
+    float32 partials (twice the stores)."""
+    one, split = compiled(VARIANTS[0]), compiled(VARIANTS[1])
+    assert split.count("st.global.b32") - 2 == 2 * (one.count("st.global.b32") - 2)
+
+
+def test_decode_compiles_for_hopper_only():
+    with pytest.raises(UnsupportedError, match="sm_90a"):
+        decode_recipe(arch="sm_100a")
+    with pytest.raises(TypeError, match="HopperDecodeConfig"):
+        decode_recipe(config=object())
