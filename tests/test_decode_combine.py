@@ -9,6 +9,11 @@
 - The kernel compiled from fake tensors for sm_90a and sm_100a (slow): 16-byte loads of the
   partials and 16-byte stores of out (PTX and SASS), no local memory and no spills, no atomics
   (the order is fixed), one shared-memory weight row per row of the CTA.
+- The kernel's thread plan emulated in float32 on the host (CTAs of rows, lanes holding lse
+  slots, butterfly max and sum, the weight table, UNROLL splits at a time): every element of out
+  written once, no partial of an empty split read, the result within float32 of the model; and
+  tests/gpu/test_decode_combine.py's cases run against that emulation on the CPU, so the GPU
+  test's own harness is known to work before a GPU runs it.
 - The launch's checks (runtime.decode.combine_splits) on CPU tensors: every bad tensor is named.
 The same model is the yardstick of tests/gpu/test_decode_combine.py on the H200.
 """

@@ -17,9 +17,9 @@ total_q, heads, dv) and (num_splits, heads, total_q): it is the dense layout wit
 (the launch adds that axis), since a row's merge never asks which sequence it belongs to.
 
 Bytes: per row num_splits x dv x 4 B of partials read, 4 B of lse per split, dv x 2 B written.
-At D = 128 and 4 splits a row costs 2 KB in and 256 B out and about 3 FLOPs per byte: the
-kernel is memory-bound, so what it must get right is the loads (Note [Combine layout]), and
-a split that saw nothing costs no bytes at all.
+At D = 128 and 4 splits a row costs 2 KB in and 256 B out for 1 K FLOPs (a multiply and an add
+per partial element): under half a FLOP per byte, so the kernel is memory-bound and what it must
+get right is the loads (Note [Combine layout]); a split that saw nothing costs no bytes at all.
 
 Note [Combine layout]
 A row is served by ``dv / 8`` lanes (16 at D = 128, 8 at D = 64), each owning 8 contiguous

@@ -30,7 +30,7 @@ from fa4_final.common.combine import MAX_SPLITS
 from fa4_final.common.constants import DTYPE_NAMES, HEAD_DIMS, TORCH_TO_CUTLASS
 from fa4_final.common.errors import UnsupportedError
 
-PAGE_ALIGN = 16  # page sizes are multiples of this many keys (the kernel's key sub-tile)
+PAGE_ALIGN = 16  # page sizes in keys: a page edge never cuts the 16 keys of one P V wgmma step
 MIN_TILES_PER_SPLIT = 2  # a split's fixed cost (prologue, partial) spread over >= 2 key tiles
 PARTIAL_SHARE = 4  # a split reads >= 4x the bytes of the partial it writes and the combine reads
 
@@ -75,14 +75,16 @@ def min_tiles_per_split(packed_rows: int, tile_m: int, tile_n: int) -> int:
 #      ceil(T / t) > splits T / (T + splits) >= 0.8 splits once T >= 4 splits.
 # The decode benchmark is the judge of the constants (one CTA per SM as the target, 2 tiles and
 # a quarter for the partial); FA4's own rule (floor(num_sms / ctas), no split at <= 4 key tiles)
-# differs in 2 (floor) and 3.
+# differs in 2 (floor), 3 and 5.
 
 
 def choose_num_splits(num_splits: int, *, batch: int, heads_kv: int, packed_rows: int,
                       key_tiles: int, num_sms: int, tile_m: int = 64, tile_n: int = 128) -> int:
     """The number of splits a call runs: ``num_splits`` as FA4 reads it (< 1: the heuristic of
     Note [Split count], 1: none, n > 1: n), capped by ``key_tiles`` (tiles of ``tile_n`` keys of
-    the longest sequence) and MAX_SPLITS; always >= 1."""
+    the longest sequence) and MAX_SPLITS; always >= 1. ``heads_kv`` and ``packed_rows`` as the
+    kernel tiles the queries: with GQA packing the kv heads and seqlen_q x heads / heads_kv,
+    without it the query heads and seqlen_q."""
     num_splits = check_num_splits(num_splits)
     for name, value in (("batch", batch), ("heads_kv", heads_kv), ("packed_rows", packed_rows),
                         ("key_tiles", key_tiles), ("num_sms", num_sms), ("tile_m", tile_m),
