@@ -407,3 +407,36 @@ def test_bad_tensors_named(change, error, says):
 def test_more_than_max_splits_refused():
     with pytest.raises(ValueError, match=r"\[1, 128\], got 129"):
         _combine_layout(*_dense(n=129, b=1, sq=1, h=1))
+
+
+def test_launch_glue_with_a_recording_kernel(monkeypatch):
+    """combine_splits on CPU tensors with the compile path replaced: the recipe it asks for
+    (head dim, dtype, target), the dense layout it hands the kernel (varlen as a batch of one,
+    the same storage), and no launch for an empty problem."""
+    from fa4_final.runtime import compile as compile_path
+    from fa4_final.runtime.compile import Plan
+    from fa4_final.runtime.decode import combine_splits
+
+    calls = []
+
+    def compiled(recipe_fn, *args):
+        calls.append(("recipe", recipe_fn.__name__, args))
+        return Plan({"main": lambda *t: calls.append(("launch", t))}, None)
+
+    monkeypatch.setattr(compile_path, "compiled", compiled)
+    op, lp, out, lse = _dense(n=4, dv=64, dtype=torch.float16)
+    assert combine_splits(op, lp, out, lse, target="sm_90a") == (out, lse)
+    assert calls[0] == ("recipe", "combine_recipe", (64, "fp16", "sm_90a"))
+    assert [t.shape for t in calls[1][1]] == [op.shape, lp.shape, out.shape, lse.shape]
+    calls.clear()
+    op, lp, out, lse = _varlen(n=2, total_q=9, h=4, dv=64)
+    combine_splits(op, lp, out, lse, target="sm_100a")
+    assert calls[0][2] == (64, "fp16", "sm_100a")
+    got = calls[1][1]
+    assert [tuple(t.shape) for t in got] == [(2, 1, 9, 4, 64), (2, 1, 4, 9), (1, 9, 4, 64),
+                                             (1, 4, 9)]
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(got, (op, lp, out, lse)))
+    calls.clear()
+    op, lp, out, lse = _dense(n=2, b=0)
+    combine_splits(op, lp, out, lse, target="sm_90a")
+    assert calls == []
