@@ -1,0 +1,226 @@
+"""fa4_final's Hopper decode forward (fa4_final.hopper.decode) on an H100/H200 against float64.
+
+Awkward key lengths (1, 5, 777, 1025, 4097, 128k), 1/4/7/16 query tokens, GQA 1/4/8/16, D = 64 and
+128, bf16 and fp16, causal (bottom-right) and not, per-sequence cached lengths (seqused_k, one of
+them 0), one split and several. Every output is NaN-filled first and NaN never passes. With
+several splits the float32 partials are checked twice: merged in float64 here (the combine's
+math, tests.decode_reference.merge_splits) and merged by the package's combine
+(fa4_final.runtime.decode.combine_splits, skipped with a message while it does not exist). Paged
+equals contiguous bit for bit, over shuffled pages among NaN pages no sequence owns; two runs are
+bitwise equal; a CUDA graph captured once follows new lengths and pages written into its input
+tensors. A broken mbarrier protocol hangs rather than fails: utils.checks.wait_for_gpu exits with a
+message after a deadline. Run:
+    timeout 900 python -m pytest -q -m gpu tests/gpu/test_decode_kernel.py
+"""
+
+import math
+
+import pytest
+import torch
+
+from fa4_final.common.decode_index import page_size_problem
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.hopper.host import decode_recipe, launch_decode
+from fa4_final.runtime.compile import compiled
+from tests.decode_reference import merge_splits, paged_cache, sequence_keys
+from utils.checks import poisoned_empty, tolerance_check, wait_for_gpu
+from utils.hardware import missing
+from utils.reference import attention_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(missing("sm_90") is not None, reason=str(missing("sm_90"))),
+]
+
+BF16, FP16 = torch.bfloat16, torch.float16
+NAMES = {BF16: "bf16", FP16: "fp16"}
+DEVICE = "cuda"
+
+
+def combine_fn():
+    """The package's split combine, imported when a test needs it."""
+    try:
+        from fa4_final.runtime.decode import combine_splits
+    except ImportError as exc:
+        pytest.skip(f"the split combine (fa4_final.runtime.decode.combine_splits) is not in this "
+                    f"tree yet: {exc}")
+    return combine_splits
+
+
+def run_decode(q, k, v, causal, num_splits=1, page_table=None, seqused_k=None, config=None):
+    """(out, lse, partials or None): one decode launch into NaN-filled outputs; with several
+    splits, the partials merged by the package's combine."""
+    b, sq, h, d = q.shape
+    split = num_splits > 1
+    plan = compiled(decode_recipe, d, NAMES[q.dtype], causal, page_table is not None,
+                    seqused_k is not None, split, config)
+    out = poisoned_empty(b, sq, h, d, dtype=q.dtype, device=DEVICE)
+    lse = poisoned_empty(b, h, sq, dtype=torch.float32, device=DEVICE)
+    label = f"decode q {tuple(q.shape)} k {tuple(k.shape)} splits {num_splits}"
+    if not split:
+        launch_decode(plan, q, k, v, out, lse, page_table, seqused_k)
+        wait_for_gpu(label)
+        return out, lse, None
+    out_p = poisoned_empty(num_splits, b, sq, h, d, dtype=torch.float32, device=DEVICE)
+    lse_p = poisoned_empty(num_splits, b, h, sq, dtype=torch.float32, device=DEVICE)
+    launch_decode(plan, q, k, v, out_p, lse_p, page_table, seqused_k)
+    wait_for_gpu(label)
+    return out, lse, (out_p, lse_p)
+
+
+def check_against_float64(q, k, v, out, lse, causal, page_table=None, seqused_k=None):
+    """Each sequence against float64 on its first seqused_k keys (utils.checks' rule: error <=
+    2 x PyTorch's own in the input precision + rounding); a sequence with no key: out 0 and
+    lse -inf exactly."""
+    b = q.shape[0]
+    lengths = [int(x) for x in seqused_k] if seqused_k is not None else None
+    for i in range(b):
+        length = lengths[i] if lengths is not None else (
+            k.shape[1] * page_table.shape[1] if page_table is not None else k.shape[1])
+        if length == 0:
+            assert (out[i] == 0).all() and torch.isneginf(lse[i]).all(), f"sequence {i}"
+            continue
+        ks = sequence_keys(k, i, length, page_table).unsqueeze(0)
+        vs = sequence_keys(v, i, length, page_table).unsqueeze(0)
+        qi = q[i:i + 1]
+        ref_out, ref_lse = attention_reference(qi, ks, vs, causal, dtype=torch.float64)
+        pt_out, pt_lse = attention_reference(qi, ks, vs, causal, dtype=q.dtype)
+        verdicts = [tolerance_check(out[i:i + 1], ref_out, pt_out, "out"),
+                    tolerance_check(lse[i:i + 1], ref_lse, pt_lse, "lse", extra_atol=1e-5)]
+        failed = [str(x) for x in verdicts if not x.passed]
+        assert not failed, f"sequence {i} ({length} keys)\n" + "\n".join(failed)
+
+
+def qkv(batch, seqlen_q, cache, heads, heads_kv, d, dtype, seed):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, heads, d, generator=g, device=DEVICE, dtype=dtype)
+    k = torch.randn(batch, cache, heads_kv, d, generator=g, device=DEVICE, dtype=dtype)
+    v = torch.randn(batch, cache, heads_kv, d, generator=g, device=DEVICE, dtype=dtype)
+    return q, k, v
+
+
+CASES = {  # name: (batch, seqlen_q, seqlen_k, heads, heads_kv, d, dtype, causal, splits)
+    "1tok-gqa4-1000": (4, 1, 1000, 32, 8, 128, BF16, True, 1),
+    "4tok-gqa4-4097-3splits": (2, 4, 4097, 32, 8, 128, BF16, True, 3),
+    "16tok-gqa16-3001-5splits": (2, 16, 3001, 64, 4, 128, BF16, True, 5),  # 4 m-blocks
+    "16tok-gqa1-777-fp16-d64": (3, 16, 777, 16, 16, 64, FP16, True, 1),
+    "16tok-gqa8-1025-d64": (2, 16, 1025, 16, 2, 64, BF16, True, 2),  # 2 m-blocks
+    "1tok-gqa8-128k-32splits": (1, 1, 131072, 32, 4, 128, BF16, True, 32),
+    "one-key-empty-split": (2, 4, 1, 8, 2, 64, BF16, True, 2),
+    "more-tokens-than-keys": (2, 16, 5, 8, 2, 128, BF16, True, 1),
+    "7tok-not-causal-d64": (2, 7, 1025, 16, 4, 64, BF16, False, 4),
+    "1tok-gqa16-fp16-7splits": (3, 1, 2049, 16, 1, 128, FP16, True, 7),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_matches_float64(name):
+    b, sq, sk, h, hk, d, dtype, causal, splits = CASES[name]
+    q, k, v = qkv(b, sq, sk, h, hk, d, dtype, seed=len(name))
+    out, lse, partials = run_decode(q, k, v, causal, splits)
+    if partials is None:
+        check_against_float64(q, k, v, out, lse, causal)
+        return
+    out_p, lse_p = partials
+    assert not out_p.isnan().any() and not lse_p.isnan().any(), "a partial was not written"
+    # float64 merge of the kernel's partials: the kernel alone, whatever the combine does
+    m_out, m_lse = merge_splits(out_p.cpu(), lse_p.cpu())
+    check_against_float64(q, k, v, m_out.to(DEVICE, dtype), m_lse.to(DEVICE, torch.float32),
+                          causal)
+    combine = combine_fn()
+    combine(out_p, lse_p, out, lse)
+    wait_for_gpu(f"combine after {name}")
+    check_against_float64(q, k, v, out, lse, causal)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("d,page_size,dtype", [(128, 128, BF16), (128, 256, FP16),
+                                               (64, 512, BF16)])
+def test_paged_equals_contiguous_bit_for_bit(d, page_size, dtype, splits):
+    """Pages shuffled among NaN pages no sequence owns, lengths per sequence (one of them 0,
+    one a single key): the paged launch gives the contiguous launch's every bit, and both are
+    float64's answer."""
+    batch, sq, h, hk, pages = 4, 4, 16, 2, 9
+    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, dtype, seed=page_size + d + splits)
+    used = torch.tensor([pages * page_size, 0, 1, pages * page_size - 77], dtype=torch.int32,
+                        device=DEVICE)
+    g = torch.Generator().manual_seed(splits)
+    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size, generator=g)
+    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
+    contiguous = run_decode(q, k, v, True, splits, seqused_k=used)
+    paged = run_decode(q, kp, vp, True, splits, page_table=table, seqused_k=used)
+    got = paged[2] if splits > 1 else paged[:2]
+    want = contiguous[2] if splits > 1 else contiguous[:2]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    if splits == 1:
+        check_against_float64(q, kp, vp, *paged[:2], True, page_table=table, seqused_k=used)
+    else:
+        m_out, m_lse = merge_splits(paged[2][0].cpu(), paged[2][1].cpu())
+        check_against_float64(q, kp, vp, m_out.to(DEVICE, dtype), m_lse.to(DEVICE).float(),
+                              True, page_table=table, seqused_k=used)
+
+
+def test_paged_without_seqused_k_reads_every_page():
+    """Without seqused_k a sequence's length is its pages times the page size (FA4's)."""
+    q, k, v = qkv(2, 1, 4 * 128, 8, 2, 128, BF16, seed=5)
+    kp, vp, table = paged_cache(k.cpu(), v.cpu(), 128, generator=torch.Generator().manual_seed(1))
+    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
+    out, lse, _ = run_decode(q, kp, vp, True, page_table=table)
+    check_against_float64(q, kp, vp, out, lse, True, page_table=table)
+    want = run_decode(q, k, v, True)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+def test_two_runs_are_bitwise_equal():
+    q, k, v = qkv(2, 4, 5000, 32, 8, 128, BF16, seed=11)
+    first = run_decode(q, k, v, True, 4)
+    second = run_decode(q, k, v, True, 4)
+    for a, b in zip(first[2], second[2]):
+        assert torch.equal(a, b)
+
+
+def test_cuda_graph_follows_lengths_and_pages_on_the_device():
+    """Captured once after a warm-up call, the launch reads seqused_k and the page table from
+    device memory at every replay: new values written into those tensors give new answers, with
+    no recapture and no host synchronisation in the launch."""
+    batch, sq, h, hk, d, page_size, pages = 3, 4, 16, 4, 128, 128, 6
+    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=21)
+    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
+                                generator=torch.Generator().manual_seed(2))
+    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
+    used = torch.tensor([700, 129, 5], dtype=torch.int32, device=DEVICE)
+    plan = compiled(decode_recipe, d, "bf16", True, True, True, False, None)
+    out = poisoned_empty(batch, sq, h, d, dtype=BF16, device=DEVICE)
+    lse = poisoned_empty(batch, h, sq, dtype=torch.float32, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        launch_decode(plan, q, kp, vp, out, lse, table, used)  # warm-up: compiled, loaded
+        with torch.cuda.graph(graph, stream=side):
+            launch_decode(plan, q, kp, vp, out, lse, table, used)
+    torch.cuda.current_stream().wait_stream(side)
+    for lengths, flip in (([700, 129, 5], False), ([1, 768, 300], True), ([0, 64, 768], False)):
+        used.copy_(torch.tensor(lengths, dtype=torch.int32))
+        if flip:  # the same pages in another order: another cache for every sequence
+            table.copy_(table.flip(1))
+        out.fill_(float("nan"))
+        graph.replay()
+        wait_for_gpu(f"graph replay {lengths}")
+        check_against_float64(q, kp, vp, out, lse, True, page_table=table, seqused_k=used)
+
+
+def test_page_sizes_that_split_a_tile_are_refused():
+    """A page of 64 keys under 128-key tiles: UnsupportedError naming the page size, before
+    any launch."""
+    q, k, v = qkv(1, 1, 256, 8, 2, 128, BF16, seed=1)
+    kp, vp, table = paged_cache(k.cpu(), v.cpu(), 64)
+    plan = compiled(decode_recipe, 128, "bf16", True, True, False, False, None)
+    out = poisoned_empty(1, 1, 8, 128, dtype=BF16, device=DEVICE)
+    lse = poisoned_empty(1, 8, 1, dtype=torch.float32, device=DEVICE)
+    assert page_size_problem(64, 128) is not None
+    with pytest.raises(UnsupportedError, match="page_size=64"):
+        launch_decode(plan, q, kp.to(DEVICE), vp.to(DEVICE), out, lse, table.to(DEVICE))
+    assert out.isnan().all()
+    assert math.isnan(float(lse[0, 0, 0]))
