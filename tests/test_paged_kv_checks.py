@@ -210,3 +210,17 @@ def test_paged_equals_contiguous_bit_for_bit(page):
     for b in range(batch):
         got = gather_pages(cache, table[b], lengths[b])
         assert torch.equal(got.view(torch.int16), dense[b, :lengths[b]].view(torch.int16))
+
+
+def test_fake_tensors_skip_the_value_checks():
+    """Under torch.compile's tracing the tensors have no values: the metadata is checked, the
+    values are left to the eager call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        k, v = _cache()
+        table = torch.full((3, 4), 10**6, dtype=torch.int32)
+        used = torch.tensor([0, 17, 64], dtype=torch.int32)
+        assert check_paged_kv(k, v, table, used, 3).capacity == 64
+        with pytest.raises(TypeError, match="page_table must have dtype torch.int32"):
+            check_paged_kv(k, v, table.long(), used, 3)

@@ -158,19 +158,22 @@ class PagedKV:
 # value and what is accepted):
 #   - metadata, free (also on fake tensors): page_table an int32 (batch, max_pages) tensor on k's
 #     device; k and v (num_pages, page_size, heads_kv, d) alike, num_pages >= 1, page_size a
-#     positive multiple of 16; seqused_k given (int32, (batch,), on k's device); no
+#     positive multiple of 16; seqused_k given (int32, (batch,), on k's device: FA4 lets it
+#     default to the whole table row, here it is required so the pages in use are known); no
 #     cu_seqlens_k (FA4 takes one or the other);
 #   - values: each seqused_k[b] in [0, max_pages x page_size], and every page a sequence uses
 #     (columns 0 .. ceil(seqused_k[b] / page_size) - 1 of row b) in [0, num_pages). Columns past
 #     a sequence's last used page are never read and may hold anything (engines pad them with
 #     -1 or 0).
-# FA4 checks the metadata with asserts and the values not at all: a page past the cache is read
-# out of bounds there. Here the values are checked by default, on the device, with one copy of
-# three numbers to the host (one synchronisation, like the varlen offsets' checks), so a bad
-# page reads never. The check is skipped where a synchronisation is not allowed or not wanted:
-# while a CUDA graph is being captured (the warm-up call before the capture checked the same
-# tensors' shapes, the caller owns their values) and with FA4_FINAL_VARLEN_CHECKS=0, the
-# switch of the varlen checks; then the path has no host synchronisation at all.
+# FA4 checks the metadata with asserts and the values not at all: a page past the cache is not
+# caught there (a gathered load reads out of bounds, a TMA load clips it to zeros). Here the
+# values are checked by default, on the device, with one copy of three numbers to the host (one
+# synchronisation, like the varlen offsets' checks), so a bad page is never read. The check is
+# skipped where values cannot be read or a synchronisation is not allowed or not wanted: while
+# torch.compile traces (fake tensors), while a CUDA graph is being captured (the warm-up call
+# before the capture checked the same tensors, the caller owns the values it replays with) and
+# with FA4_FINAL_VARLEN_CHECKS=0, the switch of the varlen checks; then the path has no host
+# synchronisation at all.
 
 
 def _index_tensor(name: str, t, device) -> None:
@@ -219,11 +222,22 @@ def check_paged_kv(k, v, page_table, seqused_k, batch: int, cu_seqlens_k=None,
                          f"{tuple(seqused_k.shape)}")
     paged = PagedKV(num_pages, page_size, page_table.shape[1])
     if check_values is None:
-        check_values = os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0" and not (
-            k.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        check_values = os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0" and \
+            _values_readable(page_table, seqused_k)
     if check_values:
         check_paged_kv_values(page_table, seqused_k, paged)
     return paged
+
+
+def _values_readable(*tensors) -> bool:
+    """Whether the tensors' values can be read now: not while torch.compile traces (fake or
+    meta tensors, no values) or a CUDA graph is being captured (no synchronisation allowed)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if torch.compiler.is_compiling() or any(t.device.type == "meta" or is_fake(t)
+                                            for t in tensors):
+        return False
+    return not (tensors[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def check_paged_kv_values(page_table, seqused_k, paged: PagedKV) -> None:
