@@ -8,13 +8,15 @@ blackwell/ are one layer, the architectures, and never import each other):
 
     api/        flash_attn_func, flash_attn_varlen_func, the torch custom ops, attention_autograd
     runtime/    input checks; one prologue per call (checks, window, scale, backend); dispatch
-                (which GPU runs which kernel); one compile path and its cache in memory and on disk
+                (which GPU runs which kernel); one compile path and its cache in memory and on disk;
+                decoding's split count, paged-KV checks and the split combine's launch
     hopper/     sm_90a: configs, the forward and the backward, host.py (recipes and launches)
     blackwell/  sm_100a: configs, TMEM plan, tcgen05, the forward (1- and 2-CTA) and backward
                 (1-CTA and pair), host.py (compiled and checked; never run on a GPU)
     common/     the device code both share: constants, tiles, masks, fragments, the online
                 softmax, fast exp2, the schedule, sequence lengths, pipelines as data, register
-                plans, timeline, atomics, and the backward's pre, post, tiles and dQ order
+                plans, timeline, atomics, the backward's pre, post, tiles and dQ order, and the
+                split-KV combine
 
 It stands alone: it imports nothing of the course around it.
 """
