@@ -33,6 +33,7 @@ from fa4_final.common.errors import UnsupportedError
 PAGE_ALIGN = 16  # page sizes in keys: a page edge never cuts the 16 keys of one P V wgmma step
 MIN_TILES_PER_SPLIT = 2  # a split's fixed cost (prologue, partial) spread over >= 2 key tiles
 PARTIAL_SHARE = 4  # a split reads >= 4x the bytes of the partial it writes and the combine reads
+CTAS_PER_SM = 1  # the CTAs per SM the split count aims at (Note [Split count])
 
 # ----------------------------------------------------------------------------------------------
 # num_splits
@@ -62,9 +63,9 @@ def min_tiles_per_split(packed_rows: int, tile_m: int, tile_n: int) -> int:
 #     ctas = batch x heads_kv x ceil(packed_rows / tile_m)
 # CTAs, packed_rows being the query rows of one (batch, kv head) with its query heads packed
 # into the tile (seqlen_q x heads / heads_kv). The heuristic (num_splits < 1):
-#   1. ctas >= num_sms: every SM has work already; no split (a split only adds its partial's
-#      traffic and the combine).
-#   2. else the fewest splits that give every SM a CTA: ceil(num_sms / ctas);
+#   1. ctas >= num_sms x CTAS_PER_SM: every SM has work already; no split (a split only adds
+#      its partial's traffic and the combine).
+#   2. else the fewest splits that give every SM its CTAs: ceil(num_sms x CTAS_PER_SM / ctas);
 #   3. capped so that each split walks at least min_tiles_per_split key tiles: its fixed cost
 #      (prologue, the partial written in float32 and read back by the combine, 8 B per row and
 #      column) stays a small share of the 4 B per key and column of K and V it reads;
@@ -73,9 +74,9 @@ def min_tiles_per_split(packed_rows: int, tile_m: int, tile_n: int) -> int:
 #      so no split is empty when the kernel gives each split t tiles (FA4's cut: the last
 #      split takes the rest). Evening can only lower the count, and by little on long caches:
 #      ceil(T / t) > splits T / (T + splits) >= 0.8 splits once T >= 4 splits.
-# The decode benchmark is the judge of the constants (one CTA per SM as the target, 2 tiles and
-# a quarter for the partial); FA4's own rule (floor(num_sms / ctas), no split at <= 4 key tiles)
-# differs in 2 (floor), 3 and 5.
+# The decode benchmark is the judge of the constants: CTAS_PER_SM = 1 (FA4 aims at one CTA per
+# SM too, although a decode CTA may fit twice), 2 tiles and a quarter for the partial. FA4's own
+# rule (floor(num_sms / ctas), no split at <= 4 key tiles) differs in 2 (floor), 3 and 5.
 
 
 def choose_num_splits(num_splits: int, *, batch: int, heads_kv: int, packed_rows: int,
@@ -98,9 +99,10 @@ def choose_num_splits(num_splits: int, *, batch: int, heads_kv: int, packed_rows
     if num_splits >= 1:
         return min(num_splits, cap)
     ctas = batch * heads_kv * -(-packed_rows // tile_m)
-    if ctas == 0 or ctas >= num_sms:
+    slots = num_sms * CTAS_PER_SM
+    if ctas == 0 or ctas >= slots:
         return 1
-    splits = -(-num_sms // ctas)
+    splits = -(-slots // ctas)
     splits = min(splits, key_tiles // min_tiles_per_split(packed_rows, tile_m, tile_n),
                  MAX_SPLITS)
     if splits <= 1:
