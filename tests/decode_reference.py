@@ -94,27 +94,47 @@ def key_tile(x, b: int, kv_head: int, n: int, tile_n: int, page_table=None):
 
 
 def emulate_decode(q, k, v, causal: bool, num_splits: int, softmax_scale=None, page_table=None,
-                   seqused_k=None, tile_m: int = 64, tile_n: int = 128):
+                   seqused_k=None, tile_m: int = 64, tile_n: int = 128, cu_seqlens_q=None,
+                   max_seqlen_q=None):
     """(out_partial, lse_partial, tiles visited) of the kernel's walk, in float64 and the split
-    contract's layout. Rows of a tile the kernel does not mask are not masked here either."""
-    b_count, sq, h, d = q.shape
+    contract's layout. Rows of a tile the kernel does not mask are not masked here either.
+    Varlen queries (``cu_seqlens_q``, ``max_seqlen_q``): q (total_q, h, D), the partials
+    (splits, total_q, h, D) and (splits, h, total_q), the grid's m-blocks counted for
+    max_seqlen_q as the kernel counts them."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        cu = [int(x) for x in cu_seqlens_q]
+        b_count, (total_q, h, d) = len(cu) - 1, q.shape
+        out_p = torch.full((num_splits, 1, total_q, h, d), math.nan, dtype=F64)
+        lse_p = torch.full((num_splits, 1, h, total_q), math.nan, dtype=F64)
+        q = q.unsqueeze(0)
+        bound = max_seqlen_q
+    else:
+        b_count, bound, h, d = q.shape
+        cu = None
+        out_p = torch.full((num_splits, b_count, bound, h, d), math.nan, dtype=F64)
+        lse_p = torch.full((num_splits, b_count, h, bound), math.nan, dtype=F64)
     h_kv = k.shape[2]
     group = h // h_kv
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    out_p = torch.full((num_splits, b_count, sq, h, d), math.nan, dtype=F64)
-    lse_p = torch.full((num_splits, b_count, h, sq), math.nan, dtype=F64)
     visited = 0
     lengths = cached_lengths(k, b_count, page_table, seqused_k)
     for b in range(b_count):
         seqlen_k = lengths[b]
+        # the sequence's rows in q, out and lse: batch entry qb from row q_offset
+        qb, q_offset, sq = (0, cu[b], cu[b + 1] - cu[b]) if varlen else (b, 0, bound)
         for kv_head in range(h_kv):
-            for m_block in range(num_m_blocks(sq, group, tile_m)):
+            for m_block in range(num_m_blocks(bound, group, tile_m)):
                 n_end, n_full = block_key_tiles(m_block, tile_m, tile_n, group, sq, seqlen_k,
                                                 causal)
                 first = m_block * tile_m
                 rows = list(range(first, min(first + tile_m, packed_rows(sq, group))))
-                where = [unpack_row(r, group, kv_head) for r in rows]
-                qt = torch.stack([q[b, t, hh] for t, hh in where]).to(F64)  # (rows, D)
+                if not rows:  # an m-block past a shorter sequence: no key, no store
+                    assert n_end == 0
+                    continue
+                where = [(q_offset + t, hh) for t, hh in
+                         (unpack_row(r, group, kv_head) for r in rows)]
+                qt = torch.stack([q[qb, t, hh] for t, hh in where]).to(F64)  # (rows, D)
                 limits = torch.tensor([key_limit(r, group, sq, seqlen_k, causal) for r in rows])
                 for split in range(num_splits):
                     n_lo, n_hi = split_key_tiles(split, num_splits, seqlen_k, tile_n, n_end)
@@ -144,15 +164,46 @@ def emulate_decode(q, k, v, causal: bool, num_splits: int, softmax_scale=None, p
                     row_lse = torch.where(seen, m + torch.log(torch.where(seen, lsum, 1.0)),
                                           -math.inf)
                     for j, (t, hh) in enumerate(where):
-                        out_p[split, b, t, hh] = row_out[j]
-                        lse_p[split, b, hh, t] = row_lse[j]
+                        out_p[split, qb, t, hh] = row_out[j]
+                        lse_p[split, qb, hh, t] = row_lse[j]
+    if varlen:
+        return out_p[:, 0], lse_p[:, 0], visited
     return out_p, lse_p, visited
+
+
+def varlen_decode_reference(q, k, v, cu_seqlens_q, causal: bool, softmax_scale=None,
+                            page_table=None, seqused_k=None):
+    """decode_reference of packed query sequences: q (total_q, h, D), sequence b's tokens rows
+    cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, its keys batch entry b of k and v (or row b of
+    the page table). Returns out (total_q, h, D), lse (h, total_q), float64."""
+    total_q, h, d = q.shape
+    out = torch.zeros(total_q, h, d, dtype=F64)
+    lse = torch.full((h, total_q), -math.inf, dtype=F64)
+    cu = [int(x) for x in cu_seqlens_q]
+    lengths = cached_lengths(k, len(cu) - 1, page_table, seqused_k)
+    for b in range(len(cu) - 1):
+        lo, hi = cu[b], cu[b + 1]
+        if hi == lo:
+            continue
+        one = torch.tensor([lengths[b]], dtype=torch.int32)
+        if page_table is None:
+            o, s = decode_reference(q[None, lo:hi], k[b:b + 1], v[b:b + 1], causal,
+                                    softmax_scale, seqused_k=one)
+        else:
+            o, s = decode_reference(q[None, lo:hi], k, v, causal, softmax_scale,
+                                    page_table=page_table[b:b + 1], seqused_k=one)
+        out[lo:hi], lse[:, lo:hi] = o[0], s[0]
+    return out, lse
 
 
 def merge_splits(out_partial, lse_partial):
     """Float64 merge of split partials (the combine's math, splits in order): out =
     sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s); every split -inf: out 0,
-    lse -inf. Returns (out (b, s_q, h, D), lse (b, h, s_q))."""
+    lse -inf. Returns (out (b, s_q, h, D), lse (b, h, s_q)); varlen partials ((splits, total_q,
+    h, D), (splits, h, total_q)) give (total_q, h, D) and (h, total_q)."""
+    if out_partial.dim() == 4:
+        out, lse = merge_splits(out_partial.unsqueeze(1), lse_partial.unsqueeze(1))
+        return out[0], lse[0]
     lse_p = lse_partial.to(F64)
     lse = torch.logsumexp(lse_p, dim=0)  # (b, h, s_q)
     seen = torch.isfinite(lse)

@@ -27,6 +27,7 @@ from tests.decode_reference import (
     emulate_decode,
     merge_splits,
     paged_cache,
+    varlen_decode_reference,
 )
 
 GROUPS = (1, 4, 8, 16)
@@ -217,6 +218,35 @@ def test_paged_walk_equals_contiguous_bit_for_bit(page_size, tile_n, splits):
     torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse, lse_ref, rtol=1e-10, atol=1e-12)
     assert cached_lengths(kp, batch, table) == [pages * page_size] * batch
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_varlen_walk_is_the_decode_of_each_sequence(paged, splits):
+    """Packed query sequences of 16, 1, 0 and 5 tokens (chunked prefill and decode steps in one
+    launch) over a batched or paged cache with per-sequence lengths: the grid's m-blocks are
+    counted for the longest sequence, the ones past a shorter sequence visit no key and store
+    nothing, and every row of every sequence is its own decode."""
+    lengths_q = [16, 1, 0, 5]
+    cu = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    h, hk, d, page_size, pages = 16, 2, 32, 64, 4
+    g = torch.Generator().manual_seed(splits + 2 * paged)
+    q = torch.randn(int(cu[-1]), h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(len(lengths_q), pages * page_size, hk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(len(lengths_q), pages * page_size, hk, d, generator=g, dtype=torch.float64)
+    used = torch.tensor([256, 3, 100, 129], dtype=torch.int32)
+    table = None
+    if paged:
+        k, v, table = paged_cache(k, v, page_size, generator=g)
+    out_p, lse_p, _ = emulate_decode(q, k, v, True, splits, page_table=table, seqused_k=used,
+                                     tile_n=64, cu_seqlens_q=cu, max_seqlen_q=max(lengths_q))
+    assert out_p.shape == (splits, int(cu[-1]), h, d) and lse_p.shape == (splits, h, int(cu[-1]))
+    assert not out_p.isnan().any() and not lse_p.isnan().any()
+    out, lse = merge_splits(out_p, lse_p)
+    out_ref, lse_ref = varlen_decode_reference(q, k, v, cu, True, page_table=table,
+                                               seqused_k=used)
+    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-10, atol=1e-12)
 
 
 def test_a_split_with_no_key_writes_minus_inf_and_zero():

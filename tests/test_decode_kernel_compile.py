@@ -1,8 +1,9 @@
 """fa4_final's Hopper decode forward (fa4_final.hopper.decode) compiled for sm_90a from fake
 tensors, on a CPU: D = 64 and 128, contiguous and paged, one split and several, with and without
-seqused_k. What must be in the PTX and SASS (wgmma, TMA loads, setmaxnreg, mbarrier waits, the
-16-byte Q loads and the proxy fence before wgmma reads them), what must not (local memory, a
-TMA store, wgmma serialised by ptxas), and the register plan. A few seconds a compile."""
+seqused_k, dense and varlen queries. What must be in the PTX and SASS (wgmma, TMA loads,
+setmaxnreg, mbarrier waits, the 16-byte Q loads and the proxy fence before wgmma reads them),
+what must not (local memory, a TMA store, wgmma serialised by ptxas), and the register plan. A
+few seconds a compile."""
 
 import re
 
@@ -19,14 +20,16 @@ from fa4_final.runtime.compile import artifacts
 
 pytestmark = pytest.mark.slow
 
-VARIANTS = [  # (head_dim, paged, has_seqused_k, split, causal, dtype)
-    (128, False, False, False, True, "bf16"),
-    (128, False, True, True, True, "bf16"),
-    (128, True, True, False, True, "bf16"),
-    (128, True, True, True, True, "bf16"),
-    (64, False, False, False, True, "bf16"),
-    (64, True, True, True, True, "fp16"),
-    (64, True, False, False, False, "bf16"),
+VARIANTS = [  # (head_dim, paged, has_seqused_k, split, causal, dtype, varlen_q)
+    (128, False, False, False, True, "bf16", False),
+    (128, False, True, True, True, "bf16", False),
+    (128, True, True, False, True, "bf16", False),
+    (128, True, True, True, True, "bf16", False),
+    (64, False, False, False, True, "bf16", False),
+    (64, True, True, True, True, "fp16", False),
+    (64, True, False, False, False, "bf16", False),
+    (128, True, True, True, True, "bf16", True),
+    (64, False, True, False, True, "bf16", True),
 ]
 
 
@@ -36,22 +39,24 @@ def compiled():
 
     def get(variant):
         if variant not in cache:
-            d, paged, used, split, causal, dtype = variant
-            cache[variant] = artifacts(decode_recipe(d, dtype, causal, paged, used, split))["main"]
+            d, paged, used, split, causal, dtype, varlen = variant
+            cache[variant] = artifacts(decode_recipe(d, dtype, causal, paged, used, split,
+                                                     varlen_q=varlen))["main"]
         return cache[variant]
 
     return get
 
 
 def name(v):
-    d, paged, used, split, causal, dtype = v
+    d, paged, used, split, causal, dtype, varlen = v
     return (f"d{d}-{'paged' if paged else 'contiguous'}{'-seqused' if used else ''}"
-            f"-{'split' if split else 'one-split'}{'-causal' if causal else ''}-{dtype}")
+            f"-{'split' if split else 'one-split'}{'-causal' if causal else ''}-{dtype}"
+            f"{'-varlen' if varlen else ''}")
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=name)
 def test_decode_has_the_hopper_instructions(compiled, variant):
-    d, paged, used, split, causal, dtype = variant
+    d, paged, used, split, causal, dtype, varlen = variant
     art = compiled(variant)
     art.require("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec",
                 "mbarrier.try_wait", "fence.proxy.async", "bar.sync")
@@ -90,11 +95,12 @@ def test_one_gemm_pair_per_step_body(compiled, variant):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=name)
 def test_device_reads_are_the_lengths_and_the_pages(compiled, variant):
-    """Besides Q's 16-byte loads, the only global reads are seqused_k[b] (once a CTA) and the
-    page of each key tile (in the producer's loop): no host-side metadata."""
-    d, paged, used, split, causal, dtype = variant
+    """Besides Q's 16-byte loads, the only global reads are seqused_k[b] (once a CTA), the page
+    of each key tile (in the producer's loop) and, varlen, the sequence's two offsets: no
+    host-side metadata."""
+    d, paged, used, split, causal, dtype, varlen = variant
     art = compiled(variant)
-    assert art.count("ld.global.b32") == int(paged) + int(used)
+    assert art.count("ld.global.b32") == int(paged) + int(used) + 2 * int(varlen)
     assert art.count("ld.global.v4.b32") == 64 * d // 8 // 128  # Q: 16 B a thread a row chunk
 
 

@@ -69,10 +69,13 @@ def block_key_tiles(m_block, tile_m: int, tile_n: int, group, seqlen_q, seqlen_k
                     causal: bool):
     """(n_end, n_full) for m-block ``m_block``: its rows see keys of tiles 0 .. n_end - 1 only,
     and tiles n >= n_full hold keys some of its rows must not see (a mask is needed there).
-    Padding rows past the packed count are left out of n_end (they are never stored)."""
+    Padding rows past the packed count are left out of n_end (they are never stored); an
+    m-block wholly past them (varlen: the grid is sized for the longest sequence) visits none."""
     first = m_block * tile_m
-    last = _min(first + tile_m, packed_rows(seqlen_q, group)) - 1
+    rows = packed_rows(seqlen_q, group)
+    last = _min(first + tile_m, rows) - 1
     end = _max(key_limit(last, group, seqlen_q, seqlen_k, causal), 0)
+    end = _min(_max(rows - first, 0), 1) * end  # no arithmetic branch: traced code takes it too
     full = _max(key_limit(first, group, seqlen_q, seqlen_k, causal), 0)
     return _cdiv(end, tile_n), full // tile_n
 

@@ -17,6 +17,10 @@ cached keys:
    and agree bit for bit.
 4. The cached lengths (seqused_k) are read on the device and the grid depends only on shapes and
    the split count: no host synchronisation, safe to capture in a CUDA graph.
+5. Varlen queries (``varlen_q``): sequences of different query counts packed along one axis
+   (cu_seqlens_q), as a batch of one whose rows start at each sequence's offset; the grid is sized
+   for max_seqlen_q and the m-blocks past a shorter sequence's rows visit no key and store
+   nothing. Chunked prefill and decode steps in one launch, with a batched or paged cache.
 
 Roles: warpgroup 0 is the producer (warp 0 issues every K and V load), warpgroup 1 the consumer
 (Q from global memory into shared memory once, then per key tile S = Q K^T, mask, online
@@ -90,11 +94,13 @@ class HopperDecode:
     Compile-time variants: ``causal`` (bottom-right), ``paged`` (k and v are (num_pages,
     page_size, heads_kv, D) and a page table maps each sequence's key tiles to pages),
     ``has_seqused_k`` (per-sequence cached lengths, read on the device), ``split`` (float32
-    partial out and lse per split, for the combine; otherwise out and lse themselves).
+    partial out and lse per split, for the combine; otherwise out and lse themselves),
+    ``varlen_q`` (packed query sequences: q, out and lse as a batch of one, cu_seqlens_q).
     """
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperDecodeConfig,
-                 paged: bool = False, has_seqused_k: bool = False, split: bool = False):
+                 paged: bool = False, has_seqused_k: bool = False, split: bool = False,
+                 varlen_q: bool = False):
         config.check(head_dim)
         self.dtype = dtype
         self.head_dim = head_dim
@@ -104,6 +110,7 @@ class HopperDecode:
         self.paged = bool(paged)
         self.has_seqused_k = bool(has_seqused_k)
         self.split = bool(split)
+        self.varlen_q = bool(varlen_q)
         self.producer_regs, self.consumer_regs = config.registers
         self.num_threads = 2 * THREADS_PER_WARPGROUP
         self.roles = {
@@ -125,7 +132,7 @@ class HopperDecode:
 
     def cache_key(self) -> tuple:
         return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
-                self.paged, self.has_seqused_k, self.split, self.cfg)
+                self.paged, self.has_seqused_k, self.split, self.varlen_q, self.cfg)
 
     # ------------------------------------------------------------------------------------------
     # host side: layouts, TMA descriptors, shared storage, grid, launch
@@ -133,13 +140,16 @@ class HopperDecode:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (batch, seqlen_q, heads, D)
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, D); varlen_q: (1, total_q, heads, D)
         mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, D); paged: (num_pages, page_size, ...)
         mV: cute.Tensor,  # like mK
-        mO: cute.Tensor,  # (batch, seqlen_q, heads, D); split: (splits, ...) float32
-        mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32; split: (splits, ...)
+        mO: cute.Tensor,  # like mQ; split: (splits, ...) float32
+        mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32 (varlen_q: batch 1, total_q);
+        # split: (splits, ...)
         mPageTable: cute.Tensor | None,  # paged: (batch, max_pages) int32; else None
         mSeqUsedK: cute.Tensor | None,  # (batch,) int32 cached lengths, or None
+        mCuSeqlensQ: cute.Tensor | None,  # varlen_q: (batch + 1,) int32 offsets; else None
+        max_seqlen_q: Int32,  # varlen_q: the longest sequence's query count (sizes the grid)
         softmax_scale: Float32,
         stream,
     ):
@@ -153,6 +163,9 @@ class HopperDecode:
                       or self.has_seqused_k != (mSeqUsedK is not None)):
             raise TypeError("page_table (and seqused_k) are given exactly to the variant built "
                             "with paged=True (has_seqused_k=True)")
+        if const_expr(self.varlen_q != (mCuSeqlensQ is not None)):
+            raise TypeError("cu_seqlens_q is given exactly to the variant built with "
+                            "varlen_q=True")
         # (b or page, rows, h_kv, D) -> (rows, D, h_kv, b or page): the TMA box tiles modes 0, 1
         mK, mV = [select_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
 
@@ -182,12 +195,15 @@ class HopperDecode:
                                                         (self.tile_n, self.head_dim))
         group = mQ.shape[2] // mK.shape[2]
         num_splits = mO.shape[0] if const_expr(self.split) else 1
-        grid = (num_m_blocks(mQ.shape[1], group, self.tile_m) * num_splits, mK.shape[2],
-                mQ.shape[0])
+        batch, seqlen_q_bound = mQ.shape[0], mQ.shape[1]
+        if const_expr(self.varlen_q):
+            batch, seqlen_q_bound = mCuSeqlensQ.shape[0] - 1, max_seqlen_q
+        grid = (num_m_blocks(seqlen_q_bound, group, self.tile_m) * num_splits, mK.shape[2],
+                batch)
         self.kernel(
             mQ, tma_k, tma_v, mO, mLSE, tma_atom_k, tma_atom_v, mPageTable, mSeqUsedK,
-            softmax_scale * LOG2_E, sQ_layout, sK_layout, sV_layout, tiled_mma_qk,
-            tiled_mma_pv, bytes_kv, SharedStorage,
+            mCuSeqlensQ, max_seqlen_q, softmax_scale * LOG2_E, sQ_layout, sK_layout, sV_layout,
+            tiled_mma_qk, tiled_mma_pv, bytes_kv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=DECODE_CTAS_PER_SM_BOUND, preferred_smem_carveout=100)
 
@@ -206,6 +222,8 @@ class HopperDecode:
         tma_atom_v: cute.CopyAtom,
         mPageTable: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mCuSeqlensQ: cute.Tensor | None,
+        max_seqlen_q: Int32,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -234,9 +252,14 @@ class HopperDecode:
         # which work: Note [Packed GQA rows], Note [Key splits]
         bx, kv_head, b = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
-        seqlen_q = mQ.shape[1]
         group = mQ.shape[2] // mK.shape[2]
-        m_blocks = num_m_blocks(seqlen_q, group, self.tile_m)
+        # q, out and lse rows of sequence b: batch entry qb, rows from q_offset (varlen_q: the
+        # packed batch of one); the grid's m-blocks are counted for the longest sequence
+        qb, q_offset, seqlen_q, seqlen_q_bound = b, Int32(0), mQ.shape[1], mQ.shape[1]
+        if const_expr(self.varlen_q):
+            qb, q_offset = Int32(0), mCuSeqlensQ[b]
+            seqlen_q, seqlen_q_bound = mCuSeqlensQ[b + 1] - q_offset, max_seqlen_q
+        m_blocks = num_m_blocks(seqlen_q_bound, group, self.tile_m)
         m_block = bx % m_blocks
         split = bx // m_blocks
         num_splits = grid_x // m_blocks
@@ -253,8 +276,8 @@ class HopperDecode:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
-                         pipeline_v, scale_log2, b, kv_head, m_block, split, group, seqlen_q,
-                         seqlen_k, n_lo, n_hi, n_full)
+                         pipeline_v, scale_log2, (qb, q_offset), kv_head, m_block, split, group,
+                         seqlen_q, seqlen_k, n_lo, n_hi, n_full)
 
     @cute.jit
     def cached_length(self, mK, mPageTable, mSeqUsedK, b):
@@ -305,10 +328,11 @@ class HopperDecode:
         return state
 
     @cute.jit
-    def load_q(self, mQ, sQ, tidx, b, kv_head, m_block, group, seqlen_q):
+    def load_q(self, mQ, sQ, tidx, rows_at, kv_head, m_block, group, seqlen_q):
         """Q's packed rows into shared memory by the consumer warpgroup, 16 bytes a thread at a
         time (a TMA box cannot gather the heads of a group from several tokens). Padding rows
-        past the packed count repeat its last row: finite scores that are never stored."""
+        past the packed count repeat its last row: finite scores that are never stored. Only a
+        CTA with key tiles calls it, so its m-block holds at least one row."""
         chunks = self.head_dim // Q_VECTOR
         last = packed_rows(seqlen_q, group) - 1
         for it in cutlass.range_constexpr(self.tile_m * chunks // THREADS_PER_WARPGROUP):
@@ -316,7 +340,9 @@ class HopperDecode:
             r, chunk = idx // chunks, idx % chunks
             token, head = unpack_row(cutlass.min(m_block * self.tile_m + r, last), group,
                                      kv_head)
-            gq = cute.local_tile(mQ[b, token, head, None], (Q_VECTOR,), (chunk,))  # (8,)
+            qb, q_offset = rows_at
+            gq = cute.local_tile(mQ[qb, q_offset + token, head, None], (Q_VECTOR,),
+                                 (chunk,))  # (8,)
             sq = cute.local_tile(sQ[r, None], (Q_VECTOR,), (chunk,))  # (8,)
             sq.store(gq.load())
         # generic-proxy shared stores -> visible to wgmma (async proxy), from every thread
@@ -325,12 +351,12 @@ class HopperDecode:
 
     @cute.jit
     def consume(self, mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
-                pipeline_v, scale_log2: Float32, b, kv_head, m_block, split, group, seqlen_q,
-                seqlen_k, n_lo, n_hi, n_full):
-        """The consumer warpgroup: Q, the split's key tiles, the epilogue."""
+                pipeline_v, scale_log2: Float32, rows_at, kv_head, m_block, split, group,
+                seqlen_q, seqlen_k, n_lo, n_hi, n_full):
+        """The consumer warpgroup: Q, the split's key tiles, the epilogue. ``rows_at``: (batch
+        entry, first row) of the sequence's rows in q, out and lse."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 127
-        self.load_q(mQ, sQ, tidx, b, kv_head, m_block, group, seqlen_q)
         wg_mma_qk = tiled_mma_qk.get_slice(0)  # A and B descriptors: the one warpgroup's
         wg_mma_pv = tiled_mma_pv.get_slice(0)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
@@ -365,7 +391,8 @@ class HopperDecode:
         state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                self.cfg.stages)
         n_tiles = n_hi - n_lo
-        if n_tiles > 0:
+        if n_tiles > 0:  # (uniform over the CTA) a CTA with no key tile needs no Q either
+            self.load_q(mQ, sQ, tidx, rows_at, kv_head, m_block, group, seqlen_q)
             step = lambda i, first, masked, sk, sv: self.step(  # noqa: E731
                 n_hi - 1 - i, first, masked, mask, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK,
                 tOrVt, tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, sk, sv)
@@ -378,8 +405,8 @@ class HopperDecode:
                 state_k, state_v = step(i, False, True, state_k, state_v)
             for i in cutlass.range(top_end, n_tiles, unroll=1):
                 state_k, state_v = step(i, False, False, state_k, state_v)
-        self.epilogue(acc_o, softmax, mO, mLSE, thr_mma_pv, b, kv_head, m_block, split, group,
-                      seqlen_q)
+        self.epilogue(acc_o, softmax, mO, mLSE, thr_mma_pv, rows_at, kv_head, m_block, split,
+                      group, seqlen_q)
 
     @cute.jit
     def mask(self, acc_s, t0ScS, limit, n):
@@ -418,8 +445,8 @@ class HopperDecode:
         return state_k, state_v
 
     @cute.jit
-    def epilogue(self, acc_o, softmax, mO, mLSE, thr_mma_pv, b, kv_head, m_block, split, group,
-                 seqlen_q):
+    def epilogue(self, acc_o, softmax, mO, mLSE, thr_mma_pv, rows_at, kv_head, m_block, split,
+                 group, seqlen_q):
         """out = O / l and lse straight from registers to global memory, each packed row to its
         (token, head); float32 partials with ``split``. Decode's output is a few rows per CTA:
         no shared-memory staging, no TMA store. A split (or row) that saw no key writes out = 0
@@ -441,14 +468,16 @@ class HopperDecode:
             row = m_block * self.tile_m + tOcO[r, 0][0]
             if row < packed:
                 token, head = unpack_row(row, group, kv_head)
-                gO = self.out_row(mO, split, b, token, head)  # (D,)
+                qb, q_offset = rows_at
+                token = q_offset + token
+                gO = self.out_row(mO, split, qb, token, head)  # (D,)
                 for c in cutlass.range_constexpr(cute.size(out, mode=[1])):
                     gO[tOcO[r, c][1]] = out[r, c]
                 if tOcO[0, 0][1] == 0:  # the thread holding column 0 writes the row's lse
                     if const_expr(self.split):
-                        mLSE[split, b, head, token] = lse[r]
+                        mLSE[split, qb, head, token] = lse[r]
                     else:
-                        mLSE[b, head, token] = lse[r]
+                        mLSE[qb, head, token] = lse[r]
 
     def out_row(self, mO, split, b, token, head):
         """(D,) row of out, or of the split's partial out."""

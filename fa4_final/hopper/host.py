@@ -404,11 +404,13 @@ def launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens
 
 
 def decode_fake_args(dtype_name: str, head_dim: int, paged: bool, has_seqused_k: bool,
-                     split: bool) -> tuple:
+                     split: bool, varlen_q: bool = False) -> tuple:
     """The decode kernel's fake arguments, in its launch order: q (b, s_q, h, D); k and v
     (b, s_k, h_kv, D), or paged (num_pages, page_size, h_kv, D), the same fake shape; out and
     lse, or with ``split`` the float32 partials (splits, b, s_q, h, D) and (splits, b, h, s_q);
-    the page table (b, max_pages) int32, contiguous along its pages; seqused_k (b,) int32."""
+    the page table (b, max_pages) int32, contiguous along its pages; seqused_k (b,) int32;
+    varlen_q: q, out and lse as a batch of one (the same fake shapes), cu_seqlens_q (b + 1,)
+    int32 and max_seqlen_q."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -419,14 +421,18 @@ def decode_fake_args(dtype_name: str, head_dim: int, paged: bool, has_seqused_k:
         lse = fake_tensor(Float32, (splits, b, h, sq))
     page_table = fake_tensor(Int32, (cute.sym_int(), cute.sym_int())) if paged else None
     used_k = fake_tensor(Int32, (cute.sym_int(),)) if has_seqused_k else None
-    return q, k, v, out, lse, page_table, used_k, Float32(1.0), fake_stream()
+    cu_q = fake_tensor(Int32, (cute.sym_int(),)) if varlen_q else None
+    return (q, k, v, out, lse, page_table, used_k, cu_q, Int32(1), Float32(1.0),
+            fake_stream())
 
 
 def decode_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = True,
                   paged: bool = False, has_seqused_k: bool = False, split: bool = False,
-                  config: HopperDecodeConfig | None = None, arch: str = ARCH) -> Recipe:
+                  config: HopperDecodeConfig | None = None, varlen_q: bool = False,
+                  arch: str = ARCH) -> Recipe:
     """The decode forward (fa4_final.hopper.decode) for one (head dim, dtype, causal, paged,
-    seqused_k, split) and config: compiled from fake tensors, so it needs no GPU."""
+    seqused_k, split, varlen queries) and config: compiled from fake tensors, so it needs no
+    GPU."""
     _check_target(dtype, arch, "decode forward")
     cfg = config or hopper_decode_default(head_dim)
     if not isinstance(cfg, HopperDecodeConfig):
@@ -434,10 +440,10 @@ def decode_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = True,
     from fa4_final.hopper.decode import HopperDecode
 
     kernel = HopperDecode(CUTLASS_BY_NAME[dtype], head_dim, causal, cfg, paged=paged,
-                          has_seqused_k=has_seqused_k, split=split)
+                          has_seqused_k=has_seqused_k, split=split, varlen_q=varlen_q)
     return Recipe("decode", ARCH, {"main": kernel},
-                  lambda role: decode_fake_args(dtype, head_dim, paged, has_seqused_k, split),
-                  cfg)
+                  lambda role: decode_fake_args(dtype, head_dim, paged, has_seqused_k, split,
+                                                varlen_q), cfg)
 
 
 def check_decode_page_size(page_size: int, config: HopperDecodeConfig) -> None:
@@ -450,16 +456,30 @@ def check_decode_page_size(page_size: int, config: HopperDecodeConfig) -> None:
 
 
 def launch_decode(plan, q, k, v, out, lse, page_table=None, seqused_k=None,
-                  softmax_scale: float | None = None) -> None:
+                  softmax_scale: float | None = None, cu_seqlens_q=None,
+                  max_seqlen_q: int | None = None) -> None:
     """One launch of the decode forward compiled as ``plan`` (from decode_recipe with the same
-    paged, seqused_k and split choices). q (b, s_q, h, D); k, v (b, s_k, h_kv, D) or, with
-    ``page_table`` (b, max_pages) int32, (num_pages, page_size, h_kv, D); ``seqused_k`` (b,)
-    int32 or None. ``out`` and ``lse`` are preallocated by the caller: out like q and lse (b, h,
-    s_q) float32 for one split, or the float32 partials (splits, b, s_q, h, D) and (splits, b,
-    h, s_q) that the combine merges. Nothing here reads device memory: the launch is safe to
-    capture in a CUDA graph (the compile must happen before, with a warm-up call)."""
+    paged, seqused_k, split and varlen_q choices). q (b, s_q, h, D); k, v (b, s_k, h_kv, D) or,
+    with ``page_table`` (b, max_pages) int32, (num_pages, page_size, h_kv, D); ``seqused_k``
+    (b,) int32 or None. ``out`` and ``lse`` are preallocated by the caller: out like q and lse
+    (b, h, s_q) float32 for one split, or the float32 partials (splits, b, s_q, h, D) and
+    (splits, b, h, s_q) that the combine merges. Varlen queries (``cu_seqlens_q`` (b + 1,)
+    int32 and ``max_seqlen_q``, a host int that sizes the grid): q (total_q, h, D), out like q
+    or (splits, total_q, h, D), lse (h, total_q) or (splits, h, total_q). Nothing here reads
+    device memory: the launch is safe to capture in a CUDA graph (the compile must happen
+    before, with a warm-up call)."""
     if page_table is not None:
         check_decode_page_size(k.shape[1], plan.config)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    plan.kernels["main"](q, k, v, out, lse, page_table, seqused_k, softmax_scale)
+    if cu_seqlens_q is None:
+        plan.kernels["main"](q, k, v, out, lse, page_table, seqused_k, None, 0, softmax_scale)
+        return
+    if max_seqlen_q is None:
+        raise ValueError("varlen decode needs max_seqlen_q (a host int: it sizes the grid, and "
+                         "reading it from cu_seqlens_q would synchronise with the GPU)")
+    split = out.dim() == 4  # (splits, total_q, h, D)
+    out, lse = (out.unsqueeze(1), lse.unsqueeze(1)) if split else (out.unsqueeze(0),
+                                                                   lse.unsqueeze(0))
+    plan.kernels["main"](q.unsqueeze(0), k, v, out, lse, page_table, seqused_k, cu_seqlens_q,
+                         max_seqlen_q, softmax_scale)

@@ -8,8 +8,9 @@ math, tests.decode_reference.merge_splits) and merged by the package's combine
 (fa4_final.runtime.decode.combine_splits, skipped with a message while it does not exist). Paged
 equals contiguous bit for bit, over shuffled pages among NaN pages no sequence owns; two runs are
 bitwise equal; a CUDA graph captured once follows new lengths and pages written into its input
-tensors. A broken mbarrier protocol hangs rather than fails: utils.checks.wait_for_gpu exits with a
-message after a deadline. Run:
+tensors; varlen queries (chunked prefill and decode in one launch) over a paged cache. A broken
+mbarrier protocol hangs rather than fails: utils.checks.wait_for_gpu exits with a message after a
+deadline. Run:
     timeout 900 python -m pytest -q -m gpu tests/gpu/test_decode_kernel.py
 """
 
@@ -159,6 +160,55 @@ def test_paged_equals_contiguous_bit_for_bit(d, page_size, dtype, splits):
         m_out, m_lse = merge_splits(paged[2][0].cpu(), paged[2][1].cpu())
         check_against_float64(q, kp, vp, m_out.to(DEVICE, dtype), m_lse.to(DEVICE).float(),
                               True, page_table=table, seqused_k=used)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_varlen_queries_over_a_paged_cache(splits):
+    """Chunked prefill and decode steps in one launch: packed query sequences of 16, 1, 0, 7
+    and 3 tokens (cu_seqlens_q, max_seqlen_q), each over its own pages and cached length; every
+    sequence against float64, the partials merged in float64 and by the package's combine."""
+    lengths_q, used = [16, 1, 0, 7, 3], [3000, 1, 517, 129, 2048]
+    h, hk, d, page_size, pages = 32, 4, 128, 256, 12
+    cu = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    total_q = int(cu[-1])
+    g = torch.Generator(device=DEVICE).manual_seed(splits)
+    q = torch.randn(total_q, h, d, generator=g, device=DEVICE, dtype=BF16)
+    k = torch.randn(len(lengths_q), pages * page_size, hk, d, generator=g, device=DEVICE,
+                    dtype=BF16)
+    v = torch.randn_like(k)
+    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
+                                generator=torch.Generator().manual_seed(3))
+    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
+    used_k = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    cu_q = cu.to(DEVICE)
+    plan = compiled(decode_recipe, d, "bf16", True, True, True, splits > 1, None, True)
+    out = poisoned_empty(total_q, h, d, dtype=BF16, device=DEVICE)
+    lse = poisoned_empty(h, total_q, dtype=torch.float32, device=DEVICE)
+    if splits == 1:
+        launch_decode(plan, q, kp, vp, out, lse, table, used_k, cu_seqlens_q=cu_q,
+                      max_seqlen_q=max(lengths_q))
+    else:
+        out_p = poisoned_empty(splits, total_q, h, d, dtype=torch.float32, device=DEVICE)
+        lse_p = poisoned_empty(splits, h, total_q, dtype=torch.float32, device=DEVICE)
+        launch_decode(plan, q, kp, vp, out_p, lse_p, table, used_k, cu_seqlens_q=cu_q,
+                      max_seqlen_q=max(lengths_q))
+        wait_for_gpu("varlen decode")
+        assert not out_p.isnan().any() and not lse_p.isnan().any()
+        m_out, m_lse = merge_splits(out_p.cpu(), lse_p.cpu())
+        check_varlen(q, kp, vp, cu, m_out.to(DEVICE, BF16), m_lse.to(DEVICE).float(), table,
+                     used_k)
+        combine_fn()(out_p, lse_p, out, lse)
+    wait_for_gpu("varlen decode")
+    check_varlen(q, kp, vp, cu, out, lse, table, used_k)
+
+
+def check_varlen(q, k, v, cu, out, lse, table, used_k):
+    """Each packed sequence as a batch of one against float64 (check_against_float64)."""
+    for b in range(len(cu) - 1):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        if hi > lo:
+            check_against_float64(q[None, lo:hi], k, v, out[None, lo:hi], lse[None, :, lo:hi],
+                                  True, page_table=table[b:b + 1], seqused_k=used_k[b:b + 1])
 
 
 def test_paged_without_seqused_k_reads_every_page():
