@@ -97,7 +97,8 @@ def emulate_decode(q, k, v, causal: bool, num_splits: int, softmax_scale=None, p
                    seqused_k=None, tile_m: int = 64, tile_n: int = 128, cu_seqlens_q=None,
                    max_seqlen_q=None):
     """(out_partial, lse_partial, tiles visited) of the kernel's walk, in float64 and the split
-    contract's layout. Rows of a tile the kernel does not mask are not masked here either.
+    contract's layout. Rows of a tile the kernel does not mask are not masked here either; V's rows
+    past the cached length are zeroed in the tile that holds its end, as the kernel does.
     Varlen queries (``cu_seqlens_q``, ``max_seqlen_q``): q (total_q, h, D), the partials
     (splits, total_q, h, D) and (splits, h, total_q), the grid's m-blocks counted for
     max_seqlen_q as the kernel counts them."""
@@ -147,6 +148,10 @@ def emulate_decode(q, k, v, causal: bool, num_splits: int, softmax_scale=None, p
                         visited += 1
                         kt = key_tile(k, b, kv_head, n, tile_n, page_table).to(F64)
                         vt = key_tile(v, b, kv_head, n, tile_n, page_table).to(F64)
+                        if i == 0 and seqlen_k - n * tile_n < tile_n:
+                            # Note [Keys past the cached length]: zeros over V's rows past it
+                            vt = vt.clone()
+                            vt[seqlen_k - n * tile_n:] = 0.0
                         s = scale * qt @ kt.T  # (rows, tile_n)
                         if i < top:
                             cols = n * tile_n + torch.arange(tile_n)

@@ -199,20 +199,24 @@ def test_the_kernels_walk_is_the_decode(case):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_paged_walk_equals_contiguous_bit_for_bit(page_size, tile_n, splits):
     """The cache as shuffled pages among NaN pages no sequence owns, cached lengths per sequence
-    (seqused_k) shorter than the pages hold: the paged walk reads no foreign page and gives the
+    (seqused_k) shorter than the pages hold, NaN in the rows past them (Note [Keys past the
+    cached length]): the paged walk reads no foreign page, lets no NaN through and gives the
     contiguous walk's every bit."""
     batch, sq, h, hk = 3, 4, 8, 2
     pages = 5
     q, k, v, g = inputs(batch, sq, 0, h, hk, 32, seed=page_size + splits,
                         cache=pages * page_size)
     used = torch.tensor([pages * page_size, 1, pages * page_size - 77], dtype=torch.int32)
+    for b, length in enumerate(used.tolist()):  # rows never written: any bits, NaN too
+        k[b, length:] = math.nan
+        v[b, length:] = math.nan
     kp, vp, table = paged_cache(k, v, page_size, generator=g)
     contiguous = emulate_decode(q, k, v, True, splits, seqused_k=used, tile_n=tile_n)
     paged = emulate_decode(q, kp, vp, True, splits, page_table=table, seqused_k=used,
                            tile_n=tile_n)
     assert contiguous[2] == paged[2]
     for a, b in zip(contiguous[:2], paged[:2]):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b) and not a.isnan().any()
     out, lse = merge_splits(*paged[:2])
     out_ref, lse_ref = decode_reference(q, kp, vp, True, page_table=table, seqused_k=used)
     torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)

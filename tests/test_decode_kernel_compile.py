@@ -61,6 +61,11 @@ def test_decode_has_the_hopper_instructions(compiled, variant):
     art.require("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec",
                 "mbarrier.try_wait", "fence.proxy.async", "bar.sync")
     art.require("HGMMA", "UTMALDG", "MUFU.EX2", "LDG.E.128", where="sass")
+    # 16-byte shared stores: Q's rows, and zeros over the last V tile's rows past seqlen_k
+    # (Note [Keys past the cached length]); three bar.sync: the barriers' init, Q, the zeros
+    tile_n = hopper_decode_default(d).tile_n
+    assert art.count("STS.128", "sass") == (64 + tile_n) * d // 8 // 128
+    assert art.count("bar.sync") == 3
     # out leaves from registers: no shared-memory staging, no TMA store
     art.forbid("UTMASTG", "STSM", where="sass")
     assert art.spills == 0 and art.frame_bytes == 0, art.resources()

@@ -55,7 +55,10 @@ from fa4_final.common.softmax import OnlineSoftmax
 from fa4_final.hopper.config import DECODE_CTAS_PER_SM_BOUND, HopperDecodeConfig
 from fa4_final.hopper.wgmma import attention_tiled_mmas, issue_wgmma, smem_tile_layout
 
-Q_READY_BARRIER = 1  # named barrier: the consumer warpgroup's Q stores are done (id 0: syncthreads)
+# named barriers of the consumer warpgroup (id 0: syncthreads): its Q stores are done; its
+# zeros are in the last V tile (Note [Keys past the cached length])
+Q_READY_BARRIER = 1
+V_TAIL_BARRIER = 2
 Q_VECTOR = 8  # elements of one 16-byte load of Q
 
 # Note [Decode bytes in flight]
@@ -384,6 +387,8 @@ class HopperDecode:
             row = m_block * self.tile_m + tScS[r, 0][0]
             limit[r] = key_limit(row, group, seqlen_q, seqlen_k, self.causal) - tScS[0, 0][1]
         mask = lambda s, n: self.mask(s, t0ScS, limit, n)  # noqa: E731
+        zero_tail = lambda stage, n: self.zero_v_tail(  # noqa: E731
+            sV, stage, seqlen_k - n * self.tile_n, tidx)
         acc_o.fill(0.0)
 
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -394,7 +399,8 @@ class HopperDecode:
         if n_tiles > 0:  # (uniform over the CTA) a CTA with no key tile needs no Q either
             self.load_q(mQ, sQ, tidx, rows_at, kv_head, m_block, group, seqlen_q)
             step = lambda i, first, masked, sk, sv: self.step(  # noqa: E731
-                n_hi - 1 - i, first, masked, mask, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK,
+                n_hi - 1 - i, first, masked, mask, zero_tail, softmax, acc_s, acc_o, tOrP, tSrQ,
+                tSrK,
                 tOrVt, tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, sk, sv)
             # the first tile visited is always masked (it may hold seqlen_k's end or the causal
             # diagonal); then the rest of the masked ones, then the free ones: the range is
@@ -418,8 +424,37 @@ class HopperDecode:
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 s[r, c] = -Float32.inf if t0ScS[0, c][1] >= hi else s[r, c]
 
+    # Note [Keys past the cached length]
+    # The tile that holds the last cached key (seqlen_k - 1) also holds rows past it: a cache's
+    # rows past seqused_k, or a page's rows past the sequence's end, which a serving engine may
+    # never have written (torch.empty: any bits, NaN among them). The mask gives those keys
+    # p = 0 exactly (a select, whatever the score), but 0 * NaN in P V is NaN. So before that
+    # tile's P V the consumer warpgroup writes zeros over its V rows past seqlen_k, 16 bytes a
+    # thread at a time, then fences them for wgmma (async proxy) and syncs its four warps; the
+    # TMA that later refills the stage is ordered after the same fence. K needs nothing: the
+    # mask replaces a NaN score. The tile is the first one its split visits, so only that step
+    # carries the code, and at run time only when seqlen_k is not a multiple of tile_n.
+
+    @cute.jit
+    def zero_v_tail(self, sV, stage, valid, tidx):
+        """Zeros over rows valid .. tile_n - 1 of V stage ``stage`` when valid < tile_n
+        (Note [Keys past the cached length])."""
+        if valid < self.tile_n:  # uniform over the warpgroup
+            chunks = self.head_dim // Q_VECTOR
+            zeros = cute.make_rmem_tensor((Q_VECTOR,), self.dtype)
+            zeros.fill(0.0)
+            for it in cutlass.range_constexpr(self.tile_n * chunks // THREADS_PER_WARPGROUP):
+                idx = tidx + it * THREADS_PER_WARPGROUP
+                r, chunk = idx // chunks, idx % chunks
+                if r >= valid:
+                    sv = cute.local_tile(sV[r, None, stage], (Q_VECTOR,), (chunk,))  # (8,)
+                    sv.store(zeros.load())
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=V_TAIL_BARRIER, number_of_threads=THREADS_PER_WARPGROUP)
+
     @cute.jit
     def step(self, n, first: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool], mask,
+             zero_tail,
              softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv,
              pipeline_k, pipeline_v, state_k, state_v):
         """Key tile ``n``: S = Q K^T, (mask), the online softmax, O = alpha O + P V. ``first``:
@@ -437,6 +472,8 @@ class HopperDecode:
         if const_expr(not first):
             softmax.rescale_o(acc_o, row_scale, rescale)
         pipeline_v.consumer_wait(state_v)
+        if const_expr(first):  # the only tile that can hold seqlen_k's end
+            zero_tail(state_v.index, n)
         issue_wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index],
                     not first)
         warpgroup.wait_group(0)

@@ -139,12 +139,15 @@ def test_decode_matches_float64(name):
                                                (64, 512, BF16)])
 def test_paged_equals_contiguous_bit_for_bit(d, page_size, dtype, splits):
     """Pages shuffled among NaN pages no sequence owns, lengths per sequence (one of them 0,
-    one a single key): the paged launch gives the contiguous launch's every bit, and both are
-    float64's answer."""
+    one a single key), NaN in the cache rows past them (Note [Keys past the cached length]):
+    the paged launch gives the contiguous launch's every bit, and both are float64's answer."""
     batch, sq, h, hk, pages = 4, 4, 16, 2, 9
     q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, dtype, seed=page_size + d + splits)
     used = torch.tensor([pages * page_size, 0, 1, pages * page_size - 77], dtype=torch.int32,
                         device=DEVICE)
+    for b, length in enumerate(used.tolist()):  # rows a serving engine never wrote
+        k[b, length:] = float("nan")
+        v[b, length:] = float("nan")
     g = torch.Generator().manual_seed(splits)
     kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size, generator=g)
     kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
