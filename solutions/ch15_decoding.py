@@ -1,0 +1,921 @@
+"""Chapter 15: decoding. The models the notebook prints, its two device-code exercises with their
+checkers, their GPU checks, a CUDA-graph replay of the split combine, and the readers of the
+decode benchmark (results/h200/decode.json, written by measure/decode.py).
+
+15.1 ``combine_row``     (device code) one query row's merge of its split partials: the max of
+                         the lse values, the weights into a row of shared memory, the sum in
+                         split order, never reading a split that saw no key
+15.2 ``gather_key_row``  (device code) one row of a key tile read from a paged cache: key j of
+                         sequence b is row j % page_size of page page_table[b, j // page_size]
+
+Note [Decode exercises on the CPU]
+Both exercises are ``@cute.jit`` functions of one thread's work. The checkers run them on this
+CPU through the DSL itself: a host ``@cute.jit`` loop over the rows calls the learner's function
+on NumPy arrays (``from_dlpack``), so the same source is compiled to host code and run.
+``cute.arch.fmax`` and ``cute.arch.rcp_approx`` have no host version and are swapped while the
+host loop is traced (``cute.math.max``, a division). The paged cache and the page table sit
+inside larger buffers whose margins hold -1, so a read past the cache or past the table lands
+in memory the checker owns and is named, instead of reading someone else's. Then each function
+is compiled for sm_90a in a kernel (one thread per row for 15.1, one CTA per key tile for
+15.2) and its SASS and PTX are read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import numpy as np
+import torch
+from cutlass import Float32, Int32
+
+from fa4_final.runtime import decode as rdecode
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+# Datasheet figures of the H200 (SXM): the roofline's two roofs before anything is measured.
+H200 = {"hbm_tb_s": 4.8, "bf16_tflops": 989.0, "sms": 132}
+DECODE = "decode"  # results/h200/decode.json (measure/decode.py)
+HEADLINE = {"b": 32, "s_q": 1, "s": 8192, "h": 32, "h_kv": 8, "d": 128}
+
+
+# ================================================================================================
+# 1. The roofline of one decode step
+# ================================================================================================
+def decode_step(batch: int, tokens: int, keys: int, heads: int, heads_kv: int, d: int,
+                elem_bytes: int = 2) -> dict:
+    """Bytes a decode step must read (K and V of every sequence and KV head; Q and out are
+    negligible beside them), its FLOPs (Q K^T and P V, 2 per multiply-add), the arithmetic
+    intensity, and the time each roof allows at the H200's datasheet rates (model)."""
+    kv_bytes = 2 * batch * keys * heads_kv * d * elem_bytes
+    flops = 4.0 * batch * heads * tokens * keys * d
+    return {"kv_bytes": kv_bytes, "flops": flops, "flop_per_byte": flops / kv_bytes,
+            "t_memory_us": kv_bytes / (H200["hbm_tb_s"] * 1e12) * 1e6,
+            "t_math_us": flops / (H200["bf16_tflops"] * 1e12) * 1e6}
+
+
+def ridge_point() -> float:
+    """FLOP per byte where the two roofs meet (datasheet rates)."""
+    return H200["bf16_tflops"] * 1e12 / (H200["hbm_tb_s"] * 1e12)
+
+
+def tile_intensity(rows: int, elem_bytes: int = 2) -> float:
+    """FLOP per byte of K and V read when ``rows`` query rows share every key tile: each key
+    and value element (2 B) serves ``rows`` multiply-adds in each GEMM, 4 FLOPs per row per
+    key and column against 2 x 2 B read: ``rows`` FLOP/B."""
+    return 4.0 * rows / (2 * elem_bytes)
+
+
+# ================================================================================================
+# 2. A 64-row wgmma tile at GQA: what packing changes
+# ================================================================================================
+def tile_use(tokens: int, heads: int, heads_kv: int, tile_m: int = 64, packed: bool = True):
+    """Per (batch entry, KV head): query tiles, real rows per tile, and how many times the keys
+    of that KV head are read (once per tile walking them)."""
+    group = heads // heads_kv
+    if packed:
+        rows = tokens * group
+        tiles = -(-rows // tile_m)
+        per_tile = rows / tiles
+    else:  # each query head its own tile, reading the shared keys again
+        tiles = group * -(-tokens // tile_m)
+        per_tile = tokens * group / tiles
+    return {"tiles": tiles, "real_rows_per_tile": per_tile, "of_tile": per_tile / tile_m,
+            "kv_reads": tiles}
+
+
+def plot_packing(tokens: int = 1, heads: int = 32, heads_kv: int = 8, tile_m: int = 64,
+                 ax=None):
+    """The rows of the 64-row tiles one (batch entry, KV head) runs, unpacked and packed."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    group = heads // heads_kv
+    ax = ax or plt.subplots(figsize=(8.5, 2.6))[1]
+    x = 0.0
+    for label, packed in (("one tile per query head", False), ("query heads packed", True)):
+        use = tile_use(tokens, heads, heads_kv, tile_m, packed)
+        for t in range(use["tiles"]):
+            ax.add_patch(Rectangle((x, 0), 0.8, tile_m, fill=False, lw=1))
+            real = tokens * (group if packed else 1) if packed else tokens
+            real = min(real - t * tile_m, tile_m) if packed else real
+            ax.add_patch(Rectangle((x, tile_m - real), 0.8, real, color="C1"))
+            x += 1.0
+        ax.text(x - use["tiles"] + (use["tiles"] - 1) / 2 + 0.4, -10, label, ha="center",
+                fontsize=9)
+        x += 1.0
+    ax.set_xlim(-0.5, x)
+    ax.set_ylim(-16, tile_m + 4)
+    ax.set_yticks([0, tile_m])
+    ax.set_xticks([])
+    ax.set_ylabel("tile rows (M)")
+    ax.set_title(f"{tokens} token(s), {heads} query heads over {heads_kv} KV heads: real rows "
+                 f"(orange) per {tile_m}-row tile, each tile reads the KV head's keys",
+                 fontsize=9)
+    return ax
+
+
+# ================================================================================================
+# 3. Split-KV: how many CTAs a decode step has, and the split count
+# ================================================================================================
+def split_plan(batch: int, tokens: int, keys: int, heads: int, heads_kv: int,
+               num_splits: int = 0, tile_m: int = 64, tile_n: int = 128,
+               num_sms: int = H200["sms"]) -> dict:
+    """CTAs without splits, the split count fa4_final's heuristic picks (num_splits < 1) or
+    the one asked for, and the CTAs that gives (fa4_final.runtime.decode.choose_num_splits)."""
+    packed = tokens * (heads // heads_kv)
+    key_tiles = -(-keys // tile_n)
+    ctas = batch * heads_kv * -(-packed // tile_m)
+    splits = rdecode.choose_num_splits(num_splits, batch=batch, heads_kv=heads_kv,
+                                       packed_rows=packed, key_tiles=key_tiles, num_sms=num_sms,
+                                       tile_m=tile_m, tile_n=tile_n)
+    return {"ctas": ctas, "splits": splits, "ctas_split": ctas * splits,
+            "tiles_per_split": -(-key_tiles // splits)}
+
+
+def combine_bytes(batch: int, tokens: int, heads: int, d: int, splits: int) -> int:
+    """Bytes the split partials add: written once in float32 by the splits, read once by the
+    combine (out partial and lse)."""
+    return 2 * splits * batch * tokens * heads * (d + 1) * 4
+
+
+# ================================================================================================
+# Exercise 15.1: the combine of one row's split partials (device code)
+# ================================================================================================
+@cute.jit
+def combine_row(lse_p: cute.Tensor, out_p: cute.Tensor, w: cute.Tensor,
+                out: cute.Tensor) -> Float32:
+    """One query row: lse_p (num_splits,) natural-log lse of each split (-inf: the split saw no
+    key, and its partial was never written), out_p (num_splits, D) the float32 partials, w
+    (num_splits,) a row of shared memory for the weights, out (D,) registers. Writes
+    w[s] = exp(lse_s - m) / sum and out = sum_s w[s] out_p[s] in split order, reading no split
+    whose weight is 0; returns the row's lse (-inf and out = 0 for a row no split saw)."""
+    n = cute.size(lse_p)
+    m = -Float32.inf
+    for s in cutlass.range(n):
+        m = cute.arch.fmax(m, lse_p[s])
+    m_safe = Float32(0.0) if m == -Float32.inf else m  # no split saw the row: exp2(-inf) = 0
+    total = Float32(0.0)
+    for s in cutlass.range(n):
+        w[s] = cute.math.exp2((lse_p[s] - m_safe) * Float32(LOG2_E), fastmath=True)
+        total = total + w[s]
+    inv = Float32(0.0) if total == Float32(0.0) else cute.arch.rcp_approx(total)
+    for i in cutlass.range_constexpr(cute.size(out)):
+        out[i] = Float32(0.0)
+    for s in cutlass.range(n):  # split order: the same bits every run
+        w[s] = w[s] * inv
+        if w[s] > Float32(0.0):
+            for i in cutlass.range_constexpr(cute.size(out)):
+                out[i] = out[i] + w[s] * out_p[s, i]
+    return m_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)
+
+
+MAX_SPLITS_EX = 32  # the exercise kernel's shared-memory row: at most this many splits
+THREADS = 128
+
+
+class CombineKernels:
+    """A 15.1 function in a host loop over rows (this CPU) and in a kernel of one thread per row
+    whose weights row lives in shared memory (sm_90a)."""
+
+    def __init__(self, fn, head_dim: int):
+        self.fn, self.head_dim = fn, head_dim
+
+    @cute.jit
+    def on_cpu(self, mLSEp: cute.Tensor, mOp: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor):
+        # mLSEp (splits, rows), mOp (splits, rows, D), mW (rows, splits), mO (rows, D)
+        for row in cutlass.range(cute.size(mLSE)):
+            rO = cute.make_rmem_tensor(self.head_dim, Float32)  # (D,) as the kernel's registers
+            for i in cutlass.range_constexpr(self.head_dim):
+                rO[i] = Float32(math.nan)  # registers start with anything
+            mLSE[row] = self.fn(mLSEp[None, row], mOp[None, row, None], mW[row, None], rO)
+            for i in cutlass.range_constexpr(self.head_dim):
+                mO[row, i] = rO[i]
+
+    @cute.kernel
+    def kernel(self, mLSEp: cute.Tensor, mOp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        # (THREADS, MAX_SPLITS_EX), one padding float per row: neighbours in different banks
+        sW = smem.allocate_tensor(Float32, cute.make_layout(
+            (THREADS, MAX_SPLITS_EX), stride=(MAX_SPLITS_EX + 1, 1)), 16)
+        row = bidx * THREADS + tidx
+        if row < cute.size(mLSE):
+            rO = cute.make_rmem_tensor(self.head_dim, Float32)  # (D,)
+            lse = self.fn(mLSEp[None, row], mOp[None, row, None],
+                          cute.local_tile(sW[tidx, None], (cute.size(mLSEp, mode=[0]),), (0,)),
+                          rO)
+            mLSE[row] = lse
+            for i in cutlass.range_constexpr(self.head_dim):
+                mO[row, i] = rO[i]
+
+    @cute.jit
+    def launch(self, mLSEp: cute.Tensor, mOp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               stream):
+        grid = (cute.ceil_div(cute.size(mLSE), THREADS), 1, 1)
+        self.kernel(mLSEp, mOp, mO, mLSE).launch(grid=grid, block=(THREADS, 1, 1),
+                                                 stream=stream)
+
+
+def _host_fmax(a, b, **_):
+    return cute.math.max(a, b)
+
+
+def _host_rcp(x, **_):
+    return Float32(1.0) / x
+
+
+_HOST_OK = {"fmax", "rcp_approx"}
+
+
+def _refuse_host_and_device_only(fn, allowed: str) -> None:
+    from utils.exercises import referenced
+
+    for text, obj in referenced(fn):
+        if text.startswith("cute.arch.") and text.split(".")[2] not in _HOST_OK:
+            raise AssertionError(f"your function calls {text}, which the check cannot run on "
+                                 f"this CPU: {allowed}")
+        if obj in (np.exp, np.log, np.logaddexp, math.exp, math.log, torch.logsumexp,
+                   torch.exp, np.take, torch.gather, torch.index_select):
+            raise AssertionError(f"your function calls {text}, which runs on the host, not in "
+                                 f"device code: {allowed}")
+
+
+def _on_cpu(run, *arrays) -> None:
+    from cutlass.cute.runtime import from_dlpack
+
+    from utils.host_emulation import patched
+
+    with patched(cute.arch, fmax=_host_fmax, rcp_approx=_host_rcp):
+        run(*(from_dlpack(a) for a in arrays))
+
+
+def run_combine_on_cpu(fn, lse_p, out_p):
+    """15.1's function on every row: lse_p (splits, rows), out_p (splits, rows, D) float32 ->
+    (out (rows, D), lse (rows,), w (rows, splits)), all float32, NaN where nothing was
+    written."""
+    lse_p = np.ascontiguousarray(lse_p, dtype=np.float32)
+    out_p = np.ascontiguousarray(out_p, dtype=np.float32)
+    splits, rows, d = out_p.shape
+    w = np.full((rows, splits), np.nan, dtype=np.float32)
+    out = np.full((rows, d), np.nan, dtype=np.float32)
+    lse = np.full(rows, np.nan, dtype=np.float32)
+    _on_cpu(CombineKernels(fn, d).on_cpu, lse_p, out_p, w, out, lse)
+    return out, lse, w
+
+
+def combine_reference(lse_p, out_p):
+    """The merge in float64 over the splits that saw the row: (out, lse, normalised weights
+    (rows, splits))."""
+    lse_p = np.asarray(lse_p, np.float64)
+    out_p = np.asarray(out_p, np.float64)
+    lse = np.logaddexp.reduce(lse_p, axis=0)
+    safe = np.where(np.isfinite(lse), lse, 0.0)
+    w = np.exp(lse_p - safe)  # (splits, rows); 0 for a split with lse -inf
+    seen = ~np.isneginf(lse_p)
+    out = np.einsum("sr,srd->rd", w, np.where(seen[..., None], out_p, 0.0))
+    return out, lse, w.T
+
+
+def combine_rows(splits: int = 4):
+    """Rows that tell the mistakes apart: (what the row is, the lse of each split)."""
+    inf = np.inf
+    rows = [("an ordinary row", [0.3, -0.2, 1.1, 0.4]),
+            ("a row with lse near 100 (float32's exp overflows above 88.7)",
+             [96.0, 101.5, 99.0, 100.2]),
+            ("a row whose split 1 saw no key (lse -inf; its partial holds NaN: never written)",
+             [1.5, -inf, 0.2, 0.9]),
+            ("a row whose first and last splits saw no key", [-inf, 2.0, 0.7, -inf]),
+            ("a row no split saw (every lse -inf)", [-inf] * 4),
+            ("a row whose weights are far apart (one underflows to 0 in float32)",
+             [0.0, -120.0, -40.0, 5.0]),
+            ("a row with negative lse", [-60.0, -58.5, -61.0, -59.0])]
+    return [(what, np.array(lse[:splits], dtype=np.float64)) for what, lse in rows]
+
+
+def combine_case(splits: int = 4, d: int = 8, seed: int = 15, rows=None):
+    """(row descriptions, lse_p (splits, rows), out_p (splits, rows, D)): the partials of a
+    split that saw no key are NaN, as memory the decode kernel never wrote."""
+    rng = np.random.default_rng(seed)
+    rows = combine_rows(splits) if rows is None else rows
+    lse_p = np.stack([r[1] for r in rows], axis=1)
+    out_p = rng.standard_normal((splits, len(rows), d))
+    out_p[np.isneginf(lse_p)] = np.nan
+    return rows, lse_p, out_p
+
+
+def _combine_mistake(what, lses, got_w, got_o, got_l, want_w, want_o, want_l) -> str | None:
+    empty = np.isneginf(lses)
+    if empty.all():
+        if np.isnan(got_w).any() or np.isnan(got_l):
+            return (f"{what}: NaN. With every lse = -inf the max is -inf too, and lse - max = "
+                    "-inf - (-inf) is NaN; subtract 0 when the max is -inf: every weight is then "
+                    "exp2(-inf) = 0")
+        if np.any(got_w != 0):
+            return (f"{what}: a split whose lse is -inf got weight {got_w[got_w != 0][0]:.4g}; "
+                    "its weight is exp(-inf) = 0")
+        if np.isnan(got_o).any():
+            return (f"{what}: out is NaN: a split whose lse is -inf was read (its partial was "
+                    "never written: NaN here, and 0 x NaN is NaN); skip a split whose weight is "
+                    "0")
+        if not (np.isneginf(got_l) and np.all(got_o == 0)):
+            return (f"{what}: it gives lse {got_l:.4g}, out {got_o[:3]}...; a row no split saw "
+                    "is out = 0, lse = -inf")
+        return None
+    bad = empty & (got_w != 0)
+    if bad.any():
+        s = int(np.flatnonzero(bad)[0])
+        return (f"{what}: a split whose lse is -inf got weight {got_w[s]:.4g} (split {s}); its "
+                "weight is exp(-inf - max) = 0")
+    if not np.isfinite(got_w).all():
+        return (f"{what}: the weights are {got_w}: an exponential overflowed. Subtract the "
+                "row's largest lse first: exp2((lse_s - max) log2 e) is at most 1")
+    if abs(got_w.sum() - 1.0) > 1e-4:
+        return (f"{what}: the weights in w sum to {got_w.sum():.6g}: store each split's share, "
+                "exp(lse_s - max) / sum over the splits (one reciprocal per row)")
+    if np.abs(got_w - want_w).max() > 1e-5:
+        s = int(np.argmax(np.abs(got_w - want_w)))
+        return (f"{what}: split {s} got weight {got_w[s]:.6g}, it should be {want_w[s]:.6g} "
+                "(exp(lse_s - max) / sum, the max over this row's splits)")
+    if np.isnan(got_l) or abs(got_l - want_l) > 1e-4 * max(1.0, abs(want_l)):
+        if np.isfinite(got_l) and abs(got_l - want_l * LOG2_E) < 1e-3 * max(1.0, abs(want_l)):
+            return (f"{what}: your lse is {got_l:.6g}, log2(e) times {want_l:.6g}: it is in "
+                    "log2 units; the combine's lse is a natural log (multiply the log2 by ln 2)")
+        if np.isfinite(got_l) and abs(got_l - (want_l - lses.max())) < 1e-4 * max(1, abs(want_l)):
+            return (f"{what}: your lse is {got_l:.6g}, the log of the sum alone: add back the "
+                    f"max you subtracted ({lses.max():.6g})")
+        return f"{what}: the row's lse is {got_l:.6g}, it should be {want_l:.6g}"
+    if np.isnan(got_o).any():
+        if empty.any():
+            return (f"{what}: out is NaN: a split whose lse is -inf was read. The decode kernel "
+                    "never writes such a split's partial (NaN here), and 0 x NaN is NaN: read "
+                    "no split whose weight is 0")
+        return (f"{what}: out is NaN although every split saw keys: set out to 0 before the "
+                "sum (registers start with anything)")
+    err = np.abs(got_o - want_o).max()
+    if err > 1e-4 * max(1.0, np.abs(want_o).max()):
+        return (f"{what}: out differs from the float64 merge by {err:.3g} while the weights are "
+                "right: out = sum over s of w[s] x out_p[s], each split's partial times its own "
+                "weight")
+    return None
+
+
+def _check_combine_values(fn, splits: int, rows=None, seed: int = 15) -> None:
+    described, lse_p, out_p = combine_case(splits, rows=rows, seed=seed)
+    out, lse, w = run_combine_on_cpu(fn, lse_p, out_p)
+    want_o, want_l, want_w = combine_reference(lse_p, out_p)
+    for r, (what, lses) in enumerate(described):
+        mistake = _combine_mistake(what, lses, w[r].astype(np.float64),
+                                   out[r].astype(np.float64), float(lse[r]), want_w[r],
+                                   want_o[r], float(want_l[r]))
+        if mistake:
+            raise AssertionError(f"{mistake} [{splits} splits]")
+
+
+_SASS_CACHE: dict = {}
+SASS_HEAD_DIM = 32
+
+
+def combine_compiled(fn):
+    """``fn`` in the one-thread-per-row kernel, compiled for sm_90a (cached per function)."""
+    from utils.compile_only import compile_for, fake_stream, fake_tensor
+
+    if fn not in _SASS_CACHE:
+        d = SASS_HEAD_DIM
+        _SASS_CACHE[fn] = compile_for(
+            "sm_90a", CombineKernels(fn, d).launch,
+            fake_tensor(Float32, (None, None), stride_order=(1, 0)),
+            fake_tensor(Float32, (None, None, d), stride_order=(2, 1, 0)),
+            fake_tensor(Float32, (None, d), stride_order=(1, 0)),
+            fake_tensor(Float32, (None,)), fake_stream())
+    return _SASS_CACHE[fn]
+
+
+def combine_sass_facts(fn) -> dict:
+    """What the compiled row costs: exponentials, logs, reciprocals (and IEEE division calls),
+    shared-memory stores of the weights, local memory."""
+    from solutions.ch06_exp2 import sass_opcodes
+
+    art = combine_compiled(fn)
+    ops = sass_opcodes(art.sass)
+
+    def count(*prefixes):
+        return sum(v for k, v in ops.items() if k.startswith(prefixes))
+
+    return {"row length D": SASS_HEAD_DIM,
+            "MUFU.EX2": count("MUFU.EX2"), "MUFU.LG2": count("MUFU.LG2"),
+            "reciprocals and division calls": count("MUFU.RCP", "CALL"),
+            "shared-memory stores (STS)": count("STS"),
+            "local memory": art.spills > 0 or any(k.frame_bytes for k in art.kernels)}
+
+
+def _combine_sass_mistake(facts: dict, ref: dict) -> str | None:
+    if facts["local memory"]:
+        return ("compiled for sm_90a, the row sits in local memory: index out with "
+                "compile-time indices (a cutlass.range_constexpr loop over its D elements)")
+    if facts["MUFU.LG2"] > 1:
+        return (f"compiled for sm_90a, {facts['MUFU.LG2']} MUFU.LG2: the lse takes one log per "
+                "row, after the sum")
+    if facts["MUFU.EX2"] > ref["MUFU.EX2"]:
+        return (f"compiled for sm_90a, {facts['MUFU.EX2']} MUFU.EX2 where the weights need "
+                f"{ref['MUFU.EX2']}: the sum over the partials recomputes the exponentials; "
+                "compute each weight once, keep it in w, and read it back")
+    if facts["reciprocals and division calls"] > ref["reciprocals and division calls"] + 2:
+        return (f"compiled for sm_90a, {facts['reciprocals and division calls']} reciprocals and "
+                "division calls: the weights divide by the sum per split or per element; take "
+                "one reciprocal of the sum per row and multiply")
+    if facts["shared-memory stores (STS)"] == 0:
+        return ("compiled for sm_90a, nothing is stored to shared memory: write each split's "
+                "weight into w (the kernel's shared-memory row), as the exercise asks")
+    return None
+
+
+def check_combine_row(fn, compile_check: bool = True) -> None:
+    """Exercise 15.1: on this CPU with 4 splits (rows that tell the mistakes apart), 1 split and
+    7 splits (so a fixed count is caught), against float64; then compiled for sm_90a and its
+    SASS held against the reference's."""
+    _refuse_host_and_device_only(
+        fn, "the combine needs arithmetic, cute.arch.fmax, cute.arch.rcp_approx, "
+        "cute.math.exp2 and cute.math.log2")
+    _check_combine_values(fn, 4)
+    one = [("a row with one split", np.array([0.7])), ("a row whose one split saw no key",
+                                                          np.array([-np.inf]))]
+    _check_combine_values(fn, 1, rows=one, seed=16)
+    rng = np.random.default_rng(17)
+    seven = [(f"row {r} of seven splits", np.where(rng.random(7) < 0.25, -np.inf,
+                                                   rng.normal(0, 6, 7))) for r in range(5)]
+    _check_combine_values(fn, 7, rows=seven, seed=17)
+    if compile_check:
+        mistake = _combine_sass_mistake(combine_sass_facts(fn), combine_sass_facts(combine_row))
+        if mistake:
+            raise AssertionError(mistake)
+
+
+FORBID_COMBINE = {
+    combine_reference: "that is the checker's float64 merge; write the device code yourself",
+    rdecode.combine_splits: "that launches the package's combine kernel; write the row's merge",
+}
+
+
+def _gpu_partials(rows: int, splits: int, d: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    lse = torch.randn(splits, rows, generator=g, dtype=torch.float64) * 8
+    lse[:, ::7] = float("-inf")  # rows no split saw
+    lse[0, 3::5] = float("-inf")  # rows whose first split saw nothing
+    lse[-1, 2::9] += 90.0  # a large lse in the last split
+    out = torch.randn(splits, rows, d, generator=g, dtype=torch.float64)
+    out[torch.isneginf(lse)] = float("nan")  # never written
+    return lse, out
+
+
+def check_combine_on_gpu(fn, shapes=((1, 1), (300, 3), (1000, 17), (777, 32)), d: int = 64):
+    """15.1 on a Hopper GPU: the one-thread-per-row kernel on awkward row and split counts,
+    NaN partials for splits that saw no key, against float64. (ok, one line per shape)."""
+    import cuda.bindings.driver as cuda_driver
+    from cutlass.cute.runtime import from_dlpack
+
+    ok, lines = True, []
+    for n, (rows, splits) in enumerate(shapes):
+        lse, part = _gpu_partials(rows, splits, d, 1500 + n)
+        want_o, want_l, _ = combine_reference(lse.numpy(), part.numpy())
+        lse_d, part_d = lse.float().cuda(), part.float().cuda()
+        out = torch.full((rows, d), float("nan"), device="cuda")
+        got_lse = torch.full((rows,), float("nan"), device="cuda")
+        stream = cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        CombineKernels(fn, d).launch(*(from_dlpack(t) for t in (lse_d, part_d, out, got_lse)),
+                                     stream)
+        torch.cuda.synchronize()
+        o, lo = out.double().cpu().numpy(), got_lse.double().cpu().numpy()
+        empty = np.isneginf(want_l)
+        same_l = np.where(empty, np.isneginf(lo),
+                          np.abs(lo - np.where(empty, 0, want_l)) <= 1e-4 *
+                          np.maximum(1, np.abs(np.where(empty, 0, want_l))))
+        err = float(np.abs(o - want_o).max()) if np.isfinite(o).all() else math.inf
+        case_ok = bool(same_l.all()) and err < 1e-4
+        ok &= case_ok
+        lines.append(f"rows={rows} splits={splits} D={d}: max |out - float64| {err:.2e}, lse "
+                     f"{'right' if same_l.all() else 'WRONG'} -> {'ok' if case_ok else 'FAIL'}")
+    return ok, lines
+
+
+# ================================================================================================
+# Exercise 15.2: one row of a key tile from a paged cache (device code)
+# ================================================================================================
+@cute.jit
+def gather_key_row(mK: cute.Tensor, page_table: cute.Tensor, b: Int32, h: Int32, n: Int32,
+                   i: Int32, seqlen: Int32, sK: cute.Tensor):
+    """Row i of key tile n of sequence b, KV head h, into sK (tile_n, D): key j = n tile_n + i
+    is row j % page_size of page page_table[b, j // page_size] of mK (num_pages, page_size,
+    heads_kv, D); a key at or past seqlen is 0 and its page-table slot is never read."""
+    tile_n = cute.size(sK, mode=[0])
+    page_size = cute.size(mK, mode=[1])
+    j = n * tile_n + i
+    if j < seqlen:
+        page = page_table[b, j // page_size]
+        row = j % page_size
+        for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
+            sK[i, d] = mK[page, row, h, d]
+    else:
+        for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
+            sK[i, d] = sK.element_type(0)
+
+
+class GatherKernels:
+    """A 15.2 function in a host loop over (sequence, KV head, tile, row) on this CPU, and in a
+    kernel of one CTA per (key tile, KV head, sequence) that gathers the tile into shared memory
+    and writes it out (sm_90a)."""
+
+    def __init__(self, fn, tile_n: int, head_dim: int):
+        self.fn, self.tile_n, self.head_dim = fn, tile_n, head_dim
+
+    @cute.jit
+    def on_cpu(self, mK: cute.Tensor, mT: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor):
+        # mOut (batch, heads_kv, tiles, tile_n, D)
+        for b in cutlass.range(mOut.shape[0]):
+            for h in cutlass.range(mOut.shape[1]):
+                for n in cutlass.range(mOut.shape[2]):
+                    for i in cutlass.range(mOut.shape[3]):
+                        self.fn(mK, mT, b, h, n, i, mLen[b], mOut[b, h, n, None, None])
+
+    @cute.kernel
+    def kernel(self, mK: cute.Tensor, mT: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, h, b = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sK = smem.allocate_tensor(mK.element_type, cute.make_layout(
+            (self.tile_n, self.head_dim), stride=(self.head_dim + 1, 1)), 16)  # (tile_n, D)
+        self.fn(mK, mT, b, h, n, tidx, mLen[b], sK)
+        cute.arch.barrier()
+        for d in cutlass.range_constexpr(self.head_dim):
+            mOut[b, h, n, tidx, d] = sK[tidx, d]
+
+    @cute.jit
+    def launch(self, mK: cute.Tensor, mT: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor,
+               stream):
+        grid = (mOut.shape[2], mOut.shape[1], mOut.shape[0])
+        self.kernel(mK, mT, mLen, mOut).launch(grid=grid, block=(self.tile_n, 1, 1),
+                                               stream=stream)
+
+
+GUARD_PAGES = 96  # pages of -1 before and after the cache (Note [Decode exercises on the CPU])
+TABLE_GUARD = 8192  # entries of -1 after the page table
+
+
+class PagedCase:
+    """A paged cache whose every element says where it lives: k[p, r, h, d] = 1 + the flat
+    index of (p, r, h, d), so a copied row names the page, row and head it came from; -1 in
+    the margins around the cache and after the table. Pages are handed out in a random order,
+    slots past a sequence's pages hold -1 (as engines pad them)."""
+
+    def __init__(self, lengths, page_size: int, tile_n: int, heads_kv: int = 2, d: int = 4,
+                 seed: int = 15):
+        rng = np.random.default_rng(seed)
+        self.lengths = np.asarray(lengths, dtype=np.int32)
+        self.page_size, self.tile_n, self.heads_kv, self.d = page_size, tile_n, heads_kv, d
+        self.pages_of = [-(-int(x) // page_size) for x in self.lengths]
+        self.num_pages = sum(self.pages_of) + 3  # three pages no sequence uses
+        shape = (self.num_pages, page_size, heads_kv, d)
+        self._buf = np.full((self.num_pages + 2 * GUARD_PAGES, *shape[1:]), -1.0, np.float32)
+        self.k = self._buf[GUARD_PAGES:GUARD_PAGES + self.num_pages]
+        self.k[...] = 1.0 + np.arange(self.k.size, dtype=np.float32).reshape(shape)
+        assert self.k.size < 2 ** 24  # exact in float32
+        max_pages = max(self.pages_of) + 1
+        self._flat = np.full(len(self.lengths) * max_pages + TABLE_GUARD, -1, np.int32)
+        self.table = self._flat[:len(self.lengths) * max_pages].reshape(-1, max_pages)
+        order = rng.permutation(self.num_pages)
+        c = 0
+        for b, pages in enumerate(self.pages_of):
+            self.table[b, :pages] = order[c:c + pages]
+            c += pages
+        self.tiles = max(1, -(-int(self.lengths.max()) // tile_n))
+
+    def where(self, value: float):
+        """(page, row, head, column) a copied value came from; None for 0 and for the margins."""
+        if value <= 0 or not np.isfinite(value) or value > self.k.size:
+            return None
+        return np.unravel_index(int(value) - 1, self.k.shape)
+
+    def expected(self, b: int, h: int, j: int):
+        slot, row = divmod(j, self.page_size)
+        return int(self.table[b, slot]), row
+
+    def run(self, fn):
+        out = np.full((len(self.lengths), self.heads_kv, self.tiles, self.tile_n, self.d),
+                      np.nan, np.float32)
+        _on_cpu(GatherKernels(fn, self.tile_n, self.d).on_cpu, self.k, self.table,
+                self.lengths, out)
+        return out
+
+
+def _gather_mistake(case: PagedCase, out) -> str | None:
+    ps, tn = case.page_size, case.tile_n
+    for b, length in enumerate(case.lengths):
+        for h in range(case.heads_kv):
+            for j in range(case.tiles * tn):
+                n, i = divmod(j, tn)
+                got = out[b, h, n, i]
+                where_ = (f"key {j} of sequence {b} (row {i} of key tile {n}, tile_n = {tn}, "
+                          f"page_size = {ps}, KV head {h})")
+                if j >= length:
+                    if np.all(got == 0):
+                        continue
+                    if np.any(got == -1):
+                        return (f"{where_} is past the sequence's {length} keys, and your code "
+                                "read page -1 for it: a table slot past a sequence's pages may "
+                                "hold anything (here -1). Test j < seqlen before reading the "
+                                "table, and write zeros")
+                    return (f"{where_} is past the sequence's {length} keys: its row must be 0 "
+                            f"(the softmax masks it), got {got}; test j < seqlen and write "
+                            "zeros there")
+                page, row = case.expected(b, h, j)
+                if np.any(np.isnan(got)):
+                    return f"{where_} was never written (its row of sK still holds NaN)"
+                if np.any(got == -1):
+                    return (f"{where_}: your code read outside the cache or the page table (a "
+                            f"margin holding -1); it lives in page {page}, row {row}")
+                src = [case.where(v) for v in got]
+                if any(s is None for s in src):
+                    return f"{where_}: got {got}, which is no element of the cache"
+                p, r, hh, _ = src[0]
+                cols = [int(s[3]) for s in src]
+                if (p, r) != (page, row) and p * ps + r == page * ps + j % tn:
+                    return (f"{where_}: you read row {j % tn} counted from the start of page "
+                            f"{page}, the row inside the key tile (j % tile_n); the row inside "
+                            f"the page is j % page_size = {row}")
+                if p != page:
+                    slot = j // ps
+                    if p == slot:
+                        return (f"{where_}: row offset uses page index instead of "
+                                f"page_table[b, page]: you read page {p}, the slot number "
+                                f"j // page_size; the key is on page page_table[{b}, {slot}] "
+                                f"= {page}")
+                    if p == int(case.table[b, n]) and n != slot:
+                        return (f"{where_}: you looked the page up by the key tile (slot {n}); "
+                                f"a tile of {tn} keys is not a page of {ps}: the slot is "
+                                f"j // page_size = {slot}, page {page}")
+                    rows_of = [bb for bb in range(len(case.lengths))
+                               if p in case.table[bb, :case.pages_of[bb]]]
+                    if rows_of and b not in rows_of:
+                        return (f"{where_}: you read page {p}, a page of sequence {rows_of[0]}: "
+                                f"the table's row is the sequence, page_table[b, slot]; it "
+                                f"should be page {page}")
+                    return f"{where_}: you read page {p}, the key lives on page {page}"
+                if r != row:
+                    hint = ""
+                    if r == j % tn:
+                        hint = (" You used the row inside the key tile (j % tile_n); the row "
+                                "inside the page is j % page_size.")
+                    return f"{where_}: you read row {r} of page {page}, it is row {row}.{hint}"
+                if hh != h:
+                    return f"{where_}: you read KV head {hh}, the tile is KV head {h}"
+                if cols != list(range(case.d)):
+                    return f"{where_}: the columns came from {cols}, in order 0..{case.d - 1}"
+    return None
+
+
+GATHER_CASES = (
+    # (lengths, page_size, tile_n): a tile of 64 spanning four pages of 16; pages of 48 that a
+    # tile of 32 straddles; a page of 16 with one tile of 16 (pages and tiles alike) and an
+    # empty sequence
+    ((100, 0, 37), 16, 64),
+    ((131, 5, 96), 48, 32),
+    ((16, 33), 16, 16),
+)
+
+
+def check_gather_key_row(fn, compile_check: bool = True) -> None:
+    """Exercise 15.2: every row of every key tile of three paged caches (tiles spanning pages,
+    pages straddling tiles, an empty sequence, -1 in unused table slots) on this CPU, each
+    copied value traced back to the page, row and head it came from; then compiled for sm_90a
+    and its PTX read."""
+    _refuse_host_and_device_only(
+        fn, "the gather needs integer arithmetic, the page table and the cache")
+    for lengths, page_size, tile_n in GATHER_CASES:
+        case = PagedCase(lengths, page_size, tile_n)
+        mistake = _gather_mistake(case, case.run(fn))
+        if mistake:
+            raise AssertionError(mistake)
+    if compile_check:
+        mistake = _gather_ptx_mistake(gather_ptx_facts(fn))
+        if mistake:
+            raise AssertionError(mistake)
+
+
+_GATHER_CACHE: dict = {}
+GATHER_COMPILE = {"page_size": 16, "tile_n": 64, "d": 64}
+
+
+def gather_compiled(fn):
+    """``fn`` in the one-CTA-per-tile kernel for sm_90a, with a compile-time page size of 16
+    (a power of two: j // page_size and j % page_size can be a shift and a mask)."""
+    from utils.compile_only import compile_for, fake_stream, fake_tensor
+
+    if fn not in _GATHER_CACHE:
+        c = GATHER_COMPILE
+        _GATHER_CACHE[fn] = compile_for(
+            "sm_90a", GatherKernels(fn, c["tile_n"], c["d"]).launch,
+            fake_tensor(Float32, (None, c["page_size"], None, c["d"]),
+                        stride_order=(3, 2, 1, 0)),
+            fake_tensor(Int32, (None, None), stride_order=(1, 0)),
+            fake_tensor(Int32, (None,)),
+            fake_tensor(Float32, (None, None, None, c["tile_n"], c["d"]),
+                        stride_order=(4, 3, 2, 1, 0)),
+            fake_stream())
+    return _GATHER_CACHE[fn]
+
+
+def gather_ptx_facts(fn) -> dict:
+    """What the tile costs, read from the PTX: scalar 32-bit loads from global memory (the
+    sequence's length and the page table; the cache's rows come as vector loads), integer
+    divisions, local memory."""
+    import re
+
+    art = gather_compiled(fn)
+    ptx = art.ptx
+    return {"scalar 32-bit global loads (seqlen, page table)":
+            len(re.findall(r"ld\.global(?:\.nc)?\.[bsu]32\b", ptx)),
+            "vector global loads (the cache's rows)":
+            len(re.findall(r"ld\.global(?:\.nc)?\.v\d\.", ptx)),
+            "integer divisions (div/rem)": len(re.findall(r"\b(?:div|rem)\.[su]32", ptx)),
+            "local memory": art.spills > 0 or any(k.frame_bytes for k in art.kernels)}
+
+
+def _gather_ptx_mistake(facts: dict) -> str | None:
+    if facts["local memory"]:
+        return ("compiled for sm_90a, the row uses local memory: index sK and the cache with "
+                "compile-time column indices (cutlass.range_constexpr over D)")
+    if facts["scalar 32-bit global loads (seqlen, page table)"] < 2:
+        return ("compiled for sm_90a, the kernel never loads the page table: the page of a key "
+                "must come from page_table[b, j // page_size] in global memory")
+    if facts["integer divisions (div/rem)"]:
+        return ("compiled for sm_90a with a compile-time page size of 16, the PTX still divides "
+                f"({facts['integer divisions (div/rem)']} div/rem): take the page size from "
+                "the cache's shape (cute.size(mK, mode=[1])) and the tile's rows from sK, so "
+                "the compiler sees powers of two and shifts")
+    return None
+
+
+FORBID_GATHER = {
+    rdecode.paged_key_row: "that is the package's page-table rule; write the address yourself",
+    rdecode.gather_pages: "that gathers on the host with torch; write the device code",
+}
+
+
+def check_gather_on_gpu(fn, cases=((32, 64, (1000, 0, 333, 4097)), (48, 32, (129, 96)),
+                                   (128, 64, (8192, 1, 700)))):
+    """15.2 on a Hopper GPU: the one-CTA-per-tile kernel over random page tables (float32 keys,
+    D = 64, unused slots -1), bit for bit against torch's gather. (ok, one line per case)."""
+    import cuda.bindings.driver as cuda_driver
+    from cutlass.cute.runtime import from_dlpack
+
+    ok, lines = True, []
+    d, heads_kv = 64, 2
+    for seed, (page_size, tile_n, lengths) in enumerate(cases):
+        g = torch.Generator().manual_seed(1510 + seed)
+        pages_of = [-(-x // page_size) for x in lengths]
+        num_pages = sum(pages_of) + 2
+        k = torch.randn(num_pages, page_size, heads_kv, d, generator=g)
+        table = torch.full((len(lengths), max(pages_of) + 1), -1, dtype=torch.int32)
+        order = torch.randperm(num_pages, generator=g)
+        c = 0
+        for b, p in enumerate(pages_of):
+            table[b, :p] = order[c:c + p].to(torch.int32)
+            c += p
+        tiles = max(1, -(-max(lengths) // tile_n))
+        want = torch.zeros(len(lengths), heads_kv, tiles * tile_n, d)
+        for b, length in enumerate(lengths):
+            want[b, :, :length] = rdecode.gather_pages(k, table[b], length).permute(1, 0, 2)
+        want = want.view(len(lengths), heads_kv, tiles, tile_n, d)
+        lens = torch.tensor(lengths, dtype=torch.int32)
+        out = torch.full_like(want, float("nan")).cuda()
+        stream = cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        GatherKernels(fn, tile_n, d).launch(
+            *(from_dlpack(t) for t in (k.cuda(), table.cuda(), lens.cuda(), out)), stream)
+        torch.cuda.synchronize()
+        same = torch.equal(out.cpu(), want)
+        ok &= same
+        lines.append(f"page_size={page_size} tile_n={tile_n} lengths={lengths}: "
+                     f"{'bit for bit' if same else 'DIFFERENT'} -> {'ok' if same else 'FAIL'}")
+    return ok, lines
+
+
+# ================================================================================================
+# CUDA graphs: the combine captured once and replayed on new partials
+# ================================================================================================
+def graph_replay_combine(batch: int = 4, tokens: int = 1, heads: int = 32, d: int = 128,
+                         splits: int = 7, replays: int = 3):
+    """On a GPU: compile and warm up fa4_final's combine, capture one call in a CUDA graph, then
+    write new partials into the same buffers (new empty splits each time) and replay; each
+    replay against float64. (ok, lines)."""
+    out = torch.empty(batch, tokens, heads, d, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(batch, heads, tokens, dtype=torch.float32, device="cuda")
+    out_p, lse_p = rdecode.partials_like(out, splits)
+
+    def fill(seed):
+        g = torch.Generator().manual_seed(seed)
+        lp = torch.randn(lse_p.shape, generator=g, dtype=torch.float64) * 4
+        lp[torch.rand(lp.shape, generator=g) < 0.3] = float("-inf")
+        op = torch.randn(out_p.shape, generator=g, dtype=torch.float64)
+        lse_p.copy_(lp)
+        out_p.copy_(op)
+        return lp, op
+
+    lines = []
+    fill(0)
+    rdecode.combine_splits(out_p, lse_p, out, lse)  # compile ahead + warm-up: no JIT in capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rdecode.combine_splits(out_p, lse_p, out, lse)
+    ok = True
+    for r in range(replays):
+        lp, op = fill(100 + r)
+        graph.replay()
+        torch.cuda.synchronize()
+        # the reference in the kernel's row order: lse (s, b, h, q) against out (s, b, q, h, d)
+        lse_rows = lp.permute(0, 1, 3, 2).reshape(splits, -1)
+        want_o, want_l, _ = combine_reference(lse_rows.numpy(), op.reshape(splits, -1, d).numpy())
+        got_o = out.double().cpu().reshape(-1, d).numpy()
+        got_l = lse.permute(0, 2, 1).double().cpu().reshape(-1).numpy()
+        err = float(np.abs(got_o - want_o).max())
+        lse_ok = np.allclose(got_l, want_l, atol=1e-4, equal_nan=False) or np.array_equal(
+            np.isneginf(got_l), np.isneginf(want_l)) and np.allclose(
+            got_l[np.isfinite(want_l)], want_l[np.isfinite(want_l)], atol=1e-4)
+        case_ok = err < 1e-2 and bool(lse_ok)
+        ok &= case_ok
+        lines.append(f"replay {r}: max |out - float64| {err:.2e} (bf16 out), lse "
+                     f"{'right' if lse_ok else 'WRONG'} -> {'ok' if case_ok else 'FAIL'}")
+    return ok, lines
+
+
+# ================================================================================================
+# Reading the decode benchmark (results/h200/decode.json)
+# ================================================================================================
+def decode_row(res, impl: str, mode: str = "flush", **shape):
+    """The row of ``impl`` at ``shape`` (HEADLINE's keys by default) in ``mode``, or None."""
+    want = {**HEADLINE, **shape}
+    for r in res.rows:
+        if r.get("impl") == impl and r.get("mode") == mode and all(
+                r.get(k) == v for k, v in want.items()):
+            return r
+    return None
+
+
+def copy_rate(res, mode: str = "flush"):
+    """The run's own copy rate (TB/s, read + written bytes over time) in ``mode``."""
+    for r in res.rows:
+        if r.get("impl") == "copy" and r.get("mode") == mode:
+            return r.get("value")
+    return None
+
+
+def headline_lines(res, mode: str = "flush") -> list[str]:
+    """Every implementation at the headline shape: time, bytes read per second, share of the
+    run's copy rate, spread over rounds."""
+    from utils import bench
+
+    lines = [f"batch {HEADLINE['b']}, {HEADLINE['s_q']} query token, {HEADLINE['s']:,} keys, "
+             f"{HEADLINE['h']}/{HEADLINE['h_kv']} heads, D = {HEADLINE['d']}, bf16, mode {mode}; "
+             f"copy rate of the run {copy_rate(res, mode) or float('nan'):.2f} TB/s"]
+    for impl in ("fa4_final", "fa4_final_paged", "fa4_package", "fa4_package_splits",
+                 "fa4_package_paged", "sdpa_flash", "sdpa_cudnn"):
+        r = decode_row(res, impl, mode)
+        if r is None:
+            continue
+        if not r.get("ms"):
+            lines.append(f"  {impl:20s} no time: {r.get('error', 'not run')}")
+            continue
+        lines.append(f"  {impl:20s} {r['ms'] * 1e3:8.1f} us  {r.get('read_tbps', 0):5.2f} TB/s "
+                     f" {r.get('of_copy', float('nan')):5.0%} of copy  spread "
+                     f"{bench.row_spread(r) or 0:.0%}")
+    return lines
+
+
+def of_copy(res, impl: str = "fa4_final", mode: str = "flush", **shape):
+    r = decode_row(res, impl, mode, **shape)
+    return None if r is None else r.get("of_copy")
+
+
+def paged_over_contiguous(res, mode: str = "flush", **shape):
+    """fa4_final's time with a page table over its time on the contiguous cache, same shape and
+    run; None if either is missing."""
+    a, b = (decode_row(res, impl, mode, **shape) for impl in ("fa4_final_paged", "fa4_final"))
+    if not (a and b and a.get("ms") and b.get("ms")):
+        return None
+    return a["ms"] / b["ms"]
+
+
+def verdict(res, impl_a: str, impl_b: str, mode: str = "flush", **shape) -> str:
+    """One sentence comparing two rows of the same shape and run, beyond their spread or within
+    it (utils.bench.compare's rule)."""
+    from utils import bench
+
+    a, b = (decode_row(res, impl, mode, **shape) for impl in (impl_a, impl_b))
+    if not (a and b and a.get("ms") and b.get("ms")):
+        return f"{impl_a} or {impl_b} has no time at this shape"
+    c = bench.compare(a, b)
+    return f"{impl_a} against {impl_b}: {c}"
