@@ -97,10 +97,11 @@ def plot_packing(tokens: int = 1, heads: int = 32, heads_kv: int = 8, tile_m: in
     x = 0.0
     for label, packed in (("one tile per query head", False), ("query heads packed", True)):
         use = tile_use(tokens, heads, heads_kv, tile_m, packed)
+        per_head = use["tiles"] // (1 if packed else group)  # tiles of one query head
+        rows = tokens * group if packed else tokens
         for t in range(use["tiles"]):
             ax.add_patch(Rectangle((x, 0), 0.8, tile_m, fill=False, lw=1))
-            real = tokens * (group if packed else 1) if packed else tokens
-            real = min(real - t * tile_m, tile_m) if packed else real
+            real = min(rows - (t % per_head) * tile_m, tile_m)
             ax.add_patch(Rectangle((x, tile_m - real), 0.8, real, color="C1"))
             x += 1.0
         ax.text(x - use["tiles"] + (use["tiles"] - 1) / 2 + 0.4, -10, label, ha="center",
