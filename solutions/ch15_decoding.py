@@ -435,17 +435,21 @@ def _combine_sass_mistake(facts: dict, ref: dict) -> str | None:
     return None
 
 
+COMBINE_NEEDS = ("the combine needs arithmetic, cute.arch.fmax, cute.arch.rcp_approx, "
+                 "cute.math.exp2 and cute.math.log2")
+ONE_SPLIT_ROWS = [("a row with one split", np.array([0.7])),
+                  ("a row whose one split saw no key", np.array([-np.inf]))]
+GATHER_NEEDS = "the gather needs integer arithmetic, the page table and the cache"
+TABLE_LOADS = "scalar 32-bit global loads (seqlen, page table)"
+
+
 def check_combine_row(fn, compile_check: bool = True) -> None:
     """Exercise 15.1: on this CPU with 4 splits (rows that tell the mistakes apart), 1 split and
     7 splits (so a fixed count is caught), against float64; then compiled for sm_90a and its
     SASS held against the reference's."""
-    _refuse_host_and_device_only(
-        fn, "the combine needs arithmetic, cute.arch.fmax, cute.arch.rcp_approx, "
-        "cute.math.exp2 and cute.math.log2")
+    _refuse_host_and_device_only(fn, COMBINE_NEEDS)
     _check_combine_values(fn, 4)
-    one = [("a row with one split", np.array([0.7])), ("a row whose one split saw no key",
-                                                          np.array([-np.inf]))]
-    _check_combine_values(fn, 1, rows=one, seed=16)
+    _check_combine_values(fn, 1, rows=ONE_SPLIT_ROWS, seed=16)
     rng = np.random.default_rng(17)
     seven = [(f"row {r} of seven splits", np.where(rng.random(7) < 0.25, -np.inf,
                                                    rng.normal(0, 6, 7))) for r in range(5)]
@@ -673,11 +677,8 @@ def _gather_mistake(case: PagedCase, out) -> str | None:
                                 f"should be page {page}")
                     return f"{where_}: you read page {p}, the key lives on page {page}"
                 if r != row:
-                    hint = ""
-                    if r == j % tn:
-                        hint = (" You used the row inside the key tile (j % tile_n); the row "
-                                "inside the page is j % page_size.")
-                    return f"{where_}: you read row {r} of page {page}, it is row {row}.{hint}"
+                    return (f"{where_}: you read row {r} of page {page}, it is row {row} "
+                            "(j % page_size)")
                 if hh != h:
                     return f"{where_}: you read KV head {hh}, the tile is KV head {h}"
                 if cols != list(range(case.d)):
@@ -700,8 +701,7 @@ def check_gather_key_row(fn, compile_check: bool = True) -> None:
     pages straddling tiles, an empty sequence, -1 in unused table slots) on this CPU, each
     copied value traced back to the page, row and head it came from; then compiled for sm_90a
     and its PTX read."""
-    _refuse_host_and_device_only(
-        fn, "the gather needs integer arithmetic, the page table and the cache")
+    _refuse_host_and_device_only(fn, GATHER_NEEDS)
     for lengths, page_size, tile_n in GATHER_CASES:
         case = PagedCase(lengths, page_size, tile_n)
         mistake = _gather_mistake(case, case.run(fn))
@@ -744,8 +744,7 @@ def gather_ptx_facts(fn) -> dict:
 
     art = gather_compiled(fn)
     ptx = art.ptx
-    return {"scalar 32-bit global loads (seqlen, page table)":
-            len(re.findall(r"ld\.global(?:\.nc)?\.[bsu]32\b", ptx)),
+    return {TABLE_LOADS: len(re.findall(r"ld\.global(?:\.nc)?\.[bsu]32\b", ptx)),
             "vector global loads (the cache's rows)":
             len(re.findall(r"ld\.global(?:\.nc)?\.v\d\.", ptx)),
             "integer divisions (div/rem)": len(re.findall(r"\b(?:div|rem)\.[su]32", ptx)),
@@ -756,7 +755,7 @@ def _gather_ptx_mistake(facts: dict) -> str | None:
     if facts["local memory"]:
         return ("compiled for sm_90a, the row uses local memory: index sK and the cache with "
                 "compile-time column indices (cutlass.range_constexpr over D)")
-    if facts["scalar 32-bit global loads (seqlen, page table)"] < 2:
+    if facts[TABLE_LOADS] < 2:
         return ("compiled for sm_90a, the kernel never loads the page table: the page of a key "
                 "must come from page_table[b, j // page_size] in global memory")
     if facts["integer divisions (div/rem)"]:
