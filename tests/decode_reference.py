@@ -19,9 +19,12 @@ import math
 import torch
 
 from fa4_final.common.decode_index import (
+    block_key_start,
     block_key_tiles,
     key_limit,
+    key_start,
     key_tile_location,
+    left_masked_tiles,
     masked_tiles,
     num_m_blocks,
     packed_rows,
@@ -53,9 +56,10 @@ def cached_lengths(k, batch: int, page_table=None, seqused_k=None) -> list[int]:
 
 
 def decode_reference(q, k, v, causal: bool, softmax_scale=None, page_table=None,
-                     seqused_k=None):
+                     seqused_k=None, window_left=None):
     """Float64 (out (b, s_q, h, D), lse (b, h, s_q)); a row with no visible key: out 0,
-    lse -inf. Causal is bottom-right: token t sees keys j <= t + seqlen_k - seqlen_q."""
+    lse -inf. Causal is bottom-right: token t sees keys j <= t + seqlen_k - seqlen_q; a left
+    window, keys j >= t + seqlen_k - seqlen_q - window_left."""
     b_count, sq, h, d = q.shape
     h_kv = k.shape[2]
     group = h // h_kv
@@ -66,9 +70,11 @@ def decode_reference(q, k, v, causal: bool, softmax_scale=None, page_table=None,
         keys = sequence_keys(k, b, length, page_table).to(F64)  # (L, h_kv, D)
         vals = sequence_keys(v, b, length, page_table).to(F64)
         visible = torch.ones(sq, length, dtype=torch.bool)
+        t, j = torch.arange(sq)[:, None], torch.arange(length)[None, :]
         if causal:
-            t = torch.arange(sq)[:, None]
-            visible = torch.arange(length)[None, :] <= t + length - sq
+            visible = j <= t + length - sq
+        if window_left is not None:
+            visible = visible & (j >= t + length - sq - window_left)
         for head in range(h):
             s = scale * q[b, :, head].to(F64) @ keys[:, head // group].T  # (s_q, L)
             s = s.masked_fill(~visible, -math.inf)
@@ -95,7 +101,7 @@ def key_tile(x, b: int, kv_head: int, n: int, tile_n: int, page_table=None):
 
 def emulate_decode(q, k, v, causal: bool, num_splits: int, softmax_scale=None, page_table=None,
                    seqused_k=None, tile_m: int = 64, tile_n: int = 128, cu_seqlens_q=None,
-                   max_seqlen_q=None):
+                   max_seqlen_q=None, window_left=None):
     """(out_partial, lse_partial, tiles visited) of the kernel's walk, in float64 and the split
     contract's layout. Rows of a tile the kernel does not mask are not masked here either; V's rows
     past the cached length are zeroed in the tile that holds its end, as the kernel does.
@@ -137,9 +143,18 @@ def emulate_decode(q, k, v, causal: bool, num_splits: int, softmax_scale=None, p
                          (unpack_row(r, group, kv_head) for r in rows)]
                 qt = torch.stack([q[qb, t, hh] for t, hh in where]).to(F64)  # (rows, D)
                 limits = torch.tensor([key_limit(r, group, sq, seqlen_k, causal) for r in rows])
+                starts = torch.tensor([key_start(r, group, sq, seqlen_k, window_left)
+                                       for r in rows])
+                n_start, n_left_free = block_key_start(m_block, tile_m, tile_n, group, sq,
+                                                       seqlen_k, window_left)
                 for split in range(num_splits):
-                    n_lo, n_hi = split_key_tiles(split, num_splits, seqlen_k, tile_n, n_end)
+                    n_lo, n_hi = split_key_tiles(split, num_splits, seqlen_k, tile_n, n_end,
+                                                 n_start)
                     top = max(masked_tiles(n_lo, n_hi, n_full), 1)
+                    bottom_start = n_hi - n_lo
+                    if window_left is not None:
+                        bottom_start = max(bottom_start - left_masked_tiles(n_lo, n_hi,
+                                                                            n_left_free), top)
                     m = torch.full((len(rows),), -math.inf, dtype=F64)
                     lsum = torch.zeros(len(rows), dtype=F64)
                     o = torch.zeros(len(rows), d, dtype=F64)
@@ -153,9 +168,12 @@ def emulate_decode(q, k, v, causal: bool, num_splits: int, softmax_scale=None, p
                             vt = vt.clone()
                             vt[seqlen_k - n * tile_n:] = 0.0
                         s = scale * qt @ kt.T  # (rows, tile_n)
-                        if i < top:
-                            cols = n * tile_n + torch.arange(tile_n)
-                            s = s.masked_fill(cols[None, :] >= limits[:, None], -math.inf)
+                        if i < top or i >= bottom_start:
+                            cols = (n * tile_n + torch.arange(tile_n))[None, :]
+                            hidden = cols >= limits[:, None]
+                            if window_left is not None:
+                                hidden = hidden | (cols < starts[:, None])
+                            s = s.masked_fill(hidden, -math.inf)
                         m_new = torch.maximum(m, s.max(dim=1).values)
                         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
                         alpha = torch.exp(m - m_safe)
@@ -177,7 +195,7 @@ def emulate_decode(q, k, v, causal: bool, num_splits: int, softmax_scale=None, p
 
 
 def varlen_decode_reference(q, k, v, cu_seqlens_q, causal: bool, softmax_scale=None,
-                            page_table=None, seqused_k=None):
+                            page_table=None, seqused_k=None, window_left=None):
     """decode_reference of packed query sequences: q (total_q, h, D), sequence b's tokens rows
     cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, its keys batch entry b of k and v (or row b of
     the page table). Returns out (total_q, h, D), lse (h, total_q), float64."""
@@ -193,10 +211,11 @@ def varlen_decode_reference(q, k, v, cu_seqlens_q, causal: bool, softmax_scale=N
         one = torch.tensor([lengths[b]], dtype=torch.int32)
         if page_table is None:
             o, s = decode_reference(q[None, lo:hi], k[b:b + 1], v[b:b + 1], causal,
-                                    softmax_scale, seqused_k=one)
+                                    softmax_scale, seqused_k=one, window_left=window_left)
         else:
             o, s = decode_reference(q[None, lo:hi], k, v, causal, softmax_scale,
-                                    page_table=page_table[b:b + 1], seqused_k=one)
+                                    page_table=page_table[b:b + 1], seqused_k=one,
+                                    window_left=window_left)
         out[lo:hi], lse[:, lo:hi] = o[0], s[0]
     return out, lse
 

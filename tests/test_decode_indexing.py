@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from fa4_final.common.decode_index import (
+    block_key_start,
     block_key_tiles,
     key_limit,
+    key_start,
     key_tile_location,
+    left_masked_tiles,
     masked_tiles,
     num_m_blocks,
     packed_rows,
@@ -251,6 +254,86 @@ def test_varlen_walk_is_the_decode_of_each_sequence(paged, splits):
                                                seqused_k=used)
     torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse, lse_ref, rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# a left window (sliding-window attention)
+
+def visible_window(token, key, seqlen_q, seqlen_k, causal, window_left):
+    return visible(token, key, seqlen_q, seqlen_k, causal) and (
+        key >= token + seqlen_k - seqlen_q - window_left)
+
+
+@pytest.mark.parametrize("window_left", [0, 5, 127, 300])
+def test_window_start_and_tiles_are_tight(window_left):
+    """key_start is the brute-force window's first key; n_start the first tile any real row of
+    the m-block sees; tiles below n_left_free (and only they) hide a key of the rows' range from
+    some row's window; the splits cut n_start .. n_end in order."""
+    for tile_m, tile_n, group, seqlen_q, seqlen_k in block_cases():
+        for r in range(0, seqlen_q * group, max(1, group // 2)):
+            seen = [j for j in range(seqlen_k)
+                    if visible_window(r // group, j, seqlen_q, seqlen_k, True, window_left)]
+            if seen:
+                assert key_start(r, group, seqlen_q, seqlen_k, window_left) == seen[0]
+        for m_block in range(num_m_blocks(seqlen_q, group, tile_m)):
+            rows = range(m_block * tile_m, min((m_block + 1) * tile_m, seqlen_q * group))
+            n_end, _ = block_key_tiles(m_block, tile_m, tile_n, group, seqlen_q, seqlen_k, True)
+            n_start, n_left_free = block_key_start(m_block, tile_m, tile_n, group, seqlen_q,
+                                                   seqlen_k, window_left)
+            seen = {j for r in rows for j in range(seqlen_k)
+                    if visible_window(r // group, j, seqlen_q, seqlen_k, True, window_left)}
+            if seen:
+                assert n_start == min(seen) // tile_n
+            starts = [key_start(r, group, seqlen_q, seqlen_k, window_left) for r in rows]
+            for n in range(n_start, n_end):
+                hides = any(j < st for st in starts for j in range(n * tile_n, (n + 1) * tile_n))
+                assert hides == (n < n_left_free), (n, n_left_free)
+            for splits in (1, 3):
+                covered = []
+                for split in range(splits):
+                    n_lo, n_hi = split_key_tiles(split, splits, seqlen_k, tile_n, n_end, n_start)
+                    covered += range(n_lo, n_hi)
+                    assert left_masked_tiles(n_lo, n_hi, n_left_free) == sum(
+                        1 for n in range(n_lo, n_hi) if n < n_left_free)
+                assert covered == list(range(n_start, n_end))
+    assert block_key_start(0, 64, 128, 4, 1, 1000, None) == (0, 0)
+
+
+WINDOW_CASES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, causal, splits, tile_n, window)
+    (2, 1, 1000, 8, 2, True, 1, 128, 300),
+    (1, 16, 1024, 8, 2, True, 3, 32, 40),  # a window narrower than the tiles' rows span
+    (2, 4, 704, 4, 1, True, 2, 64, 0),  # the diagonal alone
+    (1, 7, 500, 4, 4, True, 4, 32, 5000),  # wider than the cache
+    (2, 5, 333, 8, 2, False, 2, 32, 60),  # not causal: the window's left side alone
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_the_windowed_walk_is_the_decode(case):
+    batch, sq, sk, h, hk, causal, splits, tile_n, window = case
+    q, k, v, g = inputs(batch, sq, sk, h, hk, 32, seed=sum(case))
+    out_ref, lse_ref = decode_reference(q, k, v, causal, window_left=window)
+    out_p, lse_p, visited = emulate_decode(q, k, v, causal, splits, tile_n=tile_n,
+                                           window_left=window)
+    assert not out_p.isnan().any() and not lse_p.isnan().any()
+    out, lse = merge_splits(out_p, lse_p)
+    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-10, atol=1e-12)
+    unwindowed = emulate_decode(q, k, v, causal, splits, tile_n=tile_n)[2]
+    assert visited <= unwindowed  # the window's tiles only
+    if sk > 2 * (window + sq) + 2 * tile_n:
+        assert visited < unwindowed
+    used = torch.tensor([sk - 13] * batch, dtype=torch.int32)  # and paged, seqused_k
+    if sk % tile_n == 0:
+        kp, vp, table = paged_cache(k, v, tile_n, generator=g)
+        paged = emulate_decode(q, kp, vp, causal, splits, tile_n=tile_n, window_left=window,
+                               page_table=table, seqused_k=used)
+        contiguous = emulate_decode(q, k, v, causal, splits, tile_n=tile_n, window_left=window,
+                                    seqused_k=used)
+        assert all(torch.equal(a, b) for a, b in zip(paged[:2], contiguous[:2]))
+        out, lse = merge_splits(*paged[:2])
+        out_ref, lse_ref = decode_reference(q, k, v, causal, window_left=window, seqused_k=used)
+        torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
 
 
 def test_a_split_with_no_key_writes_minus_inf_and_zero():

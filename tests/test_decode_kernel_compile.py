@@ -1,9 +1,9 @@
 """fa4_final's Hopper decode forward (fa4_final.hopper.decode) compiled for sm_90a from fake
 tensors, on a CPU: D = 64 and 128, contiguous and paged, one split and several, with and without
-seqused_k, dense and varlen queries. What must be in the PTX and SASS (wgmma, TMA loads,
-setmaxnreg, mbarrier waits, the 16-byte Q loads and the proxy fence before wgmma reads them),
-what must not (local memory, a TMA store, wgmma serialised by ptxas), and the register plan. A
-few seconds a compile."""
+seqused_k, dense and varlen queries, with and without a left window. What must be in the PTX and
+SASS (wgmma, TMA loads, setmaxnreg, mbarrier waits, the 16-byte Q loads and the proxy fence
+before wgmma reads them), what must not (local memory, a TMA store, wgmma serialised by ptxas),
+and the register plan. A few seconds a compile."""
 
 import re
 
@@ -20,16 +20,18 @@ from fa4_final.runtime.compile import artifacts
 
 pytestmark = pytest.mark.slow
 
-VARIANTS = [  # (head_dim, paged, has_seqused_k, split, causal, dtype, varlen_q)
-    (128, False, False, False, True, "bf16", False),
-    (128, False, True, True, True, "bf16", False),
-    (128, True, True, False, True, "bf16", False),
-    (128, True, True, True, True, "bf16", False),
-    (64, False, False, False, True, "bf16", False),
-    (64, True, True, True, True, "fp16", False),
-    (64, True, False, False, False, "bf16", False),
-    (128, True, True, True, True, "bf16", True),
-    (64, False, True, False, True, "bf16", True),
+VARIANTS = [  # (head_dim, paged, has_seqused_k, split, causal, dtype, varlen_q, window_left)
+    (128, False, False, False, True, "bf16", False, False),
+    (128, False, True, True, True, "bf16", False, False),
+    (128, True, True, False, True, "bf16", False, False),
+    (128, True, True, True, True, "bf16", False, False),
+    (64, False, False, False, True, "bf16", False, False),
+    (64, True, True, True, True, "fp16", False, False),
+    (64, True, False, False, False, "bf16", False, False),
+    (128, True, True, True, True, "bf16", True, False),
+    (64, False, True, False, True, "bf16", True, False),
+    (128, True, True, True, True, "bf16", False, True),
+    (64, False, False, False, False, "bf16", False, True),
 ]
 
 
@@ -39,24 +41,25 @@ def compiled():
 
     def get(variant):
         if variant not in cache:
-            d, paged, used, split, causal, dtype, varlen = variant
+            d, paged, used, split, causal, dtype, varlen, window = variant
             cache[variant] = artifacts(decode_recipe(d, dtype, causal, paged, used, split,
-                                                     varlen_q=varlen))["main"]
+                                                     varlen_q=varlen,
+                                                     has_window_left=window))["main"]
         return cache[variant]
 
     return get
 
 
 def name(v):
-    d, paged, used, split, causal, dtype, varlen = v
+    d, paged, used, split, causal, dtype, varlen, window = v
     return (f"d{d}-{'paged' if paged else 'contiguous'}{'-seqused' if used else ''}"
             f"-{'split' if split else 'one-split'}{'-causal' if causal else ''}-{dtype}"
-            f"{'-varlen' if varlen else ''}")
+            f"{'-varlen' if varlen else ''}{'-window' if window else ''}")
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=name)
 def test_decode_has_the_hopper_instructions(compiled, variant):
-    d, paged, used, split, causal, dtype, varlen = variant
+    d, paged, used, split, causal, dtype, varlen, window = variant
     art = compiled(variant)
     art.require("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec",
                 "mbarrier.try_wait", "fence.proxy.async", "bar.sync")
@@ -89,13 +92,14 @@ def test_register_plan(compiled, variant):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=name)
 def test_one_gemm_pair_per_step_body(compiled, variant):
-    """Three step bodies (the first tile, the other masked ones, the free ones), each with
-    S = Q K^T (D / 16 wgmma) and O += P V (tile_n / 16)."""
-    d = variant[0]
+    """Three step bodies (the first tile, the other masked ones, the free ones; a left window
+    adds the ones left of it), each with S = Q K^T (D / 16 wgmma) and O += P V (tile_n / 16)."""
+    d, window = variant[0], variant[-1]
     tile_n = hopper_decode_default(d).tile_n
     art = compiled(variant)
-    assert art.count("HGMMA", "sass") == 3 * (d // 16 + tile_n // 16)
-    assert art.count("wgmma.commit_group") == 6
+    bodies = 4 if window else 3
+    assert art.count("HGMMA", "sass") == bodies * (d // 16 + tile_n // 16)
+    assert art.count("wgmma.commit_group") == 2 * bodies
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=name)
@@ -103,7 +107,7 @@ def test_device_reads_are_the_lengths_and_the_pages(compiled, variant):
     """Besides Q's 16-byte loads, the only global reads are seqused_k[b] (once a CTA), the page
     of each key tile (in the producer's loop) and, varlen, the sequence's two offsets: no
     host-side metadata."""
-    d, paged, used, split, causal, dtype, varlen = variant
+    d, paged, used, split, causal, dtype, varlen, window = variant
     art = compiled(variant)
     assert art.count("ld.global.b32") == int(paged) + int(used) + 2 * int(varlen)
     assert art.count("ld.global.v4.b32") == 64 * d // 8 // 128  # Q: 16 B a thread a row chunk

@@ -19,9 +19,11 @@ Note [Key splits]
 A (batch entry, KV head)'s key tiles are cut into ``num_splits`` consecutive ranges of
 ceil(tiles / num_splits) tiles, counted over the whole sequence (ceil(seqlen_k / tile_n) tiles)
 so that every m-block cuts at the same keys; an m-block whose causal limit ends earlier clips
-its ranges there. A split left with no tile writes lse = -inf and out = 0, which the combine
-weighs by exp(-inf) = 0. The tiles are visited from the highest down, so the ones that need a
-mask (past seqlen_k or right of a row's causal limit) come first.
+its ranges there. With a left window (sliding-window attention) an m-block sees only the tiles
+from n_start on, and the count starts there: the splits share the window, not the cache. A
+split left with no tile writes lse = -inf and out = 0, which the combine weighs by exp(-inf) =
+0. The tiles are visited from the highest down, so the ones that need a mask (past seqlen_k or
+right of a row's causal limit) come first, and those left of a row's window last.
 
 Note [Key tile pages]
 A paged cache keeps keys in pages of page_size rows, k of shape (num_pages, page_size, heads_kv,
@@ -65,6 +67,28 @@ def key_limit(row, group, seqlen_q, seqlen_k, causal: bool):
     return _min(seqlen_k, row // group + seqlen_k - seqlen_q + 1)
 
 
+def key_start(row, group, seqlen_q, seqlen_k, window_left=None):
+    """The first key packed row ``row`` sees: 0, or with a left window (sliding-window
+    attention) token t's t + seqlen_k - seqlen_q - window_left, clamped at 0."""
+    if window_left is None:
+        return 0
+    return _max(row // group + seqlen_k - seqlen_q - window_left, 0)
+
+
+def block_key_start(m_block, tile_m: int, tile_n: int, group, seqlen_q, seqlen_k,
+                    window_left=None):
+    """(n_start, n_left_free) for m-block ``m_block`` with a left window: its rows see no key
+    of tiles below n_start, and tiles n < n_left_free hold keys left of some row's window (a
+    mask is needed there). Without a window: (0, 0)."""
+    if window_left is None:
+        return 0, 0
+    first = m_block * tile_m
+    last = _max(_min(first + tile_m, packed_rows(seqlen_q, group)) - 1, first)
+    start_first = key_start(first, group, seqlen_q, seqlen_k, window_left)
+    start_last = key_start(last, group, seqlen_q, seqlen_k, window_left)
+    return start_first // tile_n, _cdiv(start_last, tile_n)
+
+
 def block_key_tiles(m_block, tile_m: int, tile_n: int, group, seqlen_q, seqlen_k,
                     causal: bool):
     """(n_end, n_full) for m-block ``m_block``: its rows see keys of tiles 0 .. n_end - 1 only,
@@ -80,11 +104,12 @@ def block_key_tiles(m_block, tile_m: int, tile_n: int, group, seqlen_q, seqlen_k
     return _cdiv(end, tile_n), full // tile_n
 
 
-def split_key_tiles(split, num_splits, seqlen_k, tile_n: int, n_end):
+def split_key_tiles(split, num_splits, seqlen_k, tile_n: int, n_end, n_start=0):
     """(n_lo, n_hi): split ``split`` of ``num_splits`` visits key tiles n_lo <= n < n_hi
-    (Note [Key splits]); n_hi <= n_lo means none."""
-    per_split = _cdiv(_cdiv(seqlen_k, tile_n), num_splits)
-    n_lo = split * per_split
+    (Note [Key splits]); n_hi <= n_lo means none. With a left window the splits cut the tiles
+    from the m-block's first one, ``n_start``, on."""
+    per_split = _cdiv(_max(_cdiv(seqlen_k, tile_n) - n_start, 0), num_splits)
+    n_lo = n_start + split * per_split
     n_hi = _min(n_lo + per_split, n_end)
     return n_lo, _max(n_hi, n_lo)
 
@@ -92,6 +117,12 @@ def split_key_tiles(split, num_splits, seqlen_k, tile_n: int, n_end):
 def masked_tiles(n_lo, n_hi, n_full):
     """How many of the split's tiles, the first visited (the highest), need a mask."""
     return _min(_max(n_hi - _max(n_full, n_lo), 0), n_hi - n_lo)
+
+
+def left_masked_tiles(n_lo, n_hi, n_left_free):
+    """How many of the split's tiles, the last visited (the lowest), need a left-window
+    mask."""
+    return _min(_max(_min(n_hi, n_left_free) - n_lo, 0), _max(n_hi - n_lo, 0))
 
 
 def key_tile_location(n, tile_n: int, page_size):

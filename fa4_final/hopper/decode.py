@@ -21,6 +21,9 @@ cached keys:
    (cu_seqlens_q), as a batch of one whose rows start at each sequence's offset; the grid is sized
    for max_seqlen_q and the m-blocks past a shorter sequence's rows visit no key and store
    nothing. Chunked prefill and decode steps in one launch, with a batched or paged cache.
+6. A left window (sliding-window attention, ``has_window_left``): an m-block visits only the key
+   tiles its rows' windows reach, its splits share those, and the lowest tiles, left of some
+   row's window, are masked like the highest ones.
 
 Roles: warpgroup 0 is the producer (warp 0 issues every K and V load), warpgroup 1 the consumer
 (Q from global memory into shared memory once, then per key tile S = Q K^T, mask, online
@@ -38,9 +41,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
 from fa4_final.common.decode_index import (
+    block_key_start,
     block_key_tiles,
     key_limit,
+    key_start,
     key_tile_location,
+    left_masked_tiles,
     masked_tiles,
     num_m_blocks,
     packed_rows,
@@ -98,12 +104,14 @@ class HopperDecode:
     page_size, heads_kv, D) and a page table maps each sequence's key tiles to pages),
     ``has_seqused_k`` (per-sequence cached lengths, read on the device), ``split`` (float32
     partial out and lse per split, for the combine; otherwise out and lse themselves),
-    ``varlen_q`` (packed query sequences: q, out and lse as a batch of one, cu_seqlens_q).
+    ``varlen_q`` (packed query sequences: q, out and lse as a batch of one, cu_seqlens_q),
+    ``has_window_left`` (sliding-window attention: token t sees no key before
+    t + seqlen_k - seqlen_q - window_left).
     """
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperDecodeConfig,
                  paged: bool = False, has_seqused_k: bool = False, split: bool = False,
-                 varlen_q: bool = False):
+                 varlen_q: bool = False, has_window_left: bool = False):
         config.check(head_dim)
         self.dtype = dtype
         self.head_dim = head_dim
@@ -114,6 +122,7 @@ class HopperDecode:
         self.has_seqused_k = bool(has_seqused_k)
         self.split = bool(split)
         self.varlen_q = bool(varlen_q)
+        self.has_window_left = bool(has_window_left)
         self.producer_regs, self.consumer_regs = config.registers
         self.num_threads = 2 * THREADS_PER_WARPGROUP
         self.roles = {
@@ -135,7 +144,8 @@ class HopperDecode:
 
     def cache_key(self) -> tuple:
         return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
-                self.paged, self.has_seqused_k, self.split, self.varlen_q, self.cfg)
+                self.paged, self.has_seqused_k, self.split, self.varlen_q,
+                self.has_window_left, self.cfg)
 
     # ------------------------------------------------------------------------------------------
     # host side: layouts, TMA descriptors, shared storage, grid, launch
@@ -153,6 +163,7 @@ class HopperDecode:
         mSeqUsedK: cute.Tensor | None,  # (batch,) int32 cached lengths, or None
         mCuSeqlensQ: cute.Tensor | None,  # varlen_q: (batch + 1,) int32 offsets; else None
         max_seqlen_q: Int32,  # varlen_q: the longest sequence's query count (sizes the grid)
+        window_left: Int32,  # has_window_left: keys a token sees left of its diagonal
         softmax_scale: Float32,
         stream,
     ):
@@ -205,7 +216,8 @@ class HopperDecode:
                 batch)
         self.kernel(
             mQ, tma_k, tma_v, mO, mLSE, tma_atom_k, tma_atom_v, mPageTable, mSeqUsedK,
-            mCuSeqlensQ, max_seqlen_q, softmax_scale * LOG2_E, sQ_layout, sK_layout, sV_layout,
+            mCuSeqlensQ, max_seqlen_q, window_left, softmax_scale * LOG2_E, sQ_layout, sK_layout,
+            sV_layout,
             tiled_mma_qk, tiled_mma_pv, bytes_kv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=DECODE_CTAS_PER_SM_BOUND, preferred_smem_carveout=100)
@@ -227,6 +239,7 @@ class HopperDecode:
         mSeqUsedK: cute.Tensor | None,
         mCuSeqlensQ: cute.Tensor | None,
         max_seqlen_q: Int32,
+        window_left: Int32,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -269,7 +282,10 @@ class HopperDecode:
         seqlen_k = self.cached_length(mK, mPageTable, mSeqUsedK, b)
         n_end, n_full = block_key_tiles(m_block, self.tile_m, self.tile_n, group, seqlen_q,
                                         seqlen_k, self.causal)
-        n_lo, n_hi = split_key_tiles(split, num_splits, seqlen_k, self.tile_n, n_end)
+        window = window_left if const_expr(self.has_window_left) else None
+        n_start, n_left_free = block_key_start(m_block, self.tile_m, self.tile_n, group,
+                                               seqlen_q, seqlen_k, window)
+        n_lo, n_hi = split_key_tiles(split, num_splits, seqlen_k, self.tile_n, n_end, n_start)
 
         if warp_idx < THREADS_PER_WARPGROUP // WARP_SIZE:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -280,7 +296,7 @@ class HopperDecode:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
                          pipeline_v, scale_log2, (qb, q_offset), kv_head, m_block, split, group,
-                         seqlen_q, seqlen_k, n_lo, n_hi, n_full)
+                         seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window)
 
     @cute.jit
     def cached_length(self, mK, mPageTable, mSeqUsedK, b):
@@ -355,7 +371,7 @@ class HopperDecode:
     @cute.jit
     def consume(self, mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
                 pipeline_v, scale_log2: Float32, rows_at, kv_head, m_block, split, group,
-                seqlen_q, seqlen_k, n_lo, n_hi, n_full):
+                seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window):
         """The consumer warpgroup: Q, the split's key tiles, the epilogue. ``rows_at``: (batch
         entry, first row) of the sequence's rows in q, out and lse."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -381,12 +397,16 @@ class HopperDecode:
         tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
         rows = cute.size(acc_rows_cols(acc_o), mode=[0])
         softmax = OnlineSoftmax(scale_log2, rows)
-        # each row's key limit, less this thread's first column (Note [Mask with constants])
+        # each row's key limit (and window start), less this thread's first column
+        # (Note [Mask with constants])
         limit = cute.make_rmem_tensor(rows, Int32)
+        start = cute.make_rmem_tensor(rows, Int32)
         for r in cutlass.range_constexpr(rows):
             row = m_block * self.tile_m + tScS[r, 0][0]
             limit[r] = key_limit(row, group, seqlen_q, seqlen_k, self.causal) - tScS[0, 0][1]
-        mask = lambda s, n: self.mask(s, t0ScS, limit, n)  # noqa: E731
+            if const_expr(self.has_window_left):
+                start[r] = key_start(row, group, seqlen_q, seqlen_k, window) - tScS[0, 0][1]
+        mask = lambda s, n: self.mask(s, t0ScS, limit, start, n)  # noqa: E731
         zero_tail = lambda stage, n: self.zero_v_tail(  # noqa: E731
             sV, stage, seqlen_k - n * self.tile_n, tidx)
         acc_o.fill(0.0)
@@ -403,26 +423,41 @@ class HopperDecode:
                 tSrK,
                 tOrVt, tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, sk, sv)
             # the first tile visited is always masked (it may hold seqlen_k's end or the causal
-            # diagonal); then the rest of the masked ones, then the free ones: the range is
-            # split, not the body (each loop runs one step function)
+            # diagonal); then the rest of the masked ones, then the free ones, then (a left
+            # window) those left of some row's window: the range is split, not the body (each
+            # loop runs one step function; with a window every masked step masks both sides,
+            # as a narrow window's tiles can need both)
             state_k, state_v = step(0, True, True, state_k, state_v)
             top_end = cutlass.max(masked_tiles(n_lo, n_hi, n_full), 1)
+            bottom_start = n_tiles
+            if const_expr(self.has_window_left):
+                bottom_start = cutlass.max(
+                    n_tiles - left_masked_tiles(n_lo, n_hi, n_left_free), top_end)
             for i in cutlass.range(1, top_end, unroll=1):
                 state_k, state_v = step(i, False, True, state_k, state_v)
-            for i in cutlass.range(top_end, n_tiles, unroll=1):
+            for i in cutlass.range(top_end, bottom_start, unroll=1):
                 state_k, state_v = step(i, False, False, state_k, state_v)
+            if const_expr(self.has_window_left):
+                for i in cutlass.range(bottom_start, n_tiles, unroll=1):
+                    state_k, state_v = step(i, False, True, state_k, state_v)
         self.epilogue(acc_o, softmax, mO, mLSE, thr_mma_pv, rows_at, kv_head, m_block, split,
                       group, seqlen_q)
 
     @cute.jit
-    def mask(self, acc_s, t0ScS, limit, n):
-        """Scores of keys at or past a row's key limit -> -inf in key tile ``n``: one compare
-        with a compile-time column and one select per element."""
+    def mask(self, acc_s, t0ScS, limit, start, n):
+        """Scores of keys at or past a row's key limit (or, with a left window, before its
+        start) -> -inf in key tile ``n``: compares with a compile-time column and one select
+        per element."""
         s = acc_rows_cols(acc_s)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             hi = limit[r] - n * self.tile_n
+            lo = start[r] - n * self.tile_n
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                s[r, c] = -Float32.inf if t0ScS[0, c][1] >= hi else s[r, c]
+                col = t0ScS[0, c][1]
+                if const_expr(self.has_window_left):
+                    s[r, c] = -Float32.inf if (col >= hi) | (col < lo) else s[r, c]
+                else:
+                    s[r, c] = -Float32.inf if col >= hi else s[r, c]
 
     # Note [Keys past the cached length]
     # The tile that holds the last cached key (seqlen_k - 1) also holds rows past it: a cache's

@@ -422,17 +422,17 @@ def decode_fake_args(dtype_name: str, head_dim: int, paged: bool, has_seqused_k:
     page_table = fake_tensor(Int32, (cute.sym_int(), cute.sym_int())) if paged else None
     used_k = fake_tensor(Int32, (cute.sym_int(),)) if has_seqused_k else None
     cu_q = fake_tensor(Int32, (cute.sym_int(),)) if varlen_q else None
-    return (q, k, v, out, lse, page_table, used_k, cu_q, Int32(1), Float32(1.0),
+    return (q, k, v, out, lse, page_table, used_k, cu_q, Int32(1), Int32(0), Float32(1.0),
             fake_stream())
 
 
 def decode_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = True,
                   paged: bool = False, has_seqused_k: bool = False, split: bool = False,
                   config: HopperDecodeConfig | None = None, varlen_q: bool = False,
-                  arch: str = ARCH) -> Recipe:
+                  has_window_left: bool = False, arch: str = ARCH) -> Recipe:
     """The decode forward (fa4_final.hopper.decode) for one (head dim, dtype, causal, paged,
-    seqused_k, split, varlen queries) and config: compiled from fake tensors, so it needs no
-    GPU."""
+    seqused_k, split, varlen queries, left window) and config: compiled from fake tensors, so
+    it needs no GPU."""
     _check_target(dtype, arch, "decode forward")
     cfg = config or hopper_decode_default(head_dim)
     if not isinstance(cfg, HopperDecodeConfig):
@@ -440,7 +440,8 @@ def decode_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = True,
     from fa4_final.hopper.decode import HopperDecode
 
     kernel = HopperDecode(CUTLASS_BY_NAME[dtype], head_dim, causal, cfg, paged=paged,
-                          has_seqused_k=has_seqused_k, split=split, varlen_q=varlen_q)
+                          has_seqused_k=has_seqused_k, split=split, varlen_q=varlen_q,
+                          has_window_left=has_window_left)
     return Recipe("decode", ARCH, {"main": kernel},
                   lambda role: decode_fake_args(dtype, head_dim, paged, has_seqused_k, split,
                                                 varlen_q), cfg)
@@ -457,7 +458,7 @@ def check_decode_page_size(page_size: int, config: HopperDecodeConfig) -> None:
 
 def launch_decode(plan, q, k, v, out, lse, page_table=None, seqused_k=None,
                   softmax_scale: float | None = None, cu_seqlens_q=None,
-                  max_seqlen_q: int | None = None) -> None:
+                  max_seqlen_q: int | None = None, window_left: int | None = None) -> None:
     """One launch of the decode forward compiled as ``plan`` (from decode_recipe with the same
     paged, seqused_k, split and varlen_q choices). q (b, s_q, h, D); k, v (b, s_k, h_kv, D) or,
     with ``page_table`` (b, max_pages) int32, (num_pages, page_size, h_kv, D); ``seqused_k``
@@ -465,7 +466,9 @@ def launch_decode(plan, q, k, v, out, lse, page_table=None, seqused_k=None,
     (b, h, s_q) float32 for one split, or the float32 partials (splits, b, s_q, h, D) and
     (splits, b, h, s_q) that the combine merges. Varlen queries (``cu_seqlens_q`` (b + 1,)
     int32 and ``max_seqlen_q``, a host int that sizes the grid): q (total_q, h, D), out like q
-    or (splits, total_q, h, D), lse (h, total_q) or (splits, h, total_q). Nothing here reads
+    or (splits, total_q, h, D), lse (h, total_q) or (splits, h, total_q). ``window_left``: the
+    left side of a sliding window (None: unbounded), for a plan built with has_window_left.
+    Nothing here reads
     device memory: the launch is safe to capture in a CUDA graph (the compile must happen
     before, with a warm-up call)."""
     if page_table is not None:
@@ -473,7 +476,8 @@ def launch_decode(plan, q, k, v, out, lse, page_table=None, seqused_k=None,
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     if cu_seqlens_q is None:
-        plan.kernels["main"](q, k, v, out, lse, page_table, seqused_k, None, 0, softmax_scale)
+        plan.kernels["main"](q, k, v, out, lse, page_table, seqused_k, None, 0,
+                             window_left or 0, softmax_scale)
         return
     if max_seqlen_q is None:
         raise ValueError("varlen decode needs max_seqlen_q (a host int: it sizes the grid, and "
@@ -482,4 +486,4 @@ def launch_decode(plan, q, k, v, out, lse, page_table=None, seqused_k=None,
     out, lse = (out.unsqueeze(1), lse.unsqueeze(1)) if split else (out.unsqueeze(0),
                                                                    lse.unsqueeze(0))
     plan.kernels["main"](q.unsqueeze(0), k, v, out, lse, page_table, seqused_k, cu_seqlens_q,
-                         max_seqlen_q, softmax_scale)
+                         max_seqlen_q, window_left or 0, softmax_scale)

@@ -8,9 +8,9 @@ math, tests.decode_reference.merge_splits) and merged by the package's combine
 (fa4_final.runtime.decode.combine_splits, skipped with a message while it does not exist). Paged
 equals contiguous bit for bit, over shuffled pages among NaN pages no sequence owns; two runs are
 bitwise equal; a CUDA graph captured once follows new lengths and pages written into its input
-tensors; varlen queries (chunked prefill and decode in one launch) over a paged cache. A broken
-mbarrier protocol hangs rather than fails: utils.checks.wait_for_gpu exits with a message after a
-deadline. Run:
+tensors; varlen queries (chunked prefill and decode in one launch) over a paged cache; a left
+(sliding) window. A broken mbarrier protocol hangs rather than fails: utils.checks.wait_for_gpu
+exits with a message after a deadline. Run:
     timeout 900 python -m pytest -q -m gpu tests/gpu/test_decode_kernel.py
 """
 
@@ -48,28 +48,30 @@ def combine_fn():
     return combine_splits
 
 
-def run_decode(q, k, v, causal, num_splits=1, page_table=None, seqused_k=None, config=None):
+def run_decode(q, k, v, causal, num_splits=1, page_table=None, seqused_k=None, config=None,
+               window_left=None):
     """(out, lse, partials or None): one decode launch into NaN-filled outputs; with several
     splits, the partials merged by the package's combine."""
     b, sq, h, d = q.shape
     split = num_splits > 1
     plan = compiled(decode_recipe, d, NAMES[q.dtype], causal, page_table is not None,
-                    seqused_k is not None, split, config)
+                    seqused_k is not None, split, config, False, window_left is not None)
     out = poisoned_empty(b, sq, h, d, dtype=q.dtype, device=DEVICE)
     lse = poisoned_empty(b, h, sq, dtype=torch.float32, device=DEVICE)
     label = f"decode q {tuple(q.shape)} k {tuple(k.shape)} splits {num_splits}"
     if not split:
-        launch_decode(plan, q, k, v, out, lse, page_table, seqused_k)
+        launch_decode(plan, q, k, v, out, lse, page_table, seqused_k, window_left=window_left)
         wait_for_gpu(label)
         return out, lse, None
     out_p = poisoned_empty(num_splits, b, sq, h, d, dtype=torch.float32, device=DEVICE)
     lse_p = poisoned_empty(num_splits, b, h, sq, dtype=torch.float32, device=DEVICE)
-    launch_decode(plan, q, k, v, out_p, lse_p, page_table, seqused_k)
+    launch_decode(plan, q, k, v, out_p, lse_p, page_table, seqused_k, window_left=window_left)
     wait_for_gpu(label)
     return out, lse, (out_p, lse_p)
 
 
-def check_against_float64(q, k, v, out, lse, causal, page_table=None, seqused_k=None):
+def check_against_float64(q, k, v, out, lse, causal, page_table=None, seqused_k=None,
+                          window_left=None):
     """Each sequence against float64 on its first seqused_k keys (utils.checks' rule: error <=
     2 x PyTorch's own in the input precision + rounding); a sequence with no key: out 0 and
     lse -inf exactly."""
@@ -84,8 +86,11 @@ def check_against_float64(q, k, v, out, lse, causal, page_table=None, seqused_k=
         ks = sequence_keys(k, i, length, page_table).unsqueeze(0)
         vs = sequence_keys(v, i, length, page_table).unsqueeze(0)
         qi = q[i:i + 1]
-        ref_out, ref_lse = attention_reference(qi, ks, vs, causal, dtype=torch.float64)
-        pt_out, pt_lse = attention_reference(qi, ks, vs, causal, dtype=q.dtype)
+        window = None if window_left is None else (window_left, None)
+        ref_out, ref_lse = attention_reference(qi, ks, vs, causal, dtype=torch.float64,
+                                               window_size=window)
+        pt_out, pt_lse = attention_reference(qi, ks, vs, causal, dtype=q.dtype,
+                                             window_size=window)
         verdicts = [tolerance_check(out[i:i + 1], ref_out, pt_out, "out"),
                     tolerance_check(lse[i:i + 1], ref_lse, pt_lse, "lse", extra_atol=1e-5)]
         failed = [str(x) for x in verdicts if not x.passed]
@@ -212,6 +217,33 @@ def check_varlen(q, k, v, cu, out, lse, table, used_k):
         if hi > lo:
             check_against_float64(q[None, lo:hi], k, v, out[None, lo:hi], lse[None, :, lo:hi],
                                   True, page_table=table[b:b + 1], seqused_k=used_k[b:b + 1])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window_left,causal,d", [(1000, True, 128), (37, True, 64),
+                                                  (0, True, 128), (500, False, 64)])
+def test_sliding_window(window_left, causal, d, splits):
+    """A left window (token t sees keys from t + seqlen_k - seqlen_q - window_left on), over a
+    paged cache with per-sequence lengths: against float64, and the paged launch equal to the
+    contiguous one bit for bit."""
+    batch, sq, h, hk, page_size, pages = 3, 4, 16, 4, 128, 24
+    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=window_left + splits)
+    used = torch.tensor([pages * page_size, 1000, 333], dtype=torch.int32, device=DEVICE)
+    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
+                                generator=torch.Generator().manual_seed(4))
+    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
+    paged = run_decode(q, kp, vp, causal, splits, page_table=table, seqused_k=used,
+                       window_left=window_left)
+    contiguous = run_decode(q, k, v, causal, splits, seqused_k=used, window_left=window_left)
+    got, want = (paged[2], contiguous[2]) if splits > 1 else (paged[:2], contiguous[:2])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    out, lse = paged[:2]
+    if splits > 1:
+        m_out, m_lse = merge_splits(paged[2][0].cpu(), paged[2][1].cpu())
+        out, lse = m_out.to(DEVICE, BF16), m_lse.to(DEVICE).float()
+    check_against_float64(q, kp, vp, out, lse, causal, page_table=table, seqused_k=used,
+                          window_left=window_left)
 
 
 def test_paged_without_seqused_k_reads_every_page():
