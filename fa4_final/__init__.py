@@ -10,13 +10,14 @@ blackwell/ are one layer, the architectures, and never import each other):
     runtime/    input checks; one prologue per call (checks, window, scale, backend); dispatch
                 (which GPU runs which kernel); one compile path and its cache in memory and on disk;
                 decoding's split count, paged-KV checks and the split combine's launch
-    hopper/     sm_90a: configs, the forward and the backward, host.py (recipes and launches)
+    hopper/     sm_90a: configs, the forward, the backward and the decode forward (packed GQA
+                rows, split-KV, paged KV), host.py (recipes and launches)
     blackwell/  sm_100a: configs, TMEM plan, tcgen05, the forward (1- and 2-CTA) and backward
                 (1-CTA and pair), host.py (compiled and checked; never run on a GPU)
     common/     the device code both share: constants, tiles, masks, fragments, the online
                 softmax, fast exp2, the schedule, sequence lengths, pipelines as data, register
-                plans, timeline, atomics, the backward's pre, post, tiles and dQ order, and the
-                split-KV combine
+                plans, timeline, atomics, the backward's pre, post, tiles and dQ order, the
+                split-KV combine and the decode's index arithmetic
 
 It stands alone: it imports nothing of the course around it.
 """

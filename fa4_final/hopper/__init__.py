@@ -1,2 +1,2 @@
-"""Hopper (sm_90a) kernels: the forward and the backward, their configs, and host.py (recipes
-and launches)."""
+"""Hopper (sm_90a) kernels: the forward, the backward and the decode forward, their configs, and
+host.py (recipes and launches)."""
