@@ -407,7 +407,8 @@ def decode_fake_args(dtype_name: str, head_dim: int, paged: bool, has_seqused_k:
                      split: bool, varlen_q: bool = False) -> tuple:
     """The decode kernel's fake arguments, in its launch order: q (b, s_q, h, D); k and v
     (b, s_k, h_kv, D), or paged (num_pages, page_size, h_kv, D), the same fake shape; out and
-    lse, or with ``split`` the float32 partials (splits, b, s_q, h, D) and (splits, b, h, s_q);
+    lse, or with ``split`` the float32 partials (splits, b, s_q, h, D) (16-byte strides, as the
+    combine reads them) and (splits, b, h, s_q);
     the page table (b, max_pages) int32, contiguous along its pages; seqused_k (b,) int32;
     varlen_q: q, out and lse as a batch of one (the same fake shapes), cu_seqlens_q (b + 1,)
     int32 and max_seqlen_q."""
@@ -417,7 +418,7 @@ def decode_fake_args(dtype_name: str, head_dim: int, paged: bool, has_seqused_k:
     q, k, v, out, lse = fake_attention_tensors(CUTLASS_BY_NAME[dtype_name], head_dim)
     if split:
         splits, b, sq, h = (cute.sym_int() for _ in range(4))
-        out = fake_tensor(Float32, (splits, b, sq, h, head_dim))
+        out = fake_tensor(Float32, (splits, b, sq, h, head_dim), divisibility=4)  # 16 B
         lse = fake_tensor(Float32, (splits, b, h, sq))
     page_table = fake_tensor(Int32, (cute.sym_int(), cute.sym_int())) if paged else None
     used_k = fake_tensor(Int32, (cute.sym_int(),)) if has_seqused_k else None
@@ -464,9 +465,11 @@ def launch_decode(plan, q, k, v, out, lse, page_table=None, seqused_k=None,
     with ``page_table`` (b, max_pages) int32, (num_pages, page_size, h_kv, D); ``seqused_k``
     (b,) int32 or None. ``out`` and ``lse`` are preallocated by the caller: out like q and lse
     (b, h, s_q) float32 for one split, or the float32 partials (splits, b, s_q, h, D) and
-    (splits, b, h, s_q) that the combine merges. Varlen queries (``cu_seqlens_q`` (b + 1,)
-    int32 and ``max_seqlen_q``, a host int that sizes the grid): q (total_q, h, D), out like q
-    or (splits, total_q, h, D), lse (h, total_q) or (splits, h, total_q). ``window_left``: the
+    (splits, b, h, s_q) that the combine merges (runtime.decode.partials_like makes them; the
+    first needs 16-byte strides and address, as the combine does). Varlen queries
+    (``cu_seqlens_q`` (b + 1,) int32 and ``max_seqlen_q``, a host int that sizes the grid):
+    q (total_q, h, D), out like q or (splits, total_q, h, D), lse (h, total_q) or (splits, h,
+    total_q). ``window_left``: the
     left side of a sliding window (None: unbounded), for a plan built with has_window_left.
     Nothing here reads
     device memory: the launch is safe to capture in a CUDA graph (the compile must happen
