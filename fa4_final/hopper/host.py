@@ -469,11 +469,9 @@ def launch_decode(plan, q, k, v, out, lse, page_table=None, seqused_k=None,
     first needs 16-byte strides and address, as the combine does). Varlen queries
     (``cu_seqlens_q`` (b + 1,) int32 and ``max_seqlen_q``, a host int that sizes the grid):
     q (total_q, h, D), out like q or (splits, total_q, h, D), lse (h, total_q) or (splits, h,
-    total_q). ``window_left``: the
-    left side of a sliding window (None: unbounded), for a plan built with has_window_left.
-    Nothing here reads
-    device memory: the launch is safe to capture in a CUDA graph (the compile must happen
-    before, with a warm-up call)."""
+    total_q). ``window_left``: the left side of a sliding window (None: unbounded), for a plan
+    built with has_window_left. Nothing here reads device memory: the launch is safe to capture
+    in a CUDA graph (the compile must happen before, with a warm-up call)."""
     if page_table is not None:
         check_decode_page_size(k.shape[1], plan.config)
     if softmax_scale is None:
