@@ -149,7 +149,7 @@ def combine_bytes(batch: int, tokens: int, heads: int, d: int, splits: int) -> i
 def combine_row(lse_p: cute.Tensor, out_p: cute.Tensor, w: cute.Tensor,
                 out: cute.Tensor) -> Float32:
     """One query row: lse_p (num_splits,) natural-log lse of each split (-inf: the split saw no
-    key, and its partial was never written), out_p (num_splits, D) the float32 partials, w
+    key, and its partial must not be read), out_p (num_splits, D) the float32 partials, w
     (num_splits,) a row of shared memory for the weights, out (D,) registers. Writes
     w[s] = exp(lse_s - m) / sum and out = sum_s w[s] out_p[s] in split order, reading no split
     whose weight is 0; returns the row's lse (-inf and out = 0 for a row no split saw)."""
@@ -288,7 +288,7 @@ def combine_rows(splits: int = 4):
     rows = [("an ordinary row", [0.3, -0.2, 1.1, 0.4]),
             ("a row with lse near 100 (float32's exp overflows above 88.7)",
              [96.0, 101.5, 99.0, 100.2]),
-            ("a row whose split 1 saw no key (lse -inf; its partial holds NaN: never written)",
+            ("a row whose split 1 saw no key (lse -inf; its partial holds NaN)",
              [1.5, -inf, 0.2, 0.9]),
             ("a row whose first and last splits saw no key", [-inf, 2.0, 0.7, -inf]),
             ("a row no split saw (every lse -inf)", [-inf] * 4),
@@ -300,7 +300,7 @@ def combine_rows(splits: int = 4):
 
 def combine_case(splits: int = 4, d: int = 8, seed: int = 15, rows=None):
     """(row descriptions, lse_p (splits, rows), out_p (splits, rows, D)): the partials of a
-    split that saw no key are NaN, as memory the decode kernel never wrote."""
+    split that saw no key are NaN, as memory nothing wrote."""
     rng = np.random.default_rng(seed)
     rows = combine_rows(splits) if rows is None else rows
     lse_p = np.stack([r[1] for r in rows], axis=1)
@@ -320,8 +320,8 @@ def _combine_mistake(what, lses, got_w, got_o, got_l, want_w, want_o, want_l) ->
             return (f"{what}: a split whose lse is -inf got weight {got_w[got_w != 0][0]:.4g}; "
                     "its weight is exp(-inf) = 0")
         if np.isnan(got_o).any():
-            return (f"{what}: out is NaN: a split whose lse is -inf was read (its partial was "
-                    "never written: NaN here, and 0 x NaN is NaN); skip a split whose weight is "
+            return (f"{what}: out is NaN: a split whose lse is -inf was read (its partial may "
+                    "hold anything: NaN here, and 0 x NaN is NaN); skip a split whose weight is "
                     "0")
         if not (np.isneginf(got_l) and np.all(got_o == 0)):
             return (f"{what}: it gives lse {got_l:.4g}, out {got_o[:3]}...; a row no split saw "
@@ -352,9 +352,9 @@ def _combine_mistake(what, lses, got_w, got_o, got_l, want_w, want_o, want_l) ->
         return f"{what}: the row's lse is {got_l:.6g}, it should be {want_l:.6g}"
     if np.isnan(got_o).any():
         if empty.any():
-            return (f"{what}: out is NaN: a split whose lse is -inf was read. The decode kernel "
-                    "never writes such a split's partial (NaN here), and 0 x NaN is NaN: read "
-                    "no split whose weight is 0")
+            return (f"{what}: out is NaN: a split whose lse is -inf was read. Such a split's "
+                    "partial carries nothing and may hold anything (NaN here), and 0 x NaN is "
+                    "NaN: read no split whose weight is 0")
         return (f"{what}: out is NaN although every split saw keys: set out to 0 before the "
                 "sum (registers start with anything)")
     err = np.abs(got_o - want_o).max()
@@ -473,7 +473,7 @@ def _gpu_partials(rows: int, splits: int, d: int, seed: int):
     lse[0, 3::5] = float("-inf")  # rows whose first split saw nothing
     lse[-1, 2::9] += 90.0  # a large lse in the last split
     out = torch.randn(splits, rows, d, generator=g, dtype=torch.float64)
-    out[torch.isneginf(lse)] = float("nan")  # never written
+    out[torch.isneginf(lse)] = float("nan")  # a partial that must not be read
     return lse, out
 
 
@@ -874,6 +874,209 @@ def graph_replay_combine(batch: int = 4, tokens: int = 1, heads: int = 32, d: in
                      f"step {'yes' if out_ok else 'NO'}), lse "
                      f"{'right' if lse_ok else 'WRONG'} -> {'ok' if case_ok else 'FAIL'}")
     return ok, lines
+
+
+# ================================================================================================
+# Exercise 15.3: a decode loop a CUDA graph can replay (host Python, a model of capture)
+# ================================================================================================
+class GraphRuleError(AssertionError):
+    """A rule of CUDA-graph capture broken (the model raises it where CUDA would fail)."""
+
+
+class DecodeEngine:
+    """One attention layer's decode step on this CPU, in float64, behind a model of CUDA-graph
+    capture. ``decode(q, page_table, seqused_k, out)`` "launches" the step: the first launch of
+    a shape compiles it; inside ``with engine.capture(graph):`` a launch is recorded (the
+    tensors themselves, as a graph records their addresses) instead of run, and a compile is
+    refused, as CUDA refuses module loading while a stream captures. ``graph.replay()`` runs the
+    recorded launches on whatever those tensors hold now. Static buffers: ``q``, ``page_table``,
+    ``seqused_k``, ``out``; the paged cache ``k_cache``, ``v_cache`` (new keys are written into
+    it by the layer before attention, outside the graph here)."""
+
+    def __init__(self, batch: int = 3, heads: int = 4, heads_kv: int = 2, d: int = 8,
+                 page_size: int = 4, max_pages: int = 6, seed: int = 15):
+        g = torch.Generator().manual_seed(seed)
+        num_pages = batch * max_pages + 2
+        f64 = dict(dtype=torch.float64)
+        self.k_cache = torch.randn(num_pages, page_size, heads_kv, d, generator=g, **f64)
+        self.v_cache = torch.randn(num_pages, page_size, heads_kv, d, generator=g, **f64)
+        self.q = torch.zeros(batch, 1, heads, d, **f64)
+        self.page_table = torch.full((batch, max_pages), -1, dtype=torch.int32)
+        self.seqused_k = torch.zeros(batch, dtype=torch.int32)
+        self.out = torch.zeros(batch, 1, heads, d, **f64)
+        self.compiled: set = set()
+        self.direct_launches = 0
+        self.replayed = 0  # steps run by a replay
+        self.runs = 0  # steps run at all
+        self.captures = 0
+        self._recording = None
+
+    def capture(self, graph: Graph):
+        import contextlib
+
+        @contextlib.contextmanager
+        def recording():
+            if self._recording is not None:
+                raise GraphRuleError("a capture inside a capture")
+            self._recording = graph
+            self.captures += 1
+            try:
+                yield graph
+            finally:
+                self._recording = None
+        return recording()
+
+    def decode(self, q, page_table, seqused_k, out) -> None:
+        key = (tuple(q.shape), tuple(page_table.shape), tuple(out.shape))
+        if key not in self.compiled:
+            if self._recording is not None:
+                raise GraphRuleError(
+                    "the decode kernel compiled while the graph was being captured: compiling "
+                    "loads a module, which a capturing stream refuses. Launch it once before "
+                    "the capture (the warm-up call), with the same shapes")
+            self.compiled.add(key)
+        if self._recording is not None:
+            self._recording.launches.append((self._replayed, (q, page_table, seqused_k, out)))
+            return
+        self.direct_launches += 1
+        self._run(q, page_table, seqused_k, out)
+
+    def _replayed(self, *args) -> None:
+        self.replayed += 1
+        self._run(*args)
+
+    def _run(self, q, page_table, seqused_k, out) -> None:
+        self.runs += 1
+        batch, _, heads, d = q.shape
+        group = heads // self.k_cache.shape[2]
+        for b in range(batch):
+            n = int(seqused_k[b])
+            if n == 0:
+                out[b] = 0.0
+                continue
+            keys = rdecode.gather_pages(self.k_cache, page_table[b], n)  # (n, heads_kv, d)
+            vals = rdecode.gather_pages(self.v_cache, page_table[b], n)
+            for h in range(heads):
+                s = keys[:, h // group] @ q[b, 0, h] * d ** -0.5
+                out[b, 0, h] = torch.softmax(s, 0) @ vals[:, h // group]
+
+    def expected(self, steps) -> list:
+        """What each step must give: the same computation run directly, on fresh tensors."""
+        want = []
+        runs = self.runs
+        for q, table, used in steps:
+            o = torch.zeros_like(self.out)
+            self._run(q, table, used, o)
+            want.append(o)
+        self.runs = runs
+        return want
+
+
+class Graph:
+    """A captured sequence of launches; ``replay()`` reruns them on the captured tensors."""
+
+    def __init__(self):
+        self.launches: list = []
+        self.replays = 0
+
+    def replay(self) -> None:
+        if not self.launches:
+            raise GraphRuleError("replay() of a graph that captured no launch: call "
+                                 "engine.decode(...) inside `with engine.capture(graph):`")
+        self.replays += 1
+        for fn, args in self.launches:
+            fn(*args)
+
+
+def serve_graph(engine: DecodeEngine, steps) -> list:
+    """Exercise 15.3's reference: warm up on the static buffers, capture one step, then per step
+    copy the new inputs into the buffers, replay, and keep a copy of out."""
+    q, table, used = steps[0]
+    engine.q.copy_(q)
+    engine.page_table.copy_(table)
+    engine.seqused_k.copy_(used)
+    engine.decode(engine.q, engine.page_table, engine.seqused_k, engine.out)  # compile + warm up
+    graph = Graph()
+    with engine.capture(graph):
+        engine.decode(engine.q, engine.page_table, engine.seqused_k, engine.out)
+    outs = []
+    for q, table, used in steps:
+        engine.q.copy_(q)
+        engine.page_table.copy_(table)
+        engine.seqused_k.copy_(used)
+        graph.replay()
+        outs.append(engine.out.clone())
+    return outs
+
+
+def decode_steps(engine: DecodeEngine, count: int = 5, seed: int = 16) -> list:
+    """``count`` successive decode steps: each sequence grows by one key a step (a new page
+    from the pool when it crosses a page edge), a new query token each step; one sequence is
+    empty at first."""
+    g = torch.Generator().manual_seed(seed)
+    batch, page_size = engine.q.shape[0], engine.k_cache.shape[1]
+    free = list(torch.randperm(engine.k_cache.shape[0], generator=g).tolist())
+    lengths = [page_size - 2, 0, 2 * page_size - 1][:batch] + [3] * max(0, batch - 3)
+    table = torch.full_like(engine.page_table, -1)
+    steps = []
+    for _ in range(count):
+        lengths = [n + 1 for n in lengths]
+        for b, n in enumerate(lengths):
+            for slot in range(-(-n // page_size)):
+                if table[b, slot] < 0:
+                    table[b, slot] = free.pop()
+        q = torch.randn(engine.q.shape, generator=g, dtype=torch.float64)
+        steps.append((q, table.clone(), torch.tensor(lengths, dtype=torch.int32)))
+    return steps
+
+
+def check_serve_graph(fn) -> None:
+    """Exercise 15.3: five steps of growing sequences (new pages as they cross page edges)
+    served by ``fn``; the outputs against the same steps run directly, then the rules: one
+    capture, no compile inside it, no direct launch after the warm-up, a copy of out per step."""
+    engine = DecodeEngine()
+    steps = decode_steps(engine)
+    want = engine.expected(steps)
+    buffers = {name: getattr(engine, name) for name in ("q", "page_table", "seqused_k", "out")}
+    outs = fn(engine, steps)
+    for name, t in buffers.items():
+        if getattr(engine, name) is not t:
+            raise AssertionError(f"you replaced engine.{name} with a new tensor: a graph holds "
+                                 "the addresses it captured, so the buffers stay; copy new "
+                                 f"values into them (engine.{name}.copy_(...))")
+    if engine.captures == 0:
+        raise AssertionError("nothing was captured: capture one step with `with "
+                             "engine.capture(graph): engine.decode(...)`, then replay it")
+    if engine.captures > 1:
+        raise AssertionError(f"you captured {engine.captures} graphs for {len(steps)} steps: a "
+                             "capture costs far more than a replay; capture once, replay each "
+                             "step")
+    if engine.runs > engine.direct_launches + engine.replayed:
+        raise AssertionError("you ran the step without the engine's launch (engine._run): "
+                             "serve every step through the graph's replay")
+    if engine.direct_launches > 1:
+        raise AssertionError(f"the kernel was launched directly {engine.direct_launches} times: "
+                             "one warm-up launch before the capture, then every step a replay")
+    if not isinstance(outs, (list, tuple)) or len(outs) != len(steps):
+        raise AssertionError(f"return one output per step ({len(steps)}), got {type(outs)}")
+    if len({id(o) for o in outs}) < len(outs) or any(o is engine.out for o in outs):
+        raise AssertionError("your outputs are engine.out itself: the next replay overwrites it; "
+                             "keep a copy per step (engine.out.clone())")
+    for i, (got, exp) in enumerate(zip(outs, want)):
+        if not torch.allclose(got, exp, atol=1e-12):
+            stale = [j for j in range(len(steps)) if torch.allclose(got, want[j], atol=1e-12)]
+            if stale:
+                raise AssertionError(
+                    f"step {i} gave step {stale[0]}'s output: the replay reads the captured "
+                    "buffers, so copy each step's q, page_table and seqused_k into engine.q, "
+                    "engine.page_table and engine.seqused_k before graph.replay()")
+            raise AssertionError(f"step {i}: out differs from the direct run by "
+                                 f"{float((got - exp).abs().max()):.3g}")
+
+
+FORBID_SERVE = {
+    decode_steps: "the steps are given to you; serve them",
+}
 
 
 # ================================================================================================

@@ -214,3 +214,36 @@ def test_split_kv_graph_reference_follows_the_combine_layout():
                                                   op[:, bb, qq, hh, None].numpy())
                 np.testing.assert_allclose(out[bb, qq, hh], o1[0])
                 assert lse[bb, hh, qq] == pytest.approx(l1[0])
+
+
+def test_decode_graph_reference_serves_every_step():
+    t15.check_serve_graph(t15.serve_graph)
+    engine = t15.DecodeEngine()
+    steps = t15.decode_steps(engine)
+    outs = t15.serve_graph(engine, steps)
+    assert engine.captures == 1 and engine.direct_launches == 1
+    assert engine.replayed == len(steps)
+    assert all(not torch.equal(a, b) for a, b in zip(outs, outs[1:]))
+
+
+def test_paged_decode_steps_grow_and_take_new_pages():
+    engine = t15.DecodeEngine()
+    steps = t15.decode_steps(engine, count=6)
+    page = engine.k_cache.shape[1]
+    for (_, t0, n0), (_, t1, n1) in zip(steps, steps[1:]):
+        assert torch.equal(n1, n0 + 1)
+        for b in range(len(n1)):
+            used0, used1 = (-(-int(n[b]) // page) for n in (n0, n1))
+            assert torch.equal(t1[b, :used0], t0[b, :used0])  # pages stay where they were
+            assert (t1[b, :used1] >= 0).all() and (t1[b, used1:] == -1).all()
+    _, table, lengths = steps[-1]
+    pages = torch.cat([table[b, :-(-int(n) // page)] for b, n in enumerate(lengths)])
+    assert len(set(pages.tolist())) == len(pages)  # no page handed out twice
+
+
+def test_decode_graph_capture_refuses_a_compile():
+    engine = t15.DecodeEngine()
+    graph = t15.Graph()
+    with pytest.raises(t15.GraphRuleError, match="compiled while the graph"):
+        with engine.capture(graph):
+            engine.decode(engine.q, engine.page_table, engine.seqused_k, engine.out)

@@ -305,3 +305,109 @@ MUTATIONS = [
     Mutation("15.2", t15.check_gather_key_row, gather_leaves_the_tail, "must be 0", **ARGS_2),
     Mutation("15.2", t15.check_gather_key_row, gather_wrong_head, "you read KV head", **ARGS_2),
 ]
+
+
+# --- 15.3 a decode loop a CUDA graph can replay -------------------------------------------------
+def _copy_in(engine, step):
+    q, table, used = step
+    engine.q.copy_(q)
+    engine.page_table.copy_(table)
+    engine.seqused_k.copy_(used)
+
+
+def _launch(engine):
+    engine.decode(engine.q, engine.page_table, engine.seqused_k, engine.out)
+
+
+def serve_without_warm_up(engine, steps):
+    _copy_in(engine, steps[0])
+    graph = t15.Graph()
+    with engine.capture(graph):
+        _launch(engine)
+    outs = []
+    for step in steps:
+        _copy_in(engine, step)
+        graph.replay()
+        outs.append(engine.out.clone())
+    return outs
+
+
+def serve_with_the_first_tensors(engine, steps):
+    q, table, used = steps[0]
+    engine.decode(q, table, used, engine.out)
+    graph = t15.Graph()
+    with engine.capture(graph):
+        engine.decode(q, table, used, engine.out)
+    outs = []
+    for _ in steps:
+        graph.replay()
+        outs.append(engine.out.clone())
+    return outs
+
+
+def serve_capturing_every_step(engine, steps):
+    _copy_in(engine, steps[0])
+    _launch(engine)
+    outs = []
+    for step in steps:
+        _copy_in(engine, step)
+        graph = t15.Graph()
+        with engine.capture(graph):
+            _launch(engine)
+        graph.replay()
+        outs.append(engine.out.clone())
+    return outs
+
+
+def serve_keeping_out_itself(engine, steps):
+    _copy_in(engine, steps[0])
+    _launch(engine)
+    graph = t15.Graph()
+    with engine.capture(graph):
+        _launch(engine)
+    outs = []
+    for step in steps:
+        _copy_in(engine, step)
+        graph.replay()
+        outs.append(engine.out)
+    return outs
+
+
+def serve_with_new_buffers(engine, steps):
+    engine.q, engine.page_table, engine.seqused_k = (t.clone() for t in steps[0])
+    _launch(engine)
+    graph = t15.Graph()
+    with engine.capture(graph):
+        _launch(engine)
+    outs = []
+    for step in steps:
+        engine.q, engine.page_table, engine.seqused_k = (t.clone() for t in step)
+        graph.replay()
+        outs.append(engine.out.clone())
+    return outs
+
+
+def serve_without_a_graph(engine, steps):
+    outs = []
+    for step in steps:
+        _copy_in(engine, step)
+        _launch(engine)
+        outs.append(engine.out.clone())
+    return outs
+
+
+ARGS_3 = dict(reference=t15.serve_graph, forbid=t15.FORBID_SERVE)
+MUTATIONS += [
+    Mutation("15.3", t15.check_serve_graph, serve_without_warm_up,
+             "compiled while the graph was being captured", **ARGS_3),
+    Mutation("15.3", t15.check_serve_graph, serve_with_the_first_tensors,
+             "the replay reads the captured buffers", **ARGS_3),
+    Mutation("15.3", t15.check_serve_graph, serve_capturing_every_step, "capture once",
+             **ARGS_3),
+    Mutation("15.3", t15.check_serve_graph, serve_keeping_out_itself, "engine.out itself",
+             **ARGS_3),
+    Mutation("15.3", t15.check_serve_graph, serve_with_new_buffers,
+             "you replaced engine.q with a new tensor", **ARGS_3),
+    Mutation("15.3", t15.check_serve_graph, serve_without_a_graph, "nothing was captured",
+             **ARGS_3),
+]
