@@ -23,7 +23,11 @@ from fa4_final.common.decode_index import (
     unpack_row,
 )
 from fa4_final.common.errors import UnsupportedError
-from fa4_final.hopper.config import HopperDecodeConfig, hopper_decode_default
+from fa4_final.hopper.config import (
+    HopperDecodeConfig,
+    hopper_decode_default,
+    hopper_decode_for_page,
+)
 from tests.decode_reference import (
     cached_lengths,
     decode_reference,
@@ -140,6 +144,24 @@ def test_page_sizes_that_split_a_tile_are_refused_by_name():
     check_decode_page_size(64, HopperDecodeConfig(tile_n=64))
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_page_of_16k_keys_gets_a_config_that_takes_it(d):
+    """hopper_decode_for_page: the largest key tile that divides the page, as many K/V bytes in
+    flight as the default and no more shared memory; pages of no multiple of 16 keep the
+    default, which names them."""
+    default = hopper_decode_default(d)
+    for page_size in range(16, 1025, 16):
+        cfg = hopper_decode_for_page(d, page_size)
+        cfg.check(d)
+        assert page_size_problem(page_size, cfg.tile_n) is None
+        assert cfg.tile_n == max(t for t in (16, 32, 64, 128) if page_size % t == 0)
+        assert cfg.kv_bytes_in_flight(d) == default.kv_bytes_in_flight(d)
+        assert cfg.smem_bytes(d) == default.smem_bytes(d)
+    for page_size in (8, 24, 100):
+        assert hopper_decode_for_page(d, page_size) == default
+        assert f"page_size={page_size}" in page_size_problem(page_size, default.tile_n)
+
+
 def test_decode_config_checks_name_the_knob():
     for d in (64, 128):
         cfg = hopper_decode_default(d)
@@ -198,7 +220,7 @@ def test_the_kernels_walk_is_the_decode(case):
         torch.testing.assert_close(out_p[0], out_ref, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("page_size,tile_n", [(128, 128), (256, 128), (64, 64)])
+@pytest.mark.parametrize("page_size,tile_n", [(128, 128), (256, 128), (64, 64), (48, 16)])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_paged_walk_equals_contiguous_bit_for_bit(page_size, tile_n, splits):
     """The cache as shuffled pages among NaN pages no sequence owns, cached lengths per sequence

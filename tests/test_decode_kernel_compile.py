@@ -136,3 +136,18 @@ def test_decode_compiles_for_hopper_only():
         decode_recipe(arch="sm_100a")
     with pytest.raises(TypeError, match="HopperDecodeConfig"):
         decode_recipe(config=object())
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_small_pages_compile_with_small_key_tiles(d):
+    """Pages of 16 keys: hopper_decode_for_page's 16-key tiles (24 stages, the default's bytes
+    in flight); clean, three step bodies of S (D / 16 wgmma) and P V (one)."""
+    from fa4_final.hopper.config import hopper_decode_for_page
+
+    cfg = hopper_decode_for_page(d, 16)
+    assert (cfg.tile_n, cfg.stages) == (16, 24)
+    art = artifacts(decode_recipe(d, "bf16", True, True, True, True, config=cfg))["main"]
+    assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    assert art.count("WARPGROUP.ARRIVE", "sass") == art.count("wgmma.fence.sync.aligned")
+    assert art.count("HGMMA", "sass") == 3 * (d // 16 + 1)
+    assert art.count("STS.128", "sass") == (64 + 16) * d // 8 // 128

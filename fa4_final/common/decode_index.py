@@ -137,7 +137,7 @@ def page_size_problem(page_size: int, tile_n: int) -> str | None:
     if page_size < 1 or page_size % tile_n:
         return (f"page_size={page_size}: the decode kernel loads each key tile of {tile_n} rows "
                 f"with one TMA box from one page, so the page size must be a positive multiple "
-                f"of {tile_n} (a smaller key tile, HopperDecodeConfig(tile_n=...), takes smaller "
-                f"pages); pages that split a tile need a gathered load, which this kernel does "
-                f"not have")
+                f"of {tile_n}; a smaller key tile takes smaller pages (hopper.config."
+                f"hopper_decode_for_page: pages of any multiple of 16 keys); pages that split a "
+                f"16-key tile need a gathered load, which this kernel does not have")
     return None

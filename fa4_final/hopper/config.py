@@ -239,7 +239,9 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
 # ----------------------------------------------------------------------------------------------
 # The Hopper decode forward (fa4_final.hopper.decode)
 
-DECODE_TILE_NS = (32, 64, 128)  # keys per K/V tile: wgmma N of S = Q K^T, K of O += P V
+# keys per K/V tile: wgmma N of S = Q K^T, K of O += P V; a page must hold whole tiles, so the
+# smaller ones serve smaller pages (hopper_decode_for_page)
+DECODE_TILE_NS = (16, 32, 64, 128)
 # setmaxnreg (producer warpgroup, consumer warpgroup). The kernel is launched with a bound of two
 # CTAs an SM, so each thread starts with 64 K / 2 / 256 = 128 registers; the producer gives
 # 128 - 24 to the consumer: 24 + 232 = 2 x 128 per thread slot of a sub-partition.
@@ -304,3 +306,24 @@ def hopper_decode_default(head_dim: int) -> HopperDecodeConfig:
     D = 64: three stages (96 KB, 105 KB of shared memory, so two CTAs fit an SM). Not yet timed:
     these rest on the arithmetic of the Note alone."""
     return HopperDecodeConfig(tile_n=128, stages=3)
+
+
+def hopper_decode_for_page(head_dim: int, page_size: int) -> HopperDecodeConfig:
+    """The decode config for a paged cache of ``page_size`` keys a page: the default when a page
+    holds whole 128-key tiles; else the largest key tile of DECODE_TILE_NS that divides the page
+    (Note [Key tile pages]: a tile's TMA box lies in one page), with stages enough to keep the
+    default's K/V bytes in flight (24 stages of 16 keys, 6 of 64, ...) within shared memory. A
+    page size that is no multiple of 16 gets the default, which refuses it by name at launch.
+    The small tiles are compiled and checked, not timed: each step does a 64 x tile_n GEMM pair
+    and the same fixed work for fewer keys, so a gathered load into 128-key tiles is the faster
+    answer for small pages (not written yet)."""
+    default = hopper_decode_default(head_dim)
+    fits = [t for t in DECODE_TILE_NS if page_size > 0 and page_size % t == 0]
+    if not fits or max(fits) == default.tile_n:
+        return default
+    tile_n = max(fits)
+    stages = default.stages * default.tile_n // tile_n
+    cfg = HopperDecodeConfig(tile_n=tile_n, stages=stages)
+    while cfg.smem_bytes(head_dim) > SM90_SMEM_BYTES:
+        cfg = HopperDecodeConfig(tile_n=tile_n, stages=cfg.stages - 1)
+    return cfg

@@ -246,6 +246,33 @@ def test_sliding_window(window_left, causal, d, splits):
                           window_left=window_left)
 
 
+@pytest.mark.parametrize("page_size,splits", [(16, 1), (48, 3), (64, 2)])
+def test_small_pages_with_small_key_tiles(page_size, splits):
+    """Pages smaller than a 128-key tile run with hopper_decode_for_page's tile (16, 16, 64 keys
+    here): paged equal to contiguous (the same config) bit for bit, and float64's answer."""
+    from fa4_final.hopper.config import hopper_decode_for_page
+
+    batch, sq, h, hk, d = 3, 4, 32, 8, 128
+    pages = 2048 // page_size
+    cfg = hopper_decode_for_page(d, page_size)
+    assert page_size % cfg.tile_n == 0 and (page_size < 128) == (cfg.tile_n < 128)
+    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=page_size)
+    used = torch.tensor([pages * page_size, 1, 1000], dtype=torch.int32, device=DEVICE)
+    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
+                                generator=torch.Generator().manual_seed(5))
+    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
+    paged = run_decode(q, kp, vp, True, splits, page_table=table, seqused_k=used, config=cfg)
+    contiguous = run_decode(q, k, v, True, splits, seqused_k=used, config=cfg)
+    got, want = (paged[2], contiguous[2]) if splits > 1 else (paged[:2], contiguous[:2])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    out, lse = paged[:2]
+    if splits > 1:
+        m_out, m_lse = merge_splits(paged[2][0].cpu(), paged[2][1].cpu())
+        out, lse = m_out.to(DEVICE, BF16), m_lse.to(DEVICE).float()
+    check_against_float64(q, kp, vp, out, lse, True, page_table=table, seqused_k=used)
+
+
 def test_paged_without_seqused_k_reads_every_page():
     """Without seqused_k a sequence's length is its pages times the page size (FA4's)."""
     q, k, v = qkv(2, 1, 4 * 128, 8, 2, 128, BF16, seed=5)
