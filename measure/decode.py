@@ -12,9 +12,16 @@ something else than a decoder's bottom-right one; a mask changes the bytes read 
 ``tokens`` keys.
 
 Rows, all on the same q, k, v of a shape, interleaved in ``--rounds`` rounds (utils.bench):
-  fa4_final           fa4_final.flash_attn_func (the package's forward as it is)
+  fa4_final           fa4_final.flash_attn_func (what a call of the package runs today)
   fa4_final_paged     fa4_final.flash_attn_varlen_func with a page table over the same cache
                       (an error row while the package refuses page_table)
+  fa4_final_decode    the Hopper decode kernel (fa4_final.hopper.decode) launched directly,
+                      ``--splits`` splits (0: the split heuristic's count, stored as ``splits``)
+                      merged by the combine: what decode calls will run once the runtime
+                      routes them to it; before timing its output is compared with SDPA
+                      flash's (``max_diff``)
+  fa4_final_decode_paged   the same through the page table; ``bitwise_equal``: equal bit for bit
+                      to the contiguous kernel on the cache in table order
   fa4_package         the FA4 package's flash_attn_func as a user calls it (num_splits=1)
   fa4_package_splits  the same with num_splits=0 (its split heuristic)
   fa4_package_paged   its flash_attn_varlen_func with the page table (num_splits=0)
@@ -53,14 +60,17 @@ from utils import bench, results
 PRODUCES = [
     ("results/h200/decode.json", "python -m measure.decode --dims 128 --deadline 540",
      "decode shapes at D = 128 (1-16 query tokens, 1k-128k cached keys, batch 1-128, GQA 4 and "
-     "8): fa4_final, contiguous and paged, beside cuDNN, SDPA flash and the FA4 package with and "
-     "without splits and a page table; L2 flushed and back to back; the copy rate of the run"),
+     "8): fa4_final's call as it is and its decode kernel (split-KV, packed GQA, contiguous and "
+     "paged, checked against SDPA before timing), beside cuDNN, SDPA flash and the FA4 package "
+     "with and without splits and a page table; L2 flushed and back to back; the run's copy "
+     "rate"),
     ("results/h200/decode_d64.json", "python -m measure.decode --name decode_d64 --dims 64 "
      "--deadline 540", "the same at D = 64"),
 ]
 
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")
-OURS = ("fa4_final", "fa4_final_paged")
+DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged")
+OURS = ("fa4_final", "fa4_final_paged", *DECODE_KERNEL)
 MODES = ("flush", "back_to_back")
 
 
@@ -105,26 +115,95 @@ def row_fields(shape: DecodeShape, page: int) -> dict:
             "causal": False, "page": page, "kv_bytes": shape.kv_bytes(), "flops": shape.flops()}
 
 
-def _calls(shape: DecodeShape, page: int, device="cuda") -> dict:
-    """Zero-argument forward calls of every implementation found, on one set of inputs."""
+def split_count(shape: DecodeShape, requested: int, tile_m: int, tile_n: int) -> int:
+    """``requested`` as FA4 reads num_splits (< 1: the heuristic), through the runtime's rule."""
+    from fa4_final.runtime.decode import choose_num_splits
+
+    return choose_num_splits(requested, batch=shape.batch, heads_kv=shape.heads_kv,
+                             packed_rows=shape.tokens * (shape.heads // shape.heads_kv),
+                             key_tiles=-(-shape.keys // tile_n),
+                             num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                             tile_m=tile_m, tile_n=tile_n)
+
+
+def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_splits):
+    """The Hopper decode kernel launched directly (fa4_final.hopper.host.launch_decode, the
+    partials merged by runtime.decode.combine_splits), contiguous and paged, with the extra row
+    fields: its split count, max |difference| to SDPA flash on the same logical cache, and
+    whether paged equals contiguous bit for bit (the contiguous kernel run on the cache in table
+    order does the same arithmetic in the same order)."""
+    from fa4_final.hopper.config import hopper_decode_default
+    from fa4_final.hopper.host import decode_recipe, launch_decode
+    from fa4_final.runtime.compile import compiled
+    from fa4_final.runtime.decode import combine_splits, partials_like
+
+    cfg = hopper_decode_default(shape.d)
+    splits = split_count(shape, requested_splits, cfg.tile_m, cfg.tile_n)
+
+    def runner(paged: bool, kk, vv):
+        plan = compiled(decode_recipe, shape.d, "bf16", False, paged, paged, splits > 1, cfg)
+        out = torch.empty_like(q)
+        lse = torch.empty(shape.batch, shape.heads, shape.tokens, dtype=torch.float32,
+                          device=q.device)
+        out_p, lse_p = partials_like(out, splits)
+        tt, uu = (table, used) if paged else (None, None)
+
+        def run():
+            if splits == 1:
+                launch_decode(plan, q, kk, vv, out, lse, tt, uu)
+            else:
+                launch_decode(plan, q, kk, vv, out_p, lse_p, tt, uu)
+                combine_splits(out_p, lse_p, out, lse)
+            return out
+        return run
+
+    calls = {"fa4_final_decode": runner(False, k, v),
+             "fa4_final_decode_paged": runner(True, k_cache, v_cache)}
+    sdpa = bench.peers()["sdpa_flash"]
+    k_in_order = k_cache[table.long()].reshape(k.shape)  # sequence b's keys in table order
+    v_in_order = v_cache[table.long()].reshape(v.shape)
+    contiguous = calls["fa4_final_decode"]().float()
+    paged = calls["fa4_final_decode_paged"]().clone()
+    in_order = runner(False, k_in_order, v_in_order)()
+    extra = {
+        "fa4_final_decode": {"splits": splits, "max_diff": float(
+            (contiguous - sdpa(q, k, v)[0].float()).abs().max())},
+        "fa4_final_decode_paged": {"splits": splits, "max_diff": float(
+            (paged.float() - sdpa(q, k_in_order, v_in_order)[0].float()).abs().max()),
+            "bitwise_equal": bool(torch.equal(in_order, paged))},
+    }
+    del k_in_order, v_in_order
+    return calls, extra
+
+
+def _calls(shape: DecodeShape, page: int, requested_splits: int = 0, device="cuda"):
+    """({name: zero-argument forward call}, {name: extra row fields}) of every implementation
+    found, on one set of inputs."""
     g = torch.Generator(device=device).manual_seed(0)
     dt = torch.bfloat16
     q = torch.randn(shape.batch, shape.tokens, shape.heads, shape.d, device=device, dtype=dt,
                     generator=g)
     k = torch.randn(shape.batch, shape.keys, shape.heads_kv, shape.d, device=device, dtype=dt,
                     generator=g)
-    v = torch.randn_like(k)
+    v = torch.randn(k.shape, device=device, dtype=dt, generator=g)
     pages = shape.batch * shape.keys // page
     k_cache = k.view(pages, page, shape.heads_kv, shape.d)  # the same memory, paged
     v_cache = v.view(pages, page, shape.heads_kv, shape.d)
     table = random_page_table(shape.batch, shape.keys, page).to(device)
     used = torch.full((shape.batch,), shape.keys, dtype=torch.int32, device=device)
-    calls = {}
+    calls, extra = {}, {}
 
     import fa4_final
     calls["fa4_final"] = lambda: fa4_final.flash_attn_func(q, k, v)
     calls["fa4_final_paged"] = lambda: fa4_final.flash_attn_varlen_func(
         q, k_cache, v_cache, page_table=table, seqused_k=used)
+    try:
+        ours, extra = _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used,
+                                    requested_splits)
+    except Exception as exc:  # recorded as the rows' error, the peers still timed
+        extra = {name: {"error": bench.error_text(exc)} for name in DECODE_KERNEL}
+    else:
+        calls.update(ours)
     try:
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
     except Exception:  # the FA4 package is not installed here: its rows are left out
@@ -137,7 +216,7 @@ def _calls(shape: DecodeShape, page: int, device="cuda") -> dict:
     for name in ("sdpa_flash", "sdpa_cudnn"):
         fn = bench.peers()[name]
         calls[name] = lambda fn=fn: fn(q, k, v)
-    return calls
+    return calls, extra
 
 
 def _copy_rows(gib: float, rounds: int) -> list[dict]:
@@ -185,6 +264,8 @@ def main(argv=None) -> int:
                     help="query heads / KV heads")
     ap.add_argument("--dims", nargs="+", type=int, default=[128, 64])
     ap.add_argument("--page", type=int, default=128, help="keys per page of the paged rows")
+    ap.add_argument("--splits", type=int, default=0,
+                    help="num_splits of the decode kernel's rows (< 1: the heuristic)")
     ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS)
     ap.add_argument("--rep", type=int, default=20, help="timed calls per round at most")
     ap.add_argument("--max-seconds", type=float, default=0.25,
@@ -222,7 +303,7 @@ def main(argv=None) -> int:
             done += 1
             continue
         try:
-            calls = _calls(shape, args.page)
+            calls, extra = _calls(shape, args.page, args.splits)
         except torch.cuda.OutOfMemoryError as exc:
             rows.append({"impl": "skipped", **fields, "ms": None, "tflops": None,
                          "error": bench.error_text(exc)})
@@ -234,7 +315,12 @@ def main(argv=None) -> int:
                                          max_seconds=args.max_seconds,
                                          flush_l2=(mode == "flush"))
             for name, m in measured.items():
-                rows.append({"impl": name, "mode": mode, **fields, **m.fields(shape.flops())})
+                rows.append({"impl": name, "mode": mode, **fields, **extra.get(name, {}),
+                             **m.fields(shape.flops())})
+            for name in DECODE_KERNEL:  # the kernel failed before timing: say why
+                if name not in measured and name in extra:
+                    rows.append({"impl": name, "mode": mode, **fields, "ms": None,
+                                 "tflops": None, **extra[name]})
         del calls
         torch.cuda.empty_cache()
         done += 1
@@ -247,7 +333,7 @@ def main(argv=None) -> int:
     print(f"wrote {path}: {note}")
     for r in rows:
         if r["impl"] in OURS and r.get("vs_best_peer"):
-            print(f"{r['impl']:16s} {r['mode']:12s} b={r['b']} t={r['s_q']} "
+            print(f"{r['impl']:22s} {r['mode']:12s} b={r['b']} t={r['s_q']} "
                   f"s={r['s']} {r['h']}/{r['h_kv']} d={r['d']}: "
                   f"{r['vs_best_peer']:.2f}x {r['best_peer']}, {r.get('of_copy', 0):.0%} of copy")
     return 0

@@ -1108,29 +1108,30 @@ def headline_lines(res, mode: str = "flush") -> list[str]:
     lines = [f"batch {HEADLINE['b']}, {HEADLINE['s_q']} query token, {HEADLINE['s']:,} keys, "
              f"{HEADLINE['h']}/{HEADLINE['h_kv']} heads, D = {HEADLINE['d']}, bf16, mode {mode}; "
              f"copy rate of the run {copy_rate(res, mode) or float('nan'):.2f} TB/s"]
-    for impl in ("fa4_final", "fa4_final_paged", "fa4_package", "fa4_package_splits",
-                 "fa4_package_paged", "sdpa_flash", "sdpa_cudnn"):
+    for impl in ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final", "fa4_package",
+                 "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn"):
         r = decode_row(res, impl, mode)
         if r is None:
             continue
         if not r.get("ms"):
-            lines.append(f"  {impl:20s} no time: {r.get('error', 'not run')}")
+            lines.append(f"  {impl:22s} no time: {r.get('error', 'not run')}")
             continue
-        lines.append(f"  {impl:20s} {r['ms'] * 1e3:8.1f} us  {r.get('read_tbps', 0):5.2f} TB/s "
+        lines.append(f"  {impl:22s} {r['ms'] * 1e3:8.1f} us  {r.get('read_tbps', 0):5.2f} TB/s "
                      f" {r.get('of_copy', float('nan')):5.0%} of copy  spread "
                      f"{bench.row_spread(r) or 0:.0%}")
     return lines
 
 
-def of_copy(res, impl: str = "fa4_final", mode: str = "flush", **shape):
+def of_copy(res, impl: str = "fa4_final_decode", mode: str = "flush", **shape):
     r = decode_row(res, impl, mode, **shape)
     return None if r is None else r.get("of_copy")
 
 
 def paged_over_contiguous(res, mode: str = "flush", **shape):
-    """fa4_final's time with a page table over its time on the contiguous cache, same shape and
-    run; None if either is missing."""
-    a, b = (decode_row(res, impl, mode, **shape) for impl in ("fa4_final_paged", "fa4_final"))
+    """The decode kernel's time with a page table over its time on the contiguous cache, same
+    shape and run; None if either is missing."""
+    a, b = (decode_row(res, impl, mode, **shape)
+            for impl in ("fa4_final_decode_paged", "fa4_final_decode"))
     if not (a and b and a.get("ms") and b.get("ms")):
         return None
     return a["ms"] / b["ms"]

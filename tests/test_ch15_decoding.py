@@ -146,7 +146,8 @@ def _fake_decode_results():
     shape = {**t15.HEADLINE, "pass": "fwd", "dtype": "bf16", "causal": False, "page": 128}
     rows = [{"impl": "copy", "metric": "copy_rate", "value": 4.0, "unit": "TB/s",
              "mode": "flush"}]
-    for impl, ms, spread in (("fa4_final", 0.30, 0.02), ("fa4_final_paged", 0.305, 0.02),
+    for impl, ms, spread in (("fa4_final_decode", 0.30, 0.02),
+                             ("fa4_final_decode_paged", 0.305, 0.02),
                              ("sdpa_cudnn", 0.26, 0.03), ("sdpa_flash", 0.40, 0.05)):
         kv = 2 * 32 * 8192 * 8 * 128 * 2
         rows.append({"impl": impl, "mode": "flush", **shape, "ms": ms, "spread": spread,
@@ -164,10 +165,10 @@ def test_decode_readers_on_a_made_up_file():
     assert t15.paged_over_contiguous(res) == pytest.approx(0.305 / 0.30)
     lines = t15.headline_lines(res)
     assert len(lines) == 5 and "copy rate of the run 4.00 TB/s" in lines[0]
-    assert "slower" in t15.verdict(res, "fa4_final", "sdpa_cudnn")
-    assert "within noise" in t15.verdict(res, "fa4_final_paged", "fa4_final")
-    assert "no time" in t15.verdict(res, "fa4_final", "fa4_package")
-    assert t15.decode_row(res, "fa4_final", mode="back_to_back") is None
+    assert "slower" in t15.verdict(res, "fa4_final_decode", "sdpa_cudnn")
+    assert "within noise" in t15.verdict(res, "fa4_final_decode_paged", "fa4_final_decode")
+    assert "no time" in t15.verdict(res, "fa4_final_decode", "fa4_package")
+    assert t15.decode_row(res, "fa4_final_decode", mode="back_to_back") is None
 
 
 def test_decode_combine_gpu_cases_pass_on_the_cpu():

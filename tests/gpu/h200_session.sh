@@ -19,7 +19,7 @@
 #    api-varlen-tests (the API's GPU tests and the varlen backward's, without the training run)
 #    varlen-bench varlen-sanitize varlen-bwd-sanitize; varlen-dyn-sanitize: the varlen
 #    forward's dynamic tiles under memcheck, racecheck and synccheck)
-#   (decode, decode-d64: measure.decode at D = 128 / 64, the peers with and without a page table
+#   (decode, decode-d64: measure.decode at D = 128 / 64: the decode kernel and the package call beside the peers
 #    and splits; decode-tests: the split combine, the decode kernel and chapter 15's exercises against float64)
 #   (host: the API's host time per call vs its kernels' time, with the peers; host-train: the
 #    small-GPT training step, fa4_final vs SDPA)
@@ -87,7 +87,7 @@ for s in "$@"; do
     fa4-bench) step fa4_bench 480 $PY -m measure.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     decode) step decode 580 $PY -m measure.decode --dims 128 --deadline 500 ;;
     decode-d64) step decode_d64 580 $PY -m measure.decode --name decode_d64 --dims 64 --deadline 500 ;;
-    decode-tests) step decode_tests 400 $PY -m pytest -q -m gpu tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py ;;
+    decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py ;;
     fa4-gaps) step fa4_gaps 300 $PY -m measure.fwd_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
     fa4-split) step fa4_split 420 $PY -m measure.fwd_knobs --knobs --non-causal --only "last round" "cut along" --rounds ${ROUNDS:-5} --name fa4_final_split ;;
     fa4-d64c) step fa4_d64c 420 $PY -m measure.fwd_knobs --knobs --shape 64 16384 1 --only "one tile per CTA, L2" "stages 2/2" "zigzag rounds in L2" "128 x 128" "after the softmax" --rounds ${ROUNDS:-7} --name fa4_final_d64_causal ;;
