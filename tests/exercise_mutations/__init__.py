@@ -1,10 +1,21 @@
 """Typical wrong answers to the course's exercises, one module per chapter (``chNN.py``), each
 defining ``MUTATIONS``: a list of ``Mutation``. tests/test_exercise_mutations.py holds every one
-against its checker: the answer must be refused, with the words ``says`` in the message."""
+against its checker: the answer must be refused, with the words ``says`` in the message.
+
+Most wrong answers are the reference with one thing changed: ``mutant(reference, old, new)``
+states just that change, so a table entry reads as the mistake it plants."""
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import os
+import sys
+import tempfile
+import textwrap
+import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -16,3 +27,49 @@ class Mutation:
     reference: object = None  # the exercise's reference: an answer that calls it is refused
     forbid: dict = field(default_factory=dict)  # {helper: why}, as the exercise passes it
     slow: bool = False  # compiles a kernel: run with the slow tests
+
+
+_DIR = Path(tempfile.gettempdir()) / f"course_mutants_{os.getuid()}"
+
+
+def _replace(source: str, old: str, new: str | None, count: int, where: str) -> str:
+    found = source.count(old)
+    if found != count:
+        raise ValueError(f"mutant of {where}: {old!r} stands {found} time(s) in its source, not "
+                         f"{count}: the reference changed; restate this mutation")
+    if new is not None:
+        return source.replace(old, new)
+    lines = source.splitlines(keepends=True)
+    return "".join(line for line in lines if old not in line)
+
+
+def mutant(reference, old: str, new: str | None, count: int = 1, *,
+           also: tuple[tuple[str, str | None], ...] = ()):
+    """``reference`` (a function, plain or ``@cute.jit``) with ``old`` replaced by ``new`` in its
+    source; ``old`` must stand exactly ``count`` times, else ValueError (a reference that changed
+    cannot leave a table planting nothing). ``new=None`` deletes the lines holding ``old``.
+    ``also``: further ``(old, new)`` changes, each of which must stand exactly once.
+
+    The result is written to a real file (CuTe DSL's preprocessor reads a function's source) and
+    run in a copy of the reference module's globals, so it sees the same names and helpers."""
+    raw = inspect.unwrap(reference)
+    where = f"{raw.__module__}.{raw.__qualname__}"
+    source = textwrap.dedent(inspect.getsource(raw))
+    for o, n, c in ((old, new, count), *((o, n, 1) for o, n in also)):
+        source = _replace(source, o, n, c, where)
+    digest = hashlib.sha1(f"{where}\n{source}".encode()).hexdigest()[:12]
+    name = f"_mutant_{raw.__name__}_{digest}"
+    path = _DIR / f"{name}.py"
+    if not path.exists():
+        _DIR.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    module = types.ModuleType(name)
+    scope = module.__dict__
+    scope.update({k: v for k, v in raw.__globals__.items()
+                  if k not in ("__loader__", "__spec__", "__cached__", "__file__", "__name__")})
+    scope.update(__name__=name, __file__=str(path))
+    sys.modules[name] = module
+    exec(compile(source, str(path), "exec"), scope)  # noqa: S102 - the reference's own text
+    return scope[raw.__name__]

@@ -12,7 +12,7 @@ from fa4_final.hopper.wgmma import issue_wgmma
 from solutions import ch05_consumer as c5
 from solutions import ch05_flash_hopper as ch05
 from solutions import ch05_teaching as t5
-from tests.exercise_mutations import Mutation
+from tests.exercise_mutations import Mutation, mutant
 
 EPILOGUE_BARRIER = c5.EPILOGUE_BARRIER
 
@@ -125,31 +125,12 @@ def load_in_ascending_order(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k
         _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, n_tiles - 1)
 
 
-@cute.jit
-def load_without_acquire(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
-                         tKgK, tKsK, tVgV, tVsV, n_tiles):
-    for i in cutlass.range(n_tiles, unroll=1):
-        cute.copy(tma_atom_k, tKgK[None, n_tiles - 1 - i], tKsK[None, state_k.index],
-                  tma_bar_ptr=pipeline_k.producer_get_barrier(state_k))
-        state_k.advance()
-        cute.copy(tma_atom_v, tVgV[None, n_tiles - 1 - i], tVsV[None, state_v.index],
-                  tma_bar_ptr=pipeline_v.producer_get_barrier(state_v))
-        state_v.advance()
+# K's slots are written without waiting for them to be free
+load_without_acquire = mutant(t5.load_kv, "pipeline_k.producer_acquire(state_k)", None, 2)
 
 
-@cute.jit
-def load_without_advance(pipeline_k, pipeline_v, state_k, state_v, tma_atom_k, tma_atom_v,
-                         tKgK, tKsK, tVgV, tVsV, n_tiles):
-    if n_tiles > 0:
-        pipeline_k.producer_acquire(state_k)
-        cute.copy(tma_atom_k, tKgK[None, n_tiles - 1], tKsK[None, state_k.index],
-                  tma_bar_ptr=pipeline_k.producer_get_barrier(state_k))
-        for i in cutlass.range(n_tiles - 1, unroll=1):
-            pipeline_k.producer_acquire(state_k)
-            cute.copy(tma_atom_k, tKgK[None, n_tiles - 2 - i], tKsK[None, state_k.index],
-                      tma_bar_ptr=pipeline_k.producer_get_barrier(state_k))
-            _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, n_tiles - 1 - i)
-        _load(pipeline_v, state_v, tma_atom_v, tVgV, tVsV, 0)
+# every K tile goes into the same slot
+load_without_advance = mutant(t5.load_kv, "state_k.advance()", None, 2)
 
 
 @cute.jit
@@ -213,22 +194,8 @@ def _issue(tiled_mma, acc, tA, tB, accumulate: cutlass.Constexpr):
     warpgroup.commit_group()
 
 
-@cute.jit
-def turn_waits_for_everything(tiled_mma_qk, tiled_mma_pv, acc_s, acc_o, tSrQ, tSrK, tOrP,
-                              tOrVt):
-    warpgroup.fence()
-    mma_qk = cute.make_mma_atom(tiled_mma_qk.op)
-    mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-        cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-        mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    mma_pv = cute.make_mma_atom(tiled_mma_pv.op)
-    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-        cute.gemm(mma_pv, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
-    warpgroup.commit_group()
-    warpgroup.wait_group(0)  # "to be safe": S is ready, but so is P V
+# "to be safe": S is ready, but so is P V
+turn_waits_for_everything = mutant(c5.gemm_turn, "wait_group(1)", "wait_group(0)")
 
 
 @cute.jit
@@ -248,52 +215,17 @@ def turn_pv_first(tiled_mma_qk, tiled_mma_pv, acc_s, acc_o, tSrQ, tSrK, tOrP, tO
     warpgroup.wait_group(1)
 
 
-@cute.jit
-def turn_one_group(tiled_mma_qk, tiled_mma_pv, acc_s, acc_o, tSrQ, tSrK, tOrP, tOrVt):
-    warpgroup.fence()
-    mma_qk = cute.make_mma_atom(tiled_mma_qk.op)
-    mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-        cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-        mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-    mma_pv = cute.make_mma_atom(tiled_mma_pv.op)
-    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-        cute.gemm(mma_pv, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
-    warpgroup.commit_group()
-    warpgroup.wait_group(1)
+# S and P V committed as one group
+turn_one_group = mutant(c5.gemm_turn, "commit_group()  # the older group: S", None)
 
 
-@cute.jit
-def turn_s_accumulates(tiled_mma_qk, tiled_mma_pv, acc_s, acc_o, tSrQ, tSrK, tOrP, tOrVt):
-    warpgroup.fence()
-    mma_qk = cute.make_mma_atom(tiled_mma_qk.op)
-    mma_qk.set(warpgroup.Field.ACCUMULATE, True)  # as for O
-    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-        cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-    warpgroup.commit_group()
-    mma_pv = cute.make_mma_atom(tiled_mma_pv.op)
-    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-        cute.gemm(mma_pv, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
-    warpgroup.commit_group()
-    warpgroup.wait_group(1)
+# S's first k-block adds into the old S, as O does
+turn_s_accumulates = mutant(c5.gemm_turn, "mma_qk.set(warpgroup.Field.ACCUMULATE, False)",
+                            "mma_qk.set(warpgroup.Field.ACCUMULATE, True)")
 
 
-@cute.jit
-def turn_without_fence(tiled_mma_qk, tiled_mma_pv, acc_s, acc_o, tSrQ, tSrK, tOrP, tOrVt):
-    mma_qk = cute.make_mma_atom(tiled_mma_qk.op)
-    mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-        cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-        mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    mma_pv = cute.make_mma_atom(tiled_mma_pv.op)
-    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-        cute.gemm(mma_pv, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
-    warpgroup.commit_group()
-    warpgroup.wait_group(1)
+# no warpgroup.fence() before either GEMM
+turn_without_fence = mutant(c5.gemm_turn, "warpgroup.fence()", None, 2)
 
 
 @cute.jit
@@ -319,37 +251,18 @@ STORE_FORBID = {
 }
 
 
-@cute.jit
-def store_without_fence(rO, tOsO, tma_atom_o, tOsO_tma, tOgO_tma, tidx, num_threads):
-    cute.autovec_copy(rO, tOsO)
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
-    if tidx // cute.arch.WARP_SIZE == 0:
-        cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
-        cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+# the stores are not fenced for the async proxy
+store_without_fence = mutant(c5.store_o, "fence_view_async_shared()", None)
 
 
-@cute.jit
-def store_fence_in_issuing_warp(rO, tOsO, tma_atom_o, tOsO_tma, tOgO_tma, tidx, num_threads):
-    cute.autovec_copy(rO, tOsO)
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
-    if tidx // cute.arch.WARP_SIZE == 0:
-        cute.arch.fence_view_async_shared()  # only where the TMA is issued
-        cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
-        cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+# only the warp that issues the TMA fences
+store_fence_in_issuing_warp = mutant(c5.store_o, "fence_view_async_shared()", None, also=[
+    ("cute.copy(", "cute.arch.fence_view_async_shared(); cute.copy(")])
 
 
-@cute.jit
-def store_fence_before_the_stores(rO, tOsO, tma_atom_o, tOsO_tma, tOgO_tma, tidx,
-                                  num_threads):
-    cute.arch.fence_view_async_shared()
-    cute.autovec_copy(rO, tOsO)
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
-    if tidx // cute.arch.WARP_SIZE == 0:
-        cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
-        cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+# the fence comes before the stores it should order
+store_fence_before_the_stores = mutant(c5.store_o, "fence_view_async_shared()", None, also=[
+    ("cute.autovec_copy(", "cute.arch.fence_view_async_shared(); cute.autovec_copy(")])
 
 
 @cute.jit
@@ -363,46 +276,23 @@ def store_before_the_barrier(rO, tOsO, tma_atom_o, tOsO_tma, tOgO_tma, tidx, num
     cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
 
 
-@cute.jit
-def store_with_syncthreads(rO, tOsO, tma_atom_o, tOsO_tma, tOgO_tma, tidx, num_threads):
-    cute.autovec_copy(rO, tOsO)
-    cute.arch.fence_view_async_shared()
-    cute.arch.barrier()
-    if tidx // cute.arch.WARP_SIZE == 0:
-        cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
-        cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+# __syncthreads instead of the consumers' named barrier
+store_with_syncthreads = mutant(
+    c5.store_o, "barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)",
+    "barrier()")
 
 
-@cute.jit
-def store_from_every_warp(rO, tOsO, tma_atom_o, tOsO_tma, tOgO_tma, tidx, num_threads):
-    cute.autovec_copy(rO, tOsO)
-    cute.arch.fence_view_async_shared()
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
-    cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
-    cute.arch.cp_async_bulk_commit_group()
-    cute.arch.cp_async_bulk_wait_group(0, read=True)
+# every warp issues the TMA store
+store_from_every_warp = mutant(c5.store_o, "if tidx // cute.arch.WARP_SIZE == 0:", "if True:")
 
 
-@cute.jit
-def store_without_waiting(rO, tOsO, tma_atom_o, tOsO_tma, tOgO_tma, tidx, num_threads):
-    cute.autovec_copy(rO, tOsO)
-    cute.arch.fence_view_async_shared()
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
-    if tidx // cute.arch.WARP_SIZE == 0:
-        cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
-        cute.arch.cp_async_bulk_commit_group()
+# shared memory is let go before the TMA has read it
+store_without_waiting = mutant(c5.store_o, "cp_async_bulk_wait_group(0, read=True)", None)
 
 
-@cute.jit
-def store_from_the_producer_warp(rO, tOsO, tma_atom_o, tOsO_tma, tOgO_tma, tidx, num_threads):
-    cute.autovec_copy(rO, tOsO)
-    cute.arch.fence_view_async_shared()
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
-    if cute.arch.warp_idx() == 0:  # the CTA's warp 0 is the producer's
-        cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
-        cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+# warp 0 of the CTA is the producer's, not a consumer's
+store_from_the_producer_warp = mutant(c5.store_o, "tidx // cute.arch.WARP_SIZE == 0",
+                                      "cute.arch.warp_idx() == 0")
 
 
 # ----------------------------------------------------------------------------------------------
