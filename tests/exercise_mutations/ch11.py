@@ -1,61 +1,37 @@
 """Chapter 11's exercises: typical wrong answers, each with the words its checker must say.
-The device-code ones (11.5 the dS step, 11.6 the deterministic turn) are @cute.jit functions: the
-DSL reads their source from this file."""
+Most are the reference with one change (``mutant``); the device-code ones (11.5 the dS step, 11.6
+the deterministic turn) are @cute.jit functions, whose source the DSL reads from a real file."""
 
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import Float32, Int32, const_expr
 
 from fa4_final.common.atomics import pass_turn, wait_turn
 from solutions import ch11_backward as ch11
 from solutions import ch11_ds_step as ds
 from solutions import ch11_turns as turns
-from tests.exercise_mutations import Mutation
-
+from tests.exercise_mutations import Mutation, mutant
 
 # --- 11.1 delta --------------------------------------------------------------------------------
-def delta_in_bf16(out, dout):
-    return (dout * out).sum(-1).transpose(1, 2)
-
-
-def delta_not_transposed(out, dout):
-    acc = torch.promote_types(out.dtype, torch.float32)
-    return (dout.to(acc) * out.to(acc)).sum(-1)
+delta_in_bf16 = mutant(  # summed in the inputs' bfloat16
+    ch11.softmax_delta, "(dout.to(acc) * out.to(acc))", "(dout * out)")
+delta_not_transposed = mutant(  # left (B, Sq, H)
+    ch11.softmax_delta, ".transpose(1, 2)", "")
 
 
 # --- 11.2 the tile step ------------------------------------------------------------------------
-def step_scaled(q_t, k_t, v_t, do_t, lse_t, delta_t, scale, visible=None):
-    acc = torch.promote_types(q_t.dtype, torch.float32)
-    q_a, k_a, v_a, do_a = (t.to(acc) for t in (q_t, k_t, v_t, do_t))
-    s = (q_a @ k_a.transpose(-1, -2)) * (scale * ch11.LOG2E)
-    if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    p = ch11.recompute_p(s, lse_t)
-    ds_ = ch11.ds_from_dp(p, do_a @ v_a.transpose(-1, -2), delta_t)
-    return scale * ds_ @ k_a, scale * ds_.transpose(-1, -2) @ q_a, p.transpose(-1, -2) @ do_a
-
-
-def step_dv_from_ds(q_t, k_t, v_t, do_t, lse_t, delta_t, scale, visible=None):
-    acc = torch.promote_types(q_t.dtype, torch.float32)
-    q_a, k_a, v_a, do_a = (t.to(acc) for t in (q_t, k_t, v_t, do_t))
-    s = (q_a @ k_a.transpose(-1, -2)) * (scale * ch11.LOG2E)
-    if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    p = ch11.recompute_p(s, lse_t)
-    ds_ = ch11.ds_from_dp(p, do_a @ v_a.transpose(-1, -2), delta_t)
-    return ds_ @ k_a, ds_.transpose(-1, -2) @ q_a, ds_.transpose(-1, -2) @ do_a
+step_scaled = mutant(  # the softmax scale applied per step, not once by the loop
+    ch11.tile_step, "dq_part = ds_in @ k_a", "dq_part = scale * ds_in @ k_a",
+    also=[("dk_part = ds_in.transpose", "dk_part = scale * ds_in.transpose")])
+step_dv_from_ds = mutant(  # dV from dS instead of P
+    ch11.tile_step, "dv_part = p_in.transpose", "dv_part = ds_in.transpose")
 
 
 # --- 11.3 where the inner loop starts ----------------------------------------------------------
-def first_tile_ignores_offset(k_start, seqlen_q, seqlen_k, tile_m, causal):
-    return k_start // tile_m if causal else 0
-
-
-def first_tile_rounds_up(k_start, seqlen_q, seqlen_k, tile_m, causal):
-    if not causal:
-        return 0
-    return -(-max(k_start - (seqlen_k - seqlen_q), 0) // tile_m)
+first_tile_ignores_offset = mutant(  # top-left causal alignment: seqlen_k - seqlen_q forgotten
+    ch11.first_q_tile, "k_start - (seqlen_k - seqlen_q)", "k_start")
+first_tile_rounds_up = mutant(  # skips the tile whose later rows already see the key
+    ch11.first_q_tile, "max(first_row, 0) // tile_m", "-(-max(first_row, 0) // tile_m)")
 
 
 # --- 11.4 the dQ adds' bytes -------------------------------------------------------------------
@@ -77,189 +53,30 @@ def adds_rows_not_tiles(seqlen_q, seqlen_k, head_dim, tile_m, tile_n, causal):
     return total
 
 
-def adds_in_bf16(seqlen_q, seqlen_k, head_dim, tile_m, tile_n, causal):
-    n_q = -(-seqlen_q // tile_m)
-    total = 0
-    for k0 in range(0, seqlen_k, tile_n):
-        first = ch11.first_q_tile(k0, seqlen_q, seqlen_k, tile_m, causal)
-        total += max(n_q - first, 0) * tile_m * head_dim * 2
-    return total
+adds_in_bf16 = mutant(  # dQ's accumulator counted in bfloat16
+    ch11.dq_add_bytes, "head_dim * 4", "head_dim * 2")
 
 
 # --- 11.5 the dS step in registers -------------------------------------------------------------
-@cute.jit
-def ds_natural_exp(s, dp, lse, delta, scale_log2, wait_dp, mask):
-    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
-    if const_expr(mask is not None):
-        coords, offset, seqlen_k, causal = mask
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cols):
-                key, query = coords[r, c]
-                hidden = key >= seqlen_k
-                if const_expr(causal):
-                    hidden = hidden | (key > query + offset)
-                s[r, c] = -Float32.inf if hidden else s[r, c]
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            s[r, c] = cute.math.exp(s[r, c] * scale_log2 - lse[0, c], fastmath=True)
-    wait_dp()
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            dp[r, c] = s[r, c] * (dp[r, c] - delta[0, c])
-
-
-@cute.jit
-def ds_mask_off_by_one(s, dp, lse, delta, scale_log2, wait_dp, mask):
-    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
-    if const_expr(mask is not None):
-        coords, offset, seqlen_k, causal = mask
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cols):
-                key, query = coords[r, c]
-                hidden = key >= seqlen_k
-                if const_expr(causal):
-                    hidden = hidden | (key >= query + offset)
-                s[r, c] = -Float32.inf if hidden else s[r, c]
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[0, c], fastmath=True)
-    wait_dp()
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            dp[r, c] = s[r, c] * (dp[r, c] - delta[0, c])
-
-
-@cute.jit
-def ds_mask_queries_on_rows(s, dp, lse, delta, scale_log2, wait_dp, mask):
-    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
-    if const_expr(mask is not None):
-        coords, offset, seqlen_k, causal = mask
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cols):
-                key, query = coords[r, c]
-                hidden = key >= seqlen_k
-                if const_expr(causal):
-                    hidden = hidden | (query > key + offset)
-                s[r, c] = -Float32.inf if hidden else s[r, c]
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[0, c], fastmath=True)
-    wait_dp()
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            dp[r, c] = s[r, c] * (dp[r, c] - delta[0, c])
-
-
-@cute.jit
-def ds_forgets_seqlen_k(s, dp, lse, delta, scale_log2, wait_dp, mask):
-    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
-    if const_expr(mask is not None):
-        coords, offset, seqlen_k, causal = mask
-        if const_expr(causal):
-            for r in cutlass.range_constexpr(rows):
-                for c in cutlass.range_constexpr(cols):
-                    key, query = coords[r, c]
-                    s[r, c] = -Float32.inf if key > query + offset else s[r, c]
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[0, c], fastmath=True)
-    wait_dp()
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            dp[r, c] = s[r, c] * (dp[r, c] - delta[0, c])
-
-
-@cute.jit
-def ds_lse_converted_again(s, dp, lse, delta, scale_log2, wait_dp, mask):
-    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[0, c] * 1.4426950408889634,
-                                     fastmath=True)
-    wait_dp()
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            dp[r, c] = s[r, c] * (dp[r, c] - delta[0, c])
-
-
-@cute.jit
-def ds_delta_outside(s, dp, lse, delta, scale_log2, wait_dp, mask):
-    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
-    if const_expr(mask is not None):
-        coords, offset, seqlen_k, causal = mask
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cols):
-                key, query = coords[r, c]
-                hidden = key >= seqlen_k
-                if const_expr(causal):
-                    hidden = hidden | (key > query + offset)
-                s[r, c] = -Float32.inf if hidden else s[r, c]
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[0, c], fastmath=True)
-    wait_dp()
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            dp[r, c] = s[r, c] * dp[r, c] - delta[0, c]
-
-
-@cute.jit
-def ds_reads_dp_early(s, dp, lse, delta, scale_log2, wait_dp, mask):
-    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
-    if const_expr(mask is not None):
-        coords, offset, seqlen_k, causal = mask
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cols):
-                key, query = coords[r, c]
-                hidden = key >= seqlen_k
-                if const_expr(causal):
-                    hidden = hidden | (key > query + offset)
-                s[r, c] = -Float32.inf if hidden else s[r, c]
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[0, c], fastmath=True)
-            dp[r, c] = s[r, c] * (dp[r, c] - delta[0, c])
-    wait_dp()
-
-
-@cute.jit
-def ds_waits_before_p(s, dp, lse, delta, scale_log2, wait_dp, mask):
-    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
-    wait_dp()
-    if const_expr(mask is not None):
-        coords, offset, seqlen_k, causal = mask
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cols):
-                key, query = coords[r, c]
-                hidden = key >= seqlen_k
-                if const_expr(causal):
-                    hidden = hidden | (key > query + offset)
-                s[r, c] = -Float32.inf if hidden else s[r, c]
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[0, c], fastmath=True)
-            dp[r, c] = s[r, c] * (dp[r, c] - delta[0, c])
-
-
-@cute.jit
-def ds_delta_of_the_row(s, dp, lse, delta, scale_log2, wait_dp, mask):
-    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
-    if const_expr(mask is not None):
-        coords, offset, seqlen_k, causal = mask
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cols):
-                key, query = coords[r, c]
-                hidden = key >= seqlen_k
-                if const_expr(causal):
-                    hidden = hidden | (key > query + offset)
-                s[r, c] = -Float32.inf if hidden else s[r, c]
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[0, c], fastmath=True)
-    wait_dp()
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            dp[r, c] = s[r, c] * (dp[r, c] - delta[0, r])
+ds_natural_exp = mutant(ds.ds_step, "cute.math.exp2(", "cute.math.exp(")  # lse is in log2 units
+ds_mask_off_by_one = mutant(  # the diagonal hidden too
+    ds.ds_step, "key > query + offset", "key >= query + offset")
+ds_mask_queries_on_rows = mutant(  # the mask of S, not of S^T
+    ds.ds_step, "key > query + offset", "query > key + offset")
+ds_forgets_seqlen_k = mutant(  # keys past seqlen_k stay visible
+    ds.ds_step, "hidden = key >= seqlen_k", "hidden = False")
+ds_lse_converted_again = mutant(  # lse taken to log2 units twice
+    ds.ds_step, "- lse_c,", "- lse_c * 1.4426950408889634,")
+ds_delta_outside = mutant(  # P dP - delta, not P (dP - delta)
+    ds.ds_step, "s[r, c] * (dp[r, c] - delta_c)", "s[r, c] * dp[r, c] - delta_c")
+ds_reads_dp_early = mutant(  # dS computed before waiting for dP
+    ds.ds_step, "\n    wait_dp()\n", "\n",
+    also=[("(dp[r, c] - delta_c)\n", "(dp[r, c] - delta_c)\n    wait_dp()\n")])
+ds_waits_before_p = mutant(  # waits for dP first: P is not handed on before the wait
+    ds.ds_step, "\n    wait_dp()\n", "\n",
+    also=[("    rows = cute.size", "    wait_dp()\n    rows = cute.size")])
+ds_delta_of_the_row = mutant(  # delta indexed by the key (row), not the query (column)
+    ds.ds_step, "(dp[r, c] - delta_c)", "(dp[r, c] - delta[0, r])")
 
 
 @cute.jit
@@ -286,57 +103,15 @@ def ds_exponentials_twice(s, dp, lse, delta, scale_log2, wait_dp, mask):
 
 
 # --- 11.6 the deterministic turn ---------------------------------------------------------------
-@cute.jit
-def turn_never_passed(lane, counter, my_turn, add_blocks):
-    if lane == 0:
-        seen = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
-        while seen != my_turn:
-            seen = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
-    cute.arch.sync_warp()
-    add_blocks()
-    if lane == 0:
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
-    cute.arch.sync_warp()
-
-
-@cute.jit
-def turn_passed_after_read(lane, counter, my_turn, add_blocks):
-    if lane == 0:
-        seen = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
-        while seen != my_turn:
-            seen = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
-    cute.arch.sync_warp()
-    add_blocks()
-    if lane == 0:
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.red(counter, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-    cute.arch.sync_warp()
-
-
-@cute.jit
-def turn_not_awaited(lane, counter, my_turn, add_blocks):
-    cute.arch.sync_warp()
-    add_blocks()
-    if lane == 0:
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.red(counter, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-    cute.arch.sync_warp()
-
-
-@cute.jit
-def turn_passed_by_every_lane(lane, counter, my_turn, add_blocks):
-    if lane == 0:
-        seen = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
-        while seen != my_turn:
-            seen = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
-    cute.arch.sync_warp()
-    add_blocks()
-    cute.arch.cp_async_bulk_wait_group(0, read=False)
-    cute.arch.fence_acq_rel_gpu()
-    cute.arch.red(counter, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-    cute.arch.sync_warp()
+turn_never_passed = mutant(  # the turn is never passed on
+    turns.add_in_turn, "cute.arch.fence_acq_rel_gpu()", None, also=[("cute.arch.red(", None)])
+turn_passed_after_read = mutant(  # passed when the adds have read, not completed
+    turns.add_in_turn, "read=False", "read=True")
+turn_not_awaited = mutant(  # adds without waiting for the turn
+    turns.add_in_turn, "seen = cute.arch.load", None, 2,
+    also=[("while seen != my_turn:", None), ("if lane == 0:  # wait for the turn", None)])
+turn_passed_by_every_lane = mutant(  # 32 lanes each pass the turn
+    turns.add_in_turn, "if lane == 0:  # the adds complete", "if True:  # the adds complete")
 
 
 @cute.jit
@@ -352,19 +127,9 @@ def turn_adds_in_lane_zero_only(lane, counter, my_turn, add_blocks):
     cute.arch.sync_warp()
 
 
-@cute.jit
-def turn_relaxed(lane, counter, my_turn, add_blocks):
-    if lane == 0:
-        seen = cute.arch.load(counter, Int32, sem="relaxed", scope="gpu")
-        while seen != my_turn:
-            seen = cute.arch.load(counter, Int32, sem="relaxed", scope="gpu")
-    cute.arch.sync_warp()
-    add_blocks()
-    if lane == 0:
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.red(counter, Int32(1), op="add", dtype=Int32, sem="relaxed", scope="gpu")
-    cute.arch.sync_warp()
+turn_relaxed = mutant(  # relaxed loads and add: nothing orders the adds
+    turns.add_in_turn, 'sem="acquire"', 'sem="relaxed"', 2,
+    also=[('sem="release"', 'sem="relaxed"')])
 
 
 @cute.jit
