@@ -44,19 +44,19 @@ def _replace(source: str, old: str, new: str | None, count: int, where: str) -> 
 
 
 def mutant(reference, old: str, new: str | None, count: int = 1, *,
-           also: tuple[tuple[str, str | None], ...] = ()):
+           also: tuple[tuple, ...] = ()):
     """``reference`` (a function, plain or ``@cute.jit``) with ``old`` replaced by ``new`` in its
     source; ``old`` must stand exactly ``count`` times, else ValueError (a reference that changed
     cannot leave a table planting nothing). ``new=None`` deletes the lines holding ``old``.
-    ``also``: further ``(old, new)`` changes, each of which must stand exactly once.
+    ``also``: further changes, ``(old, new)`` (``old`` standing once) or ``(old, new, count)``.
 
     The result is written to a real file (CuTe DSL's preprocessor reads a function's source) and
     run in a copy of the reference module's globals, so it sees the same names and helpers."""
     raw = inspect.unwrap(reference)
     where = f"{raw.__module__}.{raw.__qualname__}"
     source = textwrap.dedent(inspect.getsource(raw))
-    for o, n, c in ((old, new, count), *((o, n, 1) for o, n in also)):
-        source = _replace(source, o, n, c, where)
+    for o, n, *c in ((old, new, count), *also):
+        source = _replace(source, o, n, c[0] if c else 1, where)
     digest = hashlib.sha1(f"{where}\n{source}".encode()).hexdigest()[:12]
     name = f"_mutant_{raw.__name__}_{digest}"
     path = _DIR / f"{name}.py"

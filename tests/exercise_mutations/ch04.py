@@ -9,7 +9,7 @@ from cutlass import Float32
 from solutions import ch04_flash_ampere as fa
 from solutions import ch04_kv_step as kv
 from solutions import ch04_teaching as t4
-from tests.exercise_mutations import Mutation
+from tests.exercise_mutations import Mutation, mutant
 
 
 # ----------------------------------------------------------------------------------------------
@@ -56,27 +56,12 @@ def tiles_everything(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal):
     return list(range(n)), [n - 1]
 
 
-def tiles_no_empty_rule(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal):
-    n_tiles = -(-seqlen_k // tile_n)
-    if not causal:
-        return list(range(n_tiles)), [n_tiles - 1]
-    offset = seqlen_k - seqlen_q
-    n_visit = min(n_tiles, -(-max((m_block + 1) * tile_m + offset, 0) // tile_n))
-    first_masked = min(max(m_block * tile_m + offset + 1, 0) // tile_n, n_visit - 1)
-    return list(range(n_visit)), list(range(max(first_masked, 0), n_visit))
+tiles_no_empty_rule = mutant(  # no step at all where no row sees a key
+    t4.kv_tiles, "if n_visit == 0:", None, also=[("return [0], [0]", None)])
 
 
-def tiles_mask_off_by_one(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal):
-    n_tiles = -(-seqlen_k // tile_n)
-    if not causal:
-        return list(range(n_tiles)), [n_tiles - 1]
-    offset = seqlen_k - seqlen_q
-    n_visit = min(n_tiles, -(-max((m_block + 1) * tile_m + offset, 0) // tile_n))
-    if n_visit == 0:
-        return [0], [0]
-    first_row_keys = max(m_block * tile_m + offset, 0)  # one key short: the diagonal itself
-    first_masked = min(first_row_keys // tile_n, n_visit - 1)
-    return list(range(n_visit)), list(range(first_masked, n_visit))
+tiles_mask_off_by_one = mutant(  # one key short: the diagonal itself
+    t4.kv_tiles, "m_block * tile_m + offset + 1", "m_block * tile_m + offset")
 
 
 def tiles_from_the_kernel(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal):
@@ -87,79 +72,33 @@ def tiles_from_the_kernel(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal):
 
 # ----------------------------------------------------------------------------------------------
 # 04.3: S = Q K^T
-@cute.jit
-def qk_registers_by_k(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
-                      unroll: cutlass.Constexpr):
-    tCrA_copy = smem_copy_A.retile(tCrA)
-    tCrB_copy = smem_copy_B.retile(tCrB)
-    for k in cutlass.range(cute.size(tCsA, mode=[2]), unroll=unroll):
-        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, k])
-        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, k])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+qk_registers_by_k = mutant(  # registers indexed by the run-time k
+    fa.gemm_from_smem, "None, 0]", "None, k]", 4)
 
 
-@cute.jit
-def qk_first_slice_of_k(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
-                        unroll: cutlass.Constexpr):
-    tCrA_copy = smem_copy_A.retile(tCrA)
-    tCrB_copy = smem_copy_B.retile(tCrB)
-    for k in cutlass.range(cute.size(tCsA, mode=[2]), unroll=unroll):
-        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, 0])
-        cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_copy[None, None, 0])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, 0], tCrB[None, None, 0], acc)
+qk_first_slice_of_k = mutant(  # every slice of Q times K's first
+    fa.gemm_from_smem, "tCsB[None, None, k]", "tCsB[None, None, 0]")
 
 
-@cute.jit
-def qk_fully_unrolled(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
-                      unroll: cutlass.Constexpr):
-    tCrA_copy = smem_copy_A.retile(tCrA)
-    tCrB_copy = smem_copy_B.retile(tCrB)
-    for k in cutlass.range_constexpr(cute.size(tCsA, mode=[2])):
-        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, k])
-        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, k])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+qk_fully_unrolled = mutant(  # unrolled completely: all slices live at once
+    fa.gemm_from_smem, "cutlass.range(cute.size(tCsA, mode=[2]), unroll=unroll)",
+    "cutlass.range_constexpr(cute.size(tCsA, mode=[2]))", also=[("None, 0]", "None, k]", 4)])
 
 
-@cute.jit
-def qk_no_unroll(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
-                 unroll: cutlass.Constexpr):
-    tCrA_copy = smem_copy_A.retile(tCrA)
-    tCrB_copy = smem_copy_B.retile(tCrB)
-    for k in cutlass.range(cute.size(tCsA, mode=[2])):
-        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, 0])
-        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, 0])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, 0], tCrB[None, None, 0], acc)
+qk_no_unroll = mutant(fa.gemm_from_smem, ", unroll=unroll)", ")")  # the unroll factor dropped
 
 
-@cute.jit
-def qk_into_the_mma_view(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
-                         unroll: cutlass.Constexpr):
-    for k in cutlass.range(cute.size(tCsA, mode=[2]), unroll=unroll):
-        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA[None, None, 0])
-        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB[None, None, 0])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, 0], tCrB[None, None, 0], acc)
+qk_into_the_mma_view = mutant(  # ldmatrix into the MMA's view: no retile
+    fa.gemm_from_smem, ".retile(", None, 2, also=[("_copy[None", "[None", 2)])
 
 
-@cute.jit
-def qk_operands_swapped(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B,
-                        unroll: cutlass.Constexpr):
-    tCrA_copy = smem_copy_A.retile(tCrA)
-    tCrB_copy = smem_copy_B.retile(tCrB)
-    for k in cutlass.range(cute.size(tCsA, mode=[2]), unroll=unroll):
-        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, 0])
-        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, 0])
-        cute.gemm(tiled_mma, acc, tCrB[None, None, 0], tCrA[None, None, 0], acc)
+qk_operands_swapped = mutant(  # B in A's place
+    fa.gemm_from_smem, "tCrA[None, None, 0], tCrB[None, None, 0]",
+    "tCrB[None, None, 0], tCrA[None, None, 0]")
 
 
-@cute.jit
-def qk_unrolled_fully_at_run_time(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A,
-                                  smem_copy_B, unroll: cutlass.Constexpr):
-    tCrA_copy = smem_copy_A.retile(tCrA)
-    tCrB_copy = smem_copy_B.retile(tCrB)
-    for k in cutlass.range(cute.size(tCsA, mode=[2]), unroll_full=True):
-        cute.copy(smem_copy_A, tCsA[None, None, k], tCrA_copy[None, None, 0])
-        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, 0])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, 0], tCrB[None, None, 0], acc)
+qk_unrolled_fully_at_run_time = mutant(  # unroll_full: every slice live
+    fa.gemm_from_smem, "unroll=unroll", "unroll_full=True")
 
 
 @cute.jit
@@ -176,166 +115,40 @@ def qk_not_done(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_copy_A, smem_copy_B
 
 # ----------------------------------------------------------------------------------------------
 # 04.4: the online softmax in registers
-@cute.jit
-def softmax_no_guard(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        row_max[r] = m_new
-        p_row = cute.math.exp2(s_row * scale_log2 - m_new * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        correction = cute.math.exp2((m_old - m_new) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        o[r, None].store(o[r, None].load() * correction)
+softmax_no_guard = mutant(  # a fully masked row: exp2(-inf + inf)
+    kv.online_softmax, "m_safe = 0.0 if m_new == -Float32.inf else m_new", "m_safe = m_new")
 
 
-@cute.jit
-def softmax_offsets_past_the_quad(s, o, row_max, row_sum, scale_log2,
-                                  is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        for offset in (1, 2, 4):
-            m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=offset))
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        row_max[r] = m_new
-        m_safe = 0.0 if m_new == -Float32.inf else m_new
-        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        o[r, None].store(o[r, None].load() * correction)
+softmax_offsets_past_the_quad = mutant(  # offset 4 is another quad's lane
+    kv.online_softmax, "offset=2", "offset=4")
 
 
-@cute.jit
-def softmax_one_shuffle(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        row_max[r] = m_new
-        m_safe = 0.0 if m_new == -Float32.inf else m_new
-        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        o[r, None].store(o[r, None].load() * correction)
+softmax_one_shuffle = mutant(kv.online_softmax, "offset=2))", None)  # half the quad's max
 
 
-@cute.jit
-def softmax_no_shuffle(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        row_max[r] = m_new
-        m_safe = 0.0 if m_new == -Float32.inf else m_new
-        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        o[r, None].store(o[r, None].load() * correction)
+softmax_no_shuffle = mutant(kv.online_softmax, "shuffle_sync_bfly", None, 2)  # lane's max only
 
 
-@cute.jit
-def softmax_no_o_rescale(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        row_max[r] = m_new
-        m_safe = 0.0 if m_new == -Float32.inf else m_new
-        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+softmax_no_o_rescale = mutant(  # O not rescaled
+    kv.online_softmax, "o[r, None].store(o[r, None].load() * correction)", None)
 
 
-@cute.jit
-def softmax_no_sum_rescale(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        row_max[r] = m_new
-        m_safe = 0.0 if m_new == -Float32.inf else m_new
-        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        o[r, None].store(o[r, None].load() * correction)
+softmax_no_sum_rescale = mutant(  # the row sum not rescaled
+    kv.online_softmax, "row_sum[r] * correction + p_sum", "row_sum[r] + p_sum")
 
 
-@cute.jit
-def softmax_sums_the_quad(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        row_max[r] = m_new
-        m_safe = 0.0 if m_new == -Float32.inf else m_new
-        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        p_sum = p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        p_sum = p_sum + cute.arch.shuffle_sync_bfly(p_sum, offset=2)
-        p_sum = p_sum + cute.arch.shuffle_sync_bfly(p_sum, offset=1)
-        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] * correction + p_sum
-        o[r, None].store(o[r, None].load() * correction)
+softmax_sums_the_quad = mutant(  # the quad's sum each tile: finalize adds it again
+    kv.online_softmax, "Float32(0.0), 0)", "Float32(0.0), 0)"
+    "; p_sum = p_sum + cute.arch.shuffle_sync_bfly(p_sum, offset=2)"
+    "; p_sum = p_sum + cute.arch.shuffle_sync_bfly(p_sum, offset=1)")
 
 
-@cute.jit
-def softmax_forgets_earlier_max(s, o, row_max, row_sum, scale_log2,
-                                is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
-        m_old = row_max[r]
-        m_new = m_tile  # this tile's max only
-        row_max[r] = m_new
-        m_safe = 0.0 if m_new == -Float32.inf else m_new
-        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        o[r, None].store(o[r, None].load() * correction)
+softmax_forgets_earlier_max = mutant(  # this tile's max only
+    kv.online_softmax, "m_tile if const_expr(is_first) else cute.arch.fmax(m_old, m_tile)",
+    "m_tile")
 
 
-@cute.jit
-def softmax_natural_exp(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
-        m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        row_max[r] = m_new
-        m_safe = 0.0 if m_new == -Float32.inf else m_new
-        p_row = cute.math.exp(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        correction = cute.math.exp((m_old - m_safe) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        o[r, None].store(o[r, None].load() * correction)
+softmax_natural_exp = mutant(kv.online_softmax, "cute.math.exp2(", "cute.math.exp(", 2)  # log2
 
 
 @cute.jit
@@ -358,22 +171,9 @@ def softmax_shuffles_in_a_branch(s, o, row_max, row_sum, scale_log2,
         o[r, None].store(o[r, None].load() * correction)
 
 
-@cute.jit
-def softmax_an_extra_shuffle(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        for offset in (2, 1, 2):  # the third changes nothing for a max, and costs a shuffle
-            m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=offset))
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        row_max[r] = m_new
-        m_safe = 0.0 if m_new == -Float32.inf else m_new
-        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        o[r, None].store(o[r, None].load() * correction)
+softmax_an_extra_shuffle = mutant(  # a third shuffle changes nothing, and costs
+    kv.online_softmax, "offset=1))",
+    "offset=1)); m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))")
 
 
 @cute.jit
@@ -400,14 +200,8 @@ def softmax_not_done(s, o, row_max, row_sum, scale_log2, is_first: cutlass.Const
 
 # ----------------------------------------------------------------------------------------------
 # 04.5: O += P V
-@cute.jit
-def pv_first_slice_never_loaded(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
-    tCrB_copy = smem_copy_B.retile(tCrB)
-    num_k = cute.size(tCrA, mode=[2])
-    for k in cutlass.range_constexpr(num_k):
-        if k + 1 < num_k:
-            cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_copy[None, None, k + 1])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+pv_first_slice_never_loaded = mutant(  # slice 0 of V never loaded
+    fa.gemm_from_regs, "tCsB[None, None, 0], tCrB_copy[None, None, 0]", None)
 
 
 @cute.jit
@@ -418,34 +212,17 @@ def pv_run_time_loop(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, 0], acc)
 
 
-@cute.jit
-def pv_slot_off_by_one(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
-    tCrB_copy = smem_copy_B.retile(tCrB)
-    num_k = cute.size(tCrA, mode=[2])
-    cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_copy[None, None, 0])
-    for k in cutlass.range_constexpr(num_k):
-        if k + 1 < num_k:  # the next slice into this slice's registers, before they are read
-            cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_copy[None, None, k])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+pv_slot_off_by_one = mutant(  # slice k + 1 loaded over slice k before it is read
+    fa.gemm_from_regs, "tCrB_copy[None, None, k + 1]", "tCrB_copy[None, None, k]")
 
 
-@cute.jit
-def pv_loads_one_past_the_end(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
-    tCrB_copy = smem_copy_B.retile(tCrB)
-    num_k = cute.size(tCrA, mode=[2])
-    cute.copy(smem_copy_B, tCsB[None, None, 0], tCrB_copy[None, None, 0])
-    for k in cutlass.range_constexpr(num_k):
-        cute.copy(smem_copy_B, tCsB[None, None, k + 1], tCrB_copy[None, None, k + 1])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+pv_loads_one_past_the_end = mutant(  # the last trip loads a slice that is not there
+    fa.gemm_from_regs, "if const_expr(k + 1 < num_k):", "if const_expr(True):")
 
 
-@cute.jit
-def pv_loads_p(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
-    tCrB_copy = smem_copy_B.retile(tCrB)
-    for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-        cute.copy(smem_copy_B, tCsB[None, None, k], tCrA[None, None, k])
-        cute.copy(smem_copy_B, tCsB[None, None, k], tCrB_copy[None, None, k])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+pv_loads_p = mutant(  # P loaded from shared memory: it is in registers already
+    fa.gemm_from_regs, "cute.gemm(",
+    "cute.copy(smem_copy_B, tCsB[None, None, k], tCrA[None, None, k]); cute.gemm(")
 
 
 @cute.jit
