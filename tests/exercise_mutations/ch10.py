@@ -1,17 +1,12 @@
 """Chapter 10's typical wrong answers: the shared-memory cycles of a step (10.1), the schedule's
 wave efficiency (10.2), the pair primer's MMA warp (10.3) and barrier set-up (10.4) in device
-code. The wrong device code lives here, in a file, as the DSL needs."""
+code, these stated as the reference with one change (``mutant``)."""
 
 import math
 
-import cutlass.cute as cute
-from cutlass.cute.nvgpu import tcgen05
-
 from solutions import ch09_primer as primer
 from solutions import ch10_teaching as T
-from tests.exercise_mutations import Mutation
-
-MMA_WARP = primer.MMA_WARP
+from tests.exercise_mutations import Mutation, mutant
 
 
 # --- 10.1 ---------------------------------------------------------------------------------------
@@ -48,181 +43,38 @@ def efficiency_no_rounds(seqlen, heads, batch, two_cta):
 
 
 # --- 10.3 ---------------------------------------------------------------------------------------
-@cute.jit
-def pair_both_issue(cta_rank, issue_s, issue_pv, mbar_load, mbar_s, mbar_p, mbar_o):
-    cute.arch.mbarrier_wait(mbar_load, 0)
-    issue_s()
-    with cute.arch.elect_one():
-        tcgen05.commit(mbar_s, 0b11, tcgen05.CtaGroup.TWO)
-    cute.arch.mbarrier_wait(mbar_p, 0)
-    issue_pv()
-    with cute.arch.elect_one():
-        tcgen05.commit(mbar_o, 0b11, tcgen05.CtaGroup.TWO)
+PAIR, INIT = primer.pair_mma, primer.init_pair_barriers
 
-
-@cute.jit
-def pair_follower_issues(cta_rank, issue_s, issue_pv, mbar_load, mbar_s, mbar_p, mbar_o):
-    if cta_rank == 1:
-        cute.arch.mbarrier_wait(mbar_load, 0)
-        issue_s()
-        with cute.arch.elect_one():
-            tcgen05.commit(mbar_s, 0b11, tcgen05.CtaGroup.TWO)
-        cute.arch.mbarrier_wait(mbar_p, 0)
-        issue_pv()
-        with cute.arch.elect_one():
-            tcgen05.commit(mbar_o, 0b11, tcgen05.CtaGroup.TWO)
-
-
-@cute.jit
-def pair_commit_no_mask(cta_rank, issue_s, issue_pv, mbar_load, mbar_s, mbar_p, mbar_o):
-    if cta_rank == 0:
-        cute.arch.mbarrier_wait(mbar_load, 0)
-        issue_s()
-        with cute.arch.elect_one():
-            tcgen05.commit(mbar_s, None, tcgen05.CtaGroup.TWO)
-        cute.arch.mbarrier_wait(mbar_p, 0)
-        issue_pv()
-        with cute.arch.elect_one():
-            tcgen05.commit(mbar_o, None, tcgen05.CtaGroup.TWO)
-
-
-@cute.jit
-def pair_commit_group_one(cta_rank, issue_s, issue_pv, mbar_load, mbar_s, mbar_p, mbar_o):
-    if cta_rank == 0:
-        cute.arch.mbarrier_wait(mbar_load, 0)
-        issue_s()
-        with cute.arch.elect_one():
-            tcgen05.commit(mbar_s, 0b11)
-        cute.arch.mbarrier_wait(mbar_p, 0)
-        issue_pv()
-        with cute.arch.elect_one():
-            tcgen05.commit(mbar_o, 0b11)
-
-
-@cute.jit
-def pair_no_wait_for_p(cta_rank, issue_s, issue_pv, mbar_load, mbar_s, mbar_p, mbar_o):
-    if cta_rank == 0:
-        cute.arch.mbarrier_wait(mbar_load, 0)
-        issue_s()
-        with cute.arch.elect_one():
-            tcgen05.commit(mbar_s, 0b11, tcgen05.CtaGroup.TWO)
-        issue_pv()
-        with cute.arch.elect_one():
-            tcgen05.commit(mbar_o, 0b11, tcgen05.CtaGroup.TWO)
-
-
-@cute.jit
-def pair_no_wait_for_loads(cta_rank, issue_s, issue_pv, mbar_load, mbar_s, mbar_p, mbar_o):
-    if cta_rank == 0:
-        issue_s()
-        with cute.arch.elect_one():
-            tcgen05.commit(mbar_s, 0b11, tcgen05.CtaGroup.TWO)
-        cute.arch.mbarrier_wait(mbar_p, 0)
-        issue_pv()
-        with cute.arch.elect_one():
-            tcgen05.commit(mbar_o, 0b11, tcgen05.CtaGroup.TWO)
-
-
-@cute.jit
-def pair_whole_warp_commits(cta_rank, issue_s, issue_pv, mbar_load, mbar_s, mbar_p, mbar_o):
-    if cta_rank == 0:
-        cute.arch.mbarrier_wait(mbar_load, 0)
-        issue_s()
-        tcgen05.commit(mbar_s, 0b11, tcgen05.CtaGroup.TWO)
-        cute.arch.mbarrier_wait(mbar_p, 0)
-        issue_pv()
-        tcgen05.commit(mbar_o, 0b11, tcgen05.CtaGroup.TWO)
+pair_both_issue = mutant(PAIR, "if cta_rank == LEADER:", "if True:")  # both CTAs issue
+pair_follower_issues = mutant(PAIR, "cta_rank == LEADER", "cta_rank == 1")  # the wrong CTA
+pair_commit_no_mask = mutant(PAIR, "PAIR_MASK", "None", 2)  # commits to the leader alone
+pair_commit_group_one = mutant(PAIR, ", tcgen05.CtaGroup.TWO)", ")", 2)  # cta_group::1 commits
+pair_no_wait_for_p = mutant(PAIR, "mbarrier_wait(mbar_p, 0)", None)  # P V before P is written
+pair_no_wait_for_loads = mutant(PAIR, "mbarrier_wait(mbar_load, 0)", None)  # S before Q, K land
+pair_whole_warp_commits = mutant(  # 32 lanes commit, 32 arrivals
+    PAIR, "with cute.arch.elect_one():", "if True:", 2)
 
 
 # --- 10.4 ---------------------------------------------------------------------------------------
-@cute.jit
-def init_p_counts_one_cta(mbar_load, mbar_s, mbar_p, mbar_o, warp):
-    if warp == MMA_WARP:
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_init(mbar_load, 1)
-            cute.arch.mbarrier_init(mbar_s, 1)
-            cute.arch.mbarrier_init(mbar_p, 128)
-            cute.arch.mbarrier_init(mbar_o, 1)
-        cute.arch.mbarrier_init_fence()
-    cute.arch.cluster_arrive_relaxed()
-    cute.arch.cluster_wait()
-
-
-@cute.jit
-def init_s_counts_two_commits(mbar_load, mbar_s, mbar_p, mbar_o, warp):
-    if warp == MMA_WARP:
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_init(mbar_load, 1)
-            cute.arch.mbarrier_init(mbar_s, 2)
-            cute.arch.mbarrier_init(mbar_p, 256)
-            cute.arch.mbarrier_init(mbar_o, 2)
-        cute.arch.mbarrier_init_fence()
-    cute.arch.cluster_arrive_relaxed()
-    cute.arch.cluster_wait()
-
-
-@cute.jit
-def init_load_counts_both_ctas(mbar_load, mbar_s, mbar_p, mbar_o, warp):
-    if warp == MMA_WARP:
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_init(mbar_load, 2)
-            cute.arch.mbarrier_init(mbar_s, 1)
-            cute.arch.mbarrier_init(mbar_p, 256)
-            cute.arch.mbarrier_init(mbar_o, 1)
-        cute.arch.mbarrier_init_fence()
-    cute.arch.cluster_arrive_relaxed()
-    cute.arch.cluster_wait()
-
-
-@cute.jit
-def init_with_cta_barrier(mbar_load, mbar_s, mbar_p, mbar_o, warp):
-    if warp == MMA_WARP:
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_init(mbar_load, 1)
-            cute.arch.mbarrier_init(mbar_s, 1)
-            cute.arch.mbarrier_init(mbar_p, 256)
-            cute.arch.mbarrier_init(mbar_o, 1)
-        cute.arch.mbarrier_init_fence()
-    cute.arch.barrier()
-
-
-@cute.jit
-def init_cluster_barrier_in_one_warp(mbar_load, mbar_s, mbar_p, mbar_o, warp):
-    if warp == MMA_WARP:
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_init(mbar_load, 1)
-            cute.arch.mbarrier_init(mbar_s, 1)
-            cute.arch.mbarrier_init(mbar_p, 256)
-            cute.arch.mbarrier_init(mbar_o, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.cluster_arrive_relaxed()
-        cute.arch.cluster_wait()
-
-
-@cute.jit
-def init_without_fence(mbar_load, mbar_s, mbar_p, mbar_o, warp):
-    if warp == MMA_WARP:
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_init(mbar_load, 1)
-            cute.arch.mbarrier_init(mbar_s, 1)
-            cute.arch.mbarrier_init(mbar_p, 256)
-            cute.arch.mbarrier_init(mbar_o, 1)
-    cute.arch.cluster_arrive_relaxed()
-    cute.arch.cluster_wait()
-
-
-@cute.jit
-def init_fence_after_arrive(mbar_load, mbar_s, mbar_p, mbar_o, warp):
-    if warp == MMA_WARP:
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_init(mbar_load, 1)
-            cute.arch.mbarrier_init(mbar_s, 1)
-            cute.arch.mbarrier_init(mbar_p, 256)
-            cute.arch.mbarrier_init(mbar_o, 1)
-    cute.arch.cluster_arrive_relaxed()
-    if warp == MMA_WARP:
-        cute.arch.mbarrier_init_fence()
-    cute.arch.cluster_wait()
+init_p_counts_one_cta = mutant(  # the follower's softmax threads not counted
+    INIT, "mbarrier_init(mbar_p, PAIR * TILE)", "mbarrier_init(mbar_p, TILE)")
+init_s_counts_two_commits = mutant(  # a multicast commit counted as two
+    INIT, "mbarrier_init(mbar_s, 1)", "mbarrier_init(mbar_s, 2)",
+    also=[("mbarrier_init(mbar_o, 1)", "mbarrier_init(mbar_o, 2)")])
+init_load_counts_both_ctas = mutant(  # two arrivals where the leader's expect_tx is the one
+    INIT, "mbarrier_init(mbar_load, 1)", "mbarrier_init(mbar_load, 2)")
+init_with_cta_barrier = mutant(  # the CTA's barrier where the pair's is needed
+    INIT, "cluster_arrive_relaxed()", None, also=[("cluster_wait()", "barrier()")])
+init_cluster_barrier_in_one_warp = mutant(  # only the MMA warp meets the cluster barrier
+    INIT, "cluster_arrive_relaxed()", None, also=[
+        ("cluster_wait()", None),
+        ("mbarrier_init_fence()", "mbarrier_init_fence(); cute.arch.cluster_arrive_relaxed(); "
+         "cute.arch.cluster_wait()")])
+init_without_fence = mutant(INIT, "mbarrier_init_fence()", None)  # inits not made visible
+init_fence_after_arrive = mutant(  # fenced after the arrive that should publish the inits
+    INIT, "mbarrier_init_fence()", None, also=[
+        ("cluster_arrive_relaxed()",
+         "cluster_arrive_relaxed()\n    if warp == MMA_WARP: cute.arch.mbarrier_init_fence()")])
 
 
 def _m10_3(answer, says):
