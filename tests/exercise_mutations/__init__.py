@@ -7,6 +7,7 @@ states just that change, so a table entry reads as the mistake it plants."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
 import os
@@ -36,11 +37,24 @@ def _replace(source: str, old: str, new: str | None, count: int, where: str) -> 
     found = source.count(old)
     if found != count:
         raise ValueError(f"mutant of {where}: {old!r} stands {found} time(s) in its source, not "
-                         f"{count}: the reference changed; restate this mutation")
+                         f"{count}: restate this mutation against the reference as it is now")
     if new is not None:
         return source.replace(old, new)
     lines = source.splitlines(keepends=True)
     return "".join(line for line in lines if old not in line)
+
+
+def _source(fn) -> str:
+    """``fn``'s definition, decorators included, read from its module's file: not through its
+    code object, which CuTe DSL replaces with its preprocessed one (whose first line is the
+    ``def``, so ``inspect.getsource`` would lose ``@cute.jit``) once the function has run."""
+    text = Path(sys.modules[fn.__module__].__file__).read_text()
+    body = ast.parse(text).body
+    for part in fn.__qualname__.split("."):
+        node = next(n for n in body if getattr(n, "name", None) == part)
+        body = node.body
+    start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+    return textwrap.dedent("".join(text.splitlines(keepends=True)[start - 1:node.end_lineno]))
 
 
 def mutant(reference, old: str, new: str | None, count: int = 1, *,
@@ -54,7 +68,7 @@ def mutant(reference, old: str, new: str | None, count: int = 1, *,
     run in a copy of the reference module's globals, so it sees the same names and helpers."""
     raw = inspect.unwrap(reference)
     where = f"{raw.__module__}.{raw.__qualname__}"
-    source = textwrap.dedent(inspect.getsource(raw))
+    source = _source(raw)
     for o, n, *c in ((old, new, count), *also):
         source = _replace(source, o, n, c[0] if c else 1, where)
     digest = hashlib.sha1(f"{where}\n{source}".encode()).hexdigest()[:12]

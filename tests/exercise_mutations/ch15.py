@@ -6,74 +6,27 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from solutions import ch15_decoding as t15
-from tests.exercise_mutations import Mutation
+from tests.exercise_mutations import Mutation, mutant
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
 # --- 15.1 the combine of one row ----------------------------------------------------------------
-@cute.jit
-def combine_nan_when_no_split_saw(lse_p, out_p, w, out) -> Float32:
-    n = cute.size(lse_p)
-    m = -Float32.inf
-    for s in cutlass.range(n):
-        m = cute.arch.fmax(m, lse_p[s])
-    total = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = cute.math.exp2((lse_p[s] - m) * Float32(LOG2_E), fastmath=True)
-        total = total + w[s]
-    inv = cute.arch.rcp_approx(total)
-    for i in cutlass.range_constexpr(cute.size(out)):
-        out[i] = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = w[s] * inv
-        if w[s] > Float32(0.0):
-            for i in cutlass.range_constexpr(cute.size(out)):
-                out[i] = out[i] + w[s] * out_p[s, i]
-    return m + cute.math.log2(total, fastmath=True) * Float32(LN_2)
+combine_nan_when_no_split_saw = mutant(  # -inf - (-inf) when no split saw the row
+    t15.combine_row, "Float32(0.0) if m == -Float32.inf else m", "m")
 
 
-@cute.jit
-def combine_reads_every_split(lse_p, out_p, w, out) -> Float32:
-    n = cute.size(lse_p)
-    m = -Float32.inf
-    for s in cutlass.range(n):
-        m = cute.arch.fmax(m, lse_p[s])
-    m_safe = Float32(0.0) if m == -Float32.inf else m
-    total = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = cute.math.exp2((lse_p[s] - m_safe) * Float32(LOG2_E), fastmath=True)
-        total = total + w[s]
-    inv = Float32(0.0) if total == Float32(0.0) else cute.arch.rcp_approx(total)
-    for i in cutlass.range_constexpr(cute.size(out)):
-        out[i] = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = w[s] * inv
-        for i in cutlass.range_constexpr(cute.size(out)):
-            out[i] = out[i] + w[s] * out_p[s, i]
-    return m_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)
+combine_reads_every_split = mutant(  # reads the partials of empty splits
+    t15.combine_row, "if w[s] > Float32(0.0):", "if True:")
 
 
-@cute.jit
-def combine_without_the_max(lse_p, out_p, w, out) -> Float32:
-    n = cute.size(lse_p)
-    total = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = cute.math.exp2(lse_p[s] * Float32(LOG2_E), fastmath=True)
-        total = total + w[s]
-    inv = Float32(0.0) if total == Float32(0.0) else cute.arch.rcp_approx(total)
-    for i in cutlass.range_constexpr(cute.size(out)):
-        out[i] = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = w[s] * inv
-        if w[s] > Float32(0.0):
-            for i in cutlass.range_constexpr(cute.size(out)):
-                out[i] = out[i] + w[s] * out_p[s, i]
-    return cute.math.log2(total, fastmath=True) * Float32(LN_2)
+combine_without_the_max = mutant(  # exp(lse) without subtracting the max
+    t15.combine_row, "(lse_p[s] - m_safe) * Float32(LOG2_E)", "lse_p[s] * Float32(LOG2_E)",
+    also=[("return m_safe + ", "return ")])
 
 
 @cute.jit
@@ -99,69 +52,15 @@ def combine_empty_split_weight_one(lse_p, out_p, w, out) -> Float32:
     return m_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)
 
 
-@cute.jit
-def combine_unnormalised_weights(lse_p, out_p, w, out) -> Float32:
-    n = cute.size(lse_p)
-    m = -Float32.inf
-    for s in cutlass.range(n):
-        m = cute.arch.fmax(m, lse_p[s])
-    m_safe = Float32(0.0) if m == -Float32.inf else m
-    total = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = cute.math.exp2((lse_p[s] - m_safe) * Float32(LOG2_E), fastmath=True)
-        total = total + w[s]
-    inv = Float32(0.0) if total == Float32(0.0) else cute.arch.rcp_approx(total)
-    for i in cutlass.range_constexpr(cute.size(out)):
-        out[i] = Float32(0.0)
-    for s in cutlass.range(n):
-        if w[s] > Float32(0.0):
-            for i in cutlass.range_constexpr(cute.size(out)):
-                out[i] = out[i] + w[s] * out_p[s, i]
-    for i in cutlass.range_constexpr(cute.size(out)):
-        out[i] = out[i] * inv
-    return m_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)
+combine_unnormalised_weights = mutant(t15.combine_row, "w[s] = w[s] * inv", None)  # w: no / sum
 
 
-@cute.jit
-def combine_lse_in_log2(lse_p, out_p, w, out) -> Float32:
-    n = cute.size(lse_p)
-    m = -Float32.inf
-    for s in cutlass.range(n):
-        m = cute.arch.fmax(m, lse_p[s])
-    m_safe = Float32(0.0) if m == -Float32.inf else m
-    total = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = cute.math.exp2((lse_p[s] - m_safe) * Float32(LOG2_E), fastmath=True)
-        total = total + w[s]
-    inv = Float32(0.0) if total == Float32(0.0) else cute.arch.rcp_approx(total)
-    for i in cutlass.range_constexpr(cute.size(out)):
-        out[i] = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = w[s] * inv
-        if w[s] > Float32(0.0):
-            for i in cutlass.range_constexpr(cute.size(out)):
-                out[i] = out[i] + w[s] * out_p[s, i]
-    return m_safe * Float32(LOG2_E) + cute.math.log2(total, fastmath=True)
+combine_lse_in_log2 = mutant(  # the lse returned in log2 units
+    t15.combine_row, "m_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)",
+    "m_safe * Float32(LOG2_E) + cute.math.log2(total, fastmath=True)")
 
 
-@cute.jit
-def combine_out_not_zeroed(lse_p, out_p, w, out) -> Float32:
-    n = cute.size(lse_p)
-    m = -Float32.inf
-    for s in cutlass.range(n):
-        m = cute.arch.fmax(m, lse_p[s])
-    m_safe = Float32(0.0) if m == -Float32.inf else m
-    total = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = cute.math.exp2((lse_p[s] - m_safe) * Float32(LOG2_E), fastmath=True)
-        total = total + w[s]
-    inv = Float32(0.0) if total == Float32(0.0) else cute.arch.rcp_approx(total)
-    for s in cutlass.range(n):
-        w[s] = w[s] * inv
-        if w[s] > Float32(0.0):
-            for i in cutlass.range_constexpr(cute.size(out)):
-                out[i] = out[i] + w[s] * out_p[s, i]
-    return m_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)
+combine_out_not_zeroed = mutant(t15.combine_row, "out[i] = Float32(0.0)", "pass")  # not zeroed
 
 
 @cute.jit
@@ -193,86 +92,27 @@ def combine_calls_the_reference(lse_p, out_p, w, out) -> Float32:
 
 
 # --- 15.2 one row of a key tile from a paged cache ---------------------------------------------
-@cute.jit
-def gather_slot_as_page(mK, page_table, b: Int32, h: Int32, n: Int32, i: Int32, seqlen: Int32,
-                        sK):
-    tile_n = cute.size(sK, mode=[0])
-    page_size = cute.size(mK, mode=[1])
-    j = n * tile_n + i
-    if j < seqlen:
-        for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
-            sK[i, d] = mK[j // page_size, j % page_size, h, d]
-    else:
-        for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
-            sK[i, d] = sK.element_type(0)
+gather_slot_as_page = mutant(  # the page-table slot taken for the page
+    t15.gather_key_row, "page = page_table[b, j // page_size]", "page = j // page_size")
 
 
-@cute.jit
-def gather_reads_past_the_sequence(mK, page_table, b: Int32, h: Int32, n: Int32, i: Int32,
-                                   seqlen: Int32, sK):
-    tile_n = cute.size(sK, mode=[0])
-    page_size = cute.size(mK, mode=[1])
-    j = n * tile_n + i
-    page = page_table[b, j // page_size]
-    for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
-        sK[i, d] = mK[page, j % page_size, h, d]
+gather_reads_past_the_sequence = mutant(  # no bound: reads past the sequence
+    t15.gather_key_row, "if j < seqlen:", "if True:")
 
 
-@cute.jit
-def gather_page_per_tile(mK, page_table, b: Int32, h: Int32, n: Int32, i: Int32,
-                         seqlen: Int32, sK):
-    tile_n = cute.size(sK, mode=[0])
-    page_size = cute.size(mK, mode=[1])
-    j = n * tile_n + i
-    if j < seqlen:
-        page = page_table[b, n]
-        for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
-            sK[i, d] = mK[page, j % page_size, h, d]
-    else:
-        for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
-            sK[i, d] = sK.element_type(0)
+gather_page_per_tile = mutant(  # the page looked up by the key tile
+    t15.gather_key_row, "page = page_table[b, j // page_size]", "page = page_table[b, n]")
 
 
-@cute.jit
-def gather_row_in_tile(mK, page_table, b: Int32, h: Int32, n: Int32, i: Int32, seqlen: Int32,
-                       sK):
-    tile_n = cute.size(sK, mode=[0])
-    page_size = cute.size(mK, mode=[1])
-    j = n * tile_n + i
-    if j < seqlen:
-        page = page_table[b, j // page_size]
-        for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
-            sK[i, d] = mK[page, i, h, d]
-    else:
-        for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
-            sK[i, d] = sK.element_type(0)
+gather_row_in_tile = mutant(t15.gather_key_row, "row = j % page_size", "row = i")  # the tile's row
 
 
-@cute.jit
-def gather_leaves_the_tail(mK, page_table, b: Int32, h: Int32, n: Int32, i: Int32,
-                           seqlen: Int32, sK):
-    tile_n = cute.size(sK, mode=[0])
-    page_size = cute.size(mK, mode=[1])
-    j = n * tile_n + i
-    if j < seqlen:
-        page = page_table[b, j // page_size]
-        for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
-            sK[i, d] = mK[page, j % page_size, h, d]
+gather_leaves_the_tail = mutant(  # keys past seqlen left as they were
+    t15.gather_key_row, "sK[i, d] = sK.element_type(0)", "pass")
 
 
-@cute.jit
-def gather_wrong_head(mK, page_table, b: Int32, h: Int32, n: Int32, i: Int32, seqlen: Int32,
-                      sK):
-    tile_n = cute.size(sK, mode=[0])
-    page_size = cute.size(mK, mode=[1])
-    j = n * tile_n + i
-    if j < seqlen:
-        page = page_table[b, j // page_size]
-        for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
-            sK[i, d] = mK[page, j % page_size, 0, d]
-    else:
-        for d in cutlass.range_constexpr(cute.size(sK, mode=[1])):
-            sK[i, d] = sK.element_type(0)
+gather_wrong_head = mutant(  # always KV head 0
+    t15.gather_key_row, "mK[page, row, h, d]", "mK[page, row, 0, d]")
 
 
 ARGS_1 = dict(reference=t15.combine_row, forbid=t15.FORBID_COMBINE)
@@ -319,17 +159,8 @@ def _launch(engine):
     engine.decode(engine.q, engine.page_table, engine.seqused_k, engine.out)
 
 
-def serve_without_warm_up(engine, steps):
-    _copy_in(engine, steps[0])
-    graph = t15.Graph()
-    with engine.capture(graph):
-        _launch(engine)
-    outs = []
-    for step in steps:
-        _copy_in(engine, step)
-        graph.replay()
-        outs.append(engine.out.clone())
-    return outs
+serve_without_warm_up = mutant(  # the first launch (a compile) inside the capture
+    t15.serve_graph, "engine.out)  # compile + warm up", None)
 
 
 def serve_with_the_first_tensors(engine, steps):
@@ -359,18 +190,8 @@ def serve_capturing_every_step(engine, steps):
     return outs
 
 
-def serve_keeping_out_itself(engine, steps):
-    _copy_in(engine, steps[0])
-    _launch(engine)
-    graph = t15.Graph()
-    with engine.capture(graph):
-        _launch(engine)
-    outs = []
-    for step in steps:
-        _copy_in(engine, step)
-        graph.replay()
-        outs.append(engine.out)
-    return outs
+serve_keeping_out_itself = mutant(  # every step's out is the one buffer
+    t15.serve_graph, "outs.append(engine.out.clone())", "outs.append(engine.out)")
 
 
 def serve_with_new_buffers(engine, steps):
