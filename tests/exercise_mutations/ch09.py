@@ -1,16 +1,16 @@
 """Chapter 09's typical wrong answers: the TMEM column plan (09.1), the lane quarters (09.2),
 the primer's MMA issue (09.3) and softmax warpgroup (09.4) in device code, the arrivals of
-s[i]'s EMPTY barrier (09.5). The wrong device code lives here, in a file, as the DSL needs."""
+s[i]'s EMPTY barrier (09.5). Most device-code ones are the reference with one change
+(``mutant``)."""
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
 from cutlass.cute.nvgpu import tcgen05
 
 from fa4_final.blackwell.softmax import RowSoftmax
 from solutions import ch09_primer as primer
 from solutions import ch09_teaching as T
-from tests.exercise_mutations import Mutation
+from tests.exercise_mutations import Mutation, mutant
 
 
 # --- 09.1 ---------------------------------------------------------------------------------------
@@ -47,22 +47,12 @@ def warps_by_warpgroup(rows):
 
 
 # --- 09.3 ---------------------------------------------------------------------------------------
-@cute.jit
-def issue_always_accumulates(mma_qk, tStS, tSrQ, tSrK, mbar_s):
-    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-        mma_qk.set(tcgen05.Field.ACCUMULATE, True)
-        cute.gemm(mma_qk, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
-    with cute.arch.elect_one():
-        tcgen05.commit(mbar_s)
+ISSUE, SOFTMAX = primer.issue_qk, primer.softmax_to_p
+
+issue_always_accumulates = mutant(ISSUE, "k != 0)", "True)")  # adds onto the last tile's S
 
 
-@cute.jit
-def issue_never_accumulates(mma_qk, tStS, tSrQ, tSrK, mbar_s):
-    mma_qk.set(tcgen05.Field.ACCUMULATE, False)
-    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-        cute.gemm(mma_qk, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
-    with cute.arch.elect_one():
-        tcgen05.commit(mbar_s)
+issue_never_accumulates = mutant(ISSUE, "k != 0)", "False)")  # each block overwrites S
 
 
 @cute.jit
@@ -83,203 +73,49 @@ def issue_commits_first(mma_qk, tStS, tSrQ, tSrK, mbar_s):
         cute.gemm(mma_qk, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
 
 
-@cute.jit
-def issue_whole_warp_commits(mma_qk, tStS, tSrQ, tSrK, mbar_s):
-    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-        mma_qk.set(tcgen05.Field.ACCUMULATE, k != 0)
-        cute.gemm(mma_qk, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
-    tcgen05.commit(mbar_s)
+issue_whole_warp_commits = mutant(  # 32 lanes commit
+    ISSUE, "with cute.arch.elect_one():", "if True:")
 
 
-@cute.jit
-def issue_one_block_of_k(mma_qk, tStS, tSrQ, tSrK, mbar_s):
-    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-        mma_qk.set(tcgen05.Field.ACCUMULATE, k != 0)
-        cute.gemm(mma_qk, tStS, tSrQ[None, None, k], tSrK[None, None, 0], tStS)
-    with cute.arch.elect_one():
-        tcgen05.commit(mbar_s)
+issue_one_block_of_k = mutant(  # K's first 16 columns with every block of Q
+    ISSUE, "tSrK[None, None, k]", "tSrK[None, None, 0]")
 
 
 # --- 09.4 ---------------------------------------------------------------------------------------
-@cute.jit
-def softmax_no_wait(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p, scale_log2):
-    cute.copy(load_s, tStS, rS)
-    row_max = -Float32.inf
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        row_max = cute.arch.fmax(row_max, rS[c])
-    max_scaled = row_max * scale_log2
-    row_sum = Float32(0.0)
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
-        row_sum += p
-        rS[c] = p
-    rP.store(rS.load().to(rP.element_type))
-    cute.copy(store_p, rP32, tPtP)
-    cute.arch.fence_view_async_tmem_store()
-    cute.arch.mbarrier_arrive(mbar_p)
-    return max_scaled, row_sum
+softmax_no_wait = mutant(SOFTMAX, "mbarrier_wait(mbar_s, 0)", None)  # reads S unready
 
 
-@cute.jit
-def softmax_wrong_parity(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
-                         scale_log2):
-    cute.arch.mbarrier_wait(mbar_s, 1)
-    cute.copy(load_s, tStS, rS)
-    row_max = -Float32.inf
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        row_max = cute.arch.fmax(row_max, rS[c])
-    max_scaled = row_max * scale_log2
-    row_sum = Float32(0.0)
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
-        row_sum += p
-        rS[c] = p
-    rP.store(rS.load().to(rP.element_type))
-    cute.copy(store_p, rP32, tPtP)
-    cute.arch.fence_view_async_tmem_store()
-    cute.arch.mbarrier_arrive(mbar_p)
-    return max_scaled, row_sum
+softmax_wrong_parity = mutant(  # the first phase has parity 0
+    SOFTMAX, "mbarrier_wait(mbar_s, 0)", "mbarrier_wait(mbar_s, 1)")
 
 
-@cute.jit
-def softmax_arrives_before_fence(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
-                                 scale_log2):
-    cute.arch.mbarrier_wait(mbar_s, 0)
-    cute.copy(load_s, tStS, rS)
-    row_max = -Float32.inf
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        row_max = cute.arch.fmax(row_max, rS[c])
-    max_scaled = row_max * scale_log2
-    row_sum = Float32(0.0)
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
-        row_sum += p
-        rS[c] = p
-    rP.store(rS.load().to(rP.element_type))
-    cute.copy(store_p, rP32, tPtP)
-    cute.arch.mbarrier_arrive(mbar_p)
-    cute.arch.fence_view_async_tmem_store()
-    return max_scaled, row_sum
+softmax_arrives_before_fence = mutant(  # arrives before P's stores are waited for
+    SOFTMAX, "fence_view_async_tmem_store()", None, also=[
+        ("cute.arch.mbarrier_arrive(mbar_p)",
+         "cute.arch.mbarrier_arrive(mbar_p); cute.arch.fence_view_async_tmem_store()")])
 
 
-@cute.jit
-def softmax_no_fence(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p, scale_log2):
-    cute.arch.mbarrier_wait(mbar_s, 0)
-    cute.copy(load_s, tStS, rS)
-    row_max = -Float32.inf
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        row_max = cute.arch.fmax(row_max, rS[c])
-    max_scaled = row_max * scale_log2
-    row_sum = Float32(0.0)
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
-        row_sum += p
-        rS[c] = p
-    rP.store(rS.load().to(rP.element_type))
-    cute.copy(store_p, rP32, tPtP)
-    cute.arch.mbarrier_arrive(mbar_p)
-    return max_scaled, row_sum
+softmax_no_fence = mutant(SOFTMAX, "fence_view_async_tmem_store()", None)  # no wait::st
 
 
-@cute.jit
-def softmax_without_max(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
-                        scale_log2):
-    cute.arch.mbarrier_wait(mbar_s, 0)
-    cute.copy(load_s, tStS, rS)
-    row_sum = Float32(0.0)
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        p = cute.math.exp2(rS[c] * scale_log2, fastmath=True)
-        row_sum += p
-        rS[c] = p
-    rP.store(rS.load().to(rP.element_type))
-    cute.copy(store_p, rP32, tPtP)
-    cute.arch.fence_view_async_tmem_store()
-    cute.arch.mbarrier_arrive(mbar_p)
-    return Float32(0.0), row_sum
+softmax_without_max = mutant(  # exp2 of the raw scores
+    SOFTMAX, "max_scaled = row_max * scale_log2", "max_scaled = Float32(0.0)")
 
 
-@cute.jit
-def softmax_natural_exp(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
-                        scale_log2):
-    cute.arch.mbarrier_wait(mbar_s, 0)
-    cute.copy(load_s, tStS, rS)
-    row_max = -Float32.inf
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        row_max = cute.arch.fmax(row_max, rS[c])
-    max_scaled = row_max * scale_log2
-    row_sum = Float32(0.0)
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        p = cute.math.exp(rS[c] * scale_log2 - max_scaled, fastmath=True)
-        row_sum += p
-        rS[c] = p
-    rP.store(rS.load().to(rP.element_type))
-    cute.copy(store_p, rP32, tPtP)
-    cute.arch.fence_view_async_tmem_store()
-    cute.arch.mbarrier_arrive(mbar_p)
-    return max_scaled, row_sum
+softmax_natural_exp = mutant(SOFTMAX, "cute.math.exp2(", "cute.math.exp(")  # scale is log2
 
 
-@cute.jit
-def softmax_elected_arrive(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
-                           scale_log2):
-    cute.arch.mbarrier_wait(mbar_s, 0)
-    cute.copy(load_s, tStS, rS)
-    row_max = -Float32.inf
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        row_max = cute.arch.fmax(row_max, rS[c])
-    max_scaled = row_max * scale_log2
-    row_sum = Float32(0.0)
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
-        row_sum += p
-        rS[c] = p
-    rP.store(rS.load().to(rP.element_type))
-    cute.copy(store_p, rP32, tPtP)
-    cute.arch.fence_view_async_tmem_store()
-    with cute.arch.elect_one():
-        cute.arch.mbarrier_arrive(mbar_p)
-    return max_scaled, row_sum
+softmax_elected_arrive = mutant(  # one arrival per warp, not per thread
+    SOFTMAX, "cute.arch.mbarrier_arrive(mbar_p)",
+    "with cute.arch.elect_one(): cute.arch.mbarrier_arrive(mbar_p)")
 
 
-@cute.jit
-def softmax_arrives_on_s(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p,
-                         scale_log2):
-    cute.arch.mbarrier_wait(mbar_s, 0)
-    cute.copy(load_s, tStS, rS)
-    row_max = -Float32.inf
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        row_max = cute.arch.fmax(row_max, rS[c])
-    max_scaled = row_max * scale_log2
-    row_sum = Float32(0.0)
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
-        row_sum += p
-        rS[c] = p
-    rP.store(rS.load().to(rP.element_type))
-    cute.copy(store_p, rP32, tPtP)
-    cute.arch.fence_view_async_tmem_store()
-    cute.arch.mbarrier_arrive(mbar_s)
-    return max_scaled, row_sum
+softmax_arrives_on_s = mutant(  # the wrong barrier
+    SOFTMAX, "mbarrier_arrive(mbar_p)", "mbarrier_arrive(mbar_s)")
 
 
-@cute.jit
-def softmax_fp16_p(load_s, tStS, rS, store_p, tPtP, rP32, rP, mbar_s, mbar_p, scale_log2):
-    cute.arch.mbarrier_wait(mbar_s, 0)
-    cute.copy(load_s, tStS, rS)
-    row_max = -Float32.inf
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        row_max = cute.arch.fmax(row_max, rS[c])
-    max_scaled = row_max * scale_log2
-    row_sum = Float32(0.0)
-    for c in cutlass.range_constexpr(cute.size(rS)):
-        p = cute.math.exp2(rS[c] * scale_log2 - max_scaled, fastmath=True)
-        row_sum += p
-        rS[c] = p
-    rP.store(rS.load().to(cutlass.Float16))
-    cute.copy(store_p, rP32, tPtP)
-    cute.arch.fence_view_async_tmem_store()
-    cute.arch.mbarrier_arrive(mbar_p)
-    return max_scaled, row_sum
+softmax_fp16_p = mutant(  # P converted to fp16, not to rP's type
+    SOFTMAX, ".to(rP.element_type)", ".to(cutlass.Float16)")
 
 
 @cute.jit
