@@ -1,6 +1,6 @@
 """Chapter 07's exercises: typical wrong answers, each with the words its checker must say.
-The device-code ones (07.2, 07.3) are @cute.jit functions: the DSL reads their source from this
-file."""
+The device-code ones (07.2, 07.3) are @cute.jit functions, most of them the reference with one
+change (``mutant``)."""
 
 import cutlass
 import cutlass.cute as cute
@@ -8,20 +8,13 @@ import torch
 from cutlass import Float32
 
 from solutions import ch07_rescaling as ch07
-from tests.exercise_mutations import Mutation
-
+from tests.exercise_mutations import Mutation, mutant
 
 # --- 07.2 the decision and the vote -----------------------------------------------------------
-@cute.jit
-def running_max_no_vote(row_max, tile_max, tau: cutlass.Constexpr):
-    m_used = cute.make_rmem_tensor(cute.size(row_max), Float32)
-    moved = cutlass.Boolean(False)
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        m_new = cute.arch.fmax(row_max[r], tile_max[r])
-        grew = m_new - row_max[r] > Float32(tau)
-        m_used[r] = m_new if grew else row_max[r]
-        moved = moved | grew
-    return m_used, moved
+RM, STEP = ch07.running_max, ch07.softmax_step
+MAX_SAFE = "m_safe = Float32(0.0) if m_used[r] == -Float32.inf else m_used[r]"
+
+running_max_no_vote = mutant(RM, "cute.arch.vote_any_sync(moved)", "moved")  # each lane alone
 
 
 @cute.jit
@@ -37,51 +30,20 @@ def running_max_vote_moves_every_row(row_max, tile_max, tau: cutlass.Constexpr):
     return m_used, vote
 
 
-@cute.jit
-def running_max_exactly_tau_moves(row_max, tile_max, tau: cutlass.Constexpr):
-    m_used = cute.make_rmem_tensor(cute.size(row_max), Float32)
-    moved = cutlass.Boolean(False)
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        m_new = cute.arch.fmax(row_max[r], tile_max[r])
-        grew = m_new - row_max[r] >= Float32(tau)
-        m_used[r] = m_new if grew else row_max[r]
-        moved = moved | grew
-    return m_used, cute.arch.vote_any_sync(moved)
+running_max_exactly_tau_moves = mutant(RM, "> Float32(tau)", ">= Float32(tau)")  # tau moves
 
 
-@cute.jit
-def running_max_votes_last_row(row_max, tile_max, tau: cutlass.Constexpr):
-    m_used = cute.make_rmem_tensor(cute.size(row_max), Float32)
-    moved = cutlass.Boolean(False)
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        m_new = cute.arch.fmax(row_max[r], tile_max[r])
-        grew = m_new - row_max[r] > Float32(tau)
-        m_used[r] = m_new if grew else row_max[r]
-        moved = grew
-    return m_used, cute.arch.vote_any_sync(moved)
+running_max_votes_last_row = mutant(RM, "moved = moved | grew", "moved = grew")  # last row
 
 
-@cute.jit
-def running_max_adds_growth(row_max, tile_max, tau: cutlass.Constexpr):
-    m_used = cute.make_rmem_tensor(cute.size(row_max), Float32)
-    moved = cutlass.Boolean(False)
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        growth = cute.arch.fmax(row_max[r], tile_max[r]) - row_max[r]
-        grew = growth > Float32(tau)
-        m_used[r] = row_max[r] + (growth if grew else Float32(0.0))
-        moved = moved | grew
-    return m_used, cute.arch.vote_any_sync(moved)
+running_max_adds_growth = mutant(  # the growth added: -inf + inf at a row's first key
+    RM, "m_used[r] = m_new if grew else row_max[r]",
+    "m_used[r] = row_max[r] + ((m_new - row_max[r]) if grew else Float32(0.0))")
 
 
-@cute.jit
-def running_max_in_place(row_max, tile_max, tau: cutlass.Constexpr):
-    moved = cutlass.Boolean(False)
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        m_new = cute.arch.fmax(row_max[r], tile_max[r])
-        grew = m_new - row_max[r] > Float32(tau)
-        row_max[r] = m_new if grew else row_max[r]
-        moved = moved | grew
-    return row_max, cute.arch.vote_any_sync(moved)
+running_max_in_place = mutant(  # row_max overwritten: the caller's alpha reads it
+    RM, "m_used[r] = m_new if grew else row_max[r]", "row_max[r] = m_new if grew else row_max[r]",
+    also=[("return m_used,", "return row_max,")])
 
 
 @cute.jit
@@ -100,109 +62,18 @@ def running_max_votes_in_a_branch(row_max, tile_max, tau: cutlass.Constexpr):
 
 
 # --- 07.3 the step ----------------------------------------------------------------------------
-@cute.jit
-def step_no_alpha_on_l(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
-    rows = cute.size(s, mode=[0])
-    cols = cute.size(s, mode=[1])
-    tile_max = cute.make_rmem_tensor(rows, Float32)
-    for r in cutlass.range_constexpr(rows):
-        m = s[r, 0]
-        for c in cutlass.range_constexpr(1, cols):
-            m = cute.arch.fmax(m, s[r, c])
-        tile_max[r] = m
-    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
-    alpha = cute.make_rmem_tensor(rows, Float32)
-    for r in cutlass.range_constexpr(rows):
-        m_safe = Float32(0.0) if m_used[r] == -Float32.inf else m_used[r]
-        alpha[r] = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
-        total = Float32(0.0)
-        for c in cutlass.range_constexpr(cols):
-            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
-            total = total + s[r, c]
-        row_sum[r] = row_sum[r] + total
-        row_max[r] = m_used[r]
-    if multiply_o:
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
-                acc_o[r, c] = acc_o[r, c] * alpha[r]
+step_no_alpha_on_l = mutant(STEP, "row_sum[r] * alpha[r] + total", "row_sum[r] + total")
 
 
-@cute.jit
-def step_always_multiplies(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
-    rows = cute.size(s, mode=[0])
-    cols = cute.size(s, mode=[1])
-    tile_max = cute.make_rmem_tensor(rows, Float32)
-    for r in cutlass.range_constexpr(rows):
-        m = s[r, 0]
-        for c in cutlass.range_constexpr(1, cols):
-            m = cute.arch.fmax(m, s[r, c])
-        tile_max[r] = m
-    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
-    for r in cutlass.range_constexpr(rows):
-        m_safe = Float32(0.0) if m_used[r] == -Float32.inf else m_used[r]
-        alpha = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
-        total = Float32(0.0)
-        for c in cutlass.range_constexpr(cols):
-            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
-            total = total + s[r, c]
-        row_sum[r] = row_sum[r] * alpha + total
-        row_max[r] = m_used[r]
-        for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
-            acc_o[r, c] = acc_o[r, c] * alpha
+step_always_multiplies = mutant(STEP, "if multiply_o:", "if True:")  # the vote ignored
 
 
-@cute.jit
-def step_forgets_row_max(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
-    rows = cute.size(s, mode=[0])
-    cols = cute.size(s, mode=[1])
-    tile_max = cute.make_rmem_tensor(rows, Float32)
-    for r in cutlass.range_constexpr(rows):
-        m = s[r, 0]
-        for c in cutlass.range_constexpr(1, cols):
-            m = cute.arch.fmax(m, s[r, c])
-        tile_max[r] = m
-    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
-    alpha = cute.make_rmem_tensor(rows, Float32)
-    for r in cutlass.range_constexpr(rows):
-        m_safe = Float32(0.0) if m_used[r] == -Float32.inf else m_used[r]
-        alpha[r] = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
-        total = Float32(0.0)
-        for c in cutlass.range_constexpr(cols):
-            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
-            total = total + s[r, c]
-        row_sum[r] = row_sum[r] * alpha[r] + total
-    if multiply_o:
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
-                acc_o[r, c] = acc_o[r, c] * alpha[r]
+step_forgets_row_max = mutant(STEP, "row_max[r] = m_used[r]", None)  # state not kept
 
 
-@cute.jit
-def step_exps_against_the_true_max(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
-    rows = cute.size(s, mode=[0])
-    cols = cute.size(s, mode=[1])
-    tile_max = cute.make_rmem_tensor(rows, Float32)
-    for r in cutlass.range_constexpr(rows):
-        m = s[r, 0]
-        for c in cutlass.range_constexpr(1, cols):
-            m = cute.arch.fmax(m, s[r, c])
-        tile_max[r] = m
-    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
-    alpha = cute.make_rmem_tensor(rows, Float32)
-    for r in cutlass.range_constexpr(rows):
-        m_true = cute.arch.fmax(row_max[r], tile_max[r])
-        m_safe = Float32(0.0) if m_true == -Float32.inf else m_true
-        alpha[r] = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
-        total = Float32(0.0)
-        for c in cutlass.range_constexpr(cols):
-            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
-            total = total + s[r, c]
-        row_sum[r] = row_sum[r] * alpha[r] + total
-        row_max[r] = m_used[r]
-    if multiply_o:
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
-                acc_o[r, c] = acc_o[r, c] * alpha[r]
+step_exps_against_the_true_max = mutant(  # p against the true max, not the one kept
+    STEP, MAX_SAFE, "m_true = cute.arch.fmax(row_max[r], tile_max[r]); "
+    "m_safe = Float32(0.0) if m_true == -Float32.inf else m_true")
 
 
 @cute.jit
@@ -234,34 +105,12 @@ def step_lanes_decide_alone(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
                 acc_o[r, c] = acc_o[r, c] * alpha[r]
 
 
-@cute.jit
-def step_max_picked_by_the_vote(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
-    """Right values (when the vote says no, no row moved), but the exponentials now read the
-    vote's predicate: they wait for the warp."""
-    rows = cute.size(s, mode=[0])
-    cols = cute.size(s, mode=[1])
-    tile_max = cute.make_rmem_tensor(rows, Float32)
-    for r in cutlass.range_constexpr(rows):
-        m = s[r, 0]
-        for c in cutlass.range_constexpr(1, cols):
-            m = cute.arch.fmax(m, s[r, c])
-        tile_max[r] = m
-    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
-    alpha = cute.make_rmem_tensor(rows, Float32)
-    for r in cutlass.range_constexpr(rows):
-        m_pick = m_used[r] if multiply_o else row_max[r]
-        m_safe = Float32(0.0) if m_pick == -Float32.inf else m_pick
-        alpha[r] = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
-        total = Float32(0.0)
-        for c in cutlass.range_constexpr(cols):
-            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
-            total = total + s[r, c]
-        row_sum[r] = row_sum[r] * alpha[r] + total
-        row_max[r] = m_pick
-    if multiply_o:
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
-                acc_o[r, c] = acc_o[r, c] * alpha[r]
+# right values (when the vote says no, no row moved), but the exponentials now read the vote's
+# predicate: they wait for the warp
+step_max_picked_by_the_vote = mutant(
+    STEP, MAX_SAFE, "m_pick = m_used[r] if multiply_o else row_max[r]; "
+    "m_safe = Float32(0.0) if m_pick == -Float32.inf else m_pick",
+    also=[("row_max[r] = m_used[r]", "row_max[r] = m_pick")])
 
 
 # --- 07.1 the end of the row, 07.4 the adversarial input --------------------------------------
