@@ -1,15 +1,14 @@
 """Chapter 12's exercises: typical wrong answers, each with the words its checker must say.
 The device-code ones (12.2 the register split, 12.3 the writer's side of the dS exchange) are
-@cute.jit functions: the DSL reads their source from this file."""
+@cute.jit functions, most of them the reference with one change (``mutant``)."""
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
 
 from fa4_final.blackwell import peer
 from fa4_final.blackwell.tmem import Region, TmemPlan
 from solutions import ch12_blackwell_bwd as c12
-from tests.exercise_mutations import Mutation
+from tests.exercise_mutations import Mutation, mutant
 
 
 # --- 12.1 dQ with columns of its own -----------------------------------------------------------
@@ -51,126 +50,55 @@ def split_mma_warp_raised(warp):
         cute.arch.setmaxregister_increase(176)
 
 
-@cute.jit
-def split_over_512(warp):
-    if warp >= 12:
-        cute.arch.setmaxregister_decrease(120)
-    elif warp >= 8:
-        cute.arch.setmaxregister_decrease(48)
-    else:
-        cute.arch.setmaxregister_increase(176)
+SPLIT, SEND = c12.split_registers, c12.send_ds
+FENCE = 'cute.arch.fence_proxy("async.shared", space="cluster")'
+
+split_over_512 = mutant(SPLIT, "decrease(112)", "decrease(120)")  # sums past the register file
 
 
-@cute.jit
-def split_increase_below_launch(warp):
-    if warp >= 12:
-        cute.arch.setmaxregister_increase(112)
-    elif warp >= 8:
-        cute.arch.setmaxregister_decrease(48)
-    else:
-        cute.arch.setmaxregister_increase(176)
+split_increase_below_launch = mutant(  # an increase to less than the launch's 128
+    SPLIT, "setmaxregister_decrease(112)", "setmaxregister_increase(112)")
 
 
-@cute.jit
-def split_forgets_warpgroup3(warp):
-    if warp < 8:
-        cute.arch.setmaxregister_increase(176)
-    elif warp < 12:
-        cute.arch.setmaxregister_decrease(48)
+split_forgets_warpgroup3 = mutant(  # warpgroup 3 keeps the launch's budget
+    SPLIT, "cute.arch.setmaxregister_decrease(112)", "pass")
 
 
-@cute.jit
-def split_mma_starved(warp):
-    if warp >= 12:
-        cute.arch.setmaxregister_decrease(96)
-    elif warp >= 8:
-        cute.arch.setmaxregister_decrease(48)
-    else:
-        cute.arch.setmaxregister_increase(184)
+split_mma_starved = mutant(  # the MMA warpgroup lowered below what it needs
+    SPLIT, "decrease(112)", "decrease(96)", also=[("increase(176)", "increase(184)")])
 
 
-@cute.jit
-def split_dq_starved(warp):
-    if warp >= 12:
-        cute.arch.setmaxregister_decrease(128)
-    elif warp >= 8:
-        cute.arch.setmaxregister_decrease(32)
-    else:
-        cute.arch.setmaxregister_increase(176)
+split_dq_starved = mutant(  # the dQ warpgroup lowered below what it needs
+    SPLIT, "decrease(112)", "decrease(128)", also=[("decrease(48)", "decrease(32)")])
 
 
 # --- 12.3 the writer's side of the dS exchange -------------------------------------------------
-@cute.jit
-def send_unfenced(words, unit_addr, dsx, peer_rank, tidx, nbytes):
-    if tidx == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(dsx, nbytes, peer_cta_rank_in_cluster=peer_rank)
-    for j in cutlass.range_constexpr(cute.size(words) // 4):
-        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
-        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
-                                          words[4 * j + 3]), dsx, peer_rank)
+send_unfenced = mutant(SEND, FENCE, None)  # the peer's async read not ordered first
 
 
-@cute.jit
-def send_fenced_for_own_cta(words, unit_addr, dsx, peer_rank, tidx, nbytes):
-    cute.arch.fence_view_async_shared()
-    if tidx == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(dsx, nbytes, peer_cta_rank_in_cluster=peer_rank)
-    for j in cutlass.range_constexpr(cute.size(words) // 4):
-        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
-        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
-                                          words[4 * j + 3]), dsx, peer_rank)
+send_fenced_for_own_cta = mutant(SEND, FENCE, "cute.arch.fence_view_async_shared()")  # CTA
 
 
-@cute.jit
-def send_every_thread_arms(words, unit_addr, dsx, peer_rank, tidx, nbytes):
-    cute.arch.fence_proxy("async.shared", space="cluster")
-    cute.arch.mbarrier_arrive_and_expect_tx(dsx, 128, peer_cta_rank_in_cluster=peer_rank)
-    for j in cutlass.range_constexpr(cute.size(words) // 4):
-        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
-        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
-                                          words[4 * j + 3]), dsx, peer_rank)
+send_every_thread_arms = mutant(  # 128 arrivals of 128 bytes each
+    SEND, "if tidx == 0:", "if True:", also=[("(dsx, nbytes, peer_cta", "(dsx, 128, peer_cta")])
 
 
-@cute.jit
-def send_half_the_bytes(words, unit_addr, dsx, peer_rank, tidx, nbytes):
-    cute.arch.fence_proxy("async.shared", space="cluster")
-    if tidx == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(dsx, nbytes, peer_cta_rank_in_cluster=peer_rank)
-    for j in cutlass.range_constexpr(cute.size(words) // 8):
-        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
-        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
-                                          words[4 * j + 3]), dsx, peer_rank)
+send_half_the_bytes = mutant(  # half the units sent: the barrier waits forever
+    SEND, "cute.size(words) // 4)", "cute.size(words) // 8)")
 
 
-@cute.jit
-def send_arms_own_barrier(words, unit_addr, dsx, peer_rank, tidx, nbytes):
-    cute.arch.fence_proxy("async.shared", space="cluster")
-    if tidx == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(dsx, nbytes)
-    for j in cutlass.range_constexpr(cute.size(words) // 4):
-        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
-        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
-                                          words[4 * j + 3]), dsx, peer_rank)
+send_arms_own_barrier = mutant(  # expect-tx on this CTA's barrier, not the peer's
+    SEND, "(dsx, nbytes, peer_cta_rank_in_cluster=peer)", "(dsx, nbytes)")
 
 
-@cute.jit
-def send_never_arms(words, unit_addr, dsx, peer_rank, tidx, nbytes):
-    cute.arch.fence_proxy("async.shared", space="cluster")
-    for j in cutlass.range_constexpr(cute.size(words) // 4):
-        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
-        cute.arch.store_async_dsmem(dst, (words[4 * j], words[4 * j + 1], words[4 * j + 2],
-                                          words[4 * j + 3]), dsx, peer_rank)
+send_never_arms = mutant(  # no expect-tx at all
+    SEND, "if tidx == 0:", None, also=[("mbarrier_arrive_and_expect_tx", None)])
 
 
-@cute.jit
-def send_words_out_of_order(words, unit_addr, dsx, peer_rank, tidx, nbytes):
-    cute.arch.fence_proxy("async.shared", space="cluster")
-    if tidx == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(dsx, nbytes, peer_cta_rank_in_cluster=peer_rank)
-    for j in cutlass.range_constexpr(cute.size(words) // 4):
-        dst = cute.make_ptr(Int32, unit_addr(j), cute.AddressSpace.smem, assumed_align=16)
-        cute.arch.store_async_dsmem(dst, (words[j], words[j + 8], words[j + 16],
-                                          words[j + 24]), dsx, peer_rank)
+send_words_out_of_order = mutant(  # unit j holds words j, j + 8, ... not 4j .. 4j + 3
+    SEND, "words[4 * j], words[4 * j + 1], words[4 * j + 2],",
+    "words[j], words[j + 8], words[j + 16],",
+    also=[("words[4 * j + 3])", "words[j + 24])")])
 
 
 @cute.jit
