@@ -3,10 +3,13 @@
     from fa4_final import flash_attn_func, flash_attn_varlen_func
 
 is a drop-in for ``flash_attn.cute``'s functions of the same names (fa4_final.api.interface says
-what is supported). Four layers, each importing only the layers below it (hopper/ and
-blackwell/ are one layer, the architectures, and never import each other):
+what is supported); ``fa4_final.register_sdpa()`` puts the same kernels behind PyTorch's
+``scaled_dot_product_attention`` (fa4_final.api.sdpa). Four layers, each importing only the
+layers below it (hopper/ and blackwell/ are one layer, the architectures, and never import each
+other):
 
-    api/        flash_attn_func, flash_attn_varlen_func, the torch custom ops, attention_autograd
+    api/        flash_attn_func, flash_attn_varlen_func, the torch custom ops, attention_autograd,
+                FA4's _flash_attn_fwd/_bwd for PyTorch's SDPA registration
     runtime/    input checks; one prologue per call (checks, window, scale, backend); dispatch
                 (which GPU runs which kernel); one compile path and its cache in memory and on disk;
                 decoding's split count, paged-KV checks and the split combine's launch
@@ -23,6 +26,7 @@ It stands alone: it imports nothing of the course around it.
 """
 
 from fa4_final.api.interface import flash_attn_func, flash_attn_varlen_func
+from fa4_final.api.sdpa import register_sdpa
 from fa4_final.common.errors import UnsupportedError
 
-__all__ = ["UnsupportedError", "flash_attn_func", "flash_attn_varlen_func"]
+__all__ = ["UnsupportedError", "flash_attn_func", "flash_attn_varlen_func", "register_sdpa"]
