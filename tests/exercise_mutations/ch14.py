@@ -1,6 +1,6 @@
 """Chapter 14's exercises: typical wrong answers, each with the words its checker must say. The
 device-code ones (14.1 the merge of two partials, 14.2 the one-pass step) are @cute.jit
-functions: the DSL reads their source from this file."""
+functions; most wrong answers are the reference with one change (``mutant``)."""
 
 import math
 
@@ -11,57 +11,31 @@ from cutlass import Float32
 
 from solutions import ch14_ring as ring
 from solutions import ch14_teaching as t14
-from tests.exercise_mutations import Mutation
+from tests.exercise_mutations import Mutation, mutant
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
 # --- 14.1 the merge of two partials -------------------------------------------------------------
-@cute.jit
-def merge_unstable(o1, lse1: Float32, o2, lse2: Float32, o) -> Float32:
-    w1 = cute.math.exp2(lse1 * Float32(LOG2_E), fastmath=True)
-    w2 = cute.math.exp2(lse2 * Float32(LOG2_E), fastmath=True)
-    total = w1 + w2
-    inv = Float32(1.0) / total
-    for i in cutlass.range_constexpr(cute.size(o)):
-        o[i] = (o1[i] * w1 + o2[i] * w2) * inv
-    return cute.math.log2(total, fastmath=True) * Float32(LN_2)
+PAIR, STEP, LOOP = t14.merge_pair, t14.merge_step, t14.ring_loop
+
+merge_unstable = mutant(  # exp(lse) without subtracting the max
+    PAIR, "(lse1 - m_safe)", "lse1",
+    also=[("(lse2 - m_safe)", "lse2"), ("return m_safe + ", "return ")])
 
 
-@cute.jit
-def merge_nan_for_empty_rows(o1, lse1: Float32, o2, lse2: Float32, o) -> Float32:
-    m = cute.arch.fmax(lse1, lse2)
-    w1 = cute.math.exp2((lse1 - m) * Float32(LOG2_E), fastmath=True)
-    w2 = cute.math.exp2((lse2 - m) * Float32(LOG2_E), fastmath=True)
-    inv = Float32(1.0) / (w1 + w2)
-    for i in cutlass.range_constexpr(cute.size(o)):
-        o[i] = (o1[i] * w1 + o2[i] * w2) * inv
-    return m + cute.math.log2(w1 + w2, fastmath=True) * Float32(LN_2)
+merge_nan_for_empty_rows = mutant(  # -inf - (-inf) when neither part saw a key
+    PAIR, "Float32(0.0) if m == -Float32.inf else m", "m")
 
 
-@cute.jit
-def merge_lse_in_log2(o1, lse1: Float32, o2, lse2: Float32, o) -> Float32:
-    m = cute.arch.fmax(lse1, lse2)
-    m_safe = Float32(0.0) if m == -Float32.inf else m
-    w1 = cute.math.exp2((lse1 - m_safe) * Float32(LOG2_E), fastmath=True)
-    w2 = cute.math.exp2((lse2 - m_safe) * Float32(LOG2_E), fastmath=True)
-    total = w1 + w2
-    inv = Float32(0.0) if total == Float32(0.0) else Float32(1.0) / total
-    for i in cutlass.range_constexpr(cute.size(o)):
-        o[i] = (o1[i] * w1 + o2[i] * w2) * inv
-    return m_safe * Float32(LOG2_E) + cute.math.log2(total, fastmath=True)
+merge_lse_in_log2 = mutant(  # the lse returned in log2 units
+    PAIR, "m_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)",
+    "m_safe * Float32(LOG2_E) + cute.math.log2(total, fastmath=True)")
 
 
-@cute.jit
-def merge_not_normalised(o1, lse1: Float32, o2, lse2: Float32, o) -> Float32:
-    m = cute.arch.fmax(lse1, lse2)
-    m_safe = Float32(0.0) if m == -Float32.inf else m
-    w1 = cute.math.exp2((lse1 - m_safe) * Float32(LOG2_E), fastmath=True)
-    w2 = cute.math.exp2((lse2 - m_safe) * Float32(LOG2_E), fastmath=True)
-    for i in cutlass.range_constexpr(cute.size(o)):
-        o[i] = o1[i] * w1 + o2[i] * w2
-    return m_safe + cute.math.log2(w1 + w2, fastmath=True) * Float32(LN_2)
+merge_not_normalised = mutant(  # the weights not divided by their sum
+    PAIR, "w1 = w1 * inv", None, also=[("w2 = w2 * inv", None)])
 
 
 @cute.jit
@@ -77,39 +51,16 @@ def merge_divides_per_element(o1, lse1: Float32, o2, lse2: Float32, o) -> Float3
     return m_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)
 
 
-@cute.jit
-def merge_forgets_the_max(o1, lse1: Float32, o2, lse2: Float32, o) -> Float32:
-    m = cute.arch.fmax(lse1, lse2)
-    m_safe = Float32(0.0) if m == -Float32.inf else m
-    w1 = cute.math.exp2((lse1 - m_safe) * Float32(LOG2_E), fastmath=True)
-    w2 = cute.math.exp2((lse2 - m_safe) * Float32(LOG2_E), fastmath=True)
-    total = w1 + w2
-    inv = Float32(0.0) if total == Float32(0.0) else Float32(1.0) / total
-    for i in cutlass.range_constexpr(cute.size(o)):
-        o[i] = (o1[i] * w1 + o2[i] * w2) * inv
-    return cute.math.log2(total, fastmath=True) * Float32(LN_2)
+merge_forgets_the_max = mutant(PAIR, "return m_safe + ", "return ")  # lse without the max
 
 
 # --- 14.2 the one-pass step --------------------------------------------------------------------
-@cute.jit
-def step_without_rescale(acc, row_max: Float32, row_sum: Float32, o_b, lse_b: Float32):
-    m_new = cute.arch.fmax(row_max, lse_b)
-    m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
-    w = cute.math.exp2((lse_b - m_safe) * Float32(LOG2_E), fastmath=True)
-    alpha = cute.math.exp2((row_max - m_safe) * Float32(LOG2_E), fastmath=True)
-    for i in cutlass.range_constexpr(cute.size(acc)):
-        acc[i] = acc[i] + o_b[i] * w
-    return m_new, row_sum * alpha + w
+step_without_rescale = mutant(  # acc not rescaled to the new max
+    STEP, "acc[i] * alpha + o_b[i] * w", "acc[i] + o_b[i] * w")
 
 
-@cute.jit
-def step_nan_before_any_key(acc, row_max: Float32, row_sum: Float32, o_b, lse_b: Float32):
-    m_new = cute.arch.fmax(row_max, lse_b)
-    alpha = cute.math.exp2((row_max - m_new) * Float32(LOG2_E), fastmath=True)
-    w = cute.math.exp2((lse_b - m_new) * Float32(LOG2_E), fastmath=True)
-    for i in cutlass.range_constexpr(cute.size(acc)):
-        acc[i] = acc[i] * alpha + o_b[i] * w
-    return m_new, row_sum * alpha + w
+step_nan_before_any_key = mutant(  # -inf - (-inf) before any key
+    STEP, "Float32(0.0) if m_new == -Float32.inf else m_new", "m_new")
 
 
 @cute.jit
@@ -162,38 +113,15 @@ def loop_waits_first(q, kv, comm, attend):
     return out, lse
 
 
-def loop_sends_on_the_last_step(q, kv, comm, attend):
-    out = lse = None
-    for step in range(comm.world):
-        src = (comm.rank - step) % comm.world
-        handle = comm.exchange(kv)
-        o_b, l_b = attend(q, kv, src)
-        out, lse = (o_b, l_b) if out is None else ring.merge(out, lse, o_b, l_b)
-        kv = handle.wait()
-    return out, lse
+loop_sends_on_the_last_step = mutant(  # W exchanges where W - 1 do
+    LOOP, "comm.exchange(kv) if step + 1 < comm.world else None", "comm.exchange(kv)")
 
 
-def loop_wrong_source(q, kv, comm, attend):
-    out = lse = None
-    for step in range(comm.world):
-        src = (comm.rank + step) % comm.world
-        handle = comm.exchange(kv) if step + 1 < comm.world else None
-        o_b, l_b = attend(q, kv, src)
-        out, lse = (o_b, l_b) if out is None else ring.merge(out, lse, o_b, l_b)
-        if handle is not None:
-            kv = handle.wait()
-    return out, lse
+loop_wrong_source = mutant(LOOP, "(comm.rank - step)", "(comm.rank + step)")  # wrong way round
 
 
-def loop_keeps_the_last_block(q, kv, comm, attend):
-    out = lse = None
-    for step in range(comm.world):
-        src = (comm.rank - step) % comm.world
-        handle = comm.exchange(kv) if step + 1 < comm.world else None
-        out, lse = attend(q, kv, src)
-        if handle is not None:
-            kv = handle.wait()
-    return out, lse
+loop_keeps_the_last_block = mutant(  # each step's result replaces the last
+    LOOP, "(o_b, l_b) if out is None else ring.merge(out, lse, o_b, l_b)", "o_b, l_b")
 
 
 def loop_uses_the_ring(q, kv, comm, attend):
