@@ -1,6 +1,6 @@
 """Chapter 13's exercises: typical wrong answers, each with the words its checker must say. The
-device-code ones (13.3 the sink mask, 13.4 the softcap) are @cute.jit functions: the DSL reads
-their source from this file."""
+device-code ones (13.3 the sink mask, 13.4 the softcap) are @cute.jit functions. Most are the
+reference with one change (``mutant``)."""
 
 import math
 import numbers
@@ -12,86 +12,32 @@ from cutlass import Float32
 from fa4_final.common.tiles import visible_cols
 from solutions import ch13_scores as t13s
 from solutions import ch13_teaching as t13
-from tests.exercise_mutations import Mutation
+from tests.exercise_mutations import Mutation, mutant
 
 normalise_window = t13.package_window_reader()
 
 
 # --- 13.3 the window mask with sink tokens ----------------------------------------------------
-@cute.jit
-def mask_without_sinks(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seqlen_q,
-                       seqlen_k, window_left, window_right, sink: cutlass.Constexpr[int]):
-    col_offset = tScS[0, 0][1]
-    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        row = m_block * w.tile_m + tScS[r, 0][0]
-        lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
-        lo = lo - col_offset
-        hi = hi - col_offset
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            col = t0ScS[0, c][1]
-            s[r, c] = s[r, c] if (col < hi) & (col >= lo) else -Float32.inf
+MASK, CAP, CHECK = t13s.sink_mask, t13s.softcap_scores, t13.check_sink_tokens
+KEEP = "(col < hi) & ((col >= lo) | (col < sink_end))"
+
+mask_without_sinks = mutant(MASK, KEEP, "(col < hi) & (col >= lo)")  # the window alone
 
 
-@cute.jit
-def sinks_one_too_many(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seqlen_q,
-                       seqlen_k, window_left, window_right, sink: cutlass.Constexpr[int]):
-    col_offset = tScS[0, 0][1]
-    sink_end = sink - n_block * w.tile_n - col_offset
-    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        row = m_block * w.tile_m + tScS[r, 0][0]
-        lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
-        lo = lo - col_offset
-        hi = hi - col_offset
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            col = t0ScS[0, c][1]
-            keep = (col < hi) & ((col >= lo) | (col <= sink_end))
-            s[r, c] = s[r, c] if keep else -Float32.inf
+sinks_one_too_many = mutant(MASK, "(col < sink_end)", "(col <= sink_end)")  # sink + 1 keys
 
 
-@cute.jit
-def sinks_past_the_right_side(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block,
-                              seqlen_q, seqlen_k, window_left, window_right,
-                              sink: cutlass.Constexpr[int]):
-    col_offset = tScS[0, 0][1]
-    sink_end = sink - n_block * w.tile_n - col_offset
-    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        row = m_block * w.tile_m + tScS[r, 0][0]
-        lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
-        lo = lo - col_offset
-        hi = hi - col_offset
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            col = t0ScS[0, c][1]
-            keep = ((col < hi) & (col >= lo)) | (col < sink_end)
-            s[r, c] = s[r, c] if keep else -Float32.inf
+sinks_past_the_right_side = mutant(  # sinks kept right of the window too
+    MASK, KEEP, "((col < hi) & (col >= lo)) | (col < sink_end)")
 
 
-@cute.jit
-def sinks_in_every_tile(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seqlen_q,
-                        seqlen_k, window_left, window_right, sink: cutlass.Constexpr[int]):
-    col_offset = tScS[0, 0][1]
-    sink_end = sink - col_offset
-    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        row = m_block * w.tile_m + tScS[r, 0][0]
-        lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
-        lo = lo - col_offset
-        hi = hi - col_offset
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            col = t0ScS[0, c][1]
-            keep = (col < hi) & ((col >= lo) | (col < sink_end))
-            s[r, c] = s[r, c] if keep else -Float32.inf
+sinks_in_every_tile = mutant(  # the first columns of every tile taken for sinks
+    MASK, "sink - n_block * w.tile_n - col_offset", "sink - col_offset")
 
 
-@cute.jit
-def limits_not_shifted(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seqlen_q,
-                       seqlen_k, window_left, window_right, sink: cutlass.Constexpr[int]):
-    sink_end = sink - n_block * w.tile_n
-    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        row = m_block * w.tile_m + tScS[r, 0][0]
-        lo, hi = visible_cols(w, row, n_block, seqlen_q, seqlen_k, window_left, window_right)
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            col = t0ScS[0, c][1]
-            keep = (col < hi) & ((col >= lo) | (col < sink_end))
-            s[r, c] = s[r, c] if keep else -Float32.inf
+limits_not_shifted = mutant(  # tile limits compared with thread 0's columns unshifted
+    MASK, "lo = lo - col_offset", None, also=[
+        ("hi = hi - col_offset", None), ("n_block * w.tile_n - col_offset", "n_block * w.tile_n")])
 
 
 @cute.jit
@@ -107,29 +53,16 @@ def mask_with_an_if(s, tScS, t0ScS, w: cutlass.Constexpr, m_block, n_block, seql
 
 
 # --- 13.4 the softcap -------------------------------------------------------------------------
-@cute.jit
-def softcap_unscaled(s, softmax_scale: Float32, softcap: Float32):
-    inv = 1.0 / softcap
-    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            s[r, c] = cute.math.tanh(s[r, c] * inv, fastmath=True) * softcap
+softcap_unscaled = mutant(  # the scale forgotten both ways
+    CAP, "into = softmax_scale / softcap", "into = 1.0 / softcap",
+    also=[("back = softcap / softmax_scale", "back = softcap")])
 
 
-@cute.jit
-def softcap_scaled_twice(s, softmax_scale: Float32, softcap: Float32):
-    into = softmax_scale / softcap
-    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            s[r, c] = cute.math.tanh(s[r, c] * into, fastmath=True) * softcap
+softcap_scaled_twice = mutant(  # not divided back: the softmax scales again
+    CAP, "back = softcap / softmax_scale", "back = softcap")
 
 
-@cute.jit
-def softcap_slow_tanh(s, softmax_scale: Float32, softcap: Float32):
-    into = softmax_scale / softcap
-    back = softcap / softmax_scale
-    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            s[r, c] = cute.math.tanh(s[r, c] * into) * back
+softcap_slow_tanh = mutant(CAP, ", fastmath=True)", ")")  # tanh without MUFU.TANH
 
 
 @cute.jit
@@ -153,31 +86,16 @@ def _count(sink_tokens):
     return int(sink_tokens)
 
 
-def sink_check_takes_bools(sink_tokens, window_size=None, causal=False):
-    if not isinstance(sink_tokens, numbers.Integral) or sink_tokens < 0:
-        raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
-    left = None if window_size is None else window_size[0]
-    if sink_tokens and left is None:
-        raise ValueError(f"sink_tokens={sink_tokens} needs a left side of the window")
-    return int(sink_tokens)
+sink_check_takes_bools = mutant(CHECK, "isinstance(sink_tokens, bool) or ", "")  # True is 1
 
 
-def sink_check_reads_negative_left_as_none(sink_tokens, window_size=None, causal=False):
-    n = _count(sink_tokens)
-    left = None if window_size is None else window_size[0]
-    if left is not None and left < 0:
-        left = None
-    if n and left is None:
-        raise ValueError(f"sink_tokens={n} needs a left side of the window")
-    return n
+sink_check_reads_negative_left_as_none = mutant(  # a negative left side read as none
+    CHECK, "left is not None and right is not None and left < 0 and right < 0",
+    "left is not None and left < 0")
 
 
-def sink_check_forgets_two_negative_sides(sink_tokens, window_size=None, causal=False):
-    n = _count(sink_tokens)
-    left = None if window_size is None else window_size[0]
-    if n and left is None:
-        raise ValueError(f"sink_tokens={n} needs a left side of the window")
-    return n
+sink_check_forgets_two_negative_sides = mutant(  # (-1, -1) taken for a bound
+    CHECK, "and left < 0 and right < 0:", None, also=[("left = None  # FA4", None)])
 
 
 def sink_check_says_too_little(sink_tokens, window_size=None, causal=False):
