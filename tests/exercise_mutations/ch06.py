@@ -1,17 +1,15 @@
 """Chapter 06's exercises: typical wrong answers, each with the words its checker must say.
-The device-code ones (06.4, 06.5) are @cute.jit functions: the DSL reads their source from this
-file."""
+The device-code ones (06.4, 06.5) are @cute.jit functions, most of them the reference with one
+change (``mutant``)."""
 
 
 import cutlass
 import cutlass.cute as cute
 import numpy as np
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from solutions import ch06_exp2 as ch06
-from tests.exercise_mutations import Mutation
-
-H = ch06.HALF_COEFFS
+from tests.exercise_mutations import Mutation, mutant
 
 
 # --- 06.1 the floor trick ---------------------------------------------------------------------
@@ -78,75 +76,33 @@ def max_error_by_extrema(coeffs):
 
 
 # --- 06.4 exp2 in device code -----------------------------------------------------------------
-@cute.jit
-def exp2_floor_to_nearest(x: Float32) -> Float32:
-    xc = cute.arch.fmax(x, Float32(-127.0), nan=True)
-    j = xc + Float32(ch06.SHIFTER)
-    f = xc - (j - Float32(ch06.SHIFTER))
-    q = ch06.ptx_fma_rn(Float32(H[3]), f, Float32(H[2]))
-    q = ch06.ptx_fma_rn(q, f, Float32(H[1]))
-    q = ch06.ptx_fma_rn(q, f, Float32(H[0]))
-    return ((j.bitcast(Int32) << 23) + q.bitcast(Int32) + Int32(1 << 23)).bitcast(Float32)
+EXP2, SPLIT = ch06.exp2_device, ch06.exp2_split
+PICK = "if (i % 8) * k % 8 < k:"
+
+exp2_floor_to_nearest = mutant(  # a plain add rounds to nearest: floor(x) + 1 half the time
+    EXP2, "ptx_add_rm(xc, Float32(SHIFTER))", "xc + Float32(SHIFTER)")
 
 
-@cute.jit
-def exp2_mul_then_add(x: Float32) -> Float32:
-    xc = cute.arch.fmax(x, Float32(-127.0), nan=True)
-    j = ch06.ptx_add_rm(xc, Float32(ch06.SHIFTER))
-    f = xc - (j - Float32(ch06.SHIFTER))
-    q = Float32(H[3]) * f + Float32(H[2])
-    q = q * f + Float32(H[1])
-    q = q * f + Float32(H[0])
-    return ((j.bitcast(Int32) << 23) + q.bitcast(Int32) + Int32(1 << 23)).bitcast(Float32)
+exp2_mul_then_add = mutant(  # Horner steps as a multiply and an add: two roundings each
+    EXP2, "ptx_fma_rn(Float32(HALF_COEFFS[3]), f, Float32(HALF_COEFFS[2]))",
+    "Float32(HALF_COEFFS[3]) * f + Float32(HALF_COEFFS[2])", also=[
+        ("ptx_fma_rn(q, f, Float32(HALF_COEFFS[1]))", "q * f + Float32(HALF_COEFFS[1])"),
+        ("ptx_fma_rn(q, f, Float32(HALF_COEFFS[0]))", "q * f + Float32(HALF_COEFFS[0])")])
 
 
-@cute.jit
-def exp2_clamp_drops_nan(x: Float32) -> Float32:
-    xc = cute.arch.fmax(x, Float32(-127.0))
-    j = ch06.ptx_add_rm(xc, Float32(ch06.SHIFTER))
-    f = xc - (j - Float32(ch06.SHIFTER))
-    q = ch06.ptx_fma_rn(Float32(H[3]), f, Float32(H[2]))
-    q = ch06.ptx_fma_rn(q, f, Float32(H[1]))
-    q = ch06.ptx_fma_rn(q, f, Float32(H[0]))
-    return ((j.bitcast(Int32) << 23) + q.bitcast(Int32) + Int32(1 << 23)).bitcast(Float32)
+exp2_clamp_drops_nan = mutant(EXP2, ", nan=True)", ")")  # fmax(NaN, -127) is -127
 
 
-C = ch06.exp2_coefficients(3)
+
+exp2_full_coefficients = mutant(  # p(f), not p(f) / 2: 2^128 overflows near the top
+    EXP2, "HALF_COEFFS[", "exp2_coefficients(3)[", 4, also=[(" + Int32(1 << 23)  #", "  #")])
 
 
-@cute.jit
-def exp2_full_coefficients(x: Float32) -> Float32:
-    xc = cute.arch.fmax(x, Float32(-127.0), nan=True)
-    j = ch06.ptx_add_rm(xc, Float32(ch06.SHIFTER))
-    f = xc - (j - Float32(ch06.SHIFTER))
-    q = ch06.ptx_fma_rn(Float32(C[3]), f, Float32(C[2]))
-    q = ch06.ptx_fma_rn(q, f, Float32(C[1]))
-    q = ch06.ptx_fma_rn(q, f, Float32(C[0]))
-    return ((j.bitcast(Int32) << 23) + q.bitcast(Int32)).bitcast(Float32)
+exp2_converts_j = mutant(EXP2, "j.bitcast(Int32) << 23", "Int32(j) << 23")  # value, not bits
 
 
-@cute.jit
-def exp2_converts_j(x: Float32) -> Float32:
-    xc = cute.arch.fmax(x, Float32(-127.0), nan=True)
-    j = ch06.ptx_add_rm(xc, Float32(ch06.SHIFTER))
-    f = xc - (j - Float32(ch06.SHIFTER))
-    q = ch06.ptx_fma_rn(Float32(H[3]), f, Float32(H[2]))
-    q = ch06.ptx_fma_rn(q, f, Float32(H[1]))
-    q = ch06.ptx_fma_rn(q, f, Float32(H[0]))
-    return ((Int32(j) << 23) + q.bitcast(Int32) + Int32(1 << 23)).bitcast(Float32)
-
-
-@cute.jit
-def exp2_converts_n(x: Float32) -> Float32:
-    """Right bits, but n goes through an integer conversion and back (F2I, I2F: MUFU's unit)."""
-    xc = cute.arch.fmax(x, Float32(-127.0), nan=True)
-    j = ch06.ptx_add_rm(xc, Float32(ch06.SHIFTER))
-    n = Float32(Int32(j - Float32(ch06.SHIFTER)))
-    f = xc - n
-    q = ch06.ptx_fma_rn(Float32(H[3]), f, Float32(H[2]))
-    q = ch06.ptx_fma_rn(q, f, Float32(H[1]))
-    q = ch06.ptx_fma_rn(q, f, Float32(H[0]))
-    return ((j.bitcast(Int32) << 23) + q.bitcast(Int32) + Int32(1 << 23)).bitcast(Float32)
+exp2_converts_n = mutant(  # right bits, but n through F2I and I2F (MUFU's unit)
+    EXP2, "f = xc - (j - Float32(SHIFTER))", "f = xc - Float32(Int32(j - Float32(SHIFTER)))")
 
 
 @cute.jit
@@ -160,22 +116,10 @@ def exp2_on_mufu(x: Float32) -> Float32:
 
 
 # --- 06.5 the split of a row ------------------------------------------------------------------
-@cute.jit
-def split_by_stride(frag, k: cutlass.Constexpr):
-    for i in cutlass.range_constexpr(cute.size(frag)):
-        if k > 0 and i % (8 // k) == 0:
-            frag[i] = ch06.exp2_poly(frag[i])
-        else:
-            frag[i] = cute.math.exp2(frag[i], fastmath=True)
+split_by_stride = mutant(SPLIT, PICK, "if k > 0 and i % (8 // k) == 0:")  # every 8 // k-th
 
 
-@cute.jit
-def split_bunched(frag, k: cutlass.Constexpr):
-    for i in cutlass.range_constexpr(cute.size(frag)):
-        if i % 8 < k:
-            frag[i] = ch06.exp2_poly(frag[i])
-        else:
-            frag[i] = cute.math.exp2(frag[i], fastmath=True)
+split_bunched = mutant(SPLIT, PICK, "if i % 8 < k:")  # the first k of each 8
 
 
 @cute.jit
@@ -187,22 +131,11 @@ def split_both_units(frag, k: cutlass.Constexpr):
         frag[i] = y
 
 
-@cute.jit
-def split_by_package(frag, k: cutlass.Constexpr):
-    for i in cutlass.range_constexpr(cute.size(frag)):
-        if ch06.is_emulated(i, k / 8):
-            frag[i] = ch06.exp2_poly(frag[i])
-        else:
-            frag[i] = cute.math.exp2(frag[i], fastmath=True)
+split_by_package = mutant(SPLIT, PICK, "if is_emulated(i, k / 8):")  # the package's choice
 
 
-@cute.jit
-def split_chosen_at_run_time(frag, k: cutlass.Constexpr):
-    for i in cutlass.range_constexpr(cute.size(frag)):
-        if Int32(i % 8) * k % 8 < k:
-            frag[i] = ch06.exp2_poly(frag[i])
-        else:
-            frag[i] = cute.math.exp2(frag[i], fastmath=True)
+split_chosen_at_run_time = mutant(  # the choice made on a run-time Int32
+    SPLIT, PICK, "if Int32(i % 8) * k % 8 < k:")
 
 
 def _m(ex, check, answer, says, reference, forbid=None, slow=False):
