@@ -1,14 +1,13 @@
 """Chapter 03's exercises: typical wrong answers, each with the words its checker must say.
 The device-code ones (03.3 the tiled copy's partition, 03.5 the GEMM's epilogue) are @cute.jit
-functions written the way a learner would write them, in this file because the DSL reads a
-kernel's source from its file; the GPU tests (tests/gpu/test_device_exercises.py) use them too."""
+functions, most of them the reference with one change (``mutant``, which writes each to a file:
+the DSL reads a kernel's source); the GPU tests (tests/gpu/test_device_exercises.py) use them
+too."""
 
-import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean
 
 from solutions import ch03_cute_basics as ch03
-from tests.exercise_mutations import Mutation
+from tests.exercise_mutations import Mutation, mutant
 from utils import layout_plots as lp
 
 
@@ -68,39 +67,17 @@ def coords_from_cute(tv_shape, tv_stride, tile_shape, tid):
 
 
 # --- 03.3 the tiled copy's partition and predicate --------------------------------------------
-def _predicates(tXgX):
-    return cute.make_rmem_tensor((cute.size(tXgX, mode=[1]), cute.size(tXgX, mode=[2])), Boolean)
+COPY, STORE = ch03.copy_partition, ch03.store_accumulators
+INSIDE = "cute.elem_less(tXcX[0, m, n], shape)"
 
 
-@cute.jit
-def partition_no_predicate(tiled_copy, tidx, gX, gY, cX, shape):
-    thr = tiled_copy.get_slice(tidx)
-    tXgX, tXgY = thr.partition_S(gX), thr.partition_D(gY)
-    tXpX = _predicates(tXgX)
-    tXpX.fill(True)
-    return tXgX, tXgY, tXpX
+partition_no_predicate = mutant(COPY, INSIDE, "True")  # every vector inside
 
 
-@cute.jit
-def partition_rows_only(tiled_copy, tidx, gX, gY, cX, shape):
-    thr = tiled_copy.get_slice(tidx)
-    tXgX, tXgY, tXcX = thr.partition_S(gX), thr.partition_D(gY), thr.partition_S(cX)
-    tXpX = _predicates(tXgX)
-    for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
-        for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
-            tXpX[m, n] = tXcX[0, m, n][0] < shape[0]  # the row only: columns overhang
-    return tXgX, tXgY, tXpX
+partition_rows_only = mutant(COPY, INSIDE, "tXcX[0, m, n][0] < shape[0]")  # columns overhang
 
 
-@cute.jit
-def partition_thread_zero(tiled_copy, tidx, gX, gY, cX, shape):
-    thr = tiled_copy.get_slice(0)  # every thread takes slice 0
-    tXgX, tXgY, tXcX = thr.partition_S(gX), thr.partition_D(gY), thr.partition_S(cX)
-    tXpX = _predicates(tXgX)
-    for m in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
-        for n in cutlass.range_constexpr(cute.size(tXpX, mode=[1])):
-            tXpX[m, n] = cute.elem_less(tXcX[0, m, n], shape)
-    return tXgX, tXgY, tXpX
+partition_thread_zero = mutant(COPY, "get_slice(tidx)", "get_slice(0)")  # every thread: slice 0
 
 
 @cute.jit
@@ -135,38 +112,20 @@ def swizzle_read_from_cute(row, col):
 
 
 # --- 03.5 the GEMM's epilogue -----------------------------------------------------------------
-@cute.jit
-def epilogue_no_predicate(tiled_mma, tidx, tCrC, gC, cC, shape):
-    tCgC = tiled_mma.get_slice(tidx).partition_C(gC)
-    for i in cutlass.range_constexpr(cute.size(tCrC)):
-        tCgC[i] = tCrC[i]  # the last tiles overhang M and N
+epilogue_no_predicate = mutant(  # the last tiles overhang M and N
+    STORE, "if cute.elem_less(tCcC[i], shape):", "if True:")
 
 
-@cute.jit
-def epilogue_rows_only(tiled_mma, tidx, tCrC, gC, cC, shape):
-    thr_mma = tiled_mma.get_slice(tidx)
-    tCgC, tCcC = thr_mma.partition_C(gC), thr_mma.partition_C(cC)
-    for i in cutlass.range_constexpr(cute.size(tCrC)):
-        if tCcC[i][0] < shape[0]:  # columns past N are written too
-            tCgC[i] = tCrC[i]
+epilogue_rows_only = mutant(  # columns past N are written too
+    STORE, "cute.elem_less(tCcC[i], shape)", "tCcC[i][0] < shape[0]")
 
 
-@cute.jit
-def epilogue_thread_zero(tiled_mma, tidx, tCrC, gC, cC, shape):
-    thr_mma = tiled_mma.get_slice(0)  # every thread stores to thread 0's places
-    tCgC, tCcC = thr_mma.partition_C(gC), thr_mma.partition_C(cC)
-    for i in cutlass.range_constexpr(cute.size(tCrC)):
-        if cute.elem_less(tCcC[i], shape):
-            tCgC[i] = tCrC[i]
+epilogue_thread_zero = mutant(  # every thread stores to thread 0's places
+    STORE, "get_slice(tidx)", "get_slice(0)")
 
 
-@cute.jit
-def epilogue_lane_not_thread(tiled_mma, tidx, tCrC, gC, cC, shape):
-    thr_mma = tiled_mma.get_slice(tidx % 32)  # the lane: every warp stores to warp 0's places
-    tCgC, tCcC = thr_mma.partition_C(gC), thr_mma.partition_C(cC)
-    for i in cutlass.range_constexpr(cute.size(tCrC)):
-        if cute.elem_less(tCcC[i], shape):
-            tCgC[i] = tCrC[i]
+epilogue_lane_not_thread = mutant(  # the lane: every warp stores to warp 0's places
+    STORE, "get_slice(tidx)", "get_slice(tidx % 32)")
 
 
 @cute.jit
