@@ -1,6 +1,6 @@
 """Chapter 08's typical wrong answers: the ping-pong turn (08.1), the persistent tile loop
-(08.2), the shared-memory budget (08.3). The wrong device code lives here, in a file, as the
-DSL needs."""
+(08.2), the shared-memory budget (08.3). Most device-code ones are the reference with one change
+(``mutant``)."""
 
 import cutlass
 import cutlass.cute as cute
@@ -8,28 +8,19 @@ from cutlass import Int32
 
 from fa4_final.common.schedule import zigzag_tile
 from solutions import ch08_teaching as t08
-from tests.exercise_mutations import Mutation
+from tests.exercise_mutations import Mutation, mutant
 
 TURN0 = t08.TURN_WG0
 
 
-@cute.jit
-def turn_always_waits(wg: Int32, num_wgs: cutlass.Constexpr[int], first_of_cta, last_of_cta,
-                      issue_gemms):
-    cute.arch.barrier(barrier_id=TURN0 + wg, number_of_threads=256)
-    issue_gemms()
-    if (wg < num_wgs - 1) | (not last_of_cta):
-        cute.arch.barrier_arrive(barrier_id=TURN0 + (wg + 1) % num_wgs, number_of_threads=256)
+TURN_FN, LOOP = t08.pingpong_turn, t08.tile_loop
+
+turn_always_waits = mutant(  # warpgroup 0's first turn waits for nobody
+    TURN_FN, "if (wg > 0) | (not first_of_cta):", "if True:")
 
 
-@cute.jit
-def turn_counts_one_warpgroup(wg: Int32, num_wgs: cutlass.Constexpr[int], first_of_cta,
-                              last_of_cta, issue_gemms):
-    if (wg > 0) | (not first_of_cta):
-        cute.arch.barrier(barrier_id=TURN0 + wg, number_of_threads=128)
-    issue_gemms()
-    if (wg < num_wgs - 1) | (not last_of_cta):
-        cute.arch.barrier_arrive(barrier_id=TURN0 + (wg + 1) % num_wgs, number_of_threads=128)
+turn_counts_one_warpgroup = mutant(  # the barrier counts one warpgroup, not two
+    TURN_FN, "2 * THREADS_PER_WARPGROUP", "THREADS_PER_WARPGROUP", 2)
 
 
 @cute.jit
@@ -42,33 +33,17 @@ def turn_hands_on_first(wg: Int32, num_wgs: cutlass.Constexpr[int], first_of_cta
     issue_gemms()
 
 
-@cute.jit
-def turn_always_hands_on(wg: Int32, num_wgs: cutlass.Constexpr[int], first_of_cta,
-                         last_of_cta, issue_gemms):
-    if (wg > 0) | (not first_of_cta):
-        cute.arch.barrier(barrier_id=TURN0 + wg, number_of_threads=256)
-    issue_gemms()
-    cute.arch.barrier_arrive(barrier_id=TURN0 + (wg + 1) % num_wgs, number_of_threads=256)
+turn_always_hands_on = mutant(  # the very last turn hands on to nobody
+    TURN_FN, "if (wg < num_wgs - 1) | (not last_of_cta):", "if True:")
 
 
-@cute.jit
-def turn_on_barrier_wg(wg: Int32, num_wgs: cutlass.Constexpr[int], first_of_cta, last_of_cta,
-                       issue_gemms):
-    if (wg > 0) | (not first_of_cta):
-        cute.arch.barrier(barrier_id=wg, number_of_threads=256)
-    issue_gemms()
-    if (wg < num_wgs - 1) | (not last_of_cta):
-        cute.arch.barrier_arrive(barrier_id=(wg + 1) % num_wgs, number_of_threads=256)
+turn_on_barrier_wg = mutant(  # barrier 0 is __syncthreads
+    TURN_FN, "int(NamedBarrier.TURN_WG0) + ", "", 2)
 
 
-@cute.jit
-def tiles_round_robin(num_tiles: Int32, cta: Int32, grid: Int32, state_q, state_k, state_v,
-                      visit):
-    for r in cutlass.range((num_tiles + grid - 1) // grid, unroll=1):
-        tile = r * grid + cta
-        if tile < num_tiles:
-            last = tile + grid >= num_tiles
-            state_q, state_k, state_v = visit(tile, r, last, state_q, state_k, state_v)
+tiles_round_robin = mutant(  # round robin: no zigzag
+    LOOP, "zigzag_tile(r, cta, grid)", "r * grid + cta",
+    also=[("zigzag_tile(r + 1, cta, grid)", "(r + 1) * grid + cta")])
 
 
 @cute.jit
