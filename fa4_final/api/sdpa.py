@@ -63,15 +63,16 @@ from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
 #
 # What torch refuses before calling (a RuntimeError from torch, not from here): dropout_p != 0,
 # return_debug_mask, alibi_slopes, tensors not on one CUDA device, dtypes other than fp16/bf16,
-# a float32-less lse, GPUs other than compute capability 9.x and 10.x; 2.12 on, page_table and
-# num_splits > 1 on sm_90; before 2.12, a backward with any window (varlen_attn's backward
-# included). And SDPA's own backend choice happens first: an attn_mask, is_causal with
-# seqlen_q != seqlen_k, fp32 inputs or a head dim over 256 never pick the flash backend (another
-# backend runs, or under sdpa_kernel(FLASH_ATTENTION) torch says no kernel is available). What
-# fa4_final does not run (a head dim other than 64 and 128, the features above) raises
-# UnsupportedError out of the SDPA call; torch does not fall back. Torch's backward ops carry no
-# seqused_k, so a forward with seqused_k is for inference only; dlse is never passed by torch
-# (SDPA's lse has no gradient), but direct callers get its gradient as in FA4.
+# a backward's lse not float32, GPUs other than compute capability 9.x and 10.x; 2.12 on,
+# page_table and num_splits > 1 on sm_90; before 2.12, a backward with any window
+# (varlen_attn's backward included). And SDPA's own backend choice happens first: an
+# attn_mask, is_causal with seqlen_q != seqlen_k, fp32 inputs or a head dim over 256 never pick
+# the flash backend (another backend runs, or under sdpa_kernel(FLASH_ATTENTION) torch says no
+# kernel is available). What fa4_final does not run (a head dim it has no kernel for, the
+# features above) raises UnsupportedError out of the SDPA call; torch does not fall back.
+# Torch's backward ops carry no seqused_k, so a forward with seqused_k is for inference only;
+# dlse is never passed by torch (SDPA's lse has no gradient), but direct callers get its
+# gradient as in FA4.
 
 # The keywords only FA4's private functions take, each at the value that switches it off.
 _PRIVATE_NEUTRAL = {**_FA4_VARLEN_NEUTRAL, "q_descale": None, "k_descale": None,
@@ -302,25 +303,27 @@ def _register_fa4_module():
 def register_sdpa(activate: bool = True) -> str:
     """Make fa4_final the kernel behind ``torch.nn.functional.scaled_dot_product_attention``.
 
-    PyTorch (2.10 and later) lets a package take over SDPA's flash backend: this registers
-    fa4_final under the name ``"fa4_final"`` in ``torch.nn.attention``'s registry, with
-    fa4_final.api.sdpa (FA4's ``_flash_attn_fwd`` and ``_flash_attn_bwd``, same parameters) as
-    the module PyTorch calls, and with ``activate=True`` (the default) makes it the active
-    implementation. From then on every SDPA call that PyTorch sends to its flash backend, forward
-    and backward, and ``torch.nn.attention.varlen.varlen_attn``, runs fa4_final's kernels, with
-    no change to the model. Nothing happens on import: call this once per process.
+    PyTorch (2.10 and later) lets a package take over SDPA's flash backend. This registers
+    fa4_final in ``torch.nn.attention``'s registry under the name ``"fa4_final"``, with
+    fa4_final.api.sdpa as the module PyTorch calls (FA4's ``_flash_attn_fwd`` and
+    ``_flash_attn_bwd``, same parameters), and with ``activate=True`` (the default) makes it
+    the active implementation. From then on every SDPA call that PyTorch sends to its flash
+    backend runs fa4_final's kernels, forward and backward, with no change to the model; so does
+    ``torch.nn.attention.varlen.varlen_attn`` (its causal calls from torch 2.12 on). Nothing
+    happens on import: call it once per process.
 
         import fa4_final, torch
         fa4_final.register_sdpa()
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        torch.nn.attention.restore_flash_attention_impl()   # PyTorch's own kernels again
+        torch.nn.attention.restore_flash_attention_impl()  # PyTorch's kernels again (2.11+)
 
-    ``register_sdpa(activate=False)`` only registers; ``torch.nn.attention.
-    activate_flash_attention_impl("fa4_final")`` activates later. A setup fa4_final does not run
-    (a head dim other than 64 or 128, a GPU other than Hopper) raises UnsupportedError from the
-    SDPA call rather than falling back; what PyTorch itself refuses first (dropout, an attention
-    mask, ALiBi) is in Note [SDPA registration]. Returns the registered name. Raises
-    UnsupportedError, saying which torch has the registry, where this torch lacks it.
+    ``register_sdpa(activate=False)`` only registers, for
+    ``torch.nn.attention.activate_flash_attention_impl("fa4_final")`` later. A setup fa4_final
+    has no kernels for (a head dim, a GPU) raises UnsupportedError out of the SDPA call: torch
+    does not fall back. What PyTorch refuses before calling (dropout, ALiBi) and what never
+    reaches the flash backend (an attention mask) is in Note [SDPA registration]. Returns the
+    registered name; raises UnsupportedError, naming the torch versions that have the
+    registry, where this torch lacks it.
     """
     try:
         from torch.nn.attention import (
