@@ -4,7 +4,6 @@ write them, in this file because the DSL reads a kernel's source from its file."
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
 
 from solutions import ch04_flash_ampere as fa
 from solutions import ch04_kv_step as kv
@@ -151,24 +150,12 @@ softmax_forgets_earlier_max = mutant(  # this tile's max only
 softmax_natural_exp = mutant(kv.online_softmax, "cute.math.exp2(", "cute.math.exp(", 2)  # log2
 
 
-@cute.jit
-def softmax_shuffles_in_a_branch(s, o, row_max, row_sum, scale_log2,
-                                 is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-        if m_tile > -Float32.inf:  # skip the shuffles for a masked part of the row
-            m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))
-            m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        row_max[r] = m_new
-        m_safe = 0.0 if m_new == -Float32.inf else m_new
-        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        o[r, None].store(o[r, None].load() * correction)
+softmax_shuffles_in_a_branch = mutant(  # shuffles skipped for a masked part of the row
+    kv.online_softmax, "offset=1))", None, also=[(
+        "m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))",
+        "if m_tile > -Float32.inf: "
+        "m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2)); "
+        "m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=1))")])
 
 
 softmax_an_extra_shuffle = mutant(  # a third shuffle changes nothing, and costs
@@ -176,21 +163,11 @@ softmax_an_extra_shuffle = mutant(  # a third shuffle changes nothing, and costs
     "offset=1)); m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, offset=2))")
 
 
-@cute.jit
-def softmax_with_the_kernels_reduce(s, o, row_max, row_sum, scale_log2,
-                                    is_first: cutlass.Constexpr):
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        s_row = s[r, None].load()
-        m_tile = fa.quad_allreduce(s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), fa.fmax)
-        m_old = row_max[r]
-        m_new = cute.arch.fmax(m_old, m_tile)
-        row_max[r] = m_new
-        m_safe = 0.0 if m_new == -Float32.inf else m_new
-        p_row = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-        s[r, None].store(p_row)
-        correction = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
-        row_sum[r] = row_sum[r] * correction + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
-        o[r, None].store(o[r, None].load() * correction)
+softmax_with_the_kernels_reduce = mutant(  # the kernel's quad reduce
+    kv.online_softmax, "shuffle_sync_bfly", None, 2, also=[(
+        "m_tile = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)",
+        "m_tile = fa.quad_allreduce("
+        "s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0), fa.fmax)")])
 
 
 @cute.jit

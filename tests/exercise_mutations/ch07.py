@@ -76,33 +76,11 @@ step_exps_against_the_true_max = mutant(  # p against the true max, not the one 
     "m_safe = Float32(0.0) if m_true == -Float32.inf else m_true")
 
 
-@cute.jit
-def step_lanes_decide_alone(s, row_max, row_sum, acc_o, tau: cutlass.Constexpr):
-    rows = cute.size(s, mode=[0])
-    cols = cute.size(s, mode=[1])
-    tile_max = cute.make_rmem_tensor(rows, Float32)
-    for r in cutlass.range_constexpr(rows):
-        m = s[r, 0]
-        for c in cutlass.range_constexpr(1, cols):
-            m = cute.arch.fmax(m, s[r, c])
-        tile_max[r] = m
-    m_used, multiply_o = ch07.running_max(row_max, tile_max, tau)
-    alpha = cute.make_rmem_tensor(rows, Float32)
-    mine = cutlass.Boolean(False)
-    for r in cutlass.range_constexpr(rows):
-        mine = mine | (m_used[r] != row_max[r])
-        m_safe = Float32(0.0) if m_used[r] == -Float32.inf else m_used[r]
-        alpha[r] = cute.math.exp2(row_max[r] - m_safe, fastmath=True)
-        total = Float32(0.0)
-        for c in cutlass.range_constexpr(cols):
-            s[r, c] = cute.math.exp2(s[r, c] - m_safe, fastmath=True)
-            total = total + s[r, c]
-        row_sum[r] = row_sum[r] * alpha[r] + total
-        row_max[r] = m_used[r]
-    if mine:
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
-                acc_o[r, c] = acc_o[r, c] * alpha[r]
+step_lanes_decide_alone = mutant(  # O's multiply by this lane's rows, not the warp's vote
+    STEP, "if multiply_o:", "if mine:", also=[
+        ("alpha = cute.make_rmem_tensor(rows, Float32)",
+         "alpha = cute.make_rmem_tensor(rows, Float32); mine = cutlass.Boolean(False)"),
+        (MAX_SAFE, "mine = mine | (m_used[r] != row_max[r]); " + MAX_SAFE)])
 
 
 # right values (when the vote says no, no row moved), but the exponentials now read the vote's

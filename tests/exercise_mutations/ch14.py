@@ -91,26 +91,15 @@ def step_old_max_only(acc, row_max: Float32, row_sum: Float32, o_b, lse_b: Float
 
 
 # --- 14.3 the ring loop ------------------------------------------------------------------------
-def loop_attends_first(q, kv, comm, attend):
-    out = lse = None
-    for step in range(comm.world):
-        src = (comm.rank - step) % comm.world
-        o_b, l_b = attend(q, kv, src)
-        out, lse = (o_b, l_b) if out is None else ring.merge(out, lse, o_b, l_b)
-        if step + 1 < comm.world:
-            kv = comm.exchange(kv).wait()
-    return out, lse
+loop_attends_first = mutant(  # the exchange starts only after attend: nothing overlaps
+    LOOP, "handle = comm.exchange(kv) if", None, also=[
+        ("if handle is not None:", "if step + 1 < comm.world:"),
+        ("kv = handle.wait()", "kv = comm.exchange(kv).wait()")])
 
 
-def loop_waits_first(q, kv, comm, attend):
-    out = lse = None
-    for step in range(comm.world):
-        src = (comm.rank - step) % comm.world
-        nxt = comm.exchange(kv).wait() if step + 1 < comm.world else None
-        o_b, l_b = attend(q, kv, src)
-        out, lse = (o_b, l_b) if out is None else ring.merge(out, lse, o_b, l_b)
-        kv = nxt
-    return out, lse
+loop_waits_first = mutant(  # the next piece awaited before attend: nothing overlaps
+    LOOP, "handle = comm.exchange(kv) if", "nxt = comm.exchange(kv).wait() if",
+    also=[("if handle is not None:", "if nxt is not None:"), ("kv = handle.wait()", "kv = nxt")])
 
 
 loop_sends_on_the_last_step = mutant(  # W exchanges where W - 1 do

@@ -4,7 +4,6 @@ exercises are device code (@cute.jit functions: the DSL reads their source from 
 
 import math
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
@@ -29,27 +28,11 @@ combine_without_the_max = mutant(  # exp(lse) without subtracting the max
     also=[("return m_safe + ", "return ")])
 
 
-@cute.jit
-def combine_empty_split_weight_one(lse_p, out_p, w, out) -> Float32:
-    n = cute.size(lse_p)
-    m = -Float32.inf
-    for s in cutlass.range(n):
-        m = cute.arch.fmax(m, lse_p[s])
-    m_safe = Float32(0.0) if m == -Float32.inf else m
-    total = Float32(0.0)
-    for s in cutlass.range(n):
-        lse_s = m_safe if lse_p[s] == -Float32.inf else lse_p[s]  # "avoid -inf arithmetic"
-        w[s] = cute.math.exp2((lse_s - m_safe) * Float32(LOG2_E), fastmath=True)
-        total = total + w[s]
-    inv = cute.arch.rcp_approx(total)
-    for i in cutlass.range_constexpr(cute.size(out)):
-        out[i] = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = w[s] * inv
-        if lse_p[s] != -Float32.inf:
-            for i in cutlass.range_constexpr(cute.size(out)):
-                out[i] = out[i] + w[s] * out_p[s, i]
-    return m_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)
+combine_empty_split_weight_one = mutant(  # "avoid -inf arithmetic": an empty split weighs 1
+    t15.combine_row, "w[s] = cute.math.exp2((lse_p[s] - m_safe)",
+    "lse_s = m_safe if lse_p[s] == -Float32.inf else lse_p[s]; "
+    "w[s] = cute.math.exp2((lse_s - m_safe)",
+    also=[("if w[s] > Float32(0.0):", "if lse_p[s] != -Float32.inf:")])
 
 
 combine_unnormalised_weights = mutant(t15.combine_row, "w[s] = w[s] * inv", None)  # w: no / sum
@@ -63,27 +46,9 @@ combine_lse_in_log2 = mutant(  # the lse returned in log2 units
 combine_out_not_zeroed = mutant(t15.combine_row, "out[i] = Float32(0.0)", "pass")  # not zeroed
 
 
-@cute.jit
-def combine_recomputes_weights(lse_p, out_p, w, out) -> Float32:
-    n = cute.size(lse_p)
-    m = -Float32.inf
-    for s in cutlass.range(n):
-        m = cute.arch.fmax(m, lse_p[s])
-    m_safe = Float32(0.0) if m == -Float32.inf else m
-    total = Float32(0.0)
-    for s in cutlass.range(n):
-        w[s] = cute.math.exp2((lse_p[s] - m_safe) * Float32(LOG2_E), fastmath=True)
-        total = total + w[s]
-    inv = Float32(0.0) if total == Float32(0.0) else cute.arch.rcp_approx(total)
-    for i in cutlass.range_constexpr(cute.size(out)):
-        out[i] = Float32(0.0)
-    for s in cutlass.range(n):
-        ws = cute.math.exp2((lse_p[s] - m_safe) * Float32(LOG2_E), fastmath=True) * inv
-        w[s] = ws
-        if ws > Float32(0.0):
-            for i in cutlass.range_constexpr(cute.size(out)):
-                out[i] = out[i] + ws * out_p[s, i]
-    return m_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)
+combine_recomputes_weights = mutant(  # each split's exponential computed twice
+    t15.combine_row, "w[s] = w[s] * inv",
+    "w[s] = cute.math.exp2((lse_p[s] - m_safe) * Float32(LOG2_E), fastmath=True) * inv")
 
 
 @cute.jit
