@@ -770,7 +770,7 @@ def check_on_processes(world: int, cases: list, layout_kind: str = "zigzag",
 # ================================================================================================
 # 8. fa4_final inside PyTorch's own context_parallel: through the SDPA registration, if present
 # ================================================================================================
-SDPA_MODULES = ("fa4_final.api", "fa4_final.api.interface", "fa4_final")
+SDPA_MODULES = ("fa4_final.api.sdpa",)  # fa4_final.register_sdpa() registers this one
 
 
 def fa4_sdpa_module() -> tuple[str | None, str]:
@@ -795,17 +795,15 @@ def fa4_sdpa_module() -> tuple[str | None, str]:
 
 
 def activate_fa4_sdpa() -> str:
-    """Register and activate fa4_final as SDPA's flash implementation (GPU only); returns the
-    module path, or raises RuntimeError with fa4_sdpa_module's sentence."""
-    from torch.nn.attention import activate_flash_attention_impl, register_flash_attention_impl
-    from torch.nn.attention._fa4 import register_flash_attention_fa4
+    """Register and activate fa4_final as SDPA's flash implementation (GPU only, PyTorch 2.10 or
+    later: fa4_final.register_sdpa); returns the module path, or raises RuntimeError with
+    fa4_sdpa_module's sentence."""
+    import fa4_final
 
     path, why = fa4_sdpa_module()
     if path is None:
         raise RuntimeError(why)
-    register_flash_attention_impl("fa4_final",
-                                  register_fn=lambda: register_flash_attention_fa4(path))
-    activate_flash_attention_impl("fa4_final")
+    fa4_final.register_sdpa()
     return path
 
 

@@ -19,8 +19,9 @@
 #    api-varlen-tests (the API's GPU tests and the varlen backward's, without the training run)
 #    varlen-bench varlen-sanitize varlen-bwd-sanitize; varlen-dyn-sanitize: the varlen
 #    forward's dynamic tiles under memcheck, racecheck and synccheck)
-#   (decode, decode-d64: measure.decode at D = 128 / 64: the decode kernel and the package call beside the peers
-#    and splits; decode-tests: the split combine, the decode kernel and chapter 15's exercises against float64)
+#   (decode, decode-d64: measure.decode at D = 128 / 64: the decode kernel and the package
+#    call beside the peers; decode-tests: the split combine, the decode kernel and chapter 15's exercises against float64)
+#   (sdpa-tests: fa4_final registered as SDPA's flash implementation, a small transformer against float64)
 #   (host: the API's host time per call vs its kernels' time, with the peers; host-train: the
 #    small-GPT training step, fa4_final vs SDPA)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
@@ -87,6 +88,7 @@ for s in "$@"; do
     fa4-bench) step fa4_bench 480 $PY -m measure.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     decode) step decode 580 $PY -m measure.decode --dims 128 --deadline 500 ;;
     decode-d64) step decode_d64 580 $PY -m measure.decode --name decode_d64 --dims 64 --deadline 500 ;;
+    sdpa-tests) step sdpa_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_sdpa_registration.py ;;
     decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py ;;
     fa4-gaps) step fa4_gaps 300 $PY -m measure.fwd_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
     fa4-split) step fa4_split 420 $PY -m measure.fwd_knobs --knobs --non-causal --only "last round" "cut along" --rounds ${ROUNDS:-5} --name fa4_final_split ;;
