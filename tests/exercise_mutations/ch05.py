@@ -1,8 +1,8 @@
 """Chapter 05's exercises and their typical wrong answers, written the way a learner would write
 them: tests/test_exercise_mutations.py holds each against its checker (it must be refused, with
 the words in ``says``), the CPU tests reuse them, and tests/gpu/test_device_exercises.py shows
-the GPU checks on some. Wrong device code must live in a file (the DSL reads its source): here.
-"""
+the GPU checks on some. Most device-code ones are the reference with one change (``mutant``
+writes each to a file: the DSL reads a kernel's source); the others are written out here."""
 
 import cutlass
 import cutlass.cute as cute
@@ -13,9 +13,6 @@ from solutions import ch05_consumer as c5
 from solutions import ch05_flash_hopper as ch05
 from solutions import ch05_teaching as t5
 from tests.exercise_mutations import Mutation, mutant
-
-EPILOGUE_BARRIER = c5.EPILOGUE_BARRIER
-
 
 # ----------------------------------------------------------------------------------------------
 # 05.1: the stage count
@@ -249,6 +246,7 @@ def turn_with_own_helper(tiled_mma_qk, tiled_mma_pv, acc_s, acc_o, tSrQ, tSrK, t
 STORE_FORBID = {
     ch05.FlashAttentionHopper.store_o: "it is the kernel's own epilogue; write it yourself",
 }
+MEET = "cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)"
 
 
 # the stores are not fenced for the async proxy
@@ -265,21 +263,13 @@ store_fence_before_the_stores = mutant(c5.store_o, "fence_view_async_shared()", 
     ("cute.autovec_copy(", "cute.arch.fence_view_async_shared(); cute.autovec_copy(")])
 
 
-@cute.jit
-def store_before_the_barrier(rO, tOsO, tma_atom_o, tOsO_tma, tOgO_tma, tidx, num_threads):
-    cute.autovec_copy(rO, tOsO)
-    cute.arch.fence_view_async_shared()
-    if tidx // cute.arch.WARP_SIZE == 0:
-        cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
-        cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
-    cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)
+store_before_the_barrier = mutant(  # the TMA store issued before the consumers meet
+    c5.store_o, MEET, None, also=[("read=True)  # shared memory outlives the reads\n",
+                                   f"read=True)\n    {MEET}\n")])
 
 
 # __syncthreads instead of the consumers' named barrier
-store_with_syncthreads = mutant(
-    c5.store_o, "barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=num_threads)",
-    "barrier()")
+store_with_syncthreads = mutant(c5.store_o, MEET, "cute.arch.barrier()")
 
 
 # every warp issues the TMA store
@@ -296,67 +286,64 @@ store_from_the_producer_warp = mutant(c5.store_o, "tidx // cute.arch.WARP_SIZE =
 
 
 # ----------------------------------------------------------------------------------------------
-_M = Mutation
+def _stages(answer, says):
+    return Mutation("05.1", t5.check_stages_that_fit, answer, says, t5.stages_that_fit,
+                    STAGES_FORBID)
+
+
+def _producer(answer, says):
+    return Mutation("05.2", t5.check_producer_step, answer, says, t5.producer_step)
+
+
+def _race(answer, says):
+    return Mutation("05.3", t5.check_race_scenarios, answer, says, t5.RACE_SCENARIOS)
+
+
+def _kv(answer, says, slow=False):
+    return Mutation("05.4", t5.check_load_kv, answer, says, t5.load_kv, slow=slow)
+
+
+def _turn(answer, says):
+    return Mutation("05.5", c5.check_gemm_turn, answer, says, c5.gemm_turn, TURN_FORBID)
+
+
+def _store(answer, says):
+    return Mutation("05.6", c5.check_store_o, answer, says, c5.store_o, STORE_FORBID)
+
+
 MUTATIONS = [
-    _M("05.1", t5.check_stages_that_fit, stages_one_tile_per_stage, "need",
-       t5.stages_that_fit, STAGES_FORBID),
-    _M("05.1", t5.check_stages_that_fit, stages_without_q, "more than 227 KB",
-       t5.stages_that_fit, STAGES_FORBID),
-    _M("05.1", t5.check_stages_that_fit, stages_in_kilobytes, "fit: 1 KB barriers",
-       t5.stages_that_fit, STAGES_FORBID),
-    _M("05.1", t5.check_stages_that_fit, stages_from_the_kernel, "the kernel's own answer",
-       t5.stages_that_fit, STAGES_FORBID),
-    _M("05.2", t5.check_producer_step, t5.producer_same_parity, "deadlocked",
-       t5.producer_step),
-    _M("05.2", t5.check_producer_step, t5.producer_no_wait, "empty", t5.producer_step),
-    _M("05.2", t5.check_producer_step, t5.producer_plain_arrive, "landed", t5.producer_step),
-    _M("05.2", t5.check_producer_step, producer_half_bytes, "nobody announced",
-       t5.producer_step),
-    _M("05.3", t5.check_race_scenarios, SCENARIO_TWO_CHANGES, "change exactly one setting",
-       t5.RACE_SCENARIOS),
-    _M("05.3", t5.check_race_scenarios, SCENARIO_HIDES_SHOWS, "the race shows",
-       t5.RACE_SCENARIOS),
-    _M("05.3", t5.check_race_scenarios, SCENARIO_STAYS_HIDDEN, "the race stays hidden",
-       t5.RACE_SCENARIOS),
-    _M("05.3", t5.check_race_scenarios, SCENARIO_TOO_SHORT, "at least twice",
-       t5.RACE_SCENARIOS),
-    _M("05.4", t5.check_load_kv, load_all_k_then_v, "deadlocked", t5.load_kv),
-    _M("05.4", t5.check_load_kv, load_in_ascending_order, "the consumers read them in the order",
-       t5.load_kv),
-    _M("05.4", t5.check_load_kv, load_without_acquire, "without a producer_acquire", t5.load_kv),
-    _M("05.4", t5.check_load_kv, load_without_advance, "without advancing state_k", t5.load_kv),
-    _M("05.4", t5.check_load_kv, load_barrier_after_advance,
-       "not on the barrier of the slot you acquired", t5.load_kv),
-    _M("05.4", t5.check_load_kv, load_forgets_last_v, "are never loaded", t5.load_kv),
-    _M("05.4", t5.check_load_kv, load_without_guard, "n_tiles = 0", t5.load_kv),
-    _M("05.4", t5.check_load_kv, load_with_a_helper, "state.advance() in the loop body itself",
-       t5.load_kv, slow=True),
-    _M("05.5", c5.check_gemm_turn, turn_waits_for_everything, "waits for P V as well",
-       c5.gemm_turn, TURN_FORBID),
-    _M("05.5", c5.check_gemm_turn, turn_pv_first, "P V is committed before S", c5.gemm_turn,
-       TURN_FORBID),
-    _M("05.5", c5.check_gemm_turn, turn_one_group, "S and P V are in one group", c5.gemm_turn,
-       TURN_FORBID),
-    _M("05.5", c5.check_gemm_turn, turn_s_accumulates, "S's first k-block accumulates",
-       c5.gemm_turn, TURN_FORBID),
-    _M("05.5", c5.check_gemm_turn, turn_without_fence, "no warpgroup.fence()", c5.gemm_turn,
-       TURN_FORBID),
-    _M("05.5", c5.check_gemm_turn, turn_with_a_forbidden_helper, "issues one whole group for you",
-       c5.gemm_turn, TURN_FORBID),
-    _M("05.6", c5.check_store_o, store_without_fence, "no test can be sure to catch",
-       c5.store_o, STORE_FORBID),
-    _M("05.6", c5.check_store_o, store_fence_in_issuing_warp, "every thread that wrote O fences",
-       c5.store_o, STORE_FORBID),
-    _M("05.6", c5.check_store_o, store_fence_before_the_stores, "fences before it stores",
-       c5.store_o, STORE_FORBID),
-    _M("05.6", c5.check_store_o, store_before_the_barrier, "issues the TMA store before the "
-       "barrier", c5.store_o, STORE_FORBID),
-    _M("05.6", c5.check_store_o, store_with_syncthreads, "__syncthreads", c5.store_o,
-       STORE_FORBID),
-    _M("05.6", c5.check_store_o, store_from_every_warp, "warps issue the TMA store", c5.store_o,
-       STORE_FORBID),
-    _M("05.6", c5.check_store_o, store_without_waiting, "wait until the TMA has read the tile",
-       c5.store_o, STORE_FORBID),
-    _M("05.6", c5.check_store_o, store_from_the_producer_warp, "no thread issues the TMA store",
-       c5.store_o, STORE_FORBID),
+    _stages(stages_one_tile_per_stage, "need"),
+    _stages(stages_without_q, "more than 227 KB"),
+    _stages(stages_in_kilobytes, "fit: 1 KB barriers"),
+    _stages(stages_from_the_kernel, "the kernel's own answer"),
+    _producer(t5.producer_same_parity, "deadlocked"),
+    _producer(t5.producer_no_wait, "empty"),
+    _producer(t5.producer_plain_arrive, "landed"),
+    _producer(producer_half_bytes, "nobody announced"),
+    _race(SCENARIO_TWO_CHANGES, "change exactly one setting"),
+    _race(SCENARIO_HIDES_SHOWS, "the race shows"),
+    _race(SCENARIO_STAYS_HIDDEN, "the race stays hidden"),
+    _race(SCENARIO_TOO_SHORT, "at least twice"),
+    _kv(load_all_k_then_v, "deadlocked"),
+    _kv(load_in_ascending_order, "the consumers read them in the order"),
+    _kv(load_without_acquire, "without a producer_acquire"),
+    _kv(load_without_advance, "without advancing state_k"),
+    _kv(load_barrier_after_advance, "not on the barrier of the slot you acquired"),
+    _kv(load_forgets_last_v, "are never loaded"),
+    _kv(load_without_guard, "n_tiles = 0"),
+    _kv(load_with_a_helper, "state.advance() in the loop body itself", slow=True),
+    _turn(turn_waits_for_everything, "waits for P V as well"),
+    _turn(turn_pv_first, "P V is committed before S"),
+    _turn(turn_one_group, "S and P V are in one group"),
+    _turn(turn_s_accumulates, "S's first k-block accumulates"),
+    _turn(turn_without_fence, "no warpgroup.fence()"),
+    _turn(turn_with_a_forbidden_helper, "issues one whole group for you"),
+    _store(store_without_fence, "no test can be sure to catch"),
+    _store(store_fence_in_issuing_warp, "every thread that wrote O fences"),
+    _store(store_fence_before_the_stores, "fences before it stores"),
+    _store(store_before_the_barrier, "issues the TMA store before the barrier"),
+    _store(store_with_syncthreads, "__syncthreads"),
+    _store(store_from_every_warp, "warps issue the TMA store"),
+    _store(store_without_waiting, "wait until the TMA has read the tile"),
+    _store(store_from_the_producer_warp, "no thread issues the TMA store"),
 ]
