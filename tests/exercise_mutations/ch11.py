@@ -2,9 +2,8 @@
 Most are the reference with one change (``mutant``); the device-code ones (11.5 the dS step, 11.6
 the deterministic turn) are @cute.jit functions, whose source the DSL reads from a real file."""
 
-import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Int32
 
 from fa4_final.common.atomics import pass_turn, wait_turn
 from solutions import ch11_backward as ch11
@@ -79,27 +78,14 @@ ds_delta_of_the_row = mutant(  # delta indexed by the key (row), not the query (
     ds.ds_step, "(dp[r, c] - delta_c)", "(dp[r, c] - delta[0, r])")
 
 
-@cute.jit
-def ds_exponentials_twice(s, dp, lse, delta, scale_log2, wait_dp, mask):
-    rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
-    if const_expr(mask is not None):
-        coords, offset, seqlen_k, causal = mask
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cols):
-                key, query = coords[r, c]
-                hidden = key >= seqlen_k
-                if const_expr(causal):
-                    hidden = hidden | (key > query + offset)
-                s[r, c] = -Float32.inf if hidden else s[r, c]
-    raw = cute.make_rmem_tensor((rows, cols), Float32)
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            raw[r, c] = s[r, c] * scale_log2 - lse[0, c]
-            s[r, c] = cute.math.exp2(raw[r, c], fastmath=True)
-    wait_dp()
-    for c in cutlass.range_constexpr(cols):
-        for r in cutlass.range_constexpr(rows):
-            dp[r, c] = cute.math.exp2(raw[r, c]) * (dp[r, c] - delta[0, c])
+ds_exponentials_twice = mutant(  # exp2 again for dS: the exponents kept live, registers spill
+    ds.ds_step, "cols = cute.size(s, mode=[1])",
+    "cols = cute.size(s, mode=[1]); raw = cute.make_rmem_tensor((rows, cols), Float32)", also=[
+        ("s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse_c, fastmath=True)",
+         "raw[r, c] = s[r, c] * scale_log2 - lse_c; "
+         "s[r, c] = cute.math.exp2(raw[r, c], fastmath=True)"),
+        ("dp[r, c] = s[r, c] * (dp[r, c] - delta_c)",
+         "dp[r, c] = cute.math.exp2(raw[r, c]) * (dp[r, c] - delta_c)")])
 
 
 # --- 11.6 the deterministic turn ---------------------------------------------------------------
