@@ -8,7 +8,7 @@ course generates from its measurements.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fa4_final.common.constants import (
     HEAD_DIMS,
@@ -327,3 +327,13 @@ def hopper_decode_for_page(head_dim: int, page_size: int) -> HopperDecodeConfig:
     while cfg.smem_bytes(head_dim) > SM90_SMEM_BYTES:
         cfg = HopperDecodeConfig(tile_n=tile_n, stages=cfg.stages - 1)
     return cfg
+
+
+def hopper_bwd_softcap(config: HopperBwdConfig, head_dim: int, causal: bool) -> HopperBwdConfig:
+    """The backward's default config for a softcap build (Note [Softcap in the backward],
+    fa4_final.hopper.bwd): the plain default, except at D = 64 causal, where 128 x 128 spills
+    (16 B of stack, 13 spill instructions when compiled for sm_90a) with the cap's per-step
+    work and 64 x 128 does not. Chosen by that compile, not timed."""
+    if head_dim <= 64 and causal:
+        return replace(config, tile_m=64)
+    return config

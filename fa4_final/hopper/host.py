@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import cutlass
 import torch
 
 from fa4_final.common import backward as shared_backward
@@ -38,11 +39,14 @@ from fa4_final.hopper.config import (
     HopperDecodeConfig,
     HopperFwdConfig,
     hopper_bwd_default,
+    hopper_bwd_softcap,
     hopper_decode_default,
     hopper_fwd_default,
 )
 
 ARCH = "sm_90a"
+# the learnable sink's element types (FA4 takes these three), by name
+SINK_DTYPES = {"fp32": cutlass.Float32, "bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 L2_BYTES_FOR_KV = 40 * 2**20  # of the H100/H200's 50 MB L2, what K and V may take
 
 
@@ -60,18 +64,25 @@ def _check_target(dtype: str, arch: str, what: str) -> None:
 
 def forward_kernel(dtype_name: str, head_dim: int, causal: bool, has_left: bool,
                    has_right: bool, config: HopperFwdConfig, varlen: bool = False,
-                   has_seqused_k: bool = False):
+                   has_seqused_k: bool = False, softcap: float = 0.0,
+                   sink_dtype: str | None = None):
     """The forward's kernel object (looked up by forward_recipe at each call: a teaching
-    module may put its own kernel here)."""
+    module may put its own kernel here). ``softcap``, ``sink_dtype``: Note [Softcap] and
+    Note [Learnable sink] (fa4_final.common.softmax)."""
     from fa4_final.hopper.fwd import HopperForward
 
+    extra = {}  # only when asked: a kernel a teaching module puts here need not know them
+    if softcap or sink_dtype is not None:
+        extra = dict(softcap=softcap, sink_dtype=SINK_DTYPES[sink_dtype] if sink_dtype
+                     else None)
     return HopperForward(CUTLASS_BY_NAME[dtype_name], head_dim, causal, config,
                          has_window_left=has_left, has_window_right=has_right, varlen=varlen,
-                         has_seqused_k=has_seqused_k)
+                         has_seqused_k=has_seqused_k, **extra)
 
 
 def forward_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig,
-                      varlen: bool = False, has_seqused_k: bool = False) -> tuple:
+                      varlen: bool = False, has_seqused_k: bool = False,
+                      sink_dtype: str | None = None) -> tuple:
     """The forward's fake arguments, in its launch order."""
     import cutlass
     import cutlass.cute as cute
@@ -93,8 +104,11 @@ def forward_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig,
         part_ml = fake_tensor(Float32, (cute.sym_int(), 2 * rows, threads))
         counters = fake_tensor(Int32, (cute.sym_int(),))
     tile_counter = fake_tensor(Int32, (1,)) if cfg.schedules_dynamically else None
-    return (q, k, v, o, lse, timeline, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
+    args = (q, k, v, o, lse, timeline, Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1),
             cu_q, cu_k, used_k, table, part_o, part_ml, counters, tile_counter, fake_stream())
+    if sink_dtype is not None:  # (heads,): its own symbolic extent, contiguous
+        args += (fake_tensor(SINK_DTYPES[sink_dtype], (cute.sym_int(),)),)
+    return args
 
 
 def split_workspace_dims(cfg: HopperFwdConfig, head_dim: int) -> tuple[int, int, int]:
@@ -108,18 +122,25 @@ def split_workspace_dims(cfg: HopperFwdConfig, head_dim: int) -> tuple[int, int,
 def forward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
                    config: HopperFwdConfig | None = None, has_window_left: bool = False,
                    has_window_right: bool = False, varlen: bool = False,
-                   has_seqused_k: bool = False, arch: str = ARCH) -> Recipe:
+                   has_seqused_k: bool = False, arch: str = ARCH, softcap: float = 0.0,
+                   sink_dtype: str | None = None) -> Recipe:
     """The forward for one (head dim, dtype, masks, config): dense, or with ``varlen`` the
-    packed-sequence variant (with ``has_seqused_k`` or without)."""
+    packed-sequence variant (with ``has_seqused_k`` or without); ``softcap`` (0.0: none) and
+    ``sink_dtype`` ("fp32", "bf16", "fp16" or None: no learnable sink) build the variants of
+    Note [Softcap] and Note [Learnable sink]."""
     _check_target(dtype, arch, "forward")
     cfg = config or hopper_fwd_default(head_dim, causal, varlen)
     if not isinstance(cfg, HopperFwdConfig):
         raise TypeError(f"config must be a HopperFwdConfig or None, got {type(cfg).__name__}")
     has_seqused_k = varlen and has_seqused_k
+    if sink_dtype is not None and sink_dtype not in SINK_DTYPES:
+        raise ValueError(f"sink_dtype must be one of {sorted(SINK_DTYPES)} or None, got "
+                         f"{sink_dtype!r}")
     kernel = forward_kernel(dtype, head_dim, causal, has_window_left, has_window_right, cfg,
-                            varlen, has_seqused_k)
+                            varlen, has_seqused_k, softcap, sink_dtype)
     return Recipe("fwd", ARCH, {"main": kernel},
-                  lambda role: forward_fake_args(dtype, head_dim, cfg, varlen, has_seqused_k),
+                  lambda role: forward_fake_args(dtype, head_dim, cfg, varlen, has_seqused_k,
+                                                 sink_dtype),
                   cfg)
 
 
@@ -146,9 +167,10 @@ def num_sms(device) -> int:
 
 
 def forward_args(plan, q, k, v, out, lse, causal: bool, softmax_scale: float, window_left,
-                 window_right) -> tuple:
+                 window_right, learnable_sink=None) -> tuple:
     """The run-time arguments of one dense forward launch of ``plan``: what launch_forward
-    passes, for a tool that times the launch alone."""
+    passes, for a tool that times the launch alone. ``learnable_sink``: (heads,), for a plan
+    built with its sink_dtype (Note [Learnable sink])."""
     cfg = plan.config
     b, _, h, d = q.shape
     sms = num_sms(q.device)
@@ -167,21 +189,22 @@ def forward_args(plan, q, k, v, out, lse, causal: bool, softmax_scale: float, wi
         part_ml = torch.empty((n, 2 * rows, threads), dtype=torch.float32, device=q.device)
         counters = torch.zeros(n, dtype=torch.int32, device=q.device)
     tile_counter = _tile_counter(q.device) if cfg.schedules_dynamically else None
-    return (q, k, v, out, lse, timeline_buffer(q.device, cfg), softmax_scale, window_left or 0,
+    args = (q, k, v, out, lse, timeline_buffer(q.device, cfg), softmax_scale, window_left or 0,
             window_right or 0, group, sms, None, None, None, table, part_o, part_ml, counters,
             tile_counter)
+    return args if learnable_sink is None else args + (learnable_sink,)
 
 
 def launch_forward(plan, q, k, v, out, lse, causal: bool, softmax_scale: float, window_left,
-                   window_right) -> None:
+                   window_right, learnable_sink=None) -> None:
     """One launch of the dense forward (the module's contract)."""
     plan.kernels["main"](*forward_args(plan, q, k, v, out, lse, causal, softmax_scale,
-                                       window_left, window_right))
+                                       window_left, window_right, learnable_sink))
 
 
 def launch_varlen_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                           max_seqlen_k, out, lse, causal: bool, softmax_scale: float,
-                          window_left, window_right) -> None:
+                          window_left, window_right, learnable_sink=None) -> None:
     """One launch of the varlen forward: q (total_q, h, d), k and v (total_k, h_kv, d), out like
     q, lse (h, total_q), none of them empty. The packed tensors go in as a batch of one; the
     kernel finds each tile's sequence from the offsets (common.seqlens)."""
@@ -192,12 +215,13 @@ def launch_varlen_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, 
         longest_k = max_seqlen_k if max_seqlen_k is not None and max_seqlen_k >= 0 \
             else k.shape[0]
         group = l2_section_pairs(longest_k, d, q.element_size(), h)
+    sink = () if learnable_sink is None else (learnable_sink,)  # Note [Learnable sink]
     plan.kernels["main"](
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
         timeline_buffer(q.device, cfg), softmax_scale, window_left or 0, window_right or 0,
         group, num_sms(q.device), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
         None if seqused_k is None else seqused_k.contiguous(), None, None, None, None,
-        _tile_counter(q.device) if cfg.schedules_dynamically else None)
+        _tile_counter(q.device) if cfg.schedules_dynamically else None, *sink)
 
 
 _TABLES: dict = {}
@@ -305,19 +329,21 @@ def backward_config(head_dim: int, causal: bool, deterministic: bool,
 
 
 def _backward_kernels(dtype_name, head_dim, causal, has_left, has_right, cfg, varlen,
-                      has_seqused_k) -> dict:
+                      has_seqused_k, softcap: float = 0.0) -> dict:
     from fa4_final.common.bwd_post import BackwardPost, VarlenBackwardPost
     from fa4_final.common.bwd_pre import BackwardPre, VarlenBackwardPre
     from fa4_final.hopper.bwd import HopperBackward, HopperVarlenBackward
 
     dt = CUTLASS_BY_NAME[dtype_name]
+    extra = dict(softcap=softcap) if softcap else {}  # Note [Softcap]
     if varlen:
         main = HopperVarlenBackward(dt, head_dim, causal, cfg, has_window_left=has_left,
-                                    has_window_right=has_right, has_seqused_k=has_seqused_k)
+                                    has_window_right=has_right, has_seqused_k=has_seqused_k,
+                                    **extra)
         pre = VarlenBackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic)
         return {"pre": pre, "main": main, "post": VarlenBackwardPost(main)}
     main = HopperBackward(dt, head_dim, causal, cfg, has_window_left=has_left,
-                          has_window_right=has_right)
+                          has_window_right=has_right, **extra)
     pre = BackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic)
     return {"pre": pre, "main": main, "post": BackwardPost(main)}
 
@@ -346,13 +372,17 @@ def backward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = Fal
                     config: HopperBwdConfig | None = None, deterministic: bool = False,
                     has_window_left: bool = False, has_window_right: bool = False,
                     varlen: bool = False, has_seqused_k: bool = False,
-                    arch: str = ARCH) -> Recipe:
-    """The backward's three kernels ("pre", "main", "post"), dense or varlen."""
+                    arch: str = ARCH, softcap: float = 0.0) -> Recipe:
+    """The backward's three kernels ("pre", "main", "post"), dense or varlen; ``softcap``
+    (0.0: none) builds the main kernel of Note [Softcap]. A learnable sink changes no kernel:
+    its gradient is sink_gradient's (fa4_final.common.backward)."""
     _check_target(dtype, arch, "backward")
     cfg = backward_config(head_dim, causal, deterministic, config)
+    if softcap and config is None:
+        cfg = hopper_bwd_softcap(cfg, head_dim, causal)
     has_seqused_k = varlen and has_seqused_k
     kernels = _backward_kernels(dtype, head_dim, causal, has_window_left, has_window_right, cfg,
-                                varlen, has_seqused_k)
+                                varlen, has_seqused_k, softcap)
     if varlen:
         return Recipe("bwd", ARCH, kernels,
                       lambda role: _varlen_fake_args(dtype, head_dim, has_seqused_k)[role], cfg)
