@@ -72,3 +72,22 @@ def launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal: bool,
     kernels["main"](q, k, v, dout, lse2, delta, accum, dk, dv, turn, softmax_scale, left or 0,
                     right or 0)
     kernels["post"](accum, dq, softmax_scale)
+
+
+def sink_gradient(learnable_sink, lse, out, dout, dlse=None):
+    """d loss / d learnable_sink (heads,) in the sink's dtype, FA4's formula
+    (Note [Learnable sink] in fa4_final.common.softmax): -sum over a head's rows of
+    exp(sink - lse) * (rowsum(dout * out) - dlse), a row with lse = -inf counting exp(...) as
+    1. Dense: lse (b, h, s_q), out and dout (b, s_q, h, D); varlen: lse (h, total_q), out and
+    dout (total_q, h, D); dlse like lse or None. The kernels need no change for the sink (P =
+    exp(s - lse) with the forward's lse is already right), so this runs as a few torch ops
+    beside them, in float32; it reads out and dout once more than bwd_pre does."""
+    delta = (out.float() * dout.float()).sum(-1).transpose(-1, -2)  # like lse
+    if dlse is not None:
+        delta = delta - dlse.float()
+    heads = learnable_sink.shape[0]
+    sink = learnable_sink.float().view(heads, 1) if lse.dim() == 2 else \
+        learnable_sink.float().view(1, heads, 1)
+    p_sink = torch.where(torch.isneginf(lse), torch.ones_like(lse), torch.exp(sink - lse))
+    rows = (1,) if lse.dim() == 2 else (0, 2)
+    return (-(p_sink * delta).sum(dim=rows)).to(learnable_sink.dtype)

@@ -21,11 +21,13 @@ Two compile-time knobs change the step without restructuring it (0 means the pla
   max) and the vote only decides whether the warp multiplies O.
 """
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from fa4_final.common.constants import LN_2
+from fa4_final.common.constants import LN_2, LOG2_E
 from fa4_final.common.fast_math import exp2_at
 from fa4_final.common.fragments import THREADS_PER_ROW, acc_rows_cols, tree_reduce
 
@@ -296,17 +298,87 @@ class OnlineSoftmax:
                 o[r, c] = o[r, c] * row_scale[r]
 
     @cute.jit
-    def finalize(self) -> tuple:
+    def finalize(self, sink=None) -> tuple:
         """(1 / l, lse) per row after reducing the partial sums over the row's lanes; a row that
-        saw no key gets (0, -inf), so out = 0 and lse = -inf."""
+        saw no key gets (0, -inf), so out = 0 and lse = -inf. ``sink``: the head's learnable
+        sink logit (Float32, natural-log units), folded into l and lse
+        (Note [Learnable sink]); None compiles the plain step."""
         inv_sum = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             total = self._quad_sum(self.row_sum[r])
+            max_scaled = self.row_max[r] * self.scale_log2
+            if const_expr(sink is not None):
+                total, max_scaled = fold_sink(total, max_scaled, self.row_max[r], sink)
             seen = total > Float32(0.0)
             safe_total = total if seen else Float32(1.0)
             inv_sum[r] = cute.arch.rcp_approx(safe_total) if seen else Float32(0.0)
-            log2_sum = self.row_max[r] * self.scale_log2 + cute.math.log2(safe_total,
-                                                                          fastmath=True)
+            log2_sum = max_scaled + cute.math.log2(safe_total, fastmath=True)
             lse[r] = log2_sum * LN_2 if seen else -Float32.inf
         return inv_sum, lse
+
+
+# Note [Learnable sink]
+# A learnable sink (FA4's ``learnable_sink``, gpt-oss's attention sinks) is one extra logit per
+# query head, ``sink[h]`` in natural-log units (not multiplied by the softmax scale, not
+# softcapped), that joins every row's softmax denominator and carries no value:
+#     out_i = sum_j exp(s_ij - lse_i) v_j,   lse_i = log(exp(sink) + sum_j exp(s_ij))
+# so a row's probabilities sum to 1 - exp(sink - lse_i) and lse includes the sink. The running
+# max and sum of the KV loop never see it: it enters once, when the row is finalised, as
+# 2^(sink log2 e - m scale_log2) added to l (one FFMA and one MUFU.EX2 per row), against the
+# max the row's sum was taken with. A row that saw no key (m = -inf) has the sink as its only
+# column: its sum becomes 1 against a max of sink log2 e, so out = 0 and lse = sink, as FA4.
+# A -inf sink (FA4's padded heads) adds 2^(-inf) = 0 to a row with keys; to a row without any
+# it adds 2^NaN, and NaN > 0 is false: out = 0, lse = -inf. The backward needs no new kernel
+# code for q, k, v: P = exp(s - lse) with this lse is already the right probability. The sink's
+# own gradient is d sink[h] = sum over rows of h of -exp(sink[h] - lse_i) * (delta_i - dlse_i),
+# with delta_i = rowsum(dO_i * O_i) (a row without keys: exp(sink - lse) = 1).
+
+
+@cute.jit
+def fold_sink(total: Float32, max_scaled: Float32, row_max: Float32, sink: Float32) -> tuple:
+    """(row sum, max * scale_log2) of one row with the sink logit folded in
+    (Note [Learnable sink])."""
+    if row_max == -Float32.inf:
+        max_scaled = sink * Float32(LOG2_E)
+    total = total + cute.math.exp2(sink * Float32(LOG2_E) - max_scaled, fastmath=True)
+    return total, max_scaled
+
+
+# Note [Softcap]
+# FA4's ``softcap`` (Gemma 2's logit soft-capping): with c > 0 the score that enters the softmax
+# is c * tanh(scale * q.k / c) instead of scale * q.k, so every logit lies in (-c, c); c = 0
+# means no cap. The scale is applied before the cap, as FA4 orders it (its softcap is a score
+# modifier applied to the scaled score, before the mask). The kernel keeps the softmax step
+# as it is by moving the constants: it stores t = tanh(q.k * (scale / c)) in the score tile (one
+# FMUL and one MUFU.TANH per score) and runs the online softmax with scale_log2 = c * log2 e,
+# so 2^(t * c log2 e - m) = exp(c t - m'): the max is taken over t, which is monotone in the
+# capped score since c > 0, and lse = (m scale_log2 + log2 l) ln 2 is the capped lse. The cap
+# comes before the mask, so masked scores stay -inf (tanh would send them to -1). c is a
+# compile-time constant of the build (FA4 bakes it into its compiled score modifier too); the
+# run-time softmax_scale / c is the multiplier before tanh. The tanh is tanh.approx.f32 (its
+# relative error is about 2^-11): a capped logit near c carries an absolute error up to about
+# c * 2^-11, which the probabilities see as a relative error of the same size. The backward
+# needs dS * d(capped score)/d(q.k) = dS * scale * (1 - t^2): the t of each score is
+# recomputed there, nothing more is stored. The API refuses softcap != 0 and learnable_sink
+# (fa4_final.api.interface) until these builds have passed their tests on a Hopper GPU: no call
+# of a user reaches them before that.
+
+
+def check_softcap(softcap) -> float:
+    """A kernel's softcap as a Python float: 0.0 (no cap) or a finite positive number, else
+    TypeError / ValueError naming the value (Note [Softcap])."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0.0 = no cap), got {softcap!r}")
+    softcap = float(softcap)
+    if not (softcap == 0.0 or (softcap > 0.0 and math.isfinite(softcap))):
+        raise ValueError(f"softcap must be 0.0 (no cap) or a finite number > 0, got {softcap!r}")
+    return softcap
+
+
+@cute.jit
+def softcap_scores(acc_s: cute.Tensor, cap_scale: Float32) -> None:
+    """In place: s <- tanh(s * cap_scale), cap_scale = softmax_scale / softcap
+    (Note [Softcap]); one FMUL and one MUFU.TANH per score."""
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        acc_s[i] = cute.math.tanh(acc_s[i] * cap_scale, approx=True)

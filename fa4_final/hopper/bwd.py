@@ -55,6 +55,7 @@ from fa4_final.common.pipelines import PipelineSpec, tma_async_pipeline
 from fa4_final.common.register_plan import check_role_registers
 from fa4_final.common.schedule import lane_here, varlen_locate
 from fa4_final.common.seqlens import sequence_slab, store_rows
+from fa4_final.common.softmax import check_softcap, softcap_scores
 from fa4_final.common.tiles import TileWindow
 from fa4_final.hopper.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
 from fa4_final.hopper.wgmma import issue_wgmma
@@ -115,8 +116,13 @@ class HopperBackward:
     has_seqused_k = False
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperBwdConfig,
-                 has_window_left: bool = False, has_window_right: bool = False):
+                 has_window_left: bool = False, has_window_right: bool = False,
+                 softcap: float = 0.0):
         config.check(head_dim)
+        # Note [Softcap] (fa4_final.common.softmax): a compile-time variant; 0.0 compiles exactly
+        # the kernel without it. A learnable sink needs nothing here: P = exp(s - lse) with the
+        # forward's lse is already right (Note [Learnable sink]); its gradient is the host's.
+        self.softcap = check_softcap(softcap)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal)
@@ -151,8 +157,9 @@ class HopperBackward:
         )
 
     def cache_key(self) -> tuple:
-        return (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
-                self.window, self.cfg)
+        key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
+               self.window, self.cfg)
+        return key + (("softcap", self.softcap),) if self.softcap else key
 
     # ------------------------------------------------------------------------------------------
     # layouts and MMAs (also used by fa4_final.common.bwd_post to read the dQ accumulator back)
@@ -300,11 +307,18 @@ class HopperBackward:
         self.kernel(
             tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, mLSE2, mDelta, mdQaccum, mTurn,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk, tma_atom_dv,
-            softmax_scale, softmax_scale * LOG2_E, window_left, window_right, mQ.shape[2],
+            softmax_scale, self.score_scale(softmax_scale), window_left, window_right, mQ.shape[2],
             sQ_layout, sK_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq,
             bytes_q + bytes_row, bytes_kv, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
             mdK_rows, mdV_rows,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def score_scale(self, softmax_scale):
+        """The kernel's scale_log2 argument: scale * log2 e, or with a softcap the multiplier
+        of q.k before tanh, scale / softcap (Note [Softcap])."""
+        if const_expr(self.softcap):
+            return softmax_scale * Float32(1.0 / self.softcap)
+        return softmax_scale * LOG2_E
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -601,8 +615,12 @@ class HopperBackward:
             mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do, pipeline_kv, softmax_scale,
             scale_log2, window_left, window_right, n_block, head_kv, b, seqlen_q, seqlen_k,
             work, seq=None, mdK_rows=None, mdV_rows=None):
-        """MMA warpgroups: every step of the CTA, then the dK, dV epilogue."""
+        """MMA warpgroups: every step of the CTA, then the dK, dV epilogue. With a softcap,
+        ``scale_log2`` carries scale / softcap (Note [Softcap])."""
         m_min, m_max, n_first, n_last, _, group = work
+        cap_scale = None
+        if const_expr(self.softcap):
+            cap_scale, scale_log2 = scale_log2, Float32(self.softcap * LOG2_E)
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 255
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -653,7 +671,7 @@ class HopperBackward:
         step = lambda m_block, masked, sq_: self.step(  # noqa: E731
             m_block, masked, wg, sq_, ops, acc_dv, acc_dk, shape_st, shape_a, sLSE,
             sDelta, thr_sdp, tScS, t0ScS, mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do,
-            scale_log2, window_left, window_right, n_block, seqlen_q, seqlen_k)
+            scale_log2, window_left, window_right, n_block, seqlen_q, seqlen_k, cap_scale)
         # Split the range, not the body: masked steps, unmasked steps, masked steps
         first_end = m_min + n_first
         last_start = cutlass.max(m_max - n_last, first_end)
@@ -669,11 +687,22 @@ class HopperBackward:
                       softmax_scale, tidx, n_block, head_kv, b, seq, seqlen_k, mdK_rows,
                       mdV_rows)
 
+    # Note [Softcap in the backward]
+    # With a softcap (Note [Softcap] in fa4_final.common.softmax) the score is c t, t = tanh(q.k
+    # scale / c), and dS needs the chain rule's factor 1 - t^2 next to P = 2^(t c log2 e - lse):
+    # dS = P (dP - delta) (1 - t^2); the dK epilogue and bwd_post then multiply by the scale as
+    # they do without a cap. Keeping 1 - t^2 for the whole tile beside P and dP costs a register
+    # tile (32 more per thread at D = 128) and spilled; so this build keeps t in S^T until dP^T
+    # is done and then computes P, its dS term and the factor element by element: no tile more,
+    # but the exponentials no longer run under the dP^T GEMM. The mask writes -inf over t; its
+    # t^2 is clamped to 1, so 1 - t^2 = 0 and P = 0 give 0, never 0 * -inf = NaN (tanh keeps
+    # every other t^2 <= 1). Nothing is stored by the forward for it.
+
     @cute.jit
     def step(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv, acc_dk,
              shape_st, shape_a, sLSE, sDelta, thr_sdp, tScS, t0ScS, mma_sdp, mma_dkv,
              mma_dq, pipeline_q, pipeline_do, scale_log2, window_left, window_right, n_block,
-             seqlen_q, seqlen_k):
+             seqlen_q, seqlen_k, cap_scale=None):
         """One query tile against this warpgroup's 64 keys: the five GEMMs of the module
         docstring. A fresh accumulator for S, dP and dQ each step: their registers die within
         the step, so ptxas never serialises a wgmma to keep them (Note [Fresh accumulators])."""
@@ -687,27 +716,46 @@ class HopperBackward:
         pipeline_do.consumer_wait(state_q)
         acc_dp = cute.make_rmem_tensor(shape_st, Float32)
         self.wgmma(mma_sdp, acc_dp, tdPrV, tdPrdO[None, None, None, stage], False)  # dP^T
-        lse = self.column_values(thr_sdp, sLSE, stage)
+        capped = const_expr(cap_scale is not None)
+        if const_expr(not capped):
+            lse = self.column_values(thr_sdp, sLSE, stage)
         warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+        if const_expr(capped):  # Note [Softcap]: S^T <- t = tanh(q.k scale / softcap)
+            softcap_scores(acc_s, cap_scale)
         if const_expr(masked):
             self.mask(acc_s, tScS, t0ScS, n_block, m_block, seqlen_q, seqlen_k, window_left,
                       window_right)
         s = acc_rows_cols(acc_s)
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            lse_c = lse[0, c]
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse_c, fastmath=True)
-        # P^T and dS^T as the A operands of dV += P^T dO, dK += dS^T Q: the same registers in
-        # A-fragment order (fragments.acc_as_a_operand), converted to the input dtype
         rP = cute.make_rmem_tensor(shape_a, self.dtype)
-        _convert(acc_as_a_operand(acc_s), rP)
+        if const_expr(not capped):
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                lse_c = lse[0, c]
+                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                    s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse_c, fastmath=True)
+            # P^T and dS^T as the A operands of dV += P^T dO, dK += dS^T Q: the same registers
+            # in A-fragment order (fragments.acc_as_a_operand), converted to the input dtype
+            _convert(acc_as_a_operand(acc_s), rP)
         delta = self.column_values(thr_sdp, sDelta, stage)
         warpgroup.wait_group(0)  # dP^T is ready
+        if const_expr(capped):  # read here, not across the tanh pass (register pressure)
+            lse = self.column_values(thr_sdp, sLSE, stage)
         dp = acc_rows_cols(acc_dp)
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
             delta_c = delta[0, c]
+            if const_expr(capped):
+                lse_c = lse[0, c]
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-                dp[r, c] = s[r, c] * (dp[r, c] - delta_c)
+                if const_expr(not capped):
+                    dp[r, c] = s[r, c] * (dp[r, c] - delta_c)
+                else:
+                    # P, its dS term and 1 - t^2 at once (Note [Softcap in the backward])
+                    t = s[r, c]
+                    p = cute.math.exp2(t * scale_log2 - lse_c, fastmath=True)
+                    s[r, c] = p
+                    dp[r, c] = p * (dp[r, c] - delta_c) * (
+                        Float32(1.0) - cute.arch.fmin(t * t, Float32(1.0)))
+        if const_expr(capped):
+            _convert(acc_as_a_operand(acc_s), rP)
         rdS = cute.make_rmem_tensor(shape_a, self.dtype)
         _convert(acc_as_a_operand(acc_dp), rdS)
         if const_expr(self.cfg.stages_ds == 1):  # the other warpgroup's last dQ GEMM read dS
@@ -851,8 +899,9 @@ class HopperVarlenBackward(HopperBackward):
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperBwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False,
-                 has_seqused_k: bool = False):
-        super().__init__(dtype, head_dim, causal, config, has_window_left, has_window_right)
+                 has_seqused_k: bool = False, softcap: float = 0.0):
+        super().__init__(dtype, head_dim, causal, config, has_window_left, has_window_right,
+                         softcap)
         self.has_seqused_k = bool(has_seqused_k)
 
     def cache_key(self) -> tuple:

@@ -65,7 +65,7 @@ from fa4_final.common.schedule import (
     zigzag_tile,
 )
 from fa4_final.common.seqlens import Sequences, store_rows
-from fa4_final.common.softmax import OnlineSoftmax
+from fa4_final.common.softmax import OnlineSoftmax, check_softcap, softcap_scores
 from fa4_final.common.tiles import TileWindow, clip_range, kv_tile_range
 from fa4_final.common.timeline import Mark, mark
 from fa4_final.hopper.config import HopperFwdConfig
@@ -98,8 +98,14 @@ class HopperForward:
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperFwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False,
-                 varlen: bool = False, has_seqused_k: bool = False):
+                 varlen: bool = False, has_seqused_k: bool = False, softcap: float = 0.0,
+                 sink_dtype=None):
         config.check(head_dim)
+        # Note [Softcap] and Note [Learnable sink] (fa4_final.common.softmax): compile-time
+        # variants; 0.0 and False compile exactly the kernel without them
+        self.softcap = check_softcap(softcap)
+        self.sink_dtype = sink_dtype  # the learnable sink's element type, or None: no sink
+        self.has_sink = sink_dtype is not None
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal)
@@ -152,7 +158,10 @@ class HopperForward:
     def cache_key(self) -> tuple:
         key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
                self.window, self.cfg)
-        return key + (("varlen", self.has_seqused_k),) if self.varlen else key
+        key = key + (("varlen", self.has_seqused_k),) if self.varlen else key
+        if self.softcap:
+            key = key + (("softcap", self.softcap),)
+        return key + (("sink", self.sink_dtype.__name__),) if self.has_sink else key
 
     def fields(self) -> int:
         """int32 per table entry: the tile, or (Note [Split tail]) the tile and its piece."""
@@ -218,6 +227,7 @@ class HopperForward:
         mCounters: cute.Tensor | None,  # split tail: (slots,) int32, zero before the launch
         mTileCounter: cute.Tensor | None,  # "dynamic": (1,) int32, zero before the launch
         stream,
+        mSink: cute.Tensor | None = None,  # has_sink: (heads,) fp32/fp16/bf16 logits; else None
     ):
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                            == mO.element_type == self.dtype)):
@@ -238,6 +248,15 @@ class HopperForward:
         if const_expr(self.dynamic != (mTileCounter is not None)):
             raise TypeError("the tile counter is given exactly to a build whose schedule is "
                             "'dynamic' (Note [Dynamic tiles])")
+        if const_expr(self.has_sink != (mSink is not None)):
+            raise TypeError("learnable_sink is given exactly to a build with a sink_dtype")
+        if const_expr(self.has_sink and mSink.element_type != self.sink_dtype):
+            raise TypeError(f"learnable_sink must be {self.sink_dtype} in this build")
+        # the kernel's scale_log2 argument: the softmax's scale in the log2 domain, or with a
+        # softcap the multiplier of the scores before tanh (Note [Softcap])
+        score_scale = softmax_scale * LOG2_E
+        if const_expr(self.softcap):
+            score_scale = softmax_scale * Float32(1.0 / self.softcap)
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = select_modes(mLSE, [2, 1, 0])  # (s, h, b)
@@ -295,10 +314,10 @@ class HopperForward:
         self.kernel(
             tma_q, tma_k, tma_v, tma_o, mLSE, mTL,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
-            softmax_scale * LOG2_E, window_left, window_right, l2_group,
+            score_scale, window_left, window_right, l2_group,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
             bytes_q, bytes_kv, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mO_rows,
-            mTileTable, mPartO, mPartML, mCounters, mTileCounter,
+            mTileTable, mPartO, mPartML, mCounters, mTileCounter, mSink,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -339,6 +358,7 @@ class HopperForward:
         mPartML: cute.Tensor | None,
         mCounters: cute.Tensor | None,
         mTileCounter: cute.Tensor | None,  # Note [Dynamic tiles]
+        mSink: cute.Tensor | None,  # Note [Learnable sink]
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -399,7 +419,7 @@ class HopperForward:
                     cute.make_layout(2)))
             self.consume(mO, mLSE, mTL, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                          pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left,
-                         window_right, seqs(), mO_rows, mTileTable, split, tiles)
+                         window_right, seqs(), mO_rows, mTileTable, split, tiles, mSink)
 
     # Note [Forward phases]
     # Each stage has a FULL and an EMPTY mbarrier; PipelineState walks a ring (index = count %
@@ -559,10 +579,12 @@ class HopperForward:
     def consume(self, mO, mLSE, tl, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, seqs: Sequences, mO_rows: cute.Tensor | None,
-                mTileTable: cute.Tensor | None, split, tiles=None):
+                mTileTable: cute.Tensor | None, split, tiles=None, mSink=None):
         """Consumer warpgroups: every tile (or piece of one: Note [Split tail]; ``split`` is
         then its workspace) of this CTA, then the O store's tail. ``tiles``: the ring the
-        producer hands the tiles through (Note [Dynamic tiles])."""
+        producer hands the tiles through (Note [Dynamic tiles]). ``mSink``: the heads' sink
+        logits (Note [Learnable sink]). With a softcap, ``scale_log2`` carries the scores'
+        multiplier before tanh (Note [Softcap])."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. num_consumer_threads - 1
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -586,6 +608,11 @@ class HopperForward:
         tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((self.tile_m, self.tile_n)),
                                      self.dtype)
         tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
+        cap = None  # Note [Softcap]: scores -> tanh(scores * scale / softcap), in place
+        if const_expr(self.softcap):
+            cap_scale = scale_log2
+            cap = lambda acc: softcap_scores(acc, cap_scale)  # noqa: E731
+            scale_log2 = Float32(self.softcap * LOG2_E)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_rows_cols(acc_o), mode=[0]),
                                 self.cfg.exp2_emulation_fraction, self.cfg.rescale_threshold,
                                 skip_unchanged=self.cfg.rescale_skip_unchanged)
@@ -603,7 +630,7 @@ class HopperForward:
             tl, record & (r == 0), tile, r == 0, last, mO, mLSE, sO, tma_atom_o, tiled_mma_qk,
             tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tScS,
             t0ScS, softmax, pipeline_q, pipeline_k, pipeline_v, sq, sk, sv, window_left,
-            window_right, seqs, mO_rows, piece, split)
+            window_right, seqs, mO_rows, piece, split, cap, mSink)
         if const_expr(tiles is not None):
             _, full, empty, slots = tiles
             r = Int32(0)
@@ -631,11 +658,15 @@ class HopperForward:
                      tiled_mma_qk, tiled_mma_pv, thr_mma_pv, wg, tidx, acc_s, acc_o, tOrP, tSrQ,
                      tSrK, tOrVt, tScS, t0ScS, softmax, pipeline_q, pipeline_k, pipeline_v,
                      state_q, state_k, state_v, window_left, window_right, seqs, mO_rows,
-                     piece, split):
+                     piece, split, cap=None, mSink=None):
         """One tile: its KV loop and its epilogue. ``first_tile`` / ``last_tile``: of this
-        CTA (Note [Turns]). ``piece``: its key range and slot (Note [Split tail])."""
+        CTA (Note [Turns]). ``piece``: its key range and slot (Note [Split tail]). ``cap``:
+        the softcap of a score tile, ``mSink`` the sink logits (both None when not built)."""
         w = seqs.tile(tile)
         m_block, head, seqlen_q, seqlen_k = w.m_block, w.head, w.seqlen_q, w.seqlen_k
+        sink = None  # read before the KV loop, so its latency hides behind it
+        if const_expr(mSink is not None):
+            sink = Float32(mSink[head])
         n_min, n_max, n_top, n_bottom = kv_tile_range(self.window, m_block, seqlen_q,
                                                       seqlen_k, window_left, window_right)
         n_lo, n_hi, slot, first_slot, pieces = piece
@@ -652,12 +683,13 @@ class HopperForward:
         if n_tiles > 0:
             if const_expr(self.cfg.intra_wg_overlap):
                 state_k, state_v = self.mainloop_overlap(
-                    tl, record, wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask, softmax,
+                    tl, record, wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask, cap,
+                    softmax,
                     acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv,
                     pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v)
             else:
                 state_k, state_v = self.mainloop_serial(
-                    wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask, softmax,
+                    wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask, cap, softmax,
                     acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv,
                     pipeline_q, pipeline_k, pipeline_v, state_q, state_k, state_v)
         else:  # no visible key: out = 0, and one empty turn keeps the turn count fixed
@@ -675,16 +707,16 @@ class HopperForward:
                 store = self.merge_pieces(acc_o, softmax, split, tidx, slot, first_slot, pieces)
             if store:
                 self.epilogue(acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv, tidx,
-                              m_block, seqlen_q, gO_rows)
+                              m_block, seqlen_q, gO_rows, sink)
         else:
             self.epilogue(acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv, tidx,
-                          m_block, seqlen_q, gO_rows)
+                          m_block, seqlen_q, gO_rows, sink)
         state_q.advance()
         return state_q, state_k, state_v
 
     @cute.jit
     def mainloop_overlap(self, tl, record, wg, first_tile, last_tile, n_tiles, n_top, n_bottom,
-                         mask,
+                         mask, cap,
                          softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                          tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, state_q, state_k,
                          state_v):
@@ -702,6 +734,8 @@ class HopperForward:
         mark(timeline, tl, record, role, 0, Mark.S_READY)
         pipeline_k.consumer_release(state_k)
         state_k.advance()
+        if const_expr(cap is not None):
+            cap(s)  # before the mask: a masked score stays -inf (Note [Softcap])
         # the first tile visited holds the diagonal or the keys past seqlen_k: mask it always
         mask(s, 0, self.window.has_left)
         row_scale, rescale = softmax.update(s, is_first=True)
@@ -713,8 +747,8 @@ class HopperForward:
         pending.store(row_scale.load())
 
         step = lambda i, masked, left, sk, sv, pend: self.overlap_step(  # noqa: E731
-            tl, record, i, masked, left, wg, mask, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt,
-            tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, sk, sv, pending, pend)
+            tl, record, i, masked, left, wg, mask, cap, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK,
+            tOrVt, tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, sk, sv, pending, pend)
         # Split the range, not the body: the tiles that need a mask, then those that do not,
         # then (sliding window) those masked on the left. Each loop runs one step function.
         top_end = 1  # without a causal diagonal or window only the first tile needs a mask
@@ -772,7 +806,7 @@ class HopperForward:
     @cute.jit
     def overlap_step(self, tl, record, i, masked: cutlass.Constexpr[bool],
                      left: cutlass.Constexpr[bool],
-                     wg, mask, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
+                     wg, mask, cap, softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                      tiled_mma_pv, pipeline_k, pipeline_v, state_k, state_v, pending,
                      pending_rescale):
         """One steady-state turn: issue S_i and P_{i-1} V_{i-1}, softmax S_i under the P V."""
@@ -788,6 +822,8 @@ class HopperForward:
         mark(timeline, tl, record, role, i, Mark.S_READY)
         pipeline_k.consumer_release(state_k)
         state_k.advance()
+        if const_expr(cap is not None):
+            cap(s)
         if const_expr(masked):
             mask(s, i, left)
         row_scale, rescale, max_scaled = softmax.new_max(s, is_first=False)
@@ -813,7 +849,7 @@ class HopperForward:
         self.wgmma(tiled_mma_pv, acc_o, tOrP, tOrVt[None, None, None, state_v.index], True)
 
     @cute.jit
-    def mainloop_serial(self, wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask,
+    def mainloop_serial(self, wg, first_tile, last_tile, n_tiles, n_top, n_bottom, mask, cap,
                         softmax, acc_s, acc_o, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk,
                         tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, state_q, state_k,
                         state_v):
@@ -828,6 +864,8 @@ class HopperForward:
             state_k.advance()
             if i == n_tiles - 1:
                 pipeline_q.consumer_release(state_q)
+            if const_expr(cap is not None):
+                cap(acc_s)
             if (i < n_top) | (i >= n_tiles - n_bottom) | (i == 0):
                 mask(acc_s, i, self.window.has_left)
             row_scale, rescale = softmax.update(acc_s, is_first=False)
@@ -894,11 +932,11 @@ class HopperForward:
     @cute.jit
     def epilogue(self, acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv,
                  tidx: Int32, m_block: Int32, seqlen_q: Int32,
-                 gO_rows: cute.Tensor | None = None):
+                 gO_rows: cute.Tensor | None = None, sink=None):
         """out = O / l and lse to global memory. O goes registers -> shared (stmatrix) -> one TMA
         store, which clips rows past seqlen_q; lse is written directly. Varlen (``gO_rows``):
         Note [Varlen epilogue]."""
-        inv_sum, lse = softmax.finalize()
+        inv_sum, lse = softmax.finalize(sink)  # Note [Learnable sink]: folded in here
         o = acc_rows_cols(acc_o)
         for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
             for c in cutlass.range(cute.size(o, mode=[1]), unroll_full=True):
