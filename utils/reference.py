@@ -160,3 +160,104 @@ def random_qkv(
     k = draw(batch, seqlen_k, heads_kv, dim)
     v = draw(batch, seqlen_k, heads_kv, dim)
     return q, k, v, seed
+
+
+# FA4's softcap and learnable sink (fa4_final.common.softmax, Note [Softcap] and
+# Note [Learnable sink]), in float64, differentiable by torch.autograd.
+
+
+def capped_scores(q, k, softmax_scale: float, softcap: float = 0.0, dtype=torch.float64):
+    """(b, h, sq, sk) scores of q (b, sq, h, d) against k (b, sk, hk, d): scale * q.k, or with
+    ``softcap`` > 0 softcap * tanh(scale * q.k / softcap) (the scale first, then the cap, as
+    FA4's softcap score modifier); GQA by repeating k's heads. Differentiable."""
+    h, hk = q.shape[2], k.shape[2]
+    qf, kf = (t.to(dtype).transpose(1, 2) for t in (q, k))
+    if hk != h:
+        kf = kf.repeat_interleave(h // hk, dim=1)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * softmax_scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    return s
+
+
+def attention_reference_features(q, k, v, causal: bool = False, softmax_scale=None,
+                                 softcap: float = 0.0, learnable_sink=None, window_size=None,
+                                 dtype=torch.float64):
+    """(out, lse) of FA4's attention with ``softcap`` (0.0: none) and ``learnable_sink`` (None
+    or (heads,): one extra logit per query head in every row's softmax denominator, natural-log
+    units, no value), in float64 and differentiable in q, k, v and the sink:
+
+        out_i = sum_j exp(s_ij - lse_i) v_j,  lse_i = log(exp(sink_h) + sum_j exp(s_ij))
+
+    with s the capped scores (capped_scores) and masked keys left out. A row that sees no key
+    gets out = 0 and lse = sink (-inf without a sink), as FA4. Without both it equals
+    attention_reference."""
+    b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    s = capped_scores(q, k, scale, softcap, dtype)  # (b, h, sq, sk)
+    if causal or window_size is not None:
+        visible = causal_mask(sq, sk, s.device, fa4_sides(causal, window_size))
+        s = s.masked_fill(~visible, float("-inf"))
+    columns = s
+    if learnable_sink is not None:
+        sink = learnable_sink.to(dtype=dtype, device=s.device).view(1, h, 1, 1)
+        columns = torch.cat([s, sink.expand(b, h, sq, 1)], dim=-1)
+    lse = torch.logsumexp(columns, dim=-1)  # (b, h, sq); -inf for an empty row without sink
+    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - lse_safe[..., None])  # masked keys: exp(-inf) = 0
+    vf = v.to(dtype).transpose(1, 2)
+    if hk != h:
+        vf = vf.repeat_interleave(h // hk, dim=1)
+    out = torch.matmul(p, vf)
+    return out.transpose(1, 2), lse
+
+
+def attention_backward_features(q, k, v, out, dout, lse, causal: bool = False,
+                                softmax_scale=None, softcap: float = 0.0, learnable_sink=None,
+                                dlse=None, window_size=None):
+    """(dq, dk, dv, dsink) in float64 by the formulas a FlashAttention backward computes
+    from (out, lse), the ones tested against torch.autograd:
+
+        P = exp(s - lse),  dP = dO V^T,  delta_i = rowsum(dO_i * O_i) - dlse_i
+        dS = P * (dP - delta) * (1 - t^2 with a softcap, t = tanh(scale q.k / softcap))
+        dQ = scale dS K,  dK = scale dS^T Q,  dV = P^T dO
+        dsink_h = -sum over the rows of head h of exp(sink_h - lse_i) * delta_i
+
+    (FA4's dsink: a row with lse = -inf counts exp(sink - lse) as 1.) dsink is None without
+    a sink; GQA sums dk, dv over a kv head's query heads."""
+    b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    f64 = torch.float64
+    qf, kf, vf, of, dof = (t.to(f64).transpose(1, 2) for t in (q, k, v, out, dout))
+    if hk != h:
+        kf, vf = (t.repeat_interleave(h // hk, dim=1) for t in (kf, vf))
+    raw = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    s, t = raw, None
+    if softcap:
+        t = torch.tanh(raw / softcap)
+        s = softcap * t
+    if causal or window_size is not None:
+        visible = causal_mask(sq, sk, s.device, fa4_sides(causal, window_size))
+        s = s.masked_fill(~visible, float("-inf"))
+    lse = lse.to(f64)
+    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - lse_safe[..., None])
+    dp = torch.matmul(dof, vf.transpose(-1, -2))
+    delta = (dof * of).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(f64)
+    ds = p * (dp - delta[..., None])
+    if t is not None:
+        ds = ds * (1 - t * t)
+    dq = torch.matmul(ds, kf) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+    dv = torch.matmul(p.transpose(-1, -2), dof)
+    if hk != h:
+        dk, dv = (x.view(b, hk, h // hk, sk, d).sum(2) for x in (dk, dv))
+    dsink = None
+    if learnable_sink is not None:
+        sink = learnable_sink.to(f64).view(1, h, 1)
+        p_sink = torch.where(torch.isfinite(lse), torch.exp(sink - lse_safe),
+                             torch.ones_like(lse))
+        dsink = -(p_sink * delta).sum(dim=(0, 2))
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), dsink

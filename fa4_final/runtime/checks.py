@@ -248,3 +248,45 @@ def check_varlen_values(cu_q: list[int], cu_k: list[int], seqused_k: list[int] |
         if given is not None and given < longest:
             raise ValueError(f"{name} = {given} is less than the longest sequence, {longest}")
     return len_q, used_k
+
+
+# FA4's softcap and learnable_sink (Note [Softcap], Note [Learnable sink] in
+# fa4_final.common.softmax). The API still refuses both (api.interface's _FA4_NEUTRAL) until
+# the kernels that compute them have passed their GPU tests; these are the checks it will run.
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # FA4's _LEARNABLE_SINK_DTYPES
+
+
+def check_softcap(softcap) -> float:
+    """FA4's ``softcap`` as a float: None or 0.0 mean no cap (FA4 reads both so); otherwise a
+    finite number > 0 (the scores become softcap * tanh(scale * q.k / softcap)). A negative,
+    NaN or infinite softcap, a bool or a tensor is refused, naming the value."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a Python float (0.0 or None: no cap; > 0: the cap), "
+                        f"got {softcap!r} of type {type(softcap).__name__}")
+    value = float(softcap)
+    if math.isnan(value) or math.isinf(value) or value < 0.0:
+        raise ValueError(f"softcap must be 0.0 (no cap) or a finite number > 0, got {softcap!r}"
+                         f": the scores become softcap * tanh(scale * q.k / softcap)")
+    return value
+
+
+def check_learnable_sink(learnable_sink, heads: int, device) -> None:
+    """FA4's ``learnable_sink``: None, or a tensor of shape (heads,) (one logit per query head,
+    natural-log units), float32, bfloat16 or float16, on the device of q. Metadata only (it
+    runs while torch.compile traces)."""
+    if learnable_sink is None:
+        return
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor of shape ({heads},) or None, "
+                        f"got {type(learnable_sink).__name__}")
+    if tuple(learnable_sink.shape) != (heads,):
+        raise ValueError(f"learnable_sink must have shape ({heads},): one logit per query head "
+                         f"(q has {heads} heads), got shape {tuple(learnable_sink.shape)}")
+    if learnable_sink.dtype not in SINK_DTYPES:
+        raise TypeError(f"learnable_sink has dtype {learnable_sink.dtype}; accepted: "
+                        f"torch.float32, torch.bfloat16, torch.float16")
+    if learnable_sink.device != torch.device(device):
+        raise ValueError(f"learnable_sink must be on q's device {device}, got "
+                         f"{learnable_sink.device}")
