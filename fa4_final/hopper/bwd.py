@@ -618,9 +618,9 @@ class HopperBackward:
         """MMA warpgroups: every step of the CTA, then the dK, dV epilogue. With a softcap,
         ``scale_log2`` carries scale / softcap (Note [Softcap])."""
         m_min, m_max, n_first, n_last, _, group = work
-        cap_scale = None
+        cap = ()  # passed only to a softcap build: a subclass's step keeps its signature
         if const_expr(self.softcap):
-            cap_scale, scale_log2 = scale_log2, Float32(self.softcap * LOG2_E)
+            cap, scale_log2 = (scale_log2,), Float32(self.softcap * LOG2_E)
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 255
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -671,7 +671,7 @@ class HopperBackward:
         step = lambda m_block, masked, sq_: self.step(  # noqa: E731
             m_block, masked, wg, sq_, ops, acc_dv, acc_dk, shape_st, shape_a, sLSE,
             sDelta, thr_sdp, tScS, t0ScS, mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do,
-            scale_log2, window_left, window_right, n_block, seqlen_q, seqlen_k, cap_scale)
+            scale_log2, window_left, window_right, n_block, seqlen_q, seqlen_k, *cap)
         # Split the range, not the body: masked steps, unmasked steps, masked steps
         first_end = m_min + n_first
         last_start = cutlass.max(m_max - n_last, first_end)
