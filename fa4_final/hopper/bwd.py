@@ -122,7 +122,8 @@ class HopperBackward:
         # Note [Softcap] (fa4_final.common.softmax): a compile-time variant; 0.0 compiles exactly
         # the kernel without it. A learnable sink needs nothing here: P = exp(s - lse) with the
         # forward's lse is already right (Note [Learnable sink]); its gradient is the host's.
-        self.softcap = check_softcap(softcap)
+        # named so that no subclass's own softcap attribute switches this build on
+        self.logit_softcap = check_softcap(softcap)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal)
@@ -159,7 +160,7 @@ class HopperBackward:
     def cache_key(self) -> tuple:
         key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
                self.window, self.cfg)
-        return key + (("softcap", self.softcap),) if self.softcap else key
+        return key + (("softcap", self.logit_softcap),) if self.logit_softcap else key
 
     # ------------------------------------------------------------------------------------------
     # layouts and MMAs (also used by fa4_final.common.bwd_post to read the dQ accumulator back)
@@ -316,8 +317,8 @@ class HopperBackward:
     def score_scale(self, softmax_scale):
         """The kernel's scale_log2 argument: scale * log2 e, or with a softcap the multiplier
         of q.k before tanh, scale / softcap (Note [Softcap])."""
-        if const_expr(self.softcap):
-            return softmax_scale * Float32(1.0 / self.softcap)
+        if const_expr(self.logit_softcap):
+            return softmax_scale * Float32(1.0 / self.logit_softcap)
         return softmax_scale * LOG2_E
 
     # ------------------------------------------------------------------------------------------
@@ -619,8 +620,8 @@ class HopperBackward:
         ``scale_log2`` carries scale / softcap (Note [Softcap])."""
         m_min, m_max, n_first, n_last, _, group = work
         cap = ()  # passed only to a softcap build: a subclass's step keeps its signature
-        if const_expr(self.softcap):
-            cap, scale_log2 = (scale_log2,), Float32(self.softcap * LOG2_E)
+        if const_expr(self.logit_softcap):
+            cap, scale_log2 = (scale_log2,), Float32(self.logit_softcap * LOG2_E)
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 255
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)

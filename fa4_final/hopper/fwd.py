@@ -103,7 +103,8 @@ class HopperForward:
         config.check(head_dim)
         # Note [Softcap] and Note [Learnable sink] (fa4_final.common.softmax): compile-time
         # variants; 0.0 and False compile exactly the kernel without them
-        self.softcap = check_softcap(softcap)
+        # named so that no subclass's own softcap attribute switches this build on
+        self.logit_softcap = check_softcap(softcap)
         self.sink_dtype = sink_dtype  # the learnable sink's element type, or None: no sink
         self.has_sink = sink_dtype is not None
         self.dtype = dtype
@@ -159,8 +160,8 @@ class HopperForward:
         key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
                self.window, self.cfg)
         key = key + (("varlen", self.has_seqused_k),) if self.varlen else key
-        if self.softcap:
-            key = key + (("softcap", self.softcap),)
+        if self.logit_softcap:
+            key = key + (("softcap", self.logit_softcap),)
         return key + (("sink", self.sink_dtype.__name__),) if self.has_sink else key
 
     def fields(self) -> int:
@@ -255,8 +256,8 @@ class HopperForward:
         # the kernel's scale_log2 argument: the softmax's scale in the log2 domain, or with a
         # softcap the multiplier of the scores before tanh (Note [Softcap])
         score_scale = softmax_scale * LOG2_E
-        if const_expr(self.softcap):
-            score_scale = softmax_scale * Float32(1.0 / self.softcap)
+        if const_expr(self.logit_softcap):
+            score_scale = softmax_scale * Float32(1.0 / self.logit_softcap)
         # (b, s, h, d) -> (s, d, h, b): TMA boxes tile modes 0 and 1; head, batch pick the slab
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = select_modes(mLSE, [2, 1, 0])  # (s, h, b)
@@ -609,10 +610,10 @@ class HopperForward:
                                      self.dtype)
         tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
         cap = None  # Note [Softcap]: scores -> tanh(scores * scale / softcap), in place
-        if const_expr(self.softcap):
+        if const_expr(self.logit_softcap):
             cap_scale = scale_log2
             cap = lambda acc: softcap_scores(acc, cap_scale)  # noqa: E731
-            scale_log2 = Float32(self.softcap * LOG2_E)
+            scale_log2 = Float32(self.logit_softcap * LOG2_E)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_rows_cols(acc_o), mode=[0]),
                                 self.cfg.exp2_emulation_fraction, self.cfg.rescale_threshold,
                                 skip_unchanged=self.cfg.rescale_skip_unchanged)
