@@ -3,7 +3,8 @@ defining ``MUTATIONS``: a list of ``Mutation``. tests/test_exercise_mutations.py
 against its checker: the answer must be refused, with the words ``says`` in the message.
 
 Most wrong answers are the reference with one thing changed: ``mutant(reference, old, new)``
-states just that change, so a table entry reads as the mistake it plants."""
+states just that change, so a table entry reads as the mistake it plants; ``planted`` makes an
+exercise's rows."""
 
 from __future__ import annotations
 
@@ -28,6 +29,17 @@ class Mutation:
     reference: object = None  # the exercise's reference: an answer that calls it is refused
     forbid: dict = field(default_factory=dict)  # {helper: why}, as the exercise passes it
     slow: bool = False  # compiles a kernel: run with the slow tests
+
+
+def planted(exercise: str, check, reference=None, forbid: dict | None = None):
+    """The maker of one exercise's table rows: ``_turn = planted("05.5", check, reference,
+    forbid)``, then ``_turn(answer, "words of the message")`` (``slow=True`` where the check
+    compiles a kernel) is one Mutation, one line."""
+
+    def row(answer, says: str, *, slow: bool = False) -> Mutation:
+        return Mutation(exercise, check, answer, says, reference, dict(forbid or {}), slow)
+
+    return row
 
 
 _DIR = Path(tempfile.gettempdir()) / f"course_mutants_{os.getuid()}"

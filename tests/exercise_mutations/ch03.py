@@ -7,7 +7,7 @@ too."""
 import cutlass.cute as cute
 
 from solutions import ch03_cute_basics as ch03
-from tests.exercise_mutations import Mutation, mutant
+from tests.exercise_mutations import mutant, planted
 from utils import layout_plots as lp
 
 
@@ -133,36 +133,33 @@ def epilogue_not_done(tiled_mma, tidx, tCrC, gC, cC, shape):
     raise NotImplementedError("exercise: replace this line with your code")
 
 
-T1 = dict(check=ch03.check_layout_index, reference=ch03.layout_index,
-          forbid=ch03.LAYOUT_INDEX_FORBID)
-T2 = dict(check=ch03.check_thread_coords, reference=ch03.thread_coords,
-          forbid=ch03.THREAD_COORDS_FORBID)
-T3 = dict(check=ch03.check_copy_partition, reference=ch03.copy_partition)
-T4 = dict(check=ch03.check_swizzled_offset, reference=ch03.swizzled_offset,
-          forbid=ch03.SWIZZLE_FORBID)
-T5 = dict(check=ch03.check_store_accumulators, reference=ch03.store_accumulators)
+_layout = planted("03.1", ch03.check_layout_index, ch03.layout_index, ch03.LAYOUT_INDEX_FORBID)
+_coords = planted("03.2", ch03.check_thread_coords, ch03.thread_coords,
+                  ch03.THREAD_COORDS_FORBID)
+_copy = planted("03.3", ch03.check_copy_partition, ch03.copy_partition)
+_swizzle = planted("03.4", ch03.check_swizzled_offset, ch03.swizzled_offset, ch03.SWIZZLE_FORBID)
+_store = planted("03.5", ch03.check_store_accumulators, ch03.store_accumulators)
 
 MUTATIONS = [
-    Mutation("03.1", answer=index_rightmost_fastest, says="leftmost-mode-fastest", **T1),
-    Mutation("03.1", answer=index_int_as_first_mode, says="leftmost-mode-fastest", **T1),
-    Mutation("03.1", answer=index_from_the_plot_helper, says="evaluates the layout for you",
-             **T1),
-    Mutation("03.2", answer=coords_row_major, says="column by column", **T2),
-    Mutation("03.2", answer=coords_sorted, says="wrong order", **T2),
-    Mutation("03.2", answer=coords_from_cute, says="lets CuTe partition the tile", **T2),
-    Mutation("03.3", answer=partition_no_predicate, says="outside the tensor", **T3),
-    Mutation("03.3", answer=partition_rows_only, says="columns", **T3),
-    Mutation("03.3", answer=partition_thread_zero, says="get_slice(tidx)", **T3),
-    Mutation("03.3", answer=partition_not_done, says="not done", **T3),
-    Mutation("03.3", answer=partition_calls_the_reference, says="reference solution", **T3),
-    Mutation("03.4", answer=swizzle_none, says="bank conflict", **T4),
-    Mutation("03.4", answer=swizzle_elements, says="Permute whole 16-byte chunks", **T4),
-    Mutation("03.4", answer=swizzle_by_row_block, says="bank conflict", **T4),
-    Mutation("03.4", answer=swizzle_or_not_xor, says="one-to-one", **T4),
-    Mutation("03.4", answer=swizzle_read_from_cute, says="CuTe's own swizzled layout", **T4),
-    Mutation("03.5", answer=epilogue_no_predicate, says="outside C", **T5),
-    Mutation("03.5", answer=epilogue_rows_only, says="columns", **T5),
-    Mutation("03.5", answer=epilogue_thread_zero, says="get_slice(tidx)", **T5),
-    Mutation("03.5", answer=epilogue_lane_not_thread, says="get_slice(tidx)", **T5),
-    Mutation("03.5", answer=epilogue_not_done, says="not done", **T5),
+    _layout(index_rightmost_fastest, "leftmost-mode-fastest"),
+    _layout(index_int_as_first_mode, "leftmost-mode-fastest"),
+    _layout(index_from_the_plot_helper, "evaluates the layout for you"),
+    _coords(coords_row_major, "column by column"),
+    _coords(coords_sorted, "wrong order"),
+    _coords(coords_from_cute, "lets CuTe partition the tile"),
+    _copy(partition_no_predicate, "outside the tensor"),
+    _copy(partition_rows_only, "columns"),
+    _copy(partition_thread_zero, "get_slice(tidx)"),
+    _copy(partition_not_done, "not done"),
+    _copy(partition_calls_the_reference, "reference solution"),
+    _swizzle(swizzle_none, "bank conflict"),
+    _swizzle(swizzle_elements, "Permute whole 16-byte chunks"),
+    _swizzle(swizzle_by_row_block, "bank conflict"),
+    _swizzle(swizzle_or_not_xor, "one-to-one"),
+    _swizzle(swizzle_read_from_cute, "CuTe's own swizzled layout"),
+    _store(epilogue_no_predicate, "outside C"),
+    _store(epilogue_rows_only, "columns"),
+    _store(epilogue_thread_zero, "get_slice(tidx)"),
+    _store(epilogue_lane_not_thread, "get_slice(tidx)"),
+    _store(epilogue_not_done, "not done"),
 ]

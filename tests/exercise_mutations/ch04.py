@@ -8,7 +8,7 @@ import cutlass.cute as cute
 from solutions import ch04_flash_ampere as fa
 from solutions import ch04_kv_step as kv
 from solutions import ch04_teaching as t4
-from tests.exercise_mutations import Mutation, mutant
+from tests.exercise_mutations import mutant, planted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,34 +212,19 @@ def pv_not_done(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
     raise NotImplementedError("exercise: replace this line with your code")
 
 
-def _qk(answer, says, slow=False):
-    return Mutation("04.3", kv.check_gemm_qk, answer, says, kv.gemm_qk, kv.QK_FORBID, slow)
-
-
-def _softmax(answer, says, slow=False):
-    return Mutation("04.4", kv.check_online_softmax, answer, says, kv.online_softmax,
-                    kv.SOFTMAX_FORBID, slow)
-
-
-def _pv(answer, says, slow=False):
-    return Mutation("04.5", kv.check_gemm_pv, answer, says, kv.gemm_pv, kv.PV_FORBID, slow)
-
-
-def _registers(answer, says, slow=True):
-    return Mutation("04.1", t4.check_registers_needed, answer, says, t4.registers_needed,
-                    t4.REGISTERS_FORBID, slow)
-
-
-def _tiles(answer, says):
-    return Mutation("04.2", t4.check_kv_tiles, answer, says, t4.kv_tiles, t4.KV_TILES_FORBID)
-
+_registers = planted("04.1", t4.check_registers_needed, t4.registers_needed,
+                     t4.REGISTERS_FORBID)
+_tiles = planted("04.2", t4.check_kv_tiles, t4.kv_tiles, t4.KV_TILES_FORBID)
+_qk = planted("04.3", kv.check_gemm_qk, kv.gemm_qk, kv.QK_FORBID)
+_softmax = planted("04.4", kv.check_online_softmax, kv.online_softmax, kv.SOFTMAX_FORBID)
+_pv = planted("04.5", kv.check_gemm_pv, kv.gemm_pv, kv.PV_FORBID)
 
 MUTATIONS = [
-    _registers(registers_accumulators_only, "something large is missing"),
-    _registers(registers_everything_at_once, "not live at the same"),
-    _registers(registers_capped_at_the_limit, "ptxas could not fit it"),
-    _registers(registers_ignore_the_limit, "so fits must be False"),
-    _registers(registers_from_the_model, "the chapter's own model", slow=False),
+    _registers(registers_accumulators_only, "something large is missing", slow=True),
+    _registers(registers_everything_at_once, "not live at the same", slow=True),
+    _registers(registers_capped_at_the_limit, "ptxas could not fit it", slow=True),
+    _registers(registers_ignore_the_limit, "so fits must be False", slow=True),
+    _registers(registers_from_the_model, "the chapter's own model"),
     _tiles(tiles_everything, "some row of the tile sees some key"),
     _tiles(tiles_no_empty_rule, "fully masked step on tile 0"),
     _tiles(tiles_mask_off_by_one, "FIRST row"),

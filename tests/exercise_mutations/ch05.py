@@ -12,7 +12,7 @@ from fa4_final.hopper.wgmma import issue_wgmma
 from solutions import ch05_consumer as c5
 from solutions import ch05_flash_hopper as ch05
 from solutions import ch05_teaching as t5
-from tests.exercise_mutations import Mutation, mutant
+from tests.exercise_mutations import mutant, planted
 
 # ----------------------------------------------------------------------------------------------
 # 05.1: the stage count
@@ -286,30 +286,12 @@ store_from_the_producer_warp = mutant(c5.store_o, "tidx // cute.arch.WARP_SIZE =
 
 
 # ----------------------------------------------------------------------------------------------
-def _stages(answer, says):
-    return Mutation("05.1", t5.check_stages_that_fit, answer, says, t5.stages_that_fit,
-                    STAGES_FORBID)
-
-
-def _producer(answer, says):
-    return Mutation("05.2", t5.check_producer_step, answer, says, t5.producer_step)
-
-
-def _race(answer, says):
-    return Mutation("05.3", t5.check_race_scenarios, answer, says, t5.RACE_SCENARIOS)
-
-
-def _kv(answer, says, slow=False):
-    return Mutation("05.4", t5.check_load_kv, answer, says, t5.load_kv, slow=slow)
-
-
-def _turn(answer, says):
-    return Mutation("05.5", c5.check_gemm_turn, answer, says, c5.gemm_turn, TURN_FORBID)
-
-
-def _store(answer, says):
-    return Mutation("05.6", c5.check_store_o, answer, says, c5.store_o, STORE_FORBID)
-
+_stages = planted("05.1", t5.check_stages_that_fit, t5.stages_that_fit, STAGES_FORBID)
+_producer = planted("05.2", t5.check_producer_step, t5.producer_step)
+_race = planted("05.3", t5.check_race_scenarios, t5.RACE_SCENARIOS)
+_kv = planted("05.4", t5.check_load_kv, t5.load_kv)
+_turn = planted("05.5", c5.check_gemm_turn, c5.gemm_turn, TURN_FORBID)
+_store = planted("05.6", c5.check_store_o, c5.store_o, STORE_FORBID)
 
 MUTATIONS = [
     _stages(stages_one_tile_per_stage, "need"),

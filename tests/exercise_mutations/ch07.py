@@ -8,7 +8,7 @@ import torch
 from cutlass import Float32
 
 from solutions import ch07_rescaling as ch07
-from tests.exercise_mutations import Mutation, mutant
+from tests.exercise_mutations import mutant, planted
 
 # --- 07.2 the decision and the vote -----------------------------------------------------------
 RM, STEP = ch07.running_max, ch07.softmax_step
@@ -133,41 +133,29 @@ def adversarial_steps_of_tau(seqlen_k, tile_n=128, tau=8.0, kv_order="reverse"):
     return _leaders(seqlen_k, tile_n, tau, kv_order)
 
 
-def _m(ex, check, answer, says, reference, forbid=None, slow=False):
-    return Mutation(exercise=ex, check=check, answer=answer, says=says, reference=reference,
-                    forbid=forbid or {}, slow=slow)
-
-
-V = (ch07.check_running_max, ch07.running_max, ch07.FORBID_RUNNING_MAX)
-S = (ch07.check_softmax_step, ch07.softmax_step, ch07.FORBID_STEP)
-F = (ch07.check_finalize, ch07.finalize, ch07.FORBID_FINALIZE)
-A = (ch07.check_adversarial, ch07.adversarial_qkv, ch07.FORBID_ADVERSARIAL)
-
-
-def _mut(ex, spec, answer, says, slow=False):
-    check, reference, forbid = spec
-    return _m(ex, check, answer, says, reference, forbid, slow)
-
+_vote = planted("07.2", ch07.check_running_max, ch07.running_max, ch07.FORBID_RUNNING_MAX)
+_step = planted("07.3", ch07.check_softmax_step, ch07.softmax_step, ch07.FORBID_STEP)
+_end = planted("07.1", ch07.check_finalize, ch07.finalize, ch07.FORBID_FINALIZE)
+_input = planted("07.4", ch07.check_adversarial, ch07.adversarial_qkv, ch07.FORBID_ADVERSARIAL)
 
 MUTATIONS = [
-    _mut("07.2", V, running_max_no_vote, "not the same in every lane"),
-    _mut("07.2", V, running_max_vote_moves_every_row, "the vote decides only O's multiply"),
-    _mut("07.2", V, running_max_exactly_tau_moves, "a growth of exactly tau keeps it"),
-    _mut("07.2", V, running_max_votes_last_row, "moved its max but the warp's vote says skip"),
-    _mut("07.2", V, running_max_adds_growth, "got a NaN max"),
-    _mut("07.2", V, running_max_in_place, "changed row_max or tile_max in place"),
-    _mut("07.2", V, running_max_votes_in_a_branch, "reached vote_any_sync and lanes"),
-    _mut("07.3", S, step_no_alpha_on_l, "its row sum was not multiplied by alpha"),
-    _mut("07.3", S, step_always_multiplies, "yet O was multiplied"),
-    _mut("07.3", S, step_forgets_row_max, "row_max still holds"),
-    _mut("07.3", S, step_exps_against_the_true_max, "p is not 2^(s - m) with the max it keeps"),
-    _mut("07.3", S, step_lanes_decide_alone, "O's multiply diverges within the warp"),
-    _mut("07.3", S, step_max_picked_by_the_vote, "the exponentials wait for the warp to vote",
-         slow=True),
-    _mut("07.1", F, finalize_log2_lse, "lse is off by"),
-    _mut("07.1", F, finalize_divides_by_zero, "NaN in the result"),
-    _mut("07.1", F, finalize_natural_log_of_sum, "lse is off by"),
-    _mut("07.4", A, adversarial_plain_random, "must grow by more than tau"),
-    _mut("07.4", A, adversarial_forward_order, "Remember the kernel order"),
-    _mut("07.4", A, adversarial_steps_of_tau, "must grow by more than tau"),
+    _vote(running_max_no_vote, "not the same in every lane"),
+    _vote(running_max_vote_moves_every_row, "the vote decides only O's multiply"),
+    _vote(running_max_exactly_tau_moves, "a growth of exactly tau keeps it"),
+    _vote(running_max_votes_last_row, "moved its max but the warp's vote says skip"),
+    _vote(running_max_adds_growth, "got a NaN max"),
+    _vote(running_max_in_place, "changed row_max or tile_max in place"),
+    _vote(running_max_votes_in_a_branch, "reached vote_any_sync and lanes"),
+    _step(step_no_alpha_on_l, "its row sum was not multiplied by alpha"),
+    _step(step_always_multiplies, "yet O was multiplied"),
+    _step(step_forgets_row_max, "row_max still holds"),
+    _step(step_exps_against_the_true_max, "p is not 2^(s - m) with the max it keeps"),
+    _step(step_lanes_decide_alone, "O's multiply diverges within the warp"),
+    _step(step_max_picked_by_the_vote, "the exponentials wait for the warp to vote", slow=True),
+    _end(finalize_log2_lse, "lse is off by"),
+    _end(finalize_divides_by_zero, "NaN in the result"),
+    _end(finalize_natural_log_of_sum, "lse is off by"),
+    _input(adversarial_plain_random, "must grow by more than tau"),
+    _input(adversarial_forward_order, "Remember the kernel order"),
+    _input(adversarial_steps_of_tau, "must grow by more than tau"),
 ]

@@ -8,7 +8,7 @@ from cutlass import Int32
 
 from fa4_final.common.schedule import zigzag_tile
 from solutions import ch08_teaching as t08
-from tests.exercise_mutations import Mutation, mutant
+from tests.exercise_mutations import mutant, planted
 
 TURN0 = t08.TURN_WG0
 
@@ -109,26 +109,23 @@ def _smem_by_the_config(cfg, head_dim, elem_bytes=2):
     return cfg.smem_bytes(head_dim, elem_bytes)
 
 
-TURN = dict(check=t08.check_turn, reference=t08.pingpong_turn)
-TILES = dict(check=t08.check_tile_loop, reference=t08.tile_loop, forbid=t08.TILE_LOOP_FORBID)
-SMEM = dict(check=t08.check_smem_bytes, reference=t08.smem_bytes_reference,
-            forbid=t08.SMEM_FORBID)
+_turn = planted("08.1", t08.check_turn, t08.pingpong_turn)
+_tiles = planted("08.2", t08.check_tile_loop, t08.tile_loop, t08.TILE_LOOP_FORBID)
+_smem = planted("08.3", t08.check_smem_bytes, t08.smem_bytes_reference, t08.SMEM_FORBID)
 
 MUTATIONS = [
-    Mutation("08.1", answer=turn_always_waits, says="Warpgroup 0's very first turn", **TURN),
-    Mutation("08.1", answer=turn_counts_one_warpgroup, says="number_of_threads=128", **TURN),
-    Mutation("08.1", answer=turn_hands_on_first, says="unordered issue", **TURN),
-    Mutation("08.1", answer=turn_always_hands_on, says="left pending", **TURN),
-    Mutation("08.1", answer=turn_on_barrier_wg, says="__syncthreads", **TURN),
-    Mutation("08.2", answer=tiles_round_robin, says="reverse the order of every other round",
-             **TILES),
-    Mutation("08.2", answer=tiles_last_round_is_last, says="it is the CTA's last", **TILES),
-    Mutation("08.2", answer=tiles_no_bound, says="test tile < num_tiles", **TILES),
-    Mutation("08.2", answer=tiles_states_not_carried, says="rebind them in the loop body",
-             **TILES),
-    Mutation("08.2", answer=tiles_by_the_helper, says="zigzag_tile", **TILES),
-    Mutation("08.3", answer=_smem_no_barriers, says="1 KB", **SMEM),
-    Mutation("08.3", answer=_smem_no_o, says="O's own buffer", **SMEM),
-    Mutation("08.3", answer=_smem_by_the_config, says="smem_bytes", **SMEM),
+    _turn(turn_always_waits, "Warpgroup 0's very first turn"),
+    _turn(turn_counts_one_warpgroup, "number_of_threads=128"),
+    _turn(turn_hands_on_first, "unordered issue"),
+    _turn(turn_always_hands_on, "left pending"),
+    _turn(turn_on_barrier_wg, "__syncthreads"),
+    _tiles(tiles_round_robin, "reverse the order of every other round"),
+    _tiles(tiles_last_round_is_last, "it is the CTA's last"),
+    _tiles(tiles_no_bound, "test tile < num_tiles"),
+    _tiles(tiles_states_not_carried, "rebind them in the loop body"),
+    _tiles(tiles_by_the_helper, "zigzag_tile"),
+    _smem(_smem_no_barriers, "1 KB"),
+    _smem(_smem_no_o, "O's own buffer"),
+    _smem(_smem_by_the_config, "smem_bytes"),
 ]
 

@@ -10,7 +10,7 @@ from cutlass.cute.nvgpu import tcgen05
 from fa4_final.blackwell.softmax import RowSoftmax
 from solutions import ch09_primer as primer
 from solutions import ch09_teaching as T
-from tests.exercise_mutations import Mutation, mutant
+from tests.exercise_mutations import mutant, planted
 
 
 # --- 09.1 ---------------------------------------------------------------------------------------
@@ -133,44 +133,34 @@ SOFTMAX_FORBID = {
 }
 
 
-def _m09_4(answer, says, **kw):
-    return Mutation("09.4", T.check_softmax_to_p, answer, says, reference=primer.softmax_to_p,
-                    forbid=SOFTMAX_FORBID, **kw)
-
-
-def _m09_3(answer, says):
-    return Mutation("09.3", T.check_issue_qk, answer, says, reference=primer.issue_qk)
-
+_columns = planted("09.1", T.check_plan_columns, T.plan_columns)
+_warps = planted("09.2", T.check_warps_for_rows, T.warps_for_rows)
+_issue = planted("09.3", T.check_issue_qk, primer.issue_qk)
+_softmax = planted("09.4", T.check_softmax_to_p, primer.softmax_to_p, SOFTMAX_FORBID)
+_empty = planted("09.5", T.check_s_empty_arrivals)
 
 MUTATIONS = [
-    Mutation("09.1", T.check_plan_columns, plan_p_low_half, "upper half of S_i's columns",
-             reference=T.plan_columns),
-    Mutation("09.1", T.check_plan_columns, plan_alloc_used, "a power of two >= 32",
-             reference=T.plan_columns),
-    Mutation("09.1", T.check_plan_columns, plan_never_refuses, "raise ValueError",
-             reference=T.plan_columns),
-    Mutation("09.2", T.check_warps_for_rows, warps_first_quarter_only, "crosses a multiple of 32",
-             reference=T.warps_for_rows),
-    Mutation("09.2", T.check_warps_for_rows, warps_by_warpgroup, "lanes 32 (w mod 4)",
-             reference=T.warps_for_rows),
-    _m09_3(issue_always_accumulates, "ACCUMULATE to False for k = 0"),
-    _m09_3(issue_never_accumulates, "must be True for every k > 0"),
-    _m09_3(issue_commits_every_mma, "commit once, after the last MMA"),
-    _m09_3(issue_commits_first, "before the last MMA"),
-    _m09_3(issue_whole_warp_commits, "cute.arch.elect_one()"),
-    _m09_3(issue_one_block_of_k, "the same 16 columns of D"),
-    _m09_4(softmax_no_wait, "wait on mbar_s with parity 0"),
-    _m09_4(softmax_wrong_parity, "wait on mbar_s with parity 0"),
-    _m09_4(softmax_arrives_before_fence, "fence_view_async_tmem_store() (tcgen05.wait::st)"),
-    _m09_4(softmax_no_fence, "fence_view_async_tmem_store() (tcgen05.wait::st)"),
-    _m09_4(softmax_without_max, "did not subtract the row's max"),
-    _m09_4(softmax_natural_exp, "use cute.math.exp2"),
-    _m09_4(softmax_elected_arrive, "one per softmax thread"),
-    _m09_4(softmax_arrives_on_s, "the softmax arrives on mbar_p"),
-    _m09_4(softmax_fp16_p, "convert with .to(rP.element_type)"),
-    _m09_4(softmax_with_helper, "the row arithmetic you are asked to write"),
-    Mutation("09.5", T.check_s_empty_arrivals, {"1-CTA": 128, "2-CTA": 256},
-             "the correction warpgroup"),
-    Mutation("09.5", T.check_s_empty_arrivals, {"1-CTA": 256, "2-CTA": 256},
-             "both CTAs' warpgroups arrive on the leader's barrier"),
+    _columns(plan_p_low_half, "upper half of S_i's columns"),
+    _columns(plan_alloc_used, "a power of two >= 32"),
+    _columns(plan_never_refuses, "raise ValueError"),
+    _warps(warps_first_quarter_only, "crosses a multiple of 32"),
+    _warps(warps_by_warpgroup, "lanes 32 (w mod 4)"),
+    _issue(issue_always_accumulates, "ACCUMULATE to False for k = 0"),
+    _issue(issue_never_accumulates, "must be True for every k > 0"),
+    _issue(issue_commits_every_mma, "commit once, after the last MMA"),
+    _issue(issue_commits_first, "before the last MMA"),
+    _issue(issue_whole_warp_commits, "cute.arch.elect_one()"),
+    _issue(issue_one_block_of_k, "the same 16 columns of D"),
+    _softmax(softmax_no_wait, "wait on mbar_s with parity 0"),
+    _softmax(softmax_wrong_parity, "wait on mbar_s with parity 0"),
+    _softmax(softmax_arrives_before_fence, "fence_view_async_tmem_store() (tcgen05.wait::st)"),
+    _softmax(softmax_no_fence, "fence_view_async_tmem_store() (tcgen05.wait::st)"),
+    _softmax(softmax_without_max, "did not subtract the row's max"),
+    _softmax(softmax_natural_exp, "use cute.math.exp2"),
+    _softmax(softmax_elected_arrive, "one per softmax thread"),
+    _softmax(softmax_arrives_on_s, "the softmax arrives on mbar_p"),
+    _softmax(softmax_fp16_p, "convert with .to(rP.element_type)"),
+    _softmax(softmax_with_helper, "the row arithmetic you are asked to write"),
+    _empty({"1-CTA": 128, "2-CTA": 256}, "the correction warpgroup"),
+    _empty({"1-CTA": 256, "2-CTA": 256}, "both CTAs' warpgroups arrive on the leader's barrier"),
 ]

@@ -8,7 +8,7 @@ import cutlass.cute as cute
 from fa4_final.blackwell import peer
 from fa4_final.blackwell.tmem import Region, TmemPlan
 from solutions import ch12_blackwell_bwd as c12
-from tests.exercise_mutations import Mutation, mutant
+from tests.exercise_mutations import mutant, planted
 
 
 # --- 12.1 dQ with columns of its own -----------------------------------------------------------
@@ -111,34 +111,31 @@ def send_with_package_steps(words, unit_addr, dsx, peer_rank, tidx, nbytes):
                                           words[4 * j + 3]), dsx, peer_rank)
 
 
-_PLAN = dict(reference=c12.own_dq_plan)
-_SPLIT = dict(reference=c12.split_registers)
-_SEND = dict(reference=c12.send_ds, forbid=c12.FORBID_SEND)
+_plan = planted("12.1", c12.check_own_dq_plan, c12.own_dq_plan)
+_split = planted("12.2", c12.check_split_rules, c12.split_registers)
+_split_compiled = planted("12.2", c12.check_split_registers, c12.split_registers)
+_send = planted("12.3", c12.check_send_rules, c12.send_ds, c12.FORBID_SEND)
+_send_compiled = planted("12.3", c12.check_send_ds, c12.send_ds, c12.FORBID_SEND)
 
 MUTATIONS = [
-    Mutation("12.1", c12.check_own_dq_plan, plan_dq_still_inside_dp, "still lives inside",
-             **_PLAN),
-    Mutation("12.1", c12.check_own_dq_plan, plan_only_for_d64, "640", **_PLAN),
-    Mutation("12.1", c12.check_own_dq_plan, plan_p_with_own_columns, "inside S^T", **_PLAN),
-    Mutation("12.2", c12.check_split_rules, split_mma_warp_raised, "sub-partition 0", **_SPLIT),
-    Mutation("12.2", c12.check_split_rules, split_mma_warp_raised, "same setmaxnreg", **_SPLIT),
-    Mutation("12.2", c12.check_split_rules, split_over_512, "520", **_SPLIT),
-    Mutation("12.2", c12.check_split_rules, split_increase_below_launch, "setmaxnreg.inc to 112",
-             **_SPLIT),
-    Mutation("12.2", c12.check_split_rules, split_forgets_warpgroup3, "warp 12 runs no",
-             **_SPLIT),
-    Mutation("12.2", c12.check_split_registers, split_mma_starved, "spills", slow=True,
-             **_SPLIT),
-    Mutation("12.2", c12.check_split_registers, split_dq_starved, "Register allocation failed",
-             slow=True, **_SPLIT),
-    Mutation("12.3", c12.check_send_rules, send_unfenced, "no proxy fence", **_SEND),
-    Mutation("12.3", c12.check_send_rules, send_fenced_for_own_cta, "space 'cluster'", **_SEND),
-    Mutation("12.3", c12.check_send_rules, send_every_thread_arms, "128 threads armed", **_SEND),
-    Mutation("12.3", c12.check_send_rules, send_every_thread_arms, "pair simulator", **_SEND),
-    Mutation("12.3", c12.check_send_rules, send_half_the_bytes, "Deadlock", **_SEND),
-    Mutation("12.3", c12.check_send_rules, send_arms_own_barrier, "own CTA's barrier", **_SEND),
-    Mutation("12.3", c12.check_send_rules, send_never_arms, "no thread arms", **_SEND),
-    Mutation("12.3", c12.check_send_rules, send_words_out_of_order, "words 4j", **_SEND),
-    Mutation("12.3", c12.check_send_rules, send_with_package_steps, "the package's", **_SEND),
-    Mutation("12.3", c12.check_send_ds, send_unfenced, "no proxy fence", slow=True, **_SEND),
+    _plan(plan_dq_still_inside_dp, "still lives inside"),
+    _plan(plan_only_for_d64, "640"),
+    _plan(plan_p_with_own_columns, "inside S^T"),
+    _split(split_mma_warp_raised, "sub-partition 0"),
+    _split(split_mma_warp_raised, "same setmaxnreg"),
+    _split(split_over_512, "520"),
+    _split(split_increase_below_launch, "setmaxnreg.inc to 112"),
+    _split(split_forgets_warpgroup3, "warp 12 runs no"),
+    _split_compiled(split_mma_starved, "spills", slow=True),
+    _split_compiled(split_dq_starved, "Register allocation failed", slow=True),
+    _send(send_unfenced, "no proxy fence"),
+    _send(send_fenced_for_own_cta, "space 'cluster'"),
+    _send(send_every_thread_arms, "128 threads armed"),
+    _send(send_every_thread_arms, "pair simulator"),
+    _send(send_half_the_bytes, "Deadlock"),
+    _send(send_arms_own_barrier, "own CTA's barrier"),
+    _send(send_never_arms, "no thread arms"),
+    _send(send_words_out_of_order, "words 4j"),
+    _send(send_with_package_steps, "the package's"),
+    _send_compiled(send_unfenced, "no proxy fence", slow=True),
 ]

@@ -12,7 +12,7 @@ from cutlass import Float32
 from fa4_final.common.tiles import visible_cols
 from solutions import ch13_scores as t13s
 from solutions import ch13_teaching as t13
-from tests.exercise_mutations import Mutation, mutant
+from tests.exercise_mutations import mutant, planted
 
 normalise_window = t13.package_window_reader()
 
@@ -145,41 +145,31 @@ def key_without_window_sides(call):
     return ("fwd", call["dtype"], call["head_dim"], call["causal"], call["config"])
 
 
-_ck = dict(check=t13.check_check_sink, reference=t13.check_sink_tokens,
-           forbid=t13.SINK_CHECK_FORBID)
-_kk = dict(check=t13.check_kernel_key, reference=t13.kernel_key)
-_mask = dict(check=t13s.check_sink_mask, reference=t13s.sink_mask,
-             forbid=t13s.SINK_MASK_FORBID)
-_cap = dict(check=t13s.check_softcap, reference=t13s.softcap_scores,
-            forbid=t13s.SOFTCAP_FORBID)
+_check = planted("13.1", t13.check_check_sink, t13.check_sink_tokens, t13.SINK_CHECK_FORBID)
+_cache_key = planted("13.2", t13.check_kernel_key, t13.kernel_key)
+_mask = planted("13.3", t13s.check_sink_mask, t13s.sink_mask, t13s.SINK_MASK_FORBID)
+_cap = planted("13.4", t13s.check_softcap, t13s.softcap_scores, t13s.SOFTCAP_FORBID)
 
 MUTATIONS = [
-    Mutation("13.1", answer=sink_check_takes_bools, says="a bool is not a count", **_ck),
-    Mutation("13.1", answer=sink_check_reads_negative_left_as_none,
-             says="a negative left side is a bound too", **_ck),
-    Mutation("13.1", answer=sink_check_forgets_two_negative_sides,
-             says="two negative sides are no window", **_ck),
-    Mutation("13.1", answer=sink_check_says_too_little, says="does not name", **_ck),
-    Mutation("13.1", answer=sink_check_through_the_package, says="normalise_window", **_ck),
-    Mutation("13.2", answer=key_of_everything, says="runtime argument", **_kk),
-    Mutation("13.2", answer=key_with_window_sizes, says="window sizes 128 and 512", **_kk),
-    Mutation("13.2", answer=key_without_config, says="config", **_kk),
-    Mutation("13.2", answer=key_with_an_object, says="object address", **_kk),
-    Mutation("13.2", answer=key_without_window_sides, says="changing window_size", **_kk),
-    Mutation("13.3", answer=mask_without_sinks, says="it is a sink token", **_mask),
-    Mutation("13.3", answer=sinks_one_too_many, says="a mask off by one", **_mask),
-    Mutation("13.3", answer=sinks_past_the_right_side, says="it is right of the window",
-             **_mask),
-    Mutation("13.3", answer=sinks_in_every_tile, says="is not a sink", **_mask),
-    Mutation("13.3", answer=limits_not_shifted, says="must be masked", **_mask),
-    Mutation("13.3", answer=mask_with_an_if, says="instructions per element", slow=True,
-             **_mask),
-    Mutation("13.4", answer=softcap_unscaled, says="the scores reach your function unscaled",
-             **_cap),
-    Mutation("13.4", answer=softcap_scaled_twice, says="the softmax multiplies by the scale "
-             "again", **_cap),
-    Mutation("13.4", answer=softcap_slow_tanh, says="fastmath=True", **_cap),
-    Mutation("13.4", answer=softcap_divides_per_element, says="divides per element", slow=True,
-             **_cap),
-    Mutation("13.4", answer=softcap_on_the_host, says="math.tanh", **_cap),
+    _check(sink_check_takes_bools, "a bool is not a count"),
+    _check(sink_check_reads_negative_left_as_none, "a negative left side is a bound too"),
+    _check(sink_check_forgets_two_negative_sides, "two negative sides are no window"),
+    _check(sink_check_says_too_little, "does not name"),
+    _check(sink_check_through_the_package, "normalise_window"),
+    _cache_key(key_of_everything, "runtime argument"),
+    _cache_key(key_with_window_sizes, "window sizes 128 and 512"),
+    _cache_key(key_without_config, "config"),
+    _cache_key(key_with_an_object, "object address"),
+    _cache_key(key_without_window_sides, "changing window_size"),
+    _mask(mask_without_sinks, "it is a sink token"),
+    _mask(sinks_one_too_many, "a mask off by one"),
+    _mask(sinks_past_the_right_side, "it is right of the window"),
+    _mask(sinks_in_every_tile, "is not a sink"),
+    _mask(limits_not_shifted, "must be masked"),
+    _mask(mask_with_an_if, "instructions per element", slow=True),
+    _cap(softcap_unscaled, "the scores reach your function unscaled"),
+    _cap(softcap_scaled_twice, "the softmax multiplies by the scale again"),
+    _cap(softcap_slow_tanh, "fastmath=True"),
+    _cap(softcap_divides_per_element, "divides per element", slow=True),
+    _cap(softcap_on_the_host, "math.tanh"),
 ]
