@@ -3,8 +3,8 @@ defining ``MUTATIONS``: a list of ``Mutation``. tests/test_exercise_mutations.py
 against its checker: the answer must be refused, with the words ``says`` in the message.
 
 Most wrong answers are the reference with one thing changed: ``mutant(reference, old, new)``
-states just that change, so a table entry reads as the mistake it plants; ``planted`` makes an
-exercise's rows."""
+states just that change, so a table entry reads as the mistake it plants; ``planted`` gives an
+exercise's rows its check, reference and forbid once."""
 
 from __future__ import annotations
 
@@ -31,15 +31,15 @@ class Mutation:
     slow: bool = False  # compiles a kernel: run with the slow tests
 
 
-def planted(exercise: str, check, reference=None, forbid: dict | None = None):
-    """The maker of one exercise's table rows: ``_turn = planted("05.5", check, reference,
-    forbid)``, then ``_turn(answer, "words of the message")`` (``slow=True`` where the check
-    compiles a kernel) is one Mutation, one line."""
+SLOW = True  # a row's third item: the check compiles a kernel (run with the slow tests)
 
-    def row(answer, says: str, *, slow: bool = False) -> Mutation:
-        return Mutation(exercise, check, answer, says, reference, dict(forbid or {}), slow)
 
-    return row
+def planted(exercise: str, check, reference=None, forbid: dict | None = None, *,
+            rows) -> list[Mutation]:
+    """One exercise's Mutations, the check, reference and forbid said once: ``rows`` of
+    ``(answer, "words of the message")``, or ``(answer, words, SLOW)``."""
+    return [Mutation(exercise, check, answer, says, reference, dict(forbid or {}), bool(slow))
+            for answer, says, *slow in rows]
 
 
 _DIR = Path(tempfile.gettempdir()) / f"course_mutants_{os.getuid()}"

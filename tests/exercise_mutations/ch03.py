@@ -133,33 +133,36 @@ def epilogue_not_done(tiled_mma, tidx, tCrC, gC, cC, shape):
     raise NotImplementedError("exercise: replace this line with your code")
 
 
-_layout = planted("03.1", ch03.check_layout_index, ch03.layout_index, ch03.LAYOUT_INDEX_FORBID)
-_coords = planted("03.2", ch03.check_thread_coords, ch03.thread_coords,
-                  ch03.THREAD_COORDS_FORBID)
-_copy = planted("03.3", ch03.check_copy_partition, ch03.copy_partition)
-_swizzle = planted("03.4", ch03.check_swizzled_offset, ch03.swizzled_offset, ch03.SWIZZLE_FORBID)
-_store = planted("03.5", ch03.check_store_accumulators, ch03.store_accumulators)
-
 MUTATIONS = [
-    _layout(index_rightmost_fastest, "leftmost-mode-fastest"),
-    _layout(index_int_as_first_mode, "leftmost-mode-fastest"),
-    _layout(index_from_the_plot_helper, "evaluates the layout for you"),
-    _coords(coords_row_major, "column by column"),
-    _coords(coords_sorted, "wrong order"),
-    _coords(coords_from_cute, "lets CuTe partition the tile"),
-    _copy(partition_no_predicate, "outside the tensor"),
-    _copy(partition_rows_only, "columns"),
-    _copy(partition_thread_zero, "get_slice(tidx)"),
-    _copy(partition_not_done, "not done"),
-    _copy(partition_calls_the_reference, "reference solution"),
-    _swizzle(swizzle_none, "bank conflict"),
-    _swizzle(swizzle_elements, "Permute whole 16-byte chunks"),
-    _swizzle(swizzle_by_row_block, "bank conflict"),
-    _swizzle(swizzle_or_not_xor, "one-to-one"),
-    _swizzle(swizzle_read_from_cute, "CuTe's own swizzled layout"),
-    _store(epilogue_no_predicate, "outside C"),
-    _store(epilogue_rows_only, "columns"),
-    _store(epilogue_thread_zero, "get_slice(tidx)"),
-    _store(epilogue_lane_not_thread, "get_slice(tidx)"),
-    _store(epilogue_not_done, "not done"),
+    *planted("03.1", ch03.check_layout_index, ch03.layout_index, ch03.LAYOUT_INDEX_FORBID, rows=[
+        (index_rightmost_fastest, "leftmost-mode-fastest"),
+        (index_int_as_first_mode, "leftmost-mode-fastest"),
+        (index_from_the_plot_helper, "evaluates the layout for you"),
+    ]),
+    *planted("03.2", ch03.check_thread_coords, ch03.thread_coords, ch03.THREAD_COORDS_FORBID, rows=[
+        (coords_row_major, "column by column"),
+        (coords_sorted, "wrong order"),
+        (coords_from_cute, "lets CuTe partition the tile"),
+    ]),
+    *planted("03.3", ch03.check_copy_partition, ch03.copy_partition, rows=[
+        (partition_no_predicate, "outside the tensor"),
+        (partition_rows_only, "columns"),
+        (partition_thread_zero, "get_slice(tidx)"),
+        (partition_not_done, "not done"),
+        (partition_calls_the_reference, "reference solution"),
+    ]),
+    *planted("03.4", ch03.check_swizzled_offset, ch03.swizzled_offset, ch03.SWIZZLE_FORBID, rows=[
+        (swizzle_none, "bank conflict"),
+        (swizzle_elements, "Permute whole 16-byte chunks"),
+        (swizzle_by_row_block, "bank conflict"),
+        (swizzle_or_not_xor, "one-to-one"),
+        (swizzle_read_from_cute, "CuTe's own swizzled layout"),
+    ]),
+    *planted("03.5", ch03.check_store_accumulators, ch03.store_accumulators, rows=[
+        (epilogue_no_predicate, "outside C"),
+        (epilogue_rows_only, "columns"),
+        (epilogue_thread_zero, "get_slice(tidx)"),
+        (epilogue_lane_not_thread, "get_slice(tidx)"),
+        (epilogue_not_done, "not done"),
+    ]),
 ]

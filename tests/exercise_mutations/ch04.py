@@ -8,7 +8,7 @@ import cutlass.cute as cute
 from solutions import ch04_flash_ampere as fa
 from solutions import ch04_kv_step as kv
 from solutions import ch04_teaching as t4
-from tests.exercise_mutations import mutant, planted
+from tests.exercise_mutations import SLOW, mutant, planted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,50 +212,53 @@ def pv_not_done(tiled_mma, acc, tCrA, tCrB, tCsB, smem_copy_B):
     raise NotImplementedError("exercise: replace this line with your code")
 
 
-_registers = planted("04.1", t4.check_registers_needed, t4.registers_needed,
-                     t4.REGISTERS_FORBID)
-_tiles = planted("04.2", t4.check_kv_tiles, t4.kv_tiles, t4.KV_TILES_FORBID)
-_qk = planted("04.3", kv.check_gemm_qk, kv.gemm_qk, kv.QK_FORBID)
-_softmax = planted("04.4", kv.check_online_softmax, kv.online_softmax, kv.SOFTMAX_FORBID)
-_pv = planted("04.5", kv.check_gemm_pv, kv.gemm_pv, kv.PV_FORBID)
-
 MUTATIONS = [
-    _registers(registers_accumulators_only, "something large is missing", slow=True),
-    _registers(registers_everything_at_once, "not live at the same", slow=True),
-    _registers(registers_capped_at_the_limit, "ptxas could not fit it", slow=True),
-    _registers(registers_ignore_the_limit, "so fits must be False", slow=True),
-    _registers(registers_from_the_model, "the chapter's own model"),
-    _tiles(tiles_everything, "some row of the tile sees some key"),
-    _tiles(tiles_no_empty_rule, "fully masked step on tile 0"),
-    _tiles(tiles_mask_off_by_one, "FIRST row"),
-    _tiles(tiles_from_the_kernel, "runs the kernel's kv_tile_range"),
-    _qk(qk_registers_by_k, "indexed by the run-time loop counter k"),
-    _qk(qk_first_slice_of_k, "the k-th 16 columns of Q go with the k-th 16 of K"),
-    _qk(qk_fully_unrolled, "unrolled the loop over the k-slices completely"),
-    _qk(qk_no_unroll, "Pass unroll=unroll"),
-    _qk(qk_into_the_mma_view, "ldmatrix writes its registers in its own arrangement"),
-    _qk(qk_operands_swapped, "operands in the wrong places"),
-    _qk(qk_unrolled_fully_at_run_time, "uses local memory", slow=True),
-    _qk(qk_the_kernels, "the reference solution"),
-    _qk(qk_not_done, "not done"),
-    _softmax(softmax_no_guard, "exp2(-inf + inf) = NaN"),
-    _softmax(softmax_offsets_past_the_quad, "reach beyond the quad"),
-    _softmax(softmax_one_shuffle, "pair each lane with one partner only"),
-    _softmax(softmax_no_shuffle, "no lane read another lane's value"),
-    _softmax(softmax_no_o_rescale, "missing rescale of O"),
-    _softmax(softmax_no_sum_rescale, "missing rescale of the row sum"),
-    _softmax(softmax_sums_the_quad, "finalize adds the four partial sums"),
-    _softmax(softmax_forgets_earlier_max, "remember the earlier tiles"),
-    _softmax(softmax_natural_exp, "meant for exp2"),
-    _softmax(softmax_shuffles_in_a_branch, "different numbers of shuffles"),
-    _softmax(softmax_an_extra_shuffle, "butterfly shuffles where the kernel has", slow=True),
-    _softmax(softmax_with_the_kernels_reduce, "write the two shuffles of the quad yourself"),
-    _softmax(softmax_not_done, "not done"),
-    _pv(pv_first_slice_never_loaded, "before any ldmatrix filled it"),
-    _pv(pv_run_time_loop, "indexed by a run-time loop counter"),
-    _pv(pv_slot_off_by_one, "of P with slice"),
-    _pv(pv_loads_one_past_the_end, "you asked for slice 4"),
-    _pv(pv_loads_p, "already in registers"),
-    _pv(pv_the_kernels, "the reference solution"),
-    _pv(pv_not_done, "not done"),
+    *planted("04.1", t4.check_registers_needed, t4.registers_needed, t4.REGISTERS_FORBID, rows=[
+        (registers_accumulators_only, "something large is missing", SLOW),
+        (registers_everything_at_once, "not live at the same", SLOW),
+        (registers_capped_at_the_limit, "ptxas could not fit it", SLOW),
+        (registers_ignore_the_limit, "so fits must be False", SLOW),
+        (registers_from_the_model, "the chapter's own model"),
+    ]),
+    *planted("04.2", t4.check_kv_tiles, t4.kv_tiles, t4.KV_TILES_FORBID, rows=[
+        (tiles_everything, "some row of the tile sees some key"),
+        (tiles_no_empty_rule, "fully masked step on tile 0"),
+        (tiles_mask_off_by_one, "FIRST row"),
+        (tiles_from_the_kernel, "runs the kernel's kv_tile_range"),
+    ]),
+    *planted("04.3", kv.check_gemm_qk, kv.gemm_qk, kv.QK_FORBID, rows=[
+        (qk_registers_by_k, "indexed by the run-time loop counter k"),
+        (qk_first_slice_of_k, "the k-th 16 columns of Q go with the k-th 16 of K"),
+        (qk_fully_unrolled, "unrolled the loop over the k-slices completely"),
+        (qk_no_unroll, "Pass unroll=unroll"),
+        (qk_into_the_mma_view, "ldmatrix writes its registers in its own arrangement"),
+        (qk_operands_swapped, "operands in the wrong places"),
+        (qk_unrolled_fully_at_run_time, "uses local memory", SLOW),
+        (qk_the_kernels, "the reference solution"),
+        (qk_not_done, "not done"),
+    ]),
+    *planted("04.4", kv.check_online_softmax, kv.online_softmax, kv.SOFTMAX_FORBID, rows=[
+        (softmax_no_guard, "exp2(-inf + inf) = NaN"),
+        (softmax_offsets_past_the_quad, "reach beyond the quad"),
+        (softmax_one_shuffle, "pair each lane with one partner only"),
+        (softmax_no_shuffle, "no lane read another lane's value"),
+        (softmax_no_o_rescale, "missing rescale of O"),
+        (softmax_no_sum_rescale, "missing rescale of the row sum"),
+        (softmax_sums_the_quad, "finalize adds the four partial sums"),
+        (softmax_forgets_earlier_max, "remember the earlier tiles"),
+        (softmax_natural_exp, "meant for exp2"),
+        (softmax_shuffles_in_a_branch, "different numbers of shuffles"),
+        (softmax_an_extra_shuffle, "butterfly shuffles where the kernel has", SLOW),
+        (softmax_with_the_kernels_reduce, "write the two shuffles of the quad yourself"),
+        (softmax_not_done, "not done"),
+    ]),
+    *planted("04.5", kv.check_gemm_pv, kv.gemm_pv, kv.PV_FORBID, rows=[
+        (pv_first_slice_never_loaded, "before any ldmatrix filled it"),
+        (pv_run_time_loop, "indexed by a run-time loop counter"),
+        (pv_slot_off_by_one, "of P with slice"),
+        (pv_loads_one_past_the_end, "you asked for slice 4"),
+        (pv_loads_p, "already in registers"),
+        (pv_the_kernels, "the reference solution"),
+        (pv_not_done, "not done"),
+    ]),
 ]

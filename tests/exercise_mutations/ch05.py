@@ -12,7 +12,7 @@ from fa4_final.hopper.wgmma import issue_wgmma
 from solutions import ch05_consumer as c5
 from solutions import ch05_flash_hopper as ch05
 from solutions import ch05_teaching as t5
-from tests.exercise_mutations import mutant, planted
+from tests.exercise_mutations import SLOW, mutant, planted
 
 # ----------------------------------------------------------------------------------------------
 # 05.1: the stage count
@@ -286,46 +286,52 @@ store_from_the_producer_warp = mutant(c5.store_o, "tidx // cute.arch.WARP_SIZE =
 
 
 # ----------------------------------------------------------------------------------------------
-_stages = planted("05.1", t5.check_stages_that_fit, t5.stages_that_fit, STAGES_FORBID)
-_producer = planted("05.2", t5.check_producer_step, t5.producer_step)
-_race = planted("05.3", t5.check_race_scenarios, t5.RACE_SCENARIOS)
-_kv = planted("05.4", t5.check_load_kv, t5.load_kv)
-_turn = planted("05.5", c5.check_gemm_turn, c5.gemm_turn, TURN_FORBID)
-_store = planted("05.6", c5.check_store_o, c5.store_o, STORE_FORBID)
 
 MUTATIONS = [
-    _stages(stages_one_tile_per_stage, "need"),
-    _stages(stages_without_q, "more than 227 KB"),
-    _stages(stages_in_kilobytes, "fit: 1 KB barriers"),
-    _stages(stages_from_the_kernel, "the kernel's own answer"),
-    _producer(t5.producer_same_parity, "deadlocked"),
-    _producer(t5.producer_no_wait, "empty"),
-    _producer(t5.producer_plain_arrive, "landed"),
-    _producer(producer_half_bytes, "nobody announced"),
-    _race(SCENARIO_TWO_CHANGES, "change exactly one setting"),
-    _race(SCENARIO_HIDES_SHOWS, "the race shows"),
-    _race(SCENARIO_STAYS_HIDDEN, "the race stays hidden"),
-    _race(SCENARIO_TOO_SHORT, "at least twice"),
-    _kv(load_all_k_then_v, "deadlocked"),
-    _kv(load_in_ascending_order, "the consumers read them in the order"),
-    _kv(load_without_acquire, "without a producer_acquire"),
-    _kv(load_without_advance, "without advancing state_k"),
-    _kv(load_barrier_after_advance, "not on the barrier of the slot you acquired"),
-    _kv(load_forgets_last_v, "are never loaded"),
-    _kv(load_without_guard, "n_tiles = 0"),
-    _kv(load_with_a_helper, "state.advance() in the loop body itself", slow=True),
-    _turn(turn_waits_for_everything, "waits for P V as well"),
-    _turn(turn_pv_first, "P V is committed before S"),
-    _turn(turn_one_group, "S and P V are in one group"),
-    _turn(turn_s_accumulates, "S's first k-block accumulates"),
-    _turn(turn_without_fence, "no warpgroup.fence()"),
-    _turn(turn_with_a_forbidden_helper, "issues one whole group for you"),
-    _store(store_without_fence, "no test can be sure to catch"),
-    _store(store_fence_in_issuing_warp, "every thread that wrote O fences"),
-    _store(store_fence_before_the_stores, "fences before it stores"),
-    _store(store_before_the_barrier, "issues the TMA store before the barrier"),
-    _store(store_with_syncthreads, "__syncthreads"),
-    _store(store_from_every_warp, "warps issue the TMA store"),
-    _store(store_without_waiting, "wait until the TMA has read the tile"),
-    _store(store_from_the_producer_warp, "no thread issues the TMA store"),
+    *planted("05.1", t5.check_stages_that_fit, t5.stages_that_fit, STAGES_FORBID, rows=[
+        (stages_one_tile_per_stage, "need"),
+        (stages_without_q, "more than 227 KB"),
+        (stages_in_kilobytes, "fit: 1 KB barriers"),
+        (stages_from_the_kernel, "the kernel's own answer"),
+    ]),
+    *planted("05.2", t5.check_producer_step, t5.producer_step, rows=[
+        (t5.producer_same_parity, "deadlocked"),
+        (t5.producer_no_wait, "empty"),
+        (t5.producer_plain_arrive, "landed"),
+        (producer_half_bytes, "nobody announced"),
+    ]),
+    *planted("05.3", t5.check_race_scenarios, t5.RACE_SCENARIOS, rows=[
+        (SCENARIO_TWO_CHANGES, "change exactly one setting"),
+        (SCENARIO_HIDES_SHOWS, "the race shows"),
+        (SCENARIO_STAYS_HIDDEN, "the race stays hidden"),
+        (SCENARIO_TOO_SHORT, "at least twice"),
+    ]),
+    *planted("05.4", t5.check_load_kv, t5.load_kv, rows=[
+        (load_all_k_then_v, "deadlocked"),
+        (load_in_ascending_order, "the consumers read them in the order"),
+        (load_without_acquire, "without a producer_acquire"),
+        (load_without_advance, "without advancing state_k"),
+        (load_barrier_after_advance, "not on the barrier of the slot you acquired"),
+        (load_forgets_last_v, "are never loaded"),
+        (load_without_guard, "n_tiles = 0"),
+        (load_with_a_helper, "state.advance() in the loop body itself", SLOW),
+    ]),
+    *planted("05.5", c5.check_gemm_turn, c5.gemm_turn, TURN_FORBID, rows=[
+        (turn_waits_for_everything, "waits for P V as well"),
+        (turn_pv_first, "P V is committed before S"),
+        (turn_one_group, "S and P V are in one group"),
+        (turn_s_accumulates, "S's first k-block accumulates"),
+        (turn_without_fence, "no warpgroup.fence()"),
+        (turn_with_a_forbidden_helper, "issues one whole group for you"),
+    ]),
+    *planted("05.6", c5.check_store_o, c5.store_o, STORE_FORBID, rows=[
+        (store_without_fence, "no test can be sure to catch"),
+        (store_fence_in_issuing_warp, "every thread that wrote O fences"),
+        (store_fence_before_the_stores, "fences before it stores"),
+        (store_before_the_barrier, "issues the TMA store before the barrier"),
+        (store_with_syncthreads, "__syncthreads"),
+        (store_from_every_warp, "warps issue the TMA store"),
+        (store_without_waiting, "wait until the TMA has read the tile"),
+        (store_from_the_producer_warp, "no thread issues the TMA store"),
+    ]),
 ]

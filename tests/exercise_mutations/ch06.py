@@ -9,7 +9,7 @@ import numpy as np
 from cutlass import Float32
 
 from solutions import ch06_exp2 as ch06
-from tests.exercise_mutations import mutant, planted
+from tests.exercise_mutations import SLOW, mutant, planted
 
 
 # --- 06.1 the floor trick ---------------------------------------------------------------------
@@ -138,38 +138,42 @@ split_chosen_at_run_time = mutant(  # the choice made on a run-time Int32
     SPLIT, PICK, "if Int32(i % 8) * k % 8 < k:")
 
 
-_floor = planted("06.1", ch06.check_floor_trick, ch06.floor_trick, ch06.FORBID_FLOOR)
-_assemble = planted("06.2", ch06.check_assemble_exponent, ch06.assemble_exponent,
-                    ch06.FORBID_ASSEMBLE)
-_error = planted("06.3", ch06.check_max_relative_error, ch06.max_relative_error,
-                 ch06.FORBID_MAX_ERROR)
-_exp2 = planted("06.4", ch06.check_exp2_device, ch06.exp2_device, ch06.FORBID_EXP2_DEVICE)
-_split = planted("06.5", ch06.check_exp2_split, ch06.exp2_split, ch06.FORBID_SPLIT)
-
 MUTATIONS = [
-    _floor(floor_by_numpy, "NumPy's floor is what the trick replaces"),
-    _floor(floor_round_to_nearest, "never makes the round-down add of 1.5·2^23"),
-    _floor(floor_shifter_two_to_23, "never makes the round-down add of 1.5·2^23"),
-    _floor(floor_in_float64, "must be float32 like the GPU registers"),
-    _assemble(assemble_by_ldexp, "ldexp multiplies by 2^n for you"),
-    _assemble(assemble_by_value, "the exponent field wraps around"),
-    _assemble(assemble_shift_24, "the exponent field starts at bit 23"),
-    _assemble(assemble_returns_p, "You returned p unchanged"),
-    _error(max_absolute_error, "That is the absolute error"),
-    _error(max_error_coarse, "Too small: sample [0, 1] densely"),
-    _error(max_error_by_extrema, "the chapter's own search for the extrema"),
-    _exp2(exp2_floor_to_nearest, "the floor rounds to nearest"),
-    _exp2(exp2_mul_then_add, "the Horner steps round twice"),
-    _exp2(exp2_clamp_drops_nan, "a NaN input comes out as 0"),
-    _exp2(exp2_full_coefficients, "the largest finite float"),
-    _exp2(exp2_converts_j, "Int32(j) converts j's value"),
-    _exp2(exp2_calls_the_package, "the package's finished exp2"),
-    _exp2(exp2_on_mufu, "MUFU's ex2, the instruction this exercise replaces"),
-    _exp2(exp2_converts_n, "conversion instructions in the SASS", slow=True),
-    _split(split_by_stride, "sends 4 (positions [0, 2, 4, 6]) to the polynomial"),
-    _split(split_bunched, "bunched together"),
-    _split(split_both_units, "went through MUFU and polynomial"),
-    _split(split_by_package, "the package's choice of positions"),
-    _split(split_chosen_at_run_time, "a Python if (or and / or / min / max) on a run-time value"),
+    *planted("06.1", ch06.check_floor_trick, ch06.floor_trick, ch06.FORBID_FLOOR, rows=[
+        (floor_by_numpy, "NumPy's floor is what the trick replaces"),
+        (floor_round_to_nearest, "never makes the round-down add of 1.5·2^23"),
+        (floor_shifter_two_to_23, "never makes the round-down add of 1.5·2^23"),
+        (floor_in_float64, "must be float32 like the GPU registers"),
+    ]),
+    *planted("06.2", ch06.check_assemble_exponent, ch06.assemble_exponent,
+             ch06.FORBID_ASSEMBLE, rows=[
+        (assemble_by_ldexp, "ldexp multiplies by 2^n for you"),
+        (assemble_by_value, "the exponent field wraps around"),
+        (assemble_shift_24, "the exponent field starts at bit 23"),
+        (assemble_returns_p, "You returned p unchanged"),
+    ]),
+    *planted("06.3", ch06.check_max_relative_error, ch06.max_relative_error,
+             ch06.FORBID_MAX_ERROR, rows=[
+        (max_absolute_error, "That is the absolute error"),
+        (max_error_coarse, "Too small: sample [0, 1] densely"),
+        (max_error_by_extrema, "the chapter's own search for the extrema"),
+    ]),
+    *planted("06.4", ch06.check_exp2_device, ch06.exp2_device, ch06.FORBID_EXP2_DEVICE, rows=[
+        (exp2_floor_to_nearest, "the floor rounds to nearest"),
+        (exp2_mul_then_add, "the Horner steps round twice"),
+        (exp2_clamp_drops_nan, "a NaN input comes out as 0"),
+        (exp2_full_coefficients, "the largest finite float"),
+        (exp2_converts_j, "Int32(j) converts j's value"),
+        (exp2_calls_the_package, "the package's finished exp2"),
+        (exp2_on_mufu, "MUFU's ex2, the instruction this exercise replaces"),
+        (exp2_converts_n, "conversion instructions in the SASS", SLOW),
+    ]),
+    *planted("06.5", ch06.check_exp2_split, ch06.exp2_split, ch06.FORBID_SPLIT, rows=[
+        (split_by_stride, "sends 4 (positions [0, 2, 4, 6]) to the polynomial"),
+        (split_bunched, "bunched together"),
+        (split_both_units, "went through MUFU and polynomial"),
+        (split_by_package, "the package's choice of positions"),
+        (split_chosen_at_run_time, "a Python if (or and / or / min / max) on a run-time value"),
+    ]),
 ]
 

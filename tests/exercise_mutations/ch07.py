@@ -8,7 +8,7 @@ import torch
 from cutlass import Float32
 
 from solutions import ch07_rescaling as ch07
-from tests.exercise_mutations import mutant, planted
+from tests.exercise_mutations import SLOW, mutant, planted
 
 # --- 07.2 the decision and the vote -----------------------------------------------------------
 RM, STEP = ch07.running_max, ch07.softmax_step
@@ -46,19 +46,10 @@ running_max_in_place = mutant(  # row_max overwritten: the caller's alpha reads 
     also=[("return m_used,", "return row_max,")])
 
 
-@cute.jit
-def running_max_votes_in_a_branch(row_max, tile_max, tau: cutlass.Constexpr):
-    m_used = cute.make_rmem_tensor(cute.size(row_max), Float32)
-    moved = cutlass.Boolean(False)
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        m_new = cute.arch.fmax(row_max[r], tile_max[r])
-        grew = m_new - row_max[r] > Float32(tau)
-        m_used[r] = m_new if grew else row_max[r]
-        moved = moved | grew
-    vote = cutlass.Boolean(False)
-    if moved:
-        vote = cute.arch.vote_any_sync(moved)
-    return m_used, vote
+running_max_votes_in_a_branch = mutant(  # only lanes whose rows moved reach the vote
+    RM, "return m_used, cute.arch.vote_any_sync(moved)",
+    "vote = cutlass.Boolean(False)\n    if moved:\n        vote = cute.arch.vote_any_sync(moved)\n"
+    "    return m_used, vote")
 
 
 # --- 07.3 the step ----------------------------------------------------------------------------
@@ -133,29 +124,32 @@ def adversarial_steps_of_tau(seqlen_k, tile_n=128, tau=8.0, kv_order="reverse"):
     return _leaders(seqlen_k, tile_n, tau, kv_order)
 
 
-_vote = planted("07.2", ch07.check_running_max, ch07.running_max, ch07.FORBID_RUNNING_MAX)
-_step = planted("07.3", ch07.check_softmax_step, ch07.softmax_step, ch07.FORBID_STEP)
-_end = planted("07.1", ch07.check_finalize, ch07.finalize, ch07.FORBID_FINALIZE)
-_input = planted("07.4", ch07.check_adversarial, ch07.adversarial_qkv, ch07.FORBID_ADVERSARIAL)
-
 MUTATIONS = [
-    _vote(running_max_no_vote, "not the same in every lane"),
-    _vote(running_max_vote_moves_every_row, "the vote decides only O's multiply"),
-    _vote(running_max_exactly_tau_moves, "a growth of exactly tau keeps it"),
-    _vote(running_max_votes_last_row, "moved its max but the warp's vote says skip"),
-    _vote(running_max_adds_growth, "got a NaN max"),
-    _vote(running_max_in_place, "changed row_max or tile_max in place"),
-    _vote(running_max_votes_in_a_branch, "reached vote_any_sync and lanes"),
-    _step(step_no_alpha_on_l, "its row sum was not multiplied by alpha"),
-    _step(step_always_multiplies, "yet O was multiplied"),
-    _step(step_forgets_row_max, "row_max still holds"),
-    _step(step_exps_against_the_true_max, "p is not 2^(s - m) with the max it keeps"),
-    _step(step_lanes_decide_alone, "O's multiply diverges within the warp"),
-    _step(step_max_picked_by_the_vote, "the exponentials wait for the warp to vote", slow=True),
-    _end(finalize_log2_lse, "lse is off by"),
-    _end(finalize_divides_by_zero, "NaN in the result"),
-    _end(finalize_natural_log_of_sum, "lse is off by"),
-    _input(adversarial_plain_random, "must grow by more than tau"),
-    _input(adversarial_forward_order, "Remember the kernel order"),
-    _input(adversarial_steps_of_tau, "must grow by more than tau"),
+    *planted("07.2", ch07.check_running_max, ch07.running_max, ch07.FORBID_RUNNING_MAX, rows=[
+        (running_max_no_vote, "not the same in every lane"),
+        (running_max_vote_moves_every_row, "the vote decides only O's multiply"),
+        (running_max_exactly_tau_moves, "a growth of exactly tau keeps it"),
+        (running_max_votes_last_row, "moved its max but the warp's vote says skip"),
+        (running_max_adds_growth, "got a NaN max"),
+        (running_max_in_place, "changed row_max or tile_max in place"),
+        (running_max_votes_in_a_branch, "reached vote_any_sync and lanes"),
+    ]),
+    *planted("07.3", ch07.check_softmax_step, ch07.softmax_step, ch07.FORBID_STEP, rows=[
+        (step_no_alpha_on_l, "its row sum was not multiplied by alpha"),
+        (step_always_multiplies, "yet O was multiplied"),
+        (step_forgets_row_max, "row_max still holds"),
+        (step_exps_against_the_true_max, "p is not 2^(s - m) with the max it keeps"),
+        (step_lanes_decide_alone, "O's multiply diverges within the warp"),
+        (step_max_picked_by_the_vote, "the exponentials wait for the warp to vote", SLOW),
+    ]),
+    *planted("07.1", ch07.check_finalize, ch07.finalize, ch07.FORBID_FINALIZE, rows=[
+        (finalize_log2_lse, "lse is off by"),
+        (finalize_divides_by_zero, "NaN in the result"),
+        (finalize_natural_log_of_sum, "lse is off by"),
+    ]),
+    *planted("07.4", ch07.check_adversarial, ch07.adversarial_qkv, ch07.FORBID_ADVERSARIAL, rows=[
+        (adversarial_plain_random, "must grow by more than tau"),
+        (adversarial_forward_order, "Remember the kernel order"),
+        (adversarial_steps_of_tau, "must grow by more than tau"),
+    ]),
 ]

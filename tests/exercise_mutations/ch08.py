@@ -109,23 +109,25 @@ def _smem_by_the_config(cfg, head_dim, elem_bytes=2):
     return cfg.smem_bytes(head_dim, elem_bytes)
 
 
-_turn = planted("08.1", t08.check_turn, t08.pingpong_turn)
-_tiles = planted("08.2", t08.check_tile_loop, t08.tile_loop, t08.TILE_LOOP_FORBID)
-_smem = planted("08.3", t08.check_smem_bytes, t08.smem_bytes_reference, t08.SMEM_FORBID)
-
 MUTATIONS = [
-    _turn(turn_always_waits, "Warpgroup 0's very first turn"),
-    _turn(turn_counts_one_warpgroup, "number_of_threads=128"),
-    _turn(turn_hands_on_first, "unordered issue"),
-    _turn(turn_always_hands_on, "left pending"),
-    _turn(turn_on_barrier_wg, "__syncthreads"),
-    _tiles(tiles_round_robin, "reverse the order of every other round"),
-    _tiles(tiles_last_round_is_last, "it is the CTA's last"),
-    _tiles(tiles_no_bound, "test tile < num_tiles"),
-    _tiles(tiles_states_not_carried, "rebind them in the loop body"),
-    _tiles(tiles_by_the_helper, "zigzag_tile"),
-    _smem(_smem_no_barriers, "1 KB"),
-    _smem(_smem_no_o, "O's own buffer"),
-    _smem(_smem_by_the_config, "smem_bytes"),
+    *planted("08.1", t08.check_turn, t08.pingpong_turn, rows=[
+        (turn_always_waits, "Warpgroup 0's very first turn"),
+        (turn_counts_one_warpgroup, "number_of_threads=128"),
+        (turn_hands_on_first, "unordered issue"),
+        (turn_always_hands_on, "left pending"),
+        (turn_on_barrier_wg, "__syncthreads"),
+    ]),
+    *planted("08.2", t08.check_tile_loop, t08.tile_loop, t08.TILE_LOOP_FORBID, rows=[
+        (tiles_round_robin, "reverse the order of every other round"),
+        (tiles_last_round_is_last, "it is the CTA's last"),
+        (tiles_no_bound, "test tile < num_tiles"),
+        (tiles_states_not_carried, "rebind them in the loop body"),
+        (tiles_by_the_helper, "zigzag_tile"),
+    ]),
+    *planted("08.3", t08.check_smem_bytes, t08.smem_bytes_reference, t08.SMEM_FORBID, rows=[
+        (_smem_no_barriers, "1 KB"),
+        (_smem_no_o, "O's own buffer"),
+        (_smem_by_the_config, "smem_bytes"),
+    ]),
 ]
 

@@ -133,34 +133,38 @@ SOFTMAX_FORBID = {
 }
 
 
-_columns = planted("09.1", T.check_plan_columns, T.plan_columns)
-_warps = planted("09.2", T.check_warps_for_rows, T.warps_for_rows)
-_issue = planted("09.3", T.check_issue_qk, primer.issue_qk)
-_softmax = planted("09.4", T.check_softmax_to_p, primer.softmax_to_p, SOFTMAX_FORBID)
-_empty = planted("09.5", T.check_s_empty_arrivals)
-
 MUTATIONS = [
-    _columns(plan_p_low_half, "upper half of S_i's columns"),
-    _columns(plan_alloc_used, "a power of two >= 32"),
-    _columns(plan_never_refuses, "raise ValueError"),
-    _warps(warps_first_quarter_only, "crosses a multiple of 32"),
-    _warps(warps_by_warpgroup, "lanes 32 (w mod 4)"),
-    _issue(issue_always_accumulates, "ACCUMULATE to False for k = 0"),
-    _issue(issue_never_accumulates, "must be True for every k > 0"),
-    _issue(issue_commits_every_mma, "commit once, after the last MMA"),
-    _issue(issue_commits_first, "before the last MMA"),
-    _issue(issue_whole_warp_commits, "cute.arch.elect_one()"),
-    _issue(issue_one_block_of_k, "the same 16 columns of D"),
-    _softmax(softmax_no_wait, "wait on mbar_s with parity 0"),
-    _softmax(softmax_wrong_parity, "wait on mbar_s with parity 0"),
-    _softmax(softmax_arrives_before_fence, "fence_view_async_tmem_store() (tcgen05.wait::st)"),
-    _softmax(softmax_no_fence, "fence_view_async_tmem_store() (tcgen05.wait::st)"),
-    _softmax(softmax_without_max, "did not subtract the row's max"),
-    _softmax(softmax_natural_exp, "use cute.math.exp2"),
-    _softmax(softmax_elected_arrive, "one per softmax thread"),
-    _softmax(softmax_arrives_on_s, "the softmax arrives on mbar_p"),
-    _softmax(softmax_fp16_p, "convert with .to(rP.element_type)"),
-    _softmax(softmax_with_helper, "the row arithmetic you are asked to write"),
-    _empty({"1-CTA": 128, "2-CTA": 256}, "the correction warpgroup"),
-    _empty({"1-CTA": 256, "2-CTA": 256}, "both CTAs' warpgroups arrive on the leader's barrier"),
+    *planted("09.1", T.check_plan_columns, T.plan_columns, rows=[
+        (plan_p_low_half, "upper half of S_i's columns"),
+        (plan_alloc_used, "a power of two >= 32"),
+        (plan_never_refuses, "raise ValueError"),
+    ]),
+    *planted("09.2", T.check_warps_for_rows, T.warps_for_rows, rows=[
+        (warps_first_quarter_only, "crosses a multiple of 32"),
+        (warps_by_warpgroup, "lanes 32 (w mod 4)"),
+    ]),
+    *planted("09.3", T.check_issue_qk, primer.issue_qk, rows=[
+        (issue_always_accumulates, "ACCUMULATE to False for k = 0"),
+        (issue_never_accumulates, "must be True for every k > 0"),
+        (issue_commits_every_mma, "commit once, after the last MMA"),
+        (issue_commits_first, "before the last MMA"),
+        (issue_whole_warp_commits, "cute.arch.elect_one()"),
+        (issue_one_block_of_k, "the same 16 columns of D"),
+    ]),
+    *planted("09.4", T.check_softmax_to_p, primer.softmax_to_p, SOFTMAX_FORBID, rows=[
+        (softmax_no_wait, "wait on mbar_s with parity 0"),
+        (softmax_wrong_parity, "wait on mbar_s with parity 0"),
+        (softmax_arrives_before_fence, "fence_view_async_tmem_store() (tcgen05.wait::st)"),
+        (softmax_no_fence, "fence_view_async_tmem_store() (tcgen05.wait::st)"),
+        (softmax_without_max, "did not subtract the row's max"),
+        (softmax_natural_exp, "use cute.math.exp2"),
+        (softmax_elected_arrive, "one per softmax thread"),
+        (softmax_arrives_on_s, "the softmax arrives on mbar_p"),
+        (softmax_fp16_p, "convert with .to(rP.element_type)"),
+        (softmax_with_helper, "the row arithmetic you are asked to write"),
+    ]),
+    *planted("09.5", T.check_s_empty_arrivals, rows=[
+        ({"1-CTA": 128, "2-CTA": 256}, "the correction warpgroup"),
+        ({"1-CTA": 256, "2-CTA": 256}, "both CTAs' warpgroups arrive on the leader's barrier"),
+    ]),
 ]

@@ -77,30 +77,33 @@ init_fence_after_arrive = mutant(  # fenced after the arrive that should publish
          "cluster_arrive_relaxed()\n    if warp == MMA_WARP: cute.arch.mbarrier_init_fence()")])
 
 
-_smem = planted("10.1", T.check_smem_cycles_per_step, T.smem_cycles_per_step)
-_waves = planted("10.2", T.check_schedule_efficiency, T.schedule_efficiency)
-_pair = planted("10.3", T.check_pair_mma, primer.pair_mma)
-_init = planted("10.4", T.check_init_pair_barriers, primer.init_pair_barriers)
-
 MUTATIONS = [
-    _smem(smem_kv_once, "read twice per step"),
-    _smem(smem_halves_a, "halves the B operands"),
-    _smem(smem_in_bytes, "that is bytes"),
-    _waves(efficiency_pairs_on_every_sm, "74 pairs"),
-    _waves(efficiency_tiles_of_128, "two Q stages"),
-    _waves(efficiency_no_rounds, "round up"),
-    _pair(pair_both_issue, "CTA 1 issued MMAs too"),
-    _pair(pair_follower_issues, "CTA 1 issued MMAs too"),
-    _pair(pair_commit_no_mask, "multicast the commit to both CTAs"),
-    _pair(pair_commit_group_one, "cta_group=tcgen05.CtaGroup.TWO"),
-    _pair(pair_no_wait_for_p, "wait on mbar_p"),
-    _pair(pair_no_wait_for_loads, "wait on mbar_load"),
-    _pair(pair_whole_warp_commits, "elect_one"),
-    _init(init_p_counts_one_cta, "128 that the follower's threads make remotely"),
-    _init(init_s_counts_two_commits, "arrives once on each CTA's barrier"),
-    _init(init_load_counts_both_ctas, "the TMA bytes complete it"),
-    _init(init_with_cta_barrier, "pass the cluster barrier"),
-    _init(init_cluster_barrier_in_one_warp, "Every thread of both CTAs arrives and waits"),
-    _init(init_without_fence, "mbarrier_init_fence()"),
-    _init(init_fence_after_arrive, "mbarrier_init_fence()"),
+    *planted("10.1", T.check_smem_cycles_per_step, T.smem_cycles_per_step, rows=[
+        (smem_kv_once, "read twice per step"),
+        (smem_halves_a, "halves the B operands"),
+        (smem_in_bytes, "that is bytes"),
+    ]),
+    *planted("10.2", T.check_schedule_efficiency, T.schedule_efficiency, rows=[
+        (efficiency_pairs_on_every_sm, "74 pairs"),
+        (efficiency_tiles_of_128, "two Q stages"),
+        (efficiency_no_rounds, "round up"),
+    ]),
+    *planted("10.3", T.check_pair_mma, primer.pair_mma, rows=[
+        (pair_both_issue, "CTA 1 issued MMAs too"),
+        (pair_follower_issues, "CTA 1 issued MMAs too"),
+        (pair_commit_no_mask, "multicast the commit to both CTAs"),
+        (pair_commit_group_one, "cta_group=tcgen05.CtaGroup.TWO"),
+        (pair_no_wait_for_p, "wait on mbar_p"),
+        (pair_no_wait_for_loads, "wait on mbar_load"),
+        (pair_whole_warp_commits, "elect_one"),
+    ]),
+    *planted("10.4", T.check_init_pair_barriers, primer.init_pair_barriers, rows=[
+        (init_p_counts_one_cta, "128 that the follower's threads make remotely"),
+        (init_s_counts_two_commits, "arrives once on each CTA's barrier"),
+        (init_load_counts_both_ctas, "the TMA bytes complete it"),
+        (init_with_cta_barrier, "pass the cluster barrier"),
+        (init_cluster_barrier_in_one_warp, "Every thread of both CTAs arrives and waits"),
+        (init_without_fence, "mbarrier_init_fence()"),
+        (init_fence_after_arrive, "mbarrier_init_fence()"),
+    ]),
 ]

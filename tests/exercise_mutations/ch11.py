@@ -9,7 +9,7 @@ from fa4_final.common.atomics import pass_turn, wait_turn
 from solutions import ch11_backward as ch11
 from solutions import ch11_ds_step as ds
 from solutions import ch11_turns as turns
-from tests.exercise_mutations import mutant, planted
+from tests.exercise_mutations import SLOW, mutant, planted
 
 # --- 11.1 delta --------------------------------------------------------------------------------
 delta_in_bf16 = mutant(  # summed in the inputs' bfloat16
@@ -131,43 +131,50 @@ def turn_with_package_helpers(lane, counter, my_turn, add_blocks):
     cute.arch.sync_warp()
 
 
-_delta = planted("11.1", ch11.check_softmax_delta, ch11.softmax_delta)
-_tile = planted("11.2", ch11.check_tile_step, ch11.tile_step)
-_first = planted("11.3", ch11.check_first_q_tile, ch11.first_q_tile)
-_bytes = planted("11.4", ch11.check_dq_add_bytes, ch11.dq_add_bytes, ch11.FORBID_DQ_BYTES)
-_ds = planted("11.5", ds.check_ds_step_rules, ds.ds_step, ds.FORBID)
-_ds_compiled = planted("11.5", ds.check_ds_step, ds.ds_step, ds.FORBID)
-_turn = planted("11.6", turns.check_turn_rules, turns.add_in_turn, turns.FORBID)
-_turn_compiled = planted("11.6", turns.check_add_in_turn, turns.add_in_turn, turns.FORBID)
-
 MUTATIONS = [
-    _delta(delta_in_bf16, "float32"),
-    _delta(delta_not_transposed, "transpose the last two dims"),
-    _tile(step_scaled, "softmax scale"),
-    _tile(step_dv_from_ds, "dV = P^T dO"),
-    _first(first_tile_ignores_offset, "sees key"),
-    _first(first_tile_rounds_up, "already"),
-    _bytes(adds_every_pair, "skips"),
-    _bytes(adds_half_when_causal, "not half"),
-    _bytes(adds_rows_not_tiles, "whole tile"),
-    _bytes(adds_in_bf16, "float32"),
-    _ds(ds_natural_exp, "exp2, not exp"),
-    _ds(ds_mask_off_by_one, "on the diagonal"),
-    _ds(ds_mask_queries_on_rows, "keys on the rows"),
-    _ds(ds_forgets_seqlen_k, "past seqlen_k"),
-    _ds(ds_lse_converted_again, "already in log2 units"),
-    _ds(ds_delta_outside, "inside the bracket"),
-    _ds(ds_reads_dp_early, "before calling wait_dp"),
-    _ds(ds_waits_before_p, "before calling wait_dp"),
-    _ds(ds_delta_of_the_row, "delta belongs to a query"),
-    _turn(turn_never_passed, "waits forever"),
-    _turn(turn_passed_after_read, "read=True"),
-    _turn(turn_not_awaited, "never read the counter"),
-    _turn(turn_passed_by_every_lane, "by 32"),
-    _turn(turn_adds_in_lane_zero_only, "every lane"),
-    _turn(turn_relaxed, "sem='acquire'"),
-    _turn(turn_with_package_helpers, "the package's"),
-    _ds_compiled(ds_natural_exp, "exp2, not exp", slow=True),
-    _ds_compiled(ds_exponentials_twice, "spills", slow=True),
-    _turn_compiled(turn_passed_after_read, "read=True", slow=True),
+    *planted("11.1", ch11.check_softmax_delta, ch11.softmax_delta, rows=[
+        (delta_in_bf16, "float32"),
+        (delta_not_transposed, "transpose the last two dims"),
+    ]),
+    *planted("11.2", ch11.check_tile_step, ch11.tile_step, rows=[
+        (step_scaled, "softmax scale"),
+        (step_dv_from_ds, "dV = P^T dO"),
+    ]),
+    *planted("11.3", ch11.check_first_q_tile, ch11.first_q_tile, rows=[
+        (first_tile_ignores_offset, "sees key"),
+        (first_tile_rounds_up, "already"),
+    ]),
+    *planted("11.4", ch11.check_dq_add_bytes, ch11.dq_add_bytes, ch11.FORBID_DQ_BYTES, rows=[
+        (adds_every_pair, "skips"),
+        (adds_half_when_causal, "not half"),
+        (adds_rows_not_tiles, "whole tile"),
+        (adds_in_bf16, "float32"),
+    ]),
+    *planted("11.5", ds.check_ds_step_rules, ds.ds_step, ds.FORBID, rows=[
+        (ds_natural_exp, "exp2, not exp"),
+        (ds_mask_off_by_one, "on the diagonal"),
+        (ds_mask_queries_on_rows, "keys on the rows"),
+        (ds_forgets_seqlen_k, "past seqlen_k"),
+        (ds_lse_converted_again, "already in log2 units"),
+        (ds_delta_outside, "inside the bracket"),
+        (ds_reads_dp_early, "before calling wait_dp"),
+        (ds_waits_before_p, "before calling wait_dp"),
+        (ds_delta_of_the_row, "delta belongs to a query"),
+    ]),
+    *planted("11.6", turns.check_turn_rules, turns.add_in_turn, turns.FORBID, rows=[
+        (turn_never_passed, "waits forever"),
+        (turn_passed_after_read, "read=True"),
+        (turn_not_awaited, "never read the counter"),
+        (turn_passed_by_every_lane, "by 32"),
+        (turn_adds_in_lane_zero_only, "every lane"),
+        (turn_relaxed, "sem='acquire'"),
+        (turn_with_package_helpers, "the package's"),
+    ]),
+    *planted("11.5", ds.check_ds_step, ds.ds_step, ds.FORBID, rows=[
+        (ds_natural_exp, "exp2, not exp", SLOW),
+        (ds_exponentials_twice, "spills", SLOW),
+    ]),
+    *planted("11.6", turns.check_add_in_turn, turns.add_in_turn, turns.FORBID, rows=[
+        (turn_passed_after_read, "read=True", SLOW),
+    ]),
 ]

@@ -8,7 +8,7 @@ import cutlass.cute as cute
 from fa4_final.blackwell import peer
 from fa4_final.blackwell.tmem import Region, TmemPlan
 from solutions import ch12_blackwell_bwd as c12
-from tests.exercise_mutations import mutant, planted
+from tests.exercise_mutations import SLOW, mutant, planted
 
 
 # --- 12.1 dQ with columns of its own -----------------------------------------------------------
@@ -111,31 +111,35 @@ def send_with_package_steps(words, unit_addr, dsx, peer_rank, tidx, nbytes):
                                           words[4 * j + 3]), dsx, peer_rank)
 
 
-_plan = planted("12.1", c12.check_own_dq_plan, c12.own_dq_plan)
-_split = planted("12.2", c12.check_split_rules, c12.split_registers)
-_split_compiled = planted("12.2", c12.check_split_registers, c12.split_registers)
-_send = planted("12.3", c12.check_send_rules, c12.send_ds, c12.FORBID_SEND)
-_send_compiled = planted("12.3", c12.check_send_ds, c12.send_ds, c12.FORBID_SEND)
-
 MUTATIONS = [
-    _plan(plan_dq_still_inside_dp, "still lives inside"),
-    _plan(plan_only_for_d64, "640"),
-    _plan(plan_p_with_own_columns, "inside S^T"),
-    _split(split_mma_warp_raised, "sub-partition 0"),
-    _split(split_mma_warp_raised, "same setmaxnreg"),
-    _split(split_over_512, "520"),
-    _split(split_increase_below_launch, "setmaxnreg.inc to 112"),
-    _split(split_forgets_warpgroup3, "warp 12 runs no"),
-    _split_compiled(split_mma_starved, "spills", slow=True),
-    _split_compiled(split_dq_starved, "Register allocation failed", slow=True),
-    _send(send_unfenced, "no proxy fence"),
-    _send(send_fenced_for_own_cta, "space 'cluster'"),
-    _send(send_every_thread_arms, "128 threads armed"),
-    _send(send_every_thread_arms, "pair simulator"),
-    _send(send_half_the_bytes, "Deadlock"),
-    _send(send_arms_own_barrier, "own CTA's barrier"),
-    _send(send_never_arms, "no thread arms"),
-    _send(send_words_out_of_order, "words 4j"),
-    _send(send_with_package_steps, "the package's"),
-    _send_compiled(send_unfenced, "no proxy fence", slow=True),
+    *planted("12.1", c12.check_own_dq_plan, c12.own_dq_plan, rows=[
+        (plan_dq_still_inside_dp, "still lives inside"),
+        (plan_only_for_d64, "640"),
+        (plan_p_with_own_columns, "inside S^T"),
+    ]),
+    *planted("12.2", c12.check_split_rules, c12.split_registers, rows=[
+        (split_mma_warp_raised, "sub-partition 0"),
+        (split_mma_warp_raised, "same setmaxnreg"),
+        (split_over_512, "520"),
+        (split_increase_below_launch, "setmaxnreg.inc to 112"),
+        (split_forgets_warpgroup3, "warp 12 runs no"),
+    ]),
+    *planted("12.2", c12.check_split_registers, c12.split_registers, rows=[
+        (split_mma_starved, "spills", SLOW),
+        (split_dq_starved, "Register allocation failed", SLOW),
+    ]),
+    *planted("12.3", c12.check_send_rules, c12.send_ds, c12.FORBID_SEND, rows=[
+        (send_unfenced, "no proxy fence"),
+        (send_fenced_for_own_cta, "space 'cluster'"),
+        (send_every_thread_arms, "128 threads armed"),
+        (send_every_thread_arms, "pair simulator"),
+        (send_half_the_bytes, "Deadlock"),
+        (send_arms_own_barrier, "own CTA's barrier"),
+        (send_never_arms, "no thread arms"),
+        (send_words_out_of_order, "words 4j"),
+        (send_with_package_steps, "the package's"),
+    ]),
+    *planted("12.3", c12.check_send_ds, c12.send_ds, c12.FORBID_SEND, rows=[
+        (send_unfenced, "no proxy fence", SLOW),
+    ]),
 ]

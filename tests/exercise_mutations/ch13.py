@@ -12,7 +12,7 @@ from cutlass import Float32
 from fa4_final.common.tiles import visible_cols
 from solutions import ch13_scores as t13s
 from solutions import ch13_teaching as t13
-from tests.exercise_mutations import mutant, planted
+from tests.exercise_mutations import SLOW, mutant, planted
 
 normalise_window = t13.package_window_reader()
 
@@ -145,31 +145,34 @@ def key_without_window_sides(call):
     return ("fwd", call["dtype"], call["head_dim"], call["causal"], call["config"])
 
 
-_check = planted("13.1", t13.check_check_sink, t13.check_sink_tokens, t13.SINK_CHECK_FORBID)
-_cache_key = planted("13.2", t13.check_kernel_key, t13.kernel_key)
-_mask = planted("13.3", t13s.check_sink_mask, t13s.sink_mask, t13s.SINK_MASK_FORBID)
-_cap = planted("13.4", t13s.check_softcap, t13s.softcap_scores, t13s.SOFTCAP_FORBID)
-
 MUTATIONS = [
-    _check(sink_check_takes_bools, "a bool is not a count"),
-    _check(sink_check_reads_negative_left_as_none, "a negative left side is a bound too"),
-    _check(sink_check_forgets_two_negative_sides, "two negative sides are no window"),
-    _check(sink_check_says_too_little, "does not name"),
-    _check(sink_check_through_the_package, "normalise_window"),
-    _cache_key(key_of_everything, "runtime argument"),
-    _cache_key(key_with_window_sizes, "window sizes 128 and 512"),
-    _cache_key(key_without_config, "config"),
-    _cache_key(key_with_an_object, "object address"),
-    _cache_key(key_without_window_sides, "changing window_size"),
-    _mask(mask_without_sinks, "it is a sink token"),
-    _mask(sinks_one_too_many, "a mask off by one"),
-    _mask(sinks_past_the_right_side, "it is right of the window"),
-    _mask(sinks_in_every_tile, "is not a sink"),
-    _mask(limits_not_shifted, "must be masked"),
-    _mask(mask_with_an_if, "instructions per element", slow=True),
-    _cap(softcap_unscaled, "the scores reach your function unscaled"),
-    _cap(softcap_scaled_twice, "the softmax multiplies by the scale again"),
-    _cap(softcap_slow_tanh, "fastmath=True"),
-    _cap(softcap_divides_per_element, "divides per element", slow=True),
-    _cap(softcap_on_the_host, "math.tanh"),
+    *planted("13.1", t13.check_check_sink, t13.check_sink_tokens, t13.SINK_CHECK_FORBID, rows=[
+        (sink_check_takes_bools, "a bool is not a count"),
+        (sink_check_reads_negative_left_as_none, "a negative left side is a bound too"),
+        (sink_check_forgets_two_negative_sides, "two negative sides are no window"),
+        (sink_check_says_too_little, "does not name"),
+        (sink_check_through_the_package, "normalise_window"),
+    ]),
+    *planted("13.2", t13.check_kernel_key, t13.kernel_key, rows=[
+        (key_of_everything, "runtime argument"),
+        (key_with_window_sizes, "window sizes 128 and 512"),
+        (key_without_config, "config"),
+        (key_with_an_object, "object address"),
+        (key_without_window_sides, "changing window_size"),
+    ]),
+    *planted("13.3", t13s.check_sink_mask, t13s.sink_mask, t13s.SINK_MASK_FORBID, rows=[
+        (mask_without_sinks, "it is a sink token"),
+        (sinks_one_too_many, "a mask off by one"),
+        (sinks_past_the_right_side, "it is right of the window"),
+        (sinks_in_every_tile, "is not a sink"),
+        (limits_not_shifted, "must be masked"),
+        (mask_with_an_if, "instructions per element", SLOW),
+    ]),
+    *planted("13.4", t13s.check_softcap, t13s.softcap_scores, t13s.SOFTCAP_FORBID, rows=[
+        (softcap_unscaled, "the scores reach your function unscaled"),
+        (softcap_scaled_twice, "the softmax multiplies by the scale again"),
+        (softcap_slow_tanh, "fastmath=True"),
+        (softcap_divides_per_element, "divides per element", SLOW),
+        (softcap_on_the_host, "math.tanh"),
+    ]),
 ]

@@ -11,7 +11,7 @@ from cutlass import Float32
 
 from solutions import ch14_ring as ring
 from solutions import ch14_teaching as t14
-from tests.exercise_mutations import mutant, planted
+from tests.exercise_mutations import SLOW, mutant, planted
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -134,32 +134,35 @@ def chunks_from_the_layout(world):
     return [tuple(range(2)) for _ in ring.zigzag_layout(2 * world, world).ranges]
 
 
-_merge = planted("14.1", t14.check_merge_pair, t14.merge_pair, t14.FORBID_MERGE)
-_step = planted("14.2", t14.check_merge_step, t14.merge_step, t14.FORBID_STEP)
-_loop = planted("14.3", t14.check_ring_loop, t14.ring_loop, t14.FORBID_RING_LOOP)
-_chunks = planted("14.4", t14.check_zigzag, t14.zigzag_chunks, t14.FORBID_ZIGZAG)
-
 MUTATIONS = [
-    _merge(merge_unstable, "an exponential overflowed"),
-    _merge(merge_nan_for_empty_rows, "-inf - (-inf) is NaN"),
-    _merge(merge_lse_in_log2, "in log2 units"),
-    _merge(merge_not_normalised, "the weights do not sum to 1"),
-    _merge(merge_divides_per_element, "divides per element", slow=True),
-    _merge(merge_forgets_the_max, "the merged lse is"),
-    _step(step_without_rescale, "must be rescaled"),
-    _step(step_nan_before_any_key, "is NaN"),
-    _step(step_divides, "your step divides", slow=True),
-    _step(step_old_max_only, "overflowed"),
-    _loop(loop_attends_first, "attend ran before the exchange was started"),
-    _loop(loop_waits_first, "nothing overlaps"),
-    _loop(loop_sends_on_the_last_step, "W - 1 are enough"),
-    _loop(loop_wrong_source, "src must name it"),
-    _loop(loop_keeps_the_last_block, "every piece must be merged"),
-    _loop(loop_uses_the_ring, "that is the chapter's ring"),
-    _chunks(chunks_contiguous, "waits for rank"),
-    _chunks(chunks_striped, "rank 1 (chunks (1, 3)) does"),
-    _chunks(chunks_off_by_one, "chunk indices run from 0"),
-    _chunks(chunks_from_the_layout, "that is the chapter's layout"),
+    *planted("14.1", t14.check_merge_pair, t14.merge_pair, t14.FORBID_MERGE, rows=[
+        (merge_unstable, "an exponential overflowed"),
+        (merge_nan_for_empty_rows, "-inf - (-inf) is NaN"),
+        (merge_lse_in_log2, "in log2 units"),
+        (merge_not_normalised, "the weights do not sum to 1"),
+        (merge_divides_per_element, "divides per element", SLOW),
+        (merge_forgets_the_max, "the merged lse is"),
+    ]),
+    *planted("14.2", t14.check_merge_step, t14.merge_step, t14.FORBID_STEP, rows=[
+        (step_without_rescale, "must be rescaled"),
+        (step_nan_before_any_key, "is NaN"),
+        (step_divides, "your step divides", SLOW),
+        (step_old_max_only, "overflowed"),
+    ]),
+    *planted("14.3", t14.check_ring_loop, t14.ring_loop, t14.FORBID_RING_LOOP, rows=[
+        (loop_attends_first, "attend ran before the exchange was started"),
+        (loop_waits_first, "nothing overlaps"),
+        (loop_sends_on_the_last_step, "W - 1 are enough"),
+        (loop_wrong_source, "src must name it"),
+        (loop_keeps_the_last_block, "every piece must be merged"),
+        (loop_uses_the_ring, "that is the chapter's ring"),
+    ]),
+    *planted("14.4", t14.check_zigzag, t14.zigzag_chunks, t14.FORBID_ZIGZAG, rows=[
+        (chunks_contiguous, "waits for rank"),
+        (chunks_striped, "rank 1 (chunks (1, 3)) does"),
+        (chunks_off_by_one, "chunk indices run from 0"),
+        (chunks_from_the_layout, "that is the chapter's layout"),
+    ]),
 ]
 
 __all__ = ["MUTATIONS", "torch"]

@@ -8,7 +8,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from solutions import ch15_decoding as t15
-from tests.exercise_mutations import mutant, planted
+from tests.exercise_mutations import SLOW, mutant, planted
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -80,24 +80,26 @@ gather_wrong_head = mutant(  # always KV head 0
     t15.gather_key_row, "mK[page, row, h, d]", "mK[page, row, 0, d]")
 
 
-_combine = planted("15.1", t15.check_combine_row, t15.combine_row, t15.FORBID_COMBINE)
-_gather = planted("15.2", t15.check_gather_key_row, t15.gather_key_row, t15.FORBID_GATHER)
 MUTATIONS = [
-    _combine(combine_nan_when_no_split_saw, "-inf - (-inf) is NaN"),
-    _combine(combine_reads_every_split, "a split whose lse is -inf was read"),
-    _combine(combine_without_the_max, "an exponential overflowed"),
-    _combine(combine_empty_split_weight_one, "a split whose lse is -inf got weight"),
-    _combine(combine_unnormalised_weights, "the weights in w sum to"),
-    _combine(combine_lse_in_log2, "in log2 units"),
-    _combine(combine_out_not_zeroed, "set out to 0"),
-    _combine(combine_recomputes_weights, "recomputes the exponentials", slow=True),
-    _combine(combine_calls_the_reference, "that is the reference solution"),
-    _gather(gather_slot_as_page, "row offset uses page index instead of page_table[b, page]"),
-    _gather(gather_reads_past_the_sequence, "test j < seqlen"),
-    _gather(gather_page_per_tile, "you looked the page up by the key tile"),
-    _gather(gather_row_in_tile, "the row inside the page is j % page_size"),
-    _gather(gather_leaves_the_tail, "must be 0"),
-    _gather(gather_wrong_head, "you read KV head"),
+    *planted("15.1", t15.check_combine_row, t15.combine_row, t15.FORBID_COMBINE, rows=[
+        (combine_nan_when_no_split_saw, "-inf - (-inf) is NaN"),
+        (combine_reads_every_split, "a split whose lse is -inf was read"),
+        (combine_without_the_max, "an exponential overflowed"),
+        (combine_empty_split_weight_one, "a split whose lse is -inf got weight"),
+        (combine_unnormalised_weights, "the weights in w sum to"),
+        (combine_lse_in_log2, "in log2 units"),
+        (combine_out_not_zeroed, "set out to 0"),
+        (combine_recomputes_weights, "recomputes the exponentials", SLOW),
+        (combine_calls_the_reference, "that is the reference solution"),
+    ]),
+    *planted("15.2", t15.check_gather_key_row, t15.gather_key_row, t15.FORBID_GATHER, rows=[
+        (gather_slot_as_page, "row offset uses page index instead of page_table[b, page]"),
+        (gather_reads_past_the_sequence, "test j < seqlen"),
+        (gather_page_per_tile, "you looked the page up by the key tile"),
+        (gather_row_in_tile, "the row inside the page is j % page_size"),
+        (gather_leaves_the_tail, "must be 0"),
+        (gather_wrong_head, "you read KV head"),
+    ]),
 ]
 
 
@@ -171,12 +173,13 @@ def serve_without_a_graph(engine, steps):
     return outs
 
 
-_serve = planted("15.3", t15.check_serve_graph, t15.serve_graph, t15.FORBID_SERVE)
 MUTATIONS += [
-    _serve(serve_without_warm_up, "compiled while the graph was being captured"),
-    _serve(serve_with_the_first_tensors, "the replay reads the captured buffers"),
-    _serve(serve_capturing_every_step, "capture once"),
-    _serve(serve_keeping_out_itself, "engine.out itself"),
-    _serve(serve_with_new_buffers, "you replaced engine.q with a new tensor"),
-    _serve(serve_without_a_graph, "nothing was captured"),
+    *planted("15.3", t15.check_serve_graph, t15.serve_graph, t15.FORBID_SERVE, rows=[
+        (serve_without_warm_up, "compiled while the graph was being captured"),
+        (serve_with_the_first_tensors, "the replay reads the captured buffers"),
+        (serve_capturing_every_step, "capture once"),
+        (serve_keeping_out_itself, "engine.out itself"),
+        (serve_with_new_buffers, "you replaced engine.q with a new tensor"),
+        (serve_without_a_graph, "nothing was captured"),
+    ]),
 ]
