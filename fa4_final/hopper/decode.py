@@ -59,7 +59,12 @@ from fa4_final.common.pipelines import PipelineSpec, tma_async_pipeline
 from fa4_final.common.register_plan import check_role_registers
 from fa4_final.common.softmax import OnlineSoftmax
 from fa4_final.hopper.config import DECODE_CTAS_PER_SM_BOUND, HopperDecodeConfig
-from fa4_final.hopper.wgmma import attention_tiled_mmas, issue_wgmma, smem_tile_layout
+from fa4_final.hopper.wgmma import (
+    attention_fragments,
+    attention_tiled_mmas,
+    issue_wgmma,
+    smem_tile_layout,
+)
 
 # named barriers of the consumer warpgroup (id 0: syncthreads): its Q stores are done; its
 # zeros are in the last V tile (Note [Keys past the cached length])
@@ -376,24 +381,10 @@ class HopperDecode:
         entry, first row) of the sequence's rows in q, out and lse."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 127
-        wg_mma_qk = tiled_mma_qk.get_slice(0)  # A and B descriptors: the one warpgroup's
-        wg_mma_pv = tiled_mma_pv.get_slice(0)
-        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
-        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        # V^T view (D, tile_n, STAGE): the B operand of O = P V with N = D, K = tile_n
-        sVt = cute.composition(sV, cute.make_ordered_layout(
-            (self.head_dim, self.tile_n, self.cfg.stages), order=(1, 0, 2)))
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))  # (MMA, 1, D/16)
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))  # (MMA, 1, D/16, STAGE)
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))  # (MMA, 1, n/16, STAGE)
-        # fp32 accumulators: S ((2, 2, tile_n/8), 1, 1), O ((2, 2, D/8), 1, 1)
-        acc_s = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
-                                      Float32)
-        acc_o = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim)),
-                                      Float32)
-        # P as the register A operand of O += P V, input dtype: ((2, 2, 2), 1, tile_n/16)
-        tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((self.tile_m, self.tile_n)),
-                                     self.dtype)
+        # A and B descriptors per warpgroup, C fragments per thread
+        (thr_mma_qk, thr_mma_pv, tSrQ, tSrK, tOrVt, acc_s, acc_o, tOrP) = attention_fragments(
+            tiled_mma_qk, tiled_mma_pv, 0, tidx, sQ, sK, sV, self.tile_m,
+            self.tile_n, self.head_dim, self.cfg.stages, self.dtype)
         tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
         rows = cute.size(acc_rows_cols(acc_o), mode=[0])
         softmax = OnlineSoftmax(scale_log2, rows)

@@ -1,6 +1,8 @@
 """Hopper building blocks of the wgmma kernels: the swizzled shared-memory layout of a tile, the
-two tiled MMAs of attention, issuing one asynchronous wgmma group, and reordering a tensor's
-modes."""
+two tiled MMAs of attention and one warpgroup's operands of them, issuing one asynchronous wgmma
+group, and reordering a tensor's modes."""
+
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -35,6 +37,42 @@ def attention_tiled_mmas(dtype, num_warpgroups: int, tile_n: int, head_dim: int)
         dtype, dtype, major.K, major.MN, Float32, atoms, (WGMMA_M, head_dim),
         warpgroup.OperandSource.RMEM)
     return mma_qk, mma_pv
+
+
+class AttentionFragments(NamedTuple):
+    """One warpgroup's view of S = Q K^T and O += P V (attention_fragments)."""
+
+    thr_mma_qk: object  # this thread's slice of the S MMA (C fragments, coordinates)
+    thr_mma_pv: object  # this thread's slice of the O MMA
+    tSrQ: cute.Tensor  # Q as S's A operand, a descriptor over shared memory: (MMA, 1, D/16)
+    tSrK: cute.Tensor  # K as S's B operand: (MMA, 1, D/16, STAGE)
+    tOrVt: cute.Tensor  # V^T as O's B operand: (MMA, 1, tile_n/16, STAGE)
+    acc_s: cute.Tensor  # S in float32 registers: ((2, 2, tile_n/8), 1, 1)
+    acc_o: cute.Tensor  # O in float32 registers: ((2, 2, D/8), 1, 1)
+    tOrP: cute.Tensor  # P in the input dtype, O's register A operand: ((2, 2, 2), 1, tile_n/16)
+
+
+def attention_fragments(tiled_mma_qk, tiled_mma_pv, first_thread, tidx, sQ, sK, sV,
+                        tile_m: int, tile_n: int, head_dim: int, v_stages: int,
+                        dtype) -> AttentionFragments:
+    """The operands and accumulators of one warpgroup's two GEMMs: A and B descriptors are per
+    warpgroup (sliced at its ``first_thread``), C fragments per thread (``tidx``). V is read
+    through a transposed view (D, tile_n, STAGE), the B operand of O = P V with N = D,
+    K = tile_n."""
+    wg_qk = tiled_mma_qk.get_slice(first_thread)
+    wg_pv = tiled_mma_pv.get_slice(first_thread)
+    thr_qk = tiled_mma_qk.get_slice(tidx)
+    thr_pv = tiled_mma_pv.get_slice(tidx)
+    sVt = cute.composition(sV, cute.make_ordered_layout(
+        (head_dim, tile_n, v_stages), order=(1, 0, 2)))
+    return AttentionFragments(
+        thr_qk, thr_pv,
+        wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
+        wg_qk.make_fragment_B(wg_qk.partition_B(sK)),
+        wg_pv.make_fragment_B(wg_pv.partition_B(sVt)),
+        cute.make_rmem_tensor(thr_qk.partition_shape_C((tile_m, tile_n)), Float32),
+        cute.make_rmem_tensor(thr_pv.partition_shape_C((tile_m, head_dim)), Float32),
+        cute.make_rmem_tensor(thr_pv.partition_shape_A((tile_m, tile_n)), dtype))
 
 
 @cute.jit
