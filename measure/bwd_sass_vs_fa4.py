@@ -140,13 +140,20 @@ def kernel_metrics(ptx: str, sass: str, registers: int, spills: int) -> dict:
     return out
 
 
-def small_kernel_metrics(sass: str, registers: int, spills: int) -> dict:
-    """Pre/post kernels: resources and the classes that move data."""
+def small_kernel_metrics(ptx: str, sass: str, registers: int, spills: int) -> dict:
+    """Pre/post kernels: resources, threads, and the classes that move data."""
     c = classes(sass_opcodes(sass))
+    threads = re.search(r"\.reqntid\s+(\d+)", ptx) or re.search(r"\.maxntid\s+(\d+)", ptx)
+    widths = Counter(m.group(1) for line in sass.splitlines() if (m := re.search(
+        r"\b((?:LDGSTS|LDG|STG|LDS|STS|LDSM|STSM|RED|ATOM|UBLKRED|UTMA)(?:\.[A-Z0-9_]+)*)\b",
+        line)))
     keep = ("instructions", "LDG", "STG", "LDS", "STS", "UTMA* (TMA)", "UBLKRED (bulk reduction)",
             "RED/ATOM (global atomics)", "FFMA", "FMUL", "FADD")
     return {"registers": registers, "spill instructions": spills,
-            **{k: c[k] for k in keep}}
+            "threads per CTA": int(threads.group(1)) if threads else None,
+            **{k: c[k] for k in keep},
+            "memory instructions (with width)": ", ".join(
+                f"{op} x{n}" for op, n in sorted(widths.items(), key=lambda x: -x[1]))}
 
 
 def config_name(d: int, causal: bool, det: bool) -> str:
@@ -181,7 +188,7 @@ def our_metrics(d: int, causal: bool, det: bool) -> dict:
     out.update(our_structure(d, causal, det))
     for role in ("pre", "post"):
         a = arts[role]
-        out[role] = small_kernel_metrics(a.sass, a.registers, a.spills)
+        out[role] = small_kernel_metrics(a.ptx, a.sass, a.registers, a.spills)
     out["compile seconds"] = round(sum(a.compile_seconds for a in arts.values()), 1)
     return out
 
@@ -311,8 +318,7 @@ def fa4_metrics(d: int, causal: bool, det: bool, site=FA4_SITE) -> dict:
     })
     for role in ("pre", "post"):
         if role in kernels:
-            _, s, r, sp = kernels[role]
-            out[role] = small_kernel_metrics(s, r, sp)
+            out[role] = small_kernel_metrics(*kernels[role])
     m = re.search(r"compile seconds ([\d.]+)", stdout)
     out["compile seconds"] = float(m.group(1)) if m else None
     return out
@@ -376,7 +382,9 @@ SUMMARY = ["registers (launch)", "setmaxnreg inc (mma warpgroups)", "setmaxnreg 
            "step: BAR (named barriers)", "step: SYNCS (mbarrier)", "step: WARPSYNC",
            "step: WARPGROUP.DEPBAR", "role producer: UBLKRED (bulk reduction)",
            "role producer: UTMA* (TMA)", "role mma: RED/ATOM (global atomics)",
-           "pre: instructions", "post: instructions"]
+           "pre: instructions", "pre: threads per CTA", "post: instructions",
+           "post: threads per CTA",
+           "pre: memory instructions (with width)", "post: memory instructions (with width)"]
 
 
 def value(res: results.Results, impl: str, config: str, metric: str):
