@@ -24,6 +24,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from measure.fwd_sass_vs_fa4 import _flat
 from solutions.ch08_compare import by_mask, kv_loops, order
 from solutions.ch09_compare import (
     DEFAULT_FA4_SITE,
@@ -326,17 +327,7 @@ def fa4_metrics(d: int, causal: bool, det: bool, site=FA4_SITE) -> dict:
 
 def flatten(impl: str, config: str, metrics: dict) -> list[dict]:
     """Rows (impl, config, metric, value, unit); a nested dict becomes 'name: key'."""
-    rows = []
-    for metric, value in metrics.items():
-        if isinstance(value, dict):
-            rows += [{"impl": impl, "config": config, "metric": f"{metric}: {k}", "value": v,
-                      "unit": "SASS instructions" if isinstance(v, int) else "-"}
-                     for k, v in value.items()]
-        else:
-            unit = {"shared memory bytes": "bytes", "compile seconds": "s"}.get(metric, "-")
-            rows.append({"impl": impl, "config": config, "metric": metric, "value": value,
-                         "unit": unit})
-    return rows
+    return _flat(impl, config, metrics, {"shared memory bytes": "bytes", "compile seconds": "s"})
 
 
 def path() -> Path:

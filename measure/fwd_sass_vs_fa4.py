@@ -73,8 +73,9 @@ def build_rows(ours_only: bool, site=DEFAULT_FA4_SITE, knobs: bool = True) -> li
     return rows
 
 
-def _flat(impl: str, config: str, metrics: dict) -> list[dict]:
-    """Table rows (impl, config, metric, value, unit); a step's dict becomes 'step: name'."""
+def _flat(impl: str, config: str, metrics: dict, units: dict | None = None) -> list[dict]:
+    """Table rows (impl, config, metric, value, unit); a step's dict becomes 'step: name'.
+    ``units``: the unit of a plain metric by name ("-" for the others)."""
     rows = []
     for metric, value in metrics.items():
         if isinstance(value, dict):
@@ -83,7 +84,7 @@ def _flat(impl: str, config: str, metrics: dict) -> list[dict]:
                      for k, v in value.items()]
         else:
             rows.append({"impl": impl, "config": config, "metric": metric, "value": value,
-                         "unit": "-"})
+                         "unit": (units or {}).get(metric, "-")})
     return rows
 
 
