@@ -139,6 +139,28 @@ def test_decode_matches_float64(name):
     check_against_float64(q, k, v, out, lse, causal)
 
 
+def paged_equals_contiguous(q, k, v, page_size, seed, causal, splits, seqused_k,
+                            window_left=None, config=None):
+    """k and v cut into pages shuffled among NaN pages (paged_cache, seeded): the paged launch
+    gives the contiguous launch's every bit (the split partials when there are several, else
+    out and lse), and its answer (partials merged in float64) is float64's."""
+    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
+                                generator=torch.Generator().manual_seed(seed))
+    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
+    launch = dict(seqused_k=seqused_k, window_left=window_left, config=config)
+    contiguous = run_decode(q, k, v, causal, splits, **launch)
+    paged = run_decode(q, kp, vp, causal, splits, page_table=table, **launch)
+    got, want = (paged[2], contiguous[2]) if splits > 1 else (paged[:2], contiguous[:2])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    out, lse = paged[:2]
+    if splits > 1:
+        m_out, m_lse = merge_splits(paged[2][0].cpu(), paged[2][1].cpu())
+        out, lse = m_out.to(DEVICE, q.dtype), m_lse.to(DEVICE).float()
+    check_against_float64(q, kp, vp, out, lse, causal, page_table=table, seqused_k=seqused_k,
+                          window_left=window_left)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("d,page_size,dtype", [(128, 128, BF16), (128, 256, FP16),
                                                (64, 512, BF16)])
@@ -153,21 +175,7 @@ def test_paged_equals_contiguous_bit_for_bit(d, page_size, dtype, splits):
     for b, length in enumerate(used.tolist()):  # rows a serving engine never wrote
         k[b, length:] = float("nan")
         v[b, length:] = float("nan")
-    g = torch.Generator().manual_seed(splits)
-    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size, generator=g)
-    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
-    contiguous = run_decode(q, k, v, True, splits, seqused_k=used)
-    paged = run_decode(q, kp, vp, True, splits, page_table=table, seqused_k=used)
-    got = paged[2] if splits > 1 else paged[:2]
-    want = contiguous[2] if splits > 1 else contiguous[:2]
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    if splits == 1:
-        check_against_float64(q, kp, vp, *paged[:2], True, page_table=table, seqused_k=used)
-    else:
-        m_out, m_lse = merge_splits(paged[2][0].cpu(), paged[2][1].cpu())
-        check_against_float64(q, kp, vp, m_out.to(DEVICE, dtype), m_lse.to(DEVICE).float(),
-                              True, page_table=table, seqused_k=used)
+    paged_equals_contiguous(q, k, v, page_size, splits, True, splits, used)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -229,21 +237,7 @@ def test_sliding_window(window_left, causal, d, splits):
     batch, sq, h, hk, page_size, pages = 3, 4, 16, 4, 128, 24
     q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=window_left + splits)
     used = torch.tensor([pages * page_size, 1000, 333], dtype=torch.int32, device=DEVICE)
-    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
-                                generator=torch.Generator().manual_seed(4))
-    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
-    paged = run_decode(q, kp, vp, causal, splits, page_table=table, seqused_k=used,
-                       window_left=window_left)
-    contiguous = run_decode(q, k, v, causal, splits, seqused_k=used, window_left=window_left)
-    got, want = (paged[2], contiguous[2]) if splits > 1 else (paged[:2], contiguous[:2])
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    out, lse = paged[:2]
-    if splits > 1:
-        m_out, m_lse = merge_splits(paged[2][0].cpu(), paged[2][1].cpu())
-        out, lse = m_out.to(DEVICE, BF16), m_lse.to(DEVICE).float()
-    check_against_float64(q, kp, vp, out, lse, causal, page_table=table, seqused_k=used,
-                          window_left=window_left)
+    paged_equals_contiguous(q, k, v, page_size, 4, causal, splits, used, window_left=window_left)
 
 
 @pytest.mark.parametrize("page_size,splits", [(16, 1), (48, 3), (64, 2)])
@@ -258,19 +252,7 @@ def test_small_pages_with_small_key_tiles(page_size, splits):
     assert page_size % cfg.tile_n == 0 and (page_size < 128) == (cfg.tile_n < 128)
     q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=page_size)
     used = torch.tensor([pages * page_size, 1, 1000], dtype=torch.int32, device=DEVICE)
-    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
-                                generator=torch.Generator().manual_seed(5))
-    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
-    paged = run_decode(q, kp, vp, True, splits, page_table=table, seqused_k=used, config=cfg)
-    contiguous = run_decode(q, k, v, True, splits, seqused_k=used, config=cfg)
-    got, want = (paged[2], contiguous[2]) if splits > 1 else (paged[:2], contiguous[:2])
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    out, lse = paged[:2]
-    if splits > 1:
-        m_out, m_lse = merge_splits(paged[2][0].cpu(), paged[2][1].cpu())
-        out, lse = m_out.to(DEVICE, BF16), m_lse.to(DEVICE).float()
-    check_against_float64(q, kp, vp, out, lse, True, page_table=table, seqused_k=used)
+    paged_equals_contiguous(q, k, v, page_size, 5, True, splits, used, config=cfg)
 
 
 def test_paged_without_seqused_k_reads_every_page():
