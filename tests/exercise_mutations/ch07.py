@@ -8,6 +8,7 @@ import torch
 from cutlass import Float32
 
 from solutions import ch07_rescaling as ch07
+from solutions import ch07_sink
 from tests.exercise_mutations import SLOW, mutant, planted
 
 # --- 07.2 the decision and the vote -----------------------------------------------------------
@@ -124,6 +125,27 @@ def adversarial_steps_of_tau(seqlen_k, tile_n=128, tau=8.0, kv_order="reverse"):
     return _leaders(seqlen_k, tile_n, tau, kv_order)
 
 
+# --- 07.5 the sink in the last step ------------------------------------------------------------
+SINK = ch07_sink.finalize_with_sink
+
+sink_in_log2_units = mutant(SINK, "sink_log2 = sink * Float32(LOG2_E)", "sink_log2 = sink")
+
+sink_without_the_max = mutant(  # 2^(sink log2 e): l carries 2^-m, the sink does not
+    SINK, "exp2(sink_log2 - m, fastmath=True)", "exp2(sink_log2, fastmath=True)")
+
+sink_nan_on_empty_row = mutant(  # m = -inf kept: 2^inf and -inf + inf
+    SINK, "m = sink_log2 if row_max[r] == -Float32.inf else row_max[r]", "m = row_max[r]")
+
+sink_missing_from_lse = mutant(
+    SINK, "cute.math.log2(total, fastmath=True)", "cute.math.log2(row_sum[r], fastmath=True)")
+
+sink_empty_row_minus_inf = mutant(  # exercise 07.1's rule for an empty row, kept here
+    SINK, "* Float32(LN_2)", "* Float32(LN_2)\n        if row_sum[r] == Float32(0.0):\n"
+    "            lse[r] = -Float32.inf")
+
+sink_divides = mutant(SINK, "cute.arch.rcp_approx(total)", "Float32(1.0) / total")
+
+
 MUTATIONS = [
     *planted("07.2", ch07.check_running_max, ch07.running_max, ch07.FORBID_RUNNING_MAX, rows=[
         (running_max_no_vote, "not the same in every lane"),
@@ -152,4 +174,13 @@ MUTATIONS = [
         (adversarial_forward_order, "Remember the kernel order"),
         (adversarial_steps_of_tau, "must grow by more than tau"),
     ]),
+    *planted("07.5", ch07_sink.check_finalize_with_sink, ch07_sink.finalize_with_sink,
+             ch07_sink.FORBID_SINK, rows=[
+                 (sink_in_log2_units, "not 2^(sink - m)"),
+                 (sink_without_the_max, "the same 2^-m"),
+                 (sink_nan_on_empty_row, "a fully masked row gave NaN"),
+                 (sink_missing_from_lse, "lse does not"),
+                 (sink_empty_row_minus_inf, "lse = the sink"),
+                 (sink_divides, "rcp_approx", SLOW),
+             ]),
 ]

@@ -287,3 +287,24 @@ def test_ch13_a_wrong_answer_is_wrong_on_hopper(which, name):
                     else (t13s.check_softcap_on_gpu, t13s.SOFTCAP_GPU_CASES))
     ok, lines = check(getattr(wrong13, name), cases=cases[:1])  # each case compiles a kernel
     assert not ok, "\n".join(lines)
+
+
+# --- chapter 07: the learnable sink in the last step (07.5) ------------------------------------
+
+
+@pytest.mark.skipif(not _hopper(), reason="compiled for sm_90a")
+def test_ch07_finalize_with_sink_reference_on_gpu():
+    from solutions import ch07_sink
+
+    ok, lines = ch07_sink.check_finalize_with_sink_on_gpu(ch07_sink.finalize_with_sink)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.skipif(not _hopper(), reason="compiled for sm_90a")
+@pytest.mark.parametrize("name", ["sink_without_the_max", "sink_nan_on_empty_row"])
+def test_ch07_a_wrong_sink_is_wrong_on_gpu(name):
+    from solutions import ch07_sink
+    from tests.exercise_mutations import ch07 as wrong7
+
+    ok, lines = ch07_sink.check_finalize_with_sink_on_gpu(getattr(wrong7, name))
+    assert not ok, "\n".join(lines)
