@@ -62,6 +62,44 @@ def note(title: str, end: str = '"""') -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Behind PyTorch's SDPA: FA4's private contract (fa4_final.api.sdpa, Note [SDPA registration])
+
+# What torch 2.13's SDPA glue passes to ``_flash_attn_fwd`` after q, k, v for a causal call of
+# (batch, 8, heads, dim) tensors (recorded from the wheel: tests/data/sdpa_torch_keywords.json)
+SDPA_FWD_KEYWORDS = {"softmax_scale": None, "causal": True, "window_size_left": None,
+                     "window_size_right": None, "return_lse": True, "cu_seqlens_q": None,
+                     "cu_seqlens_k": None, "max_seqlen_q": 8, "max_seqlen_k": 8,
+                     "seqused_k": None, "page_table": None, "num_splits": 1, "out": "Tensor"}
+
+
+def sdpa_contract() -> str:
+    """fa4_final.api.sdpa against the contract: torch's keywords bind to ``_flash_attn_fwd``;
+    each of FA4's parameters of both functions is run, ignored as a kernel knob (how FA4 runs,
+    never what it returns), or refused unless it has the value that switches it off."""
+    import inspect
+    import textwrap
+
+    from fa4_final.api import sdpa
+
+    fwd = inspect.signature(sdpa._flash_attn_fwd)
+    bound = fwd.bind("q", "k", "v", **SDPA_FWD_KEYWORDS)
+    lines = [f"torch's call binds: {len(bound.arguments)} of _flash_attn_fwd's "
+             f"{len(fwd.parameters)} parameters set"]
+    for fn, run in ((sdpa._flash_attn_fwd, sdpa.SUPPORTED_FWD),
+                    (sdpa._flash_attn_bwd, sdpa.SUPPORTED_BWD)):
+        names = list(inspect.signature(fn).parameters)
+        groups = (("run", [n for n in names if n in run]),
+                  ("kernel knobs, ignored", [n for n in names if n in sdpa._FA4_KNOBS]),
+                  ("refused unless off", [n for n in names
+                                          if n not in run and n not in sdpa._FA4_KNOBS]))
+        lines.append(f"{fn.__name__}: {len(names)} parameters, FA4's names, order and defaults")
+        for what, group in groups:
+            lines += textwrap.wrap(f"{what} ({len(group)}): {', '.join(group)}", 96,
+                                   initial_indent="  ", subsequent_indent="    ")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # Refusals
 
 
