@@ -19,7 +19,7 @@ Note [Sink in the last step]
 
     Every term carries the factor 2^-m, which cancels in O / T whatever m is: the stale max is
     as good as the true one, as long as l and the sink use the same one. The sink is added once,
-    at the end: added at each of T tiles it would count T times (a sink of sink + ln T). A row
+    at the end: added at each of n tiles it would count n times (a sink of sink + ln n). A row
     that saw no key (m = -inf, l = 0, O = 0) has the sink as its only column: take the sink
     itself as the max, T = 1, out = 0, lse = sink (FA4's rule), never -inf - (-inf) = NaN.
     fa4_final does this in ``OnlineSoftmax.finalize`` and ``fold_sink`` (Note [Learnable sink]
