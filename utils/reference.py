@@ -25,8 +25,11 @@ def positive_int(name: str, value) -> int:
     return value
 
 
-def check_attention_inputs(q, k, v, softmax_scale=None) -> tuple[int, int, int, int, int, int]:
+def check_attention_inputs(q, k, v, softmax_scale=None, allow_dv: bool = False
+                           ) -> tuple[int, int, int, int, int, int]:
     """Validate shapes and dtypes; return (batch, seqlen_q, seqlen_k, heads, heads_kv, dim).
+    ``allow_dv``: v's head dim may differ from q's and k's (FA4's dv != d; the references take
+    it, the course's kernels do not).
 
     Raises ValueError/TypeError naming what was wrong and what is accepted.
     """
@@ -45,7 +48,9 @@ def check_attention_inputs(q, k, v, softmax_scale=None) -> tuple[int, int, int, 
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, sq, h, d = q.shape
     bk, sk, hk, dk = k.shape
-    if k.shape != v.shape:
+    if allow_dv and k.shape[:3] == v.shape[:3] and v.shape[3] > 0:
+        pass
+    elif k.shape != v.shape:
         raise ValueError(
             f"k and v must have the same shape, got {tuple(k.shape)}, {tuple(v.shape)}"
         )
@@ -192,7 +197,7 @@ def attention_reference_features(q, k, v, causal: bool = False, softmax_scale=No
     with s the capped scores (capped_scores) and masked keys left out. A row that sees no key
     gets out = 0 and lse = sink (-inf without a sink), as FA4. Without both it equals
     attention_reference."""
-    b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale)
+    b, sq, sk, h, hk, d = check_attention_inputs(q, k, v, softmax_scale, allow_dv=True)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     s = capped_scores(q, k, scale, softcap, dtype)  # (b, h, sq, sk)
     if causal or window_size is not None:

@@ -40,16 +40,18 @@ def fake_tensor(dtype, shape, divisibility: int = 1, leading_dim: int | None = -
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
-def fake_attention_tensors(dtype, head_dim: int) -> tuple:
+def fake_attention_tensors(dtype, head_dim: int, head_dim_v: int | None = None) -> tuple:
     """Fake (q, k, v, out, lse) of an attention call: symbolic batch, lengths and heads
-    (b, s_q, h, D) for q and out, (b, s_k, h_kv, D) for k and v, strides of 16-byte multiples
-    (TMA), lse float32 (b, h, s_q). Every kernel's fake arguments start from these."""
+    (b, s_q, h, D) for q, (b, s_k, h_kv, D) for k, (b, s_k, h_kv, dv) for v and (b, s_q, h, dv)
+    for out (dv = ``head_dim_v``, D if None), strides of 16-byte multiples (TMA), lse float32
+    (b, h, s_q). Every kernel's fake arguments start from these."""
+    dv = head_dim if head_dim_v is None else head_dim_v
     div = 128 // dtype.width  # 16-byte strides, in elements
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
     q = fake_tensor(dtype, (b, sq, h, head_dim), divisibility=div)
     k = fake_tensor(dtype, (b, sk, hk, head_dim), divisibility=div)
-    v = fake_tensor(dtype, (b, sk, hk, head_dim), divisibility=div)
-    out = fake_tensor(dtype, (b, sq, h, head_dim), divisibility=div)
+    v = fake_tensor(dtype, (b, sk, hk, dv), divisibility=div)
+    out = fake_tensor(dtype, (b, sq, h, dv), divisibility=div)
     lse = fake_tensor(Float32, (b, h, sq), divisibility=1)
     return q, k, v, out, lse
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fa4_final.common.constants import (
+    FWD_HEAD_DIMS,
     HEAD_DIMS,
     SM90_REGISTERS,
     SM90_SMEM_BYTES,
@@ -24,7 +25,7 @@ from fa4_final.common.softmax import check_softmax_knobs
 # setmaxnreg budgets (producer, consumer) per number of consumer warpgroups: the CTA's total,
 # 128 * (producer + n * consumer), must stay within the SM's 64 K registers.
 SM90_REGISTER_BUDGETS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
-FWD_TILE_N = 128  # keys per K/V tile (one pipeline stage)
+FWD_TILE_N = 128  # keys per K/V tile (one pipeline stage) at D <= 128
 
 # Which CTA computes which tile (fa4_final.common.schedule):
 #   "grid"        one CTA per tile, the hardware hands them out
@@ -40,10 +41,27 @@ def _align(n: int, to: int = 1024) -> int:
     return -(-n // to) * to
 
 
+# Note [Head dims]
+# The forward takes D (Q, K) and dv (V, O) from FWD_HEAD_DIMS. What grows with them is shared
+# memory and the O accumulator. Shared memory holds Q (tile_m x D), stages_k K tiles (tile_n x
+# D), stages_v V tiles (tile_n x dv) and O (tile_m x dv) within 227 KB: at D = 128 that is 32 +
+# 3 x 32 + 2 x 32 + 32 KB, but at D = 256 Q and O alone take 128 KB. Two knobs make room:
+# tile_n, fewer keys per stage, and separate_o=False, O written over Q's buffer (a warpgroup's
+# O rows lie in the bytes of its own Q rows when dv <= D and both tiles share the 128 B swizzle
+# atom, D and dv multiples of 64), which costs the next tile's Q load a wait for this tile's O
+# store. The O accumulator takes 64 x dv / 128 = dv / 2 float32 registers per consumer thread
+# and S tile_n / 2: 128 + 40 at dv = 256 and tile_n = 80, within the 240 of two consumer
+# warpgroups; three warpgroups (160 each) serve D = 64 only. The defaults
+# (hopper_fwd_default) follow the FA4 package's sm90 tiles where they fit this kernel's
+# buffers, and are chosen by compiling (no spill, the struct within 227 KB), not by timing.
+
+FWD_TILE_NS = (48, 64, 80, 96, 112, 128)  # a multiple of 16 (the K of P V); at most 128
+
+
 @dataclass(frozen=True)
 class HopperFwdConfig:
     """Knobs of fa4_final.hopper.fwd.HopperForward. tile_m is derived: 64 rows per consumer
-    warpgroup; tile_n is 128."""
+    warpgroup."""
 
     num_consumer_wgs: int = 2  # MMA + softmax warpgroups, each owning 64 query rows
     stages_k: int = 2  # depth of the K ring
@@ -57,14 +75,12 @@ class HopperFwdConfig:
     rescale_threshold: float = 0.0  # tau, log2 units; 0 = always rescale (Note [Warp vote])
     rescale_skip_unchanged: bool = False  # rows keep/move maxima alone; the vote gates O only
     pin_lane: bool = False  # the EMPTY arrives' lane read once (Note [Signalling lane])
+    tile_n: int = FWD_TILE_N  # keys per K/V stage (Note [Head dims])
+    separate_o: bool = True  # False: O written over Q's buffer (Note [Head dims])
 
     @property
     def tile_m(self) -> int:
         return WGMMA_M * self.num_consumer_wgs
-
-    @property
-    def tile_n(self) -> int:
-        return FWD_TILE_N
 
     @property
     def registers(self) -> tuple[int, int]:
@@ -89,21 +105,36 @@ class HopperFwdConfig:
         """CTAs take their tiles at run time (Note [Dynamic tiles])."""
         return self.schedule == "dynamic"
 
-    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2, head_dim_v: int | None = None
+                   ) -> int:
         """Bytes of the kernel's SharedStorage: mbarriers (8 B each, full + empty per stage of
-        Q, K and V) and the split tail's count, Q, the K and V rings, and O's own buffer; each
-        tile 1 KB aligned for the 128 B swizzle. The kernel asserts its struct has exactly this
-        size."""
+        Q, K and V) and the split tail's count, Q, the K and V rings, and O's own buffer (none
+        with separate_o=False); each tile 1 KB aligned for the swizzle. ``head_dim_v``: dv of
+        V and O, head_dim if None. The kernel asserts its struct has exactly this size."""
+        dv = head_dim if head_dim_v is None else head_dim_v
         barriers = 8 * 2 * (1 + self.stages_k + self.stages_v) + 8  # + the split-tail count
         barriers += (8 * 2 + 4) * TILE_SLOTS  # Note [Dynamic tiles]: FULL, EMPTY, the tile
         q = self.tile_m * head_dim * elem_bytes
-        kv = self.tile_n * head_dim * elem_bytes
-        return (_align(barriers) + _align(q) + _align(self.stages_k * kv)
-                + _align(self.stages_v * kv) + _align(q))
+        o = self.tile_m * dv * elem_bytes if self.separate_o else 0
+        k = self.tile_n * head_dim * elem_bytes
+        v = self.tile_n * dv * elem_bytes
+        return (_align(barriers) + _align(q) + _align(self.stages_k * k)
+                + _align(self.stages_v * v) + _align(o))
 
-    def check(self, head_dim: int) -> None:
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    def check(self, head_dim: int, head_dim_v: int | None = None) -> None:
+        dv = head_dim if head_dim_v is None else head_dim_v
+        for name, value in (("head_dim", head_dim), ("head_dim_v", dv)):
+            if isinstance(value, bool) or value not in FWD_HEAD_DIMS:
+                raise ValueError(f"{name} must be one of {FWD_HEAD_DIMS}, got {value!r}")
+        n = self.tile_n
+        if isinstance(n, bool) or n not in FWD_TILE_NS:
+            raise ValueError(f"tile_n must be one of {FWD_TILE_NS} (keys per K/V stage: the N "
+                             f"of S = Q K^T and a multiple of 16, the K of P V), got {n!r}")
+        if not self.separate_o and (dv > head_dim or head_dim % 64 or dv % 64):
+            raise ValueError(
+                f"separate_o=False writes O over Q's buffer: it needs dv <= D and both "
+                f"multiples of 64 (one swizzle atom, so a warpgroup's O rows lie in its own Q "
+                f"rows), got D = {head_dim}, dv = {dv}: keep separate_o=True")
         if self.num_consumer_wgs not in SM90_REGISTER_BUDGETS:
             raise ValueError(f"num_consumer_wgs must be one of {sorted(SM90_REGISTER_BUDGETS)}, "
                              f"got {self.num_consumer_wgs}")
@@ -113,13 +144,15 @@ class HopperFwdConfig:
         for name in ("stages_k", "stages_v"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        need = self.smem_bytes(head_dim)
+        need = self.smem_bytes(head_dim, head_dim_v=dv)
         if need > SM90_SMEM_BYTES:
+            o = f"O {self.tile_m}x{dv}" if self.separate_o else "O over Q"
             raise ValueError(
-                f"config needs {need} B of shared memory (Q and O {self.tile_m}x{head_dim}, "
-                f"{self.stages_k} K + {self.stages_v} V stages of {self.tile_n}x{head_dim}; "
-                f"16-bit), more than the {SM90_SMEM_BYTES} B a CTA may use: fewer stages_k or "
-                f"stages_v")
+                f"config needs {need} B of shared memory (Q {self.tile_m}x{head_dim}, {o}, "
+                f"{self.stages_k} K stages of {self.tile_n}x{head_dim} and {self.stages_v} V "
+                f"stages of {self.tile_n}x{dv}; 16-bit), more than the {SM90_SMEM_BYTES} B a "
+                f"CTA may use: fewer stages_k or stages_v, a smaller tile_n, or "
+                f"separate_o=False")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.pingpong and self.num_consumer_wgs < 2:
@@ -127,24 +160,44 @@ class HopperFwdConfig:
         check_softmax_knobs(self.exp2_emulation_fraction, self.rescale_threshold)
 
 
-def hopper_fwd_default(head_dim: int, causal: bool = False,
-                       varlen: bool = False) -> HopperFwdConfig:
+def hopper_fwd_default(head_dim: int, causal: bool = False, varlen: bool = False,
+                       head_dim_v: int | None = None) -> HopperFwdConfig:
     """The forward config for sm_90 (fa4_final.hopper.defaults says why, from measurements).
     D = 64: 192 x 128 with three consumer warpgroups (160 registers each; spill-free only
     because every step takes a fresh S accumulator), O multiplied only in steps where some row
     of the warp moved its max, two K and two V stages when causal (dense), the signalling lane
     read once when causal (dense); D = 128: 128 x 128 with two. Causal or varlen: tiles longest
     first in L2 sections, taken at run time; dense and not causal: the host's table, its last
-    round cut along the keys."""
+    round cut along the keys. Other head dims and dv != D (Note [Head dims]): 128-row tiles of
+    128 keys where two K and two V stages fit (O over Q where O's own buffer does not), else 64
+    keys in three K stages; compiled, not timed."""
+    dv = head_dim if head_dim_v is None else head_dim_v
     schedule = dict(schedule="dynamic", l2_sections=True)
     if not causal and not varlen:
         schedule = dict(schedule="split_tail")
-    if head_dim <= 64:
+    if head_dim <= 64 and dv <= 64:
         stages = 2 if causal and not varlen else 3
         return HopperFwdConfig(num_consumer_wgs=3, stages_k=stages, stages_v=stages,
                                rescale_skip_unchanged=not varlen,
                                pin_lane=causal and not varlen, **schedule)
-    return HopperFwdConfig(num_consumer_wgs=2, stages_k=3, stages_v=2, **schedule)
+    base = HopperFwdConfig(num_consumer_wgs=2, stages_k=3, stages_v=2, **schedule)
+    if head_dim <= 128 and dv <= 128:
+        return _fit(head_dim, dv, base)
+    # 128 keys a stage, two of K and two of V (the FA4 package's tile at D = 192, dv = 128);
+    # else 64 keys, three K stages
+    return _fit(head_dim, dv, replace(base, stages_k=2), replace(base, tile_n=64),
+                replace(base, tile_n=64, stages_k=2))
+
+
+def _fit(head_dim: int, dv: int, *candidates: HopperFwdConfig) -> HopperFwdConfig:
+    """The first candidate whose buffers fit 227 KB, each tried with O's own buffer and then
+    with O over Q (where Note [Head dims] allows it)."""
+    over_q_allowed = dv <= head_dim and head_dim % 64 == 0 and dv % 64 == 0
+    for cfg in candidates:
+        for c in (cfg, replace(cfg, separate_o=False)) if over_q_allowed else (cfg,):
+            if c.smem_bytes(head_dim, head_dim_v=dv) <= SM90_SMEM_BYTES:
+                return c
+    raise AssertionError(f"no forward config fits D = {head_dim}, dv = {dv}")
 
 
 # ----------------------------------------------------------------------------------------------

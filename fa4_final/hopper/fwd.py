@@ -100,8 +100,10 @@ class HopperForward:
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperFwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False,
                  varlen: bool = False, has_seqused_k: bool = False, softcap: float = 0.0,
-                 sink_dtype=None):
-        config.check(head_dim)
+                 sink_dtype=None, head_dim_v: int | None = None):
+        # Note [Head dims] (fa4_final.hopper.config): dv of V and O, D if None
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        config.check(head_dim, head_dim_v)
         # Note [Softcap] and Note [Learnable sink] (fa4_final.common.softmax): compile-time
         # variants; 0.0 and False compile exactly the kernel without them
         # named so that no subclass's own softcap attribute switches this build on
@@ -110,6 +112,7 @@ class HopperForward:
         self.has_sink = sink_dtype is not None
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
         self.causal = bool(causal)
         self.cfg = config
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
@@ -160,6 +163,8 @@ class HopperForward:
     def cache_key(self) -> tuple:
         key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
                self.window, self.cfg)
+        if self.head_dim_v != self.head_dim:
+            key = key + (("head_dim_v", self.head_dim_v),)
         key = key + (("varlen", self.has_seqused_k),) if self.varlen else key
         if self.logit_softcap:
             key = key + (("softcap", self.logit_softcap),)
@@ -211,8 +216,8 @@ class HopperForward:
         self,
         mQ: cute.Tensor,  # (batch, seqlen_q, heads, D)
         mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
-        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
-        mO: cute.Tensor,  # (batch, seqlen_q, heads, D)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, dv)
+        mO: cute.Tensor,  # (batch, seqlen_q, heads, dv)
         mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32
         mTL: cute.Tensor,  # (1 + consumer warpgroups, MAX_STEPS, MARKS) int64: Note [Timeline]
         softmax_scale: Float32,
@@ -263,14 +268,20 @@ class HopperForward:
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = select_modes(mLSE, [2, 1, 0])  # (s, h, b)
 
+        dv = self.head_dim_v
         tiled_mma_qk, tiled_mma_pv = attention_tiled_mmas(self.dtype, self.num_wgs, self.tile_n,
-                                                          self.head_dim)
-        sQ_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_m)  # also O's layout
+                                                          self.head_dim, dv)
+        sQ_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_m)
+        sO_layout = smem_tile_layout(self.dtype, dv, self.tile_m)
         sK_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_n, self.cfg.stages_k)
-        sV_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_n, self.cfg.stages_v)
-        sKV_one = cute.select(sK_layout, mode=[0, 1])  # one stage: the TMA box
+        sV_layout = smem_tile_layout(self.dtype, dv, self.tile_n, self.cfg.stages_v)
+        sK_one = cute.select(sK_layout, mode=[0, 1])  # one stage: the TMA box
+        sV_one = cute.select(sV_layout, mode=[0, 1])
         bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
-        bytes_kv = cute.size_in_bytes(self.dtype, sKV_one)
+        bytes_k = cute.size_in_bytes(self.dtype, sK_one)
+        bytes_v = cute.size_in_bytes(self.dtype, sV_one)
+        # Note [Head dims]: O in its own buffer, or over Q's (no bytes of its own)
+        o_elems = cute.cosize(sO_layout) if const_expr(self.cfg.separate_o) else 0
 
         @cute.struct
         class SharedStorage:
@@ -285,21 +296,20 @@ class HopperForward:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
 
         # the budget arithmetic of HopperFwdConfig.smem_bytes() is the struct's real size
-        assert SharedStorage.size_in_bytes() == self.cfg.smem_bytes(self.head_dim,
-                                                                    self.dtype.width // 8)
+        assert SharedStorage.size_in_bytes() == self.cfg.smem_bytes(
+            self.head_dim, self.dtype.width // 8, head_dim_v=dv)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout,
                                                         (self.tile_m, self.head_dim))
-        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, sKV_one,
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, sK_one,
                                                         (self.tile_n, self.head_dim))
-        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, sKV_one,
-                                                        (self.tile_n, self.head_dim))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, sV_one, (self.tile_n, dv))
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim))
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, dv))
 
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
@@ -317,8 +327,8 @@ class HopperForward:
             tma_q, tma_k, tma_v, tma_o, mLSE, mTL,
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
             score_scale, window_left, window_right, l2_group,
-            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
-            bytes_q, bytes_kv, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mO_rows,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
+            bytes_q, bytes_k, bytes_v, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mO_rows,
             mTileTable, mPartO, mPartML, mCounters, mTileCounter, mSink,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
@@ -346,10 +356,12 @@ class HopperForward:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         bytes_q: cutlass.Constexpr[int],
-        bytes_kv: cutlass.Constexpr[int],
+        bytes_k: cutlass.Constexpr[int],
+        bytes_v: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
@@ -380,14 +392,17 @@ class HopperForward:
         # cost (hopper_fwd_default).
         lane = lane_here() if const_expr(self.cfg.pin_lane) else None
         mbar = {"q": storage.mbar_q, "k": storage.mbar_k, "v": storage.mbar_v}
-        tx = {"q": bytes_q, "k": bytes_kv, "v": bytes_kv}
+        tx = {"q": bytes_q, "k": bytes_k, "v": bytes_v}
         pipes = {spec.name: tma_async_pipeline(spec, mbar[spec.name], tx[spec.name], lane)
                  for spec in self.pipelines()}
         pipeline_q, pipeline_k, pipeline_v = pipes["q"], pipes["k"], pipes["v"]
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (tile_m, D)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (n, D, STAGE)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (n, D, STAGE)
-        sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (n, dv, STAGE)
+        if const_expr(self.cfg.separate_o):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # (tile_m, dv)
+        else:  # Note [Head dims]: O over Q, whose buffer is free once every Q K^T is done
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         tiles = None  # Note [Dynamic tiles]: (counter, FULL, EMPTY, slots)
         if const_expr(self.dynamic):
             full = storage.mbar_tile.data_ptr()
@@ -493,7 +508,7 @@ class HopperForward:
                              (m_block, 0))
         gK = cute.local_tile(seqs.rows_k(mK, w, head_kv), (self.tile_n, self.head_dim),
                              (None, 0))
-        gV = cute.local_tile(seqs.rows_k(mV, w, head_kv), (self.tile_n, self.head_dim),
+        gV = cute.local_tile(seqs.rows_k(mV, w, head_kv), (self.tile_n, self.head_dim_v),
                              (None, 0))
         # TMA partitions: (TMA,) for Q; (TMA, STAGE) in smem and (TMA, n_tiles) for K, V
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1),
@@ -593,7 +608,7 @@ class HopperForward:
         # A and B descriptors per warpgroup, C fragments per thread
         (thr_mma_qk, thr_mma_pv, tSrQ, tSrK, tOrVt, acc_s, acc_o, tOrP) = attention_fragments(
             tiled_mma_qk, tiled_mma_pv, wg * THREADS_PER_WARPGROUP, tidx, sQ, sK, sV, self.tile_m,
-            self.tile_n, self.head_dim, self.cfg.stages_v, self.dtype)
+            self.tile_n, self.head_dim_v, self.cfg.stages_v, self.dtype)
         tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
         cap = None  # Note [Softcap]: scores -> tanh(scores * scale / softcap), in place
         if const_expr(self.logit_softcap):
@@ -682,7 +697,8 @@ class HopperForward:
         else:  # no visible key: out = 0, and one empty turn keeps the turn count fixed
             acc_o.fill(0.0)
             self.turn(wg, first_tile, last_tile, lambda: None)
-            pipeline_q.consumer_release(state_q)
+            if const_expr(self.cfg.separate_o):
+                pipeline_q.consumer_release(state_q)
         gO_rows = None  # varlen: out's own rows of this sequence and head (Note [Varlen epilogue])
         if const_expr(mO_rows is not None):
             gO_rows = seqs.rows_q(mO_rows, w, head)
@@ -698,6 +714,14 @@ class HopperForward:
         else:
             self.epilogue(acc_o, softmax, gO_all, gLSE_all, sO, tma_atom_o, thr_mma_pv, tidx,
                           m_block, seqlen_q, gO_rows, sink)
+        if const_expr(not self.cfg.separate_o):
+            # Note [Head dims]: Q's buffer held O until the store has read it; then the next
+            # tile's Q may land there (a piece that stored nothing passes straight through)
+            if tidx // WARP_SIZE == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                              number_of_threads=self.num_consumer_threads)
+            pipeline_q.consumer_release(state_q)
         state_q.advance()
         return state_q, state_k, state_v
 
@@ -751,7 +775,8 @@ class HopperForward:
         if const_expr(self.window.has_left):
             for i in cutlass.range(bottom_start, n_tiles, unroll=1):
                 state_k, state_v, rescale = step(i, True, True, state_k, state_v, rescale)
-        pipeline_q.consumer_release(state_q)  # every Q K^T of this tile is done
+        if const_expr(self.cfg.separate_o):
+            pipeline_q.consumer_release(state_q)  # every Q K^T of this tile is done
         pipeline_v.consumer_wait(state_v)
         self.turn(wg, False, last_tile, lambda: self.issue_last_pv(
             softmax, acc_o, pending, rescale, tiled_mma_pv, tOrP, tOrVt, state_v))
@@ -849,8 +874,9 @@ class HopperForward:
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(state_k)
             state_k.advance()
-            if i == n_tiles - 1:
-                pipeline_q.consumer_release(state_q)
+            if const_expr(self.cfg.separate_o):
+                if i == n_tiles - 1:
+                    pipeline_q.consumer_release(state_q)
             if const_expr(cap is not None):
                 cap(acc_s)
             if (i < n_top) | (i >= n_tiles - n_bottom) | (i == 0):
@@ -933,7 +959,7 @@ class HopperForward:
 
         # lse: the thread holding column 0 of a row writes it
         tOcO = acc_rows_cols(thr_mma_pv.partition_C(
-            cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
                 row = m_block * self.tile_m + tOcO[r, 0][0]
@@ -941,13 +967,16 @@ class HopperForward:
                     gLSE_all[row] = lse[r]
 
         consumer_warp = tidx // WARP_SIZE
-        # O has its own buffer. Writing O over Q's (a warpgroup's O rows are exactly the bytes
-        # of its Q rows) was tried: it frees a tile of shared memory for a deeper ring, but the
-        # next tile's Q must then wait for this store, and timed on the H200 it was never faster
-        # beyond the spread. The previous tile's O store must have read the buffer before it is
-        # rewritten
-        if tidx == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # O has its own buffer up to D = 128. Writing O over Q's (a warpgroup's O rows are
+        # exactly the bytes of its Q rows) frees a tile of shared memory for a deeper ring, but
+        # the next tile's Q must then wait for this store, and timed on the H200 at D <= 128 it
+        # was never faster beyond the spread; at larger head dims it is what makes the buffers
+        # fit (Note [Head dims]). With its own buffer, the previous tile's O store must have
+        # read it before it is rewritten; over Q, that wait came before Q's release. The
+        # barrier: every consumer warpgroup's GEMMs of this tile are done
+        if const_expr(self.cfg.separate_o):
+            if tidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
                           number_of_threads=self.num_consumer_threads)
         store_atom = cute.make_copy_atom(
@@ -964,14 +993,14 @@ class HopperForward:
             if (m_block + 1) * self.tile_m <= seqlen_q:
                 self.store_o_tma(sO, gO_all, tma_atom_o, m_block, consumer_warp)
             else:
-                gO = cute.local_tile(gO_rows, (self.tile_m, self.head_dim), (m_block, 0))
+                gO = cute.local_tile(gO_rows, (self.tile_m, self.head_dim_v), (m_block, 0))
                 store_rows(sO, gO, tidx, seqlen_q - m_block * self.tile_m,
                            self.num_consumer_threads)  # Note [Varlen epilogue]
 
     @cute.jit
     def store_o_tma(self, sO, gO_all, tma_atom_o, m_block: Int32, consumer_warp: Int32):
-        """One TMA store of the (tile_m, D) block of O, issued by the first consumer warp."""
-        gO = cute.local_tile(gO_all, (self.tile_m, self.head_dim), (m_block, 0))  # (tile_m, D)
+        """One TMA store of the (tile_m, dv) block of O, issued by the first consumer warp."""
+        gO = cute.local_tile(gO_all, (self.tile_m, self.head_dim_v), (m_block, 0))
         tOsO, tOgO = cpasync.tma_partition(tma_atom_o, 0, cute.make_layout(1),
                                            cute.group_modes(sO, 0, 2),
                                            cute.group_modes(gO, 0, 2))

@@ -65,16 +65,19 @@ def _check_target(dtype: str, arch: str, what: str) -> None:
 def forward_kernel(dtype_name: str, head_dim: int, causal: bool, has_left: bool,
                    has_right: bool, config: HopperFwdConfig, varlen: bool = False,
                    has_seqused_k: bool = False, softcap: float = 0.0,
-                   sink_dtype: str | None = None):
+                   sink_dtype: str | None = None, head_dim_v: int | None = None):
     """The forward's kernel object (looked up by forward_recipe at each call: a teaching
     module may put its own kernel here). ``softcap``, ``sink_dtype``: Note [Softcap] and
-    Note [Learnable sink] (fa4_final.common.softmax)."""
+    Note [Learnable sink] (fa4_final.common.softmax); ``head_dim_v``: dv of V and O when it is
+    not D (Note [Head dims] in fa4_final.hopper.config)."""
     from fa4_final.hopper.fwd import HopperForward
 
     extra = {}  # only when asked: a kernel a teaching module puts here need not know them
     if softcap or sink_dtype is not None:
         extra = dict(softcap=softcap, sink_dtype=SINK_DTYPES[sink_dtype] if sink_dtype
                      else None)
+    if head_dim_v is not None and head_dim_v != head_dim:
+        extra["head_dim_v"] = head_dim_v
     return HopperForward(CUTLASS_BY_NAME[dtype_name], head_dim, causal, config,
                          has_window_left=has_left, has_window_right=has_right, varlen=varlen,
                          has_seqused_k=has_seqused_k, **extra)
@@ -82,13 +85,13 @@ def forward_kernel(dtype_name: str, head_dim: int, causal: bool, has_left: bool,
 
 def forward_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig,
                       varlen: bool = False, has_seqused_k: bool = False,
-                      sink_dtype: str | None = None) -> tuple:
+                      sink_dtype: str | None = None, head_dim_v: int | None = None) -> tuple:
     """The forward's fake arguments, in its launch order."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    q, k, v, o, lse = fake_attention_tensors(CUTLASS_BY_NAME[dtype_name], head_dim)
+    q, k, v, o, lse = fake_attention_tensors(CUTLASS_BY_NAME[dtype_name], head_dim, head_dim_v)
     timeline = fake_tensor(cutlass.Int64, (1 + cfg.num_consumer_wgs, MAX_STEPS, MARKS))
     # varlen: (batch + 1,) offsets and (batch,) used key counts, int32 (runtime.varlen)
     cu_q, cu_k, used_k = (fake_tensor(Int32, (cute.sym_int(),)) if varlen else None
@@ -99,7 +102,7 @@ def forward_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig,
     # rows, threads) float32 per consumer thread, one int32 counter per slot
     part_o = part_ml = counters = None
     if cfg.splits_tail and not varlen:
-        threads, elems, rows = split_workspace_dims(cfg, head_dim)
+        threads, elems, rows = split_workspace_dims(cfg, head_dim_v or head_dim)
         part_o = fake_tensor(Float32, (cute.sym_int(), elems, threads))
         part_ml = fake_tensor(Float32, (cute.sym_int(), 2 * rows, threads))
         counters = fake_tensor(Int32, (cute.sym_int(),))
@@ -114,7 +117,7 @@ def forward_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig,
 def split_workspace_dims(cfg: HopperFwdConfig, head_dim: int) -> tuple[int, int, int]:
     """(consumer threads, O elements per thread, rows per thread) of the split tail's
     workspace: a wgmma accumulator gives each thread of a warpgroup 64 * N / 128 elements of
-    its 64 rows, in 2 rows."""
+    its 64 rows, in 2 rows (``head_dim``: O's, dv)."""
     threads = THREADS_PER_WARPGROUP * cfg.num_consumer_wgs
     return threads, WGMMA_M * head_dim // THREADS_PER_WARPGROUP, 2
 
@@ -123,13 +126,15 @@ def forward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = Fals
                    config: HopperFwdConfig | None = None, has_window_left: bool = False,
                    has_window_right: bool = False, varlen: bool = False,
                    has_seqused_k: bool = False, arch: str = ARCH, softcap: float = 0.0,
-                   sink_dtype: str | None = None) -> Recipe:
+                   sink_dtype: str | None = None, head_dim_v: int | None = None) -> Recipe:
     """The forward for one (head dim, dtype, masks, config): dense, or with ``varlen`` the
     packed-sequence variant (with ``has_seqused_k`` or without); ``softcap`` (0.0: none) and
     ``sink_dtype`` ("fp32", "bf16", "fp16" or None: no learnable sink) build the variants of
-    Note [Softcap] and Note [Learnable sink]."""
+    Note [Softcap] and Note [Learnable sink]; ``head_dim_v``: dv of V and O, D if None
+    (Note [Head dims])."""
     _check_target(dtype, arch, "forward")
-    cfg = config or hopper_fwd_default(head_dim, causal, varlen)
+    head_dim_v = None if head_dim_v == head_dim else head_dim_v
+    cfg = config or hopper_fwd_default(head_dim, causal, varlen, head_dim_v)
     if not isinstance(cfg, HopperFwdConfig):
         raise TypeError(f"config must be a HopperFwdConfig or None, got {type(cfg).__name__}")
     has_seqused_k = varlen and has_seqused_k
@@ -137,10 +142,10 @@ def forward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = Fals
         raise ValueError(f"sink_dtype must be one of {sorted(SINK_DTYPES)} or None, got "
                          f"{sink_dtype!r}")
     kernel = forward_kernel(dtype, head_dim, causal, has_window_left, has_window_right, cfg,
-                            varlen, has_seqused_k, softcap, sink_dtype)
+                            varlen, has_seqused_k, softcap, sink_dtype, head_dim_v)
     return Recipe("fwd", ARCH, {"main": kernel},
                   lambda role: forward_fake_args(dtype, head_dim, cfg, varlen, has_seqused_k,
-                                                 sink_dtype),
+                                                 sink_dtype, head_dim_v),
                   cfg)
 
 
@@ -173,17 +178,18 @@ def forward_args(plan, q, k, v, out, lse, causal: bool, softmax_scale: float, wi
     built with its sink_dtype (Note [Learnable sink])."""
     cfg = plan.config
     b, _, h, d = q.shape
+    dv = v.shape[-1]
     sms = num_sms(q.device)
     group = h * b  # causal: longest first over every (head, batch) pair
-    if cfg.l2_sections:
-        group = l2_section_pairs(k.shape[1], d, q.element_size(), h * b)
+    if cfg.l2_sections:  # K and V of a pair: D + dv columns
+        group = l2_section_pairs(k.shape[1], (d + dv) // 2, q.element_size(), h * b)
     table, slots = None, 0
     if cfg.uses_table:
         table, slots = _tile_table(q.device, cfg, causal, q.shape[1], k.shape[1], h, b, group,
                                    sms, window_left, None if causal else window_right)
     part_o = part_ml = counters = None
     if cfg.splits_tail:  # Note [Split tail]: a workspace per call (one slot at least)
-        threads, elems, rows = split_workspace_dims(cfg, d)
+        threads, elems, rows = split_workspace_dims(cfg, dv)
         n = max(slots, 1)
         part_o = torch.empty((n, elems, threads), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((n, 2 * rows, threads), dtype=torch.float32, device=q.device)
@@ -214,7 +220,7 @@ def launch_varlen_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, 
     if cfg.l2_sections:
         longest_k = max_seqlen_k if max_seqlen_k is not None and max_seqlen_k >= 0 \
             else k.shape[0]
-        group = l2_section_pairs(longest_k, d, q.element_size(), h)
+        group = l2_section_pairs(longest_k, (d + v.shape[-1]) // 2, q.element_size(), h)
     sink = () if learnable_sink is None else (learnable_sink,)  # Note [Learnable sink]
     plan.kernels["main"](
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),

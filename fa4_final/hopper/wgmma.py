@@ -25,16 +25,19 @@ def smem_tile_layout(dtype, head_dim: int, rows: int, stages: int | None = None)
     return cute.tile_to_shape(atom, (rows, head_dim, stages), order=(0, 1, 2))
 
 
-def attention_tiled_mmas(dtype, num_warpgroups: int, tile_n: int, head_dim: int):
+def attention_tiled_mmas(dtype, num_warpgroups: int, tile_n: int, head_dim: int,
+                         head_dim_v: int | None = None):
     """(S = Q K^T, O = P V) tiled MMAs. S: A = Q and B = K, both K-major in shared memory.
     O: A = P from registers, B = V read through a transposed view, so its contiguous dimension
-    (D) is the N mode: MN-major. Atoms (n, 1, 1): each warpgroup owns its own 64 rows."""
+    (dv: ``head_dim_v``, head_dim if None) is the N mode: MN-major. Atoms (n, 1, 1): each
+    warpgroup owns its own 64 rows."""
+    dv = head_dim if head_dim_v is None else head_dim_v
     atoms = (num_warpgroups, 1, 1)
     major = cute.nvgpu.OperandMajorMode
     mma_qk = sm90_utils.make_trivial_tiled_mma(
         dtype, dtype, major.K, major.K, Float32, atoms, (WGMMA_M, tile_n))
     mma_pv = sm90_utils.make_trivial_tiled_mma(
-        dtype, dtype, major.K, major.MN, Float32, atoms, (WGMMA_M, head_dim),
+        dtype, dtype, major.K, major.MN, Float32, atoms, (WGMMA_M, dv),
         warpgroup.OperandSource.RMEM)
     return mma_qk, mma_pv
 
@@ -58,7 +61,7 @@ def attention_fragments(tiled_mma_qk, tiled_mma_pv, first_thread, tidx, sQ, sK, 
     """The operands and accumulators of one warpgroup's two GEMMs: A and B descriptors are per
     warpgroup (sliced at its ``first_thread``), C fragments per thread (``tidx``). V is read
     through a transposed view (D, tile_n, STAGE), the B operand of O = P V with N = D,
-    K = tile_n."""
+    K = tile_n. ``head_dim`` here is V's and O's (dv)."""
     wg_qk = tiled_mma_qk.get_slice(first_thread)
     wg_pv = tiled_mma_pv.get_slice(first_thread)
     thr_qk = tiled_mma_qk.get_slice(tidx)

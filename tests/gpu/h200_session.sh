@@ -22,7 +22,9 @@
 #   (decode, decode-d64: measure.decode at D = 128 / 64: the decode kernel and the package
 #    call beside the peers; decode-tests: the split combine, the decode kernel and chapter 15's exercises against float64)
 #   (sdpa-tests: fa4_final registered as SDPA's flash implementation, a small transformer against
-#    float64; softcap-tests: the softcap and learnable-sink builds against float64)
+#    float64; softcap-tests: the softcap and learnable-sink builds against float64;
+#    headdim-tests: the forward at D = 96, 192, 256 and dv != D against float64, headdim-sanitize
+#    two of its cases under memcheck)
 #   (host: the API's host time per call vs its kernels' time, with the peers; host-train: the
 #    small-GPT training step, fa4_final vs SDPA)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
@@ -89,6 +91,8 @@ for s in "$@"; do
     fa4-bench) step fa4_bench 480 $PY -m measure.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     decode) step decode 580 $PY -m measure.decode --dims 128 --deadline 500 ;;
     decode-d64) step decode_d64 580 $PY -m measure.decode --name decode_d64 --dims 64 --deadline 500 ;;
+    headdim-tests) step headdim_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py ;;
+    headdim-sanitize) step headdim_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fwd_head_dims.py -k "b1-17x17 or b2-300x77" ;;
     softcap-tests) step softcap_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_softcap_sinks.py ;;
     sdpa-tests) step sdpa_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_sdpa_registration.py ;;
     decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py ;;
