@@ -50,11 +50,12 @@ class Sequences:
     (Note [Forward phases])."""
 
     def __init__(self, tile_m: int, longest_first: bool, seqlen_q, seqlen_k, heads, batch,
-                 l2_group, mCuSeqlensQ=None, mCuSeqlensK=None, mSeqUsedK=None):
+                 l2_group, mCuSeqlensQ=None, mCuSeqlensK=None, mSeqUsedK=None, mSeqUsedQ=None):
         self.tile_m, self.longest_first = tile_m, longest_first
         self.seqlen_q, self.seqlen_k, self.heads, self.batch = seqlen_q, seqlen_k, heads, batch
         self.l2_group = l2_group
         self.cu_q, self.cu_k, self.used_k = mCuSeqlensQ, mCuSeqlensK, mSeqUsedK
+        self.used_q = mSeqUsedQ  # Note [Used query rows]
         self.varlen = mCuSeqlensQ is not None
 
     def num_tiles(self):
@@ -70,16 +71,36 @@ class Sequences:
             return SeqTile(m_block, head, b, self.seqlen_q, self.seqlen_k, None, None)
         b, before, _ = varlen_locate(t, self.cu_q, self.tile_m, self.heads)
         offset_q, offset_k = self.cu_q[b], self.cu_k[b]
-        seqlen_q = self.cu_q[b + 1] - offset_q
+        rows_q = self.cu_q[b + 1] - offset_q  # the tiles are counted over these
+        seqlen_q = rows_q
+        if self.used_q is not None:  # Note [Used query rows]
+            seqlen_q = self.used_q[b]
         if self.used_k is not None:
             seqlen_k = self.used_k[b]
         else:
             seqlen_k = self.cu_k[b + 1] - offset_k
         # inside the sequence: the dense order with a batch of one
-        m_block, head, _ = tile_coords(t - before, cute.ceil_div(seqlen_q, self.tile_m),
+        m_block, head, _ = tile_coords(t - before, cute.ceil_div(rows_q, self.tile_m),
                                        self.heads, 1, longest_first=self.longest_first,
                                        l2_group=self.l2_group)
         return SeqTile(m_block, head, Int32(0), seqlen_q, seqlen_k, offset_q, offset_k)
+
+    # Note [Used query rows]
+    # FA4's seqused_q: sequence b's queries are the first seqused_q[b] of its
+    # cu_seqlens_q[b + 1] - cu_seqlens_q[b] packed rows; the rest are padding, never read into
+    # a result and never written (out and lse keep what the caller's buffers held there, as in
+    # the FA4 package). The tile count stays that of the packed rows (varlen_locate: the grid
+    # and the tile order need no device value more), so a tile that lies wholly in the padding
+    # takes part in the order but sees no key (tile_past_used_rows) and stores nothing: its
+    # epilogue's rows are all past seqlen_q. The causal diagonal is placed by the used length,
+    # bottom-right: key j is visible to query i when j <= i + seqlen_k - seqused_q[b].
+
+    def tile_past_used_rows(self, w: SeqTile):
+        """Whether tile ``w`` lies wholly in its sequence's padding rows
+        (Note [Used query rows]); False wherever there is no seqused_q."""
+        if self.used_q is None:
+            return False
+        return w.m_block * self.tile_m >= w.seqlen_q
 
     def rows_q(self, mX: cute.Tensor, w: SeqTile, head) -> cute.Tensor:
         """``mX`` (s, D, h, b) or (s, h, b) -> this sequence's (s, D) or (s,) slab of ``head``,

@@ -100,7 +100,7 @@ class HopperForward:
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperFwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False,
                  varlen: bool = False, has_seqused_k: bool = False, softcap: float = 0.0,
-                 sink_dtype=None, head_dim_v: int | None = None):
+                 sink_dtype=None, head_dim_v: int | None = None, has_seqused_q: bool = False):
         # Note [Head dims] (fa4_final.hopper.config): dv of V and O, D if None
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         config.check(head_dim, head_dim_v)
@@ -125,6 +125,8 @@ class HopperForward:
         # dense kernel's code is exactly what it is without this flag
         self.varlen = bool(varlen)
         self.has_seqused_k = self.varlen and bool(has_seqused_k)
+        # Note [Used query rows] (fa4_final.common.seqlens): a varlen variant of its own
+        self.has_seqused_q = self.varlen and bool(has_seqused_q)
         # the table needs each tile's cost before the launch: dense only (varlen's costs are in
         # device memory, and reading them back would cost a sync)
         if self.varlen and config.uses_table:
@@ -166,6 +168,8 @@ class HopperForward:
         if self.head_dim_v != self.head_dim:
             key = key + (("head_dim_v", self.head_dim_v),)
         key = key + (("varlen", self.has_seqused_k),) if self.varlen else key
+        if self.has_seqused_q:
+            key = key + (("seqused_q",),)
         if self.logit_softcap:
             key = key + (("softcap", self.logit_softcap),)
         return key + (("sink", self.sink_dtype.__name__),) if self.has_sink else key
@@ -235,6 +239,7 @@ class HopperForward:
         mTileCounter: cute.Tensor | None,  # "dynamic": (1,) int32, zero before the launch
         stream,
         mSink: cute.Tensor | None = None,  # has_sink: (heads,) fp32/fp16/bf16 logits; else None
+        mSeqUsedQ: cute.Tensor | None = None,  # varlen with seqused_q: (batch,) int32; else None
     ):
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                            == mO.element_type == self.dtype)):
@@ -255,6 +260,9 @@ class HopperForward:
         if const_expr(self.dynamic != (mTileCounter is not None)):
             raise TypeError("the tile counter is given exactly to a build whose schedule is "
                             "'dynamic' (Note [Dynamic tiles])")
+        if const_expr(self.has_seqused_q != (mSeqUsedQ is not None)):
+            raise TypeError("seqused_q is given exactly to the varlen variant built with "
+                            "has_seqused_q=True (Note [Used query rows])")
         if const_expr(self.has_sink != (mSink is not None)):
             raise TypeError("learnable_sink is given exactly to a build with a sink_dtype")
         if const_expr(self.has_sink and mSink.element_type != self.sink_dtype):
@@ -329,7 +337,7 @@ class HopperForward:
             score_scale, window_left, window_right, l2_group,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             bytes_q, bytes_k, bytes_v, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mO_rows,
-            mTileTable, mPartO, mPartML, mCounters, mTileCounter, mSink,
+            mTileTable, mPartO, mPartML, mCounters, mTileCounter, mSink, mSeqUsedQ,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -373,6 +381,7 @@ class HopperForward:
         mCounters: cute.Tensor | None,
         mTileCounter: cute.Tensor | None,  # Note [Dynamic tiles]
         mSink: cute.Tensor | None,  # Note [Learnable sink]
+        mSeqUsedQ: cute.Tensor | None,  # Note [Used query rows]
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -421,7 +430,7 @@ class HopperForward:
 
         seqs = lambda: Sequences(  # noqa: E731  (built where used: the dense code stays as it was)
             self.tile_m, self.causal, mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3],
-            l2_group, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+            l2_group, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSeqUsedQ)
         if warp_idx < THREADS_PER_WARPGROUP // WARP_SIZE:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.roles["producer"]["tma_warp"]:
@@ -503,6 +512,9 @@ class HopperForward:
         if const_expr(self.split):
             n_min, n_max, n_top, n_bottom = clip_range(n_min, n_max, n_top, n_bottom, n_lo,
                                                        n_hi)
+        if const_expr(self.has_seqused_q):
+            if seqs.tile_past_used_rows(w):  # Note [Used query rows]: no key to load
+                n_max = n_min
         # (tile_m, D); (tile_n, D, n_tiles) of this (sequence, head)
         gQ = cute.local_tile(seqs.rows_q(mQ, w, head), (self.tile_m, self.head_dim),
                              (m_block, 0))
@@ -675,6 +687,9 @@ class HopperForward:
         if const_expr(self.split):
             n_min, n_max, n_top, n_bottom = clip_range(n_min, n_max, n_top, n_bottom, n_lo,
                                                        n_hi)
+        if const_expr(self.has_seqused_q):
+            if seqs.tile_past_used_rows(w):  # Note [Used query rows]: the producer's answer
+                n_max = n_min
         n_tiles = n_max - n_min
         softmax.reset()
         acc_o.fill(0.0)

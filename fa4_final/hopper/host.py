@@ -65,7 +65,8 @@ def _check_target(dtype: str, arch: str, what: str) -> None:
 def forward_kernel(dtype_name: str, head_dim: int, causal: bool, has_left: bool,
                    has_right: bool, config: HopperFwdConfig, varlen: bool = False,
                    has_seqused_k: bool = False, softcap: float = 0.0,
-                   sink_dtype: str | None = None, head_dim_v: int | None = None):
+                   sink_dtype: str | None = None, head_dim_v: int | None = None,
+                   has_seqused_q: bool = False):
     """The forward's kernel object (looked up by forward_recipe at each call: a teaching
     module may put its own kernel here). ``softcap``, ``sink_dtype``: Note [Softcap] and
     Note [Learnable sink] (fa4_final.common.softmax); ``head_dim_v``: dv of V and O when it is
@@ -78,6 +79,8 @@ def forward_kernel(dtype_name: str, head_dim: int, causal: bool, has_left: bool,
                      else None)
     if head_dim_v is not None and head_dim_v != head_dim:
         extra["head_dim_v"] = head_dim_v
+    if has_seqused_q:  # Note [Used query rows] (fa4_final.common.seqlens)
+        extra["has_seqused_q"] = True
     return HopperForward(CUTLASS_BY_NAME[dtype_name], head_dim, causal, config,
                          has_window_left=has_left, has_window_right=has_right, varlen=varlen,
                          has_seqused_k=has_seqused_k, **extra)
@@ -85,7 +88,8 @@ def forward_kernel(dtype_name: str, head_dim: int, causal: bool, has_left: bool,
 
 def forward_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig,
                       varlen: bool = False, has_seqused_k: bool = False,
-                      sink_dtype: str | None = None, head_dim_v: int | None = None) -> tuple:
+                      sink_dtype: str | None = None, head_dim_v: int | None = None,
+                      has_seqused_q: bool = False) -> tuple:
     """The forward's fake arguments, in its launch order."""
     import cutlass
     import cutlass.cute as cute
@@ -111,6 +115,9 @@ def forward_fake_args(dtype_name: str, head_dim: int, cfg: HopperFwdConfig,
             cu_q, cu_k, used_k, table, part_o, part_ml, counters, tile_counter, fake_stream())
     if sink_dtype is not None:  # (heads,): its own symbolic extent, contiguous
         args += (fake_tensor(SINK_DTYPES[sink_dtype], (cute.sym_int(),)),)
+    if varlen and has_seqused_q:  # (batch,) int32 (Note [Used query rows]); after the sink's
+        args += (() if sink_dtype is not None else (None,)) + (
+            fake_tensor(Int32, (cute.sym_int(),)),)
     return args
 
 
@@ -126,26 +133,30 @@ def forward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = Fals
                    config: HopperFwdConfig | None = None, has_window_left: bool = False,
                    has_window_right: bool = False, varlen: bool = False,
                    has_seqused_k: bool = False, arch: str = ARCH, softcap: float = 0.0,
-                   sink_dtype: str | None = None, head_dim_v: int | None = None) -> Recipe:
+                   sink_dtype: str | None = None, head_dim_v: int | None = None,
+                   has_seqused_q: bool = False) -> Recipe:
     """The forward for one (head dim, dtype, masks, config): dense, or with ``varlen`` the
     packed-sequence variant (with ``has_seqused_k`` or without); ``softcap`` (0.0: none) and
     ``sink_dtype`` ("fp32", "bf16", "fp16" or None: no learnable sink) build the variants of
     Note [Softcap] and Note [Learnable sink]; ``head_dim_v``: dv of V and O, D if None
-    (Note [Head dims])."""
+    (Note [Head dims]); ``has_seqused_q``: the varlen variant that takes seqused_q
+    (Note [Used query rows])."""
     _check_target(dtype, arch, "forward")
     head_dim_v = None if head_dim_v == head_dim else head_dim_v
     cfg = config or hopper_fwd_default(head_dim, causal, varlen, head_dim_v)
     if not isinstance(cfg, HopperFwdConfig):
         raise TypeError(f"config must be a HopperFwdConfig or None, got {type(cfg).__name__}")
     has_seqused_k = varlen and has_seqused_k
+    has_seqused_q = varlen and has_seqused_q
     if sink_dtype is not None and sink_dtype not in SINK_DTYPES:
         raise ValueError(f"sink_dtype must be one of {sorted(SINK_DTYPES)} or None, got "
                          f"{sink_dtype!r}")
     kernel = forward_kernel(dtype, head_dim, causal, has_window_left, has_window_right, cfg,
-                            varlen, has_seqused_k, softcap, sink_dtype, head_dim_v)
+                            varlen, has_seqused_k, softcap, sink_dtype, head_dim_v,
+                            has_seqused_q)
     return Recipe("fwd", ARCH, {"main": kernel},
                   lambda role: forward_fake_args(dtype, head_dim, cfg, varlen, has_seqused_k,
-                                                 sink_dtype, head_dim_v),
+                                                 sink_dtype, head_dim_v, has_seqused_q),
                   cfg)
 
 
@@ -210,10 +221,12 @@ def launch_forward(plan, q, k, v, out, lse, causal: bool, softmax_scale: float, 
 
 def launch_varlen_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                           max_seqlen_k, out, lse, causal: bool, softmax_scale: float,
-                          window_left, window_right, learnable_sink=None) -> None:
+                          window_left, window_right, learnable_sink=None,
+                          seqused_q=None) -> None:
     """One launch of the varlen forward: q (total_q, h, d), k and v (total_k, h_kv, d), out like
     q, lse (h, total_q), none of them empty. The packed tensors go in as a batch of one; the
-    kernel finds each tile's sequence from the offsets (common.seqlens)."""
+    kernel finds each tile's sequence from the offsets (common.seqlens). ``seqused_q``: (batch,)
+    int32, for a plan built with has_seqused_q (Note [Used query rows])."""
     total_q, h, d = q.shape
     cfg = plan.config
     group = h  # causal: longest first over every head of a sequence (Note [Varlen order])
@@ -222,6 +235,8 @@ def launch_varlen_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, 
             else k.shape[0]
         group = l2_section_pairs(longest_k, (d + v.shape[-1]) // 2, q.element_size(), h)
     sink = () if learnable_sink is None else (learnable_sink,)  # Note [Learnable sink]
+    if seqused_q is not None:  # Note [Used query rows]: after the sink's place
+        sink = (learnable_sink, seqused_q.contiguous())
     plan.kernels["main"](
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
         timeline_buffer(q.device, cfg), softmax_scale, window_left or 0, window_right or 0,
