@@ -24,7 +24,8 @@
 #   (sdpa-tests: fa4_final registered as SDPA's flash implementation, a small transformer against
 #    float64; softcap-tests: the softcap and learnable-sink builds against float64;
 #    headdim-tests: the forward at D = 96, 192, 256 and dv != D against float64, headdim-sanitize
-#    two of its cases under memcheck; seqused-q-tests: varlen with seqused_q, padding untouched)
+#    two of its cases under memcheck; seqused-q-tests: varlen with seqused_q, padding untouched;
+#    features: the forward at D = 96/192/256 and with softcap/sinks beside the peers)
 #   (host: the API's host time per call vs its kernels' time, with the peers; host-train: the
 #    small-GPT training step, fa4_final vs SDPA)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
@@ -94,6 +95,7 @@ for s in "$@"; do
     headdim-tests) step headdim_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py ;;
     seqused-q-tests) step seqused_q_tests 600 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_seqused_q.py ;;
     headdim-sanitize) step headdim_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fwd_head_dims.py -k "b1-17x17 or b2-300x77" ;;
+    features) step features 580 $PY -m measure.features --deadline 500 ;;
     softcap-tests) step softcap_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_softcap_sinks.py ;;
     sdpa-tests) step sdpa_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_sdpa_registration.py ;;
     decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py ;;

@@ -1,0 +1,251 @@
+"""Benchmark the forward at the features models use: head dims 96, 192 (dv 128) and 256,
+softcap and learnable sinks at D = 128; fa4_final beside its peers in one run.
+
+    python -m measure.features                               # the whole grid, both modes
+    python -m measure.features --cases d192_dv128 --seqlens 4096 --causal 1
+    python -m measure.features --deadline 500
+
+Cases (``--cases``):
+  d96, d192_dv128, d192, d256     head dims (D, dv): (96, 96), (192, 128), (192, 192), (256, 256)
+  softcap, sink, softcap_sink     D = 128 with softcap 30 (Gemma 2's), a float32 sink per head
+                                  (gpt-oss), or both
+Shapes: ``--seqlens`` S (queries = keys), batch x S = ``--tokens`` (16384), ``--heads`` 16
+query heads over as many KV heads, causal (``--causal 0 1``), bf16.
+
+Rows, on the same q, k, v (and sink) of a shape, interleaved in ``--rounds`` rounds
+(utils.bench.interleaved, each round in the other direction from the last):
+  fa4_final     the Hopper forward launched directly (fa4_final.hopper.host.forward_recipe and
+                launch_forward with head_dim_v, softcap, sink_dtype): what a call will run once
+                the API takes these arguments (it refuses them while their GPU tests have not
+                passed).
+  fa4_package   the FA4 package's flash_attn_func with the same arguments
+  sdpa_flash, sdpa_cudnn    PyTorch SDPA with one backend each, where it takes the case (no
+                softcap, no sink: those rows are not built, and say so)
+Before timing, every row's output is compared with float64 on a slice of the batch
+(``max_diff``): a wrong kernel is not timed in silence, and the peers' errors are the yardstick
+of a bf16 kernel's. A row's ``vs_best_peer`` is its TFLOP/s over the fastest peer of its shape
+and mode; FLOPs are 2 x (D + dv) per query-key pair, halved by the causal mask.
+
+Two modes (``mode``): ``flush`` (the L2 overwritten before every call) and ``back_to_back``.
+``--deadline`` seconds: the run stops after the shape that passes it and says so.
+Writes results/<gpu>/<name>.json (utils.results.save, with provenance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from utils import bench, results
+
+PRODUCES = [
+    ("results/h200/features.json", "python -m measure.features --deadline 540",
+     "the forward at D = 96, 192 (dv 128 and 192) and 256, and with softcap / learnable sinks "
+     "at D = 128: fa4_final's Hopper kernel launched directly (checked against float64 first) "
+     "beside the FA4 package, SDPA flash and cuDNN; S = 4096 and 16384, causal or not, L2 "
+     "flushed and back to back"),
+]
+
+# name: (D, dv, softcap, sink)
+CASES = {
+    "d96": (96, 96, 0.0, False),
+    "d192_dv128": (192, 128, 0.0, False),
+    "d192": (192, 192, 0.0, False),
+    "d256": (256, 256, 0.0, False),
+    "softcap": (128, 128, 30.0, False),
+    "sink": (128, 128, 0.0, True),
+    "softcap_sink": (128, 128, 30.0, True),
+}
+PEERS = ("fa4_package", "sdpa_flash", "sdpa_cudnn")
+MODES = ("flush", "back_to_back")
+
+
+@dataclass(frozen=True)
+class FeatureShape:
+    case: str
+    b: int
+    s: int
+    h: int
+    causal: bool
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        return CASES[self.case][:2]
+
+    def flops(self) -> float:
+        d, dv = self.dims
+        pairs = self.b * self.h * self.s * self.s * (0.5 if self.causal else 1.0)
+        return 2.0 * pairs * (d + dv)
+
+
+def grid(cases, seqlens, causal, tokens: int, heads: int) -> list[FeatureShape]:
+    return [FeatureShape(c, max(1, tokens // s), s, heads, bool(ca))
+            for c, s, ca in itertools.product(cases, seqlens, causal)]
+
+
+def row_fields(shape: FeatureShape) -> dict:
+    d, dv, softcap, sink = CASES[shape.case]
+    return {"pass": "fwd", "dtype": "bf16", "case": shape.case, "b": shape.b, "s": shape.s,
+            "h": shape.h, "d": d, "dv": dv, "causal": shape.causal, "softcap": softcap,
+            "sink": sink, "flops": shape.flops()}
+
+
+def reference_slice(q, k, v, sink, causal, scale, softcap):
+    """(the slice's inputs, its float64 out): the first sequence's last 512 query rows over all
+    its keys (causal is bottom-right aligned, so those rows see every key); the reference's
+    memory grows with S x S."""
+    from utils.reference import attention_reference_features
+
+    rows = min(512, q.shape[1])
+    sl = slice(q.shape[1] - rows, q.shape[1])
+    ref, _ = attention_reference_features(q[:1, sl], k[:1], v[:1], causal, scale, softcap, sink)
+    return sl, ref
+
+
+def max_diff(out, sl, ref) -> float:
+    """max |out - float64| over the reference slice."""
+    return float((out[:1, sl].double() - ref).abs().max())
+
+
+def _calls(shape: FeatureShape, device="cuda"):
+    """({name: zero-argument forward call}, {name: extra row fields})."""
+    d, dv, softcap, with_sink = CASES[shape.case]
+    g = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16
+    q = torch.randn(shape.b, shape.s, shape.h, d, device=device, dtype=dt, generator=g)
+    k = torch.randn(shape.b, shape.s, shape.h, d, device=device, dtype=dt, generator=g)
+    v = torch.randn(shape.b, shape.s, shape.h, dv, device=device, dtype=dt, generator=g)
+    sink = (torch.randn(shape.h, device=device, generator=g) + 1.0) if with_sink else None
+    scale = d ** -0.5
+    calls, extra = {}, {}
+    try:
+        from fa4_final.hopper.host import forward_recipe, launch_forward
+        from fa4_final.runtime.compile import compiled
+
+        plan = compiled(forward_recipe, d, "bf16", shape.causal, None, False, False, False,
+                        False, "sm_90a", softcap, "fp32" if with_sink else None, dv)
+        out = torch.empty(shape.b, shape.s, shape.h, dv, device=device, dtype=dt)
+        lse = torch.empty(shape.b, shape.h, shape.s, device=device, dtype=torch.float32)
+
+        def ours():
+            launch_forward(plan, q, k, v, out, lse, shape.causal, scale, None,
+                           0 if shape.causal else None, sink)
+            return out
+        out.fill_(float("nan"))
+        calls["fa4_final"] = ours
+        extra["fa4_final"] = {"config": repr(plan.config)}
+    except Exception as exc:  # recorded as the row's error; the peers are still timed
+        extra["fa4_final"] = {"error": bench.error_text(exc)}
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception:  # the FA4 package is not installed here: its rows are left out
+        pass
+    else:
+        kw = {"softcap": softcap} if softcap else {}
+        if with_sink:
+            kw["learnable_sink"] = sink
+        calls["fa4_package"] = lambda: flash_attn_func(q, k, v, softmax_scale=scale,
+                                                       causal=shape.causal, **kw)
+    for name in ("sdpa_flash", "sdpa_cudnn"):
+        if softcap or with_sink:
+            extra[name] = {"error": "not built: SDPA takes neither a softcap nor a sink"}
+            continue
+        fn = bench.peers()[name]
+        calls[name] = lambda fn=fn: fn(q, k, v, causal=shape.causal, softmax_scale=scale)
+    # every implementation's error on the same float64 slice, before timing: a wrong kernel is
+    # not timed in silence, and the peers' errors say what a bf16 kernel's error is
+    sl, ref = reference_slice(q, k, v, sink, shape.causal, scale, softcap)
+    for name, fn in list(calls.items()):
+        try:
+            got = fn()
+            got = got[0] if isinstance(got, tuple) else got
+            torch.cuda.synchronize()
+            extra.setdefault(name, {})["max_diff"] = max_diff(got, sl, ref)
+        except Exception as exc:  # recorded, left out of the timing
+            extra.setdefault(name, {})["error"] = bench.error_text(exc)
+            del calls[name]
+    return calls, extra
+
+
+def attach_ratios(rows: list[dict]) -> list[dict]:
+    key = ("mode", "case", "b", "s", "h", "causal")
+    for row in rows:
+        if not row.get("tflops"):
+            continue
+        same = [r for r in rows if r["impl"] in PEERS and r.get("tflops") and r is not row
+                and all(r.get(k_) == row.get(k_) for k_ in key)]
+        if same:
+            best = max(same, key=lambda r: r["tflops"])
+            row.update(best_peer=best["impl"], best_peer_tflops=best["tflops"],
+                       best_peer_spread=best.get("spread"),
+                       vs_best_peer=row["tflops"] / best["tflops"])
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--name", default="features")
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
+    ap.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS)
+    ap.add_argument("--rep", type=int, default=20, help="timed calls per round at most")
+    ap.add_argument("--max-seconds", type=float, default=0.25,
+                    help="one implementation's timed calls in one round take about this long")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds; stop after a shape")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    args = ap.parse_args(argv)
+    if args.rounds < bench.MIN_ROUNDS:
+        ap.error(f"--rounds: at least {bench.MIN_ROUNDS}")
+    if not torch.cuda.is_available():
+        print("features: needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    start = time.monotonic()
+    shapes = grid(args.cases, args.seqlens, args.causal, args.tokens, args.heads)
+    rows, done = [], 0
+    for shape in shapes:
+        if args.deadline is not None and time.monotonic() - start > args.deadline:
+            break
+        fields = row_fields(shape)
+        calls, extra = _calls(shape)
+        for mode in args.modes:
+            measured = bench.interleaved(calls, rounds=args.rounds, rep=args.rep,
+                                         max_seconds=args.max_seconds,
+                                         flush_l2=(mode == "flush"))
+            for name, m in measured.items():
+                rows.append({"impl": name, "mode": mode, **fields, **extra.get(name, {}),
+                             **m.fields(shape.flops())})
+            for name, fx in extra.items():  # built but not timed: say why
+                if name not in measured:
+                    rows.append({"impl": name, "mode": mode, **fields, "ms": None,
+                                 "tflops": None, **fx})
+        del calls
+        torch.cuda.empty_cache()
+        done += 1
+        print(f"[{time.monotonic() - start:.0f} s] {shape}", flush=True)
+    rows = attach_ratios(rows)
+    note = (f"{done} of {len(shapes)} shapes" + ("" if done == len(shapes) else
+            f" (stopped at --deadline {args.deadline} s)"))
+    path = results.save(args.name, rows, command="python -m measure.features " + " ".join(
+        argv if argv is not None else sys.argv[1:]) + f"  [{note}]")
+    print(f"wrote {path}: {note}")
+    for r in rows:
+        if r["impl"] == "fa4_final":
+            verdict = (f"{r['vs_best_peer']:.2f}x {r['best_peer']} (spreads "
+                       f"{r.get('spread') or 0:.1%} / {r.get('best_peer_spread') or 0:.1%})"
+                       if r.get("vs_best_peer") else r.get("error", "no peer"))
+            print(f"{r['case']:13s} {r['mode']:12s} S={r['s']} causal={r['causal']}: "
+                  f"{verdict}; max_diff {r.get('max_diff', float('nan')):.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

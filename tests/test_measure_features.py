@@ -1,0 +1,28 @@
+"""measure.features' host side, on the CPU: the grid, the FLOP count with dv != D, and the
+ratio to the fastest peer of the same shape and mode (the GPU run is a session step)."""
+
+from measure import features
+
+
+def test_grid_and_flops():
+    shapes = features.grid(["d192_dv128", "sink"], [4096, 16384], [0, 1], 16384, 16)
+    assert len(shapes) == 8 and {s.b for s in shapes} == {4, 1}
+    s = features.FeatureShape("d192_dv128", 4, 4096, 16, True)
+    assert s.flops() == 2.0 * 4 * 16 * 4096 * 4096 * 0.5 * (192 + 128)
+    fields = features.row_fields(s)
+    assert (fields["d"], fields["dv"], fields["softcap"], fields["sink"]) == (192, 128, 0.0, False)
+
+
+def test_ratios_take_the_fastest_peer_of_the_same_shape_and_mode():
+    base = {"case": "d256", "b": 1, "s": 16384, "h": 16, "causal": True}
+    rows = [
+        {"impl": "fa4_final", "mode": "flush", "tflops": 500.0, "spread": 0.01, **base},
+        {"impl": "fa4_package", "mode": "flush", "tflops": 450.0, "spread": 0.02, **base},
+        {"impl": "sdpa_cudnn", "mode": "flush", "tflops": 520.0, "spread": 0.03, **base},
+        {"impl": "sdpa_cudnn", "mode": "back_to_back", "tflops": 900.0, **base},
+        {"impl": "sdpa_flash", "mode": "flush", "tflops": None, "error": "x", **base},
+    ]
+    features.attach_ratios(rows)
+    ours = rows[0]
+    assert ours["best_peer"] == "sdpa_cudnn" and abs(ours["vs_best_peer"] - 500 / 520) < 1e-12
+    assert ours["best_peer_spread"] == 0.03
