@@ -15,7 +15,7 @@
 #    clocked: fa4_final, two variants and the FA4 package at ncu's fixed clock, 8 shapes;
 #    predecessors: one shape's burst timed after an idle pause, a slow kernel, the other
 #    implementation, itself)
-#   (chapter 11-12: bwd-check bwd-tests bwd-bench api-tests ch12-sweep ch12-acc varlen-tests
+#   (chapter 11-12: bwd-check bwd-tests bwd-bench bwd-phases bwd-phases-flush api-tests ch12-sweep ch12-acc varlen-tests
 #    api-varlen-tests (the API's GPU tests and the varlen backward's, without the training run)
 #    varlen-bench varlen-sanitize varlen-bwd-sanitize; varlen-dyn-sanitize: the varlen
 #    forward's dynamic tiles under memcheck, racecheck and synccheck)
@@ -83,6 +83,8 @@ for s in "$@"; do
     bwd-check) step bwd_check 300 $PY -m solutions.ch11_bwd_check --small ;;
     bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
     bwd-bench) step bwd_bench 900 $PY -m measure.bwd_benchmark ;;
+    bwd-phases) step bwd_phases 580 $PY -m measure.bwd_phases --rounds 5 ;;
+    bwd-phases-flush) step bwd_phases_flush 580 $PY -m measure.bwd_phases --rounds 5 --flush --name bwd_phases_flush ;;
     api-tests) step api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
     api-varlen-tests) step api_varlen_tests 540 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py ;;
     varlen-tests) step varlen_tests 480 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py -k varlen ;;

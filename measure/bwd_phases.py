@@ -1,0 +1,201 @@
+"""Where the backward's time goes, kernel by kernel: fa4_final's preprocess, main and
+postprocess kernels beside the FA4 package's, from the GPU's own kernel durations.
+
+    python -m measure.bwd_phases                       # D = 128 and 64, S = 4096 and 16384
+    python -m measure.bwd_phases --dims 128 --seqlens 4096 --causal yes --rounds 5
+
+Each implementation's backward (torch.autograd.grad of one forward's output) runs ``--rep``
+times per round under torch.profiler (CUDA activity only: CUPTI's record of every kernel's
+start and end on the device, no replay, no counters); the kernels are grouped into phases by
+name (``phase_of``): ``pre`` (delta, lse in log2 units, the zeroed dQ accumulator), ``main``,
+``post`` (dQ from float32 to the input dtype; dK and dV when the main kernel leaves them in
+float32), ``other`` (everything else the call launched: memsets, copies, casts), and
+``total`` (their sum per call). Implementations and rounds interleave (each round in the other
+order from the last); a row is the median over rounds of a phase's device milliseconds per
+call, with the rounds' values. ``--flush``: the L2 overwritten before every call (the flush's
+own kernel, an in-place bitwise NOT, is left out by its name). The kernels' names are stored
+with each row, so a phase that caught the wrong kernel shows.
+
+The rows answer the issue's first question, "which of the three kernels loses the time", with
+no profiler replay; ncu's counters (measure.profile_fa4_final) are the next step for the kernel
+that does. Writes results/<gpu>/<name>.json (utils.results.save, with provenance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+
+import torch
+
+from utils import bench, results
+
+PRODUCES = [
+    ("results/h200/bwd_phases.json", "python -m measure.bwd_phases --rounds 5",
+     "the backward's device time per kernel phase (preprocess, main, postprocess, other, "
+     "total) of fa4_final (default and deterministic) and the FA4 package, D = 128 and 64, "
+     "S = 4096 and 16384, causal or not, from torch.profiler's CUDA kernel records"),
+]
+
+IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_package")
+PHASES = ("pre", "main", "post", "other", "total")
+
+# (phase, pattern) in order: the first match names a kernel's phase
+_PHASE_PATTERNS = (
+    ("pre", re.compile(r"BackwardPre|Preprocess|bwd_pre", re.I)),
+    ("post", re.compile(r"BackwardPost|Postprocess|bwd_post|convert_dq", re.I)),
+    ("main", re.compile(r"HopperBackward|HopperVarlenBackward|FlashAttentionBackward|"
+                        r"flash_bwd", re.I)),
+)
+# this driver's own L2 flush: an in-place bitwise NOT of 256 MB, a kernel no backward launches,
+# so its records can be told apart by name (a zero fill could be a backward's own memset)
+FLUSH_KERNEL = re.compile(r"bitwise_not", re.I)
+_FLUSH: list = []
+
+
+def flush_l2() -> None:
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda"))
+    _FLUSH[0].bitwise_not_()
+
+
+def phase_of(kernel_name: str) -> str:
+    """The phase of a kernel by its name; ``other`` when no pattern matches."""
+    for phase, pattern in _PHASE_PATTERNS:
+        if pattern.search(kernel_name):
+            return phase
+    return "other"
+
+
+def device_ms(event) -> float:
+    """A profiler kernel event's device time in milliseconds (the attribute's name moved
+    between torch releases)."""
+    for attr in ("device_time", "cuda_time", "self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, attr, None)
+        if value:
+            return float(value) / 1000.0
+    return 0.0
+
+
+def phase_times(events, calls: int, flushed: bool) -> tuple[dict, dict]:
+    """({phase: ms per call}, {phase: sorted kernel names}) of profiler ``events`` that cover
+    ``calls`` calls; with ``flushed``, the L2 flush's kernels are left out."""
+    ms = dict.fromkeys(PHASES, 0.0)
+    names: dict[str, set] = {p: set() for p in PHASES}
+    for ev in events:
+        kind = getattr(ev, "device_type", None)
+        if kind is None or "CUDA" not in str(kind):
+            continue
+        if flushed and FLUSH_KERNEL.search(ev.name):
+            continue
+        phase = phase_of(ev.name)
+        t = device_ms(ev)
+        ms[phase] += t / calls
+        ms["total"] += t / calls
+        names[phase].add(ev.name[:160])
+    return ms, {p: sorted(v) for p, v in names.items() if v}
+
+
+def _backward_call(impl: str, shape: bench.Shape):
+    """A zero-argument call running ``impl``'s backward once on fixed inputs (the forward ran
+    once before)."""
+    q, k, v = bench._inputs(shape, torch.bfloat16, requires_grad=True, seed=1)
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    if impl.startswith("fa4_final"):
+        from fa4_final.api.autograd import attention_autograd
+
+        out = attention_autograd(q, k, v, shape.causal, None, impl.endswith("deterministic"))
+    else:
+        from flash_attn.cute import flash_attn_func
+
+        out = flash_attn_func(q, k, v, causal=shape.causal)[0]
+    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+
+def measure_shape(shape: bench.Shape, impls, rounds: int, rep: int, flush: bool) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    calls, rows = {}, []
+    for impl in impls:
+        try:
+            calls[impl] = _backward_call(impl, shape)
+            calls[impl]()  # compile and warm up outside the records
+        except Exception as exc:  # the FA4 package missing, a refused shape: say so
+            rows.append(_row(impl, shape, "total", None, [], error=bench.error_text(exc)))
+    torch.cuda.synchronize()
+    per_round: dict[str, list[dict]] = {impl: [] for impl in calls}
+    names: dict[str, dict] = {}
+    for r in range(rounds):
+        for impl in bench.round_order(list(calls), r):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(rep):
+                    if flush:
+                        flush_l2()
+                    calls[impl]()
+                torch.cuda.synchronize()
+            ms, seen = phase_times(prof.events(), rep, flush)
+            per_round[impl].append(ms)
+            names[impl] = seen
+    for impl, per in per_round.items():
+        for phase in PHASES:
+            values = [p[phase] for p in per]
+            rows.append(_row(impl, shape, phase, values, names[impl].get(phase, []),
+                             flush=flush))
+    return rows
+
+
+def _row(impl, shape, phase, values, kernels, error=None, flush=False) -> dict:
+    row = {"impl": impl, "metric": f"{phase}_ms", "unit": "ms",
+           "value": statistics.median(values) if values else None,
+           "value_rounds": values or [], "phase": phase, "dtype": "bf16",
+           "b": shape.b, "s": shape.s, "h": shape.h, "d": shape.d, "causal": shape.causal,
+           "mode": "flush" if flush else "back_to_back", "kernels": kernels}
+    if values and row["value"]:
+        row["spread"] = (max(values) - min(values)) / row["value"]
+    if error:
+        row["error"] = error
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--name", default="bwd_phases")
+    ap.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
+    ap.add_argument("--dims", nargs="+", type=int, default=[128, 64])
+    ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS)
+    ap.add_argument("--rep", type=int, default=10, help="backward calls per round")
+    ap.add_argument("--flush", action="store_true", help="flush the L2 before every call")
+    args = ap.parse_args(argv)
+    if args.rounds < bench.MIN_ROUNDS:
+        ap.error(f"--rounds: at least {bench.MIN_ROUNDS}")
+    if not torch.cuda.is_available():
+        print("measure.bwd_phases: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    causal = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    shapes = [bench.Shape.standard(s, d, c) for d in args.dims for s in args.seqlens
+              for c in causal]
+    rows = []
+    for shape in shapes:
+        rows += measure_shape(shape, args.impls, args.rounds, args.rep, args.flush)
+        print(f"done {shape}", flush=True)
+    path = results.save(args.name, rows, command="python -m measure.bwd_phases " + " ".join(
+        argv if argv is not None else sys.argv[1:]))
+    print(f"wrote {path}")
+    for shape in shapes:
+        print(f"D={shape.d} S={shape.s} causal={shape.causal} (ms per call, median of rounds)")
+        for impl in args.impls:
+            got = {r["phase"]: r for r in rows if r["impl"] == impl and r["s"] == shape.s
+                   and r["d"] == shape.d and r["causal"] == shape.causal}
+            cells = "  ".join(f"{p} {got[p]['value']:.3f}" if got.get(p, {}).get("value")
+                              is not None else f"{p} -" for p in PHASES)
+            print(f"  {impl:24s} {cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""measure.bwd_phases' host side, on the CPU: kernel names to phases (fa4_final's and the FA4
+package's kernel classes), per-call sums from profiler-like records, the flush left out."""
+
+from types import SimpleNamespace
+
+from measure import bwd_phases as bp
+
+
+def _ev(name, us, kind="DeviceType.CUDA"):
+    return SimpleNamespace(name=name, device_time=us, device_type=kind)
+
+
+def test_kernel_names_map_to_phases():
+    ours = "kernel_cutlass_kernel_fa4_final{}_object_at_0x"
+    assert bp.phase_of(ours.format("commonbwd_preBackwardPre")) == "pre"
+    assert bp.phase_of(ours.format("commonbwd_postBackwardPost")) == "post"
+    assert bp.phase_of(ours.format("hopperbwdHopperBackward")) == "main"
+    assert bp.phase_of(ours.format("hopperbwdHopperVarlenBackward")) == "main"
+    fa4 = "kernel_cutlass_kernel_flash_attncuteflash_bwd{}_object_at_0x"
+    assert bp.phase_of(fa4.format("_preprocessFlashAttentionBackwardPreprocess")) == "pre"
+    assert bp.phase_of(fa4.format("_sm90FlashAttentionBackwardSm90")) == "main"
+    assert bp.phase_of(fa4.format("_postprocessFlashAttentionBackwardPostprocess")) == "post"
+    assert bp.phase_of("void at::native::vectorized_elementwise_kernel<4, FillFunctor>") \
+        == "other"
+
+
+def test_phase_times_are_per_call_and_leave_the_flush_out():
+    events = [_ev("x_BackwardPre_y", 20.0), _ev("x_HopperBackward_y", 400.0),
+              _ev("x_BackwardPost_y", 30.0), _ev("elementwise FillFunctor", 10.0),
+              _ev("at::native::bitwise_not_kernel_cuda", 500.0),
+              _ev("aten::mm", 999.0, kind="DeviceType.CPU")] * 2
+    ms, names = bp.phase_times(events, calls=2, flushed=True)
+    assert abs(ms["pre"] - 0.020) < 1e-12 and abs(ms["main"] - 0.400) < 1e-12
+    assert abs(ms["other"] - 0.010) < 1e-12 and abs(ms["total"] - 0.460) < 1e-12
+    assert "at::native::bitwise_not_kernel_cuda" not in sum(names.values(), [])
+    ms_kept, _ = bp.phase_times(events, calls=2, flushed=False)
+    assert abs(ms_kept["other"] - 0.510) < 1e-12
