@@ -10,7 +10,11 @@ followed by two butterfly shuffles inside the quad (THREADS_PER_ROW).
   group), one 64-row block per warpgroup.
 """
 
+import cutlass
 import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 THREADS_PER_ROW = 4  # lanes 4i .. 4i+3 of a warp hold the same accumulator rows
 
@@ -63,3 +67,39 @@ def tree_reduce(values: list, op):
         pairs = [op(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
         values = pairs + values[len(pairs) * 2:]
     return values[0]
+
+
+# Note [Pairwise conversion]
+# P's register A operand holds two 16-bit values per 32-bit register: adjacent columns, the first
+# mode of the fragment. ``tOrP.store(s.load().to(dtype))`` converts the whole fragment as one
+# vector, and LLVM splits that vector into pieces of its own choosing; where the fragment's size
+# is no multiple of those pieces (tile_n 48, 80, 96 or 112 of a wgmma accumulator) the halves
+# come out as 16-bit registers and are packed into 32-bit ones right before each wgmma that reads
+# them, between wgmma.fence and the wgmma: ptxas then injects warpgroup.arrive (info C7519) and
+# the P V wgmma waits for the one before it. ``to_16bit_pairs`` converts each column pair with
+# one cvt.rn.{bf16x2,f16x2}.f32 straight into the 32-bit register the wgmma reads. The kernels
+# use it only at those tile_n, so the builds that compile clean either way keep their code.
+
+
+@dsl_user_op
+def cvt_pair(lo, hi, dtype, *, loc=None, ip=None) -> Int32:
+    """Two float32 -> one 32-bit register of two 16-bit values, ``lo`` in the low half (one
+    cvt.rn.bf16x2.f32 or cvt.rn.f16x2.f32; PTX puts its first source in the high half)."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    operands = [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)]
+    return Int32(llvm.inline_asm(T.i32(), operands, f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f",
+                                 has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cute.jit
+def to_16bit_pairs(src: cute.Tensor, dst: cute.Tensor):
+    """``dst`` (a compact 16-bit register fragment whose first mode pairs adjacent columns) =
+    ``src`` (float32, the same logical shape, any layout), one cvt per column pair
+    (Note [Pairwise conversion])."""
+    first = cute.make_layout(dst.layout.shape)  # compact, left-major: pairs are (2j, 2j + 1)
+    assert dst.element_type.width == 16 and cute.size(dst) % 2 == 0
+    assert cute.cosize(dst.layout) == cute.size(dst) and dst.layout == first, dst.layout
+    pairs = cute.recast_tensor(dst, Int32)
+    for j in cutlass.range_constexpr(cute.size(pairs)):
+        pairs[j] = cvt_pair(src[2 * j], src[2 * j + 1], dst.element_type)

@@ -52,8 +52,13 @@ def _align(n: int, to: int = 1024) -> int:
 # store. The O accumulator takes 64 x dv / 128 = dv / 2 float32 registers per consumer thread
 # and S tile_n / 2: 128 + 40 at dv = 256 and tile_n = 80, within the 240 of two consumer
 # warpgroups; three warpgroups (160 each) serve D = 64 only. The defaults
-# (hopper_fwd_default) follow the FA4 package's sm90 tiles where they fit this kernel's
-# buffers, and are chosen by compiling (no spill, the struct within 227 KB), not by timing.
+# (hopper_fwd_default) are chosen by compiling (no spill, no wgmma serialised, the struct
+# within 227 KB), not by timing: tile_n 128 where two K and two V stages fit, else 64. The FA4
+# package's sm90 tiles at D = 192 and 256 take 112 and 80 keys. Converting P as one vector,
+# every tile_n that is no multiple of 64 made ptxas inject warpgroup.arrive before the P V
+# wgmma; the kernel converts those tiles pair by pair (Note [Pairwise conversion] in
+# fa4_final.common.fragments) and they compile clean too. Which tile_n is faster at D = 192
+# and 256 is for a timed run to say, FA4's tiles beside these defaults.
 
 FWD_TILE_NS = (48, 64, 80, 96, 112, 128)  # a multiple of 16 (the K of P V); at most 128
 

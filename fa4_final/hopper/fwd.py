@@ -48,7 +48,12 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
-from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols, select_modes
+from fa4_final.common.fragments import (
+    acc_as_a_operand,
+    acc_rows_cols,
+    select_modes,
+    to_16bit_pairs,
+)
 from fa4_final.common.mask import apply_mask, fragment_coords
 from fa4_final.common.pipelines import PipelineSpec, tma_async_pipeline
 from fa4_final.common.register_plan import check_role_registers
@@ -605,6 +610,16 @@ class HopperForward:
         issue_wgmma(tiled_mma, acc, tA, tB, accumulate)
 
     @cute.jit
+    def store_p(self, s: cute.Tensor, tOrP: cute.Tensor):
+        """P = S in the input dtype, as P V's register A operand: converted as one vector where
+        the compiler keeps it in 32-bit pairs (tile_n a multiple of 64), pair by pair elsewhere
+        (Note [Pairwise conversion] in fa4_final.common.fragments)."""
+        if const_expr(self.tile_n % 64 == 0):
+            tOrP.store(acc_as_a_operand(s).load().to(self.dtype))
+        else:
+            to_16bit_pairs(acc_as_a_operand(s), tOrP)
+
+    @cute.jit
     def consume(self, mO, mLSE, tl, sQ, sK, sV, sO, tma_atom_o, tiled_mma_qk, tiled_mma_pv,
                 pipeline_q, pipeline_k, pipeline_v, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, seqs: Sequences, mO_rows: cute.Tensor | None,
@@ -765,7 +780,7 @@ class HopperForward:
         # the first tile visited holds the diagonal or the keys past seqlen_k: mask it always
         mask(s, 0, self.window.has_left)
         row_scale, rescale = softmax.update(s, is_first=True)
-        tOrP.store(acc_as_a_operand(s).load().to(self.dtype))
+        self.store_p(s, tOrP)
         mark(timeline, tl, record, role, 0, Mark.P_READY)
         # alpha of the last softmax, applied to O when the next P V is issued
         # (Note [Where O is rescaled])
@@ -859,7 +874,7 @@ class HopperForward:
         pipeline_v.consumer_release(state_v)
         state_v.advance()
         pending.store(row_scale.load())  # O's rescale waits for the next P V's issue
-        tOrP.store(acc_as_a_operand(s).load().to(self.dtype))
+        self.store_p(s, tOrP)
         mark(timeline, tl, record, role, i, Mark.P_READY)
         return state_k, state_v, rescale
 
@@ -897,7 +912,7 @@ class HopperForward:
             if (i < n_top) | (i >= n_tiles - n_bottom) | (i == 0):
                 mask(acc_s, i, self.window.has_left)
             row_scale, rescale = softmax.update(acc_s, is_first=False)
-            tOrP.store(acc_as_a_operand(acc_s).load().to(self.dtype))
+            self.store_p(acc_s, tOrP)
             softmax.rescale_o(acc_o, row_scale, rescale)
             pipeline_v.consumer_wait(state_v)
             self.turn(wg, False, last_tile & (i == n_tiles - 1), lambda: self.wgmma(

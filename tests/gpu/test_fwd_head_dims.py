@@ -10,7 +10,7 @@ rounding slack. The shapes: tails of every tile, one row, rows that see no key (
 seqlen_q > seqlen_k), GQA, and enough tiles that each persistent CTA computes several, so the
 builds that write O over Q (D = 192 with dv = 128, D = dv = 256) reuse Q's buffer across
 tiles, with every schedule of their defaults (split tail dense, dynamic causal, varlen).
-Run (about 6 minutes, most of it compiling ~16 kernels):
+Run (about 8 minutes, most of it compiling ~21 kernels):
     timeout 900 python -m pytest tests/gpu/test_fwd_head_dims.py -m gpu -x -v
 """
 
@@ -144,3 +144,34 @@ def test_varlen_forward_matches_float64_per_sequence(d, dv):
                f"{[p[3] for p in parts]}", q[None, oq:oq + sq], k[None, ok_:ok_ + uk],
                v[None, ok_:ok_ + uk], True, out[None, oq:oq + sq], lse[None, :, oq:oq + sq])
         oq, ok_ = oq + sq, ok_ + sk
+
+
+# FA4's own sm90 tiles (tile_n 80 at D = 256, 112 at D = dv = 192) and one more off the 64-grid:
+# P converted pair by pair (Note [Pairwise conversion] in fa4_final.common.fragments)
+PAIRWISE = [(256, 256, 80, False), (256, 256, 80, True), (192, 192, 112, False),
+            (128, 128, 80, True), (128, 128, 48, False)]
+
+
+@pytest.mark.parametrize("d, dv, tile_n, causal", PAIRWISE, ids=str)
+def test_pairwise_p_tiles_match_float64(d, dv, tile_n, causal):
+    from dataclasses import replace
+
+    from fa4_final.common.constants import SM90_SMEM_BYTES
+    from fa4_final.hopper.config import hopper_fwd_default
+    from fa4_final.hopper.host import forward_recipe, launch_forward
+    from fa4_final.runtime.compile import compiled
+
+    cfg = replace(hopper_fwd_default(d, causal, head_dim_v=dv), tile_n=tile_n, stages_k=2,
+                  stages_v=2)
+    if cfg.smem_bytes(d, head_dim_v=dv) > SM90_SMEM_BYTES:
+        cfg = replace(cfg, separate_o=False)
+    b, sq, sk, h, hk = 2, 1031, 1031 if not causal else 2049, 8, 4
+    q, k, v, seed = _inputs(b, sq, sk, h, hk, d, dv, BF16)
+    out = checks.poisoned_empty(b, sq, h, dv, dtype=BF16, device="cuda")
+    lse = checks.poisoned_empty(b, h, sq, dtype=torch.float32, device="cuda")
+    plan = compiled(forward_recipe, d, "bf16", causal, cfg, False, False, False, False,
+                    "sm_90a", 0.0, None, dv)
+    launch_forward(plan, q, k, v, out, lse, causal, d ** -0.5, None, 0 if causal else None)
+    label = f"d{d}/{dv} tile_n {tile_n} causal={causal} seed={seed} config={cfg}"
+    checks.wait_for_gpu(label)
+    _check(label, q, k, v, causal, out, lse)
