@@ -561,7 +561,7 @@ def causal_cost(t: int, num_m_blocks: int, heads: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 08.3: the shared-memory budget
+# Exercise 08.3: the shared-memory budget (Note [Head dims] in fa4_final.hopper.config)
 
 
 class _Budgeted:
@@ -580,28 +580,112 @@ class _Budgeted:
         return repr(self._cfg)
 
 
-def check_smem_bytes(fn) -> None:
-    """Exercise 08.3: ``fn(cfg, head_dim) -> bytes`` equals the kernel's SharedStorage size
-    (HopperFwdConfig.smem_bytes, asserted against the struct when the kernel is traced),
-    computed from the config's fields, not by asking the config."""
-    from fa4_final.hopper.config import HopperFwdConfig
+# the usual slips of a budget, each a flag of _budget, and what it is in words
+BUDGET_SLIPS = {
+    "v_at_d": "V's tiles counted at D instead of dv (a V tile is tile_n x dv)",
+    "o_at_d": "O counted at D instead of dv (O is tile_m x dv)",
+    "o_over_q_counted": "O counted though it lies over Q (separate_o=False: O has no bytes of "
+                        "its own)",
+    "o_left_out": "O's own buffer left out (separate_o=True: tile_m x dv bytes of its own)",
+    "tile_n_128": "tile_n taken as 128 (read cfg.tile_n: this config has {tile_n} keys per "
+                  "stage)",
+    "no_align": "the buffers not rounded up to 1 KB each (the 128 B swizzle repeats every 1 KB)",
+    "no_barriers": "the barriers' own 1 KB block left out",
+}
 
-    cases = [(HopperFwdConfig(), 128), (HopperFwdConfig(stages_k=3), 128),
-             (HopperFwdConfig(num_consumer_wgs=3, stages_k=3, stages_v=3), 64),
-             (HopperFwdConfig(num_consumer_wgs=1, pingpong=False, stages_k=4, stages_v=3), 128),
-             (HopperFwdConfig(stages_k=1, stages_v=1), 64)]
-    for cfg, d in cases:
-        want, got = cfg.smem_bytes(d), fn(_Budgeted(cfg), d)
-        if got != want:
-            diff = got - want
-            hint = ""
-            if diff % 1024 == 0 and abs(diff) <= 1024:
-                hint = " (1 KB: the barriers sit in their own 1 KB-aligned block)"
-            elif diff == -cfg.tile_m * d * 2:
-                hint = " (O's own buffer: tile_m x D, like Q)"
-            raise AssertionError(
-                f"{cfg} at D={d}: got {got} B, the kernel's struct has {want} B{hint}; each "
-                f"buffer is rounded up to 1024 B for the 128 B swizzle")
+
+def _budget(cfg, head_dim: int, dv: int, elem_bytes: int = 2, slips=()) -> int:
+    """The budget as smem_bytes_reference counts it, with some of BUDGET_SLIPS made."""
+    def align(n):
+        return n if "no_align" in slips else -(-n // 1024) * 1024
+
+    tile_n = 128 if "tile_n_128" in slips else cfg.tile_n
+    barriers = 0 if "no_barriers" in slips else 8 * 2 * (1 + cfg.stages_k + cfg.stages_v)
+    has_o = (cfg.separate_o or "o_over_q_counted" in slips) and "o_left_out" not in slips
+    o_cols = head_dim if "o_at_d" in slips else dv
+    v_cols = head_dim if "v_at_d" in slips else dv
+    return (align(barriers) + align(cfg.tile_m * head_dim * elem_bytes)
+            + align(cfg.stages_k * tile_n * head_dim * elem_bytes)
+            + align(cfg.stages_v * tile_n * v_cols * elem_bytes)
+            + align(cfg.tile_m * o_cols * elem_bytes if has_o else 0))
+
+
+def active_slips(cfg, head_dim: int, dv: int) -> list[str]:
+    """The BUDGET_SLIPS that change this case's budget."""
+    right = _budget(cfg, head_dim, dv)
+    return [s for s in BUDGET_SLIPS if _budget(cfg, head_dim, dv, slips=(s,)) != right]
+
+
+def budget_slips(cfg, head_dim: int, dv: int, got: int, cleared=(), most: int = 3
+                 ) -> list[tuple]:
+    """The fewest BUDGET_SLIPS (up to ``most``, each one that changes this case's budget) whose
+    budget comes to ``got``: every such set. Slips in ``cleared`` (cases the answer got right
+    would have shown them) are tried last."""
+    from itertools import combinations
+
+    active = active_slips(cfg, head_dim, dv)
+    for pool in ([s for s in active if s not in cleared], active):
+        for size in range(1, most + 1):
+            found = [s for s in combinations(pool, size)
+                     if not {"o_over_q_counted", "o_left_out"} <= set(s)
+                     and _budget(cfg, head_dim, dv, slips=s) == got]
+            if found:
+                return found
+    return []
+
+
+def describe_config(cfg) -> str:
+    o = "O's own buffer" if cfg.separate_o else "O over Q"
+    return (f"tile_m {cfg.tile_m} x tile_n {cfg.tile_n}, {cfg.stages_k} K + {cfg.stages_v} V "
+            f"stages, {o}")
+
+
+def _smem_cases():
+    from fa4_final.hopper.config import HopperFwdConfig as C
+
+    # (config, D, dv): D = dv, 128 keys and O's own buffer first (the timed defaults), then
+    # the head dims of Note [Head dims]: tile_n 64 with O over Q, O over Q at dv < D, dv > D
+    # with O's own buffer, and a tile of 80 keys
+    return [(C(), 128, 128), (C(stages_k=3), 128, 128),
+            (C(num_consumer_wgs=3, stages_k=3, stages_v=3), 64, 64),
+            (C(num_consumer_wgs=1, pingpong=False, stages_k=4, stages_v=3), 128, 128),
+            (C(stages_k=1, stages_v=1), 64, 64),
+            (C(tile_n=64, stages_k=3, separate_o=False), 256, 256),
+            (C(stages_k=2, separate_o=False), 192, 128),
+            (C(stages_k=3), 64, 128),
+            (C(tile_n=80, stages_k=2), 192, 64)]
+
+
+def check_smem_bytes(fn) -> None:
+    """Exercise 08.3: ``fn(cfg, head_dim, elem_bytes=2, head_dim_v=None) -> bytes`` equals the
+    kernel's SharedStorage size (HopperFwdConfig.smem_bytes, asserted against the struct when
+    the kernel is traced) for configs of every head dim, computed from the config's fields, not
+    by asking the config. A wrong budget is matched against the usual slips (BUDGET_SLIPS)."""
+    cleared: set[str] = set()  # slips a case already passed would have shown
+    for cfg, d, dv in _smem_cases():
+        want = cfg.smem_bytes(d, head_dim_v=dv)
+        try:
+            got = fn(_Budgeted(cfg), d) if dv == d else fn(_Budgeted(cfg), d, head_dim_v=dv)
+        except TypeError as exc:
+            if "head_dim_v" not in str(exc):
+                raise
+            raise AssertionError("smem_bytes must take head_dim_v=..., dv, the head dim of V "
+                                 "and O (None: the same as D)") from None
+        if got == want:
+            cleared.update(active_slips(cfg, d, dv))
+            continue
+        where = (f"{describe_config(cfg)}, at D = {d}, dv = {dv}: got {got} B, the kernel's "
+                 f"struct has {want} B")
+        found = budget_slips(cfg, d, dv, got, cleared)
+        if found:
+            reads = " or with ".join(
+                " and ".join(BUDGET_SLIPS[s].format(tile_n=cfg.tile_n) for s in slips)
+                for slips in found)
+            raise AssertionError(f"{where}: your number is the budget with {reads}")
+        raise AssertionError(
+            f"{where}: count the barriers' block, Q (tile_m x D), the K ring (stages_k x tile_n "
+            f"x D), the V ring (stages_v x tile_n x dv) and O (tile_m x dv, only with "
+            f"cfg.separate_o), each rounded up to 1024 B for the 128 B swizzle")
 
 
 def _smem_forbid() -> dict:
@@ -611,20 +695,222 @@ def _smem_forbid() -> dict:
                                         "yourself"}
 
 
-def smem_bytes_reference(cfg, head_dim: int, elem_bytes: int = 2) -> int:
+def smem_bytes_reference(cfg, head_dim: int, elem_bytes: int = 2, head_dim_v=None) -> int:
     """Reference for exercise 08.3: the buffers of the SharedStorage struct, each 1 KB
     aligned (the split tail's count and the tile ring sit in the barriers' block)."""
     def align(n):
         return -(-n // 1024) * 1024
 
+    dv = head_dim if head_dim_v is None else head_dim_v
     barriers = 8 * 2 * (1 + cfg.stages_k + cfg.stages_v)
     q = cfg.tile_m * head_dim * elem_bytes
-    kv = cfg.tile_n * head_dim * elem_bytes
-    return (align(barriers) + align(q) + align(cfg.stages_k * kv) + align(cfg.stages_v * kv)
-            + align(q))  # O's own buffer
+    k = cfg.tile_n * head_dim * elem_bytes
+    v = cfg.tile_n * dv * elem_bytes
+    o = cfg.tile_m * dv * elem_bytes if cfg.separate_o else 0  # else O lies over Q
+    return align(barriers) + align(q) + align(cfg.stages_k * k) + align(cfg.stages_v * v) + align(o)
 
 
 SMEM_FORBID = _smem_forbid()
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 08.4: a tile for a large head dim
+
+FIT_STAGES_K = (2, 3)
+FIT_TABLE_PAIRS = [(d, dv) for d in (128, 192, 256) for dv in (64, 96, 128, 192, 256)
+                   if max(d, dv) > 128]
+FIT_STAGES_V = 2
+# the FA4 package's sm90 forward tile_n (tile_m 128 at D >= 128), non-causal and not local, at
+# the head dims where it is not 128 (flash_attn/cute/interface.py, _tile_size_fwd_sm90,
+# flash-attn-4 4.0.0b36)
+FA4_SM90_TILE_N = {(192, 192): 112, (192, 256): 112, (256, 64): 80, (256, 96): 80,
+                   (256, 128): 80, (256, 192): 80, (256, 256): 80}
+
+
+def keys_in_flight(cfg) -> int:
+    """Keys the K and V rings hold at once."""
+    return cfg.tile_n * (cfg.stages_k + cfg.stages_v)
+
+
+def fit_rank(cfg) -> tuple:
+    """Exercise 08.4's order: the most keys in flight, then the larger tile_n (fewer steps for
+    the same keys), then O's own buffer."""
+    return keys_in_flight(cfg), cfg.tile_n, cfg.separate_o
+
+
+def over_q_allowed(head_dim: int, dv: int) -> bool:
+    """O may be written over Q's buffer: its rows fit in Q's rows and share the swizzle atom."""
+    return dv <= head_dim and head_dim % 64 == 0 and dv % 64 == 0
+
+
+def fit_tile_reference(head_dim: int, dv: int):
+    """Reference for exercise 08.4: of the configs of two consumer warpgroups with tile_n from
+    FWD_TILE_NS, two or three K stages and two V stages, the first by fit_rank whose buffers fit
+    227 KB."""
+    from fa4_final.common.constants import SM90_SMEM_BYTES
+    from fa4_final.hopper.config import FWD_TILE_NS, HopperFwdConfig
+
+    best = None
+    for tile_n in FWD_TILE_NS:
+        for stages_k in FIT_STAGES_K:
+            for separate_o in (True, False) if over_q_allowed(head_dim, dv) else (True,):
+                cfg = HopperFwdConfig(tile_n=tile_n, stages_k=stages_k, stages_v=FIT_STAGES_V,
+                                      separate_o=separate_o)
+                fits = smem_bytes_reference(cfg, head_dim, head_dim_v=dv) <= SM90_SMEM_BYTES
+                if fits and (best is None or fit_rank(cfg) > fit_rank(best)):
+                    best = cfg
+    return best
+
+
+def fit_cases() -> list[tuple[int, int]]:
+    """Every (D, dv) of the forward, the large and the unequal ones first."""
+    from fa4_final.common.constants import FWD_HEAD_DIMS
+
+    first = [(256, 256), (128, 256), (192, 128), (192, 192), (256, 192), (128, 128)]
+    return first + [(d, dv) for d in FWD_HEAD_DIMS for dv in FWD_HEAD_DIMS
+                    if (d, dv) not in first]
+
+
+def _fit_mistake(cfg, d: int, dv: int) -> str | None:
+    """What is wrong with ``cfg`` as exercise 08.4's answer at (d, dv), in words; None: right."""
+    from fa4_final.common.constants import SM90_SMEM_BYTES
+    from fa4_final.hopper.config import FWD_TILE_NS, HopperFwdConfig
+
+    where = f"D = {d}, dv = {dv}"
+    if cfg is None:
+        hint = (" O written over Q (separate_o=False) frees tile_m x dv bytes here."
+                if over_q_allowed(d, dv) else "")
+        return (f"{where}: fit_tile returned None: none of the configs you tried fits "
+                f"{SM90_SMEM_BYTES // 1024} KB.{hint}")
+    if not isinstance(cfg, HopperFwdConfig):
+        return (f"{where}: return a HopperFwdConfig (e.g. HopperFwdConfig(tile_n=..., "
+                f"stages_k=..., separate_o=...)), not {type(cfg).__name__}")
+    n = cfg.tile_n
+    if isinstance(n, bool) or not isinstance(n, int) or n % 16:
+        return (f"{where}: tile_n = {n!r} is not a multiple of 16: the P V wgmma takes its keys "
+                f"(its K) 16 at a time")
+    if n not in FWD_TILE_NS:
+        return f"{where}: tile_n = {n}: the kernel takes tile_n from FWD_TILE_NS = {FWD_TILE_NS}"
+    if cfg.num_consumer_wgs != 2:
+        return f"{where}: keep two consumer warpgroups (tile_m = 128), as HopperFwdConfig() has"
+    if cfg.stages_v != FIT_STAGES_V or cfg.stages_k not in FIT_STAGES_K:
+        return (f"{where}: {cfg.stages_k} K and {cfg.stages_v} V stages: keep two V stages and "
+                f"choose two or three K stages")
+    if not cfg.separate_o and dv > d:
+        return (f"{where}: O over Q where dv > D is not allowed: O's tile (tile_m x dv) is "
+                f"larger than Q's buffer (tile_m x D); keep separate_o=True")
+    if not cfg.separate_o and not over_q_allowed(d, dv):
+        return (f"{where}: O over Q needs D and dv multiples of 64 (one 128 B swizzle atom, so "
+                f"O's rows lie in Q's rows); keep separate_o=True")
+    used = cfg.smem_bytes(d, head_dim_v=dv)
+    if used > SM90_SMEM_BYTES:
+        return (f"{where}: {describe_config(cfg)} takes {used / 1024:.0f} KB, over the budget "
+                f"of {SM90_SMEM_BYTES // 1024} KB by {(used - SM90_SMEM_BYTES) / 1024:.0f} KB")
+    best = fit_tile_reference(d, dv)
+    if keys_in_flight(cfg) < keys_in_flight(best):
+        levers = []
+        if best.tile_n != cfg.tile_n:
+            levers.append(f"{best.tile_n} keys a stage")
+        if best.stages_k != cfg.stages_k:
+            levers.append(f"{best.stages_k} K stages")
+        if cfg.separate_o and not best.separate_o:
+            levers.append("O written over Q")
+        return (f"{where}: {describe_config(cfg)}: {keys_in_flight(cfg)} keys in flight, "
+                f"but {keys_in_flight(best)} fit in {SM90_SMEM_BYTES // 1024} KB, with "
+                + " and ".join(levers))
+    if best.tile_n > cfg.tile_n:
+        return (f"{where}: the same {keys_in_flight(cfg)} keys in flight fit with "
+                f"{best.tile_n} keys a stage: at equal keys take the larger tile_n (fewer, "
+                f"larger steps)")
+    if best.separate_o and not cfg.separate_o:
+        return (f"{where}: O's own buffer fits with the same keys in flight: keep it "
+                f"(separate_o=True), so that the next tile's Q load need not wait for this "
+                f"tile's O store")
+    return None
+
+
+def check_fit_tile(fn) -> None:
+    """Exercise 08.4: ``fn(d, dv)`` returns, for every (D, dv) of the forward, a config that is
+    allowed (tile_n, stages, O over Q), fits 227 KB by the kernel's own budget, and comes first
+    by fit_rank among the exercise's configs that fit."""
+    for d, dv in fit_cases():
+        try:
+            cfg = fn(d, dv)
+        except ValueError:  # "nothing fits"
+            cfg = None
+        mistake = _fit_mistake(cfg, d, dv)
+        if mistake:
+            raise AssertionError(mistake)
+
+
+def _fit_forbid() -> dict:
+    from fa4_final.hopper import config
+
+    why = "that is the package's own choice; fit the tile yourself"
+    return {config.hopper_fwd_default: why, config._fit: why}
+
+
+FIT_FORBID = _fit_forbid()
+
+
+def fit_table(fit) -> list[str]:
+    """Lines: per (D, dv) with D >= 128 and D or dv above 128 (FIT_TABLE_PAIRS), the exercise's
+    fit, the package's default (hopper_fwd_default, non-causal) and the FA4 package's tile_n."""
+    from fa4_final.hopper.config import hopper_fwd_default
+
+    def cell(cfg, d, dv):
+        o = "own O" if cfg.separate_o else "O on Q"
+        return (f"{cfg.tile_n:3d} keys {cfg.stages_k}+{cfg.stages_v} {o:6s} "
+                f"{cfg.smem_bytes(d, head_dim_v=dv) / 1024:3.0f} KB")
+
+    lines = [f"{'D':>3s} {'dv':>3s}  {'your fit':26s}  {'package default':26s}  FA4 tile_n"]
+    for d, dv in FIT_TABLE_PAIRS:
+        lines.append(f"{d:3d} {dv:3d}  {cell(fit(d, dv), d, dv):26s}  "
+                     f"{cell(hopper_fwd_default(d, head_dim_v=dv), d, dv):26s}  "
+                     f"{FA4_SM90_TILE_N.get((d, dv), 128):6d}")
+    return lines
+
+
+FEATURES = "features"  # results/h200/features.json (python -m measure.features)
+FA4_TILE_CASES = ("d192", "d256")  # the cases measure.features times with FA4's tile_n too
+
+
+def _feature_rows(res, case: str, s: int, causal: bool, mode: str = "flush") -> dict:
+    return {r["impl"]: r for r in res.rows if r.get("case") == case and r.get("s") == s
+            and bool(r.get("causal")) == causal and r.get("mode") == mode}
+
+
+def fa4_tile_lines(res, mode: str = "flush") -> list[str]:
+    """Per shape of measure.features at D = dv = 192 and 256: the kernel with the FA4
+    package's tile_n (fa4_final_fa4_tile, exercise 08.4's fit there) over the package's default
+    (fa4_final), with the verdict against the rows' spreads."""
+    lines = []
+    shapes = sorted({(r["case"], r["s"], bool(r["causal"])) for r in res.rows
+                     if r.get("case") in FA4_TILE_CASES and r.get("mode") == mode})
+    for case, s, causal in shapes:
+        rows = _feature_rows(res, case, s, causal, mode)
+        tile, default = rows.get("fa4_final_fa4_tile"), rows.get("fa4_final")
+        head = f"{case:5s} S={s:5d} {'causal' if causal else 'dense '}"
+        cmp = bench.compare(tile, default) if tile and default else None
+        if cmp is None:
+            why = next((r.get("error") for r in (tile, default) if r and r.get("error")),
+                       "not timed")
+            lines.append(f"{head}: {why}")
+        else:
+            lines.append(f"{head}: FA4's tile over the default {cmp}")
+    return lines or ["no D = 192 or 256 rows in this file"]
+
+
+def fa4_tile_ratio(res, case: str = "d256", s: int = 16384, causal: bool = False):
+    """The speed of fa4_final_fa4_tile over fa4_final at one shape (L2 flushed); None if either
+    was not timed."""
+    rows = _feature_rows(res, case, s, causal)
+    if "fa4_final_fa4_tile" not in rows or "fa4_final" not in rows:
+        return None
+    cmp = bench.compare(rows["fa4_final_fa4_tile"], rows["fa4_final"])
+    return None if cmp is None else cmp.ratio
+
+
 TILE_LOOP_FORBID = {
     zigzag_tile: "write the zigzag index yourself: it is what balances the causal tiles",
     HopperForward.walk_tiles: "that is the kernel's own loop; write yours",

@@ -50,10 +50,86 @@ def test_smem_checker():
 
     t08.check_smem_bytes(t08.smem_bytes_reference)
     with pytest.raises(AssertionError, match="1 KB"):
-        t08.check_smem_bytes(lambda cfg, d: t08.smem_bytes_reference(cfg, d) - 1024)
+        t08.check_smem_bytes(lambda cfg, d, eb=2, head_dim_v=None:
+                             t08.smem_bytes_reference(cfg, d, eb, head_dim_v) - 1024)
     with pytest.raises(AssertionError, match="smem_bytes"):
-        t08.check_smem_bytes(lambda cfg, d: cfg.smem_bytes(d))
+        t08.check_smem_bytes(lambda cfg, d, eb=2, head_dim_v=None: cfg.smem_bytes(d))
+    with pytest.raises(AssertionError, match="must take head_dim_v"):
+        t08.check_smem_bytes(lambda cfg, d, eb=2: t08.smem_bytes_reference(cfg, d, eb))
     assert HopperFwdConfig().smem_bytes(128) <= 227 * 1024
+
+
+def test_the_budget_reference_is_the_kernels_budget_at_every_head_dim():
+    """smem_bytes_reference leaves out the split tail's count and the tile ring: they sit in
+    the barriers' 1 KB block, so the sums agree for every (D, dv) and every knob it reads."""
+    from itertools import product
+
+    from fa4_final.common.constants import FWD_HEAD_DIMS
+    from fa4_final.hopper.config import FWD_TILE_NS, HopperFwdConfig
+
+    for d, dv, n, k, v, sep in product(FWD_HEAD_DIMS, FWD_HEAD_DIMS, FWD_TILE_NS, (2, 3, 4),
+                                       (2, 3), (True, False)):
+        cfg = HopperFwdConfig(tile_n=n, stages_k=k, stages_v=v, separate_o=sep)
+        assert t08.smem_bytes_reference(cfg, d, head_dim_v=dv) == cfg.smem_bytes(
+            d, head_dim_v=dv), (cfg, d, dv)
+
+
+def test_each_budget_slip_is_named_alone_by_some_case():
+    """Every slip of BUDGET_SLIPS changes some case's budget and is then the only answer the
+    checker's search finds there: its words can reach the learner."""
+    for slip in t08.BUDGET_SLIPS:
+        named = [t08.budget_slips(cfg, d, dv, t08._budget(cfg, d, dv, slips=(slip,)))
+                 for cfg, d, dv in t08._smem_cases() if slip in t08.active_slips(cfg, d, dv)]
+        assert [(slip,)] in named, slip
+
+
+def test_the_fit_reference_fits_and_what_the_chapter_says_of_its_table():
+    from fa4_final.common.constants import SM90_SMEM_BYTES
+    from fa4_final.hopper.config import hopper_fwd_default
+
+    t08.check_fit_tile(t08.fit_tile_reference)
+    for d, dv in t08.fit_cases():
+        cfg = t08.fit_tile_reference(d, dv)
+        cfg.check(d, dv)
+        assert cfg.smem_bytes(d, head_dim_v=dv) <= SM90_SMEM_BYTES
+    # section 2 below the table: the fit takes FA4's tile_n at D = dv = 192 and 256 and at
+    # D = 192, dv = 128; the package's defaults take 128 or 64 keys
+    for d, dv in ((192, 192), (256, 256), (192, 128)):
+        assert t08.fit_tile_reference(d, dv).tile_n == t08.FA4_SM90_TILE_N.get((d, dv), 128)
+    assert {hopper_fwd_default(d, head_dim_v=dv).tile_n
+            for d, dv in t08.FIT_TABLE_PAIRS} == {64, 128}
+    assert len(t08.fit_table(t08.fit_tile_reference)) == 1 + len(t08.FIT_TABLE_PAIRS)
+
+
+def test_the_timed_fa4_tile_is_the_exercises_fit():
+    """Section 2 calls measure.features' fa4_final_fa4_tile row the learner's fit at D = dv =
+    192 and 256: the same tile_n, stages and O placement."""
+    from measure import features
+
+    for case in t08.FA4_TILE_CASES:
+        for causal in (False, True):
+            shape = features.FeatureShape(case, 1, 4096, 16, causal)
+            timed, fit = features.fa4_tile_config(shape), t08.fit_tile_reference(*shape.dims)
+            assert (timed.tile_n, timed.stages_k, timed.stages_v, timed.separate_o) == (
+                fit.tile_n, fit.stages_k, fit.stages_v, fit.separate_o), (case, causal)
+
+
+def test_the_fa4_tile_reading_reads_rows_and_says_what_is_missing():
+    from types import SimpleNamespace
+
+    def row(impl, case, ms, **kw):
+        return dict(impl=impl, case=case, s=16384, causal=False, mode="flush", ms=ms,
+                    spread=0.01, ms_rounds=[ms] * 3, **kw)
+
+    res = SimpleNamespace(rows=[row("fa4_final", "d256", 1.0),
+                                row("fa4_final_fa4_tile", "d256", 0.9),
+                                row("fa4_final", "d192", 1.0),
+                                row("fa4_final_fa4_tile", "d192", None, error="no build")])
+    lines = t08.fa4_tile_lines(res)
+    assert any("d256" in x and "faster" in x for x in lines)
+    assert any("d192" in x and "no build" in x for x in lines)
+    assert t08.fa4_tile_ratio(res) == pytest.approx(1.0 / 0.9)
+    assert t08.fa4_tile_ratio(res, case="d192") is None
 
 
 @pytest.mark.slow

@@ -1,12 +1,13 @@
 """Chapter 08's typical wrong answers: the ping-pong turn (08.1), the persistent tile loop
-(08.2), the shared-memory budget (08.3). Most device-code ones are the reference with one change
-(``mutant``)."""
+(08.2), the shared-memory budget (08.3), a tile for a large head dim (08.4). Most are the
+reference with one change (``mutant``)."""
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
 from fa4_final.common.schedule import zigzag_tile
+from fa4_final.hopper.config import hopper_fwd_default
 from solutions import ch08_teaching as t08
 from tests.exercise_mutations import mutant, planted
 
@@ -85,28 +86,50 @@ def tiles_by_the_helper(num_tiles: Int32, cta: Int32, grid: Int32, state_q, stat
             state_q, state_k, state_v = visit(tile, r, last, state_q, state_k, state_v)
 
 
-def _smem_no_barriers(cfg, head_dim, elem_bytes=2):
-    def align(n):
-        return -(-n // 1024) * 1024
+SMEM, FIT = t08.smem_bytes_reference, t08.fit_tile_reference
 
-    q = cfg.tile_m * head_dim * elem_bytes
-    kv = cfg.tile_n * head_dim * elem_bytes
-    return (align(q) + align(cfg.stages_k * kv) + align(cfg.stages_v * kv)
-            + align(q))
+smem_no_barriers = mutant(  # the mbarriers' block left out
+    SMEM, "align(barriers) + ", "")
 
+smem_no_o = mutant(  # O's own buffer forgotten
+    SMEM, " + align(o)", "")
 
-def _smem_no_o(cfg, head_dim, elem_bytes=2):
-    def align(n):
-        return -(-n // 1024) * 1024
+smem_v_at_d = mutant(  # V's tiles as wide as K's
+    SMEM, "v = cfg.tile_n * dv * elem_bytes", "v = cfg.tile_n * head_dim * elem_bytes")
 
-    barriers = 8 * 2 * (1 + cfg.stages_k + cfg.stages_v)
-    q = cfg.tile_m * head_dim * elem_bytes
-    kv = cfg.tile_n * head_dim * elem_bytes
-    return align(barriers) + align(q) + align(cfg.stages_k * kv) + align(cfg.stages_v * kv)
+smem_o_always = mutant(  # O counted though it is written over Q
+    SMEM, "if cfg.separate_o else 0", "")
+
+smem_tile_n_128 = mutant(  # "a stage is always 128 keys"
+    SMEM, "cfg.tile_n * ", "128 * ", 2)
 
 
-def _smem_by_the_config(cfg, head_dim, elem_bytes=2):
-    return cfg.smem_bytes(head_dim, elem_bytes)
+def _smem_by_the_config(cfg, head_dim, elem_bytes=2, head_dim_v=None):
+    return cfg.smem_bytes(head_dim, elem_bytes, head_dim_v)
+
+
+OVER_Q = "(True, False) if over_q_allowed(head_dim, dv) else (True,)"
+BETTER = "fit_rank(cfg) > fit_rank(best)"
+
+fit_never_over_q = mutant(FIT, OVER_Q, "(True,)")  # O always keeps its own buffer
+
+fit_over_q_anywhere = mutant(FIT, OVER_Q, "(True, False)")  # O over Q where dv > D
+
+fit_over_q_first = mutant(  # at equal keys, O over Q preferred
+    FIT, BETTER, "(keys_in_flight(cfg), cfg.tile_n, not cfg.separate_o) > "
+                 "(keys_in_flight(best), best.tile_n, not best.separate_o)")
+
+fit_smaller_tile_first = mutant(  # at equal keys, the smaller tile preferred
+    FIT, BETTER, "(keys_in_flight(cfg), -cfg.tile_n, cfg.separate_o) > "
+                 "(keys_in_flight(best), -best.tile_n, best.separate_o)")
+
+fit_only_128_and_64 = mutant(FIT, "in FWD_TILE_NS:", "in (128, 64):")  # the defaults' tiles
+
+fit_tile_n_72 = mutant(FIT, "in FWD_TILE_NS:", "in (128, 72):")  # not a multiple of 16
+
+
+def fit_by_the_package(d, dv):
+    return hopper_fwd_default(d, head_dim_v=dv)
 
 
 MUTATIONS = [
@@ -124,10 +147,21 @@ MUTATIONS = [
         (tiles_states_not_carried, "rebind them in the loop body"),
         (tiles_by_the_helper, "zigzag_tile"),
     ]),
-    *planted("08.3", t08.check_smem_bytes, t08.smem_bytes_reference, t08.SMEM_FORBID, rows=[
-        (_smem_no_barriers, "1 KB"),
-        (_smem_no_o, "O's own buffer"),
+    *planted("08.3", t08.check_smem_bytes, SMEM, t08.SMEM_FORBID, rows=[
+        (smem_no_barriers, "1 KB"),
+        (smem_no_o, "O's own buffer left out"),
+        (smem_v_at_d, "V's tiles counted at D instead of dv"),
+        (smem_o_always, "O counted though it lies over Q"),
+        (smem_tile_n_128, "tile_n taken as 128"),
         (_smem_by_the_config, "smem_bytes"),
     ]),
+    *planted("08.4", t08.check_fit_tile, FIT, t08.FIT_FORBID, rows=[
+        (fit_never_over_q, "O written over Q"),
+        (fit_over_q_anywhere, "dv > D is not allowed"),
+        (fit_over_q_first, "O's own buffer fits with the same keys"),
+        (fit_smaller_tile_first, "take the larger tile_n"),
+        (fit_only_128_and_64, "80 keys a stage"),
+        (fit_tile_n_72, "not a multiple of 16"),
+        (fit_by_the_package, "the package's own choice"),
+    ]),
 ]
-
