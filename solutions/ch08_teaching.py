@@ -581,17 +581,17 @@ class _Budgeted:
 
 
 # the usual slips of a budget, each a flag of _budget, and what it is in words
-BUDGET_SLIPS = {
+_BUDGET_SLIPS = {
     "v_at_d": "V's tiles counted at D instead of dv (a V tile is tile_n x dv)",
     "o_at_d": "O counted at D instead of dv (O is tile_m x dv)",
     "o_over_q_counted": "O counted though it lies over Q (separate_o=False: O has no bytes of "
                         "its own)",
     "o_left_out": "O's own buffer left out (separate_o=True: tile_m x dv bytes of its own)",
-    "tile_n_128": "tile_n taken as 128 (read cfg.tile_n: this config has {tile_n} keys per "
-                  "stage)",
+    "tile_n_128": "tile_n taken as 128 (read cfg.tile_n: this config has fewer keys a stage)",
     "no_align": "the buffers not rounded up to 1 KB each (the 128 B swizzle repeats every 1 KB)",
     "no_barriers": "the barriers' own 1 KB block left out",
 }
+BUDGET_SLIPS = _BUDGET_SLIPS
 
 
 def _budget(cfg, head_dim: int, dv: int, elem_bytes: int = 2, slips=()) -> int:
@@ -679,7 +679,7 @@ def check_smem_bytes(fn) -> None:
         found = budget_slips(cfg, d, dv, got, cleared)
         if found:
             reads = " or with ".join(
-                " and ".join(BUDGET_SLIPS[s].format(tile_n=cfg.tile_n) for s in slips)
+                " and ".join(_BUDGET_SLIPS[s] for s in slips)
                 for slips in found)
             raise AssertionError(f"{where}: your number is the budget with {reads}")
         raise AssertionError(
