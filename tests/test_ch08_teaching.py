@@ -99,6 +99,10 @@ def test_the_fit_reference_fits_and_what_the_chapter_says_of_its_table():
     assert {hopper_fwd_default(d, head_dim_v=dv).tile_n
             for d, dv in t08.FIT_TABLE_PAIRS} == {64, 128}
     assert len(t08.fit_table(t08.fit_tile_reference)) == 1 + len(t08.FIT_TABLE_PAIRS)
+    # prediction 08.p4's question names the two tiles at D = dv = 256
+    fit, default = t08.fit_tile_reference(256, 256), hopper_fwd_default(256, head_dim_v=256)
+    assert (fit.tile_n, fit.stages_k, fit.stages_v) == (80, 2, 2)
+    assert (default.tile_n, default.stages_k, default.stages_v) == (64, 3, 2)
 
 
 def test_the_timed_fa4_tile_is_the_exercises_fit():
