@@ -127,6 +127,9 @@ fit_only_128_and_64 = mutant(FIT, "in FWD_TILE_NS:", "in (128, 64):")  # the def
 
 fit_tile_n_72 = mutant(FIT, "in FWD_TILE_NS:", "in (128, 72):")  # not a multiple of 16
 
+fit_whole_sm = mutant(  # the SM's 256 KB taken for the CTA's 227
+    FIT, "<= SM90_SMEM_BYTES", "<= 256 * 1024")
+
 
 def fit_by_the_package(d, dv):
     return hopper_fwd_default(d, head_dim_v=dv)
@@ -162,6 +165,7 @@ MUTATIONS = [
         (fit_smaller_tile_first, "take the larger tile_n"),
         (fit_only_128_and_64, "80 keys a stage"),
         (fit_tile_n_72, "not a multiple of 16"),
+        (fit_whole_sm, "over the budget of 227 KB"),
         (fit_by_the_package, "the package's own choice"),
     ]),
 ]
