@@ -49,38 +49,48 @@ def attention_masked(q, k, v, causal=False, window=(None, None), softmax_scale=N
     return (p.to(dtype) @ vf).transpose(1, 2), lse
 
 
-def _probs(q, k, scale, causal, left, right, lse=None):
-    """(b, h, sq, sk) float32 P and lse (b, h, sq) from q (b, sq, h, d), k (b, sk, hk, d)."""
+def _probs(q, k, scale, causal, left, right, lse=None, softcap=0.0, sink=None):
+    """(b, h, sq, sk) float32 P and lse (b, h, sq) from q (b, sq, h, d), k (b, sk, hk, d);
+    FA4's softcap (scores softcap * tanh(s / softcap)) and learnable sink (an extra logit per
+    head in the denominator) as in Note [Softcap] and Note [Learnable sink]."""
     h, hk = q.shape[2], k.shape[2]
     qf = q.float().transpose(1, 2)
     kf = k.float().transpose(1, 2).repeat_interleave(h // hk, dim=1)
     s = (qf @ kf.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~visible(q.shape[1], k.shape[1], causal, left, right), -math.inf)
     if lse is None:
-        lse = torch.logsumexp(s, dim=-1)
+        cols = s
+        if sink is not None:
+            column = sink.float().view(1, h, 1, 1).expand(*s.shape[:3], 1)
+            cols = torch.cat([s, column], dim=-1)
+        lse = torch.logsumexp(cols, dim=-1)
     finite = torch.isfinite(lse)[..., None]
     p = torch.where(finite, torch.exp(s - torch.where(finite, lse[..., None], 0.0)), 0.0)
     return p, lse
 
 
-def dense_forward(q, k, v, scale, causal, left, right):
+def dense_forward(q, k, v, scale, causal, left, right, softcap=0.0, sink=None):
     h, hk = q.shape[2], k.shape[2]
     b, sq = q.shape[:2]
     if min(q.shape[0], sq, h) == 0 or k.shape[1] == 0:
-        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
-                torch.full((b, h, sq), -math.inf, dtype=torch.float32, device=q.device))
-    p, lse = _probs(q, k, scale, causal, left, right)
+        lse = torch.full((b, h, sq), -math.inf, dtype=torch.float32, device=q.device)
+        if sink is not None:
+            lse = sink.float().view(1, h, 1).expand(b, h, sq).contiguous()
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse
+    p, lse = _probs(q, k, scale, causal, left, right, softcap=softcap, sink=sink)
     vf = v.float().transpose(1, 2).repeat_interleave(h // hk, dim=1)
     out = (p @ vf).transpose(1, 2).to(q.dtype).contiguous()
     return out, lse.float().contiguous()
 
 
-def dense_backward(dout, q, k, v, out, lse, scale, causal, left, right):
+def dense_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap=0.0):
     h, hk = q.shape[2], k.shape[2]
     g = h // hk
     if min(q.shape[0], q.shape[1], h, k.shape[1]) == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    p, _ = _probs(q, k, scale, causal, left, right, lse=lse.float())
+    p, _ = _probs(q, k, scale, causal, left, right, lse=lse.float(), softcap=softcap)
     qf = q.float().transpose(1, 2)
     kf = k.float().transpose(1, 2).repeat_interleave(g, dim=1)
     vf = v.float().transpose(1, 2).repeat_interleave(g, dim=1)
@@ -89,6 +99,8 @@ def dense_backward(dout, q, k, v, out, lse, scale, causal, left, right):
     dp = do @ vf.transpose(-1, -2)
     delta = (do * o).sum(-1, keepdim=True)
     ds = p * (dp - delta)
+    if softcap:  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
+        ds = ds * (1 - torch.tanh((qf @ kf.transpose(-1, -2)) * scale / softcap) ** 2)
     dq = (ds @ kf) * scale
     dk = (ds.transpose(-1, -2) @ qf) * scale
     dv = p.transpose(-1, -2) @ do
@@ -107,21 +119,24 @@ def _spans(cu_q, cu_k, seqused_k):
     return [(cq[i], cq[i + 1], ck[i], ck[i] + used[i]) for i in range(len(cq) - 1)]
 
 
-def varlen_forward(q, k, v, cu_q, cu_k, seqused_k, scale, causal, left, right):
+def varlen_forward(q, k, v, cu_q, cu_k, seqused_k, scale, causal, left, right, softcap=0.0,
+                   sink=None):
     out = torch.zeros(q.shape, dtype=q.dtype)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
     for q0, q1, k0, k1 in _spans(cu_q, cu_k, seqused_k):
         o, l = dense_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal,
-                             left, right)
+                             left, right, softcap, sink)
         out[q0:q1], lse[:, q0:q1] = o[0], l[0]
     return out, lse
 
 
-def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, scale, causal, left, right):
+def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, scale, causal, left, right,
+                    softcap=0.0):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for q0, q1, k0, k1 in _spans(cu_q, cu_k, seqused_k):
         g = dense_backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
-                           out[None, q0:q1], lse[None, :, q0:q1], scale, causal, left, right)
+                           out[None, q0:q1], lse[None, :, q0:q1], scale, causal, left, right,
+                           softcap)
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
 
@@ -137,22 +152,24 @@ def _gate(reference, package):
     return impl
 
 
-def _cpu_fwd(q, k, v, scale, causal, wl, wr, deterministic, return_lse):
-    return dense_forward(q, k, v, scale, causal, wl, wr)
+def _cpu_fwd(q, k, v, scale, causal, wl, wr, deterministic, return_lse, softcap=0.0,
+             sink=None):
+    return dense_forward(q, k, v, scale, causal, wl, wr, softcap, sink)
 
 
-def _cpu_bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, deterministic):
-    return dense_backward(dout, q, k, v, out, lse, scale, causal, wl, wr)
+def _cpu_bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, deterministic, softcap=0.0):
+    return dense_backward(dout, q, k, v, out, lse, scale, causal, wl, wr, softcap)
 
 
 def _cpu_varlen_fwd(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal, wl, wr,
-                    deterministic, return_lse):
-    return varlen_forward(q, k, v, cu_q, cu_k, seqused_k, scale, causal, wl, wr)
+                    deterministic, return_lse, softcap=0.0, sink=None):
+    return varlen_forward(q, k, v, cu_q, cu_k, seqused_k, scale, causal, wl, wr, softcap, sink)
 
 
 def _cpu_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal,
-                    wl, wr, deterministic):
-    return varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, scale, causal, wl, wr)
+                    wl, wr, deterministic, softcap=0.0):
+    return varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, scale, causal, wl, wr,
+                           softcap)
 
 
 def register() -> None:

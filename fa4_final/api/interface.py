@@ -8,9 +8,19 @@ False), so the missing gradient shows. With ``return_lse=True`` the gradient flo
 Arguments after q, k, v are keyword-only, for varlen too: FA4 has qv in the fourth place and FA2
 dropout_p (or cu_seqlens_q for varlen), so a positional call from either would mean something
 else here; it is refused with a TypeError that says so.
-FA4 keywords for features this package lacks are accepted at their neutral value (softcap=0.0,
-qv=None, ...) and refused with UnsupportedError otherwise; ``num_splits`` and ``pack_gqa`` only
-tune FA4's speed and are ignored.
+FA4 keywords for features this package lacks are accepted at their neutral value (qv=None,
+score_mod=None, ...) and refused with UnsupportedError otherwise; ``num_splits`` and
+``pack_gqa`` only tune FA4's speed and are ignored.
+
+Supported: softmax_scale, causal, window_size, deterministic, return_lse, GQA/MQA, varlen with
+seqused_k. Wired but pending (Note [Pending features] in fa4_final.runtime.pending): FA4's
+``softcap`` (a float; 0.0 or None: no cap; > 0: scores become softcap * tanh(scale * q.k /
+softcap)) and ``learnable_sink`` ((heads,) float32, bfloat16 or float16 on q's device: one
+extra logit per query head in every row's softmax denominator, differentiable). Both are
+checked (a negative softcap, a sink of the wrong shape, dtype or device is refused by name),
+then refused with UnsupportedError until their kernels have passed their GPU tests, unless
+FA4_FINAL_PENDING lists them. With a sink the returned lse includes it, and a row that sees no
+key gets out = 0 and lse = the sink, as FA4.
 
 Layout (FlashAttention's): q (batch, seqlen_q, heads, dim), k and v (batch, seqlen_k, heads_kv,
 dim) with heads % heads_kv == 0 (GQA/MQA); out like q; lse float32 (batch, heads, seqlen_q), the
@@ -35,9 +45,14 @@ from fa4_final.common.errors import UnsupportedError
 from fa4_final.runtime.checks import check_flag, check_inputs, check_varlen_inputs
 from fa4_final.runtime.compile import artifacts
 from fa4_final.runtime.dispatch import backend_for_target
+from fa4_final.runtime.pending import check_features
 from fa4_final.runtime.prologue import forward, prepare
 
-# FA4 keywords of features fa4_final does not have, with the value that means "not used".
+# FA4 keywords of features fa4_final does not run, with the value that means "not used": any
+# other value is refused. softcap and learnable_sink are here as pending features (refused
+# unless FA4_FINAL_PENDING lists them, Note [Pending features]); the public functions and
+# api.sdpa take them as their own keywords and gate them, so they never reach
+# _refuse_fa4_options.
 _FA4_NEUTRAL = {
     "qv": None, "gather_kv_indices": None, "learnable_sink": None, "softcap": 0.0,
     "score_mod": None, "score_mod_bwd": None, "mask_mod": None, "aux_tensors": None,
@@ -64,7 +79,7 @@ def _refuse_fa4_options(func: str, options: dict, neutral: dict) -> None:
             raise UnsupportedError(
                 f"{func}: fa4_final does not implement FA4's {name} (got {value!r}); it supports "
                 f"softmax_scale, causal, window_size, deterministic, return_lse, GQA/MQA and "
-                f"varlen with seqused_k")
+                f"varlen with seqused_k (softcap and learnable_sink: pending their GPU tests)")
 
 
 def _returned_lse(lse, return_lse: bool, inputs):
@@ -85,9 +100,20 @@ def _refuse_positional(func: str, extra: tuple) -> None:
             f"causal=True")
 
 
+def _feature_args(softcap: float, learnable_sink) -> tuple:
+    """The ops' trailing feature arguments, only when set (a default call is unchanged)."""
+    if learnable_sink is not None:
+        return softcap, learnable_sink
+    return (softcap,) if softcap else ()
+
+
+def _grad_inputs(q, k, v, learnable_sink) -> tuple:
+    return (q, k, v) if learnable_sink is None else (q, k, v, learnable_sink)
+
+
 def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
-                    window_size=(None, None), deterministic=False, return_lse=False,
-                    **fa4_options):
+                    window_size=(None, None), learnable_sink=None, softcap=None,
+                    deterministic=False, return_lse=False, **fa4_options):
     """Attention of q (batch, seqlen_q, heads, dim) over k, v (batch, seqlen_k, heads_kv, dim).
 
     Returns ``(out, lse)``: out like q; lse (batch, heads, seqlen_q) float32 when
@@ -96,42 +122,56 @@ def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
     right: None is an unbounded side, a negative side a bound like any other, and only both
     sides negative mean no window (FA4's reading, runtime.checks.normalise_window);
     ``causal=True`` sets the right side to 0. ``deterministic`` asks the backward for a fixed
-    accumulation order. Differentiable in q, k, v; traceable by torch.compile(fullgraph=True).
+    accumulation order. ``softcap`` and ``learnable_sink``: FA4's, pending (the module's
+    docstring; refused unless FA4_FINAL_PENDING lists them); softcap's default is None, which
+    means what FA4's default 0.0 means (no cap), so that torch.compile(dynamic=True) does not
+    make a float default a symbolic input and specialise it. Differentiable in q, k, v and the
+    sink; traceable by torch.compile(fullgraph=True).
     """
     _refuse_positional("flash_attn_func", extra)
     if fa4_options:
         _refuse_fa4_options("flash_attn_func", fa4_options, _FA4_NEUTRAL)
-    d = check_inputs(q, k, v, softmax_scale, check_address=False)[-1]
+    cap = check_features("flash_attn_func", softcap, None, 0, None)  # a scalar: first
+    b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale, check_address=False)
+    check_features("flash_attn_func", None, learnable_sink, h, q.device)
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
-    fwd = ops.fwd_eager if ops.eager(q, k, v) else ops.fwd  # Note [The eager path], api.ops
+    plain = learnable_sink is None or type(learnable_sink) is torch.Tensor
+    fwd = ops.fwd_eager if plain and ops.eager(q, k, v) else ops.fwd  # Note [The eager path]
     out, lse = fwd(q, k, v, p.scale, p.causal, p.left, p.right,
-                   check_flag("deterministic", deterministic), check_flag("return_lse", return_lse))
-    return out, _returned_lse(lse, return_lse, (q, k, v))
+                   check_flag("deterministic", deterministic), check_flag("return_lse", return_lse),
+                   *_feature_args(cap, learnable_sink))
+    return out, _returned_lse(lse, return_lse, _grad_inputs(q, k, v, learnable_sink))
 
 
 def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None,
                            max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
                            softmax_scale=None, causal=False, window_size=(None, None),
-                           deterministic=False, return_lse=False, **fa4_options):
+                           learnable_sink=None, softcap=None, deterministic=False,
+                           return_lse=False, **fa4_options):
     """Attention over sequences packed along the first dim (see runtime.varlen).
 
     q (total_q, heads, dim), k and v (total_k, heads_kv, dim); cu_seqlens_q and cu_seqlens_k:
     int32 (batch + 1,) offsets from 0 to the totals; seqused_k: int32 (batch,), the k rows used
     per sequence; max_seqlen_q/k: upper bounds of the lengths (checked; None: not given).
+    ``softcap``, ``learnable_sink``: as in flash_attn_func (pending).
     Returns ``(out, lse)``: out like q, lse (heads, total_q) float32 or None as in
     flash_attn_func.
     """
     _refuse_positional("flash_attn_varlen_func", extra)
     _refuse_fa4_options("flash_attn_varlen_func", fa4_options, _FA4_VARLEN_NEUTRAL)
-    d = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                            max_seqlen_k, softmax_scale, check_address=False)[-1]
+    cap = check_features("flash_attn_varlen_func", softcap, None, 0, None)  # a scalar: first
+    batch, total_q, total_k, h, hk, d = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, check_address=False)
+    check_features("flash_attn_varlen_func", None, learnable_sink, h, q.device)
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
     out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                               -1 if max_seqlen_q is None else max_seqlen_q,
                               -1 if max_seqlen_k is None else max_seqlen_k, p.scale, p.causal,
                               p.left, p.right, check_flag("deterministic", deterministic),
-                              check_flag("return_lse", return_lse))
-    return out, _returned_lse(lse, return_lse, (q, k, v))
+                              check_flag("return_lse", return_lse),
+                              *_feature_args(cap, learnable_sink))
+    return out, _returned_lse(lse, return_lse, _grad_inputs(q, k, v, learnable_sink))
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, config=None, target=None):

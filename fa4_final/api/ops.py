@@ -12,6 +12,13 @@ returns (all outputs freshly allocated and contiguous, in the real implementatio
 forward ops carry ``deterministic`` and ``return_lse`` only for their autograd formula
 (``register_autograd``), which calls the backward op.
 
+FA4's softcap (float, 0.0: none) and learnable_sink ((heads,) or None) are the forward ops' last
+two arguments (defaults: off), the backward ops' softcap the last; the public functions check
+them and pass the gate of pending features before calling (Note [Pending features] in
+fa4_final.runtime.pending). The forward's autograd returns the sink's gradient from
+common.backward.sink_gradient when the sink requires grad (Note [Learnable sink]); a softcap
+build's backward kernel applies the cap's derivative itself (Note [Softcap]).
+
 Window sides arrive normalised (runtime.checks.normalise_window: None for an unbounded side, any
 int, negative ones included, a bound); the public functions (api.interface) resolve them, causal
 and the default scale before calling (the runtime's prologue, runtime.prologue.prepare).
@@ -42,10 +49,13 @@ backward, goes through the ops.
 import torch
 from torch import Tensor
 
+from fa4_final.common.backward import sink_gradient
 from fa4_final.runtime import prologue
 from fa4_final.runtime.checks import (
     check_addresses,
     check_inputs,
+    check_learnable_sink,
+    check_softcap,
     check_tma_operand,
     check_varlen_inputs,
 )
@@ -64,30 +74,40 @@ def _side(n: int):
 
 def fwd_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
              window_left: int | None, window_right: int | None, deterministic: bool,
-             return_lse: bool) -> tuple[Tensor, Tensor]:
+             return_lse: bool, softcap: float = 0.0,
+             learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     b, sq, h, _ = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
-    forward_into(q, k, v, out, lse, causal, softmax_scale, (window_left, window_right))
+    forward_into(q, k, v, out, lse, causal, softmax_scale, (window_left, window_right),
+                 softcap=softcap, learnable_sink=learnable_sink)
     return out, lse
 
 
 fwd = torch.library.custom_op("fa4_final::fwd", fwd_impl, mutates_args=())
 
 
+def _check_features_meta(softcap, learnable_sink, heads, device) -> None:
+    """The features' metadata checks on fake tensors (the gate ran in the public function)."""
+    check_softcap(softcap)
+    check_learnable_sink(learnable_sink, heads, device)
+
+
 @fwd.register_fake
-def _(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, return_lse):
+def _(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, return_lse,
+      softcap=0.0, learnable_sink=None):
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale, check_address=False)
+    _check_features_meta(softcap, learnable_sink, h, q.device)
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              softmax_scale: float, causal: bool, window_left: int | None,
-             window_right: int | None,
-             deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+             window_right: int | None, deterministic: bool,
+             softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal, softmax_scale,
-                  (window_left, window_right), deterministic)
+                  (window_left, window_right), deterministic, softcap=softcap)
     return dq, dk, dv
 
 
@@ -95,7 +115,8 @@ bwd = torch.library.custom_op("fa4_final::bwd", bwd_impl, mutates_args=())
 
 
 @bwd.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, deterministic):
+def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, deterministic,
+      softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -116,19 +137,30 @@ def _lse_probe(dlse_rows: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _setup_fwd(ctx, inputs, output):
-    q, k, v, scale, causal, wl, wr, deterministic, return_lse = inputs
+    q, k, v, scale, causal, wl, wr, deterministic, return_lse, *features = inputs
+    softcap, sink = (features + [0.0, None])[:2]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = (scale, causal, wl, wr, deterministic)
+    ctx.save_for_backward(q, k, v, out, lse, sink)
+    ctx.options = (scale, causal, wl, wr, deterministic) + ((softcap,) if softcap else ())
     ctx.return_lse = return_lse
     # An output the loss does not use arrives as None, not as a tensor of zeros: a zero dlse
     # would cost the second backward of Note [Gradient of the returned lse] for nothing.
     ctx.set_materialize_grads(False)
 
 
-def _backward_fwd(ctx, dout, dlse, bwd_op=None):
+SINK_INPUT = 10  # learnable_sink's place among fwd's inputs
+
+
+def _sink_grad(ctx, sink, lse, out, dout, dlse, sink_input: int = SINK_INPUT):
+    """d learnable_sink when the sink needs one (Note [Learnable sink]), else None."""
+    if sink is None or not ctx.needs_input_grad[sink_input]:
+        return None
+    return sink_gradient(sink, lse, out, dout, dlse if ctx.return_lse else None)
+
+
+def _backward_fwd(ctx, dout, dlse, bwd_op=None, sink_input: int = SINK_INPUT):
     bwd_op = bwd if bwd_op is None else bwd_op  # the op, or _eager_bwd (Note [The eager path])
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, sink = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     dq, dk, dv = bwd_op(dout, q, k, v, out, lse, *ctx.options)
     if ctx.return_lse and dlse is not None:
@@ -136,7 +168,8 @@ def _backward_fwd(ctx, dout, dlse, bwd_op=None):
         dq_lse, dk_lse, _ = bwd_op(probe_dout, q, k, torch.zeros_like(v), probe_out, lse,
                                    *ctx.options)
         dq, dk = dq + dq_lse, dk + dk_lse
-    return dq, dk, dv, None, None, None, None, None, None
+    dsink = _sink_grad(ctx, sink, lse, out, dout, dlse, sink_input)
+    return dq, dk, dv, None, None, None, None, None, None, None, dsink
 
 
 fwd.register_autograd(_backward_fwd, setup_context=_setup_fwd)
@@ -166,33 +199,39 @@ def eager(q, k, v) -> bool:
 
 def fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
               window_left: int | None, window_right: int | None, deterministic: bool,
-              return_lse: bool) -> tuple[Tensor, Tensor]:
+              return_lse: bool, softcap: float = 0.0,
+              learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``fwd(...)`` for a call that ``eager`` admits, on inputs checked by check_inputs with
-    ``check_address=False`` and resolved by the public function (flash_attn_func)."""
+    ``check_address=False`` and resolved by the public function (flash_attn_func), which also
+    checked and gated softcap and learnable_sink."""
     check_addresses(("q", q), ("k", k), ("v", v))  # what fwd_impl's forward_into adds
-    options = (softmax_scale, causal, window_left, window_right, deterministic, return_lse)
+    options = (softmax_scale, causal, window_left, window_right, deterministic, return_lse,
+               softcap)
     if torch.autograd._profiler_enabled():  # a trace shows the call as it shows the op
         with torch.profiler.record_function("fa4_final::fwd"):
-            return _eager_call(q, k, v, options)
-    return _eager_call(q, k, v, options)
+            return _eager_call(q, k, v, learnable_sink, options)
+    return _eager_call(q, k, v, learnable_sink, options)
 
 
-def _eager_call(q, k, v, options):
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, options)
-    return _eager_fwd(q, k, v, *options[:4])
+def _eager_call(q, k, v, sink, options):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sink is not None and sink.requires_grad)):
+        return _EagerAttention.apply(q, k, v, sink, options)
+    return _eager_fwd(q, k, v, *options[:4], options[6], sink)
 
 
-def _eager_fwd(q, k, v, softmax_scale, causal, window_left, window_right):
+def _eager_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap=0.0,
+               learnable_sink=None):
     b, sq, h, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # as q.new_empty(q.shape)
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
     return prologue.forward_prepared(prologue.cached_backend(q.device), q, k, v, out, lse,
-                                     causal, softmax_scale, window_left, window_right)
+                                     causal, softmax_scale, window_left, window_right,
+                                     softcap=softcap, learnable_sink=learnable_sink)
 
 
 def _eager_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-               deterministic):
+               deterministic, softcap=0.0):
     """``bwd(...)`` on the forward's checked tensors; autograd gives dout out's shape, dtype
     and device, so what bwd_impl's checks add is dout's TMA rule (after .contiguous())."""
     check_tma_operand("dout", dout)
@@ -202,17 +241,17 @@ def _eager_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, wind
             softmax_scale, window_left, window_right, deterministic)
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function("fa4_final::bwd"):
-            return prologue.backward_prepared(*args)
-    return prologue.backward_prepared(*args)
+            return prologue.backward_prepared(*args, softcap=softcap)
+    return prologue.backward_prepared(*args, softcap=softcap)
 
 
 class _EagerAttention(torch.autograd.Function):
     """fwd's registered autograd (_setup_fwd, _backward_fwd) without the op."""
 
     @staticmethod
-    def forward(ctx, q, k, v, options):  # options: fwd's arguments after v, in one tuple
-        out, lse = _eager_fwd(q, k, v, *options[:4])
-        _setup_fwd(ctx, (q, k, v, *options), (out, lse))
+    def forward(ctx, q, k, v, sink, options):  # options: fwd's arguments after v but the sink
+        out, lse = _eager_fwd(q, k, v, *options[:4], options[6], sink)
+        _setup_fwd(ctx, (q, k, v, *options, sink), (out, lse))
         return out, lse
 
     @staticmethod
@@ -220,8 +259,8 @@ class _EagerAttention(torch.autograd.Function):
         # the op where something watches the backward, and for create_graph=True (the op's
         # missing double backward says so)
         direct = not torch.is_grad_enabled() and _unobserved()
-        grads = _backward_fwd(ctx, dout, dlse, _eager_bwd if direct else bwd)
-        return (*grads[:3], None)
+        grads = _backward_fwd(ctx, dout, dlse, _eager_bwd if direct else bwd, sink_input=3)
+        return (*grads[:3], grads[10], None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,14 +270,16 @@ class _EagerAttention(torch.autograd.Function):
 def varlen_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                     cu_seqlens_k: Tensor, seqused_k: Tensor | None, max_seqlen_q: int,
                     max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int | None,
-                    window_right: int | None, deterministic: bool,
-                    return_lse: bool) -> tuple[Tensor, Tensor]:
+                    window_right: int | None, deterministic: bool, return_lse: bool,
+                    softcap: float = 0.0,
+                    learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     total_q, h, _ = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((h, total_q), dtype=torch.float32)
     varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, _side(max_seqlen_q),
                         _side(max_seqlen_k), out, lse, causal, softmax_scale,
-                        (window_left, window_right))
+                        (window_left, window_right), softcap=softcap,
+                        learnable_sink=learnable_sink)
     return out, lse
 
 
@@ -248,23 +289,25 @@ varlen_fwd = torch.library.custom_op("fa4_final::varlen_fwd", varlen_fwd_impl,
 
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, causal, window_left, window_right, deterministic, return_lse):
+      softmax_scale, causal, window_left, window_right, deterministic, return_lse, softcap=0.0,
+      learnable_sink=None):
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None,
                         softmax_scale, check_address=False)
     total_q, h, _ = q.shape
+    _check_features_meta(softcap, learnable_sink, h, q.device)
     return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
 
 
 def varlen_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Tensor | None,
                     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-                    window_left: int | None, window_right: int | None,
-                    deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    window_left: int | None, window_right: int | None, deterministic: bool,
+                    softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                          seqused_k, _side(max_seqlen_q), _side(max_seqlen_k), causal,
                          softmax_scale, (window_left, window_right),
-                         deterministic)
+                         deterministic, softcap=softcap)
     return dq, dk, dv
 
 
@@ -274,22 +317,25 @@ varlen_bwd = torch.library.custom_op("fa4_final::varlen_bwd", varlen_bwd_impl,
 
 @varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-      max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic):
+      max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic,
+      softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_varlen_fwd(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal, wl, wr, deterministic,
-     return_lse) = inputs
+     return_lse, *features) = inputs
+    softcap, sink = (features + [0.0, None])[:2]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k)
-    ctx.options = (max_q, max_k, scale, causal, wl, wr, deterministic)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k, sink)
+    ctx.options = (max_q, max_k, scale, causal, wl, wr, deterministic) + (
+        (softcap,) if softcap else ())
     ctx.return_lse = return_lse
     ctx.set_materialize_grads(False)  # as _setup_fwd
 
 
 def _backward_varlen_fwd(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, seqused_k, sink = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, *ctx.options)
     if ctx.return_lse and dlse is not None:
@@ -297,7 +343,11 @@ def _backward_varlen_fwd(ctx, dout, dlse):
         dq_lse, dk_lse, _ = varlen_bwd(probe_dout, q, k, torch.zeros_like(v), probe_out, lse,
                                        cu_q, cu_k, seqused_k, *ctx.options)
         dq, dk = dq + dq_lse, dk + dk_lse
-    return (dq, dk, dv) + (None,) * 11
+    dsink = _sink_grad(ctx, sink, lse, out, dout, dlse, VARLEN_SINK_INPUT)
+    return (dq, dk, dv) + (None,) * 12 + (dsink,)
+
+
+VARLEN_SINK_INPUT = 15  # learnable_sink's place among varlen_fwd's inputs
 
 
 varlen_fwd.register_autograd(_backward_varlen_fwd, setup_context=_setup_varlen_fwd)

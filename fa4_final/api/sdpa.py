@@ -12,9 +12,12 @@ hands it to PyTorch; nothing is registered on import.
     torch.nn.attention.restore_flash_attention_impl()   # and back to PyTorch's own (2.11+)
 
 Every parameter means what it means in FA4, or is refused: a feature fa4_final lacks (qv,
-softcap, learnable_sink, score_mod, seqused_q, page_table, FP8 scales, ...) at any value other
-than the one that switches it off raises UnsupportedError naming it (api.interface's tables,
-plus the few keywords only these private functions take). FA4's kernel knobs (tile_mn,
+score_mod, seqused_q, page_table, FP8 scales, ...) at any value other than the one that switches
+it off raises UnsupportedError naming it (api.interface's tables, plus the few keywords only
+these private functions take). ``softcap`` and ``learnable_sink`` are wired as FA4 defines them
+(the backward then returns (dq, dk, dv, dsink), as FA4's does) but pending: checked, then
+refused unless FA4_FINAL_PENDING lists them (Note [Pending features] in
+fa4_final.runtime.pending). FA4's kernel knobs (tile_mn,
 num_threads, num_splits, the backward's block sizes, stages and atom layouts) change how FA4
 runs, never what it returns, and are ignored here: fa4_final picks its own tiles.
 Note [SDPA registration] says what PyTorch passes and what it refuses before calling.
@@ -26,8 +29,10 @@ import torch
 
 from fa4_final.api.interface import _FA4_SPEED_ONLY, _FA4_VARLEN_NEUTRAL, _refuse_fa4_options
 from fa4_final.api.ops import _lse_probe
+from fa4_final.common.backward import sink_gradient
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.runtime.checks import check_flag, check_tma_operand
+from fa4_final.runtime.pending import check_features
 from fa4_final.runtime.prologue import backward_into, forward_into
 from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
 
@@ -77,6 +82,10 @@ from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
 # The keywords only FA4's private functions take, each at the value that switches it off.
 _PRIVATE_NEUTRAL = {**_FA4_VARLEN_NEUTRAL, "q_descale": None, "k_descale": None,
                     "v_descale": None, "_arch": None}
+# Wired but pending (Note [Pending features]): not among the SUPPORTED names below while the
+# gate refuses them by default.
+PENDING_FWD = ("softcap", "learnable_sink")
+PENDING_BWD = ("softcap", "learnable_sink")
 # FA4's kernel knobs: how it tiles and schedules, never what it returns (its Hopper backward
 # overwrites its own block sizes, stages and layouts from its tile table).
 _FA4_KNOBS = (*_FA4_SPEED_ONLY, "tile_mn", "mma_pv_is_rs", "intra_wg_overlap", "num_threads",
@@ -171,10 +180,12 @@ def _flash_attn_fwd(
     given, else allocated when ``return_lse`` or an input requires grad, and None otherwise.
     Window sides as FA4 reads them: None unbounded, an int a bound (i + sk - sq - left <= j <=
     i + sk - sq + right), both negative no window, causal sets the right side to 0.
+    ``softcap`` (None or 0.0: none) and ``learnable_sink`` ((heads,)): FA4's, pending (the
+    module's docstring); with a sink lse includes it and rows that see no key get lse = sink.
     """
     _refuse("_flash_attn_fwd", {
         "qv": qv, "seqused_q": seqused_q, "min_seqlen_k": min_seqlen_k, "page_table": page_table,
-        "softcap": softcap, "learnable_sink": learnable_sink, "_arch": _arch,
+        "_arch": _arch,
         "score_mod": score_mod, "mask_mod": mask_mod, "block_sparse_tensors": block_sparse_tensors,
         "aux_tensors": aux_tensors, "aux_scalars": aux_scalars, "q_descale": q_descale,
         "k_descale": k_descale, "v_descale": v_descale, "gather_kv_indices": gather_kv_indices,
@@ -185,8 +196,9 @@ def _flash_attn_fwd(
     window = _window("_flash_attn_fwd", window_size_left, window_size_right)
     packed = _packed("_flash_attn_fwd", cu_seqlens_q, cu_seqlens_k, seqused_k)
     _check_layout(q, packed)
+    features = _features("_flash_attn_fwd", q, softcap, learnable_sink)
     wants_lse = lse is not None or return_lse or any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, learnable_sink))
     q, k, v = (_readable(t) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     lse_shape = (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
     if out is None:
@@ -198,14 +210,23 @@ def _flash_attn_fwd(
     if packed:
         varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                             _host_int(max_seqlen_q), _host_int(max_seqlen_k), out_buf, lse_buf,
-                            causal, softmax_scale, window)
+                            causal, softmax_scale, window, **features)
     else:
-        forward_into(q, k, v, out_buf, lse_buf, causal, softmax_scale, window)
+        forward_into(q, k, v, out_buf, lse_buf, causal, softmax_scale, window, **features)
     if copy_out:
         out.copy_(out_buf)
     if copy_lse:
         lse.copy_(lse_buf)
     return out, (lse if wants_lse else None)
+
+
+def _features(func: str, q, softcap, learnable_sink) -> dict:
+    """softcap and learnable_sink checked and gated (runtime.pending.check_features), as the
+    runtime's keywords; q's heads are its second-to-last dim in both layouts."""
+    if not isinstance(q, torch.Tensor) or q.dim() < 2:
+        return {}  # the runtime's checks name q's problem
+    cap = check_features(func, softcap, learnable_sink, q.shape[-2], q.device)
+    return {"softcap": cap, "learnable_sink": learnable_sink}
 
 
 def _check_layout(q, packed: bool) -> None:
@@ -249,17 +270,19 @@ def _flash_attn_bwd(
 
     q, k, v, out and lse as the forward took and returned them, dout the gradient of out, dlse
     (like lse, optional) the gradient of lse. GQA: dk and dv summed over each group of heads.
-    ``deterministic``: the same bits every run (a fixed order of dQ adds).
+    ``deterministic``: the same bits every run (a fixed order of dQ adds). ``softcap`` and
+    ``learnable_sink``: the forward's (pending, as there); with a sink it returns ``(dq, dk,
+    dv, dsink)``, dsink in the sink's dtype (common.backward.sink_gradient), as FA4.
     """
     _refuse("_flash_attn_bwd", {
-        "softcap": softcap, "seqused_q": seqused_q, "score_mod": score_mod,
+        "seqused_q": seqused_q, "score_mod": score_mod,
         "score_mod_bwd": score_mod_bwd, "mask_mod": mask_mod, "aux_tensors": aux_tensors,
-        "aux_scalars": aux_scalars, "block_sparse_tensors": block_sparse_tensors,
-        "learnable_sink": learnable_sink})
+        "aux_scalars": aux_scalars, "block_sparse_tensors": block_sparse_tensors})
     causal = check_flag("causal", causal)
     deterministic = check_flag("deterministic", deterministic)
     window = _window("_flash_attn_bwd", window_size_left, window_size_right)
     packed = _packed("_flash_attn_bwd", cu_seqlens_q, cu_seqlens_k, seqused_k)
+    cap = _features("_flash_attn_bwd", q, softcap, learnable_sink).get("softcap", 0.0)
     q, k, v, out, dout = (_readable(t) if isinstance(t, torch.Tensor) else t
                           for t in (q, k, v, out, dout))
     if isinstance(lse, torch.Tensor) and lse.numel() and lse.stride(-1) != 1:
@@ -273,10 +296,10 @@ def _flash_attn_bwd(
             varlen_backward_into(q, k, v_, out_, lse, dout_, dq_, dk_, dv_, cu_seqlens_q,
                                  cu_seqlens_k, seqused_k, _host_int(max_seqlen_q),
                                  _host_int(max_seqlen_k), causal, softmax_scale, window,
-                                 deterministic)
+                                 deterministic, softcap=cap)
         else:
             backward_into(q, k, v_, out_, lse, dout_, dq_, dk_, dv_, causal, softmax_scale,
-                          window, deterministic)
+                          window, deterministic, softcap=cap)
 
     run(v, out, dout, *(b for b, _ in bufs))
     if dlse is not None:  # Note [Gradient of the returned lse]: one more backward
@@ -289,6 +312,8 @@ def _flash_attn_bwd(
     for g, (buf, copy) in zip(grads, bufs):
         if copy:
             g.copy_(buf)
+    if learnable_sink is not None:  # Note [Learnable sink]: no kernel, a few torch ops
+        return (*grads, sink_gradient(learnable_sink, lse, out, dout, dlse))
     return tuple(grads)
 
 

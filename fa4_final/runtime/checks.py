@@ -251,8 +251,9 @@ def check_varlen_values(cu_q: list[int], cu_k: list[int], seqused_k: list[int] |
 
 
 # FA4's softcap and learnable_sink (Note [Softcap], Note [Learnable sink] in
-# fa4_final.common.softmax). The API still refuses both (api.interface's _FA4_NEUTRAL) until
-# the kernels that compute them have passed their GPU tests; these are the checks it will run.
+# fa4_final.common.softmax). Every entry point runs these checks, then the gate of
+# runtime.pending (Note [Pending features]), which refuses both until the kernels that compute
+# them have passed their GPU tests.
 SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # FA4's _LEARNABLE_SINK_DTYPES
 
 
@@ -266,7 +267,7 @@ def check_softcap(softcap) -> float:
         raise TypeError(f"softcap must be a Python float (0.0 or None: no cap; > 0: the cap), "
                         f"got {softcap!r} of type {type(softcap).__name__}")
     value = float(softcap)
-    if math.isnan(value) or math.isinf(value) or value < 0.0:
+    if not 0.0 <= value < math.inf:  # NaN fails both comparisons (no math.isnan: traceable)
         raise ValueError(f"softcap must be 0.0 (no cap) or a finite number > 0, got {softcap!r}"
                          f": the scores become softcap * tanh(scale * q.k / softcap)")
     return value

@@ -55,6 +55,10 @@ class Backend:
     # (q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k,
     # max_seqlen_q, max_seqlen_k, causal, scale, left, right, deterministic, config=None)
     varlen_backward: Callable | None = None
+    # FA4's softcap and learnable_sink, where the family's kernels have the variants
+    # (Note [Softcap], Note [Learnable sink]); each entry point takes them as keywords, passed
+    # only when set: softcap (float, 0.0: none) and learnable_sink ((heads,) tensor or None)
+    features: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -69,37 +73,61 @@ class Backend:
         return "yes"
 
 
-def runners(host: ModuleType) -> dict:
+def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
     """The contract's functions for ``host``: each finds its compiled kernels through the one
-    compile path and calls the host's launch. Varlen ones only where the host launches one."""
-    def forward(q, k, v, out, lse, causal, scale, left, right, config=None):
+    compile path and calls the host's launch. Varlen ones only where the host launches one.
+    ``features``: which of softcap and learnable_sink the host's kernels have; the others are
+    refused by name. A softcap value and the sink's dtype go into the recipe's arguments, and
+    so into the compile key, only when set: the default builds keep their keys."""
+    family = getattr(host, "ARCH", host.__name__)
+
+    def fwd_extra(softcap, learnable_sink) -> tuple:
+        refuse_missing(family, features, softcap, learnable_sink)
+        if not softcap and learnable_sink is None:
+            return ()
+        return (host.ARCH, float(softcap),
+                None if learnable_sink is None else DTYPE_NAMES[learnable_sink.dtype])
+
+    def bwd_extra(softcap) -> tuple:
+        refuse_missing(family, features, softcap, None)
+        return (host.ARCH, float(softcap)) if softcap else ()
+
+    def forward(q, k, v, out, lse, causal, scale, left, right, config=None, softcap=0.0,
+                learnable_sink=None):
+        extra = fwd_extra(softcap, learnable_sink)
         plan = compiled(host.forward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
-                        left is not None, right is not None and not causal, False, False)
-        host.launch_forward(plan, q, k, v, out, lse, causal, scale, left, right)
+                        left is not None, right is not None and not causal, False, False, *extra)
+        sink = () if learnable_sink is None else (launch_sink(learnable_sink),)
+        host.launch_forward(plan, q, k, v, out, lse, causal, scale, left, right, *sink)
 
     def backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right,
-                 deterministic=False, config=None):
+                 deterministic=False, config=None, softcap=0.0):
+        extra = bwd_extra(softcap)
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
-                        False, False)
+                        False, False, *extra)
         host.launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left,
                              right)
 
     def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                       max_seqlen_k, out, lse, causal, scale, left, right, config=None):
+                       max_seqlen_k, out, lse, causal, scale, left, right, config=None,
+                       softcap=0.0, learnable_sink=None):
+        extra = fwd_extra(softcap, learnable_sink)
         plan = compiled(host.forward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         left is not None, right is not None and not causal, True,
-                        seqused_k is not None)
+                        seqused_k is not None, *extra)
+        sink = () if learnable_sink is None else (launch_sink(learnable_sink),)
         host.launch_varlen_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                    max_seqlen_q, max_seqlen_k, out, lse, causal, scale, left,
-                                   right)
+                                   right, *sink)
 
     def varlen_backward(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                         seqused_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right,
-                        deterministic=False, config=None):
+                        deterministic=False, config=None, softcap=0.0):
+        extra = bwd_extra(softcap)
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
-                        True, seqused_k is not None)
+                        True, seqused_k is not None, *extra)
         host.launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
                                     cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                                     causal, scale, left, right)
@@ -108,6 +136,24 @@ def runners(host: ModuleType) -> dict:
             "varlen_forward": varlen_forward if hasattr(host, "launch_varlen_forward") else None,
             "varlen_backward": varlen_backward if hasattr(host, "launch_varlen_backward")
             else None}
+
+
+def launch_sink(learnable_sink: torch.Tensor) -> torch.Tensor:
+    """The sink as the kernel reads it: (heads,) with stride 1 (its fake tensor's layout)."""
+    return learnable_sink if learnable_sink.stride(0) == 1 else learnable_sink.contiguous()
+
+
+def refuse_missing(family: str, features: tuple[str, ...], softcap, learnable_sink) -> None:
+    """UnsupportedError naming softcap or learnable_sink when set and not in ``features``."""
+    asked = [(name, value) for name, value, on in (
+        ("softcap", softcap, bool(softcap)),
+        ("learnable_sink", learnable_sink, learnable_sink is not None)) if on]
+    for name, value in asked:
+        if name not in features:
+            shown = value if name == "softcap" else f"<tensor {tuple(value.shape)}>"
+            raise UnsupportedError(
+                f"{name}={shown}: the {family} kernels have no {name} variant; fa4_final runs "
+                f"{name} on {', '.join(b.label for b in BACKENDS if name in b.features)} only")
 
 
 def _not_wired(family: str, what: str, modules: str) -> Callable:
@@ -122,7 +168,9 @@ def _not_wired(family: str, what: str, modules: str) -> Callable:
 
 def wired(backend: Backend) -> Backend:
     """``backend`` with its kernels called, wired or not (the runtime's ``target=``)."""
-    return backend if backend.wired else replace(backend, wired=True, **runners(backend.host))
+    if backend.wired:
+        return backend
+    return replace(backend, wired=True, **runners(backend.host, backend.features))
 
 
 def module_present(module: str) -> bool:
@@ -135,7 +183,8 @@ def module_present(module: str) -> bool:
 
 HOPPER = Backend("Hopper", "H100, H200", "sm_90", ((9, 0),), hopper_host.ARCH, hopper_host,
                  forward_module="fa4_final.hopper.fwd", backward_module="fa4_final.hopper.bwd",
-                 **runners(hopper_host))
+                 features=("softcap", "learnable_sink"),
+                 **runners(hopper_host, ("softcap", "learnable_sink")))
 BLACKWELL = Backend("Blackwell", "B200, GB200", "sm_100", ((10, 0),), blackwell_host.ARCH,
                     blackwell_host,
                     forward=_not_wired("Blackwell (sm_100)", "forward", "fa4_final.blackwell"),

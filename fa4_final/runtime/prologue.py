@@ -11,6 +11,12 @@ ones to prove every element is written). Empty problems never reach a kernel: no
 nothing to do, no key gives out = 0 and lse = -inf (a row that sees no key), dq = 0.
 ``target="sm_100a"`` runs the Blackwell kernels on a B200 although the dispatch table does not
 choose them yet (the GPU tests and the benchmark of those kernels).
+
+FA4's ``softcap`` (a float, 0.0: none) and ``learnable_sink`` ((heads,) or None) are keywords of
+every entry point here, checked and passed through the gate of runtime.pending before anything
+runs (Note [Pending features]); the forward's rows that see no key get lse = the sink, as FA4.
+The sink's gradient needs no kernel: common.backward.sink_gradient, which the autograd formula
+calls (api.ops), so the backward entry points take the softcap only.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 
 from fa4_final.runtime.checks import check_grads, check_inputs, check_outputs, normalise_window
 from fa4_final.runtime.dispatch import Backend, backend_for, backend_for_target, wired
+from fa4_final.runtime.pending import check_features
 
 
 def resolve_scale(head_dim: int, softmax_scale) -> float:
@@ -76,71 +83,99 @@ def device_arch(device) -> str:
 
 
 def forward_into(q, k, v, out, lse, causal=False, softmax_scale=None, window_size=(None, None),
-                 config=None, target: str | None = None):
+                 config=None, target: str | None = None, *, softcap=0.0, learnable_sink=None):
     """Run the forward writing into ``out`` (like q) and ``lse`` ((b, h, sq) float32)."""
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
     check_outputs(q, out, lse, (b, h, sq))
+    cap = check_features("forward_into", softcap, learnable_sink, h, q.device)
     p = prepare(d, causal, softmax_scale, window_size, q.device, target)
     return forward_prepared(p.backend, q, k, v, out, lse, p.causal, p.scale, p.left, p.right,
-                            config)
+                            config, softcap=cap, learnable_sink=learnable_sink)
+
+
+def features(softcap: float = 0.0, learnable_sink=None) -> dict:
+    """The backend's feature keywords, only those set (a default call passes none)."""
+    extra = {}
+    if softcap:
+        extra["softcap"] = softcap
+    if learnable_sink is not None:
+        extra["learnable_sink"] = learnable_sink
+    return extra
+
+
+def fill_empty_rows(out, lse, learnable_sink=None, heads_dim: int = -2):
+    """out = 0 and lse = -inf for rows that see no key; with a learnable sink lse = the sink
+    (its only column, Note [Learnable sink]). ``heads_dim``: lse's heads dimension."""
+    out.zero_()
+    if learnable_sink is None:
+        lse.fill_(-math.inf)
+        return
+    shape = [1] * lse.dim()
+    shape[heads_dim] = learnable_sink.shape[0]
+    lse.copy_(learnable_sink.float().view(shape).expand(lse.shape))
 
 
 def forward_prepared(backend: Backend, q, k, v, out, lse, causal: bool, scale: float, left,
-                     right, config=None):
+                     right, config=None, *, softcap: float = 0.0, learnable_sink=None):
     """forward_into after its checks and prologue; empty problems end here."""
     b, sq, h, _ = q.shape
     if sq == 0 or b == 0 or h == 0:
         return out, lse
     if k.shape[1] == 0:  # no key at all: every row is empty
-        out.zero_()
-        lse.fill_(-math.inf)
+        fill_empty_rows(out, lse, learnable_sink)
         return out, lse
-    backend.forward(q, k, v, out, lse, causal, scale, left, right, config)
+    backend.forward(q, k, v, out, lse, causal, scale, left, right, config,
+                    **features(softcap, learnable_sink))
     return out, lse
 
 
 def forward(q, k, v, causal=False, softmax_scale=None, window_size=(None, None), config=None,
-            target: str | None = None):
+            target: str | None = None, *, softcap=0.0, learnable_sink=None):
     """(out, lse) of attention, eagerly, with no autograd (the course's kernel signature)."""
     check_inputs(q, k, v, softmax_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    return forward_into(q, k, v, out, lse, causal, softmax_scale, window_size, config, target)
+    return forward_into(q, k, v, out, lse, causal, softmax_scale, window_size, config, target,
+                        softcap=softcap, learnable_sink=learnable_sink)
 
 
 def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_scale=None,
                   window_size=(None, None), deterministic=False, config=None,
-                  target: str | None = None):
+                  target: str | None = None, *, softcap=0.0):
     """Gradients of attention into ``dq`` (like q), ``dk`` and ``dv`` (like k): ``out``, ``lse``
     from the forward, ``dout`` the gradient of out. GQA: dk, dv are summed over each group.
-    ``deterministic``: bitwise the same gradients every run (a fixed order of dQ adds)."""
+    ``deterministic``: bitwise the same gradients every run (a fixed order of dQ adds).
+    ``softcap``: the forward's. A learnable sink needs nothing here (its lse is the forward's;
+    its own gradient is common.backward.sink_gradient)."""
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
     check_outputs(q, out, lse, (b, h, sq))
     check_grads(q, k, dout, dq, dk, dv)
+    cap = check_features("backward_into", softcap, None, h, q.device)
     p = prepare(d, causal, softmax_scale, window_size, q.device, target)
     return backward_prepared(p.backend, q, k, v, out, lse, dout, dq, dk, dv, p.causal, p.scale,
-                             p.left, p.right, deterministic, config)
+                             p.left, p.right, deterministic, config, softcap=cap)
 
 
 def backward_prepared(backend: Backend, q, k, v, out, lse, dout, dq, dk, dv, causal: bool,
-                      scale: float, left, right, deterministic: bool = False, config=None):
+                      scale: float, left, right, deterministic: bool = False, config=None, *,
+                      softcap: float = 0.0):
     """backward_into after its checks and prologue (as forward_prepared)."""
     if min(q.shape[0], q.shape[1], k.shape[1], q.shape[2]) == 0:
         for t in (dq, dk, dv):  # nothing attends: q, k, v have no influence on the output
             t.zero_()
         return dq, dk, dv
     backend.backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right,
-                     deterministic, config)
+                     deterministic, config, **features(softcap))
     return dq, dk, dv
 
 
 def backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
              window_size=(None, None), deterministic=False, config=None,
-             target: str | None = None):
+             target: str | None = None, *, softcap=0.0):
     """(dq, dk, dv); see backward_into."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     return backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal, softmax_scale,
-                         window_size, deterministic, config, target)
+                         window_size, deterministic, config, target, softcap=softcap)
 
 
 def forward_timeline(q, k, v, causal=False, config=None):

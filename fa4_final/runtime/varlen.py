@@ -24,11 +24,13 @@ sequence to whole query tiles, Note [Varlen dQ accumulator] in common.bwd_tiles)
 sequence a batch of one: correct for any lengths, one launch per sequence, so short sequences
 leave SMs idle), kept as the references that benchmarks and the GPU tests compare with, and
 used by a backend that has no varlen kernel.
+
+``softcap`` and ``learnable_sink`` are FA4's, as in runtime.prologue (checked, then gated:
+Note [Pending features]); a sequence with no key gets lse = the sink, lse's heads dim is 0.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -39,7 +41,8 @@ from fa4_final.runtime.checks import (
     check_varlen_inputs,
     check_varlen_values,
 )
-from fa4_final.runtime.prologue import prepare
+from fa4_final.runtime.pending import check_features
+from fa4_final.runtime.prologue import features, fill_empty_rows, prepare
 
 
 def _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k):
@@ -71,12 +74,15 @@ def _used_lengths(has_kernel: bool, cu_seqlens_q, cu_seqlens_k, seqused_k, total
 
 def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                         max_seqlen_k, out, lse, causal=False, softmax_scale=None,
-                        window_size=(None, None), config=None):
+                        window_size=(None, None), config=None, *, softcap=0.0,
+                        learnable_sink=None):
     """Write the varlen forward into ``out`` (like q) and ``lse`` ((heads, total_q) float32)."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale)
     check_outputs(q, out, lse, (h, total_q))
+    cap = check_features("varlen_forward_into", softcap, learnable_sink, h, q.device)
+    extra = features(cap, learnable_sink)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_forward is not None
     lists = _used_lengths(has_kernel, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k,
@@ -85,59 +91,62 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
         if q.shape[0] == 0:
             return out, lse
         if k.shape[0] == 0:  # no key anywhere (a TMA descriptor cannot have an empty extent)
-            out.zero_()
-            lse.fill_(-math.inf)
+            fill_empty_rows(out, lse, learnable_sink, heads_dim=0)
             return out, lse
         p.backend.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                                  max_seqlen_k, out, lse, p.causal, p.scale, p.left, p.right,
-                                 config)
+                                 config, **extra)
         return out, lse
-    _loop_into(p, q, k, v, *lists, out, lse, config)
+    _loop_into(p, q, k, v, *lists, out, lse, config, extra)
     return out, lse
 
 
 def forward_loop(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, causal=False,
-                 softmax_scale=None, window_size=(None, None), config=None):
+                 softmax_scale=None, window_size=(None, None), config=None, *, softcap=0.0,
+                 learnable_sink=None):
     """The per-sequence loop over the dense forward (Note [Varlen kernel]): (out, lse), checked
     like varlen_forward_into. A reference for the benchmark and the tests, not the API."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None, softmax_scale)
+    cap = check_features("forward_loop", softcap, learnable_sink, h, q.device)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
     _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k)
     out = torch.empty_like(q)
     lse = torch.empty(h, total_q, dtype=torch.float32, device=q.device)
-    _loop_into(p, q, k, v, cu_q, cu_k, used_k, out, lse, config)
+    _loop_into(p, q, k, v, cu_q, cu_k, used_k, out, lse, config, features(cap, learnable_sink))
     return out, lse
 
 
-def _loop_into(p, q, k, v, cu_q, cu_k, used_k, out, lse, config):
+def _loop_into(p, q, k, v, cu_q, cu_k, used_k, out, lse, config, extra=None):
+    extra = extra or {}  # the backend's feature keywords (runtime.prologue.features)
     for q0, nq, k0, nk in _spans(cu_q, cu_k, used_k):
         if nq == 0:
             continue
         o = out[q0:q0 + nq].unsqueeze(0)  # (1, nq, h, d): a batch of one
         row_lse = lse[:, q0:q0 + nq].unsqueeze(0)  # (1, h, nq), row stride total_q
         if nk == 0:
-            o.zero_()
-            row_lse.fill_(-math.inf)
+            fill_empty_rows(o, row_lse, extra.get("learnable_sink"))
             continue
         p.backend.forward(q[q0:q0 + nq].unsqueeze(0), k[k0:k0 + nk].unsqueeze(0),
                           v[k0:k0 + nk].unsqueeze(0), o, row_lse, p.causal, p.scale, p.left,
-                          p.right, config)
+                          p.right, config, **extra)
 
 
 def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                          seqused_k, max_seqlen_q, max_seqlen_k, causal=False,
                          softmax_scale=None, window_size=(None, None), deterministic=False,
-                         config=None):
+                         config=None, *, softcap=0.0):
     """Gradients of the varlen forward into dq (like q), dk and dv (like k). Key rows no
     sequence uses (past seqused_k) get zero gradients. One launch per kernel of the backward
-    (Note [Varlen kernel]); the loop where the backend has no varlen backward."""
+    (Note [Varlen kernel]); the loop where the backend has no varlen backward. ``softcap``:
+    the forward's (a learnable sink needs nothing here, as in runtime.prologue)."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale)
     check_outputs(q, out, lse, (h, total_q))
     check_grads(q, k, dout, dq, dk, dv)
+    extra = features(check_features("varlen_backward_into", softcap, None, h, q.device))
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_backward is not None
     lists = _used_lengths(has_kernel, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k,
@@ -152,33 +161,36 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
             return dq, dk, dv
         p.backend.varlen_backward(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
                                   cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-                                  p.causal, p.scale, p.left, p.right, deterministic, config)
+                                  p.causal, p.scale, p.left, p.right, deterministic, config,
+                                  **extra)
         return dq, dk, dv
-    _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, *lists, deterministic, config)
+    _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, *lists, deterministic, config,
+                        extra)
     return dq, dk, dv
 
 
 def backward_loop(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, seqused_k=None,
                   causal=False, softmax_scale=None, window_size=(None, None),
-                  deterministic=False, config=None):
+                  deterministic=False, config=None, *, softcap=0.0):
     """The per-sequence loop over the dense backward (Note [Varlen kernel]): (dq, dk, dv),
     checked like varlen_backward_into. A reference for the benchmark and the tests, not the
     API."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None, softmax_scale)
     check_outputs(q, out, lse, (h, total_q))
+    extra = features(check_features("backward_loop", softcap, None, h, q.device))
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
     _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     check_grads(q, k, dout, dq, dk, dv)
     _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used_k,
-                        deterministic, config)
+                        deterministic, config, extra)
     return dq, dk, dv
 
 
 def _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used_k,
-                        deterministic, config):
+                        deterministic, config, extra=None):
     for t in (dq, dk, dv):  # rows of empty sequences and unused keys stay 0
         t.zero_()
     for q0, nq, k0, nk in _spans(cu_q, cu_k, used_k):
@@ -189,4 +201,5 @@ def _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used
         kv = [t[rows_k].unsqueeze(0) for t in (k, v, dk, dv)]
         row_lse = lse[:, rows_q].unsqueeze(0).contiguous()  # (1, h, nq)
         p.backend.backward(one[0], kv[0], kv[1], one[1], row_lse, one[2], one[3], kv[2],
-                           kv[3], p.causal, p.scale, p.left, p.right, deterministic, config)
+                           kv[3], p.causal, p.scale, p.left, p.right, deterministic, config,
+                           **(extra or {}))

@@ -1,0 +1,80 @@
+"""The gate of pending features: arguments whose kernels are built but not yet trusted.
+
+Note [Pending features]
+A pending feature is one whose device code is written, compiled for its real target and checked
+without a GPU (instruction and resource assertions, host-side emulation of its arithmetic),
+whose GPU tests against float64 are written, and which has not yet passed those tests on a GPU.
+Its argument is wired through every layer (checks, custom ops, autograd, runtime, dispatch, the
+compile keys), but a call that sets it is refused with UnsupportedError, naming the argument,
+its value and that fa4_final does not run it yet: the package must never compute something
+other than what a call means, and code that has never run cannot promise that. The refusal
+comes after the argument's own checks (a bad value is named as bad first), so a call that
+would be refused for its value anyway says so.
+
+The environment variable FA4_FINAL_PENDING, a comma-separated list of names from ``PENDING``
+(read at each call, so a test can set it for itself), lets those features through: the GPU
+tests and the conformance driver set it to run the unverified kernels, which is how a feature
+earns its way out of this table. Once its GPU tests pass, its row is deleted and the gate no
+longer asks. A feature not in the table is never gated.
+"""
+
+from __future__ import annotations
+
+import os
+
+from fa4_final.common.errors import UnsupportedError
+from fa4_final.runtime.checks import check_learnable_sink, check_softcap
+
+ENV = "FA4_FINAL_PENDING"
+
+# name -> why it waits (what has been checked, what has not)
+PENDING: dict[str, str] = {
+    "softcap": "the Hopper forward and backward builds with a softcap are compiled and checked "
+               "on a CPU; their GPU tests against float64 have not run yet",
+    "learnable_sink": "the Hopper forward builds with a learnable sink and the sink's gradient "
+                      "are compiled and checked on a CPU; their GPU tests against float64 have "
+                      "not run yet",
+}
+
+
+def allowed() -> frozenset[str]:
+    """The names FA4_FINAL_PENDING lets through now (read from the environment each call)."""
+    value = os.environ.get(ENV, "")
+    return frozenset(n.strip() for n in value.split(",") if n.strip())
+
+
+def refuse_pending(func: str, name: str, value) -> None:
+    """UnsupportedError when ``name`` is a pending feature (Note [Pending features]) that
+    FA4_FINAL_PENDING does not list; ``value`` is the argument as given (a call reaches this
+    only with a value that switches the feature on)."""
+    if name not in PENDING or name in allowed():
+        return
+    shown = _shown(value)
+    raise UnsupportedError(
+        f"{func}: FA4's {name}={shown} is refused: fa4_final does not run {name} yet ("
+        f"{PENDING[name]}). Pass {name} at its neutral value, or set {ENV}={name} to run the "
+        f"unverified kernels (tests only)")
+
+
+def _shown(value) -> str:
+    """A short spelling of an argument: a tensor by its shape, dtype and device."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and hasattr(value, "dtype"):
+        return f"<tensor {tuple(shape)} {value.dtype} on {getattr(value, 'device', '?')}>"
+    return repr(value)
+
+
+def check_features(func: str, softcap, learnable_sink, heads: int, device) -> float:
+    """FA4's softcap and learnable_sink of one call: their checks (runtime.checks: a value or
+    tensor they cannot be is named), then the gate (Note [Pending features]). Returns the
+    softcap as a float, 0.0 for none (None and 0.0 both mean none, as in FA4). Metadata only:
+    it runs while torch.compile traces. ``heads`` and ``device`` (q's) are read only for a
+    sink, so a caller may check the softcap before q."""
+    cap = check_softcap(softcap)
+    if learnable_sink is not None:
+        check_learnable_sink(learnable_sink, heads, device)
+    if cap:
+        refuse_pending(func, "softcap", softcap)
+    if learnable_sink is not None:
+        refuse_pending(func, "learnable_sink", learnable_sink)
+    return cap
