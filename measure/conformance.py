@@ -2,6 +2,8 @@
 
     python -m measure.conformance --cases 240 --workers 4          # on a GPU with both packages
     python -m measure.conformance --cases 240 --dry-run            # the cases only (any machine)
+    python -m measure.conformance --cases 72 --workers 6 --features softcap,learnable_sink \
+        --name conformance_fa4_features                            # FA4's softcap and sinks
 
 Each case is one random call: dense or varlen (with or without ``seqused_k``), bf16 or fp16,
 head dim 64 or 128, GQA/MQA head groups, seqlen_q != seqlen_k, lengths of zero, ``causal``,
@@ -22,6 +24,15 @@ A row per case goes to results/<gpu>/conformance_fa4.json. Kernels are compiled 
 configuration; cases are drawn from a small list of them (``STATIC``) so that the run's compile
 time stays a few minutes, with the run-time arguments (shapes, window values, scale, heads)
 free within each.
+
+``--features softcap,learnable_sink`` (either or both) draws every case with FA4's softcap
+and/or a learnable sink ((heads,) logits, its gradient part of the judged backward), from their
+own list of static configurations (``FEATURE_STATIC``: each fixes its cap value and sink dtype,
+since both are compile-time constants of a build), and sets FA4_FINAL_PENDING around fa4_final's
+calls of those cases (both are pending features there until this run and the GPU tests pass).
+The reference then caps the scaled scores (softcap * tanh(s / softcap), before the mask) and
+adds the sink's column to every row's logsumexp (a row that sees no key: out = 0, lse = sink).
+Without ``--features`` the cases are exactly those of earlier runs.
 """
 
 from __future__ import annotations
@@ -45,7 +56,12 @@ from utils.window import visible_mask
 NAME = "conformance_fa4"
 PRODUCES = [(f"results/h200/{NAME}.json", "python -m measure.conformance --cases 240 --workers 4",
              "fa4_final and the FA4 package on random calls of every accepted argument: a "
-             "verdict per case")]
+             "verdict per case"),
+            (f"results/h200/{NAME}_features.json",
+             f"python -m measure.conformance --cases 72 --workers 6 --features "
+             f"softcap,learnable_sink --name {NAME}_features",
+             "the same with FA4's softcap and learnable sink in every case (fa4_final's pending "
+             "features, let through for the run): a verdict per case")]
 CLEAN_ERRORS = ("UnsupportedError", "ValueError", "TypeError")
 LSE_SLACK = 1e-5  # float32 lse: what rounding the float64 lse to float32 can cost, and more
 # Note [Gradient floor]
@@ -58,6 +74,13 @@ LSE_SLACK = 1e-5  # float32 lse: what rounding the float64 lse to float32 can co
 # gradients: float32 roundoff at the scale of the call, far below a masking or indexing bug,
 # whose errors are of the gradients' own size.
 GRAD_FLOOR = 2.0 ** -14
+# Note [Sink gradient step]
+# d sink[h] = -sum_i exp(sink[h] - lse_i) * (rowsum(dO_i * O_i) - dlse_i) reads the output a
+# forward stored, rounded to bf16/fp16 (FA4 computes it so too, from its dpsum), while PyTorch's
+# same-precision path differentiates through float32 probabilities and never sees that rounding.
+# So dsink's limit also gets the step of rounding the reference output, carried through the
+# formula: sum_i exp(sink - lse_i) * sum_d |dO_id| |O_id - round(O_id)|, per head, the largest
+# head's (``sink_step``). A dropped or misplaced sink moves dsink by its own size, far above it.
 
 # (head_dim, dtype, mask, layout, deterministic): compiled once each; the masks say which window
 # sides a case may bound, the values are drawn per case (any sign)
@@ -73,6 +96,22 @@ STATIC = [
     (128, "fp16", "causal", "dense", True), (64, "bf16", "left", "dense", False),
 ]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# --features: (head_dim, dtype, mask, layout, deterministic, softcap value, sink dtype); each
+# case uses the cap, the sink or both (FEATURE_MODES, in turn), so a static row compiles at
+# most three forwards and two backwards; with --workers 6 each worker keeps to one row (case i
+# goes to worker i % workers) and compiles only that row's kernels
+FEATURE_STATIC = [
+    (128, "bf16", "causal", "dense", False, 5.0, "fp32"),
+    (64, "fp16", "none", "dense", False, 30.0, "fp16"),
+    (128, "bf16", "both", "dense", True, 15.0, "bf16"),
+    (64, "bf16", "causal", "varlen_used", False, 5.0, "fp32"),
+    (128, "fp16", "left", "varlen", False, 50.0, "fp32"),
+    (64, "bf16", "causal_left", "varlen", True, 2.0, "bf16"),
+]
+FEATURE_MODES = (("softcap", "learnable_sink"), ("softcap",), ("learnable_sink",))
+FEATURES = ("softcap", "learnable_sink")
+SINK_DTYPES = {"fp32": torch.float32, **DTYPES}
+PENDING_ENV = "FA4_FINAL_PENDING"  # fa4_final.runtime.pending.ENV
 HEAD_GROUPS = ((1, 1), (2, 2), (4, 1), (6, 2), (8, 2), (3, 3))
 
 
@@ -93,13 +132,22 @@ class Case:
     lens_q: list = field(default_factory=list)  # one per sequence (dense: batch copies of sq)
     lens_k: list = field(default_factory=list)
     used_k: list | None = None  # varlen_used: keys used per sequence
+    softcap: float = 0.0  # FA4's softcap (0.0: none; --features)
+    sink_dtype: str | None = None  # the learnable sink's dtype (None: no sink; --features)
+
+    def features(self) -> tuple[str, ...]:
+        """The pending features this case uses (FA4_FINAL_PENDING for fa4_final's call)."""
+        return tuple(name for name, on in (("softcap", bool(self.softcap)),
+                                           ("learnable_sink", self.sink_dtype is not None)) if on)
 
     def describe(self) -> str:
         w = f"window={self.window}" if self.window != (None, None) else ""
+        extra = (f" softcap={self.softcap:g}" if self.softcap else "") + (
+            f" sink={self.sink_dtype}" if self.sink_dtype else "")
         return (f"#{self.index} {self.layout} d={self.d} {self.dtype} h={self.h}/{self.hk} "
                 f"q={self.lens_q} k={self.lens_k}{f' used={self.used_k}' if self.used_k else ''}"
                 f" causal={self.causal} {w} det={self.deterministic} lse={self.return_lse} "
-                f"scale={self.scale}")
+                f"scale={self.scale}{extra}")
 
 
 def _side(rng: random.Random, longest: int) -> int:
@@ -108,11 +156,26 @@ def _side(rng: random.Random, longest: int) -> int:
     return magnitude if rng.random() < 0.55 else -magnitude
 
 
-def make_cases(n: int, seed: int = 0) -> list[Case]:
+def make_cases(n: int, seed: int = 0, features: tuple[str, ...] = ()) -> list[Case]:
+    """``n`` random calls; with ``features`` (a subset of FEATURES) each also uses FA4's
+    softcap and/or learnable sink, drawn over FEATURE_STATIC (the module's docstring)."""
+    unknown = set(features) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"--features takes {', '.join(FEATURES)}, got {sorted(unknown)}")
+    modes = [tuple(f for f in m if f in features) for m in FEATURE_MODES]
+    modes = list(dict.fromkeys(m for m in modes if m))
     rng = random.Random(seed)
     cases = []
     for i in range(n):
-        d, dtype, mask, layout, det = STATIC[i % len(STATIC)]
+        cap, sink_dtype = 0.0, None
+        if modes:
+            d, dtype, mask, layout, det, cap_value, sink_name = \
+                FEATURE_STATIC[i % len(FEATURE_STATIC)]
+            mode = modes[(i // len(FEATURE_STATIC)) % len(modes)]
+            cap = cap_value if "softcap" in mode else 0.0
+            sink_dtype = sink_name if "learnable_sink" in mode else None
+        else:
+            d, dtype, mask, layout, det = STATIC[i % len(STATIC)]
         h, hk = rng.choice(HEAD_GROUPS)
         batch = rng.choice([1, 2, 3])
         if layout == "dense":
@@ -139,7 +202,8 @@ def make_cases(n: int, seed: int = 0) -> list[Case]:
             right = _side(rng, longest)
         scale = None if rng.random() < 0.6 else round(rng.uniform(0.03, 0.3), 4)
         cases.append(Case(i, seed * 100003 + i, d, dtype, layout, causal, (left, right), det,
-                          rng.random() < 0.5, h, hk, scale, lens_q, lens_k, used))
+                          rng.random() < 0.5, h, hk, scale, lens_q, lens_k, used, cap,
+                          sink_dtype))
     return cases
 
 
@@ -175,22 +239,42 @@ def make_inputs(case: Case, device) -> dict:
     w_out = torch.randn(q.shape, generator=g).to(device)
     lse_shape = (q.shape[0], case.h, q.shape[1]) if case.layout == "dense" else (case.h, q.shape[0])
     w_lse = torch.randn(lse_shape, generator=g).to(device)
+    if case.sink_dtype is not None:  # drawn after the rest: a case without a sink is unchanged
+        extra["learnable_sink"] = (torch.randn(case.h, generator=g) * 2 + 1).to(
+            SINK_DTYPES[case.sink_dtype]).to(device)
     return {"q": q, "k": k, "v": v, "w_out": w_out, "w_lse": w_lse, **extra}
 
 
-def _one_sequence(q, k, v, case: Case, dtype):
+def _leaves(inputs: dict) -> tuple:
+    """The tensors the loss is differentiated in: q, k, v and the sink when there is one."""
+    return tuple(inputs[n] for n in ("q", "k", "v", "learnable_sink") if n in inputs)
+
+
+def _fresh_leaves(inputs: dict) -> dict:
+    """``inputs`` with fresh leaves that require grad (the same values)."""
+    return {**inputs, **{n: inputs[n].detach().clone().requires_grad_(True)
+                         for n in ("q", "k", "v", "learnable_sink") if n in inputs}}
+
+
+def _one_sequence(q, k, v, case: Case, dtype, sink=None):
     """(out, lse) of one sequence, q (sq, h, d), k and v (sk, hk, d), in ``dtype`` (float64: the
     yardstick; the inputs' dtype: PyTorch in the kernels' precision, S and P rounded to it, the
-    softmax in float32)."""
+    softmax in float32). FA4's softcap caps the scaled scores before the mask; a learnable
+    ``sink`` (h,) is one more column of every row's logsumexp, with no value."""
     h, hk, d = q.shape[1], k.shape[1], q.shape[2]
     scale = d ** -0.5 if case.scale is None else case.scale
     soft = torch.float64 if dtype == torch.float64 else torch.float32
     qf, kf, vf = (t.to(dtype).transpose(0, 1) for t in (q, k, v))  # (heads, s, d)
     kf, vf = kf.repeat_interleave(h // hk, 0), vf.repeat_interleave(h // hk, 0)
     s = (qf @ kf.transpose(-1, -2)).to(soft) * scale
+    if case.softcap:
+        s = case.softcap * torch.tanh(s / case.softcap)
     seen = visible_mask(q.shape[0], k.shape[0], case.causal, case.window, q.device)
     s = s.masked_fill(~seen, -math.inf)
-    lse = torch.logsumexp(s, -1)  # (h, sq): -inf where a row sees no key
+    columns = s
+    if sink is not None:
+        columns = torch.cat([s, sink.to(soft).view(h, 1, 1).expand(h, s.shape[1], 1)], -1)
+    lse = torch.logsumexp(columns, -1)  # (h, sq): -inf where a row sees no key (no sink)
     p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0)[..., None])
     return (p.to(dtype) @ vf).transpose(0, 1), lse
 
@@ -198,8 +282,9 @@ def _one_sequence(q, k, v, case: Case, dtype):
 def reference(inputs: dict, case: Case, dtype):
     """(out, lse) of the whole call with autograd, in the package's layouts."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    sink = inputs.get("learnable_sink")
     if case.layout == "dense":
-        outs, lses = zip(*(_one_sequence(q[b], k[b], v[b], case, dtype)
+        outs, lses = zip(*(_one_sequence(q[b], k[b], v[b], case, dtype, sink)
                            for b in range(q.shape[0]))) if q.shape[0] else ((), ())
         out = torch.stack(outs) if outs else q.new_zeros(q.shape, dtype=dtype)
         lse = torch.stack(lses) if lses else q.new_zeros((0, case.h, q.shape[1]),
@@ -213,7 +298,7 @@ def reference(inputs: dict, case: Case, dtype):
     for i in range(len(case.lens_q)):
         used = case.lens_k[i] if case.used_k is None else case.used_k[i]
         o, s = _one_sequence(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i] + used], v[ck[i]:ck[i] + used],
-                             case, dtype)
+                             case, dtype, sink)
         outs.append(o)
         lses.append(s)
     return torch.cat(outs, 0), torch.cat(lses, 1)
@@ -233,20 +318,48 @@ def loss_of(out, lse, inputs, case: Case):
 # the two packages
 
 
+class pending_features:
+    """FA4_FINAL_PENDING naming ``names`` inside the block (fa4_final refuses its pending
+    features otherwise), the variable as it was after it."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names, self.before = names, None
+
+    def __enter__(self):
+        self.before = os.environ.get(PENDING_ENV)
+        if self.names:
+            os.environ[PENDING_ENV] = ",".join(self.names)
+
+    def __exit__(self, *exc):
+        if self.before is None:
+            os.environ.pop(PENDING_ENV, None)
+        else:
+            os.environ[PENDING_ENV] = self.before
+
+
 def call(package, inputs: dict, case: Case):
-    """(out, lse, (dq, dk, dv)) of one package's call, forward and backward."""
-    q, k, v = (inputs[n].detach().clone().requires_grad_(True) for n in "qkv")
+    """(out, lse, grads) of one package's call, forward and backward: grads of q, k, v and the
+    sink when the case has one."""
+    leaves = _fresh_leaves(inputs)
+    q, k, v = leaves["q"], leaves["k"], leaves["v"]
     kwargs = dict(softmax_scale=case.scale, causal=case.causal, window_size=case.window,
                   deterministic=case.deterministic, return_lse=case.return_lse)
-    if case.layout == "dense":
-        out, lse = package.flash_attn_func(q, k, v, **kwargs)
-    else:
-        kwargs.update(cu_seqlens_q=inputs["cu_seqlens_q"], cu_seqlens_k=inputs["cu_seqlens_k"],
-                      max_seqlen_q=max(case.lens_q), max_seqlen_k=max(case.lens_k),
-                      seqused_k=inputs.get("seqused_k"))
-        out, lse = package.flash_attn_varlen_func(q, k, v, **kwargs)
-    grads = torch.autograd.grad(loss_of(out, lse, inputs, case), (q, k, v), allow_unused=True)
-    grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+    if case.softcap:
+        kwargs["softcap"] = case.softcap
+    if "learnable_sink" in leaves:
+        kwargs["learnable_sink"] = leaves["learnable_sink"]
+    gate = case.features() if getattr(package, "__name__", "") == "fa4_final" else ()
+    with pending_features(gate):
+        if case.layout == "dense":
+            out, lse = package.flash_attn_func(q, k, v, **kwargs)
+        else:
+            kwargs.update(cu_seqlens_q=inputs["cu_seqlens_q"],
+                          cu_seqlens_k=inputs["cu_seqlens_k"], max_seqlen_q=max(case.lens_q),
+                          max_seqlen_k=max(case.lens_k), seqused_k=inputs.get("seqused_k"))
+            out, lse = package.flash_attn_varlen_func(q, k, v, **kwargs)
+        targets = _leaves(leaves)
+        grads = torch.autograd.grad(loss_of(out, lse, inputs, case), targets, allow_unused=True)
+    grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, targets))
     return out.detach(), lse.detach(), grads
 
 
@@ -280,7 +393,22 @@ def grad_floor(ref_grads) -> float:
     return GRAD_FLOOR * max(biggest, default=0.0)
 
 
-def judge(result, ref, same, case: Case) -> dict:
+def sink_step(ref, inputs: dict, case: Case) -> float:
+    """Note [Sink gradient step]: the largest head's bound, from the float64 reference."""
+    sink = inputs.get("learnable_sink")
+    out, lse = ref[0].detach().double(), ref[1].detach().double()
+    if sink is None or out.numel() == 0:
+        return 0.0
+    step = (out - out.to(DTYPES[case.dtype]).double()).abs()
+    rows = (inputs["w_out"].double().abs() * step).sum(-1)  # like out without its last dim
+    rows = rows.transpose(1, 2) if case.layout == "dense" else rows.transpose(0, 1)  # like lse
+    shape = (1, -1, 1) if case.layout == "dense" else (-1, 1)
+    p_sink = torch.exp(sink.double().view(shape) - lse).nan_to_num(1.0)
+    per_head = (p_sink * rows).sum(dim=(0, 2) if case.layout == "dense" else 1)
+    return float(per_head.max())
+
+
+def judge(result, ref, same, case: Case, dsink_slack: float = 0.0) -> dict:
     """The rule on out, lse, dq, dk, dv; plus rows that see no key: out 0, lse -inf."""
     out, lse, grads = result
     dtype = DTYPES[case.dtype]
@@ -290,8 +418,10 @@ def judge(result, ref, same, case: Case) -> dict:
     verdicts = {"out": _rule("out", out, ref[0], same[0], dtype),
                 "lse": _rule("lse", lse, ref[1], same[1], torch.float32, LSE_SLACK)}
     floor = grad_floor(ref[2])
-    for name, g, g_ref, g_same in zip(("dq", "dk", "dv"), grads, ref[2], same[2]):
-        verdicts[name] = _rule(name, g, g_ref, g_same, dtype, floor)
+    for name, g, g_ref, g_same in zip(("dq", "dk", "dv", "dsink"), grads, ref[2], same[2]):
+        g_dtype = SINK_DTYPES[case.sink_dtype] if name == "dsink" else dtype
+        slack = floor + (dsink_slack if name == "dsink" else 0.0)
+        verdicts[name] = _rule(name, g, g_ref, g_same, g_dtype, slack)
     empty = ~torch.isfinite(ref[1].cpu())
     rows_ok = True
     if empty.any():
@@ -311,22 +441,26 @@ def run_case(case: Case, packages: dict, device="cuda") -> dict:
     inputs = make_inputs(case, device)
     refs = {}
     for key, dtype in (("ref", torch.float64), ("same", DTYPES[case.dtype])):
-        q, k, v = (inputs[n].detach().clone().requires_grad_(True) for n in "qkv")
-        out, lse = reference({**inputs, "q": q, "k": k, "v": v}, case, dtype)
-        grads = torch.autograd.grad(loss_of(out, lse, inputs, case), (q, k, v),
+        leaves = _fresh_leaves(inputs)
+        targets = _leaves(leaves)
+        out, lse = reference(leaves, case, dtype)
+        grads = torch.autograd.grad(loss_of(out, lse, inputs, case), targets,
                                     allow_unused=True)
-        grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+        grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, targets))
         refs[key] = (out.detach(), lse.detach(), grads)
     row = {"impl": "fa4_final", "metric": "conformance", "unit": "case",
            "case": {k: v for k, v in asdict(case).items() if k != "seed"}, "seed": case.seed,
            "grad_floor": grad_floor(refs["ref"][2])}
+    if case.sink_dtype is not None:
+        row["sink_step"] = sink_step(refs["ref"], inputs, case)
     for name, package in packages.items():
         t0 = time.perf_counter()
         try:
             result = call(package, inputs, case)
             if device != "cpu":
                 torch.cuda.synchronize()
-            row[name] = {"status": "ran", **judge(result, refs["ref"], refs["same"], case)}
+            row[name] = {"status": "ran", **judge(result, refs["ref"], refs["same"], case,
+                                                  row.get("sink_step", 0.0))}
         except Exception as exc:  # a refusal or a failure: which one is the verdict's business
             kind = type(exc).__name__
             row[name] = {"status": "refused" if kind in CLEAN_ERRORS else "error",
@@ -352,7 +486,8 @@ def verdict(row: dict) -> str:
 # the run
 
 
-def _worker(indices: list[int], n_cases: int, seed: int, queue) -> None:
+def _worker(indices: list[int], n_cases: int, seed: int, queue,
+            features: tuple[str, ...] = ()) -> None:
     import fa4_final
 
     packages = {"fa4_final": fa4_final}
@@ -362,7 +497,7 @@ def _worker(indices: list[int], n_cases: int, seed: int, queue) -> None:
         packages["fa4"] = fa4
     except Exception as exc:  # the peer is optional: rows then say "absent"
         print(f"FA4 package not importable: {exc}", file=sys.stderr)
-    cases = make_cases(n_cases, seed)
+    cases = make_cases(n_cases, seed, features)
     for i in indices:
         row = run_case(cases[i], packages)
         queue.put(row)
@@ -371,7 +506,8 @@ def _worker(indices: list[int], n_cases: int, seed: int, queue) -> None:
                  if row["verdict"] not in ("agree", "ok") else ""), flush=True)
 
 
-def run(n_cases: int, seed: int, workers: int, deadline_s: float) -> list[dict]:
+def run(n_cases: int, seed: int, workers: int, deadline_s: float,
+        features: tuple[str, ...] = ()) -> list[dict]:
     """Cases spread over ``workers`` processes (kernels compile in parallel); a case whose
     worker died or ran past the deadline is a MISMATCH row saying so."""
     import multiprocessing as mp
@@ -379,7 +515,7 @@ def run(n_cases: int, seed: int, workers: int, deadline_s: float) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(list(range(w, n_cases, workers)), n_cases, seed,
-                                               queue)) for w in range(workers)]
+                                               queue, features)) for w in range(workers)]
     for p in procs:
         p.start()
     rows, start = {}, time.monotonic()
@@ -394,7 +530,7 @@ def run(n_cases: int, seed: int, workers: int, deadline_s: float) -> list[dict]:
         p.join(timeout=1)
         if p.is_alive():
             p.kill()
-    cases = make_cases(n_cases, seed)
+    cases = make_cases(n_cases, seed, features)
     for i in range(n_cases):
         if i not in rows:
             rows[i] = {"impl": "fa4_final", "metric": "conformance", "unit": "case", "value": 1,
@@ -459,9 +595,14 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run")
     ap.add_argument("--name", default=NAME)
     ap.add_argument("--dry-run", action="store_true", help="print the cases and stop")
+    ap.add_argument("--features", default="",
+                    help="comma-separated FA4 features every case also uses: softcap, "
+                         "learnable_sink (pending in fa4_final: FA4_FINAL_PENDING is set for "
+                         "those calls)")
     ap.add_argument("--rejudge", action="store_true",
                     help="judge the stored rows again under today's rule (any machine)")
     args = ap.parse_args(argv)
+    features = tuple(f.strip() for f in args.features.split(",") if f.strip())
     if args.rejudge:
         from utils import results
 
@@ -474,10 +615,10 @@ def main(argv=None) -> int:
         print(f"saved {results.save(args.name, rows, prov['command'], provenance=prov)}")
         return int(any(r["verdict"] == "MISMATCH" for r in rows))
     if args.dry_run:
-        for c in make_cases(args.cases, args.seed):
+        for c in make_cases(args.cases, args.seed, features):
             print(c.describe())
         return 0
-    rows = run(args.cases, args.seed, args.workers, args.deadline)
+    rows = run(args.cases, args.seed, args.workers, args.deadline, features)
     print(conformance_summary(rows))
     from utils import results
 

@@ -15,7 +15,7 @@
 #    clocked: fa4_final, two variants and the FA4 package at ncu's fixed clock, 8 shapes;
 #    predecessors: one shape's burst timed after an idle pause, a slow kernel, the other
 #    implementation, itself)
-#   (chapter 11-12: bwd-check bwd-tests bwd-bench bwd-phases bwd-phases-flush api-tests ch12-sweep ch12-acc varlen-tests
+#   (chapter 11-12: bwd-check bwd-tests bwd-bench lse-fold-tests bwd-phases bwd-phases-flush api-tests ch12-sweep ch12-acc varlen-tests
 #    api-varlen-tests (the API's GPU tests and the varlen backward's, without the training run)
 #    varlen-bench varlen-sanitize varlen-bwd-sanitize; varlen-dyn-sanitize: the varlen
 #    forward's dynamic tiles under memcheck, racecheck and synccheck)
@@ -23,6 +23,7 @@
 #    call beside the peers; decode-tests: the split combine, the decode kernel and chapter 15's exercises against float64)
 #   (sdpa-tests: fa4_final registered as SDPA's flash implementation, a small transformer against
 #    float64; softcap-tests: the softcap and learnable-sink builds against float64;
+#    softcap-api-tests: both through the public API (FA4_FINAL_PENDING set), conformance-features: vs FA4;
 #    headdim-tests: the forward at D = 96, 192, 256 and dv != D against float64, headdim-sanitize
 #    two of its cases under memcheck; seqused-q-tests: varlen with seqused_q, padding untouched;
 #    features: the forward at D = 96/192/256 and with softcap/sinks beside the peers)
@@ -83,6 +84,7 @@ for s in "$@"; do
     bwd-check) step bwd_check 300 $PY -m solutions.ch11_bwd_check --small ;;
     bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
     bwd-bench) step bwd_bench 900 $PY -m measure.bwd_benchmark ;;
+    lse-fold-tests) step lse_fold_tests 420 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_lse_fold.py ;;
     bwd-phases) step bwd_phases 580 $PY -m measure.bwd_phases --rounds 5 ;;
     bwd-phases-flush) step bwd_phases_flush 580 $PY -m measure.bwd_phases --rounds 5 --flush --name bwd_phases_flush ;;
     api-tests) step api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
@@ -99,6 +101,7 @@ for s in "$@"; do
     headdim-sanitize) step headdim_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fwd_head_dims.py -k "b1-17x17 or b2-300x77" ;;
     features) step features 580 $PY -m measure.features --deadline 500 ;;
     softcap-tests) step softcap_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_softcap_sinks.py ;;
+    softcap-api-tests) step softcap_api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_softcap_sinks_api.py ;;
     sdpa-tests) step sdpa_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_sdpa_registration.py ;;
     decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py ;;
     fa4-gaps) step fa4_gaps 300 $PY -m measure.fwd_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
@@ -152,6 +155,7 @@ for s in "$@"; do
       done ;;
     probes) step probes 420 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_protocol_probes.py ;;
     conformance) step conformance 580 $PY -m measure.conformance --cases ${CASES:-240} --workers ${WORKERS:-6} --deadline ${CONF_DEADLINE:-520} ;;
+    conformance-features) step conformance_features 580 $PY -m measure.conformance --cases ${CASES:-72} --workers ${WORKERS:-6} --deadline ${CONF_DEADLINE:-520} --features softcap,learnable_sink --name conformance_fa4_features ;;
     conformance-sample) step conformance_sample 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_conformance_fa4.py ;;
     window-tests) step window_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_bwd.py -k "test_flash_attn_func_forward or test_varlen_forward or test_backward or test_varlen_backward_matches or test_sliding_windows or test_deterministic_is_bitwise" ;;
     notebooks) step notebooks 580 env COURSE_STRICT_EXERCISES=1 $PY -m pytest -q -p no:cacheprovider --nbval-lax --nbval-cell-timeout=600 ${NOTEBOOKS:-solutions/} ;;
