@@ -17,8 +17,9 @@ from fa4_final.common.constants import CUTLASS_BY_NAME
 from fa4_final.common.recipe import fake_stream, fake_tensor
 
 
-def fake_backward_args(dtype_name: str, head_dim: int) -> dict:
-    """Fake arguments of each kernel (role -> tuple): symbolic batch, lengths and heads."""
+def fake_backward_args(dtype_name: str, head_dim: int, has_dlse: bool = False) -> dict:
+    """Fake arguments of each kernel (role -> tuple): symbolic batch, lengths and heads;
+    ``has_dlse``: bwd_pre takes the lse's gradient, like lse (Note [The lse gradient folded])."""
     dt = CUTLASS_BY_NAME[dtype_name]
     div = 128 // dt.width  # 16-byte strides (TMA, 128-bit loads), in elements
     b, sq, sk, h, hk, sq_pad, slab, m_blocks = (cute.sym_int() for _ in range(8))
@@ -32,8 +33,9 @@ def fake_backward_args(dtype_name: str, head_dim: int) -> dict:
     turn = fake_tensor(Int32, (cute.sym_int(), cute.sym_int(), m_blocks), divisibility=1)
     q, out, dout, dq = like_q(), like_q(), like_q(), like_q()
     k, v, dk, dv = like_k(), like_k(), like_k(), like_k()
+    dlse = (fake_tensor(Float32, (b, h, sq), divisibility=1),) if has_dlse else ()
     return {
-        "pre": (out, dout, lse, lse2, delta, accum, turn, fake_stream()),
+        "pre": (out, dout, lse, lse2, delta, accum, turn, fake_stream(), *dlse),
         "main": (q, k, v, dout, lse2, delta, accum, dk, dv, turn, Float32(1.0), Int32(0),
                  Int32(0), fake_stream()),
         "post": (accum, dq, Float32(1.0), fake_stream()),
@@ -53,10 +55,12 @@ def _turn_dummy(device) -> torch.Tensor:
 
 
 def launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal: bool,
-                    softmax_scale: float, left, right) -> None:
+                    softmax_scale: float, left, right, dlse=None) -> None:
     """The three launches of a dense backward, the hosts' contract (``plan``: its compiled
     kernels by role and its config, whose tile_m pads the workspace) on checked, non-empty
-    inputs; window sides None when unbounded (causal: right = 0, its mask compiled in)."""
+    inputs; window sides None when unbounded (causal: right = 0, its mask compiled in).
+    ``dlse``: the lse's gradient, like lse, float32, for a plan whose bwd_pre was built to take
+    it (Note [The lse gradient folded] in fa4_final.common.bwd_pre)."""
     kernels, cfg = plan.kernels, plan.config
     b, sq, h, d = q.shape
     m_blocks = -(-sq // cfg.tile_m)
@@ -68,7 +72,8 @@ def launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal: bool,
         turn = torch.empty((b, h, m_blocks), dtype=torch.int32, device=q.device)
     else:
         turn = _turn_dummy(q.device)
-    kernels["pre"](out, dout, lse, lse2, delta, accum, turn)
+    kernels["pre"](out, dout, lse, lse2, delta, accum, turn,
+                   *(() if dlse is None else (dlse.float().contiguous(),)))
     kernels["main"](q, k, v, dout, lse2, delta, accum, dk, dv, turn, softmax_scale, left or 0,
                     right or 0)
     kernels["post"](accum, dq, softmax_scale)

@@ -6,7 +6,8 @@ Per (query tile, head, batch), for the rows of the tile:
   - lse_log2) with one FFMA and one MUFU.EX2 per element. A row that sees no key (lse = -inf)
   and the padding rows past seqlen_q get +inf: their P is 2^(-inf) = 0, never inf - inf = NaN;
 - the tile's float32 dQ accumulator zeroed (every KV tile then adds into it), and in the
-  deterministic mode its turn counter set to 0.
+  deterministic mode its turn counter set to 0;
+- with ``has_dlse`` (Note [The lse gradient folded]), delta_i - dlse_i in delta's place.
 Both vectors are padded to whole query tiles so the main kernel loads a tile's worth with one
 bulk copy. Bytes: O and dO read once (2 x 2 B per element), 4 B of dQ accumulator written per
 element: a memory-bound pass of about 3 % of the backward's time at S = 4096.
@@ -30,7 +31,9 @@ class BackwardPre:
 
     varlen = False  # VarlenBackwardPre: packed sequences
 
-    def __init__(self, dtype, head_dim: int, tile_m: int, deterministic: bool = False):
+    def __init__(self, dtype, head_dim: int, tile_m: int, deterministic: bool = False,
+                 has_dlse: bool = False):
+        self.has_dlse = bool(has_dlse)  # Note [The lse gradient folded]
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
@@ -41,8 +44,9 @@ class BackwardPre:
         assert (tile_m * head_dim) % (THREADS * 4) == 0
 
     def cache_key(self) -> tuple:
-        return (type(self).__name__, self.dtype.__name__, self.head_dim, self.tile_m,
-                self.deterministic)
+        key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.tile_m,
+               self.deterministic)
+        return key + (("dlse",),) if self.has_dlse else key
 
     @cute.jit
     def __call__(
@@ -55,14 +59,21 @@ class BackwardPre:
         mdQaccum: cute.Tensor,  # (batch, heads, seqlen_q_padded * D) float32 out, zeroed
         mTurn: cute.Tensor,  # (batch, heads, num_m_blocks) int32 out (deterministic), zeroed
         stream,
+        mdLSE: cute.Tensor | None = None,  # has_dlse: (batch, heads, seqlen_q) float32
     ):
-        self.launch(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, None, stream)
+        self.launch(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, None, stream, mdLSE)
 
     @cute.jit
-    def launch(self, mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, mCuSeqlensQ, stream):
+    def launch(self, mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, mCuSeqlensQ, stream,
+               mdLSE=None):
         """Both variants' host side; ``mCuSeqlensQ`` is None in the dense one."""
         if const_expr(not (mO.element_type == mdO.element_type == self.dtype)):
             raise TypeError(f"out and dout must be {self.dtype}")
+        if const_expr(self.has_dlse != (mdLSE is not None)):
+            raise TypeError("dlse is given exactly to a build with has_dlse=True "
+                            "(Note [The lse gradient folded])")
+        if const_expr(mdLSE is not None and mdLSE.element_type != Float32):
+            raise TypeError("dlse must be float32")
         num_m_blocks = cute.ceil_div(mO.shape[1], self.tile_m)
         # one thread per VECTOR elements of a row: (rows_per_pass, threads_per_row) threads
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
@@ -76,25 +87,26 @@ class BackwardPre:
         if const_expr(self.varlen):  # the query tiles of every sequence and head, as a list
             grid = ((num_m_blocks + mCuSeqlensQ.shape[0] - 1) * mO.shape[2], 1, 1)
         self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, tiled_copy,
-                    mCuSeqlensQ).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+                    mCuSeqlensQ, mdLSE).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
                mDelta: cute.Tensor, mdQaccum: cute.Tensor, mTurn: cute.Tensor,
-               tiled_copy: cute.TiledCopy, mCuSeqlensQ: cute.Tensor | None):
+               tiled_copy: cute.TiledCopy, mCuSeqlensQ: cute.Tensor | None,
+               mdLSE: cute.Tensor | None):
         m_block, head, b = cute.arch.block_idx()
         if const_expr(not self.varlen):
             self.tile(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, tiled_copy, m_block,
-                      head, b, mO.shape[1], None)
+                      head, b, mO.shape[1], None, mdLSE)
         else:
             m_in_seq, at = varlen_query_tile(m_block, mCuSeqlensQ, self.tile_m, mO.shape[2])
             if at.valid:
                 self.tile(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, tiled_copy, m_in_seq,
-                          at.head, Int32(0), at.seqlen_q, (at.offset_q, at.m_base))
+                          at.head, Int32(0), at.seqlen_q, (at.offset_q, at.m_base), mdLSE)
 
     @cute.jit
     def tile(self, mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, tiled_copy, m_block, head,
-             b, seqlen_q, seq):
+             b, seqlen_q, seq, mdLSE=None):
         """One query tile: rows m_block * tile_m .. of ``head``. Varlen (``seq``): the rows of
         a sequence starting at packed row seq[0], its padded tiles from seq[1]."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -136,6 +148,11 @@ class BackwardPre:
                         lse = mLSE[b, head, first_row + row]
                     if lse != -Float32.inf:
                         lse2 = lse * LOG2_E
+                    if const_expr(mdLSE is not None):  # Note [The lse gradient folded]
+                        if const_expr(seq is None):
+                            delta = delta - mdLSE[b, head, row]
+                        else:
+                            delta = delta - mdLSE[b, head, first_row + row]
                 if const_expr(seq is None):
                     mLSE2[b, head, row] = lse2
                     mDelta[b, head, row] = delta
@@ -155,6 +172,16 @@ class BackwardPre:
                 mTurn[b, head, m_pad] = Int32(0)
 
 
+# Note [The lse gradient folded]
+# A loss that uses the returned lse sends its gradient dlse into the backward. lse_i = log sum_j
+# exp(s_ij), so d lse_i / d s_ij = P_ij and the softmax's Jacobian gains one term:
+#     dS_ij = P_ij (dP_ij - delta_i + dlse_i) = P_ij (dP_ij - (delta_i - dlse_i)),
+# with delta_i = rowsum(dO_i * O_i). So the whole effect is delta_i - dlse_i in delta's place,
+# one float a row, read here once; the main kernel and bwd_post are the builds without it. A row
+# that sees no key has P = 0 and no gradient either way. A compile-time variant (has_dlse): the
+# build without it is exactly the kernel it was.
+
+
 class VarlenBackwardPre(BackwardPre):
     """bwd_pre over packed sequences (runtime.varlen): out, dout (1, total_q, heads, D), lse
     (1, heads, total_q); lse_log2, delta, the dQ accumulator and the turn counters in the padded
@@ -169,5 +196,6 @@ class VarlenBackwardPre(BackwardPre):
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor,
-                 mTurn: cute.Tensor, mCuSeqlensQ: cute.Tensor, stream):
-        self.launch(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, mCuSeqlensQ, stream)
+                 mTurn: cute.Tensor, mCuSeqlensQ: cute.Tensor, stream,
+                 mdLSE: cute.Tensor | None = None):  # has_dlse: (1, heads, total_q) float32
+        self.launch(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, mCuSeqlensQ, stream, mdLSE)
