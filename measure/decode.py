@@ -55,6 +55,14 @@ from dataclasses import dataclass
 
 import torch
 
+from measure._modes import (
+    MODES,
+    add_timing_args,
+    check_timing_args,
+    deadline_note,
+    past_deadline,
+    rows_in_modes,
+)
 from utils import bench, results
 
 PRODUCES = [
@@ -71,7 +79,6 @@ PRODUCES = [
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")
 DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged")
 OURS = ("fa4_final", "fa4_final_paged", *DECODE_KERNEL)
-MODES = ("flush", "back_to_back")
 
 
 @dataclass(frozen=True)
@@ -266,17 +273,11 @@ def main(argv=None) -> int:
     ap.add_argument("--page", type=int, default=128, help="keys per page of the paged rows")
     ap.add_argument("--splits", type=int, default=0,
                     help="num_splits of the decode kernel's rows (< 1: the heuristic)")
-    ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS)
-    ap.add_argument("--rep", type=int, default=20, help="timed calls per round at most")
-    ap.add_argument("--max-seconds", type=float, default=0.25,
-                    help="one implementation's timed calls in one round take about this long")
     ap.add_argument("--copy-gib", type=float, default=4.0)
     ap.add_argument("--max-gb", type=float, default=80.0, help="largest cache to allocate (GB)")
-    ap.add_argument("--deadline", type=float, default=None, help="seconds; stop after a shape")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    add_timing_args(ap)
     args = ap.parse_args(argv)
-    if args.rounds < bench.MIN_ROUNDS:
-        ap.error(f"--rounds: at least {bench.MIN_ROUNDS}")
+    check_timing_args(ap, args)
     try:
         heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
     except ValueError:
@@ -292,7 +293,7 @@ def main(argv=None) -> int:
     shapes = grid(args.tokens, args.keys, args.batch, heads, args.dims)
     done = 0
     for shape in shapes:
-        if args.deadline is not None and time.monotonic() - start > args.deadline:
+        if past_deadline(args, start):
             break
         fields = row_fields(shape, args.page)
         if shape.kv_bytes() > args.max_gb * 1e9 or shape.keys % args.page:
@@ -310,24 +311,13 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             done += 1
             continue
-        for mode in args.modes:
-            measured = bench.interleaved(calls, rounds=args.rounds, rep=args.rep,
-                                         max_seconds=args.max_seconds,
-                                         flush_l2=(mode == "flush"))
-            for name, m in measured.items():
-                rows.append({"impl": name, "mode": mode, **fields, **extra.get(name, {}),
-                             **m.fields(shape.flops())})
-            for name in DECODE_KERNEL:  # the kernel failed before timing: say why
-                if name not in measured and name in extra:
-                    rows.append({"impl": name, "mode": mode, **fields, "ms": None,
-                                 "tflops": None, **extra[name]})
+        rows += rows_in_modes(calls, extra, fields, shape.flops(), args)
         del calls
         torch.cuda.empty_cache()
         done += 1
         print(f"[{time.monotonic() - start:.0f} s] {shape}", flush=True)
     rows = attach_roofline(rows)
-    note = (f"{done} of {len(shapes)} shapes" + ("" if done == len(shapes) else
-            f" (stopped at --deadline {args.deadline} s)"))
+    note = deadline_note(args, done, len(shapes))
     path = results.save(args.name, rows, command="python -m measure.decode " + " ".join(
         argv if argv is not None else sys.argv[1:]) + f"  [{note}]")
     print(f"wrote {path}: {note}")

@@ -43,6 +43,13 @@ from dataclasses import dataclass
 
 import torch
 
+from measure._modes import (
+    add_timing_args,
+    check_timing_args,
+    deadline_note,
+    past_deadline,
+    rows_in_modes,
+)
 from utils import bench, results
 
 PRODUCES = [
@@ -67,7 +74,6 @@ PEERS = ("fa4_package", "sdpa_flash", "sdpa_cudnn")
 # the FA4 package's own sm90 tile_n where it differs from our default (_tile_size_fwd_sm90):
 # timed as a second fa4_final row, so the default at these head dims can follow a measurement
 FA4_TILE_N = {"d192": 112, "d256": 80}
-MODES = ("flush", "back_to_back")
 
 
 @dataclass(frozen=True)
@@ -221,15 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS)
-    ap.add_argument("--rep", type=int, default=20, help="timed calls per round at most")
-    ap.add_argument("--max-seconds", type=float, default=0.25,
-                    help="one implementation's timed calls in one round take about this long")
-    ap.add_argument("--deadline", type=float, default=None, help="seconds; stop after a shape")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    add_timing_args(ap)
     args = ap.parse_args(argv)
-    if args.rounds < bench.MIN_ROUNDS:
-        ap.error(f"--rounds: at least {bench.MIN_ROUNDS}")
+    check_timing_args(ap, args)
     if not torch.cuda.is_available():
         print("features: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -238,28 +238,17 @@ def main(argv=None) -> int:
     shapes = grid(args.cases, args.seqlens, args.causal, args.tokens, args.heads)
     rows, done = [], 0
     for shape in shapes:
-        if args.deadline is not None and time.monotonic() - start > args.deadline:
+        if past_deadline(args, start):
             break
         fields = row_fields(shape)
         calls, extra = _calls(shape)
-        for mode in args.modes:
-            measured = bench.interleaved(calls, rounds=args.rounds, rep=args.rep,
-                                         max_seconds=args.max_seconds,
-                                         flush_l2=(mode == "flush"))
-            for name, m in measured.items():
-                rows.append({"impl": name, "mode": mode, **fields, **extra.get(name, {}),
-                             **m.fields(shape.flops())})
-            for name, fx in extra.items():  # built but not timed: say why
-                if name not in measured:
-                    rows.append({"impl": name, "mode": mode, **fields, "ms": None,
-                                 "tflops": None, **fx})
+        rows += rows_in_modes(calls, extra, fields, shape.flops(), args)
         del calls
         torch.cuda.empty_cache()
         done += 1
         print(f"[{time.monotonic() - start:.0f} s] {shape}", flush=True)
     rows = attach_ratios(rows)
-    note = (f"{done} of {len(shapes)} shapes" + ("" if done == len(shapes) else
-            f" (stopped at --deadline {args.deadline} s)"))
+    note = deadline_note(args, done, len(shapes))
     path = results.save(args.name, rows, command="python -m measure.features " + " ".join(
         argv if argv is not None else sys.argv[1:]) + f"  [{note}]")
     print(f"wrote {path}: {note}")

@@ -58,21 +58,6 @@ if "triton" not in sys.modules:
         sys.modules["quack.autotuner"] = _tuner
 '''
 
-# FA4's forward on (2, 4096, 16, d) q and k and (2, 4096, 16, dv) v (solutions.ch09_compare's
-# driver head: FA4's site, a fake device, fake CUDA tensors)
-FA4_DV_DRIVER_TAIL = r'''
-dv = int(os.environ["FA4_HEAD_DIM_V"])
-with FakeTensorMode():
-    q, k = (torch.empty(2, 4096, 16, d, dtype=torch.bfloat16, device="cuda") for _ in "qk")
-    v = torch.empty(2, 4096, 16, dv, dtype=torch.bfloat16, device="cuda")
-    t0 = time.time()
-    try:
-        interface.flash_attn_func(q, k, v, causal=causal)
-    except Exception as exc:  # fake tensors end the call after the compile
-        print("call ended with", type(exc).__name__)
-    print("compile seconds", round(time.time() - t0, 1))
-'''
-
 
 def config_name(d: int, dv: int, causal: bool) -> str:
     return f"d{d} dv{dv} {'causal' if causal else 'non-causal'}"
@@ -138,12 +123,12 @@ def our_metrics(d: int, dv: int, causal: bool, config=None, vector_p: bool = Fal
 
 
 def fa4_metrics(d: int, dv: int, causal: bool, site) -> dict:
-    from solutions.ch09_compare import FA4_DRIVER_HEAD, compile_fa4
+    from solutions.ch09_compare import FA4_FWD_DRIVER, compile_fa4
 
-    head = FA4_DRIVER_HEAD.replace("import cutlass.utils\n",
-                                   FA4_NO_TRITON + "import cutlass.utils\n", 1)
+    driver = FA4_FWD_DRIVER.replace("import cutlass.utils\n",
+                                    FA4_NO_TRITON + "import cutlass.utils\n", 1)
     ptx, sass, registers, spills, _ = compile_fa4(
-        head + FA4_DV_DRIVER_TAIL, "FlashAttentionForwardSm90", "sm_90a", SMS, d,
+        driver, "FlashAttentionForwardSm90", "sm_90a", SMS, d,
         causal, site, FA4_HEAD_DIM_V=str(dv))
     return common_metrics(ptx, sass, registers, spills)
 

@@ -196,10 +196,13 @@ from flash_attn.cute import interface
 d, causal = int(sys.argv[1]), sys.argv[2] == "1"
 '''
 
-# FA4's forward on (2, 4096, 16, d) bf16 tensors: the call compiles, then ends on fake tensors.
+# FA4's forward on (2, 4096, 16, d) bf16 tensors (v's head dim FA4_HEAD_DIM_V when set): the
+# call compiles, then ends on fake tensors.
 FA4_FWD_DRIVER = FA4_DRIVER_HEAD + r'''
+dv = int(os.environ.get("FA4_HEAD_DIM_V", d))
 with FakeTensorMode():
-    q, k, v = (torch.empty(2, 4096, 16, d, dtype=torch.bfloat16, device="cuda") for _ in "qkv")
+    q, k = (torch.empty(2, 4096, 16, d, dtype=torch.bfloat16, device="cuda") for _ in "qk")
+    v = torch.empty(2, 4096, 16, dv, dtype=torch.bfloat16, device="cuda")
     t0 = time.time()
     try:
         interface.flash_attn_func(q, k, v, causal=causal)

@@ -26,3 +26,27 @@ def test_ratios_take_the_fastest_peer_of_the_same_shape_and_mode():
     ours = rows[0]
     assert ours["best_peer"] == "sdpa_cudnn" and abs(ours["vs_best_peer"] - 500 / 520) < 1e-12
     assert ours["best_peer_spread"] == 0.03
+
+
+def test_rows_in_modes_times_every_call_in_every_mode_and_says_why_not(monkeypatch):
+    from types import SimpleNamespace
+
+    from measure import _modes
+    from utils import bench
+
+    seen = []
+
+    def fake_interleaved(calls, rounds, rep, max_seconds, flush_l2):
+        seen.append(flush_l2)
+        return {name: bench.Measured(ms_rounds=[1.0, 1.1, 0.9]) for name in calls}
+
+    monkeypatch.setattr(bench, "interleaved", fake_interleaved)
+    args = SimpleNamespace(modes=["flush", "back_to_back"], rounds=3, rep=5, max_seconds=0.1)
+    rows = _modes.rows_in_modes({"a": None}, {"a": {"max_diff": 0.0},
+                                              "b": {"error": "not built"}},
+                                {"s": 4096}, 2e12, args)
+    assert seen == [True, False]
+    assert [(r["impl"], r["mode"]) for r in rows] == [
+        ("a", "flush"), ("b", "flush"), ("a", "back_to_back"), ("b", "back_to_back")]
+    assert rows[0]["max_diff"] == 0.0 and abs(rows[0]["tflops"] - 2e12 / 1e-3 / 1e12) < 1e-9
+    assert rows[1]["ms"] is None and rows[1]["error"] == "not built"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.test_softcap_sinks import _same_precision
 from utils import checks
 from utils.hardware import missing
 from utils.reference import attention_reference_features, causal_mask
@@ -65,23 +66,6 @@ def _inputs(b, sq, sk, h, hk, d, dv, dtype, seed=None):
     return q, k, v, seed
 
 
-def _same_precision(q, k, v, causal, scale):
-    """PyTorch in the inputs' dtype: S from a 16-bit matmul, the softmax in float32, P rounded
-    to 16 bits for P V."""
-    b, sq, h, _ = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    if hk != h:
-        kt, vt = (t.repeat_interleave(h // hk, dim=1) for t in (kt, vt))
-    s = torch.matmul(qt, kt.transpose(-1, -2)).float() * scale
-    if causal:
-        s = s.masked_fill(~causal_mask(sq, sk, s.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(s - lse_safe[..., None]).to(q.dtype)
-    return torch.matmul(p, vt).transpose(1, 2), lse
-
-
 def _plan(d, dv, causal, dtype, varlen=False, has_seqused_k=False):
     from fa4_final.hopper.host import forward_recipe
     from fa4_final.runtime.compile import compiled
@@ -93,7 +77,7 @@ def _plan(d, dv, causal, dtype, varlen=False, has_seqused_k=False):
 def _check(label, q, k, v, causal, out, lse):
     scale = q.shape[-1] ** -0.5
     ref_out, ref_lse = attention_reference_features(q, k, v, causal, scale)
-    same_out, same_lse = _same_precision(q, k, v, causal, scale)
+    same_out, same_lse = _same_precision(q, k, v, causal, scale, 0.0, None)
     on_out = checks.tolerance_check(out, ref_out, same_out, "out")
     on_lse = checks.tolerance_check(lse, ref_lse, same_lse, "lse", extra_atol=checks.LSE_ATOL)
     sq, sk = q.shape[1], k.shape[1]
