@@ -455,6 +455,17 @@ def test_hopper_puts_softcap_and_sink_dtype_in_the_compile_key_only_when_set(mon
     launches = [c for c in calls if c[0] != "compiled"]
     assert len(launches[0][1]) == 10 and launches[1][1][-1] is s  # the sink, last
     assert launches[4][1][-1] is s
+    # the recorded arguments, given to the real recipes, build the variants they name
+    import cutlass
+
+    from fa4_final.hopper import host
+
+    main = host.forward_recipe(*keys[1]).kernels["main"]
+    assert main.logit_softcap == 5.0 and main.sink_dtype is cutlass.BFloat16
+    assert host.forward_recipe(*keys[0]).kernels["main"].has_sink is False
+    assert host.backward_recipe(*keys[3]).kernels["main"].logit_softcap == 5.0
+    varlen_main = host.forward_recipe(*keys[4]).kernels["main"]
+    assert varlen_main.varlen and varlen_main.logit_softcap == 2.0 and varlen_main.has_sink
 
 
 def test_the_recipes_cache_keys_hold_the_softcap_and_the_sink_dtype():
