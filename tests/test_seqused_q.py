@@ -6,6 +6,7 @@ sequence from cu_seqlens_q): every used row lies in a tile that is computed, eve
 in padding is skipped, and the used rows a tile stores are exactly min(tile_m, used - start).
 Slow: the has_seqused_q builds compiled for sm_90a (with and without a sink, at dv != D): no
 spill, no wgmma serialised; a plain varlen kernel given the tensor refuses it by name.
+The backward's has_seqused_q kernels compiled likewise (Note [Used query rows in the backward]).
 Nothing here runs on a GPU: tests/gpu/test_seqused_q.py does.
 """
 
@@ -76,3 +77,17 @@ def test_only_the_seqused_q_build_takes_the_tensor():
     kernel = forward_kernel("bf16", 128, True, False, False, cfg, True, True)
     with pytest.raises(Exception, match="has_seqused_q"):
         compile_kernel(kernel, *with_q, arch="sm_90a")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{}, {"has_dlse": True, "has_seqused_k": True}],
+                         ids=["plain", "dlse_seqused_k"])
+def test_seqused_q_backward_builds_compile_clean(kw):
+    """Note [Used query rows in the backward]: bwd_pre, the main kernel and bwd_post of the
+    has_seqused_q variant compile for sm_90a with no spill."""
+    from fa4_final.hopper.host import backward_recipe
+    from fa4_final.runtime.compile import artifacts
+
+    arts = artifacts(backward_recipe(128, "bf16", True, varlen=True, has_seqused_q=True, **kw))
+    for role, art in arts.items():
+        assert art.spills == 0 and art.frame_bytes == 0, (role, art.resources())

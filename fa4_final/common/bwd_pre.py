@@ -32,8 +32,10 @@ class BackwardPre:
     varlen = False  # VarlenBackwardPre: packed sequences
 
     def __init__(self, dtype, head_dim: int, tile_m: int, deterministic: bool = False,
-                 has_dlse: bool = False):
+                 has_dlse: bool = False, has_seqused_q: bool = False):
         self.has_dlse = bool(has_dlse)  # Note [The lse gradient folded]
+        # varlen only: a sequence's rows past seqused_q are padding (Note [Used query rows])
+        self.has_seqused_q = self.varlen and bool(has_seqused_q)
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
@@ -46,6 +48,7 @@ class BackwardPre:
     def cache_key(self) -> tuple:
         key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.tile_m,
                self.deterministic)
+        key = key + (("seqused_q",),) if self.has_seqused_q else key
         return key + (("dlse",),) if self.has_dlse else key
 
     @cute.jit
@@ -65,7 +68,7 @@ class BackwardPre:
 
     @cute.jit
     def launch(self, mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, mCuSeqlensQ, stream,
-               mdLSE=None):
+               mdLSE=None, mSeqUsedQ=None):
         """Both variants' host side; ``mCuSeqlensQ`` is None in the dense one."""
         if const_expr(not (mO.element_type == mdO.element_type == self.dtype)):
             raise TypeError(f"out and dout must be {self.dtype}")
@@ -74,6 +77,8 @@ class BackwardPre:
                             "(Note [The lse gradient folded])")
         if const_expr(mdLSE is not None and mdLSE.element_type != Float32):
             raise TypeError("dlse must be float32")
+        if const_expr(self.has_seqused_q != (mSeqUsedQ is not None)):
+            raise TypeError("seqused_q is given exactly to a varlen build with has_seqused_q")
         num_m_blocks = cute.ceil_div(mO.shape[1], self.tile_m)
         # one thread per VECTOR elements of a row: (rows_per_pass, threads_per_row) threads
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
@@ -87,19 +92,21 @@ class BackwardPre:
         if const_expr(self.varlen):  # the query tiles of every sequence and head, as a list
             grid = ((num_m_blocks + mCuSeqlensQ.shape[0] - 1) * mO.shape[2], 1, 1)
         self.kernel(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, tiled_copy,
-                    mCuSeqlensQ, mdLSE).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+                    mCuSeqlensQ, mdLSE, mSeqUsedQ).launch(grid=grid, block=[THREADS, 1, 1],
+                                                          stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
                mDelta: cute.Tensor, mdQaccum: cute.Tensor, mTurn: cute.Tensor,
                tiled_copy: cute.TiledCopy, mCuSeqlensQ: cute.Tensor | None,
-               mdLSE: cute.Tensor | None):
+               mdLSE: cute.Tensor | None, mSeqUsedQ: cute.Tensor | None):
         m_block, head, b = cute.arch.block_idx()
         if const_expr(not self.varlen):
             self.tile(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, tiled_copy, m_block,
                       head, b, mO.shape[1], None, mdLSE)
         else:
-            m_in_seq, at = varlen_query_tile(m_block, mCuSeqlensQ, self.tile_m, mO.shape[2])
+            m_in_seq, at = varlen_query_tile(m_block, mCuSeqlensQ, self.tile_m, mO.shape[2],
+                                             mSeqUsedQ)
             if at.valid:
                 self.tile(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, tiled_copy, m_in_seq,
                           at.head, Int32(0), at.seqlen_q, (at.offset_q, at.m_base), mdLSE)
@@ -197,5 +204,7 @@ class VarlenBackwardPre(BackwardPre):
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor,
                  mTurn: cute.Tensor, mCuSeqlensQ: cute.Tensor, stream,
-                 mdLSE: cute.Tensor | None = None):  # has_dlse: (1, heads, total_q) float32
-        self.launch(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, mCuSeqlensQ, stream, mdLSE)
+                 mdLSE: cute.Tensor | None = None,  # has_dlse: (1, heads, total_q) float32
+                 mSeqUsedQ: cute.Tensor | None = None):  # has_seqused_q: (batch,) int32
+        self.launch(mO, mdO, mLSE, mLSE2, mDelta, mdQaccum, mTurn, mCuSeqlensQ, stream, mdLSE,
+                    mSeqUsedQ)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, const_expr
 
 from fa4_final.common.bwd_tiles import dq_accum_tile
 from fa4_final.common.schedule import tile_coords, varlen_locate
@@ -165,13 +165,19 @@ class QueryTile:
 
 
 @cute.jit
-def varlen_query_tile(t, mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[int], heads):
+def varlen_query_tile(t, mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[int], heads,
+                      mSeqUsedQ: cute.Tensor | None = None):
     """(m_block, QueryTile) of linear tile ``t`` of the backward's bwd_pre and bwd_post: sequence by
-    sequence, in each its heads, in each head its query tiles (warp-collective)."""
+    sequence, in each its heads, in each head its query tiles (warp-collective). With
+    ``mSeqUsedQ`` the tile's seqlen_q is the sequence's used rows; the tiles stay those of its
+    packed rows (Note [Used query rows])."""
     b, before, total = varlen_locate(t, mCuSeqlensQ, tile_m, heads)
     offset_q = mCuSeqlensQ[b]
-    seqlen_q = mCuSeqlensQ[b + 1] - offset_q
-    n_m = cutlass.max(cute.ceil_div(seqlen_q, tile_m), 1)
+    rows_q = mCuSeqlensQ[b + 1] - offset_q
+    seqlen_q = rows_q
+    if const_expr(mSeqUsedQ is not None):
+        seqlen_q = mSeqUsedQ[b]
+    n_m = cutlass.max(cute.ceil_div(rows_q, tile_m), 1)
     r = t - before
     return r % n_m, QueryTile(t < total, r // n_m, seqlen_q, offset_q,
                               dq_accum_tile(offset_q, b, tile_m))

@@ -242,7 +242,8 @@ class HopperBackward:
 
     @cute.jit
     def launch(self, mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, mTurn, softmax_scale,
-               window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, stream):
+               window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, stream,
+               mSeqUsedQ=None):
         """The host side of both variants: layouts, TMA descriptors, grid. The varlen tensors
         are None in the dense one (HopperVarlenBackward's arguments)."""
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
@@ -311,7 +312,7 @@ class HopperBackward:
             softmax_scale, self.score_scale(softmax_scale), window_left, window_right, mQ.shape[2],
             sQ_layout, sK_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq,
             bytes_q + bytes_row, bytes_kv, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
-            mdK_rows, mdV_rows,
+            mdK_rows, mdV_rows, mSeqUsedQ,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def score_scale(self, softmax_scale):
@@ -362,6 +363,7 @@ class HopperBackward:
         mSeqUsedK: cute.Tensor | None,  # varlen with seqused_k: (batch,) int32
         mdK_rows: cute.Tensor | None,  # varlen: dk and dv themselves (s, D, h, b)
         mdV_rows: cute.Tensor | None,
+        mSeqUsedQ: cute.Tensor | None,  # varlen with seqused_q: (batch,) int32
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -393,7 +395,7 @@ class HopperBackward:
         seq = None  # dense; varlen: where this CTA's sequence lies (Note [Varlen backward])
         if const_expr(self.varlen):
             n_block, head_kv, seqlen_q, seqlen_k, seq = self.varlen_key_tile(
-                n_block, mK.shape[2], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+                n_block, mK.shape[2], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSeqUsedQ)
             b = Int32(0)  # the packed batch of one
         num_n_blocks = (seqlen_k + self.tile_n - 1) // self.tile_n
         if const_expr(self.cfg.deterministic and launch_order_reversed(self.window)):
@@ -448,15 +450,28 @@ class HopperBackward:
     # step); one with no key owns no CTA, and its dQ is the zeroed accumulator. Rows past seqused_k
     # belong to no key tile: the launch zeroes dk and dv first.
 
+    # Note [Used query rows in the backward]
+    # With seqused_q (Note [Used query rows] in fa4_final.common.seqlens) the backward takes a
+    # sequence's length as its used rows in bwd_pre and here: the causal diagonal and the query
+    # tiles a key tile visits follow the used length, and bwd_pre gives the padding rows of a
+    # partial last tile lse_log2 = +inf and delta = 0, so their P and dS are exactly 0 and they
+    # add nothing to dK, dV or dQ (bwd_post then writes zeros into dq's padding rows, from the
+    # zeroed accumulator). That needs the padding rows of q and dout to hold finite values, as
+    # the forward's Note asks of keys past seqused_k: 0 * NaN is NaN.
+
     @cute.jit
-    def varlen_key_tile(self, t, heads_kv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK):
+    def varlen_key_tile(self, t, heads_kv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+                        mSeqUsedQ=None):
         """(n_block, head_kv, seqlen_q, seqlen_k, (first q row, first k row, first padded
         tile)) of CTA ``t`` (Note [Varlen backward]); past the last tile both lengths are 0, so
-        the CTA has no step and stores nothing. Warp-collective. Host mirror:
-        bwd_tiles.varlen_key_tile_host."""
+        the CTA has no step and stores nothing. With seqused_q, seqlen_q is the sequence's used
+        rows (Note [Used query rows] in fa4_final.common.seqlens). Warp-collective. Host
+        mirror: bwd_tiles.varlen_key_tile_host."""
         b, before, total = varlen_locate(t, mCuSeqlensK, self.tile_n, heads_kv, mSeqUsedK)
         offset_q, offset_k = mCuSeqlensQ[b], mCuSeqlensK[b]
         seqlen_q = mCuSeqlensQ[b + 1] - offset_q
+        if const_expr(mSeqUsedQ is not None):
+            seqlen_q = mSeqUsedQ[b]
         if const_expr(mSeqUsedK is not None):
             seqlen_k = mSeqUsedK[b]
         else:
@@ -900,13 +915,16 @@ class HopperVarlenBackward(HopperBackward):
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperBwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False,
-                 has_seqused_k: bool = False, softcap: float = 0.0):
+                 has_seqused_k: bool = False, softcap: float = 0.0,
+                 has_seqused_q: bool = False):
         super().__init__(dtype, head_dim, causal, config, has_window_left, has_window_right,
                          softcap)
         self.has_seqused_k = bool(has_seqused_k)
+        self.has_seqused_q = bool(has_seqused_q)  # Note [Used query rows in the backward]
 
     def cache_key(self) -> tuple:
-        return super().cache_key() + (("varlen", self.has_seqused_k),)
+        key = super().cache_key() + (("varlen", self.has_seqused_k),)
+        return key + (("seqused_q",),) if self.has_seqused_q else key
 
     @cute.jit
     def __call__(
@@ -928,8 +946,12 @@ class HopperVarlenBackward(HopperBackward):
         window_left: Int32,
         window_right: Int32,
         stream,
+        mSeqUsedQ: cute.Tensor | None = None,  # (batch,) int32 or None (has_seqused_q)
     ):
         if const_expr(self.has_seqused_k != (mSeqUsedK is not None)):
             raise TypeError("seqused_k is given exactly to the has_seqused_k variant")
+        if const_expr(self.has_seqused_q != (mSeqUsedQ is not None)):
+            raise TypeError("seqused_q is given exactly to the has_seqused_q variant")
         self.launch(mQ, mK, mV, mdO, mLSE2, mDelta, mdQaccum, mdK, mdV, mTurn, softmax_scale,
-                    window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, stream)
+                    window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, stream,
+                    mSeqUsedQ)

@@ -350,7 +350,8 @@ def backward_config(head_dim: int, causal: bool, deterministic: bool,
 
 
 def _backward_kernels(dtype_name, head_dim, causal, has_left, has_right, cfg, varlen,
-                      has_seqused_k, softcap: float = 0.0, has_dlse: bool = False) -> dict:
+                      has_seqused_k, softcap: float = 0.0, has_dlse: bool = False,
+                      has_seqused_q: bool = False) -> dict:
     from fa4_final.common.bwd_post import BackwardPost, VarlenBackwardPost
     from fa4_final.common.bwd_pre import BackwardPre, VarlenBackwardPre
     from fa4_final.hopper.bwd import HopperBackward, HopperVarlenBackward
@@ -360,8 +361,9 @@ def _backward_kernels(dtype_name, head_dim, causal, has_left, has_right, cfg, va
     if varlen:
         main = HopperVarlenBackward(dt, head_dim, causal, cfg, has_window_left=has_left,
                                     has_window_right=has_right, has_seqused_k=has_seqused_k,
-                                    **extra)
-        pre = VarlenBackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic, has_dlse)
+                                    has_seqused_q=has_seqused_q, **extra)
+        pre = VarlenBackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic, has_dlse,
+                                has_seqused_q)
         return {"pre": pre, "main": main, "post": VarlenBackwardPost(main)}
     main = HopperBackward(dt, head_dim, causal, cfg, has_window_left=has_left,
                           has_window_right=has_right, **extra)
@@ -370,7 +372,7 @@ def _backward_kernels(dtype_name, head_dim, causal, has_left, has_right, cfg, va
 
 
 def _varlen_fake_args(dtype_name: str, head_dim: int, has_seqused_k: bool,
-                      has_dlse: bool = False) -> dict:
+                      has_dlse: bool = False, has_seqused_q: bool = False) -> dict:
     """The dense kernels' fake arguments (their batch entry 0 is the packed batch of one) plus
     the offsets, int32."""
     import cutlass.cute as cute
@@ -381,12 +383,16 @@ def _varlen_fake_args(dtype_name: str, head_dim: int, has_seqused_k: bool,
     used_k = fake_tensor(Int32, (cute.sym_int(),)) if has_seqused_k else None
     out, dout, lse, lse2, delta, accum, turn, stream = dense["pre"]
     dlse = (fake_tensor(Float32, lse.shape, divisibility=1),) if has_dlse else ()
+    used_q = ()  # Note [Used query rows]: after dlse's place in bwd_pre, last in the main kernel
+    if has_seqused_q:
+        used_q = (fake_tensor(Int32, (cute.sym_int(),)),)
+        dlse = dlse or (None,)
     q, k, v, _, _, _, _, dk, dv, _, _, _, _, _ = dense["main"]
     _, dq, _, _ = dense["post"]
     return {
-        "pre": (out, dout, lse, lse2, delta, accum, turn, cu_q, stream, *dlse),
+        "pre": (out, dout, lse, lse2, delta, accum, turn, cu_q, stream, *dlse, *used_q),
         "main": (q, k, v, dout, lse2, delta, accum, dk, dv, turn, cu_q, cu_k, used_k,
-                 Float32(1.0), Int32(0), Int32(0), stream),
+                 Float32(1.0), Int32(0), Int32(0), stream, *used_q),
         "post": (accum, dq, cu_q, Float32(1.0), stream),
     }
 
@@ -395,22 +401,26 @@ def backward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = Fal
                     config: HopperBwdConfig | None = None, deterministic: bool = False,
                     has_window_left: bool = False, has_window_right: bool = False,
                     varlen: bool = False, has_seqused_k: bool = False,
-                    arch: str = ARCH, softcap: float = 0.0, has_dlse: bool = False) -> Recipe:
+                    arch: str = ARCH, softcap: float = 0.0, has_dlse: bool = False,
+                    has_seqused_q: bool = False) -> Recipe:
     """The backward's three kernels ("pre", "main", "post"), dense or varlen; ``softcap``
     (0.0: none) builds the main kernel of Note [Softcap]. A learnable sink changes no kernel:
     its gradient is sink_gradient's (fa4_final.common.backward). ``has_dlse``: bwd_pre takes
-    the lse's gradient (Note [The lse gradient folded] in fa4_final.common.bwd_pre)."""
+    the lse's gradient (Note [The lse gradient folded] in fa4_final.common.bwd_pre);
+    ``has_seqused_q``: the varlen kernels take seqused_q
+    (Note [Used query rows in the backward] in fa4_final.hopper.bwd)."""
     _check_target(dtype, arch, "backward")
     cfg = backward_config(head_dim, causal, deterministic, config)
     if softcap and config is None:
         cfg = hopper_bwd_softcap(cfg, head_dim, causal)
     has_seqused_k = varlen and has_seqused_k
+    has_seqused_q = varlen and has_seqused_q
     kernels = _backward_kernels(dtype, head_dim, causal, has_window_left, has_window_right, cfg,
-                                varlen, has_seqused_k, softcap, has_dlse)
+                                varlen, has_seqused_k, softcap, has_dlse, has_seqused_q)
     if varlen:
         return Recipe("bwd", ARCH, kernels,
                       lambda role: _varlen_fake_args(dtype, head_dim, has_seqused_k,
-                                                     has_dlse)[role], cfg)
+                                                     has_dlse, has_seqused_q)[role], cfg)
     return Recipe("bwd", ARCH, kernels,
                   lambda role: shared_backward.fake_backward_args(dtype, head_dim,
                                                                   has_dlse)[role], cfg)
@@ -430,12 +440,14 @@ def workspace_shapes(total_q: int, batch: int, heads: int, head_dim: int, tile_m
 
 def launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
                            cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, causal: bool,
-                           softmax_scale: float, window_left, window_right, dlse=None) -> None:
+                           softmax_scale: float, window_left, window_right, dlse=None,
+                           seqused_q=None) -> None:
     """The varlen backward in three launches: q, out, dout, dq (total_q, h, d), k, v, dk, dv
     (total_k, h_kv, d), lse (h, total_q), none of them empty. ``max_seqlen_*`` are not needed
     (the grids are counted from shapes), and the workspace is sized from shapes alone
     (Note [Varlen dQ accumulator]), so nothing waits for the GPU. ``dlse`` (h, total_q),
-    for a plan built with has_dlse (Note [The lse gradient folded])."""
+    for a plan built with has_dlse (Note [The lse gradient folded]); ``seqused_q`` (batch,),
+    for a plan built with has_seqused_q (Note [Used query rows in the backward])."""
     total_q, h, d = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     if seqused_k is not None:  # keys past seqused_k belong to no key tile (Note [Varlen backward])
@@ -448,11 +460,15 @@ def launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens
     turn = torch.empty(shapes["turn"], dtype=torch.int32, device=q.device)
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used = None if seqused_k is None else seqused_k.contiguous()
+    dl = () if dlse is None else (dlse.float().contiguous()[None],)
+    used_q = ()
+    if seqused_q is not None:  # after dlse's place in bwd_pre; last in the main kernel
+        used_q, dl = (seqused_q.contiguous(),), dl or (None,)
     kernels["pre"](out.unsqueeze(0), dout.unsqueeze(0), lse.unsqueeze(0), lse2, delta, accum,
-                   turn, cu_q, *(() if dlse is None else (dlse.float().contiguous()[None],)))
+                   turn, cu_q, *dl, *used_q)
     kernels["main"](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dout.unsqueeze(0), lse2,
                     delta, accum, dk.unsqueeze(0), dv.unsqueeze(0), turn, cu_q, cu_k, used,
-                    softmax_scale, window_left or 0, window_right or 0)
+                    softmax_scale, window_left or 0, window_right or 0, *used_q)
     kernels["post"](accum, dq.unsqueeze(0), cu_q, softmax_scale)
 
 

@@ -97,7 +97,7 @@ for s in "$@"; do
     decode) step decode 580 $PY -m measure.decode --dims 128 --deadline 500 ;;
     decode-d64) step decode_d64 580 $PY -m measure.decode --name decode_d64 --dims 64 --deadline 500 ;;
     headdim-tests) step headdim_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py ;;
-    seqused-q-tests) step seqused_q_tests 600 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_seqused_q.py ;;
+    seqused-q-tests) step seqused_q_tests 700 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_seqused_q.py ;;
     headdim-sanitize) step headdim_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fwd_head_dims.py -k "b1-17x17 or b2-300x77" ;;
     features) step features 580 $PY -m measure.features --deadline 500 ;;
     softcap-tests) step softcap_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_softcap_sinks.py ;;
