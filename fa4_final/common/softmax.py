@@ -360,9 +360,9 @@ def fold_sink(total: Float32, max_scaled: Float32, row_max: Float32, sink: Float
 # relative error is about 2^-11): a capped logit near c carries an absolute error up to about
 # c * 2^-11, which the probabilities see as a relative error of the same size. The backward
 # needs dS * d(capped score)/d(q.k) = dS * scale * (1 - t^2): the t of each score is
-# recomputed there, nothing more is stored. The API refuses softcap != 0 and learnable_sink
-# (fa4_final.api.interface) until these builds have passed their tests on a Hopper GPU: no call
-# of a user reaches them before that.
+# recomputed there, nothing more is stored. A call refuses softcap != 0 and learnable_sink
+# (Note [Pending features] in fa4_final.runtime.pending) until these builds have passed their
+# tests on a Hopper GPU: no call of a user reaches them before that.
 
 
 def check_softcap(softcap) -> float:

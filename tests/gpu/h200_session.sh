@@ -163,7 +163,7 @@ for s in "$@"; do
       args=()
       for log in "$OUT"/logs/*.log; do
         n=$(basename "$log" .log)
-        case $n in gpu_tests|bwd_tests|api_tests|probes|window_tests|conformance_sample|api_varlen_tests|varlen_tests|varlen_memcheck|varlen_bwd_memcheck|san_*|*_check) args+=("$n=$log") ;; esac
+        case $n in gpu_tests|bwd_tests|api_tests|probes|window_tests|conformance_sample|api_varlen_tests|varlen_tests|varlen_memcheck|varlen_bwd_memcheck|san_*|*_check|*_tests|headdim_memcheck) args+=("$n=$log") ;; esac
       done
       [ ${#args[@]} -gt 0 ] && step record 60 $PY -m measure.gpu_checks "${args[@]}" ;;
     *) echo "unknown step $s"; status=1 ;;

@@ -214,13 +214,20 @@ def test_backward_matches_float64_autograd(case):
     launch_backward(plan, q.detach(), k.detach(), v.detach(), out, lse, dout, dq, dk, dv,
                     causal, scale, None, 0 if causal else None)
     got = [dq, dk, dv]
+    extra = [0.0, 0.0, 0.0]
     if sink is not None:
         got.append(sink_gradient(sink.detach(), lse, out, dout))
+        # dsink reads the stored, rounded O (as FA4's does): its limit gets that rounding step
+        # carried through the formula (Note [Sink gradient step] in measure.conformance)
+        step = (ref_out.detach() - out.double()).abs()
+        rows = (dout.double().abs() * step).sum(-1).transpose(1, 2)  # like lse
+        p_sink = torch.exp(sink64.detach().view(1, -1, 1) - ref_lse.detach())
+        extra.append(float((p_sink * rows).sum(dim=(0, 2)).max()))
     label = f"{_ids(case)} seed={seed}"
     checks.wait_for_gpu(label)
     failed = []
-    for name, value, ref, pt in zip(("dq", "dk", "dv", "dsink"), got, want, same):
-        verdict = checks.tolerance_check(value, ref, pt, name)
+    for name, value, ref, pt, ex in zip(("dq", "dk", "dv", "dsink"), got, want, same, extra):
+        verdict = checks.tolerance_check(value, ref, pt, name, extra_atol=ex)
         if not verdict.passed:
             failed.append(str(verdict))
     assert not failed, f"{label}\n" + "\n".join(failed)
