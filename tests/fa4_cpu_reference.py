@@ -85,7 +85,7 @@ def dense_forward(q, k, v, scale, causal, left, right, softcap=0.0, sink=None):
     return out, lse.float().contiguous()
 
 
-def dense_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap=0.0):
+def dense_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap=0.0, dlse=None):
     h, hk = q.shape[2], k.shape[2]
     g = h // hk
     if min(q.shape[0], q.shape[1], h, k.shape[1]) == 0:
@@ -98,6 +98,8 @@ def dense_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap=
     o = out.float().transpose(1, 2)
     dp = do @ vf.transpose(-1, -2)
     delta = (do * o).sum(-1, keepdim=True)
+    if dlse is not None:  # the lse's gradient folded into delta, as bwd_pre's has_dlse builds
+        delta = delta - dlse.float().unsqueeze(-1)
     ds = p * (dp - delta)
     if softcap:  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
         ds = ds * (1 - torch.tanh((qf @ kf.transpose(-1, -2)) * scale / softcap) ** 2)
@@ -131,12 +133,12 @@ def varlen_forward(q, k, v, cu_q, cu_k, seqused_k, scale, causal, left, right, s
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, scale, causal, left, right,
-                    softcap=0.0):
+                    softcap=0.0, dlse=None):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for q0, q1, k0, k1 in _spans(cu_q, cu_k, seqused_k):
         g = dense_backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
                            out[None, q0:q1], lse[None, :, q0:q1], scale, causal, left, right,
-                           softcap)
+                           softcap, None if dlse is None else dlse[None, :, q0:q1])
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
 
@@ -157,8 +159,9 @@ def _cpu_fwd(q, k, v, scale, causal, wl, wr, deterministic, return_lse, softcap=
     return dense_forward(q, k, v, scale, causal, wl, wr, softcap, sink)
 
 
-def _cpu_bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, deterministic, softcap=0.0):
-    return dense_backward(dout, q, k, v, out, lse, scale, causal, wl, wr, softcap)
+def _cpu_bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, deterministic, softcap=0.0,
+             dlse=None):
+    return dense_backward(dout, q, k, v, out, lse, scale, causal, wl, wr, softcap, dlse)
 
 
 def _cpu_varlen_fwd(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal, wl, wr,
@@ -167,9 +170,9 @@ def _cpu_varlen_fwd(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal,
 
 
 def _cpu_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal,
-                    wl, wr, deterministic, softcap=0.0):
+                    wl, wr, deterministic, softcap=0.0, dlse=None):
     return varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, scale, causal, wl, wr,
-                           softcap)
+                           softcap, dlse)
 
 
 def register() -> None:

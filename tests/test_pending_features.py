@@ -208,7 +208,8 @@ def test_each_sink_dtype_fa4_takes_gets_to_the_gate(dtype):
 def test_the_op_schemas_carry_both_with_their_off_defaults():
     for op, tail in ((ops.fwd, "float softcap=0., Tensor? learnable_sink=None)"),
                      (ops.varlen_fwd, "float softcap=0., Tensor? learnable_sink=None)"),
-                     (ops.bwd, "float softcap=0.)"), (ops.varlen_bwd, "float softcap=0.)")):
+                     (ops.bwd, "float softcap=0., Tensor? dlse=None)"),
+                     (ops.varlen_bwd, "float softcap=0., Tensor? dlse=None)")):
         schema = str(op._opoverload._schema)
         assert schema.split(" -> ")[0].endswith(tail), schema
 
@@ -483,7 +484,8 @@ def test_the_recipes_cache_keys_hold_the_softcap_and_the_sink_dtype():
 
 def test_blackwell_refuses_both_by_name():
     row = dispatch.wired(dispatch.BLACKWELL)
-    assert row.features == () and dispatch.HOPPER.features == ("softcap", "learnable_sink")
+    assert row.features == ()
+    assert dispatch.HOPPER.features == ("softcap", "learnable_sink", "lse_fold")
     with pytest.raises(UnsupportedError, match=r"softcap=5.0: the sm_100a kernels have no "
                                                r"softcap variant; .*Hopper"):
         row.forward(None, None, None, None, None, False, 0.1, None, None, None, softcap=5.0)

@@ -31,7 +31,11 @@ kernel with V = 0 (so dP = 0), dO = 1 in three columns and O = -dlse split over 
 (three bf16/fp16 pieces that sum to the float32 value) gets D = -dlse and hence dS = P * dlse:
 exactly the extra dq and dk (dv of that call is P^T dO: thrown away). It costs one more backward,
 only when return_lse=True and a gradient is needed; a row that sees no key has P = 0 and gets
-nothing, as it should.
+nothing, as it should. The backward builds that fold dlse into bwd_pre instead, in one call
+(Note [The lse gradient folded] in fa4_final.common.bwd_pre), replace this second call only
+when FA4_FINAL_PENDING lists lse_fold (Note [Pending features]); without it, this path runs as
+it always has. The environment is read when the backward runs (under torch.compile: when the
+backward graph is traced).
 
 Note [The eager path]
 A custom op is what torch.compile, FakeTensorMode, opcheck and dispatch modes must see, but a
@@ -59,6 +63,7 @@ from fa4_final.runtime.checks import (
     check_tma_operand,
     check_varlen_inputs,
 )
+from fa4_final.runtime.pending import listed
 from fa4_final.runtime.prologue import backward_into, forward_into
 from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
 
@@ -103,11 +108,11 @@ def _(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, 
 
 def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              softmax_scale: float, causal: bool, window_left: int | None,
-             window_right: int | None, deterministic: bool,
-             softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+             window_right: int | None, deterministic: bool, softcap: float = 0.0,
+             dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal, softmax_scale,
-                  (window_left, window_right), deterministic, softcap=softcap)
+                  (window_left, window_right), deterministic, softcap=softcap, dlse=dlse)
     return dq, dk, dv
 
 
@@ -116,7 +121,7 @@ bwd = torch.library.custom_op("fa4_final::bwd", bwd_impl, mutates_args=())
 
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, deterministic,
-      softcap=0.0):
+      softcap=0.0, dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -158,10 +163,19 @@ def _sink_grad(ctx, sink, lse, out, dout, dlse, sink_input: int = SINK_INPUT):
     return sink_gradient(sink, lse, out, dout, dlse if ctx.return_lse else None)
 
 
+def _bwd_options(ctx) -> tuple:
+    """ctx.options with the softcap always in place (the backward ops' argument before dlse)."""
+    return ctx.options if len(ctx.options) == 6 else ctx.options + (0.0,)
+
+
 def _backward_fwd(ctx, dout, dlse, bwd_op=None, sink_input: int = SINK_INPUT):
     bwd_op = bwd if bwd_op is None else bwd_op  # the op, or _eager_bwd (Note [The eager path])
     q, k, v, out, lse, sink = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    if ctx.return_lse and dlse is not None and listed("lse_fold"):  # one call (the Note)
+        dq, dk, dv = bwd_op(dout, q, k, v, out, lse, *_bwd_options(ctx), dlse.contiguous())
+        return dq, dk, dv, None, None, None, None, None, None, None, _sink_grad(
+            ctx, sink, lse, out, dout, dlse, sink_input)
     dq, dk, dv = bwd_op(dout, q, k, v, out, lse, *ctx.options)
     if ctx.return_lse and dlse is not None:
         probe_dout, probe_out = _lse_probe(dlse.transpose(1, 2), out)  # (b, sq, h)
@@ -231,7 +245,7 @@ def _eager_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softca
 
 
 def _eager_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-               deterministic, softcap=0.0):
+               deterministic, softcap=0.0, dlse=None):
     """``bwd(...)`` on the forward's checked tensors; autograd gives dout out's shape, dtype
     and device, so what bwd_impl's checks add is dout's TMA rule (after .contiguous())."""
     check_tma_operand("dout", dout)
@@ -241,8 +255,8 @@ def _eager_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, wind
             softmax_scale, window_left, window_right, deterministic)
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function("fa4_final::bwd"):
-            return prologue.backward_prepared(*args, softcap=softcap)
-    return prologue.backward_prepared(*args, softcap=softcap)
+            return prologue.backward_prepared(*args, softcap=softcap, dlse=dlse)
+    return prologue.backward_prepared(*args, softcap=softcap, dlse=dlse)
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -302,12 +316,13 @@ def varlen_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Tensor | None,
                     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                     window_left: int | None, window_right: int | None, deterministic: bool,
-                    softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                    softcap: float = 0.0,
+                    dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                          seqused_k, _side(max_seqlen_q), _side(max_seqlen_k), causal,
                          softmax_scale, (window_left, window_right),
-                         deterministic, softcap=softcap)
+                         deterministic, softcap=softcap, dlse=dlse)
     return dq, dk, dv
 
 
@@ -318,7 +333,7 @@ varlen_bwd = torch.library.custom_op("fa4_final::varlen_bwd", varlen_bwd_impl,
 @varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic,
-      softcap=0.0):
+      softcap=0.0, dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -337,6 +352,12 @@ def _setup_varlen_fwd(ctx, inputs, output):
 def _backward_varlen_fwd(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, seqused_k, sink = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    if ctx.return_lse and dlse is not None and listed("lse_fold"):  # one call, as _backward_fwd
+        options = ctx.options if len(ctx.options) == 8 else ctx.options + (0.0,)
+        dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, *options,
+                                dlse.contiguous())
+        dsink = _sink_grad(ctx, sink, lse, out, dout, dlse, VARLEN_SINK_INPUT)
+        return (dq, dk, dv) + (None,) * 12 + (dsink,)
     dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, *ctx.options)
     if ctx.return_lse and dlse is not None:
         probe_dout, probe_out = _lse_probe(dlse.transpose(0, 1), out)  # (total_q, h)

@@ -32,8 +32,8 @@ from fa4_final.api.ops import _lse_probe
 from fa4_final.common.backward import sink_gradient
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.runtime.checks import check_flag, check_tma_operand
-from fa4_final.runtime.pending import check_features
-from fa4_final.runtime.prologue import backward_into, forward_into
+from fa4_final.runtime.pending import check_features, listed
+from fa4_final.runtime.prologue import backward_into, fold, forward_into
 from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
 
 # Note [SDPA registration]
@@ -291,18 +291,19 @@ def _flash_attn_bwd(
              for g, like in ((dq, q), (dk, k), (dv, v))]
     bufs = [_writable(g) for g in grads]
 
-    def run(v_, out_, dout_, dq_, dk_, dv_):
+    def run(v_, out_, dout_, dq_, dk_, dv_, dlse_=None):
         if packed:
             varlen_backward_into(q, k, v_, out_, lse, dout_, dq_, dk_, dv_, cu_seqlens_q,
                                  cu_seqlens_k, seqused_k, _host_int(max_seqlen_q),
                                  _host_int(max_seqlen_k), causal, softmax_scale, window,
-                                 deterministic, softcap=cap)
+                                 deterministic, softcap=cap, **fold(dlse_))
         else:
             backward_into(q, k, v_, out_, lse, dout_, dq_, dk_, dv_, causal, softmax_scale,
-                          window, deterministic, softcap=cap)
+                          window, deterministic, softcap=cap, **fold(dlse_))
 
-    run(v, out, dout, *(b for b, _ in bufs))
-    if dlse is not None:  # Note [Gradient of the returned lse]: one more backward
+    folded = dlse is not None and listed("lse_fold")  # one call (Note [Pending features])
+    run(v, out, dout, *(b for b, _ in bufs), dlse if folded else None)
+    if dlse is not None and not folded:  # Note [Gradient of the returned lse]: one more backward
         rows = dlse.transpose(0, 1) if packed else dlse.transpose(1, 2)
         probe_dout, probe_out = _lse_probe(rows, out)
         extra = [torch.empty_like(b, memory_format=torch.contiguous_format) for b, _ in bufs]

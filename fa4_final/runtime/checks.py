@@ -162,6 +162,17 @@ def check_grads(q, k, dout, dq, dk, dv, check_address: bool = True) -> None:
         check_tma_operand(name, t, check_address)
 
 
+def check_dlse(dlse, lse) -> None:
+    """The lse's gradient: a floating tensor of lse's shape on lse's device (the kernel reads it
+    as float32)."""
+    if not isinstance(dlse, torch.Tensor) or not dlse.is_floating_point() \
+            or tuple(dlse.shape) != tuple(lse.shape) or dlse.device != lse.device:
+        got = (f"{dlse.dtype} {tuple(dlse.shape)} on {dlse.device}"
+               if isinstance(dlse, torch.Tensor) else type(dlse).__name__)
+        raise ValueError(f"dlse must be a floating tensor of lse's shape {tuple(lse.shape)} on "
+                         f"{lse.device}, got {got}")
+
+
 # ----------------------------------------------------------------------------------------------
 # varlen
 

@@ -57,7 +57,8 @@ class Backend:
     varlen_backward: Callable | None = None
     # FA4's softcap and learnable_sink, where the family's kernels have the variants
     # (Note [Softcap], Note [Learnable sink]); each entry point takes them as keywords, passed
-    # only when set: softcap (float, 0.0: none) and learnable_sink ((heads,) tensor or None)
+    # only when set: softcap (float, 0.0: none) and learnable_sink ((heads,) tensor or None);
+    # "lse_fold": the backward entry points take dlse (Note [The lse gradient folded])
     features: tuple[str, ...] = ()
 
     @property
@@ -88,8 +89,10 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
         return (host.ARCH, float(softcap),
                 None if learnable_sink is None else DTYPE_NAMES[learnable_sink.dtype])
 
-    def bwd_extra(softcap) -> tuple:
-        refuse_missing(family, features, softcap, None)
+    def bwd_extra(softcap, dlse=None) -> tuple:
+        refuse_missing(family, features, softcap, None, dlse)
+        if dlse is not None:  # has_dlse after the softcap (Note [The lse gradient folded])
+            return (host.ARCH, float(softcap), True)
         return (host.ARCH, float(softcap)) if softcap else ()
 
     def forward(q, k, v, out, lse, causal, scale, left, right, config=None, softcap=0.0,
@@ -101,13 +104,13 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
         host.launch_forward(plan, q, k, v, out, lse, causal, scale, left, right, *sink)
 
     def backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right,
-                 deterministic=False, config=None, softcap=0.0):
-        extra = bwd_extra(softcap)
+                 deterministic=False, config=None, softcap=0.0, dlse=None):
+        extra = bwd_extra(softcap, dlse)
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
                         False, False, *extra)
         host.launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left,
-                             right)
+                             right, *(() if dlse is None else (dlse,)))
 
     def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                        max_seqlen_k, out, lse, causal, scale, left, right, config=None,
@@ -123,14 +126,15 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
 
     def varlen_backward(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                         seqused_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right,
-                        deterministic=False, config=None, softcap=0.0):
-        extra = bwd_extra(softcap)
+                        deterministic=False, config=None, softcap=0.0, dlse=None):
+        extra = bwd_extra(softcap, dlse)
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
                         True, seqused_k is not None, *extra)
         host.launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
                                     cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-                                    causal, scale, left, right)
+                                    causal, scale, left, right,
+                                    *(() if dlse is None else (dlse,)))
 
     return {"forward": forward, "backward": backward,
             "varlen_forward": varlen_forward if hasattr(host, "launch_varlen_forward") else None,
@@ -143,14 +147,22 @@ def launch_sink(learnable_sink: torch.Tensor) -> torch.Tensor:
     return learnable_sink if learnable_sink.stride(0) == 1 else learnable_sink.contiguous()
 
 
-def refuse_missing(family: str, features: tuple[str, ...], softcap, learnable_sink) -> None:
-    """UnsupportedError naming softcap or learnable_sink when set and not in ``features``."""
+def refuse_missing(family: str, features: tuple[str, ...], softcap, learnable_sink,
+                   dlse=None) -> None:
+    """UnsupportedError naming softcap, learnable_sink or dlse (the feature lse_fold) when set
+    and not in ``features``."""
     asked = [(name, value) for name, value, on in (
         ("softcap", softcap, bool(softcap)),
-        ("learnable_sink", learnable_sink, learnable_sink is not None)) if on]
+        ("learnable_sink", learnable_sink, learnable_sink is not None),
+        ("lse_fold", dlse, dlse is not None)) if on]
     for name, value in asked:
         if name not in features:
             shown = value if name == "softcap" else f"<tensor {tuple(value.shape)}>"
+            if name == "lse_fold":
+                raise UnsupportedError(
+                    f"dlse={shown}: the {family} backward has no build that folds the lse's "
+                    f"gradient in (lse_fold); fa4_final folds it on "
+                    f"{', '.join(b.label for b in BACKENDS if name in b.features)} only")
             raise UnsupportedError(
                 f"{name}={shown}: the {family} kernels have no {name} variant; fa4_final runs "
                 f"{name} on {', '.join(b.label for b in BACKENDS if name in b.features)} only")
@@ -183,8 +195,8 @@ def module_present(module: str) -> bool:
 
 HOPPER = Backend("Hopper", "H100, H200", "sm_90", ((9, 0),), hopper_host.ARCH, hopper_host,
                  forward_module="fa4_final.hopper.fwd", backward_module="fa4_final.hopper.bwd",
-                 features=("softcap", "learnable_sink"),
-                 **runners(hopper_host, ("softcap", "learnable_sink")))
+                 features=("softcap", "learnable_sink", "lse_fold"),
+                 **runners(hopper_host, ("softcap", "learnable_sink", "lse_fold")))
 BLACKWELL = Backend("Blackwell", "B200, GB200", "sm_100", ((10, 0),), blackwell_host.ARCH,
                     blackwell_host,
                     forward=_not_wired("Blackwell (sm_100)", "forward", "fa4_final.blackwell"),

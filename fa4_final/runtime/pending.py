@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 from fa4_final.common.errors import UnsupportedError
-from fa4_final.runtime.checks import check_learnable_sink, check_softcap
+from fa4_final.runtime.checks import check_dlse, check_learnable_sink, check_softcap
 
 ENV = "FA4_FINAL_PENDING"
 
@@ -34,6 +34,8 @@ PENDING: dict[str, str] = {
     "learnable_sink": "the Hopper forward builds with a learnable sink and the sink's gradient "
                       "are compiled and checked on a CPU; their GPU tests against float64 have "
                       "not run yet",
+    "lse_fold": "the backward builds that fold the lse's gradient into bwd_pre are compiled and "
+                "checked on a CPU; their GPU tests against float64 have not run yet",
 }
 
 
@@ -41,6 +43,14 @@ def allowed() -> frozenset[str]:
     """The names FA4_FINAL_PENDING lets through now (read from the environment each call)."""
     value = os.environ.get(ENV, "")
     return frozenset(n.strip() for n in value.split(",") if n.strip())
+
+
+def listed(name: str) -> bool:
+    """Whether the pending feature ``name`` may run now: not pending any more, or listed in
+    FA4_FINAL_PENDING. For a feature that replaces a verified path rather than adding an
+    argument (lse_fold: Note [Gradient of the returned lse] in fa4_final.api.ops), the caller
+    keeps the verified path when this is False."""
+    return name not in PENDING or name in allowed()
 
 
 def refuse_pending(func: str, name: str, value) -> None:
@@ -78,3 +88,12 @@ def check_features(func: str, softcap, learnable_sink, heads: int, device) -> fl
     if learnable_sink is not None:
         refuse_pending(func, "learnable_sink", learnable_sink)
     return cap
+
+
+def check_lse_fold(func: str, dlse, lse) -> None:
+    """A dlse given to a backward entry point: checked against its lse (runtime.checks), then
+    the gate (lse_fold). None passes: the backward without the lse's gradient."""
+    if dlse is None:
+        return
+    check_dlse(dlse, lse)
+    refuse_pending(func, "lse_fold", dlse)

@@ -28,7 +28,7 @@ import torch
 
 from fa4_final.runtime.checks import check_grads, check_inputs, check_outputs, normalise_window
 from fa4_final.runtime.dispatch import Backend, backend_for, backend_for_target, wired
-from fa4_final.runtime.pending import check_features
+from fa4_final.runtime.pending import check_features, check_lse_fold
 
 
 def resolve_scale(head_dim: int, softmax_scale) -> float:
@@ -103,6 +103,11 @@ def features(softcap: float = 0.0, learnable_sink=None) -> dict:
     return extra
 
 
+def fold(dlse=None) -> dict:
+    """The backward's dlse keyword, only when given (a call without it passes none)."""
+    return {} if dlse is None else {"dlse": dlse}
+
+
 def fill_empty_rows(out, lse, learnable_sink=None, heads_dim: int = -2):
     """out = 0 and lse = -inf for rows that see no key; with a learnable sink lse = the sink
     (its only column, Note [Learnable sink]). ``heads_dim``: lse's heads dimension."""
@@ -141,41 +146,44 @@ def forward(q, k, v, causal=False, softmax_scale=None, window_size=(None, None),
 
 def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_scale=None,
                   window_size=(None, None), deterministic=False, config=None,
-                  target: str | None = None, *, softcap=0.0):
+                  target: str | None = None, *, softcap=0.0, dlse=None):
     """Gradients of attention into ``dq`` (like q), ``dk`` and ``dv`` (like k): ``out``, ``lse``
     from the forward, ``dout`` the gradient of out. GQA: dk, dv are summed over each group.
     ``deterministic``: bitwise the same gradients every run (a fixed order of dQ adds).
     ``softcap``: the forward's. A learnable sink needs nothing here (its lse is the forward's;
-    its own gradient is common.backward.sink_gradient)."""
+    its own gradient is common.backward.sink_gradient). ``dlse`` (like lse, or None): the
+    lse's gradient, folded into the same backward (pending: lse_fold,
+    Note [Pending features])."""
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
     check_outputs(q, out, lse, (b, h, sq))
     check_grads(q, k, dout, dq, dk, dv)
     cap = check_features("backward_into", softcap, None, h, q.device)
+    check_lse_fold("backward_into", dlse, lse)
     p = prepare(d, causal, softmax_scale, window_size, q.device, target)
     return backward_prepared(p.backend, q, k, v, out, lse, dout, dq, dk, dv, p.causal, p.scale,
-                             p.left, p.right, deterministic, config, softcap=cap)
+                             p.left, p.right, deterministic, config, softcap=cap, dlse=dlse)
 
 
 def backward_prepared(backend: Backend, q, k, v, out, lse, dout, dq, dk, dv, causal: bool,
                       scale: float, left, right, deterministic: bool = False, config=None, *,
-                      softcap: float = 0.0):
+                      softcap: float = 0.0, dlse=None):
     """backward_into after its checks and prologue (as forward_prepared)."""
     if min(q.shape[0], q.shape[1], k.shape[1], q.shape[2]) == 0:
         for t in (dq, dk, dv):  # nothing attends: q, k, v have no influence on the output
             t.zero_()
         return dq, dk, dv
     backend.backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right,
-                     deterministic, config, **features(softcap))
+                     deterministic, config, **features(softcap), **fold(dlse))
     return dq, dk, dv
 
 
 def backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
              window_size=(None, None), deterministic=False, config=None,
-             target: str | None = None, *, softcap=0.0):
+             target: str | None = None, *, softcap=0.0, dlse=None):
     """(dq, dk, dv); see backward_into."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     return backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal, softmax_scale,
-                         window_size, deterministic, config, target, softcap=softcap)
+                         window_size, deterministic, config, target, softcap=softcap, dlse=dlse)
 
 
 def forward_timeline(q, k, v, causal=False, config=None):

@@ -41,8 +41,8 @@ from fa4_final.runtime.checks import (
     check_varlen_inputs,
     check_varlen_values,
 )
-from fa4_final.runtime.pending import check_features
-from fa4_final.runtime.prologue import features, fill_empty_rows, prepare
+from fa4_final.runtime.pending import check_features, check_lse_fold
+from fa4_final.runtime.prologue import features, fill_empty_rows, fold, prepare
 
 
 def _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k):
@@ -136,17 +136,19 @@ def _loop_into(p, q, k, v, cu_q, cu_k, used_k, out, lse, config, extra=None):
 def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                          seqused_k, max_seqlen_q, max_seqlen_k, causal=False,
                          softmax_scale=None, window_size=(None, None), deterministic=False,
-                         config=None, *, softcap=0.0):
+                         config=None, *, softcap=0.0, dlse=None):
     """Gradients of the varlen forward into dq (like q), dk and dv (like k). Key rows no
     sequence uses (past seqused_k) get zero gradients. One launch per kernel of the backward
     (Note [Varlen kernel]); the loop where the backend has no varlen backward. ``softcap``:
-    the forward's (a learnable sink needs nothing here, as in runtime.prologue)."""
+    the forward's (a learnable sink needs nothing here, as in runtime.prologue); ``dlse``
+    ((heads, total_q) or None): the lse's gradient folded in, as in runtime.prologue."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale)
     check_outputs(q, out, lse, (h, total_q))
     check_grads(q, k, dout, dq, dk, dv)
     extra = features(check_features("varlen_backward_into", softcap, None, h, q.device))
+    check_lse_fold("varlen_backward_into", dlse, lse)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_backward is not None
     lists = _used_lengths(has_kernel, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k,
@@ -162,10 +164,10 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
         p.backend.varlen_backward(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
                                   cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                                   p.causal, p.scale, p.left, p.right, deterministic, config,
-                                  **extra)
+                                  **extra, **fold(dlse))
         return dq, dk, dv
     _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, *lists, deterministic, config,
-                        extra)
+                        extra, dlse)
     return dq, dk, dv
 
 
@@ -190,7 +192,7 @@ def backward_loop(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, seqused_k
 
 
 def _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used_k,
-                        deterministic, config, extra=None):
+                        deterministic, config, extra=None, dlse=None):
     for t in (dq, dk, dv):  # rows of empty sequences and unused keys stay 0
         t.zero_()
     for q0, nq, k0, nk in _spans(cu_q, cu_k, used_k):
@@ -200,6 +202,7 @@ def _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used
         one = [t[rows_q].unsqueeze(0) for t in (q, out, dout, dq)]
         kv = [t[rows_k].unsqueeze(0) for t in (k, v, dk, dv)]
         row_lse = lse[:, rows_q].unsqueeze(0).contiguous()  # (1, h, nq)
+        row_dlse = None if dlse is None else dlse[:, rows_q].unsqueeze(0).contiguous()
         p.backend.backward(one[0], kv[0], kv[1], one[1], row_lse, one[2], one[3], kv[2],
                            kv[3], p.causal, p.scale, p.left, p.right, deterministic, config,
-                           **(extra or {}))
+                           **(extra or {}), **fold(row_dlse))

@@ -102,6 +102,7 @@ for s in "$@"; do
     features) step features 580 $PY -m measure.features --deadline 500 ;;
     softcap-tests) step softcap_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_softcap_sinks.py ;;
     softcap-api-tests) step softcap_api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_softcap_sinks_api.py ;;
+    pending-api-tests) step pending_api_tests 1200 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_pending_api.py ;;
     sdpa-tests) step sdpa_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_sdpa_registration.py ;;
     decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py ;;
     fa4-gaps) step fa4_gaps 300 $PY -m measure.fwd_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;

@@ -1,0 +1,138 @@
+"""Pending features through fa4_final's public API on an H100/H200, each test setting
+FA4_FINAL_PENDING for itself (Note [Pending features] in fa4_final.runtime.pending):
+
+- lse_fold: a loss on the returned lse, its gradient folded into the one backward call (the
+  has_dlse builds, Note [The lse gradient folded]), dq, dk, dv (and dsink) against float64
+  autograd, dense and varlen; the call count proves the probe's second call is gone.
+
+The rule is the course's (utils.checks.tolerance_check: max error <= 2 x PyTorch's own in the
+input dtype + rounding slack); the helpers are tests/gpu/test_softcap_sinks.py's. These tests,
+with the kernels' own (tests/gpu/test_lse_fold.py, ...), are what lets a row of
+fa4_final.runtime.pending.PENDING be deleted. Run (about 10 minutes, most of it compiling):
+    timeout 1500 python -m pytest tests/gpu/test_pending_api.py -m gpu -x -v
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.test_softcap_sinks import BF16, FP16, FP32, NAMES, _inputs, _same_precision
+from tests.gpu.test_softcap_sinks_api import _grads_against_float64, _packed, sink_step
+from utils import checks
+from utils.hardware import missing
+from utils.reference import attention_reference_features
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(missing("sm_90") is not None, reason=str(missing("sm_90"))),
+]
+
+
+def _counting_backward(monkeypatch):
+    """Record whether each dense backward launch (runtime.prologue.backward_prepared, which the
+    op and the eager path both reach) was given a dlse."""
+    from fa4_final.runtime import prologue
+
+    calls, real = [], prologue.backward_prepared
+
+    def counted(*args, **kw):
+        calls.append(kw.get("dlse") is not None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(prologue, "backward_prepared", counted)
+    return calls
+
+
+# ----------------------------------------------------------------------------------------------
+# lse_fold
+
+
+LSE_CASES = [  # (b, sq, sk, h, hk, d, causal, dtype), softcap, sink dtype, deterministic
+    ((2, 17, 17, 2, 1, 64, True, FP16), 0.0, None, False),
+    ((1, 300, 77, 2, 2, 128, True, BF16), 0.0, None, False),  # rows that see no key
+    ((2, 257, 513, 4, 2, 128, False, BF16), 0.0, None, True),  # GQA, deterministic
+    ((1, 129, 200, 2, 2, 128, True, BF16), 5.0, FP32, False),  # with softcap and a sink
+]
+
+
+def _lse_id(case):
+    (b, sq, sk, h, hk, d, causal, dt), cap, sink, det = case
+    return (f"b{b}-{sq}x{sk}-h{h}/{hk}-d{d}-{'causal' if causal else 'dense'}-{NAMES[dt]}"
+            f"-cap{cap:g}-sink_{NAMES.get(sink, 'none')}{'-det' if det else ''}")
+
+
+@pytest.mark.parametrize("case", LSE_CASES, ids=_lse_id)
+def test_lse_fold_one_backward_call_matches_float64(monkeypatch, case):
+    from fa4_final import flash_attn_func
+
+    shape, softcap, sink_dtype, deterministic = case
+    monkeypatch.setenv("FA4_FINAL_PENDING", "lse_fold,softcap,learnable_sink")
+    calls = _counting_backward(monkeypatch)
+    b, sq, sk, h, hk, d, causal, dtype = shape
+    q, k, v, sink, seed = _inputs(shape, sink_dtype, requires_grad=True)
+    leaves = [t for t in (q, k, v, sink) if t is not None]
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
+    dlse = torch.randn(b, h, sq, generator=g).to("cuda")
+    out, lse = flash_attn_func(q, k, v, causal=causal, softcap=softcap, learnable_sink=sink,
+                               deterministic=deterministic, return_lse=True)
+    loss = (out.float() * dout.float()).sum() + (lse.where(lse.isfinite(), 0.0) * dlse).sum()
+    got = torch.autograd.grad(loss, leaves)
+    assert calls == [True], calls  # one backward, given dlse: no probe call
+
+    def split(ts):
+        return ts[0], ts[1], ts[2], (ts[3] if sink is not None else None)
+
+    def ref_loss(*ts):
+        o, s = attention_reference_features(*split(ts)[:3], causal, None, softcap, split(ts)[3])
+        return (o * dout.double()).sum() + (s.where(s.isfinite(), 0.0) * dlse.double()).sum()
+
+    def same_loss(*ts):
+        o, s = _same_precision(*split(ts)[:3], causal, d ** -0.5, softcap, split(ts)[3])
+        return (o.float() * dout.float()).sum() + (s.where(s.isfinite(), 0.0) * dlse).sum()
+
+    label = f"{_lse_id(case)} seed={seed}"
+    checks.wait_for_gpu(label)
+    with torch.no_grad():
+        out64, lse64 = attention_reference_features(q, k, v, causal, None, softcap, sink)
+    _grads_against_float64(label, got, leaves, ref_loss, same_loss,
+                           sink_step(out64, lse64, dout, sink, dtype))
+
+
+def test_lse_fold_varlen_matches_the_probe_path(monkeypatch):
+    """Packed sequences (causal, one empty, one with no key): the folded backward's dq, dk, dv
+    against the probe's two calls (the verified path) and float64 per sequence."""
+    from fa4_final import flash_attn_varlen_func
+
+    lens_q, lens_k, h, hk, d = [37, 300, 0, 1], [300, 77, 5, 0], 4, 2, 128
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, h, hk, d, BF16, True)
+    g = torch.Generator().manual_seed(11)
+    dout = torch.randn(q.shape, generator=g).to("cuda", BF16)
+    dlse = torch.randn(h, q.shape[0], generator=g).to("cuda")
+    results = []
+    for env in ("", "lse_fold"):
+        monkeypatch.setenv("FA4_FINAL_PENDING", env)
+        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                          max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                                          causal=True, return_lse=True)
+        loss = (out.float() * dout.float()).sum() + (lse.where(lse.isfinite(), 0.0) * dlse).sum()
+        results.append(torch.autograd.grad(loss, [q, k, v]))
+    checks.wait_for_gpu("varlen lse_fold")
+    oq = ok_ = 0
+    for i, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        if sq and sk:
+            leaves = [t[rows].detach().double()[None].requires_grad_(True) for t, rows in (
+                (q, slice(oq, oq + sq)), (k, slice(ok_, ok_ + sk)), (v, slice(ok_, ok_ + sk)))]
+            o, s = attention_reference_features(*leaves, True, None, 0.0, None)
+            ref = (o * dout[None, oq:oq + sq].double()).sum() + (
+                s.where(s.isfinite(), 0.0) * dlse[None, :, oq:oq + sq].double()).sum()
+            want = torch.autograd.grad(ref, leaves)
+            for name, w, rows, j in (("dq", want[0], slice(oq, oq + sq), 0),
+                                     ("dk", want[1], slice(ok_, ok_ + sk), 1),
+                                     ("dv", want[2], slice(ok_, ok_ + sk), 2)):
+                probe, folded = results[0][j][rows].double(), results[1][j][rows].double()
+                err_probe = float((probe - w[0]).abs().max())
+                err_folded = float((folded - w[0]).abs().max())
+                assert err_folded <= 1.5 * err_probe + 1e-2, (i, name, err_folded, err_probe)
+        oq, ok_ = oq + sq, ok_ + sk
