@@ -78,7 +78,7 @@ def dense_forward(q, k, v, scale, causal, left, right, softcap=0.0, sink=None):
         lse = torch.full((b, h, sq), -math.inf, dtype=torch.float32, device=q.device)
         if sink is not None:
             lse = sink.float().view(1, h, 1).expand(b, h, sq).contiguous()
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse
+        return torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device), lse
     p, lse = _probs(q, k, scale, causal, left, right, softcap=softcap, sink=sink)
     vf = v.float().transpose(1, 2).repeat_interleave(h // hk, dim=1)
     out = (p @ vf).transpose(1, 2).to(q.dtype).contiguous()
@@ -123,7 +123,7 @@ def _spans(cu_q, cu_k, seqused_k):
 
 def varlen_forward(q, k, v, cu_q, cu_k, seqused_k, scale, causal, left, right, softcap=0.0,
                    sink=None):
-    out = torch.zeros(q.shape, dtype=q.dtype)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)  # v's head dim
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
     for q0, q1, k0, k1 in _spans(cu_q, cu_k, seqused_k):
         o, l = dense_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal,

@@ -303,3 +303,207 @@ def test_the_cpu_reference_folds_dlse_as_the_probe_does():
     for f, p, e in zip(folded[:2], plain[:2], extra[:2]):
         torch.testing.assert_close(f.float(), p.float() + e.float(), atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(folded[2], plain[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# head_dims: FWD_HEAD_DIMS and dv != d, the Hopper forward only
+
+
+HEAD_DIM_CASES = [(96, 96), (192, 128), (256, 256), (64, 128), (128, 64)]
+
+
+def _head_dim_entries(d, dv):
+    q, k, v = dense(d=d, dv=dv)
+    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=dv)
+    out, lse = torch.zeros(*q.shape[:-1], dv, dtype=BF16), torch.zeros(2, 4, 24)
+    pout, plse = torch.zeros(*pq.shape[:-1], dv, dtype=BF16), torch.zeros(4, pq.shape[0])
+    yield "flash_attn_func", lambda: flash_attn_func(q, k, v)
+    yield "flash_attn_varlen_func", lambda: flash_attn_varlen_func(
+        pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    yield "_flash_attn_fwd", lambda: sdpa._flash_attn_fwd(q, k, v)
+    yield "_flash_attn_fwd", lambda: sdpa._flash_attn_fwd(
+        pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    yield "forward_into", lambda: prologue.forward_into(q, k, v, out, lse)
+    yield "varlen_forward_into", lambda: varlen.varlen_forward_into(
+        pq, pk, pv, cu_q, cu_k, None, None, None, pout, plse)
+
+
+@pytest.mark.parametrize("d, dv", HEAD_DIM_CASES)
+def test_the_gate_refuses_forward_only_head_dims_by_name_on_every_entry(d, dv):
+    for func, call in _head_dim_entries(d, dv):
+        with pytest.raises(UnsupportedError) as info:
+            call()
+        message = str(info.value)
+        assert message.startswith("head_dim must be one of (64, 128) with v's head dim"), message
+        assert f"head_dim={d}, dv={dv} ({func})" in message, message
+        assert f"{GATE} head_dims yet" in message and pending.ENV in message, message
+
+
+@pytest.mark.parametrize("d, dv", HEAD_DIM_CASES)
+def test_listed_head_dims_get_past_the_gate_to_the_device_check(monkeypatch, d, dv):
+    monkeypatch.setenv(pending.ENV, "head_dims")
+    for func, call in _head_dim_entries(d, dv):
+        with pytest.raises(UnsupportedError) as info:
+            call()
+        assert DEVICE in str(info.value) and GATE not in str(info.value), (func, info.value)
+
+
+def test_the_default_head_dims_never_ask_the_gate(cpu_kernels):
+    for d in (64, 128):
+        q, k, v = dense(d=d)
+        out, _ = flash_attn_func(q, k, v)
+        assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("d, dv, words", [
+    (80, 80, r"head_dim must be one of \(64, 128\) \(the Hopper forward, pending: \(64, 96, "
+             r"128, 192, 256\)\), got 80"),
+    (64, 32, r"v's head dim 32 differs from q and k's 64: fa4_final runs dv == d only .*each "
+             r"of \(64, 96, 128, 192, 256\)"),
+    (64, 160, "v's head dim 160 differs")])
+def test_head_dims_outside_the_forward_builds_are_named(monkeypatch, d, dv, words):
+    monkeypatch.setenv(pending.ENV, "head_dims")
+    with pytest.raises(UnsupportedError, match=words):
+        flash_attn_func(*dense(d=d, dv=dv))
+
+
+def test_fake_out_has_v_head_dim_and_the_fake_is_gated(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(3, 100, 8, 192, dtype=BF16, device="cuda")
+        k = torch.empty(3, 77, 2, 192, dtype=BF16, device="cuda")
+        v = torch.empty(3, 77, 2, 128, dtype=BF16, device="cuda")
+        with pytest.raises(UnsupportedError, match=f"{GATE} head_dims yet"):
+            ops.fwd(q, k, v, 0.1, True, -1, -1, False, True)
+        monkeypatch.setenv(pending.ENV, "head_dims")
+        out, lse = ops.fwd(q, k, v, 0.1, True, -1, -1, False, True)
+        assert out.shape == (3, 100, 8, 128) and lse.shape == (3, 8, 100)
+        out, _ = flash_attn_func(q, k, v, causal=True)  # the public function on fakes too
+        assert out.shape == (3, 100, 8, 128)
+        pq = torch.empty(300, 8, 256, dtype=BF16, device="cuda")
+        pk = torch.empty(200, 2, 256, dtype=BF16, device="cuda")
+        pv = torch.empty(200, 2, 96, dtype=BF16, device="cuda")
+        cu = torch.empty(4, dtype=torch.int32, device="cuda")
+        out, lse = ops.varlen_fwd(pq, pk, pv, cu, cu, None, -1, -1, 0.1, False, -1, -1, False,
+                                  True)
+        assert out.shape == (300, 8, 96) and lse.shape == (8, 300)
+
+
+def _float64_forward(q, k, v, causal):
+    qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
+    s = qf @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(~ref.visible(q.shape[1], k.shape[1], True, None, 0), -torch.inf)
+    return (torch.softmax(s, -1).nan_to_num(0.0) @ vf).transpose(1, 2)
+
+
+@pytest.mark.parametrize("d, dv", [(192, 128), (96, 96), (128, 256)])
+def test_forward_with_dv_through_the_ops_equals_float64(monkeypatch, cpu_kernels, d, dv):
+    monkeypatch.setenv(pending.ENV, "head_dims")
+    q, k, v = dense(sq=40, sk=24, d=d, dv=dv)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (2, 40, 4, dv) and lse.shape == (2, 4, 40)
+    assert (out.double() - _float64_forward(q, k, v, True)).abs().max() < 3e-2
+
+
+def test_compile_fullgraph_with_dv(monkeypatch, cpu_kernels):
+    monkeypatch.setenv(pending.ENV, "head_dims")
+    torch._dynamo.reset()
+    nodes = []
+
+    def backend(gm, example_inputs):
+        nodes.extend(str(n.target) for n in gm.graph.nodes if "fa4_final" in str(n.target))
+        return gm.forward
+
+    def layer(q, k, v):
+        return flash_attn_func(q, k, v, causal=True)[0].float().square().mean()
+
+    q, k, v = dense(d=192, dv=128)
+    got = torch.compile(layer, fullgraph=True, backend=backend)(q, k, v)
+    assert any("fa4_final.fwd" in n for n in nodes)
+    torch.testing.assert_close(got, layer(q, k, v))
+
+
+@pytest.mark.parametrize("d, dv", [(96, 96), (192, 128)])
+def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
+        monkeypatch, cpu_kernels, d, dv):
+    """Refused when the call will need a gradient (never a crash or a wrong gradient in
+    backward()); torch.no_grad() or inputs without requires_grad run the forward."""
+    monkeypatch.setenv(pending.ENV, "head_dims")
+    q, k, v = dense(d=d, dv=dv, grad=True)
+    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=dv, grad=True)
+    for func, call in (("flash_attn_func", lambda: flash_attn_func(q, k, v)),
+                       ("flash_attn_varlen_func", lambda: flash_attn_varlen_func(
+                           pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))):
+        with pytest.raises(UnsupportedError) as info:
+            call()
+        message = str(info.value)
+        assert f"{func}: the backward at head_dim={d}, dv={dv} is not built" in message
+        assert "torch.no_grad()" in message and "requiring grad" in message
+        with torch.no_grad():
+            out, _ = call()
+        assert out.shape[-1] == dv and not out.requires_grad
+    out, _ = flash_attn_func(q.detach(), k.detach(), v.detach())
+    assert out.shape[-1] == dv
+
+
+def test_the_backward_entry_points_refuse_forward_only_head_dims(monkeypatch):
+    monkeypatch.setenv(pending.ENV, "head_dims")
+    q, k, v = dense(d=192, dv=128)
+    out, lse = torch.zeros(*q.shape[:-1], 128, dtype=BF16), torch.zeros(2, 4, 24)
+    with pytest.raises(UnsupportedError, match=r"backward_into: the backward at head_dim=192, "
+                                               r"dv=128 is not built"):
+        prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
+                               torch.zeros_like(v))
+    with pytest.raises(UnsupportedError, match="_flash_attn_bwd.*not built|not built"):
+        sdpa._flash_attn_bwd(q, k, v, out, out, lse)
+
+
+def test_sdpa_forward_allocates_out_with_v_head_dim(monkeypatch):
+    monkeypatch.setenv(pending.ENV, "head_dims")
+    seen = []
+    monkeypatch.setattr(sdpa, "forward_into",
+                        lambda q, k, v, out, lse, *a, **kw: seen.append(tuple(out.shape)))
+    q, k, v = dense(d=192, dv=128)
+    out, _ = sdpa._flash_attn_fwd(q, k, v)
+    assert seen == [(2, 24, 4, 128)] and out.shape == (2, 24, 4, 128)
+
+
+def test_hopper_passes_head_dim_v_only_when_it_differs(monkeypatch):
+    calls = _recording(monkeypatch)
+    runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
+    for d, dv in ((64, 64), (96, 96), (192, 128), (256, 256), (64, 128)):
+        q, k, v = dense(d=d, dv=dv)
+        out, lse = torch.empty(*q.shape[:-1], dv, dtype=BF16), torch.empty(2, 4, 24)
+        runners["forward"](q, k, v, out, lse, True, 0.125, None, 0)
+    q, k, v = dense(d=192, dv=128)
+    runners["varlen_forward"](q[0], k[0], v[0], None, None, None, 24, 40,
+                              torch.empty(24, 4, 128, dtype=BF16), lse[0], False, 0.125, None,
+                              None, None, softcap=2.0)
+    keys = [c[2] for c in calls if c[0] == "compiled"]
+    base = (True, None, False, False, False, False)
+    assert keys[0] == (64, "bf16", *base)  # unchanged default
+    assert keys[1] == (96, "bf16", *base)
+    assert keys[2] == (192, "bf16", *base, "sm_90a", 0.0, None, 128)
+    assert keys[3] == (256, "bf16", *base)
+    assert keys[4] == (64, "bf16", *base, "sm_90a", 0.0, None, 128)
+    assert keys[5][6] is True and keys[5][-4:] == ("sm_90a", 2.0, None, 128)
+    from fa4_final.hopper import host
+
+    for key, (d, dv) in zip(keys, ((64, 64), (96, 96), (192, 128), (256, 256), (64, 128),
+                                   (192, 128))):
+        main = host.forward_recipe(*key).kernels["main"]
+        assert (main.head_dim, main.head_dim_v) == (d, dv)
+    assert host.forward_recipe(*keys[5]).kernels["main"].varlen
+
+
+def test_blackwell_refuses_the_head_dims_by_name():
+    row = dispatch.wired(dispatch.BLACKWELL)
+    assert "head_dims" not in row.features and "head_dims" in dispatch.HOPPER.features
+    q, k, v = dense(d=192, dv=128)
+    with pytest.raises(UnsupportedError, match=r"head_dim=192, dv=128: the sm_100a kernels are "
+                                               r"built for head dims \(64, 128\).*Hopper"):
+        row.forward(q, k, v, None, None, False, 0.1, None, None, None)

@@ -20,7 +20,13 @@ extra logit per query head in every row's softmax denominator, differentiable). 
 checked (a negative softcap, a sink of the wrong shape, dtype or device is refused by name),
 then refused with UnsupportedError until their kernels have passed their GPU tests, unless
 FA4_FINAL_PENDING lists them. With a sink the returned lse includes it, and a row that sees no
-key gets out = 0 and lse = the sink, as FA4.
+key gets out = 0 and lse = the sink, as FA4. Pending too (head_dims): head dims 96, 192 and
+256 and v's head dim dv != q's (each of 64, 96, 128, 192, 256; out then has dv), forward only
+on Hopper; a call that will need a gradient there is refused at the forward, naming the
+backward that is not built (torch.no_grad(), or inputs that do not require grad, run the
+forward). The lse's gradient folded into one backward call (lse_fold) replaces, when listed,
+the second backward call a loss on the returned lse costs (Note [Gradient of the returned lse]
+in api.ops).
 
 Layout (FlashAttention's): q (batch, seqlen_q, heads, dim), k and v (batch, seqlen_k, heads_kv,
 dim) with heads % heads_kv == 0 (GQA/MQA); out like q; lse float32 (batch, heads, seqlen_q), the
@@ -45,7 +51,12 @@ from fa4_final.common.errors import UnsupportedError
 from fa4_final.runtime.checks import check_flag, check_inputs, check_varlen_inputs
 from fa4_final.runtime.compile import artifacts
 from fa4_final.runtime.dispatch import backend_for_target
-from fa4_final.runtime.pending import check_features
+from fa4_final.runtime.pending import (
+    check_features,
+    check_head_dims,
+    forward_only,
+    refuse_backward_head_dims,
+)
 from fa4_final.runtime.prologue import forward, prepare
 
 # FA4 keywords of features fa4_final does not run, with the value that means "not used": any
@@ -111,13 +122,25 @@ def _grad_inputs(q, k, v, learnable_sink) -> tuple:
     return (q, k, v) if learnable_sink is None else (q, k, v, learnable_sink)
 
 
+def _check_head_dims(func: str, q, k, v, learnable_sink) -> None:
+    """The head dims' gate (runtime.pending.check_head_dims), and at a head dim the backward
+    lacks, a refusal now when a gradient will be asked for (grad mode on and an input that
+    requires grad), so that backward() never meets a backward that is not built."""
+    d, dv = q.shape[-1], v.shape[-1]
+    check_head_dims(func, d, dv)
+    if forward_only(d, dv) and torch.is_grad_enabled() and any(
+            t.requires_grad for t in _grad_inputs(q, k, v, learnable_sink)):
+        refuse_backward_head_dims(func, d, dv)
+
+
 def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
                     window_size=(None, None), learnable_sink=None, softcap=None,
                     deterministic=False, return_lse=False, **fa4_options):
     """Attention of q (batch, seqlen_q, heads, dim) over k, v (batch, seqlen_k, heads_kv, dim).
 
-    Returns ``(out, lse)``: out like q; lse (batch, heads, seqlen_q) float32 when
-    ``return_lse`` (its gradient flows) or an input requires grad (detached), else None.
+    Returns ``(out, lse)``: out like q (with v's head dim); lse (batch, heads, seqlen_q)
+    float32 when ``return_lse`` (its gradient flows) or an input requires grad (detached),
+    else None.
     ``window_size=(left, right)`` keeps keys j with i + sk - sq - left <= j <= i + sk - sq +
     right: None is an unbounded side, a negative side a bound like any other, and only both
     sides negative mean no window (FA4's reading, runtime.checks.normalise_window);
@@ -134,6 +157,7 @@ def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
     cap = check_features("flash_attn_func", softcap, None, 0, None)  # a scalar: first
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale, check_address=False)
     check_features("flash_attn_func", None, learnable_sink, h, q.device)
+    _check_head_dims("flash_attn_func", q, k, v, learnable_sink)
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
     plain = learnable_sink is None or type(learnable_sink) is torch.Tensor
     fwd = ops.fwd_eager if plain and ops.eager(q, k, v) else ops.fwd  # Note [The eager path]
@@ -164,6 +188,7 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, check_address=False)
     check_features("flash_attn_varlen_func", None, learnable_sink, h, q.device)
+    _check_head_dims("flash_attn_varlen_func", q, k, v, learnable_sink)
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
     out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                               -1 if max_seqlen_q is None else max_seqlen_q,

@@ -63,7 +63,7 @@ from fa4_final.runtime.checks import (
     check_tma_operand,
     check_varlen_inputs,
 )
-from fa4_final.runtime.pending import listed
+from fa4_final.runtime.pending import check_head_dims, listed
 from fa4_final.runtime.prologue import backward_into, forward_into
 from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
 
@@ -82,7 +82,7 @@ def fwd_impl(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool
              return_lse: bool, softcap: float = 0.0,
              learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     b, sq, h, _ = q.shape
-    out = q.new_empty(q.shape)
+    out = q.new_empty((b, sq, h, v.shape[-1]))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
     forward_into(q, k, v, out, lse, causal, softmax_scale, (window_left, window_right),
                  softcap=softcap, learnable_sink=learnable_sink)
@@ -98,12 +98,19 @@ def _check_features_meta(softcap, learnable_sink, heads, device) -> None:
     check_learnable_sink(learnable_sink, heads, device)
 
 
+def _out_meta(func: str, q, v) -> Tensor:
+    """A fake out: q's shape with v's head dim, after the head dims' gate (metadata only: a
+    call on fake tensors is refused as the real one is)."""
+    check_head_dims(func, q.shape[-1], v.shape[-1])
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
 @fwd.register_fake
 def _(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, return_lse,
       softcap=0.0, learnable_sink=None):
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale, check_address=False)
     _check_features_meta(softcap, learnable_sink, h, q.device)
-    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+    return _out_meta("fa4_final::fwd", q, v), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 def bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -237,7 +244,7 @@ def _eager_call(q, k, v, sink, options):
 def _eager_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap=0.0,
                learnable_sink=None):
     b, sq, h, _ = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # as q.new_empty(q.shape)
+    out = q.new_empty((b, sq, h, v.shape[-1]))  # as fwd_impl
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
     return prologue.forward_prepared(prologue.cached_backend(q.device), q, k, v, out, lse,
                                      causal, softmax_scale, window_left, window_right,
@@ -288,7 +295,7 @@ def varlen_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                     softcap: float = 0.0,
                     learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     total_q, h, _ = q.shape
-    out = q.new_empty(q.shape)
+    out = q.new_empty((total_q, h, v.shape[-1]))
     lse = q.new_empty((h, total_q), dtype=torch.float32)
     varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, _side(max_seqlen_q),
                         _side(max_seqlen_k), out, lse, causal, softmax_scale,
@@ -309,7 +316,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k
                         softmax_scale, check_address=False)
     total_q, h, _ = q.shape
     _check_features_meta(softcap, learnable_sink, h, q.device)
-    return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
+    return _out_meta("fa4_final::varlen_fwd", q, v), q.new_empty((h, total_q),
+                                                                  dtype=torch.float32)
 
 
 def varlen_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

@@ -30,9 +30,15 @@ import torch
 from fa4_final.api.interface import _FA4_SPEED_ONLY, _FA4_VARLEN_NEUTRAL, _refuse_fa4_options
 from fa4_final.api.ops import _lse_probe
 from fa4_final.common.backward import sink_gradient
+from fa4_final.common.constants import FWD_HEAD_DIMS
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.runtime.checks import check_flag, check_tma_operand
-from fa4_final.runtime.pending import check_features, listed
+from fa4_final.runtime.pending import (
+    check_features,
+    check_head_dims,
+    listed,
+    refuse_backward_head_dims,
+)
 from fa4_final.runtime.prologue import backward_into, fold, forward_into
 from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
 
@@ -197,12 +203,15 @@ def _flash_attn_fwd(
     packed = _packed("_flash_attn_fwd", cu_seqlens_q, cu_seqlens_k, seqused_k)
     _check_layout(q, packed)
     features = _features("_flash_attn_fwd", q, softcap, learnable_sink)
+    if _dims_known(q, k, v):  # Note [Head dims]: pending (head_dims), as in the runtime
+        check_head_dims("_flash_attn_fwd", q.shape[-1], v.shape[-1])
     wants_lse = lse is not None or return_lse or any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, learnable_sink))
     q, k, v = (_readable(t) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     lse_shape = (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:  # v's head dim (Note [Head dims]: dv != d is pending, gated in the runtime)
+        dv = v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() else q.shape[-1]
+        out = torch.empty((*q.shape[:-1], dv), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     out_buf, copy_out = _writable(out)
@@ -227,6 +236,15 @@ def _features(func: str, q, softcap, learnable_sink) -> dict:
         return {}  # the runtime's checks name q's problem
     cap = check_features(func, softcap, learnable_sink, q.shape[-2], q.device)
     return {"softcap": cap, "learnable_sink": learnable_sink}
+
+
+def _dims_known(q, k, v) -> bool:
+    """Whether q's and v's head dims can be read (else the runtime's checks name the problem):
+    tensors of the same rank, q's and k's head dims equal, both built for the forward (a bad
+    value is named by those checks first, Note [Pending features])."""
+    return (all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in (q, k, v))
+            and q.dim() == k.dim() == v.dim() and q.shape[-1] == k.shape[-1]
+            and q.shape[-1] in FWD_HEAD_DIMS and v.shape[-1] in FWD_HEAD_DIMS)
 
 
 def _check_layout(q, packed: bool) -> None:
@@ -283,6 +301,8 @@ def _flash_attn_bwd(
     window = _window("_flash_attn_bwd", window_size_left, window_size_right)
     packed = _packed("_flash_attn_bwd", cu_seqlens_q, cu_seqlens_k, seqused_k)
     cap = _features("_flash_attn_bwd", q, softcap, learnable_sink).get("softcap", 0.0)
+    if _dims_known(q, k, v):  # the backward's head dims (Note [Head dims]: forward only)
+        refuse_backward_head_dims("_flash_attn_bwd", q.shape[-1], v.shape[-1])
     q, k, v, out, dout = (_readable(t) if isinstance(t, torch.Tensor) else t
                           for t in (q, k, v, out, dout))
     if isinstance(lse, torch.Tensor) and lse.numel() and lse.stride(-1) != 1:

@@ -14,7 +14,7 @@ import numbers
 
 import torch
 
-from fa4_final.common.constants import HEAD_DIMS, TORCH_TO_CUTLASS
+from fa4_final.common.constants import FWD_HEAD_DIMS, HEAD_DIMS, TORCH_TO_CUTLASS
 from fa4_final.common.errors import UnsupportedError
 
 ACCEPTED_DTYPES = "torch.bfloat16, torch.float16"
@@ -76,13 +76,15 @@ def _check_qkv(q, k, v, dims: int, layout: str) -> None:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1]:
+    if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1] \
+            and v.shape[-1] not in FWD_HEAD_DIMS:
         raise UnsupportedError(
             f"v's head dim {v.shape[-1]} differs from q and k's {k.shape[-1]}: fa4_final runs "
-            f"dv == d only (head dims {HEAD_DIMS}); the FA4 package also takes dv != d")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+            f"dv == d only (head dims {HEAD_DIMS}); its Hopper forward, pending (head_dims), "
+            f"takes dv != d with each of {FWD_HEAD_DIMS}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape (but v's head dim), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
 
 
 def _check_heads_and_dim(q, k) -> tuple[int, int, int]:
@@ -90,8 +92,9 @@ def _check_heads_and_dim(q, k) -> tuple[int, int, int]:
     hk, dk = k.shape[-2:]
     if dk != d:
         raise ValueError(f"q has head_dim {d} but k and v have head_dim {dk}")
-    if d not in HEAD_DIMS:
-        raise UnsupportedError(f"head_dim must be one of {HEAD_DIMS}, got {d}")
+    if d not in FWD_HEAD_DIMS:
+        raise UnsupportedError(f"head_dim must be one of {HEAD_DIMS} (the Hopper forward, "
+                               f"pending: {FWD_HEAD_DIMS}), got {d}")
     if hk == 0 or h % hk:
         raise ValueError(f"q's {h} heads must be a multiple of k/v's {hk} heads (GQA/MQA)")
     return h, hk, d
@@ -139,10 +142,13 @@ def check_addresses(*named) -> None:
             check_tma_operand(name, t)
 
 
-def check_outputs(q, out, lse, lse_shape: tuple, check_address: bool = True) -> None:
-    """``out`` like q; ``lse`` float32 of ``lse_shape`` with a unit last stride."""
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must be like q {tuple(q.shape)} {q.dtype}, got "
+def check_outputs(q, out, lse, lse_shape: tuple, check_address: bool = True,
+                  head_dim_v: int | None = None) -> None:
+    """``out`` like q (its last dim ``head_dim_v`` when given: v's); ``lse`` float32 of
+    ``lse_shape`` with a unit last stride."""
+    shape = (*q.shape[:-1], q.shape[-1] if head_dim_v is None else head_dim_v)
+    if tuple(out.shape) != shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be like q with v's head dim {shape} {q.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
     check_tma_operand("out", out, check_address)
     if tuple(lse.shape) != tuple(lse_shape) or lse.dtype != torch.float32 \

@@ -24,7 +24,7 @@ from types import ModuleType
 import torch
 
 from fa4_final.blackwell import host as blackwell_host
-from fa4_final.common.constants import DTYPE_NAMES, HEAD_DIMS
+from fa4_final.common.constants import DTYPE_NAMES, FWD_HEAD_DIMS, HEAD_DIMS
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.hopper import host as hopper_host
 from fa4_final.runtime.compile import compiled
@@ -58,7 +58,8 @@ class Backend:
     # FA4's softcap and learnable_sink, where the family's kernels have the variants
     # (Note [Softcap], Note [Learnable sink]); each entry point takes them as keywords, passed
     # only when set: softcap (float, 0.0: none) and learnable_sink ((heads,) tensor or None);
-    # "lse_fold": the backward entry points take dlse (Note [The lse gradient folded])
+    # "lse_fold": the backward entry points take dlse (Note [The lse gradient folded]);
+    # "head_dims": the forward takes FWD_HEAD_DIMS and dv != head_dim (Note [Head dims])
     features: tuple[str, ...] = ()
 
     @property
@@ -82,12 +83,18 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
     so into the compile key, only when set: the default builds keep their keys."""
     family = getattr(host, "ARCH", host.__name__)
 
-    def fwd_extra(softcap, learnable_sink) -> tuple:
+    def fwd_extra(softcap, learnable_sink, q, v) -> tuple:
         refuse_missing(family, features, softcap, learnable_sink)
-        if not softcap and learnable_sink is None:
-            return ()
-        return (host.ARCH, float(softcap),
-                None if learnable_sink is None else DTYPE_NAMES[learnable_sink.dtype])
+        dv = v.shape[-1]
+        if dv != q.shape[-1] or q.shape[-1] not in HEAD_DIMS:
+            refuse_head_dims(family, features, q.shape[-1], dv)
+        extra = ()
+        if softcap or learnable_sink is not None or dv != q.shape[-1]:
+            extra = (host.ARCH, float(softcap),
+                     None if learnable_sink is None else DTYPE_NAMES[learnable_sink.dtype])
+        if dv != q.shape[-1]:  # head_dim_v only when it differs (forward_recipe's default)
+            extra += (dv,)
+        return extra
 
     def bwd_extra(softcap, dlse=None) -> tuple:
         refuse_missing(family, features, softcap, None, dlse)
@@ -97,7 +104,7 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
 
     def forward(q, k, v, out, lse, causal, scale, left, right, config=None, softcap=0.0,
                 learnable_sink=None):
-        extra = fwd_extra(softcap, learnable_sink)
+        extra = fwd_extra(softcap, learnable_sink, q, v)
         plan = compiled(host.forward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         left is not None, right is not None and not causal, False, False, *extra)
         sink = () if learnable_sink is None else (launch_sink(learnable_sink),)
@@ -115,7 +122,7 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
     def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                        max_seqlen_k, out, lse, causal, scale, left, right, config=None,
                        softcap=0.0, learnable_sink=None):
-        extra = fwd_extra(softcap, learnable_sink)
+        extra = fwd_extra(softcap, learnable_sink, q, v)
         plan = compiled(host.forward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         left is not None, right is not None and not causal, True,
                         seqused_k is not None, *extra)
@@ -168,6 +175,18 @@ def refuse_missing(family: str, features: tuple[str, ...], softcap, learnable_si
                 f"{name} on {', '.join(b.label for b in BACKENDS if name in b.features)} only")
 
 
+def refuse_head_dims(family: str, features: tuple[str, ...], head_dim: int, dv: int) -> None:
+    """UnsupportedError naming the head dims when the family's forward lacks builds outside
+    HEAD_DIMS or with dv != head_dim ("head_dims" not in ``features``)."""
+    if "head_dims" in features:
+        return
+    raise UnsupportedError(
+        f"head_dim={head_dim}, dv={dv}: the {family} kernels are built for head dims "
+        f"{HEAD_DIMS} with dv == head_dim only; fa4_final runs {FWD_HEAD_DIMS} and dv != "
+        f"head_dim (forward) on "
+        f"{', '.join(b.label for b in BACKENDS if 'head_dims' in b.features)} only")
+
+
 def _not_wired(family: str, what: str, modules: str) -> Callable:
     def run(*args, **kwargs):
         raise UnsupportedError(
@@ -195,8 +214,8 @@ def module_present(module: str) -> bool:
 
 HOPPER = Backend("Hopper", "H100, H200", "sm_90", ((9, 0),), hopper_host.ARCH, hopper_host,
                  forward_module="fa4_final.hopper.fwd", backward_module="fa4_final.hopper.bwd",
-                 features=("softcap", "learnable_sink", "lse_fold"),
-                 **runners(hopper_host, ("softcap", "learnable_sink", "lse_fold")))
+                 features=("softcap", "learnable_sink", "lse_fold", "head_dims"),
+                 **runners(hopper_host, ("softcap", "learnable_sink", "lse_fold", "head_dims")))
 BLACKWELL = Backend("Blackwell", "B200, GB200", "sm_100", ((10, 0),), blackwell_host.ARCH,
                     blackwell_host,
                     forward=_not_wired("Blackwell (sm_100)", "forward", "fa4_final.blackwell"),

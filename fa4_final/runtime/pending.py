@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 
+from fa4_final.common.constants import FWD_HEAD_DIMS, HEAD_DIMS
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.runtime.checks import check_dlse, check_learnable_sink, check_softcap
 
@@ -34,6 +35,9 @@ PENDING: dict[str, str] = {
     "learnable_sink": "the Hopper forward builds with a learnable sink and the sink's gradient "
                       "are compiled and checked on a CPU; their GPU tests against float64 have "
                       "not run yet",
+    "head_dims": "the Hopper forward builds at head dims 96, 192, 256 and with v's head dim "
+                 "different from q's are compiled and checked on a CPU; their GPU tests "
+                 "against float64 have not run yet",
     "lse_fold": "the backward builds that fold the lse's gradient into bwd_pre are compiled and "
                 "checked on a CPU; their GPU tests against float64 have not run yet",
 }
@@ -97,3 +101,35 @@ def check_lse_fold(func: str, dlse, lse) -> None:
         return
     check_dlse(dlse, lse)
     refuse_pending(func, "lse_fold", dlse)
+
+
+def forward_only(head_dim: int, head_dim_v: int) -> bool:
+    """Whether (head_dim, head_dim_v) is one the backward is not built for (Note [Head dims]:
+    the forward takes FWD_HEAD_DIMS each, the backward HEAD_DIMS with dv == head_dim)."""
+    return head_dim not in HEAD_DIMS or head_dim_v != head_dim
+
+
+def check_head_dims(func: str, head_dim: int, head_dim_v: int) -> None:
+    """The gate for the forward's pending head dims (head_dims): a head dim outside HEAD_DIMS or
+    v's head dim different from q's is refused, naming what runs, unless FA4_FINAL_PENDING
+    lists head_dims. Both are already each one of FWD_HEAD_DIMS (runtime.checks)."""
+    if not forward_only(head_dim, head_dim_v) or listed("head_dims"):
+        return
+    raise UnsupportedError(
+        f"head_dim must be one of {HEAD_DIMS} with v's head dim equal to it, got "
+        f"head_dim={head_dim}, dv={head_dim_v} ({func}): fa4_final does not run head_dims yet ("
+        f"{PENDING['head_dims']}; each of {FWD_HEAD_DIMS} then, forward only). Set {ENV}="
+        f"head_dims to run the unverified kernels (tests only)")
+
+
+def refuse_backward_head_dims(func: str, head_dim: int, head_dim_v: int) -> None:
+    """UnsupportedError where the backward is not built at (head_dim, head_dim_v), gate or no
+    gate: a gradient cannot be computed there. The public functions call it at the forward
+    when a gradient will be needed, so backward() never meets it."""
+    if not forward_only(head_dim, head_dim_v):
+        return
+    raise UnsupportedError(
+        f"{func}: the backward at head_dim={head_dim}, dv={head_dim_v} is not built (it runs "
+        f"head dims {HEAD_DIMS} with dv == head_dim; the forward runs {FWD_HEAD_DIMS}). Run "
+        f"the forward alone under torch.no_grad(), or with q, k, v (and the sink) not "
+        f"requiring grad")

@@ -28,7 +28,12 @@ import torch
 
 from fa4_final.runtime.checks import check_grads, check_inputs, check_outputs, normalise_window
 from fa4_final.runtime.dispatch import Backend, backend_for, backend_for_target, wired
-from fa4_final.runtime.pending import check_features, check_lse_fold
+from fa4_final.runtime.pending import (
+    check_features,
+    check_head_dims,
+    check_lse_fold,
+    refuse_backward_head_dims,
+)
 
 
 def resolve_scale(head_dim: int, softmax_scale) -> float:
@@ -84,10 +89,12 @@ def device_arch(device) -> str:
 
 def forward_into(q, k, v, out, lse, causal=False, softmax_scale=None, window_size=(None, None),
                  config=None, target: str | None = None, *, softcap=0.0, learnable_sink=None):
-    """Run the forward writing into ``out`` (like q) and ``lse`` ((b, h, sq) float32)."""
+    """Run the forward writing into ``out`` (like q with v's head dim) and ``lse`` ((b, h, sq)
+    float32). Head dims outside HEAD_DIMS and dv != d are pending (head_dims)."""
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
-    check_outputs(q, out, lse, (b, h, sq))
+    check_outputs(q, out, lse, (b, h, sq), head_dim_v=v.shape[-1])
     cap = check_features("forward_into", softcap, learnable_sink, h, q.device)
+    check_head_dims("forward_into", d, v.shape[-1])
     p = prepare(d, causal, softmax_scale, window_size, q.device, target)
     return forward_prepared(p.backend, q, k, v, out, lse, p.causal, p.scale, p.left, p.right,
                             config, softcap=cap, learnable_sink=learnable_sink)
@@ -138,7 +145,7 @@ def forward(q, k, v, causal=False, softmax_scale=None, window_size=(None, None),
             target: str | None = None, *, softcap=0.0, learnable_sink=None):
     """(out, lse) of attention, eagerly, with no autograd (the course's kernel signature)."""
     check_inputs(q, k, v, softmax_scale)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
     return forward_into(q, k, v, out, lse, causal, softmax_scale, window_size, config, target,
                         softcap=softcap, learnable_sink=learnable_sink)
@@ -155,6 +162,7 @@ def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_sca
     lse's gradient, folded into the same backward (pending: lse_fold,
     Note [Pending features])."""
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
+    refuse_backward_head_dims("backward_into", d, v.shape[-1])
     check_outputs(q, out, lse, (b, h, sq))
     check_grads(q, k, dout, dq, dk, dv)
     cap = check_features("backward_into", softcap, None, h, q.device)

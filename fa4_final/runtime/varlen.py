@@ -41,7 +41,12 @@ from fa4_final.runtime.checks import (
     check_varlen_inputs,
     check_varlen_values,
 )
-from fa4_final.runtime.pending import check_features, check_lse_fold
+from fa4_final.runtime.pending import (
+    check_features,
+    check_head_dims,
+    check_lse_fold,
+    refuse_backward_head_dims,
+)
 from fa4_final.runtime.prologue import features, fill_empty_rows, fold, prepare
 
 
@@ -76,12 +81,14 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
                         max_seqlen_k, out, lse, causal=False, softmax_scale=None,
                         window_size=(None, None), config=None, *, softcap=0.0,
                         learnable_sink=None):
-    """Write the varlen forward into ``out`` (like q) and ``lse`` ((heads, total_q) float32)."""
+    """Write the varlen forward into ``out`` (like q with v's head dim) and ``lse`` ((heads,
+    total_q) float32)."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale)
-    check_outputs(q, out, lse, (h, total_q))
+    check_outputs(q, out, lse, (h, total_q), head_dim_v=v.shape[-1])
     cap = check_features("varlen_forward_into", softcap, learnable_sink, h, q.device)
+    check_head_dims("varlen_forward_into", d, v.shape[-1])
     extra = features(cap, learnable_sink)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_forward is not None
@@ -109,10 +116,11 @@ def forward_loop(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, causal=Fal
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None, softmax_scale)
     cap = check_features("forward_loop", softcap, learnable_sink, h, q.device)
+    check_head_dims("forward_loop", d, v.shape[-1])
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
     _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k)
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = torch.empty(h, total_q, dtype=torch.float32, device=q.device)
     _loop_into(p, q, k, v, cu_q, cu_k, used_k, out, lse, config, features(cap, learnable_sink))
     return out, lse
@@ -145,6 +153,7 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale)
+    refuse_backward_head_dims("varlen_backward_into", d, v.shape[-1])
     check_outputs(q, out, lse, (h, total_q))
     check_grads(q, k, dout, dq, dk, dv)
     extra = features(check_features("varlen_backward_into", softcap, None, h, q.device))
@@ -179,6 +188,7 @@ def backward_loop(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, seqused_k
     API."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None, softmax_scale)
+    refuse_backward_head_dims("backward_loop", d, v.shape[-1])
     check_outputs(q, out, lse, (h, total_q))
     extra = features(check_features("backward_loop", softcap, None, h, q.device))
     p = prepare(d, causal, softmax_scale, window_size, q.device)

@@ -4,6 +4,9 @@ FA4_FINAL_PENDING for itself (Note [Pending features] in fa4_final.runtime.pendi
 - lse_fold: a loss on the returned lse, its gradient folded into the one backward call (the
   has_dlse builds, Note [The lse gradient folded]), dq, dk, dv (and dsink) against float64
   autograd, dense and varlen; the call count proves the probe's second call is gone.
+- head_dims: flash_attn_func's forward at (D, dv) = (96, 96), (192, 128), (256, 256) (and
+  varlen at (192, 128)) against float64, inputs NaN-free, out with v's head dim; a call that
+  needs a gradient there is refused at the forward.
 
 The rule is the course's (utils.checks.tolerance_check: max error <= 2 x PyTorch's own in the
 input dtype + rounding slack); the helpers are tests/gpu/test_softcap_sinks.py's. These tests,
@@ -17,7 +20,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.test_softcap_sinks import BF16, FP16, FP32, NAMES, _inputs, _same_precision
+from tests.gpu.test_softcap_sinks import (
+    BF16,
+    FP16,
+    FP32,
+    NAMES,
+    SPREAD,
+    _check_forward,
+    _inputs,
+    _same_precision,
+)
 from tests.gpu.test_softcap_sinks_api import _grads_against_float64, _packed, sink_step
 from utils import checks
 from utils.hardware import missing
@@ -136,3 +148,81 @@ def test_lse_fold_varlen_matches_the_probe_path(monkeypatch):
                 err_folded = float((folded - w[0]).abs().max())
                 assert err_folded <= 1.5 * err_probe + 1e-2, (i, name, err_folded, err_probe)
         oq, ok_ = oq + sq, ok_ + sk
+
+
+# ----------------------------------------------------------------------------------------------
+# head_dims
+
+
+HEAD_DIM_CASES = [  # (b, sq, sk, h, hk, d, dv, causal, dtype)
+    (2, 257, 513, 4, 2, 96, 96, False, BF16),
+    (1, 300, 77, 2, 2, 96, 96, True, FP16),  # rows that see no key
+    (2, 1000, 1000, 4, 1, 192, 128, True, BF16),  # DeepSeek's MLA prefill shape class
+    (1, 129, 200, 2, 2, 192, 128, False, FP16),
+    (2, 513, 513, 2, 2, 256, 256, True, BF16),
+    (1, 77, 300, 4, 2, 256, 256, False, FP16),
+]
+
+
+def _hd_id(case):
+    b, sq, sk, h, hk, d, dv, causal, dt = case
+    return (f"b{b}-{sq}x{sk}-h{h}/{hk}-d{d}-dv{dv}-{'causal' if causal else 'dense'}-"
+            f"{NAMES[dt]}")
+
+
+def _qkv_dv(b, sq, sk, h, hk, d, dv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, sq, h, d, generator=g) * SPREAD).to("cuda", dtype)
+    k = (torch.randn(b, sk, hk, d, generator=g) * SPREAD).to("cuda", dtype)
+    v = torch.randn(b, sk, hk, dv, generator=g).to("cuda", dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=_hd_id)
+def test_head_dims_forward_through_flash_attn_func_matches_float64(monkeypatch, case):
+    from fa4_final import flash_attn_func
+
+    monkeypatch.setenv("FA4_FINAL_PENDING", "head_dims")
+    b, sq, sk, h, hk, d, dv, causal, dtype = case
+    q, k, v = _qkv_dv(b, sq, sk, h, hk, d, dv, dtype, seed=sq + d)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (b, sq, h, dv) and lse.shape == (b, h, sq)
+    checks.wait_for_gpu(_hd_id(case))
+    _check_forward(_hd_id(case), q, k, v, None, causal, 0.0, out, lse)
+
+
+def test_head_dims_varlen_forward_matches_float64(monkeypatch):
+    from fa4_final import flash_attn_varlen_func
+
+    monkeypatch.setenv("FA4_FINAL_PENDING", "head_dims")
+    lens_q, lens_k, h, hk, d, dv = [37, 300, 0, 129], [300, 77, 5, 129], 4, 2, 192, 128
+    parts = [_qkv_dv(1, sq, sk, h, hk, d, dv, BF16, seed=i) for i, (sq, sk) in
+             enumerate(zip(lens_q, lens_k))]
+    q, k, v = (torch.cat([p[j][0] for p in parts]) for j in range(3))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                               device="cuda") for lens in (lens_q, lens_k))
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                                      causal=True, return_lse=True)
+    assert out.shape == (q.shape[0], h, dv)
+    checks.wait_for_gpu("varlen head dims")
+    oq = ok_ = 0
+    for i, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        if sq:
+            _check_forward(f"varlen sequence {i} ({sq} x {sk}, d192 dv128)", q[None, oq:oq + sq],
+                           k[None, ok_:ok_ + sk], v[None, ok_:ok_ + sk], None, True, 0.0,
+                           out[None, oq:oq + sq], lse[None, :, oq:oq + sq])
+        oq, ok_ = oq + sq, ok_ + sk
+
+
+def test_head_dims_a_gradient_is_refused_at_the_forward(monkeypatch):
+    from fa4_final import UnsupportedError, flash_attn_func
+
+    monkeypatch.setenv("FA4_FINAL_PENDING", "head_dims")
+    q, k, v = (t.requires_grad_(True) for t in _qkv_dv(1, 64, 64, 2, 2, 192, 128, BF16, 0))
+    with pytest.raises(UnsupportedError, match="the backward at head_dim=192, dv=128 is not "
+                                               "built"):
+        flash_attn_func(q, k, v)
+    with torch.no_grad():
+        out, _ = flash_attn_func(q, k, v)
+    assert out.shape == (1, 64, 2, 128)
