@@ -115,17 +115,21 @@ def dense_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap=
             fold(dv).to(v.dtype).contiguous())
 
 
-def _spans(cu_q, cu_k, seqused_k):
+def _spans(cu_q, cu_k, seqused_k, seqused_q=None):
+    """(first q row, end of its used rows, first k row, end of its used keys) per sequence."""
     cq, ck = cu_q.tolist(), cu_k.tolist()
     used = seqused_k.tolist() if seqused_k is not None else [b - a for a, b in zip(ck, ck[1:])]
-    return [(cq[i], cq[i + 1], ck[i], ck[i] + used[i]) for i in range(len(cq) - 1)]
+    used_q = seqused_q.tolist() if seqused_q is not None else [b - a for a, b in zip(cq, cq[1:])]
+    return [(cq[i], cq[i] + used_q[i], ck[i], ck[i] + used[i]) for i in range(len(cq) - 1)]
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, seqused_k, scale, causal, left, right, softcap=0.0,
-                   sink=None):
+                   sink=None, seqused_q=None):
     out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)  # v's head dim
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
-    for q0, q1, k0, k1 in _spans(cu_q, cu_k, seqused_k):
+    if seqused_q is not None:  # padding rows: 0, as the op's zero-filled buffers keep them
+        lse.zero_()
+    for q0, q1, k0, k1 in _spans(cu_q, cu_k, seqused_k, seqused_q):
         o, l = dense_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal,
                              left, right, softcap, sink)
         out[q0:q1], lse[:, q0:q1] = o[0], l[0]
@@ -133,9 +137,9 @@ def varlen_forward(q, k, v, cu_q, cu_k, seqused_k, scale, causal, left, right, s
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, scale, causal, left, right,
-                    softcap=0.0, dlse=None):
+                    softcap=0.0, dlse=None, seqused_q=None):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for q0, q1, k0, k1 in _spans(cu_q, cu_k, seqused_k):
+    for q0, q1, k0, k1 in _spans(cu_q, cu_k, seqused_k, seqused_q):
         g = dense_backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
                            out[None, q0:q1], lse[None, :, q0:q1], scale, causal, left, right,
                            softcap, None if dlse is None else dlse[None, :, q0:q1])
@@ -165,14 +169,15 @@ def _cpu_bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, deterministic, soft
 
 
 def _cpu_varlen_fwd(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal, wl, wr,
-                    deterministic, return_lse, softcap=0.0, sink=None):
-    return varlen_forward(q, k, v, cu_q, cu_k, seqused_k, scale, causal, wl, wr, softcap, sink)
+                    deterministic, return_lse, softcap=0.0, sink=None, seqused_q=None):
+    return varlen_forward(q, k, v, cu_q, cu_k, seqused_k, scale, causal, wl, wr, softcap, sink,
+                          seqused_q)
 
 
 def _cpu_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal,
-                    wl, wr, deterministic, softcap=0.0, dlse=None):
+                    wl, wr, deterministic, softcap=0.0, dlse=None, seqused_q=None):
     return varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, scale, causal, wl, wr,
-                           softcap, dlse)
+                           softcap, dlse, seqused_q)
 
 
 def register() -> None:

@@ -207,9 +207,11 @@ def test_each_sink_dtype_fa4_takes_gets_to_the_gate(dtype):
 
 def test_the_op_schemas_carry_both_with_their_off_defaults():
     for op, tail in ((ops.fwd, "float softcap=0., Tensor? learnable_sink=None)"),
-                     (ops.varlen_fwd, "float softcap=0., Tensor? learnable_sink=None)"),
+                     (ops.varlen_fwd, "float softcap=0., Tensor? learnable_sink=None, "
+                                      "Tensor? seqused_q=None)"),
                      (ops.bwd, "float softcap=0., Tensor? dlse=None)"),
-                     (ops.varlen_bwd, "float softcap=0., Tensor? dlse=None)")):
+                     (ops.varlen_bwd, "float softcap=0., Tensor? dlse=None, "
+                                      "Tensor? seqused_q=None)")):
         schema = str(op._opoverload._schema)
         assert schema.split(" -> ")[0].endswith(tail), schema
 

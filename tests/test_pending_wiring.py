@@ -7,6 +7,12 @@ fa4_final.runtime.pending (Note [Pending features]), on a CPU:
   the probe's path is taken exactly as before. A dlse given to a runtime entry point is checked
   (named when bad), then gated; the Hopper row puts has_dlse in the compile key only when a
   dlse is given, the Blackwell row refuses it by name.
+- head_dims: D and dv each from FWD_HEAD_DIMS, out (.., dv), gated on every forward entry and
+  in the ops' fake impls; a call that will need a gradient there is refused at the forward
+  (the backward is not built); head_dim_v in the compile key only when != D.
+- seqused_q: flash_attn_varlen_func and api.sdpa take it (dense q refused by name), checked
+  like seqused_k (metadata, then values), gated, through the ops (fake, autograd, compile) to
+  the varlen runners' has_seqused_q keys; padding rows: out 0, dq 0.
 
 The test-only CPU kernels (tests/fa4_cpu_reference.py) stand in for the GPU kernels; nothing
 here runs a GPU kernel (tests/gpu/test_pending_api.py does).
@@ -507,3 +513,245 @@ def test_blackwell_refuses_the_head_dims_by_name():
     with pytest.raises(UnsupportedError, match=r"head_dim=192, dv=128: the sm_100a kernels are "
                                                r"built for head dims \(64, 128\).*Hopper"):
         row.forward(q, k, v, None, None, False, 0.1, None, None, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# seqused_q: a varlen sequence's queries are the first seqused_q[b] of its packed rows
+
+
+LENS_Q, USED_Q, LENS_K = (5, 0, 19), (3, 0, 12), (9, 4, 30)
+
+
+def _used(values=USED_Q):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _seqused_q_entries(used):
+    pq, pk, pv, cu_q, cu_k = packed(lens_q=LENS_Q, lens_k=LENS_K)
+    out, lse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
+    grads = (torch.zeros_like(pq), torch.zeros_like(pk), torch.zeros_like(pv))
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used)
+    yield "flash_attn_varlen_func", lambda: flash_attn_varlen_func(pq, pk, pv, **kw)
+    yield "_flash_attn_fwd", lambda: sdpa._flash_attn_fwd(pq, pk, pv, **kw)
+    yield "_flash_attn_bwd", lambda: sdpa._flash_attn_bwd(pq, pk, pv, out, out, lse, **kw)
+    yield "varlen_forward_into", lambda: varlen.varlen_forward_into(
+        pq, pk, pv, cu_q, cu_k, None, None, None, out, lse, seqused_q=used)
+    yield "varlen_backward_into", lambda: varlen.varlen_backward_into(
+        pq, pk, pv, out, lse, out, *grads, cu_q, cu_k, None, None, None, seqused_q=used)
+
+
+def test_the_gate_refuses_seqused_q_by_name_on_every_entry(monkeypatch):
+    for func, call in _seqused_q_entries(_used()):
+        with pytest.raises(UnsupportedError) as info:
+            call()
+        message = str(info.value)
+        assert func in message and "FA4's seqused_q=<tensor (3,) torch.int32" in message, message
+        assert f"{GATE} seqused_q yet" in message and pending.ENV in message, message
+    monkeypatch.setenv(pending.ENV, "seqused_q")
+    for func, call in _seqused_q_entries(_used()):
+        with pytest.raises(UnsupportedError) as info:
+            call()
+        assert DEVICE in str(info.value) and GATE not in str(info.value), (func, info.value)
+
+
+def test_seqused_q_with_dense_q_is_refused_by_name_as_varlen_only(monkeypatch):
+    monkeypatch.setenv(pending.ENV, "seqused_q")
+    q, k, v = dense()
+    for call in (lambda: sdpa._flash_attn_fwd(q, k, v, seqused_q=_used((3, 4))),
+                 lambda: sdpa._flash_attn_bwd(q, k, v, q, q, torch.zeros(2, 4, 24),
+                                              seqused_q=_used((3, 4)))):
+        with pytest.raises(UnsupportedError, match=r"seqused_q=<tensor \(2,\)> with dense q is "
+                                                   r"refused: .*cu_seqlens_q and cu_seqlens_k"):
+            call()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'seqused_q'"):
+        flash_attn_func(q, k, v, seqused_q=_used((3, 4)))  # FA4's flash_attn_func has none
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (torch.tensor([3, 0, 12]), TypeError, "seqused_q must have dtype torch.int32"),
+    (_used((3, 0)), ValueError, "seqused_q"),
+    (_used((3, 0, 12)).view(3, 1), ValueError, "seqused_q must be 1-D"),
+    ([3, 0, 12], TypeError, "seqused_q must be a torch.Tensor of int32")])
+def test_a_bad_seqused_q_is_named_before_the_gate(bad, error, words):
+    for _, call in _seqused_q_entries(bad):
+        with pytest.raises(error, match=words):
+            call()
+
+
+class _VarlenRecorder:
+    """The Hopper row with its varlen entries recorded (no kernel): the value checks run."""
+
+    def __init__(self, monkeypatch):
+        from dataclasses import replace
+
+        self.calls = []
+        backend = replace(dispatch.HOPPER, varlen_forward=self.record("forward"),
+                          varlen_backward=self.record("backward"))
+        monkeypatch.setattr(prologue, "backend_for", lambda device: backend)
+        monkeypatch.setattr(prologue, "_BACKENDS", {})
+
+    def record(self, name):
+        return lambda *args, **kw: self.calls.append((name, kw))
+
+
+@pytest.mark.parametrize("values, words", [
+    ((3, 0, 20), r"seqused_q\[2\] = 20 must be in \[0, 19\] \(the length of sequence 2 in "
+                 r"cu_seqlens_q\)"),
+    ((6, 0, 12), r"seqused_q\[0\] = 6 must be in \[0, 5\]"),
+    ((-1, 0, 12), r"seqused_q\[0\] = -1 must be in \[0, 5\]")])
+def test_seqused_q_values_are_checked_where_seqused_k_values_are(monkeypatch, values, words):
+    monkeypatch.setenv(pending.ENV, "seqused_q")
+    rec = _VarlenRecorder(monkeypatch)
+    for _, call in list(_seqused_q_entries(_used(values)))[3:]:
+        with pytest.raises(ValueError, match=words):
+            call()
+    assert rec.calls == []
+
+
+def test_seqused_q_reaches_the_backend_only_when_given(monkeypatch):
+    monkeypatch.setenv(pending.ENV, "seqused_q")
+    rec = _VarlenRecorder(monkeypatch)
+    used = _used()
+    for _, call in list(_seqused_q_entries(used))[3:]:
+        call()
+    for _, call in list(_seqused_q_entries(None))[3:]:
+        call()
+    assert [(n, kw.get("seqused_q") is used) for n, kw in rec.calls] == [
+        ("forward", True), ("backward", True), ("forward", False), ("backward", False)]
+    assert "seqused_q" not in rec.calls[2][1] and "seqused_q" not in rec.calls[3][1]
+    # max_seqlen_q bounds the used rows (as max_seqlen_k bounds seqused_k's)
+    pq, pk, pv, cu_q, cu_k = packed(lens_q=LENS_Q, lens_k=LENS_K)
+    varlen.varlen_forward_into(pq, pk, pv, cu_q, cu_k, None, 12, None, torch.zeros_like(pq),
+                               torch.zeros(4, pq.shape[0]), seqused_q=used)
+
+
+def test_fake_varlen_with_seqused_q(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        pq = torch.empty(300, 8, 128, dtype=BF16, device="cuda")
+        pk = torch.empty(200, 2, 128, dtype=BF16, device="cuda")
+        cu = torch.empty(4, dtype=torch.int32, device="cuda")
+        used = torch.empty(3, dtype=torch.int32, device="cuda")
+        out, lse = ops.varlen_fwd(pq, pk, pk, cu, cu, None, -1, -1, 0.1, True, -1, 0, False,
+                                  True, 0.0, None, used)
+        assert out.shape == pq.shape and lse.shape == (8, 300)
+        dq, dk, dv = ops.varlen_bwd(out, pq, pk, pk, out, lse, cu, cu, None, -1, -1, 0.1, True,
+                                    -1, 0, False, 0.0, None, used)
+        assert dq.shape == pq.shape and dk.shape == pk.shape
+        with pytest.raises(TypeError, match="seqused_q must have dtype torch.int32"):
+            ops.varlen_fwd(pq, pk, pk, cu, cu, None, -1, -1, 0.1, True, -1, 0, False, True, 0.0,
+                           None, torch.empty(3, dtype=torch.int64, device="cuda"))
+
+
+def _varlen_used_call(used, causal=True, return_lse=False):
+    pq, pk, pv, cu_q, cu_k = packed(lens_q=LENS_Q, lens_k=LENS_K, grad=True)
+    out, lse = flash_attn_varlen_func(pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      seqused_q=used, causal=causal, return_lse=return_lse)
+    return pq, pk, pv, out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_q_forward_and_autograd_per_sequence_equal_float64(monkeypatch, cpu_kernels,
+                                                                     causal):
+    """Used rows against float64 on the used rows alone; padding rows: out 0, dq 0; keys of a
+    sequence get gradients from its used rows only."""
+    monkeypatch.setenv(pending.ENV, "seqused_q")
+    pq, pk, pv, out, lse = _varlen_used_call(_used(), causal, return_lse=True)
+    g = torch.Generator().manual_seed(9)
+    dout = torch.randn(out.shape, generator=g)
+    (out.float() * dout).sum().backward()
+    q0 = k0 = 0
+    for nq, used, nk in zip(LENS_Q, USED_Q, LENS_K):
+        pad = slice(q0 + used, q0 + nq)
+        assert torch.equal(out[pad].float(), torch.zeros_like(out[pad].float()))
+        assert torch.equal(pq.grad[pad].float(), torch.zeros_like(pq.grad[pad].float()))
+        if used:
+            leaves = [t.detach()[rows].double()[None].requires_grad_(True) for t, rows in (
+                (pq, slice(q0, q0 + used)), (pk, slice(k0, k0 + nk)), (pv, slice(k0, k0 + nk)))]
+            ref_out = _float64_forward(*leaves, causal)
+            assert (out[q0:q0 + used].double() - ref_out[0]).abs().max() < 3e-2
+            want = torch.autograd.grad((ref_out * dout[None, q0:q0 + used].double()).sum(),
+                                       leaves)
+            for got, w in ((pq.grad[q0:q0 + used], want[0]), (pk.grad[k0:k0 + nk], want[1]),
+                           (pv.grad[k0:k0 + nk], want[2])):
+                assert (got.double() - w[0]).abs().max() < 3e-2
+        q0, k0 = q0 + nq, k0 + nk
+
+
+def test_seqused_q_with_lse_fold_and_the_probe_give_the_same_gradients(monkeypatch,
+                                                                     cpu_kernels):
+    results = []
+    for env in ("seqused_q", "seqused_q,lse_fold"):
+        monkeypatch.setenv(pending.ENV, env)
+        pq, pk, pv, out, lse = _varlen_used_call(_used(), return_lse=True)
+        loss = out.float().square().sum() + lse.where(lse.isfinite(), 0.0).square().sum()
+        results.append(torch.autograd.grad(loss, [pq, pk, pv]))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_compile_fullgraph_with_seqused_q(monkeypatch, cpu_kernels):
+    monkeypatch.setenv(pending.ENV, "seqused_q")
+    torch._dynamo.reset()
+
+    def layer(q, k, v, cu_q, cu_k, used):
+        out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                        seqused_q=used, causal=True)
+        return out.float().square().sum()
+
+    pq, pk, pv, cu_q, cu_k = packed(lens_q=LENS_Q, lens_k=LENS_K, grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got = compiled(pq, pk, pv, cu_q, cu_k, _used())
+    grads = torch.autograd.grad(got, [pq, pk, pv])
+    want = layer(pq, pk, pv, cu_q, cu_k, _used())
+    torch.testing.assert_close(got, want)
+    for g, w in zip(grads, torch.autograd.grad(want, [pq, pk, pv])):
+        torch.testing.assert_close(g, w)
+
+
+def test_hopper_puts_has_seqused_q_in_the_varlen_keys_only_when_given(monkeypatch):
+    calls = _recording(monkeypatch)
+    runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
+    q, k, v, out, lse, grads = _bwd_args()
+    used = _used((3, 4))
+    args = (q[0], k[0], v[0], None, None, None, 24, 40)
+    runners["varlen_forward"](*args, out[0], lse[0], True, 0.125, None, 0)
+    runners["varlen_forward"](*args, out[0], lse[0], True, 0.125, None, 0, seqused_q=used)
+    bargs = (q[0], k[0], v[0], out[0], lse[0], out[0], grads[0][0], grads[1][0], grads[2][0],
+             None, None, None, 24, 40, True, 0.125, None, 0, False, None)
+    runners["varlen_backward"](*bargs)
+    runners["varlen_backward"](*bargs, seqused_q=used)
+    runners["varlen_backward"](*bargs, dlse=lse[1], seqused_q=used)
+    keys = [c[2] for c in calls if c[0] == "compiled"]
+    base = (64, "bf16", True, None, False, False, True, False)
+    assert keys[0] == base and keys[1] == base + ("sm_90a", 0.0, None, None, True)
+    bbase = (64, "bf16", True, None, False, False, False, True, False)
+    assert keys[2] == bbase and keys[3] == bbase + ("sm_90a", 0.0, False, True)
+    assert keys[4] == bbase + ("sm_90a", 0.0, True, True)
+    launches = [c for c in calls if c[0] != "compiled"]
+    assert launches[0][2] == {} and launches[1][2]["seqused_q"] is used
+    assert launches[2][2] == {} and launches[3][2]["seqused_q"] is used
+    from fa4_final.hopper import host
+
+    assert host.forward_recipe(*keys[1]).kernels["main"].has_seqused_q
+    assert not host.forward_recipe(*keys[0]).kernels["main"].has_seqused_q
+    kernels = host.backward_recipe(*keys[4]).kernels
+    assert kernels["main"].has_seqused_q and kernels["pre"].has_dlse
+    assert not host.backward_recipe(*keys[2]).kernels["main"].has_seqused_q
+
+
+def test_blackwell_refuses_seqused_q_by_name(monkeypatch):
+    """Its row has no varlen kernel (the runtime's loop refuses seqused_q) and no seqused_q
+    variant (its runners refuse it by name)."""
+    row = dispatch.wired(dispatch.BLACKWELL)
+    assert "seqused_q" not in row.features and "seqused_q" in dispatch.HOPPER.features
+    with pytest.raises(UnsupportedError, match=r"seqused_q=<tensor \(2,\)>: the sm_100a kernels "
+                                               r"have no seqused_q variant; .*Hopper"):
+        dispatch.refuse_missing("sm_100a", row.features, 0.0, None, None, _used((3, 4)))
+    monkeypatch.setenv(pending.ENV, "seqused_q")
+    monkeypatch.setattr(prologue, "backend_for", lambda device: row)
+    monkeypatch.setattr(prologue, "_BACKENDS", {})
+    _, call = list(_seqused_q_entries(_used()))[3]
+    with pytest.raises(UnsupportedError, match="seqused_q runs in the varlen kernels only"):
+        call()

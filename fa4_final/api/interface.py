@@ -56,6 +56,7 @@ from fa4_final.runtime.pending import (
     check_head_dims,
     forward_only,
     refuse_backward_head_dims,
+    refuse_pending,
 )
 from fa4_final.runtime.prologue import forward, prepare
 
@@ -71,7 +72,7 @@ _FA4_NEUTRAL = {
     "gather_bwd_recompute_p": False, "gather_bwd_token_chunk": None,
 }
 _FA4_VARLEN_NEUTRAL = {
-    **_FA4_NEUTRAL, "seqused_q": None, "min_seqlen_k": None, "page_table": None,
+    **_FA4_NEUTRAL, "min_seqlen_k": None, "page_table": None,
     "scheduler_metadata": None, "seqlen_k_per_split": None, "disable_scheduler_metadata": False,
 }
 _FA4_SPEED_ONLY = ("num_splits", "pack_gqa")  # change how FA4 runs, never what it returns
@@ -111,8 +112,10 @@ def _refuse_positional(func: str, extra: tuple) -> None:
             f"causal=True")
 
 
-def _feature_args(softcap: float, learnable_sink) -> tuple:
+def _feature_args(softcap: float, learnable_sink, seqused_q=None) -> tuple:
     """The ops' trailing feature arguments, only when set (a default call is unchanged)."""
+    if seqused_q is not None:  # varlen_fwd's last
+        return softcap, learnable_sink, seqused_q
     if learnable_sink is not None:
         return softcap, learnable_sink
     return (softcap,) if softcap else ()
@@ -168,34 +171,39 @@ def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
 
 
 def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None,
-                           max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
-                           softmax_scale=None, causal=False, window_size=(None, None),
-                           learnable_sink=None, softcap=None, deterministic=False,
-                           return_lse=False, **fa4_options):
+                           max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+                           seqused_k=None, softmax_scale=None, causal=False,
+                           window_size=(None, None), learnable_sink=None, softcap=None,
+                           deterministic=False, return_lse=False, **fa4_options):
     """Attention over sequences packed along the first dim (see runtime.varlen).
 
     q (total_q, heads, dim), k and v (total_k, heads_kv, dim); cu_seqlens_q and cu_seqlens_k:
     int32 (batch + 1,) offsets from 0 to the totals; seqused_k: int32 (batch,), the k rows used
     per sequence; max_seqlen_q/k: upper bounds of the lengths (checked; None: not given).
-    ``softcap``, ``learnable_sink``: as in flash_attn_func (pending).
-    Returns ``(out, lse)``: out like q, lse (heads, total_q) float32 or None as in
-    flash_attn_func.
+    ``softcap``, ``learnable_sink``: as in flash_attn_func (pending). ``seqused_q`` (pending):
+    int32 (batch,), sequence b's queries are the first seqused_q[b] of its packed rows (0 <=
+    seqused_q[b] <= its rows); the rest are padding: never attended, their out and lse rows
+    come back 0 and their dq rows 0. Padding rows of q (and of dout) must hold finite values.
+    Returns ``(out, lse)``: out like q (with v's head dim), lse (heads, total_q) float32 or
+    None as in flash_attn_func.
     """
     _refuse_positional("flash_attn_varlen_func", extra)
     _refuse_fa4_options("flash_attn_varlen_func", fa4_options, _FA4_VARLEN_NEUTRAL)
     cap = check_features("flash_attn_varlen_func", softcap, None, 0, None)  # a scalar: first
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, check_address=False)
+        softmax_scale, check_address=False, seqused_q=seqused_q)
     check_features("flash_attn_varlen_func", None, learnable_sink, h, q.device)
     _check_head_dims("flash_attn_varlen_func", q, k, v, learnable_sink)
+    if seqused_q is not None:
+        refuse_pending("flash_attn_varlen_func", "seqused_q", seqused_q)
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
     out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                               -1 if max_seqlen_q is None else max_seqlen_q,
                               -1 if max_seqlen_k is None else max_seqlen_k, p.scale, p.causal,
                               p.left, p.right, check_flag("deterministic", deterministic),
                               check_flag("return_lse", return_lse),
-                              *_feature_args(cap, learnable_sink))
+                              *_feature_args(cap, learnable_sink, seqused_q))
     return out, _returned_lse(lse, return_lse, _grad_inputs(q, k, v, learnable_sink))
 
 

@@ -17,7 +17,10 @@ two arguments (defaults: off), the backward ops' softcap the last; the public fu
 them and pass the gate of pending features before calling (Note [Pending features] in
 fa4_final.runtime.pending). The forward's autograd returns the sink's gradient from
 common.backward.sink_gradient when the sink requires grad (Note [Learnable sink]); a softcap
-build's backward kernel applies the cap's derivative itself (Note [Softcap]).
+build's backward kernel applies the cap's derivative itself (Note [Softcap]). Pending as well:
+the backward ops' dlse (after the softcap; lse_fold), the varlen ops' seqused_q (last; its
+padding rows come back 0 in out, lse and dq), and head dims outside (64, 128) or dv != D
+(the forward ops' out has v's head dim; their fake impls pass the same gate).
 
 Window sides arrive normalised (runtime.checks.normalise_window: None for an unbounded side, any
 int, negative ones included, a bound); the public functions (api.interface) resolve them, causal
@@ -65,7 +68,7 @@ from fa4_final.runtime.checks import (
 )
 from fa4_final.runtime.pending import check_head_dims, listed
 from fa4_final.runtime.prologue import backward_into, forward_into
-from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
+from fa4_final.runtime.varlen import used_rows, varlen_backward_into, varlen_forward_into
 
 
 def _side(n: int):
@@ -292,15 +295,18 @@ def varlen_fwd_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                     cu_seqlens_k: Tensor, seqused_k: Tensor | None, max_seqlen_q: int,
                     max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int | None,
                     window_right: int | None, deterministic: bool, return_lse: bool,
-                    softcap: float = 0.0,
-                    learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    softcap: float = 0.0, learnable_sink: Tensor | None = None,
+                    seqused_q: Tensor | None = None) -> tuple[Tensor, Tensor]:
     total_q, h, _ = q.shape
-    out = q.new_empty((total_q, h, v.shape[-1]))
-    lse = q.new_empty((h, total_q), dtype=torch.float32)
+    # padding rows past seqused_q are never written by the kernel: they come back 0 here (FA4
+    # leaves them unspecified), so no stale memory reaches a loss or dout
+    new = q.new_empty if seqused_q is None else q.new_zeros
+    out = new((total_q, h, v.shape[-1]))
+    lse = new((h, total_q), dtype=torch.float32)
     varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, _side(max_seqlen_q),
                         _side(max_seqlen_k), out, lse, causal, softmax_scale,
                         (window_left, window_right), softcap=softcap,
-                        learnable_sink=learnable_sink)
+                        learnable_sink=learnable_sink, **used_rows(seqused_q))
     return out, lse
 
 
@@ -311,9 +317,9 @@ varlen_fwd = torch.library.custom_op("fa4_final::varlen_fwd", varlen_fwd_impl,
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, causal, window_left, window_right, deterministic, return_lse, softcap=0.0,
-      learnable_sink=None):
+      learnable_sink=None, seqused_q=None):
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None,
-                        softmax_scale, check_address=False)
+                        softmax_scale, check_address=False, seqused_q=seqused_q)
     total_q, h, _ = q.shape
     _check_features_meta(softcap, learnable_sink, h, q.device)
     return _out_meta("fa4_final::varlen_fwd", q, v), q.new_empty((h, total_q),
@@ -324,13 +330,13 @@ def varlen_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Tensor | None,
                     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                     window_left: int | None, window_right: int | None, deterministic: bool,
-                    softcap: float = 0.0,
-                    dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    softcap: float = 0.0, dlse: Tensor | None = None,
+                    seqused_q: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                          seqused_k, _side(max_seqlen_q), _side(max_seqlen_k), causal,
                          softmax_scale, (window_left, window_right),
-                         deterministic, softcap=softcap, dlse=dlse)
+                         deterministic, softcap=softcap, dlse=dlse, **used_rows(seqused_q))
     return dq, dk, dv
 
 
@@ -341,39 +347,42 @@ varlen_bwd = torch.library.custom_op("fa4_final::varlen_bwd", varlen_bwd_impl,
 @varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic,
-      softcap=0.0, dlse=None):
+      softcap=0.0, dlse=None, seqused_q=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_varlen_fwd(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal, wl, wr, deterministic,
      return_lse, *features) = inputs
-    softcap, sink = (features + [0.0, None])[:2]
+    softcap, sink, seqused_q = (features + [0.0, None, None])[:3]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k, sink)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k, sink, seqused_q)
     ctx.options = (max_q, max_k, scale, causal, wl, wr, deterministic) + (
-        (softcap,) if softcap else ())
+        (softcap,) if softcap or seqused_q is not None else ())
     ctx.return_lse = return_lse
     ctx.set_materialize_grads(False)  # as _setup_fwd
 
 
 def _backward_varlen_fwd(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k, seqused_k, sink = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, seqused_k, sink, seqused_q = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    # seqused_q after dlse's place (None there when not folded); nothing when not given
+    used_q = () if seqused_q is None else (seqused_q,)
+    tail = (None, *used_q) if used_q else ()
     if ctx.return_lse and dlse is not None and listed("lse_fold"):  # one call, as _backward_fwd
         options = ctx.options if len(ctx.options) == 8 else ctx.options + (0.0,)
         dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, *options,
-                                dlse.contiguous())
+                                dlse.contiguous(), *used_q)
         dsink = _sink_grad(ctx, sink, lse, out, dout, dlse, VARLEN_SINK_INPUT)
-        return (dq, dk, dv) + (None,) * 12 + (dsink,)
-    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, *ctx.options)
+        return (dq, dk, dv) + (None,) * 12 + (dsink, None)
+    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, *ctx.options, *tail)
     if ctx.return_lse and dlse is not None:
         probe_dout, probe_out = _lse_probe(dlse.transpose(0, 1), out)  # (total_q, h)
         dq_lse, dk_lse, _ = varlen_bwd(probe_dout, q, k, torch.zeros_like(v), probe_out, lse,
-                                       cu_q, cu_k, seqused_k, *ctx.options)
+                                       cu_q, cu_k, seqused_k, *ctx.options, *tail)
         dq, dk = dq + dq_lse, dk + dk_lse
     dsink = _sink_grad(ctx, sink, lse, out, dout, dlse, VARLEN_SINK_INPUT)
-    return (dq, dk, dv) + (None,) * 12 + (dsink,)
+    return (dq, dk, dv) + (None,) * 12 + (dsink, None)  # None: seqused_q
 
 
 VARLEN_SINK_INPUT = 15  # learnable_sink's place among varlen_fwd's inputs

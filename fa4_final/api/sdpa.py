@@ -32,12 +32,13 @@ from fa4_final.api.ops import _lse_probe
 from fa4_final.common.backward import sink_gradient
 from fa4_final.common.constants import FWD_HEAD_DIMS
 from fa4_final.common.errors import UnsupportedError
-from fa4_final.runtime.checks import check_flag, check_tma_operand
+from fa4_final.runtime.checks import check_flag, check_seqused_q, check_tma_operand
 from fa4_final.runtime.pending import (
     check_features,
     check_head_dims,
     listed,
     refuse_backward_head_dims,
+    refuse_pending,
 )
 from fa4_final.runtime.prologue import backward_into, fold, forward_into
 from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
@@ -87,11 +88,12 @@ from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
 
 # The keywords only FA4's private functions take, each at the value that switches it off.
 _PRIVATE_NEUTRAL = {**_FA4_VARLEN_NEUTRAL, "q_descale": None, "k_descale": None,
-                    "v_descale": None, "_arch": None}
+                    "v_descale": None, "_arch": None,
+                    "seqused_q": None}  # pending (PENDING_FWD), refused by default as they are
 # Wired but pending (Note [Pending features]): not among the SUPPORTED names below while the
 # gate refuses them by default.
-PENDING_FWD = ("softcap", "learnable_sink")
-PENDING_BWD = ("softcap", "learnable_sink")
+PENDING_FWD = ("softcap", "learnable_sink", "seqused_q")
+PENDING_BWD = ("softcap", "learnable_sink", "seqused_q")
 # FA4's kernel knobs: how it tiles and schedules, never what it returns (its Hopper backward
 # overwrites its own block sizes, stages and layouts from its tile table).
 _FA4_KNOBS = (*_FA4_SPEED_ONLY, "tile_mn", "mma_pv_is_rs", "intra_wg_overlap", "num_threads",
@@ -190,7 +192,7 @@ def _flash_attn_fwd(
     module's docstring); with a sink lse includes it and rows that see no key get lse = sink.
     """
     _refuse("_flash_attn_fwd", {
-        "qv": qv, "seqused_q": seqused_q, "min_seqlen_k": min_seqlen_k, "page_table": page_table,
+        "qv": qv, "min_seqlen_k": min_seqlen_k, "page_table": page_table,
         "_arch": _arch,
         "score_mod": score_mod, "mask_mod": mask_mod, "block_sparse_tensors": block_sparse_tensors,
         "aux_tensors": aux_tensors, "aux_scalars": aux_scalars, "q_descale": q_descale,
@@ -202,6 +204,7 @@ def _flash_attn_fwd(
     window = _window("_flash_attn_fwd", window_size_left, window_size_right)
     packed = _packed("_flash_attn_fwd", cu_seqlens_q, cu_seqlens_k, seqused_k)
     _check_layout(q, packed)
+    used_q = _seqused_q("_flash_attn_fwd", seqused_q, packed, cu_seqlens_q, q)
     features = _features("_flash_attn_fwd", q, softcap, learnable_sink)
     if _dims_known(q, k, v):  # Note [Head dims]: pending (head_dims), as in the runtime
         check_head_dims("_flash_attn_fwd", q.shape[-1], v.shape[-1])
@@ -219,7 +222,7 @@ def _flash_attn_fwd(
     if packed:
         varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                             _host_int(max_seqlen_q), _host_int(max_seqlen_k), out_buf, lse_buf,
-                            causal, softmax_scale, window, **features)
+                            causal, softmax_scale, window, **features, **used_q)
     else:
         forward_into(q, k, v, out_buf, lse_buf, causal, softmax_scale, window, **features)
     if copy_out:
@@ -236,6 +239,23 @@ def _features(func: str, q, softcap, learnable_sink) -> dict:
         return {}  # the runtime's checks name q's problem
     cap = check_features(func, softcap, learnable_sink, q.shape[-2], q.device)
     return {"softcap": cap, "learnable_sink": learnable_sink}
+
+
+def _seqused_q(func: str, seqused_q, packed: bool, cu_seqlens_q, q) -> dict:
+    """FA4's seqused_q as the varlen runtime's keyword, only when given: checked, then gated
+    (pending); with dense q (which FA4 also takes) refused by name: varlen only here."""
+    if seqused_q is None:
+        return {}
+    if packed and isinstance(q, torch.Tensor):
+        check_seqused_q(seqused_q, cu_seqlens_q, q.device)
+    if not packed:
+        shown = (f"<tensor {tuple(seqused_q.shape)}>" if isinstance(seqused_q, torch.Tensor)
+                 else repr(seqused_q))
+        raise UnsupportedError(
+            f"{func}: seqused_q={shown} with dense q is refused: fa4_final takes seqused_q "
+            f"with packed q, k, v (cu_seqlens_q and cu_seqlens_k) only")
+    refuse_pending(func, "seqused_q", seqused_q)
+    return {"seqused_q": seqused_q}
 
 
 def _dims_known(q, k, v) -> bool:
@@ -293,13 +313,14 @@ def _flash_attn_bwd(
     dv, dsink)``, dsink in the sink's dtype (common.backward.sink_gradient), as FA4.
     """
     _refuse("_flash_attn_bwd", {
-        "seqused_q": seqused_q, "score_mod": score_mod,
+        "score_mod": score_mod,
         "score_mod_bwd": score_mod_bwd, "mask_mod": mask_mod, "aux_tensors": aux_tensors,
         "aux_scalars": aux_scalars, "block_sparse_tensors": block_sparse_tensors})
     causal = check_flag("causal", causal)
     deterministic = check_flag("deterministic", deterministic)
     window = _window("_flash_attn_bwd", window_size_left, window_size_right)
     packed = _packed("_flash_attn_bwd", cu_seqlens_q, cu_seqlens_k, seqused_k)
+    used_q = _seqused_q("_flash_attn_bwd", seqused_q, packed, cu_seqlens_q, q)
     cap = _features("_flash_attn_bwd", q, softcap, learnable_sink).get("softcap", 0.0)
     if _dims_known(q, k, v):  # the backward's head dims (Note [Head dims]: forward only)
         refuse_backward_head_dims("_flash_attn_bwd", q.shape[-1], v.shape[-1])
@@ -316,7 +337,7 @@ def _flash_attn_bwd(
             varlen_backward_into(q, k, v_, out_, lse, dout_, dq_, dk_, dv_, cu_seqlens_q,
                                  cu_seqlens_k, seqused_k, _host_int(max_seqlen_q),
                                  _host_int(max_seqlen_k), causal, softmax_scale, window,
-                                 deterministic, softcap=cap, **fold(dlse_))
+                                 deterministic, softcap=cap, **fold(dlse_), **used_q)
         else:
             backward_into(q, k, v_, out_, lse, dout_, dq_, dk_, dv_, causal, softmax_scale,
                           window, deterministic, softcap=cap, **fold(dlse_))

@@ -197,6 +197,15 @@ def _check_index_vector(name: str, t, length, device) -> None:
                          f"{t.shape[0]}")
 
 
+def check_seqused_q(seqused_q, cu_seqlens_q, device) -> None:
+    """seqused_q's metadata: int32 (batch,) on q's device, batch read off cu_seqlens_q when it
+    is a tensor (check_varlen_inputs checks it again with the rest; its values:
+    check_varlen_values)."""
+    batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) \
+        and cu_seqlens_q.dim() == 1 else None
+    _check_index_vector("seqused_q", seqused_q, batch, device)
+
+
 def check_max_seqlen(name: str, value) -> None:
     if value is None:
         return
@@ -206,10 +215,10 @@ def check_max_seqlen(name: str, value) -> None:
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None,
                         max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
-                        check_address: bool = True):
+                        check_address: bool = True, seqused_q=None):
     """Validate packed q (total_q, heads, dim), k and v (total_k, heads_kv, dim) and the int32
-    cu_seqlens (batch + 1 entries each) and seqused_k (batch); return (batch, total_q,
-    total_k, heads, heads_kv, dim). The values are checked by check_varlen_values."""
+    cu_seqlens (batch + 1 entries each), seqused_k and seqused_q (batch); return (batch,
+    total_q, total_k, heads, heads_kv, dim). The values are checked by check_varlen_values."""
     _check_qkv(q, k, v, 3, "(total_tokens, heads, head_dim) (sequences packed one after another)")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu is None:
@@ -224,6 +233,8 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None,
     batch = cu_seqlens_q.shape[0] - 1
     if seqused_k is not None:
         _check_index_vector("seqused_k", seqused_k, batch, q.device)
+    if seqused_q is not None:
+        _check_index_vector("seqused_q", seqused_q, batch, q.device)
     check_max_seqlen("max_seqlen_q", max_seqlen_q)
     check_max_seqlen("max_seqlen_k", max_seqlen_k)
     h, hk, d = _check_heads_and_dim(q, k)
@@ -234,9 +245,10 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None,
 
 
 def check_varlen_values(cu_q: list[int], cu_k: list[int], seqused_k: list[int] | None,
-                        total_q: int, total_k: int, max_seqlen_q=None, max_seqlen_k=None):
+                        total_q: int, total_k: int, max_seqlen_q=None, max_seqlen_k=None,
+                        seqused_q: list[int] | None = None):
     """The checks that need the offsets' values (host lists); returns the per-sequence (q
-    lengths, k lengths used)."""
+    lengths used, k lengths used)."""
     for name, cu, total, what in (("cu_seqlens_q", cu_q, total_q, "q"),
                                   ("cu_seqlens_k", cu_k, total_k, "k and v")):
         if cu[0] != 0:
@@ -259,6 +271,13 @@ def check_varlen_values(cu_q: list[int], cu_k: list[int], seqused_k: list[int] |
             raise ValueError(f"seqused_k[{i}] = {seqused_k[i]} must be in [0, {len_k[i]}] (the "
                              f"length of sequence {i} in cu_seqlens_k)")
         used_k = list(seqused_k)
+    if seqused_q is not None:  # Note [Used query rows]: a sequence's first seqused_q[b] rows
+        bad = [i for i, (u, n) in enumerate(zip(seqused_q, len_q)) if not 0 <= u <= n]
+        if bad:
+            i = bad[0]
+            raise ValueError(f"seqused_q[{i}] = {seqused_q[i]} must be in [0, {len_q[i]}] (the "
+                             f"length of sequence {i} in cu_seqlens_q)")
+        len_q = list(seqused_q)
     for name, given, lengths in (("max_seqlen_q", max_seqlen_q, len_q),
                                  ("max_seqlen_k", max_seqlen_k, used_k)):
         longest = max(lengths, default=0)

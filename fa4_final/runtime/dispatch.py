@@ -59,7 +59,8 @@ class Backend:
     # (Note [Softcap], Note [Learnable sink]); each entry point takes them as keywords, passed
     # only when set: softcap (float, 0.0: none) and learnable_sink ((heads,) tensor or None);
     # "lse_fold": the backward entry points take dlse (Note [The lse gradient folded]);
-    # "head_dims": the forward takes FWD_HEAD_DIMS and dv != head_dim (Note [Head dims])
+    # "head_dims": the forward takes FWD_HEAD_DIMS and dv != head_dim (Note [Head dims]);
+    # "seqused_q": the varlen entry points take seqused_q (Note [Used query rows])
     features: tuple[str, ...] = ()
 
     @property
@@ -83,21 +84,25 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
     so into the compile key, only when set: the default builds keep their keys."""
     family = getattr(host, "ARCH", host.__name__)
 
-    def fwd_extra(softcap, learnable_sink, q, v) -> tuple:
-        refuse_missing(family, features, softcap, learnable_sink)
+    def fwd_extra(softcap, learnable_sink, q, v, seqused_q=None) -> tuple:
+        refuse_missing(family, features, softcap, learnable_sink, None, seqused_q)
         dv = v.shape[-1]
         if dv != q.shape[-1] or q.shape[-1] not in HEAD_DIMS:
             refuse_head_dims(family, features, q.shape[-1], dv)
         extra = ()
-        if softcap or learnable_sink is not None or dv != q.shape[-1]:
+        if softcap or learnable_sink is not None or dv != q.shape[-1] or seqused_q is not None:
             extra = (host.ARCH, float(softcap),
                      None if learnable_sink is None else DTYPE_NAMES[learnable_sink.dtype])
-        if dv != q.shape[-1]:  # head_dim_v only when it differs (forward_recipe's default)
-            extra += (dv,)
+        if dv != q.shape[-1] or seqused_q is not None:  # head_dim_v only when it differs
+            extra += (dv if dv != q.shape[-1] else None,)
+        if seqused_q is not None:  # has_seqused_q (Note [Used query rows])
+            extra += (True,)
         return extra
 
-    def bwd_extra(softcap, dlse=None) -> tuple:
-        refuse_missing(family, features, softcap, None, dlse)
+    def bwd_extra(softcap, dlse=None, seqused_q=None) -> tuple:
+        refuse_missing(family, features, softcap, None, dlse, seqused_q)
+        if seqused_q is not None:  # has_dlse, then has_seqused_q
+            return (host.ARCH, float(softcap), dlse is not None, True)
         if dlse is not None:  # has_dlse after the softcap (Note [The lse gradient folded])
             return (host.ARCH, float(softcap), True)
         return (host.ARCH, float(softcap)) if softcap else ()
@@ -121,27 +126,30 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
 
     def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                        max_seqlen_k, out, lse, causal, scale, left, right, config=None,
-                       softcap=0.0, learnable_sink=None):
-        extra = fwd_extra(softcap, learnable_sink, q, v)
+                       softcap=0.0, learnable_sink=None, seqused_q=None):
+        extra = fwd_extra(softcap, learnable_sink, q, v, seqused_q)
         plan = compiled(host.forward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         left is not None, right is not None and not causal, True,
                         seqused_k is not None, *extra)
         sink = () if learnable_sink is None else (launch_sink(learnable_sink),)
+        used_q = {} if seqused_q is None else {"seqused_q": seqused_q}
         host.launch_varlen_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                    max_seqlen_q, max_seqlen_k, out, lse, causal, scale, left,
-                                   right, *sink)
+                                   right, *sink, **used_q)
 
     def varlen_backward(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                         seqused_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right,
-                        deterministic=False, config=None, softcap=0.0, dlse=None):
-        extra = bwd_extra(softcap, dlse)
+                        deterministic=False, config=None, softcap=0.0, dlse=None,
+                        seqused_q=None):
+        extra = bwd_extra(softcap, dlse, seqused_q)
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
                         True, seqused_k is not None, *extra)
+        used_q = {} if seqused_q is None else {"seqused_q": seqused_q}
         host.launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
                                     cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                                     causal, scale, left, right,
-                                    *(() if dlse is None else (dlse,)))
+                                    *(() if dlse is None else (dlse,)), **used_q)
 
     return {"forward": forward, "backward": backward,
             "varlen_forward": varlen_forward if hasattr(host, "launch_varlen_forward") else None,
@@ -155,13 +163,14 @@ def launch_sink(learnable_sink: torch.Tensor) -> torch.Tensor:
 
 
 def refuse_missing(family: str, features: tuple[str, ...], softcap, learnable_sink,
-                   dlse=None) -> None:
-    """UnsupportedError naming softcap, learnable_sink or dlse (the feature lse_fold) when set
-    and not in ``features``."""
+                   dlse=None, seqused_q=None) -> None:
+    """UnsupportedError naming softcap, learnable_sink, dlse (the feature lse_fold) or
+    seqused_q when set and not in ``features``."""
     asked = [(name, value) for name, value, on in (
         ("softcap", softcap, bool(softcap)),
         ("learnable_sink", learnable_sink, learnable_sink is not None),
-        ("lse_fold", dlse, dlse is not None)) if on]
+        ("lse_fold", dlse, dlse is not None),
+        ("seqused_q", seqused_q, seqused_q is not None)) if on]
     for name, value in asked:
         if name not in features:
             shown = value if name == "softcap" else f"<tensor {tuple(value.shape)}>"
@@ -214,8 +223,9 @@ def module_present(module: str) -> bool:
 
 HOPPER = Backend("Hopper", "H100, H200", "sm_90", ((9, 0),), hopper_host.ARCH, hopper_host,
                  forward_module="fa4_final.hopper.fwd", backward_module="fa4_final.hopper.bwd",
-                 features=("softcap", "learnable_sink", "lse_fold", "head_dims"),
-                 **runners(hopper_host, ("softcap", "learnable_sink", "lse_fold", "head_dims")))
+                 features=("softcap", "learnable_sink", "lse_fold", "head_dims", "seqused_q"),
+                 **runners(hopper_host, ("softcap", "learnable_sink", "lse_fold", "head_dims",
+                                         "seqused_q")))
 BLACKWELL = Backend("Blackwell", "B200, GB200", "sm_100", ((10, 0),), blackwell_host.ARCH,
                     blackwell_host,
                     forward=_not_wired("Blackwell (sm_100)", "forward", "fa4_final.blackwell"),

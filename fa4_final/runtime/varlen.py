@@ -35,6 +35,7 @@ import os
 
 import torch
 
+from fa4_final.common.errors import UnsupportedError
 from fa4_final.runtime.checks import (
     check_grads,
     check_outputs,
@@ -46,17 +47,24 @@ from fa4_final.runtime.pending import (
     check_head_dims,
     check_lse_fold,
     refuse_backward_head_dims,
+    refuse_pending,
 )
 from fa4_final.runtime.prologue import features, fill_empty_rows, fold, prepare
 
 
-def _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k):
-    """The offsets on the host, in one copy."""
-    parts = [cu_seqlens_q, cu_seqlens_k] + ([seqused_k] if seqused_k is not None else [])
+def _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k, seqused_q=None):
+    """The offsets on the host, in one copy (seqused_q's values after the rest, when given)."""
+    parts = [cu_seqlens_q, cu_seqlens_k] + ([seqused_k] if seqused_k is not None else []) + (
+        [seqused_q] if seqused_q is not None else [])
     flat = torch.cat(parts).tolist()
     n = cu_seqlens_q.shape[0]
     cu_q, cu_k = flat[:n], flat[n:2 * n]
-    return cu_q, cu_k, (flat[2 * n:] if seqused_k is not None else None)
+    rest = flat[2 * n:]
+    used_q = None
+    if seqused_q is not None:
+        rest, used_q = rest[:len(rest) - (n - 1)], rest[len(rest) - (n - 1):]
+    lists = cu_q, cu_k, (rest if seqused_k is not None else None)
+    return lists if seqused_q is None else (*lists, used_q)
 
 
 def _spans(cu_q, cu_k, used_k):
@@ -65,47 +73,74 @@ def _spans(cu_q, cu_k, used_k):
 
 
 def _used_lengths(has_kernel: bool, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k,
-                  max_seqlen_q, max_seqlen_k):
+                  max_seqlen_q, max_seqlen_k, seqused_q=None):
     """(cu_q, cu_k, used key lengths) on the host after their value checks, or None when the
     kernel runs with the checks off: the loop needs the host lists anyway, the kernel only for
-    the checks (Note [Varlen kernel])."""
+    the checks (Note [Varlen kernel]). seqused_q's values are checked here too; the loop does
+    not take it (only the varlen kernels do)."""
+    if seqused_q is not None and not has_kernel:
+        raise UnsupportedError("seqused_q runs in the varlen kernels only; this GPU's backend "
+                               "runs varlen as a loop over the dense kernel")
     if has_kernel and os.environ.get("FA4_FINAL_VARLEN_CHECKS") == "0":
         return None
-    cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
+    cu_q, cu_k, used, *used_q = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k, seqused_q)
     _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k, max_seqlen_q,
-                                    max_seqlen_k)
+                                    max_seqlen_k, used_q[0] if used_q else None)
     return cu_q, cu_k, used_k
 
 
 def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                         max_seqlen_k, out, lse, causal=False, softmax_scale=None,
                         window_size=(None, None), config=None, *, softcap=0.0,
-                        learnable_sink=None):
+                        learnable_sink=None, seqused_q=None):
     """Write the varlen forward into ``out`` (like q with v's head dim) and ``lse`` ((heads,
-    total_q) float32)."""
+    total_q) float32). ``seqused_q`` (int32 (batch,), pending): sequence b's queries are the
+    first seqused_q[b] of its packed rows (0 <= seqused_q[b] <= its rows); the rest are
+    padding, never written (out and lse keep what the buffers held there), and must hold
+    finite values (as the keys past seqused_k)."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale)
+        softmax_scale, seqused_q=seqused_q)
     check_outputs(q, out, lse, (h, total_q), head_dim_v=v.shape[-1])
     cap = check_features("varlen_forward_into", softcap, learnable_sink, h, q.device)
     check_head_dims("varlen_forward_into", d, v.shape[-1])
+    if seqused_q is not None:
+        refuse_pending("varlen_forward_into", "seqused_q", seqused_q)
     extra = features(cap, learnable_sink)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_forward is not None
     lists = _used_lengths(has_kernel, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k,
-                          max_seqlen_q, max_seqlen_k)
+                          max_seqlen_q, max_seqlen_k, seqused_q)
     if has_kernel:  # Note [Varlen kernel]
         if q.shape[0] == 0:
             return out, lse
         if k.shape[0] == 0:  # no key anywhere (a TMA descriptor cannot have an empty extent)
-            fill_empty_rows(out, lse, learnable_sink, heads_dim=0)
+            _fill_used_rows(out, lse, learnable_sink, cu_seqlens_q, seqused_q)
             return out, lse
         p.backend.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                                  max_seqlen_k, out, lse, p.causal, p.scale, p.left, p.right,
-                                 config, **extra)
+                                 config, **extra, **used_rows(seqused_q))
         return out, lse
     _loop_into(p, q, k, v, *lists, out, lse, config, extra)
     return out, lse
+
+
+def used_rows(seqused_q=None) -> dict:
+    """The varlen entries' seqused_q keyword, only when given (a call without it passes none)."""
+    return {} if seqused_q is None else {"seqused_q": seqused_q}
+
+
+def _fill_used_rows(out, lse, learnable_sink, cu_seqlens_q, seqused_q) -> None:
+    """No key anywhere: every used row sees none (out 0, lse -inf or the sink); padding rows
+    past seqused_q stay as they were (one host copy, in this corner only)."""
+    if seqused_q is None:
+        fill_empty_rows(out, lse, learnable_sink, heads_dim=0)
+        return
+    starts, used = cu_seqlens_q.tolist(), seqused_q.tolist()
+    for b, n in enumerate(used):
+        rows = slice(starts[b], starts[b] + n)
+        if n:
+            fill_empty_rows(out[rows], lse[:, rows], learnable_sink, heads_dim=0)
 
 
 def forward_loop(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, causal=False,
@@ -144,24 +179,27 @@ def _loop_into(p, q, k, v, cu_q, cu_k, used_k, out, lse, config, extra=None):
 def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                          seqused_k, max_seqlen_q, max_seqlen_k, causal=False,
                          softmax_scale=None, window_size=(None, None), deterministic=False,
-                         config=None, *, softcap=0.0, dlse=None):
+                         config=None, *, softcap=0.0, dlse=None, seqused_q=None):
     """Gradients of the varlen forward into dq (like q), dk and dv (like k). Key rows no
     sequence uses (past seqused_k) get zero gradients. One launch per kernel of the backward
     (Note [Varlen kernel]); the loop where the backend has no varlen backward. ``softcap``:
     the forward's (a learnable sink needs nothing here, as in runtime.prologue); ``dlse``
-    ((heads, total_q) or None): the lse's gradient folded in, as in runtime.prologue."""
+    ((heads, total_q) or None): the lse's gradient folded in, as in runtime.prologue;
+    ``seqused_q``: the forward's (pending), dq's padding rows come out 0."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale)
+        softmax_scale, seqused_q=seqused_q)
     refuse_backward_head_dims("varlen_backward_into", d, v.shape[-1])
     check_outputs(q, out, lse, (h, total_q))
     check_grads(q, k, dout, dq, dk, dv)
     extra = features(check_features("varlen_backward_into", softcap, None, h, q.device))
     check_lse_fold("varlen_backward_into", dlse, lse)
+    if seqused_q is not None:
+        refuse_pending("varlen_backward_into", "seqused_q", seqused_q)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_backward is not None
     lists = _used_lengths(has_kernel, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k,
-                          max_seqlen_q, max_seqlen_k)
+                          max_seqlen_q, max_seqlen_k, seqused_q)
     if has_kernel:  # Note [Varlen kernel]
         if total_q == 0 or batch == 0:  # no query row: every key's gradient is 0
             for t in (dq, dk, dv):
@@ -173,7 +211,7 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
         p.backend.varlen_backward(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
                                   cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                                   p.causal, p.scale, p.left, p.right, deterministic, config,
-                                  **extra, **fold(dlse))
+                                  **extra, **fold(dlse), **used_rows(seqused_q))
         return dq, dk, dv
     _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, *lists, deterministic, config,
                         extra, dlse)

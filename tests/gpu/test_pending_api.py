@@ -7,6 +7,10 @@ FA4_FINAL_PENDING for itself (Note [Pending features] in fa4_final.runtime.pendi
 - head_dims: flash_attn_func's forward at (D, dv) = (96, 96), (192, 128), (256, 256) (and
   varlen at (192, 128)) against float64, inputs NaN-free, out with v's head dim; a call that
   needs a gradient there is refused at the forward.
+- seqused_q: flash_attn_varlen_func with seqused_q (causal and not, an empty sequence, one
+  with no used row, one with every row used), forward and autograd against float64 on each
+  sequence's used rows; padding rows: out 0 and dq 0; api.sdpa's _flash_attn_fwd leaves a
+  caller's out/lse sentinel in the padding rows (FA4's semantics).
 
 The rule is the course's (utils.checks.tolerance_check: max error <= 2 x PyTorch's own in the
 input dtype + rounding slack); the helpers are tests/gpu/test_softcap_sinks.py's. These tests,
@@ -226,3 +230,67 @@ def test_head_dims_a_gradient_is_refused_at_the_forward(monkeypatch):
     with torch.no_grad():
         out, _ = flash_attn_func(q, k, v)
     assert out.shape == (1, 64, 2, 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# seqused_q
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_seqused_q_forward_and_autograd_match_float64(monkeypatch, causal):
+    from fa4_final import flash_attn_varlen_func
+
+    monkeypatch.setenv("FA4_FINAL_PENDING", "seqused_q")
+    lens_q, used_q, lens_k = [300, 0, 130, 64, 257], [200, 0, 0, 64, 129], [300, 5, 77, 64, 513]
+    h, hk, d = 4, 2, 128
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, h, hk, d, BF16, True)
+    used = torch.tensor(used_q, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                                      seqused_q=used, causal=causal, return_lse=True)
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(out.shape, generator=g).to("cuda", BF16)
+    dq, dk, dv = torch.autograd.grad((out.float() * dout.float()).sum(), [q, k, v])
+    checks.wait_for_gpu("seqused_q")
+    oq = ok_ = 0
+    for i, (nq, nu, nk) in enumerate(zip(lens_q, used_q, lens_k)):
+        pad = slice(oq + nu, oq + nq)
+        assert bool((out[pad] == 0).all()) and bool((dq[pad] == 0).all()), f"sequence {i} padding"
+        if nu:
+            rows, keys = slice(oq, oq + nu), slice(ok_, ok_ + nk)
+            _check_forward(f"seqused_q sequence {i} ({nu} of {nq} x {nk})",
+                           q[None, rows].detach(), k[None, keys].detach(),
+                           v[None, keys].detach(), None, causal, 0.0, out[None, rows].detach(),
+                           lse[None, :, rows].detach())
+            leaves = [t[None, r].detach() for t, r in ((q, rows), (k, keys), (v, keys))]
+            got = [dq[None, rows], dk[None, keys], dv[None, keys]]
+            d_out = dout[None, rows]
+
+            def ref_loss(*ts, d_out=d_out):
+                o, _ = attention_reference_features(*ts, causal, None, 0.0, None)
+                return (o * d_out.double()).sum()
+
+            def same_loss(*ts, d_out=d_out):
+                o, _ = _same_precision(*ts, causal, d ** -0.5, 0.0, None)
+                return (o.float() * d_out.float()).sum()
+
+            _grads_against_float64(f"seqused_q sequence {i}", got,
+                                   [t.requires_grad_(True) for t in leaves], ref_loss, same_loss)
+        oq, ok_ = oq + nq, ok_ + nk
+
+
+def test_seqused_q_sdpa_forward_keeps_the_callers_padding(monkeypatch):
+    from fa4_final.api import sdpa
+
+    monkeypatch.setenv("FA4_FINAL_PENDING", "seqused_q")
+    lens_q, used_q, lens_k, h, d = [100, 37], [60, 37], [80, 200], 2, 64
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, h, h, d, BF16, False)
+    used = torch.tensor(used_q, dtype=torch.int32, device="cuda")
+    out = torch.full((q.shape[0], h, d), 7.0, dtype=BF16, device="cuda")
+    lse = torch.full((h, q.shape[0]), 5.0, device="cuda")
+    sdpa._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used,
+                         causal=True, out=out, lse=lse, return_lse=True)
+    checks.wait_for_gpu("sdpa seqused_q")
+    assert bool((out[60:100] == 7).all()) and bool((lse[:, 60:100] == 5).all())
+    _check_forward("sdpa seqused_q sequence 0", q[None, :60], k[None, :80], v[None, :80], None,
+                   True, 0.0, out[None, :60], lse[None, :, :60])
