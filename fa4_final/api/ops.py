@@ -182,12 +182,10 @@ def _backward_fwd(ctx, dout, dlse, bwd_op=None, sink_input: int = SINK_INPUT):
     bwd_op = bwd if bwd_op is None else bwd_op  # the op, or _eager_bwd (Note [The eager path])
     q, k, v, out, lse, sink = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-    if ctx.return_lse and dlse is not None and listed("lse_fold"):  # one call (the Note)
-        dq, dk, dv = bwd_op(dout, q, k, v, out, lse, *_bwd_options(ctx), dlse.contiguous())
-        return dq, dk, dv, None, None, None, None, None, None, None, _sink_grad(
-            ctx, sink, lse, out, dout, dlse, sink_input)
-    dq, dk, dv = bwd_op(dout, q, k, v, out, lse, *ctx.options)
-    if ctx.return_lse and dlse is not None:
+    folded = ctx.return_lse and dlse is not None and listed("lse_fold")  # one call (the Note)
+    options = _bwd_options(ctx) + (dlse.contiguous(),) if folded else ctx.options
+    dq, dk, dv = bwd_op(dout, q, k, v, out, lse, *options)
+    if ctx.return_lse and dlse is not None and not folded:
         probe_dout, probe_out = _lse_probe(dlse.transpose(1, 2), out)  # (b, sq, h)
         dq_lse, dk_lse, _ = bwd_op(probe_dout, q, k, torch.zeros_like(v), probe_out, lse,
                                    *ctx.options)
@@ -369,14 +367,13 @@ def _backward_varlen_fwd(ctx, dout, dlse):
     # seqused_q after dlse's place (None there when not folded); nothing when not given
     used_q = () if seqused_q is None else (seqused_q,)
     tail = (None, *used_q) if used_q else ()
-    if ctx.return_lse and dlse is not None and listed("lse_fold"):  # one call, as _backward_fwd
-        options = ctx.options if len(ctx.options) == 8 else ctx.options + (0.0,)
-        dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, *options,
-                                dlse.contiguous(), *used_q)
-        dsink = _sink_grad(ctx, sink, lse, out, dout, dlse, VARLEN_SINK_INPUT)
-        return (dq, dk, dv) + (None,) * 12 + (dsink, None)
-    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, *ctx.options, *tail)
-    if ctx.return_lse and dlse is not None:
+    folded = ctx.return_lse and dlse is not None and listed("lse_fold")  # as _backward_fwd
+    options = ctx.options + tail
+    if folded:
+        options = (ctx.options if len(ctx.options) == 8 else ctx.options + (0.0,)) + (
+            dlse.contiguous(), *used_q)
+    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, seqused_k, *options)
+    if ctx.return_lse and dlse is not None and not folded:
         probe_dout, probe_out = _lse_probe(dlse.transpose(0, 1), out)  # (total_q, h)
         dq_lse, dk_lse, _ = varlen_bwd(probe_dout, q, k, torch.zeros_like(v), probe_out, lse,
                                        cu_q, cu_k, seqused_k, *ctx.options, *tail)
