@@ -16,6 +16,13 @@ The environment variable FA4_FINAL_PENDING, a comma-separated list of names from
 tests and the conformance driver set it to run the unverified kernels, which is how a feature
 earns its way out of this table. Once its GPU tests pass, its row is deleted and the gate no
 longer asks. A feature not in the table is never gated.
+
+A row may also name a replacement of a path that has passed its tests (lse_fold: one backward
+call with dlse folded in, in place of a second call): the gate then chooses rather than
+refuses, and without FA4_FINAL_PENDING the verified path runs exactly as before (``listed``).
+A row may name a family of shapes (head_dims: the forward's head dims 96, 192, 256 and dv != D,
+refused with what runs, check_head_dims); where no kernel exists at all (the backward at those
+head dims), the refusal does not depend on the environment (refuse_backward_head_dims).
 """
 
 from __future__ import annotations
