@@ -755,3 +755,25 @@ def test_blackwell_refuses_seqused_q_by_name(monkeypatch):
     _, call = list(_seqused_q_entries(_used()))[3]
     with pytest.raises(UnsupportedError, match="seqused_q runs in the varlen kernels only"):
         call()
+
+
+# ----------------------------------------------------------------------------------------------
+# the ops with the three: opcheck (schema, fake vs real, autograd registration)
+
+
+def test_opcheck_with_dlse_dv_and_seqused_q(monkeypatch, cpu_kernels):
+    monkeypatch.setenv(pending.ENV, "lse_fold,head_dims,seqused_q")
+    q, k, v = dense(d=192, dv=128)
+    torch.library.opcheck(ops.fwd, (q, k, v, 0.125, True, None, 0, False, True))
+    q, k, v = dense()
+    out, lse = ops.fwd(q, k, v, 0.125, False, None, None, False, True)
+    torch.library.opcheck(ops.bwd, (torch.randn_like(out), q, k, v, out, lse, 0.125, False, None,
+                                    None, False, 0.0, torch.randn_like(lse)))
+    pq, pk, pv, cu_q, cu_k = packed(lens_q=LENS_Q, lens_k=LENS_K, grad=True)
+    args = (pq, pk, pv, cu_q, cu_k, None, -1, -1, 0.125, True, None, 0, False, True, 0.0, None,
+            _used())
+    torch.library.opcheck(ops.varlen_fwd, args)
+    out, lse = ops.varlen_fwd(*(t.detach() if isinstance(t, torch.Tensor) else t for t in args))
+    torch.library.opcheck(ops.varlen_bwd, (torch.randn_like(out), pq.detach(), pk.detach(),
+                                           pv.detach(), out, lse, cu_q, cu_k, None, -1, -1,
+                                           0.125, True, None, 0, False, 0.0, None, _used()))
