@@ -47,16 +47,18 @@ def cpu_kernels():
         yield
 
 
-def dense(b=2, sq=24, sk=40, h=4, hk=2, d=64, grad=False, seed=0):
+def dense(b=2, sq=24, sk=40, h=4, hk=2, d=64, dv=None, grad=False, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(b, s, n, d, generator=g) * 1.5).to(BF16).requires_grad_(grad)
-            for s, n in ((sq, h), (sk, hk), (sk, hk))]
+    dims = ((sq, h, d), (sk, hk, d), (sk, hk, dv or d))
+    return [(torch.randn(b, s, n, x, generator=g) * 1.5).to(BF16).requires_grad_(grad)
+            for s, n, x in dims]
 
 
-def packed(lens_q=(5, 0, 19), lens_k=(9, 4, 0), h=4, hk=2, d=64, grad=False):
+def packed(lens_q=(5, 0, 19), lens_k=(9, 4, 0), h=4, hk=2, d=64, dv=None, grad=False):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(sum(lens_q), h, d, generator=g).to(BF16)
-    k, v = (torch.randn(sum(lens_k), hk, d, generator=g).to(BF16) for _ in range(2))
+    k = torch.randn(sum(lens_k), hk, d, generator=g).to(BF16)
+    v = torch.randn(sum(lens_k), hk, dv or d, generator=g).to(BF16)
     cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
           for lens in (lens_q, lens_k)]
     return q.requires_grad_(grad), k.requires_grad_(grad), v.requires_grad_(grad), *cu

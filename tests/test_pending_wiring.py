@@ -27,11 +27,8 @@ from fa4_final import UnsupportedError, flash_attn_func, flash_attn_varlen_func
 from fa4_final.api import ops, sdpa
 from fa4_final.runtime import dispatch, pending, prologue, varlen
 from tests import fa4_cpu_reference as ref
+from tests.test_pending_features import BF16, DEVICE, GATE, dense, packed
 from utils.reference import attention_reference_features
-
-BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
-GATE = "does not run"  # the gate's words (runtime.pending.refuse_pending)
-DEVICE = "runs on CUDA GPUs"  # the device check's (runtime.dispatch.backend_for)
 
 
 @pytest.fixture(autouse=True)
@@ -43,23 +40,6 @@ def no_pending(monkeypatch):
 def cpu_kernels():
     with ref.active():
         yield
-
-
-def dense(b=2, sq=24, sk=40, h=4, hk=2, d=64, dv=None, grad=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    dims = ((sq, h, d), (sk, hk, d), (sk, hk, dv or d))
-    return [(torch.randn(b, s, n, x, generator=g) * 1.5).to(BF16).requires_grad_(grad)
-            for s, n, x in dims]
-
-
-def packed(lens_q=(5, 0, 19), lens_k=(9, 4, 0), h=4, hk=2, d=64, dv=None, grad=False):
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(sum(lens_q), h, d, generator=g).to(BF16)
-    k = torch.randn(sum(lens_k), hk, d, generator=g).to(BF16)
-    v = torch.randn(sum(lens_k), hk, dv or d, generator=g).to(BF16)
-    cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-          for lens in (lens_q, lens_k)]
-    return q.requires_grad_(grad), k.requires_grad_(grad), v.requires_grad_(grad), *cu
 
 
 def _counting(monkeypatch, name: str):

@@ -244,6 +244,20 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None,
     return batch, q.shape[0], k.shape[0], h, hk, d
 
 
+def _used_lengths(name: str, used: list[int] | None, lengths: list[int], cu_name: str
+                  ) -> list[int]:
+    """The lengths a call uses: ``used`` (seqused_k or seqused_q's values) when given, each
+    checked to lie in [0, its sequence's length in ``cu_name``], else ``lengths``."""
+    if used is None:
+        return lengths
+    bad = [i for i, (u, n) in enumerate(zip(used, lengths)) if not 0 <= u <= n]
+    if bad:
+        i = bad[0]
+        raise ValueError(f"{name}[{i}] = {used[i]} must be in [0, {lengths[i]}] (the length of "
+                         f"sequence {i} in {cu_name})")
+    return list(used)
+
+
 def check_varlen_values(cu_q: list[int], cu_k: list[int], seqused_k: list[int] | None,
                         total_q: int, total_k: int, max_seqlen_q=None, max_seqlen_k=None,
                         seqused_q: list[int] | None = None):
@@ -263,21 +277,9 @@ def check_varlen_values(cu_q: list[int], cu_k: list[int], seqused_k: list[int] |
                              f"{cu[-1]}")
     len_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     len_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    used_k = len_k
-    if seqused_k is not None:
-        bad = [i for i, (u, n) in enumerate(zip(seqused_k, len_k)) if not 0 <= u <= n]
-        if bad:
-            i = bad[0]
-            raise ValueError(f"seqused_k[{i}] = {seqused_k[i]} must be in [0, {len_k[i]}] (the "
-                             f"length of sequence {i} in cu_seqlens_k)")
-        used_k = list(seqused_k)
-    if seqused_q is not None:  # Note [Used query rows]: a sequence's first seqused_q[b] rows
-        bad = [i for i, (u, n) in enumerate(zip(seqused_q, len_q)) if not 0 <= u <= n]
-        if bad:
-            i = bad[0]
-            raise ValueError(f"seqused_q[{i}] = {seqused_q[i]} must be in [0, {len_q[i]}] (the "
-                             f"length of sequence {i} in cu_seqlens_q)")
-        len_q = list(seqused_q)
+    used_k = _used_lengths("seqused_k", seqused_k, len_k, "cu_seqlens_k")
+    # Note [Used query rows]: a sequence's first seqused_q[b] rows
+    len_q = _used_lengths("seqused_q", seqused_q, len_q, "cu_seqlens_q")
     for name, given, lengths in (("max_seqlen_q", max_seqlen_q, len_q),
                                  ("max_seqlen_k", max_seqlen_k, used_k)):
         longest = max(lengths, default=0)
