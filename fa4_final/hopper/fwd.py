@@ -510,16 +510,10 @@ class HopperForward:
         """Q and the K/V tiles of one tile (or of its piece n_lo <= n < n_hi:
         Note [Split tail]), in the order of Note [Forward phases]."""
         w = seqs.tile(tile)
-        m_block, head, seqlen_q, seqlen_k = w.m_block, w.head, w.seqlen_q, w.seqlen_k
+        m_block, head = w.m_block, w.head
         head_kv = head // (mQ.shape[2] // mK.shape[2])
-        n_min, n_max, n_top, n_bottom = kv_tile_range(self.window, m_block, seqlen_q, seqlen_k,
-                                                      window_left, window_right)
-        if const_expr(self.split):
-            n_min, n_max, n_top, n_bottom = clip_range(n_min, n_max, n_top, n_bottom, n_lo,
+        n_min, n_max, n_top, n_bottom = self.key_tiles(seqs, w, window_left, window_right, n_lo,
                                                        n_hi)
-        if const_expr(self.has_seqused_q):
-            if seqs.tile_past_used_rows(w):  # Note [Used query rows]: no key to load
-                n_max = n_min
         # (tile_m, D); (tile_n, D, n_tiles) of this (sequence, head)
         gQ = cute.local_tile(seqs.rows_q(mQ, w, head), (self.tile_m, self.head_dim),
                              (m_block, 0))
@@ -555,6 +549,23 @@ class HopperForward:
                                         state_v)
             state_v = self.load_one(tma_atom_v, tVgV, tVsV, n_min, pipeline_v, state_v)
         return state_q, state_k, state_v
+
+    @cute.jit
+    def key_tiles(self, seqs: Sequences, w, window_left: Int32, window_right: Int32,
+                  n_lo: Int32, n_hi: Int32):
+        """(n_min, n_max, n_top, n_bottom) of tile ``w``: its key tiles (tiles.kv_tile_range),
+        cut to its piece [n_lo, n_hi) (Note [Split tail]), none when it lies wholly in its
+        sequence's padding rows (Note [Used query rows]). The producer and the consumers both
+        take their walk from here (Note [Forward phases])."""
+        n_min, n_max, n_top, n_bottom = kv_tile_range(self.window, w.m_block, w.seqlen_q,
+                                                      w.seqlen_k, window_left, window_right)
+        if const_expr(self.split):
+            n_min, n_max, n_top, n_bottom = clip_range(n_min, n_max, n_top, n_bottom, n_lo,
+                                                       n_hi)
+        if const_expr(self.has_seqused_q):
+            if seqs.tile_past_used_rows(w):
+                n_max = n_min
+        return n_min, n_max, n_top, n_bottom
 
     @cute.jit
     def load_one(self, tma_atom, tXgX, tXsX, n_block, pipe, state):
@@ -696,15 +707,9 @@ class HopperForward:
         sink = None  # read before the KV loop, so its latency hides behind it
         if const_expr(mSink is not None):
             sink = Float32(mSink[head])
-        n_min, n_max, n_top, n_bottom = kv_tile_range(self.window, m_block, seqlen_q,
-                                                      seqlen_k, window_left, window_right)
         n_lo, n_hi, slot, first_slot, pieces = piece
-        if const_expr(self.split):
-            n_min, n_max, n_top, n_bottom = clip_range(n_min, n_max, n_top, n_bottom, n_lo,
+        n_min, n_max, n_top, n_bottom = self.key_tiles(seqs, w, window_left, window_right, n_lo,
                                                        n_hi)
-        if const_expr(self.has_seqused_q):
-            if seqs.tile_past_used_rows(w):  # Note [Used query rows]: the producer's answer
-                n_max = n_min
         n_tiles = n_max - n_min
         softmax.reset()
         acc_o.fill(0.0)
