@@ -12,6 +12,7 @@ with no GPU anywhere (the recipe names the target).
 
 from __future__ import annotations
 
+import inspect
 import re
 import shutil
 import struct
@@ -162,9 +163,45 @@ def compiled(recipe_fn, *args) -> Plan:
             def build(kernel=kernel, role=role):
                 return compile_kernel(kernel, *recipe.fake_args(role), arch=recipe.arch)[0]
 
-            kernels[role] = cached((recipe.tag, role, recipe.arch, kernel.cache_key()), build)
+            kernels[role] = FullCall(cached((recipe.tag, role, recipe.arch,
+                                             kernel.cache_key()), build), kernel)
         plan = _PLANS[key] = Plan(kernels, recipe.config)
     return plan
+
+
+class FullCall:
+    """A compiled kernel called with every run-time parameter of its ``__call__``.
+
+    Note [Trailing defaults]: a kernel's optional inputs (the sink, seqused_q, the lse's
+    gradient) are trailing parameters with the default None. The function CuTe DSL compiles
+    takes all of them, positionally; a freshly compiled one carries the DSL's keyword wrapper,
+    which fills the defaults, but one loaded from the disk cache (runtime.cache) is the bare
+    positional function, so a call that leaves a default out fails there ("Expects N
+    parameters"). Every plan's kernel goes through this adapter, which fills the left-out
+    trailing defaults itself, so a kernel behaves the same from memory and from disk."""
+
+    __slots__ = ("fn", "names", "defaults")
+
+    def __init__(self, fn, kernel):
+        params = [p for p in inspect.signature(kernel.__call__).parameters.values()
+                  if p.name != "stream"]  # the stream is TVM-FFI's environment stream
+        self.fn = fn
+        self.names = tuple(p.name for p in params)
+        self.defaults = tuple(p.default for p in params)
+
+    def __call__(self, *args):
+        n = len(args)
+        if n > len(self.names):
+            raise TypeError(f"the kernel takes {len(self.names)} arguments "
+                            f"({', '.join(self.names)}), got {n}")
+        if n < len(self.names):
+            rest = self.defaults[n:]
+            missing = [nm for nm, d in zip(self.names[n:], rest) if d is inspect.Parameter.empty]
+            if missing:
+                raise TypeError(f"the kernel's arguments {', '.join(missing)} have no default; "
+                                f"got {n} of {len(self.names)}")
+            args += rest
+        return self.fn(*args)
 
 
 def forget() -> None:

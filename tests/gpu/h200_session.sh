@@ -108,7 +108,8 @@ for s in "$@"; do
     pending-api-tests2) step pending_api_tests2 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_pending_api.py -k head_dims ;;
     pending-api-tests3) step pending_api_tests3 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_pending_api.py -k seqused_q ;;
     sdpa-tests) step sdpa_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_sdpa_registration.py ;;
-    decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py ;;
+    decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py ;;
+    headdim-varlen) step headdim_varlen 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fwd_head_dims.py -k "varlen" ;;
     fa4-gaps) step fa4_gaps 300 $PY -m measure.fwd_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
     fa4-split) step fa4_split 420 $PY -m measure.fwd_knobs --knobs --non-causal --only "last round" "cut along" --rounds ${ROUNDS:-5} --name fa4_final_split ;;
     fa4-d64c) step fa4_d64c 420 $PY -m measure.fwd_knobs --knobs --shape 64 16384 1 --only "one tile per CTA, L2" "stages 2/2" "zigzag rounds in L2" "128 x 128" "after the softmax" --rounds ${ROUNDS:-7} --name fa4_final_d64_causal ;;
