@@ -520,14 +520,11 @@ def _seqused_q_entries(used):
         pq, pk, pv, out, lse, out, *grads, cu_q, cu_k, None, None, None, seqused_q=used)
 
 
-def test_the_gate_refuses_seqused_q_by_name_on_every_entry(monkeypatch):
-    for func, call in _seqused_q_entries(_used()):
-        with pytest.raises(UnsupportedError) as info:
-            call()
-        message = str(info.value)
-        assert func in message and "FA4's seqused_q=<tensor (3,) torch.int32" in message, message
-        assert f"{GATE} seqused_q yet" in message and pending.ENV in message, message
-    monkeypatch.setenv(pending.ENV, "seqused_q")
+def test_seqused_q_passed_its_gpu_tests_and_every_entry_takes_it_ungated():
+    """seqused_q left the gate (its GPU tests passed: tests/gpu/test_seqused_q.py and
+    test_pending_api.py -k seqused_q): every entry takes it without FA4_FINAL_PENDING, and a
+    CPU call stops at the device check, not at the gate."""
+    assert "seqused_q" not in pending.PENDING
     for func, call in _seqused_q_entries(_used()):
         with pytest.raises(UnsupportedError) as info:
             call()

@@ -88,12 +88,11 @@ from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
 
 # The keywords only FA4's private functions take, each at the value that switches it off.
 _PRIVATE_NEUTRAL = {**_FA4_VARLEN_NEUTRAL, "q_descale": None, "k_descale": None,
-                    "v_descale": None, "_arch": None,
-                    "seqused_q": None}  # pending (PENDING_FWD), refused by default as they are
+                    "v_descale": None, "_arch": None}
 # Wired but pending (Note [Pending features]): not among the SUPPORTED names below while the
 # gate refuses them by default.
-PENDING_FWD = ("softcap", "learnable_sink", "seqused_q")
-PENDING_BWD = ("softcap", "learnable_sink", "seqused_q")
+PENDING_FWD = ("softcap", "learnable_sink")
+PENDING_BWD = ("softcap", "learnable_sink")
 # FA4's kernel knobs: how it tiles and schedules, never what it returns (its Hopper backward
 # overwrites its own block sizes, stages and layouts from its tile table).
 _FA4_KNOBS = (*_FA4_SPEED_ONLY, "tile_mn", "mma_pv_is_rs", "intra_wg_overlap", "num_threads",
@@ -101,13 +100,13 @@ _FA4_KNOBS = (*_FA4_SPEED_ONLY, "tile_mn", "mma_pv_is_rs", "intra_wg_overlap", "
               "dKV_swapAB", "dQ_swapAB", "AtomLayoutMSdP", "AtomLayoutNdKV", "AtomLayoutMdQ",
               "V_in_regs")
 # What these two functions run: the rest of FA4's parameters are knobs or refused.
-SUPPORTED_FWD = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q",
-                 "max_seqlen_k", "softmax_scale", "causal", "window_size_left",
+SUPPORTED_FWD = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
+                 "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_size_left",
                  "window_size_right", "return_lse", "out", "lse")
 SUPPORTED_BWD = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal",
                  "window_size_left", "window_size_right", "cu_seqlens_q", "cu_seqlens_k",
-                 "seqused_k", "max_seqlen_q", "max_seqlen_k", "deterministic", "dq", "dk", "dv",
-                 "dlse")
+                 "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k", "deterministic", "dq",
+                 "dk", "dv", "dlse")
 SDPA_IMPL = "fa4_final"  # the name PyTorch's registry knows fa4_final by
 SDPA_MODULE = __name__  # "fa4_final.api.sdpa"
 

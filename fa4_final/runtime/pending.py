@@ -45,9 +45,6 @@ PENDING: dict[str, str] = {
     "head_dims": "the Hopper forward builds at head dims 96, 192, 256 and with v's head dim "
                  "different from q's are compiled and checked on a CPU; their GPU tests "
                  "against float64 have not run yet",
-    "seqused_q": "the Hopper varlen forward and backward builds that take seqused_q are "
-                 "compiled and checked on a CPU; their GPU tests against float64 have not run "
-                 "yet",
     "lse_fold": "the backward builds that fold the lse's gradient into bwd_pre are compiled and "
                 "checked on a CPU; their GPU tests against float64 have not run yet",
 }
