@@ -23,6 +23,9 @@ refuses, and without FA4_FINAL_PENDING the verified path runs exactly as before 
 A row may name a family of shapes (head_dims: the forward's head dims 96, 192, 256 and dv != D,
 refused with what runs, check_head_dims); where no kernel exists at all (the backward at those
 head dims), the refusal does not depend on the environment (refuse_backward_head_dims).
+The decode row does both (runtime.decode_entry, Note [Decode through the API]): a page_table is
+refused unless listed (no other kernel reads a paged cache), and a forward-only call of a decode
+shape runs the decode kernel in place of the verified forward only when listed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ PENDING: dict[str, str] = {
                  "against float64 have not run yet",
     "lse_fold": "the backward builds that fold the lse's gradient into bwd_pre are compiled and "
                 "checked on a CPU; their GPU tests against float64 have not run yet",
+    "decode": "the Hopper decode kernel (split-KV, packed GQA rows, a paged KV cache) and its "
+              "split combine are built and compiled for sm_90a and checked on a CPU; their GPU "
+              "tests against float64 have not passed yet",
 }
 
 
