@@ -26,7 +26,12 @@ on Hopper; a call that will need a gradient there is refused at the forward, nam
 backward that is not built (torch.no_grad(), or inputs that do not require grad, run the
 forward). The lse's gradient folded into one backward call (lse_fold) replaces, when listed,
 the second backward call a loss on the returned lse costs (Note [Gradient of the returned lse]
-in api.ops).
+in api.ops). Pending as well (decode, Note [Decode through the API] in
+fa4_final.runtime.decode_entry): flash_attn_varlen_func's ``page_table`` (k and v as
+(num_pages, page_size, heads_kv, dim), seqused_k, q packed with cu_seqlens_q or dense), checked
+(Note [Paged KV checks]) and refused by name unless FA4_FINAL_PENDING lists decode, then run by
+the decode kernel, forward only; and, with decode listed, a flash_attn_func call that needs no
+gradient at a decode shape (few query rows) runs that kernel with FA4's ``num_splits``.
 
 Layout (FlashAttention's): q (batch, seqlen_q, heads, dim), k and v (batch, seqlen_k, heads_kv,
 dim) with heads % heads_kv == 0 (GQA/MQA); out like q; lse float32 (batch, heads, seqlen_q), the
@@ -48,8 +53,15 @@ import torch
 
 from fa4_final.api import ops
 from fa4_final.common.errors import UnsupportedError
-from fa4_final.runtime.checks import check_flag, check_inputs, check_varlen_inputs
+from fa4_final.runtime import decode_entry
+from fa4_final.runtime.checks import (
+    check_flag,
+    check_inputs,
+    check_max_seqlen,
+    check_varlen_inputs,
+)
 from fa4_final.runtime.compile import artifacts
+from fa4_final.runtime.decode import check_num_splits
 from fa4_final.runtime.dispatch import backend_for_target
 from fa4_final.runtime.pending import (
     check_features,
@@ -157,11 +169,18 @@ def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
     _refuse_positional("flash_attn_func", extra)
     if fa4_options:
         _refuse_fa4_options("flash_attn_func", fa4_options, _FA4_NEUTRAL)
+    num_splits = check_num_splits(fa4_options.get("num_splits", 1))
     cap = check_features("flash_attn_func", softcap, None, 0, None)  # a scalar: first
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale, check_address=False)
     check_features("flash_attn_func", None, learnable_sink, h, q.device)
     _check_head_dims("flash_attn_func", q, k, v, learnable_sink)
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
+    check_flag("deterministic", deterministic)
+    if decode_entry.routes_to_decode(q, k, v, p.causal, p.right, cap, learnable_sink, p.left):
+        # Note [Decode through the API]: pending (decode), forward only, FA4's num_splits
+        out, lse = ops.decode_call(q, k, v, None, None, None, None, p.scale, p.causal, p.left,
+                                   num_splits)
+        return out, _returned_lse(lse, check_flag("return_lse", return_lse), (q, k, v))
     plain = learnable_sink is None or type(learnable_sink) is torch.Tensor
     fwd = ops.fwd_eager if plain and ops.eager(q, k, v) else ops.fwd  # Note [The eager path]
     out, lse = fwd(q, k, v, p.scale, p.causal, p.left, p.right,
@@ -188,8 +207,15 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
     None as in flash_attn_func.
     """
     _refuse_positional("flash_attn_varlen_func", extra)
+    page_table = fa4_options.pop("page_table", None)
     _refuse_fa4_options("flash_attn_varlen_func", fa4_options, _FA4_VARLEN_NEUTRAL)
+    num_splits = check_num_splits(fa4_options.get("num_splits", 1))
     cap = check_features("flash_attn_varlen_func", softcap, None, 0, None)  # a scalar: first
+    if page_table is not None:
+        return _paged_varlen(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, seqused_q, seqused_k, softmax_scale, causal,
+                             window_size, learnable_sink, cap, deterministic, return_lse,
+                             num_splits)
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, check_address=False, seqused_q=seqused_q)
@@ -205,6 +231,29 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
                               check_flag("return_lse", return_lse),
                               *_feature_args(cap, learnable_sink, seqused_q))
     return out, _returned_lse(lse, return_lse, _grad_inputs(q, k, v, learnable_sink))
+
+
+def _paged_varlen(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  seqused_q, seqused_k, softmax_scale, causal, window_size, learnable_sink,
+                  cap: float, deterministic, return_lse, num_splits: int):
+    """flash_attn_varlen_func with a page_table (Note [Decode through the API]): the paged
+    cache checked (Note [Paged KV checks], values included where they can be read), what the
+    decode kernel lacks refused by name, then the gate (decode), then forward only."""
+    func = "flash_attn_varlen_func"
+    check_max_seqlen("max_seqlen_k", max_seqlen_k)  # a bound FA4 schedules by: not needed here
+    batch, rows, h, hk, d, _ = decode_entry.check_paged_call(
+        q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale,
+        check_address=False, cu_seqlens_k=cu_seqlens_k)
+    check_features(func, None, learnable_sink, h, q.device)
+    p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
+    check_flag("deterministic", deterministic)
+    decode_entry.refuse_decode_limits(func, d, v.shape[-1], p.causal, p.right, cap,
+                                      learnable_sink, seqused_q)
+    decode_entry.gate_paged(func, page_table)
+    decode_entry.refuse_paged_gradient(func, q, k, v)
+    out, lse = ops.decode_call(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q,
+                               p.scale, p.causal, p.left, num_splits)
+    return out, _returned_lse(lse, check_flag("return_lse", return_lse), (q, k, v))
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, config=None, target=None):

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from fa4_final.common.backward import sink_gradient
-from fa4_final.runtime import prologue
+from fa4_final.runtime import decode_entry, prologue
 from fa4_final.runtime.checks import (
     check_addresses,
     check_inputs,
@@ -386,3 +386,54 @@ VARLEN_SINK_INPUT = 15  # learnable_sink's place among varlen_fwd's inputs
 
 
 varlen_fwd.register_autograd(_backward_varlen_fwd, setup_context=_setup_varlen_fwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# decode (Note [Decode through the API] in fa4_final.runtime.decode_entry): forward only, behind
+# the pending-features gate (decode)
+
+
+def decode_fwd_impl(q: Tensor, k: Tensor, v: Tensor, page_table: Tensor | None,
+                    seqused_k: Tensor | None, cu_seqlens_q: Tensor | None, max_seqlen_q: int,
+                    softmax_scale: float, causal: bool, window_left: int | None,
+                    num_splits: int) -> tuple[Tensor, Tensor]:
+    return decode_entry.decode_forward(q, k, v, causal, softmax_scale, (window_left, None),
+                                       page_table=page_table, seqused_k=seqused_k,
+                                       cu_seqlens_q=cu_seqlens_q,
+                                       max_seqlen_q=_side(max_seqlen_q), num_splits=num_splits)
+
+
+decode_fwd = torch.library.custom_op("fa4_final::decode_fwd", decode_fwd_impl, mutates_args=())
+
+
+@decode_fwd.register_fake
+def _(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
+      window_left, num_splits):
+    """The metadata checks and the gate, as the eager call makes them (no values read)."""
+    decode_entry.check_num_splits(num_splits)
+    if page_table is not None:
+        decode_entry.check_paged_call(q, k, v, page_table, seqused_k, cu_seqlens_q,
+                                      _side(max_seqlen_q), softmax_scale, check_address=False,
+                                      check_values=False)
+        decode_entry.gate_paged("fa4_final::decode_fwd", page_table)
+    else:
+        check_inputs(q, k, v, softmax_scale, check_address=False)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if cu_seqlens_q is not None:
+        return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+def decode_call(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale: float,
+                causal: bool, window_left, num_splits: int) -> tuple[Tensor, Tensor]:
+    """The decode forward of a checked, gated public call: the runtime entry directly where
+    nothing observes the call (Note [The eager path]; its value checks already ran in the
+    public function), the op otherwise."""
+    if eager(q, k, v):
+        return decode_entry.decode_forward(q, k, v, causal, softmax_scale, (window_left, None),
+                                           page_table=page_table, seqused_k=seqused_k,
+                                           cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                                           num_splits=num_splits, check_values=False)
+    return decode_fwd(q, k, v, page_table, seqused_k, cu_seqlens_q,
+                      -1 if max_seqlen_q is None else max_seqlen_q, softmax_scale, causal,
+                      window_left, num_splits)

@@ -12,9 +12,13 @@ hands it to PyTorch; nothing is registered on import.
     torch.nn.attention.restore_flash_attention_impl()   # and back to PyTorch's own (2.11+)
 
 Every parameter means what it means in FA4, or is refused: a feature fa4_final lacks (qv,
-score_mod, seqused_q, page_table, FP8 scales, ...) at any value other than the one that switches
-it off raises UnsupportedError naming it (api.interface's tables, plus the few keywords only
-these private functions take). ``softcap`` and ``learnable_sink`` are wired as FA4 defines them
+score_mod, FP8 scales, ...) at any value other than the one that switches it off raises
+UnsupportedError naming it (api.interface's tables, plus the few keywords only these private
+functions take). A ``page_table`` is pending (decode): refused by name first unless
+FA4_FINAL_PENDING lists decode, then checked and run by the decode kernel, forward only
+(Note [Decode through the API] in fa4_final.runtime.decode_entry); ``num_splits`` is checked
+and sets that kernel's split count there.
+``softcap`` and ``learnable_sink`` are wired as FA4 defines them
 (the backward then returns (dq, dk, dv, dsink), as FA4's does) but pending: checked, then
 refused unless FA4_FINAL_PENDING lists them (Note [Pending features] in
 fa4_final.runtime.pending). FA4's kernel knobs (tile_mn,
@@ -32,7 +36,14 @@ from fa4_final.api.ops import _lse_probe
 from fa4_final.common.backward import sink_gradient
 from fa4_final.common.constants import FWD_HEAD_DIMS
 from fa4_final.common.errors import UnsupportedError
-from fa4_final.runtime.checks import check_flag, check_seqused_q, check_tma_operand
+from fa4_final.runtime import decode_entry
+from fa4_final.runtime.checks import (
+    check_flag,
+    check_seqused_q,
+    check_tma_operand,
+    normalise_window,
+)
+from fa4_final.runtime.decode import check_num_splits
 from fa4_final.runtime.pending import (
     check_features,
     check_head_dims,
@@ -91,7 +102,7 @@ _PRIVATE_NEUTRAL = {**_FA4_VARLEN_NEUTRAL, "q_descale": None, "k_descale": None,
                     "v_descale": None, "_arch": None}
 # Wired but pending (Note [Pending features]): not among the SUPPORTED names below while the
 # gate refuses them by default.
-PENDING_FWD = ("softcap", "learnable_sink")
+PENDING_FWD = ("softcap", "learnable_sink", "page_table")
 PENDING_BWD = ("softcap", "learnable_sink")
 # FA4's kernel knobs: how it tiles and schedules, never what it returns (its Hopper backward
 # overwrites its own block sizes, stages and layouts from its tile table).
@@ -113,13 +124,12 @@ SDPA_MODULE = __name__  # "fa4_final.api.sdpa"
 
 def _refuse(func: str, options: dict) -> None:
     """UnsupportedError naming the first of ``options`` (FA4 parameters fa4_final does not
-    run) set to anything but its neutral value."""
+    run) set to anything but its neutral value; a page_table is gated (decode,
+    Note [Decode through the API]) before anything else is read, where its refusal has always
+    been."""
     page_table = options.pop("page_table", None)
     if page_table is not None:
-        raise UnsupportedError(
-            f"{func}: page_table is refused: fa4_final's paged-KV decode kernel has not run on a "
-            f"GPU yet, so no call reaches it; pass the cache as k, v with cu_seqlens_k and "
-            f"seqused_k instead")
+        decode_entry.gate_paged(func, page_table)
     _refuse_fa4_options(func, options, _PRIVATE_NEUTRAL)
 
 
@@ -201,6 +211,11 @@ def _flash_attn_fwd(
         "gather_bwd_recompute_p": gather_bwd_recompute_p})
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
     window = _window("_flash_attn_fwd", window_size_left, window_size_right)
+    num_splits = check_num_splits(num_splits)  # a speed knob, but on the paged path
+    if page_table is not None:
+        return _paged_fwd(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                          max_seqlen_q, softmax_scale, causal, window, softcap, learnable_sink,
+                          return_lse, out, lse, num_splits)
     packed = _packed("_flash_attn_fwd", cu_seqlens_q, cu_seqlens_k, seqused_k)
     _check_layout(q, packed)
     used_q = _seqused_q("_flash_attn_fwd", seqused_q, packed, cu_seqlens_q, q)
@@ -224,6 +239,43 @@ def _flash_attn_fwd(
                             causal, softmax_scale, window, **features, **used_q)
     else:
         forward_into(q, k, v, out_buf, lse_buf, causal, softmax_scale, window, **features)
+    if copy_out:
+        out.copy_(out_buf)
+    if copy_lse:
+        lse.copy_(lse_buf)
+    return out, (lse if wants_lse else None)
+
+
+def _paged_fwd(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+               max_seqlen_q, softmax_scale, causal: bool, window, softcap, learnable_sink,
+               return_lse: bool, out, lse, num_splits: int):
+    """_flash_attn_fwd with a page_table, past its gate (Note [Decode through the API] in
+    fa4_final.runtime.decode_entry): the decode kernel, forward only; q packed with
+    cu_seqlens_q or dense, k and v (num_pages, page_size, heads_kv, d), seqused_k."""
+    func = "_flash_attn_fwd"
+    _check_layout(q, cu_seqlens_q is not None)
+    features = _features(func, q, softcap, learnable_sink)
+    q, k, v = (_readable(t) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    max_q = _host_int(max_seqlen_q)
+    batch, rows, h, hk, d, _ = decode_entry.check_paged_call(
+        q, k, v, page_table, seqused_k, cu_seqlens_q, max_q, softmax_scale,
+        cu_seqlens_k=cu_seqlens_k)
+    c, _, right = normalise_window(causal, window)
+    decode_entry.refuse_decode_limits(func, d, v.shape[-1], c, right,
+                                      features.get("softcap", 0.0), learnable_sink, seqused_q)
+    decode_entry.refuse_paged_gradient(func, q, k, v)
+    wants_lse = lse is not None or return_lse
+    lse_shape = (h, q.shape[0]) if cu_seqlens_q is not None else (batch, h, rows)
+    if out is None:
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    out_buf, copy_out = _writable(out)
+    lse_buf, copy_lse = _writable(lse, tma=False)
+    decode_entry.decode_forward_into(q, k, v, out_buf, lse_buf, causal, softmax_scale, window,
+                                     page_table=page_table, seqused_k=seqused_k,
+                                     cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q,
+                                     num_splits=num_splits, check_values=False)
     if copy_out:
         out.copy_(out_buf)
     if copy_lse:
