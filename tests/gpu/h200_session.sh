@@ -109,6 +109,7 @@ for s in "$@"; do
     pending-api-tests3) step pending_api_tests3 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_pending_api.py -k seqused_q ;;
     sdpa-tests) step sdpa_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_sdpa_registration.py ;;
     decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py ;;
+    decode-api-tests) step decode_api_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_decode_api.py ;;
     headdim-varlen) step headdim_varlen 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fwd_head_dims.py -k "varlen" ;;
     fa4-gaps) step fa4_gaps 300 $PY -m measure.fwd_knobs --knobs --gaps --only "O rescaled" "mask as bit" ;;
     fa4-split) step fa4_split 420 $PY -m measure.fwd_knobs --knobs --non-causal --only "last round" "cut along" --rounds ${ROUNDS:-5} --name fa4_final_split ;;
