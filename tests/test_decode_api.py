@@ -557,3 +557,33 @@ def test_the_path_with_the_kernel_emulated_equals_float64(monkeypatch, splits):
         assert emu.splits == [3, 3, 3, 3]
     else:  # the heuristic: 8 CTAs for 132 SMs split; 300 keys are 3 tiles, too few to split
         assert all(n > 1 for n in emu.splits[:3]) and emu.splits[3] == 1, emu.splits
+
+
+def test_compile_fullgraph_of_a_paged_and_a_routed_call(monkeypatch):
+    """torch.compile(fullgraph=True) sees the op (fa4_final::decode_fwd) with no graph break;
+    the compiled call's values are checked when it runs (a page past the cache named) and its
+    answer is the eager one."""
+    monkeypatch.setenv(pending.ENV, "decode")
+    emu = Emulated(monkeypatch)
+    torch._dynamo.reset()
+    t = paged(batch=3, sq=2, h=8, hk=2, d=64, page=32, num_pages=12, max_pages=4,
+              lengths=(5, 0, 128))
+    q, k, v = dense(b=2, sq=2, sk=100)
+
+    def step(t, q, k, v):
+        a, lse = flash_attn_varlen_func(t["q"], t["k"], t["v"], page_table=t["page_table"],
+                                        seqused_k=t["seqused_k"], causal=True, num_splits=2,
+                                        return_lse=True)
+        b, _ = flash_attn_func(q, k, v, causal=True, num_splits=0)
+        return a, lse, b
+
+    with torch.no_grad():
+        want = step(t, q, k, v)
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(t, q, k, v)
+        for x, y in zip(got, want):
+            assert torch.equal(x, y)
+        assert len(emu.splits) == 4
+        t["page_table"][2, 3] = 12
+        with pytest.raises(ValueError, match=r"page_table\[2, 3\] = 12 is not a page"):
+            torch.compile(step, fullgraph=True, backend="aot_eager")(t, q, k, v)
+    torch._dynamo.reset()

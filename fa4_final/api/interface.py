@@ -203,6 +203,12 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
     int32 (batch,), sequence b's queries are the first seqused_q[b] of its packed rows (0 <=
     seqused_q[b] <= its rows); the rest are padding: never attended, their out and lse rows
     come back 0 and their dq rows 0. Padding rows of q (and of dout) must hold finite values.
+    ``page_table`` (pending: decode, Note [Decode through the API]): int32 (batch, max_pages)
+    with k and v (num_pages, page_size, heads_kv, dim), page_size a multiple of 16, seqused_k
+    required (sequence b's keys are the first seqused_k[b] rows of pages page_table[b, 0],
+    page_table[b, 1], ...), no cu_seqlens_k; q packed with cu_seqlens_q (max_seqlen_q a host
+    int or None) or dense (batch, seqlen_q, heads, dim), out and lse then dense too. Forward
+    only; split into FA4's ``num_splits``. Without a page table num_splits is ignored.
     Returns ``(out, lse)``: out like q (with v's head dim), lse (heads, total_q) float32 or
     None as in flash_attn_func.
     """
