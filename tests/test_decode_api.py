@@ -587,3 +587,24 @@ def test_compile_fullgraph_of_a_paged_and_a_routed_call(monkeypatch):
         with pytest.raises(ValueError, match=r"page_table\[2, 3\] = 12 is not a page"):
             torch.compile(step, fullgraph=True, backend="aot_eager")(t, q, k, v)
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_the_api_s_widest_decode_key_compiles_for_sm_90a(monkeypatch):
+    """The key a paged call with every choice on builds (64-key pages: tile_n 64 and 6 stages,
+    seqused_k, packed queries, a left window, split) compiles for sm_90a from fake tensors:
+    no local memory, the TMA loads and wgmma present (one compile, tens of seconds)."""
+    from fa4_final.runtime.compile import artifacts
+
+    rec = Launches(monkeypatch)
+    i32 = torch.int32
+    pq, pk = _meta(10, 16, 64), _meta(40, 64, 4, 64)
+    decode_entry.run_decode(pq, pk, pk, _meta(10, 16, 64), _meta(16, 10, dtype=torch.float32),
+                            _meta(4, 8, dtype=i32), _meta(4, dtype=i32), _meta(5, dtype=i32), 4,
+                            True, 0.1, 9, 3)
+    (_, recipe_fn, args), = [c for c in rec.calls if c[0] == "compiled"]
+    assert args == (64, "bf16", True, True, True, True, HopperDecodeConfig(tile_n=64, stages=6),
+                    True, True)
+    art = artifacts(recipe_fn(*args))["main"]
+    assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    art.require("cp.async.bulk.tensor", "wgmma.mma_async")
