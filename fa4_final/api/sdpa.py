@@ -199,6 +199,9 @@ def _flash_attn_fwd(
     i + sk - sq + right), both negative no window, causal sets the right side to 0.
     ``softcap`` (None or 0.0: none) and ``learnable_sink`` ((heads,)): FA4's, pending (the
     module's docstring); with a sink lse includes it and rows that see no key get lse = sink.
+    ``page_table`` (pending: decode): k and v (num_pages, page_size, heads_kv, dim), seqused_k,
+    q packed with cu_seqlens_q (no cu_seqlens_k) or dense; the decode kernel, forward only,
+    split into ``num_splits`` (_paged_fwd).
     """
     _refuse("_flash_attn_fwd", {
         "qv": qv, "min_seqlen_k": min_seqlen_k, "page_table": page_table,
