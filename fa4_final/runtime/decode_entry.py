@@ -19,8 +19,15 @@ Two kinds of call reach the decode kernel, both only while FA4_FINAL_PENDING lis
     knob it ignores. Both kernels compute the same attention; they differ in rounding (the
     split partials are float32 and merged by the combine).
 The limits of the decode shape are the range the kernel was written and tested for (1-16 query
-tokens, up to four 64-row m-blocks of packed rows: 16 tokens at GQA 16), not a measured
-crossover with the forward; the decode benchmark should move them.
+tokens, up to four 64-row m-blocks of packed rows: 16 tokens at GQA 16; a left window side
+>= 0), not a measured crossover with the forward; the decode benchmark should move them.
+The kernel has been compiled and checked on a CPU only; until its GPU tests pass, no call
+reaches it without FA4_FINAL_PENDING=decode (tests only).
+
+Where this differs from FA4: seqused_k is required with a page table (FA4 lets it default to
+the table's whole row; Note [Paged KV checks]), a page size must be a multiple of 16, and the
+order of the refusals in api.sdpa: the page table is gated there before it is checked, where
+that module always refused it (flash_attn_varlen_func checks first, then gates).
 
 Forward only. The decode kernel has no backward, and FA4 (4.0.0b36) has none with a page table
 either (its backward is given no page table). A paged call that will need a gradient (grad mode
