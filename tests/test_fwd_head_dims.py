@@ -167,9 +167,23 @@ def test_default_builds_compile_clean(d, dv, causal):
 
 
 @pytest.mark.slow
-def test_varlen_build_at_d192_dv128_compiles_clean():
-    art = _build(192, 128, True, varlen=True, has_seqused_k=True)
+@pytest.mark.parametrize("d, dv", [(192, 128), (96, 96), (192, 192)], ids=str)
+def test_varlen_build_compiles_clean(d, dv):
+    """The varlen epilogue's predicated row store (common.seqlens.store_rows) at O widths of 12
+    and 24 threads a row (dv = 96, 192), whose rows per pass do not divide the tile evenly
+    (rows_per_store_pass); this build failed to trace before that rule."""
+    art = _build(d, dv, True, varlen=True, has_seqused_k=True)
     assert art.spills == 0 and _serialised(art) == 0, art.resources()
+
+
+@pytest.mark.parametrize("rows, threads, per_row, want", [
+    (128, 256, 8, 32), (128, 256, 16, 16), (128, 256, 32, 8), (128, 256, 12, 16),
+    (128, 256, 24, 8), (192, 384, 16, 24), (128, 384, 16, 16)])
+def test_rows_per_store_pass_divides_the_tile(rows, threads, per_row, want):
+    from fa4_final.common.seqlens import rows_per_store_pass
+
+    n = rows_per_store_pass(rows, threads, per_row)
+    assert n == want and rows % n == 0 and n * per_row <= threads
 
 
 @pytest.mark.slow

@@ -473,6 +473,20 @@ def test_hopper_puts_softcap_and_sink_dtype_in_the_compile_key_only_when_set(mon
     assert varlen_main.varlen and varlen_main.logit_softcap == 2.0 and varlen_main.has_sink
 
 
+@pytest.mark.parametrize("dtype,name", [(F32, "fp32"), (torch.float16, "fp16"), (BF16, "bf16")])
+def test_each_sink_dtype_names_its_build(monkeypatch, dtype, name):
+    """A float32 sink (FA4 takes float32, bf16 and fp16 sinks with bf16 q) keys the fp32 build:
+    the dtype name comes from SINK_DTYPE_NAMES, not q's DTYPE_NAMES."""
+    calls = _recording(monkeypatch)
+    runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
+    q, k, v = dense()
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 24)
+    runners["forward"](q, k, v, out, lse, True, 0.125, None, 0, None,
+                       learnable_sink=sink(dtype=dtype))
+    keys = [c[2] for c in calls if c[0] == "compiled"]
+    assert keys[0][-1] == name
+
+
 def test_the_recipes_cache_keys_hold_the_softcap_and_the_sink_dtype():
     from fa4_final.hopper.host import backward_recipe, forward_recipe
 

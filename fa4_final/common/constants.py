@@ -24,4 +24,6 @@ SM100_TMEM_COLUMNS = 512
 
 TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# a learnable sink may also be float32 (FA4 takes all three): the names its builds go by
+SINK_DTYPE_NAMES = {torch.float32: "fp32", **DTYPE_NAMES}
 CUTLASS_BY_NAME = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}

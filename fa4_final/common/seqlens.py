@@ -129,18 +129,45 @@ def sequence_slab(mX: cute.Tensor, head, b, offset):
     return slab if offset is None else cute.domain_offset((offset,), slab)
 
 
+def rows_per_store_pass(rows: int, threads: int, per_row: int) -> int:
+    """The rows store_rows writes per pass: as many as ``threads`` cover at ``per_row`` threads
+    a row, down to one that divides ``rows``. D = 64, 128, 256 divide evenly; D = 96 and 192
+    (12 and 24 threads a row: 256 // 12 = 21 rows, which do not divide 128) take 16 and 8
+    rows a pass, so some threads sit the store out."""
+    n = threads // per_row
+    while rows % n:
+        n -= 1
+    return n
+
+
 @cute.jit
 def store_rows(s_tile: cute.Tensor, g_tile: cute.Tensor, tidx, rows_left, threads: int):
     """The first ``rows_left`` rows of the (rows, D) shared-memory tile ``s_tile`` to ``g_tile``,
     16 bytes per thread and pass, one predicate per row (Note [Varlen epilogue] in hopper/fwd.py);
-    all ``threads`` threads take part. The shared-memory reads are plain loads: nothing to wait
-    for after. The forward's partial O tile, the backward's partial dK and dV tiles."""
+    all ``threads`` threads take part where a pass's rows divide the tile's (else the first
+    rows_per_store_pass x threads-a-row of them). The shared-memory reads are plain loads:
+    nothing to wait for after. The forward's partial O tile, the backward's partial dK and dV
+    tiles."""
     dtype = s_tile.element_type
     rows, head_dim = cute.size(s_tile, mode=[0]), cute.size(s_tile, mode=[1])
     vec = 128 // dtype.width  # elements per 16-byte vector
     per_row = head_dim // vec  # threads per row
-    rows_per_pass = threads // per_row
-    assert rows % rows_per_pass == 0, (rows, rows_per_pass)
+    rows_per_pass = rows_per_store_pass(rows, threads, per_row)
+    active = rows_per_pass * per_row
+    if const_expr(active < threads):
+        if tidx < active:
+            _store_rows(s_tile, g_tile, tidx, rows_left, dtype, rows, head_dim, vec, per_row,
+                        rows_per_pass)
+    else:
+        _store_rows(s_tile, g_tile, tidx, rows_left, dtype, rows, head_dim, vec, per_row,
+                    rows_per_pass)
+
+
+@cute.jit
+def _store_rows(s_tile, g_tile, tidx, rows_left, dtype: cutlass.Constexpr,
+                rows: cutlass.Constexpr, head_dim: cutlass.Constexpr, vec: cutlass.Constexpr,
+                per_row: cutlass.Constexpr, rows_per_pass: cutlass.Constexpr):
+    """store_rows' copy by its rows_per_pass x per_row threads."""
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
     tiled = cute.make_tiled_copy_tv(
         atom, cute.make_ordered_layout((rows_per_pass, per_row), order=(1, 0)),

@@ -479,7 +479,7 @@ def launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens
 def decode_fake_args(dtype_name: str, head_dim: int, paged: bool, has_seqused_k: bool,
                      split: bool, varlen_q: bool = False) -> tuple:
     """The decode kernel's fake arguments, in its launch order: q (b, s_q, h, D); k and v
-    (b, s_k, h_kv, D), or paged (num_pages, page_size, h_kv, D), the same fake shape; out and
+    (b, s_k, h_kv, D), or paged (num_pages, page_size, h_kv, D) (the pages' own extents); out and
     lse, or with ``split`` the float32 partials (splits, b, s_q, h, D) (16-byte strides, as the
     combine reads them) and (splits, b, h, s_q);
     the page table (b, max_pages) int32, contiguous along its pages; seqused_k (b,) int32;
@@ -489,6 +489,11 @@ def decode_fake_args(dtype_name: str, head_dim: int, paged: bool, has_seqused_k:
     from cutlass import Float32, Int32
 
     q, k, v, out, lse = fake_attention_tensors(CUTLASS_BY_NAME[dtype_name], head_dim)
+    if paged:  # the cache's pages: its own extents, not q's batch
+        dt, pages, page_size, hk = (CUTLASS_BY_NAME[dtype_name], cute.sym_int(), cute.sym_int(),
+                                    cute.sym_int())
+        k, v = (fake_tensor(dt, (pages, page_size, hk, head_dim), divisibility=128 // dt.width)
+                for _ in range(2))
     if split:
         splits, b, sq, h = (cute.sym_int() for _ in range(4))
         out = fake_tensor(Float32, (splits, b, sq, h, head_dim), divisibility=4)  # 16 B

@@ -172,7 +172,8 @@ def compiled(recipe_fn, *args) -> Plan:
 class FullCall:
     """A compiled kernel called with every run-time parameter of its ``__call__``.
 
-    Note [Trailing defaults]: a kernel's optional inputs (the sink, seqused_q, the lse's
+    Note [Trailing defaults]
+    A kernel's optional inputs (the sink, seqused_q, the lse's
     gradient) are trailing parameters with the default None. The function CuTe DSL compiles
     takes all of them, positionally; a freshly compiled one carries the DSL's keyword wrapper,
     which fills the defaults, but one loaded from the disk cache (runtime.cache) is the bare

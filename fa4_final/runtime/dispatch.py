@@ -24,7 +24,7 @@ from types import ModuleType
 import torch
 
 from fa4_final.blackwell import host as blackwell_host
-from fa4_final.common.constants import DTYPE_NAMES, FWD_HEAD_DIMS, HEAD_DIMS
+from fa4_final.common.constants import DTYPE_NAMES, FWD_HEAD_DIMS, HEAD_DIMS, SINK_DTYPE_NAMES
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.hopper import host as hopper_host
 from fa4_final.runtime.compile import compiled
@@ -92,7 +92,7 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
         extra = ()
         if softcap or learnable_sink is not None or dv != q.shape[-1] or seqused_q is not None:
             extra = (host.ARCH, float(softcap),
-                     None if learnable_sink is None else DTYPE_NAMES[learnable_sink.dtype])
+                     None if learnable_sink is None else SINK_DTYPE_NAMES[learnable_sink.dtype])
         if dv != q.shape[-1] or seqused_q is not None:  # head_dim_v only when it differs
             extra += (dv if dv != q.shape[-1] else None,)
         if seqused_q is not None:  # has_seqused_q (Note [Used query rows])

@@ -95,9 +95,9 @@ def _check(out, lse, ref_out, ref_lse, what):
     the output dtype plus float32's error, lse within float32's."""
     assert not torch.isnan(out).any(), f"{what}: {int(torch.isnan(out).sum())} NaN in out"
     assert not torch.isnan(lse).any(), f"{what}: {int(torch.isnan(lse).sum())} NaN in lse"
+    ref_out, ref_lse = ref_out.to(out.device), ref_lse.to(out.device)
     empty = ref_lse == -math.inf
     assert torch.equal(lse == -math.inf, empty), f"{what}: lse -inf at other rows"
-    ref_out, ref_lse = ref_out.to(out.device), ref_lse.to(out.device)
     err = (out.double() - ref_out).abs().max().item()
     limit = rounding_atol(ref_out, out.dtype) + 1e-5 * (1 + ref_out.abs().max().item())
     assert err <= limit, f"{what}: out error {err:.3e} > {limit:.3e}"
