@@ -82,3 +82,60 @@ def vector_injects_where(table) -> str:
     if not hit:
         return "none"
     return "those not multiples of 64" if all(t % 64 for t in hit) else "all"
+
+
+# ----------------------------------------------------------------------------------------------
+# Section 4: the H200 run (results/h200/features_more.json, measure.features)
+
+TIMED_CASES = ("d192", "d256")
+
+
+def _rows(feats, case: str, s: int, causal: bool, mode: str) -> dict:
+    return {r["impl"]: r for r in feats.rows if r.get("case") == case and r.get("s") == s
+            and bool(r.get("causal")) == causal and r.get("mode") == mode}
+
+
+def _tile_pair(rows: dict):
+    """(FA4's tile row, the 64-key row): named fa4_final_fa4_tile / fa4_final by a run whose
+    default was the 64-key tile, fa4_final / fa4_final_64_keys by one whose default is FA4's."""
+    if "fa4_final_64_keys" in rows:
+        return rows.get("fa4_final"), rows["fa4_final_64_keys"]
+    return rows.get("fa4_final_fa4_tile"), rows.get("fa4_final")
+
+
+def tile_ratio(feats, case: str = "d192", s: int = 16384, causal: bool = False,
+               mode: str = "flush"):
+    """FA4's tile over the 64-key tile at one shape, None if either was not timed."""
+    from utils import bench
+
+    tile, keys64 = _tile_pair(_rows(feats, case, s, causal, mode))
+    cmp = bench.compare(tile, keys64) if tile and keys64 else None
+    return None if cmp is None else cmp.ratio
+
+
+def tile_lines(feats) -> str:
+    """Per timed shape at D = dv = 192 and 256 and mode: FA4's tile over the 64-key tile, with
+    the verdict against the rows' spreads."""
+    from utils import bench
+
+    shapes = sorted({(r["case"], r["s"], bool(r["causal"]), r["mode"]) for r in feats.rows
+                     if r.get("case") in TIMED_CASES})
+    lines = []
+    for case, s, causal, mode in shapes:
+        tile, keys64 = _tile_pair(_rows(feats, case, s, causal, mode))
+        cmp = bench.compare(tile, keys64) if tile and keys64 else None
+        head = f"{case} S={s:5d} {'causal' if causal else 'dense '} {mode:12s}"
+        lines.append(f"{head} FA4's tile over 64 keys: {cmp if cmp else 'not timed'}")
+    return "\n".join(lines)
+
+
+def correctness_lines(feats) -> str:
+    """The largest |out - float64| per case and implementation over the run (every row is
+    checked on a slice of its batch before it is timed)."""
+    worst: dict = {}
+    for r in feats.rows:
+        if r.get("max_diff") is not None:
+            key = (r["case"], r["impl"])
+            worst[key] = max(worst.get(key, 0.0), r["max_diff"])
+    return "\n".join(f"{case:12s} {impl:20s} max |out - float64| {v:.2e}"
+                     for (case, impl), v in sorted(worst.items()))

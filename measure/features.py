@@ -18,8 +18,12 @@ Rows, on the same q, k, v (and sink) of a shape, interleaved in ``--rounds`` rou
                 launch_forward with head_dim_v, softcap, sink_dtype): what a call will run once
                 the API takes these arguments (it refuses them while their GPU tests have not
                 passed).
-  fa4_final_fa4_tile   the same kernel with the FA4 package's tile_n (112 at D = dv = 192, 80
-                at D = 256; P converted pair by pair: Note [Pairwise conversion])
+  fa4_final_64_keys   at D = dv = 192 and 256, the same kernel with the tile compiling alone
+                picks there (64 keys, three K stages), beside the default, which takes the FA4
+                package's tile_n (112 and 80 keys, two K and two V stages; P converted pair by
+                pair: Note [Pairwise conversion]) since a run of this driver timed both.
+                results/h200/features_more.json holds that run, whose rows were named for the
+                default then: fa4_final (64 keys) and fa4_final_fa4_tile (FA4's tile).
   fa4_package   the FA4 package's flash_attn_func with the same arguments
   sdpa_flash, sdpa_cudnn    PyTorch SDPA with one backend each, where it takes the case (no
                 softcap, no sink: those rows are not built, and say so)
@@ -57,7 +61,12 @@ PRODUCES = [
      "the forward at D = 96, 192 (dv 128 and 192) and 256, and with softcap / learnable sinks "
      "at D = 128: fa4_final's Hopper kernel launched directly (checked against float64 first) "
      "beside the FA4 package, SDPA flash and cuDNN; S = 4096 and 16384, causal or not, L2 "
-     "flushed and back to back"),
+     "flushed and back to back (the stored run: S = 4096, four cases, three rounds)"),
+    ("results/h200/features_more.json", "python -m measure.features --name features_more "
+     "--cases d192 softcap sink d96 d192_dv128 d256 --seqlens 16384 4096 --rounds 3",
+     "the same at six cases, S = 16384 and 4096; at D = dv = 192 and 256 the FA4 package's "
+     "tile and the 64-key tile side by side (read by chapter 08's prediction 08.p4 and the "
+     "head-dims lab; the package's default there follows it)"),
 ]
 
 # name: (D, dv, softcap, sink)
@@ -71,9 +80,9 @@ CASES = {
     "softcap_sink": (128, 128, 30.0, True),
 }
 PEERS = ("fa4_package", "sdpa_flash", "sdpa_cudnn")
-# the FA4 package's own sm90 tile_n where it differs from our default (_tile_size_fwd_sm90):
-# timed as a second fa4_final row, so the default at these head dims can follow a measurement
-FA4_TILE_N = {"d192": 112, "d256": 80}
+# the cases whose default is a timed tile (fa4_final.hopper.config.MEASURED_TILE_N, the FA4
+# package's own sm90 tile_n): the compile-only tile is timed beside it as a second row
+COMPILE_FIT_CASES = ("d192", "d256")
 
 
 @dataclass(frozen=True)
@@ -123,17 +132,17 @@ def max_diff(out, sl, ref) -> float:
     return float((out[:1, sl].double() - ref).abs().max())
 
 
-def fa4_tile_config(shape: FeatureShape):
-    """Our default config with the FA4 package's tile_n, two K and two V stages, O over Q when
-    O's own buffer does not fit."""
+def compile_fit_config(shape: FeatureShape):
+    """Our default config with the tile compiling alone picks at D = dv = 192 and 256: 64 keys,
+    three K and two V stages, O over Q when O's own buffer does not fit."""
     from dataclasses import replace
 
     from fa4_final.common.constants import SM90_SMEM_BYTES
     from fa4_final.hopper.config import hopper_fwd_default
 
     d, dv = shape.dims
-    cfg = replace(hopper_fwd_default(d, shape.causal, head_dim_v=dv),
-                  tile_n=FA4_TILE_N[shape.case], stages_k=2, stages_v=2)
+    cfg = replace(hopper_fwd_default(d, shape.causal, head_dim_v=dv), tile_n=64, stages_k=3,
+                  stages_v=2, separate_o=True)
     if cfg.smem_bytes(d, head_dim_v=dv) > SM90_SMEM_BYTES:
         cfg = replace(cfg, separate_o=False)
     cfg.check(d, dv)
@@ -156,8 +165,8 @@ def _calls(shape: FeatureShape, device="cuda"):
         from fa4_final.runtime.compile import compiled
 
         configs = {"fa4_final": None}
-        if shape.case in FA4_TILE_N:
-            configs["fa4_final_fa4_tile"] = fa4_tile_config(shape)
+        if shape.case in COMPILE_FIT_CASES:
+            configs["fa4_final_64_keys"] = compile_fit_config(shape)
         for name, cfg in configs.items():
             plan = compiled(forward_recipe, d, "bf16", shape.causal, cfg, False, False, False,
                             False, "sm_90a", softcap, "fp32" if with_sink else None, dv)

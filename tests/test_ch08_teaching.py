@@ -93,27 +93,37 @@ def test_the_fit_reference_fits_and_what_the_chapter_says_of_its_table():
         cfg.check(d, dv)
         assert cfg.smem_bytes(d, head_dim_v=dv) <= SM90_SMEM_BYTES
     # section 2 below the table: the fit takes FA4's tile_n at D = dv = 192 and 256 and at
-    # D = 192, dv = 128; the package's defaults take 128 or 64 keys
+    # D = 192, dv = 128; the package's defaults there are the fit (the timed pairs) or 128
+    # keys, and 64 keys (compiling alone) at the other pairs
     for d, dv in ((192, 192), (256, 256), (192, 128)):
         assert t08.fit_tile_reference(d, dv).tile_n == t08.FA4_SM90_TILE_N.get((d, dv), 128)
-    assert {hopper_fwd_default(d, head_dim_v=dv).tile_n
-            for d, dv in t08.FIT_TABLE_PAIRS} == {64, 128}
+        assert hopper_fwd_default(d, head_dim_v=dv).tile_n == t08.fit_tile_reference(d, dv).tile_n
+    assert {hopper_fwd_default(d, head_dim_v=dv).tile_n for d, dv in t08.FIT_TABLE_PAIRS
+            if (d, dv) not in ((192, 192), (256, 256))} == {64, 128}
     assert len(t08.fit_table(t08.fit_tile_reference)) == 1 + len(t08.FIT_TABLE_PAIRS)
-    # prediction 08.p4's question names the two tiles at D = dv = 256
+    # prediction 08.p4's question names the two tiles at D = dv = 256; the package's default
+    # there is the timed one, the learner's fit
+    from measure import features
+
     fit, default = t08.fit_tile_reference(256, 256), hopper_fwd_default(256, head_dim_v=256)
     assert (fit.tile_n, fit.stages_k, fit.stages_v) == (80, 2, 2)
-    assert (default.tile_n, default.stages_k, default.stages_v) == (64, 3, 2)
+    assert (default.tile_n, default.stages_k, default.stages_v) == (80, 2, 2)
+    keys64 = features.compile_fit_config(features.FeatureShape("d256", 1, 4096, 16, False))
+    assert (keys64.tile_n, keys64.stages_k, keys64.stages_v) == (64, 3, 2)
 
 
 def test_the_timed_fa4_tile_is_the_exercises_fit():
-    """Section 2 calls measure.features' fa4_final_fa4_tile row the learner's fit at D = dv =
-    192 and 256: the same tile_n, stages and O placement."""
+    """Section 2 calls the package's default at D = dv = 192 and 256 (measure.features'
+    fa4_final row, its fa4_final_fa4_tile row in the stored run) the learner's fit: the same
+    tile_n, stages and O placement."""
+    from fa4_final.hopper.config import hopper_fwd_default
     from measure import features
 
     for case in t08.FA4_TILE_CASES:
         for causal in (False, True):
-            shape = features.FeatureShape(case, 1, 4096, 16, causal)
-            timed, fit = features.fa4_tile_config(shape), t08.fit_tile_reference(*shape.dims)
+            d, dv = features.FeatureShape(case, 1, 4096, 16, causal).dims
+            timed = hopper_fwd_default(d, causal, head_dim_v=dv)
+            fit = t08.fit_tile_reference(d, dv)
             assert (timed.tile_n, timed.stages_k, timed.stages_v, timed.separate_o) == (
                 fit.tile_n, fit.stages_k, fit.stages_v, fit.separate_o), (case, causal)
 
@@ -134,6 +144,10 @@ def test_the_fa4_tile_reading_reads_rows_and_says_what_is_missing():
     assert any("d192" in x and "no build" in x for x in lines)
     assert t08.fa4_tile_ratio(res) == pytest.approx(1.0 / 0.9)
     assert t08.fa4_tile_ratio(res, case="d192") is None
+    # a run whose default is FA4's tile names the pair fa4_final and fa4_final_64_keys
+    res = SimpleNamespace(rows=[row("fa4_final", "d256", 0.9),
+                                row("fa4_final_64_keys", "d256", 1.0)])
+    assert t08.fa4_tile_ratio(res) == pytest.approx(1.0 / 0.9)
 
 
 @pytest.mark.slow

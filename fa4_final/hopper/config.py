@@ -53,14 +53,20 @@ def _align(n: int, to: int = 1024) -> int:
 # and S tile_n / 2: 128 + 40 at dv = 256 and tile_n = 80, within the 240 of two consumer
 # warpgroups; three warpgroups (160 each) serve D = 64 only. The defaults
 # (hopper_fwd_default) are chosen by compiling (no spill, no wgmma serialised, the struct
-# within 227 KB), not by timing: tile_n 128 where two K and two V stages fit, else 64. The FA4
-# package's sm90 tiles at D = 192 and 256 take 112 and 80 keys. Converting P as one vector,
-# every tile_n that is no multiple of 64 made ptxas inject warpgroup.arrive before the P V
-# wgmma; the kernel converts those tiles pair by pair (Note [Pairwise conversion] in
-# fa4_final.common.fragments) and they compile clean too. Which tile_n is faster at D = 192
-# and 256 is for a timed run to say, FA4's tiles beside these defaults.
+# within 227 KB): tile_n 128 where two K and two V stages fit, else 64; and, at the two pairs
+# a timed run has spoken for, by timing. Converting P as one vector, every tile_n that is no
+# multiple of 64 made ptxas inject warpgroup.arrive before the P V wgmma; the kernel converts
+# those tiles pair by pair (Note [Pairwise conversion] in fa4_final.common.fragments) and they
+# compile clean too. The FA4 package's sm90 tiles at D = dv = 192 and 256 take 112 and 80 keys
+# in two K and two V stages; timed on an H200 beside the compile-only choice (64 keys, three K
+# stages) at S = 4096 and 16384, causal and not, L2 flushed and back to back, three rounds,
+# 112 keys were faster at D = dv = 192 (1.06-1.12x, beyond the spread at three of the four
+# shapes) and 80 keys at least level at D = dv = 256 (1.01-1.08x, within the spread), so those
+# two pairs default to FA4's tiles (MEASURED_TILE_N). The other large pairs are untimed.
 
 FWD_TILE_NS = (48, 64, 80, 96, 112, 128)  # a multiple of 16 (the K of P V); at most 128
+# (D, dv) -> tile_n chosen by timing, two K and two V stages (Note [Head dims])
+MEASURED_TILE_N = {(192, 192): 112, (256, 256): 80}
 
 
 @dataclass(frozen=True)
@@ -174,8 +180,9 @@ def hopper_fwd_default(head_dim: int, causal: bool = False, varlen: bool = False
     read once when causal (dense); D = 128: 128 x 128 with two. Causal or varlen: tiles longest
     first in L2 sections, taken at run time; dense and not causal: the host's table, its last
     round cut along the keys. Other head dims and dv != D (Note [Head dims]): 128-row tiles of
-    128 keys where two K and two V stages fit (O over Q where O's own buffer does not), else 64
-    keys in three K stages; compiled, not timed."""
+    the timed tile_n at D = dv = 192 and 256 (MEASURED_TILE_N), else 128 keys where two K and
+    two V stages fit (O over Q where O's own buffer does not), else 64 keys in three K stages;
+    those compiled, not timed."""
     dv = head_dim if head_dim_v is None else head_dim_v
     schedule = dict(schedule="dynamic", l2_sections=True)
     if not causal and not varlen:
@@ -188,9 +195,11 @@ def hopper_fwd_default(head_dim: int, causal: bool = False, varlen: bool = False
     base = HopperFwdConfig(num_consumer_wgs=2, stages_k=3, stages_v=2, **schedule)
     if head_dim <= 128 and dv <= 128:
         return _fit(head_dim, dv, base)
-    # 128 keys a stage, two of K and two of V (the FA4 package's tile at D = 192, dv = 128);
-    # else 64 keys, three K stages
-    return _fit(head_dim, dv, replace(base, stages_k=2), replace(base, tile_n=64),
+    # the timed tile where there is one; else 128 keys a stage, two of K and two of V (the FA4
+    # package's tile at D = 192, dv = 128); else 64 keys, three K stages
+    timed = MEASURED_TILE_N.get((head_dim, dv))
+    first = () if timed is None else (replace(base, tile_n=timed, stages_k=2),)
+    return _fit(head_dim, dv, *first, replace(base, stages_k=2), replace(base, tile_n=64),
                 replace(base, tile_n=64, stages_k=2))
 
 
