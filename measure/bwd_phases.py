@@ -199,3 +199,42 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a stored run (labs/hopper_backward_compiled.ipynb)
+
+KERNEL_PHASES = ("pre", "main", "post")
+
+
+def phase_table(res, impl: str = "fa4_final", peer: str = "fa4_package") -> list[str]:
+    """Per stored shape: each phase's device time, ``impl`` against ``peer`` (ms), and the
+    difference; medians of the rounds."""
+    shapes = sorted({(r["d"], r["s"], r["causal"], r["mode"]) for r in res.rows},
+                    key=lambda t: (-t[0], t[1], t[2], t[3]))
+    got = {(r["impl"], r["d"], r["s"], r["causal"], r["mode"], r["phase"]): r["value"]
+           for r in res.rows if r.get("value") is not None}
+    lines = [f"{'shape':32s} " + " ".join(f"{p + ' ours/FA4 (ms)':>22s}" for p in KERNEL_PHASES)]
+    for d, s, causal, mode in shapes:
+        cells = []
+        for p in KERNEL_PHASES:
+            a, b = got.get((impl, d, s, causal, mode, p)), got.get((peer, d, s, causal, mode, p))
+            cells.append(f"{a:.3f}/{b:.3f} ({a - b:+.3f})" if a is not None and b is not None
+                         else "-")
+        name = f"D={d} S={s} {'causal' if causal else 'dense'} {mode}"
+        lines.append(f"{name:32s} " + " ".join(f"{c:>22s}" for c in cells))
+    return lines
+
+
+def where_the_gap_is(res, d: int = 128, impl: str = "fa4_final",
+                     peer: str = "fa4_package") -> str:
+    """The phase holding the most of ``impl``'s extra time over ``peer`` at head dim ``d``,
+    summed over the stored shapes and modes; "none" if ``impl`` is nowhere slower."""
+    extra = dict.fromkeys(KERNEL_PHASES, 0.0)
+    got = {(r["impl"], r["s"], r["causal"], r["mode"], r["phase"]): r["value"]
+           for r in res.rows if r["d"] == d and r.get("value") is not None}
+    for (i, s, causal, mode, p), v in got.items():
+        if i == impl and p in extra and (peer, s, causal, mode, p) in got:
+            extra[p] += v - got[(peer, s, causal, mode, p)]
+    phase = max(extra, key=extra.get)
+    return phase if extra[phase] > 0 else "none"
