@@ -190,8 +190,11 @@ def test_cu_seqlens_k_and_seqused_k_with_a_page_table(monkeypatch):
     t = paged(varlen=True)
     with pytest.raises(ValueError, match="page_table is not supported with cu_seqlens_k"):
         _varlen_call(t, cu_seqlens_k=t["cu_seqlens_q"])
-    t["seqused_k"] = None
-    with pytest.raises(ValueError, match="seqused_k is required with a page_table"):
+    t["seqused_k"] = None  # FA4's reading: every page of a row, so a padding -1 is a bad page
+    with pytest.raises(ValueError, match="no seqused_k: every entry of the row"):
+        _varlen_call(t)
+    t["page_table"] = t["page_table"].clamp(min=0)  # every entry a page: to the gate
+    with pytest.raises(UnsupportedError, match="decode"):
         _varlen_call(t)
 
 

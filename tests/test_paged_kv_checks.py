@@ -137,11 +137,18 @@ def test_page_table_device():
     _raises(ValueError, "page_table must be on k's device cpu, got meta", table=table)
 
 
-def test_seqused_k_required_and_checked():
+def test_seqused_k_optional_and_checked():
+    """No seqused_k: each sequence uses its row's every page (FA4's reading), so every entry
+    of the table must be a page of the cache."""
     k, v = _cache()
     table, used = _table()
-    with pytest.raises(ValueError, match="seqused_k is required with a page_table"):
-        check_paged_kv(k, v, table, None, 3)
+    full = torch.zeros_like(table)
+    assert check_paged_kv(k, v, full, None, 3, check_values=True).capacity == \
+        full.shape[1] * k.shape[1]
+    bad = full.clone()
+    bad[1, -1] = k.shape[0]
+    with pytest.raises(ValueError, match=r"page_table\[1, .*no seqused_k: every entry"):
+        check_paged_kv(k, v, bad, None, 3, check_values=True)
     _raises(TypeError, "seqused_k must have dtype torch.int32, got torch.int64", used=used.long())
     _raises(ValueError, r"seqused_k must have shape \(3,\)", used=used[:2])
     _raises(ValueError, "seqused_k must be on k's device cpu, got meta",

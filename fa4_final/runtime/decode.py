@@ -160,11 +160,12 @@ class PagedKV:
 # value and what is accepted):
 #   - metadata, free (also on fake tensors): page_table an int32 (batch, max_pages) tensor on k's
 #     device; k and v (num_pages, page_size, heads_kv, d) alike, num_pages >= 1, page_size a
-#     positive multiple of 16; seqused_k given (int32, (batch,), on k's device: FA4 lets it
-#     default to the whole table row, here it is required so the pages in use are known); no
+#     positive multiple of 16; seqused_k, when given, int32, (batch,), on k's device (None:
+#     each sequence uses its table row's every page, max_pages x page_size keys, as in FA4); no
 #     cu_seqlens_k (FA4 takes one or the other);
 #   - values: each seqused_k[b] in [0, max_pages x page_size], and every page a sequence uses
-#     (columns 0 .. ceil(seqused_k[b] / page_size) - 1 of row b) in [0, num_pages). Columns past
+#     (columns 0 .. ceil(seqused_k[b] / page_size) - 1 of row b; every column without
+#     seqused_k) in [0, num_pages). Columns past
 #     a sequence's last used page are never read and may hold anything (engines pad them with
 #     -1 or 0).
 # FA4 checks the metadata with asserts and the values not at all: a page past the cache is not
@@ -215,17 +216,15 @@ def check_paged_kv(k, v, page_table, seqused_k, batch: int, cu_seqlens_k=None,
     if page_table.dim() != 2 or page_table.shape[0] != batch:
         raise ValueError(f"page_table must be 2-D (batch, max_pages) = ({batch}, max_pages), got "
                          f"shape {tuple(page_table.shape)}")
-    if seqused_k is None:
-        raise ValueError("seqused_k is required with a page_table: an int32 (batch,) tensor of "
-                         "the keys each sequence uses")
-    _index_tensor("seqused_k", seqused_k, k.device)
-    if seqused_k.dim() != 1 or seqused_k.shape[0] != batch:
-        raise ValueError(f"seqused_k must have shape ({batch},) (one length per sequence), got "
-                         f"{tuple(seqused_k.shape)}")
+    if seqused_k is not None:  # None: every sequence uses all its row's pages (FA4's reading)
+        _index_tensor("seqused_k", seqused_k, k.device)
+        if seqused_k.dim() != 1 or seqused_k.shape[0] != batch:
+            raise ValueError(f"seqused_k must have shape ({batch},) (one length per sequence), "
+                             f"got {tuple(seqused_k.shape)}")
     paged = PagedKV(num_pages, page_size, page_table.shape[1])
     if check_values is None:
         check_values = os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0" and \
-            _values_readable(page_table, seqused_k)
+            _values_readable(page_table, *(() if seqused_k is None else (seqused_k,)))
     if check_values:
         check_paged_kv_values(page_table, seqused_k, paged)
     return paged
@@ -244,11 +243,13 @@ def _values_readable(*tensors) -> bool:
 
 def check_paged_kv_values(page_table, seqused_k, paged: PagedKV) -> None:
     """The value half of Note [Paged KV checks]: reductions on the device, one copy of
-    (first bad sequence, first bad page slot, its entry) to the host."""
+    (first bad sequence, first bad page slot, its entry) to the host. ``seqused_k`` None: each
+    sequence uses every page of its row."""
     batch, max_pages = page_table.shape
     if batch == 0:
         return
-    used = seqused_k.long()
+    used = (torch.full((batch,), paged.capacity, dtype=torch.long, device=page_table.device)
+            if seqused_k is None else seqused_k.long())
     big = batch * max(max_pages, 1)  # "none": past every index
     bad_len = (used < 0) | (used > paged.capacity)
     first_len = torch.where(bad_len, torch.arange(batch, device=used.device), big).min()
@@ -269,12 +270,13 @@ def check_paged_kv_values(page_table, seqused_k, paged: PagedKV) -> None:
                          f"{paged.page_size}: the keys page_table row {b_len} can map)")
     if slot < big:
         b, col = divmod(slot, max_pages)
-        n = int(seqused_k[b])
+        n = paged.capacity if seqused_k is None else int(seqused_k[b])
+        why = (f"seqused_k[{b}] = {n}, page_size {paged.page_size}" if seqused_k is not None
+               else "no seqused_k: every entry of the row")
         raise ValueError(f"page_table[{b}, {col}] = {value} is not a page of the cache: k and v "
                          f"hold {paged.num_pages} pages, so the pages a sequence uses must be in "
                          f"[0, {paged.num_pages}) (sequence {b} uses its first "
-                         f"{-(-n // paged.page_size)} entries: seqused_k[{b}] = {n}, page_size "
-                         f"{paged.page_size})")
+                         f"{-(-n // paged.page_size)} entries: {why})")
 
 
 # ----------------------------------------------------------------------------------------------

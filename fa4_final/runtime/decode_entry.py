@@ -24,10 +24,9 @@ tokens, up to four 64-row m-blocks of packed rows: 16 tokens at GQA 16; a left w
 The kernel has been compiled and checked on a CPU only; until its GPU tests pass, no call
 reaches it without FA4_FINAL_PENDING=decode (tests only).
 
-Where this differs from FA4: seqused_k is required with a page table (FA4 lets it default to
-the table's whole row; Note [Paged KV checks]), a page size must be a multiple of 16, and the
-order of the refusals in api.sdpa: the page table is gated there before it is checked, where
-that module always refused it (flash_attn_varlen_func checks first, then gates).
+Where this differs from FA4: a page size must be a multiple of 16 (Note [Paged KV checks]), and
+the order of the refusals in api.sdpa: the page table is gated there before it is checked,
+where that module always refused it (flash_attn_varlen_func checks first, then gates).
 
 Forward only. The decode kernel has no backward, and FA4 (4.0.0b36) has none with a page table
 either (its backward is given no page table). A paged call that will need a gradient (grad mode
@@ -171,7 +170,7 @@ def check_paged_call(q, k, v, page_table, seqused_k, cu_seqlens_q=None, max_seql
         check_tma_operand(name, t, check_address)
     if check_values is None:
         check_values = os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0" and \
-            _values_readable(page_table, seqused_k)
+            _values_readable(page_table, *(() if seqused_k is None else (seqused_k,)))
     if check_values:
         from fa4_final.runtime.decode import check_paged_kv_values
 

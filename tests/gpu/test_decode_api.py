@@ -116,6 +116,24 @@ def test_paged_equals_contiguous_through_the_api(name, decode_calls):
                           window_left=window_left)
 
 
+def test_a_page_table_without_seqused_k_reads_every_page(decode_calls):
+    """FA4's reading of a page table with no seqused_k: each sequence's keys are its row's
+    every page; equal bit for bit to the contiguous call over all of them."""
+    b, sq, h, hk, d, page_size, pages = 2, 4, 16, 4, 128, 128, 3
+    q, k, v = qkv(b, sq, pages * page_size, h, hk, d, BF16, seed=23)
+    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
+                                generator=torch.Generator().manual_seed(5))
+    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
+    with torch.no_grad():
+        out, lse = flash_attn_varlen_func(q, kp, vp, page_table=table, causal=True,
+                                          num_splits=1, return_lse=True)
+        want_out, want_lse = _contiguous(q, k, v, [pages * page_size] * b, True, None, 1)
+    wait_for_gpu("paged, no seqused_k")
+    assert decode_calls, "the call took the forward"
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse), "paged != contiguous"
+    check_against_float64(q, kp, vp, out, lse, True, page_table=table)
+
+
 def test_packed_queries_over_a_paged_cache(decode_calls):
     """Chunked prefill and decode in one call: packed queries of 16, 1, 0 and 7 tokens
     (cu_seqlens_q, max_seqlen_q) over one paged cache, each sequence against float64."""
