@@ -217,6 +217,8 @@ def test_num_splits_that_is_no_int_is_named_everywhere(value):
     (dict(softcap=5.0), "softcap with a page_table is refused: .* has no softcap"),
     (dict(window_size=(None, 3)), "window_size's right side 3 with a page_table is refused: .* "
                                   "causal \\(bottom-right\\) and a left window only"),
+    (dict(window_size=(-5, None), causal=True), "window_size's left side -5 with a page_table "
+                                                "is refused: .* a left window side >= 0"),
     (dict(seqused_q=True), "seqused_q with a page_table is refused")])
 def test_what_the_decode_kernel_lacks_is_refused_by_name(monkeypatch, change, words):
     monkeypatch.setenv(pending.ENV, "decode,softcap,head_dims")

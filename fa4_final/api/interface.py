@@ -254,7 +254,7 @@ def _paged_varlen(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
     check_flag("deterministic", deterministic)
     decode_entry.refuse_decode_limits(func, d, v.shape[-1], p.causal, p.right, cap,
-                                      learnable_sink, seqused_q)
+                                      learnable_sink, seqused_q, left=p.left)
     decode_entry.gate_paged(func, page_table)
     decode_entry.refuse_paged_gradient(func, q, k, v)
     out, lse = ops.decode_call(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q,

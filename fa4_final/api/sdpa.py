@@ -263,9 +263,10 @@ def _paged_fwd(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_q, sequs
     batch, rows, h, hk, d, _ = decode_entry.check_paged_call(
         q, k, v, page_table, seqused_k, cu_seqlens_q, max_q, softmax_scale,
         cu_seqlens_k=cu_seqlens_k)
-    c, _, right = normalise_window(causal, window)
+    c, left, right = normalise_window(causal, window)
     decode_entry.refuse_decode_limits(func, d, v.shape[-1], c, right,
-                                      features.get("softcap", 0.0), learnable_sink, seqused_q)
+                                      features.get("softcap", 0.0), learnable_sink, seqused_q,
+                                      left=left)
     decode_entry.refuse_paged_gradient(func, q, k, v)
     wants_lse = lse is not None or return_lse
     lse_shape = (h, q.shape[0]) if cu_seqlens_q is not None else (batch, h, rows)

@@ -183,11 +183,12 @@ def check_paged_call(q, k, v, page_table, seqused_k, cu_seqlens_q=None, max_seql
 
 def refuse_decode_limits(func: str, head_dim: int, head_dim_v: int, causal: bool, right,
                          softcap: float = 0.0, learnable_sink=None, seqused_q=None,
-                         paged: bool = True) -> None:
+                         paged: bool = True, left=None) -> None:
     """UnsupportedError naming what a call asks of the decode kernel that it does not have:
     head dims other than 64/128 or dv != d, a softcap, a learnable sink, a right window bound
-    other than causal's, seqused_q. ``paged``: the call has a page table (the message says so:
-    no other kernel reads one)."""
+    other than causal's, a negative left bound (a window the kernel was not built to place),
+    seqused_q. ``paged``: the call has a page table (the message says so: no other kernel
+    reads one)."""
     what = "the decode kernel, the only one that reads a paged cache," if paged else \
         "the decode kernel"
     given = " with a page_table" if paged else ""
@@ -202,6 +203,9 @@ def refuse_decode_limits(func: str, head_dim: int, head_dim_v: int, causal: bool
     if right is not None and not causal:
         raise UnsupportedError(f"{func}: window_size's right side {right}{given} is refused: "
                                f"{what} takes causal (bottom-right) and a left window only")
+    if left is not None and left < 0:
+        raise UnsupportedError(f"{func}: window_size's left side {left}{given} is refused: "
+                               f"{what} takes a left window side >= 0 (or None)")
 
 
 def gate_paged(func: str, page_table) -> None:
@@ -255,7 +259,7 @@ def decode_forward_into(q, k, v, out, lse, causal=False, softmax_scale=None,
     check_outputs(q, out, lse, lse_shape, head_dim_v=v.shape[-1])
     causal, left, right = normalise_window(causal, window_size)
     refuse_decode_limits(func, d, v.shape[-1], causal, right, softcap, learnable_sink,
-                         paged=paged)
+                         paged=paged, left=left)
     if paged:
         gate_paged(func, page_table)
     elif not listed("decode"):
