@@ -70,8 +70,11 @@ def test_refusal_reports_the_error_or_acceptance():
 
     from fa4_final import flash_attn_func
 
-    q = torch.empty(1, 8, 2, 96, dtype=torch.bfloat16)
+    q = torch.empty(1, 8, 2, 80, dtype=torch.bfloat16)  # no build at 80 (96 runs: head_dims)
     assert t13.refusal(lambda: flash_attn_func(q, q, q)).startswith("UnsupportedError: head_dim")
+    q = torch.empty(1, 8, 2, 96, dtype=torch.bfloat16)
+    assert t13.refusal(lambda: flash_attn_func(q, q, q)).startswith(
+        "UnsupportedError: fa4_final runs on CUDA GPUs")
     assert t13.refusal(lambda: None) == "accepted"
 
 

@@ -35,6 +35,7 @@ class RefBackend:
 
     def __init__(self):
         self.calls = []
+        self.dlse_given = []  # per backward call: whether it was given the lse's gradient
 
     def forward(self, q, k, v, out, lse, causal, scale, left, right, config):
         self.calls.append("forward")
@@ -43,10 +44,11 @@ class RefBackend:
         lse.copy_(s)
 
     def backward(self, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right, det,
-                 config=None):
+                 config=None, dlse=None):
         self.calls.append("backward")
-        for t, g in zip((dq, dk, dv),
-                        ref.dense_backward(dout, q, k, v, out, lse, scale, causal, left, right)):
+        self.dlse_given.append(dlse is not None)
+        for t, g in zip((dq, dk, dv), ref.dense_backward(dout, q, k, v, out, lse, scale, causal,
+                                                         left, right, dlse=dlse)):
             t.copy_(g)
 
 
@@ -87,7 +89,9 @@ def grads_of(q, k, v, return_lse=False, **kw):
 def test_eager_path_matches_the_ops(eager_cpu, monkeypatch, kw):
     q, k, v = qkv()
     eager = grads_of(q, k, v, **kw)
-    assert eager_cpu.calls[:2] == ["forward", "backward"]
+    # one backward call, the lse's gradient folded into it when the loss uses the lse (lse_fold)
+    assert eager_cpu.calls == ["forward", "backward"]
+    assert eager_cpu.dlse_given == ["return_lse" in kw]
     op_path(monkeypatch)
     calls = len(eager_cpu.calls)
     via_ops = grads_of(q, k, v, **kw)

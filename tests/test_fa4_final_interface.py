@@ -17,7 +17,7 @@ def qkv(b=1, sq=64, sk=64, h=2, hk=2, d=128, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("change, error, match", [
     (dict(dtype=torch.float32), TypeError, "bfloat16, torch.float16"),
-    (dict(d=96), ValueError, "head_dim must be one of"),
+    (dict(d=80), ValueError, "head_dim must be one of"),  # 96 runs (head_dims left the gate)
     (dict(h=3, hk=2), ValueError, "multiple of"),
 ])
 def test_bad_shapes_and_dtypes(change, error, match):

@@ -70,9 +70,12 @@ def test_public_functions_run_under_fake_mode():
 
 def test_fake_impl_checks_inputs():
     with FakeTensorMode():
-        q = torch.empty(2, 30, 8, 96, dtype=BF16, device="cuda")
+        q = torch.empty(2, 30, 8, 80, dtype=BF16, device="cuda")
         with pytest.raises(ValueError, match="head_dim must be one of"):
             ops.fwd(q, q, q, 0.1, False, -1, -1, False, False)
+        q = torch.empty(2, 30, 8, 96, dtype=BF16, device="cuda")  # runs: head_dims left the gate
+        out, lse = ops.fwd(q, q, q, 0.1, False, -1, -1, False, False)
+        assert out.shape == q.shape and lse.shape == (2, 8, 30)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -396,8 +396,9 @@ def test_sdpa_backward_returns_dsink_as_fa4(monkeypatch):
     seen = {}
 
     def fake_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, window,
-                      deterministic, softcap=0.0):
+                      deterministic, softcap=0.0, dlse=None):
         seen["softcap"] = softcap
+        seen.setdefault("dlse", []).append(dlse)  # lse_fold: the one call takes it
         for t in (dq, dk, dv):
             t.zero_()
 
@@ -412,9 +413,11 @@ def test_sdpa_backward_returns_dsink_as_fa4(monkeypatch):
     grads = sdpa._flash_attn_bwd(q, k, v, out, dout, lse, softcap=5.0, learnable_sink=s,
                                  dlse=dlse)
     assert len(grads) == 4 and seen["softcap"] == 5.0
+    assert len(seen["dlse"]) == 1 and torch.equal(seen["dlse"][0], dlse)
     torch.testing.assert_close(grads[3], sink_gradient(s, lse, out, dout, dlse))
     assert grads[3].dtype == BF16
     assert len(sdpa._flash_attn_bwd(q, k, v, out, dout, lse, softcap=5.0)) == 3
+    assert seen["dlse"][1:] == [None]
 
 
 def _recording(monkeypatch):
@@ -535,10 +538,10 @@ class RefBackend:
         lse.copy_(s)
 
     def backward(self, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right, det,
-                 config=None, softcap=0.0):
-        self.calls.append(("backward", softcap))
+                 config=None, softcap=0.0, dlse=None):
+        self.calls.append(("backward", softcap, dlse is not None))
         for t, g in zip((dq, dk, dv), ref.dense_backward(dout, q, k, v, out, lse, scale, causal,
-                                                         left, right, softcap)):
+                                                         left, right, softcap, dlse)):
             t.copy_(g)
 
 
@@ -568,7 +571,9 @@ def test_eager_path_matches_the_ops(monkeypatch, cpu_kernels, kw):
     monkeypatch.setattr(ops, "EAGER_DEVICE_TYPES", ("cuda", "cpu"))
     eager = run()
     cap = kw.get("softcap", 0.0)
-    assert rec.calls[:2] == [("forward", cap, "learnable_sink" in kw), ("backward", cap)]
+    # one backward call, given the lse's gradient when the loss uses the lse (lse_fold)
+    assert rec.calls == [("forward", cap, "learnable_sink" in kw),
+                         ("backward", cap, "return_lse" in kw)]
     monkeypatch.setattr(ops, "EAGER_DEVICE_TYPES", ("cuda",))
     calls = len(rec.calls)
     via_ops = run()

@@ -1,18 +1,25 @@
-"""Three more pending features wired through fa4_final's API behind the gate of
-fa4_final.runtime.pending (Note [Pending features]), on a CPU:
+"""Three features wired through fa4_final's API that have left the gate of
+fa4_final.runtime.pending (Note [Pending features]: their GPU tests passed on an H200, their
+rows were deleted), and the narrow row that stays (varlen_row_store), on a CPU:
 
-- lse_fold: with FA4_FINAL_PENDING listing it, the autograd backward of a call that returns the
-  lse and uses it makes ONE backward call that takes dlse (the has_dlse builds, Note [The lse
-  gradient folded]) instead of Note [Gradient of the returned lse]'s second call; without it,
-  the probe's path is taken exactly as before. A dlse given to a runtime entry point is checked
-  (named when bad), then gated; the Hopper row puts has_dlse in the compile key only when a
-  dlse is given, the Blackwell row refuses it by name.
-- head_dims: D and dv each from FWD_HEAD_DIMS, out (.., dv), gated on every forward entry and
-  in the ops' fake impls; a call that will need a gradient there is refused at the forward
-  (the backward is not built); head_dim_v in the compile key only when != D.
+- lse_fold: the autograd backward of a call that returns the lse and uses it makes ONE backward
+  call that takes dlse (the has_dlse builds, Note [The lse gradient folded]), by default, in
+  place of Note [Gradient of the returned lse]'s second call; that probe's path, still kept for
+  a pending lse_fold, is reached here by putting the row back (``_lse_fold_row``) and gives the
+  same gradients (both against float64). A dlse given to a runtime entry point is checked
+  (named when bad), then runs (a CPU call stops at the device check); the Hopper row puts
+  has_dlse in the compile key only when a dlse is given, the Blackwell row refuses it by name.
+- head_dims: D and dv each from FWD_HEAD_DIMS, out (.., dv), taken by every forward entry and
+  the ops' fake impls without FA4_FINAL_PENDING; a call that will need a gradient there is
+  refused at the forward, gate or no gate (the backward is not built); head_dim_v in the
+  compile key only when != D.
+- varlen_row_store (pending): the varlen forward at v head dims 96 and 192 is refused by name
+  (flash_attn_varlen_func, api.sdpa's packed _flash_attn_fwd, the runtime's
+  varlen_forward_into) unless FA4_FINAL_PENDING lists it; other v head dims, and dense calls
+  at 96 and 192, never ask.
 - seqused_q: flash_attn_varlen_func and api.sdpa take it (dense q refused by name), checked
-  like seqused_k (metadata, then values), gated, through the ops (fake, autograd, compile) to
-  the varlen runners' has_seqused_q keys; padding rows: out 0, dq 0.
+  like seqused_k (metadata, then values), through the ops (fake, autograd, compile) to the
+  varlen runners' has_seqused_q keys; padding rows: out 0, dq 0.
 
 The test-only CPU kernels (tests/fa4_cpu_reference.py) stand in for the GPU kernels; nothing
 here runs a GPU kernel (tests/gpu/test_pending_api.py does).
@@ -47,9 +54,10 @@ def _counting(monkeypatch, name: str):
     autograd formula makes, with whether it was given a dlse."""
     calls = []
     op = getattr(ops, name)
+    at = 12 if name == "bwd" else 17  # dlse's place among the op's arguments (after softcap)
 
     def counted(*args):
-        calls.append(len(args) > (11 if name == "bwd" else 16) and args[-1] is not None)
+        calls.append(len(args) > at and args[at] is not None)
         return op(*args)
 
     monkeypatch.setattr(ops, name, counted)
@@ -60,10 +68,27 @@ def _counting(monkeypatch, name: str):
 # lse_fold
 
 
-def test_lse_fold_is_a_pending_row_and_listed_reads_the_environment(monkeypatch):
-    assert "lse_fold" in pending.PENDING and pending.PENDING["lse_fold"]
-    assert not pending.listed("lse_fold") and pending.listed("not_a_pending_feature")
+def _lse_fold_row(monkeypatch):
+    """Put the deleted lse_fold row back in PENDING for this test (``listed`` reads the table
+    at each call): the autograd formulas and api.sdpa then take Note [Gradient of the returned
+    lse]'s probe path (two backward calls) again, the path the one call replaced."""
+    monkeypatch.setitem(pending.PENDING, "lse_fold", "put back by the test: the probe's path")
+
+
+def test_lse_fold_passed_its_gpu_tests_and_listed_is_true_without_the_environment(
+        monkeypatch):
+    """lse_fold left the gate (tests/gpu/test_lse_fold.py and test_pending_api.py -k lse_fold
+    passed on an H200): listed without FA4_FINAL_PENDING, and naming it there changes nothing;
+    a row still pending is listed only when named."""
+    assert "lse_fold" not in pending.PENDING
+    assert pending.listed("lse_fold") and pending.listed("not_a_pending_feature")
+    assert not pending.listed("softcap")
     monkeypatch.setenv(pending.ENV, "softcap, lse_fold")
+    assert pending.listed("lse_fold") and pending.listed("softcap")
+    monkeypatch.delenv(pending.ENV)
+    _lse_fold_row(monkeypatch)  # the mechanism the probe-path tests below rely on
+    assert not pending.listed("lse_fold")
+    monkeypatch.setenv(pending.ENV, "lse_fold")
     assert pending.listed("lse_fold")
 
 
@@ -76,17 +101,19 @@ def _loss_on_lse(q, k, v, causal, **kw):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("fold", [False, True])
-def test_lse_fold_chooses_one_backward_call_and_both_paths_equal_float64(
-        monkeypatch, cpu_kernels, causal, fold):
-    """sq > sk with causal: rows that see no key (lse = -inf, no gradient either way)."""
-    if fold:
-        monkeypatch.setenv(pending.ENV, "lse_fold")
+@pytest.mark.parametrize("probe", [False, True], ids=["default", "probe_path"])
+def test_lse_fold_takes_one_backward_call_by_default_and_both_paths_equal_float64(
+        monkeypatch, cpu_kernels, causal, probe):
+    """The default (no FA4_FINAL_PENDING): one backward call, given dlse. The probe's two calls
+    (the row put back) give the same gradients: both against float64. sq > sk with causal:
+    rows that see no key (lse = -inf, no gradient either way)."""
+    if probe:
+        _lse_fold_row(monkeypatch)
     calls = _counting(monkeypatch, "bwd")
     q, k, v = dense(sq=40, sk=24, grad=True)
     loss, dout, dlse = _loss_on_lse(q, k, v, causal)
     grads = torch.autograd.grad(loss, [q, k, v])
-    assert calls == ([True] if fold else [False, False])
+    assert calls == ([False, False] if probe else [True])
     leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     out64, lse64 = attention_reference_features(*leaves, causal, None, 0.0, None)
     finite = lse64.isfinite()
@@ -98,7 +125,6 @@ def test_lse_fold_chooses_one_backward_call_and_both_paths_equal_float64(
 
 def test_lse_fold_changes_nothing_without_a_loss_on_lse_or_without_return_lse(
         monkeypatch, cpu_kernels):
-    monkeypatch.setenv(pending.ENV, "lse_fold")
     calls = _counting(monkeypatch, "bwd")
     q, k, v = dense(grad=True)
     out, lse = flash_attn_func(q, k, v, return_lse=True)
@@ -111,36 +137,40 @@ def test_lse_fold_changes_nothing_without_a_loss_on_lse_or_without_return_lse(
 def test_lse_fold_with_softcap_and_sink_equals_the_probe_path(monkeypatch, cpu_kernels):
     """The one call and the probe's two give the same gradients (dsink from sink_gradient)."""
     sink = torch.tensor([-1.0, 0.5, 2.0, 3.5])
+    monkeypatch.setenv(pending.ENV, "softcap,learnable_sink")
     results = []
-    for env in ("softcap,learnable_sink", "softcap,learnable_sink,lse_fold"):
-        monkeypatch.setenv(pending.ENV, env)
-        q, k, v = dense(sq=40, sk=24, grad=True)
-        s = sink.clone().requires_grad_(True)
-        loss, _, _ = _loss_on_lse(q, k, v, True, softcap=5.0, learnable_sink=s)
-        results.append(torch.autograd.grad(loss, [q, k, v, s]))
+    for probe, want in ((True, [False, False]), (False, [True])):
+        with monkeypatch.context() as m:
+            if probe:
+                _lse_fold_row(m)
+            calls = _counting(m, "bwd")
+            q, k, v = dense(sq=40, sk=24, grad=True)
+            s = sink.clone().requires_grad_(True)
+            loss, _, _ = _loss_on_lse(q, k, v, True, softcap=5.0, learnable_sink=s)
+            results.append(torch.autograd.grad(loss, [q, k, v, s]))
+            assert calls == want
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_lse_fold_varlen_one_call_equals_the_probe_path(monkeypatch, cpu_kernels):
     results = []
-    for env, want in (("", [False, False]), ("lse_fold", [True])):
-        monkeypatch.setenv(pending.ENV, env)
-        calls = _counting(monkeypatch, "varlen_bwd")
-        pq, pk, pv, cu_q, cu_k = packed(lens_q=(5, 7, 19), lens_k=(9, 0, 30), grad=True)
-        out, lse = flash_attn_varlen_func(pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                          causal=True, return_lse=True)
-        loss = out.float().square().sum() + lse.where(lse.isfinite(), 0.0).square().sum()
-        results.append(torch.autograd.grad(loss, [pq, pk, pv]))
-        assert calls == want
-        monkeypatch.undo()
-        monkeypatch.delenv(pending.ENV, raising=False)
+    for probe, want in ((True, [False, False]), (False, [True])):
+        with monkeypatch.context() as m:
+            if probe:
+                _lse_fold_row(m)
+            calls = _counting(m, "varlen_bwd")
+            pq, pk, pv, cu_q, cu_k = packed(lens_q=(5, 7, 19), lens_k=(9, 0, 30), grad=True)
+            out, lse = flash_attn_varlen_func(pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              causal=True, return_lse=True)
+            loss = out.float().square().sum() + lse.where(lse.isfinite(), 0.0).square().sum()
+            results.append(torch.autograd.grad(loss, [pq, pk, pv]))
+            assert calls == want
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_lse_fold_under_compile_fullgraph(monkeypatch, cpu_kernels):
-    monkeypatch.setenv(pending.ENV, "lse_fold")
     torch._dynamo.reset()
 
     def layer(q, k, v):
@@ -162,7 +192,11 @@ def _bwd_args():
     return q, k, v, out, lse, grads
 
 
-def test_a_dlse_to_the_runtime_is_gated_then_gets_to_the_device_check(monkeypatch):
+def test_a_dlse_to_the_runtime_gets_past_the_gate_to_the_device_check(monkeypatch):
+    """No FA4_FINAL_PENDING: a (good) dlse is taken by both runtime entry points, and a CPU
+    call stops at the device check; naming lse_fold there (as the GPU tests still do) changes
+    nothing."""
+    assert "lse_fold" not in pending.PENDING
     q, k, v, out, lse, grads = _bwd_args()
     pq, pk, pv, cu_q, cu_k = packed()
     plse = torch.zeros(4, pq.shape[0])
@@ -172,16 +206,13 @@ def test_a_dlse_to_the_runtime_is_gated_then_gets_to_the_device_check(monkeypatc
              ("varlen_backward_into", lambda: varlen.varlen_backward_into(
                  pq, pk, pv, torch.zeros_like(pq), plse, torch.zeros_like(pq), *pgrads, cu_q,
                  cu_k, None, None, None, dlse=torch.ones_like(plse)))]
-    for func, call in calls:
-        with pytest.raises(UnsupportedError) as info:
-            call()
-        message = str(info.value)
-        assert func in message and "FA4's lse_fold=<tensor" in message, message
-        assert f"{GATE} lse_fold yet" in message and pending.ENV in message, message
-    monkeypatch.setenv(pending.ENV, "lse_fold")
-    for _, call in calls:
-        with pytest.raises(UnsupportedError, match=DEVICE):
-            call()
+    for env in ("", "lse_fold"):
+        monkeypatch.setenv(pending.ENV, env)
+        for func, call in calls:
+            with pytest.raises(UnsupportedError) as info:
+                call()
+            message = str(info.value)
+            assert DEVICE in message and GATE not in message, (func, message)
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -194,7 +225,11 @@ def test_a_bad_dlse_is_named_before_the_gate(bad, words):
         prologue.backward_into(q, k, v, out, lse, out, *grads, dlse=bad)
 
 
-def test_sdpa_backward_folds_dlse_into_one_call_only_when_listed(monkeypatch):
+def test_sdpa_backward_folds_dlse_into_one_call_by_default(monkeypatch):
+    """One backward_into call, given the dlse, without FA4_FINAL_PENDING; none without a dlse;
+    the probe's two calls (none given a dlse) only with the lse_fold row put back. The values
+    of both paths against float64: test_sdpa_registration.test_dlse_adds_the_gradient_of_the_
+    returned_lse."""
     seen = []
 
     def fake_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, window,
@@ -207,12 +242,12 @@ def test_sdpa_backward_folds_dlse_into_one_call_only_when_listed(monkeypatch):
     q, k, v, out, lse, _ = _bwd_args()
     dlse = torch.randn(lse.shape)
     sdpa._flash_attn_bwd(q, k, v, out, out, lse, dlse=dlse)
-    assert seen == [False, False]  # Note [Gradient of the returned lse]: the probe's call
-    seen.clear()
-    monkeypatch.setenv(pending.ENV, "lse_fold")
-    sdpa._flash_attn_bwd(q, k, v, out, out, lse, dlse=dlse)
     sdpa._flash_attn_bwd(q, k, v, out, out, lse)
     assert seen == [True, False]
+    seen.clear()
+    _lse_fold_row(monkeypatch)
+    sdpa._flash_attn_bwd(q, k, v, out, out, lse, dlse=dlse)
+    assert seen == [False, False]  # Note [Gradient of the returned lse]: the probe's call
 
 
 def _recording(monkeypatch):
@@ -292,46 +327,146 @@ def test_the_cpu_reference_folds_dlse_as_the_probe_does():
 
 
 # ----------------------------------------------------------------------------------------------
-# head_dims: FWD_HEAD_DIMS and dv != d, the Hopper forward only
+# head_dims: FWD_HEAD_DIMS and dv != d, the Hopper forward only (left the gate); the varlen
+# forward at v head dims 96 and 192 (varlen_row_store, pending)
 
 
-HEAD_DIM_CASES = [(96, 96), (192, 128), (256, 256), (64, 128), (128, 64)]
+HEAD_DIM_CASES = [(96, 96), (192, 128), (256, 256), (64, 128), (128, 64), (128, 192),
+                  (256, 96)]
+ROW_STORE_DVS = (96, 192)  # the v head dims varlen_row_store gates, varlen calls only
 
 
 def _head_dim_entries(d, dv):
+    """(name, varlen, call) of every forward entry point at (d, dv)."""
     q, k, v = dense(d=d, dv=dv)
     pq, pk, pv, cu_q, cu_k = packed(d=d, dv=dv)
     out, lse = torch.zeros(*q.shape[:-1], dv, dtype=BF16), torch.zeros(2, 4, 24)
     pout, plse = torch.zeros(*pq.shape[:-1], dv, dtype=BF16), torch.zeros(4, pq.shape[0])
-    yield "flash_attn_func", lambda: flash_attn_func(q, k, v)
-    yield "flash_attn_varlen_func", lambda: flash_attn_varlen_func(
+    yield "flash_attn_func", False, lambda: flash_attn_func(q, k, v)
+    yield "flash_attn_varlen_func", True, lambda: flash_attn_varlen_func(
         pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    yield "_flash_attn_fwd", lambda: sdpa._flash_attn_fwd(q, k, v)
-    yield "_flash_attn_fwd", lambda: sdpa._flash_attn_fwd(
+    yield "_flash_attn_fwd", False, lambda: sdpa._flash_attn_fwd(q, k, v)
+    yield "_flash_attn_fwd", True, lambda: sdpa._flash_attn_fwd(
         pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    yield "forward_into", lambda: prologue.forward_into(q, k, v, out, lse)
-    yield "varlen_forward_into", lambda: varlen.varlen_forward_into(
+    yield "forward_into", False, lambda: prologue.forward_into(q, k, v, out, lse)
+    yield "varlen_forward_into", True, lambda: varlen.varlen_forward_into(
         pq, pk, pv, cu_q, cu_k, None, None, None, pout, plse)
 
 
+def _assert_row_store_refusal(message: str, dv: int) -> None:
+    """varlen_row_store's refusal (runtime.pending.check_varlen_head_dim_v): the v head dim,
+    the gate's words, the row's name, and what runs (varlen and dense)."""
+    assert f"v's head dim {dv} is refused for varlen calls" in message, message
+    assert f"{GATE} it yet" in message and pending.PENDING["varlen_row_store"] in message, message
+    assert "The varlen forward runs v head dims (64, 128, 256)" in message, message
+    assert "dense calls run (64, 96, 128, 192, 256)" in message, message
+    assert f"{pending.ENV}=varlen_row_store" in message, message
+
+
 @pytest.mark.parametrize("d, dv", HEAD_DIM_CASES)
-def test_the_gate_refuses_forward_only_head_dims_by_name_on_every_entry(d, dv):
-    for func, call in _head_dim_entries(d, dv):
+def test_head_dims_passed_their_gpu_tests_and_every_forward_entry_takes_them_ungated(d, dv):
+    """head_dims left the gate (tests/gpu/test_fwd_head_dims.py and test_pending_api.py -k
+    head_dims passed on an H200): without FA4_FINAL_PENDING every forward entry gets past the
+    gate to the device check, but a varlen call at v head dim 96 or 192, which the narrower
+    varlen_row_store row refuses (its own tests below)."""
+    assert "head_dims" not in pending.PENDING and pending.listed("head_dims")
+    assert pending.check_head_dims("forward_into", d, dv) is None
+    for func, is_varlen, call in _head_dim_entries(d, dv):
         with pytest.raises(UnsupportedError) as info:
             call()
         message = str(info.value)
-        assert message.startswith("head_dim must be one of (64, 128) with v's head dim"), message
-        assert f"head_dim={d}, dv={dv} ({func})" in message, message
-        assert f"{GATE} head_dims yet" in message and pending.ENV in message, message
+        if is_varlen and dv in ROW_STORE_DVS:
+            _assert_row_store_refusal(message, dv)
+        else:
+            assert DEVICE in message and GATE not in message, (func, message)
 
 
 @pytest.mark.parametrize("d, dv", HEAD_DIM_CASES)
-def test_listed_head_dims_get_past_the_gate_to_the_device_check(monkeypatch, d, dv):
-    monkeypatch.setenv(pending.ENV, "head_dims")
-    for func, call in _head_dim_entries(d, dv):
+@pytest.mark.parametrize("env", ["varlen_row_store", "head_dims,varlen_row_store"])
+def test_with_varlen_row_store_listed_every_forward_entry_gets_to_the_device_check(
+        monkeypatch, d, dv, env):
+    """The varlen forward at v head dims 96 and 192 let through by FA4_FINAL_PENDING (the GPU
+    tests' way); head_dims named there too (as tests/gpu still do) changes nothing."""
+    monkeypatch.setenv(pending.ENV, env)
+    for func, _, call in _head_dim_entries(d, dv):
         with pytest.raises(UnsupportedError) as info:
             call()
         assert DEVICE in str(info.value) and GATE not in str(info.value), (func, info.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen_row_store
+
+
+def test_varlen_row_store_is_a_pending_row_for_v_head_dims_96_and_192_only():
+    assert "varlen_row_store" in pending.PENDING and pending.PENDING["varlen_row_store"]
+    assert not pending.listed("varlen_row_store")
+    for dv in (64, 128, 256):
+        assert pending.check_varlen_head_dim_v("varlen_forward_into", dv) is None
+    for dv in ROW_STORE_DVS:
+        with pytest.raises(UnsupportedError) as info:
+            pending.check_varlen_head_dim_v("varlen_forward_into", dv)
+        assert str(info.value).startswith(f"varlen_forward_into: v's head dim {dv} ")
+        _assert_row_store_refusal(str(info.value), dv)
+
+
+@pytest.mark.parametrize("d, dv", [(96, 96), (192, 192), (128, 96), (192, 128), (256, 192),
+                                   (64, 96)])
+def test_varlen_row_store_refuses_the_varlen_forward_at_dv_96_and_192_by_name(d, dv):
+    """flash_attn_varlen_func, api.sdpa's packed _flash_attn_fwd and the runtime's
+    varlen_forward_into at v head dim 96 or 192 (whatever q's): refused by name (the message
+    names the runtime entry that gates, varlen_forward_into), before the device check; the
+    same calls at dv 128 (or any other) and dense calls at dv 96 / 192 never ask."""
+    varlen_calls = [(func, call) for func, is_varlen, call in _head_dim_entries(d, dv)
+                    if is_varlen]
+    assert [f for f, _ in varlen_calls] == ["flash_attn_varlen_func", "_flash_attn_fwd",
+                                            "varlen_forward_into"]
+    for func, call in varlen_calls:
+        with pytest.raises(UnsupportedError) as info:
+            call()
+        message = str(info.value)
+        if dv in ROW_STORE_DVS:
+            assert message.startswith(f"varlen_forward_into: v's head dim {dv} "), (func, message)
+            _assert_row_store_refusal(message, dv)
+        else:
+            assert DEVICE in message and GATE not in message, (func, message)
+
+
+@pytest.mark.parametrize("dv", ROW_STORE_DVS)
+def test_dense_calls_at_dv_96_and_192_never_ask_varlen_row_store(dv):
+    for d in (dv, 64, 128, 256):
+        for func, is_varlen, call in _head_dim_entries(d, dv):
+            if is_varlen:
+                continue
+            with pytest.raises(UnsupportedError) as info:
+                call()
+            assert DEVICE in str(info.value) and GATE not in str(info.value), (func, info.value)
+    # the per-sequence loop over the dense forward (a reference, not the API) neither
+    pq, pk, pv, cu_q, cu_k = packed(d=dv, dv=dv)
+    with pytest.raises(UnsupportedError, match=DEVICE):
+        varlen.forward_loop(pq, pk, pv, cu_q, cu_k)
+
+
+@pytest.mark.parametrize("dv", (64, 128, 256))
+def test_varlen_row_store_never_gates_the_other_v_head_dims(dv):
+    for d in (64, 128, 256):
+        for func, _, call in _head_dim_entries(d, dv):
+            with pytest.raises(UnsupportedError) as info:
+                call()
+            assert DEVICE in str(info.value) and GATE not in str(info.value), (func, info.value)
+
+
+def test_varlen_row_store_gates_after_the_arguments_own_checks():
+    """A bad argument is named first (Note [Pending features]): a v head dim the forward has
+    no build for, and out of the wrong head dim, at a call the gate would refuse."""
+    pq, pk, pv, cu_q, cu_k = packed(d=192, dv=192)
+    with pytest.raises(ValueError, match=r"out must be like q with v's head dim \(24, 4, 192\)"):
+        varlen.varlen_forward_into(pq, pk, pv, cu_q, cu_k, None, None, None,
+                                   torch.zeros(pq.shape[0], 4, 128, dtype=BF16),
+                                   torch.zeros(4, pq.shape[0]))
+    pq, pk, pv, cu_q, cu_k = packed(d=192, dv=160)
+    with pytest.raises(UnsupportedError, match="v's head dim 160 differs"):
+        flash_attn_varlen_func(pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
 def test_the_default_head_dims_never_ask_the_gate(cpu_kernels):
@@ -347,30 +482,33 @@ def test_the_default_head_dims_never_ask_the_gate(cpu_kernels):
     (64, 32, r"v's head dim 32 differs from q and k's 64: fa4_final runs dv == d only .*each "
              r"of \(64, 96, 128, 192, 256\)"),
     (64, 160, "v's head dim 160 differs")])
-def test_head_dims_outside_the_forward_builds_are_named(monkeypatch, d, dv, words):
-    monkeypatch.setenv(pending.ENV, "head_dims")
+def test_head_dims_outside_the_forward_builds_are_named(d, dv, words):
     with pytest.raises(UnsupportedError, match=words):
         flash_attn_func(*dense(d=d, dv=dv))
 
 
-def test_fake_out_has_v_head_dim_and_the_fake_is_gated(monkeypatch):
+def test_fake_out_has_v_head_dim_and_the_fake_takes_the_head_dims_ungated(monkeypatch):
+    """The ops' fake impls pass the head dims' (deleted) gate without FA4_FINAL_PENDING; the
+    varlen fake at dv 96 with varlen_row_store listed (the real call's condition)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         q = torch.empty(3, 100, 8, 192, dtype=BF16, device="cuda")
         k = torch.empty(3, 77, 2, 192, dtype=BF16, device="cuda")
         v = torch.empty(3, 77, 2, 128, dtype=BF16, device="cuda")
-        with pytest.raises(UnsupportedError, match=f"{GATE} head_dims yet"):
-            ops.fwd(q, k, v, 0.1, True, -1, -1, False, True)
-        monkeypatch.setenv(pending.ENV, "head_dims")
         out, lse = ops.fwd(q, k, v, 0.1, True, -1, -1, False, True)
         assert out.shape == (3, 100, 8, 128) and lse.shape == (3, 8, 100)
         out, _ = flash_attn_func(q, k, v, causal=True)  # the public function on fakes too
         assert out.shape == (3, 100, 8, 128)
         pq = torch.empty(300, 8, 256, dtype=BF16, device="cuda")
         pk = torch.empty(200, 2, 256, dtype=BF16, device="cuda")
-        pv = torch.empty(200, 2, 96, dtype=BF16, device="cuda")
         cu = torch.empty(4, dtype=torch.int32, device="cuda")
+        pv = torch.empty(200, 2, 64, dtype=BF16, device="cuda")
+        out, lse = ops.varlen_fwd(pq, pk, pv, cu, cu, None, -1, -1, 0.1, False, -1, -1, False,
+                                  True)
+        assert out.shape == (300, 8, 64) and lse.shape == (8, 300)
+        monkeypatch.setenv(pending.ENV, "varlen_row_store")
+        pv = torch.empty(200, 2, 96, dtype=BF16, device="cuda")
         out, lse = ops.varlen_fwd(pq, pk, pv, cu, cu, None, -1, -1, 0.1, False, -1, -1, False,
                                   True)
         assert out.shape == (300, 8, 96) and lse.shape == (8, 300)
@@ -387,16 +525,14 @@ def _float64_forward(q, k, v, causal):
 
 
 @pytest.mark.parametrize("d, dv", [(192, 128), (96, 96), (128, 256)])
-def test_forward_with_dv_through_the_ops_equals_float64(monkeypatch, cpu_kernels, d, dv):
-    monkeypatch.setenv(pending.ENV, "head_dims")
+def test_forward_with_dv_through_the_ops_equals_float64(cpu_kernels, d, dv):
     q, k, v = dense(sq=40, sk=24, d=d, dv=dv)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     assert out.shape == (2, 40, 4, dv) and lse.shape == (2, 4, 40)
     assert (out.double() - _float64_forward(q, k, v, True)).abs().max() < 3e-2
 
 
-def test_compile_fullgraph_with_dv(monkeypatch, cpu_kernels):
-    monkeypatch.setenv(pending.ENV, "head_dims")
+def test_compile_fullgraph_with_dv(cpu_kernels):
     torch._dynamo.reset()
     nodes = []
 
@@ -413,12 +549,14 @@ def test_compile_fullgraph_with_dv(monkeypatch, cpu_kernels):
     torch.testing.assert_close(got, layer(q, k, v))
 
 
+@pytest.mark.parametrize("env", ["", "head_dims,varlen_row_store"], ids=["default", "listed"])
 @pytest.mark.parametrize("d, dv", [(96, 96), (192, 128)])
 def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
-        monkeypatch, cpu_kernels, d, dv):
+        monkeypatch, cpu_kernels, d, dv, env):
     """Refused when the call will need a gradient (never a crash or a wrong gradient in
-    backward()); torch.no_grad() or inputs without requires_grad run the forward."""
-    monkeypatch.setenv(pending.ENV, "head_dims")
+    backward()), whatever FA4_FINAL_PENDING says (refuse_backward_head_dims: no backward is
+    built there); torch.no_grad() or inputs without requires_grad run the forward."""
+    monkeypatch.setenv(pending.ENV, env)
     q, k, v = dense(d=d, dv=dv, grad=True)
     pq, pk, pv, cu_q, cu_k = packed(d=d, dv=dv, grad=True)
     for func, call in (("flash_attn_func", lambda: flash_attn_func(q, k, v)),
@@ -436,20 +574,29 @@ def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
     assert out.shape[-1] == dv
 
 
-def test_the_backward_entry_points_refuse_forward_only_head_dims(monkeypatch):
-    monkeypatch.setenv(pending.ENV, "head_dims")
+@pytest.mark.parametrize("env", ["", "head_dims,varlen_row_store"], ids=["default", "listed"])
+def test_the_backward_entry_points_refuse_forward_only_head_dims(monkeypatch, env):
+    """The backward entry points refuse where no backward is built, gate or no gate."""
+    monkeypatch.setenv(pending.ENV, env)
     q, k, v = dense(d=192, dv=128)
     out, lse = torch.zeros(*q.shape[:-1], 128, dtype=BF16), torch.zeros(2, 4, 24)
     with pytest.raises(UnsupportedError, match=r"backward_into: the backward at head_dim=192, "
                                                r"dv=128 is not built"):
         prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
                                torch.zeros_like(v))
-    with pytest.raises(UnsupportedError, match="_flash_attn_bwd.*not built|not built"):
+    with pytest.raises(UnsupportedError, match="_flash_attn_bwd: the backward at head_dim=192, "
+                                               "dv=128 is not built"):
         sdpa._flash_attn_bwd(q, k, v, out, out, lse)
+    pq, pk, pv, cu_q, cu_k = packed(d=96, dv=96)
+    pout, plse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
+    with pytest.raises(UnsupportedError, match=r"varlen_backward_into: the backward at "
+                                               r"head_dim=96, dv=96 is not built"):
+        varlen.varlen_backward_into(pq, pk, pv, pout, plse, pout, torch.zeros_like(pq),
+                                    torch.zeros_like(pk), torch.zeros_like(pv), cu_q, cu_k,
+                                    None, None, None)
 
 
 def test_sdpa_forward_allocates_out_with_v_head_dim(monkeypatch):
-    monkeypatch.setenv(pending.ENV, "head_dims")
     seen = []
     monkeypatch.setattr(sdpa, "forward_into",
                         lambda q, k, v, out, lse, *a, **kw: seen.append(tuple(out.shape)))
@@ -659,11 +806,15 @@ def test_seqused_q_forward_and_autograd_per_sequence_equal_float64(monkeypatch, 
 def test_seqused_q_with_lse_fold_and_the_probe_give_the_same_gradients(monkeypatch,
                                                                      cpu_kernels):
     results = []
-    for env in ("seqused_q", "seqused_q,lse_fold"):
-        monkeypatch.setenv(pending.ENV, env)
-        pq, pk, pv, out, lse = _varlen_used_call(_used(), return_lse=True)
-        loss = out.float().square().sum() + lse.where(lse.isfinite(), 0.0).square().sum()
-        results.append(torch.autograd.grad(loss, [pq, pk, pv]))
+    for probe, want in ((True, [False, False]), (False, [True])):
+        with monkeypatch.context() as m:
+            if probe:
+                _lse_fold_row(m)
+            calls = _counting(m, "varlen_bwd")
+            pq, pk, pv, out, lse = _varlen_used_call(_used(), return_lse=True)
+            loss = out.float().square().sum() + lse.where(lse.isfinite(), 0.0).square().sum()
+            results.append(torch.autograd.grad(loss, [pq, pk, pv]))
+            assert calls == want
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
@@ -738,8 +889,7 @@ def test_blackwell_refuses_seqused_q_by_name(monkeypatch):
 # the ops with the three: opcheck (schema, fake vs real, autograd registration)
 
 
-def test_opcheck_with_dlse_dv_and_seqused_q(monkeypatch, cpu_kernels):
-    monkeypatch.setenv(pending.ENV, "lse_fold,head_dims,seqused_q")
+def test_opcheck_with_dlse_dv_and_seqused_q(cpu_kernels):
     q, k, v = dense(d=192, dv=128)
     torch.library.opcheck(ops.fwd, (q, k, v, 0.125, True, None, 0, False, True))
     q, k, v = dense()

@@ -73,10 +73,12 @@ def _probs64(q, k, scale, causal, left, right, lse=None):
 
 class Float64Kernels:
     """The Backend's forward and backward (the runtime's boundary) in float64, the backward as
-    the kernels do it: P from q, k and lse; D = rowsum(dO * O), O used for nothing else."""
+    the kernels do it: P from q, k and lse; D = rowsum(dO * O), O used for nothing else; a dlse
+    folded into D (D - dlse, as bwd_pre's has_dlse builds; lse_fold)."""
 
     def __init__(self):
         self.calls = []
+        self.dlse_given = []  # per backward call: whether it was given a dlse
 
     def forward(self, q, k, v, out, lse, causal, scale, left, right, config=None):
         self.calls.append(("forward", tuple(q.shape), causal, scale, left, right))
@@ -85,13 +87,17 @@ class Float64Kernels:
         lse.copy_(row_lse)
 
     def backward(self, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right,
-                 deterministic=False, config=None):
+                 deterministic=False, config=None, dlse=None):
         self.calls.append(("backward", tuple(q.shape), causal, scale, left, right,
                            deterministic))
+        self.dlse_given.append(dlse is not None)
         h, hk = q.shape[2], k.shape[2]
         p, _ = _probs64(q, k, scale, causal, left, right, lse)
         do, o = (t.double().transpose(1, 2) for t in (dout, out))
-        ds = p * (do @ _expand(v, h).transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+        delta = (do * o).sum(-1, keepdim=True)
+        if dlse is not None:
+            delta = delta - dlse.double()[..., None]
+        ds = p * (do @ _expand(v, h).transpose(-1, -2) - delta)
 
         def fold(t):  # (b, h, sk, d) -> (b, sk, hk, d): GQA sums each group's heads
             b, _, sk, d = t.shape
@@ -362,11 +368,21 @@ def test_out_and_lse_are_written_into_and_lse_returned_as_fa4_does(kernels):
     assert sdpa._flash_attn_fwd(q, k, k, out=odd)[0] is odd and torch.equal(odd, out)
 
 
-def test_dlse_adds_the_gradient_of_the_returned_lse(kernels):
+@pytest.mark.parametrize("probe", [False, True], ids=["one_call", "probe_path"])
+def test_dlse_adds_the_gradient_of_the_returned_lse(kernels, monkeypatch, probe):
+    """By default (lse_fold left the gate) one backward call, given dlse; with the lse_fold row
+    put back in PENDING, Note [Gradient of the returned lse]'s two calls, none given a dlse.
+    Both against float64 autograd."""
+    from fa4_final.runtime import pending
+
+    monkeypatch.delenv(pending.ENV, raising=False)
+    if probe:
+        monkeypatch.setitem(pending.PENDING, "lse_fold", "put back by the test: the probe")
     q, k, v = (rand(1, 24, 2, 64, dtype=torch.float16, seed=s) for s in range(3))
     dout, dlse = rand(1, 24, 2, 64, dtype=torch.float16, seed=3), rand(1, 2, 24, seed=4).float()
     out, lse = sdpa._flash_attn_fwd(q, k, v, causal=True, return_lse=True)
     got = sdpa._flash_attn_bwd(q, k, v, out, dout, lse, causal=True, dlse=dlse)
+    assert kernels.dlse_given == ([False, False] if probe else [True])
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     p, lse64 = _probs64(q64, k64, 64**-0.5, True, None, 0)
     out64 = (p @ _expand(v64, 2)).transpose(1, 2)

@@ -17,15 +17,13 @@ tests and the conformance driver set it to run the unverified kernels, which is 
 earns its way out of this table. Once its GPU tests pass, its row is deleted and the gate no
 longer asks. A feature not in the table is never gated.
 
-A row may also name a replacement of a path that has passed its tests (lse_fold: one backward
-call with dlse folded in, in place of a second call): the gate then chooses rather than
+A row may also name a replacement of a path that has passed its tests (lse_fold was one: one
+backward call with dlse folded in, in place of a second call): the gate then chooses rather than
 refuses, and without FA4_FINAL_PENDING the verified path runs exactly as before (``listed``).
-A row may name a family of shapes (head_dims: the forward's head dims 96, 192, 256 and dv != D,
-refused with what runs, check_head_dims); where no kernel exists at all (the backward at those
-head dims), the refusal does not depend on the environment (refuse_backward_head_dims).
-The decode row does both (runtime.decode_entry, Note [Decode through the API]): a page_table is
-refused unless listed (no other kernel reads a paged cache), and a forward-only call of a decode
-shape runs the decode kernel in place of the verified forward only when listed.
+A row may name a family of shapes (head_dims was one: the forward's head dims 96, 192, 256 and
+dv != D, check_head_dims; varlen_row_store is one now, check_varlen_head_dim_v); where no kernel
+exists at all (the backward at those head dims), the refusal does not depend on the environment
+(refuse_backward_head_dims).
 """
 
 from __future__ import annotations
@@ -45,11 +43,10 @@ PENDING: dict[str, str] = {
     "learnable_sink": "the Hopper forward builds with a learnable sink and the sink's gradient "
                       "are compiled and checked on a CPU; their GPU tests against float64 have "
                       "not run yet",
-    "head_dims": "the Hopper forward builds at head dims 96, 192, 256 and with v's head dim "
-                 "different from q's are compiled and checked on a CPU; their GPU tests "
-                 "against float64 have not run yet",
-    "lse_fold": "the backward builds that fold the lse's gradient into bwd_pre are compiled and "
-                "checked on a CPU; their GPU tests against float64 have not run yet",
+    "varlen_row_store": "the varlen forward's store of a last, partial query tile at v head dims "
+                        "96 and 192 (common.seqlens.rows_per_store_pass) was changed after its "
+                        "GPU test failed to trace there; compiled and checked on a CPU, its GPU "
+                        "test has not run since",
     "decode": "the Hopper decode kernel (split-KV, packed GQA rows, a paged KV cache) and its "
               "split combine are built and compiled for sm_90a and checked on a CPU; their GPU "
               "tests against float64 have not passed yet",
@@ -120,6 +117,19 @@ def forward_only(head_dim: int, head_dim_v: int) -> bool:
     """Whether (head_dim, head_dim_v) is one the backward is not built for (Note [Head dims]:
     the forward takes FWD_HEAD_DIMS each, the backward HEAD_DIMS with dv == head_dim)."""
     return head_dim not in HEAD_DIMS or head_dim_v != head_dim
+
+
+def check_varlen_head_dim_v(func: str, head_dim_v: int) -> None:
+    """The gate for the varlen forward at v head dims 96 and 192 (varlen_row_store): refused,
+    naming the v head dims that run, unless FA4_FINAL_PENDING lists varlen_row_store."""
+    if head_dim_v not in (96, 192) or listed("varlen_row_store"):
+        return
+    runs = tuple(d for d in FWD_HEAD_DIMS if d not in (96, 192))
+    raise UnsupportedError(
+        f"{func}: v's head dim {head_dim_v} is refused for varlen calls: fa4_final does not run "
+        f"it yet ({PENDING['varlen_row_store']}). The varlen forward runs v head dims {runs}; "
+        f"dense calls run {FWD_HEAD_DIMS}. Set {ENV}=varlen_row_store to run the unverified "
+        f"kernels (tests only)")
 
 
 def check_head_dims(func: str, head_dim: int, head_dim_v: int) -> None:

@@ -46,6 +46,7 @@ from fa4_final.runtime.pending import (
     check_features,
     check_head_dims,
     check_lse_fold,
+    check_varlen_head_dim_v,
     refuse_backward_head_dims,
     refuse_pending,
 )
@@ -104,6 +105,7 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
     check_outputs(q, out, lse, (h, total_q), head_dim_v=v.shape[-1])
     cap = check_features("varlen_forward_into", softcap, learnable_sink, h, q.device)
     check_head_dims("varlen_forward_into", d, v.shape[-1])
+    check_varlen_head_dim_v("varlen_forward_into", v.shape[-1])
     if seqused_q is not None:
         refuse_pending("varlen_forward_into", "seqused_q", seqused_q)
     extra = features(cap, learnable_sink)

@@ -1,12 +1,14 @@
 """Pending features through fa4_final's public API on an H100/H200, each test setting
 FA4_FINAL_PENDING for itself (Note [Pending features] in fa4_final.runtime.pending):
 
-- lse_fold: a loss on the returned lse, its gradient folded into the one backward call (the
-  has_dlse builds, Note [The lse gradient folded]), dq, dk, dv (and dsink) against float64
-  autograd, dense and varlen; the call count proves the probe's second call is gone.
-- head_dims: flash_attn_func's forward at (D, dv) = (96, 96), (192, 128), (256, 256) (and
-  varlen at (192, 128)) against float64, inputs NaN-free, out with v's head dim; a call that
-  needs a gradient there is refused at the forward.
+- lse_fold (left the gate after these passed; the tests still set FA4_FINAL_PENDING, which
+  changes nothing now): a loss on the returned lse, its gradient folded into the one backward
+  call (the has_dlse builds, Note [The lse gradient folded]), dq, dk, dv (and dsink) against
+  float64 autograd, dense and varlen; the call count proves the probe's second call is gone.
+- head_dims (left the gate after these passed): flash_attn_func's forward at (D, dv) =
+  (96, 96), (192, 128), (256, 256) (and varlen at (192, 128); varlen at v head dims 96 and
+  192 waits on the varlen_row_store row) against float64, inputs NaN-free, out with v's
+  head dim; a call that needs a gradient there is refused at the forward, gate or no gate.
 - seqused_q: flash_attn_varlen_func with seqused_q (causal and not, an empty sequence, one
   with no used row, one with every row used), forward and autograd against float64 on each
   sequence's used rows; padding rows: out 0 and dq 0; api.sdpa's _flash_attn_fwd leaves a
@@ -118,22 +120,39 @@ def test_lse_fold_one_backward_call_matches_float64(monkeypatch, case):
 
 def test_lse_fold_varlen_matches_the_probe_path(monkeypatch):
     """Packed sequences (causal, one empty, one with no key): the folded backward's dq, dk, dv
-    against the probe's two calls (the verified path) and float64 per sequence."""
+    (one call, the default since lse_fold left the gate) against the probe's two calls (the
+    path it replaced, reached by putting the lse_fold row back in PENDING for the run) and
+    float64 per sequence."""
     from fa4_final import flash_attn_varlen_func
+    from fa4_final.api import ops
+    from fa4_final.runtime import pending
 
     lens_q, lens_k, h, hk, d = [37, 300, 0, 1], [300, 77, 5, 0], 4, 2, 128
     q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, h, hk, d, BF16, True)
     g = torch.Generator().manual_seed(11)
     dout = torch.randn(q.shape, generator=g).to("cuda", BF16)
     dlse = torch.randn(h, q.shape[0], generator=g).to("cuda")
+    monkeypatch.delenv("FA4_FINAL_PENDING", raising=False)
     results = []
-    for env in ("", "lse_fold"):
-        monkeypatch.setenv("FA4_FINAL_PENDING", env)
-        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                          max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
-                                          causal=True, return_lse=True)
-        loss = (out.float() * dout.float()).sum() + (lse.where(lse.isfinite(), 0.0) * dlse).sum()
-        results.append(torch.autograd.grad(loss, [q, k, v]))
+    for probe, want in ((True, [False, False]), (False, [True])):
+        with monkeypatch.context() as m:
+            if probe:
+                m.setitem(pending.PENDING, "lse_fold", "put back by the test: the probe's path")
+            calls, op = [], ops.varlen_bwd
+
+            def counted(*args, op=op, calls=calls):
+                calls.append(len(args) > 17 and args[17] is not None)  # dlse's place
+                return op(*args)
+
+            m.setattr(ops, "varlen_bwd", counted)
+            out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              max_seqlen_q=max(lens_q),
+                                              max_seqlen_k=max(lens_k), causal=True,
+                                              return_lse=True)
+            loss = (out.float() * dout.float()).sum() + (
+                lse.where(lse.isfinite(), 0.0) * dlse).sum()
+            results.append(torch.autograd.grad(loss, [q, k, v]))
+            assert calls == want, (probe, calls)
     checks.wait_for_gpu("varlen lse_fold")
     oq = ok_ = 0
     for i, (sq, sk) in enumerate(zip(lens_q, lens_k)):
