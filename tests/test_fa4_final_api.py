@@ -158,7 +158,7 @@ def test_bad_options(kw, error, match):
 
 @pytest.mark.parametrize("change, error, match", [
     (dict(dtype=torch.float32), TypeError, "torch.bfloat16, torch.float16"),
-    (dict(d=80), ValueError, r"head_dim must be one of \(64, 128\) .*got 80"),
+    (dict(d=80), ValueError, r"head_dim must be one of \(64, 96, 128, 192, 256\) .*got 80"),
     (dict(h=6, hk=4), ValueError, "multiple of"),
 ])
 def test_bad_inputs(change, error, match):
@@ -174,7 +174,7 @@ def test_strides_and_batches():
         flash_attn_func(q, k[:1], v[:1])
     with pytest.raises(ValueError, match="same shape"):
         flash_attn_func(q, k, v[:, :10])
-    with pytest.raises(UnsupportedError, match=r"v's head dim 32 differs.*dv == d only"):
+    with pytest.raises(UnsupportedError, match=r"v's head dim 32 differs.*takes dv != d"):
         flash_attn_func(q, k, v[..., :32].contiguous())
 
 

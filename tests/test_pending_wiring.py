@@ -415,7 +415,8 @@ def test_varlen_row_store_is_a_pending_row_for_v_head_dims_96_and_192_only():
 def test_varlen_row_store_refuses_the_varlen_forward_at_dv_96_and_192_by_name(d, dv):
     """flash_attn_varlen_func, api.sdpa's packed _flash_attn_fwd and the runtime's
     varlen_forward_into at v head dim 96 or 192 (whatever q's): refused by name (the message
-    names the runtime entry that gates, varlen_forward_into), before the device check; the
+    names the entry that gates: flash_attn_varlen_func itself, else varlen_forward_into),
+    before the device check; the
     same calls at dv 128 (or any other) and dense calls at dv 96 / 192 never ask."""
     varlen_calls = [(func, call) for func, is_varlen, call in _head_dim_entries(d, dv)
                     if is_varlen]
@@ -425,8 +426,9 @@ def test_varlen_row_store_refuses_the_varlen_forward_at_dv_96_and_192_by_name(d,
         with pytest.raises(UnsupportedError) as info:
             call()
         message = str(info.value)
-        if dv in ROW_STORE_DVS:
-            assert message.startswith(f"varlen_forward_into: v's head dim {dv} "), (func, message)
+        if dv in ROW_STORE_DVS:  # the public function gates itself; the others at the runtime
+            gate = func if func == "flash_attn_varlen_func" else "varlen_forward_into"
+            assert message.startswith(f"{gate}: v's head dim {dv} "), (func, message)
             _assert_row_store_refusal(message, dv)
         else:
             assert DEVICE in message and GATE not in message, (func, message)
@@ -477,10 +479,10 @@ def test_the_default_head_dims_never_ask_the_gate(cpu_kernels):
 
 
 @pytest.mark.parametrize("d, dv, words", [
-    (80, 80, r"head_dim must be one of \(64, 128\) \(the Hopper forward, pending: \(64, 96, "
-             r"128, 192, 256\)\), got 80"),
-    (64, 32, r"v's head dim 32 differs from q and k's 64: fa4_final runs dv == d only .*each "
-             r"of \(64, 96, 128, 192, 256\)"),
+    (80, 80, r"head_dim must be one of \(64, 96, 128, 192, 256\) \(the Hopper forward; the "
+             r"backward \(64, 128\)\), got 80"),
+    (64, 32, r"v's head dim 32 differs from q and k's 64: fa4_final's Hopper forward takes dv "
+             r"!= d with each of \(64, 96, 128, 192, 256\)"),
     (64, 160, "v's head dim 160 differs")])
 def test_head_dims_outside_the_forward_builds_are_named(d, dv, words):
     with pytest.raises(UnsupportedError, match=words):
@@ -567,6 +569,10 @@ def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
         message = str(info.value)
         assert f"{func}: the backward at head_dim={d}, dv={dv} is not built" in message
         assert "torch.no_grad()" in message and "requiring grad" in message
+        if func == "flash_attn_varlen_func" and dv in ROW_STORE_DVS and not env:
+            with torch.no_grad(), pytest.raises(UnsupportedError, match="varlen_row_store"):
+                call()  # the forward alone: the varlen row store's own gate
+            continue
         with torch.no_grad():
             out, _ = call()
         assert out.shape[-1] == dv and not out.requires_grad

@@ -20,15 +20,15 @@ extra logit per query head in every row's softmax denominator, differentiable). 
 checked (a negative softcap, a sink of the wrong shape, dtype or device is refused by name),
 then refused with UnsupportedError until their kernels have passed their GPU tests, unless
 FA4_FINAL_PENDING lists them. With a sink the returned lse includes it, and a row that sees no
-key gets out = 0 and lse = the sink, as FA4. Pending too (head_dims): head dims 96, 192 and
-256 and v's head dim dv != q's (each of 64, 96, 128, 192, 256; out then has dv), forward only
-on Hopper; a call that will need a gradient there is refused at the forward, naming the
-backward that is not built (torch.no_grad(), or inputs that do not require grad, run the
-forward). The lse's gradient folded into one backward call (lse_fold) replaces, when listed,
-the second backward call a loss on the returned lse costs (Note [Gradient of the returned lse]
-in api.ops). Pending as well (decode, Note [Decode through the API] in
-fa4_final.runtime.decode_entry): flash_attn_varlen_func's ``page_table`` (k and v as
-(num_pages, page_size, heads_kv, dim), seqused_k, q packed with cu_seqlens_q or dense), checked
+key gets out = 0 and lse = the sink, as FA4. Head dims 96, 192 and 256 and v's head dim dv !=
+q's (each of 64, 96, 128, 192, 256; out then has dv) run forward only on Hopper; a call that
+will need a gradient there is refused at the forward, naming the backward that is not built
+(torch.no_grad(), or inputs that do not require grad, run the forward); the varlen forward at
+dv 96 and 192 is pending (varlen_row_store). The lse's gradient is folded into one backward
+call (Note [Gradient of the returned lse] in api.ops). Pending too, the decode kernel
+(Note [Decode through the API] in fa4_final.runtime.decode_entry): flash_attn_varlen_func's
+``page_table`` (k and v as (num_pages, page_size, heads_kv, dim), seqused_k or none, q packed
+with cu_seqlens_q or dense), checked
 (Note [Paged KV checks]) and refused by name unless FA4_FINAL_PENDING lists decode, then run by
 the decode kernel, forward only; and, with decode listed, a flash_attn_func call that needs no
 gradient at a decode shape (few query rows) runs that kernel with FA4's ``num_splits``.
@@ -66,6 +66,7 @@ from fa4_final.runtime.dispatch import backend_for_target
 from fa4_final.runtime.pending import (
     check_features,
     check_head_dims,
+    check_varlen_head_dim_v,
     forward_only,
     refuse_backward_head_dims,
     refuse_pending,
@@ -227,6 +228,7 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
         softmax_scale, check_address=False, seqused_q=seqused_q)
     check_features("flash_attn_varlen_func", None, learnable_sink, h, q.device)
     _check_head_dims("flash_attn_varlen_func", q, k, v, learnable_sink)
+    check_varlen_head_dim_v("flash_attn_varlen_func", v.shape[-1])
     if seqused_q is not None:
         refuse_pending("flash_attn_varlen_func", "seqused_q", seqused_q)
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)

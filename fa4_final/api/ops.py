@@ -35,10 +35,10 @@ kernel with V = 0 (so dP = 0), dO = 1 in three columns and O = -dlse split over 
 exactly the extra dq and dk (dv of that call is P^T dO: thrown away). It costs one more backward,
 only when return_lse=True and a gradient is needed; a row that sees no key has P = 0 and gets
 nothing, as it should. The backward builds that fold dlse into bwd_pre instead, in one call
-(Note [The lse gradient folded] in fa4_final.common.bwd_pre), replace this second call only
-when FA4_FINAL_PENDING lists lse_fold (Note [Pending features]); without it, this path runs as
-it always has. The environment is read when the backward runs (under torch.compile: when the
-backward graph is traced).
+(Note [The lse gradient folded] in fa4_final.common.bwd_pre), replace this second call: they
+passed their GPU tests, so ``listed("lse_fold")`` is True (Note [Pending features]); the probe
+path stays for a build where the lse_fold row is back in the gate, which the tests use to
+compare the two.
 
 Note [The eager path]
 A custom op is what torch.compile, FakeTensorMode, opcheck and dispatch modes must see, but a
@@ -66,7 +66,7 @@ from fa4_final.runtime.checks import (
     check_tma_operand,
     check_varlen_inputs,
 )
-from fa4_final.runtime.pending import check_head_dims, listed
+from fa4_final.runtime.pending import check_head_dims, check_varlen_head_dim_v, listed
 from fa4_final.runtime.prologue import backward_into, forward_into
 from fa4_final.runtime.varlen import used_rows, varlen_backward_into, varlen_forward_into
 
@@ -320,6 +320,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k
                         softmax_scale, check_address=False, seqused_q=seqused_q)
     total_q, h, _ = q.shape
     _check_features_meta(softcap, learnable_sink, h, q.device)
+    check_varlen_head_dim_v("fa4_final::varlen_fwd", v.shape[-1])
     return _out_meta("fa4_final::varlen_fwd", q, v), q.new_empty((h, total_q),
                                                                   dtype=torch.float32)
 

@@ -79,9 +79,9 @@ def _check_qkv(q, k, v, dims: int, layout: str) -> None:
     if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1] \
             and v.shape[-1] not in FWD_HEAD_DIMS:
         raise UnsupportedError(
-            f"v's head dim {v.shape[-1]} differs from q and k's {k.shape[-1]}: fa4_final runs "
-            f"dv == d only (head dims {HEAD_DIMS}); its Hopper forward, pending (head_dims), "
-            f"takes dv != d with each of {FWD_HEAD_DIMS}")
+            f"v's head dim {v.shape[-1]} differs from q and k's {k.shape[-1]}: fa4_final's "
+            f"Hopper forward takes dv != d with each of {FWD_HEAD_DIMS} (its backward dv == d, "
+            f"head dims {HEAD_DIMS})")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k and v must have the same shape (but v's head dim), got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
@@ -93,8 +93,8 @@ def _check_heads_and_dim(q, k) -> tuple[int, int, int]:
     if dk != d:
         raise ValueError(f"q has head_dim {d} but k and v have head_dim {dk}")
     if d not in FWD_HEAD_DIMS:
-        raise UnsupportedError(f"head_dim must be one of {HEAD_DIMS} (the Hopper forward, "
-                               f"pending: {FWD_HEAD_DIMS}), got {d}")
+        raise UnsupportedError(f"head_dim must be one of {FWD_HEAD_DIMS} (the Hopper forward; "
+                               f"the backward {HEAD_DIMS}), got {d}")
     if hk == 0 or h % hk:
         raise ValueError(f"q's {h} heads must be a multiple of k/v's {hk} heads (GQA/MQA)")
     return h, hk, d

@@ -24,6 +24,9 @@ A row may name a family of shapes (head_dims was one: the forward's head dims 96
 dv != D, check_head_dims; varlen_row_store is one now, check_varlen_head_dim_v); where no kernel
 exists at all (the backward at those head dims), the refusal does not depend on the environment
 (refuse_backward_head_dims).
+The decode row does both (runtime.decode_entry, Note [Decode through the API]): a page_table is
+refused unless listed (no other kernel reads a paged cache), and a forward-only call of a decode
+shape runs the decode kernel in place of the verified forward only when listed.
 """
 
 from __future__ import annotations
@@ -38,11 +41,13 @@ ENV = "FA4_FINAL_PENDING"
 
 # name -> why it waits (what has been checked, what has not)
 PENDING: dict[str, str] = {
-    "softcap": "the Hopper forward and backward builds with a softcap are compiled and checked "
-               "on a CPU; their GPU tests against float64 have not run yet",
+    "softcap": "the Hopper forward and backward builds with a softcap passed their GPU tests "
+               "against float64 on an H200; the tests through the API ran beside the learnable "
+               "sink's and wait for a clean run",
     "learnable_sink": "the Hopper forward builds with a learnable sink and the sink's gradient "
-                      "are compiled and checked on a CPU; their GPU tests against float64 have "
-                      "not run yet",
+                      "passed their GPU tests against float64 on an H200; through the API a "
+                      "float32 sink failed before any kernel ran (its build was not found; "
+                      "fixed since), and those tests have not run again",
     "varlen_row_store": "the varlen forward's store of a last, partial query tile at v head dims "
                         "96 and 192 (common.seqlens.rows_per_store_pass) was changed after its "
                         "GPU test failed to trace there; compiled and checked on a CPU, its GPU "

@@ -90,7 +90,7 @@ def device_arch(device) -> str:
 def forward_into(q, k, v, out, lse, causal=False, softmax_scale=None, window_size=(None, None),
                  config=None, target: str | None = None, *, softcap=0.0, learnable_sink=None):
     """Run the forward writing into ``out`` (like q with v's head dim) and ``lse`` ((b, h, sq)
-    float32). Head dims outside HEAD_DIMS and dv != d are pending (head_dims)."""
+    float32). Head dims outside HEAD_DIMS and dv != d run forward only (Note [Head dims])."""
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
     check_outputs(q, out, lse, (b, h, sq), head_dim_v=v.shape[-1])
     cap = check_features("forward_into", softcap, learnable_sink, h, q.device)
@@ -159,8 +159,7 @@ def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_sca
     ``deterministic``: bitwise the same gradients every run (a fixed order of dQ adds).
     ``softcap``: the forward's. A learnable sink needs nothing here (its lse is the forward's;
     its own gradient is common.backward.sink_gradient). ``dlse`` (like lse, or None): the
-    lse's gradient, folded into the same backward (pending: lse_fold,
-    Note [Pending features])."""
+    lse's gradient, folded into the same backward (Note [The lse gradient folded])."""
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
     refuse_backward_head_dims("backward_into", d, v.shape[-1])
     check_outputs(q, out, lse, (b, h, sq))
