@@ -24,6 +24,9 @@ Rows, on the same q, k, v (and sink) of a shape, interleaved in ``--rounds`` rou
                 pair: Note [Pairwise conversion]) since a run of this driver timed both.
                 results/h200/features_more.json holds that run, whose rows were named for the
                 default then: fa4_final (64 keys) and fa4_final_fa4_tile (FA4's tile).
+  fa4_final_3wg   at D = dv = 96, the same kernel with three consumer warpgroups (192-row
+                tiles, as the FA4 package runs D = 96) of 96 keys in three K stages, P converted
+                pair by pair: compiled clean here (no spill, no injected arrive), untimed
   fa4_package   the FA4 package's flash_attn_func with the same arguments
   sdpa_flash, sdpa_cudnn    PyTorch SDPA with one backend each, where it takes the case (no
                 softcap, no sink: those rows are not built, and say so)
@@ -83,6 +86,7 @@ PEERS = ("fa4_package", "sdpa_flash", "sdpa_cudnn")
 # the cases whose default is a timed tile (fa4_final.hopper.config.MEASURED_TILE_N, the FA4
 # package's own sm90 tile_n): the compile-only tile is timed beside it as a second row
 COMPILE_FIT_CASES = ("d192", "d256")
+THREE_WG_CASES = ("d96",)  # a candidate default: three consumer warpgroups (fa4_final_3wg)
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,20 @@ def max_diff(out, sl, ref) -> float:
     return float((out[:1, sl].double() - ref).abs().max())
 
 
+def three_wg_config(shape: FeatureShape):
+    """Our default config at D = dv = 96 with three consumer warpgroups (tile_m 192) of 96 keys
+    in three K stages: what the FA4 package's D = 96 tile suggests, within our 128-key cap."""
+    from dataclasses import replace
+
+    from fa4_final.hopper.config import hopper_fwd_default
+
+    d, dv = shape.dims
+    cfg = replace(hopper_fwd_default(d, shape.causal, head_dim_v=dv), num_consumer_wgs=3,
+                  tile_n=96, stages_k=3, stages_v=2)
+    cfg.check(d, dv)
+    return cfg
+
+
 def compile_fit_config(shape: FeatureShape):
     """Our default config with the tile compiling alone picks at D = dv = 192 and 256: 64 keys,
     three K and two V stages, O over Q when O's own buffer does not fit."""
@@ -167,6 +185,8 @@ def _calls(shape: FeatureShape, device="cuda"):
         configs = {"fa4_final": None}
         if shape.case in COMPILE_FIT_CASES:
             configs["fa4_final_64_keys"] = compile_fit_config(shape)
+        if shape.case in THREE_WG_CASES:
+            configs["fa4_final_3wg"] = three_wg_config(shape)
         for name, cfg in configs.items():
             plan = compiled(forward_recipe, d, "bf16", shape.causal, cfg, False, False, False,
                             False, "sm_90a", softcap, "fp32" if with_sink else None, dv)

@@ -184,6 +184,20 @@ def test_varlen_build_compiles_clean(d, dv):
     assert art.spills == 0 and _serialised(art) == 0, art.resources()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_three_warpgroup_d96_candidate_compiles_clean(causal):
+    """measure.features' fa4_final_3wg row (D = dv = 96, three consumer warpgroups of 160
+    registers, 96 keys in three K stages): no spill, no stack, no wgmma serialised, so a timed
+    run compares tiles, not a spilling build."""
+    from measure import features
+
+    cfg = features.three_wg_config(features.FeatureShape("d96", 1, 4096, 16, causal))
+    assert (cfg.num_consumer_wgs, cfg.tile_n, cfg.stages_k) == (3, 96, 3)
+    art = _build(96, 96, causal, config=cfg)
+    assert art.spills == 0 and art.frame_bytes == 0 and _serialised(art) == 0, art.resources()
+
+
 @pytest.mark.parametrize("rows, threads, per_row, want", [
     (128, 256, 8, 32), (128, 256, 16, 16), (128, 256, 32, 8), (128, 256, 12, 16),
     (128, 256, 24, 8), (192, 384, 16, 24), (128, 384, 16, 16)])
