@@ -238,3 +238,17 @@ def where_the_gap_is(res, d: int = 128, impl: str = "fa4_final",
             extra[p] += v - got[(peer, s, causal, mode, p)]
     phase = max(extra, key=extra.get)
     return phase if extra[phase] > 0 else "none"
+
+
+def deterministic_lines(res) -> list[str]:
+    """Per stored shape: the deterministic build's total device time over the default's."""
+    got = {(r["impl"], r["d"], r["s"], r["causal"], r["mode"]): r["value"] for r in res.rows
+           if r["phase"] == "total" and r.get("value")}
+    lines = []
+    for (impl, d, s, causal, mode), v in sorted(got.items(), key=lambda kv: (-kv[0][1],
+                                                                              kv[0][2:])):
+        base = got.get(("fa4_final", d, s, causal, mode))
+        if impl == "fa4_final_deterministic" and base:
+            lines.append(f"D={d} S={s} {'causal' if causal else 'dense'} {mode}: "
+                         f"deterministic / default {v / base:.2f}")
+    return lines

@@ -53,3 +53,13 @@ def test_the_labs_reading_of_the_stored_run_holds():
             assert v <= got[("fa4_package", s, causal, mode, phase)] + 0.01
     assert len(bwd_phases.phase_table(res)) == 1 + len({(r["d"], r["s"], r["causal"], r["mode"])
                                                         for r in res.rows})
+
+
+def test_the_deterministic_lines_hold_the_shape_the_lab_reads():
+    from measure import bwd_phases
+    from utils import results
+
+    lines = bwd_phases.deterministic_lines(results.load_stored("bwd_phases"))
+    keys = {line.split(":")[0] for line in lines}
+    assert "D=128 S=4096 dense back_to_back" in keys and len(lines) == len(keys)
+    assert all(float(line.rsplit(" ", 1)[1]) > 0 for line in lines)
