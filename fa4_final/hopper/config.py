@@ -62,7 +62,9 @@ def _align(n: int, to: int = 1024) -> int:
 # stages) at S = 4096 and 16384, causal and not, L2 flushed and back to back, three rounds,
 # 112 keys were faster at D = dv = 192 (1.06-1.12x, beyond the spread at three of the four
 # shapes) and 80 keys at least level at D = dv = 256 (1.01-1.08x, within the spread), so those
-# two pairs default to FA4's tiles (MEASURED_TILE_N). The other large pairs are untimed.
+# two pairs default to FA4's tiles (MEASURED_TILE_N) in the dense forward; the varlen forward,
+# neither timed nor tested on a GPU with them, keeps the compile-only choice. The other large
+# pairs are untimed.
 
 FWD_TILE_NS = (48, 64, 80, 96, 112, 128)  # a multiple of 16 (the K of P V); at most 128
 # (D, dv) -> tile_n chosen by timing, two K and two V stages (Note [Head dims])
@@ -180,9 +182,9 @@ def hopper_fwd_default(head_dim: int, causal: bool = False, varlen: bool = False
     read once when causal (dense); D = 128: 128 x 128 with two. Causal or varlen: tiles longest
     first in L2 sections, taken at run time; dense and not causal: the host's table, its last
     round cut along the keys. Other head dims and dv != D (Note [Head dims]): 128-row tiles of
-    the timed tile_n at D = dv = 192 and 256 (MEASURED_TILE_N), else 128 keys where two K and
-    two V stages fit (O over Q where O's own buffer does not), else 64 keys in three K stages;
-    those compiled, not timed."""
+    the timed tile_n at D = dv = 192 and 256 when dense (MEASURED_TILE_N), else 128 keys where
+    two K and two V stages fit (O over Q where O's own buffer does not), else 64 keys in three
+    K stages; those compiled, not timed."""
     dv = head_dim if head_dim_v is None else head_dim_v
     schedule = dict(schedule="dynamic", l2_sections=True)
     if not causal and not varlen:
@@ -197,7 +199,7 @@ def hopper_fwd_default(head_dim: int, causal: bool = False, varlen: bool = False
         return _fit(head_dim, dv, base)
     # the timed tile where there is one; else 128 keys a stage, two of K and two of V (the FA4
     # package's tile at D = 192, dv = 128); else 64 keys, three K stages
-    timed = MEASURED_TILE_N.get((head_dim, dv))
+    timed = None if varlen else MEASURED_TILE_N.get((head_dim, dv))  # timed dense only
     first = () if timed is None else (replace(base, tile_n=timed, stages_k=2),)
     return _fit(head_dim, dv, *first, replace(base, stages_k=2), replace(base, tile_n=64),
                 replace(base, tile_n=64, stages_k=2))
