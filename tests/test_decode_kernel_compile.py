@@ -151,3 +151,16 @@ def test_small_pages_compile_with_small_key_tiles(d):
     assert art.count("WARPGROUP.ARRIVE", "sass") == art.count("wgmma.fence.sync.aligned")
     assert art.count("HGMMA", "sass") == 3 * (d // 16 + 1)
     assert art.count("STS.128", "sass") == (64 + 16) * d // 8 // 128
+
+
+def test_a_paged_cache_has_its_own_extents_in_the_fake_arguments():
+    """A paged k, v is (num_pages, page_size, h_kv, D): its first two modes are not q's batch
+    and length. Tied to q's batch (as a contiguous cache is), every paged launch with a page
+    count other than the batch was refused by TVM-FFI on the H200 ("Mismatched mK.shape[0]")."""
+    from fa4_final.hopper.host import decode_fake_args
+
+    q, k, v = decode_fake_args("bf16", 128, True, True, False)[:3]
+    assert k.shape[0] is not q.shape[0] and k.shape[0] is v.shape[0]
+    assert k.shape[1] is v.shape[1] and k.shape[2] is v.shape[2]
+    q, k, _ = decode_fake_args("bf16", 128, False, True, False)[:3]
+    assert k.shape[0] is q.shape[0]  # a contiguous cache: one entry per sequence
