@@ -75,6 +75,23 @@ def _lse_fold_row(monkeypatch):
     monkeypatch.setitem(pending.PENDING, "lse_fold", "put back by the test: the probe's path")
 
 
+def _probe_and_one_call_agree(monkeypatch, op: str, run):
+    """The gradients of ``run()`` (which returns the loss and the inputs to differentiate) by
+    the probe's two backward calls of ``op`` (the lse_fold row put back) and by the one call
+    with dlse, each path's calls counted, and the two paths' gradients equal."""
+    results = []
+    for probe, want in ((True, [False, False]), (False, [True])):
+        with monkeypatch.context() as m:
+            if probe:
+                _lse_fold_row(m)
+            calls = _counting(m, op)
+            loss, inputs = run()
+            results.append(torch.autograd.grad(loss, inputs))
+            assert calls == want
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_lse_fold_passed_its_gpu_tests_and_listed_is_true_without_the_environment(
         monkeypatch):
     """lse_fold left the gate (tests/gpu/test_lse_fold.py and test_pending_api.py -k lse_fold
@@ -138,36 +155,25 @@ def test_lse_fold_with_softcap_and_sink_equals_the_probe_path(monkeypatch, cpu_k
     """The one call and the probe's two give the same gradients (dsink from sink_gradient)."""
     sink = torch.tensor([-1.0, 0.5, 2.0, 3.5])
     monkeypatch.setenv(pending.ENV, "softcap,learnable_sink")
-    results = []
-    for probe, want in ((True, [False, False]), (False, [True])):
-        with monkeypatch.context() as m:
-            if probe:
-                _lse_fold_row(m)
-            calls = _counting(m, "bwd")
-            q, k, v = dense(sq=40, sk=24, grad=True)
-            s = sink.clone().requires_grad_(True)
-            loss, _, _ = _loss_on_lse(q, k, v, True, softcap=5.0, learnable_sink=s)
-            results.append(torch.autograd.grad(loss, [q, k, v, s]))
-            assert calls == want
-    for a, b in zip(*results):
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+    def run():
+        q, k, v = dense(sq=40, sk=24, grad=True)
+        s = sink.clone().requires_grad_(True)
+        loss, _, _ = _loss_on_lse(q, k, v, True, softcap=5.0, learnable_sink=s)
+        return loss, [q, k, v, s]
+
+    _probe_and_one_call_agree(monkeypatch, "bwd", run)
 
 
 def test_lse_fold_varlen_one_call_equals_the_probe_path(monkeypatch, cpu_kernels):
-    results = []
-    for probe, want in ((True, [False, False]), (False, [True])):
-        with monkeypatch.context() as m:
-            if probe:
-                _lse_fold_row(m)
-            calls = _counting(m, "varlen_bwd")
-            pq, pk, pv, cu_q, cu_k = packed(lens_q=(5, 7, 19), lens_k=(9, 0, 30), grad=True)
-            out, lse = flash_attn_varlen_func(pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                              causal=True, return_lse=True)
-            loss = out.float().square().sum() + lse.where(lse.isfinite(), 0.0).square().sum()
-            results.append(torch.autograd.grad(loss, [pq, pk, pv]))
-            assert calls == want
-    for a, b in zip(*results):
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    def run():
+        pq, pk, pv, cu_q, cu_k = packed(lens_q=(5, 7, 19), lens_k=(9, 0, 30), grad=True)
+        out, lse = flash_attn_varlen_func(pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                          causal=True, return_lse=True)
+        loss = out.float().square().sum() + lse.where(lse.isfinite(), 0.0).square().sum()
+        return loss, [pq, pk, pv]
+
+    _probe_and_one_call_agree(monkeypatch, "varlen_bwd", run)
 
 
 def test_lse_fold_under_compile_fullgraph(monkeypatch, cpu_kernels):
@@ -811,18 +817,12 @@ def test_seqused_q_forward_and_autograd_per_sequence_equal_float64(monkeypatch, 
 
 def test_seqused_q_with_lse_fold_and_the_probe_give_the_same_gradients(monkeypatch,
                                                                      cpu_kernels):
-    results = []
-    for probe, want in ((True, [False, False]), (False, [True])):
-        with monkeypatch.context() as m:
-            if probe:
-                _lse_fold_row(m)
-            calls = _counting(m, "varlen_bwd")
-            pq, pk, pv, out, lse = _varlen_used_call(_used(), return_lse=True)
-            loss = out.float().square().sum() + lse.where(lse.isfinite(), 0.0).square().sum()
-            results.append(torch.autograd.grad(loss, [pq, pk, pv]))
-            assert calls == want
-    for a, b in zip(*results):
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    def run():
+        pq, pk, pv, out, lse = _varlen_used_call(_used(), return_lse=True)
+        loss = out.float().square().sum() + lse.where(lse.isfinite(), 0.0).square().sum()
+        return loss, [pq, pk, pv]
+
+    _probe_and_one_call_agree(monkeypatch, "varlen_bwd", run)
 
 
 def test_compile_fullgraph_with_seqused_q(monkeypatch, cpu_kernels):
