@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fa4_final.common.constants import FWD_HEAD_DIMS, SM90_SMEM_BYTES
 from fa4_final.hopper.config import hopper_fwd_default
+from measure import features
 from measure.fwd_head_dims_compiled import DEFAULTS
 
 
@@ -90,27 +91,10 @@ def vector_injects_where(table) -> str:
 TIMED_CASES = ("d192", "d256")
 
 
-def _rows(feats, case: str, s: int, causal: bool, mode: str) -> dict:
-    return {r["impl"]: r for r in feats.rows if r.get("case") == case and r.get("s") == s
-            and bool(r.get("causal")) == causal and r.get("mode") == mode}
-
-
-def _tile_pair(rows: dict):
-    """(FA4's tile row, the 64-key row): named fa4_final_fa4_tile / fa4_final by a run whose
-    default was the 64-key tile, fa4_final / fa4_final_64_keys by one whose default is FA4's."""
-    if "fa4_final_64_keys" in rows:
-        return rows.get("fa4_final"), rows["fa4_final_64_keys"]
-    return rows.get("fa4_final_fa4_tile"), rows.get("fa4_final")
-
-
 def tile_ratio(feats, case: str = "d192", s: int = 16384, causal: bool = False,
                mode: str = "flush"):
     """FA4's tile over the 64-key tile at one shape, None if either was not timed."""
-    from utils import bench
-
-    tile, keys64 = _tile_pair(_rows(feats, case, s, causal, mode))
-    cmp = bench.compare(tile, keys64) if tile and keys64 else None
-    return None if cmp is None else cmp.ratio
+    return features.tile_ratio(feats, case, s, causal, mode)
 
 
 def tile_lines(feats) -> str:
@@ -122,7 +106,7 @@ def tile_lines(feats) -> str:
                      if r.get("case") in TIMED_CASES})
     lines = []
     for case, s, causal, mode in shapes:
-        tile, keys64 = _tile_pair(_rows(feats, case, s, causal, mode))
+        tile, keys64 = features.tile_pair(features.shape_rows(feats, case, s, causal, mode))
         cmp = bench.compare(tile, keys64) if tile and keys64 else None
         head = f"{case} S={s:5d} {'causal' if causal else 'dense '} {mode:12s}"
         lines.append(f"{head} FA4's tile over 64 keys: {cmp if cmp else 'not timed'}")

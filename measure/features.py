@@ -150,6 +150,29 @@ def three_wg_config(shape: FeatureShape):
     return cfg
 
 
+def shape_rows(res, case: str, s: int, causal: bool, mode: str = "flush") -> dict:
+    """{impl: row} of one shape and mode of a stored run of this driver."""
+    return {r["impl"]: r for r in res.rows if r.get("case") == case and r.get("s") == s
+            and bool(r.get("causal")) == causal and r.get("mode") == mode}
+
+
+def tile_pair(rows: dict):
+    """(FA4's tile row, the 64-key row) of one shape at D = dv = 192 or 256: a run whose default
+    was the 64-key tile names them fa4_final_fa4_tile and fa4_final; a run whose default is
+    FA4's tile (MEASURED_TILE_N) names them fa4_final and fa4_final_64_keys."""
+    if "fa4_final_64_keys" in rows:
+        return rows.get("fa4_final"), rows["fa4_final_64_keys"]
+    return rows.get("fa4_final_fa4_tile"), rows.get("fa4_final")
+
+
+def tile_ratio(res, case: str, s: int, causal: bool, mode: str = "flush"):
+    """FA4's tile over the 64-key tile at one shape and mode (tile_pair), by median time; None
+    if either was not timed."""
+    tile, keys64 = tile_pair(shape_rows(res, case, s, causal, mode))
+    cmp = bench.compare(tile, keys64) if tile and keys64 else None
+    return None if cmp is None else cmp.ratio
+
+
 def compile_fit_config(shape: FeatureShape):
     """Our default config with the tile compiling alone picks at D = dv = 192 and 256: 64 keys,
     three K and two V stages, O over Q when O's own buffer does not fit."""

@@ -19,6 +19,7 @@ from cutlass import Int32, const_expr
 from fa4_final.common.constants import THREADS_PER_WARPGROUP
 from fa4_final.common.schedule import rounds, tile_coords, zigzag_tile
 from fa4_final.hopper.fwd import HopperForward, NamedBarrier
+from measure import features
 from utils import bench
 from utils.claims import claim
 from utils.host_emulation import patched, plain, python_loops
@@ -875,20 +876,6 @@ FEATURES = "features_more"  # results/h200/features_more.json (measure.features,
 FA4_TILE_CASES = ("d192", "d256")  # the cases measure.features times with FA4's tile_n too
 
 
-def _feature_rows(res, case: str, s: int, causal: bool, mode: str = "flush") -> dict:
-    return {r["impl"]: r for r in res.rows if r.get("case") == case and r.get("s") == s
-            and bool(r.get("causal")) == causal and r.get("mode") == mode}
-
-
-def _tile_pair(rows: dict):
-    """(FA4's tile row, the 64-key row) of one shape: a run whose default was the 64-key tile
-    names them fa4_final_fa4_tile and fa4_final; a run whose default is FA4's tile
-    (MEASURED_TILE_N) names them fa4_final and fa4_final_64_keys."""
-    if "fa4_final_64_keys" in rows:
-        return rows.get("fa4_final"), rows["fa4_final_64_keys"]
-    return rows.get("fa4_final_fa4_tile"), rows.get("fa4_final")
-
-
 def fa4_tile_lines(res, mode: str = "flush") -> list[str]:
     """Per shape of measure.features at D = dv = 192 and 256: the kernel with the FA4
     package's tile_n (exercise 08.4's fit there) over the same kernel with 64 keys in three K
@@ -897,7 +884,7 @@ def fa4_tile_lines(res, mode: str = "flush") -> list[str]:
     shapes = sorted({(r["case"], r["s"], bool(r["causal"])) for r in res.rows
                      if r.get("case") in FA4_TILE_CASES and r.get("mode") == mode})
     for case, s, causal in shapes:
-        tile, keys64 = _tile_pair(_feature_rows(res, case, s, causal, mode))
+        tile, keys64 = features.tile_pair(features.shape_rows(res, case, s, causal, mode))
         head = f"{case:5s} S={s:5d} {'causal' if causal else 'dense '}"
         cmp = bench.compare(tile, keys64) if tile and keys64 else None
         if cmp is None:
@@ -912,11 +899,7 @@ def fa4_tile_lines(res, mode: str = "flush") -> list[str]:
 def fa4_tile_ratio(res, case: str = "d256", s: int = 16384, causal: bool = False):
     """The speed of FA4's tile over the 64-key tile at one shape (L2 flushed); None if either
     was not timed."""
-    tile, keys64 = _tile_pair(_feature_rows(res, case, s, causal))
-    if tile is None or keys64 is None:
-        return None
-    cmp = bench.compare(tile, keys64)
-    return None if cmp is None else cmp.ratio
+    return features.tile_ratio(res, case, s, causal)
 
 
 TILE_LOOP_FORBID = {
