@@ -226,3 +226,21 @@ def test_the_ablation_and_the_standing_read_their_files():
     assert all(len(by) == 4 for by in verdicts.values())
     assert t08.costliest_idea(ablation) in t08.IDEAS
     assert len(t08.idea_summary(ablation)) == len(t08.IDEAS)
+
+
+def test_note_head_dims_says_what_the_stored_tile_run_says():
+    """Note [Head dims] (fa4_final.hopper.config) sums up the stored run that chose
+    MEASURED_TILE_N: at D = dv = 192 FA4's tile 1.06-1.13x the 64-key tile, beyond the spread at
+    two of four shapes flushed and four of four back to back; at 256, 0.99-1.12x, beyond the
+    spread at one of eight."""
+    from measure import features
+    from utils import bench, results
+
+    res = results.load_stored(t08.FEATURES)
+    for case, lo, hi, faster in (("d192", 1.06, 1.13, {"flush": 2, "back_to_back": 4}),
+                                 ("d256", 0.99, 1.12, {"flush": 0, "back_to_back": 1})):
+        for mode, want in faster.items():
+            cmps = [bench.compare(*features.tile_pair(features.shape_rows(res, case, s, c, mode)))
+                    for s in (4096, 16384) for c in (False, True)]
+            assert all(lo - 0.005 <= x.ratio < hi + 0.005 for x in cmps), (case, mode)
+            assert sum(x.verdict == "faster" for x in cmps) == want, (case, mode)

@@ -60,9 +60,10 @@ def _align(n: int, to: int = 1024) -> int:
 # compile clean too. The FA4 package's sm90 tiles at D = dv = 192 and 256 take 112 and 80 keys
 # in two K and two V stages; timed on an H200 beside the compile-only choice (64 keys, three K
 # stages) at S = 4096 and 16384, causal and not, L2 flushed and back to back, three rounds,
-# 112 keys were faster at D = dv = 192 (1.06-1.12x, beyond the spread at three of the four
-# shapes) and 80 keys at least level at D = dv = 256 (1.01-1.08x, within the spread), so those
-# two pairs default to FA4's tiles (MEASURED_TILE_N) in the dense forward; the varlen forward,
+# 112 keys were faster at D = dv = 192 (1.06-1.13x: beyond the spread at two of the four
+# shapes flushed and all four back to back) and 80 keys about level at D = dv = 256
+# (0.99-1.12x, beyond the spread at one of the eight), so those two pairs default to FA4's
+# tiles (MEASURED_TILE_N) in the dense forward; the varlen forward,
 # neither timed nor tested on a GPU with them, keeps the compile-only choice. The other large
 # pairs are untimed.
 
