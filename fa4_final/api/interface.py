@@ -65,11 +65,9 @@ from fa4_final.runtime.decode import check_num_splits
 from fa4_final.runtime.dispatch import backend_for_target
 from fa4_final.runtime.pending import (
     check_features,
-    check_head_dims,
     check_varlen_head_dim_v,
     forward_only,
     refuse_backward_head_dims,
-    refuse_pending,
 )
 from fa4_final.runtime.prologue import forward, prepare
 
@@ -139,11 +137,10 @@ def _grad_inputs(q, k, v, learnable_sink) -> tuple:
 
 
 def _check_head_dims(func: str, q, k, v, learnable_sink) -> None:
-    """The head dims' gate (runtime.pending.check_head_dims), and at a head dim the backward
-    lacks, a refusal now when a gradient will be asked for (grad mode on and an input that
-    requires grad), so that backward() never meets a backward that is not built."""
+    """At a head dim the backward lacks, a refusal now when a gradient will be asked for (grad
+    mode on and an input that requires grad), so that backward() never meets a backward that
+    is not built."""
     d, dv = q.shape[-1], v.shape[-1]
-    check_head_dims(func, d, dv)
     if forward_only(d, dv) and torch.is_grad_enabled() and any(
             t.requires_grad for t in _grad_inputs(q, k, v, learnable_sink)):
         refuse_backward_head_dims(func, d, dv)
@@ -229,8 +226,6 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
     check_features("flash_attn_varlen_func", None, learnable_sink, h, q.device)
     _check_head_dims("flash_attn_varlen_func", q, k, v, learnable_sink)
     check_varlen_head_dim_v("flash_attn_varlen_func", v.shape[-1])
-    if seqused_q is not None:
-        refuse_pending("flash_attn_varlen_func", "seqused_q", seqused_q)
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
     out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                               -1 if max_seqlen_q is None else max_seqlen_q,

@@ -46,10 +46,8 @@ from fa4_final.runtime.checks import (
 from fa4_final.runtime.decode import check_num_splits
 from fa4_final.runtime.pending import (
     check_features,
-    check_head_dims,
     listed,
     refuse_backward_head_dims,
-    refuse_pending,
 )
 from fa4_final.runtime.prologue import backward_into, fold, forward_into
 from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
@@ -223,8 +221,6 @@ def _flash_attn_fwd(
     _check_layout(q, packed)
     used_q = _seqused_q("_flash_attn_fwd", seqused_q, packed, cu_seqlens_q, q)
     features = _features("_flash_attn_fwd", q, softcap, learnable_sink)
-    if _dims_known(q, k, v):  # Note [Head dims]: pending (head_dims), as in the runtime
-        check_head_dims("_flash_attn_fwd", q.shape[-1], v.shape[-1])
     wants_lse = lse is not None or return_lse or any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, learnable_sink))
     q, k, v = (_readable(t) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
@@ -309,7 +305,6 @@ def _seqused_q(func: str, seqused_q, packed: bool, cu_seqlens_q, q) -> dict:
         raise UnsupportedError(
             f"{func}: seqused_q={shown} with dense q is refused: fa4_final takes seqused_q "
             f"with packed q, k, v (cu_seqlens_q and cu_seqlens_k) only")
-    refuse_pending(func, "seqused_q", seqused_q)
     return {"seqused_q": seqused_q}
 
 

@@ -20,10 +20,10 @@ longer asks. A feature not in the table is never gated.
 A row may also name a replacement of a path that has passed its tests (lse_fold was one: one
 backward call with dlse folded in, in place of a second call): the gate then chooses rather than
 refuses, and without FA4_FINAL_PENDING the verified path runs exactly as before (``listed``).
-A row may name a family of shapes (head_dims was one: the forward's head dims 96, 192, 256 and
-dv != D, check_head_dims; varlen_row_store is one now, check_varlen_head_dim_v); where no kernel
-exists at all (the backward at those head dims), the refusal does not depend on the environment
-(refuse_backward_head_dims).
+A row may name a family of shapes (varlen_row_store: the varlen forward at v head dims 96 and
+192, check_varlen_head_dim_v; head_dims was one, the forward's head dims 96, 192, 256); where
+no kernel exists at all (the backward at those head dims), the refusal does not depend on the
+environment (refuse_backward_head_dims).
 The decode row does both (runtime.decode_entry, Note [Decode through the API]): a page_table is
 refused unless listed (no other kernel reads a paged cache), and a forward-only call of a decode
 shape runs the decode kernel in place of the verified forward only when listed.
@@ -135,19 +135,6 @@ def check_varlen_head_dim_v(func: str, head_dim_v: int) -> None:
         f"it yet ({PENDING['varlen_row_store']}). The varlen forward runs v head dims {runs}; "
         f"dense calls run {FWD_HEAD_DIMS}. Set {ENV}=varlen_row_store to run the unverified "
         f"kernels (tests only)")
-
-
-def check_head_dims(func: str, head_dim: int, head_dim_v: int) -> None:
-    """The gate for the forward's pending head dims (head_dims): a head dim outside HEAD_DIMS or
-    v's head dim different from q's is refused, naming what runs, unless FA4_FINAL_PENDING
-    lists head_dims. Both are already each one of FWD_HEAD_DIMS (runtime.checks)."""
-    if not forward_only(head_dim, head_dim_v) or listed("head_dims"):
-        return
-    raise UnsupportedError(
-        f"head_dim must be one of {HEAD_DIMS} with v's head dim equal to it, got "
-        f"head_dim={head_dim}, dv={head_dim_v} ({func}): fa4_final does not run head_dims yet ("
-        f"{PENDING['head_dims']}; each of {FWD_HEAD_DIMS} then, forward only). Set {ENV}="
-        f"head_dims to run the unverified kernels (tests only)")
 
 
 def refuse_backward_head_dims(func: str, head_dim: int, head_dim_v: int) -> None:

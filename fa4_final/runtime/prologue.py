@@ -30,7 +30,6 @@ from fa4_final.runtime.checks import check_grads, check_inputs, check_outputs, n
 from fa4_final.runtime.dispatch import Backend, backend_for, backend_for_target, wired
 from fa4_final.runtime.pending import (
     check_features,
-    check_head_dims,
     check_lse_fold,
     refuse_backward_head_dims,
 )
@@ -94,7 +93,6 @@ def forward_into(q, k, v, out, lse, causal=False, softmax_scale=None, window_siz
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
     check_outputs(q, out, lse, (b, h, sq), head_dim_v=v.shape[-1])
     cap = check_features("forward_into", softcap, learnable_sink, h, q.device)
-    check_head_dims("forward_into", d, v.shape[-1])
     p = prepare(d, causal, softmax_scale, window_size, q.device, target)
     return forward_prepared(p.backend, q, k, v, out, lse, p.causal, p.scale, p.left, p.right,
                             config, softcap=cap, learnable_sink=learnable_sink)

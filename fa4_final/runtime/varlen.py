@@ -44,11 +44,9 @@ from fa4_final.runtime.checks import (
 )
 from fa4_final.runtime.pending import (
     check_features,
-    check_head_dims,
     check_lse_fold,
     check_varlen_head_dim_v,
     refuse_backward_head_dims,
-    refuse_pending,
 )
 from fa4_final.runtime.prologue import features, fill_empty_rows, fold, prepare
 
@@ -95,7 +93,7 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
                         window_size=(None, None), config=None, *, softcap=0.0,
                         learnable_sink=None, seqused_q=None):
     """Write the varlen forward into ``out`` (like q with v's head dim) and ``lse`` ((heads,
-    total_q) float32). ``seqused_q`` (int32 (batch,), pending): sequence b's queries are the
+    total_q) float32). ``seqused_q`` (int32 (batch,)): sequence b's queries are the
     first seqused_q[b] of its packed rows (0 <= seqused_q[b] <= its rows); the rest are
     padding, never written (out and lse keep what the buffers held there), and must hold
     finite values (as the keys past seqused_k)."""
@@ -104,10 +102,7 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
         softmax_scale, seqused_q=seqused_q)
     check_outputs(q, out, lse, (h, total_q), head_dim_v=v.shape[-1])
     cap = check_features("varlen_forward_into", softcap, learnable_sink, h, q.device)
-    check_head_dims("varlen_forward_into", d, v.shape[-1])
     check_varlen_head_dim_v("varlen_forward_into", v.shape[-1])
-    if seqused_q is not None:
-        refuse_pending("varlen_forward_into", "seqused_q", seqused_q)
     extra = features(cap, learnable_sink)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_forward is not None
@@ -153,7 +148,6 @@ def forward_loop(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, causal=Fal
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None, softmax_scale)
     cap = check_features("forward_loop", softcap, learnable_sink, h, q.device)
-    check_head_dims("forward_loop", d, v.shape[-1])
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
     _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k)
@@ -196,8 +190,6 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
     check_grads(q, k, dout, dq, dk, dv)
     extra = features(check_features("varlen_backward_into", softcap, None, h, q.device))
     check_lse_fold("varlen_backward_into", dlse, lse)
-    if seqused_q is not None:
-        refuse_pending("varlen_backward_into", "seqused_q", seqused_q)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_backward is not None
     lists = _used_lengths(has_kernel, cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k,
