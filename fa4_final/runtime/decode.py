@@ -222,12 +222,18 @@ def check_paged_kv(k, v, page_table, seqused_k, batch: int, cu_seqlens_k=None,
             raise ValueError(f"seqused_k must have shape ({batch},) (one length per sequence), "
                              f"got {tuple(seqused_k.shape)}")
     paged = PagedKV(num_pages, page_size, page_table.shape[1])
-    if check_values is None:
-        check_values = os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0" and \
-            _values_readable(page_table, *(() if seqused_k is None else (seqused_k,)))
-    if check_values:
+    if wants_value_checks(check_values, page_table, seqused_k):
         check_paged_kv_values(page_table, seqused_k, paged)
     return paged
+
+
+def wants_value_checks(check_values: bool | None, page_table, seqused_k) -> bool:
+    """Whether a paged call's values are checked (Note [Paged KV checks]): ``check_values`` when
+    given, else unless FA4_FINAL_VARLEN_CHECKS=0 or the values cannot be read now."""
+    if check_values is not None:
+        return check_values
+    return os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0" and _values_readable(
+        page_table, *(() if seqused_k is None else (seqused_k,)))
 
 
 def _values_readable(*tensors) -> bool:

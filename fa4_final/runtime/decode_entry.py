@@ -75,6 +75,7 @@ from fa4_final.runtime.decode import (
     choose_num_splits,
     combine_splits,
     partials_like,
+    wants_value_checks,
 )
 from fa4_final.runtime.pending import ENV, PENDING, _shown, listed
 from fa4_final.runtime.prologue import cached_backend, fill_empty_rows, resolve_scale
@@ -168,10 +169,7 @@ def check_paged_call(q, k, v, page_table, seqused_k, cu_seqlens_q=None, max_seql
     check_scale(softmax_scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tma_operand(name, t, check_address)
-    if check_values is None:
-        check_values = os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0" and \
-            _values_readable(page_table, *(() if seqused_k is None else (seqused_k,)))
-    if check_values:
+    if wants_value_checks(check_values, page_table, seqused_k):
         from fa4_final.runtime.decode import check_paged_kv_values
 
         check_paged_kv_values(page_table, seqused_k, paged)
