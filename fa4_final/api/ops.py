@@ -17,10 +17,11 @@ two arguments (defaults: off), the backward ops' softcap the last; the public fu
 them and pass the gate of pending features before calling (Note [Pending features] in
 fa4_final.runtime.pending). The forward's autograd returns the sink's gradient from
 common.backward.sink_gradient when the sink requires grad (Note [Learnable sink]); a softcap
-build's backward kernel applies the cap's derivative itself (Note [Softcap]). Pending as well:
-the backward ops' dlse (after the softcap; lse_fold), the varlen ops' seqused_q (last; its
-padding rows come back 0 in out, lse and dq), and head dims outside (64, 128) or dv != D
-(the forward ops' out has v's head dim; their fake impls pass the same gate).
+build's backward kernel applies the cap's derivative itself (Note [Softcap]). The backward ops
+take dlse after the softcap (Note [The lse gradient folded]), the varlen ops seqused_q last (its
+padding rows come back 0 in out, lse and dq), and the forward ops' out has v's head dim (head
+dims outside (64, 128) or dv != D: forward only; the varlen fake impl passes the
+varlen_row_store gate as the real call does).
 
 Window sides arrive normalised (runtime.checks.normalise_window: None for an unbounded side, any
 int, negative ones included, a bound); the public functions (api.interface) resolve them, causal
