@@ -197,7 +197,7 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
     q (total_q, heads, dim), k and v (total_k, heads_kv, dim); cu_seqlens_q and cu_seqlens_k:
     int32 (batch + 1,) offsets from 0 to the totals; seqused_k: int32 (batch,), the k rows used
     per sequence; max_seqlen_q/k: upper bounds of the lengths (checked; None: not given).
-    ``softcap``, ``learnable_sink``: as in flash_attn_func (pending). ``seqused_q`` (pending):
+    ``softcap``, ``learnable_sink``: as in flash_attn_func (pending). ``seqused_q``:
     int32 (batch,), sequence b's queries are the first seqused_q[b] of its packed rows (0 <=
     seqused_q[b] <= its rows); the rest are padding: never attended, their out and lse rows
     come back 0 and their dq rows 0. Padding rows of q (and of dout) must hold finite values.

@@ -225,7 +225,7 @@ def _flash_attn_fwd(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, learnable_sink))
     q, k, v = (_readable(t) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     lse_shape = (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
-    if out is None:  # v's head dim (Note [Head dims]: dv != d is pending, gated in the runtime)
+    if out is None:  # v's head dim (Note [Head dims]: dv != d runs forward only)
         dv = v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() else q.shape[-1]
         out = torch.empty((*q.shape[:-1], dv), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -293,8 +293,8 @@ def _features(func: str, q, softcap, learnable_sink) -> dict:
 
 
 def _seqused_q(func: str, seqused_q, packed: bool, cu_seqlens_q, q) -> dict:
-    """FA4's seqused_q as the varlen runtime's keyword, only when given: checked, then gated
-    (pending); with dense q (which FA4 also takes) refused by name: varlen only here."""
+    """FA4's seqused_q as the varlen runtime's keyword, only when given: checked; with dense q
+    (which FA4 also takes) refused by name: varlen only here."""
     if seqused_q is None:
         return {}
     if packed and isinstance(q, torch.Tensor):

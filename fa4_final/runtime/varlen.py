@@ -181,7 +181,7 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
     (Note [Varlen kernel]); the loop where the backend has no varlen backward. ``softcap``:
     the forward's (a learnable sink needs nothing here, as in runtime.prologue); ``dlse``
     ((heads, total_q) or None): the lse's gradient folded in, as in runtime.prologue;
-    ``seqused_q``: the forward's (pending), dq's padding rows come out 0."""
+    ``seqused_q``: the forward's; dq's padding rows come out 0."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, seqused_q=seqused_q)
