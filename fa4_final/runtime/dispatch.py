@@ -132,10 +132,9 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
                         left is not None, right is not None and not causal, True,
                         seqused_k is not None, *extra)
         sink = () if learnable_sink is None else (launch_sink(learnable_sink),)
-        used_q = {} if seqused_q is None else {"seqused_q": seqused_q}
         host.launch_varlen_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                    max_seqlen_q, max_seqlen_k, out, lse, causal, scale, left,
-                                   right, *sink, **used_q)
+                                   right, *sink, **used_rows(seqused_q))
 
     def varlen_backward(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                         seqused_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right,
@@ -145,16 +144,20 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
                         True, seqused_k is not None, *extra)
-        used_q = {} if seqused_q is None else {"seqused_q": seqused_q}
         host.launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
                                     cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                                     causal, scale, left, right,
-                                    *(() if dlse is None else (dlse,)), **used_q)
+                                    *(() if dlse is None else (dlse,)), **used_rows(seqused_q))
 
     return {"forward": forward, "backward": backward,
             "varlen_forward": varlen_forward if hasattr(host, "launch_varlen_forward") else None,
             "varlen_backward": varlen_backward if hasattr(host, "launch_varlen_backward")
             else None}
+
+
+def used_rows(seqused_q=None) -> dict:
+    """The varlen entries' seqused_q keyword, only when given (a call without it passes none)."""
+    return {} if seqused_q is None else {"seqused_q": seqused_q}
 
 
 def launch_sink(learnable_sink: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ from fa4_final.runtime.checks import (
     check_varlen_inputs,
     check_varlen_values,
 )
+from fa4_final.runtime.dispatch import used_rows
 from fa4_final.runtime.pending import (
     check_features,
     check_lse_fold,
@@ -120,11 +121,6 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
         return out, lse
     _loop_into(p, q, k, v, *lists, out, lse, config, extra)
     return out, lse
-
-
-def used_rows(seqused_q=None) -> dict:
-    """The varlen entries' seqused_q keyword, only when given (a call without it passes none)."""
-    return {} if seqused_q is None else {"seqused_q": seqused_q}
 
 
 def _fill_used_rows(out, lse, learnable_sink, cu_seqlens_q, seqused_q) -> None:
