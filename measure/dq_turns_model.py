@@ -1,0 +1,339 @@
+"""A discrete-event model of the Hopper backward's dQ accumulation orders (issue 34): what the
+deterministic mode's turns cost, and what replicated accumulators or a rotated start would save.
+CPU only, pure Python; a few milliseconds per shape.
+
+    python -m measure.dq_turns_model            # calibrate on results/h200/bwd_phases.json, predict
+
+The machine: R resident slots (132 SMs x 1 CTA of the backward). CTAs launch in grid order (key
+tile fastest, then kv head, then batch), each onto the first free slot, and hold it to the end.
+A CTA is a list of steps (query head h of its group, query tile m); a step's compute takes T (x
+(1 + jitter * N(0, 1)), seeded) and ends with its dQ part staged in shared memory (one buffer:
+the MMA warpgroups may compute the next step but must wait for the buffer before its last
+``tail`` x T, the dQ GEMM and what follows it). The dQ warp then adds the part into the float32
+accumulator: the add takes L. Orders:
+
+- ``none``   the default: the add starts at once; the buffer is free after ``read`` x L (the
+             bulk add has read shared memory; completion is not waited for).
+- ``turns``  today's deterministic mode: one counter per (batch, head, m); the add waits for its
+             turn (bwd_tiles.dq_turn), the buffer is free, and the turn passes, only after the
+             add has completed (L).
+- ``copies`` (``copies=C``) C accumulators; key tile n adds into copy n % C and takes turns only
+             among key tiles of its copy (bwd_tiles.dq_copy_turn), bwd_post sums the copies in a
+             fixed order. C = 1 is ``turns``.
+- ``rotated`` hypothesis 7: key tile n starts at query tile n * num_m // N and wraps; at each m
+             the turns follow arrival order (steps since the start, ties by n). ``chunk=K``:
+             key tiles in chunks of K, each rotated over its own K starts, turns chunk by chunk.
+
+A waiting CTA holds its slot; when nothing can run while work remains the model reports a
+deadlock (never hangs). Returns the makespan (model time units, T = 1 unless given).
+
+Calibration (``calibrate``): T from the default's measured main-kernel time (makespan(none) =
+measured), then L as the one value (per head dim) that reproduces the deterministic price at
+the dense S = 4096 shape; the other shapes are then a check of the model, not a fit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+from dataclasses import dataclass, field
+
+SLOTS = 132
+
+
+@dataclass(frozen=True)
+class Shape:
+    b: int
+    s: int
+    h: int
+    d: int
+    causal: bool
+    h_kv: int | None = None
+    tile_m: int = 64
+    tile_n: int = 128
+
+    @property
+    def num_m(self) -> int:
+        return -(-self.s // self.tile_m)
+
+    @property
+    def num_n(self) -> int:
+        return -(-self.s // self.tile_n)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.h_kv or self.h
+
+
+@dataclass
+class Result:
+    makespan: float
+    deadlock: bool = False
+    waiting: int = 0  # CTAs stuck when a deadlock was found
+    adds: dict = field(default_factory=dict)  # (b, head, m, copy) -> key tiles in add order
+
+
+def _m_range(shape: Shape, n: int) -> tuple[int, int]:
+    """Query tiles key tile n visits (bwd_tiles.q_tile_range, equal lengths, no window)."""
+    if not shape.causal:
+        return 0, shape.num_m
+    return min(n * shape.tile_n // shape.tile_m, shape.num_m), shape.num_m
+
+
+def cta_plan(shape: Shape, order: str, copies: int = 1, chunk: int | None = None):
+    """Per CTA in launch order: (b, kv head, n, [(head, m, counter key, turn), ...])."""
+    N, M, group = shape.num_n, shape.num_m, shape.h // shape.kv_heads
+    ctas = []
+    for b in range(shape.b):
+        for hk in range(shape.kv_heads):
+            tiles = list(range(N))
+            if order in ("turns", "copies") and shape.causal:
+                tiles = tiles[::-1]  # launch_order_reversed: turns go downwards
+            for n in tiles:
+                lo, hi = _m_range(shape, n)
+                ms = list(range(lo, hi))
+                if order == "rotated":
+                    k = chunk or N
+                    c0 = (n // k) * k
+                    size = min(k, N - c0)
+                    start = (n - c0) * M // size
+                    ms = ms[start:] + ms[:start] if not shape.causal else ms
+                steps = []
+                for g in range(group):
+                    head = hk * group + g
+                    for m in ms:
+                        steps.append((head, m))
+                ctas.append((b, hk, n, steps))
+    return ctas
+
+
+def turn_of(shape: Shape, order: str, n: int, m: int, copies: int = 1,
+            chunk: int | None = None):
+    """(copy, turn) of key tile n at query tile m; None for ``none``."""
+    N, M = shape.num_n, shape.num_m
+    if order == "none":
+        return None
+    if order in ("turns", "copies"):
+        c = copies if order == "copies" else 1
+        if shape.causal:
+            last = N - 1  # every key tile with m_min <= m, i.e. n * tile_n // tile_m <= m
+            last = min(N - 1, ((m + 1) * shape.tile_m - 1) // shape.tile_n)
+            return n % c, (last - n) // c
+        return n % c, n // c
+    # rotated: arrival order = steps since the start, ties by n; chunk by chunk
+    k = chunk or N
+    c0 = (n // k) * k
+    size = min(k, N - c0)
+
+    def dist(j):
+        return (m - (j - c0) * M // size) % M
+
+    rank = sum(1 for j in range(c0, c0 + size) if (dist(j), j) < (dist(n), n))
+    return 0, c0 + rank  # earlier chunks' key tiles (c0 of them) all come first
+
+
+def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
+             jitter: float = 0.0, copies: int = 1, chunk: int | None = None,
+             slots: int = SLOTS, tail: float = 0.3, read: float = 0.3, seed: int = 0,
+             keep_adds: bool = False, early: bool = False) -> Result:
+    """The makespan of one backward's main kernel under ``order`` (module docstring)."""
+    rng = random.Random(seed)
+    plan = cta_plan(shape, order, copies, chunk)
+    turns = {}  # (n, m) -> (copy, turn), memoised: every head and batch shares them
+    counter: dict = {}
+    waiting: dict = {}  # (key, turn) -> (cta, ready time)
+    adds: dict = {}
+    heap: list = []
+    seq = 0
+    state = {}  # cta -> [compute end of its current step, its dQ warp free from]
+    next_cta = 0
+    free = slots
+    now = 0.0
+    done = 0
+
+    def step_time():
+        if not jitter:
+            return T
+        return max(0.05 * T, T * (1.0 + jitter * rng.gauss(0.0, 1.0)))
+
+    def push(t, kind, cta, i):
+        nonlocal seq
+        heapq.heappush(heap, (t, seq, kind, cta, i))
+        seq += 1
+
+    def launch(t):
+        nonlocal next_cta, free
+        while free > 0 and next_cta < len(plan):
+            cta = next_cta
+            next_cta += 1
+            free -= 1
+            if not plan[cta][3]:
+                push(t, "finish", cta, 0)
+                continue
+            c = t + step_time()
+            state[cta] = [c, t]  # compute end of the current step, the dQ warp free from
+            push(c, "ready", cta, 0)
+
+    def key_turn(cta, i):
+        b, hk, n, steps = plan[cta]
+        head, m = steps[i]
+        if order == "none":
+            return None, None
+        if (n, m) not in turns:
+            turns[(n, m)] = turn_of(shape, order, n, m, copies, chunk)
+        copy, turn = turns[(n, m)]
+        return (b, head, m, copy), turn
+
+    def start_add(cta, i, t):
+        if order == "none":
+            push(t + read * L, "release", cta, i)  # the buffer is free once read
+            return
+        push(t + L, "added", cta, i)
+        state[cta][1] = t + L  # the dQ warp waits for completion, then passes the turn
+        if early:  # the buffer is free once read; the turn still passes at completion
+            push(t + read * L, "release", cta, i)
+        if keep_adds:
+            adds.setdefault(key_turn(cta, i)[0], []).append(plan[cta][2])
+
+    def release(cta, i, t):
+        last = i + 1 == len(plan[cta][3])
+        if last:
+            if order == "none" or not early:
+                push(t, "finish", cta, i)
+            return  # early: the CTA ends with its last add's completion ("added")
+        st = state[cta]
+        st[0] = max(st[0] + step_time(), t + tail * T)
+        push(st[0], "ready", cta, i + 1)
+
+    launch(0.0)
+    while heap:
+        now, _, kind, cta, i = heapq.heappop(heap)
+        if kind == "finish":
+            free += 1
+            done += 1
+            launch(now)
+        elif kind == "ready":
+            if state[cta][1] > now:  # the dQ warp still waits for its previous add
+                push(state[cta][1], "ready", cta, i)
+                continue
+            key, turn = key_turn(cta, i)
+            if key is None or counter.get(key, 0) == turn:
+                start_add(cta, i, now)
+            else:
+                waiting[(key, turn)] = (cta, i)
+        elif kind == "release":
+            release(cta, i, now)
+        elif kind == "added":
+            key, turn = key_turn(cta, i)
+            counter[key] = counter.get(key, 0) + 1
+            nxt = waiting.pop((key, counter[key]), None)
+            if nxt is not None:
+                start_add(nxt[0], nxt[1], now)
+            if not early:
+                release(cta, i, now)
+            elif i + 1 == len(plan[cta][3]):
+                push(now, "finish", cta, i)
+    if done < len(plan):
+        return Result(now, True, len(waiting))
+    return Result(now, False, 0, adds)
+
+
+# ----------------------------------------------------------------------------------------------
+# calibration against results/h200/bwd_phases.json
+
+MEASURED = "results/h200/bwd_phases.json"
+
+
+def measured_main(path: str = MEASURED) -> dict:
+    """{(d, s, causal): (default main ms, deterministic main ms, b, h)} back to back."""
+    rows = json.load(open(path))["rows"]
+    got = {}
+    for r in rows:
+        if r["phase"] != "main" or r["mode"] != "back_to_back":
+            continue
+        got.setdefault((r["d"], r["s"], r["causal"], r["b"], r["h"]), {})[r["impl"]] = r["value"]
+    return {(d, s, c): (v["fa4_final"], v["fa4_final_deterministic"], b, h)
+            for (d, s, c, b, h), v in got.items()
+            if "fa4_final" in v and "fa4_final_deterministic" in v}
+
+
+def price(shape: Shape, L: float, **kw) -> float:
+    """Model: the deterministic (turns) makespan over the default's, T = 1."""
+    base = simulate(shape, "none", L=L, **kw).makespan
+    det = simulate(shape, "turns", L=L, **kw).makespan
+    return det / base
+
+
+def fit_L(shape: Shape, target: float, lo: float = 0.0, hi: float = 4.0, **kw) -> float:
+    """The add latency L (in steps) at which the model's deterministic price equals
+    ``target`` (bisection; the price is monotone in L)."""
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        if price(shape, mid, **kw) < target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def calibrate(path: str = MEASURED, jitter: float = 0.05) -> dict:
+    """L per head dim, fitted at the dense S = 4096 shape; the model's price at every measured
+    shape beside the measured one."""
+    meas = measured_main(path)
+    out = {"L": {}, "rows": []}
+    for d in sorted({k[0] for k in meas}):
+        key = (d, 4096, False)
+        if key not in meas:
+            continue
+        base, det, b, h = meas[key]
+        out["L"][d] = fit_L(Shape(b, 4096, h, d, False), det / base, jitter=jitter)
+    for (d, s, causal), (base, det, b, h) in sorted(meas.items()):
+        if d not in out["L"]:
+            continue
+        shape = Shape(b, s, h, d, causal)
+        L = out["L"][d]
+        t0 = simulate(shape, "none", L=L, jitter=jitter).makespan
+        step_us = 1000.0 * base / t0  # T in microseconds
+        out["rows"].append({"d": d, "s": s, "causal": causal, "measured": det / base,
+                            "model": price(shape, L, jitter=jitter), "T_us": step_us,
+                            "L_us": L * step_us})
+    return out
+
+
+def predict(shape: Shape, L: float, jitter: float = 0.05, copies=(2, 4, 8),
+            chunks=(None,)) -> dict:
+    """Model prices (makespan over the default's) of each order at ``shape``."""
+    base = simulate(shape, "none", L=L, jitter=jitter).makespan
+    out = {"turns": simulate(shape, "turns", L=L, jitter=jitter).makespan / base}
+    for c in copies:
+        out[f"copies={c}"] = simulate(shape, "copies", L=L, jitter=jitter,
+                                      copies=c).makespan / base
+    if not shape.causal:
+        for k in chunks:
+            r = simulate(shape, "rotated", L=L, jitter=jitter, chunk=k)
+            out[f"rotated chunk={k}"] = ("deadlock" if r.deadlock else r.makespan / base)
+    return out
+
+
+def main() -> int:
+    cal = calibrate()
+    print("L fitted at the dense S = 4096 shape (steps of T):",
+          {d: round(v, 3) for d, v in cal["L"].items()})
+    print(f"{'shape':24s} {'measured':>9s} {'model':>7s} {'T us':>6s} {'L us':>6s}")
+    for r in cal["rows"]:
+        name = f"D{r['d']} S{r['s']} {'causal' if r['causal'] else 'dense'}"
+        print(f"{name:24s} {r['measured']:9.3f} {r['model']:7.3f} {r['T_us']:6.2f} "
+              f"{r['L_us']:6.2f}")
+    print("predictions (makespan / default's; to be measured):")
+    for (d, s, causal), (_, _, b, h) in sorted(measured_main().items()):
+        shape = Shape(b, s, h, d, causal)
+        pred = predict(shape, cal["L"][d], chunks=(None, 64, 32))
+        name = f"D{d} S{s} {'causal' if causal else 'dense'}"
+        print(f"  {name:22s} " + "  ".join(
+            f"{k} {v if isinstance(v, str) else f'{v:.3f}'}" for k, v in pred.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

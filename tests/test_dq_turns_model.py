@@ -1,0 +1,50 @@
+"""measure.dq_turns_model on small shapes (CPU, under a second each): a rotated start deadlocks
+once a head's key tiles outnumber the resident slots and the current turns never do; the
+makespan grows with the add latency; the turn orders add in the same sequence whatever the
+timing (what makes the bits fixed), and that sequence is the copy's turn order."""
+
+import pytest
+
+from measure.dq_turns_model import Shape, simulate, turn_of
+
+
+def test_rotated_start_deadlocks_past_the_slots_and_turns_do_not():
+    shape = Shape(1, 2048, 2, 64, False)  # 16 key tiles a head
+    bad = simulate(shape, "rotated", L=0.5, slots=8)
+    assert bad.deadlock and bad.waiting > 0
+    assert not simulate(shape, "rotated", L=0.5, slots=16).deadlock
+    for order, kw in (("turns", {}), ("copies", {"copies": 4})):
+        for causal in (False, True):
+            r = simulate(Shape(1, 2048, 2, 64, causal), order, L=0.5, slots=3, jitter=0.2, **kw)
+            assert not r.deadlock, (order, causal)
+    # chunks no larger than the slots rescue the rotated start
+    assert not simulate(shape, "rotated", L=0.5, slots=8, chunk=8).deadlock
+
+
+@pytest.mark.parametrize("order,kw", [("none", {}), ("turns", {}), ("copies", {"copies": 2}),
+                                      ("turns", {"early": True})])
+def test_makespan_is_monotone_in_the_add_latency(order, kw):
+    shape = Shape(2, 1024, 4, 128, False)
+    spans = [simulate(shape, order, L=L, slots=16, **kw).makespan
+             for L in (0.0, 0.2, 0.5, 1.0, 2.0)]
+    assert all(a <= b + 1e-9 for a, b in zip(spans, spans[1:])), spans
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("order,copies", [("turns", 1), ("copies", 3)])
+def test_the_add_sequence_is_fixed_whatever_the_timing(causal, order, copies):
+    shape = Shape(1, 1536, 2, 128, causal)
+    runs = [simulate(shape, order, L=L, jitter=j, seed=s, slots=6, copies=copies,
+                     keep_adds=True, early=e).adds
+            for L, j, s, e in ((0.3, 0.0, 0, False), (1.5, 0.4, 1, True), (0.1, 0.3, 7, False))]
+    assert runs[0] == runs[1] == runs[2]
+    for (_b, _head, m, copy), ns in runs[0].items():
+        assert [turn_of(shape, order, n, m, copies)[1] for n in ns] == list(range(len(ns)))
+        assert all(n % copies == copy for n in ns)
+
+
+def test_default_is_one_wave_of_steps_per_slot():
+    # no turns, no jitter, equal CTAs: makespan ~ waves x steps (+ the last adds)
+    shape = Shape(1, 1024, 4, 128, False)  # 8 key tiles x 4 heads = 32 CTAs of 16 steps
+    r = simulate(shape, "none", L=0.1, slots=8)
+    assert 4 * 16 <= r.makespan <= 4 * 16 + 4 * 1.0
