@@ -35,8 +35,11 @@ class BackwardPost:
         self.dtype = main.dtype
         self.head_dim = main.head_dim
         self.tile_m = main.tile_m
-        self.num_threads = main.num_threads - 128  # the MMA warpgroups' threads
-        self.threads_per_row = self.head_dim // VECTOR
+        self.num_threads = main.dq_threads  # those that wrote dQ: one per MMA thread
+        # threads a row: the largest power of two dividing its vectors (4 at D = 96, each
+        # thread then stores head_dim / (4 VECTOR) vectors of the row)
+        vectors = self.head_dim // VECTOR
+        self.threads_per_row = vectors & -vectors
         self.rows_per_pass = self.num_threads // self.threads_per_row
         assert self.tile_m % self.rows_per_pass == 0
 
@@ -130,12 +133,13 @@ class BackwardPost:
         cdQ = cute.local_tile(cute.make_identity_tensor((seqlen_q, self.head_dim)),
                               (self.tile_m, self.head_dim), (m_block, 0))
         thr_out = copy_out.get_slice(tidx)
-        tOsdQ = thr_out.partition_S(sdQ)  # (CPY, passes, 1)
+        tOsdQ = thr_out.partition_S(sdQ)  # (CPY, passes, vectors a thread's row holds)
         tOgdQ = thr_out.partition_D(gdQ)
         tOcdQ = thr_out.partition_D(cdQ)
         for p in cutlass.range_constexpr(cute.size(tOsdQ, mode=[1])):
             if tOcdQ[0, p, 0][0] < seqlen_q:
-                cute.autovec_copy(tOsdQ[None, p, 0], tOgdQ[None, p, 0])
+                for c in cutlass.range_constexpr(cute.size(tOsdQ, mode=[2])):
+                    cute.autovec_copy(tOsdQ[None, p, c], tOgdQ[None, p, c])
 
 
 class VarlenBackwardPost(BackwardPost):

@@ -40,7 +40,10 @@ class BackwardPre:
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.deterministic = bool(deterministic)
-        self.threads_per_row = head_dim // VECTOR  # 16 at D = 128: one row per half warp
+        # threads a row: the largest power of two dividing its vectors, 16 at D = 128 (one row
+        # per half warp), 4 at D = 96 (each thread reads 3 vectors of the row)
+        vectors = head_dim // VECTOR
+        self.threads_per_row = vectors & -vectors
         self.rows_per_pass = THREADS // self.threads_per_row
         assert WARP_SIZE % self.threads_per_row == 0 and tile_m % self.rows_per_pass == 0
         assert (tile_m * head_dim) % (THREADS * 4) == 0
@@ -130,7 +133,7 @@ class BackwardPre:
         cO = cute.local_tile(cute.make_identity_tensor((seqlen_q, self.head_dim)), tile,
                              (m_block, 0))
         thr_copy = tiled_copy.get_slice(tidx)
-        tOgO = thr_copy.partition_S(gO)  # (CPY, passes, 1)
+        tOgO = thr_copy.partition_S(gO)  # (CPY, passes, vectors a thread's row holds)
         tOgdO = thr_copy.partition_S(gdO)
         tOcO = thr_copy.partition_S(cO)
         rO = cute.make_rmem_tensor_like(tOgO[None, 0, 0])
@@ -140,11 +143,16 @@ class BackwardPre:
             row = tOcO[0, p, 0][0]
             partial = Float32(0.0)
             if row < seqlen_q:
-                cute.autovec_copy(tOgO[None, p, 0], rO)
-                cute.autovec_copy(tOgdO[None, p, 0], rdO)
-                o = rO.load().to(Float32)
-                do = rdO.load().to(Float32)
-                partial = (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                for c in cutlass.range_constexpr(cute.size(tOgO, mode=[2])):
+                    cute.autovec_copy(tOgO[None, p, c], rO)
+                    cute.autovec_copy(tOgdO[None, p, c], rdO)
+                    o = rO.load().to(Float32)
+                    do = rdO.load().to(Float32)
+                    if const_expr(c == 0):
+                        partial = (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    else:
+                        partial = partial + (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                                            0)
             delta = cute.arch.warp_reduction_sum(partial, threads_in_group=self.threads_per_row)
             if lane_in_row == 0:
                 lse2 = Float32.inf  # padding rows and rows that see no key: P = 0

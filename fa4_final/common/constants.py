@@ -8,6 +8,9 @@ import torch
 LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * LOG2_E): the softmax runs in the log2 domain
 LN_2 = math.log(2.0)  # lse = log2-domain value * LN_2
 HEAD_DIMS = (64, 128)  # what every kernel of the package is built for
+# the Hopper backward's head dims (dv == D) built and compiled but not yet run on a GPU: reached
+# only when FA4_FINAL_PENDING lists bwd_head_dims (fa4_final.runtime.pending)
+BWD_HEAD_DIMS_PENDING = (96,)
 # the Hopper forward's head dims (Note [Head dims] in fa4_final.hopper.config): D of Q and K, and
 # dv of V and O, each one of these
 FWD_HEAD_DIMS = (64, 96, 128, 192, 256)

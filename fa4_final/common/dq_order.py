@@ -10,7 +10,9 @@ it: chunk w of query tile m holds warpgroup w's registers, thread t's 4 consecut
 a straight copy, and bwd_post, which turns the accumulator into dQ, rebuilds each element's
 (row, col) from the same copy (``dq_copy``) and the writer's register coordinates
 (``dq_coords``). The Blackwell backward writes the same order (its Note [dQ accumulator order]),
-so one bwd_post serves both.
+so one bwd_post serves both. Where one warpgroup computes the whole dQ tile
+(Note [dQ by one warpgroup] in fa4_final.hopper.bwd) the tile is one chunk of that warpgroup's
+registers, in the same order (``dq_copy(1)``, ``dq_offset``).
 """
 
 from __future__ import annotations
@@ -23,17 +25,26 @@ from fa4_final.common.constants import THREADS_PER_WARPGROUP
 DQ_WARPGROUPS = 2  # chunks per query tile: the Hopper backward's two MMA warpgroups
 
 
-def dq_copy() -> cute.TiledCopy:
+def dq_copy(warpgroups: int = DQ_WARPGROUPS) -> cute.TiledCopy:
     """How a writer thread's dQ registers map to the float32 staging buffer and the accumulator
-    in global memory: 16 B per thread, consecutive threads adjacent."""
+    in global memory: 16 B per thread, consecutive threads adjacent. ``warpgroups``: those
+    that write a chunk (1 when one warpgroup computes the whole dQ tile)."""
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
     return cute.make_tiled_copy_tv(
-        atom, cute.make_layout((THREADS_PER_WARPGROUP, DQ_WARPGROUPS)), cute.make_layout(4))
+        atom, cute.make_layout((THREADS_PER_WARPGROUP, warpgroups)), cute.make_layout(4))
 
 
-def dq_chunk_layout(dq_chunk: int) -> cute.Layout:
+def dq_chunk_layout(dq_chunk: int, warpgroups: int = DQ_WARPGROUPS) -> cute.Layout:
     """A query tile's slab: (floats per warpgroup, warpgroups)."""
-    return cute.make_layout((dq_chunk, DQ_WARPGROUPS))
+    return cute.make_layout((dq_chunk, warpgroups))
+
+
+def dq_offset(tidx: int, i: int, dq_chunk: int) -> int:
+    """Where register i of writer thread ``tidx`` lands in its query tile's slab (floats): chunk
+    tidx // 128, then 4 consecutive floats a thread, 512 floats a round of the warpgroup. The
+    arithmetic of ``dq_copy`` (a CPU test compares it with the tiled copy)."""
+    w, t = divmod(tidx, THREADS_PER_WARPGROUP)
+    return w * dq_chunk + 4 * THREADS_PER_WARPGROUP * (i // 4) + 4 * t + i % 4
 
 
 class DqOrder:
@@ -46,6 +57,7 @@ class DqOrder:
     def __init__(self, dtype, head_dim: int, tile_m: int):
         self.dtype, self.head_dim, self.tile_m = dtype, head_dim, tile_m
         self.num_threads = THREADS_PER_WARPGROUP * (1 + DQ_WARPGROUPS)  # as the Hopper kernel
+        self.dq_threads = THREADS_PER_WARPGROUP * DQ_WARPGROUPS  # threads that wrote dQ
         self.dq_chunk = tile_m * head_dim // DQ_WARPGROUPS
 
     def cache_key(self) -> tuple:

@@ -134,7 +134,9 @@ class HopperBackward:
                                  has_right=bool(has_window_right) and not self.causal)
         self.producer_regs, self.mma_regs = config.registers
         self.num_threads = THREADS_PER_WARPGROUP + MMA_THREADS
-        self.dq_chunk = self.tile_m * head_dim // BWD_MMA_WARPGROUPS  # floats per warpgroup
+        self.dq_warpgroups = config.dq_warpgroups  # Note [dQ by one warpgroup]
+        self.dq_threads = THREADS_PER_WARPGROUP * self.dq_warpgroups  # what bwd_post reads back
+        self.dq_chunk = self.tile_m * head_dim // self.dq_warpgroups  # floats per warpgroup
         self.dq_swap_ab = config.dq_swap_ab  # what bwd_post asks of a dQ writer
         self.roles = {
             "producer": {"warpgroups": (0,), "tma_warp": 0, "dq_warp": 1,
@@ -189,6 +191,10 @@ class HopperBackward:
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, major.MN, major.K, Float32, keys,
                 (WGMMA_M, self.tile_m))
+        elif const_expr(self.cfg.dq_single_wg):  # Note [dQ by one warpgroup]
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, major.K, major.MN, Float32, (1, 1, 1),
+                (WGMMA_M, self.head_dim))
         else:
             rows = self.tile_m // WGMMA_M
             cols = BWD_MMA_WARPGROUPS // rows
@@ -205,6 +211,8 @@ class HopperBackward:
 
     def dq_copy(self) -> cute.TiledCopy:
         """Registers -> the dQ staging buffer and accumulator (Note [dQ in accumulator order])."""
+        if const_expr(self.dq_warpgroups != BWD_MMA_WARPGROUPS):
+            return dq_copy(self.dq_warpgroups)
         return dq_copy()
 
     def dq_coords(self, tidx):
@@ -214,6 +222,8 @@ class HopperBackward:
         return mma_dq.get_slice(tidx).partition_C(tile)
 
     def dq_chunk_layout(self) -> cute.Layout:
+        if const_expr(self.dq_warpgroups != BWD_MMA_WARPGROUPS):
+            return dq_chunk_layout(self.dq_chunk, self.dq_warpgroups)
         return dq_chunk_layout(self.dq_chunk)
 
     # ------------------------------------------------------------------------------------------
@@ -418,10 +428,17 @@ class HopperBackward:
                               seqlen_k, window_left, window_right, seq)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.mma(mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk,
-                     tma_atom_dv, mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do,
-                     pipeline_kv, softmax_scale, scale_log2, window_left, window_right,
-                     n_block, head_kv, b, seqlen_q, seqlen_k, work, seq, mdK_rows, mdV_rows)
+            args = (mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk, tma_atom_dv,
+                    mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do, pipeline_kv,
+                    softmax_scale, scale_log2, window_left, window_right, n_block, head_kv, b,
+                    seqlen_q, seqlen_k, work, seq, mdK_rows, mdV_rows)
+            if const_expr(self.dq_warpgroups == BWD_MMA_WARPGROUPS):
+                self.mma(*args)
+            else:  # Note [dQ by one warpgroup]: each warpgroup's own build of the loop
+                if warp_idx < 2 * THREADS_PER_WARPGROUP // WARP_SIZE:
+                    self.mma(*args, dq_wg=True)
+                else:
+                    self.mma(*args, dq_wg=False)
 
     # Note [Varlen backward]
     # HopperVarlenBackward: the packed sequences of runtime.varlen in one launch. A CTA is still
@@ -568,6 +585,24 @@ class HopperBackward:
     # ones in turn. The cost: a CTA whose turn comes before its data is ready waits; without a
     # causal diagonal all key tiles reach query tile 0 together and the turns form a staircase.
 
+    # Note [dQ by one warpgroup]
+    # At D = 96 dQ = dS K cannot be split between the MMA warpgroups by columns as at D = 128:
+    # a 96-element row of K takes the 64 B swizzle, whose atom is 32 columns wide, and 48
+    # columns a warpgroup would cut one (HopperBwdConfig.check refuses it). dq_single_wg gives
+    # warpgroup 0 the whole tile_m x D tile (one m64nDk16 chain over all 128 keys, reading both
+    # warpgroups' dS from shared memory as before) and warpgroup 1 none: it issues dK += dS^T
+    # Q right behind dV += P^T dO and releases dO when dV is done. mma() is compiled twice
+    # (dq_wg, a compile-time flag): the warpgroups branch once, before their loops, never
+    # inside a step. A step's dQ leaves as one chunk (tile_m x D floats, one bulk add), in
+    # the order of Note [dQ in accumulator order] with one writer warpgroup, and bwd_post
+    # reads it back with that warpgroup's 128 threads (dq_threads). The cost is balance:
+    # warpgroup 0 runs 28 wgmma K-steps a step (S^T 6, dP^T 6, dV 4, dK 4, dQ 8 at tile_m =
+    # 64), warpgroup 1 runs 20; both keep the 240-register budget (warpgroup 0 holds dQ's 48
+    # floats a thread beside dV's and dK's 48 each). The FA4 package's Hopper backward makes
+    # the same choice at D = 96. Compiled for sm_90a and checked on a CPU; not yet run on a
+    # GPU, so the runtime reaches it only through the bwd_head_dims gate
+    # (fa4_final.runtime.pending).
+
     @cute.jit
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
                  window_left, window_right, seq=None):
@@ -578,7 +613,7 @@ class HopperBackward:
         if const_expr(seq is not None):
             m_base = seq[2]
         lane = cute.arch.lane_idx()
-        wgs = BWD_MMA_WARPGROUPS
+        wgs = self.dq_warpgroups  # chunks a step (Note [dQ by one warpgroup])
         chunk_bytes = self.dq_chunk * 4
         handshake = THREADS_PER_WARPGROUP + WARP_SIZE
         for h in cutlass.range(group, unroll=1):
@@ -630,9 +665,10 @@ class HopperBackward:
     def mma(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk, tma_atom_dv,
             mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do, pipeline_kv, softmax_scale,
             scale_log2, window_left, window_right, n_block, head_kv, b, seqlen_q, seqlen_k,
-            work, seq=None, mdK_rows=None, mdV_rows=None):
+            work, seq=None, mdK_rows=None, mdV_rows=None, dq_wg: cutlass.Constexpr[bool] = True):
         """MMA warpgroups: every step of the CTA, then the dK, dV epilogue. With a softcap,
-        ``scale_log2`` carries scale / softcap (Note [Softcap])."""
+        ``scale_log2`` carries scale / softcap (Note [Softcap]). ``dq_wg``: this warpgroup
+        issues the dQ GEMM (False only for warpgroup 1 under Note [dQ by one warpgroup])."""
         m_min, m_max, n_first, n_last, _, group = work
         cap = ()  # passed only to a softcap build: a subclass's step keeps its signature
         if const_expr(self.logit_softcap):
@@ -642,7 +678,11 @@ class HopperBackward:
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         wg_sdp = mma_sdp.get_slice(wg * THREADS_PER_WARPGROUP)
         wg_dkv = mma_dkv.get_slice(wg * THREADS_PER_WARPGROUP)
-        wg_dq = mma_dq.get_slice(wg * THREADS_PER_WARPGROUP)
+        single = const_expr(self.dq_warpgroups != BWD_MMA_WARPGROUPS)
+        if const_expr(single):  # Note [dQ by one warpgroup]: one warpgroup's tiled MMA
+            wg_dq = mma_dq.get_slice(0)
+        else:
+            wg_dq = mma_dq.get_slice(wg * THREADS_PER_WARPGROUP)
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
@@ -653,7 +693,9 @@ class HopperBackward:
         tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sdO)))  # (.., m/16, ST)
         tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sQ)))
-        if const_expr(self.cfg.dq_swap_ab):  # dQ^T = K^T dS^T
+        if const_expr(not dq_wg):  # Note [dQ by one warpgroup]: warpgroup 1 has no dQ GEMM
+            tdQrA = tdQrB = thr_dq = None
+        elif const_expr(self.cfg.dq_swap_ab):  # dQ^T = K^T dS^T
             tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(_transpose(sK)))  # (.., n/16)
             tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))  # (.., n/16, STAGE)
         else:  # dQ = dS K
@@ -673,7 +715,9 @@ class HopperBackward:
         tdSsdS = thr_st_t.partition_D(_transpose(sdS))  # (CPY, .., STAGE)
         # dQ registers -> its float32 staging buffer, 16 B per thread
         # (Note [dQ in accumulator order])
-        tdQsdQ = self.dq_copy().get_slice(tidx).partition_D(sdQ)
+        tdQsdQ = None
+        if const_expr(dq_wg):
+            tdQsdQ = self.dq_copy().get_slice(tidx).partition_D(sdQ)
         # (key, query) of each accumulator element, this thread and thread 0: the mask
         tScS, t0ScS = fragment_coords(thr_sdp, (self.tile_n, self.tile_m))
         ops = (tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrA, tdQrB, st_t, thr_st_t, tdSsdS,
@@ -783,23 +827,29 @@ class HopperBackward:
         # warpgroups' halves of dS are in place
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=MMA_THREADS)
-        acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self.dq_tile_shape()), Float32)
-        if const_expr(self.cfg.dq_swap_ab):
-            self.wgmma(mma_dq, acc_dq, tdQrA, tdQrB[None, None, None, ds_stage], False)
+        if const_expr(tdQsdQ is None):  # Note [dQ by one warpgroup]: no dQ GEMM here
+            self.wgmma(mma_dkv, acc_dk, rdS, tdKrQ[None, None, None, stage],
+                       True)  # dK += dS^T Q
+            warpgroup.wait_group(1)  # dV done: dO's stage is free
+            pipeline_do.consumer_release(state_q)
         else:
-            self.wgmma(mma_dq, acc_dq, tdQrA[None, None, None, ds_stage], tdQrB, False)
-        warpgroup.wait_group(1)  # dV done: dO's stage is free
-        pipeline_do.consumer_release(state_q)
-        self.wgmma(mma_dkv, acc_dk, rdS, tdKrQ[None, None, None, stage],
-                   True)  # dK += dS^T Q
-        warpgroup.wait_group(1)  # dQ done
-        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg,
-                          number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
-        flat = cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape))
-        cute.autovec_copy(flat, tdQsdQ)
-        cute.arch.fence_view_async_shared()  # for the bulk add (async proxy)
-        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg,
-                                 number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self.dq_tile_shape()), Float32)
+            if const_expr(self.cfg.dq_swap_ab):
+                self.wgmma(mma_dq, acc_dq, tdQrA, tdQrB[None, None, None, ds_stage], False)
+            else:
+                self.wgmma(mma_dq, acc_dq, tdQrA[None, None, None, ds_stage], tdQrB, False)
+            warpgroup.wait_group(1)  # dV done: dO's stage is free
+            pipeline_do.consumer_release(state_q)
+            self.wgmma(mma_dkv, acc_dk, rdS, tdKrQ[None, None, None, stage],
+                       True)  # dK += dS^T Q
+            warpgroup.wait_group(1)  # dQ done
+            cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg,
+                              number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
+            flat = cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape))
+            cute.autovec_copy(flat, tdQsdQ)
+            cute.arch.fence_view_async_shared()  # for the bulk add (async proxy)
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg,
+                                     number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
         warpgroup.wait_group(0)  # dK done: Q's stage is free
         pipeline_q.consumer_release(state_q)
         state_q.advance()

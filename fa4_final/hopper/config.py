@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fa4_final.common.constants import (
+    BWD_HEAD_DIMS_PENDING,
     FWD_HEAD_DIMS,
     HEAD_DIMS,
     SM90_REGISTERS,
@@ -238,6 +239,14 @@ class HopperBwdConfig:
     # the EMPTY arrives' lane read once (Note [Signalling lane]); without it the KV-tile loop
     # reads the thread index every step. Not timed, so off
     pin_lane: bool = False
+    # dQ = dS K by MMA warpgroup 0 alone, the whole tile_m x D (Note [dQ by one warpgroup] in
+    # fa4_final.hopper.bwd): what D = 96 needs
+    dq_single_wg: bool = False
+
+    @property
+    def dq_warpgroups(self) -> int:
+        """MMA warpgroups that issue the dQ GEMM, each writing one chunk of a step's dQ."""
+        return 1 if self.dq_single_wg else BWD_MMA_WARPGROUPS
 
     @property
     def tile_n(self) -> int:
@@ -269,8 +278,9 @@ class HopperBwdConfig:
         return _align(offset, 1024)
 
     def check(self, head_dim: int) -> None:
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+        dims = HEAD_DIMS + BWD_HEAD_DIMS_PENDING
+        if head_dim not in dims:
+            raise ValueError(f"head_dim must be one of {dims}, got {head_dim}")
         m = self.tile_m
         if isinstance(m, bool) or not isinstance(m, int) or m % 16 or not 16 <= m <= 128:
             raise ValueError(f"tile_m must be a multiple of 16 in [16, 128] (it is the K of the "
@@ -281,6 +291,14 @@ class HopperBwdConfig:
         if self.dq_swap_ab and head_dim != WGMMA_M * BWD_MMA_WARPGROUPS:
             raise ValueError(f"dq_swap_ab puts head_dim on the wgmma M of both warpgroups: it "
                              f"needs head_dim = {WGMMA_M * BWD_MMA_WARPGROUPS}, got {head_dim}")
+        if self.dq_single_wg and (self.dq_swap_ab or m != WGMMA_M):
+            raise ValueError(f"dq_single_wg runs dQ = dS K as one {WGMMA_M} x head_dim wgmma "
+                             f"tile of warpgroup 0: it needs tile_m = {WGMMA_M} and "
+                             f"dq_swap_ab=False, got tile_m={m}, dq_swap_ab={self.dq_swap_ab}")
+        if head_dim % 64 and m == WGMMA_M and not (self.dq_single_wg or self.dq_swap_ab):
+            raise ValueError(f"at tile_m={m} the two MMA warpgroups split dQ's head_dim "
+                             f"columns, and {head_dim // 2} columns each cut K's shared-memory "
+                             f"swizzle atom at head_dim={head_dim}: it needs dq_single_wg=True")
         if self.stages_q < 1:
             raise ValueError(f"stages_q must be >= 1, got {self.stages_q}")
         if self.stages_ds not in (1, self.stages_q):
@@ -298,9 +316,12 @@ class HopperBwdConfig:
 def hopper_bwd_default(head_dim: int, causal: bool = False,
                        deterministic: bool = False) -> HopperBwdConfig:
     """The backward's starting configs, FA3's on H100 (FA4 package's _tile_size_bwd_sm90):
-    D = 64: 128 x 128; D = 128: 64 x 128 (80 x 128 with dQ swapped when not causal)."""
+    D = 64: 128 x 128; D = 96: 64 x 128 with dQ by one warpgroup (compiled, not run on a GPU);
+    D = 128: 64 x 128 (80 x 128 with dQ swapped when not causal)."""
     if head_dim <= 64:
         return HopperBwdConfig(tile_m=128, deterministic=deterministic)
+    if head_dim == 96:
+        return HopperBwdConfig(tile_m=64, dq_single_wg=True, deterministic=deterministic)
     if causal:
         return HopperBwdConfig(tile_m=64, deterministic=deterministic)
     return HopperBwdConfig(tile_m=80, dq_swap_ab=True, deterministic=deterministic)
