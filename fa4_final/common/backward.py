@@ -67,9 +67,12 @@ def launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal: bool,
     sq_pad = m_blocks * cfg.tile_m
     lse2 = q.new_empty((b, h, sq_pad), dtype=torch.float32)
     delta = q.new_empty((b, h, sq_pad), dtype=torch.float32)
-    accum = q.new_empty((b, h, sq_pad * d), dtype=torch.float32)
+    # dq_copies accumulators and turn counters per query tile (Note [dQ copies] in
+    # fa4_final.common.bwd_tiles); a config without the knob has one
+    copies = getattr(cfg, "dq_copies", 1)
+    accum = q.new_empty((b, h, sq_pad * d * copies), dtype=torch.float32)
     if cfg.deterministic:
-        turn = torch.empty((b, h, m_blocks), dtype=torch.int32, device=q.device)
+        turn = torch.empty((b, h, m_blocks * copies), dtype=torch.int32, device=q.device)
     else:
         turn = _turn_dummy(q.device)
     kernels["pre"](out, dout, lse, lse2, delta, accum, turn,

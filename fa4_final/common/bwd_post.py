@@ -113,11 +113,26 @@ class BackwardPost:
             mdQ_rows = cute.domain_offset((seq[0], 0), mdQ_rows)
         # 1. this thread's floats, in the order MMA thread tidx stored them
         slab = self.tile_m * self.head_dim
-        gAcc = cute.local_tile(mdQaccum[b, head, None], (slab,), (m_pad,))
-        gAcc = cute.make_tensor(gAcc.iterator, self.main.dq_chunk_layout())  # (chunk, 2)
-        tAgA = dq_copy.get_slice(tidx).partition_D(gAcc)  # the positions MMA thread tidx wrote
-        flat = cute.make_rmem_tensor(tAgA.shape, Float32)
-        cute.autovec_copy(tAgA, flat)
+        # Note [dQ copies] (common.bwd_tiles); a writer without the knob has one accumulator
+        copies = getattr(getattr(self.main, "cfg", None), "dq_copies", 1)
+        if const_expr(copies > 1):  # the sum of the copies, copy 0 first, always that order
+            flat = None
+            for c in cutlass.range_constexpr(copies):
+                gAcc = cute.local_tile(mdQaccum[b, head, None], (slab,), (m_pad * copies + c,))
+                gAcc = cute.make_tensor(gAcc.iterator, self.main.dq_chunk_layout())
+                tAgA = dq_copy.get_slice(tidx).partition_D(gAcc)
+                part = cute.make_rmem_tensor(tAgA.shape, Float32)
+                cute.autovec_copy(tAgA, part)
+                if const_expr(c == 0):
+                    flat = part
+                else:
+                    flat.store(flat.load() + part.load())
+        else:
+            gAcc = cute.local_tile(mdQaccum[b, head, None], (slab,), (m_pad,))
+            gAcc = cute.make_tensor(gAcc.iterator, self.main.dq_chunk_layout())  # (chunk, 2)
+            tAgA = dq_copy.get_slice(tidx).partition_D(gAcc)  # positions MMA thread tidx wrote
+            flat = cute.make_rmem_tensor(tAgA.shape, Float32)
+            cute.autovec_copy(tAgA, flat)
         # 2. the same registers seen as the dQ accumulator: register i is (row, col) coords[i]
         coords = self.main.dq_coords(tidx)
         for i in cutlass.range_constexpr(cute.size(flat)):

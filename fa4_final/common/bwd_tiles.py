@@ -128,6 +128,47 @@ def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
     return n_block - first_visitor(w, m_block, seqlen_q, seqlen_k, window_left)
 
 
+# Note [dQ copies]
+# The deterministic mode's price is a chain: without a causal diagonal every key tile of a head
+# reaches query tile m together and adds its part only after all lower key tiles have added
+# theirs (Note [Turn order]). With C accumulator copies (HopperBwdConfig.dq_copies) key tile n
+# adds into copy n % C and takes turns only among the visitors of m of its own copy, which are
+# every C-th visitor of the turn order above: its turn is dq_turn(...) // C (the visitors of a
+# copy between the first visitor and n are the floor of (n - first) / C, the same counted
+# downwards from the last visitor when turns go downwards). Chains are C times shorter; each
+# wait is still on a CTA of the same turn order, so on one launched earlier. The copies of
+# query tile m lie side by side: accumulator slab m * C + c (and turn counter m * C + c), so
+# bwd_pre zeroes, and bwd_post reads, one contiguous run of C slabs per query tile; bwd_post
+# sums copy 0, 1, ..., C - 1 in that order, so the bits are the same every run (and differ from
+# the one-copy mode's within float32 rounding). Memory: C accumulators, (C - 1) x tile_m x D x
+# 4 B more per query tile and head. C = 1 is the one-accumulator kernel, the same code.
+# dq_early_release, the second half of the candidate: today's dQ warp waits for its add to
+# complete (for the turn) before it hands the staging buffer back, so every step of a
+# deterministic CTA pays the add's whole latency; with it, the buffer goes back once the add
+# has read it and the turn passes when the add has completed, as before. Both knobs are reached
+# through config= (a HopperBwdConfig) only: deterministic=True alone keeps the one-copy kernel
+# until a GPU has measured and checked the candidate (measure.dq_turns_model predicts it).
+
+
+def dq_copy_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
+                 window_left=None, window_right=None, copies: int = 1):
+    """(copy, turn) of key tile ``n_block`` at query tile ``m_block`` with ``copies``
+    accumulators (Note [dQ copies]); copies = 1 gives (0, dq_turn(...))."""
+    turn = dq_turn(w, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k, window_left,
+                   window_right)
+    if copies == 1:
+        return 0, turn
+    return n_block % copies, turn // copies
+
+
+def dq_slab(m_pad, copy, copies: int = 1):
+    """The accumulator slab (and turn counter) of query tile ``m_pad``'s copy ``copy``
+    (Note [dQ copies]); ``m_pad`` itself with one copy."""
+    if copies == 1:
+        return m_pad
+    return m_pad * copies + copy
+
+
 # ----------------------------------------------------------------------------------------------
 # varlen: the backward over packed sequences (fa4_final.runtime.varlen, Note [Varlen backward])
 
@@ -158,7 +199,9 @@ def dq_accum_tile(seq_start_q, b, tile_m: int):
 
 
 def dq_accum_tiles(total_q: int, batch: int, tile_m: int) -> int:
-    """Slabs of the varlen dQ accumulator (and tiles of its lse_log2, delta, turn counters)."""
+    """Slabs of the varlen dQ accumulator (and tiles of its lse_log2, delta, turn counters);
+    with dq_copies the accumulator and the turn counters hold that many times more (Note [dQ
+    copies])."""
     return total_q // tile_m + batch
 
 

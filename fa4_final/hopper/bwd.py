@@ -616,6 +616,11 @@ class HopperBackward:
         wgs = self.dq_warpgroups  # chunks a step (Note [dQ by one warpgroup])
         chunk_bytes = self.dq_chunk * 4
         handshake = THREADS_PER_WARPGROUP + WARP_SIZE
+        # Note [dQ copies] (fa4_final.common.bwd_tiles): this key tile's accumulator copy
+        copies, early = self.cfg.dq_copies, self.cfg.dq_early_release
+        copy = None
+        if const_expr(copies > 1):
+            copy = n_block % copies
         for h in cutlass.range(group, unroll=1):
             head = head0 + h
             gAcc = mdQaccum[None, head, b]  # (s_padded * D,)
@@ -630,10 +635,23 @@ class HopperBackward:
                         if lane == 0:
                             cute.arch.cp_async_bulk_wait_group(wgs - 1 - w, read=True)
                         cute.arch.sync_warp()
-                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + w,
-                                             number_of_threads=handshake)
+                    if const_expr(early):  # the previous step handed the buffers back
+                        if h + m_block - m_min == 0:  # the CTA's first step
+                            cute.arch.barrier_arrive(
+                                barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + w,
+                                number_of_threads=handshake)
+                    else:
+                        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + w,
+                                                 number_of_threads=handshake)
                 turn_ptr = None
-                if const_expr(self.cfg.deterministic):
+                if const_expr(self.cfg.deterministic and copies > 1):
+                    turn_ptr = mTurn[None, head, b].iterator + (m_pad * copies + copy)
+                    if lane == 0:
+                        wait_turn(turn_ptr, dq_turn(self.window, n_block, m_block, num_n_blocks,
+                                                    seqlen_q, seqlen_k, window_left,
+                                                    window_right) // copies)
+                    cute.arch.sync_warp()
+                elif const_expr(self.cfg.deterministic):
                     turn_ptr = mTurn[None, head, b].iterator + m_pad
                     if lane == 0:
                         wait_turn(turn_ptr, dq_turn(self.window, n_block, m_block, num_n_blocks,
@@ -645,10 +663,22 @@ class HopperBackward:
                                       number_of_threads=handshake)
                     if lane == 0:
                         offset = m_pad * (self.tile_m * self.head_dim) + w * self.dq_chunk
+                        if const_expr(copies > 1):
+                            offset = ((m_pad * copies + copy) * (self.tile_m * self.head_dim)
+                                      + w * self.dq_chunk)
                         bulk_add_f32(gAcc.iterator + offset, sdQ[None, w].iterator,
                                      chunk_bytes)
                         cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.cfg.deterministic):
+                    if const_expr(early):  # the buffers back once read, before the turn passes
+                        if lane == 0:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.sync_warp()
+                        if (group - 1 - h) + (m_max - 1 - m_block) != 0:  # a next step follows
+                            for w in cutlass.range_constexpr(wgs):
+                                cute.arch.barrier_arrive(
+                                    barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + w,
+                                    number_of_threads=handshake)
                     if lane == 0:
                         cute.arch.cp_async_bulk_wait_group(0, read=False)
                         cute.arch.fence_acq_rel_gpu()

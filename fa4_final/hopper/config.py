@@ -27,6 +27,7 @@ from fa4_final.common.softmax import check_softmax_knobs
 # 128 * (producer + n * consumer), must stay within the SM's 64 K registers.
 SM90_REGISTER_BUDGETS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 FWD_TILE_N = 128  # keys per K/V tile (one pipeline stage) at D <= 128
+DQ_COPIES_MAX = 16  # dQ accumulator copies of the deterministic backward (HopperBwdConfig)
 
 # Which CTA computes which tile (fa4_final.common.schedule):
 #   "grid"        one CTA per tile, the hardware hands them out
@@ -236,6 +237,14 @@ class HopperBwdConfig:
     stages_ds: int = 2  # dS buffers (1 or stages_q; 1: the warpgroups sync once more a step)
     dq_swap_ab: bool = False  # dQ^T = K^T dS^T: wgmma M = D, so tile_m need not be 64k
     deterministic: bool = False  # dQ accumulated in a fixed order of KV tiles (Note [dQ turns])
+    # deterministic only (Note [dQ copies] in fa4_final.common.bwd_tiles): key tile n adds
+    # into dQ accumulator copy n % dq_copies, turns only among the key tiles of one copy,
+    # bwd_post sums the copies in a fixed order; 1 = one accumulator, today's kernel.
+    # Reachable through config= only, not yet run on a GPU
+    dq_copies: int = 1
+    # deterministic only: the dQ warp hands its staging buffer back once the bulk add has read
+    # it, and passes the turn when the add has completed (Note [dQ copies])
+    dq_early_release: bool = False
     # the EMPTY arrives' lane read once (Note [Signalling lane]); without it the KV-tile loop
     # reads the thread index every step. Not timed, so off
     pin_lane: bool = False
@@ -304,6 +313,14 @@ class HopperBwdConfig:
         if self.stages_ds not in (1, self.stages_q):
             raise ValueError(f"stages_ds must be 1 or stages_q ({self.stages_q}): a dS buffer "
                              f"follows its step's Q stage, got {self.stages_ds}")
+        c = self.dq_copies
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= DQ_COPIES_MAX:
+            raise ValueError(f"dq_copies must be an int in [1, {DQ_COPIES_MAX}] (dQ "
+                             f"accumulators of the deterministic mode), got {c!r}")
+        if (c > 1 or self.dq_early_release) and not self.deterministic:
+            raise ValueError(f"dq_copies={c} and dq_early_release={self.dq_early_release} "
+                             f"change the deterministic mode's dQ turns only: they need "
+                             f"deterministic=True (or dq_copies=1, dq_early_release=False)")
         need = self.smem_bytes(head_dim)
         if need > SM90_SMEM_BYTES:
             raise ValueError(

@@ -363,11 +363,12 @@ def _backward_kernels(dtype_name, head_dim, causal, has_left, has_right, cfg, va
                                     has_window_right=has_right, has_seqused_k=has_seqused_k,
                                     has_seqused_q=has_seqused_q, **extra)
         pre = VarlenBackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic, has_dlse,
-                                has_seqused_q)
+                                has_seqused_q, dq_copies=cfg.dq_copies)
         return {"pre": pre, "main": main, "post": VarlenBackwardPost(main)}
     main = HopperBackward(dt, head_dim, causal, cfg, has_window_left=has_left,
                           has_window_right=has_right, **extra)
-    pre = BackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic, has_dlse)
+    pre = BackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic, has_dlse,
+                      dq_copies=cfg.dq_copies)
     return {"pre": pre, "main": main, "post": BackwardPost(main)}
 
 
@@ -427,15 +428,16 @@ def backward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = Fal
 
 
 def workspace_shapes(total_q: int, batch: int, heads: int, head_dim: int, tile_m: int,
-                     deterministic: bool) -> dict:
+                     deterministic: bool, dq_copies: int = 1) -> dict:
     """Shapes of the varlen backward's lse_log2, delta, dQ accumulator and turn counters: one
-    slab per padded query tile and head (Note [Varlen dQ accumulator]); a (1, 1, 1) dummy of
-    turns when not deterministic."""
+    slab per padded query tile and head (Note [Varlen dQ accumulator]), dq_copies of them in
+    the accumulator and the turns (Note [dQ copies]); a (1, 1, 1) dummy of turns when not
+    deterministic."""
     tiles = dq_accum_tiles(total_q, batch, tile_m)
     rows = tiles * tile_m
     return {"lse2": (1, heads, rows), "delta": (1, heads, rows),
-            "accum": (1, heads, rows * head_dim),
-            "turn": (1, heads, tiles) if deterministic else (1, 1, 1)}
+            "accum": (1, heads, rows * head_dim * dq_copies),
+            "turn": (1, heads, tiles * dq_copies) if deterministic else (1, 1, 1)}
 
 
 def launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
@@ -454,7 +456,8 @@ def launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens
         dk.zero_()
         dv.zero_()
     kernels, cfg = plan.kernels, plan.config
-    shapes = workspace_shapes(total_q, batch, h, d, cfg.tile_m, cfg.deterministic)
+    shapes = workspace_shapes(total_q, batch, h, d, cfg.tile_m, cfg.deterministic,
+                              cfg.dq_copies)
     f32 = dict(dtype=torch.float32, device=q.device)
     lse2, delta, accum = (torch.empty(shapes[n], **f32) for n in ("lse2", "delta", "accum"))
     turn = torch.empty(shapes["turn"], dtype=torch.int32, device=q.device)

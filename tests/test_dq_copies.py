@@ -1,0 +1,106 @@
+"""Note [dQ copies] (fa4_final.common.bwd_tiles) on Python ints against brute force: with C
+accumulator copies, for every query tile the visitors of each copy take turns 0 .. k - 1 exactly
+once, every wait is on a CTA of the same copy launched earlier, and the slabs of a tile's copies
+are a contiguous run that no other tile's overlaps; HopperBwdConfig's checks of the knobs."""
+
+import random
+
+import pytest
+
+from fa4_final.common.bwd_tiles import (
+    dq_accum_tile,
+    dq_accum_tiles,
+    dq_copy_turn,
+    dq_slab,
+    dq_turn,
+    launch_order_reversed,
+    q_tile_range,
+)
+from fa4_final.common.tiles import TileWindow
+from fa4_final.hopper.config import HopperBwdConfig
+
+
+def _cases(n, seed):
+    rng = random.Random(seed)
+    for _ in range(n):
+        causal = rng.random() < 0.4
+        left = rng.choice([None, None, 0, 3, 17, 100])
+        right = None if causal else rng.choice([None, None, 0, 5, 40])
+        yield (rng.choice([16, 64, 80, 128]), rng.choice([32, 128]), rng.randint(1, 700),
+               rng.randint(1, 700), causal, left, right)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("copies", [1, 2, 3, 4, 8])
+def test_each_copy_takes_every_turn_once_and_waits_only_on_earlier_ctas(seed, copies):
+    for tm, tn, sq, sk, causal, left, right in _cases(120, seed):
+        w = TileWindow(tm, tn, causal, has_left=left is not None,
+                       has_right=right is not None and not causal)
+        n_k = -(-sk // tn)
+        case = (tm, tn, sq, sk, causal, left, right, copies)
+        visitors = {}
+        for n in range(n_k):
+            m_min, m_max, _, _ = q_tile_range(w, n, sq, sk, left, right)
+            for m in range(m_min, m_max):
+                visitors.setdefault(m, []).append(n)
+        launch = {n: (n_k - 1 - n if launch_order_reversed(w) else n) for n in range(n_k)}
+        for m, ns in visitors.items():
+            by_copy = {}
+            for n in ns:
+                c, t = dq_copy_turn(w, n, m, n_k, sq, sk, left, right, copies)
+                assert c == n % copies, (case, m, n)
+                by_copy.setdefault(c, []).append((t, n))
+            for c, turns in by_copy.items():
+                assert sorted(t for t, _ in turns) == list(range(len(turns))), (case, m, c)
+                order = [n for _, n in sorted(turns)]
+                # turn t waits for turn t - 1 of its copy: launched before it
+                assert all(launch[a] < launch[b] for a, b in zip(order, order[1:])), \
+                    (case, m, c, order)
+            if copies == 1:
+                assert all(dq_copy_turn(w, n, m, n_k, sq, sk, left, right)
+                           == (0, dq_turn(w, n, m, n_k, sq, sk, left, right)) for n in ns)
+
+
+@pytest.mark.parametrize("copies", [1, 2, 4, 5])
+def test_copy_slabs_are_one_run_per_tile_and_never_overlap(copies):
+    # dense: tiles 0 .. n_q - 1; varlen: each sequence's tiles from dq_accum_tile, all within
+    # dq_accum_tiles * copies slabs
+    rng = random.Random(copies)
+    for _ in range(50):
+        tile_m = rng.choice([64, 80, 128])
+        lens = [rng.randint(0, 500) for _ in range(rng.randint(1, 6))]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        owner = {}
+        for b, n in enumerate(lens):
+            for m in range(-(-n // tile_m)):
+                m_pad = dq_accum_tile(cu[b], b, tile_m) + m
+                run = [dq_slab(m_pad, c, copies) for c in range(copies)]
+                assert run == list(range(run[0], run[0] + copies))
+                for s in run:
+                    assert s not in owner, (lens, tile_m, b, m)
+                    assert 0 <= s < dq_accum_tiles(cu[-1], len(lens), tile_m) * copies
+                    owner[s] = (b, m)
+
+
+def test_config_checks_the_copies():
+    HopperBwdConfig(deterministic=True, dq_copies=4, dq_early_release=True).check(128)
+    HopperBwdConfig().check(128)
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(ValueError, match="dq_copies must be"):
+            HopperBwdConfig(deterministic=True, dq_copies=bad).check(128)
+    with pytest.raises(ValueError, match="need deterministic=True"):
+        HopperBwdConfig(dq_copies=4).check(128)
+    with pytest.raises(ValueError, match="need deterministic=True"):
+        HopperBwdConfig(dq_early_release=True).check(64)
+
+
+def test_workspace_holds_the_copies():
+    from fa4_final.hopper import host
+
+    one = host.workspace_shapes(1000, 7, 4, 128, 64, True)
+    four = host.workspace_shapes(1000, 7, 4, 128, 64, True, 4)
+    assert four["accum"] == (1, 4, one["accum"][2] * 4)
+    assert four["turn"] == (1, 4, one["turn"][2] * 4)
+    assert four["lse2"] == one["lse2"] and four["delta"] == one["delta"]
