@@ -21,6 +21,8 @@ import torch
 from fa4_final.common.decode_index import (
     block_key_start,
     block_key_tiles,
+    gathered_box_start,
+    key_box_location,
     key_limit,
     key_start,
     key_tile_location,
@@ -86,10 +88,20 @@ def decode_reference(q, k, v, causal: bool, softmax_scale=None, page_table=None,
     return out, lse
 
 
-def key_tile(x, b: int, kv_head: int, n: int, tile_n: int, page_table=None):
+def key_tile(x, b: int, kv_head: int, n: int, tile_n: int, page_table=None, page_box=None,
+             seqlen_k=None):
     """Key tile ``n`` of sequence ``b`` as the producer's TMA box reads it, (tile_n, D): from
     its page (paged), else rows n * tile_n .. of the batch entry, zero past the cache's end (the
-    TMA box's fill)."""
+    TMA box's fill). ``page_box``: gathered from boxes of that many keys, the boxes past the
+    sequence's ``seqlen_k`` keys pointed at its last key's box (Note [Gathered key tiles])."""
+    if page_box is not None:
+        boxes = []
+        for j in range(tile_n // page_box):
+            key = gathered_box_start(n, j, tile_n, page_box, seqlen_k)
+            slot, inside = key_box_location(key, x.shape[1], page_box)
+            page = int(page_table[b, slot])
+            boxes.append(x[page, inside * page_box:(inside + 1) * page_box, kv_head])
+        return torch.cat(boxes)
     if page_table is not None:
         slot, inside = key_tile_location(n, tile_n, x.shape[1])
         page = int(page_table[b, slot])
@@ -101,13 +113,14 @@ def key_tile(x, b: int, kv_head: int, n: int, tile_n: int, page_table=None):
 
 def emulate_decode(q, k, v, causal: bool, num_splits: int, softmax_scale=None, page_table=None,
                    seqused_k=None, tile_m: int = 64, tile_n: int = 128, cu_seqlens_q=None,
-                   max_seqlen_q=None, window_left=None):
+                   max_seqlen_q=None, window_left=None, page_box=None):
     """(out_partial, lse_partial, tiles visited) of the kernel's walk, in float64 and the split
     contract's layout. Rows of a tile the kernel does not mask are not masked here either; V's rows
     past the cached length are zeroed in the tile that holds its end, as the kernel does.
     Varlen queries (``cu_seqlens_q``, ``max_seqlen_q``): q (total_q, h, D), the partials
     (splits, total_q, h, D) and (splits, h, total_q), the grid's m-blocks counted for
-    max_seqlen_q as the kernel counts them."""
+    max_seqlen_q as the kernel counts them. ``page_box``: key tiles gathered from pages smaller
+    than them (key_tile)."""
     varlen = cu_seqlens_q is not None
     if varlen:
         cu = [int(x) for x in cu_seqlens_q]
@@ -161,8 +174,10 @@ def emulate_decode(q, k, v, causal: bool, num_splits: int, softmax_scale=None, p
                     for i in range(n_hi - n_lo):
                         n = n_hi - 1 - i
                         visited += 1
-                        kt = key_tile(k, b, kv_head, n, tile_n, page_table).to(F64)
-                        vt = key_tile(v, b, kv_head, n, tile_n, page_table).to(F64)
+                        kt = key_tile(k, b, kv_head, n, tile_n, page_table, page_box,
+                                      seqlen_k).to(F64)
+                        vt = key_tile(v, b, kv_head, n, tile_n, page_table, page_box,
+                                      seqlen_k).to(F64)
                         if i == 0 and seqlen_k - n * tile_n < tile_n:
                             # Note [Keys past the cached length]: zeros over V's rows past it
                             vt = vt.clone()

@@ -392,9 +392,8 @@ def test_the_compile_keys_build_the_decode_recipes(monkeypatch):
     want = choose_num_splits(0, batch=2, heads_kv=8, packed_rows=4, key_tiles=64, num_sms=132)
     assert want > 1
     assert keys[0] == (128, "bf16", True, False, False, True, None, False, False)
-    assert keys[1] == (64, "bf16", False, True, True, True, HopperDecodeConfig(tile_n=64,
-                                                                              stages=6),
-                       True, True)
+    assert keys[1] == (64, "bf16", False, True, True, True, HopperDecodeConfig(page_box=64),
+                       True, True)  # pages of 64 keys gathered into 128-key tiles
     assert keys[2] == (128, "bf16", False, False, False, False, None, False, False)
     launches = [c[1] for c in rec.calls if c[0] == "launch"]
     combines = [c[1] for c in rec.calls if c[0] == "combine"]
@@ -411,7 +410,8 @@ def test_the_compile_keys_build_the_decode_recipes(monkeypatch):
         kernel = host.decode_recipe(*args).kernels["main"]
         assert (kernel.head_dim, kernel.causal, kernel.paged, kernel.has_seqused_k, kernel.split,
                 kernel.varlen_q, kernel.has_window_left) == (args[0], *args[2:6], *args[7:9])
-    assert host.decode_recipe(*keys[1]).kernels["main"].tile_n == 64
+    gathered = host.decode_recipe(*keys[1]).kernels["main"]
+    assert (gathered.tile_n, gathered.cfg.page_box) == (128, 64)
 
 
 def test_the_split_count_follows_fa4s_meaning():
@@ -492,7 +492,7 @@ class Emulated:
             out_p, lse_p, _ = emulate_decode(q, k, v, plan.args[2], n, scale, page_table,
                                              seqused_k, tile_n=plan.config.tile_n,
                                              cu_seqlens_q=cu, max_seqlen_q=max_q,
-                                             window_left=left)
+                                             window_left=left, page_box=plan.config.page_box)
             if n == 1 and out.dtype != torch.float32:
                 out.copy_(out_p[0])
                 lse.copy_(lse_p[0])
@@ -560,8 +560,9 @@ def test_the_path_with_the_kernel_emulated_equals_float64(monkeypatch, splits):
         assert emu.splits == [1, 1, 1, 1]
     elif splits == 3:
         assert emu.splits == [3, 3, 3, 3]
-    else:  # the heuristic: 8 CTAs for 132 SMs split; 300 keys are 3 tiles, too few to split
-        assert all(n > 1 for n in emu.splits[:3]) and emu.splits[3] == 1, emu.splits
+    else:  # the heuristic: 300 keys are 3 tiles of 128 (pages of 32 keys are gathered into
+        # whole tiles), too few to split; test_the_compile_keys_build_the_decode_recipes splits
+        assert emu.splits == [1, 1, 1, 1], emu.splits
 
 
 def test_compile_fullgraph_of_a_paged_and_a_routed_call(monkeypatch):
@@ -608,7 +609,7 @@ def test_the_api_s_widest_decode_key_compiles_for_sm_90a(monkeypatch):
                             _meta(4, 8, dtype=i32), _meta(4, dtype=i32), _meta(5, dtype=i32), 4,
                             True, 0.1, 9, 3)
     (_, recipe_fn, args), = [c for c in rec.calls if c[0] == "compiled"]
-    assert args == (64, "bf16", True, True, True, True, HopperDecodeConfig(tile_n=64, stages=6),
+    assert args == (64, "bf16", True, True, True, True, HopperDecodeConfig(page_box=64),
                     True, True)
     art = artifacts(recipe_fn(*args))["main"]
     assert art.spills == 0 and art.frame_bytes == 0, art.resources()

@@ -4,6 +4,7 @@ against brute force, then the kernel's whole walk (tests.decode_reference.emulat
 float64 against the float64 decode, contiguous and paged, one split and several."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ import torch
 from fa4_final.common.decode_index import (
     block_key_start,
     block_key_tiles,
+    gathered_box_start,
+    key_box_location,
     key_limit,
     key_start,
     key_tile_location,
@@ -18,6 +21,7 @@ from fa4_final.common.decode_index import (
     masked_tiles,
     num_m_blocks,
     packed_rows,
+    page_box_for,
     page_size_problem,
     split_key_tiles,
     unpack_row,
@@ -122,6 +126,50 @@ def test_splits_cut_the_key_tiles_in_order(num_splits):
             assert covered == list(range(n_end))
 
 
+@pytest.mark.parametrize("page_size", [16, 48, 64, 80, 96, 192, 208])
+def test_paged_gathered_tile_reads_the_keys_of_its_rows(page_size):
+    """Note [Gathered key tiles], emulated: box j of key tile n, read from the page the table
+    maps, fills the stage's rows j * page_box .. with exactly the sequence's keys n * 128 + r
+    while they are real keys; rows past the last key read a box of a page the sequence owns
+    (never a slot past its pages: the table may hold anything there)."""
+    tile_n = 128
+    box = page_box_for(page_size)
+    rng = random.Random(page_size)
+    for seqlen_k in (1, 15, 16, 17, 127, 128, 129, 1000, 2048):
+        pages = -(-seqlen_k // page_size)
+        table = rng.sample(range(10 * pages + 10), pages)  # slot -> page, scattered
+        # the cache: page p, row r holds the key the table maps there (or -1: not the sequence's)
+        cache = {(table[s], r): s * page_size + r for s in range(pages) for r in range(page_size)}
+        for n in range(-(-seqlen_k // tile_n)):
+            tile = []
+            for j in range(tile_n // box):
+                key = gathered_box_start(n, j, tile_n, box, seqlen_k)
+                slot, inside = key_box_location(key, page_size, box)
+                assert 0 <= slot < pages, (seqlen_k, n, j)
+                tile += [cache[(table[slot], inside * box + r)] for r in range(box)]
+            for r, key in enumerate(tile):
+                if n * tile_n + r < seqlen_k:
+                    assert key == n * tile_n + r, (seqlen_k, n, r)
+                else:
+                    assert 0 <= key < pages * page_size
+
+
+def test_gathered_page_sizes_are_checked_by_name():
+    from fa4_final.hopper.host import check_decode_page_size
+
+    cfg = hopper_decode_for_page(128, 48)
+    assert cfg.page_box == 16
+    check_decode_page_size(48, cfg)
+    check_decode_page_size(16, cfg)
+    with pytest.raises(UnsupportedError, match="page_size=40:.*multiple of 16"):
+        check_decode_page_size(40, cfg)
+    with pytest.raises(ValueError, match="page_box"):
+        HopperDecodeConfig(page_box=24).check(128)
+    with pytest.raises(ValueError, match="page_box"):
+        HopperDecodeConfig(tile_n=64, page_box=64).check(128)
+    assert page_box_for(8) is None and page_box_for(0) is None and page_box_for(96) == 32
+
+
 @pytest.mark.parametrize("tile_n", [32, 64, 128])
 @pytest.mark.parametrize("page_size", [128, 256, 512])
 def test_a_key_tile_lies_in_one_page(tile_n, page_size):
@@ -146,15 +194,19 @@ def test_page_sizes_that_split_a_tile_are_refused_by_name():
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_every_page_of_16k_keys_gets_a_config_that_takes_it(d):
-    """hopper_decode_for_page: the largest key tile that divides the page, as many K/V bytes in
-    flight as the default and no more shared memory; pages of no multiple of 16 keep the
-    default, which names them."""
+    """hopper_decode_for_page: the default's 128-key tiles and stages for every page, gathered
+    from boxes when the page is smaller or no multiple of the tile (the same K/V bytes in flight
+    and shared memory); pages of no multiple of 16 keep the default, which names them."""
     default = hopper_decode_default(d)
     for page_size in range(16, 1025, 16):
         cfg = hopper_decode_for_page(d, page_size)
         cfg.check(d)
-        assert page_size_problem(page_size, cfg.tile_n) is None
-        assert cfg.tile_n == max(t for t in (16, 32, 64, 128) if page_size % t == 0)
+        assert page_size_problem(page_size, cfg.tile_n, cfg.page_box) is None
+        assert (cfg.tile_n, cfg.stages) == (default.tile_n, default.stages)
+        if page_size % 128 == 0:
+            assert cfg == default
+        else:  # gathered from the largest box of 64, 32, 16 keys that divides the page
+            assert cfg.page_box == max(b for b in (16, 32, 64) if page_size % b == 0)
         assert cfg.kv_bytes_in_flight(d) == default.kv_bytes_in_flight(d)
         assert cfg.smem_bytes(d) == default.smem_bytes(d)
     for page_size in (8, 24, 100):
@@ -220,9 +272,11 @@ def test_the_kernels_walk_is_the_decode(case):
         torch.testing.assert_close(out_p[0], out_ref, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("page_size,tile_n", [(128, 128), (256, 128), (64, 64), (48, 16)])
+@pytest.mark.parametrize("page_size,tile_n,page_box",
+                         [(128, 128, None), (256, 128, None), (64, 64, None), (48, 16, None),
+                          (16, 128, 16), (48, 128, 16), (64, 128, 64), (96, 64, 32)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_paged_walk_equals_contiguous_bit_for_bit(page_size, tile_n, splits):
+def test_paged_walk_equals_contiguous_bit_for_bit(page_size, tile_n, page_box, splits):
     """The cache as shuffled pages among NaN pages no sequence owns, cached lengths per sequence
     (seqused_k) shorter than the pages hold, NaN in the rows past them (Note [Keys past the
     cached length]): the paged walk reads no foreign page, lets no NaN through and gives the
@@ -238,7 +292,7 @@ def test_paged_walk_equals_contiguous_bit_for_bit(page_size, tile_n, splits):
     kp, vp, table = paged_cache(k, v, page_size, generator=g)
     contiguous = emulate_decode(q, k, v, True, splits, seqused_k=used, tile_n=tile_n)
     paged = emulate_decode(q, kp, vp, True, splits, page_table=table, seqused_k=used,
-                           tile_n=tile_n)
+                           tile_n=tile_n, page_box=page_box)
     assert contiguous[2] == paged[2]
     for a, b in zip(contiguous[:2], paged[:2]):
         assert torch.equal(a, b) and not a.isnan().any()

@@ -13,6 +13,7 @@ from fa4_final.common.errors import UnsupportedError
 from fa4_final.hopper.config import (
     DECODE_LAUNCH_REGISTERS,
     SM90_DECODE_REGISTERS,
+    HopperDecodeConfig,
     hopper_decode_default,
 )
 from fa4_final.hopper.host import decode_recipe
@@ -138,14 +139,46 @@ def test_decode_compiles_for_hopper_only():
         decode_recipe(config=object())
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_small_pages_compile_with_small_key_tiles(d):
-    """Pages of 16 keys: hopper_decode_for_page's 16-key tiles (24 stages, the default's bytes
-    in flight); clean, three step bodies of S (D / 16 wgmma) and P V (one)."""
+@pytest.mark.parametrize("d,page_size", [(64, 16), (128, 16), (128, 48), (128, 64)])
+def test_paged_small_pages_compile_gathered_into_whole_tiles(d, page_size):
+    """Pages that hold no whole 128-key tile: hopper_decode_for_page gathers each tile from
+    boxes (Note [Gathered key tiles]). Clean; one TMA copy per box and 64-column swizzle atom of
+    K and of V, each box at its 8-row-aligned place in the stage, the page table read once a box
+    (shared by K and V); the consumer's GEMMs those of the one-box kernel."""
     from fa4_final.hopper.config import hopper_decode_for_page
 
-    cfg = hopper_decode_for_page(d, 16)
-    assert (cfg.tile_n, cfg.stages) == (16, 24)
+    cfg = hopper_decode_for_page(d, page_size)
+    box = cfg.page_box
+    assert cfg.tile_n == 128 and box == max(b for b in (16, 32, 64) if page_size % b == 0)
+    gathered = artifacts(decode_recipe(d, "bf16", True, True, True, True, config=cfg))["main"]
+    flat = artifacts(decode_recipe(d, "bf16", True, True, True, True))["main"]
+    assert gathered.spills == 0 and gathered.frame_bytes == 0, gathered.resources()
+    copies = 2 * (128 // box) * (d // 64)
+    assert gathered.count("cp.async.bulk.tensor") == copies
+    assert gathered.count("UTMALDG", "sass") == copies
+    assert flat.count("cp.async.bulk.tensor") == 2 * (d // 64)
+    assert gathered.count("HGMMA", "sass") == flat.count("HGMMA", "sass")
+    assert (gathered.count("ld.global") - flat.count("ld.global")) == 128 // box - 1
+    # the boxes' shared-memory offsets within a stage: j * box rows of 64 columns, 2 B each
+    offsets = sorted({int(x) for x in re.findall(
+        r"cp\.async\.bulk\.tensor[^\[]*\[%r\d+\+(\d+)\]", gathered.ptx)})
+    steps = {b - a for a, b in zip(offsets, offsets[1:])}
+    assert box * 64 * 2 in steps, offsets
+
+
+def test_gathered_tiles_need_a_paged_cache():
+    from fa4_final.hopper.config import hopper_decode_for_page
+
+    with pytest.raises(ValueError, match="page_box=16 .*paged=True"):
+        decode_recipe(128, "bf16", True, False, False, False,
+                      config=hopper_decode_for_page(128, 16))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_small_pages_compile_with_small_key_tiles(d):
+    """Pages of 16 keys read by 16-key tiles (24 stages, the default's bytes in flight), one box
+    a tile; clean, three step bodies of S (D / 16 wgmma) and P V (one)."""
+    cfg = HopperDecodeConfig(tile_n=16, stages=24)
     art = artifacts(decode_recipe(d, "bf16", True, True, True, True, config=cfg))["main"]
     assert art.spills == 0 and art.frame_bytes == 0, art.resources()
     assert art.count("WARPGROUP.ARRIVE", "sass") == art.count("wgmma.fence.sync.aligned")

@@ -31,6 +31,20 @@ D), and a sequence's page i is page_table[b, i]. With page_size a multiple of ti
 lies inside one page: slot n // (page_size // tile_n) of the sequence's row of the table, tile
 n % (page_size // tile_n) inside that page, so one TMA box per tile still reads it. A contiguous
 cache is the same walk with one page per sequence: page b, page_size = the cache's length.
+
+Note [Gathered key tiles]
+Serving engines use small pages (16 keys is common), and a key tile of 16 keys would make every
+step a 64 x 16 GEMM pair with the same fixed softmax work, so a page smaller than the tile is
+gathered instead: the tile stays 128 keys and is filled by tile_n / page_box TMA boxes of
+page_box keys (the largest of 64, 32, 16 that divides the page). Box j of key tile n starts at
+key n * tile_n + j * page_box, which lies in slot key // page_size of the table at box
+(key % page_size) // page_box of that page; every box signals the stage's one FULL barrier,
+which the producer arms with the whole tile's bytes. A box past the sequence's last key (the
+last tile may end past it) is pointed at the box that holds that last key: it reads real memory
+of a page the table maps (a slot past the sequence's pages may hold anything, and the table's
+row may be shorter than the tile), and the consumer masks those keys and zeroes V's rows there
+as for any tile that ends past seqlen_k. The rows of a box stay whole 8-row swizzle atoms of the
+stage's layout, so the consumer reads the tile exactly as a tile that one box filled.
 """
 
 from __future__ import annotations
@@ -132,12 +146,42 @@ def key_tile_location(n, tile_n: int, page_size):
     return n // tiles_per_page, n % tiles_per_page
 
 
-def page_size_problem(page_size: int, tile_n: int) -> str | None:
-    """Why the TMA page walk cannot take pages of ``page_size`` rows, or None when it can."""
+def gathered_box_start(n, j, tile_n: int, page_box: int, seqlen_k):
+    """The first key of box ``j`` of key tile ``n`` when pages smaller than the tile are gathered
+    (Note [Gathered key tiles]): n * tile_n + j * page_box, or the box of the sequence's last key
+    when that lies past it. seqlen_k >= 1 (a split with no keys loads no tile)."""
+    last = (seqlen_k - 1) // page_box * page_box
+    return _min(n * tile_n + j * page_box, last)
+
+
+def key_box_location(key, page_size, page_box: int):
+    """(slot in the sequence's page-table row, box inside that page) of the box of ``page_box``
+    keys that starts at ``key`` (a multiple of page_box; page_size a multiple of page_box)."""
+    return key // page_size, key % page_size // page_box
+
+
+def page_box_for(page_size: int) -> int | None:
+    """Keys per TMA box of a gathered key tile: the largest of 64, 32, 16 that divides the page
+    (Note [Gathered key tiles]); None when none does (no multiple of 16)."""
+    for box in (64, 32, 16):
+        if page_size > 0 and page_size % box == 0:
+            return box
+    return None
+
+
+def page_size_problem(page_size: int, tile_n: int, page_box: int | None = None) -> str | None:
+    """Why the TMA page walk cannot take pages of ``page_size`` rows, or None when it can. With
+    ``page_box`` (a gathered key tile) the page must hold whole boxes."""
+    if page_box is not None:
+        if page_size < 1 or page_size % page_box:
+            return (f"page_size={page_size}: this decode kernel gathers each {tile_n}-key tile "
+                    f"from boxes of {page_box} keys, so the page size must be a positive "
+                    f"multiple of {page_box} (hopper.config.hopper_decode_for_page chooses the "
+                    f"box for a page size; pages must be multiples of 16 keys)")
+        return None
     if page_size < 1 or page_size % tile_n:
         return (f"page_size={page_size}: the decode kernel loads each key tile of {tile_n} rows "
                 f"with one TMA box from one page, so the page size must be a positive multiple "
-                f"of {tile_n}; a smaller key tile takes smaller pages (hopper.config."
-                f"hopper_decode_for_page: pages of any multiple of 16 keys); pages that split a "
-                f"16-key tile need a gathered load, which this kernel does not have")
+                f"of {tile_n}; the config of hopper.config.hopper_decode_for_page takes "
+                f"pages of any multiple of 16 keys (smaller pages gathered into whole tiles)")
     return None

@@ -19,6 +19,7 @@ from fa4_final.common.constants import (
     THREADS_PER_WARPGROUP,
     WGMMA_M,
 )
+from fa4_final.common.decode_index import page_box_for
 from fa4_final.common.dq_order import DQ_WARPGROUPS
 from fa4_final.common.schedule import TILE_SLOTS
 from fa4_final.common.softmax import check_softmax_knobs
@@ -350,6 +351,8 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
 # keys per K/V tile: wgmma N of S = Q K^T, K of O += P V; a page must hold whole tiles, so the
 # smaller ones serve smaller pages (hopper_decode_for_page)
 DECODE_TILE_NS = (16, 32, 64, 128)
+# keys per TMA box of a key tile gathered from pages smaller than it (Note [Gathered key tiles])
+DECODE_PAGE_BOXES = (16, 32, 64)
 # setmaxnreg (producer warpgroup, consumer warpgroup). The kernel is launched with a bound of two
 # CTAs an SM, so each thread starts with 64 K / 2 / 256 = 128 registers; the producer gives
 # 128 - 24 to the consumer: 24 + 232 = 2 x 128 per thread slot of a sub-partition.
@@ -366,6 +369,9 @@ class HopperDecodeConfig:
 
     tile_n: int = 128  # keys per K/V tile; a page must hold whole tiles (Note [Key tile pages])
     stages: int = 3  # depth of the K ring and of the V ring
+    # keys per TMA box when a page is smaller than the tile: the tile is gathered from
+    # tile_n / page_box boxes (Note [Gathered key tiles]); None: one box a tile
+    page_box: int | None = None
 
     @property
     def tile_m(self) -> int:
@@ -397,6 +403,12 @@ class HopperDecodeConfig:
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
             raise ValueError(f"stages must be an int >= 1 (K and V tiles in flight), got "
                              f"{self.stages!r}")
+        box = self.page_box
+        if box is not None and (isinstance(box, bool) or box not in DECODE_PAGE_BOXES
+                                or box >= self.tile_n or self.tile_n % box):
+            raise ValueError(f"page_box must be None or one of {DECODE_PAGE_BOXES} below and "
+                             f"dividing tile_n={self.tile_n} (keys per TMA box of a gathered "
+                             f"key tile), got {box!r}")
         producer, consumer = self.registers
         assert producer + consumer <= DECODE_CTAS_PER_SM_BOUND * DECODE_LAUNCH_REGISTERS
         need = self.smem_bytes(head_dim)
@@ -418,23 +430,17 @@ def hopper_decode_default(head_dim: int) -> HopperDecodeConfig:
 
 def hopper_decode_for_page(head_dim: int, page_size: int) -> HopperDecodeConfig:
     """The decode config for a paged cache of ``page_size`` keys a page: the default when a page
-    holds whole 128-key tiles; else the largest key tile of DECODE_TILE_NS that divides the page
-    (Note [Key tile pages]: a tile's TMA box lies in one page), with stages enough to keep the
-    default's K/V bytes in flight (24 stages of 16 keys, 6 of 64, ...) within shared memory. A
-    page size that is no multiple of 16 gets the default, which refuses it by name at launch.
-    The small tiles are compiled and checked, not timed: each step does a 64 x tile_n GEMM pair
-    and the same fixed work for fewer keys, so a gathered load into 128-key tiles is the faster
-    answer for small pages (not written yet)."""
+    holds whole 128-key tiles; else the default's tile and stages gathered from boxes of the
+    largest of 64, 32, 16 keys that divides the page (Note [Gathered key tiles]), so every step
+    is the same 64 x 128 GEMM pair whatever the page size. A page size that is no multiple of 16
+    gets the default, which refuses it by name at launch. Compiled and checked, not timed.
+    (A smaller key tile, ``HopperDecodeConfig(tile_n=16, ...)``, also takes small pages with one
+    box a tile; each of its steps does the same fixed softmax work for fewer keys.)"""
     default = hopper_decode_default(head_dim)
-    fits = [t for t in DECODE_TILE_NS if page_size > 0 and page_size % t == 0]
-    if not fits or max(fits) == default.tile_n:
+    box = page_box_for(page_size)
+    if box is None or page_size % default.tile_n == 0:
         return default
-    tile_n = max(fits)
-    stages = default.stages * default.tile_n // tile_n
-    cfg = HopperDecodeConfig(tile_n=tile_n, stages=stages)
-    while cfg.smem_bytes(head_dim) > SM90_SMEM_BYTES:
-        cfg = HopperDecodeConfig(tile_n=tile_n, stages=cfg.stages - 1)
-    return cfg
+    return replace(default, page_box=box)
 
 
 def hopper_bwd_softcap(config: HopperBwdConfig, head_dim: int, causal: bool) -> HopperBwdConfig:

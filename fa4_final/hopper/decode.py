@@ -12,7 +12,8 @@ cached keys:
    walks its split's share of the key tiles and writes float32 partial out and lse, merged by
    the combine (fa4_final.common.combine). With one split it writes out and lse themselves.
 3. A paged cache (Note [Key tile pages]): the producer reads the page of each key tile from the
-   page table and points the tile's TMA box into that page. A contiguous cache is the same walk
+   page table and points the tile's TMA box into that page; pages smaller than the tile are
+   gathered, a few boxes a tile (Note [Gathered key tiles]). A contiguous cache is the same walk
    with one page per sequence, so paged and contiguous do the same arithmetic in the same order
    and agree bit for bit.
 4. The cached lengths (seqused_k) are read on the device and the grid depends only on shapes and
@@ -43,6 +44,8 @@ from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
 from fa4_final.common.decode_index import (
     block_key_start,
     block_key_tiles,
+    gathered_box_start,
+    key_box_location,
     key_limit,
     key_start,
     key_tile_location,
@@ -118,6 +121,9 @@ class HopperDecode:
                  paged: bool = False, has_seqused_k: bool = False, split: bool = False,
                  varlen_q: bool = False, has_window_left: bool = False):
         config.check(head_dim)
+        if config.page_box is not None and not paged:
+            raise ValueError(f"page_box={config.page_box} gathers key tiles from pages: it needs "
+                             f"paged=True")
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal)
@@ -194,7 +200,14 @@ class HopperDecode:
         sK_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_n, self.cfg.stages)
         sV_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_n, self.cfg.stages)
         sKV_one = cute.select(sK_layout, mode=[0, 1])  # one stage: the TMA box
-        bytes_kv = cute.size_in_bytes(self.dtype, sKV_one)
+        bytes_kv = cute.size_in_bytes(self.dtype, sKV_one)  # a stage's FULL barrier expects
+        box_rows = self.tile_n
+        if const_expr(self.cfg.page_box is not None):
+            # gathered: the TMA box is page_box rows of the stage, its own swizzled layout
+            # (Note [Gathered key tiles])
+            box_rows = self.cfg.page_box
+            sKV_one = cute.composition(
+                sKV_one, cute.make_layout((box_rows, self.head_dim), stride=(1, self.tile_n)))
 
         @cute.struct
         class SharedStorage:
@@ -209,9 +222,9 @@ class HopperDecode:
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, sKV_one,
-                                                        (self.tile_n, self.head_dim))
+                                                        (box_rows, self.head_dim))
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, sKV_one,
-                                                        (self.tile_n, self.head_dim))
+                                                        (box_rows, self.head_dim))
         group = mQ.shape[2] // mK.shape[2]
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         batch, seqlen_q_bound = mQ.shape[0], mQ.shape[1]
@@ -296,7 +309,7 @@ class HopperDecode:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.roles["producer"]["tma_warp"]:
                 self.load(mK, mV, sK, sV, tma_atom_k, tma_atom_v, pipeline_k, pipeline_v,
-                          mPageTable, b, kv_head, n_lo, n_hi)
+                          mPageTable, b, kv_head, n_lo, n_hi, seqlen_k)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
@@ -315,7 +328,7 @@ class HopperDecode:
 
     @cute.jit
     def load(self, mK, mV, sK, sV, tma_atom_k, tma_atom_v, pipeline_k, pipeline_v, mPageTable,
-             b, kv_head, n_lo, n_hi):
+             b, kv_head, n_lo, n_hi, seqlen_k):
         """Producer warp: K[n] then V[n] for the split's key tiles, n from n_hi - 1 down to n_lo,
         each from its page (Note [Key tile pages]). The consumer releases K[n] before it waits
         for V[n], so K[n + stages] never waits on a V."""
@@ -325,14 +338,21 @@ class HopperDecode:
                                                self.cfg.stages)
         for i in cutlass.range(n_hi - n_lo, unroll=1):
             n = n_hi - 1 - i
-            page, tile = b, n  # contiguous: one page per sequence
-            if const_expr(self.paged):
-                slot, tile = key_tile_location(n, self.tile_n, mK.shape[0])
-                page = mPageTable[b, slot]
-            state_k = self.load_one(tma_atom_k, mK, sK, kv_head, page, tile, pipeline_k,
-                                    state_k)
-            state_v = self.load_one(tma_atom_v, mV, sV, kv_head, page, tile, pipeline_v,
-                                    state_v)
+            if const_expr(self.cfg.page_box is not None):
+                boxes = self.gathered_boxes(mPageTable, b, n, seqlen_k, mK.shape[0])
+                state_k = self.load_gathered(tma_atom_k, mK, sK, kv_head, boxes, pipeline_k,
+                                             state_k)
+                state_v = self.load_gathered(tma_atom_v, mV, sV, kv_head, boxes, pipeline_v,
+                                             state_v)
+            else:
+                page, tile = b, n  # contiguous: one page per sequence
+                if const_expr(self.paged):
+                    slot, tile = key_tile_location(n, self.tile_n, mK.shape[0])
+                    page = mPageTable[b, slot]
+                state_k = self.load_one(tma_atom_k, mK, sK, kv_head, page, tile, pipeline_k,
+                                        state_k)
+                state_v = self.load_one(tma_atom_v, mV, sV, kv_head, page, tile, pipeline_v,
+                                        state_v)
 
     @cute.jit
     def load_one(self, tma_atom, mX, sX, kv_head, page, tile, pipe, state):
@@ -348,6 +368,37 @@ class HopperDecode:
         pipe.producer_acquire(state)
         cute.copy(tma_atom, tXgX[None, tile], tXsX[None, state.index],
                   tma_bar_ptr=pipe.producer_get_barrier(state))
+        state.advance()
+        return state
+
+    @cute.jit
+    def gathered_boxes(self, mPageTable, b, n, seqlen_k, page_size):
+        """(page, box inside the page) of each box of key tile ``n``, read once for K and V
+        (Note [Gathered key tiles])."""
+        box = self.cfg.page_box
+        boxes = []
+        for j in cutlass.range_constexpr(self.tile_n // box):
+            key = gathered_box_start(n, j, self.tile_n, box, seqlen_k)
+            slot, inside = key_box_location(key, page_size, box)
+            boxes.append((mPageTable[b, slot], inside))
+        return boxes
+
+    @cute.jit
+    def load_gathered(self, tma_atom, mX, sX, kv_head, boxes, pipe, state):
+        """Wait for a free stage, arm its FULL barrier with the whole tile's bytes, start one
+        TMA copy a box into the stage's rows j * page_box (Note [Gathered key tiles])."""
+        box = self.cfg.page_box
+        pipe.producer_acquire(state)
+        for j in cutlass.range_constexpr(self.tile_n // box):
+            page, inside = boxes[j]
+            # (box, D, boxes in the page) of this page and KV head; the stage's rows of box j
+            gX = cute.local_tile(mX[None, None, kv_head, page], (box, self.head_dim), (None, 0))
+            sX_box = cute.local_tile(sX[None, None, state.index], (box, self.head_dim), (j, 0))
+            tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1),
+                                               cute.group_modes(sX_box, 0, 2),
+                                               cute.group_modes(gX, 0, 2))
+            cute.copy(tma_atom, tXgX[None, inside], tXsX,
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
         state.advance()
         return state
 

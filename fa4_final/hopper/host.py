@@ -533,7 +533,7 @@ def check_decode_page_size(page_size: int, config: HopperDecodeConfig) -> None:
     """UnsupportedError naming ``page_size`` when the TMA page walk cannot take it."""
     from fa4_final.common.decode_index import page_size_problem
 
-    problem = page_size_problem(page_size, config.tile_n)
+    problem = page_size_problem(page_size, config.tile_n, config.page_box)
     if problem is not None:
         raise UnsupportedError(problem)
 

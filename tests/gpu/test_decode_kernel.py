@@ -15,6 +15,7 @@ exits with a message after a deadline. Run:
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -147,9 +148,12 @@ def paged_equals_contiguous(q, k, v, page_size, seed, causal, splits, seqused_k,
     kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
                                 generator=torch.Generator().manual_seed(seed))
     kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
-    launch = dict(seqused_k=seqused_k, window_left=window_left, config=config)
-    contiguous = run_decode(q, k, v, causal, splits, **launch)
-    paged = run_decode(q, kp, vp, causal, splits, page_table=table, **launch)
+    launch = dict(seqused_k=seqused_k, window_left=window_left)
+    # a gathered config's contiguous twin: the same tile and stages, one box a tile
+    flat = config if config is None or config.page_box is None else replace(config,
+                                                                            page_box=None)
+    contiguous = run_decode(q, k, v, causal, splits, config=flat, **launch)
+    paged = run_decode(q, kp, vp, causal, splits, page_table=table, config=config, **launch)
     got, want = (paged[2], contiguous[2]) if splits > 1 else (paged[:2], contiguous[:2])
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -240,16 +244,38 @@ def test_sliding_window(window_left, causal, d, splits):
     paged_equals_contiguous(q, k, v, page_size, 4, causal, splits, used, window_left=window_left)
 
 
+@pytest.mark.parametrize("page_size,splits,d", [(16, 1, 128), (48, 3, 128), (64, 2, 128),
+                                                 (192, 1, 128), (16, 2, 64), (80, 1, 64)])
+def test_small_pages_gathered_into_whole_tiles(page_size, splits, d):
+    """Pages that hold no whole 128-key tile run with hopper_decode_for_page's gathered tiles
+    (Note [Gathered key tiles]: boxes of 16, 16, 64, 64, 16, 16 keys here), the NaN rows past
+    each sequence's end and the NaN pages no sequence owns never let a NaN through: paged equal
+    to the contiguous launch of the same tile bit for bit, and float64's answer."""
+    from fa4_final.hopper.config import hopper_decode_for_page
+
+    batch, sq, h, hk = 3, 4, 32, 8
+    pages = 2048 // page_size + 1
+    cfg = hopper_decode_for_page(d, page_size)
+    assert cfg.tile_n == 128 and cfg.page_box is not None and page_size % cfg.page_box == 0
+    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=page_size + d)
+    used = torch.tensor([pages * page_size, 1, 1000], dtype=torch.int32, device=DEVICE)
+    for b, length in enumerate(used.tolist()):  # rows never written: any bits, NaN too
+        k[b, length:] = math.nan
+        v[b, length:] = math.nan
+    paged_equals_contiguous(q, k, v, page_size, 7, True, splits, used, config=cfg)
+
+
 @pytest.mark.parametrize("page_size,splits", [(16, 1), (48, 3), (64, 2)])
 def test_small_pages_with_small_key_tiles(page_size, splits):
-    """Pages smaller than a 128-key tile run with hopper_decode_for_page's tile (16, 16, 64 keys
-    here): paged equal to contiguous (the same config) bit for bit, and float64's answer."""
-    from fa4_final.hopper.config import hopper_decode_for_page
+    """A small key tile (the largest of 16, 32, 64 that divides the page) also takes small
+    pages, one box a tile: paged equal to contiguous (the same config) bit for bit, and float64's
+    answer."""
+    from fa4_final.hopper.config import HopperDecodeConfig
 
     batch, sq, h, hk, d = 3, 4, 32, 8, 128
     pages = 2048 // page_size
-    cfg = hopper_decode_for_page(d, page_size)
-    assert page_size % cfg.tile_n == 0 and (page_size < 128) == (cfg.tile_n < 128)
+    tile_n = max(t for t in (16, 32, 64) if page_size % t == 0)
+    cfg = HopperDecodeConfig(tile_n=tile_n, stages=3 * 128 // tile_n)
     q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=page_size)
     used = torch.tensor([pages * page_size, 1, 1000], dtype=torch.int32, device=DEVICE)
     paged_equals_contiguous(q, k, v, page_size, 5, True, splits, used, config=cfg)
