@@ -139,7 +139,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     fields: its split count, max |difference| to SDPA flash on the same logical cache, and
     whether paged equals contiguous bit for bit (the contiguous kernel run on the cache in table
     order does the same arithmetic in the same order)."""
-    from fa4_final.hopper.config import hopper_decode_default
+    from fa4_final.hopper.config import hopper_decode_default, hopper_decode_for_page
     from fa4_final.hopper.host import decode_recipe, launch_decode
     from fa4_final.runtime.compile import compiled
     from fa4_final.runtime.decode import combine_splits, partials_like
@@ -148,7 +148,9 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     splits = split_count(shape, requested_splits, cfg.tile_m, cfg.tile_n)
 
     def runner(paged: bool, kk, vv):
-        plan = compiled(decode_recipe, shape.d, "bf16", False, paged, paged, splits > 1, cfg)
+        # pages smaller than the tile: the same tile and stages, gathered (hopper_decode_for_page)
+        own = hopper_decode_for_page(shape.d, kk.shape[1]) if paged else cfg
+        plan = compiled(decode_recipe, shape.d, "bf16", False, paged, paged, splits > 1, own)
         out = torch.empty_like(q)
         lse = torch.empty(shape.batch, shape.heads, shape.tokens, dtype=torch.float32,
                           device=q.device)
