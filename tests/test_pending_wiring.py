@@ -557,7 +557,7 @@ def test_compile_fullgraph_with_dv(cpu_kernels):
 
 
 @pytest.mark.parametrize("env", ["", "head_dims,varlen_row_store"], ids=["default", "listed"])
-@pytest.mark.parametrize("d, dv", [(96, 96), (192, 128)])
+@pytest.mark.parametrize("d, dv", [(192, 192), (192, 128)])  # 96: tests/test_bwd_head_dims.py
 def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
         monkeypatch, cpu_kernels, d, dv, env):
     """Refused when the call will need a gradient (never a crash or a wrong gradient in
@@ -598,10 +598,10 @@ def test_the_backward_entry_points_refuse_forward_only_head_dims(monkeypatch, en
     with pytest.raises(UnsupportedError, match="_flash_attn_bwd: the backward at head_dim=192, "
                                                "dv=128 is not built"):
         sdpa._flash_attn_bwd(q, k, v, out, out, lse)
-    pq, pk, pv, cu_q, cu_k = packed(d=96, dv=96)
+    pq, pk, pv, cu_q, cu_k = packed(d=256, dv=256)  # 96 (bwd_head_dims): test_bwd_head_dims
     pout, plse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
     with pytest.raises(UnsupportedError, match=r"varlen_backward_into: the backward at "
-                                               r"head_dim=96, dv=96 is not built"):
+                                               r"head_dim=256, dv=256 is not built"):
         varlen.varlen_backward_into(pq, pk, pv, pout, plse, pout, torch.zeros_like(pq),
                                     torch.zeros_like(pk), torch.zeros_like(pv), cu_q, cu_k,
                                     None, None, None)

@@ -1,0 +1,357 @@
+"""The Hopper backward at head dim 96 (dv = 96), on a CPU: its config (dQ by one warpgroup,
+Note [dQ by one warpgroup] in fa4_final.hopper.bwd); the dQ accumulator order the writer,
+bwd_pre and bwd_post share at D = 96, read from the kernel's own CuTe partitions (traced for
+sm_90a, no GPU); the bwd_head_dims gate of fa4_final.runtime.pending (refused by name without
+FA4_FINAL_PENDING, routed to the D = 96 build with it); and the compile for sm_90a (slow).
+Nothing here runs a GPU kernel: tests/gpu/test_bwd_head_dims.py does."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from fa4_final import UnsupportedError, flash_attn_func, flash_attn_varlen_func
+from fa4_final.api import sdpa
+from fa4_final.common.constants import (
+    BWD_HEAD_DIMS_PENDING,
+    CUTLASS_BY_NAME,
+    HEAD_DIMS,
+    SM90_SMEM_BYTES,
+)
+from fa4_final.common.dq_order import dq_offset
+from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
+from fa4_final.runtime import dispatch, pending, prologue, varlen
+from tests import fa4_cpu_reference as ref
+from tests.test_pending_features import DEVICE, GATE, dense, packed
+
+ROW = "bwd_head_dims"
+
+
+@pytest.fixture(autouse=True)
+def no_pending(monkeypatch):
+    monkeypatch.delenv(pending.ENV, raising=False)
+
+
+@pytest.fixture
+def cpu_kernels():
+    with ref.active():
+        yield
+
+
+# ----------------------------------------------------------------------------------------------
+# the config
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_d96_default_is_64_by_128_with_dq_by_one_warpgroup(causal, deterministic):
+    assert BWD_HEAD_DIMS_PENDING == (96,) and 96 not in HEAD_DIMS
+    cfg = hopper_bwd_default(96, causal, deterministic)
+    assert (cfg.tile_m, cfg.tile_n, cfg.dq_single_wg, cfg.dq_swap_ab) == (64, 128, True, False)
+    assert cfg.dq_warpgroups == 1 and cfg.deterministic == deterministic
+    cfg.check(96)
+    assert cfg.smem_bytes(96) <= SM90_SMEM_BYTES
+    for d in HEAD_DIMS:  # the verified defaults keep both warpgroups on dQ
+        assert not hopper_bwd_default(d, causal, deterministic).dq_single_wg
+        assert hopper_bwd_default(d, causal, deterministic).dq_warpgroups == 2
+
+
+def test_d96_config_errors_name_the_knob():
+    with pytest.raises(ValueError, match="dq_single_wg=True"):
+        HopperBwdConfig(tile_m=64).check(96)  # 48 columns a warpgroup cut K's swizzle atom
+    with pytest.raises(ValueError, match="dq_single_wg runs dQ"):
+        HopperBwdConfig(tile_m=128, dq_single_wg=True).check(96)
+    with pytest.raises(ValueError, match="dq_single_wg runs dQ"):
+        HopperBwdConfig(tile_m=80, dq_swap_ab=True, dq_single_wg=True).check(128)
+    with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 128, 96\), got 192"):
+        HopperBwdConfig(dq_single_wg=True).check(192)
+    HopperBwdConfig(tile_m=64, dq_single_wg=True).check(128)  # a knob D = 128 may use too
+
+
+# ----------------------------------------------------------------------------------------------
+# the dQ accumulator order at D = 96: the kernel's own partitions, traced for sm_90a
+
+
+def _probe(head_dim: int) -> dict:
+    """(row, col) of each dQ register of every writer thread (HopperBackward.dq_coords) and
+    the float offset in its query tile's slab where dq_copy puts it, read from the CuTe
+    objects the kernel and bwd_post build, while tracing a jit function for sm_90a (static
+    layouts only: nothing is launched)."""
+    import cutlass.cute as cute
+
+    from fa4_final.common.bwd_post import BackwardPost
+    from fa4_final.common.bwd_pre import BackwardPre
+    from fa4_final.hopper.bwd import HopperBackward
+
+    bf16 = CUTLASS_BY_NAME["bf16"]
+    cfg = hopper_bwd_default(head_dim)
+    main = HopperBackward(bf16, head_dim, False, cfg)
+    got = {"main": main, "post": BackwardPost(main),
+           "pre": BackwardPre(bf16, head_dim, cfg.tile_m), "coords": {}, "offsets": {}}
+
+    def collect():
+        slab = cute.make_identity_tensor(cute.product(main.dq_chunk_layout().shape))
+        slab = cute.make_tensor(slab.iterator, main.dq_chunk_layout())  # (chunk, chunks)
+        for tidx in range(main.dq_threads):
+            c = main.dq_coords(tidx)
+            got["coords"][tidx] = [tuple(int(x) for x in c[i]) for i in range(cute.size(c))]
+            p = main.dq_copy().get_slice(tidx).partition_D(slab)
+            got["offsets"][tidx] = [int(p[i]) if not isinstance(p[i], tuple) else int(p[i][0])
+                                    for i in range(cute.size(p))]
+
+    @cute.jit
+    def probe():
+        collect()
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    return got
+
+
+@pytest.fixture(scope="module")
+def probe96():
+    return _probe(96)
+
+
+def test_d96_writer_registers_are_the_wgmma_accumulator_of_warpgroup_0(probe96):
+    """128 writer threads (warpgroup 0), 48 registers each: register i = a + 2 h + 4 j of
+    thread t holds row 16 (t // 32) + (t % 32) // 4 + 8 h, column 8 j + 2 (t % 4) + a of the
+    64 x 96 tile (m64n96k16's accumulator, PTX ISA), every element once."""
+    main = probe96["main"]
+    assert (main.dq_threads, main.dq_warpgroups, main.dq_chunk) == (128, 1, 64 * 96)
+    seen = set()
+    for t, coords in probe96["coords"].items():
+        assert len(coords) == 48
+        for i, rc in enumerate(coords):
+            a, h, j = i % 2, (i // 2) % 2, i // 4
+            assert rc == (16 * (t // 32) + (t % 32) // 4 + 8 * h, 8 * j + 2 * (t % 4) + a)
+            seen.add(rc)
+    assert seen == {(r, c) for r in range(64) for c in range(96)}
+
+
+def test_d96_accumulator_order_rebuilds_every_element_once(probe96):
+    """The writer's dq_copy puts thread t's register i at dq_offset(t, i) of the slab (one
+    chunk of 64 x 96 floats), each offset once; bwd_post, which reads the same offsets with
+    the same 128 threads and gives each the (row, col) of dq_coords, writes every element of
+    the tile once; bwd_pre zeroes the whole slab."""
+    main, post, pre = probe96["main"], probe96["post"], probe96["pre"]
+    where = {}
+    for t in range(main.dq_threads):
+        offsets = probe96["offsets"][t]
+        assert offsets == [dq_offset(t, i, main.dq_chunk) for i in range(48)]
+        for off, rc in zip(offsets, probe96["coords"][t]):
+            where[off] = rc
+    assert sorted(where) == list(range(64 * 96))
+    assert sorted(where.values()) == [(r, c) for r in range(64) for c in range(96)]
+    assert post.num_threads == main.dq_threads == 128
+    # bwd_post's row copy: 4 threads a row, 3 vectors of 8 each, 32 rows a pass, 2 passes
+    assert (post.threads_per_row, post.rows_per_pass) == (4, 32)
+    assert post.threads_per_row * post.rows_per_pass == post.num_threads
+    assert 96 // (8 * post.threads_per_row) == 3 and 64 // post.rows_per_pass == 2
+    # bwd_pre: the same row split for delta (4 lanes a row reduce, within a warp), the slab
+    # zeroed 16 B a thread a step
+    assert (pre.threads_per_row, pre.rows_per_pass) == (4, 32)
+    assert 32 % pre.threads_per_row == 0
+    assert (64 * 96) // (4 * 128) * 4 * 128 == 64 * 96
+
+
+def test_dq_offset_is_the_two_warpgroup_order_at_d128():
+    """dq_offset states the order the existing kernels use (the Blackwell test's formula):
+    thread t of warpgroup w, register i -> w * chunk + 512 (i // 4) + 4 t + i % 4."""
+    got = _probe(128)
+    main = got["main"]
+    assert main.dq_warpgroups == 2 and main.dq_threads == 256
+    for tidx in (0, 1, 127, 128, 200, 255):
+        w, t = divmod(tidx, 128)
+        want = [w * main.dq_chunk + 512 * (i // 4) + 4 * t + i % 4
+                for i in range(len(got["offsets"][tidx]))]
+        assert got["offsets"][tidx] == want == [dq_offset(tidx, i, main.dq_chunk)
+                                                for i in range(len(want))]
+
+
+# ----------------------------------------------------------------------------------------------
+# the gate: bwd_head_dims
+
+
+def _refusal(message: str, func: str) -> None:
+    assert message.startswith(f"{func}: the backward at head_dim=96, dv=96 is refused"), message
+    assert f"{GATE} {ROW} yet" in message and pending.PENDING[ROW] in message, message
+    assert f"{pending.ENV}={ROW}" in message and "torch.no_grad()" in message, message
+
+
+def test_bwd_head_dims_is_a_pending_row():
+    assert pending.PENDING[ROW] == ("the Hopper backward at head dim 96 (dv = 96) is built and "
+                                    "compiled for sm_90a; GPU tests not passed")
+    assert not pending.listed(ROW)
+    assert pending.forward_only(96, 96) and pending.forward_only(96, 128)
+    assert not pending.forward_only(64, 64) and not pending.forward_only(128, 128)
+    assert pending.forward_only(192, 192) and pending.forward_only(256, 256)
+
+
+def test_without_the_env_a_gradient_at_d96_is_refused_by_name(cpu_kernels):
+    q, k, v = dense(d=96, grad=True)
+    pq, pk, pv, cu_q, cu_k = packed(d=96)
+    pq, pk, pv = (t.requires_grad_(True) for t in (pq, pk, pv))
+    for func, call in (("flash_attn_func", lambda: flash_attn_func(q, k, v)),
+                       ("flash_attn_varlen_func", lambda: flash_attn_varlen_func(
+                           pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))):
+        with pytest.raises(UnsupportedError) as info:
+            call()
+        _refusal(str(info.value), func)
+    with torch.no_grad():  # the forward alone still runs (dense; varlen dv 96 has its own row)
+        out, _ = flash_attn_func(q, k, v)
+    assert out.shape == q.shape
+
+
+def test_without_the_env_the_backward_entry_points_refuse_d96_by_name():
+    q, k, v = dense(d=96)
+    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
+    with pytest.raises(UnsupportedError) as info:
+        prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
+                               torch.zeros_like(v))
+    _refusal(str(info.value), "backward_into")
+    with pytest.raises(UnsupportedError) as info:
+        sdpa._flash_attn_bwd(q, k, v, out, out, lse)
+    _refusal(str(info.value), "_flash_attn_bwd")
+    pq, pk, pv, cu_q, cu_k = packed(d=96)
+    pout, plse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
+    with pytest.raises(UnsupportedError) as info:
+        varlen.varlen_backward_into(pq, pk, pv, pout, plse, pout, torch.zeros_like(pq),
+                                    torch.zeros_like(pk), torch.zeros_like(pv), cu_q, cu_k,
+                                    None, None, None)
+    _refusal(str(info.value), "varlen_backward_into")
+
+
+@pytest.mark.parametrize("env", [ROW, f"softcap,{ROW}"])
+def test_the_env_never_opens_head_dims_with_no_backward(monkeypatch, env):
+    monkeypatch.setenv(pending.ENV, env)
+    for d, dv in ((192, 192), (256, 256), (192, 128), (96, 128), (128, 96)):
+        with pytest.raises(UnsupportedError, match=f"head_dim={d}, dv={dv} is not built"):
+            pending.refuse_backward_head_dims("backward_into", d, dv)
+
+
+def test_with_the_env_the_backward_entry_points_get_to_the_device_check(monkeypatch):
+    monkeypatch.setenv(pending.ENV, ROW)
+    assert not pending.forward_only(96, 96)
+    q, k, v = dense(d=96)
+    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
+    with pytest.raises(UnsupportedError, match=DEVICE):
+        prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
+                               torch.zeros_like(v))
+    pq, pk, pv, cu_q, cu_k = packed(d=96)
+    pout, plse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
+    with pytest.raises(UnsupportedError, match=DEVICE):
+        varlen.varlen_backward_into(pq, pk, pv, pout, plse, pout, torch.zeros_like(pq),
+                                    torch.zeros_like(pk), torch.zeros_like(pv), cu_q, cu_k,
+                                    None, None, None)
+
+
+def _float64_grads(q, k, v, causal):
+    qf, kf, vf = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    out, _ = ref.attention_masked(qf, kf, vf, causal)
+    out.square().sum().backward()
+    return qf.grad, kf.grad, vf.grad
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_with_the_env_the_autograd_path_runs_the_backward_at_d96(monkeypatch, cpu_kernels,
+                                                                  causal):
+    """FA4_FINAL_PENDING=bwd_head_dims: flash_attn_func with a gradient at D = 96 runs the
+    forward and the backward op (here the CPU stand-ins of tests/fa4_cpu_reference), and the
+    gradients are float64's."""
+    monkeypatch.setenv(pending.ENV, ROW)
+    q, k, v = dense(d=96, grad=True)
+    out, _ = flash_attn_func(q, k, v, causal=causal)
+    out.float().square().sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), _float64_grads(q, k, v, causal)):
+        assert got.shape == want.shape
+        assert (got.double() - want).abs().max() <= 0.05 * want.abs().max() + 0.05
+
+
+def _recording(monkeypatch):
+    """The Hopper runners with compile and launch replaced by records (nothing is built)."""
+    calls = []
+
+    class Plan:
+        config = None
+
+    def compiled(recipe_fn, *args):
+        calls.append(("compiled", recipe_fn.__name__, args))
+        return Plan()
+
+    monkeypatch.setattr(dispatch, "compiled", compiled)
+    host = dispatch.HOPPER.host
+    for name in ("launch_backward", "launch_varlen_backward"):
+        monkeypatch.setattr(host, name, lambda *a, name=name, **kw: calls.append((name, a, kw)))
+    return calls
+
+
+def test_with_the_env_the_hopper_runners_build_the_d96_backward(monkeypatch):
+    """The Hopper backward runners (dense and varlen) ask backward_recipe for head dim 96, and
+    that recipe's kernels are the D = 96 build: dQ by one warpgroup, 128 bwd_post threads."""
+    monkeypatch.setenv(pending.ENV, ROW)
+    calls = _recording(monkeypatch)
+    runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
+    q, k, v = dense(d=96)
+    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
+    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    runners["backward"](q, k, v, out, lse, out, *grads, True, 0.1, None, 0)
+    pq, pk, pv, cu_q, cu_k = packed(d=96)
+    pgrads = torch.zeros_like(pq), torch.zeros_like(pk), torch.zeros_like(pv)
+    runners["varlen_backward"](pq, pk, pv, pq, torch.zeros(4, pq.shape[0]), pq, *pgrads,
+                               cu_q, cu_k, None, 19, 9, False, 0.1, None, None)
+    keys = [c[2] for c in calls if c[0] == "compiled"]
+    assert [c[0] for c in calls] == ["compiled", "launch_backward", "compiled",
+                                     "launch_varlen_backward"]
+    from fa4_final.hopper import host
+
+    for key, is_varlen in zip(keys, (False, True)):
+        assert key[:2] == (96, "bf16")
+        recipe = host.backward_recipe(*key)
+        main, post = recipe.kernels["main"], recipe.kernels["post"]
+        assert main.head_dim == 96 and main.varlen == is_varlen
+        assert recipe.config.dq_single_wg and main.dq_warpgroups == 1
+        assert post.num_threads == 128 and recipe.kernels["pre"].head_dim == 96
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled for sm_90a (slow: 10-20 s a build)
+
+
+def _serialised(art) -> int:
+    return art.count("WARPGROUP.ARRIVE", where="sass") - art.count("wgmma.fence.sync.aligned")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [
+    dict(causal=False), dict(causal=True), dict(causal=True, deterministic=True),
+    dict(causal=False, varlen=True), dict(causal=True, varlen=True, has_seqused_k=True),
+    dict(causal=False, has_window_left=True, has_window_right=True),
+], ids=["dense", "causal", "causal_det", "varlen", "varlen_causal_used_k", "window"])
+def test_d96_backward_compiles_clean(kw):
+    """Every kernel of the D = 96 backward: no spill, no stack, no wgmma serialised, the
+    setmaxnreg plan of the D = 64/128 builds; the main kernel's dQ is one m64n96k16 chain of
+    warpgroup 0 (8 wgmma over 128 keys a step copy) beside S^T, dP^T (m64n64k16, K = 96) and
+    dV, dK (m64n96k16) of both warpgroups, and one bulk add a step."""
+    from fa4_final.hopper.host import backward_recipe
+    from fa4_final.runtime.compile import artifacts
+
+    kw = dict(kw)
+    causal = kw.pop("causal")
+    arts = artifacts(backward_recipe(96, "bf16", causal, **kw))
+    for art in arts.values():
+        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    main = arts["main"]
+    assert _serialised(main) == 0
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+240;", main.ptx)
+    assert re.search(r"setmaxnreg.dec.sync.aligned.u32\s+24;", main.ptx)
+    main.require("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "stmatrix")
+    n64 = main.count("wgmma.mma_async.sync.aligned.m64n64k16")
+    n96 = main.count("wgmma.mma_async.sync.aligned.m64n96k16")
+    copies = n64 // 12  # step copies: S^T and dP^T, 6 k-steps each, in every copy
+    assert n64 == 12 * copies and copies % 2 == 0  # as many of warpgroup 0 as of warpgroup 1
+    # warpgroup 0's copies: dV, dK (4 each) and dQ (8); warpgroup 1's: dV and dK
+    assert n96 == copies // 2 * (4 + 4 + 8) + copies // 2 * (4 + 4)
+    if kw.get("deterministic"):
+        main.require("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32")
