@@ -89,6 +89,7 @@ for s in "$@"; do
     lse-fold-tests) step lse_fold_tests 420 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_lse_fold.py ;;
     bwd-phases) step bwd_phases 580 $PY -m measure.bwd_phases --rounds 5 ;;
     bwd-phases-flush) step bwd_phases_flush 580 $PY -m measure.bwd_phases --rounds 5 --flush --name bwd_phases_flush ;;
+    det-copies-tests) step det_copies_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_deterministic_copies.py ;;
     api-tests) step api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
     api-varlen-tests) step api_varlen_tests 540 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py ;;
     varlen-tests) step varlen_tests 480 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py -k varlen ;;

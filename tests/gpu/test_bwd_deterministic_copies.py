@@ -1,0 +1,108 @@
+"""The deterministic backward's candidate of issue 34 on an H100/H200: dQ copies and early
+release (HopperBwdConfig.dq_copies, dq_early_release; Note [dQ copies] in
+fa4_final.common.bwd_tiles), reached through config= only. Against float64 autograd (the rule of
+tests/gpu/test_fa4_final_bwd.py), bitwise the same over 20 runs, dK and dV bitwise the one-copy
+deterministic kernel's (the copies change only dQ's order of adds), dQ the default kernel's
+within rounding; causal or not, GQA, varlen. Run with a timeout (a broken turn protocol hangs):
+    timeout 580 python -m pytest -q -m gpu tests/gpu/test_bwd_deterministic_copies.py
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fa4_final.hopper.config import hopper_bwd_default
+from tests.gpu.test_fa4_final_bwd import BF16, _check, _run
+from utils.hardware import missing
+from utils.reference import random_qkv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(missing("sm_90") is not None, reason=str(missing("sm_90"))),
+]
+
+
+def candidate(d, causal, copies=4, early=True):
+    return replace(hopper_bwd_default(d, causal), deterministic=True, dq_copies=copies,
+                   dq_early_release=early)
+
+
+def _within_rounding(a, b):
+    """dQ of two orders of float32 adds, each rounded to bf16: at most an ulp or two apart."""
+    a, b = a.float(), b.float()
+    tol = 2 ** -6 * torch.maximum(a.abs(), b.abs()) + 1e-5 * b.abs().max()
+    return bool(((a - b).abs() <= tol).all()), (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_copies_match_float64(d, causal):
+    ok, line = _check((2, 1000, 777, 8, 2, d, BF16), causal, deterministic=True,
+                      config=candidate(d, causal))
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("copies,early", [(2, False), (1, True), (3, True), (8, True)])
+def test_each_half_and_other_counts_match_float64(copies, early):
+    ok, line = _check((1, 2049, 2047, 4, 2, 128, BF16), False, deterministic=True,
+                      config=candidate(128, False, copies, early))
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("window", [(None, None), (None, 0), (100, None)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_copies_are_bitwise_reproducible_and_agree_with_the_others(d, window):
+    """20 runs, GQA: the same bits every time; dK, dV bitwise the one-copy kernel's; dQ the
+    default (atomic) kernel's within rounding."""
+    causal = window == (None, 0)
+    cfg = candidate(d, causal)
+    q, k, v, seed = random_qkv(2, 1500, 8, d, seqlen_k=1300, heads_kv=2, dtype=BF16,
+                               device="cuda", seed=11)
+    dout = torch.randn(q.shape, device="cuda").to(BF16)
+    first = _run(q, k, v, dout, window=window, deterministic=True, config=cfg)[:3]
+    for run in range(19):
+        again = _run(q, k, v, dout, window=window, deterministic=True, config=cfg)[:3]
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), (f"run {run + 2}: {name} differs in "
+                                       f"{int((a != b).sum())} elements (seed {seed})")
+    one_copy = _run(q, k, v, dout, window=window, deterministic=True)[:3]
+    for name, a, b in zip(("dk", "dv"), first[1:], one_copy[1:]):
+        assert torch.equal(a, b), f"{name}: the copies changed it"
+    default = _run(q, k, v, dout, window=window)[:3]
+    ok, worst = _within_rounding(first[0], default[0])
+    assert ok, f"dq: {worst:.2e} from the default kernel's"
+
+
+@pytest.mark.parametrize("name", ["mixed-gqa-d128", "mixed-causal-used", "many-causal-d64"])
+def test_varlen_copies(name):
+    """The varlen kernels with the candidate: float64 per sequence, the same bits 20 times,
+    dK and dV the one-copy kernel's."""
+    from fa4_final.runtime import varlen
+    from tests.gpu.test_fa4_final_varlen_bwd import CASES, Problem, _sync
+
+    p = Problem(CASES[name])
+    d = p.q.shape[-1]
+    cfg = candidate(d, p.causal)
+
+    def run(config, deterministic=True):
+        (dq, dk, dv), _ = p.buffers()
+        varlen.varlen_backward_into(p.q, p.k, p.v, p.out, p.lse, p.dout, dq, dk, dv, p.cu_q,
+                                    p.cu_k, p.seqused_k, max(p.lens_q), max(p.used_k),
+                                    causal=p.causal, window_size=p.window,
+                                    deterministic=deterministic, config=config)
+        _sync()
+        return dq, dk, dv
+
+    first = run(cfg)
+    p.check(first, f"{name} copies")
+    for _ in range(19):
+        for g, a, b in zip(("dq", "dk", "dv"), first, run(cfg)):
+            assert torch.equal(a, b), f"{name} {g}: runs differ"
+    one_copy = run(None)
+    for g, a, b in zip(("dk", "dv"), first[1:], one_copy[1:]):
+        assert torch.equal(a, b), f"{name} {g}: the copies changed it"
+    ok, worst = _within_rounding(first[0], one_copy[0])
+    assert ok, f"{name} dq: {worst:.2e} from the one-copy kernel's"
