@@ -1,0 +1,157 @@
+"""The Hopper backward at head dim 96 (dv = 96; dQ by one warpgroup, Note [dQ by one warpgroup]
+in fa4_final.hopper.bwd) on an H100/H200, against float64 torch.autograd: what lifts the
+bwd_head_dims row of fa4_final.runtime.pending, so every test sets FA4_FINAL_PENDING to it.
+
+Inputs are fresh random tensors (the seed is in each failure's line); out and lse come from the
+float64 reference rounded as a forward stores them, so the backward is checked alone, then once
+through the API's autograd with fa4_final's own forward. dq, dk, dv are NaN-filled before each
+run (an element no kernel writes fails). The rule is the other backward tests': max error <= 2 x
+PyTorch's own error in the input dtype + rounding slack (tests/gpu/test_fa4_final_bwd.py's
+_check, and the varlen Problem of tests/gpu/test_fa4_final_varlen_bwd.py, which also guards
+the buffers' edges). Shapes: lengths 1, 77, 1000, 4097, seqlen_q != seqlen_k both ways (causal
+rows that see no key), GQA 4 and MQA, a window, varlen with uneven sequences (0, 1, odd, tile
+multiples), fp16; the deterministic mode bitwise the same over 5 runs. Run with a timeout (a
+broken barrier protocol hangs rather than fails), about 5 minutes, most of it compiling:
+    timeout 580 python -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa4_final.runtime import pending
+from tests.gpu.test_fa4_final_bwd import _check, _run
+from tests.gpu.test_fa4_final_varlen_bwd import Problem
+from utils.checks import rounding_atol
+from utils.hardware import missing
+from utils.reference import random_qkv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(missing("sm_90") is not None, reason=str(missing("sm_90"))),
+]
+
+BF16, FP16 = torch.bfloat16, torch.float16
+D = 96
+
+
+@pytest.fixture(autouse=True)
+def bwd_head_dims(monkeypatch):
+    monkeypatch.setenv(pending.ENV, "bwd_head_dims")
+
+
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, dtype)
+CASES = [
+    (1, 1, 1, 1, 1, D, BF16),
+    (2, 77, 77, 2, 1, D, FP16),
+    (1, 1000, 1000, 4, 4, D, BF16),
+    (1, 77, 1000, 2, 2, D, BF16),  # seqlen_q < seqlen_k
+    (1, 1000, 77, 2, 2, D, BF16),  # seqlen_q > seqlen_k: causal rows that see no key
+    (2, 1000, 4097, 8, 2, D, BF16),  # GQA 4, a partial last key tile
+    (1, 4097, 4097, 4, 1, D, BF16),  # MQA, many query tiles a CTA
+    (2, 300, 129, 6, 1, D, FP16),
+]
+
+
+def _case_id(case):
+    return "-".join(map(str, case)).replace("torch.", "")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_d96_backward_matches_float64(case, causal):
+    ok, line = _check(case, causal)
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("window", [(64, None), (32, 16), (200, 0), (None, -5)])
+def test_d96_backward_sliding_windows(window):
+    ok, line = _check((1, 700, 900, 4, 1, D, BF16), False, window=window)
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_d96_deterministic_is_bitwise_repeatable_over_5_runs(causal):
+    """Many key tiles add into each dQ tile, in turn: five runs, the same bits, and within the
+    rule of float64."""
+    ok, line = _check((2, 1000, 2049, 8, 2, D, BF16), causal, deterministic=True)
+    print(line)
+    assert ok, line
+    q, k, v, _ = random_qkv(2, 1000, 8, D, seqlen_k=2049, heads_kv=2, dtype=BF16,
+                            device="cuda")
+    dout = torch.randn(q.shape, device="cuda").to(BF16)
+    runs = [_run(q, k, v, dout, causal, deterministic=True)[:3] for _ in range(5)]
+    for later in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], later):
+            assert torch.equal(a, b), f"{name}: deterministic runs differ"
+
+
+LENS_Q = [300, 0, 129, 1, 1024, 77, 0, 1, 128, 513, 64, 5]
+LENS_K = [300, 50, 0, 200, 1500, 77, 0, 1, 64, 1000, 64, 130]
+USED_K = [300, 50, 0, 150, 1400, 3, 0, 1, 64, 999, 1, 129]
+# (lens_q, lens_k, seqused_k, heads, heads_kv, D, dtype, causal, window)
+VARLEN = {
+    "mixed-gqa": (LENS_Q, LENS_K, None, 8, 2, D, BF16, False, (None, None)),
+    "mixed-causal-used": (LENS_Q, LENS_K, USED_K, 4, 4, D, BF16, True, (None, None)),
+    "skewed-causal-fp16": ([1, 700, 3, 0, 129, 256, 40], [500, 2, 0, 9, 129, 256, 1], None,
+                           4, 1, D, FP16, True, (None, None)),
+    "window": (LENS_Q, LENS_K, None, 4, 2, D, BF16, False, (100, 0)),
+}
+
+
+@pytest.fixture(scope="module")
+def problems():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = Problem(VARLEN[name], seed=int(torch.randint(0, 2**20, (1,))))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(VARLEN))
+def test_d96_varlen_backward_matches_float64(problems, name):
+    p = problems(name)
+    p.check(p.run(), f"{name} d96")
+
+
+def test_d96_varlen_deterministic_is_bitwise_repeatable_and_the_loop(problems):
+    p = problems("mixed-causal-used")
+    runs = [p.run(deterministic=True) for _ in range(5)]
+    p.check(runs[0], "d96 deterministic")
+    for later in runs[1:]:
+        for g, a, b in zip(("dq", "dk", "dv"), runs[0], later):
+            assert torch.equal(a, b), f"{g}: deterministic runs differ"
+    for g, a, b in zip(("dq", "dk", "dv"), runs[0], p.loop(deterministic=True)):
+        assert torch.equal(a, b), f"{g}: deterministic varlen kernel != the per-sequence loop"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_d96_through_the_api_autograd(causal):
+    """flash_attn_func with a gradient at D = 96 (the gate listed): fa4_final's forward and this
+    backward, against float64 autograd of the same inputs, the rule with 2 x PyTorch's error."""
+    from fa4_final import flash_attn_func
+    from tests.gpu.test_fa4_final_bwd import _grads, _visible
+
+    q, k, v, seed = random_qkv(2, 1000, 8, D, seqlen_k=777, heads_kv=2, dtype=BF16,
+                               device="cuda")
+    dout = torch.randn(q.shape, device="cuda").to(BF16)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out, _ = flash_attn_func(*leaves, causal=causal)
+    out.backward(dout)
+    visible = _visible(1000, 777, causal, None, None, "cuda")
+    scale = D**-0.5
+    ref = _grads(q, k, v, dout, visible, scale, torch.float64)
+    same = _grads(q, k, v, dout, visible, scale, BF16)
+    for name, leaf, r, s in zip(("dq", "dk", "dv"), leaves, ref, same):
+        g = leaf.grad
+        assert g is not None and not g.isnan().any(), f"{name}: NaN (seed {seed})"
+        # the forward's own rounding of out moves dq, dk through delta: 3 x, not 2 x
+        limit = 3 * (s.double() - r).abs().max().item() + rounding_atol(r, BF16) + 1e-3
+        err = (g.double() - r).abs().max().item()
+        assert err <= limit, f"{name}: max|err| {err:.2e} > {limit:.2e} (seed {seed})"
