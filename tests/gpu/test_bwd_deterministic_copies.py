@@ -44,7 +44,7 @@ def test_copies_match_float64(d, causal):
     assert ok, line
 
 
-@pytest.mark.parametrize("copies,early", [(2, False), (1, True), (3, True), (8, True)])
+@pytest.mark.parametrize("copies,early", [(2, False), (1, True), (8, True)])
 def test_each_half_and_other_counts_match_float64(copies, early):
     ok, line = _check((1, 2049, 2047, 4, 2, 128, BF16), False, deterministic=True,
                       config=candidate(128, False, copies, early))
@@ -52,8 +52,8 @@ def test_each_half_and_other_counts_match_float64(copies, early):
     assert ok, line
 
 
-@pytest.mark.parametrize("window", [(None, None), (None, 0), (100, None)])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d,window", [(128, (None, None)), (128, (None, 0)), (64, (None, None)),
+                                      (64, (None, 0))])
 def test_copies_are_bitwise_reproducible_and_agree_with_the_others(d, window):
     """20 runs, GQA: the same bits every time; dK, dV bitwise the one-copy kernel's; dQ the
     default (atomic) kernel's within rounding."""
@@ -76,7 +76,7 @@ def test_copies_are_bitwise_reproducible_and_agree_with_the_others(d, window):
     assert ok, f"dq: {worst:.2e} from the default kernel's"
 
 
-@pytest.mark.parametrize("name", ["mixed-gqa-d128", "mixed-causal-used", "many-causal-d64"])
+@pytest.mark.parametrize("name", ["mixed-gqa-d128", "many-causal-d64"])
 def test_varlen_copies(name):
     """The varlen kernels with the candidate: float64 per sequence, the same bits 20 times,
     dK and dV the one-copy kernel's."""
