@@ -35,11 +35,22 @@ from utils import bench, results
 PRODUCES = [
     ("results/h200/bwd_phases.json", "python -m measure.bwd_phases --rounds 5",
      "the backward's device time per kernel phase (preprocess, main, postprocess, other, "
-     "total) of fa4_final (default and deterministic) and the FA4 package, D = 128 and 64, "
+     "total) of fa4_final (default, deterministic, and the deterministic candidate with four "
+     "dQ copies and early release, fa4_final_det_c4) and the FA4 package, D = 128 and 64, "
      "S = 4096 and 16384, causal or not, from torch.profiler's CUDA kernel records"),
 ]
 
-IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_package")
+IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_final_det_c4", "fa4_package")
+# deterministic candidates of issue 34, reached through config= (a HopperBwdConfig) only: the
+# default's tiles with these knobs (Note [dQ copies] in fa4_final.common.bwd_tiles); their
+# backward runs runtime.prologue.backward_into on the forward's out and lse, the three kernels
+# the autograd path launches
+CANDIDATES = {
+    "fa4_final_det_c4": {"dq_copies": 4, "dq_early_release": True},
+    "fa4_final_det_c4_late": {"dq_copies": 4},
+    "fa4_final_det_early": {"dq_early_release": True},
+}
+CHOICES = (*IMPLS, *(c for c in CANDIDATES if c not in IMPLS))
 PHASES = ("pre", "main", "post", "other", "total")
 
 # (phase, pattern) in order: the first match names a kernel's phase
@@ -103,6 +114,21 @@ def _backward_call(impl: str, shape: bench.Shape):
     once before)."""
     q, k, v = bench._inputs(shape, torch.bfloat16, requires_grad=True, seed=1)
     dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    if impl in CANDIDATES:
+        from dataclasses import replace
+
+        from fa4_final import flash_attn_func
+        from fa4_final.hopper.config import hopper_bwd_default
+        from fa4_final.runtime.prologue import backward_into
+
+        cfg = replace(hopper_bwd_default(shape.d, shape.causal), deterministic=True,
+                      **CANDIDATES[impl])
+        with torch.no_grad():
+            out, lse = flash_attn_func(q, k, v, causal=shape.causal, return_lse=True)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        return lambda: backward_into(q.detach(), k.detach(), v.detach(), out, lse, dout,
+                                     *grads, causal=shape.causal, deterministic=True,
+                                     config=cfg)
     if impl.startswith("fa4_final"):
         from fa4_final.api.autograd import attention_autograd
 
@@ -166,7 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--dims", nargs="+", type=int, default=[128, 64])
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
-    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=CHOICES)
     ap.add_argument("--rounds", type=int, default=bench.MIN_ROUNDS)
     ap.add_argument("--rep", type=int, default=10, help="backward calls per round")
     ap.add_argument("--flush", action="store_true", help="flush the L2 before every call")
@@ -251,4 +277,21 @@ def deterministic_lines(res) -> list[str]:
         if impl == "fa4_final_deterministic" and base:
             lines.append(f"D={d} S={s} {'causal' if causal else 'dense'} {mode}: "
                          f"deterministic / default {v / base:.2f}")
+    return lines
+
+
+def candidate_lines(res) -> list[str]:
+    """Per stored shape and deterministic candidate (CANDIDATES): its total device time over
+    the default's, beside today's deterministic mode's; none before a GPU has measured one."""
+    got = {(r["impl"], r["d"], r["s"], r["causal"], r["mode"]): r["value"] for r in res.rows
+           if r["phase"] == "total" and r.get("value")}
+    lines = []
+    for (impl, d, s, causal, mode), v in sorted(got.items(), key=lambda kv: (-kv[0][1],
+                                                                              kv[0][2:])):
+        base = got.get(("fa4_final", d, s, causal, mode))
+        today = got.get(("fa4_final_deterministic", d, s, causal, mode))
+        if impl in CANDIDATES and base:
+            was = f" (deterministic today {today / base:.2f})" if today else ""
+            lines.append(f"D={d} S={s} {'causal' if causal else 'dense'} {mode}: {impl} / "
+                         f"default {v / base:.2f}{was}")
     return lines

@@ -29,7 +29,15 @@ deadlock (never hangs). Returns the makespan (model time units, T = 1 unless giv
 
 Calibration (``calibrate``): T from the default's measured main-kernel time (makespan(none) =
 measured), then L as the one value (per head dim) that reproduces the deterministic price at
-the dense S = 4096 shape; the other shapes are then a check of the model, not a fit.
+the dense S = 4096 shape; the other shapes are then a check of the model, not a fit. Assumed,
+not measured: jitter 0.05 (a step's time varies by 5 %), tail 0.1 (after the dQ buffer frees,
+a tenth of a step remains before the next dQ is staged; 0.3 and 0.6 fit the measured causal
+prices far worse), read 0.3 (the bulk add has read shared memory after 30 % of its latency),
+the default tiles of hopper_bwd_default (tile_m 128 at D = 64; 80 at D = 128, 64 causal),
+one CTA per SM. On results/h200/bwd_phases.json (2026-12-05) that gives L = 0.87 steps at
+D = 64 and 0.96 at D = 128 (about 2 us and 2.4 us), and the model then reproduces the six
+measured prices it was not fitted to within 0.06 (CALIBRATED; ``python -m
+measure.dq_turns_model`` prints the table and the predictions).
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ import random
 from dataclasses import dataclass, field
 
 SLOTS = 132
+# L per head dim (in steps) fitted by ``calibrate`` on results/h200/bwd_phases.json (2026-12-05)
+CALIBRATED = {64: 0.871, 128: 0.963}
 
 
 @dataclass(frozen=True)
@@ -135,7 +145,7 @@ def turn_of(shape: Shape, order: str, n: int, m: int, copies: int = 1,
 
 def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
              jitter: float = 0.0, copies: int = 1, chunk: int | None = None,
-             slots: int = SLOTS, tail: float = 0.3, read: float = 0.3, seed: int = 0,
+             slots: int = SLOTS, tail: float = 0.1, read: float = 0.3, seed: int = 0,
              keep_adds: bool = False, early: bool = False) -> Result:
     """The makespan of one backward's main kernel under ``order`` (module docstring)."""
     rng = random.Random(seed)
@@ -258,6 +268,15 @@ def measured_main(path: str = MEASURED) -> dict:
             if "fa4_final" in v and "fa4_final_deterministic" in v}
 
 
+def default_shape(b: int, s: int, h: int, d: int, causal: bool) -> Shape:
+    """A shape with the default config's tiles (hopper_bwd_default: tile_m 128 at D = 64, 80
+    at D = 128 without a causal diagonal, 64 with one; tile_n 128)."""
+    from fa4_final.hopper.config import hopper_bwd_default
+
+    cfg = hopper_bwd_default(d, causal)
+    return Shape(b, s, h, d, causal, tile_m=cfg.tile_m, tile_n=cfg.tile_n)
+
+
 def price(shape: Shape, L: float, **kw) -> float:
     """Model: the deterministic (turns) makespan over the default's, T = 1."""
     base = simulate(shape, "none", L=L, **kw).makespan
@@ -265,10 +284,10 @@ def price(shape: Shape, L: float, **kw) -> float:
     return det / base
 
 
-def fit_L(shape: Shape, target: float, lo: float = 0.0, hi: float = 4.0, **kw) -> float:
+def fit_L(shape: Shape, target: float, lo: float = 0.0, hi: float = 2.0, **kw) -> float:
     """The add latency L (in steps) at which the model's deterministic price equals
     ``target`` (bisection; the price is monotone in L)."""
-    for _ in range(30):
+    for _ in range(14):
         mid = 0.5 * (lo + hi)
         if price(shape, mid, **kw) < target:
             lo = mid
@@ -287,11 +306,11 @@ def calibrate(path: str = MEASURED, jitter: float = 0.05) -> dict:
         if key not in meas:
             continue
         base, det, b, h = meas[key]
-        out["L"][d] = fit_L(Shape(b, 4096, h, d, False), det / base, jitter=jitter)
+        out["L"][d] = fit_L(default_shape(b, 4096, h, d, False), det / base, jitter=jitter)
     for (d, s, causal), (base, det, b, h) in sorted(meas.items()):
         if d not in out["L"]:
             continue
-        shape = Shape(b, s, h, d, causal)
+        shape = default_shape(b, s, h, d, causal)
         L = out["L"][d]
         t0 = simulate(shape, "none", L=L, jitter=jitter).makespan
         step_us = 1000.0 * base / t0  # T in microseconds
@@ -302,13 +321,18 @@ def calibrate(path: str = MEASURED, jitter: float = 0.05) -> dict:
 
 
 def predict(shape: Shape, L: float, jitter: float = 0.05, copies=(2, 4, 8),
-            chunks=(None,)) -> dict:
-    """Model prices (makespan over the default's) of each order at ``shape``."""
+            chunks=(None,), early=(False, True)) -> dict:
+    """Model prices (makespan over the default's) of each order at ``shape``; ``early``: also
+    with the staging buffer handed back once read (HopperBwdConfig.dq_early_release)."""
     base = simulate(shape, "none", L=L, jitter=jitter).makespan
-    out = {"turns": simulate(shape, "turns", L=L, jitter=jitter).makespan / base}
-    for c in copies:
-        out[f"copies={c}"] = simulate(shape, "copies", L=L, jitter=jitter,
-                                      copies=c).makespan / base
+    out = {}
+    for e in early:
+        tag = " early" if e else ""
+        out["turns" + tag] = simulate(shape, "turns", L=L, jitter=jitter,
+                                      early=e).makespan / base
+        for c in copies:
+            out[f"copies={c}{tag}"] = simulate(shape, "copies", L=L, jitter=jitter, copies=c,
+                                               early=e).makespan / base
     if not shape.causal:
         for k in chunks:
             r = simulate(shape, "rotated", L=L, jitter=jitter, chunk=k)
@@ -327,7 +351,7 @@ def main() -> int:
               f"{r['L_us']:6.2f}")
     print("predictions (makespan / default's; to be measured):")
     for (d, s, causal), (_, _, b, h) in sorted(measured_main().items()):
-        shape = Shape(b, s, h, d, causal)
+        shape = default_shape(b, s, h, d, causal)
         pred = predict(shape, cal["L"][d], chunks=(None, 64, 32))
         name = f"D{d} S{s} {'causal' if causal else 'dense'}"
         print(f"  {name:22s} " + "  ".join(
