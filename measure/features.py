@@ -1,14 +1,18 @@
 """Benchmark the forward at the features models use: head dims 96, 192 (dv 128) and 256,
-softcap and learnable sinks at D = 128; fa4_final beside its peers in one run.
+softcap and learnable sinks at D = 128; and the backward at head dim 96; fa4_final beside its
+peers in one run.
 
-    python -m measure.features                               # the whole grid, both modes
+    python -m measure.features                               # the forward grid, both modes
     python -m measure.features --cases d192_dv128 --seqlens 4096 --causal 1
     python -m measure.features --deadline 500
+    python -m measure.features --name features_bwd --cases bwd_d96 --deadline 500
 
 Cases (``--cases``):
   d96, d192_dv128, d192, d256     head dims (D, dv): (96, 96), (192, 128), (192, 192), (256, 256)
   softcap, sink, softcap_sink     D = 128 with softcap 30 (Gemma 2's), a float32 sink per head
                                   (gpt-oss), or both
+  bwd_d96                         the backward at D = dv = 96 (``pass`` "bwd"; not in the
+                                  default --cases, which are the forward's)
 Shapes: ``--seqlens`` S (queries = keys), batch x S = ``--tokens`` (16384), ``--heads`` 16
 query heads over as many KV heads, causal (``--causal 0 1``), bf16.
 
@@ -34,6 +38,16 @@ Before timing, every row's output is compared with float64 on a slice of the bat
 (``max_diff``): a wrong kernel is not timed in silence, and the peers' errors are the yardstick
 of a bf16 kernel's. A row's ``vs_best_peer`` is its TFLOP/s over the fastest peer of its shape
 and mode; FLOPs are 2 x (D + dv) per query-key pair, halved by the causal mask.
+
+The backward cases (BWD_CASES) time the backward alone, as utils.bench does: each
+implementation's forward runs once on the same q, k, v (requiring grad), then
+torch.autograd.grad of its out with the graph kept is the timed call. Rows: fa4_final through
+the public flash_attn_func under FA4_FINAL_PENDING=bwd_head_dims (the driver adds the name to
+the environment: the API refuses the D = 96 backward until its GPU tests pass), the FA4
+package's flash_attn_func, sdpa_flash and sdpa_cudnn (a backend that does not run the shape
+gets a row saying so). ``max_diff`` is then the largest |error| of dq, dk, dv against float64
+on one head of the first sequence (every query and key row, so dk and dv are whole); FLOPs are
+2 x (3 D + 2 dv) per pair (five GEMMs), halved by the causal mask.
 
 Two modes (``mode``): ``flush`` (the L2 overwritten before every call) and ``back_to_back``.
 ``--deadline`` seconds: the run stops after the shape that passes it and says so.
@@ -81,7 +95,11 @@ CASES = {
     "softcap": (128, 128, 30.0, False),
     "sink": (128, 128, 0.0, True),
     "softcap_sink": (128, 128, 30.0, True),
+    "bwd_d96": (96, 96, 0.0, False),
 }
+BWD_CASES = ("bwd_d96",)  # the backward (pass "bwd"): fa4_final under BWD_GATE
+FWD_CASES = tuple(c for c in CASES if c not in BWD_CASES)  # the default --cases
+BWD_GATE = "bwd_head_dims"  # fa4_final.runtime.pending's row for the backward at D = 96
 PEERS = ("fa4_package", "sdpa_flash", "sdpa_cudnn")
 # the cases whose default is a timed tile (fa4_final.hopper.config.MEASURED_TILE_N, the FA4
 # package's own sm90 tile_n): the compile-only tile is timed beside it as a second row
@@ -101,9 +119,17 @@ class FeatureShape:
     def dims(self) -> tuple[int, int]:
         return CASES[self.case][:2]
 
+    @property
+    def pass_(self) -> str:
+        return "bwd" if self.case in BWD_CASES else "fwd"
+
     def flops(self) -> float:
+        """2 x (D + dv) a visible pair forward (S = Q K^T, O = P V); the backward's five GEMMs
+        2 x (3 D + 2 dv) (S, dK, dQ over D; dP, dV over dv)."""
         d, dv = self.dims
         pairs = self.b * self.h * self.s * self.s * (0.5 if self.causal else 1.0)
+        if self.pass_ == "bwd":
+            return 2.0 * pairs * (3 * d + 2 * dv)
         return 2.0 * pairs * (d + dv)
 
 
@@ -114,7 +140,7 @@ def grid(cases, seqlens, causal, tokens: int, heads: int) -> list[FeatureShape]:
 
 def row_fields(shape: FeatureShape) -> dict:
     d, dv, softcap, sink = CASES[shape.case]
-    return {"pass": "fwd", "dtype": "bf16", "case": shape.case, "b": shape.b, "s": shape.s,
+    return {"pass": shape.pass_, "dtype": "bf16", "case": shape.case, "b": shape.b, "s": shape.s,
             "h": shape.h, "d": d, "dv": dv, "causal": shape.causal, "softcap": softcap,
             "sink": sink, "flops": shape.flops()}
 
@@ -190,8 +216,91 @@ def compile_fit_config(shape: FeatureShape):
     return cfg
 
 
+def allow_pending(name: str) -> None:
+    """Add ``name`` to FA4_FINAL_PENDING for the rest of this process (the backward cases'
+    fa4_final row runs the gated D = 96 backward through the public API)."""
+    import os
+
+    from fa4_final.runtime import pending
+
+    names = [n for n in os.environ.get(pending.ENV, "").split(",") if n.strip()]
+    if name not in names:
+        os.environ[pending.ENV] = ",".join([*names, name])
+
+
+def bwd_reference(q, k, v, dout, causal, scale):
+    """float64 (dq, dk, dv) of one head of the first sequence, every row: what each backward
+    row's gradients are compared with (``bwd_max_diff``)."""
+    from utils.reference import causal_mask
+
+    leaves = [t[:1, :, :1].detach().double().requires_grad_(True) for t in (q, k, v)]
+    qf, kf, vf = (t.transpose(1, 2) for t in leaves)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    out = (torch.softmax(s, -1) @ vf).transpose(1, 2)
+    return torch.autograd.grad(out, leaves, dout[:1, :, :1].double())
+
+
+def bwd_max_diff(grads, ref) -> float:
+    """max |grad - float64| over dq, dk, dv on bwd_reference's head."""
+    return max(float((g[:1, :, :1].double() - r).abs().max()) for g, r in zip(grads, ref))
+
+
+def _bwd_calls(shape: FeatureShape, device="cuda"):
+    """({name: zero-argument backward call}, {name: extra row fields}): each implementation's
+    forward once, then torch.autograd.grad of its out (graph kept) is the timed call."""
+    d, dv = shape.dims
+    g = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16
+    q = torch.randn(shape.b, shape.s, shape.h, d, device=device, dtype=dt, generator=g)
+    k = torch.randn(shape.b, shape.s, shape.h, d, device=device, dtype=dt, generator=g)
+    v = torch.randn(shape.b, shape.s, shape.h, dv, device=device, dtype=dt, generator=g)
+    dout = torch.randn(shape.b, shape.s, shape.h, dv, device=device, dtype=dt, generator=g)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    scale = d ** -0.5
+    forwards, extra = {}, {}
+    try:
+        from fa4_final import flash_attn_func as ours
+
+        allow_pending(BWD_GATE)
+        forwards["fa4_final"] = lambda: ours(q, k, v, softmax_scale=scale, causal=shape.causal)
+        extra["fa4_final"] = {"env": BWD_GATE}
+    except Exception as exc:
+        extra["fa4_final"] = {"error": bench.error_text(exc)}
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception:  # the FA4 package is not installed here: its rows are left out
+        pass
+    else:
+        forwards["fa4_package"] = lambda: flash_attn_func(q, k, v, softmax_scale=scale,
+                                                          causal=shape.causal)
+    for name in ("sdpa_flash", "sdpa_cudnn"):
+        fn = bench.peers()[name]
+        forwards[name] = lambda fn=fn: fn(q, k, v, causal=shape.causal, softmax_scale=scale)
+    ref = bwd_reference(q, k, v, dout, shape.causal, scale)
+    calls = {}
+    for name, forward in forwards.items():
+        try:
+            out = forward()
+            out = out[0] if isinstance(out, tuple) else out
+
+            def backward(out=out):
+                return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            grads = backward()
+            torch.cuda.synchronize()
+            extra.setdefault(name, {})["max_diff"] = bwd_max_diff(grads, ref)
+            calls[name] = backward
+        except Exception as exc:  # recorded (e.g. a backend that does not run D = 96)
+            extra.setdefault(name, {})["error"] = bench.error_text(exc)
+    return calls, extra
+
+
 def _calls(shape: FeatureShape, device="cuda"):
-    """({name: zero-argument forward call}, {name: extra row fields})."""
+    """({name: zero-argument forward call}, {name: extra row fields}); the backward cases'
+    are _bwd_calls'."""
+    if shape.pass_ == "bwd":
+        return _bwd_calls(shape, device)
     d, dv, softcap, with_sink = CASES[shape.case]
     g = torch.Generator(device=device).manual_seed(0)
     dt = torch.bfloat16
@@ -257,7 +366,7 @@ def _calls(shape: FeatureShape, device="cuda"):
 
 
 def attach_ratios(rows: list[dict]) -> list[dict]:
-    key = ("mode", "case", "b", "s", "h", "causal")
+    key = ("mode", "pass", "case", "b", "s", "h", "causal")
     for row in rows:
         if not row.get("tflops"):
             continue
@@ -274,7 +383,7 @@ def attach_ratios(rows: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--name", default="features")
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--cases", nargs="+", default=list(FWD_CASES), choices=list(CASES))
     ap.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
     ap.add_argument("--tokens", type=int, default=16384)

@@ -355,3 +355,35 @@ def test_d96_backward_compiles_clean(kw):
     assert n96 == copies // 2 * (4 + 4 + 8) + copies // 2 * (4 + 4)
     if kw.get("deterministic"):
         main.require("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32")
+
+
+# ----------------------------------------------------------------------------------------------
+# measure.features' backward case (the GPU run is a session step)
+
+
+def test_the_benchmark_case_bwd_d96(monkeypatch):
+    from measure import features
+
+    assert "bwd_d96" in features.BWD_CASES and "bwd_d96" not in features.FWD_CASES
+    s = features.FeatureShape("bwd_d96", 4, 4096, 16, True)
+    assert s.pass_ == "bwd" and features.row_fields(s)["pass"] == "bwd"
+    assert s.flops() == 2.0 * 4 * 16 * 4096 * 4096 * 0.5 * (3 * 96 + 2 * 96)
+    assert features.FeatureShape("d96", 4, 4096, 16, True).pass_ == "fwd"
+    monkeypatch.setenv(pending.ENV, "softcap")
+    features.allow_pending(features.BWD_GATE)
+    features.allow_pending(features.BWD_GATE)
+    assert pending.allowed() == {"softcap", ROW} and features.BWD_GATE == ROW
+
+
+def test_the_benchmark_reference_is_float64_autograd():
+    from measure import features
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 33, 3, 96, generator=g) for _ in range(4))
+    got = features.bwd_reference(q, k, v, dout, True, 0.1)
+    leaves = [t[:1, :, :1].double().requires_grad_(True) for t in (q, k, v)]
+    out, _ = ref.attention_masked(*leaves, True, softmax_scale=0.1)
+    want = torch.autograd.grad(out, leaves, dout[:1, :, :1].double())
+    for r, w in zip(got, want):
+        assert r.shape == (1, 33, 1, 96) and torch.allclose(r, w)
+    assert features.bwd_max_diff([t.to(torch.bfloat16) for t in want], got) < 0.05
