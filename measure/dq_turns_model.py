@@ -46,6 +46,7 @@ import heapq
 import json
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 SLOTS = 132
 # L per head dim (in steps) fitted by ``calibrate`` on results/h200/bwd_phases.json (2026-12-05)
@@ -252,7 +253,7 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
 # ----------------------------------------------------------------------------------------------
 # calibration against results/h200/bwd_phases.json
 
-MEASURED = "results/h200/bwd_phases.json"
+MEASURED = str(Path(__file__).resolve().parent.parent / "results" / "h200" / "bwd_phases.json")
 
 
 def measured_main(path: str = MEASURED) -> dict:
