@@ -147,7 +147,7 @@ def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
 # deterministic CTA pays the add's whole latency; with it, the buffer goes back once the add
 # has read it and the turn passes when the add has completed, as before. Both knobs are reached
 # through config= (a HopperBwdConfig) only: deterministic=True alone keeps the one-copy kernel
-# until a GPU has measured and checked the candidate (measure.dq_turns_model predicts it).
+# until a GPU has measured and checked the candidate (a model of the turns predicts it).
 
 
 def dq_copy_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
@@ -200,8 +200,8 @@ def dq_accum_tile(seq_start_q, b, tile_m: int):
 
 def dq_accum_tiles(total_q: int, batch: int, tile_m: int) -> int:
     """Slabs of the varlen dQ accumulator (and tiles of its lse_log2, delta, turn counters);
-    with dq_copies the accumulator and the turn counters hold that many times more (Note [dQ
-    copies])."""
+    with dq_copies the accumulator and the turn counters hold that many times more
+    (Note [dQ copies])."""
     return total_q // tile_m + batch
 
 

@@ -584,6 +584,9 @@ class HopperBackward:
     # key tile n_blocks - 1 - x when turns go downwards), and each of those waits only on earlier
     # ones in turn. The cost: a CTA whose turn comes before its data is ready waits; without a
     # causal diagonal all key tiles reach query tile 0 together and the turns form a staircase.
+    # HopperBwdConfig.dq_copies and dq_early_release shorten the staircase and free the dQ
+    # buffer before the turn passes (Note [dQ copies] in fa4_final.common.bwd_tiles); they
+    # are reached through config= only until a GPU has checked them.
 
     # Note [dQ by one warpgroup]
     # At D = 96 dQ = dS K cannot be split between the MMA warpgroups by columns as at D = 128:
