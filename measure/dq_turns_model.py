@@ -22,7 +22,8 @@ accumulator: the add takes L. Orders:
              fixed order. C = 1 is ``turns``.
 - ``rotated`` hypothesis 7: key tile n starts at query tile n * num_m // N and wraps; at each m
              the turns follow arrival order (steps since the start, ties by n). ``chunk=K``:
-             key tiles in chunks of K, each rotated over its own K starts, turns chunk by chunk.
+             key tiles in chunks of K, each rotated over its own K starts, turns chunk by chunk;
+             with ``copies=C`` chunk g adds into copy g % C (turns chunk by chunk within a copy).
 
 A waiting CTA holds its slot; when nothing can run while work remains the model reports a
 deadlock (never hangs). Returns the makespan (model time units, T = 1 unless given).
@@ -48,6 +49,13 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+PRODUCES = [
+    ("results/cpu/dq_turns_model.json", "python -m measure.dq_turns_model --save",
+     "a discrete-event model of the Hopper backward's dQ turns, calibrated on "
+     "results/h200/bwd_phases.json: its price of today's deterministic mode beside the measured "
+     "one per shape, and its predicted prices (makespan over the default's) of accumulator "
+     "copies, early release and the rotated start; predictions, not measurements"),
+]
 SLOTS = 132
 # L per head dim (in steps) fitted by ``calibrate`` on results/h200/bwd_phases.json (2026-12-05)
 CALIBRATED = {64: 0.871, 128: 0.963}
@@ -141,7 +149,10 @@ def turn_of(shape: Shape, order: str, n: int, m: int, copies: int = 1,
         return (m - (j - c0) * M // size) % M
 
     rank = sum(1 for j in range(c0, c0 + size) if (dist(j), j) < (dist(n), n))
-    return 0, c0 + rank  # earlier chunks' key tiles (c0 of them) all come first
+    # with copies, chunk g adds into copy g % copies: only the earlier chunks of its copy (all
+    # full, k key tiles each) come first
+    g = n // k
+    return g % copies, (g // copies) * k + rank
 
 
 def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
@@ -334,29 +345,55 @@ def predict(shape: Shape, L: float, jitter: float = 0.05, copies=(2, 4, 8),
         for c in copies:
             out[f"copies={c}{tag}"] = simulate(shape, "copies", L=L, jitter=jitter, copies=c,
                                                early=e).makespan / base
-    if not shape.causal:
-        for k in chunks:
-            r = simulate(shape, "rotated", L=L, jitter=jitter, chunk=k)
-            out[f"rotated chunk={k}"] = ("deadlock" if r.deadlock else r.makespan / base)
+        if shape.causal:
+            continue
+        for k in chunks:  # chunks in copies of their own: no chunk waits on another
+            n_copies = 1 if k is None else -(-shape.num_n // k)
+            r = simulate(shape, "rotated", L=L, jitter=jitter, chunk=k, copies=n_copies,
+                         early=e)
+            out[f"rotated chunk={k}{tag}"] = ("deadlock" if r.deadlock
+                                              else r.makespan / base)
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--save", action="store_true",
+                    help="store the calibration and the predictions in " + PRODUCES[0][0])
+    args = ap.parse_args(argv)
     cal = calibrate()
     print("L fitted at the dense S = 4096 shape (steps of T):",
           {d: round(v, 3) for d, v in cal["L"].items()})
     print(f"{'shape':24s} {'measured':>9s} {'model':>7s} {'T us':>6s} {'L us':>6s}")
+    rows = []
+    note = "a model's output (measure.dq_turns_model), not a measurement"
     for r in cal["rows"]:
         name = f"D{r['d']} S{r['s']} {'causal' if r['causal'] else 'dense'}"
         print(f"{name:24s} {r['measured']:9.3f} {r['model']:7.3f} {r['T_us']:6.2f} "
               f"{r['L_us']:6.2f}")
+        for impl, value in (("measured", r["measured"]), ("model", r["model"])):
+            rows.append({"impl": impl, "metric": "turns_price", "value": value, "unit": "x",
+                         "d": r["d"], "s": r["s"], "causal": r["causal"],
+                         "L_steps": cal["L"][r["d"]], "T_us": r["T_us"], "note": note})
     print("predictions (makespan / default's; to be measured):")
     for (d, s, causal), (_, _, b, h) in sorted(measured_main().items()):
         shape = default_shape(b, s, h, d, causal)
-        pred = predict(shape, cal["L"][d], chunks=(None, 64, 32))
+        pred = predict(shape, cal["L"][d], chunks=(None, 64))
         name = f"D{d} S{s} {'causal' if causal else 'dense'}"
         print(f"  {name:22s} " + "  ".join(
             f"{k} {v if isinstance(v, str) else f'{v:.3f}'}" for k, v in pred.items()))
+        for order, value in pred.items():
+            rows.append({"impl": order, "metric": "predicted_price",
+                         "value": None if isinstance(value, str) else value, "unit": "x",
+                         "d": d, "s": s, "causal": causal, "L_steps": cal["L"][d],
+                         "deadlock": value == "deadlock", "note": note})
+    if args.save:
+        from utils import results
+
+        path = results.save("dq_turns_model", rows, PRODUCES[0][1], gpu="cpu")
+        print(f"wrote {path}")
     return 0
 
 

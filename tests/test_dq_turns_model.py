@@ -48,3 +48,12 @@ def test_default_is_one_wave_of_steps_per_slot():
     shape = Shape(1, 1024, 4, 128, False)  # 8 key tiles x 4 heads = 32 CTAs of 16 steps
     r = simulate(shape, "none", L=0.1, slots=8)
     assert 4 * 16 <= r.makespan <= 4 * 16 + 4 * 1.0
+
+
+def test_chunks_with_their_own_copies_wait_on_no_other_chunk():
+    shape = Shape(1, 2048, 2, 64, False)  # 16 key tiles, chunks of 4 in 4 copies
+    r = simulate(shape, "rotated", L=0.5, slots=4, chunk=4, copies=4, keep_adds=True)
+    assert not r.deadlock
+    for (_b, _head, m, copy), ns in r.adds.items():
+        assert all(n // 4 == copy for n in ns)
+        assert [turn_of(shape, "rotated", n, m, 4, 4)[1] for n in ns] == list(range(len(ns)))
