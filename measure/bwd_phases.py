@@ -35,17 +35,18 @@ from utils import bench, results
 PRODUCES = [
     ("results/h200/bwd_phases.json", "python -m measure.bwd_phases --rounds 5",
      "the backward's device time per kernel phase (preprocess, main, postprocess, other, "
-     "total) of fa4_final (default, deterministic, and the deterministic candidate with four "
-     "dQ copies and early release, fa4_final_det_c4) and the FA4 package, D = 128 and 64, "
+     "total) of fa4_final (default, deterministic, and the deterministic candidate with two "
+     "dQ copies and early release, fa4_final_det_c2) and the FA4 package, D = 128 and 64, "
      "S = 4096 and 16384, causal or not, from torch.profiler's CUDA kernel records"),
 ]
 
-IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_final_det_c4", "fa4_package")
+IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_final_det_c2", "fa4_package")
 # deterministic candidates of issue 34, reached through config= (a HopperBwdConfig) only: the
 # default's tiles with these knobs (Note [dQ copies] in fa4_final.common.bwd_tiles); their
 # backward runs runtime.prologue.backward_into on the forward's out and lse, the three kernels
 # the autograd path launches
 CANDIDATES = {
+    "fa4_final_det_c2": {"dq_copies": 2, "dq_early_release": True},
     "fa4_final_det_c4": {"dq_copies": 4, "dq_early_release": True},
     "fa4_final_det_c4_late": {"dq_copies": 4},
     "fa4_final_det_early": {"dq_early_release": True},

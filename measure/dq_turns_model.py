@@ -280,6 +280,31 @@ def measured_main(path: str = MEASURED) -> dict:
             if "fa4_final" in v and "fa4_final_deterministic" in v}
 
 
+def measured_phases(path: str = MEASURED) -> dict:
+    """{(d, s, causal): {phase: ms}} of the default build (fa4_final), back to back."""
+    got: dict = {}
+    for r in json.load(open(path))["rows"]:
+        if r["impl"] == "fa4_final" and r["mode"] == "back_to_back" and r.get("value"):
+            got.setdefault((r["d"], r["s"], r["causal"]), {})[r["phase"]] = r["value"]
+    return got
+
+
+def total_price(phases: dict, main_price: float, copies: int = 1) -> float:
+    """The whole backward's time over the default's when the main kernel takes ``main_price``
+    times its time and the accumulator has ``copies`` copies. Assumed: bwd_pre and bwd_post
+    are bound by memory traffic (as their measured times say: about 4 TB/s) and scale with
+    their bytes per dQ element: bwd_pre reads O and dO (2 + 2 B) and zeroes 4 B per copy,
+    bwd_post reads 4 B per copy and writes 2 B."""
+    pre = phases["pre"] * (4 + 4 * copies) / 8
+    post = phases["post"] * (4 * copies + 2) / 6
+    return (pre + phases["main"] * main_price + post) / phases["total"]
+
+
+def copies_of(order: str) -> int:
+    """Accumulator copies of a predict() key ("copies=4 early" -> 4; others 1)."""
+    return int(order.split("=")[1].split()[0]) if order.startswith("copies=") else 1
+
+
 def default_shape(b: int, s: int, h: int, d: int, causal: bool) -> Shape:
     """A shape with the default config's tiles (hopper_bwd_default: tile_m 128 at D = 64, 80
     at D = 128 without a causal diagonal, 64 with one; tile_n 128)."""
@@ -377,18 +402,27 @@ def main(argv=None) -> int:
             rows.append({"impl": impl, "metric": "turns_price", "value": value, "unit": "x",
                          "d": r["d"], "s": r["s"], "causal": r["causal"],
                          "L_steps": cal["L"][r["d"]], "T_us": r["T_us"], "note": note})
-    print("predictions (makespan / default's; to be measured):")
+    print("predictions, main kernel (makespan / default's) and in brackets the whole backward "
+          "with bwd_pre and bwd_post scaled by their bytes (total_price); to be measured:")
+    phases = measured_phases()
     for (d, s, causal), (_, _, b, h) in sorted(measured_main().items()):
         shape = default_shape(b, s, h, d, causal)
         pred = predict(shape, cal["L"][d], chunks=(None, 64))
         name = f"D{d} S{s} {'causal' if causal else 'dense'}"
+        total = {k: None if isinstance(v, str) else
+                 total_price(phases[(d, s, causal)], v, copies_of(k)) for k, v in pred.items()}
         print(f"  {name:22s} " + "  ".join(
-            f"{k} {v if isinstance(v, str) else f'{v:.3f}'}" for k, v in pred.items()))
+            f"{k} {v}" if isinstance(v, str) else f"{k} {v:.3f} ({total[k]:.3f})"
+            for k, v in pred.items()))
         for order, value in pred.items():
             rows.append({"impl": order, "metric": "predicted_price",
                          "value": None if isinstance(value, str) else value, "unit": "x",
                          "d": d, "s": s, "causal": causal, "L_steps": cal["L"][d],
                          "deadlock": value == "deadlock", "note": note})
+            rows.append({"impl": order, "metric": "predicted_total_price", "value": total[order],
+                         "unit": "x", "d": d, "s": s, "causal": causal, "copies":
+                         copies_of(order), "note": note + "; bwd_pre and bwd_post scaled by "
+                         "their bytes per element"})
     if args.save:
         from utils import results
 

@@ -57,3 +57,13 @@ def test_chunks_with_their_own_copies_wait_on_no_other_chunk():
     for (_b, _head, m, copy), ns in r.adds.items():
         assert all(n // 4 == copy for n in ns)
         assert [turn_of(shape, "rotated", n, m, 4, 4)[1] for n in ns] == list(range(len(ns)))
+
+
+def test_total_price_charges_the_copies_to_pre_and_post():
+    from measure.dq_turns_model import copies_of, total_price
+
+    phases = {"pre": 0.07, "main": 2.0, "post": 0.05, "total": 2.12}
+    assert abs(total_price(phases, 1.0, 1) - 1.0) < 1e-12
+    prices = [total_price(phases, 1.0, c) for c in (1, 2, 4, 8)]
+    assert prices == sorted(prices) and prices[0] < prices[1]
+    assert copies_of("copies=4 early") == 4 and copies_of("turns early") == 1
