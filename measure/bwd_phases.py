@@ -38,6 +38,13 @@ PRODUCES = [
      "total) of fa4_final (default, deterministic, and the deterministic candidate with two "
      "dQ copies and early release, fa4_final_det_c2) and the FA4 package, D = 128 and 64, "
      "S = 4096 and 16384, causal or not, from torch.profiler's CUDA kernel records"),
+    ("results/h200/bwd_phases_det_*.json",
+     "python -m measure.bwd_phases --rounds 5 --dims 128 --impls fa4_final "
+     "fa4_final_deterministic fa4_final_det_c2 fa4_final_det_early fa4_final_det_c4 "
+     "--name bwd_phases_det_d128",
+     "the same phases for the deterministic candidates of issue 34 (CANDIDATES: dQ copies "
+     "and early release through config=) beside the default and today's deterministic mode, "
+     "one head dim a file"),
 ]
 
 IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_final_det_c2", "fa4_package")
