@@ -24,6 +24,7 @@ from fa4_final.common.dq_order import dq_offset
 from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
 from fa4_final.runtime import dispatch, pending, prologue, varlen
 from tests import fa4_cpu_reference as ref
+from tests.hopper_recorder import record_hopper_runs
 from tests.test_pending_features import DEVICE, GATE, dense, packed
 
 ROW = "bwd_head_dims"
@@ -269,29 +270,11 @@ def test_with_the_env_the_autograd_path_runs_the_backward_at_d96(monkeypatch, cp
         assert (got.double() - want).abs().max() <= 0.05 * want.abs().max() + 0.05
 
 
-def _recording(monkeypatch):
-    """The Hopper runners with compile and launch replaced by records (nothing is built)."""
-    calls = []
-
-    class Plan:
-        config = None
-
-    def compiled(recipe_fn, *args):
-        calls.append(("compiled", recipe_fn.__name__, args))
-        return Plan()
-
-    monkeypatch.setattr(dispatch, "compiled", compiled)
-    host = dispatch.HOPPER.host
-    for name in ("launch_backward", "launch_varlen_backward"):
-        monkeypatch.setattr(host, name, lambda *a, name=name, **kw: calls.append((name, a, kw)))
-    return calls
-
-
 def test_with_the_env_the_hopper_runners_build_the_d96_backward(monkeypatch):
     """The Hopper backward runners (dense and varlen) ask backward_recipe for head dim 96, and
     that recipe's kernels are the D = 96 build: dQ by one warpgroup, 128 bwd_post threads."""
     monkeypatch.setenv(pending.ENV, ROW)
-    calls = _recording(monkeypatch)
+    calls = record_hopper_runs(monkeypatch)
     runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
     q, k, v = dense(d=96)
     out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)

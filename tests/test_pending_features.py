@@ -29,6 +29,7 @@ from fa4_final.api import ops, sdpa
 from fa4_final.common.backward import sink_gradient
 from fa4_final.runtime import dispatch, pending, prologue, varlen
 from tests import fa4_cpu_reference as ref
+from tests.hopper_recorder import record_hopper_runs
 from utils.reference import attention_reference_features
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
@@ -420,28 +421,8 @@ def test_sdpa_backward_returns_dsink_as_fa4(monkeypatch):
     assert seen["dlse"][1:] == [None]
 
 
-def _recording(monkeypatch):
-    calls = []
-
-    class Plan:
-        config = None
-
-    def compiled(recipe_fn, *args):
-        calls.append(("compiled", recipe_fn.__name__, args))
-        return Plan()
-
-    def launch(name):
-        return lambda *args: calls.append((name, args))
-
-    monkeypatch.setattr(dispatch, "compiled", compiled)
-    host = dispatch.HOPPER.host
-    for name in ("launch_forward", "launch_backward", "launch_varlen_forward"):
-        monkeypatch.setattr(host, name, launch(name))
-    return calls
-
-
 def test_hopper_puts_softcap_and_sink_dtype_in_the_compile_key_only_when_set(monkeypatch):
-    calls = _recording(monkeypatch)
+    calls = record_hopper_runs(monkeypatch)
     runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
     q, k, v = dense()
     out, lse = torch.empty_like(q), torch.empty(2, 4, 24)
@@ -480,7 +461,7 @@ def test_hopper_puts_softcap_and_sink_dtype_in_the_compile_key_only_when_set(mon
 def test_each_sink_dtype_names_its_build(monkeypatch, dtype, name):
     """A float32 sink (FA4 takes float32, bf16 and fp16 sinks with bf16 q) keys the fp32 build:
     the dtype name comes from SINK_DTYPE_NAMES, not q's DTYPE_NAMES."""
-    calls = _recording(monkeypatch)
+    calls = record_hopper_runs(monkeypatch)
     runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
     q, k, v = dense()
     out, lse = torch.empty_like(q), torch.empty(2, 4, 24)

@@ -34,6 +34,7 @@ from fa4_final import UnsupportedError, flash_attn_func, flash_attn_varlen_func
 from fa4_final.api import ops, sdpa
 from fa4_final.runtime import dispatch, pending, prologue, varlen
 from tests import fa4_cpu_reference as ref
+from tests.hopper_recorder import record_hopper_runs
 from tests.test_pending_features import BF16, DEVICE, GATE, dense, packed
 from utils.reference import attention_reference_features
 
@@ -256,29 +257,8 @@ def test_sdpa_backward_folds_dlse_into_one_call_by_default(monkeypatch):
     assert seen == [False, False]  # Note [Gradient of the returned lse]: the probe's call
 
 
-def _recording(monkeypatch):
-    calls = []
-
-    class Plan:
-        config = None
-
-    def compiled(recipe_fn, *args):
-        calls.append(("compiled", recipe_fn.__name__, args))
-        return Plan()
-
-    def launch(name):
-        return lambda *args, **kw: calls.append((name, args, kw))
-
-    monkeypatch.setattr(dispatch, "compiled", compiled)
-    host = dispatch.HOPPER.host
-    for name in ("launch_forward", "launch_backward", "launch_varlen_forward",
-                 "launch_varlen_backward"):
-        monkeypatch.setattr(host, name, launch(name))
-    return calls
-
-
 def test_hopper_puts_has_dlse_in_the_backward_key_only_when_given(monkeypatch):
-    calls = _recording(monkeypatch)
+    calls = record_hopper_runs(monkeypatch)
     runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
     q, k, v, out, lse, grads = _bwd_args()
     dlse = torch.randn(lse.shape)
@@ -617,7 +597,7 @@ def test_sdpa_forward_allocates_out_with_v_head_dim(monkeypatch):
 
 
 def test_hopper_passes_head_dim_v_only_when_it_differs(monkeypatch):
-    calls = _recording(monkeypatch)
+    calls = record_hopper_runs(monkeypatch)
     runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
     for d, dv in ((64, 64), (96, 96), (192, 128), (256, 256), (64, 128)):
         q, k, v = dense(d=d, dv=dv)
@@ -844,7 +824,7 @@ def test_compile_fullgraph_with_seqused_q(monkeypatch, cpu_kernels):
 
 
 def test_hopper_puts_has_seqused_q_in_the_varlen_keys_only_when_given(monkeypatch):
-    calls = _recording(monkeypatch)
+    calls = record_hopper_runs(monkeypatch)
     runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
     q, k, v, out, lse, grads = _bwd_args()
     used = _used((3, 4))
