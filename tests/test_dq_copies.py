@@ -8,6 +8,7 @@ import random
 import pytest
 
 from fa4_final.common.bwd_tiles import (
+    copy_visited,
     dq_accum_tile,
     dq_accum_tiles,
     dq_copy_turn,
@@ -104,3 +105,84 @@ def test_workspace_holds_the_copies():
     assert four["accum"] == (1, 4, one["accum"][2] * 4)
     assert four["turn"] == (1, 4, one["turn"][2] * 4)
     assert four["lse2"] == one["lse2"] and four["delta"] == one["delta"]
+
+
+def _visitors(w, n_k, sq, sk, left, right):
+    visitors = {}
+    for n in range(n_k):
+        m_min, m_max, _, _ = q_tile_range(w, n, sq, sk, left, right)
+        for m in range(m_min, m_max):
+            visitors.setdefault(m, []).append(n)
+    return visitors
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("copies", range(1, 9))
+def test_copy_visited_is_brute_force_and_turn_zero_writes_first(seed, copies):
+    # dq_first_store: copy c of query tile m holds data exactly when copy_visited says so, and
+    # then exactly one of its visitors has turn 0 (it stores; the others add after it); the
+    # counter bwd_post reads ends at the visitor count (0: nobody wrote the unzeroed slab)
+    for tm, tn, sq, sk, causal, left, right in _cases(120, seed + 10):
+        w = TileWindow(tm, tn, causal, has_left=left is not None,
+                       has_right=right is not None and not causal)
+        n_k = -(-sk // tn)
+        visitors = _visitors(w, n_k, sq, sk, left, right)
+        case = (tm, tn, sq, sk, causal, left, right, copies)
+        for m in range(-(-sq // tm)):
+            for c in range(copies):
+                mine = [n for n in visitors.get(m, []) if n % copies == c]
+                seen = copy_visited(w, m, c, n_k, sq, sk, left, right, copies)
+                assert seen == bool(mine), (case, m, c)
+                turns = [dq_copy_turn(w, n, m, n_k, sq, sk, left, right, copies)[1]
+                         for n in mine]
+                assert turns.count(0) == (1 if mine else 0), (case, m, c, turns)
+
+
+def test_copy_visited_every_window_kind_and_tiles_nobody_visits():
+    # each kind by name (dense): none, causal, left only, right only, both, and sq != sk both
+    # ways; causal with sk << sq leaves query tiles with no visitor at all (rows that see no key)
+    kinds = [(False, None, None), (True, None, None), (False, 0, None), (False, 40, None),
+             (False, None, 0), (False, None, 17), (False, 30, 30), (True, 70, None)]
+    for causal, left, right in kinds:
+        for sq, sk in [(513, 513), (1000, 130), (130, 1000), (64, 1), (1, 64)]:
+            for copies in range(1, 9):
+                w = TileWindow(64, 128, causal, has_left=left is not None,
+                               has_right=right is not None)
+                n_k = -(-sk // 128)
+                visitors = _visitors(w, n_k, sq, sk, left, right)
+                for m in range(-(-sq // 64)):
+                    for c in range(copies):
+                        want = any(n % copies == c for n in visitors.get(m, []))
+                        assert copy_visited(w, m, c, n_k, sq, sk, left, right, copies) == want
+    w = TileWindow(64, 128, True, has_left=False, has_right=False)
+    vis = _visitors(w, 2, 1000, 130, None, None)
+    nobody = [m for m in range(16) if m not in vis]
+    assert nobody == list(range(13))
+    assert not any(copy_visited(w, m, c, 2, 1000, 130, None, None, 4)
+                   for m in nobody for c in range(4))
+
+
+@pytest.mark.parametrize("copies", [1, 2, 4, 8])
+def test_copy_visited_varlen(copies):
+    # per sequence, the same function of that sequence's lengths (the kernels see one sequence
+    # at a time; its slabs start at dq_accum_tile)
+    rng = random.Random(100 + copies)
+    for _ in range(60):
+        causal = rng.random() < 0.5
+        left = rng.choice([None, 0, 33])
+        w = TileWindow(80, 128, causal, has_left=left is not None, has_right=False)
+        for sq, sk in [(rng.randint(1, 400), rng.randint(1, 400)) for _ in range(4)]:
+            n_k = -(-sk // 128)
+            visitors = _visitors(w, n_k, sq, sk, left, None)
+            for m in range(-(-sq // 80)):
+                for c in range(copies):
+                    want = any(n % copies == c for n in visitors.get(m, []))
+                    assert copy_visited(w, m, c, n_k, sq, sk, left, None, copies) == want
+
+
+def test_config_checks_first_store():
+    HopperBwdConfig(deterministic=True, dq_first_store=True).check(128)
+    HopperBwdConfig(deterministic=True, dq_copies=4, dq_early_release=True,
+                    dq_first_store=True).check(64)
+    with pytest.raises(ValueError, match="needs deterministic=True"):
+        HopperBwdConfig(dq_first_store=True).check(128)

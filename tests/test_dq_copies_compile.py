@@ -21,11 +21,12 @@ def candidate(head_dim, causal, copies=2, early=True):
                    dq_early_release=early)
 
 
-def _check(arts):
+def _check(arts, zeroes=True):
     main, pre, post = arts["main"], arts["pre"], arts["post"]
     main.require("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32",
                  "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32")
-    pre.require("st.global.v4")
+    if zeroes:  # bwd_pre zeroes the accumulator, 16 B a store (not with dq_first_store)
+        pre.require("st.global.v4")
     post.require("ld.global.v4", "st.global.v4")
     for art in arts.values():
         assert art.spills == 0 and art.frame_bytes == 0, art.resources()
@@ -50,3 +51,37 @@ def test_copies_compile_clean(head_dim, causal, varlen):
 def test_each_half_alone_compiles_clean(copies, early):
     cfg = candidate(128, False, copies, early)
     _check(compile_artifacts(backward_recipe(128, "bf16", False, cfg, True)))
+
+
+STORE = "cp.async.bulk.global.shared::cta.bulk_group"  # the plain bulk copy (no .add)
+ADD = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
+
+
+def _check_first_store(arts, copies):
+    """dq_first_store (Note [dQ copies]): the main kernel stores at turn 0 and adds after, one
+    instruction of each per dQ chunk; bwd_pre writes no accumulator (no 16 B zero stores);
+    bwd_post still reads the copies 16 B at a time."""
+    _check(arts, zeroes=False)
+    main = arts["main"]
+    assert re.search(re.escape(STORE) + r"\s*\[", main.ptx), "no plain bulk copy in the PTX"
+    assert main.count(STORE) == main.count(ADD) > 0, (main.count(STORE), main.count(ADD))
+    assert arts["pre"].count("st.global.v4") == 0, "bwd_pre still zeroes the accumulator"
+    assert arts["post"].count("ld.global.v4") > 0
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_first_store_compiles_clean(head_dim, causal, varlen):
+    cfg = replace(candidate(head_dim, causal, 4, True), dq_first_store=True)
+    _check_first_store(compile_artifacts(backward_recipe(head_dim, "bf16", causal, cfg, True,
+                                                         varlen=varlen)), 4)
+
+
+@pytest.mark.parametrize("head_dim,causal,varlen,copies", [
+    (64, False, False, 1), (128, True, True, 1), (64, False, False, 2), (128, True, True, 2),
+    (128, False, True, 2)])
+def test_first_store_one_and_two_copies(head_dim, causal, varlen, copies):
+    cfg = replace(candidate(head_dim, causal, copies, True), dq_first_store=True)
+    _check_first_store(compile_artifacts(backward_recipe(head_dim, "bf16", causal, cfg, True,
+                                                         varlen=varlen)), copies)

@@ -36,6 +36,18 @@ def bulk_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, nbytes: int) ->
     )
 
 
+def bulk_store_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, nbytes: int) -> None:
+    """Write ``nbytes`` of float32 from shared memory over global memory (a plain bulk copy, no
+    read of the destination): bulk_add_f32's counterpart for the first writer of a block, so
+    the block needs no zeroing before (HopperBwdConfig.dq_first_store, Note [dQ copies]).
+    Same rules: one thread, multiples of 16 bytes, 16-byte aligned, tracked by bulk groups."""
+    assert nbytes % 16 == 0, f"a bulk copy moves multiples of 16 bytes, got {nbytes}"
+    cute.arch.inline_ptx(
+        "cp.async.bulk.global.shared::cta.bulk_group [{$r0}], [{$r1}], {$r2};",
+        read_only_args=[gmem_ptr, smem_ptr, Int32(nbytes)],
+    )
+
+
 @cute.jit
 def wait_turn(counter: cute.Pointer, turn: Int32) -> None:
     """Spin (one thread) until the int32 counter in global memory equals ``turn``."""

@@ -79,7 +79,9 @@ def launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal: bool,
                    *(() if dlse is None else (dlse.float().contiguous(),)))
     kernels["main"](q, k, v, dout, lse2, delta, accum, dk, dv, turn, softmax_scale, left or 0,
                     right or 0)
-    kernels["post"](accum, dq, softmax_scale)
+    # dq_first_store: bwd_post reads the turn counters to skip copies nobody wrote
+    kernels["post"](accum, dq, softmax_scale,
+                    *((turn,) if getattr(cfg, "dq_first_store", False) else ()))
 
 
 def sink_gradient(learnable_sink, lse, out, dout, dlse=None):

@@ -53,12 +53,15 @@ class BackwardPost:
         mdQ: cute.Tensor,  # (batch, seqlen_q, heads, D) out
         softmax_scale: Float32,
         stream,
+        mTurn: cute.Tensor | None = None,  # dq_first_store: the main kernel's turn counters
     ):
-        self.launch(mdQaccum, mdQ, softmax_scale, None, stream)
+        self.launch(mdQaccum, mdQ, softmax_scale, None, stream, mTurn)
 
     @cute.jit
-    def launch(self, mdQaccum, mdQ, softmax_scale, mCuSeqlensQ, stream):
-        """Both variants' host side; ``mCuSeqlensQ`` is None in the dense one."""
+    def launch(self, mdQaccum, mdQ, softmax_scale, mCuSeqlensQ, stream, mTurn=None):
+        """Both variants' host side; ``mCuSeqlensQ`` is None in the dense one. ``mTurn``
+        (batch, heads, tiles * copies) int32, with dq_first_store only: a copy whose counter
+        is 0 had no visitor and is read as zero (Note [dQ copies])."""
         if const_expr(mdQ.element_type != self.dtype or mdQaccum.element_type != Float32):
             raise TypeError(f"dq must be {self.dtype} and its accumulator float32")
         row_stride = self.head_dim + ROW_PAD
@@ -79,29 +82,29 @@ class BackwardPost:
         if const_expr(self.varlen):  # bwd_pre's list of query tiles
             grid = ((num_m_blocks + mCuSeqlensQ.shape[0] - 1) * mdQ.shape[2], 1, 1)
         self.kernel(mdQaccum, mdQ, softmax_scale, self.main.dq_copy(), copy_out,
-                    sdQ_layout, SharedStorage, mCuSeqlensQ).launch(
+                    sdQ_layout, SharedStorage, mCuSeqlensQ, mTurn).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
                dq_copy: cute.TiledCopy, copy_out: cute.TiledCopy,
                sdQ_layout: cute.Layout, SharedStorage: cutlass.Constexpr,
-               mCuSeqlensQ: cute.Tensor | None):
+               mCuSeqlensQ: cute.Tensor | None, mTurn: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, b = cute.arch.block_idx()
         if const_expr(not self.varlen):
             self.tile(mdQaccum, mdQ, softmax_scale, dq_copy, copy_out, sdQ_layout,
-                      SharedStorage, tidx, m_block, head, b, mdQ.shape[1], None)
+                      SharedStorage, tidx, m_block, head, b, mdQ.shape[1], None, mTurn)
         else:
             m_in_seq, at = varlen_query_tile(m_block, mCuSeqlensQ, self.tile_m, mdQ.shape[2])
             if at.valid:
                 self.tile(mdQaccum, mdQ, softmax_scale, dq_copy, copy_out, sdQ_layout,
                           SharedStorage, tidx, m_in_seq, at.head, Int32(0), at.seqlen_q,
-                          (at.offset_q, at.m_base))
+                          (at.offset_q, at.m_base), mTurn)
 
     @cute.jit
     def tile(self, mdQaccum, mdQ, softmax_scale, dq_copy, copy_out, sdQ_layout, SharedStorage,
-             tidx, m_block, head, b, seqlen_q, seq):
+             tidx, m_block, head, b, seqlen_q, seq, mTurn=None):
         """dQ of one query tile. Varlen (``seq``): of the sequence whose rows start at packed
         row seq[0] and whose accumulator slabs at seq[1] (Note [Varlen dQ accumulator])."""
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -115,14 +118,22 @@ class BackwardPost:
         slab = self.tile_m * self.head_dim
         # Note [dQ copies] (common.bwd_tiles); a writer without the knob has one accumulator
         copies = getattr(getattr(self.main, "cfg", None), "dq_copies", 1)
-        if const_expr(copies > 1):  # the sum of the copies, copy 0 first, always that order
+        first_store = getattr(getattr(self.main, "cfg", None), "dq_first_store", False)
+        if const_expr(copies > 1 or first_store):  # the copies' sum, copy 0 first, always
             flat = None
             for c in cutlass.range_constexpr(copies):
                 gAcc = cute.local_tile(mdQaccum[b, head, None], (slab,), (m_pad * copies + c,))
                 gAcc = cute.make_tensor(gAcc.iterator, self.main.dq_chunk_layout())
                 tAgA = dq_copy.get_slice(tidx).partition_D(gAcc)
                 part = cute.make_rmem_tensor(tAgA.shape, Float32)
-                cute.autovec_copy(tAgA, part)
+                if const_expr(first_store):
+                    # nobody zeroed the slab: only a copy with a visitor (its counter passed
+                    # at least once) holds dQ; the others are zero (Note [dQ copies])
+                    part.fill(0.0)
+                    if mTurn[b, head, m_pad * copies + c] != 0:
+                        cute.autovec_copy(tAgA, part)
+                else:
+                    cute.autovec_copy(tAgA, part)
                 if const_expr(c == 0):
                     flat = part
                 else:
@@ -169,5 +180,5 @@ class VarlenBackwardPost(BackwardPost):
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-                 softmax_scale: Float32, stream):
-        self.launch(mdQaccum, mdQ, softmax_scale, mCuSeqlensQ, stream)
+                 softmax_scale: Float32, stream, mTurn: cute.Tensor | None = None):
+        self.launch(mdQaccum, mdQ, softmax_scale, mCuSeqlensQ, stream, mTurn)

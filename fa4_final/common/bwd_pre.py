@@ -32,9 +32,12 @@ class BackwardPre:
     varlen = False  # VarlenBackwardPre: packed sequences
 
     def __init__(self, dtype, head_dim: int, tile_m: int, deterministic: bool = False,
-                 has_dlse: bool = False, has_seqused_q: bool = False, dq_copies: int = 1):
+                 has_dlse: bool = False, has_seqused_q: bool = False, dq_copies: int = 1,
+                 dq_first_store: bool = False):
         # accumulator copies per query tile (Note [dQ copies] in fa4_final.common.bwd_tiles)
         self.dq_copies = int(dq_copies)
+        # the main kernel's first visitor stores: the accumulator is not zeroed, only the turns
+        self.dq_first_store = bool(deterministic) and bool(dq_first_store)
         self.has_dlse = bool(has_dlse)  # Note [The lse gradient folded]
         # varlen only: a sequence's rows past seqused_q are padding (Note [Used query rows])
         self.has_seqused_q = self.varlen and bool(has_seqused_q)
@@ -55,6 +58,7 @@ class BackwardPre:
                self.deterministic)
         key = key + (("seqused_q",),) if self.has_seqused_q else key
         key = key + (("dq_copies", self.dq_copies),) if self.dq_copies > 1 else key
+        key = key + (("dq_first_store",),) if self.dq_first_store else key
         return key + (("dlse",),) if self.has_dlse else key
 
     @cute.jit
@@ -179,13 +183,15 @@ class BackwardPre:
                     mDelta[b, head, first_pad_row + row] = delta
         # zero this tile's slab of the dQ accumulator: 16 B per thread per step
         # (with dq_copies: the tile's run of copies, slabs m_pad * C .. m_pad * C + C - 1)
-        slab = self.tile_m * self.head_dim * self.dq_copies
-        gAcc = cute.local_tile(mdQaccum[b, head, None], (slab,), (m_pad,))
-        gAcc = cute.flat_divide(gAcc, (4,))  # (4, slab / 4)
-        zeros = cute.make_rmem_tensor(4, Float32)
-        zeros.fill(0.0)
-        for i in cutlass.range_constexpr(slab // (4 * THREADS)):
-            cute.autovec_copy(zeros, gAcc[None, i * THREADS + tidx])
+        # (dq_first_store: not at all, the first visitor of each copy stores; Note [dQ copies])
+        if const_expr(not self.dq_first_store):
+            slab = self.tile_m * self.head_dim * self.dq_copies
+            gAcc = cute.local_tile(mdQaccum[b, head, None], (slab,), (m_pad,))
+            gAcc = cute.flat_divide(gAcc, (4,))  # (4, slab / 4)
+            zeros = cute.make_rmem_tensor(4, Float32)
+            zeros.fill(0.0)
+            for i in cutlass.range_constexpr(slab // (4 * THREADS)):
+                cute.autovec_copy(zeros, gAcc[None, i * THREADS + tidx])
         if const_expr(self.deterministic and self.dq_copies > 1):
             if tidx < self.dq_copies:
                 mTurn[b, head, m_pad * self.dq_copies + tidx] = Int32(0)

@@ -148,6 +148,22 @@ def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
 # has read it and the turn passes when the add has completed, as before. Both knobs are reached
 # through config= (a HopperBwdConfig) only: deterministic=True alone keeps the one-copy kernel
 # until a GPU has measured and checked the candidate (a model of the turns predicts it).
+# dq_first_store removes the copies' price outside the main kernel: bwd_pre zeroing every copy
+# and bwd_post reading every copy cost (C - 1) x the accumulator's bytes twice. With it the
+# visitor whose turn is 0 at (m, c) writes its part with a plain bulk copy (bulk_store_f32,
+# no read of the slab) and later turns add, so bwd_pre zeroes only the turn counters. Why turn
+# 1's add sees turn 0's store whole: both are the same turn protocol as two adds; turn 0's dQ
+# warp waits for its bulk group to complete (wait_group 0, writes done, not just read), fences
+# (fence.acq_rel.gpu) and increments the counter with release semantics; turn 1 issues its add
+# only after an acquire load has seen that increment, so its read-modify-write starts from the
+# stored values (both warpgroups' chunks of a step are one CTA's turn, stored together). Why
+# an unzeroed slab is never read: a copy with no visitor (copy_visited false: no key tile
+# n = c mod C reaches m, e.g. rows that see no key) is never written and its counter stays at
+# bwd_pre's 0; bwd_post reads a copy only where its counter is non-zero (the counter ends at
+# the copy's visitor count, checked against q_tile_range on the CPU) and takes zero elsewhere,
+# so garbage, NaN included, never enters the sum. The sum order is unchanged (copy 0 first),
+# and the values equal the zeroing build's (0 + x = x; a zero's sign may differ). Reached
+# through config= only, like the other two knobs; not yet run on a GPU.
 
 
 def dq_copy_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
@@ -167,6 +183,22 @@ def dq_slab(m_pad, copy, copies: int = 1):
     if copies == 1:
         return m_pad
     return m_pad * copies + copy
+
+
+def copy_visited(w: TileWindow, m_block, copy, num_n_blocks, seqlen_q, seqlen_k,
+                 window_left=None, window_right=None, copies: int = 1):
+    """Whether some key tile adds (or, with dq_first_store, stores) into copy ``copy`` of query
+    tile ``m_block``: the visitors of m_block are the key tiles first_visitor .. last_visitor,
+    and copy c has one when a key tile n = c (mod copies) lies among them (Note [dQ copies]).
+    Its counter then ends at the number of such visitors, and at 0 otherwise: bwd_post reads
+    that counter on the device rather than recomputing this, so it needs no key lengths or
+    window (the CPU tests check both agree with q_tile_range for every window kind)."""
+    lo = _max(first_visitor(w, m_block, seqlen_q, seqlen_k, window_left), 0)
+    hi = _min(last_visitor(w, m_block, num_n_blocks, seqlen_q, seqlen_k, window_right),
+              num_n_blocks - 1)
+    # the first key tile >= lo of this copy
+    first_of_copy = lo + (copy - lo % copies + copies) % copies
+    return first_of_copy <= hi
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from fa4_final.common.atomics import bulk_add_f32, pass_turn, wait_turn
+from fa4_final.common.atomics import bulk_add_f32, bulk_store_f32, pass_turn, wait_turn
 from fa4_final.common.bwd_tiles import dq_accum_tile, dq_turn, launch_order_reversed, q_tile_range
 from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
 from fa4_final.common.dq_order import dq_chunk_layout, dq_copy
@@ -585,8 +585,9 @@ class HopperBackward:
     # ones in turn. The cost: a CTA whose turn comes before its data is ready waits; without a
     # causal diagonal all key tiles reach query tile 0 together and the turns form a staircase.
     # HopperBwdConfig.dq_copies and dq_early_release shorten the staircase and free the dQ
-    # buffer before the turn passes (Note [dQ copies] in fa4_final.common.bwd_tiles); they
-    # are reached through config= only until a GPU has checked them.
+    # buffer before the turn passes, and dq_first_store makes turn 0 a plain store so nothing
+    # is zeroed (Note [dQ copies] in fa4_final.common.bwd_tiles); they are reached through
+    # config= only until a GPU has checked them.
 
     # Note [dQ by one warpgroup]
     # At D = 96 dQ = dS K cannot be split between the MMA warpgroups by columns as at D = 128:
@@ -669,8 +670,21 @@ class HopperBackward:
                         if const_expr(copies > 1):
                             offset = ((m_pad * copies + copy) * (self.tile_m * self.head_dim)
                                       + w * self.dq_chunk)
-                        bulk_add_f32(gAcc.iterator + offset, sdQ[None, w].iterator,
-                                     chunk_bytes)
+                        if const_expr(self.cfg.dq_first_store):
+                            # turn 0 of its copy writes over the unzeroed slab (Note [dQ copies])
+                            first = dq_turn(self.window, n_block, m_block, num_n_blocks,
+                                            seqlen_q, seqlen_k, window_left, window_right)
+                            if const_expr(copies > 1):
+                                first = first // copies
+                            if first == 0:
+                                bulk_store_f32(gAcc.iterator + offset, sdQ[None, w].iterator,
+                                               chunk_bytes)
+                            else:
+                                bulk_add_f32(gAcc.iterator + offset, sdQ[None, w].iterator,
+                                             chunk_bytes)
+                        else:
+                            bulk_add_f32(gAcc.iterator + offset, sdQ[None, w].iterator,
+                                         chunk_bytes)
                         cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.cfg.deterministic):
                     if const_expr(early):  # the buffers back once read, before the turn passes

@@ -246,6 +246,11 @@ class HopperBwdConfig:
     # deterministic only: the dQ warp hands its staging buffer back once the bulk add has read
     # it, and passes the turn when the add has completed (Note [dQ copies])
     dq_early_release: bool = False
+    # deterministic only: the visitor whose turn is 0 at (query tile, copy) writes its dQ part
+    # with a plain bulk copy instead of adding, so bwd_pre zeroes no accumulator and bwd_post
+    # reads only the copies that had a visitor (Note [dQ copies]). Reachable through config=
+    # only, not yet run on a GPU
+    dq_first_store: bool = False
     # the EMPTY arrives' lane read once (Note [Signalling lane]); without it the KV-tile loop
     # reads the thread index every step. Not timed, so off
     pin_lane: bool = False
@@ -322,6 +327,10 @@ class HopperBwdConfig:
             raise ValueError(f"dq_copies={c} and dq_early_release={self.dq_early_release} "
                              f"change the deterministic mode's dQ turns only: they need "
                              f"deterministic=True (or dq_copies=1, dq_early_release=False)")
+        if self.dq_first_store and not self.deterministic:
+            raise ValueError("dq_first_store=True changes the deterministic mode's first dQ add "
+                             "into a store (the turn order says which is first): it needs "
+                             "deterministic=True (or dq_first_store=False)")
         need = self.smem_bytes(head_dim)
         if need > SM90_SMEM_BYTES:
             raise ValueError(

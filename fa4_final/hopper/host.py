@@ -363,12 +363,13 @@ def _backward_kernels(dtype_name, head_dim, causal, has_left, has_right, cfg, va
                                     has_window_right=has_right, has_seqused_k=has_seqused_k,
                                     has_seqused_q=has_seqused_q, **extra)
         pre = VarlenBackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic, has_dlse,
-                                has_seqused_q, dq_copies=cfg.dq_copies)
+                                has_seqused_q, dq_copies=cfg.dq_copies,
+                                dq_first_store=cfg.dq_first_store)
         return {"pre": pre, "main": main, "post": VarlenBackwardPost(main)}
     main = HopperBackward(dt, head_dim, causal, cfg, has_window_left=has_left,
                           has_window_right=has_right, **extra)
     pre = BackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic, has_dlse,
-                      dq_copies=cfg.dq_copies)
+                      dq_copies=cfg.dq_copies, dq_first_store=cfg.dq_first_store)
     return {"pre": pre, "main": main, "post": BackwardPost(main)}
 
 
@@ -420,11 +421,19 @@ def backward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = Fal
                                 varlen, has_seqused_k, softcap, has_dlse, has_seqused_q)
     if varlen:
         return Recipe("bwd", ARCH, kernels,
-                      lambda role: _varlen_fake_args(dtype, head_dim, has_seqused_k,
-                                                     has_dlse, has_seqused_q)[role], cfg)
+                      lambda role: _first_store_args(cfg, role, _varlen_fake_args(
+                          dtype, head_dim, has_seqused_k, has_dlse, has_seqused_q)), cfg)
     return Recipe("bwd", ARCH, kernels,
-                  lambda role: shared_backward.fake_backward_args(dtype, head_dim,
-                                                                  has_dlse)[role], cfg)
+                  lambda role: _first_store_args(cfg, role, shared_backward.fake_backward_args(
+                      dtype, head_dim, has_dlse)), cfg)
+
+
+def _first_store_args(cfg: HopperBwdConfig, role: str, args: dict) -> tuple:
+    """``role``'s fake arguments; with dq_first_store bwd_post also takes the turn counters
+    (bwd_pre's seventh argument), last (Note [dQ copies] in fa4_final.common.bwd_tiles)."""
+    if role == "post" and cfg.dq_first_store:
+        return args["post"] + (args["pre"][6],)
+    return args[role]
 
 
 def workspace_shapes(total_q: int, batch: int, heads: int, head_dim: int, tile_m: int,
@@ -472,7 +481,8 @@ def launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens
     kernels["main"](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dout.unsqueeze(0), lse2,
                     delta, accum, dk.unsqueeze(0), dv.unsqueeze(0), turn, cu_q, cu_k, used,
                     softmax_scale, window_left or 0, window_right or 0, *used_q)
-    kernels["post"](accum, dq.unsqueeze(0), cu_q, softmax_scale)
+    kernels["post"](accum, dq.unsqueeze(0), cu_q, softmax_scale,
+                    *((turn,) if cfg.dq_first_store else ()))
 
 
 # ----------------------------------------------------------------------------------------------
