@@ -289,15 +289,38 @@ def measured_phases(path: str = MEASURED) -> dict:
     return got
 
 
-def total_price(phases: dict, main_price: float, copies: int = 1) -> float:
+def total_price(phases: dict, main_price: float, copies: int = 1,
+                first_store: bool = False, visited: float | None = None) -> float:
     """The whole backward's time over the default's when the main kernel takes ``main_price``
     times its time and the accumulator has ``copies`` copies. Assumed: bwd_pre and bwd_post
     are bound by memory traffic (as their measured times say: about 4 TB/s) and scale with
     their bytes per dQ element: bwd_pre reads O and dO (2 + 2 B) and zeroes 4 B per copy,
-    bwd_post reads 4 B per copy and writes 2 B."""
-    pre = phases["pre"] * (4 + 4 * copies) / 8
-    post = phases["post"] * (4 * copies + 2) / 6
+    bwd_post reads 4 B per copy and writes 2 B. ``first_store`` (HopperBwdConfig.
+    dq_first_store): bwd_pre zeroes nothing and bwd_post reads only ``visited`` copies per
+    query tile on average (visited_copies; the counters it reads first are 4 B per copy per
+    tile, not per element: left out); the main kernel's price is taken as given (a plain bulk
+    store assumed to cost what the bulk add it replaces costs)."""
+    if first_store:
+        pre = phases["pre"] * 4 / 8
+        post = phases["post"] * (4 * (copies if visited is None else visited) + 2) / 6
+    else:
+        pre = phases["pre"] * (4 + 4 * copies) / 8
+        post = phases["post"] * (4 * copies + 2) / 6
     return (pre + phases["main"] * main_price + post) / phases["total"]
+
+
+def visited_copies(shape: Shape, copies: int) -> float:
+    """Copies per query tile that some key tile writes, averaged over the query tiles (what
+    bwd_post reads with dq_first_store), by the kernel's own rule
+    (fa4_final.common.bwd_tiles.copy_visited): min(C, N) everywhere without a causal
+    diagonal, fewer on the first query tiles with one."""
+    from fa4_final.common.bwd_tiles import copy_visited
+    from fa4_final.common.tiles import TileWindow
+
+    w = TileWindow(shape.tile_m, shape.tile_n, shape.causal, has_left=False, has_right=False)
+    seen = sum(copy_visited(w, m, c, shape.num_n, shape.s, shape.s, None, None, copies)
+               for m in range(shape.num_m) for c in range(copies))
+    return seen / shape.num_m
 
 
 def copies_of(order: str) -> int:
@@ -355,6 +378,9 @@ def calibrate(path: str = MEASURED, jitter: float = 0.05) -> dict:
                             "model": price(shape, L, jitter=jitter), "T_us": step_us,
                             "L_us": L * step_us})
     return out
+
+
+FIRST_STORE_COPIES = (2, 4)  # the first_store candidates (C = 1 is "turns early")
 
 
 def predict(shape: Shape, L: float, jitter: float = 0.05, copies=(2, 4, 8),
@@ -423,6 +449,28 @@ def main(argv=None) -> int:
                          "unit": "x", "d": d, "s": s, "causal": causal, "copies":
                          copies_of(order), "note": note + "; bwd_pre and bwd_post scaled by "
                          "their bytes per element"})
+    print("predictions with dq_first_store (no zeroing in bwd_pre, bwd_post reads the visited "
+          "copies only), the whole backward; the main kernel's price as above; to be measured:")
+    for (d, s, causal), (_, _, b, h) in sorted(measured_main().items()):
+        shape = default_shape(b, s, h, d, causal)
+        pred = predict(shape, cal["L"][d], copies=FIRST_STORE_COPIES, early=(True,))
+        name = f"D{d} S{s} {'causal' if causal else 'dense'}"
+        cells = []
+        for order, main_price in pred.items():
+            c = copies_of(order)
+            if order.startswith("rotated") or isinstance(main_price, str):
+                continue
+            v = visited_copies(shape, c)
+            tot = total_price(phases[(d, s, causal)], main_price, c, first_store=True,
+                              visited=v)
+            old_tot = total_price(phases[(d, s, causal)], main_price, c)
+            cells.append(f"{order} first_store {tot:.3f} (zeroing {old_tot:.3f})")
+            rows.append({"impl": order + " first_store", "metric": "predicted_total_price",
+                         "value": tot, "unit": "x", "d": d, "s": s, "causal": causal,
+                         "copies": c, "visited_copies": v, "main_price": main_price,
+                         "note": note + "; dq_first_store: bwd_pre without zeroing, bwd_post "
+                         "reading the visited copies only, scaled by their bytes per element"})
+        print(f"  {name:22s} " + "  ".join(cells))
     if args.save:
         from utils import results
 

@@ -67,3 +67,21 @@ def test_total_price_charges_the_copies_to_pre_and_post():
     prices = [total_price(phases, 1.0, c) for c in (1, 2, 4, 8)]
     assert prices == sorted(prices) and prices[0] < prices[1]
     assert copies_of("copies=4 early") == 4 and copies_of("turns early") == 1
+
+
+def test_first_store_prices_less_than_zeroing_and_counts_visited_copies():
+    from measure import dq_turns_model as dqm
+
+    dense = dqm.Shape(1, 4096, 4, 64, False, tile_m=128)
+    causal = dqm.Shape(1, 4096, 4, 64, True, tile_m=128)
+    assert dqm.visited_copies(dense, 4) == 4  # every key tile reaches every query tile
+    assert 1 <= dqm.visited_copies(causal, 4) < 4  # the first query tiles see one key tile
+    assert dqm.visited_copies(dense, 1) == 1
+    phases = {"pre": 0.1, "main": 1.0, "post": 0.1, "total": 1.2}
+    for c in (1, 2, 4):
+        zeroing = dqm.total_price(phases, 1.0, c)
+        store = dqm.total_price(phases, 1.0, c, first_store=True, visited=c)
+        assert store < zeroing
+    # one copy, every tile visited: only bwd_pre's zeroing goes (4 of its 8 B an element)
+    assert abs(dqm.total_price(phases, 1.0, 1, first_store=True, visited=1)
+               - (0.05 + 1.0 + 0.1) / 1.2) < 1e-12
