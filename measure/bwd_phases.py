@@ -41,10 +41,10 @@ PRODUCES = [
     ("results/h200/bwd_phases_det_*.json",
      "python -m measure.bwd_phases --rounds 5 --dims 128 --impls fa4_final "
      "fa4_final_deterministic fa4_final_det_c2 fa4_final_det_early fa4_final_det_c4 "
-     "--name bwd_phases_det_d128",
-     "the same phases for the deterministic candidates of issue 34 (CANDIDATES: dQ copies "
-     "and early release through config=) beside the default and today's deterministic mode, "
-     "one head dim a file"),
+     "fa4_final_det_c4_store fa4_final_det_c2_store --name bwd_phases_det_d128",
+     "the same phases for the deterministic candidates of issue 34 (CANDIDATES: dQ copies, "
+     "early release and first store through config=) beside the default and today's "
+     "deterministic mode, one head dim a file"),
 ]
 
 IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_final_det_c2", "fa4_package")
@@ -57,6 +57,12 @@ CANDIDATES = {
     "fa4_final_det_c4": {"dq_copies": 4, "dq_early_release": True},
     "fa4_final_det_c4_late": {"dq_copies": 4},
     "fa4_final_det_early": {"dq_early_release": True},
+    # the first visitor of each copy stores instead of adding: no zeroing in bwd_pre, bwd_post
+    # reads the visited copies only (HopperBwdConfig.dq_first_store)
+    "fa4_final_det_c4_store": {"dq_copies": 4, "dq_early_release": True,
+                               "dq_first_store": True},
+    "fa4_final_det_c2_store": {"dq_copies": 2, "dq_early_release": True,
+                               "dq_first_store": True},
 }
 CHOICES = (*IMPLS, *(c for c in CANDIDATES if c not in IMPLS))
 PHASES = ("pre", "main", "post", "other", "total")

@@ -5,6 +5,8 @@ tests/gpu/test_fa4_final_bwd.py), bitwise the same over 20 runs, dK and dV bitwi
 deterministic kernel's (the copies change only dQ's order of adds), dQ the default kernel's
 within rounding; causal or not, GQA, varlen. Run with a timeout (a broken turn protocol hangs):
     timeout 580 python -m pytest -q -m gpu tests/gpu/test_bwd_deterministic_copies.py
+The dq_first_store tests (the second half of the file) need their own builds; alone:
+    timeout 580 python -m pytest -q -m gpu tests/gpu/test_bwd_deterministic_copies.py -k first_store
 """
 
 from dataclasses import replace
@@ -106,3 +108,112 @@ def test_varlen_copies(name):
         assert torch.equal(a, b), f"{name} {g}: the copies changed it"
     ok, worst = _within_rounding(first[0], one_copy[0])
     assert ok, f"{name} dq: {worst:.2e} from the one-copy kernel's"
+
+
+# HopperBwdConfig.dq_first_store (Note [dQ copies]): turn 0 of each copy stores, nothing is
+# zeroed, bwd_post reads the visited copies only. The accumulator is torch.empty: _poisoned
+# leaves NaN in the allocator's cache first, so a slab read without a visitor shows up as NaN.
+
+
+def first_store(d, causal, copies):
+    return replace(candidate(d, causal, copies, True), dq_first_store=True)
+
+
+def _poisoned():
+    """Fill and free a large block: the caching allocator hands it to the next accumulator."""
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")
+    del junk
+
+
+@pytest.mark.parametrize("copies", [1, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_first_store_matches_float64(d, causal, copies):
+    _poisoned()
+    ok, line = _check((2, 1000, 777, 8, 2, d, BF16), causal, deterministic=True,
+                      config=first_store(d, causal, copies))
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("copies", [1, 4])
+@pytest.mark.parametrize("d,window", [(128, (None, None)), (64, (None, 0))])
+def test_first_store_bitwise_and_equal_to_the_zeroing_build(d, window, copies):
+    """20 runs: the same bits; dK, dV bitwise the one-copy kernel's; dQ the zeroing build's
+    (same copies and turns, bwd_pre zeroing) up to a zero's sign, so compared as values."""
+    causal = window == (None, 0)
+    cfg = first_store(d, causal, copies)
+    q, k, v, seed = random_qkv(2, 1500, 8, d, seqlen_k=1300, heads_kv=2, dtype=BF16,
+                               device="cuda", seed=12)
+    dout = torch.randn(q.shape, device="cuda").to(BF16)
+    _poisoned()
+    first = _run(q, k, v, dout, window=window, deterministic=True, config=cfg)[:3]
+    for run in range(19):
+        _poisoned()
+        again = _run(q, k, v, dout, window=window, deterministic=True, config=cfg)[:3]
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), (f"run {run + 2}: {name} differs in "
+                                       f"{int((a != b).sum())} elements (seed {seed})")
+    zeroing = _run(q, k, v, dout, window=window, deterministic=True,
+                   config=candidate(d, causal, copies, True))[:3]
+    for name, a, b in zip(("dq", "dk", "dv"), first, zeroing):
+        assert bool((a == b).all()), f"{name}: the first store changed {int((a != b).sum())}"
+    one_copy = _run(q, k, v, dout, window=window, deterministic=True)[:3]
+    for name, a, b in zip(("dk", "dv"), first[1:], one_copy[1:]):
+        assert torch.equal(a, b), f"{name}: the copies changed it"
+
+
+@pytest.mark.parametrize("copies", [1, 4])
+@pytest.mark.parametrize("window", [(None, 0), (0, 0)])
+def test_first_store_query_tiles_nobody_visits(copies, window):
+    """seqlen_q 1500 > seqlen_k 200, bottom-right aligned: causal rows < 1300 and the local
+    window's too see no key, so their query tiles have no visitor in any copy (their slabs are
+    never written): dQ must be exactly zero there, not the NaN left in the memory."""
+    d = 64
+    cfg = first_store(d, True, copies)
+    q, k, v, _ = random_qkv(1, 1500, 4, d, seqlen_k=200, heads_kv=4, dtype=BF16,
+                            device="cuda", seed=13)
+    dout = torch.randn(q.shape, device="cuda").to(BF16)
+    _poisoned()
+    ok, line = _check((1, 1500, 200, 4, 4, d, BF16), False, window=window, deterministic=True,
+                      config=cfg, seed=13)
+    print(line)
+    assert ok, line
+    _poisoned()
+    dq = _run(q, k, v, dout, window=window, deterministic=True, config=cfg)[0]
+    assert not torch.isnan(dq).any()
+    assert bool((dq[:, :1300] == 0).all()), "rows that see no key got a non-zero dQ"
+
+
+@pytest.mark.parametrize("copies", [1, 4])
+@pytest.mark.parametrize("name", ["mixed-gqa-d128", "many-causal-d64"])
+def test_varlen_first_store(name, copies):
+    """The varlen kernels with the first store: float64 per sequence, the same bits 20 times,
+    dK and dV the one-copy kernel's, dQ the zeroing build's values."""
+    from fa4_final.runtime import varlen
+    from tests.gpu.test_fa4_final_varlen_bwd import CASES, Problem, _sync
+
+    p = Problem(CASES[name])
+    d = p.q.shape[-1]
+    cfg = first_store(d, p.causal, copies)
+
+    def run(config, deterministic=True):
+        (dq, dk, dv), _ = p.buffers()
+        _poisoned()
+        varlen.varlen_backward_into(p.q, p.k, p.v, p.out, p.lse, p.dout, dq, dk, dv, p.cu_q,
+                                    p.cu_k, p.seqused_k, max(p.lens_q), max(p.used_k),
+                                    causal=p.causal, window_size=p.window,
+                                    deterministic=deterministic, config=config)
+        _sync()
+        return dq, dk, dv
+
+    first = run(cfg)
+    p.check(first, f"{name} first store, {copies} copies")
+    for _ in range(19):
+        for g, a, b in zip(("dq", "dk", "dv"), first, run(cfg)):
+            assert torch.equal(a, b), f"{name} {g}: runs differ"
+    zeroing = run(candidate(d, p.causal, copies, True))
+    assert bool((first[0] == zeroing[0]).all()), f"{name} dq: the first store changed it"
+    one_copy = run(None)
+    for g, a, b in zip(("dk", "dv"), first[1:], one_copy[1:]):
+        assert torch.equal(a, b), f"{name} {g}: the copies changed it"
