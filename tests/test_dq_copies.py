@@ -186,3 +186,48 @@ def test_config_checks_first_store():
                     dq_first_store=True).check(64)
     with pytest.raises(ValueError, match="needs deterministic=True"):
         HopperBwdConfig(dq_first_store=True).check(128)
+
+
+@pytest.mark.parametrize("copies", [1, 2, 3, 4, 8])
+def test_first_store_emulated_equals_the_zeroing_build(copies):
+    # the protocol on the host, in float32: slabs start as NaN (never zeroed), each visitor of
+    # (m, c) in its turn order checks the counter shows its turn, stores at turn 0 and adds
+    # after, increments the counter; bwd_post's rule reads a copy only where its counter is
+    # non-zero. The result must equal, bit for bit, the zeroing build's (slabs zeroed, every
+    # visitor adds, every copy read), with no NaN, and zero where nobody visits
+    import numpy as np
+
+    rng = np.random.default_rng(copies)
+    for tm, tn, sq, sk, causal, left, right in _cases(40, 50 + copies):
+        w = TileWindow(tm, tn, causal, has_left=left is not None,
+                       has_right=right is not None and not causal)
+        n_k = -(-sk // tn)
+        num_m = -(-sq // tm)
+        visitors = _visitors(w, n_k, sq, sk, left, right)
+        parts = {(n, m): rng.standard_normal(8).astype(np.float32)
+                 for m, ns in visitors.items() for n in ns}
+        store = np.full((num_m, copies, 8), np.nan, dtype=np.float32)
+        zeroed = np.zeros((num_m, copies, 8), dtype=np.float32)
+        counter = np.zeros((num_m, copies), dtype=np.int64)
+        for m, ns in visitors.items():
+            turns = sorted((dq_copy_turn(w, n, m, n_k, sq, sk, left, right, copies)[::-1], n)
+                           for n in ns)
+            for (turn, c), n in turns:
+                assert counter[m, c] == turn  # wait_turn would let it through now
+                if turn == 0:
+                    store[m, c] = parts[(n, m)]
+                else:
+                    store[m, c] = store[m, c] + parts[(n, m)]
+                zeroed[m, c] = zeroed[m, c] + parts[(n, m)]
+                counter[m, c] += 1
+        for m in range(num_m):
+            a = np.zeros(8, dtype=np.float32)
+            b = np.zeros(8, dtype=np.float32)
+            for c in range(copies):
+                a = a + (store[m, c] if counter[m, c] != 0 else np.float32(0))
+                b = b + zeroed[m, c]
+                assert (counter[m, c] != 0) == copy_visited(w, m, c, n_k, sq, sk, left, right,
+                                                             copies)
+            assert not np.isnan(a).any() and np.array_equal(a, b), (m, copies)
+            if m not in visitors:
+                assert not a.any()
