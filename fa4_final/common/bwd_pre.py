@@ -6,7 +6,8 @@ Per (query tile, head, batch), for the rows of the tile:
   - lse_log2) with one FFMA and one MUFU.EX2 per element. A row that sees no key (lse = -inf)
   and the padding rows past seqlen_q get +inf: their P is 2^(-inf) = 0, never inf - inf = NaN;
 - the tile's float32 dQ accumulator zeroed (every KV tile then adds into it), and in the
-  deterministic mode its turn counter set to 0;
+  deterministic mode its turn counter set to 0 (with dq_first_store only the counters: the
+  first KV tile stores, Note [dQ copies] in fa4_final.common.bwd_tiles);
 - with ``has_dlse`` (Note [The lse gradient folded]), delta_i - dlse_i in delta's place.
 Both vectors are padded to whole query tiles so the main kernel loads a tile's worth with one
 bulk copy. Bytes: O and dO read once (2 x 2 B per element), 4 B of dQ accumulator written per
@@ -70,6 +71,7 @@ class BackwardPre:
         mLSE2: cute.Tensor,  # (batch, heads, seqlen_q_padded) float32 out, log2 units
         mDelta: cute.Tensor,  # (batch, heads, seqlen_q_padded) float32 out
         mdQaccum: cute.Tensor,  # (batch, heads, seqlen_q_padded * D) float32 out, zeroed
+        # (untouched with dq_first_store)
         mTurn: cute.Tensor,  # (batch, heads, num_m_blocks) int32 out (deterministic), zeroed
         stream,
         mdLSE: cute.Tensor | None = None,  # has_dlse: (batch, heads, seqlen_q) float32
