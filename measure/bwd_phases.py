@@ -280,32 +280,35 @@ def where_the_gap_is(res, d: int = 128, impl: str = "fa4_final",
     return phase if extra[phase] > 0 else "none"
 
 
-def deterministic_lines(res) -> list[str]:
-    """Per stored shape: the deterministic build's total device time over the default's."""
+def _totals_over_default(res):
+    """(impl, d, s, causal, mode, total / the default's total, the table of totals) per stored
+    total that has the default's beside it, largest head dim first."""
     got = {(r["impl"], r["d"], r["s"], r["causal"], r["mode"]): r["value"] for r in res.rows
            if r["phase"] == "total" and r.get("value")}
-    lines = []
     for (impl, d, s, causal, mode), v in sorted(got.items(), key=lambda kv: (-kv[0][1],
                                                                               kv[0][2:])):
         base = got.get(("fa4_final", d, s, causal, mode))
-        if impl == "fa4_final_deterministic" and base:
-            lines.append(f"D={d} S={s} {'causal' if causal else 'dense'} {mode}: "
-                         f"deterministic / default {v / base:.2f}")
-    return lines
+        if base:
+            yield impl, d, s, causal, mode, v / base, got
+
+
+def deterministic_lines(res) -> list[str]:
+    """Per stored shape: the deterministic build's total device time over the default's."""
+    return [f"D={d} S={s} {'causal' if causal else 'dense'} {mode}: deterministic / default "
+            f"{ratio:.2f}"
+            for impl, d, s, causal, mode, ratio, _ in _totals_over_default(res)
+            if impl == "fa4_final_deterministic"]
 
 
 def candidate_lines(res) -> list[str]:
     """Per stored shape and deterministic candidate (CANDIDATES): its total device time over
     the default's, beside today's deterministic mode's; none before a GPU has measured one."""
-    got = {(r["impl"], r["d"], r["s"], r["causal"], r["mode"]): r["value"] for r in res.rows
-           if r["phase"] == "total" and r.get("value")}
     lines = []
-    for (impl, d, s, causal, mode), v in sorted(got.items(), key=lambda kv: (-kv[0][1],
-                                                                              kv[0][2:])):
-        base = got.get(("fa4_final", d, s, causal, mode))
-        today = got.get(("fa4_final_deterministic", d, s, causal, mode))
-        if impl in CANDIDATES and base:
+    for impl, d, s, causal, mode, ratio, got in _totals_over_default(res):
+        if impl in CANDIDATES:
+            today = got.get(("fa4_final_deterministic", d, s, causal, mode))
+            base = got[("fa4_final", d, s, causal, mode)]
             was = f" (deterministic today {today / base:.2f})" if today else ""
             lines.append(f"D={d} S={s} {'causal' if causal else 'dense'} {mode}: {impl} / "
-                         f"default {v / base:.2f}{was}")
+                         f"default {ratio:.2f}{was}")
     return lines
