@@ -89,7 +89,12 @@ for s in "$@"; do
     lse-fold-tests) step lse_fold_tests 420 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_lse_fold.py ;;
     bwd-phases) step bwd_phases 580 $PY -m measure.bwd_phases --rounds 5 ;;
     bwd-phases-flush) step bwd_phases_flush 580 $PY -m measure.bwd_phases --rounds 5 --flush --name bwd_phases_flush ;;
-    det-copies-tests) step det_copies_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_deterministic_copies.py ;;
+    det-copies-tests) step det_copies_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_deterministic_copies.py -k "not first_store" ;;
+    det-first-store-tests) step det_first_store_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_deterministic_copies.py -k "first_store and not varlen" ;;
+    det-first-store-varlen) step det_first_store_varlen 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_deterministic_copies.py -k "first_store and varlen" ;;
+    det-sanitize) step det_memcheck 420 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_bwd_deterministic_copies.py -k "match_float64 and 128-False" ;;
+    det-phases) step det_phases 580 $PY -m measure.bwd_phases --rounds 5 --dims 128 --impls fa4_final fa4_final_deterministic fa4_final_det_c2 fa4_final_det_early fa4_final_det_c4 fa4_final_det_c4_store fa4_final_det_c2_store --name bwd_phases_det_d128 ;;
+    det-phases-d64) step det_phases_d64 580 $PY -m measure.bwd_phases --rounds 5 --dims 64 --impls fa4_final fa4_final_deterministic fa4_final_det_c2 fa4_final_det_early fa4_final_det_c4 fa4_final_det_c4_store fa4_final_det_c2_store --name bwd_phases_det_d64 ;;
     api-tests) step api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_training.py ;;
     api-varlen-tests) step api_varlen_tests 540 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py ;;
     varlen-tests) step varlen_tests 480 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fa4_final_api.py tests/gpu/test_fa4_final_varlen_bwd.py -k varlen ;;
