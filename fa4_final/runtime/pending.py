@@ -55,7 +55,8 @@ PENDING: dict[str, str] = {
                         "test has not run since",
     "bwd_head_dims": "the Hopper backward at head dim 96 (dv = 96) is built and compiled for "
                      "sm_90a; GPU tests not passed",
-    "decode": "the Hopper decode kernel (split-KV, packed GQA rows, a paged KV cache) and its "
+    "decode": "the Hopper decode kernel (split-KV, packed GQA rows, a paged KV cache, pages "
+              "smaller than a key tile gathered into whole tiles) and its "
               "split combine are built and compiled for sm_90a and checked on a CPU; their GPU "
               "tests against float64 have not passed yet",
 }
