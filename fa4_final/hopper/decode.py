@@ -338,43 +338,20 @@ class HopperDecode:
                                                self.cfg.stages)
         for i in cutlass.range(n_hi - n_lo, unroll=1):
             n = n_hi - 1 - i
-            if const_expr(self.cfg.page_box is not None):
-                boxes = self.gathered_boxes(mPageTable, b, n, seqlen_k, mK.shape[0])
-                state_k = self.load_gathered(tma_atom_k, mK, sK, kv_head, boxes, pipeline_k,
-                                             state_k)
-                state_v = self.load_gathered(tma_atom_v, mV, sV, kv_head, boxes, pipeline_v,
-                                             state_v)
-            else:
-                page, tile = b, n  # contiguous: one page per sequence
-                if const_expr(self.paged):
-                    slot, tile = key_tile_location(n, self.tile_n, mK.shape[0])
-                    page = mPageTable[b, slot]
-                state_k = self.load_one(tma_atom_k, mK, sK, kv_head, page, tile, pipeline_k,
-                                        state_k)
-                state_v = self.load_one(tma_atom_v, mV, sV, kv_head, page, tile, pipeline_v,
-                                        state_v)
+            boxes = self.tile_boxes(mPageTable, b, n, seqlen_k, mK.shape[0])
+            state_k = self.load_tile(tma_atom_k, mK, sK, kv_head, boxes, pipeline_k, state_k)
+            state_v = self.load_tile(tma_atom_v, mV, sV, kv_head, boxes, pipeline_v, state_v)
 
     @cute.jit
-    def load_one(self, tma_atom, mX, sX, kv_head, page, tile, pipe, state):
-        """Wait for a free stage, arm its FULL barrier with the byte count, start the TMA copy
-        of key tile ``tile`` of page ``page`` into it."""
-        # (tile_n, D, tiles in the page) of this page and KV head
-        gX = cute.local_tile(mX[None, None, kv_head, page], (self.tile_n, self.head_dim),
-                             (None, 0))
-        # (TMA, STAGE) in shared memory, (TMA, tiles in the page) in global memory
-        tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1),
-                                           cute.group_modes(sX, 0, 2),
-                                           cute.group_modes(gX, 0, 2))
-        pipe.producer_acquire(state)
-        cute.copy(tma_atom, tXgX[None, tile], tXsX[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state))
-        state.advance()
-        return state
-
-    @cute.jit
-    def gathered_boxes(self, mPageTable, b, n, seqlen_k, page_size):
-        """(page, box inside the page) of each box of key tile ``n``, read once for K and V
-        (Note [Gathered key tiles])."""
+    def tile_boxes(self, mPageTable, b, n, seqlen_k, page_size):
+        """(page, box inside the page) of each TMA box of key tile ``n``, read once for K and V:
+        one box of the whole tile (contiguous: page b, box n; paged: Note [Key tile pages]),
+        or the tile gathered from page_box rows a box (Note [Gathered key tiles])."""
+        if const_expr(not self.paged):
+            return [(b, n)]  # contiguous: one page per sequence
+        if const_expr(self.cfg.page_box is None):
+            slot, tile = key_tile_location(n, self.tile_n, page_size)
+            return [(mPageTable[b, slot], tile)]
         box = self.cfg.page_box
         boxes = []
         for j in cutlass.range_constexpr(self.tile_n // box):
@@ -384,12 +361,12 @@ class HopperDecode:
         return boxes
 
     @cute.jit
-    def load_gathered(self, tma_atom, mX, sX, kv_head, boxes, pipe, state):
+    def load_tile(self, tma_atom, mX, sX, kv_head, boxes, pipe, state):
         """Wait for a free stage, arm its FULL barrier with the whole tile's bytes, start one
-        TMA copy a box into the stage's rows j * page_box (Note [Gathered key tiles])."""
-        box = self.cfg.page_box
+        TMA copy a box (``tile_boxes``) into the stage's rows j * box."""
+        box = self.tile_n // len(boxes)
         pipe.producer_acquire(state)
-        for j in cutlass.range_constexpr(self.tile_n // box):
+        for j in cutlass.range_constexpr(len(boxes)):
             page, inside = boxes[j]
             # (box, D, boxes in the page) of this page and KV head; the stage's rows of box j
             gX = cute.local_tile(mX[None, None, kv_head, page], (box, self.head_dim), (None, 0))
