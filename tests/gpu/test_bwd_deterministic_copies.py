@@ -82,21 +82,13 @@ def test_copies_are_bitwise_reproducible_and_agree_with_the_others(d, window):
 def test_varlen_copies(name):
     """The varlen kernels with the candidate: float64 per sequence, the same bits 20 times,
     dK and dV the one-copy kernel's."""
-    from fa4_final.runtime import varlen
-    from tests.gpu.test_fa4_final_varlen_bwd import CASES, Problem, _sync
+    from tests.gpu.test_fa4_final_varlen_bwd import CASES, Problem
 
     p = Problem(CASES[name])
     d = p.q.shape[-1]
     cfg = candidate(d, p.causal)
 
-    def run(config, deterministic=True):
-        (dq, dk, dv), _ = p.buffers()
-        varlen.varlen_backward_into(p.q, p.k, p.v, p.out, p.lse, p.dout, dq, dk, dv, p.cu_q,
-                                    p.cu_k, p.seqused_k, max(p.lens_q), max(p.used_k),
-                                    causal=p.causal, window_size=p.window,
-                                    deterministic=deterministic, config=config)
-        _sync()
-        return dq, dk, dv
+    run = _varlen_runner(p)
 
     first = run(cfg)
     p.check(first, f"{name} copies")
@@ -117,6 +109,26 @@ def test_varlen_copies(name):
 
 def first_store(d, causal, copies):
     return replace(candidate(d, causal, copies, True), dq_first_store=True)
+
+
+def _varlen_runner(p, poison=False):
+    """run(config) -> (dq, dk, dv): the deterministic varlen backward of test problem ``p``
+    (tests.gpu.test_fa4_final_varlen_bwd.Problem) with ``config``; ``poison``: the allocator's
+    cache filled with NaN first (_poisoned), so an unwritten accumulator slab would show."""
+    from fa4_final.runtime import varlen
+    from tests.gpu.test_fa4_final_varlen_bwd import _sync
+
+    def run(config):
+        (dq, dk, dv), _ = p.buffers()
+        if poison:
+            _poisoned()
+        varlen.varlen_backward_into(p.q, p.k, p.v, p.out, p.lse, p.dout, dq, dk, dv, p.cu_q,
+                                    p.cu_k, p.seqused_k, max(p.lens_q), max(p.used_k),
+                                    causal=p.causal, window_size=p.window, deterministic=True,
+                                    config=config)
+        _sync()
+        return dq, dk, dv
+    return run
 
 
 def _poisoned():
@@ -190,22 +202,13 @@ def test_first_store_query_tiles_nobody_visits(copies, window):
 def test_varlen_first_store(name, copies):
     """The varlen kernels with the first store: float64 per sequence, the same bits 20 times,
     dK and dV the one-copy kernel's, dQ the zeroing build's values."""
-    from fa4_final.runtime import varlen
-    from tests.gpu.test_fa4_final_varlen_bwd import CASES, Problem, _sync
+    from tests.gpu.test_fa4_final_varlen_bwd import CASES, Problem
 
     p = Problem(CASES[name])
     d = p.q.shape[-1]
     cfg = first_store(d, p.causal, copies)
 
-    def run(config, deterministic=True):
-        (dq, dk, dv), _ = p.buffers()
-        _poisoned()
-        varlen.varlen_backward_into(p.q, p.k, p.v, p.out, p.lse, p.dout, dq, dk, dv, p.cu_q,
-                                    p.cu_k, p.seqused_k, max(p.lens_q), max(p.used_k),
-                                    causal=p.causal, window_size=p.window,
-                                    deterministic=deterministic, config=config)
-        _sync()
-        return dq, dk, dv
+    run = _varlen_runner(p, poison=True)
 
     first = run(cfg)
     p.check(first, f"{name} first store, {copies} copies")
