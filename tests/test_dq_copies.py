@@ -19,16 +19,11 @@ from fa4_final.common.bwd_tiles import (
 )
 from fa4_final.common.tiles import TileWindow
 from fa4_final.hopper.config import HopperBwdConfig
+from tests.test_fa4_final_bwd_tiles import _cases as bwd_tile_cases
 
 
 def _cases(n, seed):
-    rng = random.Random(seed)
-    for _ in range(n):
-        causal = rng.random() < 0.4
-        left = rng.choice([None, None, 0, 3, 17, 100])
-        right = None if causal else rng.choice([None, None, 0, 5, 40])
-        yield (rng.choice([16, 64, 80, 128]), rng.choice([32, 128]), rng.randint(1, 700),
-               rng.randint(1, 700), causal, left, right)
+    return bwd_tile_cases(n, seed, max_len=700)
 
 
 @pytest.mark.parametrize("seed", range(4))

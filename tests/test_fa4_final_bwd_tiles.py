@@ -27,14 +27,15 @@ def _visible(i, j, sq, sk, causal, left, right):
     return not (left is not None and j < i + off - left)
 
 
-def _cases(n, seed):
+def _cases(n, seed, max_len=300):
+    """n random (tile_m, tile_n, seqlen_q, seqlen_k, causal, window_left, window_right)."""
     rng = random.Random(seed)
     for _ in range(n):
         causal = rng.random() < 0.4
         left = rng.choice([None, None, 0, 3, 17, 100])
         right = None if causal else rng.choice([None, None, 0, 5, 40])
-        yield (rng.choice([16, 64, 80, 128]), rng.choice([32, 128]), rng.randint(1, 300),
-               rng.randint(1, 300), causal, left, right)
+        yield (rng.choice([16, 64, 80, 128]), rng.choice([32, 128]), rng.randint(1, max_len),
+               rng.randint(1, max_len), causal, left, right)
 
 
 @pytest.mark.parametrize("seed", range(4))
