@@ -30,15 +30,7 @@ from tests.test_pending_features import DEVICE, GATE, dense, packed
 ROW = "bwd_head_dims"
 
 
-@pytest.fixture(autouse=True)
-def no_pending(monkeypatch):
-    monkeypatch.delenv(pending.ENV, raising=False)
-
-
-@pytest.fixture
-def cpu_kernels():
-    with ref.active():
-        yield
+pytestmark = pytest.mark.usefixtures("no_pending")
 
 
 # ----------------------------------------------------------------------------------------------

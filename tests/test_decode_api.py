@@ -28,7 +28,6 @@ from fa4_final.hopper import host
 from fa4_final.hopper.config import HopperDecodeConfig
 from fa4_final.runtime import decode_entry, dispatch, pending, prologue
 from fa4_final.runtime.decode import choose_num_splits
-from tests import fa4_cpu_reference as ref
 
 BF16 = torch.bfloat16
 GATE = "does not run decode yet"  # the gate's words (decode_entry.gate_paged)
@@ -39,12 +38,6 @@ DEVICE = "runs on CUDA GPUs"  # the device check's (runtime.dispatch.backend_for
 def no_pending(monkeypatch):
     monkeypatch.delenv(pending.ENV, raising=False)
     monkeypatch.delenv("FA4_FINAL_VARLEN_CHECKS", raising=False)
-
-
-@pytest.fixture
-def cpu_kernels():
-    with ref.active():
-        yield
 
 
 def paged(batch=3, sq=1, h=8, hk=2, d=64, page=16, num_pages=12, max_pages=4, lengths=(0, 17, 64),

@@ -30,12 +30,6 @@ def reference64(q, k, v, causal=False, window=(None, None), scale=None):
     return ref.attention_masked(q, k, v, causal, window, scale)
 
 
-@pytest.fixture
-def cpu_kernels():
-    with ref.active():
-        yield
-
-
 # ----------------------------------------------------------------------------------------------
 # return conventions (FA4's: a pair, lse None unless asked for or needed)
 

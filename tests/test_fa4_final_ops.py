@@ -9,7 +9,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fa4_final import flash_attn_func, flash_attn_varlen_func
 from fa4_final.api import ops
-from tests import fa4_cpu_reference as ref
 
 BF16 = torch.bfloat16
 
@@ -80,12 +79,6 @@ def test_fake_impl_checks_inputs():
 
 # ----------------------------------------------------------------------------------------------
 # opcheck: schema, autograd registration, fake vs real, AOT dispatch
-
-
-@pytest.fixture
-def cpu_kernels():
-    with ref.active():
-        yield
 
 
 def test_opcheck_forward(cpu_kernels):

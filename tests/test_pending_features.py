@@ -37,15 +37,7 @@ GATE = "does not run"  # the gate's words (runtime.pending.refuse_pending)
 DEVICE = "runs on CUDA GPUs"  # the device check's (runtime.dispatch.backend_for)
 
 
-@pytest.fixture(autouse=True)
-def no_pending(monkeypatch):
-    monkeypatch.delenv(pending.ENV, raising=False)
-
-
-@pytest.fixture
-def cpu_kernels():
-    with ref.active():
-        yield
+pytestmark = pytest.mark.usefixtures("no_pending")
 
 
 def dense(b=2, sq=24, sk=40, h=4, hk=2, d=64, dv=None, grad=False, seed=0):

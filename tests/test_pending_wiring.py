@@ -38,16 +38,7 @@ from tests.hopper_recorder import record_hopper_runs
 from tests.test_pending_features import BF16, DEVICE, GATE, dense, packed
 from utils.reference import attention_reference_features
 
-
-@pytest.fixture(autouse=True)
-def no_pending(monkeypatch):
-    monkeypatch.delenv(pending.ENV, raising=False)
-
-
-@pytest.fixture
-def cpu_kernels():
-    with ref.active():
-        yield
+pytestmark = pytest.mark.usefixtures("no_pending")
 
 
 def _counting(monkeypatch, name: str):
