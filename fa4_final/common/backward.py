@@ -17,22 +17,27 @@ from fa4_final.common.constants import CUTLASS_BY_NAME
 from fa4_final.common.recipe import fake_stream, fake_tensor
 
 
-def fake_backward_args(dtype_name: str, head_dim: int, has_dlse: bool = False) -> dict:
+def fake_backward_args(dtype_name: str, head_dim: int, has_dlse: bool = False,
+                       head_dim_v: int | None = None) -> dict:
     """Fake arguments of each kernel (role -> tuple): symbolic batch, lengths and heads;
-    ``has_dlse``: bwd_pre takes the lse's gradient, like lse (Note [The lse gradient folded])."""
+    ``has_dlse``: bwd_pre takes the lse's gradient, like lse (Note [The lse gradient folded]);
+    ``head_dim_v``: v, out, dout and dv with that many columns (head_dim if None)."""
+    dv_dim = head_dim if head_dim_v is None else head_dim_v
     dt = CUTLASS_BY_NAME[dtype_name]
     div = 128 // dt.width  # 16-byte strides (TMA, 128-bit loads), in elements
     b, sq, sk, h, hk, sq_pad, slab, m_blocks = (cute.sym_int() for _ in range(8))
     like_q = lambda: fake_tensor(dt, (b, sq, h, head_dim), divisibility=div)  # noqa: E731
     like_k = lambda: fake_tensor(dt, (b, sk, hk, head_dim), divisibility=div)  # noqa: E731
+    like_o = lambda: fake_tensor(dt, (b, sq, h, dv_dim), divisibility=div)  # noqa: E731
+    like_v = lambda: fake_tensor(dt, (b, sk, hk, dv_dim), divisibility=div)  # noqa: E731
     lse = fake_tensor(Float32, (b, h, sq), divisibility=1)
     lse2 = fake_tensor(Float32, (b, h, sq_pad), divisibility=4)
     delta = fake_tensor(Float32, (b, h, sq_pad), divisibility=4)
     accum = fake_tensor(Float32, (b, h, slab), divisibility=4)
     # its own extents: without the deterministic mode the caller passes a (1, 1, 1) dummy
     turn = fake_tensor(Int32, (cute.sym_int(), cute.sym_int(), m_blocks), divisibility=1)
-    q, out, dout, dq = like_q(), like_q(), like_q(), like_q()
-    k, v, dk, dv = like_k(), like_k(), like_k(), like_k()
+    q, out, dout, dq = like_q(), like_o(), like_o(), like_q()
+    k, v, dk, dv = like_k(), like_v(), like_k(), like_v()
     dlse = (fake_tensor(Float32, (b, h, sq), divisibility=1),) if has_dlse else ()
     return {
         "pre": (out, dout, lse, lse2, delta, accum, turn, fake_stream(), *dlse),

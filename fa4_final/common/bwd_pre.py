@@ -34,7 +34,7 @@ class BackwardPre:
 
     def __init__(self, dtype, head_dim: int, tile_m: int, deterministic: bool = False,
                  has_dlse: bool = False, has_seqused_q: bool = False, dq_copies: int = 1,
-                 dq_first_store: bool = False):
+                 dq_first_store: bool = False, head_dim_v: int | None = None):
         # accumulator copies per query tile (Note [dQ copies] in fa4_final.common.bwd_tiles)
         self.dq_copies = int(dq_copies)
         # the main kernel's first visitor stores: the accumulator is not zeroed, only the turns
@@ -43,12 +43,14 @@ class BackwardPre:
         # varlen only: a sequence's rows past seqused_q are padding (Note [Used query rows])
         self.has_seqused_q = self.varlen and bool(has_seqused_q)
         self.dtype = dtype
-        self.head_dim = head_dim
+        self.head_dim = head_dim  # D: the dQ accumulator's rows
+        # dv: the columns of out and dout that delta sums over (D if None)
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.tile_m = tile_m
         self.deterministic = bool(deterministic)
-        # threads a row: the largest power of two dividing its vectors, 16 at D = 128 (one row
-        # per half warp), 4 at D = 96 (each thread reads 3 vectors of the row)
-        vectors = head_dim // VECTOR
+        # threads a row: the largest power of two dividing its vectors, 16 at dv = 128 (one row
+        # per half warp), 4 at dv = 96 (each thread reads 3 vectors of the row)
+        vectors = self.head_dim_v // VECTOR
         self.threads_per_row = vectors & -vectors
         self.rows_per_pass = THREADS // self.threads_per_row
         assert WARP_SIZE % self.threads_per_row == 0 and tile_m % self.rows_per_pass == 0
@@ -60,13 +62,14 @@ class BackwardPre:
         key = key + (("seqused_q",),) if self.has_seqused_q else key
         key = key + (("dq_copies", self.dq_copies),) if self.dq_copies > 1 else key
         key = key + (("dq_first_store",),) if self.dq_first_store else key
+        key = key + (("head_dim_v", self.head_dim_v),) if self.head_dim_v != self.head_dim else key
         return key + (("dlse",),) if self.has_dlse else key
 
     @cute.jit
     def __call__(
         self,
-        mO: cute.Tensor,  # (batch, seqlen_q, heads, D)
-        mdO: cute.Tensor,  # (batch, seqlen_q, heads, D)
+        mO: cute.Tensor,  # (batch, seqlen_q, heads, dv)
+        mdO: cute.Tensor,  # (batch, seqlen_q, heads, dv)
         mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32, natural log
         mLSE2: cute.Tensor,  # (batch, heads, seqlen_q_padded) float32 out, log2 units
         mDelta: cute.Tensor,  # (batch, heads, seqlen_q_padded) float32 out
@@ -136,10 +139,10 @@ class BackwardPre:
             m_pad = seq[1] + m_block
             mO_rows = cute.domain_offset((first_row, 0), mO_rows)
             mdO_rows = cute.domain_offset((first_row, 0), mdO_rows)
-        tile = (self.tile_m, self.head_dim)
-        gO = cute.local_tile(mO_rows, tile, (m_block, 0))  # (tile_m, D)
+        tile = (self.tile_m, self.head_dim_v)
+        gO = cute.local_tile(mO_rows, tile, (m_block, 0))  # (tile_m, dv)
         gdO = cute.local_tile(mdO_rows, tile, (m_block, 0))
-        cO = cute.local_tile(cute.make_identity_tensor((seqlen_q, self.head_dim)), tile,
+        cO = cute.local_tile(cute.make_identity_tensor((seqlen_q, self.head_dim_v)), tile,
                              (m_block, 0))
         thr_copy = tiled_copy.get_slice(tidx)
         tOgO = thr_copy.partition_S(gO)  # (CPY, passes, vectors a thread's row holds)

@@ -117,8 +117,10 @@ class HopperBackward:
 
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperBwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False,
-                 softcap: float = 0.0):
-        config.check(head_dim)
+                 softcap: float = 0.0, head_dim_v: int | None = None):
+        # dv of V, dO (and O) and dV; D of Q, K, dQ and dK (Note [dV head dim])
+        dv = head_dim if head_dim_v is None else head_dim_v
+        config.check(head_dim, dv)
         # Note [Softcap] (fa4_final.common.softmax): a compile-time variant; 0.0 compiles exactly
         # the kernel without it. A learnable sink needs nothing here: P = exp(s - lse) with the
         # forward's lse is already right (Note [Learnable sink]); its gradient is the host's.
@@ -126,6 +128,7 @@ class HopperBackward:
         self.logit_softcap = check_softcap(softcap)
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = dv
         self.causal = bool(causal)
         self.cfg = config
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
@@ -137,6 +140,9 @@ class HopperBackward:
         self.dq_warpgroups = config.dq_warpgroups  # Note [dQ by one warpgroup]
         self.dq_threads = THREADS_PER_WARPGROUP * self.dq_warpgroups  # what bwd_post reads back
         self.dq_chunk = self.tile_m * head_dim // self.dq_warpgroups  # floats per warpgroup
+        if config.dq_uneven:  # Note [dQ split unevenly]: read back as one warpgroup's tile
+            self.dq_threads = THREADS_PER_WARPGROUP
+            self.dq_chunk = self.tile_m * head_dim
         self.dq_swap_ab = config.dq_swap_ab  # what bwd_post asks of a dQ writer
         self.roles = {
             "producer": {"warpgroups": (0,), "tma_warp": 0, "dq_warp": 1,
@@ -162,6 +168,8 @@ class HopperBackward:
     def cache_key(self) -> tuple:
         key = (type(self).__name__, self.dtype.__name__, self.head_dim, self.causal,
                self.window, self.cfg)
+        if self.head_dim_v != self.head_dim:  # only when it differs: the other keys unchanged
+            key = key + (("head_dim_v", self.head_dim_v),)
         return key + (("softcap", self.logit_softcap),) if self.logit_softcap else key
 
     # ------------------------------------------------------------------------------------------
@@ -187,7 +195,11 @@ class HopperBackward:
         mma_dkv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, major.K, major.MN, Float32, keys, (WGMMA_M, self.head_dim),
             warpgroup.OperandSource.RMEM)
-        if const_expr(self.cfg.dq_swap_ab):
+        if const_expr(self.cfg.dq_uneven):  # Note [dQ split unevenly]: one warpgroup's MMA
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, major.MN, major.K, Float32, (1, 1, 1),
+                (WGMMA_M, self.tile_m))
+        elif const_expr(self.cfg.dq_swap_ab):
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, major.MN, major.K, Float32, keys,
                 (WGMMA_M, self.tile_m))
@@ -203,15 +215,40 @@ class HopperBackward:
                 (WGMMA_M, self.head_dim // cols))
         return mma_sdp, mma_dkv, mma_dq
 
-    def dq_tile_shape(self) -> tuple:
-        """(M, N) of the dQ GEMM's accumulator tile."""
+    def mma_dv(self, mma_dkv):
+        """The tiled MMA of dV += P^T dO: ``mma_dkv`` itself when dv == D, else the same atoms
+        with N = dv (Note [dV head dim])."""
+        if const_expr(self.head_dim_v == self.head_dim):
+            return mma_dkv
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN, Float32, (BWD_MMA_WARPGROUPS, 1, 1),
+            (WGMMA_M, self.head_dim_v), warpgroup.OperandSource.RMEM)
+
+    def dq_part(self, wg: int) -> tuple[int, int]:
+        """(first row, rows) of D in MMA warpgroup ``wg``'s part of dQ^T under dq_uneven
+        (Note [dQ split unevenly]): warpgroup 0 takes the larger half of the 64-row blocks."""
+        first = -(-self.head_dim // (2 * WGMMA_M)) * WGMMA_M
+        return (0, first) if wg == 0 else (first, self.head_dim - first)
+
+    def dq_part_view(self, slab: cute.Tensor, wg: int) -> cute.Tensor:
+        """Warpgroup ``wg``'s run of a query tile's slab under dq_uneven: (rows x tile_m, 1)
+        floats from dq_at(wg) (Note [dQ split unevenly])."""
+        return cute.make_tensor(slab.iterator + self.dq_at(wg),
+                                cute.make_layout((self.dq_part(wg)[1] * self.tile_m, 1)))
+
+    def dq_tile_shape(self, wg=None) -> tuple:
+        """(M, N) of the dQ GEMM's accumulator tile; under dq_uneven with ``wg`` (a Python
+        int), that warpgroup's part of it."""
+        if const_expr(self.cfg.dq_uneven and wg is not None):
+            return (self.dq_part(wg)[1], self.tile_m)
         if const_expr(self.cfg.dq_swap_ab):
             return (self.head_dim, self.tile_m)
         return (self.tile_m, self.head_dim)
 
     def dq_copy(self) -> cute.TiledCopy:
         """Registers -> the dQ staging buffer and accumulator (Note [dQ in accumulator order])."""
-        if const_expr(self.dq_warpgroups != BWD_MMA_WARPGROUPS):
+        if const_expr(self.dq_warpgroups != BWD_MMA_WARPGROUPS or self.cfg.dq_uneven):
             return dq_copy(self.dq_warpgroups)
         return dq_copy()
 
@@ -222,7 +259,7 @@ class HopperBackward:
         return mma_dq.get_slice(tidx).partition_C(tile)
 
     def dq_chunk_layout(self) -> cute.Layout:
-        if const_expr(self.dq_warpgroups != BWD_MMA_WARPGROUPS):
+        if const_expr(self.dq_warpgroups != BWD_MMA_WARPGROUPS or self.cfg.dq_uneven):
             return dq_chunk_layout(self.dq_chunk, self.dq_warpgroups)
         return dq_chunk_layout(self.dq_chunk)
 
@@ -268,14 +305,21 @@ class HopperBackward:
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mDelta, mdQaccum, mTurn = [select_modes(t, [2, 1, 0])
                                           for t in (mLSE2, mDelta, mdQaccum, mTurn)]
-        D, stages = self.head_dim, self.cfg.stages_q
-        sQ_layout = self._smem_layout(self.tile_m, D, stages)  # also dO's
-        sK_layout = self._smem_layout(self.tile_n, D)  # also V's, dK's and dV's
+        D, Dv, stages = self.head_dim, self.head_dim_v, self.cfg.stages_q
+        sQ_layout = self._smem_layout(self.tile_m, D, stages)  # also dO's when dv == D
+        sK_layout = self._smem_layout(self.tile_n, D)  # also dK's (and V's, dV's when dv == D)
+        sdO_layout, sV_layout = sQ_layout, sK_layout
+        if const_expr(Dv != D):  # Note [dV head dim]
+            sdO_layout = self._smem_layout(self.tile_m, Dv, stages)
+            sV_layout = self._smem_layout(self.tile_n, Dv)
         sdS_layout = self._smem_layout(self.tile_m, self.tile_n, self.cfg.stages_ds)
         sQ_one = cute.select(sQ_layout, mode=[0, 1])
-        bytes_q = cute.size_in_bytes(self.dtype, sQ_one)
-        bytes_kv = cute.size_in_bytes(self.dtype, sK_layout)
+        sdO_one = cute.select(sdO_layout, mode=[0, 1])
         bytes_row = self.tile_m * 4  # a tile's lse or delta
+        bytes_q = cute.size_in_bytes(self.dtype, sQ_one) + bytes_row
+        bytes_do = cute.size_in_bytes(self.dtype, sdO_one) + bytes_row
+        bytes_kv = (cute.size_in_bytes(self.dtype, sK_layout)
+                    + cute.size_in_bytes(self.dtype, sV_layout))
 
         @cute.struct
         class SharedStorage:
@@ -285,28 +329,29 @@ class HopperBackward:
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)],
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)],
                                    1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)],
                                    1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * D], 1024]
 
         # the budget arithmetic of HopperBwdConfig.smem_bytes() is the struct's real size
-        assert SharedStorage.size_in_bytes() == self.cfg.smem_bytes(D, self.dtype.width // 8), (
-            SharedStorage.size_in_bytes(), self.cfg.smem_bytes(D, self.dtype.width // 8))
+        need = self.cfg.smem_bytes(D, self.dtype.width // 8, Dv)
+        assert SharedStorage.size_in_bytes() == need, (SharedStorage.size_in_bytes(), need)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, mQ, sQ_one, (self.tile_m, D))
-        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(load, mdO, sQ_one, (self.tile_m, D))
+        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(load, mdO, sdO_one,
+                                                          (self.tile_m, Dv))
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, sK_layout, (self.tile_n, D))
-        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, sK_layout, (self.tile_n, D))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, sV_layout, (self.tile_n, Dv))
         store = cpasync.CopyBulkTensorTileS2GOp()
         tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store, mdK, sK_layout,
                                                           (self.tile_n, D))
-        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, mdV, sK_layout,
-                                                          (self.tile_n, D))
+        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, mdV, sV_layout,
+                                                          (self.tile_n, Dv))
         mma_sdp, mma_dkv, mma_dq = self.tiled_mmas()
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
         grid = (num_n_blocks, mK.shape[2], mK.shape[3])
@@ -321,8 +366,8 @@ class HopperBackward:
             tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk, tma_atom_dv,
             softmax_scale, self.score_scale(softmax_scale), window_left, window_right, mQ.shape[2],
             sQ_layout, sK_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq,
-            bytes_q + bytes_row, bytes_kv, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
-            mdK_rows, mdV_rows, mSeqUsedQ,
+            bytes_q, bytes_kv, SharedStorage, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+            mdK_rows, mdV_rows, mSeqUsedQ, sdO_layout, sV_layout, bytes_do,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def score_scale(self, softmax_scale):
@@ -374,6 +419,9 @@ class HopperBackward:
         mdK_rows: cute.Tensor | None,  # varlen: dk and dv themselves (s, D, h, b)
         mdV_rows: cute.Tensor | None,
         mSeqUsedQ: cute.Tensor | None,  # varlen with seqused_q: (batch,) int32
+        sdO_layout: cute.ComposedLayout,  # (tile_m, dv, STAGE): sQ_layout when dv == D
+        sV_layout: cute.ComposedLayout,  # (tile_n, dv): sK_layout when dv == D
+        bytes_do: cutlass.Constexpr[int],
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -384,14 +432,14 @@ class HopperBackward:
         # the signalling lane read once (pin_lane; Note [Signalling lane] in hopper.fwd)
         lane = lane_here() if const_expr(self.cfg.pin_lane) else None
         mbar = {"q": storage.mbar_q, "do": storage.mbar_do, "kv": storage.mbar_kv}
-        tx = {"q": bytes_q, "do": bytes_q, "kv": 2 * bytes_kv}
+        tx = {"q": bytes_q, "do": bytes_do, "kv": bytes_kv}
         pipes = {spec.name: tma_async_pipeline(spec, mbar[spec.name], tx[spec.name], lane)
                  for spec in self.pipelines()}
         pipeline_q, pipeline_do, pipeline_kv = pipes["q"], pipes["do"], pipes["kv"]
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (m, D, STAGE)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)  # (m, dv, ST)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (n, D)
-        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (n, dv)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (m, n, ST)
         row_layout = cute.make_layout((self.tile_m, self.cfg.stages_q))
         sLSE = storage.sLSE.get_tensor(row_layout)  # (m, STAGE)
@@ -432,7 +480,12 @@ class HopperBackward:
                     mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do, pipeline_kv,
                     softmax_scale, scale_log2, window_left, window_right, n_block, head_kv, b,
                     seqlen_q, seqlen_k, work, seq, mdK_rows, mdV_rows)
-            if const_expr(self.dq_warpgroups == BWD_MMA_WARPGROUPS):
+            if const_expr(self.cfg.dq_uneven):  # Note [dQ split unevenly]: a build per part
+                if warp_idx < 2 * THREADS_PER_WARPGROUP // WARP_SIZE:
+                    self.mma(*args, dq_part=0)
+                else:
+                    self.mma(*args, dq_part=1)
+            elif const_expr(self.dq_warpgroups == BWD_MMA_WARPGROUPS):
                 self.mma(*args)
             else:  # Note [dQ by one warpgroup]: each warpgroup's own build of the loop
                 if warp_idx < 2 * THREADS_PER_WARPGROUP // WARP_SIZE:
@@ -520,7 +573,7 @@ class HopperBackward:
         offset_q = offset_k = m_base = None  # dense; varlen: Note [Varlen backward]
         if const_expr(seq is not None):
             offset_q, offset_k, m_base = seq
-        D = self.head_dim
+        D, Dv = self.head_dim, self.head_dim_v
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                self.cfg.stages_q)
         state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -528,7 +581,7 @@ class HopperBackward:
         if m_max > m_min:
             gK = cute.local_tile(sequence_slab(mK, head_kv, b, offset_k), (self.tile_n, D),
                                  (n_block, 0))
-            gV = cute.local_tile(sequence_slab(mV, head_kv, b, offset_k), (self.tile_n, D),
+            gV = cute.local_tile(sequence_slab(mV, head_kv, b, offset_k), (self.tile_n, Dv),
                                  (n_block, 0))
             pipeline_kv.producer_acquire(state_kv)
             for atom, g, s in ((tma_atom_k, gK, sK), (tma_atom_v, gV, sV)):
@@ -542,7 +595,7 @@ class HopperBackward:
             # (m, D, m_blocks) of this head; (m, m_blocks) of its lse and delta
             gQ = cute.local_tile(sequence_slab(mQ, head, b, offset_q), (self.tile_m, D),
                                  (None, 0))
-            gdO = cute.local_tile(sequence_slab(mdO, head, b, offset_q), (self.tile_m, D),
+            gdO = cute.local_tile(sequence_slab(mdO, head, b, offset_q), (self.tile_m, Dv),
                                   (None, 0))
             gLSE = cute.local_tile(mLSE2[None, head, b], (self.tile_m,), (None,))
             gDelta = cute.local_tile(mDelta[None, head, b], (self.tile_m,), (None,))
@@ -607,6 +660,38 @@ class HopperBackward:
     # GPU, so the runtime reaches it only through the bwd_head_dims gate
     # (fa4_final.runtime.pending).
 
+    # Note [dV head dim]
+    # Q, K, dQ and dK have D columns; V, dO (and O, read by bwd_pre for delta) and dV have dv.
+    # D enters S^T = K Q^T (its K), dK += dS^T Q (its N) and dQ; dv enters dP^T = V dO^T (its
+    # K) and dV += P^T dO (its N), so with dv != D the dV GEMM takes a tiled MMA of its own
+    # (mma_dv: the same atoms with N = dv) and the dO ring, V, the dV store and the TMA boxes
+    # of V, dO and dV take dv, as does HopperBwdConfig.smem_bytes(head_dim, head_dim_v). With
+    # dv == D every one of these is the object it was (the same layouts, the same tiled MMA),
+    # so those builds are the kernels they were. Registers: dV holds 64 x dv / 128 floats a
+    # thread and dK 64 x D / 128: 64 + 96 at D = 192, dv = 128.
+
+    # Note [dQ split unevenly]
+    # At D = 192, dv = 128 the dK and dV accumulators take 160 of a thread's 240 registers, so
+    # a step can hold little more: at tile_m = 64 S^T and dP^T (32 each) and dQ (48) spill.
+    # tile_m = 32 halves S^T and dP^T; dQ^T = K^T dS^T (dq_swap_ab: D on the wgmma M, tile_m
+    # = 32 its N) then has three 64-row blocks of D, which the two MMA warpgroups cannot share
+    # evenly: dq_uneven gives warpgroup 0 rows 0-127 (two m64n32k16 chains over 128 keys, 32
+    # floats a thread) and warpgroup 1 rows 128-191 (one chain, 16 floats). mma() is compiled
+    # once per part (dq_part, a compile-time 0 or 1, which also stands for the warpgroup
+    # index in its barriers), the warpgroups branching once before their loops. Each part
+    # reads its own rows of K^T (a 64-row-aligned slice of the 128 B swizzled K, so the
+    # descriptors are those of a whole tile) and both read all of dS. The slab order is that
+    # of one warpgroup holding the whole D x tile_m tile (register i = v + 16 m of m64n32's
+    # 16 per M-block, dq_copy(1)): warpgroup 0's 32 registers are its first 4096 floats and
+    # warpgroup 1's 16 the 2048 after, because M-block 2 of that one warpgroup's tile is
+    # exactly warpgroup 1's. So the dQ warp adds two chunks a step, of 16 KB and 8 KB, at
+    # offsets 0 and 4096 floats (dq_at, dq_bytes), and bwd_post reads the slab as one
+    # warpgroup's (dq_threads = 128, the one-warpgroup tiled MMA's coordinates). The FA4
+    # package runs this shape as 64 x 96 with dK and dV swapped instead; this split keeps the
+    # kernel's structure (keys on M for S^T, P in registers) and compiled clean for sm_90a
+    # (161 KB of shared memory, no spill); not yet run on a GPU, so the runtime reaches it only
+    # through the bwd_head_dims gate (fa4_final.runtime.pending).
+
     @cute.jit
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
                  window_left, window_right, seq=None):
@@ -618,7 +703,6 @@ class HopperBackward:
             m_base = seq[2]
         lane = cute.arch.lane_idx()
         wgs = self.dq_warpgroups  # chunks a step (Note [dQ by one warpgroup])
-        chunk_bytes = self.dq_chunk * 4
         handshake = THREADS_PER_WARPGROUP + WARP_SIZE
         # Note [dQ copies] (fa4_final.common.bwd_tiles): this key tile's accumulator copy
         copies, early = self.cfg.dq_copies, self.cfg.dq_early_release
@@ -666,10 +750,10 @@ class HopperBackward:
                     cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + w,
                                       number_of_threads=handshake)
                     if lane == 0:
-                        offset = m_pad * (self.tile_m * self.head_dim) + w * self.dq_chunk
+                        offset = m_pad * (self.tile_m * self.head_dim) + self.dq_at(w)
                         if const_expr(copies > 1):
                             offset = ((m_pad * copies + copy) * (self.tile_m * self.head_dim)
-                                      + w * self.dq_chunk)
+                                      + self.dq_at(w))
                         if const_expr(self.cfg.dq_first_store):
                             # turn 0 of its copy writes over the unzeroed slab (Note [dQ copies])
                             first = dq_turn(self.window, n_block, m_block, num_n_blocks,
@@ -677,14 +761,14 @@ class HopperBackward:
                             if const_expr(copies > 1):
                                 first = first // copies
                             if first == 0:
-                                bulk_store_f32(gAcc.iterator + offset, sdQ[None, w].iterator,
-                                               chunk_bytes)
+                                bulk_store_f32(gAcc.iterator + offset, self.dq_src(sdQ, w),
+                                               self.dq_bytes(w))
                             else:
-                                bulk_add_f32(gAcc.iterator + offset, sdQ[None, w].iterator,
-                                             chunk_bytes)
+                                bulk_add_f32(gAcc.iterator + offset, self.dq_src(sdQ, w),
+                                             self.dq_bytes(w))
                         else:
-                            bulk_add_f32(gAcc.iterator + offset, sdQ[None, w].iterator,
-                                         chunk_bytes)
+                            bulk_add_f32(gAcc.iterator + offset, self.dq_src(sdQ, w),
+                                         self.dq_bytes(w))
                         cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.cfg.deterministic):
                     if const_expr(early):  # the buffers back once read, before the turn passes
@@ -704,6 +788,24 @@ class HopperBackward:
         if lane == 0:  # shared memory must outlive the last add's reads of it
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+    def dq_at(self, w: int) -> int:
+        """Where chunk ``w`` of a step's dQ starts in its query tile's slab (floats)."""
+        if self.cfg.dq_uneven:  # Note [dQ split unevenly]
+            return self.dq_part(w)[0] * self.tile_m
+        return w * self.dq_chunk
+
+    def dq_bytes(self, w: int) -> int:
+        """Bytes of chunk ``w`` of a step's dQ (one bulk add)."""
+        if self.cfg.dq_uneven:
+            return self.dq_part(w)[1] * self.tile_m * 4
+        return self.dq_chunk * 4
+
+    def dq_src(self, sdQ: cute.Tensor, w: int):
+        """Chunk ``w`` of the dQ staging buffer, the bulk add's source."""
+        if self.cfg.dq_uneven:
+            return sdQ.iterator + self.dq_at(w)
+        return sdQ[None, w].iterator
+
     def wgmma(self, tiled_mma, acc, tA, tB, accumulate):
         """Issue acc (+)= A B as one async group (fa4_final.hopper.wgmma.issue_wgmma)."""
         issue_wgmma(tiled_mma, acc, tA, tB, accumulate)
@@ -712,36 +814,55 @@ class HopperBackward:
     def mma(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk, tma_atom_dv,
             mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do, pipeline_kv, softmax_scale,
             scale_log2, window_left, window_right, n_block, head_kv, b, seqlen_q, seqlen_k,
-            work, seq=None, mdK_rows=None, mdV_rows=None, dq_wg: cutlass.Constexpr[bool] = True):
+            work, seq=None, mdK_rows=None, mdV_rows=None, dq_wg: cutlass.Constexpr[bool] = True,
+            dq_part: cutlass.Constexpr = None):
         """MMA warpgroups: every step of the CTA, then the dK, dV epilogue. With a softcap,
         ``scale_log2`` carries scale / softcap (Note [Softcap]). ``dq_wg``: this warpgroup
-        issues the dQ GEMM (False only for warpgroup 1 under Note [dQ by one warpgroup])."""
+        issues the dQ GEMM (False only for warpgroup 1 under Note [dQ by one warpgroup]).
+        ``dq_part``: under dq_uneven, this build's warpgroup (0 or 1), whose part of dQ^T it
+        computes (Note [dQ split unevenly])."""
         m_min, m_max, n_first, n_last, _, group = work
         cap = ()  # passed only to a softcap build: a subclass's step keeps its signature
         if const_expr(self.logit_softcap):
             cap, scale_log2 = (scale_log2,), Float32(self.logit_softcap * LOG2_E)
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 255
-        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        if const_expr(dq_part is not None):  # Note [dQ split unevenly]: known at compile time
+            wg = dq_part
+        else:
+            wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         wg_sdp = mma_sdp.get_slice(wg * THREADS_PER_WARPGROUP)
         wg_dkv = mma_dkv.get_slice(wg * THREADS_PER_WARPGROUP)
-        single = const_expr(self.dq_warpgroups != BWD_MMA_WARPGROUPS)
+        single = const_expr(self.dq_warpgroups != BWD_MMA_WARPGROUPS or dq_part is not None)
         if const_expr(single):  # Note [dQ by one warpgroup]: one warpgroup's tiled MMA
             wg_dq = mma_dq.get_slice(0)
         else:
             wg_dq = mma_dq.get_slice(wg * THREADS_PER_WARPGROUP)
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
-        thr_dq = mma_dq.get_slice(tidx)
+        if const_expr(dq_part is not None):
+            thr_dq = mma_dq.get_slice(tidx - dq_part * THREADS_PER_WARPGROUP)
+        else:
+            thr_dq = mma_dq.get_slice(tidx)
+        wg_dv, thr_dv = wg_dkv, thr_dkv
+        if const_expr(self.head_dim_v != self.head_dim):  # Note [dV head dim]
+            mma_dv = self.mma_dv(mma_dkv)
+            wg_dv = mma_dv.get_slice(wg * THREADS_PER_WARPGROUP)
+            thr_dv = mma_dv.get_slice(tidx)
         # operands: A and B descriptors per warpgroup, accumulators per thread
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))  # (MMA, 1, D/16)
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (MMA, 1, D/16, STAGE)
         tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sdO)))  # (.., m/16, ST)
+        tdVrdO = wg_dv.make_fragment_B(wg_dv.partition_B(_transpose(sdO)))  # (.., m/16, ST)
         tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sQ)))
         if const_expr(not dq_wg):  # Note [dQ by one warpgroup]: warpgroup 1 has no dQ GEMM
             tdQrA = tdQrB = thr_dq = None
+        elif const_expr(dq_part is not None):  # dQ^T = K^T dS^T, this warpgroup's rows of D
+            first, rows = self.dq_part(dq_part)
+            kT = cute.local_tile(_transpose(sK), (rows, self.tile_n), (first // rows, 0))
+            tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(kT))  # (.., rows/64, n/16)
+            tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))  # (.., n/16, STAGE)
         elif const_expr(self.cfg.dq_swap_ab):  # dQ^T = K^T dS^T
             tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(_transpose(sK)))  # (.., n/16)
             tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))  # (.., n/16, STAGE)
@@ -750,9 +871,13 @@ class HopperBackward:
             tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(_transpose(sK)))  # (.., n/16)
         shape_st = thr_sdp.partition_shape_C((self.tile_n, self.tile_m))  # ((2,2,m/8),1,1)
         shape_a = thr_dkv.partition_shape_A((self.tile_n, self.tile_m))  # ((2,2,2),1,m/16)
-        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)),
+        acc_dv = cute.make_rmem_tensor(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)),
                                        Float32)
-        acc_dk = cute.make_rmem_tensor_like(acc_dv)
+        if const_expr(self.head_dim_v == self.head_dim):
+            acc_dk = cute.make_rmem_tensor_like(acc_dv)
+        else:
+            acc_dk = cute.make_rmem_tensor(
+                thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         # dS^T registers -> dS in shared memory: stmatrix, transposed
@@ -763,7 +888,10 @@ class HopperBackward:
         # dQ registers -> its float32 staging buffer, 16 B per thread
         # (Note [dQ in accumulator order])
         tdQsdQ = None
-        if const_expr(dq_wg):
+        if const_expr(dq_part is not None):  # this part's run of the slab
+            t_part = tidx - dq_part * THREADS_PER_WARPGROUP
+            tdQsdQ = self.dq_copy().get_slice(t_part).partition_D(self.dq_part_view(sdQ, dq_part))
+        elif const_expr(dq_wg):
             tdQsdQ = self.dq_copy().get_slice(tidx).partition_D(sdQ)
         # (key, query) of each accumulator element, this thread and thread 0: the mask
         tScS, t0ScS = fragment_coords(thr_sdp, (self.tile_n, self.tile_m))
@@ -868,7 +996,7 @@ class HopperBackward:
         if const_expr(self.cfg.stages_ds == 1):  # the other warpgroup's last dQ GEMM read dS
             cute.arch.barrier(barrier_id=int(NamedBarrier.DS_FREE), number_of_threads=MMA_THREADS)
         cute.copy(st_t, thr_st_t.retile(rdS), tdSsdS[None, None, None, ds_stage])
-        self.wgmma(mma_dkv, acc_dv, rP, tdVrdO[None, None, None, stage],
+        self.wgmma(self.mma_dv(mma_dkv), acc_dv, rP, tdVrdO[None, None, None, stage],
                    True)  # dV += P^T dO
         # generic-proxy smem writes (stmatrix) -> visible to wgmma (async proxy); then both
         # warpgroups' halves of dS are in place
@@ -880,7 +1008,8 @@ class HopperBackward:
             warpgroup.wait_group(1)  # dV done: dO's stage is free
             pipeline_do.consumer_release(state_q)
         else:
-            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self.dq_tile_shape()), Float32)
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self.dq_tile_shape(wg)),
+                                           Float32)
             if const_expr(self.cfg.dq_swap_ab):
                 self.wgmma(mma_dq, acc_dq, tdQrA, tdQrB[None, None, None, ds_stage], False)
             else:
@@ -956,6 +1085,8 @@ class HopperBackward:
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st, mma_dkv).get_slice(tidx)
         cute.copy(st, thr_st.retile(rdK), thr_st.partition_D(sK))
+        if const_expr(self.head_dim_v != self.head_dim):  # Note [dV head dim]
+            thr_st = cute.make_tiled_copy_C(st, self.mma_dv(mma_dkv)).get_slice(tidx)
         cute.copy(st, thr_st.retile(rdV), thr_st.partition_D(sV))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=MMA_THREADS)
@@ -970,9 +1101,9 @@ class HopperBackward:
                 self.store_tma(mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, tidx, n_block,
                                head_kv, b, seq[1])
             else:
-                for m, s in ((mdK_rows, sK), (mdV_rows, sV)):
+                for m, s, d in ((mdK_rows, sK, self.head_dim), (mdV_rows, sV, self.head_dim_v)):
                     g = cute.local_tile(sequence_slab(m, head_kv, b, seq[1]),
-                                        (self.tile_n, self.head_dim), (n_block, 0))
+                                        (self.tile_n, d), (n_block, 0))
                     store_rows(s, g, tidx, keys_left, MMA_THREADS)
 
     @cute.jit
@@ -980,9 +1111,9 @@ class HopperBackward:
                   offset_k):
         """dK and dV of the tile (in sK, sV) with one TMA store each, by the first MMA warp."""
         if tidx // WARP_SIZE == 0:
-            D = self.head_dim
-            for atom, m, s in ((tma_atom_dk, mdK, sK), (tma_atom_dv, mdV, sV)):
-                g = cute.local_tile(sequence_slab(m, head_kv, b, offset_k), (self.tile_n, D),
+            for atom, m, s, d in ((tma_atom_dk, mdK, sK, self.head_dim),
+                                  (tma_atom_dv, mdV, sV, self.head_dim_v)):
+                g = cute.local_tile(sequence_slab(m, head_kv, b, offset_k), (self.tile_n, d),
                                     (n_block, 0))
                 tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                                    cute.group_modes(s, 0, 2),
@@ -1013,9 +1144,9 @@ class HopperVarlenBackward(HopperBackward):
     def __init__(self, dtype, head_dim: int, causal: bool, config: HopperBwdConfig,
                  has_window_left: bool = False, has_window_right: bool = False,
                  has_seqused_k: bool = False, softcap: float = 0.0,
-                 has_seqused_q: bool = False):
+                 has_seqused_q: bool = False, head_dim_v: int | None = None):
         super().__init__(dtype, head_dim, causal, config, has_window_left, has_window_right,
-                         softcap)
+                         softcap, head_dim_v)
         self.has_seqused_k = bool(has_seqused_k)
         self.has_seqused_q = bool(has_seqused_q)  # Note [Used query rows in the backward]
 

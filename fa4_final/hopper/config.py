@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fa4_final.common.constants import (
+    BWD_HEAD_DIM_PAIRS_PENDING,
     BWD_HEAD_DIMS_PENDING,
     FWD_HEAD_DIMS,
     HEAD_DIMS,
@@ -257,6 +258,10 @@ class HopperBwdConfig:
     # dQ = dS K by MMA warpgroup 0 alone, the whole tile_m x D (Note [dQ by one warpgroup] in
     # fa4_final.hopper.bwd): what D = 96 needs
     dq_single_wg: bool = False
+    # dQ^T = K^T dS^T (dq_swap_ab) split by rows of D into 64-row blocks, warpgroup 0 taking
+    # the larger half (128 + 64 at D = 192; Note [dQ split unevenly] in fa4_final.hopper.bwd):
+    # what D = 192 with dv = 128 needs at tile_m = 32
+    dq_uneven: bool = False
 
     @property
     def dq_warpgroups(self) -> int:
@@ -271,19 +276,22 @@ class HopperBwdConfig:
     def registers(self) -> tuple[int, int]:
         return SM90_BWD_REGISTERS
 
-    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2, head_dim_v: int | None = None
+                   ) -> int:
         """Bytes of the kernel's SharedStorage, field by field in its order (the kernel asserts
         its struct has this size): the mbarriers (full + empty per stage of Q and dO, and K/V's
         one), lse and delta per stage (float32), the Q and dO rings, K, V, the dS buffers and
-        the float32 dQ staging tile; tiles 1 KB aligned for the 128 B swizzle."""
+        the float32 dQ staging tile; tiles 1 KB aligned for the 128 B swizzle. ``head_dim_v``:
+        dv of dO and V, head_dim if None."""
+        dv = head_dim if head_dim_v is None else head_dim_v
         fields = [  # (bytes, alignment)
             (8 * 2 * (2 * self.stages_q + 1), 8),
             (4 * self.tile_m * self.stages_q, 128),  # lse (log2 units)
             (4 * self.tile_m * self.stages_q, 128),  # delta
             (self.tile_m * head_dim * elem_bytes * self.stages_q, 1024),  # Q
-            (self.tile_m * head_dim * elem_bytes * self.stages_q, 1024),  # dO
+            (self.tile_m * dv * elem_bytes * self.stages_q, 1024),  # dO
             (self.tile_n * head_dim * elem_bytes, 1024),  # K
-            (self.tile_n * head_dim * elem_bytes, 1024),  # V
+            (self.tile_n * dv * elem_bytes, 1024),  # V
             (self.tile_m * self.tile_n * elem_bytes * self.stages_ds, 1024),  # dS
             (self.tile_m * head_dim * 4, 1024),  # dQ (float32)
         ]
@@ -292,9 +300,14 @@ class HopperBwdConfig:
             offset = _align(offset, align) + size
         return _align(offset, 1024)
 
-    def check(self, head_dim: int) -> None:
+    def check(self, head_dim: int, head_dim_v: int | None = None) -> None:
+        dv = head_dim if head_dim_v is None else head_dim_v
         dims = HEAD_DIMS + BWD_HEAD_DIMS_PENDING
-        if head_dim not in dims:
+        if dv != head_dim and (head_dim, dv) not in BWD_HEAD_DIM_PAIRS_PENDING:
+            raise ValueError(f"(head_dim, head_dim_v) must be one of {BWD_HEAD_DIM_PAIRS_PENDING} "
+                             f"when they differ, got ({head_dim}, {dv}); with dv == head_dim "
+                             f"the backward takes head dims {dims}")
+        if dv == head_dim and head_dim not in dims:
             raise ValueError(f"head_dim must be one of {dims}, got {head_dim}")
         m = self.tile_m
         if isinstance(m, bool) or not isinstance(m, int) or m % 16 or not 16 <= m <= 128:
@@ -303,7 +316,12 @@ class HopperBwdConfig:
         if not self.dq_swap_ab and m % WGMMA_M:
             raise ValueError(f"tile_m={m} is not a multiple of {WGMMA_M}, the M of a wgmma: "
                              f"dQ = dS K needs dq_swap_ab=True (dQ^T = K^T dS^T, M = head_dim)")
-        if self.dq_swap_ab and head_dim != WGMMA_M * BWD_MMA_WARPGROUPS:
+        if self.dq_uneven and (not self.dq_swap_ab or head_dim % WGMMA_M
+                               or head_dim // WGMMA_M % 2 == 0):
+            raise ValueError(f"dq_uneven splits dQ^T = K^T dS^T (dq_swap_ab=True) into an odd "
+                             f"number of {WGMMA_M}-row blocks of head_dim, got "
+                             f"dq_swap_ab={self.dq_swap_ab}, head_dim={head_dim}")
+        if self.dq_swap_ab and not self.dq_uneven and head_dim != WGMMA_M * BWD_MMA_WARPGROUPS:
             raise ValueError(f"dq_swap_ab puts head_dim on the wgmma M of both warpgroups: it "
                              f"needs head_dim = {WGMMA_M * BWD_MMA_WARPGROUPS}, got {head_dim}")
         if self.dq_single_wg and (self.dq_swap_ab or m != WGMMA_M):
@@ -331,20 +349,27 @@ class HopperBwdConfig:
             raise ValueError("dq_first_store=True changes the deterministic mode's first dQ add "
                              "into a store (the turn order says which is first): it needs "
                              "deterministic=True (or dq_first_store=False)")
-        need = self.smem_bytes(head_dim)
+        need = self.smem_bytes(head_dim, head_dim_v=dv)
         if need > SM90_SMEM_BYTES:
             raise ValueError(
-                f"config needs {need} B of shared memory ({self.stages_q} stages of Q and dO of "
-                f"{m}x{head_dim}, K and V of {self.tile_n}x{head_dim}, {self.stages_ds} dS of "
+                f"config needs {need} B of shared memory ({self.stages_q} stages of Q of "
+                f"{m}x{head_dim} and dO of {m}x{dv}, K of {self.tile_n}x{head_dim} and V of "
+                f"{self.tile_n}x{dv}, {self.stages_ds} dS of "
                 f"{m}x{self.tile_n}, a float32 dQ of {m}x{head_dim}), more than the "
                 f"{SM90_SMEM_BYTES} B a CTA may use: a smaller tile_m or fewer stages")
 
 
 def hopper_bwd_default(head_dim: int, causal: bool = False,
-                       deterministic: bool = False) -> HopperBwdConfig:
+                       deterministic: bool = False,
+                       head_dim_v: int | None = None) -> HopperBwdConfig:
     """The backward's starting configs, FA3's on H100 (FA4 package's _tile_size_bwd_sm90):
     D = 64: 128 x 128; D = 96: 64 x 128 with dQ by one warpgroup (compiled, not run on a GPU);
-    D = 128: 64 x 128 (80 x 128 with dQ swapped when not causal)."""
+    D = 128: 64 x 128 (80 x 128 with dQ swapped when not causal). D = 192 with dv = 128:
+    32 x 128 with dQ^T split 128 + 64 rows of D (Note [dQ split unevenly] in
+    fa4_final.hopper.bwd; compiled, not run on a GPU)."""
+    if head_dim_v is not None and head_dim_v != head_dim:
+        return HopperBwdConfig(tile_m=32, dq_swap_ab=True, dq_uneven=True,
+                               deterministic=deterministic)
     if head_dim <= 64:
         return HopperBwdConfig(tile_m=128, deterministic=deterministic)
     if head_dim == 96:

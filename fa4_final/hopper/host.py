@@ -339,9 +339,10 @@ def timeline_buffer(device, cfg: HopperFwdConfig) -> torch.Tensor:
 
 
 def backward_config(head_dim: int, causal: bool, deterministic: bool,
-                    config: HopperBwdConfig | None) -> HopperBwdConfig:
-    """``config`` (or the default), deterministic when asked."""
-    cfg = config or hopper_bwd_default(head_dim, causal)
+                    config: HopperBwdConfig | None,
+                    head_dim_v: int | None = None) -> HopperBwdConfig:
+    """``config`` (or the default for (head_dim, head_dim_v)), deterministic when asked."""
+    cfg = config or hopper_bwd_default(head_dim, causal, head_dim_v=head_dim_v)
     if not isinstance(cfg, HopperBwdConfig):
         raise TypeError(f"config must be a HopperBwdConfig or None, got {type(cfg).__name__}")
     if deterministic and not cfg.deterministic:
@@ -351,36 +352,39 @@ def backward_config(head_dim: int, causal: bool, deterministic: bool,
 
 def _backward_kernels(dtype_name, head_dim, causal, has_left, has_right, cfg, varlen,
                       has_seqused_k, softcap: float = 0.0, has_dlse: bool = False,
-                      has_seqused_q: bool = False) -> dict:
+                      has_seqused_q: bool = False, head_dim_v: int | None = None) -> dict:
     from fa4_final.common.bwd_post import BackwardPost, VarlenBackwardPost
     from fa4_final.common.bwd_pre import BackwardPre, VarlenBackwardPre
     from fa4_final.hopper.bwd import HopperBackward, HopperVarlenBackward
 
     dt = CUTLASS_BY_NAME[dtype_name]
     extra = dict(softcap=softcap) if softcap else {}  # Note [Softcap]
+    dv = {} if head_dim_v in (None, head_dim) else dict(head_dim_v=head_dim_v)
+    extra.update(dv)
     if varlen:
         main = HopperVarlenBackward(dt, head_dim, causal, cfg, has_window_left=has_left,
                                     has_window_right=has_right, has_seqused_k=has_seqused_k,
                                     has_seqused_q=has_seqused_q, **extra)
         pre = VarlenBackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic, has_dlse,
                                 has_seqused_q, dq_copies=cfg.dq_copies,
-                                dq_first_store=cfg.dq_first_store)
+                                dq_first_store=cfg.dq_first_store, **dv)
         return {"pre": pre, "main": main, "post": VarlenBackwardPost(main)}
     main = HopperBackward(dt, head_dim, causal, cfg, has_window_left=has_left,
                           has_window_right=has_right, **extra)
     pre = BackwardPre(dt, head_dim, cfg.tile_m, cfg.deterministic, has_dlse,
-                      dq_copies=cfg.dq_copies, dq_first_store=cfg.dq_first_store)
+                      dq_copies=cfg.dq_copies, dq_first_store=cfg.dq_first_store, **dv)
     return {"pre": pre, "main": main, "post": BackwardPost(main)}
 
 
 def _varlen_fake_args(dtype_name: str, head_dim: int, has_seqused_k: bool,
-                      has_dlse: bool = False, has_seqused_q: bool = False) -> dict:
+                      has_dlse: bool = False, has_seqused_q: bool = False,
+                      head_dim_v: int | None = None) -> dict:
     """The dense kernels' fake arguments (their batch entry 0 is the packed batch of one) plus
     the offsets, int32."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    dense = shared_backward.fake_backward_args(dtype_name, head_dim)
+    dense = shared_backward.fake_backward_args(dtype_name, head_dim, head_dim_v=head_dim_v)
     cu_q, cu_k = (fake_tensor(Int32, (cute.sym_int(),)) for _ in range(2))
     used_k = fake_tensor(Int32, (cute.sym_int(),)) if has_seqused_k else None
     out, dout, lse, lse2, delta, accum, turn, stream = dense["pre"]
@@ -404,28 +408,32 @@ def backward_recipe(head_dim: int = 128, dtype: str = "bf16", causal: bool = Fal
                     has_window_left: bool = False, has_window_right: bool = False,
                     varlen: bool = False, has_seqused_k: bool = False,
                     arch: str = ARCH, softcap: float = 0.0, has_dlse: bool = False,
-                    has_seqused_q: bool = False) -> Recipe:
+                    has_seqused_q: bool = False, head_dim_v: int | None = None) -> Recipe:
     """The backward's three kernels ("pre", "main", "post"), dense or varlen; ``softcap``
     (0.0: none) builds the main kernel of Note [Softcap]. A learnable sink changes no kernel:
     its gradient is sink_gradient's (fa4_final.common.backward). ``has_dlse``: bwd_pre takes
     the lse's gradient (Note [The lse gradient folded] in fa4_final.common.bwd_pre);
     ``has_seqused_q``: the varlen kernels take seqused_q
-    (Note [Used query rows in the backward] in fa4_final.hopper.bwd)."""
+    (Note [Used query rows in the backward] in fa4_final.hopper.bwd); ``head_dim_v``: dv of
+    V, out, dout and dv when it differs from head_dim (Note [dV head dim] there)."""
     _check_target(dtype, arch, "backward")
-    cfg = backward_config(head_dim, causal, deterministic, config)
+    head_dim_v = None if head_dim_v == head_dim else head_dim_v
+    cfg = backward_config(head_dim, causal, deterministic, config, head_dim_v)
     if softcap and config is None:
         cfg = hopper_bwd_softcap(cfg, head_dim, causal)
     has_seqused_k = varlen and has_seqused_k
     has_seqused_q = varlen and has_seqused_q
     kernels = _backward_kernels(dtype, head_dim, causal, has_window_left, has_window_right, cfg,
-                                varlen, has_seqused_k, softcap, has_dlse, has_seqused_q)
+                                varlen, has_seqused_k, softcap, has_dlse, has_seqused_q,
+                                head_dim_v)
+    dv = {} if head_dim_v is None else dict(head_dim_v=head_dim_v)
     if varlen:
         return Recipe("bwd", ARCH, kernels,
                       lambda role: _first_store_args(cfg, role, _varlen_fake_args(
-                          dtype, head_dim, has_seqused_k, has_dlse, has_seqused_q)), cfg)
+                          dtype, head_dim, has_seqused_k, has_dlse, has_seqused_q, **dv)), cfg)
     return Recipe("bwd", ARCH, kernels,
                   lambda role: _first_store_args(cfg, role, shared_backward.fake_backward_args(
-                      dtype, head_dim, has_dlse)), cfg)
+                      dtype, head_dim, has_dlse, **dv)), cfg)
 
 
 def _first_store_args(cfg: HopperBwdConfig, role: str, args: dict) -> tuple:

@@ -158,9 +158,21 @@ def check_outputs(q, out, lse, lse_shape: tuple, check_address: bool = True,
                          f"on {lse.device}")
 
 
-def check_grads(q, k, dout, dq, dk, dv, check_address: bool = True) -> None:
-    """dout and dq like q, dk and dv like k, all readable by TMA."""
-    for name, t, like in (("dout", dout, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
+def check_grads(q, k, dout, dq, dk, dv, check_address: bool = True, v=None) -> None:
+    """dout and dq like q, dk and dv like k, all readable by TMA. With ``v`` of another head
+    dim than q's (dv != head_dim): dout like q with v's head dim (out's shape), dv like v."""
+    if v is not None and v.shape[-1] != q.shape[-1]:
+        for name, t, like, what in (("dout", dout, q, "q with v's head dim"), ("dv", dv, v, "v")):
+            shape = (*like.shape[:-1], v.shape[-1])
+            if tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device:
+                raise ValueError(f"{name} must have the shape, dtype and device of {what} "
+                                 f"({shape} {like.dtype} {like.device}), got {tuple(t.shape)} "
+                                 f"{t.dtype} {t.device}")
+            check_tma_operand(name, t, check_address)
+        pairs = (("dq", dq, q), ("dk", dk, k))
+    else:
+        pairs = (("dout", dout, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k))
+    for name, t, like in pairs:
         if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
             raise ValueError(f"{name} must have the shape, dtype and device of "
                              f"{'q' if like is q else 'k'} ({tuple(like.shape)} {like.dtype} "

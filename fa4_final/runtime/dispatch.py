@@ -99,8 +99,12 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
             extra += (True,)
         return extra
 
-    def bwd_extra(softcap, dlse=None, seqused_q=None) -> tuple:
+    def bwd_extra(softcap, dlse=None, seqused_q=None, q=None, v=None) -> tuple:
         refuse_missing(family, features, softcap, None, dlse, seqused_q)
+        if v is not None and v.shape[-1] != q.shape[-1]:  # head_dim_v, last, only when it differs
+            refuse_head_dims(family, features, q.shape[-1], v.shape[-1])
+            return (host.ARCH, float(softcap), dlse is not None, seqused_q is not None,
+                    v.shape[-1])
         if seqused_q is not None:  # has_dlse, then has_seqused_q
             return (host.ARCH, float(softcap), dlse is not None, True)
         if dlse is not None:  # has_dlse after the softcap (Note [The lse gradient folded])
@@ -117,7 +121,7 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
 
     def backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right,
                  deterministic=False, config=None, softcap=0.0, dlse=None):
-        extra = bwd_extra(softcap, dlse)
+        extra = bwd_extra(softcap, dlse, None, q, v)
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
                         False, False, *extra)
@@ -140,7 +144,7 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
                         seqused_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right,
                         deterministic=False, config=None, softcap=0.0, dlse=None,
                         seqused_q=None):
-        extra = bwd_extra(softcap, dlse, seqused_q)
+        extra = bwd_extra(softcap, dlse, seqused_q, q, v)
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
                         True, seqused_k is not None, *extra)

@@ -160,8 +160,8 @@ def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_sca
     lse's gradient, folded into the same backward (Note [The lse gradient folded])."""
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
     refuse_backward_head_dims("backward_into", d, v.shape[-1])
-    check_outputs(q, out, lse, (b, h, sq))
-    check_grads(q, k, dout, dq, dk, dv)
+    check_outputs(q, out, lse, (b, h, sq), head_dim_v=v.shape[-1])
+    check_grads(q, k, dout, dq, dk, dv, v=v)
     cap = check_features("backward_into", softcap, None, h, q.device)
     check_lse_fold("backward_into", dlse, lse)
     p = prepare(d, causal, softmax_scale, window_size, q.device, target)

@@ -182,8 +182,8 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, seqused_q=seqused_q)
     refuse_backward_head_dims("varlen_backward_into", d, v.shape[-1])
-    check_outputs(q, out, lse, (h, total_q))
-    check_grads(q, k, dout, dq, dk, dv)
+    check_outputs(q, out, lse, (h, total_q), head_dim_v=v.shape[-1])
+    check_grads(q, k, dout, dq, dk, dv, v=v)
     extra = features(check_features("varlen_backward_into", softcap, None, h, q.device))
     check_lse_fold("varlen_backward_into", dlse, lse)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
@@ -217,13 +217,13 @@ def backward_loop(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, seqused_k
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None, softmax_scale)
     refuse_backward_head_dims("backward_loop", d, v.shape[-1])
-    check_outputs(q, out, lse, (h, total_q))
+    check_outputs(q, out, lse, (h, total_q), head_dim_v=v.shape[-1])
     extra = features(check_features("backward_loop", softcap, None, h, q.device))
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
     _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    check_grads(q, k, dout, dq, dk, dv)
+    check_grads(q, k, dout, dq, dk, dv, v=v)
     _backward_loop_into(p, q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, used_k,
                         deterministic, config, extra)
     return dq, dk, dv
