@@ -22,9 +22,9 @@ backward call with dlse folded in, in place of a second call): the gate then cho
 refuses, and without FA4_FINAL_PENDING the verified path runs exactly as before (``listed``).
 A row may name a family of shapes (varlen_row_store: the varlen forward at v head dims 96 and
 192, check_varlen_head_dim_v; head_dims was one, the forward's head dims 96, 192, 256; and
-bwd_head_dims, the backward at BWD_HEAD_DIMS_PENDING); where no kernel exists at all (the
-backward at 192, 256 or dv != d), the refusal does not depend on the environment
-(refuse_backward_head_dims).
+bwd_head_dims, the backward at BWD_HEAD_DIMS_PENDING and BWD_HEAD_DIM_PAIRS_PENDING); where no
+kernel exists at all (the backward at D = dv = 192, 256 or any other dv != d), the refusal does
+not depend on the environment (refuse_backward_head_dims).
 The decode row does both (runtime.decode_entry, Note [Decode through the API]): a page_table is
 refused unless listed (no other kernel reads a paged cache), and a forward-only call of a decode
 shape runs the decode kernel in place of the verified forward only when listed.
@@ -34,7 +34,12 @@ from __future__ import annotations
 
 import os
 
-from fa4_final.common.constants import BWD_HEAD_DIMS_PENDING, FWD_HEAD_DIMS, HEAD_DIMS
+from fa4_final.common.constants import (
+    BWD_HEAD_DIM_PAIRS_PENDING,
+    BWD_HEAD_DIMS_PENDING,
+    FWD_HEAD_DIMS,
+    HEAD_DIMS,
+)
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.runtime.checks import check_dlse, check_learnable_sink, check_softcap
 
@@ -53,8 +58,8 @@ PENDING: dict[str, str] = {
                         "96 and 192 (common.seqlens.rows_per_store_pass) was changed after its "
                         "GPU test failed to trace there; compiled and checked on a CPU, its GPU "
                         "test has not run since",
-    "bwd_head_dims": "the Hopper backward at head dim 96 (dv = 96) is built and compiled for "
-                     "sm_90a; GPU tests not passed",
+    "bwd_head_dims": "the Hopper backward at head dim 96 (dv = 96) and at head dim 192 with "
+                     "dv = 128 is built and compiled for sm_90a; GPU tests not passed",
     "decode": "the Hopper decode kernel (split-KV, packed GQA rows, a paged KV cache, pages "
               "smaller than a key tile gathered into whole tiles) and its "
               "split combine are built and compiled for sm_90a and checked on a CPU; their GPU "
@@ -125,8 +130,10 @@ def check_lse_fold(func: str, dlse, lse) -> None:
 def forward_only(head_dim: int, head_dim_v: int) -> bool:
     """Whether (head_dim, head_dim_v) is one the backward does not run now (Note [Head dims]:
     the forward takes FWD_HEAD_DIMS each, the backward HEAD_DIMS with dv == head_dim, and
-    BWD_HEAD_DIMS_PENDING with dv == head_dim only while FA4_FINAL_PENDING lists
-    bwd_head_dims)."""
+    BWD_HEAD_DIMS_PENDING with dv == head_dim and the (D, dv) pairs of
+    BWD_HEAD_DIM_PAIRS_PENDING only while FA4_FINAL_PENDING lists bwd_head_dims)."""
+    if (head_dim, head_dim_v) in BWD_HEAD_DIM_PAIRS_PENDING:
+        return not listed("bwd_head_dims")
     if head_dim_v != head_dim:
         return True
     if head_dim in BWD_HEAD_DIMS_PENDING:
@@ -151,19 +158,24 @@ def refuse_backward_head_dims(func: str, head_dim: int, head_dim_v: int) -> None
     """UnsupportedError where the backward is not built at (head_dim, head_dim_v), gate or no
     gate: a gradient cannot be computed there. The public functions call it at the forward
     when a gradient will be needed, so backward() never meets it. At BWD_HEAD_DIMS_PENDING
-    (dv == head_dim) the backward is built but unverified: refused by the gate's name,
-    bwd_head_dims, unless FA4_FINAL_PENDING lists it (Note [Pending features])."""
+    (dv == head_dim) and the pairs of BWD_HEAD_DIM_PAIRS_PENDING the backward is built but
+    unverified: refused by the gate's name, bwd_head_dims, unless FA4_FINAL_PENDING lists it
+    (Note [Pending features])."""
     if not forward_only(head_dim, head_dim_v):
         return
-    if head_dim_v == head_dim and head_dim in BWD_HEAD_DIMS_PENDING:
+    if (head_dim_v == head_dim and head_dim in BWD_HEAD_DIMS_PENDING) or (
+            (head_dim, head_dim_v) in BWD_HEAD_DIM_PAIRS_PENDING):
         raise UnsupportedError(
             f"{func}: the backward at head_dim={head_dim}, dv={head_dim_v} is refused: "
             f"fa4_final does not run bwd_head_dims yet ({PENDING['bwd_head_dims']}). The "
             f"backward runs head dims {HEAD_DIMS} with dv == head_dim. Run the forward alone "
             f"under torch.no_grad(), or with q, k, v (and the sink) not requiring grad, or set "
             f"{ENV}=bwd_head_dims to run the unverified kernels (tests only)")
+    pairs = ", ".join(f"({d}, {d})" for d in BWD_HEAD_DIMS_PENDING) + ", " + ", ".join(
+        f"({d}, {dv})" for d, dv in BWD_HEAD_DIM_PAIRS_PENDING)
     raise UnsupportedError(
         f"{func}: the backward at head_dim={head_dim}, dv={head_dim_v} is not built (it runs "
-        f"head dims {HEAD_DIMS} with dv == head_dim; the forward runs {FWD_HEAD_DIMS}). Run "
+        f"head dims {HEAD_DIMS} with dv == head_dim, and (head_dim, dv) {pairs} with "
+        f"{ENV}=bwd_head_dims, unverified; the forward runs {FWD_HEAD_DIMS}). Run "
         f"the forward alone under torch.no_grad(), or with q, k, v (and the sink) not "
         f"requiring grad")
