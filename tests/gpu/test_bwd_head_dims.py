@@ -1,6 +1,8 @@
 """The Hopper backward at head dim 96 (dv = 96; dQ by one warpgroup, Note [dQ by one warpgroup]
-in fa4_final.hopper.bwd) on an H100/H200, against float64 torch.autograd: what lifts the
-bwd_head_dims row of fa4_final.runtime.pending, so every test sets FA4_FINAL_PENDING to it.
+in fa4_final.hopper.bwd) and at head dim 192 with dv = 128 (dQ^T split unevenly, Note [dQ split
+unevenly]; the d192 tests, the same checks with v, out, dout and dv of 128 columns) on an
+H100/H200, against float64 torch.autograd: what lifts the bwd_head_dims row of
+fa4_final.runtime.pending, so every test sets FA4_FINAL_PENDING to it.
 
 Inputs are fresh random tensors (the seed is in each failure's line); out and lse come from the
 float64 reference rounded as a forward stores them, so the backward is checked alone, then once
@@ -11,8 +13,10 @@ _check, and the varlen Problem of tests/gpu/test_fa4_final_varlen_bwd.py, which 
 the buffers' edges). Shapes: lengths 1, 77, 1000, 4097, seqlen_q != seqlen_k both ways (causal
 rows that see no key), GQA 4 and MQA, a window, varlen with uneven sequences (0, 1, odd, tile
 multiples), fp16; the deterministic mode bitwise the same over 5 runs. Run with a timeout (a
-broken barrier protocol hangs rather than fails), about 5 minutes, most of it compiling:
-    timeout 580 python -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py
+broken barrier protocol hangs rather than fails), about 5 minutes for each head dim, most of it
+compiling:
+    timeout 580 python -m pytest -q -m gpu -p no:cacheprovider -rA \
+        tests/gpu/test_bwd_head_dims.py -k "not d192"     (and then -k d192)
 """
 
 from __future__ import annotations
@@ -152,6 +156,158 @@ def test_d96_through_the_api_autograd(causal):
         g = leaf.grad
         assert g is not None and not g.isnan().any(), f"{name}: NaN (seed {seed})"
         # the forward's own rounding of out moves dq, dk through delta: 3 x, not 2 x
+        limit = 3 * (s.double() - r).abs().max().item() + rounding_atol(r, BF16) + 1e-3
+        err = (g.double() - r).abs().max().item()
+        assert err <= limit, f"{name}: max|err| {err:.2e} > {limit:.2e} (seed {seed})"
+
+
+# ----------------------------------------------------------------------------------------------
+# D = 192 with dv = 128 (DeepSeek's MLA prefill): tile_m = 32, dQ^T split 128 + 64 rows of D
+# (Note [dQ split unevenly] in fa4_final.hopper.bwd), V, dO and dV of dv columns (Note [dV head
+# dim]). Its own builds: run alone with -k d192 (about 5 minutes, most of it compiling).
+
+D192, DV128 = 192, 128
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, D, dv, dtype)
+CASES_192 = [
+    (1, 1, 1, 1, 1, D192, DV128, BF16),
+    (2, 77, 77, 2, 1, D192, DV128, FP16),
+    (1, 1000, 1000, 4, 4, D192, DV128, BF16),
+    (1, 77, 1000, 2, 2, D192, DV128, BF16),  # seqlen_q < seqlen_k
+    (1, 1000, 77, 2, 2, D192, DV128, BF16),  # seqlen_q > seqlen_k: causal rows that see no key
+    (2, 1000, 4097, 8, 2, D192, DV128, BF16),  # GQA 4, a partial last key tile
+    (1, 4097, 4097, 4, 1, D192, DV128, BF16),  # MQA, many query tiles a CTA
+]
+
+
+def _check_dv(case, causal, window=(None, None), deterministic=False):
+    """tests/gpu/test_fa4_final_bwd.py's _check with v, out, dout and dv of dv columns: the
+    backward on float64's out and lse into NaN-filled buffers, each gradient within 2 x
+    PyTorch's own error in the input dtype + rounding slack of float64's, no NaN."""
+    import math
+
+    from tests.gpu.test_fa4_final_bwd import _grads
+
+    b, sq, sk, h, hk, d, dv, dtype = case
+    q, k, _, seed = random_qkv(b, sq, h, d, seqlen_k=sk, heads_kv=hk, dtype=dtype,
+                               device="cuda")
+    v = random_qkv(b, sq, h, dv, seqlen_k=sk, heads_kv=hk, dtype=dtype, device="cuda",
+                   seed=seed + 1)[2]
+    dout = torch.randn(*q.shape[:-1], dv, device="cuda", dtype=torch.float32).to(dtype)
+    dq, dk, dvg, visible, scale = _run(q, k, v, dout, causal, window, deterministic)
+    assert dvg.shape == v.shape and dq.shape == q.shape
+    ref = _grads(q, k, v, dout, visible, scale, torch.float64)
+    same = _grads(q, k, v, dout, visible, scale, dtype)
+    lines, ok = [], True
+    for name, g, r, s in zip(("dq", "dk", "dv"), (dq, dk, dvg), ref, same):
+        err = (g.double() - r).abs()
+        nan = int(torch.isnan(g).sum())
+        limit = 2 * (s.double() - r).abs().max().item() + rounding_atol(r, dtype) + 1e-4
+        worst = tuple(int(i) for i in torch.unravel_index(err.nan_to_num(math.inf).argmax(),
+                                                          err.shape))
+        good = nan == 0 and err.max().item() <= limit
+        ok &= good
+        lines.append(f"{name} max|err| {err.max().item():.2e} (limit {limit:.2e}) at {worst}, "
+                     f"NaN {nan}")
+    return ok, (f"{case} causal={causal} window={window} det={deterministic} seed={seed}: "
+                + "; ".join(lines)), (q, k, v, dout)
+
+
+def _case_id_192(case):
+    return "d192-" + "-".join(map(str, case)).replace("torch.", "")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES_192, ids=_case_id_192)
+def test_d192_dv128_backward_matches_float64(case, causal):
+    ok, line, _ = _check_dv(case, causal)
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("window", [(64, None), (32, 16), (200, 0)])
+def test_d192_dv128_backward_sliding_windows(window):
+    ok, line, _ = _check_dv((1, 700, 900, 4, 1, D192, DV128, BF16), False, window=window)
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_d192_dv128_deterministic_is_bitwise_repeatable_over_5_runs(causal):
+    """Both warpgroups' chunks of every key tile add into each dQ tile in turn: five runs,
+    the same bits, and within the rule of float64."""
+    ok, line, (q, k, v, dout) = _check_dv((2, 1000, 2049, 8, 2, D192, DV128, BF16), causal,
+                                          deterministic=True)
+    print(line)
+    assert ok, line
+    runs = [_run(q, k, v, dout, causal, deterministic=True)[:3] for _ in range(5)]
+    for later in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], later):
+            assert torch.equal(a, b), f"{name}: deterministic runs differ"
+
+
+VARLEN_192 = {
+    "d192-mixed-gqa": (LENS_Q, LENS_K, None, 8, 2, D192, BF16, False, (None, None)),
+    "d192-mixed-causal-used": (LENS_Q, LENS_K, USED_K, 4, 4, D192, BF16, True, (None, None)),
+    "d192-window": (LENS_Q, LENS_K, None, 4, 2, D192, BF16, False, (100, 0)),
+}
+
+
+@pytest.fixture(scope="module")
+def problems_192():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = Problem(VARLEN_192[name], seed=int(torch.randint(0, 2**20, (1,))),
+                                  dv=DV128)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(VARLEN_192))
+def test_d192_dv128_varlen_backward_matches_float64(problems_192, name):
+    p = problems_192(name)
+    assert p.v.shape[-1] == DV128 and p.q.shape[-1] == D192
+    p.check(p.run(), name)
+
+
+def test_d192_dv128_varlen_deterministic_is_bitwise_repeatable_and_the_loop(problems_192):
+    p = problems_192("d192-mixed-causal-used")
+    runs = [p.run(deterministic=True) for _ in range(5)]
+    p.check(runs[0], "d192 deterministic")
+    for later in runs[1:]:
+        for g, a, b in zip(("dq", "dk", "dv"), runs[0], later):
+            assert torch.equal(a, b), f"{g}: deterministic runs differ"
+    for g, a, b in zip(("dq", "dk", "dv"), runs[0], p.loop(deterministic=True)):
+        assert torch.equal(a, b), f"{g}: deterministic varlen kernel != the per-sequence loop"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_d192_dv128_through_the_api_autograd(causal):
+    """flash_attn_func with a gradient at (192, 128) (the gate listed): fa4_final's forward and
+    this backward against float64 autograd of the same inputs (3 x PyTorch's error: the
+    forward's rounding of out moves dq, dk through delta)."""
+    from fa4_final import flash_attn_func
+    from tests.gpu.test_fa4_final_bwd import _grads, _visible
+
+    q, k, _, seed = random_qkv(2, 1000, 8, D192, seqlen_k=777, heads_kv=2, dtype=BF16,
+                               device="cuda")
+    v = random_qkv(2, 1000, 8, DV128, seqlen_k=777, heads_kv=2, dtype=BF16, device="cuda",
+                   seed=seed + 1)[2]
+    dout = torch.randn(*q.shape[:-1], DV128, device="cuda").to(BF16)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out, _ = flash_attn_func(*leaves, causal=causal)
+    assert out.shape == dout.shape
+    out.backward(dout)
+    visible = _visible(1000, 777, causal, None, None, "cuda")
+    scale = D192**-0.5
+    ref = _grads(q, k, v, dout, visible, scale, torch.float64)
+    same = _grads(q, k, v, dout, visible, scale, BF16)
+    for name, leaf, r, s in zip(("dq", "dk", "dv"), leaves, ref, same):
+        g = leaf.grad
+        assert g is not None and not g.isnan().any(), f"{name}: NaN (seed {seed})"
+        assert g.shape == leaf.shape
         limit = 3 * (s.double() - r).abs().max().item() + rounding_atol(r, BF16) + 1e-3
         err = (g.double() - r).abs().max().item()
         assert err <= limit, f"{name}: max|err| {err:.2e} > {limit:.2e} (seed {seed})"

@@ -105,8 +105,10 @@ class Problem:
     """A packed batch, its float64 forward (out, lse as a forward stores them) and the
     per-sequence reference gradients (float64 and PyTorch in the input dtype)."""
 
-    def __init__(self, case, seed=0):
+    def __init__(self, case, seed=0, dv=None):
+        """``dv``: v's (and out's, dout's) head dim when it differs from q's."""
         lens_q, lens_k, used, h, hk, d, dtype, causal, window = case
+        dv = d if dv is None else dv
         self.lens_q, self.lens_k, self.used = lens_q, lens_k, used
         self.used_k = used if used is not None else lens_k
         self.causal, self.window, self.dtype = causal, window, dtype
@@ -114,8 +116,8 @@ class Problem:
         tq, tk = sum(lens_q), sum(lens_k)
         self.q = _rand(tq, h, d, dtype=dtype, seed=seed)
         self.k = _rand(tk, hk, d, dtype=dtype, seed=seed + 1)
-        self.v = _rand(tk, hk, d, dtype=dtype, seed=seed + 2)
-        self.dout = _rand(tq, h, d, dtype=dtype, seed=seed + 3)
+        self.v = _rand(tk, hk, dv, dtype=dtype, seed=seed + 2)
+        self.dout = _rand(tq, h, dv, dtype=dtype, seed=seed + 3)
         self.cu_q, self.cu_k = _cu(lens_q), _cu(lens_k)
         self.seqused_k = None if used is None else torch.tensor(used, dtype=torch.int32,
                                                                 device=DEVICE)
@@ -125,7 +127,7 @@ class Problem:
         for i in range(len(lens_k)):  # KV cache rows past seqused_k: finite, but loud
             self.k[ck[i] + self.used_k[i]:ck[i + 1]] = UNUSED_KV
             self.v[ck[i] + self.used_k[i]:ck[i + 1]] = -UNUSED_KV
-        self.out = torch.zeros_like(self.q)
+        self.out = torch.zeros_like(self.dout)
         self.lse = torch.full((h, tq), -math.inf, device=DEVICE)
         self.ref, self.same, self.slack = [], [], []  # per sequence: (dq, dk, dv) or None
         for i in range(len(lens_q)):
