@@ -1,18 +1,20 @@
 """Benchmark the forward at the features models use: head dims 96, 192 (dv 128) and 256,
-softcap and learnable sinks at D = 128; and the backward at head dim 96; fa4_final beside its
-peers in one run.
+softcap and learnable sinks at D = 128; and the backward at head dim 96 and at 192 with dv =
+128; fa4_final beside its peers in one run.
 
     python -m measure.features                               # the forward grid, both modes
     python -m measure.features --cases d192_dv128 --seqlens 4096 --causal 1
     python -m measure.features --deadline 500
     python -m measure.features --name features_bwd --cases bwd_d96 --deadline 500
+    python -m measure.features --name features_bwd_d192 --cases bwd_d192 --deadline 500
 
 Cases (``--cases``):
   d96, d192_dv128, d192, d256     head dims (D, dv): (96, 96), (192, 128), (192, 192), (256, 256)
   softcap, sink, softcap_sink     D = 128 with softcap 30 (Gemma 2's), a float32 sink per head
                                   (gpt-oss), or both
-  bwd_d96                         the backward at D = dv = 96 (``pass`` "bwd"; not in the
-                                  default --cases, which are the forward's)
+  bwd_d96, bwd_d192                the backward at D = dv = 96 and at D = 192, dv = 128
+                                  (``pass`` "bwd"; not in the default --cases, which are the
+                                  forward's)
 Shapes: ``--seqlens`` S (queries = keys), batch x S = ``--tokens`` (16384), ``--heads`` 16
 query heads over as many KV heads, causal (``--causal 0 1``), bf16.
 
@@ -43,7 +45,7 @@ The backward cases (BWD_CASES) time the backward alone, as utils.bench does: eac
 implementation's forward runs once on the same q, k, v (requiring grad), then
 torch.autograd.grad of its out with the graph kept is the timed call. Rows: fa4_final through
 the public flash_attn_func under FA4_FINAL_PENDING=bwd_head_dims (the driver adds the name to
-the environment: the API refuses the D = 96 backward until its GPU tests pass), the FA4
+the environment: the API refuses these backwards until their GPU tests pass), the FA4
 package's flash_attn_func, sdpa_flash and sdpa_cudnn (a backend that does not run the shape
 gets a row saying so). ``max_diff`` is then the largest |error| of dq, dk, dv against float64
 on one head of the first sequence (every query and key row, so dk and dv are whole); FLOPs are
@@ -96,10 +98,11 @@ CASES = {
     "sink": (128, 128, 0.0, True),
     "softcap_sink": (128, 128, 30.0, True),
     "bwd_d96": (96, 96, 0.0, False),
+    "bwd_d192": (192, 128, 0.0, False),
 }
-BWD_CASES = ("bwd_d96",)  # the backward (pass "bwd"): fa4_final under BWD_GATE
+BWD_CASES = ("bwd_d96", "bwd_d192")  # the backward (pass "bwd"): fa4_final under BWD_GATE
 FWD_CASES = tuple(c for c in CASES if c not in BWD_CASES)  # the default --cases
-BWD_GATE = "bwd_head_dims"  # fa4_final.runtime.pending's row for the backward at D = 96
+BWD_GATE = "bwd_head_dims"  # fa4_final.runtime.pending's row for these backwards
 PEERS = ("fa4_package", "sdpa_flash", "sdpa_cudnn")
 # the cases whose default is a timed tile (fa4_final.hopper.config.MEASURED_TILE_N, the FA4
 # package's own sm90 tile_n): the compile-only tile is timed beside it as a second row

@@ -370,3 +370,36 @@ def test_d192_dv128_backward_compiles_clean(kw):
     assert not main.count("wgmma.mma_async.sync.aligned.m64n64k16")
     if kw.get("deterministic"):
         main.require("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32")
+
+
+# ----------------------------------------------------------------------------------------------
+# measure.features' backward case (the GPU run is a session step)
+
+
+def test_the_benchmark_case_bwd_d192():
+    """bwd_d192 beside bwd_d96: the backward at (192, 128), out of the forward's default cases;
+    its FLOPs count S, dK, dQ over D = 192 and dP, dV over dv = 128; the inputs _bwd_calls
+    draws take v and dout of 128 columns (the shapes are the case's dims)."""
+    from measure import features
+
+    assert features.BWD_CASES == ("bwd_d96", "bwd_d192")
+    assert "bwd_d192" not in features.FWD_CASES and features.CASES["bwd_d192"][:2] == (D, DV)
+    s = features.FeatureShape("bwd_d192", 4, 4096, 16, True)
+    assert s.pass_ == "bwd" and s.dims == (D, DV)
+    assert features.row_fields(s)["d"] == D and features.row_fields(s)["dv"] == DV
+    assert s.flops() == 2.0 * 4 * 16 * 4096 * 4096 * 0.5 * (3 * D + 2 * DV)
+
+
+def test_the_benchmark_reference_takes_dv():
+    from measure import features
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 33, 3, D, generator=g) for _ in range(2))
+    v, dout = (torch.randn(2, 33, 3, DV, generator=g) for _ in range(2))
+    got = features.bwd_reference(q, k, v, dout, True, 0.1)
+    leaves = [t[:1, :, :1].double().requires_grad_(True) for t in (q, k, v)]
+    out, _ = ref.attention_masked(*leaves, True, softmax_scale=0.1)
+    want = torch.autograd.grad(out, leaves, dout[:1, :, :1].double())
+    assert [tuple(t.shape) for t in got] == [(1, 33, 1, D), (1, 33, 1, D), (1, 33, 1, DV)]
+    for r, w in zip(got, want):
+        assert torch.allclose(r, w)
