@@ -690,7 +690,13 @@ class HopperBackward:
     # package runs this shape as 64 x 96 with dK and dV swapped instead; this split keeps the
     # kernel's structure (keys on M for S^T, P in registers) and compiled clean for sm_90a
     # (161 KB of shared memory, no spill); not yet run on a GPU, so the runtime reaches it only
-    # through the bwd_head_dims gate (fa4_final.runtime.pending).
+    # through the bwd_head_dims gate (fa4_final.runtime.pending). D = dv = 192 does not fit
+    # this structure: dK and dV alone take 96 + 96 of the 240 registers (64 keys a warpgroup,
+    # on the wgmma M), and compiled for sm_90a the same split spills at tile_m = 32 (144 B of
+    # stack, 155 spill instructions, 185 KB of shared memory; 163 with one Q/dO stage) and
+    # at tile_m = 16 ptxas serialises 132 wgmma instead. Fewer keys a thread needs the keys
+    # on the wgmma N axis, dK^T and dV^T with the head dim on M (the FA4 package's 64 x 96
+    # tile with dK, dV swapped, P and dS through shared memory): another MMA path, not built.
 
     @cute.jit
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
