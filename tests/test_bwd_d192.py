@@ -403,3 +403,18 @@ def test_the_benchmark_reference_takes_dv():
     assert [tuple(t.shape) for t in got] == [(1, 33, 1, D), (1, 33, 1, D), (1, 33, 1, DV)]
     for r, w in zip(got, want):
         assert torch.allclose(r, w)
+
+
+@pytest.mark.slow
+def test_d192_dv128_tile_m_32_is_the_largest_that_compiles_clean():
+    """Note [dQ split unevenly]: the same split at tile_m = 48 spills (S^T, dP^T of 24 floats
+    and warpgroup 0's dQ^T of 48 beside dK and dV's 160), so the default takes 32."""
+    from dataclasses import replace
+
+    from fa4_final.hopper.host import backward_recipe
+    from fa4_final.runtime.compile import artifacts
+
+    cfg = replace(hopper_bwd_default(D, head_dim_v=DV), tile_m=48)
+    cfg.check(D, DV)  # it fits shared memory (200 KB): registers are what refuse it
+    main = artifacts(backward_recipe(D, "bf16", False, cfg, head_dim_v=DV))["main"]
+    assert main.spills > 0

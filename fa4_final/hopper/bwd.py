@@ -672,7 +672,8 @@ class HopperBackward:
 
     # Note [dQ split unevenly]
     # At D = 192, dv = 128 the dK and dV accumulators take 160 of a thread's 240 registers, so
-    # a step can hold little more: at tile_m = 64 S^T and dP^T (32 each) and dQ (48) spill.
+    # a step can hold little more: at tile_m = 64 S^T and dP^T (32 each) and dQ (48) spill,
+    # and with this split tile_m = 48 still spills (16 instructions when compiled for sm_90a).
     # tile_m = 32 halves S^T and dP^T; dQ^T = K^T dS^T (dq_swap_ab: D on the wgmma M, tile_m
     # = 32 its N) then has three 64-row blocks of D, which the two MMA warpgroups cannot share
     # evenly: dq_uneven gives warpgroup 0 rows 0-127 (two m64n32k16 chains over 128 keys, 32
