@@ -7,7 +7,7 @@ over the group in registers, no float32 dK/dV buffers and no atomics for them). 
 warpgroup's 64 keys and a query tile of tile_m rows:
 
     S^T  = K Q^T               wgmma SS  (64 x tile_m, K = D)
-    dP^T = V dO^T              wgmma SS
+    dP^T = V dO^T              wgmma SS  (K = dv: V and dO have dv columns, Note [dV head dim])
     P^T  = 2^(S^T * scale * log2 e - lse_log2)       registers (FFMA + MUFU.EX2)
     dS^T = P^T * (dP^T - delta)                      registers
     dV  += P^T dO              wgmma RS: P^T is the A operand straight from registers
@@ -271,13 +271,13 @@ class HopperBackward:
         self,
         mQ: cute.Tensor,  # (batch, seqlen_q, heads, D)
         mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
-        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
-        mdO: cute.Tensor,  # (batch, seqlen_q, heads, D)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, dv)
+        mdO: cute.Tensor,  # (batch, seqlen_q, heads, dv)
         mLSE2: cute.Tensor,  # (batch, heads, seqlen_q_padded) float32, log2 units (bwd_pre)
         mDelta: cute.Tensor,  # (batch, heads, seqlen_q_padded) float32 (bwd_pre)
         mdQaccum: cute.Tensor,  # (batch, heads, seqlen_q_padded * D) float32, zeroed (bwd_pre)
         mdK: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
-        mdV: cute.Tensor,  # (batch, seqlen_k, heads_kv, D)
+        mdV: cute.Tensor,  # (batch, seqlen_k, heads_kv, dv)
         mTurn: cute.Tensor,  # (batch, heads, num_m_blocks) int32, zeroed (deterministic only)
         softmax_scale: Float32,
         window_left: Int32,
@@ -1141,8 +1141,9 @@ class HopperBackward:
 class HopperVarlenBackward(HopperBackward):
     """The backward over packed varlen sequences in one launch (Note [Varlen backward]): the
     dense kernel with a compile-time flag, so the dense variant's code is what it was. Tensors
-    as runtime.varlen packs them, each given as a batch of one: q, dout (1, total_q, heads,
-    D), k, v, dk, dv (1, total_k, heads_kv, D); lse_log2, delta (1, heads, padded rows), the dQ
+    as runtime.varlen packs them, each given as a batch of one: q (1, total_q, heads, D), dout
+    (1, total_q, heads, dv), k, dk (1, total_k, heads_kv, D), v, dv (1, total_k, heads_kv,
+    dv) (Note [dV head dim]); lse_log2, delta (1, heads, padded rows), the dQ
     accumulator (1, heads, padded rows * D) and the turn counters (1, heads, padded tiles) in
     the padded layout of Note [Varlen dQ accumulator] (fa4_final.common.bwd_tiles)."""
 
