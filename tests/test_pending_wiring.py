@@ -528,8 +528,8 @@ def test_compile_fullgraph_with_dv(cpu_kernels):
 
 
 @pytest.mark.parametrize("env", ["", "head_dims,varlen_row_store"], ids=["default", "listed"])
-# 96 and (192, 128), built behind bwd_head_dims: tests/test_bwd_head_dims.py
-@pytest.mark.parametrize("d, dv", [(192, 192), (128, 64)])
+# 96, (192, 128), (192, 192), (256, 256), built behind bwd_head_dims: tests/test_bwd_head_dims.py
+@pytest.mark.parametrize("d, dv", [(256, 192), (128, 64)])
 def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
         monkeypatch, cpu_kernels, d, dv, env):
     """Refused when the call will need a gradient (never a crash or a wrong gradient in
@@ -561,19 +561,20 @@ def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
 def test_the_backward_entry_points_refuse_forward_only_head_dims(monkeypatch, env):
     """The backward entry points refuse where no backward is built, gate or no gate."""
     monkeypatch.setenv(pending.ENV, env)
-    q, k, v = dense(d=192, dv=192)  # (192, 128): tests/test_bwd_head_dims.py
+    # 96, (192, 128), (192, 192), (256, 256) (bwd_head_dims): tests/test_bwd_head_dims.py
+    q, k, v = dense(d=256, dv=192)
     out, lse = torch.zeros(*q.shape[:-1], 192, dtype=BF16), torch.zeros(2, 4, 24)
-    with pytest.raises(UnsupportedError, match=r"backward_into: the backward at head_dim=192, "
+    with pytest.raises(UnsupportedError, match=r"backward_into: the backward at head_dim=256, "
                                                r"dv=192 is not built"):
         prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
                                torch.zeros_like(v))
-    with pytest.raises(UnsupportedError, match="_flash_attn_bwd: the backward at head_dim=192, "
+    with pytest.raises(UnsupportedError, match="_flash_attn_bwd: the backward at head_dim=256, "
                                                "dv=192 is not built"):
         sdpa._flash_attn_bwd(q, k, v, out, out, lse)
-    pq, pk, pv, cu_q, cu_k = packed(d=256, dv=256)  # 96 (bwd_head_dims): test_bwd_head_dims
-    pout, plse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
+    pq, pk, pv, cu_q, cu_k = packed(d=256, dv=128)
+    pout, plse = torch.zeros(*pq.shape[:-1], 128, dtype=BF16), torch.zeros(4, pq.shape[0])
     with pytest.raises(UnsupportedError, match=r"varlen_backward_into: the backward at "
-                                               r"head_dim=256, dv=256 is not built"):
+                                               r"head_dim=256, dv=128 is not built"):
         varlen.varlen_backward_into(pq, pk, pv, pout, plse, pout, torch.zeros_like(pq),
                                     torch.zeros_like(pk), torch.zeros_like(pv), cu_q, cu_k,
                                     None, None, None)

@@ -50,7 +50,7 @@ from fa4_final.common.bwd_tiles import dq_accum_tile, dq_turn, launch_order_reve
 from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
 from fa4_final.common.dq_order import dq_chunk_layout, dq_copy
 from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols, select_modes
-from fa4_final.common.mask import fragment_coords
+from fa4_final.common.mask import apply_mask, fragment_coords
 from fa4_final.common.pipelines import PipelineSpec, tma_async_pipeline
 from fa4_final.common.register_plan import check_role_registers
 from fa4_final.common.schedule import lane_here, varlen_locate
@@ -126,6 +126,10 @@ class HopperBackward:
         # forward's lse is already right (Note [Learnable sink]); its gradient is the host's.
         # named so that no subclass's own softcap attribute switches this build on
         self.logit_softcap = check_softcap(softcap)
+        if config.dkv_swap_ab and self.logit_softcap:
+            raise ValueError(f"softcap={softcap} is not built with dkv_swap_ab=True (the "
+                             f"backward at D = dv = 192 and 256): softcap=0.0, or a config "
+                             f"without the swap")
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = dv
@@ -175,11 +179,15 @@ class HopperBackward:
     # ------------------------------------------------------------------------------------------
     # layouts and MMAs (also used by fa4_final.common.bwd_post to read the dQ accumulator back)
     # ------------------------------------------------------------------------------------------
-    def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
+    def _smem_layout(self, rows: int, cols: int, stages: int | None = None,
+                     major: int | None = None):
         """128 B-swizzled row-major (rows, cols) tile, optionally staged: what TMA writes and
-        wgmma reads, K-major along cols and, through a transposed view, MN-major too."""
+        wgmma reads, K-major along cols and, through a transposed view, MN-major too.
+        ``major``: the swizzle chosen for rows of that many columns instead of ``cols`` (a
+        narrower atom, so that slices of ``major`` columns are whole atoms)."""
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype,
+                                            cols if major is None else major), self.dtype)
         if stages is None:
             return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
         return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
@@ -313,6 +321,9 @@ class HopperBackward:
             sdO_layout = self._smem_layout(self.tile_m, Dv, stages)
             sV_layout = self._smem_layout(self.tile_n, Dv)
         sdS_layout = self._smem_layout(self.tile_m, self.tile_n, self.cfg.stages_ds)
+        if const_expr(self.cfg.dkv_swap_ab):  # P and dS read by keys too (Note [dK and dV swapped])
+            sdS_layout = self._smem_layout(self.tile_m, self.tile_n, self.cfg.stages_ds,
+                                           self.pds_major())
         sQ_one = cute.select(sQ_layout, mode=[0, 1])
         sdO_one = cute.select(sdO_layout, mode=[0, 1])
         bytes_row = self.tile_m * 4  # a tile's lse or delta
@@ -337,6 +348,9 @@ class HopperBackward:
                                    1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * D], 1024]
 
+        if const_expr(self.cfg.dkv_swap_ab):  # P beside dS (Note [dK and dV swapped])
+            SharedStorage = self.swapped_storage(sQ_layout, sdO_layout, sK_layout, sV_layout,
+                                                 sdS_layout)
         # the budget arithmetic of HopperBwdConfig.smem_bytes() is the struct's real size
         need = self.cfg.smem_bytes(D, self.dtype.width // 8, Dv)
         assert SharedStorage.size_in_bytes() == need, (SharedStorage.size_in_bytes(), need)
@@ -353,6 +367,8 @@ class HopperBackward:
         tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, mdV, sV_layout,
                                                           (self.tile_n, Dv))
         mma_sdp, mma_dkv, mma_dq = self.tiled_mmas()
+        if const_expr(self.cfg.dkv_swap_ab):  # Note [dK and dV swapped]
+            mma_sdp, mma_dkv, mma_dq = self.swapped_mmas()
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
         grid = (num_n_blocks, mK.shape[2], mK.shape[3])
         mdK_rows, mdV_rows = None, None
@@ -441,6 +457,9 @@ class HopperBackward:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (n, D)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (n, dv)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (m, n, ST)
+        sP = None  # Note [dK and dV swapped]: P through shared memory, laid out as dS
+        if const_expr(self.cfg.dkv_swap_ab):
+            sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         row_layout = cute.make_layout((self.tile_m, self.cfg.stages_q))
         sLSE = storage.sLSE.get_tensor(row_layout)  # (m, STAGE)
         sDelta = storage.sDelta.get_tensor(row_layout)
@@ -480,7 +499,12 @@ class HopperBackward:
                     mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do, pipeline_kv,
                     softmax_scale, scale_log2, window_left, window_right, n_block, head_kv, b,
                     seqlen_q, seqlen_k, work, seq, mdK_rows, mdV_rows)
-            if const_expr(self.cfg.dq_uneven):  # Note [dQ split unevenly]: a build per part
+            if const_expr(self.cfg.dkv_swap_ab):  # Note [dK and dV swapped]: a build per part
+                if warp_idx < 2 * THREADS_PER_WARPGROUP // WARP_SIZE:
+                    self.mma_swapped(*args, sP=sP, dq_part=0)
+                else:
+                    self.mma_swapped(*args, sP=sP, dq_part=1)
+            elif const_expr(self.cfg.dq_uneven):  # Note [dQ split unevenly]: a build per part
                 if warp_idx < 2 * THREADS_PER_WARPGROUP // WARP_SIZE:
                     self.mma(*args, dq_part=0)
                 else:
@@ -696,8 +720,33 @@ class HopperBackward:
     # on the wgmma M), and compiled for sm_90a the same split spills at tile_m = 32 (144 B of
     # stack, 155 spill instructions, 185 KB of shared memory; 163 with one Q/dO stage) and
     # at tile_m = 16 ptxas serialises 132 wgmma instead. Fewer keys a thread needs the keys
-    # on the wgmma N axis, dK^T and dV^T with the head dim on M (the FA4 package's 64 x 96
-    # tile with dK, dV swapped, P and dS through shared memory): another MMA path, not built.
+    # on the wgmma N axis, dK^T and dV^T with the head dim on M: Note [dK and dV swapped].
+
+    # Note [dK and dV swapped]
+    # D = dv = 192 and D = 256 (HopperBwdConfig.dkv_swap_ab, mma_swapped/step_swapped). With
+    # 64 keys a warpgroup on the wgmma M, dK and dV hold 2 x 64 x D / 128 floats a thread: 192
+    # of 240 registers at D = 192, 256 at D = 256, before S, dP and dQ. Swapped, the head dim is
+    # the M of dK^T += Q^T dS and dV^T += dO^T P and the keys their N, so the key tile can shrink
+    # below 128 without the M's 64-row granule: swap_tile_n = 96 at D = 192 (the warpgroups
+    # split the keys, 48 each: dK^T and dV^T are 192 x 48, 72 floats a thread each) and 48 at
+    # D = 256 (the warpgroups split D, 128 rows each: 128 x 48, 48 floats each). S = Q K^T and
+    # dP = dO V^T keep the queries on M (tile_m = 64) with the warpgroups splitting the keys
+    # (64 x 48, or 64 x 24 at D = 256), so lse and delta are row values and the forward's mask
+    # (common.mask.apply_mask) applies as it is. Neither GEMM's accumulator is an A operand of
+    # the dK/dV GEMMs any more: P and dS both go to shared memory (stmatrix, queries on the rows;
+    # one buffer each, stages_ds = 1, a DS_FREE barrier before they are overwritten), swizzled
+    # for an atom of pds_major() keys, so that each warpgroup's keys of S and of dK^T, dV^T are
+    # whole atoms (48 keys: the 32 B swizzle; 24: none). dQ is Note [dQ split unevenly]'s
+    # dQ^T = K^T dS^T by rows of D (128 + 64 at D = 192, 128 + 128 at 256), K = the tile's keys,
+    # in the same accumulator order, so bwd_pre and bwd_post are unchanged. The epilogue stores
+    # dK^T and dV^T with a transposing stmatrix into (D, n) views of the K and V tiles, then
+    # the same TMA or row-by-row store. Shared memory: one Q and one dO stage (stages_q = 1),
+    # 193 KB at D = 192 and 189 KB at 256; two stages of both would take 241 KB and 252 KB (the
+    # FA4 package keeps two Q stages and one dO stage; this config has one depth for both).
+    # Compiled for sm_90a: no spill, no stack, no wgmma serialised; per step a warpgroup issues
+    # 12 + 12 + 12 + 12 m64n48k16 at D = 192 (S, dP, dV^T, dK^T) and 12 or 6 m64n64k16 (dQ^T).
+    # No softcap build. Not yet run on a GPU: the runtime reaches it only through the
+    # bwd_head_dims gate (fa4_final.runtime.pending).
 
     @cute.jit
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
@@ -929,6 +978,215 @@ class HopperBackward:
                       softmax_scale, tidx, n_block, head_kv, b, seq, seqlen_k, mdK_rows,
                       mdV_rows)
 
+    # ------------------------------------------------------------------------------------------
+    # dK and dV swapped (HopperBwdConfig.dkv_swap_ab)
+    # ------------------------------------------------------------------------------------------
+    def dkv_splits_keys(self) -> bool:
+        """Under dkv_swap_ab: the MMA warpgroups split dK^T, dV^T by keys (an odd number of
+        64-row blocks of D: 192) or by rows of D (256), Note [dK and dV swapped]."""
+        return self.head_dim // WGMMA_M % 2 == 1
+
+    def pds_major(self) -> int:
+        """Columns (keys) of the P and dS swizzle atom: a whole number of atoms in each
+        warpgroup's keys of S and of dK^T, dV^T (Note [dK and dV swapped])."""
+        import math
+
+        keys_s = self.tile_n // BWD_MMA_WARPGROUPS
+        keys_dkv = keys_s if self.dkv_splits_keys() else self.tile_n
+        return math.gcd(keys_s, keys_dkv)
+
+    def swapped_mmas(self):
+        """(S and dP; dK^T and dV^T; dQ^T's part) under dkv_swap_ab: S = Q K^T with the queries
+        on M and the warpgroups splitting the keys; dK^T += Q^T dS, dV^T += dO^T P with D on M,
+        both operands from shared memory; dQ^T one warpgroup's MMA (Note [dQ split unevenly])."""
+        major = cute.nvgpu.OperandMajorMode
+        W = BWD_MMA_WARPGROUPS
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major.K, major.K, Float32, (1, W, 1),
+            (WGMMA_M, self.tile_n // W))
+        if const_expr(self.dkv_splits_keys()):
+            atoms, tiler = (1, W, 1), (WGMMA_M, self.tile_n // W)
+        else:
+            atoms, tiler = (W, 1, 1), (WGMMA_M, self.tile_n)
+        mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major.MN, major.MN, Float32, atoms, tiler)
+        mma_dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major.MN, major.K, Float32, (1, 1, 1),
+            (WGMMA_M, self.tile_m))
+        return mma_s, mma_dkv, mma_dq
+
+    def swapped_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout):
+        """The SharedStorage of dkv_swap_ab: the dense one with P after dS
+        (HopperBwdConfig.smem_bytes counts it)."""
+        stages, dt = self.cfg.stages_q, self.dtype
+
+        R, A = cute.struct.MemRange, cute.struct.Align
+        fields = {  # an annotations dict: this module's annotations are strings
+            "mbar_q": R[cutlass.Int64, 2 * stages],
+            "mbar_do": R[cutlass.Int64, 2 * stages],
+            "mbar_kv": R[cutlass.Int64, 2],
+            "sLSE": A[R[Float32, self.tile_m * stages], 128],
+            "sDelta": A[R[Float32, self.tile_m * stages], 128],
+            "sQ": A[R[dt, cute.cosize(sQ_layout)], 1024],
+            "sdO": A[R[dt, cute.cosize(sdO_layout)], 1024],
+            "sK": A[R[dt, cute.cosize(sK_layout)], 1024],
+            "sV": A[R[dt, cute.cosize(sV_layout)], 1024],
+            "sdS": A[R[dt, cute.cosize(sdS_layout)], 1024],
+            "sP": A[R[dt, cute.cosize(sdS_layout)], 1024],
+            "sdQ": A[R[Float32, self.tile_m * self.head_dim], 1024],
+        }
+        SwappedStorage = cute.struct(type("SwappedStorage", (), {"__annotations__": fields}))
+        return SwappedStorage
+
+    def row_values(self, thr_s, s_vec: cute.Tensor, stage) -> cute.Tensor:
+        """A per-query vector of one stage seen through this thread's S fragment (queries on
+        the rows): ``[r, 0]`` is the value of the thread's row r."""
+        bcast = cute.make_tensor(s_vec[None, stage].iterator, cute.make_layout(
+            (self.tile_m, self.tile_n), stride=(1, 0)))
+        return acc_rows_cols(thr_s.partition_C(bcast))
+
+    @cute.jit
+    def mma_swapped(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk,
+                    tma_atom_dv, mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do,
+                    pipeline_kv, softmax_scale, scale_log2, window_left, window_right,
+                    n_block, head_kv, b, seqlen_q, seqlen_k, work, seq=None, mdK_rows=None,
+                    mdV_rows=None, sP=None, dq_part: cutlass.Constexpr = 0):
+        """MMA warpgroup ``dq_part`` (0 or 1) under dkv_swap_ab: every step of the CTA, then the
+        dK, dV epilogue (Note [dK and dV swapped]). ``mma_sdp``, ``mma_dkv``, ``mma_dq`` are
+        swapped_mmas()'s."""
+        m_min, m_max, n_first, n_last, _, group = work
+        wg = dq_part
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 255
+        wg_s = mma_sdp.get_slice(wg * THREADS_PER_WARPGROUP)
+        wg_dkv = mma_dkv.get_slice(wg * THREADS_PER_WARPGROUP)
+        wg_dq = mma_dq.get_slice(0)
+        thr_s = mma_sdp.get_slice(tidx)
+        thr_dkv = mma_dkv.get_slice(tidx)
+        thr_dq = mma_dq.get_slice(tidx - wg * THREADS_PER_WARPGROUP)
+        # S = Q K^T, dP = dO V^T: A the queries' rows, B this warpgroup's keys
+        tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ))  # (MMA, 1, D/16, STAGE)
+        tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))  # (MMA, 1, D/16)
+        tdPrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO))
+        tdPrV = wg_s.make_fragment_B(wg_s.partition_B(sV))
+        # dV^T += dO^T P, dK^T += Q^T dS: A (D, m) and B (n, m), both MN-major views
+        tdVrdO = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transpose(sdO)))
+        tdVrP = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sP)))
+        tdKrQ = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transpose(sQ)))
+        tdKrdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sdS)))
+        # dQ^T = K^T dS^T, this warpgroup's rows of D (Note [dQ split unevenly])
+        first, rows = self.dq_part(dq_part)
+        kT = cute.local_tile(_transpose(sK), (rows, self.tile_n), (first // rows, 0))
+        tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(kT))
+        tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+        shape_s = thr_s.partition_shape_C((self.tile_m, self.tile_n))
+        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.head_dim, self.tile_n)),
+                                       Float32)
+        acc_dk = cute.make_rmem_tensor_like(acc_dv)
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        # P and dS registers -> shared memory (queries on the rows, as S)
+        keys_wg = self.tile_n // BWD_MMA_WARPGROUPS
+        st = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(
+            transpose=False, num_matrices=4 if keys_wg % 16 == 0 else 2), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st, mma_sdp).get_slice(tidx)
+        tPsP = thr_st.partition_D(sP)  # (CPY, .., STAGE)
+        tdSsdS = thr_st.partition_D(sdS)
+        t_part = tidx - dq_part * THREADS_PER_WARPGROUP
+        tdQsdQ = self.dq_copy().get_slice(t_part).partition_D(self.dq_part_view(sdQ, dq_part))
+        tScS, t0ScS = fragment_coords(thr_s, (self.tile_m, self.tile_n))
+        ops = (tSrQ, tSrK, tdPrdO, tdPrV, tdVrdO, tdVrP, tdKrQ, tdKrdS, tdQrA, tdQrB, st,
+               thr_st, tPsP, tdSsdS, tdQsdQ, thr_dq, thr_s, tScS, t0ScS)
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                               self.cfg.stages_q)
+        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        n_steps = m_max - m_min
+        if n_steps > 0:
+            pipeline_kv.consumer_wait(state_kv)
+        step = lambda m_block, masked, sq_: self.step_swapped(  # noqa: E731
+            m_block, masked, wg, sq_, ops, acc_dv, acc_dk, shape_s, sLSE, sDelta, mma_sdp,
+            mma_dkv, mma_dq, pipeline_q, pipeline_do, scale_log2, window_left, window_right,
+            n_block, seqlen_q, seqlen_k)
+        first_end = m_min + n_first
+        last_start = cutlass.max(m_max - n_last, first_end)
+        for _h in cutlass.range(group, unroll=1):
+            for m_block in cutlass.range(m_min, first_end, unroll=1):
+                state_q = step(m_block, True, state_q)
+            for m_block in cutlass.range(first_end, last_start, unroll=1):
+                state_q = step(m_block, False, state_q)
+            if const_expr(self.window.has_left):
+                for m_block in cutlass.range(last_start, m_max, unroll=1):
+                    state_q = step(m_block, True, state_q)
+        self.epilogue(acc_dk, acc_dv, mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, mma_dkv,
+                      softmax_scale, tidx, n_block, head_kv, b, seq, seqlen_k, mdK_rows,
+                      mdV_rows)
+
+    @cute.jit
+    def step_swapped(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv,
+                     acc_dk, shape_s, sLSE, sDelta, mma_s, mma_dkv, mma_dq, pipeline_q,
+                     pipeline_do, scale_log2, window_left, window_right, n_block, seqlen_q,
+                     seqlen_k):
+        """One query tile against this warpgroup's keys under dkv_swap_ab
+        (Note [dK and dV swapped]); fresh S, dP and dQ accumulators
+        (Note [Fresh accumulators])."""
+        (tSrQ, tSrK, tdPrdO, tdPrV, tdVrdO, tdVrP, tdKrQ, tdKrdS, tdQrA, tdQrB, st, thr_st,
+         tPsP, tdSsdS, tdQsdQ, thr_dq, thr_s, tScS, t0ScS) = ops
+        stage = state_q.index
+        pipeline_q.consumer_wait(state_q)
+        acc_s = cute.make_rmem_tensor(shape_s, Float32)
+        self.wgmma(mma_s, acc_s, tSrQ[None, None, None, stage], tSrK, False)  # S = Q K^T
+        pipeline_do.consumer_wait(state_q)
+        acc_dp = cute.make_rmem_tensor(shape_s, Float32)
+        self.wgmma(mma_s, acc_dp, tdPrdO[None, None, None, stage], tdPrV, False)  # dP = dO V^T
+        lse = self.row_values(thr_s, sLSE, stage)
+        warpgroup.wait_group(1)  # S is ready; dP may still run
+        if const_expr(masked):
+            apply_mask(acc_s, tScS, t0ScS, self.window, m_block, n_block, seqlen_q, seqlen_k,
+                       window_left, window_right, mask_left=self.window.has_left)
+        s = acc_rows_cols(acc_s)
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            lse_r = lse[r, 0]
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse_r, fastmath=True)
+        rP = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        _convert(acc_s, rP)
+        delta = self.row_values(thr_s, sDelta, stage)
+        warpgroup.wait_group(0)  # dP is ready
+        dp = acc_rows_cols(acc_dp)
+        for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+            delta_r = delta[r, 0]
+            for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+                dp[r, c] = s[r, c] * (dp[r, c] - delta_r)
+        rdS = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+        _convert(acc_dp, rdS)
+        # one P and one dS buffer: the other warpgroup's last GEMMs have read them
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DS_FREE), number_of_threads=MMA_THREADS)
+        cute.copy(st, thr_st.retile(rP), tPsP[None, None, None, 0])
+        cute.copy(st, thr_st.retile(rdS), tdSsdS[None, None, None, 0])
+        cute.arch.fence_view_async_shared()  # stmatrix -> wgmma (async proxy)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=MMA_THREADS)
+        self.wgmma(mma_dkv, acc_dv, tdVrdO[None, None, None, stage],
+                   tdVrP[None, None, None, 0], True)  # dV^T += dO^T P
+        acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self.dq_tile_shape(wg)),
+                                       Float32)
+        self.wgmma(mma_dq, acc_dq, tdQrA, tdQrB[None, None, None, 0], False)  # dQ^T part
+        warpgroup.wait_group(1)  # dV done: dO's stage is free
+        pipeline_do.consumer_release(state_q)
+        self.wgmma(mma_dkv, acc_dk, tdKrQ[None, None, None, stage],
+                   tdKrdS[None, None, None, 0], True)  # dK^T += Q^T dS
+        warpgroup.wait_group(1)  # dQ done
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg,
+                          number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
+        flat = cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape))
+        cute.autovec_copy(flat, tdQsdQ)
+        cute.arch.fence_view_async_shared()  # for the bulk add (async proxy)
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg,
+                                 number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
+        warpgroup.wait_group(0)  # dK done: Q's stage is free
+        pipeline_q.consumer_release(state_q)
+        state_q.advance()
+        return state_q
+
     # Note [Softcap in the backward]
     # With a softcap (Note [Softcap] in fa4_final.common.softmax) the score is c t, t = tanh(q.k
     # scale / c), and dS needs the chain rule's factor 1 - t^2 next to P = 2^(t c log2 e - lse):
@@ -1088,13 +1346,17 @@ class HopperBackward:
         rdV.store(acc_dv.load().to(self.dtype))
         # every GEMM of both warpgroups that reads K or V has retired
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=MMA_THREADS)
+        swapped = const_expr(self.cfg.dkv_swap_ab)  # dK^T, dV^T: stored transposed
         st = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=swapped, num_matrices=4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st, mma_dkv).get_slice(tidx)
-        cute.copy(st, thr_st.retile(rdK), thr_st.partition_D(sK))
+        sdK, sdV = sK, sV
+        if const_expr(swapped):  # Note [dK and dV swapped]: (D, n) views of the (n, D) tiles
+            sdK, sdV = _transpose(sK), _transpose(sV)
+        cute.copy(st, thr_st.retile(rdK), thr_st.partition_D(sdK))
         if const_expr(self.head_dim_v != self.head_dim):  # Note [dV head dim]
             thr_st = cute.make_tiled_copy_C(st, self.mma_dv(mma_dkv)).get_slice(tidx)
-        cute.copy(st, thr_st.retile(rdV), thr_st.partition_D(sV))
+        cute.copy(st, thr_st.retile(rdV), thr_st.partition_D(sdV))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=MMA_THREADS)
         if const_expr(seq is None):

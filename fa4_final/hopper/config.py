@@ -224,6 +224,8 @@ def _fit(head_dim: int, dv: int, *candidates: HopperFwdConfig) -> HopperFwdConfi
 # ----------------------------------------------------------------------------------------------
 # The Hopper backward (fa4_final.hopper.bwd)
 
+# head dims (dv == D) of the backward with dK, dV swapped (HopperBwdConfig.dkv_swap_ab)
+SWAPPED_HEAD_DIMS = (192, 256)
 BWD_MMA_WARPGROUPS = DQ_WARPGROUPS  # each owns 64 keys of the CTA's KV tile: tile_n = 128
 SM90_BWD_REGISTERS = (24, 240)  # setmaxnreg (producer, each MMA warpgroup): 128*(24+2*240) <= 64K
 
@@ -262,6 +264,12 @@ class HopperBwdConfig:
     # the larger half (128 + 64 at D = 192; Note [dQ split unevenly] in fa4_final.hopper.bwd):
     # what D = 192 with dv = 128 needs at tile_m = 32
     dq_uneven: bool = False
+    # dK^T += Q^T dS and dV^T += dO^T P with the head dim on the wgmma M
+    # (Note [dK and dV swapped] in fa4_final.hopper.bwd): S = Q K^T with the queries on M, P
+    # and dS through shared memory, and swap_tile_n keys a CTA (explicit on this path only, 0
+    # elsewhere): what D = dv = 192 (96 keys) and D = 256 (48 keys) need
+    dkv_swap_ab: bool = False
+    swap_tile_n: int = 0
 
     @property
     def dq_warpgroups(self) -> int:
@@ -270,6 +278,8 @@ class HopperBwdConfig:
 
     @property
     def tile_n(self) -> int:
+        if self.dkv_swap_ab:
+            return self.swap_tile_n
         return WGMMA_M * BWD_MMA_WARPGROUPS
 
     @property
@@ -293,16 +303,43 @@ class HopperBwdConfig:
             (self.tile_n * head_dim * elem_bytes, 1024),  # K
             (self.tile_n * dv * elem_bytes, 1024),  # V
             (self.tile_m * self.tile_n * elem_bytes * self.stages_ds, 1024),  # dS
-            (self.tile_m * head_dim * 4, 1024),  # dQ (float32)
         ]
+        if self.dkv_swap_ab:  # P beside dS (Note [dK and dV swapped])
+            fields.append((self.tile_m * self.tile_n * elem_bytes * self.stages_ds, 1024))
+        fields.append((self.tile_m * head_dim * 4, 1024))  # dQ (float32)
         offset = 0
         for size, align in fields:
             offset = _align(offset, align) + size
         return _align(offset, 1024)
 
+    def check_swapped(self, head_dim: int, dv: int) -> None:
+        """What dkv_swap_ab needs (Note [dK and dV swapped] in fa4_final.hopper.bwd)."""
+        if (head_dim, dv) not in ((d, d) for d in SWAPPED_HEAD_DIMS):
+            raise ValueError(f"dkv_swap_ab=True is built for (head_dim, head_dim_v) in "
+                             f"{tuple((d, d) for d in SWAPPED_HEAD_DIMS)}, got ({head_dim}, {dv})")
+        n = self.swap_tile_n
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n % 16:
+            raise ValueError(f"swap_tile_n must be a positive multiple of 16 (the K of the dQ "
+                             f"wgmma, split between the warpgroups), got {n!r}")
+        if self.tile_m != WGMMA_M or not (self.dq_swap_ab and self.dq_uneven):
+            raise ValueError(f"dkv_swap_ab=True runs S = Q K^T with tile_m = {WGMMA_M} query "
+                             f"rows on the wgmma M and dQ^T split by rows of head_dim "
+                             f"(dq_swap_ab=True, dq_uneven=True), got tile_m={self.tile_m}, "
+                             f"dq_swap_ab={self.dq_swap_ab}, dq_uneven={self.dq_uneven}")
+        if self.stages_ds != 1 or self.dq_single_wg:
+            raise ValueError(f"dkv_swap_ab=True keeps one P and one dS buffer and dQ in two "
+                             f"parts: it needs stages_ds=1, dq_single_wg=False, got "
+                             f"stages_ds={self.stages_ds}, dq_single_wg={self.dq_single_wg}")
+
     def check(self, head_dim: int, head_dim_v: int | None = None) -> None:
         dv = head_dim if head_dim_v is None else head_dim_v
         dims = HEAD_DIMS + BWD_HEAD_DIMS_PENDING
+        if self.dkv_swap_ab:
+            self.check_swapped(head_dim, dv)
+            dims = dims + SWAPPED_HEAD_DIMS
+        elif self.swap_tile_n:
+            raise ValueError(f"swap_tile_n is the key tile of dkv_swap_ab=True only (tile_n is "
+                             f"{self.tile_n} otherwise), got swap_tile_n={self.swap_tile_n}")
         if dv != head_dim and (head_dim, dv) not in BWD_HEAD_DIM_PAIRS_PENDING:
             raise ValueError(f"(head_dim, head_dim_v) must be one of {BWD_HEAD_DIM_PAIRS_PENDING} "
                              f"when they differ, got ({head_dim}, {dv}); with dv == head_dim "
@@ -317,7 +354,7 @@ class HopperBwdConfig:
             raise ValueError(f"tile_m={m} is not a multiple of {WGMMA_M}, the M of a wgmma: "
                              f"dQ = dS K needs dq_swap_ab=True (dQ^T = K^T dS^T, M = head_dim)")
         if self.dq_uneven and (not self.dq_swap_ab or head_dim % WGMMA_M
-                               or head_dim // WGMMA_M % 2 == 0):
+                               or (head_dim // WGMMA_M % 2 == 0 and not self.dkv_swap_ab)):
             raise ValueError(f"dq_uneven splits dQ^T = K^T dS^T (dq_swap_ab=True) into an odd "
                              f"number of {WGMMA_M}-row blocks of head_dim, got "
                              f"dq_swap_ab={self.dq_swap_ab}, head_dim={head_dim}")
@@ -366,7 +403,14 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
     D = 64: 128 x 128; D = 96: 64 x 128 with dQ by one warpgroup (compiled, not run on a GPU);
     D = 128: 64 x 128 (80 x 128 with dQ swapped when not causal). D = 192 with dv = 128:
     32 x 128 with dQ^T split 128 + 64 rows of D (Note [dQ split unevenly] in
-    fa4_final.hopper.bwd; compiled, not run on a GPU)."""
+    fa4_final.hopper.bwd; compiled, not run on a GPU). D = dv = 192: 64 x 96 and D = 256:
+    64 x 48, dK and dV swapped, one Q and dO stage (Note [dK and dV swapped]; compiled, not
+    run on a GPU)."""
+    if head_dim in SWAPPED_HEAD_DIMS and head_dim_v in (None, head_dim):
+        return HopperBwdConfig(tile_m=64, stages_q=1, stages_ds=1, dq_swap_ab=True,
+                               dq_uneven=True, dkv_swap_ab=True,
+                               swap_tile_n=96 if head_dim == 192 else 48,
+                               deterministic=deterministic)
     if head_dim_v is not None and head_dim_v != head_dim:
         return HopperBwdConfig(tile_m=32, dq_swap_ab=True, dq_uneven=True,
                                deterministic=deterministic)

@@ -58,8 +58,9 @@ PENDING: dict[str, str] = {
                         "96 and 192 (common.seqlens.rows_per_store_pass) was changed after its "
                         "GPU test failed to trace there; compiled and checked on a CPU, its GPU "
                         "test has not run since",
-    "bwd_head_dims": "the Hopper backward at head dim 96 (dv = 96) and at head dim 192 with "
-                     "dv = 128 is built and compiled for sm_90a; GPU tests not passed",
+    "bwd_head_dims": "the Hopper backward at head dim 96 (dv = 96), at head dim 192 with "
+                     "dv = 128, and at head dims 192 and 256 with dv == head_dim (dK and dV "
+                     "swapped) is built and compiled for sm_90a; GPU tests not passed",
     "decode": "the Hopper decode kernel (split-KV, packed GQA rows, a paged KV cache, pages "
               "smaller than a key tile gathered into whole tiles) and its "
               "split combine are built and compiled for sm_90a and checked on a CPU; their GPU "
