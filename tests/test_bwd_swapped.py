@@ -1,0 +1,319 @@
+"""The Hopper backward with dK and dV swapped (Note [dK and dV swapped] in fa4_final.hopper.bwd)
+at D = dv = 192 (64 x 96) and D = 256 (64 x 48), on a CPU: the config and its errors, the
+shared-memory budget, the dQ accumulator order of the two writer parts read from the kernel's
+own CuTe partitions traced for sm_90a (bwd_post reads it back unchanged), the bwd_head_dims
+gate (refused by name without FA4_FINAL_PENDING, routed to the swapped build with it) and the
+compile for sm_90a (slow). Nothing here runs a GPU kernel:
+tests/gpu/test_bwd_head_dims.py does (-k d192v192, -k d256)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fa4_final import UnsupportedError, flash_attn_func, flash_attn_varlen_func
+from fa4_final.common.constants import (
+    BWD_HEAD_DIM_PAIRS_PENDING,
+    CUTLASS_BY_NAME,
+    SM90_SMEM_BYTES,
+)
+from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
+from fa4_final.runtime import dispatch, pending, prologue, varlen
+from tests import fa4_cpu_reference as ref
+from tests.hopper_recorder import record_hopper_runs
+from tests.test_pending_features import DEVICE, GATE, dense, packed
+
+ROW = "bwd_head_dims"
+TILE_N = {192: 96, 256: 48}
+
+pytestmark = pytest.mark.usefixtures("no_pending")
+
+
+# ----------------------------------------------------------------------------------------------
+# the config
+
+
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_default_is_64_by_tile_n_with_dk_dv_swapped(d, causal, deterministic):
+    assert (d, d) in BWD_HEAD_DIM_PAIRS_PENDING
+    for cfg in (hopper_bwd_default(d, causal, deterministic),
+                hopper_bwd_default(d, causal, deterministic, head_dim_v=d)):
+        assert (cfg.tile_m, cfg.tile_n, cfg.dkv_swap_ab, cfg.swap_tile_n) == (
+            64, TILE_N[d], True, TILE_N[d])
+        assert (cfg.dq_swap_ab, cfg.dq_uneven, cfg.dq_single_wg) == (True, True, False)
+        assert (cfg.stages_q, cfg.stages_ds, cfg.deterministic) == (1, 1, deterministic)
+        cfg.check(d)
+        cfg.check(d, d)
+    # every other default is what it was: no swap, 128 keys
+    for dd, dv in ((64, 64), (96, 96), (128, 128), (192, 128)):
+        other = hopper_bwd_default(dd, causal, deterministic, head_dim_v=dv)
+        assert not other.dkv_swap_ab and other.swap_tile_n == 0 and other.tile_n == 128
+
+
+def test_shared_memory_counts_p_beside_ds():
+    """Q, dO (one stage each), K, V, dS, P (16-bit), a float32 dQ of 64 x D, lse and delta:
+    193 KB at D = 192, 189 KB at 256; two Q/dO stages would not fit."""
+    c192, c256 = hopper_bwd_default(192), hopper_bwd_default(256)
+    kb = 1024
+    assert c192.smem_bytes(192) == 193 * kb <= SM90_SMEM_BYTES
+    assert c256.smem_bytes(256) == 189 * kb <= SM90_SMEM_BYTES
+    for cfg, d in ((c192, 192), (c256, 256)):
+        with pytest.raises(ValueError, match="more than the 232448 B a CTA may use"):
+            replace(cfg, stages_q=2).check(d)
+
+
+def test_config_errors_name_the_knob():
+    base = hopper_bwd_default(192)
+    with pytest.raises(ValueError, match=re.escape(
+            "dkv_swap_ab=True is built for (head_dim, head_dim_v) in ((192, 192), (256, 256)), "
+            "got (128, 128)")):
+        replace(base).check(128)
+    with pytest.raises(ValueError, match=r"got \(192, 128\)"):
+        base.check(192, 128)
+    with pytest.raises(ValueError, match="swap_tile_n must be a positive multiple of 16"):
+        replace(base, swap_tile_n=40).check(192)
+    with pytest.raises(ValueError, match="swap_tile_n is the key tile of dkv_swap_ab=True only"):
+        HopperBwdConfig(swap_tile_n=96).check(128)
+    with pytest.raises(ValueError, match="tile_m = 64 query rows"):
+        replace(base, tile_m=32).check(192)
+    with pytest.raises(ValueError, match=r"dq_swap_ab=True, dq_uneven=True"):
+        replace(base, dq_uneven=False).check(192)
+    with pytest.raises(ValueError, match="stages_ds=1"):
+        replace(base, stages_ds=2, stages_q=2).check(192)
+    # without the swap D = dv = 192 and 256 stay refused by the config
+    with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 128, 96\)"):
+        HopperBwdConfig().check(256)
+
+
+def test_no_softcap_build():
+    from fa4_final.hopper.bwd import HopperBackward
+
+    with pytest.raises(ValueError, match="softcap=30.0 is not built with dkv_swap_ab=True"):
+        HopperBackward(CUTLASS_BY_NAME["bf16"], 192, False, hopper_bwd_default(192),
+                       softcap=30.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the dQ accumulator order, from the kernel's own CuTe objects
+
+
+@pytest.fixture(scope="module", params=[192, 256])
+def probe(request) -> dict:
+    """Traced for sm_90a (static layouts only, nothing launched): each writer part's (row, col)
+    and slab offset per register, from swapped_mmas()'s dQ MMA (what mma_swapped builds) and
+    dq_copy over dq_part_view; bwd_post's reading (dq_coords over tiled_mmas(), dq_copy over
+    dq_chunk_layout)."""
+    import cutlass.cute as cute
+
+    from fa4_final.common.bwd_post import BackwardPost
+    from fa4_final.hopper.bwd import HopperBackward
+
+    d = request.param
+    bf16 = CUTLASS_BY_NAME["bf16"]
+    main = HopperBackward(bf16, d, False, hopper_bwd_default(d))
+    got = {"d": d, "main": main, "post": BackwardPost(main), "read": {}, "write": {}}
+
+    def collect():
+        slab = cute.make_identity_tensor(cute.product(main.dq_chunk_layout().shape))
+        slab = cute.make_tensor(slab.iterator, main.dq_chunk_layout())
+        _, _, mma_dq = main.swapped_mmas()
+        for t in range(main.dq_threads):
+            c = main.dq_coords(t)
+            p = main.dq_copy().get_slice(t).partition_D(slab)
+            got["read"][t] = [(tuple(int(x) for x in c[i]), int(p[i]))
+                              for i in range(cute.size(c))]
+        for part in (0, 1):
+            first, _ = main.dq_part(part)
+            tile = cute.make_identity_tensor(main.dq_tile_shape(part))
+            for t in range(128):
+                c = mma_dq.get_slice(t).partition_C(tile)
+                p = main.dq_copy().get_slice(t).partition_D(main.dq_part_view(slab, part))
+                got["write"][part, t] = [((first + int(c[i][0]), int(c[i][1])), int(p[i]))
+                                         for i in range(cute.size(c))]
+
+    @cute.jit
+    def run():
+        collect()
+
+    cute.compile(run, options="--gpu-arch sm_90a")
+    return got
+
+
+def test_dq_parts_cover_the_tile_and_bwd_post_reads_each_offset_s_writer(probe):
+    """dQ^T (D x 64) split 128 + 64 rows (192) or 128 + 128 (256): every element once, each
+    slab offset written once, and bwd_post's one-warpgroup reading gives it the same (row,
+    col) (the order of Note [dQ split unevenly], shared by the swapped build)."""
+    d, main, post = probe["d"], probe["main"], probe["post"]
+    assert (main.dq_part(0), main.dq_part(1)) == ((0, 128), (128, d - 128))
+    assert (main.dq_threads, main.dq_chunk) == (128, 64 * d)
+    written = {}
+    for (part, _t), regs in probe["write"].items():
+        assert len(regs) == main.dq_part(part)[1] * 64 // 128
+        for rc, off in regs:
+            assert off not in written
+            written[off] = rc
+    assert sorted(written) == list(range(64 * d))
+    assert sorted(written.values()) == [(r, c) for r in range(d) for c in range(64)]
+    read = {}
+    for regs in probe["read"].values():
+        for rc, off in regs:
+            read[off] = rc
+    assert read == written
+    assert post.num_threads == 128 and post.main.dq_swap_ab
+
+
+# ----------------------------------------------------------------------------------------------
+# the gate
+
+
+@pytest.mark.parametrize("d", [192, 256])
+def test_without_the_env_a_gradient_is_refused_by_the_row_s_name(cpu_kernels, d):
+    assert pending.forward_only(d, d)
+    q, k, v = dense(d=d, dv=d, grad=True)
+    with pytest.raises(UnsupportedError) as info:
+        flash_attn_func(q, k, v)
+    message = str(info.value)
+    assert message.startswith(f"flash_attn_func: the backward at head_dim={d}, dv={d} is "
+                              f"refused"), message
+    assert f"{GATE} {ROW} yet" in message and pending.PENDING[ROW] in message
+    assert f"{pending.ENV}={ROW}" in message and "torch.no_grad()" in message
+    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=d, grad=True)
+    with pytest.raises(UnsupportedError, match=f"head_dim={d}, dv={d} is refused"):
+        flash_attn_varlen_func(pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    with torch.no_grad():  # the forward alone still runs
+        out, _ = flash_attn_func(q, k, v)
+    assert out.shape == q.shape
+    assert "head dims 192 and 256 with dv == head_dim" in pending.PENDING[ROW]
+
+
+@pytest.mark.parametrize("d", [192, 256])
+def test_without_the_env_the_backward_entry_points_refuse_by_name(d):
+    q, k, v = dense(d=d, dv=d)
+    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
+    with pytest.raises(UnsupportedError, match=f"backward_into: the backward at head_dim={d}, "
+                                               f"dv={d} is refused") as info:
+        prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
+                               torch.zeros_like(v))
+    assert f"{GATE} {ROW} yet" in str(info.value)
+
+
+@pytest.mark.parametrize("d", [192, 256])
+def test_with_the_env_the_backward_entry_points_get_to_the_device_check(monkeypatch, d):
+    monkeypatch.setenv(pending.ENV, ROW)
+    assert not pending.forward_only(d, d)
+    q, k, v = dense(d=d, dv=d)
+    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
+    with pytest.raises(UnsupportedError, match=DEVICE):
+        prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
+                               torch.zeros_like(v))
+    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=d)
+    pout, plse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
+    with pytest.raises(UnsupportedError, match=DEVICE):
+        varlen.varlen_backward_into(pq, pk, pv, pout, plse, pout, torch.zeros_like(pq),
+                                    torch.zeros_like(pk), torch.zeros_like(pv), cu_q, cu_k,
+                                    None, None, None)
+
+
+@pytest.mark.parametrize("d", [192, 256])
+def test_with_the_env_the_autograd_path_runs_the_backward(monkeypatch, cpu_kernels, d):
+    """FA4_FINAL_PENDING=bwd_head_dims: flash_attn_func with a gradient at D = dv runs the
+    forward and the backward op (the CPU stand-ins of tests/fa4_cpu_reference)."""
+    monkeypatch.setenv(pending.ENV, ROW)
+    q, k, v = dense(d=d, dv=d, grad=True)
+    out, _ = flash_attn_func(q, k, v, causal=True)
+    out.float().square().sum().backward()
+    qf, kf, vf = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    o, _ = ref.attention_masked(qf, kf, vf, True)
+    o.square().sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), (qf.grad, kf.grad, vf.grad)):
+        assert got.shape == want.shape
+        assert (got.double() - want).abs().max() <= 0.05 * want.abs().max() + 0.05
+
+
+@pytest.mark.parametrize("d", [192, 256])
+def test_with_the_env_the_hopper_runners_build_the_swapped_backward(monkeypatch, d):
+    """The Hopper backward runners (dense and varlen) ask backward_recipe for head dim d (no
+    head_dim_v in the key: dv == D), and that recipe's kernels are the swapped build."""
+    monkeypatch.setenv(pending.ENV, ROW)
+    calls = record_hopper_runs(monkeypatch)
+    runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
+    q, k, v = dense(d=d, dv=d)
+    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
+    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    runners["backward"](q, k, v, out, lse, out, *grads, True, 0.1, None, 0)
+    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=d)
+    pout = torch.zeros_like(pq)
+    pgrads = torch.zeros_like(pq), torch.zeros_like(pk), torch.zeros_like(pv)
+    runners["varlen_backward"](pq, pk, pv, pout, torch.zeros(4, pq.shape[0]), pout, *pgrads,
+                               cu_q, cu_k, None, 19, 9, False, 0.1, None, None)
+    keys = [c[2] for c in calls if c[0] == "compiled"]
+    assert [c[0] for c in calls] == ["compiled", "launch_backward", "compiled",
+                                     "launch_varlen_backward"]
+    from fa4_final.hopper import host
+
+    for key, is_varlen in zip(keys, (False, True)):
+        assert key[:2] == (d, "bf16")
+        recipe = host.backward_recipe(*key)
+        main, post = recipe.kernels["main"], recipe.kernels["post"]
+        assert (main.head_dim, main.head_dim_v, main.varlen, main.tile_n) == (
+            d, d, is_varlen, TILE_N[d])
+        assert recipe.config.dkv_swap_ab and post.num_threads == 128
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled for sm_90a (slow: a few seconds a build)
+
+
+def _serialised(art) -> int:
+    return art.count("WARPGROUP.ARRIVE", where="sass") - art.count("wgmma.fence.sync.aligned")
+
+
+BUILDS = [
+    dict(causal=False), dict(causal=True), dict(causal=True, deterministic=True),
+    dict(causal=False, deterministic=True),
+    dict(causal=False, varlen=True), dict(causal=True, varlen=True, has_seqused_k=True),
+    dict(causal=False, has_window_left=True, has_window_right=True),
+]
+BUILD_IDS = ["dense", "causal", "causal_det", "det", "varlen", "varlen_causal_used_k", "window"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("kw", BUILDS, ids=BUILD_IDS)
+def test_the_swapped_backward_compiles_clean(d, kw):
+    """Every kernel of the build: no spill, no stack, no wgmma serialised, the setmaxnreg plan
+    of the other builds (24 / 240). Per step copy of each warpgroup, D = 192: S and dP
+    m64n48k16 over K = 192 (12 each), dV^T and dK^T m64n48k16 (3 M-blocks x 4, 12 each); dQ^T
+    m64n64k16 over 96 keys, 12 in warpgroup 0's copies and 6 in warpgroup 1's. D = 256: S and
+    dP m64n24k16 (16 each), dV^T and dK^T m64n48k16 (2 x 4 each), dQ^T 6 in each part. Two
+    bulk adds a step, stmatrix for P, dS and the epilogue."""
+    from fa4_final.hopper.host import backward_recipe
+    from fa4_final.runtime.compile import artifacts
+
+    kw = dict(kw)
+    causal = kw.pop("causal")
+    arts = artifacts(backward_recipe(d, "bf16", causal, **kw))
+    for art in arts.values():
+        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    main = arts["main"]
+    assert _serialised(main) == 0
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+240;", main.ptx)
+    assert re.search(r"setmaxnreg.dec.sync.aligned.u32\s+24;", main.ptx)
+    main.require("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "stmatrix")
+    n24 = main.count("wgmma.mma_async.sync.aligned.m64n24k16")
+    n48 = main.count("wgmma.mma_async.sync.aligned.m64n48k16")
+    n64 = main.count("wgmma.mma_async.sync.aligned.m64n64k16")
+    if d == 192:  # copies: step copies of both parts together
+        copies = n48 // 48
+        assert copies and n48 == 48 * copies and n64 == 9 * copies and n24 == 0
+    else:
+        copies = n24 // 32
+        assert copies and n24 == 32 * copies and n48 == 16 * copies and n64 == 6 * copies
+    assert not main.count("wgmma.mma_async.sync.aligned.m64n128k16")
+    if kw.get("deterministic"):
+        main.require("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32")
