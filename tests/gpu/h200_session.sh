@@ -29,8 +29,9 @@
 #    headdim-tests: the forward at D = 96, 192, 256 and dv != D against float64, headdim-sanitize
 #    two of its cases under memcheck; seqused-q-tests: varlen with seqused_q, padding untouched;
 #    features: the forward at D = 96/192/256 and with softcap/sinks beside the peers;
-#    bwd-headdim-tests / -d192: the backward at D = 96 / at D = 192, dv = 128 against float64;
-#    features-bwd: those two backwards beside the peers)
+#    bwd-headdim-tests / -d192 / -d192v192 / -d256: the backward at D = 96 / at D = 192, dv = 128 /
+#    at D = dv = 192 / at D = 256 (the last two with dK, dV swapped) against float64;
+#    features-bwd: the first two backwards beside the peers, features-bwd-swapped the last two)
 #   (host: the API's host time per call vs its kernels' time, with the peers; host-train: the
 #    small-GPT training step, fa4_final vs SDPA)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
@@ -108,9 +109,12 @@ for s in "$@"; do
     decode-d64) step decode_d64 580 $PY -m measure.decode --name decode_d64 --dims 64 --deadline 500 ;;
     headdim-tests) step headdim_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py -k "not pairwise" ;;
     headdim-tests2) step headdim_tests2 580 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py -k pairwise ;;
-    bwd-headdim-tests) step bwd_headdim_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k "not d192" ;;
-    bwd-headdim-tests-d192) step bwd_headdim_tests_d192 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k d192 ;;
+    bwd-headdim-tests) step bwd_headdim_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k "not d192 and not d256" ;;
+    bwd-headdim-tests-d192) step bwd_headdim_tests_d192 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k "d192 and not d192v192" ;;
+    bwd-headdim-tests-d192v192) step bwd_headdim_tests_d192v192 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k d192v192 ;;
+    bwd-headdim-tests-d256) step bwd_headdim_tests_d256 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k d256 ;;
     features-bwd) step features_bwd 580 $PY -m measure.features --name features_bwd --cases bwd_d96 bwd_d192 --deadline 500 ;;
+    features-bwd-swapped) step features_bwd_swapped 580 $PY -m measure.features --name features_bwd_swapped --cases bwd_d192v192 bwd_d256 --deadline 500 ;;
     seqused-q-tests) step seqused_q_tests 700 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_seqused_q.py ;;
     headdim-sanitize) step headdim_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fwd_head_dims.py -k "b1-17x17 or b2-300x77" ;;
     features) step features 580 $PY -m measure.features --deadline 500 ;;

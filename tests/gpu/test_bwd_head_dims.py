@@ -1,7 +1,8 @@
 """The Hopper backward at head dim 96 (dv = 96; dQ by one warpgroup, Note [dQ by one warpgroup]
-in fa4_final.hopper.bwd) and at head dim 192 with dv = 128 (dQ^T split unevenly, Note [dQ split
-unevenly]; the d192 tests, the same checks with v, out, dout and dv of 128 columns) on an
-H100/H200, against float64 torch.autograd: what lifts the bwd_head_dims row of
+in fa4_final.hopper.bwd), at head dim 192 with dv = 128 (dQ^T split unevenly, Note [dQ split
+unevenly]; the d192 tests, the same checks with v, out, dout and dv of 128 columns) and at
+D = dv = 192 and D = 256 (dK and dV swapped, Note [dK and dV swapped]; the d192v192 and d256
+tests) on an H100/H200, against float64 torch.autograd: what lifts the bwd_head_dims row of
 fa4_final.runtime.pending, so every test sets FA4_FINAL_PENDING to it.
 
 Inputs are fresh random tensors (the seed is in each failure's line); out and lse come from the
@@ -16,7 +17,8 @@ multiples), fp16; the deterministic mode bitwise the same over 5 runs. Run with 
 broken barrier protocol hangs rather than fails), about 5 minutes for each head dim, most of it
 compiling:
     timeout 580 python -m pytest -q -m gpu -p no:cacheprovider -rA \
-        tests/gpu/test_bwd_head_dims.py -k "not d192"     (and then -k d192)
+        tests/gpu/test_bwd_head_dims.py -k "not d192 and not d256"
+    (and then -k "d192 and not d192v192", -k d192v192, -k d256: each its own builds)
 """
 
 from __future__ import annotations
@@ -308,6 +310,138 @@ def test_d192_dv128_through_the_api_autograd(causal):
         g = leaf.grad
         assert g is not None and not g.isnan().any(), f"{name}: NaN (seed {seed})"
         assert g.shape == leaf.shape
+        limit = 3 * (s.double() - r).abs().max().item() + rounding_atol(r, BF16) + 1e-3
+        err = (g.double() - r).abs().max().item()
+        assert err <= limit, f"{name}: max|err| {err:.2e} > {limit:.2e} (seed {seed})"
+
+
+# ----------------------------------------------------------------------------------------------
+# D = dv = 192 (64 x 96) and D = 256 (64 x 48) with dK and dV swapped: the head dim on the
+# wgmma M of dK^T and dV^T, S = Q K^T with the queries on M, P and dS through shared memory,
+# dQ^T split by rows of D (Note [dK and dV swapped] in fa4_final.hopper.bwd). Each head dim its
+# own builds and its own -k marker: run alone with -k d192v192, and -k d256 (about 5 minutes
+# each, most of it compiling). The same checks as (192, 128)'s.
+
+SWAPPED = {"d192v192": 192, "d256": 256}
+
+
+def _swapped_cases(d):
+    return [
+        (1, 1, 1, 1, 1, d, d, BF16),
+        (2, 77, 77, 2, 1, d, d, FP16),
+        (1, 1000, 1000, 4, 4, d, d, BF16),
+        (1, 77, 1000, 2, 2, d, d, BF16),  # seqlen_q < seqlen_k
+        (1, 1000, 77, 2, 2, d, d, BF16),  # seqlen_q > seqlen_k: causal rows that see no key
+        (2, 1000, 4097, 8, 2, d, d, BF16),  # GQA 4, a partial last key tile
+        (1, 4097, 4097, 4, 1, d, d, BF16),  # MQA, many query tiles a CTA
+    ]
+
+
+CASES_SWAPPED = [(tag, case) for tag, d in SWAPPED.items() for case in _swapped_cases(d)]
+
+
+def _swapped_id(tag_case):
+    tag, case = tag_case
+    return tag + "-" + "-".join(map(str, case)).replace("torch.", "")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tag_case", CASES_SWAPPED, ids=_swapped_id)
+def test_swapped_backward_matches_float64(tag_case, causal):
+    ok, line, _ = _check_dv(tag_case[1], causal)
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("window", [(64, None), (32, 16), (200, 0)])
+@pytest.mark.parametrize("tag", list(SWAPPED))
+def test_swapped_backward_sliding_windows(tag, window):
+    d = SWAPPED[tag]
+    ok, line, _ = _check_dv((1, 700, 900, 4, 1, d, d, BF16), False, window=window)
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tag", list(SWAPPED))
+def test_swapped_deterministic_is_bitwise_repeatable_over_5_runs(tag, causal):
+    """Both parts of dQ^T of every key tile add into each dQ tile in turn: five runs, the
+    same bits, and within the rule of float64."""
+    d = SWAPPED[tag]
+    ok, line, (q, k, v, dout) = _check_dv((2, 1000, 2049, 8, 2, d, d, BF16), causal,
+                                          deterministic=True)
+    print(line)
+    assert ok, line
+    runs = [_run(q, k, v, dout, causal, deterministic=True)[:3] for _ in range(5)]
+    for later in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], later):
+            assert torch.equal(a, b), f"{name}: deterministic runs differ"
+
+
+VARLEN_SWAPPED = {
+    f"{tag}-{name}": (LENS_Q, LENS_K, used, heads, heads_kv, d, BF16, causal, window)
+    for tag, d in SWAPPED.items()
+    for name, used, heads, heads_kv, causal, window in (
+        ("mixed-gqa", None, 8, 2, False, (None, None)),
+        ("mixed-causal-used", USED_K, 4, 4, True, (None, None)),
+        ("window", None, 4, 2, False, (100, 0)),
+    )
+}
+
+
+@pytest.fixture(scope="module")
+def problems_swapped():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = Problem(VARLEN_SWAPPED[name], seed=int(torch.randint(0, 2**20, (1,))))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(VARLEN_SWAPPED))
+def test_swapped_varlen_backward_matches_float64(problems_swapped, name):
+    p = problems_swapped(name)
+    p.check(p.run(), name)
+
+
+@pytest.mark.parametrize("tag", list(SWAPPED))
+def test_swapped_varlen_deterministic_is_bitwise_repeatable_and_the_loop(problems_swapped, tag):
+    p = problems_swapped(f"{tag}-mixed-causal-used")
+    runs = [p.run(deterministic=True) for _ in range(5)]
+    p.check(runs[0], f"{tag} deterministic")
+    for later in runs[1:]:
+        for g, a, b in zip(("dq", "dk", "dv"), runs[0], later):
+            assert torch.equal(a, b), f"{g}: deterministic runs differ"
+    for g, a, b in zip(("dq", "dk", "dv"), runs[0], p.loop(deterministic=True)):
+        assert torch.equal(a, b), f"{g}: deterministic varlen kernel != the per-sequence loop"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tag", list(SWAPPED))
+def test_swapped_through_the_api_autograd(tag, causal):
+    """flash_attn_func with a gradient at D = dv (the gate listed): fa4_final's forward and
+    the swapped backward against float64 autograd of the same inputs (3 x PyTorch's error:
+    the forward's rounding of out moves dq, dk through delta)."""
+    from fa4_final import flash_attn_func
+    from tests.gpu.test_fa4_final_bwd import _grads, _visible
+
+    d = SWAPPED[tag]
+    q, k, v, seed = random_qkv(2, 1000, 8, d, seqlen_k=777, heads_kv=2, dtype=BF16,
+                               device="cuda")
+    dout = torch.randn_like(q)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out, _ = flash_attn_func(*leaves, causal=causal)
+    out.backward(dout)
+    visible = _visible(1000, 777, causal, None, None, "cuda")
+    scale = d**-0.5
+    ref = _grads(q, k, v, dout, visible, scale, torch.float64)
+    same = _grads(q, k, v, dout, visible, scale, BF16)
+    for name, leaf, r, s in zip(("dq", "dk", "dv"), leaves, ref, same):
+        g = leaf.grad
+        assert g is not None and not g.isnan().any(), f"{name}: NaN (seed {seed})"
         limit = 3 * (s.double() - r).abs().max().item() + rounding_atol(r, BF16) + 1e-3
         err = (g.double() - r).abs().max().item()
         assert err <= limit, f"{name}: max|err| {err:.2e} > {limit:.2e} (seed {seed})"
