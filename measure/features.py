@@ -1,18 +1,21 @@
 """Benchmark the forward at the features models use: head dims 96, 192 (dv 128) and 256,
-softcap and learnable sinks at D = 128; and the backward at head dim 96 and at 192 with dv =
-128; fa4_final beside its peers in one run.
+softcap and learnable sinks at D = 128; and the backward at head dim 96, at 192 with dv = 128,
+and at D = dv = 192 and 256; fa4_final beside its peers in one run.
 
     python -m measure.features                               # the forward grid, both modes
     python -m measure.features --cases d192_dv128 --seqlens 4096 --causal 1
     python -m measure.features --deadline 500
     python -m measure.features --name features_bwd --cases bwd_d96 --deadline 500
     python -m measure.features --name features_bwd_d192 --cases bwd_d192 --deadline 500
+    python -m measure.features --name features_bwd_swapped --cases bwd_d192v192 bwd_d256 \
+        --deadline 500
 
 Cases (``--cases``):
   d96, d192_dv128, d192, d256     head dims (D, dv): (96, 96), (192, 128), (192, 192), (256, 256)
   softcap, sink, softcap_sink     D = 128 with softcap 30 (Gemma 2's), a float32 sink per head
                                   (gpt-oss), or both
   bwd_d96, bwd_d192                the backward at D = dv = 96 and at D = 192, dv = 128
+  bwd_d192v192, bwd_d256           the backward at D = dv = 192 and 256 (dK and dV swapped)
                                   (``pass`` "bwd"; not in the default --cases, which are the
                                   forward's)
 Shapes: ``--seqlens`` S (queries = keys), batch x S = ``--tokens`` (16384), ``--heads`` 16
@@ -99,8 +102,11 @@ CASES = {
     "softcap_sink": (128, 128, 30.0, True),
     "bwd_d96": (96, 96, 0.0, False),
     "bwd_d192": (192, 128, 0.0, False),
+    "bwd_d192v192": (192, 192, 0.0, False),
+    "bwd_d256": (256, 256, 0.0, False),
 }
-BWD_CASES = ("bwd_d96", "bwd_d192")  # the backward (pass "bwd"): fa4_final under BWD_GATE
+# the backward (pass "bwd"): fa4_final under BWD_GATE
+BWD_CASES = ("bwd_d96", "bwd_d192", "bwd_d192v192", "bwd_d256")
 FWD_CASES = tuple(c for c in CASES if c not in BWD_CASES)  # the default --cases
 BWD_GATE = "bwd_head_dims"  # fa4_final.runtime.pending's row for these backwards
 PEERS = ("fa4_package", "sdpa_flash", "sdpa_cudnn")

@@ -383,7 +383,7 @@ def test_the_benchmark_case_bwd_d192():
     draws take v and dout of 128 columns (the shapes are the case's dims)."""
     from measure import features
 
-    assert features.BWD_CASES == ("bwd_d96", "bwd_d192")
+    assert features.BWD_CASES[:2] == ("bwd_d96", "bwd_d192")
     assert "bwd_d192" not in features.FWD_CASES and features.CASES["bwd_d192"][:2] == (D, DV)
     s = features.FeatureShape("bwd_d192", 4, 4096, 16, True)
     assert s.pass_ == "bwd" and s.dims == (D, DV)

@@ -266,6 +266,22 @@ def test_with_the_env_the_hopper_runners_build_the_swapped_backward(monkeypatch,
 
 
 # ----------------------------------------------------------------------------------------------
+# measure.features' backward cases (the GPU run is the session step features-bwd-swapped)
+
+
+@pytest.mark.parametrize("case, d", [("bwd_d192v192", 192), ("bwd_d256", 256)])
+def test_the_benchmark_cases(case, d):
+    from measure import features
+
+    assert features.BWD_CASES == ("bwd_d96", "bwd_d192", "bwd_d192v192", "bwd_d256")
+    assert case not in features.FWD_CASES and features.CASES[case][:2] == (d, d)
+    s = features.FeatureShape(case, 4, 4096, 16, True)
+    assert s.pass_ == "bwd" and s.dims == (d, d)
+    assert features.row_fields(s)["d"] == d and features.row_fields(s)["dv"] == d
+    assert s.flops() == 2.0 * 4 * 16 * 4096 * 4096 * 0.5 * 5 * d
+
+
+# ----------------------------------------------------------------------------------------------
 # compiled for sm_90a (slow: a few seconds a build)
 
 
