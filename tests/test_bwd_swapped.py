@@ -46,7 +46,8 @@ def test_the_default_is_64_by_tile_n_with_dk_dv_swapped(d, causal, deterministic
         assert (cfg.tile_m, cfg.tile_n, cfg.dkv_swap_ab, cfg.swap_tile_n) == (
             64, TILE_N[d], True, TILE_N[d])
         assert (cfg.dq_swap_ab, cfg.dq_uneven, cfg.dq_single_wg) == (True, True, False)
-        assert (cfg.stages_q, cfg.stages_ds, cfg.deterministic) == (1, 1, deterministic)
+        assert (cfg.stages_q, cfg.do_stages, cfg.stages_ds, cfg.deterministic) == (
+            2, 1, 1, deterministic)
         cfg.check(d)
         cfg.check(d, d)
     # every other default is what it was: no swap, 128 keys
@@ -56,15 +57,22 @@ def test_the_default_is_64_by_tile_n_with_dk_dv_swapped(d, causal, deterministic
 
 
 def test_shared_memory_counts_p_beside_ds():
-    """Q, dO (one stage each), K, V, dS, P (16-bit), a float32 dQ of 64 x D, lse and delta:
-    193 KB at D = 192, 189 KB at 256; two Q/dO stages would not fit."""
+    """Q (two stages), dO (one), K, V, dS, P (16-bit), a float32 dQ of 64 x D, lse and
+    delta: 217 KB at D = 192, 221 KB at 256; two dO stages too would not fit, one of each
+    takes 24 KB (192) or 32 KB (256) less."""
     c192, c256 = hopper_bwd_default(192), hopper_bwd_default(256)
     kb = 1024
-    assert c192.smem_bytes(192) == 193 * kb <= SM90_SMEM_BYTES
-    assert c256.smem_bytes(256) == 189 * kb <= SM90_SMEM_BYTES
+    assert c192.smem_bytes(192) == 217 * kb <= SM90_SMEM_BYTES
+    assert c256.smem_bytes(256) == 221 * kb <= SM90_SMEM_BYTES
+    assert replace(c192, stages_q=1).smem_bytes(192) == 193 * kb
+    assert replace(c256, stages_q=1).smem_bytes(256) == 189 * kb
     for cfg, d in ((c192, 192), (c256, 256)):
         with pytest.raises(ValueError, match="more than the 232448 B a CTA may use"):
-            replace(cfg, stages_q=2).check(d)
+            replace(cfg, stages_do=2).check(d)
+    # dO as deep as Q: the same arithmetic as before the knob
+    same = HopperBwdConfig(tile_m=64, stages_q=2)
+    assert same.do_stages == 2 and same.smem_bytes(128) == replace(same, stages_do=2).smem_bytes(
+        128)
 
 
 def test_config_errors_name_the_knob():
@@ -77,14 +85,18 @@ def test_config_errors_name_the_knob():
         base.check(192, 128)
     with pytest.raises(ValueError, match="swap_tile_n must be a positive multiple of 16"):
         replace(base, swap_tile_n=40).check(192)
-    with pytest.raises(ValueError, match="swap_tile_n is the key tile of dkv_swap_ab=True only"):
+    with pytest.raises(ValueError, match="swap_tile_n and stages_do are knobs of dkv_swap_ab"):
         HopperBwdConfig(swap_tile_n=96).check(128)
+    with pytest.raises(ValueError, match="stages_do=1"):
+        HopperBwdConfig(stages_do=1).check(128)
+    with pytest.raises(ValueError, match="stages_do must be an int >= 0"):
+        replace(base, stages_do=-1).check(192)
     with pytest.raises(ValueError, match="tile_m = 64 query rows"):
         replace(base, tile_m=32).check(192)
     with pytest.raises(ValueError, match=r"dq_swap_ab=True, dq_uneven=True"):
         replace(base, dq_uneven=False).check(192)
     with pytest.raises(ValueError, match="stages_ds=1"):
-        replace(base, stages_ds=2, stages_q=2).check(192)
+        replace(base, stages_ds=2).check(192)
     # without the swap D = dv = 192 and 256 stay refused by the config
     with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 128, 96\)"):
         HopperBwdConfig().check(256)

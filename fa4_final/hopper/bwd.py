@@ -164,7 +164,7 @@ class HopperBackward:
             PipelineSpec("q", "Q and its lse (log2 units) per query tile", "tma_async",
                          self.cfg.stages_q, "producer", "mma", 1, warps),
             PipelineSpec("do", "dO and its delta per query tile", "tma_async",
-                         self.cfg.stages_q, "producer", "mma", 1, warps),
+                         self.cfg.do_stages, "producer", "mma", 1, warps),
             PipelineSpec("kv", "K and V of the CTA's KV tile, loaded once", "tma_async", 1,
                          "producer", "mma", 1, warps),
         )
@@ -320,6 +320,8 @@ class HopperBackward:
         if const_expr(Dv != D):  # Note [dV head dim]
             sdO_layout = self._smem_layout(self.tile_m, Dv, stages)
             sV_layout = self._smem_layout(self.tile_n, Dv)
+        if const_expr(self.cfg.do_stages != stages):  # Note [dK and dV swapped]
+            sdO_layout = self._smem_layout(self.tile_m, Dv, self.cfg.do_stages)
         sdS_layout = self._smem_layout(self.tile_m, self.tile_n, self.cfg.stages_ds)
         if const_expr(self.cfg.dkv_swap_ab):  # P and dS read by keys too (Note [dK and dV swapped])
             sdS_layout = self._smem_layout(self.tile_m, self.tile_n, self.cfg.stages_ds,
@@ -462,7 +464,11 @@ class HopperBackward:
             sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         row_layout = cute.make_layout((self.tile_m, self.cfg.stages_q))
         sLSE = storage.sLSE.get_tensor(row_layout)  # (m, STAGE)
-        sDelta = storage.sDelta.get_tensor(row_layout)
+        if const_expr(self.cfg.do_stages != self.cfg.stages_q):  # delta rides with dO
+            sDelta = storage.sDelta.get_tensor(
+                cute.make_layout((self.tile_m, self.cfg.do_stages)))
+        else:
+            sDelta = storage.sDelta.get_tensor(row_layout)
         sdQ = storage.sdQ.get_tensor(self.dq_chunk_layout())  # (tile_m * D / 2, 2) float32
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
@@ -601,6 +607,11 @@ class HopperBackward:
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                self.cfg.stages_q)
         state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        split_do = const_expr(self.cfg.do_stages != self.cfg.stages_q)
+        state_do = None  # a ring of its own depth (Note [dK and dV swapped])
+        if const_expr(split_do):
+            state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                    self.cfg.do_stages)
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         if m_max > m_min:
             gK = cute.local_tile(sequence_slab(mK, head_kv, b, offset_k), (self.tile_n, D),
@@ -640,13 +651,23 @@ class HopperBackward:
                 with cute.arch.elect_one():
                     cute.copy(bulk, gLSE[None, m_pad], sLSE[None, state_q.index],
                               mbar_ptr=bar)
-                pipeline_do.producer_acquire(state_q)
-                bar = pipeline_do.producer_get_barrier(state_q)
-                cute.copy(tma_atom_do, tdOgdO[None, m_block], tdOsdO[None, state_q.index],
-                          tma_bar_ptr=bar)
-                with cute.arch.elect_one():
-                    cute.copy(bulk, gDelta[None, m_pad], sDelta[None, state_q.index],
-                              mbar_ptr=bar)
+                if const_expr(split_do):
+                    pipeline_do.producer_acquire(state_do)
+                    bar = pipeline_do.producer_get_barrier(state_do)
+                    cute.copy(tma_atom_do, tdOgdO[None, m_block], tdOsdO[None, state_do.index],
+                              tma_bar_ptr=bar)
+                    with cute.arch.elect_one():
+                        cute.copy(bulk, gDelta[None, m_pad], sDelta[None, state_do.index],
+                                  mbar_ptr=bar)
+                    state_do.advance()
+                else:
+                    pipeline_do.producer_acquire(state_q)
+                    bar = pipeline_do.producer_get_barrier(state_q)
+                    cute.copy(tma_atom_do, tdOgdO[None, m_block], tdOsdO[None, state_q.index],
+                              tma_bar_ptr=bar)
+                    with cute.arch.elect_one():
+                        cute.copy(bulk, gDelta[None, m_pad], sDelta[None, state_q.index],
+                                  mbar_ptr=bar)
                 state_q.advance()
 
     # Note [dQ turns]
@@ -740,9 +761,10 @@ class HopperBackward:
     # dQ^T = K^T dS^T by rows of D (128 + 64 at D = 192, 128 + 128 at 256), K = the tile's keys,
     # in the same accumulator order, so bwd_pre and bwd_post are unchanged. The epilogue stores
     # dK^T and dV^T with a transposing stmatrix into (D, n) views of the K and V tiles, then
-    # the same TMA or row-by-row store. Shared memory: one Q and one dO stage (stages_q = 1),
-    # 193 KB at D = 192 and 189 KB at 256; two stages of both would take 241 KB and 252 KB (the
-    # FA4 package keeps two Q stages and one dO stage; this config has one depth for both).
+    # the same TMA or row-by-row store. Shared memory: two Q stages and one dO stage (the dO
+    # ring has its own depth here, HopperBwdConfig.stages_do, with a pipeline state of its own
+    # in the TMA warp and the MMA warpgroups), 217 KB at D = 192 and 221 KB at 256, as the FA4
+    # package keeps them; two dO stages too would take 241 KB and 252 KB.
     # Compiled for sm_90a: no spill, no stack, no wgmma serialised; per step a warpgroup issues
     # 12 + 12 + 12 + 12 m64n48k16 at D = 192 (S, dP, dV^T, dK^T) and 12 or 6 m64n64k16 (dQ^T).
     # No softcap build. Not yet run on a GPU: the runtime reaches it only through the
@@ -1019,14 +1041,15 @@ class HopperBackward:
         """The SharedStorage of dkv_swap_ab: the dense one with P after dS
         (HopperBwdConfig.smem_bytes counts it)."""
         stages, dt = self.cfg.stages_q, self.dtype
+        do_stages = self.cfg.do_stages
 
         R, A = cute.struct.MemRange, cute.struct.Align
         fields = {  # an annotations dict: this module's annotations are strings
             "mbar_q": R[cutlass.Int64, 2 * stages],
-            "mbar_do": R[cutlass.Int64, 2 * stages],
+            "mbar_do": R[cutlass.Int64, 2 * do_stages],
             "mbar_kv": R[cutlass.Int64, 2],
             "sLSE": A[R[Float32, self.tile_m * stages], 128],
-            "sDelta": A[R[Float32, self.tile_m * stages], 128],
+            "sDelta": A[R[Float32, self.tile_m * do_stages], 128],
             "sQ": A[R[dt, cute.cosize(sQ_layout)], 1024],
             "sdO": A[R[dt, cute.cosize(sdO_layout)], 1024],
             "sK": A[R[dt, cute.cosize(sK_layout)], 1024],
@@ -1099,31 +1122,33 @@ class HopperBackward:
                thr_st, tPsP, tdSsdS, tdQsdQ, thr_dq, thr_s, tScS, t0ScS)
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                self.cfg.stages_q)
+        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                self.cfg.do_stages)
         state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         n_steps = m_max - m_min
         if n_steps > 0:
             pipeline_kv.consumer_wait(state_kv)
-        step = lambda m_block, masked, sq_: self.step_swapped(  # noqa: E731
-            m_block, masked, wg, sq_, ops, acc_dv, acc_dk, shape_s, sLSE, sDelta, mma_sdp,
-            mma_dkv, mma_dq, pipeline_q, pipeline_do, scale_log2, window_left, window_right,
-            n_block, seqlen_q, seqlen_k)
+        step = lambda m_block, masked, sq_, sdo_: self.step_swapped(  # noqa: E731
+            m_block, masked, wg, sq_, sdo_, ops, acc_dv, acc_dk, shape_s, sLSE, sDelta,
+            mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do, scale_log2, window_left,
+            window_right, n_block, seqlen_q, seqlen_k)
         first_end = m_min + n_first
         last_start = cutlass.max(m_max - n_last, first_end)
         for _h in cutlass.range(group, unroll=1):
             for m_block in cutlass.range(m_min, first_end, unroll=1):
-                state_q = step(m_block, True, state_q)
+                state_q, state_do = step(m_block, True, state_q, state_do)
             for m_block in cutlass.range(first_end, last_start, unroll=1):
-                state_q = step(m_block, False, state_q)
+                state_q, state_do = step(m_block, False, state_q, state_do)
             if const_expr(self.window.has_left):
                 for m_block in cutlass.range(last_start, m_max, unroll=1):
-                    state_q = step(m_block, True, state_q)
+                    state_q, state_do = step(m_block, True, state_q, state_do)
         self.epilogue(acc_dk, acc_dv, mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, mma_dkv,
                       softmax_scale, tidx, n_block, head_kv, b, seq, seqlen_k, mdK_rows,
                       mdV_rows)
 
     @cute.jit
-    def step_swapped(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv,
-                     acc_dk, shape_s, sLSE, sDelta, mma_s, mma_dkv, mma_dq, pipeline_q,
+    def step_swapped(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, state_do, ops,
+                     acc_dv, acc_dk, shape_s, sLSE, sDelta, mma_s, mma_dkv, mma_dq, pipeline_q,
                      pipeline_do, scale_log2, window_left, window_right, n_block, seqlen_q,
                      seqlen_k):
         """One query tile against this warpgroup's keys under dkv_swap_ab
@@ -1131,13 +1156,14 @@ class HopperBackward:
         (Note [Fresh accumulators])."""
         (tSrQ, tSrK, tdPrdO, tdPrV, tdVrdO, tdVrP, tdKrQ, tdKrdS, tdQrA, tdQrB, st, thr_st,
          tPsP, tdSsdS, tdQsdQ, thr_dq, thr_s, tScS, t0ScS) = ops
-        stage = state_q.index
+        stage, do_stage = state_q.index, state_do.index
         pipeline_q.consumer_wait(state_q)
         acc_s = cute.make_rmem_tensor(shape_s, Float32)
         self.wgmma(mma_s, acc_s, tSrQ[None, None, None, stage], tSrK, False)  # S = Q K^T
-        pipeline_do.consumer_wait(state_q)
+        pipeline_do.consumer_wait(state_do)
         acc_dp = cute.make_rmem_tensor(shape_s, Float32)
-        self.wgmma(mma_s, acc_dp, tdPrdO[None, None, None, stage], tdPrV, False)  # dP = dO V^T
+        self.wgmma(mma_s, acc_dp, tdPrdO[None, None, None, do_stage], tdPrV,
+                   False)  # dP = dO V^T
         lse = self.row_values(thr_s, sLSE, stage)
         warpgroup.wait_group(1)  # S is ready; dP may still run
         if const_expr(masked):
@@ -1150,7 +1176,7 @@ class HopperBackward:
                 s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse_r, fastmath=True)
         rP = cute.make_rmem_tensor_like(acc_s, self.dtype)
         _convert(acc_s, rP)
-        delta = self.row_values(thr_s, sDelta, stage)
+        delta = self.row_values(thr_s, sDelta, do_stage)
         warpgroup.wait_group(0)  # dP is ready
         dp = acc_rows_cols(acc_dp)
         for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
@@ -1165,13 +1191,14 @@ class HopperBackward:
         cute.copy(st, thr_st.retile(rdS), tdSsdS[None, None, None, 0])
         cute.arch.fence_view_async_shared()  # stmatrix -> wgmma (async proxy)
         cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=MMA_THREADS)
-        self.wgmma(mma_dkv, acc_dv, tdVrdO[None, None, None, stage],
+        self.wgmma(mma_dkv, acc_dv, tdVrdO[None, None, None, do_stage],
                    tdVrP[None, None, None, 0], True)  # dV^T += dO^T P
         acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self.dq_tile_shape(wg)),
                                        Float32)
         self.wgmma(mma_dq, acc_dq, tdQrA, tdQrB[None, None, None, 0], False)  # dQ^T part
         warpgroup.wait_group(1)  # dV done: dO's stage is free
-        pipeline_do.consumer_release(state_q)
+        pipeline_do.consumer_release(state_do)
+        state_do.advance()
         self.wgmma(mma_dkv, acc_dk, tdKrQ[None, None, None, stage],
                    tdKrdS[None, None, None, 0], True)  # dK^T += Q^T dS
         warpgroup.wait_group(1)  # dQ done
@@ -1185,7 +1212,7 @@ class HopperBackward:
         warpgroup.wait_group(0)  # dK done: Q's stage is free
         pipeline_q.consumer_release(state_q)
         state_q.advance()
-        return state_q
+        return state_q, state_do
 
     # Note [Softcap in the backward]
     # With a softcap (Note [Softcap] in fa4_final.common.softmax) the score is c t, t = tanh(q.k

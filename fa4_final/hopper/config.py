@@ -270,6 +270,14 @@ class HopperBwdConfig:
     # elsewhere): what D = dv = 192 (96 keys) and D = 256 (48 keys) need
     dkv_swap_ab: bool = False
     swap_tile_n: int = 0
+    # dkv_swap_ab only: the dO (+ delta) ring's depth when it differs from stages_q (0: the
+    # same), so that Q keeps two stages where two of dO do not fit (Note [dK and dV swapped])
+    stages_do: int = 0
+
+    @property
+    def do_stages(self) -> int:
+        """Depth of the dO (+ delta) ring: stages_do, or stages_q when it is 0."""
+        return self.stages_do or self.stages_q
 
     @property
     def dq_warpgroups(self) -> int:
@@ -295,11 +303,11 @@ class HopperBwdConfig:
         dv of dO and V, head_dim if None."""
         dv = head_dim if head_dim_v is None else head_dim_v
         fields = [  # (bytes, alignment)
-            (8 * 2 * (2 * self.stages_q + 1), 8),
+            (8 * 2 * (self.stages_q + self.do_stages + 1), 8),
             (4 * self.tile_m * self.stages_q, 128),  # lse (log2 units)
-            (4 * self.tile_m * self.stages_q, 128),  # delta
+            (4 * self.tile_m * self.do_stages, 128),  # delta
             (self.tile_m * head_dim * elem_bytes * self.stages_q, 1024),  # Q
-            (self.tile_m * dv * elem_bytes * self.stages_q, 1024),  # dO
+            (self.tile_m * dv * elem_bytes * self.do_stages, 1024),  # dO
             (self.tile_n * head_dim * elem_bytes, 1024),  # K
             (self.tile_n * dv * elem_bytes, 1024),  # V
             (self.tile_m * self.tile_n * elem_bytes * self.stages_ds, 1024),  # dS
@@ -326,6 +334,9 @@ class HopperBwdConfig:
                              f"rows on the wgmma M and dQ^T split by rows of head_dim "
                              f"(dq_swap_ab=True, dq_uneven=True), got tile_m={self.tile_m}, "
                              f"dq_swap_ab={self.dq_swap_ab}, dq_uneven={self.dq_uneven}")
+        s = self.stages_do
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"stages_do must be an int >= 0 (0: stages_q), got {s!r}")
         if self.stages_ds != 1 or self.dq_single_wg:
             raise ValueError(f"dkv_swap_ab=True keeps one P and one dS buffer and dQ in two "
                              f"parts: it needs stages_ds=1, dq_single_wg=False, got "
@@ -337,9 +348,10 @@ class HopperBwdConfig:
         if self.dkv_swap_ab:
             self.check_swapped(head_dim, dv)
             dims = dims + SWAPPED_HEAD_DIMS
-        elif self.swap_tile_n:
-            raise ValueError(f"swap_tile_n is the key tile of dkv_swap_ab=True only (tile_n is "
-                             f"{self.tile_n} otherwise), got swap_tile_n={self.swap_tile_n}")
+        elif self.swap_tile_n or self.stages_do:
+            raise ValueError(f"swap_tile_n and stages_do are knobs of dkv_swap_ab=True only "
+                             f"(tile_n is {self.tile_n} otherwise, dO as deep as Q), got "
+                             f"swap_tile_n={self.swap_tile_n}, stages_do={self.stages_do}")
         if dv != head_dim and (head_dim, dv) not in BWD_HEAD_DIM_PAIRS_PENDING:
             raise ValueError(f"(head_dim, head_dim_v) must be one of {BWD_HEAD_DIM_PAIRS_PENDING} "
                              f"when they differ, got ({head_dim}, {dv}); with dv == head_dim "
@@ -390,7 +402,8 @@ class HopperBwdConfig:
         if need > SM90_SMEM_BYTES:
             raise ValueError(
                 f"config needs {need} B of shared memory ({self.stages_q} stages of Q of "
-                f"{m}x{head_dim} and dO of {m}x{dv}, K of {self.tile_n}x{head_dim} and V of "
+                f"{m}x{head_dim} and {self.do_stages} of dO of {m}x{dv}, K of "
+                f"{self.tile_n}x{head_dim} and V of "
                 f"{self.tile_n}x{dv}, {self.stages_ds} dS of "
                 f"{m}x{self.tile_n}, a float32 dQ of {m}x{head_dim}), more than the "
                 f"{SM90_SMEM_BYTES} B a CTA may use: a smaller tile_m or fewer stages")
@@ -404,11 +417,11 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
     D = 128: 64 x 128 (80 x 128 with dQ swapped when not causal). D = 192 with dv = 128:
     32 x 128 with dQ^T split 128 + 64 rows of D (Note [dQ split unevenly] in
     fa4_final.hopper.bwd; compiled, not run on a GPU). D = dv = 192: 64 x 96 and D = 256:
-    64 x 48, dK and dV swapped, one Q and dO stage (Note [dK and dV swapped]; compiled, not
-    run on a GPU)."""
+    64 x 48, dK and dV swapped, two Q stages and one dO stage, as the FA4 package
+    (Note [dK and dV swapped]; compiled, not run on a GPU)."""
     if head_dim in SWAPPED_HEAD_DIMS and head_dim_v in (None, head_dim):
-        return HopperBwdConfig(tile_m=64, stages_q=1, stages_ds=1, dq_swap_ab=True,
-                               dq_uneven=True, dkv_swap_ab=True,
+        return HopperBwdConfig(tile_m=64, stages_q=2, stages_do=1, stages_ds=1,
+                               dq_swap_ab=True, dq_uneven=True, dkv_swap_ab=True,
                                swap_tile_n=96 if head_dim == 192 else 48,
                                deterministic=deterministic)
     if head_dim_v is not None and head_dim_v != head_dim:
