@@ -24,8 +24,8 @@ key gets out = 0 and lse = the sink, as FA4. Head dims 96, 192 and 256 and v's h
 q's (each of 64, 96, 128, 192, 256; out then has dv) run forward only on Hopper; a call that
 will need a gradient there is refused at the forward, naming the backward that is not built
 (torch.no_grad(), or inputs that do not require grad, run the forward); the backward at D =
-dv = 96 and at D = 192, dv = 128 is built and pending (bwd_head_dims: refused by that name
-unless listed); the varlen
+dv = 96, at D = 192, dv = 128 and at D = dv = 192 and 256 is built and pending
+(bwd_head_dims: refused by that name unless listed); the varlen
 forward at dv 96 and 192 is pending (varlen_row_store). The lse's gradient is folded into one
 backward call (Note [Gradient of the returned lse] in api.ops). Pending too, the decode kernel
 (Note [Decode through the API] in fa4_final.runtime.decode_entry): flash_attn_varlen_func's
