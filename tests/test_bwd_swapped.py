@@ -345,3 +345,24 @@ def test_the_swapped_backward_compiles_clean(d, kw):
     assert not main.count("wgmma.mma_async.sync.aligned.m64n128k16")
     if kw.get("deterministic"):
         main.require("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d, dtype, kw", [
+    (192, "bf16", dict(causal=True, varlen=True, has_seqused_q=True, has_seqused_k=True)),
+    (256, "bf16", dict(causal=False, varlen=True, has_seqused_q=True, has_window_left=True)),
+    (192, "fp16", dict(causal=True, has_window_left=True)),
+    (256, "fp16", dict(causal=True, deterministic=True, varlen=True)),
+    (192, "bf16", dict(causal=False, has_dlse=True)),
+], ids=["d192_seqused_q", "d256_seqused_q_left", "d192_fp16_causal_left", "d256_fp16_det_varlen",
+        "d192_dlse"])
+def test_more_swapped_builds_compile_clean(d, dtype, kw):
+    """seqused_q, a left window with and without the causal mask, fp16, the lse gradient: no
+    spill, no stack in any of the three kernels, no wgmma serialised."""
+    from fa4_final.hopper.host import backward_recipe
+    from fa4_final.runtime.compile import artifacts
+
+    arts = artifacts(backward_recipe(d, dtype, **kw))
+    for art in arts.values():
+        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    assert _serialised(arts["main"]) == 0
