@@ -102,14 +102,6 @@ def test_config_errors_name_the_knob():
         HopperBwdConfig().check(256)
 
 
-def test_no_softcap_build():
-    from fa4_final.hopper.bwd import HopperBackward
-
-    with pytest.raises(ValueError, match="softcap=30.0 is not built with dkv_swap_ab=True"):
-        HopperBackward(CUTLASS_BY_NAME["bf16"], 192, False, hopper_bwd_default(192),
-                       softcap=30.0)
-
-
 # ----------------------------------------------------------------------------------------------
 # the dQ accumulator order, from the kernel's own CuTe objects
 
@@ -354,11 +346,14 @@ def test_the_swapped_backward_compiles_clean(d, kw):
     (192, "fp16", dict(causal=True, has_window_left=True)),
     (256, "fp16", dict(causal=True, deterministic=True, varlen=True)),
     (192, "bf16", dict(causal=False, has_dlse=True)),
+    (192, "bf16", dict(causal=True, softcap=30.0)),
+    (256, "bf16", dict(causal=False, softcap=30.0, varlen=True)),
 ], ids=["d192_seqused_q", "d256_seqused_q_left", "d192_fp16_causal_left", "d256_fp16_det_varlen",
-        "d192_dlse"])
+        "d192_dlse", "d192_softcap_causal", "d256_softcap_varlen"])
 def test_more_swapped_builds_compile_clean(d, dtype, kw):
-    """seqused_q, a left window with and without the causal mask, fp16, the lse gradient: no
-    spill, no stack in any of the three kernels, no wgmma serialised."""
+    """seqused_q, a left window with and without the causal mask, fp16, the lse gradient, a
+    softcap (Note [Softcap in the backward]: tanh in the main kernel): no spill, no stack in
+    any of the three kernels, no wgmma serialised."""
     from fa4_final.hopper.host import backward_recipe
     from fa4_final.runtime.compile import artifacts
 
@@ -366,3 +361,4 @@ def test_more_swapped_builds_compile_clean(d, dtype, kw):
     for art in arts.values():
         assert art.spills == 0 and art.frame_bytes == 0, art.resources()
     assert _serialised(arts["main"]) == 0
+    assert ("tanh" in arts["main"].ptx) == bool(kw.get("softcap"))

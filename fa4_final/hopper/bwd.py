@@ -126,10 +126,6 @@ class HopperBackward:
         # forward's lse is already right (Note [Learnable sink]); its gradient is the host's.
         # named so that no subclass's own softcap attribute switches this build on
         self.logit_softcap = check_softcap(softcap)
-        if config.dkv_swap_ab and self.logit_softcap:
-            raise ValueError(f"softcap={softcap} is not built with dkv_swap_ab=True (the "
-                             f"backward at D = dv = 192 and 256): softcap=0.0, or a config "
-                             f"without the swap")
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = dv
@@ -767,8 +763,9 @@ class HopperBackward:
     # package keeps them; two dO stages too would take 241 KB and 252 KB.
     # Compiled for sm_90a: no spill, no stack, no wgmma serialised; per step a warpgroup issues
     # 12 + 12 + 12 + 12 m64n48k16 at D = 192 (S, dP, dV^T, dK^T) and 12 or 6 m64n64k16 (dQ^T).
-    # No softcap build. Not yet run on a GPU: the runtime reaches it only through the
-    # bwd_head_dims gate (fa4_final.runtime.pending).
+    # A softcap build computes P and dS as Note [Softcap in the backward] says (S and dP are
+    # 24 floats a thread here, so lse is read once, before S is ready). Not yet run on a GPU:
+    # the runtime reaches it only through the bwd_head_dims gate (fa4_final.runtime.pending).
 
     @cute.jit
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
@@ -1076,8 +1073,12 @@ class HopperBackward:
                     mdV_rows=None, sP=None, dq_part: cutlass.Constexpr = 0):
         """MMA warpgroup ``dq_part`` (0 or 1) under dkv_swap_ab: every step of the CTA, then the
         dK, dV epilogue (Note [dK and dV swapped]). ``mma_sdp``, ``mma_dkv``, ``mma_dq`` are
-        swapped_mmas()'s."""
+        swapped_mmas()'s. With a softcap, ``scale_log2`` carries scale / softcap
+        (Note [Softcap in the backward])."""
         m_min, m_max, n_first, n_last, _, group = work
+        cap = ()  # passed only to a softcap build
+        if const_expr(self.logit_softcap):
+            cap, scale_log2 = (scale_log2,), Float32(self.logit_softcap * LOG2_E)
         wg = dq_part
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 255
@@ -1131,7 +1132,7 @@ class HopperBackward:
         step = lambda m_block, masked, sq_, sdo_: self.step_swapped(  # noqa: E731
             m_block, masked, wg, sq_, sdo_, ops, acc_dv, acc_dk, shape_s, sLSE, sDelta,
             mma_sdp, mma_dkv, mma_dq, pipeline_q, pipeline_do, scale_log2, window_left,
-            window_right, n_block, seqlen_q, seqlen_k)
+            window_right, n_block, seqlen_q, seqlen_k, *cap)
         first_end = m_min + n_first
         last_start = cutlass.max(m_max - n_last, first_end)
         for _h in cutlass.range(group, unroll=1):
@@ -1150,7 +1151,7 @@ class HopperBackward:
     def step_swapped(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, state_do, ops,
                      acc_dv, acc_dk, shape_s, sLSE, sDelta, mma_s, mma_dkv, mma_dq, pipeline_q,
                      pipeline_do, scale_log2, window_left, window_right, n_block, seqlen_q,
-                     seqlen_k):
+                     seqlen_k, cap_scale=None):
         """One query tile against this warpgroup's keys under dkv_swap_ab
         (Note [dK and dV swapped]); fresh S, dP and dQ accumulators
         (Note [Fresh accumulators])."""
@@ -1164,25 +1165,41 @@ class HopperBackward:
         acc_dp = cute.make_rmem_tensor(shape_s, Float32)
         self.wgmma(mma_s, acc_dp, tdPrdO[None, None, None, do_stage], tdPrV,
                    False)  # dP = dO V^T
+        capped = const_expr(cap_scale is not None)
         lse = self.row_values(thr_s, sLSE, stage)
         warpgroup.wait_group(1)  # S is ready; dP may still run
+        if const_expr(capped):  # Note [Softcap]: S <- t = tanh(q.k scale / softcap)
+            softcap_scores(acc_s, cap_scale)
         if const_expr(masked):
             apply_mask(acc_s, tScS, t0ScS, self.window, m_block, n_block, seqlen_q, seqlen_k,
                        window_left, window_right, mask_left=self.window.has_left)
         s = acc_rows_cols(acc_s)
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            lse_r = lse[r, 0]
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse_r, fastmath=True)
         rP = cute.make_rmem_tensor_like(acc_s, self.dtype)
-        _convert(acc_s, rP)
+        if const_expr(not capped):
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                lse_r = lse[r, 0]
+                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse_r, fastmath=True)
+            _convert(acc_s, rP)
         delta = self.row_values(thr_s, sDelta, do_stage)
         warpgroup.wait_group(0)  # dP is ready
         dp = acc_rows_cols(acc_dp)
         for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
             delta_r = delta[r, 0]
+            if const_expr(capped):
+                lse_r = lse[r, 0]
             for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-                dp[r, c] = s[r, c] * (dp[r, c] - delta_r)
+                if const_expr(not capped):
+                    dp[r, c] = s[r, c] * (dp[r, c] - delta_r)
+                else:
+                    # P, its dS term and 1 - t^2 at once (Note [Softcap in the backward])
+                    t = s[r, c]
+                    p = cute.math.exp2(t * scale_log2 - lse_r, fastmath=True)
+                    s[r, c] = p
+                    dp[r, c] = p * (dp[r, c] - delta_r) * (
+                        Float32(1.0) - cute.arch.fmin(t * t, Float32(1.0)))
+        if const_expr(capped):
+            _convert(acc_s, rP)
         rdS = cute.make_rmem_tensor_like(acc_dp, self.dtype)
         _convert(acc_dp, rdS)
         # one P and one dS buffer: the other warpgroup's last GEMMs have read them

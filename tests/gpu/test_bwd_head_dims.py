@@ -445,3 +445,43 @@ def test_swapped_through_the_api_autograd(tag, causal):
         limit = 3 * (s.double() - r).abs().max().item() + rounding_atol(r, BF16) + 1e-3
         err = (g.double() - r).abs().max().item()
         assert err <= limit, f"{name}: max|err| {err:.2e} > {limit:.2e} (seed {seed})"
+
+
+SOFTCAP_SWAPPED = [((1, 300, 77, 2, 2, True), 30.0), ((2, 257, 513, 4, 2, False), 5.0)]
+
+
+@pytest.mark.parametrize("shape, softcap", SOFTCAP_SWAPPED, ids=str)
+@pytest.mark.parametrize("tag", list(SWAPPED))
+def test_swapped_softcap_backward_matches_float64(tag, shape, softcap):
+    """The swapped softcap build (Note [Softcap in the backward]) on the float64 forward's out
+    and lse rounded as a forward stores them, into NaN-filled buffers, against torch.autograd
+    of the float64 reference (tests/gpu/test_softcap_sinks.py's rule and inputs)."""
+    from fa4_final.hopper.host import backward_recipe, launch_backward
+    from fa4_final.runtime.compile import compiled
+    from tests.gpu.test_softcap_sinks import _inputs, _same_precision
+    from utils import checks
+    from utils.reference import attention_reference_features
+
+    d = SWAPPED[tag]
+    b, sq, sk, h, hk, causal = shape
+    q, k, v, _, seed = _inputs((b, sq, sk, h, hk, d, causal, BF16), None, requires_grad=True)
+    scale = d ** -0.5
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(b, sq, h, d, generator=g).to("cuda", BF16)
+    leaves64 = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref_out, ref_lse = attention_reference_features(*leaves64, causal, scale, softcap, None)
+    want = torch.autograd.grad((ref_out * dout.double()).sum(), leaves64)
+    same_out, _ = _same_precision(q, k, v, causal, scale, softcap, None)
+    same = torch.autograd.grad((same_out.float() * dout.float()).sum(), (q, k, v))
+    out, lse = ref_out.detach().to(BF16), ref_lse.detach().float()
+    dq, dk, dv = (checks.poisoned_empty(*t.shape, dtype=BF16, device="cuda") for t in (q, k, v))
+    plan = compiled(backward_recipe, d, "bf16", causal, None, False, False, False, False,
+                    False, "sm_90a", softcap)
+    assert plan.config.dkv_swap_ab
+    launch_backward(plan, q.detach(), k.detach(), v.detach(), out, lse, dout, dq, dk, dv,
+                    causal, scale, None, 0 if causal else None)
+    label = f"{tag} {shape} softcap={softcap} seed={seed}"
+    checks.wait_for_gpu(label)
+    failed = [str(v) for v in (checks.tolerance_check(x, r, p, name) for name, x, r, p in zip(
+        ("dq", "dk", "dv"), (dq, dk, dv), want, same)) if not v.passed]
+    assert not failed, f"{label}\n" + "\n".join(failed)
