@@ -25,6 +25,10 @@ each warpgroup, dS stored, dQ staged and read by the bulk add) is about as many 
 (a cycle model), so the step overlaps its GEMMs with everything else or loses time: that is
 why both warpgroups issue their GEMMs back to back and wait only where a result is needed.
 
+At D = dv = 192 and D = 256 the dK, dV GEMMs are swapped instead (dK^T += Q^T dS, dV^T +=
+dO^T P with the head dim on M, S = Q K^T with the queries on M, P and dS through shared memory,
+96 or 48 keys a CTA): Note [dK and dV swapped], mma_swapped and step_swapped.
+
 Varlen is a compile-time variant, HopperVarlenBackward: packed sequences in one
 launch, one CTA per key tile of a sequence and kv head (Note [Varlen backward]). Only the CTA's
 lookup, the offsets of its rows and slabs and the store of a partial last key tile differ; the
@@ -147,10 +151,17 @@ class HopperBackward:
         self.roles = {
             "producer": {"warpgroups": (0,), "tma_warp": 0, "dq_warp": 1,
                          "registers": self.producer_regs},
-            "mma": {"warpgroups": (1, 2), "keys_per_warpgroup": WGMMA_M,
+            "mma": {"warpgroups": (1, 2), "keys_per_warpgroup": self.mma_keys(),
                     "registers": self.mma_regs},
         }
         check_role_registers(self.roles, self.num_threads)  # per SM sub-partition
+
+    def mma_keys(self) -> int:
+        """Keys an MMA warpgroup's dK and dV accumulators cover: 64 on the wgmma M, or under
+        dkv_swap_ab its share of the tile on the N (Note [dK and dV swapped])."""
+        if not self.cfg.dkv_swap_ab:
+            return WGMMA_M
+        return self.tile_n // BWD_MMA_WARPGROUPS if self.dkv_splits_keys() else self.tile_n
 
     def pipelines(self) -> tuple[PipelineSpec, ...]:
         """The TMA warp -> MMA warpgroups rings: FULL completes with the TMA warp's arrive and
