@@ -31,7 +31,8 @@
 #    features: the forward at D = 96/192/256 and with softcap/sinks beside the peers;
 #    bwd-headdim-tests / -d192 / -d192v192 / -d256: the backward at D = 96 / at D = 192, dv = 128 /
 #    at D = dv = 192 / at D = 256 (the last two with dK, dV swapped) against float64;
-#    features-bwd: the first two backwards beside the peers, features-bwd-swapped the last two)
+#    features-bwd: the first two backwards beside the peers, features-bwd-swapped the last two;
+#    bwd-swapped-sanitize: the last two's small fp16 case under memcheck, racecheck, synccheck)
 #   (host: the API's host time per call vs its kernels' time, with the peers; host-train: the
 #    small-GPT training step, fa4_final vs SDPA)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
@@ -114,6 +115,7 @@ for s in "$@"; do
     bwd-headdim-tests-d192v192) step bwd_headdim_tests_d192v192 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k d192v192 ;;
     bwd-headdim-tests-d256) step bwd_headdim_tests_d256 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k d256 ;;
     features-bwd) step features_bwd 580 $PY -m measure.features --name features_bwd --cases bwd_d96 bwd_d192 --deadline 500 ;;
+    bwd-swapped-sanitize) for tool in memcheck racecheck synccheck; do step bwd_swapped_$tool 420 $SAN --tool $tool $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_bwd_head_dims.py -k "swapped_backward_matches_float64 and 2-77-77"; done ;;
     features-bwd-swapped) step features_bwd_swapped 580 $PY -m measure.features --name features_bwd_swapped --cases bwd_d192v192 bwd_d256 --deadline 500 ;;
     seqused-q-tests) step seqused_q_tests 700 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_seqused_q.py ;;
     headdim-sanitize) step headdim_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fwd_head_dims.py -k "b1-17x17 or b2-300x77" ;;
