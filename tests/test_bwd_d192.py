@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from fa4_final import UnsupportedError, flash_attn_func, flash_attn_varlen_func
+from fa4_final import UnsupportedError, flash_attn_func
 from fa4_final.api import sdpa
 from fa4_final.common.constants import (
     BWD_HEAD_DIM_PAIRS_PENDING,
@@ -22,10 +22,16 @@ from fa4_final.common.constants import (
     SM90_SMEM_BYTES,
 )
 from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
-from fa4_final.runtime import dispatch, pending, prologue, varlen
+from fa4_final.runtime import pending, prologue, varlen
 from fa4_final.runtime.checks import check_grads
 from tests import fa4_cpu_reference as ref
-from tests.hopper_recorder import record_hopper_runs
+from tests.bwd_head_dims_common import (
+    backward_runner_keys,
+    check_autograd_against_float64,
+    clean_main,
+    probe_dq_writes,
+    refused_calls,
+)
 from tests.test_pending_features import BF16, DEVICE, GATE, dense, packed
 
 ROW = "bwd_head_dims"
@@ -87,8 +93,6 @@ def probe192() -> dict:
     only, nothing launched): each writer part's (row, col) and slab offset per register
     (the part's own tiled-MMA partition of its rows and dq_copy over dq_part_view, as mma()
     builds them) and bwd_post's reading (dq_coords, dq_copy over dq_chunk_layout)."""
-    import cutlass.cute as cute
-
     from fa4_final.common.bwd_post import BackwardPost
     from fa4_final.common.bwd_pre import BackwardPre
     from fa4_final.hopper.bwd import HopperBackward
@@ -99,29 +103,7 @@ def probe192() -> dict:
     got = {"main": main, "post": BackwardPost(main),
            "pre": BackwardPre(bf16, D, cfg.tile_m, head_dim_v=DV), "read": {}, "write": {}}
 
-    def collect():
-        slab = cute.make_identity_tensor(cute.product(main.dq_chunk_layout().shape))
-        slab = cute.make_tensor(slab.iterator, main.dq_chunk_layout())
-        _, _, mma_dq = main.tiled_mmas()
-        for t in range(main.dq_threads):
-            c = main.dq_coords(t)
-            p = main.dq_copy().get_slice(t).partition_D(slab)
-            got["read"][t] = [(tuple(int(x) for x in c[i]), int(p[i]))
-                              for i in range(cute.size(c))]
-        for part in (0, 1):
-            first, _ = main.dq_part(part)
-            tile = cute.make_identity_tensor(main.dq_tile_shape(part))
-            for t in range(128):
-                c = mma_dq.get_slice(t).partition_C(tile)
-                p = main.dq_copy().get_slice(t).partition_D(main.dq_part_view(slab, part))
-                got["write"][part, t] = [((first + int(c[i][0]), int(c[i][1])), int(p[i]))
-                                         for i in range(cute.size(c))]
-
-    @cute.jit
-    def probe():
-        collect()
-
-    cute.compile(probe, options="--gpu-arch sm_90a")
+    probe_dq_writes(main, main.tiled_mmas, got)
     return got
 
 
@@ -194,12 +176,8 @@ def test_d192_dv128_is_in_the_row():
 def test_without_the_env_a_gradient_at_d192_dv128_is_refused_by_name(cpu_kernels):
     q, k, v = dense(d=D, dv=DV, grad=True)
     pq, pk, pv, cu_q, cu_k = packed(d=D, dv=DV, grad=True)
-    for func, call in (("flash_attn_func", lambda: flash_attn_func(q, k, v)),
-                       ("flash_attn_varlen_func", lambda: flash_attn_varlen_func(
-                           pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))):
-        with pytest.raises(UnsupportedError) as info:
-            call()
-        _refusal(str(info.value), func)
+    for func, _, message in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
+        _refusal(message, func)
     with torch.no_grad():  # the forward alone still runs
         out, _ = flash_attn_func(q, k, v)
     assert out.shape == (*q.shape[:-1], DV)
@@ -271,13 +249,6 @@ def test_dout_and_dv_take_v_s_head_dim():
                     **args)
 
 
-def _float64_grads(q, k, v, causal):
-    qf, kf, vf = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    out, _ = ref.attention_masked(qf, kf, vf, causal)
-    out.square().sum().backward()
-    return qf.grad, kf.grad, vf.grad
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_with_the_env_the_autograd_path_runs_the_backward_at_d192_dv128(monkeypatch, cpu_kernels,
                                                                         causal):
@@ -285,11 +256,7 @@ def test_with_the_env_the_autograd_path_runs_the_backward_at_d192_dv128(monkeypa
     forward and the backward op (the CPU stand-ins of tests/fa4_cpu_reference), dv like v."""
     monkeypatch.setenv(pending.ENV, ROW)
     q, k, v = dense(d=D, dv=DV, grad=True)
-    out, _ = flash_attn_func(q, k, v, causal=causal)
-    out.float().square().sum().backward()
-    for got, want in zip((q.grad, k.grad, v.grad), _float64_grads(q, k, v, causal)):
-        assert got.shape == want.shape
-        assert (got.double() - want).abs().max() <= 0.05 * want.abs().max() + 0.05
+    check_autograd_against_float64(q, k, v, causal)
 
 
 def test_with_the_env_the_hopper_runners_build_the_d192_dv128_backward(monkeypatch):
@@ -297,20 +264,8 @@ def test_with_the_env_the_hopper_runners_build_the_d192_dv128_backward(monkeypat
     head_dim_v 128 (last in the compile key, only when it differs), and that recipe's kernels
     are the (192, 128) build: dQ split unevenly, 128 bwd_post threads, bwd_pre over dv."""
     monkeypatch.setenv(pending.ENV, ROW)
-    calls = record_hopper_runs(monkeypatch)
-    runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
-    q, k, v = dense(d=D, dv=DV)
-    out, lse = torch.zeros(*q.shape[:-1], DV, dtype=BF16), torch.zeros(2, 4, 24)
-    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    runners["backward"](q, k, v, out, lse, out, *grads, True, 0.1, None, 0)
-    pq, pk, pv, cu_q, cu_k = packed(d=D, dv=DV)
-    pout = torch.zeros(pq.shape[0], 4, DV, dtype=BF16)
-    pgrads = torch.zeros_like(pq), torch.zeros_like(pk), torch.zeros_like(pv)
-    runners["varlen_backward"](pq, pk, pv, pout, torch.zeros(4, pq.shape[0]), pout, *pgrads,
-                               cu_q, cu_k, None, 19, 9, False, 0.1, None, None)
-    keys = [c[2] for c in calls if c[0] == "compiled"]
-    assert [c[0] for c in calls] == ["compiled", "launch_backward", "compiled",
-                                     "launch_varlen_backward"]
+    calls, runners, keys = backward_runner_keys(monkeypatch, D, dv=DV)
+    lse = torch.zeros(2, 4, 24)
     from fa4_final.hopper import host
 
     for key, is_varlen in zip(keys, (False, True)):
@@ -332,10 +287,6 @@ def test_with_the_env_the_hopper_runners_build_the_d192_dv128_backward(monkeypat
 # compiled for sm_90a (slow: about 10 s a build)
 
 
-def _serialised(art) -> int:
-    return art.count("WARPGROUP.ARRIVE", where="sass") - art.count("wgmma.fence.sync.aligned")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [
     dict(causal=False), dict(causal=True), dict(causal=True, deterministic=True),
@@ -350,18 +301,10 @@ def test_d192_dv128_backward_compiles_clean(kw):
     (m64n192k16: 2); dQ^T (m64n32k16 over 128 keys) 16 in warpgroup 0's copies (two M-blocks)
     and 8 in warpgroup 1's; two bulk adds a step (16 KB and 8 KB)."""
     from fa4_final.hopper.host import backward_recipe
-    from fa4_final.runtime.compile import artifacts
 
     kw = dict(kw)
     causal = kw.pop("causal")
-    arts = artifacts(backward_recipe(D, "bf16", causal, head_dim_v=DV, **kw))
-    for art in arts.values():
-        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
-    main = arts["main"]
-    assert _serialised(main) == 0
-    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+240;", main.ptx)
-    assert re.search(r"setmaxnreg.dec.sync.aligned.u32\s+24;", main.ptx)
-    main.require("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "stmatrix")
+    main = clean_main(backward_recipe(D, "bf16", causal, head_dim_v=DV, **kw))
     n32 = main.count("wgmma.mma_async.sync.aligned.m64n32k16")
     n128 = main.count("wgmma.mma_async.sync.aligned.m64n128k16")
     n192 = main.count("wgmma.mma_async.sync.aligned.m64n192k16")

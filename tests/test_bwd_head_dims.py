@@ -7,12 +7,10 @@ Nothing here runs a GPU kernel: tests/gpu/test_bwd_head_dims.py does."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
-from fa4_final import UnsupportedError, flash_attn_func, flash_attn_varlen_func
+from fa4_final import UnsupportedError, flash_attn_func
 from fa4_final.api import sdpa
 from fa4_final.common.constants import (
     BWD_HEAD_DIMS_PENDING,
@@ -22,9 +20,14 @@ from fa4_final.common.constants import (
 )
 from fa4_final.common.dq_order import dq_offset
 from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
-from fa4_final.runtime import dispatch, pending, prologue, varlen
+from fa4_final.runtime import pending, prologue, varlen
 from tests import fa4_cpu_reference as ref
-from tests.hopper_recorder import record_hopper_runs
+from tests.bwd_head_dims_common import (
+    backward_runner_keys,
+    check_autograd_against_float64,
+    clean_main,
+    refused_calls,
+)
 from tests.test_pending_features import DEVICE, GATE, dense, packed
 
 ROW = "bwd_head_dims"
@@ -189,12 +192,8 @@ def test_without_the_env_a_gradient_at_d96_is_refused_by_name(cpu_kernels):
     q, k, v = dense(d=96, grad=True)
     pq, pk, pv, cu_q, cu_k = packed(d=96)
     pq, pk, pv = (t.requires_grad_(True) for t in (pq, pk, pv))
-    for func, call in (("flash_attn_func", lambda: flash_attn_func(q, k, v)),
-                       ("flash_attn_varlen_func", lambda: flash_attn_varlen_func(
-                           pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))):
-        with pytest.raises(UnsupportedError) as info:
-            call()
-        _refusal(str(info.value), func)
+    for func, _, message in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
+        _refusal(message, func)
     with torch.no_grad():  # the forward alone still runs (dense; varlen dv 96 has its own row)
         out, _ = flash_attn_func(q, k, v)
     assert out.shape == q.shape
@@ -246,13 +245,6 @@ def test_with_the_env_the_backward_entry_points_get_to_the_device_check(monkeypa
                                     None, None, None)
 
 
-def _float64_grads(q, k, v, causal):
-    qf, kf, vf = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    out, _ = ref.attention_masked(qf, kf, vf, causal)
-    out.square().sum().backward()
-    return qf.grad, kf.grad, vf.grad
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_with_the_env_the_autograd_path_runs_the_backward_at_d96(monkeypatch, cpu_kernels,
                                                                   causal):
@@ -261,30 +253,14 @@ def test_with_the_env_the_autograd_path_runs_the_backward_at_d96(monkeypatch, cp
     gradients are float64's."""
     monkeypatch.setenv(pending.ENV, ROW)
     q, k, v = dense(d=96, grad=True)
-    out, _ = flash_attn_func(q, k, v, causal=causal)
-    out.float().square().sum().backward()
-    for got, want in zip((q.grad, k.grad, v.grad), _float64_grads(q, k, v, causal)):
-        assert got.shape == want.shape
-        assert (got.double() - want).abs().max() <= 0.05 * want.abs().max() + 0.05
+    check_autograd_against_float64(q, k, v, causal)
 
 
 def test_with_the_env_the_hopper_runners_build_the_d96_backward(monkeypatch):
     """The Hopper backward runners (dense and varlen) ask backward_recipe for head dim 96, and
     that recipe's kernels are the D = 96 build: dQ by one warpgroup, 128 bwd_post threads."""
     monkeypatch.setenv(pending.ENV, ROW)
-    calls = record_hopper_runs(monkeypatch)
-    runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
-    q, k, v = dense(d=96)
-    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
-    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    runners["backward"](q, k, v, out, lse, out, *grads, True, 0.1, None, 0)
-    pq, pk, pv, cu_q, cu_k = packed(d=96)
-    pgrads = torch.zeros_like(pq), torch.zeros_like(pk), torch.zeros_like(pv)
-    runners["varlen_backward"](pq, pk, pv, pq, torch.zeros(4, pq.shape[0]), pq, *pgrads,
-                               cu_q, cu_k, None, 19, 9, False, 0.1, None, None)
-    keys = [c[2] for c in calls if c[0] == "compiled"]
-    assert [c[0] for c in calls] == ["compiled", "launch_backward", "compiled",
-                                     "launch_varlen_backward"]
+    _, _, keys = backward_runner_keys(monkeypatch, 96, varlen_out_is_q=True)
     from fa4_final.hopper import host
 
     for key, is_varlen in zip(keys, (False, True)):
@@ -300,10 +276,6 @@ def test_with_the_env_the_hopper_runners_build_the_d96_backward(monkeypatch):
 # compiled for sm_90a (slow: 10-20 s a build)
 
 
-def _serialised(art) -> int:
-    return art.count("WARPGROUP.ARRIVE", where="sass") - art.count("wgmma.fence.sync.aligned")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [
     dict(causal=False), dict(causal=True), dict(causal=True, deterministic=True),
@@ -316,18 +288,10 @@ def test_d96_backward_compiles_clean(kw):
     warpgroup 0 (8 wgmma over 128 keys a step copy) beside S^T, dP^T (m64n64k16, K = 96) and
     dV, dK (m64n96k16) of both warpgroups, and one bulk add a step."""
     from fa4_final.hopper.host import backward_recipe
-    from fa4_final.runtime.compile import artifacts
 
     kw = dict(kw)
     causal = kw.pop("causal")
-    arts = artifacts(backward_recipe(96, "bf16", causal, **kw))
-    for art in arts.values():
-        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
-    main = arts["main"]
-    assert _serialised(main) == 0
-    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+240;", main.ptx)
-    assert re.search(r"setmaxnreg.dec.sync.aligned.u32\s+24;", main.ptx)
-    main.require("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "stmatrix")
+    main = clean_main(backward_recipe(96, "bf16", causal, **kw))
     n64 = main.count("wgmma.mma_async.sync.aligned.m64n64k16")
     n96 = main.count("wgmma.mma_async.sync.aligned.m64n96k16")
     copies = n64 // 12  # step copies: S^T and dP^T, 6 k-steps each, in every copy

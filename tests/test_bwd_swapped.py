@@ -21,9 +21,14 @@ from fa4_final.common.constants import (
     SM90_SMEM_BYTES,
 )
 from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
-from fa4_final.runtime import dispatch, pending, prologue, varlen
-from tests import fa4_cpu_reference as ref
-from tests.hopper_recorder import record_hopper_runs
+from fa4_final.runtime import pending, prologue, varlen
+from tests.bwd_head_dims_common import (
+    backward_runner_keys,
+    check_autograd_against_float64,
+    clean_build,
+    clean_main,
+    probe_dq_writes,
+)
 from tests.test_pending_features import DEVICE, GATE, dense, packed
 
 ROW = "bwd_head_dims"
@@ -112,8 +117,6 @@ def probe(request) -> dict:
     and slab offset per register, from swapped_mmas()'s dQ MMA (what mma_swapped builds) and
     dq_copy over dq_part_view; bwd_post's reading (dq_coords over tiled_mmas(), dq_copy over
     dq_chunk_layout)."""
-    import cutlass.cute as cute
-
     from fa4_final.common.bwd_post import BackwardPost
     from fa4_final.hopper.bwd import HopperBackward
 
@@ -122,29 +125,7 @@ def probe(request) -> dict:
     main = HopperBackward(bf16, d, False, hopper_bwd_default(d))
     got = {"d": d, "main": main, "post": BackwardPost(main), "read": {}, "write": {}}
 
-    def collect():
-        slab = cute.make_identity_tensor(cute.product(main.dq_chunk_layout().shape))
-        slab = cute.make_tensor(slab.iterator, main.dq_chunk_layout())
-        _, _, mma_dq = main.swapped_mmas()
-        for t in range(main.dq_threads):
-            c = main.dq_coords(t)
-            p = main.dq_copy().get_slice(t).partition_D(slab)
-            got["read"][t] = [(tuple(int(x) for x in c[i]), int(p[i]))
-                              for i in range(cute.size(c))]
-        for part in (0, 1):
-            first, _ = main.dq_part(part)
-            tile = cute.make_identity_tensor(main.dq_tile_shape(part))
-            for t in range(128):
-                c = mma_dq.get_slice(t).partition_C(tile)
-                p = main.dq_copy().get_slice(t).partition_D(main.dq_part_view(slab, part))
-                got["write"][part, t] = [((first + int(c[i][0]), int(c[i][1])), int(p[i]))
-                                         for i in range(cute.size(c))]
-
-    @cute.jit
-    def run():
-        collect()
-
-    cute.compile(run, options="--gpu-arch sm_90a")
+    probe_dq_writes(main, main.swapped_mmas, got)
     return got
 
 
@@ -229,14 +210,7 @@ def test_with_the_env_the_autograd_path_runs_the_backward(monkeypatch, cpu_kerne
     forward and the backward op (the CPU stand-ins of tests/fa4_cpu_reference)."""
     monkeypatch.setenv(pending.ENV, ROW)
     q, k, v = dense(d=d, dv=d, grad=True)
-    out, _ = flash_attn_func(q, k, v, causal=True)
-    out.float().square().sum().backward()
-    qf, kf, vf = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    o, _ = ref.attention_masked(qf, kf, vf, True)
-    o.square().sum().backward()
-    for got, want in zip((q.grad, k.grad, v.grad), (qf.grad, kf.grad, vf.grad)):
-        assert got.shape == want.shape
-        assert (got.double() - want).abs().max() <= 0.05 * want.abs().max() + 0.05
+    check_autograd_against_float64(q, k, v, True)
 
 
 @pytest.mark.parametrize("d", [192, 256])
@@ -244,20 +218,7 @@ def test_with_the_env_the_hopper_runners_build_the_swapped_backward(monkeypatch,
     """The Hopper backward runners (dense and varlen) ask backward_recipe for head dim d (no
     head_dim_v in the key: dv == D), and that recipe's kernels are the swapped build."""
     monkeypatch.setenv(pending.ENV, ROW)
-    calls = record_hopper_runs(monkeypatch)
-    runners = dispatch.runners(dispatch.HOPPER.host, dispatch.HOPPER.features)
-    q, k, v = dense(d=d, dv=d)
-    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
-    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    runners["backward"](q, k, v, out, lse, out, *grads, True, 0.1, None, 0)
-    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=d)
-    pout = torch.zeros_like(pq)
-    pgrads = torch.zeros_like(pq), torch.zeros_like(pk), torch.zeros_like(pv)
-    runners["varlen_backward"](pq, pk, pv, pout, torch.zeros(4, pq.shape[0]), pout, *pgrads,
-                               cu_q, cu_k, None, 19, 9, False, 0.1, None, None)
-    keys = [c[2] for c in calls if c[0] == "compiled"]
-    assert [c[0] for c in calls] == ["compiled", "launch_backward", "compiled",
-                                     "launch_varlen_backward"]
+    _, _, keys = backward_runner_keys(monkeypatch, d, dv=d)
     from fa4_final.hopper import host
 
     for key, is_varlen in zip(keys, (False, True)):
@@ -289,10 +250,6 @@ def test_the_benchmark_cases(case, d):
 # compiled for sm_90a (slow: a few seconds a build)
 
 
-def _serialised(art) -> int:
-    return art.count("WARPGROUP.ARRIVE", where="sass") - art.count("wgmma.fence.sync.aligned")
-
-
 BUILDS = [
     dict(causal=False), dict(causal=True), dict(causal=True, deterministic=True),
     dict(causal=False, deterministic=True),
@@ -313,18 +270,10 @@ def test_the_swapped_backward_compiles_clean(d, kw):
     dP m64n24k16 (16 each), dV^T and dK^T m64n48k16 (2 x 4 each), dQ^T 6 in each part. Two
     bulk adds a step, stmatrix for P, dS and the epilogue."""
     from fa4_final.hopper.host import backward_recipe
-    from fa4_final.runtime.compile import artifacts
 
     kw = dict(kw)
     causal = kw.pop("causal")
-    arts = artifacts(backward_recipe(d, "bf16", causal, **kw))
-    for art in arts.values():
-        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
-    main = arts["main"]
-    assert _serialised(main) == 0
-    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+240;", main.ptx)
-    assert re.search(r"setmaxnreg.dec.sync.aligned.u32\s+24;", main.ptx)
-    main.require("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", "stmatrix")
+    main = clean_main(backward_recipe(d, "bf16", causal, **kw))
     n24 = main.count("wgmma.mma_async.sync.aligned.m64n24k16")
     n48 = main.count("wgmma.mma_async.sync.aligned.m64n48k16")
     n64 = main.count("wgmma.mma_async.sync.aligned.m64n64k16")
@@ -355,10 +304,6 @@ def test_more_swapped_builds_compile_clean(d, dtype, kw):
     softcap (Note [Softcap in the backward]: tanh in the main kernel): no spill, no stack in
     any of the three kernels, no wgmma serialised."""
     from fa4_final.hopper.host import backward_recipe
-    from fa4_final.runtime.compile import artifacts
 
-    arts = artifacts(backward_recipe(d, dtype, **kw))
-    for art in arts.values():
-        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
-    assert _serialised(arts["main"]) == 0
+    arts = clean_build(backward_recipe(d, dtype, **kw))
     assert ("tanh" in arts["main"].ptx) == bool(kw.get("softcap"))

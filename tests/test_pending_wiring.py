@@ -34,6 +34,7 @@ from fa4_final import UnsupportedError, flash_attn_func, flash_attn_varlen_func
 from fa4_final.api import ops, sdpa
 from fa4_final.runtime import dispatch, pending, prologue, varlen
 from tests import fa4_cpu_reference as ref
+from tests.bwd_head_dims_common import refused_calls
 from tests.hopper_recorder import record_hopper_runs
 from tests.test_pending_features import BF16, DEVICE, GATE, dense, packed
 from utils.reference import attention_reference_features
@@ -538,12 +539,7 @@ def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
     monkeypatch.setenv(pending.ENV, env)
     q, k, v = dense(d=d, dv=dv, grad=True)
     pq, pk, pv, cu_q, cu_k = packed(d=d, dv=dv, grad=True)
-    for func, call in (("flash_attn_func", lambda: flash_attn_func(q, k, v)),
-                       ("flash_attn_varlen_func", lambda: flash_attn_varlen_func(
-                           pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))):
-        with pytest.raises(UnsupportedError) as info:
-            call()
-        message = str(info.value)
+    for func, call, message in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
         assert f"{func}: the backward at head_dim={d}, dv={dv} is not built" in message
         assert "torch.no_grad()" in message and "requiring grad" in message
         if func == "flash_attn_varlen_func" and dv in ROW_STORE_DVS and not env:

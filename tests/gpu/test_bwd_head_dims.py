@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from fa4_final.runtime import pending
-from tests.gpu.test_fa4_final_bwd import _check, _run
-from tests.gpu.test_fa4_final_varlen_bwd import Problem
+from tests.gpu.test_fa4_final_bwd import _check, _compare, _grads, _run, _visible
+from tests.gpu.test_fa4_final_varlen_bwd import LENS_K, LENS_Q, SKEWED_K, SKEWED_Q, USED_K, Problem
 from utils.checks import rounding_atol
 from utils.hardware import missing
 from utils.reference import random_qkv
@@ -39,7 +39,19 @@ pytestmark = [
 ]
 
 BF16, FP16 = torch.bfloat16, torch.float16
-D = 96
+
+# tag: (D, dv). The tag starts every test id: the session runs each build alone with -k
+# (tests/gpu/h200_session.sh: "not d192 and not d256", "d192 and not d192v192", d192v192, d256).
+#   d96: dQ by one warpgroup (Note [dQ by one warpgroup]); checked by test_fa4_final_bwd's
+#     _check (v drawn with q and k).
+#   d192 (dv = 128, DeepSeek's MLA prefill): tile_m = 32, dQ^T split 128 + 64 rows of D (Note
+#     [dQ split unevenly]), V, dO and dV of dv columns (Note [dV head dim]).
+#   d192v192 (64 x 96) and d256 (64 x 48), dK and dV swapped: the head dim on the wgmma M of
+#     dK^T and dV^T, S = Q K^T with the queries on M, P and dS through shared memory, dQ^T split
+#     by rows of D (Note [dK and dV swapped]).
+# All but d96 go through _check_dv (v drawn from its own seed, seed + 1).
+SHAPES = {"d96": (96, 96), "d192": (192, 128), "d192v192": (192, 192), "d256": (256, 256)}
+SWAPPED = ["d192v192", "d256"]
 
 
 @pytest.fixture(autouse=True)
@@ -47,148 +59,23 @@ def bwd_head_dims(monkeypatch):
     monkeypatch.setenv(pending.ENV, "bwd_head_dims")
 
 
-# (batch, seqlen_q, seqlen_k, heads, heads_kv, dim, dtype)
-CASES = [
-    (1, 1, 1, 1, 1, D, BF16),
-    (2, 77, 77, 2, 1, D, FP16),
-    (1, 1000, 1000, 4, 4, D, BF16),
-    (1, 77, 1000, 2, 2, D, BF16),  # seqlen_q < seqlen_k
-    (1, 1000, 77, 2, 2, D, BF16),  # seqlen_q > seqlen_k: causal rows that see no key
-    (2, 1000, 4097, 8, 2, D, BF16),  # GQA 4, a partial last key tile
-    (1, 4097, 4097, 4, 1, D, BF16),  # MQA, many query tiles a CTA
-    (2, 300, 129, 6, 1, D, FP16),
-]
+def _id(param):
+    """A (tag, x) parameter's id: the tag, then x's items joined by '-'."""
+    tag, x = param
+    return tag + "-" + "-".join(map(str, x)).replace("torch.", "")
 
 
-def _case_id(case):
-    return "-".join(map(str, case)).replace("torch.", "")
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_d96_backward_matches_float64(case, causal):
-    ok, line = _check(case, causal)
-    print(line)
-    assert ok, line
-
-
-@pytest.mark.parametrize("window", [(64, None), (32, 16), (200, 0), (None, -5)])
-def test_d96_backward_sliding_windows(window):
-    ok, line = _check((1, 700, 900, 4, 1, D, BF16), False, window=window)
-    print(line)
-    assert ok, line
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_d96_deterministic_is_bitwise_repeatable_over_5_runs(causal):
-    """Many key tiles add into each dQ tile, in turn: five runs, the same bits, and within the
-    rule of float64."""
-    ok, line = _check((2, 1000, 2049, 8, 2, D, BF16), causal, deterministic=True)
-    print(line)
-    assert ok, line
-    q, k, v, _ = random_qkv(2, 1000, 8, D, seqlen_k=2049, heads_kv=2, dtype=BF16,
-                            device="cuda")
-    dout = torch.randn(q.shape, device="cuda").to(BF16)
-    runs = [_run(q, k, v, dout, causal, deterministic=True)[:3] for _ in range(5)]
-    for later in runs[1:]:
-        for name, a, b in zip(("dq", "dk", "dv"), runs[0], later):
-            assert torch.equal(a, b), f"{name}: deterministic runs differ"
-
-
-LENS_Q = [300, 0, 129, 1, 1024, 77, 0, 1, 128, 513, 64, 5]
-LENS_K = [300, 50, 0, 200, 1500, 77, 0, 1, 64, 1000, 64, 130]
-USED_K = [300, 50, 0, 150, 1400, 3, 0, 1, 64, 999, 1, 129]
-# (lens_q, lens_k, seqused_k, heads, heads_kv, D, dtype, causal, window)
-VARLEN = {
-    "mixed-gqa": (LENS_Q, LENS_K, None, 8, 2, D, BF16, False, (None, None)),
-    "mixed-causal-used": (LENS_Q, LENS_K, USED_K, 4, 4, D, BF16, True, (None, None)),
-    "skewed-causal-fp16": ([1, 700, 3, 0, 129, 256, 40], [500, 2, 0, 9, 129, 256, 1], None,
-                           4, 1, D, FP16, True, (None, None)),
-    "window": (LENS_Q, LENS_K, None, 4, 2, D, BF16, False, (100, 0)),
-}
-
-
-@pytest.fixture(scope="module")
-def problems():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = Problem(VARLEN[name], seed=int(torch.randint(0, 2**20, (1,))))
-        return cache[name]
-
-    return get
-
-
-@pytest.mark.parametrize("name", list(VARLEN))
-def test_d96_varlen_backward_matches_float64(problems, name):
-    p = problems(name)
-    p.check(p.run(), f"{name} d96")
-
-
-def test_d96_varlen_deterministic_is_bitwise_repeatable_and_the_loop(problems):
-    p = problems("mixed-causal-used")
-    runs = [p.run(deterministic=True) for _ in range(5)]
-    p.check(runs[0], "d96 deterministic")
-    for later in runs[1:]:
-        for g, a, b in zip(("dq", "dk", "dv"), runs[0], later):
-            assert torch.equal(a, b), f"{g}: deterministic runs differ"
-    for g, a, b in zip(("dq", "dk", "dv"), runs[0], p.loop(deterministic=True)):
-        assert torch.equal(a, b), f"{g}: deterministic varlen kernel != the per-sequence loop"
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_d96_through_the_api_autograd(causal):
-    """flash_attn_func with a gradient at D = 96 (the gate listed): fa4_final's forward and this
-    backward, against float64 autograd of the same inputs, the rule with 2 x PyTorch's error."""
-    from fa4_final import flash_attn_func
-    from tests.gpu.test_fa4_final_bwd import _grads, _visible
-
-    q, k, v, seed = random_qkv(2, 1000, 8, D, seqlen_k=777, heads_kv=2, dtype=BF16,
-                               device="cuda")
-    dout = torch.randn(q.shape, device="cuda").to(BF16)
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    out, _ = flash_attn_func(*leaves, causal=causal)
-    out.backward(dout)
-    visible = _visible(1000, 777, causal, None, None, "cuda")
-    scale = D**-0.5
-    ref = _grads(q, k, v, dout, visible, scale, torch.float64)
-    same = _grads(q, k, v, dout, visible, scale, BF16)
-    for name, leaf, r, s in zip(("dq", "dk", "dv"), leaves, ref, same):
-        g = leaf.grad
-        assert g is not None and not g.isnan().any(), f"{name}: NaN (seed {seed})"
-        # the forward's own rounding of out moves dq, dk through delta: 3 x, not 2 x
-        limit = 3 * (s.double() - r).abs().max().item() + rounding_atol(r, BF16) + 1e-3
-        err = (g.double() - r).abs().max().item()
-        assert err <= limit, f"{name}: max|err| {err:.2e} > {limit:.2e} (seed {seed})"
-
-
-# ----------------------------------------------------------------------------------------------
-# D = 192 with dv = 128 (DeepSeek's MLA prefill): tile_m = 32, dQ^T split 128 + 64 rows of D
-# (Note [dQ split unevenly] in fa4_final.hopper.bwd), V, dO and dV of dv columns (Note [dV head
-# dim]). Its own builds: run alone with -k d192 (about 5 minutes, most of it compiling).
-
-D192, DV128 = 192, 128
-# (batch, seqlen_q, seqlen_k, heads, heads_kv, D, dv, dtype)
-CASES_192 = [
-    (1, 1, 1, 1, 1, D192, DV128, BF16),
-    (2, 77, 77, 2, 1, D192, DV128, FP16),
-    (1, 1000, 1000, 4, 4, D192, DV128, BF16),
-    (1, 77, 1000, 2, 2, D192, DV128, BF16),  # seqlen_q < seqlen_k
-    (1, 1000, 77, 2, 2, D192, DV128, BF16),  # seqlen_q > seqlen_k: causal rows that see no key
-    (2, 1000, 4097, 8, 2, D192, DV128, BF16),  # GQA 4, a partial last key tile
-    (1, 4097, 4097, 4, 1, D192, DV128, BF16),  # MQA, many query tiles a CTA
-]
+def _case(tag, b, sq, sk, h, hk, dtype):
+    """(batch, seqlen_q, seqlen_k, heads, heads_kv, D, dtype) at d96 (_check's case), with dv
+    after D at the others (_check_dv's)."""
+    d, dv = SHAPES[tag]
+    return (b, sq, sk, h, hk, d, dtype) if tag == "d96" else (b, sq, sk, h, hk, d, dv, dtype)
 
 
 def _check_dv(case, causal, window=(None, None), deterministic=False):
     """tests/gpu/test_fa4_final_bwd.py's _check with v, out, dout and dv of dv columns: the
     backward on float64's out and lse into NaN-filled buffers, each gradient within 2 x
     PyTorch's own error in the input dtype + rounding slack of float64's, no NaN."""
-    import math
-
-    from tests.gpu.test_fa4_final_bwd import _grads
-
     b, sq, sk, h, hk, d, dv, dtype = case
     q, k, _, seed = random_qkv(b, sq, h, d, seqlen_k=sk, heads_kv=hk, dtype=dtype,
                                device="cuda")
@@ -199,111 +86,149 @@ def _check_dv(case, causal, window=(None, None), deterministic=False):
     assert dvg.shape == v.shape and dq.shape == q.shape
     ref = _grads(q, k, v, dout, visible, scale, torch.float64)
     same = _grads(q, k, v, dout, visible, scale, dtype)
-    lines, ok = [], True
-    for name, g, r, s in zip(("dq", "dk", "dv"), (dq, dk, dvg), ref, same):
-        err = (g.double() - r).abs()
-        nan = int(torch.isnan(g).sum())
-        limit = 2 * (s.double() - r).abs().max().item() + rounding_atol(r, dtype) + 1e-4
-        worst = tuple(int(i) for i in torch.unravel_index(err.nan_to_num(math.inf).argmax(),
-                                                          err.shape))
-        good = nan == 0 and err.max().item() <= limit
-        ok &= good
-        lines.append(f"{name} max|err| {err.max().item():.2e} (limit {limit:.2e}) at {worst}, "
-                     f"NaN {nan}")
+    ok, lines = _compare((dq, dk, dvg), ref, same, dtype)
     return ok, (f"{case} causal={causal} window={window} det={deterministic} seed={seed}: "
                 + "; ".join(lines)), (q, k, v, dout)
 
 
-def _case_id_192(case):
-    return "d192-" + "-".join(map(str, case)).replace("torch.", "")
+def _check_shape(tag, case, causal, window=(None, None), deterministic=False):
+    """(ok, line, the inputs (q, k, v, dout), None at d96): _check at d96, else _check_dv."""
+    if tag == "d96":
+        return (*_check(case, causal, window=window, deterministic=deterministic), None)
+    return _check_dv(case, causal, window=window, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES_192, ids=_case_id_192)
-def test_d192_dv128_backward_matches_float64(case, causal):
-    ok, line, _ = _check_dv(case, causal)
-    print(line)
-    assert ok, line
-
-
-@pytest.mark.parametrize("window", [(64, None), (32, 16), (200, 0)])
-def test_d192_dv128_backward_sliding_windows(window):
-    ok, line, _ = _check_dv((1, 700, 900, 4, 1, D192, DV128, BF16), False, window=window)
-    print(line)
-    assert ok, line
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_d192_dv128_deterministic_is_bitwise_repeatable_over_5_runs(causal):
-    """Both warpgroups' chunks of every key tile add into each dQ tile in turn: five runs,
-    the same bits, and within the rule of float64."""
-    ok, line, (q, k, v, dout) = _check_dv((2, 1000, 2049, 8, 2, D192, DV128, BF16), causal,
-                                          deterministic=True)
-    print(line)
-    assert ok, line
-    runs = [_run(q, k, v, dout, causal, deterministic=True)[:3] for _ in range(5)]
+def _assert_same_bits(runs, loop=None):
+    """Every run's (dq, dk, dv) bitwise the first's, and the first the per-sequence loop's."""
     for later in runs[1:]:
-        for name, a, b in zip(("dq", "dk", "dv"), runs[0], later):
-            assert torch.equal(a, b), f"{name}: deterministic runs differ"
+        for g, a, b in zip(("dq", "dk", "dv"), runs[0], later):
+            assert torch.equal(a, b), f"{g}: deterministic runs differ"
+    if loop is not None:
+        for g, a, b in zip(("dq", "dk", "dv"), runs[0], loop):
+            assert torch.equal(a, b), f"{g}: deterministic varlen kernel != the per-sequence loop"
 
 
-VARLEN_192 = {
-    "d192-mixed-gqa": (LENS_Q, LENS_K, None, 8, 2, D192, BF16, False, (None, None)),
-    "d192-mixed-causal-used": (LENS_Q, LENS_K, USED_K, 4, 4, D192, BF16, True, (None, None)),
-    "d192-window": (LENS_Q, LENS_K, None, 4, 2, D192, BF16, False, (100, 0)),
+SIZES = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, dtype)
+    (1, 1, 1, 1, 1, BF16),
+    (2, 77, 77, 2, 1, FP16),
+    (1, 1000, 1000, 4, 4, BF16),
+    (1, 77, 1000, 2, 2, BF16),  # seqlen_q < seqlen_k
+    (1, 1000, 77, 2, 2, BF16),  # seqlen_q > seqlen_k: causal rows that see no key
+    (2, 1000, 4097, 8, 2, BF16),  # GQA 4, a partial last key tile
+    (1, 4097, 4097, 4, 1, BF16),  # MQA, many query tiles a CTA
+]
+SIZES_D96 = [(2, 300, 129, 6, 1, FP16)]
+CASES = [(tag, _case(tag, *size)) for tag in SHAPES
+         for size in SIZES + (SIZES_D96 if tag == "d96" else [])]
+
+WINDOWS = [(64, None), (32, 16), (200, 0)]
+WINDOWS_D96 = [(None, -5)]
+WINDOW_CASES = [(tag, window) for tag in SHAPES
+                for window in WINDOWS + (WINDOWS_D96 if tag == "d96" else [])]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tag_case", CASES, ids=_id)
+def test_backward_matches_float64(tag_case, causal):
+    ok, line, _ = _check_shape(*tag_case, causal)
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("tag_window", WINDOW_CASES, ids=_id)
+def test_backward_sliding_windows(tag_window):
+    tag, window = tag_window
+    ok, line, _ = _check_shape(tag, _case(tag, 1, 700, 900, 4, 1, BF16), False, window=window)
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tag", list(SHAPES))
+def test_deterministic_is_bitwise_repeatable_over_5_runs(tag, causal):
+    """Many key tiles (and at d192, d192v192, d256 both parts of dQ^T of every key tile) add
+    into each dQ tile in turn: five runs, the same bits, and within the rule of float64."""
+    ok, line, inputs = _check_shape(tag, _case(tag, 2, 1000, 2049, 8, 2, BF16), causal,
+                                    deterministic=True)
+    print(line)
+    assert ok, line
+    if inputs is None:  # d96: fresh inputs
+        q, k, v, _ = random_qkv(2, 1000, 8, SHAPES[tag][0], seqlen_k=2049, heads_kv=2,
+                                dtype=BF16, device="cuda")
+        dout = torch.randn(q.shape, device="cuda").to(BF16)
+    else:
+        q, k, v, dout = inputs
+    _assert_same_bits([_run(q, k, v, dout, causal, deterministic=True)[:3] for _ in range(5)])
+
+
+# name: (lens_q, lens_k, seqused_k, heads, heads_kv, dtype, causal, window)
+VARLEN = {
+    "mixed-gqa": (LENS_Q, LENS_K, None, 8, 2, BF16, False, (None, None)),
+    "mixed-causal-used": (LENS_Q, LENS_K, USED_K, 4, 4, BF16, True, (None, None)),
+    "skewed-causal-fp16": (SKEWED_Q, SKEWED_K, None, 4, 1, FP16, True, (None, None)),
+    "window": (LENS_Q, LENS_K, None, 4, 2, BF16, False, (100, 0)),
 }
+VARLEN_CASES = [(tag, (name,)) for tag in SHAPES for name in VARLEN
+                if tag == "d96" or name != "skewed-causal-fp16"]
 
 
 @pytest.fixture(scope="module")
-def problems_192():
+def problems():
+    """(tag, name) -> its varlen Problem (test_fa4_final_varlen_bwd's), built once, seeded at
+    random."""
     cache = {}
 
-    def get(name):
-        if name not in cache:
-            cache[name] = Problem(VARLEN_192[name], seed=int(torch.randint(0, 2**20, (1,))),
-                                  dv=DV128)
-        return cache[name]
+    def get(tag, name):
+        if (tag, name) not in cache:
+            d, dv = SHAPES[tag]
+            lens_q, lens_k, used, h, hk, dtype, causal, window = VARLEN[name]
+            cache[tag, name] = Problem((lens_q, lens_k, used, h, hk, d, dtype, causal, window),
+                                       seed=int(torch.randint(0, 2**20, (1,))), dv=dv)
+        return cache[tag, name]
 
     return get
 
 
-@pytest.mark.parametrize("name", list(VARLEN_192))
-def test_d192_dv128_varlen_backward_matches_float64(problems_192, name):
-    p = problems_192(name)
-    assert p.v.shape[-1] == DV128 and p.q.shape[-1] == D192
-    p.check(p.run(), name)
+@pytest.mark.parametrize("tag_name", VARLEN_CASES, ids=_id)
+def test_varlen_backward_matches_float64(problems, tag_name):
+    tag, (name,) = tag_name
+    p = problems(tag, name)
+    assert (p.q.shape[-1], p.v.shape[-1]) == SHAPES[tag]
+    p.check(p.run(), f"{tag}-{name}")
 
 
-def test_d192_dv128_varlen_deterministic_is_bitwise_repeatable_and_the_loop(problems_192):
-    p = problems_192("d192-mixed-causal-used")
+@pytest.mark.parametrize("tag", list(SHAPES))
+def test_varlen_deterministic_is_bitwise_repeatable_and_the_loop(problems, tag):
+    p = problems(tag, "mixed-causal-used")
     runs = [p.run(deterministic=True) for _ in range(5)]
-    p.check(runs[0], "d192 deterministic")
-    for later in runs[1:]:
-        for g, a, b in zip(("dq", "dk", "dv"), runs[0], later):
-            assert torch.equal(a, b), f"{g}: deterministic runs differ"
-    for g, a, b in zip(("dq", "dk", "dv"), runs[0], p.loop(deterministic=True)):
-        assert torch.equal(a, b), f"{g}: deterministic varlen kernel != the per-sequence loop"
+    p.check(runs[0], f"{tag} deterministic")
+    _assert_same_bits(runs, p.loop(deterministic=True))
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_d192_dv128_through_the_api_autograd(causal):
-    """flash_attn_func with a gradient at (192, 128) (the gate listed): fa4_final's forward and
-    this backward against float64 autograd of the same inputs (3 x PyTorch's error: the
-    forward's rounding of out moves dq, dk through delta)."""
+@pytest.mark.parametrize("tag", list(SHAPES))
+def test_through_the_api_autograd(tag, causal):
+    """flash_attn_func with a gradient at (D, dv) (the gate listed): fa4_final's forward and
+    this backward against float64 autograd of the same inputs (3 x PyTorch's error, not 2 x:
+    the forward's own rounding of out moves dq, dk through delta)."""
     from fa4_final import flash_attn_func
-    from tests.gpu.test_fa4_final_bwd import _grads, _visible
 
-    q, k, _, seed = random_qkv(2, 1000, 8, D192, seqlen_k=777, heads_kv=2, dtype=BF16,
+    d, dv = SHAPES[tag]
+    q, k, v, seed = random_qkv(2, 1000, 8, d, seqlen_k=777, heads_kv=2, dtype=BF16,
                                device="cuda")
-    v = random_qkv(2, 1000, 8, DV128, seqlen_k=777, heads_kv=2, dtype=BF16, device="cuda",
-                   seed=seed + 1)[2]
-    dout = torch.randn(*q.shape[:-1], DV128, device="cuda").to(BF16)
+    if dv != d:  # v from its own seed
+        v = random_qkv(2, 1000, 8, dv, seqlen_k=777, heads_kv=2, dtype=BF16, device="cuda",
+                       seed=seed + 1)[2]
+    if tag in SWAPPED:
+        dout = torch.randn_like(q)
+    else:
+        dout = torch.randn(*q.shape[:-1], dv, device="cuda").to(BF16)
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     out, _ = flash_attn_func(*leaves, causal=causal)
     assert out.shape == dout.shape
     out.backward(dout)
     visible = _visible(1000, 777, causal, None, None, "cuda")
-    scale = D192**-0.5
+    scale = d**-0.5
     ref = _grads(q, k, v, dout, visible, scale, torch.float64)
     same = _grads(q, k, v, dout, visible, scale, BF16)
     for name, leaf, r, s in zip(("dq", "dk", "dv"), leaves, ref, same):
@@ -315,143 +240,11 @@ def test_d192_dv128_through_the_api_autograd(causal):
         assert err <= limit, f"{name}: max|err| {err:.2e} > {limit:.2e} (seed {seed})"
 
 
-# ----------------------------------------------------------------------------------------------
-# D = dv = 192 (64 x 96) and D = 256 (64 x 48) with dK and dV swapped: the head dim on the
-# wgmma M of dK^T and dV^T, S = Q K^T with the queries on M, P and dS through shared memory,
-# dQ^T split by rows of D (Note [dK and dV swapped] in fa4_final.hopper.bwd). Each head dim its
-# own builds and its own -k marker: run alone with -k d192v192, and -k d256 (about 5 minutes
-# each, most of it compiling). The same checks as (192, 128)'s.
-
-SWAPPED = {"d192v192": 192, "d256": 256}
-
-
-def _swapped_cases(d):
-    return [
-        (1, 1, 1, 1, 1, d, d, BF16),
-        (2, 77, 77, 2, 1, d, d, FP16),
-        (1, 1000, 1000, 4, 4, d, d, BF16),
-        (1, 77, 1000, 2, 2, d, d, BF16),  # seqlen_q < seqlen_k
-        (1, 1000, 77, 2, 2, d, d, BF16),  # seqlen_q > seqlen_k: causal rows that see no key
-        (2, 1000, 4097, 8, 2, d, d, BF16),  # GQA 4, a partial last key tile
-        (1, 4097, 4097, 4, 1, d, d, BF16),  # MQA, many query tiles a CTA
-    ]
-
-
-CASES_SWAPPED = [(tag, case) for tag, d in SWAPPED.items() for case in _swapped_cases(d)]
-
-
-def _swapped_id(tag_case):
-    tag, case = tag_case
-    return tag + "-" + "-".join(map(str, case)).replace("torch.", "")
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("tag_case", CASES_SWAPPED, ids=_swapped_id)
-def test_swapped_backward_matches_float64(tag_case, causal):
-    ok, line, _ = _check_dv(tag_case[1], causal)
-    print(line)
-    assert ok, line
-
-
-@pytest.mark.parametrize("window", [(64, None), (32, 16), (200, 0)])
-@pytest.mark.parametrize("tag", list(SWAPPED))
-def test_swapped_backward_sliding_windows(tag, window):
-    d = SWAPPED[tag]
-    ok, line, _ = _check_dv((1, 700, 900, 4, 1, d, d, BF16), False, window=window)
-    print(line)
-    assert ok, line
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("tag", list(SWAPPED))
-def test_swapped_deterministic_is_bitwise_repeatable_over_5_runs(tag, causal):
-    """Both parts of dQ^T of every key tile add into each dQ tile in turn: five runs, the
-    same bits, and within the rule of float64."""
-    d = SWAPPED[tag]
-    ok, line, (q, k, v, dout) = _check_dv((2, 1000, 2049, 8, 2, d, d, BF16), causal,
-                                          deterministic=True)
-    print(line)
-    assert ok, line
-    runs = [_run(q, k, v, dout, causal, deterministic=True)[:3] for _ in range(5)]
-    for later in runs[1:]:
-        for name, a, b in zip(("dq", "dk", "dv"), runs[0], later):
-            assert torch.equal(a, b), f"{name}: deterministic runs differ"
-
-
-VARLEN_SWAPPED = {
-    f"{tag}-{name}": (LENS_Q, LENS_K, used, heads, heads_kv, d, BF16, causal, window)
-    for tag, d in SWAPPED.items()
-    for name, used, heads, heads_kv, causal, window in (
-        ("mixed-gqa", None, 8, 2, False, (None, None)),
-        ("mixed-causal-used", USED_K, 4, 4, True, (None, None)),
-        ("window", None, 4, 2, False, (100, 0)),
-    )
-}
-
-
-@pytest.fixture(scope="module")
-def problems_swapped():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = Problem(VARLEN_SWAPPED[name], seed=int(torch.randint(0, 2**20, (1,))))
-        return cache[name]
-
-    return get
-
-
-@pytest.mark.parametrize("name", list(VARLEN_SWAPPED))
-def test_swapped_varlen_backward_matches_float64(problems_swapped, name):
-    p = problems_swapped(name)
-    p.check(p.run(), name)
-
-
-@pytest.mark.parametrize("tag", list(SWAPPED))
-def test_swapped_varlen_deterministic_is_bitwise_repeatable_and_the_loop(problems_swapped, tag):
-    p = problems_swapped(f"{tag}-mixed-causal-used")
-    runs = [p.run(deterministic=True) for _ in range(5)]
-    p.check(runs[0], f"{tag} deterministic")
-    for later in runs[1:]:
-        for g, a, b in zip(("dq", "dk", "dv"), runs[0], later):
-            assert torch.equal(a, b), f"{g}: deterministic runs differ"
-    for g, a, b in zip(("dq", "dk", "dv"), runs[0], p.loop(deterministic=True)):
-        assert torch.equal(a, b), f"{g}: deterministic varlen kernel != the per-sequence loop"
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("tag", list(SWAPPED))
-def test_swapped_through_the_api_autograd(tag, causal):
-    """flash_attn_func with a gradient at D = dv (the gate listed): fa4_final's forward and
-    the swapped backward against float64 autograd of the same inputs (3 x PyTorch's error:
-    the forward's rounding of out moves dq, dk through delta)."""
-    from fa4_final import flash_attn_func
-    from tests.gpu.test_fa4_final_bwd import _grads, _visible
-
-    d = SWAPPED[tag]
-    q, k, v, seed = random_qkv(2, 1000, 8, d, seqlen_k=777, heads_kv=2, dtype=BF16,
-                               device="cuda")
-    dout = torch.randn_like(q)
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    out, _ = flash_attn_func(*leaves, causal=causal)
-    out.backward(dout)
-    visible = _visible(1000, 777, causal, None, None, "cuda")
-    scale = d**-0.5
-    ref = _grads(q, k, v, dout, visible, scale, torch.float64)
-    same = _grads(q, k, v, dout, visible, scale, BF16)
-    for name, leaf, r, s in zip(("dq", "dk", "dv"), leaves, ref, same):
-        g = leaf.grad
-        assert g is not None and not g.isnan().any(), f"{name}: NaN (seed {seed})"
-        limit = 3 * (s.double() - r).abs().max().item() + rounding_atol(r, BF16) + 1e-3
-        err = (g.double() - r).abs().max().item()
-        assert err <= limit, f"{name}: max|err| {err:.2e} > {limit:.2e} (seed {seed})"
-
-
 SOFTCAP_SWAPPED = [((1, 300, 77, 2, 2, True), 30.0), ((2, 257, 513, 4, 2, False), 5.0)]
 
 
 @pytest.mark.parametrize("shape, softcap", SOFTCAP_SWAPPED, ids=str)
-@pytest.mark.parametrize("tag", list(SWAPPED))
+@pytest.mark.parametrize("tag", SWAPPED)
 def test_swapped_softcap_backward_matches_float64(tag, shape, softcap):
     """The swapped softcap build (Note [Softcap in the backward]) on the float64 forward's out
     and lse rounded as a forward stores them, into NaN-filled buffers, against torch.autograd
@@ -462,7 +255,7 @@ def test_swapped_softcap_backward_matches_float64(tag, shape, softcap):
     from utils import checks
     from utils.reference import attention_reference_features
 
-    d = SWAPPED[tag]
+    d = SHAPES[tag][0]
     b, sq, sk, h, hk, causal = shape
     q, k, v, _, seed = _inputs((b, sq, sk, h, hk, d, causal, BF16), None, requires_grad=True)
     scale = d ** -0.5

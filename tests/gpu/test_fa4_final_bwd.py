@@ -71,17 +71,11 @@ def _run(q, k, v, dout, causal=False, window=(None, None), deterministic=False, 
     return dq, dk, dv, visible, scale
 
 
-def _check(case, causal, window=(None, None), deterministic=False, config=None, seed=None):
-    b, sq, sk, h, hk, d, dtype = case
-    q, k, v, seed = random_qkv(b, sq, h, d, seqlen_k=sk, heads_kv=hk, dtype=dtype,
-                               device="cuda", seed=seed)
-    dout = torch.randn(q.shape, device="cuda", dtype=torch.float32).to(dtype)
-    got = _run(q, k, v, dout, causal, window, deterministic, config)
-    dq, dk, dv, visible, scale = got
-    ref = _grads(q, k, v, dout, visible, scale, torch.float64)
-    same = _grads(q, k, v, dout, visible, scale, dtype)
+def _compare(grads, ref, same, dtype):
+    """(ok, one line for each of dq, dk, dv): each gradient within 2 x PyTorch's own error in
+    ``dtype`` (``same``) + the rounding slack of float64's (``ref``), no NaN."""
     lines, ok = [], True
-    for name, g, r, s in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, same):
+    for name, g, r, s in zip(("dq", "dk", "dv"), grads, ref, same):
         err = (g.double() - r).abs()
         nan = int(torch.isnan(g).sum())
         limit = 2 * (s.double() - r).abs().max().item() + rounding_atol(r, dtype) + 1e-4
@@ -91,6 +85,19 @@ def _check(case, causal, window=(None, None), deterministic=False, config=None, 
         ok &= good
         lines.append(f"{name} max|err| {err.max().item():.2e} (limit {limit:.2e}) at {worst}, "
                      f"NaN {nan}")
+    return ok, lines
+
+
+def _check(case, causal, window=(None, None), deterministic=False, config=None, seed=None):
+    b, sq, sk, h, hk, d, dtype = case
+    q, k, v, seed = random_qkv(b, sq, h, d, seqlen_k=sk, heads_kv=hk, dtype=dtype,
+                               device="cuda", seed=seed)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.float32).to(dtype)
+    got = _run(q, k, v, dout, causal, window, deterministic, config)
+    dq, dk, dv, visible, scale = got
+    ref = _grads(q, k, v, dout, visible, scale, torch.float64)
+    same = _grads(q, k, v, dout, visible, scale, dtype)
+    ok, lines = _compare((dq, dk, dv), ref, same, dtype)
     return ok, (f"{case} causal={causal} window={window} det={deterministic} cfg={config} "
                 f"seed={seed}: " + "; ".join(lines))
 
