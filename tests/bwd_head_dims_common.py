@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fa4_final import UnsupportedError, flash_attn_func, flash_attn_varlen_func
-from fa4_final.runtime import dispatch
+from fa4_final.api import sdpa
+from fa4_final.runtime import dispatch, prologue, varlen
 from tests import fa4_cpu_reference as ref
 from tests.hopper_recorder import record_hopper_runs
 from tests.test_pending_features import BF16, dense, packed
@@ -26,6 +27,25 @@ def refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
         with pytest.raises(UnsupportedError) as info:
             call()
         yield func, call, str(info.value)
+
+
+def refused_backward_calls(q, k, v, out, lse, pq, pk, pv, pout, plse, cu_q, cu_k):
+    """Yields (func, message) for prologue.backward_into, sdpa._flash_attn_bwd (dense: q, k, v,
+    out, lse) and varlen.varlen_backward_into (packed: pq, pk, pv, pout, plse), once each has
+    raised UnsupportedError with that message (out and pout serve as dout too)."""
+    calls = (
+        ("backward_into", lambda: prologue.backward_into(
+            q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
+            torch.zeros_like(v))),
+        ("_flash_attn_bwd", lambda: sdpa._flash_attn_bwd(q, k, v, out, out, lse)),
+        ("varlen_backward_into", lambda: varlen.varlen_backward_into(
+            pq, pk, pv, pout, plse, pout, torch.zeros_like(pq), torch.zeros_like(pk),
+            torch.zeros_like(pv), cu_q, cu_k, None, None, None)),
+    )
+    for func, call in calls:
+        with pytest.raises(UnsupportedError) as info:
+            call()
+        yield func, str(info.value)
 
 
 def float64_grads(q, k, v, causal):
