@@ -49,6 +49,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from utils.bench import Shape as BenchShape
+
 PRODUCES = [
     ("results/cpu/dq_turns_model.json", "python -m measure.dq_turns_model --save",
      "a discrete-event model of the Hopper backward's dQ turns, calibrated on "
@@ -62,13 +64,9 @@ CALIBRATED = {64: 0.871, 128: 0.963}
 
 
 @dataclass(frozen=True)
-class Shape:
-    b: int
-    s: int
-    h: int
-    d: int
-    causal: bool
-    h_kv: int | None = None
+class Shape(BenchShape):
+    """utils.bench's shape (b, s, h, d, causal, h_kv) with the backward's tile sizes."""
+
     tile_m: int = 64
     tile_n: int = 128
 
