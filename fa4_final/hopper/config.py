@@ -444,6 +444,13 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
 DECODE_TILE_NS = (16, 32, 64, 128)
 # keys per TMA box of a key tile gathered from pages smaller than it (Note [Gathered key tiles])
 DECODE_PAGE_BOXES = (16, 32, 64)
+# swap_ab (Note [Keys on M] in fa4_final.hopper.decode): packed query rows a CTA, the wgmma N of
+# S^T = K Q^T and of O^T = V^T P^T; key tiles of whole 64-key M blocks
+DECODE_ROWS_NS = (8, 16, 32, 64)
+DECODE_SWAP_TILE_NS = (64, 128)
+# the consumer warpgroup's warps, each writing its column maxima (and at the end its column
+# sums) into shared memory for the other three (Note [Keys on M])
+DECODE_EXCHANGE_WARPS = 4
 # setmaxnreg (producer warpgroup, consumer warpgroup). The kernel is launched with a bound of two
 # CTAs an SM, so each thread starts with 64 K / 2 / 256 = 128 registers; the producer gives
 # 128 - 24 to the consumer: 24 + 232 = 2 x 128 per thread slot of a sub-partition.
@@ -463,10 +470,16 @@ class HopperDecodeConfig:
     # keys per TMA box when a page is smaller than the tile: the tile is gathered from
     # tile_n / page_box boxes (Note [Gathered key tiles]); None: one box a tile
     page_box: int | None = None
+    # keys on the wgmma M, packed query rows on N (Note [Keys on M] in fa4_final.hopper.decode):
+    # S^T = K Q^T and O^T = V^T P^T with rows_n packed rows a CTA (one of DECODE_ROWS_NS);
+    # False: the 64-row tile (rows_n must then stay None)
+    swap_ab: bool = False
+    rows_n: int | None = None
 
     @property
     def tile_m(self) -> int:
-        return WGMMA_M
+        """Packed query rows a CTA (an m-block): 64, or rows_n with swap_ab."""
+        return self.rows_n if self.swap_ab else WGMMA_M
 
     @property
     def registers(self) -> tuple[int, int]:
@@ -479,6 +492,10 @@ class HopperDecodeConfig:
         barriers = 8 * 2 * 2 * self.stages
         q = self.tile_m * head_dim * elem_bytes
         kv = self.tile_n * head_dim * elem_bytes * self.stages
+        if self.swap_ab:  # the warps' column exchange beside the barriers, P^T after V
+            exchange = 4 * DECODE_EXCHANGE_WARPS * self.rows_n
+            p = self.rows_n * self.tile_n * elem_bytes
+            return _align(barriers + exchange) + _align(q) + 2 * _align(kv) + _align(p)
         return _align(barriers) + _align(q) + 2 * _align(kv)
 
     def kv_bytes_in_flight(self, head_dim: int, elem_bytes: int = 2) -> int:
@@ -500,15 +517,52 @@ class HopperDecodeConfig:
             raise ValueError(f"page_box must be None or one of {DECODE_PAGE_BOXES} below and "
                              f"dividing tile_n={self.tile_n} (keys per TMA box of a gathered "
                              f"key tile), got {box!r}")
+        self._check_swap_ab()
         producer, consumer = self.registers
         assert producer + consumer <= DECODE_CTAS_PER_SM_BOUND * DECODE_LAUNCH_REGISTERS
         need = self.smem_bytes(head_dim)
         if need > SM90_SMEM_BYTES:
             raise ValueError(
                 f"config needs {need} B of shared memory (Q {self.tile_m}x{head_dim}, "
-                f"{self.stages} K + {self.stages} V stages of {self.tile_n}x{head_dim}; 16-bit), "
+                f"{self.stages} K + {self.stages} V stages of {self.tile_n}x{head_dim}"
+                f"{f', P^T {self.tile_n}x{self.rows_n}' if self.swap_ab else ''}; 16-bit), "
                 f"more than the {SM90_SMEM_BYTES} B a CTA may use: fewer stages or a smaller "
                 f"tile_n")
+
+
+    def _check_swap_ab(self) -> None:
+        """swap_ab and rows_n (Note [Keys on M] in fa4_final.hopper.decode)."""
+        if not isinstance(self.swap_ab, bool):
+            raise TypeError(f"swap_ab must be a bool (True: keys on the wgmma M, packed rows on "
+                            f"N), got {self.swap_ab!r}")
+        rows = self.rows_n
+        if not self.swap_ab:
+            if rows is not None:
+                raise ValueError(f"rows_n={rows!r} is the N of the swapped GEMMs: it needs "
+                                 f"swap_ab=True (the 64-row tile takes rows_n=None)")
+            return
+        if isinstance(rows, bool) or rows not in DECODE_ROWS_NS:
+            raise ValueError(f"swap_ab=True needs rows_n, the packed query rows a CTA (the wgmma "
+                             f"N), one of {DECODE_ROWS_NS}, got {rows!r}")
+        if self.tile_n not in DECODE_SWAP_TILE_NS:
+            raise ValueError(f"swap_ab=True puts each key tile on the wgmma M in blocks of 64 "
+                             f"keys: tile_n must be one of {DECODE_SWAP_TILE_NS}, got "
+                             f"{self.tile_n}")
+
+
+def hopper_decode_keys_on_m(head_dim: int, packed_rows: int,
+                            page_size: int | None = None) -> HopperDecodeConfig:
+    """The swapped decode config (Note [Keys on M] in fa4_final.hopper.decode) for
+    ``packed_rows`` query rows of a KV head (tokens x GQA group): the default's tile, stages and
+    page box with rows_n the smallest of DECODE_ROWS_NS that holds them (64 when more, several
+    m-blocks then). A candidate for measurement, reached by no call of the package."""
+    if isinstance(packed_rows, bool) or not isinstance(packed_rows, int) or packed_rows < 1:
+        raise ValueError(f"packed_rows must be an int >= 1 (query tokens x heads per KV head), "
+                         f"got {packed_rows!r}")
+    base = (hopper_decode_default(head_dim) if page_size is None
+            else hopper_decode_for_page(head_dim, page_size))
+    rows = next((n for n in DECODE_ROWS_NS if n >= packed_rows), DECODE_ROWS_NS[-1])
+    return replace(base, swap_ab=True, rows_n=rows)
 
 
 def hopper_decode_default(head_dim: int) -> HopperDecodeConfig:

@@ -37,10 +37,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE
+from fa4_final.common.constants import LN_2, LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
 from fa4_final.common.decode_index import (
     block_key_start,
     block_key_tiles,
@@ -56,12 +57,21 @@ from fa4_final.common.decode_index import (
     split_key_tiles,
     unpack_row,
 )
-from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols, select_modes
+from fa4_final.common.fragments import (
+    acc_as_a_operand,
+    acc_rows_cols,
+    select_modes,
+    tree_reduce,
+)
 from fa4_final.common.mask import fragment_coords
 from fa4_final.common.pipelines import PipelineSpec, tma_async_pipeline
 from fa4_final.common.register_plan import check_role_registers
 from fa4_final.common.softmax import OnlineSoftmax
-from fa4_final.hopper.config import DECODE_CTAS_PER_SM_BOUND, HopperDecodeConfig
+from fa4_final.hopper.config import (
+    DECODE_CTAS_PER_SM_BOUND,
+    DECODE_EXCHANGE_WARPS,
+    HopperDecodeConfig,
+)
 from fa4_final.hopper.wgmma import (
     attention_fragments,
     attention_tiled_mmas,
@@ -73,6 +83,9 @@ from fa4_final.hopper.wgmma import (
 # zeros are in the last V tile (Note [Keys past the cached length])
 Q_READY_BARRIER = 1
 V_TAIL_BARRIER = 2
+# swap_ab (Note [Keys on M]): the warps' column values are in shared memory; P^T is
+COLUMNS_BARRIER = 3
+P_READY_BARRIER = 4
 Q_VECTOR = 8  # elements of one 16-byte load of Q
 
 # Note [Decode bytes in flight]
@@ -217,6 +230,9 @@ class HopperDecode:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
+        if const_expr(self.cfg.swap_ab):  # Note [Keys on M]
+            tiled_mma_qk, tiled_mma_pv = self.keys_on_m_mmas()
+            SharedStorage = self.keys_on_m_storage(sQ_layout, sK_layout, sV_layout)
         assert SharedStorage.size_in_bytes() == self.cfg.smem_bytes(self.head_dim,
                                                                     self.dtype.width // 8)
 
@@ -312,9 +328,19 @@ class HopperDecode:
                           mPageTable, b, kv_head, n_lo, n_hi, seqlen_k)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
-                         pipeline_v, scale_log2, (qb, q_offset), kv_head, m_block, split, group,
-                         seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window)
+            if const_expr(self.cfg.swap_ab):  # Note [Keys on M]
+                sP_layout = self.keys_on_m_p_layout()
+                sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+                sX = storage.sX.get_tensor(cute.make_layout(
+                    (DECODE_EXCHANGE_WARPS, self.tile_m), stride=(self.tile_m, 1)))
+                self.consume_keys_on_m(
+                    mQ, mO, mLSE, sQ, sK, sV, sP, sX, tiled_mma_qk, tiled_mma_pv, pipeline_k,
+                    pipeline_v, scale_log2, (qb, q_offset), kv_head, m_block, split, group,
+                    seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window)
+            else:
+                self.consume(mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
+                             pipeline_v, scale_log2, (qb, q_offset), kv_head, m_block, split,
+                             group, seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window)
 
     @cute.jit
     def cached_length(self, mK, mPageTable, mSeqUsedK, b):
@@ -387,19 +413,27 @@ class HopperDecode:
         CTA with key tiles calls it, so its m-block holds at least one row."""
         chunks = self.head_dim // Q_VECTOR
         last = packed_rows(seqlen_q, group) - 1
-        for it in cutlass.range_constexpr(self.tile_m * chunks // THREADS_PER_WARPGROUP):
+        total = self.tile_m * chunks  # swap_ab's few rows: maybe fewer than the threads
+        for it in cutlass.range_constexpr(-(-total // THREADS_PER_WARPGROUP)):
             idx = tidx + it * THREADS_PER_WARPGROUP
-            r, chunk = idx // chunks, idx % chunks
-            token, head = unpack_row(cutlass.min(m_block * self.tile_m + r, last), group,
-                                     kv_head)
-            qb, q_offset = rows_at
-            gq = cute.local_tile(mQ[qb, q_offset + token, head, None], (Q_VECTOR,),
-                                 (chunk,))  # (8,)
-            sq = cute.local_tile(sQ[r, None], (Q_VECTOR,), (chunk,))  # (8,)
-            sq.store(gq.load())
+            if const_expr(total % THREADS_PER_WARPGROUP == 0):
+                self.load_q_chunk(mQ, sQ, idx, chunks, last, rows_at, kv_head, m_block, group)
+            elif idx < total:
+                self.load_q_chunk(mQ, sQ, idx, chunks, last, rows_at, kv_head, m_block, group)
         # generic-proxy shared stores -> visible to wgmma (async proxy), from every thread
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=Q_READY_BARRIER, number_of_threads=THREADS_PER_WARPGROUP)
+
+    @cute.jit
+    def load_q_chunk(self, mQ, sQ, idx, chunks, last, rows_at, kv_head, m_block, group):
+        """16 bytes of Q: chunk idx % chunks of the tile's row idx // chunks."""
+        r, chunk = idx // chunks, idx % chunks
+        token, head = unpack_row(cutlass.min(m_block * self.tile_m + r, last), group, kv_head)
+        qb, q_offset = rows_at
+        gq = cute.local_tile(mQ[qb, q_offset + token, head, None], (Q_VECTOR,),
+                             (chunk,))  # (8,)
+        sq = cute.local_tile(sQ[r, None], (Q_VECTOR,), (chunk,))  # (8,)
+        sq.store(gq.load())
 
     @cute.jit
     def consume(self, mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
@@ -575,3 +609,303 @@ class HopperDecode:
         if const_expr(self.split):
             return mO[split, b, token, head, None]
         return mO[b, token, head, None]
+
+    # ------------------------------------------------------------------------------------------
+    # keys on the wgmma M (HopperDecodeConfig.swap_ab)
+    # ------------------------------------------------------------------------------------------
+
+    # Note [Keys on M]
+    # At GQA 8 and one query token a KV head has 8 packed rows, and the 64-row tile computes
+    # 56 rows of padding in both GEMMs. With ``swap_ab`` the GEMMs are transposed so that the
+    # keys fill wgmma's M and the packed rows are its N, which may be as small as 8:
+    #     S^T = K Q^T     A = K, the stage's (tile_n, D) tile, K-major; B = Q (rows_n, D)
+    #     O^T = V^T P^T   A = V^T, the V stage read through a transposed view (MN-major, D on
+    #                     M: D / 64 blocks); B = P^T (rows_n, tile_n) in shared memory, keys
+    #                     contiguous (K-major)
+    # with tile_n = 64 or 128 keys a stage (one or two M blocks of 64) and rows_n of 8, 16, 32
+    # or 64 (HopperDecodeConfig.rows_n, the smallest that holds the KV head's tokens x group
+    # rows: hopper_decode_keys_on_m). The producer, the rings, the page walk and the splits are
+    # the 64-row path's with tile_m = rows_n; only the consumer warpgroup differs.
+    # The softmax. In S^T's accumulator a query row is a column: thread (warp w, lane l) holds
+    # keys 16 w + l / 4 (+ 8, + 64) and columns 2 (l % 4) + {0, 1} + 8 j, so a column's keys are
+    # spread over the 8 lanes of equal l % 4 and over the 4 warps. Per step: each thread's max
+    # over its keys, three butterfly shuffles (xor 4, 8, 16) for the warp's, lanes 0-3 write the
+    # warp's rows_n maxima to shared memory (sX, 4 x rows_n float32), one named barrier, and
+    # every thread takes the max of the four in a fixed order: every thread of the warpgroup
+    # then holds the same running max of each of its columns, so alpha and the exponentials
+    # agree across the keys of one P^T column, as O^T = V^T P^T needs. The sums need no
+    # exchange per step: each thread keeps its own keys' partial sum of a column (rescaled by the
+    # same alpha), reduced once in the epilogue, shuffles and sX again, in a fixed order
+    # (deterministic; the same per split, so paged equals contiguous bit for bit).
+    # P^T leaves the registers by stmatrix (transposed 8 x 8 blocks: the accumulator's key rows
+    # become the contiguous dimension of sP), then a proxy fence and a second named barrier,
+    # because the B operand is read by the whole warpgroup. The barrier also orders the sX
+    # reads of a step before the next step's writes, and each warp's wait for its O^T GEMM
+    # before the next step's stmatrix over sP: one sX and one sP buffer suffice. O^T's columns
+    # are the same packed rows in the same lanes as S^T's, so alpha rescales O^T column by
+    # column in the thread that computed it. The epilogue writes out[token, head, d] element by
+    # element from O^T's fragment (d on the rows) and lse from the threads holding d = 0.
+    # Budget (D = 128, tile_n = 128, rows_n = 32): S^T and O^T are 32 float32 registers a thread
+    # each (tile_n rows_n / 128 and D rows_n / 128), against 64 and 64 of the 64-row tile; sX
+    # 512 B and sP 8 KB more shared memory, Q rows_n x D (8 KB) instead of 16 KB: 209 KB at 3
+    # stages, as the 64-row path (HopperDecodeConfig.smem_bytes). rows_n below 8 cannot be had
+    # (wgmma's smallest N), 64 is the 64-row tile's waste again.
+    # Saves and costs (arithmetic, not measured): per 128-key step at D = 128 the two GEMMs do
+    # 2 x 2 x 128 x rows_n x 128 FLOP, 1/8 of the 64-row tile's at rows_n = 8 (128 against
+    # 1024 cycles at 4096 FLOP a clock); but both paths read the K and V tiles from shared
+    # memory once a step (64 KB, 512 cycles at 128 B a clock), so the swapped GEMMs are bound
+    # there, near 512 cycles, not 128. The softmax takes 128 x rows_n exponentials instead of
+    # 64 x 128 (8 a thread at rows_n = 8, against 64). It adds per step one stmatrix pass of
+    # P^T (tile_n x rows_n x 2 B: 2 KB at rows_n = 8), two named barriers of the warpgroup,
+    # three butterfly shuffles for each of a thread's rows_n / 4 columns (two for each of its
+    # two rows in the 64-row tile), and 4 x rows_n / 4 shared loads for the maxima. Both paths
+    # wait about 3500 cycles per 64 KB step for HBM
+    # (Note [Decode bytes in flight]), so the gain is the consumer's latency per step, which
+    # matters only if the memory stops hiding it (few CTAs an SM, short splits, back to back
+    # steps from L2).
+
+    def keys_on_m_mmas(self):
+        """(S^T = K Q^T, O^T = V^T P^T) tiled MMAs: one warpgroup, keys (S^T) or D (O^T) on M in
+        64-row blocks, the packed rows on N; both operands from shared memory."""
+        major = cute.nvgpu.OperandMajorMode
+        tiler = (WGMMA_M, self.tile_m)
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major.K, major.K, Float32, (1, 1, 1), tiler)
+        mma_o = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major.MN, major.K, Float32, (1, 1, 1), tiler)
+        return mma_s, mma_o
+
+    def keys_on_m_p_layout(self):
+        """P^T's shared tile, (rows_n, tile_n) with the keys contiguous (128 B swizzle)."""
+        return smem_tile_layout(self.dtype, self.tile_n, self.tile_m)
+
+    def keys_on_m_p_store(self, mma_s):
+        """(atom, tiled copy) that moves P^T out of S^T's registers: stmatrix of transposed 8 x 8
+        blocks, so the accumulator's key rows become sP's contiguous dimension."""
+        st = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(
+            transpose=True, num_matrices=4 if self.tile_m % 16 == 0 else 2), self.dtype)
+        return st, cute.make_tiled_copy_C(st, mma_s)
+
+    def keys_on_m_storage(self, sQ_layout, sK_layout, sV_layout):
+        """The SharedStorage of swap_ab: the barriers and the column exchange, Q, the K and V
+        rings, P^T (HopperDecodeConfig.smem_bytes counts it)."""
+        R, A = cute.struct.MemRange, cute.struct.Align
+        dt, stages = self.dtype, self.cfg.stages
+        fields = {
+            "mbar_k": R[cutlass.Int64, 2 * stages],
+            "mbar_v": R[cutlass.Int64, 2 * stages],
+            "sX": A[R[Float32, DECODE_EXCHANGE_WARPS * self.tile_m], 16],
+            "sQ": A[R[dt, cute.cosize(sQ_layout)], 1024],
+            "sK": A[R[dt, cute.cosize(sK_layout)], 1024],
+            "sV": A[R[dt, cute.cosize(sV_layout)], 1024],
+            "sP": A[R[dt, cute.cosize(self.keys_on_m_p_layout())], 1024],
+        }
+        return cute.struct(type("KeysOnMStorage", (), {"__annotations__": fields}))
+
+    @cute.jit
+    def consume_keys_on_m(self, mQ, mO, mLSE, sQ, sK, sV, sP, sX, mma_s, mma_o, pipeline_k,
+                          pipeline_v, scale_log2: Float32, rows_at, kv_head, m_block, split,
+                          group, seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window):
+        """The consumer warpgroup under swap_ab (Note [Keys on M]): Q, the split's key tiles
+        with the keys on M, the transposed epilogue."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 127
+        wg_s, wg_o = mma_s.get_slice(0), mma_o.get_slice(0)
+        thr_s, thr_o = mma_s.get_slice(tidx), mma_o.get_slice(tidx)
+        tSrK = wg_s.make_fragment_A(wg_s.partition_A(sK))  # (MMA, tile_n/64, D/16, STAGE)
+        tSrQ = wg_s.make_fragment_B(wg_s.partition_B(sQ))  # (MMA, 1, D/16)
+        tOrVt = wg_o.make_fragment_A(wg_o.partition_A(_transpose(sV)))  # (MMA, D/64, n/16, ST)
+        tOrPt = wg_o.make_fragment_B(wg_o.partition_B(sP))  # (MMA, 1, tile_n/16)
+        shape_s = thr_s.partition_shape_C((self.tile_n, self.tile_m))  # ((2,2,N/8), n/64, 1)
+        acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((self.head_dim, self.tile_m)),
+                                      Float32)  # ((2, 2, N/8), D/64, 1)
+        st, tiled_st = self.keys_on_m_p_store(mma_s)
+        thr_st = tiled_st.get_slice(tidx)
+        tPsP = thr_st.partition_D(_transpose(sP))  # P^T's (keys, rows) view
+        tScS, t0ScS = fragment_coords(thr_s, (self.tile_n, self.tile_m))
+        cols = cute.size(tScS, mode=[1])
+        # each column's key limit (and window start), less this thread's first key
+        # (Note [Mask with constants])
+        limit = cute.make_rmem_tensor(cols, Int32)
+        start = cute.make_rmem_tensor(cols, Int32)
+        for c in cutlass.range_constexpr(cols):
+            row = m_block * self.tile_m + tScS[0, c][1]
+            limit[c] = key_limit(row, group, seqlen_q, seqlen_k, self.causal) - tScS[0, 0][0]
+            if const_expr(self.has_window_left):
+                start[c] = key_start(row, group, seqlen_q, seqlen_k, window) - tScS[0, 0][0]
+        col_max = cute.make_rmem_tensor(cols, Float32)  # the same in every thread of a column
+        col_sum = cute.make_rmem_tensor(cols, Float32)  # this thread's keys only
+        col_max.fill(-Float32.inf)
+        col_sum.fill(0.0)
+        ops = (tSrK, tSrQ, tOrVt, tOrPt, st, thr_st, tPsP, tScS, t0ScS, limit, start, col_max,
+               col_sum, sX, sV, shape_s, acc_o, mma_s, mma_o, tidx)
+
+        state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                               self.cfg.stages)
+        state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                               self.cfg.stages)
+        n_tiles = n_hi - n_lo
+        if n_tiles > 0:  # (uniform over the CTA) a CTA with no key tile needs no Q either
+            self.load_q(mQ, sQ, tidx, rows_at, kv_head, m_block, group, seqlen_q)
+            step = lambda i, first, masked, sk, sv: self.step_keys_on_m(  # noqa: E731
+                n_hi - 1 - i, first, masked, ops, scale_log2, seqlen_k, pipeline_k, pipeline_v,
+                sk, sv)
+            # the order of consume's steps: the first, the masked, the free, the left-masked
+            state_k, state_v = step(0, True, True, state_k, state_v)
+            top_end = cutlass.max(masked_tiles(n_lo, n_hi, n_full), 1)
+            bottom_start = n_tiles
+            if const_expr(self.has_window_left):
+                bottom_start = cutlass.max(
+                    n_tiles - left_masked_tiles(n_lo, n_hi, n_left_free), top_end)
+            for i in cutlass.range(1, top_end, unroll=1):
+                state_k, state_v = step(i, False, True, state_k, state_v)
+            for i in cutlass.range(top_end, bottom_start, unroll=1):
+                state_k, state_v = step(i, False, False, state_k, state_v)
+            if const_expr(self.has_window_left):
+                for i in cutlass.range(bottom_start, n_tiles, unroll=1):
+                    state_k, state_v = step(i, False, True, state_k, state_v)
+        else:
+            # zeros only here: filled before the first step, whose O^T GEMM overwrites acc_o,
+            # the zeros were moved into its registers after wgmma.fence and ptxas injected a
+            # warpgroup.arrive (C7519) before it
+            acc_o.fill(0.0)
+        self.epilogue_keys_on_m(acc_o, col_max, col_sum, sX, tScS, tidx, scale_log2, mO, mLSE,
+                                thr_o, rows_at, kv_head, m_block, split, group, seqlen_q)
+
+    @cute.jit
+    def column_exchange(self, values, sX, tScS, tidx, op):
+        """Each column's ``op`` (fmax, or a sum) over the warpgroup, from this thread's per
+        column ``values`` (cols,): the lanes of equal lane % 4 by butterfly shuffles, the four
+        warps through sX and one barrier, taken in warp order (Note [Keys on M])."""
+        warp, lane = tidx // WARP_SIZE, tidx % WARP_SIZE
+        for c in cutlass.range_constexpr(cute.size(values)):
+            v = values[c]
+            for offset in (4, 8, 16):
+                v = op(v, cute.arch.shuffle_sync_bfly(v, offset=offset))
+            if lane < 4:
+                sX[warp, tScS[0, c][1]] = v
+        cute.arch.barrier(barrier_id=COLUMNS_BARRIER, number_of_threads=THREADS_PER_WARPGROUP)
+        out = cute.make_rmem_tensor(cute.size(values), Float32)
+        for c in cutlass.range_constexpr(cute.size(values)):
+            col = tScS[0, c][1]
+            total = sX[0, col]
+            for w in cutlass.range_constexpr(1, DECODE_EXCHANGE_WARPS):
+                total = op(total, sX[w, col])
+            out[c] = total
+        return out
+
+    @cute.jit
+    def step_keys_on_m(self, n, first: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool],
+                       ops, scale_log2, seqlen_k, pipeline_k, pipeline_v, state_k, state_v):
+        """Key tile ``n`` with the keys on M: S^T = K Q^T, (mask), the column softmax, P^T to
+        shared memory, O^T = alpha O^T + V^T P^T (Note [Keys on M])."""
+        (tSrK, tSrQ, tOrVt, tOrPt, st, thr_st, tPsP, tScS, t0ScS, limit, start, col_max,
+         col_sum, sX, sV, shape_s, acc_o, mma_s, mma_o, tidx) = ops
+        pipeline_k.consumer_wait(state_k)
+        acc_s = cute.make_rmem_tensor(shape_s, Float32)  # fresh: its registers die with P^T
+        issue_wgmma(mma_s, acc_s, tSrK[None, None, None, state_k.index], tSrQ, False)
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(state_k)
+        state_k.advance()
+        s = acc_rows_cols(acc_s)  # (keys, columns = packed rows)
+        rows, cols = cute.size(s, mode=[0]), cute.size(s, mode=[1])
+        if const_expr(masked):
+            for c in cutlass.range_constexpr(cols):
+                hi = limit[c] - n * self.tile_n
+                lo = start[c] - n * self.tile_n
+                for r in cutlass.range_constexpr(rows):
+                    key = t0ScS[r, 0][0]
+                    if const_expr(self.has_window_left):
+                        s[r, c] = -Float32.inf if (key >= hi) | (key < lo) else s[r, c]
+                    else:
+                        s[r, c] = -Float32.inf if key >= hi else s[r, c]
+        local = cute.make_rmem_tensor(cols, Float32)
+        for c in cutlass.range_constexpr(cols):
+            local[c] = tree_reduce([s[r, c] for r in range(rows)], cute.arch.fmax)
+        tile_max = self.column_exchange(local, sX, tScS, tidx, cute.arch.fmax)
+        alpha = cute.make_rmem_tensor(cols, Float32)
+        for c in cutlass.range_constexpr(cols):
+            new = tile_max[c]
+            if const_expr(not first):
+                new = cute.arch.fmax(col_max[c], tile_max[c])
+            # a column with no key yet: exponentiate against 0, p = 0 and alpha = 0, never NaN
+            max_scaled = (Float32(0.0) if new == -Float32.inf else new) * scale_log2
+            for r in cutlass.range_constexpr(rows):
+                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - max_scaled, fastmath=True)
+            tile_sum = tree_reduce([s[r, c] for r in range(rows)], lambda a, b: a + b)
+            if const_expr(first):
+                col_sum[c] = tile_sum
+            else:
+                alpha[c] = cute.math.exp2(col_max[c] * scale_log2 - max_scaled, fastmath=True)
+                col_sum[c] = col_sum[c] * alpha[c] + tile_sum
+            col_max[c] = new
+        rP = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        rP.store(acc_s.load().to(self.dtype))
+        cute.copy(st, thr_st.retile(rP), tPsP)
+        # stmatrix (generic proxy) -> wgmma (async proxy); every warp's part of P^T in place
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=P_READY_BARRIER, number_of_threads=THREADS_PER_WARPGROUP)
+        if const_expr(not first):
+            o = acc_rows_cols(acc_o)  # (D, columns): the same columns as S^T's
+            for c in cutlass.range_constexpr(cols):
+                for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+                    o[r, c] = o[r, c] * alpha[c]
+        pipeline_v.consumer_wait(state_v)
+        if const_expr(first):  # the only tile that can hold seqlen_k's end
+            self.zero_v_tail(sV, state_v.index, seqlen_k - n * self.tile_n, tidx)
+        issue_wgmma(mma_o, acc_o, tOrVt[None, None, None, state_v.index], tOrPt, not first)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(state_v)
+        state_v.advance()
+        return state_k, state_v
+
+    @cute.jit
+    def epilogue_keys_on_m(self, acc_o, col_max, col_sum, sX, tScS, tidx, scale_log2, mO, mLSE,
+                           thr_o, rows_at, kv_head, m_block, split, group, seqlen_q):
+        """out = O^T / l column by column and lse, from the transposed accumulator to each
+        packed row's (token, head); float32 partials with ``split``. A column that saw no key
+        writes out = 0 and lse = -inf. The sums are reduced over the warpgroup here, once."""
+        total = self.column_exchange(col_sum, sX, tScS, tidx, lambda a, b: a + b)
+        cols = cute.size(total)
+        inv_sum = cute.make_rmem_tensor(cols, Float32)
+        lse = cute.make_rmem_tensor(cols, Float32)
+        for c in cutlass.range_constexpr(cols):
+            seen = total[c] > Float32(0.0)
+            safe = total[c] if seen else Float32(1.0)
+            inv_sum[c] = cute.arch.rcp_approx(safe) if seen else Float32(0.0)
+            log2_sum = col_max[c] * scale_log2 + cute.math.log2(safe, fastmath=True)
+            lse[c] = log2_sum * LN_2 if seen else -Float32.inf
+        o = acc_rows_cols(acc_o)
+        for c in cutlass.range_constexpr(cols):
+            for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+                o[r, c] = o[r, c] * inv_sum[c]
+        rO = acc_o
+        if const_expr(not self.split):
+            rO = cute.make_rmem_tensor_like(acc_o, self.dtype)
+            rO.store(acc_o.load().to(self.dtype))
+        out = acc_rows_cols(rO)
+        tOcO = acc_rows_cols(thr_o.partition_C(
+            cute.make_identity_tensor((self.head_dim, self.tile_m))))  # (d, packed row)
+        packed = packed_rows(seqlen_q, group)
+        for c in cutlass.range_constexpr(cols):
+            row = m_block * self.tile_m + tOcO[0, c][1]
+            if row < packed:
+                token, head = unpack_row(row, group, kv_head)
+                qb, q_offset = rows_at
+                token = q_offset + token
+                gO = self.out_row(mO, split, qb, token, head)  # (D,)
+                for r in cutlass.range_constexpr(cute.size(out, mode=[0])):
+                    gO[tOcO[r, c][0]] = out[r, c]
+                if tOcO[0, 0][0] == 0:  # the threads holding d = 0 write the column's lse
+                    if const_expr(self.split):
+                        mLSE[split, qb, head, token] = lse[c]
+                    else:
+                        mLSE[qb, head, token] = lse[c]
+
+
+def _transpose(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a shared-memory tensor (a view): V^T of the V ring, the
+    (keys, rows) view of P^T."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
