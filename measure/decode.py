@@ -22,6 +22,11 @@ Rows, all on the same q, k, v of a shape, interleaved in ``--rounds`` rounds (ut
                       flash's (``max_diff``)
   fa4_final_decode_paged   the same through the page table; ``bitwise_equal``: equal bit for bit
                       to the contiguous kernel on the cache in table order
+  fa4_final_decode_keys_on_m (and _paged)   the same kernel with the keys on the wgmma M and
+                      the packed rows on N (HopperDecodeConfig.swap_ab, rows_n from
+                      hopper.config.hopper_decode_keys_on_m; Note [Keys on M]), a candidate
+                      no call of the package reaches: ``max_diff`` to the 64-row kernel's out,
+                      ``bitwise_equal`` as above
   fa4_package         the FA4 package's flash_attn_func as a user calls it (num_splits=1)
   fa4_package_splits  the same with num_splits=0 (its split heuristic)
   fa4_package_paged   its flash_attn_varlen_func with the page table (num_splits=0)
@@ -77,7 +82,8 @@ PRODUCES = [
 ]
 
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")
-DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged")
+DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode_keys_on_m",
+                 "fa4_final_decode_keys_on_m_paged")
 OURS = ("fa4_final", "fa4_final_paged", *DECODE_KERNEL)
 
 
@@ -139,26 +145,37 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     fields: its split count, max |difference| to SDPA flash on the same logical cache, and
     whether paged equals contiguous bit for bit (the contiguous kernel run on the cache in table
     order does the same arithmetic in the same order)."""
-    from fa4_final.hopper.config import hopper_decode_default, hopper_decode_for_page
+    from fa4_final.hopper.config import (
+        hopper_decode_default,
+        hopper_decode_for_page,
+        hopper_decode_keys_on_m,
+    )
     from fa4_final.hopper.host import decode_recipe, launch_decode
     from fa4_final.runtime.compile import compiled
     from fa4_final.runtime.decode import combine_splits, partials_like
 
     cfg = hopper_decode_default(shape.d)
     splits = split_count(shape, requested_splits, cfg.tile_m, cfg.tile_n)
+    rows = shape.tokens * (shape.heads // shape.heads_kv)
+    swapped = hopper_decode_keys_on_m(shape.d, rows)  # Note [Keys on M]
+    swapped_splits = split_count(shape, requested_splits, swapped.tile_m, swapped.tile_n)
 
-    def runner(paged: bool, kk, vv):
+    def runner(paged: bool, kk, vv, keys_on_m: bool = False):
         # pages smaller than the tile: the same tile and stages, gathered (hopper_decode_for_page)
         own = hopper_decode_for_page(shape.d, kk.shape[1]) if paged else cfg
-        plan = compiled(decode_recipe, shape.d, "bf16", False, paged, paged, splits > 1, own)
+        splits_ = splits
+        if keys_on_m:
+            own = hopper_decode_keys_on_m(shape.d, rows, kk.shape[1] if paged else None)
+            splits_ = swapped_splits
+        plan = compiled(decode_recipe, shape.d, "bf16", False, paged, paged, splits_ > 1, own)
         out = torch.empty_like(q)
         lse = torch.empty(shape.batch, shape.heads, shape.tokens, dtype=torch.float32,
                           device=q.device)
-        out_p, lse_p = partials_like(out, splits)
+        out_p, lse_p = partials_like(out, splits_)
         tt, uu = (table, used) if paged else (None, None)
 
         def run():
-            if splits == 1:
+            if splits_ == 1:
                 launch_decode(plan, q, kk, vv, out, lse, tt, uu)
             else:
                 launch_decode(plan, q, kk, vv, out_p, lse_p, tt, uu)
@@ -167,19 +184,31 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
         return run
 
     calls = {"fa4_final_decode": runner(False, k, v),
-             "fa4_final_decode_paged": runner(True, k_cache, v_cache)}
+             "fa4_final_decode_paged": runner(True, k_cache, v_cache),
+             "fa4_final_decode_keys_on_m": runner(False, k, v, True),
+             "fa4_final_decode_keys_on_m_paged": runner(True, k_cache, v_cache, True)}
     sdpa = bench.peers()["sdpa_flash"]
     k_in_order = k_cache[table.long()].reshape(k.shape)  # sequence b's keys in table order
     v_in_order = v_cache[table.long()].reshape(v.shape)
     contiguous = calls["fa4_final_decode"]().float()
     paged = calls["fa4_final_decode_paged"]().clone()
     in_order = runner(False, k_in_order, v_in_order)()
+    swapped_out = calls["fa4_final_decode_keys_on_m"]().float()
+    swapped_paged = calls["fa4_final_decode_keys_on_m_paged"]().clone()
+    swapped_in_order = runner(False, k_in_order, v_in_order, True)()
     extra = {
         "fa4_final_decode": {"splits": splits, "max_diff": float(
             (contiguous - sdpa(q, k, v)[0].float()).abs().max())},
         "fa4_final_decode_paged": {"splits": splits, "max_diff": float(
             (paged.float() - sdpa(q, k_in_order, v_in_order)[0].float()).abs().max()),
             "bitwise_equal": bool(torch.equal(in_order, paged))},
+        # against the 64-row kernel on the same cache (contiguous; paged: in table order)
+        "fa4_final_decode_keys_on_m": {"splits": swapped_splits, "rows_n": swapped.rows_n,
+                                       "max_diff": float((swapped_out - contiguous).abs().max())},
+        "fa4_final_decode_keys_on_m_paged": {
+            "splits": swapped_splits, "rows_n": swapped.rows_n,
+            "max_diff": float((swapped_paged.float() - in_order.float()).abs().max()),
+            "bitwise_equal": bool(torch.equal(swapped_in_order, swapped_paged))},
     }
     del k_in_order, v_in_order
     return calls, extra
