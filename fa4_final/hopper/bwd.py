@@ -104,6 +104,62 @@ def _transpose(t: cute.Tensor) -> cute.Tensor:
     return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
+# The pointwise part of a step, shared by both steps: step's S^T fragment holds the keys on its
+# rows and the queries on its columns, step_swapped's S fragment the queries on its rows
+# (Note [dK and dV swapped]). ``query_mode`` says which (1 or 0); the element work is the same.
+
+
+def _at(query_mode: int, q: int, k: int) -> tuple:
+    """(row, col) of a fragment's query q and key k when its mode ``query_mode`` holds the
+    queries; ``_at(query_mode, q, 0)`` reads a per-query vector (row_values, column_values)."""
+    return (k, q) if query_mode == 1 else (q, k)
+
+
+def _p(x, lse_q, scale_log2):
+    """P = 2^(x scale_log2 - lse) of one score x (t with a softcap), its query's lse in log2
+    units: one FFMA and one MUFU.EX2."""
+    return cute.math.exp2(x * scale_log2 - lse_q, fastmath=True)
+
+
+@cute.jit
+def _p_from_scores(s: cute.Tensor, lse: cute.Tensor, scale_log2,
+                   query_mode: cutlass.Constexpr[int]):
+    """In place: s <- P, element by element (no softcap); lse read once per query."""
+    for q in cutlass.range_constexpr(cute.size(s, mode=[query_mode])):
+        lse_q = lse[_at(query_mode, q, 0)]
+        for k in cutlass.range_constexpr(cute.size(s, mode=[1 - query_mode])):
+            s[_at(query_mode, q, k)] = _p(s[_at(query_mode, q, k)], lse_q, scale_log2)
+
+
+@cute.jit
+def _ds_element(s: cute.Tensor, dp: cute.Tensor, i, delta_q, lse_q, scale_log2,
+                capped: cutlass.Constexpr[bool]):
+    """dP -> dS of element i (row, col) of this thread's S and dP fragments, in place. Without a
+    softcap s[i] is P already: dS = P (dP - delta). With one s[i] is t: P, its dS term and the
+    factor 1 - t^2 at once, and s[i] <- P (Note [Softcap in the backward])."""
+    if const_expr(not capped):
+        dp[i] = s[i] * (dp[i] - delta_q)
+    else:
+        t = s[i]
+        p = _p(t, lse_q, scale_log2)
+        s[i] = p
+        dp[i] = p * (dp[i] - delta_q) * (Float32(1.0) - cute.arch.fmin(t * t, Float32(1.0)))
+
+
+@cute.jit
+def _ds_from_dp(s: cute.Tensor, dp: cute.Tensor, lse, delta: cute.Tensor, scale_log2,
+                query_mode: cutlass.Constexpr[int], capped: cutlass.Constexpr[bool]):
+    """dp <- dS over the fragment, query by query (_ds_element); delta, and lse with a softcap
+    (``lse`` is read only then), read once per query."""
+    for q in cutlass.range_constexpr(cute.size(dp, mode=[query_mode])):
+        delta_q = delta[_at(query_mode, q, 0)]
+        lse_q = None
+        if const_expr(capped):
+            lse_q = lse[_at(query_mode, q, 0)]
+        for k in cutlass.range_constexpr(cute.size(dp, mode=[1 - query_mode])):
+            _ds_element(s, dp, _at(query_mode, q, k), delta_q, lse_q, scale_log2, capped)
+
+
 class HopperBackward:
     """dK, dV (and dQ's float32 accumulator) of attention, one KV tile per CTA.
 
@@ -1187,28 +1243,11 @@ class HopperBackward:
         s = acc_rows_cols(acc_s)
         rP = cute.make_rmem_tensor_like(acc_s, self.dtype)
         if const_expr(not capped):
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                lse_r = lse[r, 0]
-                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse_r, fastmath=True)
+            _p_from_scores(s, lse, scale_log2, 0)
             _convert(acc_s, rP)
         delta = self.row_values(thr_s, sDelta, do_stage)
         warpgroup.wait_group(0)  # dP is ready
-        dp = acc_rows_cols(acc_dp)
-        for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-            delta_r = delta[r, 0]
-            if const_expr(capped):
-                lse_r = lse[r, 0]
-            for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-                if const_expr(not capped):
-                    dp[r, c] = s[r, c] * (dp[r, c] - delta_r)
-                else:
-                    # P, its dS term and 1 - t^2 at once (Note [Softcap in the backward])
-                    t = s[r, c]
-                    p = cute.math.exp2(t * scale_log2 - lse_r, fastmath=True)
-                    s[r, c] = p
-                    dp[r, c] = p * (dp[r, c] - delta_r) * (
-                        Float32(1.0) - cute.arch.fmin(t * t, Float32(1.0)))
+        _ds_from_dp(s, acc_rows_cols(acc_dp), lse, delta, scale_log2, 0, capped)
         if const_expr(capped):
             _convert(acc_s, rP)
         rdS = cute.make_rmem_tensor_like(acc_dp, self.dtype)
@@ -1283,10 +1322,7 @@ class HopperBackward:
         s = acc_rows_cols(acc_s)
         rP = cute.make_rmem_tensor(shape_a, self.dtype)
         if const_expr(not capped):
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                lse_c = lse[0, c]
-                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                    s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse_c, fastmath=True)
+            _p_from_scores(s, lse, scale_log2, 1)
             # P^T and dS^T as the A operands of dV += P^T dO, dK += dS^T Q: the same registers
             # in A-fragment order (fragments.acc_as_a_operand), converted to the input dtype
             _convert(acc_as_a_operand(acc_s), rP)
@@ -1294,21 +1330,7 @@ class HopperBackward:
         warpgroup.wait_group(0)  # dP^T is ready
         if const_expr(capped):  # read here, not across the tanh pass (register pressure)
             lse = self.column_values(thr_sdp, sLSE, stage)
-        dp = acc_rows_cols(acc_dp)
-        for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-            delta_c = delta[0, c]
-            if const_expr(capped):
-                lse_c = lse[0, c]
-            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-                if const_expr(not capped):
-                    dp[r, c] = s[r, c] * (dp[r, c] - delta_c)
-                else:
-                    # P, its dS term and 1 - t^2 at once (Note [Softcap in the backward])
-                    t = s[r, c]
-                    p = cute.math.exp2(t * scale_log2 - lse_c, fastmath=True)
-                    s[r, c] = p
-                    dp[r, c] = p * (dp[r, c] - delta_c) * (
-                        Float32(1.0) - cute.arch.fmin(t * t, Float32(1.0)))
+        _ds_from_dp(s, acc_rows_cols(acc_dp), lse, delta, scale_log2, 1, capped)
         if const_expr(capped):
             _convert(acc_as_a_operand(acc_s), rP)
         rdS = cute.make_rmem_tensor(shape_a, self.dtype)
