@@ -1269,13 +1269,7 @@ class HopperBackward:
         self.wgmma(mma_dkv, acc_dk, tdKrQ[None, None, None, stage],
                    tdKrdS[None, None, None, 0], True)  # dK^T += Q^T dS
         warpgroup.wait_group(1)  # dQ done
-        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg,
-                          number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
-        flat = cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape))
-        cute.autovec_copy(flat, tdQsdQ)
-        cute.arch.fence_view_async_shared()  # for the bulk add (async proxy)
-        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg,
-                                 number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
+        self.dq_to_warp(acc_dq, tdQsdQ, wg)
         warpgroup.wait_group(0)  # dK done: Q's stage is free
         pipeline_q.consumer_release(state_q)
         state_q.advance()
@@ -1361,17 +1355,25 @@ class HopperBackward:
             self.wgmma(mma_dkv, acc_dk, rdS, tdKrQ[None, None, None, stage],
                        True)  # dK += dS^T Q
             warpgroup.wait_group(1)  # dQ done
-            cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg,
-                              number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
-            flat = cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape))
-            cute.autovec_copy(flat, tdQsdQ)
-            cute.arch.fence_view_async_shared()  # for the bulk add (async proxy)
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg,
-                                     number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
+            self.dq_to_warp(acc_dq, tdQsdQ, wg)
         warpgroup.wait_group(0)  # dK done: Q's stage is free
         pipeline_q.consumer_release(state_q)
         state_q.advance()
         return state_q
+
+    @cute.jit
+    def dq_to_warp(self, acc_dq, tdQsdQ, wg):
+        """Both steps' hand-off of this warpgroup's dQ (its finished accumulator) to the dQ warp:
+        wait until the warp has read the buffer's last dQ, store the accumulator there in
+        accumulator order (Note [dQ in accumulator order]), fence it for the bulk add (async
+        proxy) and say it is there."""
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg,
+                          number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
+        flat = cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape))
+        cute.autovec_copy(flat, tdQsdQ)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg,
+                                 number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
 
     def column_values(self, thr_sdp, s_vec: cute.Tensor, stage) -> cute.Tensor:
         """A per-query vector in shared memory (lse or delta of one stage) seen through this
