@@ -22,7 +22,8 @@
 #   (decode, decode-d64: measure.decode at D = 128 / 64: the decode kernel and the package
 #    call beside the peers; decode-tests: the split combine, the decode kernel and chapter 15's exercises against float64;
 #    decode-sanitize / -racecheck / -synccheck: the paged and gathered decode kernel under the three sanitizers;
-#    decode-paged16: measure.decode with pages of 16 keys, the gathered tiles)
+#    decode-paged16: measure.decode with pages of 16 keys, the gathered tiles;
+#    decode-keys-on-m-tests: the decode kernel with the keys on the wgmma M (swap_ab) against float64)
 #   (sdpa-tests: fa4_final registered as SDPA's flash implementation, a small transformer against
 #    float64; softcap-tests: the softcap and learnable-sink builds against float64;
 #    softcap-api-tests: both through the public API (FA4_FINAL_PENDING set), conformance-features: vs FA4;
@@ -127,7 +128,8 @@ for s in "$@"; do
     pending-api-tests2) step pending_api_tests2 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_pending_api.py -k head_dims ;;
     pending-api-tests3) step pending_api_tests3 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_pending_api.py -k seqused_q ;;
     sdpa-tests) step sdpa_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_sdpa_registration.py ;;
-    decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py ;;
+    decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py -k "not keys_on_m" ;;
+    decode-keys-on-m-tests) step decode_keys_on_m_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short -rA tests/gpu/test_decode_kernel.py -k keys_on_m ;;
     decode-sanitize) step decode_memcheck 420 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered or paged_equals_contiguous_bit_for_bit" ;;
     decode-racecheck) step decode_racecheck 420 $SAN --tool racecheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;
     decode-synccheck) step decode_synccheck 420 $SAN --tool synccheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;

@@ -344,3 +344,144 @@ def test_page_sizes_that_split_a_tile_are_refused():
         launch_decode(plan, q, kp.to(DEVICE), vp.to(DEVICE), out, lse, table.to(DEVICE))
     assert out.isnan().all()
     assert math.isnan(float(lse[0, 0, 0]))
+
+
+# ----------------------------------------------------------------------------------------------
+# keys on the wgmma M (HopperDecodeConfig.swap_ab, Note [Keys on M]): -k keys_on_m
+
+KEYS_ON_M_CASES = {  # name: (batch, seqlen_q, seqlen_k, heads, heads_kv, d, dtype, causal,
+    # splits, tile_n); rows_n is hopper_decode_keys_on_m's for tokens x group
+    "1tok-gqa8-1000": (4, 1, 1000, 32, 4, 128, BF16, True, 1, 128),  # rows_n 8
+    "1tok-gqa4-4097-3splits": (2, 1, 4097, 32, 8, 128, BF16, True, 3, 128),  # 4 rows in 8
+    "1tok-gqa1-5": (3, 1, 5, 8, 8, 64, BF16, True, 1, 128),  # 1 row in 8
+    "4tok-gqa4-777-d64": (3, 4, 777, 16, 4, 64, BF16, True, 1, 128),  # 16
+    "4tok-gqa8-3001-5splits": (2, 4, 3001, 32, 4, 128, BF16, True, 5, 128),  # 32
+    "4tok-gqa16-1025-fp16": (2, 4, 1025, 64, 4, 128, FP16, True, 2, 128),  # 2 x 32
+    "16tok-gqa1-257-d64": (2, 16, 257, 8, 8, 64, BF16, True, 1, 128),  # 16
+    "16tok-gqa8-2049-3splits": (2, 16, 2049, 16, 2, 128, BF16, True, 3, 128),  # 4 x 32
+    "16tok-gqa16-4097-tile64": (1, 16, 4097, 32, 2, 128, BF16, True, 4, 64),  # 8 x 32
+    "7tok-gqa4-not-causal": (2, 7, 1025, 16, 4, 64, BF16, False, 4, 128),  # 28 in 32
+    "3tok-gqa8-333-tile64": (2, 3, 333, 16, 2, 128, BF16, True, 2, 64),  # 24 in 32
+    "more-tokens-than-keys": (2, 16, 5, 8, 2, 128, BF16, True, 1, 128),  # rows see no key
+    "one-key-empty-split": (2, 4, 1, 8, 2, 64, BF16, True, 2, 128),
+    "1tok-gqa16-128k-32splits": (1, 1, 131072, 32, 2, 128, BF16, True, 32, 128),
+}
+
+
+def keys_on_m_config(d, tokens, group, tile_n=128, page_size=None):
+    from fa4_final.hopper.config import hopper_decode_keys_on_m
+
+    return replace(hopper_decode_keys_on_m(d, tokens * group, page_size), tile_n=tile_n)
+
+
+@pytest.mark.parametrize("name", list(KEYS_ON_M_CASES))
+def test_keys_on_m_matches_float64(name):
+    """Awkward lengths, 1-16 tokens, GQA 1/4/8/16, D = 64/128, bf16 and fp16, causal and not,
+    one split and several, tile_n 64 and 128, into NaN-filled outputs: against float64 (the
+    partials merged in float64 and by the package's combine), and within float64's tolerance of
+    the 64-row kernel on the same inputs."""
+    b, sq, sk, h, hk, d, dtype, causal, splits, tile_n = KEYS_ON_M_CASES[name]
+    cfg = keys_on_m_config(d, sq, h // hk, tile_n)
+    assert cfg.swap_ab
+    q, k, v = qkv(b, sq, sk, h, hk, d, dtype, seed=len(name) + 100)
+    out, lse, partials = run_decode(q, k, v, causal, splits, config=cfg)
+    if partials is None:
+        check_against_float64(q, k, v, out, lse, causal)
+    else:
+        out_p, lse_p = partials
+        assert not out_p.isnan().any() and not lse_p.isnan().any(), "a partial was not written"
+        m_out, m_lse = merge_splits(out_p.cpu(), lse_p.cpu())
+        check_against_float64(q, k, v, m_out.to(DEVICE, dtype), m_lse.to(DEVICE, torch.float32),
+                              causal)
+        combine_fn()(out_p, lse_p, out, lse)
+        wait_for_gpu(f"combine after keys_on_m {name}")
+        check_against_float64(q, k, v, out, lse, causal)
+    rows_out, rows_lse, rows_partials = run_decode(q, k, v, causal, splits)  # the 64-row path
+    if rows_partials is not None:
+        combine_fn()(*rows_partials, rows_out, rows_lse)
+        wait_for_gpu(f"combine after the 64-row {name}")
+    assert not out.isnan().any() and not lse.isnan().any()
+    print(f"{name}: rows_n {cfg.rows_n}, max |out - 64-row out| "
+          f"{float((out.float() - rows_out.float()).abs().max()):.3g}")
+
+
+@pytest.mark.parametrize("page_size,splits,d", [(128, 1, 128), (256, 3, 128), (16, 2, 128),
+                                                 (48, 1, 64), (64, 3, 64)])
+def test_keys_on_m_paged_is_the_contiguous_launch_bitwise(page_size, splits, d):
+    """Pages shuffled among NaN pages no sequence owns, lengths per sequence (one 0, one a
+    single key), NaN in the cache rows past them; gathered tiles for pages of 16, 48 and 64
+    keys: the paged swapped launch gives the contiguous swapped launch's every bit, and
+    float64's answer."""
+    batch, sq, h, hk = 4, 1, 32, 4  # GQA 8, one token: rows_n 8
+    pages = 2048 // page_size + 1
+    cfg = keys_on_m_config(d, sq, h // hk, page_size=page_size)
+    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=page_size + splits)
+    used = torch.tensor([pages * page_size, 0, 1, pages * page_size - 77], dtype=torch.int32,
+                        device=DEVICE)
+    for b, length in enumerate(used.tolist()):  # rows a serving engine never wrote
+        k[b, length:] = float("nan")
+        v[b, length:] = float("nan")
+    paged_equals_contiguous(q, k, v, page_size, splits + 40, True, splits, used, config=cfg)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window_left,causal,d", [(1000, True, 128), (37, True, 64),
+                                                  (0, True, 128), (500, False, 64)])
+def test_keys_on_m_sliding_window(window_left, causal, d, splits):
+    """A left window over a paged cache with per-sequence lengths, keys on M: against float64,
+    paged equal to contiguous bit for bit."""
+    batch, sq, h, hk, page_size, pages = 3, 4, 16, 4, 128, 24
+    cfg = keys_on_m_config(d, sq, h // hk)
+    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=window_left + splits + 7)
+    used = torch.tensor([pages * page_size, 1000, 333], dtype=torch.int32, device=DEVICE)
+    paged_equals_contiguous(q, k, v, page_size, 4, causal, splits, used,
+                            window_left=window_left, config=cfg)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_keys_on_m_varlen_queries_over_a_paged_cache(splits):
+    """Packed query sequences of 16, 1, 0, 7 and 3 tokens at GQA 8 (rows_n 32: the longest
+    sequence's 128 rows in four m-blocks, the others' in fewer or none), each over its own pages
+    and cached length, keys on M: every sequence against float64."""
+    lengths_q, used = [16, 1, 0, 7, 3], [3000, 1, 517, 129, 2048]
+    h, hk, d, page_size, pages = 32, 4, 128, 256, 12
+    cfg = keys_on_m_config(d, max(lengths_q), h // hk)
+    cu = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    total_q = int(cu[-1])
+    g = torch.Generator(device=DEVICE).manual_seed(splits + 50)
+    q = torch.randn(total_q, h, d, generator=g, device=DEVICE, dtype=BF16)
+    k = torch.randn(len(lengths_q), pages * page_size, hk, d, generator=g, device=DEVICE,
+                    dtype=BF16)
+    v = torch.randn_like(k)
+    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
+                                generator=torch.Generator().manual_seed(3))
+    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
+    used_k = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    cu_q = cu.to(DEVICE)
+    plan = compiled(decode_recipe, d, "bf16", True, True, True, splits > 1, cfg, True)
+    out = poisoned_empty(total_q, h, d, dtype=BF16, device=DEVICE)
+    lse = poisoned_empty(h, total_q, dtype=torch.float32, device=DEVICE)
+    if splits == 1:
+        launch_decode(plan, q, kp, vp, out, lse, table, used_k, cu_seqlens_q=cu_q,
+                      max_seqlen_q=max(lengths_q))
+    else:
+        out_p = poisoned_empty(splits, total_q, h, d, dtype=torch.float32, device=DEVICE)
+        lse_p = poisoned_empty(splits, h, total_q, dtype=torch.float32, device=DEVICE)
+        launch_decode(plan, q, kp, vp, out_p, lse_p, table, used_k, cu_seqlens_q=cu_q,
+                      max_seqlen_q=max(lengths_q))
+        wait_for_gpu("varlen keys_on_m decode")
+        assert not out_p.isnan().any() and not lse_p.isnan().any()
+        combine_fn()(out_p, lse_p, out, lse)
+    wait_for_gpu("varlen keys_on_m decode")
+    check_varlen(q, kp, vp, cu, out, lse, table, used_k)
+
+
+def test_keys_on_m_two_runs_are_bitwise_equal():
+    """The column sums and maxima are folded in a fixed order (warp 0 to 3): two runs give the
+    same bits."""
+    q, k, v = qkv(2, 1, 5000, 32, 4, 128, BF16, seed=12)
+    cfg = keys_on_m_config(128, 1, 8)
+    first = run_decode(q, k, v, True, 4, config=cfg)
+    second = run_decode(q, k, v, True, 4, config=cfg)
+    for a, b in zip(first[2], second[2]):
+        assert torch.equal(a, b)
