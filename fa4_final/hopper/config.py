@@ -446,7 +446,7 @@ DECODE_TILE_NS = (16, 32, 64, 128)
 DECODE_PAGE_BOXES = (16, 32, 64)
 # swap_ab (Note [Keys on M] in fa4_final.hopper.decode): packed query rows a CTA, the wgmma N of
 # S^T = K Q^T and of O^T = V^T P^T; key tiles of whole 64-key M blocks
-DECODE_ROWS_NS = (8, 16, 32, 64)
+DECODE_ROWS_NS = (8, 16, 32)
 DECODE_SWAP_TILE_NS = (64, 128)
 # the consumer warpgroup's warps, each writing its column maxima (and at the end its column
 # sums) into shared memory for the other three (Note [Keys on M])
@@ -554,7 +554,7 @@ def hopper_decode_keys_on_m(head_dim: int, packed_rows: int,
                             page_size: int | None = None) -> HopperDecodeConfig:
     """The swapped decode config (Note [Keys on M] in fa4_final.hopper.decode) for
     ``packed_rows`` query rows of a KV head (tokens x GQA group): the default's tile, stages and
-    page box with rows_n the smallest of DECODE_ROWS_NS that holds them (64 when more, several
+    page box with rows_n the smallest of DECODE_ROWS_NS that holds them (32 when more, several
     m-blocks then). A candidate for measurement, reached by no call of the package."""
     if isinstance(packed_rows, bool) or not isinstance(packed_rows, int) or packed_rows < 1:
         raise ValueError(f"packed_rows must be an int >= 1 (query tokens x heads per KV head), "

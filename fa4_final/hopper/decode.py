@@ -622,10 +622,11 @@ class HopperDecode:
     #     O^T = V^T P^T   A = V^T, the V stage read through a transposed view (MN-major, D on
     #                     M: D / 64 blocks); B = P^T (rows_n, tile_n) in shared memory, keys
     #                     contiguous (K-major)
-    # with tile_n = 64 or 128 keys a stage (one or two M blocks of 64) and rows_n of 8, 16, 32
-    # or 64 (HopperDecodeConfig.rows_n, the smallest that holds the KV head's tokens x group
-    # rows: hopper_decode_keys_on_m). The producer, the rings, the page walk and the splits are
-    # the 64-row path's with tile_m = rows_n; only the consumer warpgroup differs.
+    # with tile_n = 64 or 128 keys a stage (one or two M blocks of 64) and rows_n of 8, 16 or
+    # 32 (HopperDecodeConfig.rows_n, the smallest that holds the KV head's tokens x group rows,
+    # m-blocks of 32 beyond: hopper_decode_keys_on_m). The producer, the rings, the page walk
+    # and the splits are the 64-row path's with tile_m = rows_n; only the consumer warpgroup
+    # differs.
     # The softmax. In S^T's accumulator a query row is a column: thread (warp w, lane l) holds
     # keys 16 w + l / 4 (+ 8, + 64) and columns 2 (l % 4) + {0, 1} + 8 j, so a column's keys are
     # spread over the 8 lanes of equal l % 4 and over the 4 warps. Per step: each thread's max
@@ -649,7 +650,11 @@ class HopperDecode:
     # each (tile_n rows_n / 128 and D rows_n / 128), against 64 and 64 of the 64-row tile; sX
     # 512 B and sP 8 KB more shared memory, Q rows_n x D (8 KB) instead of 16 KB: 209 KB at 3
     # stages, as the 64-row path (HopperDecodeConfig.smem_bytes). rows_n below 8 cannot be had
-    # (wgmma's smallest N), 64 is the 64-row tile's waste again.
+    # (wgmma's smallest N). rows_n = 64 wastes nothing in the 64-row tile either, and here it
+    # spilled when compiled for sm_90a (D = 128: 136 spill instructions, 160 B of stack; D = 64:
+    # 26 and 48 B): a thread then holds 16 columns, and their per-column state (limit, max,
+    # partial sum, alpha, the exchanged max) beside 64 registers of S^T and 64 of O^T passes
+    # the consumer's 232.
     # Saves and costs (arithmetic, not measured): per 128-key step at D = 128 the two GEMMs do
     # 2 x 2 x 128 x rows_n x 128 FLOP, 1/8 of the 64-row tile's at rows_n = 8 (128 against
     # 1024 cycles at 4096 FLOP a clock); but both paths read the K and V tiles from shared
