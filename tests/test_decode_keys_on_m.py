@@ -283,6 +283,13 @@ def test_decode_keys_on_m_fragments_give_the_column_softmax(d, tile_n, rows_n):
     every (key, row) of P^T and (row, d) of out comes from exactly one thread, and out and lse
     are the softmax of the three tiles in float64."""
     frag = trace_fragments(d, tile_n, rows_n)
+    # the mask's constants (Note [Mask with constants]): a thread's key of element (r, c) is its
+    # first key plus thread 0's key of (r, c), and a column index is one packed row
+    for s_coords, _ in frag.values():
+        first = s_coords[0][0][0]
+        for c, column in enumerate(s_coords):
+            assert {cc for _, cc in column} == {column[0][1]}
+            assert [kk - first for kk, _ in column] == [kk for kk, _ in frag[0][0][c]]
     scores, values = column_inputs(d, tile_n, rows_n)
     out, lse = emulate_columns(frag, scores, values)
     want_out, want_lse = column_softmax(scores, values)

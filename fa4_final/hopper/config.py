@@ -462,8 +462,9 @@ DECODE_CTAS_PER_SM_BOUND = 2
 @dataclass(frozen=True)
 class HopperDecodeConfig:
     """Knobs of fa4_final.hopper.decode.HopperDecode: one consumer warpgroup of tile_m = 64
-    packed query rows (wgmma's smallest M), a producer warp issuing TMA, ``stages`` K tiles and
-    as many V tiles in flight (Note [Decode bytes in flight])."""
+    packed query rows (wgmma's smallest M; with ``swap_ab`` rows_n of them on the wgmma N
+    instead, Note [Keys on M]), a producer warp issuing TMA, ``stages`` K tiles and as many V
+    tiles in flight (Note [Decode bytes in flight])."""
 
     tile_n: int = 128  # keys per K/V tile; a page must hold whole tiles (Note [Key tile pages])
     stages: int = 3  # depth of the K ring and of the V ring

@@ -25,6 +25,10 @@ cached keys:
 6. A left window (sliding-window attention, ``has_window_left``): an m-block visits only the key
    tiles its rows' windows reach, its splits share those, and the lowest tiles, left of some
    row's window, are masked like the highest ones.
+7. A candidate for few packed rows (HopperDecodeConfig.swap_ab, Note [Keys on M]): the GEMMs
+   transposed, keys on the wgmma M and 8, 16 or 32 packed rows on N, the softmax statistics per
+   accumulator column. Not the default; reached by no call of the package until a measurement
+   chooses between the two.
 
 Roles: warpgroup 0 is the producer (warp 0 issues every K and V load), warpgroup 1 the consumer
 (Q from global memory into shared memory once, then per key tile S = Q K^T, mask, online
