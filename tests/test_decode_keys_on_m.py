@@ -399,6 +399,9 @@ VARIANTS = {  # name: (d, rows, build keywords, step bodies)
     "window-not-causal-d64": (64, 16, dict(causal=False, window=True), 4),
     "fp16-paged-split-d64": (64, 32, dict(dtype="fp16", paged=True, used=True, split=True), 3),
     "tile64": (128, 32, dict(tile_n=64), 3),
+    # measure.decode's builds: not causal, the paged one with seqused_k
+    "not-causal-paged-split": (128, 8, dict(causal=False, paged=True, used=True, split=True), 3),
+    "not-causal-d64-rows32": (64, 32, dict(causal=False), 3),
     "tile64-d64-rows8": (64, 8, dict(tile_n=64, split=True), 3),
 }
 
