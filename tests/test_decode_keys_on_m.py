@@ -376,7 +376,11 @@ def check_clean(art, cfg, d, bodies):
     assert art.count("wgmma.commit_group") == 2 * bodies
     art.require("stmatrix.sync.aligned", "shfl.sync.bfly", "ex2.approx")
     art.require("STSM", "SHFL.BFLY", "MUFU.EX2", "HGMMA.64x", where="sass")
-    assert art.count("stmatrix.sync.aligned") >= bodies
+    # P^T by stmatrix: a warp's tile_n / 4 keys x rows_n, 64 elements a matrix, x4 (x2 at N = 8)
+    per_store = 64 * (4 if cfg.rows_n % 16 == 0 else 2)
+    assert art.count("stmatrix.sync.aligned") == bodies * n // 4 * cfg.rows_n // per_store
+    assert art.count("stmatrix.sync.aligned.m8n8.x") == art.count("stmatrix.sync.aligned")
+    assert ".trans" in art.ptx.split("stmatrix.sync.aligned", 1)[1].split("\n", 1)[0]
     # the mbarriers' init, Q, the zeros past seqlen_k, the sums' exchange; two a step body
     assert art.count("bar.sync") == 4 + 2 * bodies
 
