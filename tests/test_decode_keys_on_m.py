@@ -418,3 +418,79 @@ def test_decode_keys_on_m_variants_compile_clean(name):
     check_clean(art, cfg, d, bodies)
     # the device reads: seqused_k, a page (a box), the varlen offsets; Q by 16 B
     assert art.count("ld.global.v4.b32") == -(-cfg.rows_n * d // 8 // 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# measure.decode's kernel rows, with CPU stand-ins for the compile, the launch and the combine
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail):
+    """_kernel_calls on CPU tensors, the kernel launches replaced by the float64 decode of what
+    they are given (the page table, the split partials, the configs they were compiled with):
+    four rows, the keys-on-M ones with swap_ab configs (a gathered box for pages of 16),
+    rows_n, max_diff to the 64-row row and paged bit for bit; a keys-on-M build that fails
+    leaves error rows for its two names and the 64-row rows timed."""
+    import fa4_final.hopper.host as host
+    import fa4_final.runtime.compile as compile_mod
+    import fa4_final.runtime.decode as runtime_decode
+    from measure import decode
+
+    shape = decode.DecodeShape(batch=2, tokens=1, keys=256, heads=8, heads_kv=1, d=64)
+    seen = []
+
+    def fake_compiled(fn, *args):
+        cfg = args[-1]
+        if fail and cfg.swap_ab:
+            raise RuntimeError("keys-on-M build failed")
+        seen.append(cfg)
+        return type("Plan", (), {"config": cfg})()
+
+    def fake_launch(plan, q, k, v, out, lse, table=None, used=None):
+        ref_out, ref_lse = decode_reference(q.double(), k.double(), v.double(), False,
+                                            page_table=table, seqused_k=used)
+        if out.dim() == 5:  # the partials: all in split 0
+            out.zero_()
+            lse.fill_(-math.inf)
+            out[0], lse[0] = ref_out.float(), ref_lse.float()
+        else:
+            out.copy_(ref_out)
+            lse.copy_(ref_lse)
+
+    def fake_combine(out_p, lse_p, out, lse):
+        merged, merged_lse = merge_splits(out_p.double(), lse_p.double())
+        out.copy_(merged)
+        lse.copy_(merged_lse)
+
+    monkeypatch.setattr(compile_mod, "compiled", fake_compiled)
+    monkeypatch.setattr(host, "launch_decode", fake_launch)
+    monkeypatch.setattr(runtime_decode, "combine_splits", fake_combine)
+    monkeypatch.setattr(decode, "split_count", lambda *a, **k: 2)
+    monkeypatch.setattr(decode.bench, "peers", lambda: {"sdpa_flash": lambda q, k, v: (
+        decode_reference(q.double(), k.double(), v.double(), False)[0].to(q.dtype),)})
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 8, 64, generator=g).bfloat16()
+    k = torch.randn(2, 256, 1, 64, generator=g).bfloat16()
+    v = torch.randn(2, 256, 1, 64, generator=g).bfloat16()
+    page = 16
+    k_cache, v_cache = k.view(-1, page, 1, 64), v.view(-1, page, 1, 64)
+    table = decode.random_page_table(2, 256, page, g)
+    used = torch.full((2,), 256, dtype=torch.int32)
+    calls, extra = decode._kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, 0)
+    names = ["fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode_keys_on_m",
+             "fa4_final_decode_keys_on_m_paged"]
+    assert sorted(extra) == sorted(names)
+    assert extra["fa4_final_decode_paged"]["bitwise_equal"] is True
+    if fail:
+        assert sorted(calls) == names[:2]
+        for name in names[2:]:
+            assert "keys-on-M build failed" in extra[name]["error"]
+        return
+    assert sorted(calls) == sorted(names)
+    swapped = [c for c in seen if c.swap_ab]
+    assert {(c.rows_n, c.page_box) for c in swapped} == {(8, None), (8, 16)}
+    for name in names[2:]:
+        assert extra[name]["rows_n"] == 8 and extra[name]["splits"] == 2
+        assert extra[name]["max_diff"] < 1e-2
+    assert extra["fa4_final_decode_keys_on_m_paged"]["bitwise_equal"] is True
+    assert calls["fa4_final_decode_keys_on_m"]().shape == q.shape
