@@ -641,7 +641,8 @@ class HopperDecode:
     # agree across the keys of one P^T column, as O^T = V^T P^T needs. The sums need no
     # exchange per step: each thread keeps its own keys' partial sum of a column (rescaled by the
     # same alpha), reduced once in the epilogue, shuffles and sX again, in a fixed order
-    # (deterministic; the same per split, so paged equals contiguous bit for bit).
+    # (deterministic; the same per split, so paged equals contiguous bit for bit; not the
+    # 64-row path's bits, whose sums run in another order).
     # P^T leaves the registers by stmatrix (transposed 8 x 8 blocks: the accumulator's key rows
     # become the contiguous dimension of sP), then a proxy fence and a second named barrier,
     # because the B operand is read by the whole warpgroup. The barrier also orders the sX
@@ -652,8 +653,9 @@ class HopperDecode:
     # element from O^T's fragment (d on the rows) and lse from the threads holding d = 0.
     # Budget (D = 128, tile_n = 128, rows_n = 32): S^T and O^T are 32 float32 registers a thread
     # each (tile_n rows_n / 128 and D rows_n / 128), against 64 and 64 of the 64-row tile; sX
-    # 512 B and sP 8 KB more shared memory, Q rows_n x D (8 KB) instead of 16 KB: 209 KB at 3
-    # stages, as the 64-row path (HopperDecodeConfig.smem_bytes). rows_n below 8 cannot be had
+    # (512 B, in the barriers' 1 KB granule) and sP (8 KB) more shared memory, Q rows_n x D
+    # (8 KB) instead of 16 KB: 209 KB at 3 stages, as the 64-row path
+    # (HopperDecodeConfig.smem_bytes). rows_n below 8 cannot be had
     # (wgmma's smallest N). rows_n = 64 wastes nothing in the 64-row tile either, and here it
     # spilled when compiled for sm_90a (D = 128: 136 spill instructions, 160 B of stack; D = 64:
     # 26 and 48 B): a thread then holds 16 columns, and their per-column state (limit, max,
@@ -667,7 +669,8 @@ class HopperDecode:
     # 64 x 128 (8 a thread at rows_n = 8, against 64). It adds per step one stmatrix pass of
     # P^T (tile_n x rows_n x 2 B: 2 KB at rows_n = 8), two named barriers of the warpgroup,
     # three butterfly shuffles for each of a thread's rows_n / 4 columns (two for each of its
-    # two rows in the 64-row tile), and 4 x rows_n / 4 shared loads for the maxima. Both paths
+    # two rows in the 64-row tile) and 4 x rows_n / 4 shared loads for the maxima, and the
+    # same once more for the sums in the epilogue. Both paths
     # wait about 3500 cycles per 64 KB step for HBM
     # (Note [Decode bytes in flight]), so the gain is the consumer's latency per step, which
     # matters only if the memory stops hiding it (few CTAs an SM, short splits, back to back
