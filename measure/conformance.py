@@ -74,6 +74,13 @@ LSE_SLACK = 1e-5  # float32 lse: what rounding the float64 lse to float32 can co
 # gradients: float32 roundoff at the scale of the call, far below a masking or indexing bug,
 # whose errors are of the gradients' own size.
 GRAD_FLOOR = 2.0 ** -14
+# Note [Reference leaves]
+# autograd returns a leaf's gradient in the leaf's dtype. The float64 reference differentiates
+# float64 copies of q, k, v and the sink (the same values: bf16 and fp16 convert exactly), so
+# its gradients are float64 too; on the inputs themselves they would come back rounded to
+# bf16, and the rule's step (rounding the reference to the output's dtype) would be zero where
+# it is half an ulp. A bf16 sink gradient of 31.66 is one such case: the reference read 31.75
+# and a kernel's correctly rounded 31.625 sat 0.125 away, a whole ulp of [16, 32).
 # Note [Sink gradient step]
 # d sink[h] = -sum_i exp(sink[h] - lse_i) * (rowsum(dO_i * O_i) - dlse_i) reads the output a
 # forward stored, rounded to bf16/fp16 (FA4 computes it so too, from its dpsum), while PyTorch's
@@ -250,9 +257,11 @@ def _leaves(inputs: dict) -> tuple:
     return tuple(inputs[n] for n in ("q", "k", "v", "learnable_sink") if n in inputs)
 
 
-def _fresh_leaves(inputs: dict) -> dict:
-    """``inputs`` with fresh leaves that require grad (the same values)."""
-    return {**inputs, **{n: inputs[n].detach().clone().requires_grad_(True)
+def _fresh_leaves(inputs: dict, dtype=None) -> dict:
+    """``inputs`` with fresh leaves that require grad (the same values), in ``dtype`` when
+    given: the float64 reference's leaves are float64 (Note [Reference leaves])."""
+    return {**inputs, **{n: inputs[n].detach().to(dtype or inputs[n].dtype).clone()
+                         .requires_grad_(True)
                          for n in ("q", "k", "v", "learnable_sink") if n in inputs}}
 
 
@@ -441,7 +450,7 @@ def run_case(case: Case, packages: dict, device="cuda") -> dict:
     inputs = make_inputs(case, device)
     refs = {}
     for key, dtype in (("ref", torch.float64), ("same", DTYPES[case.dtype])):
-        leaves = _fresh_leaves(inputs)
+        leaves = _fresh_leaves(inputs, torch.float64 if key == "ref" else None)
         targets = _leaves(leaves)
         out, lse = reference(leaves, case, dtype)
         grads = torch.autograd.grad(loss_of(out, lse, inputs, case), targets,

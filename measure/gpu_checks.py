@@ -1,4 +1,5 @@
-"""What the GPU test runs found, stored like any measurement: results/h200/gpu_checks.json.
+"""What the GPU test runs found, stored like any measurement: results/<gpu>/gpu_checks.json
+(h200, or h100 for a visit that was lent an H100: the folder is the provenance's GPU).
 
     python -m measure.gpu_checks SUITE=LOG [SUITE=LOG ...]
     python -m measure.gpu_checks --provenance-from results/h200/ch11_bwd.json SUITE=LOG ...
@@ -23,22 +24,28 @@ import sys
 from pathlib import Path
 
 from utils import results
+from utils.hardware import gpu_slug
 
 NAME = "gpu_checks"
-PRODUCES = [(f"results/h200/{NAME}.json", "python -m measure.gpu_checks SUITE=LOG ... (the "
+PRODUCES = [(f"results/{gpu}/{NAME}.json", "python -m measure.gpu_checks SUITE=LOG ... (the "
              "'record' step of tests/gpu/h200_session.sh)",
-             "the GPU test and sanitizer runs of a visit: passed/failed/errors per suite")]
+             f"the GPU test and sanitizer runs of a visit on an {gpu.upper()}: passed/failed/"
+             "errors per suite") for gpu in ("h200", "h100")]
 PYTEST = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xpassed|xfailed)")
-SANITIZER = re.compile(r"(ERROR|RACECHECK) SUMMARY: (\d+) (errors|hazards)")
+# "ERROR SUMMARY: 224 errors", "RACECHECK SUMMARY: 1 hazard displayed (1 error, ...)"; not the
+# "ERROR SUMMARY: 220 errors were not printed" line that follows a print limit
+SANITIZER = re.compile(r"(ERROR|RACECHECK) SUMMARY: (\d+) (error|hazard)s?\b")
 CASES = re.compile(r"^(\d+)/(\d+) cases passed")  # utils.checks.run_cases (ch04/05/08 checks)
 
 
 def read_log(text: str) -> dict[str, int]:
     """{metric: count} from the log of one pytest or compute-sanitizer run."""
     for line in reversed(text.splitlines()):
+        if "were not printed" in line:  # after --print-limit: not the summary
+            continue
         m = SANITIZER.search(line)
         if m:
-            return {m.group(3): int(m.group(2))}
+            return {m.group(3) + "s": int(m.group(2))}
         m = CASES.match(line.strip())
         if m:
             return {"passed": int(m.group(1)), "failed": int(m.group(2)) - int(m.group(1))}
@@ -79,10 +86,11 @@ def main(argv=None) -> int:
     for arg in argv:
         suite, log = arg.split("=", 1)
         new += rows_for(suite, Path(log).read_text(errors="replace"), provenance)
-    stored = results.load_stored(NAME)
+    gpu = gpu_slug(provenance["gpu"] if provenance["gpu"] != "cpu" else None)
+    stored = results.load_stored(NAME, gpu=gpu)
     named = {r["impl"] for r in new}
     rows = [r for r in (stored.rows if stored else []) if r["impl"] not in named] + new
-    path = results.save(NAME, rows, command, gpu="h200", provenance=provenance)
+    path = results.save(NAME, rows, command, gpu=gpu, provenance=provenance)
     for r in new:
         print(f"{r['impl']:40s} {r['metric']:>10s} {r['value']}")
     print(f"stored {path}")

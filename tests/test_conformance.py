@@ -188,3 +188,28 @@ def test_conformance_gradient_floor_is_float32_roundoff_at_the_calls_scale():
     assert graded(1e-6)["passed"]
     bad = graded(0.05)
     assert not bad["passed"] and "dq: max err" in bad["why"]
+
+
+def test_conformance_float64_reference_gradients_are_not_rounded_to_the_inputs_dtype():
+    """Note [Reference leaves]: the H100 run's case #71 (varlen, a bf16 sink, 655 rows that see
+    no key): the float64 reference's gradients are float64, so a bf16 sink gradient rounded
+    correctly (31.625 for 31.66) passes, and one off by 1.0 (a dropped row's size) does not."""
+    case = conf.Case(71, 71, 64, "bf16", "varlen", True, (503, -130), True, True, 1, 1, None,
+                     (0, 7, 400, 257, 257), (9, 333, 1, 1, 500), None, 0.0, "bf16")
+    inputs = conf.make_inputs(case, "cpu")
+    refs = {}
+    for key, dtype in (("ref", torch.float64), ("same", torch.bfloat16)):
+        leaves = conf._fresh_leaves(inputs, torch.float64 if key == "ref" else None)
+        out, lse = conf.reference(leaves, case, dtype)
+        grads = torch.autograd.grad(conf.loss_of(out, lse, inputs, case), conf._leaves(leaves))
+        refs[key] = (out.detach(), lse.detach(), grads)
+    assert all(g.dtype == torch.float64 for g in refs["ref"][2])
+    dsink = refs["ref"][2][3]
+    assert 31.6 < float(dsink) < 31.7  # between the bf16 neighbours 31.625 and 31.75
+    slack = conf.grad_floor(refs["ref"][2]) + conf.sink_step(refs["ref"], inputs, case)
+    rounded = dsink.to(torch.bfloat16)
+    ok, err, limit, _ = conf._rule("dsink", rounded, dsink, refs["same"][2][3], torch.bfloat16,
+                                   slack)
+    assert ok and float(rounded) == 31.625 and err < limit
+    assert not conf._rule("dsink", rounded + 1.0, dsink, refs["same"][2][3], torch.bfloat16,
+                          slack)[0]

@@ -31,3 +31,16 @@ def test_case_check_summaries():
                                                                           "failed": 1}
     # a sanitizer run of the case checks: its own summary comes last and wins
     assert read_log("3/3 cases passed\n========= ERROR SUMMARY: 0 errors\n") == {"errors": 0}
+
+
+def test_sanitizer_summaries_singular_and_after_a_print_limit():
+    """compute-sanitizer writes "1 hazard displayed (1 error, ...)" in the singular, and after
+    --print-limit a second ERROR SUMMARY line counting the errors it did not print: the
+    summary is the first line's count, not the second's, nor pytest's reading of "1 error"."""
+    assert read_log("========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)\n"
+                    ) == {"hazards": 1}
+    assert read_log("1 failed, 104 deselected in 9.44s\n"
+                    "========= ERROR SUMMARY: 224 errors\n"
+                    "========= ERROR SUMMARY: 220 errors were not printed. Use --print-limit "
+                    "option to adjust the number of printed errors\n") == {"errors": 224}
+    assert read_log("========= ERROR SUMMARY: 0 errors\n") == {"errors": 0}
