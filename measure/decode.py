@@ -79,6 +79,17 @@ PRODUCES = [
      "rate"),
     ("results/h200/decode_d64.json", "python -m measure.decode --name decode_d64 --dims 64 "
      "--deadline 540", "the same at D = 64"),
+    ("results/h100/decode.json", "python -m measure.decode --dims 128 --batch 32 --tokens 1 4 16 "
+     "--keys 1024 8192 32768 131072 --heads 32/8 64/8 --deadline <now + 500>",
+     "an H100 visit (no H200 was lent): batch 32 at D = 128, every token and key count, GQA 4 "
+     "and 8, fa4_final's call, its decode kernel and the peers"),
+    ("results/h100/decode_keys_on_m.json", "python -m measure.decode --name decode_keys_on_m "
+     "--dims 128 --batch 1 32 --tokens 1 4 --keys 1024 8192 32768 --heads 32/8 64/8 "
+     "--deadline <now + 330>", "the same H100 visit: the decode kernel with the keys on the "
+     "wgmma M (Note [Keys on M]) beside the 64-row kernel and the peers"),
+    ("results/h100/decode_grid2.json", "python -m measure.decode --name decode_grid2 --dims 64 "
+     "128 --batch 1 128 --tokens 1 16 --keys 8192 131072 --heads 32/8 --deadline <now + 200>",
+     "the same H100 visit: batch 1 and 128 at D = 64 and 128"),
 ]
 
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")
