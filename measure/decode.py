@@ -56,7 +56,7 @@ import argparse
 import itertools
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -95,7 +95,19 @@ PRODUCES = [
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")
 DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode_keys_on_m",
                  "fa4_final_decode_keys_on_m_paged")
-OURS = ("fa4_final", "fa4_final_paged", *DECODE_KERNEL)
+# Config candidates of the 64-row decode kernel (``--variants``), each timed on the contiguous
+# cache as fa4_final_decode_<name> beside the default, its max_diff taken to the default's out:
+# (tile_n, stages, split factor over the heuristic's count). What each tests:
+#   n64s3: 64-key tiles, three stages: 113 KB of shared memory at D = 128, so two CTAs share an
+#          SM (the default's 209 KB allows one) with the same 96 KB of K/V in flight each
+#   n64s4: 64-key tiles, four stages (145 KB, one CTA): the same bytes in flight as n128s2 in
+#          smaller steps
+#   n128s2: the default's tile with two stages (145 KB, one CTA): fewer bytes in flight
+#   split2: the default config, twice the heuristic's split count (more CTAs at small grids)
+VARIANTS = {"n64s3": (64, 3, 1), "n64s4": (64, 4, 1), "n128s2": (128, 2, 1),
+            "split2": (128, 3, 2)}
+OURS = ("fa4_final", "fa4_final_paged", *DECODE_KERNEL,
+        *(f"fa4_final_decode_{name}" for name in VARIANTS))
 
 
 @dataclass(frozen=True)
@@ -150,7 +162,8 @@ def split_count(shape: DecodeShape, requested: int, tile_m: int, tile_n: int) ->
                              tile_m=tile_m, tile_n=tile_n)
 
 
-def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_splits):
+def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_splits,
+                  variants=(), keys_on_m=True):
     """The Hopper decode kernel launched directly (fa4_final.hopper.host.launch_decode, the
     partials merged by runtime.decode.combine_splits), contiguous and paged, with the extra row
     fields: its split count, max |difference| to SDPA flash on the same logical cache, and
@@ -171,10 +184,12 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     swapped = hopper_decode_keys_on_m(shape.d, rows)  # Note [Keys on M]
     swapped_splits = split_count(shape, requested_splits, swapped.tile_m, swapped.tile_n)
 
-    def runner(paged: bool, kk, vv, keys_on_m: bool = False):
+    def runner(paged: bool, kk, vv, keys_on_m: bool = False, variant=None):
         # pages smaller than the tile: the same tile and stages, gathered (hopper_decode_for_page)
         own = hopper_decode_for_page(shape.d, kk.shape[1]) if paged else cfg
         splits_ = splits
+        if variant is not None:  # a config candidate (VARIANTS), contiguous cache only
+            own, splits_ = variant
         if keys_on_m:
             own = hopper_decode_keys_on_m(shape.d, rows, kk.shape[1] if paged else None)
             splits_ = swapped_splits
@@ -209,8 +224,26 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
             (paged.float() - sdpa(q, k_in_order, v_in_order)[0].float()).abs().max()),
             "bitwise_equal": bool(torch.equal(in_order, paged))},
     }
+    # config candidates: each its own error row if it fails, the others still timed
+    for name in variants:
+        tile_n, stages, factor = VARIANTS[name]
+        own = replace(cfg, tile_n=tile_n, stages=stages)
+        own_splits = split_count(shape, requested_splits, own.tile_m, tile_n) * factor
+        row = f"fa4_final_decode_{name}"
+        try:
+            call = runner(False, k, v, variant=(own, own_splits))
+            got = call().float()
+        except Exception as exc:
+            extra[row] = {"error": bench.error_text(exc)}
+        else:
+            calls[row] = call
+            extra[row] = {"splits": own_splits, "tile_n": tile_n, "stages": stages,
+                          "max_diff": float((got - contiguous).abs().max())}
     # the keys-on-M candidate: its own error rows if it fails, the 64-row rows still timed
     names = ("fa4_final_decode_keys_on_m", "fa4_final_decode_keys_on_m_paged")
+    if not keys_on_m:
+        del k_in_order, v_in_order
+        return calls, extra
     try:
         ours = dict(zip(names, (runner(False, k, v, True),
                                 runner(True, k_cache, v_cache, True))))
@@ -232,7 +265,8 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     return calls, extra
 
 
-def _calls(shape: DecodeShape, page: int, requested_splits: int = 0, device="cuda"):
+def _calls(shape: DecodeShape, page: int, requested_splits: int = 0, device="cuda",
+           variants=(), keys_on_m=True):
     """({name: zero-argument forward call}, {name: extra row fields}) of every implementation
     found, on one set of inputs."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -255,7 +289,7 @@ def _calls(shape: DecodeShape, page: int, requested_splits: int = 0, device="cud
         q, k_cache, v_cache, page_table=table, seqused_k=used)
     try:
         ours, extra = _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used,
-                                    requested_splits)
+                                    requested_splits, variants, keys_on_m)
     except Exception as exc:  # recorded as the rows' error, the peers still timed
         extra = {name: {"error": bench.error_text(exc)} for name in DECODE_KERNEL}
     else:
@@ -322,6 +356,10 @@ def main(argv=None) -> int:
     ap.add_argument("--page", type=int, default=128, help="keys per page of the paged rows")
     ap.add_argument("--splits", type=int, default=0,
                     help="num_splits of the decode kernel's rows (< 1: the heuristic)")
+    ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                    help="config candidates of the decode kernel to time beside its default")
+    ap.add_argument("--no-keys-on-m", action="store_true",
+                    help="leave out the keys-on-M kernel's rows (Note [Keys on M])")
     ap.add_argument("--copy-gib", type=float, default=4.0)
     ap.add_argument("--max-gb", type=float, default=80.0, help="largest cache to allocate (GB)")
     add_timing_args(ap)
@@ -353,7 +391,8 @@ def main(argv=None) -> int:
             done += 1
             continue
         try:
-            calls, extra = _calls(shape, args.page, args.splits)
+            calls, extra = _calls(shape, args.page, args.splits, variants=args.variants,
+                                  keys_on_m=not args.no_keys_on_m)
         except torch.cuda.OutOfMemoryError as exc:
             rows.append({"impl": "skipped", **fields, "ms": None, "tflops": None,
                          "error": bench.error_text(exc)})

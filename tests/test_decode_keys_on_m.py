@@ -424,13 +424,16 @@ def test_decode_keys_on_m_variants_compile_clean(name):
 # measure.decode's kernel rows, with CPU stand-ins for the compile, the launch and the combine
 
 
+@pytest.mark.parametrize("variants", [(), ("n64s3", "split2")], ids=["default", "variants"])
 @pytest.mark.parametrize("fail", [False, True])
-def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail):
+def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, variants):
     """_kernel_calls on CPU tensors, the kernel launches replaced by the float64 decode of what
     they are given (the page table, the split partials, the configs they were compiled with):
     four rows, the keys-on-M ones with swap_ab configs (a gathered box for pages of 16),
     rows_n, max_diff to the 64-row row and paged bit for bit; a keys-on-M build that fails
-    leaves error rows for its two names and the 64-row rows timed."""
+    leaves error rows for its two names and the 64-row rows timed. ``--variants`` (measure.decode
+    VARIANTS) add a contiguous row per config candidate: its tile and stages compiled, the
+    split count times its factor, max_diff to the default's out."""
     import fa4_final.hopper.host as host
     import fa4_final.runtime.compile as compile_mod
     import fa4_final.runtime.decode as runtime_decode
@@ -476,9 +479,17 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail):
     k_cache, v_cache = k.view(-1, page, 1, 64), v.view(-1, page, 1, 64)
     table = decode.random_page_table(2, 256, page, g)
     used = torch.full((2,), 256, dtype=torch.int32)
-    calls, extra = decode._kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, 0)
+    calls, extra = decode._kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, 0,
+                                        variants)
     names = ["fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode_keys_on_m",
              "fa4_final_decode_keys_on_m_paged"]
+    for name in variants:
+        row = extra.pop(f"fa4_final_decode_{name}")
+        tile_n, stages, factor = decode.VARIANTS[name]
+        assert (row["tile_n"], row["stages"], row["splits"]) == (tile_n, stages, 2 * factor)
+        assert row["max_diff"] < 1e-2
+        assert any(not c.swap_ab and (c.tile_n, c.stages) == (tile_n, stages) for c in seen)
+        assert calls.pop(f"fa4_final_decode_{name}")().shape == q.shape
     assert sorted(extra) == sorted(names)
     assert extra["fa4_final_decode_paged"]["bitwise_equal"] is True
     if fail:
