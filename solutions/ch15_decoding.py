@@ -1,6 +1,6 @@
 """Chapter 15: decoding. The models the notebook prints, its two device-code exercises with their
 checkers, their GPU checks, a CUDA-graph replay of the split combine, and the readers of the
-decode benchmark (results/h200/decode.json, written by measure/decode.py).
+decode benchmark (results/<gpu>/decode.json, written by measure/decode.py).
 
 15.1 ``combine_row``     (device code) one query row's merge of its split partials: the max of
                          the lse values, the weights into a row of shared memory, the sum in
@@ -31,13 +31,16 @@ import torch
 from cutlass import Float32, Int32
 
 from fa4_final.runtime import decode as rdecode
+from utils.claims import claim
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 # Datasheet figures of the H200 (SXM): the roofline's two roofs before anything is measured.
 H200 = {"hbm_tb_s": 4.8, "bf16_tflops": 989.0, "sms": 132}
-DECODE = "decode"  # results/h200/decode.json (measure/decode.py)
+DECODE = "decode"  # results/<gpu>/decode.json (measure/decode.py)
+KEYS_ON_M = "decode_keys_on_m"  # the same driver with the keys-on-M kernel's rows
+DECODE_GPUS = ("h200", "h100")  # where a stored decode run is looked for, in this order
 HEADLINE = {"b": 32, "s_q": 1, "s": 8192, "h": 32, "h_kv": 8, "d": 128}
 
 
@@ -1080,8 +1083,28 @@ FORBID_SERVE = {
 
 
 # ================================================================================================
-# Reading the decode benchmark (results/h200/decode.json)
+# Reading the decode benchmark (results/<gpu>/decode.json)
 # ================================================================================================
+def load_decode(name: str = DECODE):
+    """The stored decode run ``name`` from the first of DECODE_GPUS that has one (both are
+    Hopper GPUs; the run's label names the one it came from), or None after saying that none
+    was measured."""
+    from utils import results
+
+    for gpu in DECODE_GPUS:
+        try:
+            return results.load(name, gpu=gpu)
+        except FileNotFoundError:
+            continue
+    print(f"{name}: not measured yet (no results/<gpu>/{name}.json for gpu in {DECODE_GPUS})")
+    return None
+
+
+def stored_path(res) -> str:
+    """The run's file relative to the course: results/<gpu>/<name>.json."""
+    return f"results/{res.path.parent.name}/{res.path.name}"
+
+
 def decode_row(res, impl: str, mode: str = "flush", **shape):
     """The row of ``impl`` at ``shape`` (HEADLINE's keys by default) in ``mode``, or None."""
     want = {**HEADLINE, **shape}
@@ -1137,6 +1160,37 @@ def paged_over_contiguous(res, mode: str = "flush", **shape):
     return a["ms"] / b["ms"]
 
 
+def keys_on_m_over_rows(res, mode: str = "flush", **shape):
+    """The keys-on-M kernel's time over the 64-row kernel's, same shape and run; None if
+    either is missing."""
+    a, b = (decode_row(res, impl, mode, **shape)
+            for impl in ("fa4_final_decode_keys_on_m", "fa4_final_decode"))
+    if not (a and b and a.get("ms") and b.get("ms")):
+        return None
+    return a["ms"] / b["ms"]
+
+
+def keys_on_m_lines(res, mode: str = "flush") -> list[str]:
+    """Every shape of the run where both decode kernels were timed: the keys-on-M kernel's
+    time over the 64-row kernel's, each kernel's share of the copy rate, and the verdict."""
+    from utils import bench
+
+    lines = []
+    for a in res.rows:
+        if a.get("impl") != "fa4_final_decode_keys_on_m" or a.get("mode") != mode:
+            continue
+        shape = {k: a[k] for k in HEADLINE}
+        b = decode_row(res, "fa4_final_decode", mode, **shape)
+        if not (b and a.get("ms") and b.get("ms")):
+            continue
+        c = bench.compare(a, b)
+        lines.append(f"  b {shape['b']:3d}  tokens {shape['s_q']:2d}  keys {shape['s']:6d}  "
+                     f"{shape['h']}/{shape['h_kv']}  N = {a.get('rows_n', '?'):>2}:  "
+                     f"{a['ms'] / b['ms']:.3f}x the time  ({a.get('of_copy', 0):.0%} and "
+                     f"{b.get('of_copy', 0):.0%} of copy; {c})")
+    return lines
+
+
 def verdict(res, impl_a: str, impl_b: str, mode: str = "flush", **shape) -> str:
     """One sentence comparing two rows of the same shape and run, beyond their spread or within
     it (utils.bench.compare's rule)."""
@@ -1147,3 +1201,23 @@ def verdict(res, impl_a: str, impl_b: str, mode: str = "flush", **shape) -> str:
         return f"{impl_a} or {impl_b} has no time at this shape"
     c = bench.compare(a, b)
     return f"{impl_a} against {impl_b}: {c}"
+
+
+# ================================================================================================
+# Claims the chapter's prose makes about the keys-on-M run (utils.claims)
+# ================================================================================================
+@claim("15.keys_on_m_ties_when_memory_bound", KEYS_ON_M,
+       "where both decode kernels reach 90% of the copy rate or more, the keys-on-M kernel's time "
+       "is within 1% of the 64-row kernel's", gpu="h100")
+def _keys_on_m_ties(res):
+    ratios = []
+    for a in res.rows:
+        if a.get("impl") != "fa4_final_decode_keys_on_m" or a.get("mode") != "flush":
+            continue
+        shape = {k: a[k] for k in HEADLINE}
+        b = decode_row(res, "fa4_final_decode", "flush", **shape)
+        if b and a.get("ms") and b.get("ms") and min(a["of_copy"], b["of_copy"]) >= 0.9:
+            ratios.append(a["ms"] / b["ms"])
+    return bool(ratios) and all(abs(r - 1) <= 0.01 for r in ratios), (
+        f"{len(ratios)} shapes at >= 90% of copy, time ratios "
+        f"{min(ratios, default=float('nan')):.3f}-{max(ratios, default=float('nan')):.3f}")
