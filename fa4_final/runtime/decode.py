@@ -65,7 +65,12 @@ def min_tiles_per_split(packed_rows: int, tile_m: int, tile_n: int) -> int:
 # into the tile (seqlen_q x heads / heads_kv). The heuristic (num_splits < 1):
 #   1. ctas >= num_sms x CTAS_PER_SM: every SM has work already; no split (a split only adds
 #      its partial's traffic and the combine).
-#   2. else the fewest splits that give every SM its CTAs: ceil(num_sms x CTAS_PER_SM / ctas);
+#   2. else the most splits whose CTAs all find a slot at once: floor(num_sms x CTAS_PER_SM /
+#      ctas). Not the ceiling: at batch 1 and 8 kv heads that is 17 splits, 136 CTAs for 132
+#      SMs, and four SMs then stream two CTAs' keys while the others stream one; the step
+#      takes as long as those four. On an H100 that shape (128k keys) reached 68-76% of the
+#      copy rate with 17 splits where cuDNN reached about 90% (results/h100/decode_grid2.json);
+#      16 splits leave 4 SMs idle (3% of them) and none doubled;
 #   3. capped so that each split walks at least min_tiles_per_split key tiles: its fixed cost
 #      (prologue, the partial written in float32 and read back by the combine, 8 B per row and
 #      column) stays a small share of the 4 B per key and column of K and V it reads;
@@ -76,7 +81,7 @@ def min_tiles_per_split(packed_rows: int, tile_m: int, tile_n: int) -> int:
 #      ceil(T / t) > splits T / (T + splits) >= 0.8 splits once T >= 4 splits.
 # The decode benchmark is the judge of the constants: CTAS_PER_SM = 1 (FA4 aims at one CTA per
 # SM too, although a decode CTA may fit twice), 2 tiles and a quarter for the partial. FA4's own
-# rule (floor(num_sms / ctas), no split at <= 4 key tiles) differs in 2 (floor), 3 and 5.
+# rule (floor(num_sms / ctas), no split at <= 4 key tiles) differs in 3 and 5.
 
 
 def choose_num_splits(num_splits: int, *, batch: int, heads_kv: int, packed_rows: int,
@@ -102,7 +107,7 @@ def choose_num_splits(num_splits: int, *, batch: int, heads_kv: int, packed_rows
     slots = num_sms * CTAS_PER_SM
     if ctas == 0 or ctas >= slots:
         return 1
-    splits = -(-slots // ctas)
+    splits = slots // ctas  # Note [Split count], 2: one wave, no SM given two CTAs' keys
     splits = min(splits, key_tiles // min_tiles_per_split(packed_rows, tile_m, tile_n),
                  MAX_SPLITS)
     if splits <= 1:
