@@ -44,7 +44,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
@@ -87,6 +87,15 @@ def _pack2(a, b, dtype, *, loc=None, ip=None) -> Int32:
         T.i32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
         f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f", has_side_effects=False,
         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _sync_unaligned(barrier_id: int, number_of_threads: int, *, loc=None, ip=None) -> None:
+    """barrier.cta.sync without .aligned: a blocking named barrier whose warps may reach it from
+    different instructions (Note [Barriers of two builds])."""
+    nvvm.barrier_cta_sync(Int32(barrier_id).ir_value(loc=loc, ip=ip),
+                          thread_count=Int32(number_of_threads).ir_value(loc=loc, ip=ip),
+                          aligned=False, loc=loc, ip=ip)
 
 
 @cute.jit
@@ -834,6 +843,25 @@ class HopperBackward:
     # 24 floats a thread here, so lse is read once, before S is ready). Not yet run on a GPU:
     # the runtime reaches it only through the bwd_head_dims gate (fa4_final.runtime.pending).
 
+    # Note [Barriers of two builds]
+    # DS_FREE, DS_READY and EPILOGUE are blocking named barriers of both MMA warpgroups (256
+    # threads). With one build of the MMA loop (D = 64, 128) both warpgroups wait at the same
+    # instruction, and cute.arch.barrier's bar.sync is right; bar.sync is implicitly .aligned,
+    # a promise that every thread waiting at one generation of the barrier executes that same
+    # instruction. Under Note [dQ by one warpgroup], Note [dQ split unevenly] and
+    # Note [dK and dV swapped] each warpgroup runs a build of its own, so the two wait at two
+    # bar.sync instructions of one id: undefined in PTX. The results were right on an H100, but
+    # compute-sanitizer's synccheck reported "Divergent thread(s) in block" at warpgroup 0's
+    # first such barrier (DS_READY at D = 96, DS_FREE at D = dv = 192 and 256) and the launch
+    # failed. These builds wait with barrier.cta.sync without .aligned (sync_mma): in SASS the
+    # same BAR.SYNC, but ptxas lists its offset among the cubin's cooperative-group instruction
+    # offsets (.nv.info attribute 0x28, beside the shuffles'), where no bar.sync is listed, and
+    # schedules a few instructions around it differently. The default builds keep bar.sync and
+    # their SASS. The dQ warp's hand-offs (DQ_EMPTY, DQ_FULL) are legal in every build: in each
+    # generation one side waits, at one instruction, and the other only arrives. That synccheck
+    # accepts the unaligned barrier is for a GPU run to show; until then these builds stay
+    # behind the bwd_head_dims gate as before.
+
     @cute.jit
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
                  window_left, window_right, seq=None):
@@ -1253,11 +1281,11 @@ class HopperBackward:
         rdS = cute.make_rmem_tensor_like(acc_dp, self.dtype)
         _convert(acc_dp, rdS)
         # one P and one dS buffer: the other warpgroup's last GEMMs have read them
-        cute.arch.barrier(barrier_id=int(NamedBarrier.DS_FREE), number_of_threads=MMA_THREADS)
+        self.sync_mma(NamedBarrier.DS_FREE)
         cute.copy(st, thr_st.retile(rP), tPsP[None, None, None, 0])
         cute.copy(st, thr_st.retile(rdS), tdSsdS[None, None, None, 0])
         cute.arch.fence_view_async_shared()  # stmatrix -> wgmma (async proxy)
-        cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=MMA_THREADS)
+        self.sync_mma(NamedBarrier.DS_READY)
         self.wgmma(mma_dkv, acc_dv, tdVrdO[None, None, None, do_stage],
                    tdVrP[None, None, None, 0], True)  # dV^T += dO^T P
         acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self.dq_tile_shape(wg)),
@@ -1330,14 +1358,14 @@ class HopperBackward:
         rdS = cute.make_rmem_tensor(shape_a, self.dtype)
         _convert(acc_as_a_operand(acc_dp), rdS)
         if const_expr(self.cfg.stages_ds == 1):  # the other warpgroup's last dQ GEMM read dS
-            cute.arch.barrier(barrier_id=int(NamedBarrier.DS_FREE), number_of_threads=MMA_THREADS)
+            self.sync_mma(NamedBarrier.DS_FREE)
         cute.copy(st_t, thr_st_t.retile(rdS), tdSsdS[None, None, None, ds_stage])
         self.wgmma(self.mma_dv(mma_dkv), acc_dv, rP, tdVrdO[None, None, None, stage],
                    True)  # dV += P^T dO
         # generic-proxy smem writes (stmatrix) -> visible to wgmma (async proxy); then both
         # warpgroups' halves of dS are in place
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(NamedBarrier.DS_READY), number_of_threads=MMA_THREADS)
+        self.sync_mma(NamedBarrier.DS_READY)
         if const_expr(tdQsdQ is None):  # Note [dQ by one warpgroup]: no dQ GEMM here
             self.wgmma(mma_dkv, acc_dk, rdS, tdKrQ[None, None, None, stage],
                        True)  # dK += dS^T Q
@@ -1360,6 +1388,21 @@ class HopperBackward:
         pipeline_q.consumer_release(state_q)
         state_q.advance()
         return state_q
+
+    def split_builds(self) -> bool:
+        """The two MMA warpgroups run builds of their loop of their own, not one build:
+        Note [dQ by one warpgroup], Note [dQ split unevenly], Note [dK and dV swapped]."""
+        return bool(self.cfg.dkv_swap_ab or self.cfg.dq_uneven
+                    or self.dq_warpgroups != BWD_MMA_WARPGROUPS)
+
+    def sync_mma(self, barrier: NamedBarrier) -> None:
+        """Both MMA warpgroups (256 threads) wait at ``barrier``: bar.sync when they run one
+        build, barrier.cta.sync without .aligned when each runs its own
+        (Note [Barriers of two builds])."""
+        if self.split_builds():
+            _sync_unaligned(int(barrier), MMA_THREADS)
+        else:
+            cute.arch.barrier(barrier_id=int(barrier), number_of_threads=MMA_THREADS)
 
     @cute.jit
     def dq_to_warp(self, acc_dq, tdQsdQ, wg):
@@ -1424,7 +1467,7 @@ class HopperBackward:
         rdV = cute.make_rmem_tensor_like(acc_dv, self.dtype)
         rdV.store(acc_dv.load().to(self.dtype))
         # every GEMM of both warpgroups that reads K or V has retired
-        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=MMA_THREADS)
+        self.sync_mma(NamedBarrier.EPILOGUE)
         swapped = const_expr(self.cfg.dkv_swap_ab)  # dK^T, dV^T: stored transposed
         st = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=swapped, num_matrices=4), self.dtype)
@@ -1437,7 +1480,7 @@ class HopperBackward:
             thr_st = cute.make_tiled_copy_C(st, self.mma_dv(mma_dkv)).get_slice(tidx)
         cute.copy(st, thr_st.retile(rdV), thr_st.partition_D(sdV))
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=MMA_THREADS)
+        self.sync_mma(NamedBarrier.EPILOGUE)
         if const_expr(seq is None):
             self.store_tma(mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, tidx, n_block, head_kv,
                            b, None)
