@@ -117,6 +117,7 @@ for s in "$@"; do
     bwd-headdim-tests-d256) step bwd_headdim_tests_d256 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k d256 ;;
     features-bwd) step features_bwd 580 $PY -m measure.features --name features_bwd --cases bwd_d96 bwd_d192 --deadline 500 ;;
     bwd-swapped-sanitize) for tool in memcheck racecheck synccheck; do step bwd_swapped_$tool 420 $SAN --tool $tool $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_bwd_head_dims.py -k "test_backward_matches_float64 and 2-77-77 and (d192v192 or d256)"; done ;;
+    bwd-headdim-synccheck) step bwd_headdim_synccheck 580 $SAN --tool synccheck $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k "test_backward_matches_float64 and 2-77-77" ;;  # all four builds (d96, d192, d192v192, d256), no -x: Note [Barriers of two builds]
     features-bwd-swapped) step features_bwd_swapped 580 $PY -m measure.features --name features_bwd_swapped --cases bwd_d192v192 bwd_d256 --deadline 500 ;;
     seqused-q-tests) step seqused_q_tests 700 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_seqused_q.py ;;
     headdim-sanitize) step headdim_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fwd_head_dims.py -k "b1-17x17 or b2-300x77" ;;
