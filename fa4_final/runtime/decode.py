@@ -69,7 +69,7 @@ def min_tiles_per_split(packed_rows: int, tile_m: int, tile_n: int) -> int:
 #      ctas). Not the ceiling: at batch 1 and 8 kv heads that is 17 splits, 136 CTAs for 132
 #      SMs, and four SMs then stream two CTAs' keys while the others stream one; the step
 #      takes as long as those four. On an H100 that shape (128k keys) reached 68-76% of the
-#      copy rate with 17 splits where cuDNN reached about 90% (results/h100/decode_grid2.json);
+#      copy rate with 17 splits where cuDNN reached about 90% (the decode grid measurement);
 #      16 splits leave 4 SMs idle (3% of them) and none doubled;
 #   3. capped so that each split walks at least min_tiles_per_split key tiles: its fixed cost
 #      (prologue, the partial written in float32 and read back by the combine, 8 B per row and
