@@ -27,5 +27,5 @@ def test_the_contract_sorts_every_parameter_into_one_group():
 
 def test_a_feature_the_package_lacks_is_refused_by_name():
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
-    said = t13.refusal(lambda: sdpa._flash_attn_fwd(q, q, q, softcap=30.0))
-    assert said.startswith("UnsupportedError") and "softcap" in said
+    said = t13.refusal(lambda: sdpa._flash_attn_fwd(q, q, q, score_mod=lambda *a: a[0]))
+    assert said.startswith("UnsupportedError") and "score_mod" in said

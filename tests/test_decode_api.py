@@ -1,16 +1,17 @@
-"""The decode kernel through fa4_final's API, behind the gate of pending features (decode), on a
-CPU (fa4_final.runtime.decode_entry, Note [Decode through the API]):
+"""The decode kernel through fa4_final's API, on a CPU (fa4_final.runtime.decode_entry,
+Note [Decode through the API]). Its GPU tests passed on an H100 (tests/gpu/test_decode*.py,
+results/h100/gpu_checks.json) and its row of the pending-features gate was deleted:
 
 - flash_attn_varlen_func's page_table (packed and dense q), api.sdpa's _flash_attn_fwd and the
-  runtime entry: checked (bad tables, lengths, page sizes, num_splits named), refused by name
-  unless FA4_FINAL_PENDING lists decode, then past the gate to the device check; what the
-  kernel lacks (head dims, softcap, a right window, seqused_q) and a gradient refused by name;
-- num_splits: named when it is no int; with decode listed a forward-only decode shape of
-  flash_attn_func runs the runtime entry (recorded here), every other call the forward as
-  before, and without the environment nothing changes;
+  runtime entry: checked (bad tables, lengths, page sizes, num_splits named), then on to the
+  device check without FA4_FINAL_PENDING; what the kernel lacks (head dims, softcap, a right
+  window, seqused_q) and a gradient refused by name;
+- num_splits: named when it is no int; a forward-only decode shape of flash_attn_func runs the
+  runtime entry (recorded here), every other call the forward as before; naming decode in
+  FA4_FINAL_PENDING (as the GPU tests still do) changes nothing;
 - the compile keys (decode_recipe's arguments) and the split count from shapes only (meta
   tensors: no value is read), the partials and the combine when split;
-- the op's fake impl (shapes, the gate).
+- the op's fake impl (shapes).
 
 Nothing here runs a GPU kernel (tests/gpu/test_decode_api.py does).
 """
@@ -30,7 +31,7 @@ from fa4_final.runtime import decode_entry, dispatch, pending, prologue
 from fa4_final.runtime.decode import choose_num_splits
 
 BF16 = torch.bfloat16
-GATE = "does not run decode yet"  # the gate's words (decode_entry.gate_paged)
+GATE = "does not run decode yet"  # the words of the gate decode had (gone with its row)
 DEVICE = "runs on CUDA GPUs"  # the device check's (runtime.dispatch.backend_for)
 
 
@@ -97,22 +98,14 @@ def _entries(**shape):
 # the gate
 
 
-def test_decode_is_a_pending_row():
-    assert "decode" in pending.PENDING and "GPU tests" in pending.PENDING["decode"]
-    assert not pending.listed("decode")
+def test_decode_passed_its_gpu_tests_and_left_the_gate():
+    assert "decode" not in pending.PENDING and pending.listed("decode")
 
 
-def test_the_gate_refuses_page_table_by_name_on_every_entry():
-    for func, call in _entries():
-        with pytest.raises(UnsupportedError) as info:
-            call()
-        message = str(info.value)
-        assert message.startswith(f"{func}: FA4's page_table=<tensor (3, 4) torch.int32"), message
-        assert GATE in message and f"{pending.ENV}=decode" in message, message
-
-
-def test_listed_page_table_gets_past_the_gate_to_the_device_check(monkeypatch):
-    monkeypatch.setenv(pending.ENV, "decode")
+@pytest.mark.parametrize("env", ["", "decode"], ids=["default", "named"])
+def test_a_page_table_reaches_the_device_check_on_every_entry(monkeypatch, env):
+    """Without FA4_FINAL_PENDING, and with decode named there (as the GPU tests still do)."""
+    monkeypatch.setenv(pending.ENV, env)
     with torch.no_grad():
         for func, call in _entries():
             with pytest.raises(UnsupportedError, match=DEVICE) as info:
@@ -121,7 +114,7 @@ def test_listed_page_table_gets_past_the_gate_to_the_device_check(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
-# checks: named before the gate (api.sdpa: after it, where its refusal always was)
+# checks: each bad value named
 
 
 def _bad(which):
@@ -150,29 +143,23 @@ BAD = ["page past the cache", "seqused_k over the capacity", "page size 24",
        "cu_seqlens_q past q", "table of int64"]
 
 
-@pytest.mark.parametrize("listed", [False, True])
 @pytest.mark.parametrize("which", BAD)
-def test_bad_page_tables_are_named_before_the_gate(monkeypatch, which, listed):
-    if listed:
-        monkeypatch.setenv(pending.ENV, "decode")
+def test_bad_page_tables_are_named(which):
     t, error, words = _bad(which)
     with pytest.raises(error, match=words):
         _varlen_call(t)
-    monkeypatch.setenv(pending.ENV, "decode")  # the runtime entry checks the same
-    with torch.no_grad(), pytest.raises(error, match=words):
+    with torch.no_grad(), pytest.raises(error, match=words):  # the runtime entry the same
         _entry_call(t)
 
 
 @pytest.mark.parametrize("which", BAD)
-def test_sdpa_names_a_bad_page_table_past_its_gate(monkeypatch, which):
-    monkeypatch.setenv(pending.ENV, "decode")
+def test_sdpa_names_a_bad_page_table(which):
     t, error, words = _bad(which)
     with torch.no_grad(), pytest.raises(error, match=words):
         _sdpa_call(t)
 
 
 def test_a_value_check_can_be_switched_off_as_the_varlen_checks(monkeypatch):
-    monkeypatch.setenv(pending.ENV, "decode")
     monkeypatch.setenv("FA4_FINAL_VARLEN_CHECKS", "0")
     t, _, _ = _bad("page past the cache")
     with torch.no_grad(), pytest.raises(UnsupportedError, match=DEVICE):
@@ -186,8 +173,8 @@ def test_cu_seqlens_k_and_seqused_k_with_a_page_table(monkeypatch):
     t["seqused_k"] = None  # FA4's reading: every page of a row, so a padding -1 is a bad page
     with pytest.raises(ValueError, match="no seqused_k: every entry of the row"):
         _varlen_call(t)
-    t["page_table"] = t["page_table"].clamp(min=0)  # every entry a page: to the gate
-    with pytest.raises(UnsupportedError, match="decode"):
+    t["page_table"] = t["page_table"].clamp(min=0)  # every entry a page: to the device check
+    with torch.no_grad(), pytest.raises(UnsupportedError, match=DEVICE):
         _varlen_call(t)
 
 
@@ -214,7 +201,6 @@ def test_num_splits_that_is_no_int_is_named_everywhere(value):
                                                 "is refused: .* a left window side >= 0"),
     (dict(seqused_q=True), "seqused_q with a page_table is refused")])
 def test_what_the_decode_kernel_lacks_is_refused_by_name(monkeypatch, change, words):
-    monkeypatch.setenv(pending.ENV, "decode,softcap,head_dims")
     t = paged(varlen=True)
     kw = dict(change)
     if "dv" in kw:
@@ -227,7 +213,6 @@ def test_what_the_decode_kernel_lacks_is_refused_by_name(monkeypatch, change, wo
 
 
 def test_a_paged_call_that_needs_a_gradient_is_refused_at_the_forward(monkeypatch):
-    monkeypatch.setenv(pending.ENV, "decode")
     t = paged(varlen=True)
     t["q"].requires_grad_(True)
     for call in (_varlen_call, _sdpa_call):
@@ -235,9 +220,6 @@ def test_a_paged_call_that_needs_a_gradient_is_refused_at_the_forward(monkeypatc
             call(t)
     with torch.no_grad(), pytest.raises(UnsupportedError, match=DEVICE):
         _varlen_call(t)  # no gradient asked: past the refusal, to the device check
-    monkeypatch.delenv(pending.ENV)
-    with pytest.raises(UnsupportedError, match=GATE):  # the gate comes first
-        _varlen_call(t)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,8 +253,7 @@ def dense(b=2, sq=1, sk=40, h=8, hk=2, d=64, grad=False):
             for s, n in ((sq, h), (sk, hk), (sk, hk))]
 
 
-def test_a_decode_shape_runs_the_decode_entry_with_num_splits_when_listed(monkeypatch):
-    monkeypatch.setenv(pending.ENV, "decode")
+def test_a_decode_shape_runs_the_decode_entry_with_num_splits(monkeypatch):
     rec = Recorder(monkeypatch)
     q, k, v = dense()
     for splits in (1, 0, 3, -2):
@@ -298,25 +279,23 @@ def test_a_decode_shape_runs_the_decode_entry_with_num_splits_when_listed(monkey
         cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
         cu_seqlens_k=torch.tensor([0, 3, 6, 9], dtype=torch.int32), num_splits=3))])
 def test_other_calls_run_the_forward_as_before(monkeypatch, cpu_kernels, why, call):
-    monkeypatch.setenv(pending.ENV, "decode,softcap")
     rec = Recorder(monkeypatch, hopper=False)
     call()
     assert rec.calls == [], why
 
 
-def test_nothing_changes_without_the_environment(monkeypatch, cpu_kernels):
-    rec = Recorder(monkeypatch, hopper=False)
+def test_naming_decode_in_the_environment_changes_nothing(monkeypatch):
+    rec = Recorder(monkeypatch)
     q, k, v = dense()
-    base = flash_attn_func(q, k, v, causal=True, return_lse=True)
-    for splits in (0, 1, 3):
-        got = flash_attn_func(q, k, v, causal=True, return_lse=True, num_splits=splits,
-                              pack_gqa=True)
-        assert all(torch.equal(a, b) for a, b in zip(base, got))
-    assert rec.calls == []
+    for env in ("", "decode"):
+        monkeypatch.setenv(pending.ENV, env)
+        for splits in (0, 1, 3):
+            flash_attn_func(q, k, v, causal=True, return_lse=True, num_splits=splits,
+                            pack_gqa=True)
+    assert [c["num_splits"] for c in rec.calls] == [0, 1, 3] * 2
 
 
 def test_a_paged_call_reaches_the_entry_with_its_tensors(monkeypatch):
-    monkeypatch.setenv(pending.ENV, "decode")
     rec = Recorder(monkeypatch)
     t = paged(varlen=True, sq=2)
     with torch.no_grad():
@@ -425,7 +404,7 @@ def test_the_split_count_follows_fa4s_meaning():
 # the op (what torch.compile sees)
 
 
-def test_the_ops_fake_gives_shapes_and_is_gated(monkeypatch):
+def test_the_ops_fake_gives_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -434,9 +413,6 @@ def test_the_ops_fake_gives_shapes_and_is_gated(monkeypatch):
         table = torch.zeros(3, 4, dtype=torch.int32, device="cuda")
         used = torch.zeros(3, dtype=torch.int32, device="cuda")
         cu = torch.zeros(4, dtype=torch.int32, device="cuda")
-        with pytest.raises(UnsupportedError, match=GATE):
-            ops.decode_fwd(pq, pk, pk, table, used, cu, 2, 0.125, True, None, 0)
-        monkeypatch.setenv(pending.ENV, "decode")
         out, lse = ops.decode_fwd(pq, pk, pk, table, used, cu, 2, 0.125, True, None, 0)
         assert out.shape == (6, 8, 64) and lse.shape == (8, 6) and lse.dtype == torch.float32
         q = torch.empty(2, 1, 8, 64, dtype=BF16, device="cuda")
@@ -445,12 +421,9 @@ def test_the_ops_fake_gives_shapes_and_is_gated(monkeypatch):
         assert out.shape == q.shape and lse.shape == (2, 8, 1)
 
 
-def test_the_dense_runtime_entry_is_gated_too(monkeypatch):
+def test_the_dense_runtime_entry_reaches_the_device_check(monkeypatch):
     q, k, v = dense()
     out, lse = torch.zeros_like(q), torch.zeros(2, 8, 1)
-    with pytest.raises(UnsupportedError, match=GATE):
-        decode_entry.decode_forward_into(q, k, v, out, lse)
-    monkeypatch.setenv(pending.ENV, "decode")
     with pytest.raises(UnsupportedError, match=DEVICE):
         decode_entry.decode_forward_into(q, k, v, out, lse)
     row = replace(dispatch.HOPPER, family="Blackwell")
@@ -520,7 +493,6 @@ def test_the_path_with_the_kernel_emulated_equals_float64(monkeypatch, splits):
     tests.decode_reference's float64 answer."""
     from tests.decode_reference import decode_reference, varlen_decode_reference
 
-    monkeypatch.setenv(pending.ENV, "decode")
     emu = Emulated(monkeypatch)
     lengths = (0, 1, 77, 300)
     t = paged(batch=4, sq=3, h=8, hk=2, d=64, page=32, num_pages=40, max_pages=10,
@@ -562,7 +534,6 @@ def test_compile_fullgraph_of_a_paged_and_a_routed_call(monkeypatch):
     """torch.compile(fullgraph=True) sees the op (fa4_final::decode_fwd) with no graph break;
     the compiled call's values are checked when it runs (a page past the cache named) and its
     answer is the eager one."""
-    monkeypatch.setenv(pending.ENV, "decode")
     emu = Emulated(monkeypatch)
     torch._dynamo.reset()
     t = paged(batch=3, sq=2, h=8, hk=2, d=64, page=32, num_pages=12, max_pages=4,

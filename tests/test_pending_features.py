@@ -1,10 +1,14 @@
 """The gate of pending features (fa4_final.runtime.pending, Note [Pending features]) and FA4's
 softcap and learnable_sink wired through every layer, on a CPU.
 
-- The gate refuses each pending feature by name on every entry (flash_attn_func,
+- softcap and learnable_sink passed their GPU tests (tests/gpu/test_softcap_sinks_api.py on an
+  H100, results/h100/gpu_checks.json) and left the gate: every entry (flash_attn_func,
   flash_attn_varlen_func, api.sdpa's _flash_attn_fwd/_flash_attn_bwd, the runtime's entry
-  points) and lets it through when FA4_FINAL_PENDING lists it: the call then gets past the gate
-  to the device check (a CPU tensor is refused there, for its device, not for the feature).
+  points) takes them without FA4_FINAL_PENDING, to the device check (a CPU tensor is refused
+  there, for its device, not for the feature).
+- The gate's mechanism, with a row put back (monkeypatch.setitem on PENDING): each feature
+  refused by name on every entry, let through when FA4_FINAL_PENDING lists it, the variable
+  read at each call and while torch.compile traces.
 - Bad values are refused by name before the gate (a negative or NaN softcap, a sink of the
   wrong shape, dtype or device).
 - The custom ops carry both (schemas, fake implementations, opcheck), torch.compile traces them
@@ -93,8 +97,28 @@ def _entries(feature: str, value):
 FEATURES = [("softcap", 30.0), ("learnable_sink", sink())]
 
 
+def put_back(monkeypatch, *names):
+    """The deleted rows ``names`` back in PENDING for one test (the gate reads the table at each
+    call): how the gate's mechanism stays tested now that no row of these features is left."""
+    for name in names:
+        monkeypatch.setitem(pending.PENDING, name, f"put back by the test: {name}")
+
+
 @pytest.mark.parametrize("feature, value", FEATURES, ids=[f for f, _ in FEATURES])
-def test_the_gate_refuses_each_pending_feature_by_name_on_every_entry(feature, value):
+def test_softcap_and_sink_passed_their_gpu_tests_and_every_entry_takes_them_ungated(feature,
+                                                                                    value):
+    """No row, no FA4_FINAL_PENDING: every entry goes on to the device check."""
+    assert feature not in pending.PENDING and pending.listed(feature)
+    for func, call in _entries(feature, value):
+        with pytest.raises(UnsupportedError) as info:
+            call()
+        assert DEVICE in str(info.value) and GATE not in str(info.value), (func, info.value)
+
+
+@pytest.mark.parametrize("feature, value", FEATURES, ids=[f for f, _ in FEATURES])
+def test_the_gate_refuses_a_pending_feature_by_name_on_every_entry(monkeypatch, feature, value):
+    """The mechanism, its row put back: refused by name, value and variable on every entry."""
+    put_back(monkeypatch, feature)
     for func, call in _entries(feature, value):
         with pytest.raises(UnsupportedError) as info:
             call()
@@ -106,8 +130,9 @@ def test_the_gate_refuses_each_pending_feature_by_name_on_every_entry(feature, v
 
 @pytest.mark.parametrize("feature, value", FEATURES, ids=[f for f, _ in FEATURES])
 def test_listed_in_the_environment_a_feature_gets_past_the_gate(monkeypatch, feature, value):
-    """With FA4_FINAL_PENDING naming it, every entry goes on to the device check, which
-    refuses a CPU tensor for its device."""
+    """A row put back and FA4_FINAL_PENDING naming it: every entry goes on to the device
+    check, which refuses a CPU tensor for its device."""
+    put_back(monkeypatch, feature)
     monkeypatch.setenv(pending.ENV, f"qv, {feature}")
     for func, call in _entries(feature, value):
         with pytest.raises(UnsupportedError) as info:
@@ -116,6 +141,7 @@ def test_listed_in_the_environment_a_feature_gets_past_the_gate(monkeypatch, fea
 
 
 def test_the_environment_is_read_at_each_call_and_names_one_feature(monkeypatch):
+    put_back(monkeypatch, "softcap", "learnable_sink")
     q, k, v = dense()
     monkeypatch.setenv(pending.ENV, "softcap")
     with pytest.raises(UnsupportedError, match=DEVICE):
@@ -127,10 +153,12 @@ def test_the_environment_is_read_at_each_call_and_names_one_feature(monkeypatch)
         flash_attn_func(q, k, v, softcap=5.0)
 
 
-def test_the_table_and_refuse_pending():
-    assert set(pending.PENDING) >= {"softcap", "learnable_sink"}
+def test_the_table_and_refuse_pending(monkeypatch):
+    assert not set(pending.PENDING) & {"softcap", "learnable_sink"}
     assert all(isinstance(why, str) and why for why in pending.PENDING.values())
     pending.refuse_pending("f", "not_a_pending_feature", 1)  # never gated
+    pending.refuse_pending("f", "softcap", 2.0)  # no row: not gated any more
+    put_back(monkeypatch, "softcap")
     with pytest.raises(UnsupportedError, match=r"f: FA4's softcap=2\.0 is refused"):
         pending.refuse_pending("f", "softcap", 2.0)
 
@@ -191,8 +219,8 @@ def test_a_bad_sink_is_refused_by_name(bad, error, words):
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, torch.float16])
-def test_each_sink_dtype_fa4_takes_gets_to_the_gate(dtype):
-    with pytest.raises(UnsupportedError, match=f"{GATE} learnable_sink yet"):
+def test_each_sink_dtype_fa4_takes_gets_past_its_checks(dtype):
+    with pytest.raises(UnsupportedError, match=DEVICE):
         flash_attn_func(*dense(), learnable_sink=sink(dtype=dtype))
 
 
@@ -261,7 +289,6 @@ def test_autograd_through_the_ops_equals_float64(monkeypatch, cpu_kernels, causa
     """dq, dk, dv (the softcap backward) and d(learnable_sink) (sink_gradient, with dlse when
     the lse is returned and used) against float64 autograd; sq > sk with causal gives rows
     that see no key (out 0, lse = the sink)."""
-    monkeypatch.setenv(pending.ENV, "softcap,learnable_sink")
     q, k, v = dense(sq=40, sk=24, grad=True)
     s = sink(grad=True) if with_sink else None
     out, lse = flash_attn_func(q, k, v, causal=causal, softcap=softcap, learnable_sink=s,
@@ -291,7 +318,6 @@ def test_autograd_through_the_ops_equals_float64(monkeypatch, cpu_kernels, causa
 
 
 def test_the_sink_gradient_is_skipped_when_the_sink_needs_none(monkeypatch, cpu_kernels):
-    monkeypatch.setenv(pending.ENV, "learnable_sink")
     q, k, v = dense(grad=True)
     s = sink()  # requires no grad
     out, _ = flash_attn_func(q, k, v, learnable_sink=s)
@@ -300,7 +326,6 @@ def test_the_sink_gradient_is_skipped_when_the_sink_needs_none(monkeypatch, cpu_
 
 
 def test_varlen_autograd_with_softcap_and_sink(monkeypatch, cpu_kernels):
-    monkeypatch.setenv(pending.ENV, "softcap,learnable_sink")
     pq, pk, pv, cu_q, cu_k = packed(lens_q=(5, 7, 19), lens_k=(9, 0, 30), grad=True)
     s = sink(grad=True)
     out, lse = flash_attn_varlen_func(pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -330,7 +355,6 @@ class GraphCounter:
 def test_compile_fullgraph_with_softcap_and_sink(monkeypatch, cpu_kernels):
     """One graph with the forward op in it; outputs and gradients (the sink's included) equal
     the eager call's."""
-    monkeypatch.setenv(pending.ENV, "softcap,learnable_sink")
     torch._dynamo.reset()
 
     def layer(q, k, v, s):
@@ -352,13 +376,20 @@ def test_compile_fullgraph_with_softcap_and_sink(monkeypatch, cpu_kernels):
         torch.testing.assert_close(got, want)
 
 
-def test_compile_traces_the_gate(cpu_kernels):
-    """Under torch.compile the gate still refuses (the environment is read while tracing)."""
+def test_compile_traces_the_gate(monkeypatch, cpu_kernels):
+    """Under torch.compile a pending row still refuses (the table and the environment are read
+    while tracing); with no row the same call compiles and runs."""
+    put_back(monkeypatch, "softcap")
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, softcap=5.0)[0],
                              fullgraph=True, backend="eager")
     with pytest.raises(Exception, match=f"{GATE} softcap yet"):
         compiled(*dense())
+    monkeypatch.delitem(pending.PENDING, "softcap")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, softcap=5.0)[0],
+                             fullgraph=True, backend="eager")
+    assert compiled(*dense()).shape == (2, 24, 4, 64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,7 +416,6 @@ def test_rows_with_no_key_get_the_sink_as_lse():
 def test_sdpa_backward_returns_dsink_as_fa4(monkeypatch):
     """With a sink, _flash_attn_bwd returns (dq, dk, dv, dsink), dsink from sink_gradient in
     the sink's dtype (dlse included); the kernels' part is stubbed (no GPU here)."""
-    monkeypatch.setenv(pending.ENV, "softcap,learnable_sink")
     seen = {}
 
     def fake_backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, window,
@@ -524,7 +554,6 @@ class RefBackend:
 def test_eager_path_matches_the_ops(monkeypatch, cpu_kernels, kw):
     from dataclasses import replace
 
-    monkeypatch.setenv(pending.ENV, "softcap,learnable_sink")
     rec = RefBackend()
     backend = replace(dispatch.BACKENDS[0], forward=rec.forward, backward=rec.backward)
     monkeypatch.setattr(prologue, "backend_for", lambda device: backend)
@@ -562,8 +591,9 @@ def test_eager_path_matches_the_ops(monkeypatch, cpu_kernels, kw):
 def test_conformance_feature_cases_pass_on_the_cpu_reference_and_catch_a_dropped_sink(
         cpu_kernels):
     """fa4_final's API (its CPU kernels: the test-only reference) on small --features cases:
-    the driver sets FA4_FINAL_PENDING around the call itself, and every case agrees with the
-    float64 reference (dsink judged too); a package that drops the sink is a MISMATCH."""
+    the driver still sets FA4_FINAL_PENDING around the call (harmless since both left the gate),
+    and every case agrees with the float64 reference (dsink judged too); a package that drops
+    the sink is a MISMATCH."""
     import types
 
     import fa4_final

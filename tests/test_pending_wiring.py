@@ -1,6 +1,6 @@
-"""Three features wired through fa4_final's API that have left the gate of
-fa4_final.runtime.pending (Note [Pending features]: their GPU tests passed on an H200, their
-rows were deleted), and the narrow row that stays (varlen_row_store), on a CPU:
+"""Four features wired through fa4_final's API that have left the gate of
+fa4_final.runtime.pending (Note [Pending features]: their GPU tests passed, their rows were
+deleted), on a CPU:
 
 - lse_fold: the autograd backward of a call that returns the lse and uses it makes ONE backward
   call that takes dlse (the has_dlse builds, Note [The lse gradient folded]), by default, in
@@ -13,10 +13,11 @@ rows were deleted), and the narrow row that stays (varlen_row_store), on a CPU:
   the ops' fake impls without FA4_FINAL_PENDING; a call that will need a gradient there is
   refused at the forward, gate or no gate (the backward is not built); head_dim_v in the
   compile key only when != D.
-- varlen_row_store (pending): the varlen forward at v head dims 96 and 192 is refused by name
-  (flash_attn_varlen_func, api.sdpa's packed _flash_attn_fwd, the runtime's
-  varlen_forward_into) unless FA4_FINAL_PENDING lists it; other v head dims, and dense calls
-  at 96 and 192, never ask.
+- varlen_row_store: the varlen forward at v head dims 96 and 192 (left the gate after
+  tests/gpu/test_fwd_head_dims.py -k varlen passed on an H100, results/h100/gpu_checks.json:
+  its cases hold dv 96, not 192) is taken by flash_attn_varlen_func, api.sdpa's packed
+  _flash_attn_fwd and the runtime's varlen_forward_into without FA4_FINAL_PENDING, as every
+  other v head dim and the dense calls are.
 - seqused_q: flash_attn_varlen_func and api.sdpa take it (dense q refused by name), checked
   like seqused_k (metadata, then values), through the ops (fake, autograd, compile) to the
   varlen runners' has_seqused_q keys; padding rows: out 0, dq 0.
@@ -92,9 +93,9 @@ def test_lse_fold_passed_its_gpu_tests_and_listed_is_true_without_the_environmen
     a row still pending is listed only when named."""
     assert "lse_fold" not in pending.PENDING
     assert pending.listed("lse_fold") and pending.listed("not_a_pending_feature")
-    assert not pending.listed("softcap")
-    monkeypatch.setenv(pending.ENV, "softcap, lse_fold")
-    assert pending.listed("lse_fold") and pending.listed("softcap")
+    assert not pending.listed("bwd_head_dims")
+    monkeypatch.setenv(pending.ENV, "bwd_head_dims, lse_fold")
+    assert pending.listed("lse_fold") and pending.listed("bwd_head_dims")
     monkeypatch.delenv(pending.ENV)
     _lse_fold_row(monkeypatch)  # the mechanism the probe-path tests below rely on
     assert not pending.listed("lse_fold")
@@ -147,7 +148,6 @@ def test_lse_fold_changes_nothing_without_a_loss_on_lse_or_without_return_lse(
 def test_lse_fold_with_softcap_and_sink_equals_the_probe_path(monkeypatch, cpu_kernels):
     """The one call and the probe's two give the same gradients (dsink from sink_gradient)."""
     sink = torch.tensor([-1.0, 0.5, 2.0, 3.5])
-    monkeypatch.setenv(pending.ENV, "softcap,learnable_sink")
 
     def run():
         q, k, v = dense(sq=40, sk=24, grad=True)
@@ -305,13 +305,13 @@ def test_the_cpu_reference_folds_dlse_as_the_probe_does():
 
 
 # ----------------------------------------------------------------------------------------------
-# head_dims: FWD_HEAD_DIMS and dv != d, the Hopper forward only (left the gate); the varlen
-# forward at v head dims 96 and 192 (varlen_row_store, pending)
+# head_dims: FWD_HEAD_DIMS and dv != d, the Hopper forward only (left the gate), the varlen
+# forward at v head dims 96 and 192 too (varlen_row_store, left the gate)
 
 
 HEAD_DIM_CASES = [(96, 96), (192, 128), (256, 256), (64, 128), (128, 64), (128, 192),
                   (256, 96)]
-ROW_STORE_DVS = (96, 192)  # the v head dims varlen_row_store gates, varlen calls only
+ROW_STORE_DVS = (96, 192)  # the v head dims varlen_row_store gated, varlen calls only
 
 
 def _head_dim_entries(d, dv):
@@ -331,39 +331,26 @@ def _head_dim_entries(d, dv):
         pq, pk, pv, cu_q, cu_k, None, None, None, pout, plse)
 
 
-def _assert_row_store_refusal(message: str, dv: int) -> None:
-    """varlen_row_store's refusal (runtime.pending.check_varlen_head_dim_v): the v head dim,
-    the gate's words, the row's name, and what runs (varlen and dense)."""
-    assert f"v's head dim {dv} is refused for varlen calls" in message, message
-    assert f"{GATE} it yet" in message and pending.PENDING["varlen_row_store"] in message, message
-    assert "The varlen forward runs v head dims (64, 128, 256)" in message, message
-    assert "dense calls run (64, 96, 128, 192, 256)" in message, message
-    assert f"{pending.ENV}=varlen_row_store" in message, message
-
-
 @pytest.mark.parametrize("d, dv", HEAD_DIM_CASES)
 def test_head_dims_passed_their_gpu_tests_and_every_forward_entry_takes_them_ungated(d, dv):
     """head_dims left the gate (tests/gpu/test_fwd_head_dims.py and test_pending_api.py -k
-    head_dims passed on an H200): without FA4_FINAL_PENDING every forward entry gets past the
-    gate to the device check, but a varlen call at v head dim 96 or 192, which the narrower
-    varlen_row_store row refuses (its own tests below)."""
-    assert "head_dims" not in pending.PENDING and pending.listed("head_dims")
-    for func, is_varlen, call in _head_dim_entries(d, dv):
+    head_dims passed), and varlen_row_store after it (the varlen forward at v head dims 96 and
+    192: tests/gpu/test_fwd_head_dims.py -k varlen passed on an H100): without
+    FA4_FINAL_PENDING every forward entry, varlen ones included, gets past the gate to the
+    device check."""
+    for name in ("head_dims", "varlen_row_store"):
+        assert name not in pending.PENDING and pending.listed(name)
+    for func, _, call in _head_dim_entries(d, dv):
         with pytest.raises(UnsupportedError) as info:
             call()
         message = str(info.value)
-        if is_varlen and dv in ROW_STORE_DVS:
-            _assert_row_store_refusal(message, dv)
-        else:
-            assert DEVICE in message and GATE not in message, (func, message)
+        assert DEVICE in message and GATE not in message, (func, message)
 
 
 @pytest.mark.parametrize("d, dv", HEAD_DIM_CASES)
 @pytest.mark.parametrize("env", ["varlen_row_store", "head_dims,varlen_row_store"])
-def test_with_varlen_row_store_listed_every_forward_entry_gets_to_the_device_check(
-        monkeypatch, d, dv, env):
-    """The varlen forward at v head dims 96 and 192 let through by FA4_FINAL_PENDING (the GPU
-    tests' way); head_dims named there too (as tests/gpu still do) changes nothing."""
+def test_naming_the_deleted_rows_in_the_environment_changes_nothing(monkeypatch, d, dv, env):
+    """The GPU tests still set FA4_FINAL_PENDING=head_dims,varlen_row_store: harmless."""
     monkeypatch.setenv(pending.ENV, env)
     for func, _, call in _head_dim_entries(d, dv):
         with pytest.raises(UnsupportedError) as info:
@@ -372,29 +359,15 @@ def test_with_varlen_row_store_listed_every_forward_entry_gets_to_the_device_che
 
 
 # ----------------------------------------------------------------------------------------------
-# varlen_row_store
-
-
-def test_varlen_row_store_is_a_pending_row_for_v_head_dims_96_and_192_only():
-    assert "varlen_row_store" in pending.PENDING and pending.PENDING["varlen_row_store"]
-    assert not pending.listed("varlen_row_store")
-    for dv in (64, 128, 256):
-        assert pending.check_varlen_head_dim_v("varlen_forward_into", dv) is None
-    for dv in ROW_STORE_DVS:
-        with pytest.raises(UnsupportedError) as info:
-            pending.check_varlen_head_dim_v("varlen_forward_into", dv)
-        assert str(info.value).startswith(f"varlen_forward_into: v's head dim {dv} ")
-        _assert_row_store_refusal(str(info.value), dv)
+# varlen_row_store (left the gate)
 
 
 @pytest.mark.parametrize("d, dv", [(96, 96), (192, 192), (128, 96), (192, 128), (256, 192),
                                    (64, 96)])
-def test_varlen_row_store_refuses_the_varlen_forward_at_dv_96_and_192_by_name(d, dv):
+def test_the_varlen_forward_at_dv_96_and_192_reaches_the_device_check(d, dv):
     """flash_attn_varlen_func, api.sdpa's packed _flash_attn_fwd and the runtime's
-    varlen_forward_into at v head dim 96 or 192 (whatever q's): refused by name (the message
-    names the entry that gates: flash_attn_varlen_func itself, else varlen_forward_into),
-    before the device check; the
-    same calls at dv 128 (or any other) and dense calls at dv 96 / 192 never ask."""
+    varlen_forward_into at v head dim 96 or 192 (whatever q's), as at any other: the device
+    check, never the gate."""
     varlen_calls = [(func, call) for func, is_varlen, call in _head_dim_entries(d, dv)
                     if is_varlen]
     assert [f for f, _ in varlen_calls] == ["flash_attn_varlen_func", "_flash_attn_fwd",
@@ -403,16 +376,11 @@ def test_varlen_row_store_refuses_the_varlen_forward_at_dv_96_and_192_by_name(d,
         with pytest.raises(UnsupportedError) as info:
             call()
         message = str(info.value)
-        if dv in ROW_STORE_DVS:  # the public function gates itself; the others at the runtime
-            gate = func if func == "flash_attn_varlen_func" else "varlen_forward_into"
-            assert message.startswith(f"{gate}: v's head dim {dv} "), (func, message)
-            _assert_row_store_refusal(message, dv)
-        else:
-            assert DEVICE in message and GATE not in message, (func, message)
+        assert DEVICE in message and GATE not in message, (func, message)
 
 
 @pytest.mark.parametrize("dv", ROW_STORE_DVS)
-def test_dense_calls_at_dv_96_and_192_never_ask_varlen_row_store(dv):
+def test_dense_calls_at_dv_96_and_192_never_asked_varlen_row_store(dv):
     for d in (dv, 64, 128, 256):
         for func, is_varlen, call in _head_dim_entries(d, dv):
             if is_varlen:
@@ -435,9 +403,8 @@ def test_varlen_row_store_never_gates_the_other_v_head_dims(dv):
             assert DEVICE in str(info.value) and GATE not in str(info.value), (func, info.value)
 
 
-def test_varlen_row_store_gates_after_the_arguments_own_checks():
-    """A bad argument is named first (Note [Pending features]): a v head dim the forward has
-    no build for, and out of the wrong head dim, at a call the gate would refuse."""
+def test_bad_arguments_of_the_varlen_forward_at_dv_192_are_named():
+    """A v head dim the forward has no build for, and out of the wrong head dim, named."""
     pq, pk, pv, cu_q, cu_k = packed(d=192, dv=192)
     with pytest.raises(ValueError, match=r"out must be like q with v's head dim \(24, 4, 192\)"):
         varlen.varlen_forward_into(pq, pk, pv, cu_q, cu_k, None, None, None,
@@ -468,7 +435,7 @@ def test_head_dims_outside_the_forward_builds_are_named(d, dv, words):
 
 def test_fake_out_has_v_head_dim_and_the_fake_takes_the_head_dims_ungated(monkeypatch):
     """The ops' fake impls pass the head dims' (deleted) gate without FA4_FINAL_PENDING; the
-    varlen fake at dv 96 with varlen_row_store listed (the real call's condition)."""
+    varlen fake at dv 96 too (varlen_row_store left the gate)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -486,7 +453,6 @@ def test_fake_out_has_v_head_dim_and_the_fake_takes_the_head_dims_ungated(monkey
         out, lse = ops.varlen_fwd(pq, pk, pv, cu, cu, None, -1, -1, 0.1, False, -1, -1, False,
                                   True)
         assert out.shape == (300, 8, 64) and lse.shape == (8, 300)
-        monkeypatch.setenv(pending.ENV, "varlen_row_store")
         pv = torch.empty(200, 2, 96, dtype=BF16, device="cuda")
         out, lse = ops.varlen_fwd(pq, pk, pv, cu, cu, None, -1, -1, 0.1, False, -1, -1, False,
                                   True)
@@ -542,10 +508,6 @@ def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
     for func, call, message in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
         assert f"{func}: the backward at head_dim={d}, dv={dv} is not built" in message
         assert "torch.no_grad()" in message and "requiring grad" in message
-        if func == "flash_attn_varlen_func" and dv in ROW_STORE_DVS and not env:
-            with torch.no_grad(), pytest.raises(UnsupportedError, match="varlen_row_store"):
-                call()  # the forward alone: the varlen row store's own gate
-            continue
         with torch.no_grad():
             out, _ = call()
         assert out.shape[-1] == dv and not out.requires_grad

@@ -264,9 +264,7 @@ def test_the_forward_returns_the_pair_torch_unpacks(sdpa_on_cpu, monkeypatch):
 def _non_neutral(name: str, default):
     if isinstance(default, bool):
         return not default
-    if name == "learnable_sink":  # a valid sink of the 2 heads below: refused as pending
-        return torch.zeros(2)
-    return {"softcap": 0.5, "_arch": 90}.get(name, torch.zeros(1))
+    return {"_arch": 90}.get(name, torch.zeros(1))
 
 
 def _refused():
@@ -304,10 +302,23 @@ def test_the_neutral_values_are_not_refused(func, kernels):
     assert all(torch.equal(a, b) for a, b in zip(plain, got))
 
 
-def test_page_table_is_refused_until_the_decode_path_is_verified():
-    x = torch.zeros(1, 8, 2, 64, dtype=BF16)
-    with pytest.raises(UnsupportedError, match="page_table.*not run on a GPU"):
-        sdpa._flash_attn_fwd(x, x, x, page_table=torch.zeros(1, 1, dtype=torch.int32))
+def test_page_table_softcap_and_sink_are_run_not_refused():
+    """They left the gate of pending features (their GPU tests passed on an H100): checked
+    (a page of 8 rows named), then on to the device check on a CPU, no FA4_FINAL_PENDING."""
+    names = set(sdpa.SUPPORTED_FWD)
+    assert {"page_table", "softcap", "learnable_sink"} <= names
+    assert {"softcap", "learnable_sink"} <= set(sdpa.SUPPORTED_BWD)
+    assert not hasattr(sdpa, "PENDING_FWD") and not hasattr(sdpa, "PENDING_BWD")
+    q = torch.zeros(1, 1, 2, 64, dtype=BF16)
+    table, used = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    small = torch.zeros(1, 8, 2, 64, dtype=BF16)
+    with pytest.raises(ValueError, match="page_size"):
+        sdpa._flash_attn_fwd(q, small, small, page_table=table, seqused_k=used)
+    kv = torch.zeros(1, 16, 2, 64, dtype=BF16)
+    for kw in (dict(page_table=table, seqused_k=used), dict(softcap=0.5),
+               dict(learnable_sink=torch.zeros(2))):
+        with pytest.raises(UnsupportedError, match="runs on CUDA GPUs"):
+            sdpa._flash_attn_fwd(q, kv, kv, **kw)
 
 
 @pytest.mark.parametrize("window,name", [((-1, 0), "window_size_left=-1"),

@@ -178,19 +178,23 @@ def test_check_learnable_sink():
         check_learnable_sink(torch.zeros(4), 4, torch.device("cuda"))
 
 
-def test_the_api_still_refuses_both():
-    """Until tests/gpu/test_softcap_sinks.py has passed on a Hopper GPU, a user's call must not
-    reach the new device code."""
+def test_the_api_takes_both_without_the_gate(monkeypatch):
+    """tests/gpu/test_softcap_sinks.py and test_softcap_sinks_api.py passed on an H100
+    (results/h100/gpu_checks.json): a user's call reaches the device code without
+    FA4_FINAL_PENDING (on a CPU it stops at the device check, not at the gate)."""
     from fa4_final.api.interface import flash_attn_func, flash_attn_varlen_func
     from fa4_final.common.errors import UnsupportedError
+    from fa4_final.runtime import pending
 
+    monkeypatch.delenv(pending.ENV, raising=False)
     q = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
-    with pytest.raises(UnsupportedError, match="softcap"):
-        flash_attn_func(q, q, q, softcap=30.0)
-    with pytest.raises(UnsupportedError, match="learnable_sink"):
-        flash_attn_func(q, q, q, learnable_sink=torch.zeros(2))
-    with pytest.raises(UnsupportedError, match="softcap"):
-        flash_attn_varlen_func(q[0], q[0], q[0], softcap=1.0)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    for call in (lambda: flash_attn_func(q, q, q, softcap=30.0),
+                 lambda: flash_attn_func(q, q, q, learnable_sink=torch.zeros(2)),
+                 lambda: flash_attn_varlen_func(q[0], q[0], q[0], cu_seqlens_q=cu,
+                                                cu_seqlens_k=cu, softcap=1.0)):
+        with pytest.raises(UnsupportedError, match="runs on CUDA GPUs"):
+            call()
 
 
 @pytest.mark.parametrize("varlen", [False, True])

@@ -13,27 +13,26 @@ score_mod=None, ...) and refused with UnsupportedError otherwise; ``num_splits``
 ``pack_gqa`` only tune FA4's speed and are ignored.
 
 Supported: softmax_scale, causal, window_size, deterministic, return_lse, GQA/MQA, varlen with
-seqused_k. Wired but pending (Note [Pending features] in fa4_final.runtime.pending): FA4's
-``softcap`` (a float; 0.0 or None: no cap; > 0: scores become softcap * tanh(scale * q.k /
-softcap)) and ``learnable_sink`` ((heads,) float32, bfloat16 or float16 on q's device: one
-extra logit per query head in every row's softmax denominator, differentiable). Both are
-checked (a negative softcap, a sink of the wrong shape, dtype or device is refused by name),
-then refused with UnsupportedError until their kernels have passed their GPU tests, unless
-FA4_FINAL_PENDING lists them. With a sink the returned lse includes it, and a row that sees no
+seqused_k and seqused_q, FA4's ``softcap`` (a float; 0.0 or None: no cap; > 0: scores become
+softcap * tanh(scale * q.k / softcap)) and ``learnable_sink`` ((heads,) float32, bfloat16 or
+float16 on q's device: one extra logit per query head in every row's softmax denominator,
+differentiable). Both are checked (a negative softcap, a sink of the wrong shape, dtype or
+device is refused by name). With a sink the returned lse includes it, and a row that sees no
 key gets out = 0 and lse = the sink, as FA4. Head dims 96, 192 and 256 and v's head dim dv !=
-q's (each of 64, 96, 128, 192, 256; out then has dv) run forward only on Hopper; a call that
-will need a gradient there is refused at the forward, naming the backward that is not built
-(torch.no_grad(), or inputs that do not require grad, run the forward); the backward at D =
-dv = 96, at D = 192, dv = 128 and at D = dv = 192 and 256 is built and pending
-(bwd_head_dims: refused by that name unless listed); the varlen
-forward at dv 96 and 192 is pending (varlen_row_store). The lse's gradient is folded into one
-backward call (Note [Gradient of the returned lse] in api.ops). Pending too, the decode kernel
+q's (each of 64, 96, 128, 192, 256; out then has dv) run forward only on Hopper, dense and
+varlen; a call that will need a gradient there is refused at the forward, naming the backward
+that is not built (torch.no_grad(), or inputs that do not require grad, run the forward); the
+backward at D = dv = 96, at D = 192, dv = 128 and at D = dv = 192 and 256 is built and pending
+(bwd_head_dims: refused by that name unless FA4_FINAL_PENDING lists it, Note [Pending features]
+in fa4_final.runtime.pending). The lse's gradient is folded into one backward call
+(Note [Gradient of the returned lse] in api.ops). The decode kernel
 (Note [Decode through the API] in fa4_final.runtime.decode_entry): flash_attn_varlen_func's
 ``page_table`` (k and v as (num_pages, page_size, heads_kv, dim), seqused_k or none, q packed
-with cu_seqlens_q or dense), checked
-(Note [Paged KV checks]) and refused by name unless FA4_FINAL_PENDING lists decode, then run by
-the decode kernel, forward only; and, with decode listed, a flash_attn_func call that needs no
-gradient at a decode shape (few query rows) runs that kernel with FA4's ``num_splits``.
+with cu_seqlens_q or dense), checked (Note [Paged KV checks]), then run by the decode kernel,
+forward only; and a flash_attn_func call that needs no gradient at a decode shape (few query
+rows) runs that kernel with FA4's ``num_splits``. The softcap, the sink, the varlen forward at
+dv 96 (dv 192 shares its row store and has no GPU case of its own yet) and the decode kernel
+passed their GPU tests against float64 on an H100 (an H200 run pending).
 
 Layout (FlashAttention's): q (batch, seqlen_q, heads, dim), k and v (batch, seqlen_k, heads_kv,
 dim) with heads % heads_kv == 0 (GQA/MQA); out like q; lse float32 (batch, heads, seqlen_q), the
@@ -67,25 +66,22 @@ from fa4_final.runtime.decode import check_num_splits
 from fa4_final.runtime.dispatch import backend_for_target
 from fa4_final.runtime.pending import (
     check_features,
-    check_varlen_head_dim_v,
     forward_only,
     refuse_backward_head_dims,
 )
 from fa4_final.runtime.prologue import forward, prepare
 
 # FA4 keywords of features fa4_final does not run, with the value that means "not used": any
-# other value is refused. softcap and learnable_sink are here as pending features (refused
-# unless FA4_FINAL_PENDING lists them, Note [Pending features]); the public functions and
-# api.sdpa take them as their own keywords and gate them, so they never reach
-# _refuse_fa4_options.
+# other value is refused. (softcap, learnable_sink and page_table, which it runs, are the public
+# functions' and api.sdpa's own keywords.)
 _FA4_NEUTRAL = {
-    "qv": None, "gather_kv_indices": None, "learnable_sink": None, "softcap": 0.0,
+    "qv": None, "gather_kv_indices": None,
     "score_mod": None, "score_mod_bwd": None, "mask_mod": None, "aux_tensors": None,
     "aux_scalars": None, "block_sparse_tensors": None, "block_sparse_tensors_bwd": None,
     "gather_bwd_recompute_p": False, "gather_bwd_token_chunk": None,
 }
 _FA4_VARLEN_NEUTRAL = {
-    **_FA4_NEUTRAL, "min_seqlen_k": None, "page_table": None,
+    **_FA4_NEUTRAL, "min_seqlen_k": None,
     "scheduler_metadata": None, "seqlen_k_per_split": None, "disable_scheduler_metadata": False,
 }
 _FA4_SPEED_ONLY = ("num_splits", "pack_gqa")  # change how FA4 runs, never what it returns
@@ -103,8 +99,8 @@ def _refuse_fa4_options(func: str, options: dict, neutral: dict) -> None:
         if not unused:
             raise UnsupportedError(
                 f"{func}: fa4_final does not implement FA4's {name} (got {value!r}); it supports "
-                f"softmax_scale, causal, window_size, deterministic, return_lse, GQA/MQA and "
-                f"varlen with seqused_k (softcap and learnable_sink: pending their GPU tests)")
+                f"softmax_scale, causal, window_size, deterministic, return_lse, GQA/MQA, "
+                f"softcap, learnable_sink, and varlen with seqused_k, seqused_q and page_table")
 
 
 def _returned_lse(lse, return_lse: bool, inputs):
@@ -160,10 +156,10 @@ def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
     right: None is an unbounded side, a negative side a bound like any other, and only both
     sides negative mean no window (FA4's reading, runtime.checks.normalise_window);
     ``causal=True`` sets the right side to 0. ``deterministic`` asks the backward for a fixed
-    accumulation order. ``softcap`` and ``learnable_sink``: FA4's, pending (the module's
-    docstring; refused unless FA4_FINAL_PENDING lists them); softcap's default is None, which
-    means what FA4's default 0.0 means (no cap), so that torch.compile(dynamic=True) does not
-    make a float default a symbolic input and specialise it. Differentiable in q, k, v and the
+    accumulation order. ``softcap`` and ``learnable_sink``: FA4's (the module's docstring);
+    softcap's default is None, which means what FA4's default 0.0 means (no cap), so that
+    torch.compile(dynamic=True) does not make a float default a symbolic input and specialise
+    it. Differentiable in q, k, v and the
     sink; traceable by torch.compile(fullgraph=True).
     """
     _refuse_positional("flash_attn_func", extra)
@@ -177,7 +173,7 @@ def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
     check_flag("deterministic", deterministic)
     if decode_entry.routes_to_decode(q, k, v, p.causal, p.right, cap, learnable_sink, p.left):
-        # Note [Decode through the API]: pending (decode), forward only, FA4's num_splits
+        # Note [Decode through the API]: forward only, FA4's num_splits
         out, lse = ops.decode_call(q, k, v, None, None, None, None, p.scale, p.causal, p.left,
                                    num_splits)
         return out, _returned_lse(lse, check_flag("return_lse", return_lse), (q, k, v))
@@ -199,11 +195,11 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
     q (total_q, heads, dim), k and v (total_k, heads_kv, dim); cu_seqlens_q and cu_seqlens_k:
     int32 (batch + 1,) offsets from 0 to the totals; seqused_k: int32 (batch,), the k rows used
     per sequence; max_seqlen_q/k: upper bounds of the lengths (checked; None: not given).
-    ``softcap``, ``learnable_sink``: as in flash_attn_func (pending). ``seqused_q``:
-    int32 (batch,), sequence b's queries are the first seqused_q[b] of its packed rows (0 <=
-    seqused_q[b] <= its rows); the rest are padding: never attended, their out and lse rows
+    ``softcap``, ``learnable_sink``: as in flash_attn_func. ``seqused_q``: int32 (batch,),
+    sequence b's queries are the first seqused_q[b] of its packed rows (0 <= seqused_q[b] <=
+    its rows); the rest are padding: never attended, their out and lse rows
     come back 0 and their dq rows 0. Padding rows of q (and of dout) must hold finite values.
-    ``page_table`` (pending: decode, Note [Decode through the API]): int32 (batch, max_pages)
+    ``page_table`` (the decode kernel, Note [Decode through the API]): int32 (batch, max_pages)
     with k and v (num_pages, page_size, heads_kv, dim), page_size a multiple of 16, seqused_k
     required (sequence b's keys are the first seqused_k[b] rows of pages page_table[b, 0],
     page_table[b, 1], ...), no cu_seqlens_k; q packed with cu_seqlens_q (max_seqlen_q a host
@@ -227,7 +223,6 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
         softmax_scale, check_address=False, seqused_q=seqused_q)
     check_features("flash_attn_varlen_func", None, learnable_sink, h, q.device)
     _check_head_dims("flash_attn_varlen_func", q, k, v, learnable_sink)
-    check_varlen_head_dim_v("flash_attn_varlen_func", v.shape[-1])
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
     out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                               -1 if max_seqlen_q is None else max_seqlen_q,
@@ -243,7 +238,7 @@ def _paged_varlen(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   cap: float, deterministic, return_lse, num_splits: int):
     """flash_attn_varlen_func with a page_table (Note [Decode through the API]): the paged
     cache checked (Note [Paged KV checks], values included where they can be read), what the
-    decode kernel lacks refused by name, then the gate (decode), then forward only."""
+    decode kernel lacks refused by name, forward only."""
     func = "flash_attn_varlen_func"
     check_max_seqlen("max_seqlen_k", max_seqlen_k)  # a bound FA4 schedules by: not needed here
     batch, rows, h, hk, d, _ = decode_entry.check_paged_call(
@@ -254,7 +249,6 @@ def _paged_varlen(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     check_flag("deterministic", deterministic)
     decode_entry.refuse_decode_limits(func, d, v.shape[-1], p.causal, p.right, cap,
                                       learnable_sink, seqused_q, left=p.left)
-    decode_entry.gate_paged(func, page_table)
     decode_entry.refuse_paged_gradient(func, q, k, v)
     out, lse = ops.decode_call(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q,
                                p.scale, p.causal, p.left, num_splits)

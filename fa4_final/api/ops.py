@@ -14,14 +14,13 @@ forward ops carry ``deterministic`` and ``return_lse`` only for their autograd f
 
 FA4's softcap (float, 0.0: none) and learnable_sink ((heads,) or None) are the forward ops' last
 two arguments (defaults: off), the backward ops' softcap the last; the public functions check
-them and pass the gate of pending features before calling (Note [Pending features] in
+them before calling (they have left the gate of Note [Pending features] in
 fa4_final.runtime.pending). The forward's autograd returns the sink's gradient from
 common.backward.sink_gradient when the sink requires grad (Note [Learnable sink]); a softcap
 build's backward kernel applies the cap's derivative itself (Note [Softcap]). The backward ops
 take dlse after the softcap (Note [The lse gradient folded]), the varlen ops seqused_q last (its
 padding rows come back 0 in out, lse and dq), and the forward ops' out has v's head dim (head
-dims outside (64, 128) or dv != D: forward only; the varlen fake impl passes the
-varlen_row_store gate as the real call does).
+dims outside (64, 128) or dv != D: forward only).
 
 Window sides arrive normalised (runtime.checks.normalise_window: None for an unbounded side, any
 int, negative ones included, a bound); the public functions (api.interface) resolve them, causal
@@ -67,7 +66,7 @@ from fa4_final.runtime.checks import (
     check_tma_operand,
     check_varlen_inputs,
 )
-from fa4_final.runtime.pending import check_varlen_head_dim_v, listed
+from fa4_final.runtime.pending import listed
 from fa4_final.runtime.prologue import backward_into, forward_into
 from fa4_final.runtime.varlen import used_rows, varlen_backward_into, varlen_forward_into
 
@@ -97,7 +96,7 @@ fwd = torch.library.custom_op("fa4_final::fwd", fwd_impl, mutates_args=())
 
 
 def _check_features_meta(softcap, learnable_sink, heads, device) -> None:
-    """The features' metadata checks on fake tensors (the gate ran in the public function)."""
+    """The features' metadata checks on fake tensors."""
     check_softcap(softcap)
     check_learnable_sink(learnable_sink, heads, device)
 
@@ -224,7 +223,7 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: boo
               learnable_sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``fwd(...)`` for a call that ``eager`` admits, on inputs checked by check_inputs with
     ``check_address=False`` and resolved by the public function (flash_attn_func), which also
-    checked and gated softcap and learnable_sink."""
+    checked softcap and learnable_sink."""
     check_addresses(("q", q), ("k", k), ("v", v))  # what fwd_impl's forward_into adds
     options = (softmax_scale, causal, window_left, window_right, deterministic, return_lse,
                softcap)
@@ -319,7 +318,6 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k
                         softmax_scale, check_address=False, seqused_q=seqused_q)
     total_q, h, _ = q.shape
     _check_features_meta(softcap, learnable_sink, h, q.device)
-    check_varlen_head_dim_v("fa4_final::varlen_fwd", v.shape[-1])
     return _out_meta(q, v), q.new_empty((h, total_q),
                                                                   dtype=torch.float32)
 
@@ -389,8 +387,7 @@ varlen_fwd.register_autograd(_backward_varlen_fwd, setup_context=_setup_varlen_f
 
 
 # ----------------------------------------------------------------------------------------------
-# decode (Note [Decode through the API] in fa4_final.runtime.decode_entry): forward only, behind
-# the pending-features gate (decode)
+# decode (Note [Decode through the API] in fa4_final.runtime.decode_entry): forward only
 
 
 def decode_fwd_impl(q: Tensor, k: Tensor, v: Tensor, page_table: Tensor | None,
@@ -409,13 +406,12 @@ decode_fwd = torch.library.custom_op("fa4_final::decode_fwd", decode_fwd_impl, m
 @decode_fwd.register_fake
 def _(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
       window_left, num_splits):
-    """The metadata checks and the gate, as the eager call makes them (no values read)."""
+    """The metadata checks, as the eager call makes them (no values read)."""
     decode_entry.check_num_splits(num_splits)
     if page_table is not None:
         decode_entry.check_paged_call(q, k, v, page_table, seqused_k, cu_seqlens_q,
                                       _side(max_seqlen_q), softmax_scale, check_address=False,
                                       check_values=False)
-        decode_entry.gate_paged("fa4_final::decode_fwd", page_table)
     else:
         check_inputs(q, k, v, softmax_scale, check_address=False)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
@@ -426,7 +422,7 @@ def _(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale,
 
 def decode_call(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale: float,
                 causal: bool, window_left, num_splits: int) -> tuple[Tensor, Tensor]:
-    """The decode forward of a checked, gated public call: the runtime entry directly where
+    """The decode forward of a checked public call: the runtime entry directly where
     nothing observes the call (Note [The eager path]; its value checks already ran in the
     public function), the op otherwise."""
     if eager(q, k, v):

@@ -14,16 +14,13 @@ hands it to PyTorch; nothing is registered on import.
 Every parameter means what it means in FA4, or is refused: a feature fa4_final lacks (qv,
 score_mod, FP8 scales, ...) at any value other than the one that switches it off raises
 UnsupportedError naming it (api.interface's tables, plus the few keywords only these private
-functions take). A ``page_table`` is pending (decode): refused by name first unless
-FA4_FINAL_PENDING lists decode, then checked and run by the decode kernel, forward only
+functions take). A ``page_table`` is checked and run by the decode kernel, forward only
 (Note [Decode through the API] in fa4_final.runtime.decode_entry); ``num_splits`` is checked
-and sets that kernel's split count there.
-``softcap`` and ``learnable_sink`` are wired as FA4 defines them
-(the backward then returns (dq, dk, dv, dsink), as FA4's does) but pending: checked, then
-refused unless FA4_FINAL_PENDING lists them (Note [Pending features] in
-fa4_final.runtime.pending). FA4's kernel knobs (tile_mn,
-num_threads, num_splits, the backward's block sizes, stages and atom layouts) change how FA4
-runs, never what it returns, and are ignored here: fa4_final picks its own tiles.
+and sets that kernel's split count there. ``softcap`` and ``learnable_sink`` run as FA4
+defines them (the backward then returns (dq, dk, dv, dsink), as FA4's does), checked first
+(runtime.pending.check_features). FA4's kernel knobs (tile_mn, num_threads, num_splits, the
+backward's block sizes, stages and atom layouts) change how FA4 runs, never what it returns,
+and are ignored here: fa4_final picks its own tiles.
 Note [SDPA registration] says what PyTorch passes and what it refuses before calling.
 """
 
@@ -98,10 +95,6 @@ from fa4_final.runtime.varlen import varlen_backward_into, varlen_forward_into
 # The keywords only FA4's private functions take, each at the value that switches it off.
 _PRIVATE_NEUTRAL = {**_FA4_VARLEN_NEUTRAL, "q_descale": None, "k_descale": None,
                     "v_descale": None, "_arch": None}
-# Wired but pending (Note [Pending features]): not among the SUPPORTED names below while the
-# gate refuses them by default.
-PENDING_FWD = ("softcap", "learnable_sink", "page_table")
-PENDING_BWD = ("softcap", "learnable_sink")
 # FA4's kernel knobs: how it tiles and schedules, never what it returns (its Hopper backward
 # overwrites its own block sizes, stages and layouts from its tile table).
 _FA4_KNOBS = (*_FA4_SPEED_ONLY, "tile_mn", "mma_pv_is_rs", "intra_wg_overlap", "num_threads",
@@ -110,24 +103,20 @@ _FA4_KNOBS = (*_FA4_SPEED_ONLY, "tile_mn", "mma_pv_is_rs", "intra_wg_overlap", "
               "V_in_regs")
 # What these two functions run: the rest of FA4's parameters are knobs or refused.
 SUPPORTED_FWD = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
-                 "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_size_left",
-                 "window_size_right", "return_lse", "out", "lse")
-SUPPORTED_BWD = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal",
+                 "max_seqlen_q", "max_seqlen_k", "page_table", "softmax_scale", "causal",
+                 "softcap", "window_size_left", "window_size_right", "learnable_sink",
+                 "return_lse", "out", "lse")
+SUPPORTED_BWD = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "softcap",
                  "window_size_left", "window_size_right", "cu_seqlens_q", "cu_seqlens_k",
                  "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k", "deterministic", "dq",
-                 "dk", "dv", "dlse")
+                 "dk", "dv", "dlse", "learnable_sink")
 SDPA_IMPL = "fa4_final"  # the name PyTorch's registry knows fa4_final by
 SDPA_MODULE = __name__  # "fa4_final.api.sdpa"
 
 
 def _refuse(func: str, options: dict) -> None:
     """UnsupportedError naming the first of ``options`` (FA4 parameters fa4_final does not
-    run) set to anything but its neutral value; a page_table is gated (decode,
-    Note [Decode through the API]) before anything else is read, where its refusal has always
-    been."""
-    page_table = options.pop("page_table", None)
-    if page_table is not None:
-        decode_entry.gate_paged(func, page_table)
+    run) set to anything but its neutral value."""
     _refuse_fa4_options(func, options, _PRIVATE_NEUTRAL)
 
 
@@ -195,15 +184,14 @@ def _flash_attn_fwd(
     given, else allocated when ``return_lse`` or an input requires grad, and None otherwise.
     Window sides as FA4 reads them: None unbounded, an int a bound (i + sk - sq - left <= j <=
     i + sk - sq + right), both negative no window, causal sets the right side to 0.
-    ``softcap`` (None or 0.0: none) and ``learnable_sink`` ((heads,)): FA4's, pending (the
-    module's docstring); with a sink lse includes it and rows that see no key get lse = sink.
-    ``page_table`` (pending: decode): k and v (num_pages, page_size, heads_kv, dim), seqused_k,
+    ``softcap`` (None or 0.0: none) and ``learnable_sink`` ((heads,)): FA4's (the module's
+    docstring); with a sink lse includes it and rows that see no key get lse = sink.
+    ``page_table`` (the decode kernel): k and v (num_pages, page_size, heads_kv, dim), seqused_k,
     q packed with cu_seqlens_q (no cu_seqlens_k) or dense; the decode kernel, forward only,
     split into ``num_splits`` (_paged_fwd).
     """
     _refuse("_flash_attn_fwd", {
-        "qv": qv, "min_seqlen_k": min_seqlen_k, "page_table": page_table,
-        "_arch": _arch,
+        "qv": qv, "min_seqlen_k": min_seqlen_k, "_arch": _arch,
         "score_mod": score_mod, "mask_mod": mask_mod, "block_sparse_tensors": block_sparse_tensors,
         "aux_tensors": aux_tensors, "aux_scalars": aux_scalars, "q_descale": q_descale,
         "k_descale": k_descale, "v_descale": v_descale, "gather_kv_indices": gather_kv_indices,
@@ -248,7 +236,7 @@ def _flash_attn_fwd(
 def _paged_fwd(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                max_seqlen_q, softmax_scale, causal: bool, window, softcap, learnable_sink,
                return_lse: bool, out, lse, num_splits: int):
-    """_flash_attn_fwd with a page_table, past its gate (Note [Decode through the API] in
+    """_flash_attn_fwd with a page_table (Note [Decode through the API] in
     fa4_final.runtime.decode_entry): the decode kernel, forward only; q packed with
     cu_seqlens_q or dense, k and v (num_pages, page_size, heads_kv, d), seqused_k."""
     func = "_flash_attn_fwd"
@@ -284,7 +272,7 @@ def _paged_fwd(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_q, sequs
 
 
 def _features(func: str, q, softcap, learnable_sink) -> dict:
-    """softcap and learnable_sink checked and gated (runtime.pending.check_features), as the
+    """softcap and learnable_sink checked (runtime.pending.check_features), as the
     runtime's keywords; q's heads are its second-to-last dim in both layouts."""
     if not isinstance(q, torch.Tensor) or q.dim() < 2:
         return {}  # the runtime's checks name q's problem
@@ -359,7 +347,7 @@ def _flash_attn_bwd(
     q, k, v, out and lse as the forward took and returned them, dout the gradient of out, dlse
     (like lse, optional) the gradient of lse. GQA: dk and dv summed over each group of heads.
     ``deterministic``: the same bits every run (a fixed order of dQ adds). ``softcap`` and
-    ``learnable_sink``: the forward's (pending, as there); with a sink it returns ``(dq, dk,
+    ``learnable_sink``: the forward's; with a sink it returns ``(dq, dk,
     dv, dsink)``, dsink in the sink's dtype (common.backward.sink_gradient), as FA4.
     """
     _refuse("_flash_attn_bwd", {

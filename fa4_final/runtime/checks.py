@@ -301,9 +301,9 @@ def check_varlen_values(cu_q: list[int], cu_k: list[int], seqused_k: list[int] |
 
 
 # FA4's softcap and learnable_sink (Note [Softcap], Note [Learnable sink] in
-# fa4_final.common.softmax). Every entry point runs these checks, then the gate of
-# runtime.pending (Note [Pending features]), which refuses both until the kernels that compute
-# them have passed their GPU tests.
+# fa4_final.common.softmax). Every entry point runs these checks (runtime.pending.check_features:
+# the kernels that compute both passed their GPU tests, and the gate of Note [Pending features]
+# lets them by).
 SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # FA4's _LEARNABLE_SINK_DTYPES
 
 

@@ -20,14 +20,18 @@ longer asks. A feature not in the table is never gated.
 A row may also name a replacement of a path that has passed its tests (lse_fold was one: one
 backward call with dlse folded in, in place of a second call): the gate then chooses rather than
 refuses, and without FA4_FINAL_PENDING the verified path runs exactly as before (``listed``).
-A row may name a family of shapes (varlen_row_store: the varlen forward at v head dims 96 and
-192, check_varlen_head_dim_v; head_dims was one, the forward's head dims 96, 192, 256; and
-bwd_head_dims, the backward at BWD_HEAD_DIMS_PENDING and BWD_HEAD_DIM_PAIRS_PENDING); where no
-kernel exists at all (the backward at D = dv = 192, 256 or any other dv != d), the refusal does
-not depend on the environment (refuse_backward_head_dims).
-The decode row does both (runtime.decode_entry, Note [Decode through the API]): a page_table is
-refused unless listed (no other kernel reads a paged cache), and a forward-only call of a decode
-shape runs the decode kernel in place of the verified forward only when listed.
+A row may name a family of shapes (head_dims was one, the forward's head dims 96, 192, 256;
+varlen_row_store another, the varlen forward at v head dims 96 and 192; bwd_head_dims, the
+backward at BWD_HEAD_DIMS_PENDING and BWD_HEAD_DIM_PAIRS_PENDING, still is); where no kernel
+exists at all (the backward at D = dv = 192, 256 or any other dv != d), the refusal does not
+depend on the environment (refuse_backward_head_dims).
+
+Rows deleted so far, each after its GPU tests passed against float64: seqused_q, head_dims and
+lse_fold first; then softcap, learnable_sink, varlen_row_store and decode (tested on an H100
+against float64; an H200 run pending; varlen_row_store's test ran v head dim 96, not 192).
+softcap and learnable_sink still pass through ``refuse_pending`` in check_features, which lets
+them by while they have no row (a row put back gates them again); a page table, a decode shape
+and the varlen forward at v head dims 96 and 192 no longer consult the gate at all.
 """
 
 from __future__ import annotations
@@ -47,24 +51,12 @@ ENV = "FA4_FINAL_PENDING"
 
 # name -> why it waits (what has been checked, what has not)
 PENDING: dict[str, str] = {
-    "softcap": "the Hopper forward and backward builds with a softcap passed their GPU tests "
-               "against float64 on an H200; the tests through the API ran beside the learnable "
-               "sink's and wait for a clean run",
-    "learnable_sink": "the Hopper forward builds with a learnable sink and the sink's gradient "
-                      "passed their GPU tests against float64 on an H200; through the API a "
-                      "float32 sink failed before any kernel ran (its build was not found; "
-                      "fixed since), and those tests have not run again",
-    "varlen_row_store": "the varlen forward's store of a last, partial query tile at v head dims "
-                        "96 and 192 (common.seqlens.rows_per_store_pass) was changed after its "
-                        "GPU test failed to trace there; compiled and checked on a CPU, its GPU "
-                        "test has not run since",
     "bwd_head_dims": "the Hopper backward at head dim 96 (dv = 96), at head dim 192 with "
                      "dv = 128, and at head dims 192 and 256 with dv == head_dim (dK and dV "
-                     "swapped) is built and compiled for sm_90a; GPU tests not passed",
-    "decode": "the Hopper decode kernel (split-KV, packed GQA rows, a paged KV cache, pages "
-              "smaller than a key tile gathered into whole tiles) and its "
-              "split combine are built and compiled for sm_90a and checked on a CPU; their GPU "
-              "tests against float64 have not passed yet",
+                     "swapped) passed its GPU tests against float64 on an H100, but "
+                     "compute-sanitizer's synccheck reports a barrier reached by diverged "
+                     "threads in its main kernel (undefined behaviour the tests cannot rule "
+                     "out); the default head dims' kernel is clean",
 }
 
 
@@ -108,7 +100,8 @@ def check_features(func: str, softcap, learnable_sink, heads: int, device) -> fl
     tensor they cannot be is named), then the gate (Note [Pending features]). Returns the
     softcap as a float, 0.0 for none (None and 0.0 both mean none, as in FA4). Metadata only:
     it runs while torch.compile traces. ``heads`` and ``device`` (q's) are read only for a
-    sink, so a caller may check the softcap before q."""
+    sink, so a caller may check the softcap before q. Neither has a row in ``PENDING`` now
+    (their GPU tests passed), so the gate lets both by."""
     cap = check_softcap(softcap)
     if learnable_sink is not None:
         check_learnable_sink(learnable_sink, heads, device)
@@ -140,19 +133,6 @@ def forward_only(head_dim: int, head_dim_v: int) -> bool:
     if head_dim in BWD_HEAD_DIMS_PENDING:
         return not listed("bwd_head_dims")
     return head_dim not in HEAD_DIMS
-
-
-def check_varlen_head_dim_v(func: str, head_dim_v: int) -> None:
-    """The gate for the varlen forward at v head dims 96 and 192 (varlen_row_store): refused,
-    naming the v head dims that run, unless FA4_FINAL_PENDING lists varlen_row_store."""
-    if head_dim_v not in (96, 192) or listed("varlen_row_store"):
-        return
-    runs = tuple(d for d in FWD_HEAD_DIMS if d not in (96, 192))
-    raise UnsupportedError(
-        f"{func}: v's head dim {head_dim_v} is refused for varlen calls: fa4_final does not run "
-        f"it yet ({PENDING['varlen_row_store']}). The varlen forward runs v head dims {runs}; "
-        f"dense calls run {FWD_HEAD_DIMS}. Set {ENV}=varlen_row_store to run the unverified "
-        f"kernels (tests only)")
 
 
 def refuse_backward_head_dims(func: str, head_dim: int, head_dim_v: int) -> None:

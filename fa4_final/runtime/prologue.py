@@ -13,10 +13,10 @@ nothing to do, no key gives out = 0 and lse = -inf (a row that sees no key), dq 
 choose them yet (the GPU tests and the benchmark of those kernels).
 
 FA4's ``softcap`` (a float, 0.0: none) and ``learnable_sink`` ((heads,) or None) are keywords of
-every entry point here, checked and passed through the gate of runtime.pending before anything
-runs (Note [Pending features]); the forward's rows that see no key get lse = the sink, as FA4.
-The sink's gradient needs no kernel: common.backward.sink_gradient, which the autograd formula
-calls (api.ops), so the backward entry points take the softcap only.
+every entry point here, checked before anything runs (runtime.pending.check_features; both
+have left the gate of Note [Pending features]); the forward's rows that see no key get lse =
+the sink, as FA4. The sink's gradient needs no kernel: common.backward.sink_gradient, which the
+autograd formula calls (api.ops), so the backward entry points take the softcap only.
 """
 
 from __future__ import annotations
