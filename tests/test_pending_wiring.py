@@ -13,11 +13,12 @@ deleted), on a CPU:
   the ops' fake impls without FA4_FINAL_PENDING; a call that will need a gradient there is
   refused at the forward, gate or no gate (the backward is not built); head_dim_v in the
   compile key only when != D.
-- varlen_row_store: the varlen forward at v head dims 96 and 192 (left the gate after
-  tests/gpu/test_fwd_head_dims.py -k varlen passed on an H100, results/h100/gpu_checks.json:
-  its cases hold dv 96, not 192) is taken by flash_attn_varlen_func, api.sdpa's packed
-  _flash_attn_fwd and the runtime's varlen_forward_into without FA4_FINAL_PENDING, as every
-  other v head dim and the dense calls are.
+- varlen_row_store: the varlen forward at v head dim 96 left the gate after
+  tests/gpu/test_fwd_head_dims.py -k varlen passed on an H100 (results/h100/gpu_checks.json);
+  its cases hold dv 96, not 192, so the row holds v head dim 192 alone: refused by name
+  (flash_attn_varlen_func, api.sdpa's packed _flash_attn_fwd, the runtime's
+  varlen_forward_into) unless FA4_FINAL_PENDING lists it; other v head dims, and dense calls at
+  192, never ask.
 - seqused_q: flash_attn_varlen_func and api.sdpa take it (dense q refused by name), checked
   like seqused_k (metadata, then values), through the ops (fake, autograd, compile) to the
   varlen runners' has_seqused_q keys; padding rows: out 0, dq 0.
@@ -311,7 +312,17 @@ def test_the_cpu_reference_folds_dlse_as_the_probe_does():
 
 HEAD_DIM_CASES = [(96, 96), (192, 128), (256, 256), (64, 128), (128, 64), (128, 192),
                   (256, 96)]
-ROW_STORE_DVS = (96, 192)  # the v head dims varlen_row_store gated, varlen calls only
+ROW_STORE_DVS = (192,)  # the v head dims varlen_row_store gates, varlen calls only
+
+
+def _assert_row_store_refusal(message: str, dv: int) -> None:
+    """varlen_row_store's refusal (runtime.pending.check_varlen_head_dim_v): the v head dim,
+    the gate's words, the row's name, and what runs (varlen and dense)."""
+    assert f"v's head dim {dv} is refused for varlen calls" in message, message
+    assert f"{GATE} it yet" in message and pending.PENDING["varlen_row_store"] in message, message
+    assert "The varlen forward runs v head dims (64, 96, 128, 256)" in message, message
+    assert "dense calls run (64, 96, 128, 192, 256)" in message, message
+    assert f"{pending.ENV}=varlen_row_store" in message, message
 
 
 def _head_dim_entries(d, dv):
@@ -334,17 +345,18 @@ def _head_dim_entries(d, dv):
 @pytest.mark.parametrize("d, dv", HEAD_DIM_CASES)
 def test_head_dims_passed_their_gpu_tests_and_every_forward_entry_takes_them_ungated(d, dv):
     """head_dims left the gate (tests/gpu/test_fwd_head_dims.py and test_pending_api.py -k
-    head_dims passed), and varlen_row_store after it (the varlen forward at v head dims 96 and
-    192: tests/gpu/test_fwd_head_dims.py -k varlen passed on an H100): without
-    FA4_FINAL_PENDING every forward entry, varlen ones included, gets past the gate to the
-    device check."""
-    for name in ("head_dims", "varlen_row_store"):
-        assert name not in pending.PENDING and pending.listed(name)
-    for func, _, call in _head_dim_entries(d, dv):
+    head_dims passed): without FA4_FINAL_PENDING every forward entry gets past the gate to the
+    device check, but a varlen call at v head dim 192, which the narrower varlen_row_store row
+    refuses (its own tests below)."""
+    assert "head_dims" not in pending.PENDING and pending.listed("head_dims")
+    for func, is_varlen, call in _head_dim_entries(d, dv):
         with pytest.raises(UnsupportedError) as info:
             call()
         message = str(info.value)
-        assert DEVICE in message and GATE not in message, (func, message)
+        if is_varlen and dv in ROW_STORE_DVS:
+            _assert_row_store_refusal(message, dv)
+        else:
+            assert DEVICE in message and GATE not in message, (func, message)
 
 
 @pytest.mark.parametrize("d, dv", HEAD_DIM_CASES)
@@ -359,15 +371,30 @@ def test_naming_the_deleted_rows_in_the_environment_changes_nothing(monkeypatch,
 
 
 # ----------------------------------------------------------------------------------------------
-# varlen_row_store (left the gate)
+# varlen_row_store (v head dim 192 pending; 96 left the gate)
 
 
+def test_varlen_row_store_is_a_pending_row_for_v_head_dim_192_only():
+    assert "varlen_row_store" in pending.PENDING and not pending.listed("varlen_row_store")
+    for dv in (64, 96, 128, 256):
+        assert pending.check_varlen_head_dim_v("varlen_forward_into", dv) is None
+    with pytest.raises(UnsupportedError) as info:
+        pending.check_varlen_head_dim_v("varlen_forward_into", 192)
+    assert str(info.value).startswith("varlen_forward_into: v's head dim 192 ")
+    _assert_row_store_refusal(str(info.value), 192)
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["default", "listed"])
 @pytest.mark.parametrize("d, dv", [(96, 96), (192, 192), (128, 96), (192, 128), (256, 192),
                                    (64, 96)])
-def test_the_varlen_forward_at_dv_96_and_192_reaches_the_device_check(d, dv):
+def test_the_varlen_forward_at_dv_192_is_refused_by_name_and_96_is_not(monkeypatch, d, dv,
+                                                                       listed):
     """flash_attn_varlen_func, api.sdpa's packed _flash_attn_fwd and the runtime's
-    varlen_forward_into at v head dim 96 or 192 (whatever q's), as at any other: the device
-    check, never the gate."""
+    varlen_forward_into: at v head dim 192 (whatever q's) refused by name before the device
+    check (the public function gates itself, the others at the runtime) unless
+    FA4_FINAL_PENDING lists varlen_row_store; at 96, as at any other, the device check."""
+    if listed:
+        monkeypatch.setenv(pending.ENV, "varlen_row_store")
     varlen_calls = [(func, call) for func, is_varlen, call in _head_dim_entries(d, dv)
                     if is_varlen]
     assert [f for f, _ in varlen_calls] == ["flash_attn_varlen_func", "_flash_attn_fwd",
@@ -376,11 +403,16 @@ def test_the_varlen_forward_at_dv_96_and_192_reaches_the_device_check(d, dv):
         with pytest.raises(UnsupportedError) as info:
             call()
         message = str(info.value)
-        assert DEVICE in message and GATE not in message, (func, message)
+        if dv in ROW_STORE_DVS and not listed:
+            gate = func if func == "flash_attn_varlen_func" else "varlen_forward_into"
+            assert message.startswith(f"{gate}: v's head dim {dv} "), (func, message)
+            _assert_row_store_refusal(message, dv)
+        else:
+            assert DEVICE in message and GATE not in message, (func, message)
 
 
-@pytest.mark.parametrize("dv", ROW_STORE_DVS)
-def test_dense_calls_at_dv_96_and_192_never_asked_varlen_row_store(dv):
+@pytest.mark.parametrize("dv", (96, 192))
+def test_dense_calls_at_dv_96_and_192_never_ask_varlen_row_store(dv):
     for d in (dv, 64, 128, 256):
         for func, is_varlen, call in _head_dim_entries(d, dv):
             if is_varlen:
@@ -496,7 +528,7 @@ def test_compile_fullgraph_with_dv(cpu_kernels):
 
 @pytest.mark.parametrize("env", ["", "head_dims,varlen_row_store"], ids=["default", "listed"])
 # 96, (192, 128), (192, 192), (256, 256), built behind bwd_head_dims: tests/test_bwd_head_dims.py
-@pytest.mark.parametrize("d, dv", [(256, 192), (128, 64)])
+@pytest.mark.parametrize("d, dv", [(256, 96), (128, 64)])
 def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
         monkeypatch, cpu_kernels, d, dv, env):
     """Refused when the call will need a gradient (never a crash or a wrong gradient in

@@ -103,7 +103,9 @@ def test_forward_matches_float64(case):
     _check(label, q, k, v, causal, out, lse)
 
 
-@pytest.mark.parametrize("d, dv", [(192, 128), (256, 256), (96, 96)], ids=str)
+# (192, 192) and (128, 192): v head dim 192, the varlen_row_store row's last shape
+@pytest.mark.parametrize("d, dv", [(192, 128), (256, 256), (96, 96), (192, 192), (128, 192)],
+                         ids=str)
 def test_varlen_forward_matches_float64_per_sequence(d, dv):
     """Packed sequences of 37, 1300 and 1 queries over 1300, 77 and 5 keys, causal, with
     seqused_k cutting the first sequence's keys to 900; checked sequence by sequence (the
