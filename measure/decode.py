@@ -12,13 +12,13 @@ something else than a decoder's bottom-right one; a mask changes the bytes read 
 ``tokens`` keys.
 
 Rows, all on the same q, k, v of a shape, interleaved in ``--rounds`` rounds (utils.bench):
-  fa4_final           fa4_final.flash_attn_func (what a call of the package runs today)
+  fa4_final           fa4_final.flash_attn_func (what a call of the package runs at the run's
+                      commit: the decode kernel at a decode shape that needs no gradient,
+                      Note [Decode through the API], since the decode row left the gate)
   fa4_final_paged     fa4_final.flash_attn_varlen_func with a page table over the same cache
-                      (an error row while the package refuses page_table)
   fa4_final_decode    the Hopper decode kernel (fa4_final.hopper.decode) launched directly,
                       ``--splits`` splits (0: the split heuristic's count, stored as ``splits``)
-                      merged by the combine: what decode calls will run once the runtime
-                      routes them to it; before timing its output is compared with SDPA
+                      merged by the combine; before timing its output is compared with SDPA
                       flash's (``max_diff``)
   fa4_final_decode_paged   the same through the page table; ``bitwise_equal``: equal bit for bit
                       to the contiguous kernel on the cache in table order
