@@ -22,10 +22,12 @@ and it is checked three ways:
 - on a GPU (``check_ds_step_on_gpu``): the whole backward with it, against float64 autograd on
   awkward shapes.
 
-fa4_final keeps the pointwise part inline in ``HopperBackward.step``; ``HopperDsStep.step``
-repeats the rest of that method around the learner's function (so the subclass holds a copy of
-the step's GEMM sequence: the seam fa4_final would need is a method ``pointwise(s, dp, lse,
-delta, scale_log2, wait_dp, mask)`` called where the two loops are).
+fa4_final's ``HopperBackward.step`` does the pointwise part with ``_p_from_scores`` and
+``_ds_from_dp`` (shared with the swapped step); ``HopperDsStep.step`` repeats the rest of that
+method around the learner's function (so the subclass holds a copy of the step's GEMM
+sequence: the seam fa4_final would need is one method ``pointwise(s, dp, lse, delta,
+scale_log2, wait_dp, mask)`` called where those two are), and calls the kernel's own
+``dq_to_warp`` for the hand-off of dQ.
 """
 
 from __future__ import annotations
@@ -153,13 +155,7 @@ class HopperDsStep(HopperBackward):
         pipeline_do.consumer_release(state_q)
         self.wgmma(mma_dkv, acc_dk, rdS, tdKrQ[None, None, None, stage], True)  # dK += dS^T Q
         warpgroup.wait_group(1)  # dQ done
-        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg,
-                          number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
-        flat = cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape))
-        cute.autovec_copy(flat, tdQsdQ)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg,
-                                 number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
+        self.dq_to_warp(acc_dq, tdQsdQ, wg)  # the kernel's own hand-off to the dQ warp
         warpgroup.wait_group(0)  # dK done: Q's stage is free
         pipeline_q.consumer_release(state_q)
         state_q.advance()
