@@ -457,6 +457,13 @@ DECODE_EXCHANGE_WARPS = 4
 SM90_DECODE_REGISTERS = (24, 232)
 DECODE_LAUNCH_REGISTERS = 128
 DECODE_CTAS_PER_SM_BOUND = 2
+# consumers = 2 (Note [Two consumer warpgroups] in fa4_final.hopper.decode): 384 threads, one CTA
+# an SM (two would leave 85 registers a thread), launched at 65536 / 384 = 168 registers; the
+# producer gives 168 - 24 to the two consumers: 24 + 240 + 240 = 3 x 168 per thread slot
+DECODE_CONSUMERS = (1, 2)
+SM90_DECODE_WG2_REGISTERS = (24, 240)
+DECODE_WG2_LAUNCH_REGISTERS = 168
+DECODE_WG2_CTAS_PER_SM_BOUND = 1
 
 
 @dataclass(frozen=True)
@@ -476,20 +483,35 @@ class HopperDecodeConfig:
     # False: the 64-row tile (rows_n must then stay None)
     swap_ab: bool = False
     rows_n: int | None = None
+    # consumer warpgroups, each owning 64 packed rows of the CTA and reading the same K and V
+    # stages (Note [Two consumer warpgroups] in fa4_final.hopper.decode); 2 only without swap_ab
+    consumers: int = 1
 
     @property
     def tile_m(self) -> int:
-        """Packed query rows a CTA (an m-block): 64, or rows_n with swap_ab."""
-        return self.rows_n if self.swap_ab else WGMMA_M
+        """Packed query rows a CTA (an m-block): 64 a consumer warpgroup, or rows_n with
+        swap_ab."""
+        return self.rows_n if self.swap_ab else WGMMA_M * self.consumers
 
     @property
     def registers(self) -> tuple[int, int]:
-        return SM90_DECODE_REGISTERS
+        """setmaxnreg (producer warpgroup, each consumer warpgroup)."""
+        return SM90_DECODE_WG2_REGISTERS if self.consumers == 2 else SM90_DECODE_REGISTERS
+
+    @property
+    def ctas_per_sm_bound(self) -> int:
+        """The launch bound (min_blocks_per_mp): two CTAs an SM, one with two consumers."""
+        return DECODE_WG2_CTAS_PER_SM_BOUND if self.consumers == 2 else DECODE_CTAS_PER_SM_BOUND
+
+    @property
+    def launch_registers(self) -> int:
+        """Registers a thread is launched with at ``ctas_per_sm_bound``."""
+        return DECODE_WG2_LAUNCH_REGISTERS if self.consumers == 2 else DECODE_LAUNCH_REGISTERS
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Bytes of the kernel's SharedStorage: the mbarriers (full + empty per stage of K and
-        of V), Q, the K ring and the V ring, each tile 1 KB aligned for the 128 B swizzle. The
-        kernel asserts its struct has exactly this size."""
+        of V), Q (tile_m rows: 64 a consumer warpgroup), the K ring and the V ring, each tile 1 KB
+        aligned for the 128 B swizzle. The kernel asserts its struct has exactly this size."""
         barriers = 8 * 2 * 2 * self.stages
         q = self.tile_m * head_dim * elem_bytes
         kv = self.tile_n * head_dim * elem_bytes * self.stages
@@ -519,8 +541,10 @@ class HopperDecodeConfig:
                              f"dividing tile_n={self.tile_n} (keys per TMA box of a gathered "
                              f"key tile), got {box!r}")
         self._check_swap_ab()
+        self._check_consumers()
         producer, consumer = self.registers
-        assert producer + consumer <= DECODE_CTAS_PER_SM_BOUND * DECODE_LAUNCH_REGISTERS
+        # per thread slot of a sub-partition: one producer warp and `consumers` consumer warps
+        assert producer + self.consumers * consumer <= (1 + self.consumers) * self.launch_registers
         need = self.smem_bytes(head_dim)
         if need > SM90_SMEM_BYTES:
             raise ValueError(
@@ -530,6 +554,17 @@ class HopperDecodeConfig:
                 f"more than the {SM90_SMEM_BYTES} B a CTA may use: fewer stages or a smaller "
                 f"tile_n")
 
+
+    def _check_consumers(self) -> None:
+        """consumers (Note [Two consumer warpgroups] in fa4_final.hopper.decode)."""
+        n = self.consumers
+        if isinstance(n, bool) or n not in DECODE_CONSUMERS:
+            raise ValueError(f"consumers must be one of {DECODE_CONSUMERS} (consumer warpgroups "
+                             f"of 64 packed rows each), got {n!r}")
+        if n == 2 and self.swap_ab:
+            raise ValueError("consumers=2 gives each of two warpgroups 64 packed rows of the "
+                             "64-row tile; swap_ab=True (keys on M, rows_n on N) takes "
+                             "consumers=1")
 
     def _check_swap_ab(self) -> None:
         """swap_ab and rows_n (Note [Keys on M] in fa4_final.hopper.decode)."""

@@ -29,11 +29,15 @@ cached keys:
    transposed, keys on the wgmma M and 8, 16 or 32 packed rows on N, the softmax statistics per
    accumulator column. Not the default; reached by no call of the package until a measurement
    chooses between the two.
+8. A candidate for 128 packed rows (HopperDecodeConfig.consumers = 2,
+   Note [Two consumer warpgroups]): two consumer warpgroups of 64 rows each read every K/V
+   stage, so a 128-row m-block streams its keys once. Not the default; reached by the decode
+   benchmark only.
 
 Roles: warpgroup 0 is the producer (warp 0 issues every K and V load), warpgroup 1 the consumer
 (Q from global memory into shared memory once, then per key tile S = Q K^T, mask, online
-softmax, O += P V, then the epilogue). Note [Decode bytes in flight] says why one consumer
-warpgroup and how many stages.
+softmax, O += P V, then the epilogue); with consumers = 2 warpgroups 1 and 2 are consumers of
+64 rows each. Note [Decode bytes in flight] says why one consumer warpgroup and how many stages.
 """
 
 from __future__ import annotations
@@ -72,7 +76,6 @@ from fa4_final.common.pipelines import PipelineSpec, tma_async_pipeline
 from fa4_final.common.register_plan import check_role_registers
 from fa4_final.common.softmax import OnlineSoftmax
 from fa4_final.hopper.config import (
-    DECODE_CTAS_PER_SM_BOUND,
     DECODE_EXCHANGE_WARPS,
     HopperDecodeConfig,
 )
@@ -90,6 +93,9 @@ V_TAIL_BARRIER = 2
 # swap_ab (Note [Keys on M]): the warps' column values are in shared memory; P^T is
 COLUMNS_BARRIER = 3
 P_READY_BARRIER = 4
+# consumers = 2 (Note [Two consumer warpgroups]): the second consumer warpgroup's Q_READY is
+# Q_READY_BARRIER + this; V_TAIL_BARRIER is one barrier of both consumer warpgroups
+SECOND_CONSUMER_BARRIER_OFFSET = 4
 Q_VECTOR = 8  # elements of one 16-byte load of Q
 
 # Note [Decode bytes in flight]
@@ -113,6 +119,32 @@ Q_VECTOR = 8  # elements of one 16-byte load of Q
 # an SM fixes each thread's registers at launch to 128, and setmaxnreg moves the producer's
 # unused ones to the consumer (24 + 232 = 2 x 128). These are the arithmetic's choices; none is
 # timed yet (fa4_final.hopper.config.hopper_decode_default).
+
+# Note [Two consumer warpgroups]
+# At 16 query tokens and GQA 8 a KV head has 128 packed rows: two 64-row m-blocks, two CTAs each
+# streaming the (batch, KV head)'s whole K/V (the H100 run: 0.88-0.91x the fastest peer there,
+# against 0.96-0.98x at 1 and 4 tokens). HopperDecodeConfig.consumers = 2 makes the m-block 128
+# rows held by one CTA of three warpgroups (384 threads): warpgroup 0 the producer as before,
+# warpgroups 1 and 2 consumers, warpgroup 1 + p owning the 64-row sub-block
+# 2 m_block + p (its Q rows in stage p of sQ, a (64, D, 2) tile; its S, P, O, row statistics,
+# masks and epilogue: the one-consumer code, called with that sub-block and its 64 rows). Both
+# wait on the same FULL barriers and read the same K and V stages; a stage's EMPTY barrier
+# completes at eight arrivals, one a consumer warp, so the producer refills it after both. The
+# key range (causal end, window start, splits, masked tiles) is the 128-row block's, each row
+# masked by its own limits as before.
+# Named barriers (whole warps, one instruction an id, for synccheck): Q_READY is one bar.sync
+# with the id 1 + 4 p in a register, 128 threads, each id reached by one warpgroup; the V tail
+# zeros (Note [Keys past the cached length]) are shared by the 256 consumer threads and one
+# bar.sync 2, 256, since both warpgroups read that stage (each writing all of them alone would
+# race with the other's wgmma on the same bytes). 0 stays the CTA's init sync.
+# Registers: two CTAs of 384 threads would leave 85 registers a thread, so the launch bound is
+# one CTA an SM, 168 registers at launch (65536 / 384, in 8s); setmaxnreg 24 for the producer,
+# 240 for each consumer: per sub-partition one producer warp and two consumer warps, 24 + 2 x 240
+# = 504 = 3 x 168 (fa4_final.common.register_plan). Shared memory: Q 128 x D, so 225 KB at
+# D = 128 with three 128-key stages (one CTA an SM, as the default) and 113 KB at D = 64 (one CTA
+# an SM by the register bound, where the default fits two).
+# Compiled for sm_90a (D = 64 and 128; contiguous, paged + seqused_k + split, varlen, window):
+# no spill, no stack, 168 registers, no ptxas-injected warpgroup.arrive. Not timed, not run.
 
 
 class HopperDecode:
@@ -146,23 +178,28 @@ class HopperDecode:
         self.causal = bool(causal)
         self.cfg = config
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        # packed rows a consumer warpgroup owns (Note [Two consumer warpgroups])
+        self.consumers = config.consumers
+        self.wg_rows = config.tile_m // config.consumers
         self.paged = bool(paged)
         self.has_seqused_k = bool(has_seqused_k)
         self.split = bool(split)
         self.varlen_q = bool(varlen_q)
         self.has_window_left = bool(has_window_left)
         self.producer_regs, self.consumer_regs = config.registers
-        self.num_threads = 2 * THREADS_PER_WARPGROUP
+        self.num_threads = (1 + self.consumers) * THREADS_PER_WARPGROUP
         self.roles = {
             "producer": {"warpgroups": (0,), "tma_warp": 0, "registers": self.producer_regs},
-            "consumer": {"warpgroups": (1,), "registers": self.consumer_regs},
+            "consumer": {"warpgroups": tuple(range(1, 1 + self.consumers)),
+                         "registers": self.consumer_regs},
         }
         check_role_registers(self.roles, self.num_threads)  # per SM sub-partition
 
     def pipelines(self) -> tuple[PipelineSpec, ...]:
         """The producer -> consumer rings: FULL completes with the TMA warp's one arrive carrying
-        the byte count, EMPTY with one arrive per consumer warp."""
-        warps = THREADS_PER_WARPGROUP // WARP_SIZE
+        the byte count, EMPTY with one arrive per consumer warp (of every consumer
+        warpgroup)."""
+        warps = self.consumers * THREADS_PER_WARPGROUP // WARP_SIZE
         return (
             PipelineSpec("k", "K tiles of the CTA's split, from the highest down", "tma_async",
                          self.cfg.stages, "producer", "consumer", 1, warps),
@@ -214,6 +251,8 @@ class HopperDecode:
         tiled_mma_qk, tiled_mma_pv = attention_tiled_mmas(self.dtype, 1, self.tile_n,
                                                           self.head_dim)
         sQ_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_m)
+        if const_expr(self.consumers > 1):  # (64, D, consumers): a warpgroup's rows a stage
+            sQ_layout = smem_tile_layout(self.dtype, self.head_dim, self.wg_rows, self.consumers)
         sK_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_n, self.cfg.stages)
         sV_layout = smem_tile_layout(self.dtype, self.head_dim, self.tile_n, self.cfg.stages)
         sKV_one = cute.select(sK_layout, mode=[0, 1])  # one stage: the TMA box
@@ -258,7 +297,7 @@ class HopperDecode:
             sV_layout,
             tiled_mma_qk, tiled_mma_pv, bytes_kv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
-                 min_blocks_per_mp=DECODE_CTAS_PER_SM_BOUND, preferred_smem_carveout=100)
+                 min_blocks_per_mp=self.cfg.ctas_per_sm_bound, preferred_smem_carveout=100)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -297,6 +336,7 @@ class HopperDecode:
                  for spec in self.pipelines()}
         pipeline_k, pipeline_v = pipes["k"], pipes["v"]
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (tile_m, D)
+        # consumers = 2: (64, D, consumer warpgroup)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (n, D, STAGE)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (n, D, STAGE)
         # mbarrier inits (warp 0) must be visible to every thread before anyone waits on them
@@ -341,10 +381,18 @@ class HopperDecode:
                     mQ, mO, mLSE, sQ, sK, sV, sP, sX, tiled_mma_qk, tiled_mma_pv, pipeline_k,
                     pipeline_v, scale_log2, (qb, q_offset), kv_head, m_block, split, group,
                     seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window)
-            else:
+            elif const_expr(self.consumers == 1):
                 self.consume(mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
                              pipeline_v, scale_log2, (qb, q_offset), kv_head, m_block, split,
                              group, seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window)
+            else:
+                # Note [Two consumer warpgroups]: warpgroup 1 + part owns the CTA's 64-row
+                # sub-block m_block * consumers + part, Q from its stage of sQ
+                part = warp_idx // (THREADS_PER_WARPGROUP // WARP_SIZE) - 1
+                self.consume(mQ, mO, mLSE, sQ[None, None, part], sK, sV, tiled_mma_qk,
+                             tiled_mma_pv, pipeline_k, pipeline_v, scale_log2, (qb, q_offset),
+                             kv_head, m_block * self.consumers + part, split, group, seqlen_q,
+                             seqlen_k, n_lo, n_hi, n_full, n_left_free, window, part)
 
     @cute.jit
     def cached_length(self, mK, mPageTable, mSeqUsedK, b):
@@ -410,14 +458,15 @@ class HopperDecode:
         return state
 
     @cute.jit
-    def load_q(self, mQ, sQ, tidx, rows_at, kv_head, m_block, group, seqlen_q):
+    def load_q(self, mQ, sQ, tidx, rows_at, kv_head, m_block, group, seqlen_q, part=None):
         """Q's packed rows into shared memory by the consumer warpgroup, 16 bytes a thread at a
         time (a TMA box cannot gather the heads of a group from several tokens). Padding rows
         past the packed count repeat its last row: finite scores that are never stored. Only a
-        CTA with key tiles calls it, so its m-block holds at least one row."""
+        CTA with key tiles calls it, so its m-block holds at least one row. consumers = 2:
+        ``m_block`` is the warpgroup's 64-row sub-block, ``part`` its consumer index."""
         chunks = self.head_dim // Q_VECTOR
         last = packed_rows(seqlen_q, group) - 1
-        total = self.tile_m * chunks  # swap_ab's few rows: maybe fewer than the threads
+        total = self.wg_rows * chunks  # swap_ab's few rows: maybe fewer than the threads
         for it in cutlass.range_constexpr(-(-total // THREADS_PER_WARPGROUP)):
             idx = tidx + it * THREADS_PER_WARPGROUP
             if const_expr(total % THREADS_PER_WARPGROUP == 0):
@@ -426,13 +475,16 @@ class HopperDecode:
                 self.load_q_chunk(mQ, sQ, idx, chunks, last, rows_at, kv_head, m_block, group)
         # generic-proxy shared stores -> visible to wgmma (async proxy), from every thread
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=Q_READY_BARRIER, number_of_threads=THREADS_PER_WARPGROUP)
+        q_ready = Q_READY_BARRIER
+        if const_expr(self.consumers > 1):  # one instruction, an id a consumer warpgroup
+            q_ready = Q_READY_BARRIER + SECOND_CONSUMER_BARRIER_OFFSET * part
+        cute.arch.barrier(barrier_id=q_ready, number_of_threads=THREADS_PER_WARPGROUP)
 
     @cute.jit
     def load_q_chunk(self, mQ, sQ, idx, chunks, last, rows_at, kv_head, m_block, group):
         """16 bytes of Q: chunk idx % chunks of the tile's row idx // chunks."""
         r, chunk = idx // chunks, idx % chunks
-        token, head = unpack_row(cutlass.min(m_block * self.tile_m + r, last), group, kv_head)
+        token, head = unpack_row(cutlass.min(m_block * self.wg_rows + r, last), group, kv_head)
         qb, q_offset = rows_at
         gq = cute.local_tile(mQ[qb, q_offset + token, head, None], (Q_VECTOR,),
                              (chunk,))  # (8,)
@@ -442,16 +494,21 @@ class HopperDecode:
     @cute.jit
     def consume(self, mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
                 pipeline_v, scale_log2: Float32, rows_at, kv_head, m_block, split, group,
-                seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window):
+                seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window, part=None):
         """The consumer warpgroup: Q, the split's key tiles, the epilogue. ``rows_at``: (batch
-        entry, first row) of the sequence's rows in q, out and lse."""
+        entry, first row) of the sequence's rows in q, out and lse. consumers = 2
+        (Note [Two consumer warpgroups]): ``part`` is the warpgroup's index among the
+        consumers, ``m_block`` its 64-row sub-block and ``sQ`` its 64 rows."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 127
+        tail_tidx = tidx  # zero_v_tail's thread among all the consumers
+        if const_expr(self.consumers > 1):
+            tidx = tidx - part * THREADS_PER_WARPGROUP
         # A and B descriptors per warpgroup, C fragments per thread
         (thr_mma_qk, thr_mma_pv, tSrQ, tSrK, tOrVt, acc_s, acc_o, tOrP) = attention_fragments(
-            tiled_mma_qk, tiled_mma_pv, 0, tidx, sQ, sK, sV, self.tile_m,
+            tiled_mma_qk, tiled_mma_pv, 0, tidx, sQ, sK, sV, self.wg_rows,
             self.tile_n, self.head_dim, self.cfg.stages, self.dtype)
-        tScS, t0ScS = fragment_coords(thr_mma_qk, (self.tile_m, self.tile_n))
+        tScS, t0ScS = fragment_coords(thr_mma_qk, (self.wg_rows, self.tile_n))
         rows = cute.size(acc_rows_cols(acc_o), mode=[0])
         softmax = OnlineSoftmax(scale_log2, rows)
         # each row's key limit (and window start), less this thread's first column
@@ -459,13 +516,13 @@ class HopperDecode:
         limit = cute.make_rmem_tensor(rows, Int32)
         start = cute.make_rmem_tensor(rows, Int32)
         for r in cutlass.range_constexpr(rows):
-            row = m_block * self.tile_m + tScS[r, 0][0]
+            row = m_block * self.wg_rows + tScS[r, 0][0]
             limit[r] = key_limit(row, group, seqlen_q, seqlen_k, self.causal) - tScS[0, 0][1]
             if const_expr(self.has_window_left):
                 start[r] = key_start(row, group, seqlen_q, seqlen_k, window) - tScS[0, 0][1]
         mask = lambda s, n: self.mask(s, t0ScS, limit, start, n)  # noqa: E731
         zero_tail = lambda stage, n: self.zero_v_tail(  # noqa: E731
-            sV, stage, seqlen_k - n * self.tile_n, tidx)
+            sV, stage, seqlen_k - n * self.tile_n, tail_tidx)
         acc_o.fill(0.0)
 
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -474,7 +531,7 @@ class HopperDecode:
                                                self.cfg.stages)
         n_tiles = n_hi - n_lo
         if n_tiles > 0:  # (uniform over the CTA) a CTA with no key tile needs no Q either
-            self.load_q(mQ, sQ, tidx, rows_at, kv_head, m_block, group, seqlen_q)
+            self.load_q(mQ, sQ, tidx, rows_at, kv_head, m_block, group, seqlen_q, part)
             step = lambda i, first, masked, sk, sv: self.step(  # noqa: E731
                 n_hi - 1 - i, first, masked, mask, zero_tail, softmax, acc_s, acc_o, tOrP, tSrQ,
                 tSrK,
@@ -530,19 +587,21 @@ class HopperDecode:
     @cute.jit
     def zero_v_tail(self, sV, stage, valid, tidx):
         """Zeros over rows valid .. tile_n - 1 of V stage ``stage`` when valid < tile_n
-        (Note [Keys past the cached length])."""
-        if valid < self.tile_n:  # uniform over the warpgroup
+        (Note [Keys past the cached length]); ``tidx`` among all the consumer threads, which
+        share the work and the barrier (Note [Two consumer warpgroups])."""
+        if valid < self.tile_n:  # uniform over the CTA
+            threads = self.consumers * THREADS_PER_WARPGROUP
             chunks = self.head_dim // Q_VECTOR
             zeros = cute.make_rmem_tensor((Q_VECTOR,), self.dtype)
             zeros.fill(0.0)
-            for it in cutlass.range_constexpr(self.tile_n * chunks // THREADS_PER_WARPGROUP):
-                idx = tidx + it * THREADS_PER_WARPGROUP
+            for it in cutlass.range_constexpr(self.tile_n * chunks // threads):
+                idx = tidx + it * threads
                 r, chunk = idx // chunks, idx % chunks
                 if r >= valid:
                     sv = cute.local_tile(sV[r, None, stage], (Q_VECTOR,), (chunk,))  # (8,)
                     sv.store(zeros.load())
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=V_TAIL_BARRIER, number_of_threads=THREADS_PER_WARPGROUP)
+            cute.arch.barrier(barrier_id=V_TAIL_BARRIER, number_of_threads=threads)
 
     @cute.jit
     def step(self, n, first: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool], mask,
@@ -591,10 +650,10 @@ class HopperDecode:
             rO.store(acc_o.load().to(self.dtype))
         out = acc_rows_cols(rO)
         tOcO = acc_rows_cols(thr_mma_pv.partition_C(
-            cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            cute.make_identity_tensor((self.wg_rows, self.head_dim))))
         packed = packed_rows(seqlen_q, group)
         for r in cutlass.range_constexpr(cute.size(out, mode=[0])):
-            row = m_block * self.tile_m + tOcO[r, 0][0]
+            row = m_block * self.wg_rows + tOcO[r, 0][0]
             if row < packed:
                 token, head = unpack_row(row, group, kv_head)
                 qb, q_offset = rows_at
