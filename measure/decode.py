@@ -97,15 +97,20 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
                  "fa4_final_decode_keys_on_m_paged")
 # Config candidates of the 64-row decode kernel (``--variants``), each timed on the contiguous
 # cache as fa4_final_decode_<name> beside the default, its max_diff taken to the default's out:
-# (tile_n, stages, split factor over the heuristic's count). What each tests:
+# (tile_n, stages, split factor over the heuristic's count, consumer warpgroups). What each
+# tests:
 #   n64s3: 64-key tiles, three stages: 113 KB of shared memory at D = 128, so two CTAs share an
 #          SM (the default's 209 KB allows one) with the same 96 KB of K/V in flight each
 #   n64s4: 64-key tiles, four stages (145 KB, one CTA): the same bytes in flight as n128s2 in
 #          smaller steps
 #   n128s2: the default's tile with two stages (145 KB, one CTA): fewer bytes in flight
 #   split2: the default config, twice the heuristic's split count (more CTAs at small grids)
-VARIANTS = {"n64s3": (64, 3, 1), "n64s4": (64, 4, 1), "n128s2": (128, 2, 1),
-            "split2": (128, 3, 2)}
+#   wg2:   the default tile and stages with two consumer warpgroups, 128 packed rows a CTA
+#          (Note [Two consumer warpgroups]): one CTA reads each K/V tile for 128 rows where the
+#          default takes two; the split heuristic counts its CTAs at tile_m = 128. Only
+#          meaningful when a KV head has more than 64 packed rows (16 tokens at GQA 8)
+VARIANTS = {"n64s3": (64, 3, 1, 1), "n64s4": (64, 4, 1, 1), "n128s2": (128, 2, 1, 1),
+            "split2": (128, 3, 2, 1), "wg2": (128, 3, 1, 2)}
 OURS = ("fa4_final", "fa4_final_paged", *DECODE_KERNEL,
         *(f"fa4_final_decode_{name}" for name in VARIANTS))
 
@@ -226,8 +231,8 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     }
     # config candidates: each its own error row if it fails, the others still timed
     for name in variants:
-        tile_n, stages, factor = VARIANTS[name]
-        own = replace(cfg, tile_n=tile_n, stages=stages)
+        tile_n, stages, factor, consumers = VARIANTS[name]
+        own = replace(cfg, tile_n=tile_n, stages=stages, consumers=consumers)
         own_splits = split_count(shape, requested_splits, own.tile_m, tile_n) * factor
         row = f"fa4_final_decode_{name}"
         try:
@@ -238,6 +243,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
         else:
             calls[row] = call
             extra[row] = {"splits": own_splits, "tile_n": tile_n, "stages": stages,
+                          "consumers": consumers,
                           "max_diff": float((got - contiguous).abs().max())}
     # the keys-on-M candidate: its own error rows if it fails, the 64-row rows still timed
     names = ("fa4_final_decode_keys_on_m", "fa4_final_decode_keys_on_m_paged")

@@ -424,7 +424,8 @@ def test_decode_keys_on_m_variants_compile_clean(name):
 # measure.decode's kernel rows, with CPU stand-ins for the compile, the launch and the combine
 
 
-@pytest.mark.parametrize("variants", [(), ("n64s3", "split2")], ids=["default", "variants"])
+@pytest.mark.parametrize("variants", [(), ("n64s3", "split2", "wg2")],
+                         ids=["default", "variants"])
 @pytest.mark.parametrize("fail", [False, True])
 def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, variants):
     """_kernel_calls on CPU tensors, the kernel launches replaced by the float64 decode of what
@@ -432,7 +433,8 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, var
     four rows, the keys-on-M ones with swap_ab configs (a gathered box for pages of 16),
     rows_n, max_diff to the 64-row row and paged bit for bit; a keys-on-M build that fails
     leaves error rows for its two names and the 64-row rows timed. ``--variants`` (measure.decode
-    VARIANTS) add a contiguous row per config candidate: its tile and stages compiled, the
+    VARIANTS) add a contiguous row per config candidate: its tile, stages and consumer
+    warpgroups compiled (wg2: its split count at tile_m = 128), the
     split count times its factor, max_diff to the default's out."""
     import fa4_final.hopper.host as host
     import fa4_final.runtime.compile as compile_mod
@@ -468,7 +470,9 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, var
     monkeypatch.setattr(compile_mod, "compiled", fake_compiled)
     monkeypatch.setattr(host, "launch_decode", fake_launch)
     monkeypatch.setattr(runtime_decode, "combine_splits", fake_combine)
-    monkeypatch.setattr(decode, "split_count", lambda *a, **k: 2)
+    tiles = []  # (tile_m, tile_n) of each split count asked for
+    monkeypatch.setattr(decode, "split_count",
+                        lambda shape, req, tile_m, tile_n: tiles.append((tile_m, tile_n)) or 2)
     monkeypatch.setattr(decode.bench, "peers", lambda: {"sdpa_flash": lambda q, k, v: (
         decode_reference(q.double(), k.double(), v.double(), False)[0].to(q.dtype),)})
     g = torch.Generator().manual_seed(0)
@@ -485,11 +489,15 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, var
              "fa4_final_decode_keys_on_m_paged"]
     for name in variants:
         row = extra.pop(f"fa4_final_decode_{name}")
-        tile_n, stages, factor = decode.VARIANTS[name]
-        assert (row["tile_n"], row["stages"], row["splits"]) == (tile_n, stages, 2 * factor)
+        tile_n, stages, factor, consumers = decode.VARIANTS[name]
+        assert (row["tile_n"], row["stages"], row["splits"], row["consumers"]) == (
+            tile_n, stages, 2 * factor, consumers)
         assert row["max_diff"] < 1e-2
-        assert any(not c.swap_ab and (c.tile_n, c.stages) == (tile_n, stages) for c in seen)
+        assert any(not c.swap_ab and (c.tile_n, c.stages, c.consumers)
+                   == (tile_n, stages, consumers) for c in seen)
         assert calls.pop(f"fa4_final_decode_{name}")().shape == q.shape
+    # wg2 (Note [Two consumer warpgroups]): its split count taken at tile_m = 128
+    assert ((128, 128) in tiles) == ("wg2" in variants)
     assert sorted(extra) == sorted(names)
     assert extra["fa4_final_decode_paged"]["bitwise_equal"] is True
     if fail:
