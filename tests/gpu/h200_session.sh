@@ -23,7 +23,9 @@
 #    call beside the peers; decode-tests: the split combine, the decode kernel and chapter 15's exercises against float64;
 #    decode-sanitize / -racecheck / -synccheck: the paged and gathered decode kernel under the three sanitizers;
 #    decode-paged16: measure.decode with pages of 16 keys, the gathered tiles;
-#    decode-keys-on-m-tests: the decode kernel with the keys on the wgmma M (swap_ab) against float64)
+#    decode-keys-on-m-tests: the decode kernel with the keys on the wgmma M (swap_ab) against float64;
+#    decode-two-consumers-tests: two consumer warpgroups, 128 packed rows a CTA, against float64;
+#    decode-two-consumers-sanitize: one of its paged cases under synccheck, racecheck and memcheck)
 #   (sdpa-tests: fa4_final registered as SDPA's flash implementation, a small transformer against
 #    float64; softcap-tests: the softcap and learnable-sink builds against float64;
 #    softcap-api-tests: both through the public API (FA4_FINAL_PENDING set), conformance-features: vs FA4;
@@ -129,8 +131,10 @@ for s in "$@"; do
     pending-api-tests2) step pending_api_tests2 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_pending_api.py -k head_dims ;;
     pending-api-tests3) step pending_api_tests3 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_pending_api.py -k seqused_q ;;
     sdpa-tests) step sdpa_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_sdpa_registration.py ;;
-    decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py -k "not keys_on_m" ;;
+    decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py -k "not keys_on_m and not two_consumers" ;;
     decode-keys-on-m-tests) step decode_keys_on_m_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short -rA tests/gpu/test_decode_kernel.py -k keys_on_m ;;
+    decode-two-consumers-tests) step decode_two_consumers_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short -rA -s tests/gpu/test_decode_kernel.py -k two_consumers ;;
+    decode-two-consumers-sanitize) for tool in synccheck racecheck memcheck; do step decode_two_consumers_$tool 420 $SAN --tool $tool $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "two_consumers_paged and 16-2-128"; done ;;
     decode-sanitize) step decode_memcheck 420 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered or paged_equals_contiguous_bit_for_bit" ;;
     decode-racecheck) step decode_racecheck 420 $SAN --tool racecheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;
     decode-synccheck) step decode_synccheck 420 $SAN --tool synccheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;

@@ -485,3 +485,147 @@ def test_keys_on_m_two_runs_are_bitwise_equal():
     second = run_decode(q, k, v, True, 4, config=cfg)
     for a, b in zip(first[2], second[2]):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# two consumer warpgroups, 128 packed rows a CTA (HopperDecodeConfig.consumers = 2,
+# Note [Two consumer warpgroups]): -k two_consumers
+
+TWO_CONSUMERS_CASES = {  # name: (batch, seqlen_q, seqlen_k, heads, heads_kv, d, dtype, causal,
+    # splits); packed rows tokens x group in m-blocks of 128, 64 a consumer warpgroup
+    "16tok-gqa8-1025": (2, 16, 1025, 32, 4, 128, BF16, True, 1),  # 128 rows: one m-block
+    "9tok-gqa8-777-3splits": (3, 9, 777, 16, 2, 128, BF16, True, 3),  # 72: the second has 8
+    "11tok-gqa8-4097-5splits-d64": (2, 11, 4097, 16, 2, 64, BF16, True, 5),  # 88
+    "12tok-gqa16-3001-fp16": (2, 12, 3001, 32, 2, 128, FP16, True, 2),  # 192: 2 m-blocks
+    "16tok-gqa16-2049-d64": (2, 16, 2049, 64, 4, 64, BF16, True, 4),  # 256: 2 full m-blocks
+    "13tok-gqa8-not-causal-d64": (2, 13, 1000, 16, 2, 64, BF16, False, 4),  # 104
+    "15tok-gqa16-not-causal": (2, 15, 1537, 32, 2, 128, BF16, False, 1),  # 240
+    "4tok-gqa8-1000": (2, 4, 1000, 32, 4, 128, BF16, True, 1),  # 32: the second all padding
+    "more-tokens-than-keys": (2, 16, 5, 16, 2, 128, BF16, True, 1),  # rows that see no key
+    "one-key-empty-split": (2, 10, 1, 16, 2, 64, BF16, True, 2),
+    "16tok-gqa8-128k-16splits": (1, 16, 131072, 32, 4, 128, BF16, True, 16),
+}
+
+
+def two_consumers_config(d, page_size=None):
+    from fa4_final.hopper.config import hopper_decode_default, hopper_decode_for_page
+
+    base = hopper_decode_default(d) if page_size is None else hopper_decode_for_page(d,
+                                                                                    page_size)
+    return replace(base, consumers=2)
+
+
+@pytest.mark.parametrize("name", list(TWO_CONSUMERS_CASES))
+def test_two_consumers_matches_float64(name):
+    """Tokens 9-16 at GQA 8 and 16 (72-256 packed rows: a second warpgroup with a few real rows,
+    one with none, two m-blocks), awkward lengths, D = 64/128, bf16 and fp16, causal and not,
+    one split and several, into NaN-filled outputs: against float64 (the partials merged in
+    float64 and by the package's combine). Not causal, the key range and the splits are the
+    64-row kernel's and each row's arithmetic the same: bit for bit its out, lse or partials;
+    causal, the 128-row block's range may add tiles fully masked for some rows (printed)."""
+    b, sq, sk, h, hk, d, dtype, causal, splits = TWO_CONSUMERS_CASES[name]
+    cfg = two_consumers_config(d)
+    q, k, v = qkv(b, sq, sk, h, hk, d, dtype, seed=len(name) + 200)
+    out, lse, partials = run_decode(q, k, v, causal, splits, config=cfg)
+    rows = run_decode(q, k, v, causal, splits)  # the 64-row kernel
+    if partials is None:
+        check_against_float64(q, k, v, out, lse, causal)
+    else:
+        out_p, lse_p = partials
+        assert not out_p.isnan().any() and not lse_p.isnan().any(), "a partial was not written"
+        m_out, m_lse = merge_splits(out_p.cpu(), lse_p.cpu())
+        check_against_float64(q, k, v, m_out.to(DEVICE, dtype), m_lse.to(DEVICE, torch.float32),
+                              causal)
+        combine_fn()(out_p, lse_p, out, lse)
+        wait_for_gpu(f"combine after two_consumers {name}")
+        check_against_float64(q, k, v, out, lse, causal)
+        combine_fn()(*rows[2], rows[0], rows[1])
+        wait_for_gpu(f"combine after the 64-row {name}")
+    assert not out.isnan().any() and not lse.isnan().any()
+    if not causal:
+        got, want = (partials, rows[2]) if splits > 1 else ((out, lse), rows[:2])
+        for a, b_ in zip(got, want):
+            assert torch.equal(a, b_), "not the 64-row kernel's bits"
+    print(f"{name}: max |out - 64-row out| "
+          f"{float((out.float() - rows[0].float()).abs().max()):.3g}")
+
+
+@pytest.mark.parametrize("page_size,splits,d", [(128, 1, 128), (256, 3, 128), (16, 2, 128),
+                                                 (48, 1, 64), (64, 3, 64)])
+def test_two_consumers_paged_is_the_contiguous_launch_bitwise(page_size, splits, d):
+    """16 tokens at GQA 8 (128 rows) over pages shuffled among NaN pages no sequence owns,
+    lengths per sequence (one 0, one a single key), NaN in the cache rows past them, pages of
+    16, 48 and 64 keys read as boxes of a tile: the paged launch gives the contiguous launch's
+    every bit, and float64's answer (the V tail's zeros shared by the two warpgroups)."""
+    batch, sq, h, hk = 4, 16, 32, 4
+    pages = 2048 // page_size + 1
+    cfg = two_consumers_config(d, page_size)
+    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=page_size + splits + 60)
+    used = torch.tensor([pages * page_size, 0, 1, pages * page_size - 77], dtype=torch.int32,
+                        device=DEVICE)
+    for b, length in enumerate(used.tolist()):  # rows a serving engine never wrote
+        k[b, length:] = float("nan")
+        v[b, length:] = float("nan")
+    paged_equals_contiguous(q, k, v, page_size, splits + 70, True, splits, used, config=cfg)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window_left,causal,d", [(1000, True, 128), (37, True, 64),
+                                                  (0, True, 128), (500, False, 64)])
+def test_two_consumers_sliding_window(window_left, causal, d, splits):
+    """A left window over a paged cache with per-sequence lengths, 12 tokens at GQA 8 (96 rows:
+    the two warpgroups' windows start apart): against float64, paged equal to contiguous."""
+    batch, sq, h, hk, page_size, pages = 3, 12, 16, 2, 128, 24
+    cfg = two_consumers_config(d)
+    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=window_left + splits + 9)
+    used = torch.tensor([pages * page_size, 1000, 333], dtype=torch.int32, device=DEVICE)
+    paged_equals_contiguous(q, k, v, page_size, 5, causal, splits, used,
+                            window_left=window_left, config=cfg)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_two_consumers_varlen_queries_over_a_paged_cache(splits):
+    """Packed query sequences of 16, 1, 0, 9 and 3 tokens at GQA 8 (the longest one's 128 rows
+    one m-block, the others' fewer), each over its own pages and cached length, two consumer
+    warpgroups: every sequence against float64."""
+    lengths_q, used = [16, 1, 0, 9, 3], [3000, 1, 517, 129, 2048]
+    h, hk, d, page_size, pages = 32, 4, 128, 256, 12
+    cfg = two_consumers_config(d)
+    cu = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    total_q = int(cu[-1])
+    g = torch.Generator(device=DEVICE).manual_seed(splits + 80)
+    q = torch.randn(total_q, h, d, generator=g, device=DEVICE, dtype=BF16)
+    k = torch.randn(len(lengths_q), pages * page_size, hk, d, generator=g, device=DEVICE,
+                    dtype=BF16)
+    v = torch.randn_like(k)
+    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
+                                generator=torch.Generator().manual_seed(4))
+    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
+    used_k = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    cu_q = cu.to(DEVICE)
+    plan = compiled(decode_recipe, d, "bf16", True, True, True, splits > 1, cfg, True)
+    out = poisoned_empty(total_q, h, d, dtype=BF16, device=DEVICE)
+    lse = poisoned_empty(h, total_q, dtype=torch.float32, device=DEVICE)
+    if splits == 1:
+        launch_decode(plan, q, kp, vp, out, lse, table, used_k, cu_seqlens_q=cu_q,
+                      max_seqlen_q=max(lengths_q))
+    else:
+        out_p = poisoned_empty(splits, total_q, h, d, dtype=torch.float32, device=DEVICE)
+        lse_p = poisoned_empty(splits, h, total_q, dtype=torch.float32, device=DEVICE)
+        launch_decode(plan, q, kp, vp, out_p, lse_p, table, used_k, cu_seqlens_q=cu_q,
+                      max_seqlen_q=max(lengths_q))
+        wait_for_gpu("varlen two_consumers decode")
+        assert not out_p.isnan().any() and not lse_p.isnan().any()
+        combine_fn()(out_p, lse_p, out, lse)
+    wait_for_gpu("varlen two_consumers decode")
+    check_varlen(q, kp, vp, cu, out, lse, table, used_k)
+
+
+def test_two_consumers_two_runs_are_bitwise_equal():
+    """Each row's sums run in the 64-row kernel's order: two runs give the same bits."""
+    q, k, v = qkv(2, 16, 5000, 32, 4, 128, BF16, seed=13)
+    cfg = two_consumers_config(128)
+    first = run_decode(q, k, v, True, 4, config=cfg)
+    second = run_decode(q, k, v, True, 4, config=cfg)
+    for a, b in zip(first[2], second[2]):
+        assert torch.equal(a, b)
