@@ -558,7 +558,7 @@ class HopperDecodeConfig:
     def _check_consumers(self) -> None:
         """consumers (Note [Two consumer warpgroups] in fa4_final.hopper.decode)."""
         n = self.consumers
-        if isinstance(n, bool) or n not in DECODE_CONSUMERS:
+        if isinstance(n, bool) or not isinstance(n, int) or n not in DECODE_CONSUMERS:
             raise ValueError(f"consumers must be one of {DECODE_CONSUMERS} (consumer warpgroups "
                              f"of 64 packed rows each), got {n!r}")
         if n == 2 and self.swap_ab:
