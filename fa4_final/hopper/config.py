@@ -470,8 +470,9 @@ DECODE_WG2_CTAS_PER_SM_BOUND = 1
 class HopperDecodeConfig:
     """Knobs of fa4_final.hopper.decode.HopperDecode: one consumer warpgroup of tile_m = 64
     packed query rows (wgmma's smallest M; with ``swap_ab`` rows_n of them on the wgmma N
-    instead, Note [Keys on M]), a producer warp issuing TMA, ``stages`` K tiles and as many V
-    tiles in flight (Note [Decode bytes in flight])."""
+    instead, Note [Keys on M]; with ``consumers`` = 2 two warpgroups of 64, tile_m = 128,
+    Note [Two consumer warpgroups]), a producer warp issuing TMA, ``stages`` K tiles and as
+    many V tiles in flight (Note [Decode bytes in flight])."""
 
     tile_n: int = 128  # keys per K/V tile; a page must hold whole tiles (Note [Key tile pages])
     stages: int = 3  # depth of the K ring and of the V ring

@@ -114,6 +114,8 @@ Q_VECTOR = 8  # elements of one 16-byte load of Q
 # GQA 8: 128 rows), where it would read each K/V tile once for 128 rows. Here such shapes take
 # two m-blocks, whose CTAs are neighbours in the grid and read the same tiles, the second mostly
 # from L2: the cost is L2 bandwidth and a second pass of the tile's compute, not HBM bytes.
+# (The H100 run measured that cost at 16 tokens and GQA 8: 86-91% of the copy rate; the
+# candidate with the second consumer warpgroup is Note [Two consumer warpgroups].)
 # Shared memory: Q (16 KB) + 3 x 32 KB of K + 3 x 32 KB of V = 209 KB at D = 128, one CTA an
 # SM; at D = 64 105 KB, so two CTAs fit and their steps interleave. The launch bound of two CTAs
 # an SM fixes each thread's registers at launch to 128, and setmaxnreg moves the producer's
@@ -142,7 +144,9 @@ Q_VECTOR = 8  # elements of one 16-byte load of Q
 # 240 for each consumer: per sub-partition one producer warp and two consumer warps, 24 + 2 x 240
 # = 504 = 3 x 168 (fa4_final.common.register_plan). Shared memory: Q 128 x D, so 225 KB at
 # D = 128 with three 128-key stages (one CTA an SM, as the default) and 113 KB at D = 64 (one CTA
-# an SM by the register bound, where the default fits two).
+# an SM by the register bound, where the default fits two: at D = 64 the default keeps two CTAs
+# of 96 KB of K/V requested an SM, this one 96 KB, so there it may lose; a hypothesis for the
+# decode benchmark to test).
 # Compiled for sm_90a (D = 64 and 128; contiguous, paged + seqused_k + split, varlen, window):
 # no spill, no stack, 168 registers, no ptxas-injected warpgroup.arrive. Not timed, not run.
 
