@@ -95,7 +95,7 @@ PRODUCES = [
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")
 DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode_keys_on_m",
                  "fa4_final_decode_keys_on_m_paged")
-# Config candidates of the 64-row decode kernel (``--variants``), each timed on the contiguous
+# Config candidates of the decode kernel (``--variants``), each timed on the contiguous
 # cache as fa4_final_decode_<name> beside the default, its max_diff taken to the default's out:
 # (tile_n, stages, split factor over the heuristic's count, consumer warpgroups). What each
 # tests:

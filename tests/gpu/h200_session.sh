@@ -25,7 +25,8 @@
 #    decode-paged16: measure.decode with pages of 16 keys, the gathered tiles;
 #    decode-keys-on-m-tests: the decode kernel with the keys on the wgmma M (swap_ab) against float64;
 #    decode-two-consumers-tests: two consumer warpgroups, 128 packed rows a CTA, against float64;
-#    decode-two-consumers-sanitize: one of its paged cases under synccheck, racecheck and memcheck)
+#    decode-two-consumers-sanitize: one of its paged cases under synccheck, racecheck and memcheck;
+#    decode-two-consumers-bench: measure.decode at 16 tokens, GQA 8 and 16, the wg2 row beside the default)
 #   (sdpa-tests: fa4_final registered as SDPA's flash implementation, a small transformer against
 #    float64; softcap-tests: the softcap and learnable-sink builds against float64;
 #    softcap-api-tests: both through the public API (FA4_FINAL_PENDING set), conformance-features: vs FA4;
@@ -134,6 +135,7 @@ for s in "$@"; do
     decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py -k "not keys_on_m and not two_consumers" ;;
     decode-keys-on-m-tests) step decode_keys_on_m_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short -rA tests/gpu/test_decode_kernel.py -k keys_on_m ;;
     decode-two-consumers-tests) step decode_two_consumers_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short -rA -s tests/gpu/test_decode_kernel.py -k two_consumers ;;
+    decode-two-consumers-bench) step decode_wg2 580 $PY -m measure.decode --name decode_wg2 --dims 128 64 --batch 1 32 --tokens 16 --keys 8192 32768 131072 --heads 64/8 128/8 --variants wg2 --no-keys-on-m --deadline 500 ;;
     decode-two-consumers-sanitize) for tool in synccheck racecheck memcheck; do step decode_two_consumers_$tool 420 $SAN --tool $tool $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "two_consumers_paged and 16-2-128"; done ;;
     decode-sanitize) step decode_memcheck 420 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered or paged_equals_contiguous_bit_for_bit" ;;
     decode-racecheck) step decode_racecheck 420 $SAN --tool racecheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;
