@@ -14,6 +14,10 @@ cut into tiles of tile_m rows (m-blocks); the last m-block's rows past that coun
 computed and never stored. Causal masking is bottom-right (the query tokens are the last
 seqlen_q of the sequence): token t sees keys j < t + seqlen_k - seqlen_q + 1, so a packed row's
 key limit depends on its token only, and the rows of one token share it.
+With two consumer warpgroups (tile_m = 128, Note [Two consumer warpgroups] in
+fa4_final.hopper.decode) warpgroup p of m-block m owns the 64-row tile 2 m + p: rows
+64 (2 m + p) + r, the same packed rows in the same order, while the key tiles, splits and masked
+tiles are those of the 128-row m-block, a superset of each 64-row tile's.
 
 Note [Key splits]
 A (batch entry, KV head)'s key tiles are cut into ``num_splits`` consecutive ranges of
