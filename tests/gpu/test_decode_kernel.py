@@ -182,26 +182,26 @@ def test_paged_equals_contiguous_bit_for_bit(d, page_size, dtype, splits):
     paged_equals_contiguous(q, k, v, page_size, splits, True, splits, used)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_varlen_queries_over_a_paged_cache(splits):
-    """Chunked prefill and decode steps in one launch: packed query sequences of 16, 1, 0, 7
-    and 3 tokens (cu_seqlens_q, max_seqlen_q), each over its own pages and cached length; every
-    sequence against float64, the partials merged in float64 and by the package's combine."""
-    lengths_q, used = [16, 1, 0, 7, 3], [3000, 1, 517, 129, 2048]
+def run_varlen_over_pages(cfg, lengths_q, splits, seed, table_seed, label):
+    """Packed query sequences of ``lengths_q`` tokens (32 query heads over 4 KV heads, D = 128),
+    each over its own pages of 256 keys and cached length (3000, 1, 517, 129, 2048), run by the
+    decode kernel built with ``cfg`` (None: the default) into NaN-filled outputs: every sequence
+    against float64, the split partials merged in float64 and by the package's combine."""
+    used = [3000, 1, 517, 129, 2048]
     h, hk, d, page_size, pages = 32, 4, 128, 256, 12
     cu = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
     total_q = int(cu[-1])
-    g = torch.Generator(device=DEVICE).manual_seed(splits)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     q = torch.randn(total_q, h, d, generator=g, device=DEVICE, dtype=BF16)
     k = torch.randn(len(lengths_q), pages * page_size, hk, d, generator=g, device=DEVICE,
                     dtype=BF16)
     v = torch.randn_like(k)
     kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
-                                generator=torch.Generator().manual_seed(3))
+                                generator=torch.Generator().manual_seed(table_seed))
     kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
     used_k = torch.tensor(used, dtype=torch.int32, device=DEVICE)
     cu_q = cu.to(DEVICE)
-    plan = compiled(decode_recipe, d, "bf16", True, True, True, splits > 1, None, True)
+    plan = compiled(decode_recipe, d, "bf16", True, True, True, splits > 1, cfg, True)
     out = poisoned_empty(total_q, h, d, dtype=BF16, device=DEVICE)
     lse = poisoned_empty(h, total_q, dtype=torch.float32, device=DEVICE)
     if splits == 1:
@@ -212,14 +212,23 @@ def test_varlen_queries_over_a_paged_cache(splits):
         lse_p = poisoned_empty(splits, h, total_q, dtype=torch.float32, device=DEVICE)
         launch_decode(plan, q, kp, vp, out_p, lse_p, table, used_k, cu_seqlens_q=cu_q,
                       max_seqlen_q=max(lengths_q))
-        wait_for_gpu("varlen decode")
+        wait_for_gpu(label)
         assert not out_p.isnan().any() and not lse_p.isnan().any()
         m_out, m_lse = merge_splits(out_p.cpu(), lse_p.cpu())
         check_varlen(q, kp, vp, cu, m_out.to(DEVICE, BF16), m_lse.to(DEVICE).float(), table,
                      used_k)
         combine_fn()(out_p, lse_p, out, lse)
-    wait_for_gpu("varlen decode")
+    wait_for_gpu(label)
     check_varlen(q, kp, vp, cu, out, lse, table, used_k)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_varlen_queries_over_a_paged_cache(splits):
+    """Chunked prefill and decode steps in one launch: packed query sequences of 16, 1, 0, 7
+    and 3 tokens (cu_seqlens_q, max_seqlen_q), each over its own pages and cached length; every
+    sequence against float64, the partials merged in float64 and by the package's combine."""
+    run_varlen_over_pages(None, [16, 1, 0, 7, 3], splits, seed=splits, table_seed=3,
+                          label="varlen decode")
 
 
 def check_varlen(q, k, v, cu, out, lse, table, used_k):
@@ -443,37 +452,8 @@ def test_keys_on_m_varlen_queries_over_a_paged_cache(splits):
     """Packed query sequences of 16, 1, 0, 7 and 3 tokens at GQA 8 (rows_n 32: the longest
     sequence's 128 rows in four m-blocks, the others' in fewer or none), each over its own pages
     and cached length, keys on M: every sequence against float64."""
-    lengths_q, used = [16, 1, 0, 7, 3], [3000, 1, 517, 129, 2048]
-    h, hk, d, page_size, pages = 32, 4, 128, 256, 12
-    cfg = keys_on_m_config(d, max(lengths_q), h // hk)
-    cu = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
-    total_q = int(cu[-1])
-    g = torch.Generator(device=DEVICE).manual_seed(splits + 50)
-    q = torch.randn(total_q, h, d, generator=g, device=DEVICE, dtype=BF16)
-    k = torch.randn(len(lengths_q), pages * page_size, hk, d, generator=g, device=DEVICE,
-                    dtype=BF16)
-    v = torch.randn_like(k)
-    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
-                                generator=torch.Generator().manual_seed(3))
-    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
-    used_k = torch.tensor(used, dtype=torch.int32, device=DEVICE)
-    cu_q = cu.to(DEVICE)
-    plan = compiled(decode_recipe, d, "bf16", True, True, True, splits > 1, cfg, True)
-    out = poisoned_empty(total_q, h, d, dtype=BF16, device=DEVICE)
-    lse = poisoned_empty(h, total_q, dtype=torch.float32, device=DEVICE)
-    if splits == 1:
-        launch_decode(plan, q, kp, vp, out, lse, table, used_k, cu_seqlens_q=cu_q,
-                      max_seqlen_q=max(lengths_q))
-    else:
-        out_p = poisoned_empty(splits, total_q, h, d, dtype=torch.float32, device=DEVICE)
-        lse_p = poisoned_empty(splits, h, total_q, dtype=torch.float32, device=DEVICE)
-        launch_decode(plan, q, kp, vp, out_p, lse_p, table, used_k, cu_seqlens_q=cu_q,
-                      max_seqlen_q=max(lengths_q))
-        wait_for_gpu("varlen keys_on_m decode")
-        assert not out_p.isnan().any() and not lse_p.isnan().any()
-        combine_fn()(out_p, lse_p, out, lse)
-    wait_for_gpu("varlen keys_on_m decode")
-    check_varlen(q, kp, vp, cu, out, lse, table, used_k)
+    run_varlen_over_pages(keys_on_m_config(128, 16, 8), [16, 1, 0, 7, 3], splits,
+                          seed=splits + 50, table_seed=3, label="varlen keys_on_m decode")
 
 
 def test_keys_on_m_two_runs_are_bitwise_equal():
@@ -588,37 +568,8 @@ def test_two_consumers_varlen_queries_over_a_paged_cache(splits):
     """Packed query sequences of 16, 1, 0, 9 and 3 tokens at GQA 8 (the longest one's 128 rows
     one m-block, the others' fewer), each over its own pages and cached length, two consumer
     warpgroups: every sequence against float64."""
-    lengths_q, used = [16, 1, 0, 9, 3], [3000, 1, 517, 129, 2048]
-    h, hk, d, page_size, pages = 32, 4, 128, 256, 12
-    cfg = two_consumers_config(d)
-    cu = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
-    total_q = int(cu[-1])
-    g = torch.Generator(device=DEVICE).manual_seed(splits + 80)
-    q = torch.randn(total_q, h, d, generator=g, device=DEVICE, dtype=BF16)
-    k = torch.randn(len(lengths_q), pages * page_size, hk, d, generator=g, device=DEVICE,
-                    dtype=BF16)
-    v = torch.randn_like(k)
-    kp, vp, table = paged_cache(k.cpu(), v.cpu(), page_size,
-                                generator=torch.Generator().manual_seed(4))
-    kp, vp, table = kp.to(DEVICE), vp.to(DEVICE), table.to(DEVICE)
-    used_k = torch.tensor(used, dtype=torch.int32, device=DEVICE)
-    cu_q = cu.to(DEVICE)
-    plan = compiled(decode_recipe, d, "bf16", True, True, True, splits > 1, cfg, True)
-    out = poisoned_empty(total_q, h, d, dtype=BF16, device=DEVICE)
-    lse = poisoned_empty(h, total_q, dtype=torch.float32, device=DEVICE)
-    if splits == 1:
-        launch_decode(plan, q, kp, vp, out, lse, table, used_k, cu_seqlens_q=cu_q,
-                      max_seqlen_q=max(lengths_q))
-    else:
-        out_p = poisoned_empty(splits, total_q, h, d, dtype=torch.float32, device=DEVICE)
-        lse_p = poisoned_empty(splits, h, total_q, dtype=torch.float32, device=DEVICE)
-        launch_decode(plan, q, kp, vp, out_p, lse_p, table, used_k, cu_seqlens_q=cu_q,
-                      max_seqlen_q=max(lengths_q))
-        wait_for_gpu("varlen two_consumers decode")
-        assert not out_p.isnan().any() and not lse_p.isnan().any()
-        combine_fn()(out_p, lse_p, out, lse)
-    wait_for_gpu("varlen two_consumers decode")
-    check_varlen(q, kp, vp, cu, out, lse, table, used_k)
+    run_varlen_over_pages(two_consumers_config(128), [16, 1, 0, 9, 3], splits,
+                          seed=splits + 80, table_seed=4, label="varlen two_consumers decode")
 
 
 def test_two_consumers_two_runs_are_bitwise_equal():
