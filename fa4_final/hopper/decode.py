@@ -540,26 +540,33 @@ class HopperDecode:
                 n_hi - 1 - i, first, masked, mask, zero_tail, softmax, acc_s, acc_o, tOrP, tSrQ,
                 tSrK,
                 tOrVt, tiled_mma_qk, tiled_mma_pv, pipeline_k, pipeline_v, sk, sv)
-            # the first tile visited is always masked (it may hold seqlen_k's end or the causal
-            # diagonal); then the rest of the masked ones, then the free ones, then (a left
-            # window) those left of some row's window: the range is split, not the body (each
-            # loop runs one step function; with a window every masked step masks both sides,
-            # as a narrow window's tiles can need both)
-            state_k, state_v = step(0, True, True, state_k, state_v)
-            top_end = cutlass.max(masked_tiles(n_lo, n_hi, n_full), 1)
-            bottom_start = n_tiles
-            if const_expr(self.has_window_left):
-                bottom_start = cutlass.max(
-                    n_tiles - left_masked_tiles(n_lo, n_hi, n_left_free), top_end)
-            for i in cutlass.range(1, top_end, unroll=1):
-                state_k, state_v = step(i, False, True, state_k, state_v)
-            for i in cutlass.range(top_end, bottom_start, unroll=1):
-                state_k, state_v = step(i, False, False, state_k, state_v)
-            if const_expr(self.has_window_left):
-                for i in cutlass.range(bottom_start, n_tiles, unroll=1):
-                    state_k, state_v = step(i, False, True, state_k, state_v)
+            state_k, state_v = self.walk_key_tiles(step, n_lo, n_hi, n_full, n_left_free,
+                                                   n_tiles, state_k, state_v)
         self.epilogue(acc_o, softmax, mO, mLSE, thr_mma_pv, rows_at, kv_head, m_block, split,
                       group, seqlen_q)
+
+    @cute.jit
+    def walk_key_tiles(self, step, n_lo, n_hi, n_full, n_left_free, n_tiles, state_k, state_v):
+        """A consumer's key tiles in the order it visits them, ``step(i, first, masked, state_k,
+        state_v)`` for each: the first (always masked: it may hold seqlen_k's end or the causal
+        diagonal), then the rest of the masked ones, then the free ones, then (a left window)
+        those left of some row's window. The range is split, not the body: each loop runs one
+        step function; with a window every masked step masks both sides, as a narrow window's
+        tiles can need both. Returns the rings' states."""
+        state_k, state_v = step(0, True, True, state_k, state_v)
+        top_end = cutlass.max(masked_tiles(n_lo, n_hi, n_full), 1)
+        bottom_start = n_tiles
+        if const_expr(self.has_window_left):
+            bottom_start = cutlass.max(
+                n_tiles - left_masked_tiles(n_lo, n_hi, n_left_free), top_end)
+        for i in cutlass.range(1, top_end, unroll=1):
+            state_k, state_v = step(i, False, True, state_k, state_v)
+        for i in cutlass.range(top_end, bottom_start, unroll=1):
+            state_k, state_v = step(i, False, False, state_k, state_v)
+        if const_expr(self.has_window_left):
+            for i in cutlass.range(bottom_start, n_tiles, unroll=1):
+                state_k, state_v = step(i, False, True, state_k, state_v)
+        return state_k, state_v
 
     @cute.jit
     def mask(self, acc_s, t0ScS, limit, start, n):
@@ -832,20 +839,8 @@ class HopperDecode:
             step = lambda i, first, masked, sk, sv: self.step_keys_on_m(  # noqa: E731
                 n_hi - 1 - i, first, masked, ops, scale_log2, seqlen_k, pipeline_k, pipeline_v,
                 sk, sv)
-            # the order of consume's steps: the first, the masked, the free, the left-masked
-            state_k, state_v = step(0, True, True, state_k, state_v)
-            top_end = cutlass.max(masked_tiles(n_lo, n_hi, n_full), 1)
-            bottom_start = n_tiles
-            if const_expr(self.has_window_left):
-                bottom_start = cutlass.max(
-                    n_tiles - left_masked_tiles(n_lo, n_hi, n_left_free), top_end)
-            for i in cutlass.range(1, top_end, unroll=1):
-                state_k, state_v = step(i, False, True, state_k, state_v)
-            for i in cutlass.range(top_end, bottom_start, unroll=1):
-                state_k, state_v = step(i, False, False, state_k, state_v)
-            if const_expr(self.has_window_left):
-                for i in cutlass.range(bottom_start, n_tiles, unroll=1):
-                    state_k, state_v = step(i, False, True, state_k, state_v)
+            state_k, state_v = self.walk_key_tiles(step, n_lo, n_hi, n_full, n_left_free,
+                                                   n_tiles, state_k, state_v)
         else:
             # zeros only here: filled before the first step, whose O^T GEMM overwrites acc_o,
             # the zeros were moved into its registers after wgmma.fence and ptxas injected a
