@@ -125,18 +125,23 @@ def test_decode_matches_float64(name):
     b, sq, sk, h, hk, d, dtype, causal, splits = CASES[name]
     q, k, v = qkv(b, sq, sk, h, hk, d, dtype, seed=len(name))
     out, lse, partials = run_decode(q, k, v, causal, splits)
+    check_decode(q, k, v, out, lse, partials, causal, name)
+
+
+def check_decode(q, k, v, out, lse, partials, causal, label):
+    """One decode launch's result against float64: out and lse, or, when it wrote split
+    partials, each partial written (no NaN left), their float64 merge (the kernel alone,
+    whatever the combine does), then the package's combine into out and lse."""
     if partials is None:
         check_against_float64(q, k, v, out, lse, causal)
         return
     out_p, lse_p = partials
     assert not out_p.isnan().any() and not lse_p.isnan().any(), "a partial was not written"
-    # float64 merge of the kernel's partials: the kernel alone, whatever the combine does
     m_out, m_lse = merge_splits(out_p.cpu(), lse_p.cpu())
-    check_against_float64(q, k, v, m_out.to(DEVICE, dtype), m_lse.to(DEVICE, torch.float32),
+    check_against_float64(q, k, v, m_out.to(DEVICE, q.dtype), m_lse.to(DEVICE, torch.float32),
                           causal)
-    combine = combine_fn()
-    combine(out_p, lse_p, out, lse)
-    wait_for_gpu(f"combine after {name}")
+    combine_fn()(out_p, lse_p, out, lse)
+    wait_for_gpu(f"combine after {label}")
     check_against_float64(q, k, v, out, lse, causal)
 
 
@@ -377,6 +382,21 @@ KEYS_ON_M_CASES = {  # name: (batch, seqlen_q, seqlen_k, heads, heads_kv, d, dty
 }
 
 
+def pages_among_nan_pages(cfg, sq, h, hk, d, page_size, splits, seed, table_seed):
+    """Four sequences of ``sq`` tokens over pages of ``page_size`` keys shuffled among NaN pages
+    no sequence owns (paged_equals_contiguous), their cached lengths the whole cache, 0, 1 and
+    the cache less 77, NaN in the rows past each length (rows a serving engine never wrote):
+    the paged launch of ``cfg`` gives the contiguous launch's every bit, and float64's answer."""
+    pages = 2048 // page_size + 1
+    q, k, v = qkv(4, sq, pages * page_size, h, hk, d, BF16, seed=seed)
+    used = torch.tensor([pages * page_size, 0, 1, pages * page_size - 77], dtype=torch.int32,
+                        device=DEVICE)
+    for b, length in enumerate(used.tolist()):
+        k[b, length:] = float("nan")
+        v[b, length:] = float("nan")
+    paged_equals_contiguous(q, k, v, page_size, table_seed, True, splits, used, config=cfg)
+
+
 def keys_on_m_config(d, tokens, group, tile_n=128, page_size=None):
     from fa4_final.hopper.config import hopper_decode_keys_on_m
 
@@ -394,17 +414,7 @@ def test_keys_on_m_matches_float64(name):
     assert cfg.swap_ab
     q, k, v = qkv(b, sq, sk, h, hk, d, dtype, seed=len(name) + 100)
     out, lse, partials = run_decode(q, k, v, causal, splits, config=cfg)
-    if partials is None:
-        check_against_float64(q, k, v, out, lse, causal)
-    else:
-        out_p, lse_p = partials
-        assert not out_p.isnan().any() and not lse_p.isnan().any(), "a partial was not written"
-        m_out, m_lse = merge_splits(out_p.cpu(), lse_p.cpu())
-        check_against_float64(q, k, v, m_out.to(DEVICE, dtype), m_lse.to(DEVICE, torch.float32),
-                              causal)
-        combine_fn()(out_p, lse_p, out, lse)
-        wait_for_gpu(f"combine after keys_on_m {name}")
-        check_against_float64(q, k, v, out, lse, causal)
+    check_decode(q, k, v, out, lse, partials, causal, f"keys_on_m {name}")
     rows_out, rows_lse, rows_partials = run_decode(q, k, v, causal, splits)  # the 64-row path
     if rows_partials is not None:
         combine_fn()(*rows_partials, rows_out, rows_lse)
@@ -421,16 +431,10 @@ def test_keys_on_m_paged_is_the_contiguous_launch_bitwise(page_size, splits, d):
     single key), NaN in the cache rows past them; gathered tiles for pages of 16, 48 and 64
     keys: the paged swapped launch gives the contiguous swapped launch's every bit, and
     float64's answer."""
-    batch, sq, h, hk = 4, 1, 32, 4  # GQA 8, one token: rows_n 8
-    pages = 2048 // page_size + 1
+    sq, h, hk = 1, 32, 4  # GQA 8, one token: rows_n 8
     cfg = keys_on_m_config(d, sq, h // hk, page_size=page_size)
-    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=page_size + splits)
-    used = torch.tensor([pages * page_size, 0, 1, pages * page_size - 77], dtype=torch.int32,
-                        device=DEVICE)
-    for b, length in enumerate(used.tolist()):  # rows a serving engine never wrote
-        k[b, length:] = float("nan")
-        v[b, length:] = float("nan")
-    paged_equals_contiguous(q, k, v, page_size, splits + 40, True, splits, used, config=cfg)
+    pages_among_nan_pages(cfg, sq, h, hk, d, page_size, splits, seed=page_size + splits,
+                          table_seed=splits + 40)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -508,17 +512,8 @@ def test_two_consumers_matches_float64(name):
     q, k, v = qkv(b, sq, sk, h, hk, d, dtype, seed=len(name) + 200)
     out, lse, partials = run_decode(q, k, v, causal, splits, config=cfg)
     rows = run_decode(q, k, v, causal, splits)  # the 64-row kernel
-    if partials is None:
-        check_against_float64(q, k, v, out, lse, causal)
-    else:
-        out_p, lse_p = partials
-        assert not out_p.isnan().any() and not lse_p.isnan().any(), "a partial was not written"
-        m_out, m_lse = merge_splits(out_p.cpu(), lse_p.cpu())
-        check_against_float64(q, k, v, m_out.to(DEVICE, dtype), m_lse.to(DEVICE, torch.float32),
-                              causal)
-        combine_fn()(out_p, lse_p, out, lse)
-        wait_for_gpu(f"combine after two_consumers {name}")
-        check_against_float64(q, k, v, out, lse, causal)
+    check_decode(q, k, v, out, lse, partials, causal, f"two_consumers {name}")
+    if partials is not None:
         combine_fn()(*rows[2], rows[0], rows[1])
         wait_for_gpu(f"combine after the 64-row {name}")
     assert not out.isnan().any() and not lse.isnan().any()
@@ -537,16 +532,9 @@ def test_two_consumers_paged_is_the_contiguous_launch_bitwise(page_size, splits,
     lengths per sequence (one 0, one a single key), NaN in the cache rows past them, pages of
     16, 48 and 64 keys read as boxes of a tile: the paged launch gives the contiguous launch's
     every bit, and float64's answer (the V tail's zeros shared by the two warpgroups)."""
-    batch, sq, h, hk = 4, 16, 32, 4
-    pages = 2048 // page_size + 1
-    cfg = two_consumers_config(d, page_size)
-    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=page_size + splits + 60)
-    used = torch.tensor([pages * page_size, 0, 1, pages * page_size - 77], dtype=torch.int32,
-                        device=DEVICE)
-    for b, length in enumerate(used.tolist()):  # rows a serving engine never wrote
-        k[b, length:] = float("nan")
-        v[b, length:] = float("nan")
-    paged_equals_contiguous(q, k, v, page_size, splits + 70, True, splits, used, config=cfg)
+    sq, h, hk = 16, 32, 4
+    pages_among_nan_pages(two_consumers_config(d, page_size), sq, h, hk, d, page_size, splits,
+                          seed=page_size + splits + 60, table_seed=splits + 70)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
