@@ -606,7 +606,7 @@ def hopper_decode_default(head_dim: int) -> HopperDecodeConfig:
     """The decode config for sm_90 (Note [Decode bytes in flight] in fa4_final.hopper.decode):
     128-key tiles; D = 128: three K and three V stages (192 KB of K/V in flight, one CTA an SM);
     D = 64: three stages (96 KB, 105 KB of shared memory, so two CTAs fit an SM). Timed on an
-    H100: 94-101% of the copy rate at batch 32 and 128 with 8k keys or more, 0.96-0.98x the
+    H100: 89-101% of the copy rate at batch 32 and 128 with 8k keys or more, 0.88-1.13x the
     fastest peer there; other tiles and stages are candidates of the decode benchmark."""
     return HopperDecodeConfig(tile_n=128, stages=3)
 

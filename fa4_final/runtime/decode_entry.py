@@ -20,7 +20,7 @@ Two kinds of call reach the decode kernel:
 The limits of the decode shape are the range the kernel was written and tested for (1-16 query
 tokens, up to four 64-row m-blocks of packed rows: 16 tokens at GQA 16; a left window side
 >= 0), not a measured crossover with the forward. Measured on an H100 at batch 32 and 128 with
-8k keys or more, the decode kernel reached 0.88-0.98x the speed of the fastest peer (94-101% of
+8k keys or more, the decode kernel reached 0.88-1.13x the speed of the fastest peer (89-101% of
 the copy rate), the forward 0.23-0.25x: routing these shapes to it is what the measurement
 says. The kernel and its split combine are tested on an H100 against float64, directly and
 through the API (a paged call captured in a CUDA graph among them), and compute-sanitizer's
