@@ -62,7 +62,7 @@ from fa4_final.common.seqlens import sequence_slab, store_rows
 from fa4_final.common.softmax import check_softcap, softcap_scores
 from fa4_final.common.tiles import TileWindow
 from fa4_final.hopper.config import BWD_MMA_WARPGROUPS, HopperBwdConfig
-from fa4_final.hopper.wgmma import issue_wgmma
+from fa4_final.hopper.wgmma import issue_wgmma, transposed
 
 MMA_THREADS = THREADS_PER_WARPGROUP * BWD_MMA_WARPGROUPS
 
@@ -104,13 +104,6 @@ def _convert(src: cute.Tensor, dst: cute.Tensor):
     dst_pairs = cute.recast_tensor(dst, Int32)
     for i in cutlass.range_constexpr(cute.size(dst_pairs)):
         dst_pairs[i] = _pack2(src[2 * i], src[2 * i + 1], dst.element_type)
-
-
-def _transpose(t: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes of a shared-memory tensor: Q^T from Q, K^T from K (a view)."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
 # The pointwise part of a step, shared by both steps: step's S^T fragment holds the keys on its
@@ -1024,21 +1017,21 @@ class HopperBackward:
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (MMA, 1, D/16, STAGE)
         tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        tdVrdO = wg_dv.make_fragment_B(wg_dv.partition_B(_transpose(sdO)))  # (.., m/16, ST)
-        tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sQ)))
+        tdVrdO = wg_dv.make_fragment_B(wg_dv.partition_B(transposed(sdO)))  # (.., m/16, ST)
+        tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ)))
         if const_expr(not dq_wg):  # Note [dQ by one warpgroup]: warpgroup 1 has no dQ GEMM
             tdQrA = tdQrB = thr_dq = None
         elif const_expr(dq_part is not None):  # dQ^T = K^T dS^T, this warpgroup's rows of D
             first, rows = self.dq_part(dq_part)
-            kT = cute.local_tile(_transpose(sK), (rows, self.tile_n), (first // rows, 0))
+            kT = cute.local_tile(transposed(sK), (rows, self.tile_n), (first // rows, 0))
             tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(kT))  # (.., rows/64, n/16)
             tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))  # (.., n/16, STAGE)
         elif const_expr(self.cfg.dq_swap_ab):  # dQ^T = K^T dS^T
-            tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(_transpose(sK)))  # (.., n/16)
+            tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sK)))  # (.., n/16)
             tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))  # (.., n/16, STAGE)
         else:  # dQ = dS K
             tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (.., n/16, STAGE)
-            tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(_transpose(sK)))  # (.., n/16)
+            tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))  # (.., n/16)
         shape_st = thr_sdp.partition_shape_C((self.tile_n, self.tile_m))  # ((2,2,m/8),1,1)
         shape_a = thr_dkv.partition_shape_A((self.tile_n, self.tile_m))  # ((2,2,2),1,m/16)
         acc_dv = cute.make_rmem_tensor(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)),
@@ -1054,7 +1047,7 @@ class HopperBackward:
         st_t = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(tidx)
-        tdSsdS = thr_st_t.partition_D(_transpose(sdS))  # (CPY, .., STAGE)
+        tdSsdS = thr_st_t.partition_D(transposed(sdS))  # (CPY, .., STAGE)
         # dQ registers -> its float32 staging buffer, 16 B per thread
         # (Note [dQ in accumulator order])
         tdQsdQ = None
@@ -1189,13 +1182,13 @@ class HopperBackward:
         tdPrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO))
         tdPrV = wg_s.make_fragment_B(wg_s.partition_B(sV))
         # dV^T += dO^T P, dK^T += Q^T dS: A (D, m) and B (n, m), both MN-major views
-        tdVrdO = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transpose(sdO)))
-        tdVrP = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sP)))
-        tdKrQ = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transpose(sQ)))
-        tdKrdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transpose(sdS)))
+        tdVrdO = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed(sdO)))
+        tdVrP = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sP)))
+        tdKrQ = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed(sQ)))
+        tdKrdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdS)))
         # dQ^T = K^T dS^T, this warpgroup's rows of D (Note [dQ split unevenly])
         first, rows = self.dq_part(dq_part)
-        kT = cute.local_tile(_transpose(sK), (rows, self.tile_n), (first // rows, 0))
+        kT = cute.local_tile(transposed(sK), (rows, self.tile_n), (first // rows, 0))
         tdQrA = wg_dq.make_fragment_A(wg_dq.partition_A(kT))
         tdQrB = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
         shape_s = thr_s.partition_shape_C((self.tile_m, self.tile_n))
@@ -1474,7 +1467,7 @@ class HopperBackward:
         thr_st = cute.make_tiled_copy_C(st, mma_dkv).get_slice(tidx)
         sdK, sdV = sK, sV
         if const_expr(swapped):  # Note [dK and dV swapped]: (D, n) views of the (n, D) tiles
-            sdK, sdV = _transpose(sK), _transpose(sV)
+            sdK, sdV = transposed(sK), transposed(sV)
         cute.copy(st, thr_st.retile(rdK), thr_st.partition_D(sdK))
         if const_expr(self.head_dim_v != self.head_dim):  # Note [dV head dim]
             thr_st = cute.make_tiled_copy_C(st, self.mma_dv(mma_dkv)).get_slice(tidx)

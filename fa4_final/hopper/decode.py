@@ -84,6 +84,7 @@ from fa4_final.hopper.wgmma import (
     attention_tiled_mmas,
     issue_wgmma,
     smem_tile_layout,
+    transposed,
 )
 
 # named barriers of the consumer warpgroup (id 0: syncthreads): its Q stores are done; its
@@ -119,8 +120,8 @@ Q_VECTOR = 8  # elements of one 16-byte load of Q
 # Shared memory: Q (16 KB) + 3 x 32 KB of K + 3 x 32 KB of V = 209 KB at D = 128, one CTA an
 # SM; at D = 64 105 KB, so two CTAs fit and their steps interleave. The launch bound of two CTAs
 # an SM fixes each thread's registers at launch to 128, and setmaxnreg moves the producer's
-# unused ones to the consumer (24 + 232 = 2 x 128). These are the arithmetic's choices; none is
-# timed yet (fa4_final.hopper.config.hopper_decode_default).
+# unused ones to the consumer (24 + 232 = 2 x 128). These are the arithmetic's choices, timed
+# on an H100 since (fa4_final.hopper.config.hopper_decode_default).
 
 # Note [Two consumer warpgroups]
 # At 16 query tokens and GQA 8 a KV head has 128 packed rows: two 64-row m-blocks, two CTAs each
@@ -803,14 +804,14 @@ class HopperDecode:
         thr_s, thr_o = mma_s.get_slice(tidx), mma_o.get_slice(tidx)
         tSrK = wg_s.make_fragment_A(wg_s.partition_A(sK))  # (MMA, tile_n/64, D/16, STAGE)
         tSrQ = wg_s.make_fragment_B(wg_s.partition_B(sQ))  # (MMA, 1, D/16)
-        tOrVt = wg_o.make_fragment_A(wg_o.partition_A(_transpose(sV)))  # (MMA, D/64, n/16, ST)
+        tOrVt = wg_o.make_fragment_A(wg_o.partition_A(transposed(sV)))  # (MMA, D/64, n/16, ST)
         tOrPt = wg_o.make_fragment_B(wg_o.partition_B(sP))  # (MMA, 1, tile_n/16)
         shape_s = thr_s.partition_shape_C((self.tile_n, self.tile_m))  # ((2,2,N/8), n/64, 1)
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((self.head_dim, self.tile_m)),
                                       Float32)  # ((2, 2, N/8), D/64, 1)
         st, tiled_st = self.keys_on_m_p_store(mma_s)
         thr_st = tiled_st.get_slice(tidx)
-        tPsP = thr_st.partition_D(_transpose(sP))  # P^T's (keys, rows) view
+        tPsP = thr_st.partition_D(transposed(sP))  # P^T's (keys, rows) view
         tScS, t0ScS = fragment_coords(thr_s, (self.tile_n, self.tile_m))
         cols = cute.size(tScS, mode=[1])
         # each column's key limit (and window start), less this thread's first key
@@ -978,11 +979,3 @@ class HopperDecode:
                         mLSE[split, qb, head, token] = lse[c]
                     else:
                         mLSE[qb, head, token] = lse[c]
-
-
-def _transpose(t: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes of a shared-memory tensor (a view): V^T of the V ring, the
-    (keys, rows) view of P^T."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))

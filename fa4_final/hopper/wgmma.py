@@ -25,6 +25,14 @@ def smem_tile_layout(dtype, head_dim: int, rows: int, stages: int | None = None)
     return cute.tile_to_shape(atom, (rows, head_dim, stages), order=(0, 1, 2))
 
 
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """A view of a shared-memory tensor with its first two modes swapped: an operand read
+    transposed by wgmma (Q^T from Q, K^T from K, V^T from a V ring, P^T's (keys, rows) view)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
 def attention_tiled_mmas(dtype, num_warpgroups: int, tile_n: int, head_dim: int,
                          head_dim_v: int | None = None):
     """(S = Q K^T, O = P V) tiled MMAs. S: A = Q and B = K, both K-major in shared memory.
