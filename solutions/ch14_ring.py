@@ -596,6 +596,14 @@ def _rank_main(rank, world, backend, init_file, collective_timeout, threads, wor
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
+        # init_process_group can return on one rank while its peers are still connecting to it;
+        # a rank that then fails at once would break their connections, and they would report a
+        # connection error instead of its own. No rank leaves a barrier before every rank has
+        # entered it, so after this one every connection of the group is made.
+        if backend == "nccl":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
         results.put(("ready", rank, b""))
         value = worker(rank, world, *args)
         results.put(("ok", rank, _serialise(value)))
