@@ -55,6 +55,23 @@ def test_decode_two_consumers_config_refusals_name_the_knob():
         wg2(d, 16).check(d)  # a gathered tile
 
 
+def test_decode_register_plans_follow_from_the_launch_bound():
+    """Each row of DECODE_REGISTER_PLANS: a CTA of 128 + 128 x consumers threads at its launch
+    bound starts with its share of the register file, and the producer's and consumers'
+    setmaxnreg fill each thread slot of a sub-partition (one producer warp, `consumers` consumer
+    warps) without asking for more than the slot held at launch."""
+    from fa4_final.hopper.config import DECODE_REGISTER_PLANS
+
+    for consumers, plan in DECODE_REGISTER_PLANS.items():
+        threads = 128 * (1 + consumers)
+        assert plan.launch_registers == launch_registers(threads * plan.ctas_per_sm), plan
+        producer, consumer = plan.setmaxnreg
+        assert producer + consumers * consumer <= (1 + consumers) * plan.launch_registers, plan
+        cfg = HopperDecodeConfig(consumers=consumers)
+        assert (cfg.registers, cfg.launch_registers, cfg.ctas_per_sm_bound) == (
+            plan.setmaxnreg, plan.launch_registers, plan.ctas_per_sm)
+
+
 def test_decode_two_consumers_leave_the_default_alone():
     for d in (64, 128):
         cfg = hopper_decode_default(d)

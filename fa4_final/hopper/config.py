@@ -9,6 +9,7 @@ course generates from its measurements.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from fa4_final.common.constants import (
     BWD_HEAD_DIM_PAIRS_PENDING,
@@ -451,19 +452,30 @@ DECODE_SWAP_TILE_NS = (64, 128)
 # the consumer warpgroup's warps, each writing its column maxima (and at the end its column
 # sums) into shared memory for the other three (Note [Keys on M])
 DECODE_EXCHANGE_WARPS = 4
-# setmaxnreg (producer warpgroup, consumer warpgroup). The kernel is launched with a bound of two
-# CTAs an SM, so each thread starts with 64 K / 2 / 256 = 128 registers; the producer gives
-# 128 - 24 to the consumer: 24 + 232 = 2 x 128 per thread slot of a sub-partition.
-SM90_DECODE_REGISTERS = (24, 232)
-DECODE_LAUNCH_REGISTERS = 128
-DECODE_CTAS_PER_SM_BOUND = 2
-# consumers = 2 (Note [Two consumer warpgroups] in fa4_final.hopper.decode): 384 threads, one CTA
-# an SM (two would leave 85 registers a thread), launched at 65536 / 384 = 168 registers; the
-# producer gives 168 - 24 to the two consumers: 24 + 240 + 240 = 3 x 168 per thread slot
-DECODE_CONSUMERS = (1, 2)
-SM90_DECODE_WG2_REGISTERS = (24, 240)
-DECODE_WG2_LAUNCH_REGISTERS = 168
-DECODE_WG2_CTAS_PER_SM_BOUND = 1
+# The register plan of each number of consumer warpgroups (Note [Two consumer warpgroups] in
+# fa4_final.hopper.decode): the launch bound in CTAs an SM, the registers a thread starts with at
+# that bound (64 K registers / CTAs / threads), and setmaxnreg (producer warpgroup, each consumer
+# warpgroup); the producer gives all but 24 of its registers to the consumers.
+#  1 consumer:  256 threads, two CTAs an SM: 65536 / 2 / 256 = 128; 24 + 232 = 2 x 128
+#  2 consumers: 384 threads, one CTA an SM (two would leave 85 registers a thread):
+#               65536 / 384 = 168; 24 + 240 + 240 = 3 x 168 per thread slot of a sub-partition
+class DecodeRegisterPlan(NamedTuple):
+    ctas_per_sm: int
+    launch_registers: int
+    setmaxnreg: tuple[int, int]
+
+
+DECODE_REGISTER_PLANS = {
+    1: DecodeRegisterPlan(ctas_per_sm=2, launch_registers=128, setmaxnreg=(24, 232)),
+    2: DecodeRegisterPlan(ctas_per_sm=1, launch_registers=168, setmaxnreg=(24, 240)),
+}
+DECODE_CONSUMERS = tuple(DECODE_REGISTER_PLANS)
+SM90_DECODE_REGISTERS = DECODE_REGISTER_PLANS[1].setmaxnreg
+DECODE_LAUNCH_REGISTERS = DECODE_REGISTER_PLANS[1].launch_registers
+DECODE_CTAS_PER_SM_BOUND = DECODE_REGISTER_PLANS[1].ctas_per_sm
+SM90_DECODE_WG2_REGISTERS = DECODE_REGISTER_PLANS[2].setmaxnreg
+DECODE_WG2_LAUNCH_REGISTERS = DECODE_REGISTER_PLANS[2].launch_registers
+DECODE_WG2_CTAS_PER_SM_BOUND = DECODE_REGISTER_PLANS[2].ctas_per_sm
 
 
 @dataclass(frozen=True)
@@ -495,19 +507,25 @@ class HopperDecodeConfig:
         return self.rows_n if self.swap_ab else WGMMA_M * self.consumers
 
     @property
+    def register_plan(self) -> DecodeRegisterPlan:
+        """The launch bound, launch registers and setmaxnreg of ``consumers`` warpgroups."""
+        self._check_consumers()
+        return DECODE_REGISTER_PLANS[self.consumers]
+
+    @property
     def registers(self) -> tuple[int, int]:
         """setmaxnreg (producer warpgroup, each consumer warpgroup)."""
-        return SM90_DECODE_WG2_REGISTERS if self.consumers == 2 else SM90_DECODE_REGISTERS
+        return self.register_plan.setmaxnreg
 
     @property
     def ctas_per_sm_bound(self) -> int:
         """The launch bound (min_blocks_per_mp): two CTAs an SM, one with two consumers."""
-        return DECODE_WG2_CTAS_PER_SM_BOUND if self.consumers == 2 else DECODE_CTAS_PER_SM_BOUND
+        return self.register_plan.ctas_per_sm
 
     @property
     def launch_registers(self) -> int:
         """Registers a thread is launched with at ``ctas_per_sm_bound``."""
-        return DECODE_WG2_LAUNCH_REGISTERS if self.consumers == 2 else DECODE_LAUNCH_REGISTERS
+        return self.register_plan.launch_registers
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Bytes of the kernel's SharedStorage: the mbarriers (full + empty per stage of K and
