@@ -90,6 +90,10 @@ PRODUCES = [
     ("results/h100/decode_grid2.json", "python -m measure.decode --name decode_grid2 --dims 64 "
      "128 --batch 1 128 --tokens 1 16 --keys 8192 131072 --heads 32/8 --deadline <now + 200>",
      "the same H100 visit: batch 1 and 128 at D = 64 and 128"),
+    ("results/h200/decode_variants.json", "python -m measure.decode --name decode_variants "
+     "--dims 128 --batch 1 32 --tokens 1 4 --keys 8192 131072 --heads 32/8 --variants n64s3 "
+     "n64s4 n128s2 split2 --no-keys-on-m --deadline 500", "the decode kernel's config "
+     "candidates (VARIANTS) beside the default and the peers, at the shapes where it trails"),
 ]
 
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")

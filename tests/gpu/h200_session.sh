@@ -23,6 +23,8 @@
 #    call beside the peers; decode-tests: the split combine, the decode kernel and chapter 15's exercises against float64;
 #    decode-sanitize / -racecheck / -synccheck: the paged and gathered decode kernel under the three sanitizers;
 #    decode-paged16: measure.decode with pages of 16 keys, the gathered tiles;
+#    decode-variants: measure.decode's config candidates (64-key tiles, two or four stages,
+#    twice the splits) beside the default at batch 1 and 32, 1 and 4 tokens, 8k and 128k keys;
 #    decode-keys-on-m-tests: the decode kernel with the keys on the wgmma M (swap_ab) against float64;
 #    decode-two-consumers-tests: two consumer warpgroups, 128 packed rows a CTA, against float64;
 #    decode-two-consumers-sanitize: one of its paged cases under synccheck, racecheck and memcheck;
@@ -140,6 +142,7 @@ for s in "$@"; do
     decode-sanitize) step decode_memcheck 420 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered or paged_equals_contiguous_bit_for_bit" ;;
     decode-racecheck) step decode_racecheck 420 $SAN --tool racecheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;
     decode-synccheck) step decode_synccheck 420 $SAN --tool synccheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;
+    decode-variants) step decode_variants 580 $PY -m measure.decode --name decode_variants --dims 128 --batch 1 32 --tokens 1 4 --keys 8192 131072 --heads 32/8 --variants n64s3 n64s4 n128s2 split2 --no-keys-on-m --deadline 500 ;;
     decode-paged16) step decode_paged16 580 $PY -m measure.decode --name decode_paged16 --dims 128 --page 16 --deadline 500 ;;
     decode-api-tests) step decode_api_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_decode_api.py ;;
     headdim-varlen) step headdim_varlen 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fwd_head_dims.py -k "varlen" ;;
