@@ -310,12 +310,23 @@ class OnlineSoftmax:
             max_scaled = self.row_max[r] * self.scale_log2
             if const_expr(sink is not None):
                 total, max_scaled = fold_sink(total, max_scaled, self.row_max[r], sink)
-            seen = total > Float32(0.0)
-            safe_total = total if seen else Float32(1.0)
-            inv_sum[r] = cute.arch.rcp_approx(safe_total) if seen else Float32(0.0)
-            log2_sum = max_scaled + cute.math.log2(safe_total, fastmath=True)
-            lse[r] = log2_sum * LN_2 if seen else -Float32.inf
+            inv_sum[r], lse[r] = inverse_sum_and_lse(total, max_scaled)
         return inv_sum, lse
+
+
+@cute.jit
+def inverse_sum_and_lse(total: Float32, max_scaled: Float32) -> tuple:
+    """(1 / l, lse) of one row from its sum l (against its max) and that max times scale_log2:
+    lse = (max scale_log2 + log2 l) ln 2. A row that saw no key (l = 0, or NaN from a sink
+    folded into an empty row: Note [Learnable sink]) gets (0, -inf), so out = 0 and
+    lse = -inf. Shared by OnlineSoftmax.finalize and the decode kernel's transposed epilogue
+    (Note [Keys on M] in fa4_final.hopper.decode)."""
+    seen = total > Float32(0.0)
+    safe_total = total if seen else Float32(1.0)
+    inv_sum = cute.arch.rcp_approx(safe_total) if seen else Float32(0.0)
+    log2_sum = max_scaled + cute.math.log2(safe_total, fastmath=True)
+    lse = log2_sum * LN_2 if seen else -Float32.inf
+    return inv_sum, lse
 
 
 # Note [Learnable sink]

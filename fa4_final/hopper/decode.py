@@ -49,7 +49,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from fa4_final.common.constants import LN_2, LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
+from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
 from fa4_final.common.decode_index import (
     block_key_start,
     block_key_tiles,
@@ -74,7 +74,7 @@ from fa4_final.common.fragments import (
 from fa4_final.common.mask import fragment_coords
 from fa4_final.common.pipelines import PipelineSpec, tma_async_pipeline
 from fa4_final.common.register_plan import check_role_registers
-from fa4_final.common.softmax import OnlineSoftmax
+from fa4_final.common.softmax import OnlineSoftmax, inverse_sum_and_lse
 from fa4_final.hopper.config import (
     DECODE_EXCHANGE_WARPS,
     HopperDecodeConfig,
@@ -948,11 +948,7 @@ class HopperDecode:
         inv_sum = cute.make_rmem_tensor(cols, Float32)
         lse = cute.make_rmem_tensor(cols, Float32)
         for c in cutlass.range_constexpr(cols):
-            seen = total[c] > Float32(0.0)
-            safe = total[c] if seen else Float32(1.0)
-            inv_sum[c] = cute.arch.rcp_approx(safe) if seen else Float32(0.0)
-            log2_sum = col_max[c] * scale_log2 + cute.math.log2(safe, fastmath=True)
-            lse[c] = log2_sum * LN_2 if seen else -Float32.inf
+            inv_sum[c], lse[c] = inverse_sum_and_lse(total[c], col_max[c] * scale_log2)
         o = acc_rows_cols(acc_o)
         for c in cutlass.range_constexpr(cols):
             for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
