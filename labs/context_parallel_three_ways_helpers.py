@@ -71,7 +71,17 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class CountingComm:
+class _Counted:
+    """A communicator's ``counts``; ``take()`` returns the counts so far and starts new ones."""
+
+    counts: Counts
+
+    def take(self) -> Counts:
+        done, self.counts = self.counts, Counts()
+        return done
+
+
+class CountingComm(_Counted):
     """All-to-all, all-gather and reduce-scatter over a torch.distributed process group, each call
     counted in ``counts`` (Note [Counted bytes]); ``take()`` returns the counts so far and starts
     new ones. Tensors travel flat; the caller knows every rank's size from the layout."""
@@ -83,10 +93,6 @@ class CountingComm:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.counts = Counts()
-
-    def take(self) -> Counts:
-        done, self.counts = self.counts, Counts()
-        return done
 
     def _count(self, send_numels, recv_numels, itemsize: int) -> None:
         c = self.counts
@@ -130,17 +136,13 @@ class CountingComm:
         return torch.stack(self._alltoallv(flat, [mine] * self.world)).sum(0)
 
 
-class CountingRing(ring.DistRing):
+class CountingRing(ring.DistRing, _Counted):
     """The chapter's DistRing, each exchange counted: the tensor sent, the one received, and the
     two held at once (the piece in hand and the one arriving)."""
 
     def __init__(self, group=None):
         super().__init__(group)
         self.counts = Counts()
-
-    def take(self) -> Counts:
-        done, self.counts = self.counts, Counts()
-        return done
 
     def exchange(self, tensor, shape=None):
         shape = tuple(tensor.shape) if shape is None else tuple(shape)
@@ -346,10 +348,6 @@ def formula(way: str, phase: str, layout: ring.Layout, rank: int, b: int, h: int
 # ================================================================================================
 # 5. On W processes: every way's outputs, gradients and counts against one process
 # ================================================================================================
-def _layout(kind: str, seqlen: int, world: int) -> ring.Layout:
-    return (ring.zigzag_layout if kind == "zigzag" else ring.contiguous_layout)(seqlen, world)
-
-
 def three_ways_worker(rank: int, world: int, cases: list, layout_kind: str = "zigzag") -> list:
     """A rank of ``ring.launch``: every case through the ring, the all-gather and Ulysses (float64,
     forward then backward). Per case and way: this rank's outputs and its counts per phase, or,
@@ -357,7 +355,7 @@ def three_ways_worker(rank: int, world: int, cases: list, layout_kind: str = "zi
     found = []
     for case in cases:
         q, k, v, dout = case.inputs()
-        layout = _layout(layout_kind, case.s, world)
+        layout = ring.layout_of(layout_kind, case.s, world)
         lq, lk, lv, ldo = (layout.shard(t, rank) for t in (q, k, v, dout))
         ways = {}
         comm = CountingRing()
@@ -386,15 +384,20 @@ def three_ways_worker(rank: int, world: int, cases: list, layout_kind: str = "zi
 
 
 def _relative(got, want) -> float:
-    scale = float(want.abs().max()) if want.numel() else 0.0
-    return float((got - want).abs().max()) / scale if scale > 0 else float((got - want).abs().max())
+    """The largest |got - want| (ring.output_diff: equal infinities agree) over want's largest
+    finite magnitude; the absolute difference where that is 0."""
+    diff = ring.output_diff(got, want)
+    worst = float(diff.max()) if diff.numel() else 0.0
+    finite = want[torch.isfinite(want)].abs()
+    scale = float(finite.max()) if finite.numel() else 0.0
+    return worst / scale if scale > 0 else worst
 
 
 def compare(case, world: int, per_rank: list, layout_kind: str = "zigzag") -> dict:
     """One case's per-rank results (``[three_ways_worker's entry for the case] per rank``) against
     one process: per way, the largest relative error of each output ({name: error}), the counts
     per rank and phase beside ``formula``'s, or the refusal."""
-    layout = _layout(layout_kind, case.s, world)
+    layout = ring.layout_of(layout_kind, case.s, world)
     ref = dict(zip(OUTPUTS, ring.reference_case(case)))
     report = {}
     for way in WAYS:

@@ -733,6 +733,20 @@ def reference_case(case: Case):
     return (out.detach(), lse.detach(), *grads)
 
 
+def layout_of(kind: str, seqlen: int, world: int) -> Layout:
+    """The layout named ``kind`` ("zigzag" or "contiguous") of ``seqlen`` tokens over ``world``
+    ranks."""
+    return (zigzag_layout if kind == "zigzag" else contiguous_layout)(seqlen, world)
+
+
+def output_diff(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| element by element, 0 where both hold the same infinity (the lse of a row
+    that sees no key is -inf in both); NaN stays NaN."""
+    diff = (got - want).abs()
+    return torch.where(torch.isinf(got) & torch.isinf(want) & (got == want),
+                       torch.zeros_like(diff), diff)
+
+
 def ring_case_worker(rank: int, world: int, cases: list, layout_kind: str = "zigzag"):
     """A rank of ``launch``: every case's forward and backward through DistRing, float64;
     returns this rank's (out, lse, dq, dk, dv) per case."""
@@ -740,7 +754,7 @@ def ring_case_worker(rank: int, world: int, cases: list, layout_kind: str = "zig
     found = []
     for case in cases:
         q, k, v, dout = case.inputs()
-        layout = (zigzag_layout if layout_kind == "zigzag" else contiguous_layout)(case.s, world)
+        layout = layout_of(layout_kind, case.s, world)
         lq, lk, lv, ldo = (layout.shard(t, rank) for t in (q, k, v, dout))
         fwd, bwd = case.blocks()
         out, lse = ring_forward(lq, lk, lv, layout, comm, case.causal, block_fn=fwd)
@@ -753,15 +767,13 @@ def ring_errors(per_rank: list, cases: list, world: int, layout_kind: str = "zig
     """For each case, the largest |ring - one process| over out, lse, dq, dk, dv (float64)."""
     errors = []
     for n, case in enumerate(cases):
-        layout = (zigzag_layout if layout_kind == "zigzag" else contiguous_layout)(case.s, world)
+        layout = layout_of(layout_kind, case.s, world)
         ref = reference_case(case)
         worst = {}
         for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
             dim = 2 if name == "lse" else 1
             got = layout.unshard([per_rank[r][n][i] for r in range(world)], dim=dim)
-            diff = (got - ref[i]).abs()
-            diff = torch.where(torch.isinf(got) & torch.isinf(ref[i]) & (got == ref[i]),
-                               torch.zeros_like(diff), diff)
+            diff = output_diff(got, ref[i])
             worst[name] = float(diff.max()) if diff.numel() else 0.0
         errors.append(worst)
     return errors
