@@ -510,10 +510,11 @@ def best_peer_over_naive(versions, s: int = 16384) -> tuple[str, float]:
        "at every stored length the naive version runs below what its byte count allows at the "
        "H200's datasheet bandwidth, and far below the tensor cores' datasheet peak")
 def _naive_under_bandwidth(res):
-    from utils.hardware import HBM_DATASHEET_BYTES_PER_S
+    from utils.hardware import DATASHEET_DENSE_BF16_TFLOPS, HBM_DATASHEET_BYTES_PER_S
 
-    pts = naive_points(res, HBM_DATASHEET_BYTES_PER_S["H200"], 989e12)
-    ok = bool(pts) and all(pt.memory_bound and pt.of_bound < 1 and pt.tflops < 0.1 * 989
+    peak = DATASHEET_DENSE_BF16_TFLOPS["sm_90"]
+    pts = naive_points(res, HBM_DATASHEET_BYTES_PER_S["H200"], peak * 1e12)
+    ok = bool(pts) and all(pt.memory_bound and pt.of_bound < 1 and pt.tflops < 0.1 * peak
                            for _, pt, _ in pts)
     return ok, "; ".join(f"S={r['s']}: {pt.tflops:.1f} of {pt.bound_tflops:.1f} TFLOP/s allowed"
                          for r, pt, _ in pts)

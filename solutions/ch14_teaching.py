@@ -28,6 +28,7 @@ from cutlass import Float32
 
 from solutions import ch14_ring as ring
 from utils.claims import claim
+from utils.hardware import DATASHEET_DENSE_BF16_TFLOPS
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -678,8 +679,9 @@ FORBID_ZIGZAG = {
 # ================================================================================================
 # Models the notebook prints (labelled: datasheet figures and the course's arithmetic)
 # ================================================================================================
-H200 = {"hbm_gb": 141, "bf16_tflops": 989, "nvlink_gb_s_each_way": 450}  # datasheet (NVLink:
-# 900 GB/s per GPU in both directions together)
+# datasheet figures (NVLink: 900 GB/s per GPU in both directions together)
+H200 = {"hbm_gb": 141, "bf16_tflops": DATASHEET_DENSE_BF16_TFLOPS["sm_90"],
+        "nvlink_gb_s_each_way": 450}
 MODEL = {"layers": 32, "heads": 32, "heads_kv": 8, "head_dim": 128, "hidden": 4096}  # an 8B-class
 
 

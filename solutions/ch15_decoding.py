@@ -32,12 +32,14 @@ from cutlass import Float32, Int32
 
 from fa4_final.runtime import decode as rdecode
 from utils.claims import claim
+from utils.hardware import DATASHEET_DENSE_BF16_TFLOPS, HBM_DATASHEET_BYTES_PER_S, PER_SM
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 # Datasheet figures of the H200 (SXM): the roofline's two roofs before anything is measured.
-H200 = {"hbm_tb_s": 4.8, "bf16_tflops": 989.0, "sms": 132}
+H200 = {"hbm_tb_s": HBM_DATASHEET_BYTES_PER_S["H200"] / 1e12,
+        "bf16_tflops": float(DATASHEET_DENSE_BF16_TFLOPS["sm_90"]), "sms": PER_SM["sm_90"].sms}
 DECODE = "decode"  # results/<gpu>/decode.json (measure/decode.py)
 KEYS_ON_M = "decode_keys_on_m"  # the same driver with the keys-on-M kernel's rows
 DECODE_GPUS = ("h200", "h100")  # where a stored decode run is looked for, in this order
