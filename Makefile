@@ -15,6 +15,9 @@ LAB_DIR  ?= chapters
 LAB_OPEN ?= 00_hardware_roofline.ipynb
 ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root)
 NBVAL  := -p no:cacheprovider --nbval-lax --nbval-cell-timeout=900
+# pytest processes for the unit tests (pytest-xdist), a test file each: most of their time is
+# single-threaded kernel compiles, so CI's 2 cores halve it. TEST_WORKERS=0 runs them in one.
+TEST_WORKERS ?= 2
 
 .PHONY: install lab test lint unit notebooks browser site chapters gpu-test bench clean
 
@@ -37,7 +40,7 @@ lint: install
 	$(PY) -m utils.notebooks stats
 
 unit: install
-	$(PY) -m pytest -q -m "not browser" tests
+	$(PY) -m pytest -q -m "not browser" -n $(TEST_WORKERS) --dist loadfile tests
 
 # The solved notebooks run once, strict, keeping their outputs for the site (utils.execute);
 # the learner copies and the labs run under nbval.
