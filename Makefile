@@ -15,7 +15,7 @@ LAB_DIR  ?= chapters
 LAB_OPEN ?= 00_hardware_roofline.ipynb
 ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root)
 NBVAL  := -p no:cacheprovider --nbval-lax --nbval-cell-timeout=900
-# pytest processes for the unit tests (pytest-xdist), a test file each: most of their time is
+# pytest processes for the unit tests and the notebooks (pytest-xdist), a file each: most of their time is
 # single-threaded kernel compiles, so CI's 2 cores halve it. TEST_WORKERS=0 runs them in one.
 TEST_WORKERS ?= 2
 
@@ -46,7 +46,7 @@ unit: install
 # the learner copies and the labs run under nbval.
 notebooks: install
 	$(PY) -m utils.execute solutions
-	$(PY) -m pytest -q $(NBVAL) chapters/ $(wildcard labs/*.ipynb)
+	$(PY) -m pytest -q $(NBVAL) -n $(TEST_WORKERS) --dist loadfile chapters/ $(wildcard labs/*.ipynb)
 
 # JupyterLab (as `make lab` serves it) and the built site, in headless Chromium: every chapter
 # run with Run All Cells. Skipped, saying why, where no Chromium is found (Debian: apt-get
