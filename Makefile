@@ -15,8 +15,8 @@ LAB_DIR  ?= chapters
 LAB_OPEN ?= 00_hardware_roofline.ipynb
 ROOT_OK := $(if $(filter 0,$(shell id -u)),--allow-root)
 NBVAL  := -p no:cacheprovider --nbval-lax --nbval-cell-timeout=900
-# pytest processes for the unit tests and the notebooks (pytest-xdist), a file each: most of their time is
-# single-threaded kernel compiles, so CI's 2 cores halve it. TEST_WORKERS=0 runs them in one.
+# pytest processes (pytest-xdist) for the unit tests and the notebooks, a file each: most of the
+# time is single-threaded kernel compiles and cells, so CI's 2 cores halve it. TEST_WORKERS=0: one.
 TEST_WORKERS ?= 2
 
 .PHONY: install lab test lint unit notebooks browser site chapters gpu-test bench clean
