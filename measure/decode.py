@@ -94,6 +94,15 @@ PRODUCES = [
      "--dims 128 --batch 1 32 --tokens 1 4 --keys 8192 131072 --heads 32/8 --variants n64s3 "
      "n64s4 n128s2 split2 --no-keys-on-m --deadline 500", "the decode kernel's config "
      "candidates (VARIANTS) beside the default and the peers, at the shapes where it trails"),
+    ("results/h200/decode_split_floor.json", "python -m measure.decode --name decode_split_floor "
+     "--dims 128 --batch 1 --keys 131072 --tokens 1 --heads 32/8 64/8 --no-keys-on-m "
+     "--deadline 30", "an H200 visit's last minutes: batch 1 at 128k keys, one token, with the "
+     "split count rounded down to whole waves (Note [Split count]), the call as it is beside "
+     "the decode kernel and the peers"),
+    ("results/h200/decode_wg2_probe.json", "python -m measure.decode --name decode_wg2_probe "
+     "--dims 128 --batch 32 --keys 8192 --tokens 16 --heads 64/8 --variants wg2 --no-keys-on-m "
+     "--deadline 10", "the same visit: one shape of 128 packed rows a KV head (16 tokens at "
+     "GQA 8), the kernel with two consumer warpgroups (wg2) beside the default and the peers"),
 ]
 
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")
