@@ -14,11 +14,10 @@ deleted), on a CPU:
   refused at the forward, gate or no gate (the backward is not built); head_dim_v in the
   compile key only when != D.
 - varlen_row_store: the varlen forward at v head dim 96 left the gate after
-  tests/gpu/test_fwd_head_dims.py -k varlen passed on an H100 (results/h100/gpu_checks.json);
-  its cases hold dv 96, not 192, so the row holds v head dim 192 alone: refused by name
+  tests/gpu/test_fwd_head_dims.py -k varlen passed on an H100 (results/h100/gpu_checks.json),
+  at 192 after the same tests passed on an H200 (results/h200/gpu_checks.json): no varlen entry
   (flash_attn_varlen_func, api.sdpa's packed _flash_attn_fwd, the runtime's
-  varlen_forward_into) unless FA4_FINAL_PENDING lists it; other v head dims, and dense calls at
-  192, never ask.
+  varlen_forward_into) and no dense call asks the gate at any v head dim.
 - seqused_q: flash_attn_varlen_func and api.sdpa take it (dense q refused by name), checked
   like seqused_k (metadata, then values), through the ops (fake, autograd, compile) to the
   varlen runners' has_seqused_q keys; padding rows: out 0, dq 0.
@@ -312,19 +311,6 @@ def test_the_cpu_reference_folds_dlse_as_the_probe_does():
 
 HEAD_DIM_CASES = [(96, 96), (192, 128), (256, 256), (64, 128), (128, 64), (128, 192),
                   (256, 96)]
-ROW_STORE_DVS = (192,)  # the v head dims varlen_row_store gates, varlen calls only
-
-
-def _assert_row_store_refusal(message: str, dv: int) -> None:
-    """varlen_row_store's refusal (runtime.pending.check_varlen_head_dim_v): the v head dim,
-    the gate's words, the row's name, and what runs (varlen and dense)."""
-    assert f"v's head dim {dv} is refused for varlen calls" in message, message
-    assert f"{GATE} it yet" in message and pending.PENDING["varlen_row_store"] in message, message
-    assert "The varlen forward runs v head dims (64, 96, 128, 256)" in message, message
-    assert "dense calls run (64, 96, 128, 192, 256)" in message, message
-    assert f"{pending.ENV}=varlen_row_store" in message, message
-
-
 def _head_dim_entries(d, dv):
     """(name, varlen, call) of every forward entry point at (d, dv)."""
     q, k, v = dense(d=d, dv=dv)
@@ -346,17 +332,15 @@ def _head_dim_entries(d, dv):
 def test_head_dims_passed_their_gpu_tests_and_every_forward_entry_takes_them_ungated(d, dv):
     """head_dims left the gate (tests/gpu/test_fwd_head_dims.py and test_pending_api.py -k
     head_dims passed): without FA4_FINAL_PENDING every forward entry gets past the gate to the
-    device check, but a varlen call at v head dim 192, which the narrower varlen_row_store row
-    refuses (its own tests below)."""
+    device check; so does a varlen call at v head dim 192 (varlen_row_store left the gate after
+    its GPU test on an H200)."""
     assert "head_dims" not in pending.PENDING and pending.listed("head_dims")
-    for func, is_varlen, call in _head_dim_entries(d, dv):
+    assert "varlen_row_store" not in pending.PENDING
+    for func, _, call in _head_dim_entries(d, dv):
         with pytest.raises(UnsupportedError) as info:
             call()
         message = str(info.value)
-        if is_varlen and dv in ROW_STORE_DVS:
-            _assert_row_store_refusal(message, dv)
-        else:
-            assert DEVICE in message and GATE not in message, (func, message)
+        assert DEVICE in message and GATE not in message, (func, message)
 
 
 @pytest.mark.parametrize("d, dv", HEAD_DIM_CASES)
@@ -371,30 +355,16 @@ def test_naming_the_deleted_rows_in_the_environment_changes_nothing(monkeypatch,
 
 
 # ----------------------------------------------------------------------------------------------
-# varlen_row_store (v head dim 192 pending; 96 left the gate)
+# varlen_row_store (left the gate: v head dim 96 after an H100 run, 192 after an H200 run)
 
 
-def test_varlen_row_store_is_a_pending_row_for_v_head_dim_192_only():
-    assert "varlen_row_store" in pending.PENDING and not pending.listed("varlen_row_store")
-    for dv in (64, 96, 128, 256):
-        assert pending.check_varlen_head_dim_v("varlen_forward_into", dv) is None
-    with pytest.raises(UnsupportedError) as info:
-        pending.check_varlen_head_dim_v("varlen_forward_into", 192)
-    assert str(info.value).startswith("varlen_forward_into: v's head dim 192 ")
-    _assert_row_store_refusal(str(info.value), 192)
-
-
-@pytest.mark.parametrize("listed", [False, True], ids=["default", "listed"])
 @pytest.mark.parametrize("d, dv", [(96, 96), (192, 192), (128, 96), (192, 128), (256, 192),
                                    (64, 96)])
-def test_the_varlen_forward_at_dv_192_is_refused_by_name_and_96_is_not(monkeypatch, d, dv,
-                                                                       listed):
+def test_the_varlen_forward_at_dv_96_and_192_is_not_gated(d, dv):
     """flash_attn_varlen_func, api.sdpa's packed _flash_attn_fwd and the runtime's
-    varlen_forward_into: at v head dim 192 (whatever q's) refused by name before the device
-    check (the public function gates itself, the others at the runtime) unless
-    FA4_FINAL_PENDING lists varlen_row_store; at 96, as at any other, the device check."""
-    if listed:
-        monkeypatch.setenv(pending.ENV, "varlen_row_store")
+    varlen_forward_into at v head dims 96 and 192 (whatever q's): past every check to the
+    device check, no gate."""
+    assert "varlen_row_store" not in pending.PENDING
     varlen_calls = [(func, call) for func, is_varlen, call in _head_dim_entries(d, dv)
                     if is_varlen]
     assert [f for f, _ in varlen_calls] == ["flash_attn_varlen_func", "_flash_attn_fwd",
@@ -403,12 +373,7 @@ def test_the_varlen_forward_at_dv_192_is_refused_by_name_and_96_is_not(monkeypat
         with pytest.raises(UnsupportedError) as info:
             call()
         message = str(info.value)
-        if dv in ROW_STORE_DVS and not listed:
-            gate = func if func == "flash_attn_varlen_func" else "varlen_forward_into"
-            assert message.startswith(f"{gate}: v's head dim {dv} "), (func, message)
-            _assert_row_store_refusal(message, dv)
-        else:
-            assert DEVICE in message and GATE not in message, (func, message)
+        assert DEVICE in message and GATE not in message, (func, message)
 
 
 @pytest.mark.parametrize("dv", (96, 192))
@@ -467,7 +432,7 @@ def test_head_dims_outside_the_forward_builds_are_named(d, dv, words):
 
 def test_fake_out_has_v_head_dim_and_the_fake_takes_the_head_dims_ungated(monkeypatch):
     """The ops' fake impls pass the head dims' (deleted) gate without FA4_FINAL_PENDING; the
-    varlen fake at dv 96 too (varlen_row_store left the gate)."""
+    varlen fake at dv 96 and 192 too (varlen_row_store left the gate)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

@@ -30,10 +30,9 @@ in fa4_final.runtime.pending). The lse's gradient is folded into one backward ca
 ``page_table`` (k and v as (num_pages, page_size, heads_kv, dim), seqused_k or none, q packed
 with cu_seqlens_q or dense), checked (Note [Paged KV checks]), then run by the decode kernel,
 forward only; and a flash_attn_func call that needs no gradient at a decode shape (few query
-rows) runs that kernel with FA4's ``num_splits``. The softcap, the sink, the varlen forward at
-dv 96 and the decode kernel passed their GPU tests against float64 on an H100 (an H200 run
-pending); the varlen forward at dv 192, whose GPU test has not run, is refused by name
-(varlen_row_store, Note [Pending features]).
+rows) runs that kernel with FA4's ``num_splits``. The softcap, the sink and the varlen forward at
+dv 96 passed their GPU tests against float64 on an H100, the varlen forward at dv 192 and the
+decode kernel on an H200.
 
 Layout (FlashAttention's): q (batch, seqlen_q, heads, dim), k and v (batch, seqlen_k, heads_kv,
 dim) with heads % heads_kv == 0 (GQA/MQA); out like q; lse float32 (batch, heads, seqlen_q), the
@@ -67,7 +66,6 @@ from fa4_final.runtime.decode import check_num_splits
 from fa4_final.runtime.dispatch import backend_for_target
 from fa4_final.runtime.pending import (
     check_features,
-    check_varlen_head_dim_v,
     forward_only,
     refuse_backward_head_dims,
 )
@@ -225,7 +223,6 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
         softmax_scale, check_address=False, seqused_q=seqused_q)
     check_features("flash_attn_varlen_func", None, learnable_sink, h, q.device)
     _check_head_dims("flash_attn_varlen_func", q, k, v, learnable_sink)
-    check_varlen_head_dim_v("flash_attn_varlen_func", v.shape[-1])
     p = prepare(d, check_flag("causal", causal), softmax_scale, window_size)
     out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                               -1 if max_seqlen_q is None else max_seqlen_q,

@@ -66,7 +66,7 @@ from fa4_final.runtime.checks import (
     check_tma_operand,
     check_varlen_inputs,
 )
-from fa4_final.runtime.pending import check_varlen_head_dim_v, listed
+from fa4_final.runtime.pending import listed
 from fa4_final.runtime.prologue import backward_into, forward_into
 from fa4_final.runtime.varlen import used_rows, varlen_backward_into, varlen_forward_into
 
@@ -318,7 +318,6 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k
                         softmax_scale, check_address=False, seqused_q=seqused_q)
     total_q, h, _ = q.shape
     _check_features_meta(softcap, learnable_sink, h, q.device)
-    check_varlen_head_dim_v("fa4_final::varlen_fwd", v.shape[-1])
     return _out_meta(q, v), q.new_empty((h, total_q),
                                                                   dtype=torch.float32)
 

@@ -21,17 +21,17 @@ A row may also name a replacement of a path that has passed its tests (lse_fold 
 backward call with dlse folded in, in place of a second call): the gate then chooses rather than
 refuses, and without FA4_FINAL_PENDING the verified path runs exactly as before (``listed``).
 A row may name a family of shapes (head_dims was one, the forward's head dims 96, 192, 256;
-varlen_row_store is one, the varlen forward at v head dim 192, VARLEN_HEAD_DIMS_V_PENDING,
-check_varlen_head_dim_v; bwd_head_dims another, the backward at BWD_HEAD_DIMS_PENDING and
-BWD_HEAD_DIM_PAIRS_PENDING); where no kernel exists at all (the backward at D = dv = 192, 256 or
-any other dv != d), the refusal does not depend on the environment (refuse_backward_head_dims).
+varlen_row_store another, the varlen forward at v head dims 96 and 192; bwd_head_dims is one,
+the backward at BWD_HEAD_DIMS_PENDING and BWD_HEAD_DIM_PAIRS_PENDING); where no kernel
+exists at all (any other dv != d), the refusal does not depend on the environment
+(refuse_backward_head_dims).
 
 Rows deleted so far, each after its GPU tests passed against float64: seqused_q, head_dims and
-lse_fold first; then softcap, learnable_sink and decode (tested on an H100 against float64; an
-H200 run pending). varlen_row_store held v head dims 96 and 192; its GPU test ran 96 (passed on
-the H100) and not 192, so the row now holds 192 alone. softcap and learnable_sink still pass
-through ``refuse_pending`` in check_features, which lets them by while they have no row (a row
-put back gates them again); a page table and a decode shape no longer consult the gate at all.
+lse_fold first; then softcap, learnable_sink and decode (tested on an H100 against float64; the
+decode kernel on an H200 too); then varlen_row_store (the varlen forward at v head dims 96 and
+192: 96 passed on an H100, 192 on an H200). softcap and learnable_sink still pass through
+``refuse_pending`` in check_features, which lets them by while they have no row (a row put back
+gates them again); a page table and a decode shape no longer consult the gate at all.
 """
 
 from __future__ import annotations
@@ -51,10 +51,6 @@ ENV = "FA4_FINAL_PENDING"
 
 # name -> why it waits (what has been checked, what has not)
 PENDING: dict[str, str] = {
-    "varlen_row_store": "the varlen forward's store of a last, partial query tile at v head dim "
-                        "192 (common.seqlens.rows_per_store_pass) is compiled and checked on a "
-                        "CPU; its GPU test ran v head dims 96, 128 and 256 (passed on an H100), "
-                        "not 192",
     "bwd_head_dims": "the Hopper backward at head dim 96 (dv = 96), at head dim 192 with "
                      "dv = 128, and at head dims 192 and 256 with dv == head_dim (dK and dV "
                      "swapped) passed its GPU tests against float64 on an H100, but "
@@ -137,22 +133,6 @@ def forward_only(head_dim: int, head_dim_v: int) -> bool:
     if head_dim in BWD_HEAD_DIMS_PENDING:
         return not listed("bwd_head_dims")
     return head_dim not in HEAD_DIMS
-
-
-VARLEN_HEAD_DIMS_V_PENDING = (192,)  # the varlen forward's v head dims behind varlen_row_store
-
-
-def check_varlen_head_dim_v(func: str, head_dim_v: int) -> None:
-    """The gate for the varlen forward at v head dim 192 (varlen_row_store): refused, naming the
-    v head dims that run, unless FA4_FINAL_PENDING lists varlen_row_store."""
-    if head_dim_v not in VARLEN_HEAD_DIMS_V_PENDING or listed("varlen_row_store"):
-        return
-    runs = tuple(d for d in FWD_HEAD_DIMS if d not in VARLEN_HEAD_DIMS_V_PENDING)
-    raise UnsupportedError(
-        f"{func}: v's head dim {head_dim_v} is refused for varlen calls: fa4_final does not run "
-        f"it yet ({PENDING['varlen_row_store']}). The varlen forward runs v head dims {runs}; "
-        f"dense calls run {FWD_HEAD_DIMS}. Set {ENV}=varlen_row_store to run the unverified "
-        f"kernels (tests only)")
 
 
 def refuse_backward_head_dims(func: str, head_dim: int, head_dim_v: int) -> None:

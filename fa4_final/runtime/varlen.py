@@ -46,7 +46,6 @@ from fa4_final.runtime.dispatch import used_rows
 from fa4_final.runtime.pending import (
     check_features,
     check_lse_fold,
-    check_varlen_head_dim_v,
     refuse_backward_head_dims,
 )
 from fa4_final.runtime.prologue import features, fill_empty_rows, fold, prepare
@@ -103,7 +102,6 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
         softmax_scale, seqused_q=seqused_q)
     check_outputs(q, out, lse, (h, total_q), head_dim_v=v.shape[-1])
     cap = check_features("varlen_forward_into", softcap, learnable_sink, h, q.device)
-    check_varlen_head_dim_v("varlen_forward_into", v.shape[-1])
     extra = features(cap, learnable_sink)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_forward is not None

@@ -7,7 +7,7 @@ FA4_FINAL_PENDING for itself (Note [Pending features] in fa4_final.runtime.pendi
   float64 autograd, dense and varlen; the call count proves the probe's second call is gone.
 - head_dims (left the gate after these passed): flash_attn_func's forward at (D, dv) =
   (96, 96), (192, 128), (256, 256) (and varlen at (192, 128); varlen at v head dims 96 and
-  192 waits on the varlen_row_store row) against float64, inputs NaN-free, out with v's
+  192: tests/gpu/test_fwd_head_dims.py -k varlen) against float64, inputs NaN-free, out with v's
   head dim; a call that needs a gradient there is refused at the forward, gate or no gate.
 - seqused_q: flash_attn_varlen_func with seqused_q (causal and not, an empty sequence, one
   with no used row, one with every row used), forward and autograd against float64 on each
