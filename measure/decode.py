@@ -16,6 +16,9 @@ Rows, all on the same q, k, v of a shape, interleaved in ``--rounds`` rounds (ut
                       commit: the decode kernel at a decode shape that needs no gradient,
                       Note [Decode through the API], since the decode row left the gate)
   fa4_final_paged     fa4_final.flash_attn_varlen_func with a page table over the same cache
+                      (both with FA4's default num_splits = 1: one split)
+  fa4_final_splits (and _paged_splits)   the same two calls with num_splits=0, the split
+                      heuristic (Note [Split count]), as the FA4 package's _splits/_paged rows
   fa4_final_decode    the Hopper decode kernel (fa4_final.hopper.decode) launched directly,
                       ``--splits`` splits (0: the split heuristic's count, stored as ``splits``)
                       merged by the combine; before timing its output is compared with SDPA
@@ -124,8 +127,8 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 #          meaningful when a KV head has more than 64 packed rows (16 tokens at GQA 8)
 VARIANTS = {"n64s3": (64, 3, 1, 1), "n64s4": (64, 4, 1, 1), "n128s2": (128, 2, 1, 1),
             "split2": (128, 3, 2, 1), "wg2": (128, 3, 1, 2)}
-OURS = ("fa4_final", "fa4_final_paged", *DECODE_KERNEL,
-        *(f"fa4_final_decode_{name}" for name in VARIANTS))
+OURS = ("fa4_final", "fa4_final_paged", "fa4_final_splits", "fa4_final_paged_splits",
+        *DECODE_KERNEL, *(f"fa4_final_decode_{name}" for name in VARIANTS))
 
 
 @dataclass(frozen=True)
@@ -306,6 +309,11 @@ def _calls(shape: DecodeShape, page: int, requested_splits: int = 0, device="cud
     calls["fa4_final"] = lambda: fa4_final.flash_attn_func(q, k, v)
     calls["fa4_final_paged"] = lambda: fa4_final.flash_attn_varlen_func(
         q, k_cache, v_cache, page_table=table, seqused_k=used)
+    # FA4's default num_splits = 1 is one split (what the two calls above ask); num_splits = 0
+    # asks for the heuristic (Note [Split count]), as the FA4 package's _splits and _paged rows
+    calls["fa4_final_splits"] = lambda: fa4_final.flash_attn_func(q, k, v, num_splits=0)
+    calls["fa4_final_paged_splits"] = lambda: fa4_final.flash_attn_varlen_func(
+        q, k_cache, v_cache, page_table=table, seqused_k=used, num_splits=0)
     try:
         ours, extra = _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used,
                                     requested_splits, variants, keys_on_m)
