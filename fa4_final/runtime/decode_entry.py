@@ -22,10 +22,14 @@ tokens, up to four 64-row m-blocks of packed rows: 16 tokens at GQA 16; a left w
 >= 0), not a measured crossover with the forward. Measured on an H100 at batch 32 and 128 with
 8k keys or more, the decode kernel reached 0.88-1.13x the speed of the fastest peer (89-101% of
 the copy rate), the forward 0.23-0.25x: routing these shapes to it is what the measurement
-says. The kernel and its split combine are tested on an H100 against float64, directly and
-through the API (a paged call captured in a CUDA graph among them), and compute-sanitizer's
-memcheck and synccheck found no error in them; an H200 run is pending. They have left the gate
-of Note [Pending features] (fa4_final.runtime.pending): no call asks FA4_FINAL_PENDING.
+says. The kernel and its split combine are tested against float64 on an H100 and an H200,
+directly and through the API (a paged call captured in a CUDA graph among them), and
+compute-sanitizer's memcheck and synccheck found no error in them (H100). They have left the
+gate of Note [Pending features] (fa4_final.runtime.pending): no call asks FA4_FINAL_PENDING.
+
+num_splits keeps FA4's meaning and default: 1 is one split, however few CTAs that leaves (at
+batch 1 a step then has heads_kv CTAs and reads its cache at a tenth of the copy rate); < 1 asks
+for Note [Split count]'s heuristic. A serving engine that wants the heuristic passes 0.
 
 Where this differs from FA4: a page size must be a multiple of 16 (Note [Paged KV checks]).
 
