@@ -150,11 +150,10 @@ Q_VECTOR = 8  # elements of one 16-byte load of Q
 # decode benchmark to test).
 # Compiled for sm_90a (D = 64 and 128; contiguous, paged + seqused_k + split, varlen, window):
 # no spill, no stack, 168 registers, no ptxas-injected warpgroup.arrive. On an H200 its GPU
-# tests passed against float64 (tests/gpu/test_decode_kernel.py -k two_consumers), and at one
-# shape timed there (batch 32, 16 tokens, 8k keys, 64/8 heads, D = 128) it ran at 0.91-0.92x the
-# fastest peer against 0.63-0.71x for the one-consumer default (results/h200/decode_wg2_probe.json).
-# It is not yet the default above 64 packed rows: compute-sanitizer (synccheck, racecheck) has
-# not run on it, nor the benchmark over the other 128-row shapes and D = 64.
+# tests passed against float64, and at the one shape timed there (batch 32, 16 tokens, 8k
+# keys, 64/8 heads, D = 128) it ran at 0.91-0.92x the fastest peer against 0.63-0.71x for the
+# one-consumer default. It is not yet the default above 64 packed rows: compute-sanitizer
+# (synccheck, racecheck) has not run on it, nor the benchmark over the other 128-row shapes.
 
 
 class HopperDecode:
