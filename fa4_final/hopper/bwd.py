@@ -223,13 +223,15 @@ class HopperBackward:
 
     def pipelines(self) -> tuple[PipelineSpec, ...]:
         """The TMA warp -> MMA warpgroups rings: FULL completes with the TMA warp's arrive and
-        the byte count, EMPTY with one arrive per MMA warp."""
+        the byte count, EMPTY with one arrive per MMA warp (per MMA thread in the builds of
+        two loops: Note [Release after the warp's reads])."""
         warps = MMA_THREADS // WARP_SIZE
+        empty = MMA_THREADS if self.split_builds() else warps
         return (
             PipelineSpec("q", "Q and its lse (log2 units) per query tile", "tma_async",
-                         self.cfg.stages_q, "producer", "mma", 1, warps),
+                         self.cfg.stages_q, "producer", "mma", 1, empty),
             PipelineSpec("do", "dO and its delta per query tile", "tma_async",
-                         self.cfg.do_stages, "producer", "mma", 1, warps),
+                         self.cfg.do_stages, "producer", "mma", 1, empty),
             PipelineSpec("kv", "K and V of the CTA's KV tile, loaded once", "tma_async", 1,
                          "producer", "mma", 1, warps),
         )
@@ -1286,14 +1288,14 @@ class HopperBackward:
                                        Float32)
         self.wgmma(mma_dq, acc_dq, tdQrA, tdQrB[None, None, None, 0], False)  # dQ^T part
         warpgroup.wait_group(1)  # dV done: dO's stage is free
-        pipeline_do.consumer_release(state_do)
+        self.release(pipeline_do, state_do)
         state_do.advance()
         self.wgmma(mma_dkv, acc_dk, tdKrQ[None, None, None, stage],
                    tdKrdS[None, None, None, 0], True)  # dK^T += Q^T dS
         warpgroup.wait_group(1)  # dQ done
         self.dq_to_warp(acc_dq, tdQsdQ, wg)
         warpgroup.wait_group(0)  # dK done: Q's stage is free
-        pipeline_q.consumer_release(state_q)
+        self.release(pipeline_q, state_q)
         state_q.advance()
         return state_q, state_do
 
@@ -1364,7 +1366,7 @@ class HopperBackward:
             self.wgmma(mma_dkv, acc_dk, rdS, tdKrQ[None, None, None, stage],
                        True)  # dK += dS^T Q
             warpgroup.wait_group(1)  # dV done: dO's stage is free
-            pipeline_do.consumer_release(state_q)
+            self.release(pipeline_do, state_q)
         else:
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self.dq_tile_shape(wg)),
                                            Float32)
@@ -1373,13 +1375,13 @@ class HopperBackward:
             else:
                 self.wgmma(mma_dq, acc_dq, tdQrA[None, None, None, ds_stage], tdQrB, False)
             warpgroup.wait_group(1)  # dV done: dO's stage is free
-            pipeline_do.consumer_release(state_q)
+            self.release(pipeline_do, state_q)
             self.wgmma(mma_dkv, acc_dk, rdS, tdKrQ[None, None, None, stage],
                        True)  # dK += dS^T Q
             warpgroup.wait_group(1)  # dQ done
             self.dq_to_warp(acc_dq, tdQsdQ, wg)
         warpgroup.wait_group(0)  # dK done: Q's stage is free
-        pipeline_q.consumer_release(state_q)
+        self.release(pipeline_q, state_q)
         state_q.advance()
         return state_q
 
@@ -1397,6 +1399,16 @@ class HopperBackward:
             _sync_unaligned(int(barrier), MMA_THREADS)
         else:
             cute.arch.barrier(barrier_id=int(barrier), number_of_threads=MMA_THREADS)
+
+    def release(self, pipe, state) -> None:
+        """This MMA thread's release of ``state``'s stage of ``pipe``: in the builds of two loops
+        (split_builds) every thread arrives on EMPTY, after its own reads of the stage's lse or
+        delta (Note [Release after the warp's reads]); the one-build kernels keep one lane a
+        warp and their SASS."""
+        if const_expr(self.split_builds()):
+            pipe.sync_object_empty.arrive(state.index, pipe.consumer_mask)
+        else:
+            pipe.consumer_release(state)
 
     @cute.jit
     def dq_to_warp(self, acc_dq, tdQsdQ, wg):
