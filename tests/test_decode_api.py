@@ -578,3 +578,19 @@ def test_the_api_s_widest_decode_key_compiles_for_sm_90a(monkeypatch):
     art = artifacts(recipe_fn(*args))["main"]
     assert art.spills == 0 and art.frame_bytes == 0, art.resources()
     art.require("cp.async.bulk.tensor", "wgmma.mma_async")
+
+
+def test_decode_takes_two_consumer_warpgroups_above_64_packed_rows():
+    """tokens x heads per KV head > 64: the config of two consumer warpgroups (a 128-row
+    m-block, Note [Two consumer warpgroups]); 64 or fewer: one, the default."""
+    k = _meta(2, 8192, 8, 128)
+
+    def config(tokens, heads):
+        args = decode_entry.decode_plan_args(_meta(2, tokens, heads, 128), k, None, None, None,
+                                             None, False, None, 0, 132)[1]
+        return args[6]  # the config, None for the default
+
+    assert config(1, 32) is None and config(8, 64) is None  # 4 and 64 packed rows
+    assert config(16, 64).consumers == 2  # 128 rows: 16 tokens at GQA 8
+    assert config(16, 128).consumers == 2 and config(16, 128).tile_m == 128  # 256 rows
+    assert config(9, 64).consumers == 2  # 72 rows

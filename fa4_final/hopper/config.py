@@ -629,6 +629,17 @@ def hopper_decode_default(head_dim: int) -> HopperDecodeConfig:
     return HopperDecodeConfig(tile_n=128, stages=3)
 
 
+def hopper_decode_for_rows(config: HopperDecodeConfig, packed_rows: int) -> HopperDecodeConfig:
+    """``config`` with two consumer warpgroups (a 128-row m-block) when a KV head has more than
+    64 packed query rows (tokens x heads per KV head), else ``config`` itself: one CTA then reads
+    each K/V tile for 128 rows where one consumer takes two m-blocks, each streaming the cache
+    (Note [Two consumer warpgroups] in fa4_final.hopper.decode, where its measurement is).
+    A swapped config (keys on M) is returned as it is."""
+    if packed_rows > WGMMA_M and config.consumers == 1 and not config.swap_ab:
+        return replace(config, consumers=2)
+    return config
+
+
 def hopper_decode_for_page(head_dim: int, page_size: int) -> HopperDecodeConfig:
     """The decode config for a paged cache of ``page_size`` keys a page: the default when a page
     holds whole 128-key tiles; else the default's tile and stages gathered from boxes of the

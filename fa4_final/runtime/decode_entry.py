@@ -58,7 +58,11 @@ import torch
 from fa4_final.common.constants import DTYPE_NAMES, HEAD_DIMS, TORCH_TO_CUTLASS, WGMMA_M
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.hopper import host as hopper_host
-from fa4_final.hopper.config import hopper_decode_default, hopper_decode_for_page
+from fa4_final.hopper.config import (
+    hopper_decode_default,
+    hopper_decode_for_page,
+    hopper_decode_for_rows,
+)
 from fa4_final.hopper.host import decode_recipe, launch_decode
 from fa4_final.runtime.checks import (
     ACCEPTED_DTYPES,
@@ -288,14 +292,16 @@ def num_sms(device) -> int:
 def decode_plan_args(q, k, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, causal: bool,
                      left, num_splits: int, sms: int) -> tuple[int, tuple]:
     """(splits, decode_recipe's arguments) of one call, from shapes and the SM count only: the
-    config for the page size (hopper_decode_for_page; the default for a contiguous cache), the
-    split count of choose_num_splits over the keys a sequence can hold."""
+    config for the page size (hopper_decode_for_page; the default for a contiguous cache) and
+    the packed rows (hopper_decode_for_rows: two consumer warpgroups above 64), the split count
+    of choose_num_splits over the keys a sequence can hold."""
     d, h, hk = q.shape[-1], q.shape[-2], k.shape[2]
     paged, varlen = page_table is not None, cu_seqlens_q is not None
     default = hopper_decode_default(d)
-    cfg = hopper_decode_for_page(d, k.shape[1]) if paged else default
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     tokens = (q.shape[0] if max_seqlen_q is None else max_seqlen_q) if varlen else q.shape[1]
+    cfg = hopper_decode_for_rows(hopper_decode_for_page(d, k.shape[1]) if paged else default,
+                                 tokens * (h // hk))
     keys = k.shape[1] * page_table.shape[1] if paged else k.shape[1]
     splits = choose_num_splits(num_splits, batch=batch, heads_kv=hk,
                                packed_rows=tokens * (h // hk),
