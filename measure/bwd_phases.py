@@ -45,6 +45,13 @@ PRODUCES = [
      "the same phases for the deterministic candidates of issue 34 (CANDIDATES: dQ copies, "
      "early release and first store through config=) beside the default and today's "
      "deterministic mode, one head dim a file"),
+    ("results/h100/bwd_phases_det_*.json",
+     "python -m measure.bwd_phases --rounds 5 --dims 128 --impls fa4_final "
+     "fa4_final_deterministic fa4_final_det_c2 fa4_final_det_c4 fa4_final_det_c4_store "
+     "--name bwd_phases_det_d128 (d128b: fa4_final fa4_final_deterministic "
+     "fa4_final_det_early fa4_final_det_c2_store; d64: --dims 64 with fa4_final "
+     "fa4_final_deterministic fa4_final_det_c2 fa4_final_det_early fa4_final_det_c4_store)",
+     "an H100 visit: the same phases, the candidates split over three runs of five rounds"),
 ]
 
 IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_final_det_c2", "fa4_package")

@@ -106,6 +106,11 @@ PRODUCES = [
      "--dims 128 --batch 32 --keys 8192 --tokens 16 --heads 64/8 --variants wg2 --no-keys-on-m "
      "--deadline 10", "the same visit: one shape of 128 packed rows a KV head (16 tokens at "
      "GQA 8), the kernel with two consumer warpgroups (wg2) beside the default and the peers"),
+    ("results/h100/decode_wg2.json", "python -m measure.decode --name decode_wg2 --dims 128 64 "
+     "--batch 32 1 --tokens 16 --keys 8192 131072 32768 --heads 64/8 128/8 --variants wg2 "
+     "--no-keys-on-m --deadline 470", "an H100 visit: 16 tokens at GQA 8 and 16 (128 and 256 "
+     "packed rows), the decode kernel with one consumer warpgroup (fa4_final_decode, then the "
+     "default) and with two (wg2) beside the peers: what made two the default above 64 rows"),
 ]
 
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")

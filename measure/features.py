@@ -89,6 +89,13 @@ PRODUCES = [
      "the same at six cases, S = 16384 and 4096; at D = dv = 192 and 256 the FA4 package's "
      "tile and the 64-key tile side by side (read by chapter 08's prediction 08.p4 and the "
      "head-dims lab; the package's default there follows it)"),
+    ("results/h100/features_bwd.json", "python -m measure.features --name features_bwd "
+     "--cases bwd_d96 bwd_d192 --deadline 250",
+     "an H100 visit: the backward at D = 96 and at D = 192 with dv = 128 beside the FA4 "
+     "package, SDPA flash and cuDNN (where they run it), S = 4096 and 16384, causal or not"),
+    ("results/h100/features_bwd_swapped.json", "python -m measure.features --name "
+     "features_bwd_swapped --cases bwd_d192v192 bwd_d256 --deadline 230",
+     "the same visit: the backward at D = dv = 192 and 256 (dK and dV swapped)"),
 ]
 
 # name: (D, dv, softcap, sink)

@@ -8,8 +8,10 @@ Each LOG is the output of a pytest run (its last "N passed, M failed ..." line i
 compute-sanitizer run (its "ERROR SUMMARY" / "RACECHECK SUMMARY" line) or of a chapter's case
 checks (utils.checks.run_cases: "N/M cases passed"). A row per suite:
 impl (the suite's name), metric ("passed", "failed", "errors", "skipped" for pytest; "errors"
-or "hazards" for a sanitizer), value, unit. Rows of suites not named keep their stored value, so
-one run can add to what an earlier one recorded.
+or "hazards" for a sanitizer; beside a racecheck's hazards, "hazards_in_course_kernels": those
+whose report names one of the course's CuTe kernels, not a library kernel the test calls;
+"sanitizer_failures" when compute-sanitizer says it failed itself), value, unit. Rows of
+suites not named keep their stored value, so one run can add to what an earlier one recorded.
 
 Run on the GPU machine, right after the tests, the provenance is that machine's. For logs brought
 back from it, ``--provenance-from`` takes the provenance of a results file written in the same
@@ -35,6 +37,10 @@ PYTEST = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xpassed|xf
 # "ERROR SUMMARY: 224 errors", "RACECHECK SUMMARY: 1 hazard displayed (1 error, ...)"; not the
 # "ERROR SUMMARY: 220 errors were not printed" line that follows a print limit
 SANITIZER = re.compile(r"(ERROR|RACECHECK) SUMMARY: (\d+) (error|hazard)s?\b")
+# a racecheck report's first access names its kernel: the course's CuTe kernels are
+# kernel_cutlass_kernel_...; others (cuBLAS's nvjet_* under a test's reference) are not ours
+RACE = re.compile(r"Race reported between \w+ access at (\S+)")
+COURSE_KERNEL = "kernel_cutlass_kernel_"
 CASES = re.compile(r"^(\d+)/(\d+) cases passed")  # utils.checks.run_cases (ch04/05/08 checks)
 
 
@@ -45,7 +51,14 @@ def read_log(text: str) -> dict[str, int]:
             continue
         m = SANITIZER.search(line)
         if m:
-            return {m.group(3) + "s": int(m.group(2))}
+            counts = {m.group(3) + "s": int(m.group(2))}
+            races = RACE.findall(text) if m.group(1) == "RACECHECK" else []
+            if races:  # the reports are in the log: whose kernels they name
+                counts["hazards_in_course_kernels"] = sum(
+                    1 for race in races if race.startswith(COURSE_KERNEL))
+            if "Internal Sanitizer Error" in text:  # the sanitizer failed, not the program
+                counts["sanitizer_failures"] = text.count("Internal Sanitizer Error")
+            return counts
         m = CASES.match(line.strip())
         if m:
             return {"passed": int(m.group(1)), "failed": int(m.group(2)) - int(m.group(1))}
@@ -60,7 +73,8 @@ def rows_for(suite: str, text: str, provenance: dict) -> list[dict]:
     """The suite's rows, each saying which commit and date it was measured at (a file can
     hold rows of several runs; its own provenance is the latest run's)."""
     counts = read_log(text)
-    unit = "findings" if set(counts) <= {"errors", "hazards"} and SANITIZER.search(text) \
+    unit = "findings" if set(counts) <= {"errors", "hazards", "hazards_in_course_kernels",
+                                         "sanitizer_failures"} and SANITIZER.search(text) \
         else "tests"
     return [{"impl": suite, "metric": metric, "value": value, "unit": unit,
              "commit": provenance["commit"], "date": provenance["date"]}

@@ -21,6 +21,18 @@ def test_sanitizer_summaries():
                     ) == {"hazards": 0}
 
 
+def test_racecheck_hazards_say_whose_kernel():
+    log = ("========= Error: Race reported between Read access at nvjet_sm90_tst_64x8+0xaf0\n"
+           "=========     and Write access at nvjet_sm90_tst_64x8+0x27e0 [512 hazards]\n"
+           "========= Error: Race reported between Write access at kernel_cutlass_kernel_x+0x10"
+           "\n1 passed in 3.0s\n"
+           "========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)\n")
+    assert read_log(log) == {"hazards": 2, "hazards_in_course_kernels": 1}
+    crashed = ("========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware "
+               "exception.\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors)\n")
+    assert read_log(crashed) == {"hazards": 0, "sanitizer_failures": 1}
+
+
 def test_a_log_without_a_summary_is_refused():
     with pytest.raises(ValueError, match="no pytest summary"):
         read_log("Traceback (most recent call last):\n  killed\n")

@@ -768,9 +768,8 @@ class HopperBackward:
     # warpgroup 0 runs 28 wgmma K-steps a step (S^T 6, dP^T 6, dV 4, dK 4, dQ 8 at tile_m =
     # 64), warpgroup 1 runs 20; both keep the 240-register budget (warpgroup 0 holds dQ's 48
     # floats a thread beside dV's and dK's 48 each). The FA4 package's Hopper backward makes
-    # the same choice at D = 96. Compiled for sm_90a and checked on a CPU; not yet run on a
-    # GPU, so the runtime reaches it only through the bwd_head_dims gate
-    # (fa4_final.runtime.pending).
+    # the same choice at D = 96. Its GPU tests against float64 and the three sanitizers are
+    # in Note [Barriers of two builds].
 
     # Note [dV head dim]
     # Q, K, dQ and dK have D columns; V, dO (and O, read by bwd_pre for delta) and dV have dv.
@@ -802,8 +801,8 @@ class HopperBackward:
     # warpgroup's (dq_threads = 128, the one-warpgroup tiled MMA's coordinates). The FA4
     # package runs this shape as 64 x 96 with dK and dV swapped instead; this split keeps the
     # kernel's structure (keys on M for S^T, P in registers) and compiled clean for sm_90a
-    # (161 KB of shared memory, no spill); not yet run on a GPU, so the runtime reaches it only
-    # through the bwd_head_dims gate (fa4_final.runtime.pending). D = dv = 192 does not fit
+    # (161 KB of shared memory, no spill); its GPU checks are in
+    # Note [Barriers of two builds]. D = dv = 192 does not fit
     # this structure: dK and dV alone take 96 + 96 of the 240 registers (64 keys a warpgroup,
     # on the wgmma M), and compiled for sm_90a the same split spills at tile_m = 32 (144 B of
     # stack, 155 spill instructions, 185 KB of shared memory; 163 with one Q/dO stage) and
@@ -835,8 +834,8 @@ class HopperBackward:
     # Compiled for sm_90a: no spill, no stack, no wgmma serialised; per step a warpgroup issues
     # 12 + 12 + 12 + 12 m64n48k16 at D = 192 (S, dP, dV^T, dK^T) and 12 or 6 m64n64k16 (dQ^T).
     # A softcap build computes P and dS as Note [Softcap in the backward] says (S and dP are
-    # 24 floats a thread here, so lse is read once, before S is ready). Not yet run on a GPU:
-    # the runtime reaches it only through the bwd_head_dims gate (fa4_final.runtime.pending).
+    # 24 floats a thread here, so lse is read once, before S is ready). Its GPU checks are in
+    # Note [Barriers of two builds].
 
     # Note [Barriers of two builds]
     # DS_FREE, DS_READY and EPILOGUE are blocking named barriers of both MMA warpgroups (256
@@ -855,8 +854,32 @@ class HopperBackward:
     # their SASS. The dQ warp's hand-offs (DQ_EMPTY, DQ_FULL) are legal in every build: in each
     # generation one side waits, at one instruction, and the other only arrives. On an H200
     # synccheck accepts the unaligned barrier: 0 errors in each of the four builds (the fp16
-    # 2 x 77 x 77 cases, which passed against float64 under it). The builds stay behind the
-    # bwd_head_dims gate until their full float64 suites and racecheck have run on this code.
+    # 2 x 77 x 77 cases, which passed against float64 under it). racecheck then found the
+    # stage releases of these builds unordered after some threads' reads,
+    # Note [Release after the warp's reads]; with that fixed, on an H100, racecheck reports
+    # 0 hazards in each of the four builds and their float64 suites pass (lengths 1 to 4097,
+    # seqlen_q != seqlen_k both ways, GQA and MQA, windows, varlen, fp16, deterministic
+    # bitwise over 5 runs, and through the API's autograd), memcheck 0 errors in the swapped
+    # two. D = 64 and 128 keep one build and bar.sync; racecheck reports 0 hazards in them.
+
+    # Note [Release after the warp's reads]
+    # A Q or dO stage carries the tile's lse or delta, which each MMA thread reads from shared
+    # memory (ld.shared, a few floats a step) before the stage is released. A release is an
+    # arrive on the stage's EMPTY mbarrier with release semantics: it orders the arriving
+    # thread's own earlier accesses before the TMA warp's refill, nobody else's. With one lane
+    # a warp arriving (the usual pattern, eight arrivals for the eight MMA warps), the other 31
+    # lanes' reads are ordered before that arrive only through a barrier all of them pass in
+    # between: in the one-build kernels (D = 64, 128) the bar.sync of DS_READY and of the dQ
+    # hand-off does that. In the builds of two loops those barriers are barrier.cta.sync without
+    # .aligned (Note [Barriers of two builds]), and compute-sanitizer's racecheck, on an H100,
+    # reported the TMA warp's bulk copies of lse and delta racing with the MMA threads' reads
+    # of them in all four builds (the one-build kernels: 0 hazards). Whether the sanitizer
+    # simply does not count an unaligned barrier as ordering, or the hardware could let a lane
+    # read late, we did not establish; a bar.warp.sync before the arrive would state the
+    # order, but ptxas removes it from the SASS of a converged warp, where the sanitizer looks.
+    # So in these builds every MMA thread arrives (EMPTY counts 256 arrivals, release()), each
+    # arrive ordering its own thread's reads: no assumption about lanes left, 0 hazards under
+    # racecheck. The cost is 32 arrives a warp instead of one, twice a step.
 
     @cute.jit
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,

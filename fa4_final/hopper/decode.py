@@ -29,15 +29,16 @@ cached keys:
    transposed, keys on the wgmma M and 8, 16 or 32 packed rows on N, the softmax statistics per
    accumulator column. Not the default; reached by no call of the package until a measurement
    chooses between the two.
-8. A candidate for 128 packed rows (HopperDecodeConfig.consumers = 2,
+8. Above 64 packed rows, two consumer warpgroups (HopperDecodeConfig.consumers = 2,
    Note [Two consumer warpgroups]): two consumer warpgroups of 64 rows each read every K/V
-   stage, so a 128-row m-block streams its keys once. Not the default; reached by the decode
-   benchmark only.
+   stage, so a 128-row m-block streams its keys once. The default there
+   (hopper.config.hopper_decode_for_rows), chosen by measurement.
 
 Roles: warpgroup 0 is the producer (warp 0 issues every K and V load), warpgroup 1 the consumer
 (Q from global memory into shared memory once, then per key tile S = Q K^T, mask, online
 softmax, O += P V, then the epilogue); with consumers = 2 warpgroups 1 and 2 are consumers of
-64 rows each. Note [Decode bytes in flight] says why one consumer warpgroup and how many stages.
+64 rows each. Note [Decode bytes in flight] says why one consumer warpgroup up to 64 packed rows
+and how many stages.
 """
 
 from __future__ import annotations
@@ -149,11 +150,18 @@ Q_VECTOR = 8  # elements of one 16-byte load of Q
 # of 96 KB of K/V requested an SM, this one 96 KB, so there it may lose; a hypothesis for the
 # decode benchmark to test).
 # Compiled for sm_90a (D = 64 and 128; contiguous, paged + seqused_k + split, varlen, window):
-# no spill, no stack, 168 registers, no ptxas-injected warpgroup.arrive. On an H200 its GPU
-# tests passed against float64, and at the one shape timed there (batch 32, 16 tokens, 8k
-# keys, 64/8 heads, D = 128) it ran at 0.91-0.92x the fastest peer against 0.63-0.71x for the
-# one-consumer default. It is not yet the default above 64 packed rows: compute-sanitizer
-# (synccheck, racecheck) has not run on it, nor the benchmark over the other 128-row shapes.
+# no spill, no stack, 168 registers, no ptxas-injected warpgroup.arrive. Its GPU tests passed
+# against float64 on an H200 and an H100; under compute-sanitizer (H100) memcheck and synccheck
+# found no error and racecheck no hazard in it (the one it reported was in the cuBLAS kernel of
+# the test's reference). Timed on an H100 at 16 tokens (GQA 8 and 16: 128 and 256 packed rows),
+# 8k, 32k and 128k keys, batch 1 and 32, D = 64 and 128, beside the one-consumer kernel and the
+# peers: at batch 32 it was 0.99-1.14x the fastest peer at D = 64 and 0.73-0.98x at D = 128,
+# where the one-consumer kernel was 0.93-1.18x and 0.59-0.95x; at batch 1 both were 1.8-5.4x
+# (there the peers run few CTAs). It lost to the one-consumer kernel at a few batch-1 shapes,
+# by up to 14%, still 1.8x the peers or more. So it is the default above 64 packed rows
+# (hopper_decode_for_rows). The shape it leaves furthest behind is 256 packed rows at D = 128
+# and batch 32 (0.73-0.85x, 61-67% of the copy rate): two 128-row m-blocks whose CTAs both
+# stream the cache, the second mostly from L2, as Note [Decode bytes in flight] describes.
 
 
 class HopperDecode:
