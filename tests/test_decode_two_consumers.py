@@ -1,6 +1,7 @@
 """The Hopper decode kernel with two consumer warpgroups (HopperDecodeConfig.consumers = 2,
 Note [Two consumer warpgroups] in fa4_final.hopper.decode) on a CPU: the config's refusals by
-name, its shared-memory formula and register plan, the default unchanged, each warpgroup's rows
+name, its shared-memory formula and register plan, the choice by packed rows (one consumer up to
+64, two above: hopper_decode_for_rows), each warpgroup's rows
 (host emulation of the kernel's index arithmetic), the walk at tile_m = 128 against the float64
 decode; slow: the builds compiled for sm_90a (resources, barriers, instruction counts)."""
 
@@ -30,6 +31,7 @@ from fa4_final.hopper.config import (
     HopperDecodeConfig,
     hopper_decode_default,
     hopper_decode_for_page,
+    hopper_decode_for_rows,
 )
 from tests.decode_reference import decode_reference, emulate_decode, merge_splits, paged_cache
 
@@ -72,13 +74,20 @@ def test_decode_register_plans_follow_from_the_launch_bound():
             plan.setmaxnreg, plan.launch_registers, plan.ctas_per_sm)
 
 
-def test_decode_two_consumers_leave_the_default_alone():
+def test_decode_two_consumers_above_64_packed_rows_only():
     for d in (64, 128):
         cfg = hopper_decode_default(d)
         assert cfg.consumers == 1 and cfg.tile_m == 64
         assert cfg.registers == SM90_DECODE_REGISTERS and cfg.ctas_per_sm_bound == 2
         assert cfg.launch_registers == 128
         assert hopper_decode_for_page(d, 16).consumers == 1
+        assert hopper_decode_for_rows(cfg, 64) is cfg  # up to 64 rows: one consumer
+        two = hopper_decode_for_rows(cfg, 65)
+        assert two == replace(cfg, consumers=2) and two.tile_m == 128
+        paged = hopper_decode_for_rows(hopper_decode_for_page(d, 16), 128)
+        assert paged.consumers == 2 and paged.page_box == hopper_decode_for_page(d, 16).page_box
+        keys_on_m = replace(cfg, swap_ab=True, rows_n=32)
+        assert hopper_decode_for_rows(keys_on_m, 128) is keys_on_m
 
 
 @pytest.mark.parametrize("d", [64, 128])
