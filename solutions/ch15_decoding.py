@@ -42,6 +42,9 @@ H200 = {"hbm_tb_s": HBM_DATASHEET_BYTES_PER_S["H200"] / 1e12,
         "bf16_tflops": float(DATASHEET_DENSE_BF16_TFLOPS["sm_90"]), "sms": PER_SM["sm_90"].sms}
 DECODE = "decode"  # results/<gpu>/decode.json (measure/decode.py)
 KEYS_ON_M = "decode_keys_on_m"  # the same driver with the keys-on-M kernel's rows
+TWO_CONSUMERS = "decode_wg2"  # the same driver at 16 tokens, one and two consumer warpgroups
+# the shape where the chapter asks for a prediction of the two-consumer kernel
+TWO_CONSUMERS_SHAPE = {"b": 32, "s_q": 16, "s": 8192, "h": 64, "h_kv": 8, "d": 128}
 DECODE_GPUS = ("h200", "h100")  # where a stored decode run is looked for, in this order
 HEADLINE = {"b": 32, "s_q": 1, "s": 8192, "h": 32, "h_kv": 8, "d": 128}
 
@@ -1193,6 +1196,39 @@ def keys_on_m_lines(res, mode: str = "flush") -> list[str]:
     return lines
 
 
+def two_over_one(res, mode: str = "flush", **shape):
+    """The two-consumer kernel's time (fa4_final_decode_wg2) over the one-consumer kernel's
+    (fa4_final_decode) at TWO_CONSUMERS_SHAPE updated by ``shape``; None if either is missing."""
+    want = {**TWO_CONSUMERS_SHAPE, **shape}
+    a, b = (decode_row(res, impl, mode, **want)
+            for impl in ("fa4_final_decode_wg2", "fa4_final_decode"))
+    if not (a and b and a.get("ms") and b.get("ms")):
+        return None
+    return a["ms"] / b["ms"]
+
+
+def two_consumers_lines(res, mode: str = "flush") -> list[str]:
+    """Every shape of the two-consumer run: its time over the one-consumer kernel's, each one's
+    speed over the fastest peer of the run and share of the copy rate, and the verdict."""
+    from utils import bench
+
+    lines = []
+    for a in res.rows:
+        if a.get("impl") != "fa4_final_decode_wg2" or a.get("mode") != mode:
+            continue
+        shape = {k: a[k] for k in HEADLINE}
+        b = decode_row(res, "fa4_final_decode", mode, **shape)
+        if not (b and a.get("ms") and b.get("ms")):
+            continue
+        rows = shape["s_q"] * shape["h"] // shape["h_kv"]
+        lines.append(f"  D {shape['d']:3d}  b {shape['b']:2d}  keys {shape['s']:6d}  "
+                     f"{rows:3d} rows:  {a['ms'] / b['ms']:.3f}x the time;  vs the fastest "
+                     f"peer {a.get('vs_best_peer', 0):.2f}x and {b.get('vs_best_peer', 0):.2f}x, "
+                     f"{a.get('of_copy', 0):.0%} and {b.get('of_copy', 0):.0%} of copy; "
+                     f"{bench.compare(a, b)}")
+    return lines
+
+
 def verdict(res, impl_a: str, impl_b: str, mode: str = "flush", **shape) -> str:
     """One sentence comparing two rows of the same shape and run, beyond their spread or within
     it (utils.bench.compare's rule)."""
@@ -1223,3 +1259,43 @@ def _keys_on_m_ties(res):
     return bool(ratios) and all(abs(r - 1) <= 0.01 for r in ratios), (
         f"{len(ratios)} shapes at >= 90% of copy, time ratios "
         f"{min(ratios, default=float('nan')):.3f}-{max(ratios, default=float('nan')):.3f}")
+
+
+@claim("15.two_consumers_lead_at_256_rows", TWO_CONSUMERS,
+       "at D = 128, batch 32 and 256 packed rows (16 tokens, GQA 16) the two-consumer kernel is "
+       "faster than the one-consumer kernel beyond the rounds' spread at every cache length of "
+       "the run (L2 flushed)", gpu="h100")
+def _two_consumers_lead(res):
+    from utils import bench
+
+    found = []
+    for a in res.rows:
+        if (a.get("impl") != "fa4_final_decode_wg2" or a.get("mode") != "flush"
+                or (a.get("d"), a.get("b"), a.get("s_q") * a.get("h") // a.get("h_kv"))
+                != (128, 32, 256)):
+            continue
+        b = decode_row(res, "fa4_final_decode", "flush", **{k: a[k] for k in HEADLINE})
+        if b and a.get("ms") and b.get("ms"):
+            found.append((a["s"], b["ms"] / a["ms"], bench.compare(a, b).verdict == "faster"))
+    return bool(found) and all(f for _, _, f in found), (
+        f"{len(found)} cache lengths; speed-ups " + ", ".join(f"{s}: {r:.2f}x" for s, r, _ in
+                                                              sorted(found)))
+
+
+@claim("15.two_consumers_tie_near_copy", TWO_CONSUMERS,
+       "at D = 128, batch 32 and 128 packed rows (16 tokens, GQA 8), where the one-consumer "
+       "kernel reaches 90% of the copy rate or more, the two-consumer kernel's time is within 10% "
+       "of it (L2 flushed)", gpu="h100")
+def _two_consumers_tie(res):
+    ratios = []
+    for a in res.rows:
+        if (a.get("impl") != "fa4_final_decode_wg2" or a.get("mode") != "flush"
+                or (a.get("d"), a.get("b"), a.get("s_q") * a.get("h") // a.get("h_kv"))
+                != (128, 32, 128)):
+            continue
+        b = decode_row(res, "fa4_final_decode", "flush", **{k: a[k] for k in HEADLINE})
+        if b and a.get("ms") and b.get("ms") and b.get("of_copy", 0) >= 0.9:
+            ratios.append(a["ms"] / b["ms"])
+    return bool(ratios) and all(abs(r - 1) <= 0.1 for r in ratios), (
+        f"{len(ratios)} shapes, time ratios {min(ratios, default=float('nan')):.3f}-"
+        f"{max(ratios, default=float('nan')):.3f}")
