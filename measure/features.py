@@ -24,9 +24,8 @@ query heads over as many KV heads, causal (``--causal 0 1``), bf16.
 Rows, on the same q, k, v (and sink) of a shape, interleaved in ``--rounds`` rounds
 (utils.bench.interleaved, each round in the other direction from the last):
   fa4_final     the Hopper forward launched directly (fa4_final.hopper.host.forward_recipe and
-                launch_forward with head_dim_v, softcap, sink_dtype): what a call will run once
-                the API takes these arguments (it refuses them while their GPU tests have not
-                passed).
+                launch_forward with head_dim_v, softcap, sink_dtype): what the API's call with
+                these arguments runs.
   fa4_final_64_keys   at D = dv = 192 and 256, the same kernel with the tile compiling alone
                 picks there (64 keys, three K stages), beside the default, which takes the FA4
                 package's tile_n (112 and 80 keys, two K and two V stages; P converted pair by
@@ -47,12 +46,11 @@ and mode; FLOPs are 2 x (D + dv) per query-key pair, halved by the causal mask.
 The backward cases (BWD_CASES) time the backward alone, as utils.bench does: each
 implementation's forward runs once on the same q, k, v (requiring grad), then
 torch.autograd.grad of its out with the graph kept is the timed call. Rows: fa4_final through
-the public flash_attn_func under FA4_FINAL_PENDING=bwd_head_dims (the driver adds the name to
-the environment: the API refuses these backwards until their GPU tests pass), the FA4
-package's flash_attn_func, sdpa_flash and sdpa_cudnn (a backend that does not run the shape
-gets a row saying so). ``max_diff`` is then the largest |error| of dq, dk, dv against float64
-on one head of the first sequence (every query and key row, so dk and dv are whole); FLOPs are
-2 x (3 D + 2 dv) per pair (five GEMMs), halved by the causal mask.
+the public flash_attn_func, the FA4 package's flash_attn_func, sdpa_flash and sdpa_cudnn (a
+backend that does not run the shape gets a row saying so). ``max_diff`` is then the largest
+|error| of dq, dk, dv against float64 on one head of the first sequence (every query and key
+row, so dk and dv are whole); FLOPs are 2 x (3 D + 2 dv) per pair (five GEMMs), halved by the
+causal mask.
 
 Two modes (``mode``): ``flush`` (the L2 overwritten before every call) and ``back_to_back``.
 ``--deadline`` seconds: the run stops after the shape that passes it and says so.
@@ -112,10 +110,9 @@ CASES = {
     "bwd_d192v192": (192, 192, 0.0, False),
     "bwd_d256": (256, 256, 0.0, False),
 }
-# the backward (pass "bwd"): fa4_final under BWD_GATE
+# the backward (pass "bwd"): fa4_final through the public flash_attn_func
 BWD_CASES = ("bwd_d96", "bwd_d192", "bwd_d192v192", "bwd_d256")
 FWD_CASES = tuple(c for c in CASES if c not in BWD_CASES)  # the default --cases
-BWD_GATE = "bwd_head_dims"  # fa4_final.runtime.pending's row for these backwards
 PEERS = ("fa4_package", "sdpa_flash", "sdpa_cudnn")
 # the cases whose default is a timed tile (fa4_final.hopper.config.MEASURED_TILE_N, the FA4
 # package's own sm90 tile_n): the compile-only tile is timed beside it as a second row
@@ -232,18 +229,6 @@ def compile_fit_config(shape: FeatureShape):
     return cfg
 
 
-def allow_pending(name: str) -> None:
-    """Add ``name`` to FA4_FINAL_PENDING for the rest of this process (the backward cases'
-    fa4_final row runs the gated D = 96 backward through the public API)."""
-    import os
-
-    from fa4_final.runtime import pending
-
-    names = [n for n in os.environ.get(pending.ENV, "").split(",") if n.strip()]
-    if name not in names:
-        os.environ[pending.ENV] = ",".join([*names, name])
-
-
 def bwd_reference(q, k, v, dout, causal, scale):
     """float64 (dq, dk, dv) of one head of the first sequence, every row: what each backward
     row's gradients are compared with (``bwd_max_diff``)."""
@@ -279,9 +264,7 @@ def _bwd_calls(shape: FeatureShape, device="cuda"):
     try:
         from fa4_final import flash_attn_func as ours
 
-        allow_pending(BWD_GATE)
         forwards["fa4_final"] = lambda: ours(q, k, v, softmax_scale=scale, causal=shape.causal)
-        extra["fa4_final"] = {"env": BWD_GATE}
     except Exception as exc:
         extra["fa4_final"] = {"error": bench.error_text(exc)}
     try:

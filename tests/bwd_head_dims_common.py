@@ -1,7 +1,8 @@
 """Pieces the CPU tests of the Hopper backward at extra head dims share (tests/test_bwd_d192.py,
 tests/test_bwd_swapped.py, tests/test_bwd_head_dims.py, tests/test_pending_wiring.py): the
-refusal calls, float64 gradients of the CPU reference, the dQ writer/reader probe traced for
-sm_90a, and the Hopper backward runners recorded at one head dim."""
+entry-point calls that raise (a refusal, or the device check on a CPU), float64 gradients of the
+CPU reference (dense and varlen autograd), the dQ writer/reader probe traced for sm_90a, and the
+Hopper backward runners recorded at one head dim."""
 
 from __future__ import annotations
 
@@ -63,6 +64,29 @@ def check_autograd_against_float64(q, k, v, causal):
     for got, want in zip((q.grad, k.grad, v.grad), float64_grads(q, k, v, causal)):
         assert got.shape == want.shape
         assert (got.double() - want).abs().max() <= 0.05 * want.abs().max() + 0.05
+
+
+def check_varlen_autograd_against_float64(d, dv, causal):
+    """flash_attn_varlen_func with a gradient at (d, dv) over three sequences (5 x 9, 7 queries
+    and no key, 19 x 30), out.float().square().sum() backward: each sequence's gradients
+    float64's (the CPU reference on that sequence alone) within 0.05 of their largest + 0.05,
+    dq 0 for the queries that see no key."""
+    lens_q, lens_k = (5, 7, 19), (9, 0, 30)
+    pq, pk, pv, cu_q, cu_k = packed(lens_q=lens_q, lens_k=lens_k, d=d, dv=dv, grad=True)
+    out, _ = flash_attn_varlen_func(pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                    causal=causal)
+    assert out.shape == (sum(lens_q), 4, dv)
+    out.float().square().sum().backward()
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i, sk in enumerate(lens_k):
+        rq, rk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if not sk:
+            assert not pq.grad[rq].float().abs().max()
+            continue
+        want = float64_grads(pq[None, rq], pk[None, rk], pv[None, rk], causal)
+        for got, w in zip((pq.grad[rq], pk.grad[rk], pv.grad[rk]), want):
+            assert got.shape == w.shape[1:]
+            assert (got.double() - w[0]).abs().max() <= 0.05 * w.abs().max() + 0.05
 
 
 def probe_dq_writes(main, mmas, got) -> None:

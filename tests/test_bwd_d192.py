@@ -2,10 +2,12 @@
 config (tile_m = 32, dQ^T split 128 + 64 rows of D, Note [dQ split unevenly] in
 fa4_final.hopper.bwd) and the dv != D shapes (Note [dV head dim]); the dQ accumulator order the
 two writer warpgroups, bwd_pre and bwd_post share, read from the kernel's own CuTe partitions
-(traced for sm_90a, no GPU); the bwd_head_dims gate (refused by name without
-FA4_FINAL_PENDING, routed to the (192, 128) build with it, every other dv != D pair refused
-gate or no gate); the runtime's checks of dout and dv at v's head dim; and the compile for
-sm_90a (slow). Nothing here runs a GPU kernel: tests/gpu/test_bwd_head_dims.py does."""
+(traced for sm_90a, no GPU); the bwd_head_dims row of fa4_final.runtime.pending, deleted once
+tests/gpu/test_bwd_head_dims.py and the sanitizers passed (a gradient at (192, 128) goes
+through every entry point without FA4_FINAL_PENDING, routed to the (192, 128) build; every
+other dv != D pair refused whatever the environment says); the runtime's checks of dout and dv
+at v's head dim; and the compile for sm_90a (slow). Nothing here runs a GPU kernel:
+tests/gpu/test_bwd_head_dims.py does."""
 
 from __future__ import annotations
 
@@ -14,19 +16,20 @@ import re
 import pytest
 import torch
 
-from fa4_final import UnsupportedError, flash_attn_func
+from fa4_final import UnsupportedError
 from fa4_final.common.constants import (
-    BWD_HEAD_DIM_PAIRS_PENDING,
+    BWD_HEAD_DIM_PAIRS,
     CUTLASS_BY_NAME,
     SM90_SMEM_BYTES,
 )
 from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
-from fa4_final.runtime import pending, prologue, varlen
+from fa4_final.runtime import pending
 from fa4_final.runtime.checks import check_grads
 from tests import fa4_cpu_reference as ref
 from tests.bwd_head_dims_common import (
     backward_runner_keys,
     check_autograd_against_float64,
+    check_varlen_autograd_against_float64,
     clean_main,
     probe_dq_writes,
     refused_backward_calls,
@@ -47,7 +50,7 @@ pytestmark = pytest.mark.usefixtures("no_pending")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_d192_dv128_default_is_32_by_128_with_dq_split_unevenly(causal, deterministic):
-    assert (D, DV) in BWD_HEAD_DIM_PAIRS_PENDING
+    assert (D, DV) in BWD_HEAD_DIM_PAIRS
     cfg = hopper_bwd_default(D, causal, deterministic, head_dim_v=DV)
     assert (cfg.tile_m, cfg.tile_n, cfg.dq_swap_ab, cfg.dq_uneven, cfg.dq_single_wg) == (
         32, 128, True, True, False)
@@ -73,7 +76,7 @@ def test_d192_config_errors_name_the_knob_and_the_pair():
         HopperBwdConfig(tile_m=32, dq_swap_ab=True).check(D, DV)
     for d, dv in ((192, 192), (128, 64), (192, 96), (256, 128)):
         with pytest.raises(ValueError, match=re.escape(
-                f"(head_dim, head_dim_v) must be one of {BWD_HEAD_DIM_PAIRS_PENDING} when they "
+                f"(head_dim, head_dim_v) must be one of {BWD_HEAD_DIM_PAIRS} when they "
                 f"differ, got "
                 f"({d}, {dv})") if d != dv else r"head_dim must be one of \(64, 128, 96\)"):
             HopperBwdConfig(tile_m=32, dq_swap_ab=True, dq_uneven=True).check(d, dv)
@@ -159,64 +162,57 @@ def test_d192_accumulator_order_is_one_warpgroup_s_and_bwd_post_rebuilds_it(prob
 
 
 # ----------------------------------------------------------------------------------------------
-# the gate
+# bwd_head_dims (left the gate after its GPU tests and sanitizer runs passed)
 
 
-def _refusal(message: str, func: str) -> None:
-    assert message.startswith(f"{func}: the backward at head_dim=192, dv=128 is refused"), message
-    assert f"{GATE} {ROW} yet" in message and pending.PENDING[ROW] in message, message
-    assert f"{pending.ENV}={ROW}" in message and "torch.no_grad()" in message, message
+def test_d192_dv128_left_the_gate():
+    assert ROW not in pending.PENDING and pending.listed(ROW)
+    assert not pending.forward_only(D, DV) and not pending.forward_only(D, D)
+    assert pending.refuse_backward_head_dims("flash_attn_func", D, DV) is None
 
 
-def test_d192_dv128_is_in_the_row():
-    assert "head dim 192 with dv = 128" in pending.PENDING[ROW]
-    assert pending.forward_only(D, DV) and pending.forward_only(D, D)
+@pytest.mark.parametrize("causal", [False, True])
+def test_without_the_env_a_gradient_at_d192_dv128_runs_the_backward(cpu_kernels, causal):
+    """No FA4_FINAL_PENDING: flash_attn_func and flash_attn_varlen_func with a gradient at
+    (192, 128) run the forward and the backward op (the CPU stand-ins of
+    tests/fa4_cpu_reference), dv like v, the gradients float64's."""
+    q, k, v = dense(d=D, dv=DV, grad=True)
+    check_autograd_against_float64(q, k, v, causal)
+    assert v.grad.shape == v.shape and v.shape[-1] == DV
+    check_varlen_autograd_against_float64(D, DV, causal)
 
 
-def test_without_the_env_a_gradient_at_d192_dv128_is_refused_by_name(cpu_kernels):
+@pytest.mark.parametrize("env", ["", ROW], ids=["default", "named"])
+def test_every_entry_takes_d192_dv128_to_the_device_check(monkeypatch, env):
+    """flash_attn_func and flash_attn_varlen_func with inputs requiring grad, and the backward
+    entry points (prologue.backward_into, api.sdpa._flash_attn_bwd,
+    varlen.varlen_backward_into): past every check to the device check, no gate; naming the
+    deleted row changes nothing."""
+    monkeypatch.setenv(pending.ENV, env)
     q, k, v = dense(d=D, dv=DV, grad=True)
     pq, pk, pv, cu_q, cu_k = packed(d=D, dv=DV, grad=True)
     for func, _, message in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
-        _refusal(message, func)
-    with torch.no_grad():  # the forward alone still runs
-        out, _ = flash_attn_func(q, k, v)
-    assert out.shape == (*q.shape[:-1], DV)
-
-
-def test_without_the_env_the_backward_entry_points_refuse_d192_dv128_by_name():
+        assert DEVICE in message and GATE not in message, (func, message)
     q, k, v = dense(d=D, dv=DV)
     out, lse = torch.zeros(*q.shape[:-1], DV, dtype=BF16), torch.zeros(2, 4, 24)
     pq, pk, pv, cu_q, cu_k = packed(d=D, dv=DV)
     pout, plse = torch.zeros(pq.shape[0], 4, DV, dtype=BF16), torch.zeros(4, pq.shape[0])
+    funcs = []
     for func, message in refused_backward_calls(q, k, v, out, lse, pq, pk, pv, pout, plse,
                                                 cu_q, cu_k):
-        _refusal(message, func)
+        assert DEVICE in message and GATE not in message, (func, message)
+        funcs.append(func)
+    assert funcs == ["backward_into", "_flash_attn_bwd", "varlen_backward_into"]
 
 
 @pytest.mark.parametrize("env", ["", ROW])
-def test_other_dv_pairs_and_d192_dv192_stay_refused_naming_the_pair(monkeypatch, env):
+def test_other_dv_pairs_stay_refused_naming_the_pair(monkeypatch, env):
     monkeypatch.setenv(pending.ENV, env)
     for d, dv in ((192, 64), (128, 64), (256, 128), (96, 64), (256, 192)):
         assert pending.forward_only(d, dv)
         with pytest.raises(UnsupportedError, match=f"head_dim={d}, dv={dv} is not built") as e:
             pending.refuse_backward_head_dims("flash_attn_func", d, dv)
-        assert f"(192, 128), (192, 192), (256, 256) with {pending.ENV}={ROW}" in str(e.value)
-
-
-def test_with_the_env_the_backward_entry_points_get_to_the_device_check(monkeypatch):
-    monkeypatch.setenv(pending.ENV, ROW)
-    assert not pending.forward_only(D, DV)
-    q, k, v = dense(d=D, dv=DV)
-    out, lse = torch.zeros(*q.shape[:-1], DV, dtype=BF16), torch.zeros(2, 4, 24)
-    with pytest.raises(UnsupportedError, match=DEVICE):
-        prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
-                               torch.zeros_like(v))
-    pq, pk, pv, cu_q, cu_k = packed(d=D, dv=DV)
-    pout, plse = torch.zeros(pq.shape[0], 4, DV, dtype=BF16), torch.zeros(4, pq.shape[0])
-    with pytest.raises(UnsupportedError, match=DEVICE):
-        varlen.varlen_backward_into(pq, pk, pv, pout, plse, pout, torch.zeros_like(pq),
-                                    torch.zeros_like(pk), torch.zeros_like(pv), cu_q, cu_k,
-                                    None, None, None)
+        assert "(192, 128), (192, 192), (256, 256); the forward runs" in str(e.value)
 
 
 def test_dout_and_dv_take_v_s_head_dim():
@@ -240,21 +236,10 @@ def test_dout_and_dv_take_v_s_head_dim():
                     **args)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_with_the_env_the_autograd_path_runs_the_backward_at_d192_dv128(monkeypatch, cpu_kernels,
-                                                                        causal):
-    """FA4_FINAL_PENDING=bwd_head_dims: flash_attn_func with a gradient at (192, 128) runs the
-    forward and the backward op (the CPU stand-ins of tests/fa4_cpu_reference), dv like v."""
-    monkeypatch.setenv(pending.ENV, ROW)
-    q, k, v = dense(d=D, dv=DV, grad=True)
-    check_autograd_against_float64(q, k, v, causal)
-
-
-def test_with_the_env_the_hopper_runners_build_the_d192_dv128_backward(monkeypatch):
+def test_the_hopper_runners_build_the_d192_dv128_backward(monkeypatch):
     """The Hopper backward runners (dense and varlen) ask backward_recipe for head dim 192 with
     head_dim_v 128 (last in the compile key, only when it differs), and that recipe's kernels
     are the (192, 128) build: dQ split unevenly, 128 bwd_post threads, bwd_pre over dv."""
-    monkeypatch.setenv(pending.ENV, ROW)
     calls, runners, keys = backward_runner_keys(monkeypatch, D, dv=DV)
     lse = torch.zeros(2, 4, 24)
     from fa4_final.hopper import host

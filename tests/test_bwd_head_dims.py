@@ -1,29 +1,32 @@
 """The Hopper backward at head dim 96 (dv = 96), on a CPU: its config (dQ by one warpgroup,
 Note [dQ by one warpgroup] in fa4_final.hopper.bwd); the dQ accumulator order the writer,
 bwd_pre and bwd_post share at D = 96, read from the kernel's own CuTe partitions (traced for
-sm_90a, no GPU); the bwd_head_dims gate of fa4_final.runtime.pending (refused by name without
-FA4_FINAL_PENDING, routed to the D = 96 build with it); and the compile for sm_90a (slow).
-Nothing here runs a GPU kernel: tests/gpu/test_bwd_head_dims.py does."""
+sm_90a, no GPU); the bwd_head_dims row of fa4_final.runtime.pending, deleted once
+tests/gpu/test_bwd_head_dims.py and the sanitizers passed (results/h100/gpu_checks.json,
+results/h200/gpu_checks.json): a gradient at D = 96 goes through every entry point without
+FA4_FINAL_PENDING, routed to the D = 96 build; and the compile for sm_90a (slow). Nothing here
+runs a GPU kernel: tests/gpu/test_bwd_head_dims.py does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fa4_final import UnsupportedError, flash_attn_func
+from fa4_final import UnsupportedError
 from fa4_final.common.constants import (
-    BWD_HEAD_DIMS_PENDING,
+    BWD_EXTRA_HEAD_DIMS,
     CUTLASS_BY_NAME,
     HEAD_DIMS,
     SM90_SMEM_BYTES,
 )
 from fa4_final.common.dq_order import dq_offset
 from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
-from fa4_final.runtime import pending, prologue, varlen
+from fa4_final.runtime import pending
 from tests import fa4_cpu_reference as ref
 from tests.bwd_head_dims_common import (
     backward_runner_keys,
     check_autograd_against_float64,
+    check_varlen_autograd_against_float64,
     clean_main,
     refused_backward_calls,
     refused_calls,
@@ -43,7 +46,7 @@ pytestmark = pytest.mark.usefixtures("no_pending")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_d96_default_is_64_by_128_with_dq_by_one_warpgroup(causal, deterministic):
-    assert BWD_HEAD_DIMS_PENDING == (96,) and 96 not in HEAD_DIMS
+    assert BWD_EXTRA_HEAD_DIMS == (96,) and 96 not in HEAD_DIMS
     cfg = hopper_bwd_default(96, causal, deterministic)
     assert (cfg.tile_m, cfg.tile_n, cfg.dq_single_wg, cfg.dq_swap_ab) == (64, 128, True, False)
     assert cfg.dq_warpgroups == 1 and cfg.deterministic == deterministic
@@ -167,91 +170,71 @@ def test_dq_offset_is_the_two_warpgroup_order_at_d128():
 
 
 # ----------------------------------------------------------------------------------------------
-# the gate: bwd_head_dims
+# bwd_head_dims (left the gate after its GPU tests and sanitizer runs passed)
 
 
-def _refusal(message: str, func: str) -> None:
-    assert message.startswith(f"{func}: the backward at head_dim=96, dv=96 is refused"), message
-    assert f"{GATE} {ROW} yet" in message and pending.PENDING[ROW] in message, message
-    assert f"{pending.ENV}={ROW}" in message and "torch.no_grad()" in message, message
+def test_bwd_head_dims_left_the_gate():
+    assert ROW not in pending.PENDING and pending.listed(ROW)
+    for d, dv in ((96, 96), (192, 128), (192, 192), (256, 256), (64, 64), (128, 128)):
+        assert not pending.forward_only(d, dv), (d, dv)
+        assert pending.refuse_backward_head_dims("backward_into", d, dv) is None
+    for d, dv in ((96, 128), (128, 96), (192, 96), (256, 192), (64, 96)):
+        assert pending.forward_only(d, dv), (d, dv)
+    assert pending.BACKWARD_HEAD_DIMS == ((64, 64), (96, 96), (128, 128), (192, 128),
+                                          (192, 192), (256, 256))
 
 
-def test_bwd_head_dims_is_a_pending_row():
-    assert pending.PENDING[ROW].startswith(
-        "the Hopper backward at head dim 96 (dv = 96), at head dim 192 with dv = 128, and at "
-        "head dims 192 and 256 with dv == head_dim (dK and dV swapped) passed its GPU tests "
-        "against float64 on an H100; synccheck then found a barrier")
-    assert "the full float64 suites and racecheck have not run" in pending.PENDING[ROW]
-    assert not pending.listed(ROW)
-    assert pending.forward_only(96, 96) and pending.forward_only(96, 128)
-    assert pending.forward_only(192, 128)
-    assert not pending.forward_only(64, 64) and not pending.forward_only(128, 128)
-    assert pending.forward_only(192, 192) and pending.forward_only(256, 256)
-
-
-def test_without_the_env_a_gradient_at_d96_is_refused_by_name(cpu_kernels):
+@pytest.mark.parametrize("causal", [False, True])
+def test_without_the_env_a_gradient_at_d96_runs_the_backward(cpu_kernels, causal):
+    """No FA4_FINAL_PENDING: flash_attn_func and flash_attn_varlen_func with a gradient at
+    D = 96 run the forward and the backward op (the CPU stand-ins of tests/fa4_cpu_reference),
+    and the gradients are float64's."""
     q, k, v = dense(d=96, grad=True)
-    pq, pk, pv, cu_q, cu_k = packed(d=96)
-    pq, pk, pv = (t.requires_grad_(True) for t in (pq, pk, pv))
+    check_autograd_against_float64(q, k, v, causal)
+    check_varlen_autograd_against_float64(96, 96, causal)
+
+
+@pytest.mark.parametrize("env", ["", ROW], ids=["default", "named"])
+def test_every_entry_takes_d96_to_the_device_check(monkeypatch, env):
+    """flash_attn_func and flash_attn_varlen_func with inputs requiring grad, and the backward
+    entry points (prologue.backward_into, api.sdpa._flash_attn_bwd,
+    varlen.varlen_backward_into): past every check to the device check (a CPU tensor), no
+    gate; naming the deleted row in FA4_FINAL_PENDING changes nothing."""
+    monkeypatch.setenv(pending.ENV, env)
+    q, k, v = dense(d=96, grad=True)
+    pq, pk, pv, cu_q, cu_k = packed(d=96, grad=True)
     for func, _, message in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
-        _refusal(message, func)
-    with torch.no_grad():  # the forward alone still runs (dense; varlen dv 96 has its own row)
-        out, _ = flash_attn_func(q, k, v)
-    assert out.shape == q.shape
-
-
-def test_without_the_env_the_backward_entry_points_refuse_d96_by_name():
+        assert DEVICE in message and GATE not in message, (func, message)
     q, k, v = dense(d=96)
     out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
     pq, pk, pv, cu_q, cu_k = packed(d=96)
     pout, plse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
+    funcs = []
     for func, message in refused_backward_calls(q, k, v, out, lse, pq, pk, pv, pout, plse,
                                                 cu_q, cu_k):
-        _refusal(message, func)
+        assert DEVICE in message and GATE not in message, (func, message)
+        funcs.append(func)
+    assert funcs == ["backward_into", "_flash_attn_bwd", "varlen_backward_into"]
 
 
-@pytest.mark.parametrize("env", [ROW, f"softcap,{ROW}"])
-def test_the_env_never_opens_head_dims_with_no_backward(monkeypatch, env):
+@pytest.mark.parametrize("env", ["", ROW, f"softcap,{ROW}"])
+def test_head_dims_with_no_backward_stay_refused_naming_what_runs(monkeypatch, env):
+    """Where no backward is built, refused whatever FA4_FINAL_PENDING says, naming the value
+    and every (head_dim, dv) the backward runs."""
     monkeypatch.setenv(pending.ENV, env)
     for d, dv in ((128, 192), (96, 128), (128, 96), (192, 96), (256, 128), (256, 192)):
         with pytest.raises(UnsupportedError, match=f"head_dim={d}, dv={dv} is not built") as e:
             pending.refuse_backward_head_dims("backward_into", d, dv)
-        # what runs: the built head dims, and behind the gate 96, (192, 128), 192 and 256
-        assert "head dims (64, 128) with dv == head_dim, and (head_dim, dv) (96, 96), " \
-               f"(192, 128), (192, 192), (256, 256) with {pending.ENV}={ROW}" in str(e.value)
+        message = str(e.value)
+        assert message.startswith(f"backward_into: the backward at head_dim={d}, dv={dv} ")
+        assert "it runs (head_dim, dv) (64, 64), (96, 96), (128, 128), (192, 128), (192, 192), " \
+               "(256, 256)" in message, message
+        assert "torch.no_grad()" in message and pending.ENV not in message, message
 
 
-def test_with_the_env_the_backward_entry_points_get_to_the_device_check(monkeypatch):
-    monkeypatch.setenv(pending.ENV, ROW)
-    assert not pending.forward_only(96, 96)
-    q, k, v = dense(d=96)
-    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
-    with pytest.raises(UnsupportedError, match=DEVICE):
-        prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
-                               torch.zeros_like(v))
-    pq, pk, pv, cu_q, cu_k = packed(d=96)
-    pout, plse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
-    with pytest.raises(UnsupportedError, match=DEVICE):
-        varlen.varlen_backward_into(pq, pk, pv, pout, plse, pout, torch.zeros_like(pq),
-                                    torch.zeros_like(pk), torch.zeros_like(pv), cu_q, cu_k,
-                                    None, None, None)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_with_the_env_the_autograd_path_runs_the_backward_at_d96(monkeypatch, cpu_kernels,
-                                                                  causal):
-    """FA4_FINAL_PENDING=bwd_head_dims: flash_attn_func with a gradient at D = 96 runs the
-    forward and the backward op (here the CPU stand-ins of tests/fa4_cpu_reference), and the
-    gradients are float64's."""
-    monkeypatch.setenv(pending.ENV, ROW)
-    q, k, v = dense(d=96, grad=True)
-    check_autograd_against_float64(q, k, v, causal)
-
-
-def test_with_the_env_the_hopper_runners_build_the_d96_backward(monkeypatch):
+def test_the_hopper_runners_build_the_d96_backward(monkeypatch):
     """The Hopper backward runners (dense and varlen) ask backward_recipe for head dim 96, and
     that recipe's kernels are the D = 96 build: dQ by one warpgroup, 128 bwd_post threads."""
-    monkeypatch.setenv(pending.ENV, ROW)
     _, _, keys = backward_runner_keys(monkeypatch, 96, varlen_out_is_q=True)
     from fa4_final.hopper import host
 
@@ -298,7 +281,7 @@ def test_d96_backward_compiles_clean(kw):
 # measure.features' backward case (the GPU run is a session step)
 
 
-def test_the_benchmark_case_bwd_d96(monkeypatch):
+def test_the_benchmark_case_bwd_d96():
     from measure import features
 
     assert "bwd_d96" in features.BWD_CASES and "bwd_d96" not in features.FWD_CASES
@@ -306,10 +289,28 @@ def test_the_benchmark_case_bwd_d96(monkeypatch):
     assert s.pass_ == "bwd" and features.row_fields(s)["pass"] == "bwd"
     assert s.flops() == 2.0 * 4 * 16 * 4096 * 4096 * 0.5 * (3 * 96 + 2 * 96)
     assert features.FeatureShape("d96", 4, 4096, 16, True).pass_ == "fwd"
-    monkeypatch.setenv(pending.ENV, "softcap")
-    features.allow_pending(features.BWD_GATE)
-    features.allow_pending(features.BWD_GATE)
-    assert pending.allowed() == {"softcap", ROW} and features.BWD_GATE == ROW
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # SDPA's peers saying why they do not run
+@pytest.mark.parametrize("case", ["bwd_d96", "bwd_d192", "bwd_d192v192", "bwd_d256"])
+def test_the_benchmark_times_the_backward_without_the_env(monkeypatch, cpu_kernels, case):
+    """measure.features' fa4_final backward row is the public flash_attn_func with
+    FA4_FINAL_PENDING unset, and the driver leaves the environment alone: on a CPU, with the CPU
+    stand-ins (and no device to synchronise), its call runs, its row holds max_diff alone (no
+    env, no error) and that is a bf16 kernel's against float64."""
+    import os
+
+    from measure import features
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **kw: None)
+    shape = features.FeatureShape(case, 1, 33, 2, True)
+    calls, extra = features._bwd_calls(shape, device="cpu")
+    assert pending.ENV not in os.environ
+    assert "fa4_final" in calls and set(extra["fa4_final"]) == {"max_diff"}, extra
+    assert extra["fa4_final"]["max_diff"] < 0.05
+    d, dv = shape.dims
+    assert [tuple(g.shape) for g in calls["fa4_final"]()] == [(1, 33, 2, d), (1, 33, 2, d),
+                                                             (1, 33, 2, dv)]
 
 
 def test_the_benchmark_reference_is_float64_autograd():

@@ -1,10 +1,11 @@
 """The Hopper backward with dK and dV swapped (Note [dK and dV swapped] in fa4_final.hopper.bwd)
 at D = dv = 192 (64 x 96) and D = 256 (64 x 48), on a CPU: the config and its errors, the
 shared-memory budget, the dQ accumulator order of the two writer parts read from the kernel's
-own CuTe partitions traced for sm_90a (bwd_post reads it back unchanged), the bwd_head_dims
-gate (refused by name without FA4_FINAL_PENDING, routed to the swapped build with it) and the
-compile for sm_90a (slow). Nothing here runs a GPU kernel:
-tests/gpu/test_bwd_head_dims.py does (-k d192v192, -k d256)."""
+own CuTe partitions traced for sm_90a (bwd_post reads it back unchanged), the bwd_head_dims row
+of fa4_final.runtime.pending, deleted once tests/gpu/test_bwd_head_dims.py and the sanitizers
+passed (a gradient at D = dv = 192 and 256 goes through every entry point without
+FA4_FINAL_PENDING, routed to the swapped build) and the compile for sm_90a (slow). Nothing here
+runs a GPU kernel: tests/gpu/test_bwd_head_dims.py does (-k d192v192, -k d256)."""
 
 from __future__ import annotations
 
@@ -14,20 +15,22 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fa4_final import UnsupportedError, flash_attn_func, flash_attn_varlen_func
 from fa4_final.common.constants import (
-    BWD_HEAD_DIM_PAIRS_PENDING,
+    BWD_HEAD_DIM_PAIRS,
     CUTLASS_BY_NAME,
     SM90_SMEM_BYTES,
 )
 from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
-from fa4_final.runtime import pending, prologue, varlen
+from fa4_final.runtime import pending
 from tests.bwd_head_dims_common import (
     backward_runner_keys,
     check_autograd_against_float64,
+    check_varlen_autograd_against_float64,
     clean_build,
     clean_main,
     probe_dq_writes,
+    refused_backward_calls,
+    refused_calls,
 )
 from tests.test_pending_features import DEVICE, GATE, dense, packed
 
@@ -45,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("no_pending")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_the_default_is_64_by_tile_n_with_dk_dv_swapped(d, causal, deterministic):
-    assert (d, d) in BWD_HEAD_DIM_PAIRS_PENDING
+    assert (d, d) in BWD_HEAD_DIM_PAIRS
     for cfg in (hopper_bwd_default(d, causal, deterministic),
                 hopper_bwd_default(d, causal, deterministic, head_dim_v=d)):
         assert (cfg.tile_m, cfg.tile_n, cfg.dkv_swap_ab, cfg.swap_tile_n) == (
@@ -153,71 +156,49 @@ def test_dq_parts_cover_the_tile_and_bwd_post_reads_each_offset_s_writer(probe):
 
 
 # ----------------------------------------------------------------------------------------------
-# the gate
+# bwd_head_dims (left the gate after its GPU tests and sanitizer runs passed)
 
 
 @pytest.mark.parametrize("d", [192, 256])
-def test_without_the_env_a_gradient_is_refused_by_the_row_s_name(cpu_kernels, d):
-    assert pending.forward_only(d, d)
+@pytest.mark.parametrize("causal", [False, True])
+def test_without_the_env_a_gradient_runs_the_backward(cpu_kernels, d, causal):
+    """No FA4_FINAL_PENDING: flash_attn_func and flash_attn_varlen_func with a gradient at
+    D = dv run the forward and the backward op (the CPU stand-ins of tests/fa4_cpu_reference),
+    the gradients float64's."""
+    assert ROW not in pending.PENDING and not pending.forward_only(d, d)
     q, k, v = dense(d=d, dv=d, grad=True)
-    with pytest.raises(UnsupportedError) as info:
-        flash_attn_func(q, k, v)
-    message = str(info.value)
-    assert message.startswith(f"flash_attn_func: the backward at head_dim={d}, dv={d} is "
-                              f"refused"), message
-    assert f"{GATE} {ROW} yet" in message and pending.PENDING[ROW] in message
-    assert f"{pending.ENV}={ROW}" in message and "torch.no_grad()" in message
+    check_autograd_against_float64(q, k, v, causal)
+    check_varlen_autograd_against_float64(d, d, causal)
+
+
+@pytest.mark.parametrize("env", ["", ROW], ids=["default", "named"])
+@pytest.mark.parametrize("d", [192, 256])
+def test_every_entry_takes_the_swapped_dims_to_the_device_check(monkeypatch, d, env):
+    """flash_attn_func and flash_attn_varlen_func with inputs requiring grad, and the backward
+    entry points (prologue.backward_into, api.sdpa._flash_attn_bwd,
+    varlen.varlen_backward_into): past every check to the device check, no gate; naming the
+    deleted row changes nothing."""
+    monkeypatch.setenv(pending.ENV, env)
+    q, k, v = dense(d=d, dv=d, grad=True)
     pq, pk, pv, cu_q, cu_k = packed(d=d, dv=d, grad=True)
-    with pytest.raises(UnsupportedError, match=f"head_dim={d}, dv={d} is refused"):
-        flash_attn_varlen_func(pq, pk, pv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    with torch.no_grad():  # the forward alone still runs
-        out, _ = flash_attn_func(q, k, v)
-    assert out.shape == q.shape
-    assert "head dims 192 and 256 with dv == head_dim" in pending.PENDING[ROW]
-
-
-@pytest.mark.parametrize("d", [192, 256])
-def test_without_the_env_the_backward_entry_points_refuse_by_name(d):
+    for func, _, message in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
+        assert DEVICE in message and GATE not in message, (func, message)
     q, k, v = dense(d=d, dv=d)
     out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
-    with pytest.raises(UnsupportedError, match=f"backward_into: the backward at head_dim={d}, "
-                                               f"dv={d} is refused") as info:
-        prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
-                               torch.zeros_like(v))
-    assert f"{GATE} {ROW} yet" in str(info.value)
-
-
-@pytest.mark.parametrize("d", [192, 256])
-def test_with_the_env_the_backward_entry_points_get_to_the_device_check(monkeypatch, d):
-    monkeypatch.setenv(pending.ENV, ROW)
-    assert not pending.forward_only(d, d)
-    q, k, v = dense(d=d, dv=d)
-    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
-    with pytest.raises(UnsupportedError, match=DEVICE):
-        prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
-                               torch.zeros_like(v))
     pq, pk, pv, cu_q, cu_k = packed(d=d, dv=d)
     pout, plse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
-    with pytest.raises(UnsupportedError, match=DEVICE):
-        varlen.varlen_backward_into(pq, pk, pv, pout, plse, pout, torch.zeros_like(pq),
-                                    torch.zeros_like(pk), torch.zeros_like(pv), cu_q, cu_k,
-                                    None, None, None)
+    funcs = []
+    for func, message in refused_backward_calls(q, k, v, out, lse, pq, pk, pv, pout, plse,
+                                                cu_q, cu_k):
+        assert DEVICE in message and GATE not in message, (func, message)
+        funcs.append(func)
+    assert funcs == ["backward_into", "_flash_attn_bwd", "varlen_backward_into"]
 
 
 @pytest.mark.parametrize("d", [192, 256])
-def test_with_the_env_the_autograd_path_runs_the_backward(monkeypatch, cpu_kernels, d):
-    """FA4_FINAL_PENDING=bwd_head_dims: flash_attn_func with a gradient at D = dv runs the
-    forward and the backward op (the CPU stand-ins of tests/fa4_cpu_reference)."""
-    monkeypatch.setenv(pending.ENV, ROW)
-    q, k, v = dense(d=d, dv=d, grad=True)
-    check_autograd_against_float64(q, k, v, True)
-
-
-@pytest.mark.parametrize("d", [192, 256])
-def test_with_the_env_the_hopper_runners_build_the_swapped_backward(monkeypatch, d):
+def test_the_hopper_runners_build_the_swapped_backward(monkeypatch, d):
     """The Hopper backward runners (dense and varlen) ask backward_recipe for head dim d (no
     head_dim_v in the key: dv == D), and that recipe's kernels are the swapped build."""
-    monkeypatch.setenv(pending.ENV, ROW)
     _, _, keys = backward_runner_keys(monkeypatch, d, dv=d)
     from fa4_final.hopper import host
 

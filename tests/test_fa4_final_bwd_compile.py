@@ -156,8 +156,11 @@ def _inputs(**kw):
 
 def test_input_checks_say_what_is_wrong():
     q, k, v, out, lse, dout = _inputs()
-    with pytest.raises(ValueError, match="head_dim"):
-        backward(*_inputs(d=96))
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        backward(*_inputs(d=80))
+    q2, k2, _, out2, lse2, dout2 = _inputs(d=256)  # v's head dim 128: no backward built there
+    with pytest.raises(ValueError, match="head_dim=256, dv=128 is not built"):
+        backward(q2, k2, torch.randn_like(k2[..., :128]), out2, lse2, dout2)
     with pytest.raises(ValueError, match="multiple"):
         backward(*_inputs(h=3, hk=2))
     with pytest.raises(ValueError, match="dout must have the shape, dtype and device of q"):

@@ -74,12 +74,14 @@ def test_table_states_follow_the_modules_of_the_build(monkeypatch):
     present = {"fa4_final.hopper.fwd", "fa4_final.hopper.bwd", "fa4_final.blackwell.fwd"}
     monkeypatch.setattr(dispatch, "module_present", lambda m: m in present)
     rows = {line.split(" |")[0]: line for line in dispatch.support_table().splitlines()}
-    assert "| yes | yes | 64, 128 |" in rows["| Hopper (H100, H200)"]
+    dims = ("forward: D and dv each 64, 96, 128, 192, 256; backward (D, dv): (64, 64), "
+            "(96, 96), (128, 128), (192, 128), (192, 192), (256, 256) |")
+    assert f"| yes | yes | {dims}" in rows["| Hopper (H100, H200)"]
     assert "| compiled, not yet run on a GPU | not in this build | - |" in rows[
         "| Blackwell (B200, GB200)"]
     present.discard("fa4_final.hopper.bwd")
     rows = {line.split(" |")[0]: line for line in dispatch.support_table().splitlines()}
-    assert "| yes | not in this build | 64, 128 |" in rows["| Hopper (H100, H200)"]
+    assert f"| yes | not in this build | {dims}" in rows["| Hopper (H100, H200)"]
 
 
 def test_render_needs_the_markers():

@@ -1,4 +1,4 @@
-"""Four features wired through fa4_final's API that have left the gate of
+"""Five features wired through fa4_final's API that have left the gate of
 fa4_final.runtime.pending (Note [Pending features]: their GPU tests passed, their rows were
 deleted), on a CPU:
 
@@ -10,9 +10,15 @@ deleted), on a CPU:
   (named when bad), then runs (a CPU call stops at the device check); the Hopper row puts
   has_dlse in the compile key only when a dlse is given, the Blackwell row refuses it by name.
 - head_dims: D and dv each from FWD_HEAD_DIMS, out (.., dv), taken by every forward entry and
-  the ops' fake impls without FA4_FINAL_PENDING; a call that will need a gradient there is
-  refused at the forward, gate or no gate (the backward is not built); head_dim_v in the
-  compile key only when != D.
+  the ops' fake impls without FA4_FINAL_PENDING; a call that will need a gradient where no
+  backward is built (outside runtime.pending.BACKWARD_HEAD_DIMS) is refused at the forward,
+  gate or no gate; head_dim_v in the compile key only when != D.
+- bwd_head_dims: the Hopper backward at D = dv = 96, (192, 128) and D = dv = 192 and 256 left
+  the gate after tests/gpu/test_bwd_head_dims.py passed on an H100 with racecheck clean there
+  and synccheck on an H200 (results/h100/gpu_checks.json, results/h200/gpu_checks.json): a
+  call that needs a gradient there reaches the device check from every entry (forward and
+  backward) without FA4_FINAL_PENDING (tests/test_bwd_head_dims.py, test_bwd_d192.py and
+  test_bwd_swapped.py hold the rest).
 - varlen_row_store: the varlen forward at v head dim 96 left the gate after
   tests/gpu/test_fwd_head_dims.py -k varlen passed on an H100 (results/h100/gpu_checks.json),
   at 192 after the same tests passed on an H200 (results/h200/gpu_checks.json): no varlen entry
@@ -91,9 +97,9 @@ def test_lse_fold_passed_its_gpu_tests_and_listed_is_true_without_the_environmen
     """lse_fold left the gate (tests/gpu/test_lse_fold.py and test_pending_api.py -k lse_fold
     passed on an H200): listed without FA4_FINAL_PENDING, and naming it there changes nothing;
     a row still pending is listed only when named."""
-    assert "lse_fold" not in pending.PENDING
+    assert "lse_fold" not in pending.PENDING and "bwd_head_dims" not in pending.PENDING
     assert pending.listed("lse_fold") and pending.listed("not_a_pending_feature")
-    assert not pending.listed("bwd_head_dims")
+    assert pending.listed("bwd_head_dims")
     monkeypatch.setenv(pending.ENV, "bwd_head_dims, lse_fold")
     assert pending.listed("lse_fold") and pending.listed("bwd_head_dims")
     monkeypatch.delenv(pending.ENV)
@@ -421,9 +427,10 @@ def test_the_default_head_dims_never_ask_the_gate(cpu_kernels):
 
 @pytest.mark.parametrize("d, dv, words", [
     (80, 80, r"head_dim must be one of \(64, 96, 128, 192, 256\) \(the Hopper forward; the "
-             r"backward \(64, 128\)\), got 80"),
+             r"backward \(64, 96, 128, 192, 256\) with dv == head_dim\), got 80"),
     (64, 32, r"v's head dim 32 differs from q and k's 64: fa4_final's Hopper forward takes dv "
-             r"!= d with each of \(64, 96, 128, 192, 256\)"),
+             r"!= d with each of \(64, 96, 128, 192, 256\) \(its backward dv == d, and \(d, "
+             r"dv\) in \(\(192, 128\),\)\)"),
     (64, 160, "v's head dim 160 differs")])
 def test_head_dims_outside_the_forward_builds_are_named(d, dv, words):
     with pytest.raises(UnsupportedError, match=words):
@@ -491,9 +498,12 @@ def test_compile_fullgraph_with_dv(cpu_kernels):
     torch.testing.assert_close(got, layer(q, k, v))
 
 
-@pytest.mark.parametrize("env", ["", "head_dims,varlen_row_store"], ids=["default", "listed"])
-# 96, (192, 128), (192, 192), (256, 256), built behind bwd_head_dims: tests/test_bwd_head_dims.py
-@pytest.mark.parametrize("d, dv", [(256, 96), (128, 64)])
+ROWS_DELETED = "head_dims,varlen_row_store,bwd_head_dims"
+
+
+@pytest.mark.parametrize("env", ["", ROWS_DELETED], ids=["default", "listed"])
+# the backward's (head_dim, dv) (pending.BACKWARD_HEAD_DIMS) run: test_bwd_head_dims_run_ungated
+@pytest.mark.parametrize("d, dv", [(256, 96), (128, 64), (192, 64), (128, 96), (256, 128)])
 def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
         monkeypatch, cpu_kernels, d, dv, env):
     """Refused when the call will need a gradient (never a crash or a wrong gradient in
@@ -512,27 +522,60 @@ def test_a_gradient_at_a_forward_only_head_dim_is_refused_at_the_forward(
     assert out.shape[-1] == dv
 
 
-@pytest.mark.parametrize("env", ["", "head_dims,varlen_row_store"], ids=["default", "listed"])
-def test_the_backward_entry_points_refuse_forward_only_head_dims(monkeypatch, env):
-    """The backward entry points refuse where no backward is built, gate or no gate."""
+@pytest.mark.parametrize("env", ["", ROWS_DELETED], ids=["default", "listed"])
+@pytest.mark.parametrize("d, dv", [(256, 192), (256, 128), (192, 64), (128, 96), (96, 64)])
+def test_the_backward_entry_points_refuse_forward_only_head_dims(monkeypatch, d, dv, env):
+    """The backward entry points refuse where no backward is built, gate or no gate, naming
+    the value; the backward's (head_dim, dv) run: test_bwd_head_dims_run_ungated below."""
     monkeypatch.setenv(pending.ENV, env)
-    # 96, (192, 128), (192, 192), (256, 256) (bwd_head_dims): tests/test_bwd_head_dims.py
-    q, k, v = dense(d=256, dv=192)
-    out, lse = torch.zeros(*q.shape[:-1], 192, dtype=BF16), torch.zeros(2, 4, 24)
-    with pytest.raises(UnsupportedError, match=r"backward_into: the backward at head_dim=256, "
-                                               r"dv=192 is not built"):
-        prologue.backward_into(q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k),
-                               torch.zeros_like(v))
-    with pytest.raises(UnsupportedError, match="_flash_attn_bwd: the backward at head_dim=256, "
-                                               "dv=192 is not built"):
-        sdpa._flash_attn_bwd(q, k, v, out, out, lse)
-    pq, pk, pv, cu_q, cu_k = packed(d=256, dv=128)
-    pout, plse = torch.zeros(*pq.shape[:-1], 128, dtype=BF16), torch.zeros(4, pq.shape[0])
-    with pytest.raises(UnsupportedError, match=r"varlen_backward_into: the backward at "
-                                               r"head_dim=256, dv=128 is not built"):
-        varlen.varlen_backward_into(pq, pk, pv, pout, plse, pout, torch.zeros_like(pq),
-                                    torch.zeros_like(pk), torch.zeros_like(pv), cu_q, cu_k,
-                                    None, None, None)
+    entries = list(_backward_entries(d, dv))
+    assert len(entries) == 5
+    for func, call in entries:
+        with pytest.raises(UnsupportedError) as info:
+            call()
+        assert str(info.value).startswith(
+            f"{func}: the backward at head_dim={d}, dv={dv} is not built"), info.value
+
+
+def _backward_entries(d, dv):
+    """(name, call) of every backward entry point at (d, dv): the runtime's dense, varlen and
+    per-sequence loop, api.sdpa's _flash_attn_bwd dense and packed."""
+    q, k, v = dense(d=d, dv=dv)
+    out, lse = torch.zeros(*q.shape[:-1], dv, dtype=BF16), torch.zeros(2, 4, 24)
+    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=dv)
+    pout, plse = torch.zeros(*pq.shape[:-1], dv, dtype=BF16), torch.zeros(4, pq.shape[0])
+    yield "backward_into", lambda: prologue.backward_into(
+        q, k, v, out, lse, out, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+    yield "varlen_backward_into", lambda: varlen.varlen_backward_into(
+        pq, pk, pv, pout, plse, pout, torch.zeros_like(pq), torch.zeros_like(pk),
+        torch.zeros_like(pv), cu_q, cu_k, None, None, None)
+    yield "backward_loop", lambda: varlen.backward_loop(pq, pk, pv, pout, plse, pout, cu_q, cu_k)
+    yield "_flash_attn_bwd", lambda: sdpa._flash_attn_bwd(q, k, v, out, out, lse)
+    yield "_flash_attn_bwd", lambda: sdpa._flash_attn_bwd(
+        pq, pk, pv, pout, pout, plse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+@pytest.mark.parametrize("env", ["", ROWS_DELETED], ids=["default", "listed"])
+@pytest.mark.parametrize("d, dv", pending.BACKWARD_HEAD_DIMS)
+def test_bwd_head_dims_run_ungated(monkeypatch, d, dv, env):
+    """bwd_head_dims left the gate: at every (head_dim, dv) the backward runs, a call that needs
+    a gradient (flash_attn_func, flash_attn_varlen_func) and every backward entry point reach
+    the device check (a CPU tensor), whatever FA4_FINAL_PENDING says."""
+    assert "bwd_head_dims" not in pending.PENDING and not pending.forward_only(d, dv)
+    monkeypatch.setenv(pending.ENV, env)
+    q, k, v = dense(d=d, dv=dv, grad=True)
+    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=dv, grad=True)
+    calls = [(func, call) for func, call, _ in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k)]
+    calls += list(_backward_entries(d, dv))
+    assert [f for f, _ in calls] == ["flash_attn_func", "flash_attn_varlen_func",
+                                     "backward_into", "varlen_backward_into", "backward_loop",
+                                     "_flash_attn_bwd", "_flash_attn_bwd"]
+    for func, call in calls:
+        with pytest.raises(UnsupportedError) as info:
+            call()
+        message = str(info.value)
+        assert DEVICE in message and GATE not in message, (func, message)
+        assert "is not built" not in message, (func, message)
 
 
 def test_sdpa_forward_allocates_out_with_v_head_dim(monkeypatch):

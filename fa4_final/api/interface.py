@@ -18,13 +18,14 @@ softcap * tanh(scale * q.k / softcap)) and ``learnable_sink`` ((heads,) float32,
 float16 on q's device: one extra logit per query head in every row's softmax denominator,
 differentiable). Both are checked (a negative softcap, a sink of the wrong shape, dtype or
 device is refused by name). With a sink the returned lse includes it, and a row that sees no
-key gets out = 0 and lse = the sink, as FA4. Head dims 96, 192 and 256 and v's head dim dv !=
-q's (each of 64, 96, 128, 192, 256; out then has dv) run forward only on Hopper, dense and
-varlen; a call that will need a gradient there is refused at the forward, naming the backward
-that is not built (torch.no_grad(), or inputs that do not require grad, run the forward); the
-backward at D = dv = 96, at D = 192, dv = 128 and at D = dv = 192 and 256 is built and pending
-(bwd_head_dims: refused by that name unless FA4_FINAL_PENDING lists it, Note [Pending features]
-in fa4_final.runtime.pending). The lse's gradient is folded into one backward call
+key gets out = 0 and lse = the sink, as FA4. On Hopper the forward takes q's head dim and v's
+(dv, out then has it) each from 64, 96, 128, 192, 256, dense and varlen; the backward runs
+D = dv = 64, 96, 128, 192 and 256 and D = 192 with dv = 128 (runtime.pending's
+BACKWARD_HEAD_DIMS). Elsewhere a call that will need a gradient is refused at the forward,
+naming the backward that is not built (torch.no_grad(), or inputs that do not require grad, run
+the forward). The backward at D = dv = 96, at D = 192 with dv = 128 and at D = dv = 192 and 256
+passed its GPU tests against float64 and racecheck on an H100, synccheck on an H200. The lse's
+gradient is folded into one backward call
 (Note [Gradient of the returned lse] in api.ops). The decode kernel
 (Note [Decode through the API] in fa4_final.runtime.decode_entry): flash_attn_varlen_func's
 ``page_table`` (k and v as (num_pages, page_size, heads_kv, dim), seqused_k or none, q packed

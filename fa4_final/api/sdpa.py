@@ -213,7 +213,7 @@ def _flash_attn_fwd(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, learnable_sink))
     q, k, v = (_readable(t) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     lse_shape = (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
-    if out is None:  # v's head dim (Note [Head dims]: dv != d runs forward only)
+    if out is None:  # v's head dim (Note [Head dims])
         dv = v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() else q.shape[-1]
         out = torch.empty((*q.shape[:-1], dv), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -360,7 +360,7 @@ def _flash_attn_bwd(
     packed = _packed("_flash_attn_bwd", cu_seqlens_q, cu_seqlens_k, seqused_k)
     used_q = _seqused_q("_flash_attn_bwd", seqused_q, packed, cu_seqlens_q, q)
     cap = _features("_flash_attn_bwd", q, softcap, learnable_sink).get("softcap", 0.0)
-    if _dims_known(q, k, v):  # the backward's head dims (Note [Head dims]: forward only)
+    if _dims_known(q, k, v):  # the backward's head dims (runtime.pending.BACKWARD_HEAD_DIMS)
         refuse_backward_head_dims("_flash_attn_bwd", q.shape[-1], v.shape[-1])
     q, k, v, out, dout = (_readable(t) if isinstance(t, torch.Tensor) else t
                           for t in (q, k, v, out, dout))

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from fa4_final.common.constants import (
-    BWD_HEAD_DIM_PAIRS_PENDING,
-    BWD_HEAD_DIMS_PENDING,
+    BWD_EXTRA_HEAD_DIMS,
+    BWD_HEAD_DIM_PAIRS,
     FWD_HEAD_DIMS,
     HEAD_DIMS,
     SM90_REGISTERS,
@@ -345,7 +345,7 @@ class HopperBwdConfig:
 
     def check(self, head_dim: int, head_dim_v: int | None = None) -> None:
         dv = head_dim if head_dim_v is None else head_dim_v
-        dims = HEAD_DIMS + BWD_HEAD_DIMS_PENDING
+        dims = HEAD_DIMS + BWD_EXTRA_HEAD_DIMS
         if self.dkv_swap_ab:
             self.check_swapped(head_dim, dv)
             dims = dims + SWAPPED_HEAD_DIMS
@@ -353,8 +353,8 @@ class HopperBwdConfig:
             raise ValueError(f"swap_tile_n and stages_do are knobs of dkv_swap_ab=True only "
                              f"(tile_n is {self.tile_n} otherwise, dO as deep as Q), got "
                              f"swap_tile_n={self.swap_tile_n}, stages_do={self.stages_do}")
-        if dv != head_dim and (head_dim, dv) not in BWD_HEAD_DIM_PAIRS_PENDING:
-            raise ValueError(f"(head_dim, head_dim_v) must be one of {BWD_HEAD_DIM_PAIRS_PENDING} "
+        if dv != head_dim and (head_dim, dv) not in BWD_HEAD_DIM_PAIRS:
+            raise ValueError(f"(head_dim, head_dim_v) must be one of {BWD_HEAD_DIM_PAIRS} "
                              f"when they differ, got ({head_dim}, {dv}); with dv == head_dim "
                              f"the backward takes head dims {dims}")
         if dv == head_dim and head_dim not in dims:
@@ -414,12 +414,11 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
                        deterministic: bool = False,
                        head_dim_v: int | None = None) -> HopperBwdConfig:
     """The backward's starting configs, FA3's on H100 (FA4 package's _tile_size_bwd_sm90):
-    D = 64: 128 x 128; D = 96: 64 x 128 with dQ by one warpgroup (compiled, not run on a GPU);
-    D = 128: 64 x 128 (80 x 128 with dQ swapped when not causal). D = 192 with dv = 128:
-    32 x 128 with dQ^T split 128 + 64 rows of D (Note [dQ split unevenly] in
-    fa4_final.hopper.bwd; compiled, not run on a GPU). D = dv = 192: 64 x 96 and D = 256:
-    64 x 48, dK and dV swapped, two Q stages and one dO stage, as the FA4 package
-    (Note [dK and dV swapped]; compiled, not run on a GPU)."""
+    D = 64: 128 x 128; D = 96: 64 x 128 with dQ by one warpgroup; D = 128: 64 x 128 (80 x 128
+    with dQ swapped when not causal). D = 192 with dv = 128: 32 x 128 with dQ^T split 128 + 64
+    rows of D (Note [dQ split unevenly] in fa4_final.hopper.bwd). D = dv = 192: 64 x 96 and
+    D = 256: 64 x 48, dK and dV swapped, two Q stages and one dO stage, as the FA4 package
+    (Note [dK and dV swapped])."""
     if head_dim in SWAPPED_HEAD_DIMS and head_dim_v in (None, head_dim):
         return HopperBwdConfig(tile_m=64, stages_q=2, stages_do=1, stages_ds=1,
                                dq_swap_ab=True, dq_uneven=True, dkv_swap_ab=True,

@@ -14,10 +14,21 @@ import numbers
 
 import torch
 
-from fa4_final.common.constants import FWD_HEAD_DIMS, HEAD_DIMS, TORCH_TO_CUTLASS
+from fa4_final.common.constants import (
+    BWD_EXTRA_HEAD_DIMS,
+    BWD_HEAD_DIM_PAIRS,
+    FWD_HEAD_DIMS,
+    HEAD_DIMS,
+    TORCH_TO_CUTLASS,
+)
 from fa4_final.common.errors import UnsupportedError
 
 ACCEPTED_DTYPES = "torch.bfloat16, torch.float16"
+# the Hopper backward's head dims with dv == head_dim, and its (head_dim, dv) pairs with dv !=
+# head_dim (runtime.pending.BACKWARD_HEAD_DIMS holds both)
+_BWD_DIMS = tuple(sorted(HEAD_DIMS + BWD_EXTRA_HEAD_DIMS
+                         + tuple(d for d, dv in BWD_HEAD_DIM_PAIRS if d == dv)))
+_BWD_DV_PAIRS = tuple((d, dv) for d, dv in BWD_HEAD_DIM_PAIRS if d != dv)
 
 
 def normalise_window(causal: bool, window_size) -> tuple[bool, int | None, int | None]:
@@ -81,7 +92,7 @@ def _check_qkv(q, k, v, dims: int, layout: str) -> None:
         raise UnsupportedError(
             f"v's head dim {v.shape[-1]} differs from q and k's {k.shape[-1]}: fa4_final's "
             f"Hopper forward takes dv != d with each of {FWD_HEAD_DIMS} (its backward dv == d, "
-            f"head dims {HEAD_DIMS})")
+            f"and (d, dv) in {_BWD_DV_PAIRS})")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k and v must have the same shape (but v's head dim), got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
@@ -94,7 +105,7 @@ def _check_heads_and_dim(q, k) -> tuple[int, int, int]:
         raise ValueError(f"q has head_dim {d} but k and v have head_dim {dk}")
     if d not in FWD_HEAD_DIMS:
         raise UnsupportedError(f"head_dim must be one of {FWD_HEAD_DIMS} (the Hopper forward; "
-                               f"the backward {HEAD_DIMS}), got {d}")
+                               f"the backward {_BWD_DIMS} with dv == head_dim), got {d}")
     if hk == 0 or h % hk:
         raise ValueError(f"q's {h} heads must be a multiple of k/v's {hk} heads (GQA/MQA)")
     return h, hk, d

@@ -288,8 +288,13 @@ def support_table() -> str:
             varlen = ("forward and backward: one kernel over the packed batch"
                       if b.varlen_backward else "forward: one kernel over the packed "
                       "batch; backward: per-sequence loop")
-        varlen, dims, dtypes = (varlen, ", ".join(map(str, b.head_dims)), ", ".join(b.dtypes)) \
-            if runs else ("-", "-", "-")
+        dims = ", ".join(map(str, b.head_dims))
+        if "head_dims" in b.features:  # Note [Head dims]: the forward's and the backward's
+            from fa4_final.runtime.pending import BACKWARD_HEAD_DIMS
+
+            dims = (f"forward: D and dv each {', '.join(map(str, FWD_HEAD_DIMS))}; backward "
+                    f"(D, dv): {', '.join(f'({d}, {dv})' for d, dv in BACKWARD_HEAD_DIMS)}")
+        varlen, dims, dtypes = (varlen, dims, ", ".join(b.dtypes)) if runs else ("-", "-", "-")
         rows.append(f"| {b.family} ({b.gpus}) | {b.arch} ({b.target}) | "
                     f"{b.state(b.forward_module)} | {b.state(b.backward_module)} | {dims} | "
                     f"{dtypes} | {varlen} |")

@@ -21,17 +21,21 @@ A row may also name a replacement of a path that has passed its tests (lse_fold 
 backward call with dlse folded in, in place of a second call): the gate then chooses rather than
 refuses, and without FA4_FINAL_PENDING the verified path runs exactly as before (``listed``).
 A row may name a family of shapes (head_dims was one, the forward's head dims 96, 192, 256;
-varlen_row_store another, the varlen forward at v head dims 96 and 192; bwd_head_dims is one,
-the backward at BWD_HEAD_DIMS_PENDING and BWD_HEAD_DIM_PAIRS_PENDING); where no kernel
-exists at all (any other dv != d), the refusal does not depend on the environment
-(refuse_backward_head_dims).
+varlen_row_store another, the varlen forward at v head dims 96 and 192; bwd_head_dims a third,
+the backward at BWD_EXTRA_HEAD_DIMS and BWD_HEAD_DIM_PAIRS). Where no kernel exists at all (a
+backward at any (head_dim, dv) outside BACKWARD_HEAD_DIMS), the refusal is no row's: it does
+not depend on the environment (refuse_backward_head_dims).
 
 Rows deleted so far, each after its GPU tests passed against float64: seqused_q, head_dims and
 lse_fold first; then softcap, learnable_sink and decode (tested on an H100 against float64; the
 decode kernel on an H200 too); then varlen_row_store (the varlen forward at v head dims 96 and
-192: 96 passed on an H100, 192 on an H200). softcap and learnable_sink still pass through
-``refuse_pending`` in check_features, which lets them by while they have no row (a row put back
-gates them again); a page table and a decode shape no longer consult the gate at all.
+192: 96 passed on an H100, 192 on an H200); then bwd_head_dims (the Hopper backward at head dim
+96, at head dim 192 with dv = 128, and with dK and dV swapped at D = dv = 192 and 256: the full
+float64 suites of the four builds passed on an H100, racecheck found no hazard there, and
+synccheck no error on an H200). The table is empty. softcap and learnable_sink still pass
+through ``refuse_pending`` in check_features, which lets them by while they have no row (a row
+put back gates them again); a page table, a decode shape and the backward's head dims no longer
+consult the gate at all.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ from __future__ import annotations
 import os
 
 from fa4_final.common.constants import (
-    BWD_HEAD_DIM_PAIRS_PENDING,
-    BWD_HEAD_DIMS_PENDING,
+    BWD_EXTRA_HEAD_DIMS,
+    BWD_HEAD_DIM_PAIRS,
     FWD_HEAD_DIMS,
     HEAD_DIMS,
 )
@@ -49,17 +53,13 @@ from fa4_final.runtime.checks import check_dlse, check_learnable_sink, check_sof
 
 ENV = "FA4_FINAL_PENDING"
 
-# name -> why it waits (what has been checked, what has not)
-PENDING: dict[str, str] = {
-    "bwd_head_dims": "the Hopper backward at head dim 96 (dv = 96), at head dim 192 with "
-                     "dv = 128, and at head dims 192 and 256 with dv == head_dim (dK and dV "
-                     "swapped) passed its GPU tests against float64 on an H100; synccheck "
-                     "then found a barrier reached by diverged threads, which was rewritten "
-                     "(Note [Barriers of two builds]). The rewritten kernels are synccheck-"
-                     "clean on an H200, where the fp16 2 x 77 x 77 cases of each build "
-                     "passed; the full float64 suites and racecheck have not run on them "
-                     "yet",
-}
+# name -> why it waits (what has been checked, what has not); empty while nothing is pending
+PENDING: dict[str, str] = {}
+
+# every (head_dim, dv) the Hopper backward runs (Note [Head dims] in fa4_final.hopper.config):
+# HEAD_DIMS and BWD_EXTRA_HEAD_DIMS with dv == head_dim, and the pairs of BWD_HEAD_DIM_PAIRS
+BACKWARD_HEAD_DIMS = tuple(sorted({(d, d) for d in HEAD_DIMS + BWD_EXTRA_HEAD_DIMS}
+                                  | set(BWD_HEAD_DIM_PAIRS)))
 
 
 def allowed() -> frozenset[str]:
@@ -124,41 +124,21 @@ def check_lse_fold(func: str, dlse, lse) -> None:
 
 
 def forward_only(head_dim: int, head_dim_v: int) -> bool:
-    """Whether (head_dim, head_dim_v) is one the backward does not run now (Note [Head dims]:
-    the forward takes FWD_HEAD_DIMS each, the backward HEAD_DIMS with dv == head_dim, and
-    BWD_HEAD_DIMS_PENDING with dv == head_dim and the (D, dv) pairs of
-    BWD_HEAD_DIM_PAIRS_PENDING only while FA4_FINAL_PENDING lists bwd_head_dims)."""
-    if (head_dim, head_dim_v) in BWD_HEAD_DIM_PAIRS_PENDING:
-        return not listed("bwd_head_dims")
-    if head_dim_v != head_dim:
-        return True
-    if head_dim in BWD_HEAD_DIMS_PENDING:
-        return not listed("bwd_head_dims")
-    return head_dim not in HEAD_DIMS
+    """Whether (head_dim, head_dim_v) is one the backward does not run (Note [Head dims]: the
+    forward takes FWD_HEAD_DIMS each, the backward BACKWARD_HEAD_DIMS only)."""
+    return (head_dim, head_dim_v) not in BACKWARD_HEAD_DIMS
 
 
 def refuse_backward_head_dims(func: str, head_dim: int, head_dim_v: int) -> None:
-    """UnsupportedError where the backward is not built at (head_dim, head_dim_v), gate or no
-    gate: a gradient cannot be computed there. The public functions call it at the forward
-    when a gradient will be needed, so backward() never meets it. At BWD_HEAD_DIMS_PENDING
-    (dv == head_dim) and the pairs of BWD_HEAD_DIM_PAIRS_PENDING the backward is built but
-    unverified: refused by the gate's name, bwd_head_dims, unless FA4_FINAL_PENDING lists it
-    (Note [Pending features])."""
+    """UnsupportedError where the backward is not built at (head_dim, head_dim_v), whatever
+    FA4_FINAL_PENDING says: a gradient cannot be computed there. The public functions call it
+    at the forward when a gradient will be needed, so backward() never meets it; the backward
+    entry points call it before anything else runs."""
     if not forward_only(head_dim, head_dim_v):
         return
-    if (head_dim_v == head_dim and head_dim in BWD_HEAD_DIMS_PENDING) or (
-            (head_dim, head_dim_v) in BWD_HEAD_DIM_PAIRS_PENDING):
-        raise UnsupportedError(
-            f"{func}: the backward at head_dim={head_dim}, dv={head_dim_v} is refused: "
-            f"fa4_final does not run bwd_head_dims yet ({PENDING['bwd_head_dims']}). The "
-            f"backward runs head dims {HEAD_DIMS} with dv == head_dim. Run the forward alone "
-            f"under torch.no_grad(), or with q, k, v (and the sink) not requiring grad, or set "
-            f"{ENV}=bwd_head_dims to run the unverified kernels (tests only)")
-    pairs = ", ".join(f"({d}, {d})" for d in BWD_HEAD_DIMS_PENDING) + ", " + ", ".join(
-        f"({d}, {dv})" for d, dv in BWD_HEAD_DIM_PAIRS_PENDING)
+    pairs = ", ".join(f"({d}, {dv})" for d, dv in BACKWARD_HEAD_DIMS)
     raise UnsupportedError(
         f"{func}: the backward at head_dim={head_dim}, dv={head_dim_v} is not built (it runs "
-        f"head dims {HEAD_DIMS} with dv == head_dim, and (head_dim, dv) {pairs} with "
-        f"{ENV}=bwd_head_dims, unverified; the forward runs {FWD_HEAD_DIMS}). Run "
-        f"the forward alone under torch.no_grad(), or with q, k, v (and the sink) not "
-        f"requiring grad")
+        f"(head_dim, dv) {pairs}; the forward runs head_dim and dv each from "
+        f"{FWD_HEAD_DIMS}). Run the forward alone under torch.no_grad(), or with q, k, v (and "
+        f"the sink) not requiring grad")

@@ -2,8 +2,10 @@
 in fa4_final.hopper.bwd), at head dim 192 with dv = 128 (dQ^T split unevenly, Note [dQ split
 unevenly]; the d192 tests, the same checks with v, out, dout and dv of 128 columns) and at
 D = dv = 192 and D = 256 (dK and dV swapped, Note [dK and dV swapped]; the d192v192 and d256
-tests) on an H100/H200, against float64 torch.autograd: what lifts the bwd_head_dims row of
-fa4_final.runtime.pending, so every test sets FA4_FINAL_PENDING to it.
+tests) on an H100/H200, against float64 torch.autograd: what verified these backwards (with
+racecheck on an H100 and synccheck on an H200, results/h100/gpu_checks.json and
+results/h200/gpu_checks.json), so that the bwd_head_dims row of fa4_final.runtime.pending was
+deleted; the tests run without FA4_FINAL_PENDING.
 
 Inputs are fresh random tensors (the seed is in each failure's line); out and lse come from the
 float64 reference rounded as a forward stores them, so the backward is checked alone, then once
@@ -26,7 +28,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fa4_final.runtime import pending
 from tests.gpu.test_fa4_final_bwd import _check, _compare, _grads, _run, _visible
 from tests.gpu.test_fa4_final_varlen_bwd import LENS_K, LENS_Q, SKEWED_K, SKEWED_Q, USED_K, Problem
 from utils.checks import rounding_atol
@@ -36,6 +37,7 @@ from utils.reference import random_qkv
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(missing("sm_90") is not None, reason=str(missing("sm_90"))),
+    pytest.mark.usefixtures("no_pending"),  # FA4_FINAL_PENDING unset: the path users take
 ]
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -52,11 +54,6 @@ BF16, FP16 = torch.bfloat16, torch.float16
 # All but d96 go through _check_dv (v drawn from its own seed, seed + 1).
 SHAPES = {"d96": (96, 96), "d192": (192, 128), "d192v192": (192, 192), "d256": (256, 256)}
 SWAPPED = ["d192v192", "d256"]
-
-
-@pytest.fixture(autouse=True)
-def bwd_head_dims(monkeypatch):
-    monkeypatch.setenv(pending.ENV, "bwd_head_dims")
 
 
 def _id(param):

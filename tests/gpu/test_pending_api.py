@@ -8,7 +8,8 @@ FA4_FINAL_PENDING for itself (Note [Pending features] in fa4_final.runtime.pendi
 - head_dims (left the gate after these passed): flash_attn_func's forward at (D, dv) =
   (96, 96), (192, 128), (256, 256) (and varlen at (192, 128); varlen at v head dims 96 and
   192: tests/gpu/test_fwd_head_dims.py -k varlen) against float64, inputs NaN-free, out with v's
-  head dim; a call that needs a gradient there is refused at the forward, gate or no gate.
+  head dim; a call that needs a gradient where no backward is built ((256, 128)) is refused at
+  the forward, gate or no gate (the backward's own head dims: tests/gpu/test_bwd_head_dims.py).
 - seqused_q: flash_attn_varlen_func with seqused_q (causal and not, an empty sequence, one
   with no used row, one with every row used), forward and autograd against float64 on each
   sequence's used rows; padding rows: out 0 and dq 0; api.sdpa's _flash_attn_fwd leaves a
@@ -242,8 +243,8 @@ def test_head_dims_a_gradient_is_refused_at_the_forward(monkeypatch):
     from fa4_final import UnsupportedError, flash_attn_func
 
     monkeypatch.setenv("FA4_FINAL_PENDING", "head_dims")
-    q, k, v = (t.requires_grad_(True) for t in _qkv_dv(1, 64, 64, 2, 2, 192, 128, BF16, 0))
-    with pytest.raises(UnsupportedError, match="the backward at head_dim=192, dv=128 is not "
+    q, k, v = (t.requires_grad_(True) for t in _qkv_dv(1, 64, 64, 2, 2, 256, 128, BF16, 0))
+    with pytest.raises(UnsupportedError, match="the backward at head_dim=256, dv=128 is not "
                                                "built"):
         flash_attn_func(q, k, v)
     with torch.no_grad():
