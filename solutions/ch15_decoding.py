@@ -1155,24 +1155,37 @@ def of_copy(res, impl: str = "fa4_final_decode", mode: str = "flush", **shape):
     return None if r is None else r.get("of_copy")
 
 
-def paged_over_contiguous(res, mode: str = "flush", **shape):
-    """The decode kernel's time with a page table over its time on the contiguous cache, same
-    shape and run; None if either is missing."""
-    a, b = (decode_row(res, impl, mode, **shape)
-            for impl in ("fa4_final_decode_paged", "fa4_final_decode"))
+def time_ratio(res, impl_a: str, impl_b: str, mode: str = "flush", **shape):
+    """``impl_a``'s time over ``impl_b``'s at one shape (HEADLINE's keys updated by ``shape``)
+    of one run; None if either is missing or untimed."""
+    a, b = (decode_row(res, impl, mode, **shape) for impl in (impl_a, impl_b))
     if not (a and b and a.get("ms") and b.get("ms")):
         return None
     return a["ms"] / b["ms"]
+
+
+def paged_over_contiguous(res, mode: str = "flush", **shape):
+    """The decode kernel's time with a page table over its time on the contiguous cache, same
+    shape and run; None if either is missing."""
+    return time_ratio(res, "fa4_final_decode_paged", "fa4_final_decode", mode, **shape)
 
 
 def keys_on_m_over_rows(res, mode: str = "flush", **shape):
     """The keys-on-M kernel's time over the 64-row kernel's, same shape and run; None if
     either is missing."""
-    a, b = (decode_row(res, impl, mode, **shape)
-            for impl in ("fa4_final_decode_keys_on_m", "fa4_final_decode"))
-    if not (a and b and a.get("ms") and b.get("ms")):
-        return None
-    return a["ms"] / b["ms"]
+    return time_ratio(res, "fa4_final_decode_keys_on_m", "fa4_final_decode", mode, **shape)
+
+
+def timed_pairs(res, impl: str, mode: str = "flush"):
+    """(shape, ``impl``'s row, fa4_final_decode's row) of every shape of the run where both were
+    timed in ``mode``."""
+    for a in res.rows:
+        if a.get("impl") != impl or a.get("mode") != mode:
+            continue
+        shape = {k: a[k] for k in HEADLINE}
+        b = decode_row(res, "fa4_final_decode", mode, **shape)
+        if b and a.get("ms") and b.get("ms"):
+            yield shape, a, b
 
 
 def keys_on_m_lines(res, mode: str = "flush") -> list[str]:
@@ -1181,13 +1194,7 @@ def keys_on_m_lines(res, mode: str = "flush") -> list[str]:
     from utils import bench
 
     lines = []
-    for a in res.rows:
-        if a.get("impl") != "fa4_final_decode_keys_on_m" or a.get("mode") != mode:
-            continue
-        shape = {k: a[k] for k in HEADLINE}
-        b = decode_row(res, "fa4_final_decode", mode, **shape)
-        if not (b and a.get("ms") and b.get("ms")):
-            continue
+    for shape, a, b in timed_pairs(res, "fa4_final_decode_keys_on_m", mode):
         c = bench.compare(a, b)
         lines.append(f"  b {shape['b']:3d}  tokens {shape['s_q']:2d}  keys {shape['s']:6d}  "
                      f"{shape['h']}/{shape['h_kv']}  N = {a.get('rows_n', '?'):>2}:  "
@@ -1199,12 +1206,8 @@ def keys_on_m_lines(res, mode: str = "flush") -> list[str]:
 def two_over_one(res, mode: str = "flush", **shape):
     """The two-consumer kernel's time (fa4_final_decode_wg2) over the one-consumer kernel's
     (fa4_final_decode) at TWO_CONSUMERS_SHAPE updated by ``shape``; None if either is missing."""
-    want = {**TWO_CONSUMERS_SHAPE, **shape}
-    a, b = (decode_row(res, impl, mode, **want)
-            for impl in ("fa4_final_decode_wg2", "fa4_final_decode"))
-    if not (a and b and a.get("ms") and b.get("ms")):
-        return None
-    return a["ms"] / b["ms"]
+    return time_ratio(res, "fa4_final_decode_wg2", "fa4_final_decode", mode,
+                      **{**TWO_CONSUMERS_SHAPE, **shape})
 
 
 def two_consumers_lines(res, mode: str = "flush") -> list[str]:
@@ -1213,13 +1216,7 @@ def two_consumers_lines(res, mode: str = "flush") -> list[str]:
     from utils import bench
 
     lines = []
-    for a in res.rows:
-        if a.get("impl") != "fa4_final_decode_wg2" or a.get("mode") != mode:
-            continue
-        shape = {k: a[k] for k in HEADLINE}
-        b = decode_row(res, "fa4_final_decode", mode, **shape)
-        if not (b and a.get("ms") and b.get("ms")):
-            continue
+    for shape, a, b in timed_pairs(res, "fa4_final_decode_wg2", mode):
         rows = shape["s_q"] * shape["h"] // shape["h_kv"]
         lines.append(f"  D {shape['d']:3d}  b {shape['b']:2d}  keys {shape['s']:6d}  "
                      f"{rows:3d} rows:  {a['ms'] / b['ms']:.3f}x the time;  vs the fastest "
@@ -1261,6 +1258,19 @@ def _keys_on_m_ties(res):
         f"{min(ratios, default=float('nan')):.3f}-{max(ratios, default=float('nan')):.3f}")
 
 
+def _two_consumer_pairs(res, d: int, b: int, rows: int):
+    """(two-consumer row, one-consumer row) of every flushed shape of the run at head dim d,
+    batch b and ``rows`` packed rows, both timed."""
+    for a in res.rows:
+        if (a.get("impl") != "fa4_final_decode_wg2" or a.get("mode") != "flush"
+                or (a.get("d"), a.get("b"), a.get("s_q") * a.get("h") // a.get("h_kv"))
+                != (d, b, rows)):
+            continue
+        one = decode_row(res, "fa4_final_decode", "flush", **{k: a[k] for k in HEADLINE})
+        if one and a.get("ms") and one.get("ms"):
+            yield a, one
+
+
 @claim("15.two_consumers_lead_at_256_rows", TWO_CONSUMERS,
        "at D = 128, batch 32 and 256 packed rows (16 tokens, GQA 16) the two-consumer kernel is "
        "faster than the one-consumer kernel beyond the rounds' spread at every cache length of "
@@ -1268,15 +1278,8 @@ def _keys_on_m_ties(res):
 def _two_consumers_lead(res):
     from utils import bench
 
-    found = []
-    for a in res.rows:
-        if (a.get("impl") != "fa4_final_decode_wg2" or a.get("mode") != "flush"
-                or (a.get("d"), a.get("b"), a.get("s_q") * a.get("h") // a.get("h_kv"))
-                != (128, 32, 256)):
-            continue
-        b = decode_row(res, "fa4_final_decode", "flush", **{k: a[k] for k in HEADLINE})
-        if b and a.get("ms") and b.get("ms"):
-            found.append((a["s"], b["ms"] / a["ms"], bench.compare(a, b).verdict == "faster"))
+    found = [(a["s"], one["ms"] / a["ms"], bench.compare(a, one).verdict == "faster")
+             for a, one in _two_consumer_pairs(res, 128, 32, 256)]
     return bool(found) and all(f for _, _, f in found), (
         f"{len(found)} cache lengths; speed-ups " + ", ".join(f"{s}: {r:.2f}x" for s, r, _ in
                                                               sorted(found)))
@@ -1287,15 +1290,8 @@ def _two_consumers_lead(res):
        "kernel reaches 90% of the copy rate or more, the two-consumer kernel's time is within 10% "
        "of it (L2 flushed)", gpu="h100")
 def _two_consumers_tie(res):
-    ratios = []
-    for a in res.rows:
-        if (a.get("impl") != "fa4_final_decode_wg2" or a.get("mode") != "flush"
-                or (a.get("d"), a.get("b"), a.get("s_q") * a.get("h") // a.get("h_kv"))
-                != (128, 32, 128)):
-            continue
-        b = decode_row(res, "fa4_final_decode", "flush", **{k: a[k] for k in HEADLINE})
-        if b and a.get("ms") and b.get("ms") and b.get("of_copy", 0) >= 0.9:
-            ratios.append(a["ms"] / b["ms"])
+    ratios = [a["ms"] / one["ms"] for a, one in _two_consumer_pairs(res, 128, 32, 128)
+              if one.get("of_copy", 0) >= 0.9]
     return bool(ratios) and all(abs(r - 1) <= 0.1 for r in ratios), (
         f"{len(ratios)} shapes, time ratios {min(ratios, default=float('nan')):.3f}-"
         f"{max(ratios, default=float('nan')):.3f}")

@@ -16,7 +16,7 @@ from fa4_final.api import sdpa
 from fa4_final.runtime import dispatch, prologue, varlen
 from tests import fa4_cpu_reference as ref
 from tests.hopper_recorder import record_hopper_runs
-from tests.test_pending_features import BF16, dense, packed
+from tests.test_pending_features import BF16, DEVICE, GATE, dense, packed
 
 
 def refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
@@ -47,6 +47,27 @@ def refused_backward_calls(q, k, v, out, lse, pq, pk, pv, pout, plse, cu_q, cu_k
         with pytest.raises(UnsupportedError) as info:
             call()
         yield func, str(info.value)
+
+
+def assert_every_entry_reaches_the_device_check(d: int, dv: int) -> None:
+    """flash_attn_func and flash_attn_varlen_func with inputs requiring grad at (d, dv), then the
+    backward entry points (prologue.backward_into, api.sdpa._flash_attn_bwd,
+    varlen.varlen_backward_into): each gets past every check to the device check (the inputs
+    are CPU tensors), none meets the gate."""
+    q, k, v = dense(d=d, dv=dv, grad=True)
+    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=dv, grad=True)
+    for func, _, message in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
+        assert DEVICE in message and GATE not in message, (func, message)
+    q, k, v = dense(d=d, dv=dv)
+    out, lse = torch.zeros(*q.shape[:-1], dv, dtype=BF16), torch.zeros(2, 4, 24)
+    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=dv)
+    pout, plse = torch.zeros(pq.shape[0], 4, dv, dtype=BF16), torch.zeros(4, pq.shape[0])
+    funcs = []
+    for func, message in refused_backward_calls(q, k, v, out, lse, pq, pk, pv, pout, plse,
+                                                cu_q, cu_k):
+        assert DEVICE in message and GATE not in message, (func, message)
+        funcs.append(func)
+    assert funcs == ["backward_into", "_flash_attn_bwd", "varlen_backward_into"]
 
 
 def float64_grads(q, k, v, causal):

@@ -27,15 +27,14 @@ from fa4_final.runtime import pending
 from fa4_final.runtime.checks import check_grads
 from tests import fa4_cpu_reference as ref
 from tests.bwd_head_dims_common import (
+    assert_every_entry_reaches_the_device_check,
     backward_runner_keys,
     check_autograd_against_float64,
     check_varlen_autograd_against_float64,
     clean_main,
     probe_dq_writes,
-    refused_backward_calls,
-    refused_calls,
 )
-from tests.test_pending_features import BF16, DEVICE, GATE, dense, packed
+from tests.test_pending_features import BF16, dense
 
 ROW = "bwd_head_dims"
 D, DV = 192, 128
@@ -189,20 +188,7 @@ def test_every_entry_takes_d192_dv128_to_the_device_check(monkeypatch, env):
     varlen.varlen_backward_into): past every check to the device check, no gate; naming the
     deleted row changes nothing."""
     monkeypatch.setenv(pending.ENV, env)
-    q, k, v = dense(d=D, dv=DV, grad=True)
-    pq, pk, pv, cu_q, cu_k = packed(d=D, dv=DV, grad=True)
-    for func, _, message in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
-        assert DEVICE in message and GATE not in message, (func, message)
-    q, k, v = dense(d=D, dv=DV)
-    out, lse = torch.zeros(*q.shape[:-1], DV, dtype=BF16), torch.zeros(2, 4, 24)
-    pq, pk, pv, cu_q, cu_k = packed(d=D, dv=DV)
-    pout, plse = torch.zeros(pq.shape[0], 4, DV, dtype=BF16), torch.zeros(4, pq.shape[0])
-    funcs = []
-    for func, message in refused_backward_calls(q, k, v, out, lse, pq, pk, pv, pout, plse,
-                                                cu_q, cu_k):
-        assert DEVICE in message and GATE not in message, (func, message)
-        funcs.append(func)
-    assert funcs == ["backward_into", "_flash_attn_bwd", "varlen_backward_into"]
+    assert_every_entry_reaches_the_device_check(D, DV)
 
 
 @pytest.mark.parametrize("env", ["", ROW])

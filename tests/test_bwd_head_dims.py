@@ -24,14 +24,13 @@ from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
 from fa4_final.runtime import pending
 from tests import fa4_cpu_reference as ref
 from tests.bwd_head_dims_common import (
+    assert_every_entry_reaches_the_device_check,
     backward_runner_keys,
     check_autograd_against_float64,
     check_varlen_autograd_against_float64,
     clean_main,
-    refused_backward_calls,
-    refused_calls,
 )
-from tests.test_pending_features import DEVICE, GATE, dense, packed
+from tests.test_pending_features import dense
 
 ROW = "bwd_head_dims"
 
@@ -201,20 +200,7 @@ def test_every_entry_takes_d96_to_the_device_check(monkeypatch, env):
     varlen.varlen_backward_into): past every check to the device check (a CPU tensor), no
     gate; naming the deleted row in FA4_FINAL_PENDING changes nothing."""
     monkeypatch.setenv(pending.ENV, env)
-    q, k, v = dense(d=96, grad=True)
-    pq, pk, pv, cu_q, cu_k = packed(d=96, grad=True)
-    for func, _, message in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
-        assert DEVICE in message and GATE not in message, (func, message)
-    q, k, v = dense(d=96)
-    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
-    pq, pk, pv, cu_q, cu_k = packed(d=96)
-    pout, plse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
-    funcs = []
-    for func, message in refused_backward_calls(q, k, v, out, lse, pq, pk, pv, pout, plse,
-                                                cu_q, cu_k):
-        assert DEVICE in message and GATE not in message, (func, message)
-        funcs.append(func)
-    assert funcs == ["backward_into", "_flash_attn_bwd", "varlen_backward_into"]
+    assert_every_entry_reaches_the_device_check(96, 96)
 
 
 @pytest.mark.parametrize("env", ["", ROW, f"softcap,{ROW}"])

@@ -13,7 +13,6 @@ import re
 from dataclasses import replace
 
 import pytest
-import torch
 
 from fa4_final.common.constants import (
     BWD_HEAD_DIM_PAIRS,
@@ -23,16 +22,15 @@ from fa4_final.common.constants import (
 from fa4_final.hopper.config import HopperBwdConfig, hopper_bwd_default
 from fa4_final.runtime import pending
 from tests.bwd_head_dims_common import (
+    assert_every_entry_reaches_the_device_check,
     backward_runner_keys,
     check_autograd_against_float64,
     check_varlen_autograd_against_float64,
     clean_build,
     clean_main,
     probe_dq_writes,
-    refused_backward_calls,
-    refused_calls,
 )
-from tests.test_pending_features import DEVICE, GATE, dense, packed
+from tests.test_pending_features import dense
 
 ROW = "bwd_head_dims"
 TILE_N = {192: 96, 256: 48}
@@ -179,20 +177,7 @@ def test_every_entry_takes_the_swapped_dims_to_the_device_check(monkeypatch, d, 
     varlen.varlen_backward_into): past every check to the device check, no gate; naming the
     deleted row changes nothing."""
     monkeypatch.setenv(pending.ENV, env)
-    q, k, v = dense(d=d, dv=d, grad=True)
-    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=d, grad=True)
-    for func, _, message in refused_calls(q, k, v, pq, pk, pv, cu_q, cu_k):
-        assert DEVICE in message and GATE not in message, (func, message)
-    q, k, v = dense(d=d, dv=d)
-    out, lse = torch.zeros_like(q), torch.zeros(2, 4, 24)
-    pq, pk, pv, cu_q, cu_k = packed(d=d, dv=d)
-    pout, plse = torch.zeros_like(pq), torch.zeros(4, pq.shape[0])
-    funcs = []
-    for func, message in refused_backward_calls(q, k, v, out, lse, pq, pk, pv, pout, plse,
-                                                cu_q, cu_k):
-        assert DEVICE in message and GATE not in message, (func, message)
-        funcs.append(func)
-    assert funcs == ["backward_into", "_flash_attn_bwd", "varlen_backward_into"]
+    assert_every_entry_reaches_the_device_check(d, d)
 
 
 @pytest.mark.parametrize("d", [192, 256])
