@@ -32,10 +32,11 @@ decode kernel on an H200 too); then varlen_row_store (the varlen forward at v he
 192: 96 passed on an H100, 192 on an H200); then bwd_head_dims (the Hopper backward at head dim
 96, at head dim 192 with dv = 128, and with dK and dV swapped at D = dv = 192 and 256: the full
 float64 suites of the four builds passed on an H100, racecheck found no hazard there, and
-synccheck no error on an H200). The table is empty. softcap and learnable_sink still pass
-through ``refuse_pending`` in check_features, which lets them by while they have no row (a row
-put back gates them again); a page table, a decode shape and the backward's head dims no longer
-consult the gate at all.
+synccheck no error on an H200). softcap and learnable_sink still pass through
+``refuse_pending`` in check_features, which lets them by while they have no row (a row put back
+gates them again); a page table, a decode shape and the backward's head dims no longer consult
+the gate at all. One row waits: softcap_head_dims, a softcap at head dims other than 64 and
+128, whose GPU tests at those head dims have not all run (PENDING says which have).
 """
 
 from __future__ import annotations
@@ -53,8 +54,14 @@ from fa4_final.runtime.checks import check_dlse, check_learnable_sink, check_sof
 
 ENV = "FA4_FINAL_PENDING"
 
-# name -> why it waits (what has been checked, what has not); empty while nothing is pending
-PENDING: dict[str, str] = {}
+# name -> why it waits (what has been checked, what has not)
+PENDING: dict[str, str] = {
+    "softcap_head_dims": "FA4's softcap at head dims other than 64 and 128 (D = 96, 192, 256, "
+                         "dv != D): its forward and backward builds compile for sm_90a, and the "
+                         "backward's with dK and dV swapped (D = dv = 192, 256) passed its GPU "
+                         "tests against float64, but the forward with a softcap at these head "
+                         "dims and the backward's at 96 and (192, 128) have not run on a GPU yet",
+}
 
 # every (head_dim, dv) the Hopper backward runs (Note [Head dims] in fa4_final.hopper.config):
 # HEAD_DIMS and BWD_EXTRA_HEAD_DIMS with dv == head_dim, and the pairs of BWD_HEAD_DIM_PAIRS
@@ -97,21 +104,40 @@ def _shown(value) -> str:
     return repr(value)
 
 
-def check_features(func: str, softcap, learnable_sink, heads: int, device) -> float:
+def check_features(func: str, softcap, learnable_sink, heads: int, device,
+                   head_dims: tuple[int, int] | None = None) -> float:
     """FA4's softcap and learnable_sink of one call: their checks (runtime.checks: a value or
     tensor they cannot be is named), then the gate (Note [Pending features]). Returns the
     softcap as a float, 0.0 for none (None and 0.0 both mean none, as in FA4). Metadata only:
     it runs while torch.compile traces. ``heads`` and ``device`` (q's) are read only for a
     sink, so a caller may check the softcap before q. Neither has a row in ``PENDING`` now
-    (their GPU tests passed), so the gate lets both by."""
+    (their GPU tests passed at head dims 64 and 128), so the gate lets both by; ``head_dims``
+    ((head_dim, dv), given by the runtime's entries): a softcap at any other pair passes the
+    softcap_head_dims row."""
     cap = check_softcap(softcap)
     if learnable_sink is not None:
         check_learnable_sink(learnable_sink, heads, device)
     if cap:
         refuse_pending(func, "softcap", softcap)
+        if head_dims is not None and not (head_dims[0] in HEAD_DIMS
+                                          and head_dims[1] == head_dims[0]):
+            _refuse_softcap_head_dims(func, softcap, *head_dims)
     if learnable_sink is not None:
         refuse_pending(func, "learnable_sink", learnable_sink)
     return cap
+
+
+def _refuse_softcap_head_dims(func: str, softcap, head_dim: int, head_dim_v: int) -> None:
+    """The softcap_head_dims row's refusal, naming the softcap and the head dims, unless
+    FA4_FINAL_PENDING lists it (or the row is gone)."""
+    name = "softcap_head_dims"
+    if name not in PENDING or name in allowed():
+        return
+    raise UnsupportedError(
+        f"{func}: FA4's softcap={_shown(softcap)} at head_dim={head_dim}, dv={head_dim_v} is "
+        f"refused: fa4_final does not run {name} yet ({PENDING[name]}). A softcap runs at head "
+        f"dims {HEAD_DIMS} with dv == head_dim; pass softcap=0.0 here, or set {ENV}={name} to "
+        f"run the unverified kernels (tests only)")
 
 
 def check_lse_fold(func: str, dlse, lse) -> None:
