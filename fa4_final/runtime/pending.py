@@ -35,8 +35,8 @@ float64 suites of the four builds passed on an H100, racecheck found no hazard t
 synccheck no error on an H200). softcap and learnable_sink still pass through
 ``refuse_pending`` in check_features, which lets them by while they have no row (a row put back
 gates them again); a page table, a decode shape and the backward's head dims no longer consult
-the gate at all. One row waits: softcap_head_dims, a softcap at head dims other than 64 and
-128, whose GPU tests at those head dims have not all run (PENDING says which have).
+the gate at all. One row waits: softcap_head_dims, a softcap in the varlen kernels at head
+dims other than 64 and 128 (the dense kernels' softcap at those head dims passed on an H100).
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ ENV = "FA4_FINAL_PENDING"
 
 # name -> why it waits (what has been checked, what has not)
 PENDING: dict[str, str] = {
-    "softcap_head_dims": "FA4's softcap at head dims other than 64 and 128 (D = 96, 192, 256, "
-                         "dv != D): its forward and backward builds compile for sm_90a, and the "
-                         "backward's with dK and dV swapped (D = dv = 192, 256) passed its GPU "
-                         "tests against float64, but the forward with a softcap at these head "
-                         "dims and the backward's at 96 and (192, 128) have not run on a GPU yet",
+    "softcap_head_dims": "FA4's softcap in the varlen kernels at head dims other than 64 and "
+                         "128 (D = 96, 192, 256, dv != D): they compile for sm_90a, but only "
+                         "the dense forward and backward with a softcap at these head dims have "
+                         "passed their GPU tests against float64 (on an H100), not yet the "
+                         "varlen ones",
 }
 
 # every (head_dim, dv) the Hopper backward runs (Note [Head dims] in fa4_final.hopper.config):
@@ -111,9 +111,9 @@ def check_features(func: str, softcap, learnable_sink, heads: int, device,
     softcap as a float, 0.0 for none (None and 0.0 both mean none, as in FA4). Metadata only:
     it runs while torch.compile traces. ``heads`` and ``device`` (q's) are read only for a
     sink, so a caller may check the softcap before q. Neither has a row in ``PENDING`` now
-    (their GPU tests passed at head dims 64 and 128), so the gate lets both by; ``head_dims``
-    ((head_dim, dv), given by the runtime's entries): a softcap at any other pair passes the
-    softcap_head_dims row."""
+    (their GPU tests passed), so the gate lets both by; ``head_dims`` ((head_dim, dv), given by
+    the runtime's varlen entries): a softcap at a pair other than (64, 64) and (128, 128) there
+    passes the softcap_head_dims row."""
     cap = check_softcap(softcap)
     if learnable_sink is not None:
         check_learnable_sink(learnable_sink, heads, device)

@@ -93,8 +93,7 @@ def forward_into(q, k, v, out, lse, causal=False, softmax_scale=None, window_siz
     alone: the backward is not built there (Note [Head dims])."""
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
     check_outputs(q, out, lse, (b, h, sq), head_dim_v=v.shape[-1])
-    cap = check_features("forward_into", softcap, learnable_sink, h, q.device,
-                         head_dims=(d, v.shape[-1]))
+    cap = check_features("forward_into", softcap, learnable_sink, h, q.device)
     p = prepare(d, causal, softmax_scale, window_size, q.device, target)
     return forward_prepared(p.backend, q, k, v, out, lse, p.causal, p.scale, p.left, p.right,
                             config, softcap=cap, learnable_sink=learnable_sink)
@@ -164,8 +163,7 @@ def backward_into(q, k, v, out, lse, dout, dq, dk, dv, causal=False, softmax_sca
     refuse_backward_head_dims("backward_into", d, v.shape[-1])
     check_outputs(q, out, lse, (b, h, sq), head_dim_v=v.shape[-1])
     check_grads(q, k, dout, dq, dk, dv, v=v)
-    cap = check_features("backward_into", softcap, None, h, q.device,
-                         head_dims=(d, v.shape[-1]))
+    cap = check_features("backward_into", softcap, None, h, q.device)
     check_lse_fold("backward_into", dlse, lse)
     p = prepare(d, causal, softmax_scale, window_size, q.device, target)
     return backward_prepared(p.backend, q, k, v, out, lse, dout, dq, dk, dv, p.causal, p.scale,

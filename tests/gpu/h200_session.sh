@@ -39,6 +39,8 @@
 #    at D = dv = 192 / at D = 256 (the last two with dK, dV swapped) against float64;
 #    features-bwd: the first two backwards beside the peers, features-bwd-swapped the last two;
 #    bwd-swapped-sanitize: the last two's small fp16 case under memcheck, racecheck, synccheck;
+#    softcap-headdim-tests: a softcap at head dims 96, 192, 256 and dv != D through the API,
+#    dense and varlen, against float64 (its varlen tests lift the softcap_head_dims row);
 #    bwd-headdim-racecheck: the small fp16 case of each of the four builds under racecheck,
 #    compiled with line info so a hazard names its source line (Note [Release after the
 #    warp's reads]))
@@ -125,6 +127,7 @@ for s in "$@"; do
     bwd-headdim-tests-d256) step bwd_headdim_tests_d256 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k d256 ;;
     features-bwd) step features_bwd 580 $PY -m measure.features --name features_bwd --cases bwd_d96 bwd_d192 --deadline 500 ;;
     bwd-swapped-sanitize) for tool in memcheck racecheck synccheck; do step bwd_swapped_$tool 420 $SAN --tool $tool $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_bwd_head_dims.py -k "test_backward_matches_float64 and 2-77-77 and (d192v192 or d256)"; done ;;
+    softcap-headdim-tests) step softcap_headdim_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_softcap_head_dims.py ;;
     bwd-headdim-racecheck) for t in d96 d192 d192v192 d256; do k="test_backward_matches_float64 and 2-77-77 and $t"; [ $t = d192 ] && k="$k and not d192v192"; step bwd_racecheck_$t 420 env CUTE_DSL_LINEINFO=1 $SAN --tool racecheck $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k "$k"; done ;;
     bwd-headdim-synccheck) step bwd_headdim_synccheck 580 $SAN --tool synccheck $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_head_dims.py -k "test_backward_matches_float64 and 2-77-77" ;;  # all four builds (d96, d192, d192v192, d256), no -x: Note [Barriers of two builds]
     features-bwd-swapped) step features_bwd_swapped 580 $PY -m measure.features --name features_bwd_swapped --cases bwd_d192v192 bwd_d256 --deadline 500 ;;

@@ -1,7 +1,8 @@
 """FA4's softcap at head dims other than 64 and 128 through fa4_final's public API on an
 H100/H200: the forward (out and lse) and the autograd backward (dq, dk, dv, and dsink with a
 learnable sink) against float64, at D = dv = 96, 192, 256, at D = 192 with dv = 128, and the
-forward alone at D = 128 with dv = 64 (no backward is built there). What lifts the
+forward alone at D = 128 with dv = 64 (no backward is built there); dense (flash_attn_func) and
+varlen (flash_attn_varlen_func, packed sequences checked one by one). What lifts the
 softcap_head_dims row of fa4_final.runtime.pending: each test sets FA4_FINAL_PENDING to it.
 The rule and the helpers are tests/gpu/test_softcap_sinks.py's and test_softcap_sinks_api.py's
 (max error <= 2 x PyTorch's own in the input dtype + rounding slack; lse within the softcap's
@@ -18,7 +19,12 @@ import torch
 
 from fa4_final.runtime import pending
 from tests.gpu.test_softcap_sinks import BF16, FP16, FP32, _check_forward, _same_precision
-from tests.gpu.test_softcap_sinks_api import SPREAD, _grads_against_float64, sink_step
+from tests.gpu.test_softcap_sinks_api import (
+    SPREAD,
+    _grads_against_float64,
+    check_varlen_forward_and_autograd,
+    sink_step,
+)
 from utils import checks
 from utils.hardware import missing
 from utils.reference import attention_reference_features, random_qkv
@@ -113,3 +119,13 @@ def test_autograd_with_a_softcap_matches_float64(case):
         out64, lse64 = attention_reference_features(q, k, v, causal, None, softcap, sink)
     _grads_against_float64(label, got, leaves, ref_loss, same_loss,
                            sink_step(out64, lse64, dout, sink, dtype))
+
+
+@pytest.mark.parametrize("d, dv, softcap, sink_dtype", [
+    (96, 96, 30.0, FP32), (192, 128, 5.0, None), (192, 192, 50.0, BF16), (256, 256, 50.0, None),
+    (128, 64, 30.0, FP32)], ids=lambda x: str(x).replace("torch.", ""))
+def test_varlen_with_a_softcap_matches_float64(d, dv, softcap, sink_dtype):
+    """flash_attn_varlen_func with a softcap: out and lse per sequence, then the gradients
+    (where the backward is built) against float64 (test_softcap_sinks_api's varlen check)."""
+    check_varlen_forward_and_autograd(softcap, sink_dtype, d, dv,
+                                      backward=(d, dv) in pending.BACKWARD_HEAD_DIMS)

@@ -153,11 +153,14 @@ def test_flash_attn_func_autograd_matches_float64(case, return_lse):
                            sink_step(out64, lse64, dout, sink, dtype))
 
 
-def _packed(lens_q, lens_k, h, hk, d, dtype, requires_grad):
+def _packed(lens_q, lens_k, h, hk, d, dtype, requires_grad, dv=None):
     qs, ks, vs = [], [], []
     for sq, sk in zip(lens_q, lens_k):
-        q, k, v, _ = random_qkv(1, sq, h, d, seqlen_k=sk, heads_kv=hk, dtype=dtype,
-                                device="cuda", scale=SPREAD)
+        q, k, v, seed = random_qkv(1, sq, h, d, seqlen_k=sk, heads_kv=hk, dtype=dtype,
+                                   device="cuda", scale=SPREAD)
+        if dv is not None and dv != d:  # v of its own head dim, its own seed
+            v = random_qkv(1, sq, h, dv, seqlen_k=sk, heads_kv=hk, dtype=dtype,
+                           device="cuda", seed=seed + 1, scale=SPREAD)[2]
         qs.append(q[0]), ks.append(k[0]), vs.append(v[0])
     cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                        device="cuda") for lens in (lens_q, lens_k)]
@@ -167,13 +170,18 @@ def _packed(lens_q, lens_k, h, hk, d, dtype, requires_grad):
 
 @pytest.mark.parametrize("softcap, sink_dtype", [(5.0, FP32), (0.0, BF16), (30.0, None)])
 def test_flash_attn_varlen_func_forward_and_autograd(softcap, sink_dtype):
+    check_varlen_forward_and_autograd(softcap, sink_dtype)
+
+
+def check_varlen_forward_and_autograd(softcap, sink_dtype, d=128, dv=None, backward=True):
     """Packed sequences of 37, 300, 0 and 1 queries over 300, 77, 5 and 0 keys (causal: rows
     that see no key; an empty sequence; one with no key: lse = the sink), forward per sequence
-    against float64 and the gradients of sum(out * dout), dsink summed over every sequence."""
+    against float64 and (``backward``) the gradients of sum(out * dout), dsink summed over
+    every sequence; head dim ``d``, v's ``dv`` (None: d)."""
     from fa4_final import flash_attn_varlen_func
 
-    lens_q, lens_k, h, hk, d = [37, 300, 0, 1], [300, 77, 5, 0], 4, 2, 128
-    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, h, hk, d, BF16, True)
+    lens_q, lens_k, h, hk = [37, 300, 0, 1], [300, 77, 5, 0], 4, 2
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, h, hk, d, BF16, True, dv)
     sink = None
     if sink_dtype is not None:
         sink = torch.tensor([-1.0, 0.5, 2.0, 3.5], device="cuda").to(sink_dtype)
@@ -196,6 +204,8 @@ def test_flash_attn_varlen_func_forward_and_autograd(softcap, sink_dtype):
                     else torch.full((h, sq), float("-inf"), device="cuda"))
             assert torch.equal(lse[:, oq:oq + sq], want)
         oq, ok_ = oq + sq, ok_ + sk
+    if not backward:
+        return
 
     g = torch.Generator().manual_seed(5)
     dout = torch.randn(out.shape, generator=g).to("cuda", BF16)
