@@ -11,9 +11,9 @@ CANDIDATE_RUNS = ("bwd_phases_det_d128", "bwd_phases_det_d128b", "bwd_phases_det
 GPU = "h100"
 
 
-def load_runs() -> dict:
+def load_runs(quiet: bool = False) -> dict:
     """name -> the stored run, for each of CANDIDATE_RUNS that exists (printing the ones that
-    do not)."""
+    do not, unless ``quiet``)."""
     from utils import results
 
     runs = {}
@@ -21,20 +21,15 @@ def load_runs() -> dict:
         try:
             runs[name] = results.load(name, gpu=GPU)
         except FileNotFoundError:
-            print(f"{name}: not measured (no results/{GPU}/{name}.json)")
+            if not quiet:
+                print(f"{name}: not measured (no results/{GPU}/{name}.json)")
     return runs
-
-
-def totals(res) -> dict:
-    """(impl, d, s, causal, mode) -> total device time (ms) of one call."""
-    return {(r["impl"], r["d"], r["s"], r["causal"], r["mode"]): r["value"] for r in res.rows
-            if r["phase"] == "total" and r.get("value")}
 
 
 def over_deterministic(res) -> list[tuple]:
     """(impl, d, s, causal, candidate's total / today's deterministic total in the same run)
     for every candidate of measure.bwd_phases.CANDIDATES in ``res``."""
-    got = totals(res)
+    got = bwd_phases.totals(res)
     out = []
     for (impl, d, s, causal, mode), v in sorted(got.items()):
         today = got.get(("fa4_final_deterministic", d, s, causal, mode))
@@ -64,14 +59,9 @@ def lines(runs: dict) -> list[str]:
 
 
 def _all_over(d: int):
-    from utils import results
-
+    """over_deterministic's rows at head dim d, from every stored candidate run."""
     found = []
-    for name in CANDIDATE_RUNS:
-        try:
-            res = results.load(name, gpu=GPU)
-        except FileNotFoundError:
-            continue
+    for res in load_runs(quiet=True).values():
         found += [x for x in over_deterministic(res) if x[1] == d]
     return found
 

@@ -287,11 +287,16 @@ def where_the_gap_is(res, d: int = 128, impl: str = "fa4_final",
     return phase if extra[phase] > 0 else "none"
 
 
+def totals(res) -> dict:
+    """(impl, d, s, causal, mode) -> total device time (ms) of one call, every stored total."""
+    return {(r["impl"], r["d"], r["s"], r["causal"], r["mode"]): r["value"] for r in res.rows
+            if r["phase"] == "total" and r.get("value")}
+
+
 def _totals_over_default(res):
     """(impl, d, s, causal, mode, total / the default's total, the table of totals) per stored
     total that has the default's beside it, largest head dim first."""
-    got = {(r["impl"], r["d"], r["s"], r["causal"], r["mode"]): r["value"] for r in res.rows
-           if r["phase"] == "total" and r.get("value")}
+    got = totals(res)
     for (impl, d, s, causal, mode), v in sorted(got.items(), key=lambda kv: (-kv[0][1],
                                                                               kv[0][2:])):
         base = got.get(("fa4_final", d, s, causal, mode))

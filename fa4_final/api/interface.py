@@ -20,7 +20,7 @@ differentiable). Both are checked (a negative softcap, a sink of the wrong shape
 device is refused by name). With a sink the returned lse includes it, and a row that sees no
 key gets out = 0 and lse = the sink, as FA4. On Hopper the forward takes q's head dim and v's
 (dv, out then has it) each from 64, 96, 128, 192, 256, dense and varlen; the backward runs
-D = dv = 64, 96, 128, 192 and 256 and D = 192 with dv = 128 (runtime.pending's
+D = dv = 64, 96, 128, 192 and 256 and D = 192 with dv = 128 (common.constants'
 BACKWARD_HEAD_DIMS). Elsewhere a call that will need a gradient is refused at the forward,
 naming the backward that is not built (torch.no_grad(), or inputs that do not require grad, run
 the forward). The backward at D = dv = 96, at D = 192 with dv = 128 and at D = dv = 192 and 256

@@ -20,7 +20,7 @@ common.backward.sink_gradient when the sink requires grad (Note [Learnable sink]
 build's backward kernel applies the cap's derivative itself (Note [Softcap]). The backward ops
 take dlse after the softcap (Note [The lse gradient folded]), the varlen ops seqused_q last (its
 padding rows come back 0 in out, lse and dq), and the forward ops' out has v's head dim (the
-backward runs the (head dim, dv) of runtime.pending.BACKWARD_HEAD_DIMS; elsewhere, forward only).
+backward runs the (head dim, dv) of common.constants.BACKWARD_HEAD_DIMS; elsewhere, forward only).
 
 Window sides arrive normalised (runtime.checks.normalise_window: None for an unbounded side, any
 int, negative ones included, a bound); the public functions (api.interface) resolve them, causal

@@ -360,7 +360,7 @@ def _flash_attn_bwd(
     packed = _packed("_flash_attn_bwd", cu_seqlens_q, cu_seqlens_k, seqused_k)
     used_q = _seqused_q("_flash_attn_bwd", seqused_q, packed, cu_seqlens_q, q)
     cap = _features("_flash_attn_bwd", q, softcap, learnable_sink).get("softcap", 0.0)
-    if _dims_known(q, k, v):  # the backward's head dims (runtime.pending.BACKWARD_HEAD_DIMS)
+    if _dims_known(q, k, v):  # the backward's head dims (common.constants.BACKWARD_HEAD_DIMS)
         refuse_backward_head_dims("_flash_attn_bwd", q.shape[-1], v.shape[-1])
     q, k, v, out, dout = (_readable(t) if isinstance(t, torch.Tensor) else t
                           for t in (q, k, v, out, dout))

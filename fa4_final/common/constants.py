@@ -14,6 +14,10 @@ BWD_EXTRA_HEAD_DIMS = (96,)
 # the Hopper backward's other (D, dv) pairs: D = 192 with dv = 128 (DeepSeek's MLA prefill) and,
 # with dK and dV swapped, D = dv = 192 and 256 (Note [dK and dV swapped] in fa4_final.hopper.bwd)
 BWD_HEAD_DIM_PAIRS = ((192, 128), (192, 192), (256, 256))
+# every (head_dim, dv) the Hopper backward runs (Note [Head dims] in fa4_final.hopper.config):
+# HEAD_DIMS and BWD_EXTRA_HEAD_DIMS with dv == head_dim, and the pairs of BWD_HEAD_DIM_PAIRS
+BACKWARD_HEAD_DIMS = tuple(sorted({(d, d) for d in HEAD_DIMS + BWD_EXTRA_HEAD_DIMS}
+                                  | set(BWD_HEAD_DIM_PAIRS)))
 # the Hopper forward's head dims (Note [Head dims] in fa4_final.hopper.config): D of Q and K, and
 # dv of V and O, each one of these
 FWD_HEAD_DIMS = (64, 96, 128, 192, 256)

@@ -14,21 +14,13 @@ import numbers
 
 import torch
 
-from fa4_final.common.constants import (
-    BWD_EXTRA_HEAD_DIMS,
-    BWD_HEAD_DIM_PAIRS,
-    FWD_HEAD_DIMS,
-    HEAD_DIMS,
-    TORCH_TO_CUTLASS,
-)
+from fa4_final.common.constants import BACKWARD_HEAD_DIMS, FWD_HEAD_DIMS, TORCH_TO_CUTLASS
 from fa4_final.common.errors import UnsupportedError
 
 ACCEPTED_DTYPES = "torch.bfloat16, torch.float16"
-# the Hopper backward's head dims with dv == head_dim, and its (head_dim, dv) pairs with dv !=
-# head_dim (runtime.pending.BACKWARD_HEAD_DIMS holds both)
-_BWD_DIMS = tuple(sorted(HEAD_DIMS + BWD_EXTRA_HEAD_DIMS
-                         + tuple(d for d, dv in BWD_HEAD_DIM_PAIRS if d == dv)))
-_BWD_DV_PAIRS = tuple((d, dv) for d, dv in BWD_HEAD_DIM_PAIRS if d != dv)
+# BACKWARD_HEAD_DIMS split for the messages: its head dims with dv == head_dim, its other pairs
+_BWD_DIMS = tuple(d for d, dv in BACKWARD_HEAD_DIMS if d == dv)
+_BWD_DV_PAIRS = tuple((d, dv) for d, dv in BACKWARD_HEAD_DIMS if d != dv)
 
 
 def normalise_window(causal: bool, window_size) -> tuple[bool, int | None, int | None]:

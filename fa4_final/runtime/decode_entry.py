@@ -300,11 +300,11 @@ def decode_plan_args(q, k, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, ca
     default = hopper_decode_default(d)
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     tokens = (q.shape[0] if max_seqlen_q is None else max_seqlen_q) if varlen else q.shape[1]
+    rows = tokens * (h // hk)  # packed query rows of a (batch entry, KV head)
     cfg = hopper_decode_for_rows(hopper_decode_for_page(d, k.shape[1]) if paged else default,
-                                 tokens * (h // hk))
+                                 rows)
     keys = k.shape[1] * page_table.shape[1] if paged else k.shape[1]
-    splits = choose_num_splits(num_splits, batch=batch, heads_kv=hk,
-                               packed_rows=tokens * (h // hk),
+    splits = choose_num_splits(num_splits, batch=batch, heads_kv=hk, packed_rows=rows,
                                key_tiles=-(-keys // cfg.tile_n), num_sms=sms,
                                tile_m=cfg.tile_m, tile_n=cfg.tile_n)
     args = (d, DTYPE_NAMES[q.dtype], causal, paged, seqused_k is not None, splits > 1,

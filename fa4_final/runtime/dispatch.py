@@ -24,7 +24,13 @@ from types import ModuleType
 import torch
 
 from fa4_final.blackwell import host as blackwell_host
-from fa4_final.common.constants import DTYPE_NAMES, FWD_HEAD_DIMS, HEAD_DIMS, SINK_DTYPE_NAMES
+from fa4_final.common.constants import (
+    BACKWARD_HEAD_DIMS,
+    DTYPE_NAMES,
+    FWD_HEAD_DIMS,
+    HEAD_DIMS,
+    SINK_DTYPE_NAMES,
+)
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.hopper import host as hopper_host
 from fa4_final.runtime.compile import compiled
@@ -290,8 +296,6 @@ def support_table() -> str:
                       "batch; backward: per-sequence loop")
         dims = ", ".join(map(str, b.head_dims))
         if "head_dims" in b.features:  # Note [Head dims]: the forward's and the backward's
-            from fa4_final.runtime.pending import BACKWARD_HEAD_DIMS
-
             dims = (f"forward: D and dv each {', '.join(map(str, FWD_HEAD_DIMS))}; backward "
                     f"(D, dv): {', '.join(f'({d}, {dv})' for d, dv in BACKWARD_HEAD_DIMS)}")
         varlen, dims, dtypes = (varlen, dims, ", ".join(b.dtypes)) if runs else ("-", "-", "-")

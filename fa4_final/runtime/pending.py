@@ -43,12 +43,7 @@ from __future__ import annotations
 
 import os
 
-from fa4_final.common.constants import (
-    BWD_EXTRA_HEAD_DIMS,
-    BWD_HEAD_DIM_PAIRS,
-    FWD_HEAD_DIMS,
-    HEAD_DIMS,
-)
+from fa4_final.common.constants import BACKWARD_HEAD_DIMS, FWD_HEAD_DIMS, HEAD_DIMS
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.runtime.checks import check_dlse, check_learnable_sink, check_softcap
 
@@ -62,11 +57,6 @@ PENDING: dict[str, str] = {
                          "passed their GPU tests against float64 (on an H100), not yet the "
                          "varlen ones",
 }
-
-# every (head_dim, dv) the Hopper backward runs (Note [Head dims] in fa4_final.hopper.config):
-# HEAD_DIMS and BWD_EXTRA_HEAD_DIMS with dv == head_dim, and the pairs of BWD_HEAD_DIM_PAIRS
-BACKWARD_HEAD_DIMS = tuple(sorted({(d, d) for d in HEAD_DIMS + BWD_EXTRA_HEAD_DIMS}
-                                  | set(BWD_HEAD_DIM_PAIRS)))
 
 
 def allowed() -> frozenset[str]:
@@ -83,17 +73,20 @@ def listed(name: str) -> bool:
     return name not in PENDING or name in allowed()
 
 
-def refuse_pending(func: str, name: str, value) -> None:
+def refuse_pending(func: str, name: str, value, argument: str | None = None,
+                   where: str = "") -> None:
     """UnsupportedError when ``name`` is a pending feature (Note [Pending features]) that
     FA4_FINAL_PENDING does not list; ``value`` is the argument as given (a call reaches this
-    only with a value that switches the feature on)."""
+    only with a value that switches the feature on). ``argument``: the argument's name when it
+    is not the row's (softcap for softcap_head_dims); ``where``: what else of the call the row
+    is about, shown after the value (" at head_dim=96, dv=96")."""
     if name not in PENDING or name in allowed():
         return
-    shown = _shown(value)
+    argument = argument or name
     raise UnsupportedError(
-        f"{func}: FA4's {name}={shown} is refused: fa4_final does not run {name} yet ("
-        f"{PENDING[name]}). Pass {name} at its neutral value, or set {ENV}={name} to run the "
-        f"unverified kernels (tests only)")
+        f"{func}: FA4's {argument}={_shown(value)}{where} is refused: fa4_final does not run "
+        f"{name} yet ({PENDING[name]}). Pass {argument} at its neutral value, or set "
+        f"{ENV}={name} to run the unverified kernels (tests only)")
 
 
 def _shown(value) -> str:
@@ -121,23 +114,11 @@ def check_features(func: str, softcap, learnable_sink, heads: int, device,
         refuse_pending(func, "softcap", softcap)
         if head_dims is not None and not (head_dims[0] in HEAD_DIMS
                                           and head_dims[1] == head_dims[0]):
-            _refuse_softcap_head_dims(func, softcap, *head_dims)
+            refuse_pending(func, "softcap_head_dims", softcap, argument="softcap",
+                           where=f" at head_dim={head_dims[0]}, dv={head_dims[1]}")
     if learnable_sink is not None:
         refuse_pending(func, "learnable_sink", learnable_sink)
     return cap
-
-
-def _refuse_softcap_head_dims(func: str, softcap, head_dim: int, head_dim_v: int) -> None:
-    """The softcap_head_dims row's refusal, naming the softcap and the head dims, unless
-    FA4_FINAL_PENDING lists it (or the row is gone)."""
-    name = "softcap_head_dims"
-    if name not in PENDING or name in allowed():
-        return
-    raise UnsupportedError(
-        f"{func}: FA4's softcap={_shown(softcap)} at head_dim={head_dim}, dv={head_dim_v} is "
-        f"refused: fa4_final does not run {name} yet ({PENDING[name]}). A softcap runs at head "
-        f"dims {HEAD_DIMS} with dv == head_dim; pass softcap=0.0 here, or set {ENV}={name} to "
-        f"run the unverified kernels (tests only)")
 
 
 def check_lse_fold(func: str, dlse, lse) -> None:

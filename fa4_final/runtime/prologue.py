@@ -89,7 +89,7 @@ def device_arch(device) -> str:
 def forward_into(q, k, v, out, lse, causal=False, softmax_scale=None, window_size=(None, None),
                  config=None, target: str | None = None, *, softcap=0.0, learnable_sink=None):
     """Run the forward writing into ``out`` (like q with v's head dim) and ``lse`` ((b, h, sq)
-    float32). At a (head dim, dv) outside runtime.pending.BACKWARD_HEAD_DIMS the forward runs
+    float32). At a (head dim, dv) outside common.constants.BACKWARD_HEAD_DIMS the forward runs
     alone: the backward is not built there (Note [Head dims])."""
     b, sq, sk, h, hk, d = check_inputs(q, k, v, softmax_scale)
     check_outputs(q, out, lse, (b, h, sq), head_dim_v=v.shape[-1])
