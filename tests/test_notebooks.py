@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +153,20 @@ def test_lint_checks_markdown_cells_only():
     assert "'628 TFLOP/s', '1.02x'" in problems[0] and "(paper)" in problems[0]
     assert "'the lead'" in problems[1]
     assert "compares measurements ('1.02x')" in problems[2] and "claims:" in problems[2]
+
+
+def test_no_notebook_imports_what_only_the_repository_root_can_import():
+    """CI installs the course's packages (utils, solutions, measure, fa4_final) and runs each
+    notebook from its own folder, with no PYTHONPATH: a lab's helpers are imported from beside
+    the notebook (`import x_helpers`), never as `labs.x_helpers`, which only a run from the
+    repository root could find."""
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in sorted([*root.glob("labs/*.ipynb"), *root.glob("chapters/*.ipynb"),
+                        *root.glob("solutions/*.ipynb")]):
+        for cell in json.loads(path.read_text())["cells"]:
+            src = "".join(cell["source"])
+            if cell["cell_type"] == "code" and ("from labs import" in src
+                                                or "import labs" in src):
+                found.append(path.relative_to(root).as_posix())
+    assert not found, f"notebooks importing the labs package (not installed in CI): {found}"
