@@ -208,8 +208,8 @@ def test_decode_config_candidates_of_the_benchmark_compile_clean(name):
     CTAs holds the registers at 128 a thread)."""
     from measure.decode import VARIANTS
 
-    tile_n, stages, _, consumers = VARIANTS[name]
-    assert consumers == 1
+    tile_n, stages, _, consumers, cluster = VARIANTS[name]
+    assert consumers == cluster == 1
     cfg = HopperDecodeConfig(tile_n=tile_n, stages=stages)
     art = artifacts(decode_recipe(128, "bf16", False, False, True, True, config=cfg))["main"]
     assert art.spills == 0 and art.frame_bytes == 0, art.resources()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
 
@@ -47,9 +48,15 @@ def pipeline_args(spec: PipelineSpec, barriers) -> dict:
         defer_sync=True)
 
 
-def tma_async_pipeline(spec: PipelineSpec, barriers, tx_count: int, tidx=None):
+def tma_async_pipeline(spec: PipelineSpec, barriers, tx_count: int, tidx=None,
+                       cluster: int = 1):
     """The Hopper kernels' TMA ring of ``spec`` (kind "tma_async"): the producer's one arrive
-    carries ``tx_count`` bytes; ``tidx``: the signalling lane, when the kernel pins it."""
+    carries ``tx_count`` bytes; ``tidx``: the signalling lane, when the kernel pins it.
+    ``cluster`` > 1: CTAs along M that fill each stage together by multicast, so a consumer
+    warp's release arrives on the stage's EMPTY barrier in each of them (lane r for CTA r)."""
     assert spec.kind == "tma_async", spec
+    extra = {}
+    if cluster > 1:
+        extra["cta_layout_vmnk"] = cute.make_layout((1, cluster, 1, 1))
     return pipeline.PipelineTmaAsync.create(tx_count=tx_count, tidx=tidx,
-                                            **pipeline_args(spec, barriers))
+                                            **pipeline_args(spec, barriers), **extra)

@@ -469,6 +469,7 @@ DECODE_REGISTER_PLANS = {
     2: DecodeRegisterPlan(ctas_per_sm=1, launch_registers=168, setmaxnreg=(24, 240)),
 }
 DECODE_CONSUMERS = tuple(DECODE_REGISTER_PLANS)
+DECODE_CLUSTERS = (1, 2)  # CTAs a cluster of the decode kernel (HopperDecodeConfig.cluster)
 SM90_DECODE_REGISTERS = DECODE_REGISTER_PLANS[1].setmaxnreg
 DECODE_LAUNCH_REGISTERS = DECODE_REGISTER_PLANS[1].launch_registers
 DECODE_CTAS_PER_SM_BOUND = DECODE_REGISTER_PLANS[1].ctas_per_sm
@@ -498,12 +499,22 @@ class HopperDecodeConfig:
     # consumer warpgroups, each owning 64 packed rows of the CTA and reading the same K and V
     # stages (Note [Two consumer warpgroups] in fa4_final.hopper.decode); 2 only without swap_ab
     consumers: int = 1
+    # CTAs of a cluster along the m-blocks (Note [A pair of CTAs shares the cache] in
+    # fa4_final.hopper.decode): 2 walks the key tiles of both CTAs' rows and multicasts each
+    # K/V tile into both, half a tile loaded by each; one box a tile only (page_box None)
+    cluster: int = 1
 
     @property
     def tile_m(self) -> int:
         """Packed query rows a CTA (an m-block): 64 a consumer warpgroup, or rows_n with
         swap_ab."""
         return self.rows_n if self.swap_ab else WGMMA_M * self.consumers
+
+    @property
+    def block_m(self) -> int:
+        """Packed query rows whose key tiles a CTA walks: its own tile_m, or with a cluster the
+        rows of all its CTAs (they read the same tiles, Note [A pair of CTAs shares the cache])."""
+        return self.tile_m * self.cluster
 
     @property
     def register_plan(self) -> DecodeRegisterPlan:
@@ -560,6 +571,7 @@ class HopperDecodeConfig:
                              f"key tile), got {box!r}")
         self._check_swap_ab()
         self._check_consumers()
+        self._check_cluster()
         producer, consumer = self.registers
         # per thread slot of a sub-partition: one producer warp and `consumers` consumer warps
         assert producer + self.consumers * consumer <= (1 + self.consumers) * self.launch_registers
@@ -583,6 +595,20 @@ class HopperDecodeConfig:
             raise ValueError("consumers=2 gives each of two warpgroups 64 packed rows of the "
                              "64-row tile; swap_ab=True (keys on M, rows_n on N) takes "
                              "consumers=1")
+
+    def _check_cluster(self) -> None:
+        """cluster (Note [A pair of CTAs shares the cache] in fa4_final.hopper.decode)."""
+        n = self.cluster
+        if isinstance(n, bool) or not isinstance(n, int) or n not in DECODE_CLUSTERS:
+            raise ValueError(f"cluster must be one of {DECODE_CLUSTERS} (CTAs along the m-blocks "
+                             f"that share each K/V tile by multicast), got {n!r}")
+        if n > 1 and self.swap_ab:
+            raise ValueError(f"cluster={n} shares the 64-row tile's K/V stages; swap_ab=True "
+                             f"(keys on M) takes cluster=1")
+        if n > 1 and self.page_box is not None:
+            raise ValueError(f"cluster={n} multicasts one TMA box a tile, half from each CTA; "
+                             f"page_box={self.page_box} gathers a tile from several boxes: "
+                             f"cluster=1 there")
 
     def _check_swap_ab(self) -> None:
         """swap_ab and rows_n (Note [Keys on M] in fa4_final.hopper.decode)."""

@@ -33,6 +33,10 @@ cached keys:
    Note [Two consumer warpgroups]): two consumer warpgroups of 64 rows each read every K/V
    stage, so a 128-row m-block streams its keys once. The default there
    (hopper.config.hopper_decode_for_rows), chosen by measurement.
+9. A candidate for 256 packed rows (HopperDecodeConfig.cluster = 2,
+   Note [A pair of CTAs shares the cache]): two CTAs of a cluster walk the same key tiles, each
+   loading half of every K/V tile and multicasting it into both. Reached by no call of the
+   package until a measurement chooses it.
 
 Roles: warpgroup 0 is the producer (warp 0 issues every K and V load), warpgroup 1 the consumer
 (Q from global memory into shared memory once, then per key tile S = Q K^T, mask, online
@@ -163,6 +167,40 @@ Q_VECTOR = 8  # elements of one 16-byte load of Q
 # and batch 32 (0.73-0.85x, 61-67% of the copy rate): two 128-row m-blocks whose CTAs both
 # stream the cache, the second mostly from L2, as Note [Decode bytes in flight] describes.
 
+# Note [A pair of CTAs shares the cache]
+# At 256 packed rows a KV head (16 tokens at GQA 16) the two-consumer kernel has two 128-row
+# m-blocks, two CTAs that each stream the (batch, KV head)'s whole cache, the second mostly from
+# L2 if the two run at once. HopperDecodeConfig.cluster = 2 launches the m-blocks in clusters of
+# two along grid x (CTA rank r = m_block % 2) and lets them share the bytes: each CTA's producer
+# loads half of every K and V tile (rows r * tile_n / 2 onwards, a box of tile_n / 2 keys) with a
+# multicast TMA whose mask names both CTAs, so every tile leaves HBM (or L2) once for the pair
+# and lands in both CTAs' shared memory.
+# What that asks of the protocol:
+# - Both CTAs walk the same tiles in the same order: the key range (causal end, window start,
+#   splits, masked tiles) is that of the pair's block of block_m = 2 tile_m rows, the m-block
+#   index m_block // 2; each row is still masked by its own limits. The grid has an even number
+#   of m-blocks (a block past the packed rows loads clamped rows and stores none).
+# - A stage's FULL barrier in each CTA expects the whole tile's bytes: its own half and the
+#   peer's. The peer's half may land before this CTA's producer arms the barrier; the phase
+#   cannot complete then, as the producer's one arrive is still missing.
+# - A stage may be refilled only when both CTAs have read it, since either producer writes into
+#   both: each consumer warp arrives on the stage's EMPTY barrier in both CTAs (lanes 0 and 1,
+#   one each, the cutlass pipeline's cluster signalling), so EMPTY completes at twice the
+#   consumer warps' arrivals.
+# - Both CTAs' mbarriers are initialised and visible before any remote arrive or multicast
+#   write: a cluster arrive (relaxed) and wait after the inits replace the CTA's sync.
+# - No CTA exits while the peer may still arrive on its barriers: each producer waits, after its
+#   last load, for every stage's EMPTY barrier (producer_tail), which completes only after both
+#   CTAs' consumers released it. The bytes the peer multicasts into a CTA all belong to tiles
+#   that CTA waits for, so none is in flight when its consumers finish.
+# - The V tail's zeros (Note [Keys past the cached length]) are each CTA's own: both hold a copy
+#   of the tile, and each zeros its copy before its own P V.
+# Registers, shared memory and the step bodies are those of the config without the cluster.
+# Compiled for sm_90a, its PTX checked for the multicast loads, the remote arrives and the
+# cluster barrier; both CTAs' rings simulated on a CPU under random timings (no deadlock, no
+# stage refilled while read, no arrive after a CTA exits; a release in one CTA only, a FULL
+# counting one half and a missing tail each caught). It has not run on a GPU.
+
 
 class HopperDecode:
     """Decode attention forward: one CTA per (m-block of packed rows, split, KV head, batch
@@ -198,6 +236,8 @@ class HopperDecode:
         # packed rows a consumer warpgroup owns (Note [Two consumer warpgroups])
         self.consumers = config.consumers
         self.wg_rows = config.tile_m // config.consumers
+        # CTAs of a cluster sharing each K/V tile (Note [A pair of CTAs shares the cache])
+        self.cluster = config.cluster
         self.paged = bool(paged)
         self.has_seqused_k = bool(has_seqused_k)
         self.split = bool(split)
@@ -214,9 +254,9 @@ class HopperDecode:
 
     def pipelines(self) -> tuple[PipelineSpec, ...]:
         """The producer -> consumer rings: FULL completes with the TMA warp's one arrive carrying
-        the byte count, EMPTY with one arrive per consumer warp (of every consumer
-        warpgroup)."""
-        warps = self.consumers * THREADS_PER_WARPGROUP // WARP_SIZE
+        the byte count, EMPTY with one arrive per consumer warp (of every consumer warpgroup)
+        of every CTA of the cluster (Note [A pair of CTAs shares the cache])."""
+        warps = self.consumers * THREADS_PER_WARPGROUP // WARP_SIZE * self.cluster
         return (
             PipelineSpec("k", "K tiles of the CTA's split, from the highest down", "tma_async",
                          self.cfg.stages, "producer", "consumer", 1, warps),
@@ -297,24 +337,29 @@ class HopperDecode:
                                                                     self.dtype.width // 8)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
+        multicast = {}
+        if const_expr(self.cluster > 1):  # Note [A pair of CTAs shares the cache]
+            load = cpasync.CopyBulkTensorTileG2SMulticastOp()
+            multicast = {"num_multicast": self.cluster}
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, mK, sKV_one,
-                                                        (box_rows, self.head_dim))
+                                                        (box_rows, self.head_dim), **multicast)
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, mV, sKV_one,
-                                                        (box_rows, self.head_dim))
+                                                        (box_rows, self.head_dim), **multicast)
         group = mQ.shape[2] // mK.shape[2]
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         batch, seqlen_q_bound = mQ.shape[0], mQ.shape[1]
         if const_expr(self.varlen_q):
             batch, seqlen_q_bound = mCuSeqlensQ.shape[0] - 1, max_seqlen_q
-        grid = (num_m_blocks(seqlen_q_bound, group, self.tile_m) * num_splits, mK.shape[2],
-                batch)
+        grid = (num_m_blocks(seqlen_q_bound, group, self.cfg.block_m) * self.cluster
+                * num_splits, mK.shape[2], batch)
         self.kernel(
             mQ, tma_k, tma_v, mO, mLSE, tma_atom_k, tma_atom_v, mPageTable, mSeqUsedK,
             mCuSeqlensQ, max_seqlen_q, window_left, softmax_scale * LOG2_E, sQ_layout, sK_layout,
             sV_layout,
             tiled_mma_qk, tiled_mma_pv, bytes_kv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
-                 min_blocks_per_mp=self.cfg.ctas_per_sm_bound, preferred_smem_carveout=100)
+                 min_blocks_per_mp=self.cfg.ctas_per_sm_bound, preferred_smem_carveout=100,
+                 **({"cluster": (self.cluster, 1, 1)} if self.cluster > 1 else {}))
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -349,16 +394,23 @@ class HopperDecode:
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         mbar = {"k": storage.mbar_k, "v": storage.mbar_v}
-        pipes = {spec.name: tma_async_pipeline(spec, mbar[spec.name], bytes_kv)
+        pipes = {spec.name: tma_async_pipeline(spec, mbar[spec.name], bytes_kv,
+                                               cluster=self.cluster)
                  for spec in self.pipelines()}
         pipeline_k, pipeline_v = pipes["k"], pipes["v"]
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (tile_m, D)
         # consumers = 2: (64, D, consumer warpgroup)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (n, D, STAGE)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (n, D, STAGE)
-        # mbarrier inits (warp 0) must be visible to every thread before anyone waits on them
-        pipeline.pipeline_init_arrive()
-        pipeline.pipeline_init_wait()
+        # mbarrier inits (warp 0) must be visible to every thread before anyone waits on them;
+        # with a cluster, to the peer CTA's too before it arrives or multicasts here
+        if const_expr(self.cluster > 1):
+            pair = cute.make_layout((self.cluster, 1))
+            pipeline.pipeline_init_arrive(cluster_shape_mn=pair, is_relaxed=True)
+            pipeline.pipeline_init_wait(cluster_shape_mn=pair)
+        else:
+            pipeline.pipeline_init_arrive()
+            pipeline.pipeline_init_wait()
 
         # which work: Note [Packed GQA rows], Note [Key splits]
         bx, kv_head, b = cute.arch.block_idx()
@@ -370,23 +422,29 @@ class HopperDecode:
         if const_expr(self.varlen_q):
             qb, q_offset = Int32(0), mCuSeqlensQ[b]
             seqlen_q, seqlen_q_bound = mCuSeqlensQ[b + 1] - q_offset, max_seqlen_q
-        m_blocks = num_m_blocks(seqlen_q_bound, group, self.tile_m)
+        # a cluster's CTAs are consecutive m-blocks of one split
+        # (Note [A pair of CTAs shares the cache]): the key range is their block's, block_m rows
+        block_m = self.cfg.block_m
+        m_blocks = num_m_blocks(seqlen_q_bound, group, block_m) * self.cluster
+        rank = 0  # in the cluster: m_block % cluster, as the cluster runs along grid x
+        if const_expr(self.cluster > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         m_block = bx % m_blocks
         split = bx // m_blocks
         num_splits = grid_x // m_blocks
         seqlen_k = self.cached_length(mK, mPageTable, mSeqUsedK, b)
-        n_end, n_full = block_key_tiles(m_block, self.tile_m, self.tile_n, group, seqlen_q,
-                                        seqlen_k, self.causal)
+        n_end, n_full = block_key_tiles(m_block // self.cluster, block_m, self.tile_n, group,
+                                        seqlen_q, seqlen_k, self.causal)
         window = window_left if const_expr(self.has_window_left) else None
-        n_start, n_left_free = block_key_start(m_block, self.tile_m, self.tile_n, group,
-                                               seqlen_q, seqlen_k, window)
+        n_start, n_left_free = block_key_start(m_block // self.cluster, block_m, self.tile_n,
+                                               group, seqlen_q, seqlen_k, window)
         n_lo, n_hi = split_key_tiles(split, num_splits, seqlen_k, self.tile_n, n_end, n_start)
 
         if warp_idx < THREADS_PER_WARPGROUP // WARP_SIZE:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.roles["producer"]["tma_warp"]:
                 self.load(mK, mV, sK, sV, tma_atom_k, tma_atom_v, pipeline_k, pipeline_v,
-                          mPageTable, b, kv_head, n_lo, n_hi, seqlen_k)
+                          mPageTable, b, kv_head, n_lo, n_hi, seqlen_k, rank)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(self.cfg.swap_ab):  # Note [Keys on M]
@@ -423,10 +481,12 @@ class HopperDecode:
 
     @cute.jit
     def load(self, mK, mV, sK, sV, tma_atom_k, tma_atom_v, pipeline_k, pipeline_v, mPageTable,
-             b, kv_head, n_lo, n_hi, seqlen_k):
+             b, kv_head, n_lo, n_hi, seqlen_k, rank):
         """Producer warp: K[n] then V[n] for the split's key tiles, n from n_hi - 1 down to n_lo,
         each from its page (Note [Key tile pages]). The consumer releases K[n] before it waits
-        for V[n], so K[n + stages] never waits on a V."""
+        for V[n], so K[n + stages] never waits on a V. With a cluster (``rank``: this CTA's),
+        half of each tile multicast, then a wait for every stage's release by both CTAs before
+        the warp exits (Note [A pair of CTAs shares the cache])."""
         state_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                self.cfg.stages)
         state_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
@@ -434,8 +494,13 @@ class HopperDecode:
         for i in cutlass.range(n_hi - n_lo, unroll=1):
             n = n_hi - 1 - i
             boxes = self.tile_boxes(mPageTable, b, n, seqlen_k, mK.shape[0])
-            state_k = self.load_tile(tma_atom_k, mK, sK, kv_head, boxes, pipeline_k, state_k)
-            state_v = self.load_tile(tma_atom_v, mV, sV, kv_head, boxes, pipeline_v, state_v)
+            state_k = self.load_tile(tma_atom_k, mK, sK, kv_head, boxes, pipeline_k, state_k,
+                                     rank)
+            state_v = self.load_tile(tma_atom_v, mV, sV, kv_head, boxes, pipeline_v, state_v,
+                                     rank)
+        if const_expr(self.cluster > 1):  # the peer's last arrives land before this CTA exits
+            pipeline_k.producer_tail(state_k)
+            pipeline_v.producer_tail(state_v)
 
     @cute.jit
     def tile_boxes(self, mPageTable, b, n, seqlen_k, page_size):
@@ -456,9 +521,10 @@ class HopperDecode:
         return boxes
 
     @cute.jit
-    def load_tile(self, tma_atom, mX, sX, kv_head, boxes, pipe, state):
+    def load_tile(self, tma_atom, mX, sX, kv_head, boxes, pipe, state, rank):
         """Wait for a free stage, arm its FULL barrier with the whole tile's bytes, start one
-        TMA copy a box (``tile_boxes``) into the stage's rows j * box."""
+        TMA copy a box (``tile_boxes``) into the stage's rows j * box. With a cluster, this
+        CTA's share (``rank``) of the one box, multicast into every CTA of the cluster."""
         box = self.tile_n // len(boxes)
         pipe.producer_acquire(state)
         for j in cutlass.range_constexpr(len(boxes)):
@@ -466,11 +532,16 @@ class HopperDecode:
             # (box, D, boxes in the page) of this page and KV head; the stage's rows of box j
             gX = cute.local_tile(mX[None, None, kv_head, page], (box, self.head_dim), (None, 0))
             sX_box = cute.local_tile(sX[None, None, state.index], (box, self.head_dim), (j, 0))
-            tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1),
+            tXsX, tXgX = cpasync.tma_partition(tma_atom, rank, cute.make_layout(self.cluster),
                                                cute.group_modes(sX_box, 0, 2),
                                                cute.group_modes(gX, 0, 2))
-            cute.copy(tma_atom, tXgX[None, inside], tXsX,
-                      tma_bar_ptr=pipe.producer_get_barrier(state))
+            if const_expr(self.cluster > 1):
+                cute.copy(tma_atom, tXgX[None, inside], tXsX,
+                          tma_bar_ptr=pipe.producer_get_barrier(state),
+                          mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
+            else:
+                cute.copy(tma_atom, tXgX[None, inside], tXsX,
+                          tma_bar_ptr=pipe.producer_get_barrier(state))
         state.advance()
         return state
 

@@ -28,7 +28,10 @@
 #    decode-keys-on-m-tests: the decode kernel with the keys on the wgmma M (swap_ab) against float64;
 #    decode-two-consumers-tests: two consumer warpgroups, 128 packed rows a CTA, against float64;
 #    decode-two-consumers-sanitize: one of its paged cases under synccheck, racecheck and memcheck;
-#    decode-two-consumers-bench: measure.decode at 16 tokens, GQA 8 and 16, the wg2 row beside the default)
+#    decode-two-consumers-bench: measure.decode at 16 tokens, GQA 8 and 16, the wg2 row beside the default;
+#    decode-cluster-tests / -sanitize / -bench: the pair of CTAs sharing each K/V tile by multicast
+#    (HopperDecodeConfig.cluster = 2) against float64, under the three sanitizers, and timed as
+#    the pair row at 16 tokens, GQA 16 and 8, beside the default and the peers)
 #   (sdpa-tests: fa4_final registered as SDPA's flash implementation, a small transformer against
 #    float64; softcap-tests: the softcap and learnable-sink builds against float64;
 #    softcap-api-tests: both through the public API (FA4_FINAL_PENDING set), conformance-features: vs FA4;
@@ -141,11 +144,14 @@ for s in "$@"; do
     pending-api-tests2) step pending_api_tests2 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_pending_api.py -k head_dims ;;
     pending-api-tests3) step pending_api_tests3 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_pending_api.py -k seqused_q ;;
     sdpa-tests) step sdpa_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_sdpa_registration.py ;;
-    decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py -k "not keys_on_m and not two_consumers" ;;
+    decode-tests) step decode_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/gpu/test_decode_combine.py tests/gpu/test_decode_kernel.py tests/gpu/test_ch15_decoding.py -k "not keys_on_m and not two_consumers and not cluster" ;;
     decode-keys-on-m-tests) step decode_keys_on_m_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short -rA tests/gpu/test_decode_kernel.py -k keys_on_m ;;
     decode-two-consumers-tests) step decode_two_consumers_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short -rA -s tests/gpu/test_decode_kernel.py -k two_consumers ;;
     decode-two-consumers-bench) step decode_wg2 580 $PY -m measure.decode --name decode_wg2 --dims 128 64 --batch 1 32 --tokens 16 --keys 8192 32768 131072 --heads 64/8 128/8 --variants wg2 --no-keys-on-m --deadline 500 ;;
     decode-two-consumers-sanitize) for tool in synccheck racecheck memcheck; do step decode_two_consumers_$tool 420 $SAN --tool $tool $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "two_consumers_paged and 16-2-128"; done ;;
+    decode-cluster-tests) step decode_cluster_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short -rA -s tests/gpu/test_decode_kernel.py -k cluster ;;  # Note [A pair of CTAs shares the cache]: never run on a GPU yet
+    decode-cluster-sanitize) for tool in synccheck racecheck memcheck; do step decode_cluster_$tool 420 env CUTE_DSL_LINEINFO=1 $SAN --tool $tool $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "cluster_paged and 128-1-128"; done ;;
+    decode-cluster-bench) step decode_pair 580 $PY -m measure.decode --name decode_pair --dims 128 64 --batch 32 1 --tokens 16 --keys 8192 32768 131072 --heads 128/8 64/8 --variants pair --no-keys-on-m --deadline 500 ;;
     decode-sanitize) step decode_memcheck 420 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered or paged_equals_contiguous_bit_for_bit" ;;
     decode-racecheck) step decode_racecheck 420 $SAN --tool racecheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;
     decode-synccheck) step decode_synccheck 420 $SAN --tool synccheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;

@@ -568,3 +568,74 @@ def test_two_consumers_two_runs_are_bitwise_equal():
     second = run_decode(q, k, v, True, 4, config=cfg)
     for a, b in zip(first[2], second[2]):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# a pair of CTAs sharing each K/V tile by multicast (HopperDecodeConfig.cluster = 2,
+# Note [A pair of CTAs shares the cache]): -k cluster
+
+
+def cluster_config(d):
+    return replace(two_consumers_config(d), cluster=2)
+
+
+@pytest.mark.parametrize("name", list(TWO_CONSUMERS_CASES))
+def test_cluster_matches_float64(name):
+    """The two-consumer cases (72-256 packed rows: a pair whose second CTA holds a few real rows
+    or none, a pair of two full m-blocks, rows that see no key, an empty split, 128k keys) with
+    the pair of CTAs: against float64 into NaN-filled outputs. Not causal, each row's key range
+    and splits are the kernel's without the cluster: bit for bit its out, lse or partials."""
+    b, sq, sk, h, hk, d, dtype, causal, splits = TWO_CONSUMERS_CASES[name]
+    q, k, v = qkv(b, sq, sk, h, hk, d, dtype, seed=len(name) + 300)
+    out, lse, partials = run_decode(q, k, v, causal, splits, config=cluster_config(d))
+    check_decode(q, k, v, out, lse, partials, causal, f"cluster {name}")
+    rows = run_decode(q, k, v, causal, splits, config=two_consumers_config(d))
+    if partials is not None:
+        combine_fn()(*rows[2], rows[0], rows[1])
+        wait_for_gpu(f"combine after the two-consumer {name}")
+    assert not out.isnan().any() and not lse.isnan().any()
+    if not causal:
+        got, want = (partials, rows[2]) if splits > 1 else ((out, lse), rows[:2])
+        for a, b_ in zip(got, want):
+            assert torch.equal(a, b_), "not the two-consumer kernel's bits"
+    print(f"{name}: max |out - two-consumer out| "
+          f"{float((out.float() - rows[0].float()).abs().max()):.3g}")
+
+
+@pytest.mark.parametrize("page_size,splits,d", [(128, 1, 128), (256, 3, 128), (128, 2, 64)])
+def test_cluster_paged_is_the_contiguous_launch_bitwise(page_size, splits, d):
+    """16 tokens at GQA 16 (256 rows: one pair) over pages shuffled among NaN pages, per-sequence
+    lengths with NaN past them: the paged launch gives the contiguous launch's bits and
+    float64's answer (each CTA zeros its own copy of the V tail)."""
+    pages_among_nan_pages(cluster_config(d), 16, 32, 2, d, page_size, splits,
+                          seed=page_size + splits + 90, table_seed=splits + 95)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window_left,causal,d", [(1000, True, 128), (37, True, 64),
+                                                  (500, False, 64)])
+def test_cluster_sliding_window(window_left, causal, d, splits):
+    """A left window, 16 tokens at GQA 16 (the pair's windows start apart): against float64,
+    paged equal to contiguous."""
+    batch, sq, h, hk, page_size, pages = 3, 16, 32, 2, 128, 24
+    q, k, v = qkv(batch, sq, pages * page_size, h, hk, d, BF16, seed=window_left + splits + 19)
+    used = torch.tensor([pages * page_size, 1000, 333], dtype=torch.int32, device=DEVICE)
+    paged_equals_contiguous(q, k, v, page_size, 5, causal, splits, used,
+                            window_left=window_left, config=cluster_config(d))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_cluster_varlen_queries_over_a_paged_cache(splits):
+    """Packed query sequences of 16, 1, 0, 9 and 3 tokens at GQA 8 with the pair of CTAs (the
+    grid sized for the longest; pairs past a shorter sequence's rows visit nothing)."""
+    run_varlen_over_pages(cluster_config(128), [16, 1, 0, 9, 3], splits,
+                          seed=splits + 180, table_seed=5, label="varlen cluster decode")
+
+
+def test_cluster_two_runs_are_bitwise_equal():
+    """The multicast changes where a tile's bytes come from, not the order of any sum."""
+    q, k, v = qkv(2, 16, 5000, 64, 4, 128, BF16, seed=23)
+    first = run_decode(q, k, v, True, 4, config=cluster_config(128))
+    second = run_decode(q, k, v, True, 4, config=cluster_config(128))
+    for a, b in zip(first[2], second[2]):
+        assert torch.equal(a, b)
