@@ -37,7 +37,11 @@ from tests.gpu.test_softcap_sinks import (
     _inputs,
     _same_precision,
 )
-from tests.gpu.test_softcap_sinks_api import _grads_against_float64, _packed, sink_step
+from tests.gpu.test_softcap_sinks_api import (
+    _grads_against_float64,
+    _packed,
+    autograd_against_float64,
+)
 from utils import checks
 from utils.hardware import missing
 from utils.reference import attention_reference_features
@@ -83,40 +87,17 @@ def _lse_id(case):
 
 @pytest.mark.parametrize("case", LSE_CASES, ids=_lse_id)
 def test_lse_fold_one_backward_call_matches_float64(monkeypatch, case):
-    from fa4_final import flash_attn_func
-
     shape, softcap, sink_dtype, deterministic = case
     monkeypatch.setenv("FA4_FINAL_PENDING", "lse_fold,softcap,learnable_sink")
     calls = _counting_backward(monkeypatch)
     b, sq, sk, h, hk, d, causal, dtype = shape
     q, k, v, sink, seed = _inputs(shape, sink_dtype, requires_grad=True)
-    leaves = [t for t in (q, k, v, sink) if t is not None]
     g = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
     dlse = torch.randn(b, h, sq, generator=g).to("cuda")
-    out, lse = flash_attn_func(q, k, v, causal=causal, softcap=softcap, learnable_sink=sink,
-                               deterministic=deterministic, return_lse=True)
-    loss = (out.float() * dout.float()).sum() + (lse.where(lse.isfinite(), 0.0) * dlse).sum()
-    got = torch.autograd.grad(loss, leaves)
+    autograd_against_float64(f"{_lse_id(case)} seed={seed}", q, k, v, sink, causal, softcap,
+                             dout, dlse, deterministic=deterministic)
     assert calls == [True], calls  # one backward, given dlse: no probe call
-
-    def split(ts):
-        return ts[0], ts[1], ts[2], (ts[3] if sink is not None else None)
-
-    def ref_loss(*ts):
-        o, s = attention_reference_features(*split(ts)[:3], causal, None, softcap, split(ts)[3])
-        return (o * dout.double()).sum() + (s.where(s.isfinite(), 0.0) * dlse.double()).sum()
-
-    def same_loss(*ts):
-        o, s = _same_precision(*split(ts)[:3], causal, d ** -0.5, softcap, split(ts)[3])
-        return (o.float() * dout.float()).sum() + (s.where(s.isfinite(), 0.0) * dlse).sum()
-
-    label = f"{_lse_id(case)} seed={seed}"
-    checks.wait_for_gpu(label)
-    with torch.no_grad():
-        out64, lse64 = attention_reference_features(q, k, v, causal, None, softcap, sink)
-    _grads_against_float64(label, got, leaves, ref_loss, same_loss,
-                           sink_step(out64, lse64, dout, sink, dtype))
 
 
 def test_lse_fold_varlen_matches_the_probe_path(monkeypatch):

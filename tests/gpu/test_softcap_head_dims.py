@@ -18,16 +18,15 @@ import pytest
 import torch
 
 from fa4_final.runtime import pending
-from tests.gpu.test_softcap_sinks import BF16, FP16, FP32, _check_forward, _same_precision
+from tests.gpu.test_softcap_sinks import BF16, FP16, FP32, _check_forward
 from tests.gpu.test_softcap_sinks_api import (
     SPREAD,
-    _grads_against_float64,
+    autograd_against_float64,
     check_varlen_forward_and_autograd,
-    sink_step,
 )
 from utils import checks
 from utils.hardware import missing
-from utils.reference import attention_reference_features, random_qkv
+from utils.reference import random_qkv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,34 +90,12 @@ def test_forward_with_a_softcap_matches_float64(case):
                                   if (c[0][5], c[0][6]) in pending.BACKWARD_HEAD_DIMS], ids=_ids)
 def test_autograd_with_a_softcap_matches_float64(case):
     """loss = sum(out * dout): dq, dk, dv (and dsink) through the custom op's autograd against
-    float64 autograd."""
-    from fa4_final import flash_attn_func
-
+    float64 autograd (test_softcap_sinks_api's check, with dv)."""
     (b, sq, sk, h, hk, d, dv, causal, dtype), softcap, _ = case
-    q, k, v, sink, leaves, seed = _inputs(case, requires_grad=True)
+    q, k, v, sink, _, seed = _inputs(case, requires_grad=True)
     g = torch.Generator().manual_seed(seed + 2)
     dout = torch.randn(b, sq, h, dv, generator=g).to("cuda", dtype)
-    out = flash_attn_func(q, k, v, causal=causal, softcap=softcap, learnable_sink=sink)
-    out = out[0] if isinstance(out, tuple) else out
-    got = torch.autograd.grad((out.float() * dout.float()).sum(), leaves)
-
-    def split(ts):
-        return ts[0], ts[1], ts[2], (ts[3] if sink is not None else None)
-
-    def ref_loss(*ts):
-        o, _ = attention_reference_features(*split(ts)[:3], causal, None, softcap, split(ts)[3])
-        return (o * dout.double()).sum()
-
-    def same_loss(*ts):
-        o, _ = _same_precision(*split(ts)[:3], causal, d ** -0.5, softcap, split(ts)[3])
-        return (o.float() * dout.float()).sum()
-
-    label = f"{_ids(case)} seed={seed}"
-    checks.wait_for_gpu(label)
-    with torch.no_grad():
-        out64, lse64 = attention_reference_features(q, k, v, causal, None, softcap, sink)
-    _grads_against_float64(label, got, leaves, ref_loss, same_loss,
-                           sink_step(out64, lse64, dout, sink, dtype))
+    autograd_against_float64(f"{_ids(case)} seed={seed}", q, k, v, sink, causal, softcap, dout)
 
 
 @pytest.mark.parametrize("d, dv, softcap, sink_dtype", [

@@ -111,24 +111,20 @@ BWD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out+lse"])
-@pytest.mark.parametrize("case", BWD_CASES, ids=_ids)
-def test_flash_attn_func_autograd_matches_float64(case, return_lse):
-    """loss = sum(out * dout) (+ sum(lse * dlse) over rows with a finite lse): dq, dk, dv and
-    dsink from torch.autograd through the custom op, against float64 autograd."""
+def autograd_against_float64(label, q, k, v, sink, causal, softcap, dout, dlse=None,
+                             **call):
+    """loss = sum(out * dout) (+ sum(lse * dlse) over rows with a finite lse when ``dlse`` is
+    given): dq, dk, dv (and dsink) from torch.autograd through flash_attn_func's custom op
+    (with the keywords ``call`` too), against float64 autograd (_grads_against_float64's rule).
+    q, k, v (and sink) require grad; v's last dim is dv, dout's too."""
     from fa4_final import flash_attn_func
 
-    shape, softcap, sink_dtype = case
-    b, sq, sk, h, hk, d, causal, dtype = shape
-    q, k, v, sink, seed = _inputs(shape, sink_dtype, requires_grad=True)
     leaves = [t for t in (q, k, v, sink) if t is not None]
-    g = torch.Generator().manual_seed(seed + 1)
-    dout = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
-    dlse = torch.randn(b, h, sq, generator=g).to("cuda")
-    out, lse = flash_attn_func(q, k, v, causal=causal, softcap=softcap, learnable_sink=sink,
-                               return_lse=return_lse)
+    res = flash_attn_func(q, k, v, causal=causal, softcap=softcap, learnable_sink=sink,
+                          return_lse=dlse is not None, **call)
+    out, lse = res if isinstance(res, tuple) else (res, None)
     loss = (out.float() * dout.float()).sum()
-    if return_lse:
+    if dlse is not None:
         loss = loss + (lse.where(lse.isfinite(), 0.0) * dlse).sum()
     got = torch.autograd.grad(loss, leaves)
 
@@ -138,19 +134,34 @@ def test_flash_attn_func_autograd_matches_float64(case, return_lse):
     def ref_loss(*ts):
         o, s = attention_reference_features(*split(ts)[:3], causal, None, softcap, split(ts)[3])
         total = (o * dout.double()).sum()
-        return total + ((s.where(s.isfinite(), 0.0) * dlse.double()).sum() if return_lse else 0)
+        return total + ((s.where(s.isfinite(), 0.0) * dlse.double()).sum() if dlse is not None
+                        else 0)
 
     def same_loss(*ts):
-        o, s = _same_precision(*split(ts)[:3], causal, d ** -0.5, softcap, split(ts)[3])
+        o, s = _same_precision(*split(ts)[:3], causal, q.shape[-1] ** -0.5, softcap,
+                               split(ts)[3])
         total = (o.float() * dout.float()).sum()
-        return total + ((s.where(s.isfinite(), 0.0) * dlse).sum() if return_lse else 0)
+        return total + ((s.where(s.isfinite(), 0.0) * dlse).sum() if dlse is not None else 0)
 
-    label = f"{_ids(case)} return_lse={return_lse} seed={seed}"
     checks.wait_for_gpu(label)
     with torch.no_grad():
         out64, lse64 = attention_reference_features(q, k, v, causal, None, softcap, sink)
     _grads_against_float64(label, got, leaves, ref_loss, same_loss,
-                           sink_step(out64, lse64, dout, sink, dtype))
+                           sink_step(out64, lse64, dout, sink, q.dtype))
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out+lse"])
+@pytest.mark.parametrize("case", BWD_CASES, ids=_ids)
+def test_flash_attn_func_autograd_matches_float64(case, return_lse):
+    """autograd_against_float64 on out (and on lse too)."""
+    shape, softcap, sink_dtype = case
+    b, sq, sk, h, hk, d, causal, dtype = shape
+    q, k, v, sink, seed = _inputs(shape, sink_dtype, requires_grad=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
+    dlse = torch.randn(b, h, sq, generator=g).to("cuda")
+    autograd_against_float64(f"{_ids(case)} return_lse={return_lse} seed={seed}", q, k, v,
+                             sink, causal, softcap, dout, dlse if return_lse else None)
 
 
 def _packed(lens_q, lens_k, h, hk, d, dtype, requires_grad, dv=None):
