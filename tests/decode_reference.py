@@ -49,12 +49,12 @@ def sequence_keys(k, b: int, length: int, page_table=None):
 
 
 def cached_lengths(k, batch: int, page_table=None, seqused_k=None) -> list[int]:
-    """Each sequence's key count, as the kernel takes it (HopperDecode.cached_length)."""
+    """Each sequence's key count, as the kernel takes it (HopperDecode.cached_length):
+    seqused_k clamped to what the cache (the table's row) holds."""
+    length = k.shape[1] * (page_table.shape[1] if page_table is not None else 1)
     if seqused_k is not None:
-        return [int(x) for x in seqused_k]
-    if page_table is not None:
-        return [k.shape[1] * page_table.shape[1]] * batch
-    return [k.shape[1]] * batch
+        return [min(int(x), length) for x in seqused_k]
+    return [length] * batch
 
 
 def decode_reference(q, k, v, causal: bool, softmax_scale=None, page_table=None,

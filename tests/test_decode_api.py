@@ -594,3 +594,50 @@ def test_decode_takes_two_consumer_warpgroups_above_64_packed_rows():
     assert config(16, 64).consumers == 2  # 128 rows: 16 tokens at GQA 8
     assert config(16, 128).consumers == 2 and config(16, 128).tile_m == 128  # 256 rows
     assert config(9, 64).consumers == 2  # 72 rows
+
+
+# ----------------------------------------------------------------------------------------------
+# the value checks read after the launch (Note [Paged KV checks])
+
+
+class _ValuesRead:
+    """A stand-in for runtime.decode.DeferredPagedCheck on a GPU: finish() logs (and raises when
+    ``bad``)."""
+
+    def __init__(self, log, bad):
+        self.log, self.bad = log, bad
+
+    def finish(self):
+        self.log.append("values read")
+        if self.bad:
+            raise ValueError("page_table[2, 3] = 12 is not a page of the cache")
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["good", "bad"])
+def test_every_entry_reads_the_values_after_the_launch(monkeypatch, bad):
+    """On a GPU the page table's value checks are launched before the decode kernel and read
+    after it, so their synchronisation waits for the kernel instead of holding it back; a bad
+    value still raises, after a launch that cannot fault (the kernel clamps each length to the
+    table's row, and a page out of range is a TMA box out of bounds). Every entry that takes a
+    page table, with the device and the kernel replaced by recorders: the values are read after
+    the launch, never before it (on a CPU the calls take the custom op, whose body reads them
+    again, as a torch.compile'd call's does), and a bad one raises the check's error."""
+    from types import SimpleNamespace
+
+    log = []
+    monkeypatch.setattr(decode_entry, "start_paged_kv_check",
+                        lambda pt, used, paged_kv, check_values=None: (
+                            decode_entry.DeferredPagedCheck() if check_values is False
+                            else _ValuesRead(log, bad)))
+    monkeypatch.setattr(decode_entry, "cached_backend", lambda device: SimpleNamespace(
+        family="Hopper", target="sm_90a", label="H100 (sm_90)"))
+    monkeypatch.setattr(decode_entry, "run_decode", lambda *a, **k: log.append("launch"))
+    with torch.no_grad():
+        for func, call in _entries():
+            log.clear()
+            if bad:
+                with pytest.raises(ValueError, match="is not a page of the cache"):
+                    call()
+            else:
+                call()
+            assert log[0] == "launch" and set(log[1:]) == {"values read"}, (func, log)

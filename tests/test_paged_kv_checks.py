@@ -231,3 +231,81 @@ def test_fake_tensors_skip_the_value_checks():
         assert check_paged_kv(k, v, table, used, 3).capacity == 64
         with pytest.raises(TypeError, match="page_table must have dtype torch.int32"):
             check_paged_kv(k, v, table.long(), used, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# the deferred value check (DeferredPagedCheck: reductions launched, four numbers read later)
+
+
+def _verdict(fn, *args):
+    try:
+        fn(*args)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_deferred_check_agrees_with_the_detailed_check_on_random_tables():
+    """Random tables and lengths, most of them good, some with a page past the cache or below
+    0 in a used or an unused column, a length below 0 or past the capacity, with and without
+    seqused_k: the reductions' verdict is the detailed check's, and a bad call raises the
+    detailed check's very message (the first bad value named)."""
+    from fa4_final.runtime.decode import DeferredPagedCheck, check_paged_kv_values
+
+    g = torch.Generator().manual_seed(3)
+    bad_calls = 0
+    for trial in range(400):
+        batch = int(torch.randint(1, 6, (), generator=g))
+        max_pages = int(torch.randint(0, 6, (), generator=g))
+        page, num_pages = 16, int(torch.randint(1, 9, (), generator=g))
+        paged = PagedKV(num_pages, page, max_pages)
+        table = torch.randint(0, num_pages, (batch, max_pages), generator=g, dtype=torch.int32)
+        used = torch.randint(0, paged.capacity + 1, (batch,), generator=g, dtype=torch.int32)
+        kind = trial % 8
+        if kind == 1 and max_pages:
+            table[torch.randint(0, batch, (), generator=g), -1] = num_pages  # maybe unused
+        elif kind == 2 and max_pages:
+            table[0, 0] = -1
+        elif kind == 3:
+            used[-1] = paged.capacity + 1
+        elif kind == 4:
+            used[0] = -3
+        seqused = None if kind == 5 else used
+        want = _verdict(check_paged_kv_values, table, seqused, paged)
+        got = _verdict(DeferredPagedCheck.start(table, seqused, paged).finish)
+        assert got == want, (trial, table.tolist(), used.tolist(), kind)
+        bad_calls += want is not None
+    assert 40 < bad_calls < 300, bad_calls
+
+
+def test_deferred_check_launches_a_few_kernels_and_reads_four_numbers():
+    """What the launch path pays: with seqused_k, aminmax of the lengths, the column starts, one
+    compare, one select, aminmax of the entries and one stack (six operations that make a
+    kernel on a GPU; views aside); without, two; then one copy of four numbers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fa4_final.runtime.decode import DeferredPagedCheck
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name.split("::")[1] not in VIEWS:
+                self.ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    # views, and the 0-d host tensor torch.where wraps its Python 0 in (no kernel either)
+    VIEWS = {"unsqueeze", "slice", "view", "alias", "select", "expand", "unbind", "detach",
+             "lift_fresh", "scalar_tensor"}
+    k, v = _cache()
+    table, used = _table()
+    paged = check_paged_kv(k, v, table, used, 3, check_values=False)
+    # without seqused_k every column is in use: no padding -1 then
+    for tab, seqused, most in ((table, used, 6), (table.clamp(min=0), None, 3)):
+        with Count() as count:
+            values = DeferredPagedCheck.start(tab, seqused, paged)
+        assert len(count.ops) <= most, count.ops
+        assert values.summary.shape == (4,)
+        values.finish()

@@ -242,7 +242,7 @@ def _paged_varlen(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     decode kernel lacks refused by name, forward only."""
     func = "flash_attn_varlen_func"
     check_max_seqlen("max_seqlen_k", max_seqlen_k)  # a bound FA4 schedules by: not needed here
-    batch, rows, h, hk, d, _ = decode_entry.check_paged_call(
+    batch, rows, h, hk, d, _, values = decode_entry.check_paged_call(
         q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale,
         check_address=False, cu_seqlens_k=cu_seqlens_k)
     check_features(func, None, learnable_sink, h, q.device)
@@ -253,6 +253,7 @@ def _paged_varlen(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     decode_entry.refuse_paged_gradient(func, q, k, v)
     out, lse = ops.decode_call(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q,
                                p.scale, p.causal, p.left, num_splits)
+    values.finish()  # Note [Paged KV checks]: read after the launch, raises on a bad value
     return out, _returned_lse(lse, check_flag("return_lse", return_lse), (q, k, v))
 
 

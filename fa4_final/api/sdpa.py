@@ -244,7 +244,7 @@ def _paged_fwd(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_q, sequs
     features = _features(func, q, softcap, learnable_sink)
     q, k, v = (_readable(t) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     max_q = _host_int(max_seqlen_q)
-    batch, rows, h, hk, d, _ = decode_entry.check_paged_call(
+    batch, rows, h, hk, d, _, values = decode_entry.check_paged_call(
         q, k, v, page_table, seqused_k, cu_seqlens_q, max_q, softmax_scale,
         cu_seqlens_k=cu_seqlens_k)
     c, left, right = normalise_window(causal, window)
@@ -264,6 +264,7 @@ def _paged_fwd(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_q, sequs
                                      page_table=page_table, seqused_k=seqused_k,
                                      cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q,
                                      num_splits=num_splits, check_values=False)
+    values.finish()  # Note [Paged KV checks]: read after the launch, raises on a bad value
     if copy_out:
         out.copy_(out_buf)
     if copy_lse:

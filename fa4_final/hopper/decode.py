@@ -471,13 +471,17 @@ class HopperDecode:
 
     @cute.jit
     def cached_length(self, mK, mPageTable, mSeqUsedK, b):
-        """Keys of sequence ``b``: seqused_k[b] when given; else the cache's length (paged: the
-        table's pages times the page size)."""
-        if const_expr(mSeqUsedK is not None):
-            return mSeqUsedK[b]
+        """Keys of sequence ``b``: the cache's length (paged: the table's pages times the page
+        size), or seqused_k[b] when given, clamped to it: a length past the cache, which the
+        API's deferred value check reports only after the launch (Note [Paged KV checks] in
+        fa4_final.runtime.decode), never makes the producer read a page-table slot past its
+        row."""
+        length = mK.shape[0]
         if const_expr(self.paged):
-            return mK.shape[0] * mPageTable.shape[1]
-        return mK.shape[0]
+            length = mK.shape[0] * mPageTable.shape[1]
+        if const_expr(mSeqUsedK is not None):
+            return cutlass.min(mSeqUsedK[b], length)
+        return length
 
     @cute.jit
     def load(self, mK, mV, sK, sV, tma_atom_k, tma_atom_v, pipeline_k, pipeline_v, mPageTable,

@@ -175,13 +175,20 @@ class PagedKV:
 #     -1 or 0).
 # FA4 checks the metadata with asserts and the values not at all: a page past the cache is not
 # caught there (a gathered load reads out of bounds, a TMA load clips it to zeros). Here the
-# values are checked by default, on the device, with one copy of three numbers to the host (one
-# synchronisation, like the varlen offsets' checks), so a bad page is never read. The check is
-# skipped where values cannot be read or a synchronisation is not allowed or not wanted: while
-# torch.compile traces (fake tensors), while a CUDA graph is being captured (the warm-up call
-# before the capture checked the same tensors, the caller owns the values it replays with) and
-# with FA4_FINAL_VARLEN_CHECKS=0, the switch of the varlen checks; then the path has no host
-# synchronisation at all.
+# values are checked by default, on the device, by a few reductions (the extremes of seqused_k
+# and of the page entries in use: DeferredPagedCheck) and one copy of four numbers to the host
+# (one synchronisation, like the varlen offsets' checks); only when they are out of range does
+# check_paged_kv_values look for the first bad value to name it. The calls of the API launch
+# these reductions, then the decode kernel, and read the four numbers last, so the
+# synchronisation waits for the kernel rather than holding it back; a bad value then raises the
+# same error after a launch that could not fault: the kernel clamps each cached length to
+# max_pages x page_size, so it never reads a page-table slot past its row, and a page index out
+# of range is a TMA box out of bounds, which the hardware fills with zeros. (check_paged_kv with
+# values checks before anything runs.) The check is skipped where values cannot be read or a
+# synchronisation is not allowed or not wanted: while torch.compile traces (fake tensors),
+# while a CUDA graph is being captured (the warm-up call before the capture checked the same
+# tensors, the caller owns the values it replays with) and with FA4_FINAL_VARLEN_CHECKS=0, the
+# switch of the varlen checks; then the path has no host synchronisation at all.
 
 
 def _index_tensor(name: str, t, device) -> None:
@@ -250,6 +257,69 @@ def _values_readable(*tensors) -> bool:
                                             for t in tensors):
         return False
     return not (tensors[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+@dataclass
+class DeferredPagedCheck:
+    """The value half of Note [Paged KV checks] in two steps: ``start`` launches reductions on
+    the device (no synchronisation), ``finish`` copies their four numbers to the host and, when
+    one is out of range, raises check_paged_kv_values's error naming the first bad value. An
+    instance made with ``summary`` None checks nothing."""
+
+    page_table: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None
+    paged: PagedKV | None = None
+    summary: torch.Tensor | None = None  # (min used, max used, min page, max page in use)
+
+    @classmethod
+    def start(cls, page_table, seqused_k, paged: PagedKV) -> DeferredPagedCheck:
+        """Six small kernels at most: seqused_k's extremes, and the extremes of the entries in
+        use (column j of row b when j x page_size < seqused_k[b]; every column without
+        seqused_k), an entry not in use counted as page 0."""
+        batch, max_pages = page_table.shape
+        if batch == 0:
+            return cls()
+        parts = []
+        if seqused_k is None:
+            cap = torch.full((), paged.capacity, dtype=torch.int32, device=page_table.device)
+            parts += [cap, cap]
+            entries = page_table
+        else:
+            parts += list(torch.aminmax(seqused_k))
+            starts = torch.arange(0, max_pages * paged.page_size, paged.page_size,
+                                  dtype=torch.int32, device=page_table.device)
+            entries = torch.where(starts[None, :] < seqused_k[:, None], page_table, 0)
+        if max_pages:
+            parts += list(torch.aminmax(entries))
+        else:
+            parts += [parts[0].new_zeros(()), parts[0].new_zeros(())]
+        return cls(page_table, seqused_k, paged, torch.stack(parts))
+
+    def finish(self) -> None:
+        if self.summary is None:
+            return
+        lo_used, hi_used, lo_page, hi_page = self.summary.tolist()
+        paged = self.paged
+        if (lo_used < 0 or hi_used > paged.capacity or lo_page < 0
+                or hi_page >= paged.num_pages):
+            check_paged_kv_values(self.page_table, self.seqused_k, paged)  # names the value
+            raise ValueError(f"page_table or seqused_k out of range (seqused_k in [{lo_used}, "
+                             f"{hi_used}], pages in use in [{lo_page}, {hi_page}]; accepted: "
+                             f"[0, {paged.capacity}] and [0, {paged.num_pages}))")
+
+
+def start_paged_kv_check(page_table, seqused_k, paged: PagedKV,
+                         check_values: bool | None = None) -> DeferredPagedCheck:
+    """DeferredPagedCheck.start where wants_value_checks says the values are checked, else a
+    check of nothing. Off a GPU (no kernel to overlap with) the check finishes here, so a bad
+    value is named before anything else is looked at."""
+    if not wants_value_checks(check_values, page_table, seqused_k):
+        return DeferredPagedCheck()
+    values = DeferredPagedCheck.start(page_table, seqused_k, paged)
+    if page_table.device.type != "cuda":
+        values.finish()
+        return DeferredPagedCheck()
+    return values
 
 
 def check_paged_kv_values(page_table, seqused_k, paged: PagedKV) -> None:

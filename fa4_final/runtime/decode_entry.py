@@ -43,7 +43,9 @@ No host synchronisation on the launch path: the split count comes from shapes an
 partials are allocated (partials_like), the kernel and the combine are launched on the current
 stream, and varlen queries size the grid by max_seqlen_q, a host int (None: the packed count, a
 bound). The value checks of the page table, seqused_k and cu_seqlens_q copy a few numbers to
-the host once per call, as the varlen checks do, and are skipped while a CUDA graph is captured
+the host once per call, as the varlen checks do (the page table's and seqused_k's after the
+kernel's launch, so the copy waits for the kernel instead of delaying it:
+Note [Paged KV checks]), and are skipped while a CUDA graph is captured
 (the warm-up call before the capture checked the same tensors), under torch.compile's tracing,
 and with FA4_FINAL_VARLEN_CHECKS=0. A warm-up call compiles the kernels, so a captured call
 compiles nothing.
@@ -78,12 +80,14 @@ from fa4_final.runtime.checks import (
 )
 from fa4_final.runtime.compile import compiled
 from fa4_final.runtime.decode import (
+    DeferredPagedCheck,
     _values_readable,
     check_num_splits,
     check_paged_kv,
     choose_num_splits,
     combine_splits,
     partials_like,
+    start_paged_kv_check,
     wants_value_checks,
 )
 from fa4_final.runtime.prologue import cached_backend, fill_empty_rows, resolve_scale
@@ -147,7 +151,10 @@ def check_paged_call(q, k, v, page_table, seqused_k, cu_seqlens_q=None, max_seql
     """Validate a paged call: q (total_q, heads, d) with cu_seqlens_q or (batch, seqlen_q,
     heads, d); the cache, table and seqused_k by runtime.decode.check_paged_kv
     (Note [Paged KV checks]); returns (batch, q rows per sequence bound, heads, heads_kv, d,
-    PagedKV).
+    PagedKV, values): ``values``, a runtime.decode.DeferredPagedCheck, has the page table's
+    and seqused_k's value checks launched on the device; the caller calls its finish() after
+    launching the kernel (cu_seqlens_q's values, which the kernel's q and out addresses trust,
+    are checked here, before).
     ``check_values``: None checks the values where they can be read (check_paged_kv's rule).
     ``cu_seqlens_k``: refused with a page table (FA4 takes one or the other)."""
     varlen = cu_seqlens_q is not None
@@ -177,14 +184,11 @@ def check_paged_call(q, k, v, page_table, seqused_k, cu_seqlens_q=None, max_seql
     check_scale(softmax_scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tma_operand(name, t, check_address)
-    if wants_value_checks(check_values, page_table, seqused_k):
-        from fa4_final.runtime.decode import check_paged_kv_values
-
-        check_paged_kv_values(page_table, seqused_k, paged)
-        if varlen:
-            _check_cu_seqlens_q_values(cu_seqlens_q, q.shape[0], max_seqlen_q)
+    values = start_paged_kv_check(page_table, seqused_k, paged, check_values)
+    if varlen and wants_value_checks(check_values, page_table, seqused_k):
+        _check_cu_seqlens_q_values(cu_seqlens_q, q.shape[0], max_seqlen_q)
     rows = (q.shape[0] if max_seqlen_q is None else max_seqlen_q) if varlen else q.shape[1]
-    return batch, rows, h, hk, d, paged
+    return batch, rows, h, hk, d, paged, values
 
 
 def refuse_decode_limits(func: str, head_dim: int, head_dim_v: int, causal: bool, right,
@@ -239,10 +243,11 @@ def decode_forward_into(q, k, v, out, lse, causal=False, softmax_scale=None,
     func = "decode_forward_into"
     num_splits = check_num_splits(num_splits)
     paged = page_table is not None
+    values = DeferredPagedCheck()  # Note [Paged KV checks]: read after the launch
     if paged:
-        batch, rows, h, hk, d, _ = check_paged_call(q, k, v, page_table, seqused_k, cu_seqlens_q,
-                                                    max_seqlen_q, softmax_scale,
-                                                    check_values=check_values)
+        batch, rows, h, hk, d, _, values = check_paged_call(
+            q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale,
+            check_values=check_values)
         lse_shape = (h, q.shape[0]) if cu_seqlens_q is not None else (batch, h, rows)
     else:
         if seqused_k is not None or cu_seqlens_q is not None:
@@ -260,12 +265,14 @@ def decode_forward_into(q, k, v, out, lse, causal=False, softmax_scale=None,
         raise UnsupportedError(f"{func}: the decode kernel is built for Hopper (sm_90a) only; "
                                f"this GPU's row is {backend.label}")
     if q.numel() == 0 or batch == 0:
+        values.finish()
         return out, lse
     if not paged and k.shape[1] == 0:  # no key at all (a TMA box cannot have an empty extent)
         fill_empty_rows(out, lse)
         return out, lse
     run_decode(q, k, v, out, lse, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, causal,
                resolve_scale(d, softmax_scale), left, num_splits, backend.target)
+    values.finish()
     return out, lse
 
 

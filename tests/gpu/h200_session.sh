@@ -29,6 +29,8 @@
 #    decode-two-consumers-tests: two consumer warpgroups, 128 packed rows a CTA, against float64;
 #    decode-two-consumers-sanitize: one of its paged cases under synccheck, racecheck and memcheck;
 #    decode-two-consumers-bench: measure.decode at 16 tokens, GQA 8 and 16, the wg2 row beside the default;
+#    decode-bad-values-memcheck: bad page-table values launched before the check reads them,
+#    under memcheck;
 #    decode-cluster-tests / -sanitize / -bench: the pair of CTAs sharing each K/V tile by multicast
 #    (HopperDecodeConfig.cluster = 2) against float64, under the three sanitizers, and timed as
 #    the pair row at 16 tokens, GQA 16 and 8, beside the default and the peers)
@@ -152,6 +154,7 @@ for s in "$@"; do
     decode-cluster-tests) step decode_cluster_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider --tb=short -rA -s tests/gpu/test_decode_kernel.py -k cluster ;;  # Note [A pair of CTAs shares the cache]: never run on a GPU yet
     decode-cluster-sanitize) for tool in synccheck racecheck memcheck; do step decode_cluster_$tool 420 env CUTE_DSL_LINEINFO=1 $SAN --tool $tool $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "cluster_paged and 128-1-128"; done ;;
     decode-cluster-bench) step decode_pair 580 $PY -m measure.decode --name decode_pair --dims 128 64 --batch 32 1 --tokens 16 --keys 8192 32768 131072 --heads 128/8 64/8 --variants pair --no-keys-on-m --deadline 500 ;;
+    decode-bad-values-memcheck) step decode_bad_values_memcheck 420 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_decode_api.py -k "bad_values_after_the_launch and off" ;;  # Note [Paged KV checks]: a bad launch reads nothing out of bounds
     decode-sanitize) step decode_memcheck 420 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered or paged_equals_contiguous_bit_for_bit" ;;
     decode-racecheck) step decode_racecheck 420 $SAN --tool racecheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;
     decode-synccheck) step decode_synccheck 420 $SAN --tool synccheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;
