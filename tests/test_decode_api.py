@@ -641,3 +641,26 @@ def test_every_entry_reads_the_values_after_the_launch(monkeypatch, bad):
             else:
                 call()
             assert log[0] == "launch" and set(log[1:]) == {"values read"}, (func, log)
+
+
+def test_the_eager_path_checks_what_the_public_function_left_and_nothing_twice(monkeypatch):
+    """decode_checked (the eager path of a checked public call, Note [The eager path]) checks
+    the TMA base addresses, which the public function's check_inputs(check_address=False) left,
+    with check_tma_operand's error; then the device. The plan of a shape is computed once
+    (decode_plan_args remembers it): a decoding loop asks the same shape every step."""
+    t = paged()
+    buf = torch.empty(t["q"].numel() + 1, dtype=BF16)
+    q = buf[1:].view(t["q"].shape)  # 2 bytes past a 16-byte boundary
+    q.copy_(t["q"])
+    k = torch.randn(3, 300, 2, 64).to(BF16)
+    with pytest.raises(ValueError, match=r"q.*address % 16 = 2"):
+        decode_entry.decode_checked("flash_attn_func", q, k, k, None, None, None, None, 0.125,
+                                    True, None, 0)
+    with pytest.raises(UnsupportedError, match=DEVICE):
+        decode_entry.decode_checked("flash_attn_func", t["q"], k, k, None, None, None, None,
+                                    0.125, True, None, 0)
+    decode_entry._plan.cache_clear()
+    for _ in range(3):
+        decode_entry.decode_plan_args(t["q"], k, None, None, None, None, True, None, 0, 132)
+    info = decode_entry._plan.cache_info()
+    assert (info.misses, info.hits) == (1, 2), info

@@ -252,7 +252,7 @@ def _paged_varlen(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       learnable_sink, seqused_q, left=p.left)
     decode_entry.refuse_paged_gradient(func, q, k, v)
     out, lse = ops.decode_call(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q,
-                               p.scale, p.causal, p.left, num_splits)
+                               p.scale, p.causal, p.left, num_splits, func)
     values.finish()  # Note [Paged KV checks]: read after the launch, raises on a bad value
     return out, _returned_lse(lse, check_flag("return_lse", return_lse), (q, k, v))
 

@@ -49,7 +49,9 @@ could observe the difference (``eager``: real CUDA tensors, no tracing, compilin
 function mode, no functorch transform): the same checks, once, by the public function; the same
 kernels through the same layers (runtime.prologue.forward_prepared, the device's backend); the
 autograd formula (``_backward_fwd``) in a torch.autograd.Function. Everything else, and a double
-backward, goes through the ops.
+backward, goes through the ops. A decode call (``decode_call``) does the same: eager, it goes to
+runtime.decode_entry.decode_checked, which adds only the TMA addresses to the public function's
+checks before the launch.
 """
 
 
@@ -421,15 +423,15 @@ def _(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale,
 
 
 def decode_call(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale: float,
-                causal: bool, window_left, num_splits: int) -> tuple[Tensor, Tensor]:
+                causal: bool, window_left, num_splits: int,
+                func: str = "flash_attn_func") -> tuple[Tensor, Tensor]:
     """The decode forward of a checked public call: the runtime entry directly where
     nothing observes the call (Note [The eager path]; its value checks already ran in the
     public function), the op otherwise."""
-    if eager(q, k, v):
-        return decode_entry.decode_forward(q, k, v, causal, softmax_scale, (window_left, None),
-                                           page_table=page_table, seqused_k=seqused_k,
-                                           cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                                           num_splits=num_splits, check_values=False)
+    if eager(q, k, v):  # checked by the public function: only the TMA addresses are left
+        return decode_entry.decode_checked(func, q, k, v, page_table, seqused_k, cu_seqlens_q,
+                                           max_seqlen_q, softmax_scale, causal, window_left,
+                                           num_splits)
     return decode_fwd(q, k, v, page_table, seqused_k, cu_seqlens_q,
                       -1 if max_seqlen_q is None else max_seqlen_q, softmax_scale, causal,
                       window_left, num_splits)

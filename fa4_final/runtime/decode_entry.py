@@ -53,6 +53,7 @@ compiles nothing.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -70,6 +71,7 @@ from fa4_final.runtime.checks import (
     ACCEPTED_DTYPES,
     _check_heads_and_dim,
     _check_index_vector,
+    check_addresses,
     check_inputs,
     check_max_seqlen,
     check_outputs,
@@ -260,35 +262,63 @@ def decode_forward_into(q, k, v, out, lse, causal=False, softmax_scale=None,
     refuse_decode_limits(func, d, v.shape[-1], causal, right, softcap, learnable_sink,
                          paged=paged, left=left)
     refuse_paged_gradient(func, q, k, v)
-    backend = cached_backend(q.device)  # the device check: a CPU tensor is named here
+    _launch_checked(func, q, k, v, out, lse, batch, page_table, seqused_k, cu_seqlens_q,
+                    max_seqlen_q, causal, resolve_scale(d, softmax_scale), left, num_splits)
+    values.finish()
+    return out, lse
+
+
+def _launch_checked(func: str, q, k, v, out, lse, batch: int, page_table, seqused_k,
+                    cu_seqlens_q, max_seqlen_q, causal: bool, scale: float, left,
+                    num_splits: int) -> None:
+    """What follows the checks: the device's family (a CPU tensor is named here), empty
+    problems answered without a launch, else the kernel (and the combine)."""
+    backend = cached_backend(q.device)
     if backend.family != "Hopper":
         raise UnsupportedError(f"{func}: the decode kernel is built for Hopper (sm_90a) only; "
                                f"this GPU's row is {backend.label}")
     if q.numel() == 0 or batch == 0:
-        values.finish()
-        return out, lse
-    if not paged and k.shape[1] == 0:  # no key at all (a TMA box cannot have an empty extent)
+        return
+    if page_table is None and k.shape[1] == 0:  # no key (a TMA box cannot have an empty extent)
         fill_empty_rows(out, lse)
-        return out, lse
+        return
     run_decode(q, k, v, out, lse, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, causal,
-               resolve_scale(d, softmax_scale), left, num_splits, backend.target)
-    values.finish()
-    return out, lse
+               scale, left, num_splits, backend.target)
+
+
+def _fresh_outputs(q, v, varlen: bool):
+    """out like q with v's head dim, lse float32 ((b, h, sq), or (h, total_q) when varlen)."""
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if varlen:
+        return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 def decode_forward(q, k, v, causal=False, softmax_scale=None, window_size=(None, None), *,
                    page_table=None, seqused_k=None, cu_seqlens_q=None, max_seqlen_q=None,
                    num_splits: int = 1, check_values: bool | None = None):
     """(out, lse) of decode_forward_into in fresh tensors (out like q, lse float32)."""
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    if cu_seqlens_q is not None:
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    else:
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    out, lse = _fresh_outputs(q, v, cu_seqlens_q is not None)
     return decode_forward_into(q, k, v, out, lse, causal, softmax_scale, window_size,
                                page_table=page_table, seqused_k=seqused_k,
                                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                                num_splits=num_splits, check_values=check_values)
+
+
+def decode_checked(func: str, q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q,
+                   scale: float, causal: bool, left, num_splits: int):
+    """(out, lse) of a public call whose function has already checked everything
+    decode_forward_into checks but the operands' TMA addresses (q, k, v were checked with
+    check_address=False; fa4_final.api.ops's Note [The eager path]): those here, then the
+    launch, without a second pass of the shape checks. ``scale`` resolved, ``causal`` and
+    ``left`` normalised; the page table's values are the caller's to finish."""
+    check_addresses(("q", q), ("k", k), ("v", v))
+    varlen = cu_seqlens_q is not None
+    out, lse = _fresh_outputs(q, v, varlen)
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    _launch_checked(func, q, k, v, out, lse, batch, page_table, seqused_k, cu_seqlens_q,
+                    max_seqlen_q, causal, scale, left, num_splits)
+    return out, lse
 
 
 def num_sms(device) -> int:
@@ -304,18 +334,28 @@ def decode_plan_args(q, k, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, ca
     of choose_num_splits over the keys a sequence can hold."""
     d, h, hk = q.shape[-1], q.shape[-2], k.shape[2]
     paged, varlen = page_table is not None, cu_seqlens_q is not None
-    default = hopper_decode_default(d)
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     tokens = (q.shape[0] if max_seqlen_q is None else max_seqlen_q) if varlen else q.shape[1]
-    rows = tokens * (h // hk)  # packed query rows of a (batch entry, KV head)
-    cfg = hopper_decode_for_rows(hopper_decode_for_page(d, k.shape[1]) if paged else default,
-                                 rows)
     keys = k.shape[1] * page_table.shape[1] if paged else k.shape[1]
+    return _plan(d, DTYPE_NAMES[q.dtype], h, hk, batch, tokens, k.shape[1], keys, paged,
+                 varlen, bool(causal), seqused_k is not None, left is not None, num_splits, sms)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(d: int, dtype: str, h: int, hk: int, batch: int, tokens: int, page_size: int,
+          keys: int, paged: bool, varlen: bool, causal: bool, has_seqused_k: bool,
+          has_left: bool, num_splits: int, sms: int) -> tuple[int, tuple]:
+    """decode_plan_args from ints alone, remembered: a decoding loop asks the same shape every
+    step, and this is host time on every call."""
+    default = hopper_decode_default(d)
+    rows = tokens * (h // hk)  # packed query rows of a (batch entry, KV head)
+    cfg = hopper_decode_for_rows(hopper_decode_for_page(d, page_size) if paged else default,
+                                 rows)
     splits = choose_num_splits(num_splits, batch=batch, heads_kv=hk, packed_rows=rows,
                                key_tiles=-(-keys // cfg.tile_n), num_sms=sms,
                                tile_m=cfg.tile_m, tile_n=cfg.tile_n)
-    args = (d, DTYPE_NAMES[q.dtype], causal, paged, seqused_k is not None, splits > 1,
-            None if cfg == default else cfg, varlen, left is not None)
+    args = (d, dtype, causal, paged, has_seqused_k, splits > 1,
+            None if cfg == default else cfg, varlen, has_left)
     return splits, args
 
 
