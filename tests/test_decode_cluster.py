@@ -379,39 +379,29 @@ def pair_kernel(stages):
     return HopperDecode(cutlass.BFloat16, 128, True, replace(pair(), stages=stages))
 
 
-def pair_timings():
-    from solutions.ch09_pipeline import Timing
-
-    # a TMA far slower or far faster than the consumers; consumers of very different speeds
-    return (Timing(), Timing(tma=(1, 60)), Timing(tma=(1, 2), mma=(1, 30), softmax=(1, 30)))
-
-
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_decode_cluster_rings_never_deadlock_overwrite_go_stale_or_outlive(stages):
     """Every problem under 12 seeds of random timings: both CTAs finish, no stage is refilled
     while either CTA reads it, every read sees its tile (the V tail zeroed), no arrive or byte
     reaches a CTA after it exited."""
+    from tests.test_decode_pipeline import TIMINGS
+
     kernel = pair_kernel(stages)
-    timings = pair_timings()
     for _, n_lo, n_hi, seqlen_k in [p for p in pair_problems() if p[0] == stages]:
         for seed in range(12):
             sim = PairSim(kernel, n_lo, n_hi, seqlen_k, seed,
-                          timing=timings[seed % len(timings)]).run()
+                          timing=TIMINGS[seed % len(TIMINGS)]).run()
             assert all(a.done for a in sim.agents)
 
 
 @pytest.mark.parametrize("bug", sorted(PAIR_BUGS))
 def test_decode_cluster_planted_mistakes_are_caught(bug):
-    from solutions.ch09_pipeline import PipelineError
+    from tests.test_decode_pipeline import caught_errors
 
-    kernel, timings, caught = pair_kernel(2), pair_timings(), []
-    for _, n_lo, n_hi, seqlen_k in [p for p in pair_problems() if p[0] == 2]:
-        for seed in range(12):
-            try:
-                PairSim(kernel, n_lo, n_hi, seqlen_k, seed, mutate=bug,
-                        timing=timings[seed % len(timings)]).run()
-            except PipelineError as exc:
-                caught.append(f"{type(exc).__name__}: {exc}")
+    kernel = pair_kernel(2)
+    caught = caught_errors(lambda n_lo, n_hi, seqlen_k, seed, timing: PairSim(
+        kernel, n_lo, n_hi, seqlen_k, seed, mutate=bug, timing=timing).run(),
+        [p for p in pair_problems() if p[0] == 2])
     assert caught, f"{bug} ({PAIR_BUGS[bug]}) was never caught"
     # caught as what it is, not as some other failure (a deadlock of a wrong count)
     want = {"local_release": "Overwrite: ", "own_half_bytes": "landed on",

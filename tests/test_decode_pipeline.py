@@ -160,15 +160,23 @@ def test_the_simulated_rings_are_the_kernels():
             ("tma_async", 3, 1, 4)
 
 
+def caught_errors(run, problems, seeds: int = 12) -> list[str]:
+    """The PipelineErrors (``Kind: message``) of ``run(n_lo, n_hi, seqlen_k, seed, timing)``
+    over every (stages, n_lo, n_hi, seqlen_k) problem and seed, TIMINGS taken in turn."""
+    caught = []
+    for _, n_lo, n_hi, seqlen_k in problems:
+        for seed in range(seeds):
+            try:
+                run(n_lo, n_hi, seqlen_k, seed, TIMINGS[seed % len(TIMINGS)])
+            except PipelineError as exc:
+                caught.append(f"{type(exc).__name__}: {exc}")
+    return caught
+
+
 @pytest.mark.parametrize("bug", sorted(BUGS))
 def test_planted_mistakes_are_caught(bug):
     kernel = kernel_of(2)
-    caught = []
-    for _, n_lo, n_hi, seqlen_k in [c for c in cta_problems() if c[0] == 2]:
-        for seed in range(12):
-            try:
-                DecodeSim(kernel, n_lo, n_hi, seqlen_k, seed, mutate=bug,
-                          timing=TIMINGS[seed % len(TIMINGS)]).run()
-            except PipelineError as exc:
-                caught.append(str(exc))
+    caught = caught_errors(lambda n_lo, n_hi, seqlen_k, seed, timing: DecodeSim(
+        kernel, n_lo, n_hi, seqlen_k, seed, mutate=bug, timing=timing).run(),
+        [c for c in cta_problems() if c[0] == 2])
     assert caught, f"{bug} ({BUGS[bug]}) was never caught"
