@@ -416,10 +416,7 @@ def _(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale,
                                       check_values=False)
     else:
         check_inputs(q, k, v, softmax_scale, check_address=False)
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    if cu_seqlens_q is not None:
-        return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return decode_entry.fresh_outputs(q, v, cu_seqlens_q is not None)
 
 
 def decode_call(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, softmax_scale: float,

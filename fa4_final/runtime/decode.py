@@ -234,8 +234,7 @@ def check_paged_kv(k, v, page_table, seqused_k, batch: int, cu_seqlens_k=None,
             raise ValueError(f"seqused_k must have shape ({batch},) (one length per sequence), "
                              f"got {tuple(seqused_k.shape)}")
     paged = PagedKV(num_pages, page_size, page_table.shape[1])
-    if wants_value_checks(check_values, page_table, seqused_k):
-        check_paged_kv_values(page_table, seqused_k, paged)
+    start_paged_kv_check(page_table, seqused_k, paged, check_values).finish()  # here, at once
     return paged
 
 
@@ -323,9 +322,10 @@ def start_paged_kv_check(page_table, seqused_k, paged: PagedKV,
 
 
 def check_paged_kv_values(page_table, seqused_k, paged: PagedKV) -> None:
-    """The value half of Note [Paged KV checks]: reductions on the device, one copy of
-    (first bad sequence, first bad page slot, its entry) to the host. ``seqused_k`` None: each
-    sequence uses every page of its row."""
+    """The value half of Note [Paged KV checks] in detail, what DeferredPagedCheck falls back on
+    when an extreme is out of range, to name the first bad value: reductions on the device, one
+    copy of (first bad sequence, first bad page slot, its entry) to the host. ``seqused_k``
+    None: each sequence uses every page of its row."""
     batch, max_pages = page_table.shape
     if batch == 0:
         return

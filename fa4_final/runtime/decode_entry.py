@@ -186,8 +186,9 @@ def check_paged_call(q, k, v, page_table, seqused_k, cu_seqlens_q=None, max_seql
     check_scale(softmax_scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tma_operand(name, t, check_address)
+    check_values = wants_value_checks(check_values, page_table, seqused_k)
     values = start_paged_kv_check(page_table, seqused_k, paged, check_values)
-    if varlen and wants_value_checks(check_values, page_table, seqused_k):
+    if varlen and check_values:
         _check_cu_seqlens_q_values(cu_seqlens_q, q.shape[0], max_seqlen_q)
     rows = (q.shape[0] if max_seqlen_q is None else max_seqlen_q) if varlen else q.shape[1]
     return batch, rows, h, hk, d, paged, values
@@ -286,7 +287,7 @@ def _launch_checked(func: str, q, k, v, out, lse, batch: int, page_table, sequse
                scale, left, num_splits, backend.target)
 
 
-def _fresh_outputs(q, v, varlen: bool):
+def fresh_outputs(q, v, varlen: bool):
     """out like q with v's head dim, lse float32 ((b, h, sq), or (h, total_q) when varlen)."""
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if varlen:
@@ -298,7 +299,7 @@ def decode_forward(q, k, v, causal=False, softmax_scale=None, window_size=(None,
                    page_table=None, seqused_k=None, cu_seqlens_q=None, max_seqlen_q=None,
                    num_splits: int = 1, check_values: bool | None = None):
     """(out, lse) of decode_forward_into in fresh tensors (out like q, lse float32)."""
-    out, lse = _fresh_outputs(q, v, cu_seqlens_q is not None)
+    out, lse = fresh_outputs(q, v, cu_seqlens_q is not None)
     return decode_forward_into(q, k, v, out, lse, causal, softmax_scale, window_size,
                                page_table=page_table, seqused_k=seqused_k,
                                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
@@ -314,7 +315,7 @@ def decode_checked(func: str, q, k, v, page_table, seqused_k, cu_seqlens_q, max_
     ``left`` normalised; the page table's values are the caller's to finish."""
     check_addresses(("q", q), ("k", k), ("v", v))
     varlen = cu_seqlens_q is not None
-    out, lse = _fresh_outputs(q, v, varlen)
+    out, lse = fresh_outputs(q, v, varlen)
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     _launch_checked(func, q, k, v, out, lse, batch, page_table, seqused_k, cu_seqlens_q,
                     max_seqlen_q, causal, scale, left, num_splits)

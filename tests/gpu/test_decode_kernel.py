@@ -507,21 +507,30 @@ def test_two_consumers_matches_float64(name):
     float64 and by the package's combine). Not causal, the key range and the splits are the
     64-row kernel's and each row's arithmetic the same: bit for bit its out, lse or partials;
     causal, the 128-row block's range may add tiles fully masked for some rows (printed)."""
+    d = TWO_CONSUMERS_CASES[name][5]
+    against_float64_and_a_twin(name, two_consumers_config(d), None, "64-row",
+                               seed=len(name) + 200, label=f"two_consumers {name}")
+
+
+def against_float64_and_a_twin(name, cfg, twin_cfg, twin: str, seed: int, label: str):
+    """TWO_CONSUMERS_CASES[name] run with ``cfg`` into NaN-filled outputs, against float64
+    (the partials merged in float64 and by the package's combine); beside it the kernel built
+    with ``twin_cfg`` (None: the default), whose bits it must give when not causal (the same
+    key range, splits and per-row arithmetic); the largest difference printed."""
     b, sq, sk, h, hk, d, dtype, causal, splits = TWO_CONSUMERS_CASES[name]
-    cfg = two_consumers_config(d)
-    q, k, v = qkv(b, sq, sk, h, hk, d, dtype, seed=len(name) + 200)
+    q, k, v = qkv(b, sq, sk, h, hk, d, dtype, seed=seed)
     out, lse, partials = run_decode(q, k, v, causal, splits, config=cfg)
-    rows = run_decode(q, k, v, causal, splits)  # the 64-row kernel
-    check_decode(q, k, v, out, lse, partials, causal, f"two_consumers {name}")
+    rows = run_decode(q, k, v, causal, splits, config=twin_cfg)
+    check_decode(q, k, v, out, lse, partials, causal, label)
     if partials is not None:
         combine_fn()(*rows[2], rows[0], rows[1])
-        wait_for_gpu(f"combine after the 64-row {name}")
+        wait_for_gpu(f"combine after the {twin} {name}")
     assert not out.isnan().any() and not lse.isnan().any()
     if not causal:
         got, want = (partials, rows[2]) if splits > 1 else ((out, lse), rows[:2])
         for a, b_ in zip(got, want):
-            assert torch.equal(a, b_), "not the 64-row kernel's bits"
-    print(f"{name}: max |out - 64-row out| "
+            assert torch.equal(a, b_), f"not the {twin} kernel's bits"
+    print(f"{name}: max |out - {twin} out| "
           f"{float((out.float() - rows[0].float()).abs().max()):.3g}")
 
 
@@ -585,21 +594,9 @@ def test_cluster_matches_float64(name):
     or none, a pair of two full m-blocks, rows that see no key, an empty split, 128k keys) with
     the pair of CTAs: against float64 into NaN-filled outputs. Not causal, each row's key range
     and splits are the kernel's without the cluster: bit for bit its out, lse or partials."""
-    b, sq, sk, h, hk, d, dtype, causal, splits = TWO_CONSUMERS_CASES[name]
-    q, k, v = qkv(b, sq, sk, h, hk, d, dtype, seed=len(name) + 300)
-    out, lse, partials = run_decode(q, k, v, causal, splits, config=cluster_config(d))
-    check_decode(q, k, v, out, lse, partials, causal, f"cluster {name}")
-    rows = run_decode(q, k, v, causal, splits, config=two_consumers_config(d))
-    if partials is not None:
-        combine_fn()(*rows[2], rows[0], rows[1])
-        wait_for_gpu(f"combine after the two-consumer {name}")
-    assert not out.isnan().any() and not lse.isnan().any()
-    if not causal:
-        got, want = (partials, rows[2]) if splits > 1 else ((out, lse), rows[:2])
-        for a, b_ in zip(got, want):
-            assert torch.equal(a, b_), "not the two-consumer kernel's bits"
-    print(f"{name}: max |out - two-consumer out| "
-          f"{float((out.float() - rows[0].float()).abs().max()):.3g}")
+    d = TWO_CONSUMERS_CASES[name][5]
+    against_float64_and_a_twin(name, cluster_config(d), two_consumers_config(d), "two-consumer",
+                               seed=len(name) + 300, label=f"cluster {name}")
 
 
 @pytest.mark.parametrize("page_size,splits,d", [(128, 1, 128), (256, 3, 128), (128, 2, 64)])
