@@ -39,7 +39,10 @@ def combine_reference(out_partial, lse_partial):
     """(out, lse) of the merge, in the partials' dtype (float64 for the yardstick): dense layout
     out_partial (n, b, s, h, dv), lse_partial (n, b, h, s). The kernel's steps: m = max lse (0
     in place of -inf), w_s = exp(lse_s - m) / sum w, splits added in order 0, 1, ..., a split
-    of weight 0 skipped (its partial never read: NaN there does not leak)."""
+    of weight 0 skipped (its partial never read: NaN there does not leak); a row with a NaN
+    split lse is NaN (Note [A NaN split poisons the row])."""
+    poisoned = torch.isnan(lse_partial).any(dim=0)  # (b, h, s)
+    lse_partial = torch.where(torch.isnan(lse_partial), -math.inf, lse_partial)
     m = lse_partial.amax(dim=0)  # (b, h, s)
     m_safe = torch.where(m == -math.inf, torch.zeros_like(m), m)
     w = torch.exp(lse_partial - m_safe)
@@ -53,6 +56,8 @@ def combine_reference(out_partial, lse_partial):
         out = out + torch.where(weights[s] > 0, out_partial[s] * weights[s], torch.zeros_like(out))
     lse = torch.where(seen, m + torch.log(torch.where(seen, total, torch.ones_like(total))),
                       torch.full_like(total, -math.inf))
+    lse = torch.where(poisoned, math.nan, lse)
+    out = torch.where(poisoned.permute(0, 2, 1).unsqueeze(-1), math.nan, out)
     return out, lse
 
 
@@ -142,6 +147,22 @@ def test_all_empty_rows_give_zero_and_minus_inf():
     lse_p = torch.full((n, b, h, sq), -math.inf, dtype=torch.float64)
     out, lse = combine_reference(out_p, lse_p)
     assert (out == 0).all() and (lse == -math.inf).all()
+
+
+def test_a_nan_split_lse_poisons_only_its_row():
+    """Note [A NaN split poisons the row]: the model's rows with a NaN split are NaN; the
+    others are what they were without it (the NaN split merged as an empty one elsewhere)."""
+    q, k, v = _inputs(1, 4, 90, 2, 64, seed=5)
+    out_p, lse_p = attention_partials(q, k, v, [(0, 30), (30, 60), (60, 90)], poison_empty=False)
+    clean_out, clean_lse = combine_reference(out_p, lse_p)
+    lse_p[1, 0, 1, 2] = math.nan
+    out_p[1, 0, 2, 1] = math.nan
+    out, lse = combine_reference(out_p, lse_p)
+    assert torch.isnan(lse[0, 1, 2]) and torch.isnan(out[0, 2, 1]).all()
+    row = torch.zeros_like(lse, dtype=torch.bool)
+    row[0, 1, 2] = True
+    assert torch.equal(lse[~row], clean_lse[~row])
+    assert torch.equal(out[~row.permute(0, 2, 1)], clean_out[~row.permute(0, 2, 1)])
 
 
 def test_merge_is_the_online_softmax_merge_in_any_order():

@@ -106,11 +106,13 @@ def test_one_gemm_pair_per_step_body(compiled, variant):
 @pytest.mark.parametrize("variant", VARIANTS, ids=name)
 def test_device_reads_are_the_lengths_and_the_pages(compiled, variant):
     """Besides Q's 16-byte loads, the only global reads are seqused_k[b] (once a CTA), the page
-    of each key tile (in the producer's loop) and, varlen, the sequence's two offsets: no
-    host-side metadata."""
+    of each key tile (in the producer's loop), paged, the consumers' look at the split's pages
+    and at seqused_k (Note [Out-of-range pages give NaN]) and, varlen, the sequence's two
+    offsets: no host-side metadata."""
     d, paged, used, split, causal, dtype, varlen, window = variant
     art = compiled(variant)
-    assert art.count("ld.global.b32") == int(paged) + int(used) + 2 * int(varlen)
+    looks = int(paged) * (1 + int(used))
+    assert art.count("ld.global.b32") == int(paged) + int(used) + looks + 2 * int(varlen)
     assert art.count("ld.global.v4.b32") == 64 * d // 8 // 128  # Q: 16 B a thread a row chunk
 
 

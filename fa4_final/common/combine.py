@@ -43,6 +43,14 @@ and the shared-memory row are sized by it; the split loop itself runs to the run
 128 is where the split heuristic stops (fa4_final.runtime.decode), and a bound in registers
 keeps the max and the sum in one pass over the lse values, where a runtime loop would need two
 passes or a rescaling sum. The launch refuses more splits.
+
+Note [A NaN split poisons the row]
+A split's lse is NaN only when its kernel poisoned it (the decode kernel's answer to a page or
+a length out of range: Note [Out-of-range pages give NaN] in fa4_final.hopper.decode). The max
+ignores NaN and the weight test (w > 0) is false for it, so without care the merge would drop
+the split and return a finite row, or 0 and -inf, an answer that looks right. Instead a NaN
+lse is merged as an empty split (its partial never read) and counted; when any split of a row
+was NaN, the row's out and lse are NaN (a multiply and an add by a factor 1 or NaN).
 """
 
 from __future__ import annotations
@@ -126,12 +134,20 @@ class SplitCombine:
         b = row // (seqlen_q * heads)
 
         # 1. the row's lse values, lane l holding splits l, l + lanes, ...
+        # a NaN lse marks a poisoned split (Note [A NaN split poisons the row]): counted in
+        # ``bad`` and merged as an empty one, so the weights stay finite
         rW = cute.make_rmem_tensor(self.lse_per_lane, Float32)
+        bad = Float32(0.0)
         for c in cutlass.range_constexpr(self.lse_per_lane):
             split = c * lanes + lane
             rW[c] = -Float32.inf
             if valid and split < num_splits:
                 rW[c] = mLSEp[split, b, h, q]
+            if rW[c] != rW[c]:
+                rW[c] = -Float32.inf
+                bad = Float32(1.0)
+        bad = cute.arch.warp_reduction_max(bad, threads_in_group=lanes)
+        poison = Float32(1.0) if bad == Float32(0.0) else Float32(float("nan"))
         # 2. max and sum over the splits: this lane's values, then the row's lanes
         m = rW[0]
         for c in cutlass.range_constexpr(1, self.lse_per_lane):
@@ -153,7 +169,7 @@ class SplitCombine:
             lse = -Float32.inf
             if seen:
                 lse = m + cute.math.log(total, fastmath=True)
-            mLSE[b, h, q] = lse
+            mLSE[b, h, q] = lse + (poison - Float32(1.0))
         cute.arch.barrier()
 
         # 4. out = sum_s w_s out_s, UNROLL splits at a time, in split order (Note [Combine order])
@@ -176,7 +192,7 @@ class SplitCombine:
         # 5. out, 16 B per lane
         if valid:
             rO = cute.make_rmem_tensor(ELEMS_PER_LANE, self.dtype)
-            rO.store(acc.load().to(self.dtype))
+            rO.store((acc.load() * poison).to(self.dtype))
             gO = cute.local_tile(mO[b, q, h, None], (ELEMS_PER_LANE,), (lane,))
             cute.autovec_copy(rO, gO)
 

@@ -447,6 +447,9 @@ class HopperDecode:
                           mPageTable, b, kv_head, n_lo, n_hi, seqlen_k, rank)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            poison = None  # Note [Out-of-range pages give NaN]
+            if const_expr(self.paged):
+                poison = self.page_poison(mK, mPageTable, mSeqUsedK, b, n_lo, n_hi, seqlen_k)
             if const_expr(self.cfg.swap_ab):  # Note [Keys on M]
                 sP_layout = self.keys_on_m_p_layout()
                 sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
@@ -455,11 +458,12 @@ class HopperDecode:
                 self.consume_keys_on_m(
                     mQ, mO, mLSE, sQ, sK, sV, sP, sX, tiled_mma_qk, tiled_mma_pv, pipeline_k,
                     pipeline_v, scale_log2, (qb, q_offset), kv_head, m_block, split, group,
-                    seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window)
+                    seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window, poison)
             elif const_expr(self.consumers == 1):
                 self.consume(mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
                              pipeline_v, scale_log2, (qb, q_offset), kv_head, m_block, split,
-                             group, seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window)
+                             group, seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window,
+                             poison=poison)
             else:
                 # Note [Two consumer warpgroups]: warpgroup 1 + part owns the CTA's 64-row
                 # sub-block m_block * consumers + part, Q from its stage of sQ
@@ -467,15 +471,59 @@ class HopperDecode:
                 self.consume(mQ, mO, mLSE, sQ[None, None, part], sK, sV, tiled_mma_qk,
                              tiled_mma_pv, pipeline_k, pipeline_v, scale_log2, (qb, q_offset),
                              kv_head, m_block * self.consumers + part, split, group, seqlen_q,
-                             seqlen_k, n_lo, n_hi, n_full, n_left_free, window, part)
+                             seqlen_k, n_lo, n_hi, n_full, n_left_free, window, part, poison)
+
+    # Note [Out-of-range pages give NaN]
+    # A page-table entry a sequence uses that is not a page of the cache, or a seqused_k past
+    # max_pages x page_size or below 0, must not turn into a plausible answer. The launch is
+    # safe without any check (cached_length clamps the length, so no slot past a row is read;
+    # a TMA box at a page past the cache is filled with zeros), and the API does not stop the
+    # host to read the values (Note [Paged KV checks] in fa4_final.runtime.decode): the kernel
+    # looks for itself. Each consumer thread, before its epilogue, reads the entries of the
+    # pages its split reads (keys n_lo * tile_n up to the split's last key: a few dozen loads
+    # the whole warpgroup shares, from L1) and seqused_k[b]; if one is out of range, every out
+    # and lse value the CTA writes is NaN (a multiply of O and an add to lse by the factor
+    # page_poison returns, 1 or NaN: no branch in the store). A split's NaN partial makes the
+    # combined row NaN. Pages no split reads (left of a window) are not looked at: they change
+    # no value of the answer.
+
+    @cute.jit
+    def page_poison(self, mK, mPageTable, mSeqUsedK, b, n_lo, n_hi, seqlen_k):
+        """1.0, or NaN when sequence ``b``'s seqused_k is out of [0, max_pages x page_size] or
+        an entry of a page the split reads is out of [0, num_pages)
+        (Note [Out-of-range pages give NaN]). mK is the paged TMA coordinate tensor (page_size,
+        D, heads_kv, num_pages)."""
+        page_size = mK.shape[0]
+        num_pages = mK.shape[3]
+        bad = Int32(0)
+        if const_expr(mSeqUsedK is not None):
+            used = mSeqUsedK[b]
+            if used < 0:
+                bad = Int32(1)
+            if used > page_size * mPageTable.shape[1]:
+                bad = Int32(1)
+        keys_end = cutlass.min(n_hi * self.tile_n, seqlen_k)
+        first = n_lo * self.tile_n // page_size
+        last = (keys_end - 1) // page_size
+        if keys_end > n_lo * self.tile_n:
+            for j in cutlass.range(first, last + 1, unroll=1):
+                page = mPageTable[b, j]
+                if page < 0:
+                    bad = Int32(1)
+                if page >= num_pages:
+                    bad = Int32(1)
+        poison = Float32(1.0)
+        if bad != 0:
+            poison = Float32(float("nan"))
+        return poison
 
     @cute.jit
     def cached_length(self, mK, mPageTable, mSeqUsedK, b):
         """Keys of sequence ``b``: the cache's length (paged: the table's pages times the page
         size), or seqused_k[b] when given, clamped to it: a length past the cache, which the
-        API's deferred value check reports only after the launch (Note [Paged KV checks] in
-        fa4_final.runtime.decode), never makes the producer read a page-table slot past its
-        row."""
+        API does not stop to look for (Note [Paged KV checks] in fa4_final.runtime.decode;
+        page_poison turns it into NaN rows), never makes the producer read a page-table slot
+        past its row."""
         length = mK.shape[0]
         if const_expr(self.paged):
             length = mK.shape[0] * mPageTable.shape[1]
@@ -586,11 +634,13 @@ class HopperDecode:
     @cute.jit
     def consume(self, mQ, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_k,
                 pipeline_v, scale_log2: Float32, rows_at, kv_head, m_block, split, group,
-                seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window, part=None):
+                seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window, part=None,
+                poison=None):
         """The consumer warpgroup: Q, the split's key tiles, the epilogue. ``rows_at``: (batch
         entry, first row) of the sequence's rows in q, out and lse. consumers = 2
         (Note [Two consumer warpgroups]): ``part`` is the warpgroup's index among the
-        consumers, ``m_block`` its 64-row sub-block and ``sQ`` its 64 rows."""
+        consumers, ``m_block`` its 64-row sub-block and ``sQ`` its 64 rows. ``poison``
+        (paged): page_poison's factor for out and lse."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 127
         tail_tidx = tidx  # zero_v_tail's thread among all the consumers
@@ -631,7 +681,7 @@ class HopperDecode:
             state_k, state_v = self.walk_key_tiles(step, n_lo, n_hi, n_full, n_left_free,
                                                    n_tiles, state_k, state_v)
         self.epilogue(acc_o, softmax, mO, mLSE, thr_mma_pv, rows_at, kv_head, m_block, split,
-                      group, seqlen_q)
+                      group, seqlen_q, poison)
 
     @cute.jit
     def walk_key_tiles(self, step, n_lo, n_hi, n_full, n_left_free, n_tiles, state_k, state_v):
@@ -733,12 +783,17 @@ class HopperDecode:
 
     @cute.jit
     def epilogue(self, acc_o, softmax, mO, mLSE, thr_mma_pv, rows_at, kv_head, m_block, split,
-                 group, seqlen_q):
+                 group, seqlen_q, poison=None):
         """out = O / l and lse straight from registers to global memory, each packed row to its
         (token, head); float32 partials with ``split``. Decode's output is a few rows per CTA:
         no shared-memory staging, no TMA store. A split (or row) that saw no key writes out = 0
-        and lse = -inf (OnlineSoftmax.finalize)."""
+        and lse = -inf (OnlineSoftmax.finalize). ``poison`` (paged): 1 or NaN, multiplies out
+        and is added to lse less 1 (Note [Out-of-range pages give NaN])."""
         inv_sum, lse = softmax.finalize()
+        if const_expr(poison is not None):
+            for r in cutlass.range_constexpr(cute.size(inv_sum)):
+                inv_sum[r] = inv_sum[r] * poison
+                lse[r] = lse[r] + (poison - Float32(1.0))
         o = acc_rows_cols(acc_o)
         for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
             for c in cutlass.range(cute.size(o, mode=[1]), unroll_full=True):
@@ -882,9 +937,10 @@ class HopperDecode:
     @cute.jit
     def consume_keys_on_m(self, mQ, mO, mLSE, sQ, sK, sV, sP, sX, mma_s, mma_o, pipeline_k,
                           pipeline_v, scale_log2: Float32, rows_at, kv_head, m_block, split,
-                          group, seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window):
+                          group, seqlen_q, seqlen_k, n_lo, n_hi, n_full, n_left_free, window,
+                          poison=None):
         """The consumer warpgroup under swap_ab (Note [Keys on M]): Q, the split's key tiles
-        with the keys on M, the transposed epilogue."""
+        with the keys on M, the transposed epilogue (``poison``: page_poison's factor)."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - THREADS_PER_WARPGROUP  # 0 .. 127
         wg_s, wg_o = mma_s.get_slice(0), mma_o.get_slice(0)
@@ -935,7 +991,7 @@ class HopperDecode:
             # warpgroup.arrive (C7519) before it
             acc_o.fill(0.0)
         self.epilogue_keys_on_m(acc_o, col_max, col_sum, sX, tScS, tidx, scale_log2, mO, mLSE,
-                                thr_o, rows_at, kv_head, m_block, split, group, seqlen_q)
+                                thr_o, rows_at, kv_head, m_block, split, group, seqlen_q, poison)
 
     @cute.jit
     def column_exchange(self, values, sX, tScS, tidx, op):
@@ -1026,7 +1082,8 @@ class HopperDecode:
 
     @cute.jit
     def epilogue_keys_on_m(self, acc_o, col_max, col_sum, sX, tScS, tidx, scale_log2, mO, mLSE,
-                           thr_o, rows_at, kv_head, m_block, split, group, seqlen_q):
+                           thr_o, rows_at, kv_head, m_block, split, group, seqlen_q,
+                           poison=None):
         """out = O^T / l column by column and lse, from the transposed accumulator to each
         packed row's (token, head); float32 partials with ``split``. A column that saw no key
         writes out = 0 and lse = -inf. The sums are reduced over the warpgroup here, once."""
@@ -1036,6 +1093,9 @@ class HopperDecode:
         lse = cute.make_rmem_tensor(cols, Float32)
         for c in cutlass.range_constexpr(cols):
             inv_sum[c], lse[c] = inverse_sum_and_lse(total[c], col_max[c] * scale_log2)
+            if const_expr(poison is not None):  # Note [Out-of-range pages give NaN]
+                inv_sum[c] = inv_sum[c] * poison
+                lse[c] = lse[c] + (poison - Float32(1.0))
         o = acc_rows_cols(acc_o)
         for c in cutlass.range_constexpr(cols):
             for r in cutlass.range_constexpr(cute.size(o, mode=[0])):

@@ -174,21 +174,31 @@ class PagedKV:
 #     a sequence's last used page are never read and may hold anything (engines pad them with
 #     -1 or 0).
 # FA4 checks the metadata with asserts and the values not at all: a page past the cache is not
-# caught there (a gathered load reads out of bounds, a TMA load clips it to zeros). Here the
-# values are checked by default, on the device, by a few reductions (the extremes of seqused_k
-# and of the page entries in use: DeferredPagedCheck) and one copy of four numbers to the host
-# (one synchronisation, like the varlen offsets' checks); only when they are out of range does
-# check_paged_kv_values look for the first bad value to name it. The calls of the API launch
-# these reductions, then the decode kernel, and read the four numbers last, so the
-# synchronisation waits for the kernel rather than holding it back; a bad value then raises the
-# same error after a launch that could not fault: the kernel clamps each cached length to
-# max_pages x page_size, so it never reads a page-table slot past its row, and a page index out
-# of range is a TMA box out of bounds, which the hardware fills with zeros. (check_paged_kv with
-# values checks before anything runs.) The check is skipped where values cannot be read or a
-# synchronisation is not allowed or not wanted: while torch.compile traces (fake tensors),
-# while a CUDA graph is being captured (the warm-up call before the capture checked the same
-# tensors, the caller owns the values it replays with) and with FA4_FINAL_VARLEN_CHECKS=0, the
-# switch of the varlen checks; then the path has no host synchronisation at all.
+# caught there (a gathered load reads out of bounds, a TMA load clips it to zeros). Here a bad
+# value can neither fault nor pass as an answer, and finding it stops nothing:
+#   - the launch is safe on any values: the kernel clamps each cached length to max_pages x
+#     page_size, so it never reads a page-table slot past its row, and a page index out of
+#     range is a TMA box out of bounds, which the hardware fills with zeros;
+#   - the kernel looks at the values it uses (Note [Out-of-range pages give NaN] in
+#     fa4_final.hopper.decode): a sequence whose seqused_k is out of range, or a page it reads
+#     that is not a page of the cache, gets NaN in every row of out and lse (through the split
+#     combine too: Note [A NaN split poisons the row] in fa4_final.common.combine);
+#   - the error that names the bad value is a host check, asked for with
+#     FA4_FINAL_PAGED_CHECKS=1 (or check_values=True): a few reductions on the device (the
+#     extremes of seqused_k and of the page entries in use: DeferredPagedCheck), launched
+#     before the kernel, and one copy of four numbers to the host after its launch; only when
+#     they are out of range does check_paged_kv_values look for the first bad value to name it.
+#     That copy waits for the kernel, so the host cannot queue the next call while the kernel
+#     runs: measured on an H100 with the check on every call, a paged call took 738 us against
+#     the kernel's 360 (batch 32, 8k keys, one query token, the L2 flushed) and 240 against 29
+#     at batch 1, which is why it is not the default on a GPU.
+# On tensors off a GPU (no kernel runs there, nothing to wait for) the values are checked at
+# once. The check is skipped where values cannot be read or a synchronisation is not allowed:
+# while torch.compile traces (fake tensors) and while a CUDA graph is being captured; and
+# FA4_FINAL_VARLEN_CHECKS=0, the switch of the varlen checks, turns it off everywhere.
+
+
+PAGED_CHECKS_ENV = "FA4_FINAL_PAGED_CHECKS"  # "1": name a bad page on the host (Note above)
 
 
 def _index_tensor(name: str, t, device) -> None:
@@ -204,7 +214,7 @@ def check_paged_kv(k, v, page_table, seqused_k, batch: int, cu_seqlens_k=None,
                    check_values: bool | None = None) -> PagedKV:
     """Validate a paged KV cache (Note [Paged KV checks]); return its sizes. ``batch``: the
     number of sequences (cu_seqlens_q's entries - 1). ``check_values``: None checks the values
-    unless a CUDA graph is being captured or FA4_FINAL_VARLEN_CHECKS=0; True or False forces."""
+    where wants_value_checks says; True or False forces."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -239,12 +249,16 @@ def check_paged_kv(k, v, page_table, seqused_k, batch: int, cu_seqlens_k=None,
 
 
 def wants_value_checks(check_values: bool | None, page_table, seqused_k) -> bool:
-    """Whether a paged call's values are checked (Note [Paged KV checks]): ``check_values`` when
-    given, else unless FA4_FINAL_VARLEN_CHECKS=0 or the values cannot be read now."""
+    """Whether a paged call's values are checked on the host (Note [Paged KV checks]):
+    ``check_values`` when given; else never with FA4_FINAL_VARLEN_CHECKS=0 or where the values
+    cannot be read now; else on a GPU only with FA4_FINAL_PAGED_CHECKS=1 (the kernel turns a
+    bad value into NaN rows by itself), and always off one."""
     if check_values is not None:
         return check_values
-    return os.environ.get("FA4_FINAL_VARLEN_CHECKS") != "0" and _values_readable(
-        page_table, *(() if seqused_k is None else (seqused_k,)))
+    if os.environ.get("FA4_FINAL_VARLEN_CHECKS") == "0" or not _values_readable(
+            page_table, *(() if seqused_k is None else (seqused_k,))):
+        return False
+    return page_table.device.type != "cuda" or os.environ.get(PAGED_CHECKS_ENV) == "1"
 
 
 def _values_readable(*tensors) -> bool:

@@ -42,13 +42,14 @@ No host synchronisation on the launch path: the split count comes from shapes an
 (choose_num_splits over the page table's capacity or the cache's length), the float32
 partials are allocated (partials_like), the kernel and the combine are launched on the current
 stream, and varlen queries size the grid by max_seqlen_q, a host int (None: the packed count, a
-bound). The value checks of the page table, seqused_k and cu_seqlens_q copy a few numbers to
-the host once per call, as the varlen checks do (the page table's and seqused_k's after the
-kernel's launch, so the copy waits for the kernel instead of delaying it:
-Note [Paged KV checks]), and are skipped while a CUDA graph is captured
-(the warm-up call before the capture checked the same tensors), under torch.compile's tracing,
-and with FA4_FINAL_VARLEN_CHECKS=0. A warm-up call compiles the kernels, so a captured call
-compiles nothing.
+bound). A dense q with a page table reads nothing back: a page table or seqused_k out of range
+gives NaN rows, found by the kernel itself (Note [Paged KV checks]); FA4_FINAL_PAGED_CHECKS=1
+adds the host check that names the bad value, one copy of four numbers after the kernel's
+launch. Packed queries copy cu_seqlens_q to the host once per call before the launch, as the
+varlen checks do (the kernel's q and out addresses trust its offsets). Every host check is
+skipped while a CUDA graph is captured, under torch.compile's tracing and with
+FA4_FINAL_VARLEN_CHECKS=0. A warm-up call compiles the kernels, so a captured call compiles
+nothing.
 """
 
 from __future__ import annotations

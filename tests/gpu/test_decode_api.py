@@ -228,18 +228,22 @@ def test_a_paged_call_in_a_cuda_graph(decode_calls):
     assert decode_calls == [3, 3]  # the warm-up and the capture; replays call nothing
 
 
-@pytest.mark.parametrize("checks", ["on", "off"])
+@pytest.mark.parametrize("checks", ["named", "default"])
 @pytest.mark.parametrize("bad", ["page past the cache", "negative page", "seqused_k past the row",
                                  "negative seqused_k"])
 def test_bad_values_after_the_launch_fault_nothing(monkeypatch, bad, checks, decode_calls):
-    """Note [Paged KV checks]: the value checks are read after the decode kernel's launch, so
-    the kernel runs on the bad values first. It must not fault: a page out of range is a TMA
-    box out of bounds (zeros), a length past the table's row is clamped to it. With the checks
-    on the call raises the check's error naming the value; off (FA4_FINAL_VARLEN_CHECKS=0) it
-    returns; either way the device stays healthy, and a good call afterwards (same tensors,
-    repaired) is float64's answer. Splits 1 and 3 (the combine after a bad launch)."""
-    if checks == "off":
-        monkeypatch.setenv("FA4_FINAL_VARLEN_CHECKS", "0")
+    """Note [Paged KV checks]: the kernel runs on the bad values. It must not fault: a page out
+    of range is a TMA box out of bounds (zeros), a length past the table's row is clamped to it.
+    By default the call returns with the bad sequence's every row NaN in out and lse
+    (Note [Out-of-range pages give NaN], through the combine with 3 splits) and the other
+    sequences' rows the good call's bits; with FA4_FINAL_PAGED_CHECKS=1 it raises the host
+    check's error naming the value. Either way the device stays healthy, and a good call
+    afterwards (same tensors, repaired) is float64's answer. Splits 1 and 3."""
+    monkeypatch.delenv("FA4_FINAL_VARLEN_CHECKS", raising=False)
+    if checks == "named":
+        monkeypatch.setenv("FA4_FINAL_PAGED_CHECKS", "1")
+    else:
+        monkeypatch.delenv("FA4_FINAL_PAGED_CHECKS", raising=False)
     b, sq, h, hk, d, page_size = 3, 4, 16, 2, 128, 128
     used = [1000, 129, 640]
     pages = max(-(-n // page_size) for n in used)
@@ -249,29 +253,37 @@ def test_bad_values_after_the_launch_fault_nothing(monkeypatch, bad, checks, dec
     broken_table, broken_used = table.clone(), used_k.clone()
     if bad == "page past the cache":
         broken_table[0, 2] = kp.shape[0] + 1000
-        words = r"page_table\[0, 2\] = "
+        words, seq = r"page_table\[0, 2\] = ", 0
     elif bad == "negative page":
         broken_table[2, 0] = -7
-        words = r"page_table\[2, 0\] = -7"
+        words, seq = r"page_table\[2, 0\] = -7", 2
     elif bad == "seqused_k past the row":
         broken_used[1] = table.shape[1] * page_size + 5000
-        words = r"seqused_k\[1\] = "
+        words, seq = r"seqused_k\[1\] = ", 1
     else:
         broken_used[2] = -5
-        words = r"seqused_k\[2\] = -5"
+        words, seq = r"seqused_k\[2\] = -5", 2
     for splits in (1, 3):
         with torch.no_grad():
-            if checks == "on":
+            if checks == "named":
                 with pytest.raises(ValueError, match=words):
                     flash_attn_varlen_func(q, kp, vp, page_table=broken_table,
                                            seqused_k=broken_used, causal=True,
                                            num_splits=splits)
             else:
-                flash_attn_varlen_func(q, kp, vp, page_table=broken_table, seqused_k=broken_used,
-                                       causal=True, num_splits=splits)
+                bad_out, bad_lse = flash_attn_varlen_func(
+                    q, kp, vp, page_table=broken_table, seqused_k=broken_used, causal=True,
+                    num_splits=splits, return_lse=True)
             torch.cuda.synchronize()  # a fault of the bad launch would surface here
             out, lse = flash_attn_varlen_func(q, kp, vp, page_table=table, seqused_k=used_k,
                                               causal=True, num_splits=splits, return_lse=True)
         wait_for_gpu(f"{bad}, checks {checks}, splits {splits}")
         check_against_float64(q, kp, vp, out, lse, True, page_table=table, seqused_k=used_k)
+        if checks == "default":
+            what = f"{bad}, splits {splits}"
+            assert torch.isnan(bad_out[seq]).all(), f"{what}: sequence {seq}'s out not all NaN"
+            assert torch.isnan(bad_lse[seq]).all(), f"{what}: sequence {seq}'s lse not all NaN"
+            others = [i for i in range(b) if i != seq]
+            assert torch.equal(bad_out[others], out[others]), f"{what}: other sequences changed"
+            assert torch.equal(bad_lse[others], lse[others]), f"{what}: other lse changed"
     assert len(decode_calls) == 4, "every call, bad ones included, launched the decode kernel"

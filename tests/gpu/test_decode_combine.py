@@ -181,6 +181,32 @@ def test_a_nan_never_passes():
         _check(out, bad_lse, ref_out, ref_lse, "planted")
 
 
+@pytest.mark.parametrize("n", [1, 3, 40])
+def test_a_nan_split_poisons_its_row(n):
+    """Note [A NaN split poisons the row]: rows with one split's lse NaN (a poisoned decode
+    split; its partial out NaN too) come out NaN in out and lse, beside an all-empty NaN row;
+    every other row is the model's (a NaN lse is never taken as an empty split)."""
+    out_p, lse_p = _partials(n, (2, 5, 3), 128, 0.2, False, seed=n)
+    lse_p[n // 2, 0, 1, 2] = math.nan  # one split of row (b 0, h 1, q 2)
+    out_p[n // 2, 0, 2, 1] = math.nan
+    lse_p[:, 1, 2, 4] = -math.inf  # row (b 1, h 2, q 4): every split empty ...
+    lse_p[n - 1, 1, 2, 4] = math.nan  # ... and one of them poisoned
+    ref_out, ref_lse = combine_reference(out_p.double(), lse_p.double())
+    out, lse, _, _ = _guarded_outputs(BF16, (2, 5, 3, 128), (2, 3, 5))
+    combine_splits(out_p, lse_p, out, lse)
+    torch.cuda.synchronize()
+    poisoned = torch.zeros(2, 3, 5, dtype=torch.bool, device=DEVICE)
+    poisoned[0, 1, 2] = poisoned[1, 2, 4] = True
+    assert torch.equal(torch.isnan(lse), poisoned), "lse NaN exactly at the poisoned rows"
+    assert torch.equal(torch.isnan(out).all(-1), poisoned.permute(0, 2, 1))
+    assert torch.equal(torch.isnan(out).any(-1), poisoned.permute(0, 2, 1))
+    keep = ~poisoned
+    _check(out.masked_fill(poisoned.permute(0, 2, 1)[..., None], 0),
+           lse.masked_fill(poisoned, 0), ref_out.nan_to_num(0.0), ref_lse.nan_to_num(0.0),
+           f"n={n}, the rows not poisoned")
+    assert keep.sum() == 2 * 3 * 5 - 2
+
+
 def test_empty_problems_launch_nothing():
     out = torch.empty(0, 1, 4, 128, dtype=BF16, device=DEVICE)
     lse = torch.empty(0, 4, 1, device=DEVICE)
