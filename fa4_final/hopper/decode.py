@@ -479,9 +479,9 @@ class HopperDecode:
     # safe without any check (cached_length clamps the length, so no slot past a row is read;
     # a TMA box at a page past the cache is filled with zeros), and the API does not stop the
     # host to read the values (Note [Paged KV checks] in fa4_final.runtime.decode): the kernel
-    # looks for itself. Each consumer thread, before its epilogue, reads the entries of the
-    # pages its split reads (keys n_lo * tile_n up to the split's last key: a few dozen loads
-    # the whole warpgroup shares, from L1) and seqused_k[b]; if one is out of range, every out
+    # looks for itself. Each consumer thread, before its first key tile, reads the entries of the
+    # pages its split reads (keys n_lo * tile_n up to the split's last key: the 32 lanes of a
+    # warp share them, then one vote) and seqused_k[b]; if one is out of range, every out
     # and lse value the CTA writes is NaN (a multiply of O and an add to lse by the factor
     # page_poison returns, 1 or NaN: no branch in the store). A split's NaN partial makes the
     # combined row NaN. Pages no split reads (left of a window) are not looked at: they change
@@ -506,14 +506,16 @@ class HopperDecode:
         first = n_lo * self.tile_n // page_size
         last = (keys_end - 1) // page_size
         if keys_end > n_lo * self.tile_n:
-            for j in cutlass.range(first, last + 1, unroll=1):
+            # the warp's lanes share the slots, 32 apart, four loads in flight; one vote
+            lane = cute.arch.lane_idx()
+            for j in cutlass.range(first + lane, last + 1, WARP_SIZE, unroll=4):
                 page = mPageTable[b, j]
                 if page < 0:
                     bad = Int32(1)
                 if page >= num_pages:
                     bad = Int32(1)
         poison = Float32(1.0)
-        if bad != 0:
+        if cute.arch.vote_any_sync(bad != 0):
             poison = Float32(float("nan"))
         return poison
 
