@@ -111,6 +111,21 @@ PRODUCES = [
      "--no-keys-on-m --deadline 470", "an H100 visit: 16 tokens at GQA 8 and 16 (128 and 256 "
      "packed rows), the decode kernel with one consumer warpgroup (fa4_final_decode, then the "
      "default) and with two (wg2) beside the peers: what made two the default above 64 rows"),
+    ("results/h100/decode_pair.json", "python -m measure.decode --name decode_pair --dims 128 "
+     "--batch 32 --tokens 16 --keys 8192 131072 --heads 128/8 --variants pair --no-keys-on-m "
+     "--deadline 90", "an H100 visit: 256 packed rows a KV head (16 tokens at GQA 16), D = 128, "
+     "the pair of CTAs sharing each K/V tile (pair) beside the call and the peers"),
+    ("results/h100/decode_pair_d64.json", "python -m measure.decode --name decode_pair_d64 "
+     "--dims 64 --batch 32 --tokens 16 --keys 8192 131072 --heads 128/8 --variants pair "
+     "--no-keys-on-m --deadline 90", "the same visit: the same at D = 64"),
+    ("results/h100/decode_variants.json", "python -m measure.decode --name decode_variants "
+     "--dims 128 --batch 32 --tokens 1 --keys 8192 131072 --heads 32/8 --variants n64s3 n64s4 "
+     "n128s2 split2 --no-keys-on-m --deadline 120", "the same visit: the config candidates at "
+     "batch 32, one token"),
+    ("results/h100/decode_api.json", "python -m measure.decode --name decode_api --dims 128 "
+     "--batch 1 32 --tokens 1 16 --keys 8192 131072 --heads 32/8 --no-keys-on-m --deadline 110",
+     "an H100 visit: the calls through the API, paged and not, one split and the heuristic's, "
+     "after the paged call stopped reading its page table back (Note [Paged KV checks])"),
 ]
 
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")

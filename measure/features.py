@@ -34,7 +34,8 @@ Rows, on the same q, k, v (and sink) of a shape, interleaved in ``--rounds`` rou
                 default then: fa4_final (64 keys) and fa4_final_fa4_tile (FA4's tile).
   fa4_final_3wg   at D = dv = 96, the same kernel with three consumer warpgroups (192-row
                 tiles, as the FA4 package runs D = 96) of 96 keys in three K stages, P converted
-                pair by pair: compiled clean here (no spill, no injected arrive), untimed
+                pair by pair: the dense default at D = 96 since results/h100/features_d96.json
+                timed it beside two warpgroups (the row then equals fa4_final)
   fa4_package   the FA4 package's flash_attn_func with the same arguments
   sdpa_flash, sdpa_cudnn    PyTorch SDPA with one backend each, where it takes the case (no
                 softcap, no sink: those rows are not built, and say so)
@@ -88,12 +89,15 @@ PRODUCES = [
      "tile and the 64-key tile side by side (read by chapter 08's prediction 08.p4 and the "
      "head-dims lab; the package's default there follows it)"),
     ("results/h100/features_bwd.json", "python -m measure.features --name features_bwd "
-     "--cases bwd_d96 bwd_d192 --deadline 250",
+     "--cases bwd_d96 bwd_d192 --deadline 240",
      "an H100 visit: the backward at D = 96 and at D = 192 with dv = 128 beside the FA4 "
      "package, SDPA flash and cuDNN (where they run it), S = 4096 and 16384, causal or not"),
     ("results/h100/features_bwd_swapped.json", "python -m measure.features --name "
-     "features_bwd_swapped --cases bwd_d192v192 bwd_d256 --deadline 230",
+     "features_bwd_swapped --cases bwd_d192v192 bwd_d256 --deadline 140",
      "the same visit: the backward at D = dv = 192 and 256 (dK and dV swapped)"),
+    ("results/h100/features_d96.json", "python -m measure.features --name features_d96 "
+     "--cases d96 --deadline 110", "an H100 visit: the forward at D = 96 with the three-"
+     "consumer-warpgroup candidate (fa4_final_3wg) beside the default and the peers"),
 ]
 
 # name: (D, dv, softcap, sink)

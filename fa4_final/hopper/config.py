@@ -69,12 +69,19 @@ def _align(n: int, to: int = 1024) -> int:
 # shapes flushed and all four back to back) and 80 keys about level at D = dv = 256
 # (0.99-1.12x, beyond the spread at one of the eight), so those two pairs default to FA4's
 # tiles (MEASURED_TILE_N) in the dense forward; the varlen forward,
-# neither timed nor tested on a GPU with them, keeps the compile-only choice. The other large
-# pairs are untimed.
+# neither timed nor tested on a GPU with them, keeps the compile-only choice. At D = dv = 96
+# the FA4 package runs three consumer warpgroups (192-row tiles); with 96 keys in three K and
+# two V stages (P converted pair by pair) they compile clean at 160 registers, and timed on an
+# H100 beside two warpgroups of 128 keys (S = 4096 and 16384, causal and not, L2 flushed and
+# back to back, three rounds) they were faster at all eight, 1.02-1.17x, beyond the spread at
+# three, so the dense forward at D = dv = 96 takes them (MEASURED_THREE_WG); varlen keeps two.
+# The other large pairs are untimed.
 
 FWD_TILE_NS = (48, 64, 80, 96, 112, 128)  # a multiple of 16 (the K of P V); at most 128
 # (D, dv) -> tile_n chosen by timing, two K and two V stages (Note [Head dims])
 MEASURED_TILE_N = {(192, 192): 112, (256, 256): 80}
+# (D, dv) -> (tile_n, stages_k, stages_v) of three consumer warpgroups chosen by timing
+MEASURED_THREE_WG = {(96, 96): (96, 3, 2)}
 
 
 @dataclass(frozen=True)
@@ -187,7 +194,8 @@ def hopper_fwd_default(head_dim: int, causal: bool = False, varlen: bool = False
     of the warp moved its max, two K and two V stages when causal (dense), the signalling lane
     read once when causal (dense); D = 128: 128 x 128 with two. Causal or varlen: tiles longest
     first in L2 sections, taken at run time; dense and not causal: the host's table, its last
-    round cut along the keys. Other head dims and dv != D (Note [Head dims]): 128-row tiles of
+    round cut along the keys. Other head dims and dv != D (Note [Head dims]): at D = dv = 96
+    when dense, 192 x 96 with three (MEASURED_THREE_WG); 128-row tiles of
     the timed tile_n at D = dv = 192 and 256 when dense (MEASURED_TILE_N), else 128 keys where
     two K and two V stages fit (O over Q where O's own buffer does not), else 64 keys in three
     K stages; those compiled, not timed."""
@@ -201,6 +209,11 @@ def hopper_fwd_default(head_dim: int, causal: bool = False, varlen: bool = False
                                rescale_skip_unchanged=not varlen,
                                pin_lane=causal and not varlen, **schedule)
     base = HopperFwdConfig(num_consumer_wgs=2, stages_k=3, stages_v=2, **schedule)
+    three = None if varlen else MEASURED_THREE_WG.get((head_dim, dv))  # timed dense only
+    if three is not None:
+        tile_n, stages_k, stages_v = three
+        return _fit(head_dim, dv, replace(base, num_consumer_wgs=3, tile_n=tile_n,
+                                          stages_k=stages_k, stages_v=stages_v), base)
     if head_dim <= 128 and dv <= 128:
         return _fit(head_dim, dv, base)
     # the timed tile where there is one; else 128 keys a stage, two of K and two of V (the FA4
