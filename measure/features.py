@@ -98,6 +98,10 @@ PRODUCES = [
     ("results/h100/features_d96.json", "python -m measure.features --name features_d96 "
      "--cases d96 --deadline 110", "an H100 visit: the forward at D = 96 with the three-"
      "consumer-warpgroup candidate (fa4_final_3wg) beside the default and the peers"),
+    ("results/h100/features_d96_default.json", "python -m measure.features --name "
+     "features_d96_default --cases d96 --deadline 100", "the same visit, after three warpgroups "
+     "became the D = 96 default: fa4_final and fa4_final_3wg are then one kernel, so their "
+     "difference is the run's noise"),
 ]
 
 # name: (D, dv, softcap, sink)

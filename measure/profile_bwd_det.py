@@ -15,9 +15,10 @@ Rows (``impl`` fa4_final or fa4_final_deterministic): the counters of chapter 04
 per issued instruction), the tensor pipe's busy share as wgmma drives it, and from the sampled
 SASS: each stall reason's share of all warp samples (``samples_<reason>_pct``), the share of
 samples at the loads that wait for the dQ turn (``turn_wait_samples_pct``: the acquire loads of
-``fa4_final.common.atomics.wait_turn``, ``LD``/``LDG`` with ``STRONG.GPU``) and at the dQ
-accumulator's stores and reductions (``dq_update_samples_pct``: ``RED``, ``ATOM``, ``STG`` of
-the accumulator; a plain call adds with ``RED``), and the five instructions with the most
+``fa4_final.common.atomics.wait_turn``, ``LD``/``LDG`` with ``STRONG.GPU``, and the
+``CCTL.IVALL`` each compiles to) and at the dQ
+accumulator's reductions (``dq_update_samples_pct``: ``RED``, ``ATOM`` and the bulk
+``UBLKRED`` of the dQ tile), and the five instructions with the most
 samples (``top<i>_samples_pct``, the instruction's text in ``sass``).
 
 ncu locks the SM clock while it measures, so durations are comparable between the two rows of
@@ -58,11 +59,13 @@ PRODUCES = [(f"results/h100/{RESULTS}.json", "python -m measure.profile_bwd_det 
 
 
 def _is_turn_wait(opcode: str) -> bool:
-    return opcode.split(".")[0] in ("LD", "LDG") and "STRONG.GPU" in opcode
+    """The acquire load of the turn counter and the L1 invalidate it compiles to beside it."""
+    return (opcode.split(".")[0] in ("LD", "LDG") and "STRONG.GPU" in opcode
+            or opcode.startswith("CCTL.IVALL"))
 
 
 def _is_dq_update(opcode: str) -> bool:
-    return opcode.split(".")[0] in ("RED", "REDG", "ATOM", "ATOMG")
+    return opcode.split(".")[0] in ("RED", "REDG", "ATOM", "ATOMG", "UBLKRED")
 
 
 def source_rows(records: list[dict], top: int = 5) -> list[dict]:
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
             (args.raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance},
                                                                indent=1))
         path = _save(rows, command, provenance)
-    table = results.load(RESULTS)
+    table = results.load(RESULTS, gpu=path.parent.name)  # the folder of the provenance's GPU
     print(table.table(["impl", "metric", "value", "unit"]))
     print(f"wrote {path}")
     return 0
