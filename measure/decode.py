@@ -122,6 +122,11 @@ PRODUCES = [
      "--dims 128 --batch 32 --tokens 1 --keys 8192 131072 --heads 32/8 --variants n64s3 n64s4 "
      "n128s2 split2 --no-keys-on-m --deadline 120", "the same visit: the config candidates at "
      "batch 32, one token"),
+    ("results/h100/decode_api_checked.json", "python -m measure.decode --name decode_api "
+     "--dims 128 --batch 1 32 --tokens 1 16 --keys 8192 131072 --heads 32/8 --no-keys-on-m "
+     "--deadline 150", "an H100 visit, the run before the next row's: the same calls while a "
+     "paged call still read its page table's extremes back to the host on every call (stored "
+     "under this name; the run wrote decode_api)"),
     ("results/h100/decode_api.json", "python -m measure.decode --name decode_api --dims 128 "
      "--batch 1 32 --tokens 1 16 --keys 8192 131072 --heads 32/8 --no-keys-on-m --deadline 110",
      "an H100 visit: the calls through the API, paged and not, one split and the heuristic's, "

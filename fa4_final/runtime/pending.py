@@ -32,31 +32,26 @@ decode kernel on an H200 too); then varlen_row_store (the varlen forward at v he
 192: 96 passed on an H100, 192 on an H200); then bwd_head_dims (the Hopper backward at head dim
 96, at head dim 192 with dv = 128, and with dK and dV swapped at D = dv = 192 and 256: the full
 float64 suites of the four builds passed on an H100, racecheck found no hazard there, and
-synccheck no error on an H200). softcap and learnable_sink still pass through
+synccheck no error on an H200); then softcap_head_dims (a softcap at head dims other than 64
+and 128, D = 96, 192, 256 and dv != D: the dense and the varlen forward and autograd backward
+passed against float64 on an H100). softcap and learnable_sink still pass through
 ``refuse_pending`` in check_features, which lets them by while they have no row (a row put back
 gates them again); a page table, a decode shape and the backward's head dims no longer consult
-the gate at all. One row waits: softcap_head_dims, a softcap in the varlen kernels at head
-dims other than 64 and 128 (the dense kernels' softcap at those head dims passed on an H100).
+the gate at all. No row waits now.
 """
 
 from __future__ import annotations
 
 import os
 
-from fa4_final.common.constants import BACKWARD_HEAD_DIMS, FWD_HEAD_DIMS, HEAD_DIMS
+from fa4_final.common.constants import BACKWARD_HEAD_DIMS, FWD_HEAD_DIMS
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.runtime.checks import check_dlse, check_learnable_sink, check_softcap
 
 ENV = "FA4_FINAL_PENDING"
 
 # name -> why it waits (what has been checked, what has not)
-PENDING: dict[str, str] = {
-    "softcap_head_dims": "FA4's softcap in the varlen kernels at head dims other than 64 and "
-                         "128 (D = 96, 192, 256, dv != D): they compile for sm_90a, but only "
-                         "the dense forward and backward with a softcap at these head dims have "
-                         "passed their GPU tests against float64 (on an H100), not yet the "
-                         "varlen ones",
-}
+PENDING: dict[str, str] = {}
 
 
 def allowed() -> frozenset[str]:
@@ -78,8 +73,8 @@ def refuse_pending(func: str, name: str, value, argument: str | None = None,
     """UnsupportedError when ``name`` is a pending feature (Note [Pending features]) that
     FA4_FINAL_PENDING does not list; ``value`` is the argument as given (a call reaches this
     only with a value that switches the feature on). ``argument``: the argument's name when it
-    is not the row's (softcap for softcap_head_dims); ``where``: what else of the call the row
-    is about, shown after the value (" at head_dim=96, dv=96")."""
+    is not the row's; ``where``: what else of the call the row is about, shown after the value
+    (" at head_dim=96, dv=96")."""
     if name not in PENDING or name in allowed():
         return
     argument = argument or name
@@ -97,25 +92,18 @@ def _shown(value) -> str:
     return repr(value)
 
 
-def check_features(func: str, softcap, learnable_sink, heads: int, device,
-                   head_dims: tuple[int, int] | None = None) -> float:
+def check_features(func: str, softcap, learnable_sink, heads: int, device) -> float:
     """FA4's softcap and learnable_sink of one call: their checks (runtime.checks: a value or
     tensor they cannot be is named), then the gate (Note [Pending features]). Returns the
     softcap as a float, 0.0 for none (None and 0.0 both mean none, as in FA4). Metadata only:
     it runs while torch.compile traces. ``heads`` and ``device`` (q's) are read only for a
     sink, so a caller may check the softcap before q. Neither has a row in ``PENDING`` now
-    (their GPU tests passed), so the gate lets both by; ``head_dims`` ((head_dim, dv), given by
-    the runtime's varlen entries): a softcap at a pair other than (64, 64) and (128, 128) there
-    passes the softcap_head_dims row."""
+    (their GPU tests passed), so the gate lets both by."""
     cap = check_softcap(softcap)
     if learnable_sink is not None:
         check_learnable_sink(learnable_sink, heads, device)
     if cap:
         refuse_pending(func, "softcap", softcap)
-        if head_dims is not None and not (head_dims[0] in HEAD_DIMS
-                                          and head_dims[1] == head_dims[0]):
-            refuse_pending(func, "softcap_head_dims", softcap, argument="softcap",
-                           where=f" at head_dim={head_dims[0]}, dv={head_dims[1]}")
     if learnable_sink is not None:
         refuse_pending(func, "learnable_sink", learnable_sink)
     return cap

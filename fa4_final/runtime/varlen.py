@@ -101,8 +101,7 @@ def varlen_forward_into(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seql
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, seqused_q=seqused_q)
     check_outputs(q, out, lse, (h, total_q), head_dim_v=v.shape[-1])
-    cap = check_features("varlen_forward_into", softcap, learnable_sink, h, q.device,
-                         head_dims=(d, v.shape[-1]))
+    cap = check_features("varlen_forward_into", softcap, learnable_sink, h, q.device)
     extra = features(cap, learnable_sink)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_forward is not None
@@ -142,8 +141,7 @@ def forward_loop(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, causal=Fal
     like varlen_forward_into. A reference for the benchmark and the tests, not the API."""
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None, softmax_scale)
-    cap = check_features("forward_loop", softcap, learnable_sink, h, q.device,
-                         head_dims=(d, v.shape[-1]))
+    cap = check_features("forward_loop", softcap, learnable_sink, h, q.device)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
     _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k)
@@ -184,8 +182,7 @@ def varlen_backward_into(q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q, cu_s
     refuse_backward_head_dims("varlen_backward_into", d, v.shape[-1])
     check_outputs(q, out, lse, (h, total_q), head_dim_v=v.shape[-1])
     check_grads(q, k, dout, dq, dk, dv, v=v)
-    extra = features(check_features("varlen_backward_into", softcap, None, h, q.device,
-                                    head_dims=(d, v.shape[-1])))
+    extra = features(check_features("varlen_backward_into", softcap, None, h, q.device))
     check_lse_fold("varlen_backward_into", dlse, lse)
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     has_kernel = p.backend.varlen_backward is not None
@@ -219,8 +216,7 @@ def backward_loop(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, seqused_k
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, None, None, softmax_scale)
     refuse_backward_head_dims("backward_loop", d, v.shape[-1])
     check_outputs(q, out, lse, (h, total_q), head_dim_v=v.shape[-1])
-    extra = features(check_features("backward_loop", softcap, None, h, q.device,
-                                    head_dims=(d, v.shape[-1])))
+    extra = features(check_features("backward_loop", softcap, None, h, q.device))
     p = prepare(d, causal, softmax_scale, window_size, q.device)
     cu_q, cu_k, used = _host_lists(cu_seqlens_q, cu_seqlens_k, seqused_k)
     _, used_k = check_varlen_values(cu_q, cu_k, used, total_q, total_k)

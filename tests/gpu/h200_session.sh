@@ -45,7 +45,7 @@
 #    features-bwd: the first two backwards beside the peers, features-bwd-swapped the last two;
 #    bwd-swapped-sanitize: the last two's small fp16 case under memcheck, racecheck, synccheck;
 #    softcap-headdim-tests: a softcap at head dims 96, 192, 256 and dv != D through the API,
-#    dense and varlen, against float64 (its varlen tests lift the softcap_head_dims row);
+#    dense and varlen, against float64 (their pass on an H100 lifted the softcap_head_dims row);
 #    bwd-headdim-racecheck: the small fp16 case of each of the four builds under racecheck,
 #    compiled with line info so a hazard names its source line (Note [Release after the
 #    warp's reads]))
