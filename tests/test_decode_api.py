@@ -335,7 +335,7 @@ class Launches:
         monkeypatch.setattr(decode_entry, "compiled", compiled)
         monkeypatch.setattr(decode_entry, "launch_decode",
                             lambda *a: self.calls.append(("launch", a)))
-        monkeypatch.setattr(decode_entry, "combine_splits",
+        monkeypatch.setattr(decode_entry, "combine_own_partials",
                             lambda *a: self.calls.append(("combine", a)))
         monkeypatch.setattr(decode_entry, "num_sms", lambda device: 132)
 
@@ -475,7 +475,7 @@ class Emulated:
         monkeypatch.setattr(prologue, "_BACKENDS", {})
         monkeypatch.setattr(decode_entry, "compiled", lambda fn, *args: Plan(args))
         monkeypatch.setattr(decode_entry, "launch_decode", launch)
-        monkeypatch.setattr(decode_entry, "combine_splits", combine)
+        monkeypatch.setattr(decode_entry, "combine_own_partials", combine)
         monkeypatch.setattr(decode_entry, "num_sms", lambda device: 132)
 
 

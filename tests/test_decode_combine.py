@@ -461,3 +461,31 @@ def test_launch_glue_with_a_recording_kernel(monkeypatch):
     op, lp, out, lse = _dense(n=2, b=0)
     combine_splits(op, lp, out, lse, target="sm_90a")
     assert calls == []
+
+
+def test_the_decode_path_combines_its_own_partials_without_the_checks(monkeypatch):
+    """runtime.decode.combine_own_partials (the decode path's): the recipe and the launch of
+    combine_splits, the varlen layout made dense the same way, and for an ``out`` that is not
+    contiguous from an aligned address, combine_splits itself with its checks."""
+    from fa4_final.runtime import compile as compile_path
+    from fa4_final.runtime import decode
+
+    launched, checked = [], []
+
+    class Plan:
+        kernels = {"main": lambda *a: launched.append(tuple(t.shape for t in a))}
+
+    monkeypatch.setattr(compile_path, "compiled", lambda fn, *args: Plan())
+    monkeypatch.setattr(decode, "combine_splits", lambda *a: checked.append(a))
+    out = torch.empty(2, 3, 4, 128, dtype=torch.bfloat16)
+    lse = torch.empty(2, 4, 3)
+    op, lp = decode.partials_like(out, 5)
+    decode.combine_own_partials(op, lp, out, lse, "sm_90a")
+    assert launched == [((5, 2, 3, 4, 128), (5, 2, 4, 3), (2, 3, 4, 128), (2, 4, 3))]
+    vout, vlse = torch.empty(7, 4, 64, dtype=torch.bfloat16), torch.empty(4, 7)
+    op, lp = decode.partials_like(vout, 3)
+    decode.combine_own_partials(op, lp, vout, vlse, "sm_90a")
+    assert launched[-1] == ((3, 1, 7, 4, 64), (3, 1, 4, 7), (1, 7, 4, 64), (1, 4, 7))
+    strided = torch.empty(2, 3, 8, 128, dtype=torch.bfloat16)[:, :, ::2]
+    decode.combine_own_partials(*decode.partials_like(strided, 2), strided, lse, "sm_90a")
+    assert len(checked) == 1 and len(launched) == 2

@@ -453,6 +453,25 @@ def combine_splits(out_partial, lse_partial, out, lse, target: str | None = None
     return out, lse
 
 
+def combine_own_partials(out_partial, lse_partial, out, lse, target: str) -> None:
+    """combine_splits for partials made by partials_like for ``out`` and a non-empty ``out``
+    and ``lse`` the caller has checked (shapes, dtypes, device): what the decode path launches
+    on every split call, so it skips the checks of four tensors it made or checked, a host cost
+    of every step (combine_splits keeps them for any other caller). ``out`` still gets the
+    combine's 16-byte rule unless it is contiguous from an aligned address."""
+    if not (out.is_contiguous() and out.data_ptr() % 16 == 0 and lse.stride(-1) == 1):
+        combine_splits(out_partial, lse_partial, out, lse, target)
+        return
+    from fa4_final.common.combine import combine_recipe
+    from fa4_final.runtime.compile import compiled
+
+    if out.dim() == 3:  # varlen: the dense layout with a batch of one (_combine_layout's)
+        out_partial, lse_partial = out_partial.unsqueeze(1), lse_partial.unsqueeze(1)
+        out, lse = out.unsqueeze(0), lse.unsqueeze(0)
+    plan = compiled(combine_recipe, out.shape[-1], DTYPE_NAMES[out.dtype], target)
+    plan.kernels["main"](out_partial, lse_partial, out, lse)
+
+
 def partials_like(out, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty float32 (out_partial, lse_partial) for ``num_splits`` splits of ``out`` (dense
     (b, s, h, dv) or varlen (total_q, h, dv)), in the combine's layout."""

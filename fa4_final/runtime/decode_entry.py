@@ -88,7 +88,7 @@ from fa4_final.runtime.decode import (
     check_num_splits,
     check_paged_kv,
     choose_num_splits,
-    combine_splits,
+    combine_own_partials,
     partials_like,
     start_paged_kv_check,
     wants_value_checks,
@@ -379,5 +379,5 @@ def run_decode(q, k, v, out, lse, page_table, seqused_k, cu_seqlens_q, max_seqle
         return out, lse
     out_p, lse_p = partials_like(out, splits)
     launch_decode(plan, q, k, v, out_p, lse_p, page_table, used, scale, cu, max_q, left)
-    combine_splits(out_p, lse_p, out, lse, target)
+    combine_own_partials(out_p, lse_p, out, lse, target)
     return out, lse
