@@ -166,6 +166,22 @@ def test_a_value_check_can_be_switched_off_as_the_varlen_checks(monkeypatch):
         _varlen_call(t)
 
 
+def test_cu_seqlens_q_values_are_checked_where_the_page_values_are_not(monkeypatch):
+    """On a GPU the page table's values are left to the kernel by default (wants_value_checks
+    False), but the kernel's q and out addresses trust cu_seqlens_q's offsets: those are still
+    checked by the varlen checks' rule. Here wants_value_checks answers as on a GPU."""
+    from fa4_final.runtime import decode
+
+    for module in (decode, decode_entry):  # wherever the rule is asked
+        monkeypatch.setattr(module, "wants_value_checks", lambda *a: False, raising=False)
+    t, error, words = _bad("cu_seqlens_q past q")
+    with torch.no_grad(), pytest.raises(error, match=words):
+        _varlen_call(t)
+    t, _, _ = _bad("page past the cache")  # the page's value is the kernel's to catch
+    with torch.no_grad(), pytest.raises(UnsupportedError, match=DEVICE):
+        _varlen_call(t)
+
+
 def test_cu_seqlens_k_and_seqused_k_with_a_page_table(monkeypatch):
     t = paged(varlen=True)
     with pytest.raises(ValueError, match="page_table is not supported with cu_seqlens_k"):

@@ -91,7 +91,6 @@ from fa4_final.runtime.decode import (
     combine_own_partials,
     partials_like,
     start_paged_kv_check,
-    wants_value_checks,
 )
 from fa4_final.runtime.prologue import cached_backend, fill_empty_rows, resolve_scale
 
@@ -158,7 +157,10 @@ def check_paged_call(q, k, v, page_table, seqused_k, cu_seqlens_q=None, max_seql
     and seqused_k's value checks launched on the device; the caller calls its finish() after
     launching the kernel (cu_seqlens_q's values, which the kernel's q and out addresses trust,
     are checked here, before).
-    ``check_values``: None checks the values where they can be read (check_paged_kv's rule).
+    ``check_values``: None checks the page table's and seqused_k's values where
+    wants_value_checks says (off a GPU, or with FA4_FINAL_PAGED_CHECKS=1) and cu_seqlens_q's
+    by the varlen checks' rule (unless FA4_FINAL_VARLEN_CHECKS=0 or unreadable); False checks
+    neither, True both.
     ``cu_seqlens_k``: refused with a page table (FA4 takes one or the other)."""
     varlen = cu_seqlens_q is not None
     if not isinstance(q, torch.Tensor):
@@ -187,9 +189,8 @@ def check_paged_call(q, k, v, page_table, seqused_k, cu_seqlens_q=None, max_seql
     check_scale(softmax_scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tma_operand(name, t, check_address)
-    check_values = wants_value_checks(check_values, page_table, seqused_k)
     values = start_paged_kv_check(page_table, seqused_k, paged, check_values)
-    if varlen and check_values:
+    if varlen and check_values is not False:  # the varlen checks' rule, not the page table's
         _check_cu_seqlens_q_values(cu_seqlens_q, q.shape[0], max_seqlen_q)
     rows = (q.shape[0] if max_seqlen_q is None else max_seqlen_q) if varlen else q.shape[1]
     return batch, rows, h, hk, d, paged, values
