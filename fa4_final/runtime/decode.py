@@ -427,20 +427,34 @@ def _combine_layout(out_partial, lse_partial, out, lse) -> tuple:
     for name, t in (("lse_partial", lse_partial), ("lse", lse)):
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit last stride, got strides {t.stride()}")
-    if varlen:
-        out_partial, lse_partial = out_partial.unsqueeze(1), lse_partial.unsqueeze(1)
-        out, lse = out.unsqueeze(0), lse.unsqueeze(0)
+    out_partial, lse_partial, out, lse = _dense_layout(out_partial, lse_partial, out, lse)
     rows = out.shape[0] * out.shape[1] * out.shape[2]
     return out_partial, lse_partial, out, lse, rows
+
+
+def _dense_layout(out_partial, lse_partial, out, lse) -> tuple:
+    """The varlen layout ((total_q, h, dv) out) as the dense one with a batch of one; the
+    dense layout as it is."""
+    if out.dim() == 3:
+        out_partial, lse_partial = out_partial.unsqueeze(1), lse_partial.unsqueeze(1)
+        out, lse = out.unsqueeze(0), lse.unsqueeze(0)
+    return out_partial, lse_partial, out, lse
+
+
+def _launch_combine(out_partial, lse_partial, out, lse, target: str) -> None:
+    """The combine's compiled kernel for ``out``'s dv and dtype on ``target``, launched on
+    tensors in the dense layout."""
+    from fa4_final.common.combine import combine_recipe
+    from fa4_final.runtime.compile import compiled
+
+    plan = compiled(combine_recipe, out.shape[-1], DTYPE_NAMES[out.dtype], target)
+    plan.kernels["main"](out_partial, lse_partial, out, lse)
 
 
 def combine_splits(out_partial, lse_partial, out, lse, target: str | None = None):
     """Merge split partials into ``out`` and ``lse`` (fa4_final.common.combine's contract, dense
     or varlen layout), on the current stream with no host synchronisation. ``target``: the
     kernels' target ("sm_90a", "sm_100a"); None: the one for out's GPU. Returns (out, lse)."""
-    from fa4_final.common.combine import combine_recipe
-    from fa4_final.runtime.compile import compiled
-
     op, lp, o, lse4, rows = _combine_layout(out_partial, lse_partial, out, lse)
     if rows == 0:
         return out, lse
@@ -448,8 +462,7 @@ def combine_splits(out_partial, lse_partial, out, lse, target: str | None = None
         from fa4_final.runtime.prologue import device_arch
 
         target = device_arch(out.device)
-    plan = compiled(combine_recipe, out.shape[-1], DTYPE_NAMES[out.dtype], target)
-    plan.kernels["main"](op, lp, o, lse4)
+    _launch_combine(op, lp, o, lse4, target)
     return out, lse
 
 
@@ -462,14 +475,7 @@ def combine_own_partials(out_partial, lse_partial, out, lse, target: str) -> Non
     if not (out.is_contiguous() and out.data_ptr() % 16 == 0 and lse.stride(-1) == 1):
         combine_splits(out_partial, lse_partial, out, lse, target)
         return
-    from fa4_final.common.combine import combine_recipe
-    from fa4_final.runtime.compile import compiled
-
-    if out.dim() == 3:  # varlen: the dense layout with a batch of one (_combine_layout's)
-        out_partial, lse_partial = out_partial.unsqueeze(1), lse_partial.unsqueeze(1)
-        out, lse = out.unsqueeze(0), lse.unsqueeze(0)
-    plan = compiled(combine_recipe, out.shape[-1], DTYPE_NAMES[out.dtype], target)
-    plan.kernels["main"](out_partial, lse_partial, out, lse)
+    _launch_combine(*_dense_layout(out_partial, lse_partial, out, lse), target)
 
 
 def partials_like(out, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
