@@ -56,7 +56,7 @@ def _align(n: int, to: int = 1024) -> int:
 # atom, D and dv multiples of 64), which costs the next tile's Q load a wait for this tile's O
 # store. The O accumulator takes 64 x dv / 128 = dv / 2 float32 registers per consumer thread
 # and S tile_n / 2: 128 + 40 at dv = 256 and tile_n = 80, within the 240 of two consumer
-# warpgroups; three warpgroups (160 each) serve D = 64 only. The defaults
+# warpgroups; three warpgroups (160 each) serve D = 64 and D = dv = 96 (below). The defaults
 # (hopper_fwd_default) are chosen by compiling (no spill, no wgmma serialised, the struct
 # within 227 KB): tile_n 128 where two K and two V stages fit, else 64; and, at the two pairs
 # a timed run has spoken for, by timing. Converting P as one vector, every tile_n that is no
