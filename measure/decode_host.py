@@ -17,7 +17,8 @@ would. At batch 1 a decode step's kernels take 30-200 us on an H100 (results/h10
 decode_api.json), so a call's host time is what a step back to back waits for.
 
 Rows (results/cpu/decode_host.json, one ``variant`` per ``--label``; rows of other labels are
-kept): ``host_us <call>``, microseconds per call, with the median and slowest batch.
+kept, each row with its CPU and date: measure.package_host's store): ``host_us <call>``,
+microseconds per call, with the median and slowest batch.
 """
 
 from __future__ import annotations
@@ -94,15 +95,11 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
+    from measure.package_host import _save_merged
+
     rows = measure(args.label, args.fa4_commit, args.calls, args.repeats)
-    try:
-        kept = [r for r in results.load(RESULTS, gpu="cpu").rows
-                if r.get("variant") != args.label]
-    except FileNotFoundError:
-        kept = []
-    command = f"python -m measure.decode_host --label {args.label}"
-    path = results.save(RESULTS, kept + rows, command=command, gpu="cpu")
-    print(f"wrote {path}")
+    _save_merged(rows, args.label, f"python -m measure.decode_host --label {args.label}",
+                 name=RESULTS)
     return 0
 
 

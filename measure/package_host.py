@@ -276,17 +276,17 @@ def profile(label: str, fa4_commit: str | None, n: int, repeats: int,
     return rows
 
 
-def _save_merged(rows: list[dict], label: str, command: str) -> None:
-    """Store under results/cpu/package_host.json, keeping the rows of other labels."""
+def _save_merged(rows: list[dict], label: str, command: str, name: str = "package_host") -> None:
+    """Store under results/cpu/<name>.json, keeping the rows of other labels; each row gets
+    this CPU and the date, as rows of two runs share the file."""
     kept = []
-    old = results.RESULTS_DIR / "cpu" / "package_host.json"
+    old = results.RESULTS_DIR / "cpu" / f"{name}.json"
     if old.exists():
-        kept = [r for r in results.load("package_host", gpu="cpu").rows
-                if r.get("variant") != label]
+        kept = [r for r in results.load(name, gpu="cpu").rows if r.get("variant") != label]
     from measure.compile_times import host
 
     rows = [{**r, **host(), "date": results.collect_provenance(command)["date"]} for r in rows]
-    path = results.save("package_host", kept + rows, command=command, gpu="cpu")
+    path = results.save(name, kept + rows, command=command, gpu="cpu")
     print(f"\nwrote {path}")
 
 
