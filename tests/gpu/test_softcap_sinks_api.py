@@ -192,7 +192,7 @@ def check_varlen_forward_and_autograd(softcap, sink_dtype, d=128, dv=None, backw
     from fa4_final import flash_attn_varlen_func
 
     lens_q, lens_k, h, hk = [37, 300, 0, 1], [300, 77, 5, 0], 4, 2
-    # no gradient asked where the backward is not built: the call would refuse it (pending)
+    # no gradient asked where the backward is not built: the call refuses one by name
     q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, h, hk, d, BF16, backward, dv)
     sink = None
     if sink_dtype is not None:
