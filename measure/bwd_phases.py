@@ -45,6 +45,12 @@ PRODUCES = [
      "the same phases for the deterministic candidates of issue 34 (CANDIDATES: dQ copies, "
      "early release and first store through config=) beside the default and today's "
      "deterministic mode, one head dim a file"),
+    ("results/h100/bwd_phases_det_db*.json",
+     "python -m measure.bwd_phases --rounds 5 --dims 128 --impls fa4_final "
+     "fa4_final_deterministic fa4_final_det_64 fa4_final_det_db64 --name bwd_phases_det_db128 "
+     "(det_db64: --dims 64 with fa4_final fa4_final_deterministic fa4_final_det_db)",
+     "an H100 visit: the deterministic mode with two dQ staging buffers (Note [Two dQ "
+     "buffers]) beside the default and the one-buffer deterministic mode"),
     ("results/h100/bwd_phases_det_*.json",
      "python -m measure.bwd_phases --rounds 5 --dims 128 --impls fa4_final "
      "fa4_final_deterministic fa4_final_det_c2 fa4_final_det_c4 fa4_final_det_c4_store "
@@ -70,6 +76,14 @@ CANDIDATES = {
                                "dq_first_store": True},
     "fa4_final_det_c2_store": {"dq_copies": 2, "dq_early_release": True,
                                "dq_first_store": True},
+    # two dQ staging buffers (HopperBwdConfig.dq_buffers, Note [Two dQ buffers] in
+    # fa4_final.hopper.bwd) at the default's tile where it fits (D = 64, D = 128 causal) ...
+    "fa4_final_det_db": {"dq_buffers": 2},
+    # ... and at 64 query rows with dQ = dS K (the D = 128 causal tile) for D = 128 not causal,
+    # where 80 rows leave no room for the second buffer; fa4_final_det_64 is the same tile with
+    # one buffer, so the two rows tell the tile's share from the buffer's
+    "fa4_final_det_db64": {"dq_buffers": 2, "tile_m": 64, "dq_swap_ab": False},
+    "fa4_final_det_64": {"tile_m": 64, "dq_swap_ab": False},
 }
 CHOICES = (*IMPLS, *(c for c in CANDIDATES if c not in IMPLS))
 PHASES = ("pre", "main", "post", "other", "total")

@@ -1203,6 +1203,30 @@ def keys_on_m_lines(res, mode: str = "flush") -> list[str]:
     return lines
 
 
+def grid_lines(res, impl: str = "fa4_final_splits", mode: str = "flush") -> list[str]:
+    """Every shape of the run where ``impl`` was timed: its speed over the fastest peer of the
+    shape (and which peer that was), its share of the copy rate, and the verdict beside the
+    rounds' spread; a last line counts the shapes at or above 1.0x."""
+    from utils import bench
+
+    lines, ahead, timed = [], 0, 0
+    for a in res.rows:
+        if a.get("impl") != impl or a.get("mode") != mode or not a.get("ms"):
+            continue
+        if not a.get("best_peer"):
+            continue
+        shape = {k: a[k] for k in HEADLINE}
+        peer = decode_row(res, a["best_peer"], mode, **shape)
+        c = bench.compare(a, peer) if peer else None
+        timed += 1
+        ahead += a["vs_best_peer"] >= 1.0
+        lines.append(f"  D {a['d']:3d}  {a['h']}/{a['h_kv']}  b {a['b']:3d}  tokens {a['s_q']:2d}"
+                     f"  keys {a['s']:6d}:  {a['vs_best_peer']:.2f}x {a['best_peer']:18s} "
+                     f"{a.get('of_copy', 0):4.0%} of copy  ({c.verdict if c else '?'})")
+    lines.append(f"{impl} at or above the fastest peer at {ahead} of {timed} shapes ({mode})")
+    return lines
+
+
 def two_over_one(res, mode: str = "flush", **shape):
     """The two-consumer kernel's time (fa4_final_decode_wg2) over the one-consumer kernel's
     (fa4_final_decode) at TWO_CONSUMERS_SHAPE updated by ``shape``; None if either is missing."""

@@ -171,6 +171,20 @@ def test_decode_readers_on_a_made_up_file():
     assert t15.decode_row(res, "fa4_final_decode", mode="back_to_back") is None
 
 
+def test_decode_grid_lines_compare_with_the_fastest_peer_on_a_made_up_file():
+    from measure.decode import attach_roofline
+
+    res = _fake_decode_results()
+    attach_roofline(res.rows)
+    lines = t15.grid_lines(res, "fa4_final_decode")
+    assert len(lines) == 2
+    assert "0.87x sdpa_cudnn" in lines[0] and "slower" in lines[0]
+    assert lines[-1] == ("fa4_final_decode at or above the fastest peer at 0 of 1 shapes "
+                         "(flush)")
+    assert t15.grid_lines(res, "fa4_final_decode", "back_to_back")[-1].endswith("0 of 0 shapes "
+                                                                                "(back_to_back)")
+
+
 def test_decode_combine_gpu_cases_pass_on_the_cpu():
     """The GPU check's cases through the host run of the reference: its inputs and its
     comparison are sound before a GPU sees them."""

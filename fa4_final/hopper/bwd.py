@@ -75,6 +75,16 @@ class NamedBarrier(IntEnum):
     EPILOGUE = 3  # both MMA warpgroups: K and V are free to stage dK and dV
     DQ_EMPTY_WG0 = 4  # + w: the dQ warp has read warpgroup w's dQ buffer (128 + 32 threads)
     DQ_FULL_WG0 = 6  # + w: warpgroup w's dQ is in its buffer
+    # dq_buffers = 2: the second buffer's pair (Note [Two dQ buffers])
+    DQ_EMPTY_B1_WG0 = 8
+    DQ_FULL_B1_WG0 = 10
+
+
+def dq_barrier_ids(buf: int) -> tuple[int, int]:
+    """(EMPTY, FULL) of warpgroup 0 for dQ staging buffer ``buf`` (0 or 1); + w for warpgroup w."""
+    if buf == 0:
+        return int(NamedBarrier.DQ_EMPTY_WG0), int(NamedBarrier.DQ_FULL_WG0)
+    return int(NamedBarrier.DQ_EMPTY_B1_WG0), int(NamedBarrier.DQ_FULL_B1_WG0)
 
 
 @dsl_user_op
@@ -415,7 +425,8 @@ class HopperBackward:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)],
                                    1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * D], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[
+                Float32, self.tile_m * D * self.cfg.dq_buffers], 1024]
 
         if const_expr(self.cfg.dkv_swap_ab):  # P beside dS (Note [dK and dV swapped])
             SharedStorage = self.swapped_storage(sQ_layout, sdO_layout, sK_layout, sV_layout,
@@ -564,8 +575,13 @@ class HopperBackward:
                           tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, pipeline_q,
                           pipeline_do, pipeline_kv, n_block, head_kv, b, work, seq)
             if warp_idx == self.roles["producer"]["dq_warp"]:
-                self.store_dq(mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q,
-                              seqlen_k, window_left, window_right, seq)
+                if const_expr(self.cfg.dq_buffers == 2):  # Note [Two dQ buffers]
+                    self.store_dq_two_buffers(mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b,
+                                              work, seqlen_q, seqlen_k, window_left,
+                                              window_right, seq)
+                else:
+                    self.store_dq(mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work,
+                                  seqlen_q, seqlen_k, window_left, window_right, seq)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             args = (mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk, tma_atom_dv,
@@ -977,6 +993,86 @@ class HopperBackward:
         if lane == 0:  # shared memory must outlive the last add's reads of it
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+    # Note [Two dQ buffers]
+    # In the deterministic mode the dQ warp waits for a query tile's turn before its bulk add
+    # and for the add to complete before it passes the turn on; with one staging buffer the MMA
+    # warpgroups cannot store the next step's dQ until then, so a CTA whose turn comes late
+    # stalls its tensor cores on the hand-off. With dq_buffers = 2, step s (counted over the
+    # CTA's heads and query tiles, the order all three roles walk) uses buffer s % 2, which is
+    # the parity of its Q stage (stages_q even, one stage a step): the warpgroups store step
+    # s + 1's dQ while the warp waits for step s's turn. Each buffer keeps its own EMPTY and
+    # FULL barriers (dq_barrier_ids); the warp arrives on a buffer's EMPTY once before its
+    # first step and again after each of its steps that a later step of that buffer follows,
+    # so the arrivals equal the warpgroups' waits and none is left at the CTA's end. The adds
+    # and their order are the one-buffer kernel's: only when a warpgroup may store changes.
+
+    @cute.jit
+    def store_dq_two_buffers(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work,
+                             seqlen_q, seqlen_k, window_left, window_right, seq=None):
+        """dQ warp under dq_buffers = 2 (Note [Two dQ buffers]): store_dq's deterministic path
+        with step s's chunks read from buffer s % 2."""
+        m_min, m_max, _, _, head0, group = work
+        m_base = None  # varlen: the sequence's first padded tile (Note [Varlen backward])
+        if const_expr(seq is not None):
+            m_base = seq[2]
+        lane = cute.arch.lane_idx()
+        wgs = self.dq_warpgroups
+        handshake = THREADS_PER_WARPGROUP + WARP_SIZE
+        slab = self.tile_m * self.head_dim  # floats of one buffer and of one query tile
+        per_head = m_max - m_min
+        steps = group * per_head
+        for buf in cutlass.range_constexpr(2):  # both buffers start empty
+            if steps > buf:
+                for w in cutlass.range_constexpr(wgs):
+                    cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(buf)[0] + w,
+                                             number_of_threads=handshake)
+        for h in cutlass.range(group, unroll=1):
+            head = head0 + h
+            gAcc = mdQaccum[None, head, b]  # (s_padded * D,)
+            for m_block in cutlass.range(m_min, m_max, unroll=1):
+                m_pad = m_block  # its tile of lse_log2, delta, dQ accumulator, turns
+                if const_expr(m_base is not None):
+                    m_pad = m_base + m_block
+                s = h * per_head + (m_block - m_min)
+                odd = s % 2
+                turn = dq_turn(self.window, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
+                               window_left, window_right)
+                turn_ptr = mTurn[None, head, b].iterator + m_pad
+                if lane == 0:
+                    wait_turn(turn_ptr, turn)
+                cute.arch.sync_warp()
+                for w in cutlass.range_constexpr(wgs):
+                    if odd == 0:
+                        cute.arch.barrier(barrier_id=dq_barrier_ids(0)[1] + w,
+                                          number_of_threads=handshake)
+                    else:
+                        cute.arch.barrier(barrier_id=dq_barrier_ids(1)[1] + w,
+                                          number_of_threads=handshake)
+                    if lane == 0:
+                        offset = m_pad * slab + self.dq_at(w)
+                        src = self.dq_src(sdQ, w) + odd * slab
+                        if const_expr(self.cfg.dq_first_store):  # Note [dQ copies]
+                            if turn == 0:
+                                bulk_store_f32(gAcc.iterator + offset, src, self.dq_bytes(w))
+                            else:
+                                bulk_add_f32(gAcc.iterator + offset, src, self.dq_bytes(w))
+                        else:
+                            bulk_add_f32(gAcc.iterator + offset, src, self.dq_bytes(w))
+                        cute.arch.cp_async_bulk_commit_group()
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.fence_acq_rel_gpu()
+                    pass_turn(turn_ptr)
+                cute.arch.sync_warp()
+                if s + 2 < steps:  # a later step writes this buffer: hand it back
+                    for w in cutlass.range_constexpr(wgs):
+                        if odd == 0:
+                            cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(0)[0] + w,
+                                                     number_of_threads=handshake)
+                        else:
+                            cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(1)[0] + w,
+                                                     number_of_threads=handshake)
+
     def dq_at(self, w: int) -> int:
         """Where chunk ``w`` of a step's dQ starts in its query tile's slab (floats)."""
         if self.cfg.dq_uneven:  # Note [dQ split unevenly]
@@ -1082,6 +1178,9 @@ class HopperBackward:
             tdQsdQ = self.dq_copy().get_slice(t_part).partition_D(self.dq_part_view(sdQ, dq_part))
         elif const_expr(dq_wg):
             tdQsdQ = self.dq_copy().get_slice(tidx).partition_D(sdQ)
+            if const_expr(self.cfg.dq_buffers == 2):  # Note [Two dQ buffers]: both buffers
+                sdQ1 = cute.make_tensor(sdQ.iterator + self.tile_m * self.head_dim, sdQ.layout)
+                tdQsdQ = (tdQsdQ, self.dq_copy().get_slice(tidx).partition_D(sdQ1))
         # (key, query) of each accumulator element, this thread and thread 0: the mask
         tScS, t0ScS = fragment_coords(thr_sdp, (self.tile_n, self.tile_m))
         ops = (tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrA, tdQrB, st_t, thr_st_t, tdSsdS,
@@ -1402,7 +1501,13 @@ class HopperBackward:
             self.wgmma(mma_dkv, acc_dk, rdS, tdKrQ[None, None, None, stage],
                        True)  # dK += dS^T Q
             warpgroup.wait_group(1)  # dQ done
-            self.dq_to_warp(acc_dq, tdQsdQ, wg)
+            if const_expr(self.cfg.dq_buffers == 2):  # Note [Two dQ buffers]: Q's parity
+                if stage % 2 == 0:
+                    self.dq_to_warp(acc_dq, tdQsdQ[0], wg, 0)
+                else:
+                    self.dq_to_warp(acc_dq, tdQsdQ[1], wg, 1)
+            else:
+                self.dq_to_warp(acc_dq, tdQsdQ, wg)
         warpgroup.wait_group(0)  # dK done: Q's stage is free
         self.release(pipeline_q, state_q)
         state_q.advance()
@@ -1434,17 +1539,18 @@ class HopperBackward:
             pipe.consumer_release(state)
 
     @cute.jit
-    def dq_to_warp(self, acc_dq, tdQsdQ, wg):
+    def dq_to_warp(self, acc_dq, tdQsdQ, wg, buf: cutlass.Constexpr[int] = 0):
         """Both steps' hand-off of this warpgroup's dQ (its finished accumulator) to the dQ warp:
         wait until the warp has read the buffer's last dQ, store the accumulator there in
         accumulator order (Note [dQ in accumulator order]), fence it for the bulk add (async
-        proxy) and say it is there."""
-        cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg,
+        proxy) and say it is there. ``buf``: which staging buffer (Note [Two dQ buffers])."""
+        empty, full = dq_barrier_ids(buf)
+        cute.arch.barrier(barrier_id=empty + wg,
                           number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
         flat = cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape))
         cute.autovec_copy(flat, tdQsdQ)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg,
+        cute.arch.barrier_arrive(barrier_id=full + wg,
                                  number_of_threads=THREADS_PER_WARPGROUP + WARP_SIZE)
 
     def column_values(self, thr_sdp, s_vec: cute.Tensor, stage) -> cute.Tensor:

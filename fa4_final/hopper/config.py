@@ -268,6 +268,11 @@ class HopperBwdConfig:
     # reads only the copies that had a visitor (Note [dQ copies]). Reachable through config=
     # only, not yet run on a GPU
     dq_first_store: bool = False
+    # deterministic only: two dQ staging buffers, step s's dQ in buffer s % 2, so the MMA
+    # warpgroups write a step's dQ while the dQ warp still waits for the previous step's turn
+    # (Note [Two dQ buffers] in fa4_final.hopper.bwd). Reachable through config= only until a
+    # GPU has checked and timed it
+    dq_buffers: int = 1
     # the EMPTY arrives' lane read once (Note [Signalling lane]); without it the KV-tile loop
     # reads the thread index every step. Not timed, so off
     pin_lane: bool = False
@@ -328,7 +333,7 @@ class HopperBwdConfig:
         ]
         if self.dkv_swap_ab:  # P beside dS (Note [dK and dV swapped])
             fields.append((self.tile_m * self.tile_n * elem_bytes * self.stages_ds, 1024))
-        fields.append((self.tile_m * head_dim * 4, 1024))  # dQ (float32)
+        fields.append((self.tile_m * head_dim * 4 * self.dq_buffers, 1024))  # dQ (float32)
         offset = 0
         for size, align in fields:
             offset = _align(offset, align) + size
@@ -412,6 +417,20 @@ class HopperBwdConfig:
             raise ValueError("dq_first_store=True changes the deterministic mode's first dQ add "
                              "into a store (the turn order says which is first): it needs "
                              "deterministic=True (or dq_first_store=False)")
+        nb = self.dq_buffers
+        if isinstance(nb, bool) or nb not in (1, 2):
+            raise ValueError(f"dq_buffers must be 1 or 2 (dQ staging buffers), got {nb!r}")
+        if nb == 2 and not (self.deterministic and self.stages_q % 2 == 0
+                            and self.dq_copies == 1 and not self.dq_early_release
+                            and not self.dq_uneven and not self.dkv_swap_ab):
+            raise ValueError(
+                f"dq_buffers=2 is built for the deterministic mode's one dQ accumulator, a step's "
+                f"buffer being its Q stage's parity: it needs deterministic=True, an even "
+                f"stages_q, dq_copies=1, dq_early_release=False, dq_uneven=False and "
+                f"dkv_swap_ab=False, got deterministic={self.deterministic}, "
+                f"stages_q={self.stages_q}, dq_copies={self.dq_copies}, "
+                f"dq_early_release={self.dq_early_release}, dq_uneven={self.dq_uneven}, "
+                f"dkv_swap_ab={self.dkv_swap_ab}")
         need = self.smem_bytes(head_dim, head_dim_v=dv)
         if need > SM90_SMEM_BYTES:
             raise ValueError(
@@ -419,7 +438,8 @@ class HopperBwdConfig:
                 f"{m}x{head_dim} and {self.do_stages} of dO of {m}x{dv}, K of "
                 f"{self.tile_n}x{head_dim} and V of "
                 f"{self.tile_n}x{dv}, {self.stages_ds} dS of "
-                f"{m}x{self.tile_n}, a float32 dQ of {m}x{head_dim}), more than the "
+                f"{m}x{self.tile_n}, {self.dq_buffers} float32 dQ of {m}x{head_dim}), more "
+                f"than the "
                 f"{SM90_SMEM_BYTES} B a CTA may use: a smaller tile_m or fewer stages")
 
 

@@ -1,0 +1,82 @@
+"""The deterministic backward with two dQ staging buffers (HopperBwdConfig.dq_buffers = 2,
+Note [Two dQ buffers] in fa4_final.hopper.bwd) on an H100/H200, reached through config= only:
+against float64 autograd (the rule of tests/gpu/test_fa4_final_bwd.py), the same bits over 20
+runs, and dQ, dK, dV bitwise the one-buffer deterministic kernel's at the same tile (the adds
+and their order are unchanged; only when a warpgroup may store moves). Dense and varlen, causal
+or not, GQA. Run with a timeout (a broken hand-off hangs):
+    timeout 580 python -m pytest -q -m gpu tests/gpu/test_dq_two_buffers.py
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fa4_final.hopper.config import hopper_bwd_default
+from tests.gpu.test_fa4_final_bwd import BF16, _check, _run
+from utils.hardware import missing
+from utils.reference import random_qkv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(missing("sm_90") is not None, reason=str(missing("sm_90"))),
+]
+
+
+def two_buffers(d, causal, buffers=2):
+    """measure.bwd_phases' fa4_final_det_db (D = 64, D = 128 causal) and det_db64 (D = 128 not
+    causal: 64 query rows, dQ = dS K, where 80 rows leave no room for a second buffer)."""
+    cfg = replace(hopper_bwd_default(d, causal), deterministic=True, dq_buffers=buffers)
+    if d == 128 and not causal:
+        cfg = replace(cfg, tile_m=64, dq_swap_ab=False)
+    return cfg
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_two_dq_buffers_match_float64(d, causal):
+    ok, line = _check((2, 1000, 777, 8, 2, d, BF16), causal, deterministic=True,
+                      config=two_buffers(d, causal))
+    print(line)
+    assert ok, line
+
+
+@pytest.mark.parametrize("d,window", [(128, (None, None)), (128, (None, 0)), (64, (None, None)),
+                                      (64, (None, 0)), (128, (200, 0))])
+def test_two_dq_buffers_bitwise_reproducible_and_the_one_buffer_kernels(d, window):
+    """20 runs, GQA, odd lengths: the same bits every time, and every gradient bitwise the
+    one-buffer deterministic kernel's at the same tile."""
+    causal = window[1] == 0
+    cfg = two_buffers(d, causal)
+    q, k, v, seed = random_qkv(2, 1500, 8, d, seqlen_k=1300, heads_kv=2, dtype=BF16,
+                               device="cuda", seed=11)
+    dout = torch.randn(q.shape, device="cuda").to(BF16)
+    first = _run(q, k, v, dout, window=window, deterministic=True, config=cfg)[:3]
+    for run in range(19):
+        again = _run(q, k, v, dout, window=window, deterministic=True, config=cfg)[:3]
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), (f"run {run + 2}: {name} differs in "
+                                       f"{int((a != b).sum())} elements (seed {seed})")
+    one = _run(q, k, v, dout, window=window, deterministic=True,
+               config=two_buffers(d, causal, buffers=1))[:3]
+    for name, a, b in zip(("dq", "dk", "dv"), first, one):
+        assert torch.equal(a, b), f"{name}: differs from the one-buffer kernel's"
+
+
+@pytest.mark.parametrize("name", ["mixed-gqa-d128", "many-causal-d64"])
+def test_two_dq_buffers_varlen(name):
+    """The varlen kernel with two buffers: float64 per sequence, the same bits 20 times, every
+    gradient the one-buffer kernel's."""
+    from tests.gpu.test_bwd_deterministic_copies import _varlen_runner
+    from tests.gpu.test_fa4_final_varlen_bwd import CASES, Problem
+
+    p = Problem(CASES[name])
+    d = p.q.shape[-1]
+    run = _varlen_runner(p)
+    first = run(two_buffers(d, p.causal))
+    p.check(first, f"{name} two dQ buffers")
+    for _ in range(19):
+        for g, a, b in zip(("dq", "dk", "dv"), first, run(two_buffers(d, p.causal))):
+            assert torch.equal(a, b), f"{name} {g}: runs differ"
+    for g, a, b in zip(("dq", "dk", "dv"), first, run(two_buffers(d, p.causal, buffers=1))):
+        assert torch.equal(a, b), f"{name} {g}: differs from the one-buffer kernel's"

@@ -1,0 +1,76 @@
+"""The deterministic backward with two dQ staging buffers (HopperBwdConfig.dq_buffers = 2,
+Note [Two dQ buffers] in fa4_final.hopper.bwd): what the config accepts and refuses, its shared
+memory, and the kernel compiled for sm_90a from fake tensors on a CPU (slow): no spill, no wgmma
+serialised, the second buffer's named barriers in the SASS, the turn protocol unchanged."""
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from fa4_final.hopper.config import SM90_SMEM_BYTES, HopperBwdConfig, hopper_bwd_default
+
+
+def two_buffers(head_dim, causal, **kw):
+    """The candidate a GPU visit times (fa4_final_det_db in measure.bwd_phases)."""
+    return replace(hopper_bwd_default(head_dim, causal), deterministic=True, dq_buffers=2, **kw)
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, True)])
+def test_two_dq_buffers_fit_where_the_default_tile_leaves_room(head_dim, causal):
+    cfg = two_buffers(head_dim, causal)
+    cfg.check(head_dim)
+    one = replace(cfg, dq_buffers=1).smem_bytes(head_dim)
+    assert cfg.smem_bytes(head_dim) == one + cfg.tile_m * head_dim * 4 <= SM90_SMEM_BYTES
+
+
+def test_two_dq_buffers_at_d128_not_causal_need_the_causal_tile():
+    """80 query rows a step leave no room for a second 40 KB buffer; 64 rows (the causal
+    default's tile, dQ = dS K) do."""
+    with pytest.raises(ValueError, match="shared memory"):
+        two_buffers(128, False).check(128)
+    two_buffers(128, False, tile_m=64, dq_swap_ab=False).check(128)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"deterministic": False}, "deterministic=True"),
+    ({"dq_copies": 2}, "dq_copies=1"),
+    ({"dq_early_release": True}, "dq_early_release=False"),
+    ({"stages_q": 1, "stages_ds": 1}, "even"),
+    ({"dq_buffers": 3}, "1 or 2"),
+    ({"dq_buffers": True}, "1 or 2"),
+])
+def test_two_dq_buffers_refuse_what_they_are_not_built_for(bad, match):
+    cfg = replace(HopperBwdConfig(tile_m=64, deterministic=True, dq_buffers=2), **bad)
+    with pytest.raises(ValueError, match=match):
+        cfg.check(128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim,causal,varlen", [(64, False, False), (128, True, False),
+                                                    (128, False, False), (128, True, True)])
+def test_two_dq_buffers_compile_clean(head_dim, causal, varlen):
+    from fa4_final.hopper.host import backward_recipe
+    from fa4_final.runtime.compile import artifacts as compile_artifacts
+
+    cfg = two_buffers(head_dim, causal)
+    if head_dim == 128 and not causal:
+        cfg = replace(cfg, tile_m=64, dq_swap_ab=False)
+    arts = compile_artifacts(backward_recipe(head_dim, "bf16", causal, cfg, True,
+                                             varlen=varlen))
+    main = arts["main"]
+    main.require("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32",
+                 "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32")
+    for art in arts.values():
+        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    fences = main.count("WARPGROUP.ARRIVE", where="sass") - main.count("wgmma.fence.sync.aligned")
+    assert fences == 0, "ptxas serialised a wgmma"
+    # the second buffer's barriers (8, 9: EMPTY; 10, 11: FULL) are used, by sync and arrive
+    ids = {int(i) for i in re.findall(r"bar(?:rier)?\.(?:cta\.)?(?:sync|arrive)(?:\.aligned)?\s+"
+                                      r"(\d+)", main.ptx)}
+    assert {4, 5, 6, 7, 8, 9, 10, 11} <= ids, sorted(ids)
+    # dQ leaves the registers 16 B a store, one copy of the store code a buffer
+    one = compile_artifacts(backward_recipe(head_dim, "bf16", causal,
+                                            replace(cfg, dq_buffers=1), True, varlen=varlen))
+    assert main.count("STS.128", where="sass") == 2 * one["main"].count("STS.128", where="sass")
+    assert main.registers == one["main"].registers
