@@ -112,6 +112,10 @@ for s in "$@"; do
     det-copies-tests) step det_copies_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_deterministic_copies.py -k "not first_store" ;;
     det-first-store-tests) step det_first_store_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_deterministic_copies.py -k "first_store and not varlen" ;;
     det-first-store-varlen) step det_first_store_varlen 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_bwd_deterministic_copies.py -k "first_store and varlen" ;;
+    det-db-tests) step det_db_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_dq_two_buffers.py ;;  # Note [Two dQ buffers]
+    det-db-sanitize) for tool in memcheck racecheck synccheck; do step det_db_$tool 300 $SAN --tool $tool $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_dq_two_buffers.py -k "match_float64 and 128-True"; done ;;
+    det-db-phases) step det_db_phases 580 $PY -m measure.bwd_phases --rounds 5 --dims 128 --impls fa4_final fa4_final_deterministic fa4_final_det_64 fa4_final_det_db64 --name bwd_phases_det_db128 ;;
+    det-db-phases-d64) step det_db_phases_d64 580 $PY -m measure.bwd_phases --rounds 5 --dims 64 --impls fa4_final fa4_final_deterministic fa4_final_det_db --name bwd_phases_det_db64 ;;
     det-sanitize) step det_memcheck 420 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_bwd_deterministic_copies.py -k "match_float64 and 128-False" ;;
     det-phases) step det_phases 580 $PY -m measure.bwd_phases --rounds 5 --dims 128 --impls fa4_final fa4_final_deterministic fa4_final_det_c2 fa4_final_det_early fa4_final_det_c4 fa4_final_det_c4_store fa4_final_det_c2_store --name bwd_phases_det_d128 ;;
     det-phases-d64) step det_phases_d64 580 $PY -m measure.bwd_phases --rounds 5 --dims 64 --impls fa4_final fa4_final_deterministic fa4_final_det_c2 fa4_final_det_early fa4_final_det_c4 fa4_final_det_c4_store fa4_final_det_c2_store --name bwd_phases_det_d64 ;;
