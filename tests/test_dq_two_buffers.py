@@ -37,6 +37,7 @@ def test_two_dq_buffers_at_d128_not_causal_need_the_causal_tile():
     ({"dq_copies": 2}, "dq_copies=1"),
     ({"dq_early_release": True}, "dq_early_release=False"),
     ({"stages_q": 1, "stages_ds": 1}, "even"),
+    ({"dq_single_wg": True}, "dq_single_wg=True"),
     ({"dq_buffers": 3}, "1 or 2"),
     ({"dq_buffers": True}, "1 or 2"),
 ])

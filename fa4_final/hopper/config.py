@@ -422,15 +422,16 @@ class HopperBwdConfig:
             raise ValueError(f"dq_buffers must be 1 or 2 (dQ staging buffers), got {nb!r}")
         if nb == 2 and not (self.deterministic and self.stages_q % 2 == 0
                             and self.dq_copies == 1 and not self.dq_early_release
-                            and not self.dq_uneven and not self.dkv_swap_ab):
+                            and not self.dq_uneven and not self.dkv_swap_ab
+                            and not self.dq_single_wg):
             raise ValueError(
                 f"dq_buffers=2 is built for the deterministic mode's one dQ accumulator, a step's "
                 f"buffer being its Q stage's parity: it needs deterministic=True, an even "
-                f"stages_q, dq_copies=1, dq_early_release=False, dq_uneven=False and "
-                f"dkv_swap_ab=False, got deterministic={self.deterministic}, "
+                f"stages_q, dq_copies=1, dq_early_release=False and dq_uneven, dkv_swap_ab, "
+                f"dq_single_wg False, got deterministic={self.deterministic}, "
                 f"stages_q={self.stages_q}, dq_copies={self.dq_copies}, "
                 f"dq_early_release={self.dq_early_release}, dq_uneven={self.dq_uneven}, "
-                f"dkv_swap_ab={self.dkv_swap_ab}")
+                f"dkv_swap_ab={self.dkv_swap_ab}, dq_single_wg={self.dq_single_wg}")
         need = self.smem_bytes(head_dim, head_dim_v=dv)
         if need > SM90_SMEM_BYTES:
             raise ValueError(
