@@ -25,6 +25,9 @@ accumulator: the add takes L. Orders:
              key tiles in chunks of K, each rotated over its own K starts, turns chunk by chunk;
              with ``copies=C`` chunk g adds into copy g % C (turns chunk by chunk within a copy).
 
+``buffers=2`` (HopperBwdConfig.dq_buffers) gives the turns two staging buffers: step i + 2 may
+be staged once step i's buffer is free, while the dQ warp still adds in step order.
+
 A waiting CTA holds its slot; when nothing can run while work remains the model reports a
 deadlock (never hangs). Returns the makespan (model time units, T = 1 unless given).
 
@@ -156,8 +159,13 @@ def turn_of(shape: Shape, order: str, n: int, m: int, copies: int = 1,
 def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
              jitter: float = 0.0, copies: int = 1, chunk: int | None = None,
              slots: int = SLOTS, tail: float = 0.1, read: float = 0.3, seed: int = 0,
-             keep_adds: bool = False, early: bool = False) -> Result:
-    """The makespan of one backward's main kernel under ``order`` (module docstring)."""
+             keep_adds: bool = False, early: bool = False, buffers: int = 1) -> Result:
+    """The makespan of one backward's main kernel under ``order`` (module docstring).
+    ``buffers``: dQ staging buffers (HopperBwdConfig.dq_buffers); with two, step i + 2 may be
+    staged once step i's buffer is free, while the dQ warp still adds in step order."""
+    if buffers not in (1, 2) or (buffers == 2 and early):
+        raise ValueError(f"buffers must be 1, or 2 without early release, got {buffers}, "
+                         f"early={early}")
     rng = random.Random(seed)
     plan = cta_plan(shape, order, copies, chunk)
     turns = {}  # (n, m) -> (copy, turn), memoised: every head and batch shares them
@@ -166,7 +174,9 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
     adds: dict = {}
     heap: list = []
     seq = 0
-    state = {}  # cta -> [compute end of its current step, its dQ warp free from]
+    state = {}  # cta -> [compute end of its latest scheduled step, its dQ warp free from]
+    next_add: dict = {}  # cta -> the step its dQ warp adds next (buffers = 2)
+    parked: dict = {}  # cta -> a staged step that waits for the one before it to be added
     next_cta = 0
     free = slots
     now = 0.0
@@ -191,9 +201,12 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
             if not plan[cta][3]:
                 push(t, "finish", cta, 0)
                 continue
-            c = t + step_time()
-            state[cta] = [c, t]  # compute end of the current step, the dQ warp free from
-            push(c, "ready", cta, 0)
+            c = t
+            for j in range(min(buffers, len(plan[cta][3]))):  # one step a free buffer
+                c += step_time()
+                push(c, "ready", cta, j)
+            state[cta] = [c, t]  # compute end of the latest step, the dQ warp free from
+            next_add[cta] = 0
 
     def key_turn(cta, i):
         b, hk, n, steps = plan[cta]
@@ -222,9 +235,11 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
             if order == "none" or not early:
                 push(t, "finish", cta, i)
             return  # early: the CTA ends with its last add's completion ("added")
+        if i + buffers >= len(plan[cta][3]):  # the steps after i are already scheduled
+            return
         st = state[cta]
         st[0] = max(st[0] + step_time(), t + tail * T)
-        push(st[0], "ready", cta, i + 1)
+        push(st[0], "ready", cta, i + buffers)
 
     launch(0.0)
     while heap:
@@ -237,6 +252,9 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
             if state[cta][1] > now:  # the dQ warp still waits for its previous add
                 push(state[cta][1], "ready", cta, i)
                 continue
+            if buffers > 1 and order != "none" and i != next_add[cta]:
+                parked[cta] = i  # the warp adds in step order: after step i - 1's add
+                continue
             key, turn = key_turn(cta, i)
             if key is None or counter.get(key, 0) == turn:
                 start_add(cta, i, now)
@@ -247,6 +265,9 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
         elif kind == "added":
             key, turn = key_turn(cta, i)
             counter[key] = counter.get(key, 0) + 1
+            next_add[cta] = i + 1
+            if parked.get(cta) == i + 1:
+                push(now, "ready", cta, parked.pop(cta))
             nxt = waiting.pop((key, counter[key]), None)
             if nxt is not None:
                 start_add(nxt[0], nxt[1], now)
@@ -405,6 +426,22 @@ def predict(shape: Shape, L: float, jitter: float = 0.05, copies=(2, 4, 8),
     return out
 
 
+def predict_two_buffers(shape: Shape, L: float, jitter: float = 0.05) -> dict:
+    """Model prices (makespan over the default's) of the deterministic mode with one and two
+    dQ staging buffers (HopperBwdConfig.dq_buffers) at the tile where two fit: the default's,
+    except at D = 128 without a causal diagonal, where 80 query rows leave no room and the
+    candidate takes 64 (measure.bwd_phases' fa4_final_det_64 and _det_db64). Assumed there:
+    a step's time scales with its query rows (T = 64 / 80 of the default's step)."""
+    from dataclasses import replace
+
+    base = simulate(shape, "none", L=L, jitter=jitter).makespan
+    own, T = shape, 1.0
+    if shape.d == 128 and not shape.causal and shape.tile_m != 64:
+        own, T = replace(shape, tile_m=64), 64 / shape.tile_m
+    return {f"turns {n} buffer{'s' if n > 1 else ''} tile {own.tile_m}": simulate(
+        own, "turns", T=T, L=L * T, jitter=jitter, buffers=n).makespan / base for n in (1, 2)}
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -471,6 +508,18 @@ def main(argv=None) -> int:
                          "note": note + "; dq_first_store: bwd_pre without zeroing, bwd_post "
                          "reading the visited copies only, scaled by their bytes per element"})
         print(f"  {name:22s} " + "  ".join(cells))
+    print("predictions with two dQ staging buffers (dq_buffers = 2), main kernel, beside one "
+          "buffer at the same tile; to be measured:")
+    for (d, s, causal), (_, _, b, h) in sorted(measured_main().items()):
+        shape = default_shape(b, s, h, d, causal)
+        pred = predict_two_buffers(shape, cal["L"][d])
+        name = f"D{d} S{s} {'causal' if causal else 'dense'}"
+        print(f"  {name:22s} " + "  ".join(f"{k} {v:.3f}" for k, v in pred.items()))
+        for order, value in pred.items():
+            rows.append({"impl": order, "metric": "predicted_price", "value": value,
+                         "unit": "x", "d": d, "s": s, "causal": causal,
+                         "L_steps": cal["L"][d], "note": note + "; at a 64-row tile a step "
+                         "is assumed to take 64/80 of the default's"})
     if args.save:
         from utils import results
 

@@ -85,3 +85,22 @@ def test_first_store_prices_less_than_zeroing_and_counts_visited_copies():
     # one copy, every tile visited: only bwd_pre's zeroing goes (4 of its 8 B an element)
     assert abs(dqm.total_price(phases, 1.0, 1, first_store=True, visited=1)
                - (0.05 + 1.0 + 0.1) / 1.2) < 1e-12
+
+
+def test_dq_turns_model_two_buffers_keep_the_add_order_and_never_cost_more():
+    """Two staging buffers (HopperBwdConfig.dq_buffers): the same adds in the same order at
+    every accumulator tile, a makespan no longer than one buffer's, nothing changed without
+    turns; early release with two buffers is refused, as the config refuses it."""
+    from measure.dq_turns_model import Shape, simulate
+
+    for causal in (False, True):
+        shape = Shape(2, 2048, 4, 128, causal, tile_m=64)
+        one = simulate(shape, "turns", L=0.9, keep_adds=True)
+        two = simulate(shape, "turns", L=0.9, keep_adds=True, buffers=2)
+        assert not one.deadlock and not two.deadlock
+        assert one.adds == two.adds
+        assert two.makespan <= one.makespan
+        assert simulate(shape, "none", L=0.9, buffers=2).makespan == pytest.approx(
+            simulate(shape, "none", L=0.9).makespan)
+    with pytest.raises(ValueError, match="early"):
+        simulate(shape, "turns", buffers=2, early=True)
