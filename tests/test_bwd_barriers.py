@@ -27,6 +27,8 @@ from collections import defaultdict
 
 import pytest
 
+from fa4_final.hopper.config import HopperBwdConfig
+
 EIATTR_COOP_GROUP_INSTR_OFFSETS = 0x28
 ROLE_THREADS = {"tma": 32, "dq": 32, "mma": 256, "mma0": 128, "mma1": 128}
 
@@ -37,6 +39,9 @@ BUILDS = [  # (id, head_dim, dtype, causal, keywords of backward_recipe), the de
     ("d192", 192, "fp16", False, dict(head_dim_v=128)),
     ("d192v192", 192, "fp16", False, {}),
     ("d256", 256, "fp16", False, {}),
+    # two dQ staging buffers (Note [Two dQ buffers]): the second buffer's EMPTY and FULL
+    ("d128_causal_det_db", 128, "bf16", True, dict(deterministic=True, config=HopperBwdConfig(
+        tile_m=64, deterministic=True, dq_buffers=2))),
 ]
 SPLIT = {"d96", "d192", "d192v192", "d256"}  # the builds with a loop per MMA warpgroup
 
@@ -80,7 +85,7 @@ def sass_barriers(sass: str) -> list[tuple[int, str, int | None, int]]:
 def _role_of(method: str, self, kw) -> str:
     if method == "load":
         return "tma"
-    if method == "store_dq":
+    if method.startswith("store_dq"):  # store_dq, store_dq_two_buffers
         return "dq"
     if kw.get("dq_part") is not None:  # Note [dQ split unevenly], Note [dK and dV swapped]
         return f"mma{kw['dq_part']}"
@@ -103,7 +108,7 @@ def traced_build(monkeypatch, head_dim, dtype, causal, kw):
     def static(bid):
         return bid if isinstance(bid, int) else None
 
-    for method in ("load", "store_dq", "mma", "mma_swapped"):
+    for method in ("load", "store_dq", "store_dq_two_buffers", "mma", "mma_swapped"):
         original = getattr(bwd.HopperBackward, method)
 
         def wrapped(self, *args, _method=method, _original=original, **kwargs):
@@ -176,6 +181,9 @@ def test_named_barriers_are_reached_as_they_promise(monkeypatch, name, head_dim,
     roles = {r[0] for r in records}
     assert roles == ({"dq", "mma0", "mma1"} if name in SPLIT else {"dq", "mma"})  # TMA: none
     assert not barrier_rule_breaks(records)
+    dq_ids = {r[2] for r in records if r[0] == "dq"}  # EMPTY arrives, FULL waits per buffer
+    assert dq_ids == (set(range(4, 12)) if name.endswith("_db") else
+                      {4, 6} if name == "d96" else {4, 5, 6, 7}), sorted(dq_ids)
     unaligned_ids = {r[2] for r in records if r[1] == "wait" and not r[4]}
     aligned_ids = {r[2] for r in records if r[1] == "wait" and r[4]}
     assert not unaligned_ids & aligned_ids
