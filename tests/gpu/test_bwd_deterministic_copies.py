@@ -54,13 +54,9 @@ def test_each_half_and_other_counts_match_float64(copies, early):
     assert ok, line
 
 
-@pytest.mark.parametrize("d,window", [(128, (None, None)), (128, (None, 0)), (64, (None, None)),
-                                      (64, (None, 0))])
-def test_copies_are_bitwise_reproducible_and_agree_with_the_others(d, window):
-    """20 runs, GQA: the same bits every time; dK, dV bitwise the one-copy kernel's; dQ the
-    default (atomic) kernel's within rounding."""
-    causal = window == (None, 0)
-    cfg = candidate(d, causal)
+def same_bits_twenty_times(d, window, cfg):
+    """(q, k, v, dout, (dq, dk, dv)): GQA inputs of odd lengths, and the deterministic
+    backward with ``cfg`` run 20 times on them, asserted to give the same bits every time."""
     q, k, v, seed = random_qkv(2, 1500, 8, d, seqlen_k=1300, heads_kv=2, dtype=BF16,
                                device="cuda", seed=11)
     dout = torch.randn(q.shape, device="cuda").to(BF16)
@@ -70,6 +66,16 @@ def test_copies_are_bitwise_reproducible_and_agree_with_the_others(d, window):
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert torch.equal(a, b), (f"run {run + 2}: {name} differs in "
                                        f"{int((a != b).sum())} elements (seed {seed})")
+    return q, k, v, dout, first
+
+
+@pytest.mark.parametrize("d,window", [(128, (None, None)), (128, (None, 0)), (64, (None, None)),
+                                      (64, (None, 0))])
+def test_copies_are_bitwise_reproducible_and_agree_with_the_others(d, window):
+    """20 runs, GQA: the same bits every time; dK, dV bitwise the one-copy kernel's; dQ the
+    default (atomic) kernel's within rounding."""
+    causal = window == (None, 0)
+    q, k, v, dout, first = same_bits_twenty_times(d, window, candidate(d, causal))
     one_copy = _run(q, k, v, dout, window=window, deterministic=True)[:3]
     for name, a, b in zip(("dk", "dv"), first[1:], one_copy[1:]):
         assert torch.equal(a, b), f"{name}: the copies changed it"

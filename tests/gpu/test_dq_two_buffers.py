@@ -15,7 +15,6 @@ import torch
 from fa4_final.hopper.config import hopper_bwd_default
 from tests.gpu.test_fa4_final_bwd import BF16, _check, _run
 from utils.hardware import missing
-from utils.reference import random_qkv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,17 +45,10 @@ def test_two_dq_buffers_match_float64(d, causal):
 def test_two_dq_buffers_bitwise_reproducible_and_the_one_buffer_kernels(d, window):
     """20 runs, GQA, odd lengths: the same bits every time, and every gradient bitwise the
     one-buffer deterministic kernel's at the same tile."""
+    from tests.gpu.test_bwd_deterministic_copies import same_bits_twenty_times
+
     causal = window[1] == 0
-    cfg = two_buffers(d, causal)
-    q, k, v, seed = random_qkv(2, 1500, 8, d, seqlen_k=1300, heads_kv=2, dtype=BF16,
-                               device="cuda", seed=11)
-    dout = torch.randn(q.shape, device="cuda").to(BF16)
-    first = _run(q, k, v, dout, window=window, deterministic=True, config=cfg)[:3]
-    for run in range(19):
-        again = _run(q, k, v, dout, window=window, deterministic=True, config=cfg)[:3]
-        for name, a, b in zip(("dq", "dk", "dv"), first, again):
-            assert torch.equal(a, b), (f"run {run + 2}: {name} differs in "
-                                       f"{int((a != b).sum())} elements (seed {seed})")
+    q, k, v, dout, first = same_bits_twenty_times(d, window, two_buffers(d, causal))
     one = _run(q, k, v, dout, window=window, deterministic=True,
                config=two_buffers(d, causal, buffers=1))[:3]
     for name, a, b in zip(("dq", "dk", "dv"), first, one):
