@@ -86,3 +86,95 @@ def _c4_store_d64(res):
     r = next((r for i, d, s, c, r in over_deterministic(res)
               if (i, d, s, c) == ("fa4_final_det_c4_store", 64, 4096, False)), None)
     return r is not None and r < 1, f"fa4_final_det_c4_store / deterministic: {r}"
+
+
+# ------------------------------------------------------------------------------------------
+# Section 8: ncu's profile of the deterministic mode (measure.profile_bwd_det) and the model's
+# prediction for two dQ staging buffers (measure.dq_turns_model)
+
+PROFILE = "bwd_det_profile"
+PROFILE_METRICS = (  # (metric, what it is, unit)
+    ("duration_ms", "main kernel at ncu's locked clock", "ms"),
+    ("tensor_pipe_active_pct", "tensor pipe active", "%"),
+    ("samples_barrier_pct", "warp samples stalled at a barrier", "%"),
+    ("turn_wait_samples_pct", "samples at the dQ turn's acquire loads", "%"),
+    ("dq_update_samples_pct", "samples at the dQ accumulator's adds", "%"),
+)
+
+
+def load_profile():
+    """The stored profile run, or None after saying it was not measured."""
+    from utils import results
+
+    try:
+        return results.load(PROFILE, gpu=GPU)
+    except FileNotFoundError:
+        print(f"{PROFILE}: not measured (no results/{GPU}/{PROFILE}.json)")
+        return None
+
+
+def profile_row(res, impl: str, metric: str):
+    return next((r for r in res.rows if r["impl"] == impl and r["metric"] == metric), None)
+
+
+def profile_value(res, impl: str, metric: str):
+    r = profile_row(res, impl, metric)
+    return None if r is None else r["value"]
+
+
+def profile_lines(res, impls=("fa4_final", "fa4_final_deterministic")) -> list[str]:
+    """The counters of PROFILE_METRICS for each build, then each build's most sampled
+    instruction with its stall reason."""
+    out = [f"{'':42s}" + "".join(f"{i:>26s}" for i in impls)]
+    for metric, what, unit in PROFILE_METRICS:
+        vals = [profile_value(res, i, metric) for i in impls]
+        out.append(f"{what + ' (' + unit + ')':42s}" + "".join(
+            f"{v:26.2f}" if v is not None else f"{'-':>26s}" for v in vals))
+    for i in impls:
+        top = profile_row(res, i, "top1_samples_pct")
+        if top:
+            out.append(f"{i}: most sampled instruction {top['sass']!r}, {top['value']:.1f}% of "
+                       f"samples, stalled on {top['stall']}")
+    return out
+
+
+def dq_staging_offset(head_dim: int = 128, causal: bool = False) -> int:
+    """Byte offset of the float32 dQ staging buffer in the backward's shared memory: the last
+    field of HopperBwdConfig.smem_bytes (1 KB aligned, the struct padded to 1 KB)."""
+    from fa4_final.hopper.config import hopper_bwd_default
+
+    cfg = hopper_bwd_default(head_dim, causal)
+    return cfg.smem_bytes(head_dim) - cfg.tile_m * head_dim * 4 * cfg.dq_buffers
+
+
+def two_buffer_predictions() -> list[str]:
+    """The model's main-kernel prices (over the default's) with one and two dQ staging buffers
+    at the same tile, from results/cpu/dq_turns_model.json (predictions, not measurements)."""
+    from utils import results
+
+    res = results.load("dq_turns_model", gpu="cpu")
+    got: dict = {}
+    for r in res.rows:
+        if r["metric"] == "predicted_price" and " buffer" in r["impl"]:
+            got.setdefault((r["d"], r["s"], r["causal"]), {})[r["impl"]] = r["value"]
+    return [f"  D{d:<3} S{s:<6} {'causal' if c else 'dense':6s}  " + "  ".join(
+        f"{k} {v:.3f}" for k, v in sorted(vals.items())) for (d, s, c), vals in sorted(got.items())]
+
+
+@claim("HB.det_profile_points_at_handoff", PROFILE,
+       "the deterministic build's tensor pipe is active at least 10 points less than the "
+       "default's, a larger share of its samples stalls at a barrier, and its most sampled "
+       "instruction is a 16-byte shared store into the dQ staging buffer, stalled on a barrier",
+       gpu=GPU)
+def _det_profile_handoff(res):
+    t0, t1 = (profile_value(res, i, "tensor_pipe_active_pct")
+              for i in ("fa4_final", "fa4_final_deterministic"))
+    b0, b1 = (profile_value(res, i, "samples_barrier_pct")
+              for i in ("fa4_final", "fa4_final_deterministic"))
+    top = profile_row(res, "fa4_final_deterministic", "top1_samples_pct") or {}
+    offset = f"{dq_staging_offset(128, False):#x}"
+    ok = (t0 - t1 >= 10 and b1 > b0 and top.get("sass", "").startswith("STS.128")
+          and offset in top.get("sass", "") and top.get("stall") == "barrier")
+    return ok, (f"tensor pipe {t0:.1f} -> {t1:.1f} %, barrier samples {b0:.1f} -> {b1:.1f} %, "
+                f"top instruction {top.get('sass')!r} ({top.get('stall')}), dQ buffer at "
+                f"{offset}")
