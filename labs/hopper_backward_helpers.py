@@ -178,3 +178,55 @@ def _det_profile_handoff(res):
     return ok, (f"tensor pipe {t0:.1f} -> {t1:.1f} %, barrier samples {b0:.1f} -> {b1:.1f} %, "
                 f"top instruction {top.get('sass')!r} ({top.get('stall')}), dQ buffer at "
                 f"{offset}")
+
+
+# the H100 run of the two-buffer candidate: (run, two-buffer impl, one-buffer impl at the same
+# tile) per head dim; at D = 64 the one-buffer build at the same tile is today's mode
+TWO_BUFFER_RUNS = {128: ("bwd_phases_det_db128", "fa4_final_det_db64", "fa4_final_det_64"),
+                   64: ("bwd_phases_det_db64", "fa4_final_det_db", "fa4_final_deterministic")}
+
+
+def _total_rows(res) -> dict:
+    """(impl, s, causal) -> the run's total row (device ms per call, its spread)."""
+    return {(r["impl"], r["s"], r["causal"]): r for r in res.rows
+            if r["phase"] == "total" and r.get("value")}
+
+
+def two_buffer_pairs():
+    """(d, s, causal, two buffers / one buffer at the same tile, the larger spread, one buffer
+    / the default) for every shape of the stored runs; nothing for a run not stored."""
+    from utils import results
+
+    out = []
+    for d, (name, two, one) in sorted(TWO_BUFFER_RUNS.items()):
+        try:
+            rows = _total_rows(results.load(name, gpu=GPU))
+        except FileNotFoundError:
+            print(f"{name}: not measured (no results/{GPU}/{name}.json)")
+            continue
+        for (impl, s, causal), r in sorted(rows.items()):
+            if impl != two or (one, s, causal) not in rows:
+                continue
+            o, base = rows[(one, s, causal)], rows[("fa4_final", s, causal)]
+            out.append((d, s, causal, r["value"] / o["value"],
+                        max(r.get("spread") or 0, o.get("spread") or 0),
+                        o["value"] / base["value"]))
+    return out
+
+
+def two_buffer_lines() -> list[str]:
+    return [f"  D{d:<3} S{s:<6} {'causal' if c else 'dense':6s}  two buffers / one at the same "
+            f"tile {r:.3f} (spread {sp:.1%}, {'beyond' if abs(r - 1) > sp else 'within'} it); "
+            f"one buffer / default {b:.3f}" for d, s, c, r, sp, b in two_buffer_pairs()]
+
+
+@claim("HB.two_buffers_not_faster", "bwd_phases_det_db128",
+       "the two-buffer build is nowhere faster than the one-buffer build at the same tile by "
+       "more than 1%, and slower beyond the spread at S = 4096 causal at D = 64 and 128",
+       gpu=GPU)
+def _two_buffers_not_faster(res):
+    pairs = two_buffer_pairs()
+    causal_4096 = [(r, sp) for d, s, c, r, sp, _ in pairs if s == 4096 and c]
+    ok = (len(pairs) == 8 and all(r > 0.99 for *_, r, _sp, _b in pairs)
+          and len(causal_4096) == 2 and all(r - 1 > sp for r, sp in causal_4096))
+    return ok, f"{len(pairs)} shapes, ratios " + ", ".join(f"{p[3]:.3f}" for p in pairs)

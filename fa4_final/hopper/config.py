@@ -270,8 +270,8 @@ class HopperBwdConfig:
     dq_first_store: bool = False
     # deterministic only: two dQ staging buffers, step s's dQ in buffer s % 2, so the MMA
     # warpgroups write a step's dQ while the dQ warp still waits for the previous step's turn
-    # (Note [Two dQ buffers] in fa4_final.hopper.bwd). Reachable through config= only until a
-    # GPU has checked and timed it
+    # (Note [Two dQ buffers] in fa4_final.hopper.bwd). Checked on an H100 (float64, bitwise the
+    # one-buffer kernel's) and no faster there, so reachable through config= only
     dq_buffers: int = 1
     # the EMPTY arrives' lane read once (Note [Signalling lane]); without it the KV-tile loop
     # reads the thread index every step. Not timed, so off
