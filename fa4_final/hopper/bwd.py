@@ -1018,8 +1018,9 @@ class HopperBackward:
     # (float64 suites, 20 runs, varlen; memcheck and synccheck clean, racecheck the one-buffer
     # kernel's two hazards, Note [Release after the warp's reads]), but the backward was no
     # faster at any of eight shapes (D = 64 and 128, S = 4096 and 16384, causal or not) and
-    # 3-4% slower at S = 4096 causal: the warpgroups then wait at the next hand-off, which
-    # suggests the dQ warp's own cycle (turn, add, completion, pass) sets the pace.
+    # 3-4% slower at S = 4096 causal. A hypothesis, not profiled: the dQ warp's own cycle
+    # (turn, add, completion, pass) sets the pace, so the warpgroups only move their wait to
+    # the next hand-off.
 
     @cute.jit
     def store_dq_two_buffers(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work,
