@@ -50,7 +50,7 @@ the fastest peer row of its shape and mode (fa4_final rows are not peers).
 
 ``--rows``: time only the rows named (a grid too large for one visit). Where the cache in table
 order (a second copy) does not fit beside the cache, the paged kernel row is timed unchecked
-(``bitwise_equal`` None, ``unchecked`` says why) and the keys-on-M rows are left out.
+(``bitwise_equal`` None, ``unchecked`` says why) and the keys-on-M rows are error rows saying so.
 
 Shapes whose cache is larger than ``--max-gb`` are recorded as skipped. ``--deadline`` seconds:
 the run stops after the shape that passes it and stores what it measured, saying so.
@@ -215,6 +215,13 @@ def split_count(shape: DecodeShape, requested: int, tile_m: int, tile_n: int) ->
                              tile_m=tile_m, tile_n=tile_n)
 
 
+def _second_copy_fits(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a copy of the cache (k and v) fits in 80% of the GPU's free memory; always on
+    the CPU (the tests' stand-ins)."""
+    free = torch.cuda.mem_get_info()[0] if k.is_cuda else float("inf")
+    return 2 * (k.numel() + v.numel()) * k.element_size() <= 0.8 * free
+
+
 def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_splits,
                   variants=(), keys_on_m=True):
     """The Hopper decode kernel launched directly (fa4_final.hopper.host.launch_decode, the
@@ -269,21 +276,21 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     paged = calls["fa4_final_decode_paged"]().clone()
     extra = {"fa4_final_decode": {"splits": splits, "max_diff": float(
         (contiguous - sdpa(q, k, v)[0].float()).abs().max())}}
-    free = torch.cuda.mem_get_info()[0] if k.is_cuda else float("inf")  # CPU stand-ins: no cap
-    if 2 * (k.numel() + v.numel()) * k.element_size() > 0.8 * free:
-        # the cache in table order is a second copy of it, which does not fit beside the first
-        # (and the keys-on-M rows need it too): the paged row is still timed, unchecked here
+    # the cache in table order is a second copy of it; where it does not fit beside the first,
+    # the paged row is still timed, unchecked, and the keys-on-M rows (which need it) say why
+    no_copy = (None if _second_copy_fits(k, v)
+               else "the cache in table order (a copy) does not fit beside the cache")
+    if no_copy:
+        extra["fa4_final_decode_paged"] = {"splits": splits, "bitwise_equal": None,
+                                           "unchecked": no_copy}
+    else:
+        k_in_order = k_cache[table.long()].reshape(k.shape)  # sequence b's keys in table order
+        v_in_order = v_cache[table.long()].reshape(v.shape)
+        in_order = runner(False, k_in_order, v_in_order)()
         extra["fa4_final_decode_paged"] = {
-            "splits": splits, "bitwise_equal": None,
-            "unchecked": "the cache in table order (a copy) does not fit beside the cache"}
-        return calls, extra
-    k_in_order = k_cache[table.long()].reshape(k.shape)  # sequence b's keys in table order
-    v_in_order = v_cache[table.long()].reshape(v.shape)
-    in_order = runner(False, k_in_order, v_in_order)()
-    extra["fa4_final_decode_paged"] = {
-        "splits": splits, "max_diff": float(
-            (paged.float() - sdpa(q, k_in_order, v_in_order)[0].float()).abs().max()),
-        "bitwise_equal": bool(torch.equal(in_order, paged))}
+            "splits": splits, "max_diff": float(
+                (paged.float() - sdpa(q, k_in_order, v_in_order)[0].float()).abs().max()),
+            "bitwise_equal": bool(torch.equal(in_order, paged))}
     # config candidates: each its own error row if it fails, the others still timed
     for name in variants:
         tile_n, stages, factor, consumers, cluster = VARIANTS[name]
@@ -303,7 +310,9 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     # the keys-on-M candidate: its own error rows if it fails, the 64-row rows still timed
     names = ("fa4_final_decode_keys_on_m", "fa4_final_decode_keys_on_m_paged")
     if not keys_on_m:
-        del k_in_order, v_in_order
+        return calls, extra
+    if no_copy:
+        extra.update({name: {"error": f"not run: {no_copy}"} for name in names})
         return calls, extra
     try:
         ours = dict(zip(names, (runner(False, k, v, True),
@@ -322,7 +331,6 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
             "splits": swapped_splits, "rows_n": swapped.rows_n,
             "max_diff": float((swapped_paged.float() - in_order.float()).abs().max()),
             "bitwise_equal": bool(torch.equal(swapped_in_order, swapped_paged))}
-    del k_in_order, v_in_order
     return calls, extra
 
 

@@ -426,8 +426,9 @@ def test_decode_keys_on_m_variants_compile_clean(name):
 
 @pytest.mark.parametrize("variants", [(), ("n64s3", "split2", "wg2", "pair")],
                          ids=["default", "variants"])
-@pytest.mark.parametrize("fail", [False, True])
-def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, variants):
+@pytest.mark.parametrize("fail,room", [(False, True), (True, True), (False, False)],
+                         ids=["built", "fails", "no-room"])
+def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, room, variants):
     """_kernel_calls on CPU tensors, the kernel launches replaced by the float64 decode of what
     they are given (the page table, the split partials, the configs they were compiled with):
     four rows, the keys-on-M ones with swap_ab configs (a gathered box for pages of 16),
@@ -435,7 +436,9 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, var
     leaves error rows for its two names and the 64-row rows timed. ``--variants`` (measure.decode
     VARIANTS) add a contiguous row per config candidate: its tile, stages and consumer
     warpgroups compiled (wg2: its split count at tile_m = 128), the
-    split count times its factor, max_diff to the default's out."""
+    split count times its factor, max_diff to the default's out. With no room for the cache
+    in table order: the paged row timed unchecked, the candidates still there, the keys-on-M
+    rows error rows saying why."""
     import fa4_final.hopper.host as host
     import fa4_final.runtime.compile as compile_mod
     import fa4_final.runtime.decode as runtime_decode
@@ -470,6 +473,7 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, var
     monkeypatch.setattr(compile_mod, "compiled", fake_compiled)
     monkeypatch.setattr(host, "launch_decode", fake_launch)
     monkeypatch.setattr(runtime_decode, "combine_splits", fake_combine)
+    monkeypatch.setattr(decode, "_second_copy_fits", lambda k, v: room)
     tiles = []  # (tile_m, tile_n) of each split count asked for
     monkeypatch.setattr(decode, "split_count",
                         lambda shape, req, tile_m, tile_n: tiles.append((tile_m, tile_n)) or 2)
@@ -499,6 +503,13 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, var
     # wg2 (Note [Two consumer warpgroups]): its split count taken at tile_m = 128
     assert ((128, 128) in tiles) == ("wg2" in variants)
     assert sorted(extra) == sorted(names)
+    if not room:
+        assert extra["fa4_final_decode_paged"]["bitwise_equal"] is None
+        assert "does not fit" in extra["fa4_final_decode_paged"]["unchecked"]
+        assert sorted(calls) == names[:2]
+        for name in names[2:]:
+            assert extra[name]["error"].startswith("not run: the cache in table order")
+        return
     assert extra["fa4_final_decode_paged"]["bitwise_equal"] is True
     if fail:
         assert sorted(calls) == names[:2]
