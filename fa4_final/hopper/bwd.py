@@ -968,22 +968,13 @@ class HopperBackward:
                         if const_expr(copies > 1):
                             offset = ((m_pad * copies + copy) * (self.tile_m * self.head_dim)
                                       + self.dq_at(w))
-                        if const_expr(self.cfg.dq_first_store):
-                            # turn 0 of its copy writes over the unzeroed slab (Note [dQ copies])
+                        first = None
+                        if const_expr(self.cfg.dq_first_store):  # its turn at its copy
                             first = dq_turn(self.window, n_block, m_block, num_n_blocks,
                                             seqlen_q, seqlen_k, window_left, window_right)
                             if const_expr(copies > 1):
                                 first = first // copies
-                            if first == 0:
-                                bulk_store_f32(gAcc.iterator + offset, self.dq_src(sdQ, w),
-                                               self.dq_bytes(w))
-                            else:
-                                bulk_add_f32(gAcc.iterator + offset, self.dq_src(sdQ, w),
-                                             self.dq_bytes(w))
-                        else:
-                            bulk_add_f32(gAcc.iterator + offset, self.dq_src(sdQ, w),
-                                         self.dq_bytes(w))
-                        cute.arch.cp_async_bulk_commit_group()
+                        self.issue_dq_chunk(gAcc, offset, self.dq_src(sdQ, w), w, first)
                 if const_expr(self.cfg.deterministic):
                     if const_expr(early):  # the buffers back once read, before the turn passes
                         if lane == 0:
@@ -1065,16 +1056,8 @@ class HopperBackward:
                         cute.arch.barrier(barrier_id=dq_barrier_ids(1)[1] + w,
                                           number_of_threads=handshake)
                     if lane == 0:
-                        offset = m_pad * slab + self.dq_at(w)
-                        src = self.dq_src(sdQ, w) + odd * slab
-                        if const_expr(self.cfg.dq_first_store):  # Note [dQ copies]
-                            if turn == 0:
-                                bulk_store_f32(gAcc.iterator + offset, src, self.dq_bytes(w))
-                            else:
-                                bulk_add_f32(gAcc.iterator + offset, src, self.dq_bytes(w))
-                        else:
-                            bulk_add_f32(gAcc.iterator + offset, src, self.dq_bytes(w))
-                        cute.arch.cp_async_bulk_commit_group()
+                        self.issue_dq_chunk(gAcc, m_pad * slab + self.dq_at(w),
+                                            self.dq_src(sdQ, w) + odd * slab, w, turn)
                 if lane == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.fence_acq_rel_gpu()
@@ -1088,6 +1071,21 @@ class HopperBackward:
                         else:
                             cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(1)[0] + w,
                                                      number_of_threads=handshake)
+
+    @cute.jit
+    def issue_dq_chunk(self, gAcc, offset, src, w: int, first_turn) -> None:
+        """One lane of the dQ warp: chunk ``w`` of a step from shared memory ``src`` into the
+        accumulator ``gAcc`` at ``offset``, a bulk add committed as its own bulk group; under
+        dq_first_store a plain bulk store when ``first_turn`` (the step's turn at its
+        accumulator copy) is 0, writing over the unzeroed slab (Note [dQ copies])."""
+        if const_expr(self.cfg.dq_first_store):
+            if first_turn == 0:  # the address formed in each branch: the SASS the inline code had
+                bulk_store_f32(gAcc.iterator + offset, src, self.dq_bytes(w))
+            else:
+                bulk_add_f32(gAcc.iterator + offset, src, self.dq_bytes(w))
+        else:
+            bulk_add_f32(gAcc.iterator + offset, src, self.dq_bytes(w))
+        cute.arch.cp_async_bulk_commit_group()
 
     def dq_at(self, w: int) -> int:
         """Where chunk ``w`` of a step's dQ starts in its query tile's slab (floats)."""
