@@ -1227,13 +1227,21 @@ def grid_lines(res, impl: str = "fa4_final_splits", mode: str = "flush") -> list
     return lines
 
 
+def speed_ratios(res, impl: str = "fa4_final_decode", mode: str = "flush",
+                 keys_at_least: int = 0, keys_below: int | None = None) -> list[float]:
+    """vs_best_peer of ``impl``'s timed rows in ``mode`` whose cache length lies in
+    [keys_at_least, keys_below)."""
+    return [a["vs_best_peer"] for a in res.rows
+            if a.get("impl") == impl and a.get("mode") == mode and a.get("ms")
+            and a.get("vs_best_peer") and a.get("s", 0) >= keys_at_least
+            and (keys_below is None or a.get("s", 0) < keys_below)]
+
+
 def share_at_or_above(res, impl: str = "fa4_final_decode", mode: str = "flush",
                       min_keys: int = 8192):
     """The fraction of the run's shapes with at least ``min_keys`` cached keys where ``impl``
     reaches the fastest peer's speed (vs_best_peer >= 1.0); None if none was timed."""
-    ratios = [a["vs_best_peer"] for a in res.rows
-              if a.get("impl") == impl and a.get("mode") == mode and a.get("ms")
-              and a.get("vs_best_peer") and a.get("s", 0) >= min_keys]
+    ratios = speed_ratios(res, impl, mode, min_keys)
     return sum(r >= 1.0 for r in ratios) / len(ratios) if ratios else None
 
 
@@ -1292,19 +1300,11 @@ def _keys_on_m_ties(res):
         f"{min(ratios, default=float('nan')):.3f}-{max(ratios, default=float('nan')):.3f}")
 
 
-def _speed_ratios(res, keys_at_least: int = 0, keys_below: int | None = None):
-    """vs_best_peer of the decode kernel's flushed rows in a range of cache lengths."""
-    return [a["vs_best_peer"] for a in res.rows
-            if a.get("impl") == "fa4_final_decode" and a.get("mode") == "flush"
-            and a.get("vs_best_peer") and a.get("s", 0) >= keys_at_least
-            and (keys_below is None or a.get("s", 0) < keys_below)]
-
-
 @claim("15.decode_grid_two_regimes", DECODE,
        "with 8k keys or more every flushed shape of the run is below the fastest peer by at most "
        "15%; with 1k keys the kernel is at or above it at most shapes", gpu="h100")
 def _decode_grid_two_regimes(res):
-    long_, short = _speed_ratios(res, 8192), _speed_ratios(res, 0, 8192)
+    long_, short = speed_ratios(res, keys_at_least=8192), speed_ratios(res, keys_below=8192)
     ok = (bool(long_) and all(0.85 <= r < 1.0 for r in long_) and bool(short)
           and sum(r >= 1.0 for r in short) > len(short) / 2)
     return ok, (f">= 8k keys: {min(long_, default=0):.2f}-{max(long_, default=0):.2f} over "
