@@ -84,6 +84,10 @@ CANDIDATES = {
     # one buffer, so the two rows tell the tile's share from the buffer's
     "fa4_final_det_db64": {"dq_buffers": 2, "tile_m": 64, "dq_swap_ab": False},
     "fa4_final_det_64": {"tile_m": 64, "dq_swap_ab": False},
+    # every MMA thread releases a Q or dO stage (HopperBwdConfig.release_every_thread,
+    # Note [Release after the warp's reads]): in the default mode and the deterministic one
+    "fa4_final_release_all": {"deterministic": False, "release_every_thread": True},
+    "fa4_final_det_release_all": {"release_every_thread": True},
 }
 CHOICES = (*IMPLS, *(c for c in CANDIDATES if c not in IMPLS))
 PHASES = ("pre", "main", "post", "other", "total")
@@ -156,14 +160,14 @@ def _backward_call(impl: str, shape: bench.Shape):
         from fa4_final.hopper.config import hopper_bwd_default
         from fa4_final.runtime.prologue import backward_into
 
-        cfg = replace(hopper_bwd_default(shape.d, shape.causal), deterministic=True,
-                      **CANDIDATES[impl])
+        cfg = replace(hopper_bwd_default(shape.d, shape.causal),
+                      **{"deterministic": True, **CANDIDATES[impl]})
         with torch.no_grad():
             out, lse = flash_attn_func(q, k, v, causal=shape.causal, return_lse=True)
         grads = [torch.empty_like(t) for t in (q, k, v)]
         return lambda: backward_into(q.detach(), k.detach(), v.detach(), out, lse, dout,
-                                     *grads, causal=shape.causal, deterministic=True,
-                                     config=cfg)
+                                     *grads, causal=shape.causal,
+                                     deterministic=cfg.deterministic, config=cfg)
     if impl.startswith("fa4_final"):
         from fa4_final.api.autograd import attention_autograd
 

@@ -82,6 +82,36 @@ def test_every_knob_compiles_clean(artifacts, config):
         assert thread_index_reads(art.sass) == 0
 
 
+def mbarrier_arrives(sass: str) -> tuple[int, int]:
+    """(all, predicated) SYNCS.ARRIVE instructions of a kernel's SASS: a predicated one is one
+    lane's arrive (@P), an unpredicated one every thread's."""
+    lines = [line for line in sass.splitlines() if "SYNCS.ARRIVE" in line]
+    return len(lines), sum(1 for line in lines if re.search(r"@!?U?P\d", line))
+
+
+@slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_release_every_thread_arrives_from_every_thread(artifacts, causal):
+    """Note [Release after the warp's reads]: under release_every_thread the four releases of a
+    step's Q and dO stages (two code paths, masked and not) lose their one-lane predicate, and
+    EMPTY counts 256 arrivals instead of 8; nothing else of the kernel's arrives changes, and it
+    still compiles without spills or serialised wgmma."""
+    from fa4_final.hopper.bwd import HopperBackward
+
+    base = hopper_bwd_default(128, causal)
+    knob = replace(base, release_every_thread=True)
+    default, every = (artifacts(128, causal, config=c)["main"] for c in (base, knob))
+    assert every.spills == 0 and wgmma_serialised(every) == 0, every.resources()
+    total, predicated = mbarrier_arrives(default.sass)
+    assert mbarrier_arrives(every.sass) == (total, predicated - 4), (
+        mbarrier_arrives(default.sass), mbarrier_arrives(every.sass))
+    import cutlass
+
+    counts = {spec.name: spec.empty_arrivals for spec in HopperBackward(
+        cutlass.BFloat16, 128, causal, knob).pipelines()}
+    assert counts["q"] == counts["do"] == 256 and counts["kv"] == 8, counts
+
+
 @slow
 @pytest.mark.parametrize("window", [dict(has_window_left=True),
                                     dict(has_window_left=True, has_window_right=True)])

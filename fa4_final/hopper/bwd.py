@@ -236,7 +236,7 @@ class HopperBackward:
         the byte count, EMPTY with one arrive per MMA warp (per MMA thread in the builds of
         two loops: Note [Release after the warp's reads])."""
         warps = MMA_THREADS // WARP_SIZE
-        empty = MMA_THREADS if self.split_builds() else warps
+        empty = MMA_THREADS if self.every_thread_releases() else warps
         return (
             PipelineSpec("q", "Q and its lse (log2 units) per query tile", "tma_async",
                          self.cfg.stages_q, "producer", "mma", 1, empty),
@@ -903,8 +903,9 @@ class HopperBackward:
     # warpgroups' steps, thousands of instances (the offsets were not yet mapped to
     # instructions). The hypothesis is the same as above, with bar.sync instead of the
     # unaligned barrier: the tool does not take a barrier between the other lanes' reads and
-    # one lane's arrive as ordering them. Giving these builds the same every-thread release
-    # would change the main kernel's SASS, so it waits for a GPU run that times it.
+    # one lane's arrive as ordering them. The same every-thread release is built for them as
+    # HopperBwdConfig.release_every_thread (config= only): it changes the main kernel's SASS,
+    # so it becomes the default only after a GPU run has checked and timed it.
 
     @cute.jit
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
@@ -1544,13 +1545,19 @@ class HopperBackward:
 
     def release(self, pipe, state) -> None:
         """This MMA thread's release of ``state``'s stage of ``pipe``: in the builds of two loops
-        (split_builds) every thread arrives on EMPTY, after its own reads of the stage's lse or
-        delta (Note [Release after the warp's reads]); the one-build kernels keep one lane a
-        warp and their SASS."""
-        if const_expr(self.split_builds()):
+        (split_builds) and under release_every_thread every thread arrives on EMPTY, after its
+        own reads of the stage's lse or delta (Note [Release after the warp's reads]); the
+        one-build kernels keep one lane a warp and their SASS."""
+        if const_expr(self.every_thread_releases()):
             pipe.sync_object_empty.arrive(state.index, pipe.consumer_mask)
         else:
             pipe.consumer_release(state)
+
+    def every_thread_releases(self) -> bool:
+        """Every MMA thread arrives on a Q or dO stage's EMPTY (256 arrivals), not one lane a
+        warp: the builds of two loops, and any build under release_every_thread
+        (Note [Release after the warp's reads])."""
+        return bool(self.split_builds() or self.cfg.release_every_thread)
 
     @cute.jit
     def dq_to_warp(self, acc_dq, tdQsdQ, wg, buf: cutlass.Constexpr[int] = 0):
