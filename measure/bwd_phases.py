@@ -85,9 +85,14 @@ CANDIDATES = {
     "fa4_final_det_db64": {"dq_buffers": 2, "tile_m": 64, "dq_swap_ab": False},
     "fa4_final_det_64": {"tile_m": 64, "dq_swap_ab": False},
     # every MMA thread releases a Q or dO stage (HopperBwdConfig.release_every_thread,
-    # Note [Release after the warp's reads]): in the default mode and the deterministic one
+    # Note [Release after the warp's reads]), in the default mode and the deterministic one:
+    # timed against the one-lane release while that was the default
+    # (results/h100/bwd_phases_release_all*.json), the default since; the _one_lane rows time
+    # the old release against it
     "fa4_final_release_all": {"deterministic": False, "release_every_thread": True},
     "fa4_final_det_release_all": {"release_every_thread": True},
+    "fa4_final_one_lane": {"deterministic": False, "release_every_thread": False},
+    "fa4_final_det_one_lane": {"release_every_thread": False},
 }
 CHOICES = (*IMPLS, *(c for c in CANDIDATES if c not in IMPLS))
 PHASES = ("pre", "main", "post", "other", "total")

@@ -233,8 +233,9 @@ class HopperBackward:
 
     def pipelines(self) -> tuple[PipelineSpec, ...]:
         """The TMA warp -> MMA warpgroups rings: FULL completes with the TMA warp's arrive and
-        the byte count, EMPTY with one arrive per MMA warp (per MMA thread in the builds of
-        two loops: Note [Release after the warp's reads])."""
+        the byte count, EMPTY with one arrive per MMA thread (release_every_thread, the
+        default, and always in the builds of two loops) or per MMA warp (Note [Release after
+        the warp's reads])."""
         warps = MMA_THREADS // WARP_SIZE
         empty = MMA_THREADS if self.every_thread_releases() else warps
         return (
@@ -876,8 +877,9 @@ class HopperBackward:
     # 0 hazards in each of the four builds and their float64 suites pass (lengths 1 to 4097,
     # seqlen_q != seqlen_k both ways, GQA and MQA, windows, varlen, fp16, deterministic
     # bitwise over 5 runs, and through the API's autograd), memcheck 0 errors in the swapped
-    # two. D = 64 and 128 keep one build and bar.sync; racecheck does report hazards in them
-    # (Note [Release after the warp's reads] says which, and what is open).
+    # two. D = 64 and 128 keep one build and bar.sync, and since every MMA thread releases
+    # its stages there too, racecheck reports 0 hazards in them (Note [Release after the
+    # warp's reads]).
 
     # Note [Release after the warp's reads]
     # A Q or dO stage carries the tile's lse or delta, which each MMA thread reads from shared
@@ -897,15 +899,20 @@ class HopperBackward:
     # arrives (EMPTY counts 256 arrivals, release()), each arrive ordering its own thread's
     # reads: no assumption about lanes left, 0 hazards under racecheck. The cost is 32 arrives
     # a warp instead of one, twice a step.
-    # The one-build kernels are not clean either: on an H100 (2026-12-06) racecheck reports
-    # 2 hazards in the default D = 128 build, causal and dense alike, and 2 in the
-    # deterministic causal one, each a write in the producer's code against reads in the MMA
-    # warpgroups' steps, thousands of instances (the offsets were not yet mapped to
-    # instructions). The hypothesis is the same as above, with bar.sync instead of the
-    # unaligned barrier: the tool does not take a barrier between the other lanes' reads and
-    # one lane's arrive as ordering them. The same every-thread release is built for them as
-    # HopperBwdConfig.release_every_thread (config= only): it changes the main kernel's SASS,
-    # so it becomes the default only after a GPU run has checked and timed it.
+    # The one-build kernels (D = 64, 128) had the same kind of report with one lane a warp
+    # arriving and bar.sync between: on an H100 (2026-12-06) racecheck found 2 hazards in the
+    # D = 128 build, causal and dense alike, 2 in the deterministic causal one and 6 over
+    # three D = 64 runs (causal, dense, deterministic causal), each a write in the producer's
+    # code against reads in the MMA steps. With every thread arriving
+    # (HopperBwdConfig.release_every_thread, the default) racecheck reports 0 at both head
+    # dims in all three, synccheck and memcheck 0 errors, the float64 suites pass, and the
+    # gradients are bitwise the one-lane build's (dK, dV in the default mode; all three in
+    # the deterministic one). Over eight shapes (D = 64 and 128, S = 4096 and 16384, causal or
+    # not), calls back to back and after an L2 flush, the every-thread build was nowhere
+    # slower beyond the run-to-run spread, and 1% faster at S = 4096 causal, D = 64, where
+    # the spread is smallest: 32 arrives a warp cost nothing we could measure. Whether the
+    # hardware could ever let a lane's read land after its warp's one-lane arrive we did not
+    # establish; the every-thread release needs no answer to that.
 
     @cute.jit
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
@@ -1008,7 +1015,8 @@ class HopperBackward:
     # and their order are the one-buffer kernel's: only when a warpgroup may store changes.
     # On an H100 (2026-12-06) every gradient equalled the one-buffer kernel's bit for bit
     # (float64 suites, 20 runs, varlen; memcheck and synccheck clean, racecheck the one-buffer
-    # kernel's two hazards, Note [Release after the warp's reads]), but the backward was no
+    # kernel's two hazards of one lane a warp releasing, before release_every_thread, Note
+    # [Release after the warp's reads]), but the backward was no
     # faster at any of eight shapes (D = 64 and 128, S = 4096 and 16384, causal or not) and
     # 3-4% slower at S = 4096 causal. A hypothesis, not profiled: the dQ warp's own cycle
     # (turn, add, completion, pass) sets the pace, so the warpgroups only move their wait to
@@ -1545,9 +1553,10 @@ class HopperBackward:
 
     def release(self, pipe, state) -> None:
         """This MMA thread's release of ``state``'s stage of ``pipe``: in the builds of two loops
-        (split_builds) and under release_every_thread every thread arrives on EMPTY, after its
-        own reads of the stage's lse or delta (Note [Release after the warp's reads]); the
-        one-build kernels keep one lane a warp and their SASS."""
+        (split_builds) and under release_every_thread (the default) every thread arrives on
+        EMPTY, after its own reads of the stage's lse or delta (Note [Release after the warp's
+        reads]); with release_every_thread=False the one-build kernels release one lane a
+        warp."""
         if const_expr(self.every_thread_releases()):
             pipe.sync_object_empty.arrive(state.index, pipe.consumer_mask)
         else:

@@ -1,6 +1,6 @@
 """The Hopper backward with every MMA thread releasing its Q and dO stages
-(HopperBwdConfig.release_every_thread, Note [Release after the warp's reads] in
-fa4_final.hopper.bwd) on an H100/H200, reached through config= only: against float64 autograd
+(HopperBwdConfig.release_every_thread, the default, Note [Release after the warp's reads] in
+fa4_final.hopper.bwd) on an H100/H200, beside the one-lane release: against float64 autograd
 (the rule of tests/gpu/test_fa4_final_bwd.py), default and deterministic modes; the release
 moves no arithmetic, so the deterministic build's gradients are bitwise the one-lane build's
 and the default build's dK and dV too (its dQ is summed by atomic adds in any order). Run with
