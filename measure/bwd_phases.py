@@ -58,6 +58,19 @@ PRODUCES = [
      "fa4_final_det_early fa4_final_det_c2_store; d64: --dims 64 with fa4_final "
      "fa4_final_deterministic fa4_final_det_c2 fa4_final_det_early fa4_final_det_c4_store)",
      "an H100 visit: the same phases, the candidates split over three runs of five rounds"),
+    ("results/h100/bwd_phases_release_all*.json",
+     "python -m measure.bwd_phases --rounds 9 --dims 128 64 --impls fa4_final "
+     "fa4_final_release_all fa4_final_deterministic fa4_final_det_release_all --name "
+     "bwd_phases_release_all9 (add --flush: _flush; five rounds: release_all (D = 128), "
+     "release_all_d64, release_all_flush)",
+     "an H100 visit: every MMA thread releasing its stages (release_every_thread, Note "
+     "[Release after the warp's reads]) against one lane a warp, then the default, in the "
+     "default and the deterministic mode"),
+    ("results/h100/bwd_phases_every_thread_default*.json",
+     "python -m measure.bwd_phases --rounds 7 --dims 128 64 --impls fa4_final fa4_package "
+     "fa4_final_deterministic --name bwd_phases_every_thread_default (add --flush: _flush)",
+     "the same H100 visit, with release_every_thread the default: fa4_final beside the FA4 "
+     "package and the deterministic mode"),
 ]
 
 IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_final_det_c2", "fa4_package")

@@ -908,9 +908,11 @@ class HopperBackward:
     # dims in all three, synccheck and memcheck 0 errors, the float64 suites pass, and the
     # gradients are bitwise the one-lane build's (dK, dV in the default mode; all three in
     # the deterministic one). Over eight shapes (D = 64 and 128, S = 4096 and 16384, causal or
-    # not), calls back to back and after an L2 flush, the every-thread build was nowhere
-    # slower beyond the run-to-run spread, and 1% faster at S = 4096 causal, D = 64, where
-    # the spread is smallest: 32 arrives a warp cost nothing we could measure. Whether the
+    # not), calls back to back and after an L2 flush, nine rounds: in the default mode the
+    # every-thread build was nowhere slower beyond the run-to-run spread and 1% faster at
+    # D = 64, S = 4096 causal; in the deterministic mode 0.5-0.7% slower at S = 4096 causal
+    # with calls back to back (beyond a spread of 0.4-0.6%), within the spread elsewhere.
+    # Whether the
     # hardware could ever let a lane's read land after its warp's one-lane arrive we did not
     # establish; the every-thread release needs no answer to that.
 
