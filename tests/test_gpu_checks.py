@@ -56,3 +56,18 @@ def test_sanitizer_summaries_singular_and_after_a_print_limit():
                     "========= ERROR SUMMARY: 220 errors were not printed. Use --print-limit "
                     "option to adjust the number of printed errors\n") == {"errors": 224}
     assert read_log("========= ERROR SUMMARY: 0 errors\n") == {"errors": 0}
+
+
+def test_each_stored_suite_is_one_run():
+    """A suite's rows in a stored gpu_checks.json come from one run (one commit and date): a
+    merge that kept an older run's "failed" row beside a newer run's "passed" would report a
+    failure that a later run no longer had, or hide one."""
+    import json
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).resolve().parent.parent.glob("results/*/gpu_checks.json")):
+        runs = {}
+        for row in json.loads(path.read_text())["rows"]:
+            runs.setdefault(row["impl"], set()).add((row.get("commit"), row.get("date")))
+        mixed = {impl: sorted(r) for impl, r in runs.items() if len(r) > 1}
+        assert not mixed, f"{path}: suites with rows of more than one run: {mixed}"
