@@ -152,12 +152,12 @@ class HopperDsStep(HopperBackward):
         else:
             self.wgmma(mma_dq, acc_dq, tdQrA[None, None, None, ds_stage], tdQrB, False)
         warpgroup.wait_group(1)  # dV done: dO's stage is free
-        pipeline_do.consumer_release(state_q)
+        self.release(pipeline_do, state_q)  # the kernel's own release (every thread)
         self.wgmma(mma_dkv, acc_dk, rdS, tdKrQ[None, None, None, stage], True)  # dK += dS^T Q
         warpgroup.wait_group(1)  # dQ done
         self.dq_to_warp(acc_dq, tdQsdQ, wg)  # the kernel's own hand-off to the dQ warp
         warpgroup.wait_group(0)  # dK done: Q's stage is free
-        pipeline_q.consumer_release(state_q)
+        self.release(pipeline_q, state_q)
         state_q.advance()
         return state_q
 
