@@ -65,6 +65,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 MPLBACKEND=Agg
 PY=${PY:-python3}
 SAN="compute-sanitizer --report-api-errors no --error-exitcode 9"
+DECODE_ROWS="fa4_final_splits fa4_final_paged_splits fa4_final_decode fa4_final_decode_paged fa4_package fa4_package_splits fa4_package_paged sdpa_flash sdpa_cudnn"  # the decode grid's rows: ours with the heuristic's splits, the kernel, every peer
 status=0
 
 step() {  # step NAME SECONDS CMD...
@@ -132,6 +133,10 @@ for s in "$@"; do
     varlen-bwd-sanitize) step varlen_bwd_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_varlen_bwd.py -k "against_float64 and (mixed-causal-used or many)" ;;
     fa4-bench) step fa4_bench 480 $PY -m measure.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     decode) step decode 580 $PY -m measure.decode --dims 128 --deadline 500 ;;
+    decode-grid-32) step decode_grid_32 580 $PY -m measure.decode --name decode --dims 128 --heads 32/8 --no-keys-on-m --rows $DECODE_ROWS --deadline 500 ;;  # issue 32's grid, one heads pair a step
+    decode-grid-64) step decode_grid_64 580 $PY -m measure.decode --name decode_h64 --dims 128 --heads 64/8 --no-keys-on-m --rows $DECODE_ROWS --deadline 500 ;;
+    decode-grid-d64-32) step decode_grid_d64_32 580 $PY -m measure.decode --name decode_d64 --dims 64 --heads 32/8 --no-keys-on-m --rows $DECODE_ROWS --deadline 500 ;;
+    decode-grid-d64-64) step decode_grid_d64_64 580 $PY -m measure.decode --name decode_d64_h64 --dims 64 --heads 64/8 --no-keys-on-m --rows $DECODE_ROWS --deadline 500 ;;
     decode-d64) step decode_d64 580 $PY -m measure.decode --name decode_d64 --dims 64 --deadline 500 ;;
     headdim-tests) step headdim_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py -k "not pairwise" ;;
     headdim-tests2) step headdim_tests2 580 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py -k pairwise ;;
