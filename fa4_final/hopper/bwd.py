@@ -234,8 +234,8 @@ class HopperBackward:
     def pipelines(self) -> tuple[PipelineSpec, ...]:
         """The TMA warp -> MMA warpgroups rings: FULL completes with the TMA warp's arrive and
         the byte count, EMPTY with one arrive per MMA thread (release_every_thread, the
-        default, and always in the builds of two loops) or per MMA warp (Note [Release after
-        the warp's reads])."""
+        default, and always in the builds of two loops) or per MMA warp
+        (Note [Release after the warp's reads])."""
         warps = MMA_THREADS // WARP_SIZE
         empty = MMA_THREADS if self.every_thread_releases() else warps
         return (
@@ -878,8 +878,8 @@ class HopperBackward:
     # seqlen_q != seqlen_k both ways, GQA and MQA, windows, varlen, fp16, deterministic
     # bitwise over 5 runs, and through the API's autograd), memcheck 0 errors in the swapped
     # two. D = 64 and 128 keep one build and bar.sync, and since every MMA thread releases
-    # its stages there too, racecheck reports 0 hazards in them (Note [Release after the
-    # warp's reads]).
+    # its stages there too, racecheck reports 0 hazards in them
+    # (Note [Release after the warp's reads]).
 
     # Note [Release after the warp's reads]
     # A Q or dO stage carries the tile's lse or delta, which each MMA thread reads from shared
@@ -1017,8 +1017,8 @@ class HopperBackward:
     # and their order are the one-buffer kernel's: only when a warpgroup may store changes.
     # On an H100 (2026-12-06) every gradient equalled the one-buffer kernel's bit for bit
     # (float64 suites, 20 runs, varlen; memcheck and synccheck clean, racecheck the one-buffer
-    # kernel's two hazards of one lane a warp releasing, before release_every_thread, Note
-    # [Release after the warp's reads]), but the backward was no
+    # kernel's two hazards of one lane a warp releasing, before release_every_thread,
+    # Note [Release after the warp's reads]), but the backward was no
     # faster at any of eight shapes (D = 64 and 128, S = 4096 and 16384, causal or not) and
     # 3-4% slower at S = 4096 causal. A hypothesis, not profiled: the dQ warp's own cycle
     # (turn, add, completion, pass) sets the pace, so the warpgroups only move their wait to
@@ -1556,9 +1556,9 @@ class HopperBackward:
     def release(self, pipe, state) -> None:
         """This MMA thread's release of ``state``'s stage of ``pipe``: in the builds of two loops
         (split_builds) and under release_every_thread (the default) every thread arrives on
-        EMPTY, after its own reads of the stage's lse or delta (Note [Release after the warp's
-        reads]); with release_every_thread=False the one-build kernels release one lane a
-        warp."""
+        EMPTY, after its own reads of the stage's lse or delta
+        (Note [Release after the warp's reads]); with release_every_thread=False the one-build
+        kernels release one lane a warp."""
         if const_expr(self.every_thread_releases()):
             pipe.sync_object_empty.arrive(state.index, pipe.consumer_mask)
         else:

@@ -277,9 +277,10 @@ class HopperBwdConfig:
     # reads the thread index every step. Not timed, so off
     pin_lane: bool = False
     # every MMA thread arrives on a Q or dO stage's EMPTY barrier after its own reads of the
-    # stage's lse or delta, as the builds of two loops always do (Note [Release after the
-    # warp's reads] in fa4_final.hopper.bwd), instead of one lane a warp (False): racecheck
-    # clean where one lane a warp was not, and no slower on an H100
+    # stage's lse or delta, as the builds of two loops always do
+    # (Note [Release after the warp's reads] in fa4_final.hopper.bwd), instead of one lane a
+    # warp (False): racecheck clean where one lane a warp was not, no slower on an H100 in the
+    # default mode
     release_every_thread: bool = True
     # dQ = dS K by MMA warpgroup 0 alone, the whole tile_m x D (Note [dQ by one warpgroup] in
     # fa4_final.hopper.bwd): what D = 96 needs
