@@ -912,9 +912,8 @@ class HopperBackward:
     # every-thread build was nowhere slower beyond the run-to-run spread and 1% faster at
     # D = 64, S = 4096 causal; in the deterministic mode 0.5-0.7% slower at S = 4096 causal
     # with calls back to back (beyond a spread of 0.4-0.6%), within the spread elsewhere.
-    # Whether the
-    # hardware could ever let a lane's read land after its warp's one-lane arrive we did not
-    # establish; the every-thread release needs no answer to that.
+    # Whether the hardware could ever let a lane's read land after its warp's one-lane arrive
+    # we did not establish; the every-thread release needs no answer to that.
 
     @cute.jit
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
