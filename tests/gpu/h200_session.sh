@@ -137,6 +137,7 @@ for s in "$@"; do
     decode-grid-64) step decode_grid_64 580 $PY -m measure.decode --name decode_h64 --dims 128 --heads 64/8 --no-keys-on-m --rows $DECODE_ROWS --deadline 500 ;;
     decode-grid-d64-32) step decode_grid_d64_32 580 $PY -m measure.decode --name decode_d64 --dims 64 --heads 32/8 --no-keys-on-m --rows $DECODE_ROWS --deadline 500 ;;
     decode-grid-d64-64) step decode_grid_d64_64 580 $PY -m measure.decode --name decode_d64_h64 --dims 64 --heads 64/8 --no-keys-on-m --rows $DECODE_ROWS --deadline 500 ;;
+    decode-profile) step decode_profile 580 $PY -m measure.profile_decode --raw-dir "$OUT/decode_profile_raw" ;;  # ncu: ours and cuDNN at the memory-bound shapes where ours trails
     decode-d64) step decode_d64 580 $PY -m measure.decode --name decode_d64 --dims 64 --deadline 500 ;;
     headdim-tests) step headdim_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py -k "not pairwise" ;;
     headdim-tests2) step headdim_tests2 580 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py -k pairwise ;;

@@ -1,0 +1,147 @@
+"""Where the decode kernel's last few percent of bandwidth go: Nsight Compute on one launch of
+fa4_final's Hopper decode kernel and one of cuDNN's SDPA kernel, same shape, same process kind.
+
+    python -m measure.profile_decode                   # GPU and ncu: profile both, save the JSON
+    python -m measure.profile_decode --raw-dir DIR     # ... and keep ncu's CSV exports in DIR
+    python -m measure.profile_decode --from-raw DIR    # re-read DIR (any machine, no GPU)
+
+The shapes are where fa4_final's decode trails the best peer in results/h100/decode.json while
+both are bound by memory: batch 32, one query token, 32 query heads over 8 KV heads, D = 128,
+bf16, 8k and 128k cached keys (fa4_final reads the cache at 0.94-0.95 and 1.00-1.01 of the copy
+rate there, the best peer at 0.97-0.98 and 1.02-1.03). fa4_final is called as a user calls it
+with the split heuristic (``num_splits=0``); cuDNN through SDPA's cuDNN backend.
+
+Rows (``impl`` fa4_final_splits or sdpa_cudnn, ``keys``): duration, DRAM bytes read and the
+DRAM throughput's share of its peak, the L2 hit rate, the grid (CTAs, threads a CTA, shared
+memory a CTA), issue slots busy, warps a scheduler and the stall reasons (chapter 04's
+counters). ncu runs with ``--clock-control none``: the GPU's own clocks, as the benchmarks run,
+so the durations compare with each other; the kernel is its second launch in the process (the
+first compiles). Saved as results/<gpu>/decode_profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from measure._ncu import ProfileSpec, run_ncu
+from solutions import ch04_profile as core
+
+RESULTS = "decode_profile"
+SHAPE = {"b": 32, "s_q": 1, "h": 32, "h_kv": 8, "d": 128}
+KEYS = (8192, 131072)
+# impl -> ncu's kernel filter: ours is a CuTe kernel of class HopperDecode; cuDNN's SDPA kernels
+# carry "sdpa" in their names
+VARIANTS = {"fa4_final_splits": "regex:HopperDecode", "sdpa_cudnn": "regex:sdpa"}
+SECTIONS = (*core.SECTIONS[:-1], "MemoryWorkloadAnalysis")  # no SASS source: cuDNN's is closed
+EXTRA_METRICS = (
+    "dram__bytes_read.sum",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "lts__t_sector_hit_rate.pct",
+    "launch__grid_size",
+    "launch__block_size",
+    "launch__shared_mem_per_block",
+    "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+)
+RAW_METRICS = (
+    ("duration_ms", "gpu__time_duration.sum", "ms"),
+    ("dram_read_gb", "dram__bytes_read.sum", "GB"),
+    ("dram_throughput_pct", "dram__throughput.avg.pct_of_peak_sustained_elapsed", "%"),
+    ("l2_hit_rate_pct", "lts__t_sector_hit_rate.pct", "%"),
+    ("ctas", "launch__grid_size", "CTAs"),
+    ("threads_per_cta", "launch__block_size", "threads"),
+    ("smem_per_cta", "launch__shared_mem_per_block", "bytes"),
+    ("issue_slots_busy_pct", "sm__issue_active.avg.pct_of_peak_sustained_elapsed", "%"),
+    ("achieved_warps_per_sm", "sm__warps_active.avg.per_cycle_active", "warps"),
+)
+PRODUCES = [(f"results/h200/{RESULTS}.json", "python -m measure.profile_decode --raw-dir DIR",
+             "Nsight Compute on one launch of fa4_final's decode kernel and one of cuDNN's SDPA "
+             "kernel at the memory-bound shapes where fa4_final trails: DRAM bytes and "
+             "throughput, L2 hit rate, grid, stalls (owed: no GPU has run it yet)")]
+
+
+def build_rows(raw_text: str, impl: str, keys: int) -> list[dict]:
+    """Result rows of one ncu raw export: the counters above, with the read rate the duration
+    and the bytes give (``dram_read_tbps``)."""
+    rows = core.raw_rows(core.parse_raw(raw_text), RAW_METRICS)
+    got = {r["metric"]: r["value"] for r in rows}
+    if got.get("duration_ms") and got.get("dram_read_gb") is not None:
+        rows.append({"metric": "dram_read_tbps", "unit": "TB/s",
+                     "value": got["dram_read_gb"] / got["duration_ms"]})
+    return [{"impl": impl, **SHAPE, "s": keys, **r} for r in rows]
+
+
+def _run_target(impl: str, keys: int) -> None:
+    import torch
+
+    import fa4_final
+    from utils import bench
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, t, h, hk, d = (SHAPE[k] for k in ("b", "s_q", "h", "h_kv", "d"))
+    q = torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, keys, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(k.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    if impl == "fa4_final_splits":
+        call = lambda: fa4_final.flash_attn_func(q, k, v, num_splits=0)  # noqa: E731
+    else:
+        fn = bench.peers()[impl]
+        call = lambda: fn(q, k, v)  # noqa: E731
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    from utils import results
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", nargs=2, metavar=("IMPL", "KEYS"), help=argparse.SUPPRESS)
+    ap.add_argument("--raw-dir", type=Path, help="also keep ncu's CSV exports here")
+    ap.add_argument("--from-raw", type=Path, help="rebuild the JSON from a --raw-dir folder")
+    args = ap.parse_args(argv)
+    if args.target:
+        impl, keys = args.target
+        if impl not in VARIANTS:
+            ap.error(f"--target: impl must be one of {sorted(VARIANTS)}, got {impl!r}")
+        _run_target(impl, int(keys))
+        return 0
+    if args.from_raw:
+        meta = json.loads((args.from_raw / "meta.json").read_text())
+        rows = []
+        for impl in VARIANTS:
+            for keys in KEYS:
+                raw = (args.from_raw / f"{impl}_{keys}" / "raw.csv").read_text()
+                rows += build_rows(raw, impl, keys)
+        provenance = dict(meta["provenance"])
+        provenance["command"] += (" (rows re-read from its CSV exports with --from-raw at "
+                                  f"commit {results.collect_provenance('')['commit'][:10]})")
+        command = provenance["command"]
+    else:
+        command = "python -m measure.profile_decode"
+        provenance = results.collect_provenance(command)
+        rows = []
+        for impl, regex in VARIANTS.items():
+            spec = ProfileSpec(RESULTS, "measure.profile_decode", regex, SECTIONS,
+                               EXTRA_METRICS, None)
+            for keys in KEYS:
+                raw, _ = run_ncu(spec, target_args=(impl, str(keys)), source=False,
+                                 ncu_args=("--clock-control", "none"))
+                if args.raw_dir is not None:
+                    (args.raw_dir / f"{impl}_{keys}").mkdir(parents=True, exist_ok=True)
+                    (args.raw_dir / f"{impl}_{keys}" / "raw.csv").write_text(raw)
+                rows += build_rows(raw, impl, keys)
+        if args.raw_dir is not None:
+            (args.raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance},
+                                                               indent=1))
+    path = results.save(RESULTS, rows, command=command, provenance=provenance)
+    table = results.load(RESULTS, gpu=path.parent.name)
+    print(table.table(["impl", "s", "metric", "value", "unit"]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
