@@ -187,8 +187,8 @@ TWO_BUFFER_RUNS = {128: ("bwd_phases_det_db128", "fa4_final_det_db64", "fa4_fina
 
 
 def _total_rows(res) -> dict:
-    """(impl, s, causal) -> the run's total row (device ms per call, its spread)."""
-    return {(r["impl"], r["s"], r["causal"]): r for r in res.rows
+    """(impl, d, s, causal) -> the run's total row (device ms per call, its spread)."""
+    return {(r["impl"], r["d"], r["s"], r["causal"]): r for r in res.rows
             if r["phase"] == "total" and r.get("value")}
 
 
@@ -204,10 +204,10 @@ def two_buffer_pairs():
         except FileNotFoundError:
             print(f"{name}: not measured (no results/{GPU}/{name}.json)")
             continue
-        for (impl, s, causal), r in sorted(rows.items()):
-            if impl != two or (one, s, causal) not in rows:
+        for (impl, _d, s, causal), r in sorted(rows.items()):
+            if impl != two or (one, d, s, causal) not in rows:
                 continue
-            o, base = rows[(one, s, causal)], rows[("fa4_final", s, causal)]
+            o, base = rows[(one, d, s, causal)], rows[("fa4_final", d, s, causal)]
             out.append((d, s, causal, r["value"] / o["value"],
                         max(r.get("spread") or 0, o.get("spread") or 0),
                         o["value"] / base["value"]))
@@ -245,15 +245,23 @@ RELEASE_PAIRS = (("default", "fa4_final_release_all", "fa4_final"),
                  ("deterministic", "fa4_final_det_release_all", "fa4_final_deterministic"))
 
 
-def racecheck_lines() -> list[str]:
-    """compute-sanitizer racecheck's hazard count per stored run of the backward's release."""
+def _hazards() -> dict | None:
+    """gpu_checks row -> racecheck's hazard count, from results/<GPU>/gpu_checks.json (None
+    where that file is not stored)."""
     from utils import results
 
     try:
         rows = results.load("gpu_checks", gpu=GPU).rows
     except FileNotFoundError:
+        return None
+    return {r["impl"]: r["value"] for r in rows if r.get("metric") == "hazards"}
+
+
+def racecheck_lines() -> list[str]:
+    """compute-sanitizer racecheck's hazard count per stored run of the backward's release."""
+    got = _hazards()
+    if got is None:
         return [f"not measured (no results/{GPU}/gpu_checks.json)"]
-    got = {r["impl"]: r["value"] for r in rows if r.get("metric") == "hazards"}
     return [f"  {what:52s} {got[name]:>3} hazards" if name in got else
             f"  {what:52s} not run" for name, what in RACECHECK_ROWS]
 
@@ -270,8 +278,7 @@ def release_pairs() -> list[tuple]:
         except FileNotFoundError:
             print(f"{name}: not measured (no results/{GPU}/{name}.json)")
             continue
-        rows = {(r["impl"], r["d"], r["s"], r["causal"]): r for r in res.rows
-                if r["phase"] == "total" and r.get("value")}
+        rows = _total_rows(res)
         for which, every, one in RELEASE_PAIRS:
             for (impl, d, s, causal), r in sorted(rows.items(), key=lambda kv: (-kv[0][1],
                                                                                 kv[0][2:])):
@@ -296,11 +303,8 @@ def release_lines() -> list[str]:
        "slower beyond the spread only at S = 4096 causal back to back, by under 1% (32 shapes "
        "and modes)", gpu=GPU)
 def _every_thread_release_free(res):
-    from utils import results
-
     pairs = release_pairs()
-    hazards = {r["impl"]: r["value"] for r in results.load("gpu_checks", gpu=GPU).rows
-               if r.get("metric") == "hazards"}
+    hazards = _hazards() or {}
     clean = all(hazards.get(n) == 0 for n, _ in RACECHECK_ROWS[3:])
     dirty = all((hazards.get(n) or 0) > 0 for n, _ in RACECHECK_ROWS[:3])
     default = [(r, sp) for _m, which, *_x, r, sp in pairs if which == "default"]

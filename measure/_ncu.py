@@ -104,10 +104,19 @@ def from_raw_with(spec: ProfileSpec, raw_dir: Path) -> Path:
     meta = json.loads((raw_dir / "meta.json").read_text())
     rows = spec.build((raw_dir / "raw.csv").read_text(), (raw_dir / "source.csv").read_text(),
                       meta["config"])
-    provenance = dict(meta["provenance"])  # where and when it was measured: unchanged
+    provenance = reread_provenance(meta)
+    return results.save(spec.results, rows, command=provenance["command"], provenance=provenance)
+
+
+def reread_provenance(meta: dict) -> dict:
+    """The provenance a ``--raw-dir`` folder's meta.json kept (where and when it was measured:
+    unchanged), its command saying the rows were re-read here, at this commit."""
+    from utils import results
+
+    provenance = dict(meta["provenance"])
     provenance["command"] += (f" (rows re-read from its CSV exports with --from-raw at commit "
                               f"{results.collect_provenance('')['commit'][:10]})")
-    return results.save(spec.results, rows, command=provenance["command"], provenance=provenance)
+    return provenance
 
 
 def main_with(spec: ProfileSpec, target, label, argv=None, doc: str = "") -> int:

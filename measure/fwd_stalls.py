@@ -63,9 +63,7 @@ def from_raw(raw_dir: Path) -> Path:
             stem = raw_dir / _stem(impl, d, s, causal)
             rows += build_rows(Path(f"{stem}.raw.csv").read_text(),
                                Path(f"{stem}.source.csv").read_text(), impl, d, s, causal)
-    provenance = dict(meta["provenance"])
-    provenance["command"] += (f" (rows re-read from its CSV exports with --from-raw at commit "
-                              f"{results.collect_provenance('')['commit'][:10]})")
+    provenance = ncu.reread_provenance(meta)
     return results.save(RESULTS, rows, command=provenance["command"], provenance=provenance)
 
 

@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from measure._ncu import ProfileSpec, run_ncu
+from measure._ncu import ProfileSpec, reread_provenance, run_ncu
 from solutions import ch04_profile as core
 
 RESULTS = "bwd_det_profile"
@@ -138,9 +138,7 @@ def main(argv=None) -> int:
         for variant, impl in VARIANTS.items():
             d = args.from_raw / variant
             rows += build_rows((d / "raw.csv").read_text(), (d / "source.csv").read_text(), impl)
-        provenance = dict(meta["provenance"])
-        provenance["command"] += (" (rows re-read from its CSV exports with --from-raw at "
-                                  f"commit {results.collect_provenance('')['commit'][:10]})")
+        provenance = reread_provenance(meta)
         path = _save(rows, provenance["command"], provenance)
     else:
         spec = ProfileSpec(RESULTS, "measure.profile_bwd_det", KERNEL_REGEX, SECTIONS,

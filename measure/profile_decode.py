@@ -26,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from measure._ncu import ProfileSpec, run_ncu
+from measure._ncu import ProfileSpec, reread_provenance, run_ncu
 from solutions import ch04_profile as core
 
 RESULTS = "decode_profile"
@@ -115,9 +115,7 @@ def main(argv=None) -> int:
             for keys in KEYS:
                 raw = (args.from_raw / f"{impl}_{keys}" / "raw.csv").read_text()
                 rows += build_rows(raw, impl, keys)
-        provenance = dict(meta["provenance"])
-        provenance["command"] += (" (rows re-read from its CSV exports with --from-raw at "
-                                  f"commit {results.collect_provenance('')['commit'][:10]})")
+        provenance = reread_provenance(meta)
         command = provenance["command"]
     else:
         command = "python -m measure.profile_decode"

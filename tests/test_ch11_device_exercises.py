@@ -47,7 +47,8 @@ def test_ds_step_reference_compiles_to_the_kernels_unmasked_step():
 
     ds.check_ds_step(ds.ds_step)
     cfg = hopper_bwd_default(128, True)
-    ours = ds.step_facts(ds.compile_ds_step(ds.ds_step).sass, cfg, 128)
+    sass = ds.compile_ds_step(ds.ds_step).sass
+    ours = ds.step_facts(sass, cfg, 128)
     own = ds.compile_for(HopperBackward(cutlass.BFloat16, 128, True, cfg), "main", 128,
                          "sm_90a")[1]
     theirs = ds.step_facts(own.sass, cfg, 128)
@@ -63,7 +64,6 @@ def test_ds_step_reference_compiles_to_the_kernels_unmasked_step():
     # MMA thread under release_every_thread), else a GPU run would wait for ever
     from tests.test_fa4_final_bwd_compile import mbarrier_arrives
 
-    sass = ds.compile_ds_step(ds.ds_step).sass
     assert mbarrier_arrives(sass) == mbarrier_arrives(own.sass)
 
 
