@@ -8,13 +8,15 @@ fa4_final's Hopper decode kernel and one of cuDNN's SDPA kernel, same shape, sam
 The shapes are where fa4_final's decode trails the best peer in results/h100/decode.json while
 both are bound by memory: batch 32, one query token, 32 query heads over 8 KV heads, D = 128,
 bf16, 8k and 128k cached keys (fa4_final reads the cache at 0.94-0.95 and 1.00-1.01 of the copy
-rate there, the best peer at 0.97-0.98 and 1.02-1.03). fa4_final is called as a user calls it
-with the split heuristic (``num_splits=0``); cuDNN through SDPA's cuDNN backend.
+rate there, the best peer at 0.97-0.98 and 1.02-1.03); and 16 query tokens at 8k keys, 128 packed
+rows a KV head, where the two-consumer kernel runs (Note [Two consumer warpgroups] in
+fa4_final.hopper.decode) and ours trails by more. fa4_final is called as a user calls it with the
+split heuristic (``num_splits=0``); cuDNN through SDPA's cuDNN backend.
 
-Rows (``impl`` fa4_final_splits or sdpa_cudnn, ``keys``): duration, DRAM bytes read and the
-DRAM throughput's share of its peak, the L2 hit rate, the grid (CTAs, threads a CTA, shared
-memory a CTA), issue slots busy, warps a scheduler and the stall reasons (chapter 04's
-counters). ncu runs with ``--clock-control none``: the GPU's own clocks, as the benchmarks run,
+Rows (``impl`` fa4_final_splits or sdpa_cudnn, ``s_q`` tokens, ``s`` keys): duration, DRAM bytes
+read and the DRAM throughput's share of its peak, the L2 hit rate, the grid (CTAs, threads a
+CTA, shared memory a CTA), issue slots busy, warps a scheduler and the stall reasons (chapter
+04's counters). ncu runs with ``--clock-control none``: the GPU's own clocks, as the benchmarks run,
 so the durations compare with each other; the kernel is its second launch in the process (the
 first compiles). Saved as results/<gpu>/decode_profile.json.
 """
@@ -30,8 +32,8 @@ from measure._ncu import ProfileSpec, reread_provenance, run_ncu
 from solutions import ch04_profile as core
 
 RESULTS = "decode_profile"
-SHAPE = {"b": 32, "s_q": 1, "h": 32, "h_kv": 8, "d": 128}
-KEYS = (8192, 131072)
+SHAPE = {"b": 32, "h": 32, "h_kv": 8, "d": 128}
+CASES = ((1, 8192), (1, 131072), (16, 8192))  # (query tokens, cached keys)
 # impl -> ncu's kernel filter: ours is a CuTe kernel of class HopperDecode; cuDNN's SDPA kernels
 # carry "sdpa" in their names
 VARIANTS = {"fa4_final_splits": "regex:HopperDecode", "sdpa_cudnn": "regex:sdpa"}
@@ -62,7 +64,7 @@ PRODUCES = [(f"results/h200/{RESULTS}.json", "python -m measure.profile_decode -
              "throughput, L2 hit rate, grid, stalls (owed: no GPU has run it yet)")]
 
 
-def build_rows(raw_text: str, impl: str, keys: int) -> list[dict]:
+def build_rows(raw_text: str, impl: str, keys: int, tokens: int = 1) -> list[dict]:
     """Result rows of one ncu raw export: the counters above, with the read rate the duration
     and the bytes give (``dram_read_tbps``)."""
     rows = core.raw_rows(core.parse_raw(raw_text), RAW_METRICS)
@@ -70,17 +72,22 @@ def build_rows(raw_text: str, impl: str, keys: int) -> list[dict]:
     if got.get("duration_ms") and got.get("dram_read_gb") is not None:
         rows.append({"metric": "dram_read_tbps", "unit": "TB/s",
                      "value": got["dram_read_gb"] / got["duration_ms"]})
-    return [{"impl": impl, **SHAPE, "s": keys, **r} for r in rows]
+    return [{"impl": impl, **SHAPE, "s_q": tokens, "s": keys, **r} for r in rows]
 
 
-def _run_target(impl: str, keys: int) -> None:
+def _case_dir(impl: str, tokens: int, keys: int) -> str:
+    return f"{impl}_{keys}" if tokens == 1 else f"{impl}_t{tokens}_{keys}"
+
+
+def _run_target(impl: str, keys: int, tokens: int) -> None:
     import torch
 
     import fa4_final
     from utils import bench
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    b, t, h, hk, d = (SHAPE[k] for k in ("b", "s_q", "h", "h_kv", "d"))
+    b, h, hk, d = (SHAPE[k] for k in ("b", "h", "h_kv", "d"))
+    t = tokens
     q = torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(b, keys, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(k.shape, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -98,23 +105,25 @@ def main(argv=None) -> int:
     from utils import results
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", nargs=2, metavar=("IMPL", "KEYS"), help=argparse.SUPPRESS)
+    ap.add_argument("--target", nargs=3, metavar=("IMPL", "TOKENS", "KEYS"),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--raw-dir", type=Path, help="also keep ncu's CSV exports here")
     ap.add_argument("--from-raw", type=Path, help="rebuild the JSON from a --raw-dir folder")
     args = ap.parse_args(argv)
     if args.target:
-        impl, keys = args.target
+        impl, tokens, keys = args.target
         if impl not in VARIANTS:
             ap.error(f"--target: impl must be one of {sorted(VARIANTS)}, got {impl!r}")
-        _run_target(impl, int(keys))
+        _run_target(impl, int(keys), int(tokens))
         return 0
     if args.from_raw:
         meta = json.loads((args.from_raw / "meta.json").read_text())
         rows = []
         for impl in VARIANTS:
-            for keys in KEYS:
-                raw = (args.from_raw / f"{impl}_{keys}" / "raw.csv").read_text()
-                rows += build_rows(raw, impl, keys)
+            for tokens, keys in CASES:
+                case = args.from_raw / _case_dir(impl, tokens, keys) / "raw.csv"
+                if case.exists():  # a folder from before the 16-token case has none
+                    rows += build_rows(case.read_text(), impl, keys, tokens)
         provenance = reread_provenance(meta)
         command = provenance["command"]
     else:
@@ -124,19 +133,20 @@ def main(argv=None) -> int:
         for impl, regex in VARIANTS.items():
             spec = ProfileSpec(RESULTS, "measure.profile_decode", regex, SECTIONS,
                                EXTRA_METRICS, None)
-            for keys in KEYS:
-                raw, _ = run_ncu(spec, target_args=(impl, str(keys)), source=False,
-                                 ncu_args=("--clock-control", "none"))
+            for tokens, keys in CASES:
+                raw, _ = run_ncu(spec, target_args=(impl, str(tokens), str(keys)),
+                                 source=False, ncu_args=("--clock-control", "none"))
                 if args.raw_dir is not None:
-                    (args.raw_dir / f"{impl}_{keys}").mkdir(parents=True, exist_ok=True)
-                    (args.raw_dir / f"{impl}_{keys}" / "raw.csv").write_text(raw)
-                rows += build_rows(raw, impl, keys)
+                    case = args.raw_dir / _case_dir(impl, tokens, keys)
+                    case.mkdir(parents=True, exist_ok=True)
+                    (case / "raw.csv").write_text(raw)
+                rows += build_rows(raw, impl, keys, tokens)
         if args.raw_dir is not None:
             (args.raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance},
                                                                indent=1))
     path = results.save(RESULTS, rows, command=command, provenance=provenance)
     table = results.load(RESULTS, gpu=path.parent.name)
-    print(table.table(["impl", "s", "metric", "value", "unit"]))
+    print(table.table(["impl", "s_q", "s", "metric", "value", "unit"]))
     print(f"wrote {path}")
     return 0
 
