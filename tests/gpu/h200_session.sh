@@ -68,6 +68,16 @@ SAN="compute-sanitizer --report-api-errors no --error-exitcode 9"
 DECODE_ROWS="fa4_final_splits fa4_final_paged_splits fa4_final_decode fa4_final_decode_paged fa4_package fa4_package_splits fa4_package_paged sdpa_flash sdpa_cudnn"  # the decode grid's rows: ours with the heuristic's splits, the kernel, every peer
 status=0
 
+mdl() {  # mdl SECONDS: a measure's own --deadline, cut so that it ends 45 s before DEADLINE
+  local d=$1
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - $(date +%s) - 45))
+    [ $left -lt $d ] && d=$left
+  fi
+  [ $d -lt 10 ] && d=10
+  echo $d
+}
+
 step() {  # step NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -133,10 +143,10 @@ for s in "$@"; do
     varlen-bwd-sanitize) step varlen_bwd_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_varlen_bwd.py -k "against_float64 and (mixed-causal-used or many)" ;;
     fa4-bench) step fa4_bench 480 $PY -m measure.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     decode) step decode 580 $PY -m measure.decode --dims 128 --deadline 500 ;;
-    decode-grid-32) step decode_grid_32 580 $PY -m measure.decode --name decode --dims 128 --heads 32/8 --no-keys-on-m --rows $DECODE_ROWS --deadline 500 ;;  # issue 32's grid, one heads pair a step
-    decode-grid-64) step decode_grid_64 580 $PY -m measure.decode --name decode_h64 --dims 128 --heads 64/8 --no-keys-on-m --rows $DECODE_ROWS --deadline 500 ;;
-    decode-grid-d64-32) step decode_grid_d64_32 580 $PY -m measure.decode --name decode_d64 --dims 64 --heads 32/8 --no-keys-on-m --rows $DECODE_ROWS --deadline 500 ;;
-    decode-grid-d64-64) step decode_grid_d64_64 580 $PY -m measure.decode --name decode_d64_h64 --dims 64 --heads 64/8 --no-keys-on-m --rows $DECODE_ROWS --deadline 500 ;;
+    decode-grid-32) step decode_grid_32 580 $PY -m measure.decode --name decode --dims 128 --heads 32/8 --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;  # issue 32's grid, one heads pair a step
+    decode-grid-64) step decode_grid_64 580 $PY -m measure.decode --name decode_h64 --dims 128 --heads 64/8 --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;
+    decode-grid-d64-32) step decode_grid_d64_32 580 $PY -m measure.decode --name decode_d64 --dims 64 --heads 32/8 --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;
+    decode-grid-d64-64) step decode_grid_d64_64 580 $PY -m measure.decode --name decode_d64_h64 --dims 64 --heads 64/8 --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;
     decode-profile) step decode_profile 580 $PY -m measure.profile_decode --raw-dir "$OUT/decode_profile_raw" ;;  # ncu: ours and cuDNN at the memory-bound shapes where ours trails
     decode-d64) step decode_d64 580 $PY -m measure.decode --name decode_d64 --dims 64 --deadline 500 ;;
     headdim-tests) step headdim_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py -k "not pairwise" ;;
@@ -153,7 +163,7 @@ for s in "$@"; do
     features-bwd-swapped) step features_bwd_swapped 580 $PY -m measure.features --name features_bwd_swapped --cases bwd_d192v192 bwd_d256 --deadline 500 ;;
     seqused-q-tests) step seqused_q_tests 700 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_seqused_q.py ;;
     headdim-sanitize) step headdim_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fwd_head_dims.py -k "b1-17x17 or b2-300x77" ;;
-    features) step features 580 $PY -m measure.features --deadline 500 ;;
+    features) step features 580 $PY -m measure.features --deadline $(mdl 500) ;;
     softcap-tests) step softcap_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_softcap_sinks.py -k "not backward" ;;
     softcap-tests2) step softcap_tests2 580 $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_softcap_sinks.py -k backward ;;
     softcap-api-tests) step softcap_api_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_softcap_sinks_api.py ;;
@@ -173,7 +183,7 @@ for s in "$@"; do
     decode-sanitize) step decode_memcheck 420 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered or paged_equals_contiguous_bit_for_bit" ;;
     decode-racecheck) step decode_racecheck 420 $SAN --tool racecheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;
     decode-synccheck) step decode_synccheck 420 $SAN --tool synccheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_decode_kernel.py -k "gathered and 16-1-128" ;;
-    decode-variants) step decode_variants 580 $PY -m measure.decode --name decode_variants --dims 128 --batch 1 32 --tokens 1 4 --keys 8192 131072 --heads 32/8 --variants n64s3 n64s4 n128s2 split2 --no-keys-on-m --deadline 500 ;;
+    decode-variants) step decode_variants 580 $PY -m measure.decode --name decode_variants --dims 128 --batch 1 32 --tokens 1 4 --keys 8192 131072 --heads 32/8 --variants n64s3 n64s4 n128s2 split2 --no-keys-on-m --deadline $(mdl 500) ;;
     decode-paged16) step decode_paged16 580 $PY -m measure.decode --name decode_paged16 --dims 128 --page 16 --deadline 500 ;;
     decode-api-tests) step decode_api_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_decode_api.py ;;
     headdim-varlen) step headdim_varlen 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_fwd_head_dims.py -k "varlen" ;;
