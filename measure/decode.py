@@ -143,7 +143,7 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 # Config candidates of the decode kernel (``--variants``), each timed on the contiguous
 # cache as fa4_final_decode_<name> beside the default, its max_diff taken to the default's out:
 # (tile_n, stages, split factor over the heuristic's count, consumer warpgroups, CTAs a
-# cluster). What each tests:
+# cluster, keys a TMA box or None for one box a tile). What each tests:
 #   n64s3: 64-key tiles, three stages: 113 KB of shared memory at D = 128, so two CTAs share an
 #          SM (the default's 209 KB allows one) with the same 96 KB of K/V in flight each
 #   n64s4: 64-key tiles, four stages (145 KB, one CTA): the same bytes in flight as n128s2 in
@@ -157,8 +157,13 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 #   pair:  wg2 in clusters of two CTAs that multicast each K/V tile into both
 #          (Note [A pair of CTAs shares the cache]): at 256 packed rows (16 tokens at
 #          GQA 16) the tile leaves memory once for both 128-row m-blocks; splits as wg2's
-VARIANTS = {"n64s3": (64, 3, 1, 1, 1), "n64s4": (64, 4, 1, 1, 1), "n128s2": (128, 2, 1, 1, 1),
-            "split2": (128, 3, 2, 1, 1), "wg2": (128, 3, 1, 2, 1), "pair": (128, 3, 1, 2, 2)}
+#   b32, b16: the default tile and stages, each tile filled from boxes of 32 (16) keys, both
+#          64-column halves of a box's rows requested back to back
+#          (Note [Boxes of a contiguous cache] in fa4_final.hopper.decode): the same bits out
+VARIANTS = {"n64s3": (64, 3, 1, 1, 1, None), "n64s4": (64, 4, 1, 1, 1, None),
+            "n128s2": (128, 2, 1, 1, 1, None), "split2": (128, 3, 2, 1, 1, None),
+            "wg2": (128, 3, 1, 2, 1, None), "pair": (128, 3, 1, 2, 2, None),
+            "b32": (128, 3, 1, 1, 1, 32), "b16": (128, 3, 1, 1, 1, 16)}
 OURS = ("fa4_final", "fa4_final_paged", "fa4_final_splits", "fa4_final_paged_splits",
         *DECODE_KERNEL, *(f"fa4_final_decode_{name}" for name in VARIANTS))
 
@@ -293,8 +298,9 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
             "bitwise_equal": bool(torch.equal(in_order, paged))}
     # config candidates: each its own error row if it fails, the others still timed
     for name in variants:
-        tile_n, stages, factor, consumers, cluster = VARIANTS[name]
-        own = replace(cfg, tile_n=tile_n, stages=stages, consumers=consumers, cluster=cluster)
+        tile_n, stages, factor, consumers, cluster, box = VARIANTS[name]
+        own = replace(cfg, tile_n=tile_n, stages=stages, consumers=consumers, cluster=cluster,
+                      page_box=box)
         own_splits = split_count(shape, requested_splits, own.tile_m, tile_n) * factor
         row = f"fa4_final_decode_{name}"
         try:
@@ -305,7 +311,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
         else:
             calls[row] = call
             extra[row] = {"splits": own_splits, "tile_n": tile_n, "stages": stages,
-                          "consumers": consumers, "cluster": cluster,
+                          "consumers": consumers, "cluster": cluster, "page_box": box,
                           "max_diff": float((got - contiguous).abs().max())}
     # the keys-on-M candidate: its own error rows if it fails, the 64-row rows still timed
     names = ("fa4_final_decode_keys_on_m", "fa4_final_decode_keys_on_m_paged")

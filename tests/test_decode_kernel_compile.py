@@ -168,12 +168,27 @@ def test_paged_small_pages_compile_gathered_into_whole_tiles(d, page_size):
     assert box * 64 * 2 in steps, offsets
 
 
-def test_gathered_tiles_need_a_paged_cache():
-    from fa4_final.hopper.config import hopper_decode_for_page
+@pytest.mark.parametrize("box", [16, 32])
+def test_a_contiguous_cache_can_be_read_in_boxes(box):
+    """page_box on a contiguous cache (Note [Boxes of a contiguous cache]): tile_n / box boxes
+    a tile, each box's two 64-column copies back to back, no page-table load; the same
+    wgmma as one box a tile."""
+    from dataclasses import replace
 
-    with pytest.raises(ValueError, match="page_box=16 .*paged=True"):
-        decode_recipe(128, "bf16", True, False, False, False,
-                      config=hopper_decode_for_page(128, 16))
+    cfg = replace(hopper_decode_default(128), page_box=box)
+    boxed = artifacts(decode_recipe(128, "bf16", False, False, False, False, config=cfg))["main"]
+    flat = artifacts(decode_recipe(128, "bf16", False, False, False, False))["main"]
+    assert boxed.spills == 0 and boxed.frame_bytes == 0, boxed.resources()
+    assert boxed.count("cp.async.bulk.tensor") == 2 * (128 // box) * 2
+    assert boxed.count("HGMMA", "sass") == flat.count("HGMMA", "sass")
+    assert boxed.count("ld.global") == flat.count("ld.global")
+    # in each K or V tile, the copies' shared-memory offsets go box by box: the two halves of
+    # box j (16 KB apart, a half's 128 rows) follow each other
+    offsets = [int(x) for x in re.findall(r"cp\.async\.bulk\.tensor[^\[]*\[%r\d+\+(\d+)\]",
+                                          boxed.ptx)]
+    first_tile = offsets[:2 * (128 // box)]
+    assert [b - a for a, b in zip(first_tile[::2], first_tile[1::2])] == [128 * 64 * 2] * (
+        128 // box), first_tile
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -210,7 +225,7 @@ def test_decode_config_candidates_of_the_benchmark_compile_clean(name):
     CTAs holds the registers at 128 a thread)."""
     from measure.decode import VARIANTS
 
-    tile_n, stages, _, consumers, cluster = VARIANTS[name]
+    tile_n, stages, _, consumers, cluster, _ = VARIANTS[name]
     assert consumers == cluster == 1
     cfg = HopperDecodeConfig(tile_n=tile_n, stages=stages)
     art = artifacts(decode_recipe(128, "bf16", False, False, True, True, config=cfg))["main"]

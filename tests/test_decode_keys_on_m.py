@@ -424,7 +424,7 @@ def test_decode_keys_on_m_variants_compile_clean(name):
 # measure.decode's kernel rows, with CPU stand-ins for the compile, the launch and the combine
 
 
-@pytest.mark.parametrize("variants", [(), ("n64s3", "split2", "wg2", "pair")],
+@pytest.mark.parametrize("variants", [(), ("n64s3", "split2", "wg2", "pair", "b32")],
                          ids=["default", "variants"])
 @pytest.mark.parametrize("fail,room", [(False, True), (True, True), (False, False)],
                          ids=["built", "fails", "no-room"])
@@ -493,12 +493,13 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, roo
              "fa4_final_decode_keys_on_m_paged"]
     for name in variants:
         row = extra.pop(f"fa4_final_decode_{name}")
-        tile_n, stages, factor, consumers, cluster = decode.VARIANTS[name]
+        tile_n, stages, factor, consumers, cluster, box = decode.VARIANTS[name]
         assert (row["tile_n"], row["stages"], row["splits"], row["consumers"],
-                row["cluster"]) == (tile_n, stages, 2 * factor, consumers, cluster)
+                row["cluster"], row["page_box"]) == (tile_n, stages, 2 * factor, consumers,
+                                                     cluster, box)
         assert row["max_diff"] < 1e-2
-        assert any(not c.swap_ab and (c.tile_n, c.stages, c.consumers, c.cluster)
-                   == (tile_n, stages, consumers, cluster) for c in seen)
+        assert any(not c.swap_ab and (c.tile_n, c.stages, c.consumers, c.cluster, c.page_box)
+                   == (tile_n, stages, consumers, cluster, box) for c in seen)
         assert calls.pop(f"fa4_final_decode_{name}")().shape == q.shape
     # wg2 (Note [Two consumer warpgroups]): its split count taken at tile_m = 128
     assert ((128, 128) in tiles) == ("wg2" in variants)

@@ -225,9 +225,6 @@ class HopperDecode:
                  paged: bool = False, has_seqused_k: bool = False, split: bool = False,
                  varlen_q: bool = False, has_window_left: bool = False):
         config.check(head_dim)
-        if config.page_box is not None and not paged:
-            raise ValueError(f"page_box={config.page_box} gathers key tiles from pages: it needs "
-                             f"paged=True")
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = bool(causal)
@@ -561,18 +558,30 @@ class HopperDecode:
         """(page, box inside the page) of each TMA box of key tile ``n``, read once for K and V:
         one box of the whole tile (contiguous: page b, box n; paged: Note [Key tile pages]),
         or the tile gathered from page_box rows a box (Note [Gathered key tiles])."""
-        if const_expr(not self.paged):
-            return [(b, n)]  # contiguous: one page per sequence
         if const_expr(self.cfg.page_box is None):
+            if const_expr(not self.paged):
+                return [(b, n)]  # contiguous: one page per sequence
             slot, tile = key_tile_location(n, self.tile_n, page_size)
             return [(mPageTable[b, slot], tile)]
         box = self.cfg.page_box
         boxes = []
         for j in cutlass.range_constexpr(self.tile_n // box):
             key = gathered_box_start(n, j, self.tile_n, box, seqlen_k)
-            slot, inside = key_box_location(key, page_size, box)
-            boxes.append((mPageTable[b, slot], inside))
+            if const_expr(not self.paged):  # Note [Boxes of a contiguous cache]
+                boxes.append((b, key // box))
+            else:
+                slot, inside = key_box_location(key, page_size, box)
+                boxes.append((mPageTable[b, slot], inside))
         return boxes
+
+    # Note [Boxes of a contiguous cache]
+    # A hypothesis about DRAM, not documented behaviour: with the 128-byte swizzle a TMA box is
+    # at most 64 columns (128 B) wide, so at D = 128 one box a tile is two copies, the left
+    # halves of all tile_n key rows, then the right halves; each key row is 256 contiguous
+    # bytes, read in two requests a tile apart. page_box on a contiguous cache (a candidate,
+    # measure.decode's b32 and b16) fills the tile from boxes of page_box rows, each box's two
+    # copies back to back, so both halves of a row are requested within one box. Same shared
+    # memory, same steps, the same bits out; only the order and size of the copies change.
 
     @cute.jit
     def load_tile(self, tma_atom, mX, sX, kv_head, boxes, pipe, state, rank):

@@ -295,6 +295,32 @@ def test_small_pages_with_small_key_tiles(page_size, splits):
     paged_equals_contiguous(q, k, v, page_size, 5, True, splits, used, config=cfg)
 
 
+@pytest.mark.parametrize("box,splits,seqused", [(32, 1, False), (16, 3, True)])
+def test_a_contiguous_cache_read_in_boxes_gives_the_same_bits(box, splits, seqused):
+    """page_box on a contiguous cache (Note [Boxes of a contiguous cache]): the same tile from
+    smaller TMA boxes, so the same out and lse bit for bit as one box a tile, and float64's
+    answer; with seqused_k the rows past each length are NaN and stay out."""
+    from fa4_final.hopper.config import hopper_decode_default
+
+    batch, sq, h, hk, d = 3, 4, 32, 8, 128
+    q, k, v = qkv(batch, sq, 2000, h, hk, d, BF16, seed=box + splits)
+    used = None
+    if seqused:
+        used = torch.tensor([2000, 1, 777], dtype=torch.int32, device=DEVICE)
+        for b, length in enumerate(used.tolist()):
+            k[b, length:] = math.nan
+            v[b, length:] = math.nan
+    cfg = replace(hopper_decode_default(d), page_box=box)
+    got = run_decode(q, k, v, True, splits, seqused_k=used, config=cfg)
+    want = run_decode(q, k, v, True, splits, seqused_k=used)
+    if splits > 1:
+        combine = combine_fn()
+        for out, lse, (out_p, lse_p) in (got, want):
+            combine(out_p, lse_p, out, lse)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    check_against_float64(q, k, v, got[0], got[1], True, seqused_k=used)
+
+
 def test_paged_without_seqused_k_reads_every_page():
     """Without seqused_k a sequence's length is its pages times the page size (FA4's)."""
     q, k, v = qkv(2, 1, 4 * 128, 8, 2, 128, BF16, seed=5)
