@@ -54,6 +54,7 @@
 #   (host: the API's host time per call vs its kernels' time, with the peers; host-train: the
 #    small-GPT training step, fa4_final vs SDPA)
 #   (record: the logs of the test and sanitizer steps before it -> results/h200/gpu_checks.json)
+#   (bwd-versus-profile: ncu on our backward main kernel and the FA4 package's at D = 128)
 #   (profiles: ch04-profile, ch05-profile, fa4-profile, fa4-versus (fa4_final and the FA4
 #    package side by side), fa4-stalls (the two, per SASS instruction); each keeps ncu's CSV
 #    exports under $OUT/<name>_raw)
@@ -150,6 +151,7 @@ for s in "$@"; do
     decode-grid-d64-32) step decode_grid_d64_32 580 $PY -m measure.decode --name decode_d64 --dims 64 --heads 32/8 --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;
     decode-grid-d64-64) step decode_grid_d64_64 580 $PY -m measure.decode --name decode_d64_h64 --dims 64 --heads 64/8 --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;
     decode-profile) step decode_profile 580 $PY -m measure.profile_decode --raw-dir "$OUT/decode_profile_raw" ;;  # ncu: ours and cuDNN at the memory-bound shapes where ours trails
+    bwd-versus-profile) step bwd_versus_profile 580 $PY -m measure.profile_bwd_versus --raw-dir "$OUT/bwd_versus_profile_raw" ;;  # ncu: our backward main kernel and the FA4 package's, D = 128 (issue 34)
     decode-d64) step decode_d64 580 $PY -m measure.decode --name decode_d64 --dims 64 --deadline 500 ;;
     headdim-tests) step headdim_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py -k "not pairwise" ;;
     headdim-tests2) step headdim_tests2 580 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fwd_head_dims.py -k pairwise ;;
