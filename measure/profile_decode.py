@@ -8,10 +8,11 @@ fa4_final's Hopper decode kernel and one of cuDNN's SDPA kernel, same shape, sam
 The shapes are where fa4_final's decode trails the best peer in results/h100/decode.json while
 both are bound by memory: batch 32, one query token, 32 query heads over 8 KV heads, D = 128,
 bf16, 8k and 128k cached keys (fa4_final reads the cache at 0.94-0.95 and 1.00-1.01 of the copy
-rate there, the best peer at 0.97-0.98 and 1.02-1.03); and 16 query tokens at 8k keys, 128 packed
-rows a KV head, where the two-consumer kernel runs (Note [Two consumer warpgroups] in
-fa4_final.hopper.decode) and ours trails by more. fa4_final is called as a user calls it with the
-split heuristic (``num_splits=0``); cuDNN through SDPA's cuDNN backend.
+rate there, the best peer at 0.97-0.98 and 1.02-1.03); and 16 query tokens of 64 heads at 8k
+keys, 128 packed rows a KV head, where the two-consumer kernel runs
+(Note [Two consumer warpgroups] in fa4_final.hopper.decode) and ours trails by more. fa4_final
+is called as a user calls it with the split heuristic (``num_splits=0``); cuDNN through SDPA's
+cuDNN backend.
 
 Rows (``impl`` fa4_final_splits or sdpa_cudnn, ``s_q`` tokens, ``s`` keys): duration, DRAM bytes
 read and the DRAM throughput's share of its peak, the L2 hit rate, the grid (CTAs, threads a
@@ -32,8 +33,11 @@ from measure._ncu import ProfileSpec, reread_provenance, run_ncu
 from solutions import ch04_profile as core
 
 RESULTS = "decode_profile"
-SHAPE = {"b": 32, "h": 32, "h_kv": 8, "d": 128}
-CASES = ((1, 8192), (1, 131072), (16, 8192))  # (query tokens, cached keys)
+SHAPE = {"b": 32, "h_kv": 8, "d": 128}
+# (query tokens, cached keys, query heads): GQA 4 at one token (32 packed rows a KV head), GQA 8
+# at 16 tokens (128 packed rows: the two-consumer kernel)
+CASES = ((1, 8192, 32), (1, 131072, 32), (16, 8192, 64))
+HEADS = {tokens: heads for tokens, _, heads in CASES}
 # impl -> ncu's kernel filter: ours is a CuTe kernel of class HopperDecode; cuDNN's SDPA kernels
 # carry "sdpa" in their names
 VARIANTS = {"fa4_final_splits": "regex:HopperDecode", "sdpa_cudnn": "regex:sdpa"}
@@ -66,13 +70,14 @@ PRODUCES = [(f"results/h200/{RESULTS}.json", "python -m measure.profile_decode -
 
 def build_rows(raw_text: str, impl: str, keys: int, tokens: int = 1) -> list[dict]:
     """Result rows of one ncu raw export: the counters above, with the read rate the duration
-    and the bytes give (``dram_read_tbps``)."""
+    and the bytes give (``dram_read_tbps``); the query heads are the case's (``HEADS``)."""
     rows = core.raw_rows(core.parse_raw(raw_text), RAW_METRICS)
     got = {r["metric"]: r["value"] for r in rows}
     if got.get("duration_ms") and got.get("dram_read_gb") is not None:
         rows.append({"metric": "dram_read_tbps", "unit": "TB/s",
                      "value": got["dram_read_gb"] / got["duration_ms"]})
-    return [{"impl": impl, **SHAPE, "s_q": tokens, "s": keys, **r} for r in rows]
+    return [{"impl": impl, **SHAPE, "h": HEADS[tokens], "s_q": tokens, "s": keys, **r}
+            for r in rows]
 
 
 def _case_dir(impl: str, tokens: int, keys: int) -> str:
@@ -86,8 +91,8 @@ def _run_target(impl: str, keys: int, tokens: int) -> None:
     from utils import bench
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    b, h, hk, d = (SHAPE[k] for k in ("b", "h", "h_kv", "d"))
-    t = tokens
+    b, hk, d = (SHAPE[k] for k in ("b", "h_kv", "d"))
+    t, h = tokens, HEADS[tokens]
     q = torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(b, keys, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(k.shape, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -112,15 +117,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.target:
         impl, tokens, keys = args.target
-        if impl not in VARIANTS:
-            ap.error(f"--target: impl must be one of {sorted(VARIANTS)}, got {impl!r}")
+        if impl not in VARIANTS or int(tokens) not in HEADS:
+            ap.error(f"--target: impl must be one of {sorted(VARIANTS)} and tokens one of "
+                     f"{sorted(HEADS)}, got {impl!r} {tokens!r}")
         _run_target(impl, int(keys), int(tokens))
         return 0
     if args.from_raw:
         meta = json.loads((args.from_raw / "meta.json").read_text())
         rows = []
         for impl in VARIANTS:
-            for tokens, keys in CASES:
+            for tokens, keys, _ in CASES:
                 case = args.from_raw / _case_dir(impl, tokens, keys) / "raw.csv"
                 if case.exists():  # a folder from before the 16-token case has none
                     rows += build_rows(case.read_text(), impl, keys, tokens)
@@ -133,7 +139,7 @@ def main(argv=None) -> int:
         for impl, regex in VARIANTS.items():
             spec = ProfileSpec(RESULTS, "measure.profile_decode", regex, SECTIONS,
                                EXTRA_METRICS, None)
-            for tokens, keys in CASES:
+            for tokens, keys, _ in CASES:
                 raw, _ = run_ncu(spec, target_args=(impl, str(tokens), str(keys)),
                                  source=False, ncu_args=("--clock-control", "none"))
                 if args.raw_dir is not None:
@@ -146,7 +152,7 @@ def main(argv=None) -> int:
                                                                indent=1))
     path = results.save(RESULTS, rows, command=command, provenance=provenance)
     table = results.load(RESULTS, gpu=path.parent.name)
-    print(table.table(["impl", "s_q", "s", "metric", "value", "unit"]))
+    print(table.table(["impl", "s_q", "h", "s", "metric", "value", "unit"]))
     print(f"wrote {path}")
     return 0
 

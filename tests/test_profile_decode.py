@@ -26,7 +26,7 @@ def test_rows_convert_units_and_give_the_read_rate():
     assert rows["dram_read_tbps"]["value"] == pytest.approx(1.07 / 0.35)
     assert rows["ctas"]["value"] == 264 and rows["stall_long_scoreboard"]["value"] == 12.5
     assert all(r["impl"] == "fa4_final_splits" and r["s"] == 8192 and r["h_kv"] == 8
-               and r["s_q"] == 16 for r in rows.values())
+               and r["s_q"] == 16 and r["h"] == 64 for r in rows.values())
 
 
 def test_an_unknown_target_is_refused_by_name():
