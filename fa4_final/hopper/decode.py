@@ -575,13 +575,14 @@ class HopperDecode:
         return boxes
 
     # Note [Boxes of a contiguous cache]
-    # A hypothesis about DRAM, not documented behaviour: with the 128-byte swizzle a TMA box is
-    # at most 64 columns (128 B) wide, so at D = 128 one box a tile is two copies, the left
-    # halves of all tile_n key rows, then the right halves; each key row is 256 contiguous
-    # bytes, read in two requests a tile apart. page_box on a contiguous cache (a candidate,
-    # measure.decode's b32 and b16) fills the tile from boxes of page_box rows, each box's two
-    # copies back to back, so both halves of a row are requested within one box. Same shared
-    # memory, same steps, the same bits out; only the order and size of the copies change.
+    # With the 128-byte swizzle a TMA box is at most 64 columns (128 B) wide, so at D = 128 one
+    # box a tile is two copies: the left halves of all tile_n key rows, then the right halves.
+    # Each key row is 256 contiguous bytes, requested in two halves a whole tile apart.
+    # page_box on a contiguous cache (a candidate, reached through config= only) fills the tile
+    # from boxes of page_box rows, each box's two copies back to back, so both halves of a row
+    # are requested within one box. The hypothesis, not documented behaviour: DRAM serves the
+    # two halves more efficiently close together. Same shared memory, same steps, the same bits
+    # out; only the order and size of the copies change.
 
     @cute.jit
     def load_tile(self, tma_atom, mX, sX, kv_head, boxes, pipe, state, rank):
