@@ -3,17 +3,11 @@
 import pytest
 
 from measure import profile_bwd_versus as prof
-
-
-def _raw(cells: dict[str, tuple[str, str]]) -> str:
-    names = ",".join(f'"{n}"' for n in cells)
-    units = ",".join(f'"{u}"' for u, _ in cells.values())
-    values = ",".join(f'"{v}"' for _, v in cells.values())
-    return f"{names}\n{units}\n{values}\n"
+from tests.ncu_tables import raw_page
 
 
 def test_rows_carry_the_shape_and_both_exports():
-    raw = _raw({"Kernel Name": ("", "kernel_HopperBackward_0"),
+    raw = raw_page({"Kernel Name": ("", "kernel_HopperBackward_0"),
                 "gpu__time_duration.sum": ("usecond", "1500.0"),
                 "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active":
                     ("%", "61.0")})

@@ -3,17 +3,11 @@
 import pytest
 
 from measure import profile_decode as prof
-
-
-def _raw(cells: dict[str, tuple[str, str]]) -> str:
-    names = ",".join(f'"{n}"' for n in cells)
-    units = ",".join(f'"{u}"' for u, _ in cells.values())
-    values = ",".join(f'"{v}"' for _, v in cells.values())
-    return f"{names}\n{units}\n{values}\n"
+from tests.ncu_tables import raw_page
 
 
 def test_rows_convert_units_and_give_the_read_rate():
-    raw = _raw({"Kernel Name": ("", "kernel_HopperDecode_0"),
+    raw = raw_page({"Kernel Name": ("", "kernel_HopperDecode_0"),
                 "gpu__time_duration.sum": ("usecond", "350.0"),
                 "dram__bytes_read.sum": ("Gbyte", "1.07"),
                 "dram__throughput.avg.pct_of_peak_sustained_elapsed": ("%", "91.5"),
