@@ -63,6 +63,7 @@
 # DEADLINE=<epoch seconds> shortens the last steps so that none runs past it (the logs of a
 # command cut short stay under $OUT/logs).
 # Needs the CuTe DSL staged and sourced (/tmp/dsl_env.sh) and COURSE_COMMIT set by the caller.
+# tests/gpu/run_tree.sh runs it from a tree archived here and carried to the GPU machine.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 MPLBACKEND=Agg
