@@ -557,7 +557,8 @@ class HopperDecode:
     def tile_boxes(self, mPageTable, b, n, seqlen_k, page_size):
         """(page, box inside the page) of each TMA box of key tile ``n``, read once for K and V:
         one box of the whole tile (contiguous: page b, box n; paged: Note [Key tile pages]),
-        or the tile gathered from page_box rows a box (Note [Gathered key tiles])."""
+        or the tile gathered from page_box rows a box (Note [Gathered key tiles]; a contiguous
+        cache: boxes of sequence b's own rows, Note [Boxes of a contiguous cache])."""
         if const_expr(self.cfg.page_box is None):
             if const_expr(not self.paged):
                 return [(b, n)]  # contiguous: one page per sequence
