@@ -135,6 +135,18 @@ PRODUCES = [
      "--batch 1 32 --tokens 1 16 --keys 8192 131072 --heads 32/8 --no-keys-on-m --deadline 110",
      "an H100 visit: the calls through the API, paged and not, one split and the heuristic's, "
      "after the paged call stopped reading its page table back (Note [Paged KV checks])"),
+    ("results/h100/decode_boxes_b32.json", "python -m measure.decode --name decode_boxes_b32 "
+     "--dims 128 --batch 32 --tokens 1 --keys 8192 131072 --heads 32/8 --variants b32 b16 "
+     "n128s2 --no-keys-on-m --rows fa4_final_splits fa4_final_decode fa4_final_decode_b32 "
+     "fa4_final_decode_b16 fa4_final_decode_n128s2 fa4_package sdpa_cudnn --deadline 129",
+     "an H100 visit: the tile read in boxes of 32 and 16 keys from a contiguous cache "
+     "(Note [Boxes of a contiguous cache]) and two stages beside the default and the peers, "
+     "batch 32, one token"),
+    ("results/h100/decode_boxes_b1.json", "python -m measure.decode --name decode_boxes_b1 "
+     "--dims 128 --batch 1 --tokens 1 --keys 131072 --heads 32/8 --variants b32 n128s2 "
+     "--no-keys-on-m --rows fa4_final_decode fa4_final_decode_b32 fa4_final_decode_n128s2 "
+     "fa4_package_splits sdpa_cudnn --deadline 20", "the same visit's last minute: batch 1, "
+     "128k keys"),
 ]
 
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")
