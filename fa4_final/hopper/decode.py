@@ -588,8 +588,9 @@ class HopperDecode:
     # calls back to back): at batch 32 with 8k and 128k keys, boxes of 32 or 16 keys took 2-3%
     # less time than one box a tile and tied cuDNN (1.00-1.005x, the default 0.97-0.98x); at
     # batch 1 with 128k keys, boxes of 32 were 0.98x cuDNN, the default 0.95x. Two stages of one
-    # box a tile gained as much at those shapes, so the bytes in flight may be what matters, not
-    # the order of the halves: still a hypothesis. Out bit for bit one box a tile's there and
+    # box a tile (fewer bytes in flight, the halves a tile apart) gained as much at those
+    # shapes, so the order of the halves is not shown to be the cause: still a hypothesis, and
+    # so is what the two changes share. Out bit for bit one box a tile's there and
     # in the GPU tests. Not the default yet: 16 tokens, two consumer warpgroups, D = 64 and
     # paged caches are unmeasured.
 
