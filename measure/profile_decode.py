@@ -81,7 +81,7 @@ def build_rows(raw_text: str, impl: str, keys: int, tokens: int = 1) -> list[dic
 
 
 def _case_dir(impl: str, tokens: int, keys: int) -> str:
-    return f"{impl}_{keys}" if tokens == 1 else f"{impl}_t{tokens}_{keys}"
+    return f"{impl}_t{tokens}_{keys}"
 
 
 def _run_target(impl: str, keys: int, tokens: int) -> None:
@@ -127,9 +127,8 @@ def main(argv=None) -> int:
         rows = []
         for impl in VARIANTS:
             for tokens, keys, _ in CASES:
-                case = args.from_raw / _case_dir(impl, tokens, keys) / "raw.csv"
-                if case.exists():  # a folder from before the 16-token case has none
-                    rows += build_rows(case.read_text(), impl, keys, tokens)
+                raw = (args.from_raw / _case_dir(impl, tokens, keys) / "raw.csv").read_text()
+                rows += build_rows(raw, impl, keys, tokens)
         provenance = reread_provenance(meta)
         command = provenance["command"]
     else:
