@@ -175,7 +175,8 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 VARIANTS = {"n64s3": (64, 3, 1, 1, 1, None), "n64s4": (64, 4, 1, 1, 1, None),
             "n128s2": (128, 2, 1, 1, 1, None), "split2": (128, 3, 2, 1, 1, None),
             "wg2": (128, 3, 1, 2, 1, None), "pair": (128, 3, 1, 2, 2, None),
-            "b32": (128, 3, 1, 1, 1, 32), "b16": (128, 3, 1, 1, 1, 16)}
+            "b32": (128, 3, 1, 1, 1, 32), "b16": (128, 3, 1, 1, 1, 16),
+            "wg2b32": (128, 3, 1, 2, 1, 32)}
 OURS = ("fa4_final", "fa4_final_paged", "fa4_final_splits", "fa4_final_paged_splits",
         *DECODE_KERNEL, *(f"fa4_final_decode_{name}" for name in VARIANTS))
 

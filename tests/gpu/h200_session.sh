@@ -26,7 +26,8 @@
 #    decode-variants: measure.decode's config candidates (64-key tiles, two or four stages,
 #    twice the splits) beside the default at batch 1 and 32, 1 and 4 tokens, 8k and 128k keys;
 #    decode-boxes / decode-boxes-tests: the tile from boxes of 32 or 16 keys (and two stages)
-#    beside the default and the peers / bit for bit the default and float64;
+#    beside the default and the peers / bit for bit the default and float64; decode-boxes-more:
+#    boxes of 32 with two consumers (16 tokens, GQA 8) and at D = 64;
 #    decode-keys-on-m-tests: the decode kernel with the keys on the wgmma M (swap_ab) against float64;
 #    decode-two-consumers-tests: two consumer warpgroups, 128 packed rows a CTA, against float64;
 #    decode-two-consumers-sanitize: one of its paged cases under synccheck, racecheck and memcheck;
@@ -191,6 +192,7 @@ for s in "$@"; do
     decode-variants) step decode_variants 580 $PY -m measure.decode --name decode_variants --dims 128 --batch 1 32 --tokens 1 4 --keys 8192 131072 --heads 32/8 --variants n64s3 n64s4 n128s2 split2 --no-keys-on-m --deadline $(mdl 500) ;;
     decode-boxes) step decode_boxes 580 $PY -m measure.decode --name decode_boxes --dims 128 --batch 32 1 --tokens 1 16 --keys 8192 131072 --heads 32/8 --variants b32 b16 n128s2 --no-keys-on-m --rows fa4_final_splits fa4_final_decode fa4_final_decode_b32 fa4_final_decode_b16 fa4_final_decode_n128s2 fa4_package fa4_package_splits sdpa_cudnn --deadline $(mdl 500) ;;  # Note [Boxes of a contiguous cache]: a tile from boxes of 32 or 16 keys beside one box, and two stages
     decode-boxes-b32) step decode_boxes_b32 400 $PY -m measure.decode --name decode_boxes_b32 --dims 128 --batch 32 --tokens 1 --keys 8192 131072 --heads 32/8 --variants b32 b16 n128s2 --no-keys-on-m --rows fa4_final_splits fa4_final_decode fa4_final_decode_b32 fa4_final_decode_b16 fa4_final_decode_n128s2 fa4_package sdpa_cudnn --deadline $(mdl 300) ;;  # decode-boxes at batch 32, one token only (a short visit)
+    decode-boxes-more) step decode_boxes_wg2 290 $PY -m measure.decode --name decode_boxes_wg2 --dims 128 --batch 32 1 --tokens 16 --keys 8192 131072 --heads 64/8 --variants wg2b32 --no-keys-on-m --rows fa4_final_splits fa4_final_decode fa4_final_decode_wg2b32 fa4_package fa4_package_splits sdpa_cudnn --deadline $(mdl 240); step decode_boxes_d64 290 $PY -m measure.decode --name decode_boxes_d64 --dims 64 --batch 32 1 --tokens 1 16 --keys 8192 131072 --heads 32/8 --variants b32 --no-keys-on-m --rows fa4_final_splits fa4_final_decode fa4_final_decode_b32 fa4_package fa4_package_splits sdpa_cudnn --deadline $(mdl 240) ;;  # boxes with two consumers (128 packed rows) and at D = 64
     decode-boxes-tests) step decode_boxes_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_decode_kernel.py -k contiguous_cache_read_in_boxes ;;
     decode-paged16) step decode_paged16 580 $PY -m measure.decode --name decode_paged16 --dims 128 --page 16 --deadline 500 ;;
     decode-api-tests) step decode_api_tests 580 $PY -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_decode_api.py ;;

@@ -295,24 +295,27 @@ def test_small_pages_with_small_key_tiles(page_size, splits):
     paged_equals_contiguous(q, k, v, page_size, 5, True, splits, used, config=cfg)
 
 
-@pytest.mark.parametrize("box,splits,seqused", [(32, 1, False), (16, 3, True)])
-def test_a_contiguous_cache_read_in_boxes_gives_the_same_bits(box, splits, seqused):
+@pytest.mark.parametrize("box,splits,seqused,consumers,d", [
+    (32, 1, False, 1, 128), (16, 3, True, 1, 128), (32, 2, True, 2, 128), (32, 3, True, 1, 64)])
+def test_a_contiguous_cache_read_in_boxes_gives_the_same_bits(box, splits, seqused, consumers, d):
     """page_box on a contiguous cache (Note [Boxes of a contiguous cache]): the same tile from
     smaller TMA boxes, so the same out and lse bit for bit as one box a tile, and float64's
-    answer; with seqused_k the rows past each length are NaN and stay out."""
+    answer; with seqused_k the rows past each length are NaN and stay out. Two consumers
+    (128 packed rows: 16 tokens at GQA 8) and D = 64 (one 64-column copy a box) too."""
     from fa4_final.hopper.config import hopper_decode_default
 
-    batch, sq, h, hk, d = 3, 4, 32, 8, 128
-    q, k, v = qkv(batch, sq, 2000, h, hk, d, BF16, seed=box + splits)
+    batch, hk = 3, 8
+    sq, h = (16, 64) if consumers == 2 else (4, 32)
+    q, k, v = qkv(batch, sq, 2000, h, hk, d, BF16, seed=box + splits + d)
     used = None
     if seqused:
         used = torch.tensor([2000, 1, 777], dtype=torch.int32, device=DEVICE)
         for b, length in enumerate(used.tolist()):
             k[b, length:] = math.nan
             v[b, length:] = math.nan
-    cfg = replace(hopper_decode_default(d), page_box=box)
-    got = run_decode(q, k, v, True, splits, seqused_k=used, config=cfg)
-    want = run_decode(q, k, v, True, splits, seqused_k=used)
+    base = replace(hopper_decode_default(d), consumers=consumers)
+    got = run_decode(q, k, v, True, splits, seqused_k=used, config=replace(base, page_box=box))
+    want = run_decode(q, k, v, True, splits, seqused_k=used, config=base)
     if splits > 1:
         combine = combine_fn()
         for out, lse, (out_p, lse_p) in (got, want):
