@@ -78,6 +78,40 @@ def run_ncu(spec: ProfileSpec, target_args: tuple = (), source: bool = True,
     return raw, sass
 
 
+def keep_exports(raw_dir: Path | None, case: str, raw: str, source: str | None = None) -> None:
+    """Keep one profiled case's ncu CSV exports as ``raw_dir/case/raw.csv`` (and
+    ``source.csv``); ``case`` "" keeps them in ``raw_dir`` itself; nothing when ``raw_dir`` is
+    None. ``read_exports`` reads them back."""
+    if raw_dir is None:
+        return
+    folder = raw_dir / case if case else raw_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "raw.csv").write_text(raw)
+    if source is not None:
+        (folder / "source.csv").write_text(source)
+
+
+def read_exports(raw_dir: Path, case: str = "", source: bool = True) -> tuple[str, str | None]:
+    """(raw, source or None): the exports ``keep_exports`` kept for ``case``; a missing file is
+    an error naming it."""
+    folder = raw_dir / case if case else raw_dir
+    raw = (folder / "raw.csv").read_text()
+    return raw, (folder / "source.csv").read_text() if source else None
+
+
+def keep_meta(raw_dir: Path | None, provenance: dict, **extra) -> None:
+    """Write ``raw_dir/meta.json``: the run's provenance and ``extra``, what ``--from-raw``
+    needs to rebuild the rows elsewhere; nothing when ``raw_dir`` is None."""
+    if raw_dir is None:
+        return
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    (raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance, **extra}, indent=1))
+
+
+def read_meta(raw_dir: Path) -> dict:
+    return json.loads((raw_dir / "meta.json").read_text())
+
+
 def profile_with(spec: ProfileSpec, label: str, raw_dir: Path | None = None) -> Path:
     """Run ncu for ``spec`` on this GPU; keep the CSV exports in ``raw_dir`` if given; save and
     return results/<gpu>/<spec.results>.json."""
@@ -86,12 +120,8 @@ def profile_with(spec: ProfileSpec, label: str, raw_dir: Path | None = None) -> 
     raw, source = run_ncu(spec)
     command = f"python -m {spec.module}"
     provenance = results.collect_provenance(command)
-    if raw_dir is not None:
-        raw_dir.mkdir(parents=True, exist_ok=True)
-        (raw_dir / "raw.csv").write_text(raw)
-        (raw_dir / "source.csv").write_text(source)
-        (raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance,
-                                                        "config": label}, indent=1))
+    keep_exports(raw_dir, "", raw, source)
+    keep_meta(raw_dir, provenance, config=label)
     return results.save(spec.results, spec.build(raw, source, label), command=command,
                         provenance=provenance)
 
@@ -101,9 +131,8 @@ def from_raw_with(spec: ProfileSpec, raw_dir: Path) -> Path:
     provenance): any machine, no GPU."""
     from utils import results
 
-    meta = json.loads((raw_dir / "meta.json").read_text())
-    rows = spec.build((raw_dir / "raw.csv").read_text(), (raw_dir / "source.csv").read_text(),
-                      meta["config"])
+    meta = read_meta(raw_dir)
+    rows = spec.build(*read_exports(raw_dir), meta["config"])
     provenance = reread_provenance(meta)
     return results.save(spec.results, rows, command=provenance["command"], provenance=provenance)
 

@@ -28,11 +28,18 @@ one file, not with the benchmarks'. Saved as results/<gpu>/bwd_det_profile.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from measure._ncu import ProfileSpec, reread_provenance, run_ncu
+from measure._ncu import (
+    ProfileSpec,
+    keep_exports,
+    keep_meta,
+    read_exports,
+    read_meta,
+    reread_provenance,
+    run_ncu,
+)
 from solutions import ch04_profile as core
 
 RESULTS = "bwd_det_profile"
@@ -133,11 +140,10 @@ def main(argv=None) -> int:
         _run_target(args.target)
         return 0
     if args.from_raw:
-        meta = json.loads((args.from_raw / "meta.json").read_text())
+        meta = read_meta(args.from_raw)
         rows = []
         for variant, impl in VARIANTS.items():
-            d = args.from_raw / variant
-            rows += build_rows((d / "raw.csv").read_text(), (d / "source.csv").read_text(), impl)
+            rows += build_rows(*read_exports(args.from_raw, variant), impl)
         provenance = reread_provenance(meta)
         path = _save(rows, provenance["command"], provenance)
     else:
@@ -148,14 +154,9 @@ def main(argv=None) -> int:
         rows = []
         for variant, impl in VARIANTS.items():
             raw, source = run_ncu(spec, target_args=(variant,))
-            if args.raw_dir is not None:
-                (args.raw_dir / variant).mkdir(parents=True, exist_ok=True)
-                (args.raw_dir / variant / "raw.csv").write_text(raw)
-                (args.raw_dir / variant / "source.csv").write_text(source)
+            keep_exports(args.raw_dir, variant, raw, source)
             rows += build_rows(raw, source, impl)
-        if args.raw_dir is not None:
-            (args.raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance},
-                                                               indent=1))
+        keep_meta(args.raw_dir, provenance)
         path = _save(rows, command, provenance)
     table = results.load(RESULTS, gpu=path.parent.name)  # the folder of the provenance's GPU
     print(table.table(["impl", "metric", "value", "unit"]))

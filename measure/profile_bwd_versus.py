@@ -24,11 +24,18 @@ the benchmarks'. Saved as results/<gpu>/bwd_versus_profile.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from measure._ncu import ProfileSpec, reread_provenance, run_ncu
+from measure._ncu import (
+    ProfileSpec,
+    keep_exports,
+    keep_meta,
+    read_exports,
+    read_meta,
+    reread_provenance,
+    run_ncu,
+)
 from measure.profile_bwd_det import EXTRA_METRICS, RAW_METRICS, SECTIONS, source_rows
 from solutions import ch04_profile as core
 
@@ -90,11 +97,10 @@ def main(argv=None) -> int:
         return 0
     rows = []
     if args.from_raw:
-        meta = json.loads((args.from_raw / "meta.json").read_text())
+        meta = read_meta(args.from_raw)
         for shape in SHAPES:
             for impl in KERNELS:
-                d = args.from_raw / case_name(impl, shape)
-                rows += build_rows((d / "raw.csv").read_text(), (d / "source.csv").read_text(),
+                rows += build_rows(*read_exports(args.from_raw, case_name(impl, shape)),
                                    impl, shape)
         provenance = reread_provenance(meta)
         command = provenance["command"]
@@ -106,16 +112,10 @@ def main(argv=None) -> int:
                 spec = ProfileSpec(RESULTS, "measure.profile_bwd_versus", regex, SECTIONS,
                                    EXTRA_METRICS, None)
                 raw, source = run_ncu(spec, target_args=(impl, str(shape["s"])))
-                if args.raw_dir is not None:
-                    d = args.raw_dir / case_name(impl, shape)
-                    d.mkdir(parents=True, exist_ok=True)
-                    (d / "raw.csv").write_text(raw)
-                    (d / "source.csv").write_text(source)
+                keep_exports(args.raw_dir, case_name(impl, shape), raw, source)
                 rows += build_rows(raw, source, impl, shape)
                 print(f"profiled {case_name(impl, shape)}", flush=True)
-        if args.raw_dir is not None:
-            (args.raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance},
-                                                               indent=1))
+        keep_meta(args.raw_dir, provenance)
     path = results.save(RESULTS, rows, command=command, provenance=provenance)
     table = results.load(RESULTS, gpu=path.parent.name)
     print(table.table(["impl", "s", "causal", "metric", "value", "unit"]))

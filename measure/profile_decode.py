@@ -25,11 +25,18 @@ first compiles). Saved as results/<gpu>/decode_profile.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from measure._ncu import ProfileSpec, reread_provenance, run_ncu
+from measure._ncu import (
+    ProfileSpec,
+    keep_exports,
+    keep_meta,
+    read_exports,
+    read_meta,
+    reread_provenance,
+    run_ncu,
+)
 from solutions import ch04_profile as core
 
 RESULTS = "decode_profile"
@@ -123,11 +130,11 @@ def main(argv=None) -> int:
         _run_target(impl, int(keys), int(tokens))
         return 0
     if args.from_raw:
-        meta = json.loads((args.from_raw / "meta.json").read_text())
+        meta = read_meta(args.from_raw)
         rows = []
         for impl in VARIANTS:
             for tokens, keys, _ in CASES:
-                raw = (args.from_raw / _case_dir(impl, tokens, keys) / "raw.csv").read_text()
+                raw, _ = read_exports(args.from_raw, _case_dir(impl, tokens, keys), source=False)
                 rows += build_rows(raw, impl, keys, tokens)
         provenance = reread_provenance(meta)
         command = provenance["command"]
@@ -141,14 +148,9 @@ def main(argv=None) -> int:
             for tokens, keys, _ in CASES:
                 raw, _ = run_ncu(spec, target_args=(impl, str(tokens), str(keys)),
                                  source=False, ncu_args=("--clock-control", "none"))
-                if args.raw_dir is not None:
-                    case = args.raw_dir / _case_dir(impl, tokens, keys)
-                    case.mkdir(parents=True, exist_ok=True)
-                    (case / "raw.csv").write_text(raw)
+                keep_exports(args.raw_dir, _case_dir(impl, tokens, keys), raw)
                 rows += build_rows(raw, impl, keys, tokens)
-        if args.raw_dir is not None:
-            (args.raw_dir / "meta.json").write_text(json.dumps({"provenance": provenance},
-                                                               indent=1))
+        keep_meta(args.raw_dir, provenance)
     path = results.save(RESULTS, rows, command=command, provenance=provenance)
     table = results.load(RESULTS, gpu=path.parent.name)
     print(table.table(["impl", "s_q", "h", "s", "metric", "value", "unit"]))
