@@ -19,7 +19,9 @@ Rows, all on the same q, k, v of a shape, interleaved in ``--rounds`` rounds (ut
                       (both with FA4's default num_splits = 1: one split)
   fa4_final_splits (and _paged_splits)   the same two calls with num_splits=0, the split
                       heuristic (Note [Split count]), as the FA4 package's _splits/_paged rows
-  fa4_final_decode    the Hopper decode kernel (fa4_final.hopper.decode) launched directly,
+  fa4_final_decode    the Hopper decode kernel (fa4_final.hopper.decode) launched directly
+                      with the config the package gives a contiguous cache
+                      (hopper.config.hopper_decode_contiguous, one consumer warpgroup),
                       ``--splits`` splits (0: the split heuristic's count, stored as ``splits``)
                       merged by the combine; before timing its output is compared with SDPA
                       flash's (``max_diff``)
@@ -171,12 +173,16 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 #          GQA 16) the tile leaves memory once for both 128-row m-blocks; splits as wg2's
 #   b32, b16: the default tile and stages, each tile filled from boxes of 32 (16) keys, both
 #          64-column halves of a box's rows requested back to back
-#          (Note [Boxes of a contiguous cache] in fa4_final.hopper.decode): the same bits out
+#          (Note [Boxes of a contiguous cache] in fa4_final.hopper.decode): the same bits out;
+#          b32 is the config a contiguous cache gets at D = 128 (hopper_decode_contiguous)
+#   wg2b32: wg2 with boxes of 32, the config of 128 packed rows and more at D = 128
+#   onebox: the default tile and stages in one box a tile (what a contiguous cache gets at
+#          D = 64, and what every variant above without a box reads)
 VARIANTS = {"n64s3": (64, 3, 1, 1, 1, None), "n64s4": (64, 4, 1, 1, 1, None),
             "n128s2": (128, 2, 1, 1, 1, None), "split2": (128, 3, 2, 1, 1, None),
             "wg2": (128, 3, 1, 2, 1, None), "pair": (128, 3, 1, 2, 2, None),
             "b32": (128, 3, 1, 1, 1, 32), "b16": (128, 3, 1, 1, 1, 16),
-            "wg2b32": (128, 3, 1, 2, 1, 32)}
+            "wg2b32": (128, 3, 1, 2, 1, 32), "onebox": (128, 3, 1, 1, 1, None)}
 OURS = ("fa4_final", "fa4_final_paged", "fa4_final_splits", "fa4_final_paged_splits",
         *DECODE_KERNEL, *(f"fa4_final_decode_{name}" for name in VARIANTS))
 
@@ -248,7 +254,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     whether paged equals contiguous bit for bit (the contiguous kernel run on the cache in table
     order does the same arithmetic in the same order)."""
     from fa4_final.hopper.config import (
-        hopper_decode_default,
+        hopper_decode_contiguous,
         hopper_decode_for_page,
         hopper_decode_keys_on_m,
     )
@@ -256,7 +262,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     from fa4_final.runtime.compile import compiled
     from fa4_final.runtime.decode import combine_splits, partials_like
 
-    cfg = hopper_decode_default(shape.d)
+    cfg = hopper_decode_contiguous(shape.d)
     splits = split_count(shape, requested_splits, cfg.tile_m, cfg.tile_n)
     rows = shape.tokens * (shape.heads // shape.heads_kv)
     swapped = hopper_decode_keys_on_m(shape.d, rows)  # Note [Keys on M]

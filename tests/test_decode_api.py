@@ -379,10 +379,11 @@ def test_the_compile_keys_build_the_decode_recipes(monkeypatch):
     keys = [c[2] for c in rec.calls if c[0] == "compiled"]
     want = choose_num_splits(0, batch=2, heads_kv=8, packed_rows=4, key_tiles=64, num_sms=132)
     assert want > 1
-    assert keys[0] == (128, "bf16", True, False, False, True, None, False, False)
+    boxes = HopperDecodeConfig(page_box=32)  # a contiguous cache at D = 128
+    assert keys[0] == (128, "bf16", True, False, False, True, boxes, False, False)
     assert keys[1] == (64, "bf16", False, True, True, True, HopperDecodeConfig(page_box=64),
                        True, True)  # pages of 64 keys gathered into 128-key tiles
-    assert keys[2] == (128, "bf16", False, False, False, False, None, False, False)
+    assert keys[2] == (128, "bf16", False, False, False, False, boxes, False, False)
     launches = [c[1] for c in rec.calls if c[0] == "launch"]
     combines = [c[1] for c in rec.calls if c[0] == "combine"]
     assert launches[0][4].shape == (want, 2, 1, 32, 128)
@@ -606,10 +607,27 @@ def test_decode_takes_two_consumer_warpgroups_above_64_packed_rows():
                                              None, False, None, 0, 132)[1]
         return args[6]  # the config, None for the default
 
-    assert config(1, 32) is None and config(8, 64) is None  # 4 and 64 packed rows
+    assert config(1, 32).consumers == 1 and config(8, 64).consumers == 1  # 4 and 64 rows
     assert config(16, 64).consumers == 2  # 128 rows: 16 tokens at GQA 8
     assert config(16, 128).consumers == 2 and config(16, 128).tile_m == 128  # 256 rows
     assert config(9, 64).consumers == 2  # 72 rows
+
+
+def test_a_contiguous_cache_is_read_in_boxes_of_32_at_d128_only():
+    """Note [Boxes of a contiguous cache]: without a page table, D = 128 fills each key tile
+    from boxes of 32 keys (one and two consumer warpgroups alike); D = 64 and a paged cache
+    keep their own boxes (one a tile for pages of whole tiles)."""
+    def config(d, tokens, heads, paged=False):
+        k = _meta(1 if paged else 2, 256 if paged else 8192, 8, d)
+        table = torch.zeros(2, 32, dtype=torch.int32) if paged else None
+        args = decode_entry.decode_plan_args(_meta(2, tokens, heads, d), k, table, None, None,
+                                             None, False, None, 0, 132)[1]
+        return args[6]  # None for the default
+
+    assert config(128, 1, 32).page_box == 32 and config(128, 16, 64).page_box == 32
+    assert config(128, 16, 64).consumers == 2
+    assert config(64, 1, 32) is None and config(64, 16, 64).page_box is None
+    assert config(128, 1, 32, paged=True) is None  # pages of 256 keys: one box a tile
 
 
 # ----------------------------------------------------------------------------------------------

@@ -694,6 +694,15 @@ def hopper_decode_default(head_dim: int) -> HopperDecodeConfig:
     return HopperDecodeConfig(tile_n=128, stages=3)
 
 
+def hopper_decode_contiguous(head_dim: int) -> HopperDecodeConfig:
+    """The decode config for a contiguous cache: the default, with each key tile filled from
+    boxes of 32 keys at D = 128 (Note [Boxes of a contiguous cache] in fa4_final.hopper.decode,
+    where its measurement is). At D = 64 a box row is one 64-column copy already, and boxes of
+    32 were not faster there: one box a tile."""
+    default = hopper_decode_default(head_dim)
+    return replace(default, page_box=32) if head_dim == 128 else default
+
+
 def hopper_decode_for_rows(config: HopperDecodeConfig, packed_rows: int) -> HopperDecodeConfig:
     """``config`` with two consumer warpgroups (a 128-row m-block) when a KV head has more than
     64 packed query rows (tokens x heads per KV head), else ``config`` itself: one CTA then reads

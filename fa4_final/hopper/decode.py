@@ -579,20 +579,24 @@ class HopperDecode:
     # With the 128-byte swizzle a TMA box is at most 64 columns (128 B) wide, so at D = 128 one
     # box a tile is two copies: the left halves of all tile_n key rows, then the right halves.
     # Each key row is 256 contiguous bytes, requested in two halves a whole tile apart.
-    # page_box on a contiguous cache (a candidate, reached through config= only) fills the tile
-    # from boxes of page_box rows, each box's two copies back to back, so both halves of a row
-    # are requested within one box. The hypothesis, not documented behaviour: DRAM serves the
-    # two halves more efficiently close together. Same shared memory, same steps, the same bits
-    # out; only the order and size of the copies change.
-    # Timed on an H100 at D = 128, one query token (three interleaved rounds, L2 flushed and
-    # calls back to back): at batch 32 with 8k and 128k keys, boxes of 32 or 16 keys took 2-3%
-    # less time than one box a tile and tied cuDNN (1.00-1.005x, the default 0.97-0.98x); at
-    # batch 1 with 128k keys, boxes of 32 were 0.98x cuDNN, the default 0.95x. Two stages of one
-    # box a tile (fewer bytes in flight, the halves a tile apart) gained as much at those
-    # shapes, so the order of the halves is not shown to be the cause: still a hypothesis, and
-    # so is what the two changes share. Out bit for bit one box a tile's there and
-    # in the GPU tests. Not the default yet: 16 tokens, two consumer warpgroups, D = 64 and
-    # paged caches are unmeasured.
+    # page_box on a contiguous cache fills the tile from boxes of page_box rows, each box's two
+    # copies back to back, so both halves of a row are requested within one box. Same shared
+    # memory, same steps, the same bits out; only the order and size of the copies change.
+    # The hypothesis, not documented behaviour: DRAM serves the two halves more efficiently
+    # close together.
+    # Timed on an H100 at D = 128 (three interleaved rounds, L2 flushed and calls back to back,
+    # beside cuDNN and the FA4 package), one consumer warpgroup, batch 1 and 32, one and 16
+    # tokens at GQA 4, 8k and 128k keys: boxes of 32 keys took 1.6-3.4% less time than one box
+    # a tile in 9 of the 16 cases (shape and timing mode) and 0.8% less in a tenth; in the
+    # other six the rounds spread by 4-33% and the two lie within it. With two consumer
+    # warpgroups (16 tokens at GQA 8, batch 32, 8k keys) boxes of 32 took 2% less than the
+    # call with one box a tile. At D = 64 one copy holds whole 128-byte key rows already, and
+    # boxes of 32 were within the spread of one box a tile in 15 of 16 cases: so a contiguous
+    # cache is read in boxes of 32 at D = 128 (hopper_decode_contiguous), one box a tile at
+    # D = 64. Two stages of one box a tile (fewer bytes in flight, the halves a tile apart)
+    # gained about as much with one consumer warpgroup, so the order of the halves
+    # is not shown to be the cause. Paged caches keep Note [Gathered key tiles]'s boxes: pages
+    # of whole tiles are read one box a tile, unmeasured with boxes.
 
     @cute.jit
     def load_tile(self, tma_atom, mX, sX, kv_head, boxes, pipe, state, rank):

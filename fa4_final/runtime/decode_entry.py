@@ -63,6 +63,7 @@ from fa4_final.common.constants import DTYPE_NAMES, HEAD_DIMS, TORCH_TO_CUTLASS,
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.hopper import host as hopper_host
 from fa4_final.hopper.config import (
+    hopper_decode_contiguous,
     hopper_decode_default,
     hopper_decode_for_page,
     hopper_decode_for_rows,
@@ -332,7 +333,7 @@ def num_sms(device) -> int:
 def decode_plan_args(q, k, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, causal: bool,
                      left, num_splits: int, sms: int) -> tuple[int, tuple]:
     """(splits, decode_recipe's arguments) of one call, from shapes and the SM count only: the
-    config for the page size (hopper_decode_for_page; the default for a contiguous cache) and
+    config for the page size (hopper_decode_for_page; hopper_decode_contiguous without one) and
     the packed rows (hopper_decode_for_rows: two consumer warpgroups above 64), the split count
     of choose_num_splits over the keys a sequence can hold."""
     d, h, hk = q.shape[-1], q.shape[-2], k.shape[2]
@@ -352,8 +353,8 @@ def _plan(d: int, dtype: str, h: int, hk: int, batch: int, tokens: int, page_siz
     step, and this is host time on every call."""
     default = hopper_decode_default(d)
     rows = tokens * (h // hk)  # packed query rows of a (batch entry, KV head)
-    cfg = hopper_decode_for_rows(hopper_decode_for_page(d, page_size) if paged else default,
-                                 rows)
+    cfg = hopper_decode_for_rows(hopper_decode_for_page(d, page_size) if paged
+                                 else hopper_decode_contiguous(d), rows)
     splits = choose_num_splits(num_splits, batch=batch, heads_kv=hk, packed_rows=rows,
                                key_tiles=-(-keys // cfg.tile_n), num_sms=sms,
                                tile_m=cfg.tile_m, tile_n=cfg.tile_n)

@@ -20,7 +20,8 @@
 #    varlen-bench varlen-sanitize varlen-bwd-sanitize; varlen-dyn-sanitize: the varlen
 #    forward's dynamic tiles under memcheck, racecheck and synccheck)
 #   (decode, decode-d64: measure.decode at D = 128 / 64: the decode kernel and the package
-#    call beside the peers; decode-tests: the split combine, the decode kernel and chapter 15's exercises against float64;
+#    call beside the peers; decode-b32: the D = 128 grid at batch 32 only;
+#    decode-tests: the split combine, the decode kernel and chapter 15's exercises against float64;
 #    decode-sanitize / -racecheck / -synccheck: the paged and gathered decode kernel under the three sanitizers;
 #    decode-paged16: measure.decode with pages of 16 keys, the gathered tiles;
 #    decode-variants: measure.decode's config candidates (64-key tiles, two or four stages,
@@ -148,6 +149,7 @@ for s in "$@"; do
     varlen-bwd-sanitize) step varlen_bwd_memcheck 300 $SAN --tool memcheck $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fa4_final_varlen_bwd.py -k "against_float64 and (mixed-causal-used or many)" ;;
     fa4-bench) step fa4_bench 480 $PY -m measure.benchmark --versions fa4_final flash_hopper --name fa4_final_fwd --seqlens 4096 16384 --dims 64 128 --causal both --rounds ${ROUNDS:-3} ;;
     decode) step decode 580 $PY -m measure.decode --dims 128 --deadline 500 ;;
+    decode-b32) step decode_b32 580 $PY -m measure.decode --dims 128 --batch 32 --tokens 1 4 16 --keys 1024 8192 32768 131072 --heads 32/8 64/8 --deadline $(mdl 500) ;;  # results/<gpu>/decode.json as the H100 row of PRODUCES measures it: batch 32, every token and key count
     decode-grid-32) step decode_grid_32 580 $PY -m measure.decode --name decode --dims 128 --heads 32/8 --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;  # issue 32's grid, one heads pair a step
     decode-grid-64) step decode_grid_64 580 $PY -m measure.decode --name decode_h64 --dims 128 --heads 64/8 --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;
     decode-grid-d64-32) step decode_grid_d64_32 580 $PY -m measure.decode --name decode_d64 --dims 64 --heads 32/8 --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;
