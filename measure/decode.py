@@ -149,6 +149,25 @@ PRODUCES = [
      "--no-keys-on-m --rows fa4_final_decode fa4_final_decode_b32 fa4_final_decode_n128s2 "
      "fa4_package_splits sdpa_cudnn --deadline 20", "the same visit's last minute: batch 1, "
      "128k keys"),
+    ("results/h100/decode_boxes.json", "python -m measure.decode --name decode_boxes --dims 128 "
+     "--batch 32 1 --tokens 1 16 --keys 8192 131072 --heads 32/8 --variants b32 b16 n128s2 "
+     "--no-keys-on-m --rows fa4_final_splits fa4_final_decode fa4_final_decode_b32 "
+     "fa4_final_decode_b16 fa4_final_decode_n128s2 fa4_package fa4_package_splits sdpa_cudnn "
+     "--deadline 500", "an H100 visit at 283bc44, where fa4_final_decode and the call read one "
+     "box a tile: boxes of 32 and 16 keys and two stages beside them and the peers, batch 32 "
+     "and 1, one and 16 tokens, 8k and 128k keys (what made boxes of 32 the contiguous "
+     "default at D = 128)"),
+    ("results/h100/decode_boxes_wg2.json", "python -m measure.decode --name decode_boxes_wg2 "
+     "--dims 128 --batch 32 1 --tokens 16 --keys 8192 131072 --heads 64/8 --variants wg2b32 "
+     "--no-keys-on-m --rows fa4_final_splits fa4_final_decode fa4_final_decode_wg2b32 "
+     "fa4_package fa4_package_splits sdpa_cudnn --deadline 240", "the same visit: 128 packed "
+     "rows (16 tokens at GQA 8), two consumers with boxes of 32 beside the call (two "
+     "consumers, one box a tile) and the one-consumer kernel"),
+    ("results/h100/decode_boxes_d64.json", "python -m measure.decode --name decode_boxes_d64 "
+     "--dims 64 --batch 32 1 --tokens 1 16 --keys 8192 131072 --heads 32/8 --variants b32 "
+     "--no-keys-on-m --rows fa4_final_splits fa4_final_decode fa4_final_decode_b32 "
+     "fa4_package fa4_package_splits sdpa_cudnn --deadline 240", "the same visit at D = 64: "
+     "boxes of 32 beside one box a tile"),
 ]
 
 PEERS = ("fa4_package", "fa4_package_splits", "fa4_package_paged", "sdpa_flash", "sdpa_cudnn")

@@ -69,10 +69,13 @@ RAW_METRICS = (
     ("issue_slots_busy_pct", "sm__issue_active.avg.pct_of_peak_sustained_elapsed", "%"),
     ("achieved_warps_per_sm", "sm__warps_active.avg.per_cycle_active", "warps"),
 )
-PRODUCES = [(f"results/h200/{RESULTS}.json", "python -m measure.profile_decode --raw-dir DIR",
-             "Nsight Compute on one launch of fa4_final's decode kernel and one of cuDNN's SDPA "
-             "kernel at the memory-bound shapes where fa4_final trails: DRAM bytes and "
-             "throughput, L2 hit rate, grid, stalls (owed: no GPU has run it yet)")]
+PRODUCES = [(f"results/h100/{RESULTS}.json", "python -m measure.profile_decode --raw-dir DIR",
+             "an H100 visit (at 283bc44, the kernel reading one box a tile): Nsight Compute on "
+             "one launch of fa4_final's decode call and one of cuDNN's SDPA kernel at the "
+             "memory-bound shapes where fa4_final trails: DRAM bytes and throughput, L2 hit "
+             "rate, grid, stalls"),
+            (f"results/h200/{RESULTS}.json", "python -m measure.profile_decode --raw-dir DIR",
+             "the same on an H200 (owed)")]
 
 
 def build_rows(raw_text: str, impl: str, keys: int, tokens: int = 1) -> list[dict]:
