@@ -106,6 +106,11 @@ CANDIDATES = {
     "fa4_final_det_release_all": {"release_every_thread": True},
     "fa4_final_one_lane": {"deterministic": False, "release_every_thread": False},
     "fa4_final_det_one_lane": {"release_every_thread": False},
+    # lse and delta read into registers before the GEMM waits (HopperBwdConfig.rows_early,
+    # Note [Per-query values before the wait] in fa4_final.hopper.bwd), default mode and
+    # deterministic
+    "fa4_final_rows_early": {"deterministic": False, "rows_early": True},
+    "fa4_final_det_rows_early": {"rows_early": True},
 }
 CHOICES = (*IMPLS, *(c for c in CANDIDATES if c not in IMPLS))
 PHASES = ("pre", "main", "post", "other", "total")

@@ -144,6 +144,23 @@ def _p_from_scores(s: cute.Tensor, lse: cute.Tensor, scale_log2,
 
 
 @cute.jit
+def _in_registers(vec: cute.Tensor, query_mode: cutlass.Constexpr[int]) -> cute.Tensor:
+    """A per-query vector seen through a fragment (row_values, column_values: shared memory,
+    read where it is used) read into registers now, one float a query of the fragment, indexed
+    as ``vec`` is (Note [Per-query values before the wait])."""
+    n = cute.size(vec, mode=[query_mode])
+    other = cute.size(vec, mode=[1 - query_mode])
+    if const_expr(query_mode == 1):
+        layout = cute.make_layout((other, n), stride=(0, 1))
+    else:
+        layout = cute.make_layout((n, other), stride=(1, 0))
+    out = cute.make_rmem_tensor(layout, Float32)
+    for q in cutlass.range_constexpr(n):
+        out[_at(query_mode, q, 0)] = vec[_at(query_mode, q, 0)]
+    return out
+
+
+@cute.jit
 def _ds_element(s: cute.Tensor, dp: cute.Tensor, i, delta_q, lse_q, scale_log2,
                 capped: cutlass.Constexpr[bool]):
     """dP -> dS of element i (row, col) of this thread's S and dP fragments, in place. Without a
@@ -1456,6 +1473,21 @@ class HopperBackward:
     # t^2 is clamped to 1, so 1 - t^2 = 0 and P = 0 give 0, never 0 * -inf = NaN (tanh keeps
     # every other t^2 <= 1). Nothing is stored by the forward for it.
 
+    # Note [Per-query values before the wait]
+    # column_values and row_values are views of shared memory: the LDS that read lse and delta
+    # are emitted where P and dS first use them, after the wgmma wait for S (or dP), so each
+    # step's first FFMA waits for a shared-memory load that started only once S was ready.
+    # ncu on an H100 (D = 128, S = 4096 dense and 16384 causal, beside the FA4 package's
+    # main kernel): at 16384 causal that first FFMA, stalled on the short scoreboard, held
+    # 7.2% of our kernel's warp samples, its second-most sampled instruction; the two
+    # kernels' stall profiles differ most there (short scoreboard 15% and 17% of our samples,
+    # 9% and 5% of the package's), and our tensor pipe was busy 75% and 74% of the time
+    # against its 77% and 78%. With rows_early the step reads
+    # its lse into registers (_in_registers) before the wait for S and its delta before the
+    # wait for dP, so the loads run under the GEMMs: the same values, the same arithmetic, the
+    # same bits out. Compiled for sm_90a at D = 64 and 128, causal or not: no spill, no LDS
+    # left between the wait for S and the first FFMA. Whether it saves time is for a GPU run.
+
     @cute.jit
     def step(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv, acc_dk,
              shape_st, shape_a, sLSE, sDelta, thr_sdp, tScS, t0ScS, mma_sdp, mma_dkv,
@@ -1475,8 +1507,11 @@ class HopperBackward:
         acc_dp = cute.make_rmem_tensor(shape_st, Float32)
         self.wgmma(mma_sdp, acc_dp, tdPrV, tdPrdO[None, None, None, stage], False)  # dP^T
         capped = const_expr(cap_scale is not None)
+        early = const_expr(self.cfg.rows_early and not capped)
         if const_expr(not capped):
             lse = self.column_values(thr_sdp, sLSE, stage)
+            if const_expr(early):  # Note [Per-query values before the wait]
+                lse = _in_registers(lse, 1)
         warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         if const_expr(capped):  # Note [Softcap]: S^T <- t = tanh(q.k scale / softcap)
             softcap_scores(acc_s, cap_scale)
@@ -1491,6 +1526,8 @@ class HopperBackward:
             # in A-fragment order (fragments.acc_as_a_operand), converted to the input dtype
             _convert(acc_as_a_operand(acc_s), rP)
         delta = self.column_values(thr_sdp, sDelta, stage)
+        if const_expr(early):
+            delta = _in_registers(delta, 1)
         warpgroup.wait_group(0)  # dP^T is ready
         if const_expr(capped):  # read here, not across the tanh pass (register pressure)
             lse = self.column_values(thr_sdp, sLSE, stage)

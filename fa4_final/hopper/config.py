@@ -298,6 +298,11 @@ class HopperBwdConfig:
     # dkv_swap_ab only: the dO (+ delta) ring's depth when it differs from stages_q (0: the
     # same), so that Q keeps two stages where two of dO do not fit (Note [dK and dV swapped])
     stages_do: int = 0
+    # lse read from shared memory into registers before the wait for S, delta before the wait
+    # for dP (Note [Per-query values before the wait] in fa4_final.hopper.bwd), instead of
+    # where P and dS use them; D = 64 and 128 without a softcap. A candidate, reached through
+    # config= only until it is timed
+    rows_early: bool = False
 
     @property
     def do_stages(self) -> int:
