@@ -31,15 +31,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from measure._ncu import (
-    ProfileSpec,
-    keep_exports,
-    keep_meta,
-    read_exports,
-    read_meta,
-    reread_provenance,
-    run_ncu,
-)
+from measure import _ncu as ncu
+from measure._ncu import ProfileSpec, run_ncu
 from solutions import ch04_profile as core
 
 RESULTS = "bwd_det_profile"
@@ -140,11 +133,11 @@ def main(argv=None) -> int:
         _run_target(args.target)
         return 0
     if args.from_raw:
-        meta = read_meta(args.from_raw)
+        meta = ncu.read_meta(args.from_raw)
         rows = []
         for variant, impl in VARIANTS.items():
-            rows += build_rows(*read_exports(args.from_raw, variant), impl)
-        provenance = reread_provenance(meta)
+            rows += build_rows(*ncu.read_exports(args.from_raw, variant), impl)
+        provenance = ncu.reread_provenance(meta)
         path = _save(rows, provenance["command"], provenance)
     else:
         spec = ProfileSpec(RESULTS, "measure.profile_bwd_det", KERNEL_REGEX, SECTIONS,
@@ -154,9 +147,9 @@ def main(argv=None) -> int:
         rows = []
         for variant, impl in VARIANTS.items():
             raw, source = run_ncu(spec, target_args=(variant,))
-            keep_exports(args.raw_dir, variant, raw, source)
+            ncu.keep_exports(args.raw_dir, variant, raw, source)
             rows += build_rows(raw, source, impl)
-        keep_meta(args.raw_dir, provenance)
+        ncu.keep_meta(args.raw_dir, provenance)
         path = _save(rows, command, provenance)
     table = results.load(RESULTS, gpu=path.parent.name)  # the folder of the provenance's GPU
     print(table.table(["impl", "metric", "value", "unit"]))

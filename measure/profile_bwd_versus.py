@@ -27,15 +27,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from measure._ncu import (
-    ProfileSpec,
-    keep_exports,
-    keep_meta,
-    read_exports,
-    read_meta,
-    reread_provenance,
-    run_ncu,
-)
+from measure import _ncu as ncu
+from measure._ncu import ProfileSpec, run_ncu
 from measure.profile_bwd_det import EXTRA_METRICS, RAW_METRICS, SECTIONS, source_rows
 from solutions import ch04_profile as core
 
@@ -97,12 +90,12 @@ def main(argv=None) -> int:
         return 0
     rows = []
     if args.from_raw:
-        meta = read_meta(args.from_raw)
+        meta = ncu.read_meta(args.from_raw)
         for shape in SHAPES:
             for impl in KERNELS:
-                rows += build_rows(*read_exports(args.from_raw, case_name(impl, shape)),
+                rows += build_rows(*ncu.read_exports(args.from_raw, case_name(impl, shape)),
                                    impl, shape)
-        provenance = reread_provenance(meta)
+        provenance = ncu.reread_provenance(meta)
         command = provenance["command"]
     else:
         command = "python -m measure.profile_bwd_versus"
@@ -112,10 +105,10 @@ def main(argv=None) -> int:
                 spec = ProfileSpec(RESULTS, "measure.profile_bwd_versus", regex, SECTIONS,
                                    EXTRA_METRICS, None)
                 raw, source = run_ncu(spec, target_args=(impl, str(shape["s"])))
-                keep_exports(args.raw_dir, case_name(impl, shape), raw, source)
+                ncu.keep_exports(args.raw_dir, case_name(impl, shape), raw, source)
                 rows += build_rows(raw, source, impl, shape)
                 print(f"profiled {case_name(impl, shape)}", flush=True)
-        keep_meta(args.raw_dir, provenance)
+        ncu.keep_meta(args.raw_dir, provenance)
     path = results.save(RESULTS, rows, command=command, provenance=provenance)
     table = results.load(RESULTS, gpu=path.parent.name)
     print(table.table(["impl", "s", "causal", "metric", "value", "unit"]))

@@ -28,15 +28,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from measure._ncu import (
-    ProfileSpec,
-    keep_exports,
-    keep_meta,
-    read_exports,
-    read_meta,
-    reread_provenance,
-    run_ncu,
-)
+from measure import _ncu as ncu
+from measure._ncu import ProfileSpec, run_ncu
 from solutions import ch04_profile as core
 
 RESULTS = "decode_profile"
@@ -133,13 +126,14 @@ def main(argv=None) -> int:
         _run_target(impl, int(keys), int(tokens))
         return 0
     if args.from_raw:
-        meta = read_meta(args.from_raw)
+        meta = ncu.read_meta(args.from_raw)
         rows = []
         for impl in VARIANTS:
             for tokens, keys, _ in CASES:
-                raw, _ = read_exports(args.from_raw, _case_dir(impl, tokens, keys), source=False)
+                case = _case_dir(impl, tokens, keys)
+                raw, _ = ncu.read_exports(args.from_raw, case, source=False)
                 rows += build_rows(raw, impl, keys, tokens)
-        provenance = reread_provenance(meta)
+        provenance = ncu.reread_provenance(meta)
         command = provenance["command"]
     else:
         command = "python -m measure.profile_decode"
@@ -151,9 +145,9 @@ def main(argv=None) -> int:
             for tokens, keys, _ in CASES:
                 raw, _ = run_ncu(spec, target_args=(impl, str(tokens), str(keys)),
                                  source=False, ncu_args=("--clock-control", "none"))
-                keep_exports(args.raw_dir, _case_dir(impl, tokens, keys), raw)
+                ncu.keep_exports(args.raw_dir, _case_dir(impl, tokens, keys), raw)
                 rows += build_rows(raw, impl, keys, tokens)
-        keep_meta(args.raw_dir, provenance)
+        ncu.keep_meta(args.raw_dir, provenance)
     path = results.save(RESULTS, rows, command=command, provenance=provenance)
     table = results.load(RESULTS, gpu=path.parent.name)
     print(table.table(["impl", "s_q", "h", "s", "metric", "value", "unit"]))
