@@ -153,8 +153,8 @@ PRODUCES = [
      "--batch 32 1 --tokens 1 16 --keys 8192 131072 --heads 32/8 --variants b32 b16 n128s2 "
      "--no-keys-on-m --rows fa4_final_splits fa4_final_decode fa4_final_decode_b32 "
      "fa4_final_decode_b16 fa4_final_decode_n128s2 fa4_package fa4_package_splits sdpa_cudnn "
-     "--deadline 500", "an H100 visit at 283bc44, where fa4_final_decode and the call read one "
-     "box a tile: boxes of 32 and 16 keys and two stages beside them and the peers, batch 32 "
+     "--deadline 500", "an H100 visit, its fa4_final_decode row and the call reading one box a "
+     "tile: boxes of 32 and 16 keys and two stages beside them and the peers, batch 32 "
      "and 1, one and 16 tokens, 8k and 128k keys (what made boxes of 32 the contiguous "
      "default at D = 128)"),
     ("results/h100/decode_boxes_wg2.json", "python -m measure.decode --name decode_boxes_wg2 "

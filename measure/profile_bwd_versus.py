@@ -40,7 +40,7 @@ KERNELS = {"fa4_final": "regex:HopperBackward", "fa4_package": "regex:FlashAtten
 PRODUCES = [(f"results/h100/{RESULTS}.json", "python -m measure.profile_bwd_versus --raw-dir DIR",
              "Nsight Compute on one launch of fa4_final's backward main kernel and one of the "
              "FA4 package's, D = 128, S = 4096 dense and 16384 causal: stalls, tensor pipe, "
-             "the instructions with most samples; an H100 visit at 283bc44")]
+             "the instructions with most samples; an H100 visit")]
 
 
 def case_name(impl: str, shape: dict) -> str:

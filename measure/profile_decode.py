@@ -63,7 +63,7 @@ RAW_METRICS = (
     ("achieved_warps_per_sm", "sm__warps_active.avg.per_cycle_active", "warps"),
 )
 PRODUCES = [(f"results/h100/{RESULTS}.json", "python -m measure.profile_decode --raw-dir DIR",
-             "an H100 visit (at 283bc44, the kernel reading one box a tile): Nsight Compute on "
+             "an H100 visit (the kernel reading one box a tile): Nsight Compute on "
              "one launch of fa4_final's decode call and one of cuDNN's SDPA kernel at the "
              "memory-bound shapes where fa4_final trails: DRAM bytes and throughput, L2 hit "
              "rate, grid, stalls"),
