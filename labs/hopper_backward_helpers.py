@@ -317,3 +317,79 @@ def _every_thread_release_free(res):
     return ok, (f"{len(pairs)} pairs, default {min(r for r, _ in default):.3f}-"
                 f"{max(r for r, _ in default):.3f}, deterministic slower beyond the spread: "
                 f"{slower}")
+
+
+# ----------------------------------------------------------------------------------------------
+# section 10: hypothesis 2, both packages' main kernels under ncu in one run
+VERSUS = "bwd_versus_profile"
+VERSUS_METRICS = (
+    ("duration_ms", "main kernel time", "ms"),
+    ("sm_clock_ghz", "SM clock during it", "GHz"),
+    ("tensor_pipe_active_pct", "tensor pipe active", "%"),
+    ("samples_short_sb_pct", "samples stalled on the short scoreboard", "%"),
+    ("samples_long_sb_pct", "samples stalled on the long scoreboard", "%"),
+    ("samples_barrier_pct", "samples stalled at a barrier", "%"),
+    ("samples_mio_pct", "samples stalled on MIO throttle", "%"),
+)
+
+
+def load_versus():
+    """The stored side-by-side profile, or None after saying it was not measured."""
+    from utils import results
+
+    try:
+        return results.load(VERSUS, gpu=GPU)
+    except FileNotFoundError:
+        print(f"{VERSUS}: not measured (no results/{GPU}/{VERSUS}.json)")
+        return None
+
+
+def _versus_value(res, impl: str, s: int, metric: str):
+    r = next((r for r in res.rows if (r["impl"], r["s"], r["metric"]) == (impl, s, metric)),
+             None)
+    return r
+
+
+def versus_shapes(res) -> list[tuple[int, bool]]:
+    return sorted({(r["s"], r["causal"]) for r in res.rows})
+
+
+def versus_lines(res) -> list[str]:
+    """Per shape: VERSUS_METRICS for ours and the FA4 package's, then each kernel's most
+    sampled FFMA (the first one of P's exponent) with its share and stall."""
+    out = []
+    for s, causal in versus_shapes(res):
+        title = f"D = 128, S = {s}, {'causal' if causal else 'not causal'}"
+        out.append(f"{title:50s}{'fa4_final':>12s}  {'fa4_package':>12s}")
+        for metric, what, unit in VERSUS_METRICS:
+            a, b = (_versus_value(res, i, s, metric) for i in ("fa4_final", "fa4_package"))
+            out.append(f"  {what + ' (' + unit + ')':48s}" + "".join(
+                f"{r['value']:12.2f}  " if r else f"{'-':>12s}  " for r in (a, b)))
+        for impl in ("fa4_final", "fa4_package"):
+            tops = [r for r in res.rows if r["impl"] == impl and r["s"] == s
+                    and r["metric"].startswith("top")]
+            for r in sorted(tops, key=lambda r: r["metric"]):
+                out.append(f"  {impl} {r['metric'][:4]}: {r['value']:4.1f}% {r['sass']!r} "
+                           f"({r['stall']})")
+    return out
+
+
+@claim("HB.versus_pipe_and_lse_load", VERSUS,
+       "at both shapes our tensor pipe is active less than the FA4 package's, our share of "
+       "samples stalled on the short scoreboard is larger, and at S = 16384 causal one of our "
+       "five most sampled instructions is an FFMA stalled on the short scoreboard", gpu=GPU)
+def _versus_pipe_and_lse_load(res):
+    shapes = versus_shapes(res)
+    pipe = [(_versus_value(res, "fa4_final", s, "tensor_pipe_active_pct")["value"],
+             _versus_value(res, "fa4_package", s, "tensor_pipe_active_pct")["value"])
+            for s, _ in shapes]
+    sb = [(_versus_value(res, "fa4_final", s, "samples_short_sb_pct")["value"],
+           _versus_value(res, "fa4_package", s, "samples_short_sb_pct")["value"])
+          for s, _ in shapes]
+    ffma = [r for r in res.rows if r["impl"] == "fa4_final" and r["causal"]
+            and r["metric"].startswith("top") and r["sass"].startswith("FFMA")
+            and r["stall"] == "short_sb"]
+    ok = (len(shapes) == 2 and all(a < b for a, b in pipe) and all(a > b for a, b in sb)
+          and bool(ffma))
+    return ok, (f"tensor pipe {pipe}, short scoreboard {sb}, causal FFMA in the top five: "
+                f"{[r['value'] for r in ffma]}")
