@@ -166,6 +166,31 @@ def test_config_errors_name_the_knob():
             assert not cfg.deterministic and hopper_bwd_default(d, causal, True).deterministic
     with pytest.raises(UnsupportedError, match="sm_90a"):
         backward_recipe(arch="sm_100a")
+    with pytest.raises(ValueError, match="rows_early"):
+        replace(hopper_bwd_default(256), rows_early=True).check(256)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_early_loads_lse_before_the_wait(artifacts, causal):
+    """HopperBwdConfig.rows_early (Note [Per-query values before the wait]): no spill, the same
+    loads of lse and delta, and none left between the wait for S and the first FFMA after it
+    (where the default has the lse loads)."""
+    def lds_after_wait(art):
+        lines, found = art.sass.splitlines(), 0
+        for i, line in enumerate(lines):
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+                for later in lines[i + 1:i + 40]:
+                    if "FFMA" in later:
+                        break
+                    found += "LDS" in later
+        return found
+
+    base = hopper_bwd_default(128, causal)
+    plain = artifacts(128, causal, config=base)["main"]
+    early = artifacts(128, causal, config=replace(base, rows_early=True))["main"]
+    assert early.spills == 0 and early.frame_bytes == 0, early.resources()
+    assert early.count("LDS", "sass") == plain.count("LDS", "sass")
+    assert lds_after_wait(plain) > 0 and lds_after_wait(early) == 0
 
 
 def test_smem_plan_adds_up():

@@ -1482,11 +1482,13 @@ class HopperBackward:
     # 7.2% of our kernel's warp samples, its second-most sampled instruction; the two
     # kernels' stall profiles differ most there (short scoreboard 15% and 17% of our samples,
     # 9% and 5% of the package's), and our tensor pipe was busy 75% and 74% of the time
-    # against its 77% and 78%. With rows_early the step reads
-    # its lse into registers (_in_registers) before the wait for S and its delta before the
-    # wait for dP, so the loads run under the GEMMs: the same values, the same arithmetic, the
-    # same bits out. Compiled for sm_90a at D = 64 and 128, causal or not: no spill, no LDS
-    # left between the wait for S and the first FFMA. Whether it saves time is for a GPU run.
+    # against its 77% and 78%. With rows_early the step reads its lse into registers
+    # (_in_registers) before the wait for S and its delta before the wait for dP, so the loads
+    # run under the GEMMs: the same values, the same arithmetic, the same bits out. Compiled
+    # for sm_90a at D = 64 and 128, causal or not: no spill, no LDS left between the wait for S
+    # and the first FFMA; at D = 96 and at D = 192 with dv = 128 no spill either. Whether it
+    # saves time is for a GPU run. A softcap build reads lse
+    # where it did (Note [Softcap in the backward]); the swapped step has no such build.
 
     @cute.jit
     def step(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv, acc_dk,

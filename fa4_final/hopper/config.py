@@ -300,8 +300,8 @@ class HopperBwdConfig:
     stages_do: int = 0
     # lse read from shared memory into registers before the wait for S, delta before the wait
     # for dP (Note [Per-query values before the wait] in fa4_final.hopper.bwd), instead of
-    # where P and dS use them; D = 64 and 128 without a softcap. A candidate, reached through
-    # config= only until it is timed
+    # where P and dS use them; every build but dkv_swap_ab's, a softcap build excepted. A
+    # candidate, reached through config= only until it is timed
     rows_early: bool = False
 
     @property
@@ -428,6 +428,10 @@ class HopperBwdConfig:
             raise ValueError("dq_first_store=True changes the deterministic mode's first dQ add "
                              "into a store (the turn order says which is first): it needs "
                              "deterministic=True (or dq_first_store=False)")
+        if self.rows_early and self.dkv_swap_ab:
+            raise ValueError("rows_early reads lse and delta early in the step with dK and dV "
+                             "on the wgmma M; the swapped step (dkv_swap_ab=True, D = dv = 192, "
+                             "256) has no such build: it needs rows_early=False")
         nb = self.dq_buffers
         if isinstance(nb, bool) or nb not in (1, 2):
             raise ValueError(f"dq_buffers must be 1 or 2 (dQ staging buffers), got {nb!r}")
@@ -702,8 +706,8 @@ def hopper_decode_default(head_dim: int) -> HopperDecodeConfig:
 def hopper_decode_contiguous(head_dim: int) -> HopperDecodeConfig:
     """The decode config for a contiguous cache: the default, with each key tile filled from
     boxes of 32 keys at D = 128 (Note [Boxes of a contiguous cache] in fa4_final.hopper.decode,
-    where its measurement is). At D = 64 a box row is one 64-column copy already, and boxes of
-    32 were not faster there: one box a tile."""
+    where its measurement is). At D = 64 one copy holds whole 128-byte key rows already, and
+    boxes of 32 were not faster there: one box a tile."""
     default = hopper_decode_default(head_dim)
     return replace(default, page_box=32) if head_dim == 128 else default
 
