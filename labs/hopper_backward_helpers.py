@@ -102,15 +102,20 @@ PROFILE_METRICS = (  # (metric, what it is, unit)
 )
 
 
-def load_profile():
-    """The stored profile run, or None after saying it was not measured."""
+def _stored(name: str):
+    """results/<GPU>/<name>.json, or None after saying it was not measured."""
     from utils import results
 
     try:
-        return results.load(PROFILE, gpu=GPU)
+        return results.load(name, gpu=GPU)
     except FileNotFoundError:
-        print(f"{PROFILE}: not measured (no results/{GPU}/{PROFILE}.json)")
+        print(f"{name}: not measured (no results/{GPU}/{name}.json)")
         return None
+
+
+def load_profile():
+    """The stored profile run of the deterministic mode (section 8), or None."""
+    return _stored(PROFILE)
 
 
 def profile_row(res, impl: str, metric: str):
@@ -334,14 +339,8 @@ VERSUS_METRICS = (
 
 
 def load_versus():
-    """The stored side-by-side profile, or None after saying it was not measured."""
-    from utils import results
-
-    try:
-        return results.load(VERSUS, gpu=GPU)
-    except FileNotFoundError:
-        print(f"{VERSUS}: not measured (no results/{GPU}/{VERSUS}.json)")
-        return None
+    """The stored side-by-side profile (section 10), or None."""
+    return _stored(VERSUS)
 
 
 def _versus_value(res, impl: str, s: int, metric: str):
