@@ -343,10 +343,11 @@ def load_versus():
     return _stored(VERSUS)
 
 
-def _versus_value(res, impl: str, s: int, metric: str):
-    r = next((r for r in res.rows if (r["impl"], r["s"], r["metric"]) == (impl, s, metric)),
-             None)
-    return r
+def versus_pair(res, s: int, metric: str) -> tuple:
+    """(our row, the FA4 package's row) of ``metric`` at sequence length ``s``; None where the
+    run has none."""
+    return tuple(next((r for r in res.rows if (r["impl"], r["s"], r["metric"]) == (i, s, metric)),
+                      None) for i in ("fa4_final", "fa4_package"))
 
 
 def versus_shapes(res) -> list[tuple[int, bool]]:
@@ -361,9 +362,9 @@ def versus_lines(res) -> list[str]:
         title = f"D = 128, S = {s}, {'causal' if causal else 'not causal'}"
         out.append(f"{title:50s}{'fa4_final':>12s}  {'fa4_package':>12s}")
         for metric, what, unit in VERSUS_METRICS:
-            a, b = (_versus_value(res, i, s, metric) for i in ("fa4_final", "fa4_package"))
             out.append(f"  {what + ' (' + unit + ')':48s}" + "".join(
-                f"{r['value']:12.2f}  " if r else f"{'-':>12s}  " for r in (a, b)))
+                f"{r['value']:12.2f}  " if r else f"{'-':>12s}  "
+                for r in versus_pair(res, s, metric)))
         for impl in ("fa4_final", "fa4_package"):
             tops = [r for r in res.rows if r["impl"] == impl and r["s"] == s
                     and r["metric"].startswith("top")]
@@ -379,12 +380,8 @@ def versus_lines(res) -> list[str]:
        "five most sampled instructions is an FFMA stalled on the short scoreboard", gpu=GPU)
 def _versus_pipe_and_lse_load(res):
     shapes = versus_shapes(res)
-    pipe = [(_versus_value(res, "fa4_final", s, "tensor_pipe_active_pct")["value"],
-             _versus_value(res, "fa4_package", s, "tensor_pipe_active_pct")["value"])
-            for s, _ in shapes]
-    sb = [(_versus_value(res, "fa4_final", s, "samples_short_sb_pct")["value"],
-           _versus_value(res, "fa4_package", s, "samples_short_sb_pct")["value"])
-          for s, _ in shapes]
+    pipe, sb = ([tuple(r["value"] for r in versus_pair(res, s, metric)) for s, _ in shapes]
+                for metric in ("tensor_pipe_active_pct", "samples_short_sb_pct"))
     ffma = [r for r in res.rows if r["impl"] == "fa4_final" and r["causal"]
             and r["metric"].startswith("top") and r["sass"].startswith("FFMA")
             and r["stall"] == "short_sb"]
