@@ -1420,7 +1420,10 @@ class HopperBackward:
         self.wgmma(mma_s, acc_dp, tdPrdO[None, None, None, do_stage], tdPrV,
                    False)  # dP = dO V^T
         capped = const_expr(cap_scale is not None)
+        early = const_expr(self.cfg.rows_early and not capped)
         lse = self.row_values(thr_s, sLSE, stage)
+        if const_expr(early):  # Note [Per-query values before the wait]
+            lse = _in_registers(lse, 0)
         warpgroup.wait_group(1)  # S is ready; dP may still run
         if const_expr(capped):  # Note [Softcap]: S <- t = tanh(q.k scale / softcap)
             softcap_scores(acc_s, cap_scale)
@@ -1433,6 +1436,8 @@ class HopperBackward:
             _p_from_scores(s, lse, scale_log2, 0)
             _convert(acc_s, rP)
         delta = self.row_values(thr_s, sDelta, do_stage)
+        if const_expr(early):
+            delta = _in_registers(delta, 0)
         warpgroup.wait_group(0)  # dP is ready
         _ds_from_dp(s, acc_rows_cols(acc_dp), lse, delta, scale_log2, 0, capped)
         if const_expr(capped):
@@ -1486,9 +1491,12 @@ class HopperBackward:
     # (_in_registers) before the wait for S and its delta before the wait for dP, so the loads
     # run under the GEMMs: the same values, the same arithmetic, the same bits out. Compiled
     # for sm_90a at D = 64 and 128, causal or not: no spill, no LDS left between the wait for S
-    # and the first FFMA; at D = 96 and at D = 192 with dv = 128 no spill either. Whether it
-    # saves time is for a GPU run. A softcap build reads lse
-    # where it did (Note [Softcap in the backward]); the swapped step has no such build.
+    # and the first FFMA; at D = 96 and at D = 192 with dv = 128 no spill either. The swapped
+    # step (Note [dK and dV swapped], D = 192 and 256) takes the same two reads (query_mode
+    # 0): no spill, and no first FFMA after the S wait reads a register loaded after it (ptxas
+    # still sinks a delta load past the wait, where nothing waits on it yet). Whether it saves
+    # time is for a GPU run. A softcap build reads lse where it did (Note [Softcap in the
+    # backward]).
 
     @cute.jit
     def step(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv, acc_dk,

@@ -300,8 +300,8 @@ class HopperBwdConfig:
     stages_do: int = 0
     # lse read from shared memory into registers before the wait for S, delta before the wait
     # for dP (Note [Per-query values before the wait] in fa4_final.hopper.bwd), instead of
-    # where P and dS use them; every build but dkv_swap_ab's, a softcap build excepted. A
-    # candidate, reached through config= only until it is timed
+    # where P and dS use them; every build, a softcap build excepted. A candidate, reached
+    # through config= only until it is timed
     rows_early: bool = False
 
     @property
@@ -428,10 +428,6 @@ class HopperBwdConfig:
             raise ValueError("dq_first_store=True changes the deterministic mode's first dQ add "
                              "into a store (the turn order says which is first): it needs "
                              "deterministic=True (or dq_first_store=False)")
-        if self.rows_early and self.dkv_swap_ab:
-            raise ValueError("rows_early reads lse and delta early in the step with dK and dV "
-                             "on the wgmma M; the swapped step (dkv_swap_ab=True, D = dv = 192, "
-                             "256) has no such build: it needs rows_early=False")
         nb = self.dq_buffers
         if isinstance(nb, bool) or nb not in (1, 2):
             raise ValueError(f"dq_buffers must be 1 or 2 (dQ staging buffers), got {nb!r}")

@@ -141,12 +141,12 @@ def test_every_config(name, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_rows_early_gives_the_same_bits(d, causal):
     """HopperBwdConfig.rows_early (Note [Per-query values before the wait]): lse and delta
     read into registers earlier, the same arithmetic, so in the deterministic mode dQ, dK and
     dV bit for bit the default's; and float64's answer in the default mode (GQA, odd lengths,
-    a partial last tile)."""
+    a partial last tile). D = 256 is the swapped step (dkv_swap_ab)."""
     cfg = replace(hopper_bwd_default(d, causal), rows_early=True)
     ok, line = _check((2, 1000, 777, 8, 2, d, BF16), causal, config=cfg)
     print(line)
