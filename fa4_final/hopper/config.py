@@ -467,7 +467,7 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
     if head_dim in SWAPPED_HEAD_DIMS and head_dim_v in (None, head_dim):
         return HopperBwdConfig(tile_m=64, stages_q=2, stages_do=1, stages_ds=1,
                                dq_swap_ab=True, dq_uneven=True, dkv_swap_ab=True,
-                               swap_tile_n=96 if head_dim == 192 else 48,
+                               swap_tile_n=96 if head_dim == 192 else 48, rows_early=True,
                                deterministic=deterministic)
     if head_dim_v is not None and head_dim_v != head_dim:
         return HopperBwdConfig(tile_m=32, dq_swap_ab=True, dq_uneven=True,
