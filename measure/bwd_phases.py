@@ -71,6 +71,18 @@ PRODUCES = [
      "fa4_final_deterministic --name bwd_phases_every_thread_default (add --flush: _flush)",
      "the same H100 visit, with release_every_thread the default: fa4_final beside the FA4 "
      "package and the deterministic mode"),
+    ("results/h100/bwd_phases_rows_early.json",
+     "python -m measure.bwd_phases --rounds 5 --dims 128 64 --impls fa4_final "
+     "fa4_final_rows_early fa4_package --name bwd_phases_rows_early",
+     "an H100 visit: lse and delta read into registers before the GEMM waits (rows_early, "
+     "Note [Per-query values before the wait]) against the build without it and the FA4 "
+     "package, D = 128 and 64"),
+    ("results/h100/bwd_phases_rows_early_swapped*.json",
+     "python -m measure.bwd_phases --rounds 5 --dims 256 192 --impls fa4_final "
+     "fa4_final_rows_early --name bwd_phases_rows_early_swapped (_flush: --rounds 7 --flush; "
+     "9: --rounds 9)",
+     "the same H100 visit: rows_early in the swapped step (D = 192, 256, dkv_swap_ab) against "
+     "the build without it, three runs; rows_early became those builds' default after them"),
 ]
 
 IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_final_det_c2", "fa4_package")
@@ -111,6 +123,8 @@ CANDIDATES = {
     # deterministic
     "fa4_final_rows_early": {"deterministic": False, "rows_early": True},
     "fa4_final_det_rows_early": {"rows_early": True},
+    # ... and the lazy reads, to time the swapped builds (D = 192, 256) against their default
+    "fa4_final_rows_lazy": {"deterministic": False, "rows_early": False},
 }
 CHOICES = (*IMPLS, *(c for c in CANDIDATES if c not in IMPLS))
 PHASES = ("pre", "main", "post", "other", "total")

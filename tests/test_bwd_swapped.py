@@ -54,12 +54,14 @@ def test_the_default_is_64_by_tile_n_with_dk_dv_swapped(d, causal, deterministic
         assert (cfg.dq_swap_ab, cfg.dq_uneven, cfg.dq_single_wg) == (True, True, False)
         assert (cfg.stages_q, cfg.do_stages, cfg.stages_ds, cfg.deterministic) == (
             2, 1, 1, deterministic)
+        assert cfg.rows_early  # Note [Per-query values before the wait]
         cfg.check(d)
         cfg.check(d, d)
     # every other default is what it was: no swap, 128 keys
     for dd, dv in ((64, 64), (96, 96), (128, 128), (192, 128)):
         other = hopper_bwd_default(dd, causal, deterministic, head_dim_v=dv)
         assert not other.dkv_swap_ab and other.swap_tile_n == 0 and other.tile_n == 128
+        assert not other.rows_early
 
 
 def test_shared_memory_counts_p_beside_ds():

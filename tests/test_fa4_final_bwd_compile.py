@@ -192,14 +192,15 @@ def first_ffma_waits_on_lds(art) -> int:
 def test_rows_early_loads_lse_before_the_wait(artifacts, head_dim, causal):
     """HopperBwdConfig.rows_early (Note [Per-query values before the wait]): no spill, the same
     loads of lse and delta, and no first FFMA after the wait for S reading a register loaded
-    after it (the default has such FFMAs); D = 256 is the swapped step (dkv_swap_ab)."""
+    after it (the build without it has such FFMAs); D = 256 is the swapped step (dkv_swap_ab),
+    whose default it is."""
     base = hopper_bwd_default(head_dim, causal)
-    assert base.dkv_swap_ab == (head_dim == 256)
-    plain = artifacts(head_dim, causal, config=base)["main"]
+    assert base.dkv_swap_ab == (head_dim == 256) == base.rows_early
+    plain = artifacts(head_dim, causal, config=replace(base, rows_early=False))["main"]
     early = artifacts(head_dim, causal, config=replace(base, rows_early=True))["main"]
     assert early.spills == 0 and early.frame_bytes == 0, early.resources()
     assert early.count("LDS", "sass") == plain.count("LDS", "sass")
-    assert first_ffma_waits_on_lds(plain) > 0, "the default no longer waits: the test is stale"
+    assert first_ffma_waits_on_lds(plain) > 0, "the lazy read no longer waits: the test is stale"
     assert first_ffma_waits_on_lds(early) == 0
 
 

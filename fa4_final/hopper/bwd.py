@@ -1494,9 +1494,15 @@ class HopperBackward:
     # and the first FFMA; at D = 96 and at D = 192 with dv = 128 no spill either. The swapped
     # step (Note [dK and dV swapped], D = 192 and 256) takes the same two reads (query_mode
     # 0): no spill, and no first FFMA after the S wait reads a register loaded after it (ptxas
-    # still sinks a delta load past the wait, where nothing waits on it yet). Whether it saves
-    # time is for a GPU run. A softcap build reads lse where it did (Note [Softcap in the
-    # backward]).
+    # still sinks a delta load past the wait, where nothing waits on it yet). Timed on an H100
+    # against the build without it, 5 to 9 interleaved rounds: at D = 256 causal 2-3% less
+    # time in each of three runs (rounds' spread under 1%), elsewhere at 192 and 256 within
+    # the spread; at D = 128 within the spread; at D = 64 3-9% more time, against our
+    # hypothesis (the loads sit in registers a whole GEMM longer, and D = 64 keeps the most
+    # other state live; not profiled). So it is the swapped builds' default only
+    # (hopper_bwd_default); the short-scoreboard wait at D = 128 is not where that build
+    # loses its time to the FA4 package's. A softcap build reads lse where it did (Note
+    # [Softcap in the backward]).
 
     @cute.jit
     def step(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv, acc_dk,
