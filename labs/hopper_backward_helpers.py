@@ -389,3 +389,54 @@ def _versus_pipe_and_lse_load(res):
           and bool(ffma))
     return ok, (f"tensor pipe {pipe}, short scoreboard {sb}, causal FFMA in the top five: "
                 f"{[r['value'] for r in ffma]}")
+
+
+# section 10, continued: the candidate it points to (HopperBwdConfig.rows_early), timed
+ROWS_EARLY_RUNS = ("bwd_phases_rows_early", "bwd_phases_rows_early_swapped",
+                   "bwd_phases_rows_early_swapped_flush", "bwd_phases_rows_early_swapped9")
+
+
+def rows_early_pairs() -> list[tuple]:
+    """(run, d, s, causal, rows_early total / the default build's, the larger spread) per
+    stored shape of the rows_early runs (the default build of that commit had the lazy reads
+    at every head dim); nothing for a run not stored."""
+    out = []
+    for name in ROWS_EARLY_RUNS:
+        res = _stored(name)
+        if res is None:
+            continue
+        rows = _total_rows(res)
+        for (impl, d, s, causal), r in sorted(rows.items(), key=lambda kv: (-kv[0][1],
+                                                                            kv[0][2:])):
+            base = rows.get(("fa4_final", d, s, causal))
+            if impl == "fa4_final_rows_early" and base:
+                out.append((name, d, s, causal, r["value"] / base["value"],
+                            max(r.get("spread") or 0, base.get("spread") or 0)))
+    return out
+
+
+def rows_early_lines() -> list[str]:
+    return [f"  {name.replace('bwd_phases_', ''):28s} D{d:<3} S{s:<6} "
+            f"{'causal' if c else 'dense':6s} rows_early / lazy reads {r:.3f} (spread {sp:.1%}, "
+            f"{'beyond' if abs(r - 1) > sp else 'within'} it)"
+            for name, d, s, c, r, sp in rows_early_pairs()]
+
+
+@claim("HB.rows_early_helps_only_swapped", "bwd_phases_rows_early",
+       "reading lse and delta before the waits is slower beyond the spread at D = 64 at three "
+       "shapes or more and at no shape faster, within the spread at D = 128 at every shape, "
+       "and at D = 256 causal faster beyond the spread in each of the three runs, nowhere "
+       "slower beyond it at D = 192 or 256", gpu=GPU)
+def _rows_early_helps_only_swapped(res):
+    pairs = rows_early_pairs()
+    d64 = [(r, sp) for _n, d, _s, _c, r, sp in pairs if d == 64]
+    d128 = [(r, sp) for _n, d, _s, _c, r, sp in pairs if d == 128]
+    swapped = [(d, c, r, sp) for _n, d, _s, c, r, sp in pairs if d in (192, 256)]
+    d256c = [(r, sp) for d, c, r, sp in swapped if d == 256 and c]
+    ok = (len(d64) == 4 and sum(r - 1 > sp for r, sp in d64) >= 3
+          and not any(1 - r > sp for r, sp in d64)
+          and len(d128) == 4 and all(abs(r - 1) <= sp for r, sp in d128)
+          and len(d256c) == 6 and all(1 - r > sp for r, sp in d256c)
+          and len(swapped) == 24 and not any(r - 1 > sp for _d, _c, r, sp in swapped))
+    return ok, (f"D64 {[round(r, 3) for r, _ in d64]}, D128 {[round(r, 3) for r, _ in d128]}, "
+                f"D256 causal {[round(r, 3) for r, _ in d256c]}")
