@@ -146,8 +146,10 @@ def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
 # complete (for the turn) before it hands the staging buffer back, so every step of a
 # deterministic CTA pays the add's whole latency; with it, the buffer goes back once the add
 # has read it and the turn passes when the add has completed, as before. Both knobs are reached
-# through config= (a HopperBwdConfig) only: deterministic=True alone keeps the one-copy kernel
-# until a GPU has measured and checked the candidate (a model of the turns predicts it).
+# through config= (a HopperBwdConfig) only: deterministic=True alone keeps the one-copy kernel.
+# On an H100 the candidates matched float64 and repeated bitwise, and at D = 128 none took more
+# than 2% less time than the one-copy kernel at any shape (more at every causal one); at D = 64,
+# S = 4096 without a mask, four copies with first stores (below) took less.
 # dq_first_store removes the copies' price outside the main kernel: bwd_pre zeroing every copy
 # and bwd_post reading every copy cost (C - 1) x the accumulator's bytes twice. With it the
 # visitor whose turn is 0 at (m, c) writes its part with a plain bulk copy (bulk_store_f32,
@@ -163,7 +165,7 @@ def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
 # the copy's visitor count, checked against q_tile_range on the CPU) and takes zero elsewhere,
 # so garbage, NaN included, never enters the sum. The sum order is unchanged (copy 0 first),
 # and the values equal the zeroing build's (0 + x = x; a zero's sign may differ). Reached
-# through config= only, like the other two knobs; not yet run on a GPU.
+# through config= only, like the other two knobs.
 
 
 def dq_copy_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
