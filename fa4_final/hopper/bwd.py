@@ -1497,12 +1497,12 @@ class HopperBackward:
     # still sinks a delta load past the wait, where nothing waits on it yet). Timed on an H100
     # against the build without it, 5 to 9 interleaved rounds: at D = 256 causal 2-3% less
     # time in each of three runs (rounds' spread under 1%), elsewhere at 192 and 256 within
-    # the spread; at D = 128 within the spread; at D = 64 3-9% more time, against our
-    # hypothesis (the loads sit in registers a whole GEMM longer, and D = 64 keeps the most
-    # other state live; not profiled). So it is the swapped builds' default only
+    # the spread; at D = 128 within the spread; at D = 64 3-9% more time (a hypothesis, not
+    # profiled: the values sit in registers a whole GEMM longer, and the 128-row step of
+    # D = 64 keeps the most other state live). So it is the swapped builds' default only
     # (hopper_bwd_default); the short-scoreboard wait at D = 128 is not where that build
-    # loses its time to the FA4 package's. A softcap build reads lse where it did (Note
-    # [Softcap in the backward]).
+    # loses its time to the FA4 package's. A softcap build reads lse where it did
+    # (Note [Softcap in the backward]).
 
     @cute.jit
     def step(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv, acc_dk,

@@ -464,8 +464,8 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
     with dQ swapped when not causal). D = 192 with dv = 128: 32 x 128 with dQ^T split 128 + 64
     rows of D (Note [dQ split unevenly] in fa4_final.hopper.bwd). D = dv = 192: 64 x 96 and
     D = 256: 64 x 48, dK and dV swapped, two Q stages and one dO stage, as the FA4 package
-    (Note [dK and dV swapped]), lse and delta read before the GEMM waits (rows_early: Note
-    [Per-query values before the wait])."""
+    (Note [dK and dV swapped]), lse and delta read before the GEMM waits (rows_early:
+    Note [Per-query values before the wait])."""
     if head_dim in SWAPPED_HEAD_DIMS and head_dim_v in (None, head_dim):
         return HopperBwdConfig(tile_m=64, stages_q=2, stages_do=1, stages_ds=1,
                                dq_swap_ab=True, dq_uneven=True, dkv_swap_ab=True,
