@@ -695,9 +695,10 @@ def hopper_decode_keys_on_m(head_dim: int, packed_rows: int,
 def hopper_decode_default(head_dim: int) -> HopperDecodeConfig:
     """The decode config for sm_90 (Note [Decode bytes in flight] in fa4_final.hopper.decode):
     128-key tiles; D = 128: three K and three V stages (192 KB of K/V in flight, one CTA an SM);
-    D = 64: three stages (96 KB, 105 KB of shared memory, so two CTAs fit an SM). Timed on an
-    H100: 89-101% of the copy rate at batch 32 and 128 with 8k keys or more, 0.88-1.13x the
-    fastest peer there; other tiles and stages are candidates of the decode benchmark."""
+    D = 64: three stages (96 KB, 105 KB of shared memory, so two CTAs fit an SM). A paged cache
+    of 128-key pages reads it (a contiguous one: hopper_decode_contiguous); timed so on an
+    H100 at batch 32, D = 128, with 8k keys or more: 86-100% of the copy rate, 0.85-0.97x the
+    fastest peer; other tiles and stages are candidates of the decode benchmark."""
     return HopperDecodeConfig(tile_n=128, stages=3)
 
 

@@ -19,9 +19,10 @@ Two kinds of call reach the decode kernel:
     combine).
 The limits of the decode shape are the range the kernel was written and tested for (1-16 query
 tokens, up to four 64-row m-blocks of packed rows: 16 tokens at GQA 16; a left window side
->= 0), not a measured crossover with the forward. Measured on an H100 at batch 32 and 128 with
-8k keys or more, the decode kernel reached 0.88-1.13x the speed of the fastest peer (89-101% of
-the copy rate), the forward 0.23-0.25x: routing these shapes to it is what the measurement
+>= 0), not a measured crossover with the forward. Measured on an H100 at batch 32, D = 128,
+1, 4 and 16 tokens at GQA 4 and 8, with 8k keys or more, a call routed here reached 0.97-1.00x
+the speed of the fastest peer (93-103% of the copy rate); the forward, timed at the same shapes
+before they were routed here, 0.23-0.52x: routing these shapes to it is what the measurement
 says. The kernel and its split combine are tested against float64 on an H100 and an H200,
 directly and through the API (a paged call captured in a CUDA graph among them), and
 compute-sanitizer's memcheck and synccheck found no error in them (H100). They have left the
