@@ -93,8 +93,9 @@ PRODUCES = [
      "an H100 visit: the backward at D = 96 and at D = 192 with dv = 128 beside the FA4 "
      "package, SDPA flash and cuDNN (where they run it), S = 4096 and 16384, causal or not"),
     ("results/h100/features_bwd_swapped.json", "python -m measure.features --name "
-     "features_bwd_swapped --cases bwd_d192v192 bwd_d256 --deadline 140",
-     "the same visit: the backward at D = dv = 192 and 256 (dK and dV swapped)"),
+     "features_bwd_swapped --cases bwd_d192v192 bwd_d256 --deadline 500",
+     "an H100 visit: the backward at D = dv = 192 and 256 (dK and dV swapped, lse and delta "
+     "read before the GEMM waits) beside the FA4 package, SDPA flash and cuDNN"),
     ("results/h100/features_d96.json", "python -m measure.features --name features_d96 "
      "--cases d96 --deadline 110", "an H100 visit: the forward at D = 96 with the three-"
      "consumer-warpgroup candidate (fa4_final_3wg) beside the default and the peers"),
