@@ -271,26 +271,29 @@ def racecheck_lines() -> list[str]:
             f"  {what:52s} not run" for name, what in RACECHECK_ROWS]
 
 
+def _ratio_pairs(res, new: str, old: str) -> list[tuple]:
+    """(d, s, causal, ``new``'s total / ``old``'s, the larger of their spreads) for every shape
+    of one stored phases run where both were timed, the largest head dim first."""
+    rows = _total_rows(res)
+    out = []
+    for (impl, d, s, causal), r in sorted(rows.items(), key=lambda kv: (-kv[0][1], kv[0][2:])):
+        o = rows.get((old, d, s, causal))
+        if impl == new and o:
+            out.append((d, s, causal, r["value"] / o["value"],
+                        max(r.get("spread") or 0, o.get("spread") or 0)))
+    return out
+
+
 def release_pairs() -> list[tuple]:
     """(mode, which, d, s, causal, every-thread total / one-lane total, the larger spread) per
     stored shape of the nine-round H100 runs; nothing for a run not stored."""
-    from utils import results
-
     out = []
     for mode, name in RELEASE_RUNS.items():
-        try:
-            res = results.load(name, gpu=GPU)
-        except FileNotFoundError:
-            print(f"{name}: not measured (no results/{GPU}/{name}.json)")
+        res = _stored(name)
+        if res is None:
             continue
-        rows = _total_rows(res)
         for which, every, one in RELEASE_PAIRS:
-            for (impl, d, s, causal), r in sorted(rows.items(), key=lambda kv: (-kv[0][1],
-                                                                                kv[0][2:])):
-                o = rows.get((one, d, s, causal))
-                if impl == every and o:
-                    out.append((mode, which, d, s, causal, r["value"] / o["value"],
-                                max(r.get("spread") or 0, o.get("spread") or 0)))
+            out += [(mode, which, *pair) for pair in _ratio_pairs(res, every, one)]
     return out
 
 
@@ -403,15 +406,9 @@ def rows_early_pairs() -> list[tuple]:
     out = []
     for name in ROWS_EARLY_RUNS:
         res = _stored(name)
-        if res is None:
-            continue
-        rows = _total_rows(res)
-        for (impl, d, s, causal), r in sorted(rows.items(), key=lambda kv: (-kv[0][1],
-                                                                            kv[0][2:])):
-            base = rows.get(("fa4_final", d, s, causal))
-            if impl == "fa4_final_rows_early" and base:
-                out.append((name, d, s, causal, r["value"] / base["value"],
-                            max(r.get("spread") or 0, base.get("spread") or 0)))
+        if res is not None:
+            out += [(name, *pair) for pair in _ratio_pairs(res, "fa4_final_rows_early",
+                                                          "fa4_final")]
     return out
 
 
