@@ -1497,12 +1497,13 @@ class HopperBackward:
     # still sinks a delta load past the wait, where nothing waits on it yet). Timed on an H100
     # against the build without it, 5 to 9 interleaved rounds: at D = 256 causal 2-3% less
     # time in each of three runs (rounds' spread under 1%), elsewhere at 192 and 256 within
-    # the spread; at D = 128 within the spread; at D = 64 3-9% more time (a hypothesis, not
-    # profiled: the values sit in registers a whole GEMM longer, and the 128-row step of
-    # D = 64 keeps the most other state live). So it is the swapped builds' default only
-    # (hopper_bwd_default); the short-scoreboard wait at D = 128 is not where that build
-    # loses its time to the FA4 package's. A softcap build reads lse where it did
-    # (Note [Softcap in the backward]).
+    # the spread; at D = 128 within the spread; at D = 64 3-9% more time, with the same
+    # registers and, but for a few integer instructions, the same SASS instruction mix: ptxas
+    # orders the same work differently (a hypothesis, not profiled: the LDS now issue while
+    # the GEMMs read their operands from shared memory, and D = 64's shorter GEMMs hide less
+    # of that). So it is the swapped builds' default only (hopper_bwd_default); the
+    # short-scoreboard wait at D = 128 is not where that build loses its time to the FA4
+    # package's. A softcap build reads lse where it did (Note [Softcap in the backward]).
 
     @cute.jit
     def step(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv, acc_dk,
