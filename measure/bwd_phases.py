@@ -125,6 +125,9 @@ CANDIDATES = {
     "fa4_final_det_rows_early": {"rows_early": True},
     # ... and the lazy reads, to time the swapped builds (D = 192, 256) against their default
     "fa4_final_rows_lazy": {"deterministic": False, "rows_early": False},
+    # lse and delta an eighth per lane group, passed on by shuffles (rows_shuffled,
+    # Note [Per-query values by shuffle]): D = 64, and D = 128 causal (tile_m 64)
+    "fa4_final_rows_shuffled": {"deterministic": False, "rows_shuffled": True},
 }
 CHOICES = (*IMPLS, *(c for c in CANDIDATES if c not in IMPLS))
 PHASES = ("pre", "main", "post", "other", "total")

@@ -261,3 +261,66 @@ def test_deterministic_flag_reaches_the_config():
     cfg = backward_config(128, False, True, None)
     assert cfg.deterministic and cfg == replace(hopper_bwd_default(128), deterministic=True)
     assert backward_config(128, True, False, HopperBwdConfig(tile_m=64)).tile_m == 64
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True)])
+def test_rows_shuffled_gives_every_thread_its_own_columns(head_dim, causal):
+    """Note [Per-query values by shuffle], traced for sm_90a from the kernel's own S^T MMA: for
+    every MMA thread and fragment column, the lane it shuffles from loaded, in the register
+    it names, exactly that thread's column; each value is loaded once per lane group."""
+    import cutlass.cute as cute
+
+    from fa4_final.common.constants import CUTLASS_BY_NAME
+    from fa4_final.common.mask import fragment_coords
+    from fa4_final.hopper.bwd import HopperBackward
+
+    cfg = replace(hopper_bwd_default(head_dim, causal), rows_shuffled=True)
+    main = HopperBackward(CUTLASS_BY_NAME["bf16"], head_dim, causal, cfg)
+    cols: dict[int, list[int]] = {}
+
+    def collect():
+        mma_sdp, _, _ = main.tiled_mmas()
+        for t in range(256):
+            coords, _ = fragment_coords(mma_sdp.get_slice(t), (main.tile_n, main.tile_m))
+            cols[t] = [int(coords[0, c][1]) for c in range(cute.size(coords, mode=[1]))]
+
+    @cute.jit
+    def probe():
+        collect()
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+
+    def loaded(lane: int, reg: int) -> int:  # _ShuffledColumns.__init__'s load
+        return 8 * (lane // 4 + 8 * (reg // 2)) + 2 * (lane % 4) + reg % 2
+
+    assert len(cols[0]) == main.tile_m // 4
+    for t, mine in cols.items():
+        warp_base = t - t % 32
+        assert sorted(cols[warp_base + t % 4]) == sorted(mine)  # lane groups share columns
+        for c, col in enumerate(mine):
+            j, e = cols[0][c] // 8, cols[0][c] % 8  # what __getitem__ computes
+            src = (j % 8) * 4 + t % 32 % 4
+            assert loaded(src, 2 * (j // 8) + e) == col, (t, c, col)
+    every = sorted(loaded(lane, r) for lane in range(32) if lane % 4 == 0
+                   for r in range(2 * (main.tile_m // 64)))
+    assert sorted({loaded(lane, r) for lane in range(32)
+                   for r in range(2 * (main.tile_m // 64))}) == list(range(main.tile_m))
+    assert len(every) == len(set(every))
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True)])
+def test_rows_shuffled_loads_an_eighth(artifacts, head_dim, causal):
+    """HopperBwdConfig.rows_shuffled (Note [Per-query values by shuffle]) compiles clean, with
+    an eighth of the LDS of lse and delta and a shuffle per column read; refused by name where
+    tile_m is no multiple of 64 or with dkv_swap_ab."""
+    base = hopper_bwd_default(head_dim, causal)
+    plain = artifacts(head_dim, causal, config=base)["main"]
+    shuffled = artifacts(head_dim, causal, config=replace(base, rows_shuffled=True))["main"]
+    assert shuffled.spills == 0 and shuffled.frame_bytes == 0, shuffled.resources()
+    assert shuffled.count("LDS", "sass") * 8 == plain.count("LDS", "sass")
+    # two builds of the step (masked, unmasked) x lse and delta x tile_m / 4 columns
+    assert shuffled.count("SHFL", "sass") - plain.count("SHFL", "sass") == base.tile_m
+    for bad in (replace(hopper_bwd_default(128), rows_shuffled=True),
+                replace(hopper_bwd_default(256), rows_shuffled=True)):
+        with pytest.raises(ValueError, match="rows_shuffled"):
+            bad.check(128 if not bad.dkv_swap_ab else 256)

@@ -160,6 +160,29 @@ def _in_registers(vec: cute.Tensor, query_mode: cutlass.Constexpr[int]) -> cute.
     return out
 
 
+class _ShuffledColumns:
+    """A per-query vector of one stage (lse or delta) for this thread's S^T fragment, indexed as
+    column_values' view is (``[0, c]``: the value of the thread's column c), read from shared
+    memory in an eighth of the loads and passed around the warp by shuffles
+    (Note [Per-query values by shuffle])."""
+
+    def __init__(self, s_vec: cute.Tensor, stage, t0ScS: cute.Tensor, tile_m: int):
+        self.t0ScS = t0ScS
+        self.lane = cute.arch.lane_idx()
+        group, quad = self.lane // 4, self.lane % 4
+        self.regs = cute.make_rmem_tensor(2 * (tile_m // 64), Float32)
+        for i in range(tile_m // 64):  # plain Python: __init__ is traced, not preprocessed
+            for e in range(2):
+                self.regs[2 * i + e] = s_vec[8 * (group + 8 * i) + 2 * quad + e, stage]
+
+    def __getitem__(self, index):
+        col = self.t0ScS[0, index[1]][1]  # thread 0's column: a compile-time int
+        assert isinstance(col, int) and col % 8 < 2, f"not a wgmma accumulator column: {col!r}"
+        j, e = col // 8, col % 8
+        return cute.arch.shuffle_sync(self.regs[2 * (j // 8) + e],
+                                      offset=(j % 8) * 4 + self.lane % 4)
+
+
 @cute.jit
 def _ds_element(s: cute.Tensor, dp: cute.Tensor, i, delta_q, lse_q, scale_log2,
                 capped: cutlass.Constexpr[bool]):
@@ -1505,6 +1528,23 @@ class HopperBackward:
     # short-scoreboard wait at D = 128 is not where that build loses its time to the FA4
     # package's. A softcap build reads lse where it did (Note [Softcap in the backward]).
 
+    # Note [Per-query values by shuffle]
+    # In the S^T fragment of a wgmma accumulator a thread holds tile_m / 4 query columns, and
+    # the eight lane groups of a warp (lane // 4) hold the same ones: column_values makes each
+    # thread load all of them, so a warp reads every lse and delta of its columns eight times.
+    # With rows_shuffled (tile_m a multiple of 64, the step of D = 64 and 128) the lane group g
+    # loads only the columns 8 (g + 8 i) + 2 (lane % 4) + {0, 1}, i < tile_m / 64 (4 values at
+    # tile_m = 128; lse once the S GEMM is issued, delta before the wait for dP), and the
+    # value of column 8 j + 2 (lane % 4) + e comes by one shuffle from lane 4 (j % 8) + lane %
+    # 4, its register 2 (j // 8) + e: an eighth of the loads and a shuffle at each use
+    # instead. This is how the FA4 package's Hopper backward reads lse and dPsum at head dims
+    # up to 64. The mapping rests on the accumulator's layout (thread 0's columns are 8 j +
+    # {0, 1}), which _ShuffledColumns asserts when it traces; a CPU test checks it against the
+    # kernel's own S^T partition for all 256 MMA threads. Compiled for sm_90a (no spill); not
+    # yet run on a GPU, so reachable through config= only. The release is unchanged
+    # (Note [Release after the warp's reads]): a thread's own loads end before it arrives, and
+    # shuffles read registers.
+
     @cute.jit
     def step(self, m_block, masked: cutlass.Constexpr[bool], wg, state_q, ops, acc_dv, acc_dk,
              shape_st, shape_a, sLSE, sDelta, thr_sdp, tScS, t0ScS, mma_sdp, mma_dkv,
@@ -1525,7 +1565,10 @@ class HopperBackward:
         self.wgmma(mma_sdp, acc_dp, tdPrV, tdPrdO[None, None, None, stage], False)  # dP^T
         capped = const_expr(cap_scale is not None)
         early = const_expr(self.cfg.rows_early and not capped)
-        if const_expr(not capped):
+        shuffled = const_expr(self.cfg.rows_shuffled and not capped)
+        if const_expr(shuffled):  # Note [Per-query values by shuffle]
+            lse = _ShuffledColumns(sLSE, stage, t0ScS, self.tile_m)
+        elif const_expr(not capped):
             lse = self.column_values(thr_sdp, sLSE, stage)
             if const_expr(early):  # Note [Per-query values before the wait]
                 lse = _in_registers(lse, 1)
@@ -1542,9 +1585,12 @@ class HopperBackward:
             # P^T and dS^T as the A operands of dV += P^T dO, dK += dS^T Q: the same registers
             # in A-fragment order (fragments.acc_as_a_operand), converted to the input dtype
             _convert(acc_as_a_operand(acc_s), rP)
-        delta = self.column_values(thr_sdp, sDelta, stage)
-        if const_expr(early):
-            delta = _in_registers(delta, 1)
+        if const_expr(shuffled):
+            delta = _ShuffledColumns(sDelta, stage, t0ScS, self.tile_m)
+        else:
+            delta = self.column_values(thr_sdp, sDelta, stage)
+            if const_expr(early):
+                delta = _in_registers(delta, 1)
         warpgroup.wait_group(0)  # dP^T is ready
         if const_expr(capped):  # read here, not across the tanh pass (register pressure)
             lse = self.column_values(thr_sdp, sLSE, stage)

@@ -304,6 +304,11 @@ class HopperBwdConfig:
     # where P and dS use them; every build, a softcap build excepted. The swapped builds'
     # default (D = 192, 256); slower at D = 64, no faster at 128, so off there
     rows_early: bool = False
+    # lse and delta loaded an eighth per lane group and passed on by shuffles
+    # (Note [Per-query values by shuffle] in fa4_final.hopper.bwd): the step of tile_m a
+    # multiple of 64 without dkv_swap_ab. A candidate, reached through config= only until it
+    # is timed
+    rows_shuffled: bool = False
 
     @property
     def do_stages(self) -> int:
@@ -429,6 +434,10 @@ class HopperBwdConfig:
             raise ValueError("dq_first_store=True changes the deterministic mode's first dQ add "
                              "into a store (the turn order says which is first): it needs "
                              "deterministic=True (or dq_first_store=False)")
+        if self.rows_shuffled and (self.dkv_swap_ab or self.tile_m % 64):
+            raise ValueError(f"rows_shuffled=True loads lse and delta for tile_m a multiple of 64 "
+                             f"in the step without dkv_swap_ab; got tile_m={self.tile_m}, "
+                             f"dkv_swap_ab={self.dkv_swap_ab}: it needs rows_shuffled=False")
         nb = self.dq_buffers
         if isinstance(nb, bool) or nb not in (1, 2):
             raise ValueError(f"dq_buffers must be 1 or 2 (dQ staging buffers), got {nb!r}")
