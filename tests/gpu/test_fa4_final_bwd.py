@@ -140,47 +140,39 @@ def test_every_config(name, causal):
     assert ok, line
 
 
+def _same_bits_and_float64(d: int, causal: bool, knob: str, seed: int) -> None:
+    """The default build with HopperBwdConfig ``knob`` on: float64's answer in the default mode
+    (GQA, odd lengths, a partial last tile), and in the deterministic mode dQ, dK and dV bit
+    for bit the build without the knob (the knob moves reads, not arithmetic)."""
+    cfg = replace(hopper_bwd_default(d, causal), **{knob: True})
+    ok, line = _check((2, 1000, 777, 8, 2, d, BF16), causal, config=cfg)
+    print(line)
+    assert ok, line
+    q, k, v, _ = random_qkv(2, 1300, 8, d, seqlen_k=1500, heads_kv=2, dtype=BF16,
+                            device="cuda", seed=seed)
+    dout = torch.randn(q.shape, device="cuda").to(BF16)
+    det = replace(cfg, deterministic=True)
+    got = _run(q, k, v, dout, causal, deterministic=True, config=det)[:3]
+    want = _run(q, k, v, dout, causal, deterministic=True,
+                config=replace(det, **{knob: False}))[:3]
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), f"{name} differs in {int((a != b).sum())} elements"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_rows_early_gives_the_same_bits(d, causal):
     """HopperBwdConfig.rows_early (Note [Per-query values before the wait]): lse and delta
-    read into registers earlier, the same arithmetic, so in the deterministic mode dQ, dK and
-    dV bit for bit the default's; and float64's answer in the default mode (GQA, odd lengths,
-    a partial last tile). D = 256 is the swapped step (dkv_swap_ab)."""
-    cfg = replace(hopper_bwd_default(d, causal), rows_early=True)
-    ok, line = _check((2, 1000, 777, 8, 2, d, BF16), causal, config=cfg)
-    print(line)
-    assert ok, line
-    q, k, v, _ = random_qkv(2, 1300, 8, d, seqlen_k=1500, heads_kv=2, dtype=BF16,
-                            device="cuda", seed=5)
-    dout = torch.randn(q.shape, device="cuda").to(BF16)
-    det = replace(cfg, deterministic=True)
-    got = _run(q, k, v, dout, causal, deterministic=True, config=det)[:3]
-    want = _run(q, k, v, dout, causal, deterministic=True,
-                config=replace(det, rows_early=False))[:3]
-    for name, a, b in zip(("dq", "dk", "dv"), got, want):
-        assert torch.equal(a, b), f"{name} differs in {int((a != b).sum())} elements"
+    read into registers earlier; D = 256 is the swapped step (dkv_swap_ab), whose default it
+    is, so there the comparison is with the lazy reads."""
+    _same_bits_and_float64(d, causal, "rows_early", seed=5)
 
 
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, True)])
 def test_rows_shuffled_gives_the_same_bits(d, causal):
-    """HopperBwdConfig.rows_shuffled (Note [Per-query values by shuffle]): lse and delta loaded
-    an eighth per lane group and passed on by shuffles, the same values, so in the deterministic
-    mode dQ, dK and dV bit for bit the default's; and float64's answer in the default mode
-    (GQA, odd lengths, a partial last tile)."""
-    cfg = replace(hopper_bwd_default(d, causal), rows_shuffled=True)
-    ok, line = _check((2, 1000, 777, 8, 2, d, BF16), causal, config=cfg)
-    print(line)
-    assert ok, line
-    q, k, v, _ = random_qkv(2, 1300, 8, d, seqlen_k=1500, heads_kv=2, dtype=BF16,
-                            device="cuda", seed=6)
-    dout = torch.randn(q.shape, device="cuda").to(BF16)
-    det = replace(cfg, deterministic=True)
-    got = _run(q, k, v, dout, causal, deterministic=True, config=det)[:3]
-    want = _run(q, k, v, dout, causal, deterministic=True,
-                config=replace(det, rows_shuffled=False))[:3]
-    for name, a, b in zip(("dq", "dk", "dv"), got, want):
-        assert torch.equal(a, b), f"{name} differs in {int((a != b).sum())} elements"
+    """HopperBwdConfig.rows_shuffled (Note [Per-query values by shuffle]): lse and delta
+    loaded an eighth per lane group and passed on by shuffles."""
+    _same_bits_and_float64(d, causal, "rows_shuffled", seed=6)
 
 
 @pytest.mark.parametrize("window", [(64, None), (32, 16), (None, 40), (200, 0), (None, -5),
