@@ -267,12 +267,13 @@ def test_deterministic_flag_reaches_the_config():
 def test_rows_shuffled_gives_every_thread_its_own_columns(head_dim, causal):
     """Note [Per-query values by shuffle], traced for sm_90a from the kernel's own S^T MMA: for
     every MMA thread and fragment column, the lane it shuffles from loaded, in the register
-    it names, exactly that thread's column; each value is loaded once per lane group."""
+    it names, exactly that thread's column; the warp loads each column exactly once. The
+    mapping is the package's (shuffled_column_source, shuffled_column_loaded)."""
     import cutlass.cute as cute
 
     from fa4_final.common.constants import CUTLASS_BY_NAME
     from fa4_final.common.mask import fragment_coords
-    from fa4_final.hopper.bwd import HopperBackward
+    from fa4_final.hopper.bwd import HopperBackward, shuffled_column_loaded, shuffled_column_source
 
     cfg = replace(hopper_bwd_default(head_dim, causal), rows_shuffled=True)
     main = HopperBackward(CUTLASS_BY_NAME["bf16"], head_dim, causal, cfg)
@@ -290,22 +291,16 @@ def test_rows_shuffled_gives_every_thread_its_own_columns(head_dim, causal):
 
     cute.compile(probe, options="--gpu-arch sm_90a")
 
-    def loaded(lane: int, reg: int) -> int:  # _ShuffledColumns.__init__'s load
-        return 8 * (lane // 4 + 8 * (reg // 2)) + 2 * (lane % 4) + reg % 2
-
     assert len(cols[0]) == main.tile_m // 4
     for t, mine in cols.items():
         warp_base = t - t % 32
         assert sorted(cols[warp_base + t % 4]) == sorted(mine)  # lane groups share columns
         for c, col in enumerate(mine):
-            j, e = cols[0][c] // 8, cols[0][c] % 8  # what __getitem__ computes
-            src = (j % 8) * 4 + t % 32 % 4
-            assert loaded(src, 2 * (j // 8) + e) == col, (t, c, col)
-    every = sorted(loaded(lane, r) for lane in range(32) if lane % 4 == 0
-                   for r in range(2 * (main.tile_m // 64)))
-    assert sorted({loaded(lane, r) for lane in range(32)
-                   for r in range(2 * (main.tile_m // 64))}) == list(range(main.tile_m))
-    assert len(every) == len(set(every))
+            src, reg = shuffled_column_source(cols[0][c], t % 32)
+            assert shuffled_column_loaded(src, reg) == col, (t, c, col)
+    # the warp's loads cover the tile's columns, each exactly once
+    assert sorted(shuffled_column_loaded(lane, reg) for lane in range(32)
+                  for reg in range(2 * (main.tile_m // 64))) == list(range(main.tile_m))
 
 
 @pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True)])

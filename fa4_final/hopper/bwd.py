@@ -160,6 +160,19 @@ def _in_registers(vec: cute.Tensor, query_mode: cutlass.Constexpr[int]) -> cute.
     return out
 
 
+def shuffled_column_loaded(lane, reg: int):
+    """The query column that ``lane`` loads into its register ``reg`` of a _ShuffledColumns
+    (Note [Per-query values by shuffle]); ``lane`` a Python int or the kernel's lane index."""
+    return 8 * (lane // 4 + 8 * (reg // 2)) + 2 * (lane % 4) + reg % 2
+
+
+def shuffled_column_source(col0: int, lane) -> tuple:
+    """(lane, register) holding, for ``lane``, the value of its fragment column whose thread-0
+    column is ``col0`` (Note [Per-query values by shuffle])."""
+    j, e = col0 // 8, col0 % 8
+    return (j % 8) * 4 + lane % 4, 2 * (j // 8) + e
+
+
 class _ShuffledColumns:
     """A per-query vector of one stage (lse or delta) for this thread's S^T fragment, indexed as
     column_values' view is (``[0, c]``: the value of the thread's column c), read from shared
@@ -169,18 +182,15 @@ class _ShuffledColumns:
     def __init__(self, s_vec: cute.Tensor, stage, t0ScS: cute.Tensor, tile_m: int):
         self.t0ScS = t0ScS
         self.lane = cute.arch.lane_idx()
-        group, quad = self.lane // 4, self.lane % 4
         self.regs = cute.make_rmem_tensor(2 * (tile_m // 64), Float32)
-        for i in range(tile_m // 64):  # plain Python: __init__ is traced, not preprocessed
-            for e in range(2):
-                self.regs[2 * i + e] = s_vec[8 * (group + 8 * i) + 2 * quad + e, stage]
+        for reg in range(2 * (tile_m // 64)):  # plain Python: __init__ is traced, not preprocessed
+            self.regs[reg] = s_vec[shuffled_column_loaded(self.lane, reg), stage]
 
     def __getitem__(self, index):
         col = self.t0ScS[0, index[1]][1]  # thread 0's column: a compile-time int
         assert isinstance(col, int) and col % 8 < 2, f"not a wgmma accumulator column: {col!r}"
-        j, e = col // 8, col % 8
-        return cute.arch.shuffle_sync(self.regs[2 * (j // 8) + e],
-                                      offset=(j % 8) * 4 + self.lane % 4)
+        src, reg = shuffled_column_source(col, self.lane)
+        return cute.arch.shuffle_sync(self.regs[reg], offset=src)
 
 
 @cute.jit
