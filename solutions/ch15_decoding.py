@@ -1237,7 +1237,7 @@ def speed_ratios(res, impl: str = "fa4_final_decode", mode: str = "flush",
             and (keys_below is None or a.get("s", 0) < keys_below)]
 
 
-def share_at_or_above(res, impl: str = "fa4_final_decode", mode: str = "flush",
+def share_within_of_best(res, impl: str = "fa4_final_decode", mode: str = "flush",
                       min_keys: int = 8192, within: float = 0.01):
     """The fraction of the run's shapes with at least ``min_keys`` cached keys where ``impl``
     is at most ``within`` slower than the fastest peer, or faster (vs_best_peer >= 1 -
