@@ -109,6 +109,12 @@ CANDIDATES = {
     # one buffer, so the two rows tell the tile's share from the buffer's
     "fa4_final_det_db64": {"dq_buffers": 2, "tile_m": 64, "dq_swap_ab": False},
     "fa4_final_det_64": {"tile_m": 64, "dq_swap_ab": False},
+    # two buffers with a step's add issued before the previous step's turn passes
+    # (HopperBwdConfig.dq_adds_overlap, Note [Adds in flight across turns] in
+    # fa4_final.hopper.bwd), at the same tiles as fa4_final_det_db and _det_db64
+    "fa4_final_det_overlap": {"dq_buffers": 2, "dq_adds_overlap": True},
+    "fa4_final_det_overlap64": {"dq_buffers": 2, "dq_adds_overlap": True, "tile_m": 64,
+                                "dq_swap_ab": False},
     # every MMA thread releases a Q or dO stage (HopperBwdConfig.release_every_thread,
     # Note [Release after the warp's reads]), in the default mode and the deterministic one:
     # timed against the one-lane release while that was the default

@@ -26,7 +26,9 @@ accumulator: the add takes L. Orders:
              with ``copies=C`` chunk g adds into copy g % C (turns chunk by chunk within a copy).
 
 ``buffers=2`` (HopperBwdConfig.dq_buffers) gives the turns two staging buffers: step i + 2 may
-be staged once step i's buffer is free, while the dQ warp still adds in step order.
+be staged once step i's buffer is free, while the dQ warp still adds in step order; with
+``overlap`` (dq_adds_overlap) the warp issues step i's add before it waits for step i - 1's to
+complete and passes that turn.
 
 A waiting CTA holds its slot; when nothing can run while work remains the model reports a
 deadlock (never hangs). Returns the makespan (model time units, T = 1 unless given).
@@ -59,7 +61,8 @@ PRODUCES = [
      "a discrete-event model of the Hopper backward's dQ turns, calibrated on "
      "results/h200/bwd_phases.json: its price of today's deterministic mode beside the measured "
      "one per shape, and its predicted prices (makespan over the default's) of accumulator "
-     "copies, early release and the rotated start; predictions, not measurements"),
+     "copies, early release, the rotated start and two staging buffers (in turn and with adds "
+     "in flight across turns); predictions, not measurements"),
 ]
 SLOTS = 132
 # L per head dim (in steps) fitted by ``calibrate`` on results/h200/bwd_phases.json (2026-12-05)
@@ -159,13 +162,20 @@ def turn_of(shape: Shape, order: str, n: int, m: int, copies: int = 1,
 def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
              jitter: float = 0.0, copies: int = 1, chunk: int | None = None,
              slots: int = SLOTS, tail: float = 0.1, read: float = 0.3, seed: int = 0,
-             keep_adds: bool = False, early: bool = False, buffers: int = 1) -> Result:
+             keep_adds: bool = False, early: bool = False, buffers: int = 1,
+             overlap: bool = False) -> Result:
     """The makespan of one backward's main kernel under ``order`` (module docstring).
     ``buffers``: dQ staging buffers (HopperBwdConfig.dq_buffers); with two, step i + 2 may be
-    staged once step i's buffer is free, while the dQ warp still adds in step order."""
+    staged once step i's buffer is free, while the dQ warp still adds in step order.
+    ``overlap`` (two buffers, HopperBwdConfig.dq_adds_overlap): the warp issues step i's add,
+    then waits for step i - 1's to complete and passes its turn; step i's buffer is free once
+    read and once step i - 1's add has completed; the last turn passes at its completion."""
     if buffers not in (1, 2) or (buffers == 2 and early):
         raise ValueError(f"buffers must be 1, or 2 without early release, got {buffers}, "
                          f"early={early}")
+    if overlap and (buffers != 2 or order == "none"):
+        raise ValueError(f"overlap needs buffers=2 and turns, got buffers={buffers}, "
+                         f"order={order!r}")
     rng = random.Random(seed)
     plan = cta_plan(shape, order, copies, chunk)
     turns = {}  # (n, m) -> (copy, turn), memoised: every head and batch shares them
@@ -218,9 +228,28 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
         copy, turn = turns[(n, m)]
         return (b, head, m, copy), turn
 
+    done_at: dict = {}  # overlap: cta -> completion time of its latest add
+
     def start_add(cta, i, t):
         if order == "none":
             push(t + read * L, "release", cta, i)  # the buffer is free once read
+            return
+        if overlap:
+            before = done_at.get(cta, 0.0)  # step i - 1's completion
+            done_at[cta] = t + L
+            push(max(t + read * L, before), "release", cta, i)
+            free_at = t
+            if i > 0:  # step i - 1's turn passes behind step i's add
+                free_at = max(t, before)
+                push(free_at, "passed", cta, i - 1)
+            if i + 1 == len(plan[cta][3]):
+                push(t + L, "passed", cta, i)
+            state[cta][1] = free_at
+            next_add[cta] = i + 1
+            if parked.get(cta) == i + 1:
+                push(free_at, "ready", cta, parked.pop(cta))
+            if keep_adds:
+                adds.setdefault(key_turn(cta, i)[0], []).append(plan[cta][2])
             return
         push(t + L, "added", cta, i)
         state[cta][1] = t + L  # the dQ warp waits for completion, then passes the turn
@@ -232,6 +261,8 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
     def release(cta, i, t):
         last = i + 1 == len(plan[cta][3])
         if last:
+            if overlap:
+                return  # the CTA ends when its last turn passes ("passed")
             if order == "none" or not early:
                 push(t, "finish", cta, i)
             return  # early: the CTA ends with its last add's completion ("added")
@@ -262,6 +293,14 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
                 waiting[(key, turn)] = (cta, i)
         elif kind == "release":
             release(cta, i, now)
+        elif kind == "passed":  # overlap: a turn passes (its add completed before)
+            key, turn = key_turn(cta, i)
+            counter[key] = counter.get(key, 0) + 1
+            nxt = waiting.pop((key, counter[key]), None)
+            if nxt is not None:
+                start_add(nxt[0], nxt[1], now)
+            if i + 1 == len(plan[cta][3]):
+                push(now, "finish", cta, i)
         elif kind == "added":
             key, turn = key_turn(cta, i)
             counter[key] = counter.get(key, 0) + 1
@@ -428,7 +467,8 @@ def predict(shape: Shape, L: float, jitter: float = 0.05, copies=(2, 4, 8),
 
 def predict_two_buffers(shape: Shape, L: float, jitter: float = 0.05) -> dict:
     """Model prices (makespan over the default's) of the deterministic mode with one and two
-    dQ staging buffers (HopperBwdConfig.dq_buffers) at the tile where two fit: the default's,
+    dQ staging buffers (HopperBwdConfig.dq_buffers), and two with adds in flight across turns
+    (dq_adds_overlap), at the tile where two fit: the default's,
     except at D = 128 without a causal diagonal, where 80 query rows leave no room and the
     candidate takes 64 (measure.bwd_phases' fa4_final_det_64 and _det_db64). Assumed there:
     a step's time scales with its query rows (T = 64 / 80 of the default's step)."""
@@ -438,8 +478,11 @@ def predict_two_buffers(shape: Shape, L: float, jitter: float = 0.05) -> dict:
     own, T = shape, 1.0
     if shape.d == 128 and not shape.causal and shape.tile_m != 64:
         own, T = replace(shape, tile_m=64), 64 / shape.tile_m
-    return {f"turns {n} buffer{'s' if n > 1 else ''} tile {own.tile_m}": simulate(
+    out = {f"turns {n} buffer{'s' if n > 1 else ''} tile {own.tile_m}": simulate(
         own, "turns", T=T, L=L * T, jitter=jitter, buffers=n).makespan / base for n in (1, 2)}
+    out[f"turns 2 buffers overlap tile {own.tile_m}"] = simulate(
+        own, "turns", T=T, L=L * T, jitter=jitter, buffers=2, overlap=True).makespan / base
+    return out
 
 
 def main(argv=None) -> int:
@@ -508,8 +551,8 @@ def main(argv=None) -> int:
                          "note": note + "; dq_first_store: bwd_pre without zeroing, bwd_post "
                          "reading the visited copies only, scaled by their bytes per element"})
         print(f"  {name:22s} " + "  ".join(cells))
-    print("predictions with two dQ staging buffers (dq_buffers = 2), main kernel, beside one "
-          "buffer at the same tile; to be measured:")
+    print("predictions with two dQ staging buffers (dq_buffers = 2, in turn and with "
+          "dq_adds_overlap), main kernel, beside one buffer at the same tile; to be measured:")
     for (d, s, causal), (_, _, b, h) in sorted(measured_main().items()):
         shape = default_shape(b, s, h, d, causal)
         pred = predict_two_buffers(shape, cal["L"][d])

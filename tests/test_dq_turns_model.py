@@ -104,3 +104,25 @@ def test_dq_turns_model_two_buffers_keep_the_add_order_and_never_cost_more():
             simulate(shape, "none", L=0.9).makespan)
     with pytest.raises(ValueError, match="early"):
         simulate(shape, "turns", buffers=2, early=True)
+
+
+def test_dq_turns_model_adds_overlap_keeps_the_add_order_and_ends():
+    """dq_adds_overlap (Note [Adds in flight across turns]): a turn passes only behind the
+    CTA's next add, yet no CTA is left waiting (few slots, so CTAs wait on ones launched
+    before them, GQA groups, causal or not) and every accumulator tile gets the in-turn
+    build's adds in the same order. Refused without two buffers or without turns."""
+    from measure.dq_turns_model import Shape, simulate
+
+    for causal in (False, True):
+        for slots in (132, 7):
+            shape = Shape(2, 1500, 8, 128, causal, h_kv=2, tile_m=64)
+            two = simulate(shape, "turns", L=0.9, jitter=0.05, keep_adds=True, buffers=2,
+                           slots=slots)
+            over = simulate(shape, "turns", L=0.9, jitter=0.05, keep_adds=True, buffers=2,
+                            overlap=True, slots=slots)
+            assert not two.deadlock and not over.deadlock
+            assert over.adds == two.adds
+    for bad in ({"buffers": 1}, {"buffers": 2, "order": "none"}):
+        kw = {"order": "turns", **bad}
+        with pytest.raises(ValueError, match="overlap"):
+            simulate(shape, overlap=True, **kw)

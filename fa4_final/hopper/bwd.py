@@ -1073,11 +1073,30 @@ class HopperBackward:
     # (turn, add, completion, pass) sets the pace, so the warpgroups only move their wait to
     # the next hand-off.
 
+    # Note [Adds in flight across turns]
+    # With two buffers the dQ warp still runs one step at a time: wait for the turn, add, wait
+    # for the add to complete, pass the turn. Its cycle holds the add's whole round trip to L2,
+    # and the next step's add cannot start inside it even when that step's turn has already come.
+    # Under dq_adds_overlap the warp issues step s's add first and only then waits for step
+    # s - 1's to complete and passes s - 1's turn (a bulk group per chunk: wait_group(wgs) leaves
+    # step s's groups in flight); the last step's turn passes after the loop. Step s - 1's
+    # buffer goes back to the warpgroups once its add has read it, before the warp waits for
+    # step s's turn. Each query tile still receives the same adds in the same order: a turn
+    # passes only after its add has completed, as before; only when it passes changes, later,
+    # since it now also waits for this CTA's next turn.
+    # Why it cannot deadlock: passing step s's turn now waits for this CTA's turn at its next
+    # step, which waits for the CTA before it in that step's order to pass, which may wait for
+    # that CTA's next step, and so on. Every link of the chain goes to a later step (the CTAs
+    # of one kv head walk (query head, query tile) in the same increasing order), so the chain
+    # ends; every CTA waited for is still one that the turn order puts earlier, launched
+    # before (Note [Turn order] in fa4_final.common.bwd_tiles).
+
     @cute.jit
     def store_dq_two_buffers(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work,
                              seqlen_q, seqlen_k, window_left, window_right, seq=None):
         """dQ warp under dq_buffers = 2 (Note [Two dQ buffers]): store_dq's deterministic path
-        with step s's chunks read from buffer s % 2."""
+        with step s's chunks read from buffer s % 2; under dq_adds_overlap step s's add is
+        issued before step s - 1's turn passes (Note [Adds in flight across turns])."""
         m_min, m_max, _, _, head0, group = work
         m_base = None  # varlen: the sequence's first padded tile (Note [Varlen backward])
         if const_expr(seq is not None):
@@ -1088,6 +1107,8 @@ class HopperBackward:
         slab = self.tile_m * self.head_dim  # floats of one buffer and of one query tile
         per_head = m_max - m_min
         steps = group * per_head
+        overlap = self.cfg.dq_adds_overlap
+        prev_head, prev_m = Int32(head0), Int32(m_min)  # overlap: the turn still to pass
         for buf in cutlass.range_constexpr(2):  # both buffers start empty
             if steps > buf:
                 for w in cutlass.range_constexpr(wgs):
@@ -1105,6 +1126,12 @@ class HopperBackward:
                 turn = dq_turn(self.window, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
                                window_left, window_right)
                 turn_ptr = mTurn[None, head, b].iterator + m_pad
+                if const_expr(overlap):  # Note [Adds in flight across turns]
+                    if s > 0 and s + 1 < steps:  # step s + 1 writes step s - 1's buffer
+                        if lane == 0:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.sync_warp()
+                        self.dq_buffer_empty(1 - odd, wgs, handshake)
                 if lane == 0:
                     wait_turn(turn_ptr, turn)
                 cute.arch.sync_warp()
@@ -1118,19 +1145,41 @@ class HopperBackward:
                     if lane == 0:
                         self.issue_dq_chunk(gAcc, m_pad * slab + self.dq_at(w),
                                             self.dq_src(sdQ, w) + odd * slab, w, turn)
+                if const_expr(overlap):
+                    if s > 0:  # step s - 1's add complete (step s's wgs groups may not be)
+                        if lane == 0:
+                            cute.arch.cp_async_bulk_wait_group(wgs, read=False)
+                            cute.arch.fence_acq_rel_gpu()
+                            pass_turn(mTurn[None, prev_head, b].iterator + prev_m)
+                        cute.arch.sync_warp()
+                    prev_head, prev_m = head, m_pad
+                else:
+                    if lane == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        cute.arch.fence_acq_rel_gpu()
+                        pass_turn(turn_ptr)
+                    cute.arch.sync_warp()
+                    if s + 2 < steps:  # a later step writes this buffer: hand it back
+                        self.dq_buffer_empty(odd, wgs, handshake)
+        if const_expr(overlap):
+            if steps > 0:  # the last step's turn passes once its add has completed
                 if lane == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.fence_acq_rel_gpu()
-                    pass_turn(turn_ptr)
+                    pass_turn(mTurn[None, prev_head, b].iterator + prev_m)
                 cute.arch.sync_warp()
-                if s + 2 < steps:  # a later step writes this buffer: hand it back
-                    for w in cutlass.range_constexpr(wgs):
-                        if odd == 0:
-                            cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(0)[0] + w,
-                                                     number_of_threads=handshake)
-                        else:
-                            cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(1)[0] + w,
-                                                     number_of_threads=handshake)
+
+    @cute.jit
+    def dq_buffer_empty(self, buf, wgs: int, handshake: int) -> None:
+        """The dQ warp hands staging buffer ``buf`` (0 or 1, dynamic) back to the MMA
+        warpgroups: one arrive on each chunk's EMPTY barrier (Note [Two dQ buffers])."""
+        for w in cutlass.range_constexpr(wgs):
+            if buf == 0:
+                cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(0)[0] + w,
+                                         number_of_threads=handshake)
+            else:
+                cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(1)[0] + w,
+                                         number_of_threads=handshake)
 
     @cute.jit
     def issue_dq_chunk(self, gAcc, offset, src, w: int, first_turn) -> None:

@@ -1,5 +1,6 @@
 """The deterministic backward with two dQ staging buffers (HopperBwdConfig.dq_buffers = 2,
-Note [Two dQ buffers] in fa4_final.hopper.bwd) on an H100/H200, reached through config= only:
+Note [Two dQ buffers] in fa4_final.hopper.bwd), with and without dq_adds_overlap
+(Note [Adds in flight across turns]), on an H100/H200, reached through config= only:
 against float64 autograd (the rule of tests/gpu/test_fa4_final_bwd.py), the same bits over 20
 runs, and dQ, dK, dV bitwise the one-buffer deterministic kernel's at the same tile (the adds
 and their order are unchanged; only when a warpgroup may store moves). Dense and varlen, causal
@@ -22,10 +23,12 @@ pytestmark = [
 ]
 
 
-def two_buffers(d, causal, buffers=2):
+def two_buffers(d, causal, buffers=2, overlap=False):
     """measure.bwd_phases' fa4_final_det_db (D = 64, D = 128 causal) and det_db64 (D = 128 not
-    causal: 64 query rows, dQ = dS K, where 80 rows leave no room for a second buffer)."""
-    cfg = replace(hopper_bwd_default(d, causal), deterministic=True, dq_buffers=buffers)
+    causal: 64 query rows, dQ = dS K, where 80 rows leave no room for a second buffer);
+    ``overlap``: with dq_adds_overlap (fa4_final_det_overlap, _det_overlap64)."""
+    cfg = replace(hopper_bwd_default(d, causal), deterministic=True, dq_buffers=buffers,
+                  dq_adds_overlap=overlap)
     if d == 128 and not causal:
         cfg = replace(cfg, tile_m=64, dq_swap_ab=False)
     return cfg
@@ -33,42 +36,49 @@ def two_buffers(d, causal, buffers=2):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_two_dq_buffers_match_float64(d, causal):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlap"])
+def test_two_dq_buffers_match_float64(d, causal, overlap):
     ok, line = _check((2, 1000, 777, 8, 2, d, BF16), causal, deterministic=True,
-                      config=two_buffers(d, causal))
+                      config=two_buffers(d, causal, overlap=overlap))
     print(line)
     assert ok, line
 
 
 @pytest.mark.parametrize("d,window", [(128, (None, None)), (128, (None, 0)), (64, (None, None)),
                                       (64, (None, 0)), (128, (200, 0))])
-def test_two_dq_buffers_bitwise_reproducible_and_the_one_buffer_kernels(d, window):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlap"])
+def test_two_dq_buffers_bitwise_reproducible_and_the_one_buffer_kernels(d, window, overlap):
     """20 runs, GQA, odd lengths: the same bits every time, and every gradient bitwise the
-    one-buffer deterministic kernel's at the same tile."""
+    one-buffer deterministic kernel's at the same tile (with dq_adds_overlap too:
+    Note [Adds in flight across turns] changes when a turn passes, not the adds or their
+    order)."""
     from tests.gpu.test_bwd_deterministic_copies import same_bits_twenty_times
 
     causal = window[1] == 0
-    q, k, v, dout, first = same_bits_twenty_times(d, window, two_buffers(d, causal))
+    q, k, v, dout, first = same_bits_twenty_times(d, window,
+                                                  two_buffers(d, causal, overlap=overlap))
     one = _run(q, k, v, dout, window=window, deterministic=True,
                config=two_buffers(d, causal, buffers=1))[:3]
     for name, a, b in zip(("dq", "dk", "dv"), first, one):
         assert torch.equal(a, b), f"{name}: differs from the one-buffer kernel's"
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["in_turn", "overlap"])
 @pytest.mark.parametrize("name", ["mixed-gqa-d128", "many-causal-d64"])
-def test_two_dq_buffers_varlen(name):
-    """The varlen kernel with two buffers: float64 per sequence, the same bits 20 times, every
-    gradient the one-buffer kernel's."""
+def test_two_dq_buffers_varlen(name, overlap):
+    """The varlen kernel with two buffers (and dq_adds_overlap): float64 per sequence, the same
+    bits 20 times, every gradient the one-buffer kernel's."""
     from tests.gpu.test_bwd_deterministic_copies import _varlen_runner
     from tests.gpu.test_fa4_final_varlen_bwd import CASES, Problem
 
     p = Problem(CASES[name])
     d = p.q.shape[-1]
     run = _varlen_runner(p)
-    first = run(two_buffers(d, p.causal))
+    first = run(two_buffers(d, p.causal, overlap=overlap))
     p.check(first, f"{name} two dQ buffers")
     for _ in range(19):
-        for g, a, b in zip(("dq", "dk", "dv"), first, run(two_buffers(d, p.causal))):
+        for g, a, b in zip(("dq", "dk", "dv"), first,
+                           run(two_buffers(d, p.causal, overlap=overlap))):
             assert torch.equal(a, b), f"{name} {g}: runs differ"
     for g, a, b in zip(("dq", "dk", "dv"), first, run(two_buffers(d, p.causal, buffers=1))):
         assert torch.equal(a, b), f"{name} {g}: differs from the one-buffer kernel's"
