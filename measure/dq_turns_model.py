@@ -27,8 +27,8 @@ accumulator: the add takes L. Orders:
 
 ``buffers=2`` (HopperBwdConfig.dq_buffers) gives the turns two staging buffers: step i + 2 may
 be staged once step i's buffer is free, while the dQ warp still adds in step order; with
-``overlap`` (dq_adds_overlap) the warp issues step i's add before it waits for step i - 1's to
-complete and passes that turn.
+``overlap`` (dq_adds_overlap) two dQ warps take alternate steps, so step i + 1's add may run
+while step i's completes.
 
 A waiting CTA holds its slot; when nothing can run while work remains the model reports a
 deadlock (never hangs). Returns the makespan (model time units, T = 1 unless given).
@@ -167,9 +167,9 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
     """The makespan of one backward's main kernel under ``order`` (module docstring).
     ``buffers``: dQ staging buffers (HopperBwdConfig.dq_buffers); with two, step i + 2 may be
     staged once step i's buffer is free, while the dQ warp still adds in step order.
-    ``overlap`` (two buffers, HopperBwdConfig.dq_adds_overlap): the warp issues step i's add,
-    then waits for step i - 1's to complete and passes its turn; step i's buffer is free once
-    read and once step i - 1's add has completed; the last turn passes at its completion."""
+    ``overlap`` (two buffers, HopperBwdConfig.dq_adds_overlap): two dQ warps, step i on warp
+    i % 2, each adding in turn and passing the turn at completion as the one warp does; the
+    CTA ends when every step's add has completed."""
     if buffers not in (1, 2) or (buffers == 2 and early):
         raise ValueError(f"buffers must be 1, or 2 without early release, got {buffers}, "
                          f"early={early}")
@@ -228,31 +228,18 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
         copy, turn = turns[(n, m)]
         return (b, head, m, copy), turn
 
-    done_at: dict = {}  # overlap: cta -> completion time of its latest add
+    warp_free: dict = {}  # overlap: (cta, warp) -> when that dQ warp may add again
+    added: dict = {}  # overlap: cta -> steps added (the CTA ends when all are)
 
     def start_add(cta, i, t):
         if order == "none":
             push(t + read * L, "release", cta, i)  # the buffer is free once read
             return
-        if overlap:
-            before = done_at.get(cta, 0.0)  # step i - 1's completion
-            done_at[cta] = t + L
-            push(max(t + read * L, before), "release", cta, i)
-            free_at = t
-            if i > 0:  # step i - 1's turn passes behind step i's add
-                free_at = max(t, before)
-                push(free_at, "passed", cta, i - 1)
-            if i + 1 == len(plan[cta][3]):
-                push(t + L, "passed", cta, i)
-            state[cta][1] = free_at
-            next_add[cta] = i + 1
-            if parked.get(cta) == i + 1:
-                push(free_at, "ready", cta, parked.pop(cta))
-            if keep_adds:
-                adds.setdefault(key_turn(cta, i)[0], []).append(plan[cta][2])
-            return
         push(t + L, "added", cta, i)
-        state[cta][1] = t + L  # the dQ warp waits for completion, then passes the turn
+        if overlap:  # two dQ warps, step i on warp i % 2
+            warp_free[(cta, i % 2)] = t + L
+        else:
+            state[cta][1] = t + L  # the dQ warp waits for completion, then passes the turn
         if early:  # the buffer is free once read; the turn still passes at completion
             push(t + read * L, "release", cta, i)
         if keep_adds:
@@ -262,7 +249,7 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
         last = i + 1 == len(plan[cta][3])
         if last:
             if overlap:
-                return  # the CTA ends when its last turn passes ("passed")
+                return  # the CTA ends when every step's add has completed ("added")
             if order == "none" or not early:
                 push(t, "finish", cta, i)
             return  # early: the CTA ends with its last add's completion ("added")
@@ -280,10 +267,11 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
             done += 1
             launch(now)
         elif kind == "ready":
-            if state[cta][1] > now:  # the dQ warp still waits for its previous add
-                push(state[cta][1], "ready", cta, i)
+            busy = warp_free.get((cta, i % 2), 0.0) if overlap else state[cta][1]
+            if busy > now:  # the dQ warp still waits for its previous add
+                push(busy, "ready", cta, i)
                 continue
-            if buffers > 1 and order != "none" and i != next_add[cta]:
+            if buffers > 1 and order != "none" and not overlap and i != next_add[cta]:
                 parked[cta] = i  # the warp adds in step order: after step i - 1's add
                 continue
             key, turn = key_turn(cta, i)
@@ -293,17 +281,13 @@ def simulate(shape: Shape, order: str = "none", T: float = 1.0, L: float = 0.3,
                 waiting[(key, turn)] = (cta, i)
         elif kind == "release":
             release(cta, i, now)
-        elif kind == "passed":  # overlap: a turn passes (its add completed before)
-            key, turn = key_turn(cta, i)
-            counter[key] = counter.get(key, 0) + 1
-            nxt = waiting.pop((key, counter[key]), None)
-            if nxt is not None:
-                start_add(nxt[0], nxt[1], now)
-            if i + 1 == len(plan[cta][3]):
-                push(now, "finish", cta, i)
         elif kind == "added":
             key, turn = key_turn(cta, i)
             counter[key] = counter.get(key, 0) + 1
+            if overlap:
+                added[cta] = added.get(cta, 0) + 1
+                if added[cta] == len(plan[cta][3]):
+                    push(now, "finish", cta, i)
             next_add[cta] = i + 1
             if parked.get(cta) == i + 1:
                 push(now, "ready", cta, parked.pop(cta))

@@ -30,7 +30,8 @@ import pytest
 from fa4_final.hopper.config import HopperBwdConfig
 
 EIATTR_COOP_GROUP_INSTR_OFFSETS = 0x28
-ROLE_THREADS = {"tma": 32, "dq": 32, "mma": 256, "mma0": 128, "mma1": 128}
+# dq0, dq1: the even and odd steps' dQ warps (Note [Adds in flight across turns])
+ROLE_THREADS = {"tma": 32, "dq": 32, "dq0": 32, "dq1": 32, "mma": 256, "mma0": 128, "mma1": 128}
 
 BUILDS = [  # (id, head_dim, dtype, causal, keywords of backward_recipe), the defaults first
     ("d128_dense", 128, "bf16", False, {}),
@@ -42,6 +43,10 @@ BUILDS = [  # (id, head_dim, dtype, causal, keywords of backward_recipe), the de
     # two dQ staging buffers (Note [Two dQ buffers]): the second buffer's EMPTY and FULL
     ("d128_causal_det_db", 128, "bf16", True, dict(deterministic=True, config=HopperBwdConfig(
         tile_m=64, deterministic=True, dq_buffers=2))),
+    # ... with a dQ warp per buffer (Note [Adds in flight across turns]): each reaches its own
+    ("d128_causal_det_overlap", 128, "bf16", True, dict(deterministic=True,
+                                                        config=HopperBwdConfig(
+        tile_m=64, deterministic=True, dq_buffers=2, dq_adds_overlap=True))),
 ]
 SPLIT = {"d96", "d192", "d192v192", "d256"}  # the builds with a loop per MMA warpgroup
 
@@ -86,7 +91,7 @@ def _role_of(method: str, self, kw) -> str:
     if method == "load":
         return "tma"
     if method.startswith("store_dq"):  # store_dq, store_dq_two_buffers
-        return "dq"
+        return "dq" if kw.get("parity") is None else f"dq{kw['parity']}"
     if kw.get("dq_part") is not None:  # Note [dQ split unevenly], Note [dK and dV swapped]
         return f"mma{kw['dq_part']}"
     if not self.split_builds():
@@ -179,11 +184,15 @@ def test_named_barriers_are_reached_as_they_promise(monkeypatch, name, head_dim,
                                                     kw):
     main, records = traced_build(monkeypatch, head_dim, dtype, causal, kw)
     roles = {r[0] for r in records}
-    assert roles == ({"dq", "mma0", "mma1"} if name in SPLIT else {"dq", "mma"})  # TMA: none
+    dq = {"dq0", "dq1"} if name.endswith("_overlap") else {"dq"}
+    assert roles == (dq | {"mma0", "mma1"} if name in SPLIT else dq | {"mma"})  # TMA: none
     assert not barrier_rule_breaks(records)
-    dq_ids = {r[2] for r in records if r[0] == "dq"}  # EMPTY arrives, FULL waits per buffer
-    assert dq_ids == (set(range(4, 12)) if name.endswith("_db") else
+    dq_ids = {r[2] for r in records if r[0] in dq}  # EMPTY arrives, FULL waits per buffer
+    assert dq_ids == (set(range(4, 12)) if name.endswith(("_db", "_overlap")) else
                       {4, 6} if name == "d96" else {4, 5, 6, 7}), sorted(dq_ids)
+    if name.endswith("_overlap"):  # buffer 0's barriers for the even steps' warp, 1's for odd
+        for warp, ids in (("dq0", {4, 5, 6, 7}), ("dq1", {8, 9, 10, 11})):
+            assert {r[2] for r in records if r[0] == warp} == ids, warp
     unaligned_ids = {r[2] for r in records if r[1] == "wait" and not r[4]}
     aligned_ids = {r[2] for r in records if r[1] == "wait" and r[4]}
     assert not unaligned_ids & aligned_ids

@@ -98,36 +98,31 @@ def _dq_warp_order(ptx: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("head_dim,causal,varlen", [(64, False, False), (128, True, False),
                                                     (128, True, True)])
-def test_adds_overlap_compiles_clean_and_passes_a_turn_behind_the_next_add(head_dim, causal,
-                                                                           varlen):
-    """No spill (the dQ warp runs on the producer's 24 registers), the MMA warpgroups' code
-    the in-turn build's, and in the dQ warp: a step's two bulk adds, then a wait that leaves
-    those two groups in flight (wait_group 2: the previous step's completed), a fence and the
-    previous step's turn passed; after the loop the last step's turn passes once all adds have
-    completed (wait_group 0)."""
+def test_adds_overlap_compiles_clean_with_a_dq_warp_per_buffer(head_dim, causal, varlen):
+    """No spill (the dQ warps run on the producer's 24 registers), the MMA warpgroups' code the
+    one-warp build's, and the one-warp cycle twice, once per dQ warp: wait for the turn, the
+    step's two bulk adds, a wait for all of this warp's adds (wait_group 0), a fence, the turn
+    passed. No warp waits for a later step before passing a turn (no wait_group > 0)."""
     from fa4_final.hopper.host import backward_recipe
     from fa4_final.runtime.compile import artifacts as compile_artifacts
 
     cfg = two_buffers(head_dim, causal, dq_adds_overlap=True)
     arts = compile_artifacts(backward_recipe(head_dim, "bf16", causal, cfg, True,
                                              varlen=varlen))
-    in_turn = compile_artifacts(backward_recipe(head_dim, "bf16", causal,
-                                                replace(cfg, dq_adds_overlap=False), True,
-                                                varlen=varlen))["main"]
+    one_warp = compile_artifacts(backward_recipe(head_dim, "bf16", causal,
+                                                 replace(cfg, dq_adds_overlap=False), True,
+                                                 varlen=varlen))["main"]
     main = arts["main"]
     for art in arts.values():
         assert art.spills == 0 and art.frame_bytes == 0, art.resources()
-    assert main.registers == in_turn.registers
+    assert main.registers == one_warp.registers
     for op in ("HGMMA", "STS.128", "LDS"):
-        assert main.count(op, where="sass") == in_turn.count(op, where="sass"), op
-    order = _dq_warp_order(main.ptx)
-    adds = "cp.reduce.async.bulk"
-    i = order.index("cp.async.bulk.wait_group 2")
-    assert order[i - 2:i] == [adds, adds], order
-    assert order[i + 1:i + 3] == ["fence.acq_rel.gpu", "red.release.gpu"], order
-    # the in-turn build waits for all its adds (wait_group 0) before each pass
-    assert "cp.async.bulk.wait_group 2" not in _dq_warp_order(in_turn.ptx)
-    tail = order[order.index("red.release.gpu") + 1:]
-    assert tail[:3] == ["cp.async.bulk.wait_group 0", "fence.acq_rel.gpu",
-                        "red.release.gpu"], order
-    assert "cp.reduce.async.bulk" not in tail, order
+        assert main.count(op, where="sass") == one_warp.count(op, where="sass"), op
+    cycle = ["ld.acquire.gpu", "ld.acquire.gpu", "cp.reduce.async.bulk",
+             "cp.reduce.async.bulk", "cp.async.bulk.wait_group 0", "fence.acq_rel.gpu",
+             "red.release.gpu"]
+    one = _dq_warp_order(one_warp.ptx)
+    two = _dq_warp_order(main.ptx)
+    assert one[:len(cycle)] == cycle, one
+    assert two[:2 * len(cycle)] == 2 * cycle, two
+    assert not any(re.fullmatch(r"cp\.async\.bulk\.wait_group [1-9]\d*", t) for t in two), two

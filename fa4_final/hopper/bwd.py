@@ -228,6 +228,7 @@ class HopperBackward:
     Roles (data, ``self.roles``):
       warpgroup 0   warp 0: TMA loads (K, V once; Q + lse and dO + delta per step)
                     warp 1: dQ stores (bulk float32 adds; the turn counters when deterministic)
+                    warp 2: under dq_adds_overlap the odd steps' dQ stores
       warpgroups 1-2  MMA: the five GEMMs and the pointwise work for 64 keys each; epilogue
 
     Pipelines: ``pipelines()``, data (common.pipelines.PipelineSpec). dS and dQ pass through
@@ -268,7 +269,9 @@ class HopperBackward:
         self.dq_swap_ab = config.dq_swap_ab  # what bwd_post asks of a dQ writer
         self.roles = {
             "producer": {"warpgroups": (0,), "tma_warp": 0, "dq_warp": 1,
-                         "registers": self.producer_regs},
+                         # dq_adds_overlap: the odd steps' dQ warp
+                         # (Note [Adds in flight across turns])
+                         "dq_warp_odd": 2, "registers": self.producer_regs},
             "mma": {"warpgroups": (1, 2), "keys_per_warpgroup": self.mma_keys(),
                     "registers": self.mma_regs},
         }
@@ -626,13 +629,22 @@ class HopperBackward:
                           tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, pipeline_q,
                           pipeline_do, pipeline_kv, n_block, head_kv, b, work, seq)
             if warp_idx == self.roles["producer"]["dq_warp"]:
-                if const_expr(self.cfg.dq_buffers == 2):  # Note [Two dQ buffers]
+                if const_expr(self.cfg.dq_adds_overlap):  # Note [Adds in flight across turns]
+                    self.store_dq_two_buffers(mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b,
+                                              work, seqlen_q, seqlen_k, window_left,
+                                              window_right, seq, parity=0)
+                elif const_expr(self.cfg.dq_buffers == 2):  # Note [Two dQ buffers]
                     self.store_dq_two_buffers(mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b,
                                               work, seqlen_q, seqlen_k, window_left,
                                               window_right, seq)
                 else:
                     self.store_dq(mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work,
                                   seqlen_q, seqlen_k, window_left, window_right, seq)
+            if const_expr(self.cfg.dq_adds_overlap):
+                if warp_idx == self.roles["producer"]["dq_warp_odd"]:
+                    self.store_dq_two_buffers(mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b,
+                                              work, seqlen_q, seqlen_k, window_left,
+                                              window_right, seq, parity=1)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             args = (mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_atom_dk, tma_atom_dv,
@@ -1074,46 +1086,45 @@ class HopperBackward:
     # the next hand-off.
 
     # Note [Adds in flight across turns]
-    # With two buffers the dQ warp still runs one step at a time: wait for the turn, add, wait
+    # With two buffers one dQ warp still runs one step at a time: wait for the turn, add, wait
     # for the add to complete, pass the turn. Its cycle holds the add's whole round trip to L2,
-    # and the next step's add cannot start inside it even when that step's turn has already come.
-    # Under dq_adds_overlap the warp issues step s's add first and only then waits for step
-    # s - 1's to complete and passes s - 1's turn (a bulk group per chunk: wait_group(wgs) leaves
-    # step s's groups in flight); the last step's turn passes after the loop. Step s - 1's
-    # buffer goes back to the warpgroups once its add has read it, before the warp waits for
-    # step s's turn. Each query tile still receives the same adds in the same order: a turn
-    # passes only after its add has completed, as before; only when it passes changes, later,
-    # since it now also waits for this CTA's next turn.
-    # Why it cannot deadlock: passing step s's turn now waits for this CTA's turn at its next
-    # step, which waits for the CTA before it in that step's order to pass, which may wait for
-    # that CTA's next step, and so on. Every link of the chain goes to a later step (the CTAs
-    # of one kv head walk (query head, query tile) in the same increasing order), so the chain
-    # ends; every CTA waited for is still one that the turn order puts earlier, launched
-    # before (Note [Turn order] in fa4_final.common.bwd_tiles).
+    # and the next step's add cannot start inside it even when that step's turn has come.
+    # Under dq_adds_overlap two warps of the producer warpgroup share the steps: warp 1 takes
+    # the even steps and buffer 0, warp 2 (otherwise idle) the odd steps and buffer 1, each
+    # running the one-warp cycle on its own steps (dq_step_in_turn). So step s + 1's add can be
+    # in flight while step s's completes, and each turn still passes as soon as its own add has
+    # completed. Bulk groups are counted per thread, so each warp's lane 0 waits for its own
+    # adds only; each buffer's EMPTY and FULL barriers keep their 128 + 32 threads (one MMA
+    # warpgroup, one dQ warp). Each query tile receives the same adds in the same order (a turn
+    # passes only after its add has completed), so every gradient must equal the one-warp
+    # kernel's bit for bit. No new wait: a warp waits for turns (CTAs launched before,
+    # Note [Turn order] in fa4_final.common.bwd_tiles) and for its buffer, which the MMA warpgroups
+    # fill in step order. Passing a turn only after the next step's add had been issued, with
+    # one warp, would have chained the key tiles instead: key tile n could then pass query tile
+    # m only once key tile n - 1 had passed query tile m + 1.
 
     @cute.jit
     def store_dq_two_buffers(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work,
-                             seqlen_q, seqlen_k, window_left, window_right, seq=None):
+                             seqlen_q, seqlen_k, window_left, window_right, seq=None,
+                             parity: cutlass.Constexpr = None):
         """dQ warp under dq_buffers = 2 (Note [Two dQ buffers]): store_dq's deterministic path
-        with step s's chunks read from buffer s % 2; under dq_adds_overlap step s's add is
-        issued before step s - 1's turn passes (Note [Adds in flight across turns])."""
+        with step s's chunks read from buffer s % 2. ``parity`` (dq_adds_overlap,
+        Note [Adds in flight across turns]): this warp takes only the steps with
+        s % 2 == parity, and buffer ``parity``; another dQ warp takes the others."""
         m_min, m_max, _, _, head0, group = work
         m_base = None  # varlen: the sequence's first padded tile (Note [Varlen backward])
         if const_expr(seq is not None):
             m_base = seq[2]
-        lane = cute.arch.lane_idx()
         wgs = self.dq_warpgroups
         handshake = THREADS_PER_WARPGROUP + WARP_SIZE
-        slab = self.tile_m * self.head_dim  # floats of one buffer and of one query tile
         per_head = m_max - m_min
         steps = group * per_head
-        overlap = self.cfg.dq_adds_overlap
-        prev_head, prev_m = Int32(head0), Int32(m_min)  # overlap: the turn still to pass
         for buf in cutlass.range_constexpr(2):  # both buffers start empty
-            if steps > buf:
-                for w in cutlass.range_constexpr(wgs):
-                    cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(buf)[0] + w,
-                                             number_of_threads=handshake)
+            if const_expr(parity is None or parity == buf):
+                if steps > buf:
+                    for w in cutlass.range_constexpr(wgs):
+                        cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(buf)[0] + w,
+                                                 number_of_threads=handshake)
         for h in cutlass.range(group, unroll=1):
             head = head0 + h
             gAcc = mdQaccum[None, head, b]  # (s_padded * D,)
@@ -1122,59 +1133,63 @@ class HopperBackward:
                 if const_expr(m_base is not None):
                     m_pad = m_base + m_block
                 s = h * per_head + (m_block - m_min)
-                odd = s % 2
-                turn = dq_turn(self.window, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
-                               window_left, window_right)
-                turn_ptr = mTurn[None, head, b].iterator + m_pad
-                if const_expr(overlap):  # Note [Adds in flight across turns]
-                    if s > 0 and s + 1 < steps:  # step s + 1 writes step s - 1's buffer
-                        if lane == 0:
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        cute.arch.sync_warp()
-                        self.dq_buffer_empty(1 - odd, wgs, handshake)
-                if lane == 0:
-                    wait_turn(turn_ptr, turn)
-                cute.arch.sync_warp()
-                for w in cutlass.range_constexpr(wgs):
-                    if odd == 0:
-                        cute.arch.barrier(barrier_id=dq_barrier_ids(0)[1] + w,
-                                          number_of_threads=handshake)
-                    else:
-                        cute.arch.barrier(barrier_id=dq_barrier_ids(1)[1] + w,
-                                          number_of_threads=handshake)
-                    if lane == 0:
-                        self.issue_dq_chunk(gAcc, m_pad * slab + self.dq_at(w),
-                                            self.dq_src(sdQ, w) + odd * slab, w, turn)
-                if const_expr(overlap):
-                    if s > 0:  # step s - 1's add complete (step s's wgs groups may not be)
-                        if lane == 0:
-                            cute.arch.cp_async_bulk_wait_group(wgs, read=False)
-                            cute.arch.fence_acq_rel_gpu()
-                            pass_turn(mTurn[None, prev_head, b].iterator + prev_m)
-                        cute.arch.sync_warp()
-                    prev_head, prev_m = head, m_pad
+                if const_expr(parity is None):
+                    self.dq_step_in_turn(gAcc, mTurn, sdQ, s % 2, s, steps, head, m_block,
+                                         m_pad, n_block, num_n_blocks, b, seqlen_q, seqlen_k,
+                                         window_left, window_right)
                 else:
-                    if lane == 0:
-                        cute.arch.cp_async_bulk_wait_group(0, read=False)
-                        cute.arch.fence_acq_rel_gpu()
-                        pass_turn(turn_ptr)
-                    cute.arch.sync_warp()
-                    if s + 2 < steps:  # a later step writes this buffer: hand it back
-                        self.dq_buffer_empty(odd, wgs, handshake)
-        if const_expr(overlap):
-            if steps > 0:  # the last step's turn passes once its add has completed
-                if lane == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    cute.arch.fence_acq_rel_gpu()
-                    pass_turn(mTurn[None, prev_head, b].iterator + prev_m)
-                cute.arch.sync_warp()
+                    if s % 2 == parity:
+                        self.dq_step_in_turn(gAcc, mTurn, sdQ, parity, s, steps, head,
+                                             m_block, m_pad, n_block, num_n_blocks, b,
+                                             seqlen_q, seqlen_k, window_left, window_right)
+
+    @cute.jit
+    def dq_step_in_turn(self, gAcc, mTurn, sdQ, buf, s, steps, head, m_block, m_pad, n_block,
+                        num_n_blocks, b, seqlen_q, seqlen_k, window_left, window_right):
+        """One step of a dQ warp under dq_buffers = 2: wait for the query tile's turn and for
+        buffer ``buf`` (0 or 1) to be full, add its chunks, wait for the adds to complete, pass
+        the turn, and hand the buffer back if step s + 2 writes it."""
+        lane = cute.arch.lane_idx()
+        wgs = self.dq_warpgroups
+        handshake = THREADS_PER_WARPGROUP + WARP_SIZE
+        slab = self.tile_m * self.head_dim  # floats of one buffer and of one query tile
+        turn = dq_turn(self.window, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
+                       window_left, window_right)
+        turn_ptr = mTurn[None, head, b].iterator + m_pad
+        if lane == 0:
+            wait_turn(turn_ptr, turn)
+        cute.arch.sync_warp()
+        for w in cutlass.range_constexpr(wgs):
+            if const_expr(isinstance(buf, int)):  # one dQ warp a buffer: known when traced
+                cute.arch.barrier(barrier_id=dq_barrier_ids(buf)[1] + w,
+                                  number_of_threads=handshake)
+            elif buf == 0:
+                cute.arch.barrier(barrier_id=dq_barrier_ids(0)[1] + w,
+                                  number_of_threads=handshake)
+            else:
+                cute.arch.barrier(barrier_id=dq_barrier_ids(1)[1] + w,
+                                  number_of_threads=handshake)
+            if lane == 0:
+                self.issue_dq_chunk(gAcc, m_pad * slab + self.dq_at(w),
+                                    self.dq_src(sdQ, w) + buf * slab, w, turn)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_acq_rel_gpu()
+            pass_turn(turn_ptr)
+        cute.arch.sync_warp()
+        if s + 2 < steps:  # a later step writes this buffer: hand it back
+            self.dq_buffer_empty(buf, wgs, handshake)
 
     @cute.jit
     def dq_buffer_empty(self, buf, wgs: int, handshake: int) -> None:
-        """The dQ warp hands staging buffer ``buf`` (0 or 1, dynamic) back to the MMA
-        warpgroups: one arrive on each chunk's EMPTY barrier (Note [Two dQ buffers])."""
+        """The dQ warp hands staging buffer ``buf`` (0 or 1; a Python int when the warp owns
+        one buffer) back to the MMA warpgroups: one arrive on each chunk's EMPTY barrier
+        (Note [Two dQ buffers])."""
         for w in cutlass.range_constexpr(wgs):
-            if buf == 0:
+            if const_expr(isinstance(buf, int)):
+                cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(buf)[0] + w,
+                                         number_of_threads=handshake)
+            elif buf == 0:
                 cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(0)[0] + w,
                                          number_of_threads=handshake)
             else:

@@ -274,9 +274,10 @@ class HopperBwdConfig:
     # (Note [Two dQ buffers] in fa4_final.hopper.bwd). Checked on an H100 (float64, bitwise the
     # one-buffer kernel's) and no faster there, so reachable through config= only
     dq_buffers: int = 1
-    # dq_buffers = 2 only: the dQ warp issues a step's bulk add before it waits for the previous
-    # step's add to complete and passes that step's turn (Note [Adds in flight across turns] in
-    # fa4_final.hopper.bwd). Not run on a GPU yet, so reachable through config= only
+    # dq_buffers = 2 only: two dQ warps take alternate steps (and buffers), so one step's bulk
+    # add can be in flight while the previous step's completes and its turn passes
+    # (Note [Adds in flight across turns] in fa4_final.hopper.bwd). Not run on a GPU yet, so
+    # reachable through config= only
     dq_adds_overlap: bool = False
     # the EMPTY arrives' lane read once (Note [Signalling lane]); without it the KV-tile loop
     # reads the thread index every step. Not timed, so off
@@ -458,8 +459,8 @@ class HopperBwdConfig:
                 f"dq_early_release={self.dq_early_release}, dq_uneven={self.dq_uneven}, "
                 f"dkv_swap_ab={self.dkv_swap_ab}, dq_single_wg={self.dq_single_wg}")
         if self.dq_adds_overlap is not False and (self.dq_adds_overlap is not True or nb != 2):
-            raise ValueError(f"dq_adds_overlap=True keeps a step's add in flight while the "
-                             f"previous step's turn passes, one add a staging buffer: it needs "
+            raise ValueError(f"dq_adds_overlap=True gives each of the two dQ staging buffers "
+                             f"its own dQ warp: it needs "
                              f"dq_buffers=2 (and a bool), got dq_adds_overlap="
                              f"{self.dq_adds_overlap!r}, dq_buffers={nb}")
         need = self.smem_bytes(head_dim, head_dim_v=dv)
