@@ -493,13 +493,17 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
     if head_dim_v is not None and head_dim_v != head_dim:
         return HopperBwdConfig(tile_m=32, dq_swap_ab=True, dq_uneven=True,
                                deterministic=deterministic)
-    if head_dim <= 64:
-        return HopperBwdConfig(tile_m=128, deterministic=deterministic)
+    # the deterministic mode: two dQ staging buffers, each with its own dQ warp
+    # (Note [Adds in flight across turns] in fa4_final.hopper.bwd), at 64 query rows at
+    # D = 128 (80 leave no room for the second buffer)
+    turns = dict(deterministic=True, dq_buffers=2, dq_adds_overlap=True) if deterministic else {}
+    if head_dim <= 64:  # lse and delta by shuffles (Note [Per-query values by shuffle])
+        return HopperBwdConfig(tile_m=128, rows_shuffled=True, **turns)
     if head_dim == 96:
         return HopperBwdConfig(tile_m=64, dq_single_wg=True, deterministic=deterministic)
-    if causal:
-        return HopperBwdConfig(tile_m=64, deterministic=deterministic)
-    return HopperBwdConfig(tile_m=80, dq_swap_ab=True, deterministic=deterministic)
+    if causal or deterministic:
+        return HopperBwdConfig(tile_m=64, **turns)
+    return HopperBwdConfig(tile_m=80, dq_swap_ab=True)
 
 
 # ----------------------------------------------------------------------------------------------
