@@ -51,6 +51,22 @@ PRODUCES = [
      "(det_db64: --dims 64 with fa4_final fa4_final_deterministic fa4_final_det_db)",
      "an H100 visit: the deterministic mode with two dQ staging buffers (Note [Two dQ "
      "buffers]) beside the default and the one-buffer deterministic mode"),
+    ("results/h100/bwd_phases_det_overlap*.json",
+     "python -m measure.bwd_phases --rounds 5 --dims 64 --impls fa4_final "
+     "fa4_final_deterministic fa4_final_det_db fa4_final_det_overlap --name "
+     "bwd_phases_det_overlap64 (overlap128: --dims 128 with fa4_final fa4_final_deterministic "
+     "fa4_final_det_db64 fa4_final_det_overlap64 fa4_final_det_64)",
+     "an H100 visit: two dQ staging buffers with a dQ warp each (dq_adds_overlap, "
+     "Note [Adds in flight across turns]) beside two buffers with one warp and the one-buffer "
+     "deterministic mode of that time; the overlap build became the deterministic default "
+     "after this run"),
+    ("results/h100/bwd_phases_rows_shuffled.json",
+     "python -m measure.bwd_phases --rounds 7 --dims 64 --impls fa4_final "
+     "fa4_final_rows_shuffled fa4_package --name bwd_phases_rows_shuffled",
+     "an H100 visit: lse and delta by shuffles at D = 64 (rows_shuffled, "
+     "Note [Per-query values by shuffle]) against the build without it and the FA4 package; "
+     "rows_shuffled "
+     "became the D = 64 default after this run"),
     ("results/h100/bwd_phases_det_*.json",
      "python -m measure.bwd_phases --rounds 5 --dims 128 --impls fa4_final "
      "fa4_final_deterministic fa4_final_det_c2 fa4_final_det_c4 fa4_final_det_c4_store "
@@ -103,11 +119,12 @@ CANDIDATES = {
                                "dq_first_store": True},
     # two dQ staging buffers (HopperBwdConfig.dq_buffers, Note [Two dQ buffers] in
     # fa4_final.hopper.bwd) at the default's tile where it fits (D = 64, D = 128 causal) ...
-    "fa4_final_det_db": {"dq_buffers": 2},
+    "fa4_final_det_db": {"dq_buffers": 2, "dq_adds_overlap": False},
     # ... and at 64 query rows with dQ = dS K (the D = 128 causal tile) for D = 128 not causal,
     # where 80 rows leave no room for the second buffer; fa4_final_det_64 is the same tile with
     # one buffer, so the two rows tell the tile's share from the buffer's
-    "fa4_final_det_db64": {"dq_buffers": 2, "tile_m": 64, "dq_swap_ab": False},
+    "fa4_final_det_db64": {"dq_buffers": 2, "dq_adds_overlap": False, "tile_m": 64,
+                           "dq_swap_ab": False},
     "fa4_final_det_64": {"tile_m": 64, "dq_swap_ab": False},
     # two buffers with a step's add issued before the previous step's turn passes
     # (HopperBwdConfig.dq_adds_overlap, Note [Adds in flight across turns] in

@@ -194,7 +194,7 @@ def test_rows_early_loads_lse_before_the_wait(artifacts, head_dim, causal):
     loads of lse and delta, and no first FFMA after the wait for S reading a register loaded
     after it (the build without it has such FFMAs); D = 256 is the swapped step (dkv_swap_ab),
     whose default it is."""
-    base = hopper_bwd_default(head_dim, causal)
+    base = replace(hopper_bwd_default(head_dim, causal), rows_shuffled=False)  # the lazy read
     assert base.dkv_swap_ab == (head_dim == 256) == base.rows_early
     plain = artifacts(head_dim, causal, config=replace(base, rows_early=False))["main"]
     early = artifacts(head_dim, causal, config=replace(base, rows_early=True))["main"]
@@ -308,7 +308,7 @@ def test_rows_shuffled_loads_an_eighth(artifacts, head_dim, causal):
     """HopperBwdConfig.rows_shuffled (Note [Per-query values by shuffle]) compiles clean, with
     an eighth of the LDS of lse and delta and a shuffle per column read; refused by name where
     tile_m is no multiple of 64 or with dkv_swap_ab."""
-    base = hopper_bwd_default(head_dim, causal)
+    base = replace(hopper_bwd_default(head_dim, causal), rows_shuffled=False)
     plain = artifacts(head_dim, causal, config=base)["main"]
     shuffled = artifacts(head_dim, causal, config=replace(base, rows_shuffled=True))["main"]
     assert shuffled.spills == 0 and shuffled.frame_bytes == 0, shuffled.resources()
