@@ -437,3 +437,88 @@ def _rows_early_helps_only_swapped(res):
           and len(swapped) == 24 and not any(r - 1 > sp for _d, _c, r, sp in swapped))
     return ok, (f"D64 {[round(r, 3) for r, _ in d64]}, D128 {[round(r, 3) for r, _ in d128]}, "
                 f"D256 causal {[round(r, 3) for r, _ in d256c]}")
+
+
+# the H100 run of the dQ warp per buffer (HopperBwdConfig.dq_adds_overlap): (run, overlap
+# build, two buffers with one warp, one buffer at the same tile) per head dim; at D = 128 the
+# one-buffer deterministic mode of that run kept its 80-row tile
+OVERLAP_RUNS = {64: ("bwd_phases_det_overlap64", "fa4_final_det_overlap", "fa4_final_det_db"),
+                128: ("bwd_phases_det_overlap128", "fa4_final_det_overlap64",
+                      "fa4_final_det_db64")}
+
+
+def overlap_rows() -> list[tuple]:
+    """(d, s, causal, over the default: overlap, two buffers one warp, one buffer (the
+    deterministic mode of that run); overlap over one buffer, the larger of their spreads) per
+    stored shape; nothing for a run not stored."""
+    out = []
+    for d, (name, over, two) in OVERLAP_RUNS.items():
+        res = _stored(name)
+        if res is None:
+            continue
+        rows = _total_rows(res)
+        for (impl, dd, s, c), r in sorted(rows.items()):
+            if impl != "fa4_final" or dd != d:
+                continue
+            o, t, one = (rows.get((k, d, s, c)) for k in (over, two, "fa4_final_deterministic"))
+            if not (o and t and one):
+                continue
+            base = r["value"]
+            out.append((d, s, c, o["value"] / base, t["value"] / base, one["value"] / base,
+                        o["value"] / one["value"], max(o.get("spread") or 0,
+                                                       one.get("spread") or 0)))
+    return out
+
+
+def overlap_lines() -> list[str]:
+    return [f"  D{d:<3} S{s:<6} {'causal' if c else 'dense':6s} over the default: a dQ warp "
+            f"per buffer {o:.3f}, two buffers one warp {t:.3f}, one buffer {one:.3f}; "
+            f"the first over the last {r:.3f} (spread {sp:.1%})"
+            for d, s, c, o, t, one, r, sp in overlap_rows()]
+
+
+@claim("HB.overlap_halves_the_price", "bwd_phases_det_overlap128",
+       "a dQ warp per buffer is faster than one buffer at all eight shapes, beyond the spread "
+       "at seven, faster than two buffers with one warp at all eight, and within 3% of one "
+       "buffer at D = 64, S = 4096 dense only", gpu=GPU)
+def _overlap_halves_the_price(res):
+    rows = overlap_rows()
+    ok = (len(rows) == 8 and all(r < 1 for *_x, r, _sp in rows)
+          and sum(1 - r > sp for *_x, r, sp in rows) >= 7
+          and all(o < t for _d, _s, _c, o, t, *_y in rows)
+          and [(d, s, c) for d, s, c, *_y, r, _sp in rows if r >= 0.97] == [(64, 4096, False)])
+    return ok, "; ".join(f"D{d} S{s} {'c' if c else 'd'} {o:.3f} (one buffer {one:.3f})"
+                         for d, s, c, o, _t, one, _r, _sp in rows)
+
+
+def rows_shuffled_pairs() -> list[tuple]:
+    """(d, s, causal, rows_shuffled total / the lazy read's, the larger spread, the FA4
+    package's total / rows_shuffled's) per stored shape of the D = 64 run."""
+    res = _stored("bwd_phases_rows_shuffled")
+    if res is None:
+        return []
+    rows = _total_rows(res)
+    return [(d, s, c, r, sp, rows[("fa4_package", d, s, c)]["value"]
+             / rows[("fa4_final_rows_shuffled", d, s, c)]["value"])
+            for d, s, c, r, sp in _ratio_pairs(res, "fa4_final_rows_shuffled", "fa4_final")
+            if ("fa4_package", d, s, c) in rows]
+
+
+def rows_shuffled_lines() -> list[str]:
+    return [f"  D{d:<3} S{s:<6} {'causal' if c else 'dense':6s} shuffles / lazy reads {r:.3f} "
+            f"(spread {sp:.1%}, {'beyond' if abs(r - 1) > sp else 'within'} it); the FA4 "
+            f"package's time over the shuffles' {p:.3f}"
+            for d, s, c, r, sp, p in rows_shuffled_pairs()]
+
+
+@claim("HB.shuffles_faster_at_d64", "bwd_phases_rows_shuffled",
+       "lse and delta by shuffles are faster than the lazy reads at all four D = 64 shapes, "
+       "beyond the spread at both S = 4096 shapes, and the FA4 package is slower than them at "
+       "all four", gpu=GPU)
+def _shuffles_faster_at_d64(res):
+    pairs = rows_shuffled_pairs()
+    ok = (len(pairs) == 4 and all(r < 1 for _d, _s, _c, r, _sp, _p in pairs)
+          and all(1 - r > sp for _d, s, _c, r, sp, _p in pairs if s == 4096)
+          and all(p > 1 for *_x, p in pairs))
+    return ok, "; ".join(f"S{s} {'c' if c else 'd'} {r:.3f} (spread {sp:.1%}), package {p:.3f}"
+                         for _d, s, c, r, sp, p in pairs)

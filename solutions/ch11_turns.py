@@ -23,9 +23,11 @@ checked three ways:
 - on a GPU (``check_add_in_turn_on_gpu``): the deterministic backward with it against float64
   on awkward shapes, and two runs bitwise equal.
 
-fa4_final keeps the turn inline in ``HopperBackward.store_dq``; the seam it would need is a
-method ``add_in_turn(lane, counter, my_turn, add_blocks)`` called where the deterministic branch
-is (``HopperTurns.store_dq`` repeats the rest of that method).
+fa4_final keeps the turn inline in ``HopperBackward.store_dq`` (one dQ warp, one staging buffer:
+the kernel checked here) and in ``dq_step_in_turn`` (its deterministic default at D = 64 and 128,
+two dQ warps on alternate query tiles); the seam it would need is a method
+``add_in_turn(lane, counter, my_turn, add_blocks)`` called where the deterministic branch is
+(``HopperTurns.store_dq`` repeats the rest of that method).
 """
 
 from __future__ import annotations

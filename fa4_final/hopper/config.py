@@ -272,12 +272,13 @@ class HopperBwdConfig:
     # deterministic only: two dQ staging buffers, step s's dQ in buffer s % 2, so the MMA
     # warpgroups write a step's dQ while the dQ warp still waits for the previous step's turn
     # (Note [Two dQ buffers] in fa4_final.hopper.bwd). Checked on an H100 (float64, bitwise the
-    # one-buffer kernel's) and no faster there, so reachable through config= only
+    # one-buffer kernel's); no faster with one dQ warp, so the deterministic default at D = 64
+    # and 128 pairs it with dq_adds_overlap
     dq_buffers: int = 1
     # dq_buffers = 2 only: two dQ warps take alternate steps (and buffers), so one step's bulk
     # add can be in flight while the previous step's completes and its turn passes
-    # (Note [Adds in flight across turns] in fa4_final.hopper.bwd). Not run on a GPU yet, so
-    # reachable through config= only
+    # (Note [Adds in flight across turns] in fa4_final.hopper.bwd). The deterministic default
+    # at D = 64 and 128: faster than one buffer at every shape timed on an H100
     dq_adds_overlap: bool = False
     # the EMPTY arrives' lane read once (Note [Signalling lane]); without it the KV-tile loop
     # reads the thread index every step. Not timed, so off
@@ -311,8 +312,8 @@ class HopperBwdConfig:
     rows_early: bool = False
     # lse and delta loaded an eighth per lane group and passed on by shuffles
     # (Note [Per-query values by shuffle] in fa4_final.hopper.bwd): the step of tile_m a
-    # multiple of 64 without dkv_swap_ab. A candidate, reached through config= only until it
-    # is timed
+    # multiple of 64 without dkv_swap_ab. The D = 64 default (faster than the lazy read on an
+    # H100); not timed at D = 128, so off there
     rows_shuffled: bool = False
 
     @property
@@ -479,12 +480,15 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
                        deterministic: bool = False,
                        head_dim_v: int | None = None) -> HopperBwdConfig:
     """The backward's starting configs, FA3's on H100 (FA4 package's _tile_size_bwd_sm90):
-    D = 64: 128 x 128; D = 96: 64 x 128 with dQ by one warpgroup; D = 128: 64 x 128 (80 x 128
-    with dQ swapped when not causal). D = 192 with dv = 128: 32 x 128 with dQ^T split 128 + 64
-    rows of D (Note [dQ split unevenly] in fa4_final.hopper.bwd). D = dv = 192: 64 x 96 and
-    D = 256: 64 x 48, dK and dV swapped, two Q stages and one dO stage, as the FA4 package
-    (Note [dK and dV swapped]), lse and delta read before the GEMM waits (rows_early:
-    Note [Per-query values before the wait])."""
+    D = 64: 128 x 128 with lse and delta by shuffles
+    (rows_shuffled: Note [Per-query values by shuffle]); D = 96: 64 x 128 with dQ by one
+    warpgroup; D = 128: 64 x 128 (80 x 128 with dQ swapped when not causal and not
+    deterministic). Deterministic at D = 64 and 128: two dQ staging buffers with a dQ warp
+    each (Note [Adds in flight across turns] in fa4_final.hopper.bwd). D = 192 with dv = 128:
+    32 x 128 with dQ^T split 128 + 64 rows of D (Note [dQ split unevenly]). D = dv = 192:
+    64 x 96 and D = 256: 64 x 48, dK and dV swapped, two Q stages and one dO stage, as the
+    FA4 package (Note [dK and dV swapped]), lse and delta read before the GEMM waits
+    (rows_early: Note [Per-query values before the wait])."""
     if head_dim in SWAPPED_HEAD_DIMS and head_dim_v in (None, head_dim):
         return HopperBwdConfig(tile_m=64, stages_q=2, stages_do=1, stages_ds=1,
                                dq_swap_ab=True, dq_uneven=True, dkv_swap_ab=True,
