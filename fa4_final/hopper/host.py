@@ -341,8 +341,9 @@ def timeline_buffer(device, cfg: HopperFwdConfig) -> torch.Tensor:
 def backward_config(head_dim: int, causal: bool, deterministic: bool,
                     config: HopperBwdConfig | None,
                     head_dim_v: int | None = None) -> HopperBwdConfig:
-    """``config`` (or the default for (head_dim, head_dim_v)), deterministic when asked."""
-    cfg = config or hopper_bwd_default(head_dim, causal, head_dim_v=head_dim_v)
+    """``config`` (or the default for (head_dim, head_dim_v) and the mode: the deterministic
+    mode has configs of its own), deterministic when asked."""
+    cfg = config or hopper_bwd_default(head_dim, causal, deterministic, head_dim_v=head_dim_v)
     if not isinstance(cfg, HopperBwdConfig):
         raise TypeError(f"config must be a HopperBwdConfig or None, got {type(cfg).__name__}")
     if deterministic and not cfg.deterministic:
