@@ -67,6 +67,14 @@ PRODUCES = [
      "Note [Per-query values by shuffle]) against the build without it and the FA4 package; "
      "rows_shuffled "
      "became the D = 64 default after this run"),
+    ("results/h100/bwd_phases_defaults.json",
+     "python -m measure.bwd_phases --rounds 5 --dims 128 64 --impls fa4_final "
+     "fa4_final_deterministic fa4_package --name bwd_phases_defaults",
+     "an H100 visit: fa4_final's backward with lse and delta by shuffles as the D = 64 default, "
+     "beside the FA4 package, D = 128 and 64. Its fa4_final_deterministic rows are the "
+     "one-buffer mode: at the commit of this run the deterministic call still took the default "
+     "mode's config with the flag set (fixed after it; bwd_phases_det_overlap*.json time the "
+     "deterministic default of now through config=)"),
     ("results/h100/bwd_phases_det_*.json",
      "python -m measure.bwd_phases --rounds 5 --dims 128 --impls fa4_final "
      "fa4_final_deterministic fa4_final_det_c2 fa4_final_det_c4 fa4_final_det_c4_store "
