@@ -49,6 +49,8 @@ BUILDS = [  # (id, head_dim, dtype, causal, keywords of backward_recipe), the de
         tile_m=64, deterministic=True, dq_buffers=2, dq_adds_overlap=True))),
 ]
 SPLIT = {"d96", "d192", "d192v192", "d256"}  # the builds with a loop per MMA warpgroup
+# a dQ warp per buffer: the deterministic default at D = 64 and 128, and the explicit build
+OVERLAP = {"d64_causal_det", "d128_causal_det_overlap"}
 
 
 def coop_offsets(cubin: bytes) -> set[int]:
@@ -184,13 +186,13 @@ def test_named_barriers_are_reached_as_they_promise(monkeypatch, name, head_dim,
                                                     kw):
     main, records = traced_build(monkeypatch, head_dim, dtype, causal, kw)
     roles = {r[0] for r in records}
-    dq = {"dq0", "dq1"} if name.endswith("_overlap") else {"dq"}
+    dq = {"dq0", "dq1"} if name in OVERLAP else {"dq"}
     assert roles == (dq | {"mma0", "mma1"} if name in SPLIT else dq | {"mma"})  # TMA: none
     assert not barrier_rule_breaks(records)
     dq_ids = {r[2] for r in records if r[0] in dq}  # EMPTY arrives, FULL waits per buffer
-    assert dq_ids == (set(range(4, 12)) if name.endswith(("_db", "_overlap")) else
+    assert dq_ids == (set(range(4, 12)) if name.endswith("_db") or name in OVERLAP else
                       {4, 6} if name == "d96" else {4, 5, 6, 7}), sorted(dq_ids)
-    if name.endswith("_overlap"):  # buffer 0's barriers for the even steps' warp, 1's for odd
+    if name in OVERLAP:  # buffer 0's barriers for the even steps' warp, 1's for odd
         for warp, ids in (("dq0", {4, 5, 6, 7}), ("dq1", {8, 9, 10, 11})):
             assert {r[2] for r in records if r[0] == warp} == ids, warp
     unaligned_ids = {r[2] for r in records if r[1] == "wait" and not r[4]}

@@ -1166,15 +1166,7 @@ class HopperBackward:
             wait_turn(turn_ptr, turn)
         cute.arch.sync_warp()
         for w in cutlass.range_constexpr(wgs):
-            if const_expr(isinstance(buf, int)):  # one dQ warp a buffer: known when traced
-                cute.arch.barrier(barrier_id=dq_barrier_ids(buf)[1] + w,
-                                  number_of_threads=handshake)
-            elif buf == 0:
-                cute.arch.barrier(barrier_id=dq_barrier_ids(0)[1] + w,
-                                  number_of_threads=handshake)
-            else:
-                cute.arch.barrier(barrier_id=dq_barrier_ids(1)[1] + w,
-                                  number_of_threads=handshake)
+            self.dq_buffer_barrier(buf, True, w, handshake)
             if lane == 0:
                 self.issue_dq_chunk(gAcc, m_pad * slab + self.dq_at(w),
                                     self.dq_src(sdQ, w) + buf * slab, w, turn)
@@ -1188,19 +1180,25 @@ class HopperBackward:
 
     @cute.jit
     def dq_buffer_empty(self, buf, wgs: int, handshake: int) -> None:
-        """The dQ warp hands staging buffer ``buf`` (0 or 1; a Python int when the warp owns
-        one buffer) back to the MMA warpgroups: one arrive on each chunk's EMPTY barrier
-        (Note [Two dQ buffers])."""
+        """The dQ warp hands staging buffer ``buf`` back to the MMA warpgroups: one arrive on
+        each chunk's EMPTY barrier (Note [Two dQ buffers])."""
         for w in cutlass.range_constexpr(wgs):
-            if const_expr(isinstance(buf, int)):
-                cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(buf)[0] + w,
-                                         number_of_threads=handshake)
-            elif buf == 0:
-                cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(0)[0] + w,
-                                         number_of_threads=handshake)
-            else:
-                cute.arch.barrier_arrive(barrier_id=dq_barrier_ids(1)[0] + w,
-                                         number_of_threads=handshake)
+            self.dq_buffer_barrier(buf, False, w, handshake)
+
+    @cute.jit
+    def dq_buffer_barrier(self, buf, full: cutlass.Constexpr[bool], w: cutlass.Constexpr[int],
+                          handshake: int) -> None:
+        """The dQ warp at chunk ``w``'s barrier of staging buffer ``buf`` (0 or 1; a Python
+        int when the warp owns one buffer, Note [Adds in flight across turns], so only that
+        buffer's barrier is traced): FULL waits, EMPTY arrives."""
+        op = cute.arch.barrier if const_expr(full) else cute.arch.barrier_arrive
+        which = 1 if const_expr(full) else 0
+        if const_expr(isinstance(buf, int)):
+            op(barrier_id=dq_barrier_ids(buf)[which] + w, number_of_threads=handshake)
+        elif buf == 0:
+            op(barrier_id=dq_barrier_ids(0)[which] + w, number_of_threads=handshake)
+        else:
+            op(barrier_id=dq_barrier_ids(1)[which] + w, number_of_threads=handshake)
 
     @cute.jit
     def issue_dq_chunk(self, gAcc, offset, src, w: int, first_turn) -> None:
