@@ -220,8 +220,7 @@ def two_buffer_pairs():
 
 
 def two_buffer_lines() -> list[str]:
-    return [f"  D{d:<3} S{s:<6} {'causal' if c else 'dense':6s}  two buffers / one at the same "
-            f"tile {r:.3f} (spread {sp:.1%}, {'beyond' if abs(r - 1) > sp else 'within'} it); "
+    return [f"  {_shape(d, s, c)}  {_against('two buffers / one at the same tile', r, sp)}; "
             f"one buffer / default {b:.3f}" for d, s, c, r, sp, b in two_buffer_pairs()]
 
 
@@ -284,6 +283,15 @@ def _ratio_pairs(res, new: str, old: str) -> list[tuple]:
     return out
 
 
+def _shape(d, s, c) -> str:
+    return f"D{d:<3} S{s:<6} {'causal' if c else 'dense':6s}"
+
+
+def _against(what: str, r: float, sp: float) -> str:
+    """``what`` ratio ``r`` with the rounds' spread and whether it lies beyond it."""
+    return f"{what} {r:.3f} (spread {sp:.1%}, {'beyond' if abs(r - 1) > sp else 'within'} it)"
+
+
 def release_pairs() -> list[tuple]:
     """(mode, which, d, s, causal, every-thread total / one-lane total, the larger spread) per
     stored shape of the nine-round H100 runs; nothing for a run not stored."""
@@ -298,9 +306,8 @@ def release_pairs() -> list[tuple]:
 
 
 def release_lines() -> list[str]:
-    return [f"  {mode:12s} {which:13s} D{d:<3} S{s:<6} {'causal' if c else 'dense':6s} "
-            f"every thread / one lane {r:.3f} (spread {sp:.1%}, "
-            f"{'beyond' if abs(r - 1) > sp else 'within'} it)"
+    return [f"  {mode:12s} {which:13s} {_shape(d, s, c)} "
+            f"{_against('every thread / one lane', r, sp)}"
             for mode, which, d, s, c, r, sp in release_pairs()]
 
 
@@ -413,9 +420,8 @@ def rows_early_pairs() -> list[tuple]:
 
 
 def rows_early_lines() -> list[str]:
-    return [f"  {name.replace('bwd_phases_', ''):28s} D{d:<3} S{s:<6} "
-            f"{'causal' if c else 'dense':6s} rows_early / lazy reads {r:.3f} (spread {sp:.1%}, "
-            f"{'beyond' if abs(r - 1) > sp else 'within'} it)"
+    return [f"  {name.replace('bwd_phases_', ''):28s} {_shape(d, s, c)} "
+            f"{_against('rows_early / lazy reads', r, sp)}"
             for name, d, s, c, r, sp in rows_early_pairs()]
 
 
@@ -471,7 +477,7 @@ def overlap_rows() -> list[tuple]:
 
 
 def overlap_lines() -> list[str]:
-    return [f"  D{d:<3} S{s:<6} {'causal' if c else 'dense':6s} over the default: a dQ warp "
+    return [f"  {_shape(d, s, c)} over the default: a dQ warp "
             f"per buffer {o:.3f}, two buffers one warp {t:.3f}, one buffer {one:.3f}; "
             f"the first over the last {r:.3f} (spread {sp:.1%})"
             for d, s, c, o, t, one, r, sp in overlap_rows()]
@@ -505,8 +511,7 @@ def rows_shuffled_pairs() -> list[tuple]:
 
 
 def rows_shuffled_lines() -> list[str]:
-    return [f"  D{d:<3} S{s:<6} {'causal' if c else 'dense':6s} shuffles / lazy reads {r:.3f} "
-            f"(spread {sp:.1%}, {'beyond' if abs(r - 1) > sp else 'within'} it); the FA4 "
+    return [f"  {_shape(d, s, c)} {_against('shuffles / lazy reads', r, sp)}; the FA4 "
             f"package's time over the shuffles' {p:.3f}"
             for d, s, c, r, sp, p in rows_shuffled_pairs()]
 
