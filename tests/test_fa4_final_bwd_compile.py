@@ -259,7 +259,10 @@ def test_input_checks_say_what_is_wrong():
 
 def test_deterministic_flag_reaches_the_config():
     cfg = backward_config(128, False, True, None)
-    assert cfg.deterministic and cfg == replace(hopper_bwd_default(128), deterministic=True)
+    # the deterministic mode's own default (Note [Adds in flight across turns]), not the
+    # default mode's config with the flag set
+    assert cfg.deterministic and cfg == hopper_bwd_default(128, deterministic=True)
+    assert cfg.dq_adds_overlap and cfg.dq_buffers == 2
     assert backward_config(128, True, False, HopperBwdConfig(tile_m=64)).tile_m == 64
 
 
