@@ -107,10 +107,10 @@ def test_dq_turns_model_two_buffers_keep_the_add_order_and_never_cost_more():
 
 
 def test_dq_turns_model_adds_overlap_keeps_the_add_order_and_ends():
-    """dq_adds_overlap (Note [Adds in flight across turns]): a turn passes only behind the
-    CTA's next add, yet no CTA is left waiting (few slots, so CTAs wait on ones launched
-    before them, GQA groups, causal or not) and every accumulator tile gets the in-turn
-    build's adds in the same order. Refused without two buffers or without turns."""
+    """dq_adds_overlap (Note [Adds in flight across turns]): two dQ warps on alternate steps,
+    each passing its own turns; no CTA is left waiting (few slots, so CTAs wait on ones
+    launched before them, GQA groups, causal or not) and every accumulator tile gets the
+    one-warp build's adds in the same order. Refused without two buffers or without turns."""
     from measure.dq_turns_model import Shape, simulate
 
     for causal in (False, True):

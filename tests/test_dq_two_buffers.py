@@ -126,18 +126,3 @@ def test_adds_overlap_compiles_clean_with_a_dq_warp_per_buffer(head_dim, causal,
     assert one[:len(cycle)] == cycle, one
     assert two[:2 * len(cycle)] == 2 * cycle, two
     assert not any(re.fullmatch(r"cp\.async\.bulk\.wait_group [1-9]\d*", t) for t in two), two
-
-
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_the_deterministic_call_gets_the_deterministic_default(head_dim, causal):
-    """What deterministic=True runs without a config= is hopper_bwd_default's deterministic
-    config (two dQ buffers with a dQ warp each at D = 64 and 128), not the default mode's
-    config with the flag set; and a config= passed in is kept, only made deterministic."""
-    from fa4_final.hopper.host import backward_config
-
-    assert backward_config(head_dim, causal, True, None) == hopper_bwd_default(
-        head_dim, causal, deterministic=True)
-    assert backward_config(head_dim, causal, False, None) == hopper_bwd_default(head_dim, causal)
-    mine = HopperBwdConfig(tile_m=64)
-    assert backward_config(head_dim, causal, True, mine) == replace(mine, deterministic=True)

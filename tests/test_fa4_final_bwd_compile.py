@@ -257,12 +257,20 @@ def test_input_checks_say_what_is_wrong():
         backward(q, k, v, out, lse, dout)  # valid, but on a CPU
 
 
-def test_deterministic_flag_reaches_the_config():
-    cfg = backward_config(128, False, True, None)
-    # the deterministic mode's own default (Note [Adds in flight across turns]), not the
-    # default mode's config with the flag set
-    assert cfg.deterministic and cfg == hopper_bwd_default(128, deterministic=True)
-    assert cfg.dq_adds_overlap and cfg.dq_buffers == 2
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_flag_reaches_the_config(head_dim, causal):
+    """What deterministic=True runs without a config= is hopper_bwd_default's deterministic
+    config (two dQ buffers with a dQ warp each at D = 64 and 128,
+    Note [Adds in flight across turns]), not the default mode's config with the flag set; a
+    config= passed in is kept, only made deterministic."""
+    cfg = backward_config(head_dim, causal, True, None)
+    assert cfg.deterministic and cfg == hopper_bwd_default(head_dim, causal, deterministic=True)
+    if head_dim != 96:
+        assert cfg.dq_adds_overlap and cfg.dq_buffers == 2
+    assert backward_config(head_dim, causal, False, None) == hopper_bwd_default(head_dim, causal)
+    mine = HopperBwdConfig(tile_m=64)
+    assert backward_config(head_dim, causal, True, mine) == replace(mine, deterministic=True)
     assert backward_config(128, True, False, HopperBwdConfig(tile_m=64)).tile_m == 64
 
 
