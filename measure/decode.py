@@ -40,9 +40,13 @@ The page table maps each sequence's ``keys / page`` pages to a random permutatio
 pages (a view of the same memory, ``--page`` keys per page), as a serving engine's allocator
 leaves them; the contiguous rows read the cache in order.
 
-Two modes (the column ``mode``): ``flush``, the L2 overwritten before every call (one decode
-step at a time, as a model runs it between other layers), and ``back_to_back`` (calls one after
-another with nothing between; a cache that fits in L2 may then be read from it).
+Modes (the column ``mode``): ``flush``, the L2 overwritten before every call (one decode step at
+a time, as a model runs it between other layers), and ``back_to_back`` (calls one after another
+with nothing between; a cache that fits in L2 may then be read from it). At batch 1 and short
+caches a call back to back waits for the host (the Python of its API, its launches); opt-in
+``--modes graph`` times each call captured once in a CUDA graph and replayed back to back, as
+a serving engine replays a decode step: no host work in the time, and a call that cannot be
+captured gets a row saying why (measure._modes.graphed).
 
 Bytes and the memory roofline: a row's ``kv_bytes`` is what the cache holds for the shape (K and
 V, every sequence and KV head); ``read_tbps`` = kv_bytes / time, and ``of_copy`` divides it by the
@@ -72,6 +76,7 @@ import torch
 from measure._modes import (
     MODES,
     add_timing_args,
+    capture_in_graph,
     check_timing_args,
     deadline_note,
     past_deadline,
@@ -92,6 +97,13 @@ PRODUCES = [
      "--keys 1024 8192 32768 131072 --heads 32/8 64/8 --deadline <now + 500>",
      "an H100 visit (no H200 was lent): batch 32 at D = 128, every token and key count, GQA 4 "
      "and 8, fa4_final's call, its decode kernel and the peers"),
+    ("results/h100/decode_grid*_h100.json", "python -m measure.decode --name decode_grid_h100 "
+     "--dims 128 --heads 32/8 --no-keys-on-m --rows fa4_final_splits fa4_final_paged_splits "
+     "fa4_final_decode fa4_final_decode_paged fa4_package fa4_package_splits fa4_package_paged "
+     "sdpa_flash sdpa_cudnn --deadline 440 (h64: --heads 64/8; d64: --dims 64)",
+     "an H100 visit: issue 32's grid (batch 1, 32, 128; 1, 4, 16 tokens; 1k-128k keys) at "
+     "D = 128 with GQA 4 and 8 and at D = 64 with GQA 4, the calls with the split heuristic, "
+     "the kernel launched directly and every peer"),
     ("results/h100/decode_keys_on_m.json", "python -m measure.decode --name decode_keys_on_m "
      "--dims 128 --batch 1 32 --tokens 1 4 --keys 1024 8192 32768 --heads 32/8 64/8 "
      "--deadline <now + 330>", "the same H100 visit: the decode kernel with the keys on the "
@@ -427,13 +439,15 @@ def _calls(shape: DecodeShape, page: int, requested_splits: int = 0, device="cud
     return calls, extra
 
 
-def _copy_rows(gib: float, rounds: int) -> list[dict]:
+def _copy_rows(gib: float, rounds: int, modes=MODES) -> list[dict]:
     n = int(gib * 2**30)
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
     rows = []
-    for mode in MODES:
-        m = bench.interleaved({"copy": lambda a=src, b=dst: b.copy_(a)}, rounds=rounds, rep=20,
+    for mode in modes:
+        copy = lambda a=src, b=dst: b.copy_(a)  # noqa: E731
+        copy = capture_in_graph(copy) if mode == "graph" else copy
+        m = bench.interleaved({"copy": copy}, rounds=rounds, rep=20,
                               flush_l2=(mode == "flush"))["copy"]
         tbps = 2 * n / (m.median_ms * 1e-3) / 1e12 if m.median_ms else None
         rows.append({"impl": "copy", "metric": "copy_rate", "value": tbps, "unit": "TB/s",
@@ -496,7 +510,7 @@ def main(argv=None) -> int:
         return 2
 
     start = time.monotonic()
-    rows = _copy_rows(args.copy_gib, args.rounds)
+    rows = _copy_rows(args.copy_gib, args.rounds, args.modes)
     shapes = grid(args.tokens, args.keys, args.batch, heads, args.dims)
     done = 0
     for shape in shapes:

@@ -50,3 +50,33 @@ def test_rows_in_modes_times_every_call_in_every_mode_and_says_why_not(monkeypat
         ("a", "flush"), ("b", "flush"), ("a", "back_to_back"), ("b", "back_to_back")]
     assert rows[0]["max_diff"] == 0.0 and abs(rows[0]["tflops"] - 2e12 / 1e-3 / 1e12) < 1e-9
     assert rows[1]["ms"] is None and rows[1]["error"] == "not built"
+
+
+def test_graph_mode_times_the_replays_and_says_which_call_cannot_be_captured(monkeypatch):
+    from types import SimpleNamespace
+
+    from measure import _modes
+    from utils import bench
+
+    timed = []
+
+    def fake_interleaved(calls, rounds, rep, max_seconds, flush_l2):
+        assert not flush_l2  # replays run back to back
+        timed.append({name: fn() for name, fn in calls.items()})
+        return {name: bench.Measured(ms_rounds=[1.0, 1.0, 1.0]) for name in calls}
+
+    def fake_capture(fn):
+        if fn() == "syncs":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return lambda: "replayed"
+
+    monkeypatch.setattr(bench, "interleaved", fake_interleaved)
+    args = SimpleNamespace(modes=["graph"], rounds=3, rep=5, max_seconds=0.1)
+    rows = _modes.rows_in_modes({"ours": lambda: "eager", "peer": lambda: "syncs"},
+                                {"ours": {"splits": 4}}, {"s": 1024}, 1e9, args,
+                                capture=fake_capture)
+    assert timed == [{"ours": "replayed"}]  # the replay is timed, not the eager call
+    by = {r["impl"]: r for r in rows}
+    assert by["ours"]["mode"] == "graph" and by["ours"]["splits"] == 4 and by["ours"]["ms"]
+    assert by["peer"]["ms"] is None and "not captured in a CUDA graph" in by["peer"]["error"]
+    assert "RuntimeError" in by["peer"]["error"]
