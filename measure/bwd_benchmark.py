@@ -32,7 +32,10 @@ IMPLS = ("fa4_final", "fa4_final_deterministic")
 PRODUCES = [("results/h200/ch11_bwd.json", "python -m measure.bwd_benchmark",
              "the backward (dQ, dK, dV from a stored forward) of fa4_final, default and "
              "deterministic, beside SDPA flash, cuDNN and the FA4 package: D = 128, S = 4096 and "
-             "16384, causal or not, 3 interleaved rounds, gradients checked against SDPA flash")]
+             "16384, causal or not, 3 interleaved rounds, gradients checked against SDPA flash"),
+            ("results/h100/bwd_bench_h100.json", "python -m measure.bwd_benchmark --dims 64 128 "
+             "--rounds 3 --name bwd_bench_h100", "an H100 visit (no H200 was lent): the same "
+             "at D = 64 and 128, calls back to back")]
 
 
 def _ours(deterministic: bool):

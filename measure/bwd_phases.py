@@ -67,14 +67,18 @@ PRODUCES = [
      "Note [Per-query values by shuffle]) against the build without it and the FA4 package; "
      "rows_shuffled "
      "became the D = 64 default after this run"),
-    ("results/h100/bwd_phases_defaults.json",
+    ("results/h100/bwd_phases_defaults*.json",
      "python -m measure.bwd_phases --rounds 5 --dims 128 64 --impls fa4_final "
-     "fa4_final_deterministic fa4_package --name bwd_phases_defaults",
-     "an H100 visit: fa4_final's backward with lse and delta by shuffles as the D = 64 default, "
-     "beside the FA4 package, D = 128 and 64. Its fa4_final_deterministic rows are the "
-     "one-buffer mode: at the commit of this run the deterministic call still took the default "
-     "mode's config with the flag set (fixed after it; bwd_phases_det_overlap*.json time the "
-     "deterministic default of now through config=)"),
+     "fa4_final_deterministic fa4_package --name bwd_phases_defaults (add --flush: _flush)",
+     "an H100 visit: fa4_final's backward as a call runs it, the default and the deterministic "
+     "mode (two dQ buffers with a dQ warp each at D = 64 and 128; lse and delta by shuffles at "
+     "D = 64), beside the FA4 package, D = 128 and 64; calls back to back, and one call at a "
+     "time after an L2 flush"),
+    ("results/h100/bwd_phases_rows_shuffled128.json",
+     "python -m measure.bwd_phases --rounds 7 --dims 128 --causal yes --impls fa4_final "
+     "fa4_final_rows_shuffled fa4_package --name bwd_phases_rows_shuffled128",
+     "the same visit: lse and delta by shuffles at D = 128, causal (the dense default is an "
+     "80-row tile, which it refuses), against the default and the FA4 package"),
     ("results/h100/bwd_phases_det_*.json",
      "python -m measure.bwd_phases --rounds 5 --dims 128 --impls fa4_final "
      "fa4_final_deterministic fa4_final_det_c2 fa4_final_det_c4 fa4_final_det_c4_store "

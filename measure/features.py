@@ -88,6 +88,9 @@ PRODUCES = [
      "the same at six cases, S = 16384 and 4096; at D = dv = 192 and 256 the FA4 package's "
      "tile and the 64-key tile side by side (read by chapter 08's prediction 08.p4 and the "
      "head-dims lab; the package's default there follows it)"),
+    ("results/h100/features.json", "python -m measure.features --deadline <now + 455>",
+     "an H100 visit (no H200 was lent): the forward grid of the first row, every case, S = 4096 "
+     "and 16384"),
     ("results/h100/features_bwd.json", "python -m measure.features --name features_bwd "
      "--cases bwd_d96 bwd_d192 --deadline 240",
      "an H100 visit: the backward at D = 96 and at D = 192 with dv = 128 beside the FA4 "
