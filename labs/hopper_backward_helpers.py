@@ -527,3 +527,73 @@ def _shuffles_faster_at_d64(res):
           and all(p > 1 for *_x, p in pairs))
     return ok, "; ".join(f"S{s} {'c' if c else 'd'} {r:.3f} (spread {sp:.1%}), package {p:.3f}"
                          for _d, s, c, r, sp, p in pairs)
+
+
+DEFAULT_RUNS = (("back to back", "bwd_phases_defaults"),
+                ("after an L2 flush", "bwd_phases_defaults_flush"))
+
+
+def defaults_rows() -> list[tuple]:
+    """(mode, d, s, causal, the FA4 package's total / ours, the larger spread, deterministic /
+    default, the larger spread) per stored shape of the two runs of the backward as a call
+    runs it; nothing for a run not stored."""
+    out = []
+    for mode, name in DEFAULT_RUNS:
+        res = _stored(name)
+        if res is None:
+            continue
+        det = {p[:3]: p[3:] for p in _ratio_pairs(res, "fa4_final_deterministic", "fa4_final")}
+        out += [(mode, d, s, c, r, sp, *det[(d, s, c)])
+                for d, s, c, r, sp in _ratio_pairs(res, "fa4_package", "fa4_final")
+                if (d, s, c) in det]
+    return out
+
+
+def defaults_lines() -> list[str]:
+    lines, last = [], None
+    for mode, d, s, c, r, sp, dr, dsp in defaults_rows():
+        if mode != last:
+            lines.append(f"calls {mode}:")
+            last = mode
+        lines.append(f"  {_shape(d, s, c)} {_against('FA4 package / ours', r, sp)}; "
+                     f"deterministic / default {dr:.3f} (spread {dsp:.1%})")
+    return lines
+
+
+@claim("HB.defaults_d128_behind_d64_ahead", "bwd_phases_defaults",
+       "in both runs the FA4 package's time over ours is at most 1.001 at all four D = 128 "
+       "shapes, below 1 beyond the spread only at S = 4096 causal, and above 1 at all four "
+       "D = 64 shapes, beyond the spread at both S = 4096 shapes", gpu=GPU)
+def _defaults_d128_behind_d64_ahead(res):
+    rows = defaults_rows()
+    d128 = [(m, s, c, r, sp) for m, d, s, c, r, sp, *_x in rows if d == 128]
+    d64 = [(m, s, c, r, sp) for m, d, s, c, r, sp, *_x in rows if d == 64]
+    ok = (len(d128) == len(d64) == 8 and all(r <= 1.001 for *_x, r, _sp in d128)
+          and {(s, c) for _m, s, c, r, sp in d128 if 1 - r > sp} == {(4096, True)}
+          and all(r > 1 for *_x, r, _sp in d64)
+          and all(r - 1 > sp for _m, s, _c, r, sp in d64 if s == 4096))
+    return ok, "; ".join(f"{m[:5]} D{d} S{s} {'c' if c else 'd'} {r:.3f} ({sp:.1%})"
+                         for m, d, s, c, r, sp, *_x in rows)
+
+
+@claim("HB.det_price_as_called", "bwd_phases_defaults",
+       "in both runs deterministic=True costs more than a tenth over the default at the same "
+       "four shapes, D = 128 S = 4096 dense and D = 64 S = 4096 both and S = 16384 dense, and "
+       "less than a tenth at the other four", gpu=GPU)
+def _det_price_as_called(res):
+    rows = defaults_rows()
+    over = {m: {(d, s, c) for m_, d, s, c, *_x, dr, _dsp in rows if m_ == m and dr > 1.1}
+            for m, _name in DEFAULT_RUNS}
+    want = {(128, 4096, False), (64, 4096, False), (64, 4096, True), (64, 16384, False)}
+    ok = len(rows) == 16 and all(v == want for v in over.values())
+    return ok, "; ".join(f"{m[:5]} D{d} S{s} {'c' if c else 'd'} {dr:.3f}"
+                         for m, d, s, c, _r, _sp, dr, _dsp in rows)
+
+
+@claim("HB.shuffles_d128_within_noise", "bwd_phases_rows_shuffled128",
+       "at D = 128, causal, lse and delta by shuffles are within the spread of the lazy reads "
+       "at both stored shapes", gpu=GPU)
+def _shuffles_d128_within_noise(res):
+    pairs = _ratio_pairs(res, "fa4_final_rows_shuffled", "fa4_final")
+    ok = len(pairs) == 2 and all(abs(r - 1) <= sp for *_x, r, sp in pairs)
+    return ok, "; ".join(f"S{s} {r:.3f} (spread {sp:.1%})" for _d, s, _c, r, sp in pairs)
