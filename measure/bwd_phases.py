@@ -163,6 +163,13 @@ CANDIDATES = {
     # lse and delta an eighth per lane group, passed on by shuffles (rows_shuffled,
     # Note [Per-query values by shuffle]): D = 64, and D = 128 causal (tile_m 64)
     "fa4_final_rows_shuffled": {"deterministic": False, "rows_shuffled": True},
+    # the deterministic default with the rotated walk (HopperBwdConfig.dq_rotated,
+    # Note [A rotated walk] in fa4_final.common.bwd_tiles): D = 64, and at D = 128 the
+    # deterministic tile (64 rows, dQ = dS K). Causal shapes and heads of more than 64 key
+    # tiles keep the plain walk with the rotated build's registers (40 / 224): a control
+    "fa4_final_det_rotated": {"dq_buffers": 2, "dq_adds_overlap": True, "dq_rotated": True},
+    "fa4_final_det_rotated64": {"dq_buffers": 2, "dq_adds_overlap": True, "dq_rotated": True,
+                                "tile_m": 64, "dq_swap_ab": False},
 }
 CHOICES = (*IMPLS, *(c for c in CANDIDATES if c not in IMPLS))
 PHASES = ("pre", "main", "post", "other", "total")

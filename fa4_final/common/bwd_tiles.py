@@ -128,6 +128,64 @@ def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
     return n_block - first_visitor(w, m_block, seqlen_q, seqlen_k, window_left)
 
 
+# Note [A rotated walk]
+# Without a mask window every key tile walks query tiles 0 .. M - 1 and every one starts at
+# tile 0, so turns upwards (Note [Turn order]) form a staircase: key tile n adds at query tile
+# m only after the n below it, and its whole walk lags theirs. HopperBwdConfig.dq_rotated
+# starts key tile n at query tile start(n) = n x M // N (N key tiles) and wraps around, so the
+# N walks are spread over the query tiles. The turns at query tile m then follow the order
+# the key tiles arrive in: first the key tile whose start is the last at or before m,
+# first(m) = min(ceil((m + 1) N / M), N) - 1, then first(m) - 1, ..., 0, N - 1, ...,
+# first(m) + 1; key tile n's turn is (first(m) - n) mod N. Its predecessor at m is n + 1
+# (mod N), which reached m about M / N steps earlier (at the same step when M < N and both
+# start at m), so in step with each other no walk waits. The order is fixed by M and N, so
+# the bits repeat from run to run; it is not the plain order (and dK, dV sum the steps in the
+# walk's order), so they are not the plain mode's bits. The walk's start and length stay live
+# in the producer warpgroup's warps, which spill at 24 registers: a rotated build runs them at
+# 40 and each MMA warpgroup at 224 (SM90_BWD_REGISTERS_ROTATED), a difference a timing of it
+# against the plain walk carries too.
+# The price: key tile n now waits for n + 1, launched after it, which Note [Turn order]
+# forbids in general. It is safe when all N key tiles of a head can be resident together:
+# CTAs launch in order, a head whose key tiles have all launched depends on no other CTA and
+# finishes, freeing SMs, so the head at the launch frontier gets its missing key tiles; that
+# head alone can block, and only if its N CTAs do not fit on the GPU at once. The kernel
+# rotates when N <= ROTATED_MAX_KEY_TILES (64: one CTA a SM on any Hopper part, which has
+# more SMs than that) and keeps the plain order otherwise (``rotated_on``), the same choice
+# in every role. Walks with a mask window keep the plain order (their m_min differs per key
+# tile already, Note [Turn order]).
+
+ROTATED_MAX_KEY_TILES = 64
+
+
+def rotated_on(num_n_blocks):
+    """1 when a walk without a mask window rotates (num_n_blocks <= ROTATED_MAX_KEY_TILES),
+    else 0 (Note [A rotated walk]): arithmetic, so a kernel may call it on traced values."""
+    return _min(_max(ROTATED_MAX_KEY_TILES + 1 - num_n_blocks, 0), 1)
+
+
+def rotated_start(n_block, num_m, num_n_blocks):
+    """The query tile (from 0) where key tile ``n_block`` starts its rotated walk."""
+    return (n_block * num_m) // _max(num_n_blocks, 1)  # 0 key tiles: a CTA with no step
+
+
+def _wrap(x, span):
+    """x mod span for 0 <= x < 2 span, without a division (min and max: cheap on a GPU)."""
+    return x - span * _min(_max(x - span + 1, 0), 1)
+
+
+def rotated_tile(i, start, num_m):
+    """The query tile of step ``i`` (0 = first) of a walk over ``num_m`` tiles from ``start``
+    (0 <= i, start < num_m)."""
+    return _wrap(i + start, num_m)
+
+
+def rotated_turn(n_block, m_block, num_m, num_n_blocks):
+    """Key tile ``n_block``'s turn at query tile ``m_block`` under the rotated walk: the order
+    in which the key tiles arrive there (Note [A rotated walk])."""
+    first = _min(((m_block + 1) * num_n_blocks + num_m - 1) // num_m, num_n_blocks) - 1
+    return _wrap(first - n_block + num_n_blocks, num_n_blocks)
+
+
 # Note [dQ copies]
 # The deterministic mode's price is a chain: without a causal diagonal every key tile of a head
 # reaches query tile m together and adds its part only after all lower key tiles have added

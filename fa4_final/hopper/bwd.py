@@ -50,7 +50,16 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_final.common.atomics import bulk_add_f32, bulk_store_f32, pass_turn, wait_turn
-from fa4_final.common.bwd_tiles import dq_accum_tile, dq_turn, launch_order_reversed, q_tile_range
+from fa4_final.common.bwd_tiles import (
+    dq_accum_tile,
+    dq_turn,
+    launch_order_reversed,
+    q_tile_range,
+    rotated_on,
+    rotated_start,
+    rotated_tile,
+    rotated_turn,
+)
 from fa4_final.common.constants import LOG2_E, THREADS_PER_WARPGROUP, WARP_SIZE, WGMMA_M
 from fa4_final.common.dq_order import dq_chunk_layout, dq_copy
 from fa4_final.common.fragments import acc_as_a_operand, acc_rows_cols, select_modes
@@ -620,7 +629,10 @@ class HopperBackward:
         if (n_block + 1) * self.tile_n > seqlen_k:  # keys past seqlen_k: mask every step
             n_first = m_max - m_min
         group = heads // mK.shape[2]
-        work = (m_min, m_max, n_first, n_last, head_kv * group, group)
+        rot = 0  # where the walk starts (Note [A rotated walk]; 0 where it does not rotate)
+        if const_expr(self.rotated_walk()):
+            rot = rotated_on(num_n_blocks) * rotated_start(n_block, m_max - m_min, num_n_blocks)
+        work = (m_min, m_max, n_first, n_last, head_kv * group, group, rot)
 
         if warp_idx < THREADS_PER_WARPGROUP // WARP_SIZE:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -740,12 +752,41 @@ class HopperBackward:
     # barriers: DQ_EMPTY (the bulk add has read the buffer) before a warpgroup writes, DQ_FULL
     # after.
 
+    def rotated_walk(self) -> bool:
+        """Whether this build rotates the deterministic walk over query tiles
+        (HopperBwdConfig.dq_rotated and no mask window; Note [A rotated walk] in
+        fa4_final.common.bwd_tiles); a build with a window keeps the plain order."""
+        return bool(self.cfg.dq_rotated and not self.window.masks_right
+                    and not self.window.has_left)
+
+    def walk_tile(self, i, work):
+        """The query tile of the walk's step at ``i`` (m_min <= i < m_max): ``i`` itself, or,
+        rotated, from the key tile's start ``work[6]`` around (Note [A rotated walk]). Every
+        role maps its steps through this, so all walk the same tiles in the same order."""
+        if const_expr(self.rotated_walk()):
+            m_min, m_max = work[0], work[1]
+            return m_min + rotated_tile(i - m_min, work[6], m_max - m_min)
+        return i
+
+    def turn(self, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k, window_left,
+             window_right, work):
+        """Key tile ``n_block``'s dQ turn at ``m_block``: dq_turn's, or the rotated walk's when
+        it rotates (rotated_on, recomputed here rather than kept live through the walk: the
+        dQ warps run on the producer's registers; Note [A rotated walk])."""
+        plain = dq_turn(self.window, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
+                        window_left, window_right)
+        if const_expr(self.rotated_walk()):
+            m_min, m_max = work[0], work[1]
+            return plain + rotated_on(num_n_blocks) * (
+                rotated_turn(n_block, m_block - m_min, m_max - m_min, num_n_blocks) - plain)
+        return plain
+
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_atom_q,
              tma_atom_k, tma_atom_v, tma_atom_do, pipeline_q, pipeline_do, pipeline_kv,
              n_block, head_kv, b, work, seq=None):
         """TMA warp: K and V once, then per step Q + lse and dO + delta (Note [Backward phases])."""
-        m_min, m_max, _, _, head0, group = work
+        m_min, m_max, _, _, head0, group, *_ = work
         offset_q = offset_k = m_base = None  # dense; varlen: Note [Varlen backward]
         if const_expr(seq is not None):
             offset_q, offset_k, m_base = seq
@@ -786,7 +827,8 @@ class HopperBackward:
             tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_do, 0, cute.make_layout(1),
                                                    cute.group_modes(sdO, 0, 2),
                                                    cute.group_modes(gdO, 0, 2))
-            for m_block in cutlass.range(m_min, m_max, unroll=1):
+            for i in cutlass.range(m_min, m_max, unroll=1):
+                m_block = self.walk_tile(i, work)
                 m_pad = m_block  # its tile of lse_log2, delta, dQ accumulator, turns
                 if const_expr(m_base is not None):
                     m_pad = m_base + m_block
@@ -982,7 +1024,7 @@ class HopperBackward:
                  window_left, window_right, seq=None):
         """dQ warp: per step, both warpgroups' float32 dQ blocks into the accumulator, each
         with one bulk add (Note [dQ in accumulator order]); in turn when deterministic."""
-        m_min, m_max, _, _, head0, group = work
+        m_min, m_max, _, _, head0, group, *_ = work
         m_base = None  # varlen: the sequence's first padded tile (Note [Varlen backward])
         if const_expr(seq is not None):
             m_base = seq[2]
@@ -997,7 +1039,8 @@ class HopperBackward:
         for h in cutlass.range(group, unroll=1):
             head = head0 + h
             gAcc = mdQaccum[None, head, b]  # (s_padded * D,)
-            for m_block in cutlass.range(m_min, m_max, unroll=1):
+            for i in cutlass.range(m_min, m_max, unroll=1):
+                m_block = self.walk_tile(i, work)
                 m_pad = m_block  # its tile of lse_log2, delta, dQ accumulator, turns
                 if const_expr(m_base is not None):
                     m_pad = m_base + m_block
@@ -1009,7 +1052,7 @@ class HopperBackward:
                             cute.arch.cp_async_bulk_wait_group(wgs - 1 - w, read=True)
                         cute.arch.sync_warp()
                     if const_expr(early):  # the previous step handed the buffers back
-                        if h + m_block - m_min == 0:  # the CTA's first step
+                        if h + i - m_min == 0:  # the CTA's first step
                             cute.arch.barrier_arrive(
                                 barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + w,
                                 number_of_threads=handshake)
@@ -1027,9 +1070,8 @@ class HopperBackward:
                 elif const_expr(self.cfg.deterministic):
                     turn_ptr = mTurn[None, head, b].iterator + m_pad
                     if lane == 0:
-                        wait_turn(turn_ptr, dq_turn(self.window, n_block, m_block, num_n_blocks,
-                                                    seqlen_q, seqlen_k, window_left,
-                                                    window_right))
+                        wait_turn(turn_ptr, self.turn(n_block, m_block, num_n_blocks, seqlen_q,
+                                                      seqlen_k, window_left, window_right, work))
                     cute.arch.sync_warp()
                 for w in cutlass.range_constexpr(wgs):
                     cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + w,
@@ -1051,7 +1093,7 @@ class HopperBackward:
                         if lane == 0:
                             cute.arch.cp_async_bulk_wait_group(0, read=True)
                         cute.arch.sync_warp()
-                        if (group - 1 - h) + (m_max - 1 - m_block) != 0:  # a next step follows
+                        if (group - 1 - h) + (m_max - 1 - i) != 0:  # a next step follows
                             for w in cutlass.range_constexpr(wgs):
                                 cute.arch.barrier_arrive(
                                     barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + w,
@@ -1117,7 +1159,7 @@ class HopperBackward:
         with step s's chunks read from buffer s % 2. ``parity`` (dq_adds_overlap,
         Note [Adds in flight across turns]): this warp takes only the steps with
         s % 2 == parity, and buffer ``parity``; another dQ warp takes the others."""
-        m_min, m_max, _, _, head0, group = work
+        m_min, m_max, _, _, head0, group, *_ = work
         m_base = None  # varlen: the sequence's first padded tile (Note [Varlen backward])
         if const_expr(seq is not None):
             m_base = seq[2]
@@ -1134,24 +1176,26 @@ class HopperBackward:
         for h in cutlass.range(group, unroll=1):
             head = head0 + h
             gAcc = mdQaccum[None, head, b]  # (s_padded * D,)
-            for m_block in cutlass.range(m_min, m_max, unroll=1):
+            for i in cutlass.range(m_min, m_max, unroll=1):
+                m_block = self.walk_tile(i, work)
                 m_pad = m_block  # its tile of lse_log2, delta, dQ accumulator, turns
                 if const_expr(m_base is not None):
                     m_pad = m_base + m_block
-                s = h * per_head + (m_block - m_min)
+                s = h * per_head + (i - m_min)
                 if const_expr(parity is None):
                     self.dq_step_in_turn(gAcc, mTurn, sdQ, s % 2, s, steps, head, m_block,
                                          m_pad, n_block, num_n_blocks, b, seqlen_q, seqlen_k,
-                                         window_left, window_right)
+                                         window_left, window_right, work)
                 else:
                     if s % 2 == parity:
                         self.dq_step_in_turn(gAcc, mTurn, sdQ, parity, s, steps, head,
                                              m_block, m_pad, n_block, num_n_blocks, b,
-                                             seqlen_q, seqlen_k, window_left, window_right)
+                                             seqlen_q, seqlen_k, window_left, window_right,
+                                             work)
 
     @cute.jit
     def dq_step_in_turn(self, gAcc, mTurn, sdQ, buf, s, steps, head, m_block, m_pad, n_block,
-                        num_n_blocks, b, seqlen_q, seqlen_k, window_left, window_right):
+                        num_n_blocks, b, seqlen_q, seqlen_k, window_left, window_right, work):
         """One step of a dQ warp under dq_buffers = 2: wait for the query tile's turn and for
         buffer ``buf`` (0 or 1) to be full, add its chunks, wait for the adds to complete, pass
         the turn, and hand the buffer back if step s + 2 writes it."""
@@ -1159,8 +1203,8 @@ class HopperBackward:
         wgs = self.dq_warpgroups
         handshake = THREADS_PER_WARPGROUP + WARP_SIZE
         slab = self.tile_m * self.head_dim  # floats of one buffer and of one query tile
-        turn = dq_turn(self.window, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
-                       window_left, window_right)
+        turn = self.turn(n_block, m_block, num_n_blocks, seqlen_q, seqlen_k, window_left,
+                         window_right, work)
         turn_ptr = mTurn[None, head, b].iterator + m_pad
         if lane == 0:
             wait_turn(turn_ptr, turn)
@@ -1248,7 +1292,7 @@ class HopperBackward:
         issues the dQ GEMM (False only for warpgroup 1 under Note [dQ by one warpgroup]).
         ``dq_part``: under dq_uneven, this build's warpgroup (0 or 1), whose part of dQ^T it
         computes (Note [dQ split unevenly])."""
-        m_min, m_max, n_first, n_last, _, group = work
+        m_min, m_max, n_first, n_last, _, group, *_ = work
         cap = ()  # passed only to a softcap build: a subclass's step keeps its signature
         if const_expr(self.logit_softcap):
             cap, scale_log2 = (scale_log2,), Float32(self.logit_softcap * LOG2_E)
@@ -1341,13 +1385,13 @@ class HopperBackward:
         first_end = m_min + n_first
         last_start = cutlass.max(m_max - n_last, first_end)
         for _h in cutlass.range(group, unroll=1):
-            for m_block in cutlass.range(m_min, first_end, unroll=1):
-                state_q = step(m_block, True, state_q)
-            for m_block in cutlass.range(first_end, last_start, unroll=1):
-                state_q = step(m_block, False, state_q)
+            for i in cutlass.range(m_min, first_end, unroll=1):
+                state_q = step(self.walk_tile(i, work), True, state_q)
+            for i in cutlass.range(first_end, last_start, unroll=1):
+                state_q = step(self.walk_tile(i, work), False, state_q)
             if const_expr(self.window.has_left):
-                for m_block in cutlass.range(last_start, m_max, unroll=1):
-                    state_q = step(m_block, True, state_q)
+                for i in cutlass.range(last_start, m_max, unroll=1):
+                    state_q = step(self.walk_tile(i, work), True, state_q)
         self.epilogue(acc_dk, acc_dv, mdK, mdV, sK, sV, tma_atom_dk, tma_atom_dv, mma_dkv,
                       softmax_scale, tidx, n_block, head_kv, b, seq, seqlen_k, mdK_rows,
                       mdV_rows)
@@ -1430,7 +1474,7 @@ class HopperBackward:
         dK, dV epilogue (Note [dK and dV swapped]). ``mma_sdp``, ``mma_dkv``, ``mma_dq`` are
         swapped_mmas()'s. With a softcap, ``scale_log2`` carries scale / softcap
         (Note [Softcap in the backward])."""
-        m_min, m_max, n_first, n_last, _, group = work
+        m_min, m_max, n_first, n_last, _, group, *_ = work
         cap = ()  # passed only to a softcap build
         if const_expr(self.logit_softcap):
             cap, scale_log2 = (scale_log2,), Float32(self.logit_softcap * LOG2_E)

@@ -242,6 +242,8 @@ def _fit(head_dim: int, dv: int, *candidates: HopperFwdConfig) -> HopperFwdConfi
 SWAPPED_HEAD_DIMS = (192, 256)
 BWD_MMA_WARPGROUPS = DQ_WARPGROUPS  # each owns 64 keys of the CTA's KV tile: tile_n = 128
 SM90_BWD_REGISTERS = (24, 240)  # setmaxnreg (producer, each MMA warpgroup): 128*(24+2*240) <= 64K
+# dq_rotated (Note [A rotated walk]): 16 more a producer thread, 16 fewer an MMA thread
+SM90_BWD_REGISTERS_ROTATED = (40, 224)
 
 
 @dataclass(frozen=True)
@@ -280,6 +282,12 @@ class HopperBwdConfig:
     # (Note [Adds in flight across turns] in fa4_final.hopper.bwd). The deterministic default
     # at D = 64 and 128: faster than one buffer at every shape timed on an H100
     dq_adds_overlap: bool = False
+    # deterministic only, walks without a mask window: key tile n starts its walk at query tile
+    # n x M / N and wraps around, and the turns at each query tile follow the order the key
+    # tiles arrive in (Note [A rotated walk] in fa4_final.common.bwd_tiles), up to
+    # ROTATED_MAX_KEY_TILES key tiles a head (the plain order above). Compiled and checked on
+    # the CPU; not yet run on a GPU, so reachable through config= only
+    dq_rotated: bool = False
     # the EMPTY arrives' lane read once (Note [Signalling lane]); without it the KV-tile loop
     # reads the thread index every step. Not timed, so off
     pin_lane: bool = False
@@ -334,6 +342,8 @@ class HopperBwdConfig:
 
     @property
     def registers(self) -> tuple[int, int]:
+        if self.dq_rotated:  # the walk's start and length live in the dQ warps too
+            return SM90_BWD_REGISTERS_ROTATED
         return SM90_BWD_REGISTERS
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, head_dim_v: int | None = None
@@ -464,6 +474,18 @@ class HopperBwdConfig:
                              f"its own dQ warp: it needs "
                              f"dq_buffers=2 (and a bool), got dq_adds_overlap="
                              f"{self.dq_adds_overlap!r}, dq_buffers={nb}")
+        if self.dq_rotated is not False and (
+                self.dq_rotated is not True or not self.deterministic or self.dq_copies != 1
+                or self.dq_first_store or self.dq_early_release or self.dkv_swap_ab):
+            raise ValueError(f"dq_rotated=True rotates the deterministic mode's walk over query "
+                             f"tiles with one dQ accumulator (Note [A rotated walk]): it needs "
+                             f"deterministic=True, dq_copies=1, dq_first_store, "
+                             f"dq_early_release and dkv_swap_ab False (and a bool), got "
+                             f"dq_rotated={self.dq_rotated!r}, "
+                             f"deterministic={self.deterministic}, dq_copies={self.dq_copies}, "
+                             f"dq_first_store={self.dq_first_store}, "
+                             f"dq_early_release={self.dq_early_release}, "
+                             f"dkv_swap_ab={self.dkv_swap_ab}")
         need = self.smem_bytes(head_dim, head_dim_v=dv)
         if need > SM90_SMEM_BYTES:
             raise ValueError(
