@@ -184,3 +184,22 @@ def test_rotated_walk_compiles_clean_beside_the_plain_walk(head_dim, varlen):
         causal = build(True, replace(det, dq_rotated=True))["main"]
         assert causal.spills == 0
         assert divisions(causal) == divisions(build(True, det)["main"])
+
+
+def test_a_gpu_too_small_for_a_head_is_refused_by_name(monkeypatch):
+    """A MIG slice of 16 SMs cannot hold 64 key tiles of a head: the rotated plan is refused
+    before any launch, naming dq_rotated and the SM count; other plans are not looked at."""
+    from types import SimpleNamespace
+
+    from fa4_final.common.bwd_tiles import check_rotated_walk
+    from fa4_final.hopper import host
+    from fa4_final.runtime import dispatch
+
+    check_rotated_walk(ROTATED_MAX_KEY_TILES)  # enough
+    monkeypatch.setattr(host, "num_sms", lambda device: 16)
+    with pytest.raises(ValueError, match=r"dq_rotated=True needs .* this one has 16"):
+        dispatch._check_rotated(SimpleNamespace(config=rotated(128)), "cuda:0")
+    dispatch._check_rotated(SimpleNamespace(config=replace(rotated(128), dq_rotated=False)),
+                            "cuda:0")
+    monkeypatch.setattr(host, "num_sms", lambda device: 132)
+    dispatch._check_rotated(SimpleNamespace(config=rotated(128)), "cuda:0")

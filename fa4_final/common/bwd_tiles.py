@@ -149,9 +149,9 @@ def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
 # CTAs launch in order, a head whose key tiles have all launched depends on no other CTA and
 # finishes, freeing SMs, so the head at the launch frontier gets its missing key tiles; that
 # head alone can block, and only if its N CTAs do not fit on the GPU at once. The kernel
-# rotates when N <= ROTATED_MAX_KEY_TILES (64: one CTA a SM on any Hopper part, which has
-# more SMs than that) and keeps the plain order otherwise (``rotated_on``), the same choice
-# in every role. Walks with a mask window keep the plain order (their m_min differs per key
+# rotates when N <= ROTATED_MAX_KEY_TILES (64: one CTA a SM, and every whole Hopper GPU has
+# more SMs; a smaller one, a MIG slice, is refused before the launch: check_rotated_walk) and
+# keeps the plain order otherwise (``rotated_on``), the same choice in every role. Walks with a mask window keep the plain order (their m_min differs per key
 # tile already, Note [Turn order]).
 
 ROTATED_MAX_KEY_TILES = 64
@@ -161,6 +161,16 @@ def rotated_on(num_n_blocks):
     """1 when a walk without a mask window rotates (num_n_blocks <= ROTATED_MAX_KEY_TILES),
     else 0 (Note [A rotated walk]): arithmetic, so a kernel may call it on traced values."""
     return _min(_max(ROTATED_MAX_KEY_TILES + 1 - num_n_blocks, 0), 1)
+
+
+def check_rotated_walk(num_sms: int) -> None:
+    """Refuse the rotated walk on a GPU with fewer SMs than ROTATED_MAX_KEY_TILES (a MIG
+    slice): a head's key tiles might not all be resident at once, and a turn could then wait
+    for a CTA that never launches (Note [A rotated walk])."""
+    if num_sms < ROTATED_MAX_KEY_TILES:
+        raise ValueError(f"dq_rotated=True needs a GPU of at least {ROTATED_MAX_KEY_TILES} SMs "
+                         f"(every key tile of a head resident; Note [A rotated walk]), this "
+                         f"one has {num_sms}: use dq_rotated=False")
 
 
 def rotated_start(n_block, num_m, num_n_blocks):

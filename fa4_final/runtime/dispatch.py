@@ -24,6 +24,7 @@ from types import ModuleType
 import torch
 
 from fa4_final.blackwell import host as blackwell_host
+from fa4_final.common.bwd_tiles import check_rotated_walk
 from fa4_final.common.constants import (
     BACKWARD_HEAD_DIMS,
     DTYPE_NAMES,
@@ -82,6 +83,13 @@ class Backend:
         return "yes"
 
 
+def _check_rotated(plan, device) -> None:
+    """A backward plan built with dq_rotated runs only on a GPU that holds a head's key tiles
+    at once (bwd_tiles.check_rotated_walk); other plans pay nothing."""
+    if getattr(plan.config, "dq_rotated", False):
+        check_rotated_walk(hopper_host.num_sms(device))
+
+
 def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
     """The contract's functions for ``host``: each finds its compiled kernels through the one
     compile path and calls the host's launch. Varlen ones only where the host launches one.
@@ -131,6 +139,7 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
                         False, False, *extra)
+        _check_rotated(plan, q.device)
         host.launch_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left,
                              right, *(() if dlse is None else (dlse,)))
 
@@ -154,6 +163,7 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
                         True, seqused_k is not None, *extra)
+        _check_rotated(plan, q.device)
         host.launch_varlen_backward(plan, q, k, v, out, lse, dout, dq, dk, dv, cu_seqlens_q,
                                     cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                                     causal, scale, left, right,
