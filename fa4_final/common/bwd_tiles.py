@@ -151,7 +151,10 @@ def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
 # head alone can block, and only if its N CTAs do not fit on the GPU at once. The kernel
 # rotates when N <= ROTATED_MAX_KEY_TILES (64: one CTA a SM, and every whole Hopper GPU has
 # more SMs; a smaller one, a MIG slice, is refused before the launch: check_rotated_walk) and
-# keeps the plain order otherwise (``rotated_on``), the same choice in every role. Walks with a mask window keep the plain order (their m_min differs per key
+# keeps the plain order otherwise (``rotated_on``), the same choice in every role. The bound
+# is well below a whole GPU's 114-132 SMs on purpose: kernels on other streams may hold SMs
+# for as long as they like (a collective waiting for its peers), and a head must still fit
+# beside them. Walks with a mask window keep the plain order (their m_min differs per key
 # tile already, Note [Turn order]).
 
 ROTATED_MAX_KEY_TILES = 64
