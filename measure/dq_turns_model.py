@@ -469,6 +469,22 @@ def predict_two_buffers(shape: Shape, L: float, jitter: float = 0.05) -> dict:
     return out
 
 
+def predict_rotated(shape: Shape, L: float, jitter: float = 0.05) -> dict:
+    """Model prices (makespan over the default's) of the deterministic default (two buffers, a
+    dQ warp each) with its plain walk and with the rotated walk (HopperBwdConfig.dq_rotated,
+    Note [A rotated walk]), at the deterministic tile (64 query rows at D = 128, T scaled as in
+    predict_two_buffers). The model rotates at any number of key tiles; the kernel only up to
+    64 a head, so at more the kernel's price is the plain walk's."""
+    from dataclasses import replace
+
+    base = simulate(shape, "none", L=L, jitter=jitter).makespan
+    own, T = shape, 1.0
+    if shape.d == 128 and not shape.causal and shape.tile_m != 64:
+        own, T = replace(shape, tile_m=64), 64 / shape.tile_m
+    return {order: simulate(own, order, T=T, L=L * T, jitter=jitter, buffers=2,
+                            overlap=True).makespan / base for order in ("turns", "rotated")}
+
+
 def main(argv=None) -> int:
     import argparse
 

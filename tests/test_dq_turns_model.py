@@ -126,3 +126,14 @@ def test_dq_turns_model_adds_overlap_keeps_the_add_order_and_ends():
         kw = {"order": "turns", **bad}
         with pytest.raises(ValueError, match="overlap"):
             simulate(shape, overlap=True, **kw)
+
+
+def test_dq_turns_model_rotated_walk_never_prices_above_the_plain_walk():
+    """predict_rotated (Note [A rotated walk]): with two buffers and a dQ warp each, the
+    rotated walk's price is at most the plain walk's and at least the default's (1), dense."""
+    from measure import dq_turns_model as dqm
+
+    for d in (64, 128):
+        shape = dqm.default_shape(1, 2048, 4, d, False)
+        got = dqm.predict_rotated(shape, dqm.CALIBRATED[d])
+        assert 0.99 <= got["rotated"] <= got["turns"] + 1e-9, got
