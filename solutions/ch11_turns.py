@@ -111,7 +111,7 @@ class HopperTurns(HopperBackward):
     def store_dq(self, mdQaccum, mTurn, sdQ, n_block, num_n_blocks, b, work, seqlen_q, seqlen_k,
                  window_left, window_right, seq=None):
         """HopperBackward.store_dq (deterministic) with the turn replaced by ``turn_fn``."""
-        m_min, m_max, _, _, head0, group = work
+        m_min, m_max, _, _, head0, group, *_ = work  # then the walk's start (Note [A rotated walk])
         m_base = None
         if const_expr(seq is not None):
             m_base = seq[2]
