@@ -47,10 +47,14 @@ BUILDS = [  # (id, head_dim, dtype, causal, keywords of backward_recipe), the de
     ("d128_causal_det_overlap", 128, "bf16", True, dict(deterministic=True,
                                                         config=HopperBwdConfig(
         tile_m=64, deterministic=True, dq_buffers=2, dq_adds_overlap=True))),
+    # ... and the rotated walk (Note [A rotated walk]): the same barriers, other registers
+    ("d128_dense_det_rotated", 128, "bf16", False, dict(deterministic=True,
+                                                       config=HopperBwdConfig(
+        tile_m=64, deterministic=True, dq_buffers=2, dq_adds_overlap=True, dq_rotated=True))),
 ]
 SPLIT = {"d96", "d192", "d192v192", "d256"}  # the builds with a loop per MMA warpgroup
 # a dQ warp per buffer: the deterministic default at D = 64 and 128, and the explicit build
-OVERLAP = {"d64_causal_det", "d128_causal_det_overlap"}
+OVERLAP = {"d64_causal_det", "d128_causal_det_overlap", "d128_dense_det_rotated"}
 
 
 def coop_offsets(cubin: bytes) -> set[int]:
