@@ -35,7 +35,7 @@ PRODUCES = [("results/h200/ch11_bwd.json", "python -m measure.bwd_benchmark",
              "16384, causal or not, 3 interleaved rounds, gradients checked against SDPA flash"),
             ("results/h100/bwd_bench_h100.json", "python -m measure.bwd_benchmark --dims 64 128 "
              "--rounds 3 --name bwd_bench_h100", "an H100 visit (no H200 was lent): the same "
-             "at D = 64 and 128, calls back to back")]
+             "at D = 64 and 128, one call at a time after an L2 flush")]
 
 
 def _ours(deterministic: bool):

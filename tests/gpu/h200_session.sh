@@ -123,6 +123,7 @@ for s in "$@"; do
     bwd-check) step bwd_check 300 $PY -m solutions.ch11_bwd_check --small ;;
     bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
     bwd-bench) step bwd_bench 900 $PY -m measure.bwd_benchmark ;;
+    bwd-bench-64-128) step bwd_bench_64_128 580 $PY -m measure.bwd_benchmark --dims 64 128 --rounds 5 --name bwd_bench ;;  # issue 34's table: D = 64 and 128, five rounds, the L2 flushed (bwd-phases gives the calls back to back)
     lse-fold-tests) step lse_fold_tests 420 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_lse_fold.py ;;
     bwd-phases) step bwd_phases 580 $PY -m measure.bwd_phases --rounds 5 ;;
     bwd-phases-flush) step bwd_phases_flush 580 $PY -m measure.bwd_phases --rounds 5 --flush --name bwd_phases_flush ;;
