@@ -292,14 +292,20 @@ def _against(what: str, r: float, sp: float) -> str:
     return f"{what} {r:.3f} (spread {sp:.1%}, {'beyond' if abs(r - 1) > sp else 'within'} it)"
 
 
+def _each_stored(runs):
+    """(key, the stored run) for each (key, name) of ``runs`` whose file exists (_stored says
+    which do not)."""
+    for key, name in runs:
+        res = _stored(name)
+        if res is not None:
+            yield key, res
+
+
 def release_pairs() -> list[tuple]:
     """(mode, which, d, s, causal, every-thread total / one-lane total, the larger spread) per
     stored shape of the nine-round H100 runs; nothing for a run not stored."""
     out = []
-    for mode, name in RELEASE_RUNS.items():
-        res = _stored(name)
-        if res is None:
-            continue
+    for mode, res in _each_stored(RELEASE_RUNS.items()):
         for which, every, one in RELEASE_PAIRS:
             out += [(mode, which, *pair) for pair in _ratio_pairs(res, every, one)]
     return out
@@ -411,11 +417,8 @@ def rows_early_pairs() -> list[tuple]:
     stored shape of the rows_early runs (the default build of that commit had the lazy reads
     at every head dim); nothing for a run not stored."""
     out = []
-    for name in ROWS_EARLY_RUNS:
-        res = _stored(name)
-        if res is not None:
-            out += [(name, *pair) for pair in _ratio_pairs(res, "fa4_final_rows_early",
-                                                          "fa4_final")]
+    for name, res in _each_stored((name, name) for name in ROWS_EARLY_RUNS):
+        out += [(name, *pair) for pair in _ratio_pairs(res, "fa4_final_rows_early", "fa4_final")]
     return out
 
 
@@ -458,10 +461,8 @@ def overlap_rows() -> list[tuple]:
     deterministic mode of that run); overlap over one buffer, the larger of their spreads) per
     stored shape; nothing for a run not stored."""
     out = []
-    for d, (name, over, two) in OVERLAP_RUNS.items():
-        res = _stored(name)
-        if res is None:
-            continue
+    for d, res in _each_stored((d, run[0]) for d, run in OVERLAP_RUNS.items()):
+        _name, over, two = OVERLAP_RUNS[d]
         rows = _total_rows(res)
         for (impl, dd, s, c), r in sorted(rows.items()):
             if impl != "fa4_final" or dd != d:
@@ -538,10 +539,7 @@ def defaults_rows() -> list[tuple]:
     default, the larger spread) per stored shape of the two runs of the backward as a call
     runs it; nothing for a run not stored."""
     out = []
-    for mode, name in DEFAULT_RUNS:
-        res = _stored(name)
-        if res is None:
-            continue
+    for mode, res in _each_stored(DEFAULT_RUNS):
         det = {p[:3]: p[3:] for p in _ratio_pairs(res, "fa4_final_deterministic", "fa4_final")}
         out += [(mode, d, s, c, r, sp, *det[(d, s, c)])
                 for d, s, c, r, sp in _ratio_pairs(res, "fa4_package", "fa4_final")

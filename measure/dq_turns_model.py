@@ -449,6 +449,17 @@ def predict(shape: Shape, L: float, jitter: float = 0.05, copies=(2, 4, 8),
     return out
 
 
+def _two_buffer_tile(shape: Shape) -> tuple[Shape, float]:
+    """(the shape at the tile where two dQ buffers fit, its step time in the default's steps):
+    the default's, except at D = 128 without a causal diagonal, where 80 query rows leave no
+    room and the deterministic mode takes 64 (a step's time assumed to scale with its rows)."""
+    from dataclasses import replace
+
+    if shape.d == 128 and not shape.causal and shape.tile_m != 64:
+        return replace(shape, tile_m=64), 64 / shape.tile_m
+    return shape, 1.0
+
+
 def predict_two_buffers(shape: Shape, L: float, jitter: float = 0.05) -> dict:
     """Model prices (makespan over the default's) of the deterministic mode with one and two
     dQ staging buffers (HopperBwdConfig.dq_buffers), and two with adds in flight across turns
@@ -456,12 +467,8 @@ def predict_two_buffers(shape: Shape, L: float, jitter: float = 0.05) -> dict:
     except at D = 128 without a causal diagonal, where 80 query rows leave no room and the
     candidate takes 64 (measure.bwd_phases' fa4_final_det_64 and _det_db64). Assumed there:
     a step's time scales with its query rows (T = 64 / 80 of the default's step)."""
-    from dataclasses import replace
-
     base = simulate(shape, "none", L=L, jitter=jitter).makespan
-    own, T = shape, 1.0
-    if shape.d == 128 and not shape.causal and shape.tile_m != 64:
-        own, T = replace(shape, tile_m=64), 64 / shape.tile_m
+    own, T = _two_buffer_tile(shape)
     out = {f"turns {n} buffer{'s' if n > 1 else ''} tile {own.tile_m}": simulate(
         own, "turns", T=T, L=L * T, jitter=jitter, buffers=n).makespan / base for n in (1, 2)}
     out[f"turns 2 buffers overlap tile {own.tile_m}"] = simulate(
@@ -472,15 +479,11 @@ def predict_two_buffers(shape: Shape, L: float, jitter: float = 0.05) -> dict:
 def predict_rotated(shape: Shape, L: float, jitter: float = 0.05) -> dict:
     """Model prices (makespan over the default's) of the deterministic default (two buffers, a
     dQ warp each) with its plain walk and with the rotated walk (HopperBwdConfig.dq_rotated,
-    Note [A rotated walk]), at the deterministic tile (64 query rows at D = 128, T scaled as in
-    predict_two_buffers). The model rotates at any number of key tiles; the kernel only up to
+    Note [A rotated walk]), at the deterministic tile (_two_buffer_tile: 64 query rows at D = 128, T
+    scaled with them). The model rotates at any number of key tiles; the kernel only up to
     64 a head, so at more the kernel's price is the plain walk's."""
-    from dataclasses import replace
-
     base = simulate(shape, "none", L=L, jitter=jitter).makespan
-    own, T = shape, 1.0
-    if shape.d == 128 and not shape.causal and shape.tile_m != 64:
-        own, T = replace(shape, tile_m=64), 64 / shape.tile_m
+    own, T = _two_buffer_tile(shape)
     return {order: simulate(own, order, T=T, L=L * T, jitter=jitter, buffers=2,
                             overlap=True).makespan / base for order in ("turns", "rotated")}
 

@@ -47,36 +47,38 @@ def test_turns_follow_the_order_of_arrival(m_count, n_count):
         assert steps == sorted(steps), (m, by_turn, steps)
 
 
-def simulate(m_count, n_count, sms, rotate=True):
-    """Unit-time steps, CTAs launched in order (key tile 0 first) onto ``sms`` SMs, one CTA an SM;
-    a CTA takes its next step when the query tile's turn counter equals its turn. Returns the
-    number of time steps until every walk is done, or None on a deadlock."""
+def simulate(m_count, n_count, sms, rotate=True, heads=1):
+    """Unit-time steps, CTAs launched in order (key tile 0 of head 0 first, each head's key
+    tiles after the previous head's) onto ``sms`` SMs, one CTA an SM; a CTA takes its next step
+    when its head's query tile's turn counter equals its turn. Returns the number of time steps
+    until every walk is done, or None on a deadlock."""
     def tile(n, i):
         return walk(n, m_count, n_count)[i] if rotate else i
 
     def turn(n, m):
         return rotated_turn(n, m, m_count, n_count) if rotate else n
 
-    counter = [0] * m_count
-    done_steps = [0] * n_count
+    order = [(g, n) for g in range(heads) for n in range(n_count)]
+    counter = {}  # (head, query tile) -> adds so far
+    done_steps = dict.fromkeys(order, 0)
     launched, resident, t = 0, [], 0
     while True:
-        while launched < n_count and len(resident) < sms:
-            resident.append(launched)
+        while launched < len(order) and len(resident) < sms:
+            resident.append(order[launched])
             launched += 1
         if not resident:
             return t
         moved = []
-        for n in resident:
-            m = tile(n, done_steps[n])
-            if counter[m] == turn(n, m):
-                moved.append((n, m))
+        for g, n in resident:
+            m = tile(n, done_steps[(g, n)])
+            if counter.get((g, m), 0) == turn(n, m):
+                moved.append((g, n, m))
         if not moved:
             return None
-        for n, m in moved:  # a step's add completes before the next time step reads a counter
-            counter[m] += 1
-            done_steps[n] += 1
-        resident = [n for n in resident if done_steps[n] < m_count]
+        for g, n, m in moved:  # a step's add completes before the next time step reads one
+            counter[(g, m)] = counter.get((g, m), 0) + 1
+            done_steps[(g, n)] += 1
+        resident = [k for k in resident if done_steps[k] < m_count]
         t += 1
 
 
@@ -92,31 +94,10 @@ def test_the_rotated_walks_finish_in_step_when_all_key_tiles_are_resident(m_coun
 @pytest.mark.parametrize("m_count,n_count,sms", [(32, 32, 5), (16, 40, 33), (64, 64, 64)])
 def test_no_deadlock_with_fewer_sms_than_heads_need_when_one_head_fits(m_count, n_count, sms):
     """Several heads in one grid (key tiles of head g launched after head g - 1's), SMs fewer
-    than the grid but at least one head's key tiles: every walk finishes."""
-    heads = 3
-    counters = {}
-    done = {}
-    order = [(g, n) for g in range(heads) for n in range(n_count)]
-    launched, resident, t = 0, [], 0
-    while launched < len(order) or resident:
-        while launched < len(order) and len(resident) < sms:
-            resident.append(order[launched])
-            done[order[launched]] = 0
-            launched += 1
-        moved = []
-        for g, n in resident:
-            m = walk(n, m_count, n_count)[done[(g, n)]]
-            if counters.get((g, m), 0) == rotated_turn(n, m, m_count, n_count):
-                moved.append((g, n, m))
-        if sms >= n_count:
-            assert moved, f"deadlock at t={t}"
-        elif not moved:
-            return  # a head larger than the GPU can block: the kernel then keeps the plain order
-        for g, n, m in moved:
-            counters[(g, m)] = counters.get((g, m), 0) + 1
-            done[(g, n)] += 1
-        resident = [k for k in resident if done[k] < m_count]
-        t += 1
+    than the grid but at least one head's key tiles: every walk finishes. A head larger than
+    the GPU may block (the kernel then keeps the plain order)."""
+    if sms >= n_count:
+        assert simulate(m_count, n_count, sms, heads=3) is not None
 
 
 def test_a_head_larger_than_the_gpu_can_block_so_the_kernel_keeps_the_plain_order_there():
@@ -145,10 +126,11 @@ def test_no_default_rotates_before_a_gpu_has_timed_it():
                 assert not hopper_bwd_default(d, causal, det).dq_rotated
 
 
-def rotated(head_dim):
-    """The candidate a GPU visit times (fa4_final_det_rotated in measure.bwd_phases): the
-    deterministic default with the rotated walk."""
-    return replace(hopper_bwd_default(head_dim, False, deterministic=True), dq_rotated=True)
+def rotated(head_dim, causal=False, on=True):
+    """The candidate a GPU visit times (measure.bwd_phases' fa4_final_det_rotated at D = 64,
+    _det_rotated64 at D = 128): the deterministic default with the rotated walk (``on``), or
+    without it. tests/gpu/test_bwd_rotated_walk.py runs the same configs."""
+    return replace(hopper_bwd_default(head_dim, causal, deterministic=True), dq_rotated=on)
 
 
 @pytest.mark.slow

@@ -8,25 +8,17 @@ Run with a timeout (a turn that never comes hangs):
     timeout 580 python -m pytest -q -m gpu tests/gpu/test_bwd_rotated_walk.py
 """
 
-from dataclasses import replace
-
 import pytest
 import torch
 
-from fa4_final.hopper.config import hopper_bwd_default
 from tests.gpu.test_fa4_final_bwd import BF16, _check, _run
+from tests.test_bwd_rotated_walk import rotated
 from utils.hardware import missing
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(missing("sm_90") is not None, reason=str(missing("sm_90"))),
 ]
-
-
-def rotated(d, causal, on=True):
-    """measure.bwd_phases' fa4_final_det_rotated (D = 64) and _det_rotated64 (D = 128): the
-    deterministic default with the rotated walk (``on``), or without it."""
-    return replace(hopper_bwd_default(d, causal, deterministic=True), dq_rotated=on)
 
 
 # (batch, seqlen_q, seqlen_k, heads, heads_kv): 32 key tiles a head at 4096 keys; 80 at 10000
