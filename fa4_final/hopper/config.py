@@ -321,7 +321,7 @@ class HopperBwdConfig:
     # lse and delta loaded an eighth per lane group and passed on by shuffles
     # (Note [Per-query values by shuffle] in fa4_final.hopper.bwd): the step of tile_m a
     # multiple of 64 without dkv_swap_ab. The D = 64 default (faster than the lazy read on an
-    # H100); not timed at D = 128, so off there
+    # H100); at D = 128, causal, within the rounds' spread of it there, so off
     rows_shuffled: bool = False
 
     @property
