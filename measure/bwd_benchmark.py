@@ -72,6 +72,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=20)
     ap.add_argument("--efficient", action="store_true", help="also SDPA's efficient backend")
     ap.add_argument("--name", default="ch11_bwd")
+    ap.add_argument("--passes", nargs="+", default=["bwd"], choices=["bwd", "fwd+bwd"],
+                    help="bwd: the backward alone; fwd+bwd: a forward and its backward per "
+                    "call (a training step's attention)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("measure.bwd_benchmark: needs a CUDA GPU", file=sys.stderr)
@@ -95,14 +98,14 @@ def main(argv=None) -> int:
     per_round: dict[tuple, list[dict]] = {}
     for r in range(args.rounds):
         for shape in shapes:  # interleaved: every implementation once per shape per round
-            rows = bench.benchmark_attention(impls, [shape], passes=("bwd",), rep=args.rep,
-                                             progress=False)
+            rows = bench.benchmark_attention(impls, [shape], passes=tuple(args.passes),
+                                             rep=args.rep, progress=False)
             for row in rows:
-                per_round.setdefault((row["impl"], shape), []).append(row)
+                per_round.setdefault((row["impl"], shape, row["pass"]), []).append(row)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     out = []
-    for (name, shape), rows in per_round.items():
+    for (name, shape, _), rows in per_round.items():
         good = [x for x in rows if x.get("tflops")]
         row = dict(rows[0])
         row.pop("error", None)
@@ -120,13 +123,15 @@ def main(argv=None) -> int:
     command = "python -m measure.bwd_benchmark " + " ".join(
         argv if argv is not None else sys.argv[1:])
     path = results.save(args.name, out, command=command)
-    print("\nbackward TFLOP/s, median of rounds (ratio to the first column's impl):")
-    print(bench.ratio_table(out, "fa4_final", "bwd"))
+    for pass_ in args.passes:
+        print(f"\n{pass_} TFLOP/s, median of rounds (ratio to the first column's impl):")
+        print(bench.ratio_table(out, "fa4_final", pass_))
     for row in out:
         if row.get("tflops"):
             spread = (row["tflops_max"] - row["tflops_min"]) / row["tflops"]
-            print(f"  {row['impl']:<24} D={row['d']} S={row['s']:<6} causal={row['causal']!s:<5}"
-                  f" {row['tflops']:6.0f} TFLOP/s (rounds {row['tflops_min']:.0f}-"
+            print(f"  {row['pass']:<7} {row['impl']:<24} D={row['d']} S={row['s']:<6} "
+                  f"causal={row['causal']!s:<5} {row['tflops']:6.0f} TFLOP/s (rounds "
+                  f"{row['tflops_min']:.0f}-"
                   f"{row['tflops_max']:.0f}, spread {100 * spread:.1f} %)")
         else:
             print(f"  {row['impl']} D={row['d']} S={row['s']} causal={row['causal']}: "
