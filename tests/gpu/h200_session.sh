@@ -171,6 +171,7 @@ for s in "$@"; do
     decode-grid-d64-32) step decode_grid_d64_32 580 $PY -m measure.decode --name decode_d64 --dims 64 --heads 32/8 --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;
     decode-grid-d64-64) step decode_grid_d64_64 580 $PY -m measure.decode --name decode_d64_h64 --dims 64 --heads 64/8 --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;
     decode-graph) step decode_graph 580 $PY -m measure.decode --name decode_graph --dims 128 --batch 1 32 --tokens 1 16 --keys 1024 8192 131072 --heads 32/8 --modes graph back_to_back --no-keys-on-m --rows $DECODE_ROWS --deadline $(mdl 500) ;;  # issue 32: the calls replayed from CUDA graphs beside the same calls back to back (batch 1 waits for the host)
+    decode-host) step decode_host 200 $PY -m measure.decode_host --gpu ;;  # issue 32: a batch-1 decode call's host time beside its GPU time, API and kernel launched directly, and where the host time goes
     decode-profile) step decode_profile 580 $PY -m measure.profile_decode --raw-dir "$OUT/decode_profile_raw" ;;  # ncu: ours and cuDNN at the memory-bound shapes where ours trails
     bwd-versus-profile) step bwd_versus_profile 580 $PY -m measure.profile_bwd_versus --raw-dir "$OUT/bwd_versus_profile_raw" ;;  # ncu: our backward main kernel and the FA4 package's, D = 128 (issue 34)
     decode-d64) step decode_d64 580 $PY -m measure.decode --name decode_d64 --dims 64 --deadline 500 ;;
