@@ -595,3 +595,82 @@ def _shuffles_d128_within_noise(res):
     pairs = _ratio_pairs(res, "fa4_final_rows_shuffled", "fa4_final")
     ok = len(pairs) == 2 and all(abs(r - 1) <= sp for *_x, r, sp in pairs)
     return ok, "; ".join(f"S{s} {r:.3f} (spread {sp:.1%})" for _d, s, _c, r, sp in pairs)
+
+
+# (mode, head dim, stored run, the rotated build's row): the rotated walk beside the
+# deterministic default and the default, one head dim a file
+ROTATED_RUNS = (("back to back", 64, "bwd_phases_det_rotated64", "fa4_final_det_rotated"),
+                ("back to back", 128, "bwd_phases_det_rotated128", "fa4_final_det_rotated64"),
+                ("after an L2 flush", 64, "bwd_phases_det_rotated64_flush",
+                 "fa4_final_det_rotated"),
+                ("after an L2 flush", 128, "bwd_phases_det_rotated128_flush",
+                 "fa4_final_det_rotated64"))
+
+
+def rotated_rows() -> list[tuple]:
+    """(mode, d, s, causal, rotated / plain deterministic, its spread, rotated / default, its
+    spread) per stored shape of the rotated walk's runs; nothing for a run not stored."""
+    out = []
+    for (mode, rot), res in _each_stored([((m, r), n) for m, _d, n, r in ROTATED_RUNS]):
+        over_default = {p[:3]: p[3:] for p in _ratio_pairs(res, rot, "fa4_final")}
+        out += [(mode, d, s, c, r, sp, *over_default[(d, s, c)])
+                for d, s, c, r, sp in _ratio_pairs(res, rot, "fa4_final_deterministic")
+                if (d, s, c) in over_default]
+    return out
+
+
+def rotated_lines() -> list[str]:
+    lines, last = [], None
+    for mode, d, s, c, r, sp, rd, rdsp in rotated_rows():
+        if mode != last:
+            lines.append(f"calls {mode}:")
+            last = mode
+        lines.append(f"  {_shape(d, s, c)} {_against('rotated / plain walk', r, sp)}; "
+                     f"rotated / default {rd:.3f} (spread {rdsp:.1%})")
+    return lines
+
+
+@claim("HB.rotated_lowers_dense_4096", "bwd_phases_det_rotated128",
+       "in both runs the rotated walk's deterministic time is below 0.9 of the plain walk's, "
+       "beyond the spread, at S = 4096 dense for D = 64 and 128, and within the spread of it at "
+       "the six shapes where the walk stays plain (causal, and S = 16384)", gpu=GPU)
+def _rotated_lowers_dense_4096(res):
+    rows = rotated_rows()
+    dense = [(r, sp) for _m, _d, s, c, r, sp, *_x in rows if s == 4096 and not c]
+    plain = [(r, sp) for _m, _d, s, c, r, sp, *_x in rows if s != 4096 or c]
+    ok = (len(rows) == 16 and all(r < 0.9 and 1 - r > sp for r, sp in dense)
+          and all(abs(r - 1) <= sp for r, sp in plain))
+    return ok, "; ".join(f"{m[:5]} D{d} S{s} {'c' if c else 'd'} {r:.3f} ({sp:.1%})"
+                         for m, d, s, c, r, sp, *_x in rows)
+
+
+@claim("HB.rotated_price", "bwd_phases_det_rotated128",
+       "in both runs the rotated build costs at most 3% over the default at D = 128 S = 4096 "
+       "dense and more than a tenth at exactly two shapes, D = 64 S = 4096 dense and causal",
+       gpu=GPU)
+def _rotated_price(res):
+    rows = rotated_rows()
+    over = {m: {(d, s, c) for m_, d, s, c, _r, _sp, rd, _x in rows if m_ == m and rd > 1.1}
+            for m in {row[0] for row in rows}}
+    d128 = [rd for _m, d, s, c, _r, _sp, rd, _x in rows if (d, s, c) == (128, 4096, False)]
+    ok = (len(rows) == 16 and len(d128) == 2 and all(rd <= 1.03 for rd in d128)
+          and all(v == {(64, 4096, False), (64, 4096, True)} for v in over.values()))
+    return ok, "; ".join(f"{m[:5]} D{d} S{s} {'c' if c else 'd'} {rd:.3f}"
+                         for m, d, s, c, _r, _sp, rd, _x in rows)
+
+
+@claim("HB.rotated_model_near_d128_far_d64", "bwd_phases_det_rotated128",
+       "section 6's model's rotated-walk prediction (deterministic over default) is within "
+       "0.05 of the back-to-back measurement at D = 128 S = 4096 dense and more than 0.1 below "
+       "it at D = 64", gpu=GPU)
+def _rotated_model(res):
+    from measure import dq_turns_model as dqm
+
+    measured = {d: rd for m, d, s, c, _r, _sp, rd, _x in rotated_rows()
+                if m == "back to back" and (s, c) == (4096, False)}
+    model = {d: dqm.predict_rotated(dqm.default_shape(4, 4096, 16, d, False),
+                                    dqm.CALIBRATED[d])["rotated"] for d in (128, 64)}
+    ok = (set(measured) == {64, 128} and abs(model[128] - measured[128]) <= 0.05
+          and measured[64] - model[64] > 0.1)
+    return ok, "; ".join(f"D{d} model {model[d]:.3f} measured {measured.get(d, float('nan')):.3f}"
+                         for d in (128, 64))

@@ -111,6 +111,13 @@ PRODUCES = [
      "9: --rounds 9)",
      "the same H100 visit: rows_early in the swapped step (D = 192, 256, dkv_swap_ab) against "
      "the build without it, three runs; rows_early became those builds' default after them"),
+    ("results/h100/bwd_phases_det_rotated*.json",
+     "python -m measure.bwd_phases --rounds 5 --dims 64 --impls fa4_final "
+     "fa4_final_deterministic fa4_final_det_rotated --name bwd_phases_det_rotated64 (128: "
+     "--dims 128 with fa4_final_det_rotated64; _flush: add --flush)",
+     "an H100 visit: the rotated walk (dq_rotated, Note [A rotated walk]) beside the "
+     "deterministic default and the default, D = 64 and 128, calls back to back and one call "
+     "at a time after an L2 flush; it stayed an option (config=) after them"),
 ]
 
 IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_final_det_c2", "fa4_package")

@@ -97,6 +97,16 @@ PRODUCES = [
      "--keys 1024 8192 32768 131072 --heads 32/8 64/8 --deadline <now + 500>",
      "an H100 visit (no H200 was lent): batch 32 at D = 128, every token and key count, GQA 4 "
      "and 8, fa4_final's call, its decode kernel and the peers"),
+    ("results/h100/decode_graph.json", "python -m measure.decode --name decode_graph --dims 128 "
+     "--batch 1 32 --tokens 1 16 --keys 1024 8192 131072 --heads 32/8 --modes graph "
+     "back_to_back --no-keys-on-m --rows <the grid's rows> --deadline 375",
+     "an H100 visit: the decode calls replayed from CUDA graphs beside the same calls back to "
+     "back, batch 1 and 32, every peer in the same run"),
+    ("results/h100/decode_b128_variants.json", "python -m measure.decode --name "
+     "decode_b128_variants --dims 128 --batch 128 --tokens 1 16 --keys 8192 131072 --heads 32/8 "
+     "--variants n128s2 n128s2b32 n64s3b32 --no-keys-on-m --rows ... --deadline 355",
+     "the same visit: batch 128, where the call trails the FA4 package, the decode kernel with "
+     "two stages or two CTAs an SM beside the default and the peers"),
     ("results/h100/decode_grid*_h100.json", "python -m measure.decode --name decode_grid_h100 "
      "--dims 128 --heads 32/8 --no-keys-on-m --rows fa4_final_splits fa4_final_paged_splits "
      "fa4_final_decode fa4_final_decode_paged fa4_package fa4_package_splits fa4_package_paged "

@@ -156,6 +156,13 @@ def dq_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,
 # for as long as they like (a collective waiting for its peers), and a head must still fit
 # beside them. Walks with a mask window keep the plain order (their m_min differs per key
 # tile already, Note [Turn order]).
+# Why dq_rotated is an option (config=) and not the deterministic default: the bound above is
+# about the SMs a process can count on, and a process cannot always count them. Under MPS with
+# an SM share, in a green context, or with several such backwards on concurrent streams, fewer
+# SMs may be free than the device reports, and a head's key tiles may then never be resident
+# together: the call would hang. Timed on an H100, the rotated walk takes a tenth or more off
+# the deterministic time where no mask window and few key tiles meet (S = 4096 dense at D = 64
+# and 128) and matches the plain walk elsewhere; a caller who owns the whole GPU may take it.
 
 ROTATED_MAX_KEY_TILES = 64
 
