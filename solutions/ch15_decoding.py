@@ -43,6 +43,7 @@ H200 = {"hbm_tb_s": HBM_DATASHEET_BYTES_PER_S["H200"] / 1e12,
 DECODE = "decode"  # results/<gpu>/decode.json (measure/decode.py)
 KEYS_ON_M = "decode_keys_on_m"  # the same driver with the keys-on-M kernel's rows
 TWO_CONSUMERS = "decode_wg2"  # the same driver at 16 tokens, one and two consumer warpgroups
+GRAPH = "decode_graph"  # the same driver, each call back to back and replayed from a CUDA graph
 # the shape where the chapter asks for a prediction of the two-consumer kernel
 TWO_CONSUMERS_SHAPE = {"b": 32, "s_q": 16, "s": 8192, "h": 64, "h_kv": 8, "d": 128}
 DECODE_GPUS = ("h200", "h100")  # where a stored decode run is looked for, in this order
@@ -1367,3 +1368,78 @@ def _two_consumers_tie(res):
     return bool(ratios) and all(abs(r - 1) <= 0.1 for r in ratios), (
         f"{len(ratios)} shapes, time ratios {min(ratios, default=float('nan')):.3f}-"
         f"{max(ratios, default=float('nan')):.3f}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Section 5 measured: the calls replayed from CUDA graphs (measure/decode.py --modes graph)
+
+GRAPH_IMPLS = (("fa4_final_splits", "fa4_final"), ("sdpa_cudnn", "cuDNN"),
+               ("sdpa_flash", "SDPA flash"), ("fa4_package", "FA4 package"))
+
+
+def graph_shapes(res) -> list[tuple]:
+    """(batch, tokens, keys) of every shape where the package's call was timed both ways."""
+    got = {(a["b"], a["s_q"], a["s"]) for a in res.rows
+           if a.get("impl") == "fa4_final_splits" and a.get("mode") == "graph" and a.get("ms")}
+    return sorted(got)
+
+
+def graph_pair(res, impl: str, b: int, tokens: int, keys: int):
+    """(back-to-back row, graph row) of ``impl`` at one shape of the run (None where absent)."""
+    shape = {"b": b, "s_q": tokens, "s": keys}
+    return (decode_row(res, impl, "back_to_back", **shape), decode_row(res, impl, "graph", **shape))
+
+
+def graph_lines(res) -> list[str]:
+    """Per shape: each implementation's microseconds per call back to back -> replayed, and the
+    package's call over the fastest peer in both modes."""
+    lines = ["microseconds per call, back to back -> replayed from a CUDA graph"]
+    for b, t, k in graph_shapes(res):
+        parts = []
+        for impl, label in GRAPH_IMPLS:
+            a, g = graph_pair(res, impl, b, t, k)
+            if a and g and a.get("ms") and g.get("ms"):
+                parts.append(f"{label} {a['ms'] * 1e3:.0f} -> {g['ms'] * 1e3:.0f}")
+        a, g = graph_pair(res, "fa4_final_splits", b, t, k)
+        lines.append(f"  b {b:2d} tokens {t:2d} keys {k:6d}: " + ", ".join(parts)
+                     + f"; fa4_final over the fastest peer {a['vs_best_peer']:.2f} -> "
+                     f"{g['vs_best_peer']:.2f}")
+    return lines
+
+
+def graph_speedup(res, impl: str = "fa4_final_splits", b: int = 1, tokens: int = 1,
+                  keys: int = 1024):
+    """``impl``'s back-to-back time over its replayed time at one shape, or None."""
+    a, g = graph_pair(res, impl, b, tokens, keys)
+    return a["ms"] / g["ms"] if a and g and a.get("ms") and g.get("ms") else None
+
+
+@claim("15.graph_host_at_batch1", GRAPH,
+       "at batch 1 with 1k and 8k keys every implementation is faster replayed from a graph "
+       "than back to back, the package's call by 6x or more; at batch 32 with 8k keys or more "
+       "its two times agree within 2%", gpu="h100")
+def _graph_host_at_batch1(res):
+    short = [(impl, graph_speedup(res, impl, 1, t, k)) for impl, _l in GRAPH_IMPLS
+             for _b, t, k in graph_shapes(res) if _b == 1 and k <= 8192]
+    ours = [x for impl, x in short if impl == "fa4_final_splits"]
+    long_ = [graph_speedup(res, "fa4_final_splits", b, t, k) for b, t, k in graph_shapes(res)
+             if b == 32 and k >= 8192]
+    ok = (len(ours) == 4 and all(x and x > 1 for _i, x in short) and min(ours) >= 6
+          and bool(long_) and all(abs(x - 1) <= 0.02 for x in long_))
+    return ok, (f"batch 1: {', '.join(f'{i[:10]} {x:.1f}' for i, x in short if x)}; batch 32 "
+                f">= 8k keys: {', '.join(f'{x:.3f}' for x in long_ if x)}")
+
+
+@claim("15.graph_ranks_at_batch1", GRAPH,
+       "replayed from graphs at batch 1, the package's call is ahead of every peer at 1k keys "
+       "(one and 16 tokens) and at 16 tokens with 8k keys, and behind cuDNN at one token with "
+       "8k keys", gpu="h100")
+def _graph_ranks(res):
+    vs = {(t, k): graph_pair(res, "fa4_final_splits", 1, t, k)[1] for t in (1, 16)
+          for k in (1024, 8192)}
+    if not all(vs.values()):
+        return False, "a shape is missing"
+    ok = (all(vs[key]["vs_best_peer"] > 1 for key in ((1, 1024), (16, 1024), (16, 8192)))
+          and vs[(1, 8192)]["vs_best_peer"] < 1 and vs[(1, 8192)]["best_peer"] == "sdpa_cudnn")
+    return ok, "; ".join(f"t{t} k{k} {r['vs_best_peer']:.2f} vs {r['best_peer']}"
+                         for (t, k), r in vs.items())
