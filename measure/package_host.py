@@ -110,14 +110,15 @@ def noop_kernels():
 def _host_caches() -> list[dict]:
     """The per-call caches of fa4_final's host path: cleared around a profile, so none keeps a
     no-op kernel or a real one across it."""
+    from fa4_final.api import interface
     from fa4_final.common import backward
     from fa4_final.hopper import host
     from fa4_final.runtime import compile as compile_path
     from fa4_final.runtime import prologue
 
     found = []
-    for module in (compile_path, prologue, host, backward):
-        for name in ("_PLANS", "_BACKENDS", "_TURN_DUMMIES", "_SMS"):
+    for module in (compile_path, prologue, host, backward, interface):
+        for name in ("_PLANS", "_BACKENDS", "_TURN_DUMMIES", "_SMS", "_REPEATED"):
             c = getattr(module, name, None)
             if isinstance(c, dict):
                 found.append(c)

@@ -55,6 +55,7 @@ import torch
 
 from fa4_final.api import ops
 from fa4_final.common.errors import UnsupportedError
+from fa4_final.runtime import compile as compile_path
 from fa4_final.runtime import decode_entry
 from fa4_final.runtime.checks import (
     check_flag,
@@ -145,6 +146,37 @@ def _check_head_dims(func: str, q, k, v, learnable_sink) -> None:
         refuse_backward_head_dims(func, d, dv)
 
 
+# Note [A repeated decode call] (fa4_final.runtime.decode_entry): signature -> Planned, for
+# decode calls of flash_attn_func that went the whole way once; at most _REPEATED_KEPT kept
+_REPEATED: dict = {}
+_REPEATED_KEPT = 64
+_PLAIN = frozenset((type(None), bool, int, float))
+
+
+def _signature(q, k, v, extra: tuple, options: dict, softmax_scale, causal, window_size,
+               softcap, deterministic, return_lse):
+    """The signature of a flash_attn_func call that may repeat a decode call (Note [A repeated
+    decode call]): every tensor's shape, strides, dtype and device, every other argument with
+    its type, or None where the call must take the whole path (a positional extra, an FA4
+    option but num_splits, a tensor subclass, an argument that is no plain scalar)."""
+    if torch.compiler.is_compiling():  # a traced call keeps the op (Note [The eager path])
+        return None
+    if (extra or type(q) is not torch.Tensor or type(k) is not torch.Tensor
+            or type(v) is not torch.Tensor or (options and options.keys() - {"num_splits"})):
+        return None
+    scalars = (softmax_scale, causal, softcap, deterministic, return_lse,
+               options.get("num_splits", 1) if options else 1)
+    types = tuple(map(type, scalars))
+    if type(window_size) not in (tuple, list):
+        return None
+    window_types = tuple(map(type, window_size))
+    if not (_PLAIN.issuperset(types) and _PLAIN.issuperset(window_types)):
+        return None
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, scalars, types, type(window_size),
+            tuple(window_size), window_types, decode_entry.num_sms, compile_path.cached)
+
+
 def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
                     window_size=(None, None), learnable_sink=None, softcap=None,
                     deterministic=False, return_lse=False, **fa4_options):
@@ -163,6 +195,15 @@ def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
     it. Differentiable in q, k, v and the
     sink; traceable by torch.compile(fullgraph=True).
     """
+    key = None
+    if learnable_sink is None:  # Note [A repeated decode call]
+        key = _signature(q, k, v, extra, fa4_options, softmax_scale, causal, window_size, softcap,
+                         deterministic, return_lse)
+        planned = _REPEATED.get(key) if key is not None else None
+        if (planned is not None and not decode_entry.needs_grad(q, k, v)
+                and ops.eager(q, k, v)):
+            out, lse = decode_entry.launch_resolved(planned, q, k, v)
+            return out, _returned_lse(lse, return_lse, (q, k, v))
     _refuse_positional("flash_attn_func", extra)
     if fa4_options:
         _refuse_fa4_options("flash_attn_func", fa4_options, _FA4_NEUTRAL)
@@ -177,7 +218,14 @@ def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
         # Note [Decode through the API]: forward only, FA4's num_splits
         out, lse = ops.decode_call(q, k, v, None, None, None, None, p.scale, p.causal, p.left,
                                    num_splits)
-        return out, _returned_lse(lse, check_flag("return_lse", return_lse), (q, k, v))
+        returned = _returned_lse(lse, check_flag("return_lse", return_lse), (q, k, v))
+        if key is not None and ops.eager(q, k, v):  # went the whole way eagerly: remember it
+            planned = decode_entry.resolve_dense(q, k, p.scale, p.causal, p.left, num_splits)
+            if planned is not None:
+                if len(_REPEATED) >= _REPEATED_KEPT:
+                    _REPEATED.clear()
+                _REPEATED[key] = planned
+        return out, returned
     plain = learnable_sink is None or type(learnable_sink) is torch.Tensor
     fwd = ops.fwd_eager if plain and ops.eager(q, k, v) else ops.fwd  # Note [The eager path]
     out, lse = fwd(q, k, v, p.scale, p.causal, p.left, p.right,

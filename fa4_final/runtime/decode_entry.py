@@ -57,9 +57,11 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
+from fa4_final.common.combine import combine_recipe
 from fa4_final.common.constants import DTYPE_NAMES, HEAD_DIMS, TORCH_TO_CUTLASS, WGMMA_M
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.hopper import host as hopper_host
@@ -377,10 +379,77 @@ def run_decode(q, k, v, out, lse, page_table, seqused_k, cu_seqlens_q, max_seqle
     used = None if seqused_k is None else seqused_k.contiguous()
     cu = cu_seqlens_q.contiguous() if varlen else None
     max_q = (q.shape[0] if max_seqlen_q is None else max_seqlen_q) if varlen else None
-    if splits == 1:
-        launch_decode(plan, q, k, v, out, lse, page_table, used, scale, cu, max_q, left)
-        return out, lse
-    out_p, lse_p = partials_like(out, splits)
-    launch_decode(plan, q, k, v, out_p, lse_p, page_table, used, scale, cu, max_q, left)
-    combine_own_partials(out_p, lse_p, out, lse, target)
+    launch_planned(Planned(plan, splits, scale, left, target, None), q, k, v, out, lse,
+                   page_table, used, cu, max_q)
+    return out, lse
+
+
+class Planned(NamedTuple):
+    """What a decode call resolved before its launch: the compiled kernel, the split count,
+    the scale, the left window side, the combine's target and, for outputs made by
+    fresh_outputs (contiguous, aligned), the combine's compiled plan (None: combine_splits'
+    checks first)."""
+
+    plan: object
+    splits: int
+    scale: float
+    left: int | None
+    target: str
+    combine: object
+
+
+def launch_planned(p: Planned, q, k, v, out, lse, page_table=None, used=None, cu=None,
+                   max_q=None) -> None:
+    """The launches of a resolved call: the kernel into out and lse (one split) or into float32
+    partials merged by the combine."""
+    if p.splits == 1:
+        launch_decode(p.plan, q, k, v, out, lse, page_table, used, p.scale, cu, max_q, p.left)
+        return
+    out_p, lse_p = partials_like(out, p.splits)
+    launch_decode(p.plan, q, k, v, out_p, lse_p, page_table, used, p.scale, cu, max_q, p.left)
+    if p.combine is None:
+        combine_own_partials(out_p, lse_p, out, lse, p.target)
+    else:  # fresh outputs: nothing of the combine's layout rule left to check
+        p.combine.kernels["main"](out_p, lse_p, out, lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# a repeated decode call
+
+# Note [A repeated decode call]
+# A decoding loop calls flash_attn_func on tensors of the same shapes, strides, dtypes and
+# devices with the same arguments at every step, and at batch 1 the host's work for the call
+# (the checks, the route, the plan's lookups) takes longer than its kernels. The public
+# function keeps, per signature of a call that went the whole way here eagerly, what that call
+# resolved (``resolve_dense``: the plan, the split count, the scale, the window); a later call
+# with the same signature redoes only what depends on the tensors themselves (no gradient
+# needed, nothing observing the call, the TMA base addresses) and launches. The signature
+# (fa4_final.api.interface) holds every tensor's shape, strides, dtype and device, and every
+# other argument with its type, of plain scalars only (None, bool, int, float, and tuples or
+# lists of them), so True and 1, or 1 and 1.0, are different signatures: a call whose first
+# form was refused or took another route never finds an entry. Empty problems keep the whole
+# path. The functions a resolution asked (the SM count, the compile path) are in the
+# signature, so a replaced one is asked again.
+
+
+def resolve_dense(q, k, scale: float, causal: bool, left, num_splits: int) -> Planned | None:
+    """The Planned of a dense call that decode_checked launches, for Note [A repeated decode
+    call]; None for a call that launches nothing (empty) or not on a Hopper row."""
+    backend = cached_backend(q.device)
+    if backend.family != "Hopper" or q.numel() == 0 or q.shape[0] == 0 or k.shape[1] == 0:
+        return None
+    splits, args = decode_plan_args(q, k, None, None, None, None, causal, left, num_splits,
+                                    num_sms(q.device))
+    combine = None
+    if splits > 1:
+        combine = compiled(combine_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], backend.target)
+    return Planned(compiled(decode_recipe, *args), splits, scale, left, backend.target, combine)
+
+
+def launch_resolved(p: Planned, q, k, v):
+    """(out, lse) of a dense call resolved before (Note [A repeated decode call]): the TMA base
+    addresses checked, fresh outputs, the launches."""
+    check_addresses(("q", q), ("k", k), ("v", v))
+    out, lse = fresh_outputs(q, v, False)
+    launch_planned(p, q, k, v, out, lse)
     return out, lse

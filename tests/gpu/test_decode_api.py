@@ -11,7 +11,9 @@ fa4_final.runtime.decode_entry; Note [Pending features]):
 - num_splits 1, 0 (the heuristic) and 3 equal within rounding, each against float64, and the
   call counted so the decode kernel is known to have run;
 - a paged decode call captured in a CUDA graph after a warm-up, replayed with new lengths
-  written into seqused_k.
+  written into seqused_k;
+- a repeated dense decode call (Note [A repeated decode call]): bit for bit the whole path's
+  answer, new values in the same tensors against float64, captured in a CUDA graph.
 
 The rule is the course's (utils.checks.tolerance_check via tests/gpu/test_decode_kernel.py's
 check_against_float64). These tests, with tests/gpu/test_decode_kernel.py and
@@ -26,6 +28,7 @@ import pytest
 import torch
 
 from fa4_final import flash_attn_func, flash_attn_varlen_func
+from fa4_final.api import interface
 from fa4_final.runtime import decode_entry, pending
 from tests.decode_reference import paged_cache
 from tests.gpu.test_decode_kernel import check_against_float64, qkv
@@ -58,7 +61,15 @@ def decode_calls(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(decode_entry, "run_decode", counted)
+    monkeypatch.setattr(interface, "_REPEATED", _NothingKept())  # every call the whole way
     return calls
+
+
+class _NothingKept(dict):
+    """A memo of Note [A repeated decode call] that keeps nothing."""
+
+    def __setitem__(self, key, value):
+        pass
 
 
 def _paged(k, v, page_size, used, seed):
@@ -287,3 +298,72 @@ def test_bad_values_after_the_launch_fault_nothing(monkeypatch, bad, checks, dec
             assert torch.equal(bad_out[others], out[others]), f"{what}: other sequences changed"
             assert torch.equal(bad_lse[others], lse[others]), f"{what}: other lse changed"
     assert len(decode_calls) == 4, "every call, bad ones included, launched the decode kernel"
+
+
+@pytest.fixture
+def repeated(monkeypatch):
+    """Note [A repeated decode call]'s memo, empty, and its launches counted."""
+    calls = []
+    real = decode_entry.launch_resolved
+
+    def counted(*args):
+        calls.append(args[0].splits)
+        return real(*args)
+
+    monkeypatch.setattr(decode_entry, "launch_resolved", counted)
+    monkeypatch.setattr(interface, "_REPEATED", {})
+    return calls
+
+
+@pytest.mark.parametrize("splits", [1, 0])
+def test_a_repeated_call_is_the_whole_path_bit_for_bit(repeated, splits):
+    """Three calls of one signature (one token, GQA 4, 3000 keys, causal, a left window): the
+    second and third take the repeated path and equal the first bit for bit; new values
+    written into the same tensors, a repeated call against float64."""
+    q, k, v = qkv(2, 1, 3000, 32, 8, 128, BF16, seed=31)
+    kw = dict(causal=True, window_size=(2000, None), num_splits=splits, return_lse=True)
+    with torch.no_grad():
+        runs = [flash_attn_func(q, k, v, **kw) for _ in range(3)]
+        wait_for_gpu("repeated calls")
+        assert len(repeated) == 2 and len(interface._REPEATED) == 1
+        for out, lse in runs[1:]:
+            assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+        check_against_float64(q, k, v, *runs[0], True, window_left=2000)
+        q2, k2, v2 = qkv(2, 1, 3000, 32, 8, 128, BF16, seed=32)
+        q.copy_(q2)
+        k.copy_(k2)
+        v.copy_(v2)
+        out, lse = flash_attn_func(q, k, v, **kw)
+        wait_for_gpu("repeated call, new values")
+    assert len(repeated) == 3
+    check_against_float64(q, k, v, out, lse, True, window_left=2000)
+
+
+def test_a_repeated_call_in_a_cuda_graph(repeated):
+    """A dense decode call (the heuristic's splits: kernel and combine) remembered by a warm-up,
+    captured (the repeated path), replayed with new query values: each replay against
+    float64."""
+    q, k, v = qkv(1, 1, 8192, 32, 8, 128, BF16, seed=33)
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 32, 1, dtype=torch.float32, device=DEVICE)
+
+    def call():
+        o, s = flash_attn_func(q, k, v, num_splits=0, return_lse=True)
+        out.copy_(o)
+        lse.copy_(s)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.stream(side):
+        call()  # warm-up: compiled, loaded, remembered
+        with torch.cuda.graph(graph, stream=side):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(repeated) == 1  # the capture took the repeated path
+    for seed in (34, 35):
+        q.copy_(qkv(1, 1, 8, 32, 8, 128, BF16, seed=seed)[0])
+        out.fill_(float("nan"))
+        graph.replay()
+        wait_for_gpu(f"graph replay {seed}")
+        check_against_float64(q, k, v, out, lse, False)

@@ -1,0 +1,235 @@
+"""Note [A repeated decode call] (fa4_final.runtime.decode_entry) on a CPU: a decode call of
+flash_attn_func that repeats an earlier call's signature skips the checks and the plan's
+lookups, and launches the same kernels with the same arguments; every call that differs in
+anything the checks read (a type, a shape, a stride, a dtype, an option, a gradient, a base
+address) takes the whole path and gets the answer or the error it gets without the memo.
+
+The kernel and the combine are tests.decode_reference's float64 walk and merge (as in
+tests/test_decode_api.py), the Hopper row is given to CPU tensors and the eager path admits
+them; nothing here runs a GPU kernel (tests/gpu/test_decode_api.py does, with the memo).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa4_final import flash_attn_func
+from fa4_final.api import interface, ops
+from fa4_final.runtime import decode_entry, dispatch, prologue
+from tests.decode_reference import decode_reference, emulate_decode, merge_splits
+
+BF16 = torch.bfloat16
+
+
+class Kernels:
+    """decode_entry's kernels emulated in float64 on CPU tensors, every launch recorded with
+    its arguments, and the public function's checks counted."""
+
+    def __init__(self, monkeypatch):
+        self.launches, self.checks, self.repeats = [], 0, 0
+        rec = self
+
+        class DecodePlan:
+            def __init__(self, args):
+                self.args = args
+                self.config = args[6] or decode_entry.hopper_decode_default(args[0])
+
+        class CombinePlan:
+            kernels = {"main": lambda *a: rec._merge(*a)}
+
+        def compiled(fn, *args):
+            return DecodePlan(args) if fn is decode_entry.decode_recipe else CombinePlan()
+
+        def launch(plan, q, k, v, out, lse, page_table, seqused_k, scale, cu, max_q, left):
+            n = out.shape[0] if out.dtype == torch.float32 else 1
+            self.launches.append((plan.args, n, scale, left, tuple(out.shape)))
+            out_p, lse_p, _ = emulate_decode(q, k, v, plan.args[2], n, scale,
+                                             tile_n=plan.config.tile_n, window_left=left,
+                                             page_box=plan.config.page_box)
+            if n == 1 and out.dtype != torch.float32:
+                out.copy_(out_p[0])
+                lse.copy_(lse_p[0])
+            else:
+                out.copy_(out_p)
+                lse.copy_(lse_p)
+
+        def counted(*a, _check=interface.check_inputs, **kw):
+            self.checks += 1
+            return _check(*a, **kw)
+
+        def repeated(*a, _launch=decode_entry.launch_resolved):
+            self.repeats += 1
+            return _launch(*a)
+
+        monkeypatch.setattr(prologue, "backend_for", lambda device: dispatch.HOPPER)
+        monkeypatch.setattr(prologue, "_BACKENDS", {})
+        monkeypatch.setattr(decode_entry, "compiled", compiled)
+        monkeypatch.setattr(decode_entry, "launch_decode", launch)
+        monkeypatch.setattr(decode_entry, "combine_own_partials", self._merge)
+        monkeypatch.setattr(decode_entry, "num_sms", lambda device: 132)
+        monkeypatch.setattr(decode_entry, "launch_resolved", repeated)
+        monkeypatch.setattr(ops, "EAGER_DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(interface, "check_inputs", counted)
+        monkeypatch.setattr(interface, "_REPEATED", {})
+
+    @staticmethod
+    def _merge(out_p, lse_p, out, lse, target=None):
+        m_out, m_lse = merge_splits(out_p, lse_p)
+        out.copy_(m_out)
+        lse.copy_(m_lse)
+
+
+def decode_inputs(b=2, sq=2, sk=700, h=8, hk=2, d=64, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, n, d, generator=g).to(BF16) for s, n in ((sq, h), (sk, hk), (sk, hk))]
+
+
+def _close(got, want, what):
+    err = (got.double() - want).abs()
+    finite = want.isfinite()
+    assert torch.equal(got.isfinite(), finite), what
+    assert float(torch.where(finite, err, 0.0).max()) < 2e-2, what
+
+
+@pytest.mark.parametrize("splits", [1, 0, 3])
+def test_a_repeated_decode_call_checks_once_and_launches_the_same(monkeypatch, splits):
+    """Three calls of one signature: the checks run once, the second and third take the
+    repeated path, launch what the first launched, and equal float64 and each other."""
+    kern = Kernels(monkeypatch)
+    q, k, v = decode_inputs()
+    outs = [flash_attn_func(q, k, v, causal=True, window_size=(300, None), num_splits=splits,
+                            return_lse=True) for _ in range(3)]
+    assert kern.checks == 1 and kern.repeats == 2
+    assert kern.launches[0] == kern.launches[1] == kern.launches[2]
+    want = decode_reference(q, k, v, True, window_left=300)
+    for out, lse in outs:
+        _close(out, want[0], "out")
+        _close(lse, want[1], "lse")
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+    assert outs[0][0].data_ptr() != outs[1][0].data_ptr()  # fresh outputs every call
+
+
+def _answer(call):
+    """What a call returns (out, lse or None) or the error it raises: its type and message."""
+    try:
+        out, lse = call()
+    except Exception as e:  # noqa: BLE001 - the error is the answer compared
+        return type(e), str(e)
+    return out, lse
+
+
+def _same(a, b) -> bool:
+    if isinstance(a[0], type) or isinstance(b[0], type):
+        return a == b
+    return torch.equal(a[0], b[0]) and ((a[1] is None and b[1] is None)
+                                        or torch.equal(a[1], b[1]))
+
+
+VARIANTS = {
+    "causal=1, not True": lambda q, k, v: dict(causal=1),
+    "num_splits=True, not 1": lambda q, k, v: dict(num_splits=True),
+    "num_splits 2.0": lambda q, k, v: dict(num_splits=2.0),
+    "window (300.0, None)": lambda q, k, v: dict(window_size=(300.0, None)),
+    "window as a list": lambda q, k, v: dict(window_size=[300, None]),
+    "softmax_scale a tensor": lambda q, k, v: dict(softmax_scale=torch.tensor(0.125)),
+    "softmax_scale 0": lambda q, k, v: dict(softmax_scale=0),
+    "softcap 2.0": lambda q, k, v: dict(softcap=2.0),
+    "return_lse=1": lambda q, k, v: dict(return_lse=1),
+    "deterministic='yes'": lambda q, k, v: dict(deterministic="yes"),
+    "pack_gqa": lambda q, k, v: dict(pack_gqa=True),
+    "an unknown keyword": lambda q, k, v: dict(dropout_p=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_call_that_differs_gets_what_it_gets_without_the_memo(monkeypatch, name):
+    """After a remembered call, each variant's answer (result or error) is the one it gets in a
+    process that remembered nothing, and no variant takes the repeated path."""
+    kern = Kernels(monkeypatch)
+    q, k, v = decode_inputs()
+    base = dict(causal=True, window_size=(300, None), num_splits=0, return_lse=True)
+    other = {**base, **VARIANTS[name](q, k, v)}
+    fresh = _answer(lambda: flash_attn_func(q, k, v, **other))
+    interface._REPEATED.clear()
+    flash_attn_func(q, k, v, **base)
+    assert len(interface._REPEATED) == 1
+    repeats = kern.repeats
+    after = _answer(lambda: flash_attn_func(q, k, v, **other))
+    assert kern.repeats == repeats, name
+    assert _same(fresh, after), (name, fresh, after)
+
+
+def _misaligned(t):
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+    x = buf[1:].view(t.shape)
+    x.copy_(t)
+    return x
+
+
+TENSORS = {
+    "q of another dtype": lambda q, k, v: (q.half(), k, v),
+    "q with more tokens": lambda q, k, v: (torch.cat([q, q], 1), k, v),
+    "k transposed (other strides)": lambda q, k, v: (q, k.transpose(0, 1).contiguous()
+                                                     .transpose(0, 1), v),
+    "v of another head dim": lambda q, k, v: (q, k, torch.zeros(*v.shape[:3], 32, dtype=BF16)),
+    "q that requires grad": lambda q, k, v: (q.clone().requires_grad_(), k, v),
+    "a subclass of Tensor": lambda q, k, v: (torch.nn.Parameter(q, requires_grad=False), k, v),
+}
+
+
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_other_tensors_get_what_they_get_without_the_memo(monkeypatch, cpu_kernels, name):
+    kern = Kernels(monkeypatch)
+    q, k, v = decode_inputs()
+    args = TENSORS[name](q, k, v)
+    fresh = _answer(lambda: flash_attn_func(*args, causal=True, num_splits=0))
+    interface._REPEATED.clear()
+    flash_attn_func(q, k, v, causal=True, num_splits=0)
+    repeats = kern.repeats
+    after = _answer(lambda: flash_attn_func(*args, causal=True, num_splits=0))
+    assert kern.repeats == repeats, name
+    assert _same(fresh, after), (name, fresh, after)
+
+
+def test_a_misaligned_base_address_is_refused_on_the_repeated_path(monkeypatch):
+    """Same shapes and strides, q 2 bytes past a 16-byte boundary: the repeated path still
+    checks the TMA base addresses, with the whole path's words."""
+    kern = Kernels(monkeypatch)
+    q, k, v = decode_inputs()
+    flash_attn_func(q, k, v, num_splits=0)
+    with pytest.raises(ValueError, match=r"q.*address % 16 = 2"):
+        flash_attn_func(_misaligned(q), k, v, num_splits=0)
+    assert kern.repeats == 1  # it took the repeated path, and refused there
+
+
+def test_grad_mode_and_observers_take_the_whole_path(monkeypatch):
+    """A remembered signature is not enough: an input that requires grad (under grad mode)
+    or a dispatch mode watching the call sends it the whole way."""
+    kern = Kernels(monkeypatch)
+    q, k, v = decode_inputs()
+    flash_attn_func(q, k, v, num_splits=0)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        _answer(lambda: flash_attn_func(q, k, v, num_splits=0))
+    assert kern.repeats == 0
+
+
+def test_the_memo_is_bounded(monkeypatch):
+    Kernels(monkeypatch)
+    q, k, v = decode_inputs(sk=64)
+    for left in range(interface._REPEATED_KEPT + 5):
+        flash_attn_func(q, k, v, window_size=(left, None), num_splits=1)
+    assert 0 < len(interface._REPEATED) <= interface._REPEATED_KEPT
+
+
+def test_an_empty_cache_is_not_remembered(monkeypatch):
+    Kernels(monkeypatch)
+    q, k, v = decode_inputs(sk=0)
+    out, _ = flash_attn_func(q, k, v, num_splits=0)
+    assert interface._REPEATED == {} and torch.equal(out, torch.zeros_like(out))
