@@ -1,8 +1,9 @@
 """Note [A repeated decode call] (fa4_final.runtime.decode_entry) on a CPU: a decode call of
-flash_attn_func that repeats an earlier call's signature skips the checks and the plan's
-lookups, and launches the same kernels with the same arguments; every call that differs in
-anything the checks read (a type, a shape, a stride, a dtype, an option, a gradient, a base
-address) takes the whole path and gets the answer or the error it gets without the memo.
+flash_attn_func, or of flash_attn_varlen_func with a page table and a dense q, that repeats an
+earlier call's signature skips the checks and the plan's lookups, and launches the same
+kernels with the same arguments; every call that differs in anything the checks read (a type,
+a shape, a stride, a dtype, an option, a gradient, a base address, a page table's values
+wanted now) takes the whole path and gets the answer or the error it gets without the memo.
 
 The kernel and the combine are tests.decode_reference's float64 walk and merge (as in
 tests/test_decode_api.py), the Hopper row is given to CPU tensors and the eager path admits
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fa4_final import flash_attn_func
+from fa4_final import flash_attn_func, flash_attn_varlen_func
 from fa4_final.api import interface, ops
 from fa4_final.runtime import decode_entry, dispatch, prologue
 from tests.decode_reference import decode_reference, emulate_decode, merge_splits
@@ -44,9 +45,9 @@ class Kernels:
         def launch(plan, q, k, v, out, lse, page_table, seqused_k, scale, cu, max_q, left):
             n = out.shape[0] if out.dtype == torch.float32 else 1
             self.launches.append((plan.args, n, scale, left, tuple(out.shape)))
-            out_p, lse_p, _ = emulate_decode(q, k, v, plan.args[2], n, scale,
-                                             tile_n=plan.config.tile_n, window_left=left,
-                                             page_box=plan.config.page_box)
+            out_p, lse_p, _ = emulate_decode(q, k, v, plan.args[2], n, scale, page_table,
+                                             seqused_k, tile_n=plan.config.tile_n,
+                                             window_left=left, page_box=plan.config.page_box)
             if n == 1 and out.dtype != torch.float32:
                 out.copy_(out_p[0])
                 lse.copy_(lse_p[0])
@@ -55,6 +56,10 @@ class Kernels:
                 lse.copy_(lse_p)
 
         def counted(*a, _check=interface.check_inputs, **kw):
+            self.checks += 1
+            return _check(*a, **kw)
+
+        def counted_paged(*a, _check=decode_entry.check_paged_call, **kw):
             self.checks += 1
             return _check(*a, **kw)
 
@@ -71,6 +76,7 @@ class Kernels:
         monkeypatch.setattr(decode_entry, "launch_resolved", repeated)
         monkeypatch.setattr(ops, "EAGER_DEVICE_TYPES", ("cuda", "cpu"))
         monkeypatch.setattr(interface, "check_inputs", counted)
+        monkeypatch.setattr(decode_entry, "check_paged_call", counted_paged)
         monkeypatch.setattr(interface, "_REPEATED", {})
 
     @staticmethod
@@ -233,3 +239,92 @@ def test_an_empty_cache_is_not_remembered(monkeypatch):
     q, k, v = decode_inputs(sk=0)
     out, _ = flash_attn_func(q, k, v, num_splits=0)
     assert interface._REPEATED == {} and torch.equal(out, torch.zeros_like(out))
+
+
+# ----------------------------------------------------------------------------------------------
+# a page table and a dense q (the serving call)
+
+
+def paged_inputs(lengths=(700, 1, 0, 333), page=64, seed=6):
+    """q (4, 2, 8, 64), a cache of shuffled 64-key pages, a table with -1 in unused slots."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages, hk, d = 40, 2, 64
+    k = torch.randn(num_pages, page, hk, d, generator=g).to(BF16)
+    v = torch.randn(num_pages, page, hk, d, generator=g).to(BF16)
+    order = torch.randperm(num_pages, generator=g)
+    table = torch.full((len(lengths), 12), -1, dtype=torch.int32)
+    nxt = 0
+    for b, n in enumerate(lengths):
+        for slot in range(-(-n // page)):
+            table[b, slot] = int(order[nxt])
+            nxt += 1
+    q = torch.randn(len(lengths), 2, 8, d, generator=g).to(BF16)
+    return q, k, v, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("splits", [1, 0, 3])
+def test_a_repeated_paged_call_checks_once_and_equals_float64(monkeypatch, splits):
+    """The values are not checked on the host (as on a GPU by default): three calls, the checks
+    once; new lengths written into seqused_k reach the repeated call."""
+    monkeypatch.setenv("FA4_FINAL_VARLEN_CHECKS", "0")
+    kern = Kernels(monkeypatch)
+    q, k, v, table, used = paged_inputs()
+    kw = dict(page_table=table, seqused_k=used, causal=True, num_splits=splits,
+              return_lse=True)
+    outs = [flash_attn_varlen_func(q, k, v, **kw) for _ in range(3)]
+    assert kern.checks == 1 and kern.repeats == 2
+    assert kern.launches[0] == kern.launches[1] == kern.launches[2]
+    want = decode_reference(q, k, v, True, page_table=table, seqused_k=used)
+    for out, lse in outs:
+        _close(out, want[0], "out")
+        _close(lse, want[1], "lse")
+    used.copy_(torch.tensor([5, 640, 64, 0], dtype=torch.int32))
+    out, lse = flash_attn_varlen_func(q, k, v, **kw)
+    assert kern.repeats == 3
+    want = decode_reference(q, k, v, True, page_table=table, seqused_k=used)
+    _close(out, want[0], "out, new lengths")
+    _close(lse, want[1], "lse, new lengths")
+
+
+def test_values_wanted_now_send_a_paged_call_the_whole_way(monkeypatch):
+    """Off a GPU the page table's values are checked on every call (Note [Paged KV checks]): a
+    remembered signature still takes the whole path, which names a bad page."""
+    monkeypatch.setenv("FA4_FINAL_VARLEN_CHECKS", "0")
+    kern = Kernels(monkeypatch)
+    q, k, v, table, used = paged_inputs()
+    flash_attn_varlen_func(q, k, v, page_table=table, seqused_k=used, num_splits=0)
+    assert len(interface._REPEATED) == 1
+    monkeypatch.delenv("FA4_FINAL_VARLEN_CHECKS")
+    table[0, 0] = 40  # past the cache's 40 pages
+    with pytest.raises(ValueError, match="page"):
+        flash_attn_varlen_func(q, k, v, page_table=table, seqused_k=used, num_splits=0)
+    assert kern.repeats == 0
+
+
+PAGED_VARIANTS = {
+    "the table int64": lambda t, u: dict(page_table=t.long(), seqused_k=u),
+    "no seqused_k": lambda t, u: dict(page_table=t, seqused_k=None),
+    "seqused_k int64": lambda t, u: dict(page_table=t, seqused_k=u.long()),
+    "a narrower table": lambda t, u: dict(page_table=t[:, :11].contiguous(), seqused_k=u),
+    "a table of other strides": lambda t, u: dict(page_table=t.t().contiguous().t(),
+                                                  seqused_k=u),
+    "max_seqlen_k 700.0": lambda t, u: dict(page_table=t, seqused_k=u, max_seqlen_k=700.0),
+    "cu_seqlens_k too": lambda t, u: dict(page_table=t, seqused_k=u,
+                                          cu_seqlens_k=torch.zeros(5, dtype=torch.int32)),
+}
+
+
+@pytest.mark.parametrize("name", list(PAGED_VARIANTS))
+def test_a_paged_call_that_differs_gets_what_it_gets_without_the_memo(monkeypatch, name):
+    monkeypatch.setenv("FA4_FINAL_VARLEN_CHECKS", "0")
+    kern = Kernels(monkeypatch)
+    q, k, v, table, used = paged_inputs()
+    other = dict(causal=True, num_splits=0, **PAGED_VARIANTS[name](table, used))
+    fresh = _answer(lambda: flash_attn_varlen_func(q, k, v, **other))
+    interface._REPEATED.clear()
+    flash_attn_varlen_func(q, k, v, page_table=table, seqused_k=used, causal=True,
+                           num_splits=0)
+    repeats = kern.repeats
+    after = _answer(lambda: flash_attn_varlen_func(q, k, v, **other))
+    assert kern.repeats == repeats, name
+    assert _same(fresh, after), (name, fresh, after)

@@ -64,7 +64,7 @@ from fa4_final.runtime.checks import (
     check_varlen_inputs,
 )
 from fa4_final.runtime.compile import artifacts
-from fa4_final.runtime.decode import check_num_splits
+from fa4_final.runtime.decode import check_num_splits, wants_value_checks
 from fa4_final.runtime.dispatch import backend_for_target
 from fa4_final.runtime.pending import (
     check_features,
@@ -153,28 +153,44 @@ _REPEATED_KEPT = 64
 _PLAIN = frozenset((type(None), bool, int, float))
 
 
-def _signature(q, k, v, extra: tuple, options: dict, softmax_scale, causal, window_size,
-               softcap, deterministic, return_lse):
-    """The signature of a flash_attn_func call that may repeat a decode call (Note [A repeated
-    decode call]): every tensor's shape, strides, dtype and device, every other argument with
-    its type, or None where the call must take the whole path (a positional extra, an FA4
-    option but num_splits, a tensor subclass, an argument that is no plain scalar)."""
+def _signature(q, k, v, extra: tuple, options: dict, scalars: tuple, window_size,
+               tensors: tuple = ()):
+    """The signature of a call that may repeat a decode call (Note [A repeated decode call]):
+    every tensor's shape, strides, dtype and device (q, k, v and ``tensors``, each a tensor or
+    None), every other argument (``scalars``, the window, num_splits) with its type; or None
+    where the call must take the whole path (a positional extra, an FA4 option but num_splits,
+    a tensor subclass, an argument that is no plain scalar, a traced call)."""
     if torch.compiler.is_compiling():  # a traced call keeps the op (Note [The eager path])
         return None
     if (extra or type(q) is not torch.Tensor or type(k) is not torch.Tensor
             or type(v) is not torch.Tensor or (options and options.keys() - {"num_splits"})):
         return None
-    scalars = (softmax_scale, causal, softcap, deterministic, return_lse,
-               options.get("num_splits", 1) if options else 1)
+    scalars = (*scalars, options.get("num_splits", 1) if options else 1)
     types = tuple(map(type, scalars))
     if type(window_size) not in (tuple, list):
         return None
     window_types = tuple(map(type, window_size))
     if not (_PLAIN.issuperset(types) and _PLAIN.issuperset(window_types)):
         return None
+    more = []
+    for t in tensors:
+        if t is None:
+            more.append(None)
+        elif type(t) is torch.Tensor:
+            more.append((t.shape, t.stride(), t.dtype, t.device))
+        else:
+            return None
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
             v.dtype, q.device, k.device, v.device, scalars, types, type(window_size),
-            tuple(window_size), window_types, decode_entry.num_sms, compile_path.cached)
+            tuple(window_size), window_types, *more, decode_entry.num_sms, compile_path.cached)
+
+
+def _remember(key, planned) -> None:
+    """Keep a resolved decode call under its signature (Note [A repeated decode call])."""
+    if key is not None and planned is not None:
+        if len(_REPEATED) >= _REPEATED_KEPT:
+            _REPEATED.clear()
+        _REPEATED[key] = planned
 
 
 def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
@@ -197,8 +213,8 @@ def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
     """
     key = None
     if learnable_sink is None:  # Note [A repeated decode call]
-        key = _signature(q, k, v, extra, fa4_options, softmax_scale, causal, window_size, softcap,
-                         deterministic, return_lse)
+        key = _signature(q, k, v, extra, fa4_options, (softmax_scale, causal, softcap,
+                         deterministic, return_lse), window_size)
         planned = _REPEATED.get(key) if key is not None else None
         if (planned is not None and not decode_entry.needs_grad(q, k, v)
                 and ops.eager(q, k, v)):
@@ -220,11 +236,8 @@ def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
                                    num_splits)
         returned = _returned_lse(lse, check_flag("return_lse", return_lse), (q, k, v))
         if key is not None and ops.eager(q, k, v):  # went the whole way eagerly: remember it
-            planned = decode_entry.resolve_dense(q, k, p.scale, p.causal, p.left, num_splits)
-            if planned is not None:
-                if len(_REPEATED) >= _REPEATED_KEPT:
-                    _REPEATED.clear()
-                _REPEATED[key] = planned
+            _remember(key, decode_entry.resolve(q, k, None, None, p.scale, p.causal, p.left,
+                                                num_splits))
         return out, returned
     plain = learnable_sink is None or type(learnable_sink) is torch.Tensor
     fwd = ops.fwd_eager if plain and ops.eager(q, k, v) else ops.fwd  # Note [The eager path]
@@ -257,8 +270,19 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
     Returns ``(out, lse)``: out like q (with v's head dim), lse (heads, total_q) float32 or
     None as in flash_attn_func.
     """
-    _refuse_positional("flash_attn_varlen_func", extra)
     page_table = fa4_options.pop("page_table", None)
+    key = None
+    if (page_table is not None and learnable_sink is None and cu_seqlens_q is None
+            and cu_seqlens_k is None and seqused_q is None):  # Note [A repeated decode call]
+        key = _signature(q, k, v, extra, fa4_options, (
+            softmax_scale, causal, softcap, deterministic, return_lse, max_seqlen_q,
+            max_seqlen_k), window_size, (page_table, seqused_k))
+        planned = _REPEATED.get(key) if key is not None else None
+        if (planned is not None and not decode_entry.needs_grad(q, k, v) and ops.eager(q, k, v)
+                and not wants_value_checks(None, page_table, seqused_k)):
+            out, lse = decode_entry.launch_resolved(planned, q, k, v, page_table, seqused_k)
+            return out, _returned_lse(lse, return_lse, (q, k, v))
+    _refuse_positional("flash_attn_varlen_func", extra)
     _refuse_fa4_options("flash_attn_varlen_func", fa4_options, _FA4_VARLEN_NEUTRAL)
     num_splits = check_num_splits(fa4_options.get("num_splits", 1))
     cap = check_features("flash_attn_varlen_func", softcap, None, 0, None)  # a scalar: first
@@ -266,7 +290,7 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
         return _paged_varlen(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, seqused_q, seqused_k, softmax_scale, causal,
                              window_size, learnable_sink, cap, deterministic, return_lse,
-                             num_splits)
+                             num_splits, key)
     batch, total_q, total_k, h, hk, d = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, check_address=False, seqused_q=seqused_q)
@@ -284,7 +308,7 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
 
 def _paged_varlen(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   seqused_q, seqused_k, softmax_scale, causal, window_size, learnable_sink,
-                  cap: float, deterministic, return_lse, num_splits: int):
+                  cap: float, deterministic, return_lse, num_splits: int, key=None):
     """flash_attn_varlen_func with a page_table (Note [Decode through the API]): the paged
     cache checked (Note [Paged KV checks], values included where they can be read), what the
     decode kernel lacks refused by name, forward only."""
@@ -302,7 +326,11 @@ def _paged_varlen(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     out, lse = ops.decode_call(q, k, v, page_table, seqused_k, cu_seqlens_q, max_seqlen_q,
                                p.scale, p.causal, p.left, num_splits, func)
     values.finish()  # Note [Paged KV checks]: read after the launch, raises on a bad value
-    return out, _returned_lse(lse, check_flag("return_lse", return_lse), (q, k, v))
+    returned = _returned_lse(lse, check_flag("return_lse", return_lse), (q, k, v))
+    if key is not None and ops.eager(q, k, v):  # went the whole way eagerly: remember it
+        _remember(key, decode_entry.resolve(q, k, page_table, seqused_k, p.scale, p.causal,
+                                            p.left, num_splits))
+    return out, returned
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, config=None, target=None):

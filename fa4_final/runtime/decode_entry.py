@@ -417,39 +417,49 @@ def launch_planned(p: Planned, q, k, v, out, lse, page_table=None, used=None, cu
 # a repeated decode call
 
 # Note [A repeated decode call]
-# A decoding loop calls flash_attn_func on tensors of the same shapes, strides, dtypes and
-# devices with the same arguments at every step, and at batch 1 the host's work for the call
-# (the checks, the route, the plan's lookups) takes longer than its kernels. The public
-# function keeps, per signature of a call that went the whole way here eagerly, what that call
-# resolved (``resolve_dense``: the plan, the split count, the scale, the window); a later call
-# with the same signature redoes only what depends on the tensors themselves (no gradient
-# needed, nothing observing the call, the TMA base addresses) and launches. The signature
-# (fa4_final.api.interface) holds every tensor's shape, strides, dtype and device, and every
+# A decoding loop calls flash_attn_func (or flash_attn_varlen_func with a page table) on
+# tensors of the same shapes, strides, dtypes and devices with the same arguments at every
+# step, and at batch 1 the host's work for the call (the checks, the route, the plan's
+# lookups) takes longer than its kernels. The public functions keep, per signature of a call
+# that went the whole way here eagerly, what that call resolved (``resolve``: the plan, the
+# split count, the scale, the window); a later call with the same signature redoes only what
+# depends on the tensors themselves (no gradient needed, nothing observing the call, the TMA
+# base addresses, and for a page table whether its values are to be checked now, which sends
+# the call the whole way) and launches. The signature (fa4_final.api.interface) holds every
+# tensor's shape, strides, dtype and device (the page table's and seqused_k's too), and every
 # other argument with its type, of plain scalars only (None, bool, int, float, and tuples or
 # lists of them), so True and 1, or 1 and 1.0, are different signatures: a call whose first
-# form was refused or took another route never finds an entry. Empty problems keep the whole
+# form was refused or took another route never finds an entry. Packed queries (cu_seqlens_q,
+# whose values are checked on every call), a learnable sink and empty problems keep the whole
 # path. The functions a resolution asked (the SM count, the compile path) are in the
 # signature, so a replaced one is asked again.
 
 
-def resolve_dense(q, k, scale: float, causal: bool, left, num_splits: int) -> Planned | None:
-    """The Planned of a dense call that decode_checked launches, for Note [A repeated decode
-    call]; None for a call that launches nothing (empty) or not on a Hopper row."""
+def resolve(q, k, page_table, seqused_k, scale: float, causal: bool, left,
+            num_splits: int) -> Planned | None:
+    """The Planned of a checked dense-q call that decode_checked launches, contiguous cache or
+    paged, for Note [A repeated decode call]; None for a call that launches nothing (empty) or
+    not on a Hopper row."""
     backend = cached_backend(q.device)
-    if backend.family != "Hopper" or q.numel() == 0 or q.shape[0] == 0 or k.shape[1] == 0:
+    empty = page_table is None and k.shape[1] == 0
+    if backend.family != "Hopper" or q.numel() == 0 or q.shape[0] == 0 or empty:
         return None
-    splits, args = decode_plan_args(q, k, None, None, None, None, causal, left, num_splits,
-                                    num_sms(q.device))
+    splits, args = decode_plan_args(q, k, page_table, seqused_k, None, None, causal, left,
+                                    num_splits, num_sms(q.device))
     combine = None
     if splits > 1:
         combine = compiled(combine_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], backend.target)
     return Planned(compiled(decode_recipe, *args), splits, scale, left, backend.target, combine)
 
 
-def launch_resolved(p: Planned, q, k, v):
-    """(out, lse) of a dense call resolved before (Note [A repeated decode call]): the TMA base
-    addresses checked, fresh outputs, the launches."""
+def launch_resolved(p: Planned, q, k, v, page_table=None, seqused_k=None):
+    """(out, lse) of a dense-q call resolved before (Note [A repeated decode call]): the TMA
+    base addresses checked, fresh outputs, the page table and seqused_k as run_decode passes
+    them, the launches."""
     check_addresses(("q", q), ("k", k), ("v", v))
     out, lse = fresh_outputs(q, v, False)
-    launch_planned(p, q, k, v, out, lse)
+    if page_table is not None and page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
+    used = None if seqused_k is None else seqused_k.contiguous()
+    launch_planned(p, q, k, v, out, lse, page_table, used)
     return out, lse
