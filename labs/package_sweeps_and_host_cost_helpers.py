@@ -459,3 +459,71 @@ def _(res):
     return (worst > 1.0 and bound >= 0.75 * len(op),
             f"smallest op / eager host time: {worst:.2f}; op calls host-bound: {bound} of "
             f"{len(op)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# a decode step's host time (measure.decode_host; Note [A repeated decode call])
+
+DECODE_BEFORE, DECODE_AFTER = "repeat_before", "repeat_after"
+
+
+def decode_host_pairs(res) -> list[tuple]:
+    """(call, host us before the memo, after) per decode call of the stored CPU comparison."""
+    got = {(r.get("variant"), r["metric"]): r["value"] for r in res.rows}
+    calls = dict.fromkeys(r["metric"].removeprefix("host_us ") for r in res.rows
+                          if r.get("variant") == DECODE_AFTER)
+    return [(c, got.get((DECODE_BEFORE, f"host_us {c}")), got[(DECODE_AFTER, f"host_us {c}")])
+            for c in calls]
+
+
+def decode_host_lines(res) -> list[str]:
+    if res is None:
+        return ["not measured yet"]
+    commits = {r.get("variant"): str(r.get("fa4_final_commit"))[:7] for r in res.rows}
+    lines = [res.label, "setup: " + res.rows[0]["setup"],
+             f"host us per call, the fastest batch: before the memo ({commits[DECODE_BEFORE]}) "
+             f"and with it ({commits[DECODE_AFTER]})"]
+    for call, before, after in decode_host_pairs(res):
+        lines.append(f"  {call:22s} {_us(before):>7s} -> {_us(after):>7s}  "
+                     f"({after / before:.2f}x)")
+    return lines
+
+
+def decode_host_gpu_lines(res) -> list[str]:
+    """The GPU run: host microseconds per call (no synchronisation) beside the GPU's per call
+    back to back, the API's calls and the kernel launched directly."""
+    if res is None:
+        return ["not measured yet"]
+    lines = [res.label, f"{'call':28s} {'host us':>8s} {'GPU us back to back':>20s}"]
+    for r in res.rows:
+        if "by function" not in r["metric"]:
+            lines.append(f"{r['metric'].removeprefix('host_us '):28s} {r['value']:8.1f} "
+                         f"{r['gpu_us_per_call_back_to_back']:20.1f}")
+    return lines
+
+
+def repeated_over_before(res, call: str = "dense num_splits=0") -> float:
+    return next(after / before for c, before, after in decode_host_pairs(res) if c == call)
+
+
+@claim("lab13.repeated_decode_host", "decode_host",
+       "on the stored CPU, every decode call repeated under the memo spends at most two thirds "
+       "of the host time it spent before, the dense calls about half", gpu="cpu")
+def _(res):
+    pairs = decode_host_pairs(res)
+    ok = (len(pairs) == 4 and all(a < 2 / 3 * b for _c, b, a in pairs)
+          and all(0.4 < a / b < 0.6 for c, b, a in pairs if c.startswith("dense")))
+    return ok, "; ".join(f"{c} {a / b:.2f}" for c, b, a in pairs)
+
+
+@claim("lab13.decode_api_host_over_direct", "decode_host_gpu",
+       "on the GPU run, the API's dense split call took the host more than three times as long "
+       "as the decode kernel and combine launched directly, and longer than those kernels take "
+       "per call back to back", gpu="h100")
+def _(res):
+    got = {r["metric"]: r for r in res.rows}
+    api = got["host_us dense num_splits=0"]["value"]
+    direct = got["host_us kernel dense num_splits=0"]
+    kernels = direct["gpu_us_per_call_back_to_back"]
+    return (api > 3 * direct["value"] and api > kernels,
+            f"API {api:.1f} us, direct {direct['value']:.1f} us, kernels {kernels:.1f} us")
