@@ -538,24 +538,34 @@ def defaults_rows() -> list[tuple]:
     """(mode, d, s, causal, the FA4 package's total / ours, the larger spread, deterministic /
     default, the larger spread) per stored shape of the two runs of the backward as a call
     runs it; nothing for a run not stored."""
-    out = []
-    for mode, res in _each_stored(DEFAULT_RUNS):
-        det = {p[:3]: p[3:] for p in _ratio_pairs(res, "fa4_final_deterministic", "fa4_final")}
-        out += [(mode, d, s, c, r, sp, *det[(d, s, c)])
-                for d, s, c, r, sp in _ratio_pairs(res, "fa4_package", "fa4_final")
-                if (d, s, c) in det]
-    return out
+    return [row for mode, res in _each_stored(DEFAULT_RUNS)
+            for row in _two_ratios(mode, res, ("fa4_package", "fa4_final"),
+                                   ("fa4_final_deterministic", "fa4_final"))]
 
 
-def defaults_lines() -> list[str]:
+def _two_ratios(mode, res, first: tuple, second: tuple) -> list[tuple]:
+    """(mode, d, s, causal, first[0] / first[1], its spread, second[0] / second[1], its
+    spread) for every shape of one stored run where all were timed."""
+    other = {p[:3]: p[3:] for p in _ratio_pairs(res, *second)}
+    return [(mode, d, s, c, r, sp, *other[(d, s, c)])
+            for d, s, c, r, sp in _ratio_pairs(res, *first) if (d, s, c) in other]
+
+
+def _two_ratio_lines(rows, first: str, second: str) -> list[str]:
+    """Lines of (mode, d, s, causal, ratio, spread, second ratio, its spread) rows, a header
+    per timing mode: the first ratio against its spread, the second with its spread."""
     lines, last = [], None
-    for mode, d, s, c, r, sp, dr, dsp in defaults_rows():
+    for mode, d, s, c, r, sp, r2, sp2 in rows:
         if mode != last:
             lines.append(f"calls {mode}:")
             last = mode
-        lines.append(f"  {_shape(d, s, c)} {_against('FA4 package / ours', r, sp)}; "
-                     f"deterministic / default {dr:.3f} (spread {dsp:.1%})")
+        lines.append(f"  {_shape(d, s, c)} {_against(first, r, sp)}; "
+                     f"{second} {r2:.3f} (spread {sp2:.1%})")
     return lines
+
+
+def defaults_lines() -> list[str]:
+    return _two_ratio_lines(defaults_rows(), "FA4 package / ours", "deterministic / default")
 
 
 @claim("HB.defaults_d128_behind_d64_ahead", "bwd_phases_defaults",
@@ -610,24 +620,13 @@ ROTATED_RUNS = (("back to back", 64, "bwd_phases_det_rotated64", "fa4_final_det_
 def rotated_rows() -> list[tuple]:
     """(mode, d, s, causal, rotated / plain deterministic, its spread, rotated / default, its
     spread) per stored shape of the rotated walk's runs; nothing for a run not stored."""
-    out = []
-    for (mode, rot), res in _each_stored([((m, r), n) for m, _d, n, r in ROTATED_RUNS]):
-        over_default = {p[:3]: p[3:] for p in _ratio_pairs(res, rot, "fa4_final")}
-        out += [(mode, d, s, c, r, sp, *over_default[(d, s, c)])
-                for d, s, c, r, sp in _ratio_pairs(res, rot, "fa4_final_deterministic")
-                if (d, s, c) in over_default]
-    return out
+    return [row for (mode, rot), res in _each_stored([((m, r), n) for m, _d, n, r in ROTATED_RUNS])
+            for row in _two_ratios(mode, res, (rot, "fa4_final_deterministic"),
+                                   (rot, "fa4_final"))]
 
 
 def rotated_lines() -> list[str]:
-    lines, last = [], None
-    for mode, d, s, c, r, sp, rd, rdsp in rotated_rows():
-        if mode != last:
-            lines.append(f"calls {mode}:")
-            last = mode
-        lines.append(f"  {_shape(d, s, c)} {_against('rotated / plain walk', r, sp)}; "
-                     f"rotated / default {rd:.3f} (spread {rdsp:.1%})")
-    return lines
+    return _two_ratio_lines(rotated_rows(), "rotated / plain walk", "rotated / default")
 
 
 @claim("HB.rotated_lowers_dense_4096", "bwd_phases_det_rotated128",

@@ -29,6 +29,7 @@ from fa4_final.hopper import host
 from fa4_final.hopper.config import HopperDecodeConfig
 from fa4_final.runtime import decode_entry, dispatch, pending, prologue
 from fa4_final.runtime.decode import choose_num_splits
+from tests.decode_reference import assert_close_to_float64
 
 BF16 = torch.bfloat16
 GATE = "does not run decode yet"  # the words of the gate decode had (gone with its row)
@@ -497,10 +498,7 @@ class Emulated:
 
 
 def _close(got, want, what):
-    err = (got.double() - want).abs()
-    finite = want.isfinite()
-    assert torch.equal(got.isfinite(), finite), what
-    assert float(torch.where(finite, err, 0.0).max()) < 2e-2, what
+    assert_close_to_float64(got, want, what)
 
 
 @pytest.mark.parametrize("splits", [1, 0, 3])

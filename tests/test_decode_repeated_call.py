@@ -17,43 +17,34 @@ import torch
 
 from fa4_final import flash_attn_func, flash_attn_varlen_func
 from fa4_final.api import interface, ops
-from fa4_final.runtime import decode_entry, dispatch, prologue
-from tests.decode_reference import decode_reference, emulate_decode, merge_splits
+from fa4_final.runtime import decode_entry
+from tests.decode_reference import assert_close_to_float64, decode_reference
+from tests.test_decode_api import Emulated
 
 BF16 = torch.bfloat16
 
 
-class Kernels:
-    """decode_entry's kernels emulated in float64 on CPU tensors, every launch recorded with
-    its arguments, and the public function's checks counted."""
+class Kernels(Emulated):
+    """tests/test_decode_api.py's Emulated kernels (float64 on CPU tensors, the Hopper row),
+    every launch recorded with its arguments, the combine's compiled plan emulated too, the
+    eager path open to CPU tensors, and the public functions' checks counted."""
 
     def __init__(self, monkeypatch):
+        super().__init__(monkeypatch)
         self.launches, self.checks, self.repeats = [], 0, 0
-        rec = self
-
-        class DecodePlan:
-            def __init__(self, args):
-                self.args = args
-                self.config = args[6] or decode_entry.hopper_decode_default(args[0])
+        plan_of, run, merge = (decode_entry.compiled, decode_entry.launch_decode,
+                               decode_entry.combine_own_partials)
 
         class CombinePlan:
-            kernels = {"main": lambda *a: rec._merge(*a)}
+            kernels = {"main": merge}
 
         def compiled(fn, *args):
-            return DecodePlan(args) if fn is decode_entry.decode_recipe else CombinePlan()
+            return plan_of(fn, *args) if fn is decode_entry.decode_recipe else CombinePlan()
 
         def launch(plan, q, k, v, out, lse, page_table, seqused_k, scale, cu, max_q, left):
             n = out.shape[0] if out.dtype == torch.float32 else 1
             self.launches.append((plan.args, n, scale, left, tuple(out.shape)))
-            out_p, lse_p, _ = emulate_decode(q, k, v, plan.args[2], n, scale, page_table,
-                                             seqused_k, tile_n=plan.config.tile_n,
-                                             window_left=left, page_box=plan.config.page_box)
-            if n == 1 and out.dtype != torch.float32:
-                out.copy_(out_p[0])
-                lse.copy_(lse_p[0])
-            else:
-                out.copy_(out_p)
-                lse.copy_(lse_p)
+            run(plan, q, k, v, out, lse, page_table, seqused_k, scale, cu, max_q, left)
 
         def counted(*a, _check=interface.check_inputs, **kw):
             self.checks += 1
@@ -67,23 +58,13 @@ class Kernels:
             self.repeats += 1
             return _launch(*a)
 
-        monkeypatch.setattr(prologue, "backend_for", lambda device: dispatch.HOPPER)
-        monkeypatch.setattr(prologue, "_BACKENDS", {})
         monkeypatch.setattr(decode_entry, "compiled", compiled)
         monkeypatch.setattr(decode_entry, "launch_decode", launch)
-        monkeypatch.setattr(decode_entry, "combine_own_partials", self._merge)
-        monkeypatch.setattr(decode_entry, "num_sms", lambda device: 132)
         monkeypatch.setattr(decode_entry, "launch_resolved", repeated)
         monkeypatch.setattr(ops, "EAGER_DEVICE_TYPES", ("cuda", "cpu"))
         monkeypatch.setattr(interface, "check_inputs", counted)
         monkeypatch.setattr(decode_entry, "check_paged_call", counted_paged)
         monkeypatch.setattr(interface, "_REPEATED", {})
-
-    @staticmethod
-    def _merge(out_p, lse_p, out, lse, target=None):
-        m_out, m_lse = merge_splits(out_p, lse_p)
-        out.copy_(m_out)
-        lse.copy_(m_lse)
 
 
 def decode_inputs(b=2, sq=2, sk=700, h=8, hk=2, d=64, seed=5):
@@ -92,10 +73,7 @@ def decode_inputs(b=2, sq=2, sk=700, h=8, hk=2, d=64, seed=5):
 
 
 def _close(got, want, what):
-    err = (got.double() - want).abs()
-    finite = want.isfinite()
-    assert torch.equal(got.isfinite(), finite), what
-    assert float(torch.where(finite, err, 0.0).max()) < 2e-2, what
+    assert_close_to_float64(got, want, what)
 
 
 @pytest.mark.parametrize("splits", [1, 0, 3])

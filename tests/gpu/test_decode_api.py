@@ -65,6 +65,25 @@ def decode_calls(monkeypatch):
     return calls
 
 
+def _captured(fn, out, lse):
+    """A CUDA graph of ``fn`` (which returns (out, lse)) copying into ``out`` and ``lse``,
+    captured on a side stream after one warm-up call, no gradient recorded."""
+    def call():
+        o, s = fn()
+        out.copy_(o)
+        lse.copy_(s)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.stream(side):
+        call()
+        with torch.cuda.graph(graph, stream=side):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph
+
+
 class _NothingKept(dict):
     """A memo of Note [A repeated decode call] that keeps nothing."""
 
@@ -216,20 +235,9 @@ def test_a_paged_call_in_a_cuda_graph(decode_calls):
     out = torch.empty(b, sq, h, d, dtype=BF16, device=DEVICE)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=DEVICE)
 
-    def call():
-        o, s = flash_attn_varlen_func(q, kp, vp, page_table=table, seqused_k=used, causal=True,
-                                      num_splits=3, return_lse=True)
-        out.copy_(o)
-        lse.copy_(s)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.stream(side):
-        call()  # warm-up: compiled, loaded, the values checked
-        with torch.cuda.graph(graph, stream=side):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
+    graph = _captured(lambda: flash_attn_varlen_func(
+        q, kp, vp, page_table=table, seqused_k=used, causal=True, num_splits=3,
+        return_lse=True), out, lse)  # the warm-up compiles, loads and checks the values
     for lengths in ([700, 129, 5], [1, 768, 300], [0, 64, 768]):
         used.copy_(torch.tensor(lengths, dtype=torch.int32))
         out.fill_(float("nan"))
@@ -347,19 +355,8 @@ def test_a_repeated_call_in_a_cuda_graph(repeated):
     out = torch.empty_like(q)
     lse = torch.empty(1, 32, 1, dtype=torch.float32, device=DEVICE)
 
-    def call():
-        o, s = flash_attn_func(q, k, v, num_splits=0, return_lse=True)
-        out.copy_(o)
-        lse.copy_(s)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.stream(side):
-        call()  # warm-up: compiled, loaded, remembered
-        with torch.cuda.graph(graph, stream=side):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
+    # the warm-up compiles, loads and remembers; the capture repeats
+    graph = _captured(lambda: flash_attn_func(q, k, v, num_splits=0, return_lse=True), out, lse)
     assert len(repeated) == 1  # the capture took the repeated path
     for seed in (34, 35):
         q.copy_(qkv(1, 1, 8, 32, 8, 128, BF16, seed=seed)[0])
