@@ -24,6 +24,7 @@ microseconds per call, with the median and slowest batch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -32,6 +33,7 @@ import torch
 from utils import results
 
 RESULTS = "decode_host"
+PENDING_ENV = "FA4_FINAL_PENDING"  # fa4_final.runtime.pending.ENV
 PRODUCES = [("results/cpu/decode_host.json", "python -m measure.decode_host --label after",
              "host microseconds per decode call (batch 1, one token, GQA 4, D 128, 8k keys) "
              "with every kernel a no-op: dense and paged, one split and the heuristic's; one "
@@ -42,7 +44,8 @@ PRODUCES = [("results/cpu/decode_host.json", "python -m measure.decode_host --la
              "time of a split call goes, by function")]
 SETUP = ("this CPU, no GPU: CPU tensors, b=1, one query token, 32/8 heads, D=128, 8192 keys "
          "(paged: 128-key pages, seqused_k), bf16; every kernel launch and the GPU lookups "
-         "replaced by no-ops; FA4_FINAL_VARLEN_CHECKS=0")
+         "replaced by no-ops; FA4_FINAL_VARLEN_CHECKS=0, FA4_FINAL_PENDING=repeated_decode "
+         "(a tree without that gate ignores it)")
 SETUP_GPU = ("the same calls on GPU tensors with their kernels (no value check runs on a GPU "
              "by default), and the decode kernel and combine launched directly on "
              "preallocated outputs; host time without synchronisation, GPU time by CUDA events "
@@ -71,6 +74,26 @@ def decode_calls(device: str = "cpu") -> dict:
     return calls
 
 
+@contextlib.contextmanager
+def decode_environment(varlen_checks_off: bool = True):
+    """FA4_FINAL_PENDING=repeated_decode (Note [A repeated decode call], while it is pending)
+    and, unless told otherwise, FA4_FINAL_VARLEN_CHECKS=0 for the measured calls; restored
+    after."""
+    values = {PENDING_ENV: "repeated_decode"}
+    if varlen_checks_off:
+        values["FA4_FINAL_VARLEN_CHECKS"] = "0"
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def measure(label: str, fa4_commit: str | None, n: int, repeats: int) -> list[dict]:
     import fa4_final
     from measure.package_host import noop_kernels, time_host
@@ -79,20 +102,12 @@ def measure(label: str, fa4_commit: str | None, n: int, repeats: int) -> list[di
               "fa4_final_commit": fa4_commit or results._git_commit(),
               "fa4_final_path": str(fa4_final.__file__), "setup": SETUP}
     rows = []
-    before = os.environ.get("FA4_FINAL_VARLEN_CHECKS")
-    os.environ["FA4_FINAL_VARLEN_CHECKS"] = "0"
-    try:
-        with noop_kernels():
-            for name, fn in decode_calls().items():
-                t = time_host(fn, n=n, repeats=repeats)
-                rows.append({**common, "metric": f"host_us {name}", "unit": "us", **t})
-                print(f"{label:8s} {name:22s} {t['value']:7.1f} us per call (median "
-                      f"{t['median']:.1f}, slowest {t['max']:.1f})")
-    finally:
-        if before is None:
-            os.environ.pop("FA4_FINAL_VARLEN_CHECKS", None)
-        else:
-            os.environ["FA4_FINAL_VARLEN_CHECKS"] = before
+    with decode_environment(), noop_kernels():
+        for name, fn in decode_calls().items():
+            t = time_host(fn, n=n, repeats=repeats)
+            rows.append({**common, "metric": f"host_us {name}", "unit": "us", **t})
+            print(f"{label:8s} {name:22s} {t['value']:7.1f} us per call (median "
+                  f"{t['median']:.1f}, slowest {t['max']:.1f})")
     return rows
 
 
@@ -183,7 +198,8 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("measure.decode_host --gpu: needs a CUDA GPU", file=sys.stderr)
             return 2
-        rows = measure_gpu(args.calls, args.repeats)
+        with decode_environment(varlen_checks_off=False):  # a GPU's default checks stand
+            rows = measure_gpu(args.calls, args.repeats)
         print("stored", results.save(RESULTS + "_gpu", rows,
                                      command="python -m measure.decode_host --gpu"))
         return 0

@@ -17,7 +17,7 @@ import torch
 
 from fa4_final import flash_attn_func, flash_attn_varlen_func
 from fa4_final.api import interface, ops
-from fa4_final.runtime import decode_entry
+from fa4_final.runtime import decode_entry, pending
 from tests.decode_reference import assert_close_to_float64, decode_reference
 from tests.test_decode_api import Emulated
 
@@ -65,6 +65,7 @@ class Kernels(Emulated):
         monkeypatch.setattr(interface, "check_inputs", counted)
         monkeypatch.setattr(decode_entry, "check_paged_call", counted_paged)
         monkeypatch.setattr(interface, "_REPEATED", {})
+        monkeypatch.setenv(pending.ENV, "repeated_decode")  # Note [Pending features]
 
 
 def decode_inputs(b=2, sq=2, sk=700, h=8, hk=2, d=64, seed=5):
@@ -306,3 +307,13 @@ def test_a_paged_call_that_differs_gets_what_it_gets_without_the_memo(monkeypatc
     after = _answer(lambda: flash_attn_varlen_func(q, k, v, **other))
     assert kern.repeats == repeats, name
     assert _same(fresh, after), (name, fresh, after)
+
+
+def test_without_the_gate_listing_it_every_call_takes_the_whole_path(monkeypatch):
+    """repeated_decode waits in Note [Pending features]: unlisted, nothing is remembered."""
+    kern = Kernels(monkeypatch)
+    monkeypatch.delenv(pending.ENV)
+    q, k, v = decode_inputs()
+    for _ in range(3):
+        flash_attn_func(q, k, v, num_splits=0)
+    assert kern.checks == 3 and kern.repeats == 0 and interface._REPEATED == {}

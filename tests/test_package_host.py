@@ -5,7 +5,7 @@ import torch
 
 from fa4_final.api import interface, ops
 from fa4_final.hopper import host
-from fa4_final.runtime import checks, dispatch, prologue
+from fa4_final.runtime import checks, dispatch, pending, prologue
 from fa4_final.runtime import compile as compile_path
 from measure import package_host
 from utils import results
@@ -22,9 +22,9 @@ def test_profile_counts_one_check_and_four_launches_per_training_call():
     before = _patched_names()
     rows = package_host.profile("test", "abc", n=5, repeats=1, save=False)
     counts = {r["metric"]: r["value"] for r in rows if r["unit"] == "calls"}
-    # the forward's tiny shape needs no gradient and is a decode shape: repeated, it checks
-    # only what depends on the tensors (Note [A repeated decode call])
-    assert counts["check_inputs per call fwd"] == 0
+    # the forward's tiny shape needs no gradient and is a decode shape: repeated under Note [A
+    # repeated decode call], it checks only what depends on the tensors
+    assert counts["check_inputs per call fwd"] == (0 if pending.listed("repeated_decode") else 1)
     assert counts["check_inputs per call fwd+bwd"] == 1
     assert counts["kernel launches per call fwd"] == 1
     assert counts["kernel launches per call fwd+bwd"] == 4  # forward, bwd_pre, bwd, bwd_post

@@ -69,6 +69,7 @@ from fa4_final.runtime.dispatch import backend_for_target
 from fa4_final.runtime.pending import (
     check_features,
     forward_only,
+    listed,
     refuse_backward_head_dims,
 )
 from fa4_final.runtime.prologue import forward, prepare
@@ -212,7 +213,7 @@ def flash_attn_func(q, k, v, *extra, softmax_scale=None, causal=False,
     sink; traceable by torch.compile(fullgraph=True).
     """
     key = None
-    if learnable_sink is None:  # Note [A repeated decode call]
+    if learnable_sink is None and listed("repeated_decode"):  # Note [A repeated decode call]
         key = _signature(q, k, v, extra, fa4_options, (softmax_scale, causal, softcap,
                          deterministic, return_lse), window_size)
         planned = _REPEATED.get(key) if key is not None else None
@@ -273,7 +274,8 @@ def flash_attn_varlen_func(q, k, v, *extra, cu_seqlens_q=None, cu_seqlens_k=None
     page_table = fa4_options.pop("page_table", None)
     key = None
     if (page_table is not None and learnable_sink is None and cu_seqlens_q is None
-            and cu_seqlens_k is None and seqused_q is None):  # Note [A repeated decode call]
+            and cu_seqlens_k is None and seqused_q is None
+            and listed("repeated_decode")):  # Note [A repeated decode call]
         key = _signature(q, k, v, extra, fa4_options, (
             softmax_scale, causal, softcap, deterministic, return_lse, max_seqlen_q,
             max_seqlen_k), window_size, (page_table, seqused_k))

@@ -320,6 +320,7 @@ def repeated(monkeypatch):
 
     monkeypatch.setattr(decode_entry, "launch_resolved", counted)
     monkeypatch.setattr(interface, "_REPEATED", {})
+    monkeypatch.setenv(pending.ENV, "decode,repeated_decode")  # Note [Pending features]
     return calls
 
 
