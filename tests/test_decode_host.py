@@ -24,11 +24,11 @@ def test_the_stored_split_calls_spend_less_host_time_after_the_change():
         assert abs(got[("after", one)] / got[("before", one)] - 1) < 0.1
 
 
-def test_a_repeated_decode_call_spends_at_most_two_thirds_of_the_host_time():
+def test_a_repeated_decode_call_spends_less_than_0_7_of_the_host_time():
     """Note [A repeated decode call]: the fastest batches of the four calls on one CPU, the tree
-    before the memo (repeat_before) and with it (repeat_after)."""
+    before the memo (repeat_before) and with it listed (repeat_after)."""
     res = results.load(decode_host.RESULTS, gpu="cpu")
     got = {(r["variant"], r["metric"]): r["value"] for r in res.rows}
     for name in decode_host.decode_calls():
         metric = f"host_us {name}"
-        assert got[("repeat_after", metric)] < 2 / 3 * got[("repeat_before", metric)], name
+        assert got[("repeat_after", metric)] < 0.7 * got[("repeat_before", metric)], name
