@@ -518,10 +518,17 @@ def _(res):
     return ok, "; ".join(f"{c} {r:.2f}" for c, r in pairs.items())
 
 
-@claim("lab13.decode_api_host_over_direct", "decode_host_gpu",
-       "on the GPU run, the API's dense split call took the host more than three times as long "
-       "as the decode kernel and combine launched directly, and longer than those kernels take "
-       "per call back to back", gpu="h100")
+def api_over_direct(res) -> float:
+    """The API's dense split call's host time over the kernel and combine launched directly,
+    in one GPU run."""
+    got = {r["metric"]: r["value"] for r in res.rows}
+    return got["host_us dense num_splits=0"] / got["host_us kernel dense num_splits=0"]
+
+
+@claim("lab13.decode_api_host_over_direct", "decode_host_gpu_before_memo",
+       "on the GPU run before the memo, the API's dense split call took the host more than "
+       "three times as long as the decode kernel and combine launched directly, and longer "
+       "than those kernels take per call back to back", gpu="h100")
 def _(res):
     got = {r["metric"]: r for r in res.rows}
     api = got["host_us dense num_splits=0"]["value"]
@@ -529,3 +536,30 @@ def _(res):
     kernels = direct["gpu_us_per_call_back_to_back"]
     return (api > 3 * direct["value"] and api > kernels,
             f"API {api:.1f} us, direct {direct['value']:.1f} us, kernels {kernels:.1f} us")
+
+
+@claim("lab13.memo_halves_api_over_direct", "decode_host_gpu",
+       "the API's dense split call's host time over the direct launch's, each run against its "
+       "own direct launch, is less than half with the memo what it was before it", gpu="h100")
+def _(res):
+    from utils import results
+
+    before = results.load("decode_host_gpu_before_memo", gpu="h100")
+    a, b = api_over_direct(res), api_over_direct(before)
+    return a < 0.5 * b, f"with the memo {a:.2f}, before {b:.2f}"
+
+
+@claim("lab13.memo_back_to_back_ahead", "decode_graph_repeated",
+       "with the memo, the call back to back at batch 1 (one and 16 tokens, 1k and 8k keys) is "
+       "ahead of every peer at all four shapes, beyond both rows' spreads", gpu="h100")
+def _(res):
+    ours = [r for r in res.rows if r.get("impl") == "fa4_final_splits"
+            and r.get("mode") == "back_to_back" and r.get("ms")]
+    out, ok = [], len(ours) == 4
+    for r in ours:
+        peer = next(p for p in res.rows if p.get("impl") == r["best_peer"]
+                    and p.get("mode") == "back_to_back"
+                    and all(p.get(k) == r[k] for k in ("b", "s_q", "s", "h", "h_kv", "d")))
+        ok = ok and r["vs_best_peer"] - 1 > max(r["spread"], peer["spread"])
+        out.append(f"t{r['s_q']} k{r['s']} {r['vs_best_peer']:.2f} vs {r['best_peer']}")
+    return ok, "; ".join(out)

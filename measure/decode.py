@@ -102,6 +102,12 @@ PRODUCES = [
      "back_to_back --no-keys-on-m --rows <the grid's rows> --deadline 375",
      "an H100 visit: the decode calls replayed from CUDA graphs beside the same calls back to "
      "back, batch 1 and 32, every peer in the same run"),
+    ("results/h100/decode_graph_repeated.json", "FA4_FINAL_PENDING=repeated_decode python -m "
+     "measure.decode --name decode_graph_repeated --dims 128 --batch 1 --tokens 1 16 --keys 1024 "
+     "8192 --heads 32/8 --modes back_to_back graph --rounds 5 --no-keys-on-m --rows "
+     "fa4_final_splits fa4_final_paged_splits fa4_final_decode sdpa_cudnn sdpa_flash fa4_package "
+     "--deadline 90", "an H100 visit: the batch-1 calls with Note [A repeated decode call] "
+     "listed (then pending), back to back and replayed, beside the peers"),
     ("results/h100/decode_b128_variants.json", "python -m measure.decode --name "
      "decode_b128_variants --dims 128 --batch 128 --tokens 1 16 --keys 8192 131072 --heads 32/8 "
      "--variants n128s2 n128s2b32 n64s3b32 --no-keys-on-m --rows ... --deadline 355",

@@ -38,10 +38,11 @@ PRODUCES = [("results/cpu/decode_host.json", "python -m measure.decode_host --la
              "host microseconds per decode call (batch 1, one token, GQA 4, D 128, 8k keys) "
              "with every kernel a no-op: dense and paged, one split and the heuristic's; one "
              "variant per fa4_final tree measured on that CPU (--label, --fa4-commit)"),
-            ("results/h*/decode_host_gpu.json", "python -m measure.decode_host --gpu",
+            ("results/h*/decode_host_gpu*.json", "python -m measure.decode_host --gpu",
              "the same calls on a GPU with their kernels and the kernel launched directly: host "
              "microseconds per call beside the GPU's per call back to back, and where the host "
-             "time of a split call goes, by function")]
+             "time of a split call goes, by function; _before_memo: the run of a tree before "
+             "Note [A repeated decode call] (3fbec34), kept under that name")]
 SETUP = ("this CPU, no GPU: CPU tensors, b=1, one query token, 32/8 heads, D=128, 8192 keys "
          "(paged: 128-key pages, seqused_k), bf16; every kernel launch and the GPU lookups "
          "replaced by no-ops; FA4_FINAL_VARLEN_CHECKS=0, FA4_FINAL_PENDING=repeated_decode "

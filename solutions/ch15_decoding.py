@@ -1431,15 +1431,14 @@ def _graph_host_at_batch1(res):
 
 
 @claim("15.graph_ranks_at_batch1", GRAPH,
-       "replayed from graphs at batch 1, the package's call is ahead of every peer at 1k keys "
-       "(one and 16 tokens) and at 16 tokens with 8k keys, and behind cuDNN at one token with "
-       "8k keys", gpu="h100")
+       "replayed from graphs at batch 1, the package's call is ahead of every peer at 16 tokens "
+       "(1k and 8k keys) and behind cuDNN at one token with 8k keys", gpu="h100")
 def _graph_ranks(res):
     vs = {(t, k): graph_pair(res, "fa4_final_splits", 1, t, k)[1] for t in (1, 16)
           for k in (1024, 8192)}
     if not all(vs.values()):
         return False, "a shape is missing"
-    ok = (all(vs[key]["vs_best_peer"] > 1 for key in ((1, 1024), (16, 1024), (16, 8192)))
+    ok = (all(vs[key]["vs_best_peer"] > 1 for key in ((16, 1024), (16, 8192)))
           and vs[(1, 8192)]["vs_best_peer"] < 1 and vs[(1, 8192)]["best_peer"] == "sdpa_cudnn")
     return ok, "; ".join(f"t{t} k{k} {r['vs_best_peer']:.2f} vs {r['best_peer']}"
                          for (t, k), r in vs.items())

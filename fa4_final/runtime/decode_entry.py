@@ -432,9 +432,9 @@ def launch_planned(p: Planned, q, k, v, out, lse, page_table=None, used=None, cu
 # form was refused or took another route never finds an entry. Packed queries (cu_seqlens_q,
 # whose values are checked on every call), a learnable sink and empty problems keep the whole
 # path. The functions a resolution asked (the SM count, the compile path) are in the
-# signature, so a replaced one is asked again. Until its GPU tests pass the memo is a pending
-# replacement (Note [Pending features]): only a process that lists repeated_decode in
-# FA4_FINAL_PENDING uses it, and every other call takes the whole path as before.
+# signature, so a replaced one is asked again. It waited in Note [Pending features] as
+# repeated_decode until its GPU tests passed (an H100: bit for bit the whole path, new values
+# against float64, captured in a CUDA graph); a row put back there turns it off.
 
 
 def resolve(q, k, page_table, seqused_k, scale: float, causal: bool, left,
