@@ -148,7 +148,8 @@ def _check_head_dims(func: str, q, k, v, learnable_sink) -> None:
 
 
 # Note [A repeated decode call] (fa4_final.runtime.decode_entry): signature -> Planned, for
-# decode calls of flash_attn_func that went the whole way once; at most _REPEATED_KEPT kept
+# decode calls (flash_attn_func's, and flash_attn_varlen_func's with a page table and a dense
+# q) that went the whole way once; at most _REPEATED_KEPT kept
 _REPEATED: dict = {}
 _REPEATED_KEPT = 64
 _PLAIN = frozenset((type(None), bool, int, float))
