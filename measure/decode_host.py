@@ -41,8 +41,8 @@ PRODUCES = [("results/cpu/decode_host.json", "python -m measure.decode_host --la
             ("results/h*/decode_host_gpu*.json", "python -m measure.decode_host --gpu",
              "the same calls on a GPU with their kernels and the kernel launched directly: host "
              "microseconds per call beside the GPU's per call back to back, and where the host "
-             "time of a split call goes, by function; _before_memo: the run of a tree before "
-             "Note [A repeated decode call] (3fbec34), kept under that name")]
+             "time of a split call goes, by function; _before_memo: the run of a tree without "
+             "Note [A repeated decode call], kept under that name")]
 SETUP = ("this CPU, no GPU: CPU tensors, b=1, one query token, 32/8 heads, D=128, 8192 keys "
          "(paged: 128-key pages, seqused_k), bf16; every kernel launch and the GPU lookups "
          "replaced by no-ops; FA4_FINAL_VARLEN_CHECKS=0, FA4_FINAL_PENDING=repeated_decode "

@@ -37,11 +37,11 @@ and 128, D = 96, 192, 256 and dv != D: the dense and the varlen forward and auto
 passed against float64 on an H100). softcap and learnable_sink still pass through
 ``refuse_pending`` in check_features, which lets them by while they have no row (a row put back
 gates them again); a page table, a decode shape and the backward's head dims no longer consult
-the gate at all. Then repeated_decode, a replacement of the verified decode path (Note [A
-repeated decode call]) that chose rather than refused, as lse_fold did: its GPU tests (bit for
-bit the whole path, new values against float64, a capture in a CUDA graph) passed on an H100
-with the rest of the decode API's suite; the public functions still ask ``listed`` for it, so a
-row put back gates it again. No row waits now.
+the gate at all. Then repeated_decode, a replacement of the verified decode path
+(Note [A repeated decode call]) that chose rather than refused, as lse_fold did: its GPU tests
+(bit for bit the whole path, new values against float64, a capture in a CUDA graph) passed on
+an H100 with the rest of the decode API's suite; the public functions still ask ``listed`` for
+it, so a row put back gates it again. No row waits now.
 """
 
 from __future__ import annotations
