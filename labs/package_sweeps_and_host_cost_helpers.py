@@ -468,7 +468,7 @@ DECODE_BEFORE, DECODE_AFTER = "repeat_before", "repeat_after"
 
 
 def decode_host_pairs(res) -> list[tuple]:
-    """(call, host us before the memo, after) per decode call of the stored CPU comparison."""
+    """(call, host us without the memo, with it) per decode call of the stored CPU comparison."""
     got = {(r.get("variant"), r["metric"]): r["value"] for r in res.rows}
     calls = dict.fromkeys(r["metric"].removeprefix("host_us ") for r in res.rows
                           if r.get("variant") == DECODE_AFTER)
@@ -481,7 +481,7 @@ def decode_host_lines(res) -> list[str]:
         return ["not measured yet"]
     commits = {r.get("variant"): str(r.get("fa4_final_commit"))[:7] for r in res.rows}
     lines = [res.label, "setup: " + res.rows[0]["setup"],
-             f"host us per call, the fastest batch: before the memo ({commits[DECODE_BEFORE]}) "
+             f"host us per call, the fastest batch: without the memo ({commits[DECODE_BEFORE]}) "
              f"and with it ({commits[DECODE_AFTER]})"]
     for call, before, after in decode_host_pairs(res):
         lines.append(f"  {call:22s} {_us(before):>7s} -> {_us(after):>7s}  "
@@ -526,7 +526,7 @@ def api_over_direct(res) -> float:
 
 
 @claim("lab13.decode_api_host_over_direct", "decode_host_gpu_before_memo",
-       "on the GPU run before the memo, the API's dense split call took the host more than "
+       "on the GPU run without the memo, the API's dense split call took the host more than "
        "three times as long as the decode kernel and combine launched directly, and longer "
        "than those kernels take per call back to back", gpu="h100")
 def _(res):
@@ -540,7 +540,7 @@ def _(res):
 
 @claim("lab13.memo_halves_api_over_direct", "decode_host_gpu",
        "the API's dense split call's host time over the direct launch's, each run against its "
-       "own direct launch, is less than half with the memo what it was before it", gpu="h100")
+       "own direct launch, is less than half with the memo what it is without it", gpu="h100")
 def _(res):
     from utils import results
 
