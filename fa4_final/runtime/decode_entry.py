@@ -374,14 +374,20 @@ def run_decode(q, k, v, out, lse, page_table, seqused_k, cu_seqlens_q, max_seqle
                                     causal, left, num_splits, num_sms(q.device))
     plan = compiled(decode_recipe, *args)
     varlen = cu_seqlens_q is not None
-    if page_table is not None and page_table.stride(-1) != 1:
-        page_table = page_table.contiguous()  # as FA4: contiguous along the pages
-    used = None if seqused_k is None else seqused_k.contiguous()
+    page_table, used = _launch_tables(page_table, seqused_k)
     cu = cu_seqlens_q.contiguous() if varlen else None
     max_q = (q.shape[0] if max_seqlen_q is None else max_seqlen_q) if varlen else None
     launch_planned(Planned(plan, splits, scale, left, target, None), q, k, v, out, lse,
                    page_table, used, cu, max_q)
     return out, lse
+
+
+def _launch_tables(page_table, seqused_k) -> tuple:
+    """The page table (contiguous along the pages, as FA4) and seqused_k as the kernel reads
+    them."""
+    if page_table is not None and page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
+    return page_table, None if seqused_k is None else seqused_k.contiguous()
 
 
 class Planned(NamedTuple):
@@ -460,8 +466,5 @@ def launch_resolved(p: Planned, q, k, v, page_table=None, seqused_k=None):
     them, the launches."""
     check_addresses(("q", q), ("k", k), ("v", v))
     out, lse = fresh_outputs(q, v, False)
-    if page_table is not None and page_table.stride(-1) != 1:
-        page_table = page_table.contiguous()
-    used = None if seqused_k is None else seqused_k.contiguous()
-    launch_planned(p, q, k, v, out, lse, page_table, used)
+    launch_planned(p, q, k, v, out, lse, *_launch_tables(page_table, seqused_k))
     return out, lse
