@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 
 import torch
 
@@ -75,7 +76,11 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", nargs="+", default=["bwd"], choices=["bwd", "fwd+bwd"],
                     help="bwd: the backward alone; fwd+bwd: a forward and its backward per "
                     "call (a training step's attention)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds: start no round after this many; the file is saved after "
+                    "every round, so a run cut short keeps the rounds it finished")
     args = ap.parse_args(argv)
+    start = time.monotonic()
     if not torch.cuda.is_available():
         print("measure.bwd_benchmark: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -95,15 +100,42 @@ def main(argv=None) -> int:
             print(f"{name} D={shape.d} S={shape.s} causal={shape.causal}: gradients within "
                   f"{checks[(name, shape)]:.2e} (relative) of SDPA flash", flush=True)
 
+    command = "python -m measure.bwd_benchmark " + " ".join(
+        argv if argv is not None else sys.argv[1:])
     per_round: dict[tuple, list[dict]] = {}
     for r in range(args.rounds):
+        if r and args.deadline is not None and time.monotonic() - start > args.deadline:
+            print(f"stopped after {r} of {args.rounds} rounds (--deadline {args.deadline} s)",
+                  flush=True)
+            break
         for shape in shapes:  # interleaved: every implementation once per shape per round
             rows = bench.benchmark_attention(impls, [shape], passes=tuple(args.passes),
                                              rep=args.rep, progress=False)
             for row in rows:
                 per_round.setdefault((row["impl"], shape, row["pass"]), []).append(row)
-        print(f"round {r + 1}/{args.rounds} done", flush=True)
+        out = _summarise(per_round, checks)
+        path = results.save(args.name, out, command=command)
+        print(f"round {r + 1}/{args.rounds} done (saved)", flush=True)
 
+    for pass_ in args.passes:
+        print(f"\n{pass_} TFLOP/s, median of rounds (ratio to the first column's impl):")
+        print(bench.ratio_table(out, "fa4_final", pass_))
+    for row in out:
+        if row.get("tflops"):
+            spread = (row["tflops_max"] - row["tflops_min"]) / row["tflops"]
+            print(f"  {row['pass']:<7} {row['impl']:<24} D={row['d']} S={row['s']:<6} "
+                  f"causal={row['causal']!s:<5} {row['tflops']:6.0f} TFLOP/s (rounds "
+                  f"{row['tflops_min']:.0f}-"
+                  f"{row['tflops_max']:.0f}, spread {100 * spread:.1f} %)")
+        else:
+            print(f"  {row['impl']} D={row['d']} S={row['s']} causal={row['causal']}: "
+                  f"{row.get('error')}")
+    print(f"\nstored {path}")
+    return 0
+
+
+def _summarise(per_round: dict, checks: dict) -> list[dict]:
+    """One row per (implementation, shape, pass): the median of the rounds so far, their range."""
     out = []
     for (name, shape, _), rows in per_round.items():
         good = [x for x in rows if x.get("tflops")]
@@ -120,24 +152,7 @@ def main(argv=None) -> int:
         if (name, shape) in checks:
             row["max_rel_diff_vs_sdpa_flash"] = checks[(name, shape)]
         out.append(row)
-    command = "python -m measure.bwd_benchmark " + " ".join(
-        argv if argv is not None else sys.argv[1:])
-    path = results.save(args.name, out, command=command)
-    for pass_ in args.passes:
-        print(f"\n{pass_} TFLOP/s, median of rounds (ratio to the first column's impl):")
-        print(bench.ratio_table(out, "fa4_final", pass_))
-    for row in out:
-        if row.get("tflops"):
-            spread = (row["tflops_max"] - row["tflops_min"]) / row["tflops"]
-            print(f"  {row['pass']:<7} {row['impl']:<24} D={row['d']} S={row['s']:<6} "
-                  f"causal={row['causal']!s:<5} {row['tflops']:6.0f} TFLOP/s (rounds "
-                  f"{row['tflops_min']:.0f}-"
-                  f"{row['tflops_max']:.0f}, spread {100 * spread:.1f} %)")
-        else:
-            print(f"  {row['impl']} D={row['d']} S={row['s']} causal={row['causal']}: "
-                  f"{row.get('error')}")
-    print(f"\nstored {path}")
-    return 0
+    return out
 
 
 if __name__ == "__main__":

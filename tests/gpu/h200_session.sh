@@ -123,8 +123,8 @@ for s in "$@"; do
     bwd-check) step bwd_check 300 $PY -m solutions.ch11_bwd_check --small ;;
     bwd-tests) step bwd_tests 900 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_fa4_final_bwd.py ;;
     bwd-bench) step bwd_bench 900 $PY -m measure.bwd_benchmark ;;
-    bwd-bench-64-128) step bwd_bench_64_128 580 $PY -m measure.bwd_benchmark --dims 64 128 --rounds 5 --name bwd_bench ;;  # issue 34's table: D = 64 and 128, five rounds, the L2 flushed (bwd-phases gives the calls back to back)
-    fwd-bwd-table) step fwd_bwd_table 580 $PY -m measure.bwd_benchmark --dims 64 128 --rounds 5 --passes fwd+bwd --name fwd_bwd_bench ;;  # issue 34's fwd+bwd row: a forward and its backward per call beside the peers, five rounds, the L2 flushed
+    bwd-bench-64-128) step bwd_bench_64_128 580 $PY -m measure.bwd_benchmark --dims 64 128 --rounds 5 --name bwd_bench --deadline $(mdl 450) ;;  # issue 34's table: D = 64 and 128, five rounds, the L2 flushed (bwd-phases gives the calls back to back)
+    fwd-bwd-table) step fwd_bwd_table 580 $PY -m measure.bwd_benchmark --dims 64 128 --rounds 5 --passes fwd+bwd --name fwd_bwd_bench --deadline $(mdl 450) ;;  # issue 34's fwd+bwd row: a forward and its backward per call beside the peers, five rounds, the L2 flushed
     bwd-defaults) step bwd_defaults 580 $PY -m measure.bwd_phases --rounds 5 --dims 128 64 --impls fa4_final fa4_final_deterministic fa4_package --name bwd_phases_defaults ;;  # the backward as a call runs it (default, deterministic) beside the FA4 package, calls back to back
     lse-fold-tests) step lse_fold_tests 420 $PY -m pytest -q -m gpu -p no:cacheprovider -x -rA tests/gpu/test_lse_fold.py ;;
     bwd-phases) step bwd_phases 580 $PY -m measure.bwd_phases --rounds 5 ;;
