@@ -228,12 +228,16 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 #   n128s2b32, n64s3b32: n128s2 and n64s3 filled from boxes of 32 keys as the contiguous
 #          config is: candidates at batch 128, where the default trails the FA4 package by
 #          about 3% at the copy rate (two stages, or two CTAs an SM)
+#   nopdl: the default config and splits, its combine launched the ordinary way, not as a
+#          programmatic dependent of the split kernel (Note [The combine launches early] in
+#          fa4_final.common.combine): what launching early saves where a call takes microseconds
 VARIANTS = {"n64s3": (64, 3, 1, 1, 1, None), "n64s4": (64, 4, 1, 1, 1, None),
             "n128s2": (128, 2, 1, 1, 1, None), "split2": (128, 3, 2, 1, 1, None),
             "wg2": (128, 3, 1, 2, 1, None), "pair": (128, 3, 1, 2, 2, None),
             "b32": (128, 3, 1, 1, 1, 32), "b16": (128, 3, 1, 1, 1, 16),
             "wg2b32": (128, 3, 1, 2, 1, 32), "onebox": (128, 3, 1, 1, 1, None),
-            "n128s2b32": (128, 2, 1, 1, 1, 32), "n64s3b32": (64, 3, 1, 1, 1, 32)}
+            "n128s2b32": (128, 2, 1, 1, 1, 32), "n64s3b32": (64, 3, 1, 1, 1, 32),
+            "nopdl": None}
 OURS = ("fa4_final", "fa4_final_paged", "fa4_final_splits", "fa4_final_paged_splits",
         *DECODE_KERNEL, *(f"fa4_final_decode_{name}" for name in VARIANTS))
 
@@ -304,6 +308,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     fields: its split count, max |difference| to SDPA flash on the same logical cache, and
     whether paged equals contiguous bit for bit (the contiguous kernel run on the cache in table
     order does the same arithmetic in the same order)."""
+    from fa4_final.common.combine import combine_recipe
     from fa4_final.hopper.config import (
         hopper_decode_contiguous,
         hopper_decode_for_page,
@@ -319,7 +324,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     swapped = hopper_decode_keys_on_m(shape.d, rows)  # Note [Keys on M]
     swapped_splits = split_count(shape, requested_splits, swapped.tile_m, swapped.tile_n)
 
-    def runner(paged: bool, kk, vv, keys_on_m: bool = False, variant=None):
+    def runner(paged: bool, kk, vv, keys_on_m: bool = False, variant=None, pdl: bool = True):
         # pages smaller than the tile: the same tile and stages, gathered (hopper_decode_for_page)
         own = hopper_decode_for_page(shape.d, kk.shape[1]) if paged else cfg
         splits_ = splits
@@ -334,13 +339,18 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
                           device=q.device)
         out_p, lse_p = partials_like(out, splits_)
         tt, uu = (table, used) if paged else (None, None)
+        # the combine without a programmatic launch: its plan on the dense layout directly
+        plain = None if pdl else compiled(combine_recipe, shape.d, "bf16", "sm_90a", False)
 
         def run():
             if splits_ == 1:
                 launch_decode(plan, q, kk, vv, out, lse, tt, uu)
             else:
                 launch_decode(plan, q, kk, vv, out_p, lse_p, tt, uu)
-                combine_splits(out_p, lse_p, out, lse)
+                if plain is None:
+                    combine_splits(out_p, lse_p, out, lse)
+                else:
+                    plain.kernels["main"](out_p, lse_p, out, lse)
             return out
         return run
 
@@ -368,6 +378,13 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
             "bitwise_equal": bool(torch.equal(in_order, paged))}
     # config candidates: each its own error row if it fails, the others still timed
     for name in variants:
+        if VARIANTS[name] is None:  # nopdl: the default kernel, the ordinary combine launch
+            row = f"fa4_final_decode_{name}"
+            call = runner(False, k, v, pdl=False)
+            calls[row] = call
+            extra[row] = {"splits": splits, "pdl": False,
+                          "max_diff": float((call().float() - contiguous).abs().max())}
+            continue
         tile_n, stages, factor, consumers, cluster, box = VARIANTS[name]
         own = replace(cfg, tile_n=tile_n, stages=stages, consumers=consumers, cluster=cluster,
                       page_box=box)

@@ -358,6 +358,22 @@ def test_combine_compiles_with_16_byte_loads(artifacts, head_dim, arch):
 
 
 @slow
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_combine_waits_for_the_split_grid_before_its_first_partial_read(artifacts, arch):
+    """Note [The combine launches early]: launched as a programmatic dependent, every thread
+    waits for the previous grid (griddepcontrol.wait) before any global load; without pdl the
+    instruction is absent."""
+    art = artifacts(128, arch)
+    body = art.ptx[art.ptx.index(".entry"):]
+    assert body.count("griddepcontrol.wait;") == 1, art.resources()
+    assert body.index("griddepcontrol.wait;") < body.index("ld.global")
+    from fa4_final.runtime.compile import artifacts as compile_artifacts
+
+    plain = compile_artifacts(combine_recipe(128, "bf16", arch, pdl=False))["main"]
+    assert "griddepcontrol" not in plain.ptx
+
+
+@slow
 def test_combine_compiles_for_fp16(artifacts):
     art = artifacts(128, "sm_90a", "fp16")
     art.require("cvt.rn.f16x2.f32")

@@ -134,6 +134,16 @@ def test_split_writes_float32_partials(compiled):
     assert one.count("st.global.v2.b32") == 0
 
 
+def test_a_split_kernel_lets_its_combine_launch_early(compiled):
+    """Note [The combine launches early]: a split kernel signals its dependents once, after its
+    barriers are set up; one split (no combine after it) does not."""
+    split, one = compiled(VARIANTS[1]), compiled(VARIANTS[0])
+    assert split.count("griddepcontrol.launch_dependents;") == 1
+    assert "griddepcontrol" not in one.ptx
+    body = split.ptx[split.ptx.index(".entry"):]
+    assert body.index("mbarrier.init") < body.index("griddepcontrol.launch_dependents;")
+
+
 def test_decode_compiles_for_hopper_only():
     with pytest.raises(UnsupportedError, match="sm_90a"):
         decode_recipe(arch="sm_100a")

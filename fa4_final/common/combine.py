@@ -51,6 +51,20 @@ ignores NaN and the weight test (w > 0) is false for it, so without care the mer
 the split and return a finite row, or 0 and -inf, an answer that looks right. Instead a NaN
 lse is merged as an empty split (its partial never read) and counted; when any split of a row
 was NaN, the row's out and lse are NaN (a multiply and an add by a factor 1 or NaN).
+
+Note [The combine launches early]
+The combine is launched as a programmatic dependent of the kernel before it on the stream
+(``use_pdl``: CUDA's programmatic dependent launch, Hopper and later): its CTAs may be
+scheduled while the split kernel still runs, once every split CTA has executed
+``griddepcontrol.launch_dependents`` (a split decode kernel does so once its barriers are set
+up, fa4_final.hopper.decode) or finished. Before its first read of a partial, every
+thread executes ``griddepcontrol.wait``, which returns only when the previous grid has
+finished and its writes are visible: what the combine reads is what an ordinary launch would
+have read. What is gained is the gap between the two kernels (the combine's launch and its
+index arithmetic overlap the split kernel's tail), a few microseconds that matter where a
+decode step takes ten or twenty. After any other kernel, or with none before it, the wait
+returns as an ordinary launch would start. ``pdl=False`` builds the ordinary launch (measure
+both).
 """
 
 from __future__ import annotations
@@ -75,19 +89,20 @@ class SplitCombine:
     """out and lse from the split partials, one row per ``head_dim / 8`` lanes
     (Note [Combine layout]); ``dtype``: out's element type."""
 
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, pdl: bool = True):
         if head_dim not in HEAD_DIMS:
             raise UnsupportedError(f"the combine is built for head dims {HEAD_DIMS}, got "
                                    f"{head_dim}")
         self.dtype = dtype
         self.head_dim = head_dim
+        self.pdl = pdl  # Note [The combine launches early]
         self.lanes_per_row = head_dim // ELEMS_PER_LANE
         self.rows_per_cta = THREADS // self.lanes_per_row
         self.lse_per_lane = MAX_SPLITS // self.lanes_per_row
         assert MAX_SPLITS % UNROLL == 0 and MAX_SPLITS % self.lanes_per_row == 0
 
     def cache_key(self) -> tuple:
-        return (type(self).__name__, self.dtype.__name__, self.head_dim, MAX_SPLITS)
+        return (type(self).__name__, self.dtype.__name__, self.head_dim, MAX_SPLITS, self.pdl)
 
     @cute.jit
     def __call__(
@@ -113,7 +128,7 @@ class SplitCombine:
 
         grid = cute.ceil_div(rows, self.rows_per_cta)
         self.kernel(mOp, mLSEp, mO, mLSE, w_layout, SharedStorage).launch(
-            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -132,6 +147,8 @@ class SplitCombine:
         q = row % seqlen_q
         h = (row // seqlen_q) % heads
         b = row // (seqlen_q * heads)
+        if const_expr(self.pdl):  # Note [The combine launches early]: the partials are final
+            cute.arch.griddepcontrol_wait()
 
         # 1. the row's lse values, lane l holding splits l, l + lanes, ...
         # a NaN lse marks a poisoned split (Note [A NaN split poisons the row]): counted in
@@ -209,14 +226,16 @@ def fake_combine_args(dtype_name: str, head_dim: int) -> tuple:
     return out_partial, lse_partial, out, lse, fake_stream()
 
 
-def combine_recipe(head_dim: int = 128, dtype: str = "bf16", arch: str = "sm_90a") -> Recipe:
+def combine_recipe(head_dim: int = 128, dtype: str = "bf16", arch: str = "sm_90a",
+                   pdl: bool = True) -> Recipe:
     """The combine as a pass of one kernel ("main"), for Hopper or Blackwell (plain loads and
-    stores: the same code for both)."""
+    stores: the same code for both); ``pdl``: launched early behind the kernel before it
+    (Note [The combine launches early])."""
     if dtype not in CUTLASS_BY_NAME:
         raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
     if arch not in ARCHS:
         raise UnsupportedError(f"the combine compiles for {ARCHS}, got {arch!r}")
-    kernel = SplitCombine(CUTLASS_BY_NAME[dtype], head_dim)
+    kernel = SplitCombine(CUTLASS_BY_NAME[dtype], head_dim, pdl)
     return Recipe("combine", arch, {"main": kernel},
                   lambda role: fake_combine_args(dtype, head_dim))
 

@@ -408,6 +408,8 @@ class HopperDecode:
         else:
             pipeline.pipeline_init_arrive()
             pipeline.pipeline_init_wait()
+        if const_expr(self.split):  # the combine may be scheduled now; it waits for this grid
+            cute.arch.griddepcontrol_launch_dependents()  # Note [The combine launches early]
 
         # which work: Note [Packed GQA rows], Note [Key splits]
         bx, kv_head, b = cute.arch.block_idx()
