@@ -10,7 +10,8 @@ cached keys:
    token of up to 64 heads or 16 tokens of GQA 4; at GQA 8 and one token 8 of its 64 rows are real.
 2. Split-KV (Note [Key splits]). The grid is (m-block, split) x KV head x batch entry; each CTA
    walks its split's share of the key tiles and writes float32 partial out and lse, merged by
-   the combine (fa4_final.common.combine). With one split it writes out and lse themselves.
+   the combine (fa4_final.common.combine), which may be scheduled while the split kernel runs
+   (Note [The combine launches early]). With one split it writes out and lse themselves.
 3. A paged cache (Note [Key tile pages]): the producer reads the page of each key tile from the
    page table and points the tile's TMA box into that page; pages smaller than the tile are
    gathered, a few boxes a tile (Note [Gathered key tiles]). A contiguous cache is the same walk
