@@ -36,7 +36,15 @@ PRODUCES = [("results/h200/ch11_bwd.json", "python -m measure.bwd_benchmark",
              "16384, causal or not, 3 interleaved rounds, gradients checked against SDPA flash"),
             ("results/h100/bwd_bench_h100.json", "python -m measure.bwd_benchmark --dims 64 128 "
              "--rounds 3 --name bwd_bench_h100", "an H100 visit (no H200 was lent): the same "
-             "at D = 64 and 128, one call at a time after an L2 flush")]
+             "at D = 64 and 128, one call at a time after an L2 flush"),
+            ("results/h100/bwd_bench.json", "python -m measure.bwd_benchmark --dims 64 128 "
+             "--rounds 5 --name bwd_bench --deadline 357", "an H100 visit: issue 34's table, "
+             "D = 64 and 128, S = 4096 and 16384, causal or not, five interleaved rounds, one "
+             "call at a time after an L2 flush, default and deterministic beside every peer"),
+            ("results/h100/fwd_bwd_bench.json", "python -m measure.bwd_benchmark --dims 64 128 "
+             "--rounds 5 --passes fwd+bwd --name fwd_bwd_bench --deadline 450", "the same visit: "
+             "a forward and its backward per call (a training step's attention), the same "
+             "shapes, rounds and peers")]
 
 
 def _ours(deterministic: bool):

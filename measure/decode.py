@@ -113,6 +113,18 @@ PRODUCES = [
      "--variants n128s2 n128s2b32 n64s3b32 --no-keys-on-m --rows ... --deadline 355",
      "the same visit: batch 128, where the call trails the FA4 package, the decode kernel with "
      "two stages or two CTAs an SM beside the default and the peers"),
+    ("results/h100/decode_pdl.json", "python -m measure.decode --name decode_pdl --dims 128 "
+     "--batch 1 32 --tokens 1 16 --keys 1024 8192 131072 --heads 32/8 --modes graph "
+     "back_to_back --variants nopdl --no-keys-on-m --rows <the grid's rows> "
+     "fa4_final_decode_nopdl --deadline 475", "an H100 visit: Note [The combine launches early] "
+     "measured. In this file every split row (fa4_final_decode, fa4_final_splits and the paged "
+     "ones) launches the combine early, and the row fa4_final_decode_nopdl is the decode kernel "
+     "with the ordinary combine launch, as the package launches it; that row calls the combine's "
+     "plan directly (no layout checks), so only the graph rows compare the two launches"),
+    ("results/h100/decode_grid_pdl.json", "python -m measure.decode --name decode_grid_pdl --dims "
+     "128 --heads 32/8 --no-keys-on-m --rows <the grid's rows> --deadline 480",
+     "the same visit: issue 32's grid at D = 128, GQA 4, every split row with the combine "
+     "launched early (at batch 32 and 128 the heuristic chose one split: no combine)"),
     ("results/h100/decode_grid*_h100.json", "python -m measure.decode --name decode_grid_h100 "
      "--dims 128 --heads 32/8 --no-keys-on-m --rows fa4_final_splits fa4_final_paged_splits "
      "fa4_final_decode fa4_final_decode_paged fa4_package fa4_package_splits fa4_package_paged "
@@ -228,8 +240,8 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 #   n128s2b32, n64s3b32: n128s2 and n64s3 filled from boxes of 32 keys as the contiguous
 #          config is: candidates at batch 128, where the default trails the FA4 package by
 #          about 3% at the copy rate (two stages, or two CTAs an SM)
-#   nopdl: the default config and splits, its combine launched the ordinary way, not as a
-#          programmatic dependent of the split kernel (Note [The combine launches early] in
+#   pdl:   the default config and splits, its combine launched early, as a programmatic
+#          dependent of the split kernel (Note [The combine launches early] in
 #          fa4_final.common.combine): what launching early saves where a call takes microseconds
 VARIANTS = {"n64s3": (64, 3, 1, 1, 1, None), "n64s4": (64, 4, 1, 1, 1, None),
             "n128s2": (128, 2, 1, 1, 1, None), "split2": (128, 3, 2, 1, 1, None),
@@ -237,7 +249,7 @@ VARIANTS = {"n64s3": (64, 3, 1, 1, 1, None), "n64s4": (64, 4, 1, 1, 1, None),
             "b32": (128, 3, 1, 1, 1, 32), "b16": (128, 3, 1, 1, 1, 16),
             "wg2b32": (128, 3, 1, 2, 1, 32), "onebox": (128, 3, 1, 1, 1, None),
             "n128s2b32": (128, 2, 1, 1, 1, 32), "n64s3b32": (64, 3, 1, 1, 1, 32),
-            "nopdl": None}
+            "pdl": None}
 OURS = ("fa4_final", "fa4_final_paged", "fa4_final_splits", "fa4_final_paged_splits",
         *DECODE_KERNEL, *(f"fa4_final_decode_{name}" for name in VARIANTS))
 
@@ -324,7 +336,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     swapped = hopper_decode_keys_on_m(shape.d, rows)  # Note [Keys on M]
     swapped_splits = split_count(shape, requested_splits, swapped.tile_m, swapped.tile_n)
 
-    def runner(paged: bool, kk, vv, keys_on_m: bool = False, variant=None, pdl: bool = True):
+    def runner(paged: bool, kk, vv, keys_on_m: bool = False, variant=None, pdl: bool = False):
         # pages smaller than the tile: the same tile and stages, gathered (hopper_decode_for_page)
         own = hopper_decode_for_page(shape.d, kk.shape[1]) if paged else cfg
         splits_ = splits
@@ -339,18 +351,18 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
                           device=q.device)
         out_p, lse_p = partials_like(out, splits_)
         tt, uu = (table, used) if paged else (None, None)
-        # the combine without a programmatic launch: its plan on the dense layout directly
-        plain = None if pdl else compiled(combine_recipe, shape.d, "bf16", "sm_90a", False)
+        # the combine launched early: its plan on the dense layout directly
+        early = compiled(combine_recipe, shape.d, "bf16", "sm_90a", True) if pdl else None
 
         def run():
             if splits_ == 1:
                 launch_decode(plan, q, kk, vv, out, lse, tt, uu)
             else:
                 launch_decode(plan, q, kk, vv, out_p, lse_p, tt, uu)
-                if plain is None:
+                if early is None:
                     combine_splits(out_p, lse_p, out, lse)
                 else:
-                    plain.kernels["main"](out_p, lse_p, out, lse)
+                    early.kernels["main"](out_p, lse_p, out, lse)
             return out
         return run
 
@@ -378,11 +390,11 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
             "bitwise_equal": bool(torch.equal(in_order, paged))}
     # config candidates: each its own error row if it fails, the others still timed
     for name in variants:
-        if VARIANTS[name] is None:  # nopdl: the default kernel, the ordinary combine launch
+        if VARIANTS[name] is None:  # pdl: the default kernel, the combine launched early
             row = f"fa4_final_decode_{name}"
-            call = runner(False, k, v, pdl=False)
+            call = runner(False, k, v, pdl=True)
             calls[row] = call
-            extra[row] = {"splits": splits, "pdl": False,
+            extra[row] = {"splits": splits, "pdl": True,
                           "max_diff": float((call().float() - contiguous).abs().max())}
             continue
         tile_n, stages, factor, consumers, cluster, box = VARIANTS[name]

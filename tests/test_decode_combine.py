@@ -360,17 +360,16 @@ def test_combine_compiles_with_16_byte_loads(artifacts, head_dim, arch):
 @slow
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_combine_waits_for_the_split_grid_before_its_first_partial_read(artifacts, arch):
-    """Note [The combine launches early]: launched as a programmatic dependent, every thread
-    waits for the previous grid (griddepcontrol.wait) before any global load; without pdl the
-    instruction is absent."""
-    art = artifacts(128, arch)
-    body = art.ptx[art.ptx.index(".entry"):]
-    assert body.count("griddepcontrol.wait;") == 1, art.resources()
-    assert body.index("griddepcontrol.wait;") < body.index("ld.global")
+    """Note [The combine launches early]: the candidate launched as a programmatic dependent
+    has every thread wait for the previous grid (griddepcontrol.wait) before any global load;
+    the default (an ordinary launch) has no such instruction."""
     from fa4_final.runtime.compile import artifacts as compile_artifacts
 
-    plain = compile_artifacts(combine_recipe(128, "bf16", arch, pdl=False))["main"]
-    assert "griddepcontrol" not in plain.ptx
+    early = compile_artifacts(combine_recipe(128, "bf16", arch, pdl=True))["main"]
+    body = early.ptx[early.ptx.index(".entry"):]
+    assert body.count("griddepcontrol.wait;") == 1, early.resources()
+    assert body.index("griddepcontrol.wait;") < body.index("ld.global")
+    assert "griddepcontrol" not in artifacts(128, arch).ptx
 
 
 @slow

@@ -424,7 +424,7 @@ def test_decode_keys_on_m_variants_compile_clean(name):
 # measure.decode's kernel rows, with CPU stand-ins for the compile, the launch and the combine
 
 
-@pytest.mark.parametrize("variants", [(), ("n64s3", "split2", "wg2", "pair", "b32", "nopdl")],
+@pytest.mark.parametrize("variants", [(), ("n64s3", "split2", "wg2", "pair", "b32", "pdl")],
                          ids=["default", "variants"])
 @pytest.mark.parametrize("fail,room", [(False, True), (True, True), (False, False)],
                          ids=["built", "fails", "no-room"])
@@ -448,8 +448,8 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, roo
     seen = []
 
     def fake_compiled(fn, *args):
-        if fn.__name__ == "combine_recipe":  # nopdl's combine, built without the early launch
-            assert args == (64, "bf16", "sm_90a", False)
+        if fn.__name__ == "combine_recipe":  # pdl's combine, launched early
+            assert args == (64, "bf16", "sm_90a", True)
             return type("Plan", (), {"kernels": {"main": fake_combine}})()
         cfg = args[-1]
         if fail and cfg.swap_ab:
@@ -496,8 +496,8 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, roo
              "fa4_final_decode_keys_on_m_paged"]
     for name in variants:
         row = extra.pop(f"fa4_final_decode_{name}")
-        if name == "nopdl":  # the default kernel and splits, the ordinary combine launch
-            assert row["pdl"] is False and row["splits"] == 2 and row["max_diff"] < 1e-2
+        if name == "pdl":  # the default kernel and splits, the combine launched early
+            assert row["pdl"] is True and row["splits"] == 2 and row["max_diff"] < 1e-2
             assert calls.pop(f"fa4_final_decode_{name}")().shape == q.shape
             continue
         tile_n, stages, factor, consumers, cluster, box = decode.VARIANTS[name]

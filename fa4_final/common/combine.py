@@ -53,18 +53,20 @@ lse is merged as an empty split (its partial never read) and counted; when any s
 was NaN, the row's out and lse are NaN (a multiply and an add by a factor 1 or NaN).
 
 Note [The combine launches early]
-The combine is launched as a programmatic dependent of the kernel before it on the stream
-(``use_pdl``: CUDA's programmatic dependent launch, Hopper and later): its CTAs may be
-scheduled while the split kernel still runs, once every split CTA has executed
+A candidate, not the default (``pdl=True``): the combine launched as a programmatic dependent of
+the kernel before it on the stream (CUDA's programmatic dependent launch, Hopper and later). Its
+CTAs may then be scheduled while the split kernel still runs, once every split CTA has executed
 ``griddepcontrol.launch_dependents`` (a split decode kernel does so once its barriers are set
-up, fa4_final.hopper.decode) or finished. Before its first read of a partial, every
-thread executes ``griddepcontrol.wait``, which returns only when the previous grid has
-finished and its writes are visible: what the combine reads is what an ordinary launch would
-have read. What is gained is the gap between the two kernels (the combine's launch and its
-index arithmetic overlap the split kernel's tail), a few microseconds that matter where a
-decode step takes ten or twenty. After any other kernel, or with none before it, the wait
-returns as an ordinary launch would start. ``pdl=False`` builds the ordinary launch (measure
-both).
+up, fa4_final.hopper.decode; without a dependent launched this way the instruction does
+nothing) or finished. Before its first read of a partial, every thread executes
+``griddepcontrol.wait``, which returns only when the previous grid has finished and its writes
+are visible: what the combine reads is what an ordinary launch would have read. What it could
+gain is the gap between the two kernels, a few microseconds where a decode step takes ten or
+twenty. Measured on an H100 (the calls replayed from CUDA graphs, batch 1): no gain at 1k keys,
+and at 16 tokens with 8k keys the step about 2 us slower than with the ordinary launch. In a
+graph the ordinary kernel-to-kernel gap is already short; why the early launch costs time there
+is not profiled (a hypothesis: the combine's CTAs, resident early, wait beside the split CTAs
+and delay the release). The package launches the combine the ordinary way.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class SplitCombine:
     """out and lse from the split partials, one row per ``head_dim / 8`` lanes
     (Note [Combine layout]); ``dtype``: out's element type."""
 
-    def __init__(self, dtype, head_dim: int, pdl: bool = True):
+    def __init__(self, dtype, head_dim: int, pdl: bool = False):
         if head_dim not in HEAD_DIMS:
             raise UnsupportedError(f"the combine is built for head dims {HEAD_DIMS}, got "
                                    f"{head_dim}")
@@ -227,10 +229,10 @@ def fake_combine_args(dtype_name: str, head_dim: int) -> tuple:
 
 
 def combine_recipe(head_dim: int = 128, dtype: str = "bf16", arch: str = "sm_90a",
-                   pdl: bool = True) -> Recipe:
+                   pdl: bool = False) -> Recipe:
     """The combine as a pass of one kernel ("main"), for Hopper or Blackwell (plain loads and
-    stores: the same code for both); ``pdl``: launched early behind the kernel before it
-    (Note [The combine launches early])."""
+    stores: the same code for both); ``pdl``: the candidate launched early behind the kernel
+    before it (Note [The combine launches early])."""
     if dtype not in CUTLASS_BY_NAME:
         raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
     if arch not in ARCHS:

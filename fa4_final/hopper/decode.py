@@ -10,8 +10,7 @@ cached keys:
    token of up to 64 heads or 16 tokens of GQA 4; at GQA 8 and one token 8 of its 64 rows are real.
 2. Split-KV (Note [Key splits]). The grid is (m-block, split) x KV head x batch entry; each CTA
    walks its split's share of the key tiles and writes float32 partial out and lse, merged by
-   the combine (fa4_final.common.combine), which may be scheduled while the split kernel runs
-   (Note [The combine launches early]). With one split it writes out and lse themselves.
+   the combine (fa4_final.common.combine). With one split it writes out and lse themselves.
 3. A paged cache (Note [Key tile pages]): the producer reads the page of each key tile from the
    page table and points the tile's TMA box into that page; pages smaller than the tile are
    gathered, a few boxes a tile (Note [Gathered key tiles]). A contiguous cache is the same walk
@@ -409,8 +408,10 @@ class HopperDecode:
         else:
             pipeline.pipeline_init_arrive()
             pipeline.pipeline_init_wait()
-        if const_expr(self.split):  # the combine may be scheduled now; it waits for this grid
-            cute.arch.griddepcontrol_launch_dependents()  # Note [The combine launches early]
+        # Note [The combine launches early]: a combine launched early may be scheduled now (it
+        # waits for this grid); after an ordinary launch nothing follows from it
+        if const_expr(self.split):
+            cute.arch.griddepcontrol_launch_dependents()
 
         # which work: Note [Packed GQA rows], Note [Key splits]
         bx, kv_head, b = cute.arch.block_idx()
