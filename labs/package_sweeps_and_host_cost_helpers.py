@@ -563,3 +563,61 @@ def _(res):
         ok = ok and r["vs_best_peer"] - 1 > max(r["spread"], peer["spread"])
         out.append(f"t{r['s_q']} k{r['s']} {r['vs_best_peer']:.2f} vs {r['best_peer']}")
     return ok, "; ".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The combine launched early (Note [The combine launches early] in fa4_final.common.combine)
+
+
+def early_launch_pairs(res) -> list[tuple]:
+    """(tokens, keys, early row, ordinary row, cuDNN row) of the replayed batch-1 shapes with
+    more than one split. A file has the early launch either as the default rows beside a
+    ``fa4_final_decode_nopdl`` row, or as a ``fa4_final_decode_pdl`` row beside the default."""
+    graph = [r for r in res.rows if r.get("mode") == "graph" and r.get("b") == 1]
+    names = {r["impl"] for r in graph}
+    early, ordinary = (("fa4_final_decode", "fa4_final_decode_nopdl")
+                       if "fa4_final_decode_nopdl" in names
+                       else ("fa4_final_decode_pdl", "fa4_final_decode"))
+
+    def row(impl, t, k):
+        return next((r for r in graph if r["impl"] == impl and r["s_q"] == t and r["s"] == k
+                     and r.get("ms")), None)
+
+    out = []
+    for t, k in sorted({(r["s_q"], r["s"]) for r in graph}):
+        e, o, c = row(early, t, k), row(ordinary, t, k), row("sdpa_cudnn", t, k)
+        if e and o and e.get("splits", 1) > 1:
+            out.append((t, k, e, o, c))
+    return out
+
+
+def early_launch_lines(res) -> list[str]:
+    if res is None:
+        return ["(no stored run of the early launch)"]
+    lines = ["replayed from a CUDA graph, batch 1, microseconds per step (spread):",
+             f"  {'tokens':>6} {'keys':>7} {'early':>13} {'ordinary':>13} {'early/ord':>9} "
+             f"{'cuDNN':>7}"]
+    for t, k, e, o, c in early_launch_pairs(res):
+        cud = f"{c['ms'] * 1e3:7.1f}" if c else "      -"
+        lines.append(f"  {t:6d} {k:7d} {e['ms'] * 1e3:6.1f} ({100 * e['spread']:3.1f}%) "
+                     f"{o['ms'] * 1e3:6.1f} ({100 * o['spread']:3.1f}%) "
+                     f"{e['ms'] / o['ms']:9.3f} {cud}")
+    return lines
+
+
+def early_over_ordinary(res, tokens: int = 1, keys: int = 8192) -> float:
+    return next(e["ms"] / o["ms"] for t, k, e, o, _c in early_launch_pairs(res)
+                if (t, k) == (tokens, keys))
+
+
+@claim("lab13.early_launch_no_gain", "decode_pdl",
+       "replayed at batch 1 with 1k and 8k keys, the step with the combine launched early is "
+       "within the spread of the ordinary launch at three of the four shapes and slower beyond "
+       "it at 16 tokens with 8k keys", gpu="h100")
+def _(res):
+    pairs = [p for p in early_launch_pairs(res) if p[1] <= 8192]
+    got = {(t, k): bench.compare(e, o) for t, k, e, o, _c in pairs}  # early against ordinary
+    ok = len(pairs) == 4 and all(
+        c.verdict == ("slower" if shape == (16, 8192) else "within noise")
+        for shape, c in got.items())
+    return ok, "; ".join(f"t{t} k{k} early {c}" for (t, k), c in got.items())
