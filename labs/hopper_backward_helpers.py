@@ -551,13 +551,13 @@ def _two_ratios(mode, res, first: tuple, second: tuple) -> list[tuple]:
             for d, s, c, r, sp in _ratio_pairs(res, *first) if (d, s, c) in other]
 
 
-def _two_ratio_lines(rows, first: str, second: str) -> list[str]:
+def _two_ratio_lines(rows, first: str, second: str, header: str = "calls {}:") -> list[str]:
     """Lines of (mode, d, s, causal, ratio, spread, second ratio, its spread) rows, a header
     per timing mode: the first ratio against its spread, the second with its spread."""
     lines, last = [], None
     for mode, d, s, c, r, sp, r2, sp2 in rows:
         if mode != last:
-            lines.append(f"calls {mode}:")
+            lines.append(header.format(mode))
             last = mode
         lines.append(f"  {_shape(d, s, c)} {_against(first, r, sp)}; "
                      f"{second} {r2:.3f} (spread {sp2:.1%})")
@@ -711,14 +711,23 @@ def bench_rows() -> list[tuple]:
 
 
 def bench_lines() -> list[str]:
-    lines, last = [], None
-    for pass_, d, s, c, r, best, sp, dr, dsp in bench_rows():
-        if pass_ != last:
-            lines.append(f"{pass_}, one call at a time after an L2 flush:")
-            last = pass_
-        lines.append(f"  {_shape(d, s, c)} {_against('ours / ' + best, r, sp)}; "
-                     f"deterministic / default {dr:.3f} (spread {dsp:.1%})")
-    return lines
+    rows = bench_rows()
+    best = sorted({row[5] for row in rows})
+    return [f"the best peer: {', '.join(best)}"] + _two_ratio_lines(
+        [(p, d, s, c, r, sp, dr, dsp) for p, d, s, c, r, _b, sp, dr, dsp in rows],
+        "ours / the best peer", "deterministic / default",
+        "{}, one call at a time after an L2 flush:")
+
+
+def _bench_of(pass_: str, d: int | None = None) -> list[tuple]:
+    """bench_rows of one pass (and head dim)."""
+    return [row for row in bench_rows() if row[0] == pass_ and d in (None, row[1])]
+
+
+def _bench_text(rows, index: int) -> str:
+    """The shapes of ``rows`` with the ratio at ``index`` (and its spread beside the first)."""
+    return "; ".join(f"D{r[1]} S{r[2]} {'c' if r[3] else 'd'} {r[index]:.3f}"
+                     + (f" ({r[6]:.1%})" if index == 4 else "") for r in rows)
 
 
 def bench_ratio(pass_: str, d: int, s: int, causal: bool) -> float | None:
@@ -731,24 +740,22 @@ def bench_ratio(pass_: str, d: int, s: int, causal: bool) -> float | None:
        "shapes; our backward is within the spread of it at all four D = 128 shapes and faster "
        "at all four D = 64 shapes, beyond the spread only at S = 4096 dense", gpu=GPU)
 def _bench_d128_level_d64_ahead(res):
-    rows = [row for row in bench_rows() if row[0] == "bwd"]
+    rows = _bench_of("bwd")
     beyond = {(d, s, c) for _p, d, s, c, r, _b, sp, *_x in rows if abs(r - 1) > sp}
     ok = (len(rows) == 8 and all(b == "fa4_package" for *_x, b, _sp, _dr, _dsp in rows)
           and all(r > 1 for _p, d, _s, _c, r, *_x in rows if d == 64)
           and beyond == {(64, 4096, False)})
-    return ok, "; ".join(f"D{d} S{s} {'c' if c else 'd'} {r:.3f} ({sp:.1%})"
-                         for _p, d, s, c, r, _b, sp, *_x in rows)
+    return ok, _bench_text(rows, 4)
 
 
 @claim("HB.training_step_d128_behind", "fwd_bwd_bench",
        "a forward and its backward per call: at all four D = 128 shapes ours is slower than "
        "the FA4 package, by less than 3% and within the spread at each", gpu=GPU)
 def _training_step_d128_behind(res):
-    rows = [row for row in bench_rows() if row[0] == "fwd+bwd" and row[1] == 128]
+    rows = _bench_of("fwd+bwd", 128)
     ok = len(rows) == 4 and all(b == "fa4_package" and 0.97 < r < 1 and 1 - r <= sp
                                 for _p, _d, _s, _c, r, b, sp, *_x in rows)
-    return ok, "; ".join(f"S{s} {'c' if c else 'd'} {r:.3f} ({sp:.1%})"
-                         for _p, _d, s, c, r, _b, sp, *_x in rows)
+    return ok, _bench_text(rows, 4)
 
 
 @claim("HB.bench_det_price", "bwd_bench",
@@ -756,8 +763,7 @@ def _training_step_d128_behind(res):
        "the default at S = 4096 dense at both head dims and less than a tenth at the other "
        "six shapes", gpu=GPU)
 def _bench_det_price(res):
-    rows = [row for row in bench_rows() if row[0] == "bwd"]
+    rows = _bench_of("bwd")
     over = {(d, s, c) for _p, d, s, c, *_x, dr, _dsp in rows if dr > 1.1}
     ok = len(rows) == 8 and over == {(128, 4096, False), (64, 4096, False)}
-    return ok, "; ".join(f"D{d} S{s} {'c' if c else 'd'} {dr:.3f}"
-                         for _p, d, s, c, *_x, dr, _dsp in rows)
+    return ok, _bench_text(rows, 7)

@@ -121,10 +121,6 @@ PRODUCES = [
      "ones) launches the combine early, and the row fa4_final_decode_nopdl is the decode kernel "
      "with the ordinary combine launch, as the package launches it; that row calls the combine's "
      "plan directly (no layout checks), so only the graph rows compare the two launches"),
-    ("results/h100/decode_grid_pdl.json", "python -m measure.decode --name decode_grid_pdl --dims "
-     "128 --heads 32/8 --no-keys-on-m --rows <the grid's rows> --deadline 480",
-     "the same visit: issue 32's grid at D = 128, GQA 4, every split row with the combine "
-     "launched early (at batch 32 and 128 the heuristic chose one split: no combine)"),
     ("results/h100/decode_grid*_h100.json", "python -m measure.decode --name decode_grid_h100 "
      "--dims 128 --heads 32/8 --no-keys-on-m --rows fa4_final_splits fa4_final_paged_splits "
      "fa4_final_decode fa4_final_decode_paged fa4_package fa4_package_splits fa4_package_paged "
