@@ -95,7 +95,7 @@ def measure(reps: int) -> list[dict]:
         shape = decode.DecodeShape(1, tokens, keys, 32, 8, 128)
         calls, _extra = decode._calls(shape, 128, keys_on_m=False)
         fields = {k: v for k, v in decode.row_fields(shape, 128).items()
-                  if k not in ("kv_bytes", "flops", "page")}
+                  if k not in ("kv_bytes", "flops", "page", "pass")}
         for impl in IMPLS:
             replay = capture_in_graph(calls[impl])
             for _ in range(10):
