@@ -239,13 +239,18 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 #   pdl:   the default config and splits, its combine launched early, as a programmatic
 #          dependent of the split kernel (Note [The combine launches early] in
 #          fa4_final.common.combine): what launching early saves where a call takes microseconds
+#   c8, c16: the default config and splits, its combine loading 8 (16) splits' partials
+#          together instead of 4 (Note [Splits in flight] in fa4_final.common.combine): the
+#          combine's latency at batch 1, where it has few rows
 VARIANTS = {"n64s3": (64, 3, 1, 1, 1, None), "n64s4": (64, 4, 1, 1, 1, None),
             "n128s2": (128, 2, 1, 1, 1, None), "split2": (128, 3, 2, 1, 1, None),
             "wg2": (128, 3, 1, 2, 1, None), "pair": (128, 3, 1, 2, 2, None),
             "b32": (128, 3, 1, 1, 1, 32), "b16": (128, 3, 1, 1, 1, 16),
             "wg2b32": (128, 3, 1, 2, 1, 32), "onebox": (128, 3, 1, 1, 1, None),
             "n128s2b32": (128, 2, 1, 1, 1, 32), "n64s3b32": (64, 3, 1, 1, 1, 32),
-            "pdl": None}
+            "pdl": None, "c8": None, "c16": None}
+# the variants that change only the combine (None above): combine_recipe's keywords
+COMBINE_VARIANTS = {"pdl": {"pdl": True}, "c8": {"unroll": 8}, "c16": {"unroll": 16}}
 OURS = ("fa4_final", "fa4_final_paged", "fa4_final_splits", "fa4_final_paged_splits",
         *DECODE_KERNEL, *(f"fa4_final_decode_{name}" for name in VARIANTS))
 
@@ -332,7 +337,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     swapped = hopper_decode_keys_on_m(shape.d, rows)  # Note [Keys on M]
     swapped_splits = split_count(shape, requested_splits, swapped.tile_m, swapped.tile_n)
 
-    def runner(paged: bool, kk, vv, keys_on_m: bool = False, variant=None, pdl: bool = False):
+    def runner(paged: bool, kk, vv, keys_on_m: bool = False, variant=None, combine=None):
         # pages smaller than the tile: the same tile and stages, gathered (hopper_decode_for_page)
         own = hopper_decode_for_page(shape.d, kk.shape[1]) if paged else cfg
         splits_ = splits
@@ -347,18 +352,20 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
                           device=q.device)
         out_p, lse_p = partials_like(out, splits_)
         tt, uu = (table, used) if paged else (None, None)
-        # the combine launched early: its plan on the dense layout directly
-        early = compiled(combine_recipe, shape.d, "bf16", "sm_90a", True) if pdl else None
+        # a combine candidate (COMBINE_VARIANTS): its plan on the dense layout directly
+        own_combine = None if combine is None else compiled(
+            combine_recipe, shape.d, "bf16", "sm_90a", combine.get("pdl", False),
+            combine.get("unroll", 4))
 
         def run():
             if splits_ == 1:
                 launch_decode(plan, q, kk, vv, out, lse, tt, uu)
             else:
                 launch_decode(plan, q, kk, vv, out_p, lse_p, tt, uu)
-                if early is None:
+                if own_combine is None:
                     combine_splits(out_p, lse_p, out, lse)
                 else:
-                    early.kernels["main"](out_p, lse_p, out, lse)
+                    own_combine.kernels["main"](out_p, lse_p, out, lse)
             return out
         return run
 
@@ -386,11 +393,11 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
             "bitwise_equal": bool(torch.equal(in_order, paged))}
     # config candidates: each its own error row if it fails, the others still timed
     for name in variants:
-        if VARIANTS[name] is None:  # pdl: the default kernel, the combine launched early
+        if VARIANTS[name] is None:  # the default kernel, a combine candidate
             row = f"fa4_final_decode_{name}"
-            call = runner(False, k, v, pdl=True)
+            call = runner(False, k, v, combine=COMBINE_VARIANTS[name])
             calls[row] = call
-            extra[row] = {"splits": splits, "pdl": True,
+            extra[row] = {"splits": splits, **COMBINE_VARIANTS[name],
                           "max_diff": float((call().float() - contiguous).abs().max())}
             continue
         tile_n, stages, factor, consumers, cluster, box = VARIANTS[name]

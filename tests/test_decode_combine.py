@@ -373,6 +373,24 @@ def test_combine_waits_for_the_split_grid_before_its_first_partial_read(artifact
 
 
 @slow
+@pytest.mark.parametrize("unroll", [8, 16])
+def test_more_splits_in_flight_compile_clean(unroll):
+    """Note [Splits in flight]: the candidates with 8 and 16 splits a pass issue two 16-byte
+    loads per split and lane together, with no spill and no local memory."""
+    from fa4_final.runtime.compile import artifacts as compile_artifacts
+
+    art = compile_artifacts(combine_recipe(128, "bf16", "sm_90a", unroll=unroll))["main"]
+    assert art.count("LDG.E.128", where="sass") == 2 * unroll, art.resources()
+    assert art.frame_bytes == 0 and art.spills == 0, art.resources()
+    assert not re.search(r"\.local\b", art.ptx)
+
+
+def test_the_combine_refuses_an_unroll_it_does_not_build():
+    with pytest.raises(UnsupportedError, match="splits at a time"):
+        combine_recipe(128, "bf16", "sm_90a", unroll=5)
+
+
+@slow
 def test_combine_compiles_for_fp16(artifacts):
     art = artifacts(128, "sm_90a", "fp16")
     art.require("cvt.rn.f16x2.f32")

@@ -424,7 +424,7 @@ def test_decode_keys_on_m_variants_compile_clean(name):
 # measure.decode's kernel rows, with CPU stand-ins for the compile, the launch and the combine
 
 
-@pytest.mark.parametrize("variants", [(), ("n64s3", "split2", "wg2", "pair", "b32", "pdl")],
+@pytest.mark.parametrize("variants", [(), ("n64s3", "split2", "wg2", "pair", "b32", "pdl", "c16")],
                          ids=["default", "variants"])
 @pytest.mark.parametrize("fail,room", [(False, True), (True, True), (False, False)],
                          ids=["built", "fails", "no-room"])
@@ -448,8 +448,8 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, roo
     seen = []
 
     def fake_compiled(fn, *args):
-        if fn.__name__ == "combine_recipe":  # pdl's combine, launched early
-            assert args == (64, "bf16", "sm_90a", True)
+        if fn.__name__ == "combine_recipe":  # a combine candidate: pdl's or c16's
+            assert args in ((64, "bf16", "sm_90a", True, 4), (64, "bf16", "sm_90a", False, 16))
             return type("Plan", (), {"kernels": {"main": fake_combine}})()
         cfg = args[-1]
         if fail and cfg.swap_ab:
@@ -496,8 +496,10 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, roo
              "fa4_final_decode_keys_on_m_paged"]
     for name in variants:
         row = extra.pop(f"fa4_final_decode_{name}")
-        if name == "pdl":  # the default kernel and splits, the combine launched early
-            assert row["pdl"] is True and row["splits"] == 2 and row["max_diff"] < 1e-2
+        if name in decode.COMBINE_VARIANTS:  # the default kernel and splits, a combine
+            assert {k: row[k] for k in decode.COMBINE_VARIANTS[name]} \
+                == decode.COMBINE_VARIANTS[name]
+            assert row["splits"] == 2 and row["max_diff"] < 1e-2
             assert calls.pop(f"fa4_final_decode_{name}")().shape == q.shape
             continue
         tile_n, stages, factor, consumers, cluster, box = decode.VARIANTS[name]

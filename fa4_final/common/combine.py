@@ -29,8 +29,8 @@ query), query fastest, so the lse reads of neighbouring rows share cache sectors
 lanes first read the row's lse values (lane l holds splits l, l + lanes, ...: at most
 MAX_SPLITS / lanes registers with fixed indices, so no local memory), reduce max and sum over
 the lanes with butterfly shuffles, and write each split's weight w_s / sum_s w_s into a row of
-shared memory (zeros past num_splits). Then every lane walks the splits in order, UNROLL at a
-time: the weights of UNROLL splits are read (one 16-byte shared load), the partials of those
+shared memory (zeros past num_splits). Then every lane walks the splits in order, ``unroll``
+(UNROLL by default) at a time: the weights of those splits are read, the partials of those
 whose weight is not 0 are loaded (their loads all in flight together), then added in split
 order. A split with weight 0 (it saw no key, or its weight underflows) is never loaded, so its
 partial may hold anything, NaN included, and costs no bandwidth.
@@ -51,6 +51,17 @@ ignores NaN and the weight test (w > 0) is false for it, so without care the mer
 the split and return a finite row, or 0 and -inf, an answer that looks right. Instead a NaN
 lse is merged as an empty split (its partial never read) and counted; when any split of a row
 was NaN, the row's out and lse are NaN (a multiply and an add by a factor 1 or NaN).
+
+Note [Splits in flight]
+Each pass of the out loop waits for its loads, so a row of n splits costs about n / unroll
+load latencies one after another, on top of the lse pass. At batch 1 the combine has few rows
+(32 at one token and GQA 4: four CTAs). Measured on an H100, kernel by kernel in a batch-1
+step replayed from a graph: at 16 splits this combine takes longer than cuDNN's reduction
+kernel, and that difference is most of what the step trails cuDNN by. A hypothesis, not yet
+measured: with so few rows the combine's time is those latencies, not bandwidth, and a larger
+``unroll`` (8 or 16: 16 or 32 loads of 16 bytes in flight a lane, 64 or 128 registers of
+partials) shortens it by walking 16 splits in two passes or one. A candidate
+(``combine_recipe(..., unroll=8)``), measured beside the default before it becomes one.
 
 Note [The combine launches early]
 A candidate, not the default (``pdl=True``): the combine launched as a programmatic dependent of
@@ -82,7 +93,8 @@ from fa4_final.common.recipe import Recipe, fake_stream, fake_tensor
 MAX_SPLITS = 128  # Note [Combine order]
 THREADS = 128
 ELEMS_PER_LANE = 8  # columns a lane owns: 2 x 16 B of float32 in, 16 B of bf16/fp16 out
-UNROLL = 4  # splits whose partials are loaded together
+UNROLL = 4  # splits whose partials are loaded together (Note [Splits in flight])
+UNROLLS = (4, 8, 16)
 W_PAD = 4  # floats of padding per weight row: row r starts 4 r banks further (no conflicts)
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -91,20 +103,24 @@ class SplitCombine:
     """out and lse from the split partials, one row per ``head_dim / 8`` lanes
     (Note [Combine layout]); ``dtype``: out's element type."""
 
-    def __init__(self, dtype, head_dim: int, pdl: bool = False):
+    def __init__(self, dtype, head_dim: int, pdl: bool = False, unroll: int = UNROLL):
         if head_dim not in HEAD_DIMS:
             raise UnsupportedError(f"the combine is built for head dims {HEAD_DIMS}, got "
                                    f"{head_dim}")
         self.dtype = dtype
         self.head_dim = head_dim
         self.pdl = pdl  # Note [The combine launches early]
+        if unroll not in UNROLLS:
+            raise UnsupportedError(f"the combine loads {UNROLLS} splits at a time, got {unroll}")
+        self.unroll = unroll  # Note [Splits in flight]
         self.lanes_per_row = head_dim // ELEMS_PER_LANE
         self.rows_per_cta = THREADS // self.lanes_per_row
         self.lse_per_lane = MAX_SPLITS // self.lanes_per_row
-        assert MAX_SPLITS % UNROLL == 0 and MAX_SPLITS % self.lanes_per_row == 0
+        assert MAX_SPLITS % unroll == 0 and MAX_SPLITS % self.lanes_per_row == 0
 
     def cache_key(self) -> tuple:
-        return (type(self).__name__, self.dtype.__name__, self.head_dim, MAX_SPLITS, self.pdl)
+        return (type(self).__name__, self.dtype.__name__, self.head_dim, MAX_SPLITS, self.pdl,
+                self.unroll)
 
     @cute.jit
     def __call__(
@@ -191,21 +207,23 @@ class SplitCombine:
             mLSE[b, h, q] = lse + (poison - Float32(1.0))
         cute.arch.barrier()
 
-        # 4. out = sum_s w_s out_s, UNROLL splits at a time, in split order (Note [Combine order])
+        # 4. out = sum_s w_s out_s, ``unroll`` splits at a time, in split order
+        # (Note [Combine order], Note [Splits in flight])
+        unroll = self.unroll
         acc = cute.make_rmem_tensor(ELEMS_PER_LANE, Float32)
         acc.fill(0.0)
-        rX = cute.make_rmem_tensor((ELEMS_PER_LANE, UNROLL), Float32)
-        rWu = cute.make_rmem_tensor(UNROLL, Float32)
-        sW_row = cute.flat_divide(sW[local, None], (UNROLL,))  # (UNROLL, MAX_SPLITS / UNROLL)
-        for t in cutlass.range(cute.ceil_div(num_splits, UNROLL), unroll=1):
+        rX = cute.make_rmem_tensor((ELEMS_PER_LANE, unroll), Float32)
+        rWu = cute.make_rmem_tensor(unroll, Float32)
+        sW_row = cute.flat_divide(sW[local, None], (unroll,))  # (unroll, MAX_SPLITS / unroll)
+        for t in cutlass.range(cute.ceil_div(num_splits, unroll), unroll=1):
             cute.autovec_copy(sW_row[None, t], rWu)
-            for u in cutlass.range_constexpr(UNROLL):
+            for u in cutlass.range_constexpr(unroll):
                 rX[None, u].fill(0.0)
                 if rWu[u] > Float32(0.0):
-                    gX = cute.local_tile(mOp[t * UNROLL + u, b, q, h, None], (ELEMS_PER_LANE,),
+                    gX = cute.local_tile(mOp[t * unroll + u, b, q, h, None], (ELEMS_PER_LANE,),
                                          (lane,))  # (ELEMS_PER_LANE,)
                     cute.autovec_copy(gX, rX[None, u])
-            for u in cutlass.range_constexpr(UNROLL):
+            for u in cutlass.range_constexpr(unroll):
                 acc.store(acc.load() + rX[None, u].load() * rWu[u])
 
         # 5. out, 16 B per lane
@@ -229,15 +247,16 @@ def fake_combine_args(dtype_name: str, head_dim: int) -> tuple:
 
 
 def combine_recipe(head_dim: int = 128, dtype: str = "bf16", arch: str = "sm_90a",
-                   pdl: bool = False) -> Recipe:
+                   pdl: bool = False, unroll: int = UNROLL) -> Recipe:
     """The combine as a pass of one kernel ("main"), for Hopper or Blackwell (plain loads and
     stores: the same code for both); ``pdl``: the candidate launched early behind the kernel
-    before it (Note [The combine launches early])."""
+    before it (Note [The combine launches early]); ``unroll``: splits loaded together
+    (Note [Splits in flight])."""
     if dtype not in CUTLASS_BY_NAME:
         raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
     if arch not in ARCHS:
         raise UnsupportedError(f"the combine compiles for {ARCHS}, got {arch!r}")
-    kernel = SplitCombine(CUTLASS_BY_NAME[dtype], head_dim, pdl)
+    kernel = SplitCombine(CUTLASS_BY_NAME[dtype], head_dim, pdl, unroll)
     return Recipe("combine", arch, {"main": kernel},
                   lambda role: fake_combine_args(dtype, head_dim))
 

@@ -214,3 +214,34 @@ def test_empty_problems_launch_nothing():
     op = torch.empty(2, 0, 1, 4, 128, device=DEVICE)
     lp = torch.empty(2, 0, 4, 1, device=DEVICE)
     combine_splits(op, lp, out, lse)
+
+
+@pytest.mark.parametrize("unroll, pdl", [(8, False), (16, False), (4, True)])
+@pytest.mark.parametrize("name", ["17-splits-seqlen-7", "128-splits", "odd-row-count",
+                                  "3-splits-one-empty-d64"])
+def test_candidates_give_the_default_bits(name, unroll, pdl):
+    """Note [Splits in flight] and Note [The combine launches early]: the candidates add the
+    same partials in the same order, so their out and lse are the default combine's bit for
+    bit (the default checked against float64 above); launched on contiguous outputs through
+    the compiled plan, as the decode path launches it."""
+    from fa4_final.common.combine import combine_recipe
+    from fa4_final.runtime.compile import compiled
+    from fa4_final.runtime.prologue import device_arch
+
+    n, b, sq, h, dv, dtype, empty, all_empty = CASES[name]
+    out_p, lse_p = _partials(n, (b, sq, h), dv, empty, all_empty, seed=len(name))
+    runs = []
+    for kwargs in ({}, {"unroll": unroll, "pdl": pdl}):
+        out = poison_(torch.empty(b, sq, h, dv, dtype=dtype, device=DEVICE))
+        lse = poison_(torch.empty(b, h, sq, device=DEVICE))
+        plan = compiled(combine_recipe, dv, "bf16" if dtype == BF16 else "fp16",
+                        device_arch(out.device), kwargs.get("pdl", False),
+                        kwargs.get("unroll", 4))
+        plan.kernels["main"](out_p, lse_p, out, lse)
+        torch.cuda.synchronize()
+        runs.append((out, lse))
+    (o0, l0), (o1, l1) = runs
+    ref_out, ref_lse = combine_reference(out_p.double(), lse_p.double())
+    _check(o0, l0, ref_out, ref_lse, f"{name} default")
+    assert torch.equal(o0.view(torch.int16), o1.view(torch.int16)), f"{name}: out bits differ"
+    assert torch.equal(l0.view(torch.int32), l1.view(torch.int32)), f"{name}: lse bits differ"
