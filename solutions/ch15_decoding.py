@@ -1442,3 +1442,49 @@ def _graph_ranks(res):
           and vs[(1, 8192)]["vs_best_peer"] < 1 and vs[(1, 8192)]["best_peer"] == "sdpa_cudnn")
     return ok, "; ".join(f"t{t} k{k} {r['vs_best_peer']:.2f} vs {r['best_peer']}"
                          for (t, k), r in vs.items())
+
+
+TIMELINE = "decode_timeline"  # measure/decode_timeline.py: a replayed step, kernel by kernel
+
+
+def timeline_value(res, impl: str, tokens: int, keys: int, kernel, metric: str):
+    """One median of the kernel-by-kernel run (kernel None: the step's span), or None."""
+    return next((r["value"] for r in res.rows if r["impl"] == impl and r["s_q"] == tokens
+                 and r["s"] == keys and r.get("kernel") == kernel and r["metric"] == metric),
+                None)
+
+
+def timeline_lines(res) -> list[str]:
+    """Per shape and implementation: each kernel's microseconds, the gaps, the step's span."""
+    lines = ["replayed at batch 1, microseconds (medians): kernel durations [gaps before], span"]
+    for t, k in sorted({(r["s_q"], r["s"]) for r in res.rows}):
+        for impl in ("fa4_final_splits", "sdpa_cudnn"):
+            ks = sorted({r["kernel"] for r in res.rows if r["impl"] == impl and r["s_q"] == t
+                         and r["s"] == k and r.get("kernel") is not None})
+            parts = []
+            for i in ks:
+                part = f"{timeline_value(res, impl, t, k, i, 'duration_us'):.2f}"
+                gap = timeline_value(res, impl, t, k, i, "gap_before_us") if i else None
+                parts.append(part + (f" [{gap:.2f}]" if gap is not None else ""))
+            span = timeline_value(res, impl, t, k, None, "span_us")
+            lines.append(f"  tokens {t:2d} keys {k:5d} {impl:17s} " + " + ".join(parts)
+                         + f" = span {span:.2f}")
+    return lines
+
+
+@claim("15.timeline_combine_is_the_gap", TIMELINE,
+       "replayed at batch 1 with one token, cuDNN runs two kernels as the package's call does; "
+       "at 8k keys our combine takes longer than cuDNN's second kernel, by more than half of "
+       "what our step's span exceeds cuDNN's", gpu="h100")
+def _timeline_combine_is_the_gap(res):
+    def v(impl, kernel, metric):
+        return timeline_value(res, impl, 1, 8192, kernel, metric)
+
+    two = all(v(impl, 1, "duration_us") is not None and v(impl, 2, "duration_us") is None
+              for impl in ("fa4_final_splits", "sdpa_cudnn"))
+    if not two:
+        return False, "not two kernels each"
+    combine = v("fa4_final_splits", 1, "duration_us") - v("sdpa_cudnn", 1, "duration_us")
+    span = v("fa4_final_splits", None, "span_us") - v("sdpa_cudnn", None, "span_us")
+    return (combine > 0.5 * span > 0,
+            f"second kernel +{combine:.2f} us of a span difference of {span:.2f} us")
