@@ -3,6 +3,8 @@ microseconds of a short step go, for fa4_final's call and for cuDNN's.
 
     python -m measure.decode_timeline                  # GPU: profile, save the JSON
     python -m measure.decode_timeline --reps 50
+    python -m measure.decode_timeline --name decode_timeline_combine --impls fa4_final_decode \
+        fa4_final_decode_c8 fa4_final_decode_c16 sdpa_cudnn   # the combine candidates
 
 Replayed at batch 1 with one query token, fa4_final's call (``num_splits=0``: the split kernel
 and the combine) trails cuDNN's SDPA by a microsecond or two in results/h100/decode_pdl.json,
@@ -14,7 +16,10 @@ step: any other count is refused). Per step and kernel position: the kernel's du
 gap from the previous kernel's end (the first kernel's gap is from the previous step's last
 kernel: the replays run back to back); per step the span, first start to last end.
 
-Rows (utils.results): ``impl`` (fa4_final_splits, sdpa_cudnn), ``s_q``, ``s`` (keys), the
+``--impls`` takes any row of measure.decode (its ``--variants`` rows included: the combine
+candidates of Note [Splits in flight] are fa4_final_decode_c8 and _c16).
+
+Rows (utils.results): ``impl`` (by default fa4_final_splits, sdpa_cudnn), ``s_q``, ``s`` (keys), the
 attention keys of measure.decode (b = 1, 32 query heads over 8 KV heads, D = 128, bf16),
 ``kernel`` (its position in the step), ``name`` (its name, cut to 80 characters), ``metric``
 (duration_us, gap_before_us; span_us with kernel None), ``value`` the median over the steps,
@@ -71,6 +76,14 @@ def step_rows(kernels: list[tuple], reps: int, fields: dict) -> list[dict]:
     return rows
 
 
+def variants_of(impls) -> list[str]:
+    """measure.decode's --variants that ``impls`` name (rows fa4_final_decode_<variant>)."""
+    from measure.decode import VARIANTS
+
+    names = [n.removeprefix("fa4_final_decode_") for n in impls]
+    return [n for n in names if n in VARIANTS]
+
+
 def _kernel_records(prof) -> list[tuple]:
     """(name, start_us, end_us) of the device-side kernel records of a torch.profiler run."""
     import torch
@@ -83,7 +96,7 @@ def _kernel_records(prof) -> list[tuple]:
     return out
 
 
-def measure(reps: int) -> list[dict]:
+def measure(reps: int, impls=IMPLS) -> list[dict]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -93,10 +106,14 @@ def measure(reps: int) -> list[dict]:
     rows = []
     for tokens, keys in SHAPES:
         shape = decode.DecodeShape(1, tokens, keys, 32, 8, 128)
-        calls, _extra = decode._calls(shape, 128, keys_on_m=False)
+        calls, extra = decode._calls(shape, 128, variants=variants_of(impls), keys_on_m=False)
         fields = {k: v for k, v in decode.row_fields(shape, 128).items()
                   if k not in ("kv_bytes", "flops", "page", "pass")}
-        for impl in IMPLS:
+        for impl in impls:
+            if impl not in calls:
+                rows.append({"impl": impl, **fields, "metric": "span_us", "value": None,
+                             "error": str(extra.get(impl, {}).get("error", "no such call"))})
+                continue
             replay = capture_in_graph(calls[impl])
             for _ in range(10):
                 replay()
@@ -127,6 +144,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--reps", type=int, default=40, help="replays profiled per call")
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS),
+                    help="measure.decode's rows to profile (a variant's row adds the variant)")
+    ap.add_argument("--name", default=RESULTS)
     args = ap.parse_args(argv)
     import torch
 
@@ -135,10 +155,10 @@ def main(argv=None) -> int:
         return 2
     from utils import results
 
-    rows = measure(args.reps)
+    rows = measure(args.reps, args.impls)
     command = "python -m measure.decode_timeline " + " ".join(
         argv if argv is not None else sys.argv[1:])
-    print(f"stored {results.save(RESULTS, rows, command=command)}")
+    print(f"stored {results.save(args.name, rows, command=command)}")
     return 0
 
 

@@ -43,3 +43,11 @@ def test_decode_records_that_do_not_split_are_refused():
     swapped = [("other" if r[0] == "combine" and r[1] > 30 else r[0], *r[1:]) for r in recs]
     with pytest.raises(ValueError, match="same kernels"):
         steps(swapped, 3)
+
+
+def test_decode_timeline_profiles_variant_rows():
+    from measure.decode_timeline import variants_of
+
+    assert variants_of(["fa4_final_decode", "fa4_final_decode_c8", "fa4_final_decode_c16",
+                        "sdpa_cudnn", "fa4_final_splits"]) == ["c8", "c16"]
+    assert variants_of(["fa4_final_decode_nothing"]) == []
