@@ -573,15 +573,17 @@ def early_launch_pairs(res) -> list[tuple]:
     """(tokens, keys, early row, ordinary row, cuDNN row) of the replayed batch-1 shapes with
     more than one split. A file has the early launch either as the default rows beside a
     ``fa4_final_decode_nopdl`` row, or as a ``fa4_final_decode_pdl`` row beside the default."""
+    from solutions.ch15_decoding import decode_row
+
     graph = [r for r in res.rows if r.get("mode") == "graph" and r.get("b") == 1]
     names = {r["impl"] for r in graph}
     early, ordinary = (("fa4_final_decode", "fa4_final_decode_nopdl")
                        if "fa4_final_decode_nopdl" in names
                        else ("fa4_final_decode_pdl", "fa4_final_decode"))
 
-    def row(impl, t, k):
-        return next((r for r in graph if r["impl"] == impl and r["s_q"] == t and r["s"] == k
-                     and r.get("ms")), None)
+    def row(impl, t, k):  # the timed graph row of impl at batch 1, or None
+        r = decode_row(res, impl, "graph", b=1, s_q=t, s=k)
+        return r if r and r.get("ms") else None
 
     out = []
     for t, k in sorted({(r["s_q"], r["s"]) for r in graph}):

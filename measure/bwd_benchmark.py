@@ -88,6 +88,8 @@ def main(argv=None) -> int:
                     help="seconds: start no round after this many; the file is saved after "
                     "every round, so a run cut short keeps the rounds it finished")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
     start = time.monotonic()
     if not torch.cuda.is_available():
         print("measure.bwd_benchmark: needs a CUDA GPU", file=sys.stderr)

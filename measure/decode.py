@@ -321,7 +321,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     fields: its split count, max |difference| to SDPA flash on the same logical cache, and
     whether paged equals contiguous bit for bit (the contiguous kernel run on the cache in table
     order does the same arithmetic in the same order)."""
-    from fa4_final.common.combine import combine_recipe
+    from fa4_final.common.combine import UNROLL, combine_recipe
     from fa4_final.hopper.config import (
         hopper_decode_contiguous,
         hopper_decode_for_page,
@@ -355,7 +355,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
         # a combine candidate (COMBINE_VARIANTS): its plan on the dense layout directly
         own_combine = None if combine is None else compiled(
             combine_recipe, shape.d, "bf16", "sm_90a", combine.get("pdl", False),
-            combine.get("unroll", 4))
+            combine.get("unroll", UNROLL))
 
         def run():
             if splits_ == 1:

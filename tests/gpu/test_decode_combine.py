@@ -224,7 +224,8 @@ def test_candidates_give_the_default_bits(name, unroll, pdl):
     same partials in the same order, so their out and lse are the default combine's bit for
     bit (the default checked against float64 above); launched on contiguous outputs through
     the compiled plan, as the decode path launches it."""
-    from fa4_final.common.combine import combine_recipe
+    from fa4_final.common.combine import UNROLL, combine_recipe
+    from fa4_final.common.constants import DTYPE_NAMES
     from fa4_final.runtime.compile import compiled
     from fa4_final.runtime.prologue import device_arch
 
@@ -234,9 +235,8 @@ def test_candidates_give_the_default_bits(name, unroll, pdl):
     for kwargs in ({}, {"unroll": unroll, "pdl": pdl}):
         out = poison_(torch.empty(b, sq, h, dv, dtype=dtype, device=DEVICE))
         lse = poison_(torch.empty(b, h, sq, device=DEVICE))
-        plan = compiled(combine_recipe, dv, "bf16" if dtype == BF16 else "fp16",
-                        device_arch(out.device), kwargs.get("pdl", False),
-                        kwargs.get("unroll", 4))
+        plan = compiled(combine_recipe, dv, DTYPE_NAMES[dtype], device_arch(out.device),
+                        kwargs.get("pdl", False), kwargs.get("unroll", UNROLL))
         plan.kernels["main"](out_p, lse_p, out, lse)
         torch.cuda.synchronize()
         runs.append((out, lse))
