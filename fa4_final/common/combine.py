@@ -78,6 +78,16 @@ and at 16 tokens with 8k keys the step about 2 us slower than with the ordinary 
 graph the ordinary kernel-to-kernel gap is already short; why the early launch costs time there
 is not profiled (a hypothesis: the combine's CTAs, resident early, wait beside the split CTAs
 and delay the release). The package launches the combine the ordinary way.
+
+Note [The combine is its own kernel]
+The launch and the gap could go altogether: each split CTA, once its partial is written,
+fences and adds one to a counter of its (batch, kv head, m-block); the CTA that brings the
+counter to num_splits merges the rows and sets it back to 0. Not built, for what a drop-in call
+must promise. The counters must read 0 when a call starts. A buffer kept per device is shared
+by calls on two streams at once (their counts mix, a CTA merges partials another call has not
+finished writing: a wrong answer, no error); a buffer per call must be zeroed, a memset node
+before the kernel, the launch this was to save. A second kernel has none of these hazards:
+the stream's order is the only synchronisation it needs, and a graph replays it as it is.
 """
 
 from __future__ import annotations
