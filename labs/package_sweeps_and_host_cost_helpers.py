@@ -612,6 +612,46 @@ def early_over_ordinary(res, tokens: int = 1, keys: int = 8192) -> float:
                 if (t, k) == (tokens, keys))
 
 
+# ---------------------------------------------------------------------------------------------
+# The combine's splits in flight (Note [Splits in flight] in fa4_final.common.combine)
+
+UNROLL_ROWS = (("fa4_final_decode", "4"), ("fa4_final_decode_c8", "8"),
+               ("fa4_final_decode_c16", "16"))
+
+
+def unroll_groups(res) -> list[tuple]:
+    """(tokens, keys, {unroll: graph row}, cuDNN row) of the replayed batch-1 shapes with more
+    than one split, the default (4 splits a pass) and the candidates (8, 16) that ran."""
+    from solutions.ch15_decoding import decode_row
+
+    graph = [r for r in res.rows if r.get("mode") == "graph" and r.get("b") == 1]
+    out = []
+    for t, k in sorted({(r["s_q"], r["s"]) for r in graph}):
+        got = {}
+        for impl, unroll in UNROLL_ROWS:
+            r = decode_row(res, impl, "graph", b=1, s_q=t, s=k)
+            if r and r.get("ms"):
+                got[unroll] = r
+        cudnn = decode_row(res, "sdpa_cudnn", "graph", b=1, s_q=t, s=k)
+        if "4" in got and got["4"].get("splits", 1) > 1:
+            out.append((t, k, got, cudnn if cudnn and cudnn.get("ms") else None))
+    return out
+
+
+def unroll_lines(res) -> list[str]:
+    if res is None:
+        return ["(no stored run of the combine's candidates)"]
+    lines = ["replayed from a CUDA graph, batch 1, microseconds per step (spread); splits a "
+             "pass:", f"  {'tokens':>6} {'keys':>7} {'splits':>6} "
+             + " ".join(f"{u:>13}" for _i, u in UNROLL_ROWS) + f" {'cuDNN':>13}"]
+    for t, k, got, c in unroll_groups(res):
+        cells = [f"{got[u]['ms'] * 1e3:6.1f} ({100 * got[u]['spread']:3.1f}%)" if u in got
+                 else f"{'-':>13}" for _i, u in UNROLL_ROWS]
+        cud = f"{c['ms'] * 1e3:6.1f} ({100 * c['spread']:3.1f}%)" if c else f"{'-':>13}"
+        lines.append(f"  {t:6d} {k:7d} {got['4']['splits']:6d} " + " ".join(cells) + f" {cud}")
+    return lines
+
+
 @claim("lab13.early_launch_no_gain", "decode_pdl",
        "replayed at batch 1 with 1k and 8k keys, the step with the combine launched early is "
        "within the spread of the ordinary launch at three of the four shapes and slower beyond "

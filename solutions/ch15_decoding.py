@@ -1454,11 +1454,12 @@ def timeline_value(res, impl: str, tokens: int, keys: int, kernel, metric: str):
                 None)
 
 
-def timeline_lines(res) -> list[str]:
+def timeline_lines(res, impls=("fa4_final_splits", "sdpa_cudnn")) -> list[str]:
     """Per shape and implementation: each kernel's microseconds, the gaps, the step's span."""
     lines = ["replayed at batch 1, microseconds (medians): kernel durations [gaps before], span"]
+    width = max(17, *(len(i) for i in impls))
     for t, k in sorted({(r["s_q"], r["s"]) for r in res.rows}):
-        for impl in ("fa4_final_splits", "sdpa_cudnn"):
+        for impl in impls:
             ks = sorted({r["kernel"] for r in res.rows if r["impl"] == impl and r["s_q"] == t
                          and r["s"] == k and r.get("kernel") is not None})
             parts = []
@@ -1467,7 +1468,9 @@ def timeline_lines(res) -> list[str]:
                 gap = timeline_value(res, impl, t, k, i, "gap_before_us") if i else None
                 parts.append(part + (f" [{gap:.2f}]" if gap is not None else ""))
             span = timeline_value(res, impl, t, k, None, "span_us")
-            lines.append(f"  tokens {t:2d} keys {k:5d} {impl:17s} " + " + ".join(parts)
+            if not parts:
+                continue
+            lines.append(f"  tokens {t:2d} keys {k:5d} {impl:{width}s} " + " + ".join(parts)
                          + f" = span {span:.2f}")
     return lines
 
