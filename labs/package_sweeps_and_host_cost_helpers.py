@@ -619,6 +619,41 @@ UNROLL_ROWS = (("fa4_final_decode", "4"), ("fa4_final_decode_c8", "8"),
                ("fa4_final_decode_c16", "16"))
 
 
+def combine_passes(timeline, num_sms: int = 132) -> list[tuple]:
+    """(keys, splits, passes, combine us) of the one-token batch-1 steps in a stored timeline:
+    the split count the call chooses on ``num_sms`` SMs (132: the H100 the timeline ran on) and
+    the passes of the default combine (UNROLL splits a pass) over them."""
+    from fa4_final.common.combine import UNROLL
+    from fa4_final.runtime.decode import choose_num_splits
+    from solutions.ch15_decoding import timeline_value
+
+    out = []
+    for r in timeline.rows:
+        if (r["impl"], r["s_q"], r.get("kernel"), r["metric"]) != (
+                "fa4_final_splits", 1, 1, "duration_us"):
+            continue
+        splits = choose_num_splits(0, batch=r["b"], heads_kv=r["h_kv"],
+                                   packed_rows=r["h"] // r["h_kv"], key_tiles=r["s"] // 128,
+                                   num_sms=num_sms)
+        out.append((r["s"], splits, -(-splits // UNROLL),
+                    timeline_value(timeline, "fa4_final_splits", 1, r["s"], 1, "duration_us")))
+    return sorted(out)
+
+
+def combine_pass_lines(timeline) -> list[str]:
+    """The arithmetic of the latency hypothesis: what one more pass of the combine costs, and
+    the combine it predicts at one pass for the key count with the most splits."""
+    rows = combine_passes(timeline)
+    lines = [f"  {k:6d} keys: {n:2d} splits, {p} pass(es) of the default combine, {us:.2f} us"
+             for k, n, p, us in rows]
+    (_k0, _n0, p0, us0), (k1, _n1, p1, us1) = rows[0], rows[-1]
+    if p1 > p0:
+        per = (us1 - us0) / (p1 - p0)
+        lines.append(f"  one more pass: {per:.2f} us; at {k1} keys in one pass the combine "
+                     f"would take about {us1 - per * (p1 - 1):.2f} us (the hypothesis)")
+    return lines
+
+
 def unroll_groups(res) -> list[tuple]:
     """(tokens, keys, {unroll: graph row}, cuDNN row) of the replayed batch-1 shapes with more
     than one split, the default (4 splits a pass) and the candidates (8, 16) that ran."""
