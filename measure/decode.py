@@ -242,15 +242,20 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 #   c8, c16: the default config and splits, its combine loading 8 (16) splits' partials
 #          together instead of 4 (Note [Splits in flight] in fa4_final.common.combine): the
 #          combine's latency at batch 1, where it has few rows
+#   c4p, c16p: c4 (the default) and c16 with the first pass's partials loaded before the
+#          weights (Note [The first splits before the weights]): the lse and the partials'
+#          round trips overlapped
 VARIANTS = {"n64s3": (64, 3, 1, 1, 1, None), "n64s4": (64, 4, 1, 1, 1, None),
             "n128s2": (128, 2, 1, 1, 1, None), "split2": (128, 3, 2, 1, 1, None),
             "wg2": (128, 3, 1, 2, 1, None), "pair": (128, 3, 1, 2, 2, None),
             "b32": (128, 3, 1, 1, 1, 32), "b16": (128, 3, 1, 1, 1, 16),
             "wg2b32": (128, 3, 1, 2, 1, 32), "onebox": (128, 3, 1, 1, 1, None),
             "n128s2b32": (128, 2, 1, 1, 1, 32), "n64s3b32": (64, 3, 1, 1, 1, 32),
-            "pdl": None, "c8": None, "c16": None}
+            "pdl": None, "c8": None, "c16": None, "c4p": None, "c16p": None}
 # the variants that change only the combine (None above): combine_recipe's keywords
-COMBINE_VARIANTS = {"pdl": {"pdl": True}, "c8": {"unroll": 8}, "c16": {"unroll": 16}}
+COMBINE_VARIANTS = {"pdl": {"pdl": True}, "c8": {"unroll": 8}, "c16": {"unroll": 16},
+                    "c4p": {"unroll": 4, "prefetch": True},
+                    "c16p": {"unroll": 16, "prefetch": True}}
 OURS = ("fa4_final", "fa4_final_paged", "fa4_final_splits", "fa4_final_paged_splits",
         *DECODE_KERNEL, *(f"fa4_final_decode_{name}" for name in VARIANTS))
 
@@ -355,7 +360,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
         # a combine candidate (COMBINE_VARIANTS): its plan on the dense layout directly
         own_combine = None if combine is None else compiled(
             combine_recipe, shape.d, "bf16", "sm_90a", combine.get("pdl", False),
-            combine.get("unroll", UNROLL))
+            combine.get("unroll", UNROLL), combine.get("prefetch", False))
 
         def run():
             if splits_ == 1:

@@ -385,6 +385,26 @@ def test_more_splits_in_flight_compile_clean(unroll):
     assert not re.search(r"\.local\b", art.ptx)
 
 
+@slow
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("unroll", [4, 16])
+def test_the_first_splits_load_before_the_weights(arch, unroll):
+    """Note [The first splits before the weights]: the candidate's first pass of partials
+    (two 16-byte loads per split and lane) is issued before any lse load, so the two round
+    trips overlap; the later passes load after the barrier as the default does. No spill."""
+    from fa4_final.runtime.compile import artifacts as compile_artifacts
+
+    art = compile_artifacts(combine_recipe(128, "bf16", arch, unroll=unroll,
+                                           prefetch=True))["main"]
+    loads = "".join("W" if "LDG.E.128" in line else "L" if "LDG" in line else "B"
+                    for line in art.sass.splitlines()
+                    if "LDG" in line or "BAR.SYNC" in line)
+    lse = MAX_SPLITS // (128 // ELEMS_PER_LANE)
+    assert loads == "W" * 2 * unroll + "L" * lse + "B" + "W" * 2 * unroll, loads
+    assert art.frame_bytes == 0 and art.spills == 0, art.resources()
+    assert not re.search(r"\.local\b", art.ptx)
+
+
 def test_the_combine_refuses_an_unroll_it_does_not_build():
     with pytest.raises(UnsupportedError, match="splits at a time"):
         combine_recipe(128, "bf16", "sm_90a", unroll=5)

@@ -424,7 +424,8 @@ def test_decode_keys_on_m_variants_compile_clean(name):
 # measure.decode's kernel rows, with CPU stand-ins for the compile, the launch and the combine
 
 
-@pytest.mark.parametrize("variants", [(), ("n64s3", "split2", "wg2", "pair", "b32", "pdl", "c16")],
+@pytest.mark.parametrize("variants", [(), ("n64s3", "split2", "wg2", "pair", "b32", "pdl", "c16",
+                                          "c16p")],
                          ids=["default", "variants"])
 @pytest.mark.parametrize("fail,room", [(False, True), (True, True), (False, False)],
                          ids=["built", "fails", "no-room"])
@@ -448,8 +449,10 @@ def test_decode_keys_on_m_measure_rows_with_cpu_stand_ins(monkeypatch, fail, roo
     seen = []
 
     def fake_compiled(fn, *args):
-        if fn.__name__ == "combine_recipe":  # a combine candidate: pdl's or c16's
-            assert args in ((64, "bf16", "sm_90a", True, 4), (64, "bf16", "sm_90a", False, 16))
+        if fn.__name__ == "combine_recipe":  # a combine candidate: pdl's, c16's or c16p's
+            assert args in ((64, "bf16", "sm_90a", True, 4, False),
+                            (64, "bf16", "sm_90a", False, 16, False),
+                            (64, "bf16", "sm_90a", False, 16, True))
             return type("Plan", (), {"kernels": {"main": fake_combine}})()
         cfg = args[-1]
         if fail and cfg.swap_ab:

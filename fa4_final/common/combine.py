@@ -63,6 +63,17 @@ measured: with so few rows the combine's time is those latencies, not bandwidth,
 partials) shortens it by walking 16 splits in two passes or one. A candidate
 (``combine_recipe(..., unroll=8)``), measured beside the default before it becomes one.
 
+Note [The first splits before the weights]
+A candidate, not the default (``prefetch=True``), on the hypothesis of
+Note [Splits in flight]: even at one pass the combine waits for two round trips to memory, the
+lse values and then the partials, since the weights decide which partials to load. It loads
+the first ``unroll`` splits' partials (those below num_splits) before it reads an lse, so both
+round trips are in flight together; at 16 splits and ``unroll=16`` the whole combine is then
+one. The weights still decide what is added: a loaded partial whose weight is 0 is replaced by
+zeros before the add (a NaN there never reaches out), so the sum, in the same split order, is
+the default's bit for bit. The price: the first pass reads the partials of empty splits too,
+bytes the default skips (a split kernel writes every split's partial, an empty one as zeros).
+
 Note [The combine launches early]
 A candidate, not the default (``pdl=True``): the combine launched as a programmatic dependent of
 the kernel before it on the stream (CUDA's programmatic dependent launch, Hopper and later). Its
@@ -113,7 +124,8 @@ class SplitCombine:
     """out and lse from the split partials, one row per ``head_dim / 8`` lanes
     (Note [Combine layout]); ``dtype``: out's element type."""
 
-    def __init__(self, dtype, head_dim: int, pdl: bool = False, unroll: int = UNROLL):
+    def __init__(self, dtype, head_dim: int, pdl: bool = False, unroll: int = UNROLL,
+                 prefetch: bool = False):
         if head_dim not in HEAD_DIMS:
             raise UnsupportedError(f"the combine is built for head dims {HEAD_DIMS}, got "
                                    f"{head_dim}")
@@ -123,6 +135,7 @@ class SplitCombine:
         if unroll not in UNROLLS:
             raise UnsupportedError(f"the combine loads {UNROLLS} splits at a time, got {unroll}")
         self.unroll = unroll  # Note [Splits in flight]
+        self.prefetch = prefetch  # Note [The first splits before the weights]
         self.lanes_per_row = head_dim // ELEMS_PER_LANE
         self.rows_per_cta = THREADS // self.lanes_per_row
         self.lse_per_lane = MAX_SPLITS // self.lanes_per_row
@@ -130,7 +143,7 @@ class SplitCombine:
 
     def cache_key(self) -> tuple:
         return (type(self).__name__, self.dtype.__name__, self.head_dim, MAX_SPLITS, self.pdl,
-                self.unroll)
+                self.unroll, self.prefetch)
 
     @cute.jit
     def __call__(
@@ -177,6 +190,14 @@ class SplitCombine:
         b = row // (seqlen_q * heads)
         if const_expr(self.pdl):  # Note [The combine launches early]: the partials are final
             cute.arch.griddepcontrol_wait()
+        unroll = self.unroll
+        rX = cute.make_rmem_tensor((ELEMS_PER_LANE, unroll), Float32)
+        if const_expr(self.prefetch):  # Note [The first splits before the weights]
+            for u in cutlass.range_constexpr(unroll):
+                rX[None, u].fill(0.0)
+                if valid and u < num_splits:
+                    gX = cute.local_tile(mOp[u, b, q, h, None], (ELEMS_PER_LANE,), (lane,))
+                    cute.autovec_copy(gX, rX[None, u])
 
         # 1. the row's lse values, lane l holding splits l, l + lanes, ...
         # a NaN lse marks a poisoned split (Note [A NaN split poisons the row]): counted in
@@ -219,13 +240,20 @@ class SplitCombine:
 
         # 4. out = sum_s w_s out_s, ``unroll`` splits at a time, in split order
         # (Note [Combine order], Note [Splits in flight])
-        unroll = self.unroll
         acc = cute.make_rmem_tensor(ELEMS_PER_LANE, Float32)
         acc.fill(0.0)
-        rX = cute.make_rmem_tensor((ELEMS_PER_LANE, unroll), Float32)
         rWu = cute.make_rmem_tensor(unroll, Float32)
         sW_row = cute.flat_divide(sW[local, None], (unroll,))  # (unroll, MAX_SPLITS / unroll)
-        for t in cutlass.range(cute.ceil_div(num_splits, unroll), unroll=1):
+        first = 0
+        if const_expr(self.prefetch):  # the first pass's partials are in registers already;
+            first = 1  # a split of weight 0 adds 0, whatever its partial held
+            cute.autovec_copy(sW_row[None, 0], rWu)
+            for u in cutlass.range_constexpr(unroll):
+                if rWu[u] <= Float32(0.0):
+                    rX[None, u].fill(0.0)
+            for u in cutlass.range_constexpr(unroll):
+                acc.store(acc.load() + rX[None, u].load() * rWu[u])
+        for t in cutlass.range(first, cute.ceil_div(num_splits, unroll), unroll=1):
             cute.autovec_copy(sW_row[None, t], rWu)
             for u in cutlass.range_constexpr(unroll):
                 rX[None, u].fill(0.0)
@@ -257,16 +285,17 @@ def fake_combine_args(dtype_name: str, head_dim: int) -> tuple:
 
 
 def combine_recipe(head_dim: int = 128, dtype: str = "bf16", arch: str = "sm_90a",
-                   pdl: bool = False, unroll: int = UNROLL) -> Recipe:
+                   pdl: bool = False, unroll: int = UNROLL, prefetch: bool = False) -> Recipe:
     """The combine as a pass of one kernel ("main"), for Hopper or Blackwell (plain loads and
     stores: the same code for both); ``pdl``: the candidate launched early behind the kernel
     before it (Note [The combine launches early]); ``unroll``: splits loaded together
-    (Note [Splits in flight])."""
+    (Note [Splits in flight]); ``prefetch``: the first ``unroll`` splits' partials loaded
+    before the weights (Note [The first splits before the weights])."""
     if dtype not in CUTLASS_BY_NAME:
         raise ValueError(f"dtype must be one of {sorted(CUTLASS_BY_NAME)}, got {dtype!r}")
     if arch not in ARCHS:
         raise UnsupportedError(f"the combine compiles for {ARCHS}, got {arch!r}")
-    kernel = SplitCombine(CUTLASS_BY_NAME[dtype], head_dim, pdl, unroll)
+    kernel = SplitCombine(CUTLASS_BY_NAME[dtype], head_dim, pdl, unroll, prefetch)
     return Recipe("combine", arch, {"main": kernel},
                   lambda role: fake_combine_args(dtype, head_dim))
 

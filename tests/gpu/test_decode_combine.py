@@ -216,14 +216,17 @@ def test_empty_problems_launch_nothing():
     combine_splits(op, lp, out, lse)
 
 
-@pytest.mark.parametrize("unroll, pdl", [(8, False), (16, False), (4, True)])
+@pytest.mark.parametrize("unroll, pdl, prefetch", [(8, False, False), (16, False, False),
+                                                   (4, True, False), (4, False, True),
+                                                   (16, False, True)])
 @pytest.mark.parametrize("name", ["17-splits-seqlen-7", "128-splits", "odd-row-count",
                                   "3-splits-one-empty-d64"])
-def test_candidates_give_the_default_bits(name, unroll, pdl):
-    """Note [Splits in flight] and Note [The combine launches early]: the candidates add the
-    same partials in the same order, so their out and lse are the default combine's bit for
-    bit (the default checked against float64 above); launched on contiguous outputs through
-    the compiled plan, as the decode path launches it."""
+def test_candidates_give_the_default_bits(name, unroll, pdl, prefetch):
+    """Note [Splits in flight], Note [The combine launches early] and
+    Note [The first splits before the weights] (the empty splits' partials are NaN: loaded,
+    never added): the candidates add the same partials in the same order, so their out and
+    lse are the default combine's bit for bit (the default checked against float64 above);
+    launched on contiguous outputs through the compiled plan, as the decode path does."""
     from fa4_final.common.combine import UNROLL, combine_recipe
     from fa4_final.common.constants import DTYPE_NAMES
     from fa4_final.runtime.compile import compiled
@@ -232,11 +235,12 @@ def test_candidates_give_the_default_bits(name, unroll, pdl):
     n, b, sq, h, dv, dtype, empty, all_empty = CASES[name]
     out_p, lse_p = _partials(n, (b, sq, h), dv, empty, all_empty, seed=len(name))
     runs = []
-    for kwargs in ({}, {"unroll": unroll, "pdl": pdl}):
+    for kwargs in ({}, {"unroll": unroll, "pdl": pdl, "prefetch": prefetch}):
         out = poison_(torch.empty(b, sq, h, dv, dtype=dtype, device=DEVICE))
         lse = poison_(torch.empty(b, h, sq, device=DEVICE))
         plan = compiled(combine_recipe, dv, DTYPE_NAMES[dtype], device_arch(out.device),
-                        kwargs.get("pdl", False), kwargs.get("unroll", UNROLL))
+                        kwargs.get("pdl", False), kwargs.get("unroll", UNROLL),
+                        kwargs.get("prefetch", False))
         plan.kernels["main"](out_p, lse_p, out, lse)
         torch.cuda.synchronize()
         runs.append((out, lse))
