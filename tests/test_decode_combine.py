@@ -200,14 +200,16 @@ def test_float32_model_within_float32_error():
 # the kernel's plan, emulated on the host
 
 
-def emulate_combine(out_partial, lse_partial, out, lse):
+def emulate_combine(out_partial, lse_partial, out, lse, unroll=UNROLL, prefetch=False):
     """What SplitCombine does, step by step in float32 on the host: its CTAs of
     ``rows_per_cta`` rows, each row's ``lanes`` lanes holding lse slots (lane l: splits l,
     l + lanes, ...), the butterfly max and sum over the lanes, the normalised weights in a
     (rows, MAX_SPLITS) table, the partials added UNROLL splits at a time in split order, a split
     of weight 0 never read; each lane writes its ELEMS_PER_LANE columns. Takes the launch's
     arguments (dense or varlen, checked by its checks); returns how many times each element of
-    out was written (every one exactly once, by the plan)."""
+    out was written (every one exactly once, by the plan). ``unroll``, ``prefetch``: the
+    candidates' plans (Note [Splits in flight], Note [The first splits before the weights]:
+    the first pass read whatever the weights, its weight-0 partials zeroed before the add)."""
     from fa4_final.common.combine import THREADS
 
     op, lp, o, lse4, rows = _combine_layout(out_partial, lse_partial, out, lse)
@@ -247,13 +249,18 @@ def emulate_combine(out_partial, lse_partial, out, lse):
     lse_val = torch.where(seen, m[:, 0] + torch.log(total[:, 0]), -math.inf)
     lse4[bv[valid], hv[valid], qv[valid]] = lse_val[valid]
     acc = torch.zeros(len(row), dv)
-    for t in range(-(-n // UNROLL)):
+    for t in range(-(-n // unroll)):
         x = []
-        for u in range(UNROLL):
-            s = t * UNROLL + u
+        for u in range(unroll):
+            s = t * unroll + u
             w = s_w[:, s]
             read = (w > 0) & valid
             assert not read.any() or s < n  # weights past num_splits are 0: never read
+            if prefetch and t == 0:  # loaded before the weights were known, then zeroed
+                part = op[s, bv, qv, hv] if s < n else torch.zeros(len(row), dv)
+                part = torch.where(valid[:, None], part, torch.zeros_like(part))
+                x.append((w, torch.where((w > 0)[:, None], part, torch.zeros_like(part))))
+                continue
             part = op[min(s, n - 1), bv, qv, hv] if read.any() else torch.zeros(len(row), dv)
             x.append((w, torch.where(read[:, None], part, torch.zeros_like(part))))
         for w, part in x:
@@ -287,6 +294,29 @@ def test_the_kernel_plan_writes_every_element_once(n, b, sq, h, dv, varlen):
     assert not torch.isnan(got_out).any() and not torch.isnan(got_lse).any()
     assert (got_out.double() - ref_out).abs().max() <= 2 ** -8 * ref_out.abs().max() + 1e-6
     assert (got_lse.double() - ref_lse).abs().max() <= 1e-5 * (1 + ref_lse.abs().max())
+
+
+@pytest.mark.parametrize("unroll, prefetch", [(8, False), (16, False), (4, True), (16, True)])
+@pytest.mark.parametrize("n", [1, 3, 16, 37])
+def test_the_candidates_plans_give_the_default_bits(n, unroll, prefetch):
+    """The candidates' plans, emulated: more splits a pass, or the first pass loaded before
+    the weights with NaN in the empty splits' partials, add the same terms in the same order
+    as the default, so out and lse are the default's bit for bit."""
+    g = torch.Generator().manual_seed(n * 7 + unroll)
+    out_p = torch.randn(n, 2, 5, 3, 64, generator=g)
+    lse_p = torch.randn(n, 2, 3, 5, generator=g) * 10
+    lse_p[1::3] = -math.inf
+    out_p[1::3] = math.nan
+    runs = []
+    for kwargs in ({}, {"unroll": unroll, "prefetch": prefetch}):
+        out = torch.full((2, 5, 3, 64), math.nan, dtype=torch.bfloat16)
+        lse = torch.full((2, 3, 5), math.nan)
+        assert (emulate_combine(out_p, lse_p, out, lse, **kwargs) == 1).all()
+        runs.append((out, lse))
+    (o0, l0), (o1, l1) = runs
+    assert not o0.isnan().any() and not l0.isnan().any()
+    assert torch.equal(o0.view(torch.int16), o1.view(torch.int16))
+    assert torch.equal(l0.view(torch.int32), l1.view(torch.int32))
 
 
 def test_the_gpu_checks_run_on_the_emulated_plan(monkeypatch):
