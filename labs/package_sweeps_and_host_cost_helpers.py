@@ -616,7 +616,8 @@ def early_over_ordinary(res, tokens: int = 1, keys: int = 8192) -> float:
 # The combine's splits in flight (Note [Splits in flight] in fa4_final.common.combine)
 
 UNROLL_ROWS = (("fa4_final_decode", "4"), ("fa4_final_decode_c8", "8"),
-               ("fa4_final_decode_c16", "16"))
+               ("fa4_final_decode_c16", "16"), ("fa4_final_decode_c4p", "4 first"),
+               ("fa4_final_decode_c16p", "16 first"))  # "first": loaded before the weights
 
 
 def combine_passes(timeline, num_sms: int = 132) -> list[tuple]:
@@ -632,7 +633,7 @@ def combine_passes(timeline, num_sms: int = 132) -> list[tuple]:
         if (r["impl"], r["s_q"], r.get("kernel"), r["metric"]) != (
                 "fa4_final_splits", 1, 1, "duration_us"):
             continue
-        splits = choose_num_splits(0, batch=r["b"], heads_kv=r["h_kv"],
+        splits = choose_num_splits(0, batch=r["b"], heads_kv=r["h_kv"],  # key tiles of 128
                                    packed_rows=r["h"] // r["h_kv"], key_tiles=r["s"] // 128,
                                    num_sms=num_sms)
         out.append((r["s"], splits, -(-splits // UNROLL),
@@ -656,7 +657,8 @@ def combine_pass_lines(timeline) -> list[str]:
 
 def unroll_groups(res) -> list[tuple]:
     """(tokens, keys, {unroll: graph row}, cuDNN row) of the replayed batch-1 shapes with more
-    than one split, the default (4 splits a pass) and the candidates (8, 16) that ran."""
+    than one split: the default (4 splits a pass) and the candidates that ran (8 or 16 a pass;
+    "first": the first pass loaded before the weights)."""
     from solutions.ch15_decoding import decode_row
 
     graph = [r for r in res.rows if r.get("mode") == "graph" and r.get("b") == 1]

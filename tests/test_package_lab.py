@@ -120,3 +120,43 @@ def test_stored_files_read():
     assert 0 < lab.varlen_over_loop(load("package_varlen")) < 10
     assert 0 < lab.memory_multiple(load("package_memory")) < 2
     assert lab.op_over_eager(load("package_host")) > 0
+
+
+def _decode_result(rows):
+    from pathlib import Path
+
+    from utils.results import Results
+    return Results("decode_combine", Path("decode_combine.json"), {}, rows)
+
+
+def test_combine_candidate_table_reads_graph_rows_with_splits():
+    """unroll_lines: per replayed batch-1 shape with splits, each candidate's step beside the
+    default and cuDNN; a shape of one split (no combine) and the back-to-back rows left out."""
+    shape = {"b": 1, "h": 32, "h_kv": 8, "d": 128, "mode": "graph"}
+    rows = [{**shape, "impl": impl, "s_q": 1, "s": 8192, "ms": ms, "spread": 0.01, "splits": 16}
+            for impl, ms in (("fa4_final_decode", 0.0142), ("fa4_final_decode_c16", 0.0125),
+                             ("fa4_final_decode_c16p", 0.0118), ("sdpa_cudnn", 0.0120))]
+    rows.append({**shape, "impl": "fa4_final_decode", "s_q": 1, "s": 256, "ms": 0.007,
+                 "spread": 0.01, "splits": 1})
+    rows.append({**shape, "impl": "fa4_final_decode", "mode": "back_to_back", "s_q": 16,
+                 "s": 8192, "ms": 0.02, "spread": 0.01, "splits": 16})
+    lines = lab.unroll_lines(_decode_result(rows))
+    assert len(lines) == 3, lines
+    assert "16 first" in lines[1]
+    cells = lines[2].split()
+    assert cells[:3] == ["1", "8192", "16"] and "14.2" in cells and "11.8" in cells, cells
+    assert cells.count("-") == 2 and cells[-2] == "12.0", cells  # c8, c4p absent; cuDNN last
+    assert lab.unroll_lines(None) == ["(no stored run of the combine's candidates)"]
+
+
+def test_combine_passes_price_one_pass_from_the_stored_timeline():
+    """combine_pass_lines: the split counts the call chooses on an H100 (4 at 1k keys, 16 at
+    8k), the default's passes over them and the per-pass difference of the two combines."""
+    shape = {"b": 1, "h": 32, "h_kv": 8, "d": 128, "s_q": 1, "impl": "fa4_final_splits",
+             "metric": "duration_us", "kernel": 1}
+    rows = [{**shape, "s": 1024, "value": 2.0}, {**shape, "s": 8192, "value": 5.0},
+            {**shape, "s": 8192, "kernel": 0, "value": 9.0}]
+    passes = lab.combine_passes(_decode_result(rows))
+    assert passes == [(1024, 4, 1, 2.0), (8192, 16, 4, 5.0)]
+    last = lab.combine_pass_lines(_decode_result(rows))[-1]
+    assert "one more pass: 1.00 us" in last and "about 2.00 us" in last, last
