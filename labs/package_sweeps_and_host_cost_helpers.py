@@ -625,19 +625,16 @@ def combine_passes(timeline, num_sms: int = 132) -> list[tuple]:
     the split count the call chooses on ``num_sms`` SMs (132: the H100 the timeline ran on) and
     the passes of the default combine (UNROLL splits a pass) over them."""
     from fa4_final.common.combine import UNROLL
-    from fa4_final.runtime.decode import choose_num_splits
-    from solutions.ch15_decoding import timeline_value
+    from fa4_final.runtime.decode_entry import _plan  # the call's own plan, remembered
 
     out = []
     for r in timeline.rows:
         if (r["impl"], r["s_q"], r.get("kernel"), r["metric"]) != (
                 "fa4_final_splits", 1, 1, "duration_us"):
             continue
-        splits = choose_num_splits(0, batch=r["b"], heads_kv=r["h_kv"],  # key tiles of 128
-                                   packed_rows=r["h"] // r["h_kv"], key_tiles=r["s"] // 128,
-                                   num_sms=num_sms)
-        out.append((r["s"], splits, -(-splits // UNROLL),
-                    timeline_value(timeline, "fa4_final_splits", 1, r["s"], 1, "duration_us")))
+        splits, _args = _plan(r["d"], r["dtype"], r["h"], r["h_kv"], r["b"], 1, r["s"], r["s"],
+                              False, False, r["causal"], False, False, 0, num_sms)
+        out.append((r["s"], splits, -(-splits // UNROLL), r["value"]))
     return sorted(out)
 
 

@@ -17,7 +17,8 @@ gap from the previous kernel's end (the first kernel's gap is from the previous 
 kernel: the replays run back to back); per step the span, first start to last end.
 
 ``--impls`` takes any row of measure.decode (its ``--variants`` rows included: the combine
-candidates of Note [Splits in flight] are fa4_final_decode_c8 and _c16).
+candidates of Note [Splits in flight] are fa4_final_decode_c8 and _c16, those of
+Note [The first splits before the weights] _c4p and _c16p).
 
 Rows (utils.results): ``impl`` (by default fa4_final_splits, sdpa_cudnn), ``s_q``, ``s`` (keys), the
 attention keys of measure.decode (b = 1, 32 query heads over 8 KV heads, D = 128, bf16),

@@ -152,8 +152,8 @@ def test_combine_candidate_table_reads_graph_rows_with_splits():
 def test_combine_passes_price_one_pass_from_the_stored_timeline():
     """combine_pass_lines: the split counts the call chooses on an H100 (4 at 1k keys, 16 at
     8k), the default's passes over them and the per-pass difference of the two combines."""
-    shape = {"b": 1, "h": 32, "h_kv": 8, "d": 128, "s_q": 1, "impl": "fa4_final_splits",
-             "metric": "duration_us", "kernel": 1}
+    shape = {"b": 1, "h": 32, "h_kv": 8, "d": 128, "dtype": "bf16", "causal": False, "s_q": 1,
+             "impl": "fa4_final_splits", "metric": "duration_us", "kernel": 1}
     rows = [{**shape, "s": 1024, "value": 2.0}, {**shape, "s": 8192, "value": 5.0},
             {**shape, "s": 8192, "kernel": 0, "value": 9.0}]
     passes = lab.combine_passes(_decode_result(rows))
