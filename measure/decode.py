@@ -108,6 +108,17 @@ PRODUCES = [
      "fa4_final_splits fa4_final_paged_splits fa4_final_decode sdpa_cudnn sdpa_flash fa4_package "
      "--deadline 90", "an H100 visit: the batch-1 calls with Note [A repeated decode call] "
      "listed (then pending), back to back and replayed, beside the peers"),
+    ("results/h100/decode_combine.json", "python -m measure.decode --name decode_combine "
+     "--dims 128 --batch 1 --tokens 1 16 --keys 1024 8192 131072 --heads 32/8 --modes graph "
+     "back_to_back --variants c8 c16 c4p c16p --no-keys-on-m --rows fa4_final_splits "
+     "fa4_final_decode fa4_final_decode_c8 fa4_final_decode_c16 fa4_final_decode_c4p "
+     "fa4_final_decode_c16p sdpa_cudnn sdpa_flash fa4_package --deadline 280",
+     "an H100 visit: the combine's candidates at batch 1 (Note [Splits in flight], Note [The "
+     "first splits before the weights]) beside the call and the peers. In this file the call "
+     "(fa4_final_decode, fa4_final_splits) runs the plain combine, 4 splits a pass, nothing "
+     "loaded early: its rows carry no unroll field; this run chose Note [Which combine a call "
+     "runs]. The candidates' rows call the combine's plan directly (no layout checks), so only "
+     "the graph rows compare them with the call"),
     ("results/h100/decode_b128_variants.json", "python -m measure.decode --name "
      "decode_b128_variants --dims 128 --batch 128 --tokens 1 16 --keys 8192 131072 --heads 32/8 "
      "--variants n128s2 n128s2b32 n64s3b32 --no-keys-on-m --rows ... --deadline 355",
@@ -242,18 +253,20 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 #   c8, c16: the default config and splits, its combine loading 8 (16) splits' partials
 #          together instead of 4 (Note [Splits in flight] in fa4_final.common.combine): the
 #          combine's latency at batch 1, where it has few rows
-#   c4p, c16p: c4 (the default) and c16 with the first pass's partials loaded before the
+#   c4p, c16p: 4 and 16 splits a pass with the first pass's partials loaded before the
 #          weights (Note [The first splits before the weights]): the lse and the partials'
-#          round trips overlapped
+#          round trips overlapped; the call runs one of them (Note [Which combine a call runs])
+#   c4:    the plain combine (4 a pass, nothing loaded early), for comparison
 VARIANTS = {"n64s3": (64, 3, 1, 1, 1, None), "n64s4": (64, 4, 1, 1, 1, None),
             "n128s2": (128, 2, 1, 1, 1, None), "split2": (128, 3, 2, 1, 1, None),
             "wg2": (128, 3, 1, 2, 1, None), "pair": (128, 3, 1, 2, 2, None),
             "b32": (128, 3, 1, 1, 1, 32), "b16": (128, 3, 1, 1, 1, 16),
             "wg2b32": (128, 3, 1, 2, 1, 32), "onebox": (128, 3, 1, 1, 1, None),
             "n128s2b32": (128, 2, 1, 1, 1, 32), "n64s3b32": (64, 3, 1, 1, 1, 32),
-            "pdl": None, "c8": None, "c16": None, "c4p": None, "c16p": None}
+            "pdl": None, "c4": None, "c8": None, "c16": None, "c4p": None, "c16p": None}
 # the variants that change only the combine (None above): combine_recipe's keywords
-COMBINE_VARIANTS = {"pdl": {"pdl": True}, "c8": {"unroll": 8}, "c16": {"unroll": 16},
+COMBINE_VARIANTS = {"pdl": {"pdl": True}, "c4": {"unroll": 4}, "c8": {"unroll": 8},
+                    "c16": {"unroll": 16},
                     "c4p": {"unroll": 4, "prefetch": True},
                     "c16p": {"unroll": 16, "prefetch": True}}
 OURS = ("fa4_final", "fa4_final_paged", "fa4_final_splits", "fa4_final_paged_splits",
@@ -326,7 +339,7 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     fields: its split count, max |difference| to SDPA flash on the same logical cache, and
     whether paged equals contiguous bit for bit (the contiguous kernel run on the cache in table
     order does the same arithmetic in the same order)."""
-    from fa4_final.common.combine import UNROLL, combine_recipe
+    from fa4_final.common.combine import UNROLL, combine_choice, combine_recipe
     from fa4_final.hopper.config import (
         hopper_decode_contiguous,
         hopper_decode_for_page,
@@ -381,6 +394,9 @@ def _kernel_calls(shape, q, k, v, k_cache, v_cache, table, used, requested_split
     paged = calls["fa4_final_decode_paged"]().clone()
     extra = {"fa4_final_decode": {"splits": splits, "max_diff": float(
         (contiguous - sdpa(q, k, v)[0].float()).abs().max())}}
+    if splits > 1:  # the combine the call runs (Note [Which combine a call runs])
+        unroll, prefetch = combine_choice(splits)
+        extra["fa4_final_decode"].update(unroll=unroll, prefetch=prefetch)
     # the cache in table order is a second copy of it; where it does not fit beside the first,
     # the paged row is still timed, unchecked, and the keys-on-M rows (which need it) say why
     no_copy = (None if _second_copy_fits(k, v)

@@ -38,7 +38,13 @@ SHAPES = ((1, 1024), (1, 8192), (16, 8192))  # (query tokens, cached keys) at ba
 IMPLS = ("fa4_final_splits", "sdpa_cudnn")
 PRODUCES = [("results/h100/decode_timeline.json", "python -m measure.decode_timeline",
              "an H100 visit: batch-1 decode steps replayed from CUDA graphs, each kernel's "
-             "duration and the gaps between kernels, fa4_final's call beside cuDNN's")]
+             "duration and the gaps between kernels, fa4_final's call beside cuDNN's"),
+            ("results/h100/decode_timeline_combine.json", "python -m measure.decode_timeline "
+             "--name decode_timeline_combine --impls fa4_final_decode fa4_final_decode_c8 "
+             "fa4_final_decode_c16 fa4_final_decode_c16p sdpa_cudnn", "an H100 visit: the same "
+             "timeline with the combine's candidates (8 and 16 splits a pass, 16 with the "
+             "first pass loaded early); fa4_final_decode there runs the plain combine (4 a "
+             "pass), the one the call ran when this was measured")]
 
 
 def steps(kernels: list[tuple], reps: int) -> list[list[tuple]]:

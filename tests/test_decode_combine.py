@@ -319,6 +319,18 @@ def test_the_candidates_plans_give_the_default_bits(n, unroll, prefetch):
     assert torch.equal(l0.view(torch.int32), l1.view(torch.int32))
 
 
+def test_the_calls_combine_is_one_pass_up_to_16_splits_with_the_first_loaded_early():
+    """Note [Which combine a call runs]: 4 a pass up to 4 splits, 16 beyond, the first pass
+    always loaded before the weights; every choice a plan the combine builds, and its
+    emulation the plain combine's bits (test_the_candidates_plans_give_the_default_bits)."""
+    from fa4_final.common.combine import UNROLLS, combine_choice
+
+    got = {n: combine_choice(n) for n in (1, 2, 4, 5, 8, 16, 17, 128)}
+    assert got == {1: (4, True), 2: (4, True), 4: (4, True), 5: (16, True), 8: (16, True),
+                   16: (16, True), 17: (16, True), 128: (16, True)}
+    assert all(u in UNROLLS and MAX_SPLITS % u == 0 for u, _p in got.values())
+
+
 def test_the_gpu_checks_run_on_the_emulated_plan(monkeypatch):
     """tests/gpu/test_decode_combine.py's cases and checks, run with the plan's emulation in
     place of the kernel and the CPU in place of the GPU: the harness itself (partials, guards,
@@ -515,8 +527,9 @@ def test_more_than_max_splits_refused():
 
 def test_launch_glue_with_a_recording_kernel(monkeypatch):
     """combine_splits on CPU tensors with the compile path replaced: the recipe it asks for
-    (head dim, dtype, target), the dense layout it hands the kernel (varlen as a batch of one,
-    the same storage), and no launch for an empty problem."""
+    (head dim, dtype, target, and the combine_choice of its split count: Note [Which combine
+    a call runs]), the dense layout it hands the kernel (varlen as a batch of one, the same
+    storage), and no launch for an empty problem."""
     from fa4_final.runtime import compile as compile_path
     from fa4_final.runtime.compile import Plan
     from fa4_final.runtime.decode import combine_splits
@@ -530,16 +543,20 @@ def test_launch_glue_with_a_recording_kernel(monkeypatch):
     monkeypatch.setattr(compile_path, "compiled", compiled)
     op, lp, out, lse = _dense(n=4, dv=64, dtype=torch.float16)
     assert combine_splits(op, lp, out, lse, target="sm_90a") == (out, lse)
-    assert calls[0] == ("recipe", "combine_recipe", (64, "fp16", "sm_90a"))
+    assert calls[0] == ("recipe", "combine_recipe", (64, "fp16", "sm_90a", False, 4, True))
     assert [t.shape for t in calls[1][1]] == [op.shape, lp.shape, out.shape, lse.shape]
     calls.clear()
     op, lp, out, lse = _varlen(n=2, total_q=9, h=4, dv=64)
     combine_splits(op, lp, out, lse, target="sm_100a")
-    assert calls[0][2] == (64, "fp16", "sm_100a")
+    assert calls[0][2] == (64, "fp16", "sm_100a", False, 4, True)
     got = calls[1][1]
     assert [tuple(t.shape) for t in got] == [(2, 1, 9, 4, 64), (2, 1, 4, 9), (1, 9, 4, 64),
                                              (1, 4, 9)]
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(got, (op, lp, out, lse)))
+    calls.clear()
+    op, lp, out, lse = _dense(n=5, dv=128, dtype=torch.bfloat16)
+    combine_splits(op, lp, out, lse, target="sm_90a")  # more than 4 splits: 16 a pass
+    assert calls[0][2] == (128, "bf16", "sm_90a", False, 16, True)
     calls.clear()
     op, lp, out, lse = _dense(n=2, b=0)
     combine_splits(op, lp, out, lse, target="sm_90a")

@@ -55,24 +55,33 @@ was NaN, the row's out and lse are NaN (a multiply and an add by a factor 1 or N
 Note [Splits in flight]
 Each pass of the out loop waits for its loads, so a row of n splits costs about n / unroll
 load latencies one after another, on top of the lse pass. At batch 1 the combine has few rows
-(32 at one token and GQA 4: four CTAs). Measured on an H100, kernel by kernel in a batch-1
-step replayed from a graph: at 16 splits this combine takes longer than cuDNN's reduction
-kernel, and that difference is most of what the step trails cuDNN by. A hypothesis, not yet
-measured: with so few rows the combine's time is those latencies, not bandwidth, and a larger
-``unroll`` (8 or 16: 16 or 32 loads of 16 bytes in flight a lane, 64 or 128 registers of
-partials) shortens it by walking 16 splits in two passes or one. A candidate
-(``combine_recipe(..., unroll=8)``), measured beside the default before it becomes one.
+(32 at one token and GQA 4: four CTAs), and its time is those latencies, not bandwidth. A
+larger ``unroll`` (8 or 16: 16 or 32 loads of 16 bytes in flight a lane, 64 or 128 registers
+of partials) walks 16 splits in two passes or one. The next Note overlaps the lse's round
+trip with the first pass's, and Note [Which combine a call runs] says which the package runs.
 
 Note [The first splits before the weights]
-A candidate, not the default (``prefetch=True``), on the hypothesis of
-Note [Splits in flight]: even at one pass the combine waits for two round trips to memory, the
-lse values and then the partials, since the weights decide which partials to load. It loads
-the first ``unroll`` splits' partials (those below num_splits) before it reads an lse, so both
+Even at one pass the combine waits for two round trips to memory, the lse values and then the
+partials, since the weights decide which partials to load. With ``prefetch=True`` it loads the
+first ``unroll`` splits' partials (those below num_splits) before it reads an lse, so both
 round trips are in flight together; at 16 splits and ``unroll=16`` the whole combine is then
 one. The weights still decide what is added: a loaded partial whose weight is 0 is replaced by
 zeros before the add (a NaN there never reaches out), so the sum, in the same split order, is
-the default's bit for bit. The price: the first pass reads the partials of empty splits too,
-bytes the default skips (a split kernel writes every split's partial, an empty one as zeros).
+the plain combine's bit for bit. The price: the first pass reads the partials of empty splits
+too, bytes the plain combine skips (a split kernel writes every split's partial, an empty one
+as zeros).
+
+Note [Which combine a call runs]
+The package's calls (combine_choice) load the first pass early (prefetch) and take ``unroll``
+4 for at most 4 splits, 16 for more: one pass up to 16 splits. Measured on an H100 in one run
+(batch 1, GQA 32/8, D = 128, steps replayed from CUDA graphs; the plain combine, 8 and 16
+plain, 4 and 16 early): at 1k keys (4 splits) 4 early gave the fastest step, at 8k and 128k
+keys (16 and 128 splits) 16 early did or was within the spread of the fastest, and at 8k keys
+and one token the combine kernel alone took about 3.1 us where the plain one took 5.3. At 4
+splits 16 early loads no more partials than 4 early (only splits below num_splits) and was
+still slower; a hypothesis: its 168 registers a thread against 64, and 16 weights read a pass.
+8 early was not measured, so 5 to 8 splits take 16. The bits do not depend on the choice
+(Note [The first splits before the weights]).
 
 Note [The combine launches early]
 A candidate, not the default (``pdl=True``): the combine launched as a programmatic dependent of
@@ -114,8 +123,8 @@ from fa4_final.common.recipe import Recipe, fake_stream, fake_tensor
 MAX_SPLITS = 128  # Note [Combine order]
 THREADS = 128
 ELEMS_PER_LANE = 8  # columns a lane owns: 2 x 16 B of float32 in, 16 B of bf16/fp16 out
-UNROLL = 4  # splits whose partials are loaded together (Note [Splits in flight])
-UNROLLS = (4, 8, 16)
+UNROLL = 4  # the recipe's default: splits whose partials are loaded together
+UNROLLS = (4, 8, 16)  # Note [Splits in flight]
 W_PAD = 4  # floats of padding per weight row: row r starts 4 r banks further (no conflicts)
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -270,6 +279,12 @@ class SplitCombine:
             rO.store((acc.load() * poison).to(self.dtype))
             gO = cute.local_tile(mO[b, q, h, None], (ELEMS_PER_LANE,), (lane,))
             cute.autovec_copy(rO, gO)
+
+
+def combine_choice(num_splits: int) -> tuple[int, bool]:
+    """(unroll, prefetch) of the combine the package launches for ``num_splits`` splits
+    (Note [Which combine a call runs])."""
+    return (UNROLL if num_splits <= UNROLL else 16), True
 
 
 def fake_combine_args(dtype_name: str, head_dim: int) -> tuple:

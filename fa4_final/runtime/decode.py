@@ -442,12 +442,13 @@ def _dense_layout(out_partial, lse_partial, out, lse) -> tuple:
 
 
 def _launch_combine(out_partial, lse_partial, out, lse, target: str) -> None:
-    """The combine's compiled kernel for ``out``'s dv and dtype on ``target``, launched on
-    tensors in the dense layout."""
-    from fa4_final.common.combine import combine_recipe
+    """The combine's compiled kernel for ``out``'s dv and dtype on ``target`` and for the
+    split count (Note [Which combine a call runs]), launched on tensors in the dense layout."""
+    from fa4_final.common.combine import combine_choice, combine_recipe
     from fa4_final.runtime.compile import compiled
 
-    plan = compiled(combine_recipe, out.shape[-1], DTYPE_NAMES[out.dtype], target)
+    plan = compiled(combine_recipe, out.shape[-1], DTYPE_NAMES[out.dtype], target, False,
+                    *combine_choice(out_partial.shape[0]))
     plan.kernels["main"](out_partial, lse_partial, out, lse)
 
 

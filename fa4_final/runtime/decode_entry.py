@@ -61,7 +61,7 @@ from typing import NamedTuple
 
 import torch
 
-from fa4_final.common.combine import combine_recipe
+from fa4_final.common.combine import combine_choice, combine_recipe
 from fa4_final.common.constants import DTYPE_NAMES, HEAD_DIMS, TORCH_TO_CUTLASS, WGMMA_M
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.hopper import host as hopper_host
@@ -456,7 +456,8 @@ def resolve(q, k, page_table, seqused_k, scale: float, causal: bool, left,
                                     num_splits, num_sms(q.device))
     combine = None
     if splits > 1:
-        combine = compiled(combine_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], backend.target)
+        combine = compiled(combine_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], backend.target,
+                           False, *combine_choice(splits))
     return Planned(compiled(decode_recipe, *args), splits, scale, left, backend.target, combine)
 
 
