@@ -615,15 +615,23 @@ def early_over_ordinary(res, tokens: int = 1, keys: int = 8192) -> float:
 # ---------------------------------------------------------------------------------------------
 # The combine's splits in flight (Note [Splits in flight] in fa4_final.common.combine)
 
-UNROLL_ROWS = (("fa4_final_decode", "4"), ("fa4_final_decode_c8", "8"),
+UNROLL_ROWS = (("fa4_final_decode_c4", "4"), ("fa4_final_decode_c8", "8"),
                ("fa4_final_decode_c16", "16"), ("fa4_final_decode_c4p", "4 first"),
                ("fa4_final_decode_c16p", "16 first"))  # "first": loaded before the weights
+UNROLL_LABELS = tuple(label for _impl, label in UNROLL_ROWS)
+
+
+def combine_label(row) -> str:
+    """The combine a row of measure.decode ran, as UNROLL_ROWS names it: from its unroll and
+    prefetch fields; a row without them ran the recipe's default (4 a pass, nothing early)."""
+    return f"{row.get('unroll', 4)}{' first' if row.get('prefetch') else ''}"
 
 
 def combine_passes(timeline, num_sms: int = 132) -> list[tuple]:
     """(keys, splits, passes, combine us) of the one-token batch-1 steps in a stored timeline:
     the split count the call chooses on ``num_sms`` SMs (132: the H100 the timeline ran on) and
-    the passes of the default combine (UNROLL splits a pass) over them."""
+    the passes of the plain combine (UNROLL splits a pass, the one that timeline ran) over
+    them."""
     from fa4_final.common.combine import UNROLL
     from fa4_final.runtime.decode_entry import _plan  # the call's own plan, remembered
 
@@ -642,7 +650,7 @@ def combine_pass_lines(timeline) -> list[str]:
     """The arithmetic of the latency hypothesis: what one more pass of the combine costs, and
     the combine it predicts at one pass for the key count with the most splits."""
     rows = combine_passes(timeline)
-    lines = [f"  {k:6d} keys: {n:2d} splits, {p} pass(es) of the default combine, {us:.2f} us"
+    lines = [f"  {k:6d} keys: {n:2d} splits, {p} pass(es) of the plain combine, {us:.2f} us"
              for k, n, p, us in rows]
     (_k0, _n0, p0, us0), (k1, _n1, p1, us1) = rows[0], rows[-1]
     if p1 > p0:
@@ -653,22 +661,27 @@ def combine_pass_lines(timeline) -> list[str]:
 
 
 def unroll_groups(res) -> list[tuple]:
-    """(tokens, keys, {unroll: graph row}, cuDNN row) of the replayed batch-1 shapes with more
-    than one split: the default (4 splits a pass) and the candidates that ran (8 or 16 a pass;
-    "first": the first pass loaded before the weights)."""
+    """(tokens, keys, {label: graph row}, cuDNN row, the call's label) of the replayed batch-1
+    shapes with more than one split: the combines that ran, labelled by combine_label (4, 8 or
+    16 splits a pass; "first": the first pass loaded before the weights). The call's own row
+    (fa4_final_decode) fills its label where no candidate row has it."""
     from solutions.ch15_decoding import decode_row
 
     graph = [r for r in res.rows if r.get("mode") == "graph" and r.get("b") == 1]
     out = []
     for t, k in sorted({(r["s_q"], r["s"]) for r in graph}):
         got = {}
-        for impl, unroll in UNROLL_ROWS:
+        for impl, label in UNROLL_ROWS:
             r = decode_row(res, impl, "graph", b=1, s_q=t, s=k)
             if r and r.get("ms"):
-                got[unroll] = r
+                got[label] = r
+        call = decode_row(res, "fa4_final_decode", "graph", b=1, s_q=t, s=k)
+        if not (call and call.get("ms") and call.get("splits", 1) > 1):
+            continue
+        got.setdefault(combine_label(call), call)
         cudnn = decode_row(res, "sdpa_cudnn", "graph", b=1, s_q=t, s=k)
-        if "4" in got and got["4"].get("splits", 1) > 1:
-            out.append((t, k, got, cudnn if cudnn and cudnn.get("ms") else None))
+        out.append((t, k, got, cudnn if cudnn and cudnn.get("ms") else None,
+                    combine_label(call)))
     return out
 
 
@@ -676,14 +689,61 @@ def unroll_lines(res) -> list[str]:
     if res is None:
         return ["(no stored run of the combine's candidates)"]
     lines = ["replayed from a CUDA graph, batch 1, microseconds per step (spread); splits a "
-             "pass:", f"  {'tokens':>6} {'keys':>7} {'splits':>6} "
-             + " ".join(f"{u:>13}" for _i, u in UNROLL_ROWS) + f" {'cuDNN':>13}"]
-    for t, k, got, c in unroll_groups(res):
-        cells = [f"{got[u]['ms'] * 1e3:6.1f} ({100 * got[u]['spread']:3.1f}%)" if u in got
-                 else f"{'-':>13}" for _i, u in UNROLL_ROWS]
+             "pass (* the call's combine in this run, + the package's choice now):",
+             f"  {'tokens':>6} {'keys':>7} {'splits':>6} "
+             + " ".join(f"{u:>14}" for u in UNROLL_LABELS) + f" {'cuDNN':>13}"]
+    for t, k, got, c, call in unroll_groups(res):
+        splits = next(iter(got.values()))["splits"]
+        chosen = choice_label(splits)
+
+        def cell(u):
+            if u not in got:
+                return f"{'-':>14}"
+            mark = ("*" if u == call else "") + ("+" if u == chosen else "")
+            return f"{got[u]['ms'] * 1e3:6.1f} ({100 * got[u]['spread']:3.1f}%){mark:<2}"[-14:]
         cud = f"{c['ms'] * 1e3:6.1f} ({100 * c['spread']:3.1f}%)" if c else f"{'-':>13}"
-        lines.append(f"  {t:6d} {k:7d} {got['4']['splits']:6d} " + " ".join(cells) + f" {cud}")
+        lines.append(f"  {t:6d} {k:7d} {splits:6d} " + " ".join(cell(u) for u in UNROLL_LABELS)
+                     + f" {cud}")
     return lines
+
+
+def choice_label(splits: int) -> str:
+    """The package's combine for ``splits`` splits (combine_choice), as combine_label names it."""
+    from fa4_final.common.combine import combine_choice
+
+    unroll, prefetch = combine_choice(splits)
+    return combine_label({"unroll": unroll, "prefetch": prefetch})
+
+
+@claim("lab13.combine_choice_fastest", "decode_combine",
+       "replayed at batch 1, the combine the package chooses for the split count gives the "
+       "fastest step of the combines measured, or one within the spread of the fastest, at "
+       "every shape", gpu="h100")
+def _(res):
+    notes, ok = [], True
+    groups = unroll_groups(res)
+    for t, k, got, _c, _call in groups:
+        mine = got.get(choice_label(next(iter(got.values()))["splits"]))
+        best = min(got.values(), key=lambda r: r["ms"])
+        cmp_ = bench.compare(mine, best) if mine else None
+        good = cmp_ is not None and (mine is best or cmp_.verdict != "slower")
+        ok = ok and good
+        notes.append(f"t{t} k{k} chosen against the fastest: {cmp_}")
+    return ok and bool(groups), "; ".join(notes)
+
+
+@claim("lab13.combine_one_pass_faster", "decode_timeline_combine",
+       "kernel by kernel, one token with 8k keys, the combine with 16 splits a pass and the "
+       "first pass loaded early takes less time than the plain combine, closing most of the "
+       "difference to cuDNN's reduction kernel but not all of it", gpu="h100")
+def _(res):
+    d = {r["impl"]: r["value"] for r in res.rows
+         if (r.get("kernel"), r["metric"], r["s_q"], r["s"]) == (1, "duration_us", 1, 8192)}
+    early, plain, cudnn = (d.get(i) for i in ("fa4_final_decode_c16p", "fa4_final_decode",
+                                              "sdpa_cudnn"))
+    ok = None not in (early, plain, cudnn) and cudnn < early < plain and (
+        plain - early > early - cudnn)
+    return ok, f"8k keys, one token: early 16 {early} us, plain {plain} us, cuDNN {cudnn} us"
 
 
 @claim("lab13.early_launch_no_gain", "decode_pdl",
