@@ -689,22 +689,23 @@ def unroll_lines(res) -> list[str]:
     if res is None:
         return ["(no stored run of the combine's candidates)"]
     lines = ["replayed from a CUDA graph, batch 1, microseconds per step (spread); splits a "
-             "pass (* the call's combine in this run, + the package's choice now):",
+             "pass (* the call's combine in this run, + the package's choice):",
              f"  {'tokens':>6} {'keys':>7} {'splits':>6} "
              + " ".join(f"{u:>14}" for u in UNROLL_LABELS) + f" {'cuDNN':>13}"]
     for t, k, got, c, call in unroll_groups(res):
         splits = next(iter(got.values()))["splits"]
         chosen = choice_label(splits)
-
-        def cell(u):
-            if u not in got:
-                return f"{'-':>14}"
-            mark = ("*" if u == call else "") + ("+" if u == chosen else "")
-            return f"{got[u]['ms'] * 1e3:6.1f} ({100 * got[u]['spread']:3.1f}%){mark:<2}"[-14:]
+        cells = [_unroll_cell(got.get(u), ("*" if u == call else "")
+                              + ("+" if u == chosen else "")) for u in UNROLL_LABELS]
         cud = f"{c['ms'] * 1e3:6.1f} ({100 * c['spread']:3.1f}%)" if c else f"{'-':>13}"
-        lines.append(f"  {t:6d} {k:7d} {splits:6d} " + " ".join(cell(u) for u in UNROLL_LABELS)
-                     + f" {cud}")
+        lines.append(f"  {t:6d} {k:7d} {splits:6d} " + " ".join(cells) + f" {cud}")
     return lines
+
+
+def _unroll_cell(row, mark: str) -> str:
+    if row is None:
+        return f"{'-':>14}"
+    return f"{row['ms'] * 1e3:6.1f} ({100 * row['spread']:3.1f}%){mark:<2}"[-14:]
 
 
 def choice_label(splits: int) -> str:

@@ -151,6 +151,17 @@ CANDIDATES = {
     "fa4_final_det_overlap": {"dq_buffers": 2, "dq_adds_overlap": True},
     "fa4_final_det_overlap64": {"dq_buffers": 2, "dq_adds_overlap": True, "tile_m": 64,
                                 "dq_swap_ab": False},
+    # the overlapped two-buffer kernel with accumulator copies (first stores): turns only among
+    # the key tiles of one copy, two adds in flight (Note [dQ copies] in
+    # fa4_final.common.bwd_tiles); _64 at D = 128 not causal, the tile two buffers need
+    "fa4_final_det_c2_overlap": {"dq_buffers": 2, "dq_adds_overlap": True, "dq_copies": 2,
+                                 "dq_first_store": True},
+    "fa4_final_det_c4_overlap": {"dq_buffers": 2, "dq_adds_overlap": True, "dq_copies": 4,
+                                 "dq_first_store": True},
+    "fa4_final_det_c2_overlap64": {"dq_buffers": 2, "dq_adds_overlap": True, "dq_copies": 2,
+                                   "dq_first_store": True, "tile_m": 64, "dq_swap_ab": False},
+    "fa4_final_det_c4_overlap64": {"dq_buffers": 2, "dq_adds_overlap": True, "dq_copies": 4,
+                                   "dq_first_store": True, "tile_m": 64, "dq_swap_ab": False},
     # every MMA thread releases a Q or dO stage (HopperBwdConfig.release_every_thread,
     # Note [Release after the warp's reads]), in the default mode and the deterministic one:
     # timed against the one-lane release while that was the default

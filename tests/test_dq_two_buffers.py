@@ -34,7 +34,6 @@ def test_two_dq_buffers_at_d128_not_causal_need_the_causal_tile():
 
 @pytest.mark.parametrize("bad,match", [
     ({"deterministic": False}, "deterministic=True"),
-    ({"dq_copies": 2}, "dq_copies=1"),
     ({"dq_early_release": True}, "dq_early_release=False"),
     ({"stages_q": 1, "stages_ds": 1}, "even"),
     ({"dq_single_wg": True}, "dq_single_wg=True"),
@@ -126,3 +125,44 @@ def test_adds_overlap_compiles_clean_with_a_dq_warp_per_buffer(head_dim, causal,
     assert one[:len(cycle)] == cycle, one
     assert two[:2 * len(cycle)] == 2 * cycle, two
     assert not any(re.fullmatch(r"cp\.async\.bulk\.wait_group [1-9]\d*", t) for t in two), two
+
+
+# dq_copies with two buffers and a dQ warp each (Note [dQ copies] in fa4_final.common.bwd_tiles)
+
+def _turn_protocol(ptx: str) -> dict:
+    return {op: ptx.count(op) for op in ("ld.acquire.gpu", "red.release.gpu",
+                                         "cp.reduce.async.bulk", "fence.acq_rel.gpu")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim,causal,varlen", [(64, False, False), (128, False, False),
+                                                    (128, True, True)])
+def test_copies_with_two_buffers_compile_clean(head_dim, causal, varlen):
+    """Four copies with first stores on the overlapped two-buffer kernel: accepted, no spill,
+    the same registers and MMA code as one copy, the turn protocol's instructions the same in
+    number; each dQ warp's first add can be a plain bulk store (a turn-0 visitor of its copy),
+    and the copy's slab and counter come from the key tile (n mod 4: an and, no division)."""
+    from fa4_final.hopper.host import backward_recipe
+    from fa4_final.runtime.compile import artifacts as compile_artifacts
+
+    base = two_buffers(head_dim, causal, dq_adds_overlap=True)
+    if head_dim == 128 and not causal:
+        base = replace(base, tile_m=64, dq_swap_ab=False)
+    cfg = replace(base, dq_copies=4, dq_first_store=True)
+    cfg.check(head_dim)
+    arts = compile_artifacts(backward_recipe(head_dim, "bf16", causal, cfg, True,
+                                             varlen=varlen))
+    one = compile_artifacts(backward_recipe(head_dim, "bf16", causal, base, True,
+                                            varlen=varlen))["main"]
+    main = arts["main"]
+    for art in arts.values():
+        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    assert main.registers == one.registers
+    for op in ("HGMMA", "STS.128", "LDS"):
+        assert main.count(op, where="sass") == one.count(op, where="sass"), op
+    assert _turn_protocol(main.ptx) == _turn_protocol(one.ptx)
+    stores = re.findall(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group(?!\.)", main.ptx)
+    assert len(stores) >= 2, "no plain bulk store for a copy's first visitor"
+    def divisions(art):
+        return len(re.findall(r"\b(?:div|rem)\.(?:s|u)32", art.ptx))
+    assert divisions(main) == divisions(one), "a division in the copy's index"

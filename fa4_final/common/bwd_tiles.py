@@ -244,6 +244,17 @@ def rotated_turn(n_block, m_block, num_m, num_n_blocks):
 # so garbage, NaN included, never enters the sum. The sum order is unchanged (copy 0 first),
 # and the values equal the zeroing build's (0 + x = x; a zero's sign may differ). Reached
 # through config= only, like the other two knobs.
+# The copies on the overlapped two-buffer kernel (dq_buffers = 2, dq_adds_overlap: two dQ
+# warps, step s on warp s % 2): each warp indexes the slab and counter m * C + n % C and waits
+# for turn // C, as the one-buffer warp does, so each copy receives the same adds in the same
+# order and every gradient must equal the one-buffer kernel's with the same copies. Why the
+# two together: the two warps keep two adds in flight, but with one copy each add still waits
+# for the key tile below it, which reaches m in step with it on a walk without a mask window,
+# so a chain of N adds at m sets the pace whenever an add's round trip outlasts a step; C
+# copies cut the chain to N / C and leave C - 1 steps between the visitors of a copy. A
+# hypothesis from that chain's arithmetic, not yet run on a GPU (compiled and checked on the
+# CPU: no spill, the one-copy build's registers and turn protocol). The price: C accumulators
+# of memory, and bwd_post reads every visited copy.
 
 
 def dq_copy_turn(w: TileWindow, n_block, m_block, num_n_blocks, seqlen_q, seqlen_k,

@@ -1198,21 +1198,27 @@ class HopperBackward:
                         num_n_blocks, b, seqlen_q, seqlen_k, window_left, window_right, work):
         """One step of a dQ warp under dq_buffers = 2: wait for the query tile's turn and for
         buffer ``buf`` (0 or 1) to be full, add its chunks, wait for the adds to complete, pass
-        the turn, and hand the buffer back if step s + 2 writes it."""
+        the turn, and hand the buffer back if step s + 2 writes it. With dq_copies the step
+        adds into its key tile's copy and takes turns among that copy's visitors only
+        (Note [dQ copies] in fa4_final.common.bwd_tiles), as store_dq does."""
         lane = cute.arch.lane_idx()
         wgs = self.dq_warpgroups
         handshake = THREADS_PER_WARPGROUP + WARP_SIZE
         slab = self.tile_m * self.head_dim  # floats of one buffer and of one query tile
         turn = self.turn(n_block, m_block, num_n_blocks, seqlen_q, seqlen_k, window_left,
                          window_right, work)
-        turn_ptr = mTurn[None, head, b].iterator + m_pad
+        at = m_pad  # the accumulator slab and turn counter of this step
+        if const_expr(self.cfg.dq_copies > 1):
+            at = m_pad * self.cfg.dq_copies + n_block % self.cfg.dq_copies
+            turn = turn // self.cfg.dq_copies
+        turn_ptr = mTurn[None, head, b].iterator + at
         if lane == 0:
             wait_turn(turn_ptr, turn)
         cute.arch.sync_warp()
         for w in cutlass.range_constexpr(wgs):
             self.dq_buffer_barrier(buf, True, w, handshake)
             if lane == 0:
-                self.issue_dq_chunk(gAcc, m_pad * slab + self.dq_at(w),
+                self.issue_dq_chunk(gAcc, at * slab + self.dq_at(w),
                                     self.dq_src(sdQ, w) + buf * slab, w, turn)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)

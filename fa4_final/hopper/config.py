@@ -261,7 +261,8 @@ class HopperBwdConfig:
     # into dQ accumulator copy n % dq_copies, turns only among the key tiles of one copy,
     # bwd_post sums the copies in a fixed order; 1 = one accumulator, the default. Checked
     # on an H100 (float64, bitwise over runs) and timed there: at D = 128 no faster than one
-    # accumulator (Note [dQ copies]), so reachable through config= only
+    # accumulator (Note [dQ copies]), so reachable through config= only; with dq_buffers = 2
+    # and dq_adds_overlap too, compiled and checked on the CPU, not yet run on a GPU
     dq_copies: int = 1
     # deterministic only: the dQ warp hands its staging buffer back once the bulk add has read
     # it, and passes the turn when the add has completed (Note [dQ copies])
@@ -458,15 +459,14 @@ class HopperBwdConfig:
         if isinstance(nb, bool) or nb not in (1, 2):
             raise ValueError(f"dq_buffers must be 1 or 2 (dQ staging buffers), got {nb!r}")
         if nb == 2 and not (self.deterministic and self.stages_q % 2 == 0
-                            and self.dq_copies == 1 and not self.dq_early_release
+                            and not self.dq_early_release
                             and not self.dq_uneven and not self.dkv_swap_ab
                             and not self.dq_single_wg):
             raise ValueError(
-                f"dq_buffers=2 is built for the deterministic mode's one dQ accumulator, a step's "
-                f"buffer being its Q stage's parity: it needs deterministic=True, an even "
-                f"stages_q, dq_copies=1, dq_early_release=False and dq_uneven, dkv_swap_ab, "
-                f"dq_single_wg False, got deterministic={self.deterministic}, "
-                f"stages_q={self.stages_q}, dq_copies={self.dq_copies}, "
+                f"dq_buffers=2 is built for the deterministic mode's dQ turns, a step's buffer "
+                f"being its Q stage's parity: it needs deterministic=True, an even stages_q, "
+                f"dq_early_release=False and dq_uneven, dkv_swap_ab, dq_single_wg False, got "
+                f"deterministic={self.deterministic}, stages_q={self.stages_q}, "
                 f"dq_early_release={self.dq_early_release}, dq_uneven={self.dq_uneven}, "
                 f"dkv_swap_ab={self.dkv_swap_ab}, dq_single_wg={self.dq_single_wg}")
         if self.dq_adds_overlap is not False and (self.dq_adds_overlap is not True or nb != 2):
