@@ -488,6 +488,18 @@ def predict_rotated(shape: Shape, L: float, jitter: float = 0.05) -> dict:
                             overlap=True).makespan / base for order in ("turns", "rotated")}
 
 
+def predict_copies_overlap(shape: Shape, L: float, jitter: float = 0.05,
+                           copies=(1, 2, 4)) -> dict:
+    """Model prices (makespan over the default's) of the overlapped two-buffer kernel (two dQ
+    warps, the deterministic default at D = 64 and 128) with ``copies`` accumulators each
+    (dq_copies, Note [dQ copies]), at the deterministic tile (_two_buffer_tile)."""
+    base = simulate(shape, "none", L=L, jitter=jitter).makespan
+    own, T = _two_buffer_tile(shape)
+    return {f"overlap copies={c}": simulate(own, "copies", T=T, L=L * T, jitter=jitter,
+                                            copies=c, buffers=2, overlap=True).makespan / base
+            for c in copies}
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -566,6 +578,28 @@ def main(argv=None) -> int:
                          "unit": "x", "d": d, "s": s, "causal": causal,
                          "L_steps": cal["L"][d], "note": note + "; at a 64-row tile a step "
                          "is assumed to take 64/80 of the default's"})
+    print("predictions with accumulator copies on the overlapped two-buffer kernel (dq_copies "
+          "with dq_buffers = 2, dq_adds_overlap, dq_first_store), main kernel and in brackets "
+          "the whole backward; to be measured:")
+    for (d, s, causal), (_, _, b, h) in sorted(measured_main().items()):
+        shape = default_shape(b, s, h, d, causal)
+        own, _T = _two_buffer_tile(shape)
+        pred = predict_copies_overlap(shape, cal["L"][d])
+        name = f"D{d} S{s} {'causal' if causal else 'dense'}"
+        cells = []
+        for order, main_price in pred.items():
+            c = int(order.split("=")[1])
+            v = visited_copies(own, c)
+            tot = total_price(phases[(d, s, causal)], main_price, c, first_store=c > 1,
+                              visited=v if c > 1 else None)
+            cells.append(f"{order} {main_price:.3f} ({tot:.3f})")
+            rows.append({"impl": order, "metric": "predicted_total_price", "value": tot,
+                         "unit": "x", "d": d, "s": s, "causal": causal, "copies": c,
+                         "main_price": main_price, "L_steps": cal["L"][d],
+                         "note": note + "; two dQ buffers, a dQ warp each, first stores with "
+                         "more than one copy; at a 64-row tile a step is assumed to take 64/80 "
+                         "of the default's"})
+        print(f"  {name:22s} " + "  ".join(cells))
     if args.save:
         from utils import results
 
