@@ -230,6 +230,9 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 #          smaller steps
 #   n128s2: the default's tile with two stages (145 KB, one CTA): fewer bytes in flight
 #   split2: the default config, twice the heuristic's split count (more CTAs at small grids)
+#   split3, split5: three and five times it: at batch 128 (no split) the 1,024 CTAs of GQA 32/8
+#          fill 7.76 waves of 132 SMs, and 5 splits would fill 38.8 (a hypothesis: the
+#          last wave's idle SMs are the 3% the call trails the FA4 package by there)
 #   wg2:   the default tile and stages with two consumer warpgroups, 128 packed rows a CTA
 #          (Note [Two consumer warpgroups]): one CTA reads each K/V tile for 128 rows where the
 #          default takes two; the split heuristic counts its CTAs at tile_m = 128. Only
@@ -259,6 +262,7 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 #   c4:    the plain combine (4 a pass, nothing loaded early), for comparison
 VARIANTS = {"n64s3": (64, 3, 1, 1, 1, None), "n64s4": (64, 4, 1, 1, 1, None),
             "n128s2": (128, 2, 1, 1, 1, None), "split2": (128, 3, 2, 1, 1, None),
+            "split3": (128, 3, 3, 1, 1, None), "split5": (128, 3, 5, 1, 1, None),
             "wg2": (128, 3, 1, 2, 1, None), "pair": (128, 3, 1, 2, 2, None),
             "b32": (128, 3, 1, 1, 1, 32), "b16": (128, 3, 1, 1, 1, 16),
             "wg2b32": (128, 3, 1, 2, 1, 32), "onebox": (128, 3, 1, 1, 1, None),
