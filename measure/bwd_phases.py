@@ -118,6 +118,14 @@ PRODUCES = [
      "an H100 visit: the rotated walk (dq_rotated, Note [A rotated walk]) beside the "
      "deterministic default and the default, D = 64 and 128, calls back to back and one call "
      "at a time after an L2 flush; it stayed an option (config=) after them"),
+    ("results/h100/bwd_phases_det_copies_overlap*.json",
+     "python -m measure.bwd_phases --rounds 5 --dims 64 --impls fa4_final "
+     "fa4_final_deterministic fa4_final_det_c2_overlap fa4_final_det_c4_overlap --name "
+     "bwd_phases_det_copies_overlap64 (128: --dims 128 with fa4_final_det_c2_overlap64 "
+     "fa4_final_det_c4_overlap64; _flush: add --flush)",
+     "an H100 visit: accumulator copies (2, 4; first stores) on the overlapped two-buffer "
+     "kernel beside the deterministic default and the default, D = 64 and 128, calls back to "
+     "back and one call at a time after an L2 flush, after their GPU tests had passed"),
 ]
 
 IMPLS = ("fa4_final", "fa4_final_deterministic", "fa4_final_det_c2", "fa4_package")

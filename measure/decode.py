@@ -119,6 +119,18 @@ PRODUCES = [
      "loaded early: its rows carry no unroll field; this run chose Note [Which combine a call "
      "runs]. The candidates' rows call the combine's plan directly (no layout checks), so only "
      "the graph rows compare them with the call"),
+    ("results/h100/decode_short_keys.json", "python -m measure.decode --name "
+     "decode_short_keys --dims 128 --batch 1 --tokens 1 16 --keys 1024 2048 --heads 32/8 "
+     "--modes graph --variants split2 n64s3 n64s4 --no-keys-on-m --rows fa4_final_decode "
+     "fa4_final_decode_split2 fa4_final_decode_n64s3 fa4_final_decode_n64s4 sdpa_cudnn "
+     "sdpa_flash fa4_package --deadline 200", "an H100 visit: batch 1 with 1k and 2k keys "
+     "replayed from graphs, the call (with Note [Which combine a call runs]) beside twice the "
+     "splits, 64-key tiles and the peers"),
+    ("results/h100/decode_b128_splits.json", "python -m measure.decode --name "
+     "decode_b128_splits --dims 128 --batch 128 --tokens 1 16 --keys 8192 --heads 32/8 --modes "
+     "back_to_back --variants split2 split3 split5 n64s3b32 --no-keys-on-m --rows ... "
+     "--deadline 250", "the same visit: batch 128, the call beside 2, 3 and 5 splits where the "
+     "heuristic makes none, 64-key tiles in boxes of 32, the FA4 package and cuDNN"),
     ("results/h100/decode_b128_variants.json", "python -m measure.decode --name "
      "decode_b128_variants --dims 128 --batch 128 --tokens 1 16 --keys 8192 131072 --heads 32/8 "
      "--variants n128s2 n128s2b32 n64s3b32 --no-keys-on-m --rows ... --deadline 355",
