@@ -532,6 +532,23 @@ def hopper_bwd_default(head_dim: int, causal: bool = False,
     return HopperBwdConfig(tile_m=80, dq_swap_ab=True)
 
 
+def hopper_bwd_det_copies(head_dim: int, masked: bool,
+                          head_dim_v: int | None = None) -> HopperBwdConfig | None:
+    """The deterministic backward with accumulator copies on the overlapped two-buffer kernel
+    (Note [dQ copies] in fa4_final.common.bwd_tiles), first stores: D = 64 four copies on a
+    walk without a mask window, two with one; D = 128 two without a mask window. None where
+    the deterministic default stays (D = 128 with a mask window, other head dims, dv != D).
+    Chosen by one H100 run of the candidates (calls back to back and after an L2 flush); a
+    call reaches it only past the gate (det_copies, Note [Pending features])."""
+    if head_dim not in (64, 128) or head_dim_v not in (None, head_dim):
+        return None
+    if head_dim == 128 and masked:
+        return None
+    copies = 4 if head_dim == 64 and not masked else 2
+    return replace(hopper_bwd_default(head_dim, masked, True), dq_copies=copies,
+                   dq_first_store=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # The Hopper decode forward (fa4_final.hopper.decode)
 

@@ -39,6 +39,7 @@ from fa4_final.hopper.config import (
     HopperDecodeConfig,
     HopperFwdConfig,
     hopper_bwd_default,
+    hopper_bwd_det_copies,
     hopper_bwd_softcap,
     hopper_decode_default,
     hopper_fwd_default,
@@ -336,6 +337,13 @@ def timeline_buffer(device, cfg: HopperFwdConfig) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------
 # the backward
+
+
+def det_copies_config(head_dim: int, masked: bool,
+                      head_dim_v: int | None = None) -> HopperBwdConfig | None:
+    """The deterministic config with accumulator copies for a call's shape
+    (hopper_bwd_det_copies), or None where the deterministic default stays."""
+    return hopper_bwd_det_copies(head_dim, masked, head_dim_v)
 
 
 def backward_config(head_dim: int, causal: bool, deterministic: bool,

@@ -35,6 +35,7 @@ from fa4_final.common.constants import (
 from fa4_final.common.errors import UnsupportedError
 from fa4_final.hopper import host as hopper_host
 from fa4_final.runtime.compile import compiled
+from fa4_final.runtime.pending import listed
 
 START, END = "<!-- support:start -->", "<!-- support:end -->"
 
@@ -136,6 +137,7 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
     def backward(q, k, v, out, lse, dout, dq, dk, dv, causal, scale, left, right,
                  deterministic=False, config=None, softcap=0.0, dlse=None):
         extra = bwd_extra(softcap, dlse, None, q, v)
+        config = det_copies(host, q, v, causal, left, right, deterministic, config, softcap)
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
                         False, False, *extra)
@@ -160,6 +162,7 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
                         deterministic=False, config=None, softcap=0.0, dlse=None,
                         seqused_q=None):
         extra = bwd_extra(softcap, dlse, seqused_q, q, v)
+        config = det_copies(host, q, v, causal, left, right, deterministic, config, softcap)
         plan = compiled(host.backward_recipe, q.shape[-1], DTYPE_NAMES[q.dtype], causal, config,
                         deterministic, left is not None, right is not None and not causal,
                         True, seqused_k is not None, *extra)
@@ -173,6 +176,21 @@ def runners(host: ModuleType, features: tuple[str, ...] = ()) -> dict:
             "varlen_forward": varlen_forward if hasattr(host, "launch_varlen_forward") else None,
             "varlen_backward": varlen_backward if hasattr(host, "launch_varlen_backward")
             else None}
+
+
+def det_copies(host, q, v, causal, left, right, deterministic, config, softcap):
+    """``config``, or for a deterministic call with none (and no softcap: its builds have a
+    config of their own) the host's config with accumulator copies where it has one, once
+    the gate lets det_copies through (Note [Pending features]; Note [dQ copies] in
+    fa4_final.common.bwd_tiles). A walk with any window side or a causal diagonal counts as
+    masked."""
+    if config is not None or not deterministic or softcap or not listed("det_copies"):
+        return config
+    choose = getattr(host, "det_copies_config", None)
+    if choose is None:
+        return None
+    masked = bool(causal) or left is not None or right is not None
+    return choose(q.shape[-1], masked, v.shape[-1])
 
 
 def used_rows(seqused_q=None) -> dict:

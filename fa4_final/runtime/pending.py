@@ -41,7 +41,11 @@ the gate at all. Then repeated_decode, a replacement of the verified decode path
 (Note [A repeated decode call]) that chose rather than refused, as lse_fold did: its GPU tests
 (bit for bit the whole path, new values against float64, a capture in a CUDA graph) passed on
 an H100 with the rest of the decode API's suite; the public functions still ask ``listed`` for
-it, so a row put back gates it again. No row waits now.
+it, so a row put back gates it again.
+
+Waiting now: det_copies, a replacement of the deterministic backward's config at D = 64 and
+128 (hopper_bwd_det_copies, chosen in runtime.dispatch): without FA4_FINAL_PENDING a
+deterministic call runs the verified config exactly as before.
 """
 
 from __future__ import annotations
@@ -55,7 +59,12 @@ from fa4_final.runtime.checks import check_dlse, check_learnable_sink, check_sof
 ENV = "FA4_FINAL_PENDING"
 
 # name -> why it waits (what has been checked, what has not)
-PENDING: dict[str, str] = {}
+PENDING: dict[str, str] = {
+    "det_copies": "the deterministic backward at D = 64 and 128 with dQ accumulator copies "
+                  "(hopper_bwd_det_copies): its kernels passed float64, bitwise and sanitizer "
+                  "tests through config= on an H100; the deterministic suites through the "
+                  "call have not run with it",
+}
 
 
 def allowed() -> frozenset[str]:
