@@ -767,3 +767,82 @@ def _bench_det_price(res):
     over = {(d, s, c) for _p, d, s, c, *_x, dr, _dsp in rows if dr > 1.1}
     ok = len(rows) == 8 and over == {(128, 4096, False), (64, 4096, False)}
     return ok, _bench_text(rows, 7)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accumulator copies on the overlapped two-buffer kernel (Note [dQ copies]): the H100 runs
+
+COPIES_RUNS = {(64, "back to back"): "bwd_phases_det_copies_overlap64",
+               (64, "flush"): "bwd_phases_det_copies_overlap64_flush",
+               (128, "back to back"): "bwd_phases_det_copies_overlap128",
+               (128, "flush"): "bwd_phases_det_copies_overlap128_flush"}
+COPIES_IMPLS = {64: {1: "fa4_final_deterministic", 2: "fa4_final_det_c2_overlap",
+                     4: "fa4_final_det_c4_overlap"},
+                128: {1: "fa4_final_deterministic", 2: "fa4_final_det_c2_overlap64",
+                      4: "fa4_final_det_c4_overlap64"}}
+
+
+def copies_rows() -> list[tuple]:
+    """(mode, d, s, causal, {copies: (over the default, spread)}, the package's choice) per
+    stored shape: 1 is the deterministic default (one accumulator), 2 and 4 the copies; the
+    choice is hopper_bwd_det_copies' (None: one copy)."""
+    from fa4_final.hopper.config import hopper_bwd_det_copies
+
+    out = []
+    for (d, mode), res in _each_stored(COPIES_RUNS.items()):
+        rows = _total_rows(res)
+        for (impl, dd, s, c), base in sorted(rows.items()):
+            if impl != "fa4_final" or dd != d:
+                continue
+            got = {}
+            for n, name in COPIES_IMPLS[d].items():
+                r = rows.get((name, d, s, c))
+                if r:
+                    got[n] = (r["value"] / base["value"],
+                              max(r.get("spread") or 0, base.get("spread") or 0))
+            cfg = hopper_bwd_det_copies(d, c)
+            out.append((mode, d, s, c, got, 1 if cfg is None else cfg.dq_copies))
+    return out
+
+
+def copies_lines() -> list[str]:
+    lines = ["deterministic over the default, whole backward (spread); copies 1 is today's "
+             "deterministic call, * the copies hopper_bwd_det_copies picks:"]
+    for mode, d, s, c, got, pick in copies_rows():
+        cells = "  ".join(f"{n} {'*' if n == pick else ' '}{r:.3f} ({sp:.1%})"
+                          for n, (r, sp) in sorted(got.items()))
+        lines.append(f"  {mode:12s} {_shape(d, s, c)} {cells}")
+    return lines
+
+
+def copies_ratio(d: int, s: int, causal: bool, copies: int, mode: str = "back to back"):
+    for m, dd, ss, c, got, _pick in copies_rows():
+        if (m, dd, ss, c) == (mode, d, s, causal) and copies in got:
+            return got[copies][0]
+    return None
+
+
+@claim("HB.copies_pick_within_a_tenth", "bwd_phases_det_copies_overlap64",
+       "with the copies hopper_bwd_det_copies picks per shape, the deterministic backward "
+       "takes less than 1.1x the default's time at all eight shapes in both runs, where one "
+       "accumulator takes more at D = 64 and 128, S = 4096 dense", gpu=GPU)
+def _copies_pick(res):
+    rows = copies_rows()
+    picked = [(m, d, s, c, got[pick][0]) for m, d, s, c, got, pick in rows if pick in got]
+    one = {(m, d, s, c): got[1][0] for m, d, s, c, got, _p in rows if 1 in got}
+    ok = (len(picked) == 16 and all(r < 1.1 for *_k, r in picked)
+          and all(one.get((m, d, 4096, False), 0) > 1.1 for m in ("back to back", "flush")
+                  for d in (64, 128)))
+    worst = max(picked, key=lambda t: t[-1]) if picked else None
+    return ok, f"{len(picked)} shapes; the largest with the pick {worst}"
+
+
+@claim("HB.four_copies_slow_d128_causal", "bwd_phases_det_copies_overlap128",
+       "at D = 128 with a causal diagonal, four copies take more than 1.5x the default's time "
+       "in both runs, two copies within 1% of one accumulator", gpu=GPU)
+def _four_copies_d128_causal(res):
+    rows = [(m, got) for m, d, s, c, got, _p in copies_rows() if d == 128 and c]
+    ok = len(rows) == 4 and all(got[4][0] > 1.5 and abs(got[2][0] / got[1][0] - 1) < 0.01
+                                for _m, got in rows)
+    return ok, "; ".join(f"{m}: 4 copies {got[4][0]:.3f}, 2 {got[2][0]:.3f}, 1 {got[1][0]:.3f}"
+                         for m, got in rows)
