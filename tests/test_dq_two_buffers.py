@@ -86,6 +86,17 @@ def test_adds_overlap_refuses_what_it_is_not_built_for(bad):
         cfg.check(128)
 
 
+def _clean_with_the_mma_code_of(arts, other) -> None:
+    """No spill in any of the build's kernels, and its main kernel has ``other``'s registers
+    and its counts of wgmma, 16-byte shared stores and shared loads."""
+    for art in arts.values():
+        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
+    main = arts["main"]
+    assert main.registers == other.registers
+    for op in ("HGMMA", "STS.128", "LDS"):
+        assert main.count(op, where="sass") == other.count(op, where="sass"), op
+
+
 def _dq_warp_order(ptx: str) -> list[str]:
     """The dQ warp's protocol instructions in PTX order (turn loads, bulk adds, completion waits,
     fences, turn passes)."""
@@ -112,11 +123,7 @@ def test_adds_overlap_compiles_clean_with_a_dq_warp_per_buffer(head_dim, causal,
                                                  replace(cfg, dq_adds_overlap=False), True,
                                                  varlen=varlen))["main"]
     main = arts["main"]
-    for art in arts.values():
-        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
-    assert main.registers == one_warp.registers
-    for op in ("HGMMA", "STS.128", "LDS"):
-        assert main.count(op, where="sass") == one_warp.count(op, where="sass"), op
+    _clean_with_the_mma_code_of(arts, one_warp)
     cycle = ["ld.acquire.gpu", "ld.acquire.gpu", "cp.reduce.async.bulk",
              "cp.reduce.async.bulk", "cp.async.bulk.wait_group 0", "fence.acq_rel.gpu",
              "red.release.gpu"]
@@ -155,11 +162,7 @@ def test_copies_with_two_buffers_compile_clean(head_dim, causal, varlen):
     one = compile_artifacts(backward_recipe(head_dim, "bf16", causal, base, True,
                                             varlen=varlen))["main"]
     main = arts["main"]
-    for art in arts.values():
-        assert art.spills == 0 and art.frame_bytes == 0, art.resources()
-    assert main.registers == one.registers
-    for op in ("HGMMA", "STS.128", "LDS"):
-        assert main.count(op, where="sass") == one.count(op, where="sass"), op
+    _clean_with_the_mma_code_of(arts, one)
     assert _turn_protocol(main.ptx) == _turn_protocol(one.ptx)
     stores = re.findall(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group(?!\.)", main.ptx)
     assert len(stores) >= 2, "no plain bulk store for a copy's first visitor"
