@@ -243,8 +243,10 @@ DECODE_KERNEL = ("fa4_final_decode", "fa4_final_decode_paged", "fa4_final_decode
 #   n128s2: the default's tile with two stages (145 KB, one CTA): fewer bytes in flight
 #   split2: the default config, twice the heuristic's split count (more CTAs at small grids)
 #   split3, split5: three and five times it: at batch 128 (no split) the 1,024 CTAs of GQA 32/8
-#          fill 7.76 waves of 132 SMs, and 5 splits would fill 38.8 (a hypothesis: the
-#          last wave's idle SMs are the 3% the call trails the FA4 package by there)
+#          fill 7.76 waves of 132 SMs, and 5 splits would fill 38.8. The hypothesis that the
+#          last wave's idle SMs are what the call trails the FA4 package by there did not hold
+#          on an H100 (results/h100/decode_b128_splits.json): 2 to 5 splits within 1% of the
+#          call at one token, slower at 16 tokens
 #   wg2:   the default tile and stages with two consumer warpgroups, 128 packed rows a CTA
 #          (Note [Two consumer warpgroups]): one CTA reads each K/V tile for 128 rows where the
 #          default takes two; the split heuristic counts its CTAs at tile_m = 128. Only

@@ -76,7 +76,7 @@ The package's calls (combine_choice) load the first pass early (prefetch) and ta
 4 for at most 4 splits, 16 for more: one pass up to 16 splits. Measured on an H100 in one run
 (batch 1, GQA 32/8, D = 128, steps replayed from CUDA graphs; the plain combine, 8 and 16
 plain, 4 and 16 early): at 1k keys (4 splits) 4 early gave the fastest step, at 8k and 128k
-keys (16 and 128 splits) 16 early did or was within the spread of the fastest, and at 8k keys
+keys (16 splits) 16 early did or was within the spread of the fastest, and at 8k keys
 and one token the combine kernel alone took about 3.1 us where the plain one took 5.3. At 4
 splits 16 early loads no more partials than 4 early (only splits below num_splits) and was
 still slower; a hypothesis: its 168 registers a thread against 64, and 16 weights read a pass.

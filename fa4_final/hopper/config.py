@@ -261,8 +261,9 @@ class HopperBwdConfig:
     # into dQ accumulator copy n % dq_copies, turns only among the key tiles of one copy,
     # bwd_post sums the copies in a fixed order; 1 = one accumulator, the default. Checked
     # on an H100 (float64, bitwise over runs) and timed there: at D = 128 no faster than one
-    # accumulator (Note [dQ copies]), so reachable through config= only; with dq_buffers = 2
-    # and dq_adds_overlap too, compiled and checked on the CPU, not yet run on a GPU
+    # accumulator (Note [dQ copies]); with dq_buffers = 2 and dq_adds_overlap (checked and
+    # timed on an H100) the deterministic price falls below a tenth where one accumulator's
+    # does not: hopper_bwd_det_copies, behind the gate det_copies (Note [Pending features])
     dq_copies: int = 1
     # deterministic only: the dQ warp hands its staging buffer back once the bulk add has read
     # it, and passes the turn when the add has completed (Note [dQ copies])
