@@ -790,16 +790,12 @@ def copies_rows() -> list[tuple]:
 
     out = []
     for (d, mode), res in _each_stored(COPIES_RUNS.items()):
-        rows = _total_rows(res)
-        for (impl, dd, s, c), base in sorted(rows.items()):
-            if impl != "fa4_final" or dd != d:
-                continue
-            got = {}
-            for n, name in COPIES_IMPLS[d].items():
-                r = rows.get((name, d, s, c))
-                if r:
-                    got[n] = (r["value"] / base["value"],
-                              max(r.get("spread") or 0, base.get("spread") or 0))
+        shapes: dict = {}
+        for n, name in COPIES_IMPLS[d].items():
+            for dd, s, c, r, sp in _ratio_pairs(res, name, "fa4_final"):
+                if dd == d:
+                    shapes.setdefault((s, c), {})[n] = (r, sp)
+        for (s, c), got in sorted(shapes.items()):
             cfg = hopper_bwd_det_copies(d, c)
             out.append((mode, d, s, c, got, 1 if cfg is None else cfg.dq_copies))
     return out

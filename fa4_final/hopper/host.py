@@ -339,11 +339,9 @@ def timeline_buffer(device, cfg: HopperFwdConfig) -> torch.Tensor:
 # the backward
 
 
-def det_copies_config(head_dim: int, masked: bool,
-                      head_dim_v: int | None = None) -> HopperBwdConfig | None:
-    """The deterministic config with accumulator copies for a call's shape
-    (hopper_bwd_det_copies), or None where the deterministic default stays."""
-    return hopper_bwd_det_copies(head_dim, masked, head_dim_v)
+# the deterministic config with accumulator copies for a call's shape, or None where the
+# deterministic default stays: the hook runtime.dispatch asks a host for (det_copies)
+det_copies_config = hopper_bwd_det_copies
 
 
 def backward_config(head_dim: int, causal: bool, deterministic: bool,
